@@ -1,0 +1,82 @@
+"""Command line: `specdecode generate ...`, `specdecode bench latency ...`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import SpecDecodeError
+from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_TARGET
+
+LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET,
+                   help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
+    p.add_argument("--draft", default=None,
+                   help=f"draft model (default {DEFAULT_DRAFT} when --model is the default target)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="draft LM head keeps this many lowest token ids + special tokens (0 = full vocabulary)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
+    gen.add_argument("prompt")
+    _add_model_args(gen)
+    gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain decoding on the same engine; print speedup and predicted speedup")
+    gen.add_argument("--forced-accept", action="store_true", help="upper-bound measurement (lossy)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    lat = bench_sub.add_parser("latency", help="HumanEval, batch size 1: plain vs draft model vs n-gram")
+    _add_model_args(lat)
+    lat.add_argument("-k", "--ks", type=int, nargs="+", default=[2, 4, 6])
+    lat.add_argument("--num-prompts", type=int, default=5)
+    lat.add_argument("--max-tokens", type=int, default=128)
+    lat.add_argument("--no-ngram", action="store_true")
+    lat.add_argument("--out", default="results/latency.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from .generate_cmd import run_generate
+
+            return run_generate(args)
+        from .bench.latency import run_latency_cli
+
+        return run_latency_cli(args)
+    except SpecDecodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def default_draft(args) -> str | None:
+    if args.draft:
+        return args.draft
+    return DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

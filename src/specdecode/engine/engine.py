@@ -1,0 +1,185 @@
+"""The engine loop: admit requests (prefill), then per step draft -> verify in one target forward ->
+accept/reject -> commit (KV pointers move) -> emit, for every running sequence at once."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpecDecodeError
+from ..kv_cache import KVCache
+from ..metrics import SpecCounters, StepTimer
+from ..models.runtime import ForwardBatch, Transformer
+from ..models.tokenizer import Tokenizer
+from ..proposers.base import DraftBatch, Proposer
+from ..sampling import SamplingParams, logits_to_probs
+from ..verify.rejection_sampler import VerifyResult, greedy_verify, rejection_sample
+from .sequence import Sequence
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0, max_num_seqs: int = 8, max_model_len: int = 4096,
+                 forced_accept: bool = False, timer: StepTimer | None = None):
+        if num_speculative_tokens < 0:
+            raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
+        self.k = num_speculative_tokens if proposer is not None else 0
+        self.max_model_len = min(max_model_len, model.cfg.max_position)
+        self.cache = KVCache(model.cfg, max_num_seqs, self.max_model_len, model.dtype, model.device)
+        self.forced_accept = forced_accept
+        self.timer = timer or StepTimer()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.totals = SpecCounters()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise SpecDecodeError("the prompt is empty; pass at least one token of text")
+        if len(prompt_ids) >= self.max_model_len:
+            raise SpecDecodeError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}; "
+                "shorten the prompt or raise max_model_len")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        seq = Sequence(list(prompt_ids), params, generator)
+        seq.metrics.num_prompt_tokens = len(prompt_ids)
+        seq.metrics.forced_accept = self.forced_accept and self.k > 0
+        self.waiting.append(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Sequence]:
+        """Admit what fits, run one decoding step; return the sequences that finished."""
+        self._admit()
+        decoding = [s for s in self.running if not s.finished]
+        if decoding:
+            self._decode_step(decoding)
+        done = [s for s in self.running if s.finished]
+        for seq in done:
+            self._release(seq)
+        self.running = [s for s in self.running if not s.finished]
+        return done
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self._release(seq)
+            self.running.remove(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def _release(self, seq: Sequence) -> None:
+        seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
+        self.cache.free(seq.slot)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+        self.totals.merge(seq.metrics.spec)
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and self.cache.num_free:
+            seq = self.waiting.popleft()
+            seq.slot = self.cache.allocate()
+            self.running.append(seq)
+            logits = self._target_forward([seq.slot], [seq.prompt_ids], logits="last")
+            self.cache.lengths[seq.slot] = len(seq.prompt_ids)
+            self._emit(seq, [self._sample_one(logits[0], seq)])
+
+    def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
+        if seq.params.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(logits_to_probs(logits[None], seq.params)[0], 1, generator=seq.generator))
+
+    # ---- decode: draft, verify, commit ---------------------------------------------------------------
+    def _decode_step(self, seqs: list[Sequence]) -> None:
+        ks = [self._draft_budget(seq) for seq in seqs]
+        if self.proposer is not None and any(ks):
+            drafts = self.proposer.propose(seqs, ks)
+        else:
+            drafts = DraftBatch([[] for _ in seqs], [None] * len(seqs))
+        inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
+        starts = [seq.num_tokens - 1 for seq in seqs]
+        with self.timer.time_target():
+            logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
+        results = self._verify(seqs, drafts, logits)
+        for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
+            committed = start + 1 + result.num_accepted[0]  # pending token + accepted drafts are now cached
+            self.cache.lengths[seq.slot] = committed  # rejected drafts' KV stays behind the pointer
+            if self.proposer is not None:
+                self.proposer.commit(seq, committed)
+            seq.metrics.spec.record_step(n_draft, result.num_accepted[0], len(result.tokens[0]))
+            self._emit(seq, result.tokens[0])
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """k, capped so that emitted tokens fit max_tokens and the verified tokens fit the context."""
+        return max(0, min(self.k, seq.remaining_tokens - 1, self.max_model_len - seq.num_tokens))
+
+    def _verify(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor) -> list[VerifyResult]:
+        """Split the flat verify logits per sequence and accept/reject each sequence's drafts."""
+        results, row = [], 0
+        for seq, tokens, q in zip(seqs, drafts.tokens, drafts.probs):
+            n = len(tokens)
+            seq_logits = logits[row:row + n + 1]
+            row += n + 1
+            draft = torch.tensor([tokens], dtype=torch.long, device=logits.device)
+            if self.forced_accept:
+                bonus = self._sample_one(seq_logits[n], seq)
+                results.append(VerifyResult([n], [tokens + [bonus]]))
+            elif seq.params.greedy:
+                results.append(greedy_verify(draft, [n], seq_logits.argmax(-1)[None]))
+            else:
+                p = logits_to_probs(seq_logits, seq.params)[None]
+                q = None if q is None else _match_vocab(q, p.shape[-1])[None]
+                results.append(rejection_sample(draft, [n], p, q, seq.generator))
+        return results
+
+    # ---- shared pieces --------------------------------------------------------------------------------
+    def _target_forward(self, slots: list[int], inputs: list[list[int]], logits: str) -> torch.Tensor:
+        starts, lengths = [self.cache.lengths[s] for s in slots], [len(t) for t in inputs]
+        width = max(lengths)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=self.model.device)
+        batch = ForwardBatch.build(slots, starts, lengths, self.max_model_len, self.model.device, logits=logits)
+        return self.model(padded, batch, self.cache)
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append tokens one by one; EOS, a stop string, max_tokens or the context end stop the sequence
+        and drop whatever follows inside the chunk."""
+        m, stopped_by_string = seq.metrics, False
+        for token in tokens:
+            seq.output_ids.append(token)
+            m.num_output_tokens += 1
+            if m.first_token_time is None:
+                m.first_token_time = time.perf_counter()
+            if token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+            elif seq.params.stop_strings and self._hit_stop_string(seq):
+                seq.finish_reason, stopped_by_string = "stop", True
+            elif seq.remaining_tokens <= 0 or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finished:
+                m.finish_time = time.perf_counter()
+                break
+        if not stopped_by_string:
+            seq.text = self.tokenizer.decode(seq.output_ids)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        """On a hit, the text is cut before the stop string (it is not part of the output)."""
+        text = self.tokenizer.decode(seq.output_ids)
+        hits = [i for i in (text.find(s) for s in seq.params.stop_strings) if i >= 0]
+        if hits:
+            seq.text = text[:min(hits)]
+        return bool(hits)
+
+
+def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft and target embedding tables may be padded differently; q must cover the target's rows."""
+    if q.shape[-1] == vocab:
+        return q
+    return F.pad(q, (0, vocab - q.shape[-1])) if q.shape[-1] < vocab else q[..., :vocab]

@@ -1,0 +1,109 @@
+"""`specdecode generate`: one generation with its statistics; --compare adds plain decoding beside it."""
+from __future__ import annotations
+
+import time
+
+from .cli import LOSSY_NOTE, default_draft
+from .engine.llm import LLM, RequestOutput
+from .errors import SpecDecodeError
+from .metrics import expected_speedup
+from .sampling import SamplingParams
+
+
+def validate_args(args) -> SamplingParams:
+    """Fail fast, before loading gigabytes of weights."""
+    if not args.prompt.strip():
+        raise SpecDecodeError("the prompt is empty; pass some text to continue")
+    if args.k < 0:
+        raise SpecDecodeError(f"-k must be >= 0 (0 = plain decoding), got {args.k}")
+    if args.ngram and args.draft:
+        raise SpecDecodeError("choose one proposer: --draft MODEL or --ngram, not both")
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+
+
+def run_generate(args) -> int:
+    params = validate_args(args)
+    proposer = "ngram" if args.ngram else default_draft(args)
+    llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
+              draft_vocab_size=args.draft_vocab_size or None)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    if args.compare:
+        _warm_up(llm, prompt)
+    spec = _timed(llm, prompt, params)
+    print(spec.output.outputs[0].text)
+    label = f"{'n-gram' if args.ngram else proposer}, k={llm.engine.k}" if proposer else "none"
+    print(f"\n== speculative decoding (proposer: {label}) ==")
+    _print_stats(spec)
+    if args.forced_accept:
+        print(f"NOTE {LOSSY_NOTE}")
+    if args.compare:
+        plain = _timed(llm, prompt, params, k=0)
+        print("\n== plain decoding (same engine, k=0) ==")
+        _print_stats(plain)
+        _print_comparison(llm, spec, plain, params)
+    return 0
+
+
+class _Run:
+    def __init__(self, output: RequestOutput, seconds: float, target_step: float | None, draft_step: float | None,
+                 draft_calls: int):
+        self.output, self.seconds = output, seconds
+        self.target_step, self.draft_step, self.draft_calls = target_step, draft_step, draft_calls
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output.outputs[0].token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def _timed(llm: LLM, prompt: str, params: SamplingParams, k: int | None = None) -> _Run:
+    saved_k = llm.engine.k
+    llm.engine.k = saved_k if k is None else k
+    llm.timer.__init__()
+    start = time.perf_counter()
+    out = llm.generate(prompt, params)[0]
+    seconds = time.perf_counter() - start
+    llm.engine.k = saved_k
+    return _Run(out, seconds, llm.timer.target_step_s, llm.timer.draft_step_s, llm.timer.draft_calls)
+
+
+def _warm_up(llm: LLM, prompt: str) -> None:
+    """First calls pay for kernel selection and allocation; keep that out of both timings."""
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4))
+
+
+def _print_stats(run: _Run) -> None:
+    m = run.output.spec
+    print(f"tokens: {run.num_tokens}   time: {run.seconds:.2f} s   tokens/s: {run.tokens_per_s:.2f}   "
+          f"TTFT: {m['ttft_s']:.3f} s   TPOT: {(m['tpot_s'] or 0) * 1000:.1f} ms")
+    print(f"target forwards: {m['num_steps'] + 1} (1 prefill)   draft forwards: {run.draft_calls}")
+    if m["num_draft_tokens"]:
+        per_pos = " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])
+        print(f"drafted: {m['num_draft_tokens']}   accepted: {m['num_accepted_tokens']}   "
+              f"acceptance rate α: {m['acceptance_rate']:.3f}   mean accepted length τ: "
+              f"{m['mean_accepted_length']:.2f}   α per position: {per_pos}")
+
+
+def _print_comparison(llm: LLM, spec: _Run, plain: _Run, params: SamplingParams) -> None:
+    speedup = spec.tokens_per_s / plain.tokens_per_s
+    print("\n== comparison ==")
+    line = f"speedup: {speedup:.2f}x ({spec.tokens_per_s:.2f} vs {plain.tokens_per_s:.2f} tokens/s)"
+    alpha, k = spec.output.spec["acceptance_rate"], llm.engine.k
+    if alpha is not None and spec.draft_step and plain.target_step:
+        c = spec.draft_step / plain.target_step
+        predicted = expected_speedup(alpha, k, c)
+        line += (f"   cost ratio c = draft step / target step: {c:.3f}   "
+                 f"Leviathan-predicted speedup (α={alpha:.3f}, k={k}, c={c:.3f}): {predicted:.2f}x "
+                 f"(measured = {speedup / predicted:.0%} of predicted)")
+    elif alpha is not None:
+        line += f"   (n-gram proposer: c ≈ 0, predicted speedup {expected_speedup(alpha, k, 0.0):.2f}x)"
+    print(line)
+    if params.greedy:
+        same = spec.output.outputs[0].token_ids == plain.output.outputs[0].token_ids
+        print(f"greedy outputs identical to plain decoding: {'yes' if same else 'NO'}")

@@ -1,0 +1,53 @@
+"""Preallocated KV cache. Each sequence owns a slot; its cached length is a pointer, so rolling back
+rejected draft tokens is moving that pointer back (the stale entries are simply overwritten later)."""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .errors import SpecDecodeError
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device):
+        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.dim_per_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.max_len = max_len
+        self.num_slots = num_slots
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise SpecDecodeError(f"all {self.num_slots} KV-cache slots are in use; wait for a request to finish")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll back: forget everything past `length` (no copy)."""
+        assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        self.lengths[slot] = length
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v [B, Hkv, T, D] at `positions` [B, T] of each sequence's slot."""
+        index = (slots[:, None, None], torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None, :])
+        self.k[layer][index] = k
+        self.v[layer][index] = v
+
+    def read(self, layer: int, slot_index, kv_len: int):
+        """Keys/values [B, Hkv, kv_len, D] of the batch's slots (a view when the slots are contiguous)."""
+        return self.k[layer][slot_index, :, :kv_len], self.v[layer][slot_index, :, :kv_len]

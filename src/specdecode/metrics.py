@@ -1,0 +1,151 @@
+"""Speculation and latency metrics, per request and aggregated. Terms follow DESIGN.md:
+α = accepted / drafted, τ = tokens emitted per verification step (bonus/recovered token included)."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.: (1 - α^(k+1)) / ((1 - α)(k·c + 1)), for cost ratio c = draft step / target step."""
+    if k == 0:
+        return 1.0
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+@dataclass
+class SpecCounters:
+    """Counters that add up across requests."""
+
+    num_steps: int = 0  # target forward passes while decoding (verification or plain decode)
+    num_spec_steps: int = 0  # of which had at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens produced by decoding steps (accepted + recovered/bonus)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_step(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_steps += 1
+        self.num_spec_steps += num_draft > 0
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        self._cover_positions(num_draft)
+        for i in range(num_draft):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    def merge(self, other: "SpecCounters") -> None:
+        self._cover_positions(len(other.drafted_per_position))
+        for i, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
+            self.drafted_per_position[i] += d
+            self.accepted_per_position[i] += a
+        self.num_steps += other.num_steps
+        self.num_spec_steps += other.num_spec_steps
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+
+    def _cover_positions(self, k: int) -> None:
+        grow = k - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """τ over speculative steps: accepted drafts + 1 per step."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    spec: SpecCounters = field(default_factory=SpecCounters)
+    forced_accept: bool = False  # lossy upper-bound run: every draft token was accepted
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.num_output_tokens / max(self.finish_time - self.arrival_time, 1e-9)
+
+    def as_dict(self) -> dict:
+        s = self.spec
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+            "ttft_s": self.ttft, "tpot_s": self.tpot, "tokens_per_s": self.tokens_per_s,
+            "num_steps": s.num_steps, "num_spec_steps": s.num_spec_steps,
+            "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
+            "acceptance_per_position": s.acceptance_per_position, "forced_accept": self.forced_accept,
+        }
+
+
+@dataclass
+class StepTimer:
+    """Wall time and call counts of the target and draft forward passes (for the cost ratio c)."""
+
+    target_time: float = 0.0
+    target_calls: int = 0
+    draft_time: float = 0.0
+    draft_calls: int = 0
+
+    @contextmanager
+    def time_target(self):
+        start = _now()
+        yield
+        self.target_time += _now() - start
+        self.target_calls += 1
+
+    @contextmanager
+    def time_draft(self):
+        start = _now()
+        yield
+        self.draft_time += _now() - start
+        self.draft_calls += 1
+
+    @property
+    def target_step_s(self) -> float | None:
+        return self.target_time / self.target_calls if self.target_calls else None
+
+    @property
+    def draft_step_s(self) -> float | None:
+        return self.draft_time / self.draft_calls if self.draft_calls else None
+
+
+def _now() -> float:
+    """Wall clock after the accelerator has finished queued work, so phases are timed honestly."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()

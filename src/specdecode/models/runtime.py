@@ -1,0 +1,211 @@
+"""Decoder-only transformer for the Llama/Qwen2 family in plain PyTorch.
+
+One `forward` serves prefill, single-token decode and multi-token verification: the input is a
+batch of sequences, each with its own cache slot, start position and number of new tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    """Attention metadata for one forward call (built once, read by every layer)."""
+
+    slots: torch.Tensor  # [B] cache slot of each sequence
+    slot_index: slice | torch.Tensor  # the same, as a slice when contiguous (reads are then views)
+    positions: torch.Tensor  # [B, T] absolute position of every input token
+    kv_len: int  # keys to attend over: max(start + new tokens)
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, None when plain causal-free decode
+    logit_rows: torch.Tensor | None  # flat rows of the [B*T] outputs that need logits (None: all)
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], num_new: list[int], max_len: int, device,
+              logits: str = "last") -> "ForwardBatch":
+        """`logits`: "last" (last new token of each sequence) or "all" (every valid new token)."""
+        batch, width = len(slots), max(num_new)
+        start_t = torch.tensor(starts, device=device)
+        positions = (start_t[:, None] + torch.arange(width, device=device)[None, :]).clamp_(max=max_len - 1)
+        kv_len = max(s + n for s, n in zip(starts, num_new))
+        if batch == 1 and width == 1:
+            mask = None  # one query sees every cached key
+        else:
+            mask = (torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+        if logits == "last":
+            rows = [b * width + n - 1 for b, n in enumerate(num_new)]
+        else:
+            rows = [b * width + i for b, n in enumerate(num_new) for i in range(n)]
+        logit_rows = None if len(rows) == batch * width else torch.tensor(rows, device=device)
+        slots_t = torch.tensor(slots, device=device)
+        contiguous = slots == list(range(slots[0], slots[0] + batch))
+        slot_index = slice(slots[0], slots[0] + batch) if contiguous else slots_t
+        return cls(slots_t, slot_index, positions, kv_len, mask, logit_rows)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style rotary embedding (halves rotated); GGUF llama weights are un-permuted to match."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
+        bsz, width, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        cache.write(self.layer, batch.slots, batch.positions, k, v)
+        keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, batch, cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta)
+        # Token ids of the logits' columns when the LM head is restricted to a vocabulary subset.
+        self.vocab_ids: torch.Tensor | None = None
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """tokens [B, T] -> float32 logits [rows, vocab] for `batch.logit_rows` (row-major over B, T)."""
+        x = self.embed_tokens(tokens)
+        rope = self.rotary(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, batch, cache)
+        x = x.reshape(-1, x.shape[-1])
+        if batch.logit_rows is not None:
+            x = x.index_select(0, batch.logit_rows)
+        return self.lm_head(self.norm(x)).float()
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model)."""
+        token_ids = token_ids.to(self.device)
+        self.lm_head = nn.Linear(self.cfg.hidden_size, len(token_ids), bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(self._full_lm_head_weight.index_select(0, token_ids), requires_grad=False)
+        self.vocab_ids = token_ids
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in Hugging Face Llama/Qwen2 checkpoints (q/k/v and gate/up are fused here)."""
+        self.load_state_dict(fuse_hf_weights(self.cfg, tensors), assign=True, strict=True)
+        if self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._full_lm_head_weight = self.lm_head.weight
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+
+def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+        "norm.weight": tensors["model.norm.weight"],
+        "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]),
+    }
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([tensors[attn + f"{p}_proj.weight"] for p in "qkv"])
+        if cfg.qkv_bias:
+            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([tensors[attn + f"{p}_proj.bias"] for p in "qkv"])
+        out[dst + "self_attn.o_proj.weight"] = tensors[attn + "o_proj.weight"]
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [tensors[src + "mlp.gate_proj.weight"], tensors[src + "mlp.up_proj.weight"]])
+        out[dst + "mlp.down_proj.weight"] = tensors[src + "mlp.down_proj.weight"]
+        out[dst + "input_layernorm.weight"] = tensors[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = tensors[src + "post_attention_layernorm.weight"]
+    return out
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
+    """Create the model without initialising random weights, then assign the given ones."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tensors = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+    model.load_hf_state_dict(tensors)
+    model.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta).to(device)
+    return model.eval()

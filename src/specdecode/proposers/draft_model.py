@@ -1,0 +1,75 @@
+"""A small draft model proposes k tokens autoregressively, keeping its own KV cache in step with the
+accepted text. Tokens it has not seen yet (the last emitted token, a bonus token, or a stretch decoded
+without speculation) are fed in its first forward, so its cache catches up lazily."""
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import KVCache
+from ..metrics import StepTimer
+from ..models.runtime import ForwardBatch, Transformer
+from ..sampling import logits_to_probs
+from .base import DraftBatch
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model: Transformer, max_slots: int, max_len: int, timer: StepTimer | None = None):
+        self.model = model
+        self.cache = KVCache(model.cfg, max_slots, max_len, model.dtype, model.device)
+        self.timer = timer or StepTimer()
+
+    def propose(self, seqs, ks: list[int]) -> DraftBatch:
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        for i in active:
+            if seqs[i].draft_state is None:
+                seqs[i].draft_state = self.cache.allocate()
+        for step in range(max((ks[i] for i in active), default=0)):
+            rows = [i for i in active if ks[i] > step]
+            if step == 0:  # catch up on everything the draft has not seen, then draft the first token
+                inputs = [seqs[i].token_ids[self.cache.lengths[seqs[i].draft_state]:] for i in rows]
+            else:
+                inputs = [[tokens[i][-1]] for i in rows]
+            logits = self._forward([seqs[i].draft_state for i in rows], inputs)
+            for row, i in enumerate(rows):
+                token, q = self._sample(logits[row], seqs[i])
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+        return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
+
+    def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
+        starts, lengths = [self.cache.lengths[s] for s in slots], [len(t) for t in inputs]
+        width = max(lengths)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=self.model.device)
+        batch = ForwardBatch.build(slots, starts, lengths, self.cache.max_len, self.model.device, logits="last")
+        with self.timer.time_draft():
+            logits = self.model(padded, batch, self.cache)
+        for slot, n in zip(slots, lengths):
+            self.cache.lengths[slot] += n
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seq) -> tuple[int, torch.Tensor | None]:
+        """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification."""
+        vocab_ids = self.model.vocab_ids
+        if seq.params.greedy:
+            best = int(logits.argmax())
+            return (best if vocab_ids is None else int(vocab_ids[best])), None
+        if vocab_ids is not None:  # back to the full vocabulary; tokens outside the subset get q = 0
+            full = torch.full((self.model.cfg.vocab_size,), float("-inf"), device=logits.device)
+            logits = full.index_copy_(0, vocab_ids, logits)
+        q = logits_to_probs(logits[None], seq.params)[0]
+        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+    def commit(self, seq, num_valid_tokens: int) -> None:
+        slot = seq.draft_state
+        if slot is not None:
+            self.cache.truncate(slot, min(self.cache.lengths[slot], num_valid_tokens))
+
+    def release(self, seq) -> None:
+        if seq.draft_state is not None:
+            self.cache.free(seq.draft_state)
+            seq.draft_state = None

@@ -1,0 +1,32 @@
+"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the last n tokens."""
+from __future__ import annotations
+
+from .base import DraftBatch
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("n-gram sizes need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, seqs, ks: list[int]) -> DraftBatch:
+        tokens = [self.lookup(seq.token_ids, k) if k > 0 else [] for seq, k in zip(seqs, ks)]
+        return DraftBatch(tokens, [None] * len(seqs))
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        """Longest n first; the most recent match wins (it reflects the current context best)."""
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            tail = ids[-n:]
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start:start + n] == tail:
+                    return ids[start + n:start + n + k]
+        return []
+
+    def commit(self, seq, num_valid_tokens: int) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass

@@ -1,0 +1,97 @@
+"""Model-free verification of draft tokens against target probabilities.
+
+Greedy: accept draft tokens while they equal the target's argmax; emit the target's argmax at the
+first mismatch (recovered token) or after the last draft (bonus token).
+
+Stochastic (Leviathan et al. / Chen et al.): accept draft token x with probability min(1, p(x)/q(x));
+on the first rejection emit a sample of norm(max(0, p - q)); when every draft is accepted emit a
+bonus sample of p at the next position. The emitted tokens are then distributed exactly as p.
+A deterministic proposer (n-gram, greedy draft) has a one-hot q.
+
+Layout: drafts padded to [B, K] with per-sequence counts `num_draft` (ragged, 0 allowed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Generators = torch.Generator | list[torch.Generator | None] | None
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: list[int]  # accepted draft tokens per sequence
+    tokens: list[list[int]]  # emitted per sequence: accepted drafts + one recovered/bonus token
+
+
+def greedy_verify(draft_tokens: torch.Tensor, num_draft: list[int], target_argmax: torch.Tensor) -> VerifyResult:
+    """draft_tokens [B, K], target_argmax [B, K+1] (the target's choice after each prefix)."""
+    matches = (draft_tokens == target_argmax[:, :-1]).tolist()
+    argmax = target_argmax.tolist()
+    accepted, tokens = [], []
+    for row, n_draft in enumerate(num_draft):
+        n = 0
+        while n < n_draft and matches[row][n]:
+            n += 1
+        accepted.append(n)
+        tokens.append(draft_tokens[row, :n].tolist() + [argmax[row][n]])
+    return VerifyResult(accepted, tokens)
+
+
+def rejection_sample(draft_tokens: torch.Tensor, num_draft: list[int], target_probs: torch.Tensor,
+                     draft_probs: torch.Tensor | None, generators: Generators = None) -> VerifyResult:
+    """draft_tokens [B, K]; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (one-hot q)."""
+    batch, k = draft_tokens.shape
+    counts = torch.tensor(num_draft, device=draft_tokens.device)
+    in_range = torch.arange(k, device=draft_tokens.device)[None, :] < counts[:, None]
+    safe_tokens = draft_tokens.clamp(min=0)[..., None]
+    p = target_probs[:, :k].gather(-1, safe_tokens).squeeze(-1)
+    q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, safe_tokens).squeeze(-1)
+    u = _uniform((batch, k), generators, draft_tokens.device)
+    accept = accept_draft(u, p, q) & in_range
+    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(batch, device=draft_tokens.device)
+    final = target_probs[rows, num_accepted]  # p at the first rejected position, or the bonus position
+    rejected = num_accepted < counts
+    if rejected.any():
+        at = num_accepted.clamp(max=max(k - 1, 0))
+        if draft_probs is None:
+            q_at = torch.zeros_like(final).scatter_(-1, safe_tokens[rows, at], 1.0)
+        else:
+            q_at = draft_probs[rows, at]
+        residual = residual_distribution(final, q_at)
+        # p == q makes rejection impossible in exact arithmetic; fall back to p if rounding leaves nothing
+        has_mass = residual.sum(-1, keepdim=True) > 0
+        residual = torch.where(has_mass, residual, final)
+        final = torch.where(rejected[:, None], residual, final)
+    extra = _sample_rows(final, generators)
+
+    accepted_list, extra_list = num_accepted.tolist(), extra.tolist()
+    tokens = [draft_tokens[row, :n].tolist() + [extra_list[row]] for row, n in enumerate(accepted_list)]
+    return VerifyResult(accepted_list, tokens)
+
+
+def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Accept with probability min(1, p/q): u <= p/q, written without dividing by q."""
+    return u * q <= p
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalised max(0, p - q): where to resample after a rejection."""
+    return (p - q).clamp(min=0)
+
+
+def _uniform(shape, generators: Generators, device) -> torch.Tensor:
+    if isinstance(generators, list):
+        return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generators]) \
+            if shape[0] else torch.empty(shape, device=device)
+    return torch.rand(shape, generator=generators, device=device)
+
+
+def _sample_rows(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
+    """One token per row of an (unnormalised) probability matrix [B, V]."""
+    if isinstance(generators, list):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in zip(probs, generators)])
+    return torch.multinomial(probs, 1, generator=generators).squeeze(-1)

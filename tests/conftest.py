@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models with a byte-level tokenizer, for fast engine tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.config import ModelConfig
+from specdecode.models.loader import LoadedModel
+from specdecode.models.runtime import build_model
+
+VOCAB = 64
+
+
+class ByteTokenizer:
+    """Token i <-> character chr(32 + i); the last id is EOS. Enough for engine tests."""
+
+    def __init__(self, vocab: int = VOCAB):
+        self.vocab = vocab
+        self.eos_token_ids = frozenset({vocab - 1})
+        self.special_ids = set(self.eos_token_ids)
+        self.vocab_size = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(32 + i): i for i in range(self.vocab)}
+
+    def encode(self, text: str) -> list[int]:
+        return [min(max(ord(ch) - 32, 0), self.vocab - 2) for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(32 + i) for i in ids if i not in self.eos_token_ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def tiny_config(arch: str = "qwen2", vocab: int = VOCAB, layers: int = 2, hidden: int = 64) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_layers=layers, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       max_position=256, qkv_bias=arch == "qwen2", tie_word_embeddings=False)
+
+
+def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[str, torch.Tensor]:
+    """Random weights named like a Hugging Face checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * scale
+
+    d, kv = cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
+    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, cfg.hidden_size) * 6,
+         "model.norm.weight": 1 + rand(cfg.hidden_size),
+         "lm_head.weight": rand(cfg.vocab_size, cfg.hidden_size) * 3}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, cfg.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = rand(kv, cfg.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = rand(kv, cfg.hidden_size)
+        if cfg.qkv_bias:
+            for name, size in (("q", cfg.num_heads * d), ("k", kv), ("v", kv)):
+                w[p + f"self_attn.{name}_proj.bias"] = rand(size)
+        w[p + "self_attn.o_proj.weight"] = rand(cfg.hidden_size, cfg.num_heads * d)
+        w[p + "mlp.gate_proj.weight"] = rand(cfg.intermediate_size, cfg.hidden_size)
+        w[p + "mlp.up_proj.weight"] = rand(cfg.intermediate_size, cfg.hidden_size)
+        w[p + "mlp.down_proj.weight"] = rand(cfg.hidden_size, cfg.intermediate_size)
+        w[p + "input_layernorm.weight"] = 1 + rand(cfg.hidden_size)
+        w[p + "post_attention_layernorm.weight"] = 1 + rand(cfg.hidden_size)
+    return w
+
+
+def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:
+    cfg = tiny_config(arch, **cfg_kwargs)
+    model = build_model(cfg, random_hf_weights(cfg, seed), torch.float32, "cpu")
+    return LoadedModel(f"tiny-{arch}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
+
+
+@pytest.fixture(scope="session")
+def target() -> LoadedModel:
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def random_draft() -> LoadedModel:
+    return tiny_model(seed=123, layers=1)

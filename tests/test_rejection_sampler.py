@@ -1,0 +1,118 @@
+"""The rejection sampler on synthetic tensors: greedy rules, and losslessness checked statistically.
+
+Lossless means: whatever the draft distribution q, every emitted token is distributed as the target's p.
+With 1e5 samples a chi-square test must accept p and reject deliberately broken samplers.
+"""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode.verify import rejection_sampler as rs
+from specdecode.verify.rejection_sampler import greedy_verify, rejection_sample
+
+N = 100_000
+V = 12
+
+
+def test_greedy_accepts_matching_prefix_then_recovers():
+    drafts = torch.tensor([[5, 7, 9, 1]])
+    argmax = torch.tensor([[5, 7, 3, 1, 8]])  # disagrees at position 2
+    out = greedy_verify(drafts, [4], argmax)
+    assert out.num_accepted == [2]
+    assert out.tokens == [[5, 7, 3]]  # accepted drafts + the target's token, nothing after the mismatch
+
+
+def test_greedy_all_accepted_gets_bonus_and_ragged_rows():
+    drafts = torch.tensor([[5, 7, 9], [4, 0, 0], [0, 0, 0]])
+    argmax = torch.tensor([[5, 7, 9, 2], [4, 6, 6, 6], [3, 3, 3, 3]])
+    out = greedy_verify(drafts, [3, 1, 0], argmax)
+    assert out.num_accepted == [3, 1, 0]
+    assert out.tokens == [[5, 7, 9, 2], [4, 6], [3]]
+
+
+def _random_dist(gen, peaky=False):
+    logits = torch.randn(V, generator=gen) * (3.0 if peaky else 1.0)
+    return logits.softmax(-1)
+
+
+def _emitted(p: torch.Tensor, q: torch.Tensor | None, k: int, seed: int = 0):
+    """Run N independent verifications of k drafts; p [k+1, V] per position, q [k, V] or None (one-hot).
+    Returns the emitted tokens of every row and the number accepted."""
+    gen = torch.Generator().manual_seed(seed)
+    if q is None:  # a deterministic proposer: always proposes the same tokens
+        drafts = torch.arange(1, k + 1).repeat(N, 1)
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(q, N, replacement=True, generator=gen).T.contiguous()
+        draft_probs = q.expand(N, k, V)
+    out = rejection_sample(drafts, [k] * N, p.expand(N, k + 1, V), draft_probs, gen)
+    return out
+
+
+def _chi2_pvalue(tokens: list[int], p: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(tokens), minlength=V).double()
+    expected = p.double() / p.double().sum() * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "emitted a token the target gives probability 0"
+    return chisquare(counts[keep].numpy(), expected[keep].numpy()).pvalue
+
+
+CASES = ["random_q", "one_hot_q", "peaky_q"]
+
+
+def _case(name: str, k: int):
+    gen = torch.Generator().manual_seed(hash(name) % 1000 + k)
+    p = torch.stack([_random_dist(gen) for _ in range(k + 1)])
+    if name == "one_hot_q":
+        return p, None
+    q = torch.stack([_random_dist(gen, peaky=name == "peaky_q") for _ in range(k)])
+    return p, q
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_emitted_tokens_follow_target_distribution(name, k):
+    p, q = _case(name, k)
+    out = _emitted(p, q, k)
+    # every position that was emitted is distributed as p at that position
+    for pos in range(2 if k > 1 else 1):
+        tokens = [t[pos] for t in out.tokens if len(t) > pos]
+        assert _chi2_pvalue(tokens, p[pos]) > 1e-3, f"position {pos} deviates from p"
+    # and the acceptance rate matches theory: E[accept first] = sum(min(p, q))
+    if q is not None:
+        first_accepted = sum(n >= 1 for n in out.num_accepted) / N
+        assert abs(first_accepted - torch.minimum(p[0], q[0]).sum().item()) < 0.01
+
+
+def test_q_equal_p_accepts_everything():
+    gen = torch.Generator().manual_seed(1)
+    p = torch.stack([_random_dist(gen) for _ in range(4)])
+    out = _emitted(p, p[:3].clone(), 3)
+    assert all(n == 3 for n in out.num_accepted)
+    assert _chi2_pvalue([t[3] for t in out.tokens], p[3]) > 1e-3  # the bonus token comes from p
+
+
+def test_same_seed_same_result():
+    p, q = _case("random_q", 3)
+    a, b = _emitted(p, q, 3, seed=7), _emitted(p, q, 3, seed=7)
+    assert a.tokens == b.tokens
+
+
+BROKEN = {
+    # accept only when u < q/p: inverted ratio
+    "inverted_ratio": ("accept_draft", lambda u, p, q: u * p <= q),
+    # always accept (what forced_accept does): the draft distribution leaks through
+    "always_accept": ("accept_draft", lambda u, p, q: torch.ones_like(u, dtype=torch.bool)),
+    # resample from p instead of max(0, p - q) after a rejection: over-weights q's tokens
+    "resample_from_p": ("residual_distribution", lambda p, q: p),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_broken_sampler_is_detected(monkeypatch, broken):
+    """The same statistical test must fail for a deliberately wrong implementation."""
+    name, impl = BROKEN[broken]
+    monkeypatch.setattr(rs, name, impl)
+    p, q = _case("peaky_q", 1)
+    out = _emitted(p, q, 1)
+    assert _chi2_pvalue([t[0] for t in out.tokens], p[0]) < 1e-6
