@@ -33,8 +33,9 @@ class ByteTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
-def tiny_config(arch: str = "qwen2", vocab: int = VOCAB, layers: int = 2, hidden: int = 64) -> ModelConfig:
-    return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+def tiny_config(arch: str = "qwen2", vocab: int = VOCAB, layers: int = 2, hidden: int = 64,
+                intermediate: int | None = None) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                        num_layers=layers, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
                        max_position=256, qkv_bias=arch == "qwen2", tie_word_embeddings=False)
 

@@ -89,3 +89,45 @@ def test_kv_rollback_equals_fresh_prefill():
     # a broken rollback (pointer not moved back) must be caught by the same comparison
     broken = _rollback_then_continue(model, cfg, prompt, rejected, nxt, rollback=False)
     assert not torch.allclose(broken, fresh, atol=1e-3)
+
+
+def _bf16_is_native() -> bool:
+    from specdecode.models.loader import resolve_dtype
+
+    return resolve_dtype("auto", "cpu") == torch.bfloat16
+
+
+@pytest.mark.skipif(not _bf16_is_native(), reason="bit-exact invariance is shown for oneDNN bf16 kernels")
+def test_verify_logits_are_bitwise_equal_to_decode_logits():
+    """Greedy speculation reproduces plain decoding only if a token's logits do not depend on how many
+    tokens are verified with it. Compare every position decoded one by one against one verify call."""
+    cfg = tiny_config(hidden=256, layers=2)
+    model = build_model(cfg, random_hf_weights(cfg, seed=9), torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    prompt, chunk = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (30, 6)]
+    decode_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
+    _prefill(model, decode_cache, 0, prompt)
+    one_by_one = torch.cat([_prefill(model, decode_cache, 0, [t]) for t in chunk])
+    verify_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
+    _prefill(model, verify_cache, 0, prompt)
+    verified = _prefill(model, verify_cache, 0, chunk)
+    assert torch.equal(verified, one_by_one)
+
+
+@pytest.mark.skipif(not _bf16_is_native(), reason="bit-exact invariance is shown for oneDNN bf16 kernels")
+def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
+    """Without the two-row padding (the GEMV path), the same comparison finds differences: the test
+    above is sensitive to the property it guards."""
+    from specdecode.models import runtime
+
+    monkeypatch.setattr(runtime.Linear, "forward", torch.nn.Linear.forward)
+    cfg = tiny_config(hidden=1536, intermediate=8960, layers=1, vocab=4096)  # Qwen2.5-1.5B's layer shapes
+    model = build_model(cfg, random_hf_weights(cfg, seed=9, scale=0.05), torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    prompt, chunk = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (30, 6)]
+    decode_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
+    _prefill(model, decode_cache, 0, prompt)
+    one_by_one = torch.cat([_prefill(model, decode_cache, 0, [t]) for t in chunk])
+    verify_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
+    _prefill(model, verify_cache, 0, prompt)
+    assert not torch.equal(_prefill(model, verify_cache, 0, chunk), one_by_one)

@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="draft LM head keeps this many lowest token ids + special tokens (0 = full vocabulary)")
+    p.add_argument("--draft-quantization", default="auto", choices=["auto", "int8", "none"],
+                   help="draft weights: auto = int8 weight-only where supported (CPU), none = keep --dtype")
     p.add_argument("--max-model-len", type=int, default=4096)
 
 

@@ -67,7 +67,8 @@ def run_latency(args) -> list[LatencyResult]:
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
     runs: list[tuple[LLM, str, str]] = []
     if draft:
-        runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **common),
+        runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None,
+                         draft_quantization=args.draft_quantization, **common),
                      "draft", draft_name))
     if not args.no_ngram:
         runs.append((LLM(target=target, speculative_model="ngram", **common), "ngram", "ngram"))
@@ -111,7 +112,7 @@ def run_latency_cli(args) -> int:
     results = run_latency(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     meta = {"command": "specdecode " + " ".join(sys.argv[1:]), "model": args.model, "draft": args.draft,
-            "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+            "dtype": args.dtype, "draft_quantization": args.draft_quantization, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)

@@ -8,6 +8,7 @@ import torch
 from ..errors import SpecDecodeError
 from ..metrics import RequestMetrics, StepTimer
 from ..models.loader import LoadedModel, load_model
+from ..models.quantize import int8_supported, quantize_int8_
 from ..models.sources import DEFAULT_TARGET
 from ..proposers import DraftModelProposer, NgramProposer
 from ..sampling import SamplingParams
@@ -48,7 +49,7 @@ class LLM:
                  num_speculative_tokens: int = 4, *, device: str | None = None, dtype: str = "auto",
                  max_model_len: int = 4096, max_num_seqs: int = 8, forced_accept: bool = False,
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
-                 draft_vocab_size: int | None = None, progress: bool = True,
+                 draft_vocab_size: int | None = None, draft_quantization: str = "auto", progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens (-k) must be >= 0, got {num_speculative_tokens}")
@@ -63,8 +64,10 @@ class LLM:
         elif speculative_model is not None or draft is not None:
             self.draft = draft or load_model(speculative_model, str(self.target.model.device), dtype, progress)
             check_same_vocabulary(self.target, self.draft)
-            if draft_vocab_size:
-                restrict_draft_vocab(self.draft, draft_vocab_size)
+            if self.draft.model is not self.target.model:  # a self-draft must not alter the target
+                if draft_vocab_size:
+                    restrict_draft_vocab(self.draft, draft_vocab_size)
+                quantize_draft(self.draft, draft_quantization)
             proposer = DraftModelProposer(self.draft.model, max_num_seqs, max_model_len, self.timer)
         self.engine = Engine(self.target.model, self.tokenizer, proposer, num_speculative_tokens,
                              max_num_seqs, max_model_len, forced_accept, self.timer)
@@ -100,6 +103,20 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
             f"({draft.tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens); "
             "pick a draft from the target's model family, or use --ngram")
+
+
+def quantize_draft(draft: LoadedModel, mode: str) -> None:
+    """"auto": int8 weight-only where torch has the kernel (CPU), "int8" to insist, "none" to keep the dtype."""
+    if mode not in ("auto", "int8", "none"):
+        raise SpecDecodeError(f"draft_quantization must be auto, int8 or none, got {mode!r}")
+    if mode == "none" or getattr(draft.model, "quantized", False):
+        return
+    if not int8_supported(draft.model.device):
+        if mode == "int8":
+            raise SpecDecodeError(f"int8 draft weights are not supported on {draft.model.device}; use none")
+        return
+    quantize_int8_(draft.model)
+    draft.model.quantized = True
 
 
 def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:

@@ -15,6 +15,11 @@ from ..config import ModelConfig
 from ..kv_cache import KVCache
 
 
+# Decode and verify calls (few new tokens per sequence) attend row by row over exactly the keys each
+# token may see; longer (prefill) calls use one masked attention call.
+ROWWISE_ATTENTION_MAX_WIDTH = 16
+
+
 @dataclass
 class ForwardBatch:
     """Attention metadata for one forward call (built once, read by every layer)."""
@@ -25,6 +30,8 @@ class ForwardBatch:
     kv_len: int  # keys to attend over: max(start + new tokens)
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, None when plain causal-free decode
     logit_rows: torch.Tensor | None  # flat rows of the [B*T] outputs that need logits (None: all)
+    # For decode/verify calls: per sequence, (slot, keys visible to each of its new tokens); else None.
+    rowwise: list[tuple[int, list[int]]] | None = None
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], max_len: int, device,
@@ -46,7 +53,27 @@ class ForwardBatch:
         slots_t = torch.tensor(slots, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + batch))
         slot_index = slice(slots[0], slots[0] + batch) if contiguous else slots_t
-        return cls(slots_t, slot_index, positions, kv_len, mask, logit_rows)
+        rowwise = None
+        if width <= ROWWISE_ATTENTION_MAX_WIDTH:
+            rowwise = [(slot, [s + i + 1 for i in range(n)]) for slot, s, n in zip(slots, starts, num_new)]
+        return cls(slots_t, slot_index, positions, kv_len, mask, logit_rows, rowwise)
+
+
+class Linear(nn.Linear):
+    """A Linear whose output rows do not depend on how many rows are computed together.
+
+    oneDNN's bf16 GEMM kernels give each row the same result for any M >= 2, but M = 1 goes to a GEMV
+    kernel that rounds differently. Padding a single row to two (no slower here) keeps a token's logits
+    identical whether it is decoded alone or verified with k drafts.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() == 1:
+            y = F.linear(x.expand(*x.shape[:-2], 2, x.shape[-1]), self.weight)[..., :1, :]
+        else:
+            y = F.linear(x, self.weight)
+        # The bias is added apart: a fused bias selects other kernels, which are not row-invariant.
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -91,8 +118,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
         bsz, width, _ = x.shape
@@ -102,16 +129,31 @@ class Attention(nn.Module):
         v = v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(self.layer, batch.slots, batch.positions, k, v)
-        keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        if batch.rowwise is not None:
+            out = self._rowwise_attention(q, batch, cache)
+        else:
+            keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
+
+    def _rowwise_attention(self, q, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """One attention call per new token over exactly its visible keys: the same call, bit for bit, as
+        when that token is decoded alone. Masked batched attention would reduce over a longer, padded
+        key range, whose different rounding can flip a greedy near-tie between verify and plain decode."""
+        out = torch.zeros_like(q)
+        for b, (slot, kv_lens) in enumerate(batch.rowwise):
+            keys, values = cache.k[self.layer][slot:slot + 1], cache.v[self.layer][slot:slot + 1]
+            for i, n in enumerate(kv_lens):
+                out[b:b + 1, :, i:i + 1] = F.scaled_dot_product_attention(
+                    q[b:b + 1, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=True)
+        return out
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -138,7 +180,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta)
         # Token ids of the logits' columns when the LM head is restricted to a vocabulary subset.
         self.vocab_ids: torch.Tensor | None = None
@@ -166,7 +208,7 @@ class Transformer(nn.Module):
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model)."""
         token_ids = token_ids.to(self.device)
-        self.lm_head = nn.Linear(self.cfg.hidden_size, len(token_ids), bias=False, device="meta")
+        self.lm_head = Linear(self.cfg.hidden_size, len(token_ids), bias=False, device="meta")
         self.lm_head.weight = nn.Parameter(self._full_lm_head_weight.index_select(0, token_ids), requires_grad=False)
         self.vocab_ids = token_ids
 
