@@ -69,7 +69,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() == 1:
-            y = F.linear(x.expand(*x.shape[:-2], 2, x.shape[-1]), self.weight)[..., :1, :]
+            y = F.linear(torch.cat([x, x], dim=-2), self.weight)[..., :1, :]  # a contiguous copy: stride-0 views are slow
         else:
             y = F.linear(x, self.weight)
         # The bias is added apart: a fused bias selects other kernels, which are not row-invariant.
