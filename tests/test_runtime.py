@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specdecode.kv_cache import KVCache
-from specdecode.models.runtime import ForwardBatch, build_model
+from specdecode.models.runtime import build_model, forward_ragged
 
 from conftest import random_hf_weights, tiny_config
 
@@ -24,8 +24,7 @@ def _reference(cfg, weights):
 
 
 def _prefill(model, cache, slot, ids, logits="all"):
-    batch = ForwardBatch.build([slot], [cache.lengths[slot]], [len(ids)], cache.max_len, "cpu", logits=logits)
-    out = model(torch.tensor([ids]), batch, cache)
+    out = forward_ragged(model, cache, [slot], [ids], logits)
     cache.lengths[slot] += len(ids)
     return out
 
@@ -63,10 +62,8 @@ def test_batched_ragged_forward_equals_single():
     slots = [3, 0, 2]  # non-contiguous slots
     for s, p in zip(slots, prompts):
         _prefill(model, cache, s, p)
-    width = max(map(len, chunks))
-    batch = ForwardBatch.build(slots, [cache.lengths[s] for s in slots], [len(c) for c in chunks], 64, "cpu", "all")
-    padded = torch.tensor([c + [0] * (width - len(c)) for c in chunks])
-    torch.testing.assert_close(model(padded, batch, cache), torch.cat(solo), atol=1e-5, rtol=1e-5)
+    batched = forward_ragged(model, cache, slots, chunks, "all")  # ragged widths, padded inside
+    torch.testing.assert_close(batched, torch.cat(solo), atol=1e-5, rtol=1e-5)
 
 
 def _rollback_then_continue(model, cfg, prompt, rejected, accepted_next, rollback: bool):
@@ -102,15 +99,7 @@ def test_verify_logits_are_bitwise_equal_to_decode_logits():
     """Greedy speculation reproduces plain decoding only if a token's logits do not depend on how many
     tokens are verified with it. Compare every position decoded one by one against one verify call."""
     cfg = tiny_config(hidden=256, layers=2)
-    model = build_model(cfg, random_hf_weights(cfg, seed=9), torch.bfloat16, "cpu")
-    gen = torch.Generator().manual_seed(2)
-    prompt, chunk = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (30, 6)]
-    decode_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
-    _prefill(model, decode_cache, 0, prompt)
-    one_by_one = torch.cat([_prefill(model, decode_cache, 0, [t]) for t in chunk])
-    verify_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
-    _prefill(model, verify_cache, 0, prompt)
-    verified = _prefill(model, verify_cache, 0, chunk)
+    verified, one_by_one = _verify_vs_one_by_one(cfg)
     assert torch.equal(verified, one_by_one)
 
 
@@ -122,7 +111,13 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
 
     monkeypatch.setattr(runtime.Linear, "forward", torch.nn.Linear.forward)
     cfg = tiny_config(hidden=1536, intermediate=8960, layers=1, vocab=4096)  # Qwen2.5-1.5B's layer shapes
-    model = build_model(cfg, random_hf_weights(cfg, seed=9, scale=0.05), torch.bfloat16, "cpu")
+    verified, one_by_one = _verify_vs_one_by_one(cfg, scale=0.05)
+    assert not torch.equal(verified, one_by_one)
+
+
+def _verify_vs_one_by_one(cfg, scale=0.15):
+    """Logits of a 6-token chunk after a 30-token prompt: one verify call, and decoded one at a time."""
+    model = build_model(cfg, random_hf_weights(cfg, seed=9, scale=scale), torch.bfloat16, "cpu")
     gen = torch.Generator().manual_seed(2)
     prompt, chunk = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (30, 6)]
     decode_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
@@ -130,4 +125,4 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     one_by_one = torch.cat([_prefill(model, decode_cache, 0, [t]) for t in chunk])
     verify_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
     _prefill(model, verify_cache, 0, prompt)
-    assert not torch.equal(_prefill(model, verify_cache, 0, chunk), one_by_one)
+    return _prefill(model, verify_cache, 0, chunk), one_by_one

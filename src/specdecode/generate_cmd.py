@@ -48,10 +48,9 @@ def run_generate(args) -> int:
 
 
 class _Run:
-    def __init__(self, output: RequestOutput, seconds: float, target_step: float | None, draft_step: float | None,
-                 draft_calls: int):
+    def __init__(self, output: RequestOutput, seconds: float, target_step: float | None, draft_step: float | None):
         self.output, self.seconds = output, seconds
-        self.target_step, self.draft_step, self.draft_calls = target_step, draft_step, draft_calls
+        self.target_step, self.draft_step = target_step, draft_step
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +69,7 @@ def _timed(llm: LLM, prompt: str, params: SamplingParams, k: int | None = None) 
     out = llm.generate(prompt, params)[0]
     seconds = time.perf_counter() - start
     llm.engine.k = saved_k
-    return _Run(out, seconds, llm.timer.target_step_s, llm.timer.draft_step_s, llm.timer.draft_calls)
+    return _Run(out, seconds, llm.timer.target_step_s, llm.timer.draft_step_s)
 
 
 def _warm_up(llm: LLM, prompt: str) -> None:
@@ -82,7 +81,7 @@ def _print_stats(run: _Run) -> None:
     m = run.output.spec
     print(f"tokens: {run.num_tokens}   time: {run.seconds:.2f} s   tokens/s: {run.tokens_per_s:.2f}   "
           f"TTFT: {m['ttft_s']:.3f} s   TPOT: {(m['tpot_s'] or 0) * 1000:.1f} ms")
-    print(f"target forwards: {m['num_steps'] + 1} (1 prefill)   draft forwards: {run.draft_calls}")
+    print(f"target forwards: {m['num_target_forwards']} (1 prefill)   draft forwards: {m['num_draft_forwards']}")
     if m["num_draft_tokens"]:
         per_pos = " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])
         print(f"drafted: {m['num_draft_tokens']}   accepted: {m['num_accepted_tokens']}   "

@@ -26,6 +26,7 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # tokens produced by decoding steps (accepted + recovered/bonus)
+    num_draft_forwards: int = 0  # draft-model forward passes that included this sequence
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -50,6 +51,7 @@ class SpecCounters:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_draft_forwards += other.num_draft_forwards
 
     def _cover_positions(self, k: int) -> None:
         grow = k - len(self.drafted_per_position)
@@ -105,6 +107,7 @@ class RequestMetrics:
         return {
             "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
             "ttft_s": self.ttft, "tpot_s": self.tpot, "tokens_per_s": self.tokens_per_s,
+            "num_target_forwards": s.num_steps + 1, "num_draft_forwards": s.num_draft_forwards,
             "num_steps": s.num_steps, "num_spec_steps": s.num_spec_steps,
             "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,

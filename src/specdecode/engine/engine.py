@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..errors import SpecDecodeError
 from ..kv_cache import KVCache
 from ..metrics import SpecCounters, StepTimer
-from ..models.runtime import ForwardBatch, Transformer
+from ..models.runtime import Transformer, forward_ragged
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Proposer
 from ..sampling import SamplingParams, logits_to_probs
@@ -142,11 +142,7 @@ class Engine:
 
     # ---- shared pieces --------------------------------------------------------------------------------
     def _target_forward(self, slots: list[int], inputs: list[list[int]], logits: str) -> torch.Tensor:
-        starts, lengths = [self.cache.lengths[s] for s in slots], [len(t) for t in inputs]
-        width = max(lengths)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=self.model.device)
-        batch = ForwardBatch.build(slots, starts, lengths, self.max_model_len, self.model.device, logits=logits)
-        return self.model(padded, batch, self.cache)
+        return forward_ragged(self.model, self.cache, slots, inputs, logits)
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         """Append tokens one by one; EOS, a stop string, max_tokens or the context end stop the sequence

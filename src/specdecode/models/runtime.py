@@ -243,6 +243,17 @@ def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
     return out
 
 
+def forward_ragged(model: Transformer, cache: KVCache, slots: list[int], inputs: list[list[int]],
+                   logits: str) -> torch.Tensor:
+    """Run new tokens (a different number per sequence, padded to one width) after each slot's cached
+    prefix. Cache lengths are not advanced: the caller commits what it accepts."""
+    starts, lengths = [cache.lengths[s] for s in slots], [len(t) for t in inputs]
+    width = max(lengths)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=model.device)
+    batch = ForwardBatch.build(slots, starts, lengths, cache.max_len, model.device, logits=logits)
+    return model(padded, batch, cache)
+
+
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
     """Create the model without initialising random weights, then assign the given ones."""
     with torch.device("meta"):

@@ -7,7 +7,7 @@ import torch
 
 from ..kv_cache import KVCache
 from ..metrics import StepTimer
-from ..models.runtime import ForwardBatch, Transformer
+from ..models.runtime import Transformer, forward_ragged
 from ..sampling import logits_to_probs
 from .base import DraftBatch
 
@@ -35,6 +35,7 @@ class DraftModelProposer:
                 inputs = [[tokens[i][-1]] for i in rows]
             logits = self._forward([seqs[i].draft_state for i in rows], inputs)
             for row, i in enumerate(rows):
+                seqs[i].metrics.spec.num_draft_forwards += 1
                 token, q = self._sample(logits[row], seqs[i])
                 tokens[i].append(token)
                 if q is not None:
@@ -42,14 +43,10 @@ class DraftModelProposer:
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
-        starts, lengths = [self.cache.lengths[s] for s in slots], [len(t) for t in inputs]
-        width = max(lengths)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=self.model.device)
-        batch = ForwardBatch.build(slots, starts, lengths, self.cache.max_len, self.model.device, logits="last")
         with self.timer.time_draft():
-            logits = self.model(padded, batch, self.cache)
-        for slot, n in zip(slots, lengths):
-            self.cache.lengths[slot] += n
+            logits = forward_ragged(self.model, self.cache, slots, inputs, logits="last")
+        for slot, tokens in zip(slots, inputs):
+            self.cache.lengths[slot] += len(tokens)
         return logits
 
     def _sample(self, logits: torch.Tensor, seq) -> tuple[int, torch.Tensor | None]:
