@@ -126,3 +126,22 @@ def _verify_vs_one_by_one(cfg, scale=0.15):
     verify_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
     _prefill(model, verify_cache, 0, prompt)
     return _prefill(model, verify_cache, 0, chunk), one_by_one
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_hf_checkpoint_folder_loads_like_transformers(tmp_path, arch):
+    """config.json + safetensors written by transformers' save_pretrained load into a matching runtime."""
+    from specdecode.config import ModelConfig
+    from specdecode.models.loader import _load_hf_checkpoint
+
+    cfg = tiny_config(arch)
+    ref = _reference(cfg, random_hf_weights(cfg, seed=11))
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    loaded_cfg, tensors = _load_hf_checkpoint(str(tmp_path))
+    assert loaded_cfg == ModelConfig(**{**cfg.__dict__, "head_dim": loaded_cfg.head_dim})
+    ours = build_model(loaded_cfg, tensors, torch.float32, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(loaded_cfg, 1, 32, torch.float32, "cpu")
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    torch.testing.assert_close(_prefill(ours, cache, 0, ids[0].tolist()), expected, atol=1e-4, rtol=1e-4)
