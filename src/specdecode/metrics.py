@@ -125,18 +125,12 @@ class StepTimer:
     draft_calls: int = 0
 
     @contextmanager
-    def time_target(self):
+    def measure(self, which: str):
+        """Time one forward pass; `which` is "target" or "draft"."""
         start = _now()
         yield
-        self.target_time += _now() - start
-        self.target_calls += 1
-
-    @contextmanager
-    def time_draft(self):
-        start = _now()
-        yield
-        self.draft_time += _now() - start
-        self.draft_calls += 1
+        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + _now() - start)
+        setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + 1)
 
     @property
     def target_step_s(self) -> float | None:

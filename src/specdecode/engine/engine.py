@@ -106,7 +106,7 @@ class Engine:
             drafts = DraftBatch([[] for _ in seqs], [None] * len(seqs))
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
-        with self.timer.time_target():
+        with self.timer.measure("target"):
             logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
         results = self._verify(seqs, drafts, logits)
         for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):

@@ -28,7 +28,7 @@ class ForwardBatch:
     slot_index: slice | torch.Tensor  # the same, as a slice when contiguous (reads are then views)
     positions: torch.Tensor  # [B, T] absolute position of every input token
     kv_len: int  # keys to attend over: max(start + new tokens)
-    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, None when plain causal-free decode
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, for the batched (prefill) attention path
     logit_rows: torch.Tensor | None  # flat rows of the [B*T] outputs that need logits (None: all)
     # For decode/verify calls: per sequence, (slot, keys visible to each of its new tokens); else None.
     rowwise: list[tuple[int, list[int]]] | None = None
@@ -41,8 +41,9 @@ class ForwardBatch:
         start_t = torch.tensor(starts, device=device)
         positions = (start_t[:, None] + torch.arange(width, device=device)[None, :]).clamp_(max=max_len - 1)
         kv_len = max(s + n for s, n in zip(starts, num_new))
-        if batch == 1 and width == 1:
-            mask = None  # one query sees every cached key
+        rowwise, mask = None, None
+        if width <= ROWWISE_ATTENTION_MAX_WIDTH:
+            rowwise = [(slot, [s + i + 1 for i in range(n)]) for slot, s, n in zip(slots, starts, num_new)]
         else:
             mask = (torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
         if logits == "last":
@@ -53,9 +54,6 @@ class ForwardBatch:
         slots_t = torch.tensor(slots, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + batch))
         slot_index = slice(slots[0], slots[0] + batch) if contiguous else slots_t
-        rowwise = None
-        if width <= ROWWISE_ATTENTION_MAX_WIDTH:
-            rowwise = [(slot, [s + i + 1 for i in range(n)]) for slot, s, n in zip(slots, starts, num_new)]
         return cls(slots_t, slot_index, positions, kv_len, mask, logit_rows, rowwise)
 
 

@@ -43,7 +43,7 @@ class DraftModelProposer:
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
-        with self.timer.time_draft():
+        with self.timer.measure("draft"):
             logits = forward_ragged(self.model, self.cache, slots, inputs, logits="last")
         for slot, tokens in zip(slots, inputs):
             self.cache.lengths[slot] += len(tokens)
