@@ -16,16 +16,19 @@ from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Proposer
 from ..sampling import SamplingParams, logits_to_probs
 from ..verify.rejection_sampler import VerifyResult, greedy_verify, rejection_sample
+from .policy import SpeculationPolicy
 from .sequence import Sequence
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 0, max_num_seqs: int = 8, max_model_len: int = 4096,
-                 forced_accept: bool = False, timer: StepTimer | None = None):
+                 forced_accept: bool = False, timer: StepTimer | None = None,
+                 policy: SpeculationPolicy | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
+        self.policy = policy or SpeculationPolicy("fixed")
         self.k = num_speculative_tokens if proposer is not None else 0
         self.max_model_len = min(max_model_len, model.cfg.max_position)
         self.cache = KVCache(model.cfg, max_num_seqs, self.max_model_len, model.dtype, model.device)
@@ -34,6 +37,15 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
+
+    @property
+    def k(self) -> int:
+        """The most tokens drafted per sequence and step (the policy may choose fewer)."""
+        return self.policy.k_max
+
+    @k.setter
+    def k(self, value: int) -> None:
+        self.policy.k_max = value
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -78,6 +90,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
         self.cache.free(seq.slot)
+        self.policy.forget(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq)
         self.totals.merge(seq.metrics.spec)
@@ -99,27 +112,35 @@ class Engine:
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
-        ks = [self._draft_budget(seq) for seq in seqs]
-        if self.proposer is not None and any(ks):
+        k = self.policy.choose([s.request_id for s in seqs]) if self.proposer is not None else 0
+        ks = [self._draft_budget(seq, k) for seq in seqs]
+        draft_time, draft_calls = self.timer.draft_time, self.timer.draft_calls
+        if any(ks):
             drafts = self.proposer.propose(seqs, ks)
-        else:
+        else:  # plain decoding: no draft forward at all
             drafts = DraftBatch([[] for _ in seqs], [None] * len(seqs))
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
+        target_time = self.timer.target_time
         with self.timer.measure("target"):
             logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
+        new_draft_calls = self.timer.draft_calls - draft_calls
+        self.policy.observe_step(len(seqs), sum(map(len, inputs)), self.timer.target_time - target_time,
+                                 (self.timer.draft_time - draft_time) / new_draft_calls if new_draft_calls else None)
         results = self._verify(seqs, drafts, logits)
         for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
-            committed = start + 1 + result.num_accepted[0]  # pending token + accepted drafts are now cached
+            accepted = result.num_accepted[0]
+            committed = start + 1 + accepted  # pending token + accepted drafts are now cached
             self.cache.lengths[seq.slot] = committed  # rejected drafts' KV stays behind the pointer
             if self.proposer is not None:
                 self.proposer.commit(seq, committed)
-            seq.metrics.spec.record_step(n_draft, result.num_accepted[0], len(result.tokens[0]))
+            seq.metrics.spec.record_step(n_draft, accepted, len(result.tokens[0]))
+            self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
             self._emit(seq, result.tokens[0])
 
-    def _draft_budget(self, seq: Sequence) -> int:
+    def _draft_budget(self, seq: Sequence, k: int) -> int:
         """k, capped so that emitted tokens fit max_tokens and the verified tokens fit the context."""
-        return max(0, min(self.k, seq.remaining_tokens - 1, self.max_model_len - seq.num_tokens))
+        return max(0, min(k, seq.remaining_tokens - 1, self.max_model_len - seq.num_tokens))
 
     def _verify(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor) -> list[VerifyResult]:
         """Split the flat verify logits per sequence and accept/reject each sequence's drafts."""

@@ -13,6 +13,7 @@ from ..models.sources import DEFAULT_TARGET
 from ..proposers import DraftModelProposer, NgramProposer
 from ..sampling import SamplingParams
 from .engine import Engine
+from .policy import SpeculationPolicy
 from .sequence import Sequence
 
 NGRAM_NAMES = ("ngram", "[ngram]")
@@ -49,7 +50,9 @@ class LLM:
                  num_speculative_tokens: int = 4, *, device: str | None = None, dtype: str = "auto",
                  max_model_len: int = 4096, max_num_seqs: int = 8, forced_accept: bool = False,
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
-                 draft_vocab_size: int | None = None, draft_quantization: str = "auto", progress: bool = True,
+                 draft_vocab_size: int | None = None, draft_quantization: str = "auto",
+                 speculation_policy: str = "fixed", speculative_disable_by_batch_size: int | None = None,
+                 progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens (-k) must be >= 0, got {num_speculative_tokens}")
@@ -69,8 +72,9 @@ class LLM:
                     restrict_draft_vocab(self.draft, draft_vocab_size)
                 quantize_draft(self.draft, draft_quantization)
             proposer = DraftModelProposer(self.draft.model, max_num_seqs, max_model_len, self.timer)
+        policy = SpeculationPolicy(speculation_policy, num_speculative_tokens, speculative_disable_by_batch_size)
         self.engine = Engine(self.target.model, self.tokenizer, proposer, num_speculative_tokens,
-                             max_num_seqs, max_model_len, forced_accept, self.timer)
+                             max_num_seqs, max_model_len, forced_accept, self.timer, policy)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
