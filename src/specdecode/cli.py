@@ -45,6 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run plain decoding on the same engine; print speedup and predicted speedup")
     gen.add_argument("--forced-accept", action="store_true", help="upper-bound measurement (lossy)")
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    serve.add_argument("--model", default=DEFAULT_TARGET)
+    serve.add_argument("--speculative-model", "--draft", dest="draft", default=None,
+                       help=f"draft model or 'ngram' (default {DEFAULT_DRAFT} with the default target)")
+    serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=4)
+    serve.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "disable_by_batch_size"])
+    serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=16)
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--draft-quantization", default="auto", choices=["auto", "int8", "none"])
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     lat = bench_sub.add_parser("latency", help="HumanEval, batch size 1: plain vs draft model vs n-gram")
@@ -64,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             from .generate_cmd import run_generate
 
             return run_generate(args)
+        if args.command == "serve":
+            from .server.serve_cmd import run_serve
+
+            return run_serve(args)
         from .bench.latency import run_latency_cli
 
         return run_latency_cli(args)

@@ -37,6 +37,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
+        self.last_step = SpecCounters()  # what the most recent decoding step drafted and accepted
+        self.last_batch_size = 0
 
     @property
     def k(self) -> int:
@@ -128,6 +130,7 @@ class Engine:
         self.policy.observe_step(len(seqs), sum(map(len, inputs)), self.timer.target_time - target_time,
                                  (self.timer.draft_time - draft_time) / new_draft_calls if new_draft_calls else None)
         results = self._verify(seqs, drafts, logits)
+        self.last_step, self.last_batch_size = SpecCounters(), len(seqs)
         for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
             accepted = result.num_accepted[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
@@ -135,6 +138,7 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.commit(seq, committed)
             seq.metrics.spec.record_step(n_draft, accepted, len(result.tokens[0]))
+            self.last_step.record_step(n_draft, accepted, len(result.tokens[0]))
             self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
             self._emit(seq, result.tokens[0])
 

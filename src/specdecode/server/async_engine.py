@@ -1,0 +1,143 @@
+"""The engine's step loop in one background thread: requests join and leave between steps (continuous
+batching), and each request's new text reaches its asyncio consumer as it is produced."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ..engine.engine import Engine
+from ..engine.sequence import Sequence
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+
+log = logging.getLogger("specdecode.server")
+
+
+@dataclass
+class Update:
+    text: str  # new text since the previous update
+    finished: bool = False
+    finish_reason: str | None = None
+    error: Exception | None = None
+    seq: Sequence | None = None
+
+
+@dataclass
+class RequestHandle:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None
+    sent_chars: int = 0
+
+    def push(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._active: list[RequestHandle] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel what is still running and end the loop (called on shutdown, e.g. SIGTERM)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams):
+        """Yields Updates until the request finishes; closing the iterator early aborts the request."""
+        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
+        self._inbox.put(("add", handle))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                update = await handle.updates.get()
+                if update.error is not None:
+                    raise update.error
+                finished = update.finished
+                yield update
+        finally:
+            if not finished:  # client went away: free its slot and KV now
+                self._inbox.put(("abort", handle))
+                self._wake.set()
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as exc:  # a bug must not take the server down: fail the batch, carry on
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self.metrics.observe_step(self.engine, finished)
+            self._publish()
+        self._fail_all(RuntimeError("server shutting down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    handle.seq = self.engine.add_request(handle.prompt_ids, handle.params)
+                except Exception as exc:
+                    handle.push(Update("", True, error=exc))
+                    continue
+                self._active.append(handle)
+            elif handle in self._active:
+                self.engine.abort(handle.seq)
+                self._active.remove(handle)
+                self.metrics.aborted.inc()
+        self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+
+    def _publish(self) -> None:
+        still_active = []
+        for handle in self._active:
+            seq = handle.seq
+            text = self._streamable_text(seq)[handle.sent_chars:]
+            if text or seq.finished:
+                handle.push(Update(text, seq.finished, seq.finish_reason, seq=seq))
+                handle.sent_chars += len(text)
+            if not seq.finished:
+                still_active.append(handle)
+        self._active = still_active
+        self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+
+    @staticmethod
+    def _streamable_text(seq: Sequence) -> str:
+        handle_text = seq.text
+        if not seq.finished:
+            # hold back what a stop string could still claim, and a half-decoded UTF-8 character
+            hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
+            handle_text = handle_text[:len(handle_text) - hold] if hold else handle_text
+            handle_text = handle_text.rstrip("\ufffd")
+        return handle_text
+
+    def _fail_all(self, exc: Exception) -> None:
+        for handle in self._active:
+            if handle.seq is not None and not handle.seq.finished:
+                self.engine.abort(handle.seq)
+            handle.push(Update("", True, error=exc))
+        self._active = []

@@ -1,0 +1,69 @@
+"""Prometheus metrics of the server: speculation counters, latency histograms, queue gauges."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("specdecode_steps", "Decoding steps", ["speculated"], registry=r)
+        self.drafts = Counter("specdecode_spec_decode_num_drafts", "Sequence-steps that drafted tokens", registry=r)
+        self.draft_tokens = Counter("specdecode_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
+        self.accepted_tokens = Counter("specdecode_spec_decode_num_accepted_tokens", "Accepted draft tokens",
+                                       registry=r)
+        self.accepted_per_pos = Counter("specdecode_spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position", ["position"], registry=r)
+        self.emitted_tokens = Counter("specdecode_generation_tokens", "Output tokens", registry=r)
+        self.acceptance_rate = Gauge("specdecode_spec_decode_acceptance_rate", "Accepted / drafted, since start",
+                                     registry=r)
+        self.mean_accepted_length = Gauge("specdecode_spec_decode_mean_accepted_length",
+                                          "Tokens per speculative step (bonus included), since start", registry=r)
+        self.speculating_fraction = Gauge("specdecode_spec_decode_speculating_fraction",
+                                          "Fraction of steps that drafted", registry=r)
+        self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.batch_size = Gauge("specdecode_batch_size", "Sequences in the last decoding step", registry=r)
+        self.aborted = Counter("specdecode_requests_aborted", "Requests cancelled (e.g. client gone)", registry=r)
+        self.finished = Counter("specdecode_requests_finished", "Requests finished", ["reason"], registry=r)
+        self.ttft = Histogram("specdecode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self._drafted = self._accepted = self._spec_steps = self._all_steps = self._spec_steps_with_drafts = 0
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    def observe_step(self, engine, finished) -> None:
+        step = engine.last_step
+        speculated = step.num_draft_tokens > 0
+        self.steps.labels(speculated=str(speculated).lower()).inc()
+        self.batch_size.set(engine.last_batch_size)
+        self.drafts.inc(step.num_spec_steps)
+        self.draft_tokens.inc(step.num_draft_tokens)
+        self.accepted_tokens.inc(step.num_accepted_tokens)
+        self.emitted_tokens.inc(step.num_emitted_tokens)
+        for pos, n in enumerate(step.accepted_per_position):
+            if n:
+                self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        self._all_steps += 1
+        self._spec_steps += speculated
+        self._drafted += step.num_draft_tokens
+        self._accepted += step.num_accepted_tokens
+        self._spec_steps_with_drafts += step.num_spec_steps
+        if self._drafted:
+            self.acceptance_rate.set(self._accepted / self._drafted)
+            self.mean_accepted_length.set((self._accepted + self._spec_steps_with_drafts) / self._spec_steps_with_drafts)
+        self.speculating_fraction.set(self._spec_steps / self._all_steps)
+        for seq in finished:
+            self.finished.labels(reason=seq.finish_reason or "unknown").inc()
+            if seq.metrics.ttft is not None:
+                self.ttft.observe(seq.metrics.ttft)
+            if seq.metrics.tpot is not None:
+                self.tpot.observe(seq.metrics.tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

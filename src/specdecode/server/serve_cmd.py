@@ -1,0 +1,30 @@
+"""`specdecode serve`: load the models, then serve the OpenAI-compatible API with uvicorn."""
+from __future__ import annotations
+
+import signal
+import sys
+
+from ..engine.llm import LLM
+from ..errors import SpecDecodeError
+from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
+from .api import build_app
+from .async_engine import AsyncEngine
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    if args.k < 0:
+        raise SpecDecodeError(f"--num-speculative-tokens must be >= 0, got {args.k}")
+    draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
+    llm = LLM(args.model, draft, args.k, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, draft_quantization=args.draft_quantization,
+              speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
+    app = build_app(AsyncEngine(llm.engine), args.model, args.api_key)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was
+    # in place before it: make that a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"serving {args.model} (draft: {draft or 'none'}, policy: {args.policy}) on http://{args.host}:{args.port}/v1",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,153 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the official `openai` client,
+with tiny random models (the engine is the same one the real models use)."""
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdecode import LLM, SamplingParams
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import AsyncEngine
+
+API_KEY = "test-key"
+
+
+class _Server:
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(target, random_draft):
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=16,
+              speculation_policy="fixed")
+    engine = AsyncEngine(llm.engine)
+    with _Server(build_app(engine, "tiny", API_KEY)) as server:
+        server.engine = engine
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        yield server
+
+
+def _solo(target, prompt, max_tokens):
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+
+
+def test_completion_and_usage(served, target):
+    r = served.client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.choices[0].text == _solo(target, "hello world", 12).outputs[0].text
+    assert r.usage.completion_tokens == 12
+    assert r.usage.model_extra["speculation"]["num_draft_tokens"] > 0
+
+
+def test_streaming_completion_equals_non_streaming(served):
+    kwargs = dict(model="tiny", prompt="abcabcabc", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = served.client.completions.create(**kwargs).choices[0].text
+    chunks = list(served.client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_and_not(served):
+    msgs = [{"role": "user", "content": "hi"}]
+    whole = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    parts = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in parts) == whole.choices[0].message.content
+
+
+def test_models_health_metrics(served):
+    assert [m.id for m in served.client.models.list()] == ["tiny"]
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(served.url + "/metrics").text
+    assert "specdecode_spec_decode_num_draft_tokens_total" in text and "specdecode_num_requests_running" in text
+
+
+def test_concurrent_requests_batched_equal_solo_and_all_complete(served, target):
+    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(100)]
+    lengths = [5 + i % 11 for i in range(100)]
+
+    def one(i):
+        r = served.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                             extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(100)))
+    assert [n for _, n in results] == lengths
+    for i in range(0, 100, 9):  # batched greedy equals the same request alone
+        assert results[i][0] == _solo(target, prompts[i], lengths[i]).outputs[0].text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x" * 300}, "context"),
+    ({"prompt": "x", "n": 2}, "n=1"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_requests_get_400_and_server_keeps_serving(served, body, message):
+    r = httpx.post(served.url + "/v1/completions", json={"model": "tiny", **body},
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+    ok = served.client.completions.create(model="tiny", prompt="still", max_tokens=3, temperature=0)
+    assert ok.choices[0].text is not None
+
+
+def test_malformed_json_is_400(served):
+    r = httpx.post(served.url + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_api_key_required(served):
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401
+    bad = openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="x", max_tokens=2)
+
+
+def test_client_disconnect_frees_the_slot(served):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "prompt": "long one", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=headers) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        metrics = httpx.get(served.url + "/metrics").text
+        if "specdecode_num_requests_running 0.0" in metrics and served.engine.engine.cache.num_free == 16:
+            break
+        time.sleep(0.05)
+    assert served.engine.engine.cache.num_free == 16
+    assert "specdecode_requests_aborted_total 1.0" in httpx.get(served.url + "/metrics").text
