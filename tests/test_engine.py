@@ -149,3 +149,19 @@ def test_prompt_near_context_end_stops_with_length(target, random_draft):
     out = llm.generate("y" * 250, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length"
     assert 250 + len(out.outputs[0].token_ids) == 256
+
+
+def test_step_record_is_fresh_when_a_step_only_prefills(target):
+    """The server's metrics read engine.last_step after every step: a prefill-only step must not
+    leave the previous step's counts there to be counted twice."""
+    llm = _llm(target, draft=target, k=3)
+    engine = llm.engine
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()  # a speculative step
+    assert engine.last_step.num_draft_tokens > 0
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=1))
+    engine.step()  # prefill emits the only token: no decoding step
+    assert engine.last_step.num_draft_tokens == 0 and engine.last_batch_size == 0

@@ -61,3 +61,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """Draw one token from a logits row [V]: the argmax for greedy requests (probs None, i.e. one-hot),
+    else a sample from the processed distribution, which is returned for rejection sampling."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    probs = logits_to_probs(logits[None], params)[0]
+    return int(torch.multinomial(probs, 1, generator=generator)), probs

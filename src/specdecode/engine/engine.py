@@ -14,7 +14,7 @@ from ..metrics import SpecCounters, StepTimer
 from ..models.runtime import Transformer, forward_ragged
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Proposer
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import SamplingParams, logits_to_probs, sample_token
 from ..verify.rejection_sampler import VerifyResult, greedy_verify, rejection_sample
 from .policy import SpeculationPolicy
 from .sequence import Sequence
@@ -71,6 +71,7 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Admit what fits, run one decoding step; return the sequences that finished."""
+        self.last_step, self.last_batch_size = SpecCounters(), 0
         self._admit()
         decoding = [s for s in self.running if not s.finished]
         if decoding:
@@ -108,9 +109,7 @@ class Engine:
             self._emit(seq, [self._sample_one(logits[0], seq)])
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
-        if seq.params.greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(logits_to_probs(logits[None], seq.params)[0], 1, generator=seq.generator))
+        return sample_token(logits, seq.params, seq.generator)[0]
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
@@ -130,7 +129,7 @@ class Engine:
         self.policy.observe_step(len(seqs), sum(map(len, inputs)), self.timer.target_time - target_time,
                                  (self.timer.draft_time - draft_time) / new_draft_calls if new_draft_calls else None)
         results = self._verify(seqs, drafts, logits)
-        self.last_step, self.last_batch_size = SpecCounters(), len(seqs)
+        self.last_batch_size = len(seqs)
         for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
             accepted = result.num_accepted[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached

@@ -8,7 +8,7 @@ import torch
 from ..kv_cache import KVCache
 from ..metrics import StepTimer
 from ..models.runtime import Transformer, forward_ragged
-from ..sampling import logits_to_probs
+from ..sampling import sample_token
 from .base import DraftBatch
 
 
@@ -52,14 +52,13 @@ class DraftModelProposer:
     def _sample(self, logits: torch.Tensor, seq) -> tuple[int, torch.Tensor | None]:
         """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification."""
         vocab_ids = self.model.vocab_ids
+        if vocab_ids is None:
+            return sample_token(logits, seq.params, seq.generator)
         if seq.params.greedy:
-            best = int(logits.argmax())
-            return (best if vocab_ids is None else int(vocab_ids[best])), None
-        if vocab_ids is not None:  # back to the full vocabulary; tokens outside the subset get q = 0
-            full = torch.full((self.model.cfg.vocab_size,), float("-inf"), device=logits.device)
-            logits = full.index_copy_(0, vocab_ids, logits)
-        q = logits_to_probs(logits[None], seq.params)[0]
-        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+            return int(vocab_ids[int(logits.argmax())]), None
+        # back to the full vocabulary; tokens outside the subset get q = 0
+        full = torch.full((self.model.cfg.vocab_size,), float("-inf"), device=logits.device)
+        return sample_token(full.index_copy_(0, vocab_ids, logits), seq.params, seq.generator)
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         slot = seq.draft_state

@@ -127,13 +127,13 @@ class AsyncEngine:
 
     @staticmethod
     def _streamable_text(seq: Sequence) -> str:
-        handle_text = seq.text
+        text = seq.text
         if not seq.finished:
             # hold back what a stop string could still claim, and a half-decoded UTF-8 character
             hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
-            handle_text = handle_text[:len(handle_text) - hold] if hold else handle_text
-            handle_text = handle_text.rstrip("\ufffd")
-        return handle_text
+            text = text[:len(text) - hold] if hold else text
+            text = text.rstrip("\ufffd")
+        return text
 
     def _fail_all(self, exc: Exception) -> None:
         for handle in self._active:

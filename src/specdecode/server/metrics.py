@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..metrics import SpecCounters
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -31,7 +33,8 @@ class ServerMetrics:
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS,
                               registry=r)
-        self._drafted = self._accepted = self._spec_steps = self._all_steps = self._spec_steps_with_drafts = 0
+        self.totals = SpecCounters()  # every decoding step's sequences, since start
+        self._steps = self._speculated_steps = 0
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)
@@ -49,15 +52,13 @@ class ServerMetrics:
         for pos, n in enumerate(step.accepted_per_position):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
-        self._all_steps += 1
-        self._spec_steps += speculated
-        self._drafted += step.num_draft_tokens
-        self._accepted += step.num_accepted_tokens
-        self._spec_steps_with_drafts += step.num_spec_steps
-        if self._drafted:
-            self.acceptance_rate.set(self._accepted / self._drafted)
-            self.mean_accepted_length.set((self._accepted + self._spec_steps_with_drafts) / self._spec_steps_with_drafts)
-        self.speculating_fraction.set(self._spec_steps / self._all_steps)
+        self.totals.merge(step)
+        self._steps += 1
+        self._speculated_steps += speculated
+        if self.totals.num_draft_tokens:
+            self.acceptance_rate.set(self.totals.acceptance_rate)
+            self.mean_accepted_length.set(self.totals.mean_accepted_length)
+        self.speculating_fraction.set(self._speculated_steps / self._steps)
         for seq in finished:
             self.finished.labels(reason=seq.finish_reason or "unknown").inc()
             if seq.metrics.ttft is not None:
