@@ -1,8 +1,10 @@
 """Speculation policies: fixed, vLLM's disable-by-batch-size, and the adaptive goodput policy."""
+import random
+
 import pytest
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.engine.policy import SpeculationPolicy, expected_tokens
+from specdecode.engine.policy import CostTable, SpeculationPolicy, expected_tokens
 
 
 def test_expected_tokens():
@@ -12,54 +14,101 @@ def test_expected_tokens():
 
 
 def test_fixed_and_disable_by_batch_size():
-    assert SpeculationPolicy("fixed", 3).choose(["a"] * 10) == 3
+    assert SpeculationPolicy("fixed", 3).choose(["a"] * 10) == [3] * 10
     p = SpeculationPolicy("disable_by_batch_size", 3, max_batch_for_speculation=4)
-    assert p.choose(["a"] * 4) == 3
-    assert p.choose(["a"] * 5) == 0
+    assert p.choose(["a"] * 4) == [3] * 4
+    assert p.choose(["a"] * 5) == [0] * 5
     with pytest.raises(SpecDecodeError):
         SpeculationPolicy("disable_by_batch_size", 3)
     with pytest.raises(SpecDecodeError, match="unknown speculation policy"):
         SpeculationPolicy("sometimes", 3)
 
 
-def _measured(alpha: float, c: float, k_max: int = 4, batch: int = 1, verify_growth: float = 0.0):
+def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: float = 0.0) -> SpeculationPolicy:
+    """A policy that has measured: target forward 1 s at the batch size, +verify_growth s per extra token;
+    a draft forward c s at any drafting batch size."""
     p = SpeculationPolicy("adaptive", k_max)
-    p.acceptance["r"] = alpha
-    for tokens in range(batch, batch * (k_max + 1) + 1):
-        p.costs.observe("target", tokens, 1.0 + verify_growth * (tokens - batch))
-    p.costs.observe("draft", batch, c)
+    n = len(alphas)
+    for i, a in enumerate(alphas):
+        p.acceptance[str(i)] = a
+    for tokens in range(n, n * (k_max + 1) + 1):
+        p.costs.target.observe(tokens, 1.0 + verify_growth * (tokens - n))
+    for m in range(1, n + 1):
+        p.costs.draft.observe(m, c)
     return p
+
+
+def _choose(p: SpeculationPolicy, n: int) -> list[int]:
+    return p.choose([str(i) for i in range(n)])
 
 
 def test_adaptive_explores_then_decides():
     p = SpeculationPolicy("adaptive", 4)
-    assert p.choose(["r"]) == 0  # nothing measured: plain first
-    p.costs.observe("target", 1, 1.0)
-    assert p.choose(["r"]) == 4  # plain measured: try speculating once
+    assert p.choose(["r"]) == [0]  # nothing measured: plain first
+    p.costs.target.observe(1, 1.0)
+    assert p.choose(["r"]) == [4]  # plain measured: try speculating once
+    assert p.choose(["r", "s"]) == [0, 0]  # a new batch size: measure plain there first
 
 
 @pytest.mark.parametrize("alpha, c, expected", [
-    (0.9, 0.1, 4),  # good draft, cheap: draft the most
-    (0.2, 0.5, 0),  # poor draft, costly: do not speculate
-    (0.0, 0.05, 0),  # nothing is ever accepted
+    (0.9, 0.1, [4]),  # good draft, cheap: draft the most
+    (0.2, 0.5, [0]),  # poor draft, costly: do not speculate
+    (0.0, 0.05, [0]),  # nothing is ever accepted
 ])
 def test_adaptive_picks_goodput_maximising_k(alpha, c, expected):
-    assert _measured(alpha, c).choose(["r"]) == expected
+    assert _choose(_measured([alpha], c), 1) == expected
+
+
+def test_adaptive_chooses_k_per_sequence():
+    """An easy sequence drafts, a hopeless one in the same batch does not."""
+    ks = _choose(_measured([0.9, 0.0], 0.1, verify_growth=0.05), 2)
+    assert ks[0] >= 2 and ks[1] == 0
 
 
 def test_adaptive_stops_when_verification_gets_expensive():
     """Under load a wide verify call stops being free (compute-bound): speculation must switch off."""
-    assert _measured(0.8, 0.1, batch=16, verify_growth=0.2).choose(["r"] * 16) == 0
-    assert _measured(0.8, 0.1, batch=16, verify_growth=0.0).choose(["r"] * 16) > 0
+    assert _choose(_measured([0.8] * 16, 0.1, verify_growth=0.2), 16) == [0] * 16
+    assert any(_choose(_measured([0.8] * 16, 0.1, verify_growth=0.0), 16))
 
 
-def test_adaptive_engine_stays_lossless_and_turns_off_for_a_useless_draft(target, random_draft):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+def test_cost_table_interpolates_and_replaces_the_warmup_sample():
+    t = CostTable()
+    t.observe(1, 10.0)  # first call: warm-up
+    t.observe(1, 1.0)
+    t.observe(5, 2.0)
+    assert t(1) == 1.0 and t(3) == pytest.approx(1.5) and t(9) == pytest.approx(3.0)
+
+
+def test_acceptance_estimate_is_unbiased_for_iid_acceptance():
+    """Each draft token accepted with probability 0.6 independently, k = 4: the estimate must approach 0.6
+    (accepted/drafted would approach 0.34)."""
+    p, rng = SpeculationPolicy("adaptive", 4, acceptance_smoothing=0.01), random.Random(0)
+    for _ in range(5000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.6:
+            accepted += 1
+        p.observe_acceptance("r", 4, accepted)
+    assert p.acceptance["r"] == pytest.approx(0.6, abs=0.05)
+
+
+def test_a_rejected_sequence_is_probed_again_later():
+    p = _measured([0.0], 0.3)
+    assert _choose(p, 1) == [0]
+    for _ in range(200):  # plain steps: the estimate drifts back towards the prior
+        p.observe_acceptance("0", 0, 0)
+    assert _choose(p, 1)[0] > 0
+
+
+def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_draft):
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate("hello world", params)
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
               max_model_len=256)
+    policy = llm.engine.policy
     out = llm.generate("hello world", params)
     assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    decisions = llm.engine.policy.decisions
-    assert decisions[0] > sum(n for k, n in decisions.items() if k > 0)  # mostly plain decoding
-    assert out[0].spec["num_draft_forwards"] < 40  # k = 0 steps ran no draft forward
+    assert out[0].spec["acceptance_rate"] < 0.2
+    # Whatever the timings, drafting stops once the estimate has fallen: α ≤ 0.2 pays only if a draft
+    # forward costs under a fifth of a target forward, and here both models are the same size.
+    assert policy.decisions[0] > 2 * policy.speculating_fraction * sum(policy.decisions.values())
+    assert out[0].spec["num_draft_forwards"] < 120  # k = 0 steps ran no draft forward

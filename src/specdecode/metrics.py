@@ -123,10 +123,12 @@ class StepTimer:
     target_calls: int = 0
     draft_time: float = 0.0
     draft_calls: int = 0
+    propose_time: float = 0.0  # whole proposer calls (draft forwards plus their bookkeeping, or n-gram lookup)
+    propose_calls: int = 0
 
     @contextmanager
     def measure(self, which: str):
-        """Time one forward pass; `which` is "target" or "draft"."""
+        """Time one call; `which` is "target", "draft" (forward passes) or "propose"."""
         start = _now()
         yield
         setattr(self, f"{which}_time", getattr(self, f"{which}_time") + _now() - start)

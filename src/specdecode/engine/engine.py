@@ -39,6 +39,7 @@ class Engine:
         self.totals = SpecCounters()
         self.last_step = SpecCounters()  # what the most recent decoding step drafted and accepted
         self.last_batch_size = 0
+        self.last_ks: list[int] = []  # tokens drafted per sequence in the most recent decoding step
 
     @property
     def k(self) -> int:
@@ -71,7 +72,7 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Admit what fits, run one decoding step; return the sequences that finished."""
-        self.last_step, self.last_batch_size = SpecCounters(), 0
+        self.last_step, self.last_batch_size, self.last_ks = SpecCounters(), 0, []
         self._admit()
         decoding = [s for s in self.running if not s.finished]
         if decoding:
@@ -113,23 +114,16 @@ class Engine:
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
-        k = self.policy.choose([s.request_id for s in seqs]) if self.proposer is not None else 0
-        ks = [self._draft_budget(seq, k) for seq in seqs]
-        draft_time, draft_calls = self.timer.draft_time, self.timer.draft_calls
-        if any(ks):
-            drafts = self.proposer.propose(seqs, ks)
-        else:  # plain decoding: no draft forward at all
-            drafts = DraftBatch([[] for _ in seqs], [None] * len(seqs))
+        ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, self._choose_ks(seqs))]
+        drafts, draft_seconds = self._propose(seqs, ks)
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
         target_time = self.timer.target_time
         with self.timer.measure("target"):
             logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
-        new_draft_calls = self.timer.draft_calls - draft_calls
-        self.policy.observe_step(len(seqs), sum(map(len, inputs)), self.timer.target_time - target_time,
-                                 (self.timer.draft_time - draft_time) / new_draft_calls if new_draft_calls else None)
+        self.policy.observe_step(drafts.num_tokens, self.timer.target_time - target_time, draft_seconds)
         results = self._verify(seqs, drafts, logits)
-        self.last_batch_size = len(seqs)
+        self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
         for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
             accepted = result.num_accepted[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
@@ -140,6 +134,20 @@ class Engine:
             self.last_step.record_step(n_draft, accepted, len(result.tokens[0]))
             self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
             self._emit(seq, result.tokens[0])
+
+    def _choose_ks(self, seqs: list[Sequence]) -> list[int]:
+        if self.proposer is None:
+            return [0] * len(seqs)
+        return self.policy.choose([s.request_id for s in seqs])
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[DraftBatch, float | None]:
+        """Drafts, and the seconds per drafting round (for the policy's cost model; None if none ran)."""
+        if not any(ks):  # plain decoding: no draft forward at all
+            return DraftBatch([[] for _ in seqs], [None] * len(seqs)), None
+        before = self.timer.propose_time
+        with self.timer.measure("propose"):
+            drafts = self.proposer.propose(seqs, ks)
+        return drafts, (self.timer.propose_time - before) / max(ks)
 
     def _draft_budget(self, seq: Sequence, k: int) -> int:
         """k, capped so that emitted tokens fit max_tokens and the verified tokens fit the context."""

@@ -1,20 +1,23 @@
-"""How many tokens to draft, decided every step.
+"""How many tokens to draft, decided every step and for every sequence.
 
-- `fixed`: k every step.
+- `fixed`: k for every sequence, every step.
 - `disable_by_batch_size`: vLLM's `speculative_disable_by_batch_size`: k while the running batch has at
   most N sequences, none above.
-- `adaptive`: k in 0..k_max per step, maximising expected goodput (emitted tokens per second) from each
-  sequence's running acceptance estimate and the measured cost of draft and target forwards. k = 0 means
-  no draft forward at all, so choosing it costs nothing over plain decoding.
+- `adaptive`: k_i in 0..k_max per sequence, maximising expected goodput (emitted tokens per second of the
+  step) from each sequence's running acceptance estimate and the measured cost of draft and target
+  forwards at the sizes involved. k = 0 for everyone means no draft forward at all, so choosing it costs
+  nothing over plain decoding.
 """
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import SpecDecodeError
 
 POLICIES = ("fixed", "disable_by_batch_size", "adaptive")
+PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -23,27 +26,53 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass
-class CostModel:
-    """Running means of measured forward times: target by tokens in the call, draft by batch size.
-    Unseen sizes are estimated from the nearest measured one, scaled linearly (memory-bound regime)."""
+class CostTable:
+    """Running mean of a forward's measured seconds by size (tokens in the call, or sequences drafting).
 
-    target: dict[int, float] = field(default_factory=dict)
-    draft: dict[int, float] = field(default_factory=dict)
+    The first sample of a size is provisional (it often carries one-off warm-up work) and is replaced by
+    the second. Unmeasured sizes are interpolated between the measured neighbours, or extrapolated along
+    the slope of the two nearest (+2% per unit when only one size is known)."""
+
     smoothing: float = 0.3
+    seconds: dict[int, float] = field(default_factory=dict)
+    samples: Counter = field(default_factory=Counter)
 
-    def observe(self, table: str, size: int, seconds: float) -> None:
-        t = getattr(self, table)
-        t[size] = seconds if size not in t else (1 - self.smoothing) * t[size] + self.smoothing * seconds
+    def observe(self, size: int, seconds: float) -> None:
+        self.samples[size] += 1
+        if self.samples[size] <= 2:
+            self.seconds[size] = seconds
+        else:
+            self.seconds[size] += self.smoothing * (seconds - self.seconds[size])
 
-    def estimate(self, table: str, size: int) -> float | None:
-        t = getattr(self, table)
-        if size in t:
-            return t[size]
-        if not t:
-            return None
-        nearest = min(t, key=lambda s: abs(s - size))
-        # weights dominate; growing the call adds a little: assume +2% per extra token/sequence
-        return t[nearest] * (1 + 0.02 * (size - nearest))
+    def __bool__(self) -> bool:
+        return bool(self.seconds)
+
+    def __call__(self, size: int) -> float:
+        if size <= 0:
+            return 0.0
+        if size in self.seconds:
+            return self.seconds[size]
+        sizes = sorted(self.seconds)
+        if not sizes:
+            raise LookupError("nothing measured yet")
+        if len(sizes) == 1:
+            return self.seconds[sizes[0]] * (1 + 0.02 * (size - sizes[0]))
+        i = bisect.bisect(sizes, size)
+        lo, hi = (sizes[i - 1], sizes[i]) if 0 < i < len(sizes) else (sizes[:2] if i == 0 else sizes[-2:])
+        slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
+        return max(self.seconds[lo] + slope * (size - lo), 1e-9)
+
+
+@dataclass
+class CostModel:
+    target: CostTable = field(default_factory=CostTable)  # one verify/decode forward, by tokens in it
+    draft: CostTable = field(default_factory=CostTable)  # one draft forward, by sequences in it
+
+    def step_seconds(self, ks: list[int]) -> float:
+        """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all."""
+        drafting = sorted((k for k in ks if k), reverse=True)
+        draft = sum(self.draft(sum(1 for k in drafting if k > j)) for j in range(drafting[0])) if drafting else 0.0
+        return draft + self.target(len(ks) + sum(ks))
 
 
 @dataclass
@@ -53,9 +82,16 @@ class SpeculationPolicy:
     max_batch_for_speculation: int | None = None  # for disable_by_batch_size
     prior_acceptance: float = 0.7
     acceptance_smoothing: float = 0.2
+    # While a sequence does not draft, its estimate drifts back towards the prior by this fraction per
+    # step, so a sequence that turned easy is probed again (a probe costs one draft forward).
+    acceptance_recovery: float = 0.02
+    # Every this many speculative steps, one plain step re-measures plain decoding's cost.
+    refresh_plain_every: int = 64
     costs: CostModel = field(default_factory=CostModel)
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running α estimate
-    decisions: Counter = field(default_factory=Counter)  # k chosen -> steps
+    decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
+    _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
+    _spec_steps_since_plain: int = 0
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -63,50 +99,81 @@ class SpeculationPolicy:
         if self.name == "disable_by_batch_size" and not self.max_batch_for_speculation:
             raise SpecDecodeError("disable_by_batch_size needs a batch size (speculative_disable_by_batch_size)")
 
-    def choose(self, request_ids: list[str]) -> int:
-        """k for this step (the engine still caps it per sequence by max_tokens and the context)."""
+    def choose(self, request_ids: list[str]) -> list[int]:
+        """k per sequence for this step (the engine still caps each by max_tokens and the context)."""
+        n = len(request_ids)
         if self.k_max == 0:
-            k = 0
+            ks = [0] * n
         elif self.name == "fixed":
-            k = self.k_max
+            ks = [self.k_max] * n
         elif self.name == "disable_by_batch_size":
-            k = self.k_max if len(request_ids) <= self.max_batch_for_speculation else 0
+            ks = [self.k_max if n <= self.max_batch_for_speculation else 0] * n
         else:
-            k = self._best_k([self.acceptance.get(r, self.prior_acceptance) for r in request_ids])
-        self.decisions[k] += 1
-        return k
+            ks = self._adaptive([self.acceptance.get(r, self.prior_acceptance) for r in request_ids])
+        self.decisions.update(ks)
+        return ks
 
-    def _best_k(self, alphas: list[float]) -> int:
-        batch = len(alphas)
-        plain = self.costs.estimate("target", batch)
-        if plain is None:
-            return 0  # measure plain decoding first
-        if self.costs.estimate("draft", batch) is None:
-            return self.k_max  # then measure one speculative step
-        best_k, best_rate = 0, batch / plain
-        for k in range(1, self.k_max + 1):
-            seconds = k * self.costs.estimate("draft", batch) + self.costs.estimate("target", batch * (k + 1))
-            rate = sum(expected_tokens(a, k) for a in alphas) / seconds
+    def _adaptive(self, alphas: list[float]) -> list[int]:
+        n = len(alphas)
+        if not self.costs.target or n not in self.costs.target.seconds:
+            return [0] * n  # measure plain decoding at this batch size first
+        if not self.costs.draft:
+            return [self.k_max] * n  # then measure one speculative step
+        if self._spec_steps_since_plain >= self.refresh_plain_every:
+            self._spec_steps_since_plain = 0
+            return [0] * n
+        ks = self.best_ks(alphas)
+        self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(ks) else 0
+        return ks
+
+    def best_ks(self, alphas: list[float]) -> list[int]:
+        """Grow the drafts one token at a time, most likely accepted first (token j of sequence i is
+        emitted with probability α_i^j), and keep the allocation with the highest predicted goodput."""
+        n = len(alphas)
+        candidates = sorted(((a ** j, j, i) for i, a in enumerate(alphas) for j in range(1, self.k_max + 1)
+                             if a > 0), key=lambda c: (-c[0], c[1]))
+        ks, best = [0] * n, [0] * n
+        emitted = float(n)
+        best_rate = emitted / self.costs.step_seconds(ks)
+        for gain, _, i in candidates:
+            ks[i] += 1
+            emitted += gain
+            rate = emitted / self.costs.step_seconds(ks)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+                best, best_rate = list(ks), rate
+        return best
 
-    def observe_step(self, num_seqs: int, num_tokens: int, target_seconds: float,
-                     draft_seconds_per_forward: float | None) -> None:
-        self.costs.observe("target", num_tokens, target_seconds)
-        if draft_seconds_per_forward is not None:
-            self.costs.observe("draft", num_seqs, draft_seconds_per_forward)
+    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None) -> None:
+        self.costs.target.observe(len(ks) + sum(ks), target_seconds)
+        drafting = sum(1 for k in ks if k)
+        if draft_seconds_per_forward is not None and drafting:
+            self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
+        """α is estimated as discounted accepted tokens over discounted trials. Positions after the first
+        rejection are never tried, so a step holds `accepted` successes in `accepted + 1` trials (`drafted`
+        when all were accepted): accepted/drafted, or a mean of per-step ratios, would be biased low."""
+        successes, trials = self._evidence.get(request_id, self._prior_evidence)
         if drafted:
-            rate = accepted / drafted
-            prev = self.acceptance.get(request_id, self.prior_acceptance)
-            self.acceptance[request_id] = (1 - self.acceptance_smoothing) * prev + self.acceptance_smoothing * rate
+            keep = 1 - self.acceptance_smoothing
+            successes, trials = keep * successes + accepted, keep * trials + accepted + (accepted < drafted)
+        else:  # drift back towards the prior
+            prior_s, prior_t = self._prior_evidence
+            r = self.acceptance_recovery
+            successes, trials = (1 - r) * successes + r * prior_s, (1 - r) * trials + r * prior_t
+        self._evidence[request_id] = (successes, trials)
+        self.acceptance[request_id] = successes / trials
+
+    @property
+    def _prior_evidence(self) -> tuple[float, float]:
+        return self.prior_acceptance * PRIOR_TRIALS, float(PRIOR_TRIALS)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+        self._evidence.pop(request_id, None)
 
     @property
     def speculating_fraction(self) -> float:
-        steps = sum(self.decisions.values())
-        return sum(n for k, n in self.decisions.items() if k > 0) / steps if steps else 0.0
+        """Share of sequence-steps that drafted at least one token."""
+        total = sum(self.decisions.values())
+        return (total - self.decisions[0]) / total if total else 0.0

@@ -25,6 +25,8 @@ class ServerMetrics:
                                           "Tokens per speculative step (bonus included), since start", registry=r)
         self.speculating_fraction = Gauge("specdecode_spec_decode_speculating_fraction",
                                           "Fraction of steps that drafted", registry=r)
+        self.draft_lengths = Counter("specdecode_spec_decode_draft_length", "Sequence-steps by tokens drafted "
+                                     "(the speculation policy's decisions; 0 = plain decoding)", ["k"], registry=r)
         self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Sequences in the last decoding step", registry=r)
@@ -52,6 +54,8 @@ class ServerMetrics:
         for pos, n in enumerate(step.accepted_per_position):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        for k in engine.last_ks:
+            self.draft_lengths.labels(k=str(k)).inc()
         self.totals.merge(step)
         self._steps += 1
         self._speculated_steps += speculated
