@@ -112,3 +112,21 @@ def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_d
     # forward costs under a fifth of a target forward, and here both models are the same size.
     assert policy.decisions[0] > 2 * policy.speculating_fraction * sum(policy.decisions.values())
     assert out[0].spec["num_draft_forwards"] < 120  # k = 0 steps ran no draft forward
+
+
+def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target):
+    """n-gram lookup on a repetitive prompt next to one where lookup fails: the adaptive policy drafts for
+    one and not the other within the same step, and the batched output equals each request run alone."""
+    prompts = ["abcabcabcabcabcabcabc", "the quick brown fox", "hello world, hello world, hello"]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    alone = [plain.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(target=target, speculative_model="ngram", num_speculative_tokens=4, speculation_policy="adaptive",
+              max_model_len=256)
+    seqs = [llm.engine.add_request(target.tokenizer.encode(p), params) for p in prompts]
+    step_ks = []
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        step_ks.append(list(llm.engine.last_ks))
+    assert [s.output_ids for s in seqs] == alone
+    assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged: different k within one step

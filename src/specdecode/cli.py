@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=16)
-    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded at once")
+    serve.add_argument("--max-model-len", type=int, default=4096, help="context length (prompt + output)")
+    serve.add_argument("--memory-budget", default=None,
+                       help="bytes for weights + KV caches, e.g. 6GiB; fewer sequence slots if they do not fit")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--draft-quantization", default="auto", choices=["auto", "int8", "none"])

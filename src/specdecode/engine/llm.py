@@ -13,6 +13,7 @@ from ..models.sources import DEFAULT_TARGET
 from ..proposers import DraftModelProposer, NgramProposer
 from ..sampling import SamplingParams
 from .engine import Engine
+from .memory import plan_memory, resolve_budget
 from .policy import SpeculationPolicy
 from .sequence import Sequence
 
@@ -52,6 +53,7 @@ class LLM:
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
                  draft_vocab_size: int | None = None, draft_quantization: str = "auto",
                  speculation_policy: str = "fixed", speculative_disable_by_batch_size: int | None = None,
+                 memory_budget: str | int | None = None, gpu_memory_utilization: float | None = 0.9,
                  progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         if num_speculative_tokens < 0:
@@ -71,6 +73,11 @@ class LLM:
                 if draft_vocab_size:
                     restrict_draft_vocab(self.draft, draft_vocab_size)
                 quantize_draft(self.draft, draft_quantization)
+        budget = resolve_budget(self.target.model.device, memory_budget, gpu_memory_utilization)
+        self.memory_plan = plan_memory(self.target.model, self.draft.model if self.draft else None, max_model_len,
+                                       max_num_seqs, num_speculative_tokens, budget)
+        max_num_seqs = self.memory_plan.num_slots
+        if self.draft is not None:
             proposer = DraftModelProposer(self.draft.model, max_num_seqs, max_model_len, self.timer)
         policy = SpeculationPolicy(speculation_policy, num_speculative_tokens, speculative_disable_by_batch_size)
         self.engine = Engine(self.target.model, self.tokenizer, proposer, num_speculative_tokens,

@@ -29,6 +29,9 @@ class ServerMetrics:
                                      "(the speculation policy's decisions; 0 = plain decoding)", ["k"], registry=r)
         self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.slots = Gauge("specdecode_kv_cache_slots", "Sequences the memory plan's KV cache holds", registry=r)
+        self.slot_tokens = Gauge("specdecode_kv_cache_slot_tokens", "Tokens per KV-cache slot (max_model_len)",
+                                 registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Sequences in the last decoding step", registry=r)
         self.aborted = Counter("specdecode_requests_aborted", "Requests cancelled (e.g. client gone)", registry=r)
         self.finished = Counter("specdecode_requests_finished", "Requests finished", ["reason"], registry=r)
@@ -37,6 +40,10 @@ class ServerMetrics:
                               registry=r)
         self.totals = SpecCounters()  # every decoding step's sequences, since start
         self._steps = self._speculated_steps = 0
+
+    def set_capacity(self, slots: int, tokens_per_slot: int) -> None:
+        self.slots.set(slots)
+        self.slot_tokens.set(tokens_per_slot)
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)

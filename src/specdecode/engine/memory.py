@@ -1,0 +1,131 @@
+"""Memory plan: place the target weights, the draft weights and both KV caches in a budget, and size the
+KV caches (sequence slots of max_model_len tokens each) to what fits.
+
+The budget is a byte count (`memory_budget`, e.g. "6GiB"; the way to bound a CPU server), or on CUDA a
+fraction of the device's memory (`gpu_memory_utilization`, vLLM's name). Without either, the caches get
+`max_num_seqs` slots and the plan only reports what they take."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import SpecDecodeError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(size: str | int) -> int:
+    """"6GiB", "512MB", "2.5g" or a plain number of bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise SpecDecodeError(f"cannot read the memory size {size!r}; write it like 6GiB, 512MB or 8000000000")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (shared storage counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * torch.empty((), dtype=dtype).element_size()
+
+
+def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
+                       k_max: int) -> int:
+    """A generous bound on transient memory: a full-context prefill's MLP and projections, plus the
+    float32 logits of the widest verify call."""
+    size = torch.empty((), dtype=dtype).element_size()
+    prefill = max_model_len * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * size
+    logits = max_num_seqs * (k_max + 1) * cfg.vocab_size * 4
+    return prefill + logits
+
+
+@dataclass
+class MemoryPlan:
+    budget_bytes: int | None
+    target_weight_bytes: int
+    draft_weight_bytes: int
+    reserve_bytes: int
+    kv_bytes_per_token: int  # target and draft caches together
+    max_model_len: int
+    num_slots: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_slots * self.max_model_len * self.kv_bytes_per_token
+
+    @property
+    def max_cached_tokens(self) -> int:
+        return self.num_slots * self.max_model_len
+
+    def summary(self) -> str:
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none set"
+        return (f"memory plan (budget {budget}): target weights {format_bytes(self.target_weight_bytes)}, "
+                f"draft weights {format_bytes(self.draft_weight_bytes)}, activations ≤ "
+                f"{format_bytes(self.reserve_bytes)}, KV cache {format_bytes(self.kv_cache_bytes)} "
+                f"({format_bytes(self.kv_bytes_per_token)}/token) = {self.num_slots} sequences × "
+                f"{self.max_model_len} tokens ({self.max_cached_tokens} tokens)")
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "kv_cache_bytes": self.kv_cache_bytes, "max_cached_tokens": self.max_cached_tokens}
+
+
+def resolve_budget(device: torch.device, memory_budget: str | int | None,
+                   gpu_memory_utilization: float | None) -> int | None:
+    if memory_budget is not None:
+        return parse_bytes(memory_budget)
+    if gpu_memory_utilization is None or device.type != "cuda":
+        return None
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SpecDecodeError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    return int(torch.cuda.get_device_properties(device).total_memory * gpu_memory_utilization)
+
+
+def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_model_len: int, max_num_seqs: int,
+                k_max: int, budget_bytes: int | None) -> MemoryPlan:
+    """Slots for at most max_num_seqs sequences of max_model_len tokens, as many as the budget holds."""
+    if max_num_seqs < 1 or max_model_len < 2:
+        raise SpecDecodeError(f"max_num_seqs must be >= 1 and max_model_len >= 2 "
+                              f"(got {max_num_seqs} and {max_model_len})")
+    per_token = kv_bytes_per_token(target.cfg, target.dtype)
+    if draft is not None and draft is not target:
+        per_token += kv_bytes_per_token(draft.cfg, draft.dtype)
+    plan = MemoryPlan(budget_bytes, model_bytes(target), model_bytes(draft) if draft is not None and draft is not
+                      target else 0, activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
+                      per_token, max_model_len, max_num_seqs)
+    if budget_bytes is None:
+        return plan
+    free = budget_bytes - plan.target_weight_bytes - plan.draft_weight_bytes - plan.reserve_bytes
+    per_slot = max_model_len * per_token
+    if free < per_slot:
+        fixed = format_bytes(budget_bytes - free)
+        if free < 2 * per_token:
+            raise SpecDecodeError(f"the memory budget ({format_bytes(budget_bytes)}) is smaller than the weights "
+                                  f"and activations ({fixed}); raise the memory budget")
+        raise SpecDecodeError(
+            f"the memory budget ({format_bytes(budget_bytes)}) holds the weights and activations ({fixed}) but "
+            f"not one sequence of {max_model_len} tokens ({format_bytes(per_slot)} of KV cache); raise the memory "
+            f"budget or lower max_model_len to at most {free // per_token}")
+    plan.num_slots = int(min(max_num_seqs, free // per_slot))
+    return plan

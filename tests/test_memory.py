@@ -1,0 +1,66 @@
+"""The memory plan: weights and both KV caches placed in a byte budget, slots sized to what fits,
+requests beyond the slots wait in the queue, and a budget that can never hold a sequence is refused."""
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.engine.memory import kv_bytes_per_token, model_bytes, parse_bytes, plan_memory
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_parse_bytes():
+    assert parse_bytes("6GiB") == 6 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("2.5g") == 2_500_000_000
+    assert parse_bytes(1234) == 1234
+    with pytest.raises(SpecDecodeError, match="write it like 6GiB"):
+        parse_bytes("lots")
+
+
+def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
+    cfg = target.config
+    assert kv_bytes_per_token(cfg, torch.float32) == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * 4
+    # the engine's cache takes exactly that per token and slot
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
+    assert llm.engine.cache.nbytes == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
+
+
+def test_budget_decides_the_number_of_slots(target, random_draft):
+    fixed = plan_memory(target.model, random_draft.model, 128, 64, 4, None)
+    per_slot = 128 * fixed.kv_bytes_per_token
+    assert fixed.num_slots == 64  # no budget: what was asked
+    weights = model_bytes(target.model) + model_bytes(random_draft.model) + fixed.reserve_bytes
+    plan = plan_memory(target.model, random_draft.model, 128, 64, 4, weights + 3 * per_slot + per_slot // 2)
+    assert plan.num_slots == 3
+    assert plan.kv_cache_bytes == 3 * per_slot
+    assert "3 sequences × 128 tokens" in plan.summary()
+    assert plan_memory(target.model, random_draft.model, 128, 2, 4, weights + 10 * per_slot).num_slots == 2
+
+
+def test_a_budget_that_never_fits_a_sequence_is_refused(target, random_draft):
+    plan = plan_memory(target.model, random_draft.model, 256, 8, 4, None)
+    fixed = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes
+    with pytest.raises(SpecDecodeError, match="raise the memory budget or lower max_model_len to at most 100$"):
+        LLM(target=target, draft=random_draft, max_model_len=256, draft_quantization="none",
+            memory_budget=fixed + 100 * plan.kv_bytes_per_token)
+    with pytest.raises(SpecDecodeError, match="smaller than the weights and activations"):
+        LLM(target=target, draft=random_draft, max_model_len=256, memory_budget=1000)
+
+
+def test_requests_beyond_the_slots_wait_and_all_complete(target, random_draft):
+    plan = plan_memory(target.model, random_draft.model, 64, 8, 3, None)
+    budget = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes + 2 * 64 * plan.kv_bytes_per_token
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=64, max_num_seqs=8,
+              draft_quantization="none",
+              memory_budget=budget)
+    assert llm.memory_plan.num_slots == llm.engine.cache.num_slots == 2
+    prompts = [f"request {i}" for i in range(5)]
+    alone = [LLM(target=target, num_speculative_tokens=0, max_model_len=64).generate(p, PARAMS)[0] for p in prompts]
+    seqs = [llm.engine.add_request(target.tokenizer.encode(p), PARAMS) for p in prompts]
+    most_running = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        most_running = max(most_running, len(llm.engine.running))
+    assert most_running == 2
+    assert [s.output_ids for s in seqs] == [a.outputs[0].token_ids for a in alone]
