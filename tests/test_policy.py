@@ -48,6 +48,8 @@ def test_adaptive_explores_then_decides():
     p.costs.target.observe(1, 1.0)
     assert p.choose(["r"]) == [4]  # plain measured: try speculating once
     assert p.choose(["r", "s"]) == [0, 0]  # a new batch size: measure plain there first
+    p.costs.target.observe(2, 1.0)
+    assert p.choose(["r", "s"], catch_up=[300, 2]) == [0, 4]  # probe where the draft has least to catch up
 
 
 @pytest.mark.parametrize("alpha, c, expected", [
@@ -130,3 +132,13 @@ def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target):
         step_ks.append(list(llm.engine.last_ks))
     assert [s.output_ids for s in seqs] == alone
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged: different k within one step
+
+
+def test_catch_up_is_amortised_over_the_tokens_left():
+    """Starting to draft for a sequence makes the draft read its whole history first: worth it for a long
+    generation, not for one about to end."""
+    p = _measured([0.8], 0.1)
+    p.costs.draft_prefill_per_token = 0.05  # a target step is 1 s: reading 500 tokens costs 25 steps
+    assert p.choose(["0"], catch_up=[500], remaining=[10]) == [0]
+    assert p.choose(["0"], catch_up=[500], remaining=[100_000])[0] > 0
+    assert p.choose(["0"], catch_up=[0], remaining=[10])[0] > 0

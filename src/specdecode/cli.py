@@ -74,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--max-tokens", type=int, default=128)
     lat.add_argument("--no-ngram", action="store_true")
     lat.add_argument("--out", default="results/latency.json")
+
+    conc = bench_sub.add_parser("concurrency", help="through the server: plain vs fixed-k vs adaptive at "
+                                                    "each concurrency")
+    conc.add_argument("--model", default=DEFAULT_TARGET)
+    conc.add_argument("--draft", "--speculative-model", dest="draft", default=DEFAULT_DRAFT)
+    conc.add_argument("-k", type=int, default=4, help="k for fixed, k_max for adaptive")
+    conc.add_argument("--policies", nargs="+", default=["plain", "fixed", "adaptive"],
+                      choices=["plain", "fixed", "adaptive"])
+    conc.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    conc.add_argument("--max-tokens", type=int, default=128)
+    conc.add_argument("--requests-per-client", type=int, default=2)
+    conc.add_argument("--min-requests", type=int, default=4)
+    conc.add_argument("--max-model-len", type=int, default=2048)
+    conc.add_argument("--dtype", default="auto")
+    conc.add_argument("--out", default="results/concurrency.json")
     return parser
 
 
@@ -88,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             from .server.serve_cmd import run_serve
 
             return run_serve(args)
+        if args.bench_command == "concurrency":
+            from .bench.concurrency import run_concurrency_cli
+
+            return run_concurrency_cli(args)
         from .bench.latency import run_latency_cli
 
         return run_latency_cli(args)

@@ -129,9 +129,9 @@ class StepTimer:
     @contextmanager
     def measure(self, which: str):
         """Time one call; `which` is "target", "draft" (forward passes) or "propose"."""
-        start = _now()
+        start = now()
         yield
-        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + _now() - start)
+        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + now() - start)
         setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + 1)
 
     @property
@@ -143,7 +143,7 @@ class StepTimer:
         return self.draft_time / self.draft_calls if self.draft_calls else None
 
 
-def _now() -> float:
+def now() -> float:
     """Wall clock after the accelerator has finished queued work, so phases are timed honestly."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

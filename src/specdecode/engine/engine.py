@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
 from ..kv_cache import KVCache
-from ..metrics import SpecCounters, StepTimer
+from ..metrics import SpecCounters, StepTimer, now
 from ..models.runtime import Transformer, forward_ragged
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Proposer
@@ -114,14 +114,14 @@ class Engine:
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
+        step_start = now()
         ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, self._choose_ks(seqs))]
         drafts, draft_seconds = self._propose(seqs, ks)
+        verify_start = now()
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
-        target_time = self.timer.target_time
         with self.timer.measure("target"):
             logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
-        self.policy.observe_step(drafts.num_tokens, self.timer.target_time - target_time, draft_seconds)
         results = self._verify(seqs, drafts, logits)
         self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
         for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
@@ -134,20 +134,39 @@ class Engine:
             self.last_step.record_step(n_draft, accepted, len(result.tokens[0]))
             self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
             self._emit(seq, result.tokens[0])
+        # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
+        end = now()
+        self.policy.observe_step(drafts.num_tokens, end - verify_start, draft_seconds, end - step_start)
 
     def _choose_ks(self, seqs: list[Sequence]) -> list[int]:
         if self.proposer is None:
             return [0] * len(seqs)
-        return self.policy.choose([s.request_id for s in seqs])
+        unseen = getattr(self.proposer, "unseen_tokens", None)
+        catch_up = [max(0, unseen(s) - 2) for s in seqs] if unseen else None  # 1-2 unseen is the steady state
+        return self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs])
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[DraftBatch, float | None]:
-        """Drafts, and the seconds per drafting round (for the policy's cost model; None if none ran)."""
+        """Drafts, and the seconds of one drafting round (for the policy's cost model; None if none ran)."""
         if not any(ks):  # plain decoding: no draft forward at all
             return DraftBatch([[] for _ in seqs], [None] * len(seqs)), None
+        unseen = getattr(self.proposer, "unseen_tokens", None)
+        catch_up = sum(unseen(s) - 1 for s, k in zip(seqs, ks) if k) if unseen else 0
         before = self.timer.propose_time
         with self.timer.measure("propose"):
             drafts = self.proposer.propose(seqs, ks)
-        return drafts, (self.timer.propose_time - before) / max(ks)
+        return drafts, self._draft_round_seconds(self.timer.propose_time - before, max(ks), catch_up)
+
+    def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float:
+        """A draft model's steady cost is a round of single-token forwards; its first round may carry a
+        one-off catch-up (a whole prompt), timed apart so that drafting does not look expensive for good."""
+        timed = getattr(self.proposer, "last_round_seconds", None)
+        if not timed or len(timed) < 2:
+            return total / rounds
+        steady = sum(timed[1:]) / (len(timed) - 1)
+        if catch_up >= 8:
+            self.policy.costs.observe_draft_prefill(catch_up, timed[0] - steady)
+        bookkeeping = (total - sum(timed)) / len(timed)  # sampling and Python around each forward
+        return steady + bookkeeping
 
     def _draft_budget(self, seq: Sequence, k: int) -> int:
         """k, capped so that emitted tokens fit max_tokens and the verified tokens fit the context."""

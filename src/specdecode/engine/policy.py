@@ -58,15 +58,31 @@ class CostTable:
         if len(sizes) == 1:
             return self.seconds[sizes[0]] * (1 + 0.02 * (size - sizes[0]))
         i = bisect.bisect(sizes, size)
-        lo, hi = (sizes[i - 1], sizes[i]) if 0 < i < len(sizes) else (sizes[:2] if i == 0 else sizes[-2:])
-        slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
-        return max(self.seconds[lo] + slope * (size - lo), 1e-9)
+        if 0 < i < len(sizes):  # between two measured sizes
+            lo, hi = sizes[i - 1], sizes[i]
+            return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (size - lo) / (hi - lo)
+        edge = sizes[0] if i == 0 else sizes[-1]  # outside: along the least-squares slope of all sizes
+        return max(self.seconds[edge] + self._slope(sizes) * (size - edge), 1e-9)
+
+    def _slope(self, sizes: list[int]) -> float:
+        mean_x = sum(sizes) / len(sizes)
+        mean_y = sum(self.seconds[x] for x in sizes) / len(sizes)
+        var = sum((x - mean_x) ** 2 for x in sizes)
+        return max(0.0, sum((x - mean_x) * (self.seconds[x] - mean_y) for x in sizes) / var)
 
 
 @dataclass
 class CostModel:
     target: CostTable = field(default_factory=CostTable)  # one verify/decode forward, by tokens in it
     draft: CostTable = field(default_factory=CostTable)  # one draft forward, by sequences in it
+    # A sequence that has not drafted for a while (or ever) makes the draft read its missed tokens first.
+    draft_prefill_per_token: float = 0.0
+    smoothing: float = 0.3
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        per_token = max(0.0, seconds) / tokens
+        old = self.draft_prefill_per_token
+        self.draft_prefill_per_token = per_token if old == 0 else old + self.smoothing * (per_token - old)
 
     def step_seconds(self, ks: list[int]) -> float:
         """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all."""
@@ -86,11 +102,22 @@ class SpeculationPolicy:
     # step, so a sequence that turned easy is probed again (a probe costs one draft forward).
     acceptance_recovery: float = 0.02
     # Every this many speculative steps, one plain step re-measures plain decoding's cost.
-    refresh_plain_every: int = 64
+    refresh_plain_every: int = 32
+    # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
+    # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
+    min_gain: float = 0.05
+    # A catch-up must pay for itself within this many steps: drafting may well stop again before the
+    # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
+    catch_up_horizon: int = 16
     costs: CostModel = field(default_factory=CostModel)
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running α estimate
     decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
+    # measured / predicted seconds of speculative steps: what the per-phase tables miss (the draft's
+    # bookkeeping, a longer first round) is charged back to the decision. Plain steps need none: their
+    # table entry is the measured step.
+    calibration: float = 1.0
+    _predicted: float | None = None
     _spec_steps_since_plain: int = 0
 
     def __post_init__(self):
@@ -99,8 +126,11 @@ class SpeculationPolicy:
         if self.name == "disable_by_batch_size" and not self.max_batch_for_speculation:
             raise SpecDecodeError("disable_by_batch_size needs a batch size (speculative_disable_by_batch_size)")
 
-    def choose(self, request_ids: list[str]) -> list[int]:
-        """k per sequence for this step (the engine still caps each by max_tokens and the context)."""
+    def choose(self, request_ids: list[str], catch_up: list[int] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
+        """k per sequence for this step (the engine still caps each by max_tokens and the context).
+        catch_up: tokens the draft must read before it can draft for the sequence; remaining: tokens the
+        sequence may still emit (a catch-up is amortised over the steps left)."""
         n = len(request_ids)
         if self.k_max == 0:
             ks = [0] * n
@@ -109,41 +139,57 @@ class SpeculationPolicy:
         elif self.name == "disable_by_batch_size":
             ks = [self.k_max if n <= self.max_batch_for_speculation else 0] * n
         else:
-            ks = self._adaptive([self.acceptance.get(r, self.prior_acceptance) for r in request_ids])
+            alphas = [self.acceptance.get(r, self.prior_acceptance) for r in request_ids]
+            ks = self._adaptive(alphas, catch_up or [0] * n, remaining or [1 << 30] * n)
         self.decisions.update(ks)
         return ks
 
-    def _adaptive(self, alphas: list[float]) -> list[int]:
+    def _adaptive(self, alphas: list[float], catch_up: list[int], remaining: list[int]) -> list[int]:
         n = len(alphas)
         if not self.costs.target or n not in self.costs.target.seconds:
             return [0] * n  # measure plain decoding at this batch size first
-        if not self.costs.draft:
-            return [self.k_max] * n  # then measure one speculative step
+        if not self.costs.draft:  # then measure drafting, on the sequence that is cheapest to start
+            probe = min(range(n), key=lambda i: catch_up[i])
+            return [self.k_max if i == probe else 0 for i in range(n)]
         if self._spec_steps_since_plain >= self.refresh_plain_every:
             self._spec_steps_since_plain = 0
             return [0] * n
-        ks = self.best_ks(alphas)
+        ks = self.best_ks(alphas, catch_up, remaining)
+        self._predicted = self.costs.step_seconds(ks) + sum(
+            c * self.costs.draft_prefill_per_token for c, k in zip(catch_up, ks) if k)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(ks) else 0
         return ks
 
-    def best_ks(self, alphas: list[float]) -> list[int]:
+    def best_ks(self, alphas: list[float], catch_up: list[int] | None = None,
+                remaining: list[int] | None = None) -> list[int]:
         """Grow the drafts one token at a time, most likely accepted first (token j of sequence i is
         emitted with probability α_i^j), and keep the allocation with the highest predicted goodput."""
         n = len(alphas)
+        start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
+        for i, (tokens, left) in enumerate(zip(catch_up or [0] * n, remaining or [1 << 30] * n)):
+            steps = min(self.catch_up_horizon, max(1.0, left / expected_tokens(alphas[i], self.k_max)))
+            start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
         candidates = sorted(((a ** j, j, i) for i, a in enumerate(alphas) for j in range(1, self.k_max + 1)
                              if a > 0), key=lambda c: (-c[0], c[1]))
         ks, best = [0] * n, [0] * n
-        emitted = float(n)
-        best_rate = emitted / self.costs.step_seconds(ks)
+        emitted, extra = float(n), 0.0
+        best_rate = (1 + self.min_gain) * emitted / self.costs.step_seconds(ks)
         for gain, _, i in candidates:
+            extra += start_cost[i] if ks[i] == 0 else 0.0
             ks[i] += 1
             emitted += gain
-            rate = emitted / self.costs.step_seconds(ks)
+            rate = emitted / ((self.costs.step_seconds(ks) + extra) * self.calibration)
             if rate > best_rate:
                 best, best_rate = list(ks), rate
         return best
 
-    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None) -> None:
+    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
+                     step_seconds: float | None = None) -> None:
+        """Measured phases of the step just run; step_seconds is its whole wall time."""
+        if self._predicted and step_seconds and any(ks):
+            ratio = min(2.0, max(0.5, step_seconds / self._predicted))  # one hiccup must not flip decisions
+            self.calibration += self.acceptance_smoothing * (ratio - self.calibration)
+        self._predicted = None
         self.costs.target.observe(len(ks) + sum(ks), target_seconds)
         drafting = sum(1 for k in ks if k)
         if draft_seconds_per_forward is not None and drafting:

@@ -19,11 +19,15 @@ class DraftModelProposer:
         self.model = model
         self.cache = KVCache(model.cfg, max_slots, max_len, model.dtype, model.device)
         self.timer = timer or StepTimer()
+        # seconds of each drafting round of the last propose() call; the first round also feeds whatever
+        # the draft had not seen (a whole prompt, after a stretch without drafting), so it can be long
+        self.last_round_seconds: list[float] = []
 
     def propose(self, seqs, ks: list[int]) -> DraftBatch:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
+        self.last_round_seconds = []
         for i in active:
             if seqs[i].draft_state is None:
                 seqs[i].draft_state = self.cache.allocate()
@@ -43,8 +47,10 @@ class DraftModelProposer:
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
+        before = self.timer.draft_time
         with self.timer.measure("draft"):
             logits = forward_ragged(self.model, self.cache, slots, inputs, logits="last")
+        self.last_round_seconds.append(self.timer.draft_time - before)
         for slot, tokens in zip(slots, inputs):
             self.cache.lengths[slot] += len(tokens)
         return logits
@@ -59,6 +65,11 @@ class DraftModelProposer:
         # back to the full vocabulary; tokens outside the subset get q = 0
         full = torch.full((self.model.cfg.vocab_size,), float("-inf"), device=logits.device)
         return sample_token(full.index_copy_(0, vocab_ids, logits), seq.params, seq.generator)
+
+    def unseen_tokens(self, seq) -> int:
+        """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""
+        cached = self.cache.lengths[seq.draft_state] if seq.draft_state is not None else 0
+        return seq.num_tokens - cached
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         slot = seq.draft_state

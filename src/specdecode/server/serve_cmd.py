@@ -17,6 +17,8 @@ def run_serve(args) -> int:
     if args.k < 0:
         raise SpecDecodeError(f"--num-speculative-tokens must be >= 0, got {args.k}")
     draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
+    if args.k == 0:
+        draft = None  # plain decoding: do not load (or plan memory for) a draft
     llm = LLM(args.model, draft, args.k, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, draft_quantization=args.draft_quantization,
               speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,

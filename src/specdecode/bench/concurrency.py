@@ -1,0 +1,100 @@
+"""Concurrency sweep through the server: plain decoding, fixed-k speculation and the adaptive policy,
+each in its own `specdecode serve` process, at each concurrency in turn; the same HumanEval prompts,
+greedy, a fixed number of new tokens (EOS ignored so every configuration does the same work).
+Prints throughput and TPOT with their ratios to plain decoding at the same concurrency; writes JSON."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import sys
+
+import torch
+
+from .datasets import humaneval_prompts
+from .load import LoadResult, run_load
+from .server_process import ServerProcess
+
+
+def server_configs(args) -> list[tuple[str, list[str]]]:
+    common = ["--model", args.model, "--max-num-seqs", str(max(args.concurrency)),
+              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+    draft = ["--speculative-model", args.draft] if args.draft else []
+    configs = {"plain": common + ["--num-speculative-tokens", "0"],
+               "fixed": common + draft + ["--policy", "fixed", "-k", str(args.k)],
+               "adaptive": common + draft + ["--policy", "adaptive", "-k", str(args.k)]}
+    return [(name, configs[name]) for name in args.policies]
+
+
+def requests_at(concurrency: int, args) -> int:
+    return max(args.min_requests, args.requests_per_client * concurrency)
+
+
+def run_sweep(args) -> dict:
+    prompts = humaneval_prompts()
+    rows = []
+    for name, serve_args in server_configs(args):
+        print(f"starting server: {name}", flush=True)
+        with ServerProcess(serve_args) as server:
+            asyncio.run(run_load(server.base_url, prompts[:1], 8, progress=False))  # warm-up
+            for c in args.concurrency:
+                n = requests_at(c, args)
+                batch = [prompts[i % len(prompts)] for i in range(n)]
+                result = asyncio.run(run_load(server.base_url, batch, args.max_tokens, concurrency=c))
+                rows.append({"config": name, **result.as_dict()})
+                print(row_text(name, result), flush=True)
+    add_ratios_to_plain(rows)
+    return {"meta": meta(args), "results": rows}
+
+
+def add_ratios_to_plain(rows: list[dict]) -> None:
+    plain = {r["concurrency"]: r for r in rows if r["config"] == "plain"}
+    for r in rows:
+        base = plain.get(r["concurrency"])
+        if base and r["tpot_s"] and base["tpot_s"]:
+            r["throughput_vs_plain"] = r["output_throughput"] / base["output_throughput"]
+            r["tpot_reduction_vs_plain"] = base["tpot_s"]["mean"] / r["tpot_s"]["mean"]
+
+
+def meta(args) -> dict:
+    return {"command": "specdecode " + " ".join(sys.argv[1:]), "model": args.model, "draft": args.draft,
+            "k": args.k, "max_tokens": args.max_tokens, "dataset": "humaneval", "greedy": True,
+            "requests": {c: requests_at(c, args) for c in args.concurrency},
+            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def row_text(name: str, r: LoadResult) -> str:
+    alpha = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.3f}"
+    spec = "-" if r.speculating_fraction is None else f"{r.speculating_fraction:.0%}"
+    return (f"{name:<10}{r.concurrency:>5}{r.num_requests:>6}{r.output_throughput:>10.2f}"
+            f"{r.tpot_s['mean'] * 1000 if r.tpot_s else float('nan'):>10.1f}"
+            f"{r.ttft_s['mean'] if r.ttft_s else float('nan'):>9.2f}{alpha:>8}{spec:>8}{r.num_failed:>7}")
+
+
+HEADER = f"{'config':<10}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}{'spec%':>8}{'failed':>7}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    lines = [f"{'config':<10}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'TPOT ms':>10}{'TPOT ÷':>9}"]
+    for r in rows:
+        ratio = r.get("throughput_vs_plain")
+        tpot = r.get("tpot_reduction_vs_plain")
+        lines.append(f"{r['config']:<10}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
+                     f"{'' if ratio is None else f'{ratio:.2f}x':>10}{r['tpot_s']['mean'] * 1000:>10.1f}"
+                     f"{'' if tpot is None else f'{tpot:.2f}x':>9}")
+    return "\n".join(lines)
+
+
+def run_concurrency_cli(args) -> int:
+    print(f"HumanEval through the server, greedy, {args.max_tokens} new tokens; policies {', '.join(args.policies)}; "
+          f"concurrency {args.concurrency}", flush=True)
+    print(HEADER, flush=True)
+    report = run_sweep(args)
+    print("\n" + summary_table(report["results"]))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,158 @@
+"""Load generator for an OpenAI-compatible server: send prompts as streaming /v1/completions requests,
+either with a fixed number in flight (closed loop) or arriving as a Poisson process (open loop), and
+measure per request TTFT, TPOT and latency, and for the run throughput and speculation statistics.
+
+Works against any OpenAI-compatible server (vLLM, SGLang, llama.cpp, ours); the speculation fields are
+read from `usage.speculation` where the server sends them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    error: str | None = None
+    speculation: dict = field(default_factory=dict)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (the decoding speed a reader sees)."""
+        if self.ttft_s is None or self.latency_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def summarize(values: list[float]) -> dict | None:
+    """mean, median, p90, p99 (nearest rank) of a list of seconds."""
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p90": rank(0.9),
+            "p99": rank(0.99)}
+
+
+@dataclass
+class LoadResult:
+    concurrency: int | None
+    request_rate: float | None
+    num_requests: int
+    num_failed: int
+    duration_s: float
+    output_tokens: int
+    output_throughput: float  # output tokens / s over the whole run
+    request_throughput: float
+    ttft_s: dict | None
+    tpot_s: dict | None
+    latency_s: dict | None
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    speculating_fraction: float | None  # share of decoding steps with drafts, over the run's requests
+    errors: list[str]
+
+    @classmethod
+    def from_requests(cls, results: list[RequestResult], duration: float, concurrency, rate) -> "LoadResult":
+        ok = [r for r in results if r.ok]
+        tokens = sum(r.output_tokens for r in ok)
+        spec = [r.speculation for r in ok if r.speculation]
+        drafted = sum(s.get("num_draft_tokens", 0) for s in spec)
+        accepted = sum(s.get("num_accepted_tokens", 0) for s in spec)
+        spec_steps = sum(s.get("num_spec_steps", 0) for s in spec)
+        steps = sum(s.get("num_steps", 0) for s in spec)
+        return cls(
+            concurrency, rate, len(results), len(results) - len(ok), duration, tokens, tokens / duration,
+            len(ok) / duration, summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
+            summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
+            summarize([r.latency_s for r in ok if r.latency_s is not None]),
+            accepted / drafted if drafted else None, (accepted + spec_steps) / spec_steps if spec_steps else None,
+            spec_steps / steps if steps else (0.0 if spec else None),
+            sorted({r.error for r in results if r.error})[:5])
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
+    """One streaming completion; TTFT is the arrival of the first chunk that carries text."""
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", url, json={**payload, "stream": True}) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                if result.ttft_s is None and chunk["choices"] and chunk["choices"][0].get("text"):
+                    result.ttft_s = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.output_tokens = usage.get("completion_tokens", 0)
+                    result.speculation = usage.get("speculation") or {}
+        result.latency_s = time.perf_counter() - start
+        result.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(base_url: str, prompts: list[str], max_tokens: int, *, model: str = "default",
+                   concurrency: int | None = 1, request_rate: float | None = None, temperature: float = 0.0,
+                   ignore_eos: bool = True, api_key: str | None = None, seed: int = 0,
+                   progress: bool = True) -> LoadResult:
+    """Closed loop with `concurrency` requests in flight, or, with `request_rate`, Poisson arrivals at that
+    many requests per second (then `concurrency`, if set, still caps how many are in flight)."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    arrivals = random.Random(seed)
+    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}" if request_rate is None else
+               f"{request_rate} req/s", disable=not progress, leave=False)
+
+    async def one(client, prompt):
+        async with limit:
+            payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                       "ignore_eos": ignore_eos}
+            r = await send_completion(client, url, payload)
+            bar.update(1)
+            return r
+
+    timeout = httpx.Timeout(None, connect=30)
+    pool = httpx.Limits(max_connections=(concurrency or len(prompts)) + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=pool, headers=headers) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(client, prompt)))
+            if request_rate:
+                await asyncio.sleep(arrivals.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return LoadResult.from_requests(results, duration, concurrency, request_rate)
