@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random Llama/Qwen2 models with a byte-level tokenizer, for fast engine tests."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
+import uvicorn
 
 from specdecode.config import ModelConfig
 from specdecode.models.loader import LoadedModel
@@ -82,3 +86,25 @@ def target() -> LoadedModel:
 @pytest.fixture(scope="session")
 def random_draft() -> LoadedModel:
     return tiny_model(seed=123, layers=1)
+
+
+class LocalServer:
+    """A uvicorn server for an app, in a thread, on a free 127.0.0.1 port."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

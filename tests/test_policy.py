@@ -81,16 +81,36 @@ def test_cost_table_interpolates_and_replaces_the_warmup_sample():
     assert t(1) == 1.0 and t(3) == pytest.approx(1.5) and t(9) == pytest.approx(3.0)
 
 
-def test_acceptance_estimate_is_unbiased_for_iid_acceptance():
-    """Each draft token accepted with probability 0.6 independently, k = 4: the estimate must approach 0.6
-    (accepted/drafted would approach 0.34)."""
-    p, rng = SpeculationPolicy("adaptive", 4, acceptance_smoothing=0.01), random.Random(0)
-    for _ in range(5000):
+def _simulate(p: SpeculationPolicy, first: float, then: float, steps: int = 20000) -> None:
+    """Drafts of 4 tokens: the first accepted with probability `first`, each later one (given the one
+    before was accepted) with probability `then`."""
+    rng = random.Random(0)
+    for _ in range(steps):
         accepted = 0
-        while accepted < 4 and rng.random() < 0.6:
+        while accepted < 4 and rng.random() < (first if accepted == 0 else then):
             accepted += 1
         p.observe_acceptance("r", 4, accepted)
+
+
+def test_acceptance_estimates_are_unbiased():
+    """i.i.d. acceptance 0.6 at k = 4: first-position and conditional estimates approach 0.6
+    (accepted/drafted would approach 0.34)."""
+    p = SpeculationPolicy("adaptive", 4, acceptance_smoothing=0.01, depth_smoothing=0.001)
+    _simulate(p, 0.6, 0.6)
     assert p.acceptance["r"] == pytest.approx(0.6, abs=0.05)
+    for position in (2, 3, 4):
+        assert p.conditional_acceptance(position) == pytest.approx(0.6, abs=0.05)
+    assert p.expected_tokens(0.6, 4) == pytest.approx(expected_tokens(0.6, 4), rel=0.05)
+
+
+def test_bursty_acceptance_makes_long_drafts_worth_more():
+    """First token 0.6, later ones 0.95: the model must see that the 4th token is nearly as likely as
+    the 2nd (an i.i.d. model at the mean rate would not)."""
+    p = SpeculationPolicy("adaptive", 4, acceptance_smoothing=0.01, depth_smoothing=0.001)
+    _simulate(p, 0.6, 0.95)
+    gains = p.token_gains(p.acceptance["r"])
+    assert gains[0] == pytest.approx(0.6, abs=0.05)
+    assert gains[3] == pytest.approx(0.6 * 0.95 ** 3, abs=0.05)
 
 
 def test_a_rejected_sequence_is_probed_again_later():
@@ -138,7 +158,8 @@ def test_catch_up_is_amortised_over_the_tokens_left():
     """Starting to draft for a sequence makes the draft read its whole history first: worth it for a long
     generation, not for one about to end."""
     p = _measured([0.8], 0.1)
-    p.costs.draft_prefill_per_token = 0.05  # a target step is 1 s: reading 500 tokens costs 25 steps
-    assert p.choose(["0"], catch_up=[500], remaining=[10]) == [0]
+    p.costs.draft_prefill_per_token = 0.01  # a target step is 1 s: reading 500 tokens costs 5 steps
+    assert p.choose(["0"], catch_up=[500], remaining=[4]) == [0]
     assert p.choose(["0"], catch_up=[500], remaining=[100_000])[0] > 0
-    assert p.choose(["0"], catch_up=[0], remaining=[10])[0] > 0
+    assert p.choose(["0"], catch_up=[0], remaining=[4])[0] > 0
+

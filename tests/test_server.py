@@ -2,39 +2,19 @@
 with tiny random models (the engine is the same one the real models use)."""
 import concurrent.futures
 import json
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from specdecode import LLM, SamplingParams
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
+from conftest import LocalServer
+
 API_KEY = "test-key"
-
-
-class _Server:
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +22,7 @@ def served(target, random_draft):
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=16,
               speculation_policy="fixed")
     engine = AsyncEngine(llm.engine)
-    with _Server(build_app(engine, "tiny", API_KEY)) as server:
+    with LocalServer(build_app(engine, "tiny", API_KEY)) as server:
         server.engine = engine
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
         yield server

@@ -75,6 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--no-ngram", action="store_true")
     lat.add_argument("--out", default="results/latency.json")
 
+    load = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
+    load.add_argument("--base-url", default="http://127.0.0.1:8000")
+    load.add_argument("--model", default="default", help="model name sent in the requests")
+    load.add_argument("--dataset", default="humaneval", help="humaneval, sonnet:LEN, jsonl:PATH or hf:NAME")
+    load.add_argument("--prompt-field", default="prompt", help="the prompt's field for jsonl/hf datasets")
+    load.add_argument("--sonnet-file", default=None, help="poem text for sonnet prompts (default: the sonnets)")
+    load.add_argument("--tokenizer", default=DEFAULT_TARGET, help="counts tokens when sizing sonnet prompts")
+    load.add_argument("--num-prompts", type=int, default=32)
+    load.add_argument("--max-tokens", type=int, default=128)
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--stop-at-eos", action="store_true", help="default: ignore EOS, every request runs to --max-tokens")
+    load.add_argument("--api-key", default=None)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--out", default="results/serve.json")
+
+    rep = bench_sub.add_parser("report", help="plots and a Markdown report from a folder of benchmark JSON files")
+    rep.add_argument("results_dir")
+    rep.add_argument("--out", default=None, help="where to write report.md and the PNGs (default: results_dir)")
+
     conc = bench_sub.add_parser("concurrency", help="through the server: plain vs fixed-k vs adaptive at "
                                                     "each concurrency")
     conc.add_argument("--model", default=DEFAULT_TARGET)
@@ -103,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
             from .server.serve_cmd import run_serve
 
             return run_serve(args)
+        if args.bench_command == "report":
+            from .bench.report import run_report_cli
+
+            return run_report_cli(args)
+        if args.bench_command == "serve":
+            from .bench.load import run_bench_serve_cli
+
+            return run_bench_serve_cli(args)
         if args.bench_command == "concurrency":
             from .bench.concurrency import run_concurrency_cli
 

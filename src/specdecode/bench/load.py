@@ -133,7 +133,7 @@ async def run_load(base_url: str, prompts: list[str], max_tokens: int, *, model:
     limit = asyncio.Semaphore(concurrency or len(prompts))
     arrivals = random.Random(seed)
     bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}" if request_rate is None else
-               f"{request_rate} req/s", disable=not progress, leave=False)
+               f"{request_rate} req/s", disable=None if progress else True, leave=False)  # None: off when not a TTY
 
     async def one(client, prompt):
         async with limit:
@@ -156,3 +156,52 @@ async def run_load(base_url: str, prompts: list[str], max_tokens: int, *, model:
         duration = time.perf_counter() - start
     bar.close()
     return LoadResult.from_requests(results, duration, concurrency, request_rate)
+
+
+def token_counter(tokenizer_name: str):
+    from ..models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_name)
+    return lambda text: len(tokenizer.encode(text))
+
+
+def run_bench_serve_cli(args) -> int:
+    """`specdecode bench serve`: one load run per concurrency (or one at --request-rate) against a server."""
+    import os
+    import sys
+
+    from .datasets import load_prompts
+
+    needs_tokens = args.dataset.startswith("sonnet")
+    prompts = load_prompts(args.dataset, args.num_prompts, seed=args.seed, field=args.prompt_field,
+                           count_tokens=token_counter(args.tokenizer) if needs_tokens else None,
+                           sonnet_file=args.sonnet_file)
+    levels = [None] if args.request_rate else args.concurrency
+    runs = []
+    print(f"{args.base_url}: {len(prompts)} prompts from {args.dataset}, {args.max_tokens} new tokens", flush=True)
+    for c in levels:
+        result = asyncio.run(run_load(args.base_url, prompts, args.max_tokens, model=args.model, concurrency=c,
+                                      request_rate=args.request_rate, temperature=args.temperature,
+                                      ignore_eos=not args.stop_at_eos, api_key=args.api_key, seed=args.seed))
+        runs.append(result.as_dict())
+        print(describe(result), flush=True)
+    report = {"meta": {"command": "specdecode " + " ".join(sys.argv[1:]), "base_url": args.base_url,
+                       "dataset": args.dataset, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                       "temperature": args.temperature}, "results": runs}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def describe(r: LoadResult) -> str:
+    mode = f"concurrency {r.concurrency}" if r.request_rate is None else f"{r.request_rate} req/s"
+
+    def ms(stats):
+        return "-" if not stats else f"{stats['mean'] * 1000:.1f}/{stats['median'] * 1000:.1f}/{stats['p99'] * 1000:.1f}"
+
+    spec = "" if r.acceptance_rate is None else f", α {r.acceptance_rate:.3f}, τ {r.mean_accepted_length:.2f}"
+    failed = f", {r.num_failed} FAILED ({'; '.join(r.errors)})" if r.num_failed else ""
+    return (f"{mode}: {r.output_throughput:.2f} tok/s, {r.request_throughput:.3f} req/s; TTFT ms mean/median/p99 "
+            f"{ms(r.ttft_s)}; TPOT ms {ms(r.tpot_s)}; latency ms {ms(r.latency_s)}{spec}{failed}")

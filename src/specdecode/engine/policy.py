@@ -76,13 +76,18 @@ class CostModel:
     target: CostTable = field(default_factory=CostTable)  # one verify/decode forward, by tokens in it
     draft: CostTable = field(default_factory=CostTable)  # one draft forward, by sequences in it
     # A sequence that has not drafted for a while (or ever) makes the draft read its missed tokens first.
+    # Seconds per token of that catch-up (0 until measured: the first sequence that drafts measures it).
     draft_prefill_per_token: float = 0.0
     smoothing: float = 0.3
+    _prefill_samples: int = 0
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         per_token = max(0.0, seconds) / tokens
-        old = self.draft_prefill_per_token
-        self.draft_prefill_per_token = per_token if old == 0 else old + self.smoothing * (per_token - old)
+        self._prefill_samples += 1
+        if self._prefill_samples == 1:
+            self.draft_prefill_per_token = per_token
+        else:
+            self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
 
     def step_seconds(self, ks: list[int]) -> float:
         """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all."""
@@ -97,7 +102,7 @@ class SpeculationPolicy:
     k_max: int = 4
     max_batch_for_speculation: int | None = None  # for disable_by_batch_size
     prior_acceptance: float = 0.7
-    acceptance_smoothing: float = 0.2
+    acceptance_smoothing: float = 0.1  # per step, on the first draft position's outcome
     # While a sequence does not draft, its estimate drifts back towards the prior by this fraction per
     # step, so a sequence that turned easy is probed again (a probe costs one draft forward).
     acceptance_recovery: float = 0.02
@@ -105,12 +110,17 @@ class SpeculationPolicy:
     refresh_plain_every: int = 32
     # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
     # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
-    min_gain: float = 0.05
+    min_gain: float = 0.1
     # A catch-up must pay for itself within this many steps: drafting may well stop again before the
     # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
     catch_up_horizon: int = 16
     costs: CostModel = field(default_factory=CostModel)
-    acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running α estimate
+    acceptance: dict[str, float] = field(default_factory=dict)  # request id -> P(first draft token accepted)
+    # Acceptance is bursty: after an accepted token the next is accepted more often than the first one is.
+    # So depth is modelled apart, over all sequences: position l -> discounted (accepted, tried) given
+    # that position l-1 was accepted.
+    depth: dict[int, tuple[float, float]] = field(default_factory=dict)
+    depth_smoothing: float = 0.01
     decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
     # measured / predicted seconds of speculative steps: what the per-phase tables miss (the draft's
@@ -162,15 +172,16 @@ class SpeculationPolicy:
 
     def best_ks(self, alphas: list[float], catch_up: list[int] | None = None,
                 remaining: list[int] | None = None) -> list[int]:
-        """Grow the drafts one token at a time, most likely accepted first (token j of sequence i is
-        emitted with probability α_i^j), and keep the allocation with the highest predicted goodput."""
+        """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
+        allocation with the highest predicted goodput."""
         n = len(alphas)
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
+        gains = [self.token_gains(a) for a in alphas]
         for i, (tokens, left) in enumerate(zip(catch_up or [0] * n, remaining or [1 << 30] * n)):
-            steps = min(self.catch_up_horizon, max(1.0, left / expected_tokens(alphas[i], self.k_max)))
+            steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(gains[i]))))
             start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
-        candidates = sorted(((a ** j, j, i) for i, a in enumerate(alphas) for j in range(1, self.k_max + 1)
-                             if a > 0), key=lambda c: (-c[0], c[1]))
+        candidates = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0),
+                            key=lambda c: (-c[0], c[1]))
         ks, best = [0] * n, [0] * n
         emitted, extra = float(n), 0.0
         best_rate = (1 + self.min_gain) * emitted / self.costs.step_seconds(ks)
@@ -195,14 +206,36 @@ class SpeculationPolicy:
         if draft_seconds_per_forward is not None and drafting:
             self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
+    def conditional_acceptance(self, position: int) -> float:
+        """P(draft token `position` (2, 3, ...) is accepted | the one before it was)."""
+        accepted, tried = self.depth.get(position, (0.0, 0.0))
+        return (accepted + self.prior_acceptance * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+
+    def token_gains(self, first: float) -> list[float]:
+        """Probability that draft token j (1..k_max) is emitted, for a sequence whose first token is
+        accepted with probability `first`: first · β_2 · … · β_j."""
+        gains, p = [], first
+        for j in range(1, self.k_max + 1):
+            if j > 1:
+                p *= self.conditional_acceptance(j)
+            gains.append(p)
+        return gains
+
+    def expected_tokens(self, first: float, k: int) -> float:
+        return 1 + sum(self.token_gains(first)[:k])
+
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
-        """α is estimated as discounted accepted tokens over discounted trials. Positions after the first
-        rejection are never tried, so a step holds `accepted` successes in `accepted + 1` trials (`drafted`
-        when all were accepted): accepted/drafted, or a mean of per-step ratios, would be biased low."""
+        """Positions after the first rejection are never tried: the first position is tried every step
+        that drafts (per sequence), position l only when l-1 was accepted (pooled over sequences).
+        Counting accepted/drafted instead would be biased low."""
         successes, trials = self._evidence.get(request_id, self._prior_evidence)
         if drafted:
             keep = 1 - self.acceptance_smoothing
-            successes, trials = keep * successes + accepted, keep * trials + accepted + (accepted < drafted)
+            successes, trials = keep * successes + (accepted >= 1), keep * trials + 1
+            keep_depth = 1 - self.depth_smoothing
+            for position in range(2, min(drafted, accepted + 1) + 1):
+                a, t = self.depth.get(position, (0.0, 0.0))
+                self.depth[position] = (keep_depth * a + (accepted >= position), keep_depth * t + 1)
         else:  # drift back towards the prior
             prior_s, prior_t = self._prior_evidence
             r = self.acceptance_recovery

@@ -61,6 +61,14 @@ def _cpu_flags() -> str:
         return ""
 
 
+def load_tokenizer(name: str) -> Tokenizer:
+    """Only the tokenizer of a model (bundled name, GGUF file, checkpoint folder or hub id)."""
+    source = resolve(name)
+    if source.format == "gguf":
+        return Tokenizer.from_gguf(source.path, _cache_dir_for(source, "tokenizer"))
+    return Tokenizer.from_pretrained(source.path)
+
+
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = "auto",
                progress: bool = True) -> LoadedModel:
     device = device or default_device()
@@ -68,10 +76,9 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
     source = resolve(name)
     if source.format == "gguf":
         cfg, tensors = _load_gguf_cached(source, torch_dtype, progress)
-        tokenizer = Tokenizer.from_gguf(source.path, _cache_dir_for(source, "tokenizer"))
     else:
         cfg, tensors = _load_hf_checkpoint(source.path)
-        tokenizer = Tokenizer.from_pretrained(source.path)
+    tokenizer = load_tokenizer(name)
     model = build_model(cfg, tensors, torch_dtype, device)
     return LoadedModel(name, model, tokenizer, cfg)
 

@@ -1,0 +1,217 @@
+"""`specdecode bench report RESULTS_DIR`: read the JSON files the benchmarks wrote, draw the study's plots
+(matplotlib, PNG) and write a Markdown report with the tables, the images and the answers they give."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from ..errors import SpecDecodeError
+
+
+def load_results(folder: str | Path) -> dict[str, list[dict]]:
+    """The benchmark files of a folder, by kind: `latency` (batch-1 k sweep) and `concurrency` (server sweep)."""
+    kinds: dict[str, list[dict]] = defaultdict(list)
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        rows = data.get("results") if isinstance(data, dict) else None
+        if not rows or not isinstance(rows, list):
+            continue
+        data["file"] = path.name
+        if "proposer" in rows[0] and "k" in rows[0]:
+            kinds["latency"].append(data)
+        elif "config" in rows[0] and "concurrency" in rows[0]:
+            kinds["concurrency"].append(data)
+    if not kinds:
+        raise SpecDecodeError(f"no benchmark results (*.json from `specdecode bench ...`) in {folder}")
+    return kinds
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SpecDecodeError("plots need matplotlib: pip install 'specdecode[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    _pyplot().close(fig)
+    return name
+
+
+# ---- concurrency sweep ------------------------------------------------------------------------------------
+def _by_config(rows: list[dict]) -> dict[str, list[dict]]:
+    lines = defaultdict(list)
+    for r in rows:
+        lines[r["config"]].append(r)
+    return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in lines.items()}
+
+
+def plot_concurrency(rows: list[dict], out: Path) -> list[str]:
+    plt = _pyplot()
+    lines = _by_config(rows)
+    images = []
+    for metric, label, name, scale in (("output_throughput", "output tokens / s", "throughput_vs_concurrency.png", 1),
+                                       ("tpot_s", "mean TPOT (ms)", "tpot_vs_concurrency.png", 1000)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for config, series in lines.items():
+            xs = [r["concurrency"] for r in series]
+            ys = [(r[metric]["mean"] if isinstance(r[metric], dict) else r[metric]) * scale for r in series]
+            ax.plot(xs, ys, marker="o", label=config, linestyle="--" if config == "plain" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["concurrency"] for r in rows}), labels=[str(c) for c in sorted({r["concurrency"] for r in rows})])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        images.append(_save(fig, out, name))
+    return images
+
+
+def concurrency_table(rows: list[dict]) -> str:
+    out = ["| config | concurrency | tok/s | vs plain | TPOT ms (mean) | TPOT reduction | TTFT s (mean) | α | speculating |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for config, series in _by_config(rows).items():
+        for r in series:
+            ratio, tpot = r.get("throughput_vs_plain"), r.get("tpot_reduction_vs_plain")
+            alpha = r.get("acceptance_rate")
+            spec = r.get("speculating_fraction")
+            out.append(f"| {config} | {r['concurrency']} | {r['output_throughput']:.2f} | "
+                       f"{'' if ratio is None else f'{ratio:.2f}×'} | {r['tpot_s']['mean'] * 1000:.0f} | "
+                       f"{'' if tpot is None else f'{tpot:.2f}×'} | {r['ttft_s']['mean']:.2f} | "
+                       f"{'-' if alpha is None else f'{alpha:.3f}'} | {'-' if spec is None else f'{spec:.0%}'} |")
+    return "\n".join(out)
+
+
+def concurrency_findings(rows: list[dict]) -> list[str]:
+    lines = _by_config(rows)
+    found = []
+    fixed = lines.get("fixed", [])
+    losing = [r["concurrency"] for r in fixed if r.get("throughput_vs_plain", 1) < 1]
+    if fixed:
+        found.append(f"Fixed-k speculation stops paying at concurrency {losing[0]} "
+                     f"({next(r for r in fixed if r['concurrency'] == losing[0])['throughput_vs_plain']:.2f}× plain)."
+                     if losing else "Fixed-k speculation paid at every concurrency measured.")
+    adaptive = [r for r in lines.get("adaptive", []) if "throughput_vs_plain" in r]
+    if adaptive:
+        worst = min(adaptive, key=lambda r: r["throughput_vs_plain"])
+        verdict = "stays at or above" if worst["throughput_vs_plain"] >= 1 else "falls below"
+        found.append(f"The adaptive policy {verdict} plain decoding's throughput everywhere measured "
+                     f"(lowest: {worst['throughput_vs_plain']:.2f}× at concurrency {worst['concurrency']}).")
+        one = next((r for r in adaptive if r["concurrency"] == 1), None)
+        if one:
+            found.append(f"At concurrency 1 the adaptive policy's TPOT is {one['tpot_reduction_vs_plain']:.2f}× "
+                         f"lower than plain decoding's.")
+    return found
+
+
+# ---- batch-1 latency sweep ----------------------------------------------------------------------------------
+def plot_latency(rows: list[dict], out: Path) -> list[str]:
+    plt = _pyplot()
+    spec = [r for r in rows if r["k"] > 0]
+    by_proposer = defaultdict(list)
+    for r in spec:
+        by_proposer[r["config"].split()[0]].append(r)
+    images = []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for name, series in by_proposer.items():
+        series.sort(key=lambda r: r["k"])
+        ks = [r["k"] for r in series]
+        ax1.plot(ks, [r["acceptance_rate"] for r in series], marker="o", label=name)
+        ax2.plot(ks, [r["mean_accepted_length"] for r in series], marker="o", label=name)
+    for ax, label in ((ax1, "acceptance rate α"), (ax2, "mean accepted length τ")):
+        ax.set_xlabel("k (draft tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    images.append(_save(fig, out, "acceptance_vs_k.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, series in by_proposer.items():
+        ax.plot([r["k"] for r in series], [r["speedup"] for r in series], marker="o", label=f"{name}: measured")
+        predicted = [r for r in series if r.get("predicted_speedup")]
+        if predicted:
+            ax.plot([r["k"] for r in predicted], [r["predicted_speedup"] for r in predicted], marker="x",
+                    linestyle=":", label=f"{name}: predicted (Leviathan)")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xlabel("k (draft tokens)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    images.append(_save(fig, out, "speedup_vs_k.png"))
+    return images
+
+
+def latency_table(rows: list[dict]) -> str:
+    out = ["| config | tok/s | speedup | α | τ | c | predicted | identical to plain |",
+           "|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        same = "-" if r.get("identical_to_plain") is None else ("yes" if r["identical_to_plain"] else "NO")
+        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {f(r.get('speedup'), '.2f')} | "
+                   f"{f(r.get('acceptance_rate'), '.3f')} | {f(r.get('mean_accepted_length'), '.2f')} | "
+                   f"{f(r.get('cost_ratio_c'), '.3f')} | {f(r.get('predicted_speedup'), '.2f')} | {same} |")
+    return "\n".join(out)
+
+
+def latency_findings(rows: list[dict]) -> list[str]:
+    spec = [r for r in rows if r["k"] > 0 and r.get("speedup")]
+    if not spec:
+        return []
+    best = max(spec, key=lambda r: r["speedup"])
+    found = [f"Best configuration at concurrency 1: {best['config']} ({best['tokens_per_s']:.2f} tok/s, "
+             f"{best['speedup']:.2f}× plain)."]
+    ratios = [r["speedup"] / r["predicted_speedup"] for r in spec if r.get("predicted_speedup")]
+    if ratios:
+        found.append(f"Measured speedup is {min(ratios):.0%}–{max(ratios):.0%} of the Leviathan prediction "
+                     "from measured α and c.")
+    if all(r.get("identical_to_plain") for r in spec):
+        found.append("Every greedy speculative output was identical to plain decoding.")
+    return found
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
+    folder = Path(folder)
+    out = Path(out) if out else folder
+    out.mkdir(parents=True, exist_ok=True)
+    kinds = load_results(folder)
+    parts = ["# specdecode benchmark report", ""]
+    findings: list[str] = []
+    sections: list[str] = []
+    for data in kinds.get("latency", []):
+        rows = data["results"]
+        findings += latency_findings(rows)
+        images = plot_latency(rows, out)
+        sections += [f"## Batch size 1: k sweep ({data['file']})", "", f"`{data['meta'].get('command', '')}`", "",
+                     latency_table(rows), ""] + [f"![{i}]({i})" for i in images] + [""]
+    for data in kinds.get("concurrency", []):
+        rows = data["results"]
+        findings += concurrency_findings(rows)
+        images = plot_concurrency(rows, out)
+        sections += [f"## Through the server: concurrency sweep ({data['file']})", "",
+                     f"`{data['meta'].get('command', '')}`", "", concurrency_table(rows), ""] + \
+                    [f"![{i}]({i})" for i in images] + [""]
+    parts += ["## Findings", ""] + [f"- {line}" for line in findings] + [""] + sections
+    path = out / "report.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def run_report_cli(args) -> int:
+    path = write_report(args.results_dir, args.out)
+    print(path.read_text().split("\n## ", 2)[1] if "## Findings" in path.read_text() else "")
+    print(f"wrote {path} and its plots")
+    return 0

@@ -1,0 +1,134 @@
+"""Benchmark pieces: datasets are deterministic, the load generator's arithmetic is right, and it measures
+a real local server."""
+import asyncio
+import json
+
+import pytest
+
+from specdecode import SpecDecodeError
+from specdecode.bench.datasets import (SONNET_INSTRUCTION, humaneval_prompts, jsonl_prompts, load_prompts,
+                                       poem_lines, sonnet_prompts)
+from specdecode.bench.load import LoadResult, RequestResult, run_load, summarize
+
+
+def _count_words(text: str) -> int:
+    return len(text.split())
+
+
+def test_humaneval_prompts():
+    prompts = humaneval_prompts()
+    assert len(prompts) == 164 and prompts[0].startswith("from typing import List")
+
+
+def test_poem_lines_are_verse_only():
+    lines = poem_lines()
+    assert "From fairest creatures we desire increase," in lines
+    assert all(line.strip() == line and len(line) > 20 for line in lines)
+    assert not any(line in ("I", "II", "THE SONNETS") for line in lines)
+    assert len(lines) > 2000
+
+
+def test_sonnet_prompts_are_deterministic_and_sized():
+    a = sonnet_prompts(3, 200, _count_words, seed=1)
+    assert a == sonnet_prompts(3, 200, _count_words, seed=1)
+    assert a != sonnet_prompts(3, 200, _count_words, seed=2)
+    assert len(set(a)) == 3
+    for p in a:
+        assert p.startswith(SONNET_INSTRUCTION)
+        assert 180 <= _count_words(p) <= 200  # filled up to the target, never past it
+    longer = sonnet_prompts(1, 800, _count_words, seed=1)[0]
+    assert 780 <= _count_words(longer) <= 800
+
+
+def test_sonnet_prompts_from_a_user_file(tmp_path):
+    poem = tmp_path / "poem.txt"
+    poem.write_text("TITLE\n\nShall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n")
+    (p,) = sonnet_prompts(1, 40, _count_words, path=poem)
+    assert "summer's day" in p or "temperate" in p
+    with pytest.raises(SpecDecodeError, match="shorter than the instruction"):
+        sonnet_prompts(1, 5, _count_words, path=poem)
+
+
+def test_jsonl_and_dataset_specs(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"prompt": "b", "x": 1}\n')
+    assert jsonl_prompts(f) == ["a", "b"]
+    assert load_prompts(f"jsonl:{f}", 5) == ["a", "b", "a", "b", "a"]
+    f.write_text('{"text": "a"}\n')
+    with pytest.raises(SpecDecodeError, match="no string field 'prompt'"):
+        jsonl_prompts(f)
+    with pytest.raises(SpecDecodeError, match="unknown dataset"):
+        load_prompts("poems", 2)
+
+
+def test_request_and_run_arithmetic():
+    """TTFT 0.5 s, latency 2.5 s, 11 tokens: TPOT = (2.5 - 0.5) / 10 = 0.2 s."""
+    r = RequestResult(ok=True, output_tokens=11, ttft_s=0.5, latency_s=2.5,
+                      speculation={"num_draft_tokens": 8, "num_accepted_tokens": 6, "num_spec_steps": 2,
+                                   "num_steps": 4})
+    assert r.tpot_s == pytest.approx(0.2)
+    assert RequestResult(ok=True, output_tokens=1, ttft_s=0.5, latency_s=0.5).tpot_s is None
+    other = RequestResult(ok=True, output_tokens=5, ttft_s=1.5, latency_s=3.5)
+    failed = RequestResult(ok=False, error="HTTP 400: bad")
+    run = LoadResult.from_requests([r, other, failed], duration=4.0, concurrency=2, rate=None)
+    assert run.output_tokens == 16 and run.output_throughput == pytest.approx(4.0)
+    assert run.num_failed == 1 and run.errors == ["HTTP 400: bad"]
+    assert run.request_throughput == pytest.approx(0.5)
+    assert run.ttft_s["mean"] == pytest.approx(1.0) and run.tpot_s["mean"] == pytest.approx((0.2 + 0.5) / 2)
+    assert run.acceptance_rate == pytest.approx(0.75)
+    assert run.mean_accepted_length == pytest.approx((6 + 2) / 2)
+    assert run.speculating_fraction == pytest.approx(0.5)
+
+
+def test_summarize_percentiles():
+    s = summarize([float(i) for i in range(1, 101)])
+    assert s["mean"] == pytest.approx(50.5) and s["median"] == pytest.approx(50.5)
+    assert s["p90"] == 90 and s["p99"] == 99
+    assert summarize([]) is None
+
+
+@pytest.fixture(scope="module")
+def server(target, random_draft):
+    from specdecode import LLM
+    from specdecode.server.api import build_app
+    from specdecode.server.async_engine import AsyncEngine
+
+    from conftest import LocalServer
+
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=4,
+              speculation_policy="fixed")
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny", None)) as s:
+        yield s
+
+
+def test_load_generator_against_a_local_server(server):
+    prompts = [f"prompt number {i}" for i in range(10)] + ["x" * 300]  # the last one exceeds the context
+    run = asyncio.run(run_load(server.url, prompts, 8, model="tiny", concurrency=4, progress=False))
+    assert run.num_requests == 11 and run.num_failed == 1
+    assert "HTTP 400" in run.errors[0] and "context" in run.errors[0]
+    assert run.output_tokens == 10 * 8
+    assert run.output_throughput == pytest.approx(80 / run.duration_s)
+    assert 0 < run.ttft_s["mean"] <= run.latency_s["mean"]
+    assert run.tpot_s["mean"] > 0
+    assert 0 <= run.acceptance_rate <= 1 and run.speculating_fraction > 0
+
+
+def test_poisson_arrivals_are_spread_out(server):
+    prompts = ["hello"] * 6
+    run = asyncio.run(run_load(server.url, prompts, 4, model="tiny", concurrency=None, request_rate=20.0,
+                               progress=False, seed=3))
+    assert run.num_failed == 0 and run.output_tokens == 24
+    assert run.duration_s > 0.05  # 5 gaps at 20 req/s: about 0.25 s on average
+
+
+def test_bench_serve_cli_writes_json(server, tmp_path):
+    from specdecode.cli import main
+
+    out = tmp_path / "serve.json"
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(4)))
+    assert main(["bench", "serve", "--base-url", server.url, "--model", "tiny", "--dataset", f"jsonl:{f}",
+                 "--num-prompts", "4", "--max-tokens", "5", "--concurrency", "1", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["results"]] == [1, 2]
+    assert all(r["output_tokens"] == 20 and r["num_failed"] == 0 for r in report["results"])

@@ -1,0 +1,53 @@
+"""The report renders from stored results: plots are real PNGs, tables and findings carry the numbers."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdecode import SpecDecodeError
+from specdecode.bench.concurrency import add_ratios_to_plain
+from specdecode.bench.report import concurrency_findings, write_report
+
+LATENCY = Path(__file__).parent.parent / "docs" / "bench" / "latency-humaneval-cpu.json"
+
+
+def _row(config, c, tok_s, tpot, alpha=None):
+    return {"config": config, "concurrency": c, "output_throughput": tok_s, "tpot_s": {"mean": tpot},
+            "ttft_s": {"mean": 1.0}, "acceptance_rate": alpha, "speculating_fraction": 0.0 if alpha is None else 1.0}
+
+
+def _sweep():
+    rows = [_row("plain", 1, 5.0, 0.2), _row("plain", 4, 16.0, 0.25), _row("plain", 16, 40.0, 0.4),
+            _row("fixed", 1, 8.0, 0.12, 0.8), _row("fixed", 4, 14.0, 0.28, 0.8), _row("fixed", 16, 20.0, 0.8, 0.8),
+            _row("adaptive", 1, 7.5, 0.13, 0.8), _row("adaptive", 4, 16.2, 0.25), _row("adaptive", 16, 40.5, 0.4)]
+    add_ratios_to_plain(rows)
+    return rows
+
+
+def test_findings_from_known_numbers():
+    found = concurrency_findings(_sweep())
+    assert found[0] == "Fixed-k speculation stops paying at concurrency 4 (0.88× plain)."
+    assert "stays at or above" in found[1] and "1.01× at concurrency 4" in found[1]
+    assert "1.54× lower" in found[2]  # 0.2 / 0.13
+
+
+def test_report_renders_plots_and_tables(tmp_path):
+    shutil.copy(LATENCY, tmp_path / "latency.json")
+    (tmp_path / "concurrency.json").write_text(json.dumps({"meta": {"command": "specdecode bench concurrency"},
+                                                           "results": _sweep()}))
+    report = write_report(tmp_path)
+    text = report.read_text()
+    for png in ("throughput_vs_concurrency.png", "tpot_vs_concurrency.png", "acceptance_vs_k.png", "speedup_vs_k.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
+    assert "| fixed | 16 | 20.00 | 0.50× |" in text
+    latency = json.loads(LATENCY.read_text())["results"]
+    best = max((r for r in latency if r["k"] > 0), key=lambda r: r["speedup"])
+    assert f"Best configuration at concurrency 1: {best['config']}" in text
+    assert "Every greedy speculative output was identical to plain decoding." in text
+
+
+def test_report_on_an_empty_folder_says_what_is_missing(tmp_path):
+    with pytest.raises(SpecDecodeError, match="no benchmark results"):
+        write_report(tmp_path)
