@@ -4,13 +4,13 @@ import random
 import pytest
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.engine.policy import CostTable, SpeculationPolicy, expected_tokens
+from specdecode.engine.policy import CostTable, SpeculationPolicy
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 4) == 1
-    assert expected_tokens(1.0, 4) == 5
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+def test_token_gains_of_a_fresh_policy_follow_the_prior():
+    p = SpeculationPolicy("adaptive", 3, prior_acceptance=0.5)
+    assert p.token_gains(1.0) == pytest.approx([1.0, 0.5, 0.25])
+    assert p.token_gains(0.0) == [0.0, 0.0, 0.0]
 
 
 def test_fixed_and_disable_by_batch_size():
@@ -100,7 +100,7 @@ def test_acceptance_estimates_are_unbiased():
     assert p.acceptance["r"] == pytest.approx(0.6, abs=0.05)
     for position in (2, 3, 4):
         assert p.conditional_acceptance(position) == pytest.approx(0.6, abs=0.05)
-    assert p.expected_tokens(0.6, 4) == pytest.approx(expected_tokens(0.6, 4), rel=0.05)
+    assert 1 + sum(p.token_gains(0.6)) == pytest.approx((1 - 0.6 ** 5) / (1 - 0.6), rel=0.05)  # i.i.d. formula
 
 
 def test_bursty_acceptance_makes_long_drafts_worth_more():

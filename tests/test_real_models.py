@@ -101,31 +101,14 @@ def test_cli_empty_prompt():
 
 
 def test_serve_cli_answers_openai_client_and_stops_on_sigterm():
-    import signal
-    import socket
-    import time
-
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--model", "smollm2-135m",
-                             "--speculative-model", "ngram", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        deadline = time.time() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
-                time.sleep(0.5)
+    from specdecode.bench.server_process import ServerProcess
+
+    with ServerProcess(["--model", "smollm2-135m", "--speculative-model", "ngram"], startup_timeout_s=300) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12,
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert "memory plan" in server.output()
+        assert server.stop() == 0  # SIGTERM: a clean exit

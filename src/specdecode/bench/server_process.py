@@ -2,6 +2,7 @@
 with SIGTERM. Used by the benchmark sweeps and the tests."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -26,11 +27,11 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *serve_args]
         self.startup_timeout_s = startup_timeout_s
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile()
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             try:
@@ -45,8 +46,9 @@ class ServerProcess:
             time.sleep(0.5)
 
     def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        """What the server printed so far (pread: the shared file offset the child writes at stays put)."""
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:

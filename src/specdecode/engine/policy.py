@@ -20,11 +20,6 @@ POLICIES = ("fixed", "disable_by_batch_size", "adaptive")
 PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verification emits when each draft is accepted with probability alpha: 1 + α + … + α^k."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 @dataclass
 class CostTable:
     """Running mean of a forward's measured seconds by size (tokens in the call, or sequences drafting).
@@ -220,9 +215,6 @@ class SpeculationPolicy:
                 p *= self.conditional_acceptance(j)
             gains.append(p)
         return gains
-
-    def expected_tokens(self, first: float, k: int) -> float:
-        return 1 + sum(self.token_gains(first)[:k])
 
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
         """Positions after the first rejection are never tried: the first position is tried every step
