@@ -37,6 +37,7 @@ def run_sweep(args) -> dict:
     take turns, in alternating order, so drift in the machine's speed hits them alike."""
     prompts = humaneval_prompts()
     configs = server_configs(args)
+    order = [name for name, _ in configs]
     rows = []
     with ExitStack() as stack:
         servers = {}
@@ -47,12 +48,11 @@ def run_sweep(args) -> dict:
         for level, c in enumerate(args.concurrency):
             n = requests_at(c, args)
             batch = [prompts[i % len(prompts)] for i in range(n)]
-            order = [name for name, _ in configs]
             for name in order if level % 2 == 0 else reversed(order):
                 result = asyncio.run(run_load(servers[name].base_url, batch, args.max_tokens, concurrency=c))
                 rows.append({"config": name, **result.as_dict()})
                 print(row_text(name, result), flush=True)
-    rows.sort(key=lambda r: ([n for n, _ in configs].index(r["config"]), r["concurrency"]))
+    rows.sort(key=lambda r: (order.index(r["config"]), r["concurrency"]))
     add_ratios_to_plain(rows)
     return {"meta": meta(args), "results": rows}
 

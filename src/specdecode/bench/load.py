@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -167,9 +169,6 @@ def token_counter(tokenizer_name: str):
 
 def run_bench_serve_cli(args) -> int:
     """`specdecode bench serve`: one load run per concurrency (or one at --request-rate) against a server."""
-    import os
-    import sys
-
     from .datasets import load_prompts
 
     needs_tokens = args.dataset.startswith("sonnet")

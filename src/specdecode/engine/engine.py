@@ -141,16 +141,14 @@ class Engine:
     def _choose_ks(self, seqs: list[Sequence]) -> list[int]:
         if self.proposer is None:
             return [0] * len(seqs)
-        unseen = getattr(self.proposer, "unseen_tokens", None)
-        catch_up = [max(0, unseen(s) - 2) for s in seqs] if unseen else None  # 1-2 unseen is the steady state
+        catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) for s in seqs]  # 1-2 unseen: the steady state
         return self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs])
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[DraftBatch, float | None]:
         """Drafts, and the seconds of one drafting round (for the policy's cost model; None if none ran)."""
         if not any(ks):  # plain decoding: no draft forward at all
             return DraftBatch([[] for _ in seqs], [None] * len(seqs)), None
-        unseen = getattr(self.proposer, "unseen_tokens", None)
-        catch_up = sum(unseen(s) - 1 for s, k in zip(seqs, ks) if k) if unseen else 0
+        catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, ks) if k)
         before = self.timer.propose_time
         with self.timer.measure("propose"):
             drafts = self.proposer.propose(seqs, ks)
@@ -159,8 +157,8 @@ class Engine:
     def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float:
         """A draft model's steady cost is a round of single-token forwards; its first round may carry a
         one-off catch-up (a whole prompt), timed apart so that drafting does not look expensive for good."""
-        timed = getattr(self.proposer, "last_round_seconds", None)
-        if not timed or len(timed) < 2:
+        timed = self.proposer.last_round_seconds
+        if len(timed) < 2:
             return total / rounds
         steady = sum(timed[1:]) / (len(timed) - 1)
         if catch_up >= 8:

@@ -108,11 +108,12 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
     if max_num_seqs < 1 or max_model_len < 2:
         raise SpecDecodeError(f"max_num_seqs must be >= 1 and max_model_len >= 2 "
                               f"(got {max_num_seqs} and {max_model_len})")
+    separate_draft = draft is not None and draft is not target  # a self-draft shares the target's memory
     per_token = kv_bytes_per_token(target.cfg, target.dtype)
-    if draft is not None and draft is not target:
+    if separate_draft:
         per_token += kv_bytes_per_token(draft.cfg, draft.dtype)
-    plan = MemoryPlan(budget_bytes, model_bytes(target), model_bytes(draft) if draft is not None and draft is not
-                      target else 0, activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
+    plan = MemoryPlan(budget_bytes, model_bytes(target), model_bytes(draft) if separate_draft else 0,
+                      activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
                       per_token, max_model_len, max_num_seqs)
     if budget_bytes is None:
         return plan

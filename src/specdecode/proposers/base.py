@@ -24,6 +24,12 @@ class Proposer(Protocol):
 
     def propose(self, seqs: list, ks: list[int]) -> DraftBatch: ...
 
+    # seconds of each drafting round of the last propose() call (empty when the proposer runs no model)
+    last_round_seconds: list[float]
+
+    def unseen_tokens(self, seq) -> int:
+        """Tokens of the sequence the proposer must read before it can draft for it (0 for lookups)."""
+
     def commit(self, seq, num_valid_tokens: int) -> None:
         """The first `num_valid_tokens` of seq.token_ids are final; forget anything drafted past them."""
 

@@ -7,6 +7,8 @@ from .base import DraftBatch
 class NgramProposer:
     name = "ngram"
 
+    last_round_seconds: list[float] = []  # no model, no rounds
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("n-gram sizes need 1 <= min_ngram <= max_ngram")
@@ -24,6 +26,9 @@ class NgramProposer:
                 if ids[start:start + n] == tail:
                     return ids[start + n:start + n + k]
         return []
+
+    def unseen_tokens(self, seq) -> int:
+        return 0
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         pass
