@@ -51,3 +51,20 @@ def test_report_renders_plots_and_tables(tmp_path):
 def test_report_on_an_empty_folder_says_what_is_missing(tmp_path):
     with pytest.raises(SpecDecodeError, match="no benchmark results"):
         write_report(tmp_path)
+
+
+def test_rounds_are_pooled_and_paired_with_plain():
+    from specdecode.bench.concurrency import pooled_row
+    from specdecode.bench.load import RequestResult
+
+    def req(tokens):
+        return RequestResult(ok=True, output_tokens=tokens, ttft_s=0.5, latency_s=0.5 + (tokens - 1) * 0.1)
+
+    plain = pooled_row("plain", 2, [([req(10), req(10)], 4.0), ([req(10), req(10)], 5.0)])
+    fast = pooled_row("adaptive", 2, [([req(10), req(10)], 2.0), ([req(10), req(10)], 10.0)])
+    assert plain["output_throughput"] == pytest.approx(40 / 9.0)  # all tokens / all seconds, not a mean of rates
+    assert plain["round_throughputs"] == pytest.approx([5.0, 4.0])
+    rows = [plain, fast]
+    add_ratios_to_plain(rows)
+    assert fast["throughput_vs_plain"] == pytest.approx(9.0 / 12.0)
+    assert fast["round_throughputs_vs_plain"] == pytest.approx([2.0, 0.5])  # round i against plain's round i

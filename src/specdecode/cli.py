@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     conc.add_argument("--max-tokens", type=int, default=128)
     conc.add_argument("--requests-per-client", type=int, default=2)
     conc.add_argument("--min-requests", type=int, default=4)
+    conc.add_argument("--rounds", type=int, default=1, help="measure each cell this many times, pooled")
+    conc.add_argument("--once", nargs="*", default=[], choices=["plain", "fixed", "adaptive"],
+                      help="configurations measured in the first round only")
     conc.add_argument("--max-model-len", type=int, default=2048)
     conc.add_argument("--dtype", default="auto")
     conc.add_argument("--out", default="results/concurrency.json")

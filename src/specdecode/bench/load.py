@@ -122,12 +122,18 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) ->
     return result
 
 
-async def run_load(base_url: str, prompts: list[str], max_tokens: int, *, model: str = "default",
-                   concurrency: int | None = 1, request_rate: float | None = None, temperature: float = 0.0,
-                   ignore_eos: bool = True, api_key: str | None = None, seed: int = 0,
-                   progress: bool = True) -> LoadResult:
+async def run_load(base_url: str, prompts: list[str], max_tokens: int, **options) -> LoadResult:
     """Closed loop with `concurrency` requests in flight, or, with `request_rate`, Poisson arrivals at that
     many requests per second (then `concurrency`, if set, still caps how many are in flight)."""
+    results, duration = await send_requests(base_url, prompts, max_tokens, **options)
+    return LoadResult.from_requests(results, duration, options.get("concurrency", 1), options.get("request_rate"))
+
+
+async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, model: str = "default",
+                        concurrency: int | None = 1, request_rate: float | None = None, temperature: float = 0.0,
+                        ignore_eos: bool = True, api_key: str | None = None, seed: int = 0,
+                        progress: bool = True) -> tuple[list[RequestResult], float]:
+    """The load itself (see `run_load`): each request's result, and the run's wall time in seconds."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     url = base_url.rstrip("/") + "/v1/completions"
@@ -157,7 +163,7 @@ async def run_load(base_url: str, prompts: list[str], max_tokens: int, *, model:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
-    return LoadResult.from_requests(results, duration, concurrency, request_rate)
+    return list(results), duration
 
 
 def token_counter(tokenizer_name: str):
