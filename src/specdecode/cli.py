@@ -64,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--draft-quantization", default="auto", choices=["auto", "int8", "none"])
+    serve.add_argument("--forced-accept", action="store_true",
+                       help="benchmarks only: accept every draft token (an upper bound; output is NOT the target's)")
+
+    plan = sub.add_parser("plan", help="advisor: calibrate, predict speedup per k and batch size, recommend")
+    _add_model_args(plan)
+    plan.add_argument("--k-max", type=int, default=6)
+    plan.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    plan.add_argument("--num-prompts", type=int, default=3, help="HumanEval prompts for measuring acceptance")
+    plan.add_argument("--max-tokens", type=int, default=64)
+    plan.add_argument("--context", type=int, default=256, help="cached tokens when timing the forward passes")
+    plan.add_argument("--out", default="results/plan.json")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -96,6 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("results_dir")
     rep.add_argument("--out", default=None, help="where to write report.md and the PNGs (default: results_dir)")
 
+    sweep = bench_sub.add_parser("sweep", help="the standard study as a grid from a TOML/YAML config, then the report")
+    sweep.add_argument("--config", required=True, help="e.g. configs/sweep-cpu.toml")
+    sweep.add_argument("--out", default=None, help="results folder (default: the config's [sweep] out)")
+    sweep.add_argument("--mode", default=None, choices=["in-process", "server"], help="override the config's mode")
+    sweep.add_argument("--no-report", action="store_true", help="skip `bench report` at the end")
+
+    hf = bench_sub.add_parser("transformers", help="baseline: the batch-1 latency measurement through Hugging Face "
+                                                   "transformers (generate, assisted generation, prompt lookup)")
+    hf.add_argument("--model", default=DEFAULT_TARGET)
+    hf.add_argument("--draft", default=DEFAULT_DRAFT)
+    hf.add_argument("-k", type=int, default=4, help="draft tokens per step (assistant and prompt lookup)")
+    hf.add_argument("--num-prompts", type=int, default=3)
+    hf.add_argument("--max-tokens", type=int, default=128)
+    hf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    hf.add_argument("--out", default="results/transformers.json")
+
     conc = bench_sub.add_parser("concurrency", help="through the server: plain vs fixed-k vs adaptive at "
                                                     "each concurrency")
     conc.add_argument("--model", default=DEFAULT_TARGET)
@@ -127,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
             from .server.serve_cmd import run_serve
 
             return run_serve(args)
+        if args.command == "plan":
+            from .bench.plan import run_plan_cli
+
+            return run_plan_cli(args)
+        if args.bench_command == "sweep":
+            from .bench.sweep import run_sweep_cli
+
+            return run_sweep_cli(args)
+        if args.bench_command == "transformers":
+            from .bench.hf_baseline import run_hf_baseline_cli
+
+            return run_hf_baseline_cli(args)
         if args.bench_command == "report":
             from .bench.report import run_report_cli
 

@@ -10,18 +10,27 @@ from ..errors import SpecDecodeError
 
 
 def load_results(folder: str | Path) -> dict[str, list[dict]]:
-    """The benchmark files of a folder, by kind: `latency` (batch-1 k sweep) and `concurrency` (server sweep)."""
+    """The benchmark files of a folder, by kind: `latency` (batch-1 k sweep), `concurrency` (server sweep),
+    `sweep` (bench sweep), `plan` (the advisor) and `baseline` (transformers)."""
     kinds: dict[str, list[dict]] = defaultdict(list)
     for path in sorted(Path(folder).glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError:
             continue
-        rows = data.get("results") if isinstance(data, dict) else None
-        if not rows or not isinstance(rows, list):
+        if not isinstance(data, dict):
             continue
         data["file"] = path.name
-        if "proposer" in rows[0] and "k" in rows[0]:
+        kind = data.get("kind") or (data.get("meta") or {}).get("kind")
+        if kind == "plan":
+            kinds["plan"].append(data)
+            continue
+        rows = data.get("results")
+        if not rows or not isinstance(rows, list):
+            continue
+        if kind in ("sweep", "baseline"):
+            kinds[kind].append(data)
+        elif "proposer" in rows[0] and "k" in rows[0]:
             kinds["latency"].append(data)
         elif "config" in rows[0] and "concurrency" in rows[0]:
             kinds["concurrency"].append(data)
@@ -56,7 +65,7 @@ def _by_config(rows: list[dict]) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in lines.items()}
 
 
-def plot_concurrency(rows: list[dict], out: Path) -> list[str]:
+def plot_concurrency(rows: list[dict], out: Path, prefix: str = "") -> list[str]:
     plt = _pyplot()
     lines = _by_config(rows)
     images = []
@@ -73,7 +82,7 @@ def plot_concurrency(rows: list[dict], out: Path) -> list[str]:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-        images.append(_save(fig, out, name))
+        images.append(_save(fig, out, prefix + name))
     return images
 
 
@@ -186,6 +195,14 @@ def latency_findings(rows: list[dict]) -> list[str]:
     return found
 
 
+def baseline_table(rows: list[dict]) -> str:
+    out = ["| config | tok/s | speedup | identical to plain |", "|---|---:|---:|---|"]
+    for r in rows:
+        same = "-" if r.get("identical_to_plain") is None else ("yes" if r["identical_to_plain"] else "NO")
+        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} | {same} |")
+    return "\n".join(out)
+
+
 # ---- the report -----------------------------------------------------------------------------------------------
 def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
     folder = Path(folder)
@@ -208,6 +225,16 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         sections += [f"## Through the server: concurrency sweep ({data['file']})", "",
                      f"`{data['meta'].get('command', '')}`", "", concurrency_table(rows), ""] + \
                     [f"![{i}]({i})" for i in images] + [""]
+    plan = kinds["plan"][-1] if kinds.get("plan") else None
+    for data in kinds.get("sweep", []):
+        from .sweep_report import sweep_section
+
+        more, lines = sweep_section(data, plan, out)
+        findings += more
+        sections += lines
+    for data in kinds.get("baseline", []):
+        sections += [f"## Baseline: Hugging Face transformers, batch size 1 ({data['file']})", "",
+                     f"`{data['meta'].get('command', '')}`", "", baseline_table(data["results"]), ""]
     parts += ["## Findings", ""] + [f"- {line}" for line in findings] + [""] + sections
     path = out / "report.md"
     path.write_text("\n".join(parts))

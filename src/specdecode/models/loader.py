@@ -73,14 +73,18 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
                progress: bool = True) -> LoadedModel:
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    source = resolve(name)
-    if source.format == "gguf":
-        cfg, tensors = _load_gguf_cached(source, torch_dtype, progress)
-    else:
-        cfg, tensors = _load_hf_checkpoint(source.path)
+    cfg, tensors = load_weights(name, torch_dtype, progress)
     tokenizer = load_tokenizer(name)
     model = build_model(cfg, tensors, torch_dtype, device)
     return LoadedModel(name, model, tokenizer, cfg)
+
+
+def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The architecture and the weights, named as in Hugging Face checkpoints (GGUF is dequantized)."""
+    source = resolve(name)
+    if source.format == "gguf":
+        return _load_gguf_cached(source, dtype, progress)
+    return _load_hf_checkpoint(source.path)
 
 
 def _cache_dir_for(source: ModelSource, kind: str) -> str:

@@ -22,8 +22,13 @@ def run_serve(args) -> int:
     llm = LLM(args.model, draft, args.k, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, draft_quantization=args.draft_quantization,
               speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-              memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization)
+              memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
+              forced_accept=args.forced_accept)
     print(llm.memory_plan.summary(), flush=True)
+    if args.forced_accept:
+        from ..cli import LOSSY_NOTE
+
+        print(f"WARNING: {LOSSY_NOTE}", flush=True)
     app = build_app(AsyncEngine(llm.engine), args.model, args.api_key)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was
     # in place before it: make that a clean exit.

@@ -1,0 +1,137 @@
+"""bench sweep (config grid, in-process runs, speedups, report) and the advisor (specdecode plan), on tiny models."""
+import json
+
+import pytest
+
+from specdecode import SpecDecodeError
+from specdecode.bench.plan import PlanOptions, calibrate, expected_tokens, predict
+from specdecode.bench.report import write_report
+from specdecode.bench.sweep import Cell, InProcessRunner, add_speedups, parse_config, read_config, run_sweep
+
+from conftest import tiny_model
+
+CONFIG = """
+[sweep]
+max_tokens = 12
+num_prompts = 2
+[[grid]]
+name = "k"
+proposer = ["none", "draft", "ngram"]
+k = [2, 3]
+[[grid]]
+name = "load"
+proposer = ["none", "draft"]
+policy = ["fixed", "adaptive"]
+concurrency = [1, 2]
+"""
+
+
+def test_grid_blocks_are_crossed_and_plain_cells_collapse(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(CONFIG)
+    config = parse_config(read_config(path))
+    k_block = [c for c in config.cells if c.group == "k"]
+    assert [c.label for c in k_block] == ["plain", "draft k=2", "draft k=3", "ngram k=2", "ngram k=3"]
+    load = [c for c in config.cells if c.group == "load"]
+    assert len(load) == 2 + 2 * 2  # plain once per concurrency, draft for both policies
+    assert all(c.max_tokens == 12 and c.num_prompts == 2 for c in config.cells)  # [sweep] defaults reach cells
+
+
+def test_yaml_config_gives_the_same_cells(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    import tomllib
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(tomllib.loads(CONFIG), sort_keys=False))
+    toml = tmp_path / "sweep.toml"
+    toml.write_text(CONFIG)
+    assert parse_config(read_config(path)).cells == parse_config(read_config(toml)).cells
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[grid]]\nproposr = 'draft'", "unknown key(s) ['proposr']"),
+    ("[[grid]]\nproposer = 'medusa'", "proposer 'medusa' is not one of"),
+    ("[[grid]]\nproposer = 'draft'\nk = 0", "k must be >= 1"),
+    ("[sweep]\nmode = 'cloud'\n[[grid]]\nk = 2", "mode must be"),
+    ("[sweep]\nmax_tokens = 8", "no [[grid]] blocks"),
+    ("[grid\n", "not valid TOML"),
+])
+def test_bad_configs_say_what_to_change(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SpecDecodeError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        parse_config(read_config(path))
+
+
+def test_speedups_come_from_plain_on_the_same_dataset_and_concurrency():
+    def row(group, proposer, c, tok_s, dataset="humaneval", n=4):
+        return {"group": group, "proposer": proposer, "concurrency": c, "dataset": dataset, "max_tokens": 8,
+                "num_requests": n, "output_throughput": tok_s, "tpot_s": {"mean": 1 / tok_s}}
+
+    rows = [row("a", "none", 1, 10.0), row("a", "draft", 1, 15.0), row("a", "none", 2, 20.0),
+            row("a", "draft", 2, 16.0), row("b", "draft", 1, 30.0), row("c", "none", 1, 5.0, "sonnet:256"),
+            row("c", "ngram", 1, 6.0, "sonnet:256")]
+    add_speedups(rows)
+    assert [r.get("speedup") for r in rows] == pytest.approx([1.0, 1.5, 1.0, 0.8, 3.0, 1.0, 1.2])
+    assert rows[1]["tpot_reduction"] == pytest.approx(1.5)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model(0), tiny_model(1)
+
+
+def test_in_process_sweep_writes_results_and_report(tmp_path, models):
+    target, draft = models
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the cat sat on the mat", "abcabcabcabc",
+                                                                        "hello hello hello"]))
+    config = parse_config({"sweep": {"max_tokens": 10, "num_prompts": 3, "dataset": f"jsonl:{prompts}",
+                                     "out": str(tmp_path / "out"), "max_model_len": 128},
+                           "plan": {"k_max": 3, "batch_sizes": [1, 2], "num_prompts": 1, "max_tokens": 8,
+                                    "context": 16, "repeats": 1, "dataset": f"jsonl:{prompts}"},
+                           "grid": [{"name": "k", "proposer": ["none", "draft", "ngram"], "k": [2, 3]},
+                                    {"name": "bound", "proposer": "draft", "k": 3, "forced_accept": True},
+                                    {"name": "load", "proposer": ["none", "draft"], "policy": ["fixed", "adaptive"],
+                                     "k": 2, "concurrency": [1, 2]}]})
+    report = run_sweep(config, runner=InProcessRunner(config, config.cells, target, draft))
+    rows = report["results"]
+    assert len(rows) == len(config.cells) == 5 + 1 + 6
+    for r in rows:  # EOS ignored: every request ran to max_tokens, none failed
+        assert r["num_failed"] == 0 and r["output_tokens"] == r["num_requests"] * 10
+        assert r["speedup"] > 0
+    bound = next(r for r in rows if r["forced_accept"])
+    assert bound["acceptance_rate"] == 1.0 and bound["mean_accepted_length"] == 4.0
+    real = next(r for r in rows if r["label"] == "draft k=3" and r["group"] == "k")
+    assert real["acceptance_rate"] < 1.0  # two different random models do disagree
+    assert len(list((tmp_path / "out" / "runs").glob("*.json"))) == len(rows)
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert set(plan["predicted_speedup"]) == {"1", "2"}
+
+    path = write_report(tmp_path / "out")
+    text = path.read_text()
+    for png in ("sweep_k.png", "sweep_throughput_vs_concurrency.png", "sweep_predicted_vs_measured.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
+        assert f"]({png})" in text
+    assert "Best k at concurrency 1" in text and "the plan recommended k =" in text
+    assert "Upper bound, every draft token accepted, draft k=3" in text
+    assert "| load | jsonl:" in text
+
+
+def test_plan_with_a_self_draft_expects_every_token(models):
+    """A draft identical to the target is always accepted, so a step with k drafts emits exactly k + 1."""
+    target, _ = models
+    options = PlanOptions(k_max=3, batch_sizes=[1, 2], num_prompts=1, max_tokens=8, context=16, repeats=1,
+                          dataset="sonnet:200")
+    plan = calibrate(target, target, options)
+    assert plan["prefix_acceptance"] == [1.0, 1.0, 1.0]
+    assert plan["expected_tokens"] == {1: 2.0, 2: 3.0, 3: 4.0}
+    assert plan["predicted_speedup"][2][3] == pytest.approx(
+        4.0 * plan["target_seconds"][2][1] / (plan["target_seconds"][2][4] + 3 * plan["draft_seconds"][2]))
+
+
+def test_expected_tokens_use_prefix_acceptance_not_independence():
+    prefix = [0.8, 0.7, 0.65]  # bursty: once two are accepted, the third usually is too
+    assert expected_tokens(prefix, 3) == pytest.approx(1 + 0.8 + 0.7 + 0.65)
+    target = {1: {1: 1.0, 4: 1.2}}
+    assert predict(prefix, target, {1: 0.1}, 3, 1) == pytest.approx(3.15 / 1.5)
