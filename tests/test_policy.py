@@ -73,6 +73,28 @@ def test_adaptive_stops_when_verification_gets_expensive():
     assert any(_choose(_measured([0.8] * 16, 0.1, verify_growth=0.0), 16))
 
 
+def test_slow_speculation_at_one_batch_size_does_not_switch_it_off_at_another():
+    """Speculative steps at batch 4 measured twice as slow as predicted: batch 4 stops speculating, batch 1
+    keeps going (a single calibration shared by all batch sizes froze it here: it blocked batch 1 too, and
+    never relearned because nothing speculated any more). While batch 4 decodes plainly its calibration
+    relaxes, so it is tried again later."""
+    p = _measured([0.9] * 4, 0.25, verify_growth=0.01)  # predicted ~1.5x at either batch size
+    assert any(_choose(p, 4))
+    for _ in range(20):  # twenty steady speculative steps at batch 4, each twice as slow as predicted
+        ks = [4] * 4
+        p._predicted = (p.costs.step_seconds(ks), True)
+        p.observe_step(ks, 1.2, None, step_seconds=2 * p._predicted[0])
+    assert _choose(p, 4) == [0] * 4
+    p.costs.target.observe(1, 1.0)
+    p.costs.target.observe(1, 1.0)
+    assert any(_choose(p, 1))
+    p.observe_step([4], 1.2, None, step_seconds=p._predicted[0])  # batch 1 ran as predicted
+    for _ in range(200):
+        p.observe_step([0] * 4, 1.0, None, step_seconds=1.0)
+    assert p.calibration.get(4, 1.0) < 1.05
+    assert any(_choose(p, 4))
+
+
 def test_cost_table_interpolates_and_replaces_the_warmup_sample():
     t = CostTable()
     t.observe(1, 10.0)  # first call: warm-up

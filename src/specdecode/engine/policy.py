@@ -118,11 +118,13 @@ class SpeculationPolicy:
     depth_smoothing: float = 0.01
     decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
-    # measured / predicted seconds of speculative steps: what the per-phase tables miss (the draft's
-    # bookkeeping, a longer first round) is charged back to the decision. Plain steps need none: their
-    # table entry is the measured step.
-    calibration: float = 1.0
-    _predicted: float | None = None
+    # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
+    # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
+    # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
+    # cost is an estimate of its own), and relaxed back towards 1 while that batch size decodes plainly:
+    # a bad stretch at one load must not switch speculation off at another, or for good.
+    calibration: dict[int, float] = field(default_factory=dict)
+    _predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
     _spec_steps_since_plain: int = 0
 
     def __post_init__(self):
@@ -160,8 +162,9 @@ class SpeculationPolicy:
             self._spec_steps_since_plain = 0
             return [0] * n
         ks = self.best_ks(alphas, catch_up, remaining)
-        self._predicted = self.costs.step_seconds(ks) + sum(
-            c * self.costs.draft_prefill_per_token for c, k in zip(catch_up, ks) if k)
+        starting = [c for c, k in zip(catch_up, ks) if k and c]
+        self._predicted = (self.costs.step_seconds(ks) + sum(starting) * self.costs.draft_prefill_per_token,
+                           not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(ks) else 0
         return ks
 
@@ -180,11 +183,12 @@ class SpeculationPolicy:
         ks, best = [0] * n, [0] * n
         emitted, extra = float(n), 0.0
         best_rate = (1 + self.min_gain) * emitted / self.costs.step_seconds(ks)
+        calibration = self.calibration.get(n, 1.0)
         for gain, _, i in candidates:
             extra += start_cost[i] if ks[i] == 0 else 0.0
             ks[i] += 1
             emitted += gain
-            rate = emitted / ((self.costs.step_seconds(ks) + extra) * self.calibration)
+            rate = emitted / ((self.costs.step_seconds(ks) + extra) * calibration)
             if rate > best_rate:
                 best, best_rate = list(ks), rate
         return best
@@ -192,9 +196,14 @@ class SpeculationPolicy:
     def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
                      step_seconds: float | None = None) -> None:
         """Measured phases of the step just run; step_seconds is its whole wall time."""
-        if self._predicted and step_seconds and any(ks):
-            ratio = min(2.0, max(0.5, step_seconds / self._predicted))  # one hiccup must not flip decisions
-            self.calibration += self.acceptance_smoothing * (ratio - self.calibration)
+        n = len(ks)
+        if any(ks):
+            if self._predicted and self._predicted[1] and step_seconds:
+                ratio = min(2.0, max(0.5, step_seconds / self._predicted[0]))  # one hiccup must not flip decisions
+                current = self.calibration.get(n, 1.0)
+                self.calibration[n] = current + self.acceptance_smoothing * (ratio - current)
+        elif n in self.calibration:
+            self.calibration[n] += self.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
         self.costs.target.observe(len(ks) + sum(ks), target_seconds)
         drafting = sum(1 for k in ks if k)
