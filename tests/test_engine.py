@@ -165,3 +165,22 @@ def test_step_record_is_fresh_when_a_step_only_prefills(target):
     engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=1))
     engine.step()  # prefill emits the only token: no decoding step
     assert engine.last_step.num_draft_tokens == 0 and engine.last_batch_size == 0
+
+
+def test_requests_arriving_during_a_prefill_join_the_same_step(target):
+    """The server hands new requests over between admissions (poll_arrivals): three requests that arrive
+    while the first prompt is prefilled are decoded together with it in the very first step, instead of
+    the first one decoding alone (and, with the adaptive policy, perhaps starting a draft catch-up that a
+    batch of four no longer wants)."""
+    engine = _llm(target, draft=target, k=3, speculation_policy="adaptive").engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    arrivals = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
+
+    def poll():
+        if engine.running and arrivals:  # the first prompt is being admitted: the others arrive now
+            engine.add_request(arrivals.pop(0), params)
+
+    engine.poll_arrivals = poll
+    engine.add_request([1, 2, 3], params)
+    engine.step()
+    assert engine.last_batch_size == 4 and not engine.waiting

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ class Engine:
         self.last_step = SpecCounters()  # what the most recent decoding step drafted and accepted
         self.last_batch_size = 0
         self.last_ks: list[int] = []  # tokens drafted per sequence in the most recent decoding step
+        # Called before each admission (the server drains its inbox here), so requests that arrive while
+        # another prompt is prefilled join this step's batch instead of waiting out a decode step.
+        self.poll_arrivals: Callable[[], None] | None = None
 
     @property
     def k(self) -> int:
@@ -101,7 +105,11 @@ class Engine:
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and self.cache.num_free:
+        while True:
+            if self.poll_arrivals is not None:
+                self.poll_arrivals()
+            if not (self.waiting and self.cache.num_free):
+                return
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
             self.running.append(seq)

@@ -48,6 +48,7 @@ class AsyncEngine:
         self._active: list[RequestHandle] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        engine.poll_arrivals = self._drain_inbox  # runs on the engine thread, inside its admission loop
 
     def start(self) -> None:
         self._thread.start()
