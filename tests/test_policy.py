@@ -100,7 +100,24 @@ def test_cost_table_interpolates_and_replaces_the_warmup_sample():
     t.observe(1, 10.0)  # first call: warm-up
     t.observe(1, 1.0)
     t.observe(5, 2.0)
+    t.observe(5, 2.0)
     assert t(1) == 1.0 and t(3) == pytest.approx(1.5) and t(9) == pytest.approx(3.0)
+
+
+def test_one_bad_sample_cannot_lock_a_size_out():
+    """A pessimistic sample of a size the policy then avoids would never be corrected (in a server sweep
+    one catch-up-laden draft round set the draft cost to 4x its real value and speculation stayed off at
+    batch 1 for good). A lone first sample is not trusted while other sizes are known, and one outlier
+    moves a trusted mean as if it were twice the estimate at most."""
+    t = CostTable()
+    t.observe(1, 1.0)
+    t.observe(1, 1.0)
+    t.observe(5, 50.0)  # first call with a new shape
+    assert t(5) == pytest.approx(1.08)  # from size 1, until a second sample of size 5 arrives
+    t.observe(5, 2.0)
+    assert t(5) == 2.0
+    t.observe(5, 20.0)
+    assert t(5) == pytest.approx(2.0 + 0.3 * (4.0 - 2.0))
 
 
 def _simulate(p: SpeculationPolicy, first: float, then: float, steps: int = 20000) -> None:
@@ -185,3 +202,12 @@ def test_catch_up_is_amortised_over_the_tokens_left():
     assert p.choose(["0"], catch_up=[500], remaining=[100_000])[0] > 0
     assert p.choose(["0"], catch_up=[0], remaining=[4])[0] > 0
 
+
+
+def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
+    """With k = 1 the draft runs one round, and if that round read a whole prompt first, its time says
+    nothing about a draft round: it must not enter the cost table."""
+    engine = LLM(target=target, draft=target, num_speculative_tokens=1, max_model_len=256).engine
+    engine.proposer.last_round_seconds = [0.7]
+    assert engine._draft_round_seconds(0.71, rounds=1, catch_up=150) is None
+    assert engine._draft_round_seconds(0.05, rounds=1, catch_up=1) == 0.05

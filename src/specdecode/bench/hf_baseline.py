@@ -97,7 +97,7 @@ def run_hf_baseline_cli(args) -> int:
           f"{args.num_prompts} prompts, {args.dtype}, {torch.get_num_threads()} threads", flush=True)
     rows = run_hf_baseline(args)
     meta = {"kind": "baseline", "command": "specdecode " + " ".join(sys.argv[1:]), "model": args.model,
-            "draft": args.draft, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+            "draft": args.draft, "k": args.k, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
             "transformers": transformers.__version__, "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

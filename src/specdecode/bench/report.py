@@ -197,6 +197,22 @@ def latency_findings(rows: list[dict]) -> list[str]:
     return found
 
 
+def matching_sweep_rows(meta: dict, sweeps: list[dict]) -> list[dict]:
+    """specdecode's own cells measured like the baseline (HumanEval, batch 1, same prompts, tokens and k)."""
+    out = []
+    for data in sweeps:
+        for r in data["results"]:
+            if (r["dataset"] == "humaneval" and r["concurrency"] == 1 and r["policy"] == "fixed"
+                    and not r["forced_accept"] and r["max_tokens"] == meta.get("max_tokens")
+                    and r["num_requests"] == meta.get("num_prompts") and r["k"] in (0, meta.get("k"))
+                    and r.get("speedup")):
+                out.append({"config": f"specdecode {r['label']}", "tokens_per_s": r["output_throughput"],
+                            "speedup": r["speedup"]})
+        if out:
+            return out
+    return out
+
+
 def baseline_table(rows: list[dict]) -> str:
     out = ["| config | tok/s | speedup | identical to plain |", "|---|---:|---:|---|"]
     for r in rows:
@@ -235,8 +251,9 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         findings += more
         sections += lines
     for data in kinds.get("baseline", []):
-        sections += [f"## Baseline: Hugging Face transformers, batch size 1 ({data['file']})", "",
-                     f"`{data['meta'].get('command', '')}`", "", baseline_table(data["results"]), ""]
+        rows = data["results"] + matching_sweep_rows(data["meta"], kinds.get("sweep", []))
+        sections += [f"## Baseline: Hugging Face transformers vs specdecode, batch size 1 ({data['file']})", "",
+                     f"`{data['meta'].get('command', '')}`", "", baseline_table(rows), ""]
     parts += ["## Findings", ""] + [f"- {line}" for line in findings] + [""] + sections
     path = out / "report.md"
     path.write_text("\n".join(parts))

@@ -162,12 +162,12 @@ class Engine:
             drafts = self.proposer.propose(seqs, ks)
         return drafts, self._draft_round_seconds(self.timer.propose_time - before, max(ks), catch_up)
 
-    def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float:
+    def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float | None:
         """A draft model's steady cost is a round of single-token forwards; its first round may carry a
         one-off catch-up (a whole prompt), timed apart so that drafting does not look expensive for good."""
         timed = self.proposer.last_round_seconds
-        if len(timed) < 2:
-            return total / rounds
+        if len(timed) < 2:  # one round: a catch-up in it cannot be told apart, so only a clean one counts
+            return total / rounds if catch_up < 8 else None
         steady = sum(timed[1:]) / (len(timed) - 1)
         if catch_up >= 8:
             self.policy.costs.observe_draft_prefill(catch_up, timed[0] - steady)

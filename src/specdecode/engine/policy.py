@@ -24,9 +24,13 @@ PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
 class CostTable:
     """Running mean of a forward's measured seconds by size (tokens in the call, or sequences drafting).
 
-    The first sample of a size is provisional (it often carries one-off warm-up work) and is replaced by
-    the second. Unmeasured sizes are interpolated between the measured neighbours, or extrapolated along
-    the slope of the two nearest (+2% per unit when only one size is known)."""
+    The first sample of a size is provisional: it often carries one-off work (a first call for a new
+    shape), so it is replaced by the second, and while other sizes have two samples it is not used at
+    all: a size is estimated from the trusted ones instead. Otherwise a pessimistic first sample would
+    keep the policy from ever choosing that size again, and so from correcting it. For the same reason
+    one later sample moves the mean as if it were at most twice the current estimate. Unmeasured sizes
+    are interpolated between the trusted neighbours, or extrapolated along the least-squares slope of
+    all of them (+2% per unit when only one size is known)."""
 
     smoothing: float = 0.3
     seconds: dict[int, float] = field(default_factory=dict)
@@ -37,7 +41,8 @@ class CostTable:
         if self.samples[size] <= 2:
             self.seconds[size] = seconds
         else:
-            self.seconds[size] += self.smoothing * (seconds - self.seconds[size])
+            current = self.seconds[size]
+            self.seconds[size] += self.smoothing * (min(seconds, 2 * current) - current)
 
     def __bool__(self) -> bool:
         return bool(self.seconds)
@@ -45,25 +50,28 @@ class CostTable:
     def __call__(self, size: int) -> float:
         if size <= 0:
             return 0.0
-        if size in self.seconds:
-            return self.seconds[size]
-        sizes = sorted(self.seconds)
+        known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or self.seconds
+        if size in known:
+            return known[size]
+        sizes = sorted(known)
         if not sizes:
             raise LookupError("nothing measured yet")
         if len(sizes) == 1:
-            return self.seconds[sizes[0]] * (1 + 0.02 * (size - sizes[0]))
+            return known[sizes[0]] * (1 + 0.02 * (size - sizes[0]))
         i = bisect.bisect(sizes, size)
         if 0 < i < len(sizes):  # between two measured sizes
             lo, hi = sizes[i - 1], sizes[i]
-            return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (size - lo) / (hi - lo)
+            return known[lo] + (known[hi] - known[lo]) * (size - lo) / (hi - lo)
         edge = sizes[0] if i == 0 else sizes[-1]  # outside: along the least-squares slope of all sizes
-        return max(self.seconds[edge] + self._slope(sizes) * (size - edge), 1e-9)
+        return max(known[edge] + self._slope(known) * (size - edge), 1e-9)
 
-    def _slope(self, sizes: list[int]) -> float:
+    @staticmethod
+    def _slope(known: dict[int, float]) -> float:
+        sizes = list(known)
         mean_x = sum(sizes) / len(sizes)
-        mean_y = sum(self.seconds[x] for x in sizes) / len(sizes)
+        mean_y = sum(known.values()) / len(sizes)
         var = sum((x - mean_x) ** 2 for x in sizes)
-        return max(0.0, sum((x - mean_x) * (self.seconds[x] - mean_y) for x in sizes) / var)
+        return max(0.0, sum((x - mean_x) * (known[x] - mean_y) for x in sizes) / var)
 
 
 @dataclass
