@@ -135,3 +135,26 @@ def test_expected_tokens_use_prefix_acceptance_not_independence():
     assert expected_tokens(prefix, 3) == pytest.approx(1 + 0.8 + 0.7 + 0.65)
     target = {1: {1: 1.0, 4: 1.2}}
     assert predict(prefix, target, {1: 0.1}, 3, 1) == pytest.approx(3.15 / 1.5)
+
+
+def test_transformers_baseline_runs_the_same_weights():
+    """The baseline's transformers model, built from the tensors specdecode loads, computes the same
+    logits as specdecode's runtime: the two engines differ only in how they decode."""
+    import torch
+
+    from conftest import random_hf_weights, tiny_config
+    from specdecode.bench.hf_baseline import hf_model_from
+    from specdecode.kv_cache import KVCache
+    from specdecode.models.runtime import build_model, forward_ragged
+
+    cfg = tiny_config("qwen2")
+    weights = random_hf_weights(cfg, seed=3)
+    ours = build_model(cfg, weights, torch.float32, "cpu")
+    theirs = hf_model_from(cfg, weights, torch.float32)
+    ids = [5, 9, 2, 33, 17, 8]
+    cache = KVCache(cfg, 1, 32, torch.float32, "cpu")
+    slot = cache.allocate()
+    mine = forward_ragged(ours, cache, [slot], [ids], logits="all")
+    with torch.inference_mode():
+        reference = theirs(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(mine.float(), reference.float(), atol=1e-4, rtol=1e-4)

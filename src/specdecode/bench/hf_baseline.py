@@ -21,13 +21,18 @@ from .datasets import humaneval_prompts
 
 def hf_causal_lm(name: str, dtype: torch.dtype):
     """A transformers Llama/Qwen2 model holding the weights specdecode loads for `name`."""
+    from ..models.loader import load_weights
+
+    cfg, tensors = load_weights(name, dtype)
+    return hf_model_from(cfg, tensors, dtype, name)
+
+
+def hf_model_from(cfg, tensors: dict[str, torch.Tensor], dtype: torch.dtype, name: str = "model"):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     except ImportError:
         raise SpecDecodeError("the baseline needs transformers: pip install transformers") from None
-    from ..models.loader import load_weights
-
-    cfg, tensors = load_weights(name, dtype)
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if cfg.arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -42,6 +47,8 @@ def hf_causal_lm(name: str, dtype: torch.dtype):
         raise SpecDecodeError(f"{name}: weights do not match the transformers model "
                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model.tie_weights()
+    # the rotary frequencies are a computed buffer, not a weight: build them for real
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     return model.eval()
 
 
