@@ -158,3 +158,33 @@ def test_transformers_baseline_runs_the_same_weights():
     with torch.inference_mode():
         reference = theirs(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(mine.float(), reference.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_two_draft_models_are_compared_in_one_sweep(tmp_path, models):
+    target, other = models
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat sat on the mat"}) + "\n")
+    config = parse_config({"sweep": {"max_tokens": 8, "num_prompts": 2, "dataset": f"jsonl:{prompts}",
+                                     "out": str(tmp_path / "out"), "max_model_len": 128, "draft": "random"},
+                           "grid": [{"proposer": ["none", "draft"], "draft": ["", "self"], "k": 3}]})
+    assert [c.label for c in config.cells] == ["plain", "draft k=3", "draft self k=3"]
+    runner = InProcessRunner(config, config.cells, target, drafts={"random": other, "self": target})
+    rows = run_sweep(config, runner=runner)["results"]
+    assert rows[2]["acceptance_rate"] == 1.0 > rows[1]["acceptance_rate"]  # a self-draft is always right
+
+
+def test_server_mode_passes_valid_serve_flags():
+    from specdecode.bench.sweep import ServerRunner
+    from specdecode.cli import build_parser
+
+    config = parse_config({"sweep": {"mode": "server"},
+                           "grid": [{"proposer": ["none", "draft", "ngram"], "k": 3, "concurrency": [1, 4],
+                                     "policy": "disable_by_batch_size", "disable_by_batch_size": 2,
+                                     "forced_accept": True}]})
+    runner = ServerRunner(config, config.cells)
+    parsed = {c.label: build_parser().parse_args(["serve"] + runner.serve_args(c)) for c in config.cells}
+    assert parsed["plain"].k == 0 and parsed["plain"].max_num_seqs == 4
+    draft = parsed["draft k=3 off above 2 forced-accept"]
+    assert (draft.draft, draft.k, draft.policy, draft.speculative_disable_by_batch_size, draft.forced_accept) == \
+        ("qwen2.5-coder-0.5b", 3, "disable_by_batch_size", 2, True)
+    assert parsed["ngram k=3 off above 2 forced-accept"].draft == "ngram"

@@ -47,6 +47,7 @@ class Cell:
     group: str = "grid"
     dataset: str = "humaneval"  # humaneval, sonnet:LEN, jsonl:PATH, hf:NAME
     proposer: str = "none"  # none (plain decoding), draft, ngram
+    draft: str = ""  # for proposer draft: the draft model ("" = the sweep's `draft`); a list compares drafts
     k: int = 4
     policy: str = "fixed"  # fixed, adaptive, disable_by_batch_size
     disable_by_batch_size: int = 4  # for that policy: no drafts while more sequences than this are running
@@ -61,7 +62,8 @@ class Cell:
             return "plain"
         policy = {"fixed": "", "adaptive": " adaptive",
                   "disable_by_batch_size": f" off above {self.disable_by_batch_size}"}[self.policy]
-        text = f"{self.proposer} k={self.k}{policy}"
+        name = f"draft {self.draft}" if self.proposer == "draft" and self.draft else self.proposer
+        text = f"{name} k={self.k}{policy}"
         return text + (" forced-accept" if self.forced_accept else "")
 
     @property
@@ -71,7 +73,9 @@ class Cell:
 
     def normalized(self) -> "Cell":
         if self.proposer == "none":
-            return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0)
+            return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="")
+        if self.proposer == "ngram":
+            self = replace(self, draft="")
         return self if self.policy == "disable_by_batch_size" else replace(self, disable_by_batch_size=0)
 
 
@@ -119,7 +123,7 @@ def parse_config(data: dict, source: str = "config") -> SweepConfig:
     if unknown:
         raise SpecDecodeError(f"{source}: unknown section(s) {sorted(unknown)}; use [sweep], [plan] and [[grid]]")
     sweep = dict(data.get("sweep", {}))
-    defaults = {k: sweep.pop(k) for k in list(sweep) if k in CELL_KEYS}
+    defaults = {k: sweep.pop(k) for k in list(sweep) if k in CELL_KEYS - {"draft"}}  # [sweep] draft: the default
     known = {f.name for f in fields(SweepConfig)} - {"cells", "plan"}
     if set(sweep) - known:
         raise SpecDecodeError(f"{source}: unknown [sweep] key(s) {sorted(set(sweep) - known)}; "
@@ -205,20 +209,27 @@ def drive_closed_loop(engine, prompt_ids: list[list[int]], params, concurrency: 
 class InProcessRunner:
     """One loaded target (and draft) for all cells; a fresh engine per cell, like a fresh server."""
 
-    def __init__(self, config: SweepConfig, cells: list[Cell], target=None, draft=None):
+    def __init__(self, config: SweepConfig, cells: list[Cell], target=None, draft=None, drafts=None):
         from ..models.loader import load_model
 
         self.config = config
         self.target = target or load_model(config.model, config.device, config.dtype)
-        needs_draft = any(c.proposer == "draft" for c in cells) or config.plan is not None
-        self.draft = draft or (load_model(config.draft, str(self.target.model.device), config.dtype)
-                               if needs_draft else None)
+        self.drafts = dict(drafts or {})  # draft models by name, loaded when a cell first needs one
+        if draft is not None:
+            self.drafts[config.draft] = draft
         self.prompts = PromptCache(config, lambda text: len(self.target.tokenizer.encode(text)))
 
+    def draft_model(self, name: str = ""):
+        from ..models.loader import load_model
+
+        name = name or self.config.draft
+        if name not in self.drafts:
+            self.drafts[name] = load_model(name, str(self.target.model.device), self.config.dtype)
+        return self.drafts[name]
     def build(self, cell: Cell, max_num_seqs: int):
         from ..engine.llm import LLM
 
-        return LLM(target=self.target, draft=self.draft if cell.proposer == "draft" else None,
+        return LLM(target=self.target, draft=self.draft_model(cell.draft) if cell.proposer == "draft" else None,
                    speculative_model="ngram" if cell.proposer == "ngram" else None,
                    num_speculative_tokens=cell.k, max_model_len=self.config.max_model_len,
                    max_num_seqs=max_num_seqs, forced_accept=cell.forced_accept,
@@ -247,12 +258,18 @@ class ServerRunner:
     """Cells that share a server configuration share one `specdecode serve` process."""
 
     def __init__(self, config: SweepConfig, cells: list[Cell]):
-        from .load import token_counter
-
         self.config, self.cells = config, cells
         self.max_seqs = max(c.concurrency for c in cells)
-        self.prompts = PromptCache(config, token_counter(config.model))
+        self.prompts = PromptCache(config, lambda text: self._count(text))
+        self._count_tokens = None
         self.server, self.server_key = None, None
+
+    def _count(self, text: str) -> int:
+        from .load import token_counter
+
+        if self._count_tokens is None:  # loaded only when a dataset is sized in tokens
+            self._count_tokens = token_counter(self.config.model)
+        return self._count_tokens(text)
 
     def serve_args(self, cell: Cell) -> list[str]:
         c = self.config
@@ -260,7 +277,7 @@ class ServerRunner:
                 "--dtype", c.dtype] + (["--device", c.device] if c.device else [])
         if cell.proposer == "none":
             return args + ["--num-speculative-tokens", "0"]
-        draft = "ngram" if cell.proposer == "ngram" else c.draft
+        draft = "ngram" if cell.proposer == "ngram" else cell.draft or c.draft
         return (args + ["--speculative-model", draft, "-k", str(cell.k), "--policy", cell.policy]
                 + (["--speculative-disable-by-batch-size", str(cell.disable_by_batch_size)]
                    if cell.disable_by_batch_size else []) + (["--forced-accept"] if cell.forced_accept else []))
@@ -361,7 +378,7 @@ def run_plan_step(config: SweepConfig, runner, out: Path) -> None:
     if not isinstance(runner, InProcessRunner):  # server mode: the models are loaded here for the calibration only
         runner = InProcessRunner(config, [Cell(proposer="draft")])
     options = PlanOptions(**config.plan)
-    plan = calibrate(runner.target, runner.draft, options, config.seed)
+    plan = calibrate(runner.target, runner.draft_model(), options, config.seed)
     print_plan(plan)
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
 

@@ -10,6 +10,11 @@ def _real(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r["forced_accept"]]
 
 
+def proposer_name(r: dict) -> str:
+    """"draft" (the sweep's draft model), "draft NAME" (another one), "ngram"."""
+    return f"draft {r['draft']}" if r["proposer"] == "draft" and r.get("draft") else r["proposer"]
+
+
 def main_dataset(rows: list[dict]) -> str:
     """The dataset most cells use (HumanEval in the default sweep); k and load are compared on it."""
     counts = Counter(r["dataset"] for r in rows)
@@ -23,7 +28,7 @@ def k_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["concurrency"] == 1 and r["policy"] == "fixed" and r["dataset"] == dataset \
                 and r["proposer"] != "none" and r.get("speedup"):
-            chosen.setdefault((r["proposer"], r["k"], r["forced_accept"]), r)
+            chosen.setdefault((proposer_name(r), r["k"], r["forced_accept"]), r)
     return list(chosen.values())
 
 
@@ -52,7 +57,7 @@ def input_len(r: dict) -> int:
 
 def predicted(plan: dict | None, r: dict) -> float | None:
     """The plan's prediction for a draft-model row at its k and concurrency (taken as the batch size)."""
-    if not plan or r["proposer"] != "draft" or r["forced_accept"] or r["policy"] != "fixed":
+    if not plan or r["proposer"] != "draft" or r.get("draft") or r["forced_accept"] or r["policy"] != "fixed":
         return None
     if r["dataset"] != plan.get("options", {}).get("dataset", "humaneval"):  # acceptance was measured there
         return None
@@ -71,7 +76,7 @@ def plot_k_sweep(rows: list[dict], plan: dict | None, out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     by_label = defaultdict(list)
     for r in ks_rows:
-        by_label[r["proposer"] + (" (all accepted)" if r["forced_accept"] else "")].append(r)
+        by_label[proposer_name(r) + (" (all accepted)" if r["forced_accept"] else "")].append(r)
     for name, series in by_label.items():
         series.sort(key=lambda r: r["k"])
         ks = [r["k"] for r in series]
@@ -174,7 +179,7 @@ def proposer_table(rows: list[dict]) -> str:
     best = {}
     for r in _real(rows):
         if r["concurrency"] == 1 and r["policy"] == "fixed" and r["proposer"] != "none" and r.get("speedup"):
-            key = (r["dataset"], r["proposer"])
+            key = (r["dataset"], proposer_name(r))
             if key not in best or r["speedup"] > best[key]["speedup"]:
                 best[key] = r
     out = ["| dataset | proposer | best k | α | τ | speedup |", "|---|---|---:|---:|---:|---:|"]
@@ -199,8 +204,8 @@ def sweep_findings(rows: list[dict], plan: dict | None) -> list[str]:
         found.append(text + ".")
     bound = [r for r in k_rows(rows) if r["forced_accept"]]
     for r in sorted(bound, key=lambda r: r["k"]):
-        real = next((x for x in real_k if x["proposer"] == r["proposer"] and x["k"] == r["k"]), None)
-        found.append(f"Upper bound, every draft token accepted, {r['proposer']} k={r['k']}: {r['speedup']:.2f}×"
+        real = next((x for x in real_k if proposer_name(x) == proposer_name(r) and x["k"] == r["k"]), None)
+        found.append(f"Upper bound, every draft token accepted, {proposer_name(r)} k={r['k']}: {r['speedup']:.2f}×"
                      + (f" (real acceptance reaches {real['speedup'] / r['speedup']:.0%} of it)." if real else "."))
     for label, s in concurrency_series(rows).items():
         if label == "plain":
