@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import SpecDecodeError
+from ..metrics import now
 
 
 @dataclass
@@ -74,17 +75,11 @@ def time_forward(model, batch: int, tokens: int, context: int, repeats: int) -> 
     times = []
     with torch.inference_mode():
         for i in range(repeats + 1):  # the first call warms up
-            start = _now()
+            start = now()
             forward_ragged(model, cache, slots, inputs, logits)
             if i:
-                times.append(_now() - start)
+                times.append(now() - start)
     return statistics.median(times)
-
-
-def _now() -> float:
-    from ..metrics import now
-
-    return now()
 
 
 def expected_tokens(prefix_acceptance: list[float], k: int) -> float:

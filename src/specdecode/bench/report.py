@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import SpecDecodeError
+from .sweep_report import sweep_section
 
 
 def load_results(folder: str | Path) -> dict[str, list[dict]]:
@@ -245,8 +246,6 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
                     [f"![{i}]({i})" for i in images] + [""]
     plan = kinds["plan"][-1] if kinds.get("plan") else None
     for data in kinds.get("sweep", []):
-        from .sweep_report import sweep_section
-
         more, lines = sweep_section(data, plan, out)
         findings += more
         sections += lines

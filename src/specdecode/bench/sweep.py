@@ -303,9 +303,8 @@ class ServerRunner:
 
 def result_row(cell: Cell, requests: list[RequestResult], seconds: float) -> dict:
     load = LoadResult.from_requests(requests, seconds, cell.concurrency, None)
-    positions = [r.speculation.get("acceptance_per_position") for r in requests if r.ok and r.speculation]
     return {**asdict(cell), "label": cell.label, **load.as_dict(),
-            "acceptance_per_position": mean_positions(requests) if any(positions) else None}
+            "acceptance_per_position": mean_positions(requests) or None}
 
 
 def mean_positions(requests: list[RequestResult]) -> list[float]:
