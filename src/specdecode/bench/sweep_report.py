@@ -15,6 +15,21 @@ def proposer_name(r: dict) -> str:
     return f"draft {r['draft']}" if r["proposer"] == "draft" and r.get("draft") else r["proposer"]
 
 
+def speculative_at_batch_one(r: dict) -> bool:
+    """A speculative cell with a fixed k at concurrency 1 that has a plain baseline."""
+    return r["concurrency"] == 1 and r["policy"] == "fixed" and r["proposer"] != "none" and bool(r.get("speedup"))
+
+
+def best_by(rows: list[dict], key) -> dict:
+    """The fastest of the rows for each key(row)."""
+    best = {}
+    for r in rows:
+        k = key(r)
+        if k not in best or r["speedup"] > best[k]["speedup"]:
+            best[k] = r
+    return best
+
+
 def main_dataset(rows: list[dict]) -> str:
     """The dataset most cells use (HumanEval in the default sweep); k and load are compared on it."""
     counts = Counter(r["dataset"] for r in rows)
@@ -26,8 +41,7 @@ def k_rows(rows: list[dict]) -> list[dict]:
     dataset = main_dataset(rows)
     chosen = {}  # one cell per (proposer, k, bound): the first block that measured it
     for r in rows:
-        if r["concurrency"] == 1 and r["policy"] == "fixed" and r["dataset"] == dataset \
-                and r["proposer"] != "none" and r.get("speedup"):
+        if speculative_at_batch_one(r) and r["dataset"] == dataset:
             chosen.setdefault((proposer_name(r), r["k"], r["forced_accept"]), r)
     return list(chosen.values())
 
@@ -45,8 +59,7 @@ def concurrency_series(rows: list[dict]) -> dict[str, list[dict]]:
 def input_length_rows(rows: list[dict]) -> dict[str, list[dict]]:
     by_proposer = defaultdict(list)
     for r in _real(rows):
-        if r["dataset"].startswith("sonnet:") and r["concurrency"] == 1 and r["policy"] == "fixed" \
-                and r["proposer"] != "none" and r.get("speedup"):
+        if r["dataset"].startswith("sonnet:") and speculative_at_batch_one(r):
             by_proposer[r["label"]].append(r)
     return {k: sorted(v, key=input_len) for k, v in by_proposer.items()}
 
@@ -176,12 +189,7 @@ def sweep_table(rows: list[dict], plan: dict | None) -> str:
 
 def proposer_table(rows: list[dict]) -> str:
     """Draft model vs n-gram, per dataset, at batch size 1: each proposer's best fixed k."""
-    best = {}
-    for r in _real(rows):
-        if r["concurrency"] == 1 and r["policy"] == "fixed" and r["proposer"] != "none" and r.get("speedup"):
-            key = (r["dataset"], proposer_name(r))
-            if key not in best or r["speedup"] > best[key]["speedup"]:
-                best[key] = r
+    best = best_by(filter(speculative_at_batch_one, _real(rows)), lambda r: (r["dataset"], proposer_name(r)))
     out = ["| dataset | proposer | best k | α | τ | speedup |", "|---|---|---:|---:|---:|---:|"]
     for (dataset, proposer), r in sorted(best.items(), key=lambda kv: (_dataset_order(kv[0][0]), kv[0][1])):
         out.append(f"| {dataset} | {proposer} | {r['k']} | {_f(r['acceptance_rate'], '.3f')} | "
@@ -243,12 +251,9 @@ def sweep_findings(rows: list[dict], plan: dict | None) -> list[str]:
 def proposer_findings(rows: list[dict]) -> list[str]:
     found = []
     by_dataset = defaultdict(dict)
-    for r in _real(rows):
-        if r["concurrency"] == 1 and r["policy"] == "fixed" and r["proposer"] != "none" and r.get("speedup"):
-            kind = "sonnets" if r["dataset"].startswith("sonnet:") else r["dataset"]
-            current = by_dataset[kind].get(r["proposer"])
-            if current is None or r["speedup"] > current["speedup"]:
-                by_dataset[kind][r["proposer"]] = r
+    for (kind, proposer), r in best_by(filter(speculative_at_batch_one, _real(rows)), lambda r: (
+            "sonnets" if r["dataset"].startswith("sonnet:") else r["dataset"], r["proposer"])).items():
+        by_dataset[kind][proposer] = r
     for kind, best in by_dataset.items():
         if {"draft", "ngram"} <= set(best):
             d, n = best["draft"], best["ngram"]

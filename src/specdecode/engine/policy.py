@@ -35,6 +35,8 @@ class CostTable:
     smoothing: float = 0.3
     seconds: dict[int, float] = field(default_factory=dict)
     samples: Counter = field(default_factory=Counter)
+    _known: dict[int, float] = field(default_factory=dict)  # what lookups use (see above), by size
+    _sizes: list[int] = field(default_factory=list)  # its sizes, sorted
 
     def observe(self, size: int, seconds: float) -> None:
         self.samples[size] += 1
@@ -43,6 +45,9 @@ class CostTable:
         else:
             current = self.seconds[size]
             self.seconds[size] += self.smoothing * (min(seconds, 2 * current) - current)
+        # the policy looks sizes up many times per step: decide once here which samples it trusts
+        self._known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or dict(self.seconds)
+        self._sizes = sorted(self._known)
 
     def __bool__(self) -> bool:
         return bool(self.seconds)
@@ -50,10 +55,9 @@ class CostTable:
     def __call__(self, size: int) -> float:
         if size <= 0:
             return 0.0
-        known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or self.seconds
+        known, sizes = self._known, self._sizes
         if size in known:
             return known[size]
-        sizes = sorted(known)
         if not sizes:
             raise LookupError("nothing measured yet")
         if len(sizes) == 1:
