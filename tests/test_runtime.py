@@ -115,6 +115,17 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     assert not torch.equal(verified, one_by_one)
 
 
+@pytest.mark.skipif(not _bf16_is_native(), reason="bit-exact invariance is shown for oneDNN bf16 kernels")
+def test_masked_batched_attention_breaks_bitwise_equality(monkeypatch):
+    """Verifying with one masked attention call over the padded key range (instead of one call per token
+    over exactly its keys) changes the rounding: the row-wise path is what keeps greedy lossless."""
+    from specdecode.models import runtime
+
+    monkeypatch.setattr(runtime, "ROWWISE_ATTENTION_MAX_WIDTH", 0)
+    verified, one_by_one = _verify_vs_one_by_one(tiny_config(hidden=256, layers=2))
+    assert not torch.equal(verified, one_by_one)
+
+
 def _verify_vs_one_by_one(cfg, scale=0.15):
     """Logits of a 6-token chunk after a 30-token prompt: one verify call, and decoded one at a time."""
     model = build_model(cfg, random_hf_weights(cfg, seed=9, scale=scale), torch.bfloat16, "cpu")

@@ -137,14 +137,22 @@ class Attention(nn.Module):
     def _rowwise_attention(self, q, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """One attention call per new token over exactly its visible keys: the same call, bit for bit, as
         when that token is decoded alone. Masked batched attention would reduce over a longer, padded
-        key range, whose different rounding can flip a greedy near-tie between verify and plain decode."""
-        out = torch.zeros_like(q)
+        key range, whose different rounding can flip a greedy near-tie between verify and plain decode.
+
+        Each call folds the query heads that share a KV head into the query length ([1, Hkv, G, D]
+        against [1, Hkv, n, D], no mask: a lone token sees all n keys). On PyTorch's CPU kernel that is
+        ~10x faster than [1, H, 1, D] with `enable_gqa` at a few hundred keys (0.04 vs 0.4 ms, Qwen 1.5B)."""
+        bsz, _, width, _ = q.shape
+        kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        rows = []
         for b, (slot, kv_lens) in enumerate(batch.rowwise):
             keys, values = cache.k[self.layer][slot:slot + 1], cache.v[self.layer][slot:slot + 1]
             for i, n in enumerate(kv_lens):
-                out[b:b + 1, :, i:i + 1] = F.scaled_dot_product_attention(
-                    q[b:b + 1, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=True)
-        return out
+                query = q[b, :, i].reshape(1, kv_heads, group, self.head_dim)
+                rows.append(F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n]))
+            rows.extend(torch.zeros_like(rows[-1]) for _ in range(width - len(kv_lens)))  # padding tokens
+        # one [1, Hkv, G, D] per (sequence, token), in that order -> [B, H, T, D]
+        return torch.stack(rows).view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2)
 
 
 class MLP(nn.Module):
