@@ -5,10 +5,8 @@ Prints throughput and TPOT with their ratios to plain decoding at the same concu
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
-import sys
 from collections import defaultdict
 from contextlib import ExitStack
 
@@ -16,6 +14,7 @@ import torch
 
 from .datasets import humaneval_prompts
 from .load import LoadResult, run_load, send_requests
+from .results import command_line, write_json
 from .server_process import ServerProcess
 
 
@@ -85,7 +84,7 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
 
 
 def meta(args) -> dict:
-    return {"command": "specdecode " + " ".join(sys.argv[1:]), "model": args.model, "draft": args.draft,
+    return {"command": command_line(), "model": args.model, "draft": args.draft,
             "k": args.k, "max_tokens": args.max_tokens, "dataset": "humaneval", "greedy": True,
             "requests": {c: requests_at(c, args) for c in args.concurrency}, "rounds": args.rounds,
             "once": args.once,
@@ -123,8 +122,5 @@ def run_concurrency_cli(args) -> int:
     print(HEADER, flush=True)
     report = run_sweep(args)
     print("\n" + summary_table(report["results"]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0

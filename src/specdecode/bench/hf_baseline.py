@@ -7,16 +7,14 @@ the two engines differ only in how they decode. Greedy, EOS ignored (min_new_tok
 every output compared with transformers' own plain decoding."""
 from __future__ import annotations
 
-import json
-import os
 import platform
-import sys
 import time
 
 import torch
 
 from ..errors import SpecDecodeError
 from .datasets import humaneval_prompts
+from .results import command_line, write_json
 
 
 def hf_causal_lm(name: str, dtype: torch.dtype):
@@ -103,12 +101,9 @@ def run_hf_baseline_cli(args) -> int:
     print(f"transformers {transformers.__version__}, HumanEval, batch 1, greedy, {args.max_tokens} new tokens, "
           f"{args.num_prompts} prompts, {args.dtype}, {torch.get_num_threads()} threads", flush=True)
     rows = run_hf_baseline(args)
-    meta = {"kind": "baseline", "command": "specdecode " + " ".join(sys.argv[1:]), "model": args.model,
+    meta = {"kind": "baseline", "command": command_line(), "model": args.model,
             "draft": args.draft, "k": args.k, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
             "transformers": transformers.__version__, "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"meta": meta, "results": rows})
     return 0

@@ -2,10 +2,7 @@
 all on one engine and one loaded target, greedy, in one run. Prints a table and writes JSON."""
 from __future__ import annotations
 
-import json
-import os
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -16,6 +13,7 @@ from ..metrics import expected_speedup
 from ..models.loader import load_model
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
+from .results import command_line, write_json
 
 
 @dataclass
@@ -110,11 +108,8 @@ def run_latency_cli(args) -> int:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     print(HEADER, flush=True)
     results = run_latency(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = {"command": "specdecode " + " ".join(sys.argv[1:]), "model": args.model, "draft": args.draft,
+    meta = {"command": command_line(), "model": args.model, "draft": args.draft,
             "dtype": args.dtype, "draft_quantization": args.draft_quantization, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"meta": meta, "results": [asdict(r) for r in results]})
     return 0

@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
 from tqdm import tqdm
+
+from .results import command_line, write_json
 
 
 @dataclass
@@ -190,13 +190,10 @@ def run_bench_serve_cli(args) -> int:
                                       ignore_eos=not args.stop_at_eos, api_key=args.api_key, seed=args.seed))
         runs.append(result.as_dict())
         print(describe(result), flush=True)
-    report = {"meta": {"command": "specdecode " + " ".join(sys.argv[1:]), "base_url": args.base_url,
+    report = {"meta": {"command": command_line(), "base_url": args.base_url,
                        "dataset": args.dataset, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
                        "temperature": args.temperature}, "results": runs}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0
 
 

@@ -13,10 +13,7 @@ bookkeeping, and assumes every sequence of the batch accepts like the calibratio
 report sets it beside measured speedups."""
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -24,6 +21,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..metrics import now
+from .results import command_line, write_json
 
 
 @dataclass
@@ -160,10 +158,7 @@ def run_plan_cli(args) -> int:
     print(f"calibrating: {options.num_prompts} prompts x {options.max_tokens} tokens at k={options.k_max}, "
           f"step costs at batch sizes {options.batch_sizes}", flush=True)
     plan = calibrate(target, draft, options)
-    plan["command"] = "specdecode " + " ".join(sys.argv[1:])
+    plan["command"] = command_line()
     print_plan(plan)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(plan, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, plan)
     return 0

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import re
-import sys
 import time
 import tomllib
 from collections import deque
@@ -32,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from ..engine.policy import POLICIES
 from ..errors import SpecDecodeError
 from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
 from .load import LoadResult, RequestResult
+from .results import command_line
 
 PROPOSERS = ("none", "draft", "ngram")
-POLICIES = ("fixed", "adaptive", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
@@ -343,7 +343,7 @@ def slug(text: str) -> str:
 def run_sweep(config: SweepConfig, config_path: str = "", runner=None) -> dict:
     out = Path(config.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    meta = {"kind": "sweep", "command": "specdecode " + " ".join(sys.argv[1:]), "config": config_path,
+    meta = {"kind": "sweep", "command": command_line(), "config": config_path,
             "model": config.model, "draft": config.draft, "mode": config.mode, "dtype": config.dtype,
             "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available()}

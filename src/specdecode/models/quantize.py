@@ -5,8 +5,8 @@ draft's step cost, i.e. the c in the speedup formula.
 
 Torch's int8 kernel works row by row, so its time grows with the rows: ~4x faster than the bf16 GEMM for
 one row, about even at 8, and 2-4x slower for a catch-up of a hundred tokens (measured on this project's
-CPU, Qwen 0.5B shapes). So the layer keeps its floating weight too (the draft's bytes double) and calls
-with many rows take the GEMM.
+CPU, Qwen 0.5B shapes). So the layer keeps its floating weight too (3 bytes per weight instead of 1) and
+calls with many rows take the GEMM.
 """
 from __future__ import annotations
 
