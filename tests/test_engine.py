@@ -2,7 +2,6 @@
 token (self-draft: everything accepted; random draft: almost nothing accepted; n-gram), stop
 conditions inside an accepted chunk, batching, and the documented errors for bad input."""
 import pytest
-import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.models.loader import LoadedModel
@@ -184,3 +183,49 @@ def test_requests_arriving_during_a_prefill_join_the_same_step(target):
     engine.add_request([1, 2, 3], params)
     engine.step()
     assert engine.last_batch_size == 4 and not engine.waiting
+
+
+def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft):
+    """Adaptive policy, a useless draft model and prompt lookup beside it, three requests in one batch:
+    lookup drafts (one-hot q, no draft forward) are verified like any other, per sequence and step, and
+    the packed ragged verify keeps the output equal to plain decoding token for token."""
+    plain_ids = _plain_ids(target)
+    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive")
+    seqs = [llm.engine.add_request(target.tokenizer.encode(p), GREEDY) for p in PROMPTS]
+    step_ks = []
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        step_ks.append(list(llm.engine.last_ks))
+    assert [s.output_ids for s in seqs] == plain_ids
+    assert llm.engine.policy.lookup_steps > 0
+    assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged within a step
+    assert llm.engine.policy.lookup_acceptance.counts  # lookup outcomes were learned
+
+
+def test_adaptive_without_rollback_breaks_equality(target, random_draft, monkeypatch):
+    """The check above can fail: if the KV pointer kept rejected drafts (no rollback), later tokens
+    attend to them and the output drifts from plain decoding."""
+    from specdecode.engine import engine as engine_module
+
+    plain_ids = _plain_ids(target)
+    original = engine_module.Engine._verify
+
+    def keep_everything_in_cache(self, seqs, drafts, logits):
+        results = original(self, seqs, drafts, logits)
+        self._stale = [(s, len(d)) for s, d in zip(seqs, drafts.tokens)]
+        return results
+
+    original_emit = engine_module.Engine._emit
+
+    def emit_after_forgetting_rollback(self, seq, tokens):
+        for s, n in getattr(self, "_stale", []):
+            if s is seq and n:
+                self.cache.lengths[seq.slot] = seq.num_tokens - 1 + n + 1  # as if every draft was accepted
+        original_emit(self, seq, tokens)
+
+    monkeypatch.setattr(engine_module.Engine, "_verify", keep_everything_in_cache)
+    monkeypatch.setattr(engine_module.Engine, "_emit", emit_after_forgetting_rollback)
+    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive")
+    ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert llm.engine.policy.lookup_steps > 0
+    assert ids != plain_ids

@@ -14,10 +14,10 @@ def test_token_gains_of_a_fresh_policy_follow_the_prior():
 
 
 def test_fixed_and_disable_by_batch_size():
-    assert SpeculationPolicy("fixed", 3).choose(["a"] * 10) == [3] * 10
+    assert SpeculationPolicy("fixed", 3).choose(["a"] * 10).ks == [3] * 10
     p = SpeculationPolicy("disable_by_batch_size", 3, max_batch_for_speculation=4)
-    assert p.choose(["a"] * 4) == [3] * 4
-    assert p.choose(["a"] * 5) == [0] * 5
+    assert p.choose(["a"] * 4).ks == [3] * 4
+    assert p.choose(["a"] * 5).ks == [0] * 5
     with pytest.raises(SpecDecodeError):
         SpeculationPolicy("disable_by_batch_size", 3)
     with pytest.raises(SpecDecodeError, match="unknown speculation policy"):
@@ -39,17 +39,17 @@ def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: floa
 
 
 def _choose(p: SpeculationPolicy, n: int) -> list[int]:
-    return p.choose([str(i) for i in range(n)])
+    return p.choose([str(i) for i in range(n)]).ks
 
 
 def test_adaptive_explores_then_decides():
     p = SpeculationPolicy("adaptive", 4)
-    assert p.choose(["r"]) == [0]  # nothing measured: plain first
+    assert p.choose(["r"]).ks == [0]  # nothing measured: plain first
     p.costs.target.observe(1, 1.0)
-    assert p.choose(["r"]) == [4]  # plain measured: try speculating once
-    assert p.choose(["r", "s"]) == [0, 0]  # a new batch size: measure plain there first
+    assert p.choose(["r"]).ks == [4]  # plain measured: try speculating once
+    assert p.choose(["r", "s"]).ks == [0, 0]  # a new batch size: measure plain there first
     p.costs.target.observe(2, 1.0)
-    assert p.choose(["r", "s"], catch_up=[300, 2]) == [0, 4]  # probe where the draft has least to catch up
+    assert p.choose(["r", "s"], catch_up=[300, 2]).ks == [0, 4]  # probe where the draft has least to catch up
 
 
 @pytest.mark.parametrize("alpha, c, expected", [
@@ -164,7 +164,7 @@ def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_d
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate("hello world", params)
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
-              max_model_len=256)
+              max_model_len=256, prompt_lookup=False)
     policy = llm.engine.policy
     out = llm.generate("hello world", params)
     assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
@@ -198,9 +198,9 @@ def test_catch_up_is_amortised_over_the_tokens_left():
     generation, not for one about to end."""
     p = _measured([0.8], 0.1)
     p.costs.draft_prefill_per_token = 0.01  # a target step is 1 s: reading 500 tokens costs 5 steps
-    assert p.choose(["0"], catch_up=[500], remaining=[4]) == [0]
-    assert p.choose(["0"], catch_up=[500], remaining=[100_000])[0] > 0
-    assert p.choose(["0"], catch_up=[0], remaining=[4])[0] > 0
+    assert p.choose(["0"], catch_up=[500], remaining=[4]).ks == [0]
+    assert p.choose(["0"], catch_up=[500], remaining=[100_000]).ks[0] > 0
+    assert p.choose(["0"], catch_up=[0], remaining=[4]).ks[0] > 0
 
 
 
@@ -211,3 +211,37 @@ def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
     engine.proposer.last_round_seconds = [0.7]
     assert engine._draft_round_seconds(0.71, rounds=1, catch_up=150) is None
     assert engine._draft_round_seconds(0.05, rounds=1, catch_up=1) == 0.05
+
+
+def test_lookup_acceptance_is_learned_per_match_length():
+    p = SpeculationPolicy("adaptive", 4)
+    assert p.lookup_acceptance.gains(3, 4, 4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # the prior
+    assert p.lookup_acceptance.gains(3, 2, 4) == pytest.approx([0.5, 0.25])  # only what the match offers
+    for _ in range(500):
+        p.observe_lookup("r", 3, 4, 3)  # 3-token matches: the first three right, the fourth wrong
+        p.observe_lookup("r", 1, 4, 0)  # 1-token matches: always wrong
+    assert p.lookup_acceptance.gains(3, 4, 4) == pytest.approx([1, 1, 1, 0], abs=0.05)
+    assert p.lookup_acceptance.gains(1, 4, 4)[0] == pytest.approx(0, abs=0.05)
+    assert p.acceptance["r"] == pytest.approx(p.prior_acceptance)  # says nothing about the draft model
+
+
+def test_prompt_lookup_takes_over_where_the_draft_model_does_not_pay():
+    """Batch 16, a draft forward costing 60% of a target step: the draft model does not pay, but a
+    verified token costs only 2% of the step, so good lookups do, and only those."""
+    p = _measured([0.8] * 16, 0.6, verify_growth=0.02)
+    for _ in range(200):
+        p.observe_lookup("x", 3, 4, 4)
+        p.observe_lookup("x", 1, 4, 0)
+    ids = [str(i) for i in range(16)]
+    assert p.choose(ids).ks == [0] * 16
+    lookups = [(3, 4)] * 8 + [(1, 4)] * 4 + [(0, 0)] * 4
+    plan = p.choose(ids, lookups=lookups)
+    assert all(k > 0 for k in plan.ks[:8]) and plan.lookup[:8] == [True] * 8
+    assert plan.ks[8:] == [0] * 8 and not any(plan.lookup[8:])
+
+
+def test_draft_model_still_wins_where_it_pays_more_than_lookups():
+    """Batch 1, a cheap draft with α 0.9 against lookups that are right half the time."""
+    p = _measured([0.9], 0.05)
+    plan = p.choose(["0"], lookups=[(1, 4)])
+    assert plan.ks == [4] and plan.lookup == [False]

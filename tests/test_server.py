@@ -1,7 +1,6 @@
 """The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the official `openai` client,
 with tiny random models (the engine is the same one the real models use)."""
 import concurrent.futures
-import json
 import time
 
 import httpx

@@ -6,7 +6,7 @@ import pytest
 from specdecode import SpecDecodeError
 from specdecode.bench.plan import PlanOptions, calibrate, expected_tokens, predict
 from specdecode.bench.report import write_report
-from specdecode.bench.sweep import Cell, InProcessRunner, add_speedups, parse_config, read_config, run_sweep
+from specdecode.bench.sweep import InProcessRunner, add_speedups, parse_config, read_config, run_sweep
 
 from conftest import tiny_model
 

@@ -43,8 +43,10 @@ class KVCache:
         self.lengths[slot] = length
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v [B, Hkv, T, D] at `positions` [B, T] of each sequence's slot."""
-        index = (slots[:, None, None], torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None, :])
+        """Store k/v [B, Hkv, T, D] at `positions` [B, T]; slots: [B], one per sequence, or [B, T], one
+        per token (a packed batch holds several sequences in one row)."""
+        slot_index = slots[:, None, None] if slots.dim() == 1 else slots[:, None, :]
+        index = (slot_index, torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None, :])
         self.k[layer][index] = k
         self.v[layer][index] = v
 

@@ -15,9 +15,10 @@ from ..metrics import SpecCounters, StepTimer, now
 from ..models.runtime import Transformer, forward_ragged
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Proposer
+from ..proposers.ngram import NgramProposer
 from ..sampling import SamplingParams, logits_to_probs, sample_token
 from ..verify.rejection_sampler import VerifyResult, greedy_verify, rejection_sample
-from .policy import SpeculationPolicy
+from .policy import DraftPlan, SpeculationPolicy
 from .sequence import Sequence
 
 
@@ -25,12 +26,14 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 0, max_num_seqs: int = 8, max_model_len: int = 4096,
                  forced_accept: bool = False, timer: StepTimer | None = None,
-                 policy: SpeculationPolicy | None = None):
+                 policy: SpeculationPolicy | None = None, lookup: NgramProposer | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
         self.policy = policy or SpeculationPolicy("fixed")
         self.k = num_speculative_tokens if proposer is not None else 0
+        # Prompt lookup beside a draft model: the adaptive policy may draft from it per sequence and step
+        self.lookup = lookup if proposer is not None else None
         self.max_model_len = min(max_model_len, model.cfg.max_position)
         self.cache = KVCache(model.cfg, max_num_seqs, self.max_model_len, model.dtype, model.device)
         self.forced_accept = forced_accept
@@ -41,6 +44,7 @@ class Engine:
         self.last_step = SpecCounters()  # what the most recent decoding step drafted and accepted
         self.last_batch_size = 0
         self.last_ks: list[int] = []  # tokens drafted per sequence in the most recent decoding step
+        self.last_lookup_drafts = 0  # of those sequences, how many drafted by prompt lookup
         # Called before each admission (the server drains its inbox here), so requests that arrive while
         # another prompt is prefilled join this step's batch instead of waiting out a decode step.
         self.poll_arrivals: Callable[[], None] | None = None
@@ -76,7 +80,7 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Admit what fits, run one decoding step; return the sequences that finished."""
-        self.last_step, self.last_batch_size, self.last_ks = SpecCounters(), 0, []
+        self.last_step, self.last_batch_size, self.last_ks, self.last_lookup_drafts = SpecCounters(), 0, [], 0
         self._admit()
         decoding = [s for s in self.running if not s.finished]
         if decoding:
@@ -123,8 +127,8 @@ class Engine:
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
         step_start = now()
-        ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, self._choose_ks(seqs))]
-        drafts, draft_seconds = self._propose(seqs, ks)
+        plan, matches = self._plan_drafts(seqs)
+        drafts, draft_seconds = self._propose(seqs, plan, matches)
         verify_start = now()
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
@@ -132,7 +136,8 @@ class Engine:
             logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
         results = self._verify(seqs, drafts, logits)
         self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
-        for seq, start, n_draft, result in zip(seqs, starts, drafts.num_tokens, results):
+        self.last_lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, plan.lookup) if k and lookup)
+        for i, (seq, start, n_draft, result) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted = result.num_accepted[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
             self.cache.lengths[seq.slot] = committed  # rejected drafts' KV stays behind the pointer
@@ -140,27 +145,45 @@ class Engine:
                 self.proposer.commit(seq, committed)
             seq.metrics.spec.record_step(n_draft, accepted, len(result.tokens[0]))
             self.last_step.record_step(n_draft, accepted, len(result.tokens[0]))
-            self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
+            if plan.lookup[i] and n_draft:
+                self.policy.observe_lookup(seq.request_id, matches[i][0], n_draft, accepted)
+            else:
+                self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
             self._emit(seq, result.tokens[0])
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
         end = now()
-        self.policy.observe_step(drafts.num_tokens, end - verify_start, draft_seconds, end - step_start)
+        self.policy.observe_step(drafts.num_tokens, end - verify_start, draft_seconds, end - step_start,
+                                 lookup=plan.lookup)
 
-    def _choose_ks(self, seqs: list[Sequence]) -> list[int]:
+    def _plan_drafts(self, seqs: list[Sequence]) -> tuple[DraftPlan, list[tuple[int, list[int]]]]:
+        """The policy's plan, capped per sequence (see _draft_budget), and each sequence's prompt-lookup
+        match (length, tokens offered), (0, []) where there is none or no lookup."""
+        n = len(seqs)
+        matches = [self.lookup.match(s.token_ids, self.k) for s in seqs] if self.lookup else [(0, [])] * n
         if self.proposer is None:
-            return [0] * len(seqs)
+            return DraftPlan.from_draft_model([0] * n), matches
         catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) for s in seqs]  # 1-2 unseen: the steady state
-        return self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs])
+        plan = self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs],
+                                  [(m, len(tokens)) for m, tokens in matches] if self.lookup else None)
+        plan.ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, plan.ks)]
+        return plan, matches
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[DraftBatch, float | None]:
-        """Drafts, and the seconds of one drafting round (for the policy's cost model; None if none ran)."""
-        if not any(ks):  # plain decoding: no draft forward at all
-            return DraftBatch([[] for _ in seqs], [None] * len(seqs)), None
-        catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, ks) if k)
-        before = self.timer.propose_time
-        with self.timer.measure("propose"):
-            drafts = self.proposer.propose(seqs, ks)
-        return drafts, self._draft_round_seconds(self.timer.propose_time - before, max(ks), catch_up)
+    def _propose(self, seqs: list[Sequence], plan: DraftPlan,
+                 matches: list[tuple[int, list[int]]]) -> tuple[DraftBatch, float | None]:
+        """Drafts, and the seconds of one draft-model round (for the policy's cost model; None if none ran)."""
+        model_ks = [0 if lookup else k for k, lookup in zip(plan.ks, plan.lookup)]
+        if any(model_ks):
+            catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, model_ks) if k)
+            before = self.timer.propose_time
+            with self.timer.measure("propose"):
+                drafts = self.proposer.propose(seqs, model_ks)
+            seconds = self._draft_round_seconds(self.timer.propose_time - before, max(model_ks), catch_up)
+        else:  # plain decoding, or lookups only: no draft forward at all
+            drafts, seconds = DraftBatch([[] for _ in seqs], [None] * len(seqs)), None
+        for i, (k, lookup) in enumerate(zip(plan.ks, plan.lookup)):
+            if lookup and k:
+                drafts.tokens[i] = matches[i][1][:k]
+        return drafts, seconds
 
     def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float | None:
         """A draft model's steady cost is a round of single-token forwards; its first round may carry a

@@ -53,6 +53,7 @@ class LLM:
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
                  draft_vocab_size: int | None = None, draft_quantization: str = "auto",
                  speculation_policy: str = "fixed", speculative_disable_by_batch_size: int | None = None,
+                 prompt_lookup: bool = True,
                  memory_budget: str | int | None = None, gpu_memory_utilization: float | None = 0.9,
                  progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
@@ -80,8 +81,12 @@ class LLM:
         if self.draft is not None:
             proposer = DraftModelProposer(self.draft.model, max_num_seqs, max_model_len, self.timer)
         policy = SpeculationPolicy(speculation_policy, num_speculative_tokens, speculative_disable_by_batch_size)
+        # the adaptive policy may also draft by prompt lookup, per sequence, where the draft model does not pay
+        lookup = None
+        if prompt_lookup and self.draft is not None and speculation_policy == "adaptive" and not forced_accept:
+            lookup = NgramProposer(ngram_prompt_lookup_max, ngram_prompt_lookup_min)
         self.engine = Engine(self.target.model, self.tokenizer, proposer, num_speculative_tokens,
-                             max_num_seqs, max_model_len, forced_accept, self.timer, policy)
+                             max_num_seqs, max_model_len, forced_accept, self.timer, policy, lookup)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

@@ -6,7 +6,10 @@
 - `adaptive`: k_i in 0..k_max per sequence, maximising expected goodput (emitted tokens per second of the
   step) from each sequence's running acceptance estimate and the measured cost of draft and target
   forwards at the sizes involved. k = 0 for everyone means no draft forward at all, so choosing it costs
-  nothing over plain decoding.
+  nothing over plain decoding. Where the engine also offers prompt lookup, a sequence whose recent
+  tokens occur earlier in its text may take its drafts from there instead: they cost no draft forward,
+  only verification, which is what keeps speculation worthwhile at batch sizes where the draft model
+  no longer pays.
 """
 from __future__ import annotations
 
@@ -79,6 +82,42 @@ class CostTable:
 
 
 @dataclass
+class DraftPlan:
+    ks: list[int]  # tokens to draft per sequence
+    lookup: list[bool]  # per sequence: drafted by prompt lookup instead of the draft model
+
+    @classmethod
+    def from_draft_model(cls, ks: list[int]) -> "DraftPlan":
+        return cls(ks, [False] * len(ks))
+
+
+@dataclass
+class LookupAcceptance:
+    """How often prompt-lookup drafts are right, by the length of the match behind them: a long match is
+    right far more often (HumanEval, Qwen 1.5B greedy: the first token of a 3-token match 76% of the time,
+    of a 1-token match 28%). Position l counts only when l-1 was accepted, as for the draft model."""
+
+    prior: float = 0.5
+    smoothing: float = 0.01
+    counts: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (match, l) -> (accepted, tried)
+
+    def gains(self, match: int, available: int, k_max: int) -> list[float]:
+        """P(lookup token j is emitted), j = 1 .. min(available, k_max)."""
+        gains, p = [], 1.0
+        for position in range(1, min(available, k_max) + 1):
+            accepted, tried = self.counts.get((match, position), (0.0, 0.0))
+            p *= (accepted + self.prior * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+            gains.append(p)
+        return gains
+
+    def observe(self, match: int, drafted: int, accepted: int) -> None:
+        keep = 1 - self.smoothing
+        for position in range(1, min(drafted, accepted + 1) + 1):
+            a, t = self.counts.get((match, position), (0.0, 0.0))
+            self.counts[(match, position)] = (keep * a + (accepted >= position), keep * t + 1)
+
+
+@dataclass
 class CostModel:
     target: CostTable = field(default_factory=CostTable)  # one verify/decode forward, by tokens in it
     draft: CostTable = field(default_factory=CostTable)  # one draft forward, by sequences in it
@@ -96,9 +135,10 @@ class CostModel:
         else:
             self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
 
-    def step_seconds(self, ks: list[int]) -> float:
-        """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all."""
-        drafting = sorted((k for k in ks if k), reverse=True)
+    def step_seconds(self, ks: list[int], lookup: list[bool] | None = None) -> float:
+        """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all;
+        lookup[i]: those drafts come from prompt lookup, at no draft-forward cost."""
+        drafting = sorted((k for i, k in enumerate(ks) if k and not (lookup and lookup[i])), reverse=True)
         draft = sum(self.draft(sum(1 for k in drafting if k > j)) for j in range(drafting[0])) if drafting else 0.0
         return draft + self.target(len(ks) + sum(ks))
 
@@ -118,6 +158,9 @@ class SpeculationPolicy:
     # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
     # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
     min_gain: float = 0.1
+    # The same margin for a step whose drafts all come from prompt lookup: a wrong "yes" there costs only
+    # a few verified tokens (no draft forward, no catch-up), so a smaller margin is enough.
+    min_gain_lookup: float = 0.03
     # A catch-up must pay for itself within this many steps: drafting may well stop again before the
     # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
     catch_up_horizon: int = 16
@@ -128,7 +171,9 @@ class SpeculationPolicy:
     # that position l-1 was accepted.
     depth: dict[int, tuple[float, float]] = field(default_factory=dict)
     depth_smoothing: float = 0.01
+    lookup_acceptance: LookupAcceptance = field(default_factory=LookupAcceptance)
     decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
+    lookup_steps: int = 0  # sequence-steps drafted by prompt lookup
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
     # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
     # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
@@ -146,68 +191,99 @@ class SpeculationPolicy:
             raise SpecDecodeError("disable_by_batch_size needs a batch size (speculative_disable_by_batch_size)")
 
     def choose(self, request_ids: list[str], catch_up: list[int] | None = None,
-               remaining: list[int] | None = None) -> list[int]:
+               remaining: list[int] | None = None, lookups: list[tuple[int, int]] | None = None) -> DraftPlan:
         """k per sequence for this step (the engine still caps each by max_tokens and the context).
         catch_up: tokens the draft must read before it can draft for the sequence; remaining: tokens the
-        sequence may still emit (a catch-up is amortised over the steps left)."""
+        sequence may still emit (a catch-up is amortised over the steps left); lookups: per sequence, the
+        length of its prompt-lookup match and the tokens that match offers ((0, 0): none), if the engine
+        has prompt lookup (only the adaptive policy uses it)."""
         n = len(request_ids)
         if self.k_max == 0:
-            ks = [0] * n
+            plan = DraftPlan.from_draft_model([0] * n)
         elif self.name == "fixed":
-            ks = [self.k_max] * n
+            plan = DraftPlan.from_draft_model([self.k_max] * n)
         elif self.name == "disable_by_batch_size":
-            ks = [self.k_max if n <= self.max_batch_for_speculation else 0] * n
+            plan = DraftPlan.from_draft_model([self.k_max if n <= self.max_batch_for_speculation else 0] * n)
         else:
             alphas = [self.acceptance.get(r, self.prior_acceptance) for r in request_ids]
-            ks = self._adaptive(alphas, catch_up or [0] * n, remaining or [1 << 30] * n)
-        self.decisions.update(ks)
-        return ks
+            plan = self._adaptive(alphas, catch_up or [0] * n, remaining or [1 << 30] * n, lookups)
+        self.decisions.update(plan.ks)
+        self.lookup_steps += sum(1 for k, lookup in zip(plan.ks, plan.lookup) if k and lookup)
+        return plan
 
-    def _adaptive(self, alphas: list[float], catch_up: list[int], remaining: list[int]) -> list[int]:
+    def _adaptive(self, alphas: list[float], catch_up: list[int], remaining: list[int],
+                  lookups: list[tuple[int, int]] | None) -> DraftPlan:
         n = len(alphas)
         if not self.costs.target or n not in self.costs.target.seconds:
-            return [0] * n  # measure plain decoding at this batch size first
+            return DraftPlan.from_draft_model([0] * n)  # measure plain decoding at this batch size first
         if not self.costs.draft:  # then measure drafting, on the sequence that is cheapest to start
             probe = min(range(n), key=lambda i: catch_up[i])
-            return [self.k_max if i == probe else 0 for i in range(n)]
+            return DraftPlan.from_draft_model([self.k_max if i == probe else 0 for i in range(n)])
         if self._spec_steps_since_plain >= self.refresh_plain_every:
             self._spec_steps_since_plain = 0
-            return [0] * n
-        ks = self.best_ks(alphas, catch_up, remaining)
-        starting = [c for c, k in zip(catch_up, ks) if k and c]
-        self._predicted = (self.costs.step_seconds(ks) + sum(starting) * self.costs.draft_prefill_per_token,
-                           not starting)
-        self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(ks) else 0
-        return ks
+            return DraftPlan.from_draft_model([0] * n)
+        plan = self.best_plan(alphas, catch_up, remaining, lookups)
+        starting = [c for c, k, lookup in zip(catch_up, plan.ks, plan.lookup) if k and c and not lookup]
+        self._predicted = (self.costs.step_seconds(plan.ks, plan.lookup)
+                           + sum(starting) * self.costs.draft_prefill_per_token, not starting)
+        self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(plan.ks) else 0
+        return plan
 
     def best_ks(self, alphas: list[float], catch_up: list[int] | None = None,
                 remaining: list[int] | None = None) -> list[int]:
-        """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
-        allocation with the highest predicted goodput."""
+        """The draft model's best allocation alone (no prompt lookup)."""
+        return self.best_plan(alphas, catch_up, remaining).ks
+
+    def best_plan(self, alphas: list[float], catch_up: list[int] | None = None,
+                  remaining: list[int] | None = None, lookups: list[tuple[int, int]] | None = None) -> DraftPlan:
+        """The draft model for everyone, prompt lookup where a sequence has a match, or lookup there and
+        the draft model for the rest: whichever allocation predicts the highest goodput."""
         n = len(alphas)
+        draft_gains = [self.token_gains(a) for a in alphas]
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
-        gains = [self.token_gains(a) for a in alphas]
         for i, (tokens, left) in enumerate(zip(catch_up or [0] * n, remaining or [1 << 30] * n)):
-            steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(gains[i]))))
+            steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
             start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
+        options = [self._allocate(draft_gains, [False] * n, start_cost)]
+        if lookups and any(match for match, _ in lookups):
+            use = [match > 0 for match, _ in lookups]
+            lookup_gains = [self.lookup_acceptance.gains(match, offered, self.k_max) for match, offered in lookups]
+            # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
+            # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
+            options.append(self._allocate(lookup_gains, use, start_cost))
+            mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
+            options.append(self._allocate(mixed, use, start_cost))
+        return max(options, key=lambda option: option[1])[0]
+
+    def _allocate(self, gains: list[list[float]], lookup: list[bool],
+                  start_cost: list[float]) -> tuple[DraftPlan, float]:
+        """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
+        allocation with the highest predicted goodput; its score is that goodput over the bar it must
+        clear (plain decoding's, plus the margin for its kind of drafting)."""
+        n = len(gains)
         candidates = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0),
                             key=lambda c: (-c[0], c[1]))
-        ks, best = [0] * n, [0] * n
-        emitted, extra = float(n), 0.0
-        best_rate = (1 + self.min_gain) * emitted / self.costs.step_seconds(ks)
+        ks, best, best_score = [0] * n, [0] * n, 1.0
+        emitted, extra, uses_draft_model = float(n), 0.0, False
+        plain_rate = emitted / self.costs.step_seconds(ks)
         calibration = self.calibration.get(n, 1.0)
         for gain, _, i in candidates:
-            extra += start_cost[i] if ks[i] == 0 else 0.0
+            if ks[i] == 0 and not lookup[i]:
+                extra += start_cost[i]
+                uses_draft_model = True
             ks[i] += 1
             emitted += gain
-            rate = emitted / ((self.costs.step_seconds(ks) + extra) * calibration)
-            if rate > best_rate:
-                best, best_rate = list(ks), rate
-        return best
+            rate = emitted / ((self.costs.step_seconds(ks, lookup) + extra) * calibration)
+            margin = self.min_gain if uses_draft_model else self.min_gain_lookup
+            score = rate / ((1 + margin) * plain_rate)
+            if score > best_score:
+                best, best_score = list(ks), score
+        return DraftPlan(best, [lookup[i] and k > 0 for i, k in enumerate(best)]), best_score
 
     def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
-                     step_seconds: float | None = None) -> None:
-        """Measured phases of the step just run; step_seconds is its whole wall time."""
+                     step_seconds: float | None = None, lookup: list[bool] | None = None) -> None:
+        """Measured phases of the step just run; step_seconds is its whole wall time; lookup: which
+        sequences drafted by prompt lookup (their drafts cost the draft model nothing)."""
         n = len(ks)
         if any(ks):
             if self._predicted and self._predicted[1] and step_seconds:
@@ -218,7 +294,7 @@ class SpeculationPolicy:
             self.calibration[n] += self.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
         self.costs.target.observe(len(ks) + sum(ks), target_seconds)
-        drafting = sum(1 for k in ks if k)
+        drafting = sum(1 for i, k in enumerate(ks) if k and not (lookup and lookup[i]))
         if draft_seconds_per_forward is not None and drafting:
             self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
@@ -255,6 +331,12 @@ class SpeculationPolicy:
             successes, trials = (1 - r) * successes + r * prior_s, (1 - r) * trials + r * prior_t
         self._evidence[request_id] = (successes, trials)
         self.acceptance[request_id] = successes / trials
+
+    def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
+        """A step drafted by prompt lookup: its outcome says how good lookups of that match length are,
+        and nothing about the draft model on this sequence (whose estimate drifts as in a plain step)."""
+        self.lookup_acceptance.observe(match, drafted, accepted)
+        self.observe_acceptance(request_id, 0, 0)
 
     @property
     def _prior_evidence(self) -> tuple[float, float]:

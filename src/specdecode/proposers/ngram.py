@@ -19,13 +19,17 @@ class NgramProposer:
         return DraftBatch(tokens, [None] * len(seqs))
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
-        """Longest n first; the most recent match wins (it reflects the current context best)."""
+        return self.match(ids, k)[1]
+
+    def match(self, ids: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, the up to k tokens that followed the match), or (0, []) without one. Longest n first; the
+        most recent match wins (it reflects the current context best)."""
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             tail = ids[-n:]
             for start in range(len(ids) - n - 1, -1, -1):
                 if ids[start:start + n] == tail:
-                    return ids[start + n:start + n + k]
-        return []
+                    return n, ids[start + n:start + n + k]
+        return 0, []
 
     def unseen_tokens(self, seq) -> int:
         return 0

@@ -27,6 +27,9 @@ class ServerMetrics:
                                           "Fraction of steps that drafted", registry=r)
         self.draft_lengths = Counter("specdecode_spec_decode_draft_length", "Sequence-steps by tokens drafted "
                                      "(the speculation policy's decisions; 0 = plain decoding)", ["k"], registry=r)
+        self.lookup_drafts = Counter("specdecode_spec_decode_num_lookup_drafts", "Sequence-steps whose drafts "
+                                     "came from prompt lookup instead of the draft model (adaptive policy)",
+                                     registry=r)
         self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.slots = Gauge("specdecode_kv_cache_slots", "Sequences the memory plan's KV cache holds", registry=r)
@@ -63,6 +66,7 @@ class ServerMetrics:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
         for k in engine.last_ks:
             self.draft_lengths.labels(k=str(k)).inc()
+        self.lookup_drafts.inc(engine.last_lookup_drafts)
         self.totals.merge(step)
         self._steps += 1
         self._speculated_steps += speculated
