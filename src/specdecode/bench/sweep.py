@@ -53,6 +53,7 @@ class Cell:
     disable_by_batch_size: int = 4  # for that policy: no drafts while more sequences than this are running
     concurrency: int = 1
     forced_accept: bool = False  # every draft token accepted: the upper bound (lossy)
+    prompt_lookup: bool = True  # adaptive policy with a draft model: may draft by prompt lookup too
     num_prompts: int = 4
     max_tokens: int = 64
 
@@ -63,7 +64,7 @@ class Cell:
         policy = {"fixed": "", "adaptive": " adaptive",
                   "disable_by_batch_size": f" off above {self.disable_by_batch_size}"}[self.policy]
         name = f"draft {self.draft}" if self.proposer == "draft" and self.draft else self.proposer
-        text = f"{name} k={self.k}{policy}"
+        text = f"{name} k={self.k}{policy}" + ("" if self.prompt_lookup else " no-lookup")
         return text + (" forced-accept" if self.forced_accept else "")
 
     @property
@@ -73,7 +74,10 @@ class Cell:
 
     def normalized(self) -> "Cell":
         if self.proposer == "none":
-            return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="")
+            return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="",
+                           prompt_lookup=True)
+        if self.proposer == "ngram" or self.policy != "adaptive":
+            self = replace(self, prompt_lookup=True)  # lookup beside a draft model is the adaptive policy's
         if self.proposer == "ngram":
             self = replace(self, draft="")
         return self if self.policy == "disable_by_batch_size" else replace(self, disable_by_batch_size=0)
@@ -233,7 +237,7 @@ class InProcessRunner:
                    speculative_model="ngram" if cell.proposer == "ngram" else None,
                    num_speculative_tokens=cell.k, max_model_len=self.config.max_model_len,
                    max_num_seqs=max_num_seqs, forced_accept=cell.forced_accept,
-                   speculation_policy=cell.policy,
+                   speculation_policy=cell.policy, prompt_lookup=cell.prompt_lookup,
                    speculative_disable_by_batch_size=cell.disable_by_batch_size or None)
 
     def run(self, cell: Cell) -> dict:
@@ -280,7 +284,8 @@ class ServerRunner:
         draft = "ngram" if cell.proposer == "ngram" else cell.draft or c.draft
         return (args + ["--speculative-model", draft, "-k", str(cell.k), "--policy", cell.policy]
                 + (["--speculative-disable-by-batch-size", str(cell.disable_by_batch_size)]
-                   if cell.disable_by_batch_size else []) + (["--forced-accept"] if cell.forced_accept else []))
+                   if cell.disable_by_batch_size else []) + (["--forced-accept"] if cell.forced_accept else [])
+                + ([] if cell.prompt_lookup else ["--no-prompt-lookup"]))
 
     def run(self, cell: Cell) -> dict:
         from .load import run_load, send_requests
