@@ -190,7 +190,7 @@ def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft)
     lookup drafts (one-hot q, no draft forward) are verified like any other, per sequence and step, and
     the packed ragged verify keeps the output equal to plain decoding token for token."""
     plain_ids = _plain_ids(target)
-    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive")
+    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup=True)
     seqs = [llm.engine.add_request(target.tokenizer.encode(p), GREEDY) for p in PROMPTS]
     step_ks = []
     while llm.engine.has_unfinished():
@@ -225,7 +225,7 @@ def test_adaptive_without_rollback_breaks_equality(target, random_draft, monkeyp
 
     monkeypatch.setattr(engine_module.Engine, "_verify", keep_everything_in_cache)
     monkeypatch.setattr(engine_module.Engine, "_emit", emit_after_forgetting_rollback)
-    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive")
+    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup=True)
     ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert llm.engine.policy.lookup_steps > 0
     assert ids != plain_ids

@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=4)
     serve.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "disable_by_batch_size"])
     serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
-    serve.add_argument("--no-prompt-lookup", action="store_true",
-                       help="adaptive policy: draft with the draft model only (by default it may also take a "
-                            "sequence's drafts from prompt lookup where that pays more)")
+    serve.add_argument("--prompt-lookup", action="store_true",
+                       help="adaptive policy (experimental): may also take a sequence's drafts from prompt lookup "
+                            "where that predicts more goodput than the draft model")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)

@@ -53,7 +53,7 @@ class Cell:
     disable_by_batch_size: int = 4  # for that policy: no drafts while more sequences than this are running
     concurrency: int = 1
     forced_accept: bool = False  # every draft token accepted: the upper bound (lossy)
-    prompt_lookup: bool = True  # adaptive policy with a draft model: may draft by prompt lookup too
+    prompt_lookup: bool = False  # adaptive policy with a draft model: may draft by prompt lookup too
     num_prompts: int = 4
     max_tokens: int = 64
 
@@ -64,7 +64,7 @@ class Cell:
         policy = {"fixed": "", "adaptive": " adaptive",
                   "disable_by_batch_size": f" off above {self.disable_by_batch_size}"}[self.policy]
         name = f"draft {self.draft}" if self.proposer == "draft" and self.draft else self.proposer
-        text = f"{name} k={self.k}{policy}" + ("" if self.prompt_lookup else " no-lookup")
+        text = f"{name} k={self.k}{policy}" + (" +lookup" if self.prompt_lookup else "")
         return text + (" forced-accept" if self.forced_accept else "")
 
     @property
@@ -75,9 +75,9 @@ class Cell:
     def normalized(self) -> "Cell":
         if self.proposer == "none":
             return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="",
-                           prompt_lookup=True)
+                           prompt_lookup=False)
         if self.proposer == "ngram" or self.policy != "adaptive":
-            self = replace(self, prompt_lookup=True)  # lookup beside a draft model is the adaptive policy's
+            self = replace(self, prompt_lookup=False)  # lookup beside a draft model is the adaptive policy's
         if self.proposer == "ngram":
             self = replace(self, draft="")
         return self if self.policy == "disable_by_batch_size" else replace(self, disable_by_batch_size=0)
@@ -285,7 +285,7 @@ class ServerRunner:
         return (args + ["--speculative-model", draft, "-k", str(cell.k), "--policy", cell.policy]
                 + (["--speculative-disable-by-batch-size", str(cell.disable_by_batch_size)]
                    if cell.disable_by_batch_size else []) + (["--forced-accept"] if cell.forced_accept else [])
-                + ([] if cell.prompt_lookup else ["--no-prompt-lookup"]))
+                + (["--prompt-lookup"] if cell.prompt_lookup else []))
 
     def run(self, cell: Cell) -> dict:
         from .load import run_load, send_requests

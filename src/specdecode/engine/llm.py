@@ -53,7 +53,7 @@ class LLM:
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
                  draft_vocab_size: int | None = None, draft_quantization: str = "auto",
                  speculation_policy: str = "fixed", speculative_disable_by_batch_size: int | None = None,
-                 prompt_lookup: bool = True,
+                 prompt_lookup: bool = False,
                  memory_budget: str | int | None = None, gpu_memory_utilization: float | None = 0.9,
                  progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):

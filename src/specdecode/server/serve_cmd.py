@@ -23,7 +23,7 @@ def run_serve(args) -> int:
               max_num_seqs=args.max_num_seqs, draft_quantization=args.draft_quantization,
               speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
               memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-              forced_accept=args.forced_accept, prompt_lookup=not args.no_prompt_lookup)
+              forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
     print(llm.memory_plan.summary(), flush=True)
     if args.forced_accept:
         from ..cli import LOSSY_NOTE
