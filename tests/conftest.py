@@ -78,6 +78,18 @@ def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:
     return LoadedModel(f"tiny-{arch}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
 
 
+def run_as_one_batch(engine, prompt_ids: list[list[int]], params) -> tuple[list[list[int]], list[list[int]], int]:
+    """Queue every prompt, step until all finish: (outputs, tokens drafted per sequence in each step,
+    sequence-steps drafted by prompt lookup)."""
+    seqs = [engine.add_request(ids, params) for ids in prompt_ids]
+    step_ks, lookup_drafts = [], 0
+    while engine.has_unfinished():
+        engine.step()
+        step_ks.append(list(engine.last_ks))
+        lookup_drafts += engine.last_lookup_drafts
+    return [s.output_ids for s in seqs], step_ks, lookup_drafts
+
+
 @pytest.fixture(scope="session")
 def target() -> LoadedModel:
     return tiny_model(seed=0)

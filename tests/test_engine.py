@@ -6,7 +6,7 @@ import pytest
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.models.loader import LoadedModel
 
-from conftest import tiny_model
+from conftest import run_as_one_batch, tiny_model
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -191,13 +191,10 @@ def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft)
     the packed ragged verify keeps the output equal to plain decoding token for token."""
     plain_ids = _plain_ids(target)
     llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup=True)
-    seqs = [llm.engine.add_request(target.tokenizer.encode(p), GREEDY) for p in PROMPTS]
-    step_ks = []
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-        step_ks.append(list(llm.engine.last_ks))
-    assert [s.output_ids for s in seqs] == plain_ids
-    assert llm.engine.policy.lookup_steps > 0
+    outputs, step_ks, lookup_drafts = run_as_one_batch(
+        llm.engine, [target.tokenizer.encode(p) for p in PROMPTS], GREEDY)
+    assert outputs == plain_ids
+    assert lookup_drafts > 0
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged within a step
     assert llm.engine.policy.lookup_acceptance.counts  # lookup outcomes were learned
 
@@ -227,5 +224,5 @@ def test_adaptive_without_rollback_breaks_equality(target, random_draft, monkeyp
     monkeypatch.setattr(engine_module.Engine, "_emit", emit_after_forgetting_rollback)
     llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup=True)
     ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert llm.engine.policy.lookup_steps > 0
+    assert llm.engine.policy.lookup_acceptance.counts  # lookup drafts were verified
     assert ids != plain_ids

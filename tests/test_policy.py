@@ -6,6 +6,8 @@ import pytest
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.policy import CostTable, SpeculationPolicy
 
+from conftest import run_as_one_batch
+
 
 def test_token_gains_of_a_fresh_policy_follow_the_prior():
     p = SpeculationPolicy("adaptive", 3, prior_acceptance=0.5)
@@ -184,12 +186,8 @@ def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target):
     alone = [plain.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     llm = LLM(target=target, speculative_model="ngram", num_speculative_tokens=4, speculation_policy="adaptive",
               max_model_len=256)
-    seqs = [llm.engine.add_request(target.tokenizer.encode(p), params) for p in prompts]
-    step_ks = []
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-        step_ks.append(list(llm.engine.last_ks))
-    assert [s.output_ids for s in seqs] == alone
+    outputs, step_ks, _ = run_as_one_batch(llm.engine, [target.tokenizer.encode(p) for p in prompts], params)
+    assert outputs == alone
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged: different k within one step
 
 

@@ -76,10 +76,10 @@ class Cell:
         if self.proposer == "none":
             return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="",
                            prompt_lookup=False)
-        if self.proposer == "ngram" or self.policy != "adaptive":
-            self = replace(self, prompt_lookup=False)  # lookup beside a draft model is the adaptive policy's
         if self.proposer == "ngram":
-            self = replace(self, draft="")
+            self = replace(self, draft="", prompt_lookup=False)
+        elif self.policy != "adaptive":
+            self = replace(self, prompt_lookup=False)  # lookup beside a draft model is the adaptive policy's
         return self if self.policy == "disable_by_batch_size" else replace(self, disable_by_batch_size=0)
 
 

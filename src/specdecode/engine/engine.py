@@ -33,7 +33,7 @@ class Engine:
         self.policy = policy or SpeculationPolicy("fixed")
         self.k = num_speculative_tokens if proposer is not None else 0
         # Prompt lookup beside a draft model: the adaptive policy may draft from it per sequence and step
-        self.lookup = lookup if proposer is not None else None
+        self.lookup = lookup
         self.max_model_len = min(max_model_len, model.cfg.max_position)
         self.cache = KVCache(model.cfg, max_num_seqs, self.max_model_len, model.dtype, model.device)
         self.forced_accept = forced_accept
@@ -159,9 +159,9 @@ class Engine:
         """The policy's plan, capped per sequence (see _draft_budget), and each sequence's prompt-lookup
         match (length, tokens offered), (0, []) where there is none or no lookup."""
         n = len(seqs)
-        matches = [self.lookup.match(s.token_ids, self.k) for s in seqs] if self.lookup else [(0, [])] * n
         if self.proposer is None:
-            return DraftPlan.from_draft_model([0] * n), matches
+            return DraftPlan.from_draft_model([0] * n), [(0, [])] * n
+        matches = [self.lookup.match(s.token_ids, self.k) for s in seqs] if self.lookup else [(0, [])] * n
         catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) for s in seqs]  # 1-2 unseen: the steady state
         plan = self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs],
                                   [(m, len(tokens)) for m, tokens in matches] if self.lookup else None)

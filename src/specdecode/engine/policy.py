@@ -170,7 +170,6 @@ class SpeculationPolicy:
     depth_smoothing: float = 0.01
     lookup_acceptance: LookupAcceptance = field(default_factory=LookupAcceptance)
     decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
-    lookup_steps: int = 0  # sequence-steps drafted by prompt lookup
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
     # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
     # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
@@ -205,7 +204,6 @@ class SpeculationPolicy:
             alphas = [self.acceptance.get(r, self.prior_acceptance) for r in request_ids]
             plan = self._adaptive(alphas, catch_up or [0] * n, remaining or [1 << 30] * n, lookups)
         self.decisions.update(plan.ks)
-        self.lookup_steps += sum(1 for k, lookup in zip(plan.ks, plan.lookup) if k and lookup)
         return plan
 
     def _adaptive(self, alphas: list[float], catch_up: list[int], remaining: list[int],
@@ -225,11 +223,6 @@ class SpeculationPolicy:
                            + sum(starting) * self.costs.draft_prefill_per_token, not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(plan.ks) else 0
         return plan
-
-    def best_ks(self, alphas: list[float], catch_up: list[int] | None = None,
-                remaining: list[int] | None = None) -> list[int]:
-        """The draft model's best allocation alone (no prompt lookup)."""
-        return self.best_plan(alphas, catch_up, remaining).ks
 
     def best_plan(self, alphas: list[float], catch_up: list[int] | None = None,
                   remaining: list[int] | None = None, lookups: list[tuple[int, int]] | None = None) -> DraftPlan:

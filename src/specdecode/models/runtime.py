@@ -266,8 +266,9 @@ def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
 
 def forward_ragged(model: Transformer, cache: KVCache, slots: list[int], inputs: list[list[int]],
                    logits: str) -> torch.Tensor:
-    """Run new tokens (a different number per sequence, padded to one width) after each slot's cached
-    prefix. Cache lengths are not advanced: the caller commits what it accepts."""
+    """Run new tokens (a different number per sequence: packed side by side for decode/verify, padded to
+    one width for prefill) after each slot's cached prefix. Cache lengths are not advanced: the caller
+    commits what it accepts."""
     starts, lengths = [cache.lengths[s] for s in slots], [len(t) for t in inputs]
     batch = ForwardBatch.build(slots, starts, lengths, cache.max_len, model.device, logits=logits)
     if batch.packed:
