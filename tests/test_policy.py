@@ -122,7 +122,7 @@ def test_one_bad_sample_cannot_lock_a_size_out():
     assert t(5) == pytest.approx(2.0 + 0.3 * (4.0 - 2.0))
 
 
-def _simulate(p: SpeculationPolicy, first: float, then: float, steps: int = 20000) -> None:
+def _simulate(p: SpeculationPolicy, first: float, then: float, steps: int = 20000, request_id: str = "r") -> None:
     """Drafts of 4 tokens: the first accepted with probability `first`, each later one (given the one
     before was accepted) with probability `then`."""
     rng = random.Random(0)
@@ -130,7 +130,7 @@ def _simulate(p: SpeculationPolicy, first: float, then: float, steps: int = 2000
         accepted = 0
         while accepted < 4 and rng.random() < (first if accepted == 0 else then):
             accepted += 1
-        p.observe_acceptance("r", 4, accepted)
+        p.observe_acceptance(request_id, 4, accepted)
 
 
 def test_acceptance_estimates_are_unbiased():
@@ -142,6 +142,22 @@ def test_acceptance_estimates_are_unbiased():
     for position in (2, 3, 4):
         assert p.conditional_acceptance(position) == pytest.approx(0.6, abs=0.05)
     assert 1 + sum(p.token_gains(0.6)) == pytest.approx((1 - 0.6 ** 5) / (1 - 0.6), rel=0.05)  # i.i.d. formula
+
+
+@pytest.mark.parametrize("earlier, draft_cost, drafts", [(0.95, 0.55, True), (0.3, 0.3, False)])
+def test_a_new_request_starts_from_the_acceptance_of_earlier_ones(earlier, draft_cost, drafts):
+    """Costs where the fixed prior (0.7) decides one way and the acceptance earlier requests measured
+    the other: a new request follows the measured one from its first step."""
+    p = _measured([], 0.0)
+    for _ in range(2):
+        p.costs.target.observe(1, 1.0)
+        p.costs.draft.observe(1, draft_cost)
+    assert (p.choose(["fresh"]).ks[0] > 0) != drafts  # what the prior alone would do
+    for i in range(20):  # earlier requests, each forgotten when it ends; later positions as the prior
+        _simulate(p, earlier, p.prior_acceptance, steps=40, request_id=f"old{i}")
+        p.forget(f"old{i}")
+    assert p.population_acceptance == pytest.approx(earlier, abs=0.1)
+    assert (p.choose(["new"]).ks[0] > 0) == drafts
 
 
 def test_bursty_acceptance_makes_long_drafts_worth_more():
