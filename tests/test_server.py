@@ -1,6 +1,8 @@
 """The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the official `openai` client,
 with tiny random models (the engine is the same one the real models use)."""
+import asyncio
 import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -130,3 +132,35 @@ def test_client_disconnect_frees_the_slot(served):
         time.sleep(0.05)
     assert served.engine.engine.cache.num_free == 16
     assert "specdecode_requests_aborted_total 1.0" in httpx.get(served.url + "/metrics").text
+
+
+def test_first_token_is_streamed_before_the_first_decode_step(target):
+    """TTFT is the prefill's time: the first token reaches the client while the first decode step is held
+    back (here, until that token has arrived; published only after the step, it never would)."""
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    prompt = target.tokenizer.encode("hello")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    solo = llm.generate([prompt], params)[0].outputs[0].text
+    engine, first_token_out = AsyncEngine(llm.engine), threading.Event()
+    decode_step = llm.engine._decode_step
+
+    def held_decode_step(seqs):
+        if not first_token_out.wait(3):
+            raise RuntimeError("the first token was not published before the first decode step")
+        decode_step(seqs)
+
+    llm.engine._decode_step = held_decode_step
+
+    async def stream():
+        updates = engine.generate(prompt, params)
+        first = await asyncio.wait_for(updates.__anext__(), 10)
+        first_token_out.set()
+        return [first] + [u async for u in updates]
+
+    engine.start()
+    try:
+        updates = asyncio.run(stream())
+    finally:
+        engine.stop()
+    assert updates[0].text == solo[0]
+    assert "".join(u.text for u in updates) == solo and updates[-1].finished
