@@ -218,16 +218,6 @@ def test_catch_up_is_amortised_over_the_tokens_left():
 
 
 
-def test_one_sequence_starts_drafting_per_step():
-    """Four new sequences that would all pay to draft: one catch-up per step (the cheapest first), so a
-    wrong prediction costs one catch-up; sequences already caught up draft together."""
-    p = _measured([0.9] * 4, 0.1)
-    p.costs.draft_prefill_per_token = 0.001
-    ids = [str(i) for i in range(4)]
-    assert [k > 0 for k in p.choose(ids, catch_up=[300, 200, 300, 300]).ks] == [False, True, False, False]
-    assert [k > 0 for k in p.choose(ids, catch_up=[0, 0, 300, 300]).ks] == [True, True, True, False]
-
-
 def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
     """With k = 1 the draft runs one round, and if that round read a whole prompt first, its time says
     nothing about a draft round: it must not enter the cost table."""

@@ -159,10 +159,9 @@ class SpeculationPolicy:
     # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
     min_gain: float = 0.1
     # A catch-up must pay for itself within this many steps: drafting may well stop again before the
-    # sequence ends (load grows, acceptance drops), and then the catch-up was wasted. And at most one
-    # sequence starts (catches up) per step: a wrong bet then costs one catch-up, not a batch of them
-    # (through the server, a burst of 8 or 16 new requests paid 2-3 s of catch-ups in the first step
-    # before the measured step cost stopped drafting again).
+    # sequence ends (load grows, acceptance drops), and then the catch-up was wasted. (Starting at most
+    # one sequence per step was tried, to bound a wrong bet: at batch 4 no single start pays on its own
+    # while all four do, so through the server it kept the policy plain at concurrency 4.)
     catch_up_horizon: int = 16
     costs: CostModel = field(default_factory=CostModel)
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> P(first draft token accepted)
@@ -259,16 +258,14 @@ class SpeculationPolicy:
         at 16 concurrent requests, through the server)."""
         n = len(gains)
         candidates = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0),
-                            key=lambda c: (-c[0], c[1], start_cost[c[2]]))
+                            key=lambda c: (-c[0], c[1]))
         ks, best, best_score = [0] * n, [0] * n, 1.0
-        emitted, extra, started = float(n), 0.0, False
+        emitted, extra = float(n), 0.0
         plain_rate = emitted / self.costs.step_seconds(ks)
         calibration = self.calibration.get(n, 1.0)
         for gain, _, i in candidates:
-            if ks[i] == 0 and not lookup[i] and start_cost[i] > 0:
-                if started:  # one catch-up per step (see catch_up_horizon)
-                    continue
-                started, extra = True, extra + start_cost[i]
+            if ks[i] == 0 and not lookup[i]:
+                extra += start_cost[i]
             ks[i] += 1
             emitted += gain
             rate = emitted / ((self.costs.step_seconds(ks, lookup) + extra) * calibration)
