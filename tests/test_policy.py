@@ -148,7 +148,7 @@ def test_acceptance_estimates_are_unbiased():
 def test_a_new_request_starts_from_the_acceptance_of_earlier_ones(earlier, draft_cost, drafts):
     """Costs where the fixed prior (0.7) decides one way and the acceptance earlier requests measured
     the other: a new request follows the measured one from its first step."""
-    p = _measured([], 0.0)
+    p = SpeculationPolicy("adaptive", 4)
     for _ in range(2):
         p.costs.target.observe(1, 1.0)
         p.costs.draft.observe(1, draft_cost)

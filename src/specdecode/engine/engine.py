@@ -48,9 +48,9 @@ class Engine:
         # Called before each admission (the server drains its inbox here), so requests that arrive while
         # another prompt is prefilled join this step's batch instead of waiting out a decode step.
         self.poll_arrivals: Callable[[], None] | None = None
-        # Called after each prefill, with the new sequence (its first token sampled): the server streams that
-        # token at once instead of after this step's decode (and the other prefills before it).
-        self.on_prefilled: Callable[[Sequence], None] | None = None
+        # Called after each prefill (its first token sampled): the server streams that token at once instead
+        # of after this step's decode (and the other prefills before it).
+        self.on_prefilled: Callable[[], None] | None = None
 
     @property
     def k(self) -> int:
@@ -124,7 +124,7 @@ class Engine:
             self.cache.lengths[seq.slot] = len(seq.prompt_ids)
             self._emit(seq, [self._sample_one(logits[0], seq)])
             if self.on_prefilled is not None:
-                self.on_prefilled(seq)
+                self.on_prefilled()
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         return sample_token(logits, seq.params, seq.generator)[0]

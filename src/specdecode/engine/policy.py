@@ -167,12 +167,10 @@ class SpeculationPolicy:
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> P(first draft token accepted)
     # Acceptance is bursty: after an accepted token the next is accepted more often than the first one is.
     # So depth is modelled apart, over all sequences: position l -> discounted (accepted, tried) given
-    # that position l-1 was accepted.
+    # that position l-1 was accepted. Position 1, pooled the same way, is where a new request starts
+    # (see population_acceptance).
     depth: dict[int, tuple[float, float]] = field(default_factory=dict)
     depth_smoothing: float = 0.01
-    # The first position's outcomes pooled over all sequences, discounted like depth: a new request starts
-    # from what earlier ones measured, not from a fixed guess (see population_acceptance).
-    _first: tuple[float, float] = (0.0, 0.0)
     lookup_acceptance: LookupAcceptance = field(default_factory=LookupAcceptance)
     decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
@@ -293,7 +291,8 @@ class SpeculationPolicy:
             self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
     def conditional_acceptance(self, position: int) -> float:
-        """P(draft token `position` (2, 3, ...) is accepted | the one before it was)."""
+        """P(draft token `position` is accepted | the one before it was), pooled over all sequences (for
+        position 1: P(first draft token accepted))."""
         accepted, tried = self.depth.get(position, (0.0, 0.0))
         return (accepted + self.prior_acceptance * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
 
@@ -316,9 +315,7 @@ class SpeculationPolicy:
             keep = 1 - self.acceptance_smoothing
             successes, trials = keep * successes + (accepted >= 1), keep * trials + 1
             keep_depth = 1 - self.depth_smoothing
-            a, t = self._first
-            self._first = (keep_depth * a + (accepted >= 1), keep_depth * t + 1)
-            for position in range(2, min(drafted, accepted + 1) + 1):
+            for position in range(1, min(drafted, accepted + 1) + 1):
                 a, t = self.depth.get(position, (0.0, 0.0))
                 self.depth[position] = (keep_depth * a + (accepted >= position), keep_depth * t + 1)
         else:  # drift back towards the prior
@@ -341,8 +338,7 @@ class SpeculationPolicy:
         batch 4 on HumanEval (the Qwen pair accepts ~90%), starting each request from 0.7 kept the policy
         plain on new requests where fixed k = 4 was 1.1-1.3x faster, and a sequence that does not draft
         measures nothing."""
-        accepted, tried = self._first
-        return (accepted + self.prior_acceptance * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+        return self.conditional_acceptance(1)
 
     @property
     def _prior_evidence(self) -> tuple[float, float]:

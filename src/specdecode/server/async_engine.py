@@ -49,7 +49,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         engine.poll_arrivals = self._drain_inbox  # runs on the engine thread, inside its admission loop
-        engine.on_prefilled = lambda seq: self._publish()  # the first token goes out right after prefill
+        engine.on_prefilled = self._publish  # a request's first token goes out right after its prefill
 
     def start(self) -> None:
         self._thread.start()
