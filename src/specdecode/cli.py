@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .errors import SpecDecodeError
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.plan import run_plan_cli
 
             return run_plan_cli(args)
+        # a benchmark stops the servers it started on its way out: make SIGTERM take that way (its default
+        # ends the process at once and leaves them running)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         if args.bench_command == "sweep":
             from .bench.sweep import run_sweep_cli
 

@@ -48,6 +48,16 @@ class CostTable:
         else:
             current = self.seconds[size]
             self.seconds[size] += self.smoothing * (min(seconds, 2 * current) - current)
+        self._refresh()
+
+    def record(self, size: int, seconds: float) -> None:
+        """A profiled measurement (its warm-up call already left out): trusted at once, like a size seen
+        twice; later observations refine it as usual."""
+        self.samples[size] = max(self.samples[size], 2)
+        self.seconds[size] = seconds
+        self._refresh()
+
+    def _refresh(self) -> None:
         # the policy looks sizes up many times per step: decide once here which samples it trusts
         self._known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or dict(self.seconds)
         self._sizes = sorted(self._known)
