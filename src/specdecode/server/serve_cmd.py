@@ -5,7 +5,6 @@ import signal
 import sys
 
 from ..engine.llm import LLM
-from ..engine.profile import profile_step_costs
 from ..errors import SpecDecodeError
 from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
 from .api import build_app
@@ -30,10 +29,6 @@ def run_serve(args) -> int:
         from ..cli import LOSSY_NOTE
 
         print(f"WARNING: {LOSSY_NOTE}", flush=True)
-    if args.policy == "adaptive":
-        seconds = profile_step_costs(llm.engine)
-        if seconds:
-            print(f"profiled the step costs the adaptive policy weighs in {seconds:.1f} s", flush=True)
     app = build_app(AsyncEngine(llm.engine), args.model, args.api_key)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was
     # in place before it: make that a clean exit.
