@@ -4,7 +4,7 @@ import random
 import pytest
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.engine.policy import CostTable, SpeculationPolicy
+from specdecode.engine.policy import CostTable, SpeculationPolicy, TargetCost
 
 from conftest import run_as_one_batch
 
@@ -34,7 +34,7 @@ def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: floa
     for i, a in enumerate(alphas):
         p.acceptance[str(i)] = a
     for tokens in range(n, n * (k_max + 1) + 1):
-        p.costs.target.observe(tokens, 1.0 + verify_growth * (tokens - n))
+        p.costs.target.observe(n, tokens, 1.0 + verify_growth * (tokens - n))
     for m in range(1, n + 1):
         p.costs.draft.observe(m, c)
     return p
@@ -47,10 +47,10 @@ def _choose(p: SpeculationPolicy, n: int) -> list[int]:
 def test_adaptive_explores_then_decides():
     p = SpeculationPolicy("adaptive", 4)
     assert p.choose(["r"]).ks == [0]  # nothing measured: plain first
-    p.costs.target.observe(1, 1.0)
+    p.costs.target.observe(1, 1, 1.0)
     assert p.choose(["r"]).ks == [4]  # plain measured: try speculating once
     assert p.choose(["r", "s"]).ks == [0, 0]  # a new batch size: measure plain there first
-    p.costs.target.observe(2, 1.0)
+    p.costs.target.observe(2, 2, 1.0)
     assert p.choose(["r", "s"], catch_up=[300, 2]).ks == [0, 4]  # probe where the draft has least to catch up
 
 
@@ -87,8 +87,8 @@ def test_slow_speculation_at_one_batch_size_does_not_switch_it_off_at_another():
         p._predicted = (p.costs.step_seconds(ks), True)
         p.observe_step(ks, 1.2, None, step_seconds=2 * p._predicted[0])
     assert _choose(p, 4) == [0] * 4
-    p.costs.target.observe(1, 1.0)
-    p.costs.target.observe(1, 1.0)
+    p.costs.target.observe(1, 1, 1.0)
+    p.costs.target.observe(1, 1, 1.0)
     assert any(_choose(p, 1))
     p.observe_step([4], 1.2, None, step_seconds=p._predicted[0])  # batch 1 ran as predicted
     for _ in range(200):
@@ -101,9 +101,18 @@ def test_cost_table_interpolates_and_replaces_the_warmup_sample():
     t = CostTable()
     t.observe(1, 10.0)  # first call: warm-up
     t.observe(1, 1.0)
+    t.observe(2, 2.0)
+    t.observe(2, 2.0)
     t.observe(5, 2.0)
     t.observe(5, 2.0)
-    assert t(1) == 1.0 and t(3) == pytest.approx(1.5) and t(9) == pytest.approx(3.0)
+    assert t(1) == 1.0 and t(4) == 2.0
+    # outside the measured sizes never cheaper per unit than the nearest one: in proportion above (the
+    # slope of 1, 2, 5 would say 2.6), flat below
+    assert t(10) == pytest.approx(4.0)
+    t = CostTable()
+    t.observe(4, 1.0)
+    t.observe(4, 1.0)
+    assert t(1) == 1.0 and t(8) == 2.0
 
 
 def test_one_bad_sample_cannot_lock_a_size_out():
@@ -115,11 +124,69 @@ def test_one_bad_sample_cannot_lock_a_size_out():
     t.observe(1, 1.0)
     t.observe(1, 1.0)
     t.observe(5, 50.0)  # first call with a new shape
-    assert t(5) == pytest.approx(1.08)  # from size 1, until a second sample of size 5 arrives
+    assert t(5) == pytest.approx(5.0)  # from size 1, until a second sample of size 5 arrives
     t.observe(5, 2.0)
     assert t(5) == 2.0
     t.observe(5, 20.0)
     assert t(5) == pytest.approx(2.0 + 0.3 * (4.0 - 2.0))
+
+
+def test_target_cost_is_per_batch_size():
+    """Tokens in the call are not enough: on this project's CPU 8 sequences x 2 tokens cost 437 ms, 16 x 1
+    347 ms. Beyond a batch size's measurements the cost grows by a per-token slope, its own once it has
+    one, else borrowed from the other batch sizes, else 2% of the plain step per token."""
+    t = TargetCost()
+    for _ in range(2):
+        t.observe(16, 16, 0.347)
+        t.observe(8, 8, 0.334)
+        t.observe(8, 16, 0.437)
+        t.observe(8, 24, 0.511)
+    assert t(8, 16) == 0.437 and t(16, 16) == 0.347
+    assert t.has_plain(8) and t.has_plain(16) and not t.has_plain(4)
+    slope_at_8 = t.tables[8].slope()
+    assert slope_at_8 == pytest.approx((0.511 - 0.334) / 16)
+    assert t(8, 40) == pytest.approx(0.511 + 16 * slope_at_8)
+    assert t(16, 32) == pytest.approx(0.347 + 16 * slope_at_8)  # borrowed from batch 8
+    t.observe(2, 2, 0.3)
+    t.observe(2, 3, 0.31)  # spans one token: too little for a slope of its own
+    assert t(2, 10) == pytest.approx(0.31 + 7 * slope_at_8)
+    lone = TargetCost()
+    lone.observe(1, 1, 0.3)
+    assert lone(1, 5) == pytest.approx(0.3 * (1 + 0.02 * 4))
+    with pytest.raises(LookupError):
+        lone(2, 2)
+
+
+def _served(batch_sizes: list[int]) -> SpeculationPolicy:
+    """A policy that has drafted at batch_sizes (and decoded plainly at 1, 2, 4, 8), with what this
+    project's CPU measured (Qwen 1.5B target, int8 0.5B draft, HumanEval): the target's plain step at
+    each batch size and 11.5 ms per verified token; a draft round of 55, 63, 69 ms for 1, 2, 4 sequences
+    (it costs 129 ms at 8: the int8 layers take their bf16 GEMM at 8 rows); first tokens accepted 90% of
+    the time, later ones 93%; 2.5 ms per token of draft catch-up."""
+    plain = {1: 0.296, 2: 0.285, 4: 0.279, 8: 0.334}
+    draft = {1: 0.055, 2: 0.063, 4: 0.069}
+    p = SpeculationPolicy("adaptive", 4)
+    for _ in range(2):
+        for n in plain:  # the next batch size has run a few plain steps already
+            for extra in (0, n, 4 * n) if n in batch_sizes else (0,):
+                p.costs.target.observe(n, n + extra, plain[n] + 0.0115 * extra)
+        for n in batch_sizes:
+            p.costs.draft.observe(n, draft[n])
+    p.costs.draft_prefill_per_token = 0.0025
+    p.depth = {1: (90.0, 100.0), 2: (93.0, 100.0), 3: (93.0, 100.0), 4: (93.0, 100.0)}
+    return p
+
+
+def test_new_requests_at_batch_4_draft_but_not_at_batch_8():
+    """The server sweep's concurrency 8, seen from the policy: 8 new requests whose prompts (~115 tokens)
+    the draft has not read, after concurrency 1, 2 and 4 measured the draft at up to 4 sequences. Drafting
+    for all 8 predicts at most break-even once the draft round is priced at its real size and the
+    catch-ups are paid, so the policy decodes plainly (extrapolating the draft along its slope to ~87 ms
+    made it start all 8 catch-ups in one 5 s step). At batch 4, new requests still draft."""
+    ids = [str(i) for i in range(8)]
+    p = _served([1, 2, 4])
+    assert sum(p.choose(ids[:4], catch_up=[115] * 4, remaining=[127] * 4).ks) >= 4
+    assert p.choose(ids, catch_up=[115] * 8, remaining=[127] * 8).ks == [0] * 8
 
 
 def _simulate(p: SpeculationPolicy, first: float, then: float, steps: int = 20000, request_id: str = "r") -> None:
@@ -150,7 +217,7 @@ def test_a_new_request_starts_from_the_acceptance_of_earlier_ones(earlier, draft
     the other: a new request follows the measured one from its first step."""
     p = SpeculationPolicy("adaptive", 4)
     for _ in range(2):
-        p.costs.target.observe(1, 1.0)
+        p.costs.target.observe(1, 1, 1.0)
         p.costs.draft.observe(1, draft_cost)
     assert (p.choose(["fresh"]).ks[0] > 0) != drafts  # what the prior alone would do
     for i in range(20):  # earlier requests, each forgotten when it ends; later positions as the prior

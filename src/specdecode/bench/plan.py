@@ -13,14 +13,11 @@ bookkeeping, and assumes every sequence of the batch accepts like the calibratio
 report sets it beside measured speedups."""
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
-
+from ..engine.profile import time_forward
 from ..errors import SpecDecodeError
-from ..metrics import now
 from .results import command_line, write_json
 
 
@@ -56,28 +53,6 @@ def measure_acceptance(target, draft, options: PlanOptions, seed: int) -> list[f
         llm.generate(prompt, params)
     totals = llm.engine.totals
     return [a / d if d else 0.0 for a, d in zip(totals.accepted_per_position, totals.drafted_per_position)]
-
-
-def time_forward(model, batch: int, tokens: int, context: int, repeats: int) -> float:
-    """Median seconds of one forward of `batch` sequences with `tokens` new tokens each after `context`
-    cached ones (cache contents do not change the cost, so they are left as zeros)."""
-    from ..kv_cache import KVCache
-    from ..models.runtime import forward_ragged
-
-    cache = KVCache(model.cfg, batch, context + tokens + 1, model.dtype, model.device)
-    slots = [cache.allocate() for _ in range(batch)]
-    for s in slots:
-        cache.lengths[s] = context
-    inputs = [[0] * tokens for _ in slots]
-    logits = "all" if tokens > 1 else "last"
-    times = []
-    with torch.inference_mode():
-        for i in range(repeats + 1):  # the first call warms up
-            start = now()
-            forward_ragged(model, cache, slots, inputs, logits)
-            if i:
-                times.append(now() - start)
-    return statistics.median(times)
 
 
 def expected_tokens(prefix_acceptance: list[float], k: int) -> float:

@@ -15,6 +15,7 @@ from ..sampling import SamplingParams
 from .engine import Engine
 from .memory import plan_memory, resolve_budget
 from .policy import SpeculationPolicy
+from .profile import profile_draft_costs
 from .sequence import Sequence
 
 NGRAM_NAMES = ("ngram", "[ngram]")
@@ -87,6 +88,9 @@ class LLM:
             lookup = NgramProposer(ngram_prompt_lookup_max, ngram_prompt_lookup_min)
         self.engine = Engine(self.target.model, self.tokenizer, proposer, num_speculative_tokens,
                              max_num_seqs, max_model_len, forced_accept, self.timer, policy, lookup)
+        # the adaptive policy weighs the draft's cost at every number of drafting sequences, and that cost
+        # jumps between them: time it now rather than extrapolate (0 s where there is no draft model)
+        self.profile_seconds = profile_draft_costs(self.engine) if speculation_policy == "adaptive" else 0.0
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

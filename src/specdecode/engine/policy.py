@@ -32,15 +32,15 @@ class CostTable:
     all: a size is estimated from the trusted ones instead. Otherwise a pessimistic first sample would
     keep the policy from ever choosing that size again, and so from correcting it. For the same reason
     one later sample moves the mean as if it were at most twice the current estimate. Unmeasured sizes
-    are interpolated between the trusted neighbours, or extrapolated along the least-squares slope of
-    all of them (+2% per unit when only one size is known).
+    are interpolated between the trusted neighbours.
 
-    Extrapolation is optimistic where costs jump (the int8 draft takes its bf16 GEMM at 8 rows: 129 ms
-    for 8 sequences, 69 ms for 4), which is how concurrency 8 came to start all 8 catch-ups at once.
-    Timing every size at server start was tried and made it worse through the server (round 1:
-    0.79x plain at concurrency 8, 13% drafted; 0.96x at 4): the target is keyed by tokens in the call,
-    and 16 tokens as 8 x 2 cost 437 ms where 16 x 1 cost 347 ms, so k = 1 at batch 8 looked cheap; and
-    bare forwards leave out the per-step work that grows with drafting sequences (~20% at batch 8)."""
+    Outside them the estimate never gets cheaper per unit than the nearest measured size: above the
+    largest it grows in proportion, below the smallest it stays at the smallest's cost. Extrapolating
+    along the slope of the measured sizes was optimistic where costs jump (the int8 draft takes its bf16
+    GEMM at 8 rows: 129 ms for 8 sequences, 69 ms for 4, where the slope of 1, 2, 4 said ~87 ms), and
+    that is how concurrency 8 came to start all 8 catch-ups at once, through the server, for drafting
+    that did not pay (0.91x plain). A pessimistic guess costs little: the policy drafts for fewer
+    sequences, which it has measured, and measures larger sizes as it grows into them."""
 
     smoothing: float = 0.3
     seconds: dict[int, float] = field(default_factory=dict)
@@ -55,12 +55,27 @@ class CostTable:
         else:
             current = self.seconds[size]
             self.seconds[size] += self.smoothing * (min(seconds, 2 * current) - current)
+        self._refresh()
+
+    def record(self, size: int, seconds: float) -> None:
+        """A profiled measurement (its warm-up call already left out): trusted at once, like a size seen
+        twice; later observations refine it as usual."""
+        self.samples[size] = max(self.samples[size], 2)
+        self.seconds[size] = seconds
+        self._refresh()
+
+    def _refresh(self) -> None:
         # the policy looks sizes up many times per step: decide once here which samples it trusts
         self._known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or dict(self.seconds)
         self._sizes = sorted(self._known)
 
     def __bool__(self) -> bool:
         return bool(self.seconds)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The sizes lookups are based on, sorted."""
+        return self._sizes
 
     def __call__(self, size: int) -> float:
         if size <= 0:
@@ -70,22 +85,72 @@ class CostTable:
             return known[size]
         if not sizes:
             raise LookupError("nothing measured yet")
-        if len(sizes) == 1:
-            return known[sizes[0]] * (1 + 0.02 * (size - sizes[0]))
         i = bisect.bisect(sizes, size)
-        if 0 < i < len(sizes):  # between two measured sizes
-            lo, hi = sizes[i - 1], sizes[i]
-            return known[lo] + (known[hi] - known[lo]) * (size - lo) / (hi - lo)
-        edge = sizes[0] if i == 0 else sizes[-1]  # outside: along the least-squares slope of all sizes
-        return max(known[edge] + self._slope(known) * (size - edge), 1e-9)
+        if i == 0:
+            return known[sizes[0]]
+        if i == len(sizes):
+            return known[sizes[-1]] * size / sizes[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        return known[lo] + (known[hi] - known[lo]) * (size - lo) / (hi - lo)
 
-    @staticmethod
-    def _slope(known: dict[int, float]) -> float:
-        sizes = list(known)
-        mean_x = sum(sizes) / len(sizes)
-        mean_y = sum(known.values()) / len(sizes)
-        var = sum((x - mean_x) ** 2 for x in sizes)
-        return max(0.0, sum((x - mean_x) * (known[x] - mean_y) for x in sizes) / var)
+    def slope(self) -> float:
+        """Least-squares seconds per unit of size over the trusted sizes (0 with fewer than two)."""
+        known = self._known
+        if len(known) < 2:
+            return 0.0
+        mean_x = sum(known) / len(known)
+        mean_y = sum(known.values()) / len(known)
+        var = sum((x - mean_x) ** 2 for x in known)
+        return max(0.0, sum((x - mean_x) * (known[x] - mean_y) for x in known) / var)
+
+
+@dataclass
+class TargetCost:
+    """One verify/decode forward of the target, by batch size and tokens in the call.
+
+    The batch size matters beside the tokens: a call's tokens are verified one attention call per token,
+    and the weights are streamed once per call, so 16 tokens as 8 sequences x 2 cost 437 ms where 16 x 1
+    cost 347 ms (this CPU, Qwen 1.5B). A table keyed by tokens alone made k = 1 at batch 8 look cheap.
+    Within a batch size the measured token counts are interpolated; beyond them the cost grows by a
+    per-token slope: the batch size's own once its measurements span a few tokens, else the median of
+    the other batch sizes' (10-13 ms per token at batch 4, 8 and 16 here), else 2% of its plain step."""
+
+    tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
+    min_slope_span: int = 4  # tokens a batch size's measurements must span for its own slope to count
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def has_plain(self, batch: int) -> bool:
+        """Plain decoding (one token per sequence) has been measured at this batch size."""
+        return batch in self.tables and batch in self.tables[batch].seconds
+
+    def __call__(self, batch: int, tokens: int) -> float:
+        table = self.tables.get(batch)
+        if not table:
+            raise LookupError(f"nothing measured at batch size {batch}")
+        sizes = table.sizes
+        if sizes[0] <= tokens <= sizes[-1]:
+            return table(tokens)
+        edge = sizes[0] if tokens < sizes[0] else sizes[-1]
+        return max(table(edge) + self.slope(batch) * (tokens - edge), 1e-9)
+
+    def slope(self, batch: int) -> float:
+        """Seconds per extra token in a call at this batch size (see the class doc)."""
+        if self._spans(batch):
+            return self.tables[batch].slope()
+        others = sorted(t.slope() for b, t in self.tables.items() if b != batch and self._spans(b))
+        if others:
+            return others[len(others) // 2]
+        table = self.tables[batch]
+        return 0.02 * table(table.sizes[0])
+
+    def _spans(self, batch: int) -> bool:
+        sizes = self.tables[batch].sizes
+        return len(sizes) >= 2 and sizes[-1] - sizes[0] >= self.min_slope_span
 
 
 @dataclass
@@ -126,7 +191,7 @@ class LookupAcceptance:
 
 @dataclass
 class CostModel:
-    target: CostTable = field(default_factory=CostTable)  # one verify/decode forward, by tokens in it
+    target: TargetCost = field(default_factory=TargetCost)  # one verify/decode forward
     draft: CostTable = field(default_factory=CostTable)  # one draft forward, by sequences in it
     # A sequence that has not drafted for a while (or ever) makes the draft read its missed tokens first.
     # Seconds per token of that catch-up (0 until measured: the first sequence that drafts measures it).
@@ -147,7 +212,7 @@ class CostModel:
         lookup[i]: those drafts come from prompt lookup, at no draft-forward cost."""
         drafting = sorted((k for i, k in enumerate(ks) if k and not (lookup and lookup[i])), reverse=True)
         draft = sum(self.draft(sum(1 for k in drafting if k > j)) for j in range(drafting[0])) if drafting else 0.0
-        return draft + self.target(len(ks) + sum(ks))
+        return draft + self.target(len(ks), len(ks) + sum(ks))
 
 
 @dataclass
@@ -219,7 +284,7 @@ class SpeculationPolicy:
     def _adaptive(self, alphas: list[float], catch_up: list[int], remaining: list[int],
                   lookups: list[tuple[int, int]] | None) -> DraftPlan:
         n = len(alphas)
-        if not self.costs.target or n not in self.costs.target.seconds:
+        if not self.costs.target.has_plain(n):
             return DraftPlan.from_draft_model([0] * n)  # measure plain decoding at this batch size first
         if not self.costs.draft:  # then measure drafting, on the sequence that is cheapest to start
             probe = min(range(n), key=lambda i: catch_up[i])
@@ -292,7 +357,7 @@ class SpeculationPolicy:
         elif n in self.calibration:
             self.calibration[n] += self.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
-        self.costs.target.observe(len(ks) + sum(ks), target_seconds)
+        self.costs.target.observe(n, n + sum(ks), target_seconds)
         drafting = sum(1 for i, k in enumerate(ks) if k and not (lookup and lookup[i]))
         if draft_seconds_per_forward is not None and drafting:
             self.costs.draft.observe(drafting, draft_seconds_per_forward)

@@ -25,6 +25,9 @@ def run_serve(args) -> int:
               memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
               forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
     print(llm.memory_plan.summary(), flush=True)
+    if llm.profile_seconds:
+        print(f"timed the draft's forward for 1-{llm.engine.cache.num_slots} sequences in {llm.profile_seconds:.1f} s "
+              "(the adaptive policy's cost model)", flush=True)
     if args.forced_accept:
         from ..cli import LOSSY_NOTE
 

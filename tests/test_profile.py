@@ -1,0 +1,57 @@
+"""Draft-cost profile at start-up: the adaptive policy prices every number of drafting sequences from
+measurements, not from extrapolation."""
+import pytest
+
+from specdecode import LLM
+from specdecode.engine.policy import CostTable
+from specdecode.engine.profile import profile_draft_costs
+
+from test_policy import _served
+
+
+def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engine_untouched(target, random_draft):
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
+              max_num_seqs=6, max_model_len=256)
+    engine, costs = llm.engine, llm.engine.policy.costs
+    assert llm.profile_seconds > 0
+    assert sorted(costs.draft.seconds) == [1, 2, 3, 4, 5, 6]
+    assert all(costs.draft.samples[n] >= 2 and costs.draft.seconds[n] > 0 for n in range(1, 7))
+    assert costs.draft_prefill_per_token > 0
+    assert not costs.target  # the target is measured by the steps themselves
+    # the forwards ran in caches of their own: every slot of the engine's is still free and empty
+    assert engine.cache.num_free == engine.cache.num_slots and not any(engine.cache.lengths)
+    assert engine.proposer.cache.num_free == engine.proposer.cache.num_slots
+
+
+def test_plain_decoding_prompt_lookup_and_fixed_k_profile_nothing(target, random_draft):
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
+    ngram = LLM(target=target, speculative_model="ngram", num_speculative_tokens=4, max_model_len=128,
+                speculation_policy="adaptive")
+    fixed = LLM(target=target, draft=random_draft, num_speculative_tokens=4, max_model_len=128)
+    for llm in (plain, ngram, fixed):
+        assert llm.profile_seconds == 0.0 and not llm.engine.policy.costs.draft
+    assert profile_draft_costs(plain.engine) == 0.0
+
+
+def test_a_recorded_size_is_trusted_at_once():
+    t = CostTable()
+    t.observe(1, 1.0)
+    t.observe(1, 1.0)
+    t.record(8, 3.0)  # a lone observed sample would be ignored while size 1 has two (see the policy tests)
+    assert t(8) == 3.0
+    t.observe(8, 4.0)  # later steps refine it like any trusted size
+    assert t(8) == pytest.approx(3.0 + 0.3 * (4.0 - 3.0))
+
+
+def test_a_profiled_draft_lets_batch_4_start_where_extrapolation_would_not():
+    """Concurrency 4 straight after 1: the draft was measured at one sequence only, and priced in
+    proportion beyond it (220 ms at 4, where it costs 69): 4 new requests stay plain. With the profile's
+    69 ms they draft; at batch 8 (129 ms, profiled) they still do not."""
+    ids = [str(i) for i in range(8)]
+    learned = _served([1])
+    assert learned.choose(ids[:4], catch_up=[115] * 4, remaining=[127] * 4).ks == [0] * 4
+    profiled = _served([1])
+    for n, seconds in {2: 0.063, 3: 0.066, 4: 0.069, 5: 0.075, 6: 0.08, 7: 0.085, 8: 0.129}.items():
+        profiled.costs.draft.record(n, seconds)
+    assert all(profiled.choose(ids[:4], catch_up=[115] * 4, remaining=[127] * 4).ks)
+    assert profiled.choose(ids, catch_up=[115] * 8, remaining=[127] * 8).ks == [0] * 8
