@@ -104,14 +104,14 @@ HEADER = f"{'round':>5} {'config':<10}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT 
 
 
 def summary_table(rows: list[dict]) -> str:
-    lines = [f"{'config':<10}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>22}{'TPOT ms':>10}"
+    lines = [f"{'config':<10}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
              f"{'TPOT ÷':>9}"]
     for r in rows:
         ratio = r.get("throughput_vs_plain")
         tpot = r.get("tpot_reduction_vs_plain")
         spread = ", ".join(f"{x:.2f}" for x in r.get("round_throughputs_vs_plain", []))
         lines.append(f"{r['config']:<10}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
-                     f"{'' if ratio is None else f'{ratio:.2f}x':>10}{spread:>22}{r['tpot_s']['mean'] * 1000:>10.1f}"
+                     f"{'' if ratio is None else f'{ratio:.2f}x':>10}{spread:>26}{r['tpot_s']['mean'] * 1000:>10.1f}"
                      f"{'' if tpot is None else f'{tpot:.2f}x':>9}")
     return "\n".join(lines)
 
