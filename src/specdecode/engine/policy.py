@@ -47,6 +47,7 @@ class CostTable:
     samples: Counter = field(default_factory=Counter)
     _known: dict[int, float] = field(default_factory=dict)  # what lookups use (see above), by size
     _sizes: list[int] = field(default_factory=list)  # its sizes, sorted
+    _slope: float = 0.0  # slope() of _known
 
     def observe(self, size: int, seconds: float) -> None:
         self.samples[size] += 1
@@ -68,6 +69,7 @@ class CostTable:
         # the policy looks sizes up many times per step: decide once here which samples it trusts
         self._known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or dict(self.seconds)
         self._sizes = sorted(self._known)
+        self._slope = self._least_squares_slope(self._known)
 
     def __bool__(self) -> bool:
         return bool(self.seconds)
@@ -95,7 +97,10 @@ class CostTable:
 
     def slope(self) -> float:
         """Least-squares seconds per unit of size over the trusted sizes (0 with fewer than two)."""
-        known = self._known
+        return self._slope
+
+    @staticmethod
+    def _least_squares_slope(known: dict[int, float]) -> float:
         if len(known) < 2:
             return 0.0
         mean_x = sum(known) / len(known)

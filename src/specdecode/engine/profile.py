@@ -6,8 +6,8 @@ already run, and it is not smooth beyond them: the int8 draft takes its floating
 (129 ms for 8 sequences where 1, 2 and 4 cost 55, 63 and 69 ms on this project's CPU). Extrapolated
 along the slope of 1-4, concurrency 8 through the server started the draft on all 8 new requests at
 once, a 5 s step of catch-ups for drafting that did not pay (0.91x plain); extrapolated in proportion
-(the cost table's rule now), concurrency 4 would not start drafting where it pays 1.1-1.4x. Timing
-1..max_num_seqs draft forwards takes a few seconds and removes the guess.
+(the cost table's rule now), concurrency 4 straight after 1 would not start drafting where it pays
+1.1-1.4x. Timing 1..max_num_seqs draft forwards takes a few seconds and removes the guess.
 
 The target is not profiled: the policy measures plain decoding at a batch size before it speculates
 there, and the per-token cost of verifying carries over between batch sizes (see TargetCost). Profiling
