@@ -88,11 +88,10 @@ def test_gguf_model_matches_transformers(tmp_path, arch):
     assert loaded_cfg.num_kv_heads == cfg.num_kv_heads and loaded_cfg.qkv_bias == (arch == "qwen2")
     ours = build_model(loaded_cfg, tensors, torch.float32, "cpu")
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    from specdecode.kv_cache import KVCache
-    from specdecode.models.runtime import ForwardBatch
+    from specdecode.executor.runner import ModelRunner
 
-    cache = KVCache(loaded_cfg, 1, 32, torch.float32, "cpu")
-    got = ours(ids, ForwardBatch.build([0], [0], [16], 32, "cpu", "all"), cache)
+    runner = ModelRunner(ours, 1, 32)
+    got = runner.forward([runner.allocate()], [ids[0].tolist()], "all")
     with torch.no_grad():
         expected = _reference(cfg, weights)(ids).logits[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.engine.memory import kv_bytes_per_token, model_bytes, parse_bytes, plan_memory
+from specdecode.engine.memory import kv_bytes_per_token, parse_bytes, plan_memory
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -23,14 +23,14 @@ def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * 4
     # the engine's cache takes exactly that per token and slot
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
-    assert llm.engine.cache.nbytes == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
+    assert llm.engine.runner.kv_bytes == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
 
 
 def test_budget_decides_the_number_of_slots(target, random_draft):
     fixed = plan_memory(target.model, random_draft.model, 128, 64, 4, None)
     per_slot = 128 * fixed.kv_bytes_per_token
     assert fixed.num_slots == 64  # no budget: what was asked
-    weights = model_bytes(target.model) + model_bytes(random_draft.model) + fixed.reserve_bytes
+    weights = target.model.weight_bytes() + random_draft.model.weight_bytes() + fixed.reserve_bytes
     plan = plan_memory(target.model, random_draft.model, 128, 64, 4, weights + 3 * per_slot + per_slot // 2)
     assert plan.num_slots == 3
     assert plan.kv_cache_bytes == 3 * per_slot
@@ -54,7 +54,7 @@ def test_requests_beyond_the_slots_wait_and_all_complete(target, random_draft):
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=64, max_num_seqs=8,
               draft_quantization="none",
               memory_budget=budget)
-    assert llm.memory_plan.num_slots == llm.engine.cache.num_slots == 2
+    assert llm.memory_plan.num_slots == llm.engine.runner.num_slots == 2
     prompts = [f"request {i}" for i in range(5)]
     alone = [LLM(target=target, num_speculative_tokens=0, max_model_len=64).generate(p, PARAMS)[0] for p in prompts]
     seqs = [llm.engine.add_request(target.tokenizer.encode(p), PARAMS) for p in prompts]

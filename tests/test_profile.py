@@ -19,8 +19,9 @@ def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engi
     assert costs.draft_prefill_per_token > 0
     assert not costs.target  # the target is measured by the steps themselves
     # the forwards ran in caches of their own: every slot of the engine's is still free and empty
-    assert engine.cache.num_free == engine.cache.num_slots and not any(engine.cache.lengths)
-    assert engine.proposer.cache.num_free == engine.proposer.cache.num_slots
+    assert engine.runner.num_free == engine.runner.num_slots
+    assert not any(engine.runner.length(s) for s in range(engine.runner.num_slots))
+    assert engine.proposer.runner.num_free == engine.proposer.runner.num_slots
 
 
 def test_plain_decoding_prompt_lookup_and_fixed_k_profile_nothing(target, random_draft):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from specdecode.kv_cache import KVCache
-from specdecode.models.runtime import build_model, forward_ragged
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.runtime import build_model
 
 from conftest import random_hf_weights, tiny_config
 
@@ -23,9 +23,9 @@ def _reference(cfg, weights):
     return hf.eval()
 
 
-def _prefill(model, cache, slot, ids, logits="all"):
-    out = forward_ragged(model, cache, [slot], [ids], logits)
-    cache.lengths[slot] += len(ids)
+def _prefill(runner, slot, ids, logits="all"):
+    out = runner.forward([slot], [ids], logits)
+    runner.commit(slot, runner.length(slot) + len(ids))
     return out
 
 
@@ -38,12 +38,12 @@ def test_forward_matches_transformers(arch):
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ref(ids).logits[0]
-    cache = KVCache(cfg, 2, 64, torch.float32, "cpu")
+    cache = ModelRunner(ours, 2, 64)
     slot = cache.allocate()
     # prefill half, then decode one token at a time, then verify a chunk: all must match the full forward
-    got = [_prefill(ours, cache, slot, ids[0, :10].tolist())]
-    got += [_prefill(ours, cache, slot, [t]) for t in ids[0, 10:15].tolist()]
-    got.append(_prefill(ours, cache, slot, ids[0, 15:].tolist()))
+    got = [_prefill(cache, slot, ids[0, :10].tolist())]
+    got += [_prefill(cache, slot, [t]) for t in ids[0, 10:15].tolist()]
+    got.append(_prefill(cache, slot, ids[0, 15:].tolist()))
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -55,32 +55,32 @@ def test_batched_ragged_forward_equals_single():
     chunks = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 4, 2)]
     solo = []
     for p, c in zip(prompts, chunks):
-        cache = KVCache(cfg, 1, 64, torch.float32, "cpu")
-        _prefill(model, cache, 0, p)
-        solo.append(_prefill(model, cache, 0, c))
-    cache = KVCache(cfg, 4, 64, torch.float32, "cpu")
+        cache = ModelRunner(model, 1, 64)
+        _prefill(cache, 0, p)
+        solo.append(_prefill(cache, 0, c))
+    cache = ModelRunner(model, 4, 64)
     slots = [3, 0, 2]  # non-contiguous slots
     for s, p in zip(slots, prompts):
-        _prefill(model, cache, s, p)
-    batched = forward_ragged(model, cache, slots, chunks, "all")  # ragged widths, padded inside
+        _prefill(cache, s, p)
+    batched = cache.forward(slots, chunks, "all")  # ragged widths, padded inside
     torch.testing.assert_close(batched, torch.cat(solo), atol=1e-5, rtol=1e-5)
 
 
 def _rollback_then_continue(model, cfg, prompt, rejected, accepted_next, rollback: bool):
-    cache = KVCache(cfg, 1, 64, torch.float32, "cpu")
-    _prefill(model, cache, 0, prompt)
-    _prefill(model, cache, 0, rejected)  # verify forward over draft tokens that then get rejected
+    cache = ModelRunner(model, 1, 64)
+    _prefill(cache, 0, prompt)
+    _prefill(cache, 0, rejected)  # verify forward over draft tokens that then get rejected
     if rollback:
-        cache.truncate(0, len(prompt))
-    return _prefill(model, cache, 0, accepted_next, logits="last")
+        cache.rollback(0, len(prompt))
+    return _prefill(cache, 0, accepted_next, logits="last")
 
 
 def test_kv_rollback_equals_fresh_prefill():
     cfg = tiny_config()
     model = build_model(cfg, random_hf_weights(cfg, seed=5), torch.float32, "cpu")
     prompt, rejected, nxt = [3, 9, 27, 1, 4], [11, 12, 13, 14], [40, 41]
-    fresh_cache = KVCache(cfg, 1, 64, torch.float32, "cpu")
-    fresh = _prefill(model, fresh_cache, 0, prompt + nxt, logits="last")
+    fresh_cache = ModelRunner(model, 1, 64)
+    fresh = _prefill(fresh_cache, 0, prompt + nxt, logits="last")
     after_rollback = _rollback_then_continue(model, cfg, prompt, rejected, nxt, rollback=True)
     torch.testing.assert_close(after_rollback, fresh, atol=1e-5, rtol=1e-5)
     # a broken rollback (pointer not moved back) must be caught by the same comparison
@@ -89,7 +89,7 @@ def test_kv_rollback_equals_fresh_prefill():
 
 
 def _bf16_is_native() -> bool:
-    from specdecode.models.loader import resolve_dtype
+    from specdecode.executor.backends import resolve_dtype
 
     return resolve_dtype("auto", "cpu") == torch.bfloat16
 
@@ -131,12 +131,12 @@ def _verify_vs_one_by_one(cfg, scale=0.15):
     model = build_model(cfg, random_hf_weights(cfg, seed=9, scale=scale), torch.bfloat16, "cpu")
     gen = torch.Generator().manual_seed(2)
     prompt, chunk = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (30, 6)]
-    decode_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
-    _prefill(model, decode_cache, 0, prompt)
-    one_by_one = torch.cat([_prefill(model, decode_cache, 0, [t]) for t in chunk])
-    verify_cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
-    _prefill(model, verify_cache, 0, prompt)
-    return _prefill(model, verify_cache, 0, chunk), one_by_one
+    decode_cache = ModelRunner(model, 1, 64)
+    _prefill(decode_cache, 0, prompt)
+    one_by_one = torch.cat([_prefill(decode_cache, 0, [t]) for t in chunk])
+    verify_cache = ModelRunner(model, 1, 64)
+    _prefill(verify_cache, 0, prompt)
+    return _prefill(verify_cache, 0, chunk), one_by_one
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -152,7 +152,7 @@ def test_hf_checkpoint_folder_loads_like_transformers(tmp_path, arch):
     assert loaded_cfg == ModelConfig(**{**cfg.__dict__, "head_dim": loaded_cfg.head_dim})
     ours = build_model(loaded_cfg, tensors, torch.float32, "cpu")
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(loaded_cfg, 1, 32, torch.float32, "cpu")
+    cache = ModelRunner(ours, 1, 32)
     with torch.no_grad():
         expected = ref(ids).logits[0]
-    torch.testing.assert_close(_prefill(ours, cache, 0, ids[0].tolist()), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_prefill(cache, 0, ids[0].tolist()), expected, atol=1e-4, rtol=1e-4)

@@ -127,10 +127,10 @@ def test_client_disconnect_frees_the_slot(served):
     deadline = time.time() + 10
     while time.time() < deadline:
         metrics = httpx.get(served.url + "/metrics").text
-        if "specdecode_num_requests_running 0.0" in metrics and served.engine.engine.cache.num_free == 16:
+        if "specdecode_num_requests_running 0.0" in metrics and served.engine.engine.runner.num_free == 16:
             break
         time.sleep(0.05)
-    assert served.engine.engine.cache.num_free == 16
+    assert served.engine.engine.runner.num_free == 16
     assert "specdecode_requests_aborted_total 1.0" in httpx.get(served.url + "/metrics").text
 
 

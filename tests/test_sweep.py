@@ -144,17 +144,16 @@ def test_transformers_baseline_runs_the_same_weights():
 
     from conftest import random_hf_weights, tiny_config
     from specdecode.bench.hf_baseline import hf_model_from
-    from specdecode.kv_cache import KVCache
-    from specdecode.models.runtime import build_model, forward_ragged
+    from specdecode.executor.runner import ModelRunner
+    from specdecode.models.runtime import build_model
 
     cfg = tiny_config("qwen2")
     weights = random_hf_weights(cfg, seed=3)
     ours = build_model(cfg, weights, torch.float32, "cpu")
     theirs = hf_model_from(cfg, weights, torch.float32)
     ids = [5, 9, 2, 33, 17, 8]
-    cache = KVCache(cfg, 1, 32, torch.float32, "cpu")
-    slot = cache.allocate()
-    mine = forward_ragged(ours, cache, [slot], [ids], logits="all")
+    runner = ModelRunner(ours, 1, 32)
+    mine = runner.forward([runner.allocate()], [ids], logits="all")
     with torch.inference_mode():
         reference = theirs(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(mine.float(), reference.float(), atol=1e-4, rtol=1e-4)

@@ -20,9 +20,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="draft LM head keeps this many lowest token ids + special tokens (0 = full vocabulary)")
-    p.add_argument("--draft-quantization", default="auto", choices=["auto", "int8", "none"],
-                   help="draft weights: auto = int8 weight-only where supported (CPU), none = keep --dtype")
+    _add_quantization_args(p)
     p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def _add_quantization_args(p: argparse.ArgumentParser) -> None:
+    choices = ["auto", "none", "w8a8", "w8a16"]
+    p.add_argument("--quantization", default="auto", choices=choices,
+                   help="target weights: auto = the fastest for this machine (w8a8 on x86 CPUs, bf16 on CUDA), "
+                        "none = floating weights in --dtype, w8a8 = int8 weights and activations (FBGEMM), "
+                        "w8a16 = int8 weights with bf16 activations")
+    p.add_argument("--draft-quantization", default="auto", choices=choices, help="the same for the draft model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--draft-quantization", default="auto", choices=["auto", "int8", "none"])
+    _add_quantization_args(serve)
     serve.add_argument("--forced-accept", action="store_true",
                        help="benchmarks only: accept every draft token (an upper bound; output is NOT the target's)")
 

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
-from ..kv_cache import KVCache
+from ..executor.runner import ModelRunner
 from ..metrics import SpecCounters, StepTimer, now
-from ..models.runtime import Transformer, forward_ragged
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Proposer
 from ..proposers.ngram import NgramProposer
@@ -23,19 +22,17 @@ from .sequence import Sequence
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0, max_num_seqs: int = 8, max_model_len: int = 4096,
-                 forced_accept: bool = False, timer: StepTimer | None = None,
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0, forced_accept: bool = False, timer: StepTimer | None = None,
                  policy: SpeculationPolicy | None = None, lookup: NgramProposer | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
+        self.runner, self.tokenizer, self.proposer = runner, tokenizer, proposer
         self.policy = policy or SpeculationPolicy("fixed")
         self.k = num_speculative_tokens if proposer is not None else 0
         # Prompt lookup beside a draft model: the adaptive policy may draft from it per sequence and step
         self.lookup = lookup
-        self.max_model_len = min(max_model_len, model.cfg.max_position)
-        self.cache = KVCache(model.cfg, max_num_seqs, self.max_model_len, model.dtype, model.device)
+        self.max_model_len = runner.max_len
         self.forced_accept = forced_accept
         self.timer = timer or StepTimer()
         self.waiting: deque[Sequence] = deque()
@@ -71,7 +68,7 @@ class Engine:
                 "shorten the prompt or raise max_model_len")
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(list(prompt_ids), params, generator)
         seq.metrics.num_prompt_tokens = len(prompt_ids)
         seq.metrics.forced_accept = self.forced_accept and self.k > 0
@@ -104,7 +101,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
-        self.cache.free(seq.slot)
+        self.runner.free(seq.slot)
         self.policy.forget(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq)
@@ -115,13 +112,13 @@ class Engine:
         while True:
             if self.poll_arrivals is not None:
                 self.poll_arrivals()
-            if not (self.waiting and self.cache.num_free):
+            if not (self.waiting and self.runner.num_free):
                 return
             seq = self.waiting.popleft()
-            seq.slot = self.cache.allocate()
+            seq.slot = self.runner.allocate()
             self.running.append(seq)
-            logits = self._target_forward([seq.slot], [seq.prompt_ids], logits="last")
-            self.cache.lengths[seq.slot] = len(seq.prompt_ids)
+            logits = self.runner.forward([seq.slot], [seq.prompt_ids], logits="last")
+            self.runner.commit(seq.slot, len(seq.prompt_ids))
             self._emit(seq, [self._sample_one(logits[0], seq)])
             if self.on_prefilled is not None:
                 self.on_prefilled()
@@ -138,14 +135,14 @@ class Engine:
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
         with self.timer.measure("target"):
-            logits = self._target_forward([s.slot for s in seqs], inputs, logits="all")
+            logits = self.runner.forward([s.slot for s in seqs], inputs, logits="all")
         results = self._verify(seqs, drafts, logits)
         self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
         self.last_lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, plan.lookup) if k and lookup)
         for i, (seq, start, n_draft, result) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted = result.num_accepted[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
-            self.cache.lengths[seq.slot] = committed  # rejected drafts' KV stays behind the pointer
+            self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
             if self.proposer is not None:
                 self.proposer.commit(seq, committed)
             seq.metrics.spec.record_step(n_draft, accepted, len(result.tokens[0]))
@@ -226,9 +223,6 @@ class Engine:
         return results
 
     # ---- shared pieces --------------------------------------------------------------------------------
-    def _target_forward(self, slots: list[int], inputs: list[list[int]], logits: str) -> torch.Tensor:
-        return forward_ragged(self.model, self.cache, slots, inputs, logits)
-
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         """Append tokens one by one; EOS, a stop string, max_tokens or the context end stop the sequence
         and drop whatever follows inside the chunk."""

@@ -7,8 +7,8 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..metrics import RequestMetrics, StepTimer
+from ..executor.runner import ModelRunner
 from ..models.loader import LoadedModel, load_model
-from ..models.quantize import int8_supported, quantize_int8_
 from ..models.sources import DEFAULT_TARGET
 from ..proposers import DraftModelProposer, NgramProposer
 from ..sampling import SamplingParams
@@ -46,13 +46,16 @@ class RequestOutput:
 
 
 class LLM:
-    """Target model plus an optional proposer: a draft model name/path, or "ngram" (prompt lookup)."""
+    """Target model plus an optional proposer: a draft model name/path, or "ngram" (prompt lookup).
+
+    quantization / draft_quantization pick the backend of models loaded by name ("auto": the fastest
+    measured for this machine; see executor.backends). Models passed as `target`/`draft` are used as built."""
 
     def __init__(self, model: str = DEFAULT_TARGET, speculative_model: str | None = None,
                  num_speculative_tokens: int = 4, *, device: str | None = None, dtype: str = "auto",
                  max_model_len: int = 4096, max_num_seqs: int = 8, forced_accept: bool = False,
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
-                 draft_vocab_size: int | None = None, draft_quantization: str = "auto",
+                 draft_vocab_size: int | None = None, quantization: str = "auto", draft_quantization: str = "auto",
                  speculation_policy: str = "fixed", speculative_disable_by_batch_size: int | None = None,
                  prompt_lookup: bool = False,
                  memory_budget: str | int | None = None, gpu_memory_utilization: float | None = 0.9,
@@ -60,7 +63,7 @@ class LLM:
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens (-k) must be >= 0, got {num_speculative_tokens}")
-        self.target = target or load_model(model, device, dtype, progress)
+        self.target = target or load_model(model, device, dtype, progress, quantization)
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         max_model_len = min(max_model_len, self.target.config.max_position)
@@ -69,25 +72,25 @@ class LLM:
         if speculative_model in NGRAM_NAMES:
             proposer = NgramProposer(ngram_prompt_lookup_max, ngram_prompt_lookup_min)
         elif speculative_model is not None or draft is not None:
-            self.draft = draft or load_model(speculative_model, str(self.target.model.device), dtype, progress)
+            self.draft = draft or load_model(speculative_model, str(self.target.model.device), dtype, progress,
+                                             draft_quantization)
             check_same_vocabulary(self.target, self.draft)
-            if self.draft.model is not self.target.model:  # a self-draft must not alter the target
-                if draft_vocab_size:
-                    restrict_draft_vocab(self.draft, draft_vocab_size)
-                quantize_draft(self.draft, draft_quantization)
+            if draft_vocab_size and self.draft.model is not self.target.model:  # a self-draft must not alter the target
+                restrict_draft_vocab(self.draft, draft_vocab_size)
         budget = resolve_budget(self.target.model.device, memory_budget, gpu_memory_utilization)
         self.memory_plan = plan_memory(self.target.model, self.draft.model if self.draft else None, max_model_len,
                                        max_num_seqs, num_speculative_tokens, budget)
         max_num_seqs = self.memory_plan.num_slots
         if self.draft is not None:
-            proposer = DraftModelProposer(self.draft.model, max_num_seqs, max_model_len, self.timer)
+            proposer = DraftModelProposer(ModelRunner(self.draft.model, max_num_seqs, max_model_len), self.timer)
         policy = SpeculationPolicy(speculation_policy, num_speculative_tokens, speculative_disable_by_batch_size)
         # the adaptive policy may also draft by prompt lookup, per sequence, where the draft model does not pay
         lookup = None
         if prompt_lookup and self.draft is not None and speculation_policy == "adaptive" and not forced_accept:
             lookup = NgramProposer(ngram_prompt_lookup_max, ngram_prompt_lookup_min)
-        self.engine = Engine(self.target.model, self.tokenizer, proposer, num_speculative_tokens,
-                             max_num_seqs, max_model_len, forced_accept, self.timer, policy, lookup)
+        runner = ModelRunner(self.target.model, max_num_seqs, max_model_len)
+        self.engine = Engine(runner, self.tokenizer, proposer, num_speculative_tokens, forced_accept, self.timer,
+                             policy, lookup)
         # the adaptive policy weighs the draft's cost at every number of drafting sequences, and that cost
         # jumps between them: time it now rather than extrapolate (0 s where there is no draft model)
         self.profile_seconds = profile_draft_costs(self.engine) if speculation_policy == "adaptive" else 0.0
@@ -123,20 +126,6 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
             f"({draft.tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens); "
             "pick a draft from the target's model family, or use --ngram")
-
-
-def quantize_draft(draft: LoadedModel, mode: str) -> None:
-    """"auto": int8 weight-only where torch has the kernel (CPU), "int8" to insist, "none" to keep the dtype."""
-    if mode not in ("auto", "int8", "none"):
-        raise SpecDecodeError(f"draft_quantization must be auto, int8 or none, got {mode!r}")
-    if mode == "none" or getattr(draft.model, "quantized", False):
-        return
-    if not int8_supported(draft.model.device):
-        if mode == "int8":
-            raise SpecDecodeError(f"int8 draft weights are not supported on {draft.model.device}; use none")
-        return
-    quantize_int8_(draft.model)
-    draft.model.quantized = True
 
 
 def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:

@@ -36,17 +36,6 @@ def format_bytes(n: float) -> str:
     raise AssertionError
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers (shared storage counted once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.untyped_storage().data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * torch.empty((), dtype=dtype).element_size()
 
@@ -112,7 +101,7 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
     per_token = kv_bytes_per_token(target.cfg, target.dtype)
     if separate_draft:
         per_token += kv_bytes_per_token(draft.cfg, draft.dtype)
-    plan = MemoryPlan(budget_bytes, model_bytes(target), model_bytes(draft) if separate_draft else 0,
+    plan = MemoryPlan(budget_bytes, target.weight_bytes(), draft.weight_bytes() if separate_draft else 0,
                       activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
                       per_token, max_model_len, max_num_seqs)
     if budget_bytes is None:

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from ..kv_cache import KVCache
+from ..executor.runner import ModelRunner
 from ..metrics import now
-from ..models.runtime import Transformer, forward_ragged
+from ..models.runtime import Transformer
 from ..proposers.draft_model import DraftModelProposer
 
 CATCH_UP_TOKENS = 128  # a typical prompt, read by the draft when a sequence starts drafting
@@ -32,17 +32,17 @@ def time_forward(model: Transformer, batch: int, tokens: int, context: int, repe
     """Median seconds of one forward of `batch` sequences with `tokens` new tokens each after `context`
     cached ones, in a cache of its own (contents do not change the cost, so they are left as zeros).
     logits: "all" (verification, the default for several tokens) or "last" (decoding, a draft)."""
-    cache = KVCache(model.cfg, batch, context + tokens + 1, model.dtype, model.device)
-    slots = [cache.allocate() for _ in range(batch)]
+    runner = ModelRunner(model, batch, context + tokens + 1)
+    slots = [runner.allocate() for _ in range(batch)]
     for s in slots:
-        cache.lengths[s] = context
+        runner.assume_cached(s, context)
     inputs = [[0] * tokens for _ in slots]
     logits = logits or ("all" if tokens > 1 else "last")
     times = []
     with torch.inference_mode():
         for i in range(repeats + 1):  # the first call warms up (a new shape can carry one-off work)
             start = now()
-            forward_ragged(model, cache, slots, inputs, logits)
+            runner.forward(slots, inputs, logits)
             if i:
                 times.append(now() - start)
     return statistics.median(times)
@@ -55,9 +55,9 @@ def profile_draft_costs(engine, context: int = 128, repeats: int = 2) -> float:
     if not isinstance(engine.proposer, DraftModelProposer) or engine.k == 0:
         return 0.0
     started = time.perf_counter()
-    draft, costs = engine.proposer.model, engine.policy.costs
+    draft, costs = engine.proposer.runner.model, engine.policy.costs
     context = min(context, engine.max_model_len - 2)
-    for n in range(1, engine.cache.num_slots + 1):
+    for n in range(1, engine.runner.num_slots + 1):
         costs.draft.record(n, time_forward(draft, n, 1, context, repeats))
     catch_up = min(CATCH_UP_TOKENS, engine.max_model_len - 1)
     costs.observe_draft_prefill(catch_up, time_forward(draft, 1, catch_up, 0, 1, logits="last"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -82,16 +83,25 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
 
 
-def load_gguf(path: str, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def iter_gguf_tensors(path: str, progress: bool = True) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The architecture, and the tensors as (Hugging Face name, float32 tensor), dequantized one at a time
+    as they are consumed (the file is memory-mapped: nothing else is read)."""
     reader = GGUFReader(path)
     cfg = read_config(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.rsplit('/', 1)[-1]}", unit="tensor",
-                  disable=not progress, leave=False):
-        w = dequantize_tensor(t)
-        if cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rope(w, cfg.num_heads)
-        elif cfg.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rope(w, cfg.num_kv_heads)
-        tensors[hf_name(t.name)] = torch.from_numpy(w if w.flags.writeable else w.copy())
-    return cfg, tensors
+
+    def tensors():
+        for t in tqdm(reader.tensors, desc=f"loading {path.rsplit('/', 1)[-1]}", unit="tensor",
+                      disable=not progress, leave=False):
+            w = dequantize_tensor(t)
+            if cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                w = unpermute_rope(w, cfg.num_heads)
+            elif cfg.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                w = unpermute_rope(w, cfg.num_kv_heads)
+            yield hf_name(t.name), torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    return cfg, tensors()
+
+
+def load_gguf(path: str, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    cfg, tensors = iter_gguf_tensors(path, progress)
+    return cfg, dict(tensors)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,45 +21,11 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     config: ModelConfig
+    load_seconds: float = 0.0
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
-    """"auto": bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16/AMX), else float32.
-
-    Why bf16 on such CPUs: decoding is bandwidth-bound, and there oneDNN's bf16 kernels verify k+1
-    tokens in about the time of one, while fp32 small-batch GEMMs run 2-3x slower than fp32 GEMV.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if str(device).startswith("cuda") or _cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and "avx512_bf16" in _cpu_flags() \
-            or "amx_bf16" in _cpu_flags()
-    except Exception:
-        return False
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def load_tokenizer(name: str) -> Tokenizer:
@@ -70,13 +37,25 @@ def load_tokenizer(name: str) -> Tokenizer:
 
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = "auto",
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, quantization: str = "auto") -> LoadedModel:
+    """quantization: "auto" (the fastest measured for this machine), "none" (floating weights in
+    `dtype`), "w8a8" or "w8a16"; see executor.backends."""
+    from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
+
     device = device or default_device()
-    torch_dtype = resolve_dtype(dtype, device)
-    cfg, tensors = load_weights(name, torch_dtype, progress)
+    quantization = resolve_quantization(quantization, device)
+    started = time.perf_counter()
+    if quantization == "none":
+        torch_dtype = resolve_dtype(dtype, device)
+        cfg, tensors = load_weights(name, torch_dtype, progress)
+        model = build_model(cfg, tensors, torch_dtype, device)
+        model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
+    else:
+        cfg, tensors = load_int8_weights(name, progress)
+        model = build_quantized_model(cfg, tensors, quantization, device)
+    del tensors
     tokenizer = load_tokenizer(name)
-    model = build_model(cfg, tensors, torch_dtype, device)
-    return LoadedModel(name, model, tokenizer, cfg)
+    return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
 
 
 def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -85,6 +64,33 @@ def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[
     if source.format == "gguf":
         return _load_gguf_cached(source, dtype, progress)
     return _load_hf_checkpoint(source.path)
+
+
+def load_int8_weights(name: str, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Linear weights (and the embedding) as int8 rows with a `weight_scale` each, the rest float32.
+
+    A GGUF file streams one tensor at a time into int8, so the float model never exists whole; the
+    result is cached (about a byte per weight), so later loads only read it back."""
+    from ..executor.backends import int8_weight_max, quantize_weights
+
+    qmax = int8_weight_max()
+    source = resolve(name)
+    if source.format != "gguf":
+        cfg, tensors = _load_hf_checkpoint(source.path)
+        return cfg, quantize_weights(tensors.items(), qmax)
+    folder = _cache_dir_for(source, "weights")
+    path = os.path.join(folder, f"int8-max{qmax}.safetensors")
+    config_path = os.path.join(folder, "config.json")
+    if os.path.exists(path) and os.path.exists(config_path):
+        from safetensors.torch import load_file
+
+        return ModelConfig(**json.load(open(config_path))), load_file(path)
+    from .gguf_loader import iter_gguf_tensors
+
+    cfg, named = iter_gguf_tensors(source.path, progress)
+    tensors = quantize_weights(named, qmax)
+    _save_cache(tensors, path, cfg, config_path)
+    return cfg, tensors
 
 
 def _cache_dir_for(source: ModelSource, kind: str) -> str:
@@ -97,24 +103,30 @@ def _cache_dir_for(source: ModelSource, kind: str) -> str:
 
 def _load_gguf_cached(source: ModelSource, dtype: torch.dtype, progress: bool):
     """Dequantizing takes ~15 s for 1.5B parameters; the result is kept as safetensors per dtype."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from .gguf_loader import load_gguf
+    from .gguf_loader import iter_gguf_tensors
 
     folder = _cache_dir_for(source, "weights")
     weights = os.path.join(folder, f"{str(dtype).removeprefix('torch.')}.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(weights) and os.path.exists(config_path):
         return ModelConfig(**json.load(open(config_path))), load_file(weights)
-    cfg, tensors = load_gguf(source.path, progress)
-    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    cfg, named = iter_gguf_tensors(source.path, progress)
+    tensors = {name: t.to(dtype) for name, t in named}
+    _save_cache(tensors, weights, cfg, config_path)
+    return cfg, tensors
+
+
+def _save_cache(tensors: dict[str, torch.Tensor], path: str, cfg: ModelConfig, config_path: str) -> None:
+    from safetensors.torch import save_file
+
     try:
-        save_file(tensors, weights + ".tmp")
-        os.replace(weights + ".tmp", weights)
+        save_file(tensors, path + ".tmp")
+        os.replace(path + ".tmp", path)
         json.dump(cfg.__dict__, open(config_path, "w"))
     except OSError:
         pass  # a full or read-only disk only costs the next load its speed
-    return cfg, tensors
 
 
 def _load_hf_checkpoint(folder: str):

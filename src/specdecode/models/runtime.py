@@ -80,6 +80,8 @@ class Linear(nn.Linear):
     identical whether it is decoded alone or verified with k drafts.
     """
 
+    nbytes = property(lambda self: self.weight.numel() * self.weight.element_size())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() == 1:
             y = F.linear(torch.cat([x, x], dim=-2), self.weight)[..., :1, :]  # a contiguous copy: stride-0 views are slow
@@ -87,6 +89,13 @@ class Linear(nn.Linear):
             y = F.linear(x, self.weight)
         # The bias is added apart: a fused bias selects other kernels, which are not row-invariant.
         return y if self.bias is None else y + self.bias
+
+    def select_rows(self, ids: torch.Tensor) -> "Linear":
+        out = Linear(self.in_features, len(ids), bias=self.bias is not None, device="meta")
+        out.weight = nn.Parameter(self.weight.index_select(0, ids), requires_grad=False)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias.index_select(0, ids), requires_grad=False)
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -207,16 +216,32 @@ class Transformer(nn.Module):
 
     @property
     def device(self):
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self):
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (also the KV cache's); low-bit weights keep their own formats."""
+        return self.norm.weight.dtype
+
+    # how the linear layers compute: set by the builder (see executor.backends)
+    backend = "torch"
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights: parameters and buffers (shared storage counted once) plus packed
+        low-bit weights, which live outside them."""
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        packed = {id(m): m.nbytes for m in self.modules() if hasattr(m, "packed")}
+        return total + sum(packed.values())
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache, return_hidden: bool = False):
         """tokens [B, T] ([1, N] when packed) -> float32 logits [rows, vocab] for `batch.logit_rows`
-        (row-major over B, T)."""
+        (row-major over B, T); with return_hidden also the last layer's output for those rows."""
         x = self.embed_tokens(tokens)
         rope = self.rotary(batch.positions, x.dtype)
         for layer in self.layers:
@@ -224,13 +249,14 @@ class Transformer(nn.Module):
         x = x.reshape(-1, x.shape[-1])
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()
+        return (logits, x) if return_hidden else logits
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model)."""
         token_ids = token_ids.to(self.device)
-        self.lm_head = Linear(self.cfg.hidden_size, len(token_ids), bias=False, device="meta")
-        self.lm_head.weight = nn.Parameter(self._full_lm_head_weight.index_select(0, token_ids), requires_grad=False)
+        self._full_lm_head = getattr(self, "_full_lm_head", self.lm_head)
+        self.lm_head = self._full_lm_head.select_rows(token_ids)
         self.vocab_ids = token_ids
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -238,45 +264,31 @@ class Transformer(nn.Module):
         self.load_state_dict(fuse_hf_weights(self.cfg, tensors), assign=True, strict=True)
         if self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             self.lm_head.weight = self.embed_tokens.weight
-        self._full_lm_head_weight = self.lm_head.weight
         for p in self.parameters():
             p.requires_grad_(False)
 
 
 def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": tensors["model.embed_tokens.weight"],
-        "norm.weight": tensors["model.norm.weight"],
-        "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]),
-    }
+    """HF names -> the runtime's, with q/k/v and gate/up concatenated by output rows. Quantized weights
+    carry a per-row `weight_scale` beside `weight`; it is fused the same way."""
+    embed = "model.embed_tokens."
+    out: dict[str, torch.Tensor] = {"norm.weight": tensors["model.norm.weight"]}
+    for suffix in ("weight", "weight_scale"):
+        if embed + suffix in tensors:
+            out["embed_tokens." + suffix] = tensors[embed + suffix]
+            out["lm_head." + suffix] = tensors.get("lm_head." + suffix, tensors[embed + suffix])
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([tensors[attn + f"{p}_proj.weight"] for p in "qkv"])
-        if cfg.qkv_bias:
-            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([tensors[attn + f"{p}_proj.bias"] for p in "qkv"])
-        out[dst + "self_attn.o_proj.weight"] = tensors[attn + "o_proj.weight"]
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [tensors[src + "mlp.gate_proj.weight"], tensors[src + "mlp.up_proj.weight"]])
-        out[dst + "mlp.down_proj.weight"] = tensors[src + "mlp.down_proj.weight"]
-        out[dst + "input_layernorm.weight"] = tensors[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = tensors[src + "post_attention_layernorm.weight"]
+        fused = {"self_attn.qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"],
+                 "self_attn.o_proj": ["self_attn.o_proj"],
+                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
+        for name, parts in fused.items():
+            for suffix in ("weight", "weight_scale", "bias"):
+                if src + f"{parts[0]}.{suffix}" in tensors:
+                    out[f"{dst}{name}.{suffix}"] = torch.cat([tensors[f"{src}{p}.{suffix}"] for p in parts])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}{norm}.weight"] = tensors[f"{src}{norm}.weight"]
     return out
-
-
-def forward_ragged(model: Transformer, cache: KVCache, slots: list[int], inputs: list[list[int]],
-                   logits: str) -> torch.Tensor:
-    """Run new tokens (a different number per sequence: packed side by side for decode/verify, padded to
-    one width for prefill) after each slot's cached prefix. Cache lengths are not advanced: the caller
-    commits what it accepts."""
-    starts, lengths = [cache.lengths[s] for s in slots], [len(t) for t in inputs]
-    batch = ForwardBatch.build(slots, starts, lengths, cache.max_len, model.device, logits=logits)
-    if batch.packed:
-        tokens = torch.tensor([[t for seq in inputs for t in seq]], device=model.device)
-    else:
-        width = max(lengths)
-        tokens = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=model.device)
-    return model(tokens, batch, cache)
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:

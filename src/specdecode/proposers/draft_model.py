@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import KVCache
+from ..executor.runner import ModelRunner
 from ..metrics import StepTimer
-from ..models.runtime import Transformer, forward_ragged
 from ..sampling import sample_token
 from .base import DraftBatch
 
@@ -15,9 +14,8 @@ from .base import DraftBatch
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, model: Transformer, max_slots: int, max_len: int, timer: StepTimer | None = None):
-        self.model = model
-        self.cache = KVCache(model.cfg, max_slots, max_len, model.dtype, model.device)
+    def __init__(self, runner: ModelRunner, timer: StepTimer | None = None):
+        self.runner = runner
         self.timer = timer or StepTimer()
         # seconds of each drafting round of the last propose() call; the first round also feeds whatever
         # the draft had not seen (a whole prompt, after a stretch without drafting), so it can be long
@@ -30,11 +28,11 @@ class DraftModelProposer:
         self.last_round_seconds = []
         for i in active:
             if seqs[i].draft_state is None:
-                seqs[i].draft_state = self.cache.allocate()
+                seqs[i].draft_state = self.runner.allocate()
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if ks[i] > step]
             if step == 0:  # catch up on everything the draft has not seen, then draft the first token
-                inputs = [seqs[i].token_ids[self.cache.lengths[seqs[i].draft_state]:] for i in rows]
+                inputs = [seqs[i].token_ids[self.runner.length(seqs[i].draft_state):] for i in rows]
             else:
                 inputs = [[tokens[i][-1]] for i in rows]
             logits = self._forward([seqs[i].draft_state for i in rows], inputs)
@@ -49,34 +47,34 @@ class DraftModelProposer:
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
         before = self.timer.draft_time
         with self.timer.measure("draft"):
-            logits = forward_ragged(self.model, self.cache, slots, inputs, logits="last")
+            logits = self.runner.forward(slots, inputs, logits="last")
         self.last_round_seconds.append(self.timer.draft_time - before)
         for slot, tokens in zip(slots, inputs):
-            self.cache.lengths[slot] += len(tokens)
+            self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return logits
 
     def _sample(self, logits: torch.Tensor, seq) -> tuple[int, torch.Tensor | None]:
         """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification."""
-        vocab_ids = self.model.vocab_ids
+        vocab_ids = self.runner.vocab_ids
         if vocab_ids is None:
             return sample_token(logits, seq.params, seq.generator)
         if seq.params.greedy:
             return int(vocab_ids[int(logits.argmax())]), None
         # back to the full vocabulary; tokens outside the subset get q = 0
-        full = torch.full((self.model.cfg.vocab_size,), float("-inf"), device=logits.device)
+        full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
         return sample_token(full.index_copy_(0, vocab_ids, logits), seq.params, seq.generator)
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""
-        cached = self.cache.lengths[seq.draft_state] if seq.draft_state is not None else 0
+        cached = self.runner.length(seq.draft_state) if seq.draft_state is not None else 0
         return seq.num_tokens - cached
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         slot = seq.draft_state
         if slot is not None:
-            self.cache.truncate(slot, min(self.cache.lengths[slot], num_valid_tokens))
+            self.runner.rollback(slot, min(self.runner.length(slot), num_valid_tokens))
 
     def release(self, seq) -> None:
         if seq.draft_state is not None:
-            self.cache.free(seq.draft_state)
+            self.runner.free(seq.draft_state)
             seq.draft_state = None

@@ -42,7 +42,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
-        self.metrics.set_capacity(engine.cache.num_slots, engine.cache.max_len)
+        self.metrics.set_capacity(engine.runner.num_slots, engine.runner.max_len)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._active: list[RequestHandle] = []
