@@ -12,14 +12,28 @@ from specdecode.models.loader import load_model
 pytestmark = pytest.mark.real_model
 
 
-@pytest.fixture(scope="module")
-def qwen_target():
-    return load_model("qwen2.5-coder-1.5b", "cpu")
+def _backends():
+    """The default (fastest) backend, and floating weights where greedy equality is established for them
+    (bf16 on CPUs with native bf16; float32 GEMMs change rounding with the row count)."""
+    from specdecode.executor.backends import cpu_has_native_bf16
+
+    floating = pytest.param("none", marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16"))
+    return ["auto", floating]
+
+
+@pytest.fixture(scope="module", params=_backends())
+def backend(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def qwen_draft():
-    return load_model("qwen2.5-coder-0.5b", "cpu")
+def qwen_target(backend):
+    return load_model("qwen2.5-coder-1.5b", "cpu", quantization=backend)
+
+
+@pytest.fixture(scope="module")
+def qwen_draft(backend):
+    return load_model("qwen2.5-coder-0.5b", "cpu", quantization=backend)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_TARGET
 LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET,
                    help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
     p.add_argument("--draft", default=None,
@@ -20,17 +20,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="draft LM head keeps this many lowest token ids + special tokens (0 = full vocabulary)")
-    _add_quantization_args(p)
+    _add_quantization_args(p, several_backends)
     p.add_argument("--max-model-len", type=int, default=4096)
 
 
-def _add_quantization_args(p: argparse.ArgumentParser) -> None:
+def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     choices = ["auto", "none", "w8a8", "w8a16"]
-    p.add_argument("--quantization", default="auto", choices=choices,
-                   help="target weights: auto = the fastest for this machine (w8a8 on x86 CPUs, bf16 on CUDA), "
+    p.add_argument("--quantization", default=["auto"] if several else "auto", choices=choices,
+                   nargs="+" if several else None,
+                   help=("backends to measure, each with its own plain row; " if several else "") + "target weights: auto = the fastest for this machine (w8a8 on x86 CPUs, bf16 on CUDA), "
                         "none = floating weights in --dtype, w8a8 = int8 weights and activations (FBGEMM), "
                         "w8a16 = int8 weights with bf16 activations")
-    p.add_argument("--draft-quantization", default="auto", choices=choices, help="the same for the draft model")
+    p.add_argument("--draft-quantization", default="auto", choices=choices,
+                   help="the same for the draft model (auto: " + ("the target's" if several else "the fastest") + ")")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,12 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     lat = bench_sub.add_parser("latency", help="HumanEval, batch size 1: plain vs draft model vs n-gram")
-    _add_model_args(lat)
+    _add_model_args(lat, several_backends=True)
     lat.add_argument("-k", "--ks", type=int, nargs="+", default=[2, 4, 6])
     lat.add_argument("--num-prompts", type=int, default=5)
     lat.add_argument("--max-tokens", type=int, default=128)
     lat.add_argument("--no-ngram", action="store_true")
+    lat.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
+                     help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
+                          "same GGUF files and prompts, and print our ratios to its plain decoding")
     lat.add_argument("--out", default="results/latency.json")
+
+    qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
+    qual.add_argument("--model", default=DEFAULT_TARGET)
+    qual.add_argument("--quantization", nargs="+", default=["w8a8", "w8a16"], choices=["auto", "none", "w8a8", "w8a16"])
+    qual.add_argument("--dtype", default="auto", help="activations of --quantization none (the reference is float32)")
+    qual.add_argument("--num-texts", type=int, default=16)
+    qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
+    qual.add_argument("--out", default="results/quality.json")
 
     load = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -180,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.hf_baseline import run_hf_baseline_cli
 
             return run_hf_baseline_cli(args)
+        if args.bench_command == "quality":
+            from .bench.quality import run_quality_cli
+
+            return run_quality_cli(args)
         if args.bench_command == "report":
             from .bench.report import run_report_cli
 
@@ -200,12 +217,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def default_draft(args) -> str | None:
-    if args.draft:
-        return args.draft
-    return DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None
 
 
 if __name__ == "__main__":

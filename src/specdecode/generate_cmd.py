@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import time
 
-from .cli import LOSSY_NOTE, default_draft
+from .cli import LOSSY_NOTE
+from .models.sources import default_draft
 from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
 from .metrics import expected_speedup
@@ -24,13 +25,14 @@ def validate_args(args) -> SamplingParams:
 
 def run_generate(args) -> int:
     params = validate_args(args)
-    proposer = "ngram" if args.ngram else default_draft(args)
+    proposer = "ngram" if args.ngram else default_draft(args.model, args.draft)
     llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
               draft_vocab_size=args.draft_vocab_size or None, quantization=args.quantization, draft_quantization=args.draft_quantization)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     if args.compare:
+        print(llm.startup_summary(), flush=True)
         _warm_up(llm, prompt)
     spec = _timed(llm, prompt, params)
     print(spec.output.outputs[0].text)

@@ -1,24 +1,26 @@
 """Batch-size-1 latency benchmark: plain decoding vs draft-model and n-gram speculation for several k,
-all on one engine and one loaded target, greedy, in one run. Prints a table and writes JSON."""
+on each requested backend (one loaded target per backend), greedy, in one run; optionally llama.cpp on the
+same GGUF files and prompts beside it. Prints a table and writes JSON."""
 from __future__ import annotations
 
-import platform
+import gc
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from ..engine.llm import LLM
+from ..engine.profile import time_forward
 from ..metrics import expected_speedup
 from ..models.loader import load_model
+from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
-from .results import command_line, write_json
+from .results import command_line, describe_machine, machine_info, write_json
 
 
 @dataclass
 class LatencyResult:
     config: str
+    backend: str
     proposer: str
     k: int
     output_tokens: int
@@ -28,10 +30,12 @@ class LatencyResult:
     mean_accepted_length: float | None
     target_step_ms: float | None
     draft_step_ms: float | None
-    speedup: float | None = None
+    speedup: float | None = None  # against plain decoding on the same backend
     cost_ratio_c: float | None = None
     predicted_speedup: float | None = None
     identical_to_plain: bool | None = None
+    verify_cost_ratio: float | None = None  # T(k+1) / T(1) of the target's forward
+    vs_llama_cpp_plain: float | None = None  # tokens/s against llama.cpp's plain decoding
 
 
 def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, label: str, proposer: str):
@@ -47,37 +51,42 @@ def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, lab
     spec_steps = sum(o.spec["num_spec_steps"] for o in outs)
     t = llm.timer
     result = LatencyResult(
-        label, proposer, k, tokens, seconds, tokens / seconds,
+        label, llm.target.model.backend, proposer, k, tokens, seconds, tokens / seconds,
         accepted / drafted if drafted else None,
         (accepted + spec_steps) / spec_steps if spec_steps else None,
         t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None)
     return result, [o.outputs[0].token_ids for o in outs]
 
 
-def run_latency(args) -> list[LatencyResult]:
-    prompts = humaneval_prompts(args.num_prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    target = load_model(args.model, args.device, args.dtype)
-    from ..cli import default_draft
+def verify_cost_ratio(model, k: int, context: int = 256) -> float:
+    """T(k+1)/T(1): one forward over k+1 new tokens against one over a single token, after `context`."""
+    return time_forward(model, 1, k + 1, context, 5) / time_forward(model, 1, 1, context, 5)
 
-    draft_name = default_draft(args)
-    draft = load_model(draft_name, str(target.model.device), args.dtype) if draft_name else None
+
+def run_backend(args, quantization: str, prompts: list[str], params: SamplingParams) -> list[LatencyResult]:
+    """Plain, then each proposer at each k, on one loaded target in `quantization`."""
+    target = load_model(args.model, args.device, args.dtype, quantization=quantization)
+    draft_name = default_draft(args.model, args.draft)
+    draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization
+                       if args.draft_quantization != "auto" else quantization) if draft_name else None
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
     runs: list[tuple[LLM, str, str]] = []
     if draft:
-        runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None,
-                         draft_quantization=args.draft_quantization, **common),
+        runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **common),
                      "draft", draft_name))
     if not args.no_ngram:
         runs.append((LLM(target=target, speculative_model="ngram", **common), "ngram", "ngram"))
-    plain, plain_ids = run_config(runs[0][0], prompts, params, 0, "plain", "none")
+    name = target.model.backend
+    plain, plain_ids = run_config(runs[0][0], prompts, params, 0, f"{name}: plain", "none")
+    plain.verify_cost_ratio = 1.0
     print(_row(plain), flush=True)
     results = [plain]
-    for llm, kind, name in runs:
+    for llm, kind, proposer in runs:
         for k in args.ks:
-            res, ids = run_config(llm, prompts, params, k, f"{kind} k={k}", name)
+            res, ids = run_config(llm, prompts, params, k, f"{name}: {kind} k={k}", proposer)
             res.speedup = res.tokens_per_s / plain.tokens_per_s
             res.identical_to_plain = ids == plain_ids
+            res.verify_cost_ratio = verify_cost_ratio(target.model, k)
             if res.acceptance_rate is not None:
                 res.cost_ratio_c = (res.draft_step_ms / plain.target_step_ms) if res.draft_step_ms else 0.0
                 res.predicted_speedup = expected_speedup(res.acceptance_rate, k, res.cost_ratio_c)
@@ -86,8 +95,54 @@ def run_latency(args) -> list[LatencyResult]:
     return results
 
 
-HEADER = (f"{'config':<14}{'tok/s':>8}{'speedup':>9}{'α':>7}{'τ':>6}{'c':>7}{'predicted':>11}"
-          f"{'meas/pred':>11}{'target ms':>11}{'draft ms':>10}  identical")
+def run_llama_cpp(args, prompts: list[str], threads: int) -> list[LatencyResult]:
+    """llama.cpp's plain decoding (llama-bench tg) and its draft-model speculation at each k, same files."""
+    from .llama_cpp import run_llama_bench, run_llama_speculative
+
+    target = resolve(args.model).path
+    bench = run_llama_bench(args.vs_llama_cpp, target, threads, args.max_tokens)
+    plain = LatencyResult("llama.cpp: plain", "llama.cpp", "none", 0, args.max_tokens, args.max_tokens /
+                          bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
+                          1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0,
+                          vs_llama_cpp_plain=1.0)
+    print(_row(plain), flush=True)
+    results = [plain]
+    draft_name = default_draft(args.model, args.draft)
+    for k in args.ks if draft_name else []:
+        spec = run_llama_speculative(args.vs_llama_cpp, target, resolve(draft_name).path, prompts, k,
+                                     args.max_tokens, threads)
+        res = LatencyResult(f"llama.cpp: draft k={k}", "llama.cpp", draft_name, k, spec.output_tokens,
+                            spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
+                            speedup=spec.tokens_per_s / bench.decode_tokens_per_s,
+                            verify_cost_ratio=bench.verify_cost_ratio(k),
+                            vs_llama_cpp_plain=spec.tokens_per_s / bench.decode_tokens_per_s)
+        results.append(res)
+        print(_row(res), flush=True)
+    return results
+
+
+def run_latency(args) -> list[LatencyResult]:
+    prompts = humaneval_prompts(args.num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = []
+    for quantization in args.quantization:
+        results += run_backend(args, quantization, prompts, params)
+        gc.collect()  # one backend's weights at a time
+    if args.vs_llama_cpp:
+        import torch
+
+        llama = run_llama_cpp(args, prompts, torch.get_num_threads())
+        for r in results:
+            r.vs_llama_cpp_plain = r.tokens_per_s / llama[0].tokens_per_s
+        results += llama
+        print("\nagainst llama.cpp's plain decoding (same GGUF files, same CPU, same threads):", flush=True)
+        for r in results:
+            print(f"  {r.config:<24} {r.vs_llama_cpp_plain:5.2f}x", flush=True)
+    return results
+
+
+HEADER = (f"{'config':<24}{'tok/s':>8}{'speedup':>9}{'α':>7}{'τ':>6}{'c':>7}{'predicted':>11}"
+          f"{'meas/pred':>11}{'T(k+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical")
 
 
 def _fmt(value, spec: str, width: int) -> str:
@@ -97,19 +152,20 @@ def _fmt(value, spec: str, width: int) -> str:
 def _row(r: LatencyResult) -> str:
     ratio = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
     same = "-" if r.identical_to_plain is None else ("yes" if r.identical_to_plain else "NO")
-    return (f"{r.config:<14}{r.tokens_per_s:>8.2f}{_fmt(r.speedup, '.2f', 9)}{_fmt(r.acceptance_rate, '.3f', 7)}"
+    return (f"{r.config:<24}{r.tokens_per_s:>8.2f}{_fmt(r.speedup, '.2f', 9)}{_fmt(r.acceptance_rate, '.3f', 7)}"
             f"{_fmt(r.mean_accepted_length, '.2f', 6)}{_fmt(r.cost_ratio_c, '.3f', 7)}"
-            f"{_fmt(r.predicted_speedup, '.2f', 11)}{_fmt(ratio, '.0%', 11)}{_fmt(r.target_step_ms, '.1f', 11)}"
-            f"{_fmt(r.draft_step_ms, '.1f', 10)}  {same}")
+            f"{_fmt(r.predicted_speedup, '.2f', 11)}{_fmt(ratio, '.0%', 11)}{_fmt(r.verify_cost_ratio, '.2f', 13)}"
+            f"{_fmt(r.target_step_ms, '.1f', 11)}{_fmt(r.draft_step_ms, '.1f', 10)}  {same}")
 
 
 def run_latency_cli(args) -> int:
-    print(f"HumanEval, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    machine = machine_info()
+    print(f"HumanEval, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts; "
+          f"{describe_machine(machine)}", flush=True)
     print(HEADER, flush=True)
     results = run_latency(args)
-    meta = {"command": command_line(), "model": args.model, "draft": args.draft,
-            "dtype": args.dtype, "draft_quantization": args.draft_quantization, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-            "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    meta = {"command": command_line(), "model": args.model, "draft": args.draft, "dtype": args.dtype,
+            "quantization": args.quantization, "draft_quantization": args.draft_quantization,
+            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "machine": machine}
     write_json(args.out, {"meta": meta, "results": [asdict(r) for r in results]})
     return 0

@@ -120,12 +120,12 @@ def print_plan(plan: dict) -> None:
 
 
 def run_plan_cli(args) -> int:
-    from ..cli import default_draft
+    from ..models.sources import default_draft
     from ..models.loader import load_model
 
     options = PlanOptions(k_max=args.k_max, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
                           max_tokens=args.max_tokens, context=args.context)
-    draft_name = default_draft(args)
+    draft_name = default_draft(args.model, args.draft)
     if not draft_name:
         raise SpecDecodeError("pass --draft: the plan predicts draft-model speculation")
     target = load_model(args.model, args.device, args.dtype)

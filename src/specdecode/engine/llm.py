@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecDecodeError
-from ..metrics import RequestMetrics, StepTimer
 from ..executor.runner import ModelRunner
+from ..metrics import RequestMetrics, StepTimer, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
 from ..models.sources import DEFAULT_TARGET
 from ..proposers import DraftModelProposer, NgramProposer
@@ -94,6 +94,15 @@ class LLM:
         # the adaptive policy weighs the draft's cost at every number of drafting sequences, and that cost
         # jumps between them: time it now rather than extrapolate (0 s where there is no draft model)
         self.profile_seconds = profile_draft_costs(self.engine) if speculation_policy == "adaptive" else 0.0
+
+    def startup_summary(self) -> str:
+        """Each model's backend, weight bytes and load time, and the peak memory so far."""
+        from .memory import format_bytes
+
+        parts = [f"{role} {m.name}: {m.model.backend}, {format_bytes(m.model.weight_bytes())} of weights, "
+                 f"loaded in {m.load_seconds:.1f} s" for role, m in (("target", self.target), ("draft", self.draft))
+                 if m is not None and m.load_seconds]
+        return "; ".join(parts + [f"peak RSS {format_bytes(peak_rss_bytes())}"])
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

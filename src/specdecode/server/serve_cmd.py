@@ -24,6 +24,7 @@ def run_serve(args) -> int:
               speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
               memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
               forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
+    print(llm.startup_summary(), flush=True)
     print(llm.memory_plan.summary(), flush=True)
     if llm.profile_seconds:
         print(f"timed the draft's forward for 1-{llm.engine.runner.num_slots} sequences in {llm.profile_seconds:.1f} s "

@@ -1,0 +1,87 @@
+"""llama.cpp beside us, on the same GGUF files and prompts, in the same run.
+
+`llama-bench` measures plain decoding (tg) and the cost of a forward over 1, 2, 3, 5 tokens (pp), i.e.
+llama.cpp's verify cost ratio; `llama-speculative-simple` runs its own draft-model speculation on each
+prompt. The binaries come from a folder the user passes (e.g. built by build-llama-cpp.sh): llama.cpp
+is a peer to measure against, never a dependency."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+from ..errors import SpecDecodeError
+
+
+@dataclass
+class LlamaBench:
+    decode_tokens_per_s: float  # tg: plain decoding
+    forward_ms: dict[int, float]  # tokens in one forward -> ms (from pp)
+
+    def verify_cost_ratio(self, k: int) -> float | None:
+        """T(k+1)/T(1): a verify over k drafts against one decoded token."""
+        return self.forward_ms[k + 1] / self.forward_ms[1] if k + 1 in self.forward_ms else None
+
+
+@dataclass
+class LlamaSpeculative:
+    k: int
+    output_tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def binary(bin_dir: str, name: str) -> str:
+    path = os.path.join(os.path.expanduser(bin_dir), name)
+    if not os.access(path, os.X_OK):
+        raise SpecDecodeError(f"no executable {name} in {bin_dir}; pass the folder that build-llama-cpp.sh "
+                              "printed (it holds llama-bench and llama-speculative-simple)")
+    return path
+
+
+def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
+                    forward_sizes: tuple[int, ...] = (1, 2, 3, 5), repeats: int = 3) -> LlamaBench:
+    cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json",
+           "-p", ",".join(map(str, forward_sizes)), "-n", str(max_tokens)]
+    rows = json.loads(_run(cmd))
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    forward_ms = {r["n_prompt"]: 1000 * r["n_prompt"] / r["avg_ts"] for r in rows if r["n_prompt"] > 0}
+    return LlamaBench(tg, forward_ms)
+
+
+def run_llama_speculative(bin_dir: str, target: str, draft: str, prompts: list[str], k: int, max_tokens: int,
+                          threads: int, context: int = 4096) -> LlamaSpeculative:
+    """Greedy, EOS ignored, every prompt after the other (batch size 1); figures pooled over prompts."""
+    total = LlamaSpeculative(k, 0, 0.0, 0, 0)
+    for prompt in prompts:
+        log = _run([binary(bin_dir, "llama-speculative-simple"), "-m", target, "-md", draft,
+                    "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "-t", str(threads),
+                    "-td", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0",
+                    "--ignore-eos", "-p", prompt])
+        decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        drafted, accepted = re.search(r"n_drafted\s*=\s*(\d+)", log), re.search(r"n_accept\s*=\s*(\d+)", log)
+        if not (decoded and drafted and accepted):
+            raise SpecDecodeError(f"could not read llama-speculative-simple's statistics:\n{log[-2000:]}")
+        total.output_tokens += int(decoded[1])
+        total.seconds += float(decoded[2])
+        total.drafted += int(drafted[1])
+        total.accepted += int(accepted[1])
+    return total
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SpecDecodeError(f"{os.path.basename(cmd[0])} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return done.stdout + done.stderr

