@@ -4,10 +4,12 @@
   float32 elsewhere).
 - "w8a8": int8 weights x int8 activations per row, by FBGEMM (x86 CPUs). Float32 activations around it.
 - "w8a16": int8 weights with bfloat16 activations (CPUs with native bf16).
+- "w4a8": GGUF Q4_K weights kept as stored (4.5 bits) times int8 activations per row, by this package's
+  kernel (AVX2 or AVX512-VNNI); the file's other weights (Q6_K, Q8_0, ...) as in w8a8.
 
-"auto" takes w8a8 on x86 CPUs: it streams a quarter of float32's bytes (half of bf16's) and verifies
-k+1 tokens for about the cost of one on both AVX2 and AVX-512 machines (docs/decisions.md has the
-measurements), and bf16 on CUDA.
+"auto" takes w4a8 where its kernel builds, else w8a8 on x86 CPUs (both stream far fewer bytes than
+float and verify k+1 tokens for little more than one), and bf16 on CUDA; docs/decisions.md has the
+measurements.
 """
 from __future__ import annotations
 
@@ -19,10 +21,13 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from ..models.runtime import Linear, RotaryEmbedding, Transformer, fuse_hf_weights
-from .quant import Int8Embedding, W8A8Linear, W8A16Linear, quantize_rows, w8a8_supported, w8a16_supported
+from ..models.gguf_loader import RawTensor
+from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
+from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W8A8Linear, W8A16Linear, pack_w4a8, quantize_rows,
+                    split_q4_k, w4a8_packable, w4a8_supported, w8a8_supported, w8a16_supported)
 
-QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16")
+QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8")
+INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear}  # layers that are not Q4_K
 
 
 @functools.cache
@@ -75,17 +80,21 @@ def resolve_quantization(name: str, device: str | torch.device) -> str:
         raise SpecDecodeError(f"unknown quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}")
     on_cpu = torch.device(device).type == "cpu"
     if name == "auto":
-        return "w8a8" if on_cpu and w8a8_supported() else "none"
-    if name == "w8a8" and not (on_cpu and w8a8_supported()):
-        raise SpecDecodeError("w8a8 needs FBGEMM on an x86 CPU; use --quantization none (or w8a16)")
+        if not (on_cpu and w8a8_supported()):
+            return "none"
+        return "w4a8" if w4a8_supported() else "w8a8"
+    if name in ("w8a8", "w4a8") and not (on_cpu and w8a8_supported()):
+        raise SpecDecodeError(f"{name} needs FBGEMM on an x86 CPU; use --quantization none (or w8a16)")
+    if name == "w4a8" and not w4a8_supported():
+        raise SpecDecodeError("w4a8 needs a C compiler (cc) and a CPU with AVX2 and FMA; use --quantization w8a8")
     if name == "w8a16" and not w8a16_supported(device):
         raise SpecDecodeError(f"w8a16 has no kernel on {device}; use --quantization none")
     return name
 
 
 def activation_dtype(quantization: str, dtype: str | torch.dtype, device) -> torch.dtype:
-    """FBGEMM takes and returns float32; the weight-only int8 kernel is fast with bf16 only."""
-    if quantization == "w8a8":
+    """FBGEMM and the w4a8 kernel take and return float32; the weight-only int8 kernel is fast with bf16 only."""
+    if quantization in ("w8a8", "w4a8"):
         return torch.float32
     if quantization == "w8a16":
         return torch.bfloat16
@@ -97,11 +106,18 @@ def is_linear_weight(name: str) -> bool:
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def quantize_weights(named: Iterable[tuple[str, torch.Tensor]], qmax: int) -> dict[str, torch.Tensor]:
-    """Quantize linear weights to int8 rows (+ `weight_scale`) one tensor at a time, as they stream in,
-    so the float model never exists whole; everything else stays float32."""
+def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], qmax: int) -> dict[str, torch.Tensor]:
+    """Linear weights to int8 rows (+ `weight_scale`), or, when they come as GGUF Q4_K blocks, to the w4a8
+    kernel's layout (`weight.q`, `.sc`, `.mn`, `.d`, `.dmin`), one tensor at a time as they stream in, so
+    the float model never exists whole; everything else stays float32."""
     out = {}
     for name, tensor in named:
+        if isinstance(tensor, RawTensor):
+            if name != "model.embed_tokens.weight" and w4a8_packable(tensor.columns, tensor.blocks.shape[0]):
+                for key, array in pack_w4a8(split_q4_k(tensor.blocks)).items():
+                    out[f"{name}.{key}"] = array
+                continue
+            tensor = _dequantize_raw(tensor)
         if is_linear_weight(name):
             out[name], out[name + "_scale"] = quantize_rows(tensor, qmax)
         else:
@@ -109,28 +125,54 @@ def quantize_weights(named: Iterable[tuple[str, torch.Tensor]], qmax: int) -> di
     return out
 
 
+def _dequantize_raw(raw: RawTensor) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw.blocks.numpy(), raw.qtype).reshape(-1, raw.columns).copy())
+
+
 def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantization: str,
                           device) -> Transformer:
-    """A Transformer whose linear layers (and embedding) are int8 in the given format."""
+    """A Transformer whose linear layers (and embedding) are low-bit in the given format."""
     dtype = activation_dtype(quantization, "auto", device)
     with torch.device("meta"):
         model = Transformer(cfg)
-    fused = fuse_hf_weights(cfg, tensors)
+    if "lm_head.weight" not in tensors and "lm_head.weight.q" not in tensors:  # tied: the head is the embedding
+        tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"],
+                   "lm_head.weight_scale": tensors["model.embed_tokens.weight_scale"]}
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
-            q, scale = fused.pop(name + ".weight"), fused.pop(name + ".weight_scale")
-            bias = fused.pop(name + ".bias", None)
-            bias = None if bias is None else bias.to(device=device, dtype=dtype)
-            layer = W8A8Linear(q, scale, bias) if quantization == "w8a8" else \
-                W8A16Linear(q.to(device), scale.to(device), bias, dtype)
-            _set_module(model, name, layer)
-    model.embed_tokens = Int8Embedding(fused.pop("embed_tokens.weight").to(device),
-                                       fused.pop("embed_tokens.weight_scale").to(device), dtype)
-    rest = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in fused.items()}
-    model.load_state_dict(rest, assign=True, strict=False)
+            _set_module(model, name, _linear(tensors, hf_parts(name), quantization, device, dtype))
+    embed = "model.embed_tokens."
+    model.embed_tokens = Int8Embedding(tensors[embed + "weight"].to(device), tensors[embed + "weight_scale"].to(device),
+                                       dtype)
+    norms = {"norm.weight": tensors["model.norm.weight"]}
+    for i in range(cfg.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            norms[f"layers.{i}.{norm}.weight"] = tensors[f"model.layers.{i}.{norm}.weight"]
+    params = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in norms.items()}
+    model.load_state_dict(params, assign=True, strict=False)
     model.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta).to(device)
-    model.backend = f"{device.type if isinstance(device, torch.device) else device} {quantization}"
+    model.backend = f"{torch.device(device).type} {quantization}"
     return model.eval()
+
+
+def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: str, device, dtype,
+            with_bias: bool = True) -> nn.Module:
+    """One layer for HF layers whose output rows are stacked; parts stored in different formats (a Q6_K
+    v beside Q4_K q and k) become one layer each, side by side, under one bias."""
+    biases = [tensors.get(f"{p}.bias") for p in parts]
+    bias = None if biases[0] is None or not with_bias else torch.cat(biases).to(device=device, dtype=dtype)
+    q4_k = [f"{p}.weight.q" in tensors for p in parts]
+    if all(q4_k):
+        arrays = {key: torch.cat([tensors[f"{p}.weight.{key}"] for p in parts]) for key in W4A8Linear.NAMES}
+        return W4A8Linear(arrays, bias)
+    if not any(q4_k):
+        q = torch.cat([tensors[f"{p}.weight"] for p in parts]).to(device)
+        scale = torch.cat([tensors[f"{p}.weight_scale"] for p in parts]).to(device)
+        layer = INT8_LINEAR[quantization]
+        return layer(q, scale, bias) if layer is W8A8Linear else layer(q, scale, bias, dtype)
+    return ConcatLinear([_linear(tensors, [p], quantization, device, dtype, with_bias=False) for p in parts], bias)
 
 
 def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:

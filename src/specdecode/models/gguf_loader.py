@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from collections.abc import Iterator
 
 import numpy as np
@@ -83,23 +84,35 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
 
 
-def iter_gguf_tensors(path: str, progress: bool = True) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def iter_gguf_tensors(path: str, progress: bool = True, raw_types: frozenset = frozenset()
+                      ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | RawTensor]]]:
     """The architecture, and the tensors as (Hugging Face name, float32 tensor), dequantized one at a time
-    as they are consumed (the file is memory-mapped: nothing else is read)."""
+    as they are consumed (the file is memory-mapped: nothing else is read). Weights of a type in
+    `raw_types` come as their GGUF blocks instead, one row of blocks per output row."""
     reader = GGUFReader(path)
     cfg = read_config(reader)
 
     def tensors():
         for t in tqdm(reader.tensors, desc=f"loading {path.rsplit('/', 1)[-1]}", unit="tensor",
                       disable=not progress, leave=False):
-            w = dequantize_tensor(t)
+            raw = t.tensor_type in raw_types and t.name.endswith(".weight") and len(t.shape) == 2
+            w = np.asarray(t.data) if raw else dequantize_tensor(t)
             if cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                w = unpermute_rope(w, cfg.num_heads)
+                w = unpermute_rope(w, cfg.num_heads)  # a permutation of whole rows: blocks move with them
             elif cfg.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 w = unpermute_rope(w, cfg.num_kv_heads)
-            yield hf_name(t.name), torch.from_numpy(w if w.flags.writeable else w.copy())
+            tensor = torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy())
+            yield hf_name(t.name), RawTensor(t.tensor_type, int(t.shape[0]), tensor) if raw else tensor
 
     return cfg, tensors()
+
+
+@dataclass
+class RawTensor:
+    """A GGUF weight as stored: `blocks` [rows, bytes per row] of type `qtype`, `columns` weights per row."""
+    qtype: GGMLQuantizationType
+    columns: int
+    blocks: torch.Tensor
 
 
 def load_gguf(path: str, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

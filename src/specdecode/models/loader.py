@@ -51,7 +51,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
         model = build_model(cfg, tensors, torch_dtype, device)
         model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
     else:
-        cfg, tensors = load_int8_weights(name, progress)
+        cfg, tensors = load_low_bit_weights(name, quantization, progress)
         model = build_quantized_model(cfg, tensors, quantization, device)
     del tensors
     tokenizer = load_tokenizer(name)
@@ -66,11 +66,15 @@ def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[
     return _load_hf_checkpoint(source.path)
 
 
-def load_int8_weights(name: str, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Linear weights (and the embedding) as int8 rows with a `weight_scale` each, the rest float32.
+def load_low_bit_weights(name: str, quantization: str, progress: bool = True
+                         ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Linear weights (and the embedding) as int8 rows with a `weight_scale` each, or for w4a8 the GGUF's
+    Q4_K weights in the kernel's layout; the rest float32.
 
-    A GGUF file streams one tensor at a time into int8, so the float model never exists whole; the
-    result is cached (about a byte per weight), so later loads only read it back."""
+    A GGUF file streams one tensor at a time, so the float model never exists whole; the result is
+    cached (about a byte per weight or less), so later loads only read it back."""
+    from gguf import GGMLQuantizationType
+
     from ..executor.backends import int8_weight_max, quantize_weights
 
     qmax = int8_weight_max()
@@ -79,7 +83,8 @@ def load_int8_weights(name: str, progress: bool = True) -> tuple[ModelConfig, di
         cfg, tensors = _load_hf_checkpoint(source.path)
         return cfg, quantize_weights(tensors.items(), qmax)
     folder = _cache_dir_for(source, "weights")
-    path = os.path.join(folder, f"int8-max{qmax}.safetensors")
+    keep_q4_k = quantization == "w4a8"
+    path = os.path.join(folder, f"{'w4a8' if keep_q4_k else 'int8'}-max{qmax}.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(path) and os.path.exists(config_path):
         from safetensors.torch import load_file
@@ -87,7 +92,8 @@ def load_int8_weights(name: str, progress: bool = True) -> tuple[ModelConfig, di
         return ModelConfig(**json.load(open(config_path))), load_file(path)
     from .gguf_loader import iter_gguf_tensors
 
-    cfg, named = iter_gguf_tensors(source.path, progress)
+    raw = frozenset({GGMLQuantizationType.Q4_K}) if keep_q4_k else frozenset()
+    cfg, named = iter_gguf_tensors(source.path, progress, raw)
     tensors = quantize_weights(named, qmax)
     _save_cache(tensors, path, cfg, config_path)
     return cfg, tensors

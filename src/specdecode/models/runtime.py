@@ -268,6 +268,20 @@ class Transformer(nn.Module):
             p.requires_grad_(False)
 
 
+# the runtime's fused linear layers, and the Hugging Face layers whose output rows they stack
+FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "self_attn.o_proj": ("self_attn.o_proj",),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def hf_parts(name: str) -> list[str]:
+    """HF names of the layers behind a runtime linear layer ("layers.3.mlp.gate_up_proj" -> gate, up)."""
+    if name == "lm_head":
+        return ["lm_head"]
+    layer, _, local = name.partition(".")[2].partition(".")
+    return [f"model.layers.{layer}.{part}" for part in FUSED_PARTS[local]]
+
+
 def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF names -> the runtime's, with q/k/v and gate/up concatenated by output rows. Quantized weights
     carry a per-row `weight_scale` beside `weight`; it is fused the same way."""
@@ -279,10 +293,7 @@ def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
             out["lm_head." + suffix] = tensors.get("lm_head." + suffix, tensors[embed + suffix])
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        fused = {"self_attn.qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"],
-                 "self_attn.o_proj": ["self_attn.o_proj"],
-                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
-        for name, parts in fused.items():
+        for name, parts in FUSED_PARTS.items():
             for suffix in ("weight", "weight_scale", "bias"):
                 if src + f"{parts[0]}.{suffix}" in tensors:
                     out[f"{dst}{name}.{suffix}"] = torch.cat([tensors[f"{src}{p}.{suffix}"] for p in parts])

@@ -1,0 +1,57 @@
+"""Native CPU kernels that no installed library provides (docs/decisions.md has the measurements).
+
+Each kernel is one C file, compiled on first use for this machine's CPU (`-march=native`) with the
+system's C compiler, and cached under the specdecode cache; it is called through ctypes on tensor
+memory. Without a compiler, or on a CPU without AVX2, `load` returns None and the backends that need it
+are not offered."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+import torch
+
+from ...models.sources import cache_root
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    key = hashlib.sha1(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    path = os.path.join(cache_root(), "kernels", f"{name}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, f"{name}.c")
+            with open(src, "wb") as f:
+                f.write(source)
+            built = os.path.join(tmp, f"{name}.so")
+            done = subprocess.run([compiler, *FLAGS, src, "-o", built], capture_output=True, text=True)
+            if done.returncode != 0:
+                return None
+            os.replace(built, path)
+    lib = ctypes.CDLL(path)
+    lib.omp_set_num_threads = getattr(lib, "omp_set_num_threads", None)
+    return lib
+
+
+def _cpu_signature() -> str:
+    """A compiled kernel is specific to the CPU it was built for (-march=native)."""
+    from ..backends import cpu_flags
+
+    return " ".join(sorted(cpu_flags()))
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())

@@ -1,0 +1,180 @@
+// y = x @ W^T for 4-bit weights with a 6-bit scale and min per 32 weights (GGUF Q4_K, repacked without
+// changing a value: w = d * sc * q - dmin * mn) and x quantized to int8 per row.
+//
+// Layout: output rows in groups of 16, one vector lane per output row, each lane holding 4 consecutive
+// weights of its row. A row of x is then broadcast 4 values at a time and one u8 x s8 dot-product
+// instruction advances 16 output rows by 4 weights. The unpacked weights are shared by every row of x,
+// so verifying a few tokens costs about what decoding one does, and every output element is computed
+// by the same operations whatever the number of rows: results do not depend on the batch.
+//
+//   q[g][K/8][16][4]   64 bytes per 8 weights of 16 rows: low nibble = weight e, high nibble = weight 4+e
+//   sc[g][K/32][16], mn[g][K/32][16]   (uint8)      d[g][K/256][16], dmin[g][K/256][16]   (float)
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 16
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ROW_TILE 8  // 3 accumulators per row of x in 32 vector registers
+#else
+#define ROW_TILE 4  // in 16
+#endif
+// Independent integer accumulators per row of x: with few rows, one chain of dependent dot products
+// would leave the CPU waiting on each one's latency.
+#define NACC(rows) ((rows) >= 4 ? 1 : (rows) >= 2 ? 2 : 4)
+
+static void quantize_rows(const float *x, int M, int K, int8_t *xq, int32_t *xsum, float *sx) {
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (size_t)m * K;
+        float amax = 0.f;
+        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+        float scale = amax > 0.f ? amax / 127.f : 1.f;
+        float inv = 1.f / scale;
+        sx[m] = scale;
+        for (int j = 0; j < K / 32; j++) {
+            int s = 0;
+            for (int i = 0; i < 32; i++) {
+                int v = (int)nearbyintf(row[j * 32 + i] * inv);
+                xq[(size_t)m * K + j * 32 + i] = (int8_t)v;
+                s += v;
+            }
+            xsum[(size_t)m * (K / 32) + j] = s;
+        }
+    }
+}
+
+static inline int32_t load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// 16 output rows (group g) against `rows` rows of x starting at m0.
+static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N,
+        const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+        const int8_t *xq, const int32_t *xsum, const float *sx, float *y) {
+    const int nsub = K / 32;
+    const uint8_t *qg = q + (size_t)g * (K / 2) * GROUP;
+    __m512 accf[ROW_TILE], minf[ROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) accf[r] = minf[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < nsub; j++) {
+        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (K / 256) + j / 8) * GROUP;
+        __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d + sb),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + at)))));
+        __m512 min = _mm512_mul_ps(_mm512_loadu_ps(dmin + sb),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + at)))));
+        __m512i acc[ROW_TILE][4];
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
+            _Pragma("GCC unroll 4") for (int a = 0; a < NACC(rows); a++) acc[r][a] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {  // 8 weights per output row
+            __m512i packed = _mm512_loadu_si512((const void *)(qg + ((size_t)j * 4 + t) * 64));
+            __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            const int k = j * 32 + t * 8;
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + (size_t)(m0 + r) * K + k;
+                __m512i *a0 = &acc[r][(2 * t) % NACC(rows)], *a1 = &acc[r][(2 * t + 1) % NACC(rows)];
+                *a0 = _mm512_dpbusd_epi32(*a0, w0, _mm512_set1_epi32(load4(xr)));
+                *a1 = _mm512_dpbusd_epi32(*a1, w1, _mm512_set1_epi32(load4(xr + 4)));
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+            __m512i total = acc[r][0];
+            _Pragma("GCC unroll 4") for (int a = 1; a < NACC(rows); a++) total = _mm512_add_epi32(total, acc[r][a]);
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, accf[r]);
+            minf[r] = _mm512_fmadd_ps(min, _mm512_set1_ps((float)xsum[(size_t)(m0 + r) * nsub + j]), minf[r]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+        __m512 out = _mm512_mul_ps(_mm512_set1_ps(sx[m0 + r]), _mm512_sub_ps(accf[r], minf[r]));
+        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, out);
+    }
+}
+#else
+// AVX2: the 16 rows of a group as two halves of 8; u8 x s8 products summed in pairs (int16), then in
+// fours (int32). With 4-bit weights a pair is at most 2 * 15 * 127: no int16 saturation.
+static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N,
+        const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+        const int8_t *xq, const int32_t *xsum, const float *sx, float *y) {
+    const int nsub = K / 32;
+    const uint8_t *qg = q + (size_t)g * (K / 2) * GROUP;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 accf[ROW_TILE], minf[ROW_TILE];
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) accf[r] = minf[r] = _mm256_setzero_ps();
+        for (int j = 0; j < nsub; j++) {
+            const size_t at = ((size_t)g * nsub + j) * GROUP + half * 8;
+            const size_t sb = ((size_t)g * (K / 256) + j / 8) * GROUP + half * 8;
+            __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + sb),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + at)))));
+            __m256 min = _mm256_mul_ps(_mm256_loadu_ps(dmin + sb),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + at)))));
+            __m256i acc[ROW_TILE][4];
+            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
+                _Pragma("GCC unroll 4") for (int a = 0; a < NACC(rows); a++) acc[r][a] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(qg + ((size_t)j * 4 + t) * 64 + half * 32));
+                __m256i w0 = _mm256_and_si256(packed, low), w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                const int k = j * 32 + t * 8;
+                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+                    const int8_t *xr = xq + (size_t)(m0 + r) * K + k;
+                    __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(load4(xr)));
+                    __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load4(xr + 4)));
+                    __m256i *a = &acc[r][t % NACC(rows)];
+                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+                }
+            }
+            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+                __m256i total = acc[r][0];
+                _Pragma("GCC unroll 4") for (int a = 1; a < NACC(rows); a++) total = _mm256_add_epi32(total, acc[r][a]);
+                accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, accf[r]);
+                minf[r] = _mm256_fmadd_ps(min, _mm256_set1_ps((float)xsum[(size_t)(m0 + r) * nsub + j]), minf[r]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+            __m256 out = _mm256_mul_ps(_mm256_set1_ps(sx[m0 + r]), _mm256_sub_ps(accf[r], minf[r]));
+            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, out);
+        }
+    }
+}
+#endif
+
+int w4a8_isa(void) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 256.
+void w4a8_linear(const float *x, int M, int K, int N, const uint8_t *q, const uint8_t *sc, const uint8_t *mn,
+                 const float *d, const float *dmin, float *y) {
+#if defined(__AVX2__) && defined(__FMA__)
+    int8_t *xq = (int8_t *)malloc((size_t)M * K);
+    int32_t *xsum = (int32_t *)malloc((size_t)M * (K / 32) * sizeof(int32_t));
+    float *sx = (float *)malloc((size_t)M * sizeof(float));
+    quantize_rows(x, M, K, xq, xsum, sx);
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < N / GROUP; g++) {
+        for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
+            switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
+#define TILE(R) case R: group_dot(g, m0, R, K, N, q, sc, mn, d, dmin, xq, xsum, sx, y); break;
+                TILE(1) TILE(2) TILE(3) TILE(4)
+#if ROW_TILE == 8
+                TILE(5) TILE(6) TILE(7) TILE(8)
+#endif
+#undef TILE
+            }
+        }
+    }
+    free(xq);
+    free(xsum);
+    free(sx);
+#endif
+}

@@ -1,0 +1,97 @@
+"""The w4a8 backend: GGUF Q4_K weights kept as stored, int8 activations per row, this package's kernel.
+A tiny model is built from random Q4_K blocks (one q/k/v part in another format, as in Q4_K_M files) and
+compared with the same weights dequantized to float."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdecode import LLM, SamplingParams
+from specdecode.executor import backends
+from specdecode.executor.backends import build_quantized_model, quantize_weights
+from specdecode.executor.quant import ConcatLinear, W4A8Linear, pack_w4a8, split_q4_k, w4a8_supported
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.gguf_loader import RawTensor
+from specdecode.models.loader import LoadedModel
+from specdecode.models.runtime import build_model
+
+from conftest import ByteTokenizer, random_hf_weights, tiny_config
+
+pytestmark = pytest.mark.skipif(not w4a8_supported(), reason="the w4a8 kernel needs a C compiler and AVX2/FMA")
+Q4_K = GGMLQuantizationType.Q4_K
+
+
+def random_q4_k(rows: int, columns: int, seed: int, zero_mean: bool = False) -> RawTensor:
+    """Valid Q4_K blocks: random 4-bit values, small fp16 d and dmin, and random 6-bit scales and mins;
+    or, zero_mean, every scale and min 32 with dmin = 7.5 d (weights spread around 0, as trained ones)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, columns // 256, 144), dtype=np.uint8)
+    d = rng.uniform(0.0005, 0.0015, (rows, columns // 256))
+    dmin = 7.5 * d if zero_mean else rng.uniform(0.0002, 0.001, (rows, columns // 256))
+    blocks[..., :4] = np.stack([d, dmin], -1).astype(np.float16).view(np.uint8).reshape(rows, columns // 256, 4)
+    if zero_mean:  # the 12 packed bytes that give scale = min = 32 to all eight sub-blocks
+        blocks[..., 4:16] = np.array([160] * 8 + [0] * 4, dtype=np.uint8)
+    return RawTensor(Q4_K, columns, torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+def as_float(raw: RawTensor) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw.blocks.numpy(), Q4_K).reshape(-1, raw.columns).copy())
+
+
+def tiny_q4_k_model(seed: int = 0, layers: int = 2):
+    """(w4a8 model, the same weights in float32). q, k and the MLP are Q4_K; v and the LM head float."""
+    cfg = tiny_config(hidden=256, intermediate=512, layers=layers)
+    named = dict(random_hf_weights(cfg, seed))
+    for i, name in enumerate(list(named)):
+        if name.endswith(("q_proj.weight", "k_proj.weight", "o_proj.weight", "_proj.weight")) \
+                and "v_proj" not in name:
+            rows, columns = named[name].shape
+            named[name] = random_q4_k(rows, columns, seed * 1000 + i, zero_mean=True)
+    floats = {k: as_float(v) if isinstance(v, RawTensor) else v for k, v in named.items()}
+    model = build_quantized_model(cfg, quantize_weights(named.items(), backends.int8_weight_max()), "w4a8", "cpu")
+    return model, build_model(cfg, floats, torch.float32, "cpu")
+
+
+def test_repacking_keeps_every_value():
+    raw = random_q4_k(32, 512, seed=1)
+    layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
+    assert torch.equal(layer.dequantize(), as_float(raw))
+
+
+def test_w4a8_linear_is_close_to_the_float_product_and_row_invariant():
+    raw = random_q4_k(64, 768, seed=2)
+    layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
+    x = torch.randn(11, 768)  # more rows than one tile of the kernel
+    exact = x @ as_float(raw).T
+    y = layer(x)
+    assert (y - exact).norm() / exact.norm() < 0.02
+    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
+
+
+def test_model_with_mixed_formats_tracks_the_float_model():
+    """q/k in Q4_K beside an int8 v under one bias (a ConcatLinear): the bias is added once."""
+    model, reference = tiny_q4_k_model()
+    assert isinstance(model.layers[0].self_attn.qkv_proj, ConcatLinear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, W4A8Linear)
+    ids = list(range(1, 48))
+    got, expected = (ModelRunner(m, 1, 64).forward([0], [ids], "all") for m in (model, reference))
+    # a doubled bias (each part's, then the concatenation's) measures 0.55 and 0.32 here
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.85
+    assert (got - expected).norm() / expected.norm() < 0.15
+
+
+def test_greedy_speculation_equals_plain_decoding_on_w4a8():
+    model, _ = tiny_q4_k_model()
+    draft, _ = tiny_q4_k_model(seed=5, layers=1)
+    target = LoadedModel("tiny-w4a8", model, ByteTokenizer(64), model.cfg)
+    drafter = LoadedModel("tiny-w4a8-draft", draft, ByteTokenizer(64), draft.cfg)
+    prompts = [[5, 17, 33, 2, 9, 41], [60, 1, 1, 7], [12, 12, 12, 30, 31, 32, 33, 34]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    for proposer in (dict(draft=drafter), dict(draft=target)):
+        spec = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4, **proposer)
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    broken = LLM(target=target, draft=drafter, num_speculative_tokens=4, max_model_len=128, forced_accept=True)
+    assert [o.outputs[0].token_ids for o in broken.generate(prompts, params)] != expected
