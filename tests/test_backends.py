@@ -185,9 +185,14 @@ def test_sampling_from_backend_distributions_is_lossless(quantization):
 
 
 # ---- per-machine choices --------------------------------------------------------------------------------------
-def test_auto_takes_w8a8_on_x86_cpus_and_float_on_cuda(monkeypatch):
+def test_auto_takes_w4a8_then_w8a8_on_x86_cpus_and_float_on_cuda(monkeypatch):
     monkeypatch.setattr(backends, "w8a8_supported", lambda: True)
+    monkeypatch.setattr(backends, "w4a8_supported", lambda: True)
+    assert resolve_quantization("auto", "cpu") == "w4a8"
+    monkeypatch.setattr(backends, "w4a8_supported", lambda: False)  # no C compiler, or no AVX2
     assert resolve_quantization("auto", "cpu") == "w8a8"
+    with pytest.raises(SpecDecodeError, match="w4a8 needs a C compiler"):
+        resolve_quantization("w4a8", "cpu")
     assert resolve_quantization("auto", "cuda") == "none"
     monkeypatch.setattr(backends, "w8a8_supported", lambda: False)
     assert resolve_quantization("auto", "cpu") == "none"
