@@ -95,3 +95,35 @@ def test_greedy_speculation_equals_plain_decoding_on_w4a8():
         assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
     broken = LLM(target=target, draft=drafter, num_speculative_tokens=4, max_model_len=128, forced_accept=True)
     assert [o.outputs[0].token_ids for o in broken.generate(prompts, params)] != expected
+
+
+def test_requantized_weights_with_seven_sub_blocks_per_scale():
+    """w4a8-all (drafts): float weights to 4 bits; K = 896 (the 0.5B draft's width) puts 7 sub-blocks
+    under each d. Close to the float product, rows independent, and the layer dequantizes to what it uses."""
+    from specdecode.executor.quant import quantize_4bit
+
+    torch.manual_seed(3)
+    w, x = torch.randn(48, 896) * 0.05, torch.randn(6, 896)
+    layer = W4A8Linear(pack_w4a8(quantize_4bit(w)))
+    assert layer.sub_per_super == 7
+    assert (layer.dequantize() - w).abs().max() <= 0.2 * w.abs().max()  # 16 levels per 32 weights
+    y = layer(x)
+    torch.testing.assert_close(y, x @ layer.dequantize().T, rtol=0.02, atol=0.02)
+    assert (y - x @ w.T).norm() / (x @ w.T).norm() < 0.15
+    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(6)]))
+
+
+def test_a_draft_loaded_all_4bit_stays_a_lossless_proposer():
+    """A requantized draft only changes acceptance: greedy output still equals plain decoding."""
+    cfg = tiny_config(hidden=256, intermediate=512, layers=1)
+    tensors = quantize_weights(random_hf_weights(cfg, 5).items(), backends.int8_weight_max(), all_4bit=True)
+    draft_model = build_quantized_model(cfg, tensors, "w4a8-all", "cpu")
+    assert isinstance(draft_model.layers[0].mlp.down_proj, W4A8Linear)
+    model, _ = tiny_q4_k_model()
+    target = LoadedModel("tiny-w4a8", model, ByteTokenizer(64), model.cfg)
+    drafter = LoadedModel("tiny-draft", draft_model, ByteTokenizer(64), cfg)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5, 17, 33, 2], [60, 1, 1, 7, 9]]
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128).generate(prompts, params)
+    spec = LLM(target=target, draft=drafter, num_speculative_tokens=3, max_model_len=128).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

@@ -25,15 +25,16 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) 
 
 
 def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    choices = ["auto", "none", "w8a8", "w8a16", "w4a8"]
+    choices = ["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"]
     p.add_argument("--quantization", default=["auto"] if several else "auto", choices=choices,
                    nargs="+" if several else None,
                    help=("backends to measure, each with its own plain row; " if several else "") +
                         "target weights: auto = the fastest for this machine (w4a8, else w8a8 on x86 CPUs; bf16 on "
                         "CUDA), none = floating weights in --dtype, w4a8 = the GGUF's Q4_K weights as stored with int8 "
-                        "activations, w8a8 = int8 weights and activations (FBGEMM), w8a16 = int8 weights, bf16 activations")
+                        "activations, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = int8 weights "
+                        "and activations (FBGEMM), w8a16 = int8 weights, bf16 activations")
     p.add_argument("--draft-quantization", default="auto", choices=choices,
-                   help="the same for the draft model (auto: " + ("the target's" if several else "the fastest") + ")")
+                   help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
-    qual.add_argument("--quantization", nargs="+", default=["w8a8", "w8a16"], choices=["auto", "none", "w8a8", "w8a16", "w4a8"])
+    qual.add_argument("--quantization", nargs="+", default=["w8a8", "w8a16"], choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
     qual.add_argument("--dtype", default="auto", help="activations of --quantization none (the reference is float32)")
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")

@@ -67,8 +67,8 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     """Plain, then each proposer at each k, on one loaded target in `quantization`."""
     target = load_model(args.model, args.device, args.dtype, quantization=quantization)
     draft_name = default_draft(args.model, args.draft)
-    draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization
-                       if args.draft_quantization != "auto" else quantization) if draft_name else None
+    draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
+                       draft=True) if draft_name else None
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
     runs: list[tuple[LLM, str, str]] = []
     if draft:

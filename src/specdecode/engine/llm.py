@@ -73,7 +73,7 @@ class LLM:
             proposer = NgramProposer(ngram_prompt_lookup_max, ngram_prompt_lookup_min)
         elif speculative_model is not None or draft is not None:
             self.draft = draft or load_model(speculative_model, str(self.target.model.device), dtype, progress,
-                                             draft_quantization)
+                                             draft_quantization, draft=True)
             check_same_vocabulary(self.target, self.draft)
             if draft_vocab_size and self.draft.model is not self.target.model:  # a self-draft must not alter the target
                 restrict_draft_vocab(self.draft, draft_vocab_size)

@@ -6,6 +6,8 @@
 - "w8a16": int8 weights with bfloat16 activations (CPUs with native bf16).
 - "w4a8": GGUF Q4_K weights kept as stored (4.5 bits) times int8 activations per row, by this package's
   kernel (AVX2 or AVX512-VNNI); the file's other weights (Q6_K, Q8_0, ...) as in w8a8.
+- "w4a8-all": every linear weight in 4 bits, requantized where the file stores more. Lossy beyond the
+  file: the default for draft models, whose weights only propose (verification keeps the output exact).
 
 "auto" takes w4a8 where its kernel builds, else w8a8 on x86 CPUs (both stream far fewer bytes than
 float and verify k+1 tokens for little more than one), and bf16 on CUDA; docs/decisions.md has the
@@ -24,10 +26,10 @@ from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
 from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W8A8Linear, W8A16Linear, pack_w4a8, quantize_rows,
-                    split_q4_k, w4a8_packable, w4a8_supported, w8a8_supported, w8a16_supported)
+                    quantize_4bit, split_q4_k, w4a8_packable, w4a8_supported, w8a8_supported, w8a16_supported)
 
-QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8")
-INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear}  # layers that are not Q4_K
+QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
+INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear, "w4a8-all": W8A8Linear}
 
 
 @functools.cache
@@ -74,18 +76,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
         raise SpecDecodeError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
 
 
-def resolve_quantization(name: str, device: str | torch.device) -> str:
-    """The quantization that `name` means on this device; "auto" is the fastest measured one."""
+def resolve_quantization(name: str, device: str | torch.device, draft: bool = False) -> str:
+    """The quantization that `name` means on this device; "auto" is the fastest measured one (for a
+    draft, which may be lossy, every weight in 4 bits)."""
     if name not in QUANTIZATIONS:
         raise SpecDecodeError(f"unknown quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}")
     on_cpu = torch.device(device).type == "cpu"
     if name == "auto":
         if not (on_cpu and w8a8_supported()):
             return "none"
-        return "w4a8" if w4a8_supported() else "w8a8"
-    if name in ("w8a8", "w4a8") and not (on_cpu and w8a8_supported()):
+        return ("w4a8-all" if draft else "w4a8") if w4a8_supported() else "w8a8"
+    if name in ("w8a8", "w4a8", "w4a8-all") and not (on_cpu and w8a8_supported()):
         raise SpecDecodeError(f"{name} needs FBGEMM on an x86 CPU; use --quantization none (or w8a16)")
-    if name == "w4a8" and not w4a8_supported():
+    if name.startswith("w4a8") and not w4a8_supported():
         raise SpecDecodeError("w4a8 needs a C compiler (cc) and a CPU with AVX2 and FMA; use --quantization w8a8")
     if name == "w8a16" and not w8a16_supported(device):
         raise SpecDecodeError(f"w8a16 has no kernel on {device}; use --quantization none")
@@ -94,7 +97,7 @@ def resolve_quantization(name: str, device: str | torch.device) -> str:
 
 def activation_dtype(quantization: str, dtype: str | torch.dtype, device) -> torch.dtype:
     """FBGEMM and the w4a8 kernel take and return float32; the weight-only int8 kernel is fast with bf16 only."""
-    if quantization in ("w8a8", "w4a8"):
+    if quantization in ("w8a8", "w4a8", "w4a8-all"):
         return torch.float32
     if quantization == "w8a16":
         return torch.bfloat16
@@ -106,19 +109,22 @@ def is_linear_weight(name: str) -> bool:
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], qmax: int) -> dict[str, torch.Tensor]:
-    """Linear weights to int8 rows (+ `weight_scale`), or, when they come as GGUF Q4_K blocks, to the w4a8
-    kernel's layout (`weight.q`, `.sc`, `.mn`, `.d`, `.dmin`), one tensor at a time as they stream in, so
-    the float model never exists whole; everything else stays float32."""
+def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], qmax: int,
+                     all_4bit: bool = False) -> dict[str, torch.Tensor]:
+    """Linear weights to int8 rows (+ `weight_scale`), or to the w4a8 kernel's layout (`weight.q`, `.sc`,
+    `.mn`, `.d`, `.dmin`) when they come as GGUF Q4_K blocks or `all_4bit` asks for it, one tensor at a
+    time as they stream in, so the float model never exists whole; everything else stays float32."""
     out = {}
     for name, tensor in named:
+        four_bit = name != "model.embed_tokens.weight" and is_linear_weight(name)
         if isinstance(tensor, RawTensor):
-            if name != "model.embed_tokens.weight" and w4a8_packable(tensor.columns, tensor.blocks.shape[0]):
-                for key, array in pack_w4a8(split_q4_k(tensor.blocks)).items():
-                    out[f"{name}.{key}"] = array
+            if four_bit and w4a8_packable(tensor.columns, tensor.blocks.shape[0]):
+                out.update({f"{name}.{k}": v for k, v in pack_w4a8(split_q4_k(tensor.blocks)).items()})
                 continue
             tensor = _dequantize_raw(tensor)
-        if is_linear_weight(name):
+        if all_4bit and four_bit and w4a8_packable(tensor.shape[1], tensor.shape[0]):
+            out.update({f"{name}.{k}": v for k, v in pack_w4a8(quantize_4bit(tensor)).items()})
+        elif is_linear_weight(name):
             out[name], out[name + "_scale"] = quantize_rows(tensor, qmax)
         else:
             out[name] = tensor.float()

@@ -149,6 +149,26 @@ def split_q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
 W4A8_GROUP = 16  # output rows per vector of the kernel
 
 
+def quantize_4bit(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float weights [rows, K] -> 4-bit values with an 8-bit scale and min per 32 weights and float d, dmin
+    per (up to) 8 such sub-blocks: the Q4_K arrays the kernel reads (split_q4_k's layout), lossy.
+    For draft models, whose weights only propose."""
+    rows, cols = w.shape
+    nsub = cols // 32
+    per_super = max(s for s in range(1, 9) if nsub % s == 0)
+    g = w.float().reshape(rows, nsub, 32)
+    low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    step, shift = ((high - low) / 15).reshape(rows, -1, per_super), (-low).reshape(rows, -1, per_super)
+    d = step.amax(-1).clamp(min=1e-12) / 255
+    dmin = shift.amax(-1).clamp(min=1e-12) / 255
+    sc = (step / d[..., None]).round().clamp(1, 255)
+    mn = (shift / dmin[..., None]).round().clamp(0, 255)
+    scale, offset = (d[..., None] * sc).reshape(rows, nsub, 1), (dmin[..., None] * mn).reshape(rows, nsub, 1)
+    q = ((g + offset) / scale).round().clamp(0, 15).to(torch.uint8).reshape(rows, -1, 64)
+    return {"qs": (q[..., :32] | (q[..., 32:] << 4)).reshape(rows, -1), "sc": sc.to(torch.uint8).reshape(rows, -1),
+            "mn": mn.to(torch.uint8).reshape(rows, -1), "d": d, "dmin": dmin}
+
+
 def pack_w4a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Q4_K arrays (split_q4_k) -> the kernel's layout: output rows in groups of 16, one lane per row
     holding 4 consecutive weights; scales and mins per group. Values are moved, never changed."""
@@ -167,13 +187,14 @@ def pack_w4a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def w4a8_packable(columns: int, rows: int) -> bool:
-    return columns % Q4_K_BLOCK_WEIGHTS == 0 and rows % W4A8_GROUP == 0
+    """The kernel takes 16 output rows at a time and 64 weights per packed chunk."""
+    return columns % 64 == 0 and rows % W4A8_GROUP == 0
 
 
 class W4A8Linear(nn.Module):
-    """GGUF Q4_K weights as stored (4.5 bits per weight) times int8 activations per row, by this package's
-    kernel (executor/kernels/w4a8.c): 40% fewer bytes per step than int8, and a verify of a few tokens
-    costs about one decode step."""
+    """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
+    per row, by this package's kernel (executor/kernels/w4a8.c): 40% fewer bytes per step than int8, and
+    a verify of a few tokens costs little more than one decode step."""
 
     NAMES = ("q", "sc", "mn", "d", "dmin")
 
@@ -187,6 +208,7 @@ class W4A8Linear(nn.Module):
         for name in self.NAMES:
             self.register_buffer(name, packed[name].contiguous())
         self.bias = bias
+        self.sub_per_super = packed["sc"].shape[1] // packed["d"].shape[1]  # 32-weight sub-blocks per d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .kernels import ptr
@@ -194,7 +216,7 @@ class W4A8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
-        self.lib.w4a8_linear(ptr(rows), rows.shape[0], self.in_features, self.out_features,
+        self.lib.w4a8_linear(ptr(rows), rows.shape[0], self.in_features, self.out_features, self.sub_per_super,
                              *(ptr(getattr(self, name)) for name in self.NAMES), ptr(y))
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -205,8 +227,9 @@ class W4A8Linear(nn.Module):
         q = torch.stack([self.q & 0xF, self.q >> 4], dim=3)  # [G, K/8, 16, 2, 4]
         q = q.permute(0, 2, 1, 3, 4).reshape(g, W4A8_GROUP, -1).float()  # [G, 16, K]
         expand = lambda t, n: t.transpose(1, 2).repeat_interleave(n, dim=2)  # noqa: E731  -> [G, 16, K]
-        scale = expand(self.d, 256) * expand(self.sc.float(), 32)
-        shift = expand(self.dmin, 256) * expand(self.mn.float(), 32)
+        span = 32 * self.sub_per_super
+        scale = expand(self.d, span) * expand(self.sc.float(), 32)
+        shift = expand(self.dmin, span) * expand(self.mn.float(), 32)
         return (q * scale - shift).reshape(self.out_features, self.in_features)
 
     def select_rows(self, ids: torch.Tensor) -> nn.Module:

@@ -37,13 +37,13 @@ def load_tokenizer(name: str) -> Tokenizer:
 
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = "auto",
-               progress: bool = True, quantization: str = "auto") -> LoadedModel:
+               progress: bool = True, quantization: str = "auto", draft: bool = False) -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine), "none" (floating weights in
     `dtype`), "w8a8" or "w8a16"; see executor.backends."""
     from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
 
     device = device or default_device()
-    quantization = resolve_quantization(quantization, device)
+    quantization = resolve_quantization(quantization, device, draft)
     started = time.perf_counter()
     if quantization == "none":
         torch_dtype = resolve_dtype(dtype, device)
@@ -79,12 +79,13 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
 
     qmax = int8_weight_max()
     source = resolve(name)
+    all_4bit = quantization == "w4a8-all"
     if source.format != "gguf":
         cfg, tensors = _load_hf_checkpoint(source.path)
-        return cfg, quantize_weights(tensors.items(), qmax)
+        return cfg, quantize_weights(tensors.items(), qmax, all_4bit)
     folder = _cache_dir_for(source, "weights")
-    keep_q4_k = quantization == "w4a8"
-    path = os.path.join(folder, f"{'w4a8' if keep_q4_k else 'int8'}-max{qmax}.safetensors")
+    keep_q4_k = quantization.startswith("w4a8")
+    path = os.path.join(folder, f"{quantization if keep_q4_k else 'int8'}-max{qmax}.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(path) and os.path.exists(config_path):
         from safetensors.torch import load_file
@@ -94,7 +95,7 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
 
     raw = frozenset({GGMLQuantizationType.Q4_K}) if keep_q4_k else frozenset()
     cfg, named = iter_gguf_tensors(source.path, progress, raw)
-    tensors = quantize_weights(named, qmax)
+    tensors = quantize_weights(named, qmax, all_4bit)
     _save_cache(tensors, path, cfg, config_path)
     return cfg, tensors
 

@@ -1,5 +1,6 @@
-// y = x @ W^T for 4-bit weights with a 6-bit scale and min per 32 weights (GGUF Q4_K, repacked without
-// changing a value: w = d * sc * q - dmin * mn) and x quantized to int8 per row.
+// y = x @ W^T for 4-bit weights with an 8-bit scale and min per 32 weights and float d, dmin per S such
+// sub-blocks (GGUF Q4_K is S = 8 with 6-bit scales, repacked without changing a value:
+// w = d * sc * q - dmin * mn), and x quantized to int8 per row.
 //
 // Layout: output rows in groups of 16, one vector lane per output row, each lane holding 4 consecutive
 // weights of its row. A row of x is then broadcast 4 values at a time and one u8 x s8 dot-product
@@ -8,7 +9,7 @@
 // by the same operations whatever the number of rows: results do not depend on the batch.
 //
 //   q[g][K/8][16][4]   64 bytes per 8 weights of 16 rows: low nibble = weight e, high nibble = weight 4+e
-//   sc[g][K/32][16], mn[g][K/32][16]   (uint8)      d[g][K/256][16], dmin[g][K/256][16]   (float)
+//   sc[g][K/32][16], mn[g][K/32][16]   (uint8)      d[g][K/32/S][16], dmin[g][K/32/S][16]   (float)
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -53,7 +54,7 @@ static inline int32_t load4(const int8_t *p) {
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // 16 output rows (group g) against `rows` rows of x starting at m0.
-static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N,
+static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N, int S,
         const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
         const int8_t *xq, const int32_t *xsum, const float *sx, float *y) {
     const int nsub = K / 32;
@@ -62,7 +63,7 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) accf[r] = minf[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < nsub; j++) {
-        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (K / 256) + j / 8) * GROUP;
+        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (nsub / S) + j / S) * GROUP;
         __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d + sb),
                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + at)))));
         __m512 min = _mm512_mul_ps(_mm512_loadu_ps(dmin + sb),
@@ -96,7 +97,7 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
 #else
 // AVX2: the 16 rows of a group as two halves of 8; u8 x s8 products summed in pairs (int16), then in
 // fours (int32). With 4-bit weights a pair is at most 2 * 15 * 127: no int16 saturation.
-static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N,
+static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N, int S,
         const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
         const int8_t *xq, const int32_t *xsum, const float *sx, float *y) {
     const int nsub = K / 32;
@@ -107,7 +108,7 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) accf[r] = minf[r] = _mm256_setzero_ps();
         for (int j = 0; j < nsub; j++) {
             const size_t at = ((size_t)g * nsub + j) * GROUP + half * 8;
-            const size_t sb = ((size_t)g * (K / 256) + j / 8) * GROUP + half * 8;
+            const size_t sb = ((size_t)g * (nsub / S) + j / S) * GROUP + half * 8;
             __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + sb),
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + at)))));
             __m256 min = _mm256_mul_ps(_mm256_loadu_ps(dmin + sb),
@@ -152,8 +153,8 @@ int w4a8_isa(void) {
 #endif
 }
 
-// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 256.
-void w4a8_linear(const float *x, int M, int K, int N, const uint8_t *q, const uint8_t *sc, const uint8_t *mn,
+// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 32 * S.
+void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, const uint8_t *sc, const uint8_t *mn,
                  const float *d, const float *dmin, float *y) {
 #if defined(__AVX2__) && defined(__FMA__)
     int8_t *xq = (int8_t *)malloc((size_t)M * K);
@@ -164,7 +165,7 @@ void w4a8_linear(const float *x, int M, int K, int N, const uint8_t *q, const ui
     for (int g = 0; g < N / GROUP; g++) {
         for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
             switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
-#define TILE(R) case R: group_dot(g, m0, R, K, N, q, sc, mn, d, dmin, xq, xsum, sx, y); break;
+#define TILE(R) case R: group_dot(g, m0, R, K, N, S, q, sc, mn, d, dmin, xq, xsum, sx, y); break;
                 TILE(1) TILE(2) TILE(3) TILE(4)
 #if ROW_TILE == 8
                 TILE(5) TILE(6) TILE(7) TILE(8)
