@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
-    qual.add_argument("--quantization", nargs="+", default=["w8a8", "w8a16"], choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
+    qual.add_argument("--quantization", nargs="+", default=["w4a8", "w8a8", "w8a16", "none", "w4a8-all"], choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
     qual.add_argument("--dtype", default="auto", help="activations of --quantization none (the reference is float32)")
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
@@ -161,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     conc.add_argument("--requests-per-client", type=int, default=2)
     conc.add_argument("--min-requests", type=int, default=4)
     conc.add_argument("--rounds", type=int, default=1, help="measure each cell this many times, pooled")
-    conc.add_argument("--once", nargs="*", default=[], choices=["plain", "fixed", "adaptive"],
+    conc.add_argument("--quantization", default="auto", choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
+    conc.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
+    conc.add_argument("--vs-llama-server", metavar="BIN_DIR", default=None,
+                      help="also drive llama.cpp's llama-server from this folder (plain, and with the draft model) "
+                           "on the same GGUF files through the same load generator")
+    conc.add_argument("--once", nargs="*", default=[], choices=["plain", "fixed", "adaptive", "llama.cpp",
+                                                                 "llama.cpp-draft"],
                       help="configurations measured in the first round only")
     conc.add_argument("--max-model-len", type=int, default=2048)
     conc.add_argument("--dtype", default="auto")

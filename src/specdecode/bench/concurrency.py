@@ -5,8 +5,6 @@ Prints throughput and TPOT with their ratios to plain decoding at the same concu
 from __future__ import annotations
 
 import asyncio
-import os
-import platform
 from collections import defaultdict
 from contextlib import ExitStack
 
@@ -14,18 +12,30 @@ import torch
 
 from .datasets import humaneval_prompts
 from .load import LoadResult, run_load, send_requests
-from .results import command_line, write_json
-from .server_process import ServerProcess
+from .results import command_line, machine_info, write_json
+from .server_process import ServerProcess, llama_server
 
 
 def server_configs(args) -> list[tuple[str, list[str]]]:
     common = ["--model", args.model, "--max-num-seqs", str(max(args.concurrency)),
-              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
+              "--quantization", args.quantization, "--draft-quantization", args.draft_quantization]
     draft = ["--speculative-model", args.draft] if args.draft else []
     configs = {"plain": common + ["--num-speculative-tokens", "0"],
                "fixed": common + draft + ["--policy", "fixed", "-k", str(args.k)],
                "adaptive": common + draft + ["--policy", "adaptive", "-k", str(args.k)]}
     return [(name, configs[name]) for name in args.policies]
+
+
+def start_server(name: str, serve_args: list[str], args) -> ServerProcess:
+    """Ours, or llama.cpp's llama-server (plain, or with its draft model) on the same GGUF files."""
+    if not name.startswith("llama.cpp"):
+        return ServerProcess(serve_args)
+    from ..models.sources import resolve
+
+    draft = resolve(args.draft).path if name == "llama.cpp-draft" else None
+    return llama_server(args.vs_llama_server, resolve(args.model).path, max(args.concurrency), args.max_model_len,
+                        torch.get_num_threads(), draft, args.k)
 
 
 def requests_at(concurrency: int, args) -> int:
@@ -39,13 +49,15 @@ def run_sweep(args) -> dict:
     in `--once` only in the first round)."""
     prompts = humaneval_prompts()
     configs = server_configs(args)
+    if args.vs_llama_server:
+        configs += [("llama.cpp", []), ("llama.cpp-draft", [])]
     order = [name for name, _ in configs]
     runs: dict[tuple[str, int], list[tuple[list, float]]] = defaultdict(list)
     with ExitStack() as stack:
         servers = {}
         for name, serve_args in configs:
             print(f"starting server: {name}", flush=True)
-            servers[name] = stack.enter_context(ServerProcess(serve_args))
+            servers[name] = stack.enter_context(start_server(name, serve_args, args))
             asyncio.run(run_load(servers[name].base_url, prompts[:1], 8, progress=False))  # warm-up
         for rnd in range(args.rounds):
             for level, c in enumerate(args.concurrency):
@@ -84,12 +96,11 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
 
 
 def meta(args) -> dict:
-    return {"command": command_line(), "model": args.model, "draft": args.draft,
+    return {"command": command_line(), "model": args.model, "draft": args.draft, "quantization": args.quantization,
+            "draft_quantization": args.draft_quantization,
             "k": args.k, "max_tokens": args.max_tokens, "dataset": "humaneval", "greedy": True,
             "requests": {c: requests_at(c, args) for c in args.concurrency}, "rounds": args.rounds,
-            "once": args.once,
-            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+            "once": args.once, "machine": machine_info(), "cuda": torch.cuda.is_available()}
 
 
 def row_text(name: str, r: LoadResult, rnd: int) -> str:

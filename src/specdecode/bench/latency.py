@@ -36,6 +36,7 @@ class LatencyResult:
     identical_to_plain: bool | None = None
     verify_cost_ratio: float | None = None  # T(k+1) / T(1) of the target's forward
     vs_llama_cpp_plain: float | None = None  # tokens/s against llama.cpp's plain decoding
+    forward_ms: dict[int, float] | None = None  # llama.cpp only: llama-bench's forward over n tokens
 
 
 def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, label: str, proposer: str):
@@ -95,53 +96,69 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     return results
 
 
-def run_llama_cpp(args, prompts: list[str], threads: int) -> list[LatencyResult]:
-    """llama.cpp's plain decoding (llama-bench tg) and its draft-model speculation at each k, same files."""
-    from .llama_cpp import run_llama_bench, run_llama_speculative
+def llama_cpp_plain(args, threads: int, when: str) -> LatencyResult:
+    """llama.cpp's plain decoding (llama-bench tg) on the target's GGUF file."""
+    from .llama_cpp import run_llama_bench
 
-    target = resolve(args.model).path
-    bench = run_llama_bench(args.vs_llama_cpp, target, threads, args.max_tokens)
-    plain = LatencyResult("llama.cpp: plain", "llama.cpp", "none", 0, args.max_tokens, args.max_tokens /
-                          bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
-                          1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0,
-                          vs_llama_cpp_plain=1.0)
-    print(_row(plain), flush=True)
-    results = [plain]
+    bench = run_llama_bench(args.vs_llama_cpp, resolve(args.model).path, threads, args.max_tokens)
+    row = LatencyResult(f"llama.cpp: plain ({when})", "llama.cpp", "none", 0, args.max_tokens,
+                        args.max_tokens / bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
+                        1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0)
+    row.forward_ms = bench.forward_ms
+    print(_row(row), flush=True)
+    return row
+
+
+def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: LatencyResult,
+                              forward_ms: dict[int, float]) -> list[LatencyResult]:
+    """llama.cpp's own draft-model speculation at each k, on the same files and prompts."""
+    from .llama_cpp import LlamaBench, run_llama_speculative
+
     draft_name = default_draft(args.model, args.draft)
+    results = []
     for k in args.ks if draft_name else []:
-        spec = run_llama_speculative(args.vs_llama_cpp, target, resolve(draft_name).path, prompts, k,
-                                     args.max_tokens, threads)
+        spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path,
+                                     prompts, k, args.max_tokens, threads)
         res = LatencyResult(f"llama.cpp: draft k={k}", "llama.cpp", draft_name, k, spec.output_tokens,
                             spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
-                            speedup=spec.tokens_per_s / bench.decode_tokens_per_s,
-                            verify_cost_ratio=bench.verify_cost_ratio(k),
-                            vs_llama_cpp_plain=spec.tokens_per_s / bench.decode_tokens_per_s)
+                            speedup=spec.tokens_per_s / plain.tokens_per_s,
+                            verify_cost_ratio=LlamaBench(0, forward_ms).verify_cost_ratio(k))
         results.append(res)
         print(_row(res), flush=True)
     return results
 
 
 def run_latency(args) -> list[LatencyResult]:
+    """Our rows between two measurements of llama.cpp's plain decoding (when it is asked for): the machine's
+    speed drifts, and ratios are taken to the mean of the two."""
+    import torch
+
     prompts = humaneval_prompts(args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    threads = torch.get_num_threads()
+    before = llama_cpp_plain(args, threads, "before") if args.vs_llama_cpp else None
     results = []
     for quantization in args.quantization:
         results += run_backend(args, quantization, prompts, params)
         gc.collect()  # one backend's weights at a time
-    if args.vs_llama_cpp:
-        import torch
-
-        llama = run_llama_cpp(args, prompts, torch.get_num_threads())
-        for r in results:
-            r.vs_llama_cpp_plain = r.tokens_per_s / llama[0].tokens_per_s
-        results += llama
-        print("\nagainst llama.cpp's plain decoding (same GGUF files, same CPU, same threads):", flush=True)
-        for r in results:
-            print(f"  {r.config:<24} {r.vs_llama_cpp_plain:5.2f}x", flush=True)
+    if before is None:
+        return results
+    after = llama_cpp_plain(args, threads, "after")
+    mean_plain = (before.tokens_per_s + after.tokens_per_s) / 2
+    mean = LatencyResult("llama.cpp: plain (mean)", "llama.cpp", "none", 0, args.max_tokens,
+                         args.max_tokens / mean_plain, mean_plain, None, None, 1000 / mean_plain, None,
+                         speedup=1.0, verify_cost_ratio=1.0)
+    results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, after.forward_ms)
+    for r in results:
+        r.vs_llama_cpp_plain = r.tokens_per_s / mean_plain
+    print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of {before.tokens_per_s:.2f} "
+          f"before and {after.tokens_per_s:.2f} tok/s after our rows):", flush=True)
+    for r in results:
+        print(f"  {r.config:<28} {r.vs_llama_cpp_plain:5.2f}x", flush=True)
     return results
 
 
-HEADER = (f"{'config':<24}{'tok/s':>8}{'speedup':>9}{'α':>7}{'τ':>6}{'c':>7}{'predicted':>11}"
+HEADER = (f"{'config':<28}{'tok/s':>8}{'speedup':>9}{'α':>7}{'τ':>6}{'c':>7}{'predicted':>11}"
           f"{'meas/pred':>11}{'T(k+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical")
 
 
@@ -152,7 +169,7 @@ def _fmt(value, spec: str, width: int) -> str:
 def _row(r: LatencyResult) -> str:
     ratio = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
     same = "-" if r.identical_to_plain is None else ("yes" if r.identical_to_plain else "NO")
-    return (f"{r.config:<24}{r.tokens_per_s:>8.2f}{_fmt(r.speedup, '.2f', 9)}{_fmt(r.acceptance_rate, '.3f', 7)}"
+    return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{_fmt(r.speedup, '.2f', 9)}{_fmt(r.acceptance_rate, '.3f', 7)}"
             f"{_fmt(r.mean_accepted_length, '.2f', 6)}{_fmt(r.cost_ratio_c, '.3f', 7)}"
             f"{_fmt(r.predicted_speedup, '.2f', 11)}{_fmt(ratio, '.0%', 11)}{_fmt(r.verify_cost_ratio, '.2f', 13)}"
             f"{_fmt(r.target_step_ms, '.1f', 11)}{_fmt(r.draft_step_ms, '.1f', 10)}  {same}")

@@ -95,6 +95,7 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) ->
     """One streaming completion; TTFT is the arrival of the first chunk that carries text."""
     start = time.perf_counter()
     result = RequestResult(ok=False)
+    text_chunks = 0  # the token count of servers that stream one token per chunk and send no usage
     try:
         async with client.stream("POST", url, json={**payload, "stream": True}) as response:
             if response.status_code != 200:
@@ -108,14 +109,17 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) ->
                 if "error" in chunk:
                     result.error = str(chunk["error"].get("message"))
                     return result
-                if result.ttft_s is None and chunk["choices"] and chunk["choices"][0].get("text"):
-                    result.ttft_s = time.perf_counter() - start
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    text_chunks += 1
+                    if result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - start
                 usage = chunk.get("usage")
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens", 0)
                     result.output_tokens = usage.get("completion_tokens", 0)
                     result.speculation = usage.get("speculation") or {}
         result.latency_s = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or text_chunks
         result.ok = True
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -146,7 +150,7 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
     async def one(client, prompt):
         async with limit:
             payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                       "ignore_eos": ignore_eos}
+                       "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
             r = await send_completion(client, url, payload)
             bar.update(1)
             return r

@@ -1,5 +1,6 @@
-"""Start `specdecode serve` in a child process on a free 127.0.0.1 port, wait until it answers, stop it
-with SIGTERM. Used by the benchmark sweeps and the tests."""
+"""Start `specdecode serve` (or llama.cpp's llama-server, a peer to compare with) in a child process on a
+free 127.0.0.1 port, wait until it answers, stop it with SIGTERM. Used by the benchmark sweeps and the
+tests."""
 from __future__ import annotations
 
 import os
@@ -22,10 +23,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, serve_args: list[str], startup_timeout_s: float = 600):
+    def __init__(self, serve_args: list[str], startup_timeout_s: float = 600, command: list[str] | None = None):
+        """serve_args for `specdecode serve`; or `command`, any server's argv that takes `--port`."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *serve_args]
+        self.args = (command or [sys.executable, "-m", "specdecode.cli", "serve"]) + ["--port", str(self.port)]
+        self.args += [] if command else serve_args
         self.startup_timeout_s = startup_timeout_s
         self.log = tempfile.TemporaryFile()
         self.proc: subprocess.Popen | None = None
@@ -63,3 +66,16 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log.close()
+
+
+def llama_server(bin_dir: str, target: str, slots: int, context: int, threads: int,
+                 draft: str | None = None, k: int = 4) -> ServerProcess:
+    """llama.cpp's OpenAI-compatible server on a GGUF file: `slots` sequences of `context` tokens, batched
+    continuously; with `draft`, its own draft-model speculation of up to k tokens."""
+    from .llama_cpp import binary
+
+    command = [binary(bin_dir, "llama-server"), "--host", "127.0.0.1", "-m", target, "-t", str(threads),
+               "-np", str(slots), "-c", str(slots * context), "-cb"]
+    if draft:
+        command += ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k)]
+    return ServerProcess([], command=command)
