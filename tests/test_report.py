@@ -46,6 +46,11 @@ def test_report_renders_plots_and_tables(tmp_path):
     best = max((r for r in latency if r["k"] > 0), key=lambda r: r["speedup"])
     assert f"Best configuration at concurrency 1: {best['config']}" in text
     assert "Every greedy speculative output was identical to plain decoding." in text
+    peer = [r for r in latency if r["config"] == "llama.cpp: plain (mean)"]
+    if peer:  # llama.cpp ran beside us: its rows are a peer's, not counted among ours
+        ours = next(r for r in latency if r["k"] == 0 and r["backend"] != "llama.cpp")
+        assert f"Plain decoding: {ours['tokens_per_s'] / peer[0]['tokens_per_s']:.2f}× llama.cpp's" in text
+        assert "llama.cpp's own best speculation" in text
 
 
 def test_report_on_an_empty_folder_says_what_is_missing(tmp_path):

@@ -198,6 +198,25 @@ def latency_findings(rows: list[dict]) -> list[str]:
     return found
 
 
+def peer_findings(ours: list[dict], peers: list[dict]) -> list[str]:
+    """Where llama.cpp ran beside us: our plain and best speculative speed against its plain decoding."""
+    plain = next((r for r in peers if r["config"].endswith("(mean)")), None)
+    if plain is None or not ours:
+        return []
+    best_peer = max((r for r in peers if r["k"] > 0), key=lambda r: r["tokens_per_s"], default=None)
+    best = max(ours, key=lambda r: r["tokens_per_s"])
+    own_plain = next((r for r in ours if r["k"] == 0), None)
+    found = []
+    if own_plain:
+        found.append(f"Plain decoding: {own_plain['tokens_per_s'] / plain['tokens_per_s']:.2f}× llama.cpp's "
+                     f"({own_plain['tokens_per_s']:.2f} vs {plain['tokens_per_s']:.2f} tok/s).")
+    line = (f"Best of ours: {best['config']} at {best['tokens_per_s'] / plain['tokens_per_s']:.2f}× llama.cpp's plain "
+            "decoding")
+    if best_peer:
+        line += f"; llama.cpp's own best speculation: {best_peer['tokens_per_s'] / plain['tokens_per_s']:.2f}×"
+    return found + [line + "."]
+
+
 def matching_sweep_rows(meta: dict, sweeps: list[dict]) -> list[dict]:
     """specdecode's own cells measured like the baseline (HumanEval, batch 1, same prompts, tokens and k)."""
     out = []
@@ -232,11 +251,12 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
     findings: list[str] = []
     sections: list[str] = []
     for data in kinds.get("latency", []):
-        rows = data["results"]
-        findings += latency_findings(rows)
+        rows = [r for r in data["results"] if r.get("backend") != "llama.cpp"]  # ours; the peer's rows follow
+        peers = [r for r in data["results"] if r.get("backend") == "llama.cpp"]
+        findings += latency_findings(rows) + peer_findings(rows, peers)
         images = plot_latency(rows, out)
         sections += [f"## Batch size 1: k sweep ({data['file']})", "", f"`{data['meta'].get('command', '')}`", "",
-                     latency_table(rows), ""] + [f"![{i}]({i})" for i in images] + [""]
+                     latency_table(rows + peers), ""] + [f"![{i}]({i})" for i in images] + [""]
     for data in kinds.get("concurrency", []):
         rows = data["results"]
         findings += concurrency_findings(rows)

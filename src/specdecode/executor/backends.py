@@ -4,8 +4,8 @@
   float32 elsewhere).
 - "w8a8": int8 weights x int8 activations per row, by FBGEMM (x86 CPUs). Float32 activations around it.
 - "w8a16": int8 weights with bfloat16 activations (CPUs with native bf16).
-- "w4a8": GGUF Q4_K weights kept as stored (4.5 bits) times int8 activations per row, by this package's
-  kernel (AVX2 or AVX512-VNNI); the file's other weights (Q6_K, Q8_0, ...) as in w8a8.
+- "w4a8": GGUF Q4_K weights kept as stored (4.5 bits) times int8 activations (a scale per 32 values),
+  by this package's kernel (AVX2 or AVX512-VNNI); the file's other weights (Q6_K, Q8_0, ...) as in w8a8.
 - "w4a8-all": every linear weight in 4 bits, requantized where the file stores more. Lossy beyond the
   file: the default for draft models, whose weights only propose (verification keeps the output exact).
 

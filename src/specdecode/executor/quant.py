@@ -193,7 +193,7 @@ def w4a8_packable(columns: int, rows: int) -> bool:
 
 class W4A8Linear(nn.Module):
     """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
-    per row, by this package's kernel (executor/kernels/w4a8.c): 40% fewer bytes per step than int8, and
+    with a scale per 32 values, by this package's kernel (executor/kernels/w4a8.c): 40% fewer bytes per step than int8, and
     a verify of a few tokens costs little more than one decode step."""
 
     NAMES = ("q", "sc", "mn", "d", "dmin")

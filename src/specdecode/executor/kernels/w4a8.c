@@ -1,6 +1,7 @@
 // y = x @ W^T for 4-bit weights with an 8-bit scale and min per 32 weights and float d, dmin per S such
 // sub-blocks (GGUF Q4_K is S = 8 with 6-bit scales, repacked without changing a value:
-// w = d * sc * q - dmin * mn), and x quantized to int8 per row.
+// w = d * sc * q - dmin * mn), and x quantized to int8 with a scale per 32 values (as fine as the
+// weights' sub-blocks, like llama.cpp's 8-bit activation blocks).
 //
 // Layout: output rows in groups of 16, one vector lane per output row, each lane holding 4 consecutive
 // weights of its row. A row of x is then broadcast 4 values at a time and one u8 x s8 dot-product
@@ -26,22 +27,23 @@
 // would leave the CPU waiting on each one's latency.
 #define NACC(rows) ((rows) >= 4 ? 1 : (rows) >= 2 ? 2 : 4)
 
-static void quantize_rows(const float *x, int M, int K, int8_t *xq, int32_t *xsum, float *sx) {
+// Per block of 32: int8 values, their scale, and their sum times the scale (for the weights' mins).
+static void quantize_blocks(const float *x, int M, int K, int8_t *xq, float *sx, float *xsum) {
     for (int m = 0; m < M; m++) {
-        const float *row = x + (size_t)m * K;
-        float amax = 0.f;
-        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
-        float scale = amax > 0.f ? amax / 127.f : 1.f;
-        float inv = 1.f / scale;
-        sx[m] = scale;
         for (int j = 0; j < K / 32; j++) {
+            const size_t at = (size_t)m * K + j * 32, b = (size_t)m * (K / 32) + j;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[at + i]));
+            float scale = amax > 0.f ? amax / 127.f : 1.f;
+            float inv = 1.f / scale;
             int s = 0;
             for (int i = 0; i < 32; i++) {
-                int v = (int)nearbyintf(row[j * 32 + i] * inv);
-                xq[(size_t)m * K + j * 32 + i] = (int8_t)v;
+                int v = (int)nearbyintf(x[at + i] * inv);
+                xq[at + i] = (int8_t)v;
                 s += v;
             }
-            xsum[(size_t)m * (K / 32) + j] = s;
+            sx[b] = scale;
+            xsum[b] = (float)s * scale;
         }
     }
 }
@@ -56,7 +58,7 @@ static inline int32_t load4(const int8_t *p) {
 // 16 output rows (group g) against `rows` rows of x starting at m0.
 static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N, int S,
         const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-        const int8_t *xq, const int32_t *xsum, const float *sx, float *y) {
+        const int8_t *xq, const float *sx, const float *xsum, float *y) {
     const int nsub = K / 32;
     const uint8_t *qg = q + (size_t)g * (K / 2) * GROUP;
     __m512 accf[ROW_TILE], minf[ROW_TILE];
@@ -85,13 +87,13 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
             __m512i total = acc[r][0];
             _Pragma("GCC unroll 4") for (int a = 1; a < NACC(rows); a++) total = _mm512_add_epi32(total, acc[r][a]);
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, accf[r]);
-            minf[r] = _mm512_fmadd_ps(min, _mm512_set1_ps((float)xsum[(size_t)(m0 + r) * nsub + j]), minf[r]);
+            const size_t b = (size_t)(m0 + r) * nsub + j;
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(scale, _mm512_set1_ps(sx[b])), accf[r]);
+            minf[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[b]), minf[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-        __m512 out = _mm512_mul_ps(_mm512_set1_ps(sx[m0 + r]), _mm512_sub_ps(accf[r], minf[r]));
-        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, out);
+        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, _mm512_sub_ps(accf[r], minf[r]));
     }
 }
 #else
@@ -99,7 +101,7 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
 // fours (int32). With 4-bit weights a pair is at most 2 * 15 * 127: no int16 saturation.
 static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N, int S,
         const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-        const int8_t *xq, const int32_t *xsum, const float *sx, float *y) {
+        const int8_t *xq, const float *sx, const float *xsum, float *y) {
     const int nsub = K / 32;
     const uint8_t *qg = q + (size_t)g * (K / 2) * GROUP;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -131,13 +133,14 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
             _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
                 __m256i total = acc[r][0];
                 _Pragma("GCC unroll 4") for (int a = 1; a < NACC(rows); a++) total = _mm256_add_epi32(total, acc[r][a]);
-                accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, accf[r]);
-                minf[r] = _mm256_fmadd_ps(min, _mm256_set1_ps((float)xsum[(size_t)(m0 + r) * nsub + j]), minf[r]);
+                const size_t b = (size_t)(m0 + r) * nsub + j;
+                accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, _mm256_set1_ps(sx[b])),
+                                          accf[r]);
+                minf[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[b]), minf[r]);
             }
         }
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-            __m256 out = _mm256_mul_ps(_mm256_set1_ps(sx[m0 + r]), _mm256_sub_ps(accf[r], minf[r]));
-            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, out);
+            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, _mm256_sub_ps(accf[r], minf[r]));
         }
     }
 }
@@ -158,14 +161,14 @@ void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, c
                  const float *d, const float *dmin, float *y) {
 #if defined(__AVX2__) && defined(__FMA__)
     int8_t *xq = (int8_t *)malloc((size_t)M * K);
-    int32_t *xsum = (int32_t *)malloc((size_t)M * (K / 32) * sizeof(int32_t));
-    float *sx = (float *)malloc((size_t)M * sizeof(float));
-    quantize_rows(x, M, K, xq, xsum, sx);
+    float *sx = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
+    float *xsum = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
+    quantize_blocks(x, M, K, xq, sx, xsum);
 #pragma omp parallel for schedule(static)
     for (int g = 0; g < N / GROUP; g++) {
         for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
             switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
-#define TILE(R) case R: group_dot(g, m0, R, K, N, S, q, sc, mn, d, dmin, xq, xsum, sx, y); break;
+#define TILE(R) case R: group_dot(g, m0, R, K, N, S, q, sc, mn, d, dmin, xq, sx, xsum, y); break;
                 TILE(1) TILE(2) TILE(3) TILE(4)
 #if ROW_TILE == 8
                 TILE(5) TILE(6) TILE(7) TILE(8)
