@@ -73,16 +73,12 @@ class W8A16Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
         self.bias = bias
-        self.nbytes = qweight.numel() + scale.numel() * scale.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.qweight, self.scale.float()
 
     def select_rows(self, ids: torch.Tensor) -> "W8A16Linear":
         bias = None if self.bias is None else self.bias[ids]
@@ -125,7 +121,7 @@ def w8a16_supported(device: torch.device | str) -> bool:
         return False
 
 
-Q4_K_BLOCK_BYTES, Q4_K_BLOCK_WEIGHTS = 144, 256
+Q4_K_BLOCK_BYTES = 144
 
 
 def split_q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -217,7 +213,7 @@ class W4A8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
         self.lib.w4a8_linear(ptr(rows), rows.shape[0], self.in_features, self.out_features, self.sub_per_super,
-                             *(ptr(getattr(self, name)) for name in self.NAMES), ptr(y))
+                             *(ptr(getattr(self, name)) for name in self.NAMES), ptr(y), torch.get_num_threads())
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -80,8 +80,6 @@ class Linear(nn.Linear):
     identical whether it is decoded alone or verified with k drafts.
     """
 
-    nbytes = property(lambda self: self.weight.numel() * self.weight.element_size())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() == 1:
             y = F.linear(torch.cat([x, x], dim=-2), self.weight)[..., :1, :]  # a contiguous copy: stride-0 views are slow

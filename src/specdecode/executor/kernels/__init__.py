@@ -41,9 +41,7 @@ def load(name: str) -> ctypes.CDLL | None:
             if done.returncode != 0:
                 return None
             os.replace(built, path)
-    lib = ctypes.CDLL(path)
-    lib.omp_set_num_threads = getattr(lib, "omp_set_num_threads", None)
-    return lib
+    return ctypes.CDLL(path)
 
 
 def _cpu_signature() -> str:

@@ -156,15 +156,16 @@ int w4a8_isa(void) {
 #endif
 }
 
-// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 32 * S.
+// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 32 * S; `threads` as the caller's
+// (torch's) setting.
 void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, const uint8_t *sc, const uint8_t *mn,
-                 const float *d, const float *dmin, float *y) {
+                 const float *d, const float *dmin, float *y, int threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     int8_t *xq = (int8_t *)malloc((size_t)M * K);
     float *sx = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
     float *xsum = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
     quantize_blocks(x, M, K, xq, sx, xsum);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < N / GROUP; g++) {
         for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
             switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
