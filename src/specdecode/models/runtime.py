@@ -281,18 +281,14 @@ def hf_parts(name: str) -> list[str]:
 
 
 def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> the runtime's, with q/k/v and gate/up concatenated by output rows. Quantized weights
-    carry a per-row `weight_scale` beside `weight`; it is fused the same way."""
-    embed = "model.embed_tokens."
-    out: dict[str, torch.Tensor] = {"norm.weight": tensors["model.norm.weight"]}
-    for suffix in ("weight", "weight_scale"):
-        if embed + suffix in tensors:
-            out["embed_tokens." + suffix] = tensors[embed + suffix]
-            out["lm_head." + suffix] = tensors.get("lm_head." + suffix, tensors[embed + suffix])
+    """HF names -> the runtime's, with q/k/v and gate/up concatenated by output rows."""
+    embed = tensors["model.embed_tokens.weight"]
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": embed, "norm.weight": tensors["model.norm.weight"],
+                                    "lm_head.weight": tensors.get("lm_head.weight", embed)}
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for name, parts in FUSED_PARTS.items():
-            for suffix in ("weight", "weight_scale", "bias"):
+            for suffix in ("weight", "bias"):
                 if src + f"{parts[0]}.{suffix}" in tensors:
                     out[f"{dst}{name}.{suffix}"] = torch.cat([tensors[f"{src}{p}.{suffix}"] for p in parts])
         for norm in ("input_layernorm", "post_attention_layernorm"):
