@@ -5,6 +5,7 @@ import argparse
 import signal
 import sys
 
+from .config import QUANTIZATIONS
 from .errors import SpecDecodeError
 from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -25,15 +26,14 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) 
 
 
 def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    choices = ["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"]
-    p.add_argument("--quantization", default=["auto"] if several else "auto", choices=choices,
+    p.add_argument("--quantization", default=["auto"] if several else "auto", choices=QUANTIZATIONS,
                    nargs="+" if several else None,
                    help=("backends to measure, each with its own plain row; " if several else "") +
                         "target weights: auto = the fastest for this machine (w4a8, else w8a8 on x86 CPUs; bf16 on "
                         "CUDA), none = floating weights in --dtype, w4a8 = the GGUF's Q4_K weights as stored with int8 "
                         "activations, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = int8 weights "
                         "and activations (FBGEMM), w8a16 = int8 weights, bf16 activations")
-    p.add_argument("--draft-quantization", default="auto", choices=choices,
+    p.add_argument("--draft-quantization", default="auto", choices=QUANTIZATIONS,
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
 
 
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
-    qual.add_argument("--quantization", nargs="+", default=["w4a8", "w8a8", "w8a16", "none", "w4a8-all"], choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
+    qual.add_argument("--quantization", nargs="+", default=["w4a8", "w8a8", "w8a16", "none", "w4a8-all"],
+                      choices=QUANTIZATIONS)
     qual.add_argument("--dtype", default="auto", help="activations of --quantization none (the reference is float32)")
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
@@ -161,8 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     conc.add_argument("--requests-per-client", type=int, default=2)
     conc.add_argument("--min-requests", type=int, default=4)
     conc.add_argument("--rounds", type=int, default=1, help="measure each cell this many times, pooled")
-    conc.add_argument("--quantization", default="auto", choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
-    conc.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all"])
+    _add_quantization_args(conc)
     conc.add_argument("--vs-llama-server", metavar="BIN_DIR", default=None,
                       help="also drive llama.cpp's llama-server from this folder (plain, and with the draft model) "
                            "on the same GGUF files through the same load generator")

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
+# without importing torch.
+QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
+
 
 @dataclass(frozen=True)
 class ModelConfig:

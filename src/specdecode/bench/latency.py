@@ -14,6 +14,7 @@ from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
+from .llama_cpp import LlamaBench, run_llama_bench, run_llama_speculative
 from .results import command_line, describe_machine, machine_info, write_json
 
 
@@ -36,7 +37,6 @@ class LatencyResult:
     identical_to_plain: bool | None = None
     verify_cost_ratio: float | None = None  # T(k+1) / T(1) of the target's forward
     vs_llama_cpp_plain: float | None = None  # tokens/s against llama.cpp's plain decoding
-    forward_ms: dict[int, float] | None = None  # llama.cpp only: llama-bench's forward over n tokens
 
 
 def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, label: str, proposer: str):
@@ -96,23 +96,21 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     return results
 
 
-def llama_cpp_plain(args, threads: int, when: str) -> LatencyResult:
-    """llama.cpp's plain decoding (llama-bench tg) on the target's GGUF file."""
-    from .llama_cpp import run_llama_bench
+def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, LlamaBench]:
+    """llama.cpp's plain decoding (llama-bench tg) on the target's GGUF file, and the bench itself (its
+    forwards over 1..5 tokens give llama.cpp's verify cost)."""
 
     bench = run_llama_bench(args.vs_llama_cpp, resolve(args.model).path, threads, args.max_tokens)
     row = LatencyResult(f"llama.cpp: plain ({when})", "llama.cpp", "none", 0, args.max_tokens,
                         args.max_tokens / bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
                         1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0)
-    row.forward_ms = bench.forward_ms
     print(_row(row), flush=True)
-    return row
+    return row, bench
 
 
 def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: LatencyResult,
-                              forward_ms: dict[int, float]) -> list[LatencyResult]:
+                              bench: LlamaBench) -> list[LatencyResult]:
     """llama.cpp's own draft-model speculation at each k, on the same files and prompts."""
-    from .llama_cpp import LlamaBench, run_llama_speculative
 
     draft_name = default_draft(args.model, args.draft)
     results = []
@@ -122,7 +120,7 @@ def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: Lat
         res = LatencyResult(f"llama.cpp: draft k={k}", "llama.cpp", draft_name, k, spec.output_tokens,
                             spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
                             speedup=spec.tokens_per_s / plain.tokens_per_s,
-                            verify_cost_ratio=LlamaBench(0, forward_ms).verify_cost_ratio(k))
+                            verify_cost_ratio=bench.verify_cost_ratio(k))
         results.append(res)
         print(_row(res), flush=True)
     return results
@@ -136,19 +134,19 @@ def run_latency(args) -> list[LatencyResult]:
     prompts = humaneval_prompts(args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     threads = torch.get_num_threads()
-    before = llama_cpp_plain(args, threads, "before") if args.vs_llama_cpp else None
+    before, _ = llama_cpp_plain(args, threads, "before") if args.vs_llama_cpp else (None, None)
     results = []
     for quantization in args.quantization:
         results += run_backend(args, quantization, prompts, params)
         gc.collect()  # one backend's weights at a time
     if before is None:
         return results
-    after = llama_cpp_plain(args, threads, "after")
+    after, bench = llama_cpp_plain(args, threads, "after")
     mean_plain = (before.tokens_per_s + after.tokens_per_s) / 2
     mean = LatencyResult("llama.cpp: plain (mean)", "llama.cpp", "none", 0, args.max_tokens,
                          args.max_tokens / mean_plain, mean_plain, None, None, 1000 / mean_plain, None,
                          speedup=1.0, verify_cost_ratio=1.0)
-    results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, after.forward_ms)
+    results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, bench)
     for r in results:
         r.vs_llama_cpp_plain = r.tokens_per_s / mean_plain
     print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of {before.tokens_per_s:.2f} "

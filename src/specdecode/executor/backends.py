@@ -21,14 +21,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import QUANTIZATIONS, ModelConfig
 from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
 from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W8A8Linear, W8A16Linear, pack_w4a8, quantize_rows,
                     quantize_4bit, split_q4_k, w4a8_packable, w4a8_supported, w8a8_supported, w8a16_supported)
 
-QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
 INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear, "w4a8-all": W8A8Linear}
 
 

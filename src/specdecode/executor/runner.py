@@ -32,10 +32,6 @@ class ModelRunner:
         return self.model.device
 
     @property
-    def backend(self) -> str:
-        return self.model.backend
-
-    @property
     def vocab_ids(self) -> torch.Tensor | None:
         """Token ids of the logits' columns when the LM head covers a vocabulary subset (else None)."""
         return self.model.vocab_ids

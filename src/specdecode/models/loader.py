@@ -38,8 +38,9 @@ def load_tokenizer(name: str) -> Tokenizer:
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = "auto",
                progress: bool = True, quantization: str = "auto", draft: bool = False) -> LoadedModel:
-    """quantization: "auto" (the fastest measured for this machine), "none" (floating weights in
-    `dtype`), "w8a8" or "w8a16"; see executor.backends."""
+    """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
+    every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
+    executor.backends (w4a8, w4a8-all, w8a8, w8a16)."""
     from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
 
     device = device or default_device()
