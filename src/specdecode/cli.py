@@ -30,9 +30,9 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
                    nargs="+" if several else None,
                    help=("backends to measure, each with its own plain row; " if several else "") +
                         "target weights: auto = the fastest for this machine (w4a8, else w8a8 on x86 CPUs; bf16 on "
-                        "CUDA), none = floating weights in --dtype, w4a8 = the GGUF's Q4_K weights as stored with int8 "
-                        "activations, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = int8 weights "
-                        "and activations (FBGEMM), w8a16 = int8 weights, bf16 activations")
+                        "CUDA), none = floating weights in --dtype, w4a8 = the GGUF's Q4_K weights as stored with "
+                        "int8 activations, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), "
+                        "w8a8 = int8 weights and activations (FBGEMM), w8a16 = int8 weights, bf16 activations")
     p.add_argument("--draft-quantization", default="auto", choices=QUANTIZATIONS,
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
 

@@ -149,8 +149,8 @@ def run_latency(args) -> list[LatencyResult]:
     results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, bench)
     for r in results:
         r.vs_llama_cpp_plain = r.tokens_per_s / mean_plain
-    print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of {before.tokens_per_s:.2f} "
-          f"before and {after.tokens_per_s:.2f} tok/s after our rows):", flush=True)
+    print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of "
+          f"{before.tokens_per_s:.2f} before and {after.tokens_per_s:.2f} tok/s after our rows):", flush=True)
     for r in results:
         print(f"  {r.config:<28} {r.vs_llama_cpp_plain:5.2f}x", flush=True)
     return results

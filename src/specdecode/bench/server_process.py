@@ -27,8 +27,8 @@ class ServerProcess:
         """serve_args for `specdecode serve`; or `command`, any server's argv that takes `--port`."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = (command or [sys.executable, "-m", "specdecode.cli", "serve"]) + ["--port", str(self.port)]
-        self.args += [] if command else serve_args
+        base = command or [sys.executable, "-m", "specdecode.cli", "serve", *serve_args]
+        self.args = [*base, "--port", str(self.port)]
         self.startup_timeout_s = startup_timeout_s
         self.log = tempfile.TemporaryFile()
         self.proc: subprocess.Popen | None = None
@@ -45,7 +45,7 @@ class ServerProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 output = self.output()
                 self.stop()
-                raise SpecDecodeError(f"`{' '.join(self.args[2:])}` did not come up:\n{output[-2000:]}")
+                raise SpecDecodeError(f"`{' '.join(self.args)}` did not come up:\n{output[-2000:]}")
             time.sleep(0.5)
 
     def output(self) -> str:

@@ -3,9 +3,13 @@
 Every layer here keeps each output row independent of the other rows computed with it, so a token's
 logits are the same whether it is decoded alone or verified beside k drafts (greedy speculation then
 reproduces plain decoding exactly):
+- `W4A8Linear`: 4-bit weights (GGUF Q4_K as stored, or requantized) times int8 activations with a scale
+  per 32 values, by this package's kernel (kernels/w4a8.c).
 - `W8A8Linear`: int8 weights (per output channel) times int8 activations quantized per row, summed in
   int32 by FBGEMM. Integer sums are exact, and per-row scales make each row's quantization its own.
-- `W8A16Linear`: int8 weights, floating activations (torch's weight-only int8 kernel).
+- `W8A16Linear`: int8 weights, bf16 activations (torch's weight-only int8 kernel).
+`ConcatLinear` stacks layers of different formats (a fused q/k/v whose parts are stored differently);
+`Int8Embedding` keeps the token table in int8.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         zeros = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; FBGEMM's packing still takes one
+        with warnings.catch_warnings():  # deprecated as a user API, but FBGEMM's packing still takes one
             warnings.simplefilter("ignore", UserWarning)
             qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(qw, None)
@@ -62,9 +66,8 @@ class W8A8Linear(nn.Module):
 
 
 class W8A16Linear(nn.Module):
-    """int8 weights (per output channel) with bf16 activations, by `torch._weight_int8pack_mm`. The kernel
-    vectorizes bf16 only where the CPU has native bf16; with float32 activations it takes a scalar path
-    slower than the float32 GEMM it replaces, so the backend offers it only on bf16-capable machines."""
+    """int8 weights (per output channel) with bf16 activations, by `torch._weight_int8pack_mm`. Always bf16:
+    with float32 activations the kernel takes a scalar path slower than the float32 GEMM it replaces."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -189,8 +192,8 @@ def w4a8_packable(columns: int, rows: int) -> bool:
 
 class W4A8Linear(nn.Module):
     """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
-    with a scale per 32 values, by this package's kernel (executor/kernels/w4a8.c): 40% fewer bytes per step than int8, and
-    a verify of a few tokens costs little more than one decode step."""
+    with a scale per 32 values, by this package's kernel (executor/kernels/w4a8.c): 40% fewer bytes per
+    step than int8, and a verify of a few tokens costs little more than one decode step."""
 
     NAMES = ("q", "sc", "mn", "d", "dmin")
 

@@ -20,7 +20,8 @@ def run_serve(args) -> int:
     if args.k == 0:
         draft = None  # plain decoding: do not load (or plan memory for) a draft
     llm = LLM(args.model, draft, args.k, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization, draft_quantization=args.draft_quantization,
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization,
+              draft_quantization=args.draft_quantization,
               speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
               memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
               forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
