@@ -159,7 +159,8 @@ def test_a_broken_verifier_is_caught_on_each_backend(quantization):
     target, draft = _quantized(quantization, seed=0), _quantized(quantization, seed=7, layers=1)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    broken = LLM(target=target, draft=draft, num_speculative_tokens=4, max_model_len=128, forced_accept=True)
+    broken = LLM(target=target, draft=draft, num_speculative_tokens=4, max_model_len=128, forced_accept=True,
+                 speculation_policy="fixed")
     assert [o.outputs[0].token_ids for o in broken.generate(PROMPTS, GREEDY)] != expected
 
 

@@ -23,7 +23,8 @@ def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * 4
     # the engine's cache takes exactly that per token and slot
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
-    assert llm.engine.runner.kv_bytes == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
+    cache = llm.engine.runner._cache
+    assert sum(t.numel() * t.element_size() for t in cache.k + cache.v) == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
 
 
 def test_budget_decides_the_number_of_slots(target, random_draft):

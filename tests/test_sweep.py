@@ -6,7 +6,7 @@ import pytest
 from specdecode import SpecDecodeError
 from specdecode.bench.plan import PlanOptions, calibrate, expected_tokens, predict
 from specdecode.bench.report import write_report
-from specdecode.bench.sweep import InProcessRunner, add_speedups, parse_config, read_config, run_sweep
+from specdecode.bench.sweep import InProcessRunner, add_speedups, measure_grid, parse_config, read_config
 
 from conftest import tiny_model
 
@@ -94,7 +94,7 @@ def test_in_process_sweep_writes_results_and_report(tmp_path, models):
                                     {"name": "bound", "proposer": "draft", "k": 3, "forced_accept": True},
                                     {"name": "load", "proposer": ["none", "draft"], "policy": ["fixed", "adaptive"],
                                      "k": 2, "concurrency": [1, 2]}]})
-    report = run_sweep(config, runner=InProcessRunner(config, config.cells, target, draft))
+    report = measure_grid(config, runner=InProcessRunner(config, config.cells, target, draft))
     rows = report["results"]
     assert len(rows) == len(config.cells) == 5 + 1 + 6
     for r in rows:  # EOS ignored: every request ran to max_tokens, none failed
@@ -168,7 +168,7 @@ def test_two_draft_models_are_compared_in_one_sweep(tmp_path, models):
                            "grid": [{"proposer": ["none", "draft"], "draft": ["", "self"], "k": 3}]})
     assert [c.label for c in config.cells] == ["plain", "draft k=3", "draft self k=3"]
     runner = InProcessRunner(config, config.cells, target, drafts={"random": other, "self": target})
-    rows = run_sweep(config, runner=runner)["results"]
+    rows = measure_grid(config, runner=runner)["results"]
     assert rows[2]["acceptance_rate"] == 1.0 > rows[1]["acceptance_rate"]  # a self-draft is always right
 
 

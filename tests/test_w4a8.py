@@ -93,7 +93,8 @@ def test_greedy_speculation_equals_plain_decoding_on_w4a8():
     for proposer in (dict(draft=drafter), dict(draft=target)):
         spec = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4, **proposer)
         assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
-    broken = LLM(target=target, draft=drafter, num_speculative_tokens=4, max_model_len=128, forced_accept=True)
+    broken = LLM(target=target, draft=drafter, num_speculative_tokens=4, max_model_len=128, forced_accept=True,
+                 speculation_policy="fixed")
     assert [o.outputs[0].token_ids for o in broken.generate(prompts, params)] != expected
 
 

@@ -5,18 +5,16 @@ import argparse
 import signal
 import sys
 
-from .config import QUANTIZATIONS
+from .config import POLICIES, QUANTIZATIONS
 from .errors import SpecDecodeError
 from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_TARGET
-
-LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
 
 
 def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET,
                    help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
     p.add_argument("--draft", default=None,
-                   help=f"draft model (default {DEFAULT_DRAFT} when --model is the default target)")
+                   help=f"draft model or proposer kind, e.g. ngram (default {DEFAULT_DRAFT} with the default target)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     p.add_argument("--draft-vocab-size", type=int, default=0,
@@ -45,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _add_model_args(gen)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k")
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k",
+                     help="the most tokens drafted per step (the adaptive policy may draft fewer, or none)")
+    gen.add_argument("--policy", default="adaptive", choices=POLICIES,
+                     help="adaptive: k per step by expected goodput; fixed: always k")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-model", "--draft", dest="draft", default=None,
                        help=f"draft model or 'ngram' (default {DEFAULT_DRAFT} with the default target)")
     serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=4)
-    serve.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "disable_by_batch_size"])
+    serve.add_argument("--policy", default="adaptive", choices=POLICIES)
     serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
     serve.add_argument("--prompt-lookup", action="store_true",
                        help="adaptive policy (experimental): may also take a sequence's drafts from prompt lookup "

@@ -1,4 +1,4 @@
-"""Model architecture description shared by the loaders and the runtime."""
+"""Names shared without importing torch (the CLI offers them), and the model architecture description."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +6,8 @@ from dataclasses import dataclass
 # Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
 # without importing torch.
 QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
+POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policies (engine.policy)
+LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
 
 
 @dataclass(frozen=True)

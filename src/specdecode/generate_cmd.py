@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import time
 
-from .cli import LOSSY_NOTE
-from .models.sources import default_draft
+from .config import LOSSY_NOTE
 from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
 from .metrics import expected_speedup
+from .models.sources import default_draft
 from .sampling import SamplingParams
 
 
@@ -29,7 +29,7 @@ def run_generate(args) -> int:
     llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
               draft_vocab_size=args.draft_vocab_size or None, quantization=args.quantization,
-              draft_quantization=args.draft_quantization)
+              draft_quantization=args.draft_quantization, speculation_policy=args.policy)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     if args.compare:
@@ -37,7 +37,8 @@ def run_generate(args) -> int:
         _warm_up(llm, prompt)
     spec = _timed(llm, prompt, params)
     print(spec.output.outputs[0].text)
-    label = f"{'n-gram' if args.ngram else proposer}, k={llm.engine.k}" if proposer else "none"
+    k = f"k={llm.engine.k}" if args.policy == "fixed" else f"{args.policy} policy, k_max={llm.engine.k}"
+    label = f"{'n-gram' if args.ngram else proposer}, {k}" if proposer else "none"
     print(f"\n== speculative decoding (proposer: {label}) ==")
     _print_stats(spec)
     if args.forced_accept:

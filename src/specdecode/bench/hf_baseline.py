@@ -7,14 +7,14 @@ the two engines differ only in how they decode. Greedy, EOS ignored (min_new_tok
 every output compared with transformers' own plain decoding."""
 from __future__ import annotations
 
-import platform
 import time
 
 import torch
 
 from ..errors import SpecDecodeError
 from .datasets import humaneval_prompts
-from .results import command_line, write_json
+from .formatting import ratio
+from .results import command_line, describe_machine, machine_info, write_json
 
 
 def hf_causal_lm(name: str, dtype: torch.dtype):
@@ -90,7 +90,7 @@ def run_hf_baseline(args) -> list[dict]:
                "speedup": stats["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0,
                "identical_to_plain": outputs == plain_outputs if rows else None}
         rows.append(row)
-        print(f"{label:<34}{row['tokens_per_s']:>8.2f} tok/s{row['speedup']:>7.2f}x  "
+        print(f"{label:<34}{row['tokens_per_s']:>8.2f} tok/s{ratio(row['speedup'], 8)}  "
               f"identical: {'-' if row['identical_to_plain'] is None else row['identical_to_plain']}", flush=True)
     return rows
 
@@ -98,12 +98,12 @@ def run_hf_baseline(args) -> list[dict]:
 def run_hf_baseline_cli(args) -> int:
     import transformers
 
+    machine = machine_info()
     print(f"transformers {transformers.__version__}, HumanEval, batch 1, greedy, {args.max_tokens} new tokens, "
-          f"{args.num_prompts} prompts, {args.dtype}, {torch.get_num_threads()} threads", flush=True)
+          f"{args.num_prompts} prompts, {args.dtype}; {describe_machine(machine)}", flush=True)
     rows = run_hf_baseline(args)
     meta = {"kind": "baseline", "command": command_line(), "model": args.model,
-            "draft": args.draft, "k": args.k, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-            "transformers": transformers.__version__, "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+            "draft": args.draft, "k": args.k, "dtype": args.dtype, "num_prompts": args.num_prompts,
+            "max_tokens": args.max_tokens, "transformers": transformers.__version__, "machine": machine}
     write_json(args.out, {"meta": meta, "results": rows})
     return 0

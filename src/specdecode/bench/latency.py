@@ -14,6 +14,7 @@ from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
+from .formatting import fmt, ratio, yes_no
 from .llama_cpp import LlamaBench, run_llama_bench, run_llama_speculative
 from .results import command_line, describe_machine, machine_info, write_json
 
@@ -70,7 +71,8 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     draft_name = default_draft(args.model, args.draft)
     draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
                        draft=True) if draft_name else None
-    common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
+    common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                  speculation_policy="fixed")  # the study sweeps k
     runs: list[tuple[LLM, str, str]] = []
     if draft:
         runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **common),
@@ -152,7 +154,7 @@ def run_latency(args) -> list[LatencyResult]:
     print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of "
           f"{before.tokens_per_s:.2f} before and {after.tokens_per_s:.2f} tok/s after our rows):", flush=True)
     for r in results:
-        print(f"  {r.config:<28} {r.vs_llama_cpp_plain:5.2f}x", flush=True)
+        print(f"  {r.config:<28} {ratio(r.vs_llama_cpp_plain, 6)}", flush=True)
     return results
 
 
@@ -160,17 +162,13 @@ HEADER = (f"{'config':<28}{'tok/s':>8}{'speedup':>9}{'α':>7}{'τ':>6}{'c':>7}{'
           f"{'meas/pred':>11}{'T(k+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical")
 
 
-def _fmt(value, spec: str, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
-
-
 def _row(r: LatencyResult) -> str:
-    ratio = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
-    same = "-" if r.identical_to_plain is None else ("yes" if r.identical_to_plain else "NO")
-    return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{_fmt(r.speedup, '.2f', 9)}{_fmt(r.acceptance_rate, '.3f', 7)}"
-            f"{_fmt(r.mean_accepted_length, '.2f', 6)}{_fmt(r.cost_ratio_c, '.3f', 7)}"
-            f"{_fmt(r.predicted_speedup, '.2f', 11)}{_fmt(ratio, '.0%', 11)}{_fmt(r.verify_cost_ratio, '.2f', 13)}"
-            f"{_fmt(r.target_step_ms, '.1f', 11)}{_fmt(r.draft_step_ms, '.1f', 10)}  {same}")
+    measured_share = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
+    return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{fmt(r.speedup, '.2f', 9)}{fmt(r.acceptance_rate, '.3f', 7)}"
+            f"{fmt(r.mean_accepted_length, '.2f', 6)}{fmt(r.cost_ratio_c, '.3f', 7)}"
+            f"{fmt(r.predicted_speedup, '.2f', 11)}{fmt(measured_share, '.0%', 11)}"
+            f"{fmt(r.verify_cost_ratio, '.2f', 13)}"
+            f"{fmt(r.target_step_ms, '.1f', 11)}{fmt(r.draft_step_ms, '.1f', 10)}  {yes_no(r.identical_to_plain)}")
 
 
 def run_latency_cli(args) -> int:

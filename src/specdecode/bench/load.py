@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
+from .datasets import load_prompts
 from .results import command_line, write_json
 
 
@@ -179,8 +180,6 @@ def token_counter(tokenizer_name: str):
 
 def run_bench_serve_cli(args) -> int:
     """`specdecode bench serve`: one load run per concurrency (or one at --request-rate) against a server."""
-    from .datasets import load_prompts
-
     needs_tokens = args.dataset.startswith("sonnet")
     prompts = load_prompts(args.dataset, args.num_prompts, seed=args.seed, field=args.prompt_field,
                            count_tokens=token_counter(args.tokenizer) if needs_tokens else None,
@@ -205,7 +204,7 @@ def describe(r: LoadResult) -> str:
     mode = f"concurrency {r.concurrency}" if r.request_rate is None else f"{r.request_rate} req/s"
 
     def ms(stats):
-        return "-" if not stats else f"{stats['mean'] * 1000:.1f}/{stats['median'] * 1000:.1f}/{stats['p99'] * 1000:.1f}"
+        return "-" if not stats else "/".join(f"{stats[key] * 1000:.1f}" for key in ("mean", "median", "p99"))
 
     spec = "" if r.acceptance_rate is None else f", α {r.acceptance_rate:.3f}, τ {r.mean_accepted_length:.2f}"
     failed = f", {r.num_failed} FAILED ({'; '.join(r.errors)})" if r.num_failed else ""

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..engine.profile import time_forward
 from ..errors import SpecDecodeError
+from .datasets import load_prompts
+from .formatting import ratio
 from .results import command_line, write_json
 
 
@@ -42,10 +44,9 @@ def measure_acceptance(target, draft, options: PlanOptions, seed: int) -> list[f
     """p_i for i = 1..k_max: the share of speculative steps whose first i draft tokens were all accepted."""
     from ..engine.llm import LLM
     from ..sampling import SamplingParams
-    from .datasets import load_prompts
 
     llm = LLM(target=target, draft=draft, num_speculative_tokens=options.k_max, max_num_seqs=1,
-              max_model_len=max(2048, options.context * 2))
+              max_model_len=max(2048, options.context * 2), speculation_policy="fixed")
     prompts = load_prompts(options.dataset, options.num_prompts, seed=seed,
                            count_tokens=lambda text: len(target.tokenizer.encode(text)))
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
@@ -96,7 +97,7 @@ def plan_table(plan: dict) -> str:
     ks = list(plan["expected_tokens"])
     lines = [f"{'k':>3}{'α':>7}{'E[tokens]':>11}  " + "".join(f"{'b=' + str(b):>8}" for b in batches)]
     for k in ks:
-        cells = "".join(f"{plan['predicted_speedup'][b][k]:>7.2f}x" for b in batches)
+        cells = "".join(ratio(plan["predicted_speedup"][b][k], 8) for b in batches)
         lines.append(f"{k:>3}{plan['alpha'][k]:>7.3f}{plan['expected_tokens'][k]:>11.2f}  {cells}")
     return "\n".join(lines)
 
@@ -104,7 +105,7 @@ def plan_table(plan: dict) -> str:
 def recommendation(plan: dict) -> str:
     b1 = min(plan["predicted_speedup"])
     k = plan["recommended_k"]
-    text = f"recommended k = {k} at batch size {b1} (predicted {plan['predicted_speedup'][b1][k]:.2f}x)"
+    text = f"recommended k = {k} at batch size {b1} (predicted {ratio(plan['predicted_speedup'][b1][k])})"
     up_to = plan["speculate_up_to_batch"]
     if not up_to:
         return text + "; speculation is not predicted to pay at any batch size measured"

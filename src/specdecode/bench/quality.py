@@ -13,6 +13,7 @@ import torch
 from ..executor.runner import ModelRunner
 from ..models.loader import load_model, load_tokenizer
 from .datasets import poem_lines
+from .formatting import fmt
 from .results import command_line, describe_machine, machine_info, write_json
 
 
@@ -76,8 +77,7 @@ def run_quality(args) -> list[QualityResult]:
 
 
 def _row(r: QualityResult) -> str:
-    agree = "-" if r.top1_agreement is None else f"{r.top1_agreement:.1%}"
-    return f"{r.backend:<28}{r.tokens:>8}{agree:>14}{r.perplexity:>12.3f}"
+    return f"{r.backend:<28}{r.tokens:>8}{fmt(r.top1_agreement, '.1%', 14)}{r.perplexity:>12.3f}"
 
 
 def run_quality_cli(args) -> int:

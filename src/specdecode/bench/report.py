@@ -7,6 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import SpecDecodeError
+from .formatting import fmt, joined, markdown_heading, markdown_images, mean, ratio, yes_no
+from .plots import by_config, label_axes, parity_line, plot_concurrency, pyplot, save
 from .sweep_report import sweep_section
 
 
@@ -40,72 +42,25 @@ def load_results(folder: str | Path) -> dict[str, list[dict]]:
     return kinds
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise SpecDecodeError("plots need matplotlib: pip install 'specdecode[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
-    _pyplot().close(fig)
-    return name
-
-
 # ---- concurrency sweep ------------------------------------------------------------------------------------
-def _by_config(rows: list[dict]) -> dict[str, list[dict]]:
-    lines = defaultdict(list)
-    for r in rows:
-        lines[r["config"]].append(r)
-    return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in lines.items()}
-
-
-def plot_concurrency(rows: list[dict], out: Path, prefix: str = "") -> list[str]:
-    plt = _pyplot()
-    lines = _by_config(rows)
-    images = []
-    for metric, label, name, scale in (("output_throughput", "output tokens / s", "throughput_vs_concurrency.png", 1),
-                                       ("tpot_s", "mean TPOT (ms)", "tpot_vs_concurrency.png", 1000)):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for config, series in lines.items():
-            xs = [r["concurrency"] for r in series]
-            ys = [(r[metric]["mean"] if isinstance(r[metric], dict) else r[metric]) * scale for r in series]
-            ax.plot(xs, ys, marker="o", label=config, linestyle="--" if config == "plain" else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["concurrency"] for r in rows}), labels=[str(c) for c in sorted({r["concurrency"] for r in rows})])
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        images.append(_save(fig, out, prefix + name))
-    return images
-
-
 def concurrency_table(rows: list[dict]) -> str:
     out = ["| config | concurrency | tok/s | vs plain | each round vs plain | TPOT ms (mean) | TPOT reduction | "
            "TTFT s (mean) | α | speculating |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for config, series in _by_config(rows).items():
+    for config, series in by_config(rows).items():
         for r in series:
-            ratio, tpot = r.get("throughput_vs_plain"), r.get("tpot_reduction_vs_plain")
-            alpha = r.get("acceptance_rate")
-            spec = r.get("speculating_fraction")
-            rounds = ", ".join(f"{x:.2f}" for x in r.get("round_throughputs_vs_plain", [])) if config != "plain" else ""
+            rounds = joined(r.get("round_throughputs_vs_plain", [])) if config != "plain" else ""
             out.append(f"| {config} | {r['concurrency']} | {r['output_throughput']:.2f} | "
-                       f"{'' if ratio is None else f'{ratio:.2f}×'} | {rounds} | {r['tpot_s']['mean'] * 1000:.0f} | "
-                       f"{'' if tpot is None else f'{tpot:.2f}×'} | {r['ttft_s']['mean']:.2f} | "
-                       f"{'-' if alpha is None else f'{alpha:.3f}'} | {'-' if spec is None else f'{spec:.0%}'} |")
+                       f"{ratio(r.get('throughput_vs_plain'), missing='', sign='×')} | {rounds} | "
+                       f"{fmt(mean(r['tpot_s'], 1000), '.0f')} | "
+                       f"{ratio(r.get('tpot_reduction_vs_plain'), missing='', sign='×')} | "
+                       f"{fmt(mean(r['ttft_s']), '.2f')} | {fmt(r.get('acceptance_rate'), '.3f')} | "
+                       f"{fmt(r.get('speculating_fraction'), '.0%')} |")
     return "\n".join(out)
 
 
 def concurrency_findings(rows: list[dict]) -> list[str]:
-    lines = _by_config(rows)
+    lines = by_config(rows)
     found = []
     fixed = lines.get("fixed", [])
     losing = [r["concurrency"] for r in fixed if r.get("throughput_vs_plain", 1) < 1]
@@ -129,7 +84,7 @@ def concurrency_findings(rows: list[dict]) -> list[str]:
 
 # ---- batch-1 latency sweep ----------------------------------------------------------------------------------
 def plot_latency(rows: list[dict], out: Path) -> list[str]:
-    plt = _pyplot()
+    plt = pyplot()
     spec = [r for r in rows if r["k"] > 0]
     by_proposer = defaultdict(list)
     for r in spec:
@@ -144,11 +99,8 @@ def plot_latency(rows: list[dict], out: Path) -> list[str]:
     all_ks = sorted({r["k"] for r in spec})
     for ax, label in ((ax1, "acceptance rate α"), (ax2, "mean accepted length τ")):
         ax.set_xticks(all_ks)
-        ax.set_xlabel("k (draft tokens)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    images.append(_save(fig, out, "acceptance_vs_k.png"))
+        label_axes(ax, "k (draft tokens)", label)
+    images.append(save(fig, out, "acceptance_vs_k.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, series in by_proposer.items():
@@ -157,28 +109,21 @@ def plot_latency(rows: list[dict], out: Path) -> list[str]:
         if predicted:
             ax.plot([r["k"] for r in predicted], [r["predicted_speedup"] for r in predicted], marker="x",
                     linestyle=":", label=f"{name}: predicted (Leviathan)")
-    ax.axhline(1.0, color="grey", linewidth=1)
+    parity_line(ax)
     ax.set_xticks(all_ks)
-    ax.set_xlabel("k (draft tokens)")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    images.append(_save(fig, out, "speedup_vs_k.png"))
+    label_axes(ax, "k (draft tokens)", "speedup over plain decoding")
+    images.append(save(fig, out, "speedup_vs_k.png"))
     return images
 
 
 def latency_table(rows: list[dict]) -> str:
     out = ["| config | tok/s | speedup | α | τ | c | predicted | identical to plain |",
            "|---|---:|---:|---:|---:|---:|---:|---|"]
-
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
     for r in rows:
-        same = "-" if r.get("identical_to_plain") is None else ("yes" if r["identical_to_plain"] else "NO")
-        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {f(r.get('speedup'), '.2f')} | "
-                   f"{f(r.get('acceptance_rate'), '.3f')} | {f(r.get('mean_accepted_length'), '.2f')} | "
-                   f"{f(r.get('cost_ratio_c'), '.3f')} | {f(r.get('predicted_speedup'), '.2f')} | {same} |")
+        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'), '.2f')} | "
+                   f"{fmt(r.get('acceptance_rate'), '.3f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
+                   f"{fmt(r.get('cost_ratio_c'), '.3f')} | {fmt(r.get('predicted_speedup'), '.2f')} | "
+                   f"{yes_no(r.get('identical_to_plain'))} |")
     return "\n".join(out)
 
 
@@ -236,8 +181,8 @@ def matching_sweep_rows(meta: dict, sweeps: list[dict]) -> list[dict]:
 def baseline_table(rows: list[dict]) -> str:
     out = ["| config | tok/s | speedup | identical to plain |", "|---|---:|---:|---|"]
     for r in rows:
-        same = "-" if r.get("identical_to_plain") is None else ("yes" if r["identical_to_plain"] else "NO")
-        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} | {same} |")
+        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} | "
+                   f"{yes_no(r.get('identical_to_plain'))} |")
     return "\n".join(out)
 
 
@@ -255,15 +200,14 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         peers = [r for r in data["results"] if r.get("backend") == "llama.cpp"]
         findings += latency_findings(rows) + peer_findings(rows, peers)
         images = plot_latency(rows, out)
-        sections += [f"## Batch size 1: k sweep ({data['file']})", "", f"`{data['meta'].get('command', '')}`", "",
-                     latency_table(rows + peers), ""] + [f"![{i}]({i})" for i in images] + [""]
+        sections += (markdown_heading(f"Batch size 1: k sweep ({data['file']})", data["meta"])
+                     + [latency_table(rows + peers), ""] + markdown_images(images))
     for data in kinds.get("concurrency", []):
         rows = data["results"]
         findings += concurrency_findings(rows)
         images = plot_concurrency(rows, out)
-        sections += [f"## Through the server: concurrency sweep ({data['file']})", "",
-                     f"`{data['meta'].get('command', '')}`", "", concurrency_table(rows), ""] + \
-                    [f"![{i}]({i})" for i in images] + [""]
+        sections += (markdown_heading(f"Through the server: concurrency sweep ({data['file']})", data["meta"])
+                     + [concurrency_table(rows), ""] + markdown_images(images))
     plan = kinds["plan"][-1] if kinds.get("plan") else None
     for data in kinds.get("sweep", []):
         more, lines = sweep_section(data, plan, out)
@@ -271,8 +215,8 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         sections += lines
     for data in kinds.get("baseline", []):
         rows = data["results"] + matching_sweep_rows(data["meta"], kinds.get("sweep", []))
-        sections += [f"## Baseline: Hugging Face transformers vs specdecode, batch size 1 ({data['file']})", "",
-                     f"`{data['meta'].get('command', '')}`", "", baseline_table(rows), ""]
+        title = f"Baseline: Hugging Face transformers vs specdecode, batch size 1 ({data['file']})"
+        sections += markdown_heading(title, data["meta"]) + [baseline_table(rows), ""]
     parts += ["## Findings", ""] + [f"- {line}" for line in findings] + [""] + sections
     path = out / "report.md"
     path.write_text("\n".join(parts))

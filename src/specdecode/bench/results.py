@@ -1,4 +1,5 @@
-"""Where benchmark results go: a JSON file per run, which records the command line that produced it."""
+"""What every benchmark records beside its figures (the command line, the machine), how its rows compare with
+plain decoding, and where they go: a JSON file per run."""
 from __future__ import annotations
 
 import json
@@ -37,5 +38,14 @@ def machine_info() -> dict:
 
 
 def describe_machine(info: dict) -> str:
+    """machine_info in one line, for a benchmark's printed header."""
     return (f"{info['cpu']} ({info['cores']} cores; {' '.join(info['cpu_flags']) or 'no AVX2'}), "
             f"torch {info['torch']}, {info['threads']} threads")
+
+
+def speedup_against(row: dict, plain: dict) -> tuple[float | None, float | None]:
+    """(output throughput ratio, TPOT reduction) of a load row against plain decoding's row under the same
+    load; None where a figure is missing, e.g. when every request failed."""
+    speedup = row["output_throughput"] / plain["output_throughput"] if plain["output_throughput"] else None
+    tpot = plain["tpot_s"]["mean"] / row["tpot_s"]["mean"] if row["tpot_s"] and plain["tpot_s"] else None
+    return speedup, tpot

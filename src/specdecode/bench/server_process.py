@@ -14,12 +14,34 @@ import time
 import httpx
 
 from ..errors import SpecDecodeError
+from .llama_cpp import binary
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_argv(model: str, max_num_seqs: int, max_model_len: int, dtype: str, *, device: str | None = None,
+               quantization: str | None = None, draft_quantization: str | None = None, draft: str | None = None,
+               k: int = 0, policy: str = "fixed", disable_by_batch_size: int = 0, forced_accept: bool = False,
+               prompt_lookup: bool = False) -> list[str]:
+    """`specdecode serve` flags for one configuration, k = 0 being plain decoding; options left at their
+    defaults are left out, so the server's own defaults apply (the default draft model, for one)."""
+    argv = ["--model", model, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+            "--dtype", dtype, *_option("--device", device), *_option("--quantization", quantization),
+            *_option("--draft-quantization", draft_quantization)]
+    if k == 0:
+        return argv + ["--num-speculative-tokens", "0"]
+    return (argv + [*_option("--speculative-model", draft), "-k", str(k), "--policy", policy,
+                    *_option("--speculative-disable-by-batch-size", disable_by_batch_size)]
+            + (["--forced-accept"] if forced_accept else []) + (["--prompt-lookup"] if prompt_lookup else []))
+
+
+def _option(flag: str, value) -> list[str]:
+    """The flag and its value, or nothing for an unset value (None, "" or 0)."""
+    return [flag, str(value)] if value else []
 
 
 class ServerProcess:
@@ -72,8 +94,6 @@ def llama_server(bin_dir: str, target: str, slots: int, context: int, threads: i
                  draft: str | None = None, k: int = 4) -> ServerProcess:
     """llama.cpp's OpenAI-compatible server on a GGUF file: `slots` sequences of `context` tokens, batched
     continuously; with `draft`, its own draft-model speculation of up to k tokens."""
-    from .llama_cpp import binary
-
     command = [binary(bin_dir, "llama-server"), "--host", "127.0.0.1", "-m", target, "-t", str(threads),
                "-np", str(slots), "-c", str(slots * context), "-cb"]
     if draft:

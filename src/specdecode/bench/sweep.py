@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import platform
 import re
 import time
 import tomllib
@@ -31,13 +29,20 @@ from pathlib import Path
 
 import torch
 
-from ..engine.policy import POLICIES
+from ..config import POLICIES
 from ..errors import SpecDecodeError
 from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
-from .load import LoadResult, RequestResult
-from .results import command_line
+from ..proposers import proposer_names
+from ..proposers.registry import DRAFT_MODEL
+from .datasets import load_prompts, repeat_to
+from .formatting import fmt, mean, ratio
+from .load import LoadResult, RequestResult, run_load, send_requests, token_counter
+from .plan import PlanOptions, calibrate, print_plan
+from .report import write_report
+from .results import command_line, machine_info, speedup_against
+from .server_process import ServerProcess, serve_argv
 
-PROPOSERS = ("none", "draft", "ngram")
+MODEL_PROPOSERS = ("none", "draft")  # plain decoding, and the draft model named in [sweep] draft or the cell
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class Cell:
         if self.proposer == "none":
             return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="",
                            prompt_lookup=False)
-        if self.proposer == "ngram":
+        if self.proposer not in MODEL_PROPOSERS:  # a registered kind (ngram, ...) runs no draft model
             self = replace(self, draft="", prompt_lookup=False)
         elif self.policy != "adaptive":
             self = replace(self, prompt_lookup=False)  # lookup beside a draft model is the adaptive policy's
@@ -110,7 +115,8 @@ def read_config(path: str | Path) -> dict:
         try:
             import yaml
         except ImportError:
-            raise SpecDecodeError("YAML configs need PyYAML (pip install pyyaml), or write the config as TOML") from None
+            raise SpecDecodeError("YAML configs need PyYAML (pip install pyyaml), "
+                                  "or write the config as TOML") from None
         data = yaml.safe_load(text)
     else:
         try:
@@ -161,9 +167,15 @@ def expand_block(block: dict, defaults: dict, where: str) -> list[Cell]:
     return cells
 
 
+def proposer_choices() -> list[str]:
+    """Plain, the draft model, and every other registered proposer kind."""
+    return [*MODEL_PROPOSERS, *(name for name in proposer_names() if name != DRAFT_MODEL)]
+
+
 def check_cell(cell: Cell, where: str) -> None:
-    if cell.proposer not in PROPOSERS:
-        raise SpecDecodeError(f"{where}: proposer {cell.proposer!r} is not one of {', '.join(PROPOSERS)} "
+    known = proposer_choices()
+    if cell.proposer not in known:
+        raise SpecDecodeError(f"{where}: proposer {cell.proposer!r} is not one of {', '.join(known)} "
                               "(the draft model itself is [sweep] draft)")
     if cell.policy not in POLICIES:
         raise SpecDecodeError(f"{where}: policy {cell.policy!r} is not one of {', '.join(POLICIES)}")
@@ -182,17 +194,15 @@ class PromptCache:
         self.config, self.count_tokens, self._prompts = config, count_tokens, {}
 
     def get(self, cell: Cell) -> list[str]:
-        from .datasets import load_prompts
-
         key = (cell.dataset, cell.num_requests)
         if key not in self._prompts:
             self._prompts[key] = load_prompts(cell.dataset, cell.num_requests, count_tokens=self.count_tokens,
                                               seed=self.config.seed, sonnet_file=self.config.sonnet_file)
-        prompts = self._prompts[key]
-        return [prompts[i % len(prompts)] for i in range(cell.num_requests)]
+        return repeat_to(self._prompts[key], cell.num_requests)
 
 
-def drive_closed_loop(engine, prompt_ids: list[list[int]], params, concurrency: int) -> tuple[list[RequestResult], float]:
+def drive_closed_loop(engine, prompt_ids: list[list[int]], params,
+                      concurrency: int) -> tuple[list[RequestResult], float]:
     """Keep `concurrency` requests in the engine until all prompts are done; per-request timings as the
     load generator would see them (arrival = when the request entered the engine)."""
     pending, in_flight, results = deque(prompt_ids), [], []
@@ -230,11 +240,12 @@ class InProcessRunner:
         if name not in self.drafts:
             self.drafts[name] = load_model(name, str(self.target.model.device), self.config.dtype)
         return self.drafts[name]
+
     def build(self, cell: Cell, max_num_seqs: int):
         from ..engine.llm import LLM
 
         return LLM(target=self.target, draft=self.draft_model(cell.draft) if cell.proposer == "draft" else None,
-                   speculative_model="ngram" if cell.proposer == "ngram" else None,
+                   speculative_model=None if cell.proposer in MODEL_PROPOSERS else cell.proposer,
                    num_speculative_tokens=cell.k, max_model_len=self.config.max_model_len,
                    max_num_seqs=max_num_seqs, forced_accept=cell.forced_accept,
                    speculation_policy=cell.policy, prompt_lookup=cell.prompt_lookup,
@@ -269,28 +280,19 @@ class ServerRunner:
         self.server, self.server_key = None, None
 
     def _count(self, text: str) -> int:
-        from .load import token_counter
-
         if self._count_tokens is None:  # loaded only when a dataset is sized in tokens
             self._count_tokens = token_counter(self.config.model)
         return self._count_tokens(text)
 
     def serve_args(self, cell: Cell) -> list[str]:
         c = self.config
-        args = ["--model", c.model, "--max-num-seqs", str(self.max_seqs), "--max-model-len", str(c.max_model_len),
-                "--dtype", c.dtype] + (["--device", c.device] if c.device else [])
-        if cell.proposer == "none":
-            return args + ["--num-speculative-tokens", "0"]
-        draft = "ngram" if cell.proposer == "ngram" else cell.draft or c.draft
-        return (args + ["--speculative-model", draft, "-k", str(cell.k), "--policy", cell.policy]
-                + (["--speculative-disable-by-batch-size", str(cell.disable_by_batch_size)]
-                   if cell.disable_by_batch_size else []) + (["--forced-accept"] if cell.forced_accept else [])
-                + (["--prompt-lookup"] if cell.prompt_lookup else []))
+        draft = cell.draft or c.draft if cell.proposer in MODEL_PROPOSERS else cell.proposer
+        return serve_argv(c.model, self.max_seqs, c.max_model_len, c.dtype, device=c.device, draft=draft,
+                          k=0 if cell.proposer == "none" else cell.k, policy=cell.policy,
+                          disable_by_batch_size=cell.disable_by_batch_size, forced_accept=cell.forced_accept,
+                          prompt_lookup=cell.prompt_lookup)
 
     def run(self, cell: Cell) -> dict:
-        from .load import run_load, send_requests
-        from .server_process import ServerProcess
-
         key = tuple(self.serve_args(cell))
         if key != self.server_key:
             self.close()
@@ -334,24 +336,30 @@ def add_speedups(rows: list[dict]) -> None:
         same = [p for p in plain if p["dataset"] == r["dataset"] and p["concurrency"] == r["concurrency"]
                 and p["max_tokens"] == r["max_tokens"]]
         same.sort(key=lambda p: (p["group"] != r["group"], p["num_requests"] != r["num_requests"]))
-        base = same[0] if same else None
-        if base and base["output_throughput"]:
-            r["speedup"] = r["output_throughput"] / base["output_throughput"]
-            if r["tpot_s"] and base["tpot_s"]:
-                r["tpot_reduction"] = base["tpot_s"]["mean"] / r["tpot_s"]["mean"]
+        speedup, tpot = speedup_against(r, same[0]) if same else (None, None)
+        if speedup is not None:
+            r["speedup"] = speedup
+            if tpot is not None:
+                r["tpot_reduction"] = tpot
 
 
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
-def run_sweep(config: SweepConfig, config_path: str = "", runner=None) -> dict:
+def run_file_name(number: int, cell: Cell) -> str:
+    """Numbered in the order the cells ran, and named so that a listing of runs/ reads as the grid."""
+    return f"{number:02d}-{slug(cell.group)}-{slug(cell.dataset)}-{slug(cell.label)}-c{cell.concurrency}.json"
+
+
+def measure_grid(config: SweepConfig, config_path: str = "", runner=None) -> dict:
+    """Every cell of the grid in turn, each written to runs/ as it finishes; all of them, with their
+    speedups, to sweep.json."""
     out = Path(config.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     meta = {"kind": "sweep", "command": command_line(), "config": config_path,
             "model": config.model, "draft": config.draft, "mode": config.mode, "dtype": config.dtype,
-            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+            "machine": machine_info(), "cuda": torch.cuda.is_available()}
     runner = runner or (InProcessRunner if config.mode == "in-process" else ServerRunner)(config, config.cells)
     started = time.perf_counter()
     try:
@@ -362,8 +370,7 @@ def run_sweep(config: SweepConfig, config_path: str = "", runner=None) -> dict:
         for i, cell in enumerate(config.cells, 1):
             row = runner.run(cell)
             rows.append(row)
-            (out / "runs" / f"{i:02d}-{slug(cell.group)}-{slug(cell.dataset)}-{slug(cell.label)}-c{cell.concurrency}.json"
-             ).write_text(json.dumps({"meta": meta, "result": row}, indent=2))
+            (out / "runs" / run_file_name(i, cell)).write_text(json.dumps({"meta": meta, "result": row}, indent=2))
             print(row_text(row), flush=True)
     finally:
         runner.close()
@@ -377,8 +384,6 @@ def run_sweep(config: SweepConfig, config_path: str = "", runner=None) -> dict:
 def run_plan_step(config: SweepConfig, runner, out: Path) -> None:
     """The advisor's calibration, on the sweep's own models, so the report can set its predictions beside
     the measured cells."""
-    from .plan import PlanOptions, calibrate, print_plan
-
     if not isinstance(runner, InProcessRunner):  # server mode: the models are loaded here for the calibration only
         runner = InProcessRunner(config, [Cell(proposer="draft")])
     options = PlanOptions(**config.plan)
@@ -392,22 +397,18 @@ HEADER = (f"{'group':<14}{'dataset':<12}{'config':<26}{'conc':>5}{'reqs':>5}{'to
 
 
 def row_text(r: dict) -> str:
-    def f(v, spec, width):
-        return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
-
+    """One cell's measurement, as it finishes."""
     return (f"{r['group']:<14}{r['dataset']:<12}{r['label']:<26}{r['concurrency']:>5}{r['num_requests']:>5}"
-            f"{r['output_throughput']:>9.2f}{f(r['tpot_s'] and r['tpot_s']['mean'] * 1000, '.1f', 9)}"
-            f"{f(r['ttft_s'] and r['ttft_s']['mean'], '.2f', 8)}{f(r['acceptance_rate'], '.3f', 7)}"
-            f"{f(r['mean_accepted_length'], '.2f', 6)}")
+            f"{r['output_throughput']:>9.2f}{fmt(mean(r['tpot_s'], 1000), '.1f', 9)}{fmt(mean(r['ttft_s']), '.2f', 8)}"
+            f"{fmt(r['acceptance_rate'], '.3f', 7)}{fmt(r['mean_accepted_length'], '.2f', 6)}")
 
 
 def summary_table(rows: list[dict]) -> str:
     lines = [f"{'group':<14}{'dataset':<12}{'config':<26}{'conc':>5}{'tok/s':>9}{'speedup':>9}{'TPOT ÷':>8}{'α':>7}"]
     for r in rows:
-        speed, tpot, alpha = r.get("speedup"), r.get("tpot_reduction"), r.get("acceptance_rate")
         lines.append(f"{r['group']:<14}{r['dataset']:<12}{r['label']:<26}{r['concurrency']:>5}"
-                     f"{r['output_throughput']:>9.2f}{'-' if speed is None else f'{speed:.2f}x':>9}"
-                     f"{'-' if tpot is None else f'{tpot:.2f}x':>8}{'-' if alpha is None else f'{alpha:.3f}':>7}")
+                     f"{r['output_throughput']:>9.2f}{ratio(r.get('speedup'), 9)}{ratio(r.get('tpot_reduction'), 8)}"
+                     f"{fmt(r.get('acceptance_rate'), '.3f', 7)}")
     return "\n".join(lines)
 
 
@@ -418,13 +419,11 @@ def run_sweep_cli(args) -> int:
     if args.mode:
         config.mode = args.mode
     print(f"{len(config.cells)} cells ({config.mode}), results in {config.out}", flush=True)
-    report = run_sweep(config, args.config)
+    report = measure_grid(config, args.config)
     print("\n" + summary_table(report["results"]))
     print(f"\n{len(report['results'])} cells in {report['meta']['seconds'] / 60:.1f} min; wrote "
           f"{config.out}/sweep.json and {config.out}/runs/")
     if not args.no_report:
-        from .report import write_report
-
         path = write_report(config.out)
         print(f"wrote {path} and its plots")
     return 0

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from .formatting import fmt, markdown_heading, markdown_images, mean, ratio
+from .plan import plan_table, recommendation
+from .plots import label_axes, log2_axis, parity_line, plot_concurrency, pyplot, save
+
 
 def _real(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r["forced_accept"]]
@@ -80,12 +84,10 @@ def predicted(plan: dict | None, r: dict) -> float | None:
 
 # ---- plots ----------------------------------------------------------------------------------------------------
 def plot_k_sweep(rows: list[dict], plan: dict | None, out: Path) -> list[str]:
-    from .report import _pyplot, _save
-
     ks_rows = k_rows(rows)
     if not ks_rows:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     by_label = defaultdict(list)
     for r in ks_rows:
@@ -102,49 +104,37 @@ def plot_k_sweep(rows: list[dict], plan: dict | None, out: Path) -> list[str]:
         draft = sorted((r for r in ks_rows if predicted(plan, r)), key=lambda r: r["k"])
         axes[2].plot([r["k"] for r in draft], [predicted(plan, r) for r in draft], marker="x", linestyle=":",
                      label="draft: predicted (plan)")
-    axes[2].axhline(1.0, color="grey", linewidth=1)
+    parity_line(axes[2])
     all_ks = sorted({r["k"] for r in ks_rows})
     for ax, label in zip(axes, ("acceptance rate α", "mean accepted length τ", "speedup over plain")):
         ax.set_xticks(all_ks)
-        ax.set_xlabel("k (draft tokens), batch size 1")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return [_save(fig, out, "sweep_k.png")]
+        label_axes(ax, "k (draft tokens), batch size 1", label, legend_size=8)
+    return [save(fig, out, "sweep_k.png")]
 
 
 def plot_input_length(rows: list[dict], out: Path) -> list[str]:
-    from .report import _pyplot, _save
-
     series = input_length_rows(rows)
     if not series:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
     for label, s in series.items():
         xs = [input_len(r) for r in s]
         ax1.plot(xs, [r["acceptance_rate"] for r in s], marker="o", label=label)
         ax2.plot(xs, [r["speedup"] for r in s], marker="o", label=label)
-    ax2.axhline(1.0, color="grey", linewidth=1)
+    parity_line(ax2)
     for ax, label in ((ax1, "acceptance rate α"), (ax2, "speedup over plain")):
-        ax.set_xscale("log", base=2)
-        ticks = sorted({input_len(r) for s in series.values() for r in s})
-        ax.set_xticks(ticks, labels=[str(t) for t in ticks])
-        ax.set_xlabel("input length (tokens, sonnet prompts), batch size 1")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return [_save(fig, out, "sweep_input_length.png")]
+        log2_axis(ax, (input_len(r) for s in series.values() for r in s))
+        label_axes(ax, "input length (tokens, sonnet prompts), batch size 1", label, legend_size=8)
+    return [save(fig, out, "sweep_input_length.png")]
 
 
 def plot_predicted_vs_measured(rows: list[dict], plan: dict | None, out: Path) -> list[str]:
-    from .report import _pyplot, _save
-
     pairs = [(predicted(plan, r), r["speedup"], r) for r in rows if predicted(plan, r) and r.get("speedup")
              and r["dataset"] == plan.get("options", {}).get("dataset", "humaneval")] if plan else []
     if not pairs:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 4.5))
     for c in sorted({r["concurrency"] for _, _, r in pairs}):
         pts = [(p, m) for p, m, r in pairs if r["concurrency"] == c]
@@ -155,35 +145,26 @@ def plot_predicted_vs_measured(rows: list[dict], plan: dict | None, out: Path) -
     ax.plot([0, top], [0, top], color="grey", linewidth=1, label="measured = predicted")
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
-    ax.set_xlabel("predicted speedup (specdecode plan)")
-    ax.set_ylabel("measured speedup (sweep)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return [_save(fig, out, "sweep_predicted_vs_measured.png")]
+    label_axes(ax, "predicted speedup (specdecode plan)", "measured speedup (sweep)", legend_size=8)
+    return [save(fig, out, "sweep_predicted_vs_measured.png")]
 
 
 def plot_sweep_concurrency(rows: list[dict], out: Path) -> list[str]:
-    from .report import plot_concurrency
-
     series = concurrency_series(rows)
     flat = [{**r, "config": label} for label, s in series.items() for r in s]
     return plot_concurrency(flat, out, prefix="sweep_") if flat else []
 
 
 # ---- tables and findings --------------------------------------------------------------------------------------
-def _f(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def sweep_table(rows: list[dict], plan: dict | None) -> str:
     out = ["| block | dataset | config | conc | tok/s | speedup | predicted | TPOT ms | TTFT s | α | τ |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        tpot, ttft = r.get("tpot_s"), r.get("ttft_s")
         out.append(f"| {r['group']} | {r['dataset']} | {r['label']} | {r['concurrency']} | "
-                   f"{r['output_throughput']:.2f} | {_f(r.get('speedup'), '.2f')} | {_f(predicted(plan, r), '.2f')} | "
-                   f"{_f(tpot and tpot['mean'] * 1000, '.0f')} | {_f(ttft and ttft['mean'], '.2f')} | "
-                   f"{_f(r.get('acceptance_rate'), '.3f')} | {_f(r.get('mean_accepted_length'), '.2f')} |")
+                   f"{r['output_throughput']:.2f} | {fmt(r.get('speedup'), '.2f')} | "
+                   f"{fmt(predicted(plan, r), '.2f')} | "
+                   f"{fmt(mean(r.get('tpot_s'), 1000), '.0f')} | {fmt(mean(r.get('ttft_s')), '.2f')} | "
+                   f"{fmt(r.get('acceptance_rate'), '.3f')} | {fmt(r.get('mean_accepted_length'), '.2f')} |")
     return "\n".join(out)
 
 
@@ -192,8 +173,8 @@ def proposer_table(rows: list[dict]) -> str:
     best = best_by(filter(speculative_at_batch_one, _real(rows)), lambda r: (r["dataset"], proposer_name(r)))
     out = ["| dataset | proposer | best k | α | τ | speedup |", "|---|---|---:|---:|---:|---:|"]
     for (dataset, proposer), r in sorted(best.items(), key=lambda kv: (_dataset_order(kv[0][0]), kv[0][1])):
-        out.append(f"| {dataset} | {proposer} | {r['k']} | {_f(r['acceptance_rate'], '.3f')} | "
-                   f"{_f(r['mean_accepted_length'], '.2f')} | {r['speedup']:.2f}× |")
+        out.append(f"| {dataset} | {proposer} | {r['k']} | {fmt(r['acceptance_rate'], '.3f')} | "
+                   f"{fmt(r['mean_accepted_length'], '.2f')} | {ratio(r['speedup'], sign='×')} |")
     return "\n".join(out) if best else ""
 
 
@@ -242,8 +223,9 @@ def sweep_findings(rows: list[dict], plan: dict | None) -> list[str]:
     for label, s in input_length_rows(rows).items():
         if len(s) > 1:
             a, b = s[0], s[-1]
-            found.append(f"Input length {input_len(a)} → {input_len(b)} tokens, {label}: α {a['acceptance_rate']:.3f} → "
-                         f"{b['acceptance_rate']:.3f}, speedup {a['speedup']:.2f}× → {b['speedup']:.2f}×.")
+            found.append(f"Input length {input_len(a)} → {input_len(b)} tokens, {label}: "
+                         f"α {a['acceptance_rate']:.3f} → {b['acceptance_rate']:.3f}, "
+                         f"speedup {a['speedup']:.2f}× → {b['speedup']:.2f}×.")
     found += proposer_findings(rows)
     return found
 
@@ -265,14 +247,12 @@ def proposer_findings(rows: list[dict]) -> list[str]:
 
 def sweep_section(data: dict, plan: dict | None, out: Path) -> tuple[list[str], list[str]]:
     """(findings, Markdown lines) for one sweep.json."""
-    from .plan import plan_table, recommendation
-
     rows = data["results"]
     images = (plot_k_sweep(rows, plan, out) + plot_sweep_concurrency(rows, out) + plot_input_length(rows, out)
               + plot_predicted_vs_measured(rows, plan, out))
     minutes = data["meta"].get("seconds", 0) / 60
-    lines = [f"## Sweep ({data['file']}, {len(rows)} cells, {minutes:.1f} min)", "",
-             f"`{data['meta'].get('command', '')}`", ""] + [f"![{i}]({i})" for i in images] + [""]
+    lines = (markdown_heading(f"Sweep ({data['file']}, {len(rows)} cells, {minutes:.1f} min)", data["meta"])
+             + markdown_images(images))
     table = proposer_table(rows)
     if table:
         lines += ["### Draft model vs n-gram, batch size 1", "", table, ""]

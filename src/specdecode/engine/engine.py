@@ -13,25 +13,29 @@ from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import SpecCounters, StepTimer, now
 from ..models.tokenizer import Tokenizer
-from ..proposers.base import DraftBatch, Proposer
-from ..proposers.ngram import NgramProposer
+from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import SamplingParams, logits_to_probs, sample_token
 from ..verify.rejection_sampler import VerifyResult, greedy_verify, rejection_sample
-from .policy import DraftPlan, SpeculationPolicy
+from .policy import DraftDecision, Policy, make_policy
 from .sequence import Sequence
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, proposer: Proposer | None = None,
+    """proposers: the main one first; a later one that previews its drafts (prompt lookup) is offered to
+    the policy per sequence and step as the alternative to the main one."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, proposers: list[Proposer] = (),
                  num_speculative_tokens: int = 0, forced_accept: bool = False, timer: StepTimer | None = None,
-                 policy: SpeculationPolicy | None = None, lookup: NgramProposer | None = None):
+                 policy: Policy | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        self.runner, self.tokenizer, self.proposer = runner, tokenizer, proposer
-        self.policy = policy or SpeculationPolicy("fixed")
-        self.k = num_speculative_tokens if proposer is not None else 0
-        # Prompt lookup beside a draft model: the adaptive policy may draft from it per sequence and step
-        self.lookup = lookup
+        self.runner, self.tokenizer = runner, tokenizer
+        self.proposers = list(proposers)
+        self.proposer = self.proposers[0] if self.proposers else None
+        self.alternative = next((p for p in self.proposers[1:] if p.previews), None)
+        self.wants_hidden_states = any(p.wants_hidden_states for p in self.proposers)
+        self.policy = policy or make_policy("fixed")
+        self.k = num_speculative_tokens if self.proposers else 0
         self.max_model_len = runner.max_len
         self.forced_accept = forced_accept
         self.timer = timer or StepTimer()
@@ -103,8 +107,8 @@ class Engine:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
         self.runner.free(seq.slot)
         self.policy.forget(seq.request_id)
-        if self.proposer is not None:
-            self.proposer.release(seq)
+        for proposer in self.proposers:
+            proposer.release(seq)
         self.totals.merge(seq.metrics.spec)
 
     # ---- prefill ----------------------------------------------------------------------------------
@@ -117,74 +121,89 @@ class Engine:
             seq = self.waiting.popleft()
             seq.slot = self.runner.allocate()
             self.running.append(seq)
-            logits = self.runner.forward([seq.slot], [seq.prompt_ids], logits="last")
+            logits, hidden = self._target_forward([seq.slot], [seq.prompt_ids], logits="last")
             self.runner.commit(seq.slot, len(seq.prompt_ids))
-            self._emit(seq, [self._sample_one(logits[0], seq)])
+            first = self._sample_one(logits[0], seq)
+            seq.feedback = TargetFeedback([first], hidden)
+            self._emit(seq, [first])
             if self.on_prefilled is not None:
                 self.on_prefilled()
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         return sample_token(logits, seq.params, seq.generator)[0]
 
+    def _target_forward(self, slots: list[int], inputs: list[list[int]],
+                        logits: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits, and hidden states of the same rows when a proposer reads them."""
+        if self.wants_hidden_states:
+            return self.runner.forward(slots, inputs, logits, hidden=True)
+        return self.runner.forward(slots, inputs, logits), None
+
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
         step_start = now()
-        plan, matches = self._plan_drafts(seqs)
-        drafts, draft_seconds = self._propose(seqs, plan, matches)
+        decision, previews = self._decide_drafts(seqs)
+        drafts, draft_seconds = self._propose(seqs, decision)
         verify_start = now()
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
         with self.timer.measure("target"):
-            logits = self.runner.forward([s.slot for s in seqs], inputs, logits="all")
+            logits, hidden = self._target_forward([s.slot for s in seqs], inputs, logits="all")
         results = self._verify(seqs, drafts, logits)
         self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
-        self.last_lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, plan.lookup) if k and lookup)
+        self.last_lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
+        row = 0
         for i, (seq, start, n_draft, result) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
-            accepted = result.num_accepted[0]
+            accepted, emitted = result.num_accepted[0], result.tokens[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
             self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
-            if self.proposer is not None:
-                self.proposer.commit(seq, committed)
-            seq.metrics.spec.record_step(n_draft, accepted, len(result.tokens[0]))
-            self.last_step.record_step(n_draft, accepted, len(result.tokens[0]))
-            if plan.lookup[i] and n_draft:
-                self.policy.observe_lookup(seq.request_id, matches[i][0], n_draft, accepted)
+            for proposer in self.proposers:
+                proposer.commit(seq, committed)
+            seq.feedback = TargetFeedback(emitted, None if hidden is None else hidden[row:row + len(emitted)])
+            row += n_draft + 1
+            seq.metrics.spec.record_step(n_draft, accepted, len(emitted))
+            self.last_step.record_step(n_draft, accepted, len(emitted))
+            if decision.by_lookup[i] and n_draft:
+                self.policy.observe_lookup(seq.request_id, previews[i].match, n_draft, accepted)
             else:
                 self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
-            self._emit(seq, result.tokens[0])
+            self._emit(seq, emitted)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
         end = now()
         self.policy.observe_step(drafts.num_tokens, end - verify_start, draft_seconds, end - step_start,
-                                 lookup=plan.lookup)
+                                 by_lookup=decision.by_lookup)
 
-    def _plan_drafts(self, seqs: list[Sequence]) -> tuple[DraftPlan, list[tuple[int, list[int]]]]:
-        """The policy's plan, capped per sequence (see _draft_budget), and each sequence's prompt-lookup
-        match (length, tokens offered), (0, []) where there is none or no lookup."""
+    def _decide_drafts(self, seqs: list[Sequence]) -> tuple[DraftDecision, list[Preview] | None]:
+        """The policy's decision, capped per sequence (see _draft_budget), and the alternative proposer's
+        previews that it weighed (None without an alternative)."""
         n = len(seqs)
         if self.proposer is None:
-            return DraftPlan.from_draft_model([0] * n), [(0, [])] * n
-        matches = [self.lookup.match(s.token_ids, self.k) for s in seqs] if self.lookup else [(0, [])] * n
+            return DraftDecision.main_proposer([0] * n), None
+        previews = self.alternative.preview(seqs, self.k) if self.alternative else None
         catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) for s in seqs]  # 1-2 unseen: the steady state
-        plan = self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs],
-                                  [(m, len(tokens)) for m, tokens in matches] if self.lookup else None)
-        plan.ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, plan.ks)]
-        return plan, matches
+        decision = self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs],
+                                      [(p.match, len(p.tokens)) for p in previews] if previews else None)
+        decision.ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, decision.ks)]
+        return decision, previews
 
-    def _propose(self, seqs: list[Sequence], plan: DraftPlan,
-                 matches: list[tuple[int, list[int]]]) -> tuple[DraftBatch, float | None]:
-        """Drafts, and the seconds of one draft-model round (for the policy's cost model; None if none ran)."""
-        model_ks = [0 if lookup else k for k, lookup in zip(plan.ks, plan.lookup)]
-        if any(model_ks):
-            catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, model_ks) if k)
+    def _propose(self, seqs: list[Sequence], decision: DraftDecision) -> tuple[DraftBatch, float | None]:
+        """Drafts from each proposer the decision picked, and the seconds of one main-proposer round (for
+        the policy's cost model; None if it did not run)."""
+        feedback = [s.feedback for s in seqs]
+        main_ks = [0 if lookup else k for k, lookup in zip(decision.ks, decision.by_lookup)]
+        drafts, seconds = DraftBatch.empty(len(seqs)), None
+        if any(main_ks):
+            catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, main_ks) if k)
             before = self.timer.propose_time
             with self.timer.measure("propose"):
-                drafts = self.proposer.propose(seqs, model_ks)
-            seconds = self._draft_round_seconds(self.timer.propose_time - before, max(model_ks), catch_up)
-        else:  # plain decoding, or lookups only: no draft forward at all
-            drafts, seconds = DraftBatch([[] for _ in seqs], [None] * len(seqs)), None
-        for i, (k, lookup) in enumerate(zip(plan.ks, plan.lookup)):
-            if lookup and k:
-                drafts.tokens[i] = matches[i][1][:k]
+                drafts = self.proposer.propose(seqs, main_ks, feedback)
+            seconds = self._draft_round_seconds(self.timer.propose_time - before, max(main_ks), catch_up)
+        alternative_ks = [k if lookup else 0 for k, lookup in zip(decision.ks, decision.by_lookup)]
+        if any(alternative_ks):
+            extra = self.alternative.propose(seqs, alternative_ks, feedback)
+            for i, k in enumerate(alternative_ks):
+                if k:
+                    drafts.tokens[i], drafts.probs[i] = extra.tokens[i], extra.probs[i]
         return drafts, seconds
 
     def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float | None:
@@ -195,7 +214,7 @@ class Engine:
             return total / rounds if catch_up < 8 else None
         steady = sum(timed[1:]) / (len(timed) - 1)
         if catch_up >= 8:
-            self.policy.costs.observe_draft_prefill(catch_up, timed[0] - steady)
+            self.policy.observe_draft_prefill(catch_up, timed[0] - steady)
         bookkeeping = (total - sum(timed)) / len(timed)  # sampling and Python around each forward
         return steady + bookkeeping
 

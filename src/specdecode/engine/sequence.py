@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics import RequestMetrics
+from ..proposers.base import TargetFeedback
 from ..sampling import SamplingParams
 
 _ids = itertools.count()
@@ -20,7 +21,7 @@ class Sequence:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     slot: int = -1  # target KV-cache slot
-    draft_state: object = None  # owned by the proposer (e.g. its KV-cache slot)
+    feedback: TargetFeedback | None = None  # what the target emitted for it in the last step, for proposers
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
     text: str = ""
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

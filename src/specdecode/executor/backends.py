@@ -15,7 +15,6 @@ measurements.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
@@ -25,28 +24,11 @@ from ..config import QUANTIZATIONS, ModelConfig
 from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
+from .cpu import cpu_flags, cpu_has_native_bf16
 from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W8A8Linear, W8A16Linear, pack_w4a8, quantize_rows,
                     quantize_4bit, split_q4_k, w4a8_packable, w4a8_supported, w8a8_supported, w8a16_supported)
 
 INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear, "w4a8-all": W8A8Linear}
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:
-        return False
-    return mkldnn_bf16 and ("avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags())
 
 
 def int8_weight_max() -> int:

@@ -37,15 +37,6 @@ class ModelRunner:
         return self.model.vocab_ids
 
     @property
-    def weight_bytes(self) -> int:
-        return self.model.weight_bytes()
-
-    @property
-    def kv_bytes(self) -> int:
-        return self._cache.nbytes
-
-    # ---- slots ---------------------------------------------------------------------------------------
-    @property
     def num_slots(self) -> int:
         return self._cache.num_slots
 

@@ -162,8 +162,8 @@ class Attention(nn.Module):
         key range, whose different rounding can flip a greedy near-tie between verify and plain decode.
 
         Each call folds the query heads that share a KV head into the query length ([1, Hkv, G, D]
-        against [1, Hkv, n, D], no mask: a lone token sees all n keys). On PyTorch's CPU kernel that is
-        ~10x faster than [1, H, 1, D] with `enable_gqa` at a few hundred keys (0.04 vs 0.4 ms, Qwen 1.5B)."""
+        against [1, Hkv, n, D], no mask: a lone token sees all n keys), which PyTorch's CPU kernel runs
+        far faster than [1, H, 1, D] with `enable_gqa` (docs/decisions.md)."""
         kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         rows, token = [], 0
         for slot, kv_lens in batch.rowwise:

@@ -1,5 +1,11 @@
-from .base import DraftBatch, Proposer
+"""Proposers, registered by name: each built-in kind is one line here."""
+from .base import DraftBatch, Preview, Proposer, TargetFeedback
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
+from .registry import DRAFT_MODEL, ProposerSetup, build_proposer, proposer_kind, proposer_names, register_proposer
 
-__all__ = ["DraftBatch", "Proposer", "DraftModelProposer", "NgramProposer"]
+register_proposer(DRAFT_MODEL, DraftModelProposer.from_setup)
+register_proposer("ngram", NgramProposer.from_setup)
+
+__all__ = ["DraftBatch", "Preview", "Proposer", "TargetFeedback", "DraftModelProposer", "NgramProposer",
+           "ProposerSetup", "build_proposer", "proposer_kind", "proposer_names", "register_proposer"]

@@ -1,10 +1,18 @@
-"""The proposer interface: guess up to k next tokens for each sequence of a batch."""
+"""The proposer interface: guess up to k next tokens for each sequence of a batch.
+
+A proposer is built by its registry entry (see registry.py), then told how many sequences it must serve
+(`reserve`), and called once per decoding step with what the target emitted in the step before."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..engine.sequence import Sequence
+    from ..models.loader import LoadedModel
+    from ..models.runtime import Transformer
 
 
 @dataclass
@@ -14,24 +22,65 @@ class DraftBatch:
     # deterministic (n-gram, greedy drafting): the rejection sampler then treats q as one-hot.
     probs: list[torch.Tensor | None]
 
+    @classmethod
+    def empty(cls, n: int) -> "DraftBatch":
+        return cls([[] for _ in range(n)], [None] * n)
+
     @property
     def num_tokens(self) -> list[int]:
         return [len(t) for t in self.tokens]
 
 
-class Proposer(Protocol):
-    name: str
+@dataclass
+class TargetFeedback:
+    """What the target produced for one sequence in the step before: the tokens it emitted (accepted
+    drafts, then the recovered or bonus token; after prefill, the first token) and, for proposers that
+    ask for them, the target's final hidden states at the positions whose logits chose those tokens
+    ([len(tokens), hidden_size]): what a draft head trained on the target's features reads."""
 
-    def propose(self, seqs: list, ks: list[int]) -> DraftBatch: ...
+    tokens: list[int]
+    hidden: torch.Tensor | None = None
 
-    # seconds of each drafting round of the last propose() call (empty when the proposer runs no model)
-    last_round_seconds: list[float]
 
-    def unseen_tokens(self, seq) -> int:
-        """Tokens of the sequence the proposer must read before it can draft for it (0 for lookups)."""
+@dataclass
+class Preview:
+    """Drafts a proposer knows before the step at no forward cost (a prompt-lookup match): the policy
+    weighs them against the draft model per sequence. `match`: the length of the context match behind
+    them, which predicts how often they are right."""
 
-    def commit(self, seq, num_valid_tokens: int) -> None:
+    match: int
+    tokens: list[int]
+
+
+class Proposer:
+    """Defaults for a proposer that holds no per-sequence state; subclasses implement propose()."""
+
+    model: Transformer | None = None  # the weights it runs, if any: the memory plan and cost profile size them
+    loaded: LoadedModel | None = None  # the same as loaded by name (its name and load time, for the start-up summary)
+    wants_hidden_states = False  # the engine then passes the target's hidden states in TargetFeedback
+    previews = False  # it implements preview(): drafts known before the step, free of forward cost
+
+    @property
+    def last_round_seconds(self) -> list[float]:
+        """Seconds of each drafting round of the last propose() call (empty when no model runs)."""
+        return []
+
+    def reserve(self, num_slots: int, max_model_len: int) -> None:
+        """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int], feedback: list[TargetFeedback | None]) -> DraftBatch:
+        """Up to ks[i] tokens for seqs[i]; feedback[i] is what the target emitted for it last step."""
+        raise NotImplementedError
+
+    def preview(self, seqs: list[Sequence], k: int) -> list[Preview]:
+        raise NotImplementedError(f"{type(self).__name__} does not preview drafts")
+
+    def unseen_tokens(self, seq: Sequence) -> int:
+        """Tokens of the sequence the proposer must read before it can draft for it."""
+        return 0
+
+    def commit(self, seq: Sequence, num_valid_tokens: int) -> None:
         """The first `num_valid_tokens` of seq.token_ids are final; forget anything drafted past them."""
 
-    def release(self, seq) -> None:
+    def release(self, seq: Sequence) -> None:
         """The sequence finished; free what the proposer holds for it."""

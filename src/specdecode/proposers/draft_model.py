@@ -5,37 +5,57 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import StepTimer
+from ..models.loader import LoadedModel, load_model
 from ..sampling import sample_token
-from .base import DraftBatch
+from .base import DraftBatch, Proposer
+from .registry import ProposerSetup
 
 
-class DraftModelProposer:
-    name = "draft"
-
-    def __init__(self, runner: ModelRunner, timer: StepTimer | None = None):
-        self.runner = runner
+class DraftModelProposer(Proposer):
+    def __init__(self, draft: LoadedModel, timer: StepTimer | None = None):
+        self.loaded = draft
+        self.model = draft.model
         self.timer = timer or StepTimer()
-        # seconds of each drafting round of the last propose() call; the first round also feeds whatever
-        # the draft had not seen (a whole prompt, after a stretch without drafting), so it can be long
-        self.last_round_seconds: list[float] = []
+        self.runner: ModelRunner | None = None  # built by reserve(), once the memory plan is known
+        self._slots: dict[str, int] = {}  # request id -> the draft's KV-cache slot for it
+        self._round_seconds: list[float] = []
 
-    def propose(self, seqs, ks: list[int]) -> DraftBatch:
+    @classmethod
+    def from_setup(cls, setup: ProposerSetup) -> "DraftModelProposer":
+        if setup.loaded is None and setup.model is None:
+            raise SpecDecodeError("the draft-model proposer needs a draft model (a name, path or hub id)")
+        draft = setup.loaded or load_model(setup.model, str(setup.target.model.device), setup.dtype, setup.progress,
+                                           setup.quantization, draft=True)
+        check_same_vocabulary(setup.target, draft)
+        if setup.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
+            restrict_draft_vocab(draft, setup.draft_vocab_size)
+        return cls(draft, setup.timer)
+
+    def reserve(self, num_slots: int, max_model_len: int) -> None:
+        self.runner = ModelRunner(self.model, num_slots, max_model_len)
+
+    @property
+    def last_round_seconds(self) -> list[float]:
+        """The first round also feeds whatever the draft had not seen (a whole prompt, after a stretch
+        without drafting), so it can be long."""
+        return self._round_seconds
+
+    def propose(self, seqs, ks, feedback=None) -> DraftBatch:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        self.last_round_seconds = []
-        for i in active:
-            if seqs[i].draft_state is None:
-                seqs[i].draft_state = self.runner.allocate()
+        self._round_seconds = []
+        slots = {i: self._slot(seqs[i]) for i in active}
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if ks[i] > step]
             if step == 0:  # catch up on everything the draft has not seen, then draft the first token
-                inputs = [seqs[i].token_ids[self.runner.length(seqs[i].draft_state):] for i in rows]
+                inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
             else:
                 inputs = [[tokens[i][-1]] for i in rows]
-            logits = self._forward([seqs[i].draft_state for i in rows], inputs)
+            logits = self._forward([slots[i] for i in rows], inputs)
             for row, i in enumerate(rows):
                 seqs[i].metrics.spec.num_draft_forwards += 1
                 token, q = self._sample(logits[row], seqs[i])
@@ -44,11 +64,16 @@ class DraftModelProposer:
                     probs[i].append(q)
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
+    def _slot(self, seq) -> int:
+        if seq.request_id not in self._slots:
+            self._slots[seq.request_id] = self.runner.allocate()
+        return self._slots[seq.request_id]
+
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
         before = self.timer.draft_time
         with self.timer.measure("draft"):
             logits = self.runner.forward(slots, inputs, logits="last")
-        self.last_round_seconds.append(self.timer.draft_time - before)
+        self._round_seconds.append(self.timer.draft_time - before)
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return logits
@@ -66,15 +91,35 @@ class DraftModelProposer:
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""
-        cached = self.runner.length(seq.draft_state) if seq.draft_state is not None else 0
-        return seq.num_tokens - cached
+        slot = self._slots.get(seq.request_id)
+        return seq.num_tokens - (self.runner.length(slot) if slot is not None else 0)
 
     def commit(self, seq, num_valid_tokens: int) -> None:
-        slot = seq.draft_state
+        slot = self._slots.get(seq.request_id)
         if slot is not None:
             self.runner.rollback(slot, min(self.runner.length(slot), num_valid_tokens))
 
     def release(self, seq) -> None:
-        if seq.draft_state is not None:
-            self.runner.free(seq.draft_state)
-            seq.draft_state = None
+        slot = self._slots.pop(seq.request_id, None)
+        if slot is not None:
+            self.runner.free(slot)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise SpecDecodeError(
+            f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
+            f"({draft.tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens); "
+            "pick a draft from the target's model family, or use --ngram")
+
+
+def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:
+    """Keep the draft LM head's `size` lowest token ids (byte-level BPE ranks ≈ frequency) plus the
+    special tokens. The draft stays a valid proposer (q = 0 elsewhere), so verification stays lossless;
+    the head of a 0.5B draft is ~25% of its weights, so this cuts the draft's step cost."""
+    vocab = draft.config.vocab_size
+    if size >= vocab:
+        return
+    special = [i for i in sorted(draft.tokenizer.special_ids) if i < vocab]
+    ids = torch.unique(torch.cat([torch.arange(size), torch.tensor(special, dtype=torch.long)]))
+    draft.model.restrict_vocab(ids)

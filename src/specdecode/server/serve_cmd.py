@@ -6,7 +6,8 @@ import sys
 
 from ..engine.llm import LLM
 from ..errors import SpecDecodeError
-from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
+from ..config import LOSSY_NOTE
+from ..models.sources import default_draft
 from .api import build_app
 from .async_engine import AsyncEngine
 
@@ -16,7 +17,7 @@ def run_serve(args) -> int:
 
     if args.k < 0:
         raise SpecDecodeError(f"--num-speculative-tokens must be >= 0, got {args.k}")
-    draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
+    draft = default_draft(args.model, args.draft)
     if args.k == 0:
         draft = None  # plain decoding: do not load (or plan memory for) a draft
     llm = LLM(args.model, draft, args.k, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -31,8 +32,6 @@ def run_serve(args) -> int:
         print(f"timed the draft's forward for 1-{llm.engine.runner.num_slots} sequences in {llm.profile_seconds:.1f} s "
               "(the adaptive policy's cost model)", flush=True)
     if args.forced_accept:
-        from ..cli import LOSSY_NOTE
-
         print(f"WARNING: {LOSSY_NOTE}", flush=True)
     app = build_app(AsyncEngine(llm.engine), args.model, args.api_key)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was

@@ -18,6 +18,7 @@ from importlib import resources
 import torch
 
 from ...models.sources import cache_root
+from ..cpu import cpu_flags
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
@@ -46,8 +47,6 @@ def load(name: str) -> ctypes.CDLL | None:
 
 def _cpu_signature() -> str:
     """A compiled kernel is specific to the CPU it was built for (-march=native)."""
-    from ..backends import cpu_flags
-
     return " ".join(sorted(cpu_flags()))
 
 

@@ -1,0 +1,28 @@
+"""How many tokens to draft, decided every step and for every sequence: `fixed`, `disable_by_batch_size`
+(vLLM's) or `adaptive` (goodput-maximising, per sequence). Costs, acceptance estimates and the decision
+live in their own modules; the engine talks to the `Policy` interface only."""
+from __future__ import annotations
+
+from ...config import POLICIES
+from ...errors import SpecDecodeError
+from .acceptance import AcceptanceEstimator, LookupAcceptance
+from .adaptive import AdaptivePolicy
+from .base import DraftDecision, Policy
+from .costs import CostModel, CostTable, TargetCost
+from .simple import DisableByBatchSize, FixedPolicy
+
+
+def make_policy(name: str = "adaptive", k_max: int = 4, max_batch_for_speculation: int | None = None,
+                **adaptive_options) -> Policy:
+    """A policy by name; adaptive_options are AdaptivePolicy's fields (smoothing, priors, min_gain)."""
+    if name == "fixed":
+        return FixedPolicy(k_max)
+    if name == "disable_by_batch_size":
+        return DisableByBatchSize(k_max, max_batch_for_speculation)
+    if name == "adaptive":
+        return AdaptivePolicy(k_max=k_max, **adaptive_options)
+    raise SpecDecodeError(f"unknown speculation policy {name!r}; use one of {', '.join(POLICIES)}")
+
+
+__all__ = ["POLICIES", "make_policy", "Policy", "DraftDecision", "FixedPolicy", "DisableByBatchSize",
+           "AdaptivePolicy", "AcceptanceEstimator", "LookupAcceptance", "CostModel", "CostTable", "TargetCost"]

@@ -1,0 +1,117 @@
+"""Acceptance estimates: how likely each sequence's next draft tokens are to be accepted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
+
+
+def discounted_update(counts: tuple[float, float], success: bool, keep: float) -> tuple[float, float]:
+    """(accepted, tried) with older outcomes discounted by `keep` per new one: acceptance drifts within a
+    request and across a workload, so recent outcomes count most."""
+    accepted, tried = counts
+    return keep * accepted + success, keep * tried + 1
+
+
+@dataclass
+class LookupAcceptance:
+    """How often prompt-lookup drafts are right, by the length of the match behind them: a long match is
+    right far more often than a one-token one. Position l counts only when l-1 was accepted, as for the
+    draft model."""
+
+    prior: float = 0.5
+    smoothing: float = 0.01
+    counts: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (match, l) -> (accepted, tried)
+
+    def gains(self, match: int, available: int, k_max: int) -> list[float]:
+        """P(lookup token j is emitted), j = 1 .. min(available, k_max)."""
+        gains, p = [], 1.0
+        for position in range(1, min(available, k_max) + 1):
+            accepted, tried = self.counts.get((match, position), (0.0, 0.0))
+            p *= (accepted + self.prior * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+            gains.append(p)
+        return gains
+
+    def observe(self, match: int, drafted: int, accepted: int) -> None:
+        for position in range(1, min(drafted, accepted + 1) + 1):
+            key = (match, position)
+            self.counts[key] = discounted_update(self.counts.get(key, (0.0, 0.0)), accepted >= position,
+                                                 1 - self.smoothing)
+
+
+@dataclass
+class AcceptanceEstimator:
+    """P(first draft token accepted) per sequence, and the deeper positions pooled over all sequences.
+
+    Acceptance is bursty: after an accepted token the next is accepted more often than the first one is.
+    So depth is modelled apart, over all sequences: position l -> discounted (accepted, tried) given that
+    position l-1 was accepted. Position 1, pooled the same way, is where a new request starts."""
+
+    k_max: int = 4
+    prior_acceptance: float = 0.7  # before anything is measured; see population_acceptance
+    acceptance_smoothing: float = 0.1  # per step, on the first draft position's outcome
+    # While a sequence does not draft, its estimate drifts back towards the prior by this fraction per
+    # step, so a sequence that turned easy is probed again (a probe costs one draft forward).
+    acceptance_recovery: float = 0.02
+    depth_smoothing: float = 0.01
+    acceptance: dict[str, float] = field(default_factory=dict)  # request id -> P(first draft token accepted)
+    depth: dict[int, tuple[float, float]] = field(default_factory=dict)
+    lookup_acceptance: LookupAcceptance = field(default_factory=LookupAcceptance)
+    _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
+
+    def conditional_acceptance(self, position: int) -> float:
+        """P(draft token `position` is accepted | the one before it was), pooled over all sequences (for
+        position 1: P(first draft token accepted))."""
+        accepted, tried = self.depth.get(position, (0.0, 0.0))
+        return (accepted + self.prior_acceptance * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+
+    def token_gains(self, first: float) -> list[float]:
+        """Probability that draft token j (1..k_max) is emitted, for a sequence whose first token is
+        accepted with probability `first`: first · β_2 · … · β_j."""
+        gains, p = [], first
+        for j in range(1, self.k_max + 1):
+            if j > 1:
+                p *= self.conditional_acceptance(j)
+            gains.append(p)
+        return gains
+
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
+        """Positions after the first rejection are never tried: the first position is tried every step
+        that drafts (per sequence), position l only when l-1 was accepted (pooled over sequences).
+        Counting accepted/drafted instead would be biased low."""
+        evidence = self._evidence.get(request_id, self._prior_evidence)
+        if drafted:
+            evidence = discounted_update(evidence, accepted >= 1, 1 - self.acceptance_smoothing)
+            for position in range(1, min(drafted, accepted + 1) + 1):
+                self.depth[position] = discounted_update(self.depth.get(position, (0.0, 0.0)), accepted >= position,
+                                                         1 - self.depth_smoothing)
+        else:  # drift back towards the prior
+            (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
+            r = self.acceptance_recovery
+            evidence = (1 - r) * successes + r * prior_s, (1 - r) * trials + r * prior_t
+        self._evidence[request_id] = evidence
+        self.acceptance[request_id] = evidence[0] / evidence[1]
+
+    def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
+        """A step drafted by prompt lookup: its outcome says how good lookups of that match length are,
+        and nothing about the draft model on this sequence (whose estimate drifts as in a plain step)."""
+        self.lookup_acceptance.observe(match, drafted, accepted)
+        self.observe_acceptance(request_id, 0, 0)
+
+    def first_token_acceptance(self, request_id: str) -> float:
+        return self.acceptance.get(request_id, self.population_acceptance)
+
+    @property
+    def population_acceptance(self) -> float:
+        """P(first draft token accepted) for a sequence not measured yet: pooled over the recent drafts of
+        all sequences, because a fixed prior is wrong for a whole workload and does not correct itself (a
+        sequence that does not draft measures nothing)."""
+        return self.conditional_acceptance(1)
+
+    @property
+    def _prior_evidence(self) -> tuple[float, float]:
+        return self.population_acceptance * PRIOR_TRIALS, float(PRIOR_TRIALS)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+        self._evidence.pop(request_id, None)

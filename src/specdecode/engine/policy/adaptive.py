@@ -1,0 +1,121 @@
+"""The adaptive policy: k_i in 0..k_max per sequence, maximising expected goodput (emitted tokens per
+second of the step) from each sequence's acceptance estimate and the measured cost of draft and target
+forwards at the sizes involved. k = 0 for everyone means no draft forward at all, so choosing it costs
+nothing over plain decoding. Where the engine also has prompt lookup, a sequence whose recent tokens occur
+earlier in its text may take its drafts from there instead: they cost no draft forward, only
+verification, which keeps speculation worthwhile at batch sizes where the draft model no longer pays."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .acceptance import AcceptanceEstimator
+from .base import DraftDecision, Policy
+from .costs import CostModel
+
+
+@dataclass
+class AdaptivePolicy(AcceptanceEstimator, Policy):
+    name = "adaptive"
+
+    # Every this many speculative steps, one plain step re-measures plain decoding's cost.
+    refresh_plain_every: int = 32
+    # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
+    # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
+    min_gain: float = 0.1
+    # A catch-up must pay for itself within this many steps: drafting may well stop again before the
+    # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
+    catch_up_horizon: int = 16
+    costs: CostModel = field(default_factory=CostModel)
+    decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
+    # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
+    # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
+    # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
+    # cost is an estimate of its own), and relaxed back towards 1 while that batch size decodes plainly:
+    # a bad stretch at one load must not switch speculation off at another, or for good.
+    calibration: dict[int, float] = field(default_factory=dict)
+    _predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
+    _spec_steps_since_plain: int = 0
+
+    def decide(self, request_ids, catch_up, remaining, lookups) -> DraftDecision:
+        n = len(request_ids)
+        if not self.costs.target.has_plain(n):
+            return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
+        if not self.costs.draft:  # then measure drafting, on the sequence that is cheapest to start
+            probe = min(range(n), key=lambda i: catch_up[i])
+            return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
+        if self._spec_steps_since_plain >= self.refresh_plain_every:
+            self._spec_steps_since_plain = 0
+            return DraftDecision.main_proposer([0] * n)
+        alphas = [self.first_token_acceptance(r) for r in request_ids]
+        decision = self.best_decision(alphas, catch_up, remaining, lookups)
+        starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
+        self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup)
+                           + sum(starting) * self.costs.draft_prefill_per_token, not starting)
+        self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
+        return decision
+
+    def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
+                      lookups: list[tuple[int, int]] | None) -> DraftDecision:
+        """The draft model for everyone, prompt lookup where a sequence has a match, or lookup there and
+        the draft model for the rest: whichever allocation predicts the highest goodput."""
+        n = len(alphas)
+        draft_gains = [self.token_gains(a) for a in alphas]
+        start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
+        for i, (tokens, left) in enumerate(zip(catch_up, remaining)):
+            steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
+            start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
+        options = [self._allocate(draft_gains, [False] * n, start_cost)]
+        if lookups and any(match for match, _ in lookups):
+            use = [match > 0 for match, _ in lookups]
+            lookup_gains = [self.lookup_acceptance.gains(match, offered, self.k_max) for match, offered in lookups]
+            # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
+            # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
+            options.append(self._allocate(lookup_gains, use, start_cost))
+            mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
+            options.append(self._allocate(mixed, use, start_cost))
+        return max(options, key=lambda option: option[1])[0]
+
+    def _allocate(self, gains: list[list[float]], by_lookup: list[bool],
+                  start_cost: list[float]) -> tuple[DraftDecision, float]:
+        """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
+        allocation with the highest predicted goodput; its score is that goodput over the bar it must
+        clear (plain decoding's plus min_gain)."""
+        n = len(gains)
+        candidates = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0),
+                            key=lambda c: (-c[0], c[1]))
+        ks, best, best_score = [0] * n, [0] * n, 1.0
+        emitted, extra = float(n), 0.0
+        plain_rate = emitted / self.costs.step_seconds(ks)
+        calibration = self.calibration.get(n, 1.0)
+        for gain, _, i in candidates:
+            if ks[i] == 0 and not by_lookup[i]:
+                extra += start_cost[i]
+            ks[i] += 1
+            emitted += gain
+            rate = emitted / ((self.costs.step_seconds(ks, by_lookup) + extra) * calibration)
+            score = rate / ((1 + self.min_gain) * plain_rate)
+            if score > best_score:
+                best, best_score = list(ks), score
+        return DraftDecision(best, [by_lookup[i] and k > 0 for i, k in enumerate(best)]), best_score
+
+    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
+                     step_seconds: float | None = None, by_lookup: list[bool] | None = None) -> None:
+        """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
+        (their drafts cost the draft model nothing)."""
+        n = len(ks)
+        if any(ks):
+            if self._predicted and self._predicted[1] and step_seconds:
+                ratio = min(2.0, max(0.5, step_seconds / self._predicted[0]))  # one hiccup must not flip decisions
+                current = self.calibration.get(n, 1.0)
+                self.calibration[n] = current + self.acceptance_smoothing * (ratio - current)
+        elif n in self.calibration:
+            self.calibration[n] += self.acceptance_recovery * (1.0 - self.calibration[n])
+        self._predicted = None
+        self.costs.target.observe(n, n + sum(ks), target_seconds)
+        drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
+        if draft_seconds_per_forward is not None and drafting:
+            self.costs.draft.observe(drafting, draft_seconds_per_forward)
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_draft_prefill(tokens, seconds)

@@ -1,0 +1,57 @@
+"""What every speculation policy decides, and what the engine tells it afterwards."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass
+class DraftDecision:
+    ks: list[int]  # tokens to draft per sequence
+    by_lookup: list[bool]  # per sequence: drafted by the previewing proposer (prompt lookup), not the main one
+
+    @classmethod
+    def main_proposer(cls, ks: list[int]) -> "DraftDecision":
+        return cls(ks, [False] * len(ks))
+
+
+class Policy:
+    """Decides k per sequence and step; the observe_* hooks feed policies that learn (the default: ignore)."""
+
+    name = "policy"
+
+    def __init__(self, k_max: int = 4):
+        self.k_max = k_max
+        self.decisions: Counter = Counter()  # k chosen -> sequence-steps
+
+    def choose(self, request_ids: list[str], catch_up: list[int] | None = None,
+               remaining: list[int] | None = None, lookups: list[tuple[int, int]] | None = None) -> DraftDecision:
+        """k per sequence for this step (the engine still caps each by max_tokens and the context).
+        catch_up: tokens the draft must read before it can draft for the sequence; remaining: tokens the
+        sequence may still emit; lookups: per sequence, the length of its prompt-lookup match and the
+        tokens that match offers ((0, 0): none), where the engine has a previewing proposer."""
+        n = len(request_ids)
+        decision = DraftDecision.main_proposer([0] * n) if self.k_max == 0 else \
+            self.decide(request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups)
+        self.decisions.update(decision.ks)
+        return decision
+
+    def decide(self, request_ids: list[str], catch_up: list[int], remaining: list[int],
+               lookups: list[tuple[int, int]] | None) -> DraftDecision:
+        raise NotImplementedError
+
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
+        """The main proposer's drafts for this sequence in the step just run (drafted 0: it did not draft)."""
+
+    def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
+        """Drafts taken from a preview with a context match of length `match`, in the step just run."""
+
+    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
+                     step_seconds: float | None = None, by_lookup: list[bool] | None = None) -> None:
+        """Measured phases of the step just run."""
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        """A draft model read `tokens` it had missed in `seconds`."""
+
+    def forget(self, request_id: str) -> None:
+        """The sequence finished."""

@@ -1,0 +1,164 @@
+"""The adaptive policy's cost model: measured seconds of target and draft forwards, by size."""
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostTable:
+    """Running mean of a forward's measured seconds by size (tokens in the call, or sequences drafting).
+
+    The first sample of a size is provisional: it often carries one-off work (a first call for a new
+    shape), so it is replaced by the second, and while other sizes have two samples it is not used at
+    all: a size is estimated from the trusted ones instead. Otherwise a pessimistic first sample would
+    keep the policy from ever choosing that size again, and so from correcting it. For the same reason
+    one later sample moves the mean as if it were at most twice the current estimate. Unmeasured sizes
+    are interpolated between the trusted neighbours.
+
+    Outside them the estimate never gets cheaper per unit than the nearest measured size: above the
+    largest it grows in proportion, below the smallest it stays at the smallest's cost. Costs jump
+    where kernels change tiling, so a slope through the measured sizes can be far too optimistic; a
+    pessimistic guess costs little, since the policy then drafts for fewer sequences, which it has
+    measured, and measures larger sizes as it grows into them."""
+
+    smoothing: float = 0.3
+    seconds: dict[int, float] = field(default_factory=dict)
+    samples: Counter = field(default_factory=Counter)
+    _known: dict[int, float] = field(default_factory=dict)  # what lookups use (see above), by size
+    _sizes: list[int] = field(default_factory=list)  # its sizes, sorted
+    _slope: float = 0.0  # slope() of _known
+
+    def observe(self, size: int, seconds: float) -> None:
+        self.samples[size] += 1
+        if self.samples[size] <= 2:
+            self.seconds[size] = seconds
+        else:
+            current = self.seconds[size]
+            self.seconds[size] += self.smoothing * (min(seconds, 2 * current) - current)
+        self._refresh()
+
+    def record(self, size: int, seconds: float) -> None:
+        """A profiled measurement (its warm-up call already left out): trusted at once, like a size seen
+        twice; later observations refine it as usual."""
+        self.samples[size] = max(self.samples[size], 2)
+        self.seconds[size] = seconds
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # the policy looks sizes up many times per step: decide once here which samples it trusts
+        self._known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or dict(self.seconds)
+        self._sizes = sorted(self._known)
+        self._slope = _least_squares_slope(self._known)
+
+    def __bool__(self) -> bool:
+        return bool(self.seconds)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The sizes lookups are based on, sorted."""
+        return self._sizes
+
+    def __call__(self, size: int) -> float:
+        if size <= 0:
+            return 0.0
+        known, sizes = self._known, self._sizes
+        if size in known:
+            return known[size]
+        if not sizes:
+            raise LookupError("nothing measured yet")
+        i = bisect.bisect(sizes, size)
+        if i == 0:
+            return known[sizes[0]]
+        if i == len(sizes):
+            return known[sizes[-1]] * size / sizes[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        return known[lo] + (known[hi] - known[lo]) * (size - lo) / (hi - lo)
+
+    def slope(self) -> float:
+        """Least-squares seconds per unit of size over the trusted sizes (0 with fewer than two)."""
+        return self._slope
+
+
+def _least_squares_slope(known: dict[int, float]) -> float:
+    if len(known) < 2:
+        return 0.0
+    mean_x = sum(known) / len(known)
+    mean_y = sum(known.values()) / len(known)
+    var = sum((x - mean_x) ** 2 for x in known)
+    return max(0.0, sum((x - mean_x) * (known[x] - mean_y) for x in known) / var)
+
+
+@dataclass
+class TargetCost:
+    """One verify/decode forward of the target, by batch size and tokens in the call.
+
+    The batch size matters beside the tokens: a call's tokens are verified one attention call per token,
+    and the weights are streamed once per call, so 8 sequences x 2 tokens cost more than 16 x 1.
+    Within a batch size the measured token counts are interpolated; beyond them the cost grows by a
+    per-token slope: the batch size's own once its measurements span a few tokens, else the median of
+    the other batch sizes', else 2% of its plain step."""
+
+    tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
+    min_slope_span: int = 4  # tokens a batch size's measurements must span for its own slope to count
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def has_plain(self, batch: int) -> bool:
+        """Plain decoding (one token per sequence) has been measured at this batch size."""
+        return batch in self.tables and batch in self.tables[batch].seconds
+
+    def __call__(self, batch: int, tokens: int) -> float:
+        table = self.tables.get(batch)
+        if not table:
+            raise LookupError(f"nothing measured at batch size {batch}")
+        sizes = table.sizes
+        if sizes[0] <= tokens <= sizes[-1]:
+            return table(tokens)
+        edge = sizes[0] if tokens < sizes[0] else sizes[-1]
+        return max(table(edge) + self.slope(batch) * (tokens - edge), 1e-9)
+
+    def slope(self, batch: int) -> float:
+        """Seconds per extra token in a call at this batch size (see the class doc)."""
+        if self._spans(batch):
+            return self.tables[batch].slope()
+        others = sorted(t.slope() for b, t in self.tables.items() if b != batch and self._spans(b))
+        if others:
+            return others[len(others) // 2]
+        table = self.tables[batch]
+        return 0.02 * table(table.sizes[0])
+
+    def _spans(self, batch: int) -> bool:
+        sizes = self.tables[batch].sizes
+        return len(sizes) >= 2 and sizes[-1] - sizes[0] >= self.min_slope_span
+
+
+@dataclass
+class CostModel:
+    target: TargetCost = field(default_factory=TargetCost)  # one verify/decode forward
+    draft: CostTable = field(default_factory=CostTable)  # one draft forward, by sequences in it
+    # A sequence that has not drafted for a while (or ever) makes the draft read its missed tokens first.
+    # Seconds per token of that catch-up (0 until measured: the first sequence that drafts measures it).
+    draft_prefill_per_token: float = 0.0
+    smoothing: float = 0.3
+    _prefill_samples: int = 0
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        per_token = max(0.0, seconds) / tokens
+        self._prefill_samples += 1
+        if self._prefill_samples == 1:
+            self.draft_prefill_per_token = per_token
+        else:
+            self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
+
+    def step_seconds(self, ks: list[int], by_lookup: list[bool] | None = None) -> float:
+        """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all;
+        by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost."""
+        drafting = sorted((k for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i])), reverse=True)
+        draft = sum(self.draft(sum(1 for k in drafting if k > j)) for j in range(drafting[0])) if drafting else 0.0
+        return draft + self.target(len(ks), len(ks) + sum(ks))

@@ -1,0 +1,103 @@
+"""The draft-model proposer on its own: its cache catches up lazily, follows the target's commits and
+rollbacks, frees its slot, and drafts the draft model's own greedy continuation."""
+import pytest
+import torch
+
+from specdecode import SpecDecodeError
+from specdecode.engine.sequence import Sequence
+from specdecode.executor.runner import ModelRunner
+from specdecode.proposers import DraftModelProposer, ProposerSetup, build_proposer
+from specdecode.sampling import SamplingParams
+
+from conftest import tiny_model
+
+
+def _proposer(draft):
+    p = DraftModelProposer(draft)
+    p.reserve(num_slots=2, max_model_len=64)
+    return p
+
+
+def _seq(ids):
+    return Sequence(list(ids), SamplingParams(temperature=0), None)
+
+
+def _greedy_continuation(model, ids, k):
+    runner = ModelRunner(model, 1, 64)
+    slot, out = runner.allocate(), []
+    inputs = list(ids)
+    for _ in range(k):
+        token = int(runner.forward([slot], [inputs], logits="last")[0].argmax())
+        runner.commit(slot, runner.length(slot) + len(inputs))
+        out.append(token)
+        inputs = [token]
+    return out
+
+
+def test_drafts_are_the_draft_models_greedy_continuation(random_draft):
+    proposer, seq = _proposer(random_draft), _seq([5, 6, 7, 8])
+    drafts = proposer.propose([seq], [3], [None])
+    assert drafts.tokens == [_greedy_continuation(random_draft.model, [5, 6, 7, 8], 3)]
+    assert drafts.probs == [None]  # greedy drafting: one-hot q
+
+
+def test_catches_up_lazily_and_rolls_back_to_what_the_target_kept(random_draft):
+    proposer, seq = _proposer(random_draft), _seq([5, 6, 7, 8])
+    assert proposer.unseen_tokens(seq) == 4  # never drafted for it: the whole prompt
+    first = proposer.propose([seq], [3], [None]).tokens[0]
+    # the draft has read the prompt and its first two drafts (the third is sampled, not fed back yet)
+    assert proposer.unseen_tokens(seq) == 4 - 6
+    seq.output_ids = [first[0], 60]  # the target kept one draft, then emitted its own token
+    proposer.commit(seq, 5)
+    assert proposer.unseen_tokens(seq) == 1  # only the target's own token is new to the draft
+    again = proposer.propose([seq], [2], [None]).tokens[0]
+    assert again == _greedy_continuation(random_draft.model, seq.token_ids, 2)
+
+
+def _first_draft_distribution(proposer, seq):
+    seq.params, seq.generator = SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
+    return proposer.propose([seq], [1], [None]).probs[0][0]
+
+
+@pytest.mark.parametrize("rolls_back", [True, False])
+def test_the_next_draft_sees_exactly_the_kept_text(random_draft, rolls_back):
+    """The draft's next distribution equals a fresh draft's on the kept text, and a broken variant that
+    skips the rollback (rejected drafts stay in its cache) is caught by the same comparison."""
+    proposer, seq = _proposer(random_draft), _seq([5, 6, 7, 8])
+    first = proposer.propose([seq], [3], [None]).tokens[0]
+    seq.output_ids = [first[0], (first[1] + 1) % 60]  # the second draft was rejected
+    if rolls_back:
+        proposer.commit(seq, 5)
+    seq.output_ids.append(61)  # the next step's pending token
+    fresh = _first_draft_distribution(_proposer(random_draft), _seq(seq.token_ids))
+    assert torch.allclose(_first_draft_distribution(proposer, seq), fresh) == rolls_back
+
+
+def test_release_frees_the_slot(random_draft):
+    proposer = _proposer(random_draft)
+    seqs = [_seq([1, 2, 3]), _seq([4, 5, 6])]
+    proposer.propose(seqs, [1, 1], [None, None])
+    assert proposer.runner.num_free == 0
+    with pytest.raises(SpecDecodeError, match="slots are in use"):
+        proposer.propose([_seq([7, 8])], [1], [None])
+    proposer.release(seqs[0])
+    proposer.propose([_seq([7, 8])], [1], [None])
+
+
+def test_the_registry_builds_it_and_refuses_another_vocabulary(target, random_draft):
+    built = build_proposer("draft_model", ProposerSetup(target, loaded=random_draft))
+    assert isinstance(built, DraftModelProposer) and built.model is random_draft.model
+    other = tiny_model(seed=1, vocab=32)
+    with pytest.raises(SpecDecodeError, match="different vocabularies"):
+        build_proposer("draft_model", ProposerSetup(target, loaded=other))
+    with pytest.raises(SpecDecodeError, match="unknown proposer"):
+        build_proposer("no-such-kind", ProposerSetup(target))
+
+
+def test_sampled_drafts_carry_their_distribution(random_draft):
+    proposer = _proposer(random_draft)
+    seq = Sequence([1, 2, 3], SamplingParams(temperature=0.8, seed=1), torch.Generator().manual_seed(1))
+    drafts = proposer.propose([seq], [3], [None])
+    q = drafts.probs[0]
+    assert q.shape == (3, random_draft.config.vocab_size)
+    assert torch.allclose(q.sum(-1), torch.ones(3)) and all(q[i, t] > 0 for i, t in enumerate(drafts.tokens[0]))
