@@ -4,7 +4,7 @@ import json
 import pytest
 
 from specdecode import SpecDecodeError
-from specdecode.bench.plan import PlanOptions, calibrate, expected_tokens, predict
+from specdecode.bench.advisor import AdvisorOptions, calibrate, expected_tokens, predict
 from specdecode.bench.report import write_report
 from specdecode.bench.sweep import InProcessRunner, add_speedups, measure_grid, parse_config, read_config
 
@@ -121,7 +121,7 @@ def test_in_process_sweep_writes_results_and_report(tmp_path, models):
 def test_plan_with_a_self_draft_expects_every_token(models):
     """A draft identical to the target is always accepted, so a step with k drafts emits exactly k + 1."""
     target, _ = models
-    options = PlanOptions(k_max=3, batch_sizes=[1, 2], num_prompts=1, max_tokens=8, context=16, repeats=1,
+    options = AdvisorOptions(k_max=3, batch_sizes=[1, 2], num_prompts=1, max_tokens=8, context=16, repeats=1,
                           dataset="sonnet:200")
     plan = calibrate(target, target, options)
     assert plan["prefix_acceptance"] == [1.0, 1.0, 1.0]

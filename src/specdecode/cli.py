@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_serve(args)
         if args.command == "plan":
-            from .bench.plan import run_plan_cli
+            from .bench.advisor import run_advisor_cli
 
-            return run_plan_cli(args)
+            return run_advisor_cli(args)
         # a benchmark stops the servers it started on its way out: make SIGTERM take that way (its default
         # ends the process at once and leaves them running)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

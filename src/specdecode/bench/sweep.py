@@ -37,7 +37,7 @@ from ..proposers.registry import DRAFT_MODEL
 from .datasets import load_prompts, repeat_to
 from .formatting import fmt, mean, ratio
 from .load import LoadResult, RequestResult, run_load, send_requests, token_counter
-from .plan import PlanOptions, calibrate, print_plan
+from .advisor import AdvisorOptions, calibrate, print_advice
 from .report import write_report
 from .results import command_line, machine_info, speedup_against
 from .server_process import ServerProcess, serve_argv
@@ -102,7 +102,7 @@ class SweepConfig:
     seed: int = 0
     sonnet_file: str | None = None
     out: str = "results/sweep"
-    plan: dict | None = None  # options for the advisor's calibration run (see bench/plan.py), or none
+    plan: dict | None = None  # options for the advisor's calibration run (see bench/advisor.py), or none
     cells: list[Cell] = field(default_factory=list)
 
 
@@ -386,9 +386,9 @@ def run_plan_step(config: SweepConfig, runner, out: Path) -> None:
     the measured cells."""
     if not isinstance(runner, InProcessRunner):  # server mode: the models are loaded here for the calibration only
         runner = InProcessRunner(config, [Cell(proposer="draft")])
-    options = PlanOptions(**config.plan)
+    options = AdvisorOptions(**config.plan)
     plan = calibrate(runner.target, runner.draft_model(), options, config.seed)
-    print_plan(plan)
+    print_advice(plan)
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
 
 

@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from .formatting import fmt, markdown_heading, markdown_images, mean, ratio
-from .plan import plan_table, recommendation
+from .advisor import plan_table, recommendation
 from .plots import label_axes, log2_axis, parity_line, plot_concurrency, pyplot, save
 
 

@@ -24,7 +24,7 @@ from .results import command_line, write_json
 
 
 @dataclass
-class PlanOptions:
+class AdvisorOptions:
     k_max: int = 6
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     num_prompts: int = 3
@@ -40,7 +40,7 @@ class PlanOptions:
             raise SpecDecodeError(f"plan batch_sizes must be positive integers, got {self.batch_sizes}")
 
 
-def measure_acceptance(target, draft, options: PlanOptions, seed: int) -> list[float]:
+def measure_acceptance(target, draft, options: AdvisorOptions, seed: int) -> list[float]:
     """p_i for i = 1..k_max: the share of speculative steps whose first i draft tokens were all accepted."""
     from ..engine.llm import LLM
     from ..sampling import SamplingParams
@@ -66,7 +66,7 @@ def predict(prefix_acceptance: list[float], target_s: dict, draft_s: dict, k: in
     return expected_tokens(prefix_acceptance, k) * target_s[b][1] / spec
 
 
-def calibrate(target, draft, options: PlanOptions, seed: int = 0) -> dict:
+def calibrate(target, draft, options: AdvisorOptions, seed: int = 0) -> dict:
     if draft is None:
         raise SpecDecodeError("the plan needs a draft model (it predicts draft-model speculation)")
     started = time.perf_counter()
@@ -114,17 +114,17 @@ def recommendation(plan: dict) -> str:
                    if above else f"; speculation pays at every batch size measured (up to {up_to})")
 
 
-def print_plan(plan: dict) -> None:
+def print_advice(plan: dict) -> None:
     print(f"predicted speedup over plain decoding (draft {plan['draft']}, target {plan['target']}):")
     print(plan_table(plan))
     print(recommendation(plan), flush=True)
 
 
-def run_plan_cli(args) -> int:
+def run_advisor_cli(args) -> int:
     from ..models.sources import default_draft
     from ..models.loader import load_model
 
-    options = PlanOptions(k_max=args.k_max, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
+    options = AdvisorOptions(k_max=args.k_max, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
                           max_tokens=args.max_tokens, context=args.context)
     draft_name = default_draft(args.model, args.draft)
     if not draft_name:
@@ -135,6 +135,6 @@ def run_plan_cli(args) -> int:
           f"step costs at batch sizes {options.batch_sizes}", flush=True)
     plan = calibrate(target, draft, options)
     plan["command"] = command_line()
-    print_plan(plan)
+    print_advice(plan)
     write_json(args.out, plan)
     return 0
