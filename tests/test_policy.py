@@ -37,6 +37,7 @@ def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: floa
         p.costs.target.observe(n, tokens, 1.0 + verify_growth * (tokens - n))
     for m in range(1, n + 1):
         p.costs.draft.observe(m, c)
+    p.depth[1] = (0.0, 0.0)  # drafting has been tried (no first probe); later positions stay at the prior
     return p
 
 
@@ -214,11 +215,14 @@ def test_acceptance_estimates_are_unbiased():
 @pytest.mark.parametrize("earlier, draft_cost, drafts", [(0.95, 0.55, True), (0.3, 0.3, False)])
 def test_a_new_request_starts_from_the_acceptance_of_earlier_ones(earlier, draft_cost, drafts):
     """Costs where the fixed prior (0.7) decides one way and the acceptance earlier requests measured
-    the other: a new request follows the measured one from its first step."""
+    the other: a new request follows the measured one from its first step. (A fresh policy probes once
+    first: with a prior that predicts no gain, drafting would otherwise never be measured.)"""
     p = make_policy("adaptive", 4)
     for _ in range(2):
         p.costs.target.observe(1, 1, 1.0)
         p.costs.draft.observe(1, draft_cost)
+    assert p.choose(["fresh"]).ks[0] > 0  # drafting never tried: one probe, whatever the prior predicts
+    p.depth[1] = (0.0, 0.0)  # suppose that probe told nothing
     assert (p.choose(["fresh"]).ks[0] > 0) != drafts  # what the prior alone would do
     for i in range(20):  # earlier requests, each forgotten when it ends; later positions as the prior
         _simulate(p, earlier, p.prior_acceptance, steps=40, request_id=f"old{i}")

@@ -41,7 +41,9 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
         n = len(request_ids)
         if not self.costs.target.has_plain(n):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
-        if not self.costs.draft:  # then measure drafting, on the sequence that is cheapest to start
+        # then measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior
+        # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
+        if not self.costs.draft or not self.depth:
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
         if self._spec_steps_since_plain >= self.refresh_plain_every:
