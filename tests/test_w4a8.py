@@ -69,6 +69,23 @@ def test_w4a8_linear_is_close_to_the_float_product_and_row_invariant():
     assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
 
 
+def test_the_avx2_path_computes_what_the_native_path_does():
+    """Both instruction-set paths, on any machine that runs both: the AVX2 kernel (maddubs) gives the
+    native one's results bit for bit (integer sums are exact, the float steps are the same), so a
+    result measured on one kind of machine holds on the other."""
+    from specdecode.executor import kernels
+
+    avx2 = kernels.load("w4a8", isa="avx2")
+    assert avx2 is not None and avx2.w4a8_isa() == 256
+    raw = random_q4_k(48, 1024, seed=4)
+    layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
+    x = torch.randn(9, 1024)
+    native = layer(x)
+    layer.lib = avx2
+    assert torch.equal(layer(x), native)
+    assert torch.equal(layer(x[3:4]), native[3:4])
+
+
 def test_model_with_mixed_formats_tracks_the_float_model():
     """q/k in Q4_K beside an int8 v under one bias (a ConcatLinear): the bias is added once."""
     model, reference = tiny_q4_k_model()

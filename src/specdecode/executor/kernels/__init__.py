@@ -23,13 +23,19 @@ from ..cpu import cpu_flags
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
+# Instruction sets a kernel can be built for below the machine's own: each path is tested on any machine
+# that has it (an AVX-512 machine runs the AVX2 path too).
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
+def load(name: str, isa: str = "native") -> ctypes.CDLL | None:
     source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha1(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    flags = FLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha1(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     path = os.path.join(cache_root(), "kernels", f"{name}-{key}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -38,7 +44,7 @@ def load(name: str) -> ctypes.CDLL | None:
             with open(src, "wb") as f:
                 f.write(source)
             built = os.path.join(tmp, f"{name}.so")
-            done = subprocess.run([compiler, *FLAGS, src, "-o", built], capture_output=True, text=True)
+            done = subprocess.run([compiler, *flags, src, "-o", built], capture_output=True, text=True)
             if done.returncode != 0:
                 return None
             os.replace(built, path)

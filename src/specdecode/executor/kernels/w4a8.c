@@ -26,6 +26,18 @@
 // Independent integer accumulators per row of x: with few rows, one chain of dependent dot products
 // would leave the CPU waiting on each one's latency.
 #define NACC(rows) ((rows) >= 4 ? 1 : (rows) >= 2 ? 2 : 4)
+// Packed weights are requested this many bytes ahead of use: the hardware prefetcher alone leaves
+// bandwidth unused on a weight stream read once per step (docs/decisions.md).
+#define PREFETCH_AHEAD 1024
+
+// The 256 bytes of packed weights that group g's sub-block j + PREFETCH_AHEAD / 256 will read.
+static inline void prefetch_weights(const uint8_t *qg, int j) {
+    const char *p = (const char *)(qg + (size_t)j * 256 + PREFETCH_AHEAD);
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(p + 128, _MM_HINT_T0);
+    _mm_prefetch(p + 192, _MM_HINT_T0);
+}
 
 // Per block of 32: int8 values, their scale, and their sum times the scale (for the weights' mins).
 static void quantize_blocks(const float *x, int M, int K, int8_t *xq, float *sx, float *xsum) {
@@ -71,6 +83,7 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
         __m512 min = _mm512_mul_ps(_mm512_loadu_ps(dmin + sb),
                                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + at)))));
         __m512i acc[ROW_TILE][4];
+        prefetch_weights(qg, j);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
             _Pragma("GCC unroll 4") for (int a = 0; a < NACC(rows); a++) acc[r][a] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {  // 8 weights per output row
@@ -116,6 +129,7 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
             __m256 min = _mm256_mul_ps(_mm256_loadu_ps(dmin + sb),
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + at)))));
             __m256i acc[ROW_TILE][4];
+            if (half == 0) prefetch_weights(qg, j);
             _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
                 _Pragma("GCC unroll 4") for (int a = 0; a < NACC(rows); a++) acc[r][a] = _mm256_setzero_si256();
             _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
