@@ -1,6 +1,6 @@
-"""The w4a8 backend: GGUF Q4_K weights kept as stored, int8 activations per row, this package's kernel.
-A tiny model is built from random Q4_K blocks (one q/k/v part in another format, as in Q4_K_M files) and
-compared with the same weights dequantized to float."""
+"""The w4a8 backend: GGUF Q4_K and Q6_K weights kept as stored, int8 activations per block of 32, this
+package's kernels. A tiny model is built from random Q4_K and Q6_K blocks (v and the LM head in Q6_K, as
+in Q4_K_M files) and compared with the same weights dequantized to float."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +10,8 @@ from gguf.quants import dequantize
 from specdecode import LLM, SamplingParams
 from specdecode.executor import backends
 from specdecode.executor.backends import build_quantized_model, quantize_weights
-from specdecode.executor.quant import ConcatLinear, W4A8Linear, pack_w4a8, split_q4_k, w4a8_supported
+from specdecode.executor.quant import (ConcatLinear, W4A8Linear, W6A8Linear, pack_w4a8, pack_w6a8, split_q4_k,
+                                      split_q6_k, w4a8_supported)
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.gguf_loader import RawTensor
 from specdecode.models.loader import LoadedModel
@@ -19,7 +20,7 @@ from specdecode.models.runtime import build_model
 from conftest import ByteTokenizer, random_hf_weights, tiny_config
 
 pytestmark = pytest.mark.skipif(not w4a8_supported(), reason="the w4a8 kernel needs a C compiler and AVX2/FMA")
-Q4_K = GGMLQuantizationType.Q4_K
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
 
 def random_q4_k(rows: int, columns: int, seed: int, zero_mean: bool = False) -> RawTensor:
@@ -35,18 +36,30 @@ def random_q4_k(rows: int, columns: int, seed: int, zero_mean: bool = False) -> 
     return RawTensor(Q4_K, columns, torch.from_numpy(blocks.reshape(rows, -1)))
 
 
+def random_q6_k(rows: int, columns: int, seed: int) -> RawTensor:
+    """Valid Q6_K blocks: random 6-bit values (spread around 32, the zero), positive or negative 8-bit
+    scales and a small fp16 d."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, columns // 256, 210), dtype=np.uint8)
+    blocks[..., 192:208] = rng.integers(-40, 40, size=(rows, columns // 256, 16), dtype=np.int8).view(np.uint8)
+    d = rng.uniform(0.0005, 0.0015, (rows, columns // 256)).astype(np.float16)
+    blocks[..., 208:210] = d.view(np.uint8).reshape(rows, columns // 256, 2)
+    return RawTensor(Q6_K, columns, torch.from_numpy(blocks.reshape(rows, -1)))
+
+
 def as_float(raw: RawTensor) -> torch.Tensor:
-    return torch.from_numpy(dequantize(raw.blocks.numpy(), Q4_K).reshape(-1, raw.columns).copy())
+    return torch.from_numpy(dequantize(raw.blocks.numpy(), raw.qtype).reshape(-1, raw.columns).copy())
 
 
 def tiny_q4_k_model(seed: int = 0, layers: int = 2):
-    """(w4a8 model, the same weights in float32). q, k and the MLP are Q4_K; v and the LM head float."""
+    """(w4a8 model, the same weights in float32). q, k, o and the MLP are Q4_K; v and the LM head Q6_K."""
     cfg = tiny_config(hidden=256, intermediate=512, layers=layers)
     named = dict(random_hf_weights(cfg, seed))
     for i, name in enumerate(list(named)):
-        if name.endswith(("q_proj.weight", "k_proj.weight", "o_proj.weight", "_proj.weight")) \
-                and "v_proj" not in name:
-            rows, columns = named[name].shape
+        rows, columns = named[name].shape[0], named[name].shape[-1]
+        if name.endswith(("v_proj.weight", "lm_head.weight")):
+            named[name] = random_q6_k(rows, columns, seed * 1000 + i)
+        elif name.endswith("_proj.weight"):
             named[name] = random_q4_k(rows, columns, seed * 1000 + i, zero_mean=True)
     floats = {k: as_float(v) if isinstance(v, RawTensor) else v for k, v in named.items()}
     model = build_quantized_model(cfg, quantize_weights(named.items(), backends.int8_weight_max()), "w4a8", "cpu")
@@ -57,6 +70,22 @@ def test_repacking_keeps_every_value():
     raw = random_q4_k(32, 512, seed=1)
     layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
     assert torch.equal(layer.dequantize(), as_float(raw))
+    raw6 = random_q6_k(32, 512, seed=1)
+    assert torch.equal(W6A8Linear(pack_w6a8(split_q6_k(raw6.blocks))).dequantize(), as_float(raw6))
+
+
+def test_w6a8_linear_is_close_to_the_float_product_row_invariant_and_the_same_on_avx2():
+    from specdecode.executor import kernels
+
+    raw = random_q6_k(48, 768, seed=2)
+    layer = W6A8Linear(pack_w6a8(split_q6_k(raw.blocks)))
+    x = torch.randn(11, 768)  # more rows than one tile of the kernel
+    exact = x @ as_float(raw).T
+    y = layer(x)
+    assert (y - exact).norm() / exact.norm() < 0.02
+    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
+    layer.lib = kernels.load("lowbit", isa="avx2")
+    assert torch.equal(layer(x), y)
 
 
 def test_w4a8_linear_is_close_to_the_float_product_and_row_invariant():
@@ -75,7 +104,7 @@ def test_the_avx2_path_computes_what_the_native_path_does():
     result measured on one kind of machine holds on the other."""
     from specdecode.executor import kernels
 
-    avx2 = kernels.load("w4a8", isa="avx2")
+    avx2 = kernels.load("lowbit", isa="avx2")
     assert avx2 is not None and avx2.w4a8_isa() == 256
     raw = random_q4_k(48, 1024, seed=4)
     layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
@@ -87,10 +116,11 @@ def test_the_avx2_path_computes_what_the_native_path_does():
 
 
 def test_model_with_mixed_formats_tracks_the_float_model():
-    """q/k in Q4_K beside an int8 v under one bias (a ConcatLinear): the bias is added once."""
+    """q/k in Q4_K beside a Q6_K v under one bias (a ConcatLinear): the bias is added once."""
     model, reference = tiny_q4_k_model()
     assert isinstance(model.layers[0].self_attn.qkv_proj, ConcatLinear)
-    assert isinstance(model.layers[0].mlp.gate_up_proj, W4A8Linear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj.parts[2], W6A8Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, W4A8Linear) and isinstance(model.lm_head, W6A8Linear)
     ids = list(range(1, 48))
     got, expected = (ModelRunner(m, 1, 64).forward([0], [ids], "all") for m in (model, reference))
     # a doubled bias (each part's, then the concatenation's) measures 0.55 and 0.32 here

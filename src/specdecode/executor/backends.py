@@ -4,8 +4,8 @@
   float32 elsewhere).
 - "w8a8": int8 weights x int8 activations per row, by FBGEMM (x86 CPUs). Float32 activations around it.
 - "w8a16": int8 weights with bfloat16 activations (CPUs with native bf16).
-- "w4a8": GGUF Q4_K weights kept as stored (4.5 bits) times int8 activations (a scale per 32 values),
-  by this package's kernel (AVX2 or AVX512-VNNI); the file's other weights (Q6_K, Q8_0, ...) as in w8a8.
+- "w4a8": GGUF Q4_K and Q6_K weights kept as stored (4.5 and 6.56 bits) times int8 activations (a scale
+  per 32 values), by this package's kernels (AVX2 or AVX512-VNNI); the file's other formats as in w8a8.
 - "w4a8-all": every linear weight in 4 bits, requantized where the file stores more. Lossy beyond the
   file: the default for draft models, whose weights only propose (verification keeps the output exact).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..config import QUANTIZATIONS, ModelConfig
@@ -25,8 +26,9 @@ from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
 from .cpu import cpu_flags, cpu_has_native_bf16
-from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W8A8Linear, W8A16Linear, pack_w4a8, quantize_rows,
-                    quantize_4bit, split_q4_k, w4a8_packable, w4a8_supported, w8a8_supported, w8a16_supported)
+from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W6A8Linear, W8A8Linear, W8A16Linear, pack_w4a8,
+                    pack_w6a8, quantize_4bit, quantize_rows, split_q4_k, split_q6_k, w4a8_packable, w4a8_supported,
+                    w6a8_packable, w8a8_supported, w8a16_supported)
 
 INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear, "w4a8-all": W8A8Linear}
 
@@ -99,8 +101,10 @@ def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], qmax
     for name, tensor in named:
         four_bit = name != "model.embed_tokens.weight" and is_linear_weight(name)
         if isinstance(tensor, RawTensor):
-            if four_bit and w4a8_packable(tensor.columns, tensor.blocks.shape[0]):
-                out.update({f"{name}.{k}": v for k, v in pack_w4a8(split_q4_k(tensor.blocks)).items()})
+            packed = _pack_as_stored(tensor) if is_linear_weight(name) and name != "model.embed_tokens.weight" \
+                else None
+            if packed is not None:
+                out.update({f"{name}.{k}": v for k, v in packed.items()})
                 continue
             tensor = _dequantize_raw(tensor)
         if all_4bit and four_bit and w4a8_packable(tensor.shape[1], tensor.shape[0]):
@@ -110,6 +114,16 @@ def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], qmax
         else:
             out[name] = tensor.float()
     return out
+
+
+def _pack_as_stored(raw: RawTensor) -> dict[str, torch.Tensor] | None:
+    """A GGUF tensor in the layout of the kernel for its format (None where no kernel takes it)."""
+    rows = raw.blocks.shape[0]
+    if raw.qtype == GGMLQuantizationType.Q4_K and w4a8_packable(raw.columns, rows):
+        return pack_w4a8(split_q4_k(raw.blocks))
+    if raw.qtype == GGMLQuantizationType.Q6_K and w6a8_packable(raw.columns, rows):
+        return pack_w6a8(split_q6_k(raw.blocks))
+    return None
 
 
 def _dequantize_raw(raw: RawTensor) -> torch.Tensor:
@@ -124,7 +138,7 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
     dtype = activation_dtype(quantization, "auto", device)
     with torch.device("meta"):
         model = Transformer(cfg)
-    if "lm_head.weight" not in tensors and "lm_head.weight.q" not in tensors:  # tied: the head is the embedding
+    if _stored_format(tensors, "lm_head") is None and "lm_head.weight" not in tensors:  # tied: the embedding
         tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"],
                    "lm_head.weight_scale": tensors["model.embed_tokens.weight_scale"]}
     for name, module in list(model.named_modules()):
@@ -150,16 +164,25 @@ def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: st
     v beside Q4_K q and k) become one layer each, side by side, under one bias."""
     biases = [tensors.get(f"{p}.bias") for p in parts]
     bias = None if biases[0] is None or not with_bias else torch.cat(biases).to(device=device, dtype=dtype)
-    q4_k = [f"{p}.weight.q" in tensors for p in parts]
-    if all(q4_k):
-        arrays = {key: torch.cat([tensors[f"{p}.weight.{key}"] for p in parts]) for key in W4A8Linear.NAMES}
-        return W4A8Linear(arrays, bias)
-    if not any(q4_k):
+    formats = {_stored_format(tensors, p) for p in parts}
+    if formats in ({W4A8Linear}, {W6A8Linear}):
+        layer = formats.pop()
+        arrays = {key: torch.cat([tensors[f"{p}.weight.{key}"] for p in parts]) for key in layer.NAMES}
+        return layer(arrays, bias)
+    if formats == {None}:
         q = torch.cat([tensors[f"{p}.weight"] for p in parts]).to(device)
         scale = torch.cat([tensors[f"{p}.weight_scale"] for p in parts]).to(device)
         layer = INT8_LINEAR[quantization]
         return layer(q, scale, bias) if layer is W8A8Linear else layer(q, scale, bias, dtype)
     return ConcatLinear([_linear(tensors, [p], quantization, device, dtype, with_bias=False) for p in parts], bias)
+
+
+def _stored_format(tensors: dict[str, torch.Tensor], part: str) -> type[nn.Module] | None:
+    """The kernel layer whose layout a weight was packed in (None: int8 rows)."""
+    for layer in (W4A8Linear, W6A8Linear):
+        if f"{part}.weight.{layer.NAMES[0]}" in tensors:
+            return layer
+    return None
 
 
 def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:

@@ -4,7 +4,7 @@ Every layer here keeps each output row independent of the other rows computed wi
 logits are the same whether it is decoded alone or verified beside k drafts (greedy speculation then
 reproduces plain decoding exactly):
 - `W4A8Linear`: 4-bit weights (GGUF Q4_K as stored, or requantized) times int8 activations with a scale
-  per 32 values, by this package's kernel (kernels/w4a8.c).
+  per 32 values, by this package's kernel (kernels/lowbit.c).
 - `W8A8Linear`: int8 weights (per output channel) times int8 activations quantized per row, summed in
   int32 by FBGEMM. Integer sums are exact, and per-row scales make each row's quantization its own.
 - `W8A16Linear`: int8 weights, bf16 activations (torch's weight-only int8 kernel).
@@ -192,7 +192,7 @@ def w4a8_packable(columns: int, rows: int) -> bool:
 
 class W4A8Linear(nn.Module):
     """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
-    with a scale per 32 values, by this package's kernel (executor/kernels/w4a8.c): 40% fewer bytes per
+    with a scale per 32 values, by this package's kernel (executor/kernels/lowbit.c): 40% fewer bytes per
     step than int8, and a verify of a few tokens costs little more than one decode step."""
 
     NAMES = ("q", "sc", "mn", "d", "dmin")
@@ -201,7 +201,7 @@ class W4A8Linear(nn.Module):
         super().__init__()
         from .kernels import load
 
-        self.lib = load("w4a8")
+        self.lib = load("lowbit")
         groups, column_groups = packed["q"].shape[:2]
         self.out_features, self.in_features = groups * W4A8_GROUP, column_groups * 8
         for name in self.NAMES:
@@ -237,6 +237,98 @@ class W4A8Linear(nn.Module):
         return W8A8Linear(*quantize_rows(self.dequantize()[ids], 127), bias)
 
 
+Q6_K_BLOCK_BYTES = 210
+
+
+def split_q6_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GGUF Q6_K blocks [rows, 210 * K/256] -> 6-bit values q [rows, K] in weight order, a signed 8-bit
+    scale per 16 weights and d per 256 (no value changes: w = d * sc * (q - 32)).
+
+    A block holds 128 bytes of low nibbles, 64 bytes of top bit pairs, 16 scales and d (fp16); each half
+    of 128 weights takes 64 low-nibble bytes and 32 top-bit bytes, four weights 32 apart per byte pair."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, Q6_K_BLOCK_BYTES)
+    ql, qh = b[..., :128].reshape(rows, -1, 2, 64), b[..., 128:192].reshape(rows, -1, 2, 32)
+    low = torch.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=-2)
+    top = torch.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
+    q = (low | (top << 4)).reshape(rows, -1)  # [rows, blocks, half, quarter, 32] -> weight order
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+    d = b[..., 208:210].contiguous().view(torch.float16).float().reshape(rows, -1)
+    return {"q": q, "sc": sc, "d": d}
+
+
+def pack_w6a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Q6_K arrays (split_q6_k) -> the kernel's layout (see lowbit.c): low nibbles as w4a8's q, top bit
+    pairs four to a byte, scales and d per group of 16 output rows. Values are moved, never changed."""
+    q = arrays["q"]
+    rows, cols = q.shape
+    groups = rows // W4A8_GROUP
+    q = q.reshape(groups, W4A8_GROUP, cols // 8, 8).permute(0, 2, 1, 3)  # [G, K/8, 16 rows, 8 weights]
+    low, top = q & 0xF, q >> 4
+    lo = (low[..., :4] | (low[..., 4:] << 4)).contiguous()  # [G, K/8, 16, 4]: lane = row * 4 + e
+    pairs = (top[..., :4] | (top[..., 4:] << 2)).reshape(groups, cols // 8, 64)  # per lane: (e, 4+e)
+    hi = (pairs[..., :32] | (pairs[..., 32:] << 4)).to(torch.uint8).contiguous()
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(groups, W4A8_GROUP, -1).transpose(1, 2).contiguous()
+
+    return {"lo": lo.to(torch.uint8), "hi": hi, "sc": by_group(arrays["sc"]), "d": by_group(arrays["d"])}
+
+
+def w6a8_packable(columns: int, rows: int) -> bool:
+    return columns % 256 == 0 and rows % W4A8_GROUP == 0
+
+
+class W6A8Linear(nn.Module):
+    """6-bit weights (GGUF Q6_K as stored: 6.56 bits per weight) times int8 activations with a scale per
+    32 values, by this package's kernel (executor/kernels/lowbit.c): a fifth fewer bytes than int8 rows
+    for the file's Q6_K tensors (the LM head among them), computed as precisely as the file allows."""
+
+    NAMES = ("lo", "hi", "sc", "d")
+
+    def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        from .kernels import load
+
+        self.lib = load("lowbit")
+        groups, column_groups = packed["lo"].shape[:2]
+        self.out_features, self.in_features = groups * W4A8_GROUP, column_groups * 8
+        for name in self.NAMES:
+            self.register_buffer(name, packed[name].contiguous())
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .kernels import ptr
+
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(rows.shape[0], self.out_features)
+        self.lib.w6a8_linear(ptr(rows), rows.shape[0], self.in_features, self.out_features,
+                             *(ptr(getattr(self, name)) for name in self.NAMES), ptr(y), torch.get_num_threads())
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def values(self) -> torch.Tensor:
+        """The 6-bit values q [out, in] (0..63) as stored."""
+        g, kk = self.lo.shape[:2]
+        low = torch.stack([self.lo & 0xF, self.lo >> 4], dim=3)  # [G, K/8, 16, 2, 4]
+        pairs = torch.cat([self.hi & 0xF, self.hi >> 4], dim=-1).reshape(g, kk, W4A8_GROUP, 4)
+        top = torch.stack([pairs & 3, pairs >> 2], dim=3)  # [G, K/8, 16, 2, 4]
+        q = low | (top << 4)
+        return q.permute(0, 2, 1, 3, 4).reshape(self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weights [out, in] this layer computes with (as gguf computes them: (d * sc) * (q - 32))."""
+        expand = lambda t, n: t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(n, dim=1)  # noqa: E731
+        scale = expand(self.d, 256) * expand(self.sc.float(), 16)
+        return scale * (self.values().float() - 32)
+
+    def select_rows(self, ids: torch.Tensor) -> nn.Module:
+        """A vocabulary subset for a draft's LM head (any number of rows): as int8 rows."""
+        bias = None if self.bias is None else self.bias[ids]
+        return W8A8Linear(*quantize_rows(self.dequantize()[ids], 127), bias)
+
+
 class ConcatLinear(nn.Module):
     """Output rows of several layers side by side (a fused q/k/v whose parts are stored in different
     formats)."""
@@ -256,5 +348,5 @@ def w4a8_supported() -> bool:
     """The kernel compiles (a C compiler is present) and the CPU has AVX2 and FMA at least."""
     from .kernels import load
 
-    lib = load("w4a8")
+    lib = load("lowbit")
     return lib is not None and lib.w4a8_isa() > 0

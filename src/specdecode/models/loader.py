@@ -70,7 +70,7 @@ def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[
 def load_low_bit_weights(name: str, quantization: str, progress: bool = True
                          ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Linear weights (and the embedding) as int8 rows with a `weight_scale` each, or for w4a8 the GGUF's
-    Q4_K weights in the kernel's layout; the rest float32.
+    Q4_K (and, but for w4a8-all, Q6_K) weights in the kernels' layouts; the rest float32.
 
     A GGUF file streams one tensor at a time, so the float model never exists whole; the result is
     cached (about a byte per weight or less), so later loads only read it back."""
@@ -85,8 +85,9 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
         cfg, tensors = _load_hf_checkpoint(source.path)
         return cfg, quantize_weights(tensors.items(), qmax, all_4bit)
     folder = _cache_dir_for(source, "weights")
-    keep_q4_k = quantization.startswith("w4a8")
-    path = os.path.join(folder, f"{quantization if keep_q4_k else 'int8'}-max{qmax}.safetensors")
+    as_stored = quantization.startswith("w4a8")
+    # v2: Q6_K tensors as stored (before: int8 rows); a layout change must not read an older file
+    path = os.path.join(folder, f"{quantization + '-v2' if as_stored else 'int8'}-max{qmax}.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(path) and os.path.exists(config_path):
         from safetensors.torch import load_file
@@ -94,7 +95,10 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
         return ModelConfig(**json.load(open(config_path))), load_file(path)
     from .gguf_loader import iter_gguf_tensors
 
-    raw = frozenset({GGMLQuantizationType.Q4_K}) if keep_q4_k else frozenset()
+    raw = frozenset()  # GGUF blocks the kernels take as stored; everything else arrives as float
+    if as_stored:
+        raw = frozenset({GGMLQuantizationType.Q4_K} if all_4bit
+                        else {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
     cfg, named = iter_gguf_tensors(source.path, progress, raw)
     tensors = quantize_weights(named, qmax, all_4bit)
     _save_cache(tensors, path, cfg, config_path)
