@@ -190,35 +190,64 @@ def w4a8_packable(columns: int, rows: int) -> bool:
     return columns % 64 == 0 and rows % W4A8_GROUP == 0
 
 
-class W4A8Linear(nn.Module):
+class PackedLinear(nn.Module):
+    """A linear layer computed by one of this package's kernels on packed buffers (NAMES). The buffers'
+    addresses are taken once (again if the module is moved), since a decode step makes ~100 such calls
+    and per-call Python work would cost more than the smaller layers' kernels."""
+
+    NAMES: tuple[str, ...] = ()
+    KERNEL = ""
+
+    def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None, out_features: int,
+                 in_features: int):
+        super().__init__()
+        from .kernels import load
+
+        self.lib = load("lowbit")
+        self.out_features, self.in_features = out_features, in_features
+        for name in self.NAMES:
+            self.register_buffer(name, packed[name].contiguous())
+        self.bias = bias
+        self._take_addresses()
+
+    def _take_addresses(self) -> None:
+        self._buffers_at = tuple(getattr(self, name).data_ptr() for name in self.NAMES)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._take_addresses()
+        return module
+
+    def _shape_args(self) -> tuple[int, ...]:
+        """The kernel's arguments between the sizes and the buffers."""
+        return ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        y = torch.empty(rows.shape[0], self.out_features)
+        getattr(self.lib, self.KERNEL)(rows.data_ptr(), rows.shape[0], self.in_features, self.out_features,
+                                       *self._shape_args(), *self._buffers_at, y.data_ptr(), torch.get_num_threads())
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class W4A8Linear(PackedLinear):
     """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
     with a scale per 32 values, by this package's kernel (executor/kernels/lowbit.c): 40% fewer bytes per
     step than int8, and a verify of a few tokens costs little more than one decode step."""
 
     NAMES = ("q", "sc", "mn", "d", "dmin")
+    KERNEL = "w4a8_linear"
 
     def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
-        super().__init__()
-        from .kernels import load
-
-        self.lib = load("lowbit")
         groups, column_groups = packed["q"].shape[:2]
-        self.out_features, self.in_features = groups * W4A8_GROUP, column_groups * 8
-        for name in self.NAMES:
-            self.register_buffer(name, packed[name].contiguous())
-        self.bias = bias
+        super().__init__(packed, bias, groups * W4A8_GROUP, column_groups * 8)
         self.sub_per_super = packed["sc"].shape[1] // packed["d"].shape[1]  # 32-weight sub-blocks per d
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels import ptr
-
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.empty(rows.shape[0], self.out_features)
-        self.lib.w4a8_linear(ptr(rows), rows.shape[0], self.in_features, self.out_features, self.sub_per_super,
-                             *(ptr(getattr(self, name)) for name in self.NAMES), ptr(y), torch.get_num_threads())
-        y = y.reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def _shape_args(self) -> tuple[int, ...]:
+        return (self.sub_per_super,)
 
     def dequantize(self) -> torch.Tensor:
         """The float weights [out, in] this layer computes with."""
@@ -279,34 +308,17 @@ def w6a8_packable(columns: int, rows: int) -> bool:
     return columns % 256 == 0 and rows % W4A8_GROUP == 0
 
 
-class W6A8Linear(nn.Module):
+class W6A8Linear(PackedLinear):
     """6-bit weights (GGUF Q6_K as stored: 6.56 bits per weight) times int8 activations with a scale per
     32 values, by this package's kernel (executor/kernels/lowbit.c): a fifth fewer bytes than int8 rows
     for the file's Q6_K tensors (the LM head among them), computed as precisely as the file allows."""
 
     NAMES = ("lo", "hi", "sc", "d")
+    KERNEL = "w6a8_linear"
 
     def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
-        super().__init__()
-        from .kernels import load
-
-        self.lib = load("lowbit")
         groups, column_groups = packed["lo"].shape[:2]
-        self.out_features, self.in_features = groups * W4A8_GROUP, column_groups * 8
-        for name in self.NAMES:
-            self.register_buffer(name, packed[name].contiguous())
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels import ptr
-
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.empty(rows.shape[0], self.out_features)
-        self.lib.w6a8_linear(ptr(rows), rows.shape[0], self.in_features, self.out_features,
-                             *(ptr(getattr(self, name)) for name in self.NAMES), ptr(y), torch.get_num_threads())
-        y = y.reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        super().__init__(packed, bias, groups * W4A8_GROUP, column_groups * 8)
 
     def values(self) -> torch.Tensor:
         """The 6-bit values q [out, in] (0..63) as stored."""

@@ -15,13 +15,19 @@ import subprocess
 import tempfile
 from importlib import resources
 
-import torch
-
 from ...models.sources import cache_root
 from ..cpu import cpu_flags
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+# Argument types per exported function: ctypes then passes addresses (ints) without wrapping each one.
+SIGNATURES = {
+    "lowbit": {"w4a8_isa": [],
+               "w4a8_linear": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I],
+               "w6a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]},
+}
 
 # Instruction sets a kernel can be built for below the machine's own: each path is tested on any machine
 # that has it (an AVX-512 machine runs the AVX2 path too).
@@ -48,13 +54,12 @@ def load(name: str, isa: str = "native") -> ctypes.CDLL | None:
             if done.returncode != 0:
                 return None
             os.replace(built, path)
-    return ctypes.CDLL(path)
+    lib = ctypes.CDLL(path)
+    for function, argtypes in SIGNATURES.get(name, {}).items():
+        getattr(lib, function).argtypes = argtypes
+    return lib
 
 
 def _cpu_signature() -> str:
     """A compiled kernel is specific to the CPU it was built for (-march=native)."""
     return " ".join(sorted(cpu_flags()))
-
-
-def ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
