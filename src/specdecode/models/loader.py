@@ -41,6 +41,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a8-all, w8a8, w8a16)."""
+    from ..executor.attention import attach_attention_kernel
     from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
 
     device = device or default_device()
@@ -51,6 +52,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
         cfg, tensors = load_weights(name, torch_dtype, progress)
         model = build_model(cfg, tensors, torch_dtype, device)
         model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
+        attach_attention_kernel(model)
     else:
         cfg, tensors = load_low_bit_weights(name, quantization, progress)
         model = build_quantized_model(cfg, tensors, quantization, device)

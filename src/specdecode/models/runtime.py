@@ -140,9 +140,15 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        # A backend may attach one kernel for rope + KV write + attention of packed batches (see
+        # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
+        self.rowwise_kernel = None
 
     def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
         bsz, width, _ = x.shape
+        if batch.rowwise is not None and self.rowwise_kernel is not None:
+            out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self.layer)
+            return self.o_proj(out.view(bsz, width, -1))
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)

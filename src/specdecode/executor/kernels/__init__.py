@@ -27,6 +27,8 @@ SIGNATURES = {
     "lowbit": {"w4a8_isa": [],
                "w4a8_linear": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I],
                "w6a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]},
+    "attention": {"attention_dim_ok": [_I],
+                  "rowwise_attention": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I]},
 }
 
 # Instruction sets a kernel can be built for below the machine's own: each path is tested on any machine

@@ -1,0 +1,43 @@
+"""Decode/verify attention by this package's kernel (kernels/attention.c): rotary embedding, the KV-cache
+write and attention over each token's visible keys in one call per layer, where PyTorch needs about
+twenty small operations and one attention call per token."""
+from __future__ import annotations
+
+import torch
+
+from .kernels import load
+
+
+class RowwiseAttentionKernel:
+    """Called by `Attention` for packed (decode and verify) batches; returns [N, H * D]."""
+
+    def __init__(self, lib, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.lib, self.num_heads, self.num_kv_heads, self.head_dim = lib, num_heads, num_kv_heads, head_dim
+
+    def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, cache, layer: int
+                 ) -> torch.Tensor:
+        n = qkv.shape[-2] * qkv.shape[0]
+        qkv = qkv.reshape(n, -1).contiguous()
+        cos, sin = (t.reshape(n, self.head_dim).contiguous() for t in rope)
+        slots, positions = batch.slots.reshape(n).contiguous(), batch.positions.reshape(n).contiguous()
+        out = torch.empty(n, self.num_heads * self.head_dim)
+        self.lib.rowwise_attention(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                   cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len,
+                                   out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def attach_attention_kernel(model) -> bool:
+    """Give the model's attention layers the kernel where it applies (float32 activations and KV cache on
+    the CPU, a head size the kernel vectorises); True if it did."""
+    cfg = model.cfg
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    lib = load("attention")
+    if lib is None or not lib.attention_dim_ok(cfg.dim_per_head):
+        return False
+    kernel = RowwiseAttentionKernel(lib, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head)
+    for layer in model.layers:
+        layer.self_attn.rowwise_kernel = kernel
+    return True

@@ -1,0 +1,67 @@
+"""The attention kernel (rope + KV write + attention of decode/verify batches in one call per layer):
+the same numbers as the PyTorch path, and each token computed as if it were alone."""
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.executor.attention import attach_attention_kernel
+from specdecode.executor.kernels import load
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.loader import LoadedModel
+
+from conftest import ByteTokenizer, tiny_model
+
+pytestmark = pytest.mark.skipif(load("attention") is None, reason="the attention kernel needs a C compiler")
+PROMPT = list(range(1, 40))
+
+
+def _with_kernel(seed=0, **cfg):
+    model = tiny_model(seed=seed, **cfg).model
+    assert attach_attention_kernel(model)
+    return model
+
+
+def _verify(model, drafts):
+    runner = ModelRunner(model, 2, 128)
+    slot = runner.allocate()
+    runner.forward([slot], [PROMPT], "last")  # prefill: the PyTorch path (a long call)
+    runner.commit(slot, len(PROMPT))
+    return runner.forward([slot], [drafts], "all"), runner
+
+
+def test_the_kernel_computes_what_pytorch_does():
+    reference, torch_runner = _verify(tiny_model(seed=0).model, [5, 6, 7])
+    got, kernel_runner = _verify(_with_kernel(), [5, 6, 7])
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    for layer in range(len(kernel_runner._cache.k)):  # rotated keys and values land where PyTorch puts them
+        torch.testing.assert_close(kernel_runner._cache.k[layer], torch_runner._cache.k[layer], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kernel_runner._cache.v[layer], torch_runner._cache.v[layer])
+
+
+def test_a_verified_token_is_computed_as_if_decoded_alone():
+    model = _with_kernel()
+    verified, _ = _verify(model, [5, 6, 7])
+    runner = ModelRunner(model, 1, 128)
+    slot = runner.allocate()
+    runner.forward([slot], [PROMPT], "last")
+    runner.commit(slot, len(PROMPT))
+    alone = []
+    for token in (5, 6, 7):
+        alone.append(runner.forward([slot], [[token]], "all")[0])
+        runner.commit(slot, runner.length(slot) + 1)
+    assert torch.equal(verified, torch.stack(alone))
+
+
+def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
+    target = LoadedModel("tiny-kernel", _with_kernel(), ByteTokenizer(64), tiny_model().config)
+    draft = LoadedModel("tiny-kernel-draft", _with_kernel(seed=7, layers=1), ByteTokenizer(64),
+                        tiny_model(seed=7, layers=1).config)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 9, 41], [60, 1, 1, 7], [12, 12, 12, 30, 31, 32, 33, 34]]
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(target=target, draft=draft, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4,
+               speculation_policy="fixed")
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
