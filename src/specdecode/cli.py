@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded at once")
+    serve.add_argument("--max-waiting-requests", type=int, default=64,
+                       help="requests that may wait for a free sequence slot; beyond them the server answers 429 "
+                            "with Retry-After")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                       help="larger request bodies are refused (413) before they are read")
     serve.add_argument("--max-model-len", type=int, default=4096, help="context length (prompt + output)")
     serve.add_argument("--memory-budget", default=None,
                        help="bytes for weights + KV caches, e.g. 6GiB; fewer sequence slots if they do not fit")

@@ -70,6 +70,7 @@ class Engine:
             raise SpecDecodeError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}; "
                 "shorten the prompt or raise max_model_len")
+        check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -277,3 +278,11 @@ def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
     if q.shape[-1] == vocab:
         return q
     return F.pad(q, (0, vocab - q.shape[-1])) if q.shape[-1] < vocab else q[..., :vocab]
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Token ids must index the embedding: checked per request, since a bad one would fail the whole step."""
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SpecDecodeError(f"token id {bad!r} is not in this model's vocabulary: ids are integers "
+                              f"from 0 to {vocab_size - 1}")

@@ -2,6 +2,7 @@
 server-sent-event streaming), /v1/models, /health, /metrics."""
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
@@ -14,7 +15,9 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, QueueFull
+
+MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
 
 
 class _Common(BaseModel):
@@ -50,7 +53,8 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
 
@@ -68,12 +72,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
 
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
     @app.middleware("http")
     async def _check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+        if expected_auth and request.url.path.startswith("/v1"):
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, expected_auth):  # constant time: no guessing by timing
                 return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                       "authentication_error")
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_request_bytes):
+            return error_response(413, f"the request body is over {max_request_bytes} bytes; send a shorter "
+                                       "prompt", "invalid_request_error")
         return await call_next(request)
 
     @app.get("/health")
@@ -134,7 +145,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def respond(stream: bool, ids: list[int], params: SamplingParams, kind: str, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        updates = engine.generate(ids, params)
+        try:
+            updates = engine.updates(engine.submit(ids, params))
+        except QueueFull as exc:
+            response = error_response(429, str(exc), "rate_limit_error")
+            response.headers["Retry-After"] = "1"
+            return response
         if stream:
             return StreamingResponse(sse(updates, rid, created, kind, chat, len(ids)), media_type="text/event-stream")
         text, last = [], None

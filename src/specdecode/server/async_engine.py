@@ -10,10 +10,15 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
 from ..engine.sequence import Sequence
+from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 
 log = logging.getLogger("specdecode.server")
+
+
+class QueueFull(SpecDecodeError):
+    """Every sequence slot is busy and the waiting queue is at its bound: the client should retry later."""
 
 
 @dataclass
@@ -39,8 +44,14 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
+    """max_waiting: requests that may wait for a sequence slot beyond those running (None: unbounded);
+    past it, submit() refuses at once instead of letting the queue and every client's wait grow."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None):
         self.engine = engine
+        self.max_waiting = max_waiting
+        # requests accepted (event-loop thread) and ended (engine thread); their difference is in flight
+        self._submitted = self._ended = 0
         self.metrics = metrics or ServerMetrics()
         self.metrics.set_capacity(engine.runner.num_slots, engine.runner.max_len)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -60,11 +71,29 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams):
-        """Yields Updates until the request finishes; closing the iterator early aborts the request."""
+    @property
+    def in_flight(self) -> int:
+        return self._submitted - self._ended
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request (raises QueueFull when the waiting queue is at its bound)."""
+        if self.max_waiting is not None and self.in_flight >= self.engine.runner.num_slots + self.max_waiting:
+            self.metrics.rejected.inc()
+            raise QueueFull(f"the server is at capacity ({self.engine.runner.num_slots} running, "
+                            f"{self.max_waiting} waiting); retry shortly")
         handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
+        self._submitted += 1
         self._inbox.put(("add", handle))
         self._wake.set()
+        return handle
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams):
+        """submit() and updates() in one: yields Updates until the request finishes."""
+        async for update in self.updates(self.submit(prompt_ids, params)):
+            yield update
+
+    async def updates(self, handle: RequestHandle):
+        """Yields a submitted request's Updates until it finishes; closing the iterator early aborts it."""
         finished = False
         try:
             while not finished:
@@ -107,11 +136,13 @@ class AsyncEngine:
                     handle.seq = self.engine.add_request(handle.prompt_ids, handle.params)
                 except Exception as exc:
                     handle.push(Update("", True, error=exc))
+                    self._ended += 1
                     continue
                 self._active.append(handle)
             elif handle in self._active:
                 self.engine.abort(handle.seq)
                 self._active.remove(handle)
+                self._ended += 1
                 self.metrics.aborted.inc()
         self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
 
@@ -123,7 +154,9 @@ class AsyncEngine:
             if text or seq.finished:
                 handle.push(Update(text, seq.finished, seq.finish_reason, seq=seq))
                 handle.sent_chars += len(text)
-            if not seq.finished:
+            if seq.finished:
+                self._ended += 1
+            else:
                 still_active.append(handle)
         self._active = still_active
         self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
@@ -143,4 +176,5 @@ class AsyncEngine:
             if handle.seq is not None and not handle.seq.finished:
                 self.engine.abort(handle.seq)
             handle.push(Update("", True, error=exc))
+        self._ended += len(self._active)
         self._active = []

@@ -37,6 +37,8 @@ class ServerMetrics:
                                  registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Sequences in the last decoding step", registry=r)
         self.aborted = Counter("specdecode_requests_aborted", "Requests cancelled (e.g. client gone)", registry=r)
+        self.rejected = Counter("specdecode_requests_rejected", "Requests refused with 429: the waiting queue was "
+                                "at its bound", registry=r)
         self.finished = Counter("specdecode_requests_finished", "Requests finished", ["reason"], registry=r)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS,

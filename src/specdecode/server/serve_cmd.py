@@ -33,7 +33,8 @@ def run_serve(args) -> int:
               "(the adaptive policy's cost model)", flush=True)
     if args.forced_accept:
         print(f"WARNING: {LOSSY_NOTE}", flush=True)
-    app = build_app(AsyncEngine(llm.engine), args.model, args.api_key)
+    app = build_app(AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests), args.model, args.api_key,
+                    args.max_request_bytes)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was
     # in place before it: make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

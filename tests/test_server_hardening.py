@@ -1,0 +1,105 @@
+"""The server under bad input and overload: a bad request gets a clear error and never costs the
+others theirs; a full queue answers 429 at once; the API key and body size are checked before work."""
+import threading
+import time
+
+import httpx
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import AsyncEngine
+
+from conftest import VOCAB, LocalServer
+
+KEY = "hardening-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _solo(target, prompt, max_tokens):
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0].text
+
+
+def _slowed(llm, seconds):
+    """Each engine step takes at least `seconds`, so that requests overlap for long enough to test."""
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    llm.engine.step = slow_step
+
+
+@pytest.fixture
+def server(target, random_draft):
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=2,
+              speculation_policy="fixed")
+    _slowed(llm, 0.01)
+    engine = AsyncEngine(llm.engine, max_waiting=1)
+    with LocalServer(build_app(engine, "tiny", KEY, max_request_bytes=4096)) as s:
+        s.engine = engine
+        yield s
+
+
+def _complete(server, body, **kw):
+    return httpx.post(server.url + "/v1/completions", json={"model": "tiny", "temperature": 0, **body},
+                      headers=AUTH, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("bad", [[5, VOCAB], [-1, 3], [7, 10 ** 12]])
+def test_token_ids_outside_the_vocabulary_get_a_400_while_other_requests_carry_on(server, target, bad):
+    good = {}
+    body = {"prompt": "hello world", "max_tokens": 40, "ignore_eos": True}
+    worker = threading.Thread(target=lambda: good.update(r=_complete(server, body)))
+    worker.start()
+    time.sleep(0.1)  # the good request is running
+    r = _complete(server, {"prompt": bad, "max_tokens": 4})
+    worker.join()
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    assert good["r"].status_code == 200
+    assert good["r"].json()["choices"][0]["text"] == _solo(target, "hello world", 40)
+
+
+def test_a_full_waiting_queue_answers_429_with_retry_after_and_recovers(server):
+    body = {"prompt": "abcabc", "max_tokens": 60, "ignore_eos": True}
+    results = []
+    workers = [threading.Thread(target=lambda: results.append(_complete(server, body))) for _ in range(3)]
+    for w in workers:  # two slots and one waiting place
+        w.start()
+    deadline = time.time() + 10
+    while server.engine.in_flight < 3:
+        assert time.time() < deadline, "the three requests did not arrive"
+        time.sleep(0.01)
+    refused = _complete(server, body)
+    for w in workers:
+        w.join()
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "capacity" in refused.json()["error"]["message"]
+    assert [r.status_code for r in results] == [200] * 3
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in results)
+    assert server.engine.in_flight == 0  # nothing leaked: the next request is served
+    assert _complete(server, {"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert "specdecode_requests_rejected_total 1.0" in httpx.get(server.url + "/metrics").text
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer hardening-kez", "Bearer hardening-key-and-more", "bearer hardening-key",
+                                  "hardening-key"])
+def test_wrong_api_keys_are_refused(server, auth):
+    headers = {} if auth is None else {"Authorization": auth}
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
+    assert r.status_code == 401
+    assert _complete(server, {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_oversized_bodies_are_refused_before_they_are_read(server):
+    r = _complete(server, {"prompt": "x" * 5000, "max_tokens": 2})
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    assert _complete(server, {"prompt": "x" * 100, "max_tokens": 2}).status_code == 200
+
+
+def test_the_library_refuses_out_of_vocabulary_ids_too(target):
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    with pytest.raises(Exception, match="not in this model's vocabulary"):
+        llm.generate([[3, VOCAB + 5]], SamplingParams(max_tokens=2))
