@@ -1,6 +1,7 @@
 """What this CPU can do: every speed choice is made per capability (AVX2, AVX-512 VNNI/BF16, AMX)."""
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -22,3 +23,22 @@ def cpu_has_native_bf16() -> bool:
     except Exception:
         return False
     return mkldnn_bf16 and ("avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags())
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse instead of returning it to the OS. A decode step allocates
+    and frees the same activation buffers (the LM head's output among them, 600 KB) about a hundred times;
+    by default blocks over 128 KiB are mmapped and unmapped each time, and heaps of other threads (the
+    server's engine thread) are trimmed, so every step faults its pages in again. Process-wide; returns
+    False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  (glibc only)
+    except (OSError, AttributeError):
+        return False
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 28))

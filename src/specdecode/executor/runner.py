@@ -14,11 +14,14 @@ import torch
 
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
+from .cpu import keep_freed_memory
 
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int, max_len: int):
         self.model = model
+        if model.device.type == "cpu":
+            keep_freed_memory()
         self._cache = KVCache(model.cfg, num_slots, max_len, model.dtype, model.device)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
 

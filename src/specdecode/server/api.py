@@ -54,15 +54,19 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, runs_engine: bool = True) -> FastAPI:
+    """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
+    the engine loop itself, as `serve` does on its main thread)."""
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        if runs_engine:
+            engine.start()
         yield
-        engine.stop()  # uvicorn handles SIGTERM: stop accepting, then cancel what still runs
+        if runs_engine:
+            engine.stop()  # uvicorn handles SIGTERM: stop accepting, then cancel what still runs
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
 

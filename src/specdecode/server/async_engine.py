@@ -63,13 +63,22 @@ class AsyncEngine:
         engine.on_prefilled = self._publish  # a request's first token goes out right after its prefill
 
     def start(self) -> None:
+        """Run the step loop in a thread of its own."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the step loop in the calling thread until stop(). `serve` gives it the main thread: that is
+        where the models were loaded, and kernels called from another thread would start a second
+        OpenMP thread pool, which oversubscribes the cores, so OpenMP makes idle workers sleep at once
+        instead of spinning and every kernel call pays their wake-up (docs/decisions.md)."""
+        self._run()
 
     def stop(self) -> None:
         """Cancel what is still running and end the loop (called on shutdown, e.g. SIGTERM)."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     @property
     def in_flight(self) -> int:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import signal
-import sys
+import threading
+import time
 
+from ..config import LOSSY_NOTE
 from ..engine.llm import LLM
 from ..errors import SpecDecodeError
-from ..config import LOSSY_NOTE
 from ..models.sources import default_draft
 from .api import build_app
 from .async_engine import AsyncEngine
@@ -33,12 +34,27 @@ def run_serve(args) -> int:
               "(the adaptive policy's cost model)", flush=True)
     if args.forced_accept:
         print(f"WARNING: {LOSSY_NOTE}", flush=True)
-    app = build_app(AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests), args.model, args.api_key,
-                    args.max_request_bytes)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was
-    # in place before it: make that a clean exit.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests)
+    app = build_app(engine, args.model, args.api_key, args.max_request_bytes, runs_engine=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run
+    http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+
+    def shut_down(*_):
+        # stop accepting and let running requests finish (the engine stops once the HTTP thread has
+        # ended); a second signal cancels them
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, shut_down)
+    signal.signal(signal.SIGINT, shut_down)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise SpecDecodeError(f"the HTTP server did not start on {args.host}:{args.port} (is the port free?)")
+        time.sleep(0.05)
+    threading.Thread(target=lambda: (http.join(), engine.stop()), daemon=True).start()
     print(f"serving {args.model} (draft: {draft or 'none'}, policy: {args.policy}) on http://{args.host}:{args.port}/v1",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    engine.run()
     return 0

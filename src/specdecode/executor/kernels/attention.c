@@ -14,6 +14,20 @@
 
 #define LANES 16  // independent partial sums: the compiler keeps them in one vector
 
+// Scratch memory kept per thread between calls (memory freed to glibc can go back to the OS and fault in
+// again on the next of the ~30 calls per step).
+static __thread float *scratch_buf;
+static __thread size_t scratch_floats;
+
+static float *scratch(size_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch_buf);
+        scratch_buf = malloc(floats * sizeof(float));
+        scratch_floats = floats;
+    }
+    return scratch_buf;
+}
+
 static inline float dot(const float *a, const float *b, int D) {
     float acc[LANES] = {0};
     for (int i = 0; i < D; i += LANES)
@@ -57,7 +71,7 @@ void rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int
         const int t = task / Hkv, h = task % Hkv, n = (int)positions[t] + 1;
         const float *K = kcache + ((size_t)slots[t] * Hkv + h) * L * D;
         const float *V = vcache + ((size_t)slots[t] * Hkv + h) * L * D;
-        float *q = malloc((size_t)G * D * sizeof(float)), *p = malloc((size_t)G * n * sizeof(float));
+        float *q = scratch((size_t)G * (D + n)), *p = q + (size_t)G * D;
         for (int g = 0; g < G; g++)
             rope(qkv + (size_t)t * width + (h * G + g) * D, cos + (size_t)t * D, sin + (size_t)t * D, q + g * D, D);
         for (int j = 0; j < n; j++)  // each key read once for the G query heads that share it
@@ -76,7 +90,5 @@ void rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int
                 float *og = o + g * D;
                 for (int d = 0; d < D; d++) og[d] += w * v[d];
             }
-        free(q);
-        free(p);
     }
 }

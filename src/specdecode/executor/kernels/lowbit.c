@@ -72,6 +72,20 @@ static void quantize_blocks(const float *x, int M, int K, int8_t *xq, float *sx,
     }
 }
 
+// Scratch memory kept per thread between calls: a decode step makes ~100 kernel calls, and memory freed
+// to glibc can go back to the OS and fault in again on the next call.
+static __thread void *scratch_buf;
+static __thread size_t scratch_size;
+
+static void *scratch(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch_buf);
+        scratch_buf = malloc(bytes);
+        scratch_size = bytes;
+    }
+    return scratch_buf;
+}
+
 static inline int32_t load4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -301,9 +315,9 @@ int w4a8_isa(void) {
 void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, const uint8_t *sc, const uint8_t *mn,
                  const float *d, const float *dmin, float *y, int threads) {
 #if defined(__AVX2__) && defined(__FMA__)
-    int8_t *xq = (int8_t *)malloc((size_t)M * K);
-    float *sx = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
-    float *xsum = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
+    float *sx = (float *)scratch((size_t)M * (K / 32) * 2 * sizeof(float) + (size_t)M * K);
+    float *xsum = sx + (size_t)M * (K / 32);
+    int8_t *xq = (int8_t *)(xsum + (size_t)M * (K / 32));
     quantize_blocks(x, M, K, xq, sx, xsum, NULL);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < N / GROUP; g++) {
@@ -318,9 +332,6 @@ void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, c
             }
         }
     }
-    free(xq);
-    free(xsum);
-    free(sx);
 #endif
 }
 
@@ -328,10 +339,11 @@ void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, c
 void w6a8_linear(const float *x, int M, int K, int N, const uint8_t *lo, const uint8_t *hi, const int8_t *sc,
                  const float *d, float *y, int threads) {
 #if defined(__AVX2__) && defined(__FMA__)
-    int8_t *xq = (int8_t *)malloc((size_t)M * K);
-    float *sx = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
-    float *xsum = (float *)malloc((size_t)M * (K / 32) * sizeof(float));
-    int32_t *isum16 = (int32_t *)malloc((size_t)M * (K / 16) * sizeof(int32_t));
+    float *sx = (float *)scratch((size_t)M * (K / 32) * 2 * sizeof(float) + (size_t)M * (K / 16) * sizeof(int32_t)
+                                 + (size_t)M * K);
+    float *xsum = sx + (size_t)M * (K / 32);
+    int32_t *isum16 = (int32_t *)(xsum + (size_t)M * (K / 32));
+    int8_t *xq = (int8_t *)(isum16 + (size_t)M * (K / 16));
     quantize_blocks(x, M, K, xq, sx, xsum, isum16);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < N / GROUP; g++) {
@@ -346,9 +358,5 @@ void w6a8_linear(const float *x, int M, int K, int N, const uint8_t *lo, const u
             }
         }
     }
-    free(xq);
-    free(xsum);
-    free(sx);
-    free(isum16);
 #endif
 }
