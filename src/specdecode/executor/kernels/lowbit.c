@@ -300,6 +300,23 @@ static inline __attribute__((always_inline)) void group_dot6(int g, int m0, cons
 }
 #endif
 
+// Output-row groups split across threads; rows of x in tiles, each tile size a compile-time constant
+// (the group kernels unroll over it). CALL(R) computes group g for rows m0 .. m0 + R - 1.
+#if ROW_TILE == 8
+#define ROW_TILE_CASES(CALL) case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; \
+                             case 8: CALL(8); break;
+#else
+#define ROW_TILE_CASES(CALL)
+#endif
+#define FOR_EACH_GROUP_AND_ROW_TILE(CALL)                                                              \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+    for (int g = 0; g < N / GROUP; g++)                                                                \
+        for (int m0 = 0; m0 < M; m0 += ROW_TILE)                                                       \
+            switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {                                           \
+                case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;                \
+                case 4: CALL(4); break; ROW_TILE_CASES(CALL)                                           \
+            }
+
 int w4a8_isa(void) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return 512;
@@ -319,19 +336,9 @@ void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, c
     float *xsum = sx + (size_t)M * (K / 32);
     int8_t *xq = (int8_t *)(xsum + (size_t)M * (K / 32));
     quantize_blocks(x, M, K, xq, sx, xsum, NULL);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int g = 0; g < N / GROUP; g++) {
-        for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
-            switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
-#define TILE(R) case R: group_dot(g, m0, R, K, N, S, q, sc, mn, d, dmin, xq, sx, xsum, y); break;
-                TILE(1) TILE(2) TILE(3) TILE(4)
-#if ROW_TILE == 8
-                TILE(5) TILE(6) TILE(7) TILE(8)
-#endif
-#undef TILE
-            }
-        }
-    }
+#define GROUP_DOT(R) group_dot(g, m0, R, K, N, S, q, sc, mn, d, dmin, xq, sx, xsum, y)
+    FOR_EACH_GROUP_AND_ROW_TILE(GROUP_DOT)
+#undef GROUP_DOT
 #endif
 }
 
@@ -345,18 +352,8 @@ void w6a8_linear(const float *x, int M, int K, int N, const uint8_t *lo, const u
     int32_t *isum16 = (int32_t *)(xsum + (size_t)M * (K / 32));
     int8_t *xq = (int8_t *)(isum16 + (size_t)M * (K / 16));
     quantize_blocks(x, M, K, xq, sx, xsum, isum16);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int g = 0; g < N / GROUP; g++) {
-        for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
-            switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
-#define TILE(R) case R: group_dot6(g, m0, R, K, N, lo, hi, sc, d, xq, sx, isum16, y); break;
-                TILE(1) TILE(2) TILE(3) TILE(4)
-#if ROW_TILE == 8
-                TILE(5) TILE(6) TILE(7) TILE(8)
-#endif
-#undef TILE
-            }
-        }
-    }
+#define GROUP_DOT(R) group_dot6(g, m0, R, K, N, lo, hi, sc, d, xq, sx, isum16, y)
+    FOR_EACH_GROUP_AND_ROW_TILE(GROUP_DOT)
+#undef GROUP_DOT
 #endif
 }
