@@ -103,3 +103,94 @@ def test_the_library_refuses_out_of_vocabulary_ids_too(target):
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
     with pytest.raises(Exception, match="not in this model's vocabulary"):
         llm.generate([[3, VOCAB + 5]], SamplingParams(max_tokens=2))
+
+
+# Hostile input: each case gets a 4xx with an OpenAI-style error body (never a 500 or a hang), and the
+# server still serves afterwards with no sequence slot left behind.
+HOSTILE = [
+    ("completions", {"prompt": None}),
+    ("completions", {"prompt": 123}),
+    ("completions", {"prompt": []}),
+    ("completions", {"prompt": [[1, 2]]}),
+    ("completions", {"prompt": ["a", "b"]}),
+    ("completions", {"prompt": [1.5, 2]}),
+    ("completions", {"prompt": {"text": "hi"}}),
+    ("completions", {"prompt": ""}),
+    ("completions", {"prompt": "x", "max_tokens": -1}),
+    ("completions", {"prompt": "x", "max_tokens": 0}),
+    ("completions", {"prompt": "x", "max_tokens": 1e30}),
+    ("completions", {"prompt": "x", "max_tokens": 10 ** 9}),
+    ("completions", {"prompt": "x", "temperature": "hot"}),
+    ("completions", {"prompt": "x", "top_k": -5}),
+    ("completions", {"prompt": "x", "top_k": 1.5}),
+    ("completions", {"prompt": "x", "seed": "abc"}),
+    ("completions", {"prompt": "x", "seed": 2 ** 70}),
+    ("completions", {"prompt": "x", "stop": 5}),
+    ("completions", {"prompt": "x", "stop": [""]}),
+    ("completions", {"prompt": "x", "logprobs": 5}),
+    ("completions", {"prompt": "x", "n": 0}),
+    ("completions", {"prompt": "x", "stream": "sometimes"}),
+    ("completions", {"prompt": "x", "presence_penalty": 0.5}),
+    ("completions", {"prompt": "x", "frequency_penalty": 1.0}),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 100}}),
+    ("completions", {"prompt": "x", "min_p": 0.1}),
+    ("completions", {"prompt": "x", "best_of": 3}),
+    ("completions", {"prompt": "x", "echo": True}),
+    ("chat/completions", {"messages": []}),
+    ("chat/completions", {"messages": "hello"}),
+    ("chat/completions", {"messages": [{"role": "user"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+]
+
+
+@pytest.mark.parametrize("endpoint, body", HOSTILE)
+def test_hostile_input_gets_a_clear_4xx(server, endpoint, body):
+    r = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": "tiny", **body}, headers=AUTH, timeout=30)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content, headers", [
+    (b"[1, 2, 3]", {}),
+    (b"\xff\xfe not utf-8", {}),
+    (b'{"prompt": "x"', {}),
+    (b'{"prompt": "x", "max_tokens": NaN}', {}),
+    (b'{"prompt": "x", "temperature": 1e400}', {}),
+    (b"", {}),
+])
+def test_broken_bodies_get_400(server, content, headers):
+    r = httpx.post(f"{server.url}/v1/completions", content=content,
+                   headers={**AUTH, "Content-Type": "application/json", **headers}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_after_the_hostile_suite_the_server_serves_and_holds_no_slot(server, target):
+    for endpoint, body in HOSTILE[:10]:
+        httpx.post(f"{server.url}/v1/{endpoint}", json={"model": "tiny", **body}, headers=AUTH, timeout=30)
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=30,
+                      json={"model": "tiny", "prompt": "abc", "max_tokens": 50, "stream": True,
+                            "ignore_eos": True}) as r:
+        next(r.iter_lines())  # a client that leaves after the first chunk
+    r = _complete(server, {"prompt": "hello world", "max_tokens": 12, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _solo(target, "hello world", 12)
+    deadline = time.time() + 10
+    while server.engine.in_flight:
+        assert time.time() < deadline, "a request was left in flight"
+        time.sleep(0.02)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "specdecode_num_requests_running 0.0" in metrics
+
+
+def test_text_content_parts_are_accepted(server, target):
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 5,
+                         "temperature": 0})
+    plain = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+                             "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]

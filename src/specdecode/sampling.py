@@ -1,6 +1,7 @@
 """Sampling parameters (vLLM's names) and the logits -> probabilities transform shared by target and draft."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,12 +31,15 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise SpecDecodeError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise SpecDecodeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecDecodeError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise SpecDecodeError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):
+            raise SpecDecodeError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise SpecDecodeError("stop must be a non-empty string or a list of non-empty strings")
 

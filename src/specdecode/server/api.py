@@ -39,14 +39,46 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
 
 
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        """The message's text; content parts (the newer OpenAI form) must all be text."""
+        if isinstance(self.content, str):
+            return self.content
+        kinds = {part.type for part in self.content} - {"text"}
+        if kinds:
+            raise SpecDecodeError(f"messages: content parts of type {', '.join(sorted(kinds))} are not supported "
+                                  "(text only)")
+        return "".join(part.text or "" for part in self.content)
+
+
+# Fields that change the output and that this server does not implement yet, with the value that means
+# "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
+UNSUPPORTED_UNLESS_DEFAULT = {
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "min_p": 0,
+    "min_tokens": 0, "best_of": 1, "echo": False, "suffix": None, "top_logprobs": None, "response_format": None,
+    "tools": None, "functions": None, "tool_choice": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
+}
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+
+
+def refuse_unsupported_fields(req: BaseModel) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []) \
+                and not (name == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+            raise SpecDecodeError(f"{name} is not supported by this server yet; leave it out (or at its default)")
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -105,6 +137,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                             "created": 0, "max_model_len": max_len}]}
 
     def prepare(req: _Common, prompt_ids: list[int], max_tokens: int | None):
+        refuse_unsupported_fields(req)
         if req.n != 1:
             raise SpecDecodeError(f"only n=1 is supported, got n={req.n}")
         if req.logprobs:
@@ -139,7 +172,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         try:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+            if not req.messages:
+                raise SpecDecodeError("messages is empty; send at least one message")
+            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
             ids = tokenizer.encode(text)
             params = prepare(req, ids, req.max_completion_tokens or req.max_tokens)
         except SpecDecodeError as exc:
