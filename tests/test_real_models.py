@@ -99,7 +99,7 @@ def test_cli_compare_on_small_model():
     (["--model", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m"], "different vocabularies"),
     (["-k", "-1"], "-k must be >= 0"),
     (["--max-tokens", "0"], "max_tokens must be a positive integer"),
-    (["--temperature", "-0.5"], "temperature must be >= 0"),
+    (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
     (["--model", "smollm2-135m", "--ngram", "--max-model-len", "8"], "shorten the prompt"),
 ])
 def test_cli_errors_are_one_clear_line(args, message):
