@@ -66,31 +66,25 @@ def tiny_q4_k_model(seed: int = 0, layers: int = 2):
     return model, build_model(cfg, floats, torch.float32, "cpu")
 
 
-def test_repacking_keeps_every_value():
-    raw = random_q4_k(32, 512, seed=1)
-    layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
-    assert torch.equal(layer.dequantize(), as_float(raw))
-    raw6 = random_q6_k(32, 512, seed=1)
-    assert torch.equal(W6A8Linear(pack_w6a8(split_q6_k(raw6.blocks))).dequantize(), as_float(raw6))
+# per GGUF format the kernels take as stored: valid random blocks, and the layer built from them
+FORMATS = {
+    "q4_k": (random_q4_k, lambda raw: W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))),
+    "q6_k": (random_q6_k, lambda raw: W6A8Linear(pack_w6a8(split_q6_k(raw.blocks)))),
+}
 
 
-def test_w6a8_linear_is_close_to_the_float_product_row_invariant_and_the_same_on_avx2():
-    from specdecode.executor import kernels
-
-    raw = random_q6_k(48, 768, seed=2)
-    layer = W6A8Linear(pack_w6a8(split_q6_k(raw.blocks)))
-    x = torch.randn(11, 768)  # more rows than one tile of the kernel
-    exact = x @ as_float(raw).T
-    y = layer(x)
-    assert (y - exact).norm() / exact.norm() < 0.02
-    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
-    layer.lib = kernels.load("lowbit", isa="avx2")
-    assert torch.equal(layer(x), y)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repacking_keeps_every_value(fmt):
+    blocks, layer_of = FORMATS[fmt]
+    raw = blocks(32, 512, seed=1)
+    assert torch.equal(layer_of(raw).dequantize(), as_float(raw))
 
 
-def test_w4a8_linear_is_close_to_the_float_product_and_row_invariant():
-    raw = random_q4_k(64, 768, seed=2)
-    layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_is_close_to_the_float_product_and_row_invariant(fmt):
+    blocks, layer_of = FORMATS[fmt]
+    raw = blocks(48, 768, seed=2)
+    layer = layer_of(raw)
     x = torch.randn(11, 768)  # more rows than one tile of the kernel
     exact = x @ as_float(raw).T
     y = layer(x)
@@ -98,7 +92,8 @@ def test_w4a8_linear_is_close_to_the_float_product_and_row_invariant():
     assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
 
 
-def test_the_avx2_path_computes_what_the_native_path_does():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_avx2_path_computes_what_the_native_path_does(fmt):
     """Both instruction-set paths, on any machine that runs both: the AVX2 kernel (maddubs) gives the
     native one's results bit for bit (integer sums are exact, the float steps are the same), so a
     result measured on one kind of machine holds on the other."""
@@ -106,8 +101,8 @@ def test_the_avx2_path_computes_what_the_native_path_does():
 
     avx2 = kernels.load("lowbit", isa="avx2")
     assert avx2 is not None and avx2.w4a8_isa() == 256
-    raw = random_q4_k(48, 1024, seed=4)
-    layer = W4A8Linear(pack_w4a8(split_q4_k(raw.blocks)))
+    blocks, layer_of = FORMATS[fmt]
+    layer = layer_of(blocks(48, 1024, seed=4))
     x = torch.randn(9, 1024)
     native = layer(x)
     layer.lib = avx2

@@ -25,7 +25,6 @@ from ..config import QUANTIZATIONS, ModelConfig
 from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
-from .attention import attach_attention_kernel
 from .cpu import cpu_flags, cpu_has_native_bf16
 from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W6A8Linear, W8A8Linear, W8A16Linear, pack_w4a8,
                     pack_w6a8, quantize_4bit, quantize_rows, split_q4_k, split_q6_k, w4a8_packable, w4a8_supported,
@@ -156,7 +155,6 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
     model.load_state_dict(params, assign=True, strict=False)
     model.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta).to(device)
     model.backend = f"{torch.device(device).type} {quantization}"
-    attach_attention_kernel(model)
     return model.eval()
 
 

@@ -3,8 +3,9 @@
 Every layer here keeps each output row independent of the other rows computed with it, so a token's
 logits are the same whether it is decoded alone or verified beside k drafts (greedy speculation then
 reproduces plain decoding exactly):
-- `W4A8Linear`: 4-bit weights (GGUF Q4_K as stored, or requantized) times int8 activations with a scale
-  per 32 values, by this package's kernel (kernels/lowbit.c).
+- `W4A8Linear`, `W6A8Linear` (both `PackedLinear`): 4-bit weights (GGUF Q4_K as stored, or requantized)
+  and 6-bit weights (GGUF Q6_K as stored) times int8 activations with a scale per 32 values, by this
+  package's kernels (kernels/lowbit.c).
 - `W8A8Linear`: int8 weights (per output channel) times int8 activations quantized per row, summed in
   int32 by FBGEMM. Integer sums are exact, and per-row scales make each row's quantization its own.
 - `W8A16Linear`: int8 weights, bf16 activations (torch's weight-only int8 kernel).
@@ -177,12 +178,12 @@ def pack_w4a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     chunks = qs.reshape(rows, -1, 32)  # 32 bytes per 64 weights: low nibbles 0..31, high nibbles 32..63
     q = torch.cat([chunks & 0xF, chunks >> 4], dim=-1).reshape(groups, W4A8_GROUP, cols // 8, 8)
     packed = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 1, 3).contiguous()
+    return {"q": packed, **{name: _by_group(arrays[name]) for name in ("sc", "mn", "d", "dmin")}}
 
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, W4A8_GROUP, -1).transpose(1, 2).contiguous()
 
-    return {"q": packed, "sc": by_group(arrays["sc"]), "mn": by_group(arrays["mn"]),
-            "d": by_group(arrays["d"]), "dmin": by_group(arrays["dmin"])}
+def _by_group(per_row: torch.Tensor) -> torch.Tensor:
+    """Per-row values [rows, n] -> [groups, n, 16]: the 16 rows of a group side by side, one per lane."""
+    return per_row.reshape(-1, W4A8_GROUP, per_row.shape[1]).transpose(1, 2).contiguous()
 
 
 def w4a8_packable(columns: int, rows: int) -> bool:
@@ -232,6 +233,15 @@ class PackedLinear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def dequantize(self) -> torch.Tensor:
+        """The float weights [out, in] this layer computes with."""
+        raise NotImplementedError
+
+    def select_rows(self, ids: torch.Tensor) -> nn.Module:
+        """A vocabulary subset for a draft's LM head (any number of rows): as int8 rows."""
+        bias = None if self.bias is None else self.bias[ids]
+        return W8A8Linear(*quantize_rows(self.dequantize()[ids], 127), bias)
+
 
 class W4A8Linear(PackedLinear):
     """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
@@ -259,11 +269,6 @@ class W4A8Linear(PackedLinear):
         scale = expand(self.d, span) * expand(self.sc.float(), 32)
         shift = expand(self.dmin, span) * expand(self.mn.float(), 32)
         return (q * scale - shift).reshape(self.out_features, self.in_features)
-
-    def select_rows(self, ids: torch.Tensor) -> nn.Module:
-        """A vocabulary subset for a draft's LM head (any number of rows): as int8 rows."""
-        bias = None if self.bias is None else self.bias[ids]
-        return W8A8Linear(*quantize_rows(self.dequantize()[ids], 127), bias)
 
 
 Q6_K_BLOCK_BYTES = 210
@@ -297,11 +302,7 @@ def pack_w6a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     lo = (low[..., :4] | (low[..., 4:] << 4)).contiguous()  # [G, K/8, 16, 4]: lane = row * 4 + e
     pairs = (top[..., :4] | (top[..., 4:] << 2)).reshape(groups, cols // 8, 64)  # per lane: (e, 4+e)
     hi = (pairs[..., :32] | (pairs[..., 32:] << 4)).to(torch.uint8).contiguous()
-
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, W4A8_GROUP, -1).transpose(1, 2).contiguous()
-
-    return {"lo": lo.to(torch.uint8), "hi": hi, "sc": by_group(arrays["sc"]), "d": by_group(arrays["d"])}
+    return {"lo": lo.to(torch.uint8), "hi": hi, "sc": _by_group(arrays["sc"]), "d": _by_group(arrays["d"])}
 
 
 def w6a8_packable(columns: int, rows: int) -> bool:
@@ -334,11 +335,6 @@ class W6A8Linear(PackedLinear):
         expand = lambda t, n: t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(n, dim=1)  # noqa: E731
         scale = expand(self.d, 256) * expand(self.sc.float(), 16)
         return scale * (self.values().float() - 32)
-
-    def select_rows(self, ids: torch.Tensor) -> nn.Module:
-        """A vocabulary subset for a draft's LM head (any number of rows): as int8 rows."""
-        bias = None if self.bias is None else self.bias[ids]
-        return W8A8Linear(*quantize_rows(self.dequantize()[ids], 127), bias)
 
 
 class ConcatLinear(nn.Module):

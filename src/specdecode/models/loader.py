@@ -52,11 +52,11 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
         cfg, tensors = load_weights(name, torch_dtype, progress)
         model = build_model(cfg, tensors, torch_dtype, device)
         model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
-        attach_attention_kernel(model)
     else:
         cfg, tensors = load_low_bit_weights(name, quantization, progress)
         model = build_quantized_model(cfg, tensors, quantization, device)
     del tensors
+    attach_attention_kernel(model)
     tokenizer = load_tokenizer(name)
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
 

@@ -188,6 +188,13 @@ static inline __attribute__((always_inline)) void group_dot(int g, int m0, const
 
 
 // ---- w6a8 ----------------------------------------------------------------------------------------------
+// The 128 bytes of top bits that sub-block j + PREFETCH_AHEAD / 256 will read (half the low nibbles' rate).
+static inline void prefetch_top_bits(const uint8_t *hig, int j) {
+    const char *p = (const char *)(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
 // Per row of x and 32 weights: int32 sums of q * x per 16 (sub-blocks a and b), less 32 times the sums of
 // x (exact in int32), then each times d * sc * sx in float.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -216,8 +223,7 @@ static inline __attribute__((always_inline)) void group_dot6(int g, int m0, cons
         const __m512 scale_b = _mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                      _mm_loadu_si128((const __m128i *)(scg + GROUP)))));
         prefetch_weights(log, j);
-        _mm_prefetch((const char *)(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2), _MM_HINT_T0);
-        _mm_prefetch((const char *)(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64), _MM_HINT_T0);
+        prefetch_top_bits(hig, j);
         __m512i acc[ROW_TILE][2];  // sub-blocks a (weights 0..15 of the 32) and b (16..31)
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {  // 8 weights per output row
@@ -264,8 +270,7 @@ static inline __attribute__((always_inline)) void group_dot6(int g, int m0, cons
                                                          _mm_loadl_epi64((const __m128i *)(scg + GROUP)))));
             if (half == 0) {
                 prefetch_weights(log, j);
-                _mm_prefetch((const char *)(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2), _MM_HINT_T0);
-                _mm_prefetch((const char *)(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64), _MM_HINT_T0);
+                prefetch_top_bits(hig, j);
             }
             __m256i acc[ROW_TILE][2];
             _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
