@@ -38,6 +38,14 @@ class KVCache:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         self.lengths[slot] = length
 
+    def copy(self, source: int, dest: int) -> None:
+        """dest gets source's cached tokens (a shared prompt prefilled once)."""
+        n = self.lengths[source]
+        for k, v in zip(self.k, self.v):
+            k[dest, :, :n] = k[source, :, :n]
+            v[dest, :, :n] = v[source, :, :n]
+        self.lengths[dest] = n
+
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [B, Hkv, T, D] at `positions` [B, T]; slots: [B], one per sequence, or [B, T], one
         per token (a packed batch holds several sequences in one row)."""

@@ -7,17 +7,17 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import SpecCounters, StepTimer, now
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
-from ..sampling import SamplingParams, logits_to_probs, sample_token
-from ..verify.rejection_sampler import VerifyResult, greedy_verify, rejection_sample
+from ..sampling import SamplingParams, TokenLogprob
+from ..verify.rejection_sampler import VerifyResult
+from ..verify.verifier import sample_first, verify_drafts
 from .policy import DraftDecision, Policy, make_policy
-from .sequence import Sequence
+from .sequence import Sequence, check_token_ids
 
 
 class Engine:
@@ -64,21 +64,39 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue one sequence (params.n must be 1; see add_group)."""
+        if params.n != 1:
+            raise SpecDecodeError(f"add_request makes one sequence; use add_group for n={params.n}")
+        return self.add_group(prompt_ids, params)[0]
+
+    def add_group(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Queue params.n sequences of one prompt: admitted together, prefilled once."""
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty; pass at least one token of text")
         if len(prompt_ids) >= self.max_model_len:
             raise SpecDecodeError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}; "
                 "shorten the prompt or raise max_model_len")
+        if params.n > self.runner.num_slots:
+            raise SpecDecodeError(f"n={params.n} outputs need as many sequence slots, and this engine has "
+                                  f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs")
         check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(list(prompt_ids), params, generator)
-        seq.metrics.num_prompt_tokens = len(prompt_ids)
-        seq.metrics.forced_accept = self.forced_accept and self.k > 0
-        self.waiting.append(seq)
-        return seq
+        check_token_ids(list(params.logit_bias or ()), self.runner.cfg.vocab_size, "logit_bias")
+        group: list[Sequence] = []
+        for index in range(params.n):
+            seq = Sequence(list(prompt_ids), params, self._generator(params.seed, index), index=index,
+                           siblings=group, logprobs=None if params.logprobs is None else [])
+            seq.metrics.num_prompt_tokens = len(prompt_ids)
+            seq.metrics.forced_accept = self.forced_accept and self.k > 0
+            group.append(seq)
+        self.waiting.extend(group)
+        return group
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        """A seeded request's i-th output gets a stream of its own, derived from the seed (the first uses it as is)."""
+        if seed is None:
+            return None
+        return torch.Generator(device=self.runner.device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2 ** 64)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -117,21 +135,30 @@ class Engine:
         while True:
             if self.poll_arrivals is not None:
                 self.poll_arrivals()
-            if not (self.waiting and self.runner.num_free):
+            if not self.waiting:
                 return
-            seq = self.waiting.popleft()
-            seq.slot = self.runner.allocate()
-            self.running.append(seq)
-            logits, hidden = self._target_forward([seq.slot], [seq.prompt_ids], logits="last")
-            self.runner.commit(seq.slot, len(seq.prompt_ids))
-            first = self._sample_one(logits[0], seq)
-            seq.feedback = TargetFeedback([first], hidden)
-            self._emit(seq, [first])
+            group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
+            if self.runner.num_free < len(group):
+                return
+            for seq in group:
+                self.waiting.remove(seq)
+                seq.slot = self.runner.allocate()
+                self.running.append(seq)
+            self._prefill(group)
             if self.on_prefilled is not None:
                 self.on_prefilled()
 
-    def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
-        return sample_token(logits, seq.params, seq.generator)[0]
+    def _prefill(self, group: list[Sequence]) -> None:
+        """One forward over the shared prompt; the other sequences of the group get a copy of its KV."""
+        first = group[0]
+        logits, hidden = self._target_forward([first.slot], [first.prompt_ids], logits="last")
+        self.runner.commit(first.slot, len(first.prompt_ids))
+        for seq in group[1:]:
+            self.runner.copy_slot(first.slot, seq.slot)
+        for seq in group:
+            token, logprobs = sample_first(seq, logits[:1], self.tokenizer.eos_token_ids)
+            seq.feedback = TargetFeedback([token], hidden)
+            self._emit(seq, [token], logprobs)
 
     def _target_forward(self, slots: list[int], inputs: list[list[int]],
                         logits: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -154,7 +181,7 @@ class Engine:
         self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
         self.last_lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
         row = 0
-        for i, (seq, start, n_draft, result) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
+        for i, (seq, start, n_draft, (result, logprobs)) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted, emitted = result.num_accepted[0], result.tokens[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
             self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
@@ -168,7 +195,7 @@ class Engine:
                 self.policy.observe_lookup(seq.request_id, previews[i].match, n_draft, accepted)
             else:
                 self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
-            self._emit(seq, emitted)
+            self._emit(seq, emitted, logprobs)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
         end = now()
         self.policy.observe_step(drafts.num_tokens, end - verify_start, draft_seconds, end - step_start,
@@ -223,32 +250,26 @@ class Engine:
         """k, capped so that emitted tokens fit max_tokens and the verified tokens fit the context."""
         return max(0, min(k, seq.remaining_tokens - 1, self.max_model_len - seq.num_tokens))
 
-    def _verify(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor) -> list[VerifyResult]:
-        """Split the flat verify logits per sequence and accept/reject each sequence's drafts."""
+    def _verify(self, seqs: list[Sequence], drafts: DraftBatch,
+                logits: torch.Tensor) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
+        """Split the flat verify logits per sequence and verify each sequence's drafts."""
         results, row = [], 0
         for seq, tokens, q in zip(seqs, drafts.tokens, drafts.probs):
             n = len(tokens)
-            seq_logits = logits[row:row + n + 1]
+            results.append(verify_drafts(seq, tokens, q, logits[row:row + n + 1], self.tokenizer.eos_token_ids,
+                                         self.forced_accept))
             row += n + 1
-            draft = torch.tensor([tokens], dtype=torch.long, device=logits.device)
-            if self.forced_accept:
-                bonus = self._sample_one(seq_logits[n], seq)
-                results.append(VerifyResult([n], [tokens + [bonus]]))
-            elif seq.params.greedy:
-                results.append(greedy_verify(draft, [n], seq_logits.argmax(-1)[None]))
-            else:
-                p = logits_to_probs(seq_logits, seq.params)[None]
-                q = None if q is None else _match_vocab(q, p.shape[-1])[None]
-                results.append(rejection_sample(draft, [n], p, q, seq.generator))
         return results
 
     # ---- shared pieces --------------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append tokens one by one; EOS, a stop string, max_tokens or the context end stop the sequence
-        and drop whatever follows inside the chunk."""
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append tokens one by one (with their logprobs); EOS, a stop string, max_tokens or the context end
+        stop the sequence and drop whatever follows inside the chunk."""
         m, stopped_by_string = seq.metrics, False
-        for token in tokens:
+        for i, token in enumerate(tokens):
             seq.output_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             m.num_output_tokens += 1
             if m.first_token_time is None:
                 m.first_token_time = time.perf_counter()
@@ -271,18 +292,3 @@ class Engine:
         if hits:
             seq.text = text[:min(hits)]
         return bool(hits)
-
-
-def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft and target embedding tables may be padded differently; q must cover the target's rows."""
-    if q.shape[-1] == vocab:
-        return q
-    return F.pad(q, (0, vocab - q.shape[-1])) if q.shape[-1] < vocab else q[..., :vocab]
-
-
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """Token ids must index the embedding: checked per request, since a bad one would fail the whole step."""
-    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise SpecDecodeError(f"token id {bad!r} is not in this model's vocabulary: ids are integers "
-                              f"from 0 to {vocab_size - 1}")

@@ -12,7 +12,7 @@ from ..models.loader import LoadedModel, load_model
 from ..models.sources import DEFAULT_TARGET
 from ..proposers import Proposer, ProposerSetup, build_proposer, proposer_kind
 from ..proposers.registry import DRAFT_MODEL
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprob
 from .engine import Engine
 from .memory import format_bytes, plan_memory, resolve_budget
 from .policy import make_policy
@@ -26,6 +26,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs asks
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> "CompletionOutput":
+        return cls(seq.index, seq.text, list(seq.output_ids), seq.finish_reason, seq.logprobs)
 
 
 @dataclass
@@ -39,9 +44,11 @@ class RequestOutput:
     spec: dict = field(default_factory=dict)  # the request's speculation metrics, as a dict
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, prompt: str | None) -> "RequestOutput":
-        out = CompletionOutput(0, seq.text, list(seq.output_ids), seq.finish_reason)
-        return cls(seq.request_id, prompt, seq.prompt_ids, [out], seq.metrics, True, seq.metrics.as_dict())
+    def from_group(cls, group: list[Sequence], prompt: str | None) -> "RequestOutput":
+        """One prompt's n outputs; metrics are the first output's (its TTFT includes the shared prefill)."""
+        first = group[0]
+        return cls(first.request_id, prompt, first.prompt_ids, [CompletionOutput.from_sequence(s) for s in group],
+                   first.metrics, True, first.metrics.as_dict())
 
 
 class LLM:
@@ -117,7 +124,7 @@ class LLM:
         return self.generate(texts, sampling_params)
 
     def _run(self, texts, ids, params: SamplingParams) -> list[RequestOutput]:
-        seqs = [self.engine.add_request(p, params) for p in ids]
+        groups = [self.engine.add_group(p, params) for p in ids]
         while self.engine.has_unfinished():
             self.engine.step()
-        return [RequestOutput.from_sequence(s, t) for s, t in zip(seqs, texts)]
+        return [RequestOutput.from_group(g, t) for g, t in zip(groups, texts)]

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import SpecDecodeError
 from ..metrics import RequestMetrics
 from ..proposers.base import TargetFeedback
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -25,6 +26,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
     text: str = ""
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asks for them
+    index: int = 0  # which of the request's n outputs this is
+    # The request's n sequences (this one included): admitted together, they share one prefill.
+    siblings: list["Sequence"] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -42,3 +47,11 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, where: str = "the prompt") -> None:
+    """Token ids must index the embedding: checked per request, since a bad one would fail the whole step."""
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SpecDecodeError(f"token id {bad!r} in {where} is not in this model's vocabulary: ids are integers "
+                              f"from 0 to {vocab_size - 1}")

@@ -76,6 +76,11 @@ class ModelRunner:
         self._cache.truncate(slot, length)
         self._written[slot] = length
 
+    def copy_slot(self, source: int, dest: int) -> None:
+        """dest continues from source's committed tokens (n outputs of one prompt share its prefill)."""
+        self._cache.copy(source, dest)
+        self._written[dest] = self._cache.lengths[dest]
+
     def assume_cached(self, slot: int, length: int) -> None:
         """Treat `length` positions as context without computing them: for timing forwards, where the
         cost does not depend on what the cache holds."""

@@ -9,7 +9,7 @@ from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import StepTimer
 from ..models.loader import LoadedModel, load_model
-from ..sampling import sample_token
+from ..sampling import process_logits, sample_token
 from .base import DraftBatch, Proposer
 from .registry import ProposerSetup
 
@@ -58,7 +58,7 @@ class DraftModelProposer(Proposer):
             logits = self._forward([slots[i] for i in rows], inputs)
             for row, i in enumerate(rows):
                 seqs[i].metrics.spec.num_draft_forwards += 1
-                token, q = self._sample(logits[row], seqs[i])
+                token, q = self._sample(logits[row], seqs[i], tokens[i])
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -78,16 +78,19 @@ class DraftModelProposer(Proposer):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return logits
 
-    def _sample(self, logits: torch.Tensor, seq) -> tuple[int, torch.Tensor | None]:
-        """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification."""
+    def _sample(self, logits: torch.Tensor, seq, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification.
+        The request's logits processors see the drafts so far, as the target's verify rows will."""
         vocab_ids = self.runner.vocab_ids
-        if vocab_ids is None:
-            return sample_token(logits, seq.params, seq.generator)
-        if seq.params.greedy:
-            return int(vocab_ids[int(logits.argmax())]), None
-        # back to the full vocabulary; tokens outside the subset get q = 0
-        full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
-        return sample_token(full.index_copy_(0, vocab_ids, logits), seq.params, seq.generator)
+        if vocab_ids is not None:
+            if seq.params.greedy and not seq.params.has_processors:
+                return int(vocab_ids[int(logits.argmax())]), None
+            # back to the full vocabulary; tokens outside the subset get q = 0
+            full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
+            logits = full.index_copy_(0, vocab_ids, logits)
+        logits = process_logits(logits[None], seq.params, seq.prompt_ids, seq.output_ids + drafted, (),
+                                self.loaded.tokenizer.eos_token_ids)[0]
+        return sample_token(logits, seq.params, seq.generator)
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""

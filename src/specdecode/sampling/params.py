@@ -1,0 +1,98 @@
+"""Sampling parameters, with vLLM's names and OpenAI's ranges."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import SpecDecodeError
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+MAX_N = 16  # outputs per request: each holds a sequence slot of its own
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # outputs per prompt: one prefill, then n sequences, each with its own random stream
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides (positive) / multiplies (negative) logits of tokens seen in prompt or output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # end-of-sequence tokens are banned until this many tokens are generated
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()}
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether the logits are changed before temperature (bias, min_tokens, penalties)."""
+        return bool(self.logit_bias or self.min_tokens or self.has_penalties)
+
+    def validate(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise SpecDecodeError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check_number("temperature", self.temperature, 0, None, "(0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise SpecDecodeError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        _check_number("min_p", self.min_p, 0, 1)
+        _check_number("presence_penalty", self.presence_penalty, -2, 2)
+        _check_number("frequency_penalty", self.frequency_penalty, -2, 2)
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise SpecDecodeError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            _check_number(f"logit_bias[{token}]", bias, -100, 100)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f" (at most max_tokens={self.max_tokens})")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):
+            raise SpecDecodeError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise SpecDecodeError("stop must be a non-empty string or a list of non-empty strings")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_number(name: str, value, low: float, high: float | None, note: str = "") -> None:
+    if not _is_number(value) or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise SpecDecodeError(f"{name} must be a finite number {span}{' ' + note if note else ''}, got {value!r}")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, note: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise SpecDecodeError(f"{name} must be an integer {span}{note}, got {value!r}")
+
+
+def _token_id(key) -> int:
+    """logit_bias keys arrive as strings over JSON ("50256": -100)."""
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise SpecDecodeError(f"logit_bias keys must be token ids, got {key!r}") from None

@@ -1,0 +1,67 @@
+"""One sequence's verification: the target's logits over the verify window, processed as the request
+asks (row j after the output and the first j drafts), then greedy matching or rejection sampling, and
+the logprobs of the emitted tokens where the request asks for them."""
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..sampling import TokenLogprob, logits_to_probs, process_logits, sample_token, token_logprobs
+from .rejection_sampler import VerifyResult, greedy_verify, rejection_sample
+
+if TYPE_CHECKING:
+    from ..engine.sequence import Sequence
+
+
+def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int],
+                     eos_ids: Collection[int]) -> torch.Tensor:
+    """The request's logits processors on rows [P, V], row j after seq's output and drafts[:j]."""
+    return process_logits(logits, seq.params, seq.prompt_ids, seq.output_ids, drafts, eos_ids)
+
+
+def emitted_logprobs(seq: Sequence, processed: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+    if seq.params.logprobs is None:
+        return None
+    return token_logprobs(processed, tokens, seq.params.logprobs)
+
+
+def sample_first(seq: Sequence, logits: torch.Tensor,
+                 eos_ids: Collection[int]) -> tuple[int, list[TokenLogprob] | None]:
+    """The token after the prompt, from the prefill's last logits row [1, V]."""
+    processed = processed_logits(seq, logits, [], eos_ids)
+    token = sample_token(processed[0], seq.params, seq.generator)[0]
+    return token, emitted_logprobs(seq, processed, [token])
+
+
+def verify_drafts(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                  eos_ids: Collection[int], forced_accept: bool = False
+                  ) -> tuple[VerifyResult, list[TokenLogprob] | None]:
+    """logits [n + 1, V]: the target's raw logits after each prefix of the n drafts.
+    forced_accept keeps every draft (the upper-bound benchmark; not lossless)."""
+    processed = processed_logits(seq, logits, drafts, eos_ids)
+    result = _accept(seq, drafts, draft_probs, processed, forced_accept)
+    return result, emitted_logprobs(seq, processed, result.tokens[0])
+
+
+def _accept(seq: Sequence, drafts: list[int], q: torch.Tensor | None, processed: torch.Tensor,
+            forced_accept: bool) -> VerifyResult:
+    n = len(drafts)
+    draft = torch.tensor([drafts], dtype=torch.long, device=processed.device)
+    if forced_accept:
+        bonus = sample_token(processed[n], seq.params, seq.generator)[0]
+        return VerifyResult([n], [drafts + [bonus]])
+    if seq.params.greedy:
+        return greedy_verify(draft, [n], processed.argmax(-1)[None])
+    p = logits_to_probs(processed, seq.params)[None]
+    q = None if q is None else match_vocab(q, p.shape[-1])[None]
+    return rejection_sample(draft, [n], p, q, seq.generator)
+
+
+def match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft and target embedding tables may be padded differently; q must cover the target's rows."""
+    if q.shape[-1] == vocab:
+        return q
+    return F.pad(q, (0, vocab - q.shape[-1])) if q.shape[-1] < vocab else q[..., :vocab]

@@ -1,0 +1,217 @@
+"""Logits processors (logit_bias, min_tokens, repetition/presence/frequency penalties, min_p) under
+speculation: the formulas, greedy equality with plain decoding, and the statistical test that the
+emitted text follows the processed target distribution, each failing on a deliberately broken variant."""
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.executor.runner import ModelRunner
+from specdecode.sampling import logits_to_probs, process_logits
+from specdecode.verify import verifier
+
+from conftest import tiny_model
+
+PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=1.2, logit_bias={5: 4.0, 9: -100.0})
+
+
+def _llm(target, draft=None, k=3, **kw):
+    kw.setdefault("speculation_policy", "fixed")
+    return LLM(target=target, draft=draft, speculative_model=kw.pop("speculative_model", None),
+               num_speculative_tokens=k, max_model_len=256, **kw)
+
+
+# ---- the formulas -----------------------------------------------------------------------------------
+def test_penalties_follow_their_definitions_per_row():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]]).repeat(3, 1)
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    out = process_logits(logits, params, prompt_ids=[4], output_ids=[0, 0], drafts=[1, 3])
+    # row 0 sees output [0, 0]; row 1 adds draft 1; row 2 adds drafts 1 and 3
+    expected = torch.tensor([
+        [2.0 / 2 - 0.5 - 0.5, -1.0, 0.5, 3.0, 0.0 * 2],
+        [2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, 0.0],
+        [2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, 0.0],
+    ])
+    torch.testing.assert_close(out, expected)
+
+
+def test_bias_and_min_tokens():
+    logits = torch.zeros(3, 6)
+    params = SamplingParams(logit_bias={"2": 1.5}, min_tokens=3, max_tokens=8)
+    out = process_logits(logits, params, [1], output_ids=[0], drafts=[2, 2], eos_ids={5})
+    assert out[:, 2].tolist() == [1.5] * 3
+    # output has 1 token: rows 0 and 1 are tokens 2 and 3 of the output, row 2 is the fourth
+    assert out[:, 5].tolist() == [-math.inf, -math.inf, 0.0]
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = logits_to_probs(logits, SamplingParams(min_p=0.2))  # floor: 0.1
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(presence_penalty=3), "presence_penalty must be a finite number from -2 to 2"),
+    (dict(repetition_penalty=0), "repetition_penalty must be in (0, 10]"),
+    (dict(min_p=1.5), "min_p must be a finite number from 0 to 1"),
+    (dict(logit_bias={"x": 1}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={3: 200}), "logit_bias[3] must be a finite number from -100 to 100"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens must be an integer from 0 to 10"),
+    (dict(logprobs=21), "logprobs must be an integer from 0 to 20"),
+    (dict(n=0), "n must be an integer from 1 to 16"),
+])
+def test_bad_processor_params(kwargs, message):
+    with pytest.raises(SpecDecodeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(target):
+    with pytest.raises(SpecDecodeError, match="token id 5000 in logit_bias is not in this model's vocabulary"):
+        _llm(target, k=0).generate("abc", SamplingParams(logit_bias={5000: 1.0}))
+
+
+# ---- greedy equality ----------------------------------------------------------------------------------
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc"]
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **PENALISED)
+
+
+def _ids(llm, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def plain_penalised(target):
+    return _ids(_llm(target, k=0))
+
+
+def test_processors_change_the_output(target, plain_penalised):
+    unprocessed = _ids(_llm(target, k=0), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert unprocessed != plain_penalised
+    assert all(9 not in ids for ids in plain_penalised)  # logit_bias -100 bans a token
+
+
+@pytest.mark.parametrize("proposer", ["self", "random", "ngram"])
+def test_greedy_with_processors_equals_plain(target, random_draft, plain_penalised, proposer):
+    draft = {"self": target, "random": random_draft}.get(proposer)
+    llm = _llm(target, draft, k=3, speculative_model="ngram" if proposer == "ngram" else None)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_penalised
+    drafted = sum(o.spec["num_draft_tokens"] for o in outs)
+    accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
+    assert drafted > 0
+    if proposer == "self":  # the draft applies the same processors, so a self-draft is always right
+        assert accepted == drafted
+
+
+def test_penalties_without_the_drafts_break_greedy_equality(target, plain_penalised, monkeypatch):
+    """The broken variant: the verify window's rows all see the text before the drafts."""
+    real = verifier.processed_logits
+    monkeypatch.setattr(verifier, "processed_logits", lambda seq, logits, drafts, eos: real(seq, logits, [], eos))
+    assert _ids(_llm(target, target, k=3)) != plain_penalised
+
+
+# ---- the distribution ---------------------------------------------------------------------------------
+SMALL_VOCAB = 8  # id 7 is EOS
+STAT_PARAMS = dict(temperature=1.0, max_tokens=3, min_tokens=2, repetition_penalty=1.3, presence_penalty=0.7,
+                   frequency_penalty=0.9, logit_bias={2: 1.0}, min_p=0.02, top_k=6)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return tiny_model(seed=7, vocab=SMALL_VOCAB, hidden=32), tiny_model(seed=8, vocab=SMALL_VOCAB, hidden=32, layers=1)
+
+
+def _exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """P(t1, t2, t3) of plain decoding: each next-token distribution from a fresh forward over the prefix,
+    processed by the same definitions; a sequence that ends on EOS early keeps its shorter tuple."""
+    runner = ModelRunner(model.model, 1, 64)
+    eos = model.tokenizer.eos_token_ids
+
+    def next_probs(prefix):
+        slot = runner.allocate()
+        logits = runner.forward([slot], [prompt + list(prefix)], "last")
+        runner.free(slot)
+        return logits_to_probs(process_logits(logits, params, prompt, list(prefix), (), eos), params)[0].tolist()
+
+    joint: dict[tuple, float] = {}
+
+    def walk(prefix, p):
+        if len(prefix) == params.max_tokens or (prefix and prefix[-1] in eos):
+            joint[prefix] = joint.get(prefix, 0.0) + p
+            return
+        for token, q in enumerate(next_probs(prefix)):
+            if q > 0:
+                walk(prefix + (token,), p * q)
+
+    walk((), 1.0)
+    return joint
+
+
+def _sampled_joint(target, draft, prompt, params, samples: int) -> tuple[dict[tuple, int], float]:
+    torch.manual_seed(0)
+    llm = _llm(target, draft, k=2, max_num_seqs=128)
+    outs = llm.generate([prompt] * (samples // params.n), params)
+    counts: dict[tuple, int] = {}
+    for out in outs:
+        for o in out.outputs:
+            counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    accepted = sum(o.spec["num_accepted_tokens"] for o in outs) / max(1, sum(o.spec["num_draft_tokens"] for o in outs))
+    return counts, accepted
+
+
+def _pvalue(counts: dict[tuple, int], joint: dict[tuple, float]) -> float:
+    """Chi-square p-value of the sampled sequences against the exact joint; 0 if any sampled sequence
+    has probability 0 under the processed target."""
+    total = sum(counts.values())
+    if not set(counts) <= set(joint):
+        return 0.0
+    cells = sorted(joint, key=joint.get, reverse=True)
+    big = [c for c in cells if joint[c] * total >= 5]
+    rest = [c for c in cells if joint[c] * total < 5]
+    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in rest)]
+    expected = [joint[c] * total for c in big] + [sum(joint[c] for c in rest) * total]
+    expected = [e * total / sum(expected) for e in expected]  # float rounding: the sums must agree exactly
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def stat_setup(small_pair):
+    target, _ = small_pair
+    prompt = [1, 2, 3, 1]
+    params = SamplingParams(n=16, **STAT_PARAMS)
+    return prompt, params, _exact_joint(target, prompt, params)
+
+
+def test_sampling_with_processors_follows_the_processed_target(small_pair, stat_setup):
+    prompt, params, joint = stat_setup
+    counts, accepted = _sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert 0.2 < accepted < 0.95  # both accepted drafts and rejections are exercised
+    assert _pvalue(counts, joint) > 1e-3
+
+
+def test_penalties_without_the_drafts_fail_the_distribution_test(small_pair, stat_setup, monkeypatch):
+    real = verifier.processed_logits
+    monkeypatch.setattr(verifier, "processed_logits", lambda seq, logits, drafts, eos: real(seq, logits, [], eos))
+    prompt, params, joint = stat_setup
+    counts, _ = _sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert _pvalue(counts, joint) < 1e-6
+
+
+def test_min_tokens_holds_back_eos(small_pair):
+    target, draft = small_pair
+    eos_first = SamplingParams(temperature=0, max_tokens=6, logit_bias={7: 100.0})
+    assert _llm(target, draft, k=2).generate([[1, 2]], eos_first)[0].outputs[0].token_ids == [7]
+    out = _llm(target, draft, k=2).generate([[1, 2]], SamplingParams(temperature=0, max_tokens=6, min_tokens=4,
+                                                                      logit_bias={7: 100.0}))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == 7 and 7 not in out.token_ids[:4]
+    assert out.finish_reason == "stop"
+
+
+def test_the_exact_joint_sums_to_one_and_respects_min_tokens(stat_setup):
+    _, _, joint = stat_setup
+    assert math.isclose(sum(joint.values()), 1.0, rel_tol=1e-5)
+    assert {len(t) for t in joint} == {3}
+    assert all(7 not in t[:2] for t in joint)  # min_tokens=2: no EOS in the first two tokens
+    assert any(t[-1] == 7 for t in joint)  # the third may end the text
