@@ -90,7 +90,7 @@ def test_concurrent_requests_batched_equal_solo_and_all_complete(served, target)
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x" * 300}, "context"),
-    ({"prompt": "x", "n": 2}, "n=1"),
+    ({"prompt": "x", "n": 17}, "n must be an integer from 1 to 16"),
     ({"max_tokens": 3}, "prompt"),
 ])
 def test_bad_requests_get_400_and_server_keeps_serving(served, body, message):

@@ -11,74 +11,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
-
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, QueueFull
+from .protocol import ChatRequest, CompletionRequest, _Common
+from .responses import chat_logprobs, completion_logprobs, usage
 
 MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields we do not need (user, stream_options, ...)
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = 1
-    ignore_eos: bool = False
-    logprobs: int | bool | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
-
-
-class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[ContentPart]
-
-    def text(self) -> str:
-        """The message's text; content parts (the newer OpenAI form) must all be text."""
-        if isinstance(self.content, str):
-            return self.content
-        kinds = {part.type for part in self.content} - {"text"}
-        if kinds:
-            raise SpecDecodeError(f"messages: content parts of type {', '.join(sorted(kinds))} are not supported "
-                                  "(text only)")
-        return "".join(part.text or "" for part in self.content)
-
-
-# Fields that change the output and that this server does not implement yet, with the value that means
-# "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
-UNSUPPORTED_UNLESS_DEFAULT = {
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "min_p": 0,
-    "min_tokens": 0, "best_of": 1, "echo": False, "suffix": None, "top_logprobs": None, "response_format": None,
-    "tools": None, "functions": None, "tool_choice": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
-}
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-
-
-def refuse_unsupported_fields(req: BaseModel) -> None:
-    for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []) \
-                and not (name == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
-            raise SpecDecodeError(f"{name} is not supported by this server yet; leave it out (or at its default)")
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -136,12 +75,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "specdecode",
                                             "created": 0, "max_model_len": max_len}]}
 
-    def prepare(req: _Common, prompt_ids: list[int], max_tokens: int | None):
-        refuse_unsupported_fields(req)
-        if req.n != 1:
-            raise SpecDecodeError(f"only n=1 is supported, got n={req.n}")
-        if req.logprobs:
-            raise SpecDecodeError("logprobs are not supported")
+    def prepare(req: _Common, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty")
         room = max_len - len(prompt_ids)
@@ -152,8 +86,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if isinstance(max_tokens, int) and max_tokens > room:
             raise SpecDecodeError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
                                   f"tokens and the context holds {max_len}; ask for at most {room}")
-        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                              stop=req.stop, max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+        return req.sampling_params(max_tokens, req.requested_logprobs())
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -185,50 +118,64 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         try:
-            updates = engine.updates(engine.submit(ids, params))
+            handle = engine.submit(ids, params)
         except QueueFull as exc:
             response = error_response(429, str(exc), "rate_limit_error")
             response.headers["Retry-After"] = "1"
             return response
+        updates = engine.updates(handle)
         if stream:
-            return StreamingResponse(sse(updates, rid, created, kind, chat, len(ids)), media_type="text/event-stream")
-        text, last = [], None
+            return StreamingResponse(sse(updates, handle, rid, created, kind, chat, len(ids)),
+                                     media_type="text/event-stream")
+        n = params.n
+        texts, finish, logprobs = [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
         try:
             async for update in updates:
-                text.append(update.text)
-                last = update
+                texts[update.index].append(update.text)
+                logprobs[update.index].extend(update.logprobs)
+                finish[update.index] = update.finish_reason
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": usage(len(ids), last.seq)}
+        choices = [choice(i, "".join(texts[i]), logprobs[i] if params.logprobs is not None else None,
+                          finish[i], chat, delta=False) for i in range(n)]
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
+                "usage": usage(len(ids), handle.seqs)}
 
-    async def sse(updates, rid, created, kind, chat, prompt_tokens):
+    def choice(index: int, text: str, logprobs, finish_reason, chat: bool, delta: bool,
+               text_offset: int = 0) -> dict:
+        out = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+        if logprobs is not None:
+            out["logprobs"] = chat_logprobs(tokenizer, logprobs) if chat else \
+                completion_logprobs(tokenizer, logprobs, text_offset)
+        if chat:
+            out["delta" if delta else "message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        return out
+
+    async def sse(updates, handle, rid, created, kind, chat, prompt_tokens):
         kind = kind + ".chunk" if chat else kind
-        first = True
+        n = handle.params.n
+        started, offsets, unfinished = [False] * n, [0] * n, n
         try:
             async for update in updates:
-                delta = {"content": update.text} if chat else None
-                if chat and first:
-                    delta["role"] = "assistant"
-                first = False
-                choice = {"index": 0, "finish_reason": update.finish_reason if update.finished else None}
-                choice.update({"delta": delta} if chat else {"text": update.text, "logprobs": None})
-                chunk = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
-                if update.finished:
-                    chunk["usage"] = usage(prompt_tokens, update.seq)
+                i = update.index
+                logprobs = update.logprobs if handle.params.logprobs is not None else None
+                body = choice(i, update.text, logprobs, update.finish_reason if update.finished else None, chat,
+                              delta=True, text_offset=offsets[i])
+                if chat and started[i]:
+                    del body["delta"]["role"]  # the role goes in each output's first chunk only
+                started[i] = True
+                offsets[i] += len(update.text)
+                unfinished -= update.finished
+                chunk = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [body]}
+                if not unfinished:
+                    chunk["usage"] = usage(prompt_tokens, handle.seqs)
                 yield f"data: {json.dumps(chunk)}\n\n"
         except SpecDecodeError as exc:
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
         finally:
-            await updates.aclose()  # a client that left mid-stream frees its sequence and KV now
+            await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
         yield "data: [DONE]\n\n"
-
-    def usage(prompt_tokens: int, seq) -> dict:
-        completion = len(seq.output_ids) if seq is not None else 0
-        spec = seq.metrics.as_dict() if seq is not None else {}
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion, "speculation": spec}
 
     return app

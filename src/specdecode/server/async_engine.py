@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..engine.engine import Engine
 from ..engine.sequence import Sequence
 from ..errors import SpecDecodeError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprob
 from .metrics import ServerMetrics
 
 log = logging.getLogger("specdecode.server")
@@ -23,11 +23,14 @@ class QueueFull(SpecDecodeError):
 
 @dataclass
 class Update:
+    """News about one of a request's n outputs (`index`)."""
     text: str  # new text since the previous update
-    finished: bool = False
+    finished: bool = False  # this output is complete
     finish_reason: str | None = None
-    error: Exception | None = None
+    error: Exception | None = None  # the whole request failed
     seq: Sequence | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens generated since the last update
 
 
 @dataclass
@@ -36,11 +39,17 @@ class RequestHandle:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: Sequence | None = None
-    sent_chars: int = 0
+    seqs: list[Sequence] = field(default_factory=list)  # its n outputs, once the engine has them
+    sent_chars: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    closed: set[int] = field(default_factory=set)  # outputs whose final update is out
 
     def push(self, update: Update) -> None:
         self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.seqs) and all(seq.finished for seq in self.seqs)
 
 
 class AsyncEngine:
@@ -102,17 +111,19 @@ class AsyncEngine:
             yield update
 
     async def updates(self, handle: RequestHandle):
-        """Yields a submitted request's Updates until it finishes; closing the iterator early aborts it."""
-        finished = False
+        """Yields a submitted request's Updates until all its outputs finish; closing the iterator early
+        aborts it."""
+        unfinished = handle.params.n
         try:
-            while not finished:
+            while unfinished:
                 update = await handle.updates.get()
                 if update.error is not None:
+                    unfinished = 0
                     raise update.error
-                finished = update.finished
+                unfinished -= update.finished
                 yield update
         finally:
-            if not finished:  # client went away: free its slot and KV now
+            if unfinished:  # client went away: free its slots and KV now
                 self._inbox.put(("abort", handle))
                 self._wake.set()
 
@@ -142,14 +153,17 @@ class AsyncEngine:
                 return
             if kind == "add":
                 try:
-                    handle.seq = self.engine.add_request(handle.prompt_ids, handle.params)
+                    handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params)
+                    handle.sent_chars = [0] * len(handle.seqs)
+                    handle.sent_tokens = [0] * len(handle.seqs)
                 except Exception as exc:
                     handle.push(Update("", True, error=exc))
                     self._ended += 1
                     continue
                 self._active.append(handle)
             elif handle in self._active:
-                self.engine.abort(handle.seq)
+                for seq in handle.seqs:
+                    self.engine.abort(seq)
                 self._active.remove(handle)
                 self._ended += 1
                 self.metrics.aborted.inc()
@@ -158,17 +172,27 @@ class AsyncEngine:
     def _publish(self) -> None:
         still_active = []
         for handle in self._active:
-            seq = handle.seq
-            text = self._streamable_text(seq)[handle.sent_chars:]
-            if text or seq.finished:
-                handle.push(Update(text, seq.finished, seq.finish_reason, seq=seq))
-                handle.sent_chars += len(text)
-            if seq.finished:
+            for i, seq in enumerate(handle.seqs):
+                self._publish_output(handle, i, seq)
+            if handle.finished:
                 self._ended += 1
             else:
                 still_active.append(handle)
         self._active = still_active
         self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+
+    def _publish_output(self, handle: RequestHandle, i: int, seq: Sequence) -> None:
+        """New text of output i, with the logprobs of every token generated since its last update."""
+        if i in handle.closed:
+            return
+        text = self._streamable_text(seq)[handle.sent_chars[i]:]
+        logprobs = seq.logprobs[handle.sent_tokens[i]:] if seq.logprobs is not None else []
+        if text or logprobs or seq.finished:
+            handle.push(Update(text, seq.finished, seq.finish_reason, seq=seq, index=i, logprobs=logprobs))
+            handle.sent_chars[i] += len(text)
+            handle.sent_tokens[i] += len(logprobs)
+            if seq.finished:
+                handle.closed.add(i)
 
     @staticmethod
     def _streamable_text(seq: Sequence) -> str:
@@ -182,8 +206,9 @@ class AsyncEngine:
 
     def _fail_all(self, exc: Exception) -> None:
         for handle in self._active:
-            if handle.seq is not None and not handle.seq.finished:
-                self.engine.abort(handle.seq)
+            for seq in handle.seqs:
+                if not seq.finished:
+                    self.engine.abort(seq)
             handle.push(Update("", True, error=exc))
         self._ended += len(self._active)
         self._active = []

@@ -1,0 +1,90 @@
+"""The OpenAI request bodies we accept, and their translation to SamplingParams."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import SpecDecodeError
+from ..sampling import SamplingParams
+
+# Fields that change the output and that this server does not implement, with the value that means
+# "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
+UNSUPPORTED_UNLESS_DEFAULT = {
+    "best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None, "functions": None,
+    "tool_choice": None, "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "prompt_logprobs": None,
+}
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields we do not need (user, stream_options, ...)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    ignore_eos: bool = False
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        refuse_unsupported_fields(self)
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            seed=self.seed, stop=self.stop, max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = None  # the chosen token's logprob and this many alternatives
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        """The message's text; content parts (the newer OpenAI form) must all be text."""
+        if isinstance(self.content, str):
+            return self.content
+        kinds = {part.type for part in self.content} - {"text"}
+        if kinds:
+            raise SpecDecodeError(f"messages: content parts of type {', '.join(sorted(kinds))} are not supported "
+                                  "(text only)")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SpecDecodeError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def refuse_unsupported_fields(req: BaseModel) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []) \
+                and not (name == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+            raise SpecDecodeError(f"{name} is not supported by this server yet; leave it out (or at its default)")

@@ -1,0 +1,38 @@
+"""OpenAI response pieces: logprobs in the chat and the completions formats, and usage."""
+from __future__ import annotations
+
+from ..sampling import TokenLogprob
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a banned token's logprob is reported as this
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], text_offset: int = 0) -> dict:
+    tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{tokenizer.decode([i]): _finite(v) for i, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, seqs: list) -> dict:
+    """Token counts over all n outputs; the speculation figures are the first output's."""
+    completion = sum(len(seq.output_ids) for seq in seqs)
+    spec = seqs[0].metrics.as_dict() if seqs else {}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "speculation": spec}

@@ -1,0 +1,119 @@
+"""Logprobs under speculation equal plain decoding's for every emitted token (accepted draft, recovered,
+bonus), and n outputs per prompt share one prefill, each with its own random stream."""
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.executor.runner import ModelRunner
+from specdecode.sampling import process_logits, token_logprobs
+from specdecode.verify import verifier
+
+from conftest import tiny_model
+
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc"]
+PROCESSED = dict(presence_penalty=0.5, logit_bias={3: 2.0})
+
+
+def _llm(target, draft=None, k=3, **kw):
+    kw.setdefault("speculation_policy", "fixed")
+    return LLM(target=target, draft=draft, num_speculative_tokens=k, max_model_len=256, **kw)
+
+
+def _flat(outputs) -> list[tuple[int, float, list]]:
+    return [(lp.token_id, lp.logprob, lp.top) for o in outputs for lp in o.outputs[0].logprobs]
+
+
+def _assert_close(spec, plain, tol=1e-4):
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    for (_, a, top_a), (_, b, top_b) in zip(spec, plain):
+        assert abs(a - b) < tol
+        assert [i for i, _ in top_a] == [i for i, _ in top_b]
+        assert all(abs(x - y) < tol for (_, x), (_, y) in zip(top_a, top_b))
+
+
+def test_greedy_logprobs_equal_plain(target, random_draft):
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=3, **PROCESSED)
+    plain = _flat(_llm(target, k=0).generate(PROMPTS, params))
+    assert len(plain) == 50 and all(len(top) == 3 and lp <= 0 for _, lp, top in plain)
+    assert all(top[0][0] == token for token, _, top in plain)  # greedy: the chosen token is the best
+    for draft in (target, random_draft):
+        _assert_close(_flat(_llm(target, draft, k=3).generate(PROMPTS, params)), plain)
+
+
+def _exact_logprobs(target, prompt: list[int], output: list[int], params) -> list[float]:
+    """Each token's logprob from a fresh forward over its prefix (no speculation, no batching)."""
+    runner = ModelRunner(target.model, 1, 256)
+    values = []
+    for i, token in enumerate(output):
+        slot = runner.allocate()
+        logits = runner.forward([slot], [prompt + output[:i]], "last")
+        runner.free(slot)
+        processed = process_logits(logits, params, prompt, output[:i], (), target.tokenizer.eos_token_ids)
+        values.append(token_logprobs(processed, [token], 0)[0].logprob)
+    return values
+
+
+def test_sampled_logprobs_are_the_targets_for_accepted_recovered_and_bonus_tokens(target):
+    params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=3, logprobs=0, **PROCESSED)
+    prompt = target.tokenizer.encode(PROMPTS[0])
+    truncated = tiny_model(seed=0, layers=1)  # the target's first layer alone: right part of the time
+    out = _llm(target, truncated, k=3).generate([prompt], params)[0]
+    assert 0 < out.spec["num_accepted_tokens"] < out.spec["num_draft_tokens"]  # accepted and rejected drafts
+    got = [lp.logprob for lp in out.outputs[0].logprobs]
+    exact = _exact_logprobs(target, prompt, out.outputs[0].token_ids, params)
+    assert max(abs(a - b) for a, b in zip(got, exact)) < 1e-4
+
+
+def test_logprobs_of_the_wrong_row_are_caught(target, monkeypatch):
+    """The broken variant reads each token's logprob one row late (the row after it was chosen)."""
+    real = verifier.emitted_logprobs
+    monkeypatch.setattr(verifier, "emitted_logprobs",
+                        lambda seq, processed, tokens: real(seq, torch.roll(processed, -1, 0), tokens))
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=0)
+    plain = _flat(_llm(target, k=0).generate(PROMPTS, params))
+    with pytest.raises(AssertionError):
+        _assert_close(_flat(_llm(target, target, k=3).generate(PROMPTS, params)), plain)
+
+
+def test_no_logprobs_unless_asked(target):
+    out = _llm(target, target).generate(PROMPTS[0], SamplingParams(max_tokens=5))[0]
+    assert out.outputs[0].logprobs is None
+
+
+# ---- n outputs ----------------------------------------------------------------------------------
+def test_n_outputs_share_one_prefill(target, random_draft, monkeypatch):
+    llm = _llm(target, random_draft, k=2)
+    prompts_run = []
+    real = llm.engine.runner.forward
+    monkeypatch.setattr(llm.engine.runner, "forward",
+                        lambda slots, inputs, *a, **kw: prompts_run.append(len(inputs[0])) or real(slots, inputs, *a, **kw))
+    prompt = target.tokenizer.encode(PROMPTS[0])
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True))[0]
+    assert prompts_run.count(len(prompt)) == 1  # one prefill for four outputs
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 12 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_greedy_n_outputs_are_all_plain_greedy(target, random_draft):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = _llm(target, k=0).generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    out = _llm(target, random_draft).generate(PROMPTS[0], SamplingParams(n=3, temperature=0, max_tokens=20,
+                                                                            ignore_eos=True))[0]
+    assert [o.token_ids for o in out.outputs] == [plain] * 3
+
+
+def test_seeded_n_is_reproducible_and_its_first_output_is_the_single_request(target, random_draft):
+    def run(n):
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=15, seed=11, ignore_eos=True)
+        return [o.token_ids for o in _llm(target, random_draft).generate(PROMPTS[1], params)[0].outputs]
+
+    three = run(3)
+    assert three == run(3)
+    assert three[0] == run(1)[0]
+    assert len(set(map(tuple, three))) == 3  # each output has a stream of its own
+
+
+def test_n_above_the_slots_is_refused(target):
+    with pytest.raises(SpecDecodeError, match="n=5 outputs need as many sequence slots"):
+        _llm(target, max_num_seqs=4).generate("abc", SamplingParams(n=5))

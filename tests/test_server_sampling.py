@@ -1,0 +1,95 @@
+"""The whole sampling API through the official `openai` client with speculation on (a draft model and
+prompt lookup): penalties, logit_bias, min_p, min_tokens, logprobs (chat and completions, streamed and
+not) and n. Greedy answers equal plain decoding's with the same processors, token for token, and the
+logprobs equal plain decoding's."""
+import openai
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import AsyncEngine
+
+from conftest import LocalServer
+
+PROCESSORS = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"5": 3.0, "9": -100})
+EXTRA = dict(repetition_penalty=1.2, min_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["draft", "ngram"])
+def server(request, target, random_draft):
+    draft = dict(draft=target) if request.param == "draft" else dict(speculative_model="ngram")
+    llm = LLM(target=target, num_speculative_tokens=3, max_model_len=256, max_num_seqs=8,
+              speculation_policy="fixed", **draft)
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain decoding with the same processors: the reference every answer must equal."""
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+
+    def run(prompt_ids, max_tokens, logprobs=None):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs,
+                                logit_bias={int(k): v for k, v in PROCESSORS["logit_bias"].items()},
+                                **{k: v for k, v in PROCESSORS.items() if k != "logit_bias"}, **EXTRA)
+        return llm.generate([prompt_ids], params)[0].outputs[0]
+    return run
+
+
+def _completion(server, stream=False, **kw):
+    return server.client.completions.create(model="tiny", prompt="hello hello hello world", max_tokens=16,
+                                            temperature=0, stream=stream, **PROCESSORS, extra_body=EXTRA, **kw)
+
+
+def test_processed_greedy_completion_equals_plain(server, plain, target):
+    r = _completion(server)
+    reference = plain(target.tokenizer.encode("hello hello hello world"), 16)
+    assert r.choices[0].text == reference.text
+    assert r.usage.model_extra["speculation"]["num_draft_tokens"] > 0
+
+
+def test_completion_logprobs_equal_plain_streamed_and_not(server, plain, target):
+    reference = plain(target.tokenizer.encode("hello hello hello world"), 16, logprobs=2)
+    whole = _completion(server, logprobs=2).choices[0].logprobs
+    assert len(whole.token_logprobs) == 16
+    assert whole.tokens == [target.tokenizer.decode([lp.token_id]) for lp in reference.logprobs]
+    assert max(abs(a - b.logprob) for a, b in zip(whole.token_logprobs, reference.logprobs)) < 1e-4
+    assert all(len(top) == 2 for top in whole.top_logprobs)
+    chunks = list(_completion(server, stream=True, logprobs=2))
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.token_logprobs, abs=1e-6)
+
+
+def test_chat_logprobs_and_top_logprobs(server):
+    msgs = [{"role": "user", "content": "abcabc"}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+              **PROCESSORS, extra_body=EXTRA)
+    whole = server.client.chat.completions.create(**kw).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 12 and "".join(t.token for t in content) == whole.message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
+    streamed = [t for c in server.client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-6)
+
+
+def test_n_outputs_streamed_and_not(server):
+    kw = dict(model="tiny", prompt="the cat", max_tokens=10, temperature=1.0, n=3, seed=5,
+              extra_body={"ignore_eos": True, "min_p": 0.05})
+    whole = server.client.completions.create(**kw)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    assert whole.usage.completion_tokens == 30
+    chunks = list(server.client.completions.create(stream=True, **kw))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)}
+    assert texts == {c.index: c.text for c in whole.choices}  # seeded: the same three texts
+    assert len(set(texts.values())) > 1
+
+
+def test_min_tokens_and_logit_bias_reach_the_engine(server):
+    eos = 63  # the tiny tokenizer's EOS
+    r = server.client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0,
+                                         logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
