@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.executor.runner import ModelRunner
 from specdecode.sampling import logits_to_probs, process_logits
 from specdecode.verify import verifier
 
 from conftest import tiny_model
+from stats import chi2_pvalue, exact_joint, sampled_joint
 
 PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=1.2, logit_bias={5: 4.0, 9: -100.0})
 
@@ -123,80 +122,27 @@ def small_pair():
     return tiny_model(seed=7, vocab=SMALL_VOCAB, hidden=32), tiny_model(seed=8, vocab=SMALL_VOCAB, hidden=32, layers=1)
 
 
-def _exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
-    """P(t1, t2, t3) of plain decoding: each next-token distribution from a fresh forward over the prefix,
-    processed by the same definitions; a sequence that ends on EOS early keeps its shorter tuple."""
-    runner = ModelRunner(model.model, 1, 64)
-    eos = model.tokenizer.eos_token_ids
-
-    def next_probs(prefix):
-        slot = runner.allocate()
-        logits = runner.forward([slot], [prompt + list(prefix)], "last")
-        runner.free(slot)
-        return logits_to_probs(process_logits(logits, params, prompt, list(prefix), (), eos), params)[0].tolist()
-
-    joint: dict[tuple, float] = {}
-
-    def walk(prefix, p):
-        if len(prefix) == params.max_tokens or (prefix and prefix[-1] in eos):
-            joint[prefix] = joint.get(prefix, 0.0) + p
-            return
-        for token, q in enumerate(next_probs(prefix)):
-            if q > 0:
-                walk(prefix + (token,), p * q)
-
-    walk((), 1.0)
-    return joint
-
-
-def _sampled_joint(target, draft, prompt, params, samples: int) -> tuple[dict[tuple, int], float]:
-    torch.manual_seed(0)
-    llm = _llm(target, draft, k=2, max_num_seqs=128)
-    outs = llm.generate([prompt] * (samples // params.n), params)
-    counts: dict[tuple, int] = {}
-    for out in outs:
-        for o in out.outputs:
-            counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    accepted = sum(o.spec["num_accepted_tokens"] for o in outs) / max(1, sum(o.spec["num_draft_tokens"] for o in outs))
-    return counts, accepted
-
-
-def _pvalue(counts: dict[tuple, int], joint: dict[tuple, float]) -> float:
-    """Chi-square p-value of the sampled sequences against the exact joint; 0 if any sampled sequence
-    has probability 0 under the processed target."""
-    total = sum(counts.values())
-    if not set(counts) <= set(joint):
-        return 0.0
-    cells = sorted(joint, key=joint.get, reverse=True)
-    big = [c for c in cells if joint[c] * total >= 5]
-    rest = [c for c in cells if joint[c] * total < 5]
-    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in rest)]
-    expected = [joint[c] * total for c in big] + [sum(joint[c] for c in rest) * total]
-    expected = [e * total / sum(expected) for e in expected]  # float rounding: the sums must agree exactly
-    return chisquare(observed, expected).pvalue
-
-
 @pytest.fixture(scope="module")
 def stat_setup(small_pair):
     target, _ = small_pair
     prompt = [1, 2, 3, 1]
     params = SamplingParams(n=16, **STAT_PARAMS)
-    return prompt, params, _exact_joint(target, prompt, params)
+    return prompt, params, exact_joint(target, prompt, params)
 
 
 def test_sampling_with_processors_follows_the_processed_target(small_pair, stat_setup):
     prompt, params, joint = stat_setup
-    counts, accepted = _sampled_joint(*small_pair, prompt, params, samples=8000)
+    counts, accepted = sampled_joint(*small_pair, prompt, params, samples=8000)
     assert 0.2 < accepted < 0.95  # both accepted drafts and rejections are exercised
-    assert _pvalue(counts, joint) > 1e-3
+    assert chi2_pvalue(counts, joint) > 1e-3
 
 
 def test_penalties_without_the_drafts_fail_the_distribution_test(small_pair, stat_setup, monkeypatch):
     real = verifier.processed_logits
     monkeypatch.setattr(verifier, "processed_logits", lambda seq, logits, drafts, eos: real(seq, logits, [], eos))
     prompt, params, joint = stat_setup
-    counts, _ = _sampled_joint(*small_pair, prompt, params, samples=8000)
-    assert _pvalue(counts, joint) < 1e-6
+    counts, _ = sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert chi2_pvalue(counts, joint) < 1e-6
 
 
 def test_min_tokens_holds_back_eos(small_pair):

@@ -74,6 +74,30 @@ def test_qwen_chat_sampling_is_seeded(qwen_target, qwen_draft):
     assert a.spec["num_draft_tokens"] > 0
 
 
+def test_qwen_structured_json_with_processors_and_logprobs(qwen_target, qwen_draft):
+    """The Qwen tokenizer through llguidance: a schema-valid answer, greedy speculative equal to plain, with
+    penalties and logprobs on."""
+    import json
+
+    import jsonschema
+
+    from specdecode.sampling import StructuredOutput
+
+    schema = {"type": "object", "required": ["name", "year"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 40}, "year": {"type": "integer"}}}
+    params = SamplingParams(temperature=0, max_tokens=40, presence_penalty=0.3, logprobs=1,
+                            structured_output=StructuredOutput(json=schema))
+    conv = [{"role": "user", "content": "Which language did Guido van Rossum create, and in which year? Answer in JSON."}]
+    plain = LLM(target=qwen_target, num_speculative_tokens=0).chat(conv, params)[0].outputs[0]
+    spec_out = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3,
+                   speculation_policy="fixed").chat(conv, params)[0]
+    spec = spec_out.outputs[0]
+    jsonschema.validate(json.loads(spec.text), schema)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
+    assert spec_out.spec["num_accepted_tokens"] > 0
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(spec.logprobs, plain.logprobs)) < 1e-3
+
+
 def test_smollm2_llama_gguf_knows_paris():
     """A Llama-architecture GGUF (q/k rows permuted by llama.cpp, Q4_1/Q8_0 weights) loads correctly."""
     llm = LLM("smollm2-135m", "ngram", 3)

@@ -149,8 +149,15 @@ HOSTILE = [
     ("chat/completions", {"messages": [{"role": "user"}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "response_format": {"type": "json_object"}}),
+                          "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+    ("completions", {"prompt": "x", "guided_regex": "(unclosed"}),
+    ("completions", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a", "b"]}),
+    ("completions", {"prompt": "x", "guided_choice": []}),
+    ("completions", {"prompt": "x", "guided_grammar": "start: ???"}),
+    ("completions", {"prompt": "x", "guided_json": "{not json"}),
+    ("completions", {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
 ]
 

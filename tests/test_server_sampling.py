@@ -1,15 +1,20 @@
 """The whole sampling API through the official `openai` client with speculation on (a draft model and
 prompt lookup): penalties, logit_bias, min_p, min_tokens, logprobs (chat and completions, streamed and
-not) and n. Greedy answers equal plain decoding's with the same processors, token for token, and the
-logprobs equal plain decoding's."""
+not), n and structured output (response_format, guided_*). Greedy answers equal plain decoding's with the
+same processors, token for token, and the logprobs equal plain decoding's."""
+import json
+import re
+
+import jsonschema
 import openai
 import pytest
 
 from specdecode import LLM, SamplingParams
+from specdecode.sampling import StructuredOutput
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
-from conftest import LocalServer
+from conftest import LocalServer, tiny_model
 
 PROCESSORS = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"5": 3.0, "9": -100})
 EXTRA = dict(repetition_penalty=1.2, min_tokens=4, ignore_eos=True)
@@ -93,3 +98,51 @@ def test_min_tokens_and_logit_bias_reach_the_engine(server):
     r = server.client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0,
                                          logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+
+
+# ---- structured output ----------------------------------------------------------------------------
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}}}
+
+
+@pytest.fixture(scope="module", params=["draft", "ngram"])
+def json_server(request):
+    """Vocabulary 100, so that braces and quotes are tokens."""
+    target = tiny_model(seed=0, vocab=100)
+    proposer = dict(draft=tiny_model(seed=5, vocab=100, layers=1)) if request.param == "draft" \
+        else dict(speculative_model="ngram")
+    llm = LLM(target=target, num_speculative_tokens=3, max_model_len=256, max_num_seqs=8,
+              speculation_policy="fixed", **proposer)
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        server.target = target
+        yield server
+
+
+def test_response_format_json_schema_validates_and_equals_plain(json_server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA, "strict": True}}
+    msgs = [{"role": "user", "content": "a pair"}]
+    r = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=60, temperature=0,
+                                                   response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    assert r.choices[0].finish_reason == "stop"
+    plain = LLM(target=json_server.target, num_speculative_tokens=0, max_model_len=256).chat(
+        msgs, SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutput(json=SCHEMA)))
+    assert r.choices[0].message.content == plain[0].outputs[0].text
+    streamed = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=60,
+                                                          temperature=0, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+
+
+def test_sampled_json_schema_with_n_and_guided_fields(json_server):
+    r = json_server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=120, temperature=1.0, n=4, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA}})
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    choice = json_server.client.completions.create(model="tiny", prompt="pick", max_tokens=10, temperature=1.0,
+                                                   extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert choice.choices[0].text in ("red", "green", "blue")
+    regex = json_server.client.completions.create(model="tiny", prompt="code", max_tokens=10, temperature=1.0,
+                                                  extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)

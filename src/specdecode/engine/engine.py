@@ -13,7 +13,7 @@ from ..executor.runner import ModelRunner
 from ..metrics import SpecCounters, StepTimer, now
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
-from ..sampling import SamplingParams, TokenLogprob
+from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 from ..verify.rejection_sampler import VerifyResult
 from ..verify.verifier import sample_first, verify_drafts
 from .policy import DraftDecision, Policy, make_policy
@@ -82,10 +82,14 @@ class Engine:
                                   f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs")
         check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
         check_token_ids(list(params.logit_bias or ()), self.runner.cfg.vocab_size, "logit_bias")
+        grammar = None
+        if params.structured_output is not None:
+            grammar = GrammarMatcher.compile(params.structured_output, self.tokenizer, self.runner.cfg.vocab_size)
         group: list[Sequence] = []
         for index in range(params.n):
             seq = Sequence(list(prompt_ids), params, self._generator(params.seed, index), index=index,
-                           siblings=group, logprobs=None if params.logprobs is None else [])
+                           siblings=group, logprobs=None if params.logprobs is None else [],
+                           grammar=grammar.copy() if grammar is not None else None)
             seq.metrics.num_prompt_tokens = len(prompt_ids)
             seq.metrics.forced_accept = self.forced_accept and self.k > 0
             group.append(seq)

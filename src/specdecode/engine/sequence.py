@@ -9,7 +9,7 @@ import torch
 from ..errors import SpecDecodeError
 from ..metrics import RequestMetrics
 from ..proposers.base import TargetFeedback
-from ..sampling import SamplingParams, TokenLogprob
+from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -28,6 +28,7 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asks for them
     index: int = 0  # which of the request's n outputs this is
+    grammar: GrammarMatcher | None = None  # structured output: where the output stands in its grammar
     # The request's n sequences (this one included): admitted together, they share one prefill.
     siblings: list["Sequence"] = field(default_factory=list)
 

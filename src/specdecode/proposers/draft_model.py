@@ -49,19 +49,26 @@ class DraftModelProposer(Proposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         self._round_seconds = []
         slots = {i: self._slot(seqs[i]) for i in active}
-        for step in range(max((ks[i] for i in active), default=0)):
-            rows = [i for i in active if ks[i] > step]
-            if step == 0:  # catch up on everything the draft has not seen, then draft the first token
-                inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
-            else:
-                inputs = [[tokens[i][-1]] for i in rows]
-            logits = self._forward([slots[i] for i in rows], inputs)
-            for row, i in enumerate(rows):
-                seqs[i].metrics.spec.num_draft_forwards += 1
-                token, q = self._sample(logits[row], seqs[i], tokens[i])
-                tokens[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
+        try:
+            for step in range(max((ks[i] for i in active), default=0)):
+                rows = [i for i in active if ks[i] > step]
+                if step == 0:  # catch up on everything the draft has not seen, then draft the first token
+                    inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
+                else:
+                    inputs = [[tokens[i][-1]] for i in rows]
+                logits = self._forward([slots[i] for i in rows], inputs)
+                for row, i in enumerate(rows):
+                    seqs[i].metrics.spec.num_draft_forwards += 1
+                    token, q = self._sample(logits[row], seqs[i], tokens[i])
+                    tokens[i].append(token)
+                    if seqs[i].grammar is not None:  # the next draft position's mask follows this token
+                        seqs[i].grammar.draft(token)
+                    if q is not None:
+                        probs[i].append(q)
+        finally:
+            for i in active:
+                if seqs[i].grammar is not None:
+                    seqs[i].grammar.undo_drafts()
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
     def _slot(self, seq) -> int:
@@ -83,14 +90,16 @@ class DraftModelProposer(Proposer):
         The request's logits processors see the drafts so far, as the target's verify rows will."""
         vocab_ids = self.runner.vocab_ids
         if vocab_ids is not None:
-            if seq.params.greedy and not seq.params.has_processors:
+            if seq.params.greedy and not seq.params.has_processors and seq.grammar is None:
                 return int(vocab_ids[int(logits.argmax())]), None
             # back to the full vocabulary; tokens outside the subset get q = 0
             full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
             logits = full.index_copy_(0, vocab_ids, logits)
         logits = process_logits(logits[None], seq.params, seq.prompt_ids, seq.output_ids + drafted, (),
-                                self.loaded.tokenizer.eos_token_ids)[0]
-        return sample_token(logits, seq.params, seq.generator)
+                                self.loaded.tokenizer.eos_token_ids)
+        if seq.grammar is not None:
+            logits = seq.grammar.mask_rows(logits, [])
+        return sample_token(logits[0], seq.params, seq.generator)
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""

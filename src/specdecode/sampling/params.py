@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import SpecDecodeError
+from .grammar import StructuredOutput
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_N = 16  # outputs per request: each holds a sequence slot of its own
@@ -27,6 +28,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
+    structured_output: StructuredOutput | None = None  # a grammar the output must follow
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -70,6 +72,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -2 ** 63 <= self.seed < 2 ** 64):
             raise SpecDecodeError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
+        if self.structured_output is not None and (self.ignore_eos or self.min_tokens):
+            raise SpecDecodeError("structured output ends the text when its grammar is complete; it cannot be "
+                                  "combined with ignore_eos or min_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise SpecDecodeError("stop must be a non-empty string or a list of non-empty strings")
 

@@ -2,6 +2,7 @@
 server-sent-event streaming), /v1/models, /health, /metrics."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
+from ..sampling.grammar import GrammarTokenizers
 from .async_engine import AsyncEngine, QueueFull
 from .protocol import ChatRequest, CompletionRequest, _Common
 from .responses import chat_logprobs, completion_logprobs, usage
@@ -117,6 +119,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def respond(stream: bool, ids: list[int], params: SamplingParams, kind: str, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
+            await asyncio.to_thread(GrammarTokenizers.get, tokenizer, engine.engine.runner.cfg.vocab_size)
         try:
             handle = engine.submit(ids, params)
         except QueueFull as exc:

@@ -4,14 +4,13 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, StructuredOutput
 
 # Fields that change the output and that this server does not implement, with the value that means
 # "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None, "functions": None,
-    "tool_choice": None, "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "prompt_logprobs": None,
+    "best_of": 1, "echo": False, "suffix": None, "tools": None, "functions": None, "tool_choice": None,
+    "prompt_logprobs": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
 }
 
 
@@ -33,14 +32,47 @@ class _Common(BaseModel):
     stream: bool = False
     n: int = 1
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         refuse_unsupported_fields(self)
         return SamplingParams(
+            structured_output=self.structured_output(),
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
             seed=self.seed, stop=self.stop, max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+    def structured_output(self) -> StructuredOutput | None:
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "grammar": self.guided_grammar,
+                  "choice": tuple(self.guided_choice) if self.guided_choice is not None else None}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        from_format = response_format_grammar(self.response_format)
+        if from_format and guided:
+            raise SpecDecodeError("send either response_format or a guided_* field, not both")
+        if len(guided) > 1:
+            raise SpecDecodeError(f"send one guided_* field at a time, got {', '.join('guided_' + k for k in guided)}")
+        return from_format or (StructuredOutput(**guided) if guided else None)
+
+
+def response_format_grammar(response_format: dict | None) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema with its schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise SpecDecodeError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return StructuredOutput(json=schema)
+    raise SpecDecodeError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
 
 
 class CompletionRequest(_Common):
@@ -85,6 +117,5 @@ class ChatRequest(_Common):
 
 def refuse_unsupported_fields(req: BaseModel) -> None:
     for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []) \
-                and not (name == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+        if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []):
             raise SpecDecodeError(f"{name} is not supported by this server yet; leave it out (or at its default)")

@@ -1,6 +1,7 @@
 """One sequence's verification: the target's logits over the verify window, processed as the request
 asks (row j after the output and the first j drafts), then greedy matching or rejection sampling, and
-the logprobs of the emitted tokens where the request asks for them."""
+the logprobs of the emitted tokens where the request asks for them. A structured-output grammar is one
+more processor: its mask at row j is the grammar's state after the first j drafts."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -18,8 +19,9 @@ if TYPE_CHECKING:
 
 def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int],
                      eos_ids: Collection[int]) -> torch.Tensor:
-    """The request's logits processors on rows [P, V], row j after seq's output and drafts[:j]."""
-    return process_logits(logits, seq.params, seq.prompt_ids, seq.output_ids, drafts, eos_ids)
+    """The request's logits processors and grammar on rows [P, V], row j after seq's output and drafts[:j]."""
+    logits = process_logits(logits, seq.params, seq.prompt_ids, seq.output_ids, drafts, eos_ids)
+    return logits if seq.grammar is None else seq.grammar.mask_rows(logits, drafts)
 
 
 def emitted_logprobs(seq: Sequence, processed: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
@@ -33,16 +35,21 @@ def sample_first(seq: Sequence, logits: torch.Tensor,
     """The token after the prompt, from the prefill's last logits row [1, V]."""
     processed = processed_logits(seq, logits, [], eos_ids)
     token = sample_token(processed[0], seq.params, seq.generator)[0]
+    if seq.grammar is not None:
+        seq.grammar.advance([token])
     return token, emitted_logprobs(seq, processed, [token])
 
 
 def verify_drafts(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
                   eos_ids: Collection[int], forced_accept: bool = False
                   ) -> tuple[VerifyResult, list[TokenLogprob] | None]:
-    """logits [n + 1, V]: the target's raw logits after each prefix of the n drafts.
-    forced_accept keeps every draft (the upper-bound benchmark; not lossless)."""
+    """logits [n + 1, V]: the target's raw logits after each prefix of the n drafts. The grammar, if any,
+    advances along the emitted tokens. forced_accept keeps every draft (the upper-bound benchmark; not
+    lossless)."""
     processed = processed_logits(seq, logits, drafts, eos_ids)
     result = _accept(seq, drafts, draft_probs, processed, forced_accept)
+    if seq.grammar is not None:
+        seq.grammar.advance(result.tokens[0])
     return result, emitted_logprobs(seq, processed, result.tokens[0])
 
 

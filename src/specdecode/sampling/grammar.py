@@ -1,0 +1,163 @@
+"""Structured output: a grammar (JSON schema, regex, choice list or Lark grammar) constrains which tokens
+may come next, through llguidance's matcher.
+
+Under speculation the mask is applied at every draft position, to target and draft alike: the matcher
+advances along the drafts to compute the verify rows' masks and rolls back, so the processed target
+distribution at each position is exactly the one plain constrained decoding samples from. Only emitted
+tokens advance it for good."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import SpecDecodeError
+
+
+# JSON without optional whitespace: a model cannot stall in a run of spaces, and the output is the same
+# JSON. A schema may still ask for flexible whitespace through its "x-guidance" options.
+COMPACT_JSON = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One of: json (a schema, as a dict or string), json_object (any JSON object), regex, choice (the
+    output is one of these strings) or grammar (Lark syntax, llguidance's dialect)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SpecDecodeError(f"structured output takes exactly one of json, json_object, regex, choice or "
+                                  f"grammar; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SpecDecodeError("choice must be a non-empty list of non-empty strings")
+
+    def llguidance_grammar(self) -> str:
+        from llguidance import LLMatcher
+
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
+        if self.json is not None:
+            try:
+                return LLMatcher.grammar_from_json_schema(self.json, defaults=COMPACT_JSON)
+            except ValueError as exc:
+                raise SpecDecodeError(f"the JSON schema is not valid JSON: {exc}") from None
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+class GrammarTokenizers:
+    """llguidance's view of a tokenizer (each token's bytes) takes seconds to build: one per tokenizer."""
+
+    _cache: dict[int, Any] = {}
+
+    @classmethod
+    def get(cls, tokenizer, vocab_size: int):
+        key = id(tokenizer)
+        if key not in cls._cache:
+            cls._cache[key] = (tokenizer, _build_ll_tokenizer(tokenizer, vocab_size))
+        return cls._cache[key][1]
+
+
+def _build_ll_tokenizer(tokenizer, vocab_size: int):
+    import llguidance
+    import llguidance.hf
+
+    eos = sorted(tokenizer.eos_token_ids)
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        try:
+            return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        except ValueError:  # not a fast (Rust) tokenizer
+            pass
+    # any other tokenizer whose tokens decode one by one (character- or byte-level)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos)),
+                                  n_vocab=vocab_size, eos_token=eos)
+
+
+class _TokenBytes:
+    def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
+        self.eos_token_id, self.bos_token_id = eos[0], None
+        self.special_token_ids = eos
+        self.tokens = [b"" if i in eos else tokenizer.decode([i]).encode() for i in range(vocab_size)]
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar, over the output tokens emitted so far."""
+
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
+        self._matcher = matcher
+        self._vocab = vocab_size
+        # never consumed along drafts: the text ends there, and llguidance's rollback does not count them
+        self._eos = eos_ids
+        self._drafted = 0  # tokens consumed by draft(), undone by undo_drafts()
+
+    @classmethod
+    def compile(cls, spec: StructuredOutput, tokenizer, vocab_size: int) -> "GrammarMatcher":
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(GrammarTokenizers.get(tokenizer, vocab_size), spec.llguidance_grammar(), log_level=0)
+        if matcher.is_error():
+            raise SpecDecodeError(f"the structured output grammar is not valid: {matcher.get_error()}")
+        return cls(matcher, vocab_size, frozenset(tokenizer.eos_token_ids))
+
+    def copy(self) -> "GrammarMatcher":
+        return GrammarMatcher(self._matcher.deep_copy(), self._vocab, self._eos)
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows next (ids past its vocabulary never)."""
+        allowed = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        if len(allowed) >= vocab:
+            return allowed[:vocab]
+        return torch.cat([allowed, torch.zeros(vocab - len(allowed), dtype=torch.bool)])
+
+    def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """logits [P, V], row j after drafts[:j]: disallowed tokens get -inf. Rows past the first draft
+        the grammar refuses, or past an end-of-sequence draft, repeat that row's mask (the draft is rejected
+        there, or the text ends, so they go unused)."""
+        rows, vocab = logits.shape
+        drafts = list(drafts[:rows - 1])
+        before_eos = next((i for i, t in enumerate(drafts) if t in self._eos), len(drafts))
+        valid = self._matcher.validate_tokens(drafts[:before_eos])
+        masks = []
+        for j in range(min(rows, valid + 1)):
+            masks.append(self.allowed(vocab))
+            if j < valid:
+                self._matcher.consume_token(drafts[j])
+        self._matcher.rollback(len(masks) - 1)
+        masks += [masks[-1]] * (rows - len(masks))
+        return logits.masked_fill(~torch.stack(masks).to(logits.device), float("-inf"))
+
+    def advance(self, tokens: list[int]) -> None:
+        """The tokens are emitted: final."""
+        for token in tokens:
+            if self._matcher.is_stopped():  # complete: what follows is the end-of-sequence token
+                return
+            if not self._matcher.consume_token(token):
+                raise SpecDecodeError(f"a token outside the grammar was emitted: {self._matcher.get_error()}")
+
+    def draft(self, token: int) -> None:
+        """A proposer drafted the token: the next draft position's mask follows it, until undo_drafts()."""
+        if token not in self._eos:
+            self._drafted += self._matcher.try_consume_tokens([token])
+
+    def undo_drafts(self) -> None:
+        if self._drafted:
+            self._matcher.rollback(self._drafted)
+        self._drafted = 0

@@ -1,0 +1,112 @@
+"""Structured output under speculation (llguidance masks at every draft position, to target and draft):
+every output follows its grammar, greedy output equals plain constrained greedy output, sampled output
+follows the masked target distribution; each fails on a deliberately broken variant."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.sampling import GrammarMatcher, StructuredOutput
+
+from conftest import tiny_model
+from stats import chi2_pvalue, exact_joint, sampled_joint
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]},
+                         "c": {"type": "string", "maxLength": 4}}}
+LARK = 'start: "(" item ("," item)+ ")"\nitem: /[a-c]/ | "x"'
+SPECS = {
+    "regex": (StructuredOutput(regex="[a-c]{3}x"), lambda text: re.fullmatch("[a-c]{3}x", text)),
+    "choice": (StructuredOutput(choice=("yes", "no", "maybe")), lambda text: text in ("yes", "no", "maybe")),
+    "json_schema": (StructuredOutput(json=SCHEMA), lambda text: jsonschema.validate(json.loads(text), SCHEMA) or True),
+    "json_object": (StructuredOutput(json_object=True), lambda text: isinstance(json.loads(text), dict)),
+    "lark": (StructuredOutput(grammar=LARK), lambda text: re.fullmatch(r"\(([a-c]|x)(,([a-c]|x))+\)", text)),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Vocabulary 100: characters ' ' to '\\x82', so braces and quotes exist; id 99 is EOS."""
+    return tiny_model(seed=0, vocab=100), tiny_model(seed=5, vocab=100, layers=1)
+
+
+def _generate(target, draft=None, k=3, params=None, prompts=("hello", "the json:"), **kw):
+    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_model_len=256,
+              speculation_policy="fixed", **kw)
+    return llm.generate(list(prompts), params)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_structured_output_is_valid_and_equals_plain(models, name):
+    target, draft = models
+    spec, valid = SPECS[name]
+    params = SamplingParams(temperature=0, max_tokens=200, structured_output=spec)
+    plain = [o.outputs[0] for o in _generate(target, k=0, params=params)]
+    finished = [o for o in plain if o.finish_reason == "stop"]  # a random model may fill any free string
+    assert finished and all(valid(o.text) for o in finished)
+    for proposer in (dict(draft=draft), dict(draft=target), dict(speculative_model="ngram")):
+        outs = _generate(target, params=params, **proposer)
+        assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in plain]
+        assert "draft" not in proposer or sum(o.spec["num_draft_tokens"] for o in outs) > 0
+
+
+@pytest.mark.parametrize("name", ["json_schema", "lark"])
+def test_sampled_structured_outputs_all_validate(models, name):
+    target, draft = models
+    spec, valid = SPECS[name]
+    outs = _generate(target, draft, params=SamplingParams(n=8, temperature=1.0, max_tokens=120, seed=1,
+                                                          structured_output=spec))
+    texts = [o.text for out in outs for o in out.outputs if o.finish_reason == "stop"]
+    assert len(texts) >= 12 and all(valid(t) for t in texts)
+    assert len(set(texts)) > 4
+
+
+def test_masks_not_advanced_along_the_drafts_are_caught(models, monkeypatch):
+    """The broken variant masks every verify row as if no draft came before it."""
+    target, _ = models
+    spec, _ = SPECS["json_schema"]
+    params = SamplingParams(temperature=0, max_tokens=80, structured_output=spec)
+    plain = [o.outputs[0].token_ids for o in _generate(target, k=0, params=params)]
+    real = GrammarMatcher.mask_rows
+    monkeypatch.setattr(GrammarMatcher, "mask_rows", lambda self, logits, drafts: real(self, logits, []))
+    try:
+        broken = [o.outputs[0].token_ids for o in _generate(target, target, params=params)]
+    except SpecDecodeError as exc:  # the emitted text left the grammar
+        assert "outside the grammar" in str(exc)
+    else:
+        assert broken != plain
+
+
+SMALL_VOCAB = 8  # characters ' ' to '&'; id 7 is EOS
+
+
+def test_sampling_under_a_grammar_follows_the_masked_target():
+    target = tiny_model(seed=7, vocab=SMALL_VOCAB, hidden=32)
+    draft = tiny_model(seed=8, vocab=SMALL_VOCAB, hidden=32, layers=1)
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=4, presence_penalty=0.5,
+                            structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'))
+    prompt = [1, 2, 3]
+    joint = exact_joint(target, prompt, params)
+    assert abs(sum(joint.values()) - 1) < 1e-5 and all(t[-1] == 7 for t in joint)  # each ends with EOS
+    counts, accepted = sampled_joint(target, draft, prompt, params, samples=6000)
+    assert 0.1 < accepted < 0.95
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(regex="(unclosed"), "grammar is not valid"),
+    (dict(grammar="start: ???"), "grammar is not valid"),
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(choice=()), "non-empty list"),
+    (dict(regex="a", choice=("a",)), "exactly one of"),
+])
+def test_bad_grammars_get_clear_errors(models, kwargs, message):
+    with pytest.raises(SpecDecodeError, match=message):
+        _generate(models[0], k=0, params=SamplingParams(structured_output=StructuredOutput(**kwargs)))
+
+
+def test_structured_output_refuses_ignore_eos():
+    with pytest.raises(SpecDecodeError, match="cannot be combined with ignore_eos or min_tokens"):
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutput(regex="a"))
