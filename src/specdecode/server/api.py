@@ -15,21 +15,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
-from .async_engine import AsyncEngine, QueueFull
+from .async_engine import AsyncEngine, QueueFull, ShuttingDown
 from .protocol import ChatRequest, CompletionRequest, _Common
 from .responses import chat_logprobs, completion_logprobs, usage
 
 MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status)
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES, runs_engine: bool = True) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, runs_engine: bool = True,
+              request_timeout: float | None = None) -> FastAPI:
     """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
-    the engine loop itself, as `serve` does on its main thread)."""
+    the engine loop itself, as `serve` does on its main thread). request_timeout: the most seconds a
+    request may run (a request may ask for less with its `timeout` field); then it is cancelled (504)."""
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
 
@@ -56,12 +67,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if expected_auth and request.url.path.startswith("/v1"):
             sent = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(sent, expected_auth):  # constant time: no guessing by timing
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      "authentication_error")
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > max_request_bytes):
             return error_response(413, f"the request body is over {max_request_bytes} bytes; send a shorter "
-                                       "prompt", "invalid_request_error")
+                                       "prompt")
         return await call_next(request)
 
     @app.get("/health")
@@ -77,6 +87,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "specdecode",
                                             "created": 0, "max_model_len": max_len}]}
 
+    def time_limit(requested: float | None) -> float | None:
+        """The request's own timeout, never past the server's --request-timeout."""
+        limits = [t for t in (requested, request_timeout) if t is not None]
+        return min(limits) if limits else None
+
     def prepare(req: _Common, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty")
@@ -91,7 +106,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return req.sampling_params(max_tokens, req.requested_logprobs())
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -102,10 +117,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             params = prepare(req, ids, req.max_tokens)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        return await respond(req.stream, ids, params, "text_completion", chat=False)
+        return await respond(request, req.stream, ids, params, "text_completion", chat=False,
+                             timeout=time_limit(req.timeout))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         try:
             if not req.messages:
                 raise SpecDecodeError("messages is empty; send at least one message")
@@ -114,36 +130,55 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             params = prepare(req, ids, req.max_completion_tokens or req.max_tokens)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        return await respond(req.stream, ids, params, "chat.completion", chat=True)
+        return await respond(request, req.stream, ids, params, "chat.completion", chat=True,
+                             timeout=time_limit(req.timeout))
 
-    async def respond(stream: bool, ids: list[int], params: SamplingParams, kind: str, chat: bool):
+    async def respond(request: Request, stream: bool, ids: list[int], params: SamplingParams, kind: str,
+                      chat: bool, timeout: float | None):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
             await asyncio.to_thread(GrammarTokenizers.get, tokenizer, engine.engine.runner.cfg.vocab_size)
         try:
             handle = engine.submit(ids, params)
-        except QueueFull as exc:
-            response = error_response(429, str(exc), "rate_limit_error")
+        except (QueueFull, ShuttingDown) as exc:
+            response = error_response(exc.http_status, str(exc))
             response.headers["Retry-After"] = "1"
             return response
-        updates = engine.updates(handle)
+        updates = engine.updates(handle, timeout)
         if stream:
             return StreamingResponse(sse(updates, handle, rid, created, kind, chat, len(ids)),
                                      media_type="text/event-stream")
-        n = params.n
-        texts, finish, logprobs = [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
+        collecting = asyncio.ensure_future(collect(updates, params.n))
+        gone = asyncio.ensure_future(client_gone(request))
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collecting.done():  # the client left: cancelling the collection aborts the request (its slots, KV)
+            collecting.cancel()
+            return Response(status_code=499)
         try:
-            async for update in updates:
-                texts[update.index].append(update.text)
-                logprobs[update.index].extend(update.logprobs)
-                finish[update.index] = update.finish_reason
+            texts, finish, logprobs = collecting.result()
         except SpecDecodeError as exc:
-            return error_response(400, str(exc))
-        choices = [choice(i, "".join(texts[i]), logprobs[i] if params.logprobs is not None else None,
-                          finish[i], chat, delta=False) for i in range(n)]
+            return error_response(exc.http_status, str(exc))
+        choices = [choice(i, texts[i], logprobs[i] if params.logprobs is not None else None,
+                          finish[i], chat, delta=False) for i in range(params.n)]
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
                 "usage": usage(len(ids), handle.seqs)}
+
+    async def collect(updates, n: int):
+        """Each output's whole text, finish reason and logprobs."""
+        texts, finish, logprobs = [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
+        async for update in updates:
+            texts[update.index].append(update.text)
+            logprobs[update.index].extend(update.logprobs)
+            finish[update.index] = update.finish_reason
+        return ["".join(t) for t in texts], finish, logprobs
+
+    async def client_gone(request: Request) -> None:
+        """Returns when the client closes the connection (its body has been read, so the next message
+        can only be the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     def choice(index: int, text: str, logprobs, finish_reason, chat: bool, delta: bool,
                text_offset: int = 0) -> dict:
@@ -177,7 +212,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     chunk["usage"] = usage(prompt_tokens, handle.seqs)
                 yield f"data: {json.dumps(chunk)}\n\n"
         except SpecDecodeError as exc:
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
+            yield f"data: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"
         finally:
             await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
         yield "data: [DONE]\n\n"

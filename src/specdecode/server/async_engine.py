@@ -3,9 +3,11 @@ batching), and each request's new text reaches its asyncio consumer as it is pro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
@@ -19,6 +21,20 @@ log = logging.getLogger("specdecode.server")
 
 class QueueFull(SpecDecodeError):
     """Every sequence slot is busy and the waiting queue is at its bound: the client should retry later."""
+
+    http_status = 429
+
+
+class RequestTimeout(SpecDecodeError):
+    """The request ran past its time limit and was cancelled."""
+
+    http_status = 504
+
+
+class ShuttingDown(SpecDecodeError):
+    """The server is draining before it stops: no new requests; those still running at the end are cancelled."""
+
+    http_status = 503
 
 
 @dataclass
@@ -67,6 +83,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._active: list[RequestHandle] = []
         self._stopping = False
+        self.draining = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         engine.poll_arrivals = self._drain_inbox  # runs on the engine thread, inside its admission loop
         engine.on_prefilled = self._publish  # a request's first token goes out right after its prefill
@@ -89,12 +106,29 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
+    def drain(self, grace_seconds: float) -> list[str]:
+        """Refuse new requests, give the running ones up to grace_seconds to finish, then cancel the rest.
+        Returns the ids of the cancelled requests. Called from a thread other than the engine's."""
+        self.draining = True
+        deadline = time.monotonic() + grace_seconds
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.in_flight:
+            return []
+        cancelled: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("cancel_all", cancelled))
+        self._wake.set()
+        return cancelled.result(timeout=30)
+
     @property
     def in_flight(self) -> int:
         return self._submitted - self._ended
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request (raises QueueFull when the waiting queue is at its bound)."""
+        """Queue a request (raises QueueFull when the waiting queue is at its bound, ShuttingDown while the
+        server drains)."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; send the request to another replica or retry later")
         if self.max_waiting is not None and self.in_flight >= self.engine.runner.num_slots + self.max_waiting:
             self.metrics.rejected.inc()
             raise QueueFull(f"the server is at capacity ({self.engine.runner.num_slots} running, "
@@ -110,13 +144,19 @@ class AsyncEngine:
         async for update in self.updates(self.submit(prompt_ids, params)):
             yield update
 
-    async def updates(self, handle: RequestHandle):
+    async def updates(self, handle: RequestHandle, timeout: float | None = None):
         """Yields a submitted request's Updates until all its outputs finish; closing the iterator early
-        aborts it."""
+        aborts it, and so does running past `timeout` seconds (RequestTimeout)."""
         unfinished = handle.params.n
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while unfinished:
-                update = await handle.updates.get()
+                try:
+                    update = await asyncio.wait_for(handle.updates.get(),
+                                                    None if deadline is None else deadline - time.monotonic())
+                except TimeoutError:
+                    raise RequestTimeout(f"the request ran past its time limit of {timeout:g} s and was cancelled; "
+                                         "ask for fewer tokens or a longer timeout") from None
                 if update.error is not None:
                     unfinished = 0
                     raise update.error
@@ -151,7 +191,12 @@ class AsyncEngine:
                 kind, handle = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "cancel_all":
+                ids = [h.seqs[0].request_id for h in self._active if h.seqs]
+                self._fail_all(ShuttingDown("the server shut down before this request finished; retry it"))
+                self.metrics.aborted.inc(len(ids))
+                handle.set_result(ids)
+            elif kind == "add":
                 try:
                     handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params)
                     handle.sent_chars = [0] * len(handle.seqs)

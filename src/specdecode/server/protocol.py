@@ -1,7 +1,9 @@
 """The OpenAI request bodies we accept, and their translation to SamplingParams."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import math
+
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, StructuredOutput
@@ -38,6 +40,14 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    timeout: float | None = None  # seconds; the request is cancelled (504) when it runs longer
+
+    @field_validator("timeout")
+    @classmethod
+    def _positive_timeout(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError("timeout must be a positive number of seconds")
+        return value
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         refuse_unsupported_fields(self)

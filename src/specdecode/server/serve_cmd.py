@@ -35,16 +35,31 @@ def run_serve(args) -> int:
     if args.forced_accept:
         print(f"WARNING: {LOSSY_NOTE}", flush=True)
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests)
-    app = build_app(engine, args.model, args.api_key, args.max_request_bytes, runs_engine=False)
+    app = build_app(engine, args.model, args.api_key, args.max_request_bytes, runs_engine=False,
+                    request_timeout=args.request_timeout)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
 
-    def shut_down(*_):
-        # stop accepting and let running requests finish (the engine stops once the HTTP thread has
-        # ended); a second signal cancels them
-        server.force_exit = server.should_exit
+    def drain_then_exit():
+        cancelled = engine.drain(args.shutdown_grace)
+        if cancelled:
+            print(f"shutdown: cancelled {len(cancelled)} request(s) still running after {args.shutdown_grace:g} s: "
+                  f"{', '.join(cancelled)}", flush=True)
+        else:
+            print("shutdown: every running request finished", flush=True)
         server.should_exit = True
+
+    def shut_down(*_):
+        # new requests get 503 while the running ones have --shutdown-grace seconds to finish; then the
+        # rest are cancelled and the HTTP server stops. A second signal stops at once.
+        if engine.draining:
+            server.force_exit = server.should_exit = True
+            return
+        engine.draining = True
+        print(f"shutdown: draining {engine.in_flight} running request(s) for up to {args.shutdown_grace:g} s",
+              flush=True)
+        threading.Thread(target=drain_then_exit, daemon=True).start()
 
     signal.signal(signal.SIGTERM, shut_down)
     signal.signal(signal.SIGINT, shut_down)
