@@ -41,8 +41,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
     the engine loop itself, as `serve` does on its main thread). request_timeout: the most seconds a
     request may run (a request may ask for less with its `timeout` field); then it is cancelled (504)."""
-    tokenizer = engine.engine.tokenizer
-    max_len = engine.engine.max_model_len
+    tokenizer = engine.tokenizer
+    max_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app):
@@ -80,7 +80,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -138,7 +138,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
-            await asyncio.to_thread(GrammarTokenizers.get, tokenizer, engine.engine.runner.cfg.vocab_size)
+            await asyncio.to_thread(GrammarTokenizers.get, tokenizer, engine.vocab_size)
         try:
             handle = engine.submit(ids, params)
         except (QueueFull, ShuttingDown) as exc:
@@ -147,7 +147,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return response
         updates = engine.updates(handle, timeout)
         if stream:
-            return StreamingResponse(sse(updates, handle, rid, created, kind, chat, len(ids)),
+            return StreamingResponse(sse(updates, params, rid, created, kind, chat, len(ids)),
                                      media_type="text/event-stream")
         collecting = asyncio.ensure_future(collect(updates, params.n))
         gone = asyncio.ensure_future(client_gone(request))
@@ -157,22 +157,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             collecting.cancel()
             return Response(status_code=499)
         try:
-            texts, finish, logprobs = collecting.result()
+            texts, finals, logprobs = collecting.result()
         except SpecDecodeError as exc:
             return error_response(exc.http_status, str(exc))
         choices = [choice(i, texts[i], logprobs[i] if params.logprobs is not None else None,
-                          finish[i], chat, delta=False) for i in range(params.n)]
+                          finals[i].finish_reason, chat, delta=False) for i in range(params.n)]
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
-                "usage": usage(len(ids), handle.seqs)}
+                "usage": usage(len(ids), finals)}
 
     async def collect(updates, n: int):
-        """Each output's whole text, finish reason and logprobs."""
-        texts, finish, logprobs = [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
+        """Each output's whole text, final Update and logprobs."""
+        texts, finals, logprobs = [[] for _ in range(n)], {}, [[] for _ in range(n)]
         async for update in updates:
             texts[update.index].append(update.text)
             logprobs[update.index].extend(update.logprobs)
-            finish[update.index] = update.finish_reason
-        return ["".join(t) for t in texts], finish, logprobs
+            if update.finished:
+                finals[update.index] = update
+        return ["".join(t) for t in texts], finals, logprobs
 
     async def client_gone(request: Request) -> None:
         """Returns when the client closes the connection (its body has been read, so the next message
@@ -192,24 +193,25 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             out["text"] = text
         return out
 
-    async def sse(updates, handle, rid, created, kind, chat, prompt_tokens):
+    async def sse(updates, params, rid, created, kind, chat, prompt_tokens):
         kind = kind + ".chunk" if chat else kind
-        n = handle.params.n
-        started, offsets, unfinished = [False] * n, [0] * n, n
+        n = params.n
+        started, offsets, finals = [False] * n, [0] * n, {}
         try:
             async for update in updates:
                 i = update.index
-                logprobs = update.logprobs if handle.params.logprobs is not None else None
+                logprobs = update.logprobs if params.logprobs is not None else None
                 body = choice(i, update.text, logprobs, update.finish_reason if update.finished else None, chat,
                               delta=True, text_offset=offsets[i])
                 if chat and started[i]:
                     del body["delta"]["role"]  # the role goes in each output's first chunk only
                 started[i] = True
                 offsets[i] += len(update.text)
-                unfinished -= update.finished
+                if update.finished:
+                    finals[i] = update
                 chunk = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [body]}
-                if not unfinished:
-                    chunk["usage"] = usage(prompt_tokens, handle.seqs)
+                if len(finals) == n:
+                    chunk["usage"] = usage(prompt_tokens, finals)
                 yield f"data: {json.dumps(chunk)}\n\n"
         except SpecDecodeError as exc:
             yield f"data: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"

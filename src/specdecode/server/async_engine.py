@@ -39,14 +39,16 @@ class ShuttingDown(SpecDecodeError):
 
 @dataclass
 class Update:
-    """News about one of a request's n outputs (`index`)."""
+    """News about one of a request's n outputs (`index`); plain data, so that it can cross processes."""
     text: str  # new text since the previous update
     finished: bool = False  # this output is complete
     finish_reason: str | None = None
     error: Exception | None = None  # the whole request failed
-    seq: Sequence | None = None
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens generated since the last update
+    num_tokens: int = 0  # output tokens so far
+    spec: dict | None = None  # the output's speculation statistics, once finished
+    replica: str | None = None  # which engine replica served it (scaled-out deployments)
 
 
 @dataclass
@@ -72,8 +74,10 @@ class AsyncEngine:
     """max_waiting: requests that may wait for a sequence slot beyond those running (None: unbounded);
     past it, submit() refuses at once instead of letting the queue and every client's wait grow."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None,
+                 replica: str | None = None):
         self.engine = engine
+        self.replica = replica
         self.max_waiting = max_waiting
         # requests accepted (event-loop thread) and ended (engine thread); their difference is in flight
         self._submitted = self._ended = 0
@@ -87,6 +91,22 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         engine.poll_arrivals = self._drain_inbox  # runs on the engine thread, inside its admission loop
         engine.on_prefilled = self._publish  # a request's first token goes out right after its prefill
+
+    # ---- what the HTTP layer reads (a scaled-out deployment offers the same, see server/ray_serve.py) ----
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.runner.cfg.vocab_size
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render()
 
     def start(self) -> None:
         """Run the step loop in a thread of its own."""
@@ -233,7 +253,9 @@ class AsyncEngine:
         text = self._streamable_text(seq)[handle.sent_chars[i]:]
         logprobs = seq.logprobs[handle.sent_tokens[i]:] if seq.logprobs is not None else []
         if text or logprobs or seq.finished:
-            handle.push(Update(text, seq.finished, seq.finish_reason, seq=seq, index=i, logprobs=logprobs))
+            handle.push(Update(text, seq.finished, seq.finish_reason, index=i, logprobs=logprobs,
+                               num_tokens=len(seq.output_ids),
+                               spec=seq.metrics.as_dict() if seq.finished else None, replica=self.replica))
             handle.sent_chars[i] += len(text)
             handle.sent_tokens[i] += len(logprobs)
             if seq.finished:

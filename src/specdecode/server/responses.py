@@ -30,9 +30,13 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], text_offset: in
             "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, seqs: list) -> dict:
-    """Token counts over all n outputs; the speculation figures are the first output's."""
-    completion = sum(len(seq.output_ids) for seq in seqs)
-    spec = seqs[0].metrics.as_dict() if seqs else {}
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "speculation": spec}
+def usage(prompt_tokens: int, finals: dict) -> dict:
+    """Token counts over all n outputs (their final Updates by index); the speculation figures are the
+    first output's."""
+    completion = sum(update.num_tokens for update in finals.values())
+    first = finals.get(0)
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+           "speculation": (first.spec if first else None) or {}}
+    if first is not None and first.replica is not None:
+        out["replica"] = first.replica
+    return out
