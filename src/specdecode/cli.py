@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantization_args(serve)
     serve.add_argument("--forced-accept", action="store_true",
                        help="benchmarks only: accept every draft token (an upper bound; output is NOT the target's)")
+    ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
+    ray.add_argument("--ray", action="store_true", help="serve with engine replicas on Ray Serve behind one endpoint")
+    ray.add_argument("--replicas", type=int, default=2, help="engine replicas (without autoscaling bounds)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="autoscaling: requests per replica it aims for")
+    ray.add_argument("--num-cpus-per-replica", type=float, default=1.0,
+                     help="CPUs Ray reserves for each replica (its torch threads too)")
+    ray.add_argument("--num-gpus-per-replica", type=float, default=None, help="GPUs Ray reserves for each replica")
+    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
 
     plan = sub.add_parser("plan", help="advisor: calibrate, predict speedup per k and batch size, recommend")
     _add_model_args(plan)

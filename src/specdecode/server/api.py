@@ -118,7 +118,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         return await respond(request, req.stream, ids, params, "text_completion", chat=False,
-                             timeout=time_limit(req.timeout))
+                             timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -131,16 +131,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         return await respond(request, req.stream, ids, params, "chat.completion", chat=True,
-                             timeout=time_limit(req.timeout))
+                             timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"))
 
     async def respond(request: Request, stream: bool, ids: list[int], params: SamplingParams, kind: str,
-                      chat: bool, timeout: float | None):
+                      chat: bool, timeout: float | None, session: str | None):
+        """session: the conversation a scaled-out deployment keeps on one replica (ignored by one engine)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
             await asyncio.to_thread(GrammarTokenizers.get, tokenizer, engine.vocab_size)
         try:
-            handle = engine.submit(ids, params)
+            handle = engine.submit(ids, params, session=session, streamed=stream)
         except (QueueFull, ShuttingDown) as exc:
             response = error_response(exc.http_status, str(exc))
             response.headers["Retry-After"] = "1"

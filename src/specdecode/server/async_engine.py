@@ -144,9 +144,11 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return self._submitted - self._ended
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
+               streamed: bool = True) -> RequestHandle:
         """Queue a request (raises QueueFull when the waiting queue is at its bound, ShuttingDown while the
-        server drains)."""
+        server drains). session (which conversation it belongs to) and streamed (whether its client sees each
+        update) matter to deployments of several engines, which route and retry by them."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; send the request to another replica or retry later")
         if self.max_waiting is not None and self.in_flight >= self.engine.runner.num_slots + self.max_waiting:

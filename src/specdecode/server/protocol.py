@@ -41,6 +41,7 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     timeout: float | None = None  # seconds; the request is cancelled (504) when it runs longer
+    user: str | None = None  # OpenAI's end-user id: a scaled-out deployment keeps its requests on one replica
 
     @field_validator("timeout")
     @classmethod

@@ -13,20 +13,31 @@ from .api import build_app
 from .async_engine import AsyncEngine
 
 
-def run_serve(args) -> int:
-    import uvicorn
-
+def llm_options(args) -> dict:
+    """LLM(...)'s arguments from serve's flags: plain data, so that Ray can ship them to replicas."""
     if args.k < 0:
         raise SpecDecodeError(f"--num-speculative-tokens must be >= 0, got {args.k}")
     draft = default_draft(args.model, args.draft)
     if args.k == 0:
         draft = None  # plain decoding: do not load (or plan memory for) a draft
-    llm = LLM(args.model, draft, args.k, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-              draft_quantization=args.draft_quantization,
-              speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-              memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-              forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
+    return dict(model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
+                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                quantization=args.quantization, draft_quantization=args.draft_quantization,
+                speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+                memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
+                forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    if args.ray:
+        from .ray_cmd import run_serve_ray
+
+        return run_serve_ray(args, llm_options(args))
+    options = llm_options(args)
+    llm = LLM(**options)
+    draft = options["speculative_model"]
     print(llm.startup_summary(), flush=True)
     print(llm.memory_plan.summary(), flush=True)
     if llm.profile_seconds:
