@@ -15,7 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from specdecode import SamplingParams  # noqa: E402
+from specdecode import SamplingParams, SpecDecodeError  # noqa: E402
 from specdecode.bench.server_process import free_port  # noqa: E402
 from specdecode.server.ray_serve import ENGINE_DEPLOYMENT, RayDeployment, run_deployment  # noqa: E402
 
@@ -143,3 +143,28 @@ def test_killing_a_replica_during_load_loses_no_request(cluster):
         pytest.fail("the killed replica was not replaced")
     r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 5}, headers=auth, timeout=60)
     assert r.status_code == 200
+
+
+def test_scaling_options():
+    base = dict(llm_factory=tiny_llm, model_name="tiny")
+    assert RayDeployment(**base, replicas=3).scaling() == {"num_replicas": 3}
+    auto = RayDeployment(**base, min_replicas=1, max_replicas=4, target_ongoing_requests=2).scaling()
+    assert auto == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
+                                           "target_ongoing_requests": 2}}
+    with pytest.raises(SpecDecodeError, match="min-replicas <= --max-replicas"):
+        RayDeployment(**base, min_replicas=3, max_replicas=1).scaling()
+
+
+def test_merged_metrics_label_each_replica():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from specdecode.server.replica_metrics import merge_replica_metrics
+
+    texts = {}
+    for replica, n in (("a", 3), ("b", 4)):
+        registry = CollectorRegistry()
+        Counter("specdecode_x", "x", registry=registry).inc(n)
+        texts[replica] = generate_latest(registry)
+    merged = merge_replica_metrics(texts).decode()
+    assert 'specdecode_x_total{replica="a"} 3.0' in merged and 'specdecode_x_total{replica="b"} 4.0' in merged
+    assert merged.count("# TYPE specdecode_x_total counter") == 1  # one family, as one engine writes it
