@@ -23,7 +23,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -m "not real_model and not ray"
 	$(PY) -m pytest -q -m real_model
-	$(PY) -m pytest -q -m ray -W ignore::DeprecationWarning
+	$(PY) -m pytest -q -m ray
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not real_model and not ray"
