@@ -13,19 +13,27 @@ class RowwiseAttentionKernel:
 
     def __init__(self, lib, num_heads: int, num_kv_heads: int, head_dim: int):
         self.lib, self.num_heads, self.num_kv_heads, self.head_dim = lib, num_heads, num_kv_heads, head_dim
+        self._inputs = None  # (batch, rope, flat tensors): every layer of one forward shares them
 
     def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, cache, layer: int
                  ) -> torch.Tensor:
         n = qkv.shape[-2] * qkv.shape[0]
         qkv = qkv.reshape(n, -1).contiguous()
-        cos, sin = (t.reshape(n, self.head_dim).contiguous() for t in rope)
-        slots, positions = batch.slots.reshape(n).contiguous(), batch.positions.reshape(n).contiguous()
+        slots, positions, cos, sin = self._flat_inputs(batch, rope, n)
         out = torch.empty(n, self.num_heads * self.head_dim)
         self.lib.rowwise_attention(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim,
                                    slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                    cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len,
                                    out.data_ptr(), torch.get_num_threads())
         return out
+
+    def _flat_inputs(self, batch, rope, n: int):
+        """Slots, positions and rotary factors as contiguous [N] / [N, D] tensors, made once per forward."""
+        if self._inputs is None or self._inputs[0] is not batch or self._inputs[1] is not rope:
+            flat = (batch.slots.reshape(n).contiguous(), batch.positions.reshape(n).contiguous(),
+                    *(t.reshape(n, self.head_dim).contiguous() for t in rope))
+            self._inputs = (batch, rope, flat)
+        return self._inputs[2]
 
 
 def attach_attention_kernel(model) -> bool:

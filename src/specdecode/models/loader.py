@@ -42,6 +42,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a8-all, w8a8, w8a16)."""
     from ..executor.attention import attach_attention_kernel
+    from ..executor.elementwise import attach_elementwise_kernels
     from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
 
     device = device or default_device()
@@ -57,6 +58,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
         model = build_quantized_model(cfg, tensors, quantization, device)
     del tensors
     attach_attention_kernel(model)
+    attach_elementwise_kernels(model)
     tokenizer = load_tokenizer(name)
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
 

@@ -97,12 +97,24 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """norm(x); or, given the residual stream, adds x into it first and returns (norm(sum), sum): the
+    residual add and the next norm are one step, which a backend's kernel does in one call."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # a backend may attach one (see executor/elementwise.py), same signature as forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernel is not None:
+            return self.kernel(self, x, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -187,9 +199,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.silu_mul_kernel = None  # a backend may attach one: gate_up -> silu(gate) * up in one call
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul_kernel is not None:
+            return self.down_proj(self.silu_mul_kernel(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -201,9 +217,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, batch, cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, batch, cache):
+        """x: the previous layer's MLP output (the embeddings for the first layer, residual None); returns
+        this layer's MLP output and the residual stream before it (the next norm adds them)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, batch, cache), residual)
+        return self.mlp(x), residual
 
 
 class Transformer(nn.Module):
@@ -248,13 +270,15 @@ class Transformer(nn.Module):
         (row-major over B, T); with return_hidden also the last layer's output for those rows."""
         x = self.embed_tokens(tokens)
         rope = self.rotary(batch.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, batch, cache)
-        x = x.reshape(-1, x.shape[-1])
+            x, residual = layer(x, residual, rope, batch, cache)
+        x, residual = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
         if batch.logit_rows is not None:
-            x = x.index_select(0, batch.logit_rows)
-        logits = self.lm_head(self.norm(x)).float()
-        return (logits, x) if return_hidden else logits
+            x, residual = x.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)
+        normed, hidden = self.norm(x, residual)
+        logits = self.lm_head(normed).float()
+        return (logits, hidden) if return_hidden else logits
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model)."""

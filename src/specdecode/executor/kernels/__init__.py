@@ -27,6 +27,9 @@ SIGNATURES = {
     "lowbit": {"w4a8_isa": [],
                "w4a8_linear": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I],
                "w6a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]},
+    "norm": {"rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float, _I],
+             "add_rms_norm": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I],
+             "silu_mul": [_P, _P, _I, _I, _I]},
     "attention": {"attention_dim_ok": [_I],
                   "rowwise_attention": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I]},
 }

@@ -1,0 +1,59 @@
+"""RMSNorm (with the residual add before it) and SwiGLU by this package's kernel (kernels/norm.c): one
+call each where PyTorch runs about eight and three small operations, which at one token per step cost
+more than the arithmetic (docs/decisions.md)."""
+from __future__ import annotations
+
+import torch
+
+from .kernels import load
+
+
+class NormKernel:
+    """Replaces RMSNorm.forward: norm(x), or (norm(x + residual), x + residual) with the sum written into
+    the residual tensor, which the model owns."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __call__(self, norm, x: torch.Tensor, residual: torch.Tensor | None = None):
+        x = x.contiguous()
+        dim = x.shape[-1]
+        out = torch.empty_like(x)
+        rows, threads = x.numel() // dim, torch.get_num_threads()
+        if residual is None:
+            self.lib.rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps, threads)
+            return out
+        residual = residual.contiguous()
+        self.lib.add_rms_norm(residual.data_ptr(), x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim,
+                              norm.eps, threads)
+        return out, residual
+
+
+class SiluMulKernel:
+    """Replaces MLP's silu(gate) * up on the gate_up projection's output [..., 2 * inter]."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        inter = gate_up.shape[-1] // 2
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                          torch.get_num_threads())
+        return out
+
+
+def attach_elementwise_kernels(model) -> bool:
+    """Give the model's norms and MLPs the kernels where they apply (float32 on the CPU); True if it did."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    lib = load("norm")
+    if lib is None:
+        return False
+    norm, silu_mul = NormKernel(lib), SiluMulKernel(lib)
+    model.norm.kernel = norm
+    for layer in model.layers:
+        layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = norm
+        layer.mlp.silu_mul_kernel = silu_mul
+    return True

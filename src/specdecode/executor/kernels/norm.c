@@ -1,0 +1,75 @@
+// The elementwise steps of a decoder layer, one call each instead of several PyTorch operations: RMSNorm
+// (optionally after adding the residual branch into the residual stream) and SwiGLU. Each row is computed
+// alone, by the same operations in the same order, so a token's result does not depend on its batch.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16  // independent partial sums: the compiler keeps them in one vector
+#define PARALLEL_ROWS 16  // below this many rows one thread is faster than waking the others
+
+static inline float mean_square(const float *x, int dim) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= dim; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[i + l] * x[i + l];
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < dim; i++) s += x[i] * x[i];
+    return s / (float)dim;
+}
+
+static inline void norm_row(const float *restrict x, const float *restrict w, float *restrict out, int dim,
+                            float eps) {
+    float scale = 1.0f / sqrtf(mean_square(x, dim) + eps);
+    for (int i = 0; i < dim; i++) out[i] = w[i] * (x[i] * scale);
+}
+
+// out[r] = w * x[r] / rms(x[r])
+void rms_norm(const float *x, const float *w, float *out, int rows, int dim, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
+    for (int r = 0; r < rows; r++) norm_row(x + (int64_t)r * dim, w, out + (int64_t)r * dim, dim, eps);
+}
+
+// residual[r] += branch[r]; out[r] = w * residual[r] / rms(residual[r])
+void add_rms_norm(float *residual, const float *branch, const float *w, float *out, int rows, int dim, float eps,
+                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
+    for (int r = 0; r < rows; r++) {
+        float *x = residual + (int64_t)r * dim;
+        const float *b = branch + (int64_t)r * dim;
+        for (int i = 0; i < dim; i++) x[i] += b[i];
+        norm_row(x, w, out + (int64_t)r * dim, dim, eps);
+    }
+}
+
+// exp(x) without a library call, so that the loop below vectorises: x = n ln2 + f with |f| <= ln2 / 2,
+// exp(f) by its degree-6 Taylor polynomial, 2^n through the exponent bits. n is rounded by adding
+// 1.5 * 2^23, which leaves it in the sum's low mantissa bits (floorf would not vectorise here).
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f + 12582912.0f;
+    float n = t - 12582912.0f;
+    float f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.66666667e-1f + f * (4.16666667e-2f
+              + f * (8.33333333e-3f + f * 1.38888889e-3f)))));
+    int32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    bits = (bits - 0x4B400000 + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int n) {
+    for (int i = 0; i < n; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+
+// gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = silu(gate) * up
+void silu_mul(const float *gate_up, float *out, int rows, int inter, int threads) {
+#pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * inter;
+        silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
+    }
+}

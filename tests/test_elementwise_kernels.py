@@ -1,0 +1,94 @@
+"""The elementwise kernels (RMSNorm with the residual add, SwiGLU): the numbers of the PyTorch path, each
+row computed as if alone, the AVX2 build equal to the native one, and greedy speculation on a model that
+uses them equal to plain decoding."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode import LLM, SamplingParams
+from specdecode.executor.attention import attach_attention_kernel
+from specdecode.executor.elementwise import NormKernel, SiluMulKernel, attach_elementwise_kernels
+from specdecode.executor.kernels import load
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.loader import LoadedModel
+from specdecode.models.runtime import RMSNorm
+
+from conftest import ByteTokenizer, tiny_model
+
+pytestmark = pytest.mark.skipif(load("norm") is None, reason="the kernels need a C compiler")
+
+
+def _norm(dim=1536, seed=0):
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
+    return norm
+
+
+def test_norm_and_residual_add_compute_what_pytorch_does():
+    norm, kernel = _norm(), NormKernel(load("norm"))
+    x, residual = torch.randn(5, 1536), torch.randn(5, 1536)
+    torch.testing.assert_close(kernel(norm, x), norm(x), rtol=1e-6, atol=1e-6)
+    expected_out, expected_sum = norm(x, residual)
+    out, summed = kernel(norm, x, residual.clone())
+    assert torch.equal(summed, expected_sum)
+    torch.testing.assert_close(out, expected_out, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_computes_what_pytorch_does_over_the_whole_range():
+    gate = torch.linspace(-120, 120, 20001)
+    gate_up = torch.stack([torch.cat([gate, torch.full_like(gate, 3.0)])])
+    got = SiluMulKernel(load("norm"))(gate_up)
+    expected = F.silu(gate)[None] * 3.0
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # below and above the row count where threads join
+def test_each_row_is_computed_as_if_alone(rows):
+    lib, norm = load("norm"), _norm(256)
+    x, residual, gate_up = torch.randn(rows, 256), torch.randn(rows, 256), torch.randn(rows, 2 * 512)
+    batch_out, batch_sum = NormKernel(lib)(norm, x, residual.clone())
+    batch_silu = SiluMulKernel(lib)(gate_up)
+    for r in range(rows):
+        out, summed = NormKernel(lib)(norm, x[r:r + 1], residual[r:r + 1].clone())
+        assert torch.equal(out[0], batch_out[r]) and torch.equal(summed[0], batch_sum[r])
+        assert torch.equal(SiluMulKernel(lib)(gate_up[r:r + 1])[0], batch_silu[r])
+
+
+def test_the_avx2_build_gives_the_native_builds_results():
+    avx2 = load("norm", isa="avx2")
+    if avx2 is None:
+        pytest.skip("no AVX2 build")
+    norm, x, residual, gate_up = _norm(), torch.randn(4, 1536), torch.randn(4, 1536), torch.randn(4, 2 * 8960) * 8
+    native_out, native_sum = NormKernel(load("norm"))(norm, x, residual.clone())
+    avx2_out, avx2_sum = NormKernel(avx2)(norm, x, residual.clone())
+    assert torch.equal(native_out, avx2_out) and torch.equal(native_sum, avx2_sum)
+    assert torch.equal(SiluMulKernel(load("norm"))(gate_up), SiluMulKernel(avx2)(gate_up))
+
+
+def _with_kernels(seed=0, **cfg):
+    model = tiny_model(seed=seed, **cfg).model
+    assert attach_elementwise_kernels(model)
+    attach_attention_kernel(model)
+    return model
+
+
+def test_a_model_with_the_kernels_tracks_pytorch_and_speculation_stays_exact():
+    prompt = list(range(1, 40))
+    logits = []
+    for model in (tiny_model(seed=0).model, _with_kernels()):
+        runner = ModelRunner(model, 1, 128)
+        slot = runner.allocate()
+        logits.append(runner.forward([slot], [prompt], "all"))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+    target = LoadedModel("tiny-kernels", _with_kernels(), ByteTokenizer(64), tiny_model().config)
+    draft = LoadedModel("tiny-kernels-draft", _with_kernels(seed=7, layers=1), ByteTokenizer(64),
+                        tiny_model(seed=7, layers=1).config)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 9, 41], [60, 1, 1, 7]]
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128).generate(prompts, params)
+    spec = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=128,
+               speculation_policy="fixed").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.spec["num_draft_tokens"] for o in spec) > 0
