@@ -170,3 +170,29 @@ def test_a_draft_loaded_all_4bit_stays_a_lossless_proposer():
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128).generate(prompts, params)
     spec = LLM(target=target, draft=drafter, num_speculative_tokens=3, max_model_len=128).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_vocabulary_subset_of_a_4bit_head_stays_4bit_and_exact():
+    """A draft's restricted LM head keeps the selected rows as stored: each output equals the full head's
+    column for that token, bit for bit; a count off the 16-row groups falls back to int8 rows."""
+    from specdecode.executor.quant import W8A8Linear, quantize_4bit, unpack_w4a8
+
+    torch.manual_seed(4)
+    arrays = quantize_4bit(torch.randn(96, 256) * 0.05)
+    head = W4A8Linear(pack_w4a8(arrays))
+    unpacked = unpack_w4a8({name: getattr(head, name) for name in head.NAMES})
+    assert all(torch.equal(unpacked[name], arrays[name]) for name in arrays)
+    ids, x = torch.randperm(96)[:32].sort().values, torch.randn(3, 256)
+    subset = head.select_rows(ids)
+    assert isinstance(subset, W4A8Linear) and torch.equal(subset(x), head(x)[:, ids])
+    assert isinstance(head.select_rows(ids[:20]), W8A8Linear)
+
+
+def test_restricting_a_draft_vocabulary_keeps_whole_groups_and_the_special_tokens():
+    from specdecode.proposers.draft_model import restrict_draft_vocab
+
+    draft = LoadedModel("tiny", build_model(tiny_config(vocab=64), random_hf_weights(tiny_config(vocab=64), 1),
+                                            torch.float32, "cpu"), ByteTokenizer(64), tiny_config(vocab=64))
+    restrict_draft_vocab(draft, 20)
+    ids = draft.model.vocab_ids.tolist()
+    assert len(ids) == 32 and ids[:21] == list(range(21)) and 63 in ids  # 0..19, then whole groups; EOS kept

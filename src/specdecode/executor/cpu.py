@@ -42,3 +42,17 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 28))
+
+
+PAGE_BYTES = 4096
+
+
+def touch_pages(tensor: torch.Tensor) -> None:
+    """Read one byte of every page of a CPU tensor. Weights mapped from the cache file are read from disk
+    on first touch; an embedding table is touched a row at a time, by whichever tokens come up, so each
+    new token's lookup would wait for a read in the middle of a step. Touching it once at load moves that
+    wait to start-up."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    raw = tensor.reshape(-1).view(torch.uint8)
+    int(raw[::PAGE_BYTES].sum())

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu import touch_pages
+
 
 def quantize_rows(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: w ≈ q * scale[:, None], |q| <= qmax."""
@@ -98,6 +100,7 @@ class Int8Embedding(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
         self.dtype = dtype
+        touch_pages(qweight)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(tokens, self.qweight).float() * self.scale[tokens].unsqueeze(-1)
@@ -181,9 +184,22 @@ def pack_w4a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"q": packed, **{name: _by_group(arrays[name]) for name in ("sc", "mn", "d", "dmin")}}
 
 
+def unpack_w4a8(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of pack_w4a8: the kernel's layout -> Q4_K arrays, one row per output row."""
+    q = packed["q"]  # [G, K/8, 16, 4]
+    groups, lanes = q.shape[0], q.shape[2]
+    q = torch.cat([q & 0xF, q >> 4], dim=-1).permute(0, 2, 1, 3).reshape(groups * lanes, -1, 64)
+    qs = (q[..., :32] | (q[..., 32:] << 4)).reshape(groups * lanes, -1)
+    return {"qs": qs, **{name: _by_row(packed[name]) for name in ("sc", "mn", "d", "dmin")}}
+
+
 def _by_group(per_row: torch.Tensor) -> torch.Tensor:
     """Per-row values [rows, n] -> [groups, n, 16]: the 16 rows of a group side by side, one per lane."""
     return per_row.reshape(-1, W4A8_GROUP, per_row.shape[1]).transpose(1, 2).contiguous()
+
+
+def _by_row(per_group: torch.Tensor) -> torch.Tensor:
+    return per_group.transpose(1, 2).reshape(-1, per_group.shape[1])
 
 
 def w4a8_packable(columns: int, rows: int) -> bool:
@@ -258,6 +274,15 @@ class W4A8Linear(PackedLinear):
 
     def _shape_args(self) -> tuple[int, ...]:
         return (self.sub_per_super,)
+
+    def select_rows(self, ids: torch.Tensor) -> nn.Module:
+        """A vocabulary subset for a draft's LM head: its rows as stored, still 4-bit, when their number
+        is a multiple of the kernel's 16-row groups (else as int8 rows)."""
+        if len(ids) % W4A8_GROUP:
+            return super().select_rows(ids)
+        rows = unpack_w4a8({name: getattr(self, name) for name in self.NAMES})
+        bias = None if self.bias is None else self.bias[ids]
+        return W4A8Linear(pack_w4a8({name: t[ids] for name, t in rows.items()}), bias)
 
     def dequantize(self) -> torch.Tensor:
         """The float weights [out, in] this layer computes with."""

@@ -132,6 +132,10 @@ def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:
     vocab = draft.config.vocab_size
     if size >= vocab:
         return
-    special = [i for i in sorted(draft.tokenizer.special_ids) if i < vocab]
-    ids = torch.unique(torch.cat([torch.arange(size), torch.tensor(special, dtype=torch.long)]))
+    special = torch.tensor([i for i in sorted(draft.tokenizer.special_ids) if i < vocab], dtype=torch.long)
+    ids = torch.unique(torch.cat([torch.arange(size), special]))
+    # rounded up to whole 16-row groups with the next ids, so that a 4-bit head stays in its kernel's format
+    following = torch.arange(size, vocab)
+    following = following[~torch.isin(following, ids)][:-len(ids) % 16]
+    ids = torch.unique(torch.cat([ids, following]))
     draft.model.restrict_vocab(ids)
