@@ -126,6 +126,8 @@ def test_cli_compare_on_small_model():
     (["--max-tokens", "0"], "max_tokens must be a positive integer"),
     (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
     (["--model", "smollm2-135m", "--ngram", "--max-model-len", "8"], "shorten the prompt"),
+    (["--json-schema", "{not json"], "--json-schema is neither a file nor valid JSON"),
+    (["--presence-penalty", "9"], "presence_penalty must be a finite number from -2 to 2"),
 ])
 def test_cli_errors_are_one_clear_line(args, message):
     r = _cli("generate", *args, "a prompt that is long enough to overflow a tiny context window")

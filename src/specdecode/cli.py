@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--json-schema", default=None, metavar="JSON_OR_FILE",
+                     help="structured output: the text must be JSON following this schema (inline or a file)")
+    gen.add_argument("--regex", default=None, help="structured output: the text must match this regex")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

@@ -1,6 +1,8 @@
 """`specdecode generate`: one generation with its statistics; --compare adds plain decoding beside it."""
 from __future__ import annotations
 
+import json
+import os
 import time
 
 from .config import LOSSY_NOTE
@@ -8,7 +10,7 @@ from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
 from .metrics import expected_speedup
 from .models.sources import default_draft
-from .sampling import SamplingParams
+from .sampling import SamplingParams, StructuredOutput
 
 
 def validate_args(args) -> SamplingParams:
@@ -19,8 +21,27 @@ def validate_args(args) -> SamplingParams:
         raise SpecDecodeError(f"-k must be >= 0 (0 = plain decoding), got {args.k}")
     if args.ngram and args.draft:
         raise SpecDecodeError("choose one proposer: --draft MODEL or --ngram, not both")
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, seed=args.seed,
+                          stop=args.stop, structured_output=structured_output(args))
+
+
+def structured_output(args) -> StructuredOutput | None:
+    if args.json_schema and args.regex:
+        raise SpecDecodeError("choose one of --json-schema and --regex")
+    if args.regex:
+        return StructuredOutput(regex=args.regex)
+    if not args.json_schema:
+        return None
+    text = args.json_schema
+    if os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        return StructuredOutput(json=json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise SpecDecodeError(f"--json-schema is neither a file nor valid JSON: {exc}") from None
 
 
 def run_generate(args) -> int:
