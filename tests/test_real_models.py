@@ -97,6 +97,9 @@ def test_qwen_structured_json_with_processors_and_logprobs(qwen_target, qwen_dra
     assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
     assert spec_out.spec["num_accepted_tokens"] > 0
     assert max(abs(a.logprob - b.logprob) for a, b in zip(spec.logprobs, plain.logprobs)) < 1e-3
+    anything = SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutput(json_object=True))
+    reply = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3).chat(conv, anything)[0].outputs[0]
+    assert isinstance(json.loads(reply.text), dict) and reply.finish_reason == "stop"
 
 
 def test_smollm2_llama_gguf_knows_paris():

@@ -122,14 +122,14 @@ def json_server(request):
 def test_response_format_json_schema_validates_and_equals_plain(json_server):
     fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA, "strict": True}}
     msgs = [{"role": "user", "content": "a pair"}]
-    r = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=60, temperature=0,
+    r = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=180, temperature=0,
                                                    response_format=fmt)
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     assert r.choices[0].finish_reason == "stop"
     plain = LLM(target=json_server.target, num_speculative_tokens=0, max_model_len=256).chat(
-        msgs, SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutput(json=SCHEMA)))
+        msgs, SamplingParams(temperature=0, max_tokens=180, structured_output=StructuredOutput(json=SCHEMA)))
     assert r.choices[0].message.content == plain[0].outputs[0].text
-    streamed = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=60,
+    streamed = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=180,
                                                           temperature=0, response_format=fmt, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
 

@@ -16,9 +16,10 @@ import torch
 from ..errors import SpecDecodeError
 
 
-# JSON without optional whitespace: a model cannot stall in a run of spaces, and the output is the same
-# JSON. A schema may still ask for flexible whitespace through its "x-guidance" options.
-COMPACT_JSON = {"whitespace_flexible": False}
+# Whitespace between JSON tokens as the model likes to write it (pretty-printed), but at most 20
+# characters at a time, so that a model cannot stall in a run of spaces until max_tokens. A schema may
+# ask otherwise through its "x-guidance" options (e.g. "whitespace_flexible": false for compact JSON).
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[ \\t\\n\\r]{0,20}"}
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,10 @@ class StructuredOutput:
         from llguidance import LLMatcher
 
         if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.json is not None:
             try:
-                return LLMatcher.grammar_from_json_schema(self.json, defaults=COMPACT_JSON)
+                return LLMatcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
             except ValueError as exc:
                 raise SpecDecodeError(f"the JSON schema is not valid JSON: {exc}") from None
         if self.regex is not None:
@@ -99,14 +100,19 @@ class _TokenBytes:
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar, over the output tokens emitted so far."""
+    """One sequence's position in its grammar, over the output tokens emitted so far.
+
+    Masks are kept per speculative prefix (the tokens past the emitted text) until the text advances:
+    the draft computes the masks of draft positions 0..k-1 and verification needs the same ones, plus
+    one after the last draft, so a step computes k + 1 masks rather than 2k + 1."""
 
     def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
         self._matcher = matcher
         self._vocab = vocab_size
         # never consumed along drafts: the text ends there, and llguidance's rollback does not count them
         self._eos = eos_ids
-        self._drafted = 0  # tokens consumed by draft(), undone by undo_drafts()
+        self._drafted: list[int] = []  # tokens consumed by draft(), undone by undo_drafts()
+        self._masks: dict[tuple, torch.Tensor] = {}  # (speculative prefix, vocab) -> allowed tokens
 
     @classmethod
     def compile(cls, spec: StructuredOutput, tokenizer, vocab_size: int) -> "GrammarMatcher":
@@ -120,8 +126,8 @@ class GrammarMatcher:
     def copy(self) -> "GrammarMatcher":
         return GrammarMatcher(self._matcher.deep_copy(), self._vocab, self._eos)
 
-    def allowed(self, vocab: int) -> torch.Tensor:
-        """[vocab] bool: the tokens the grammar allows next (ids past its vocabulary never)."""
+    def _allowed_now(self, vocab: int) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows in the matcher's current state."""
         allowed = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8) > 0
         if len(allowed) >= vocab:
             return allowed[:vocab]
@@ -135,17 +141,23 @@ class GrammarMatcher:
         drafts = list(drafts[:rows - 1])
         before_eos = next((i for i, t in enumerate(drafts) if t in self._eos), len(drafts))
         valid = self._matcher.validate_tokens(drafts[:before_eos])
-        masks = []
+        masks, consumed = [], 0
         for j in range(min(rows, valid + 1)):
-            masks.append(self.allowed(vocab))
-            if j < valid:
-                self._matcher.consume_token(drafts[j])
-        self._matcher.rollback(len(masks) - 1)
+            key = (tuple(self._drafted) + tuple(drafts[:j]), vocab)
+            if key not in self._masks:  # bring the matcher to drafts[:j] (rolled back below), then ask it
+                for token in drafts[consumed:j]:
+                    self._matcher.consume_token(token)
+                consumed = j
+                self._masks[key] = self._allowed_now(vocab)
+            masks.append(self._masks[key])
+        if consumed:
+            self._matcher.rollback(consumed)
         masks += [masks[-1]] * (rows - len(masks))
         return logits.masked_fill(~torch.stack(masks).to(logits.device), float("-inf"))
 
     def advance(self, tokens: list[int]) -> None:
         """The tokens are emitted: final."""
+        self._masks.clear()
         for token in tokens:
             if self._matcher.is_stopped():  # complete: what follows is the end-of-sequence token
                 return
@@ -154,10 +166,10 @@ class GrammarMatcher:
 
     def draft(self, token: int) -> None:
         """A proposer drafted the token: the next draft position's mask follows it, until undo_drafts()."""
-        if token not in self._eos:
-            self._drafted += self._matcher.try_consume_tokens([token])
+        if token not in self._eos and self._matcher.try_consume_tokens([token]):
+            self._drafted.append(token)
 
     def undo_drafts(self) -> None:
         if self._drafted:
-            self._matcher.rollback(self._drafted)
-        self._drafted = 0
+            self._matcher.rollback(len(self._drafted))
+        self._drafted = []
