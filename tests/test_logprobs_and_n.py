@@ -117,3 +117,18 @@ def test_seeded_n_is_reproducible_and_its_first_output_is_the_single_request(tar
 def test_n_above_the_slots_is_refused(target):
     with pytest.raises(SpecDecodeError, match="n=5 outputs need as many sequence slots"):
         _llm(target, max_num_seqs=4).generate("abc", SamplingParams(n=5))
+
+
+def test_prompt_logprobs_are_the_targets_given_each_prefix(target):
+    prompt = target.tokenizer.encode(PROMPTS[1])
+    out = _llm(target, target).generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=2))[0]
+    scored = out.prompt_logprobs
+    assert scored[0] is None and [lp.token_id for lp in scored[1:]] == prompt[1:]
+    runner = ModelRunner(target.model, 1, 256)
+    for i in (1, 5, len(prompt) - 1):
+        slot = runner.allocate()
+        logits = runner.forward([slot], [prompt[:i]], "last")
+        runner.free(slot)
+        expected = token_logprobs(logits, [prompt[i]], 2)[0]
+        assert abs(scored[i].logprob - expected.logprob) < 1e-4
+        assert [t for t, _ in scored[i].top] == [t for t, _ in expected.top]

@@ -146,3 +146,19 @@ def test_sampled_json_schema_with_n_and_guided_fields(json_server):
     regex = json_server.client.completions.create(model="tiny", prompt="code", max_tokens=10, temperature=1.0,
                                                   extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(server, target):
+    kw = dict(model="tiny", prompt="HELLO HELLO", max_tokens=6, temperature=0, echo=True, logprobs=1,
+              extra_body={"ignore_eos": True})
+    whole = server.client.completions.create(**kw).choices[0]
+    completion = server.client.completions.create(**{**kw, "echo": False, "logprobs": None}).choices[0].text
+    assert whole.text == "HELLO HELLO" + completion
+    prompt_ids = target.tokenizer.encode("HELLO HELLO")
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 6 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == whole.text and lp.text_offset[len(prompt_ids)] == len("HELLO HELLO")
+    chunks = list(server.client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)

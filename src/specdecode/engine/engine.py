@@ -15,7 +15,7 @@ from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 from ..verify.rejection_sampler import VerifyResult
-from ..verify.verifier import sample_first, verify_drafts
+from ..verify.verifier import prompt_logprobs, sample_first, verify_drafts
 from .policy import DraftDecision, Policy, make_policy
 from .sequence import Sequence, check_token_ids
 
@@ -154,8 +154,12 @@ class Engine:
 
     def _prefill(self, group: list[Sequence]) -> None:
         """One forward over the shared prompt; the other sequences of the group get a copy of its KV."""
-        first = group[0]
-        logits, hidden = self._target_forward([first.slot], [first.prompt_ids], logits="last")
+        first, top = group[0], group[0].params.prompt_logprobs
+        logits, hidden = self._target_forward([first.slot], [first.prompt_ids], "last" if top is None else "all")
+        if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
+            for seq in group:
+                seq.prompt_logprobs = prompt_logprobs(first.prompt_ids, logits, top)
+            logits, hidden = logits[-1:], None if hidden is None else hidden[-1:]
         self.runner.commit(first.slot, len(first.prompt_ids))
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)
@@ -265,34 +269,5 @@ class Engine:
             row += n + 1
         return results
 
-    # ---- shared pieces --------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        """Append tokens one by one (with their logprobs); EOS, a stop string, max_tokens or the context end
-        stop the sequence and drop whatever follows inside the chunk."""
-        m, stopped_by_string = seq.metrics, False
-        for i, token in enumerate(tokens):
-            seq.output_ids.append(token)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs[i])
-            m.num_output_tokens += 1
-            if m.first_token_time is None:
-                m.first_token_time = time.perf_counter()
-            if token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos:
-                seq.finish_reason = "stop"
-            elif seq.params.stop_strings and self._hit_stop_string(seq):
-                seq.finish_reason, stopped_by_string = "stop", True
-            elif seq.remaining_tokens <= 0 or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            if seq.finished:
-                m.finish_time = time.perf_counter()
-                break
-        if not stopped_by_string:
-            seq.text = self.tokenizer.decode(seq.output_ids)
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        """On a hit, the text is cut before the stop string (it is not part of the output)."""
-        text = self.tokenizer.decode(seq.output_ids)
-        hits = [i for i in (text.find(s) for s in seq.params.stop_strings) if i >= 0]
-        if hits:
-            seq.text = text[:min(hits)]
-        return bool(hits)
+        seq.append(tokens, logprobs, self.tokenizer, self.max_model_len)

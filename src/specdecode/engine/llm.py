@@ -42,13 +42,14 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = True
     spec: dict = field(default_factory=dict)  # the request's speculation metrics, as a dict
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @classmethod
     def from_group(cls, group: list[Sequence], prompt: str | None) -> "RequestOutput":
         """One prompt's n outputs; metrics are the first output's (its TTFT includes the shared prefill)."""
         first = group[0]
         return cls(first.request_id, prompt, first.prompt_ids, [CompletionOutput.from_sequence(s) for s in group],
-                   first.metrics, True, first.metrics.as_dict())
+                   first.metrics, True, first.metrics.as_dict(), first.prompt_logprobs)
 
 
 class LLM:

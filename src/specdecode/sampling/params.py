@@ -28,6 +28,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (scored by the prefill)
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
     stop_strings: list[str] = field(init=False, default_factory=list)
 
@@ -67,8 +68,9 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             _check_number(f"logit_bias[{token}]", bias, -100, 100)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f" (at most max_tokens={self.max_tokens})")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -2 ** 63 <= self.seed < 2 ** 64):
             raise SpecDecodeError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")

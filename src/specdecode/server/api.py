@@ -117,8 +117,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             params = prepare(req, ids, req.max_tokens)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
+        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids), ids) if req.echo else None
         return await respond(request, req.stream, ids, params, "text_completion", chat=False,
-                             timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"))
+                             timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"),
+                             echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -134,8 +136,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                              timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"))
 
     async def respond(request: Request, stream: bool, ids: list[int], params: SamplingParams, kind: str,
-                      chat: bool, timeout: float | None, session: str | None):
-        """session: the conversation a scaled-out deployment keeps on one replica (ignored by one engine)."""
+                      chat: bool, timeout: float | None, session: str | None, echo: tuple | None = None):
+        """session: the conversation a scaled-out deployment keeps on one replica (ignored by one engine).
+        echo: (prompt text, prompt ids) to put before each completion (completions' `echo`)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
@@ -148,7 +151,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return response
         updates = engine.updates(handle, timeout)
         if stream:
-            return StreamingResponse(sse(updates, params, rid, created, kind, chat, len(ids)),
+            return StreamingResponse(sse(updates, params, rid, created, kind, chat, len(ids), echo),
                                      media_type="text/event-stream")
         collecting = asyncio.ensure_future(collect(updates, params.n))
         gone = asyncio.ensure_future(client_gone(request))
@@ -162,7 +165,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except SpecDecodeError as exc:
             return error_response(exc.http_status, str(exc))
         choices = [choice(i, texts[i], logprobs[i] if params.logprobs is not None else None,
-                          finals[i].finish_reason, chat, delta=False) for i in range(params.n)]
+                          finals[i].finish_reason, chat, delta=False, echo=echo) for i in range(params.n)]
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
                 "usage": usage(len(ids), finals)}
 
@@ -171,7 +174,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         texts, finals, logprobs = [[] for _ in range(n)], {}, [[] for _ in range(n)]
         async for update in updates:
             texts[update.index].append(update.text)
-            logprobs[update.index].extend(update.logprobs)
+            logprobs[update.index].extend((update.prompt_logprobs or []) + update.logprobs)
             if update.finished:
                 finals[update.index] = update
         return ["".join(t) for t in texts], finals, logprobs
@@ -183,31 +186,38 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             pass
 
     def choice(index: int, text: str, logprobs, finish_reason, chat: bool, delta: bool,
-               text_offset: int = 0) -> dict:
+               text_offset: int = 0, echo: tuple | None = None) -> dict:
+        """echo: (prompt text, prompt ids) when this piece starts with the echoed prompt (its logprobs, if
+        asked for, are already at the front of logprobs)."""
         out = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+        if echo is not None:
+            text = echo[0] + text
         if logprobs is not None:
             out["logprobs"] = chat_logprobs(tokenizer, logprobs) if chat else \
-                completion_logprobs(tokenizer, logprobs, text_offset)
+                completion_logprobs(tokenizer, logprobs, text_offset, token_ids=echo[1] if echo else None)
         if chat:
             out["delta" if delta else "message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = text
         return out
 
-    async def sse(updates, params, rid, created, kind, chat, prompt_tokens):
+    async def sse(updates, params, rid, created, kind, chat, prompt_tokens, echo=None):
         kind = kind + ".chunk" if chat else kind
         n = params.n
         started, offsets, finals = [False] * n, [0] * n, {}
         try:
             async for update in updates:
                 i = update.index
-                logprobs = update.logprobs if params.logprobs is not None else None
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = (update.prompt_logprobs or []) + update.logprobs
+                echoed = echo if echo is not None and not started[i] else None
                 body = choice(i, update.text, logprobs, update.finish_reason if update.finished else None, chat,
-                              delta=True, text_offset=offsets[i])
+                              delta=True, text_offset=offsets[i], echo=echoed)
                 if chat and started[i]:
                     del body["delta"]["role"]  # the role goes in each output's first chunk only
                 started[i] = True
-                offsets[i] += len(update.text)
+                offsets[i] += len(update.text) + (len(echoed[0]) if echoed else 0)
                 if update.finished:
                     finals[i] = update
                 chunk = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [body]}

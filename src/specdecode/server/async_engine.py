@@ -47,6 +47,7 @@ class Update:
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens generated since the last update
     num_tokens: int = 0  # output tokens so far
+    prompt_logprobs: list | None = None  # the prompt's, in the output's first update when asked for
     spec: dict | None = None  # the output's speculation statistics, once finished
     replica: str | None = None  # which engine replica served it (scaled-out deployments)
 
@@ -254,8 +255,10 @@ class AsyncEngine:
             return
         text = self._streamable_text(seq)[handle.sent_chars[i]:]
         logprobs = seq.logprobs[handle.sent_tokens[i]:] if seq.logprobs is not None else []
+        first = handle.sent_tokens[i] == 0 and handle.sent_chars[i] == 0
         if text or logprobs or seq.finished:
             handle.push(Update(text, seq.finished, seq.finish_reason, index=i, logprobs=logprobs,
+                               prompt_logprobs=seq.prompt_logprobs if first else None,
                                num_tokens=len(seq.output_ids),
                                spec=seq.metrics.as_dict() if seq.finished else None, replica=self.replica))
             handle.sent_chars[i] += len(text)

@@ -53,6 +53,7 @@ class _Common(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         refuse_unsupported_fields(self)
         return SamplingParams(
+            prompt_logprobs=logprobs if getattr(self, "echo", False) else None,
             structured_output=self.structured_output(),
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -89,6 +90,7 @@ def response_format_grammar(response_format: dict | None) -> StructuredOutput | 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     logprobs: int | None = None  # the chosen token's logprob and this many alternatives
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs

@@ -19,14 +19,18 @@ def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
-def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], text_offset: int = 0) -> dict:
-    tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprob | None], text_offset: int = 0,
+                        token_ids: list[int] | None = None) -> dict:
+    """token_ids: the tokens, where an entry of logprobs is None (an echoed prompt's first token)."""
+    ids = [lp.token_id if lp is not None else token_ids[i] for i, lp in enumerate(logprobs)]
+    tokens = [tokenizer.decode([token]) for token in ids]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{tokenizer.decode([i]): _finite(v) for i, v in lp.top} for lp in logprobs],
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [None if lp is None else {tokenizer.decode([i]): _finite(v) for i, v in lp.top}
+                             for lp in logprobs],
             "text_offset": offsets}
 
 

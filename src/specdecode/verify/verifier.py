@@ -30,6 +30,13 @@ def emitted_logprobs(seq: Sequence, processed: torch.Tensor, tokens: list[int]) 
     return token_logprobs(processed, tokens, seq.params.logprobs)
 
 
+def prompt_logprobs(prompt_ids: list[int], logits: torch.Tensor, num_top: int) -> list[TokenLogprob | None]:
+    """Each prompt token's logprob under the target given the tokens before it (raw logits: the request's
+    processors apply to what it generates), from a prefill's logits for every prompt row; the first token
+    has none."""
+    return [None] + token_logprobs(logits[:-1], prompt_ids[1:], num_top)
+
+
 def sample_first(seq: Sequence, logits: torch.Tensor,
                  eos_ids: Collection[int]) -> tuple[int, list[TokenLogprob] | None]:
     """The token after the prompt, from the prefill's last logits row [1, V]."""
