@@ -140,7 +140,7 @@ HOSTILE = [
     ("completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}),
     ("completions", {"prompt": "x", "n": 100}),
     ("completions", {"prompt": "x", "min_p": 1.5}),
-    ("completions", {"prompt": "x", "best_of": 3}),
+    ("completions", {"prompt": "x", "best_of": 0}),
     ("completions", {"prompt": "x", "echo": "yes please"}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}),
     ("chat/completions", {"messages": []}),

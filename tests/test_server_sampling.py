@@ -5,6 +5,7 @@ same processors, token for token, and the logprobs equal plain decoding's."""
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -162,3 +163,15 @@ def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(server, targe
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_best_of_returns_the_outputs_with_the_highest_total_logprob(server):
+    kw = dict(model="tiny", prompt="pick", max_tokens=8, temperature=1.0, seed=9, extra_body={"ignore_eos": True})
+    all_four = server.client.completions.create(n=4, logprobs=0, **kw)
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in all_four.choices}
+    best = server.client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == sorted(totals, key=totals.get, reverse=True)[:2]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 32  # all four were generated
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "best_of": 2, "stream": True})
+    assert refused.status_code == 400 and "cannot be streamed" in refused.json()["error"]["message"]

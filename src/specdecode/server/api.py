@@ -120,7 +120,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids), ids) if req.echo else None
         return await respond(request, req.stream, ids, params, "text_completion", chat=False,
                              timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"),
-                             echo=echo)
+                             echo=echo, best=(req.n, req.logprobs is not None) if params.n > req.n else None)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -136,9 +136,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                              timeout=time_limit(req.timeout), session=req.user or request.headers.get("x-session-id"))
 
     async def respond(request: Request, stream: bool, ids: list[int], params: SamplingParams, kind: str,
-                      chat: bool, timeout: float | None, session: str | None, echo: tuple | None = None):
+                      chat: bool, timeout: float | None, session: str | None, echo: tuple | None = None,
+                      best: tuple[int, bool] | None = None):
         """session: the conversation a scaled-out deployment keeps on one replica (ignored by one engine).
-        echo: (prompt text, prompt ids) to put before each completion (completions' `echo`)."""
+        echo: (prompt text, prompt ids) to put before each completion (completions' `echo`).
+        best: (n, whether logprobs are returned) when more outputs than n were generated (`best_of`)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
@@ -164,10 +166,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             texts, finals, logprobs = collecting.result()
         except SpecDecodeError as exc:
             return error_response(exc.http_status, str(exc))
-        choices = [choice(i, texts[i], logprobs[i] if params.logprobs is not None else None,
-                          finals[i].finish_reason, chat, delta=False, echo=echo) for i in range(params.n)]
+        prompt_scored = len(ids) if params.prompt_logprobs is not None else 0  # echoed prompt logprobs lead
+        order = range(params.n) if best is None else best_outputs(logprobs, best[0], prompt_scored)
+        show_logprobs = params.logprobs is not None and (best is None or best[1])
+        choices = [choice(rank, texts[i], logprobs[i] if show_logprobs else None, finals[i].finish_reason, chat,
+                          delta=False, echo=echo) for rank, i in enumerate(order)]
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
                 "usage": usage(len(ids), finals)}
+
+    def best_outputs(logprobs: list[list], n: int, skip: int) -> list[int]:
+        """The n outputs with the highest total logprob of their generated tokens (after the first `skip`
+        entries), best first."""
+        totals = [sum(lp.logprob for lp in lps[skip:]) for lps in logprobs]
+        return sorted(range(len(totals)), key=lambda i: -totals[i])[:n]
 
     async def collect(updates, n: int):
         """Each output's whole text, final Update and logprobs."""

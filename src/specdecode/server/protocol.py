@@ -11,7 +11,7 @@ from ..sampling import SamplingParams, StructuredOutput
 # Fields that change the output and that this server does not implement, with the value that means
 # "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "best_of": 1, "echo": False, "suffix": None, "tools": None, "functions": None, "tool_choice": None,
+    "echo": False, "suffix": None, "tools": None, "functions": None, "tool_choice": None,
     "prompt_logprobs": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
 }
 
@@ -52,10 +52,13 @@ class _Common(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         refuse_unsupported_fields(self)
+        n = self.candidates() if isinstance(self, CompletionRequest) else self.n
+        if n > self.n and logprobs is None:
+            logprobs = 0  # ranking reads each token's logprob; they are not returned
         return SamplingParams(
             prompt_logprobs=logprobs if getattr(self, "echo", False) else None,
             structured_output=self.structured_output(),
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
             seed=self.seed, stop=self.stop, max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs)
@@ -91,9 +94,20 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     logprobs: int | None = None  # the chosen token's logprob and this many alternatives
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
+    best_of: int | None = None  # generate this many and return the n with the highest total logprob
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def candidates(self) -> int:
+        """How many outputs to generate: best_of when it asks for more than n."""
+        if self.best_of is None or self.best_of == self.n:
+            return self.n
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            raise SpecDecodeError(f"best_of must be an integer >= n={self.n}, got {self.best_of!r}")
+        if self.stream:
+            raise SpecDecodeError("best_of cannot be streamed: the best outputs are known only at the end")
+        return self.best_of
 
 
 class ContentPart(BaseModel):
