@@ -157,8 +157,9 @@ class Engine:
         first, top = group[0], group[0].params.prompt_logprobs
         logits, hidden = self._target_forward([first.slot], [first.prompt_ids], "last" if top is None else "all")
         if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
+            scored = prompt_logprobs(first.prompt_ids, logits, top)
             for seq in group:
-                seq.prompt_logprobs = prompt_logprobs(first.prompt_ids, logits, top)
+                seq.prompt_logprobs = scored
             logits, hidden = logits[-1:], None if hidden is None else hidden[-1:]
         self.runner.commit(first.slot, len(first.prompt_ids))
         for seq in group[1:]:

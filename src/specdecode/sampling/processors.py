@@ -58,7 +58,8 @@ def output_counts(output_ids: Sequence[int], drafts: Sequence[int], rows: int, v
     counts = torch.zeros(vocab, device=device)
     if output_ids:
         ids = torch.tensor(output_ids, dtype=torch.long, device=device)
-        counts.index_add_(0, ids[ids < vocab], torch.ones(len(ids), device=device)[ids < vocab])
+        ids = ids[ids < vocab]
+        counts.index_add_(0, ids, torch.ones(len(ids), device=device))
     counts = counts.repeat(rows, 1)
     for j, token in enumerate(drafts):
         if token < vocab:

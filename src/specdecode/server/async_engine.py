@@ -61,6 +61,7 @@ class RequestHandle:
     seqs: list[Sequence] = field(default_factory=list)  # its n outputs, once the engine has them
     sent_chars: list[int] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
+    opened: set[int] = field(default_factory=set)  # outputs whose first update is out
     closed: set[int] = field(default_factory=set)  # outputs whose final update is out
 
     def push(self, update: Update) -> None:
@@ -255,14 +256,14 @@ class AsyncEngine:
             return
         text = self._streamable_text(seq)[handle.sent_chars[i]:]
         logprobs = seq.logprobs[handle.sent_tokens[i]:] if seq.logprobs is not None else []
-        first = handle.sent_tokens[i] == 0 and handle.sent_chars[i] == 0
         if text or logprobs or seq.finished:
             handle.push(Update(text, seq.finished, seq.finish_reason, index=i, logprobs=logprobs,
-                               prompt_logprobs=seq.prompt_logprobs if first else None,
+                               prompt_logprobs=None if i in handle.opened else seq.prompt_logprobs,
                                num_tokens=len(seq.output_ids),
                                spec=seq.metrics.as_dict() if seq.finished else None, replica=self.replica))
             handle.sent_chars[i] += len(text)
             handle.sent_tokens[i] += len(logprobs)
+            handle.opened.add(i)
             if seq.finished:
                 handle.closed.add(i)
 
