@@ -43,19 +43,24 @@ def exact_joint(model, prompt: list[int], params) -> dict[tuple, float]:
     return joint
 
 
-def sampled_joint(target, draft, prompt, params, samples: int, k: int = 2) -> tuple[dict[tuple, int], float]:
-    """Counts of each output over `samples` speculative generations (k drafts per step), and the
-    acceptance rate they had."""
+def sampled_joint(target, draft, prompt, params, samples: int, k: int = 2, draft_confidence: float = 0.0,
+                  with_drafts_per_step: bool = False) -> tuple:
+    """Counts of each output over `samples` speculative generations (k drafts per step, fewer where the
+    draft stops at `draft_confidence`), the acceptance rate they had and, if asked, the mean number of
+    tokens drafted per sequence and step."""
     torch.manual_seed(0)
     llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_model_len=256, max_num_seqs=128,
-              speculation_policy="fixed")
+              speculation_policy="fixed", draft_confidence=draft_confidence)
     outs = llm.generate([prompt] * (samples // params.n), params)
     counts: dict[tuple, int] = {}
     for out in outs:
         for o in out.outputs:
             counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
-    return counts, sum(o.spec["num_accepted_tokens"] for o in outs) / max(1, drafted)
+    acceptance = sum(o.spec["num_accepted_tokens"] for o in outs) / max(1, drafted)
+    if with_drafts_per_step:
+        return counts, acceptance, drafted / max(1, sum(o.spec["num_spec_steps"] for o in outs))
+    return counts, acceptance
 
 
 def chi2_pvalue(counts: dict[tuple, int], joint: dict[tuple, float]) -> float:

@@ -14,6 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 def _llm(target, draft=None, k=4, **kw):
     kw.setdefault("speculation_policy", "fixed")  # these tests are about the mechanics of a given k
+    kw.setdefault("draft_confidence", 0.0)
     return LLM(target=target, draft=draft, speculative_model=kw.pop("speculative_model", None),
                num_speculative_tokens=k, max_model_len=256, **kw)
 

@@ -5,7 +5,7 @@ import argparse
 import signal
 import sys
 
-from .config import POLICIES, QUANTIZATIONS
+from .config import DRAFT_CONFIDENCE, DRAFT_VOCAB_SIZE, POLICIES, QUANTIZATIONS
 from .errors import SpecDecodeError
 from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -17,10 +17,20 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) 
                    help=f"draft model or proposer kind, e.g. ngram (default {DEFAULT_DRAFT} with the default target)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
-    p.add_argument("--draft-vocab-size", type=int, default=0,
-                   help="draft LM head keeps this many lowest token ids + special tokens (0 = full vocabulary)")
+    _add_draft_args(p, several_backends)
     _add_quantization_args(p, several_backends)
     p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def _add_draft_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    p.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB_SIZE,
+                   help="the draft's LM head keeps this many lowest token ids + special tokens (0 = full "
+                        "vocabulary; lower ids are the more frequent byte-pair merges)")
+    p.add_argument("--draft-confidence", type=float, default=[0.0, DRAFT_CONFIDENCE] if several else DRAFT_CONFIDENCE,
+                   nargs="+" if several else None,
+                   help=("thresholds to measure, each with its own rows; " if several else "") +
+                        "the draft stops drafting after a token it gives less probability than this "
+                        "(0 = always draft as many as the policy asks)")
 
 
 def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) -> None:
@@ -96,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto")
+    _add_draft_args(serve)
     _add_quantization_args(serve)
     serve.add_argument("--forced-accept", action="store_true",
                        help="benchmarks only: accept every draft token (an upper bound; output is NOT the target's)")

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 # without importing torch.
 QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
 POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policies (engine.policy)
+# Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair (docs/decisions.md): the draft's LM
+# head keeps the 65,536 lowest token ids, and drafting stops after a token the draft gives less than this
+# probability (both change only what is proposed, never what is accepted).
+DRAFT_VOCAB_SIZE = 65536
+DRAFT_CONFIDENCE = 0.8
 LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
 
 

@@ -49,7 +49,8 @@ def run_generate(args) -> int:
     proposer = "ngram" if args.ngram else default_draft(args.model, args.draft)
     llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
-              draft_vocab_size=args.draft_vocab_size or None, quantization=args.quantization,
+              draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
+              quantization=args.quantization,
               draft_quantization=args.draft_quantization, speculation_policy=args.policy)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt

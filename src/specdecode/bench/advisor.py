@@ -46,7 +46,8 @@ def measure_acceptance(target, draft, options: AdvisorOptions, seed: int) -> lis
     from ..sampling import SamplingParams
 
     llm = LLM(target=target, draft=draft, num_speculative_tokens=options.k_max, max_num_seqs=1,
-              max_model_len=max(2048, options.context * 2), speculation_policy="fixed")
+              max_model_len=max(2048, options.context * 2), speculation_policy="fixed",
+              draft_confidence=0.0)  # acceptance per position needs every position drafted
     prompts = load_prompts(options.dataset, options.num_prompts, seed=seed,
                            count_tokens=lambda text: len(target.tokenizer.encode(text)))
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)

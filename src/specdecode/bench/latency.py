@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass
 
 from ..engine.llm import LLM
 from ..engine.profile import time_forward
-from ..metrics import expected_speedup
 from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
@@ -27,7 +26,7 @@ class LatencyResult:
     k: int
     output_tokens: int
     seconds: float
-    tokens_per_s: float
+    tokens_per_s: float  # decoding: tokens after the first over the time after the first
     acceptance_rate: float | None
     mean_accepted_length: float | None
     target_step_ms: float | None
@@ -36,8 +35,12 @@ class LatencyResult:
     cost_ratio_c: float | None = None
     predicted_speedup: float | None = None
     identical_to_plain: bool | None = None
-    verify_cost_ratio: float | None = None  # T(k+1) / T(1) of the target's forward
+    verify_cost_ratio: float | None = None  # T(n+1) / T(1) of the target's forward, n = mean_drafts rounded
     vs_llama_cpp_plain: float | None = None  # tokens/s against llama.cpp's plain decoding
+    e2e_tokens_per_s: float | None = None  # every token over the whole request, prefill included
+    mean_ttft_ms: float | None = None
+    draft_confidence: float = 0.0  # the draft stopped after a token it gave less probability
+    mean_drafts: float | None = None  # tokens drafted per speculative step (below k when the draft stops early)
 
 
 def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, label: str, proposer: str):
@@ -48,21 +51,30 @@ def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, lab
     outs = [llm.generate(p, params)[0] for p in prompts]  # one at a time: batch size 1
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = sum(o.metrics.ttft for o in outs)
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
     accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
     spec_steps = sum(o.spec["num_spec_steps"] for o in outs)
     t = llm.timer
     result = LatencyResult(
-        label, llm.target.model.backend, proposer, k, tokens, seconds, tokens / seconds,
+        label, llm.target.model.backend, proposer, k, tokens, seconds, (tokens - len(outs)) / (seconds - ttft),
         accepted / drafted if drafted else None,
         (accepted + spec_steps) / spec_steps if spec_steps else None,
-        t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None)
+        t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None,
+        e2e_tokens_per_s=tokens / seconds, mean_ttft_ms=1000 * ttft / len(outs),
+        mean_drafts=drafted / spec_steps if spec_steps else None)
     return result, [o.outputs[0].token_ids for o in outs]
 
 
 def verify_cost_ratio(model, k: int, context: int = 256) -> float:
     """T(k+1)/T(1): one forward over k+1 new tokens against one over a single token, after `context`."""
     return time_forward(model, 1, k + 1, context, 5) / time_forward(model, 1, 1, context, 5)
+
+
+def predicted_speedup(r: LatencyResult) -> float:
+    """Tokens per step over a step's cost in plain decoding steps: one verify forward (T(n+1)/T(1)) plus
+    the drafted tokens' forwards at c each; measured/predicted shows what else the step spends."""
+    return r.mean_accepted_length / (r.verify_cost_ratio + r.mean_drafts * r.cost_ratio_c)
 
 
 def run_backend(args, quantization: str, prompts: list[str], params: SamplingParams) -> list[LatencyResult]:
@@ -85,14 +97,18 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     print(_row(plain), flush=True)
     results = [plain]
     for llm, kind, proposer in runs:
-        for k in args.ks:
-            res, ids = run_config(llm, prompts, params, k, f"{name}: {kind} k={k}", proposer)
+        for k, confidence in [(k, c) for c in (args.draft_confidence if kind == "draft" else [0.0]) for k in args.ks]:
+            if kind == "draft":
+                llm.engine.proposer.confidence_threshold = confidence
+            label = f"{name}: {kind} k={k}" + (f" conf {confidence:g}" if confidence else "")
+            res, ids = run_config(llm, prompts, params, k, label, proposer)
+            res.draft_confidence = confidence
             res.speedup = res.tokens_per_s / plain.tokens_per_s
             res.identical_to_plain = ids == plain_ids
-            res.verify_cost_ratio = verify_cost_ratio(target.model, k)
+            res.verify_cost_ratio = verify_cost_ratio(target.model, round(res.mean_drafts or k))
             if res.acceptance_rate is not None:
                 res.cost_ratio_c = (res.draft_step_ms / plain.target_step_ms) if res.draft_step_ms else 0.0
-                res.predicted_speedup = expected_speedup(res.acceptance_rate, k, res.cost_ratio_c)
+                res.predicted_speedup = predicted_speedup(res)
             results.append(res)
             print(_row(res), flush=True)
     return results
@@ -158,14 +174,14 @@ def run_latency(args) -> list[LatencyResult]:
     return results
 
 
-HEADER = (f"{'config':<28}{'tok/s':>8}{'speedup':>9}{'α':>7}{'τ':>6}{'c':>7}{'predicted':>11}"
-          f"{'meas/pred':>11}{'T(k+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical")
+HEADER = (f"{'config':<28}{'tok/s':>8}{'e2e tok/s':>10}{'speedup':>9}{'α':>7}{'drafts':>7}{'τ':>6}{'c':>7}"
+          f"{'predicted':>11}{'meas/pred':>11}{'T(n+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical")
 
 
 def _row(r: LatencyResult) -> str:
     measured_share = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
-    return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{fmt(r.speedup, '.2f', 9)}{fmt(r.acceptance_rate, '.3f', 7)}"
-            f"{fmt(r.mean_accepted_length, '.2f', 6)}{fmt(r.cost_ratio_c, '.3f', 7)}"
+    return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{fmt(r.e2e_tokens_per_s, '.2f', 10)}{fmt(r.speedup, '.2f', 9)}"
+            f"{fmt(r.acceptance_rate, '.3f', 7)}{fmt(r.mean_drafts, '.2f', 7)}{fmt(r.mean_accepted_length, '.2f', 6)}{fmt(r.cost_ratio_c, '.3f', 7)}"
             f"{fmt(r.predicted_speedup, '.2f', 11)}{fmt(measured_share, '.0%', 11)}"
             f"{fmt(r.verify_cost_ratio, '.2f', 13)}"
             f"{fmt(r.target_step_ms, '.1f', 11)}{fmt(r.draft_step_ms, '.1f', 10)}  {yes_no(r.identical_to_plain)}")

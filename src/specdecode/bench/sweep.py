@@ -59,6 +59,8 @@ class Cell:
     concurrency: int = 1
     forced_accept: bool = False  # every draft token accepted: the upper bound (lossy)
     prompt_lookup: bool = False  # adaptive policy with a draft model: may draft by prompt lookup too
+    # the draft stops after a token it gives less probability; 0 (the standard study): exactly k per step
+    draft_confidence: float = 0.0
     num_prompts: int = 4
     max_tokens: int = 64
 
@@ -70,6 +72,7 @@ class Cell:
                   "disable_by_batch_size": f" off above {self.disable_by_batch_size}"}[self.policy]
         name = f"draft {self.draft}" if self.proposer == "draft" and self.draft else self.proposer
         text = f"{name} k={self.k}{policy}" + (" +lookup" if self.prompt_lookup else "")
+        text += f" conf {self.draft_confidence:g}" if self.draft_confidence else ""
         return text + (" forced-accept" if self.forced_accept else "")
 
     @property
@@ -249,6 +252,7 @@ class InProcessRunner:
                    num_speculative_tokens=cell.k, max_model_len=self.config.max_model_len,
                    max_num_seqs=max_num_seqs, forced_accept=cell.forced_accept,
                    speculation_policy=cell.policy, prompt_lookup=cell.prompt_lookup,
+                   draft_confidence=cell.draft_confidence,
                    speculative_disable_by_batch_size=cell.disable_by_batch_size or None)
 
     def run(self, cell: Cell) -> dict:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import DRAFT_CONFIDENCE, DRAFT_VOCAB_SIZE
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import RequestMetrics, StepTimer, peak_rss_bytes
@@ -57,13 +58,18 @@ class LLM:
     ("ngram": prompt lookup; see proposers.registry) or a draft model (name, path or hub id).
 
     quantization / draft_quantization pick the backend of models loaded by name ("auto": the fastest
-    measured for this machine; see executor.backends). Models passed as `target`/`draft` are used as built."""
+    measured for this machine; see executor.backends). Models passed as `target`/`draft` are used as built.
+
+    A draft model's LM head keeps `draft_vocab_size` token ids (None or 0: all of them), and it stops
+    drafting after a token it gives less than `draft_confidence` probability (0: always drafts what the
+    policy asks); neither changes the output."""
 
     def __init__(self, model: str = DEFAULT_TARGET, speculative_model: str | None = None,
                  num_speculative_tokens: int = 4, *, device: str | None = None, dtype: str = "auto",
                  max_model_len: int = 4096, max_num_seqs: int = 8, forced_accept: bool = False,
                  ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
-                 draft_vocab_size: int | None = None, quantization: str = "auto", draft_quantization: str = "auto",
+                 draft_vocab_size: int | None = DRAFT_VOCAB_SIZE, draft_confidence: float = DRAFT_CONFIDENCE,
+                 quantization: str = "auto", draft_quantization: str = "auto",
                  speculation_policy: str = "adaptive", speculative_disable_by_batch_size: int | None = None,
                  prompt_lookup: bool = False,
                  memory_budget: str | int | None = None, gpu_memory_utilization: float | None = 0.9,
@@ -77,7 +83,8 @@ class LLM:
         self.timer = StepTimer()
         max_model_len = min(max_model_len, self.target.config.max_position)
         setup = ProposerSetup(self.target, speculative_model, draft, dtype, draft_quantization, progress,
-                              draft_vocab_size, ngram_prompt_lookup_max, ngram_prompt_lookup_min, self.timer)
+                              draft_vocab_size, ngram_prompt_lookup_max, ngram_prompt_lookup_min, self.timer,
+                              draft_confidence)
         kind = DRAFT_MODEL if draft is not None else proposer_kind(speculative_model)
         proposers: list[Proposer] = [build_proposer(kind, setup)] if kind else []
         # the adaptive policy may also draft by prompt lookup, per sequence, where the main proposer does not pay

@@ -15,8 +15,11 @@ from .registry import ProposerSetup
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, draft: LoadedModel, timer: StepTimer | None = None):
+    def __init__(self, draft: LoadedModel, timer: StepTimer | None = None, confidence_threshold: float = 0.0):
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise SpecDecodeError(f"the draft confidence threshold must be in [0, 1), got {confidence_threshold}")
         self.loaded = draft
+        self.confidence_threshold = confidence_threshold
         self.model = draft.model
         self.timer = timer or StepTimer()
         self.runner: ModelRunner | None = None  # built by reserve(), once the memory plan is known
@@ -32,7 +35,7 @@ class DraftModelProposer(Proposer):
         check_same_vocabulary(setup.target, draft)
         if setup.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
             restrict_draft_vocab(draft, setup.draft_vocab_size)
-        return cls(draft, setup.timer)
+        return cls(draft, setup.timer, setup.draft_confidence)
 
     def reserve(self, num_slots: int, max_model_len: int) -> None:
         self.runner = ModelRunner(self.model, num_slots, max_model_len)
@@ -49,9 +52,12 @@ class DraftModelProposer(Proposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         self._round_seconds = []
         slots = {i: self._slot(seqs[i]) for i in active}
+        unsure: set[int] = set()  # sequences whose last draft was below the confidence threshold
         try:
             for step in range(max((ks[i] for i in active), default=0)):
-                rows = [i for i in active if ks[i] > step]
+                rows = [i for i in active if ks[i] > step and i not in unsure]
+                if not rows:
+                    break
                 if step == 0:  # catch up on everything the draft has not seen, then draft the first token
                     inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
                 else:
@@ -61,6 +67,8 @@ class DraftModelProposer(Proposer):
                     seqs[i].metrics.spec.num_draft_forwards += 1
                     token, q = self._sample(logits[row], seqs[i], tokens[i])
                     tokens[i].append(token)
+                    if self.confidence_threshold and self._confidence(logits[row], token, q) < self.confidence_threshold:
+                        unsure.add(i)
                     if seqs[i].grammar is not None:  # the next draft position's mask follows this token
                         seqs[i].grammar.draft(token)
                     if q is not None:
@@ -100,6 +108,14 @@ class DraftModelProposer(Proposer):
         if seq.grammar is not None:
             logits = seq.grammar.mask_rows(logits, [])
         return sample_token(logits[0], seq.params, seq.generator)
+
+    def _confidence(self, logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
+        """The draft's probability of the token it proposed: q's where it sampled, else its raw softmax's
+        (greedy drafts the argmax). A draft past an unlikely token is likely wasted, so drafting stops there;
+        the choice depends on the draft alone, so verification stays lossless."""
+        if q is not None:
+            return float(q[token])
+        return float(1.0 / torch.exp(logits.float() - logits.max()).sum())
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""

@@ -28,6 +28,7 @@ class ProposerSetup:
     ngram_max: int = 3
     ngram_min: int = 1
     timer: StepTimer | None = None
+    draft_confidence: float = 0.0  # a draft model stops drafting after a token it gives less probability
 
 
 ProposerFactory = Callable[[ProposerSetup], "Proposer"]

@@ -23,6 +23,7 @@ def llm_options(args) -> dict:
     return dict(model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
                 dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 quantization=args.quantization, draft_quantization=args.draft_quantization,
+                draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
                 speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
                 memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
                 forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
