@@ -4,6 +4,7 @@ same GGUF files and prompts beside it. Prints a table and writes JSON."""
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from dataclasses import asdict, dataclass
 
@@ -97,7 +98,7 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     print(_row(plain), flush=True)
     results = [plain]
     for llm, kind, proposer in runs:
-        for k, confidence in [(k, c) for c in (args.draft_confidence if kind == "draft" else [0.0]) for k in args.ks]:
+        for confidence, k in itertools.product(args.draft_confidence if kind == "draft" else [0.0], args.ks):
             if kind == "draft":
                 llm.engine.proposer.confidence_threshold = confidence
             label = f"{name}: {kind} k={k}" + (f" conf {confidence:g}" if confidence else "")

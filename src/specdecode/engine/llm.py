@@ -82,9 +82,10 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         max_model_len = min(max_model_len, self.target.config.max_position)
-        setup = ProposerSetup(self.target, speculative_model, draft, dtype, draft_quantization, progress,
-                              draft_vocab_size, ngram_prompt_lookup_max, ngram_prompt_lookup_min, self.timer,
-                              draft_confidence)
+        setup = ProposerSetup(self.target, model=speculative_model, loaded=draft, dtype=dtype,
+                              quantization=draft_quantization, progress=progress, draft_vocab_size=draft_vocab_size,
+                              ngram_max=ngram_prompt_lookup_max, ngram_min=ngram_prompt_lookup_min, timer=self.timer,
+                              draft_confidence=draft_confidence)
         kind = DRAFT_MODEL if draft is not None else proposer_kind(speculative_model)
         proposers: list[Proposer] = [build_proposer(kind, setup)] if kind else []
         # the adaptive policy may also draft by prompt lookup, per sequence, where the main proposer does not pay
