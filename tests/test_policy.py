@@ -241,6 +241,75 @@ def test_bursty_acceptance_makes_long_drafts_worth_more():
     assert gains[3] == pytest.approx(0.6 * 0.95 ** 3, abs=0.05)
 
 
+def _simulate_stop(p: AdaptivePolicy, first: float, then: float, goes_on: float, steps: int = 20000,
+                   request_id: str = "r", k: int = 4) -> None:
+    """Drafts allowed k tokens that stop early, as under the draft's confidence stop: after each drafted
+    token the draft goes on with probability `goes_on`. Each drafted token is accepted as in _simulate."""
+    rng = random.Random(0)
+    for _ in range(steps):
+        drafted = 1
+        while drafted < k and rng.random() < goes_on:
+            drafted += 1
+        accepted = 0
+        while accepted < drafted and rng.random() < (first if accepted == 0 else then):
+            accepted += 1
+        p.observe_acceptance(request_id, drafted, accepted, allowed=k)
+
+
+def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
+    """Drafts allowed 4 tokens that go on past each token half of the time: position j is drafted with
+    probability 0.5^(j-1) and emitted with 0.9 · (0.5 · 0.95)^(j-1). Counting only the positions that were
+    drafted would promise 0.9 · 0.95^(j-1), as if the draft never stopped."""
+    p = make_policy("adaptive", 4, acceptance_smoothing=0.001, depth_smoothing=0.001)
+    _simulate_stop(p, 0.9, 0.95, goes_on=0.5)
+    assert p.draft_reach(4) == pytest.approx([1.0, 0.5, 0.25, 0.125], abs=0.03)
+    assert p.token_gains(p.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)], abs=0.03)
+
+
+def test_a_draft_that_never_stops_reaches_every_position():
+    p = make_policy("adaptive", 4)
+    _simulate(p, 0.6, 0.6, steps=500)
+    assert p.draft_reach(4) == [1.0] * 4
+
+
+def test_step_cost_counts_the_drafts_a_stop_leaves_out():
+    """One sequence allowed 4 drafts that reach positions 1-4 with 1, 0.5, 0.25, 0.125: 1.875 draft
+    forwards and 1.875 verify rows expected, not 4 of each. Two sequences: a forward runs if either
+    joins it, over the rows that do."""
+    reach = [1.0, 0.5, 0.25, 0.125]
+    p = _measured([0.9], 0.1, verify_growth=0.01)
+    assert p.costs.step_seconds([4], None, reach) == pytest.approx(0.1 * 1.875 + 1.0 + 0.01 * 1.875)
+    assert p.costs.step_seconds([4]) == pytest.approx(0.1 * 4 + 1.0 + 0.01 * 4)
+    p = _measured([0.9, 0.9], 0.1, verify_growth=0.01)
+    runs = [1.0] + [1 - (1 - r) ** 2 for r in reach[1:]]  # a draft forward costs 0.1 s at 1 or 2 rows
+    assert p.costs.step_seconds([4, 4], None, reach) == pytest.approx(0.1 * sum(runs) + p.costs.target(2, 2 + 3.75))
+
+
+def test_a_draft_that_stops_after_its_unsure_first_token_is_not_worth_it():
+    """The draft mostly drafts one token: it goes on 10% of the time, and its first token is accepted 40%
+    of the time. Priced as four tokens at the acceptance of those drafted (0.4, then 0.99 each) it looks
+    worth 1.17x plain; what it yields (≈1.44 tokens a step for ≈1.11 draft forwards at 0.3 of a target
+    step: 1.08x) is under the 10% margin, so the policy decodes plainly."""
+    p = _measured([0.4], 0.3)
+    p.depth, p.acceptance_smoothing = {}, 0.001
+    _simulate_stop(p, 0.4, 0.99, goes_on=0.1, steps=3000, request_id="0")
+    assert _choose(p, 1) == [0]
+    p.reach = {}  # forget the stops and count only the positions drafted, as if the draft never stopped
+    p.depth = {}
+    _simulate(p, 0.4, 0.99, steps=3000, request_id="0")
+    assert _choose(p, 1) == [4]
+
+
+def test_a_draft_that_stops_itself_is_allowed_its_full_k():
+    """A good first token (90%) and a draft that rarely goes on (10%): allowing it 4 tokens costs little
+    more than allowing 1, because the stop, not k, ends most drafts; priced as 4 forwards and 4 verify
+    rows, k = 4 would look worse than k = 1."""
+    p = _measured([0.9], 0.3)
+    p.depth, p.acceptance_smoothing = {}, 0.001
+    _simulate_stop(p, 0.9, 0.99, goes_on=0.1, steps=3000, request_id="0")
+    assert _choose(p, 1) == [4]
+
+
 def test_a_rejected_sequence_is_probed_again_later():
     p = _measured([0.0], 0.3)
     assert _choose(p, 1) == [0]
@@ -301,6 +370,8 @@ def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
     engine.proposer._round_seconds = [0.7]
     assert engine._draft_round_seconds(0.71, rounds=1, catch_up=150) is None
     assert engine._draft_round_seconds(0.05, rounds=1, catch_up=1) == 0.05
+    # allowed 4 tokens, the draft stopped after its first (unsure of it): one round's cost, not a quarter
+    assert engine._draft_round_seconds(0.05, rounds=4, catch_up=1) == 0.05
 
 
 def test_lookup_acceptance_is_learned_per_match_length():

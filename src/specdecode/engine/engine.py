@@ -203,7 +203,7 @@ class Engine:
             if decision.by_lookup[i] and n_draft:
                 self.policy.observe_lookup(seq.request_id, previews[i].match, n_draft, accepted)
             else:
-                self.policy.observe_acceptance(seq.request_id, n_draft, accepted)
+                self.policy.observe_acceptance(seq.request_id, n_draft, accepted, decision.ks[i])
             self._emit(seq, emitted, logprobs)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
         end = now()
@@ -247,6 +247,7 @@ class Engine:
         """A draft model's steady cost is a round of single-token forwards; its first round may carry a
         one-off catch-up (a whole prompt), timed apart so that drafting does not look expensive for good."""
         timed = self.proposer.last_round_seconds
+        rounds = len(timed) or rounds  # a draft that stops early (its confidence stop) ran fewer rounds than k
         if len(timed) < 2:  # one round: a catch-up in it cannot be told apart, so only a clean one counts
             return total / rounds if catch_up < 8 else None
         steady = sum(timed[1:]) / (len(timed) - 1)

@@ -44,8 +44,15 @@ class AcceptanceEstimator:
     """P(first draft token accepted) per sequence, and the deeper positions pooled over all sequences.
 
     Acceptance is bursty: after an accepted token the next is accepted more often than the first one is.
-    So depth is modelled apart, over all sequences: position l -> discounted (accepted, tried) given that
-    position l-1 was accepted. Position 1, pooled the same way, is where a new request starts."""
+    So depth is modelled apart, over all sequences: position l -> discounted (emitted, tried) given that
+    position l-1 was accepted. Position 1, pooled the same way, is where a new request starts.
+
+    A draft may also stop before the k it was allowed (the draft model's confidence stop): then position
+    l is not drafted at all. For the tokens a step emits that is a miss like a rejection, so a position
+    counts as tried whenever it was allowed, not only when it was drafted: pricing k by the acceptance of
+    the drafts that were made alone would promise the long drafts that the stop cuts short. How far drafts
+    reach is tracked apart (`reach`), because a draft token costs its forward and its verify row whether
+    or not it is accepted."""
 
     k_max: int = 4
     prior_acceptance: float = 0.7  # before anything is measured; see population_acceptance
@@ -56,14 +63,27 @@ class AcceptanceEstimator:
     depth_smoothing: float = 0.01
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> P(first draft token accepted)
     depth: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # position l >= 2 -> discounted (drafted, tried) given that position l-1 was drafted and l allowed
+    reach: dict[int, tuple[float, float]] = field(default_factory=dict)
     lookup_acceptance: LookupAcceptance = field(default_factory=LookupAcceptance)
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
 
     def conditional_acceptance(self, position: int) -> float:
-        """P(draft token `position` is accepted | the one before it was), pooled over all sequences (for
-        position 1: P(first draft token accepted))."""
+        """P(draft token `position` is drafted and accepted | the one before it was), pooled over all
+        sequences (for position 1: P(first draft token accepted))."""
         accepted, tried = self.depth.get(position, (0.0, 0.0))
         return (accepted + self.prior_acceptance * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+
+    def draft_reach(self, k: int) -> list[float]:
+        """P(the draft model drafts position j), j = 1..k, when it is allowed k tokens (1 throughout
+        unless it stops early: the prior assumes it does not, and the first stop corrects that)."""
+        reach, p = [], 1.0
+        for position in range(1, k + 1):
+            if position > 1:
+                drafted, tried = self.reach.get(position, (0.0, 0.0))
+                p *= (drafted + PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+            reach.append(p)
+        return reach
 
     def token_gains(self, first: float) -> list[float]:
         """Probability that draft token j (1..k_max) is emitted, for a sequence whose first token is
@@ -75,16 +95,20 @@ class AcceptanceEstimator:
             gains.append(p)
         return gains
 
-    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
-        """Positions after the first rejection are never tried: the first position is tried every step
-        that drafts (per sequence), position l only when l-1 was accepted (pooled over sequences).
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
+        """The main proposer drafted `drafted` of the `allowed` tokens (default: all of them) and `accepted`
+        were accepted. Positions after the first miss are never tried: the first position is tried every
+        step that drafts (per sequence), position l only when l-1 was accepted (pooled over sequences).
         Counting accepted/drafted instead would be biased low."""
+        allowed = drafted if allowed is None else allowed
         evidence = self._evidence.get(request_id, self._prior_evidence)
         if drafted:
             evidence = discounted_update(evidence, accepted >= 1, 1 - self.acceptance_smoothing)
-            for position in range(1, min(drafted, accepted + 1) + 1):
-                self.depth[position] = discounted_update(self.depth.get(position, (0.0, 0.0)), accepted >= position,
-                                                         1 - self.depth_smoothing)
+            keep = 1 - self.depth_smoothing
+            for position in range(1, min(allowed, accepted + 1) + 1):
+                self.depth[position] = discounted_update(self.depth.get(position, (0.0, 0.0)), accepted >= position, keep)
+            for position in range(2, min(allowed, drafted + 1) + 1):
+                self.reach[position] = discounted_update(self.reach.get(position, (0.0, 0.0)), drafted >= position, keep)
         else:  # drift back towards the prior
             (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
             r = self.acceptance_recovery

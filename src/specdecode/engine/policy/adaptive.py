@@ -52,7 +52,7 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
         alphas = [self.first_token_acceptance(r) for r in request_ids]
         decision = self.best_decision(alphas, catch_up, remaining, lookups)
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
-        self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup)
+        self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup, self.draft_reach(self.k_max))
                            + sum(starting) * self.costs.draft_prefill_per_token, not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
@@ -89,13 +89,13 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
         ks, best, best_score = [0] * n, [0] * n, 1.0
         emitted, extra = float(n), 0.0
         plain_rate = emitted / self.costs.step_seconds(ks)
-        calibration = self.calibration.get(n, 1.0)
+        calibration, reach = self.calibration.get(n, 1.0), self.draft_reach(self.k_max)
         for gain, _, i in candidates:
             if ks[i] == 0 and not by_lookup[i]:
                 extra += start_cost[i]
             ks[i] += 1
             emitted += gain
-            rate = emitted / ((self.costs.step_seconds(ks, by_lookup) + extra) * calibration)
+            rate = emitted / ((self.costs.step_seconds(ks, by_lookup, reach) + extra) * calibration)
             score = rate / ((1 + self.min_gain) * plain_rate)
             if score > best_score:
                 best, best_score = list(ks), score

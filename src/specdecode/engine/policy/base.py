@@ -40,8 +40,9 @@ class Policy:
                lookups: list[tuple[int, int]] | None) -> DraftDecision:
         raise NotImplementedError
 
-    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
-        """The main proposer's drafts for this sequence in the step just run (drafted 0: it did not draft)."""
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
+        """The main proposer's drafts for this sequence in the step just run (drafted 0: it did not draft),
+        of the `allowed` it was given (None: as many as it drafted)."""
 
     def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
         """Drafts taken from a preview with a context match of length `match`, in the step just run."""

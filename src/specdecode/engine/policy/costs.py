@@ -156,9 +156,24 @@ class CostModel:
         else:
             self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
 
-    def step_seconds(self, ks: list[int], by_lookup: list[bool] | None = None) -> float:
-        """Predicted seconds of a step where sequence i drafts ks[i] tokens and the target verifies all;
-        by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost."""
+    def step_seconds(self, ks: list[int], by_lookup: list[bool] | None = None,
+                     reach: list[float] | None = None) -> float:
+        """Predicted seconds of a step where sequence i may draft ks[i] tokens and the target verifies them;
+        by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost; reach[j]: the chance
+        that the draft model drafts position j + 1 of those it is allowed (it may stop early; default:
+        never), which prices the draft forwards and verify rows a step is expected to make."""
         drafting = sorted((k for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i])), reverse=True)
-        draft = sum(self.draft(sum(1 for k in drafting if k > j)) for j in range(drafting[0])) if drafting else 0.0
-        return draft + self.target(len(ks), len(ks) + sum(ks))
+        reach = reach or [1.0] * (drafting[0] if drafting else 0)
+        draft = sum(self._expected_draft_forward(sum(1 for k in drafting if k > j), reach[j])
+                    for j in range(drafting[0])) if drafting else 0.0
+        looked_up = sum(ks) - sum(drafting)
+        drafted = sum(sum(reach[:k]) for k in drafting)
+        return draft + self.target(len(ks), len(ks) + looked_up + drafted)
+
+    def _expected_draft_forward(self, rows: int, reach: float) -> float:
+        """Expected seconds of a draft forward that each of `rows` sequences joins with chance `reach`:
+        it runs if any does, over as many rows as join."""
+        if reach >= 1.0:
+            return self.draft(rows)
+        runs = 1.0 - (1.0 - reach) ** rows
+        return runs * self.draft(rows * reach / runs) if runs > 0 else 0.0
