@@ -43,8 +43,10 @@ def test_a_recorded_size_is_trusted_at_once():
     t.observe(1, 1.0)
     t.record(8, 3.0)  # a lone observed sample would be ignored while size 1 has two (see the policy tests)
     assert t(8) == 3.0
-    t.observe(8, 4.0)  # later steps refine it like any trusted size
-    assert t(8) == pytest.approx(3.0 + 0.3 * (4.0 - 3.0))
+    t.observe(8, 4.0)  # later steps refine it like any trusted size: the profiled sample is one of them
+    assert t(8) == 3.0
+    t.observe(8, 4.0)
+    assert t(8) == 4.0
 
 
 def test_a_profiled_draft_lets_batch_4_start_where_extrapolation_would_not():

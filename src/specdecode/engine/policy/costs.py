@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class CostTable:
-    """Running mean of a forward's measured seconds by size (tokens in the call, or sequences drafting).
+    """Seconds of a forward by size (tokens in the call, or sequences drafting): the median of the most
+    recent samples of each size. A median, because steps stall now and then (a 2x step among steady ones
+    is common on a shared CPU) and a mean would carry one stall for many steps: a plain step priced high
+    makes speculation look better than it is until plain decoding is measured again, which under
+    speculation is rare.
 
     The first sample of a size is provisional: it often carries one-off work (a first call for a new
     shape), so it is replaced by the second, and while other sizes have two samples it is not used at
     all: a size is estimated from the trusted ones instead. Otherwise a pessimistic first sample would
-    keep the policy from ever choosing that size again, and so from correcting it. For the same reason
-    one later sample moves the mean as if it were at most twice the current estimate. Unmeasured sizes
-    are interpolated between the trusted neighbours.
+    keep the policy from ever choosing that size again, and so from correcting it. Unmeasured sizes are
+    interpolated between the trusted neighbours.
 
     Outside them the estimate never gets cheaper per unit than the nearest measured size: above the
     largest it grows in proportion, below the smallest it stays at the smallest's cost. Costs jump
@@ -23,26 +27,28 @@ class CostTable:
     pessimistic guess costs little, since the policy then drafts for fewer sequences, which it has
     measured, and measures larger sizes as it grows into them."""
 
-    smoothing: float = 0.3
+    window: int = 7  # recent samples per size that the median is taken over
     seconds: dict[int, float] = field(default_factory=dict)
     samples: Counter = field(default_factory=Counter)
+    _recent: dict[int, deque] = field(default_factory=dict)
     _known: dict[int, float] = field(default_factory=dict)  # what lookups use (see above), by size
     _sizes: list[int] = field(default_factory=list)  # its sizes, sorted
     _slope: float = 0.0  # slope() of _known
 
     def observe(self, size: int, seconds: float) -> None:
         self.samples[size] += 1
-        if self.samples[size] <= 2:
-            self.seconds[size] = seconds
-        else:
-            current = self.seconds[size]
-            self.seconds[size] += self.smoothing * (min(seconds, 2 * current) - current)
+        recent = self._recent.setdefault(size, deque(maxlen=self.window))
+        if self.samples[size] == 2:
+            recent.clear()  # the warm-up sample
+        recent.append(seconds)
+        self.seconds[size] = statistics.median_low(recent)  # of two samples, the lower: a stall is the likelier
         self._refresh()
 
     def record(self, size: int, seconds: float) -> None:
         """A profiled measurement (its warm-up call already left out): trusted at once, like a size seen
         twice; later observations refine it as usual."""
         self.samples[size] = max(self.samples[size], 2)
+        self._recent[size] = deque([seconds], maxlen=self.window)
         self.seconds[size] = seconds
         self._refresh()
 
