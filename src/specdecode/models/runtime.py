@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import SpecDecodeError
 from ..kv_cache import KVCache
 
 
@@ -281,10 +282,13 @@ class Transformer(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
-        """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model)."""
+        """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model). The full head
+        is let go, so its memory is freed where it is not the embedding table."""
+        if self.vocab_ids is not None:
+            raise SpecDecodeError("the LM head is already restricted to a vocabulary subset; load the model again "
+                                  "to choose another")
         token_ids = token_ids.to(self.device)
-        self._full_lm_head = getattr(self, "_full_lm_head", self.lm_head)
-        self.lm_head = self._full_lm_head.select_rows(token_ids)
+        self.lm_head = self.lm_head.select_rows(token_ids)
         self.vocab_ids = token_ids
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
