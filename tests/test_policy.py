@@ -150,7 +150,8 @@ def test_cost_table_follows_a_lasting_change():
 def test_target_cost_is_per_batch_size():
     """Tokens in the call are not enough: on this project's CPU 8 sequences x 2 tokens cost 437 ms, 16 x 1
     347 ms. Beyond a batch size's measurements the cost grows by a per-token slope, its own once it has
-    one, else borrowed from the other batch sizes, else 2% of the plain step per token."""
+    one, else borrowed from the other batch sizes, else 2% of the plain step per token; the slope holds
+    up to one token past the largest call measured anywhere, and the cost grows in proportion beyond."""
     t = TargetCost()
     for _ in range(2):
         t.observe(16, 16, 0.347)
@@ -161,16 +162,35 @@ def test_target_cost_is_per_batch_size():
     assert t.has_plain(8) and t.has_plain(16) and not t.has_plain(4)
     slope_at_8 = t.tables[8].slope()
     assert slope_at_8 == pytest.approx((0.511 - 0.334) / 16)
-    assert t(8, 40) == pytest.approx(0.511 + 16 * slope_at_8)
-    assert t(16, 32) == pytest.approx(0.347 + 16 * slope_at_8)  # borrowed from batch 8
+    assert t(8, 25) == pytest.approx(0.511 + slope_at_8)
+    assert t(8, 40) == pytest.approx((0.511 + slope_at_8) * 40 / 25)  # in proportion past 25 tokens
+    assert t(16, 25) == pytest.approx(0.347 + 9 * slope_at_8)  # borrowed from batch 8
     t.observe(2, 2, 0.3)
     t.observe(2, 3, 0.31)  # spans one token: too little for a slope of its own
     assert t(2, 10) == pytest.approx(0.31 + 7 * slope_at_8)
     lone = TargetCost()
     lone.observe(1, 1, 0.3)
-    assert lone(1, 5) == pytest.approx(0.3 * (1 + 0.02 * 4))
+    assert lone(1, 2) == pytest.approx(0.3 * 1.02)
+    assert lone(1, 5) == pytest.approx(0.3 * 1.02 * 5 / 2)
     with pytest.raises(LookupError):
         lone(2, 2)
+
+
+def test_a_slope_learned_on_small_calls_does_not_price_large_ones():
+    """This project's CPU after concurrency 1 (1 x 1..5 tokens: 30 ms + 3.25 ms a token) meets batch 2,
+    where 2 x 5 tokens cost 80 ms. Along batch 1's slope that call would cost 56 ms; priced in proportion
+    past 6 tokens it costs 72. Calls one token past the largest measured still follow the slope, so
+    drafting grows into larger calls as they are measured."""
+    t = TargetCost()
+    for _ in range(2):
+        for tokens in range(1, 6):
+            t.observe(1, tokens, 0.030 + 0.00325 * (tokens - 1))
+        t.observe(2, 2, 0.030)
+    assert t(2, 6) == pytest.approx(0.030 + 4 * 0.00325)
+    assert t(2, 10) == pytest.approx((0.030 + 4 * 0.00325) * 10 / 6)
+    t.observe(2, 6, 0.049)
+    t.observe(2, 6, 0.049)
+    assert t(2, 7) == pytest.approx(0.049 + t.slope(2))
 
 
 def _served(batch_sizes: list[int]) -> AdaptivePolicy:

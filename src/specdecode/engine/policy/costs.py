@@ -104,10 +104,18 @@ class TargetCost:
     and the weights are streamed once per call, so 8 sequences x 2 tokens cost more than 16 x 1.
     Within a batch size the measured token counts are interpolated; beyond them the cost grows by a
     per-token slope: the batch size's own once its measurements span a few tokens, else the median of
-    the other batch sizes', else 2% of its plain step."""
+    the other batch sizes', else 2% of its plain step.
+
+    The slope is trusted only up to one token past the largest call measured at any batch size; beyond
+    that the cost grows in proportion to the tokens. Low-bit CPU kernels get dearer per row as calls
+    grow (on this project's CPU 2 sequences x 5 tokens cost 2.6x 2 x 1, where 1 x 5 cost 1.4x 1 x 1), so
+    a slope learned on small calls priced large ones far too cheaply, and the policy started drafting at
+    a new batch size, catch-ups included, for steps that then ran at a loss. Calls grow one token
+    past what has been measured at a time, which is how they learn."""
 
     tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
     min_slope_span: int = 4  # tokens a batch size's measurements must span for its own slope to count
+    explore_tokens: int = 1  # tokens past the largest measured call that the slope is trusted for
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
@@ -126,8 +134,14 @@ class TargetCost:
         sizes = table.sizes
         if sizes[0] <= tokens <= sizes[-1]:
             return table(tokens)
-        edge = sizes[0] if tokens < sizes[0] else sizes[-1]
-        return max(table(edge) + self.slope(batch) * (tokens - edge), 1e-9)
+        if tokens < sizes[0]:
+            return max(table(sizes[0]) + self.slope(batch) * (tokens - sizes[0]), 1e-9)
+        trusted = min(tokens, max(sizes[-1], self._largest_call()) + self.explore_tokens)
+        seconds = table(sizes[-1]) + self.slope(batch) * (trusted - sizes[-1])
+        return seconds * tokens / trusted
+
+    def _largest_call(self) -> int:
+        return max(t.sizes[-1] for t in self.tables.values())
 
     def slope(self, batch: int) -> float:
         """Seconds per extra token in a call at this batch size (see the class doc)."""
