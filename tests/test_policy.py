@@ -164,7 +164,8 @@ def test_target_cost_is_per_batch_size():
     assert slope_at_8 == pytest.approx((0.511 - 0.334) / 16)
     assert t(8, 25) == pytest.approx(0.511 + slope_at_8)
     assert t(8, 40) == pytest.approx((0.511 + slope_at_8) * 40 / 25)  # in proportion past 25 tokens
-    assert t(16, 25) == pytest.approx(0.347 + 9 * slope_at_8)  # borrowed from batch 8
+    # batch 8's growth from 16 to 24 tokens, as it measured it, then its slope for one token more
+    assert t(16, 25) == pytest.approx(0.347 + (0.511 - 0.437) + slope_at_8)
     t.observe(2, 2, 0.3)
     t.observe(2, 3, 0.31)  # spans one token: too little for a slope of its own
     assert t(2, 10) == pytest.approx(0.31 + 7 * slope_at_8)
@@ -188,6 +189,20 @@ def test_a_slope_learned_on_small_calls_does_not_price_large_ones():
         t.observe(2, 2, 0.030)
     assert t(2, 6) == pytest.approx(0.030 + 4 * 0.00325)
     assert t(2, 10) == pytest.approx((0.030 + 4 * 0.00325) * 10 / 6)
+
+
+def test_verify_growth_is_borrowed_over_the_span_another_batch_size_measured():
+    """Batch 1 measured calls of 1-5 tokens, dearer per token past 2 (kernels' cost per row grows with
+    the rows): batch 2's call of 5 tokens costs its plain step plus batch 1's growth from 2 to 5 tokens,
+    not a slope averaged over 1-5."""
+    t = TargetCost()
+    batch_1 = {1: 0.0300, 2: 0.0304, 3: 0.0348, 4: 0.0377, 5: 0.0430}
+    for _ in range(2):
+        for tokens, seconds in batch_1.items():
+            t.observe(1, tokens, seconds)
+        t.observe(2, 2, 0.0300)
+    assert t(2, 5) == pytest.approx(0.0300 + 0.0430 - 0.0304)
+    assert t(2, 5) > 0.0300 + 3 * t.slope(1)
     t.observe(2, 6, 0.049)
     t.observe(2, 6, 0.049)
     assert t(2, 7) == pytest.approx(0.049 + t.slope(2))
