@@ -32,6 +32,19 @@ def test_findings_from_known_numbers():
     assert "1.54× lower" in found[2]  # 0.2 / 0.13
 
 
+@pytest.mark.parametrize("drafted, idle", [(0.0, True), (0.4, False)])
+def test_a_loss_without_drafting_is_named_as_such(drafted, idle):
+    """Below plain where adaptive drafted nothing, the two servers did the same work: the finding says so;
+    below plain while drafting is a loss of the policy's and is not excused."""
+    rows = _sweep()
+    adaptive_4 = next(r for r in rows if r["config"] == "adaptive" and r["concurrency"] == 4)
+    adaptive_4.update(output_throughput=15.5, speculating_fraction=drafted)
+    add_ratios_to_plain(rows)
+    found = concurrency_findings(rows)[1]
+    assert "falls below" in found and "0.97× at concurrency 4" in found
+    assert ("drafted nothing" in found) == idle
+
+
 def test_report_renders_plots_and_tables(tmp_path):
     shutil.copy(LATENCY, tmp_path / "latency.json")
     (tmp_path / "concurrency.json").write_text(json.dumps({"meta": {"command": "specdecode bench concurrency"},

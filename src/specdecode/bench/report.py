@@ -73,8 +73,10 @@ def concurrency_findings(rows: list[dict]) -> list[str]:
         worst = min(adaptive, key=lambda r: r["throughput_vs_plain"])
         verdict = ("stays at or above plain decoding's throughput at every concurrency measured"
                    if worst["throughput_vs_plain"] >= 1 else "falls below plain decoding's throughput")
+        idle = " where it drafted nothing: plain decoding's work, so the gap is between two server runs" \
+            if worst["throughput_vs_plain"] < 1 and worst.get("speculating_fraction") == 0 else ""
         found.append(f"The adaptive policy {verdict} "
-                     f"(lowest: {worst['throughput_vs_plain']:.2f}× at concurrency {worst['concurrency']}).")
+                     f"(lowest: {worst['throughput_vs_plain']:.2f}× at concurrency {worst['concurrency']}{idle}).")
         one = next((r for r in adaptive if r["concurrency"] == 1), None)
         if one:
             found.append(f"At concurrency 1 the adaptive policy's TPOT is {one['tpot_reduction_vs_plain']:.2f}× "
