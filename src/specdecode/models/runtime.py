@@ -283,11 +283,14 @@ class Transformer(nn.Module):
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model). The full head
-        is let go, so its memory is freed where it is not the embedding table."""
-        if self.vocab_ids is not None:
-            raise SpecDecodeError("the LM head is already restricted to a vocabulary subset; load the model again "
-                                  "to choose another")
+        is let go, so its memory is freed where it is not the embedding table; restricting a loaded model
+        again to the same rows (another LLM sharing it) is a no-op."""
         token_ids = token_ids.to(self.device)
+        if self.vocab_ids is not None:
+            if torch.equal(self.vocab_ids, token_ids):
+                return
+            raise SpecDecodeError("the draft's LM head is already restricted to another vocabulary subset; "
+                                  "load the model again to choose a different draft_vocab_size")
         self.lm_head = self.lm_head.select_rows(token_ids)
         self.vocab_ids = token_ids
 
