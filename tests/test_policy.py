@@ -240,15 +240,20 @@ def test_new_requests_at_batch_4_draft_but_not_at_batch_8():
     assert p.choose(ids, catch_up=[115] * 8, remaining=[127] * 8).ks == [0] * 8
 
 
-def _simulate(p: AdaptivePolicy, first: float, then: float, steps: int = 20000, request_id: str = "r") -> None:
-    """Drafts of 4 tokens: the first accepted with probability `first`, each later one (given the one
-    before was accepted) with probability `then`."""
+def _simulate(p: AdaptivePolicy, first: float, then: float, steps: int = 20000, request_id: str = "r",
+              goes_on: float = 1.0) -> None:
+    """Steps allowed 4 draft tokens: the first accepted with probability `first`, each later one (given
+    the one before was accepted) with probability `then`. After each drafted token the draft goes on with
+    probability `goes_on` (below 1: it stops early, as under the draft's confidence stop)."""
     rng = random.Random(0)
     for _ in range(steps):
+        drafted = 1
+        while drafted < 4 and (goes_on == 1.0 or rng.random() < goes_on):  # at 1 no draw: the outcome stream stays the same
+            drafted += 1
         accepted = 0
-        while accepted < 4 and rng.random() < (first if accepted == 0 else then):
+        while accepted < drafted and rng.random() < (first if accepted == 0 else then):
             accepted += 1
-        p.observe_acceptance(request_id, 4, accepted)
+        p.observe_acceptance(request_id, drafted, accepted, allowed=4)
 
 
 def test_acceptance_estimates_are_unbiased():
@@ -291,27 +296,12 @@ def test_bursty_acceptance_makes_long_drafts_worth_more():
     assert gains[3] == pytest.approx(0.6 * 0.95 ** 3, abs=0.05)
 
 
-def _simulate_stop(p: AdaptivePolicy, first: float, then: float, goes_on: float, steps: int = 20000,
-                   request_id: str = "r", k: int = 4) -> None:
-    """Drafts allowed k tokens that stop early, as under the draft's confidence stop: after each drafted
-    token the draft goes on with probability `goes_on`. Each drafted token is accepted as in _simulate."""
-    rng = random.Random(0)
-    for _ in range(steps):
-        drafted = 1
-        while drafted < k and rng.random() < goes_on:
-            drafted += 1
-        accepted = 0
-        while accepted < drafted and rng.random() < (first if accepted == 0 else then):
-            accepted += 1
-        p.observe_acceptance(request_id, drafted, accepted, allowed=k)
-
-
 def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
     """Drafts allowed 4 tokens that go on past each token half of the time: position j is drafted with
     probability 0.5^(j-1) and emitted with 0.9 · (0.5 · 0.95)^(j-1). Counting only the positions that were
     drafted would promise 0.9 · 0.95^(j-1), as if the draft never stopped."""
     p = make_policy("adaptive", 4, acceptance_smoothing=0.001, depth_smoothing=0.001)
-    _simulate_stop(p, 0.9, 0.95, goes_on=0.5)
+    _simulate(p, 0.9, 0.95, goes_on=0.5)
     assert p.draft_reach(4) == pytest.approx([1.0, 0.5, 0.25, 0.125], abs=0.03)
     assert p.token_gains(p.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)], abs=0.03)
 
@@ -342,7 +332,7 @@ def test_a_draft_that_stops_after_its_unsure_first_token_is_not_worth_it():
     step: 1.08x) is under the 10% margin, so the policy decodes plainly."""
     p = _measured([0.4], 0.3)
     p.depth, p.acceptance_smoothing = {}, 0.001
-    _simulate_stop(p, 0.4, 0.99, goes_on=0.1, steps=3000, request_id="0")
+    _simulate(p, 0.4, 0.99, steps=3000, request_id="0", goes_on=0.1)
     assert _choose(p, 1) == [0]
     p.reach = {}  # forget the stops and count only the positions drafted, as if the draft never stopped
     p.depth = {}
@@ -356,7 +346,7 @@ def test_a_draft_that_stops_itself_is_allowed_its_full_k():
     rows, k = 4 would look worse than k = 1."""
     p = _measured([0.9], 0.3)
     p.depth, p.acceptance_smoothing = {}, 0.001
-    _simulate_stop(p, 0.9, 0.99, goes_on=0.1, steps=3000, request_id="0")
+    _simulate(p, 0.9, 0.99, steps=3000, request_id="0", goes_on=0.1)
     assert _choose(p, 1) == [4]
 
 
