@@ -15,6 +15,16 @@ from specdecode.models.runtime import build_model
 VOCAB = 64
 
 
+def kernel_builds() -> list:
+    """The instruction-set builds of the native kernels this CPU runs, as pytest params: its own, the
+    AVX2 path (on x86 CPUs that have AVX2; an AVX-512 machine runs it too) and the portable scalar one."""
+    from specdecode.executor.cpu import cpu_flags
+
+    avx2 = {"avx2", "fma"} <= cpu_flags()
+    return ["native", pytest.param("avx2", marks=pytest.mark.skipif(
+        not avx2, reason="this CPU has no AVX2/FMA: the AVX2 path is tested on CPUs that have it")), "scalar"]
+
+
 class ByteTokenizer:
     """Token i <-> character chr(32 + i); the last id is EOS. Enough for engine tests."""
 

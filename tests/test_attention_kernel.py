@@ -9,7 +9,7 @@ from specdecode.executor.kernels import load
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
 
-from conftest import ByteTokenizer, tiny_model
+from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 pytestmark = pytest.mark.skipif(load("attention") is None, reason="the attention kernel needs a C compiler")
 PROMPT = list(range(1, 40))
@@ -50,6 +50,16 @@ def test_a_verified_token_is_computed_as_if_decoded_alone():
         alone.append(runner.forward([slot], [[token]], "all")[0])
         runner.commit(slot, runner.length(slot) + 1)
     assert torch.equal(verified, torch.stack(alone))
+
+
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_every_build_gives_the_scalar_reference_bits(isa):
+    model = _with_kernel()
+    kernel = model.layers[0].self_attn.rowwise_kernel
+    kernel.lib = load("attention", "scalar")
+    reference, _ = _verify(model, [5, 6, 7, 8])
+    kernel.lib = load("attention", isa)
+    assert torch.equal(_verify(model, [5, 6, 7, 8])[0], reference)
 
 
 def test_greedy_speculation_equals_plain_decoding_with_the_kernel():

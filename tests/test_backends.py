@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.executor import backends
 from specdecode.executor.backends import build_quantized_model, quantize_weights, resolve_quantization
-from specdecode.executor.quant import (Int8Embedding, W8A8Linear, W8A16Linear, quantize_rows, w8a8_supported,
-                                       w8a16_supported)
+from specdecode.executor.quant import BlockLinear, W8A16Linear, lowbit_kernel, quantize_rows, w8a16_supported
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
@@ -17,14 +16,15 @@ from specdecode.verify.rejection_sampler import rejection_sample
 
 from conftest import ByteTokenizer, random_hf_weights, tiny_config
 
-needs_w8a8 = pytest.mark.skipif(not w8a8_supported(), reason="FBGEMM (x86 CPU builds of torch) is not available")
+needs_kernel = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit kernel needs a C compiler")
 needs_w8a16 = pytest.mark.skipif(not w8a16_supported("cpu"), reason="no weight-only int8 kernel in this build")
-BACKENDS = [pytest.param("w8a8", marks=needs_w8a8), pytest.param("w8a16", marks=needs_w8a16)]
+BACKENDS = [pytest.param("w8a8", marks=needs_kernel), pytest.param("w4a8-all", marks=needs_kernel),
+            pytest.param("w8a16", marks=needs_w8a16)]
 
 
 def _quantized(quantization: str, seed: int = 0, **cfg_kwargs) -> LoadedModel:
     cfg = tiny_config(**cfg_kwargs)
-    tensors = quantize_weights(random_hf_weights(cfg, seed).items(), backends.int8_weight_max())
+    tensors = quantize_weights(random_hf_weights(cfg, seed).items(), quantization)
     model = build_quantized_model(cfg, tensors, quantization, "cpu")
     return LoadedModel(f"tiny-{quantization}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
 
@@ -50,44 +50,22 @@ def _verify_vs_one_by_one(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor
 # ---- the layers -------------------------------------------------------------------------------------------
 def test_quantize_rows_round_trips_within_half_a_step():
     w = torch.randn(16, 64)
-    for qmax in (127, 63):
-        q, scale = quantize_rows(w, qmax)
-        assert q.dtype == torch.int8 and q.abs().max() <= qmax
-        assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
-@needs_w8a8
+@needs_kernel
 def test_w8a8_linear_is_close_to_the_float_linear_and_adds_its_bias():
+    from specdecode.executor.formats import quantize_q8_0
+
     torch.manual_seed(0)
     w, b, x = torch.randn(96, 128) * 0.05, torch.randn(96), torch.randn(5, 128)
-    layer = W8A8Linear(*quantize_rows(w, 127), b)
+    layer = BlockLinear(quantize_q8_0(w), b)
     exact = F.linear(x, w, b)
     y = layer(x)
     assert not torch.equal(y, exact)  # it really is the quantized path
-    assert (y - exact).norm() / exact.norm() < 0.02
-
-
-@needs_w8a8
-@pytest.mark.parametrize("rows", [2, 3, 5, 8, 17])
-def test_w8a8_rows_do_not_depend_on_the_other_rows(rows):
-    torch.manual_seed(rows)
-    layer = W8A8Linear(*quantize_rows(torch.randn(200, 96) * 0.05, 127))
-    x = torch.randn(rows, 96)
-    x[0] *= 40  # one row with a much larger range must not change the others' quantization
-    assert torch.equal(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(rows)]))
-
-
-@needs_w8a8
-def test_per_call_activation_scale_breaks_row_independence():
-    """FBGEMM's own dynamic linear quantizes all rows with one scale: the test above catches that."""
-    torch.manual_seed(1)
-    layer = W8A8Linear(*quantize_rows(torch.randn(200, 96) * 0.05, 127))
-    x = torch.randn(5, 96)
-    x[0] *= 40
-    dynamic = torch.ops.quantized.linear_dynamic
-    together = dynamic(x, layer.packed, False)
-    alone = torch.cat([dynamic(x[i:i + 1], layer.packed, False) for i in range(5)])
-    assert not torch.equal(together, alone)
+    assert (y - exact).norm() / exact.norm() < 0.01
 
 
 @needs_w8a16
@@ -96,14 +74,6 @@ def test_w8a16_linear_is_close_to_the_float_linear():
     w, x = torch.randn(96, 128) * 0.05, torch.randn(3, 128)
     y = W8A16Linear(*quantize_rows(w, 127))(x.bfloat16()).float()
     assert (y - x @ w.T).norm() / (x @ w.T).norm() < 0.03
-
-
-def test_int8_embedding_dequantizes_the_rows_it_reads():
-    w = torch.randn(50, 16)
-    q, scale = quantize_rows(w, 127)
-    emb = Int8Embedding(q, scale, torch.float32)
-    tokens = torch.tensor([[3, 49, 3]])
-    torch.testing.assert_close(emb(tokens), (q.float() * scale[:, None])[tokens])
 
 
 # ---- whole models on each backend ---------------------------------------------------------------------------
@@ -116,23 +86,28 @@ def test_quantized_model_tracks_the_float_model(quantization):
     ids = list(range(1, 40))
     got, expected = (ModelRunner(m, 1, 64).forward([0], [ids], "all") for m in (quant, ref))
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean()
-    assert agree > 0.9, agree
+    assert agree > (0.8 if quantization == "w4a8-all" else 0.9), agree  # w4a8-all: 4 bits, for drafts
     assert quant.weight_bytes() < ref.weight_bytes() / 2.5  # int8 against float32
 
 
-@needs_w8a8
+@needs_kernel
 def test_w8a8_verify_logits_are_bitwise_equal_to_decode_logits():
     model = _quantized("w8a8", hidden=256).model
     verified, one_by_one = _verify_vs_one_by_one(model, model.cfg.vocab_size)
     assert torch.equal(verified, one_by_one)
 
 
-@needs_w8a8
-def test_w8a8_with_a_per_call_activation_scale_breaks_bitwise_equality(monkeypatch):
-    """The same comparison with FBGEMM's per-call activation scale finds differences."""
-    monkeypatch.setattr(W8A8Linear, "forward", lambda self, x: torch.ops.quantized.linear_dynamic(
-        x.reshape(-1, self.in_features), self.packed, False).reshape(*x.shape[:-1], self.out_features)
-        + (0 if self.bias is None else self.bias))
+@needs_kernel
+def test_an_activation_scale_shared_by_the_call_breaks_bitwise_equality(monkeypatch):
+    """The same comparison finds differences when a layer's activations are scaled by one factor per call
+    (the per-call activation scale of common int8 GEMMs) around the kernel."""
+    forward = BlockLinear.forward
+
+    def per_call_scale(self, x):
+        c = x.abs().amax().clamp(min=1e-6)
+        return forward(self, x / c) * c
+
+    monkeypatch.setattr(BlockLinear, "forward", per_call_scale)
     model = _quantized("w8a8", hidden=256).model
     verified, one_by_one = _verify_vs_one_by_one(model, model.cfg.vocab_size)
     assert not torch.equal(verified, one_by_one)
@@ -151,7 +126,8 @@ def test_greedy_speculation_equals_plain_decoding_on_each_backend(quantization):
         llm = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4, **proposer)
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected
-    assert sum(o.spec["num_accepted_tokens"] for o in outs) >= 0
+        if proposer.get("draft") is target:  # a self-draft is accepted: the comparison covered verified tokens
+            assert sum(o.spec["num_accepted_tokens"] for o in outs) > 0
 
 
 @pytest.mark.parametrize("quantization", BACKENDS)
@@ -186,35 +162,24 @@ def test_sampling_from_backend_distributions_is_lossless(quantization):
 
 
 # ---- per-machine choices --------------------------------------------------------------------------------------
-def test_auto_takes_w4a8_then_w8a8_on_x86_cpus_and_float_on_cuda(monkeypatch):
-    monkeypatch.setattr(backends, "w8a8_supported", lambda: True)
-    monkeypatch.setattr(backends, "w4a8_supported", lambda: True)
+def test_auto_takes_the_block_kernel_where_it_has_simd_and_float_elsewhere(monkeypatch):
+    monkeypatch.setattr(backends, "lowbit_isa", lambda: 256)
     assert resolve_quantization("auto", "cpu") == "w4a8"
-    monkeypatch.setattr(backends, "w4a8_supported", lambda: False)  # no C compiler, or no AVX2
-    assert resolve_quantization("auto", "cpu") == "w8a8"
-    with pytest.raises(SpecDecodeError, match="w4a8 needs a C compiler"):
-        resolve_quantization("w4a8", "cpu")
+    assert resolve_quantization("auto", "cpu", draft=True) == "w4a8-all"
     assert resolve_quantization("auto", "cuda") == "none"
-    monkeypatch.setattr(backends, "w8a8_supported", lambda: False)
+    with pytest.raises(SpecDecodeError, match="w4a8 runs on the CPU"):
+        resolve_quantization("w4a8", "cuda")
+    monkeypatch.setattr(backends, "lowbit_isa", lambda: 0)  # only the scalar path: float is faster
     assert resolve_quantization("auto", "cpu") == "none"
-    with pytest.raises(SpecDecodeError, match="w8a8 needs FBGEMM"):
-        resolve_quantization("w8a8", "cpu")
+    assert resolve_quantization("w8a8", "cpu") == "w8a8"  # asked for by name: still served
+    monkeypatch.setenv("SPECDECODE_KERNELS", "scalar")  # the scalar build chosen on purpose (tests, CI)
+    assert resolve_quantization("auto", "cpu") == "w4a8"
     with pytest.raises(SpecDecodeError, match="unknown quantization 'int3'"):
         resolve_quantization("int3", "cpu")
 
 
-def test_weights_are_7_bit_without_vnni(monkeypatch):
-    """AVX2's u8 x s8 pair sums saturate int16 with 8-bit weights; AVX512-VNNI sums in int32."""
-    backends.cpu_flags.cache_clear()
-    monkeypatch.setattr(backends, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert backends.int8_weight_max() == 63 and 2 * 255 * 63 <= 32767
-    monkeypatch.setattr(backends, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
-    assert backends.int8_weight_max() == 127
-
-
+@needs_kernel
 def test_restricting_a_quantized_draft_vocabulary_keeps_its_rows():
-    if not w8a8_supported():
-        pytest.skip("FBGEMM is not available")
     model = _quantized("w8a8").model
     runner = ModelRunner(model, 1, 64)
     full = runner.forward([0], [[3, 4, 5]], "last")

@@ -13,7 +13,7 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import RMSNorm
 
-from conftest import ByteTokenizer, tiny_model
+from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 pytestmark = pytest.mark.skipif(load("norm") is None, reason="the kernels need a C compiler")
 
@@ -55,15 +55,14 @@ def test_each_row_is_computed_as_if_alone(rows):
         assert torch.equal(SiluMulKernel(lib)(gate_up[r:r + 1])[0], batch_silu[r])
 
 
-def test_the_avx2_build_gives_the_native_builds_results():
-    avx2 = load("norm", isa="avx2")
-    if avx2 is None:
-        pytest.skip("no AVX2 build")
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_every_build_gives_the_scalar_reference_bits(isa):
     norm, x, residual, gate_up = _norm(), torch.randn(4, 1536), torch.randn(4, 1536), torch.randn(4, 2 * 8960) * 8
-    native_out, native_sum = NormKernel(load("norm"))(norm, x, residual.clone())
-    avx2_out, avx2_sum = NormKernel(avx2)(norm, x, residual.clone())
-    assert torch.equal(native_out, avx2_out) and torch.equal(native_sum, avx2_sum)
-    assert torch.equal(SiluMulKernel(load("norm"))(gate_up), SiluMulKernel(avx2)(gate_up))
+    scalar, build = load("norm", "scalar"), load("norm", isa)
+    reference_out, reference_sum = NormKernel(scalar)(norm, x, residual.clone())
+    out, summed = NormKernel(build)(norm, x, residual.clone())
+    assert torch.equal(out, reference_out) and torch.equal(summed, reference_sum)
+    assert torch.equal(SiluMulKernel(build)(gate_up), SiluMulKernel(scalar)(gate_up))
 
 
 def _with_kernels(seed=0, **cfg):

@@ -21,11 +21,16 @@ def write_json(path: str, data: dict) -> None:
     print(f"wrote {path}")
 
 
+KERNEL_PATHS = {512: "AVX-512 VNNI", 256: "AVX2", 0: "scalar C", -1: "unavailable"}
+
+
 def machine_info() -> dict:
     """What a figure was measured on: CPU model and the flags that decide our kernels, torch, threads."""
     import torch
 
-    from ..executor.backends import cpu_flags
+    from ..executor.cpu import cpu_flags
+    from ..executor.kernels import default_isa
+    from ..executor.quant import lowbit_isa
 
     model = platform.processor() or platform.machine()
     try:
@@ -34,13 +39,14 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {"cpu": model, "cpu_flags": [f for f in KEY_CPU_FLAGS if f in cpu_flags()], "cores": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "kernels": f"{default_isa()} build: {KERNEL_PATHS[lowbit_isa()]}"}
 
 
 def describe_machine(info: dict) -> str:
     """machine_info in one line, for a benchmark's printed header."""
     return (f"{info['cpu']} ({info['cores']} cores; {' '.join(info['cpu_flags']) or 'no AVX2'}), "
-            f"torch {info['torch']}, {info['threads']} threads")
+            f"torch {info['torch']}, {info['threads']} threads, kernels {info.get('kernels', '?')}")
 
 
 def speedup_against(row: dict, plain: dict) -> tuple[float | None, float | None]:

@@ -2,42 +2,37 @@
 
 - "none": floating weights in the model's dtype (bfloat16 where the CPU has native bf16 or on CUDA,
   float32 elsewhere).
-- "w8a8": int8 weights x int8 activations per row, by FBGEMM (x86 CPUs). Float32 activations around it.
+- "w4a8": GGUF weights as the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) times
+  int8 activations with a scale per 32 values, by this package's kernel (scalar C, AVX2, AVX-512 VNNI);
+  float weights (checkpoints, F16 tensors) as Q8_0. Computed as llama.cpp's CPU backend pairs them.
+- "w8a8": every linear weight as Q8_0 (8 bits with a scale per 32), the same kernel.
 - "w8a16": int8 weights with bfloat16 activations (CPUs with native bf16).
-- "w4a8": GGUF Q4_K and Q6_K weights kept as stored (4.5 and 6.56 bits) times int8 activations (a scale
-  per 32 values), by this package's kernels (AVX2 or AVX512-VNNI); the file's other formats as in w8a8.
-- "w4a8-all": every linear weight in 4 bits, requantized where the file stores more. Lossy beyond the
-  file: the default for draft models, whose weights only propose (verification keeps the output exact).
+- "w4a8-all": every linear weight in 4 bits, requantized where the file stores another format. Lossy
+  beyond the file: the default for draft models, whose weights only propose (verification keeps the
+  output exact).
 
-"auto" takes w4a8 where its kernel builds, else w8a8 on x86 CPUs (both stream far fewer bytes than
-float and verify k+1 tokens for little more than one), and bf16 on CUDA; docs/decisions.md has the
+"auto" takes w4a8 where the kernel builds with SIMD (it streams far fewer bytes than float and verifies
+k+1 tokens for little more than one), float elsewhere, and bf16 on CUDA; docs/decisions.md has the
 measurements.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..config import QUANTIZATIONS, ModelConfig
 from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
-from .cpu import cpu_flags, cpu_has_native_bf16
-from .quant import (ConcatLinear, Int8Embedding, W4A8Linear, W6A8Linear, W8A8Linear, W8A16Linear, pack_w4a8,
-                    pack_w6a8, quantize_4bit, quantize_rows, split_q4_k, split_q6_k, w4a8_packable, w4a8_supported,
-                    w6a8_packable, w8a8_supported, w8a16_supported)
+from .cpu import cpu_has_native_bf16
+from .formats import FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
+from .quant import (BlockEmbedding, BlockLinear, ConcatLinear, W8A16Linear, block_linear_from, lowbit_isa,
+                    quantize_rows, stored_layer_tensors, w8a16_supported)
 
-INT8_LINEAR = {"w8a8": W8A8Linear, "w8a16": W8A16Linear, "w4a8": W8A8Linear, "w4a8-all": W8A8Linear}
-
-
-def int8_weight_max() -> int:
-    """Largest |int8 weight| for W8A8. Without AVX512-VNNI, FBGEMM multiplies u8 activations by s8 weights
-    with vpmaddubsw, which adds pairs of products in int16 and saturates past 32767 (2 x 255 x 127 does);
-    7-bit weights (2 x 255 x 63 = 32130) keep every sum exact. VNNI sums in int32."""
-    return 127 if "avx512_vnni" in cpu_flags() else 63
+LOW_BIT = ("w8a8", "w4a8", "w4a8-all")  # the block kernel's backends
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
@@ -62,25 +57,31 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
 def resolve_quantization(name: str, device: str | torch.device, draft: bool = False) -> str:
     """The quantization that `name` means on this device; "auto" is the fastest measured one (for a
     draft, which may be lossy, every weight in 4 bits)."""
+    from .kernels import build_problem, default_isa
+
     if name not in QUANTIZATIONS:
         raise SpecDecodeError(f"unknown quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}")
     on_cpu = torch.device(device).type == "cpu"
+    isa = lowbit_isa() if on_cpu else -1
     if name == "auto":
-        if not (on_cpu and w8a8_supported()):
-            return "none"
-        return ("w4a8-all" if draft else "w4a8") if w4a8_supported() else "w8a8"
-    if name in ("w8a8", "w4a8", "w4a8-all") and not (on_cpu and w8a8_supported()):
-        raise SpecDecodeError(f"{name} needs FBGEMM on an x86 CPU; use --quantization none (or w8a16)")
-    if name.startswith("w4a8") and not w4a8_supported():
-        raise SpecDecodeError("w4a8 needs a C compiler (cc) and a CPU with AVX2 and FMA; use --quantization w8a8")
+        if isa > 0 or (isa == 0 and default_isa() == "scalar"):
+            return "w4a8-all" if draft else "w4a8"
+        if on_cpu and isa < 0:
+            warnings.warn(f"low-bit kernel unavailable, computing in float: {build_problem('lowbit')}", stacklevel=2)
+        return "none"
+    if name in LOW_BIT and not on_cpu:
+        raise SpecDecodeError(f"{name} runs on the CPU; use --quantization none on {device}")
+    if name in LOW_BIT and isa < 0:
+        raise SpecDecodeError(f"{name} needs the low-bit kernel, which is unavailable here: "
+                              f"{build_problem('lowbit')}\nuse --quantization none")
     if name == "w8a16" and not w8a16_supported(device):
         raise SpecDecodeError(f"w8a16 has no kernel on {device}; use --quantization none")
     return name
 
 
 def activation_dtype(quantization: str, dtype: str | torch.dtype, device) -> torch.dtype:
-    """FBGEMM and the w4a8 kernel take and return float32; the weight-only int8 kernel is fast with bf16 only."""
-    if quantization in ("w8a8", "w4a8", "w4a8-all"):
+    """The block kernel takes and returns float32; the weight-only int8 kernel is fast with bf16 only."""
+    if quantization in LOW_BIT:
         return torch.float32
     if quantization == "w8a16":
         return torch.bfloat16
@@ -92,44 +93,47 @@ def is_linear_weight(name: str) -> bool:
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], qmax: int,
-                     all_4bit: bool = False) -> dict[str, torch.Tensor]:
-    """Linear weights to int8 rows (+ `weight_scale`), or to the w4a8 kernel's layout (`weight.q`, `.sc`,
-    `.mn`, `.d`, `.dmin`) when they come as GGUF Q4_K blocks or `all_4bit` asks for it, one tensor at a
-    time as they stream in, so the float model never exists whole; everything else stays float32."""
+def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], quantization: str
+                     ) -> dict[str, torch.Tensor]:
+    """Linear weights (and the embedding) in the kernel's layout for `quantization` (for w8a16, int8 rows
+    with a `weight_scale`), one tensor at a time as they stream in, so the float model never exists whole;
+    everything else float32."""
     out = {}
     for name, tensor in named:
-        four_bit = name != "model.embed_tokens.weight" and is_linear_weight(name)
-        if isinstance(tensor, RawTensor):
-            packed = _pack_as_stored(tensor) if is_linear_weight(name) and name != "model.embed_tokens.weight" \
-                else None
-            if packed is not None:
-                out.update({f"{name}.{k}": v for k, v in packed.items()})
-                continue
-            tensor = _dequantize_raw(tensor)
-        if all_4bit and four_bit and w4a8_packable(tensor.shape[1], tensor.shape[0]):
-            out.update({f"{name}.{k}": v for k, v in pack_w4a8(quantize_4bit(tensor)).items()})
-        elif is_linear_weight(name):
-            out[name], out[name + "_scale"] = quantize_rows(tensor, qmax)
+        if not is_linear_weight(name):
+            out[name] = _as_float(tensor)
+        elif quantization == "w8a16":
+            weight = _as_float(tensor)
+            if name == "model.embed_tokens.weight":
+                out[name] = weight
+            else:
+                out[name], out[name + "_scale"] = quantize_rows(weight)
         else:
-            out[name] = tensor.float()
+            out.update(stored_layer_tensors(name, block_arrays(name, tensor, quantization)))
     return out
 
 
-def _pack_as_stored(raw: RawTensor) -> dict[str, torch.Tensor] | None:
-    """A GGUF tensor in the layout of the kernel for its format (None where no kernel takes it)."""
-    rows = raw.blocks.shape[0]
-    if raw.qtype == GGMLQuantizationType.Q4_K and w4a8_packable(raw.columns, rows):
-        return pack_w4a8(split_q4_k(raw.blocks))
-    if raw.qtype == GGMLQuantizationType.Q6_K and w6a8_packable(raw.columns, rows):
-        return pack_w6a8(split_q6_k(raw.blocks))
-    return None
+def block_arrays(name: str, tensor: torch.Tensor | RawTensor, quantization: str) -> BlockArrays:
+    """One weight in the block format `quantization` computes it in (see the module's docstring)."""
+    as_stored = isinstance(tensor, RawTensor) and tensor.qtype.name in FORMATS
+    if as_stored and (quantization == "w4a8" or name == "model.embed_tokens.weight"
+                      or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[quantization]):
+        return split(tensor.qtype, tensor.blocks)
+    weight = _as_float(tensor)
+    if weight.shape[1] % 32:
+        raise SpecDecodeError(f"{name}: {weight.shape[1]} columns, not a multiple of 32, which the low-bit "
+                              "kernel needs; use --quantization none")
+    if quantization == "w4a8-all" and name != "model.embed_tokens.weight":
+        return quantize_4bit(weight)
+    return quantize_q8_0(weight)
 
 
-def _dequantize_raw(raw: RawTensor) -> torch.Tensor:
+def _as_float(tensor: torch.Tensor | RawTensor) -> torch.Tensor:
+    if not isinstance(tensor, RawTensor):
+        return tensor.float()
     from gguf.quants import dequantize
 
-    return torch.from_numpy(dequantize(raw.blocks.numpy(), raw.qtype).reshape(-1, raw.columns).copy())
+    return torch.from_numpy(dequantize(tensor.blocks.numpy(), tensor.qtype).reshape(-1, tensor.columns).copy())
 
 
 def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantization: str,
@@ -138,15 +142,18 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
     dtype = activation_dtype(quantization, "auto", device)
     with torch.device("meta"):
         model = Transformer(cfg)
-    if _stored_format(tensors, "lm_head") is None and "lm_head.weight" not in tensors:  # tied: the embedding
-        tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"],
-                   "lm_head.weight_scale": tensors["model.embed_tokens.weight_scale"]}
+    embed = "model.embed_tokens.weight"
+    table = block_linear_from(tensors, embed) if quantization in LOW_BIT else None
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
-            _set_module(model, name, _linear(tensors, hf_parts(name), quantization, device, dtype))
-    embed = "model.embed_tokens."
-    model.embed_tokens = Int8Embedding(tensors[embed + "weight"].to(device), tensors[embed + "weight_scale"].to(device),
-                                       dtype)
+            parts = hf_parts(name)
+            if parts == ["lm_head"] and not _has_weight(tensors, "lm_head"):  # tied: the embedding table
+                layer = table or W8A16Linear(*quantize_rows(tensors[embed].to(device)), None, dtype)
+            else:
+                layer = _linear(tensors, parts, quantization, device, dtype)
+            _set_module(model, name, layer)
+    model.embed_tokens = BlockEmbedding(table, dtype) if table is not None else \
+        nn.Embedding.from_pretrained(tensors[embed].to(device=device, dtype=dtype), freeze=True)
     norms = {"norm.weight": tensors["model.norm.weight"]}
     for i in range(cfg.num_layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -158,31 +165,27 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
     return model.eval()
 
 
-def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: str, device, dtype,
-            with_bias: bool = True) -> nn.Module:
-    """One layer for HF layers whose output rows are stacked; parts stored in different formats (a Q6_K
-    v beside Q4_K q and k) become one layer each, side by side, under one bias."""
+def _has_weight(tensors: dict[str, torch.Tensor], part: str) -> bool:
+    return f"{part}.weight.format" in tensors or f"{part}.weight" in tensors
+
+
+def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: str, device, dtype) -> nn.Module:
+    """One layer for HF layers whose output rows are stacked (q/k/v, gate/up), under one bias; parts
+    stored in different formats (a Q6_K v beside Q4_K q and k) stay one layer each, side by side."""
     biases = [tensors.get(f"{p}.bias") for p in parts]
-    bias = None if biases[0] is None or not with_bias else torch.cat(biases).to(device=device, dtype=dtype)
-    formats = {_stored_format(tensors, p) for p in parts}
-    if formats in ({W4A8Linear}, {W6A8Linear}):
-        layer = formats.pop()
-        arrays = {key: torch.cat([tensors[f"{p}.weight.{key}"] for p in parts]) for key in layer.NAMES}
-        return layer(arrays, bias)
-    if formats == {None}:
-        q = torch.cat([tensors[f"{p}.weight"] for p in parts]).to(device)
-        scale = torch.cat([tensors[f"{p}.weight_scale"] for p in parts]).to(device)
-        layer = INT8_LINEAR[quantization]
-        return layer(q, scale, bias) if layer is W8A8Linear else layer(q, scale, bias, dtype)
-    return ConcatLinear([_linear(tensors, [p], quantization, device, dtype, with_bias=False) for p in parts], bias)
-
-
-def _stored_format(tensors: dict[str, torch.Tensor], part: str) -> type[nn.Module] | None:
-    """The kernel layer whose layout a weight was packed in (None: int8 rows)."""
-    for layer in (W4A8Linear, W6A8Linear):
-        if f"{part}.weight.{layer.NAMES[0]}" in tensors:
-            return layer
-    return None
+    bias = None if biases[0] is None else torch.cat(biases).to(device=device, dtype=dtype)
+    if quantization == "w8a16":
+        q, scale = (torch.cat([tensors[f"{p}.weight{suffix}"] for p in parts]).to(device) for suffix in ("", "_scale"))
+        return W8A16Linear(q, scale, bias, dtype)
+    layers = [block_linear_from(tensors, f"{p}.weight") for p in parts]
+    first = layers[0]
+    if all(x.format == first.format and x.S == first.S and x.rows == x.out_features for x in layers):
+        buffers = [x.packed_buffers() for x in layers]
+        fused = BlockLinear(packed={k: torch.cat([b[k] for b in buffers]) for k in buffers[0]}, fmt=first.format,
+                            S=first.S, out_features=sum(x.out_features for x in layers))
+        fused.bias = bias
+        return fused
+    return ConcatLinear(layers, bias)
 
 
 def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:

@@ -1,71 +1,156 @@
-"""Low-bit linear and embedding layers, one class per weight format.
+"""Low-bit linear and embedding layers.
 
 Every layer here keeps each output row independent of the other rows computed with it, so a token's
 logits are the same whether it is decoded alone or verified beside k drafts (greedy speculation then
 reproduces plain decoding exactly):
-- `W4A8Linear`, `W6A8Linear` (both `PackedLinear`): 4-bit weights (GGUF Q4_K as stored, or requantized)
-  and 6-bit weights (GGUF Q6_K as stored) times int8 activations with a scale per 32 values, by this
-  package's kernels (kernels/lowbit.c).
-- `W8A8Linear`: int8 weights (per output channel) times int8 activations quantized per row, summed in
-  int32 by FBGEMM. Integer sums are exact, and per-row scales make each row's quantization its own.
+- `BlockLinear`: GGUF block formats as stored (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K; executor/formats.py) times
+  int8 activations with a scale per 32 values, by this package's kernel (kernels/lowbit.c).
+- `BlockEmbedding`: token lookups dequantize the rows they read from a BlockLinear (the LM head too,
+  when the weights are tied).
 - `W8A16Linear`: int8 weights, bf16 activations (torch's weight-only int8 kernel).
-`ConcatLinear` stacks layers of different formats (a fused q/k/v whose parts are stored differently);
-`Int8Embedding` keeps the token table in int8.
+`ConcatLinear` stacks layers of different formats (a fused q/k/v whose parts are stored differently).
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpecDecodeError
 from .cpu import touch_pages
+from .formats import BY_ID, GROUP, BlockArrays, Format, pack, unpack
+
+ARRAYS = ("lo", "hi", "sc", "mn", "d", "dmin")  # the kernel's buffers, in its argument order
+_KERNEL_ERRORS = {-1: "unknown weight format", -2: "input width not a multiple of 32 or output rows not of 16",
+                  -3: "input width not a whole number of super-blocks", -4: "a buffer the format needs is missing",
+                  -5: "out of memory for the quantized activations", -6: "a token id outside the table"}
 
 
-def quantize_rows(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: w ≈ q * scale[:, None], |q| <= qmax."""
+def lowbit_kernel():
+    """The compiled low-bit kernel for this machine (or as SPECDECODE_KERNELS asks), or None."""
+    from .kernels import load
+
+    return load("lowbit")
+
+
+def lowbit_isa() -> int:
+    """512 (AVX-512 VNNI), 256 (AVX2) or 0 (portable scalar C); -1 where no kernel builds."""
+    lib = lowbit_kernel()
+    return -1 if lib is None else lib.lowbit_isa()
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise SpecDecodeError(f"low-bit kernel refused {what}: {_KERNEL_ERRORS.get(code, code)}")
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T + b with W in a GGUF block format, kept as stored. The buffers' addresses are taken once
+    (again if the module is moved): a decode step makes ~100 such calls, and per-call Python work would
+    cost more than the smaller layers' kernels."""
+
+    def __init__(self, arrays: BlockArrays | None = None, bias: torch.Tensor | None = None, *,
+                 packed: dict[str, torch.Tensor] | None = None, fmt: Format | None = None, S: int = 1,
+                 out_features: int | None = None):
+        super().__init__()
+        if arrays is not None:
+            packed, fmt, S, out_features = pack(arrays), arrays.format, arrays.S, arrays.rows
+        self.lib = lowbit_kernel()
+        if self.lib is None:
+            raise SpecDecodeError("the low-bit kernel is not available on this machine; use --quantization none")
+        self.format, self.S = fmt, S
+        self.in_features = packed["lo"].shape[1] * (4 if fmt.bits == 8 else 8)
+        self.rows = packed["lo"].shape[0] * GROUP  # out_features rounded up to whole groups
+        self.out_features = out_features or self.rows
+        for name in ARRAYS:
+            self.register_buffer(name, packed[name].contiguous() if name in packed else None)
+        self.bias = bias
+        self._take_addresses()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for name in ARRAYS if (t := getattr(self, name)) is not None)
+
+    def _take_addresses(self) -> None:
+        self._buffers_at = tuple(0 if (t := getattr(self, name)) is None else t.data_ptr() for name in ARRAYS)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._take_addresses()
+        return module
+
+    def packed_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: t for name in ARRAYS if (t := getattr(self, name)) is not None}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise SpecDecodeError(f"a {self.format.name} layer of {self.in_features} input features was given "
+                                  f"{x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        y = torch.empty(rows.shape[0], self.rows)
+        _check(self.lib.lowbit_linear(self.format.id, rows.data_ptr(), rows.shape[0], self.in_features, self.rows,
+                                      self.S, *self._buffers_at, y.data_ptr(), torch.get_num_threads()),
+               f"a {self.format.name} product")
+        if self.rows != self.out_features:
+            y = y[:, :self.out_features]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The float weights [len(ids) or out, in] this layer computes with (gguf's products)."""
+        ids = torch.arange(self.out_features) if ids is None else ids
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(len(ids), self.in_features)
+        _check(self.lib.lowbit_dequantize_rows(self.format.id, self.in_features, self.rows, self.S, *self._buffers_at,
+                                               ids.data_ptr(), len(ids), out.data_ptr()), "a row lookup")
+        return out
+
+    def arrays(self) -> BlockArrays:
+        """The values as stored, one row per output row (padding rows dropped)."""
+        a = unpack(self.format, self.S, self.packed_buffers())
+        return a.select(torch.arange(self.out_features)) if self.rows != self.out_features else a
+
+    def select_rows(self, ids: torch.Tensor) -> "BlockLinear":
+        """A vocabulary subset for a draft's LM head: its rows as stored, in the same format."""
+        bias = None if self.bias is None else self.bias[ids]
+        return BlockLinear(self.arrays().select(ids.cpu()), bias)
+
+
+def block_linear_from(tensors: dict[str, torch.Tensor], prefix: str) -> BlockLinear:
+    """A BlockLinear from the buffers `quantize_weights` stored under `prefix` (`<prefix>.lo`, ...)."""
+    fmt_id, S, out_features = tensors[f"{prefix}.format"].tolist()
+    packed = {name: tensors[f"{prefix}.{name}"] for name in ARRAYS if f"{prefix}.{name}" in tensors}
+    return BlockLinear(packed=packed, fmt=BY_ID[fmt_id], S=S, out_features=out_features)
+
+
+def stored_layer_tensors(prefix: str, arrays: BlockArrays) -> dict[str, torch.Tensor]:
+    """What `block_linear_from` reads back: the packed buffers and the format's numbers."""
+    out = {f"{prefix}.{name}": t for name, t in pack(arrays).items()}
+    out[f"{prefix}.format"] = torch.tensor([arrays.format.id, arrays.S, arrays.rows])
+    return out
+
+
+class BlockEmbedding(nn.Module):
+    """Token embeddings looked up in a BlockLinear's rows (dequantized as they are read): with tied weights
+    the LM head is the same table, kept once."""
+
+    def __init__(self, table: BlockLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        for t in table.packed_buffers().values():
+            touch_pages(t)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.table.dequantize(tokens.reshape(-1))
+        return rows.reshape(*tokens.shape, -1).to(self.dtype)
+
+
+def quantize_rows(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w ≈ q * scale[:, None], |q| <= qmax (for W8A16Linear)."""
     w = w.float()
     scale = w.abs().amax(dim=1).clamp(min=1e-10) / qmax
     return (w / scale[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8), scale
-
-
-class W8A8Linear(nn.Module):
-    """int8 x int8 -> int32 by FBGEMM's prepacked GEMM, which reads each weight once for all rows: on a
-    memory-bound CPU verifying 5 tokens costs about what decoding 1 does.
-
-    FBGEMM quantizes its input with one scale per call. Scaling each row to the same range first (its
-    absolute maximum to 127) and the output back afterwards turns that into per-row quantization."""
-
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        zeros = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # deprecated as a user API, but FBGEMM's packing still takes one
-            warnings.simplefilter("ignore", UserWarning)
-            qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zeros, 0)
-        self.packed = torch.ops.quantized.linear_prepack(qw, None)
-        self.bias = bias
-        self.nbytes = qweight.numel() + 8 * self.out_features  # packed int8 + scales and column offsets
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).float()
-        amax = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-10)
-        # input scale 1 and zero point 128: each scaled row lands on the integers -127..127 (+128)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            rows * (127.0 / amax), 1.0, 128, self.packed)
-        y = (y * (amax / 127.0)).reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        qw, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return qw.int_repr(), qw.q_per_channel_scales().float()
-
-    def select_rows(self, ids: torch.Tensor) -> "W8A8Linear":
-        q, s = self.int8_weight()
-        bias = None if self.bias is None else self.bias[ids]
-        return W8A8Linear(q[ids], s[ids], bias)
 
 
 class W8A16Linear(nn.Module):
@@ -91,32 +176,6 @@ class W8A16Linear(nn.Module):
         return W8A16Linear(self.qweight[ids], self.scale.float()[ids], bias, self.scale.dtype)
 
 
-class Int8Embedding(nn.Module):
-    """Token embeddings stored as int8 rows with one scale each: a lookup dequantizes only the rows it
-    reads. With tied weights the LM head is the same int8 matrix."""
-
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-        super().__init__()
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale.float())
-        self.dtype = dtype
-        touch_pages(qweight)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(tokens, self.qweight).float() * self.scale[tokens].unsqueeze(-1)
-        return rows.to(self.dtype)
-
-
-def w8a8_supported() -> bool:
-    """FBGEMM is in x86 CPU builds of torch; other builds lack its ops."""
-    try:
-        q, s = quantize_rows(torch.ones(4, 8), 127)
-        W8A8Linear(q, s)(torch.ones(1, 8))
-        return True
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-
-
 def w8a16_supported(device: torch.device | str) -> bool:
     """The weight-only int8 op has CPU (and MPS) kernels."""
     try:
@@ -126,240 +185,6 @@ def w8a16_supported(device: torch.device | str) -> bool:
         return True
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
-
-
-Q4_K_BLOCK_BYTES = 144
-
-
-def split_q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
-    """GGUF Q4_K blocks [rows, 144 * K/256] -> the kernel's arrays (no value changes: w = d*sc*q - dmin*mn).
-
-    A block holds d and dmin (fp16), twelve bytes of 6-bit scales and mins for its eight sub-blocks of
-    32 weights, and 128 bytes of 4-bit values laid out as the kernel reads them."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, Q4_K_BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).float().reshape(rows, -1)
-    dmin = b[..., 2:4].contiguous().view(torch.float16).float().reshape(rows, -1)
-    packed = b[..., 4:16].int()
-    low, high = packed[..., 0:4], packed[..., 4:8]
-    tail = packed[..., 8:12]
-    sc = torch.cat([low & 63, (tail & 0xF) | ((low >> 6) << 4)], dim=-1)
-    mn = torch.cat([high & 63, (tail >> 4) | ((high >> 6) << 4)], dim=-1)
-    return {"qs": b[..., 16:].reshape(rows, -1).contiguous(), "sc": sc.to(torch.uint8).reshape(rows, -1),
-            "mn": mn.to(torch.uint8).reshape(rows, -1), "d": d, "dmin": dmin}
-
-
-W4A8_GROUP = 16  # output rows per vector of the kernel
-
-
-def quantize_4bit(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Float weights [rows, K] -> 4-bit values with an 8-bit scale and min per 32 weights and float d, dmin
-    per (up to) 8 such sub-blocks: the Q4_K arrays the kernel reads (split_q4_k's layout), lossy.
-    For draft models, whose weights only propose."""
-    rows, cols = w.shape
-    nsub = cols // 32
-    per_super = max(s for s in range(1, 9) if nsub % s == 0)
-    g = w.float().reshape(rows, nsub, 32)
-    low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    step, shift = ((high - low) / 15).reshape(rows, -1, per_super), (-low).reshape(rows, -1, per_super)
-    d = step.amax(-1).clamp(min=1e-12) / 255
-    dmin = shift.amax(-1).clamp(min=1e-12) / 255
-    sc = (step / d[..., None]).round().clamp(1, 255)
-    mn = (shift / dmin[..., None]).round().clamp(0, 255)
-    scale, offset = (d[..., None] * sc).reshape(rows, nsub, 1), (dmin[..., None] * mn).reshape(rows, nsub, 1)
-    q = ((g + offset) / scale).round().clamp(0, 15).to(torch.uint8).reshape(rows, -1, 64)
-    return {"qs": (q[..., :32] | (q[..., 32:] << 4)).reshape(rows, -1), "sc": sc.to(torch.uint8).reshape(rows, -1),
-            "mn": mn.to(torch.uint8).reshape(rows, -1), "d": d, "dmin": dmin}
-
-
-def pack_w4a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Q4_K arrays (split_q4_k) -> the kernel's layout: output rows in groups of 16, one lane per row
-    holding 4 consecutive weights; scales and mins per group. Values are moved, never changed."""
-    qs = arrays["qs"]
-    rows, cols = qs.shape[0], qs.shape[1] * 2
-    groups = rows // W4A8_GROUP
-    chunks = qs.reshape(rows, -1, 32)  # 32 bytes per 64 weights: low nibbles 0..31, high nibbles 32..63
-    q = torch.cat([chunks & 0xF, chunks >> 4], dim=-1).reshape(groups, W4A8_GROUP, cols // 8, 8)
-    packed = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 1, 3).contiguous()
-    return {"q": packed, **{name: _by_group(arrays[name]) for name in ("sc", "mn", "d", "dmin")}}
-
-
-def unpack_w4a8(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of pack_w4a8: the kernel's layout -> Q4_K arrays, one row per output row."""
-    q = packed["q"]  # [G, K/8, 16, 4]
-    groups, lanes = q.shape[0], q.shape[2]
-    q = torch.cat([q & 0xF, q >> 4], dim=-1).permute(0, 2, 1, 3).reshape(groups * lanes, -1, 64)
-    qs = (q[..., :32] | (q[..., 32:] << 4)).reshape(groups * lanes, -1)
-    return {"qs": qs, **{name: _by_row(packed[name]) for name in ("sc", "mn", "d", "dmin")}}
-
-
-def _by_group(per_row: torch.Tensor) -> torch.Tensor:
-    """Per-row values [rows, n] -> [groups, n, 16]: the 16 rows of a group side by side, one per lane."""
-    return per_row.reshape(-1, W4A8_GROUP, per_row.shape[1]).transpose(1, 2).contiguous()
-
-
-def _by_row(per_group: torch.Tensor) -> torch.Tensor:
-    return per_group.transpose(1, 2).reshape(-1, per_group.shape[1])
-
-
-def w4a8_packable(columns: int, rows: int) -> bool:
-    """The kernel takes 16 output rows at a time and 64 weights per packed chunk."""
-    return columns % 64 == 0 and rows % W4A8_GROUP == 0
-
-
-class PackedLinear(nn.Module):
-    """A linear layer computed by one of this package's kernels on packed buffers (NAMES). The buffers'
-    addresses are taken once (again if the module is moved), since a decode step makes ~100 such calls
-    and per-call Python work would cost more than the smaller layers' kernels."""
-
-    NAMES: tuple[str, ...] = ()
-    KERNEL = ""
-
-    def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None, out_features: int,
-                 in_features: int):
-        super().__init__()
-        from .kernels import load
-
-        self.lib = load("lowbit")
-        self.out_features, self.in_features = out_features, in_features
-        for name in self.NAMES:
-            self.register_buffer(name, packed[name].contiguous())
-        self.bias = bias
-        self._take_addresses()
-
-    def _take_addresses(self) -> None:
-        self._buffers_at = tuple(getattr(self, name).data_ptr() for name in self.NAMES)
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
-        self._take_addresses()
-        return module
-
-    def _shape_args(self) -> tuple[int, ...]:
-        """The kernel's arguments between the sizes and the buffers."""
-        return ()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
-        y = torch.empty(rows.shape[0], self.out_features)
-        getattr(self.lib, self.KERNEL)(rows.data_ptr(), rows.shape[0], self.in_features, self.out_features,
-                                       *self._shape_args(), *self._buffers_at, y.data_ptr(), torch.get_num_threads())
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def dequantize(self) -> torch.Tensor:
-        """The float weights [out, in] this layer computes with."""
-        raise NotImplementedError
-
-    def select_rows(self, ids: torch.Tensor) -> nn.Module:
-        """A vocabulary subset for a draft's LM head (any number of rows): as int8 rows."""
-        bias = None if self.bias is None else self.bias[ids]
-        return W8A8Linear(*quantize_rows(self.dequantize()[ids], 127), bias)
-
-
-class W4A8Linear(PackedLinear):
-    """4-bit weights (GGUF Q4_K as stored: 4.5 bits per weight; or quantize_4bit's) times int8 activations
-    with a scale per 32 values, by this package's kernel (executor/kernels/lowbit.c): 40% fewer bytes per
-    step than int8, and a verify of a few tokens costs little more than one decode step."""
-
-    NAMES = ("q", "sc", "mn", "d", "dmin")
-    KERNEL = "w4a8_linear"
-
-    def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
-        groups, column_groups = packed["q"].shape[:2]
-        super().__init__(packed, bias, groups * W4A8_GROUP, column_groups * 8)
-        self.sub_per_super = packed["sc"].shape[1] // packed["d"].shape[1]  # 32-weight sub-blocks per d
-
-    def _shape_args(self) -> tuple[int, ...]:
-        return (self.sub_per_super,)
-
-    def select_rows(self, ids: torch.Tensor) -> nn.Module:
-        """A vocabulary subset for a draft's LM head: its rows as stored, still 4-bit, when their number
-        is a multiple of the kernel's 16-row groups (else as int8 rows)."""
-        if len(ids) % W4A8_GROUP:
-            return super().select_rows(ids)
-        rows = unpack_w4a8({name: getattr(self, name) for name in self.NAMES})
-        bias = None if self.bias is None else self.bias[ids]
-        return W4A8Linear(pack_w4a8({name: t[ids] for name, t in rows.items()}), bias)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float weights [out, in] this layer computes with."""
-        g = self.q.shape[0]
-        q = torch.stack([self.q & 0xF, self.q >> 4], dim=3)  # [G, K/8, 16, 2, 4]
-        q = q.permute(0, 2, 1, 3, 4).reshape(g, W4A8_GROUP, -1).float()  # [G, 16, K]
-        expand = lambda t, n: t.transpose(1, 2).repeat_interleave(n, dim=2)  # noqa: E731  -> [G, 16, K]
-        span = 32 * self.sub_per_super
-        scale = expand(self.d, span) * expand(self.sc.float(), 32)
-        shift = expand(self.dmin, span) * expand(self.mn.float(), 32)
-        return (q * scale - shift).reshape(self.out_features, self.in_features)
-
-
-Q6_K_BLOCK_BYTES = 210
-
-
-def split_q6_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
-    """GGUF Q6_K blocks [rows, 210 * K/256] -> 6-bit values q [rows, K] in weight order, a signed 8-bit
-    scale per 16 weights and d per 256 (no value changes: w = d * sc * (q - 32)).
-
-    A block holds 128 bytes of low nibbles, 64 bytes of top bit pairs, 16 scales and d (fp16); each half
-    of 128 weights takes 64 low-nibble bytes and 32 top-bit bytes, four weights 32 apart per byte pair."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, Q6_K_BLOCK_BYTES)
-    ql, qh = b[..., :128].reshape(rows, -1, 2, 64), b[..., 128:192].reshape(rows, -1, 2, 32)
-    low = torch.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=-2)
-    top = torch.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
-    q = (low | (top << 4)).reshape(rows, -1)  # [rows, blocks, half, quarter, 32] -> weight order
-    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
-    d = b[..., 208:210].contiguous().view(torch.float16).float().reshape(rows, -1)
-    return {"q": q, "sc": sc, "d": d}
-
-
-def pack_w6a8(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Q6_K arrays (split_q6_k) -> the kernel's layout (see lowbit.c): low nibbles as w4a8's q, top bit
-    pairs four to a byte, scales and d per group of 16 output rows. Values are moved, never changed."""
-    q = arrays["q"]
-    rows, cols = q.shape
-    groups = rows // W4A8_GROUP
-    q = q.reshape(groups, W4A8_GROUP, cols // 8, 8).permute(0, 2, 1, 3)  # [G, K/8, 16 rows, 8 weights]
-    low, top = q & 0xF, q >> 4
-    lo = (low[..., :4] | (low[..., 4:] << 4)).contiguous()  # [G, K/8, 16, 4]: lane = row * 4 + e
-    pairs = (top[..., :4] | (top[..., 4:] << 2)).reshape(groups, cols // 8, 64)  # per lane: (e, 4+e)
-    hi = (pairs[..., :32] | (pairs[..., 32:] << 4)).to(torch.uint8).contiguous()
-    return {"lo": lo.to(torch.uint8), "hi": hi, "sc": _by_group(arrays["sc"]), "d": _by_group(arrays["d"])}
-
-
-def w6a8_packable(columns: int, rows: int) -> bool:
-    return columns % 256 == 0 and rows % W4A8_GROUP == 0
-
-
-class W6A8Linear(PackedLinear):
-    """6-bit weights (GGUF Q6_K as stored: 6.56 bits per weight) times int8 activations with a scale per
-    32 values, by this package's kernel (executor/kernels/lowbit.c): a fifth fewer bytes than int8 rows
-    for the file's Q6_K tensors (the LM head among them), computed as precisely as the file allows."""
-
-    NAMES = ("lo", "hi", "sc", "d")
-    KERNEL = "w6a8_linear"
-
-    def __init__(self, packed: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
-        groups, column_groups = packed["lo"].shape[:2]
-        super().__init__(packed, bias, groups * W4A8_GROUP, column_groups * 8)
-
-    def values(self) -> torch.Tensor:
-        """The 6-bit values q [out, in] (0..63) as stored."""
-        g, kk = self.lo.shape[:2]
-        low = torch.stack([self.lo & 0xF, self.lo >> 4], dim=3)  # [G, K/8, 16, 2, 4]
-        pairs = torch.cat([self.hi & 0xF, self.hi >> 4], dim=-1).reshape(g, kk, W4A8_GROUP, 4)
-        top = torch.stack([pairs & 3, pairs >> 2], dim=3)  # [G, K/8, 16, 2, 4]
-        q = low | (top << 4)
-        return q.permute(0, 2, 1, 3, 4).reshape(self.out_features, self.in_features)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float weights [out, in] this layer computes with (as gguf computes them: (d * sc) * (q - 32))."""
-        expand = lambda t, n: t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(n, dim=1)  # noqa: E731
-        scale = expand(self.d, 256) * expand(self.sc.float(), 16)
-        return scale * (self.values().float() - 32)
 
 
 class ConcatLinear(nn.Module):
@@ -375,11 +200,3 @@ class ConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
-
-
-def w4a8_supported() -> bool:
-    """The kernel compiles (a C compiler is present) and the CPU has AVX2 and FMA at least."""
-    from .kernels import load
-
-    lib = load("lowbit")
-    return lib is not None and lib.w4a8_isa() > 0

@@ -73,25 +73,23 @@ def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[
 
 def load_low_bit_weights(name: str, quantization: str, progress: bool = True
                          ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Linear weights (and the embedding) as int8 rows with a `weight_scale` each, or for w4a8 the GGUF's
-    Q4_K (and, but for w4a8-all, Q6_K) weights in the kernels' layouts; the rest float32.
+    """Linear weights (and the embedding) in the block kernel's layout (GGUF formats as stored for w4a8;
+    see executor.backends), or int8 rows with a `weight_scale` for w8a16; the rest float32.
 
     A GGUF file streams one tensor at a time, so the float model never exists whole; the result is
-    cached (about a byte per weight or less), so later loads only read it back."""
+    cached (about what the file holds), so later loads only read it back."""
     from gguf import GGMLQuantizationType
 
-    from ..executor.backends import int8_weight_max, quantize_weights
+    from ..executor.backends import LOW_BIT, quantize_weights
+    from ..executor.formats import FORMATS
 
-    qmax = int8_weight_max()
     source = resolve(name)
-    all_4bit = quantization == "w4a8-all"
     if source.format != "gguf":
         cfg, tensors = _load_hf_checkpoint(source.path)
-        return cfg, quantize_weights(tensors.items(), qmax, all_4bit)
+        return cfg, quantize_weights(tensors.items(), quantization)
     folder = _cache_dir_for(source, "weights")
-    as_stored = quantization.startswith("w4a8")
-    # v2: Q6_K tensors as stored (before: int8 rows); a layout change must not read an older file
-    path = os.path.join(folder, f"{quantization + '-v2' if as_stored else 'int8'}-max{qmax}.safetensors")
+    # v3: every GGUF block format in the block kernel's layout; a layout change must not read an older file
+    path = os.path.join(folder, f"{quantization}-v3.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(path) and os.path.exists(config_path):
         from safetensors.torch import load_file
@@ -99,12 +97,10 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
         return ModelConfig(**json.load(open(config_path))), load_file(path)
     from .gguf_loader import iter_gguf_tensors
 
-    raw = frozenset()  # GGUF blocks the kernels take as stored; everything else arrives as float
-    if as_stored:
-        raw = frozenset({GGMLQuantizationType.Q4_K} if all_4bit
-                        else {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+    # GGUF blocks the kernel takes as stored; everything else arrives as float
+    raw = frozenset(GGMLQuantizationType[f] for f in FORMATS) if quantization in LOW_BIT else frozenset()
     cfg, named = iter_gguf_tensors(source.path, progress, raw)
-    tensors = quantize_weights(named, qmax, all_4bit)
+    tensors = quantize_weights(named, quantization)
     _save_cache(tensors, path, cfg, config_path)
     return cfg, tensors
 

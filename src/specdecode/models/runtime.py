@@ -254,16 +254,14 @@ class Transformer(nn.Module):
     backend = "torch"
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights: parameters and buffers (shared storage counted once) plus packed
-        low-bit weights, which live outside them."""
+        """Bytes of all weights: parameters and buffers (shared storage counted once)."""
         seen, total = set(), 0
         for t in list(self.parameters()) + list(self.buffers()):
             key = (t.untyped_storage().data_ptr(), t.device)
             if key not in seen:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
-        packed = {id(m): m.nbytes for m in self.modules() if hasattr(m, "packed")}
-        return total + sum(packed.values())
+        return total
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache, return_hidden: bool = False):

@@ -2,14 +2,18 @@
 
 Each kernel is one C file, compiled on first use for this machine's CPU (`-march=native`) with the
 system's C compiler, and cached under the specdecode cache; it is called through ctypes on tensor
-memory. Without a compiler, or on a CPU without AVX2, `load` returns None and the backends that need it
-are not offered."""
+memory. Every kernel has a portable scalar path, which is also the reference its SIMD paths are tested
+against bit for bit: `SPECDECODE_KERNELS=scalar` builds that path for every kernel (CI runs the suite
+both ways). Without a compiler, or when the build fails, `load` returns None, `build_problem` says why
+(the compiler's own output included), and the backends that need a kernel are not offered.
+"""
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -19,50 +23,104 @@ from ...models.sources import cache_root
 from ..cpu import cpu_flags
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+ENV = "SPECDECODE_KERNELS"
 
-
-_P, _I = ctypes.c_void_p, ctypes.c_int
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # Argument types per exported function: ctypes then passes addresses (ints) without wrapping each one.
 SIGNATURES = {
-    "lowbit": {"w4a8_isa": [],
-               "w4a8_linear": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I],
-               "w6a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]},
-    "norm": {"rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float, _I],
-             "add_rms_norm": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I],
-             "silu_mul": [_P, _P, _I, _I, _I]},
-    "attention": {"attention_dim_ok": [_I],
-                  "rowwise_attention": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I]},
+    "lowbit": {"lowbit_isa": ([], _I),
+               "lowbit_linear": ([_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
+               "lowbit_dequantize_rows": ([_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I)},
+    "norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
+             "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
+             "silu_mul": ([_P, _P, _I, _I, _I], None)},
+    "attention": {"attention_dim_ok": ([_I], _I),
+                  "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I], None)},
 }
 
-# Instruction sets a kernel can be built for below the machine's own: each path is tested on any machine
-# that has it (an AVX-512 machine runs the AVX2 path too).
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+# Instruction sets a kernel can be built for at or below the machine's own, so that each path is tested on
+# any machine that has it: an AVX-512 machine runs the AVX2 path too, every machine the scalar one.
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+             "scalar": ["-DSPECDECODE_SCALAR"] + (["-mno-avx"] if _X86 else [])}
+
+_problems: dict[str, str] = {}
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel did not compile; the message holds the compiler's output."""
+
+
+def default_isa() -> str:
+    """The build the backends use: the machine's own, or what SPECDECODE_KERNELS names."""
+    isa = os.environ.get(ENV, "native") or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ENV}={isa!r}: use one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel `name` for `isa` (default: default_isa()), or None (build_problem says why)."""
+    return _load(name, isa or default_isa())
+
+
+def build_problem(name: str, isa: str | None = None) -> str | None:
+    """Why `load(name, isa)` returns None: no compiler, or the compiler's error output."""
+    return _problems.get(f"{name}/{isa or default_isa()}")
 
 
 @functools.cache
-def load(name: str, isa: str = "native") -> ctypes.CDLL | None:
-    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+def _load(name: str, isa: str) -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        _problems[f"{name}/{isa}"] = ("no C compiler found (install gcc or clang, or set CC); the native kernels "
+                                      "are needed for the low-bit backends")
         return None
-    flags = FLAGS + ISA_FLAGS[isa]
-    key = hashlib.sha1(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    path = os.path.join(cache_root(), "kernels", f"{name}-{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, f"{name}.c")
-            with open(src, "wb") as f:
-                f.write(source)
-            built = os.path.join(tmp, f"{name}.so")
-            done = subprocess.run([compiler, *flags, src, "-o", built], capture_output=True, text=True)
-            if done.returncode != 0:
-                return None
-            os.replace(built, path)
+    try:
+        path = build(name, isa, cc)
+    except KernelBuildError as e:
+        _problems[f"{name}/{isa}"] = str(e)
+        return None
     lib = ctypes.CDLL(path)
-    for function, argtypes in SIGNATURES.get(name, {}).items():
+    for function, (argtypes, restype) in SIGNATURES.get(name, {}).items():
         getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = restype
     return lib
+
+
+def build(name: str, isa: str, cc: str) -> str:
+    """Compile kernels/<name>.c for `isa` into the cache (once per source, flags and CPU); the path of the
+    shared library. The build goes to a temporary file beside its final place and is renamed there, so a
+    concurrent or interrupted build never leaves a partial library behind."""
+    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+    flags = FLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha1(source + " ".join([cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    folder = os.path.join(cache_root(), "kernels")
+    path = os.path.join(folder, f"{name}-{isa}-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, src = tempfile.mkstemp(dir=folder, prefix=f"{name}-", suffix=".c")
+    built = src[:-2] + ".so.tmp"
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(source)
+        try:
+            done = subprocess.run([cc, *flags, src, "-o", built], capture_output=True, text=True)
+        except OSError as e:
+            raise KernelBuildError(f"could not run the C compiler {cc!r}: {e}") from None
+        if done.returncode != 0:
+            raise KernelBuildError(f"compiling the {name} kernel with {cc} failed:\n{done.stderr.strip()}")
+        os.replace(built, path)
+    finally:
+        for leftover in (src, built):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return path
 
 
 def _cpu_signature() -> str:

@@ -1,74 +1,92 @@
-// y = x @ W^T for low-bit GGUF weights as stored, with x quantized to int8 with a scale per 32 values
-// (as fine as the weights' sub-blocks, like llama.cpp's 8-bit activation blocks). Two formats:
+// y = x @ W^T for GGUF block-quantized weights as stored, with x quantized to int8 with a scale per 32
+// values (llama.cpp's 8-bit activation blocks). Every format is an integer q per weight, a float scale
+// per sub-block (d, times an integer sc for the K formats) and either an integer zero point or a float
+// min per sub-block:
 //
-// w4a8: 4-bit weights with an 8-bit scale and min per 32 weights and float d, dmin per S such sub-blocks
-//   (GGUF Q4_K is S = 8 with 6-bit scales, repacked without changing a value: w = d * sc * q - dmin * mn).
-// w6a8: 6-bit weights with a signed 8-bit scale per 16 weights and float d per 256 (GGUF Q6_K, repacked
-//   without changing a value: w = d * sc * (q - 32)).
+//   format  bits  sub  w =                        format  bits  sub  w =
+//   Q4_0    4     32   d * (q - 8)                Q8_0    8     32   d * q             (q signed)
+//   Q4_1    4     32   d * q + m                  Q4_K    4     32   d*sc * q - dmin*mn (d per 8 sub)
+//   Q5_0    5     32   d * (q - 16)               Q5_K    5     32   d*sc * q - dmin*mn (d per 8 sub)
+//   Q5_1    5     32   d * q + m                  Q6_K    6     16   d*sc * (q - 32)    (d per 16 sub)
 //
-// Layout: output rows in groups of 16, one vector lane per output row, each lane holding 4 consecutive
-// weights of its row. A row of x is then broadcast 4 values at a time and one u8 x s8 dot-product
-// instruction advances 16 output rows by 4 weights. The unpacked weights are shared by every row of x,
-// so verifying a few tokens costs about what decoding one does, and every output element is computed
-// by the same operations whatever the number of rows: results do not depend on the batch.
+// Per output row and block of 32: integer sums of q * x (exact in int32), less the zero point times the
+// sums of x, then in float: acc += I * (scale * sx); mins: minacc += min * (sx * sum x); y = acc - minacc.
+// The scalar path is the reference; each SIMD path performs the same float operations in the same order
+// on the same exact integers, so every path gives the same bits (tested).
 //
-// w4a8  q[g][K/8][16][4]   64 bytes per 8 weights of 16 rows: low nibble = weight e, high nibble = weight 4+e
-//       sc[g][K/32][16], mn[g][K/32][16]   (uint8)      d[g][K/32/S][16], dmin[g][K/32/S][16]   (float)
-// w6a8  lo[g][K/8][16][4]  the low 4 bits of each weight, as w4a8's q
-//       hi[g][K/8][32]     their top 2 bits: byte i holds lanes i and 32 + i of lo's 64 bytes, 2 bits per
-//                          weight in the order (e, 4+e) of lane i, then (e, 4+e) of lane 32 + i
-//       sc[g][K/16][16] (int8)   d[g][K/256][16] (float)
-#include <immintrin.h>
+// Layout: output rows in groups of 16, one 4-byte lane per output row holding 4 consecutive weights of
+// its row. A row of x is then broadcast 4 values at a time and one u8 x s8 dot-product instruction
+// advances 16 output rows by 4 weights. The unpacked weights are shared by every row of x in a tile, so
+// verifying a few tokens costs little more than decoding one, and an output element is computed by the
+// same operations whatever the number of rows: results do not depend on the batch.
+//
+//   bits 4, 5, 6  lo[g][K/8][16][4]  low nibbles: byte (row, e) = weight e | weight 4+e << 4
+//   bits 5, 6     hi[g][K/8][32]     top 2 bits: byte i holds lanes i and 32 + i of lo's 64 bytes, 2 bits
+//                                    per weight in the order (e, 4+e) of lane i, then of lane 32 + i
+//                                    (5-bit values use 6-bit's layout with the upper bit 0)
+//   bits 8        lo[g][K/4][16][4]  the int8 values
+//   sc [g][K/sub][16] (u8, i8 for Q6_K; K formats only)    mn [g][K/32][16] (u8; Q4_K, Q5_K)
+//   d [g][K/sub/S][16], dmin [g][K/32/S][16] (float)       S: sub-blocks per d (1 for Q4_0 .. Q8_0)
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define GROUP 16
+#if !defined(SPECDECODE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1  // Q4_K and Q6_K, the default models' formats; the others take the AVX2 path
+#endif
+#endif
+
+#define GROUP 16
+#if defined(HAVE_VNNI)
 #define ROW_TILE 8  // 3 accumulators per row of x in 32 vector registers
 #else
 #define ROW_TILE 4  // in 16
 #endif
-// Independent integer accumulators per row of x: with few rows, one chain of dependent dot products
-// would leave the CPU waiting on each one's latency.
-#define NACC(rows) ((rows) >= 4 ? 1 : (rows) >= 2 ? 2 : 4)
 // Packed weights are requested this many bytes ahead of use: the hardware prefetcher alone leaves
 // bandwidth unused on a weight stream read once per step (docs/decisions.md).
 #define PREFETCH_AHEAD 1024
+// Rows of x per cache block in long calls (prefill): each group's weights are read once per block while
+// the block's activations stay in L2, instead of every activation row streaming past every group.
+#define ROW_BLOCK 64
 
-// The 256 bytes of packed weights that group g's sub-block j + PREFETCH_AHEAD / 256 will read.
-static inline void prefetch_weights(const uint8_t *qg, int j) {
-    const char *p = (const char *)(qg + (size_t)j * 256 + PREFETCH_AHEAD);
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
-    _mm_prefetch(p + 128, _MM_HINT_T0);
-    _mm_prefetch(p + 192, _MM_HINT_T0);
-}
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, NUM_FORMATS };
+enum { SC_NONE, SC_U8, SC_I8 };         // the integer scale per sub-block
+enum { MIN_NONE, MIN_D, MIN_D_MN };     // the min per sub-block: none, dmin, dmin * mn
 
-// Per block of 32: int8 values, their scale, and their sum times the scale (for w4a8's mins); with isum16,
-// also the integer sum of every 16 values (for w6a8's offset of 32).
-static void quantize_blocks(const float *x, int M, int K, int8_t *xq, float *sx, float *xsum, int32_t *isum16) {
-    for (int m = 0; m < M; m++) {
-        for (int j = 0; j < K / 32; j++) {
-            const size_t at = (size_t)m * K + j * 32, b = (size_t)m * (K / 32) + j;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[at + i]));
-            float scale = amax > 0.f ? amax / 127.f : 1.f;
-            float inv = 1.f / scale;
-            int s[2] = {0, 0};
-            for (int i = 0; i < 32; i++) {
-                int v = (int)nearbyintf(x[at + i] * inv);
-                xq[at + i] = (int8_t)v;
-                s[i / 16] += v;
-            }
-            sx[b] = scale;
-            xsum[b] = (float)(s[0] + s[1]) * scale;
-            if (isum16) {
-                isum16[2 * b] = s[0];
-                isum16[2 * b + 1] = s[1];
-            }
+typedef struct {
+    const uint8_t *lo, *hi, *mn;
+    const void *sc;
+    const float *d, *dmin;
+    int S;
+} weights_t;
+
+typedef struct {  // x quantized per block of 32: values, scale, sum * scale, integer sums per 16
+    const int8_t *xq;
+    const float *sx, *xsum;
+    const int32_t *isum16;
+} acts_t;
+
+// ---- activations ---------------------------------------------------------------------------------------
+static void quantize_row(const float *x, int K, int8_t *xq, float *sx, float *xsum, int32_t *isum16) {
+    for (int j = 0; j < K / 32; j++) {
+        const float *xj = x + j * 32;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xj[i]));
+        const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+        int s[2] = {0, 0};
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)nearbyintf(xj[i] * inv);
+            xq[j * 32 + i] = (int8_t)v;
+            s[i / 16] += v;
         }
+        sx[j] = scale;
+        xsum[j] = (float)(s[0] + s[1]) * scale;
+        isum16[2 * j] = s[0];
+        isum16[2 * j + 1] = s[1];
     }
 }
 
@@ -81,284 +99,432 @@ static void *scratch(size_t bytes) {
     if (bytes > scratch_size) {
         free(scratch_buf);
         scratch_buf = malloc(bytes);
-        scratch_size = bytes;
+        scratch_size = scratch_buf ? bytes : 0;
     }
     return scratch_buf;
 }
 
-static inline int32_t load4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
+static int quantize_acts(const float *x, int M, int K, int threads, acts_t *a) {
+    const size_t blocks = (size_t)M * (K / 32);
+    float *sx = (float *)scratch(blocks * (2 * sizeof(float) + 2 * sizeof(int32_t)) + (size_t)M * K);
+    if (!sx) return -1;
+    float *xsum = sx + blocks;
+    int32_t *isum16 = (int32_t *)(xsum + blocks);
+    int8_t *xq = (int8_t *)(isum16 + 2 * blocks);
+#pragma omp parallel for schedule(static) num_threads(M >= 16 ? threads : 1)
+    for (int m = 0; m < M; m++)
+        quantize_row(x + (size_t)m * K, K, xq + (size_t)m * K, sx + (size_t)m * (K / 32), xsum + (size_t)m * (K / 32),
+                     isum16 + (size_t)m * (K / 16));
+    *a = (acts_t){xq, sx, xsum, isum16};
+    return 0;
+}
+
+// ---- the scalar reference --------------------------------------------------------------------------------
+// Weight k of output row r (0..15) of group g, as stored (unsigned for 4 to 6 bits, signed for 8).
+static inline int weight_at(const weights_t *w, int bits, int K, int g, int r, int k) {
+    if (bits == 8) return ((const int8_t *)w->lo)[(((size_t)g * (K / 4) + k / 4) * GROUP + r) * 4 + k % 4];
+    const int e = k % 8, lane = r * 4 + (e & 3);
+    const size_t chunk = (size_t)g * (K / 8) + k / 8;
+    const uint8_t b = w->lo[chunk * 64 + lane];
+    int v = e < 4 ? (b & 15) : (b >> 4);
+    if (bits > 4) {
+        const uint8_t h = w->hi[chunk * 32 + (lane & 31)];
+        const int pairs = lane < 32 ? (h & 15) : (h >> 4);
+        v |= (e < 4 ? (pairs & 3) : (pairs >> 2)) << 4;
+    }
     return v;
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// 16 output rows (group g) against `rows` rows of x starting at m0.
-static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N, int S,
-        const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-        const int8_t *xq, const float *sx, const float *xsum, float *y) {
-    const int nsub = K / 32;
-    const uint8_t *qg = q + (size_t)g * (K / 2) * GROUP;
-    __m512 accf[ROW_TILE], minf[ROW_TILE];
-    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) accf[r] = minf[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < nsub; j++) {
-        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (nsub / S) + j / S) * GROUP;
-        __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d + sb),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + at)))));
-        __m512 min = _mm512_mul_ps(_mm512_loadu_ps(dmin + sb),
-                                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + at)))));
-        __m512i acc[ROW_TILE][4];
-        prefetch_weights(qg, j);
-        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
-            _Pragma("GCC unroll 4") for (int a = 0; a < NACC(rows); a++) acc[r][a] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {  // 8 weights per output row
-            __m512i packed = _mm512_loadu_si512((const void *)(qg + ((size_t)j * 4 + t) * 64));
-            __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            const int k = j * 32 + t * 8;
-            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + (size_t)(m0 + r) * K + k;
-                __m512i *a0 = &acc[r][(2 * t) % NACC(rows)], *a1 = &acc[r][(2 * t + 1) % NACC(rows)];
-                *a0 = _mm512_dpbusd_epi32(*a0, w0, _mm512_set1_epi32(load4(xr)));
-                *a1 = _mm512_dpbusd_epi32(*a1, w1, _mm512_set1_epi32(load4(xr + 4)));
-            }
-        }
-        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-            __m512i total = acc[r][0];
-            _Pragma("GCC unroll 4") for (int a = 1; a < NACC(rows); a++) total = _mm512_add_epi32(total, acc[r][a]);
-            const size_t b = (size_t)(m0 + r) * nsub + j;
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(scale, _mm512_set1_ps(sx[b])), accf[r]);
-            minf[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[b]), minf[r]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, _mm512_sub_ps(accf[r], minf[r]));
-    }
+static inline float int_scale(const weights_t *w, int sck, size_t at) {
+    return sck == SC_U8 ? (float)((const uint8_t *)w->sc)[at] : (float)((const int8_t *)w->sc)[at];
 }
-#else
-// AVX2: the 16 rows of a group as two halves of 8; u8 x s8 products summed in pairs (int16), then in
-// fours (int32). With 4-bit weights a pair is at most 2 * 15 * 127: no int16 saturation.
-static inline __attribute__((always_inline)) void group_dot(int g, int m0, const int rows, int K, int N, int S,
-        const uint8_t *q, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-        const int8_t *xq, const float *sx, const float *xsum, float *y) {
-    const int nsub = K / 32;
-    const uint8_t *qg = q + (size_t)g * (K / 2) * GROUP;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int half = 0; half < 2; half++) {
-        __m256 accf[ROW_TILE], minf[ROW_TILE];
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) accf[r] = minf[r] = _mm256_setzero_ps();
-        for (int j = 0; j < nsub; j++) {
-            const size_t at = ((size_t)g * nsub + j) * GROUP + half * 8;
-            const size_t sb = ((size_t)g * (nsub / S) + j / S) * GROUP + half * 8;
-            __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + sb),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + at)))));
-            __m256 min = _mm256_mul_ps(_mm256_loadu_ps(dmin + sb),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + at)))));
-            __m256i acc[ROW_TILE][4];
-            if (half == 0) prefetch_weights(qg, j);
-            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
-                _Pragma("GCC unroll 4") for (int a = 0; a < NACC(rows); a++) acc[r][a] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(qg + ((size_t)j * 4 + t) * 64 + half * 32));
-                __m256i w0 = _mm256_and_si256(packed, low), w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-                const int k = j * 32 + t * 8;
-                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-                    const int8_t *xr = xq + (size_t)(m0 + r) * K + k;
-                    __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(load4(xr)));
-                    __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load4(xr + 4)));
-                    __m256i *a = &acc[r][t % NACC(rows)];
-                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+
+// The scale of sub-block `sub_index` (of `sub` weights) of group g, lane r; and the min of block j.
+static inline float scale_at(const weights_t *w, int sck, int sub, int K, int g, int r, int sub_index) {
+    const int nsub = K / sub;
+    const float d = w->d[((size_t)g * (nsub / w->S) + sub_index / w->S) * GROUP + r];
+    return sck == SC_NONE ? d : d * int_scale(w, sck, ((size_t)g * nsub + sub_index) * GROUP + r);
+}
+
+static inline float min_at(const weights_t *w, int mink, int K, int g, int r, int j) {
+    const float dmin = w->dmin[((size_t)g * (K / 32 / w->S) + j / w->S) * GROUP + r];
+    return mink == MIN_D ? dmin : dmin * (float)w->mn[((size_t)g * (K / 32) + j) * GROUP + r];
+}
+
+static void group_scalar(int fmt_bits, int sub, int zero, int sck, int mink, int g, int m0, int rows, int K, int N,
+                         const weights_t *w, const acts_t *a, float *y) {
+    for (int r = 0; r < GROUP; r++)
+        for (int m = m0; m < m0 + rows; m++) {
+            const int8_t *xq = a->xq + (size_t)m * K;
+            float acc = 0.f, minacc = 0.f;
+            for (int j = 0; j < K / 32; j++) {
+                int32_t half[2] = {0, 0};
+                for (int i = 0; i < 32; i++) half[i / 16] += weight_at(w, fmt_bits, K, g, r, j * 32 + i) * xq[j * 32 + i];
+                const size_t b = (size_t)m * (K / 32) + j;
+                if (sub == 16) {
+                    for (int h = 0; h < 2; h++) {
+                        const int32_t I = half[h] - zero * a->isum16[2 * b + h];
+                        acc = fmaf((float)I, scale_at(w, sck, 16, K, g, r, 2 * j + h) * a->sx[b], acc);
+                    }
+                } else {
+                    const int32_t I = half[0] + half[1] - zero * (a->isum16[2 * b] + a->isum16[2 * b + 1]);
+                    acc = fmaf((float)I, scale_at(w, sck, 32, K, g, r, j) * a->sx[b], acc);
+                    if (mink != MIN_NONE) minacc = fmaf(min_at(w, mink, K, g, r, j), a->xsum[b], minacc);
                 }
             }
+            y[(size_t)m * N + (size_t)g * GROUP + r] = mink != MIN_NONE ? acc - minacc : acc;
+        }
+}
+
+#define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+
+#if defined(HAVE_AVX2)
+// ---- AVX2: the 16 rows of a group as two halves of 8 --------------------------------------------------------
+static inline __m256 cvt_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline __m256 cvt_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+static inline __m256 scale8(const weights_t *w, int sck, int sub, int K, int g, int half, int sub_index) {
+    const int nsub = K / sub;
+    const __m256 d = _mm256_loadu_ps(w->d + ((size_t)g * (nsub / w->S) + sub_index / w->S) * GROUP + half * 8);
+    if (sck == SC_NONE) return d;
+    const size_t at = ((size_t)g * nsub + sub_index) * GROUP + half * 8;
+    return _mm256_mul_ps(d, sck == SC_U8 ? cvt_u8((const uint8_t *)w->sc + at) : cvt_i8((const int8_t *)w->sc + at));
+}
+
+static inline __m256 min8(const weights_t *w, int mink, int K, int g, int half, int j) {
+    const __m256 dmin = _mm256_loadu_ps(w->dmin + ((size_t)g * (K / 32 / w->S) + j / w->S) * GROUP + half * 8);
+    return mink == MIN_D ? dmin : _mm256_mul_ps(dmin, cvt_u8(w->mn + ((size_t)g * (K / 32) + j) * GROUP + half * 8));
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// Weights e and 4+e of the 8 rows of `half`, 32 bytes each, from one 64-byte chunk (bits 4 to 6).
+static inline void unpack8(int bits, const uint8_t *lo, const uint8_t *hi, int half, __m256i *w0, __m256i *w1) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(lo + half * 32));
+    *w0 = _mm256_and_si256(packed, low);
+    *w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    if (bits > 4) {
+        const __m256i top = _mm256_set1_epi8(0x30);
+        __m256i h = _mm256_loadu_si256((const __m256i *)hi);
+        h = _mm256_and_si256(half ? _mm256_srli_epi16(h, 4) : h, low);
+        *w0 = _mm256_or_si256(*w0, _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+        *w1 = _mm256_or_si256(*w1, _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+    }
+}
+
+// Integer sums of block j for `rows` rows of x: per row, I[r][0] over weights 0..15 and I[r][1] over 16..31
+// (sub 16), or I[r][0] over all 32. u8 x s8 products are summed in pairs (int16) by maddubs: 4-bit pairs
+// (at most 2 * 15 * 127) add up over the whole block in int16, 5/6-bit pairs over 8 weights (4 * 63 * 127
+// = 32004), 8-bit pairs (2 * 127 * 127, signs moved onto x) one at a time.
+static inline __attribute__((always_inline)) void block_dots(int bits, int sub, int g, int j, int half, int m0,
+        const int rows, int K, const weights_t *w, const acts_t *a, __m256i I[ROW_TILE][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (bits == 8) {
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r][0] = _mm256_setzero_si256();
+        const uint8_t *lo = w->lo + ((size_t)g * (K / 4) + (size_t)j * 8) * 64 + half * 32;
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(lo + t * 64)), aw = _mm256_abs_epi8(wv);
             _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-                __m256i total = acc[r][0];
-                _Pragma("GCC unroll 4") for (int a = 1; a < NACC(rows); a++) total = _mm256_add_epi32(total, acc[r][a]);
-                const size_t b = (size_t)(m0 + r) * nsub + j;
-                accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, _mm256_set1_ps(sx[b])),
-                                          accf[r]);
-                minf[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[b]), minf[r]);
+                const __m256i xs = _mm256_sign_epi8(bcast4(a->xq + (size_t)(m0 + r) * K + j * 32 + t * 4), wv);
+                I[r][0] = _mm256_add_epi32(I[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+            }
+        }
+        return;
+    }
+    const size_t chunk = (size_t)g * (K / 8) + (size_t)j * 4;
+    __m256i s16[ROW_TILE];
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+        __m256i w0, w1;
+        unpack8(bits, w->lo + (chunk + t) * 64, bits > 4 ? w->hi + (chunk + t) * 32 : NULL, half, &w0, &w1);
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+            const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(xr)), _mm256_maddubs_epi16(w1, bcast4(xr + 4)));
+            if (bits == 4) {
+                s16[r] = t == 0 ? p : _mm256_add_epi16(s16[r], p);
+            } else {
+                const __m256i p32 = _mm256_madd_epi16(p, ones);
+                const int h = sub == 16 ? t / 2 : 0;
+                I[r][h] = (t == 0 || (sub == 16 && t == 2)) ? p32 : _mm256_add_epi32(I[r][h], p32);
+            }
+        }
+    }
+    if (bits == 4)
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r][0] = _mm256_madd_epi16(s16[r], ones);
+}
+
+static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, int zero, int sck, int mink, int g,
+        int m0, const int rows, int K, int N, const weights_t *w, const acts_t *a, float *y) {
+    const size_t weight_bytes = bits == 8 ? 256 : 128;  // per block of 32 per group (low bits)
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[ROW_TILE], minacc[ROW_TILE];
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm256_setzero_ps();
+        for (int j = 0; j < K / 32; j++) {
+            if (half == 0) {
+                const uint8_t *next = w->lo + ((size_t)g * (K / 32) + j) * weight_bytes * 2 + PREFETCH_AHEAD;
+                for (size_t o = 0; o < weight_bytes * 2; o += 64) PREFETCH(next + o);
+                if (bits > 4 && bits < 8) {
+                    PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2);
+                    PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2 + 64);
+                }
+            }
+            __m256i I[ROW_TILE][2];
+            block_dots(bits, sub, g, j, half, m0, rows, K, w, a, I);
+            if (sub == 16) {
+                const __m256 sa = scale8(w, sck, 16, K, g, half, 2 * j), sb = scale8(w, sck, 16, K, g, half, 2 * j + 1);
+                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+                    const size_t b = (size_t)(m0 + r) * (K / 32) + j;
+                    const __m256i ia = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(zero * a->isum16[2 * b]));
+                    const __m256i ib = _mm256_sub_epi32(I[r][1], _mm256_set1_epi32(zero * a->isum16[2 * b + 1]));
+                    const __m256 s = _mm256_set1_ps(a->sx[b]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(sa, s), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(sb, s), acc[r]);
+                }
+            } else {
+                const __m256 scale = scale8(w, sck, 32, K, g, half, j);
+                const __m256 min = mink != MIN_NONE ? min8(w, mink, K, g, half, j) : _mm256_setzero_ps();
+                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+                    const size_t b = (size_t)(m0 + r) * (K / 32) + j;
+                    __m256i I32 = I[r][0];
+                    if (zero) I32 = _mm256_sub_epi32(I32, _mm256_set1_epi32(zero * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I32), _mm256_mul_ps(scale, _mm256_set1_ps(a->sx[b])), acc[r]);
+                    if (mink != MIN_NONE) minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[b]), minacc[r]);
+                }
             }
         }
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, _mm256_sub_ps(accf[r], minf[r]));
+            const __m256 out = mink != MIN_NONE ? _mm256_sub_ps(acc[r], minacc[r]) : acc[r];
+            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, out);
         }
     }
 }
 #endif
 
+#if defined(HAVE_VNNI)
+// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 (Q4_K and Q6_K) ---------------------------
+static inline __m512 cvt16_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline __m512 cvt16_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
-// ---- w6a8 ----------------------------------------------------------------------------------------------
-// The 128 bytes of top bits that sub-block j + PREFETCH_AHEAD / 256 will read (half the low nibbles' rate).
-static inline void prefetch_top_bits(const uint8_t *hig, int j) {
-    const char *p = (const char *)(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
+static inline __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
 }
 
-// Per row of x and 32 weights: int32 sums of q * x per 16 (sub-blocks a and b), less 32 times the sums of
-// x (exact in int32), then each times d * sc * sx in float.
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// The two 64-byte vectors of weights e and 4+e: low nibbles from lo, top bits from hi (see the layout).
-static inline void unpack6(const uint8_t *lo, const uint8_t *hi, __m512i *w0, __m512i *w1) {
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-    __m512i packed = _mm512_loadu_si512((const void *)lo);
-    const __m256i h256 = _mm256_loadu_si256((const __m256i *)hi);  // lanes 32..63 take bits 4..7 of hi
-    __m512i h = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
-    *w0 = _mm512_or_si512(_mm512_and_si512(packed, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-    *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
-                          _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
-}
-
-static inline __attribute__((always_inline)) void group_dot6(int g, int m0, const int rows, int K, int N,
-        const uint8_t *lo, const uint8_t *hi, const int8_t *sc, const float *d,
-        const int8_t *xq, const float *sx, const int32_t *isum16, float *y) {
-    const int nsub = K / 32;
-    const uint8_t *log = lo + (size_t)g * (K / 2) * GROUP, *hig = hi + (size_t)g * (K / 4) * GROUP;
-    __m512 accf[ROW_TILE];
-    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) accf[r] = _mm512_setzero_ps();
+// Q4_K: the AVX2 path's sums and float steps, 16 lanes wide.
+static inline __attribute__((always_inline)) void group_q4_k_vnni(int g, int m0, const int rows, int K, int N,
+        const weights_t *w, const acts_t *a, float *y) {
+    const int nsub = K / 32, S = w->S;
+    const uint8_t *qg = w->lo + (size_t)g * (K / 2) * GROUP;
+    __m512 acc[ROW_TILE], minacc[ROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < nsub; j++) {
-        const __m512 dg = _mm512_loadu_ps(d + ((size_t)g * (K / 256) + j / 8) * GROUP);
-        const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
-        const __m512 scale_a = _mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)scg))));
-        const __m512 scale_b = _mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                     _mm_loadu_si128((const __m128i *)(scg + GROUP)))));
-        prefetch_weights(log, j);
-        prefetch_top_bits(hig, j);
-        __m512i acc[ROW_TILE][2];  // sub-blocks a (weights 0..15 of the 32) and b (16..31)
-        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {  // 8 weights per output row
-            __m512i w0, w1;
-            unpack6(log + ((size_t)j * 4 + t) * 64, hig + ((size_t)j * 4 + t) * 32, &w0, &w1);
-            const int k = j * 32 + t * 8;
+        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (nsub / S) + j / S) * GROUP;
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(w->d + sb), cvt16_u8((const uint8_t *)w->sc + at));
+        const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(w->dmin + sb), cvt16_u8(w->mn + at));
+        for (int o = 0; o < 256; o += 64) PREFETCH(qg + (size_t)j * 256 + PREFETCH_AHEAD + o);
+        __m512i I[ROW_TILE];
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+            const __m512i packed = _mm512_loadu_si512((const void *)(qg + ((size_t)j * 4 + t) * 64));
+            const __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + (size_t)(m0 + r) * K + k;
-                __m512i *a = &acc[r][t / 2];
-                *a = _mm512_dpbusd_epi32(*a, w0, _mm512_set1_epi32(load4(xr)));
-                *a = _mm512_dpbusd_epi32(*a, w1, _mm512_set1_epi32(load4(xr + 4)));
+                const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
+                I[r] = _mm512_dpbusd_epi32(I[r], w0, bcast4_512(xr));
+                I[r] = _mm512_dpbusd_epi32(I[r], w1, bcast4_512(xr + 4));
             }
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
             const size_t b = (size_t)(m0 + r) * nsub + j;
-            __m512i ia = _mm512_sub_epi32(acc[r][0], _mm512_set1_epi32(32 * isum16[2 * b]));
-            __m512i ib = _mm512_sub_epi32(acc[r][1], _mm512_set1_epi32(32 * isum16[2 * b + 1]));
-            const __m512 s = _mm512_set1_ps(sx[b]);
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(scale_a, s), accf[r]);
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(scale_b, s), accf[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a->sx[b])), acc[r]);
+            minacc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a->xsum[b]), minacc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
-        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, accf[r]);
+        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, _mm512_sub_ps(acc[r], minacc[r]));
 }
-#else
-// AVX2: rows 0..7 of the group from the low 32 bytes of each lo vector and bits 0..3 of hi, rows 8..15
-// from the high ones and bits 4..7. A pair of u8 x s8 products is at most 2 * 63 * 127 and two pairs
-// are summed in int16: 32004, no saturation.
-static inline __attribute__((always_inline)) void group_dot6(int g, int m0, const int rows, int K, int N,
-        const uint8_t *lo, const uint8_t *hi, const int8_t *sc, const float *d,
-        const int8_t *xq, const float *sx, const int32_t *isum16, float *y) {
+
+// Q6_K: 6-bit weights from the low nibbles and top bit pairs, the zero point 32 per 16 weights.
+static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0, const int rows, int K, int N,
+        const weights_t *w, const acts_t *a, float *y) {
     const int nsub = K / 32;
-    const uint8_t *log = lo + (size_t)g * (K / 2) * GROUP, *hig = hi + (size_t)g * (K / 4) * GROUP;
-    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-    for (int half = 0; half < 2; half++) {
-        __m256 accf[ROW_TILE];
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) accf[r] = _mm256_setzero_ps();
-        for (int j = 0; j < nsub; j++) {
-            const __m256 dg = _mm256_loadu_ps(d + ((size_t)g * (K / 256) + j / 8) * GROUP + half * 8);
-            const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP + half * 8;
-            const __m256 scale_a = _mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)scg))));
-            const __m256 scale_b = _mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                         _mm_loadl_epi64((const __m128i *)(scg + GROUP)))));
-            if (half == 0) {
-                prefetch_weights(log, j);
-                prefetch_top_bits(hig, j);
-            }
-            __m256i acc[ROW_TILE][2];
-            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(log + ((size_t)j * 4 + t) * 64 + half * 32));
-                __m256i h = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
-                h = _mm256_and_si256(half ? _mm256_srli_epi16(h, 4) : h, low);
-                __m256i w0 = _mm256_or_si256(_mm256_and_si256(packed, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
-                __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low),
-                                             _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
-                const int k = j * 32 + t * 8;
-                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-                    const int8_t *xr = xq + (size_t)(m0 + r) * K + k;
-                    __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(load4(xr)));
-                    __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load4(xr + 4)));
-                    __m256i *a = &acc[r][t / 2];
-                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
-                }
-            }
-            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-                const size_t b = (size_t)(m0 + r) * nsub + j;
-                __m256i ia = _mm256_sub_epi32(acc[r][0], _mm256_set1_epi32(32 * isum16[2 * b]));
-                __m256i ib = _mm256_sub_epi32(acc[r][1], _mm256_set1_epi32(32 * isum16[2 * b + 1]));
-                const __m256 s = _mm256_set1_ps(sx[b]);
-                accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(scale_a, s), accf[r]);
-                accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(scale_b, s), accf[r]);
+    const uint8_t *log = w->lo + (size_t)g * (K / 2) * GROUP, *hig = w->hi + (size_t)g * (K / 4) * GROUP;
+    const int8_t *sc = (const int8_t *)w->sc;
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    __m512 acc[ROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int j = 0; j < nsub; j++) {
+        const __m512 dg = _mm512_loadu_ps(w->d + ((size_t)g * (K / 16 / w->S) + 2 * j / w->S) * GROUP);
+        const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
+        const __m512 sa = _mm512_mul_ps(dg, cvt16_i8(scg)), sb = _mm512_mul_ps(dg, cvt16_i8(scg + GROUP));
+        for (int o = 0; o < 256; o += 64) PREFETCH(log + (size_t)j * 256 + PREFETCH_AHEAD + o);
+        PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
+        PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
+        __m512i I[ROW_TILE][2];
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r][0] = I[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+            const __m512i packed = _mm512_loadu_si512((const void *)(log + ((size_t)j * 4 + t) * 64));
+            const __m256i h256 = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
+            const __m512i h = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
+            const __m512i w0 = _mm512_or_si512(_mm512_and_si512(packed, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+            const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
+                                               _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+                const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
+                __m512i *s = &I[r][t / 2];
+                *s = _mm512_dpbusd_epi32(*s, w0, bcast4_512(xr));
+                *s = _mm512_dpbusd_epi32(*s, w1, bcast4_512(xr + 4));
             }
         }
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
-            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, accf[r]);
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+            const size_t b = (size_t)(m0 + r) * nsub + j;
+            const __m512i ia = _mm512_sub_epi32(I[r][0], _mm512_set1_epi32(32 * a->isum16[2 * b]));
+            const __m512i ib = _mm512_sub_epi32(I[r][1], _mm512_set1_epi32(32 * a->isum16[2 * b + 1]));
+            const __m512 s = _mm512_set1_ps(a->sx[b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(sa, s), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(sb, s), acc[r]);
+        }
     }
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, acc[r]);
 }
 #endif
 
-// Output-row groups split across threads; rows of x in tiles, each tile size a compile-time constant
-// (the group kernels unroll over it). CALL(R) computes group g for rows m0 .. m0 + R - 1.
-#if ROW_TILE == 8
-#define ROW_TILE_CASES(CALL) case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; \
-                             case 8: CALL(8); break;
+// ---- dispatch ------------------------------------------------------------------------------------------------
+// One group of 16 output rows for `rows` rows of x (a compile-time constant in the SIMD paths, which unroll
+// over it), in format FMT's constants.
+#if defined(HAVE_AVX2)
+#define SIMD_GROUP(bits, sub, zero, sck, mink, R) group_avx2(bits, sub, zero, sck, mink, g, m0, R, K, N, w, a, y)
 #else
-#define ROW_TILE_CASES(CALL)
+#define SIMD_GROUP(bits, sub, zero, sck, mink, R) group_scalar(bits, sub, zero, sck, mink, g, m0, R, K, N, w, a, y)
 #endif
-#define FOR_EACH_GROUP_AND_ROW_TILE(CALL)                                                              \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
-    for (int g = 0; g < N / GROUP; g++)                                                                \
-        for (int m0 = 0; m0 < M; m0 += ROW_TILE)                                                       \
-            switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {                                           \
-                case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;                \
-                case 4: CALL(4); break; ROW_TILE_CASES(CALL)                                           \
-            }
 
-int w4a8_isa(void) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if ROW_TILE == 8
+#define TILE_CASES(CALL) case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break;
+#else
+#define TILE_CASES(CALL)
+#endif
+#define BY_TILE(CALL)                                                                                   \
+    switch (m_end - m0 < ROW_TILE ? m_end - m0 : ROW_TILE) {                                           \
+        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+        TILE_CASES(CALL)                                                                                \
+    }
+
+static inline __attribute__((always_inline)) void run_group(int fmt, int g, int m0, int m_end, int K, int N,
+                                                            const weights_t *w, const acts_t *a, float *y) {
+    for (; m0 < m_end; m0 += ROW_TILE) {
+        switch (fmt) {
+#define F(R) SIMD_GROUP(4, 32, 8, SC_NONE, MIN_NONE, R)
+            case Q4_0: BY_TILE(F) break;
+#undef F
+#define F(R) SIMD_GROUP(4, 32, 0, SC_NONE, MIN_D, R)
+            case Q4_1: BY_TILE(F) break;
+#undef F
+#define F(R) SIMD_GROUP(6, 32, 16, SC_NONE, MIN_NONE, R)
+            case Q5_0: BY_TILE(F) break;
+#undef F
+#define F(R) SIMD_GROUP(6, 32, 0, SC_NONE, MIN_D, R)
+            case Q5_1: BY_TILE(F) break;
+#undef F
+#define F(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
+            case Q8_0: BY_TILE(F) break;
+#undef F
+#if defined(HAVE_VNNI)
+#define F(R) group_q4_k_vnni(g, m0, R, K, N, w, a, y)
+#else
+#define F(R) SIMD_GROUP(4, 32, 0, SC_U8, MIN_D_MN, R)
+#endif
+            case Q4_K: BY_TILE(F) break;
+#undef F
+#define F(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
+            case Q5_K: BY_TILE(F) break;
+#undef F
+#if defined(HAVE_VNNI)
+#define F(R) group_q6_k_vnni(g, m0, R, K, N, w, a, y)
+#else
+#define F(R) SIMD_GROUP(6, 16, 32, SC_I8, MIN_NONE, R)
+#endif
+            case Q6_K: BY_TILE(F) break;
+#undef F
+        }
+    }
+}
+
+// The instruction set this build computes with: 512 (AVX-512 VNNI for Q4_K/Q6_K, AVX2 for the rest), 256
+// (AVX2 + FMA) or 0 (the portable scalar path).
+int lowbit_isa(void) {
+#if defined(HAVE_VNNI)
     return 512;
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(HAVE_AVX2)
     return 256;
 #else
     return 0;
 #endif
 }
 
-// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 32 * S; `threads` as the caller's
-// (torch's) setting.
-void w4a8_linear(const float *x, int M, int K, int N, int S, const uint8_t *q, const uint8_t *sc, const uint8_t *mn,
-                 const float *d, const float *dmin, float *y, int threads) {
-#if defined(__AVX2__) && defined(__FMA__)
-    float *sx = (float *)scratch((size_t)M * (K / 32) * 2 * sizeof(float) + (size_t)M * K);
-    float *xsum = sx + (size_t)M * (K / 32);
-    int8_t *xq = (int8_t *)(xsum + (size_t)M * (K / 32));
-    quantize_blocks(x, M, K, xq, sx, xsum, NULL);
-#define GROUP_DOT(R) group_dot(g, m0, R, K, N, S, q, sc, mn, d, dmin, xq, sx, xsum, y)
-    FOR_EACH_GROUP_AND_ROW_TILE(GROUP_DOT)
-#undef GROUP_DOT
-#endif
+// Sub-blocks per weight (32, or 16 for Q6_K) and what a format's arrays must hold; 0 for an unknown format.
+static int sub_of(int fmt) { return fmt == Q6_K ? 16 : (fmt >= 0 && fmt < NUM_FORMATS ? 32 : 0); }
+
+// Preconditions shared by the entry points: 0, or a negative code that lowbit.py turns into a message.
+static int check(int fmt, int K, int N, int S, const weights_t *w) {
+    const int sub = sub_of(fmt);
+    if (!sub) return -1;                                   // unknown format
+    if (K <= 0 || K % 32 || N <= 0 || N % GROUP) return -2;  // K a multiple of 32, N of 16
+    if (S <= 0 || (K / sub) % S) return -3;                // whole super-blocks
+    if (!w->lo || !w->d) return -4;
+    if ((fmt == Q5_0 || fmt == Q5_1 || fmt == Q5_K || fmt == Q6_K) && !w->hi) return -4;
+    if ((fmt >= Q4_K) && !w->sc) return -4;
+    if ((fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K) && !w->dmin) return -4;
+    if ((fmt == Q4_K || fmt == Q5_K) && !w->mn) return -4;
+    return 0;
 }
 
-// x [M, K] float, y [M, N] float; N a multiple of 16, K a multiple of 256.
-void w6a8_linear(const float *x, int M, int K, int N, const uint8_t *lo, const uint8_t *hi, const int8_t *sc,
-                 const float *d, float *y, int threads) {
-#if defined(__AVX2__) && defined(__FMA__)
-    float *sx = (float *)scratch((size_t)M * (K / 32) * 2 * sizeof(float) + (size_t)M * (K / 16) * sizeof(int32_t)
-                                 + (size_t)M * K);
-    float *xsum = sx + (size_t)M * (K / 32);
-    int32_t *isum16 = (int32_t *)(xsum + (size_t)M * (K / 32));
-    int8_t *xq = (int8_t *)(isum16 + (size_t)M * (K / 16));
-    quantize_blocks(x, M, K, xq, sx, xsum, isum16);
-#define GROUP_DOT(R) group_dot6(g, m0, R, K, N, lo, hi, sc, d, xq, sx, isum16, y)
-    FOR_EACH_GROUP_AND_ROW_TILE(GROUP_DOT)
-#undef GROUP_DOT
-#endif
+// x [M, K] float, y [M, N] float. Returns 0, or a negative code (check(); -5: out of memory).
+int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uint8_t *lo, const uint8_t *hi,
+                  const void *sc, const uint8_t *mn, const float *d, const float *dmin, float *y, int threads) {
+    const weights_t weights = {lo, hi, mn, sc, d, dmin, S}, *w = &weights;
+    const int bad = check(fmt, K, N, S, w);
+    if (bad) return bad;
+    if (M <= 0) return M == 0 ? 0 : -2;
+    if (!x || !y) return -4;
+    acts_t acts, *a = &acts;
+    if (quantize_acts(x, M, K, threads, a)) return -5;
+    const int groups = N / GROUP, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int rb = 0; rb < row_blocks; rb++)
+        for (int g = 0; g < groups; g++) {
+            const int m_end = (rb + 1) * ROW_BLOCK < M ? (rb + 1) * ROW_BLOCK : M;
+            run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, y);
+        }
+    return 0;
+}
+
+// out [n, K] = the float weights of output rows ids[0..n) (an embedding lookup): as the format defines them,
+// in float32 with the same products as gguf's dequantization.
+int lowbit_dequantize_rows(int fmt, int K, int N, int S, const uint8_t *lo, const uint8_t *hi, const void *sc,
+                           const uint8_t *mn, const float *d, const float *dmin, const int64_t *ids, int n, float *out) {
+    const weights_t weights = {lo, hi, mn, sc, d, dmin, S}, *w = &weights;
+    const int bad = check(fmt, K, N, S, w);
+    if (bad) return bad;
+    static const int bits[NUM_FORMATS] = {4, 4, 6, 6, 8, 4, 6, 6}, zero[NUM_FORMATS] = {8, 0, 16, 0, 0, 0, 0, 32};
+    const int sub = sub_of(fmt);
+    const int sck = fmt == Q6_K ? SC_I8 : fmt >= Q4_K ? SC_U8 : SC_NONE;
+    const int mink = (fmt == Q4_K || fmt == Q5_K) ? MIN_D_MN : (fmt == Q4_1 || fmt == Q5_1) ? MIN_D : MIN_NONE;
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return -6;
+        const int g = (int)(ids[i] / GROUP), r = (int)(ids[i] % GROUP);
+        for (int k = 0; k < K; k++) {
+            const float q = (float)(weight_at(w, bits[fmt], K, g, r, k) - zero[fmt]);
+            float v = scale_at(w, sck, sub, K, g, r, k / sub) * q;
+            if (mink != MIN_NONE) v -= min_at(w, mink, K, g, r, k / 32);
+            out[(size_t)i * K + k] = v;
+        }
+    }
+    return 0;
 }
