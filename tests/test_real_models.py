@@ -18,7 +18,7 @@ def _backends():
     (bf16 on CPUs with native bf16; float32 GEMMs change rounding with the row count)."""
     from specdecode.executor.backends import cpu_has_native_bf16
 
-    floating = pytest.param("none", marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16"))
+    floating = pytest.param("none", marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16 (AVX512-BF16/AMX): greedy equality with float weights is established for oneDNN bf16; the default backend's row below runs on every CPU"))
     return ["auto", floating]
 
 
@@ -168,8 +168,11 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
     args = ["--model", "smollm2-135m", "--speculative-model", "ngram", "--shutdown-grace", "3"]
     with ServerProcess(args, startup_timeout_s=300) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        # the question test_smollm2_default_backend_tracks_float_then_knows_paris checks after the quality
+        # gate (without "in one word", float32 leads "The" over "L'Étoile" by 0.08 nats, which int8
+        # activations, ours and llama.cpp's, can flip)
+        r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12, messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one word."}])
         assert "Paris" in r.choices[0].message.content
         assert "memory plan" in server.output()
         # a request far longer than the grace period is running when SIGTERM arrives
