@@ -44,12 +44,13 @@ def exact_joint(model, prompt: list[int], params) -> dict[tuple, float]:
 
 
 def sampled_joint(target, draft, prompt, params, samples: int, k: int = 2, draft_confidence: float = 0.0,
-                  with_drafts_per_step: bool = False) -> tuple:
+                  with_drafts_per_step: bool = False, speculative_model: str | None = None) -> tuple:
     """Counts of each output over `samples` speculative generations (k drafts per step, fewer where the
     draft stops at `draft_confidence`), the acceptance rate they had and, if asked, the mean number of
     tokens drafted per sequence and step."""
     torch.manual_seed(0)
-    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_model_len=256, max_num_seqs=128,
+    llm = LLM(target=target, draft=draft, speculative_model=speculative_model, num_speculative_tokens=k,
+              max_model_len=256, max_num_seqs=128,
               speculation_policy="fixed", draft_confidence=draft_confidence)
     outs = llm.generate([prompt] * (samples // params.n), params)
     counts: dict[tuple, int] = {}

@@ -55,10 +55,12 @@ def test_feedback_hidden_states_are_the_rows_that_chose_each_token(target):
               speculation_policy="fixed")
     llm.generate(["abcabcabc"], GREEDY)
     model = llm.engine.proposer.target
+    prompt_len = len(target.tokenizer.encode("abcabcabc"))
     for fb in llm.engine.proposer.feedback_seen:
-        assert fb.hidden.shape == (len(fb.tokens), target.config.hidden_size)
-        with torch.inference_mode():  # greedy: each row's own logits pick its token
-            chosen = model.lm_head(model.norm(fb.hidden)).argmax(-1).tolist()
+        rows = len(fb.tokens) + (prompt_len - 1 if fb.start == 0 else 0)  # after prefill: the prompt's rows too
+        assert fb.hidden.shape == (rows, target.config.hidden_size)
+        with torch.inference_mode():  # greedy: each of the last rows' own logits picks its token
+            chosen = model.lm_head(model.norm(fb.hidden[-len(fb.tokens):])).argmax(-1).tolist()
         assert chosen == fb.tokens
 
 

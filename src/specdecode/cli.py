@@ -37,10 +37,10 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
     p.add_argument("--quantization", default=["auto"] if several else "auto", choices=QUANTIZATIONS,
                    nargs="+" if several else None,
                    help=("backends to measure, each with its own plain row; " if several else "") +
-                        "target weights: auto = the fastest for this machine (w4a8, else w8a8 on x86 CPUs; bf16 on "
-                        "CUDA), none = floating weights in --dtype, w4a8 = the GGUF's Q4_K weights as stored with "
-                        "int8 activations, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), "
-                        "w8a8 = int8 weights and activations (FBGEMM), w8a16 = int8 weights, bf16 activations")
+                        "target weights: auto = the block kernel where it builds with SIMD (w4a8; bf16/float on CUDA or "
+                        "without it), none = floating weights in --dtype, w4a8 = the GGUF's block formats as stored "
+                        "(Q4_0..Q8_0, Q4_K..Q6_K) with int8 activations per 32, w4a8-all = every weight requantized to "
+                        "4 bits (lossy: for drafts), w8a8 = every weight as Q8_0, w8a16 = int8 weights, bf16 activations")
     p.add_argument("--draft-quantization", default="auto", choices=QUANTIZATIONS,
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
 
@@ -212,6 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
     conc.add_argument("--max-model-len", type=int, default=2048)
     conc.add_argument("--dtype", default="auto")
     conc.add_argument("--out", default="results/concurrency.json")
+
+    dist = sub.add_parser("distill", help="train a draft head on the target's own features (use: --draft head:OUT)")
+    dist.add_argument("--model", default=DEFAULT_TARGET, help="the target the head drafts for")
+    dist.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    dist.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                      help="the target's backend while recording its features: the one it will serve with")
+    dist.add_argument("--data", nargs="+", default=["stdlib", "sonnets"],
+                      help="text the target reads: stdlib (this Python's own modules), sonnets, humaneval, "
+                           "jsonl:FILE (a 'text' field per line)")
+    dist.add_argument("--tokens", type=int, default=60_000, help="tokens of text to record")
+    dist.add_argument("--chunk", type=int, default=256, help="tokens per training sequence")
+    dist.add_argument("--steps", type=int, default=600)
+    dist.add_argument("--batch", type=int, default=4, help="sequences per step")
+    dist.add_argument("--lr", type=float, default=1e-3)
+    dist.add_argument("--draft-vocab-size", type=int, default=32768,
+                      help="the head's LM head keeps the target's most chosen tokens on the data")
+    dist.add_argument("--intermediate-size", type=int, default=2048, help="the head layer's MLP width")
+    dist.add_argument("--out", required=True, help="OUT.safetensors and OUT.json are written")
     return parser
 
 
@@ -226,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             from .server.serve_cmd import run_serve
 
             return run_serve(args)
+        if args.command == "distill":
+            from .distill.command import run_distill_cli
+
+            return run_distill_cli(args)
         if args.command == "plan":
             from .bench.advisor import run_advisor_cli
 

@@ -155,26 +155,33 @@ class Engine:
     def _prefill(self, group: list[Sequence]) -> None:
         """One forward over the shared prompt; the other sequences of the group get a copy of its KV."""
         first, top = group[0], group[0].params.prompt_logprobs
-        logits, hidden = self._target_forward([first.slot], [first.prompt_ids], "last" if top is None else "all")
+        logits, hidden = self._target_forward([first.slot], [first.prompt_ids], "last" if top is None else "all",
+                                              every_row=True)
         if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
             scored = prompt_logprobs(first.prompt_ids, logits, top)
             for seq in group:
                 seq.prompt_logprobs = scored
-            logits, hidden = logits[-1:], None if hidden is None else hidden[-1:]
+            logits = logits[-1:]
         self.runner.commit(first.slot, len(first.prompt_ids))
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)
         for seq in group:
             token, logprobs = sample_first(seq, logits[:1], self.tokenizer.eos_token_ids)
-            seq.feedback = TargetFeedback([token], hidden)
+            self._feed_back(seq, TargetFeedback([token], hidden, 0))
             self._emit(seq, [token], logprobs)
 
-    def _target_forward(self, slots: list[int], inputs: list[list[int]],
-                        logits: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits, and hidden states of the same rows when a proposer reads them."""
+    def _target_forward(self, slots: list[int], inputs: list[list[int]], logits: str,
+                        every_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits, and when a proposer reads them the hidden states of the same rows (of every input
+        row with every_row: a prompt's, which a draft head reads as its context)."""
         if self.wants_hidden_states:
-            return self.runner.forward(slots, inputs, logits, hidden=True)
+            return self.runner.forward(slots, inputs, logits, hidden="all" if every_row else True)
         return self.runner.forward(slots, inputs, logits), None
+
+    def _feed_back(self, seq: Sequence, feedback: TargetFeedback) -> None:
+        seq.feedback = feedback
+        for proposer in self.proposers:
+            proposer.observe(seq, feedback)
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence]) -> None:
@@ -196,7 +203,8 @@ class Engine:
             self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
             for proposer in self.proposers:
                 proposer.commit(seq, committed)
-            seq.feedback = TargetFeedback(emitted, None if hidden is None else hidden[row:row + len(emitted)])
+            self._feed_back(seq, TargetFeedback(emitted, None if hidden is None else hidden[row:row + len(emitted)],
+                                                start))
             row += n_draft + 1
             seq.metrics.spec.record_step(n_draft, accepted, len(emitted))
             self.last_step.record_step(n_draft, accepted, len(emitted))

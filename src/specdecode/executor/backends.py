@@ -191,3 +191,22 @@ def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: st
 def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
     parent, _, child = dotted.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def prepare_head(head, quantization: str = "auto"):
+    """A draft head on its target's backend: on a low-bit target its own linear layers become Q8_0 (the
+    layer is small, so 4 bits would save little time and cost acceptance), and the CPU kernels attach."""
+    from .attention import attach_attention_kernel
+    from .elementwise import attach_elementwise_kernels
+
+    if isinstance(head.lm_head, BlockLinear) and quantization != "none":  # the target is low-bit
+        for name, module in list(head.named_modules()):
+            if isinstance(module, Linear) and module is not head.lm_head:
+                _set_module(head, name, BlockLinear(quantize_q8_0(module.weight.detach().float()),
+                                                    None if module.bias is None else module.bias.detach()))
+        head.backend = f"cpu {quantization} (Q8_0 head)"
+    attach_attention_kernel(head)
+    attach_elementwise_kernels(head)
+    for p in head.parameters():
+        p.requires_grad_(False)
+    return head.eval()

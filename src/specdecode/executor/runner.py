@@ -87,23 +87,30 @@ class ModelRunner:
         self._cache.lengths[slot] = self._written[slot] = length
 
     # ---- the forward -----------------------------------------------------------------------------------
-    def forward(self, slots: list[int], inputs: list[list[int]], logits: str = "last",
-                hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, slots: list[int], inputs: list[list[int]], logits: str = "last", hidden: bool | str = False,
+                features: list[torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run new tokens (a different number per sequence) after each slot's committed tokens.
 
         logits: "last" (the last new token of each sequence) or "all" (every new token), flat in
         sequence order. With hidden=True also the final hidden states (before the last norm) of the
-        same rows, for proposers that draft from the target's features."""
+        same rows, with hidden="all" of every new token, for proposers that draft from the target's
+        features. features: per sequence, one input feature row per new token, for a model that reads
+        them beside the tokens (a draft head)."""
         starts, lengths = [self._cache.lengths[s] for s in slots], [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
         batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits)
-        if batch.packed:
-            tokens = torch.tensor([[t for seq in inputs for t in seq]], device=self.device)
-        else:
-            width = max(lengths)
-            tokens = torch.tensor([t + [0] * (width - len(t)) for t in inputs], device=self.device)
-        out = self.model(tokens, batch, self._cache, return_hidden=hidden)
+        tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
+        extra = {} if features is None else {"features": self._batched(batch, features)}
+        out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
         for slot, start, n in zip(slots, starts, lengths):
             self._written[slot] = start + n
         return out
+
+    @staticmethod
+    def _batched(batch: ForwardBatch, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Per-sequence tensors as the forward takes them: side by side in one row when the batch is
+        packed ([1, N, ...]), else right-padded with zeros to the longest ([B, width, ...])."""
+        if batch.packed:
+            return torch.cat(rows)[None]
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)

@@ -157,8 +157,12 @@ class Attention(nn.Module):
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
 
-    def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
+    def forward(self, x, rope, batch: ForwardBatch | None, cache: KVCache | None):
+        """With a cache: the new tokens after each slot's cached ones. Without (training a draft head):
+        each row of x is a whole sequence from position 0, attended causally."""
         bsz, width, _ = x.shape
+        if cache is None:
+            return self.o_proj(self._causal_attention(x, rope).transpose(1, 2).reshape(bsz, width, -1))
         if batch.rowwise is not None and self.rowwise_kernel is not None:
             out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self.layer)
             return self.o_proj(out.view(bsz, width, -1))
@@ -174,6 +178,14 @@ class Attention(nn.Module):
             keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
+
+    def _causal_attention(self, x, rope) -> torch.Tensor:
+        bsz, width, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2), *rope)
+        k = apply_rope(k.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2), *rope)
+        v = v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def _rowwise_attention(self, q, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """One attention call per new token over exactly its visible keys: the same call, bit for bit, as
@@ -264,20 +276,28 @@ class Transformer(nn.Module):
         return total
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache, return_hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache, return_hidden: bool | str = False):
         """tokens [B, T] ([1, N] when packed) -> float32 logits [rows, vocab] for `batch.logit_rows`
-        (row-major over B, T); with return_hidden also the last layer's output for those rows."""
+        (row-major over B, T); with return_hidden also the last layer's output (before the final norm)
+        for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
         x = self.embed_tokens(tokens)
         rope = self.rotary(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch, cache)
-        x, residual = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
-        if batch.logit_rows is not None:
-            x, residual = x.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)
+        return self.output(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows,
+                           return_hidden)
+
+    def output(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, return_hidden: bool | str):
+        """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for."""
+        every_row = x + residual if return_hidden == "all" else None
+        if rows is not None:
+            x, residual = x.index_select(0, rows), residual.index_select(0, rows)
         normed, hidden = self.norm(x, residual)
         logits = self.lm_head(normed).float()
-        return (logits, hidden) if return_hidden else logits
+        if not return_hidden:
+            return logits
+        return logits, hidden if every_row is None else every_row
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Keep only these rows of the LM head (cheaper drafting; see proposers.draft_model). The full head

@@ -35,12 +35,14 @@ class DraftBatch:
 class TargetFeedback:
     """What the target produced for one sequence in the step before: the tokens it emitted (accepted
     drafts, then the recovered or bonus token; after prefill, the first token) and, for proposers that
-    ask for them, the target's final hidden states at the positions whose logits chose those tokens
-    ([len(tokens), hidden_size]): what a draft head trained on the target's features reads."""
+    ask for them, the target's final hidden states (before the last norm), one row per position from
+    position `start` on: what a draft head trained on the target's features reads. The last
+    len(tokens) rows are those whose logits chose the tokens; after prefill the rows before them are
+    the prompt's (row p read token p and predicted token p + 1)."""
 
     tokens: list[int]
     hidden: torch.Tensor | None = None
-
+    start: int = 0
 
 @dataclass
 class Preview:
@@ -74,6 +76,10 @@ class Proposer:
 
     def preview(self, seqs: list[Sequence], k: int) -> list[Preview]:
         raise NotImplementedError(f"{type(self).__name__} does not preview drafts")
+
+    def observe(self, seq: Sequence, feedback: TargetFeedback) -> None:
+        """Called with every target output for the sequence, also in steps where it was not asked to
+        draft (a proposer that reads hidden states keeps them here)."""
 
     def unseen_tokens(self, seq: Sequence) -> int:
         """Tokens of the sequence the proposer must read before it can draft for it."""

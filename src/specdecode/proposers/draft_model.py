@@ -58,11 +58,7 @@ class DraftModelProposer(Proposer):
                 rows = [i for i in active if ks[i] > step and i not in unsure]
                 if not rows:
                     break
-                if step == 0:  # catch up on everything the draft has not seen, then draft the first token
-                    inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
-                else:
-                    inputs = [[tokens[i][-1]] for i in rows]
-                logits = self._forward([slots[i] for i in rows], inputs)
+                logits = self._draft_forward(step, rows, seqs, slots, tokens)
                 for row, i in enumerate(rows):
                     seqs[i].metrics.spec.num_draft_forwards += 1
                     token, q = self._sample(logits[row], seqs[i], tokens[i])
@@ -79,19 +75,30 @@ class DraftModelProposer(Proposer):
                     seqs[i].grammar.undo_drafts()
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
+    def _draft_forward(self, step: int, rows: list[int], seqs, slots: dict[int, int],
+                       tokens: list[list[int]]) -> torch.Tensor:
+        """Logits for the next draft token of seqs[i], i in rows. The first round catches up on everything
+        the draft has not seen, then drafts the first token; later rounds read the last drafted token."""
+        if step == 0:
+            inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
+        else:
+            inputs = [[tokens[i][-1]] for i in rows]
+        return self._forward([slots[i] for i in rows], inputs)
+
     def _slot(self, seq) -> int:
         if seq.request_id not in self._slots:
             self._slots[seq.request_id] = self.runner.allocate()
         return self._slots[seq.request_id]
 
-    def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
+    def _forward(self, slots: list[int], inputs: list[list[int]], **extra):
+        """One timed draft forward (logits of each sequence's last input); the inputs become context."""
         before = self.timer.draft_time
         with self.timer.measure("draft"):
-            logits = self.runner.forward(slots, inputs, logits="last")
+            out = self.runner.forward(slots, inputs, logits="last", **extra)
         self._round_seconds.append(self.timer.draft_time - before)
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
-        return logits
+        return out
 
     def _sample(self, logits: torch.Tensor, seq, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
         """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification.

@@ -47,11 +47,13 @@ def proposer_names() -> list[str]:
 
 def proposer_kind(speculative_model: str | None) -> str | None:
     """The registered kind a `speculative_model` value asks for: itself when it is a kind's name (vLLM's
-    "[ngram]" spelling included), else the draft-model kind (the value names a model)."""
+    "[ngram]" spelling included), the part before a colon when that is one ("head:PATH"), else the
+    draft-model kind (the value names a model)."""
     if speculative_model is None:
         return None
     name = speculative_model.strip("[]")
-    return name if name in _REGISTRY else DRAFT_MODEL
+    kind = name.partition(":")[0]
+    return name if name in _REGISTRY else kind if kind in _REGISTRY else DRAFT_MODEL
 
 
 def build_proposer(kind: str, setup: ProposerSetup) -> Proposer:

@@ -1,0 +1,55 @@
+"""The distill pipeline: target features -> draft vocabulary -> head -> training -> a head file."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..models.draft_head import HeadSpec, build_head, head_base, save_head, target_fingerprint
+from ..models.loader import LoadedModel
+from .data import collect_features, draft_vocabulary
+from .train import Recipe, evaluate, train, trainable
+
+HELD_OUT = 0.05  # of the chunks, measured after training and never trained on
+
+
+def distill(target: LoadedModel, out: str, sources: list[str], max_tokens: int = 60_000, chunk: int = 256,
+            draft_vocab_size: int = 32768, intermediate_size: int = 2048, recipe: Recipe | None = None,
+            progress: bool = True) -> dict:
+    """Train a head for `target` and write it to OUT.safetensors / OUT.json; returns the summary."""
+    recipe = recipe or Recipe()
+    started = time.time()
+    data = collect_features(target, sources, chunk, max_tokens, progress)
+    collected = time.time()
+    train_set, held_out = data.split(HELD_OUT)
+    vocab = draft_vocabulary(train_set, draft_vocab_size, target.tokenizer.special_ids, target.config.vocab_size)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), intermediate_size, len(vocab),
+                    recipe={"sources": sources, "max_tokens": max_tokens, "chunk": chunk, **asdict(recipe)})
+    torch.manual_seed(recipe.seed)
+    head = trainable(build_head(spec, None, target.model, vocab))
+    log = train(head, train_set, recipe, head_base(out) + ".ckpt", progress)
+    agreement = evaluate(head, held_out)
+    coverage = float(sum(int(c) in set(vocab.tolist()) for c in held_out.choice.flatten()) / held_out.choice.numel())
+    spec.measured = {"held_out_top1": agreement, "held_out_vocab_coverage": coverage,
+                     "train_tokens": int(train_set.tokens.numel()), "collect_s": collected - started,
+                     "train_s": time.time() - collected, "final_train_ce": log[-1]["ce"] if log else None}
+    save_head(head, spec, out)
+    if os.path.exists(head_base(out) + ".ckpt"):
+        os.remove(head_base(out) + ".ckpt")
+    return spec.measured
+
+
+def run_distill_cli(args) -> int:
+    import json
+
+    from ..models.loader import load_model
+
+    target = load_model(args.model, args.device, "auto", True, args.quantization)
+    recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr)
+    summary = distill(target, args.out, args.data, args.tokens, args.chunk, args.draft_vocab_size,
+                      args.intermediate_size, recipe)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {head_base(args.out)}.safetensors and .json; use it with --draft head:{head_base(args.out)}")
+    return 0

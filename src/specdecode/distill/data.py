@@ -1,0 +1,125 @@
+"""Training data for a draft head: text the target reads, and what it computes on it.
+
+For every chunk of text the target (on the backend it will serve with) records its final hidden states
+and its own next-token choice at every position: the head learns the target as it runs, not the
+checkpoint's float model. Collected features are cached per target and recipe, so a second run (or a
+resumed one) skips the target's forwards."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines
+from ..errors import SpecDecodeError
+from ..executor.runner import ModelRunner
+from ..models.loader import LoadedModel
+from ..models.sources import cache_root
+
+SOURCES = ("stdlib", "sonnets", "humaneval", "jsonl:FILE")
+
+
+@dataclass
+class FeatureSet:
+    tokens: torch.Tensor  # [chunks, T] token ids
+    hidden: torch.Tensor  # [chunks, T, hidden] the target's final hidden states, bf16
+    choice: torch.Tensor  # [chunks, T] the target's greedy next token at each position
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def split(self, held_out: float) -> tuple["FeatureSet", "FeatureSet"]:
+        n = max(1, int(len(self) * held_out))
+        return (FeatureSet(self.tokens[:-n], self.hidden[:-n], self.choice[:-n]),
+                FeatureSet(self.tokens[-n:], self.hidden[-n:], self.choice[-n:]))
+
+
+def source_texts(source: str) -> list[str]:
+    """Training texts by source name (see SOURCES)."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
+        return [p.read_text(encoding="utf-8", errors="ignore") for p in files]
+    if source == "sonnets":
+        lines = poem_lines()
+        return ["\n".join(lines[i:i + 14]) for i in range(0, len(lines), 14)]
+    if source == "humaneval":
+        return humaneval_prompts()
+    if source.startswith("jsonl:"):
+        return jsonl_prompts(source[len("jsonl:"):], field="text")
+    raise SpecDecodeError(f"unknown distill data source {source!r}; use one of {', '.join(SOURCES)}")
+
+
+def token_chunks(texts: list[str], tokenizer, chunk: int, max_tokens: int) -> list[list[int]]:
+    """Texts tokenized and cut into chunks of `chunk` tokens, interleaved across texts (so a small budget
+    still sees many files), up to `max_tokens` in all."""
+    per_text = [tokenizer.encode(t) for t in texts]
+    pieces = [[ids[i:i + chunk] for i in range(0, len(ids) - chunk + 1, chunk)] for ids in per_text]
+    out: list[list[int]] = []
+    for round_ in range(max((len(p) for p in pieces), default=0)):
+        for p in pieces:
+            if round_ < len(p) and len(out) * chunk < max_tokens:
+                out.append(p[round_])
+    return out
+
+
+def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_tokens: int,
+                     progress: bool = True) -> FeatureSet:
+    """The target's features on the sources' text, read from the cache when this recipe ran before."""
+    from ..models.draft_head import target_fingerprint
+
+    key = json.dumps([target_fingerprint(target.model), target.model.backend, sources, chunk, max_tokens])
+    path = os.path.join(cache_root(), "distill", hashlib.sha256(key.encode()).hexdigest()[:16] + ".pt")
+    if os.path.exists(path):
+        return FeatureSet(**torch.load(path))
+    texts = [t for s in sources for t in source_texts(s)]
+    chunks = token_chunks(texts, target.tokenizer, chunk, max_tokens)
+    if not chunks:
+        raise SpecDecodeError(f"the data sources {sources} hold no chunk of {chunk} tokens")
+    hidden, choice = _record(target, chunks, path + ".partial", progress)
+    data = FeatureSet(torch.tensor(chunks), torch.stack(hidden), torch.stack(choice))
+    torch.save(vars(data), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    os.remove(path + ".partial")
+    return data
+
+
+def _record(target: LoadedModel, chunks: list[list[int]], partial: str, progress: bool,
+            save_every: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The target's hidden states and greedy choices per chunk; every few chunks what is done goes to
+    `partial`, from which an interrupted run resumes."""
+    done = torch.load(partial) if os.path.exists(partial) else {"hidden": [], "choice": []}
+    hidden, choice = done["hidden"], done["choice"]
+    runner = ModelRunner(target.model, 1, len(chunks[0]))
+    slot = runner.allocate()
+    for i in tqdm(range(len(hidden), len(chunks)), desc="target features", unit="chunk", initial=len(hidden),
+                  total=len(chunks), disable=not progress):
+        runner.rollback(slot, 0)
+        logits, h = runner.forward([slot], [chunks[i]], logits="all", hidden=True)
+        hidden.append(h.to(torch.bfloat16))
+        choice.append(logits.argmax(-1))
+        if (i + 1) % save_every == 0 or i + 1 == len(chunks):
+            os.makedirs(os.path.dirname(partial), exist_ok=True)
+            torch.save({"hidden": hidden, "choice": choice}, partial + ".tmp")
+            os.replace(partial + ".tmp", partial)
+    return hidden, choice
+
+
+def draft_vocabulary(data: FeatureSet, size: int, special_ids, vocab_size: int) -> torch.Tensor:
+    """The `size` tokens the target chose most often on the data, plus the special tokens, rounded up to
+    whole groups of 16 with the lowest remaining ids (byte-pair ranks: frequent merges first)."""
+    counts = torch.bincount(data.choice.flatten(), minlength=vocab_size)
+    chosen = counts.argsort(descending=True)[:size]
+    chosen = chosen[counts[chosen] > 0]
+    special = torch.tensor(sorted(i for i in special_ids if i < vocab_size), dtype=torch.long)
+    ids = torch.unique(torch.cat([chosen, special]))
+    wanted = min(vocab_size, -(-max(size, len(ids)) // 16) * 16)
+    fill = torch.arange(vocab_size)
+    fill = fill[~torch.isin(fill, ids)][:wanted - len(ids)]
+    return torch.unique(torch.cat([ids, fill]))

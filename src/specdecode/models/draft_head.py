@@ -1,0 +1,188 @@
+"""A draft head: one decoder layer that drafts from the target's own features (EAGLE's design).
+
+Row p of its input is the target's final hidden state at position p (before the last norm) beside the
+embedding of token p + 1, the token those features chose. Its output at row p estimates the target's
+hidden state at position p + 1, which the target's own final norm and LM head (restricted to a draft
+vocabulary) turn into a distribution for token p + 2. The next draft row reads that estimate beside the
+drafted token, so drafting k tokens costs k forwards of one layer.
+
+The head owns only its input norms, the fusing projection and the layer; the embedding, final norm and
+LM head rows are the target's, shared at load time. A file holds the owned weights, the draft
+vocabulary (`vocab_ids`) and a JSON beside it naming the target by a fingerprint of its weights, so a
+head is never run on a target it was not trained for."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import SpecDecodeError
+from .runtime import DecoderLayer, ForwardBatch, Linear, RMSNorm, RotaryEmbedding, Transformer
+
+ARCHITECTURE = "feature-head-1"  # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs)
+
+
+@dataclass
+class HeadSpec:
+    """What a head file's JSON says: its shape, the target it reads, and how it was made."""
+
+    target_name: str
+    target_fingerprint: str
+    intermediate_size: int
+    draft_vocab_size: int
+    architecture: str = ARCHITECTURE
+    recipe: dict = field(default_factory=dict)  # the distill options and data that made it
+    measured: dict = field(default_factory=dict)  # held-out acceptance at training's end
+
+    def layer_config(self, target: ModelConfig) -> ModelConfig:
+        return replace(target, num_layers=1, intermediate_size=self.intermediate_size)
+
+
+def target_fingerprint(model: Transformer) -> str:
+    """The target's identity, the same under every backend: its shape and its float norm weights (every
+    backend keeps those as loaded), hashed."""
+    h = hashlib.sha256(repr(model.cfg).encode())
+    for norm in (model.norm, model.layers[-1].input_layernorm, model.layers[0].post_attention_layernorm):
+        h.update(norm.weight.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class DraftHead(nn.Module):
+    """Forward signature as Transformer's, plus `features` (one target hidden row per input token), so the
+    model runner, its KV cache and its rollback serve a head as they serve a draft model."""
+
+    OWNED = ("embed_norm", "feature_norm", "fc", "layers")  # what a head file stores
+
+    def __init__(self, cfg: ModelConfig, target: Transformer, vocab_ids: torch.Tensor):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.cfg = cfg
+        self.embed_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
+        self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta)
+        self.vocab_ids = vocab_ids
+        self.norm = target.norm  # the target's final norm (not saved: see OWNED)
+        # the target's embedding, not registered: neither saved nor counted as the head's memory
+        self._shared = {"embed": target.embed_tokens}
+        self.lm_head = target.lm_head.select_rows(vocab_ids) if target.vocab_ids is None else target.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.rotary.inv_freq.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    backend = "torch"
+
+    def weight_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in list(self.parameters()) + list(self.buffers()))
+
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch | None, cache, return_hidden: bool | str = False,
+                features: torch.Tensor | None = None):
+        """tokens [B, T] and features [B, T, hidden] -> logits over the draft vocabulary for the batch's
+        logit rows, and with return_hidden the estimated next features of the same rows. Without a cache
+        (training) every row of tokens is a sequence from position 0 and every row gets logits."""
+        with torch.inference_mode(not self.training):
+            x = self._fused_inputs(tokens, features)
+            positions = batch.positions if cache is not None else torch.arange(tokens.shape[1], device=x.device)[None]
+            x, residual = self.layers[0](x, None, self.rotary(positions, x.dtype), batch, cache)
+            rows = batch.logit_rows if cache is not None else None
+            return self._output(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), rows, return_hidden)
+
+    def _fused_inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        embedded = self._shared["embed"](tokens).to(self.dtype)
+        if features is None:  # timing a forward (the profile): contents do not change its cost
+            features = torch.zeros_like(embedded)
+        return self.fc(torch.cat([self.embed_norm(embedded), self.feature_norm(features.to(embedded.dtype))], -1))
+
+    def _output(self, x, residual, rows, return_hidden):
+        predicted = x + residual  # the estimate of the target's next hidden state (before its final norm)
+        if rows is not None:
+            predicted = predicted.index_select(0, rows)
+        logits = self.lm_head(self.norm(predicted)).float()
+        return (logits, predicted) if return_hidden else logits
+
+    def owned_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in self.OWNED}
+
+
+def save_head(head: DraftHead, spec: HeadSpec, path: str) -> None:
+    """PATH.safetensors (owned weights in bf16, the draft vocabulary) and PATH.json (the spec)."""
+    from safetensors.torch import save_file
+
+    base = head_base(path)
+    tensors = {k: v.to(torch.bfloat16) for k, v in head.owned_state().items()}
+    tensors["vocab_ids"] = head.vocab_ids.to(torch.int32).cpu()
+    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
+    save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, base + ".safetensors.tmp")
+    os.replace(base + ".safetensors.tmp", base + ".safetensors")
+    with open(base + ".json", "w") as f:
+        json.dump(asdict(spec), f, indent=1)
+
+
+def head_base(path: str) -> str:
+    """A head is named by its path with or without the .safetensors / .json suffix."""
+    for suffix in (".safetensors", ".json"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return path
+
+
+def read_head(path: str) -> tuple[HeadSpec, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    base = head_base(path)
+    missing = [p for p in (base + ".json", base + ".safetensors") if not os.path.exists(p)]
+    if missing:
+        raise SpecDecodeError(f"draft head {path!r}: {', '.join(missing)} not found; train one with "
+                              "`specdecode distill --out PATH` or pass an existing head's path")
+    with open(base + ".json") as f:
+        spec = HeadSpec(**json.load(f))
+    if spec.architecture != ARCHITECTURE:
+        raise SpecDecodeError(f"draft head {path!r} is a {spec.architecture!r}; this version runs {ARCHITECTURE!r}")
+    return spec, load_file(base + ".safetensors")
+
+
+def build_head(spec: HeadSpec, tensors: dict[str, torch.Tensor] | None, target: Transformer,
+               vocab_ids: torch.Tensor | None = None) -> DraftHead:
+    """A head for `target` from stored weights (or freshly initialised ones, to train), in float32."""
+    if tensors is not None and spec.target_fingerprint != target_fingerprint(target):
+        raise SpecDecodeError(
+            f"this draft head was trained for {spec.target_name!r} (fingerprint {spec.target_fingerprint}), and "
+            f"the target here is another model (fingerprint {target_fingerprint(target)}); train a head for it "
+            "with `specdecode distill --model <target>`")
+    ids = (tensors["vocab_ids"] if tensors is not None else vocab_ids).long().to(target.device)
+    head = DraftHead(spec.layer_config(target.cfg), target, ids)
+    if tensors is not None:
+        owned = {k: v.float() for k, v in tensors.items() if k != "vocab_ids"}
+        missing, unexpected = head.load_state_dict(owned, strict=False)
+        unexpected_owned = [k for k in missing if k.split(".")[0] in DraftHead.OWNED]
+        if unexpected_owned or unexpected:
+            raise SpecDecodeError(f"draft head file does not match its spec: missing {unexpected_owned}, "
+                                  f"unexpected {unexpected}")
+    else:
+        init_head(head)
+    return head.to(target.device)
+
+
+def init_head(head: DraftHead) -> None:
+    """Small random weights; the fusing projection starts as the sum of both inputs' halves, so an untrained
+    head already passes the token's embedding and the features through."""
+    for module in head.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    hidden = head.cfg.hidden_size
+    with torch.no_grad():
+        head.fc.weight[:, :hidden] += torch.eye(hidden)
+        head.fc.weight[:, hidden:] += torch.eye(hidden)

@@ -1,0 +1,110 @@
+"""A draft head proposes from the target's own hidden states (see models/draft_head.py).
+
+Per sequence the head's KV cache holds one row per position whose target features it has read. The
+target's features arrive with every step's feedback (`observe`, also in steps without drafting); the
+first drafting round reads them all, the next rounds read the head's own estimate of the features, and
+after drafting the cache is rolled back to the rows built from the target's real features: the next
+step's feedback brings those for the accepted tokens. Sampling, the confidence stop, grammars and the
+draft probabilities returned for verification are the draft model's (the base class)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import SpecDecodeError
+from ..models.draft_head import DraftHead, build_head, read_head
+from ..models.loader import LoadedModel
+from ..metrics import StepTimer
+from .draft_model import DraftModelProposer
+from .registry import ProposerSetup
+
+PREFIX = "head:"  # speculative_model="head:PATH" (or a bundled head's name)
+BUNDLED_HEADS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "heads")
+
+
+def head_path(name: str) -> str:
+    """A head's path ("head:PATH", or another kind's "KIND:PATH"): as given when it exists, else a head
+    bundled with the package under that name."""
+    kind, colon, rest = name.partition(":")
+    name = rest if colon and "/" not in kind else name
+    if os.path.exists(name) or os.path.exists(name + ".json"):
+        return name
+    return os.path.join(BUNDLED_HEADS, name)
+
+
+class DraftHeadProposer(DraftModelProposer):
+    wants_hidden_states = True
+
+    def __init__(self, head: DraftHead, loaded: LoadedModel, timer: StepTimer | None = None,
+                 confidence_threshold: float = 0.0):
+        super().__init__(loaded, timer, confidence_threshold)
+        self._features: dict[str, list[torch.Tensor]] = {}  # request id -> target features not yet read
+        self._estimates: dict[int, torch.Tensor] = {}  # batch row -> the head's last estimated features
+        self._real_rows: dict[str, int] = {}  # request id -> head cache rows built from the target's features
+
+    @classmethod
+    def from_setup(cls, setup: ProposerSetup) -> "DraftHeadProposer":
+        from ..executor.backends import prepare_head
+
+        if not setup.model:
+            raise SpecDecodeError("the draft-head proposer needs a head: speculative_model='head:PATH'")
+        path = head_path(setup.model)
+        spec, tensors = read_head(path)
+        head = prepare_head(build_head(spec, tensors, setup.target.model), setup.quantization)
+        loaded = LoadedModel(f"head:{os.path.basename(path)}", head, setup.target.tokenizer, head.cfg)
+        return cls(head, loaded, setup.timer, setup.draft_confidence)
+
+    def observe(self, seq, feedback) -> None:
+        if feedback.hidden is None:
+            return
+        slot = self._slots.get(seq.request_id)
+        pending = self._features.setdefault(seq.request_id, [])
+        read = (self.runner.length(slot) if slot is not None else 0) + sum(len(f) for f in pending)
+        if feedback.start != read:  # rows arrive in order, each position once
+            raise RuntimeError(f"draft head: features from position {feedback.start}, expected {read}")
+        pending.append(feedback.hidden)
+
+    def propose(self, seqs, ks, feedback=None):
+        ks = [k if self._features.get(s.request_id) else 0 for s, k in zip(seqs, ks)]  # nothing to read: no draft
+        try:
+            return super().propose(seqs, ks, feedback)
+        finally:
+            self._estimates.clear()
+            for seq, k in zip(seqs, ks):  # forget the rows built on estimates
+                if k:
+                    slot = self._slots[seq.request_id]
+                    self.runner.rollback(slot, self._real_rows[seq.request_id])
+
+    def _draft_forward(self, step, rows, seqs, slots, tokens):
+        if step == 0:
+            inputs, features = [], []
+            for i in rows:
+                seq, start = seqs[i], self.runner.length(slots[i])
+                read = torch.cat(self._features.pop(seq.request_id))
+                # row p pairs the target's features at p with token p + 1, the token they chose
+                inputs.append(seq.token_ids[start + 1:start + 1 + len(read)])
+                if len(inputs[-1]) != len(read):
+                    raise RuntimeError(f"draft head: {len(read)} feature rows from position {start} but the "
+                                       f"sequence has {seq.num_tokens} tokens")
+                features.append(read)
+                self._real_rows[seq.request_id] = start + len(read)
+        else:
+            inputs = [[tokens[i][-1]] for i in rows]
+            features = [self._estimates[i] for i in rows]
+        logits, estimates = self._forward([slots[i] for i in rows], inputs, hidden=True, features=features)
+        for row, i in enumerate(rows):
+            self._estimates[i] = estimates[row:row + 1]
+        return logits
+
+    def unseen_tokens(self, seq) -> int:
+        """Positions whose target features the head has not read yet (its next round reads them)."""
+        return sum(len(f) for f in self._features.get(seq.request_id, ()))
+
+    def commit(self, seq, num_valid_tokens: int) -> None:
+        """Nothing to do: drafting already rolled back to the rows built from real features."""
+
+    def release(self, seq) -> None:
+        self._features.pop(seq.request_id, None)
+        self._real_rows.pop(seq.request_id, None)
+        super().release(seq)

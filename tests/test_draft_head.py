@@ -1,0 +1,202 @@
+"""The draft head proposer (drafts from the target's hidden states) and `distill`: greedy equality,
+the sampled distribution, the pairing of features with tokens, KV rollback, refusal of a head made for
+another target, and training that learns; each property beside a broken variant that fails it."""
+import json
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.distill.command import distill
+from specdecode.distill.train import Recipe
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
+from specdecode.proposers import DraftBatch, register_proposer
+from specdecode.proposers.draft_head import DraftHeadProposer
+from specdecode.proposers.registry import _REGISTRY
+
+from conftest import tiny_model
+from stats import chi2_pvalue, exact_joint, sampled_joint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9], list(range(10, 40))]  # the last one prefills by the batched path
+
+
+def make_head(target, path, seed=0, intermediate=48):
+    torch.manual_seed(seed)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), intermediate, target.config.vocab_size)
+    save_head(build_head(spec, None, target.model, torch.arange(target.config.vocab_size)), spec, str(path))
+    return f"head:{path}"
+
+
+def _llm(target, head, k=3, **kw):
+    kw.setdefault("speculation_policy", "fixed")
+    return LLM(target=target, speculative_model=head, num_speculative_tokens=k, max_model_len=256, **kw)
+
+
+def _ids(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    return make_head(target, tmp_path_factory.mktemp("heads") / "tiny")
+
+
+@pytest.fixture
+def registered(request):
+    """Register a proposer kind for one test only."""
+    names = []
+
+    def add(name, factory):
+        register_proposer(name, factory)
+        names.append(name)
+    yield add
+    for name in names:
+        _REGISTRY.pop(name, None)
+
+
+def test_greedy_output_equals_plain_decoding(target, head):
+    llm = _llm(target, head)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == _ids(LLM(target=target, num_speculative_tokens=0,
+                                                               max_model_len=256))
+    assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
+
+
+class Recorder(DraftHeadProposer):
+    """Records every (position, token, features) row the head reads from the target's features."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.rows: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def _draft_forward(self, step, rows, seqs, slots, tokens):
+        if step == 0:
+            for i in rows:
+                seq, start = seqs[i], self.runner.length(slots[i])
+                read = torch.cat(self._features[seq.request_id])
+                for j in range(len(read)):
+                    self.rows.setdefault(seq.request_id, {})[start + j] = (seq.token_ids[start + 1 + j], read[j])
+                self.tokens[seq.request_id] = seq.token_ids
+        return super()._draft_forward(step, rows, seqs, slots, tokens)
+
+
+class ShiftedRecorder(Recorder):
+    """Broken: pairs each feature row with the token one position later."""
+
+    def _draft_forward(self, step, rows, seqs, slots, tokens):
+        if step == 0:
+            for i in rows:
+                pending = self._features[seqs[i].request_id]
+                pending[:] = [torch.cat([pending[0][1:], pending[-1][-1:]] + [p for p in pending[1:]])]
+        return super()._draft_forward(step, rows, seqs, slots, tokens)
+
+
+def _pairing_errors(target, recorder) -> int:
+    """Rows whose features are not the target's own at that position (recomputed alone) or whose token is
+    not the sequence's next one."""
+    runner, errors = ModelRunner(target.model, 1, 256), 0
+    for rid, rows in recorder.rows.items():
+        ids = recorder.tokens[rid]
+        slot = runner.allocate()
+        _, hidden = runner.forward([slot], [ids], "all", hidden=True)
+        runner.free(slot)
+        for pos, (token, features) in rows.items():
+            if token != ids[pos + 1] or not torch.allclose(features, hidden[pos], atol=1e-4, rtol=1e-4):
+                errors += 1
+    return errors
+
+
+@pytest.mark.parametrize("kind, broken", [(Recorder, False), (ShiftedRecorder, True)])
+def test_each_head_row_reads_the_targets_features_at_its_position_beside_the_next_token(
+        target, head, registered, kind, broken):
+    registered("recording-head", lambda setup: kind.from_setup(setup))
+    llm = _llm(target, "recording-head:" + head[len("head:"):])
+    llm.generate(PROMPTS, GREEDY)
+    recorder = llm.engine.proposer
+    assert sum(len(r) for r in recorder.rows.values()) > sum(map(len, PROMPTS))
+    errors = _pairing_errors(target, recorder)
+    assert (errors > 0) if broken else (errors == 0)
+
+
+def test_drafting_rolls_the_head_cache_back_to_the_targets_rows(target, head, registered):
+    class NoRollback(DraftHeadProposer):
+        def propose(self, seqs, ks, feedback=None):
+            self._real_rows.clear()
+            return super(DraftHeadProposer, self).propose(seqs, ks, feedback)  # skips the rollback
+
+    llm = _llm(target, head)
+    llm.generate(PROMPTS, GREEDY)
+    proposer = llm.engine.proposer
+    assert all(proposer.runner.length(s) == 0 for s in range(proposer.runner.num_slots))  # all released
+    registered("no-rollback-head", lambda setup: NoRollback.from_setup(setup))
+    with pytest.raises(RuntimeError, match="features from position"):
+        _llm(target, "no-rollback-head:" + head[len("head:"):]).generate(PROMPTS, GREEDY)
+
+
+def test_a_head_for_another_target_is_refused(head):
+    other = tiny_model(seed=1)
+    with pytest.raises(SpecDecodeError, match="trained for .* another model"):
+        _llm(other, head)
+    with pytest.raises(SpecDecodeError, match="not found; train one with `specdecode distill"):
+        _llm(other, "head:/nonexistent/head")
+
+
+# ---- the distribution ---------------------------------------------------------------------------------
+STAT_PARAMS = dict(temperature=1.0, max_tokens=3, repetition_penalty=1.3, presence_penalty=0.7, logit_bias={2: 1.0},
+                   top_k=6)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    target = tiny_model(seed=7, vocab=8, hidden=32)
+    path = make_head(target, tmp_path_factory.mktemp("heads") / "small", intermediate=32)
+    prompt, params = [1, 2, 3, 1], SamplingParams(n=16, **STAT_PARAMS)
+    return target, path, prompt, params, exact_joint(target, prompt, params)
+
+
+def test_sampling_with_the_head_follows_the_processed_target(small):
+    target, path, prompt, params, joint = small
+    counts, accepted = sampled_joint(target, None, prompt, params, samples=4000, speculative_model=path)
+    assert 0.1 < accepted < 0.95
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_a_head_that_misstates_its_probabilities_fails_the_distribution_test(small, registered):
+    """Broken: the tokens are drawn from the head's q, but verification is told q is uniform. (Returning
+    no q at all is not a broken variant: verifying a draft as one-hot is exact for any way of choosing
+    it, and only lowers acceptance.)"""
+    class UniformQ(DraftHeadProposer):
+        def propose(self, seqs, ks, feedback=None):
+            drafts = super().propose(seqs, ks, feedback)
+            return DraftBatch(drafts.tokens, [None if q is None else torch.full_like(q, 1 / q.shape[-1])
+                                              for q in drafts.probs])
+
+    target, path, prompt, params, joint = small
+    registered("uniform-q-head", lambda setup: UniformQ.from_setup(setup))
+    counts, _ = sampled_joint(target, None, prompt, params, samples=4000,
+                              speculative_model="uniform-q-head:" + path[len("head:"):])
+    assert chi2_pvalue(counts, joint) < 1e-6
+
+
+# ---- distill --------------------------------------------------------------------------------------------
+def test_distill_trains_a_head_that_drafts_what_the_target_says(target, tmp_path, monkeypatch):
+    """Trained on the target's own continuations of some prompts, the head's drafts are accepted far more
+    often than an untrained head's on the continuation of a prompt it never saw."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    outs = plain.generate([[i, i + 1, (3 * i) % 60] for i in range(1, 49)],
+                          SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    text = tmp_path / "own.jsonl"
+    text.write_text("".join(json.dumps({"text": target.tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids)})
+                            + "\n" for o in outs))
+    out = tmp_path / "trained"
+    summary = distill(target, str(out), [f"jsonl:{text}"], max_tokens=4000, chunk=48, draft_vocab_size=48,
+                      intermediate_size=64, recipe=Recipe(steps=150, batch=8, lr=3e-3), progress=False)
+    assert summary["held_out_top1"] > 0.15  # chance: about 1 in 48
+    unseen = [[50, 51, 27]]
+    trained, untrained = (_llm(target, h, k=4).generate(unseen, GREEDY)[0].spec["acceptance_rate"]
+                          for h in (f"head:{out}", make_head(target, tmp_path / "untrained")))
+    assert trained > untrained + 0.15, (trained, untrained)
