@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
+from ..proposers.draft_model import in_row_groups
 from ..models.loader import LoadedModel
 from ..models.sources import cache_root
 
@@ -112,14 +113,9 @@ def _record(target: LoadedModel, chunks: list[list[int]], partial: str, progress
 
 
 def draft_vocabulary(data: FeatureSet, size: int, special_ids, vocab_size: int) -> torch.Tensor:
-    """The `size` tokens the target chose most often on the data, plus the special tokens, rounded up to
-    whole groups of 16 with the lowest remaining ids (byte-pair ranks: frequent merges first)."""
+    """The `size` tokens the target chose most often on the data (the lowest ids after them where it chose
+    fewer), plus the special tokens, in whole 16-row groups."""
     counts = torch.bincount(data.choice.flatten(), minlength=vocab_size)
-    chosen = counts.argsort(descending=True)[:size]
-    chosen = chosen[counts[chosen] > 0]
-    special = torch.tensor(sorted(i for i in special_ids if i < vocab_size), dtype=torch.long)
-    ids = torch.unique(torch.cat([chosen, special]))
-    wanted = min(vocab_size, -(-max(size, len(ids)) // 16) * 16)
-    fill = torch.arange(vocab_size)
-    fill = fill[~torch.isin(fill, ids)][:wanted - len(ids)]
-    return torch.unique(torch.cat([ids, fill]))
+    # ties (count 0 included) go to the lowest id: byte-pair ranks put frequent merges first
+    order = torch.sort(-counts, stable=True).indices
+    return in_row_groups(order[:size], special_ids, vocab_size)

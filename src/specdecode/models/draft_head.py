@@ -175,9 +175,11 @@ def build_head(spec: HeadSpec, tensors: dict[str, torch.Tensor] | None, target: 
 
 
 def init_head(head: DraftHead) -> None:
-    """Small random weights; the fusing projection starts as the sum of both inputs' halves, so an untrained
-    head already passes the token's embedding and the features through."""
-    for module in head.modules():
+    """Small random weights for what the head owns (never the target's LM head rows it holds); the fusing
+    projection starts as the sum of both inputs' halves, so an untrained head already passes the token's
+    embedding and the features through."""
+    owned = [head.get_submodule(name) for name in DraftHead.OWNED]
+    for module in (m for part in owned for m in part.modules()):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:

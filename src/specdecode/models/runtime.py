@@ -161,31 +161,28 @@ class Attention(nn.Module):
         """With a cache: the new tokens after each slot's cached ones. Without (training a draft head):
         each row of x is a whole sequence from position 0, attended causally."""
         bsz, width, _ = x.shape
-        if cache is None:
-            return self.o_proj(self._causal_attention(x, rope).transpose(1, 2).reshape(bsz, width, -1))
-        if batch.rowwise is not None and self.rowwise_kernel is not None:
+        if cache is not None and batch.rowwise is not None and self.rowwise_kernel is not None:
             out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self.layer)
             return self.o_proj(out.view(bsz, width, -1))
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        cache.write(self.layer, batch.slots, batch.positions, k, v)
-        if batch.rowwise is not None:
-            out = self._rowwise_attention(q, batch, cache)
+        q, k, v = self._heads(x, rope)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            cache.write(self.layer, batch.slots, batch.positions, k, v)
+            if batch.rowwise is not None:
+                out = self._rowwise_attention(q, batch, cache)
+            else:
+                keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
-    def _causal_attention(self, x, rope) -> torch.Tensor:
+    def _heads(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, heads, T, head_dim], q and k rotated."""
         bsz, width, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = apply_rope(q.view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2), *rope)
         k = apply_rope(k.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2), *rope)
-        v = v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return q, k, v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _rowwise_attention(self, q, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """One attention call per new token over exactly its visible keys: the same call, bit for bit, as

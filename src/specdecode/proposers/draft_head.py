@@ -19,7 +19,6 @@ from ..metrics import StepTimer
 from .draft_model import DraftModelProposer
 from .registry import ProposerSetup
 
-PREFIX = "head:"  # speculative_model="head:PATH" (or a bundled head's name)
 BUNDLED_HEADS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "heads")
 
 

@@ -155,10 +155,14 @@ def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:
     vocab = draft.config.vocab_size
     if size >= vocab:
         return
-    special = torch.tensor([i for i in sorted(draft.tokenizer.special_ids) if i < vocab], dtype=torch.long)
-    ids = torch.unique(torch.cat([torch.arange(size), special]))
-    # rounded up to whole 16-row groups with the next ids, so that a 4-bit head stays in its kernel's format
-    following = torch.arange(size, vocab)
-    following = following[~torch.isin(following, ids)][:-len(ids) % 16]
-    ids = torch.unique(torch.cat([ids, following]))
-    draft.model.restrict_vocab(ids)
+    draft.model.restrict_vocab(in_row_groups(torch.arange(size), draft.tokenizer.special_ids, vocab))
+
+
+def in_row_groups(ids: torch.Tensor, special_ids, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary: `ids` plus the special tokens, rounded up to whole 16-row groups with the
+    lowest remaining ids, so that a 4-bit LM head stays in its kernel's format. Sorted."""
+    special = torch.tensor([i for i in sorted(special_ids) if i < vocab_size], dtype=torch.long)
+    ids = torch.unique(torch.cat([ids.long(), special]))
+    rest = torch.arange(vocab_size)
+    rest = rest[~torch.isin(rest, ids)][:min(vocab_size, -(-len(ids) // 16) * 16) - len(ids)]
+    return torch.unique(torch.cat([ids, rest]))
