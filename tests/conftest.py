@@ -94,9 +94,9 @@ def run_as_one_batch(engine, prompt_ids: list[list[int]], params) -> tuple[list[
     seqs = [engine.add_request(ids, params) for ids in prompt_ids]
     step_ks, lookup_drafts = [], 0
     while engine.has_unfinished():
-        engine.step()
-        step_ks.append(list(engine.last_ks))
-        lookup_drafts += engine.last_lookup_drafts
+        out = engine.step()
+        step_ks.append(list(out.draft_lengths))
+        lookup_drafts += out.lookup_drafts
     return [s.output_ids for s in seqs], step_ks, lookup_drafts
 
 

@@ -15,6 +15,7 @@ from specdecode.models.runtime import build_model
 from specdecode.verify.rejection_sampler import rejection_sample
 
 from conftest import ByteTokenizer, random_hf_weights, tiny_config
+from stats import seeded
 
 needs_kernel = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit kernel needs a C compiler")
 needs_w8a16 = pytest.mark.skipif(not w8a16_supported("cpu"), reason="no weight-only int8 kernel in this build")
@@ -149,7 +150,7 @@ def test_sampling_from_backend_distributions_is_lossless(quantization):
     target, draft = _quantized(quantization, seed=0).model, _quantized(quantization, seed=7, layers=1).model
     prompt = PROMPTS[0]
     p, q = (torch.softmax(ModelRunner(m, 1, 64).forward([0], [prompt], "last")[0] / 1.5, -1) for m in (target, draft))
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     n = 40_000
     drafts = torch.multinomial(q.expand(n, -1), 1, generator=gen)
     result = rejection_sample(drafts, [1] * n, p.expand(n, 2, -1).contiguous(), q.expand(n, 1, -1).contiguous(), gen)

@@ -132,3 +132,15 @@ def test_bench_serve_cli_writes_json(server, tmp_path):
     report = json.loads(out.read_text())
     assert [r["concurrency"] for r in report["results"]] == [1, 2]
     assert all(r["output_tokens"] == 20 and r["num_failed"] == 0 for r in report["results"])
+
+
+def test_tpot_windows_cover_the_whole_output(target):
+    """`bench tpot` times every window of one long plain output, in order, and the output runs to the end
+    (a stop string is checked every token but never matches)."""
+    from specdecode import LLM
+    from specdecode.bench.tpot import tpot_by_window
+
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=512, max_num_seqs=1)
+    rows = tpot_by_window(llm, "abc", max_tokens=300, window=50)
+    assert [t for t, _ in rows] == list(range(52, 300, 50))  # the first step: prefill + one decode, 2 tokens
+    assert all(s > 0 for _, s in rows)

@@ -8,12 +8,11 @@ import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.distill.command import distill
-from specdecode.distill.train import Recipe
+from specdecode.distill.recipe import Recipe
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
-from specdecode.proposers import DraftBatch, register_proposer
+from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
 from specdecode.proposers.draft_head import DraftHeadProposer
-from specdecode.proposers.registry import _REGISTRY
 
 from conftest import tiny_model
 from stats import chi2_pvalue, exact_joint, sampled_joint
@@ -53,7 +52,7 @@ def registered(request):
         names.append(name)
     yield add
     for name in names:
-        _REGISTRY.pop(name, None)
+        unregister_proposer(name)
 
 
 def test_greedy_output_equals_plain_decoding(target, head):
@@ -193,10 +192,56 @@ def test_distill_trains_a_head_that_drafts_what_the_target_says(target, tmp_path
     text.write_text("".join(json.dumps({"text": target.tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids)})
                             + "\n" for o in outs))
     out = tmp_path / "trained"
-    summary = distill(target, str(out), [f"jsonl:{text}"], max_tokens=4000, chunk=48, draft_vocab_size=48,
-                      intermediate_size=64, recipe=Recipe(steps=150, batch=8, lr=3e-3), progress=False)
-    assert summary["held_out_top1"] > 0.15  # chance: about 1 in 48
+    recipe = Recipe(sources=[f"jsonl:{text}"], tokens=4000, chunk=48, draft_vocab_size=48, intermediate_size=64,
+                    steps=150, batch=8, lr=3e-3)
+    summary = distill(target, str(out), recipe, progress=False)
+    assert summary["held_out_top1_per_round"][0] > 0.15  # chance: about 1 in 48
     unseen = [[50, 51, 27]]
     trained, untrained = (_llm(target, h, k=4).generate(unseen, GREEDY)[0].spec["acceptance_rate"]
                           for h in (f"head:{out}", make_head(target, tmp_path / "untrained")))
     assert trained > untrained + 0.15, (trained, untrained)
+
+
+# ---- training-time test -----------------------------------------------------------------------------
+def _drafting_rounds(head, features, ids, p, rounds):
+    """What drafting computes: the head's cache filled from the target's features at positions 0..p, then
+    `rounds` - 1 rounds each reading the previous round's estimate beside the next token (teacher-forced)."""
+    runner = ModelRunner(head, 1, 64)
+    slot = runner.allocate()
+    logits, estimate = runner.forward([slot], [ids[1:p + 2]], "last", hidden=True, features=[features[:p + 1]])
+    out = [logits[-1]]
+    for r in range(1, rounds):
+        runner.commit(slot, p + r)
+        logits, estimate = runner.forward([slot], [[ids[p + r + 1]]], "last", hidden=True, features=[estimate[-1:]])
+        out.append(logits[-1])
+    return out
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_training_unrolls_the_rounds_as_drafting_computes_them(target, monkeypatch, broken):
+    """Round r of the unrolled training forward at position p + r equals drafting's round r after the
+    target's features up to p; a version that lets later rounds attend causally to every earlier
+    round-0 row (keys drafting never has) fails."""
+    import specdecode.models.draft_head as draft_head
+
+    if broken:
+        monkeypatch.setattr(draft_head, "_unrolled_mask", lambda step, width, device: torch.cat(
+            [torch.ones(width, width, dtype=torch.bool, device=device).tril()] +
+            [torch.eye(width, dtype=torch.bool, device=device)] * step, 1))
+    torch.manual_seed(3)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), 48, target.config.vocab_size)
+    head = build_head(spec, None, target.model, torch.arange(target.config.vocab_size))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() == 2 and p.shape[0] != target.config.vocab_size:
+                p.add_(torch.randn_like(p) * 0.2)  # far from the near-identity start, so rounds differ
+    ids = list(range(3, 30))
+    runner = ModelRunner(target.model, 1, 64)
+    _, hidden = runner.forward([runner.allocate()], [ids], "all", hidden="all")
+    with torch.no_grad():
+        unrolled = head.unrolled(torch.tensor([ids[1:]]), hidden[None, :-1].float(), 3)
+    worst = 0.0
+    for p in (0, 5, 17):
+        for r, logits in enumerate(_drafting_rounds(head, hidden, ids, p, 3)):
+            worst = max(worst, float((unrolled[r][0][p + r] - logits).abs().max()))
+    assert (worst > 1e-3) if broken else (worst < 1e-4), worst

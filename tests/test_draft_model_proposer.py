@@ -47,7 +47,7 @@ def test_catches_up_lazily_and_rolls_back_to_what_the_target_kept(random_draft):
     first = proposer.propose([seq], [3], [None]).tokens[0]
     # the draft has read the prompt and its first two drafts (the third is sampled, not fed back yet)
     assert proposer.unseen_tokens(seq) == 4 - 6
-    seq.output_ids = [first[0], 60]  # the target kept one draft, then emitted its own token
+    seq.token_ids += [first[0], 60]  # the target kept one draft, then emitted its own token
     proposer.commit(seq, 5)
     assert proposer.unseen_tokens(seq) == 1  # only the target's own token is new to the draft
     again = proposer.propose([seq], [2], [None]).tokens[0]
@@ -65,10 +65,10 @@ def test_the_next_draft_sees_exactly_the_kept_text(random_draft, rolls_back):
     skips the rollback (rejected drafts stay in its cache) is caught by the same comparison."""
     proposer, seq = _proposer(random_draft), _seq([5, 6, 7, 8])
     first = proposer.propose([seq], [3], [None]).tokens[0]
-    seq.output_ids = [first[0], (first[1] + 1) % 60]  # the second draft was rejected
+    seq.token_ids += [first[0], (first[1] + 1) % 60]  # the second draft was rejected
     if rolls_back:
         proposer.commit(seq, 5)
-    seq.output_ids.append(61)  # the next step's pending token
+    seq.token_ids.append(61)  # the next step's pending token
     fresh = _first_draft_distribution(_proposer(random_draft), _seq(seq.token_ids))
     assert torch.allclose(_first_draft_distribution(proposer, seq), fresh) == rolls_back
 

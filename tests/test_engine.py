@@ -4,6 +4,7 @@ conditions inside an accepted chunk, batching, and the documented errors for bad
 import pytest
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.engine.engine import StepHooks
 from specdecode.models.loader import LoadedModel
 
 from conftest import run_as_one_batch, tiny_model
@@ -152,20 +153,25 @@ def test_prompt_near_context_end_stops_with_length(target, random_draft):
     assert 250 + len(out.outputs[0].token_ids) == 256
 
 
-def test_step_record_is_fresh_when_a_step_only_prefills(target):
-    """The server's metrics read engine.last_step after every step: a prefill-only step must not
-    leave the previous step's counts there to be counted twice."""
+def test_a_step_says_what_it_did(target):
+    """The server's metrics read each step's output: a speculative step reports its drafts and the
+    sequences it decoded; a prefill-only step reports the admitted sequence and no decoding counts (none
+    of the previous step's, which would be counted twice); a finishing step names the finished sequence."""
     llm = _llm(target, draft=target, k=3)
     engine = llm.engine
-    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    engine.step()  # prefill
-    engine.step()  # a speculative step
-    assert engine.last_step.num_draft_tokens > 0
+    first = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    out = engine.step()  # prefill and the first speculative step
+    assert out.updated == [first] and out.batch_size == 1 and out.draft_lengths[0] > 0
+    assert out.counters.num_draft_tokens == out.draft_lengths[0] and out.counters.num_steps == 1
+    assert out.counters.num_emitted_tokens == out.counters.num_accepted_tokens + 1
+    finished = []
     while engine.has_unfinished():
-        engine.step()
-    engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=1))
-    engine.step()  # prefill emits the only token: no decoding step
-    assert engine.last_step.num_draft_tokens == 0 and engine.last_batch_size == 0
+        finished += engine.step().finished
+    assert finished == [first]
+    second = engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=1))
+    out = engine.step()  # prefill emits the only token: no decoding step
+    assert out.updated == [second] and out.finished == [second]
+    assert out.counters.num_draft_tokens == 0 and out.counters.num_steps == 0 and out.batch_size == 0
 
 
 def test_requests_arriving_during_a_prefill_join_the_same_step(target):
@@ -181,10 +187,9 @@ def test_requests_arriving_during_a_prefill_join_the_same_step(target):
         if engine.running and arrivals:  # the first prompt is being admitted: the others arrive now
             engine.add_request(arrivals.pop(0), params)
 
-    engine.poll_arrivals = poll
     engine.add_request([1, 2, 3], params)
-    engine.step()
-    assert engine.last_batch_size == 4 and not engine.waiting
+    out = engine.step(StepHooks(poll_arrivals=poll))
+    assert out.batch_size == 4 and not engine.waiting
 
 
 def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft):
@@ -198,7 +203,7 @@ def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft)
     assert outputs == plain_ids
     assert lookup_drafts > 0
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged within a step
-    assert llm.engine.policy.lookup_acceptance.counts  # lookup outcomes were learned
+    assert llm.engine.policy.estimator.lookup_acceptance.counts  # lookup outcomes were learned
 
 
 def test_adaptive_without_rollback_breaks_equality(target, random_draft):
@@ -214,5 +219,5 @@ def test_adaptive_without_rollback_breaks_equality(target, random_draft):
 
     runner.commit = commit_keeping_rejected_drafts
     ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert llm.engine.policy.lookup_acceptance.counts  # lookup drafts were verified
+    assert llm.engine.policy.estimator.lookup_acceptance.counts  # lookup drafts were verified
     assert ids != plain_ids

@@ -32,12 +32,12 @@ def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: floa
     p = make_policy("adaptive", k_max)
     n = len(alphas)
     for i, a in enumerate(alphas):
-        p.acceptance[str(i)] = a
+        p.estimator.acceptance[str(i)] = a
     for tokens in range(n, n * (k_max + 1) + 1):
         p.costs.target.observe(n, tokens, 1.0 + verify_growth * (tokens - n))
     for m in range(1, n + 1):
         p.costs.draft.observe(m, c)
-    p.depth[1] = (0.0, 0.0)  # drafting has been tried (no first probe); later positions stay at the prior
+    p.estimator.depth[1] = (0.0, 0.0)  # drafting has been tried (no first probe); later positions stay at the prior
     return p
 
 
@@ -224,7 +224,7 @@ def _served(batch_sizes: list[int]) -> AdaptivePolicy:
         for n in batch_sizes:
             p.costs.draft.observe(n, draft[n])
     p.costs.draft_prefill_per_token = 0.0025
-    p.depth = {1: (90.0, 100.0), 2: (93.0, 100.0), 3: (93.0, 100.0), 4: (93.0, 100.0)}
+    p.estimator.depth = {1: (90.0, 100.0), 2: (93.0, 100.0), 3: (93.0, 100.0), 4: (93.0, 100.0)}
     return p
 
 
@@ -261,9 +261,9 @@ def test_acceptance_estimates_are_unbiased():
     (accepted/drafted would approach 0.34)."""
     p = make_policy("adaptive", 4, acceptance_smoothing=0.01, depth_smoothing=0.001)
     _simulate(p, 0.6, 0.6)
-    assert p.acceptance["r"] == pytest.approx(0.6, abs=0.05)
+    assert p.estimator.acceptance["r"] == pytest.approx(0.6, abs=0.05)
     for position in (2, 3, 4):
-        assert p.conditional_acceptance(position) == pytest.approx(0.6, abs=0.05)
+        assert p.estimator.conditional_acceptance(position) == pytest.approx(0.6, abs=0.05)
     assert 1 + sum(p.token_gains(0.6)) == pytest.approx((1 - 0.6 ** 5) / (1 - 0.6), rel=0.05)  # i.i.d. formula
 
 
@@ -277,12 +277,12 @@ def test_a_new_request_starts_from_the_acceptance_of_earlier_ones(earlier, draft
         p.costs.target.observe(1, 1, 1.0)
         p.costs.draft.observe(1, draft_cost)
     assert p.choose(["fresh"]).ks[0] > 0  # drafting never tried: one probe, whatever the prior predicts
-    p.depth[1] = (0.0, 0.0)  # suppose that probe told nothing
+    p.estimator.depth[1] = (0.0, 0.0)  # suppose that probe told nothing
     assert (p.choose(["fresh"]).ks[0] > 0) != drafts  # what the prior alone would do
     for i in range(20):  # earlier requests, each forgotten when it ends; later positions as the prior
-        _simulate(p, earlier, p.prior_acceptance, steps=40, request_id=f"old{i}")
+        _simulate(p, earlier, p.estimator.prior_acceptance, steps=40, request_id=f"old{i}")
         p.forget(f"old{i}")
-    assert p.population_acceptance == pytest.approx(earlier, abs=0.1)
+    assert p.estimator.population_acceptance == pytest.approx(earlier, abs=0.1)
     assert (p.choose(["new"]).ks[0] > 0) == drafts
 
 
@@ -291,7 +291,7 @@ def test_bursty_acceptance_makes_long_drafts_worth_more():
     the 2nd (an i.i.d. model at the mean rate would not)."""
     p = make_policy("adaptive", 4, acceptance_smoothing=0.01, depth_smoothing=0.001)
     _simulate(p, 0.6, 0.95)
-    gains = p.token_gains(p.acceptance["r"])
+    gains = p.token_gains(p.estimator.acceptance["r"])
     assert gains[0] == pytest.approx(0.6, abs=0.05)
     assert gains[3] == pytest.approx(0.6 * 0.95 ** 3, abs=0.05)
 
@@ -302,14 +302,14 @@ def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
     drafted would promise 0.9 · 0.95^(j-1), as if the draft never stopped."""
     p = make_policy("adaptive", 4, acceptance_smoothing=0.001, depth_smoothing=0.001)
     _simulate(p, 0.9, 0.95, goes_on=0.5)
-    assert p.draft_reach(4) == pytest.approx([1.0, 0.5, 0.25, 0.125], abs=0.03)
-    assert p.token_gains(p.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)], abs=0.03)
+    assert p.estimator.draft_reach(4) == pytest.approx([1.0, 0.5, 0.25, 0.125], abs=0.03)
+    assert p.token_gains(p.estimator.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)], abs=0.03)
 
 
 def test_a_draft_that_never_stops_reaches_every_position():
     p = make_policy("adaptive", 4)
     _simulate(p, 0.6, 0.6, steps=500)
-    assert p.draft_reach(4) == [1.0] * 4
+    assert p.estimator.draft_reach(4) == [1.0] * 4
 
 
 def test_step_cost_counts_the_drafts_a_stop_leaves_out():
@@ -331,11 +331,11 @@ def test_a_draft_that_stops_after_its_unsure_first_token_is_not_worth_it():
     worth 1.17x plain; what it yields (≈1.44 tokens a step for ≈1.11 draft forwards at 0.3 of a target
     step: 1.08x) is under the 10% margin, so the policy decodes plainly."""
     p = _measured([0.4], 0.3)
-    p.depth, p.acceptance_smoothing = {}, 0.001
+    p.estimator.depth, p.estimator.acceptance_smoothing = {}, 0.001
     _simulate(p, 0.4, 0.99, steps=3000, request_id="0", goes_on=0.1)
     assert _choose(p, 1) == [0]
-    p.reach = {}  # forget the stops and count only the positions drafted, as if the draft never stopped
-    p.depth = {}
+    p.estimator.reach = {}  # forget the stops and count only the positions drafted, as if the draft never stopped
+    p.estimator.depth = {}
     _simulate(p, 0.4, 0.99, steps=3000, request_id="0")
     assert _choose(p, 1) == [4]
 
@@ -345,7 +345,7 @@ def test_a_draft_that_stops_itself_is_allowed_its_full_k():
     more than allowing 1, because the stop, not k, ends most drafts; priced as 4 forwards and 4 verify
     rows, k = 4 would look worse than k = 1."""
     p = _measured([0.9], 0.3)
-    p.depth, p.acceptance_smoothing = {}, 0.001
+    p.estimator.depth, p.estimator.acceptance_smoothing = {}, 0.001
     _simulate(p, 0.9, 0.99, steps=3000, request_id="0", goes_on=0.1)
     assert _choose(p, 1) == [4]
 
@@ -416,14 +416,14 @@ def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
 
 def test_lookup_acceptance_is_learned_per_match_length():
     p = make_policy("adaptive", 4)
-    assert p.lookup_acceptance.gains(3, 4, 4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # the prior
-    assert p.lookup_acceptance.gains(3, 2, 4) == pytest.approx([0.5, 0.25])  # only what the match offers
+    assert p.estimator.lookup_acceptance.gains(3, 4, 4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # the prior
+    assert p.estimator.lookup_acceptance.gains(3, 2, 4) == pytest.approx([0.5, 0.25])  # only what the match offers
     for _ in range(500):
         p.observe_lookup("r", 3, 4, 3)  # 3-token matches: the first three right, the fourth wrong
         p.observe_lookup("r", 1, 4, 0)  # 1-token matches: always wrong
-    assert p.lookup_acceptance.gains(3, 4, 4) == pytest.approx([1, 1, 1, 0], abs=0.05)
-    assert p.lookup_acceptance.gains(1, 4, 4)[0] == pytest.approx(0, abs=0.05)
-    assert p.acceptance["r"] == pytest.approx(p.prior_acceptance)  # says nothing about the draft model
+    assert p.estimator.lookup_acceptance.gains(3, 4, 4) == pytest.approx([1, 1, 1, 0], abs=0.05)
+    assert p.estimator.lookup_acceptance.gains(1, 4, 4)[0] == pytest.approx(0, abs=0.05)
+    assert p.estimator.acceptance["r"] == pytest.approx(p.estimator.prior_acceptance)  # says nothing about the draft model
 
 
 def test_prompt_lookup_takes_over_where_the_draft_model_does_not_pay():

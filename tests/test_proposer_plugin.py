@@ -4,8 +4,8 @@ import openai
 import pytest
 import torch
 
-from specdecode import LLM, SamplingParams
-from specdecode.proposers import DraftBatch, Proposer, register_proposer
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.proposers import DraftBatch, Proposer, proposer_names, register_proposer, unregister_proposer
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
@@ -32,6 +32,19 @@ class RepeatLastProposer(Proposer):
 @pytest.fixture(scope="module", autouse=True)
 def toy_registered():
     register_proposer("repeat-last", RepeatLastProposer)  # the one registry line
+    yield
+    unregister_proposer("repeat-last")  # a test's plug-in does not outlive its module
+
+
+def test_a_kind_registered_for_a_while_is_gone_after_unregistering(target):
+    register_proposer("for-a-while", RepeatLastProposer)
+    assert "for-a-while" in proposer_names()
+    unregister_proposer("for-a-while")
+    assert "for-a-while" not in proposer_names()
+    with pytest.raises(SpecDecodeError, match="for-a-while"):  # now names a draft model that does not exist
+        LLM(target=target, speculative_model="for-a-while", num_speculative_tokens=3, max_model_len=256)
+    with pytest.raises(KeyError, match="no proposer kind 'for-a-while'"):
+        unregister_proposer("for-a-while")
 
 
 def _plain(target, prompts):

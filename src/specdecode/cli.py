@@ -5,9 +5,13 @@ import argparse
 import signal
 import sys
 
-from .config import DRAFT_CONFIDENCE, DRAFT_VOCAB_SIZE, POLICIES, QUANTIZATIONS
+from .config import POLICIES, QUANTIZATIONS
+from .config import EngineConfig as C  # every engine default, written once there
+from .distill.recipe import Recipe
 from .errors import SpecDecodeError
 from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_TARGET
+
+R = Recipe()  # every distill default, written once there
 
 
 def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) -> None:
@@ -15,18 +19,18 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) 
                    help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
     p.add_argument("--draft", default=None,
                    help=f"draft model or proposer kind, e.g. ngram (default {DEFAULT_DRAFT} with the default target)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
+    p.add_argument("--device", default=C.device, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=C.dtype, help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     _add_draft_args(p, several_backends)
     _add_quantization_args(p, several_backends)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=C.max_model_len)
 
 
 def _add_draft_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB_SIZE,
+    p.add_argument("--draft-vocab-size", type=int, default=C.draft_vocab_size,
                    help="the draft's LM head keeps this many lowest token ids + special tokens (0 = full "
                         "vocabulary; lower ids are the more frequent byte-pair merges)")
-    p.add_argument("--draft-confidence", type=float, default=[0.0, DRAFT_CONFIDENCE] if several else DRAFT_CONFIDENCE,
+    p.add_argument("--draft-confidence", type=float, default=[0.0, C.draft_confidence] if several else C.draft_confidence,
                    nargs="+" if several else None,
                    help=("thresholds to measure, each with its own rows; " if several else "") +
                         "the draft stops drafting after a token it gives less probability than this "
@@ -34,28 +38,40 @@ def _add_draft_args(p: argparse.ArgumentParser, several: bool = False) -> None:
 
 
 def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--quantization", default=["auto"] if several else "auto", choices=QUANTIZATIONS,
+    p.add_argument("--quantization", default=[C.quantization] if several else C.quantization, choices=QUANTIZATIONS,
                    nargs="+" if several else None,
                    help=("backends to measure, each with its own plain row; " if several else "") +
                         "target weights: auto = the block kernel where it builds with SIMD (w4a8; bf16/float on CUDA or "
                         "without it), none = floating weights in --dtype, w4a8 = the GGUF's block formats as stored "
                         "(Q4_0..Q8_0, Q4_K..Q6_K) with int8 activations per 32, w4a8-all = every weight requantized to "
                         "4 bits (lossy: for drafts), w8a8 = every weight as Q8_0, w8a16 = int8 weights, bf16 activations")
-    p.add_argument("--draft-quantization", default="auto", choices=QUANTIZATIONS,
+    p.add_argument("--draft-quantization", default=C.draft_quantization, choices=QUANTIZATIONS,
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_plan(sub)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_measurements(bench_sub)
+    _add_studies(bench_sub)
+    _add_distill(sub)
+    return parser
 
+
+def _add_generate(sub) -> None:
+    """`specdecode generate`."""
     gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
     gen.add_argument("prompt")
     _add_model_args(gen)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k",
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=C.num_speculative_tokens, dest="k",
                      help="the most tokens drafted per step (the adaptive policy may draft fewer, or none)")
-    gen.add_argument("--policy", default="adaptive", choices=POLICIES,
+    gen.add_argument("--policy", default=C.speculation_policy, choices=POLICIES,
                      help="adaptive: k per step by expected goodput; fixed: always k")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -75,12 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run plain decoding on the same engine; print speedup and predicted speedup")
     gen.add_argument("--forced-accept", action="store_true", help="upper-bound measurement (lossy)")
 
+
+def _add_serve(sub) -> None:
+    """`specdecode serve` (and its Ray Serve scale-out)."""
     serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     serve.add_argument("--model", default=DEFAULT_TARGET)
     serve.add_argument("--speculative-model", "--draft", dest="draft", default=None,
                        help=f"draft model or 'ngram' (default {DEFAULT_DRAFT} with the default target)")
-    serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=4)
-    serve.add_argument("--policy", default="adaptive", choices=POLICIES)
+    serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=C.num_speculative_tokens)
+    serve.add_argument("--policy", default=C.speculation_policy, choices=POLICIES)
     serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
     serve.add_argument("--prompt-lookup", action="store_true",
                        help="adaptive policy (experimental): may also take a sequence's drafts from prompt lookup "
@@ -88,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded at once")
+    serve.add_argument("--max-num-seqs", type=int, default=C.max_num_seqs, help="most sequences decoded at once")
     serve.add_argument("--max-waiting-requests", type=int, default=64,
                        help="requests that may wait for a free sequence slot; beyond them the server answers 429 "
                             "with Retry-After")
@@ -99,13 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest "
                             "are cancelled")
-    serve.add_argument("--max-model-len", type=int, default=4096, help="context length (prompt + output)")
+    serve.add_argument("--max-model-len", type=int, default=C.max_model_len, help="context length (prompt + output)")
     serve.add_argument("--memory-budget", default=None,
                        help="bytes for weights + KV caches, e.g. 6GiB; fewer sequence slots if they do not fit")
-    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    serve.add_argument("--gpu-memory-utilization", type=float, default=C.gpu_memory_utilization,
                        help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
-    serve.add_argument("--device", default=None)
-    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--device", default=C.device)
+    serve.add_argument("--dtype", default=C.dtype)
     _add_draft_args(serve)
     _add_quantization_args(serve)
     serve.add_argument("--forced-accept", action="store_true",
@@ -122,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--num-gpus-per-replica", type=float, default=None, help="GPUs Ray reserves for each replica")
     ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
 
+
+def _add_plan(sub) -> None:
+    """`specdecode plan`: the advisor."""
     plan = sub.add_parser("plan", help="advisor: calibrate, predict speedup per k and batch size, recommend")
     _add_model_args(plan)
     plan.add_argument("--k-max", type=int, default=6)
@@ -131,24 +153,36 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--context", type=int, default=256, help="cached tokens when timing the forward passes")
     plan.add_argument("--out", default="results/plan.json")
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+def _add_measurements(bench_sub) -> None:
+    """`bench latency`, `bench tpot`, `bench quality`, `bench serve`: one measurement each."""
     lat = bench_sub.add_parser("latency", help="HumanEval, batch size 1: plain vs draft model vs n-gram")
     _add_model_args(lat, several_backends=True)
     lat.add_argument("-k", "--ks", type=int, nargs="+", default=[2, 4, 6])
     lat.add_argument("--num-prompts", type=int, default=5)
     lat.add_argument("--max-tokens", type=int, default=128)
     lat.add_argument("--no-ngram", action="store_true")
+    lat.add_argument("--head", metavar="PATH", default=None,
+                     help="also measure this draft head (a path or a bundled head's name) at each k, beside the "
+                          "draft model")
     lat.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
                      help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
                           "same GGUF files and prompts, and print our ratios to its plain decoding")
     lat.add_argument("--out", default="results/latency.json")
 
+    tpot = bench_sub.add_parser("tpot", help="plain decoding of one long output: time per output token as the "
+                                             "output grows (emission must not slow down with length)")
+    tpot.add_argument("--model", default="qwen2.5-coder-0.5b")
+    tpot.add_argument("--max-tokens", type=int, default=4000)
+    tpot.add_argument("--window", type=int, default=100, help="tokens per TPOT measurement")
+    tpot.add_argument("--device", default=None)
+    tpot.add_argument("--out", default="results/tpot.json")
+
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
     qual.add_argument("--quantization", nargs="+", default=["w4a8", "w8a8", "w8a16", "none", "w4a8-all"],
                       choices=QUANTIZATIONS)
-    qual.add_argument("--dtype", default="auto", help="activations of --quantization none (the reference is float32)")
+    qual.add_argument("--dtype", default=C.dtype, help="activations of --quantization none (the reference is float32)")
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
     qual.add_argument("--out", default="results/quality.json")
@@ -170,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--out", default="results/serve.json")
 
+
+def _add_studies(bench_sub) -> None:
+    """`bench report`, `bench sweep`, `bench transformers`, `bench concurrency`: studies and baselines."""
     rep = bench_sub.add_parser("report", help="plots and a Markdown report from a folder of benchmark JSON files")
     rep.add_argument("results_dir")
     rep.add_argument("--out", default=None, help="where to write report.md and the PNGs (default: results_dir)")
@@ -184,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "transformers (generate, assisted generation, prompt lookup)")
     hf.add_argument("--model", default=DEFAULT_TARGET)
     hf.add_argument("--draft", default=DEFAULT_DRAFT)
-    hf.add_argument("-k", type=int, default=4, help="draft tokens per step (assistant and prompt lookup)")
+    hf.add_argument("-k", type=int, default=C.num_speculative_tokens, help="draft tokens per step (assistant and prompt lookup)")
     hf.add_argument("--num-prompts", type=int, default=3)
     hf.add_argument("--max-tokens", type=int, default=128)
     hf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -194,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "each concurrency")
     conc.add_argument("--model", default=DEFAULT_TARGET)
     conc.add_argument("--draft", "--speculative-model", dest="draft", default=DEFAULT_DRAFT)
-    conc.add_argument("-k", type=int, default=4, help="k for fixed, k_max for adaptive")
+    conc.add_argument("-k", type=int, default=C.num_speculative_tokens, help="k for fixed, k_max for adaptive")
     conc.add_argument("--policies", nargs="+", default=["plain", "fixed", "adaptive"],
                       choices=["plain", "fixed", "adaptive"])
     conc.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -210,78 +247,62 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "llama.cpp-draft"],
                       help="configurations measured in the first round only")
     conc.add_argument("--max-model-len", type=int, default=2048)
-    conc.add_argument("--dtype", default="auto")
+    conc.add_argument("--dtype", default=C.dtype)
     conc.add_argument("--out", default="results/concurrency.json")
 
+
+def _add_distill(sub) -> None:
+    """`specdecode distill`."""
     dist = sub.add_parser("distill", help="train a draft head on the target's own features (use: --draft head:OUT)")
     dist.add_argument("--model", default=DEFAULT_TARGET, help="the target the head drafts for")
     dist.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    dist.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+    dist.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS,
                       help="the target's backend while recording its features: the one it will serve with")
-    dist.add_argument("--data", nargs="+", default=["stdlib", "sonnets"],
+    dist.add_argument("--data", nargs="+", default=R.sources,
                       help="text the target reads: stdlib (this Python's own modules), sonnets, humaneval, "
                            "jsonl:FILE (a 'text' field per line)")
-    dist.add_argument("--tokens", type=int, default=60_000, help="tokens of text to record")
-    dist.add_argument("--chunk", type=int, default=256, help="tokens per training sequence")
-    dist.add_argument("--steps", type=int, default=600)
-    dist.add_argument("--batch", type=int, default=4, help="sequences per step")
-    dist.add_argument("--lr", type=float, default=1e-3)
-    dist.add_argument("--draft-vocab-size", type=int, default=32768,
+    dist.add_argument("--tokens", type=int, default=R.tokens, help="tokens of text to record")
+    dist.add_argument("--chunk", type=int, default=R.chunk, help="tokens per training sequence")
+    dist.add_argument("--steps", type=int, default=R.steps)
+    dist.add_argument("--batch", type=int, default=R.batch, help="sequences per step")
+    dist.add_argument("--lr", type=float, default=R.lr)
+    dist.add_argument("--draft-vocab-size", type=int, default=R.draft_vocab_size,
                       help="the head's LM head keeps the target's most chosen tokens on the data")
-    dist.add_argument("--intermediate-size", type=int, default=2048, help="the head layer's MLP width")
+    dist.add_argument("--intermediate-size", type=int, default=R.intermediate_size, help="the head layer's MLP width")
     dist.add_argument("--out", required=True, help="OUT.safetensors and OUT.json are written")
-    return parser
+
+
+
+
+# Each command's runner, imported only when that command runs (the server's and benchmarks' imports are heavy).
+RUNNERS = {
+    "generate": "generate_cmd:run_generate",
+    "serve": "server.serve_cmd:run_serve",
+    "distill": "distill.command:run_distill_cli",
+    "plan": "bench.advisor:run_advisor_cli",
+    "bench latency": "bench.latency:run_latency_cli",
+    "bench tpot": "bench.tpot:run_tpot_cli",
+    "bench quality": "bench.quality:run_quality_cli",
+    "bench serve": "bench.load:run_bench_serve_cli",
+    "bench report": "bench.report:run_report_cli",
+    "bench sweep": "bench.sweep:run_sweep_cli",
+    "bench transformers": "bench.hf_baseline:run_hf_baseline_cli",
+    "bench concurrency": "bench.concurrency:run_concurrency_cli",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     args = build_parser().parse_args(argv)
-    try:
-        if args.command == "generate":
-            from .generate_cmd import run_generate
-
-            return run_generate(args)
-        if args.command == "serve":
-            from .server.serve_cmd import run_serve
-
-            return run_serve(args)
-        if args.command == "distill":
-            from .distill.command import run_distill_cli
-
-            return run_distill_cli(args)
-        if args.command == "plan":
-            from .bench.advisor import run_advisor_cli
-
-            return run_advisor_cli(args)
+    command = args.command if args.command != "bench" else f"bench {args.bench_command}"
+    module, function = RUNNERS[command].split(":")
+    if args.command == "bench":
         # a benchmark stops the servers it started on its way out: make SIGTERM take that way (its default
         # ends the process at once and leaves them running)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        if args.bench_command == "sweep":
-            from .bench.sweep import run_sweep_cli
-
-            return run_sweep_cli(args)
-        if args.bench_command == "transformers":
-            from .bench.hf_baseline import run_hf_baseline_cli
-
-            return run_hf_baseline_cli(args)
-        if args.bench_command == "quality":
-            from .bench.quality import run_quality_cli
-
-            return run_quality_cli(args)
-        if args.bench_command == "report":
-            from .bench.report import run_report_cli
-
-            return run_report_cli(args)
-        if args.bench_command == "serve":
-            from .bench.load import run_bench_serve_cli
-
-            return run_bench_serve_cli(args)
-        if args.bench_command == "concurrency":
-            from .bench.concurrency import run_concurrency_cli
-
-            return run_concurrency_cli(args)
-        from .bench.latency import run_latency_cli
-
-        return run_latency_cli(args)
+    try:
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(args)
     except SpecDecodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Names shared without importing torch (the CLI offers them), and the model architecture description."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 # Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
 # without importing torch.
@@ -12,6 +12,62 @@ POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policie
 # probability (both change only what is proposed, never what is accepted).
 DRAFT_VOCAB_SIZE = 65536
 DRAFT_CONFIDENCE = 0.8
+DEFAULT_K = 4  # the most tokens drafted per sequence and step
+DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # the bundled pair
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option with its one default, checked when made. `LLM` takes these as keyword
+    arguments; the CLI's and the server's flags default to them, and Ray ships them to its replicas."""
+
+    model: str = DEFAULT_TARGET
+    speculative_model: str | None = None  # a draft model or a proposer kind ("ngram", "head:PATH", ...)
+    num_speculative_tokens: int = DEFAULT_K
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    forced_accept: bool = False
+    ngram_prompt_lookup_max: int = 3
+    ngram_prompt_lookup_min: int = 1
+    draft_vocab_size: int | None = DRAFT_VOCAB_SIZE
+    draft_confidence: float = DRAFT_CONFIDENCE
+    quantization: str = "auto"
+    draft_quantization: str = "auto"
+    speculation_policy: str = "adaptive"
+    speculative_disable_by_batch_size: int | None = None
+    prompt_lookup: bool = False
+    memory_budget: str | int | None = None
+    gpu_memory_utilization: float | None = 0.9
+
+    def __post_init__(self):
+        from .errors import SpecDecodeError
+
+        problems = []
+        if self.num_speculative_tokens < 0:
+            problems.append(f"num_speculative_tokens (-k) must be >= 0, got {self.num_speculative_tokens}")
+        if self.max_num_seqs < 1 or self.max_model_len < 2:
+            problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
+                            f"{self.max_model_len}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            problems.append(f"draft_confidence is a probability below 1, got {self.draft_confidence}")
+        if self.speculation_policy not in POLICIES:
+            problems.append(f"unknown speculation policy {self.speculation_policy!r}; use one of {', '.join(POLICIES)}")
+        for name in ("quantization", "draft_quantization"):
+            if getattr(self, name) not in QUANTIZATIONS:
+                problems.append(f"unknown {name} {getattr(self, name)!r}; use one of {', '.join(QUANTIZATIONS)}")
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            problems.append("n-gram lookup needs 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max")
+        if problems:
+            raise SpecDecodeError("; ".join(problems))
+        if self.draft_vocab_size == 0:
+            self.draft_vocab_size = None  # 0 on the command line: the whole vocabulary
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
 
 

@@ -90,7 +90,7 @@ class _Run:
 def _timed(llm: LLM, prompt: str, params: SamplingParams, k: int | None = None) -> _Run:
     saved_k = llm.engine.k
     llm.engine.k = saved_k if k is None else k
-    llm.timer.__init__()
+    llm.timer.reset()
     start = time.perf_counter()
     out = llm.generate(prompt, params)[0]
     seconds = time.perf_counter() - start

@@ -125,6 +125,11 @@ class StepTimer:
     draft_calls: int = 0
     propose_time: float = 0.0  # whole proposer calls (draft forwards plus their bookkeeping, or n-gram lookup)
 
+    def reset(self) -> None:
+        """Start counting afresh (a benchmark's measured run after its warm-up)."""
+        self.target_time = self.draft_time = self.propose_time = 0.0
+        self.target_calls = self.draft_calls = 0
+
     @contextmanager
     def measure(self, which: str):
         """Time one call; `which` is "target", "draft" (forward passes) or "propose"."""

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from ..engine.llm import LLM
 from ..engine.profile import time_forward
+from ..metrics import SpecCounters
 from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
@@ -42,12 +43,13 @@ class LatencyResult:
     mean_ttft_ms: float | None = None
     draft_confidence: float = 0.0  # the draft stopped after a token it gave less probability
     mean_drafts: float | None = None  # tokens drafted per speculative step (below k when the draft stops early)
+    acceptance_per_position: list[float] | None = None  # accepted / drafted at each draft position
 
 
 def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, label: str, proposer: str):
     llm.engine.k = k
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    llm.timer.__init__()
+    llm.timer.reset()
     start = time.perf_counter()
     outs = [llm.generate(p, params)[0] for p in prompts]  # one at a time: batch size 1
     seconds = time.perf_counter() - start
@@ -56,6 +58,9 @@ def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, lab
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
     accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
     spec_steps = sum(o.spec["num_spec_steps"] for o in outs)
+    counters = SpecCounters()
+    for o in outs:
+        counters.merge(o.metrics.spec)
     t = llm.timer
     result = LatencyResult(
         label, llm.target.model.backend, proposer, k, tokens, seconds, (tokens - len(outs)) / (seconds - ttft),
@@ -63,7 +68,8 @@ def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, lab
         (accepted + spec_steps) / spec_steps if spec_steps else None,
         t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None,
         e2e_tokens_per_s=tokens / seconds, mean_ttft_ms=1000 * ttft / len(outs),
-        mean_drafts=drafted / spec_steps if spec_steps else None)
+        mean_drafts=drafted / spec_steps if spec_steps else None,
+        acceptance_per_position=counters.acceptance_per_position or None)
     return result, [o.outputs[0].token_ids for o in outs]
 
 
@@ -90,6 +96,9 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     if draft:
         runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **common),
                      "draft", draft_name))
+    if args.head:
+        head = args.head if args.head.startswith("head:") else f"head:{args.head}"
+        runs.append((LLM(target=target, speculative_model=head, **common), "head", head))
     if not args.no_ngram:
         runs.append((LLM(target=target, speculative_model="ngram", **common), "ngram", "ngram"))
     name = target.model.backend
@@ -98,8 +107,8 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
     print(_row(plain), flush=True)
     results = [plain]
     for llm, kind, proposer in runs:
-        for confidence, k in itertools.product(args.draft_confidence if kind == "draft" else [0.0], args.ks):
-            if kind == "draft":
+        for confidence, k in itertools.product(args.draft_confidence if kind != "ngram" else [0.0], args.ks):
+            if kind != "ngram":
                 llm.engine.proposer.confidence_threshold = confidence
             label = f"{name}: {kind} k={k}" + (f" conf {confidence:g}" if confidence else "")
             res, ids = run_config(llm, prompts, params, k, label, proposer)
@@ -112,6 +121,9 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
                 res.predicted_speedup = predicted_speedup(res)
             results.append(res)
             print(_row(res), flush=True)
+            if res.acceptance_per_position:
+                print(f"{'':<28}α per position: " + " ".join(f"{a:.2f}" for a in res.acceptance_per_position),
+                      flush=True)
     return results
 
 
@@ -194,7 +206,8 @@ def run_latency_cli(args) -> int:
           f"{describe_machine(machine)}", flush=True)
     print(HEADER, flush=True)
     results = run_latency(args)
-    meta = {"command": command_line(), "model": args.model, "draft": args.draft, "dtype": args.dtype,
+    meta = {"command": command_line(), "model": args.model, "draft": args.draft, "head": args.head,
+            "dtype": args.dtype,
             "quantization": args.quantization, "draft_quantization": args.draft_quantization,
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "machine": machine}
     write_json(args.out, {"meta": meta, "results": [asdict(r) for r in results]})

@@ -217,7 +217,7 @@ def drive_closed_loop(engine, prompt_ids: list[list[int]], params,
         for seq in [s for s in in_flight if s.finished]:
             in_flight.remove(seq)
             m = seq.metrics
-            results.append(RequestResult(ok=True, prompt_tokens=len(seq.prompt_ids), output_tokens=len(seq.output_ids),
+            results.append(RequestResult(ok=True, prompt_tokens=len(seq.prompt_ids), output_tokens=seq.num_output_tokens,
                                          ttft_s=m.ttft, latency_s=m.finish_time - m.arrival_time,
                                          speculation=m.as_dict()))
     return results, time.perf_counter() - start
@@ -261,7 +261,7 @@ class InProcessRunner:
         llm = self.build(cell, cell.concurrency)
         prompts = [self.target.tokenizer.encode(p) for p in self.prompts.get(cell)]
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8))  # warm-up (and the policy's first costs)
-        llm.timer.__init__()
+        llm.timer.reset()
         params = SamplingParams(temperature=0, max_tokens=cell.max_tokens, ignore_eos=True)
         requests, seconds = drive_closed_loop(llm.engine, prompts, params, cell.concurrency)
         timer = llm.timer

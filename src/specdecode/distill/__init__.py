@@ -1,4 +1,3 @@
-"""`specdecode distill`: record the target's features on text, then train a draft head on them."""
-from .command import distill
-
-__all__ = ["distill"]
+"""`specdecode distill`: record the target's features on text, then train a draft head on them
+(recipe.py: the options and their defaults; data.py: the features; train.py: the training; command.py:
+the pipeline)."""

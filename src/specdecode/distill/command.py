@@ -10,29 +10,29 @@ import torch
 from ..models.draft_head import HeadSpec, build_head, head_base, save_head, target_fingerprint
 from ..models.loader import LoadedModel
 from .data import collect_features, draft_vocabulary
-from .train import Recipe, evaluate, train, trainable
+from .recipe import Recipe
+from .train import evaluate, train, trainable
 
 HELD_OUT = 0.05  # of the chunks, measured after training and never trained on
 
 
-def distill(target: LoadedModel, out: str, sources: list[str], max_tokens: int = 60_000, chunk: int = 256,
-            draft_vocab_size: int = 32768, intermediate_size: int = 2048, recipe: Recipe | None = None,
-            progress: bool = True) -> dict:
+def distill(target: LoadedModel, out: str, recipe: Recipe | None = None, progress: bool = True) -> dict:
     """Train a head for `target` and write it to OUT.safetensors / OUT.json; returns the summary."""
     recipe = recipe or Recipe()
     started = time.time()
-    data = collect_features(target, sources, chunk, max_tokens, progress)
+    data = collect_features(target, recipe.sources, recipe.chunk, recipe.tokens, progress)
     collected = time.time()
     train_set, held_out = data.split(HELD_OUT)
-    vocab = draft_vocabulary(train_set, draft_vocab_size, target.tokenizer.special_ids, target.config.vocab_size)
-    spec = HeadSpec(target.name, target_fingerprint(target.model), intermediate_size, len(vocab),
-                    recipe={"sources": sources, "max_tokens": max_tokens, "chunk": chunk, **asdict(recipe)})
+    vocab = draft_vocabulary(train_set, recipe.draft_vocab_size, target.tokenizer.special_ids,
+                             target.config.vocab_size)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), recipe.intermediate_size, len(vocab),
+                    recipe=asdict(recipe))
     torch.manual_seed(recipe.seed)
     head = trainable(build_head(spec, None, target.model, vocab))
     log = train(head, train_set, recipe, head_base(out) + ".ckpt", progress)
-    agreement = evaluate(head, held_out)
+    agreement = evaluate(head, held_out, recipe.rounds)
     coverage = float(torch.isin(held_out.choice, vocab).float().mean())
-    spec.measured = {"held_out_top1": agreement, "held_out_vocab_coverage": coverage,
+    spec.measured = {"held_out_top1_per_round": agreement, "held_out_vocab_coverage": coverage,
                      "train_tokens": int(train_set.tokens.numel()), "collect_s": collected - started,
                      "train_s": time.time() - collected, "final_train_ce": log[-1]["ce"] if log else None}
     save_head(head, spec, out)
@@ -47,9 +47,9 @@ def run_distill_cli(args) -> int:
     from ..models.loader import load_model
 
     target = load_model(args.model, args.device, "auto", True, args.quantization)
-    recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr)
-    summary = distill(target, args.out, args.data, args.tokens, args.chunk, args.draft_vocab_size,
-                      args.intermediate_size, recipe)
+    recipe = Recipe(sources=args.data, tokens=args.tokens, chunk=args.chunk, steps=args.steps, batch=args.batch,
+                    lr=args.lr, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size)
+    summary = distill(target, args.out, recipe)
     print(json.dumps(summary, indent=1))
     print(f"wrote {head_base(args.out)}.safetensors and .json; use it with --draft head:{head_base(args.out)}")
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +18,7 @@ from tqdm import tqdm
 from ..models.draft_head import DraftHead
 from ..models.runtime import Linear, RMSNorm
 from .data import FeatureSet
-
-
-@dataclass
-class Recipe:
-    steps: int = 600
-    batch: int = 4  # chunks per step
-    lr: float = 1e-3
-    warmup: int = 30
-    regression_weight: float = 1.0
-    feature_noise: float = 0.05  # relative Gaussian noise on input features: drafting reads estimates
-    seed: int = 0
+from .recipe import Recipe
 
 
 def trainable(head: DraftHead) -> DraftHead:
@@ -46,36 +35,44 @@ def trainable(head: DraftHead) -> DraftHead:
     return head.train()
 
 
-def head_losses(head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor,
-                noise: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(soft cross-entropy, regression, top-1 agreement) over rows p = 0 .. T-2 of a batch of chunks."""
+def head_losses(head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0,
+                steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per drafting round (see DraftHead.unrolled): (soft cross-entropy, regression, top-1 agreement) over
+    the rows p = round .. T-2 of a batch of chunks, each row's truth the target's at p + 1."""
     tokens, hidden = tokens.to(head.device), hidden.to(head.device)
     features = hidden[:, :-1].float()
     if noise:
         features = features + noise * features.std(-1, keepdim=True) * torch.randn_like(features)
-    logits, predicted = head(tokens[:, 1:], None, None, return_hidden=True, features=features)
-    truth = hidden[:, 1:].reshape(-1, hidden.shape[-1]).float()
+    truth = hidden[:, 1:].float()
     with torch.no_grad():
-        target_logp = F.log_softmax(head.lm_head(head.norm(truth)), -1)
-    logp = F.log_softmax(logits, -1)
-    soft_ce = -(target_logp.exp() * logp).sum(-1).mean()
-    regression = F.smooth_l1_loss(head.norm(predicted), head.norm(truth))
-    agree = (logits.argmax(-1) == target_logp.argmax(-1)).float().mean()
-    return soft_ce, regression, agree
+        target_logp = F.log_softmax(head.lm_head(head.norm(truth.reshape(-1, truth.shape[-1]))), -1)
+    width = truth.shape[1]
+    losses = []
+    for step, (logits, predicted) in enumerate(head.unrolled(tokens[:, 1:], features, steps)):
+        valid = (torch.arange(width, device=head.device) >= step).repeat(truth.shape[0])
+        logp = F.log_softmax(logits[valid], -1)
+        soft_ce = -(target_logp[valid].exp() * logp).sum(-1).mean()
+        regression = F.smooth_l1_loss(head.norm(predicted[valid]), head.norm(truth.reshape(-1, truth.shape[-1])[valid]))
+        agree = (logp.argmax(-1) == target_logp[valid].argmax(-1)).float().mean()
+        losses.append((soft_ce, regression, agree))
+    return losses
 
 
-def evaluate(head: DraftHead, data: FeatureSet, batch: int = 4) -> float:
-    """Top-1 agreement with the target's choice over the draft vocabulary on held-out chunks: the
-    first-position acceptance of greedy drafting, where the target's choice is in the draft vocabulary."""
+def evaluate(head: DraftHead, data: FeatureSet, steps: int = 1, batch: int = 4) -> list[float]:
+    """Top-1 agreement with the target's choice over the draft vocabulary on held-out chunks, per drafting
+    round: the acceptance of greedy drafting at each position given the previous ones accepted, where the
+    target's choice is in the draft vocabulary."""
     head.eval()
-    agree, n = 0.0, 0
+    agree, n = [0.0] * steps, 0
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            _, _, a = head_losses(head, data.tokens[i:i + batch], data.hidden[i:i + batch])
             rows = data.tokens[i:i + batch].shape[0]
-            agree, n = agree + float(a) * rows, n + rows
+            for step, (_, _, a) in enumerate(head_losses(head, data.tokens[i:i + batch], data.hidden[i:i + batch],
+                                                         steps=steps)):
+                agree[step] += float(a) * rows
+            n += rows
     head.train()
-    return agree / max(n, 1)
+    return [a / max(n, 1) for a in agree]
 
 
 def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | None = None,
@@ -96,19 +93,22 @@ def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | N
     bar = tqdm(total=recipe.steps, initial=step, desc="training head", unit="step", disable=not progress)
     while step < recipe.steps:
         pick = torch.randint(len(data), (recipe.batch,), generator=gen)
-        soft_ce, regression, agree = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise)
-        loss = soft_ce + recipe.regression_weight * regression
+        losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
+        loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
+                   for i, (ce, reg, _) in enumerate(losses))
+        soft_ce, _, agree = losses[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         schedule.step()
         step += 1
-        log.append({"step": step, "ce": soft_ce.item(), "reg": regression.item(), "agree": agree.item(),
+        log.append({"step": step, "ce": soft_ce.item(), "agree": [a.item() for _, _, a in losses],
                     "t": time.time()})
         bar.update(1)
-        bar.set_postfix(ce=f"{log[-1]['ce']:.3f}", agree=f"{log[-1]['agree']:.2f}")
+        bar.set_postfix(ce=f"{log[-1]['ce']:.3f}", agree=" ".join(f"{a:.2f}" for a in log[-1]["agree"]))
         if checkpoint and (step % 50 == 0 or step == recipe.steps):
+            os.makedirs(os.path.dirname(checkpoint) or ".", exist_ok=True)
             torch.save({"head": head.owned_state(), "opt": opt.state_dict(), "schedule": schedule.state_dict(),
                         "step": step, "log": log}, checkpoint + ".tmp")
             os.replace(checkpoint + ".tmp", checkpoint)

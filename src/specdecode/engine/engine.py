@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +19,34 @@ from ..verify.rejection_sampler import VerifyResult
 from ..verify.verifier import prompt_logprobs, sample_first, verify_drafts
 from .policy import DraftDecision, Policy, make_policy
 from .sequence import Sequence, check_token_ids
+
+
+@dataclass
+class StepOutput:
+    """What one engine step did: the sequences it gave tokens to (prefilled or decoded), those it finished,
+    and the decoding step's speculation counters (empty when the step only admitted)."""
+
+    updated: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    counters: SpecCounters = field(default_factory=SpecCounters)  # summed over the decoding batch
+    draft_lengths: list[int] = field(default_factory=list)  # tokens drafted per decoding sequence
+    lookup_drafts: int = 0  # of those sequences, how many drafted by prompt lookup
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the decoding step."""
+        return len(self.draft_lengths)
+
+
+@dataclass
+class StepHooks:
+    """What the caller of step() runs inside it. poll_arrivals: before each admission (a server drains its
+    inbox there, so requests that arrive while another prompt is prefilled join this step's batch instead of
+    waiting out a decode step). on_prefilled: after each prefill, with the group just admitted (a server
+    streams their first token at once instead of after this step's decode)."""
+
+    poll_arrivals: Callable[[], None] | None = None
+    on_prefilled: Callable[[list[Sequence]], None] | None = None
 
 
 class Engine:
@@ -42,16 +71,6 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
-        self.last_step = SpecCounters()  # what the most recent decoding step drafted and accepted
-        self.last_batch_size = 0
-        self.last_ks: list[int] = []  # tokens drafted per sequence in the most recent decoding step
-        self.last_lookup_drafts = 0  # of those sequences, how many drafted by prompt lookup
-        # Called before each admission (the server drains its inbox here), so requests that arrive while
-        # another prompt is prefilled join this step's batch instead of waiting out a decode step.
-        self.poll_arrivals: Callable[[], None] | None = None
-        # Called after each prefill (its first token sampled): the server streams that token at once instead
-        # of after this step's decode (and the other prefills before it).
-        self.on_prefilled: Callable[[], None] | None = None
 
     @property
     def k(self) -> int:
@@ -105,18 +124,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list[Sequence]:
-        """Admit what fits, run one decoding step; return the sequences that finished."""
-        self.last_step, self.last_batch_size, self.last_ks, self.last_lookup_drafts = SpecCounters(), 0, [], 0
-        self._admit()
+    def step(self, hooks: StepHooks | None = None) -> StepOutput:
+        """Admit what fits, run one decoding step; say what it did."""
+        out = StepOutput()
+        out.updated = self._admit(hooks or StepHooks())
         decoding = [s for s in self.running if not s.finished]
         if decoding:
-            self._decode_step(decoding)
-        done = [s for s in self.running if s.finished]
-        for seq in done:
+            self._decode_step(decoding, out)
+            out.updated += [s for s in decoding if s not in out.updated]
+        out.finished = [s for s in self.running if s.finished]
+        for seq in out.finished:
             self._release(seq)
         self.running = [s for s in self.running if not s.finished]
-        return done
+        return out
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
@@ -135,22 +155,25 @@ class Engine:
         self.totals.merge(seq.metrics.spec)
 
     # ---- prefill ----------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self, hooks: StepHooks) -> list[Sequence]:
+        """Prefill the waiting groups that fit, in arrival order; the sequences admitted."""
+        admitted: list[Sequence] = []
         while True:
-            if self.poll_arrivals is not None:
-                self.poll_arrivals()
+            if hooks.poll_arrivals is not None:
+                hooks.poll_arrivals()
             if not self.waiting:
-                return
+                return admitted
             group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
             if self.runner.num_free < len(group):
-                return
+                return admitted
             for seq in group:
                 self.waiting.remove(seq)
                 seq.slot = self.runner.allocate()
                 self.running.append(seq)
             self._prefill(group)
-            if self.on_prefilled is not None:
-                self.on_prefilled()
+            admitted += group
+            if hooks.on_prefilled is not None:
+                hooks.on_prefilled(group)
 
     def _prefill(self, group: list[Sequence]) -> None:
         """One forward over the shared prompt; the other sequences of the group get a copy of its KV."""
@@ -184,7 +207,7 @@ class Engine:
             proposer.observe(seq, feedback)
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
-    def _decode_step(self, seqs: list[Sequence]) -> None:
+    def _decode_step(self, seqs: list[Sequence], out: StepOutput) -> None:
         step_start = now()
         decision, previews = self._decide_drafts(seqs)
         drafts, draft_seconds = self._propose(seqs, decision)
@@ -194,8 +217,8 @@ class Engine:
         with self.timer.measure("target"):
             logits, hidden = self._target_forward([s.slot for s in seqs], inputs, logits="all")
         results = self._verify(seqs, drafts, logits)
-        self.last_batch_size, self.last_ks = len(seqs), drafts.num_tokens
-        self.last_lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
+        out.draft_lengths = drafts.num_tokens
+        out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
         row = 0
         for i, (seq, start, n_draft, (result, logprobs)) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted, emitted = result.num_accepted[0], result.tokens[0]
@@ -207,7 +230,7 @@ class Engine:
                                                 start))
             row += n_draft + 1
             seq.metrics.spec.record_step(n_draft, accepted, len(emitted))
-            self.last_step.record_step(n_draft, accepted, len(emitted))
+            out.counters.record_step(n_draft, accepted, len(emitted))
             if decision.by_lookup[i] and n_draft:
                 self.policy.observe_lookup(seq.request_id, previews[i].match, n_draft, accepted)
             else:

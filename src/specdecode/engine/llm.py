@@ -1,16 +1,15 @@
 """Offline API with vLLM's names: LLM(...).generate(prompts, SamplingParams(...)) and .chat(...)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..config import DRAFT_CONFIDENCE, DRAFT_VOCAB_SIZE
-from ..errors import SpecDecodeError
+from ..config import EngineConfig
+from ..config import EngineConfig as C  # every default, written once there
 from ..executor.runner import ModelRunner
 from ..metrics import RequestMetrics, StepTimer, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
-from ..models.sources import DEFAULT_TARGET
 from ..proposers import Proposer, ProposerSetup, build_proposer, proposer_kind
 from ..proposers.registry import DRAFT_MODEL
 from ..sampling import SamplingParams, TokenLogprob
@@ -64,48 +63,49 @@ class LLM:
     drafting after a token it gives less than `draft_confidence` probability (0: always drafts what the
     policy asks); neither changes the output."""
 
-    def __init__(self, model: str = DEFAULT_TARGET, speculative_model: str | None = None,
-                 num_speculative_tokens: int = 4, *, device: str | None = None, dtype: str = "auto",
-                 max_model_len: int = 4096, max_num_seqs: int = 8, forced_accept: bool = False,
-                 ngram_prompt_lookup_max: int = 3, ngram_prompt_lookup_min: int = 1,
-                 draft_vocab_size: int | None = DRAFT_VOCAB_SIZE, draft_confidence: float = DRAFT_CONFIDENCE,
-                 quantization: str = "auto", draft_quantization: str = "auto",
-                 speculation_policy: str = "adaptive", speculative_disable_by_batch_size: int | None = None,
-                 prompt_lookup: bool = False,
-                 memory_budget: str | int | None = None, gpu_memory_utilization: float | None = 0.9,
-                 progress: bool = True,
+    def __init__(self, model: str = C.model, speculative_model: str | None = C.speculative_model,
+                 num_speculative_tokens: int = C.num_speculative_tokens, *, device: str | None = C.device,
+                 dtype: str = C.dtype, max_model_len: int = C.max_model_len, max_num_seqs: int = C.max_num_seqs,
+                 forced_accept: bool = C.forced_accept, ngram_prompt_lookup_max: int = C.ngram_prompt_lookup_max,
+                 ngram_prompt_lookup_min: int = C.ngram_prompt_lookup_min,
+                 draft_vocab_size: int | None = C.draft_vocab_size, draft_confidence: float = C.draft_confidence,
+                 quantization: str = C.quantization, draft_quantization: str = C.draft_quantization,
+                 speculation_policy: str = C.speculation_policy,
+                 speculative_disable_by_batch_size: int | None = C.speculative_disable_by_batch_size,
+                 prompt_lookup: bool = C.prompt_lookup, memory_budget: str | int | None = C.memory_budget,
+                 gpu_memory_utilization: float | None = C.gpu_memory_utilization, progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
-        if num_speculative_tokens < 0:
-            raise SpecDecodeError(f"num_speculative_tokens (-k) must be >= 0, got {num_speculative_tokens}")
-        policy = make_policy(speculation_policy, num_speculative_tokens, speculative_disable_by_batch_size)
-        self.target = target or load_model(model, device, dtype, progress, quantization)
+        given = locals()
+        self.config = config = EngineConfig(**{f.name: given[f.name] for f in fields(EngineConfig)})
+        policy = make_policy(config.speculation_policy, config.num_speculative_tokens,
+                             config.speculative_disable_by_batch_size)
+        self.target = target or load_model(config.model, config.device, config.dtype, progress, config.quantization)
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
-        max_model_len = min(max_model_len, self.target.config.max_position)
-        setup = ProposerSetup(self.target, model=speculative_model, loaded=draft, dtype=dtype,
-                              quantization=draft_quantization, progress=progress, draft_vocab_size=draft_vocab_size,
-                              ngram_max=ngram_prompt_lookup_max, ngram_min=ngram_prompt_lookup_min, timer=self.timer,
-                              draft_confidence=draft_confidence)
-        kind = DRAFT_MODEL if draft is not None else proposer_kind(speculative_model)
-        proposers: list[Proposer] = [build_proposer(kind, setup)] if kind else []
-        # the adaptive policy may also draft by prompt lookup, per sequence, where the main proposer does not pay
-        if prompt_lookup and proposers and not proposers[0].previews and policy.name == "adaptive" \
-                and not forced_accept:
-            proposers.append(build_proposer("ngram", setup))
+        max_model_len = min(config.max_model_len, self.target.config.max_position)
+        proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
-        budget = resolve_budget(self.target.model.device, memory_budget, gpu_memory_utilization)
+        budget = resolve_budget(self.target.model.device, config.memory_budget, config.gpu_memory_utilization)
         draft_model = next((p.model for p in proposers if p.model is not None), None)
-        self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, max_num_seqs,
-                                       num_speculative_tokens, budget)
-        max_num_seqs = self.memory_plan.num_slots
+        self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs,
+                                       config.num_speculative_tokens, budget)
         for proposer in proposers:
-            proposer.reserve(max_num_seqs, max_model_len)
-        runner = ModelRunner(self.target.model, max_num_seqs, max_model_len)
-        self.engine = Engine(runner, self.tokenizer, proposers, num_speculative_tokens, forced_accept, self.timer,
-                             policy)
-        # the adaptive policy weighs the draft's cost at every number of drafting sequences, and that cost
-        # jumps between them: time it now rather than extrapolate (0 s where there is no draft model)
-        self.profile_seconds = profile_draft_costs(self.engine) if policy.name == "adaptive" else 0.0
+            proposer.reserve(self.memory_plan.num_slots, max_model_len)
+        runner = ModelRunner(self.target.model, self.memory_plan.num_slots, max_model_len)
+        self.engine = Engine(runner, self.tokenizer, proposers, config.num_speculative_tokens, config.forced_accept,
+                             self.timer, policy)
+        # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
+        # it timed now rather than extrapolated; that cost jumps between batch sizes
+        self.profile_seconds = profile_draft_costs(self.engine) if policy.wants_draft_costs else 0.0
+
+    def _proposers(self, setup: ProposerSetup, policy) -> list[Proposer]:
+        """The main proposer, and prompt lookup beside it where the policy may choose per sequence."""
+        kind = DRAFT_MODEL if setup.loaded is not None else proposer_kind(setup.config.speculative_model)
+        proposers: list[Proposer] = [build_proposer(kind, setup)] if kind else []
+        if setup.config.prompt_lookup and proposers and not proposers[0].previews and policy.chooses_proposers \
+                and not setup.config.forced_accept:
+            proposers.append(build_proposer("ngram", setup))
+        return proposers
 
     def startup_summary(self) -> str:
         """Each model's backend, weight bytes and load time, and the peak memory so far."""

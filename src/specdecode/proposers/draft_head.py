@@ -46,13 +46,14 @@ class DraftHeadProposer(DraftModelProposer):
     def from_setup(cls, setup: ProposerSetup) -> "DraftHeadProposer":
         from ..executor.backends import prepare_head
 
-        if not setup.model:
+        name = setup.config.speculative_model
+        if not name:
             raise SpecDecodeError("the draft-head proposer needs a head: speculative_model='head:PATH'")
-        path = head_path(setup.model)
+        path = head_path(name)
         spec, tensors = read_head(path)
-        head = prepare_head(build_head(spec, tensors, setup.target.model), setup.quantization)
+        head = prepare_head(build_head(spec, tensors, setup.target.model), setup.config.draft_quantization)
         loaded = LoadedModel(f"head:{os.path.basename(path)}", head, setup.target.tokenizer, head.cfg)
-        return cls(head, loaded, setup.timer, setup.draft_confidence)
+        return cls(head, loaded, setup.timer, setup.config.draft_confidence)
 
     def observe(self, seq, feedback) -> None:
         if feedback.hidden is None:

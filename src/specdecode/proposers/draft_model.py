@@ -28,14 +28,15 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "DraftModelProposer":
-        if setup.loaded is None and setup.model is None:
+        if setup.loaded is None and setup.config.speculative_model is None:
             raise SpecDecodeError("the draft-model proposer needs a draft model (a name, path or hub id)")
-        draft = setup.loaded or load_model(setup.model, str(setup.target.model.device), setup.dtype, setup.progress,
-                                           setup.quantization, draft=True)
+        config = setup.config
+        draft = setup.loaded or load_model(config.speculative_model, str(setup.target.model.device), config.dtype,
+                                           setup.progress, config.draft_quantization, draft=True)
         check_same_vocabulary(setup.target, draft)
-        if setup.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
-            restrict_draft_vocab(draft, setup.draft_vocab_size)
-        return cls(draft, setup.timer, setup.draft_confidence)
+        if config.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
+            restrict_draft_vocab(draft, config.draft_vocab_size)
+        return cls(draft, setup.timer, config.draft_confidence)
 
     def reserve(self, num_slots: int, max_model_len: int) -> None:
         self.runner = ModelRunner(self.model, num_slots, max_model_len)

@@ -15,7 +15,7 @@ class NgramProposer(Proposer):
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "NgramProposer":
-        return cls(setup.ngram_max, setup.ngram_min)
+        return cls(setup.config.ngram_prompt_lookup_max, setup.config.ngram_prompt_lookup_min)
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
         return DraftBatch([self.match(s.token_ids, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)],

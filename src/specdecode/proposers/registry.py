@@ -3,9 +3,10 @@ kind (e.g. a draft head on the target's hidden states) is one file plus one `reg
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..config import EngineConfig
 from ..errors import SpecDecodeError
 from ..metrics import StepTimer
 
@@ -16,19 +17,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class ProposerSetup:
-    """Everything a proposer may need to build itself."""
+    """Everything a proposer may need to build itself: the target, the engine's options (the draft's name
+    is `config.speculative_model`) and, where the caller has it, the draft model already loaded."""
 
     target: LoadedModel
-    model: str | None = None  # a model to load (name, path or hub id), for proposers that run one
-    loaded: LoadedModel | None = None  # or that model, already loaded
-    dtype: str = "auto"
-    quantization: str = "auto"
+    config: EngineConfig = field(default_factory=EngineConfig)
+    loaded: LoadedModel | None = None
     progress: bool = True
-    draft_vocab_size: int | None = None
-    ngram_max: int = 3
-    ngram_min: int = 1
     timer: StepTimer | None = None
-    draft_confidence: float = 0.0  # a draft model stops drafting after a token it gives less probability
 
 
 ProposerFactory = Callable[[ProposerSetup], "Proposer"]
@@ -39,6 +35,13 @@ DRAFT_MODEL = "draft_model"  # the kind chosen when `speculative_model` names a 
 def register_proposer(name: str, factory: ProposerFactory) -> None:
     """Make `name` a proposer kind: `LLM(speculative_model=name)`, `--draft name`, sweep cells."""
     _REGISTRY[name] = factory
+
+
+def unregister_proposer(name: str) -> None:
+    """Remove a kind added by register_proposer (a plug-in's test, say, cleaning up after itself)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no proposer kind {name!r} is registered; registered: {', '.join(proposer_names())}")
+    del _REGISTRY[name]
 
 
 def proposer_names() -> list[str]:

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.engine import Engine
+from ..engine.engine import Engine, StepHooks
 from ..engine.sequence import Sequence
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, TokenLogprob
@@ -79,6 +79,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None,
                  replica: str | None = None):
         self.engine = engine
+        # what the HTTP layer reads of the engine (server/handler.py's ServingEngine)
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self.vocab_size = engine.runner.cfg.vocab_size
         self.replica = replica
         self.max_waiting = max_waiting
         # requests accepted (event-loop thread) and ended (engine thread); their difference is in flight
@@ -91,22 +94,11 @@ class AsyncEngine:
         self._stopping = False
         self.draining = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
-        engine.poll_arrivals = self._drain_inbox  # runs on the engine thread, inside its admission loop
-        engine.on_prefilled = self._publish  # a request's first token goes out right after its prefill
+        # run on the engine thread inside each step: arrivals join this step's admissions, and a request's
+        # first token goes out right after its prefill
+        self._hooks = StepHooks(poll_arrivals=self._drain_inbox, on_prefilled=lambda group: self._publish())
 
-    # ---- what the HTTP layer reads (a scaled-out deployment offers the same, see server/ray_serve.py) ----
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.runner.cfg.vocab_size
-
+    # ---- what the HTTP layer reads (server/handler.py's ServingEngine) ----------------------------------
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
 
@@ -200,12 +192,12 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                finished = self.engine.step()
+                out = self.engine.step(self._hooks)
             except Exception as exc:  # a bug must not take the server down: fail the batch, carry on
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            self.metrics.observe_step(self.engine, finished)
+            self.metrics.observe_step(out)
             self._publish()
         self._fail_all(RuntimeError("server shutting down"))
 
@@ -259,7 +251,7 @@ class AsyncEngine:
         if text or logprobs or seq.finished:
             handle.push(Update(text, seq.finished, seq.finish_reason, index=i, logprobs=logprobs,
                                prompt_logprobs=None if i in handle.opened else seq.prompt_logprobs,
-                               num_tokens=len(seq.output_ids),
+                               num_tokens=seq.num_output_tokens,
                                spec=seq.metrics.as_dict() if seq.finished else None, replica=self.replica))
             handle.sent_chars[i] += len(text)
             handle.sent_tokens[i] += len(logprobs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..engine.engine import StepOutput
 from ..metrics import SpecCounters
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -54,11 +55,11 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
 
-    def observe_step(self, engine, finished) -> None:
-        step = engine.last_step
+    def observe_step(self, out: StepOutput) -> None:
+        step = out.counters
         speculated = step.num_draft_tokens > 0
         self.steps.labels(speculated=str(speculated).lower()).inc()
-        self.batch_size.set(engine.last_batch_size)
+        self.batch_size.set(out.batch_size)
         self.drafts.inc(step.num_spec_steps)
         self.draft_tokens.inc(step.num_draft_tokens)
         self.accepted_tokens.inc(step.num_accepted_tokens)
@@ -66,9 +67,9 @@ class ServerMetrics:
         for pos, n in enumerate(step.accepted_per_position):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
-        for k in engine.last_ks:
+        for k in out.draft_lengths:
             self.draft_lengths.labels(k=str(k)).inc()
-        self.lookup_drafts.inc(engine.last_lookup_drafts)
+        self.lookup_drafts.inc(out.lookup_drafts)
         self.totals.merge(step)
         self._steps += 1
         self._speculated_steps += speculated
@@ -76,7 +77,7 @@ class ServerMetrics:
             self.acceptance_rate.set(self.totals.acceptance_rate)
             self.mean_accepted_length.set(self.totals.mean_accepted_length)
         self.speculating_fraction.set(self._speculated_steps / self._steps)
-        for seq in finished:
+        for seq in out.finished:
             self.finished.labels(reason=seq.finish_reason or "unknown").inc()
             if seq.metrics.ttft is not None:
                 self.ttft.observe(seq.metrics.ttft)

@@ -16,7 +16,7 @@ UNSUPPORTED_UNLESS_DEFAULT = {
 }
 
 
-class _Common(BaseModel):
+class CommonRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields we do not need (user, stream_options, ...)
     model: str | None = None
     max_tokens: int | None = None
@@ -90,7 +90,7 @@ def response_format_grammar(response_format: dict | None) -> StructuredOutput | 
     raise SpecDecodeError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int]
     logprobs: int | None = None  # the chosen token's logprob and this many alternatives
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
@@ -130,7 +130,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content)
 
 
-class ChatRequest(_Common):
+class ChatRequest(CommonRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -5,28 +5,24 @@ import signal
 import threading
 import time
 
-from ..config import LOSSY_NOTE
+from ..config import LOSSY_NOTE, EngineConfig
 from ..engine.llm import LLM
-from ..errors import SpecDecodeError
 from ..models.sources import default_draft
 from .api import build_app
 from .async_engine import AsyncEngine
 
 
 def llm_options(args) -> dict:
-    """LLM(...)'s arguments from serve's flags: plain data, so that Ray can ship them to replicas."""
-    if args.k < 0:
-        raise SpecDecodeError(f"--num-speculative-tokens must be >= 0, got {args.k}")
-    draft = default_draft(args.model, args.draft)
-    if args.k == 0:
-        draft = None  # plain decoding: do not load (or plan memory for) a draft
-    return dict(model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
-                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                quantization=args.quantization, draft_quantization=args.draft_quantization,
-                draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
-                speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-                memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-                forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup)
+    """LLM(...)'s arguments from serve's flags, checked: plain data, so that Ray can ship them to replicas."""
+    draft = default_draft(args.model, args.draft) if args.k else None  # k = 0: no draft to load or plan for
+    return EngineConfig(
+        model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
+        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        quantization=args.quantization, draft_quantization=args.draft_quantization,
+        draft_vocab_size=args.draft_vocab_size, draft_confidence=args.draft_confidence,
+        speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
+        forced_accept=args.forced_accept, prompt_lookup=args.prompt_lookup).as_dict()
 
 
 def run_serve(args) -> int:

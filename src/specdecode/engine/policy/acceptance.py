@@ -54,7 +54,6 @@ class AcceptanceEstimator:
     reach is tracked apart (`reach`), because a draft token costs its forward and its verify row whether
     or not it is accepted."""
 
-    k_max: int = 4
     prior_acceptance: float = 0.7  # before anything is measured; see population_acceptance
     acceptance_smoothing: float = 0.1  # per step, on the first draft position's outcome
     # While a sequence does not draft, its estimate drifts back towards the prior by this fraction per
@@ -85,11 +84,11 @@ class AcceptanceEstimator:
             reach.append(p)
         return reach
 
-    def token_gains(self, first: float) -> list[float]:
-        """Probability that draft token j (1..k_max) is emitted, for a sequence whose first token is
-        accepted with probability `first`: first · β_2 · … · β_j."""
+    def token_gains(self, first: float, k: int) -> list[float]:
+        """Probability that draft token j (1..k) is emitted, for a sequence whose first token is accepted
+        with probability `first`: first · β_2 · … · β_j."""
         gains, p = [], first
-        for j in range(1, self.k_max + 1):
+        for j in range(1, k + 1):
             if j > 1:
                 p *= self.conditional_acceptance(j)
             gains.append(p)

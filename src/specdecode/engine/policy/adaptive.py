@@ -6,36 +6,51 @@ earlier in its text may take its drafts from there instead: they cost no draft f
 verification, which keeps speculation worthwhile at batch sizes where the draft model no longer pays."""
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 from .acceptance import AcceptanceEstimator
 from .base import DraftDecision, Policy
 from .costs import CostModel
 
 
-@dataclass
-class AdaptivePolicy(AcceptanceEstimator, Policy):
-    name = "adaptive"
+class AdaptivePolicy(Policy):
+    """estimator_options: AcceptanceEstimator's fields (priors, smoothing)."""
 
-    # Every this many speculative steps, one plain step re-measures plain decoding's cost.
-    refresh_plain_every: int = 32
-    # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
-    # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
-    min_gain: float = 0.1
-    # A catch-up must pay for itself within this many steps: drafting may well stop again before the
-    # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
-    catch_up_horizon: int = 16
-    costs: CostModel = field(default_factory=CostModel)
-    decisions: Counter = field(default_factory=Counter)  # k chosen -> sequence-steps
-    # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
-    # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
-    # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
-    # cost is an estimate of its own), and relaxed back towards 1 while that batch size decodes plainly:
-    # a bad stretch at one load must not switch speculation off at another, or for good.
-    calibration: dict[int, float] = field(default_factory=dict)
-    _predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
-    _spec_steps_since_plain: int = 0
+    name = "adaptive"
+    wants_draft_costs = True
+    chooses_proposers = True
+
+    def __init__(self, k_max: int = 4, *, costs: CostModel | None = None, min_gain: float = 0.1,
+                 refresh_plain_every: int = 32, catch_up_horizon: int = 16, **estimator_options):
+        super().__init__(k_max)
+        self.estimator = AcceptanceEstimator(**estimator_options)
+        self.costs = costs or CostModel()
+        # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
+        # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
+        self.min_gain = min_gain
+        # Every this many speculative steps, one plain step re-measures plain decoding's cost.
+        self.refresh_plain_every = refresh_plain_every
+        # A catch-up must pay for itself within this many steps: drafting may well stop again before the
+        # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
+        self.catch_up_horizon = catch_up_horizon
+        # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
+        # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
+        # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
+        # cost is an estimate of its own), and relaxed back towards 1 while that batch size decodes
+        # plainly: a bad stretch at one load must not switch speculation off at another, or for good.
+        self.calibration: dict[int, float] = {}
+        self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
+        self._spec_steps_since_plain = 0
+
+    def token_gains(self, first: float) -> list[float]:
+        return self.estimator.token_gains(first, self.k_max)
+
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
+        self.estimator.observe_acceptance(request_id, drafted, accepted, allowed)
+
+    def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
+        self.estimator.observe_lookup(request_id, match, drafted, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.estimator.forget(request_id)
 
     def decide(self, request_ids, catch_up, remaining, lookups) -> DraftDecision:
         n = len(request_ids)
@@ -43,16 +58,17 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
         # then measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior
         # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
-        if not self.costs.draft or not self.depth:
+        estimator = self.estimator
+        if not self.costs.draft or not estimator.depth:
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
         if self._spec_steps_since_plain >= self.refresh_plain_every:
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
-        alphas = [self.first_token_acceptance(r) for r in request_ids]
+        alphas = [estimator.first_token_acceptance(r) for r in request_ids]
         decision = self.best_decision(alphas, catch_up, remaining, lookups)
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
-        self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup, self.draft_reach(self.k_max))
+        self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max))
                            + sum(starting) * self.costs.draft_prefill_per_token, not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
@@ -70,7 +86,8 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
         options = [self._allocate(draft_gains, [False] * n, start_cost)]
         if lookups and any(match for match, _ in lookups):
             use = [match > 0 for match, _ in lookups]
-            lookup_gains = [self.lookup_acceptance.gains(match, offered, self.k_max) for match, offered in lookups]
+            lookup_gains = [self.estimator.lookup_acceptance.gains(match, offered, self.k_max)
+                            for match, offered in lookups]
             # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
             options.append(self._allocate(lookup_gains, use, start_cost))
@@ -89,7 +106,7 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
         ks, best, best_score = [0] * n, [0] * n, 1.0
         emitted, extra = float(n), 0.0
         plain_rate = emitted / self.costs.step_seconds(ks)
-        calibration, reach = self.calibration.get(n, 1.0), self.draft_reach(self.k_max)
+        calibration, reach = self.calibration.get(n, 1.0), self.estimator.draft_reach(self.k_max)
         for gain, _, i in candidates:
             if ks[i] == 0 and not by_lookup[i]:
                 extra += start_cost[i]
@@ -110,9 +127,9 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
             if self._predicted and self._predicted[1] and step_seconds:
                 ratio = min(2.0, max(0.5, step_seconds / self._predicted[0]))  # one hiccup must not flip decisions
                 current = self.calibration.get(n, 1.0)
-                self.calibration[n] = current + self.acceptance_smoothing * (ratio - current)
+                self.calibration[n] = current + self.estimator.acceptance_smoothing * (ratio - current)
         elif n in self.calibration:
-            self.calibration[n] += self.acceptance_recovery * (1.0 - self.calibration[n])
+            self.calibration[n] += self.estimator.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
         self.costs.target.observe(n, n + sum(ks), target_seconds)
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
@@ -121,3 +138,6 @@ class AdaptivePolicy(AcceptanceEstimator, Policy):
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         self.costs.observe_draft_prefill(tokens, seconds)
+
+    def record_draft_cost(self, batch: int, seconds: float) -> None:
+        self.costs.draft.record(batch, seconds)

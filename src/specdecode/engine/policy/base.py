@@ -19,6 +19,8 @@ class Policy:
     """Decides k per sequence and step; the observe_* hooks feed policies that learn (the default: ignore)."""
 
     name = "policy"
+    wants_draft_costs = False  # the draft's forward timed at start-up for each number of drafting sequences
+    chooses_proposers = False  # may take a sequence's drafts from prompt lookup instead of the main proposer
 
     def __init__(self, k_max: int = 4):
         self.k_max = k_max
@@ -53,6 +55,9 @@ class Policy:
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         """A draft model read `tokens` it had missed in `seconds`."""
+
+    def record_draft_cost(self, batch: int, seconds: float) -> None:
+        """A draft forward for `batch` sequences takes `seconds` (timed at start-up, see engine/profile.py)."""
 
     def forget(self, request_id: str) -> None:
         """The sequence finished."""

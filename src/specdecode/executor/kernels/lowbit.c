@@ -416,42 +416,29 @@ static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0,
         TILE_CASES(CALL)                                                                                \
     }
 
+// Each format's group call for R rows: its bits in memory, sub-block size, zero point, scale and min kinds
+// (Q4_K and Q6_K, the default models' formats, have their own VNNI code).
+#define GROUP_Q4_0(R) SIMD_GROUP(4, 32, 8, SC_NONE, MIN_NONE, R)
+#define GROUP_Q4_1(R) SIMD_GROUP(4, 32, 0, SC_NONE, MIN_D, R)
+#define GROUP_Q5_0(R) SIMD_GROUP(6, 32, 16, SC_NONE, MIN_NONE, R)
+#define GROUP_Q5_1(R) SIMD_GROUP(6, 32, 0, SC_NONE, MIN_D, R)
+#define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
+#define GROUP_Q5_K(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
+#if defined(HAVE_VNNI)
+#define GROUP_Q4_K(R) group_q4_k_vnni(g, m0, R, K, N, w, a, y)
+#define GROUP_Q6_K(R) group_q6_k_vnni(g, m0, R, K, N, w, a, y)
+#else
+#define GROUP_Q4_K(R) SIMD_GROUP(4, 32, 0, SC_U8, MIN_D_MN, R)
+#define GROUP_Q6_K(R) SIMD_GROUP(6, 16, 32, SC_I8, MIN_NONE, R)
+#endif
+#define FORMAT_CASE(FMT) case FMT: BY_TILE(GROUP_##FMT) break;
+
 static inline __attribute__((always_inline)) void run_group(int fmt, int g, int m0, int m_end, int K, int N,
                                                             const weights_t *w, const acts_t *a, float *y) {
     for (; m0 < m_end; m0 += ROW_TILE) {
         switch (fmt) {
-#define F(R) SIMD_GROUP(4, 32, 8, SC_NONE, MIN_NONE, R)
-            case Q4_0: BY_TILE(F) break;
-#undef F
-#define F(R) SIMD_GROUP(4, 32, 0, SC_NONE, MIN_D, R)
-            case Q4_1: BY_TILE(F) break;
-#undef F
-#define F(R) SIMD_GROUP(6, 32, 16, SC_NONE, MIN_NONE, R)
-            case Q5_0: BY_TILE(F) break;
-#undef F
-#define F(R) SIMD_GROUP(6, 32, 0, SC_NONE, MIN_D, R)
-            case Q5_1: BY_TILE(F) break;
-#undef F
-#define F(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
-            case Q8_0: BY_TILE(F) break;
-#undef F
-#if defined(HAVE_VNNI)
-#define F(R) group_q4_k_vnni(g, m0, R, K, N, w, a, y)
-#else
-#define F(R) SIMD_GROUP(4, 32, 0, SC_U8, MIN_D_MN, R)
-#endif
-            case Q4_K: BY_TILE(F) break;
-#undef F
-#define F(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
-            case Q5_K: BY_TILE(F) break;
-#undef F
-#if defined(HAVE_VNNI)
-#define F(R) group_q6_k_vnni(g, m0, R, K, N, w, a, y)
-#else
-#define F(R) SIMD_GROUP(6, 16, 32, SC_I8, MIN_NONE, R)
-#endif
-            case Q6_K: BY_TILE(F) break;
-#undef F
+            FORMAT_CASE(Q4_0) FORMAT_CASE(Q4_1) FORMAT_CASE(Q5_0) FORMAT_CASE(Q5_1)
+            FORMAT_CASE(Q8_0) FORMAT_CASE(Q4_K) FORMAT_CASE(Q5_K) FORMAT_CASE(Q6_K)
         }
     }
 }

@@ -1,0 +1,46 @@
+"""Time per output token as one output grows: plain decoding of a single long request, timed per window
+of tokens. The weights' cost per token is constant, so what grows is attention over the longer context
+and any per-token work on the whole output (detokenization, stop strings, penalties), which must not."""
+from __future__ import annotations
+
+import time
+
+from ..engine.llm import LLM
+from ..sampling import SamplingParams
+from .datasets import humaneval_prompts
+from .results import command_line, describe_machine, machine_info, write_json
+
+
+def tpot_by_window(llm: LLM, prompt: str, max_tokens: int, window: int) -> list[tuple[int, float]]:
+    """(output tokens so far, mean seconds per token over the `window` tokens before) for each window."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=["\x00never\x00"])
+    seq = llm.engine.add_request(llm.tokenizer.encode(prompt), params)
+    llm.engine.step()  # prefill and the first decode step
+    rows, mark, mark_time = [], seq.num_output_tokens, time.perf_counter()
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        if seq.num_output_tokens - mark >= window:
+            now = time.perf_counter()
+            rows.append((seq.num_output_tokens, (now - mark_time) / (seq.num_output_tokens - mark)))
+            mark, mark_time = seq.num_output_tokens, now
+    return rows
+
+
+def run_tpot_cli(args) -> int:
+    machine = machine_info()
+    prompt = humaneval_prompts(1)[0]
+    llm = LLM(model=args.model, num_speculative_tokens=0, device=args.device, max_num_seqs=1,
+              max_model_len=args.max_tokens + 512)
+    print(f"{args.model}, plain decoding, one request of {args.max_tokens} tokens (a stop string checked "
+          f"every token); {describe_machine(machine)}", flush=True)
+    rows = tpot_by_window(llm, prompt, args.max_tokens, args.window)
+    for tokens, seconds in rows:
+        print(f"tokens {tokens - args.window:>5}-{tokens:<5}  TPOT {1000 * seconds:7.2f} ms", flush=True)
+    early = next((r for r in rows if r[0] - args.window >= 100), rows[0])  # from token 100 on: past warm-up
+    first, last = early[1], rows[-1][1]
+    print(f"TPOT at tokens {rows[-1][0] - args.window}-{rows[-1][0]} / at tokens {early[0] - args.window}-{early[0]}: "
+          f"{last / first:.3f}")
+    write_json(args.out, {"meta": {"command": command_line(), "model": args.model, "max_tokens": args.max_tokens,
+                                   "window": args.window, "machine": machine},
+                          "windows": [{"tokens": t, "tpot_s": s} for t, s in rows], "last_over_first": last / first})
+    return 0

@@ -1,0 +1,23 @@
+"""How a draft head is made: the data and the training, each option's default written once (the CLI's
+flags default to these). The defaults finish in well under an hour on two CPU cores (docs/decisions.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Recipe:
+    sources: list[str] = field(default_factory=lambda: ["stdlib", "sonnets"])  # see data.SOURCES
+    tokens: int = 90_000  # of text the target reads and records
+    chunk: int = 256  # tokens per training sequence
+    draft_vocab_size: int = 16384  # the target's most chosen tokens on the data
+    intermediate_size: int = 2048  # the head layer's MLP width
+    steps: int = 600
+    batch: int = 2  # chunks per step
+    lr: float = 1e-3
+    warmup: int = 30
+    regression_weight: float = 1.0
+    feature_noise: float = 0.05  # relative Gaussian noise on input features: drafting reads estimates
+    rounds: int = 2  # drafting rounds unrolled in training (training-time test), the later ones on estimates
+    round_decay: float = 0.8  # loss weight of round i: decay ** i
+    seed: int = 0

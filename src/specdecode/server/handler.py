@@ -1,0 +1,235 @@
+"""From an OpenAI request to the engine and back: sampling parameters from the request, submission, and
+the response built from the engine's updates (a whole JSON body, or server-sent events as they come)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import SpecDecodeError
+from ..sampling import SamplingParams
+from ..sampling.grammar import GrammarTokenizers
+from .async_engine import QueueFull, ShuttingDown
+from .protocol import ChatRequest, CommonRequest, CompletionRequest
+from .responses import chat_logprobs, completion_logprobs, usage
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status)
+
+
+class ServingEngine(Protocol):
+    """What the HTTP layer needs of an engine: one in this process (AsyncEngine) or replicas behind Ray
+    Serve (server/ray_serve.py's RemoteEngines)."""
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
+               streamed: bool = False) -> Any: ...
+
+    def updates(self, handle: Any, timeout: float | None = None) -> AsyncIterator: ...
+
+    async def metrics_text(self) -> bytes: ...
+
+
+class RequestHandler:
+    """request_timeout: the most seconds a request may run (a request may ask for less with its `timeout`
+    field); then it is cancelled (504)."""
+
+    def __init__(self, engine: ServingEngine, model_name: str, request_timeout: float | None = None):
+        self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
+        self.tokenizer = engine.tokenizer
+
+    async def completion(self, req: CompletionRequest, request: Request):
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                return error_response(400, "send one prompt per request (batching happens on the server)",
+                                      param="prompt")
+            prompt = prompt[0]
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            params = self.sampling_params(req, ids, req.max_tokens)
+        except SpecDecodeError as exc:
+            return error_response(400, str(exc))
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids), ids) if req.echo else None
+        reply = Reply(self, ids, params, chat=False, echo=echo,
+                      best=(req.n, req.logprobs is not None) if params.n > req.n else None)
+        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request))
+
+    async def chat(self, req: ChatRequest, request: Request):
+        try:
+            if not req.messages:
+                raise SpecDecodeError("messages is empty; send at least one message")
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+            ids = self.tokenizer.encode(text)
+            params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens)
+        except SpecDecodeError as exc:
+            return error_response(400, str(exc))
+        reply = Reply(self, ids, params, chat=True)
+        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request))
+
+    def time_limit(self, requested: float | None) -> float | None:
+        """The request's own timeout, never past the server's."""
+        limits = [t for t in (requested, self.request_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    def sampling_params(self, req: CommonRequest, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        max_len = self.engine.max_model_len
+        if not prompt_ids:
+            raise SpecDecodeError("the prompt is empty")
+        room = max_len - len(prompt_ids)
+        if room <= 0:
+            raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_len}; "
+                                  "shorten the prompt")
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if isinstance(max_tokens, int) and max_tokens > room:
+            raise SpecDecodeError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
+                                  f"tokens and the context holds {max_len}; ask for at most {room}")
+        return req.sampling_params(max_tokens, req.requested_logprobs())
+
+
+def _session(req: CommonRequest, request: Request) -> str | None:
+    """The conversation a scaled-out deployment keeps on one replica (one engine ignores it)."""
+    return req.user or request.headers.get("x-session-id")
+
+
+class Reply:
+    """One request's response. echo: (prompt text, prompt ids) to put before each completion
+    (completions' `echo`); best: (n, whether logprobs are returned) when more outputs than n were
+    generated (`best_of`)."""
+
+    def __init__(self, handler: RequestHandler, ids: list[int], params: SamplingParams, chat: bool,
+                 echo: tuple | None = None, best: tuple[int, bool] | None = None):
+        self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+
+    async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None):
+        engine = self.handler.engine
+        if self.params.structured_output is not None:  # built once, in seconds: not on the engine's thread
+            await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
+        try:
+            handle = engine.submit(self.ids, self.params, session=session, streamed=stream)
+        except (QueueFull, ShuttingDown) as exc:
+            response = error_response(exc.http_status, str(exc))
+            response.headers["Retry-After"] = "1"
+            return response
+        updates = engine.updates(handle, timeout)
+        if stream:
+            return StreamingResponse(self.events(updates), media_type="text/event-stream")
+        return await self.whole(request, updates)
+
+    async def whole(self, request: Request, updates):
+        """The JSON body, once every output is done; a client that leaves first aborts the request."""
+        collecting = asyncio.ensure_future(collect(updates, self.params.n))
+        gone = asyncio.ensure_future(client_gone(request))
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collecting.done():  # cancelling the collection aborts the request (its slots, KV)
+            collecting.cancel()
+            return Response(status_code=499)
+        try:
+            texts, finals, logprobs = collecting.result()
+        except SpecDecodeError as exc:
+            return error_response(exc.http_status, str(exc))
+        scored = len(self.ids) if self.params.prompt_logprobs is not None else 0  # echoed prompt logprobs lead
+        best = self.best
+        order = range(self.params.n) if best is None else best_outputs(logprobs, best[0], scored)
+        show_logprobs = self.params.logprobs is not None and (best is None or best[1])
+        choices = [self.choice(rank, texts[i], logprobs[i] if show_logprobs else None, finals[i].finish_reason,
+                               delta=False, echo=self.echo) for rank, i in enumerate(order)]
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.handler.model_name,
+                "choices": choices, "usage": usage(len(self.ids), finals)}
+
+    async def events(self, updates):
+        """Server-sent events, one per update, the usage with the last."""
+        n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
+        started, offsets, finals = [False] * n, [0] * n, {}
+        try:
+            async for update in updates:
+                i = update.index
+                echoed = self.echo if self.echo is not None and not started[i] else None
+                body = self.choice(i, update.text, self._logprobs(update),
+                                   update.finish_reason if update.finished else None, delta=True,
+                                   text_offset=offsets[i], echo=echoed)
+                if self.chat and started[i]:
+                    del body["delta"]["role"]  # the role goes in each output's first chunk only
+                started[i] = True
+                offsets[i] += len(update.text) + (len(echoed[0]) if echoed else 0)
+                if update.finished:
+                    finals[i] = update
+                chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.handler.model_name,
+                         "choices": [body]}
+                if len(finals) == n:
+                    chunk["usage"] = usage(len(self.ids), finals)
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except SpecDecodeError as exc:
+            yield f"data: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"
+        finally:
+            await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, update):
+        if self.params.logprobs is None:
+            return None
+        return (update.prompt_logprobs or []) + update.logprobs
+
+    def choice(self, index: int, text: str, logprobs, finish_reason, delta: bool, text_offset: int = 0,
+               echo: tuple | None = None) -> dict:
+        """echo: (prompt text, prompt ids) when this piece starts with the echoed prompt (its logprobs, if
+        asked for, are already at the front of logprobs)."""
+        tokenizer = self.handler.tokenizer
+        out = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+        if echo is not None:
+            text = echo[0] + text
+        if logprobs is not None:
+            out["logprobs"] = chat_logprobs(tokenizer, logprobs) if self.chat else \
+                completion_logprobs(tokenizer, logprobs, text_offset, token_ids=echo[1] if echo else None)
+        if self.chat:
+            out["delta" if delta else "message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        return out
+
+
+def best_outputs(logprobs: list[list], n: int, skip: int) -> list[int]:
+    """The n outputs with the highest total logprob of their generated tokens (after the first `skip`
+    entries), best first."""
+    totals = [sum(lp.logprob for lp in lps[skip:]) for lps in logprobs]
+    return sorted(range(len(totals)), key=lambda i: -totals[i])[:n]
+
+
+async def collect(updates, n: int):
+    """Each output's whole text, final Update and logprobs."""
+    texts, finals, logprobs = [[] for _ in range(n)], {}, [[] for _ in range(n)]
+    async for update in updates:
+        texts[update.index].append(update.text)
+        logprobs[update.index].extend((update.prompt_logprobs or []) + update.logprobs)
+        if update.finished:
+            finals[update.index] = update
+    return ["".join(t) for t in texts], finals, logprobs
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client closes the connection (its body has been read, so the next message can only
+    be the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

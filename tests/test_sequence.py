@@ -1,0 +1,104 @@
+"""A sequence's text grows by incremental detokenization: equal to decoding the whole output at every
+step, for tokenizers that split characters across tokens or render a token differently at the start of a
+text, and stop strings found across token boundaries; each beside a broken variant that fails."""
+import random
+
+import pytest
+
+from specdecode.engine import sequence as sequence_module
+from specdecode.engine.sequence import Detokenizer, Sequence
+from specdecode.sampling import SamplingParams
+
+
+class ByteLevel:
+    """Each token is one UTF-8 byte (a character may take several tokens); the last id is EOS."""
+
+    eos_token_ids = frozenset({256})
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+
+class LeadingSpace:
+    """SentencePiece-like: words carry their leading space, and a text's first space is dropped."""
+
+    eos_token_ids = frozenset({99})
+    words = ["▁the", "▁cat", "s", "▁sat", ",", "▁on", "▁mat", "."]
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids if i != 99).replace("▁", " ").removeprefix(" ")
+
+
+TEXT = "naïve café — 東京 ok 🙂!"
+
+
+def _grow(tokenizer, ids, chunks, params=None, prompt=(1, 2)):
+    """Append `ids` in chunks of the given sizes; the texts seen after each chunk."""
+    seq = Sequence(list(prompt), params or SamplingParams(max_tokens=1000, ignore_eos=True), None)
+    seen, i = [], 0
+    for size in chunks:
+        seq.append(ids[i:i + size], None, tokenizer, max_model_len=10_000)
+        seen.append(seq.text)
+        i += size
+        if seq.finished:
+            break
+    return seq, seen
+
+
+def _chunks(n, seed):
+    rng, sizes = random.Random(seed), []
+    while sum(sizes) < n:
+        sizes.append(rng.randint(1, 4))
+    return sizes
+
+
+@pytest.mark.parametrize("tokenizer, ids", [(ByteLevel(), ByteLevel().encode(TEXT)),
+                                            (LeadingSpace(), [0, 1, 2, 3, 4, 5, 0, 6, 7, 1])])
+def test_incremental_text_is_the_whole_decode_at_every_step(tokenizer, ids):
+    for seed in range(5):
+        seq, seen = _grow(tokenizer, ids, _chunks(len(ids), seed))
+        assert seq.text == tokenizer.decode(ids)
+        assert seq.token_ids == [1, 2] + ids and seq.output_ids == ids
+        for text in seen:  # never a replacement character for a half-sent one, and only ever growing
+            assert "\ufffd" not in text and seq.text.startswith(text)
+
+
+def test_a_window_without_the_earlier_token_drops_spaces(monkeypatch):
+    """Broken: decoding each new token alone renders it as a text's first token."""
+    def alone(self, tokenizer, ids, flush=False):
+        new = tokenizer.decode(ids[self.read:])
+        self.read = len(ids)
+        return new
+
+    monkeypatch.setattr(Detokenizer, "new_text", alone)
+    seq, _ = _grow(LeadingSpace(), [0, 1, 3], [1, 1, 1])
+    assert seq.text != LeadingSpace().decode([0, 1, 3])
+
+
+def test_a_character_cut_off_at_the_end_comes_out_as_a_replacement():
+    seq, _ = _grow(ByteLevel(), ByteLevel().encode("ok 🙂")[:-1], [10], SamplingParams(max_tokens=5))
+    assert seq.finish_reason == "length" and seq.text == "ok \ufffd"
+
+
+@pytest.mark.parametrize("stop, expected", [(["—"], "naïve café "), (["東京 o", "zzz"], "naïve café — "),
+                                            (["é"], "naïve caf")])
+def test_stop_strings_spanning_token_boundaries_cut_the_text(stop, expected):
+    ids = ByteLevel().encode(TEXT)
+    for seed in range(5):
+        seq, _ = _grow(ByteLevel(), ids, _chunks(len(ids), seed), SamplingParams(max_tokens=1000, stop=stop))
+        assert seq.finish_reason == "stop" and seq.text == expected
+
+
+def test_stop_search_that_misses_strings_across_chunks_fails(monkeypatch):
+    """Broken: searching only the newest characters misses a stop string that began earlier."""
+    def newest_only(self, tokenizer):
+        added = self._extend_text(tokenizer)
+        return any(s in self.text[len(self.text) - added:] for s in self.params.stop_strings)
+
+    monkeypatch.setattr(sequence_module.Sequence, "_hit_stop_string", newest_only)
+    seq, _ = _grow(ByteLevel(), ByteLevel().encode(TEXT), [1] * len(TEXT.encode()),
+                   SamplingParams(max_tokens=1000, stop=["café"]))
+    assert seq.finish_reason != "stop"
