@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.
 
-.PHONY: setup demo test test-fast bench
+.PHONY: setup demo test test-fast bench chi2-seeds
 setup: $(VENV)/.installed
 
 # torch is pinned first so pip takes the local CPU build instead of the CUDA wheels.
@@ -33,3 +33,11 @@ test-fast: setup
 
 bench: setup
 	$(VENV)/bin/specdecode bench latency --num-prompts 5 --max-tokens 128 -k 2 4 6 --out results/latency.json
+
+# The statistical (chi-square) losslessness tests and their broken variants under 20 seeds in a row: their
+# random inputs and samples change with SPECDECODE_TEST_SEED, so a flaky threshold shows here.
+CHI2_TESTS := tests/test_rejection_sampler.py tests/test_backends.py::test_sampling_from_backend_distributions_is_lossless \
+	tests/test_draft_confidence.py tests/test_draft_head.py tests/test_logits_processors.py tests/test_structured_output.py
+chi2-seeds: setup
+	for seed in $$(seq 0 19); do SPECDECODE_TEST_SEED=$$seed $(PY) -m pytest -q \
+		-k "follow or lossless or fails_the_distribution or detected or accepts_everything" $(CHI2_TESTS) || exit 1; done

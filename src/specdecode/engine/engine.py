@@ -131,7 +131,8 @@ class Engine:
         decoding = [s for s in self.running if not s.finished]
         if decoding:
             self._decode_step(decoding, out)
-            out.updated += [s for s in decoding if s not in out.updated]
+            admitted = {id(s) for s in out.updated}
+            out.updated += [s for s in decoding if id(s) not in admitted]
         out.finished = [s for s in self.running if s.finished]
         for seq in out.finished:
             self._release(seq)
