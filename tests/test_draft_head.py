@@ -163,6 +163,20 @@ def test_sampling_with_the_head_follows_the_processed_target(small):
     assert chi2_pvalue(counts, joint) > 1e-3
 
 
+def test_sampling_with_the_head_under_a_grammar_follows_the_masked_target(small):
+    """Drafting masks the head's distribution by the grammar too, and verification by the target's: the
+    emitted outputs follow the grammar-masked, penalised target."""
+    from specdecode.sampling import StructuredOutput
+
+    target, path, _, _, _ = small
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=4, presence_penalty=0.5,
+                            structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'))
+    joint = exact_joint(target, [1, 2, 3], params)
+    counts, accepted = sampled_joint(target, None, [1, 2, 3], params, samples=6000, speculative_model=path)
+    assert accepted > 0.1
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
 def test_a_head_that_misstates_its_probabilities_fails_the_distribution_test(small, registered):
     """Broken: the tokens are drawn from the head's q, but verification is told q is uniform. (Returning
     no q at all is not a broken variant: verifying a draft as one-hot is exact for any way of choosing

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from ..engine.llm import LLM
+from ..engine.profile import time_forward
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
 from .results import command_line, describe_machine, machine_info, write_json
@@ -36,11 +37,25 @@ def run_tpot_cli(args) -> int:
     rows = tpot_by_window(llm, prompt, args.max_tokens, args.window)
     for tokens, seconds in rows:
         print(f"tokens {tokens - args.window:>5}-{tokens:<5}  TPOT {1000 * seconds:7.2f} ms", flush=True)
-    early = next((r for r in rows if r[0] - args.window >= 100), rows[0])  # from token 100 on: past warm-up
-    first, last = early[1], rows[-1][1]
-    print(f"TPOT at tokens {rows[-1][0] - args.window}-{rows[-1][0]} / at tokens {early[0] - args.window}-{early[0]}: "
-          f"{last / first:.3f}")
+    # the first and the last five windows (from token 100 on: past warm-up), and the model's forward alone at
+    # their middle context: what attention over the longer context costs, so that what the engine adds per
+    # token (sampling, emission, detokenization) shows apart
+    groups = {"first": [r for r in rows if r[0] - args.window >= 100][:5], "last": rows[-5:]}
+    prompt_len = len(llm.tokenizer.encode(prompt))
+    summary = {}
+    for name, group in groups.items():
+        tpot = sum(s for _, s in group) / len(group)
+        middle = prompt_len + group[len(group) // 2][0] - args.window // 2
+        forward = time_forward(llm.target.model, 1, 1, middle, 5)
+        summary[name] = {"tokens": [group[0][0] - args.window, group[-1][0]], "tpot_s": tpot, "forward_s": forward}
+        print(f"{name} windows, tokens {group[0][0] - args.window}-{group[-1][0]}: TPOT {1000 * tpot:.2f} ms, "
+              f"the model's forward {1000 * forward:.2f} ms, the engine's own {1000 * (tpot - forward):.2f} ms")
+    first, last = summary["first"], summary["last"]
+    ratio = last["tpot_s"] / first["tpot_s"]
+    engine_ratio = (last["tpot_s"] - last["forward_s"]) / (first["tpot_s"] - first["forward_s"])
+    print(f"last / first: TPOT {ratio:.3f}, the engine's own time per token {engine_ratio:.3f}")
     write_json(args.out, {"meta": {"command": command_line(), "model": args.model, "max_tokens": args.max_tokens,
                                    "window": args.window, "machine": machine},
-                          "windows": [{"tokens": t, "tpot_s": s} for t, s in rows], "last_over_first": last / first})
+                          "windows": [{"tokens": t, "tpot_s": s} for t, s in rows], "summary": summary,
+                          "tpot_last_over_first": ratio, "engine_last_over_first": engine_ratio})
     return 0

@@ -3,7 +3,7 @@
 live in their own modules; the engine talks to the `Policy` interface only."""
 from __future__ import annotations
 
-from ...config import POLICIES
+from ...config import DEFAULT_K, POLICIES, EngineConfig
 from ...errors import SpecDecodeError
 from .acceptance import AcceptanceEstimator, LookupAcceptance
 from .adaptive import AdaptivePolicy
@@ -12,7 +12,7 @@ from .costs import CostModel, CostTable, TargetCost
 from .simple import DisableByBatchSize, FixedPolicy
 
 
-def make_policy(name: str = "adaptive", k_max: int = 4, max_batch_for_speculation: int | None = None,
+def make_policy(name: str = EngineConfig.speculation_policy, k_max: int = DEFAULT_K, max_batch_for_speculation: int | None = None,
                 **adaptive_options) -> Policy:
     """A policy by name; adaptive_options are AdaptivePolicy's fields (smoothing, priors, min_gain)."""
     if name == "fixed":

@@ -6,6 +6,7 @@ earlier in its text may take its drafts from there instead: they cost no draft f
 verification, which keeps speculation worthwhile at batch sizes where the draft model no longer pays."""
 from __future__ import annotations
 
+from ...config import DEFAULT_K
 from .acceptance import AcceptanceEstimator
 from .base import DraftDecision, Policy
 from .costs import CostModel
@@ -18,7 +19,7 @@ class AdaptivePolicy(Policy):
     wants_draft_costs = True
     chooses_proposers = True
 
-    def __init__(self, k_max: int = 4, *, costs: CostModel | None = None, min_gain: float = 0.1,
+    def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, min_gain: float = 0.1,
                  refresh_plain_every: int = 32, catch_up_horizon: int = 16, **estimator_options):
         super().__init__(k_max)
         self.estimator = AcceptanceEstimator(**estimator_options)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ...config import DEFAULT_K
+
 
 @dataclass
 class DraftDecision:
@@ -22,7 +24,7 @@ class Policy:
     wants_draft_costs = False  # the draft's forward timed at start-up for each number of drafting sequences
     chooses_proposers = False  # may take a sequence's drafts from prompt lookup instead of the main proposer
 
-    def __init__(self, k_max: int = 4):
+    def __init__(self, k_max: int = DEFAULT_K):
         self.k_max = k_max
         self.decisions: Counter = Counter()  # k chosen -> sequence-steps
 
