@@ -4,7 +4,7 @@ conditions inside an accepted chunk, batching, and the documented errors for bad
 import pytest
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.engine.engine import StepHooks
+from specdecode.engine.step import StepHooks
 from specdecode.models.loader import LoadedModel
 
 from conftest import run_as_one_batch, tiny_model

@@ -27,7 +27,7 @@ class Served:
         llm = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=256,
                   max_num_seqs=max_num_seqs, speculation_policy="fixed")
         real_step = llm.engine.step
-        llm.engine.step = lambda: (time.sleep(STEP_DELAY), real_step())[1]
+        llm.engine.step = lambda hooks=None: (time.sleep(STEP_DELAY), real_step(hooks))[1]
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
         self.local = LocalServer(build_app(self.engine, "tiny", **app_kwargs))
 

@@ -51,7 +51,7 @@ class EngineConfig:
             problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
                             f"{self.max_model_len}")
         if not 0.0 <= self.draft_confidence < 1.0:
-            problems.append(f"draft_confidence is a probability below 1, got {self.draft_confidence}")
+            problems.append(f"the draft confidence threshold must be in [0, 1), got {self.draft_confidence}")
         if self.speculation_policy not in POLICIES:
             problems.append(f"unknown speculation policy {self.speculation_policy!r}; use one of {', '.join(POLICIES)}")
         for name in ("quantization", "draft_quantization"):

@@ -10,7 +10,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.engine import Engine, StepHooks
+from ..engine.engine import Engine
+from ..engine.step import StepHooks
 from ..engine.sequence import Sequence
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, TokenLogprob

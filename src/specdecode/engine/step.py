@@ -1,0 +1,36 @@
+"""What one engine step reports (StepOutput) and what its caller runs inside it (StepHooks)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..metrics import SpecCounters
+from .sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    """What one engine step did: the sequences it gave tokens to (prefilled or decoded), those it finished,
+    and the decoding step's speculation counters (empty when the step only admitted)."""
+
+    updated: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    counters: SpecCounters = field(default_factory=SpecCounters)  # summed over the decoding batch
+    draft_lengths: list[int] = field(default_factory=list)  # tokens drafted per decoding sequence
+    lookup_drafts: int = 0  # of those sequences, how many drafted by prompt lookup
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the decoding step."""
+        return len(self.draft_lengths)
+
+
+@dataclass
+class StepHooks:
+    """What the caller of step() runs inside it. poll_arrivals: before each admission (a server drains its
+    inbox there, so requests that arrive while another prompt is prefilled join this step's batch instead of
+    waiting out a decode step). on_prefilled: after each prefill, with the group just admitted (a server
+    streams their first token at once instead of after this step's decode)."""
+
+    poll_arrivals: Callable[[], None] | None = None
+    on_prefilled: Callable[[list[Sequence]], None] | None = None
