@@ -1,9 +1,9 @@
 """A draft head: one decoder layer that drafts from the target's own features (EAGLE's design).
 
 Row p of its input is the target's final hidden state at position p (before the last norm) beside the
-embedding of token p + 1, the token those features chose. Its output at row p, added to those features,
-estimates the target's hidden state at position p + 1, which the target's own final norm and LM head (restricted to a draft
-vocabulary) turn into a distribution for token p + 2. The next draft row reads that estimate beside the
+embedding of token p + 1, the token those features chose. Its output at row p, added to those
+features, estimates the target's hidden state at position p + 1, which the target's own final norm and
+LM head (restricted to a draft vocabulary) turn into a distribution for token p + 2. The next draft row reads that estimate beside the
 drafted token, so drafting k tokens costs k forwards of one layer.
 
 The head owns only its input norms, the fusing projection and the layer; the embedding, final norm and
