@@ -18,6 +18,11 @@ from specdecode.sampling import GrammarMatcher, logits_to_probs, process_logits
 SEED = int(os.environ.get("SPECDECODE_TEST_SEED", "0"))
 
 
+# A correct sampler passes a chi-square test when p > PASS_P; every broken variant must give p < 1e-6, far
+# below it. 1e-3 would make about 500 checks over 20 seeds raise a false alarm every other run.
+PASS_P = 1e-5
+
+
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(SEED * 1_000_003 + seed)
 

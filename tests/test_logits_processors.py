@@ -11,7 +11,7 @@ from specdecode.sampling import logits_to_probs, process_logits
 from specdecode.verify import verifier
 
 from conftest import tiny_model
-from stats import chi2_pvalue, exact_joint, sampled_joint
+from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=1.2, logit_bias={5: 4.0, 9: -100.0})
 
@@ -133,8 +133,8 @@ def stat_setup(small_pair):
 def test_sampling_with_processors_follows_the_processed_target(small_pair, stat_setup):
     prompt, params, joint = stat_setup
     counts, accepted = sampled_joint(*small_pair, prompt, params, samples=8000)
-    assert 0.2 < accepted < 0.95  # both accepted drafts and rejections are exercised
-    assert chi2_pvalue(counts, joint) > 1e-3
+    assert 0.1 < accepted < 0.95  # both accepted drafts and rejections are exercised
+    assert chi2_pvalue(counts, joint) > PASS_P
 
 
 def test_penalties_without_the_drafts_fail_the_distribution_test(small_pair, stat_setup, monkeypatch):
