@@ -159,7 +159,7 @@ def small(tmp_path_factory):
 def test_sampling_with_the_head_follows_the_processed_target(small):
     target, path, prompt, params, joint = small
     counts, accepted = sampled_joint(target, None, prompt, params, samples=4000, speculative_model=path)
-    assert 0.1 < accepted < 0.95
+    assert 0.05 < accepted < 0.95  # an untrained head: both accepted drafts and rejections are exercised
     assert chi2_pvalue(counts, joint) > PASS_P
 
 
@@ -173,7 +173,7 @@ def test_sampling_with_the_head_under_a_grammar_follows_the_masked_target(small)
                             structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'))
     joint = exact_joint(target, [1, 2, 3], params)
     counts, accepted = sampled_joint(target, None, [1, 2, 3], params, samples=6000, speculative_model=path)
-    assert accepted > 0.1
+    assert accepted > 0.05
     assert chi2_pvalue(counts, joint) > PASS_P
 
 
