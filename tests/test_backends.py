@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.executor import backends
+from specdecode.config import EngineConfig
 from specdecode.executor.backends import build_quantized_model, quantize_weights, resolve_quantization
 from specdecode.executor.quant import BlockLinear, W8A16Linear, lowbit_kernel, quantize_rows, w8a16_supported
 from specdecode.executor.runner import ModelRunner
@@ -30,13 +31,13 @@ def _quantized(quantization: str, seed: int = 0, **cfg_kwargs) -> LoadedModel:
     return LoadedModel(f"tiny-{quantization}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
 
 
-def _verify_vs_one_by_one(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of a 6-token chunk after a 30-token prompt: one verify call, and decoded one at a time."""
+def _verify_vs_one_by_one(model, vocab: int, width: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a `width`-token chunk after a 30-token prompt: one verify call, and decoded one at a time."""
     gen = torch.Generator().manual_seed(2)
-    prompt, chunk = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (30, 6)]
+    prompt, chunk = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (30, width)]
     outputs = []
     for pieces in ([chunk], [[t] for t in chunk]):
-        runner = ModelRunner(model, 1, 64)
+        runner = ModelRunner(model, 1, 30 + width + 1)
         slot = runner.allocate()
         runner.forward([slot], [prompt], "last")
         runner.commit(slot, len(prompt))
@@ -96,6 +97,25 @@ def test_w8a8_verify_logits_are_bitwise_equal_to_decode_logits():
     model = _quantized("w8a8", hidden=256).model
     verified, one_by_one = _verify_vs_one_by_one(model, model.cfg.vocab_size)
     assert torch.equal(verified, one_by_one)
+
+
+@needs_kernel
+def test_the_longest_verify_call_is_bitwise_equal_to_decoding_one_token_at_a_time():
+    """Suffix speculation verifies up to suffix_max_tokens drafts (+1) in one call."""
+    model = _quantized("w8a8", hidden=256).model
+    verified, one_by_one = _verify_vs_one_by_one(model, model.cfg.vocab_size, EngineConfig.suffix_max_tokens + 1)
+    assert torch.equal(verified, one_by_one)
+
+
+@needs_kernel
+def test_verifying_long_drafts_by_the_prefill_path_breaks_bitwise_equality(monkeypatch):
+    """The check above can fail: a call wider than the row-wise limit attends by one masked call."""
+    from specdecode.models import runtime
+
+    monkeypatch.setattr(runtime, "ROWWISE_ATTENTION_MAX_WIDTH", 16)
+    model = _quantized("w8a8", hidden=256).model
+    verified, one_by_one = _verify_vs_one_by_one(model, model.cfg.vocab_size, EngineConfig.suffix_max_tokens + 1)
+    assert not torch.equal(verified, one_by_one)
 
 
 @needs_kernel

@@ -197,7 +197,7 @@ def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft)
     lookup drafts (one-hot q, no draft forward) are verified like any other, per sequence and step, and
     the packed ragged verify keeps the output equal to plain decoding token for token."""
     plain_ids = _plain_ids(target)
-    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup=True)
+    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup="ngram")
     outputs, step_ks, lookup_drafts = run_as_one_batch(
         llm.engine, [target.tokenizer.encode(p) for p in PROMPTS], GREEDY)
     assert outputs == plain_ids
@@ -210,7 +210,7 @@ def test_adaptive_without_rollback_breaks_equality(target, random_draft):
     """The check above can fail: if the KV pointer kept rejected drafts (no rollback), later tokens
     attend to them and the output drifts from plain decoding."""
     plain_ids = _plain_ids(target)
-    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup=True)
+    llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup="ngram")
     runner = llm.engine.runner
     original_commit = runner.commit
 

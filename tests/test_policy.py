@@ -362,7 +362,7 @@ def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_d
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate("hello world", params)
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
-              max_model_len=256, prompt_lookup=False)
+              max_model_len=256, prompt_lookup=None)
     policy = llm.engine.policy
     # Forget the start-up timing of the draft, so that the policy probes it (as without a profile): with
     # the profile, a draft as costly as the target may never be tried at all, and this test is about
@@ -416,13 +416,13 @@ def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
 
 def test_lookup_acceptance_is_learned_per_match_length():
     p = make_policy("adaptive", 4)
-    assert p.estimator.lookup_acceptance.gains(3, 4, 4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # the prior
-    assert p.estimator.lookup_acceptance.gains(3, 2, 4) == pytest.approx([0.5, 0.25])  # only what the match offers
+    assert p.estimator.lookup_acceptance.gains(3, 4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # the prior
+    assert p.estimator.lookup_acceptance.gains(3, 2) == pytest.approx([0.5, 0.25])  # only what the match offers
     for _ in range(500):
         p.observe_lookup("r", 3, 4, 3)  # 3-token matches: the first three right, the fourth wrong
         p.observe_lookup("r", 1, 4, 0)  # 1-token matches: always wrong
-    assert p.estimator.lookup_acceptance.gains(3, 4, 4) == pytest.approx([1, 1, 1, 0], abs=0.05)
-    assert p.estimator.lookup_acceptance.gains(1, 4, 4)[0] == pytest.approx(0, abs=0.05)
+    assert p.estimator.lookup_acceptance.gains(3, 4) == pytest.approx([1, 1, 1, 0], abs=0.05)
+    assert p.estimator.lookup_acceptance.gains(1, 4)[0] == pytest.approx(0, abs=0.05)
     assert p.estimator.acceptance["r"] == pytest.approx(p.estimator.prior_acceptance)  # says nothing about the draft model
 
 
@@ -435,7 +435,7 @@ def test_prompt_lookup_takes_over_where_the_draft_model_does_not_pay():
         p.observe_lookup("x", 1, 4, 0)
     ids = [str(i) for i in range(16)]
     assert p.choose(ids).ks == [0] * 16
-    lookups = [(3, 4)] * 8 + [(1, 4)] * 4 + [(0, 0)] * 4
+    lookups = [(3, [1] * 4, None)] * 8 + [(1, [1] * 4, None)] * 4 + [(0, [], None)] * 4
     plan = p.choose(ids, lookups=lookups)
     assert all(k > 0 for k in plan.ks[:8]) and plan.by_lookup[:8] == [True] * 8
     assert plan.ks[8:] == [0] * 8 and not any(plan.by_lookup[8:])
@@ -444,5 +444,5 @@ def test_prompt_lookup_takes_over_where_the_draft_model_does_not_pay():
 def test_draft_model_still_wins_where_it_pays_more_than_lookups():
     """Batch 1, a cheap draft with α 0.9 against lookups that are right half the time."""
     p = _measured([0.9], 0.05)
-    plan = p.choose(["0"], lookups=[(1, 4)])
+    plan = p.choose(["0"], lookups=[(1, [1] * 4, None)])
     assert plan.ks == [4] and plan.by_lookup == [False]

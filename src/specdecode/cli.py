@@ -5,7 +5,7 @@ import argparse
 import signal
 import sys
 
-from .config import POLICIES, QUANTIZATIONS
+from .config import LOOKUPS, POLICIES, QUANTIZATIONS, SUFFIX_SCOPES
 from .config import EngineConfig as C  # every engine default, written once there
 from .distill.recipe import Recipe
 from .errors import SpecDecodeError
@@ -49,6 +49,27 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
 
 
+def _add_lookup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-lookup", nargs="?", const="ngram", default=C.prompt_lookup, choices=LOOKUPS,
+                   help="adaptive policy: may also take a sequence's drafts from this lookup (ngram, or suffix: "
+                        "long drafts from the sequence's text and the tenant's earlier outputs) where that "
+                        "predicts more goodput than the drafter")
+    p.add_argument("--suffix-max-tokens", type=int, default=C.suffix_max_tokens,
+                   help="suffix speculation: the longest draft")
+    p.add_argument("--suffix-cache-bytes", type=int, default=C.suffix_cache_bytes,
+                   help="suffix speculation: bytes of earlier outputs kept, over all tenants (least recently "
+                        "used go first)")
+    p.add_argument("--suffix-cache-scope", default=C.suffix_cache_scope, choices=SUFFIX_SCOPES,
+                   help="who may draft from whose earlier outputs: tenant (same API key and user), global, "
+                        "none")
+
+
+def lookup_options(args) -> dict:
+    """EngineConfig's lookup fields from the flags _add_lookup_args adds."""
+    return {"prompt_lookup": args.prompt_lookup, "suffix_max_tokens": args.suffix_max_tokens,
+            "suffix_cache_bytes": args.suffix_cache_bytes, "suffix_cache_scope": args.suffix_cache_scope}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +90,7 @@ def _add_generate(sub) -> None:
     gen.add_argument("prompt")
     _add_model_args(gen)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
+    _add_lookup_args(gen)
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=C.num_speculative_tokens, dest="k",
                      help="the most tokens drafted per step (the adaptive policy may draft fewer, or none)")
     gen.add_argument("--policy", default=C.speculation_policy, choices=POLICIES,
@@ -101,9 +123,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=C.num_speculative_tokens)
     serve.add_argument("--policy", default=C.speculation_policy, choices=POLICIES)
     serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
-    serve.add_argument("--prompt-lookup", action="store_true",
-                       help="adaptive policy (experimental): may also take a sequence's drafts from prompt lookup "
-                            "where that predicts more goodput than the draft model")
+    _add_lookup_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
@@ -162,6 +182,13 @@ def _add_measurements(bench_sub) -> None:
     lat.add_argument("--num-prompts", type=int, default=5)
     lat.add_argument("--max-tokens", type=int, default=128)
     lat.add_argument("--no-ngram", action="store_true")
+    lat.add_argument("--dataset", default="humaneval", choices=("humaneval", "code-edit", "agent-loop"),
+                     help="code-edit: standard-library functions with an edit whose answer is mostly a copy; "
+                          "agent-loop: sessions that ask for the whole file again with one change per turn")
+    lat.add_argument("--turns", type=int, default=3, help="agent-loop: turns per session (the first is not timed)")
+    lat.add_argument("--suffix", action="store_true",
+                     help="also measure suffix speculation (adaptive policy), alone and beside the draft model; "
+                          "with --vs-llama-cpp, llama.cpp's n-gram modes too")
     lat.add_argument("--head", metavar="PATH", default=None,
                      help="also measure this draft head (a path or a bundled head's name) at each k, beside the "
                           "draft model")

@@ -7,12 +7,19 @@ from dataclasses import asdict, dataclass
 # without importing torch.
 QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
 POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policies (engine.policy)
+LOOKUPS = ("ngram", "suffix")  # proposers that draft at no forward cost, offered beside a drafter
+SUFFIX_SCOPES = ("tenant", "global", "none")  # who shares suffix speculation's cache of earlier outputs
 # Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair (docs/decisions.md): the draft's LM
 # head keeps the 65,536 lowest token ids, and drafting stops after a token the draft gives less than this
 # probability (both change only what is proposed, never what is accepted).
 DRAFT_VOCAB_SIZE = 65536
 DRAFT_CONFIDENCE = 0.8
 DEFAULT_K = 4  # the most tokens drafted per sequence and step
+# Decode and verify calls of up to this many new tokens per sequence attend row by row over exactly the
+# keys each token may see, as it would alone (models/runtime.py); longer (prefill) calls use one masked
+# attention call, whose rounding differs. So no draft may be longer than MAX_VERIFY_WIDTH - 1 tokens, or
+# greedy speculation would stop reproducing plain decoding token for token.
+MAX_VERIFY_WIDTH = 64
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # the bundled pair
 
 
@@ -37,7 +44,12 @@ class EngineConfig:
     draft_quantization: str = "auto"
     speculation_policy: str = "adaptive"
     speculative_disable_by_batch_size: int | None = None
-    prompt_lookup: bool = False
+    # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter.
+    prompt_lookup: str | None = None
+    suffix_max_tokens: int = 32  # the longest suffix-speculation draft
+    suffix_min_prob: float = 0.1  # a suffix draft stops where its frequency estimate falls below this
+    suffix_cache_bytes: int = 256 << 20  # earlier outputs kept for suffix drafts, over all tenants
+    suffix_cache_scope: str = "tenant"  # by API key and `user` (tenant), shared by all (global), or off (none)
     memory_budget: str | int | None = None
     gpu_memory_utilization: float | None = 0.9
 
@@ -45,8 +57,9 @@ class EngineConfig:
         from .errors import SpecDecodeError
 
         problems = []
-        if self.num_speculative_tokens < 0:
-            problems.append(f"num_speculative_tokens (-k) must be >= 0, got {self.num_speculative_tokens}")
+        if not 0 <= self.num_speculative_tokens < MAX_VERIFY_WIDTH:
+            problems.append(f"num_speculative_tokens (-k) must be in [0, {MAX_VERIFY_WIDTH - 1}], got "
+                            f"{self.num_speculative_tokens}")
         if self.max_num_seqs < 1 or self.max_model_len < 2:
             problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
                             f"{self.max_model_len}")
@@ -59,6 +72,15 @@ class EngineConfig:
                 problems.append(f"unknown {name} {getattr(self, name)!r}; use one of {', '.join(QUANTIZATIONS)}")
         if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
             problems.append("n-gram lookup needs 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max")
+        if self.prompt_lookup not in (None, *LOOKUPS):
+            problems.append(f"unknown prompt lookup {self.prompt_lookup!r}; use one of {', '.join(LOOKUPS)}")
+        if self.suffix_cache_scope not in SUFFIX_SCOPES:
+            problems.append(f"unknown suffix cache scope {self.suffix_cache_scope!r}; use one of "
+                            f"{', '.join(SUFFIX_SCOPES)}")
+        if not 1 <= self.suffix_max_tokens < MAX_VERIFY_WIDTH or self.suffix_cache_bytes < 0 \
+                or not 0 <= self.suffix_min_prob <= 1:
+            problems.append(f"suffix speculation needs suffix_max_tokens in [1, {MAX_VERIFY_WIDTH - 1}], "
+                            "suffix_cache_bytes >= 0 and suffix_min_prob in [0, 1]")
         if problems:
             raise SpecDecodeError("; ".join(problems))
         if self.draft_vocab_size == 0:

@@ -5,6 +5,7 @@ import json
 import os
 import time
 
+from .cli import lookup_options
 from .config import LOSSY_NOTE
 from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
@@ -51,7 +52,7 @@ def run_generate(args) -> int:
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
               draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
               quantization=args.quantization,
-              draft_quantization=args.draft_quantization, speculation_policy=args.policy)
+              draft_quantization=args.draft_quantization, speculation_policy=args.policy, **lookup_options(args))
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     if args.compare:

@@ -15,8 +15,9 @@ from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
+from .edits import agent_loop_scripts, code_edit_prompts
 from .formatting import fmt, ratio, yes_no
-from .llama_cpp import LlamaBench, run_llama_bench, run_llama_speculative
+from .llama_cpp import LLAMA_NGRAM_MODES, LlamaBench, run_llama_bench, run_llama_speculative
 from .results import command_line, describe_machine, machine_info, write_json
 
 
@@ -46,31 +47,63 @@ class LatencyResult:
     acceptance_per_position: list[float] | None = None  # accepted / drafted at each draft position
 
 
-def run_config(llm: LLM, prompts: list[str], params: SamplingParams, k: int, label: str, proposer: str):
+def run_config(llm: LLM, requests: list, params: SamplingParams, k: int, label: str, proposer: str):
+    """Each request alone (batch size 1); see `play` for what a request is. Figures are pooled over the
+    timed outputs: decoding speed is their tokens after the first over their time after the first."""
     llm.engine.k = k
-    llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    llm.generate("def", SamplingParams(temperature=0, max_tokens=4))  # warm-up
     llm.timer.reset()
-    start = time.perf_counter()
-    outs = [llm.generate(p, params)[0] for p in prompts]  # one at a time: batch size 1
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    ttft = sum(o.metrics.ttft for o in outs)
-    drafted = sum(o.spec["num_draft_tokens"] for o in outs)
-    accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
-    spec_steps = sum(o.spec["num_spec_steps"] for o in outs)
+    outs = [out for request in requests for out in play(llm, request, params)]
     counters = SpecCounters()
     for o in outs:
         counters.merge(o.metrics.spec)
+    m = [o.metrics for o in outs]
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    seconds = sum(x.finish_time - x.arrival_time for x in m)
+    ttft = sum(x.ttft for x in m)
+    drafted, steps = counters.num_draft_tokens, counters.num_spec_steps
     t = llm.timer
     result = LatencyResult(
         label, llm.target.model.backend, proposer, k, tokens, seconds, (tokens - len(outs)) / (seconds - ttft),
-        accepted / drafted if drafted else None,
-        (accepted + spec_steps) / spec_steps if spec_steps else None,
+        counters.num_accepted_tokens / drafted if drafted else None,
+        (counters.num_accepted_tokens + steps) / steps if steps else None,
         t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None,
         e2e_tokens_per_s=tokens / seconds, mean_ttft_ms=1000 * ttft / len(outs),
-        mean_drafts=drafted / spec_steps if spec_steps else None,
+        mean_drafts=drafted / steps if steps else None,
         acceptance_per_position=counters.acceptance_per_position or None)
-    return result, [o.outputs[0].token_ids for o in outs]
+    return result, outs
+
+
+def play(llm: LLM, request, params: SamplingParams) -> list:
+    """The timed outputs of one request: a prompt (one completion), a chat (one reply), or an agent
+    session (`Session`: its turns one after the other, each reply put into the next turn's history; the
+    first turn, which has nothing to repeat yet, is not timed)."""
+    if isinstance(request, str):
+        return llm.generate(request, params)
+    if not isinstance(request, Session):
+        return llm.chat(request, params)
+    history, timed = [], []
+    for turn, message in enumerate(request.turns):
+        history.append({"role": "user", "content": message})
+        out = llm.chat(history, params)[0]
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+        if turn:
+            timed.append(out)
+    return timed
+
+
+@dataclass
+class Session:
+    turns: list[str]  # user messages, in order
+
+
+def load_requests(dataset: str, count: int, turns: int) -> list:
+    """HumanEval prompts, code-edit chats or agent sessions (see bench/edits.py)."""
+    if dataset == "code-edit":
+        return code_edit_prompts(count)
+    if dataset == "agent-loop":
+        return [Session(script) for script in agent_loop_scripts(count, turns)]
+    return humaneval_prompts(count)
 
 
 def verify_cost_ratio(model, k: int, context: int = 256) -> float:
@@ -84,37 +117,67 @@ def predicted_speedup(r: LatencyResult) -> float:
     return r.mean_accepted_length / (r.verify_cost_ratio + r.mean_drafts * r.cost_ratio_c)
 
 
-def run_backend(args, quantization: str, prompts: list[str], params: SamplingParams) -> list[LatencyResult]:
-    """Plain, then each proposer at each k, on one loaded target in `quantization`."""
+@dataclass
+class Run:
+    """One engine the backend's rows come from: `kind` names the rows; `ks` and `confidences` are swept
+    (the adaptive runs take one k, the most the drafter may draft, and choose below it)."""
+
+    llm: LLM
+    kind: str
+    proposer: str
+    ks: list[int]
+    confidences: list[float]
+
+
+def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
+    common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
+    fixed = dict(common, speculation_policy="fixed")  # the study sweeps k
+    runs = []
+    if draft:
+        runs.append(Run(LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **fixed),
+                        "draft", draft_name, args.ks, args.draft_confidence))
+    if args.head:
+        head = args.head if args.head.startswith("head:") else f"head:{args.head}"
+        runs.append(Run(LLM(target=target, speculative_model=head, **fixed), "head", head, args.ks,
+                        args.draft_confidence))
+    if not args.no_ngram:
+        runs.append(Run(LLM(target=target, speculative_model="ngram", **fixed), "ngram", "ngram", args.ks, [0.0]))
+    if args.suffix:
+        k = max(args.ks)
+        runs.append(Run(LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common),
+                        "suffix adaptive", "suffix", [k], [0.0]))
+        if draft:
+            confidence = args.draft_confidence[-1]
+            runs.append(Run(LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None,
+                                draft_confidence=confidence, prompt_lookup="suffix", num_speculative_tokens=k,
+                                **common), "draft+suffix adaptive", f"{draft_name}+suffix", [k], [confidence]))
+    return runs
+
+
+def run_backend(args, quantization: str, requests: list, params: SamplingParams) -> tuple[list[LatencyResult], list[str]]:
+    """Plain, then each proposer at each k, on one loaded target in `quantization`; also the texts of the
+    timed prompts as plain decoding saw them (for llama.cpp's rows)."""
     target = load_model(args.model, args.device, args.dtype, quantization=quantization)
     draft_name = default_draft(args.model, args.draft)
     draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
                        draft=True) if draft_name else None
-    common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                  speculation_policy="fixed")  # the study sweeps k
-    runs: list[tuple[LLM, str, str]] = []
-    if draft:
-        runs.append((LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **common),
-                     "draft", draft_name))
-    if args.head:
-        head = args.head if args.head.startswith("head:") else f"head:{args.head}"
-        runs.append((LLM(target=target, speculative_model=head, **common), "head", head))
-    if not args.no_ngram:
-        runs.append((LLM(target=target, speculative_model="ngram", **common), "ngram", "ngram"))
+    runs = make_runs(args, target, draft, draft_name)
     name = target.model.backend
-    plain, plain_ids = run_config(runs[0][0], prompts, params, 0, f"{name}: plain", "none")
+    plain_llm = LLM(target=target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                    max_num_seqs=1, num_speculative_tokens=0) if not runs else runs[0].llm
+    plain, plain_outs = run_config(plain_llm, requests, params, 0, f"{name}: plain", "none")
     plain.verify_cost_ratio = 1.0
     print(_row(plain), flush=True)
     results = [plain]
-    for llm, kind, proposer in runs:
-        for confidence, k in itertools.product(args.draft_confidence if kind != "ngram" else [0.0], args.ks):
-            if kind != "ngram":
-                llm.engine.proposer.confidence_threshold = confidence
-            label = f"{name}: {kind} k={k}" + (f" conf {confidence:g}" if confidence else "")
-            res, ids = run_config(llm, prompts, params, k, label, proposer)
+    for run in runs:
+        for confidence, k in itertools.product(run.confidences, run.ks):
+            if run.kind != "ngram" and run.llm.engine.proposer is not None:
+                run.llm.engine.proposer.confidence_threshold = confidence
+            label = f"{name}: {run.kind} k={k}" + (f" conf {confidence:g}" if confidence else "")
+            res, outs = run_config(run.llm, requests, params, k, label, run.proposer)
             res.draft_confidence = confidence
             res.speedup = res.tokens_per_s / plain.tokens_per_s
-            res.identical_to_plain = ids == plain_ids
+            res.identical_to_plain = _token_ids(outs) == _token_ids(plain_outs)
             res.verify_cost_ratio = verify_cost_ratio(target.model, round(res.mean_drafts or k))
             if res.acceptance_rate is not None:
                 res.cost_ratio_c = (res.draft_step_ms / plain.target_step_ms) if res.draft_step_ms else 0.0
@@ -122,9 +185,13 @@ def run_backend(args, quantization: str, prompts: list[str], params: SamplingPar
             results.append(res)
             print(_row(res), flush=True)
             if res.acceptance_per_position:
-                print(f"{'':<28}α per position: " + " ".join(f"{a:.2f}" for a in res.acceptance_per_position),
-                      flush=True)
-    return results
+                positions = res.acceptance_per_position[:8]
+                print(f"{'':<28}α per position: " + " ".join(f"{a:.2f}" for a in positions), flush=True)
+    return results, [o.prompt for o in plain_outs]
+
+
+def _token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, LlamaBench]:
@@ -157,18 +224,35 @@ def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: Lat
     return results
 
 
+def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyResult) -> list[LatencyResult]:
+    """llama.cpp's n-gram speculation modes (no draft model), each with its defaults, on the same prompts."""
+    results = []
+    for mode in LLAMA_NGRAM_MODES:
+        spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, None, prompts, 0,
+                                     args.max_tokens, threads, spec_type=mode)
+        res = LatencyResult(f"llama.cpp: {mode}", "llama.cpp", mode, 0, spec.output_tokens, spec.seconds,
+                            spec.tokens_per_s, spec.acceptance_rate, None, None, None,
+                            speedup=spec.tokens_per_s / plain.tokens_per_s)
+        results.append(res)
+        print(_row(res), flush=True)
+    return results
+
+
 def run_latency(args) -> list[LatencyResult]:
     """Our rows between two measurements of llama.cpp's plain decoding (when it is asked for): the machine's
     speed drifts, and ratios are taken to the mean of the two."""
     import torch
 
-    prompts = humaneval_prompts(args.num_prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    requests = load_requests(args.dataset, args.num_prompts, args.turns)
+    # a completion prompt has no natural end; a chat reply (a code edit) does, and what follows its end
+    # would be the model talking to itself, which no user asks for
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.dataset == "humaneval")
     threads = torch.get_num_threads()
     before, _ = llama_cpp_plain(args, threads, "before") if args.vs_llama_cpp else (None, None)
-    results = []
+    results, prompts = [], []
     for quantization in args.quantization:
-        results += run_backend(args, quantization, prompts, params)
+        rows, prompts = run_backend(args, quantization, requests, params)
+        results += rows
         gc.collect()  # one backend's weights at a time
     if before is None:
         return results
@@ -178,6 +262,8 @@ def run_latency(args) -> list[LatencyResult]:
                          args.max_tokens / mean_plain, mean_plain, None, None, 1000 / mean_plain, None,
                          speedup=1.0, verify_cost_ratio=1.0)
     results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, bench)
+    if args.suffix:
+        results += run_llama_cpp_ngram(args, prompts, threads, mean)
     for r in results:
         r.vs_llama_cpp_plain = r.tokens_per_s / mean_plain
     print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of "
@@ -202,13 +288,16 @@ def _row(r: LatencyResult) -> str:
 
 def run_latency_cli(args) -> int:
     machine = machine_info()
-    print(f"HumanEval, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts; "
+    what = {"humaneval": "HumanEval", "code-edit": "code edits (chat)",
+            "agent-loop": f"agent sessions of {args.turns} turns (turns after the first timed)"}[args.dataset]
+    print(f"{what}, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts; "
           f"{describe_machine(machine)}", flush=True)
     print(HEADER, flush=True)
     results = run_latency(args)
     meta = {"command": command_line(), "model": args.model, "draft": args.draft, "head": args.head,
             "dtype": args.dtype,
             "quantization": args.quantization, "draft_quantization": args.draft_quantization,
-            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "machine": machine}
+            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "dataset": args.dataset,
+            "turns": args.turns, "machine": machine}
     write_json(args.out, {"meta": meta, "results": [asdict(r) for r in results]})
     return 0

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from ..errors import SpecDecodeError
 
 
+# llama-speculative-simple's n-gram modes (--spec-type), the peers of prompt lookup and suffix speculation
+LLAMA_NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+
+
 @dataclass
 class LlamaBench:
     decode_tokens_per_s: float  # tg: plain decoding
@@ -60,14 +64,16 @@ def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
     return LlamaBench(tg, forward_ms)
 
 
-def run_llama_speculative(bin_dir: str, target: str, draft: str, prompts: list[str], k: int, max_tokens: int,
-                          threads: int, context: int = 4096) -> LlamaSpeculative:
-    """Greedy, EOS ignored, every prompt after the other (batch size 1); figures pooled over prompts."""
+def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts: list[str], k: int,
+                          max_tokens: int, threads: int, context: int = 4096,
+                          spec_type: str = "draft-simple") -> LlamaSpeculative:
+    """Greedy, EOS ignored, every prompt after the other (batch size 1); figures pooled over prompts. With
+    an n-gram spec_type there is no draft model, and the mode drafts as its defaults say."""
     total = LlamaSpeculative(k, 0, 0.0, 0, 0)
+    proposer = ["-md", draft, "--spec-draft-n-max", str(k), "-td", str(threads)] if draft else []
     for prompt in prompts:
-        log = _run([binary(bin_dir, "llama-speculative-simple"), "-m", target, "-md", draft,
-                    "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "-t", str(threads),
-                    "-td", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0",
+        log = _run([binary(bin_dir, "llama-speculative-simple"), "-m", target, *proposer, "--spec-type", spec_type,
+                    "-t", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0",
                     "--ignore-eos", "-p", prompt])
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         drafted, accepted = re.search(r"n_drafted\s*=\s*(\d+)", log), re.search(r"n_accept\s*=\s*(\d+)", log)

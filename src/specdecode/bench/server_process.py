@@ -26,7 +26,7 @@ def free_port() -> int:
 def serve_argv(model: str, max_num_seqs: int, max_model_len: int, dtype: str, *, device: str | None = None,
                quantization: str | None = None, draft_quantization: str | None = None, draft: str | None = None,
                k: int = 0, policy: str = "fixed", disable_by_batch_size: int = 0, forced_accept: bool = False,
-               prompt_lookup: bool = False) -> list[str]:
+               prompt_lookup: str | None = None) -> list[str]:
     """`specdecode serve` flags for one configuration, k = 0 being plain decoding; options left at their
     defaults are left out, so the server's own defaults apply (the default draft model, for one)."""
     argv = ["--model", model, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
@@ -36,7 +36,7 @@ def serve_argv(model: str, max_num_seqs: int, max_model_len: int, dtype: str, *,
         return argv + ["--num-speculative-tokens", "0"]
     return (argv + [*_option("--speculative-model", draft), "-k", str(k), "--policy", policy,
                     *_option("--speculative-disable-by-batch-size", disable_by_batch_size)]
-            + (["--forced-accept"] if forced_accept else []) + (["--prompt-lookup"] if prompt_lookup else []))
+            + (["--forced-accept"] if forced_accept else []) + (["--prompt-lookup", prompt_lookup] if prompt_lookup else []))
 
 
 def _option(flag: str, value) -> list[str]:

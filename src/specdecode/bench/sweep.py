@@ -58,7 +58,7 @@ class Cell:
     disable_by_batch_size: int = 4  # for that policy: no drafts while more sequences than this are running
     concurrency: int = 1
     forced_accept: bool = False  # every draft token accepted: the upper bound (lossy)
-    prompt_lookup: bool = False  # adaptive policy with a draft model: may draft by prompt lookup too
+    prompt_lookup: str | None = None  # adaptive policy with a draft model: may draft by this lookup too
     # the draft stops after a token it gives less probability; 0 (the standard study): exactly k per step
     draft_confidence: float = 0.0
     num_prompts: int = 4
@@ -71,7 +71,7 @@ class Cell:
         policy = {"fixed": "", "adaptive": " adaptive",
                   "disable_by_batch_size": f" off above {self.disable_by_batch_size}"}[self.policy]
         name = f"draft {self.draft}" if self.proposer == "draft" and self.draft else self.proposer
-        text = f"{name} k={self.k}{policy}" + (" +lookup" if self.prompt_lookup else "")
+        text = f"{name} k={self.k}{policy}" + (f" +{self.prompt_lookup}" if self.prompt_lookup else "")
         text += f" conf {self.draft_confidence:g}" if self.draft_confidence else ""
         return text + (" forced-accept" if self.forced_accept else "")
 
@@ -83,11 +83,11 @@ class Cell:
     def normalized(self) -> "Cell":
         if self.proposer == "none":
             return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="",
-                           prompt_lookup=False)
+                           prompt_lookup=None)
         if self.proposer not in MODEL_PROPOSERS:  # a registered kind (ngram, ...) runs no draft model
-            self = replace(self, draft="", prompt_lookup=False)
+            self = replace(self, draft="", prompt_lookup=None)
         elif self.policy != "adaptive":
-            self = replace(self, prompt_lookup=False)  # lookup beside a draft model is the adaptive policy's
+            self = replace(self, prompt_lookup=None)  # lookup beside a draft model is the adaptive policy's
         return self if self.policy == "disable_by_batch_size" else replace(self, disable_by_batch_size=0)
 
 

@@ -21,8 +21,9 @@ from .step import StepHooks, StepOutput
 
 
 class Engine:
-    """proposers: the main one first; a later one that previews its drafts (prompt lookup) is offered to
-    the policy per sequence and step as the alternative to the main one."""
+    """proposers: at most one that drafts with a model (a draft model or head) and one that previews its
+    drafts at no forward cost (prompt lookup, suffix speculation). With both, the policy chooses per
+    sequence and step which one drafts; with a previewing one alone, it drafts for everyone."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, proposers: list[Proposer] = (),
                  num_speculative_tokens: int = 0, forced_accept: bool = False, timer: StepTimer | None = None,
@@ -31,8 +32,8 @@ class Engine:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.runner, self.tokenizer = runner, tokenizer
         self.proposers = list(proposers)
-        self.proposer = self.proposers[0] if self.proposers else None
-        self.alternative = next((p for p in self.proposers[1:] if p.previews), None)
+        self.proposer = next((p for p in self.proposers if not p.previews), None)
+        self.lookup = next((p for p in self.proposers if p.previews), None)
         self.wants_hidden_states = any(p.wants_hidden_states for p in self.proposers)
         self.policy = policy or make_policy("fixed")
         self.k = num_speculative_tokens if self.proposers else 0
@@ -59,8 +60,9 @@ class Engine:
             raise SpecDecodeError(f"add_request makes one sequence; use add_group for n={params.n}")
         return self.add_group(prompt_ids, params)[0]
 
-    def add_group(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
-        """Queue params.n sequences of one prompt: admitted together, prefilled once."""
+    def add_group(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "") -> list[Sequence]:
+        """Queue params.n sequences of one prompt: admitted together, prefilled once. tenant: who asks
+        (suffix speculation drafts only from the same tenant's earlier outputs)."""
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty; pass at least one token of text")
         if len(prompt_ids) >= self.max_model_len:
@@ -79,7 +81,7 @@ class Engine:
         for index in range(params.n):
             seq = Sequence(list(prompt_ids), params, self._generator(params.seed, index), index=index,
                            siblings=group, logprobs=None if params.logprobs is None else [],
-                           grammar=grammar.copy() if grammar is not None else None)
+                           grammar=grammar.copy() if grammar is not None else None, tenant=tenant)
             seq.metrics.num_prompt_tokens = len(prompt_ids)
             seq.metrics.forced_accept = self.forced_accept and self.k > 0
             group.append(seq)
@@ -182,7 +184,7 @@ class Engine:
     def _decode_step(self, seqs: list[Sequence], out: StepOutput) -> None:
         step_start = now()
         decision, previews = self._decide_drafts(seqs)
-        drafts, draft_seconds = self._propose(seqs, decision)
+        drafts, draft_seconds = self._propose(seqs, decision, previews)
         verify_start = now()
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
@@ -191,6 +193,7 @@ class Engine:
         results = self._verify(seqs, drafts, logits)
         out.draft_lengths = drafts.num_tokens
         out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
+        out.draft_cache_bytes = self.lookup.cache_bytes if self.lookup is not None else 0
         row = 0
         for i, (seq, start, n_draft, (result, logprobs)) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted, emitted = result.num_accepted[0], result.tokens[0]
@@ -214,36 +217,42 @@ class Engine:
                                  by_lookup=decision.by_lookup)
 
     def _decide_drafts(self, seqs: list[Sequence]) -> tuple[DraftDecision, list[Preview] | None]:
-        """The policy's decision, capped per sequence (see _draft_budget), and the alternative proposer's
-        previews that it weighed (None without an alternative)."""
+        """The policy's decision, capped per sequence (see _draft_budget), and the lookup proposer's
+        previews that it weighed (None without one)."""
         n = len(seqs)
-        if self.proposer is None:
+        if not self.proposers:
             return DraftDecision.main_proposer([0] * n), None
-        previews = self.alternative.preview(seqs, self.k) if self.alternative else None
-        catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) for s in seqs]  # 1-2 unseen: the steady state
+        previews = self.lookup.preview(seqs, self.lookup_cap) if self.lookup and self.k else None
+        catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) if self.proposer else 0 for s in seqs]  # 1-2: steady
         decision = self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs],
-                                      [(p.match, len(p.tokens)) for p in previews] if previews else None)
+                                      [(p.match, p.tokens, p.probs) for p in previews] if previews else None,
+                                      drafter=self.proposer is not None)
+        if self.proposer is None:
+            decision.by_lookup = [True] * n
         decision.ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, decision.ks)]
         return decision, previews
 
-    def _propose(self, seqs: list[Sequence], decision: DraftDecision) -> tuple[DraftBatch, float | None]:
-        """Drafts from each proposer the decision picked, and the seconds of one main-proposer round (for
-        the policy's cost model; None if it did not run)."""
-        feedback = [s.feedback for s in seqs]
+    @property
+    def lookup_cap(self) -> int:
+        """The longest lookup draft: the proposer's own cap where it has one (suffix speculation's drafts
+        cost no forward, so they may run far past k), else k."""
+        return self.lookup.max_draft or self.k if self.lookup else 0
+
+    def _propose(self, seqs: list[Sequence], decision: DraftDecision,
+                 previews: list[Preview] | None) -> tuple[DraftBatch, float | None]:
+        """Drafts from each proposer the decision picked (a lookup's are its previews, already made), and
+        the seconds of one drafter round (for the policy's cost model; None if it did not run)."""
         main_ks = [0 if lookup else k for k, lookup in zip(decision.ks, decision.by_lookup)]
         drafts, seconds = DraftBatch.empty(len(seqs)), None
         if any(main_ks):
             catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, main_ks) if k)
             before = self.timer.propose_time
             with self.timer.measure("propose"):
-                drafts = self.proposer.propose(seqs, main_ks, feedback)
+                drafts = self.proposer.propose(seqs, main_ks, [s.feedback for s in seqs])
             seconds = self._draft_round_seconds(self.timer.propose_time - before, max(main_ks), catch_up)
-        alternative_ks = [k if lookup else 0 for k, lookup in zip(decision.ks, decision.by_lookup)]
-        if any(alternative_ks):
-            extra = self.alternative.propose(seqs, alternative_ks, feedback)
-            for i, k in enumerate(alternative_ks):
-                if k:
-                    drafts.tokens[i], drafts.probs[i] = extra.tokens[i], extra.probs[i]
+        for i, (k, lookup) in enumerate(zip(decision.ks, decision.by_lookup)):
+            if k and lookup:
+                drafts.tokens[i], drafts.probs[i] = previews[i].tokens[:k], None
         return drafts, seconds
 
     def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float | None:

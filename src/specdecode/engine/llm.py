@@ -16,7 +16,7 @@ from ..sampling import SamplingParams, TokenLogprob
 from .engine import Engine
 from .memory import format_bytes, plan_memory, resolve_budget
 from .policy import make_policy
-from .profile import profile_draft_costs
+from .profile import profile_draft_costs, profile_verify_costs
 from .sequence import Sequence
 
 
@@ -72,7 +72,9 @@ class LLM:
                  quantization: str = C.quantization, draft_quantization: str = C.draft_quantization,
                  speculation_policy: str = C.speculation_policy,
                  speculative_disable_by_batch_size: int | None = C.speculative_disable_by_batch_size,
-                 prompt_lookup: bool = C.prompt_lookup, memory_budget: str | int | None = C.memory_budget,
+                 prompt_lookup: str | None = C.prompt_lookup, suffix_max_tokens: int = C.suffix_max_tokens,
+                 suffix_min_prob: float = C.suffix_min_prob, suffix_cache_bytes: int = C.suffix_cache_bytes,
+                 suffix_cache_scope: str = C.suffix_cache_scope, memory_budget: str | int | None = C.memory_budget,
                  gpu_memory_utilization: float | None = C.gpu_memory_utilization, progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         given = locals()
@@ -96,15 +98,17 @@ class LLM:
                              self.timer, policy)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
-        self.profile_seconds = profile_draft_costs(self.engine) if policy.wants_draft_costs else 0.0
+        self.profile_seconds = profile_draft_costs(self.engine) + profile_verify_costs(self.engine) \
+            if policy.wants_draft_costs else 0.0
 
     def _proposers(self, setup: ProposerSetup, policy) -> list[Proposer]:
-        """The main proposer, and prompt lookup beside it where the policy may choose per sequence."""
+        """The main proposer, and a lookup proposer beside it where the policy may choose per sequence."""
         kind = DRAFT_MODEL if setup.loaded is not None else proposer_kind(setup.config.speculative_model)
         proposers: list[Proposer] = [build_proposer(kind, setup)] if kind else []
-        if setup.config.prompt_lookup and proposers and not proposers[0].previews and policy.chooses_proposers \
+        lookup = setup.config.prompt_lookup
+        if lookup and proposers and not proposers[0].previews and policy.chooses_proposers \
                 and not setup.config.forced_accept:
-            proposers.append(build_proposer("ngram", setup))
+            proposers.append(build_proposer(lookup, setup))
         return proposers
 
     def startup_summary(self) -> str:

@@ -1,12 +1,13 @@
-"""Draft-cost profile: time the draft model's forward at every batch size before any request arrives,
-and record it in the adaptive policy's cost model.
+"""Cost profiles taken before any request arrives and recorded in the adaptive policy's cost model: the
+draft model's forward at every batch size, and the target's verify call up to the longest lookup draft.
 
 Learned online, the draft's cost is known only at the numbers of drafting sequences the policy has
 already run, and it is not smooth beyond them (kernels change tiling at some row counts), so a guess can
 start drafting for many sequences at once where it does not pay. Timing 1..max_num_seqs draft forwards
-takes a few seconds and removes the guess. The target is not profiled: the policy measures plain
-decoding at a batch size before it speculates there, and the per-token cost of verifying carries over
-between batch sizes (see TargetCost)."""
+takes a few seconds and removes the guess. The target's verify calls are learned online up to k + 1
+tokens (the policy measures plain decoding at a batch size before it speculates there, and grows calls a
+token at a time); a lookup proposer whose drafts run far past k (suffix speculation, up to 32) would take
+dozens of steps to learn what a long call costs, so those sizes are timed up front."""
 from __future__ import annotations
 
 import statistics
@@ -56,4 +57,19 @@ def profile_draft_costs(engine, context: int = 128, repeats: int = 2) -> float:
         policy.record_draft_cost(n, time_forward(draft, n, 1, context, repeats))
     catch_up = min(CATCH_UP_TOKENS, engine.max_model_len - 1)
     policy.observe_draft_prefill(catch_up, time_forward(draft, 1, catch_up, 0, 1, logits="last"))
+    return time.perf_counter() - started
+
+
+def profile_verify_costs(engine, context: int = 128, repeats: int = 2) -> float:
+    """Record in the engine's policy the target's seconds for one sequence verifying 1 .. lookup_cap + 1
+    tokens (at sizes doubling from 1, and the largest); returns the seconds it took (0 when lookup drafts
+    are no longer than k, which the policy learns online)."""
+    cap = engine.lookup_cap
+    if cap <= engine.k:
+        return 0.0
+    started = time.perf_counter()
+    context = min(context, engine.max_model_len - cap - 2)
+    sizes = sorted({1 << i for i in range((cap + 1).bit_length()) if 1 << i <= cap + 1} | {cap + 1})
+    for tokens in sizes:
+        engine.policy.record_target_cost(1, tokens, time_forward(engine.runner.model, 1, tokens, context, repeats))
     return time.perf_counter() - started

@@ -51,6 +51,7 @@ class Sequence:
     grammar: GrammarMatcher | None = None  # structured output: where the output stands in its grammar
     # The request's n sequences (this one included): admitted together, they share one prefill.
     siblings: list["Sequence"] = field(default_factory=list)
+    tenant: str = ""  # who asked (the server's API key and `user`): whose earlier outputs it may draft from
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)  # prompt + output: the one list that grows, in place

@@ -18,6 +18,7 @@ class StepOutput:
     counters: SpecCounters = field(default_factory=SpecCounters)  # summed over the decoding batch
     draft_lengths: list[int] = field(default_factory=list)  # tokens drafted per decoding sequence
     lookup_drafts: int = 0  # of those sequences, how many drafted by prompt lookup
+    draft_cache_bytes: int = 0  # what the lookup proposer keeps across requests (suffix speculation's cache)
 
     @property
     def batch_size(self) -> int:

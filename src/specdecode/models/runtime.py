@@ -12,14 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..kv_cache import KVCache
 
 
-# Decode and verify calls (few new tokens per sequence) attend row by row over exactly the keys each
-# token may see; longer (prefill) calls use one masked attention call.
-ROWWISE_ATTENTION_MAX_WIDTH = 16
 
 
 @dataclass

@@ -48,10 +48,12 @@ class TargetFeedback:
 class Preview:
     """Drafts a proposer knows before the step at no forward cost (a prompt-lookup match): the policy
     weighs them against the draft model per sequence. `match`: the length of the context match behind
-    them, which predicts how often they are right."""
+    them, which predicts how often they are right; `probs`: where the proposer has one, its estimate per
+    token that it follows given the ones before it did (what the policy assumes until it has measured)."""
 
     match: int
     tokens: list[int]
+    probs: list[float] | None = None
 
 
 class Proposer:
@@ -61,6 +63,8 @@ class Proposer:
     loaded: LoadedModel | None = None  # the same as loaded by name (its name and load time, for the start-up summary)
     wants_hidden_states = False  # the engine then passes the target's hidden states in TargetFeedback
     previews = False  # it implements preview(): drafts known before the step, free of forward cost
+    max_draft: int | None = None  # a previewing proposer's own cap on a draft's length (None: the engine's k)
+    cache_bytes = 0  # memory held across requests (suffix speculation's cache of earlier outputs)
 
     @property
     def last_round_seconds(self) -> list[float]:

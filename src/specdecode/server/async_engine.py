@@ -58,6 +58,7 @@ class RequestHandle:
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    tenant: str = ""
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     seqs: list[Sequence] = field(default_factory=list)  # its n outputs, once the engine has them
     sent_chars: list[int] = field(default_factory=list)
@@ -140,17 +141,18 @@ class AsyncEngine:
         return self._submitted - self._ended
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
-               streamed: bool = True) -> RequestHandle:
+               streamed: bool = True, tenant: str = "") -> RequestHandle:
         """Queue a request (raises QueueFull when the waiting queue is at its bound, ShuttingDown while the
         server drains). session (which conversation it belongs to) and streamed (whether its client sees each
-        update) matter to deployments of several engines, which route and retry by them."""
+        update) matter to deployments of several engines, which route and retry by them; tenant (who asks)
+        scopes the outputs suffix speculation may draft from."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; send the request to another replica or retry later")
         if self.max_waiting is not None and self.in_flight >= self.engine.runner.num_slots + self.max_waiting:
             self.metrics.rejected.inc()
             raise QueueFull(f"the server is at capacity ({self.engine.runner.num_slots} running, "
                             f"{self.max_waiting} waiting); retry shortly")
-        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
+        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), tenant=tenant)
         self._submitted += 1
         self._inbox.put(("add", handle))
         self._wake.set()
@@ -215,7 +217,7 @@ class AsyncEngine:
                 handle.set_result(ids)
             elif kind == "add":
                 try:
-                    handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params)
+                    handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params, handle.tenant)
                     handle.sent_chars = [0] * len(handle.seqs)
                     handle.sent_tokens = [0] * len(handle.seqs)
                 except Exception as exc:

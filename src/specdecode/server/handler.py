@@ -3,6 +3,7 @@ the response built from the engine's updates (a whole JSON body, or server-sent 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -41,7 +42,7 @@ class ServingEngine(Protocol):
     vocab_size: int
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
-               streamed: bool = False) -> Any: ...
+               streamed: bool = False, tenant: str = "") -> Any: ...
 
     def updates(self, handle: Any, timeout: float | None = None) -> AsyncIterator: ...
 
@@ -71,7 +72,8 @@ class RequestHandler:
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids), ids) if req.echo else None
         reply = Reply(self, ids, params, chat=False, echo=echo,
                       best=(req.n, req.logprobs is not None) if params.n > req.n else None)
-        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request))
+        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request),
+                                tenant_of(req, request))
 
     async def chat(self, req: ChatRequest, request: Request):
         try:
@@ -83,7 +85,8 @@ class RequestHandler:
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         reply = Reply(self, ids, params, chat=True)
-        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request))
+        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request),
+                                tenant_of(req, request))
 
     def time_limit(self, requested: float | None) -> float | None:
         """The request's own timeout, never past the server's."""
@@ -110,6 +113,13 @@ def _session(req: CommonRequest, request: Request) -> str | None:
     return req.user or request.headers.get("x-session-id")
 
 
+def tenant_of(req: CommonRequest, request: Request) -> str:
+    """Who asks: the API key the request carries (hashed: the key itself is kept nowhere) and its `user`.
+    Suffix speculation drafts from this tenant's earlier outputs only."""
+    key = hashlib.blake2b(request.headers.get("authorization", "").encode(), digest_size=8).hexdigest()
+    return f"{key}/{req.user or ''}"
+
+
 class Reply:
     """One request's response. echo: (prompt text, prompt ids) to put before each completion
     (completions' `echo`); best: (n, whether logprobs are returned) when more outputs than n were
@@ -122,12 +132,13 @@ class Reply:
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
 
-    async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None):
+    async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None,
+                   tenant: str = ""):
         engine = self.handler.engine
         if self.params.structured_output is not None:  # built once, in seconds: not on the engine's thread
             await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
         try:
-            handle = engine.submit(self.ids, self.params, session=session, streamed=stream)
+            handle = engine.submit(self.ids, self.params, session=session, streamed=stream, tenant=tenant)
         except (QueueFull, ShuttingDown) as exc:
             response = error_response(exc.http_status, str(exc))
             response.headers["Retry-After"] = "1"

@@ -31,6 +31,8 @@ class ServerMetrics:
         self.lookup_drafts = Counter("specdecode_spec_decode_num_lookup_drafts", "Sequence-steps whose drafts "
                                      "came from prompt lookup instead of the draft model (adaptive policy)",
                                      registry=r)
+        self.draft_cache_bytes = Gauge("specdecode_suffix_cache_bytes", "Bytes of earlier outputs suffix "
+                                       "speculation keeps to draft from (all tenants)", registry=r)
         self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.slots = Gauge("specdecode_kv_cache_slots", "Sequences the memory plan's KV cache holds", registry=r)
@@ -70,6 +72,7 @@ class ServerMetrics:
         for k in out.draft_lengths:
             self.draft_lengths.labels(k=str(k)).inc()
         self.lookup_drafts.inc(out.lookup_drafts)
+        self.draft_cache_bytes.set(out.draft_cache_bytes)
         self.totals.merge(step)
         self._steps += 1
         self._speculated_steps += speculated

@@ -109,10 +109,10 @@ class EngineReplica:
                 "vocab_size": self.engine.vocab_size}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float | None = None,
-                       session: str | None = None):
+                       session: str | None = None, tenant: str = ""):
         """Streams the request's Updates; a refusal or failure arrives as an Update carrying the error."""
         try:
-            handle = self.engine.submit(prompt_ids, params)
+            handle = self.engine.submit(prompt_ids, params, tenant=tenant)
             async for update in self.engine.updates(handle, timeout):
                 yield update
         except SpecDecodeError as exc:
@@ -130,6 +130,7 @@ class RemoteRequest:
     params: SamplingParams
     session: str | None
     streamed: bool
+    tenant: str = ""
 
 
 class RemoteEngines:
@@ -148,13 +149,14 @@ class RemoteEngines:
         self.max_attempts = max_attempts
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
-               streamed: bool = True) -> RemoteRequest:
-        return RemoteRequest(prompt_ids, params, session, streamed)
+               streamed: bool = True, tenant: str = "") -> RemoteRequest:
+        return RemoteRequest(prompt_ids, params, session, streamed, tenant)
 
     async def updates(self, request: RemoteRequest, timeout: float | None = None):
         for attempt in range(1, self.max_attempts + 1):
             produced, held = False, []
-            stream = self._handle.generate.remote(request.prompt_ids, request.params, timeout, session=request.session)
+            stream = self._handle.generate.remote(request.prompt_ids, request.params, timeout, session=request.session,
+                                                  tenant=request.tenant)
             try:
                 async for update in stream:
                     if update.error is not None:

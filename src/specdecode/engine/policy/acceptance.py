@@ -13,6 +13,11 @@ def discounted_update(counts: tuple[float, float], success: bool, keep: float) -
     return keep * accepted + success, keep * tried + 1
 
 
+def _bucket(match: int) -> int:
+    """Match lengths pooled where they behave alike: 1, 2, 3, 4-7, 8-15, 16+ (suffix matches run long)."""
+    return match if match < 4 else 4 if match < 8 else 8 if match < 16 else 16
+
+
 @dataclass
 class LookupAcceptance:
     """How often prompt-lookup drafts are right, by the length of the match behind them: a long match is
@@ -23,18 +28,20 @@ class LookupAcceptance:
     smoothing: float = 0.01
     counts: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (match, l) -> (accepted, tried)
 
-    def gains(self, match: int, available: int, k_max: int) -> list[float]:
-        """P(lookup token j is emitted), j = 1 .. min(available, k_max)."""
+    def gains(self, match: int, available: int, probs: list[float] | None = None) -> list[float]:
+        """P(lookup token j is emitted), j = 1 .. available. Until measured, position j is right with the
+        proposer's own estimate probs[j-1] where it gives one, else with the prior."""
         gains, p = [], 1.0
-        for position in range(1, min(available, k_max) + 1):
-            accepted, tried = self.counts.get((match, position), (0.0, 0.0))
-            p *= (accepted + self.prior * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
+        for position in range(1, available + 1):
+            accepted, tried = self.counts.get((_bucket(match), position), (0.0, 0.0))
+            prior = probs[position - 1] if probs else self.prior
+            p *= (accepted + prior * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
             gains.append(p)
         return gains
 
     def observe(self, match: int, drafted: int, accepted: int) -> None:
         for position in range(1, min(drafted, accepted + 1) + 1):
-            key = (match, position)
+            key = (_bucket(match), position)
             self.counts[key] = discounted_update(self.counts.get(key, (0.0, 0.0)), accepted >= position,
                                                  1 - self.smoothing)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...config import DEFAULT_K
 from .acceptance import AcceptanceEstimator
-from .base import DraftDecision, Policy
+from .base import DraftDecision, Lookup, Policy
 from .costs import CostModel
 
 
@@ -53,21 +53,21 @@ class AdaptivePolicy(Policy):
     def forget(self, request_id: str) -> None:
         self.estimator.forget(request_id)
 
-    def decide(self, request_ids, catch_up, remaining, lookups) -> DraftDecision:
+    def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
         n = len(request_ids)
         if not self.costs.target.has_plain(n):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
         # then measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior
         # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
         estimator = self.estimator
-        if not self.costs.draft or not estimator.depth:
+        if drafter and (not self.costs.draft or not estimator.depth):
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
         if self._spec_steps_since_plain >= self.refresh_plain_every:
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
-        decision = self.best_decision(alphas, catch_up, remaining, lookups)
+        decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter)
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
         self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max))
                            + sum(starting) * self.costs.draft_prefill_per_token, not starting)
@@ -75,25 +75,30 @@ class AdaptivePolicy(Policy):
         return decision
 
     def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
-                      lookups: list[tuple[int, int]] | None) -> DraftDecision:
-        """The draft model for everyone, prompt lookup where a sequence has a match, or lookup there and
-        the draft model for the rest: whichever allocation predicts the highest goodput."""
+                      lookups: list[Lookup] | None, drafter: bool = True) -> DraftDecision:
+        """The draft model for everyone, the lookup's drafts where a sequence has them, or those and the
+        draft model for the rest: whichever allocation predicts the highest goodput (without a drafter,
+        the lookups alone)."""
         n = len(alphas)
         draft_gains = [self.token_gains(a) for a in alphas]
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
         for i, (tokens, left) in enumerate(zip(catch_up, remaining)):
             steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
             start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
-        options = [self._allocate(draft_gains, [False] * n, start_cost)]
-        if lookups and any(match for match, _ in lookups):
-            use = [match > 0 for match, _ in lookups]
-            lookup_gains = [self.estimator.lookup_acceptance.gains(match, offered, self.k_max)
-                            for match, offered in lookups]
+        options = [self._allocate(draft_gains, [False] * n, start_cost)] if drafter else []
+        if lookups and any(tokens for _, tokens, _ in lookups):
+            use = [bool(tokens) for _, tokens, _ in lookups]
+            lookup_gains = [self.estimator.lookup_acceptance.gains(match, len(tokens), probs)
+                            for match, tokens, probs in lookups]
             # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
             options.append(self._allocate(lookup_gains, use, start_cost))
+            if not drafter:
+                return options[0][0]
             mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
             options.append(self._allocate(mixed, use, start_cost))
+        if not options:
+            return DraftDecision([0] * n, [True] * n)
         return max(options, key=lambda option: option[1])[0]
 
     def _allocate(self, gains: list[list[float]], by_lookup: list[bool],
@@ -142,3 +147,6 @@ class AdaptivePolicy(Policy):
 
     def record_draft_cost(self, batch: int, seconds: float) -> None:
         self.costs.draft.record(batch, seconds)
+
+    def record_target_cost(self, batch: int, tokens: int, seconds: float) -> None:
+        self.costs.target.record(batch, tokens, seconds)

@@ -17,6 +17,11 @@ class DraftDecision:
         return cls(ks, [False] * len(ks))
 
 
+# What a previewing proposer offers one sequence: the length of the context match behind its draft, the
+# draft, and (suffix speculation) each token's frequency estimate, or None.
+Lookup = tuple[int, list[int], list[float] | None]
+
+
 class Policy:
     """Decides k per sequence and step; the observe_* hooks feed policies that learn (the default: ignore)."""
 
@@ -29,19 +34,20 @@ class Policy:
         self.decisions: Counter = Counter()  # k chosen -> sequence-steps
 
     def choose(self, request_ids: list[str], catch_up: list[int] | None = None,
-               remaining: list[int] | None = None, lookups: list[tuple[int, int]] | None = None) -> DraftDecision:
+               remaining: list[int] | None = None, lookups: list[Lookup] | None = None,
+               drafter: bool = True) -> DraftDecision:
         """k per sequence for this step (the engine still caps each by max_tokens and the context).
         catch_up: tokens the draft must read before it can draft for the sequence; remaining: tokens the
-        sequence may still emit; lookups: per sequence, the length of its prompt-lookup match and the
-        tokens that match offers ((0, 0): none), where the engine has a previewing proposer."""
+        sequence may still emit; lookups: per sequence, what the previewing proposer offers, where the
+        engine has one; drafter: whether a model drafter exists (without one, every draft is a lookup's)."""
         n = len(request_ids)
         decision = DraftDecision.main_proposer([0] * n) if self.k_max == 0 else \
-            self.decide(request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups)
+            self.decide(request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups, drafter)
         self.decisions.update(decision.ks)
         return decision
 
     def decide(self, request_ids: list[str], catch_up: list[int], remaining: list[int],
-               lookups: list[tuple[int, int]] | None) -> DraftDecision:
+               lookups: list[Lookup] | None, drafter: bool) -> DraftDecision:
         raise NotImplementedError
 
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
@@ -60,6 +66,9 @@ class Policy:
 
     def record_draft_cost(self, batch: int, seconds: float) -> None:
         """A draft forward for `batch` sequences takes `seconds` (timed at start-up, see engine/profile.py)."""
+
+    def record_target_cost(self, batch: int, tokens: int, seconds: float) -> None:
+        """A target call of `batch` sequences and `tokens` tokens in all takes `seconds` (timed at start-up)."""
 
     def forget(self, request_id: str) -> None:
         """The sequence finished."""

@@ -120,6 +120,10 @@ class TargetCost:
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
 
+    def record(self, batch: int, tokens: int, seconds: float) -> None:
+        """A profiled measurement (see CostTable.record)."""
+        self.tables.setdefault(batch, CostTable()).record(tokens, seconds)
+
     def __bool__(self) -> bool:
         return bool(self.tables)
 

@@ -10,7 +10,7 @@ class FixedPolicy(Policy):
 
     name = "fixed"
 
-    def decide(self, request_ids, catch_up, remaining, lookups) -> DraftDecision:
+    def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
         return DraftDecision.main_proposer([self.k_max] * len(request_ids))
 
 
@@ -25,6 +25,6 @@ class DisableByBatchSize(Policy):
         super().__init__(k_max)
         self.max_batch_for_speculation = max_batch_for_speculation
 
-    def decide(self, request_ids, catch_up, remaining, lookups) -> DraftDecision:
+    def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
         n = len(request_ids)
         return DraftDecision.main_proposer([self.k_max if n <= self.max_batch_for_speculation else 0] * n)

@@ -1,0 +1,160 @@
+"""Suffix speculation: long drafts that cost no forward, continued from the sequence's own text (a code edit
+copies its prompt) and from earlier outputs (an agent loop rewrites the same file, tool call and JSON).
+
+Each sequence indexes its prompt and output in a suffix trie of its own as tokens are committed; finished
+outputs go to a cache of tries partitioned by tenant (the server's API key and `user`), so that one
+tenant's outputs never shape another's drafts: whether a draft is accepted changes how fast tokens
+arrive, which would leak what someone else generated. The cache has one byte cap over all tenants and
+evicts the least recently used output (added, or drafted from). Drafts are deterministic (q is one-hot),
+so verification keeps the target's distribution exactly, as for prompt lookup."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+
+from ..config import SUFFIX_SCOPES
+from .base import DraftBatch, Preview, Proposer
+from .registry import ProposerSetup
+from .suffix_tree import Draft, SuffixTrie
+
+
+class SuffixCache:
+    """Earlier outputs, one trie per scope key, under one byte cap with least-recently-used eviction.
+    scope "tenant": the key is the request's tenant; "global": everyone shares one (a single-user
+    deployment); "none": nothing is kept across requests."""
+
+    def __init__(self, max_bytes: int, scope: str = "tenant", depth: int = 24):
+        if scope not in SUFFIX_SCOPES:
+            raise ValueError(f"unknown suffix cache scope {scope!r}; use one of {', '.join(SUFFIX_SCOPES)}")
+        self.max_bytes, self.scope, self.depth = max_bytes, scope, depth
+        self.tries: dict[str, SuffixTrie] = {}
+        self.texts: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()  # id -> (key, tokens), LRU first
+        self._ids = count(1)  # 0 is a sequence's own text in its local trie
+
+    def key(self, tenant: str) -> str | None:
+        return None if self.scope == "none" else tenant if self.scope == "tenant" else ""
+
+    @property
+    def nbytes(self) -> int:
+        """The tries' nodes and the texts they copy from."""
+        return sum(t.nbytes for t in self.tries.values()) + sum(8 * len(tokens) for _, tokens in self.texts.values())
+
+    def add(self, tenant: str, tokens: list[int]) -> None:
+        key = self.key(tenant)
+        if key is None or not tokens:
+            return
+        text_id = next(self._ids)
+        self.tries.setdefault(key, SuffixTrie(self.depth)).extend(tokens, text_id)
+        self.texts[text_id] = key, list(tokens)
+        while self.texts and self.nbytes > self.max_bytes:
+            self._evict(next(iter(self.texts)))
+
+    def _evict(self, text_id: int) -> None:
+        key, tokens = self.texts.pop(text_id)
+        trie = self.tries[key]
+        trie.remove(tokens)
+        if not trie.num_nodes:
+            del self.tries[key]
+
+    def draft(self, tenant: str, context: list[int], max_tokens: int | Callable[[int], int],
+              min_prob: float) -> Draft:
+        """max_tokens: a number, or the number for a context match of a given length."""
+        key = self.key(tenant)
+        trie = self.tries.get(key) if key is not None else None
+        if trie is None:
+            return Draft()
+        node, match = trie.longest_continued(context)
+        if not match:
+            return Draft()
+        limit = max_tokens(match) if callable(max_tokens) else max_tokens
+        draft = trie.draft_from(node, match, limit, min_prob, self._text)
+        if draft.source in self.texts:
+            self.texts.move_to_end(draft.source)  # drafted from: recently used
+        return draft
+
+    def _text(self, text_id: int) -> list[int] | None:
+        entry = self.texts.get(text_id)
+        return entry[1] if entry else None
+
+    def tenant_texts(self, tenant: str) -> list[list[int]]:
+        """The outputs a tenant's drafts may come from."""
+        key = self.key(tenant)
+        return [tokens for k, tokens in self.texts.values() if k == key]
+
+
+@dataclass
+class _Local:
+    trie: SuffixTrie
+    indexed: int = 0  # tokens of the sequence fed to the trie
+    open_nodes: list[int] = field(default_factory=list)
+
+
+class SuffixProposer(Proposer):
+    """max_tokens: the longest draft; min_prob: a draft stops where its frequency estimate (the product of
+    how often each of its tokens followed the one before) would fall below this; depth: the longest
+    context matched; match_factor: a draft is at most this many times as long as the context match
+    behind it. A text seen once says nothing about how far a copy stays right, but a long match does:
+    without this bound a one-token match would copy 32 tokens that are rarely all right."""
+
+    previews = True
+
+    def __init__(self, max_tokens: int = 32, min_prob: float = 0.1, depth: int = 24, match_factor: float = 2.0,
+                 cache: SuffixCache | None = None):
+        if max_tokens < 1 or depth < 2 or not 0 <= min_prob <= 1 or match_factor <= 0:
+            raise ValueError("suffix speculation needs max_tokens >= 1, depth >= 2, 0 <= min_prob <= 1 and "
+                             "match_factor > 0")
+        self.max_draft, self.min_prob, self.depth, self.match_factor = max_tokens, min_prob, depth, match_factor
+        self.cache = cache or SuffixCache(0, "none", depth)
+        if self.cache.depth != depth:
+            raise ValueError(f"the cache indexes {self.cache.depth} tokens deep and the proposer {depth}")
+        self._local: dict[int, _Local] = {}  # by KV slot
+
+    @classmethod
+    def from_setup(cls, setup: ProposerSetup) -> "SuffixProposer":
+        c = setup.config
+        return cls(c.suffix_max_tokens, c.suffix_min_prob, cache=SuffixCache(c.suffix_cache_bytes, c.suffix_cache_scope))
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def preview(self, seqs, k: int) -> list[Preview]:
+        previews = []
+        for seq in seqs:
+            draft = self.draft(seq, min(k, self.max_draft))
+            previews.append(Preview(draft.match, draft.tokens, draft.probs))
+        return previews
+
+    def propose(self, seqs, ks, feedback=None) -> DraftBatch:
+        return DraftBatch([self.draft(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
+
+    def draft(self, seq, max_tokens: int) -> Draft:
+        """The better-supported of the drafts from the sequence's own text and from the tenant's cache."""
+        local = self._index(seq)
+        ids = seq.token_ids
+        node, match = local.trie.longest_continued(ids)
+        own = local.trie.draft_from(node, match, self._limit(match, max_tokens), self.min_prob, lambda _: ids) \
+            if match else Draft()
+        cached = self.cache.draft(seq.tenant, ids, lambda m: self._limit(m, max_tokens), self.min_prob)
+        better = (cached.expected_tokens, cached.match) > (own.expected_tokens, own.match)  # ties: the longer match
+        return cached if better else own
+
+    def _limit(self, match: int, max_tokens: int) -> int:
+        return min(max_tokens, int(self.match_factor * match))
+
+    def _index(self, seq) -> _Local:
+        local = self._local.get(seq.slot)
+        if local is None:
+            local = self._local[seq.slot] = _Local(SuffixTrie(self.depth))
+        ids = seq.token_ids
+        if local.indexed < len(ids):
+            local.open_nodes = local.trie.extend(ids[local.indexed:], 0, local.indexed, local.open_nodes)
+            local.indexed = len(ids)
+        return local
+
+    def release(self, seq) -> None:
+        self._local.pop(seq.slot, None)
+        if seq.finish_reason != "abort":
+            self.cache.add(seq.tenant, seq.output_ids)
