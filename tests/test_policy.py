@@ -37,7 +37,7 @@ def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: floa
         p.costs.target.observe(n, tokens, 1.0 + verify_growth * (tokens - n))
     for m in range(1, n + 1):
         p.costs.draft.observe(m, c)
-    p.estimator.depth[1] = (0.0, 0.0)  # drafting has been tried (no first probe); later positions stay at the prior
+    p.probe_trials = 0  # the estimates are trusted as they are (no probing); later positions stay at the prior
     return p
 
 
@@ -277,7 +277,7 @@ def test_a_new_request_starts_from_the_acceptance_of_earlier_ones(earlier, draft
         p.costs.target.observe(1, 1, 1.0)
         p.costs.draft.observe(1, draft_cost)
     assert p.choose(["fresh"]).ks[0] > 0  # drafting never tried: one probe, whatever the prior predicts
-    p.estimator.depth[1] = (0.0, 0.0)  # suppose that probe told nothing
+    p.probe_trials = 0  # suppose that probe told nothing, and the policy trusted the prior
     assert (p.choose(["fresh"]).ks[0] > 0) != drafts  # what the prior alone would do
     for i in range(20):  # earlier requests, each forgotten when it ends; later positions as the prior
         _simulate(p, earlier, p.estimator.prior_acceptance, steps=40, request_id=f"old{i}")
@@ -356,6 +356,33 @@ def test_a_rejected_sequence_is_probed_again_later():
     for _ in range(200):  # plain steps: the estimate drifts back towards the prior
         p.observe_acceptance("0", 0, 0)
     assert _choose(p, 1)[0] > 0
+
+
+def test_a_new_request_drafts_again_after_one_unlucky_probe():
+    """A fresh engine's first probe rejected (one token): the pooled estimate new requests start from
+    falls below break-even, and without a draft nothing would measure it again. It fades back towards
+    the prior while nobody drafts, so a later request drafts."""
+    p = make_policy("adaptive", 3, prior_acceptance=0.7)
+    p.observe_acceptance("probe", 1, 0)
+    unlucky = p.estimator.population_acceptance
+    assert unlucky < 0.5
+    for step in range(100):
+        p.observe_acceptance("other", 0, 0)
+    assert p.estimator.population_acceptance > 0.6 > unlucky
+    assert p.estimator.first_token_acceptance("new") == p.estimator.population_acceptance
+
+
+def test_thin_evidence_is_probed_rather_than_trusted():
+    """A draft that costs half a target forward: at the unlucky estimate (< 0.5) drafting would not pay,
+    but one trial is not evidence enough to stop, so the policy probes; with evidence, it trusts it."""
+    p = make_policy("adaptive", 3)
+    p.costs.target.record(1, 1, 1.0)
+    p.costs.draft.record(1, 0.5)
+    p.observe_acceptance("probe", 1, 0)
+    assert p.choose(["a"]).ks == [3]
+    for _ in range(10):
+        p.observe_acceptance("probe", 1, 0)
+    assert p.choose(["a"]).ks == [0]
 
 
 def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_draft):

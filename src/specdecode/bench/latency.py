@@ -146,11 +146,14 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
         k = max(args.ks)
         runs.append(Run(LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common),
                         "suffix adaptive", "suffix", [k], [0.0]))
-        if draft:
+        if draft:  # the drafter alone and with suffix drafts beside it, under the same policy
             confidence = args.draft_confidence[-1]
-            runs.append(Run(LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None,
-                                draft_confidence=confidence, prompt_lookup="suffix", num_speculative_tokens=k,
-                                **common), "draft+suffix adaptive", f"{draft_name}+suffix", [k], [confidence]))
+            for lookup in (None, "suffix"):
+                llm = LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None,
+                          draft_confidence=confidence, prompt_lookup=lookup, num_speculative_tokens=k, **common)
+                name = "draft+suffix" if lookup else "draft"
+                runs.append(Run(llm, f"{name} adaptive", f"{draft_name}+{lookup}" if lookup else draft_name, [k],
+                                [confidence]))
     return runs
 
 

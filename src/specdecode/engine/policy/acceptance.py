@@ -116,11 +116,27 @@ class AcceptanceEstimator:
             for position in range(2, min(allowed, drafted + 1) + 1):
                 self.reach[position] = discounted_update(self.reach.get(position, (0.0, 0.0)), drafted >= position, keep)
         else:  # drift back towards the prior
+            self._fade_population_evidence()
             (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
             r = self.acceptance_recovery
             evidence = (1 - r) * successes + r * prior_s, (1 - r) * trials + r * prior_t
         self._evidence[request_id] = evidence
         self.acceptance[request_id] = evidence[0] / evidence[1]
+
+    @property
+    def first_position_trials(self) -> float:
+        """How much (discounted) evidence the pooled first-position estimate rests on."""
+        return self.depth.get(1, (0.0, 0.0))[1]
+
+    def _fade_population_evidence(self) -> None:
+        """While sequences do not draft, nothing measures the pooled first-position acceptance, which new
+        requests start from: one unlucky probe (a single rejected token) would keep every later request
+        from drafting for good. So that evidence fades by acceptance_recovery per sequence-step without a
+        draft, and the estimate returns towards prior_acceptance until drafting is tried again."""
+        if 1 in self.depth:
+            accepted, tried = self.depth[1]
+            keep = 1 - self.acceptance_recovery
+            self.depth[1] = accepted * keep, tried * keep
 
     def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
         """A step drafted by prompt lookup: its outcome says how good lookups of that match length are,

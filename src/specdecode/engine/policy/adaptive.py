@@ -20,7 +20,8 @@ class AdaptivePolicy(Policy):
     chooses_proposers = True
 
     def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, min_gain: float = 0.1,
-                 refresh_plain_every: int = 32, catch_up_horizon: int = 16, **estimator_options):
+                 refresh_plain_every: int = 32, catch_up_horizon: int = 16, probe_trials: float = 4.0,
+                 **estimator_options):
         super().__init__(k_max)
         self.estimator = AcceptanceEstimator(**estimator_options)
         self.costs = costs or CostModel()
@@ -32,6 +33,10 @@ class AdaptivePolicy(Policy):
         # A catch-up must pay for itself within this many steps: drafting may well stop again before the
         # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
         self.catch_up_horizon = catch_up_horizon
+        # Below this much pooled evidence on the first draft position (in trials, faded while nobody
+        # drafts; see AcceptanceEstimator), drafting is probed on one sequence instead of trusting the
+        # estimate: one early rejection must not switch speculation off for good.
+        self.probe_trials = probe_trials
         # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
         # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
         # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
@@ -60,7 +65,7 @@ class AdaptivePolicy(Policy):
         # then measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior
         # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
         estimator = self.estimator
-        if drafter and (not self.costs.draft or not estimator.depth):
+        if drafter and (not self.costs.draft or estimator.first_position_trials < self.probe_trials):
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
         if self._spec_steps_since_plain >= self.refresh_plain_every:
