@@ -236,3 +236,38 @@ def test_suffix_proposer_rejects_bad_options():
     with pytest.raises(ValueError, match="scope"):
         SuffixCache(10, "everyone")
 
+
+
+def test_through_the_server_each_tenant_drafts_from_its_own_outputs_only(target):
+    """Two API keys and two users on one server: each finished output is cached under its tenant, the
+    cache's size is in /metrics, and the other tenants' drafts never come from it."""
+    import httpx
+    import openai
+
+    from specdecode.server.api import build_app
+    from specdecode.server.async_engine import AsyncEngine
+
+    from conftest import LocalServer
+
+    llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=8, max_model_len=256)
+    engine = AsyncEngine(llm.engine)
+    body = {"ignore_eos": True}
+    with LocalServer(build_app(engine, "tiny")) as server:
+        outputs = {}
+        for key, user in (("k1", "ann"), ("k1", "bo"), ("k2", "ann")):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            r = client.completions.create(model="tiny", prompt="hello world", max_tokens=30, temperature=0,
+                                          user=user, extra_body=body)
+            outputs[key, user] = r.choices[0].text
+        metrics = httpx.get(server.url + "/metrics").text
+    cache = llm.engine.lookup.cache
+    assert len(cache.tries) == 3 and all(len(cache.tenant_texts(t)) == 1 for t in cache.tries)
+    assert len(set(outputs.values())) == 1  # greedy: the same text for everyone, drafted or not
+    first, *others = cache.tries
+    text = cache.tenant_texts(first)[0]
+    assert cache.draft(first, text[:10], 8, 0.1).tokens == text[10:18]
+    for other in others:  # the same text, cached apart: drafting from it uses the other tenant's copy
+        draft = cache.draft(other, text[:10], 8, 0.1)
+        assert cache.texts[draft.source][0] == other
+    line = next(x for x in metrics.splitlines() if x.startswith("specdecode_suffix_cache_bytes "))
+    assert float(line.split()[1]) == cache.nbytes > 0

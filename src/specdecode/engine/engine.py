@@ -110,6 +110,7 @@ class Engine:
         for seq in out.finished:
             self._release(seq)
         self.running = [s for s in self.running if not s.finished]
+        out.draft_cache_bytes = self.lookup.cache_bytes if self.lookup is not None else 0  # outputs just cached too
         return out
 
     def abort(self, seq: Sequence) -> None:
@@ -193,7 +194,6 @@ class Engine:
         results = self._verify(seqs, drafts, logits)
         out.draft_lengths = drafts.num_tokens
         out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
-        out.draft_cache_bytes = self.lookup.cache_bytes if self.lookup is not None else 0
         row = 0
         for i, (seq, start, n_draft, (result, logprobs)) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted, emitted = result.num_accepted[0], result.tokens[0]

@@ -88,24 +88,19 @@ class DraftHead(nn.Module):
     def weight_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in list(self.parameters()) + list(self.buffers()))
 
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch | None, cache, return_hidden: bool | str = False,
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache, return_hidden: bool | str = False,
                 features: torch.Tensor | None = None):
-        """tokens [B, T] and features [B, T, hidden] -> logits over the draft vocabulary for the batch's
-        logit rows, and with return_hidden the estimated next features of the same rows. Without a cache
-        (training) every row of tokens is a sequence from position 0 and every row gets logits."""
-        with torch.inference_mode(not self.training):
+        """tokens [B, T] and features [B, T, hidden] after each slot's cached rows -> logits over the draft
+        vocabulary for the batch's logit rows, and with return_hidden the estimated next features of the
+        same rows. (Training runs `unrolled`, which computes the same rounds for every row at once.)"""
+        with torch.inference_mode():
             embedded = self._shared["embed"](tokens).to(self.dtype)
             if features is None:  # timing a forward (the profile): contents do not change its cost
                 features = torch.zeros_like(embedded)
             features = features.to(embedded.dtype)
-            x = self.fc(torch.cat([self.embed_norm(embedded), self.feature_norm(features)], -1))
-            positions = batch.positions if cache is not None else torch.arange(tokens.shape[1], device=x.device)[None]
-            x, residual = self.layers[0](x, None, self.rotary(positions, x.dtype), batch, cache)
-            # the estimate of the target's next hidden state (before its final norm) is the features read plus a
-            # correction: consecutive hidden states share their large, slowly changing components, which a
-            # freshly initialised layer would otherwise need many steps to learn to produce
-            predicted = (features + x + residual).reshape(-1, x.shape[-1])
-            return self._output(predicted, batch.logit_rows if cache is not None else None, return_hidden)
+            x = self._fused_input(self.embed_norm(embedded), features)
+            x, residual = self.layers[0](x, None, self.rotary(batch.positions, x.dtype), batch, cache)
+            return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
     def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Training-time test: (logits [B*T, V], estimates [B*T, hidden]) for each of `steps` drafting rounds
@@ -121,7 +116,7 @@ class DraftHead(nn.Module):
             if step:
                 previous = out[-1][1].view(batch, width, hidden)
                 features = torch.cat([features[:, :1], previous[:, :-1]], 1)
-            x = self.fc(torch.cat([embedded, self.feature_norm(features)], -1))
+            x = self._fused_input(embedded, features)
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn._heads(h, rope)
             keys.append(k)
@@ -131,9 +126,11 @@ class DraftHead(nn.Module):
                                                       enable_gqa=True)
             attended = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
             h, residual = layer.post_attention_layernorm(attended, x)
-            predicted = (features + layer.mlp(h) + residual).reshape(-1, hidden)
-            out.append(self._output(predicted, None, True))
+            out.append(self._output(_estimate(features, layer.mlp(h), residual), None, True))
         return out
+
+    def _fused_input(self, normed_embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([normed_embeddings, self.feature_norm(features)], -1))
 
     def _output(self, predicted, rows, return_hidden):
         if rows is not None:
@@ -143,6 +140,13 @@ class DraftHead(nn.Module):
 
     def owned_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in self.OWNED}
+
+
+def _estimate(features: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The estimate of the target's next hidden state (before its final norm), one row per position: the
+    features read plus the layer's correction. Consecutive hidden states share their large, slowly
+    changing components, which a freshly initialised layer would otherwise need many steps to produce."""
+    return (features + out + residual).reshape(-1, features.shape[-1])
 
 
 def _unrolled_mask(step: int, width: int, device) -> torch.Tensor:

@@ -155,23 +155,19 @@ class Attention(nn.Module):
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
 
-    def forward(self, x, rope, batch: ForwardBatch | None, cache: KVCache | None):
-        """With a cache: the new tokens after each slot's cached ones. Without (training a draft head):
-        each row of x is a whole sequence from position 0, attended causally."""
+    def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
+        """The new tokens after each slot's cached ones."""
         bsz, width, _ = x.shape
-        if cache is not None and batch.rowwise is not None and self.rowwise_kernel is not None:
+        if batch.rowwise is not None and self.rowwise_kernel is not None:
             out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self.layer)
             return self.o_proj(out.view(bsz, width, -1))
         q, k, v = self._heads(x, rope)
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        cache.write(self.layer, batch.slots, batch.positions, k, v)
+        if batch.rowwise is not None:
+            out = self._rowwise_attention(q, batch, cache)
         else:
-            cache.write(self.layer, batch.slots, batch.positions, k, v)
-            if batch.rowwise is not None:
-                out = self._rowwise_attention(q, batch, cache)
-            else:
-                keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _heads(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ from .base import DraftBatch, Preview, Proposer
 from .registry import ProposerSetup
 from .suffix_tree import Draft, SuffixTrie
 
+TOKEN_BYTES = 8  # a stored token id (a list entry; small ints are shared objects)
+
 
 class SuffixCache:
     """Earlier outputs, one trie per scope key, under one byte cap with least-recently-used eviction.
@@ -32,29 +34,35 @@ class SuffixCache:
         self.tries: dict[str, SuffixTrie] = {}
         self.texts: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()  # id -> (key, tokens), LRU first
         self._ids = count(1)  # 0 is a sequence's own text in its local trie
+        self._bytes = 0
 
     def key(self, tenant: str) -> str | None:
         return None if self.scope == "none" else tenant if self.scope == "tenant" else ""
 
     @property
     def nbytes(self) -> int:
-        """The tries' nodes and the texts they copy from."""
-        return sum(t.nbytes for t in self.tries.values()) + sum(8 * len(tokens) for _, tokens in self.texts.values())
+        """The tries' nodes and the texts they copy from (kept as a running total: read every step)."""
+        return self._bytes
 
     def add(self, tenant: str, tokens: list[int]) -> None:
         key = self.key(tenant)
         if key is None or not tokens:
             return
         text_id = next(self._ids)
-        self.tries.setdefault(key, SuffixTrie(self.depth)).extend(tokens, text_id)
+        trie = self.tries.setdefault(key, SuffixTrie(self.depth))
+        before = trie.nbytes
+        trie.extend(tokens, text_id)
         self.texts[text_id] = key, list(tokens)
+        self._bytes += trie.nbytes - before + TOKEN_BYTES * len(tokens)
         while self.texts and self.nbytes > self.max_bytes:
             self._evict(next(iter(self.texts)))
 
     def _evict(self, text_id: int) -> None:
         key, tokens = self.texts.pop(text_id)
         trie = self.tries[key]
+        before = trie.nbytes
         trie.remove(tokens)
+        self._bytes -= before - trie.nbytes + TOKEN_BYTES * len(tokens)
         if not trie.num_nodes:
             del self.tries[key]
 
