@@ -9,6 +9,7 @@ evicts the least recently used output (added, or drafted from). Drafts are deter
 so verification keeps the target's distribution exactly, as for prompt lookup."""
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from .base import DraftBatch, Preview, Proposer
 from .registry import ProposerSetup
 from .suffix_tree import Draft, SuffixTrie
 
-TOKEN_BYTES = 8  # a stored token id (a list entry; small ints are shared objects)
+TOKEN_BYTES = 4  # a stored token id (texts are kept as arrays of int32)
 
 
 class SuffixCache:
@@ -32,7 +33,7 @@ class SuffixCache:
             raise ValueError(f"unknown suffix cache scope {scope!r}; use one of {', '.join(SUFFIX_SCOPES)}")
         self.max_bytes, self.scope, self.depth = max_bytes, scope, depth
         self.tries: dict[str, SuffixTrie] = {}
-        self.texts: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()  # id -> (key, tokens), LRU first
+        self.texts: OrderedDict[int, tuple[str, array]] = OrderedDict()  # id -> (key, tokens), LRU first
         self._ids = count(1)  # 0 is a sequence's own text in its local trie
         self._bytes = 0
 
@@ -52,7 +53,7 @@ class SuffixCache:
         trie = self.tries.setdefault(key, SuffixTrie(self.depth))
         before = trie.nbytes
         trie.extend(tokens, text_id)
-        self.texts[text_id] = key, list(tokens)
+        self.texts[text_id] = key, array("i", tokens)
         self._bytes += trie.nbytes - before + TOKEN_BYTES * len(tokens)
         while self.texts and self.nbytes > self.max_bytes:
             self._evict(next(iter(self.texts)))
@@ -82,14 +83,14 @@ class SuffixCache:
             self.texts.move_to_end(draft.source)  # drafted from: recently used
         return draft
 
-    def _text(self, text_id: int) -> list[int] | None:
+    def _text(self, text_id: int) -> array | None:
         entry = self.texts.get(text_id)
         return entry[1] if entry else None
 
     def tenant_texts(self, tenant: str) -> list[list[int]]:
         """The outputs a tenant's drafts may come from."""
         key = self.key(tenant)
-        return [tokens for k, tokens in self.texts.values() if k == key]
+        return [list(tokens) for k, tokens in self.texts.values() if k == key]
 
 
 @dataclass
