@@ -82,8 +82,9 @@ def test_a_draft_copies_what_followed_the_longest_match_beyond_the_trie_depth():
     span = list(range(10, 60))
     text = [1, 2] + span + [3, 4, 5] + span[:6]  # the span is being written again
     trie = SuffixTrie(depth=8)
-    trie.extend(text)
+    open_nodes = trie.extend(text)
     node, match = trie.longest_continued(text)
+    assert trie.longest_continued_in(open_nodes) == (node, match)  # the text's own suffix nodes, no walk
     draft = trie.draft_from(node, match, 32, 0.1, lambda _: text)
     assert match == 6 and draft.tokens == span[6:38] and draft.probs == [1.0] * 32
 

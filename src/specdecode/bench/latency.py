@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import time
 from dataclasses import asdict, dataclass
 
 from ..engine.llm import LLM

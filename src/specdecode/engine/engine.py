@@ -236,7 +236,7 @@ class Engine:
     def lookup_cap(self) -> int:
         """The longest lookup draft: the proposer's own cap where it has one (suffix speculation's drafts
         cost no forward, so they may run far past k), else k."""
-        return self.lookup.max_draft or self.k if self.lookup else 0
+        return (self.lookup.max_draft or self.k) if self.lookup else 0
 
     def _propose(self, seqs: list[Sequence], decision: DraftDecision,
                  previews: list[Preview] | None) -> tuple[DraftBatch, float | None]:

@@ -143,7 +143,7 @@ class SuffixProposer(Proposer):
         """The better-supported of the drafts from the sequence's own text and from the tenant's cache."""
         local = self._index(seq)
         ids = seq.token_ids
-        node, match = local.trie.longest_continued(ids)
+        node, match = local.trie.longest_continued_in(local.open_nodes)  # its suffixes' nodes: no walk
         own = local.trie.draft_from(node, match, self._limit(match, max_tokens), self.min_prob, lambda _: ids) \
             if match else Draft()
         cached = self.cache.draft(seq.tenant, ids, lambda m: self._limit(m, max_tokens), self.min_prob)

@@ -114,9 +114,17 @@ class SuffixTrie:
     # ---- drafting ----------------------------------------------------------------------------------
     def longest_continued(self, context: Sequence[int]) -> tuple[int, int]:
         """(node, length) of the longest suffix of `context` indexed with a continuation ((0, 0): none)."""
+        suffixes = (self._find(context, len(context) - m) for m in range(1, min(self.depth - 1, len(context)) + 1))
+        return self._longest_continued(suffixes)
+
+    def longest_continued_in(self, open_nodes: list[int]) -> tuple[int, int]:
+        """The same for a text fed to this trie, from the suffix nodes its last extend() returned."""
+        return self._longest_continued(iter(open_nodes[:self.depth - 1]))
+
+    def _longest_continued(self, suffix_nodes) -> tuple[int, int]:
+        """suffix_nodes: the context's suffixes' nodes (None where not indexed), shortest first."""
         best = (0, 0)
-        for match in range(1, min(self.depth - 1, len(context)) + 1):
-            node = self._find(context, len(context) - match)
+        for match, node in enumerate(suffix_nodes, 1):
             if node is None or self.children[node] is None:
                 break  # a longer suffix ends with this one, so it has no continuation either
             best = (node, match)
