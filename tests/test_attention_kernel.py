@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(load("attention") is None, reason="the attention
 PROMPT = list(range(1, 40))
 
 
-def _with_kernel(seed=0, **cfg):
+def _with_kernel(seed=0, kv_cache_dtype="auto", **cfg):
     model = tiny_model(seed=seed, **cfg).model
-    assert attach_attention_kernel(model)
+    assert attach_attention_kernel(model, kv_cache_dtype)
     return model
 
 
@@ -29,12 +29,19 @@ def _verify(model, drafts):
     return runner.forward([slot], [drafts], "all"), runner
 
 
-def test_the_kernel_computes_what_pytorch_does():
-    reference, torch_runner = _verify(tiny_model(seed=0).model, [5, 6, 7])
-    got, kernel_runner = _verify(_with_kernel(), [5, 6, 7])
-    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("kv_cache_dtype, tolerance", [("float32", 1e-5), ("float16", 1e-3)])
+def test_the_kernel_computes_what_pytorch_does(kv_cache_dtype, tolerance):
+    """Over either cache type. (Rotary embeddings that differ in the last float32 bit can round to
+    neighbouring float16 values, hence the float16 cache's tolerance: one float16 step.)"""
+    reference_model = tiny_model(seed=0).model
+    reference_model.kv_cache_dtype = getattr(torch, kv_cache_dtype)
+    reference, torch_runner = _verify(reference_model, [5, 6, 7])
+    got, kernel_runner = _verify(_with_kernel(kv_cache_dtype=kv_cache_dtype), [5, 6, 7])
+    assert kernel_runner._cache.k[0].dtype == getattr(torch, kv_cache_dtype)
+    torch.testing.assert_close(got, reference, rtol=tolerance, atol=tolerance)
     for layer in range(len(kernel_runner._cache.k)):  # rotated keys and values land where PyTorch puts them
-        torch.testing.assert_close(kernel_runner._cache.k[layer], torch_runner._cache.k[layer], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kernel_runner._cache.k[layer], torch_runner._cache.k[layer], rtol=tolerance,
+                                   atol=tolerance)
         torch.testing.assert_close(kernel_runner._cache.v[layer], torch_runner._cache.v[layer])
 
 
@@ -70,9 +77,10 @@ def test_a_verified_token_is_computed_as_if_decoded_alone():
     assert torch.equal(verified, torch.stack(alone))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("isa", kernel_builds())
-def test_every_build_gives_the_scalar_reference_bits(isa):
-    model = _with_kernel()
+def test_every_build_gives_the_scalar_reference_bits(isa, kv_cache_dtype):
+    model = _with_kernel(kv_cache_dtype=kv_cache_dtype)
     kernel = model.layers[0].self_attn.rowwise_kernel
     kernel.lib = load("attention", "scalar")
     reference, _ = _verify(model, [5, 6, 7, 8])

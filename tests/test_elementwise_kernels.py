@@ -65,17 +65,17 @@ def test_every_build_gives_the_scalar_reference_bits(isa):
     assert torch.equal(SiluMulKernel(build)(gate_up), SiluMulKernel(scalar)(gate_up))
 
 
-def _with_kernels(seed=0, **cfg):
+def _with_kernels(seed=0, kv_cache_dtype="auto", **cfg):
     model = tiny_model(seed=seed, **cfg).model
     assert attach_elementwise_kernels(model)
-    attach_attention_kernel(model)
+    attach_attention_kernel(model, kv_cache_dtype)
     return model
 
 
 def test_a_model_with_the_kernels_tracks_pytorch_and_speculation_stays_exact():
     prompt = list(range(1, 40))
     logits = []
-    for model in (tiny_model(seed=0).model, _with_kernels()):
+    for model in (tiny_model(seed=0).model, _with_kernels(kv_cache_dtype="float32")):  # PyTorch's cache
         runner = ModelRunner(model, 1, 128)
         slot = runner.allocate()
         logits.append(runner.forward([slot], [prompt], "all"))

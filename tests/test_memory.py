@@ -27,6 +27,24 @@ def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
     assert sum(t.numel() * t.element_size() for t in cache.k + cache.v) == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
 
 
+def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):
+    cfg, model = target.config, target.model
+    model.kv_cache_dtype = torch.float16
+    try:
+        llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
+        cache = llm.engine.runner._cache
+        assert cache.k[0].dtype == torch.float16
+        assert sum(t.numel() * t.element_size() for t in cache.k + cache.v) == 3 * 100 * kv_bytes_per_token(cfg, torch.float16)
+        assert llm.memory_plan.kv_bytes_per_token == kv_bytes_per_token(cfg, torch.float32) // 2
+    finally:
+        model.kv_cache_dtype = None
+
+
+def test_an_unknown_cache_dtype_is_refused_with_the_choices(target):
+    with pytest.raises(SpecDecodeError, match="unknown kv_cache_dtype 'int4'; use one of auto, float16, float32"):
+        LLM(target=target, kv_cache_dtype="int4")
+
+
 def test_budget_decides_the_number_of_slots(target, random_draft):
     fixed = plan_memory(target.model, random_draft.model, 128, 64, 4, None)
     per_slot = 128 * fixed.kv_bytes_per_token

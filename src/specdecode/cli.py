@@ -5,7 +5,7 @@ import argparse
 import signal
 import sys
 
-from .config import LOOKUPS, POLICIES, QUANTIZATIONS, SUFFIX_SCOPES
+from .config import KV_CACHE_DTYPES, LOOKUPS, POLICIES, QUANTIZATIONS, SUFFIX_SCOPES
 from .config import EngineConfig as C  # every engine default, written once there
 from .distill.recipe import Recipe
 from .errors import SpecDecodeError
@@ -47,6 +47,9 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
                         "4 bits (lossy: for drafts), w8a8 = every weight as Q8_0, w8a16 = int8 weights, bf16 activations")
     p.add_argument("--draft-quantization", default=C.draft_quantization, choices=QUANTIZATIONS,
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
+    p.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache entries: auto = float16 where the CPU attention kernel reads them (half the bytes "
+                        "that attention over a long context streams), else the activations' dtype")
 
 
 def _add_lookup_args(p: argparse.ArgumentParser) -> None:
@@ -203,6 +206,7 @@ def _add_measurements(bench_sub) -> None:
     tpot.add_argument("--max-tokens", type=int, default=4000)
     tpot.add_argument("--window", type=int, default=100, help="tokens per TPOT measurement")
     tpot.add_argument("--device", default=None)
+    tpot.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     tpot.add_argument("--out", default="results/tpot.json")
 
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
@@ -210,6 +214,8 @@ def _add_measurements(bench_sub) -> None:
     qual.add_argument("--quantization", nargs="+", default=["w4a8", "w8a8", "w8a16", "none", "w4a8-all"],
                       choices=QUANTIZATIONS)
     qual.add_argument("--dtype", default=C.dtype, help="activations of --quantization none (the reference is float32)")
+    qual.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                      help="the KV cache of the measured backends (the reference's is float32)")
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
     qual.add_argument("--out", default="results/quality.json")

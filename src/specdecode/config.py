@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
 POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policies (engine.policy)
 LOOKUPS = ("ngram", "suffix")  # proposers that draft at no forward cost, offered beside a drafter
+KV_CACHE_DTYPES = ("auto", "float16", "float32")  # auto: float16 where the CPU attention kernel reads it
 SUFFIX_SCOPES = ("tenant", "global", "none")  # who shares suffix speculation's cache of earlier outputs
 # Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair (docs/decisions.md): the draft's LM
 # head keeps the 65,536 lowest token ids, and drafting stops after a token the draft gives less than this
@@ -42,6 +43,7 @@ class EngineConfig:
     draft_confidence: float = DRAFT_CONFIDENCE
     quantization: str = "auto"
     draft_quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     speculation_policy: str = "adaptive"
     speculative_disable_by_batch_size: int | None = None
     # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter.
@@ -70,6 +72,8 @@ class EngineConfig:
         for name in ("quantization", "draft_quantization"):
             if getattr(self, name) not in QUANTIZATIONS:
                 problems.append(f"unknown {name} {getattr(self, name)!r}; use one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
             problems.append("n-gram lookup needs 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max")
         if self.prompt_lookup not in (None, *LOOKUPS):

@@ -52,7 +52,8 @@ def run_generate(args) -> int:
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
               draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
               quantization=args.quantization,
-              draft_quantization=args.draft_quantization, speculation_policy=args.policy, **lookup_options(args))
+              draft_quantization=args.draft_quantization, kv_cache_dtype=args.kv_cache_dtype,
+              speculation_policy=args.policy, **lookup_options(args))
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     if args.compare:

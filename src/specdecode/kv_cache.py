@@ -51,9 +51,10 @@ class KVCache:
         per token (a packed batch holds several sequences in one row)."""
         slot_index = slots[:, None, None] if slots.dim() == 1 else slots[:, None, :]
         index = (slot_index, torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None, :])
-        self.k[layer][index] = k
-        self.v[layer][index] = v
+        self.k[layer][index] = k.to(self.k[layer].dtype)
+        self.v[layer][index] = v.to(self.v[layer].dtype)
 
     def read(self, layer: int, slot_index, kv_len: int):
-        """Keys/values [B, Hkv, kv_len, D] of the batch's slots (a view when the slots are contiguous)."""
+        """Keys/values [B, Hkv, kv_len, D] of the batch's slots, in the cache's dtype (a view when the
+        slots are contiguous)."""
         return self.k[layer][slot_index, :, :kv_len], self.v[layer][slot_index, :, :kv_len]

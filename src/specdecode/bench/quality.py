@@ -60,16 +60,17 @@ def run_quality(args) -> list[QualityResult]:
     tokenizer = load_tokenizer(args.model)
     texts = [tokenizer.encode(t)[:args.max_len] for t in held_texts(args.num_texts)]
     tokens = sum(len(t) - 1 for t in texts)
-    reference_model = load_model(args.model, "cpu", "float32", quantization="none")
+    reference_model = load_model(args.model, "cpu", "float32", quantization="none", kv_cache_dtype="float32")
     _, ppl, reference = evaluate(reference_model.model, texts, None)
     results = [QualityResult(f"{reference_model.model.backend} (reference)", tokens, None, ppl)]
     print(_row(results[-1]), flush=True)
     del reference_model
     gc.collect()
     for quantization in args.quantization:
-        loaded = load_model(args.model, "cpu", args.dtype, quantization=quantization)
+        loaded = load_model(args.model, "cpu", args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
         agreement, ppl, _ = evaluate(loaded.model, texts, reference)
-        results.append(QualityResult(loaded.model.backend, tokens, agreement, ppl))
+        kv = str(loaded.model.kv_dtype).removeprefix("torch.")
+        results.append(QualityResult(f"{loaded.model.backend}, KV {kv}", tokens, agreement, ppl))
         print(_row(results[-1]), flush=True)
         del loaded
         gc.collect()
@@ -77,14 +78,14 @@ def run_quality(args) -> list[QualityResult]:
 
 
 def _row(r: QualityResult) -> str:
-    return f"{r.backend:<28}{r.tokens:>8}{fmt(r.top1_agreement, '.1%', 14)}{r.perplexity:>12.3f}"
+    return f"{r.backend:<40}{r.tokens:>8}{fmt(r.top1_agreement, '.1%', 14)}{r.perplexity:>12.3f}"
 
 
 def run_quality_cli(args) -> int:
     machine = machine_info()
     print(f"{args.model}: {args.num_texts} held texts (sonnets, HumanEval solutions), teacher-forced; "
           f"{describe_machine(machine)}", flush=True)
-    print(f"{'backend':<28}{'tokens':>8}{'top-1 = float':>14}{'perplexity':>12}", flush=True)
+    print(f"{'backend':<40}{'tokens':>8}{'top-1 = float':>14}{'perplexity':>12}", flush=True)
     results = run_quality(args)
     write_json(args.out, {"meta": {"command": command_line(), "model": args.model, "machine": machine},
                           "results": [asdict(r) for r in results]})

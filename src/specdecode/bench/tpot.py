@@ -31,6 +31,7 @@ def run_tpot_cli(args) -> int:
     machine = machine_info()
     prompt = humaneval_prompts(1)[0]
     llm = LLM(model=args.model, num_speculative_tokens=0, device=args.device, max_num_seqs=1,
+              kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_tokens + 512)
     print(f"{args.model}, plain decoding, one request of {args.max_tokens} tokens (a stop string checked "
           f"every token); {describe_machine(machine)}", flush=True)

@@ -57,7 +57,8 @@ class LLM:
     ("ngram": prompt lookup; see proposers.registry) or a draft model (name, path or hub id).
 
     quantization / draft_quantization pick the backend of models loaded by name ("auto": the fastest
-    measured for this machine; see executor.backends). Models passed as `target`/`draft` are used as built.
+    measured for this machine; see executor.backends), kv_cache_dtype their KV caches' element type
+    ("auto": float16 where the CPU attention kernel reads it, else the activations' dtype). Models passed as `target`/`draft` are used as built.
 
     A draft model's LM head keeps `draft_vocab_size` token ids (None or 0: all of them), and it stops
     drafting after a token it gives less than `draft_confidence` probability (0: always drafts what the
@@ -70,7 +71,7 @@ class LLM:
                  ngram_prompt_lookup_min: int = C.ngram_prompt_lookup_min,
                  draft_vocab_size: int | None = C.draft_vocab_size, draft_confidence: float = C.draft_confidence,
                  quantization: str = C.quantization, draft_quantization: str = C.draft_quantization,
-                 speculation_policy: str = C.speculation_policy,
+                 kv_cache_dtype: str = C.kv_cache_dtype, speculation_policy: str = C.speculation_policy,
                  speculative_disable_by_batch_size: int | None = C.speculative_disable_by_batch_size,
                  prompt_lookup: str | None = C.prompt_lookup, suffix_max_tokens: int = C.suffix_max_tokens,
                  suffix_min_prob: float = C.suffix_min_prob, suffix_cache_bytes: int = C.suffix_cache_bytes,
@@ -81,7 +82,8 @@ class LLM:
         self.config = config = EngineConfig(**{f.name: given[f.name] for f in fields(EngineConfig)})
         policy = make_policy(config.speculation_policy, config.num_speculative_tokens,
                              config.speculative_disable_by_batch_size)
-        self.target = target or load_model(config.model, config.device, config.dtype, progress, config.quantization)
+        self.target = target or load_model(config.model, config.device, config.dtype, progress, config.quantization,
+                                            kv_cache_dtype=config.kv_cache_dtype)
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         max_model_len = min(config.max_model_len, self.target.config.max_position)

@@ -98,9 +98,9 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
         raise SpecDecodeError(f"max_num_seqs must be >= 1 and max_model_len >= 2 "
                               f"(got {max_num_seqs} and {max_model_len})")
     separate_draft = draft is not None and draft is not target  # a self-draft shares the target's memory
-    per_token = kv_bytes_per_token(target.cfg, target.dtype)
+    per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
     if separate_draft:
-        per_token += kv_bytes_per_token(draft.cfg, draft.dtype)
+        per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
     plan = MemoryPlan(budget_bytes, target.weight_bytes(), draft.weight_bytes() if separate_draft else 0,
                       activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
                       per_token, max_model_len, max_num_seqs)

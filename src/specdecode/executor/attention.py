@@ -21,10 +21,11 @@ class RowwiseAttentionKernel:
         qkv = qkv.reshape(n, -1).contiguous()
         slots, positions, cos, sin = self._flat_inputs(batch, rope, n)
         out = torch.empty(n, self.num_heads * self.head_dim)
-        self.lib.rowwise_attention(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                   cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len,
-                                   out.data_ptr(), torch.get_num_threads())
+        keys, values = cache.k[layer], cache.v[layer]
+        attend = self.lib.rowwise_attention_f16 if keys.dtype == torch.float16 else self.lib.rowwise_attention
+        attend(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, slots.data_ptr(),
+               positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+               cache.max_len, out.data_ptr(), torch.get_num_threads())
         return out
 
     def _flat_inputs(self, batch, rope, n: int):
@@ -36,15 +37,23 @@ class RowwiseAttentionKernel:
         return self._inputs[2]
 
 
-def attach_attention_kernel(model) -> bool:
-    """Give the model's attention layers the kernel where it applies (float32 activations and KV cache on
-    the CPU, a head size the kernel vectorises); True if it did."""
+def attach_attention_kernel(model, kv_cache_dtype: str = "auto") -> bool:
+    """Give the model's attention layers the kernel where it applies (float32 activations on the CPU, a
+    head size the kernel vectorises); True if it did. kv_cache_dtype (config.KV_CACHE_DTYPES): "auto"
+    takes a float16 cache where the kernel reads one, "float16" / "float32" ask for that cache."""
+    if kv_cache_dtype != "auto":
+        model.kv_cache_dtype = getattr(torch, kv_cache_dtype)
     cfg = model.cfg
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
     lib = load("attention")
     if lib is None or not lib.attention_dim_ok(cfg.dim_per_head):
         return False
+    if kv_cache_dtype == "auto" and lib.attention_half_ok():
+        model.kv_cache_dtype = torch.float16
+    if model.kv_dtype not in (torch.float16, torch.float32) or (
+            model.kv_dtype == torch.float16 and not lib.attention_half_ok()):
+        return False  # PyTorch's path reads any cache dtype
     kernel = RowwiseAttentionKernel(lib, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head)
     for layer in model.layers:
         layer.self_attn.rowwise_kernel = kernel

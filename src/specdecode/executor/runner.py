@@ -22,7 +22,7 @@ class ModelRunner:
         self.model = model
         if model.device.type == "cpu":
             keep_freed_memory()
-        self._cache = KVCache(model.cfg, num_slots, max_len, model.dtype, model.device)
+        self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
 
     # ---- what the model is ----------------------------------------------------------------------

@@ -74,6 +74,7 @@ class DraftHead(nn.Module):
         # the target's embedding, not registered: neither saved nor counted as the head's memory
         self._shared = {"embed": target.embed_tokens}
         self.lm_head = target.lm_head.select_rows(vocab_ids) if target.vocab_ids is None else target.lm_head
+        self.kv_cache_dtype: torch.dtype | None = None  # as Transformer's
 
     @property
     def device(self) -> torch.device:
@@ -82,6 +83,10 @@ class DraftHead(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     backend = "torch"
 

@@ -37,10 +37,11 @@ def load_tokenizer(name: str) -> Tokenizer:
 
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = "auto",
-               progress: bool = True, quantization: str = "auto", draft: bool = False) -> LoadedModel:
+               progress: bool = True, quantization: str = "auto", draft: bool = False,
+               kv_cache_dtype: str = "auto") -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
-    executor.backends (w4a8, w4a8-all, w8a8, w8a16)."""
+    executor.backends (w4a8, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.elementwise import attach_elementwise_kernels
     from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
@@ -57,7 +58,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
         cfg, tensors = load_low_bit_weights(name, quantization, progress)
         model = build_quantized_model(cfg, tensors, quantization, device)
     del tensors
-    attach_attention_kernel(model)
+    attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
     tokenizer = load_tokenizer(name)
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)

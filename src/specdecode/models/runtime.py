@@ -166,7 +166,7 @@ class Attention(nn.Module):
         if batch.rowwise is not None:
             out = self._rowwise_attention(q, batch, cache)
         else:
-            keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+            keys, values = (t.to(q.dtype) for t in cache.read(self.layer, batch.slot_index, batch.kv_len))
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
@@ -192,7 +192,8 @@ class Attention(nn.Module):
             keys, values = cache.k[self.layer][slot:slot + 1], cache.v[self.layer][slot:slot + 1]
             for n in kv_lens:
                 query = q[0, :, token].reshape(1, kv_heads, group, self.head_dim)
-                rows.append(F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n]))
+                rows.append(F.scaled_dot_product_attention(query, keys[:, :, :n].to(q.dtype),
+                                                           values[:, :, :n].to(q.dtype)))
                 token += 1
         # one [1, Hkv, G, D] per packed token -> [1, H, N, D]
         return torch.stack(rows).view(1, token, self.num_heads, self.head_dim).transpose(1, 2)
@@ -243,6 +244,9 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta)
         # Token ids of the logits' columns when the LM head is restricted to a vocabulary subset.
         self.vocab_ids: torch.Tensor | None = None
+        # The KV cache's element type when it differs from the activations' (set with the attention
+        # kernel: a float16 cache halves what attention over a long context streams).
+        self.kv_cache_dtype: torch.dtype | None = None
 
     @property
     def device(self):
@@ -250,8 +254,12 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self):
-        """The activations' dtype (also the KV cache's); low-bit weights keep their own formats."""
+        """The activations' dtype; low-bit weights keep their own formats."""
         return self.norm.weight.dtype
+
+    @property
+    def kv_dtype(self):
+        return self.kv_cache_dtype or self.dtype
 
     # how the linear layers compute: set by the builder (see executor.backends)
     backend = "torch"

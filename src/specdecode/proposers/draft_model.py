@@ -32,7 +32,8 @@ class DraftModelProposer(Proposer):
             raise SpecDecodeError("the draft-model proposer needs a draft model (a name, path or hub id)")
         config = setup.config
         draft = setup.loaded or load_model(config.speculative_model, str(setup.target.model.device), config.dtype,
-                                           setup.progress, config.draft_quantization, draft=True)
+                                           setup.progress, config.draft_quantization, draft=True,
+                                           kv_cache_dtype=config.kv_cache_dtype)
         check_same_vocabulary(setup.target, draft)
         if config.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
             restrict_draft_vocab(draft, config.draft_vocab_size)

@@ -20,6 +20,7 @@ def llm_options(args) -> dict:
         model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         quantization=args.quantization, draft_quantization=args.draft_quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         draft_vocab_size=args.draft_vocab_size, draft_confidence=args.draft_confidence,
         speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,

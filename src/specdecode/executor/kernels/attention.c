@@ -1,18 +1,42 @@
 // Decode and verify attention in one call per layer: rotary embedding of q and k, the KV-cache write, and
 // for every new token attention over exactly the keys it may see (its slot's positions 0..its own).
 // Each (token, query head) is computed by the same operations in the same order whatever else is in the
-// call, so a token's output is identical whether it is decoded alone or verified beside drafts.
+// call, so a token's output is identical whether it is decoded alone or verified beside drafts; and every
+// vector lane holds its own key (scores) or its own dimension (values), each a chain of fused
+// multiply-adds in a fixed order, so every build (scalar, AVX2, AVX-512) gives the same bits.
 //
 //   qkv [N, (H + 2 Hkv) D]  q | k | v of each new token (projection output, bias added)
 //   cos, sin [N, D]         rotary factors of each token's position (NeoX: halves rotated)
-//   kcache, vcache [S, Hkv, L, D] of this layer; slots, positions [N]
+//   kcache, vcache [S, Hkv, L, D] of this layer, float32 or float16; slots, positions [N]
 //   out [N, H D]            query head h reads kv head h / (H / Hkv)
+//
+// Over a long context this streams the cache, so it is read once per kv head: a block of keys is
+// widened to float32 and transposed once (lanes over keys: no dot product ends in a horizontal sum) and
+// every query head of the group reads it; a block of values likewise. exp is a polynomial that
+// vectorises.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16  // independent partial sums: the compiler keeps them in one vector
+#if !defined(SPECDECODE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#define ATTENTION_SIMD 1
+#include <immintrin.h>
+#endif
+
+#define LANES 16   // independent partial sums of the softmax's max and total
+#define KEYS 16    // keys scored together
+#define HEADS 4    // query heads scored together (their accumulators stay in registers)
+#define VALUES 32  // keys whose values are weighed together (a block that stays in L1)
+#define MAX_DIM 256
+
+#ifdef __FLT16_MAX__
+typedef _Float16 half;
+#define HAVE_HALF 1
+#else
+typedef uint16_t half;  // storage only: the float16 entry point reports itself unavailable
+#define HAVE_HALF 0
+#endif
 
 // Scratch memory kept per thread between calls (memory freed to glibc can go back to the OS and fault in
 // again on the next of the ~30 calls per step).
@@ -28,15 +52,6 @@ static float *scratch(size_t floats) {
     return scratch_buf;
 }
 
-static inline float dot(const float *a, const float *b, int D) {
-    float acc[LANES] = {0};
-    for (int i = 0; i < D; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
-    float s = 0.f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    return s;
-}
-
 // x * cos + rotate_half(x) * sin, rounded as the separate products and sum are in PyTorch.
 static inline void rope(const float *x, const float *c, const float *s, float *y, int D) {
     const int half = D / 2;
@@ -50,45 +65,238 @@ static inline void rope(const float *x, const float *c, const float *s, float *y
     }
 }
 
-int attention_dim_ok(int D) { return D % LANES == 0; }
+// exp(x) for x <= 0 (a score minus the row's maximum) to within 2 ulp: x = n ln2 + r, |r| <= ln2 / 2,
+// exp(r) by its Taylor polynomial to degree 7, times 2^n built in the exponent bits.
+static inline float exp_nonpositive(float x) {
+    const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer kept in the low bits
+    x = x < -87.f ? -87.f : x;       // below, 2^n would not be a normal float; exp(-87) ~ 1.6e-38 anyway
+    float t = x * 1.44269504f + magic, n = t - magic;
+    float r = x - n * 0.693145752f;
+    r = r - n * 1.42860677e-6f;  // ln 2 in two parts: n * the first is exact
+    float p = 1.f / 5040;
+    p = p * r + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    int32_t bits, shift;
+    memcpy(&bits, &t, sizeof bits);
+    shift = (bits - 0x4B400000 + 127) << 23;  // n + 127 in the exponent field
+    float scale;
+    memcpy(&scale, &shift, sizeof scale);
+    return p * scale;
+}
 
-void rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
-                       const int64_t *positions, const float *cos, const float *sin, float *kcache, float *vcache,
-                       int L, float *out, int threads) {
-    const int G = H / Hkv, width = (H + 2 * Hkv) * D;
+// `count` rows of D cache entries from row `row` on, as float32: the rows themselves, or float16 widened
+// into buf (exact).
+static const float *cache_rows(const void *cache, int is_half, size_t row, int count, int D, float *buf) {
+    if (!is_half) return (const float *)cache + row * D;
+    const half *src = (const half *)cache + row * D;
+    int i = 0;
+#if defined(ATTENTION_SIMD) && defined(__F16C__)
+    for (; i + 8 <= count * D; i += 8)
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < count * D; i++) buf[i] = (float)src[i];
+    return buf;
+}
+
+#ifdef ATTENTION_SIMD
+// 8 rows of 8 floats (stride `from`) -> 8 columns (stride `to`).
+static inline void transpose8x8(const float *src, int from, float *dst, int to) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)i * from);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + (size_t)i * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (size_t)(i + 4) * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+#endif
+
+// kt[d * KEYS + l] = keys[l * D + d] for count <= KEYS keys, the rest zero (data movement: exact).
+static void transpose_keys(const float *keys, int D, int count, float *kt) {
+#ifdef ATTENTION_SIMD
+    if (count == KEYS) {
+        for (int l = 0; l < KEYS; l += 8)
+            for (int d = 0; d < D; d += 8) transpose8x8(keys + (size_t)l * D + d, D, kt + d * KEYS + l, KEYS);
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++)
+        for (int l = 0; l < KEYS; l++) kt[d * KEYS + l] = l < count ? keys[(size_t)l * D + d] : 0.f;
+}
+
+// s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for HEADS
+// query heads (rows of q, D apart) and the first `count` of KEYS keys.
+static void score_block(const float *q, const float *kt, int D, int count, float scale, float *s, size_t stride) {
+#ifdef ATTENTION_SIMD
+    __m256 acc[HEADS][2];
+    for (int g = 0; g < HEADS; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * KEYS), k1 = _mm256_loadu_ps(kt + d * KEYS + 8);
+        for (int g = 0; g < HEADS; g++) {
+            const __m256 qd = _mm256_broadcast_ss(q + (size_t)g * D + d);
+            acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
+            acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
+        }
+    }
+    float row[KEYS];
+    for (int g = 0; g < HEADS; g++) {
+        _mm256_storeu_ps(row, _mm256_mul_ps(acc[g][0], _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(row + 8, _mm256_mul_ps(acc[g][1], _mm256_set1_ps(scale)));
+        memcpy(s + g * stride, row, count * sizeof(float));
+    }
+#else
+    for (int g = 0; g < HEADS; g++)
+        for (int l = 0; l < count; l++) {
+            float acc = 0.f;
+            for (int d = 0; d < D; d++) acc = fmaf(q[(size_t)g * D + d], kt[d * KEYS + l], acc);
+            s[g * stride + l] = acc * scale;
+        }
+#endif
+}
+
+// o[g][d] += sum_j p[g * stride + j] vb[j][d] for `count` keys, one fused multiply-add per key in order.
+static void weigh_block(const float *p, size_t stride, const float *vb, int D, int count, int G, float *o) {
+    for (int g = 0; g < G; g++) {
+        const float *w = p + g * stride;
+        float *og = o + (size_t)g * D;
+#ifdef ATTENTION_SIMD
+        for (int d0 = 0; d0 < D; d0 += 32) {  // D is a multiple of LANES (16); 32 keeps 4 chains going
+            const int wide = D - d0 >= 32;
+            __m256 a0 = _mm256_loadu_ps(og + d0), a1 = _mm256_loadu_ps(og + d0 + 8), a2, a3;
+            a2 = wide ? _mm256_loadu_ps(og + d0 + 16) : a0;
+            a3 = wide ? _mm256_loadu_ps(og + d0 + 24) : a1;
+            for (int j = 0; j < count; j++) {
+                const __m256 wj = _mm256_broadcast_ss(w + j);
+                const float *v = vb + (size_t)j * D + d0;
+                a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 8), a1);
+                if (wide) {
+                    a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 24), a3);
+                }
+            }
+            _mm256_storeu_ps(og + d0, a0);
+            _mm256_storeu_ps(og + d0 + 8, a1);
+            if (wide) {
+                _mm256_storeu_ps(og + d0 + 16, a2);
+                _mm256_storeu_ps(og + d0 + 24, a3);
+            }
+        }
+#else
+        for (int j = 0; j < count; j++)
+            for (int d = 0; d < D; d++) og[d] = fmaf(w[j], vb[(size_t)j * D + d], og[d]);
+#endif
+    }
+}
+
+// Scores -> probabilities in place, for one query head's n scores.
+static void softmax(float *p, int n) {
+    float top_lane[LANES], sum_lane[LANES] = {0};
+    for (int l = 0; l < LANES; l++) top_lane[l] = p[0];
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) top_lane[l] = p[j + l] > top_lane[l] ? p[j + l] : top_lane[l];
+    for (; j < n; j++) top_lane[0] = p[j] > top_lane[0] ? p[j] : top_lane[0];
+    float top = top_lane[0];
+    for (int l = 1; l < LANES; l++) top = top_lane[l] > top ? top_lane[l] : top;
+    for (j = 0; j < n; j++) p[j] = exp_nonpositive(p[j] - top);
+    for (j = 0; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) sum_lane[l] += p[j + l];
+    for (; j < n; j++) sum_lane[0] += p[j];
+    float total = 0.f;
+    for (int l = 0; l < LANES; l++) total += sum_lane[l];
+    const float inv = 1.f / total;
+    for (j = 0; j < n; j++) p[j] *= inv;
+}
+
+int attention_dim_ok(int D) { return D % LANES == 0 && D <= MAX_DIM; }
+
+int attention_half_ok(void) { return HAVE_HALF; }
+
+// Token t's rotated k and its v into the cache at its slot and position, for kv head h.
+static void write_kv(const float *row, const float *cos, const float *sin, int H, int Hkv, int h, int D,
+                     void *kcache, void *vcache, int is_half, size_t at) {
+    float k[MAX_DIM];
+    const float *v = row + (H + Hkv + h) * D;
+    rope(row + (H + h) * D, cos, sin, k, D);
+    if (!is_half) {
+        memcpy((float *)kcache + at, k, D * sizeof(float));
+        memcpy((float *)vcache + at, v, D * sizeof(float));
+        return;
+    }
+    for (int i = 0; i < D; i++) {
+        ((half *)kcache)[at + i] = (half)k[i];
+        ((half *)vcache)[at + i] = (half)v[i];
+    }
+}
+
+// out[G][D] = attention of one token's G query heads (rotated, in q: `padded` rows, the ones past G
+// repeating the last) over n cached keys and values from row `first` on.
+static void attend(const float *q, int G, int padded, int D, int n, const void *kcache, const void *vcache,
+                   int is_half, size_t first, float *scratch_floats_, float *out) {
     const float scale = 1.f / sqrtf((float)D);
+    float *kt = scratch_floats_, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;
+    for (int j0 = 0; j0 < n; j0 += KEYS) {
+        const int count = n - j0 < KEYS ? n - j0 : KEYS;
+        transpose_keys(cache_rows(kcache, is_half, first + j0, count, D, rows), D, count, kt);
+        for (int g = 0; g < padded; g += HEADS)
+            score_block(q + (size_t)g * D, kt, D, count, scale, p + (size_t)g * n + j0, n);
+    }
+    for (int g = 0; g < G; g++) softmax(p + (size_t)g * n, n);
+    memset(out, 0, (size_t)G * D * sizeof(float));
+    for (int j0 = 0; j0 < n; j0 += VALUES) {
+        const int count = n - j0 < VALUES ? n - j0 : VALUES;
+        weigh_block(p + j0, n, cache_rows(vcache, is_half, first + j0, count, D, rows), D, count, G, out);
+    }
+}
+
+static void attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
+                      const int64_t *positions, const float *cos, const float *sin, void *kcache, void *vcache,
+                      int is_half, int L, float *out, int threads) {
+    const int G = H / Hkv, width = (H + 2 * Hkv) * D, padded = (G + HEADS - 1) / HEADS * HEADS;
     // every token's k and v into the cache first: a verified token attends to the drafts before it
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < N * Hkv; task++) {
         const int t = task / Hkv, h = task % Hkv;
-        const size_t at = (((size_t)slots[t] * Hkv + h) * L + positions[t]) * D;
-        const float *row = qkv + (size_t)t * width;
-        rope(row + (H + h) * D, cos + (size_t)t * D, sin + (size_t)t * D, kcache + at, D);
-        memcpy(vcache + at, row + (H + Hkv + h) * D, D * sizeof(float));
+        write_kv(qkv + (size_t)t * width, cos + (size_t)t * D, sin + (size_t)t * D, H, Hkv, h, D, kcache, vcache,
+                 is_half, (((size_t)slots[t] * Hkv + h) * L + positions[t]) * D);
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < N * Hkv; task++) {
         const int t = task / Hkv, h = task % Hkv, n = (int)positions[t] + 1;
-        const float *K = kcache + ((size_t)slots[t] * Hkv + h) * L * D;
-        const float *V = vcache + ((size_t)slots[t] * Hkv + h) * L * D;
-        float *q = scratch((size_t)G * (D + n)), *p = q + (size_t)G * D;
-        for (int g = 0; g < G; g++)
-            rope(qkv + (size_t)t * width + (h * G + g) * D, cos + (size_t)t * D, sin + (size_t)t * D, q + g * D, D);
-        for (int j = 0; j < n; j++)  // each key read once for the G query heads that share it
-            for (int g = 0; g < G; g++) p[g * n + j] = dot(q + g * D, K + (size_t)j * D, D) * scale;
-        for (int g = 0; g < G; g++) {
-            float *pg = p + (size_t)g * n, top = pg[0], total = 0.f;
-            for (int j = 1; j < n; j++) top = fmaxf(top, pg[j]);
-            for (int j = 0; j < n; j++) total += (pg[j] = expf(pg[j] - top));
-            for (int j = 0; j < n; j++) pg[j] /= total;
-        }
-        float *o = out + (size_t)t * H * D + (size_t)h * G * D;
-        memset(o, 0, (size_t)G * D * sizeof(float));
-        for (int j = 0; j < n; j++)
-            for (int g = 0; g < G; g++) {
-                const float w = p[g * n + j], *v = V + (size_t)j * D;
-                float *og = o + g * D;
-                for (int d = 0; d < D; d++) og[d] += w * v[d];
-            }
+        const size_t first = ((size_t)slots[t] * Hkv + h) * L;
+        float *q = scratch((size_t)padded * D + (size_t)D * KEYS + (size_t)VALUES * D + (size_t)padded * n);
+        for (int g = 0; g < padded; g++)
+            rope(qkv + (size_t)t * width + (h * G + (g < G ? g : G - 1)) * D, cos + (size_t)t * D, sin + (size_t)t * D,
+                 q + (size_t)g * D, D);
+        attend(q, G, padded, D, n, kcache, vcache, is_half, first, q + (size_t)padded * D,
+               out + (size_t)t * H * D + (size_t)h * G * D);
     }
+}
+
+void rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
+                       const int64_t *positions, const float *cos, const float *sin, float *kcache, float *vcache,
+                       int L, float *out, int threads) {
+    attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, kcache, vcache, 0, L, out, threads);
+}
+
+// The same over a float16 cache (half the bytes to stream; entries rounded to nearest on write).
+void rowwise_attention_f16(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
+                           const int64_t *positions, const float *cos, const float *sin, half *kcache,
+                           half *vcache, int L, float *out, int threads) {
+    attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, kcache, vcache, 1, L, out, threads);
 }
