@@ -101,3 +101,48 @@ def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
     outs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
+
+
+def _attend_long_context(isa: str, dtype: torch.dtype, n: int = 300):
+    """The kernel alone on the 0.5B's shapes (14 query heads over 2 KV heads of 64): one token at
+    position n - 1 after n - 1 random cached keys, and two verified drafts after it."""
+    H, Hkv, D, L = 14, 2, 64, 512
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, (H + 2 * Hkv) * D, generator=gen)
+    k = (torch.randn(1, Hkv, L, D, generator=gen) * 3).to(dtype)
+    v = torch.randn(1, Hkv, L, D, generator=gen).to(dtype)
+    angles = torch.rand(3, D // 2, generator=gen).repeat(1, 2) * 6
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    slots, positions = torch.zeros(3, dtype=torch.int64), torch.arange(n - 1, n + 2, dtype=torch.int64)
+    out = torch.empty(3, H * D)
+    lib = load("attention", isa)
+    attend = lib.rowwise_attention_f16 if dtype == torch.float16 else lib.rowwise_attention
+    attend(qkv.data_ptr(), 3, H, Hkv, D, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+           k.data_ptr(), v.data_ptr(), L, out.data_ptr(), torch.get_num_threads())
+    return out, qkv, k, v, cos, sin, positions
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_long_context_attention_matches_float64(dtype):
+    """Hundreds of keys (full and partial blocks of keys and values), either cache type: the scalar path
+    against float64 attention over what the cache holds (the drafts' own k/v written by the call)."""
+    out, qkv, k, v, cos, sin, positions = _attend_long_context("scalar", dtype)
+    H, Hkv, D = 14, 2, 64
+    for t in range(3):
+        q = _rope(qkv[t, :H * D].view(H, D).double(), cos[t].double(), sin[t].double())
+        n = int(positions[t]) + 1
+        keys = k[0, :, :n].double().repeat_interleave(H // Hkv, 0)
+        values = v[0, :, :n].double().repeat_interleave(H // Hkv, 0)
+        weights = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) / D ** 0.5, -1)
+        torch.testing.assert_close(out[t].double(), (weights @ values).reshape(H * D), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype):
+    assert torch.equal(_attend_long_context(isa, dtype)[0], _attend_long_context("scalar", dtype)[0])

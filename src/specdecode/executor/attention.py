@@ -47,7 +47,8 @@ def attach_attention_kernel(model, kv_cache_dtype: str = "auto") -> bool:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
     lib = load("attention")
-    if lib is None or not lib.attention_dim_ok(cfg.dim_per_head):
+    if (lib is None or not lib.attention_dim_ok(cfg.dim_per_head)
+            or not lib.attention_group_ok(cfg.num_heads // cfg.num_kv_heads)):
         return False
     if kv_cache_dtype == "auto" and lib.attention_half_ok():
         model.kv_cache_dtype = torch.float16

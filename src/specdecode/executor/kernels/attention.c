@@ -19,8 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(SPECDECODE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
-#define ATTENTION_SIMD 1
+#if !defined(SPECDECODE_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ATTENTION_SIMD 1  // every AVX2 CPU has FMA and F16C
 #include <immintrin.h>
 #endif
 
@@ -29,6 +29,7 @@
 #define HEADS 4    // query heads scored together (their accumulators stay in registers)
 #define VALUES 32  // keys whose values are weighed together (a block that stays in L1)
 #define MAX_DIM 256
+#define MAX_GROUP 64  // query heads per KV head
 
 #ifdef __FLT16_MAX__
 typedef _Float16 half;
@@ -95,7 +96,7 @@ static const float *cache_rows(const void *cache, int is_half, size_t row, int c
     if (!is_half) return (const float *)cache + row * D;
     const half *src = (const half *)cache + row * D;
     int i = 0;
-#if defined(ATTENTION_SIMD) && defined(__F16C__)
+#ifdef ATTENTION_SIMD
     for (; i + 8 <= count * D; i += 8)
         _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 #endif
@@ -104,10 +105,9 @@ static const float *cache_rows(const void *cache, int is_half, size_t row, int c
 }
 
 #ifdef ATTENTION_SIMD
-// 8 rows of 8 floats (stride `from`) -> 8 columns (stride `to`).
-static inline void transpose8x8(const float *src, int from, float *dst, int to) {
-    __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)i * from);
+// 8 rows of 8 floats -> 8 columns (stride `to`).
+static inline void transpose8x8(const __m256 r[8], float *dst, int to) {
+    __m256 t[8], u[8];
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -123,49 +123,80 @@ static inline void transpose8x8(const float *src, int from, float *dst, int to) 
         _mm256_storeu_ps(dst + (size_t)(i + 4) * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
     }
 }
+
+// A full block of KEYS keys from the cache, widened and transposed in registers.
+static void transpose_full_block(const void *cache, int is_half, size_t row, int D, float *kt) {
+    __m256 r[8];
+    for (int l = 0; l < KEYS; l += 8)
+        for (int d = 0; d < D; d += 8) {
+            for (int i = 0; i < 8; i++) {
+                const size_t at = (row + l + i) * D + d;
+                r[i] = is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half *)cache + at)))
+                               : _mm256_loadu_ps((const float *)cache + at);
+            }
+            transpose8x8(r, kt + d * KEYS + l, KEYS);
+        }
+}
 #endif
 
-// kt[d * KEYS + l] = keys[l * D + d] for count <= KEYS keys, the rest zero (data movement: exact).
-static void transpose_keys(const float *keys, int D, int count, float *kt) {
+// kt[d * KEYS + l] = key (row + l)'s d-th value as float32, for count <= KEYS keys, the rest zero (data
+// movement and exact widening: every path gives the same bits). rows: scratch for count * D floats.
+static void keys_block(const void *cache, int is_half, size_t row, int count, int D, float *rows, float *kt) {
 #ifdef ATTENTION_SIMD
     if (count == KEYS) {
-        for (int l = 0; l < KEYS; l += 8)
-            for (int d = 0; d < D; d += 8) transpose8x8(keys + (size_t)l * D + d, D, kt + d * KEYS + l, KEYS);
+        transpose_full_block(cache, is_half, row, D, kt);
         return;
     }
 #endif
+    const float *keys = cache_rows(cache, is_half, row, count, D, rows);
     for (int d = 0; d < D; d++)
         for (int l = 0; l < KEYS; l++) kt[d * KEYS + l] = l < count ? keys[(size_t)l * D + d] : 0.f;
 }
 
-// s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for HEADS
-// query heads (rows of q, D apart) and the first `count` of KEYS keys.
-static void score_block(const float *q, const float *kt, int D, int count, float scale, float *s, size_t stride) {
+// s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for `heads`
+// <= HEADS query heads (rows of q, D apart) and the first `count` of KEYS keys. Inlined with a constant
+// `heads`, so the accumulators stay in registers.
+static inline __attribute__((always_inline)) void score_block(const float *q, int heads, const float *kt, int D,
+                                                              int count, float scale, float *s, size_t stride) {
 #ifdef ATTENTION_SIMD
     __m256 acc[HEADS][2];
-    for (int g = 0; g < HEADS; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
     for (int d = 0; d < D; d++) {
         const __m256 k0 = _mm256_loadu_ps(kt + d * KEYS), k1 = _mm256_loadu_ps(kt + d * KEYS + 8);
-        for (int g = 0; g < HEADS; g++) {
+        for (int g = 0; g < heads; g++) {
             const __m256 qd = _mm256_broadcast_ss(q + (size_t)g * D + d);
             acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
             acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
         }
     }
     float row[KEYS];
-    for (int g = 0; g < HEADS; g++) {
+    for (int g = 0; g < heads; g++) {
         _mm256_storeu_ps(row, _mm256_mul_ps(acc[g][0], _mm256_set1_ps(scale)));
         _mm256_storeu_ps(row + 8, _mm256_mul_ps(acc[g][1], _mm256_set1_ps(scale)));
         memcpy(s + g * stride, row, count * sizeof(float));
     }
 #else
-    for (int g = 0; g < HEADS; g++)
+    for (int g = 0; g < heads; g++)
         for (int l = 0; l < count; l++) {
             float acc = 0.f;
             for (int d = 0; d < D; d++) acc = fmaf(q[(size_t)g * D + d], kt[d * KEYS + l], acc);
             s[g * stride + l] = acc * scale;
         }
 #endif
+}
+
+// score_block for the G heads of a group, HEADS at a time.
+static void score_heads(const float *q, int G, const float *kt, int D, int count, float scale, float *s, size_t stride) {
+    for (int g = 0; g < G; g += HEADS) {
+        const float *qg = q + (size_t)g * D;
+        float *sg = s + g * stride;
+        switch (G - g < HEADS ? G - g : HEADS) {
+            case 4: score_block(qg, 4, kt, D, count, scale, sg, stride); break;
+            case 3: score_block(qg, 3, kt, D, count, scale, sg, stride); break;
+            case 2: score_block(qg, 2, kt, D, count, scale, sg, stride); break;
+            default: score_block(qg, 1, kt, D, count, scale, sg, stride);
+        }
+    }
 }
 
 // o[g][d] += sum_j p[g * stride + j] vb[j][d] for `count` keys, one fused multiply-add per key in order.
@@ -203,8 +234,9 @@ static void weigh_block(const float *p, size_t stride, const float *vb, int D, i
     }
 }
 
-// Scores -> probabilities in place, for one query head's n scores.
-static void softmax(float *p, int n) {
+// Scores -> exp(score - max) in place, for one query head's n scores; returns their sum (the output is
+// divided by it once, instead of every weight).
+static float softmax_unnormalised(float *p, int n) {
     float top_lane[LANES], sum_lane[LANES] = {0};
     for (int l = 0; l < LANES; l++) top_lane[l] = p[0];
     int j = 0;
@@ -213,17 +245,17 @@ static void softmax(float *p, int n) {
     for (; j < n; j++) top_lane[0] = p[j] > top_lane[0] ? p[j] : top_lane[0];
     float top = top_lane[0];
     for (int l = 1; l < LANES; l++) top = top_lane[l] > top ? top_lane[l] : top;
-    for (j = 0; j < n; j++) p[j] = exp_nonpositive(p[j] - top);
     for (j = 0; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++) sum_lane[l] += p[j + l];
-    for (; j < n; j++) sum_lane[0] += p[j];
+        for (int l = 0; l < LANES; l++) sum_lane[l] += (p[j + l] = exp_nonpositive(p[j + l] - top));
+    for (; j < n; j++) sum_lane[0] += (p[j] = exp_nonpositive(p[j] - top));
     float total = 0.f;
     for (int l = 0; l < LANES; l++) total += sum_lane[l];
-    const float inv = 1.f / total;
-    for (j = 0; j < n; j++) p[j] *= inv;
+    return total;
 }
 
 int attention_dim_ok(int D) { return D % LANES == 0 && D <= MAX_DIM; }
+
+int attention_group_ok(int G) { return G >= 1 && G <= MAX_GROUP; }
 
 int attention_half_ok(void) { return HAVE_HALF; }
 
@@ -244,30 +276,34 @@ static void write_kv(const float *row, const float *cos, const float *sin, int H
     }
 }
 
-// out[G][D] = attention of one token's G query heads (rotated, in q: `padded` rows, the ones past G
-// repeating the last) over n cached keys and values from row `first` on.
-static void attend(const float *q, int G, int padded, int D, int n, const void *kcache, const void *vcache,
-                   int is_half, size_t first, float *scratch_floats_, float *out) {
+// out[G][D] = attention of one token's G query heads (rotated, in q) over n cached keys and values from
+// row `first` on.
+static void attend(const float *q, int G, int D, int n, const void *kcache, const void *vcache,
+                   int is_half, size_t first, float *work, float *out) {
     const float scale = 1.f / sqrtf((float)D);
-    float *kt = scratch_floats_, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;
+    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;
     for (int j0 = 0; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
-        transpose_keys(cache_rows(kcache, is_half, first + j0, count, D, rows), D, count, kt);
-        for (int g = 0; g < padded; g += HEADS)
-            score_block(q + (size_t)g * D, kt, D, count, scale, p + (size_t)g * n + j0, n);
+        keys_block(kcache, is_half, first + j0, count, D, rows, kt);
+        score_heads(q, G, kt, D, count, scale, p + j0, n);
     }
-    for (int g = 0; g < G; g++) softmax(p + (size_t)g * n, n);
+    float total[MAX_GROUP];
+    for (int g = 0; g < G; g++) total[g] = softmax_unnormalised(p + (size_t)g * n, n);
     memset(out, 0, (size_t)G * D * sizeof(float));
     for (int j0 = 0; j0 < n; j0 += VALUES) {
         const int count = n - j0 < VALUES ? n - j0 : VALUES;
         weigh_block(p + j0, n, cache_rows(vcache, is_half, first + j0, count, D, rows), D, count, G, out);
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.f / total[g];
+        for (int d = 0; d < D; d++) out[(size_t)g * D + d] *= inv;
     }
 }
 
 static void attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
                       const int64_t *positions, const float *cos, const float *sin, void *kcache, void *vcache,
                       int is_half, int L, float *out, int threads) {
-    const int G = H / Hkv, width = (H + 2 * Hkv) * D, padded = (G + HEADS - 1) / HEADS * HEADS;
+    const int G = H / Hkv, width = (H + 2 * Hkv) * D;
     // every token's k and v into the cache first: a verified token attends to the drafts before it
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < N * Hkv; task++) {
@@ -279,11 +315,11 @@ static void attention(const float *qkv, int N, int H, int Hkv, int D, const int6
     for (int task = 0; task < N * Hkv; task++) {
         const int t = task / Hkv, h = task % Hkv, n = (int)positions[t] + 1;
         const size_t first = ((size_t)slots[t] * Hkv + h) * L;
-        float *q = scratch((size_t)padded * D + (size_t)D * KEYS + (size_t)VALUES * D + (size_t)padded * n);
-        for (int g = 0; g < padded; g++)
-            rope(qkv + (size_t)t * width + (h * G + (g < G ? g : G - 1)) * D, cos + (size_t)t * D, sin + (size_t)t * D,
+        float *q = scratch((size_t)G * D + (size_t)D * KEYS + (size_t)VALUES * D + (size_t)G * n);
+        for (int g = 0; g < G; g++)
+            rope(qkv + (size_t)t * width + (h * G + g) * D, cos + (size_t)t * D, sin + (size_t)t * D,
                  q + (size_t)g * D, D);
-        attend(q, G, padded, D, n, kcache, vcache, is_half, first, q + (size_t)padded * D,
+        attend(q, G, D, n, kcache, vcache, is_half, first, q + (size_t)G * D,
                out + (size_t)t * H * D + (size_t)h * G * D);
     }
 }
