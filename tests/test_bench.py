@@ -134,6 +134,55 @@ def test_bench_serve_cli_writes_json(server, tmp_path):
     assert all(r["output_tokens"] == 20 and r["num_failed"] == 0 for r in report["results"])
 
 
+def test_sessions_put_each_reply_into_the_next_turn(server):
+    """Agent-loop sessions: turn t's prompt is the chat of every earlier turn with the replies the server
+    sent (the byte tokenizer makes the prompt's token count exact), and every turn is kept."""
+    from specdecode.bench.load import play_sessions
+
+    sessions = [["ab", "cde", "f"], ["xyz", "w"], ["q"]]
+    results, duration = asyncio.run(play_sessions(server.url, sessions, 6, model="tiny", concurrency=2,
+                                                  progress=False))
+    assert [r.turn for r in results] == [0, 1, 2, 0, 1, 0] and all(r.ok for r in results) and duration > 0
+    by_session = [results[0:3], results[3:5], results[5:6]]
+    for turns, played in zip(sessions, by_session):
+        history = ""
+        for message, result in zip(turns, played):
+            history += f"<user>{message}<assistant>"
+            assert result.prompt_tokens == len(history)
+            assert 0 < result.output_tokens <= 6 and len(result.text) <= result.output_tokens
+            history += result.text
+
+
+def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server):
+    """`bench concurrency --dataset agent-loop`: each configuration gets the same sessions, every turn
+    counted, and the rows carry the later turns' TPOT (no server processes: each config is the local one)."""
+    from specdecode.bench import concurrency
+    from specdecode.cli import build_parser
+
+    class Local:
+        base_url = server.url
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(concurrency, "start_server", lambda name, serve_args, args: Local())
+    scripted = []  # the real scripts are longer than the tiny model's context
+    monkeypatch.setattr(concurrency, "agent_loop_scripts",
+                        lambda count, turns: scripted.append((count, turns)) or [["ab", "cd"]] * count)
+    args = build_parser().parse_args(["bench", "concurrency", "--dataset", "agent-loop", "--turns", "2",
+                                      "--policies", "plain", "adaptive-suffix", "--concurrency", "2",
+                                      "--max-tokens", "4", "--min-requests", "3", "--requests-per-client", "1"])
+    report = concurrency.measure_concurrency(args)
+    assert [r["config"] for r in report["results"]] == ["plain", "adaptive-suffix"]
+    for row in report["results"]:
+        assert row["num_requests"] == 3 * 2 and row["num_failed"] == 0
+        assert row["later_turns_tpot_s"] is not None
+    assert report["meta"]["dataset"] == "agent-loop" and scripted == [(3, 2)]
+
+
 def test_tpot_windows_cover_the_whole_output(target):
     """`bench tpot` times every window of one long plain output, in order, and the output runs to the end
     (a stop string is checked every token but never matches)."""

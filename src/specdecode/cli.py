@@ -266,7 +266,12 @@ def _add_studies(bench_sub) -> None:
     conc.add_argument("--draft", "--speculative-model", dest="draft", default=DEFAULT_DRAFT)
     conc.add_argument("-k", type=int, default=C.num_speculative_tokens, help="k for fixed, k_max for adaptive")
     conc.add_argument("--policies", nargs="+", default=["plain", "fixed", "adaptive"],
-                      choices=["plain", "fixed", "adaptive"])
+                      choices=["plain", "fixed", "adaptive", "adaptive-suffix"],
+                      help="adaptive-suffix: the adaptive policy with suffix speculation beside the drafter")
+    conc.add_argument("--dataset", default="humaneval", choices=["humaneval", "code-edit", "agent-loop"],
+                      help="HumanEval prompts, or chat sessions: code edits (one turn), agent loops (--turns turns, "
+                           "each reply put into the next turn's history; one tenant per session)")
+    conc.add_argument("--turns", type=int, default=3, help="agent-loop: turns per session")
     conc.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     conc.add_argument("--max-tokens", type=int, default=128)
     conc.add_argument("--requests-per-client", type=int, default=2)
@@ -276,8 +281,8 @@ def _add_studies(bench_sub) -> None:
     conc.add_argument("--vs-llama-server", metavar="BIN_DIR", default=None,
                       help="also drive llama.cpp's llama-server from this folder (plain, and with the draft model) "
                            "on the same GGUF files through the same load generator")
-    conc.add_argument("--once", nargs="*", default=[], choices=["plain", "fixed", "adaptive", "llama.cpp",
-                                                                 "llama.cpp-draft"],
+    conc.add_argument("--once", nargs="*", default=[], choices=["plain", "fixed", "adaptive", "adaptive-suffix",
+                                                                 "llama.cpp", "llama.cpp-draft"],
                       help="configurations measured in the first round only")
     conc.add_argument("--max-model-len", type=int, default=2048)
     conc.add_argument("--dtype", default=C.dtype)

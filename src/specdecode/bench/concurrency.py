@@ -1,6 +1,8 @@
-"""Concurrency sweep through the server: plain decoding, fixed-k speculation and the adaptive policy,
-each in its own `specdecode serve` process, at each concurrency; the same HumanEval prompts,
-greedy, a fixed number of new tokens (EOS ignored so every configuration does the same work).
+"""Concurrency sweep through the server: plain decoding, fixed-k speculation and the adaptive policy
+(with or without suffix speculation beside the drafter), each in its own `specdecode serve` process, at
+each concurrency. HumanEval: the same prompts, greedy, a fixed number of new tokens (EOS ignored so every
+configuration does the same work); code edits and agent loops: chat sessions (see load.play_sessions),
+greedy, each reply ending at EOS (greedy output is the same under every configuration, so is the work).
 Prints throughput and TPOT with their ratios to plain decoding at the same concurrency; writes JSON."""
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from contextlib import ExitStack
 import torch
 
 from .datasets import humaneval_prompts, repeat_to
+from .edits import agent_loop_scripts, code_edit_prompts
 from .formatting import fmt, joined, mean, ratio
-from .load import LoadResult, run_load, send_requests
+from .load import LoadResult, play_sessions, run_load, send_requests, summarize
 from .results import command_line, machine_info, speedup_against, write_json
 from .server_process import ServerProcess, llama_server, serve_argv
 
@@ -23,7 +26,9 @@ def server_configs(args) -> list[tuple[str, list[str]]]:
                   dtype=args.dtype, quantization=args.quantization, draft_quantization=args.draft_quantization)
     configs = {"plain": serve_argv(**common),
                "fixed": serve_argv(**common, draft=args.draft, k=args.k, policy="fixed"),
-               "adaptive": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive")}
+               "adaptive": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive"),
+               "adaptive-suffix": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive",
+                                             prompt_lookup="suffix")}
     return [(name, configs[name]) for name in args.policies]
 
 
@@ -39,7 +44,23 @@ def start_server(name: str, serve_args: list[str], args) -> ServerProcess:
 
 
 def requests_at(concurrency: int, args) -> int:
+    """Requests (HumanEval) or sessions (chat datasets) sent at one concurrency."""
     return max(args.min_requests, args.requests_per_client * concurrency)
+
+
+def workload(args, count: int) -> list:
+    """`count` prompts (HumanEval) or sessions: lists of user turns (one turn for a code edit)."""
+    if args.dataset == "agent-loop":
+        return agent_loop_scripts(count, args.turns)
+    if args.dataset == "code-edit":
+        return [[chat[-1]["content"]] for chat in code_edit_prompts(count)]
+    return repeat_to(humaneval_prompts(), count)
+
+
+def send(base_url: str, args, work: list, concurrency: int) -> tuple[list, float]:
+    if args.dataset == "humaneval":
+        return asyncio.run(send_requests(base_url, work, args.max_tokens, concurrency=concurrency))
+    return asyncio.run(play_sessions(base_url, work, args.max_tokens, concurrency=concurrency))
 
 
 def measure_concurrency(args) -> dict:
@@ -61,11 +82,10 @@ def measure_concurrency(args) -> dict:
             asyncio.run(run_load(servers[name].base_url, prompts[:1], 8, progress=False))  # warm-up
         for rnd in range(args.rounds):
             for level, c in enumerate(args.concurrency):
-                batch = repeat_to(prompts, requests_at(c, args))
+                work = workload(args, requests_at(c, args))
                 turn = order if (level + rnd) % 2 == 0 else order[::-1]
                 for name in [n for n in turn if rnd == 0 or n not in args.once]:
-                    requests, seconds = asyncio.run(
-                        send_requests(servers[name].base_url, batch, args.max_tokens, concurrency=c))
+                    requests, seconds = send(servers[name].base_url, args, work, c)
                     runs[name, c].append((requests, seconds))
                     print(row_text(name, LoadResult.from_requests(requests, seconds, c, None), rnd), flush=True)
     rows = [pooled_row(name, c, runs[name, c]) for name in order for c in args.concurrency]
@@ -79,7 +99,9 @@ def pooled_row(name: str, concurrency: int, rounds: list[tuple[list, float]]) ->
     requests = [r for batch, _ in rounds for r in batch]
     pooled = LoadResult.from_requests(requests, sum(s for _, s in rounds), concurrency, None)
     per_round = [LoadResult.from_requests(batch, s, concurrency, None).output_throughput for batch, s in rounds]
-    return {"config": name, **pooled.as_dict(), "rounds": len(rounds), "round_throughputs": per_round}
+    later = summarize([r.tpot_s for r in requests if r.ok and r.turn > 0 and r.tpot_s is not None])
+    return {"config": name, **pooled.as_dict(), "rounds": len(rounds), "round_throughputs": per_round,
+            "later_turns_tpot_s": later}
 
 
 def add_ratios_to_plain(rows: list[dict]) -> None:
@@ -98,28 +120,28 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
 def meta(args) -> dict:
     return {"command": command_line(), "model": args.model, "draft": args.draft, "quantization": args.quantization,
             "draft_quantization": args.draft_quantization,
-            "k": args.k, "max_tokens": args.max_tokens, "dataset": "humaneval", "greedy": True,
+            "k": args.k, "max_tokens": args.max_tokens, "dataset": args.dataset, "turns": args.turns, "greedy": True,
             "requests": {c: requests_at(c, args) for c in args.concurrency}, "rounds": args.rounds,
             "once": args.once, "machine": machine_info(), "cuda": torch.cuda.is_available()}
 
 
 def row_text(name: str, r: LoadResult, rnd: int) -> str:
     """One configuration's measurement in one round, as it finishes."""
-    return (f"{rnd + 1:>5} {name:<10}{r.concurrency:>5}{r.num_requests:>6}{r.output_throughput:>10.2f}"
+    return (f"{rnd + 1:>5} {name:<16}{r.concurrency:>5}{r.num_requests:>6}{r.output_throughput:>10.2f}"
             f"{fmt(mean(r.tpot_s, 1000), '.1f', 10, missing='nan')}{fmt(mean(r.ttft_s), '.2f', 9, missing='nan')}"
             f"{fmt(r.acceptance_rate, '.3f', 8)}{fmt(r.speculating_fraction, '.0%', 8)}{r.num_failed:>7}")
 
 
-HEADER = (f"{'round':>5} {'config':<10}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}"
+HEADER = (f"{'round':>5} {'config':<16}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}"
           f"{'spec%':>8}{'failed':>7}")
 
 
 def summary_table(rows: list[dict]) -> str:
-    lines = [f"{'config':<10}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
+    lines = [f"{'config':<16}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
              f"{'TPOT ÷':>9}"]
     for r in rows:
         spread = joined(r.get("round_throughputs_vs_plain", []))
-        lines.append(f"{r['config']:<10}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
+        lines.append(f"{r['config']:<16}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
                      f"{ratio(r.get('throughput_vs_plain'), 10, missing='')}{spread:>26}"
                      f"{fmt(mean(r['tpot_s'], 1000), '.1f', 10)}"
                      f"{ratio(r.get('tpot_reduction_vs_plain'), 9, missing='')}")
@@ -127,8 +149,10 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def run_concurrency_cli(args) -> int:
-    print(f"HumanEval through the server, greedy, {args.max_tokens} new tokens; policies {', '.join(args.policies)}; "
-          f"concurrency {args.concurrency}; {args.rounds} round(s)", flush=True)
+    work = {"humaneval": "HumanEval prompts", "code-edit": "code-edit chats",
+            "agent-loop": f"agent-loop sessions of {args.turns} turns"}[args.dataset]
+    print(f"{work} through the server, greedy, {args.max_tokens} new tokens at most; policies "
+          f"{', '.join(args.policies)}; concurrency {args.concurrency}; {args.rounds} round(s)", flush=True)
     print(HEADER, flush=True)
     report = measure_concurrency(args)
     print("\n" + summary_table(report["results"]))

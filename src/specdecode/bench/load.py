@@ -1,6 +1,7 @@
 """Load generator for an OpenAI-compatible server: send prompts as streaming /v1/completions requests,
-either with a fixed number in flight (closed loop) or arriving as a Poisson process (open loop), and
-measure per request TTFT, TPOT and latency, and for the run throughput and speculation statistics.
+either with a fixed number in flight (closed loop) or arriving as a Poisson process (open loop), or play
+multi-turn chat sessions (each reply put into the next turn's history), and measure per request TTFT,
+TPOT and latency, and for the run throughput and speculation statistics.
 
 Works against any OpenAI-compatible server (vLLM, SGLang, llama.cpp, ours); the speculation fields are
 read from `usage.speculation` where the server sends them."""
@@ -30,6 +31,8 @@ class RequestResult:
     latency_s: float | None = None
     error: str | None = None
     speculation: dict = field(default_factory=dict)
+    text: str = ""  # what the server sent (a session's next turn repeats it)
+    turn: int = 0  # the request's place in its session (0: the first, or a lone request)
 
     @property
     def tpot_s(self) -> float | None:
@@ -93,7 +96,8 @@ class LoadResult:
 
 
 async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
-    """One streaming completion; TTFT is the arrival of the first chunk that carries text."""
+    """One streaming completion or chat completion; TTFT is the arrival of the first chunk that carries
+    text."""
     start = time.perf_counter()
     result = RequestResult(ok=False)
     text_chunks = 0  # the token count of servers that stream one token per chunk and send no usage
@@ -110,8 +114,11 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) ->
                 if "error" in chunk:
                     result.error = str(chunk["error"].get("message"))
                     return result
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")  # completion or chat
+                if text:
                     text_chunks += 1
+                    result.text += text
                     if result.ttft_s is None:
                         result.ttft_s = time.perf_counter() - start
                 usage = chunk.get("usage")
@@ -169,6 +176,44 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
         duration = time.perf_counter() - start
     bar.close()
     return list(results), duration
+
+
+async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: int, *, model: str = "default",
+                        concurrency: int = 1, api_key: str | None = None, progress: bool = True
+                        ) -> tuple[list[RequestResult], float]:
+    """Chat sessions, `concurrency` in flight: each session's user turns one after the other, each reply
+    (greedy, ending at EOS or max_tokens) put into the next turn's history, as an agent loop does. Each
+    session is its own `user`, so a server that scopes caches by user shares nothing between sessions.
+    Every turn's result (with its `turn`), and the run's wall time in seconds."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=sum(map(len, sessions)), desc=f"sessions, concurrency {concurrency}",
+               disable=None if progress else True, leave=False)
+
+    async def one(client, index: int, turns: list[str]) -> list[RequestResult]:
+        async with limit:
+            history, results = [], []
+            for turn, message in enumerate(turns):
+                history.append({"role": "user", "content": message})
+                payload = {"model": model, "messages": history, "max_tokens": max_tokens, "temperature": 0.0,
+                           "user": f"session-{index}", "stream_options": {"include_usage": True}}
+                result = await send_completion(client, url, payload)
+                result.turn = turn
+                results.append(result)
+                bar.update(1)
+                if not result.ok:
+                    break
+                history = history + [{"role": "assistant", "content": result.text}]
+            return results
+
+    pool = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=pool, headers=headers) as client:
+        start = time.perf_counter()
+        done = await asyncio.gather(*(one(client, i, turns) for i, turns in enumerate(sessions)))
+        duration = time.perf_counter() - start
+    bar.close()
+    return [r for results in done for r in results], duration
 
 
 def token_counter(tokenizer_name: str):
