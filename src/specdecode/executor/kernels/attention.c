@@ -55,13 +55,13 @@ static float *scratch(size_t floats) {
 
 // x * cos + rotate_half(x) * sin, rounded as the separate products and sum are in PyTorch.
 static inline void rope(const float *x, const float *c, const float *s, float *y, int D) {
-    const int half = D / 2;
-    for (int i = 0; i < half; i++) {
-        float a = x[i] * c[i], b = -x[i + half] * s[i];
+    const int mid = D / 2;
+    for (int i = 0; i < mid; i++) {
+        float a = x[i] * c[i], b = -x[i + mid] * s[i];
         y[i] = a + b;
     }
-    for (int i = half; i < D; i++) {
-        float a = x[i] * c[i], b = x[i - half] * s[i];
+    for (int i = mid; i < D; i++) {
+        float a = x[i] * c[i], b = x[i - mid] * s[i];
         y[i] = a + b;
     }
 }
