@@ -259,3 +259,14 @@ def test_training_unrolls_the_rounds_as_drafting_computes_them(target, monkeypat
         for r, logits in enumerate(_drafting_rounds(head, hidden, ids, p, 3)):
             worst = max(worst, float((unrolled[r][0][p + r] - logits).abs().max()))
     assert (worst > 1e-3) if broken else (worst < 1e-4), worst
+
+
+def test_the_head_keeps_its_cache_in_the_engines_kv_cache_dtype(target, head):
+    from specdecode.executor.kernels import load
+
+    lib = load("attention")
+    if lib is None or not lib.attention_half_ok():
+        pytest.skip("the float16 cache needs the attention kernel with float16 support")
+    for kv_cache_dtype, expected in (("float32", torch.float32), ("auto", torch.float16)):
+        llm = _llm(target, head, kv_cache_dtype=kv_cache_dtype)
+        assert llm.engine.proposer.runner._cache.k[0].dtype == expected

@@ -193,9 +193,10 @@ def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
-def prepare_head(head, quantization: str = "auto"):
+def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto"):
     """A draft head on its target's backend: on a low-bit target its own linear layers become Q8_0 (the
-    layer is small, so 4 bits would save little time and cost acceptance), and the CPU kernels attach."""
+    layer is small, so 4 bits would save little time and cost acceptance), and the CPU kernels attach
+    (its KV cache in `kv_cache_dtype`, as the target's)."""
     from .attention import attach_attention_kernel
     from .elementwise import attach_elementwise_kernels
 
@@ -205,7 +206,7 @@ def prepare_head(head, quantization: str = "auto"):
                 _set_module(head, name, BlockLinear(quantize_q8_0(module.weight.detach().float()),
                                                     None if module.bias is None else module.bias.detach()))
         head.backend = f"cpu {quantization} (Q8_0 head)"
-    attach_attention_kernel(head)
+    attach_attention_kernel(head, kv_cache_dtype)
     attach_elementwise_kernels(head)
     for p in head.parameters():
         p.requires_grad_(False)

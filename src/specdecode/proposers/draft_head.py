@@ -51,7 +51,8 @@ class DraftHeadProposer(DraftModelProposer):
             raise SpecDecodeError("the draft-head proposer needs a head: speculative_model='head:PATH'")
         path = head_path(name)
         spec, tensors = read_head(path)
-        head = prepare_head(build_head(spec, tensors, setup.target.model), setup.config.draft_quantization)
+        head = prepare_head(build_head(spec, tensors, setup.target.model), setup.config.draft_quantization,
+                            setup.config.kv_cache_dtype)
         loaded = LoadedModel(f"head:{os.path.basename(path)}", head, setup.target.tokenizer, head.cfg)
         return cls(head, loaded, setup.timer, setup.config.draft_confidence)
 
