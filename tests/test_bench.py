@@ -153,7 +153,7 @@ def test_sessions_put_each_reply_into_the_next_turn(server):
             history += result.text
 
 
-def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server):
+def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server, tmp_path, capsys):
     """`bench concurrency --dataset agent-loop`: each configuration gets the same sessions, every turn
     counted, and the rows carry the later turns' TPOT (no server processes: each config is the local one)."""
     from specdecode.bench import concurrency
@@ -174,8 +174,11 @@ def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server):
                         lambda count, turns: scripted.append((count, turns)) or [["ab", "cd"]] * count)
     args = build_parser().parse_args(["bench", "concurrency", "--dataset", "agent-loop", "--turns", "2",
                                       "--policies", "plain", "adaptive-suffix", "--concurrency", "2",
-                                      "--max-tokens", "4", "--min-requests", "3", "--requests-per-client", "1"])
-    report = concurrency.measure_concurrency(args)
+                                      "--max-tokens", "4", "--min-requests", "3", "--requests-per-client", "1",
+                                      "--out", str(tmp_path / "c.json")])
+    assert concurrency.run_concurrency_cli(args) == 0
+    assert capsys.readouterr().out.startswith("agent-loop sessions of 2 turns through the server")
+    report = json.loads((tmp_path / "c.json").read_text())
     assert [r["config"] for r in report["results"]] == ["plain", "adaptive-suffix"]
     for row in report["results"]:
         assert row["num_requests"] == 3 * 2 and row["num_failed"] == 0

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 import torch
 
 from .datasets import humaneval_prompts, repeat_to
-from .edits import agent_loop_scripts, code_edit_prompts
+from .edits import agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, joined, mean, ratio
 from .load import LoadResult, play_sessions, run_load, send_requests, summarize
 from .results import command_line, machine_info, speedup_against, write_json
@@ -149,9 +149,7 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def run_concurrency_cli(args) -> int:
-    work = {"humaneval": "HumanEval prompts", "code-edit": "code-edit chats",
-            "agent-loop": f"agent-loop sessions of {args.turns} turns"}[args.dataset]
-    print(f"{work} through the server, greedy, {args.max_tokens} new tokens at most; policies "
+    print(f"{describe_dataset(args.dataset, args.turns)} through the server, greedy, {args.max_tokens} new tokens at most; policies "
           f"{', '.join(args.policies)}; concurrency {args.concurrency}; {args.rounds} round(s)", flush=True)
     print(HEADER, flush=True)
     report = measure_concurrency(args)

@@ -51,6 +51,12 @@ AGENT_TASKS = (
 AGENT_FOLLOW_UP = " Reply with the complete updated file in one Python code block."
 
 
+def describe_dataset(dataset: str, turns: int) -> str:
+    """What a benchmark's --dataset plays, for its first line."""
+    return {"humaneval": "HumanEval prompts", "code-edit": "code-edit chats",
+            "agent-loop": f"agent-loop sessions of {turns} turns"}[dataset]
+
+
 def code_edit_prompts(count: int, seed: int = 0, max_lines: int = 40) -> list[list[dict]]:
     """`count` one-message chats, each a standard-library function (8 to max_lines lines) and an edit."""
     functions = _library_functions(8, max_lines)

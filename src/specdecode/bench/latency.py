@@ -14,7 +14,7 @@ from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
-from .edits import agent_loop_scripts, code_edit_prompts
+from .edits import agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, ratio, yes_no
 from .llama_cpp import LLAMA_NGRAM_MODES, LlamaBench, run_llama_bench, run_llama_speculative
 from .results import command_line, describe_machine, machine_info, write_json
@@ -290,8 +290,8 @@ def _row(r: LatencyResult) -> str:
 
 def run_latency_cli(args) -> int:
     machine = machine_info()
-    what = {"humaneval": "HumanEval", "code-edit": "code edits (chat)",
-            "agent-loop": f"agent sessions of {args.turns} turns (turns after the first timed)"}[args.dataset]
+    what = describe_dataset(args.dataset, args.turns) + (" (turns after the first timed)"
+                                                          if args.dataset == "agent-loop" else "")
     print(f"{what}, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts; "
           f"{describe_machine(machine)}", flush=True)
     print(HEADER, flush=True)
