@@ -2,6 +2,7 @@
 a real local server."""
 import asyncio
 import json
+import types
 
 import pytest
 
@@ -196,3 +197,49 @@ def test_tpot_windows_cover_the_whole_output(target):
     rows = tpot_by_window(llm, "abc", max_tokens=300, window=50)
     assert [t for t, _ in rows] == list(range(52, 300, 50))  # the first step: prefill + one decode, 2 tokens
     assert all(s > 0 for _, s in rows)
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in load_model once it has recorded what it was asked for."""
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
+    ["plan", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
+])
+def test_benchmarks_load_models_with_the_backend_flags_they_show(monkeypatch, argv):
+    """A flag a benchmark accepts reaches the models it loads (the target's and the draft's)."""
+    import specdecode.models.loader as loader
+    from specdecode.bench import advisor, latency
+    from specdecode.cli import build_parser
+
+    asked = []
+
+    def recording_load_model(name, *args, **kw):
+        asked.append((name, kw))
+        if len(asked) == 2:
+            raise _Loaded
+        return types.SimpleNamespace(model=types.SimpleNamespace(device="cpu"))
+
+    monkeypatch.setattr(loader, "load_model", recording_load_model)
+    monkeypatch.setattr(latency, "load_model", recording_load_model)
+    args = build_parser().parse_args(argv)
+    with pytest.raises(_Loaded):
+        if argv[0] == "plan":
+            advisor.run_advisor_cli(args)
+        else:
+            latency.run_backend(args, args.quantization[0], [], None)
+    (_, target), (_, draft) = asked
+    assert target["quantization"] == "w8a8" and draft["quantization"] == "w8a16" and draft["draft"]
+    assert target["kv_cache_dtype"] == draft["kv_cache_dtype"] == "float32"
+
+
+def test_bench_concurrency_starts_every_server_with_the_backend_flags():
+    from specdecode.bench.concurrency import server_configs
+    from specdecode.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "concurrency", "--policies", "plain", "adaptive-suffix",
+                                      "--quantization", "w8a8", "--kv-cache-dtype", "float32"])
+    for _, argv in server_configs(args):
+        assert argv[argv.index("--quantization") + 1] == "w8a8"
+        assert argv[argv.index("--kv-cache-dtype") + 1] == "float32"

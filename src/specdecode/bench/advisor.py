@@ -130,8 +130,10 @@ def run_advisor_cli(args) -> int:
     draft_name = default_draft(args.model, args.draft)
     if not draft_name:
         raise SpecDecodeError("pass --draft: the plan predicts draft-model speculation")
-    target = load_model(args.model, args.device, args.dtype)
-    draft = load_model(draft_name, str(target.model.device), args.dtype)
+    target = load_model(args.model, args.device, args.dtype, quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype)
+    draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
+                       draft=True, kv_cache_dtype=args.kv_cache_dtype)
     print(f"calibrating: {options.num_prompts} prompts x {options.max_tokens} tokens at k={options.k_max}, "
           f"step costs at batch sizes {options.batch_sizes}", flush=True)
     plan = calibrate(target, draft, options)

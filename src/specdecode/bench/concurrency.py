@@ -23,7 +23,8 @@ from .server_process import ServerProcess, llama_server, serve_argv
 def server_configs(args) -> list[tuple[str, list[str]]]:
     """The `specdecode serve` flags of each policy asked for: plain, fixed k, adaptive up to k."""
     common = dict(model=args.model, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
-                  dtype=args.dtype, quantization=args.quantization, draft_quantization=args.draft_quantization)
+                  dtype=args.dtype, quantization=args.quantization, draft_quantization=args.draft_quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     configs = {"plain": serve_argv(**common),
                "fixed": serve_argv(**common, draft=args.draft, k=args.k, policy="fixed"),
                "adaptive": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive"),
@@ -119,7 +120,7 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
 
 def meta(args) -> dict:
     return {"command": command_line(), "model": args.model, "draft": args.draft, "quantization": args.quantization,
-            "draft_quantization": args.draft_quantization,
+            "draft_quantization": args.draft_quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "k": args.k, "max_tokens": args.max_tokens, "dataset": args.dataset, "turns": args.turns, "greedy": True,
             "requests": {c: requests_at(c, args) for c in args.concurrency}, "rounds": args.rounds,
             "once": args.once, "machine": machine_info(), "cuda": torch.cuda.is_available()}
@@ -149,8 +150,9 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def run_concurrency_cli(args) -> int:
-    print(f"{describe_dataset(args.dataset, args.turns)} through the server, greedy, {args.max_tokens} new tokens at most; policies "
-          f"{', '.join(args.policies)}; concurrency {args.concurrency}; {args.rounds} round(s)", flush=True)
+    print(f"{describe_dataset(args.dataset, args.turns)} through the server, greedy, {args.max_tokens} new tokens "
+          f"at most; policies {', '.join(args.policies)}; concurrency {args.concurrency}; {args.rounds} round(s)",
+          flush=True)
     print(HEADER, flush=True)
     report = measure_concurrency(args)
     print("\n" + summary_table(report["results"]))

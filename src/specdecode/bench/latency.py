@@ -159,10 +159,11 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
 def run_backend(args, quantization: str, requests: list, params: SamplingParams) -> tuple[list[LatencyResult], list[str]]:
     """Plain, then each proposer at each k, on one loaded target in `quantization`; also the texts of the
     timed prompts as plain decoding saw them (for llama.cpp's rows)."""
-    target = load_model(args.model, args.device, args.dtype, quantization=quantization)
+    target = load_model(args.model, args.device, args.dtype, quantization=quantization,
+                        kv_cache_dtype=args.kv_cache_dtype)
     draft_name = default_draft(args.model, args.draft)
     draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
-                       draft=True) if draft_name else None
+                       draft=True, kv_cache_dtype=args.kv_cache_dtype) if draft_name else None
     runs = make_runs(args, target, draft, draft_name)
     name = target.model.backend
     plain_llm = LLM(target=target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
