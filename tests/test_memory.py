@@ -34,7 +34,8 @@ def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):
         llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
         cache = llm.engine.runner._cache
         assert cache.k[0].dtype == torch.float16
-        assert sum(t.numel() * t.element_size() for t in cache.k + cache.v) == 3 * 100 * kv_bytes_per_token(cfg, torch.float16)
+        assert (sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+                == 3 * 100 * kv_bytes_per_token(cfg, torch.float16))
         assert llm.memory_plan.kv_bytes_per_token == kv_bytes_per_token(cfg, torch.float32) // 2
     finally:
         model.kv_cache_dtype = None

@@ -204,7 +204,7 @@ async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: in
                 bar.update(1)
                 if not result.ok:
                     break
-                history = history + [{"role": "assistant", "content": result.text}]
+                history.append({"role": "assistant", "content": result.text})
             return results
 
     pool = httpx.Limits(max_connections=concurrency + 4)

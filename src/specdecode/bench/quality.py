@@ -67,7 +67,8 @@ def run_quality(args) -> list[QualityResult]:
     del reference_model
     gc.collect()
     for quantization in args.quantization:
-        loaded = load_model(args.model, "cpu", args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
+        loaded = load_model(args.model, "cpu", args.dtype, quantization=quantization,
+                            kv_cache_dtype=args.kv_cache_dtype)
         agreement, ppl, _ = evaluate(loaded.model, texts, reference)
         kv = str(loaded.model.kv_dtype).removeprefix("torch.")
         results.append(QualityResult(f"{loaded.model.backend}, KV {kv}", tokens, agreement, ppl))

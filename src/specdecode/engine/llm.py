@@ -58,7 +58,8 @@ class LLM:
 
     quantization / draft_quantization pick the backend of models loaded by name ("auto": the fastest
     measured for this machine; see executor.backends), kv_cache_dtype their KV caches' element type
-    ("auto": float16 where the CPU attention kernel reads it, else the activations' dtype). Models passed as `target`/`draft` are used as built.
+    ("auto": float16 where the CPU attention kernel reads it, else the activations' dtype). Models passed
+    as `target`/`draft` are used as built.
 
     A draft model's LM head keeps `draft_vocab_size` token ids (None or 0: all of them), and it stops
     drafting after a token it gives less than `draft_confidence` probability (0: always drafts what the

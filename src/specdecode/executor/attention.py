@@ -52,8 +52,7 @@ def attach_attention_kernel(model, kv_cache_dtype: str = "auto") -> bool:
         return False
     if kv_cache_dtype == "auto" and lib.attention_half_ok():
         model.kv_cache_dtype = torch.float16
-    if model.kv_dtype not in (torch.float16, torch.float32) or (
-            model.kv_dtype == torch.float16 and not lib.attention_half_ok()):
+    if model.kv_dtype == torch.float16 and not lib.attention_half_ok():
         return False  # PyTorch's path reads any cache dtype
     kernel = RowwiseAttentionKernel(lib, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head)
     for layer in model.layers:
