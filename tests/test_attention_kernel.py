@@ -146,3 +146,34 @@ def test_long_context_attention_matches_float64(dtype):
 @pytest.mark.parametrize("isa", kernel_builds())
 def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype):
     assert torch.equal(_attend_long_context(isa, dtype)[0], _attend_long_context("scalar", dtype)[0])
+
+
+def _softmax_exponentials(isa: str, scores: torch.Tensor) -> tuple[torch.Tensor, float]:
+    p = scores.clone()
+    total = load("attention", isa).attention_softmax_unnormalised(p.data_ptr(), p.numel())
+    return p, total
+
+
+def _scores_over_exp_range(n: int = 20_003) -> torch.Tensor:
+    """Scores whose differences from the maximum span exp's whole range and past its clamp at -87, in
+    full 16-lane blocks and a ragged tail."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.cat([torch.rand(n - 3, generator=gen) * -120, torch.tensor([0.0, -87.0, -200.0])])
+
+
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_softmax_exponentials_give_the_scalar_bits_on_every_build(isa):
+    """The polynomial exp lane by lane (the SIMD paths) against the scalar path, bit for bit."""
+    scores = _scores_over_exp_range()
+    got, total = _softmax_exponentials(isa, scores)
+    reference, reference_total = _softmax_exponentials("scalar", scores)
+    assert torch.equal(got, reference) and total == reference_total
+
+
+def test_softmax_exponentials_are_exp_to_within_a_few_ulp():
+    scores = _scores_over_exp_range()
+    got, total = _softmax_exponentials("scalar", scores)
+    shifted = scores.double() - scores.max().double()
+    exact = torch.exp(shifted.clamp(min=-87.0))  # below -87 the kernel gives exp(-87), not a denormal
+    torch.testing.assert_close(got.double(), exact, rtol=3e-7, atol=0)
+    assert total == pytest.approx(float(exact.sum()), rel=1e-5)

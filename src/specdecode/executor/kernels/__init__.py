@@ -35,6 +35,7 @@ SIGNATURES = {
              "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
              "silu_mul": ([_P, _P, _I, _I, _I], None)},
     "attention": {"attention_dim_ok": ([_I], _I), "attention_group_ok": ([_I], _I), "attention_half_ok": ([], _I),
+                  "attention_softmax_unnormalised": ([_P, _I], _F),
                   "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I], None),
                   "rowwise_attention_f16": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I], None)},
 }

@@ -26,10 +26,53 @@
 
 #define LANES 16   // independent partial sums of the softmax's max and total
 #define KEYS 16    // keys scored together
-#define HEADS 4    // query heads scored together (their accumulators stay in registers)
 #define VALUES 32  // keys whose values are weighed together (a block that stays in L1)
+#define AHEAD 256   // keys (or values) ahead of the ones in use that are prefetched from memory
 #define MAX_DIM 256
 #define MAX_GROUP 64  // query heads per KV head
+
+// One vector of WIDTH floats: a zmm register where AVX-512 is there, else a ymm. Each lane runs the same
+// chain of operations at either width, so the width changes the speed, never the bits.
+#if defined(ATTENTION_SIMD) && defined(__AVX512F__)
+#define WIDTH 16
+#define HEADS 8  // query heads scored together (their accumulators stay in the 32 registers)
+typedef __m512 vec;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmax _mm512_max_ps
+#define vbits _mm512_castps_si512
+#define vfloats _mm512_castsi512_ps
+#define vadd_i32 _mm512_add_epi32
+#define vset1_i32 _mm512_set1_epi32
+#define vshl_i32 _mm512_slli_epi32
+#elif defined(ATTENTION_SIMD)
+#define WIDTH 8
+#define HEADS 4  // query heads scored together (their accumulators stay in the 16 registers)
+typedef __m256 vec;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmax _mm256_max_ps
+#define vbits _mm256_castps_si256
+#define vfloats _mm256_castsi256_ps
+#define vadd_i32 _mm256_add_epi32
+#define vset1_i32 _mm256_set1_epi32
+#define vshl_i32 _mm256_slli_epi32
+#else
+#define HEADS 4
+#endif
+#define KEY_VECS (KEYS / WIDTH)
 
 #ifdef __FLT16_MAX__
 typedef _Float16 half;
@@ -89,6 +132,27 @@ static inline float exp_nonpositive(float x) {
     memcpy(&scale, &shift, sizeof scale);
     return p * scale;
 }
+
+#ifdef ATTENTION_SIMD
+// exp_nonpositive, lane by lane: the same operations in the same order.
+static inline vec vexp_nonpositive(vec x) {
+    const vec magic = vset1(12582912.f);
+    x = vmax(vset1(-87.f), x);  // (-87, NaN) is NaN, as in the scalar clamp
+    const vec t = vadd(vmul(x, vset1(1.44269504f)), magic), n = vsub(t, magic);
+    vec r = vsub(x, vmul(n, vset1(0.693145752f)));
+    r = vsub(r, vmul(n, vset1(1.42860677e-6f)));
+    vec p = vset1(1.f / 5040);
+    p = vadd(vmul(p, r), vset1(1.f / 720));
+    p = vadd(vmul(p, r), vset1(1.f / 120));
+    p = vadd(vmul(p, r), vset1(1.f / 24));
+    p = vadd(vmul(p, r), vset1(1.f / 6));
+    p = vadd(vmul(p, r), vset1(0.5f));
+    p = vadd(vmul(p, r), vset1(1.f));
+    p = vadd(vmul(p, r), vset1(1.f));
+    const vec scale = vfloats(vshl_i32(vadd_i32(vbits(t), vset1_i32(-0x4B400000 + 127)), 23));
+    return vmul(p, scale);
+}
+#endif
 
 // `count` rows of D cache entries from row `row` on, as float32: the rows themselves, or float16 widened
 // into buf (exact).
@@ -159,21 +223,29 @@ static void keys_block(const void *cache, int is_half, size_t row, int count, in
 static inline __attribute__((always_inline)) void score_block(const float *q, int heads, const float *kt, int D,
                                                               int count, float scale, float *s, size_t stride) {
 #ifdef ATTENTION_SIMD
-    __m256 acc[HEADS][2];
-    for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    vec acc[HEADS][KEY_VECS];
+#pragma GCC unroll 8
+    for (int g = 0; g < heads; g++)
+#pragma GCC unroll 2
+        for (int v = 0; v < KEY_VECS; v++) acc[g][v] = vzero();
     for (int d = 0; d < D; d++) {
-        const __m256 k0 = _mm256_loadu_ps(kt + d * KEYS), k1 = _mm256_loadu_ps(kt + d * KEYS + 8);
+        vec k[KEY_VECS];
+#pragma GCC unroll 2
+        for (int v = 0; v < KEY_VECS; v++) k[v] = vload(kt + d * KEYS + v * WIDTH);
+#pragma GCC unroll 8
         for (int g = 0; g < heads; g++) {
-            const __m256 qd = _mm256_broadcast_ss(q + (size_t)g * D + d);
-            acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
-            acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
+            const vec qd = vset1(q[(size_t)g * D + d]);
+#pragma GCC unroll 2
+            for (int v = 0; v < KEY_VECS; v++) acc[g][v] = vfma(qd, k[v], acc[g][v]);
         }
     }
     float row[KEYS];
+#pragma GCC unroll 8
     for (int g = 0; g < heads; g++) {
-        _mm256_storeu_ps(row, _mm256_mul_ps(acc[g][0], _mm256_set1_ps(scale)));
-        _mm256_storeu_ps(row + 8, _mm256_mul_ps(acc[g][1], _mm256_set1_ps(scale)));
-        memcpy(s + g * stride, row, count * sizeof(float));
+        float *dst = count == KEYS ? s + g * stride : row;  // a partial block goes through row
+#pragma GCC unroll 2
+        for (int v = 0; v < KEY_VECS; v++) vstore(dst + v * WIDTH, vmul(acc[g][v], vset1(scale)));
+        if (count < KEYS) memcpy(s + g * stride, row, count * sizeof(float));
     }
 #else
     for (int g = 0; g < heads; g++)
@@ -185,53 +257,85 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 #endif
 }
 
+#define SCORE_CASE(h) \
+    case h: score_block(qg, h, kt, D, count, scale, sg, stride); break;
+
 // score_block for the G heads of a group, HEADS at a time.
 static void score_heads(const float *q, int G, const float *kt, int D, int count, float scale, float *s, size_t stride) {
     for (int g = 0; g < G; g += HEADS) {
         const float *qg = q + (size_t)g * D;
         float *sg = s + g * stride;
         switch (G - g < HEADS ? G - g : HEADS) {
-            case 4: score_block(qg, 4, kt, D, count, scale, sg, stride); break;
-            case 3: score_block(qg, 3, kt, D, count, scale, sg, stride); break;
-            case 2: score_block(qg, 2, kt, D, count, scale, sg, stride); break;
-            default: score_block(qg, 1, kt, D, count, scale, sg, stride);
+            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
+#if HEADS > 4
+            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+#endif
         }
     }
 }
 
+#ifdef ATTENTION_SIMD
+// weigh_block's inner loop for `vecs` (<= 4) vectors of dimensions from d0, for one query head or two
+// (`pair`: weights w1, output o1) sharing each loaded value: 4 or 8 independent chains of fused
+// multiply-adds, so the loop runs at the FMA units' throughput rather than their latency.
+static inline __attribute__((always_inline)) void weigh_dims(const float *w0, const float *w1, int pair,
+                                                             const float *vb, int D, int d0, int vecs, int count,
+                                                             float *o0, float *o1) {
+    vec a[4], b[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < vecs; i++) {
+        a[i] = vload(o0 + d0 + i * WIDTH);
+        if (pair) b[i] = vload(o1 + d0 + i * WIDTH);
+    }
+    for (int j = 0; j < count; j++) {
+        const float *v = vb + (size_t)j * D + d0;
+        vec x[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < vecs; i++) x[i] = vload(v + i * WIDTH);
+        const vec wa = vset1(w0[j]);
+#pragma GCC unroll 4
+        for (int i = 0; i < vecs; i++) a[i] = vfma(wa, x[i], a[i]);
+        if (pair) {
+            const vec wb = vset1(w1[j]);
+#pragma GCC unroll 4
+            for (int i = 0; i < vecs; i++) b[i] = vfma(wb, x[i], b[i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < vecs; i++) {
+        vstore(o0 + d0 + i * WIDTH, a[i]);
+        if (pair) vstore(o1 + d0 + i * WIDTH, b[i]);
+    }
+}
+
+#define WEIGH_CASE(n) \
+    case n: weigh_dims(w0, w1, pair, vb, D, d0, n, count, o0, o1); break;
+#endif
+
 // o[g][d] += sum_j p[g * stride + j] vb[j][d] for `count` keys, one fused multiply-add per key in order.
 static void weigh_block(const float *p, size_t stride, const float *vb, int D, int count, int G, float *o) {
+#ifdef ATTENTION_SIMD
+    for (int g = 0; g < G; g += 2) {
+        const int pair = g + 1 < G;
+        const float *w0 = p + g * stride, *w1 = pair ? w0 + stride : w0;
+        float *o0 = o + (size_t)g * D, *o1 = pair ? o0 + D : o0;
+        for (int d0 = 0; d0 < D; d0 += 4 * WIDTH) {
+            const int vecs = (D - d0) / WIDTH < 4 ? (D - d0) / WIDTH : 4;  // D is a multiple of WIDTH
+            if (pair) {
+                switch (vecs) { WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) }
+            } else {
+                switch (vecs) { WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) }
+            }
+        }
+    }
+#else
     for (int g = 0; g < G; g++) {
         const float *w = p + g * stride;
         float *og = o + (size_t)g * D;
-#ifdef ATTENTION_SIMD
-        for (int d0 = 0; d0 < D; d0 += 32) {  // D is a multiple of LANES (16); 32 keeps 4 chains going
-            const int wide = D - d0 >= 32;
-            __m256 a0 = _mm256_loadu_ps(og + d0), a1 = _mm256_loadu_ps(og + d0 + 8), a2, a3;
-            a2 = wide ? _mm256_loadu_ps(og + d0 + 16) : a0;
-            a3 = wide ? _mm256_loadu_ps(og + d0 + 24) : a1;
-            for (int j = 0; j < count; j++) {
-                const __m256 wj = _mm256_broadcast_ss(w + j);
-                const float *v = vb + (size_t)j * D + d0;
-                a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v), a0);
-                a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 8), a1);
-                if (wide) {
-                    a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 16), a2);
-                    a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 24), a3);
-                }
-            }
-            _mm256_storeu_ps(og + d0, a0);
-            _mm256_storeu_ps(og + d0 + 8, a1);
-            if (wide) {
-                _mm256_storeu_ps(og + d0 + 16, a2);
-                _mm256_storeu_ps(og + d0 + 24, a3);
-            }
-        }
-#else
         for (int j = 0; j < count; j++)
             for (int d = 0; d < D; d++) og[d] = fmaf(w[j], vb[(size_t)j * D + d], og[d]);
-#endif
     }
+#endif
 }
 
 // Scores -> exp(score - max) in place, for one query head's n scores; returns their sum (the output is
@@ -245,13 +349,28 @@ static float softmax_unnormalised(float *p, int n) {
     for (; j < n; j++) top_lane[0] = p[j] > top_lane[0] ? p[j] : top_lane[0];
     float top = top_lane[0];
     for (int l = 1; l < LANES; l++) top = top_lane[l] > top ? top_lane[l] : top;
+#ifdef ATTENTION_SIMD
+    vec sums[LANES / WIDTH];
+    for (int v = 0; v < LANES / WIDTH; v++) sums[v] = vzero();
+    for (j = 0; j + LANES <= n; j += LANES)
+        for (int v = 0; v < LANES / WIDTH; v++) {
+            const vec e = vexp_nonpositive(vsub(vload(p + j + v * WIDTH), vset1(top)));
+            vstore(p + j + v * WIDTH, e);
+            sums[v] = vadd(sums[v], e);
+        }
+    for (int v = 0; v < LANES / WIDTH; v++) vstore(sum_lane + v * WIDTH, sums[v]);
+#else
     for (j = 0; j + LANES <= n; j += LANES)
         for (int l = 0; l < LANES; l++) sum_lane[l] += (p[j + l] = exp_nonpositive(p[j + l] - top));
+#endif
     for (; j < n; j++) sum_lane[0] += (p[j] = exp_nonpositive(p[j] - top));
     float total = 0.f;
     for (int l = 0; l < LANES; l++) total += sum_lane[l];
     return total;
 }
+
+// The softmax's exponentials alone, for tests: p[j] <- exp(p[j] - max p), returns their sum.
+float attention_softmax_unnormalised(float *p, int n) { return softmax_unnormalised(p, n); }
 
 int attention_dim_ok(int D) { return D % LANES == 0 && D <= MAX_DIM; }
 
@@ -276,14 +395,24 @@ static void write_kv(const float *row, const float *cos, const float *sin, int H
     }
 }
 
+// Asks for cache rows [row, row + count) of D entries of `bytes` bytes each ahead of their use: the
+// hardware prefetcher alone leaves a long context's stream at a third of the memory's bandwidth, as the
+// loads wait behind the arithmetic on the rows before them.
+static inline void prefetch_rows(const void *cache, size_t bytes, size_t row, int count, int D) {
+    const char *from = (const char *)cache + row * D * bytes, *to = from + (size_t)count * D * bytes;
+    for (; from < to; from += 64) __builtin_prefetch(from);
+}
+
 // out[G][D] = attention of one token's G query heads (rotated, in q) over n cached keys and values from
 // row `first` on.
 static void attend(const float *q, int G, int D, int n, const void *kcache, const void *vcache,
                    int is_half, size_t first, float *work, float *out) {
     const float scale = 1.f / sqrtf((float)D);
     float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;
+    const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     for (int j0 = 0; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
+        if (j0 + AHEAD < n) prefetch_rows(kcache, bytes, first + j0 + AHEAD, n - j0 - AHEAD < KEYS ? n - j0 - AHEAD : KEYS, D);
         keys_block(kcache, is_half, first + j0, count, D, rows, kt);
         score_heads(q, G, kt, D, count, scale, p + j0, n);
     }
@@ -292,6 +421,7 @@ static void attend(const float *q, int G, int D, int n, const void *kcache, cons
     memset(out, 0, (size_t)G * D * sizeof(float));
     for (int j0 = 0; j0 < n; j0 += VALUES) {
         const int count = n - j0 < VALUES ? n - j0 : VALUES;
+        if (j0 + AHEAD < n) prefetch_rows(vcache, bytes, first + j0 + AHEAD, n - j0 - AHEAD < VALUES ? n - j0 - AHEAD : VALUES, D);
         weigh_block(p + j0, n, cache_rows(vcache, is_half, first + j0, count, D, rows), D, count, G, out);
     }
     for (int g = 0; g < G; g++) {
