@@ -366,10 +366,59 @@ def test_a_new_request_drafts_again_after_one_unlucky_probe():
     p.observe_acceptance("probe", 1, 0)
     unlucky = p.estimator.population_acceptance
     assert unlucky < 0.5
-    for step in range(100):
+    for step in range(100):  # plain steps
         p.observe_acceptance("other", 0, 0)
+        p.observe_step([0], 1.0, None, 1.0)
     assert p.estimator.population_acceptance > 0.6 > unlucky
     assert p.estimator.first_token_acceptance("new") == p.estimator.population_acceptance
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_pooled_evidence_fades_per_step_whatever_the_batch_size(batch):
+    """Steps in which nobody drafts fade the pooled first-position evidence by the same amount at batch 8
+    as at batch 1 (fading once per sequence-step, batch 8 lost it 8 times as fast and probed every other
+    step). Lookup steps measure nothing about the draft model, so they fade it too."""
+    p = make_policy("adaptive", 3)
+    for _ in range(10):
+        p.observe_acceptance("probe", 1, 1)
+    before = p.estimator.first_position_trials
+    ids = [str(i) for i in range(batch)]
+    for step in range(20):
+        for i in ids:
+            p.observe_acceptance(i, 0, 0)
+        p.observe_step([0] * batch, 1.0, None, 1.0)
+    p.observe_lookup("0", 3, 3, 3)  # a lookup step
+    p.observe_step([3] + [0] * (batch - 1), 1.0, None, 1.0, by_lookup=[True] * batch)
+    assert p.estimator.first_position_trials == pytest.approx(before * 0.98 ** 21)
+
+
+def _probe_steps(p: AdaptivePolicy, batch: int, steps: int, plain_s: float, probe_s: float) -> int:
+    """Run `steps` decisions at `batch` where every draft is rejected (so the evidence stays thin and
+    drafting never pays); a step that drafts costs probe_s, a plain one plain_s. Returns the probes."""
+    ids, probes = [str(i) for i in range(batch)], 0
+    for _ in range(steps):
+        ks = p.choose(ids).ks
+        for i, k in zip(ids, ks):
+            p.observe_acceptance(i, k, 0)
+        probes += any(ks)
+        p.observe_step(ks, probe_s if any(ks) else plain_s, 0.1 if any(ks) else None,
+                       probe_s if any(ks) else plain_s)
+    return probes
+
+
+def test_probes_cost_at_most_their_budget():
+    """At batch 8 a probe step costs 1.6 plain ones. With evidence that stays thin, probes are limited
+    to probe_budget of the decoding time (here 2%: one probe per ~30 steps, not every other step)."""
+    p = make_policy("adaptive", 3)
+    p.costs.target.record(8, 8, 0.09)
+    p.costs.draft.record(1, 0.03)
+    probes = _probe_steps(p, 8, 300, 0.09, 0.145)
+    spent = probes * (0.145 - 0.09)
+    assert 1 <= probes and spent <= p.probe_budget * 300 * 0.09 + (0.145 - 0.09)
+    unlimited = make_policy("adaptive", 3, probe_budget=float("inf"))
+    unlimited.costs.target.record(8, 8, 0.09)
+    unlimited.costs.draft.record(1, 0.03)
+    assert _probe_steps(unlimited, 8, 300, 0.09, 0.145) > 2 * probes
 
 
 def test_thin_evidence_is_probed_rather_than_trusted():

@@ -116,7 +116,6 @@ class AcceptanceEstimator:
             for position in range(2, min(allowed, drafted + 1) + 1):
                 self.reach[position] = discounted_update(self.reach.get(position, (0.0, 0.0)), drafted >= position, keep)
         else:  # drift back towards the prior
-            self._fade_population_evidence()
             (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
             r = self.acceptance_recovery
             evidence = (1 - r) * successes + r * prior_s, (1 - r) * trials + r * prior_t
@@ -128,11 +127,13 @@ class AcceptanceEstimator:
         """How much (discounted) evidence the pooled first-position estimate rests on."""
         return self.depth.get(1, (0.0, 0.0))[1]
 
-    def _fade_population_evidence(self) -> None:
-        """While sequences do not draft, nothing measures the pooled first-position acceptance, which new
-        requests start from: one unlucky probe (a single rejected token) would keep every later request
-        from drafting for good. So that evidence fades by acceptance_recovery per sequence-step without a
-        draft, and the estimate returns towards prior_acceptance until drafting is tried again."""
+    def fade_population_evidence(self) -> None:
+        """Called once per step in which no sequence drafts by the draft model. While none does, nothing
+        measures the pooled first-position acceptance, which new requests start from: one unlucky probe
+        (a single rejected token) would keep every later request from drafting for good. So that evidence
+        fades by acceptance_recovery per such step, and the estimate returns towards prior_acceptance
+        until drafting is tried again. Per step, not per sequence: the evidence then lasts as long at
+        batch 8 as at batch 1, instead of fading 8 times as fast and calling for a probe every other step."""
         if 1 in self.depth:
             accepted, tried = self.depth[1]
             keep = 1 - self.acceptance_recovery

@@ -21,7 +21,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, min_gain: float = 0.1,
                  refresh_plain_every: int = 32, catch_up_horizon: int = 16, probe_trials: float = 4.0,
-                 **estimator_options):
+                 probe_budget: float = 0.02, **estimator_options):
         super().__init__(k_max)
         self.estimator = AcceptanceEstimator(**estimator_options)
         self.costs = costs or CostModel()
@@ -37,6 +37,14 @@ class AdaptivePolicy(Policy):
         # drafts; see AcceptanceEstimator), drafting is probed on one sequence instead of trusting the
         # estimate: one early rejection must not switch speculation off for good.
         self.probe_trials = probe_trials
+        # Probes may cost at most this fraction of the time spent decoding (a probe's cost: its step's
+        # seconds beyond a plain step's). At batch 8 a probe step (a draft forward, often a catch-up, and
+        # verify rows) costs ~1.6 plain ones; probing whenever the evidence was thin spent 18% of an
+        # agent-loop run there. Beyond the budget the policy trusts its estimates as they are.
+        self.probe_budget = probe_budget
+        self._probe_seconds = 0.0
+        self._decode_seconds = 0.0
+        self._probing = False
         # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
         # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
         # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
@@ -65,7 +73,9 @@ class AdaptivePolicy(Policy):
         # then measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior
         # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
         estimator = self.estimator
-        if drafter and (not self.costs.draft or estimator.first_position_trials < self.probe_trials):
+        if drafter and (not self.costs.draft or (estimator.first_position_trials < self.probe_trials
+                                                 and self._probe_seconds <= self.probe_budget * self._decode_seconds)):
+            self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
         if self._spec_steps_since_plain >= self.refresh_plain_every:
@@ -134,6 +144,10 @@ class AdaptivePolicy(Policy):
         """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
         (their drafts cost the draft model nothing)."""
         n = len(ks)
+        self._decode_seconds += step_seconds or target_seconds
+        if self._probing:
+            self._probe_seconds += max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n))
+            self._probing = False
         if any(ks):
             if self._predicted and self._predicted[1] and step_seconds:
                 ratio = min(2.0, max(0.5, step_seconds / self._predicted[0]))  # one hiccup must not flip decisions
@@ -144,6 +158,8 @@ class AdaptivePolicy(Policy):
         self._predicted = None
         self.costs.target.observe(n, n + sum(ks), target_seconds)
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
+        if not drafting:
+            self.estimator.fade_population_evidence()
         if draft_seconds_per_forward is not None and drafting:
             self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
