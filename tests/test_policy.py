@@ -421,6 +421,27 @@ def test_probes_cost_at_most_their_budget():
     assert _probe_steps(unlimited, 8, 300, 0.09, 0.145) > 2 * probes
 
 
+def test_a_probe_that_leads_to_drafting_costs_no_budget():
+    """Where drafting pays (every draft accepted, a cheap draft), a probe is followed by drafting and is
+    refunded, so probing stays possible whenever the evidence asks for it (at batch 1 the probe is what
+    pays a new request's catch-up). Without the refund the expensive probes (3x a plain step) would be
+    cut to the 2% budget."""
+    p = make_policy("adaptive", 3, probe_trials=1e9)  # the evidence always asks for a probe
+    p.costs.target.record(1, 1, 0.03)
+    for tokens in range(2, 5):
+        p.costs.target.record(1, tokens, 0.035)
+    p.costs.draft.record(1, 0.002)
+    probes = drafting = 0
+    for _ in range(200):
+        decision = p.choose(["a"])
+        ks, probing = decision.ks, decision.probe
+        p.observe_acceptance("a", ks[0], ks[0])
+        probes += probing
+        drafting += ks[0] > 0
+        p.observe_step(ks, 0.09 if probing else 0.035, 0.002 if ks[0] else None, 0.09 if probing else 0.035)
+    assert drafting >= 195 and probes >= 50
+
+
 def test_thin_evidence_is_probed_rather_than_trusted():
     """A draft that costs half a target forward: at the unlucky estimate (< 0.5) drafting would not pay,
     but one trial is not evidence enough to stop, so the policy probes; with evidence, it trusts it."""

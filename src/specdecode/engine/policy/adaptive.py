@@ -37,14 +37,17 @@ class AdaptivePolicy(Policy):
         # drafts; see AcceptanceEstimator), drafting is probed on one sequence instead of trusting the
         # estimate: one early rejection must not switch speculation off for good.
         self.probe_trials = probe_trials
-        # Probes may cost at most this fraction of the time spent decoding (a probe's cost: its step's
-        # seconds beyond a plain step's). At batch 8 a probe step (a draft forward, often a catch-up, and
-        # verify rows) costs ~1.6 plain ones; probing whenever the evidence was thin spent 18% of an
-        # agent-loop run there. Beyond the budget the policy trusts its estimates as they are.
+        # Probes that do not lead to drafting may cost at most this fraction of the time spent decoding
+        # (a probe's cost: its step's seconds beyond a plain step's). At batch 8 a probe step (a draft
+        # forward, often a catch-up, and verify rows) costs ~1.6 plain ones, and probing whenever the
+        # evidence was thin spent 18% of an agent-loop run there without ever leading to drafting. A probe
+        # after which the policy drafts by the model is refunded: at batch 1 the probe is what pays a new
+        # request's catch-up, and drafting then goes on (budgeted, new requests there decoded plainly).
         self.probe_budget = probe_budget
-        self._probe_seconds = 0.0
+        self._probe_seconds = 0.0  # what probes that did not convert have cost
         self._decode_seconds = 0.0
         self._probing = False
+        self._unconverted_probe = 0.0  # the last probe's cost until the next decision says whether it converted
         # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
         # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
         # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
@@ -77,12 +80,15 @@ class AdaptivePolicy(Policy):
                                                  and self._probe_seconds <= self.probe_budget * self._decode_seconds)):
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
-            return DraftDecision.main_proposer([self.k_max if i == probe else 0 for i in range(n)])
+            return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
         if self._spec_steps_since_plain >= self.refresh_plain_every:
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter)
+        if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
+            self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
+        self._unconverted_probe = 0.0
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
         self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max))
                            + sum(starting) * self.costs.draft_prefill_per_token, not starting)
@@ -146,7 +152,8 @@ class AdaptivePolicy(Policy):
         n = len(ks)
         self._decode_seconds += step_seconds or target_seconds
         if self._probing:
-            self._probe_seconds += max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n))
+            self._unconverted_probe = max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n))
+            self._probe_seconds += self._unconverted_probe
             self._probing = False
         if any(ks):
             if self._predicted and self._predicted[1] and step_seconds:

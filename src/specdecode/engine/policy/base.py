@@ -11,6 +11,7 @@ from ...config import DEFAULT_K
 class DraftDecision:
     ks: list[int]  # tokens to draft per sequence
     by_lookup: list[bool]  # per sequence: drafted by the previewing proposer (prompt lookup), not the main one
+    probe: bool = False  # drafting tried to measure it (the adaptive policy's thin evidence), not as predicted to pay
 
     @classmethod
     def main_proposer(cls, ks: list[int]) -> "DraftDecision":
