@@ -143,6 +143,18 @@ def test_a_head_for_another_target_is_refused(head):
         _llm(other, "head:/nonexistent/head")
 
 
+
+def test_the_target_fingerprint_is_the_same_in_float32_and_bfloat16(target):
+    """`--dtype auto` gives a bfloat16 target on CPUs with native bf16 and a float32 one elsewhere: a head
+    made for the file must load for both, and still not for another model."""
+    import copy
+
+    as_bf16 = copy.deepcopy(target.model).to(torch.bfloat16)
+    assert as_bf16.norm.weight.dtype == torch.bfloat16
+    assert target_fingerprint(as_bf16) == target_fingerprint(target.model)
+    assert target_fingerprint(tiny_model(seed=1).model) != target_fingerprint(target.model)
+
+
 # ---- the distribution ---------------------------------------------------------------------------------
 STAT_PARAMS = dict(temperature=1.0, max_tokens=3, repetition_penalty=1.3, presence_penalty=0.7, logit_bias={2: 1.0},
                    top_k=6)
