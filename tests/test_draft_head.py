@@ -155,6 +155,23 @@ def test_the_target_fingerprint_is_the_same_in_float32_and_bfloat16(target):
     assert target_fingerprint(tiny_model(seed=1).model) != target_fingerprint(target.model)
 
 
+
+def test_a_head_drafts_for_a_bfloat16_target(target, head):
+    """The same head file on the target in bfloat16 (what `--dtype auto` loads on CPUs with native bf16):
+    it loads, computes in the target's dtype, and greedy output equals that target's plain decoding."""
+    import copy
+    import dataclasses
+
+    model = copy.deepcopy(target.model).to(torch.bfloat16)
+    model.rotary.inv_freq = target.model.rotary.inv_freq  # positions in float32, as the loader keeps them
+    bf16 = dataclasses.replace(target, model=model)
+    plain = LLM(target=bf16, num_speculative_tokens=0, max_model_len=256)
+    llm = _llm(bf16, head)
+    assert llm.engine.proposer.model.fc.weight.dtype == torch.bfloat16
+    assert _ids(llm) == _ids(plain)
+    assert sum(o.spec["num_draft_tokens"] for o in llm.generate(PROMPTS, GREEDY)) > 0
+
+
 # ---- the distribution ---------------------------------------------------------------------------------
 STAT_PARAMS = dict(temperature=1.0, max_tokens=3, repetition_penalty=1.3, presence_penalty=0.7, logit_bias={2: 1.0},
                    top_k=6)

@@ -200,6 +200,9 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
     from .attention import attach_attention_kernel
     from .elementwise import attach_elementwise_kernels
 
+    if head.dtype != torch.float32:  # a bfloat16 target: the head's own layers compute in its dtype too
+        for name in head.OWNED:
+            getattr(head, name).to(head.dtype)
     if isinstance(head.lm_head, BlockLinear) and quantization != "none":  # the target is low-bit
         for name, module in list(head.named_modules()):
             if isinstance(module, Linear) and module is not head.lm_head:
