@@ -1,6 +1,7 @@
 """The draft head proposer (drafts from the target's hidden states) and `distill`: greedy equality,
 the sampled distribution, the pairing of features with tokens, KV rollback, refusal of a head made for
 another target, and training that learns; each property beside a broken variant that fails it."""
+import dataclasses
 import json
 
 import pytest
@@ -12,9 +13,10 @@ from specdecode.distill.recipe import Recipe
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
 from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
+from specdecode.models.runtime import build_model
 from specdecode.proposers.draft_head import DraftHeadProposer
 
-from conftest import tiny_model
+from conftest import random_hf_weights, tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -144,12 +146,16 @@ def test_a_head_for_another_target_is_refused(head):
 
 
 
+def _bfloat16_copy(target):
+    """The tiny target built in bfloat16, as the loader builds one (conftest's tiny_model uses seed 0)."""
+    model = build_model(target.config, random_hf_weights(target.config, 0), torch.bfloat16, "cpu")
+    return dataclasses.replace(target, model=model)
+
+
 def test_the_target_fingerprint_is_the_same_in_float32_and_bfloat16(target):
     """`--dtype auto` gives a bfloat16 target on CPUs with native bf16 and a float32 one elsewhere: a head
     made for the file must load for both, and still not for another model."""
-    import copy
-
-    as_bf16 = copy.deepcopy(target.model).to(torch.bfloat16)
+    as_bf16 = _bfloat16_copy(target).model
     assert as_bf16.norm.weight.dtype == torch.bfloat16
     assert target_fingerprint(as_bf16) == target_fingerprint(target.model)
     assert target_fingerprint(tiny_model(seed=1).model) != target_fingerprint(target.model)
@@ -159,12 +165,7 @@ def test_the_target_fingerprint_is_the_same_in_float32_and_bfloat16(target):
 def test_a_head_drafts_for_a_bfloat16_target(target, head):
     """The same head file on the target in bfloat16 (what `--dtype auto` loads on CPUs with native bf16):
     it loads, computes in the target's dtype, and greedy output equals that target's plain decoding."""
-    import copy
-    import dataclasses
-
-    model = copy.deepcopy(target.model).to(torch.bfloat16)
-    model.rotary.inv_freq = target.model.rotary.inv_freq  # positions in float32, as the loader keeps them
-    bf16 = dataclasses.replace(target, model=model)
+    bf16 = _bfloat16_copy(target)
     plain = LLM(target=bf16, num_speculative_tokens=0, max_model_len=256)
     llm = _llm(bf16, head)
     assert llm.engine.proposer.model.fc.weight.dtype == torch.bfloat16
