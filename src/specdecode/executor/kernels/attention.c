@@ -308,7 +308,7 @@ static inline __attribute__((always_inline)) void weigh_dims(const float *w0, co
     }
 }
 
-#define WEIGH_CASE(n) \
+#define WEIGH_CASE(n, pair) \
     case n: weigh_dims(w0, w1, pair, vb, D, d0, n, count, o0, o1); break;
 #endif
 
@@ -321,10 +321,10 @@ static void weigh_block(const float *p, size_t stride, const float *vb, int D, i
         float *o0 = o + (size_t)g * D, *o1 = pair ? o0 + D : o0;
         for (int d0 = 0; d0 < D; d0 += 4 * WIDTH) {
             const int vecs = (D - d0) / WIDTH < 4 ? (D - d0) / WIDTH : 4;  // D is a multiple of WIDTH
-            if (pair) {
-                switch (vecs) { WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) }
+            if (pair) {  // constant arguments, so that each call inlines into its own loop
+                switch (vecs) { WEIGH_CASE(1, 1) WEIGH_CASE(2, 1) WEIGH_CASE(3, 1) WEIGH_CASE(4, 1) }
             } else {
-                switch (vecs) { WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) }
+                switch (vecs) { WEIGH_CASE(1, 0) WEIGH_CASE(2, 0) WEIGH_CASE(3, 0) WEIGH_CASE(4, 0) }
             }
         }
     }
