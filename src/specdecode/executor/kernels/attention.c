@@ -395,12 +395,14 @@ static void write_kv(const float *row, const float *cos, const float *sin, int H
     }
 }
 
-// Asks for cache rows [row, row + count) of D entries of `bytes` bytes each ahead of their use: the
-// hardware prefetcher alone leaves a long context's stream at a third of the memory's bandwidth, as the
-// loads wait behind the arithmetic on the rows before them.
-static inline void prefetch_rows(const void *cache, size_t bytes, size_t row, int count, int D) {
-    const char *from = (const char *)cache + row * D * bytes, *to = from + (size_t)count * D * bytes;
-    for (; from < to; from += 64) __builtin_prefetch(from);
+// Asks for the `block` cache rows AHEAD rows past row j (of the n from row `first` on; D entries of `bytes`
+// bytes each) ahead of their use: the hardware prefetcher alone leaves a long context's stream at a third
+// of the memory's bandwidth, as the loads wait behind the arithmetic on the rows before them.
+static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first, int j, int block, int n, int D) {
+    const int from_row = j + AHEAD, to_row = from_row + block < n ? from_row + block : n;
+    const char *at = (const char *)cache + (first + from_row) * D * bytes;
+    for (const char *end = at + (size_t)(to_row > from_row ? to_row - from_row : 0) * D * bytes; at < end; at += 64)
+        __builtin_prefetch(at);
 }
 
 // out[G][D] = attention of one token's G query heads (rotated, in q) over n cached keys and values from
@@ -412,7 +414,7 @@ static void attend(const float *q, int G, int D, int n, const void *kcache, cons
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     for (int j0 = 0; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
-        if (j0 + AHEAD < n) prefetch_rows(kcache, bytes, first + j0 + AHEAD, n - j0 - AHEAD < KEYS ? n - j0 - AHEAD : KEYS, D);
+        prefetch_ahead(kcache, bytes, first, j0, KEYS, n, D);
         keys_block(kcache, is_half, first + j0, count, D, rows, kt);
         score_heads(q, G, kt, D, count, scale, p + j0, n);
     }
@@ -421,7 +423,7 @@ static void attend(const float *q, int G, int D, int n, const void *kcache, cons
     memset(out, 0, (size_t)G * D * sizeof(float));
     for (int j0 = 0; j0 < n; j0 += VALUES) {
         const int count = n - j0 < VALUES ? n - j0 : VALUES;
-        if (j0 + AHEAD < n) prefetch_rows(vcache, bytes, first + j0 + AHEAD, n - j0 - AHEAD < VALUES ? n - j0 - AHEAD : VALUES, D);
+        prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D);
         weigh_block(p + j0, n, cache_rows(vcache, is_half, first + j0, count, D, rows), D, count, G, out);
     }
     for (int g = 0; g < G; g++) {
