@@ -12,8 +12,8 @@ from specdecode.distill.command import distill
 from specdecode.distill.recipe import Recipe
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
-from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
 from specdecode.models.runtime import build_model
+from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
 from specdecode.proposers.draft_head import DraftHeadProposer
 
 from conftest import random_hf_weights, tiny_model
@@ -145,7 +145,6 @@ def test_a_head_for_another_target_is_refused(head):
         _llm(other, "head:/nonexistent/head")
 
 
-
 def _bfloat16_copy(target):
     """The tiny target built in bfloat16, as the loader builds one (conftest's tiny_model uses seed 0)."""
     model = build_model(target.config, random_hf_weights(target.config, 0), torch.bfloat16, "cpu")
@@ -159,7 +158,6 @@ def test_the_target_fingerprint_is_the_same_in_float32_and_bfloat16(target):
     assert as_bf16.norm.weight.dtype == torch.bfloat16
     assert target_fingerprint(as_bf16) == target_fingerprint(target.model)
     assert target_fingerprint(tiny_model(seed=1).model) != target_fingerprint(target.model)
-
 
 
 def test_a_head_drafts_for_a_bfloat16_target(target, head):
