@@ -1,6 +1,8 @@
 """Low-bit backends: int8 layers close to their float originals, every output row independent of the rows
 computed with it (so greedy speculation equals plain decoding on each backend), sampling still lossless,
 and the per-machine choices."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,8 @@ import torch.nn.functional as F
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.executor import backends
 from specdecode.config import EngineConfig
-from specdecode.executor.backends import build_quantized_model, quantize_weights, resolve_quantization
+from specdecode.executor.backends import (build_quantized_model, quantize_weights, refine_for_model,
+                                          resolve_quantization)
 from specdecode.executor.quant import BlockLinear, W8A16Linear, lowbit_kernel, quantize_rows, w8a16_supported
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
@@ -198,6 +201,21 @@ def test_auto_takes_the_block_kernel_where_it_has_simd_and_float_elsewhere(monke
     assert resolve_quantization("auto", "cpu") == "w4a8"
     with pytest.raises(SpecDecodeError, match="unknown quantization 'int3'"):
         resolve_quantization("int3", "cpu")
+
+
+def test_auto_gives_a_small_target_two_activation_passes():
+    """SmolLM2-135M's 106M layer parameters take w4a16 under auto; the Qwen pair's 358M and 1.3B keep w4a8;
+    a backend asked for by name, and a draft's, stay as asked."""
+    smollm2 = tiny_config("llama", hidden=576, intermediate=1536, layers=30)
+    smollm2 = dataclasses.replace(smollm2, num_heads=9, num_kv_heads=3)
+    qwen_05b = dataclasses.replace(tiny_config(hidden=896, intermediate=4864, layers=24), num_heads=14,
+                                   num_kv_heads=2)
+    assert smollm2.layer_parameters == 106_168_320 and qwen_05b.layer_parameters == 357_826_560
+    assert refine_for_model("w4a8", smollm2, "auto") == "w4a16"
+    assert refine_for_model("w4a8", qwen_05b, "auto") == "w4a8"
+    assert refine_for_model("w4a8", smollm2, "w4a8") == "w4a8"
+    assert refine_for_model("w4a8-all", smollm2, "auto") == "w4a8-all"
+    assert refine_for_model("none", smollm2, "auto") == "none"
 
 
 @needs_kernel

@@ -101,6 +101,34 @@ def test_every_build_gives_the_scalar_reference_bits(fmt, isa):
     assert torch.equal(layer(x[3:4]), reference[3:4])
 
 
+def int8_residual(x: torch.Tensor) -> torch.Tensor:
+    """What x's int8 blocks of 32 miss (the kernel's rounding: scale amax / 127, nearest, ties to even)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (blocks - torch.round(blocks * (1 / scale)) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("isa", kernel_builds())
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_pass_activations_add_the_residual_product_on_every_build(fmt, isa):
+    """w4a16: x's int8 product plus its residual's, in that order, bit for bit on every build, with each
+    output row independent of the rows beside it; the product then tracks the float one far closer."""
+    rows, columns = 48, 512 if fmt in K_BLOCK_BYTES else 160
+    raw = gguf_blocks(fmt, rows, columns, seed=5)
+    layer = layer_of(raw)
+    layer.lib = kernels.load("lowbit", isa)
+    x = torch.randn(11, columns)
+    x[0] *= 50
+    one_pass, residual_pass = layer(x), layer(int8_residual(x))
+    layer.passes = 2
+    y = layer(x)
+    assert torch.equal(y, one_pass + residual_pass)
+    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
+    exact = x.double() @ as_float(raw).double().T
+    assert (y - exact).norm() < (one_pass - exact).norm() / 30
+
+
 def test_eight_bit_weights_and_activations_do_not_saturate():
     """The largest products, 127 x 127 summed in pairs, stay exact on every build (u8 x s8 pair sums
     saturate int16 at 32767 without VNNI when the signs are not moved onto x)."""
@@ -122,9 +150,12 @@ def test_the_kernel_checks_its_preconditions():
         layer.dequantize(torch.tensor([16]))
     lib = layer.lib
     x, y = torch.randn(1, 48), torch.empty(1, 16)
-    assert lib.lowbit_linear(4, x.data_ptr(), 1, 48, 16, 1, *layer._buffers_at, y.data_ptr(), 1) == -2
-    assert lib.lowbit_linear(9, x.data_ptr(), 1, 64, 16, 1, *layer._buffers_at, y.data_ptr(), 1) == -1
-    assert lib.lowbit_linear(4, x.data_ptr(), 1, 64, 16, 1, 0, 0, 0, 0, 0, 0, y.data_ptr(), 1) == -4
+    assert lib.lowbit_linear(4, x.data_ptr(), 1, 48, 16, 1, *layer._buffers_at, y.data_ptr(), 1, 1) == -2
+    assert lib.lowbit_linear(9, x.data_ptr(), 1, 64, 16, 1, *layer._buffers_at, y.data_ptr(), 1, 1) == -1
+    assert lib.lowbit_linear(4, x.data_ptr(), 1, 64, 16, 1, 0, 0, 0, 0, 0, 0, y.data_ptr(), 1, 1) == -4
+    layer.passes = 3
+    with pytest.raises(SpecDecodeError, match="passes other than 1 or 2"):
+        layer(torch.randn(1, 64))
 
 
 def test_a_failing_build_shows_the_compiler_output(tmp_path, monkeypatch):
@@ -167,8 +198,8 @@ def test_a_build_lands_in_the_cache_by_rename(tmp_path, monkeypatch):
 
 
 # ---- whole models --------------------------------------------------------------------------------------------
-def tiny_gguf_model(seed: int = 0, layers: int = 2):
-    """(w4a8 model, the same weights in float32): q, k, o and the MLP in Q4_K; v and the LM head in Q6_K
+def tiny_gguf_model(seed: int = 0, layers: int = 2, quantization: str = "w4a8"):
+    """(low-bit model, the same weights in float32): q, k, o and the MLP in Q4_K; v and the LM head in Q6_K
     (as in Q4_K_M files); the embedding in Q8_0 and the up projection in Q5_0, as in the 0.5B's file."""
     cfg = tiny_config(hidden=256, intermediate=512, layers=layers)
     named = dict(random_hf_weights(cfg, seed))
@@ -179,7 +210,7 @@ def tiny_gguf_model(seed: int = 0, layers: int = 2):
         if fmt:
             named[name] = gguf_blocks(fmt, rows, columns, seed * 1000 + i)
     floats = {k: as_float(v) if isinstance(v, RawTensor) else v for k, v in named.items()}
-    model = build_quantized_model(cfg, quantize_weights(named.items(), "w4a8"), "w4a8", "cpu")
+    model = build_quantized_model(cfg, quantize_weights(named.items(), "w4a8"), quantization, "cpu")
     return model, build_model(cfg, floats, torch.float32, "cpu")
 
 
@@ -194,10 +225,15 @@ def test_a_model_with_mixed_formats_tracks_the_float_model():
     # a doubled bias (each part's, then the concatenation's) measures 0.55 and 0.32 here
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.85
     assert (got - expected).norm() / expected.norm() < 0.15
+    two_pass, _ = tiny_gguf_model(quantization="w4a16")  # every layer, the tied or separate LM head too
+    assert all(m.passes == 2 for m in two_pass.modules() if isinstance(m, BlockLinear))
+    closer = ModelRunner(two_pass, 1, 64).forward([0], [ids], "all")
+    assert (closer - expected).norm() < (got - expected).norm() / 30
 
 
-def test_greedy_speculation_equals_plain_decoding_on_gguf_formats():
-    model, _ = tiny_gguf_model()
+@pytest.mark.parametrize("quantization", ["w4a8", "w4a16"])
+def test_greedy_speculation_equals_plain_decoding_on_gguf_formats(quantization):
+    model, _ = tiny_gguf_model(quantization=quantization)
     draft, _ = tiny_gguf_model(seed=5, layers=1)
     target = LoadedModel("tiny-w4a8", model, ByteTokenizer(64), model.cfg)
     drafter = LoadedModel("tiny-w4a8-draft", draft, ByteTokenizer(64), draft.cfg)

@@ -118,8 +118,9 @@ def test_qwen_structured_json_with_processors_and_logprobs(qwen_target, qwen_dra
 
 def test_smollm2_default_backend_tracks_float_then_knows_paris():
     """A Llama-architecture GGUF (q/k rows permuted by llama.cpp, Q4_1 weights, a tied Q8_0 embedding)
-    loads correctly. A 135M model's one-word answer is luck unless the backend computes what the float
-    model does, so that is checked first, teacher-forced on held text (7-bit weights measured 86% here)."""
+    loads correctly. A 135M model's answer is luck unless the backend computes what the float model does,
+    so that is checked first, teacher-forced on held text (7-bit weights measured 86% here, int8
+    activations 96.5%; auto gives this model two activation passes)."""
     from specdecode.bench.quality import evaluate, held_texts
     from specdecode.models.loader import load_tokenizer
 
@@ -127,9 +128,9 @@ def test_smollm2_default_backend_tracks_float_then_knows_paris():
     _, float_ppl, reference = evaluate(load_model("smollm2-135m", "cpu", "float32", quantization="none",
                                                   progress=False).model, texts, None)
     agreement, ppl, _ = evaluate(load_model("smollm2-135m", "cpu", progress=False).model, texts, reference)
-    assert agreement >= 0.94 and ppl <= 1.01 * float_ppl, (agreement, ppl, float_ppl)
+    assert agreement >= 0.98 and ppl <= 1.01 * float_ppl, (agreement, ppl, float_ppl)
     llm = LLM("smollm2-135m", "ngram", 3)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12))[0]
     assert "Paris" in out.outputs[0].text
 
@@ -183,10 +184,10 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
     with ServerProcess(args, startup_timeout_s=300) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         # the question test_smollm2_default_backend_tracks_float_then_knows_paris checks after the quality
-        # gate (without "in one word", float32 leads "The" over "L'Étoile" by 0.08 nats, which int8
-        # activations, ours and llama.cpp's, can flip)
+        # gate (float32 leads "The" over "L'Étoile" by 0.08 nats, which one pass of int8 activations, ours
+        # and llama.cpp's, flips)
         r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12, messages=[
-            {"role": "user", "content": "What is the capital of France? Answer in one word."}])
+            {"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         assert "memory plan" in server.output()
         # a request far longer than the grace period is running when SIGTERM arrives

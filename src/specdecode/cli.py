@@ -41,10 +41,12 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
     p.add_argument("--quantization", default=[C.quantization] if several else C.quantization, choices=QUANTIZATIONS,
                    nargs="+" if several else None,
                    help=("backends to measure, each with its own plain row; " if several else "") +
-                        "target weights: auto = the block kernel where it builds with SIMD (w4a8; bf16/float on CUDA or "
-                        "without it), none = floating weights in --dtype, w4a8 = the GGUF's block formats as stored "
-                        "(Q4_0..Q8_0, Q4_K..Q6_K) with int8 activations per 32, w4a8-all = every weight requantized to "
-                        "4 bits (lossy: for drafts), w8a8 = every weight as Q8_0, w8a16 = int8 weights, bf16 activations")
+                        "target weights: auto = the block kernel where it builds with SIMD (w4a8, w4a16 for models "
+                        "under 200M layer parameters; bf16/float on CUDA or without it), none = floating weights in "
+                        "--dtype, w4a8 = the GGUF's block formats as stored (Q4_0..Q8_0, Q4_K..Q6_K) with int8 "
+                        "activations per 32, w4a16 = the same weights with activations in two int8 passes (~15 bits), "
+                        "w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = every weight as "
+                        "Q8_0, w8a16 = int8 weights, bf16 activations")
     p.add_argument("--draft-quantization", default=C.draft_quantization, choices=QUANTIZATIONS,
                    help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
     p.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES,
@@ -211,7 +213,7 @@ def _add_measurements(bench_sub) -> None:
 
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
-    qual.add_argument("--quantization", nargs="+", default=["w4a8", "w8a8", "w8a16", "none", "w4a8-all"],
+    qual.add_argument("--quantization", nargs="+", default=["w4a8", "w4a16", "w8a8", "w8a16", "none", "w4a8-all"],
                       choices=QUANTIZATIONS)
     qual.add_argument("--dtype", default=C.dtype, help="activations of --quantization none (the reference is float32)")
     qual.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES,

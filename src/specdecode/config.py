@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 # Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
 # without importing torch.
-QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a8-all")
+QUANTIZATIONS = ("auto", "none", "w8a8", "w8a16", "w4a8", "w4a16", "w4a8-all")
 POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policies (engine.policy)
 LOOKUPS = ("ngram", "suffix")  # proposers that draft at no forward cost, offered beside a drafter
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # auto: float16 where the CPU attention kernel reads it
@@ -118,6 +118,12 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def layer_parameters(self) -> int:
+        """Weights of the decoder layers' linear maps (what each decoded token streams and multiplies)."""
+        attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads + self.num_heads) * self.dim_per_head
+        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":

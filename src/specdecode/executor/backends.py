@@ -5,6 +5,9 @@
 - "w4a8": GGUF weights as the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) times
   int8 activations with a scale per 32 values, by this package's kernel (scalar C, AVX2, AVX-512 VNNI);
   float weights (checkpoints, F16 tensors) as Q8_0. Computed as llama.cpp's CPU backend pairs them.
+- "w4a16": the same weights; activations in two int8 passes (x, then what x's int8 blocks missed), ~15
+  significant bits, for twice the integer work per weight read: float's answers from small models, whose
+  next tokens int8 activations flip more often.
 - "w8a8": every linear weight as Q8_0 (8 bits with a scale per 32), the same kernel.
 - "w8a16": int8 weights with bfloat16 activations (CPUs with native bf16).
 - "w4a8-all": every linear weight in 4 bits, requantized where the file stores another format. Lossy
@@ -32,7 +35,7 @@ from .formats import FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
 from .quant import (BlockEmbedding, BlockLinear, ConcatLinear, W8A16Linear, block_linear_from, lowbit_isa,
                     quantize_rows, stored_layer_tensors, w8a16_supported)
 
-LOW_BIT = ("w8a8", "w4a8", "w4a8-all")  # the block kernel's backends
+LOW_BIT = ("w8a8", "w4a8", "w4a16", "w4a8-all")  # the block kernel's backends
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
@@ -79,6 +82,25 @@ def resolve_quantization(name: str, device: str | torch.device, draft: bool = Fa
     return name
 
 
+# Below this many layer parameters, `auto` computes a target's activations in two int8 passes (w4a16): a
+# model this small flips a few percent of its next tokens under int8 activations, and its step is cheap
+# (docs/decisions.md: SmolLM2-135M, 106M, 96.5% -> 100.0% top-1 for ~8% step time; the 0.5B, 358M, keeps
+# 98.2% with w4a8, where a second pass would double its verify cost).
+SMALL_MODEL_PARAMETERS = 200_000_000
+
+
+def refine_for_model(quantization: str, cfg: ModelConfig, requested: str) -> str:
+    """What an `auto` target computes in once its size is known."""
+    if requested == "auto" and quantization == "w4a8" and cfg.layer_parameters < SMALL_MODEL_PARAMETERS:
+        return "w4a16"
+    return quantization
+
+
+def weight_layout(quantization: str) -> str:
+    """The stored weights a backend reads (w4a16 differs from w4a8 only in its activations)."""
+    return "w4a8" if quantization == "w4a16" else quantization
+
+
 def activation_dtype(quantization: str, dtype: str | torch.dtype, device) -> torch.dtype:
     """The block kernel takes and returns float32; the weight-only int8 kernel is fast with bf16 only."""
     if quantization in LOW_BIT:
@@ -116,7 +138,7 @@ def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], quan
 def block_arrays(name: str, tensor: torch.Tensor | RawTensor, quantization: str) -> BlockArrays:
     """One weight in the block format `quantization` computes it in (see the module's docstring)."""
     as_stored = isinstance(tensor, RawTensor) and tensor.qtype.name in FORMATS
-    if as_stored and (quantization == "w4a8" or name == "model.embed_tokens.weight"
+    if as_stored and (quantization in ("w4a8", "w4a16") or name == "model.embed_tokens.weight"
                       or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[quantization]):
         return split(tensor.qtype, tensor.blocks)
     weight = _as_float(tensor)
@@ -161,6 +183,10 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
     params = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in norms.items()}
     model.load_state_dict(params, assign=True, strict=False)
     model.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta).to(device)
+    if quantization == "w4a16":
+        for module in model.modules():
+            if isinstance(module, BlockLinear):
+                module.passes = 2
     model.backend = f"{torch.device(device).type} {quantization}"
     return model.eval()
 

@@ -4,7 +4,8 @@ Every layer here keeps each output row independent of the other rows computed wi
 logits are the same whether it is decoded alone or verified beside k drafts (greedy speculation then
 reproduces plain decoding exactly):
 - `BlockLinear`: GGUF block formats as stored (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K; executor/formats.py) times
-  int8 activations with a scale per 32 values, by this package's kernel (kernels/lowbit.c).
+  int8 activations with a scale per 32 values (or two int8 passes: x and its residual), by this package's
+  kernel (kernels/lowbit.c).
 - `BlockEmbedding`: token lookups dequantize the rows they read from a BlockLinear (the LM head too,
   when the weights are tied).
 - `W8A16Linear`: int8 weights, bf16 activations (torch's weight-only int8 kernel).
@@ -22,7 +23,8 @@ from .formats import BY_ID, GROUP, BlockArrays, Format, pack, unpack
 ARRAYS = ("lo", "hi", "sc", "mn", "d", "dmin")  # the kernel's buffers, in its argument order
 _KERNEL_ERRORS = {-1: "unknown weight format", -2: "input width not a multiple of 32 or output rows not of 16",
                   -3: "input width not a whole number of super-blocks", -4: "a buffer the format needs is missing",
-                  -5: "out of memory for the quantized activations", -6: "a token id outside the table"}
+                  -5: "out of memory for the quantized activations", -6: "a token id outside the table",
+                  -7: "activation passes other than 1 or 2"}
 
 
 def lowbit_kernel():
@@ -64,6 +66,7 @@ class BlockLinear(nn.Module):
         for name in ARRAYS:
             self.register_buffer(name, packed[name].contiguous() if name in packed else None)
         self.bias = bias
+        self.passes = 1  # 2: x and its int8 residual, ~15-bit activations for twice the integer work
         self._take_addresses()
 
     @property
@@ -90,7 +93,8 @@ class BlockLinear(nn.Module):
             rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.rows)
         _check(self.lib.lowbit_linear(self.format.id, rows.data_ptr(), rows.shape[0], self.in_features, self.rows,
-                                      self.S, *self._buffers_at, y.data_ptr(), torch.get_num_threads()),
+                                      self.S, *self._buffers_at, y.data_ptr(), self.passes,
+                                      torch.get_num_threads()),
                f"a {self.format.name} product")
         if self.rows != self.out_features:
             y = y[:, :self.out_features]
@@ -114,7 +118,9 @@ class BlockLinear(nn.Module):
     def select_rows(self, ids: torch.Tensor) -> "BlockLinear":
         """A vocabulary subset for a draft's LM head: its rows as stored, in the same format."""
         bias = None if self.bias is None else self.bias[ids]
-        return BlockLinear(self.arrays().select(ids.cpu()), bias)
+        subset = BlockLinear(self.arrays().select(ids.cpu()), bias)
+        subset.passes = self.passes
+        return subset
 
 
 def block_linear_from(tensors: dict[str, torch.Tensor], prefix: str) -> BlockLinear:

@@ -41,13 +41,13 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
                kv_cache_dtype: str = "auto") -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
-    executor.backends (w4a8, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
+    executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.elementwise import attach_elementwise_kernels
-    from ..executor.backends import build_quantized_model, resolve_dtype, resolve_quantization
+    from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
 
     device = device or default_device()
-    quantization = resolve_quantization(quantization, device, draft)
+    requested, quantization = quantization, resolve_quantization(quantization, device, draft)
     started = time.perf_counter()
     if quantization == "none":
         torch_dtype = resolve_dtype(dtype, device)
@@ -56,7 +56,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
         model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
     else:
         cfg, tensors = load_low_bit_weights(name, quantization, progress)
-        model = build_quantized_model(cfg, tensors, quantization, device)
+        model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
     attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
@@ -81,9 +81,10 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
     cached (about what the file holds), so later loads only read it back."""
     from gguf import GGMLQuantizationType
 
-    from ..executor.backends import LOW_BIT, quantize_weights
+    from ..executor.backends import LOW_BIT, quantize_weights, weight_layout
     from ..executor.formats import FORMATS
 
+    quantization = weight_layout(quantization)
     source = resolve(name)
     if source.format != "gguf":
         cfg, tensors = _load_hf_checkpoint(source.path)

@@ -92,29 +92,45 @@ static void quantize_row(const float *x, int K, int8_t *xq, float *sx, float *xs
 
 // Scratch memory kept per thread between calls: a decode step makes ~100 kernel calls, and memory freed
 // to glibc can go back to the OS and fault in again on the next call.
-static __thread void *scratch_buf;
-static __thread size_t scratch_size;
+enum { ACTS, PASS_OUTPUT, NUM_SCRATCH };  // the quantized activations; two-pass rows before they are summed
+static __thread void *scratch_buf[NUM_SCRATCH];
+static __thread size_t scratch_size[NUM_SCRATCH];
 
-static void *scratch(size_t bytes) {
-    if (bytes > scratch_size) {
-        free(scratch_buf);
-        scratch_buf = malloc(bytes);
-        scratch_size = scratch_buf ? bytes : 0;
+static void *scratch(int which, size_t bytes) {
+    if (bytes > scratch_size[which]) {
+        free(scratch_buf[which]);
+        scratch_buf[which] = malloc(bytes);
+        scratch_size[which] = scratch_buf[which] ? bytes : 0;
     }
-    return scratch_buf;
+    return scratch_buf[which];
 }
 
-static int quantize_acts(const float *x, int M, int K, int threads, acts_t *a) {
-    const size_t blocks = (size_t)M * (K / 32);
-    float *sx = (float *)scratch(blocks * (2 * sizeof(float) + 2 * sizeof(int32_t)) + (size_t)M * K);
+// What row x's int8 blocks miss: x - q * scale, quantized again for a second pass.
+static void residual_row(const float *x, int K, const int8_t *xq, const float *sx, float *r) {
+    for (int k = 0; k < K; k++) r[k] = x[k] - (float)xq[k] * sx[k / 32];
+}
+
+// passes 1: row m of x is quantized row m. passes 2: quantized rows 2m and 2m + 1 are row m of x and its
+// residual, so that x ~ q0 * s0 + q1 * s1 holds ~15 significant bits and a tile unpacks each weight block
+// once for both.
+static int quantize_acts(const float *x, int M, int K, int passes, int threads, acts_t *a) {
+    const int Q = M * passes;
+    const size_t blocks = (size_t)Q * (K / 32);
+    float *sx = (float *)scratch(ACTS, blocks * (2 * sizeof(float) + 2 * sizeof(int32_t)) + (size_t)Q * K
+                                           + (passes > 1 ? (size_t)M * K * sizeof(float) : 0));
     if (!sx) return -1;
     float *xsum = sx + blocks;
     int32_t *isum16 = (int32_t *)(xsum + blocks);
     int8_t *xq = (int8_t *)(isum16 + 2 * blocks);
+    float *residual = (float *)(xq + (size_t)Q * K);
 #pragma omp parallel for schedule(static) num_threads(M >= 16 ? threads : 1)
     for (int m = 0; m < M; m++)
-        quantize_row(x + (size_t)m * K, K, xq + (size_t)m * K, sx + (size_t)m * (K / 32), xsum + (size_t)m * (K / 32),
-                     isum16 + (size_t)m * (K / 16));
+        for (int p = 0; p < passes; p++) {
+            const size_t q = (size_t)m * passes + p;
+            const float *row = p == 0 ? x + (size_t)m * K : residual + (size_t)m * K;
+            quantize_row(row, K, xq + q * K, sx + q * (K / 32), xsum + q * (K / 32), isum16 + q * (K / 16));
+            if (p + 1 < passes) residual_row(row, K, xq + q * K, sx + q * (K / 32), residual + (size_t)m * K);
+        }
     *a = (acts_t){xq, sx, xsum, isum16};
     return 0;
 }
@@ -472,23 +488,32 @@ static int check(int fmt, int K, int N, int S, const weights_t *w) {
     return 0;
 }
 
-// x [M, K] float, y [M, N] float. Returns 0, or a negative code (check(); -5: out of memory).
+// x [M, K] float, y [M, N] float; passes 1 (x in int8 blocks) or 2 (x and its residual, each in int8 blocks,
+// their products summed in that order). Returns 0, or a negative code (check(); -5: out of memory; -7: passes).
 int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uint8_t *lo, const uint8_t *hi,
-                  const void *sc, const uint8_t *mn, const float *d, const float *dmin, float *y, int threads) {
+                  const void *sc, const uint8_t *mn, const float *d, const float *dmin, float *y, int passes,
+                  int threads) {
     const weights_t weights = {lo, hi, mn, sc, d, dmin, S}, *w = &weights;
     const int bad = check(fmt, K, N, S, w);
     if (bad) return bad;
+    if (passes < 1 || passes > 2) return -7;
     if (M <= 0) return M == 0 ? 0 : -2;
     if (!x || !y) return -4;
     acts_t acts, *a = &acts;
-    if (quantize_acts(x, M, K, threads, a)) return -5;
-    const int groups = N / GROUP, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+    if (quantize_acts(x, M, K, passes, threads, a)) return -5;
+    const int Q = M * passes;
+    float *out = passes == 1 ? y : (float *)scratch(PASS_OUTPUT, (size_t)Q * N * sizeof(float));
+    if (!out) return -5;
+    const int groups = N / GROUP, row_blocks = (Q + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int rb = 0; rb < row_blocks; rb++)
         for (int g = 0; g < groups; g++) {
-            const int m_end = (rb + 1) * ROW_BLOCK < M ? (rb + 1) * ROW_BLOCK : M;
-            run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, y);
+            const int m_end = (rb + 1) * ROW_BLOCK < Q ? (rb + 1) * ROW_BLOCK : Q;
+            run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, out);
         }
+    if (passes == 2)
+        for (size_t m = 0; m < (size_t)M; m++)
+            for (int n = 0; n < N; n++) y[m * N + n] = out[2 * m * N + n] + out[(2 * m + 1) * N + n];
     return 0;
 }
 
