@@ -133,6 +133,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--max-num-seqs", type=int, default=C.max_num_seqs, help="most sequences decoded at once")
+    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="compute every prompt whole (by default a prompt starts from the longest prefix that a "
+                            "finished request of the same API key and user left in a free sequence slot)")
     serve.add_argument("--max-waiting-requests", type=int, default=64,
                        help="requests that may wait for a free sequence slot; beyond them the server answers 429 "
                             "with Retry-After")

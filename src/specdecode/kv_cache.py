@@ -29,6 +29,14 @@ class KVCache:
         self.lengths[slot] = 0
         return slot
 
+    @property
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
+    def take(self, slot: int) -> None:
+        """Allocate this free slot (its entries and length are the caller's to set)."""
+        self._free.remove(slot)
+
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
         self._free.append(slot)

@@ -81,6 +81,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # the prompt's prefix found in the KV cache, not computed again
     num_output_tokens: int = 0
     spec: SpecCounters = field(default_factory=SpecCounters)
     forced_accept: bool = False  # lossy upper-bound run: every draft token was accepted

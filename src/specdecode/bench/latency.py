@@ -52,6 +52,7 @@ def run_config(llm: LLM, requests: list, params: SamplingParams, k: int, label: 
     llm.engine.k = k
     llm.generate("def", SamplingParams(temperature=0, max_tokens=4))  # warm-up
     llm.timer.reset()
+    llm.engine.forget_cached_prefixes()  # no configuration starts from another's prompts (a session's turns may)
     outs = [out for request in requests for out in play(llm, request, params)]
     counters = SpecCounters()
     for o in outs:

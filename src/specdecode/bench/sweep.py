@@ -253,7 +253,8 @@ class InProcessRunner:
                    max_num_seqs=max_num_seqs, forced_accept=cell.forced_accept,
                    speculation_policy=cell.policy, prompt_lookup=cell.prompt_lookup,
                    draft_confidence=cell.draft_confidence,
-                   speculative_disable_by_batch_size=cell.disable_by_batch_size or None)
+                   speculative_disable_by_batch_size=cell.disable_by_batch_size or None,
+                   prefix_caching=False)  # the study's prompts repeat: every cell computes them whole
 
     def run(self, cell: Cell) -> dict:
         from ..sampling import SamplingParams

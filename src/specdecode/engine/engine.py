@@ -113,6 +113,11 @@ class Engine:
         out.draft_cache_bytes = self.lookup.cache_bytes if self.lookup is not None else 0  # outputs just cached too
         return out
 
+    def forget_cached_prefixes(self) -> None:
+        """Later prompts are computed whole (benchmarks that compare configurations on the same prompts)."""
+        for holder in (self.runner, *self.proposers):
+            holder.forget_prefixes()
+
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -143,18 +148,26 @@ class Engine:
                 return admitted
             for seq in group:
                 self.waiting.remove(seq)
-                seq.slot = self.runner.allocate()
+                seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
                 self.running.append(seq)
             self._prefill(group)
             admitted += group
             if hooks.on_prefilled is not None:
                 hooks.on_prefilled(group)
 
+    def _reusable_prompt(self, seq: Sequence) -> list[int] | None:
+        """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy
+        the first's), prompt logprobs (every row's logits) or a draft head (every row's features)."""
+        reusable = not (seq.index or seq.params.prompt_logprobs is not None or self.wants_hidden_states)
+        return seq.prompt_ids if reusable else None
+
     def _prefill(self, group: list[Sequence]) -> None:
-        """One forward over the shared prompt; the other sequences of the group get a copy of its KV."""
+        """One forward over the shared prompt past what the slot holds; the others get a copy of its KV."""
         first, top = group[0], group[0].params.prompt_logprobs
-        logits, hidden = self._target_forward([first.slot], [first.prompt_ids], "last" if top is None else "all",
-                                              every_row=True)
+        cached = self.runner.length(first.slot)
+        first.metrics.num_cached_prompt_tokens = cached
+        logits, hidden = self._target_forward([first.slot], [first.prompt_ids[cached:]],
+                                              "last" if top is None else "all", every_row=True)
         if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
             scored = prompt_logprobs(first.prompt_ids, logits, top)
             for seq in group:

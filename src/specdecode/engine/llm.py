@@ -76,7 +76,8 @@ class LLM:
                  speculative_disable_by_batch_size: int | None = C.speculative_disable_by_batch_size,
                  prompt_lookup: str | None = C.prompt_lookup, suffix_max_tokens: int = C.suffix_max_tokens,
                  suffix_min_prob: float = C.suffix_min_prob, suffix_cache_bytes: int = C.suffix_cache_bytes,
-                 suffix_cache_scope: str = C.suffix_cache_scope, memory_budget: str | int | None = C.memory_budget,
+                 suffix_cache_scope: str = C.suffix_cache_scope, prefix_caching: bool = C.prefix_caching,
+                 memory_budget: str | int | None = C.memory_budget,
                  gpu_memory_utilization: float | None = C.gpu_memory_utilization, progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         given = locals()
@@ -95,8 +96,8 @@ class LLM:
         self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs,
                                        config.num_speculative_tokens, budget)
         for proposer in proposers:
-            proposer.reserve(self.memory_plan.num_slots, max_model_len)
-        runner = ModelRunner(self.target.model, self.memory_plan.num_slots, max_model_len)
+            proposer.reserve(self.memory_plan.num_slots, max_model_len, config.prefix_caching)
+        runner = ModelRunner(self.target.model, self.memory_plan.num_slots, max_model_len, config.prefix_caching)
         self.engine = Engine(runner, self.tokenizer, proposers, config.num_speculative_tokens, config.forced_accept,
                              self.timer, policy)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets

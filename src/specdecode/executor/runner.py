@@ -7,6 +7,11 @@ A slot's KV entries are written by `forward` but become context only when commit
 - `forward(slots, inputs)` runs each slot's new tokens after its committed length;
 - `commit(slot, n)` makes the first n tokens final (at most what forwards have written);
 - `rollback(slot, n)` forgets everything past n (a pointer move, nothing is copied).
+
+With `reuse_prefixes`, a freed slot keeps its context: `allocate(tokens, scope)` hands out the free slot of
+the same scope whose context shares the longest prefix with `tokens`, that prefix already committed (a
+multi-turn chat's next turn computes only what is new). Scopes keep one tenant's context from shortening
+another's prefill, which would tell them what the other sent.
 """
 from __future__ import annotations
 
@@ -18,12 +23,17 @@ from .cpu import keep_freed_memory
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_slots: int, max_len: int):
+    def __init__(self, model: Transformer, num_slots: int, max_len: int, reuse_prefixes: bool = False):
         self.model = model
         if model.device.type == "cpu":
             keep_freed_memory()
         self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
+        self.reuse_prefixes = reuse_prefixes
+        self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
+        self._scope = [""] * num_slots
+        self._kept: dict[int, int] = {}  # free slot whose context may be reused -> when it was freed
+        self._frees = 0
 
     # ---- what the model is ----------------------------------------------------------------------
     @property
@@ -51,14 +61,49 @@ class ModelRunner:
     def max_len(self) -> int:
         return self._cache.max_len
 
-    def allocate(self) -> int:
-        slot = self._cache.allocate()
-        self._written[slot] = 0
+    def allocate(self, tokens: list[int] | None = None, scope: str = "") -> int:
+        """A free slot. With reuse_prefixes and the tokens it will hold: the kept slot of `scope` sharing
+        the longest prefix with them, that prefix committed (`length` says how long; the last token is
+        always left to compute, for its logits); else the slot freed longest ago, whose context is the
+        least likely to be asked for again."""
+        if not self.reuse_prefixes:
+            slot, reused = self._cache.allocate(), 0
+        else:
+            slot, reused = self._kept_prefix(tokens, scope)
+            if slot is None:
+                free = self._cache.free_slots or [self._cache.allocate()]  # none free: allocate() says so
+                slot = min(free, key=lambda s: self._kept.get(s, -1))
+            self._cache.take(slot)
+        self._kept.pop(slot, None)
+        self._scope[slot] = scope
+        self._cache.lengths[slot] = self._written[slot] = reused
+        del self._tokens[slot][reused:]
         return slot
 
+    def cached_prefix(self, tokens: list[int], scope: str = "") -> int:
+        """How many of `tokens` allocate(tokens, scope) would find computed already."""
+        return self._kept_prefix(tokens, scope)[1] if self.reuse_prefixes else 0
+
+    def _kept_prefix(self, tokens: list[int] | None, scope: str) -> tuple[int | None, int]:
+        best, best_length = None, 0
+        for slot in self._kept if tokens else ():
+            if self._scope[slot] == scope:
+                length = common_prefix(self._tokens[slot], tokens, len(tokens) - 1)
+                if length > best_length:
+                    best, best_length = slot, length
+        return best, best_length
+
     def free(self, slot: int) -> None:
+        if self.reuse_prefixes:
+            del self._tokens[slot][self._cache.lengths[slot]:]
+            self._frees += 1
+            self._kept[slot] = self._frees
         self._cache.free(slot)
         self._written[slot] = 0
+
+    def forget_prefixes(self) -> None:
+        """No freed slot's context is reused from now on (until slots are freed again)."""
+        self._kept.clear()
 
     def length(self, slot: int) -> int:
         """Committed tokens of the slot: the context its next forward continues."""
@@ -70,21 +115,25 @@ class ModelRunner:
             raise ValueError(f"slot {slot}: cannot commit {length} tokens (committed "
                              f"{self._cache.lengths[slot]}, written {self._written[slot]})")
         self._cache.lengths[slot] = self._written[slot] = length
+        del self._tokens[slot][length:]
 
     def rollback(self, slot: int, length: int) -> None:
         """Forget everything past `length` tokens."""
         self._cache.truncate(slot, length)
         self._written[slot] = length
+        del self._tokens[slot][length:]
 
     def copy_slot(self, source: int, dest: int) -> None:
         """dest continues from source's committed tokens (n outputs of one prompt share its prefill)."""
         self._cache.copy(source, dest)
         self._written[dest] = self._cache.lengths[dest]
+        self._tokens[dest] = self._tokens[source][:self._written[dest]]
 
     def assume_cached(self, slot: int, length: int) -> None:
         """Treat `length` positions as context without computing them: for timing forwards, where the
-        cost does not depend on what the cache holds."""
+        cost does not depend on what the cache holds (no token matches them later)."""
         self._cache.lengths[slot] = self._written[slot] = length
+        self._tokens[slot] = [-1] * length
 
     # ---- the forward -----------------------------------------------------------------------------------
     def forward(self, slots: list[int], inputs: list[list[int]], logits: str = "last", hidden: bool | str = False,
@@ -103,8 +152,10 @@ class ModelRunner:
         tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
         extra = {} if features is None else {"features": self._batched(batch, features)}
         out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
-        for slot, start, n in zip(slots, starts, lengths):
+        for slot, start, n, new in zip(slots, starts, lengths, inputs):
             self._written[slot] = start + n
+            del self._tokens[slot][start:]
+            self._tokens[slot].extend(int(t) for t in new)
         return out
 
     @staticmethod
@@ -114,3 +165,12 @@ class ModelRunner:
         if batch.packed:
             return torch.cat(rows)[None]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of a and b, at most limit."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -71,8 +71,12 @@ class Proposer:
         """Seconds of each drafting round of the last propose() call (empty when no model runs)."""
         return []
 
-    def reserve(self, num_slots: int, max_model_len: int) -> None:
-        """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens."""
+    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False) -> None:
+        """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens; with
+        reuse_prefixes, a sequence may start from what a finished one of its tenant had computed."""
+
+    def forget_prefixes(self) -> None:
+        """Nothing computed for finished sequences is reused from now on."""
 
     def propose(self, seqs: list[Sequence], ks: list[int], feedback: list[TargetFeedback | None]) -> DraftBatch:
         """Up to ks[i] tokens for seqs[i]; feedback[i] is what the target emitted for it last step."""

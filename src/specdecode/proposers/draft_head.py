@@ -34,6 +34,7 @@ def head_path(name: str) -> str:
 
 class DraftHeadProposer(DraftModelProposer):
     wants_hidden_states = True
+    reuses_prefixes = False  # its rows pair the target's features at p with token p + 1
 
     def __init__(self, head: DraftHead, loaded: LoadedModel, timer: StepTimer | None = None,
                  confidence_threshold: float = 0.0):

@@ -15,6 +15,7 @@ from .registry import ProposerSetup
 
 
 class DraftModelProposer(Proposer):
+    reuses_prefixes = True  # its cache rows are a function of the tokens alone
     def __init__(self, draft: LoadedModel, timer: StepTimer | None = None, confidence_threshold: float = 0.0):
         if not 0.0 <= confidence_threshold < 1.0:
             raise SpecDecodeError(f"the draft confidence threshold must be in [0, 1), got {confidence_threshold}")
@@ -39,8 +40,11 @@ class DraftModelProposer(Proposer):
             restrict_draft_vocab(draft, config.draft_vocab_size)
         return cls(draft, setup.timer, config.draft_confidence)
 
-    def reserve(self, num_slots: int, max_model_len: int) -> None:
-        self.runner = ModelRunner(self.model, num_slots, max_model_len)
+    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False) -> None:
+        self.runner = ModelRunner(self.model, num_slots, max_model_len, reuse_prefixes and self.reuses_prefixes)
+
+    def forget_prefixes(self) -> None:
+        self.runner.forget_prefixes()
 
     @property
     def last_round_seconds(self) -> list[float]:
@@ -89,7 +93,7 @@ class DraftModelProposer(Proposer):
 
     def _slot(self, seq) -> int:
         if seq.request_id not in self._slots:
-            self._slots[seq.request_id] = self.runner.allocate()
+            self._slots[seq.request_id] = self.runner.allocate(seq.token_ids, seq.tenant)
         return self._slots[seq.request_id]
 
     def _forward(self, slots: list[int], inputs: list[list[int]], **extra):
@@ -129,7 +133,9 @@ class DraftModelProposer(Proposer):
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""
         slot = self._slots.get(seq.request_id)
-        return seq.num_tokens - (self.runner.length(slot) if slot is not None else 0)
+        if slot is None:
+            return seq.num_tokens - self.runner.cached_prefix(seq.token_ids, seq.tenant)
+        return seq.num_tokens - self.runner.length(slot)
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         slot = self._slots.get(seq.request_id)

@@ -19,6 +19,7 @@ def llm_options(args) -> dict:
     return EngineConfig(
         model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        prefix_caching=args.prefix_caching,
         quantization=args.quantization, draft_quantization=args.draft_quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         draft_vocab_size=args.draft_vocab_size, draft_confidence=args.draft_confidence,
