@@ -58,10 +58,13 @@ def workload(args, count: int) -> list:
     return repeat_to(humaneval_prompts(), count)
 
 
-def send(base_url: str, args, work: list, concurrency: int) -> tuple[list, float]:
+def send(base_url: str, args, work: list, concurrency: int, run: str) -> tuple[list, float]:
+    """One configuration's requests at one concurrency; `run` names the measurement, so that sessions
+    replayed in a later round or at another concurrency are new users to the server's per-user caches
+    (suffix speculation would otherwise draft a replayed session from its own earlier replies)."""
     if args.dataset == "humaneval":
         return asyncio.run(send_requests(base_url, work, args.max_tokens, concurrency=concurrency))
-    return asyncio.run(play_sessions(base_url, work, args.max_tokens, concurrency=concurrency))
+    return asyncio.run(play_sessions(base_url, work, args.max_tokens, concurrency=concurrency, run=run))
 
 
 def measure_concurrency(args) -> dict:
@@ -86,7 +89,7 @@ def measure_concurrency(args) -> dict:
                 work = workload(args, requests_at(c, args))
                 turn = order if (level + rnd) % 2 == 0 else order[::-1]
                 for name in [n for n in turn if rnd == 0 or n not in args.once]:
-                    requests, seconds = send(servers[name].base_url, args, work, c)
+                    requests, seconds = send(servers[name].base_url, args, work, c, f"round{rnd}-c{c}-")
                     runs[name, c].append((requests, seconds))
                     print(row_text(name, LoadResult.from_requests(requests, seconds, c, None), rnd), flush=True)
     rows = [pooled_row(name, c, runs[name, c]) for name in order for c in args.concurrency]

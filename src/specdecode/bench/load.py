@@ -179,11 +179,12 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
 
 
 async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: int, *, model: str = "default",
-                        concurrency: int = 1, api_key: str | None = None, progress: bool = True
-                        ) -> tuple[list[RequestResult], float]:
+                        concurrency: int = 1, api_key: str | None = None, progress: bool = True,
+                        run: str = "") -> tuple[list[RequestResult], float]:
     """Chat sessions, `concurrency` in flight: each session's user turns one after the other, each reply
     (greedy, ending at EOS or max_tokens) put into the next turn's history, as an agent loop does. Each
-    session is its own `user`, so a server that scopes caches by user shares nothing between sessions.
+    session is its own `user` (named after `run` too), so a server that scopes caches by user shares
+    nothing between sessions, nor with the same sessions played in another run.
     Every turn's result (with its `turn`), and the run's wall time in seconds."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -197,7 +198,7 @@ async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: in
             for turn, message in enumerate(turns):
                 history.append({"role": "user", "content": message})
                 payload = {"model": model, "messages": history, "max_tokens": max_tokens, "temperature": 0.0,
-                           "user": f"session-{index}", "stream_options": {"include_usage": True}}
+                           "user": f"{run}session-{index}", "stream_options": {"include_usage": True}}
                 result = await send_completion(client, url, payload)
                 result.turn = turn
                 results.append(result)
