@@ -84,6 +84,24 @@ def test_chat_logprobs_and_top_logprobs(server):
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-6)
 
 
+def test_a_users_next_turn_reports_its_cached_prompt_tokens(server):
+    """The second turn starts from the first's kept context: OpenAI's cached_tokens counts it; another
+    user's identical request computes its prompt whole."""
+    kw = dict(model="tiny", max_tokens=6, temperature=0)
+    turn = [{"role": "user", "content": "count: 1 2 3 4 5 6 7 8 9"}]
+    first = server.client.chat.completions.create(messages=turn, user="carol", **kw)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "again"}]
+    second = server.client.chat.completions.create(messages=turn, user="carol", **kw)
+    stranger = server.client.chat.completions.create(messages=turn, user="dave", **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert stranger.usage.prompt_tokens_details.cached_tokens == 0
+    assert stranger.choices[0].message.content == second.choices[0].message.content
+    metrics = httpx.get(server.url + "/metrics").text
+    cached = float(re.search(r"^specdecode_prompt_tokens_cached_total (\S+)$", metrics, re.M).group(1))
+    assert cached >= second.usage.prompt_tokens_details.cached_tokens
+
+
 def test_n_outputs_streamed_and_not(server):
     kw = dict(model="tiny", prompt="the cat", max_tokens=10, temperature=1.0, n=3, seed=5,
               extra_body={"ignore_eos": True, "min_p": 0.05})

@@ -106,7 +106,8 @@ class RequestMetrics:
     def as_dict(self) -> dict:
         s = self.spec
         return {
-            "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
             "ttft_s": self.ttft, "tpot_s": self.tpot, "tokens_per_s": self.tokens_per_s,
             "num_target_forwards": s.num_steps + 1, "num_draft_forwards": s.num_draft_forwards,
             "num_steps": s.num_steps, "num_spec_steps": s.num_spec_steps,

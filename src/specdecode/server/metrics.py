@@ -39,6 +39,9 @@ class ServerMetrics:
         self.slot_tokens = Gauge("specdecode_kv_cache_slot_tokens", "Tokens per KV-cache slot (max_model_len)",
                                  registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Sequences in the last decoding step", registry=r)
+        self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("specdecode_prompt_tokens_cached", "Prompt tokens found in the KV cache "
+                                            "(prefix caching), not computed again", registry=r)
         self.aborted = Counter("specdecode_requests_aborted", "Requests cancelled (e.g. client gone)", registry=r)
         self.rejected = Counter("specdecode_requests_rejected", "Requests refused with 429: the waiting queue was "
                                 "at its bound", registry=r)
@@ -82,6 +85,8 @@ class ServerMetrics:
         self.speculating_fraction.set(self._speculated_steps / self._steps)
         for seq in out.finished:
             self.finished.labels(reason=seq.finish_reason or "unknown").inc()
+            self.prompt_tokens.inc(seq.metrics.num_prompt_tokens)
+            self.cached_prompt_tokens.inc(seq.metrics.num_cached_prompt_tokens)
             if seq.metrics.ttft is not None:
                 self.ttft.observe(seq.metrics.ttft)
             if seq.metrics.tpot is not None:

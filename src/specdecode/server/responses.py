@@ -35,12 +35,14 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprob | None], text_off
 
 
 def usage(prompt_tokens: int, finals: dict) -> dict:
-    """Token counts over all n outputs (their final Updates by index); the speculation figures are the
-    first output's."""
+    """Token counts over all n outputs (their final Updates by index), with the prompt tokens found in the
+    KV cache (OpenAI's `prompt_tokens_details.cached_tokens`); the speculation figures are the first
+    output's."""
     completion = sum(update.num_tokens for update in finals.values())
     first = finals.get(0)
+    spec = (first.spec if first else None) or {}
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-           "speculation": (first.spec if first else None) or {}}
+           "prompt_tokens_details": {"cached_tokens": spec.get("num_cached_prompt_tokens", 0)}, "speculation": spec}
     if first is not None and first.replica is not None:
         out["replica"] = first.replica
     return out
