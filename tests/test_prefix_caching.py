@@ -116,3 +116,13 @@ def test_tenants_never_start_from_each_others_context(target, same_tenant):
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert seq.metrics.num_cached_prompt_tokens == (len(A) if same_tenant else 0)
+
+
+def test_common_prefix_equals_the_first_difference():
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        a = torch.randint(0, 3, (int(torch.randint(0, 40, (), generator=rng)),), generator=rng).tolist()
+        b = a[:int(torch.randint(0, len(a) + 1, (), generator=rng))] + torch.randint(0, 3, (5,), generator=rng).tolist()
+        limit = int(torch.randint(0, 50, (), generator=rng))
+        first_difference = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert runner_module.common_prefix(a, b, limit) == min(first_difference, limit)

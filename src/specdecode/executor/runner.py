@@ -168,9 +168,16 @@ class ModelRunner:
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """The length of the longest common prefix of a and b, at most limit."""
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    """The length of the longest common prefix of a and b, at most limit. Bisects with slice comparisons
+    (element loops in C): admission and the draft's catch-up estimate compare thousands of tokens per slot."""
+    n = max(0, min(len(a), len(b), limit))
+    if a[:n] == b[:n]:
+        return n
+    same, differs = 0, n  # a[:same] == b[:same]; a[:differs] != b[:differs]
+    while differs - same > 1:
+        mid = (same + differs) // 2
+        if a[same:mid] == b[same:mid]:
+            same = mid
+        else:
+            differs = mid
+    return same
