@@ -243,3 +243,37 @@ def test_bench_concurrency_starts_every_server_with_the_backend_flags():
     for _, argv in server_configs(args):
         assert argv[argv.index("--quantization") + 1] == "w8a8"
         assert argv[argv.index("--kv-cache-dtype") + 1] == "float32"
+
+
+def test_chunked_perplexity_scores_each_whole_chunks_second_half(target):
+    """llama-perplexity's measure: whole chunks only, each scored from its middle on (position p predicts
+    token p + 1)."""
+    import math
+
+    import torch
+
+    from specdecode.bench.quality import chunked_perplexity
+    from specdecode.executor.runner import ModelRunner
+
+    ids = [(7 * i + 3) % 60 for i in range(2 * 16 + 5)]  # two chunks of 16, and 5 tokens left over
+    nll = 0.0
+    for chunk in (ids[:16], ids[16:32]):
+        runner = ModelRunner(target.model, 1, 17)
+        logp = torch.log_softmax(runner.forward([runner.allocate()], [chunk], "all"), -1)
+        nll -= sum(logp[p, chunk[p + 1]].item() for p in range(8, 15))
+    assert chunked_perplexity(target.model, ids, 16) == pytest.approx(math.exp(nll / 14), rel=1e-6)
+
+
+def test_llama_cpp_perplexity_and_tokens_are_read_from_its_output(tmp_path):
+    from specdecode.bench.llama_cpp import run_llama_perplexity, run_llama_tokenize
+
+    for name, output in (("llama-tokenize", "load: 151643 tokens\n[1, 22, 333]"),
+                         ("llama-perplexity", "[1]59.5859,[2]63.7833,\nFinal estimate: PPL = 17.8779 +/- 1.46745")):
+        tool = tmp_path / name
+        tool.write_text(f"#!/bin/sh\nprintf '{output}\\n' >&2\n")
+        tool.chmod(0o755)
+    assert run_llama_tokenize(str(tmp_path), "m.gguf", "t.txt") == [1, 22, 333]
+    assert run_llama_perplexity(str(tmp_path), "m.gguf", "t.txt", 256, 2) == 17.8779
+    (tmp_path / "llama-perplexity").write_text("#!/bin/sh\necho 'error: you need at least 512 tokens' >&2\n")
+    with pytest.raises(SpecDecodeError, match="could not read llama-perplexity's estimate"):
+        run_llama_perplexity(str(tmp_path), "m.gguf", "t.txt", 256, 2)

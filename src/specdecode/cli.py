@@ -223,6 +223,10 @@ def _add_measurements(bench_sub) -> None:
                       help="the KV cache of the measured backends (the reference's is float32)")
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
+    qual.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
+                      help="also score the held text as llama-perplexity does, with each backend and with "
+                           "llama.cpp's llama-perplexity from this folder on the same GGUF file")
+    qual.add_argument("--context", type=int, default=256, help="with --vs-llama-cpp: tokens per chunk")
     qual.add_argument("--out", default="results/quality.json")
 
     load = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")

@@ -86,6 +86,28 @@ def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts:
     return total
 
 
+def run_llama_tokenize(bin_dir: str, gguf: str, text_file: str) -> list[int]:
+    """The file's token ids as llama.cpp's tokenizer for this GGUF gives them (with what its vocabulary
+    adds, as llama-perplexity tokenizes)."""
+    out = _run([binary(bin_dir, "llama-tokenize"), "-m", gguf, "-f", text_file, "--ids", "--log-disable"])
+    found = re.findall(r"^\[[\d, ]*\]$", out, re.M)
+    if not found:
+        raise SpecDecodeError(f"could not read llama-tokenize's ids:\n{out[-2000:]}")
+    return json.loads(found[-1])
+
+
+def run_llama_perplexity(bin_dir: str, gguf: str, text_file: str, context: int, threads: int) -> float:
+    """`llama-perplexity`'s final estimate over the file (chunks of `context`, second halves scored).
+    llama-perplexity and llama-tokenize are not among build-llama-cpp.sh's targets: `cmake --build build
+    --target llama-perplexity llama-tokenize` in its folder adds them."""
+    log = _run([binary(bin_dir, "llama-perplexity"), "-m", gguf, "-f", text_file, "-c", str(context),
+                "-b", str(context), "-t", str(threads)])
+    found = re.search(r"Final estimate: PPL = ([\d.]+)", log)
+    if not found:
+        raise SpecDecodeError(f"could not read llama-perplexity's estimate:\n{log[-2000:]}")
+    return float(found[1])
+
+
 def _run(cmd: list[str]) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
