@@ -138,8 +138,9 @@ def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], quan
 def block_arrays(name: str, tensor: torch.Tensor | RawTensor, quantization: str) -> BlockArrays:
     """One weight in the block format `quantization` computes it in (see the module's docstring)."""
     as_stored = isinstance(tensor, RawTensor) and tensor.qtype.name in FORMATS
-    if as_stored and (quantization in ("w4a8", "w4a16") or name == "model.embed_tokens.weight"
-                      or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[quantization]):
+    layout = weight_layout(quantization)
+    if as_stored and (layout == "w4a8" or name == "model.embed_tokens.weight"
+                      or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[layout]):
         return split(tensor.qtype, tensor.blocks)
     weight = _as_float(tensor)
     if weight.shape[1] % 32:

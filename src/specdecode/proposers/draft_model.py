@@ -16,6 +16,7 @@ from .registry import ProposerSetup
 
 class DraftModelProposer(Proposer):
     reuses_prefixes = True  # its cache rows are a function of the tokens alone
+
     def __init__(self, draft: LoadedModel, timer: StepTimer | None = None, confidence_threshold: float = 0.0):
         if not 0.0 <= confidence_threshold < 1.0:
             raise SpecDecodeError(f"the draft confidence threshold must be in [0, 1), got {confidence_threshold}")
