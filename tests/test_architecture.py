@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, engine modules of a readable size, no history in the code."""
+"""The package's shape: no import cycles, engine modules of a readable size, no function over 60 lines, no history
+in the code."""
 from __future__ import annotations
 
 import ast
@@ -106,6 +107,26 @@ def test_engine_modules_stay_readable():
     sizes = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines())
              for p in (PACKAGE / "engine").rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > 300} == {}
+
+
+def long_functions(root: Path, limit: int = 60) -> list[str]:
+    """Functions (methods and nested ones too) of more than `limit` lines under root."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit:
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name}")
+    return found
+
+
+def test_no_function_is_over_sixty_lines():
+    assert long_functions(PACKAGE) == []
+
+
+def test_the_length_check_sees_a_long_method(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(60))
+    (tmp_path / "m.py").write_text(f"class A:\n    def short(self):\n        pass\n\n    def long(self):\n{body}\n")
+    assert long_functions(tmp_path) == ["m.py:5 long"]
 
 
 @pytest.mark.parametrize("pattern", [

@@ -184,6 +184,13 @@ def _add_plan(sub) -> None:
 
 def _add_measurements(bench_sub) -> None:
     """`bench latency`, `bench tpot`, `bench quality`, `bench serve`: one measurement each."""
+    _add_latency(bench_sub)
+    _add_tpot(bench_sub)
+    _add_quality(bench_sub)
+    _add_serve_load(bench_sub)
+
+
+def _add_latency(bench_sub) -> None:
     lat = bench_sub.add_parser("latency", help="HumanEval, batch size 1: plain vs draft model vs n-gram")
     _add_model_args(lat, several_backends=True)
     lat.add_argument("-k", "--ks", type=int, nargs="+", default=[2, 4, 6])
@@ -205,6 +212,8 @@ def _add_measurements(bench_sub) -> None:
                           "same GGUF files and prompts, and print our ratios to its plain decoding")
     lat.add_argument("--out", default="results/latency.json")
 
+
+def _add_tpot(bench_sub) -> None:
     tpot = bench_sub.add_parser("tpot", help="plain decoding of one long output: time per output token as the "
                                              "output grows (emission must not slow down with length)")
     tpot.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -214,6 +223,8 @@ def _add_measurements(bench_sub) -> None:
     tpot.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     tpot.add_argument("--out", default="results/tpot.json")
 
+
+def _add_quality(bench_sub) -> None:
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
     qual.add_argument("--quantization", nargs="+", default=["w4a8", "w4a16", "w8a8", "w8a16", "none", "w4a8-all"],
@@ -229,6 +240,8 @@ def _add_measurements(bench_sub) -> None:
     qual.add_argument("--context", type=int, default=256, help="with --vs-llama-cpp: tokens per chunk")
     qual.add_argument("--out", default="results/quality.json")
 
+
+def _add_serve_load(bench_sub) -> None:
     load = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
     load.add_argument("--model", default="default", help="model name sent in the requests")
