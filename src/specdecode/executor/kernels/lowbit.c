@@ -233,6 +233,24 @@ static inline void unpack8(int bits, const uint8_t *lo, const uint8_t *hi, int h
     }
 }
 
+// Chunk t (8 weights per row) of block j into the sums: int16 for 4 bits (s16), int32 per half block otherwise.
+static inline __attribute__((always_inline)) void chunk_dots(int bits, int sub, int t, size_t chunk, int j, int half,
+        int m0, const int rows, int K, const weights_t *w, const acts_t *a, __m256i s16[ROW_TILE],
+        __m256i I[ROW_TILE][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w0, w1;
+    unpack8(bits, w->lo + (chunk + t) * 64, bits > 4 ? w->hi + (chunk + t) * 32 : NULL, half, &w0, &w1);
+    const int h = sub == 16 ? t / 2 : 0;
+    _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+        const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(xr)), _mm256_maddubs_epi16(w1, bcast4(xr + 4)));
+        if (bits == 4)
+            s16[r] = _mm256_add_epi16(s16[r], p);
+        else
+            I[r][h] = _mm256_add_epi32(I[r][h], _mm256_madd_epi16(p, ones));
+    }
+}
+
 // Integer sums of block j for `rows` rows of x: per row, I[r][0] over weights 0..15 and I[r][1] over 16..31
 // (sub 16), or I[r][0] over all 32. u8 x s8 products are summed in pairs (int16) by maddubs: 4-bit pairs
 // (at most 2 * 15 * 127) add up over the whole block in int16, 5/6-bit pairs over 8 weights (4 * 63 * 127
@@ -254,29 +272,32 @@ static inline __attribute__((always_inline)) void block_dots(int bits, int sub, 
     }
     const size_t chunk = (size_t)g * (K / 8) + (size_t)j * 4;
     __m256i s16[ROW_TILE];
-    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-        __m256i w0, w1;
-        unpack8(bits, w->lo + (chunk + t) * 64, bits > 4 ? w->hi + (chunk + t) * 32 : NULL, half, &w0, &w1);
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-            const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(xr)), _mm256_maddubs_epi16(w1, bcast4(xr + 4)));
-            if (bits == 4) {
-                s16[r] = t == 0 ? p : _mm256_add_epi16(s16[r], p);
-            } else {
-                const __m256i p32 = _mm256_madd_epi16(p, ones);
-                const int h = sub == 16 ? t / 2 : 0;
-                I[r][h] = (t == 0 || (sub == 16 && t == 2)) ? p32 : _mm256_add_epi32(I[r][h], p32);
-            }
-        }
+    _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) s16[r] = I[r][0] = I[r][1] = _mm256_setzero_si256();
+    // Unrolled for one or two rows of x; beyond, four chunks in flight would spill the 16 ymm registers.
+    if (rows <= 2) {
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, s16, I);
+    } else {
+        _Pragma("GCC unroll 1") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, s16, I);
     }
     if (bits == 4)
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r][0] = _mm256_madd_epi16(s16[r], ones);
+}
+
+static inline __attribute__((always_inline)) void min_sums(int mink, int g, int half, int m0, const int rows,
+        int K, const weights_t *w, const acts_t *a, __m256 minacc[ROW_TILE]) {
+    _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) minacc[r] = _mm256_setzero_ps();
+    for (int j = 0; j < K / 32; j++) {
+        const __m256 min = min8(w, mink, K, g, half, j);
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
+            minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[(size_t)(m0 + r) * (K / 32) + j]), minacc[r]);
+    }
 }
 
 static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, int zero, int sck, int mink, int g,
         int m0, const int rows, int K, int N, const weights_t *w, const acts_t *a, float *y) {
     const size_t weight_bytes = bits == 8 ? 256 : 128;  // per block of 32 per group (low bits)
     for (int half = 0; half < 2; half++) {
+        const int inline_mins = mink != MIN_NONE && rows <= 2;
         __m256 acc[ROW_TILE], minacc[ROW_TILE];
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm256_setzero_ps();
         for (int j = 0; j < K / 32; j++) {
@@ -302,20 +323,22 @@ static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, 
                 }
             } else {
                 const __m256 scale = scale8(w, sck, 32, K, g, half, j);
-                const __m256 min = mink != MIN_NONE ? min8(w, mink, K, g, half, j) : _mm256_setzero_ps();
+                const __m256 min = inline_mins ? min8(w, mink, K, g, half, j) : _mm256_setzero_ps();
                 _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
                     const size_t b = (size_t)(m0 + r) * (K / 32) + j;
                     __m256i I32 = I[r][0];
                     if (zero) I32 = _mm256_sub_epi32(I32, _mm256_set1_epi32(zero * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I32), _mm256_mul_ps(scale, _mm256_set1_ps(a->sx[b])), acc[r]);
-                    if (mink != MIN_NONE) minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[b]), minacc[r]);
+                    if (inline_mins) minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[b]), minacc[r]);
                 }
             }
         }
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-            const __m256 out = mink != MIN_NONE ? _mm256_sub_ps(acc[r], minacc[r]) : acc[r];
-            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, out);
+        if (mink != MIN_NONE) {
+            if (!inline_mins) min_sums(mink, g, half, m0, rows, K, w, a, minacc);
+            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r] = _mm256_sub_ps(acc[r], minacc[r]);
         }
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, acc[r]);
     }
 }
 #endif
