@@ -148,6 +148,42 @@ def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype)
     assert torch.equal(_attend_long_context(isa, dtype)[0], _attend_long_context("scalar", dtype)[0])
 
 
+def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: list[int], seed: int = 2):
+    """One call of the kernel on the 0.5B's shapes over a cache of random keys and values in two slots:
+    the outputs and the cache after the call (which the call extends with the batch's own keys)."""
+    H, Hkv, D, L, N = 14, 2, 64, 512, len(slots)
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=gen)
+    k = (torch.randn(2, Hkv, L, D, generator=gen) * 3).to(dtype)
+    v = torch.randn(2, Hkv, L, D, generator=gen).to(dtype)
+    angles = torch.rand(N, D // 2, generator=gen).repeat(1, 2) * 6
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    slots_t, positions_t = torch.tensor(slots, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+    lib = load("attention", isa)
+    attend = lib.rowwise_attention_f16 if dtype == torch.float16 else lib.rowwise_attention
+    out = torch.empty(N, H * D)
+    attend(qkv.data_ptr(), N, H, Hkv, D, slots_t.data_ptr(), positions_t.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+           k.data_ptr(), v.data_ptr(), L, out.data_ptr(), torch.get_num_threads())
+    alone = torch.empty(N, H * D)
+    for t in range(N):  # each token again in a call of its own, over the cache the batch call left
+        attend(qkv[t].data_ptr(), 1, H, Hkv, D, slots_t[t:].data_ptr(), positions_t[t:].data_ptr(),
+               cos[t].data_ptr(), sin[t].data_ptr(), k.data_ptr(), v.data_ptr(), L, alone[t].data_ptr(),
+               torch.get_num_threads())
+    return out, alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_a_sequences_verified_tokens_attend_together_as_if_each_were_alone(isa, dtype):
+    """A batch as verification makes it: one sequence's 11 tokens (more than attend together in one run,
+    with key and value blocks that end inside the run), another's 3 at a position of its own, and a
+    decoded token beside them: every token's output is the bits of a call of its own."""
+    slots = [0] * 11 + [1] * 3 + [1]
+    positions = list(range(290, 301)) + [40, 41, 42] + [200]
+    out, alone = _attend_batch(isa, dtype, slots, positions)
+    assert torch.equal(out, alone)
+
+
 def _softmax_exponentials(isa: str, scores: torch.Tensor) -> tuple[torch.Tensor, float]:
     p = scores.clone()
     total = load("attention", isa).attention_softmax_unnormalised(p.data_ptr(), p.numel())

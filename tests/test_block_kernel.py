@@ -86,6 +86,15 @@ def test_product_tracks_the_float_product_and_rows_are_independent(fmt):
     assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
 
 
+def ties(columns: int, seed: int = 0) -> torch.Tensor:
+    """A row whose int8 blocks have scale exactly 1 (amax 127) and every other value halfway between two
+    integers: rounding to nearest must break each tie to even, as the reference does."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randint(-100, 100, (columns,), generator=gen).float() + 0.5
+    row[::32] = 127.0
+    return row
+
+
 @pytest.mark.parametrize("isa", kernel_builds())
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_build_gives_the_scalar_reference_bits(fmt, isa):
@@ -93,6 +102,7 @@ def test_every_build_gives_the_scalar_reference_bits(fmt, isa):
     path equals the portable scalar path bit for bit: a result measured on one kind of CPU holds on all."""
     raw = gguf_blocks(fmt, 64, 1024, seed=4)
     x = torch.randn(70, 1024)  # tiles of every size, and more than one cache block of rows
+    x[5] = ties(1024)
     layer = layer_of(raw)
     layer.lib = kernels.load("lowbit", "scalar")
     reference = layer(x)
@@ -120,6 +130,7 @@ def test_two_pass_activations_add_the_residual_product_on_every_build(fmt, isa):
     layer.lib = kernels.load("lowbit", isa)
     x = torch.randn(11, columns)
     x[0] *= 50
+    x[4] = ties(columns)  # the residual of a tie is +-0.5 only if it is broken as torch.round breaks it
     one_pass, residual_pass = layer(x), layer(int8_residual(x))
     layer.passes = 2
     y = layer(x)

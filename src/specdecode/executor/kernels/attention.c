@@ -30,6 +30,7 @@
 #define AHEAD 256   // keys (or values) ahead of the ones in use that are prefetched from memory
 #define MAX_DIM 256
 #define MAX_GROUP 64  // query heads per KV head
+#define MAX_TOKENS 8  // a slot's consecutive tokens that attend together (their scores stay in L2)
 
 // One vector of WIDTH floats: a zmm register where AVX-512 is there, else a ymm. Each lane runs the same
 // chain of operations at either width, so the width changes the speed, never the bits.
@@ -405,31 +406,59 @@ static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first,
         __builtin_prefetch(at);
 }
 
-// out[G][D] = attention of one token's G query heads (rotated, in q) over n cached keys and values from
-// row `first` on.
-static void attend(const float *q, int G, int D, int n, const void *kcache, const void *vcache,
-                   int is_half, size_t first, float *work, float *out) {
+// Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
+// over the cached keys and values from row `first` on: token i sees the first ns[i] of them (ns increasing).
+// Every block of keys and values is widened and laid out once for all of them, and each token's heads are
+// scored and weighed exactly as if it were alone (the same blocks, in the same order): lanes past a token's
+// own keys are computed and left unread. out: token i's G heads at out + i * out_stride.
+static void attend(const float *q, int tokens, int G, int D, const int *ns, const void *kcache, const void *vcache,
+                   int is_half, size_t first, float *work, float *out, size_t out_stride) {
     const float scale = 1.f / sqrtf((float)D);
-    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;
+    const int n = ns[tokens - 1], heads = tokens * G;
+    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;  // p: [heads][n]
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
+    int from = 0;  // the first token that sees the current block
     for (int j0 = 0; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
+        while (ns[from] <= j0) from++;
         prefetch_ahead(kcache, bytes, first, j0, KEYS, n, D);
         keys_block(kcache, is_half, first + j0, count, D, rows, kt);
-        score_heads(q, G, kt, D, count, scale, p + j0, n);
+        score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale, p + (size_t)from * G * n + j0, n);
     }
-    float total[MAX_GROUP];
-    for (int g = 0; g < G; g++) total[g] = softmax_unnormalised(p + (size_t)g * n, n);
-    memset(out, 0, (size_t)G * D * sizeof(float));
+    float total[MAX_TOKENS * MAX_GROUP];
+    for (int h = 0; h < heads; h++) total[h] = softmax_unnormalised(p + (size_t)h * n, ns[h / G]);
+    for (int i = 0; i < tokens; i++) memset(out + i * out_stride, 0, (size_t)G * D * sizeof(float));
+    from = 0;
     for (int j0 = 0; j0 < n; j0 += VALUES) {
         const int count = n - j0 < VALUES ? n - j0 : VALUES;
+        while (ns[from] <= j0) from++;
         prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D);
-        weigh_block(p + j0, n, cache_rows(vcache, is_half, first + j0, count, D, rows), D, count, G, out);
+        const float *vb = cache_rows(vcache, is_half, first + j0, count, D, rows);
+        for (int i = from; i < tokens; i++)
+            weigh_block(p + (size_t)i * G * n + j0, n, vb, D, ns[i] - j0 < count ? ns[i] - j0 : count, G,
+                        out + i * out_stride);
     }
-    for (int g = 0; g < G; g++) {
-        const float inv = 1.f / total[g];
-        for (int d = 0; d < D; d++) out[(size_t)g * D + d] *= inv;
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.f / total[h];
+        float *o = out + (h / G) * out_stride + (size_t)(h % G) * D;
+        for (int d = 0; d < D; d++) o[d] *= inv;
     }
+}
+
+// Runs of the batch that attend together: up to MAX_TOKENS consecutive tokens of one slot at consecutive
+// positions (a sequence's verified drafts). Returns the number of runs; with r >= 0, stops at run r and
+// sets *start and *end to its tokens.
+static int find_runs(int N, const int64_t *slots, const int64_t *positions, int r, int *start, int *end) {
+    int runs = 0, begin = 0;
+    for (int t = 1; t <= N; t++)
+        if (t == N || slots[t] != slots[t - 1] || positions[t] != positions[t - 1] + 1 || t - begin == MAX_TOKENS) {
+            if (runs++ == r) {
+                *start = begin, *end = t;
+                return runs;
+            }
+            begin = t;
+        }
+    return runs;
 }
 
 static void attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
@@ -443,16 +472,26 @@ static void attention(const float *qkv, int N, int H, int Hkv, int D, const int6
         write_kv(qkv + (size_t)t * width, cos + (size_t)t * D, sin + (size_t)t * D, H, Hkv, h, D, kcache, vcache,
                  is_half, (((size_t)slots[t] * Hkv + h) * L + positions[t]) * D);
     }
+    const int runs = find_runs(N, slots, positions, -1, NULL, NULL);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int task = 0; task < N * Hkv; task++) {
-        const int t = task / Hkv, h = task % Hkv, n = (int)positions[t] + 1;
-        const size_t first = ((size_t)slots[t] * Hkv + h) * L;
-        float *q = scratch((size_t)G * D + (size_t)D * KEYS + (size_t)VALUES * D + (size_t)G * n);
-        for (int g = 0; g < G; g++)
-            rope(qkv + (size_t)t * width + (h * G + g) * D, cos + (size_t)t * D, sin + (size_t)t * D,
-                 q + (size_t)g * D, D);
-        attend(q, G, D, n, kcache, vcache, is_half, first, q + (size_t)G * D,
-               out + (size_t)t * H * D + (size_t)h * G * D);
+    for (int task = 0; task < runs * Hkv; task++) {
+        const int h = task % Hkv;
+        int t0, t_end;
+        find_runs(N, slots, positions, task / Hkv, &t0, &t_end);
+        const int tokens = t_end - t0;
+        const int n = (int)positions[t0 + tokens - 1] + 1;
+        const size_t first = ((size_t)slots[t0] * Hkv + h) * L;
+        float *q = scratch((size_t)tokens * G * D + (size_t)D * KEYS + (size_t)VALUES * D + (size_t)tokens * G * n);
+        int ns[MAX_TOKENS];
+        for (int i = 0; i < tokens; i++) {
+            const int t = t0 + i;
+            ns[i] = (int)positions[t] + 1;
+            for (int g = 0; g < G; g++)
+                rope(qkv + (size_t)t * width + (h * G + g) * D, cos + (size_t)t * D, sin + (size_t)t * D,
+                     q + ((size_t)i * G + g) * D, D);
+        }
+        attend(q, tokens, G, D, ns, kcache, vcache, is_half, first, q + (size_t)tokens * G * D,
+               out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
 }
 

@@ -71,18 +71,58 @@ typedef struct {  // x quantized per block of 32: values, scale, sum * scale, in
 } acts_t;
 
 // ---- activations ---------------------------------------------------------------------------------------
+// The largest |x| of 32 values. max is exact in any order; a NaN is skipped as fmaxf skips it (MAXPS returns
+// its second operand, the running maximum, when the first is NaN).
+static inline float block_amax(const float *x) {
+#if defined(HAVE_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
+    float lanes[8], amax = 0.f;
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+    return amax;
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    return amax;
+#endif
+}
+
+// q[i] = x[i] * inv rounded to the nearest integer (ties to even, as nearbyintf in the default rounding mode);
+// returns the sums of q over each half of the block.
+static inline void block_round(const float *x, float inv, int8_t *q, int s[2]) {
+#if defined(HAVE_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int h = 0; h < 2; h++) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int i = 16 * h; i < 16 * h + 16; i += 8) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv),
+                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            sum = _mm256_add_epi32(sum, v);
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w, w));
+        }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, sum);
+        s[h] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    }
+#else
+    s[0] = s[1] = 0;
+    for (int i = 0; i < 32; i++) {
+        const int v = (int)nearbyintf(x[i] * inv);
+        q[i] = (int8_t)v;
+        s[i / 16] += v;
+    }
+#endif
+}
+
 static void quantize_row(const float *x, int K, int8_t *xq, float *sx, float *xsum, int32_t *isum16) {
     for (int j = 0; j < K / 32; j++) {
-        const float *xj = x + j * 32;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xj[i]));
+        const float amax = block_amax(x + j * 32);
         const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
-        int s[2] = {0, 0};
-        for (int i = 0; i < 32; i++) {
-            const int v = (int)nearbyintf(xj[i] * inv);
-            xq[j * 32 + i] = (int8_t)v;
-            s[i / 16] += v;
-        }
+        int s[2];
+        block_round(x + j * 32, inv, xq + j * 32, s);
         sx[j] = scale;
         xsum[j] = (float)(s[0] + s[1]) * scale;
         isum16[2 * j] = s[0];
