@@ -95,3 +95,70 @@ def test_gguf_model_matches_transformers(tmp_path, arch):
     with torch.no_grad():
         expected = _reference(cfg, weights)(ids).logits[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+K_QUANT_BYTES = {Q.Q2_K: 84, Q.Q3_K: 110}  # per 256 weights; the fp16 super-block scale(s) at the end
+
+
+def _k_quant_blocks(qtype, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Valid blocks of a k-quant the low-bit kernel does not compute as stored (gguf has no quantizer for
+    them): random quants and sub-block scales, small fp16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    size, nb = K_QUANT_BYTES[qtype], columns // 256
+    blocks = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    scales = 2 if qtype == Q.Q2_K else 1  # Q2_K: d and dmin
+    d = rng.uniform(0.0005, 0.0015, (rows, nb, scales)).astype(np.float16)
+    blocks[..., size - 2 * scales:] = d.view(np.uint8).reshape(rows, nb, 2 * scales)
+    return blocks.reshape(rows, nb * size)
+
+
+def test_a_file_in_types_the_kernel_does_not_take_loads_requantized_and_says_so(tmp_path, monkeypatch):
+    """Q3_K and Q2_K weights (as in Q3_K_M and Q2_K files): the float path takes gguf's dequantization, a
+    low-bit backend requantizes them with a warning that names them, and its model tracks the float one."""
+    from specdecode.executor.backends import build_quantized_model
+    from specdecode.executor.runner import ModelRunner
+    from specdecode.models.loader import load_low_bit_weights
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config("qwen2", hidden=256, intermediate=512)
+    tensors = _to_gguf_names(cfg, random_hf_weights(cfg, seed=3), "qwen2")
+    w = GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
+    for key, value in (("block_count", cfg.num_layers), ("context_length", cfg.max_position),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("head_count", cfg.num_heads), ("head_count_kv", cfg.num_kv_heads)):
+        getattr(w, f"add_{key}")(value)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for i, (name, arr) in enumerate(tensors.items()):
+        if arr.ndim == 2 and arr.shape[1] % 256 == 0 and name != "token_embd.weight":
+            qtype = Q.Q2_K if "ffn" in name else Q.Q3_K
+            w.add_tensor(name, _k_quant_blocks(qtype, arr.shape[0], arr.shape[1], i), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded_cfg, floats = load_gguf(str(tmp_path / "k.gguf"), progress=False)
+    reader = GGUFReader(str(tmp_path / "k.gguf"))
+    q3 = next(t for t in reader.tensors if t.tensor_type == Q.Q3_K)
+    np.testing.assert_array_equal(dequantize_tensor(q3), dequantize(q3.data, Q.Q3_K).reshape(-1, int(q3.shape[0])))
+    with pytest.warns(UserWarning, match="Q2_K, Q3_K are not computed as stored"):
+        _, low_bit = load_low_bit_weights(str(tmp_path / "k.gguf"), "w4a8", progress=False)
+    ids = list(range(1, 30))
+    models = [build_model(loaded_cfg, floats, torch.float32, "cpu"),
+              build_quantized_model(loaded_cfg, low_bit, "w4a8", "cpu")]
+    reference, got = (ModelRunner(m, 1, 64).forward([0], [ids], "all") for m in models)
+    assert ((got - reference).norm() / reference.norm()).item() < 0.03
+
+
+def test_a_type_gguf_cannot_dequantize_is_refused_with_what_to_use():
+    from types import SimpleNamespace
+
+    from specdecode.errors import SpecDecodeError
+
+    tensor = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=Q.Q8_1, shape=[256, 16],
+                             data=np.zeros((16, 8 * 36), dtype=np.uint8))
+    with pytest.raises(SpecDecodeError, match="Q8_1, which the gguf package cannot dequantize; use a file"):
+        dequantize_tensor(tensor)

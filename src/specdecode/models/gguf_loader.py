@@ -1,7 +1,11 @@
-"""GGUF files -> ModelConfig + Hugging Face-named float32 tensors (dequantized with the `gguf` package)."""
+"""GGUF files -> ModelConfig + Hugging Face-named float32 tensors (dequantized with the `gguf` package), or,
+for the weight types the low-bit kernel computes as stored, their blocks. Any type `gguf` can dequantize
+loads (Q2_K, Q3_K, the IQ and TQ types, MXFP4...): a low-bit backend requantizes what it cannot compute as
+stored, at more bytes per weight than the file's, and says so."""
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,12 +17,6 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-
-# Types the bundled files use plus the common others; `gguf` can dequantize more, but these are tested.
-SUPPORTED_TYPES = {
-    GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -76,12 +74,14 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
-    if tensor.tensor_type not in SUPPORTED_TYPES:
-        raise SpecDecodeError(
-            f"tensor {tensor.name} uses GGUF type {tensor.tensor_type.name}, which is not supported; "
-            f"use a file quantized as one of {sorted(t.name for t in SUPPORTED_TYPES)}")
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-    return dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise SpecDecodeError(
+            f"tensor {tensor.name} uses GGUF type {tensor.tensor_type.name}, which the gguf package cannot "
+            "dequantize; use a file quantized as Q4_K_M, Q8_0 or F16 (or another llama.cpp k- or i-quant)") from None
+    return values.reshape(shape).astype(np.float32, copy=False)
 
 
 def iter_gguf_tensors(path: str, progress: bool = True, raw_types: frozenset = frozenset()
@@ -93,6 +93,8 @@ def iter_gguf_tensors(path: str, progress: bool = True, raw_types: frozenset = f
     cfg = read_config(reader)
 
     def tensors():
+        if raw_types:
+            _warn_of_requantized_types(reader, raw_types)
         for t in tqdm(reader.tensors, desc=f"loading {path.rsplit('/', 1)[-1]}", unit="tensor",
                       disable=not progress, leave=False):
             raw = t.tensor_type in raw_types and t.name.endswith(".weight") and len(t.shape) == 2
@@ -105,6 +107,19 @@ def iter_gguf_tensors(path: str, progress: bool = True, raw_types: frozenset = f
             yield hf_name(t.name), RawTensor(t.tensor_type, int(t.shape[0]), tensor) if raw else tensor
 
     return cfg, tensors()
+
+
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+
+
+def _warn_of_requantized_types(reader: GGUFReader, raw_types: frozenset) -> None:
+    """Block types of the file's weights that a low-bit backend will requantize instead of computing."""
+    other = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2
+                    and t.tensor_type not in raw_types | FLOAT_TYPES})
+    if other:
+        warnings.warn(f"weights in {', '.join(other)} are not computed as stored: they are requantized to 8 bits "
+                      f"(more bytes per token than the file; computed as stored: "
+                      f"{', '.join(sorted(t.name for t in raw_types))})", stacklevel=3)
 
 
 @dataclass
