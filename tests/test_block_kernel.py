@@ -24,7 +24,7 @@ from conftest import ByteTokenizer, kernel_builds, random_hf_weights, tiny_confi
 
 pytestmark = pytest.mark.skipif(kernels.load("lowbit") is None,
                                 reason=f"no low-bit kernel: {kernels.build_problem('lowbit')}")
-K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+K_BLOCK_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def gguf_blocks(fmt: str, rows: int, columns: int, seed: int) -> RawTensor:
@@ -40,6 +40,8 @@ def gguf_blocks(fmt: str, rows: int, columns: int, seed: int) -> RawTensor:
     if fmt == "Q6_K":
         b[..., 192:208] = rng.integers(-40, 40, size=(rows, nb, 16), dtype=np.int8).view(np.uint8)
         b[..., 208:210] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    elif fmt == "Q3_K":  # random bits, packed 6-bit scales and all; d last
+        b[..., 108:110] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     else:  # every 6-bit scale and min 32, dmin = 7.5 d (q = 7.5 is the zero)
         b[..., :4] = np.stack([d, 7.5 * d], -1).astype(np.float16).view(np.uint8).reshape(rows, nb, 4)
         b[..., 4:16] = np.array([160] * 8 + [0] * 4, dtype=np.uint8)

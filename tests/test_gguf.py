@@ -112,9 +112,10 @@ def _k_quant_blocks(qtype, rows: int, columns: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, nb * size)
 
 
-def test_a_file_in_types_the_kernel_does_not_take_loads_requantized_and_says_so(tmp_path, monkeypatch):
-    """Q3_K and Q2_K weights (as in Q3_K_M and Q2_K files): the float path takes gguf's dequantization, a
-    low-bit backend requantizes them with a warning that names them, and its model tracks the float one."""
+def test_k_quants_load_q3_k_as_stored_and_q2_k_requantized_with_a_warning(tmp_path, monkeypatch):
+    """Q3_K and Q2_K weights (as in Q2_K files): the float path takes gguf's dequantization; a low-bit
+    backend computes Q3_K as stored, requantizes Q2_K with a warning that names it, and tracks the float
+    model."""
     from specdecode.executor.backends import build_quantized_model
     from specdecode.executor.runner import ModelRunner
     from specdecode.models.loader import load_low_bit_weights
@@ -144,11 +145,14 @@ def test_a_file_in_types_the_kernel_does_not_take_loads_requantized_and_says_so(
     reader = GGUFReader(str(tmp_path / "k.gguf"))
     q3 = next(t for t in reader.tensors if t.tensor_type == Q.Q3_K)
     np.testing.assert_array_equal(dequantize_tensor(q3), dequantize(q3.data, Q.Q3_K).reshape(-1, int(q3.shape[0])))
-    with pytest.warns(UserWarning, match="Q2_K, Q3_K are not computed as stored"):
+    with pytest.warns(UserWarning, match="weights in Q2_K are not computed as stored"):
         _, low_bit = load_low_bit_weights(str(tmp_path / "k.gguf"), "w4a8", progress=False)
     ids = list(range(1, 30))
     models = [build_model(loaded_cfg, floats, torch.float32, "cpu"),
               build_quantized_model(loaded_cfg, low_bit, "w4a8", "cpu")]
+    formats = {part.format.name for m in models[1].modules() for part in getattr(m, "parts", [m])
+               if hasattr(part, "format")}
+    assert "Q3_K" in formats and "Q2_K" not in formats
     reference, got = (ModelRunner(m, 1, 64).forward([0], [ids], "all") for m in models)
     assert ((got - reference).norm() / reference.norm()).item() < 0.03
 

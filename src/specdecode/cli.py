@@ -43,7 +43,7 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
                    help=("backends to measure, each with its own plain row; " if several else "") +
                         "target weights: auto = the block kernel where it builds with SIMD (w4a8, w4a16 for models "
                         "under 200M layer parameters; bf16/float on CUDA or without it), none = floating weights in "
-                        "--dtype, w4a8 = the GGUF's block formats as stored (Q4_0..Q8_0, Q4_K..Q6_K) with int8 "
+                        "--dtype, w4a8 = the GGUF's block formats as stored (Q4_0..Q8_0, Q3_K..Q6_K) with int8 "
                         "activations per 32, w4a16 = the same weights with activations in two int8 passes (~15 bits), "
                         "w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = every weight as "
                         "Q8_0, w8a16 = int8 weights, bf16 activations")

@@ -2,7 +2,7 @@
 
 - "none": floating weights in the model's dtype (bfloat16 where the CPU has native bf16 or on CUDA,
   float32 elsewhere).
-- "w4a8": GGUF weights as the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) times
+- "w4a8": GGUF weights as the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K) times
   int8 activations with a scale per 32 values, by this package's kernel (scalar C, AVX2, AVX-512 VNNI);
   float weights (checkpoints, F16 tensors) as Q8_0. Computed as llama.cpp's CPU backend pairs them.
 - "w4a16": the same weights; activations in two int8 passes (x, then what x's int8 blocks missed), ~15

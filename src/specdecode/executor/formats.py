@@ -20,7 +20,7 @@ GROUP = 16  # output rows per group in the kernel's layout (one vector lane each
 class Format:
     name: str
     id: int          # the kernel's format number
-    bits: int        # 4, 5, 6 or 8 (signed)
+    bits: int        # 3, 4, 5, 6 or 8 (signed)
     sub: int         # weights per scale
     zero: int        # integer zero point (0: none)
     sc: str | None   # integer scale per sub-block: "u8", "i8" or None
@@ -32,6 +32,7 @@ FORMATS = {f.name: f for f in (
     Format("Q5_0", 2, 5, 32, 16, None, None), Format("Q5_1", 3, 5, 32, 0, None, "d"),
     Format("Q8_0", 4, 8, 32, 0, None, None), Format("Q4_K", 5, 4, 32, 0, "u8", "d*mn"),
     Format("Q5_K", 6, 5, 32, 0, "u8", "d*mn"), Format("Q6_K", 7, 6, 16, 32, "i8", None),
+    Format("Q3_K", 8, 3, 16, 4, "i8", None),
 )}
 BY_ID = {f.id: f for f in FORMATS.values()}
 
@@ -96,7 +97,8 @@ def split(qtype: T, blocks: torch.Tensor) -> BlockArrays:
     fmt = FORMATS.get(qtype.name)
     if fmt is None:
         raise ValueError(f"no kernel for GGUF type {qtype.name}")
-    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+            "Q3_K": 110}
     b = blocks.reshape(rows, -1, size[fmt.name])
     flat = lambda t: t.reshape(rows, -1)  # noqa: E731
     if fmt.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
@@ -115,6 +117,8 @@ def split(qtype: T, blocks: torch.Tensor) -> BlockArrays:
         top = torch.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
         return BlockArrays(fmt, flat(low | (top << 4)), flat(_f16(b[..., 208:210])), S=16,
                            sc=flat(b[..., 192:208].contiguous().view(torch.int8)))
+    if fmt.name == "Q3_K":
+        return _split_q3_k(fmt, b, rows)
     sc, mn = _k_scales(b[..., 4:16])  # Q4_K, Q5_K
     if fmt.name == "Q4_K":
         q = _nibbles(b[..., 16:].reshape(rows, -1, 4, 32))  # 64 weights per 32 bytes
@@ -124,6 +128,20 @@ def split(qtype: T, blocks: torch.Tensor) -> BlockArrays:
         q = low | (((qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
     return BlockArrays(fmt, flat(q), flat(_f16(b[..., 0:2])), S=8, sc=flat(sc), mn=flat(mn),
                        dmin=flat(_f16(b[..., 2:4])))
+
+
+def _split_q3_k(fmt: Format, b: torch.Tensor, rows: int) -> BlockArrays:
+    """Q3_K's 110 bytes per 256 weights: a high bit per weight (bit i of byte l: weight 32 i + l), two low
+    bits (bits 2s of byte 32 h + l: weight 32 (4 h + s) + l), sixteen 6-bit scales stored plus 32 (low
+    nibbles of bytes 0-7, then their high nibbles; top bit pairs in bytes 8-11), and d."""
+    hmask, qs, packed = b[..., 0:32], b[..., 32:96].reshape(rows, -1, 2, 1, 32), b[..., 96:108]
+    low = ((qs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).reshape(rows, -1, 256)
+    high = ((hmask.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(rows, -1, 256)
+    nibbles = torch.cat([packed[..., :8] & 0xF, packed[..., :8] >> 4], dim=-1)
+    tops = torch.cat([(packed[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    sc = ((nibbles | (tops << 4)).to(torch.int16) - 32).to(torch.int8)
+    return BlockArrays(fmt, (low | (high << 2)).reshape(rows, -1), _f16(b[..., 108:110]).reshape(rows, -1), S=16,
+                       sc=sc.reshape(rows, -1))
 
 
 # ---- BlockArrays <-> the kernel's layout ---------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Every layer here keeps each output row independent of the other rows computed with it, so a token's
 logits are the same whether it is decoded alone or verified beside k drafts (greedy speculation then
 reproduces plain decoding exactly):
-- `BlockLinear`: GGUF block formats as stored (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K; executor/formats.py) times
+- `BlockLinear`: GGUF block formats as stored (Q4_0 .. Q8_0, Q3_K .. Q6_K; executor/formats.py) times
   int8 activations with a scale per 32 values (or two int8 passes: x and its residual), by this package's
   kernel (kernels/lowbit.c).
 - `BlockEmbedding`: token lookups dequantize the rows they read from a BlockLinear (the LM head too,

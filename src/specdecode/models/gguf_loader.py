@@ -1,6 +1,6 @@
 """GGUF files -> ModelConfig + Hugging Face-named float32 tensors (dequantized with the `gguf` package), or,
 for the weight types the low-bit kernel computes as stored, their blocks. Any type `gguf` can dequantize
-loads (Q2_K, Q3_K, the IQ and TQ types, MXFP4...): a low-bit backend requantizes what it cannot compute as
+loads (Q2_K, the IQ and TQ types, MXFP4...): a low-bit backend requantizes what it cannot compute as
 stored, at more bytes per weight than the file's, and says so."""
 from __future__ import annotations
 

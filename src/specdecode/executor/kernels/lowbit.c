@@ -8,6 +8,7 @@
 //   Q4_1    4     32   d * q + m                  Q4_K    4     32   d*sc * q - dmin*mn (d per 8 sub)
 //   Q5_0    5     32   d * (q - 16)               Q5_K    5     32   d*sc * q - dmin*mn (d per 8 sub)
 //   Q5_1    5     32   d * q + m                  Q6_K    6     16   d*sc * (q - 32)    (d per 16 sub)
+//                                                 Q3_K    3     16   d*sc * (q - 4)     (d per 16 sub)
 //
 // Per output row and block of 32: integer sums of q * x (exact in int32), less the zero point times the
 // sums of x, then in float: acc += I * (scale * sx); mins: minacc += min * (sx * sum x); y = acc - minacc.
@@ -20,7 +21,8 @@
 // verifying a few tokens costs little more than decoding one, and an output element is computed by the
 // same operations whatever the number of rows: results do not depend on the batch.
 //
-//   bits 4, 5, 6  lo[g][K/8][16][4]  low nibbles: byte (row, e) = weight e | weight 4+e << 4
+//   bits 3 to 6   lo[g][K/8][16][4]  low nibbles: byte (row, e) = weight e | weight 4+e << 4 (3-bit values
+//                                    take 4-bit's layout)
 //   bits 5, 6     hi[g][K/8][32]     top 2 bits: byte i holds lanes i and 32 + i of lo's 64 bytes, 2 bits
 //                                    per weight in the order (e, 4+e) of lane i, then of lane 32 + i
 //                                    (5-bit values use 6-bit's layout with the upper bit 0)
@@ -53,7 +55,7 @@
 // the block's activations stay in L2, instead of every activation row streaming past every group.
 #define ROW_BLOCK 64
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, NUM_FORMATS };
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, NUM_FORMATS };
 enum { SC_NONE, SC_U8, SC_I8 };         // the integer scale per sub-block
 enum { MIN_NONE, MIN_D, MIN_D_MN };     // the min per sub-block: none, dmin, dmin * mn
 
@@ -284,7 +286,7 @@ static inline __attribute__((always_inline)) void chunk_dots(int bits, int sub, 
     _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
         const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(xr)), _mm256_maddubs_epi16(w1, bcast4(xr + 4)));
-        if (bits == 4)
+        if (bits == 4 && sub == 32)
             s16[r] = _mm256_add_epi16(s16[r], p);
         else
             I[r][h] = _mm256_add_epi32(I[r][h], _mm256_madd_epi16(p, ones));
@@ -293,8 +295,8 @@ static inline __attribute__((always_inline)) void chunk_dots(int bits, int sub, 
 
 // Integer sums of block j for `rows` rows of x: per row, I[r][0] over weights 0..15 and I[r][1] over 16..31
 // (sub 16), or I[r][0] over all 32. u8 x s8 products are summed in pairs (int16) by maddubs: 4-bit pairs
-// (at most 2 * 15 * 127) add up over the whole block in int16, 5/6-bit pairs over 8 weights (4 * 63 * 127
-// = 32004), 8-bit pairs (2 * 127 * 127, signs moved onto x) one at a time.
+// (at most 2 * 15 * 127) add up over the whole block in int16 (for sub 32), 3- to 6-bit pairs otherwise over
+// 8 weights (4 * 63 * 127 = 32004), 8-bit pairs (2 * 127 * 127, signs moved onto x) one at a time.
 static inline __attribute__((always_inline)) void block_dots(int bits, int sub, int g, int j, int half, int m0,
         const int rows, int K, const weights_t *w, const acts_t *a, __m256i I[ROW_TILE][2]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -319,7 +321,7 @@ static inline __attribute__((always_inline)) void block_dots(int bits, int sub, 
     } else {
         _Pragma("GCC unroll 1") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, s16, I);
     }
-    if (bits == 4)
+    if (bits == 4 && sub == 32)
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r][0] = _mm256_madd_epi16(s16[r], ones);
 }
 
@@ -503,6 +505,7 @@ static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0,
 #define GROUP_Q5_1(R) SIMD_GROUP(6, 32, 0, SC_NONE, MIN_D, R)
 #define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
 #define GROUP_Q5_K(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
+#define GROUP_Q3_K(R) SIMD_GROUP(4, 16, 4, SC_I8, MIN_NONE, R)
 #if defined(HAVE_VNNI)
 #define GROUP_Q4_K(R) group_q4_k_vnni(g, m0, R, K, N, w, a, y)
 #define GROUP_Q6_K(R) group_q6_k_vnni(g, m0, R, K, N, w, a, y)
@@ -517,7 +520,7 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
     for (; m0 < m_end; m0 += ROW_TILE) {
         switch (fmt) {
             FORMAT_CASE(Q4_0) FORMAT_CASE(Q4_1) FORMAT_CASE(Q5_0) FORMAT_CASE(Q5_1)
-            FORMAT_CASE(Q8_0) FORMAT_CASE(Q4_K) FORMAT_CASE(Q5_K) FORMAT_CASE(Q6_K)
+            FORMAT_CASE(Q8_0) FORMAT_CASE(Q4_K) FORMAT_CASE(Q5_K) FORMAT_CASE(Q6_K) FORMAT_CASE(Q3_K)
         }
     }
 }
@@ -534,8 +537,8 @@ int lowbit_isa(void) {
 #endif
 }
 
-// Sub-blocks per weight (32, or 16 for Q6_K) and what a format's arrays must hold; 0 for an unknown format.
-static int sub_of(int fmt) { return fmt == Q6_K ? 16 : (fmt >= 0 && fmt < NUM_FORMATS ? 32 : 0); }
+// Weights per sub-block (32, or 16 for Q6_K and Q3_K); 0 for an unknown format.
+static int sub_of(int fmt) { return fmt == Q6_K || fmt == Q3_K ? 16 : (fmt >= 0 && fmt < NUM_FORMATS ? 32 : 0); }
 
 // Preconditions shared by the entry points: 0, or a negative code that lowbit.py turns into a message.
 static int check(int fmt, int K, int N, int S, const weights_t *w) {
@@ -587,9 +590,9 @@ int lowbit_dequantize_rows(int fmt, int K, int N, int S, const uint8_t *lo, cons
     const weights_t weights = {lo, hi, mn, sc, d, dmin, S}, *w = &weights;
     const int bad = check(fmt, K, N, S, w);
     if (bad) return bad;
-    static const int bits[NUM_FORMATS] = {4, 4, 6, 6, 8, 4, 6, 6}, zero[NUM_FORMATS] = {8, 0, 16, 0, 0, 0, 0, 32};
+    static const int bits[NUM_FORMATS] = {4, 4, 6, 6, 8, 4, 6, 6, 4}, zero[NUM_FORMATS] = {8, 0, 16, 0, 0, 0, 0, 32, 4};
     const int sub = sub_of(fmt);
-    const int sck = fmt == Q6_K ? SC_I8 : fmt >= Q4_K ? SC_U8 : SC_NONE;
+    const int sck = fmt == Q6_K || fmt == Q3_K ? SC_I8 : fmt >= Q4_K ? SC_U8 : SC_NONE;
     const int mink = (fmt == Q4_K || fmt == Q5_K) ? MIN_D_MN : (fmt == Q4_1 || fmt == Q5_1) ? MIN_D : MIN_NONE;
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= N) return -6;
