@@ -38,7 +38,7 @@
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HAVE_VNNI 1  // Q4_K and Q6_K, the default models' formats; the others take the AVX2 path
+#define HAVE_VNNI 1  // Q4_K and Q6_K, the default models' formats, and Q3_K; the others take the AVX2 path
 #endif
 #endif
 
@@ -386,7 +386,7 @@ static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, 
 #endif
 
 #if defined(HAVE_VNNI)
-// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 (Q4_K and Q6_K) ---------------------------
+// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 (Q4_K, Q6_K, Q3_K) ------------------------
 static inline __m512 cvt16_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline __m512 cvt16_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
@@ -430,11 +430,13 @@ static inline __attribute__((always_inline)) void group_q4_k_vnni(int g, int m0,
         _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, _mm512_sub_ps(acc[r], minacc[r]));
 }
 
-// Q6_K: 6-bit weights from the low nibbles and top bit pairs, the zero point 32 per 16 weights.
-static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0, const int rows, int K, int N,
-        const weights_t *w, const acts_t *a, float *y) {
+// Q6_K and Q3_K: a signed scale and a zero point (32, 4) per 16 weights; 6-bit weights from the low nibbles
+// and top bit pairs, 3-bit ones from the low nibbles alone.
+static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int zero, int g, int m0, const int rows,
+        int K, int N, const weights_t *w, const acts_t *a, float *y) {
     const int nsub = K / 32;
-    const uint8_t *log = w->lo + (size_t)g * (K / 2) * GROUP, *hig = w->hi + (size_t)g * (K / 4) * GROUP;
+    const uint8_t *log = w->lo + (size_t)g * (K / 2) * GROUP;
+    const uint8_t *hig = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
     const int8_t *sc = (const int8_t *)w->sc;
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     __m512 acc[ROW_TILE];
@@ -444,18 +446,22 @@ static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0,
         const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
         const __m512 sa = _mm512_mul_ps(dg, cvt16_i8(scg)), sb = _mm512_mul_ps(dg, cvt16_i8(scg + GROUP));
         for (int o = 0; o < 256; o += 64) PREFETCH(log + (size_t)j * 256 + PREFETCH_AHEAD + o);
-        PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
-        PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
+        if (hig) {
+            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
+            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
+        }
         __m512i I[ROW_TILE][2];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r][0] = I[r][1] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
             const __m512i packed = _mm512_loadu_si512((const void *)(log + ((size_t)j * 4 + t) * 64));
-            const __m256i h256 = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
-            const __m512i h = _mm512_and_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
-            const __m512i w0 = _mm512_or_si512(_mm512_and_si512(packed, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-            const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
-                                               _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+            __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            if (hig) {
+                const __m256i h256 = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
+                const __m512i h = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
+                w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+                w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+            }
             _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
                 const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
                 __m512i *s = &I[r][t / 2];
@@ -465,8 +471,8 @@ static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0,
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
             const size_t b = (size_t)(m0 + r) * nsub + j;
-            const __m512i ia = _mm512_sub_epi32(I[r][0], _mm512_set1_epi32(32 * a->isum16[2 * b]));
-            const __m512i ib = _mm512_sub_epi32(I[r][1], _mm512_set1_epi32(32 * a->isum16[2 * b + 1]));
+            const __m512i ia = _mm512_sub_epi32(I[r][0], _mm512_set1_epi32(zero * a->isum16[2 * b]));
+            const __m512i ib = _mm512_sub_epi32(I[r][1], _mm512_set1_epi32(zero * a->isum16[2 * b + 1]));
             const __m512 s = _mm512_set1_ps(a->sx[b]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(sa, s), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(sb, s), acc[r]);
@@ -498,20 +504,21 @@ static inline __attribute__((always_inline)) void group_q6_k_vnni(int g, int m0,
     }
 
 // Each format's group call for R rows: its bits in memory, sub-block size, zero point, scale and min kinds
-// (Q4_K and Q6_K, the default models' formats, have their own VNNI code).
+// (Q4_K and Q6_K, the default models' formats, and Q3_K have their own VNNI code).
 #define GROUP_Q4_0(R) SIMD_GROUP(4, 32, 8, SC_NONE, MIN_NONE, R)
 #define GROUP_Q4_1(R) SIMD_GROUP(4, 32, 0, SC_NONE, MIN_D, R)
 #define GROUP_Q5_0(R) SIMD_GROUP(6, 32, 16, SC_NONE, MIN_NONE, R)
 #define GROUP_Q5_1(R) SIMD_GROUP(6, 32, 0, SC_NONE, MIN_D, R)
 #define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
 #define GROUP_Q5_K(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
-#define GROUP_Q3_K(R) SIMD_GROUP(4, 16, 4, SC_I8, MIN_NONE, R)
 #if defined(HAVE_VNNI)
 #define GROUP_Q4_K(R) group_q4_k_vnni(g, m0, R, K, N, w, a, y)
-#define GROUP_Q6_K(R) group_q6_k_vnni(g, m0, R, K, N, w, a, y)
+#define GROUP_Q6_K(R) group_k16_vnni(6, 32, g, m0, R, K, N, w, a, y)
+#define GROUP_Q3_K(R) group_k16_vnni(4, 4, g, m0, R, K, N, w, a, y)
 #else
 #define GROUP_Q4_K(R) SIMD_GROUP(4, 32, 0, SC_U8, MIN_D_MN, R)
 #define GROUP_Q6_K(R) SIMD_GROUP(6, 16, 32, SC_I8, MIN_NONE, R)
+#define GROUP_Q3_K(R) SIMD_GROUP(4, 16, 4, SC_I8, MIN_NONE, R)
 #endif
 #define FORMAT_CASE(FMT) case FMT: BY_TILE(GROUP_##FMT) break;
 
@@ -525,8 +532,8 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
     }
 }
 
-// The instruction set this build computes with: 512 (AVX-512 VNNI for Q4_K/Q6_K, AVX2 for the rest), 256
-// (AVX2 + FMA) or 0 (the portable scalar path).
+// The instruction set this build computes with: 512 (AVX-512 VNNI for Q4_K, Q6_K and Q3_K, AVX2 for the
+// rest), 256 (AVX2 + FMA) or 0 (the portable scalar path).
 int lowbit_isa(void) {
 #if defined(HAVE_VNNI)
     return 512;
