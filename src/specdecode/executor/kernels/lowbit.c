@@ -335,52 +335,62 @@ static inline __attribute__((always_inline)) void min_sums(int mink, int g, int 
     }
 }
 
+// Block j of one half (8 output rows) into the sums of `rows` rows of x: acc, and minacc where the mins are
+// summed inline.
+static inline __attribute__((always_inline)) void half_block(int bits, int sub, int zero, int sck, int mink,
+        int inline_mins, int g, int half, int j, int m0, const int rows, int K, const weights_t *w,
+        const acts_t *a, __m256 acc[ROW_TILE], __m256 minacc[ROW_TILE]) {
+    __m256i I[ROW_TILE][2];
+    block_dots(bits, sub, g, j, half, m0, rows, K, w, a, I);
+    if (sub == 16) {
+        const __m256 sa = scale8(w, sck, 16, K, g, half, 2 * j), sb = scale8(w, sck, 16, K, g, half, 2 * j + 1);
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+            const size_t b = (size_t)(m0 + r) * (K / 32) + j;
+            const __m256i ia = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(zero * a->isum16[2 * b]));
+            const __m256i ib = _mm256_sub_epi32(I[r][1], _mm256_set1_epi32(zero * a->isum16[2 * b + 1]));
+            const __m256 s = _mm256_set1_ps(a->sx[b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(sa, s), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(sb, s), acc[r]);
+        }
+    } else {
+        const __m256 scale = scale8(w, sck, 32, K, g, half, j);
+        const __m256 min = inline_mins ? min8(w, mink, K, g, half, j) : _mm256_setzero_ps();
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
+            const size_t b = (size_t)(m0 + r) * (K / 32) + j;
+            __m256i I32 = I[r][0];
+            if (zero) I32 = _mm256_sub_epi32(I32, _mm256_set1_epi32(zero * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I32), _mm256_mul_ps(scale, _mm256_set1_ps(a->sx[b])), acc[r]);
+            if (inline_mins) minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[b]), minacc[r]);
+        }
+    }
+}
+
+// The 16 rows of group g as two halves of 8, both in one pass over K: each 64-byte chunk of weights is used
+// whole while it is in L1 (a pass per half read every chunk twice: a third of a decode step on this path).
 static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, int zero, int sck, int mink, int g,
         int m0, const int rows, int K, int N, const weights_t *w, const acts_t *a, float *y) {
     const size_t weight_bytes = bits == 8 ? 256 : 128;  // per block of 32 per group (low bits)
-    for (int half = 0; half < 2; half++) {
-        const int inline_mins = mink != MIN_NONE && rows <= 2;
-        __m256 acc[ROW_TILE], minacc[ROW_TILE];
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm256_setzero_ps();
-        for (int j = 0; j < K / 32; j++) {
-            if (half == 0) {
-                const uint8_t *next = w->lo + ((size_t)g * (K / 32) + j) * weight_bytes * 2 + PREFETCH_AHEAD;
-                for (size_t o = 0; o < weight_bytes * 2; o += 64) PREFETCH(next + o);
-                if (bits > 4 && bits < 8) {
-                    PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2);
-                    PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2 + 64);
-                }
-            }
-            __m256i I[ROW_TILE][2];
-            block_dots(bits, sub, g, j, half, m0, rows, K, w, a, I);
-            if (sub == 16) {
-                const __m256 sa = scale8(w, sck, 16, K, g, half, 2 * j), sb = scale8(w, sck, 16, K, g, half, 2 * j + 1);
-                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-                    const size_t b = (size_t)(m0 + r) * (K / 32) + j;
-                    const __m256i ia = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(zero * a->isum16[2 * b]));
-                    const __m256i ib = _mm256_sub_epi32(I[r][1], _mm256_set1_epi32(zero * a->isum16[2 * b + 1]));
-                    const __m256 s = _mm256_set1_ps(a->sx[b]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(sa, s), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(sb, s), acc[r]);
-                }
-            } else {
-                const __m256 scale = scale8(w, sck, 32, K, g, half, j);
-                const __m256 min = inline_mins ? min8(w, mink, K, g, half, j) : _mm256_setzero_ps();
-                _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
-                    const size_t b = (size_t)(m0 + r) * (K / 32) + j;
-                    __m256i I32 = I[r][0];
-                    if (zero) I32 = _mm256_sub_epi32(I32, _mm256_set1_epi32(zero * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I32), _mm256_mul_ps(scale, _mm256_set1_ps(a->sx[b])), acc[r]);
-                    if (inline_mins) minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[b]), minacc[r]);
-                }
-            }
+    const int inline_mins = mink != MIN_NONE && rows <= 2;
+    __m256 acc[2][ROW_TILE], minacc[2][ROW_TILE];
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[h][r] = minacc[h][r] = _mm256_setzero_ps();
+    for (int j = 0; j < K / 32; j++) {
+        const uint8_t *next = w->lo + ((size_t)g * (K / 32) + j) * weight_bytes * 2 + PREFETCH_AHEAD;
+        for (size_t o = 0; o < weight_bytes * 2; o += 64) PREFETCH(next + o);
+        if (bits > 4 && bits < 8) {
+            PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2);
+            PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2 + 64);
         }
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+            half_block(bits, sub, zero, sck, mink, inline_mins, g, h, j, m0, rows, K, w, a, acc[h], minacc[h]);
+    }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         if (mink != MIN_NONE) {
-            if (!inline_mins) min_sums(mink, g, half, m0, rows, K, w, a, minacc);
-            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[r] = _mm256_sub_ps(acc[r], minacc[r]);
+            if (!inline_mins) min_sums(mink, g, h, m0, rows, K, w, a, minacc[h]);
+            _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[h][r] = _mm256_sub_ps(acc[h][r], minacc[h][r]);
         }
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++)
-            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + half * 8, acc[r]);
+            _mm256_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP + h * 8, acc[h][r]);
     }
 }
 #endif
