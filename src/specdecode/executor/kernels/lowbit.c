@@ -38,7 +38,7 @@
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HAVE_VNNI 1  // Q4_K and Q6_K, the default models' formats, and Q3_K; the others take the AVX2 path
+#define HAVE_VNNI 1  // every format but Q8_0 (signed weights; it takes the AVX2 path)
 #endif
 #endif
 
@@ -396,7 +396,7 @@ static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, 
 #endif
 
 #if defined(HAVE_VNNI)
-// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 (Q4_K, Q6_K, Q3_K) ------------------------
+// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 (all but Q8_0) ---------------------------
 static inline __m512 cvt16_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline __m512 cvt16_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
@@ -406,24 +406,39 @@ static inline __m512i bcast4_512(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-// Q4_K: the AVX2 path's sums and float steps, 16 lanes wide.
-static inline __attribute__((always_inline)) void group_q4_k_vnni(int g, int m0, const int rows, int K, int N,
-        const weights_t *w, const acts_t *a, float *y) {
+// Sub-blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): the AVX2 path's sums and float steps, 16 lanes
+// wide; 5-bit weights take their top bits from hi as Q6_K's do.
+static inline __attribute__((always_inline)) void group_k32_vnni(int bits, int zero, int sck, int mink, int g,
+        int m0, const int rows, int K, int N, const weights_t *w, const acts_t *a, float *y) {
     const int nsub = K / 32, S = w->S;
     const uint8_t *qg = w->lo + (size_t)g * (K / 2) * GROUP;
+    const uint8_t *hig = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
     __m512 acc[ROW_TILE], minacc[ROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     for (int j = 0; j < nsub; j++) {
         const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (nsub / S) + j / S) * GROUP;
-        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(w->d + sb), cvt16_u8((const uint8_t *)w->sc + at));
-        const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(w->dmin + sb), cvt16_u8(w->mn + at));
+        __m512 scale = _mm512_loadu_ps(w->d + sb), min = _mm512_setzero_ps();
+        if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + at));
+        if (mink != MIN_NONE) min = _mm512_loadu_ps(w->dmin + sb);
+        if (mink == MIN_D_MN) min = _mm512_mul_ps(min, cvt16_u8(w->mn + at));
         for (int o = 0; o < 256; o += 64) PREFETCH(qg + (size_t)j * 256 + PREFETCH_AHEAD + o);
+        if (hig) {
+            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
+            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
+        }
         __m512i I[ROW_TILE];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
             const __m512i packed = _mm512_loadu_si512((const void *)(qg + ((size_t)j * 4 + t) * 64));
-            const __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            if (hig) {
+                const __m256i h256 = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
+                const __m512i h = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
+                w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+                w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+            }
             _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
                 const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
                 I[r] = _mm512_dpbusd_epi32(I[r], w0, bcast4_512(xr));
@@ -432,12 +447,15 @@ static inline __attribute__((always_inline)) void group_q4_k_vnni(int g, int m0,
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
             const size_t b = (size_t)(m0 + r) * nsub + j;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a->sx[b])), acc[r]);
-            minacc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a->xsum[b]), minacc[r]);
+            __m512i I32 = I[r];
+            if (zero) I32 = _mm512_sub_epi32(I32, _mm512_set1_epi32(zero * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I32), _mm512_mul_ps(scale, _mm512_set1_ps(a->sx[b])), acc[r]);
+            if (mink != MIN_NONE) minacc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a->xsum[b]), minacc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
-        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, _mm512_sub_ps(acc[r], minacc[r]));
+        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP,
+                         mink != MIN_NONE ? _mm512_sub_ps(acc[r], minacc[r]) : acc[r]);
 }
 
 // Q6_K and Q3_K: a signed scale and a zero point (32, 4) per 16 weights; 6-bit weights from the low nibbles
@@ -514,19 +532,24 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
     }
 
 // Each format's group call for R rows: its bits in memory, sub-block size, zero point, scale and min kinds
-// (Q4_K and Q6_K, the default models' formats, and Q3_K have their own VNNI code).
+// (with VNNI, every format but Q8_0 has its 512-bit code).
+#define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
+#if defined(HAVE_VNNI)
+#define GROUP_Q4_0(R) group_k32_vnni(4, 8, SC_NONE, MIN_NONE, g, m0, R, K, N, w, a, y)
+#define GROUP_Q4_1(R) group_k32_vnni(4, 0, SC_NONE, MIN_D, g, m0, R, K, N, w, a, y)
+#define GROUP_Q5_0(R) group_k32_vnni(6, 16, SC_NONE, MIN_NONE, g, m0, R, K, N, w, a, y)
+#define GROUP_Q5_1(R) group_k32_vnni(6, 0, SC_NONE, MIN_D, g, m0, R, K, N, w, a, y)
+#define GROUP_Q4_K(R) group_k32_vnni(4, 0, SC_U8, MIN_D_MN, g, m0, R, K, N, w, a, y)
+#define GROUP_Q5_K(R) group_k32_vnni(6, 0, SC_U8, MIN_D_MN, g, m0, R, K, N, w, a, y)
+#define GROUP_Q6_K(R) group_k16_vnni(6, 32, g, m0, R, K, N, w, a, y)
+#define GROUP_Q3_K(R) group_k16_vnni(4, 4, g, m0, R, K, N, w, a, y)
+#else
 #define GROUP_Q4_0(R) SIMD_GROUP(4, 32, 8, SC_NONE, MIN_NONE, R)
 #define GROUP_Q4_1(R) SIMD_GROUP(4, 32, 0, SC_NONE, MIN_D, R)
 #define GROUP_Q5_0(R) SIMD_GROUP(6, 32, 16, SC_NONE, MIN_NONE, R)
 #define GROUP_Q5_1(R) SIMD_GROUP(6, 32, 0, SC_NONE, MIN_D, R)
-#define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
-#define GROUP_Q5_K(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
-#if defined(HAVE_VNNI)
-#define GROUP_Q4_K(R) group_q4_k_vnni(g, m0, R, K, N, w, a, y)
-#define GROUP_Q6_K(R) group_k16_vnni(6, 32, g, m0, R, K, N, w, a, y)
-#define GROUP_Q3_K(R) group_k16_vnni(4, 4, g, m0, R, K, N, w, a, y)
-#else
 #define GROUP_Q4_K(R) SIMD_GROUP(4, 32, 0, SC_U8, MIN_D_MN, R)
+#define GROUP_Q5_K(R) SIMD_GROUP(6, 32, 0, SC_U8, MIN_D_MN, R)
 #define GROUP_Q6_K(R) SIMD_GROUP(6, 16, 32, SC_I8, MIN_NONE, R)
 #define GROUP_Q3_K(R) SIMD_GROUP(4, 16, 4, SC_I8, MIN_NONE, R)
 #endif
@@ -542,8 +565,8 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
     }
 }
 
-// The instruction set this build computes with: 512 (AVX-512 VNNI for Q4_K, Q6_K and Q3_K, AVX2 for the
-// rest), 256 (AVX2 + FMA) or 0 (the portable scalar path).
+// The instruction set this build computes with: 512 (AVX-512 VNNI for every format but Q8_0, which takes
+// AVX2), 256 (AVX2 + FMA) or 0 (the portable scalar path).
 int lowbit_isa(void) {
 #if defined(HAVE_VNNI)
     return 512;
