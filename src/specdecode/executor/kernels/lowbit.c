@@ -406,6 +406,31 @@ static inline __m512i bcast4_512(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+// Block j's weights of a group (and their top bits, for 5 and 6 bits) requested ahead of use.
+static inline void prefetch_block16(const uint8_t *lo, const uint8_t *hi, int j) {
+    for (int o = 0; o < 256; o += 64) PREFETCH(lo + (size_t)j * 256 + PREFETCH_AHEAD + o);
+    if (hi) {
+        PREFETCH(hi + (size_t)j * 128 + PREFETCH_AHEAD / 2);
+        PREFETCH(hi + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
+    }
+}
+
+// Weights e and 4+e of the 16 rows, 64 bytes each, from one 64-byte chunk: the low nibbles, and where hi is
+// given (5 and 6 bits) the top bit pairs from its 32 bytes.
+static inline void unpack16(const uint8_t *lo, const uint8_t *hi, __m512i *w0, __m512i *w1) {
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i packed = _mm512_loadu_si512((const void *)lo);
+    *w0 = _mm512_and_si512(packed, low);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    if (hi) {
+        const __m256i h256 = _mm256_loadu_si256((const __m256i *)hi);
+        const __m512i h = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
+        *w0 = _mm512_or_si512(*w0, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+        *w1 = _mm512_or_si512(*w1, _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+    }
+}
+
 // Sub-blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): the AVX2 path's sums and float steps, 16 lanes
 // wide; 5-bit weights take their top bits from hi as Q6_K's do.
 static inline __attribute__((always_inline)) void group_k32_vnni(int bits, int zero, int sck, int mink, int g,
@@ -415,30 +440,18 @@ static inline __attribute__((always_inline)) void group_k32_vnni(int bits, int z
     const uint8_t *hig = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
     __m512 acc[ROW_TILE], minacc[ROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     for (int j = 0; j < nsub; j++) {
         const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (nsub / S) + j / S) * GROUP;
         __m512 scale = _mm512_loadu_ps(w->d + sb), min = _mm512_setzero_ps();
         if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + at));
         if (mink != MIN_NONE) min = _mm512_loadu_ps(w->dmin + sb);
         if (mink == MIN_D_MN) min = _mm512_mul_ps(min, cvt16_u8(w->mn + at));
-        for (int o = 0; o < 256; o += 64) PREFETCH(qg + (size_t)j * 256 + PREFETCH_AHEAD + o);
-        if (hig) {
-            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
-            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
-        }
+        prefetch_block16(qg, hig, j);
         __m512i I[ROW_TILE];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-            const __m512i packed = _mm512_loadu_si512((const void *)(qg + ((size_t)j * 4 + t) * 64));
-            __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            if (hig) {
-                const __m256i h256 = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
-                const __m512i h = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
-                w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-                w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
-            }
+            __m512i w0, w1;
+            unpack16(qg + ((size_t)j * 4 + t) * 64, hig ? hig + ((size_t)j * 4 + t) * 32 : NULL, &w0, &w1);
             _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
                 const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
                 I[r] = _mm512_dpbusd_epi32(I[r], w0, bcast4_512(xr));
@@ -466,30 +479,18 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
     const uint8_t *log = w->lo + (size_t)g * (K / 2) * GROUP;
     const uint8_t *hig = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
     const int8_t *sc = (const int8_t *)w->sc;
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     __m512 acc[ROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int j = 0; j < nsub; j++) {
         const __m512 dg = _mm512_loadu_ps(w->d + ((size_t)g * (K / 16 / w->S) + 2 * j / w->S) * GROUP);
         const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
         const __m512 sa = _mm512_mul_ps(dg, cvt16_i8(scg)), sb = _mm512_mul_ps(dg, cvt16_i8(scg + GROUP));
-        for (int o = 0; o < 256; o += 64) PREFETCH(log + (size_t)j * 256 + PREFETCH_AHEAD + o);
-        if (hig) {
-            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2);
-            PREFETCH(hig + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
-        }
+        prefetch_block16(log, hig, j);
         __m512i I[ROW_TILE][2];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r][0] = I[r][1] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-            const __m512i packed = _mm512_loadu_si512((const void *)(log + ((size_t)j * 4 + t) * 64));
-            __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            if (hig) {
-                const __m256i h256 = _mm256_loadu_si256((const __m256i *)(hig + ((size_t)j * 4 + t) * 32));
-                const __m512i h = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(h256), _mm256_srli_epi16(h256, 4), 1), low);
-                w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-                w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
-            }
+            __m512i w0, w1;
+            unpack16(log + ((size_t)j * 4 + t) * 64, hig ? hig + ((size_t)j * 4 + t) * 32 : NULL, &w0, &w1);
             _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
                 const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
                 __m512i *s = &I[r][t / 2];
