@@ -117,8 +117,8 @@ def _warn_of_requantized_types(reader: GGUFReader, raw_types: frozenset) -> None
     other = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2
                     and t.tensor_type not in raw_types | FLOAT_TYPES})
     if other:
-        warnings.warn(f"weights in {', '.join(other)} are not computed as stored: they are requantized to 8 bits "
-                      f"(more bytes per token than the file; computed as stored: "
+        warnings.warn(f"weights in {', '.join(other)} are not computed as stored: they are requantized (Q8_0; 4 "
+                      f"bits under w4a8-all), more bytes per token than the file (computed as stored: "
                       f"{', '.join(sorted(t.name for t in raw_types))})", stacklevel=3)
 
 

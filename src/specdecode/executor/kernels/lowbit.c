@@ -236,6 +236,16 @@ static void group_scalar(int fmt_bits, int sub, int zero, int sck, int mink, int
 
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
+// Block j of a group (`bytes` of low bits: 256 for 3 to 6 bits, 512 for 8; and 128 of top bits where hi is
+// given, for 5 and 6 bits) requested ahead of use.
+static inline void prefetch_block(const uint8_t *lo, const uint8_t *hi, int j, int bytes) {
+    for (int o = 0; o < bytes; o += 64) PREFETCH(lo + (size_t)j * bytes + PREFETCH_AHEAD + o);
+    if (hi) {
+        PREFETCH(hi + (size_t)j * 128 + PREFETCH_AHEAD / 2);
+        PREFETCH(hi + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
+    }
+}
+
 #if defined(HAVE_AVX2)
 // ---- AVX2: the 16 rows of a group as two halves of 8 --------------------------------------------------------
 static inline __m256 cvt_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
@@ -275,7 +285,8 @@ static inline void unpack8(int bits, const uint8_t *lo, const uint8_t *hi, int h
     }
 }
 
-// Chunk t (8 weights per row) of block j into the sums: int16 for 4 bits (s16), int32 per half block otherwise.
+// Chunk t (8 weights per row) of block j into the sums: int16 (s16) for 4 bits in sub-blocks of 32, int32 per
+// sub-block (I) otherwise.
 static inline __attribute__((always_inline)) void chunk_dots(int bits, int sub, int t, size_t chunk, int j, int half,
         int m0, const int rows, int K, const weights_t *w, const acts_t *a, __m256i s16[ROW_TILE],
         __m256i I[ROW_TILE][2]) {
@@ -369,18 +380,15 @@ static inline __attribute__((always_inline)) void half_block(int bits, int sub, 
 // whole while it is in L1 (a pass per half read every chunk twice: a third of a decode step on this path).
 static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, int zero, int sck, int mink, int g,
         int m0, const int rows, int K, int N, const weights_t *w, const acts_t *a, float *y) {
-    const size_t weight_bytes = bits == 8 ? 256 : 128;  // per block of 32 per group (low bits)
+    const int block_bytes = bits == 8 ? 512 : 256;  // low bits of a block of 32 weights of the group's 16 rows
+    const uint8_t *log = w->lo + (size_t)g * (K / 32) * block_bytes;
+    const uint8_t *hig = bits > 4 && bits < 8 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
     const int inline_mins = mink != MIN_NONE && rows <= 2;
     __m256 acc[2][ROW_TILE], minacc[2][ROW_TILE];
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) acc[h][r] = minacc[h][r] = _mm256_setzero_ps();
     for (int j = 0; j < K / 32; j++) {
-        const uint8_t *next = w->lo + ((size_t)g * (K / 32) + j) * weight_bytes * 2 + PREFETCH_AHEAD;
-        for (size_t o = 0; o < weight_bytes * 2; o += 64) PREFETCH(next + o);
-        if (bits > 4 && bits < 8) {
-            PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2);
-            PREFETCH(w->hi + ((size_t)g * (K / 32) + j) * 128 + PREFETCH_AHEAD / 2 + 64);
-        }
+        prefetch_block(log, hig, j, block_bytes);
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
             half_block(bits, sub, zero, sck, mink, inline_mins, g, h, j, m0, rows, K, w, a, acc[h], minacc[h]);
     }
@@ -404,15 +412,6 @@ static inline __m512i bcast4_512(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
-}
-
-// Block j's weights of a group (and their top bits, for 5 and 6 bits) requested ahead of use.
-static inline void prefetch_block16(const uint8_t *lo, const uint8_t *hi, int j) {
-    for (int o = 0; o < 256; o += 64) PREFETCH(lo + (size_t)j * 256 + PREFETCH_AHEAD + o);
-    if (hi) {
-        PREFETCH(hi + (size_t)j * 128 + PREFETCH_AHEAD / 2);
-        PREFETCH(hi + (size_t)j * 128 + PREFETCH_AHEAD / 2 + 64);
-    }
 }
 
 // Weights e and 4+e of the 16 rows, 64 bytes each, from one 64-byte chunk: the low nibbles, and where hi is
@@ -446,7 +445,7 @@ static inline __attribute__((always_inline)) void group_k32_vnni(int bits, int z
         if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + at));
         if (mink != MIN_NONE) min = _mm512_loadu_ps(w->dmin + sb);
         if (mink == MIN_D_MN) min = _mm512_mul_ps(min, cvt16_u8(w->mn + at));
-        prefetch_block16(qg, hig, j);
+        prefetch_block(qg, hig, j, 256);
         __m512i I[ROW_TILE];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
@@ -485,7 +484,7 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
         const __m512 dg = _mm512_loadu_ps(w->d + ((size_t)g * (K / 16 / w->S) + 2 * j / w->S) * GROUP);
         const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
         const __m512 sa = _mm512_mul_ps(dg, cvt16_i8(scg)), sb = _mm512_mul_ps(dg, cvt16_i8(scg + GROUP));
-        prefetch_block16(log, hig, j);
+        prefetch_block(log, hig, j, 256);
         __m512i I[ROW_TILE][2];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r][0] = I[r][1] = _mm512_setzero_si512();
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
