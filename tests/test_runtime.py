@@ -94,6 +94,16 @@ def _bf16_is_native() -> bool:
     return resolve_dtype("auto", "cpu") == torch.bfloat16
 
 
+def _one_row_matmul_differs() -> bool:
+    """Whether a one-row bf16 matmul rounds differently from the same row inside a two-row one (a GEMV
+    kernel beside a GEMM kernel), at the 1.5B's MLP shape."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(8960, 1536, generator=gen) * 0.05).bfloat16()
+    rows = torch.randn(2, 1536, generator=gen).bfloat16()
+    one = torch.nn.functional.linear(rows[:1], weight)
+    return not torch.equal(one, torch.nn.functional.linear(rows, weight)[:1])
+
+
 @pytest.mark.skipif(not _bf16_is_native(), reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
 def test_verify_logits_are_bitwise_equal_to_decode_logits():
     """Greedy speculation reproduces plain decoding only if a token's logits do not depend on how many
@@ -108,6 +118,10 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     """Without the two-row padding (the GEMV path), the same comparison finds differences: the test
     above is sensitive to the property it guards."""
     from specdecode.models import runtime
+
+    if not _one_row_matmul_differs():
+        pytest.skip("this CPU's oneDNN computes one bf16 row with the same kernel as many (AMX does), "
+                    "so the padding is not what keeps the logits equal here and cannot be shown necessary")
 
     monkeypatch.setattr(runtime.Linear, "forward", torch.nn.Linear.forward)
     cfg = tiny_config(hidden=1536, intermediate=8960, layers=1, vocab=4096)  # Qwen2.5-1.5B's layer shapes
