@@ -277,3 +277,37 @@ def test_llama_cpp_perplexity_and_tokens_are_read_from_its_output(tmp_path):
     (tmp_path / "llama-perplexity").write_text("#!/bin/sh\necho 'error: you need at least 512 tokens' >&2\n")
     with pytest.raises(SpecDecodeError, match="could not read llama-perplexity's estimate"):
         run_llama_perplexity(str(tmp_path), "m.gguf", "t.txt", 256, 2)
+
+
+def _tool(folder, name: str, script: str) -> None:
+    tool = folder / name
+    tool.write_text("#!/bin/sh\n" + script)
+    tool.chmod(0o755)
+
+
+def test_llama_cpp_batches_run_unrepacked_where_its_repacked_kernels_crash(tmp_path):
+    """A llama-bench that dies of SIGSEGV on forwards over several tokens unless repacking is off (as its
+    AMX kernels do on some Intel hosts): decoding keeps the default run, the forwards come from the rerun."""
+    from specdecode.bench.llama_cpp import run_llama_bench, run_llama_speculative
+
+    tg = '{"n_prompt": 0, "n_gen": 96, "avg_ts": 14.0}'
+    pp = '{"n_prompt": 1, "n_gen": 0, "avg_ts": 20.0}, {"n_prompt": 3, "n_gen": 0, "avg_ts": 45.0}'
+    _tool(tmp_path, "llama-bench", f"""case "$*" in
+  *"--repack 0"*) echo '[{pp}]' ;;
+  *"-p 0 "*) echo '[{tg}]' ;;
+  *) kill -SEGV $$ ;;
+esac
+""")
+    bench = run_llama_bench(str(tmp_path), "m.gguf", 2, 96, forward_sizes=(1, 3))
+    assert (bench.decode_tokens_per_s, bench.batches_repacked) == (14.0, False)
+    assert bench.verify_cost_ratio(2) == pytest.approx((3000 / 45) / 50)
+    _tool(tmp_path, "llama-speculative-simple", """case "$*" in
+  *--no-repack*) printf 'decoded 96 tokens in 4.0 seconds\\nn_drafted = 60\\nn_accept = 45\\n' >&2 ;;
+  *) kill -SEGV $$ ;;
+esac
+""")
+    spec = run_llama_speculative(str(tmp_path), "m.gguf", "d.gguf", ["a", "b"], 3, 96, 2)
+    assert (spec.output_tokens, spec.drafted, spec.accepted, spec.repacked) == (192, 120, 90, False)
+    _tool(tmp_path, "llama-bench", "kill -SEGV $$\n")  # crashing either way: the error says so
+    with pytest.raises(SpecDecodeError, match="died of signal 11"):
+        run_llama_bench(str(tmp_path), "m.gguf", 2, 96)

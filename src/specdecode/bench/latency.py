@@ -16,7 +16,7 @@ from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
 from .edits import agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, ratio, yes_no
-from .llama_cpp import LLAMA_NGRAM_MODES, LlamaBench, run_llama_bench, run_llama_speculative
+from .llama_cpp import LLAMA_NGRAM_MODES, NO_REPACK_NOTE, LlamaBench, run_llama_bench, run_llama_speculative
 from .results import command_line, describe_machine, machine_info, write_json
 
 
@@ -203,6 +203,8 @@ def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, Llama
     forwards over 1..5 tokens give llama.cpp's verify cost)."""
 
     bench = run_llama_bench(args.vs_llama_cpp, resolve(args.model).path, threads, args.max_tokens)
+    if not bench.batches_repacked:
+        print(f"note: {NO_REPACK_NOTE} (llama-bench pp)", flush=True)
     row = LatencyResult(f"llama.cpp: plain ({when})", "llama.cpp", "none", 0, args.max_tokens,
                         args.max_tokens / bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
                         1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0)
@@ -219,7 +221,7 @@ def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: Lat
     for k in args.ks if draft_name else []:
         spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path,
                                      prompts, k, args.max_tokens, threads)
-        res = LatencyResult(f"llama.cpp: draft k={k}", "llama.cpp", draft_name, k, spec.output_tokens,
+        res = LatencyResult(f"llama.cpp: draft k={k}{_unrepacked(spec)}", "llama.cpp", draft_name, k, spec.output_tokens,
                             spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
                             speedup=spec.tokens_per_s / plain.tokens_per_s,
                             verify_cost_ratio=bench.verify_cost_ratio(k))
@@ -228,13 +230,18 @@ def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: Lat
     return results
 
 
+def _unrepacked(spec) -> str:
+    """A mark on llama.cpp rows that ran with repacking off (see NO_REPACK_NOTE)."""
+    return "" if spec.repacked else ", no repack"
+
+
 def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyResult) -> list[LatencyResult]:
     """llama.cpp's n-gram speculation modes (no draft model), each with its defaults, on the same prompts."""
     results = []
     for mode in LLAMA_NGRAM_MODES:
         spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, None, prompts, 0,
                                      args.max_tokens, threads, spec_type=mode)
-        res = LatencyResult(f"llama.cpp: {mode}", "llama.cpp", mode, 0, spec.output_tokens, spec.seconds,
+        res = LatencyResult(f"llama.cpp: {mode}{_unrepacked(spec)}", "llama.cpp", mode, 0, spec.output_tokens, spec.seconds,
                             spec.tokens_per_s, spec.acceptance_rate, None, None, None,
                             speedup=spec.tokens_per_s / plain.tokens_per_s)
         results.append(res)

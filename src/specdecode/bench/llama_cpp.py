@@ -19,10 +19,21 @@ from ..errors import SpecDecodeError
 LLAMA_NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
 
+class LlamaCrashed(SpecDecodeError):
+    """A llama.cpp tool died of a signal (not a bad argument)."""
+
+
+# Where llama.cpp's repacked weights crash its batched forwards (its AMX kernels on some Intel hosts die
+# of a general protection fault), it runs again with repacking off; decoding one token never takes that
+# path, so its plain rate keeps the faster repacked weights.
+NO_REPACK_NOTE = "llama.cpp's repacked batch kernels crashed on this CPU: its forwards over several tokens ran unrepacked"
+
+
 @dataclass
 class LlamaBench:
     decode_tokens_per_s: float  # tg: plain decoding
     forward_ms: dict[int, float]  # tokens in one forward -> ms (from pp)
+    batches_repacked: bool = True
 
     def verify_cost_ratio(self, k: int) -> float | None:
         """T(k+1)/T(1): a verify over k drafts against one decoded token."""
@@ -36,6 +47,7 @@ class LlamaSpeculative:
     seconds: float
     drafted: int
     accepted: int
+    repacked: bool = True
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,12 +68,17 @@ def binary(bin_dir: str, name: str) -> str:
 
 def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
                     forward_sizes: tuple[int, ...] = (1, 2, 3, 5), repeats: int = 3) -> LlamaBench:
-    cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json",
-           "-p", ",".join(map(str, forward_sizes)), "-n", str(max_tokens)]
-    rows = json.loads(_run(cmd))
+    cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    sizes = ",".join(map(str, forward_sizes))
+    try:
+        rows, repacked = json.loads(_run(cmd + ["-p", sizes, "-n", str(max_tokens)])), True
+    except LlamaCrashed:
+        rows = json.loads(_run(cmd + ["-p", "0", "-n", str(max_tokens)]))
+        rows += json.loads(_run(cmd + ["-p", sizes, "-n", "0", "--repack", "0"]))
+        repacked = False
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     forward_ms = {r["n_prompt"]: 1000 * r["n_prompt"] / r["avg_ts"] for r in rows if r["n_prompt"] > 0}
-    return LlamaBench(tg, forward_ms)
+    return LlamaBench(tg, forward_ms, repacked)
 
 
 def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts: list[str], k: int,
@@ -72,9 +89,16 @@ def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts:
     total = LlamaSpeculative(k, 0, 0.0, 0, 0)
     proposer = ["-md", draft, "--spec-draft-n-max", str(k), "-td", str(threads)] if draft else []
     for prompt in prompts:
-        log = _run([binary(bin_dir, "llama-speculative-simple"), "-m", target, *proposer, "--spec-type", spec_type,
-                    "-t", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0",
-                    "--ignore-eos", "-p", prompt])
+        cmd = [binary(bin_dir, "llama-speculative-simple"), "-m", target, *proposer, "--spec-type", spec_type,
+               "-t", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0", "--ignore-eos",
+               "-p", prompt] + ([] if total.repacked else ["--no-repack"])
+        try:
+            log = _run(cmd)
+        except LlamaCrashed:
+            if not total.repacked:
+                raise
+            total.repacked = False
+            log = _run(cmd + ["--no-repack"])
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         drafted, accepted = re.search(r"n_drafted\s*=\s*(\d+)", log), re.search(r"n_accept\s*=\s*(\d+)", log)
         if not (decoded and drafted and accepted):
@@ -110,6 +134,8 @@ def run_llama_perplexity(bin_dir: str, gguf: str, text_file: str, context: int, 
 
 def _run(cmd: list[str]) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode < 0:
+        raise LlamaCrashed(f"{os.path.basename(cmd[0])} died of signal {-done.returncode}:\n{done.stderr[-2000:]}")
     if done.returncode != 0:
         raise SpecDecodeError(f"{os.path.basename(cmd[0])} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     return done.stdout + done.stderr
