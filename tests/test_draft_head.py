@@ -223,9 +223,14 @@ def test_a_head_that_misstates_its_probabilities_fails_the_distribution_test(sma
 
 
 # ---- distill --------------------------------------------------------------------------------------------
-def test_distill_trains_a_head_that_drafts_what_the_target_says(target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
+def test_distill_trains_a_head_that_drafts_what_the_target_says(target, tmp_path, monkeypatch, precision):
     """Trained on the target's own continuations of some prompts, the head's drafts are accepted far more
-    often than an untrained head's on the continuation of a prompt it never saw."""
+    often than an untrained head's on the continuation of a prompt it never saw; in both training
+    precisions, whichever this CPU would choose (bf16 autocast where bf16 is native)."""
+    from specdecode.distill import train
+
+    monkeypatch.setattr(train, "resolve_dtype", lambda dtype, device: precision)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
     outs = plain.generate([[i, i + 1, (3 * i) % 60] for i in range(1, 49)],
@@ -298,3 +303,34 @@ def test_the_head_keeps_its_cache_in_the_engines_kv_cache_dtype(target, head):
     for kv_cache_dtype, expected in (("float32", torch.float32), ("auto", torch.float16)):
         llm = _llm(target, head, kv_cache_dtype=kv_cache_dtype)
         assert llm.engine.proposer.runner._cache.k[0].dtype == expected
+
+
+def test_an_interrupted_recording_resumes_where_its_last_shard_ends(target, tmp_path, monkeypatch):
+    """Killed after 20 of 30 chunks, a rerun reads the two saved shards (16 chunks), records only the 14
+    after them, and returns what one uninterrupted recording returns."""
+    from specdecode.distill import data
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n"
+                            for i in range(1, 40)))
+    calls, forward = [], data.ModelRunner.forward
+
+    def counted(self, *args, **kwargs):
+        if len(calls) == limit:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(data.ModelRunner, "forward", counted)
+    limit = 20
+    with pytest.raises(KeyboardInterrupt):
+        data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
+    calls.clear()
+    limit = None
+    resumed = data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
+    assert len(calls) == 30 - 16
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "fresh"))
+    whole = data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
+    assert len(whole) == 30 and all(torch.equal(getattr(resumed, f), getattr(whole, f))
+                                    for f in ("tokens", "hidden", "choice"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,20 +84,20 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
     chunks = token_chunks(texts, target.tokenizer, chunk, max_tokens)
     if not chunks:
         raise SpecDecodeError(f"the data sources {sources} hold no chunk of {chunk} tokens")
-    hidden, choice = _record(target, chunks, path + ".partial", progress)
+    hidden, choice = _record(target, chunks, path + ".parts", progress)
     data = FeatureSet(torch.tensor(chunks), torch.stack(hidden), torch.stack(choice))
     torch.save(vars(data), path + ".tmp")
     os.replace(path + ".tmp", path)
-    os.remove(path + ".partial")
+    shutil.rmtree(path + ".parts")
     return data
 
 
-def _record(target: LoadedModel, chunks: list[list[int]], partial: str, progress: bool,
-            save_every: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The target's hidden states and greedy choices per chunk; every few chunks what is done goes to
-    `partial`, from which an interrupted run resumes."""
-    done = torch.load(partial) if os.path.exists(partial) else {"hidden": [], "choice": []}
-    hidden, choice = done["hidden"], done["choice"]
+def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool,
+            shard: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The target's hidden states and greedy choices per chunk. Every `shard` chunks go to a file of their
+    own in `parts`, from which an interrupted run resumes: appending shards keeps saving linear in the
+    data (rewriting one growing file every few chunks also grew the process by a logits tensor a save)."""
+    hidden, choice = _recorded_shards(parts)
     runner = ModelRunner(target.model, 1, len(chunks[0]))
     slot = runner.allocate()
     for i in tqdm(range(len(hidden), len(chunks)), desc="target features", unit="chunk", initial=len(hidden),
@@ -105,10 +106,23 @@ def _record(target: LoadedModel, chunks: list[list[int]], partial: str, progress
         logits, h = runner.forward([slot], [chunks[i]], logits="all", hidden=True)
         hidden.append(h.to(torch.bfloat16))
         choice.append(logits.argmax(-1))
-        if (i + 1) % save_every == 0 or i + 1 == len(chunks):
-            os.makedirs(os.path.dirname(partial), exist_ok=True)
-            torch.save({"hidden": hidden, "choice": choice}, partial + ".tmp")
-            os.replace(partial + ".tmp", partial)
+        if (i + 1) % shard == 0 or i + 1 == len(chunks):
+            first = (i // shard) * shard
+            os.makedirs(parts, exist_ok=True)
+            name = os.path.join(parts, f"{first:06d}.pt")
+            torch.save({"hidden": hidden[first:], "choice": choice[first:]}, name + ".tmp")
+            os.replace(name + ".tmp", name)
+    return hidden, choice
+
+
+def _recorded_shards(parts: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What an interrupted recording saved, in chunk order (shard files are named by their first chunk)."""
+    hidden, choice = [], []
+    for name in sorted(os.listdir(parts)) if os.path.isdir(parts) else []:
+        if name.endswith(".pt") and int(name[:-3]) == len(hidden):
+            shard = torch.load(os.path.join(parts, name))
+            hidden += shard["hidden"]
+            choice += shard["choice"]
     return hidden, choice
 
 
