@@ -311,3 +311,26 @@ esac
     _tool(tmp_path, "llama-bench", "kill -SEGV $$\n")  # crashing either way: the error says so
     with pytest.raises(SpecDecodeError, match="died of signal 11"):
         run_llama_bench(str(tmp_path), "m.gguf", 2, 96)
+
+
+@pytest.mark.parametrize("draft, rows", [
+    (None, ["ngram"]),  # no bundled draft for a tiny target: the n-gram rows only
+    ("ngram", ["ngram"]),
+    ("suffix", ["suffix", "ngram"]),
+    ("head:H", ["head", "ngram"]),
+])
+def test_bench_latency_draft_takes_a_proposer_kind_as_its_own_rows(target, monkeypatch, draft, rows):
+    """`bench latency --draft ngram|suffix|head:PATH` (as --help says) measures that proposer under the fixed
+    policy instead of loading a draft model named like it."""
+    from specdecode.bench import latency
+    from specdecode.cli import build_parser
+
+    made = []
+    monkeypatch.setattr(latency, "LLM", lambda **kw: made.append(kw) or kw)
+    args = build_parser().parse_args(["bench", "latency", "--model", "tiny", "-k", "2", "3"]
+                                     + (["--draft", draft] if draft else []))
+    assert latency.draft_model_name(args) is None
+    runs = latency.make_runs(args, target, None, None)
+    assert [r.kind for r in runs] == rows
+    assert all(kw["speculation_policy"] == "fixed" for kw in made)
+    assert [kw["speculative_model"] for kw in made][:1] == [draft or "ngram"]

@@ -12,6 +12,7 @@ from ..engine.profile import time_forward
 from ..metrics import SpecCounters
 from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
+from ..proposers.registry import DRAFT_MODEL, proposer_kind
 from ..sampling import SamplingParams
 from .datasets import humaneval_prompts
 from .edits import agent_loop_scripts, code_edit_prompts, describe_dataset
@@ -129,10 +130,23 @@ class Run:
     confidences: list[float]
 
 
+def draft_model_name(args) -> str | None:
+    """The draft model of the draft rows (the bundled draft by default); None when --draft names a
+    proposer kind (ngram, suffix, head:PATH, a plug-in), which gets rows of its own instead."""
+    if proposer_kind(args.draft) not in (None, DRAFT_MODEL):
+        return None
+    return default_draft(args.model, args.draft)
+
+
 def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
     fixed = dict(common, speculation_policy="fixed")  # the study sweeps k
     runs = []
+    kind = proposer_kind(args.draft)
+    if kind not in (None, DRAFT_MODEL):
+        confidences = [0.0] if kind in ("ngram", "suffix") else args.draft_confidence  # their drafts are sure
+        runs.append(Run(LLM(target=target, speculative_model=args.draft, **fixed), kind, args.draft, args.ks,
+                        confidences))
     if draft:
         runs.append(Run(LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **fixed),
                         "draft", draft_name, args.ks, args.draft_confidence))
@@ -140,7 +154,7 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
         head = args.head if args.head.startswith("head:") else f"head:{args.head}"
         runs.append(Run(LLM(target=target, speculative_model=head, **fixed), "head", head, args.ks,
                         args.draft_confidence))
-    if not args.no_ngram:
+    if not args.no_ngram and kind != "ngram":
         runs.append(Run(LLM(target=target, speculative_model="ngram", **fixed), "ngram", "ngram", args.ks, [0.0]))
     if args.suffix:
         k = max(args.ks)
@@ -162,7 +176,7 @@ def run_backend(args, quantization: str, requests: list, params: SamplingParams)
     timed prompts as plain decoding saw them (for llama.cpp's rows)."""
     target = load_model(args.model, args.device, args.dtype, quantization=quantization,
                         kv_cache_dtype=args.kv_cache_dtype)
-    draft_name = default_draft(args.model, args.draft)
+    draft_name = draft_model_name(args)
     draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
                        draft=True, kv_cache_dtype=args.kv_cache_dtype) if draft_name else None
     runs = make_runs(args, target, draft, draft_name)
@@ -216,7 +230,7 @@ def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: Lat
                               bench: LlamaBench) -> list[LatencyResult]:
     """llama.cpp's own draft-model speculation at each k, on the same files and prompts."""
 
-    draft_name = default_draft(args.model, args.draft)
+    draft_name = draft_model_name(args)
     results = []
     for k in args.ks if draft_name else []:
         spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path,
