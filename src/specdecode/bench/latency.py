@@ -235,8 +235,8 @@ def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: Lat
     for k in args.ks if draft_name else []:
         spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path,
                                      prompts, k, args.max_tokens, threads)
-        res = LatencyResult(f"llama.cpp: draft k={k}{_unrepacked(spec)}", "llama.cpp", draft_name, k, spec.output_tokens,
-                            spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
+        res = LatencyResult(f"llama.cpp: draft k={k}{_unrepacked(spec)}", "llama.cpp", draft_name, k,
+                            spec.output_tokens, spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
                             speedup=spec.tokens_per_s / plain.tokens_per_s,
                             verify_cost_ratio=bench.verify_cost_ratio(k))
         results.append(res)
@@ -255,8 +255,8 @@ def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyRe
     for mode in LLAMA_NGRAM_MODES:
         spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, None, prompts, 0,
                                      args.max_tokens, threads, spec_type=mode)
-        res = LatencyResult(f"llama.cpp: {mode}{_unrepacked(spec)}", "llama.cpp", mode, 0, spec.output_tokens, spec.seconds,
-                            spec.tokens_per_s, spec.acceptance_rate, None, None, None,
+        res = LatencyResult(f"llama.cpp: {mode}{_unrepacked(spec)}", "llama.cpp", mode, 0, spec.output_tokens,
+                            spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
                             speedup=spec.tokens_per_s / plain.tokens_per_s)
         results.append(res)
         print(_row(res), flush=True)

@@ -26,7 +26,8 @@ class LlamaCrashed(SpecDecodeError):
 # Where llama.cpp's repacked weights crash its batched forwards (its AMX kernels on some Intel hosts die
 # of a general protection fault), it runs again with repacking off; decoding one token never takes that
 # path, so its plain rate keeps the faster repacked weights.
-NO_REPACK_NOTE = "llama.cpp's repacked batch kernels crashed on this CPU: its forwards over several tokens ran unrepacked"
+NO_REPACK_NOTE = ("llama.cpp's repacked batch kernels crashed on this CPU: its forwards over several tokens "
+                  "ran unrepacked")
 
 
 @dataclass
@@ -88,17 +89,18 @@ def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts:
     an n-gram spec_type there is no draft model, and the mode drafts as its defaults say."""
     total = LlamaSpeculative(k, 0, 0.0, 0, 0)
     proposer = ["-md", draft, "--spec-draft-n-max", str(k), "-td", str(threads)] if draft else []
+    no_repack: list[str] = []  # set for the rest of the prompts once a repacked run crashed
     for prompt in prompts:
         cmd = [binary(bin_dir, "llama-speculative-simple"), "-m", target, *proposer, "--spec-type", spec_type,
                "-t", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0", "--ignore-eos",
-               "-p", prompt] + ([] if total.repacked else ["--no-repack"])
+               "-p", prompt]
         try:
-            log = _run(cmd)
+            log = _run(cmd + no_repack)
         except LlamaCrashed:
-            if not total.repacked:
+            if no_repack:
                 raise
-            total.repacked = False
-            log = _run(cmd + ["--no-repack"])
+            no_repack = ["--no-repack"]
+            log = _run(cmd + no_repack)
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         drafted, accepted = re.search(r"n_drafted\s*=\s*(\d+)", log), re.search(r"n_accept\s*=\s*(\d+)", log)
         if not (decoded and drafted and accepted):
@@ -107,6 +109,7 @@ def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts:
         total.seconds += float(decoded[2])
         total.drafted += int(drafted[1])
         total.accepted += int(accepted[1])
+    total.repacked = not no_repack
     return total
 
 

@@ -99,9 +99,10 @@ def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | N
         step, log = state["step"], state["log"]
     gen = torch.Generator().manual_seed(recipe.seed + step)
     bar = tqdm(total=recipe.steps, initial=step, desc="training head", unit="step", disable=not progress)
+    precision = training_precision(head.device)
     while step < recipe.steps:
         pick = torch.randint(len(data), (recipe.batch,), generator=gen)
-        with training_precision(head.device):
+        with precision:
             losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
             loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
                        for i, (ce, reg, _) in enumerate(losses))
