@@ -3,6 +3,7 @@ the sampled distribution, the pairing of features with tokens, KV rollback, refu
 another target, and training that learns; each property beside a broken variant that fails it."""
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -334,3 +335,37 @@ def test_an_interrupted_recording_resumes_where_its_last_shard_ends(target, tmp_
     whole = data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
     assert len(whole) == 30 and all(torch.equal(getattr(resumed, f), getattr(whole, f))
                                     for f in ("tokens", "hidden", "choice"))
+
+
+def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_kept(target, tmp_path, monkeypatch):
+    """`completions:jsonl:FILE`: each prompt followed by what the engine decodes for it greedily, in prompt
+    order, cut into chunks; a second recording reads the kept completions instead of generating again."""
+    from specdecode.distill import completions, data
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    prompts = ["".join(chr(33 + (7 * i + 3 * j) % 60) for j in range(5 + i)) for i in range(10)]
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    engine = LLM(target=target, num_speculative_tokens=0, max_num_seqs=completions.BATCH, max_model_len=64)
+    expected = [t for p, o in zip(prompts, engine.generate(prompts, params))
+                for t in target.tokenizer.encode(p) + o.outputs[0].token_ids]
+    assert len(expected) > 4 * 16
+
+    def recorded():
+        return data.collect_features(target, [f"completions:jsonl:{file}"], 16, 10_000, False, (10, 12))
+
+    first = recorded()
+    assert first.tokens.flatten().tolist() == expected[:len(first) * 16] and len(first) == len(expected) // 16
+    monkeypatch.setattr(completions, "_generate_stream", lambda *a: pytest.fail("generated again"))
+    os.remove(data._cache_path(target, [f"completions:jsonl:{file}"], 16, 10_000, [10, 12]))  # features only
+    assert torch.equal(recorded().tokens, first.tokens)
+
+
+def test_stdlib_completion_prompts_end_after_a_docstring():
+    from specdecode.distill.completions import stdlib_function_prompts
+
+    prompts = stdlib_function_prompts(20)
+    assert len(prompts) == 20 and len(set(prompts)) == 20
+    for p in prompts:
+        assert p.lstrip().startswith("def ") and p.rstrip().endswith(('"""', "'''")), p

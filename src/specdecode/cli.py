@@ -319,9 +319,14 @@ def _add_distill(sub) -> None:
     dist.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS,
                       help="the target's backend while recording its features: the one it will serve with")
     dist.add_argument("--data", nargs="+", default=R.sources,
-                      help="text the target reads: stdlib (this Python's own modules), sonnets, humaneval, "
-                           "jsonl:FILE (a 'text' field per line)")
+                      help="text the target reads: completions:NAME (the target's own completions of prompts: "
+                           "stdlib = the standard library's function signatures and docstrings, humaneval, "
+                           "jsonl:FILE with a 'prompt' field), stdlib (this Python's own modules), sonnets, "
+                           "humaneval, jsonl:FILE (a 'text' field per line)")
     dist.add_argument("--tokens", type=int, default=R.tokens, help="tokens of text to record")
+    dist.add_argument("--completions", type=int, default=R.completions, help="prompts completed per completions source")
+    dist.add_argument("--completion-tokens", type=int, default=R.completion_tokens,
+                      help="new tokens per completion at most")
     dist.add_argument("--chunk", type=int, default=R.chunk, help="tokens per training sequence")
     dist.add_argument("--steps", type=int, default=R.steps)
     dist.add_argument("--batch", type=int, default=R.batch, help="sequences per step")

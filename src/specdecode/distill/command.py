@@ -20,7 +20,8 @@ def distill(target: LoadedModel, out: str, recipe: Recipe | None = None, progres
     """Train a head for `target` and write it to OUT.safetensors / OUT.json; returns the summary."""
     recipe = recipe or Recipe()
     started = time.time()
-    data = collect_features(target, recipe.sources, recipe.chunk, recipe.tokens, progress)
+    data = collect_features(target, recipe.sources, recipe.chunk, recipe.tokens, progress,
+                            (recipe.completions, recipe.completion_tokens))
     collected = time.time()
     train_set, held_out = data.split(HELD_OUT)
     vocab = draft_vocabulary(train_set, recipe.draft_vocab_size, target.tokenizer.special_ids,
@@ -47,7 +48,8 @@ def run_distill_cli(args) -> int:
     from ..models.loader import load_model
 
     target = load_model(args.model, args.device, "auto", True, args.quantization)
-    recipe = Recipe(sources=args.data, tokens=args.tokens, chunk=args.chunk, steps=args.steps, batch=args.batch,
+    recipe = Recipe(sources=args.data, tokens=args.tokens, completions=args.completions,
+                    completion_tokens=args.completion_tokens, chunk=args.chunk, steps=args.steps, batch=args.batch,
                     lr=args.lr, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size)
     summary = distill(target, args.out, recipe)
     print(json.dumps(summary, indent=1))

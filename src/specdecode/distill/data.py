@@ -19,12 +19,13 @@ from tqdm import tqdm
 
 from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines
 from ..errors import SpecDecodeError
+from .completions import completion_pieces
 from ..executor.runner import ModelRunner
 from ..proposers.draft_model import in_row_groups
 from ..models.loader import LoadedModel
 from ..models.sources import cache_root
 
-SOURCES = ("stdlib", "sonnets", "humaneval", "jsonl:FILE")
+SOURCES = ("stdlib", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
 
 
 @dataclass
@@ -58,10 +59,10 @@ def source_texts(source: str) -> list[str]:
     raise SpecDecodeError(f"unknown distill data source {source!r}; use one of {', '.join(SOURCES)}")
 
 
-def token_chunks(texts: list[str], tokenizer, chunk: int, max_tokens: int) -> list[list[int]]:
-    """Texts tokenized and cut into chunks of `chunk` tokens, interleaved across texts (so a small budget
-    still sees many files), up to `max_tokens` in all."""
-    per_text = [tokenizer.encode(t) for t in texts]
+def token_chunks(texts: list[str | list[int]], tokenizer, chunk: int, max_tokens: int) -> list[list[int]]:
+    """Texts (or token ids) tokenized and cut into chunks of `chunk` tokens, interleaved across texts (so a
+    small budget still sees many files), up to `max_tokens` in all."""
+    per_text = [tokenizer.encode(t) if isinstance(t, str) else t for t in texts]
     pieces = [[ids[i:i + chunk] for i in range(0, len(ids) - chunk + 1, chunk)] for ids in per_text]
     out: list[list[int]] = []
     for round_ in range(max((len(p) for p in pieces), default=0)):
@@ -72,15 +73,21 @@ def token_chunks(texts: list[str], tokenizer, chunk: int, max_tokens: int) -> li
 
 
 def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_tokens: int,
-                     progress: bool = True) -> FeatureSet:
-    """The target's features on the sources' text, read from the cache when this recipe ran before."""
-    from ..models.draft_head import target_fingerprint
-
-    key = json.dumps([target_fingerprint(target.model), target.model.backend, sources, chunk, max_tokens])
-    path = os.path.join(cache_root(), "distill", hashlib.sha256(key.encode()).hexdigest()[:16] + ".pt")
+                     progress: bool = True, completions: tuple[int, int] = (128, 192)) -> FeatureSet:
+    """The target's features on the sources' text, read from the cache when this recipe ran before.
+    completions: prompts completed and new tokens per completion, for each `completions:NAME` source."""
+    generated = [s for s in sources if s.startswith("completions:")]
+    path = _cache_path(target, sources, chunk, max_tokens, *([list(completions)] if generated else []))
     if os.path.exists(path):
         return FeatureSet(**torch.load(path))
-    texts = [t for s in sources for t in source_texts(s)]
+    texts = []
+    for source in sources:
+        if source in generated:  # one piece of token ids per chunk: each counts as a text of its own
+            prompt_set = source[len("completions:"):]
+            kept = _cache_path(target, prompt_set, *completions)[:-3] + ".completions.json"
+            texts += completion_pieces(target, prompt_set, *completions, chunk, kept, progress)
+        else:
+            texts += source_texts(source)
     chunks = token_chunks(texts, target.tokenizer, chunk, max_tokens)
     if not chunks:
         raise SpecDecodeError(f"the data sources {sources} hold no chunk of {chunk} tokens")
@@ -90,6 +97,16 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
     os.replace(path + ".tmp", path)
     shutil.rmtree(path + ".parts")
     return data
+
+
+def _cache_path(target: LoadedModel, *recipe) -> str:
+    """Where what the target computed for this recipe is kept (per target, backend and recipe)."""
+    from ..models.draft_head import target_fingerprint
+
+    key = json.dumps([target_fingerprint(target.model), target.model.backend, *recipe])
+    folder = os.path.join(cache_root(), "distill")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16] + ".pt")
 
 
 def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool,

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Recipe:
-    sources: list[str] = field(default_factory=lambda: ["stdlib", "sonnets"])  # see data.SOURCES
+    sources: list[str] = field(default_factory=lambda: ["completions:stdlib", "stdlib", "sonnets"])  # data.SOURCES
     tokens: int = 90_000  # of text the target reads and records
+    completions: int = 128  # prompts the target completes, per completions:NAME source
+    completion_tokens: int = 192  # new tokens per completion at most
     chunk: int = 256  # tokens per training sequence
     draft_vocab_size: int = 16384  # the target's most chosen tokens on the data
     intermediate_size: int = 2048  # the head layer's MLP width
