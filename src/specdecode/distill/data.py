@@ -127,7 +127,9 @@ def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: 
             first = (i // shard) * shard
             os.makedirs(parts, exist_ok=True)
             name = os.path.join(parts, f"{first:06d}.pt")
-            torch.save({"hidden": hidden[first:], "choice": choice[first:]}, name + ".tmp")
+            # two stacked tensors per shard: saving lists of the chunks' tensors kept the process growing
+            # until the OOM killer stopped it (docs/decisions.md)
+            torch.save({"hidden": torch.stack(hidden[first:]), "choice": torch.stack(choice[first:])}, name + ".tmp")
             os.replace(name + ".tmp", name)
     return hidden, choice
 
@@ -138,8 +140,8 @@ def _recorded_shards(parts: str) -> tuple[list[torch.Tensor], list[torch.Tensor]
     for name in sorted(os.listdir(parts)) if os.path.isdir(parts) else []:
         if name.endswith(".pt") and int(name[:-3]) == len(hidden):
             shard = torch.load(os.path.join(parts, name))
-            hidden += shard["hidden"]
-            choice += shard["choice"]
+            hidden += list(shard["hidden"])
+            choice += list(shard["choice"])
     return hidden, choice
 
 

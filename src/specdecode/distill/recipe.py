@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Recipe:
-    sources: list[str] = field(default_factory=lambda: ["completions:stdlib", "stdlib", "sonnets"])  # data.SOURCES
+    sources: list[str] = field(default_factory=lambda: ["stdlib", "sonnets"])  # see data.SOURCES
     tokens: int = 90_000  # of text the target reads and records
     completions: int = 128  # prompts the target completes, per completions:NAME source
     completion_tokens: int = 192  # new tokens per completion at most
