@@ -334,3 +334,29 @@ def test_bench_latency_draft_takes_a_proposer_kind_as_its_own_rows(target, monke
     assert [r.kind for r in runs] == rows
     assert all(kw["speculation_policy"] == "fixed" for kw in made)
     assert [kw["speculative_model"] for kw in made][:1] == [draft or "ngram"]
+
+
+def test_llama_server_starts_unrepacked_where_its_repacked_kernels_crash_it(tmp_path):
+    """A llama-server that dies of SIGSEGV at start-up unless repacking is off (as its AMX kernels do on
+    some Intel hosts) is started again with --no-repack, and says so; one that crashes either way is an
+    error that shows its output."""
+    import sys
+
+    from specdecode.bench.server_process import ServerCrashed, llama_server
+
+    health = ("import http.server, sys; port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+              "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    (tmp_path / "health.py").write_text(health)
+    _tool(tmp_path, "llama-server", f"""case "$*" in
+  *--no-repack*) exec {sys.executable} {tmp_path / 'health.py'} "$@" ;;
+  *) echo 'repacked kernels'; kill -SEGV $$ ;;
+esac
+""")
+    with llama_server(str(tmp_path), "m.gguf", 2, 256, 2) as server:
+        assert not server.repacked and "--no-repack" in server.args and server.proc.poll() is None
+    _tool(tmp_path, "llama-server", "echo 'crashed'; kill -SEGV $$\n")
+    with pytest.raises(ServerCrashed, match="crashed"):
+        with llama_server(str(tmp_path), "m.gguf", 2, 256, 2):
+            pass

@@ -94,7 +94,8 @@ def measure_concurrency(args) -> dict:
                     print(row_text(name, LoadResult.from_requests(requests, seconds, c, None), rnd), flush=True)
     rows = [pooled_row(name, c, runs[name, c]) for name in order for c in args.concurrency]
     add_ratios_to_plain(rows)
-    return {"meta": meta(args), "results": rows}
+    unrepacked = [name for name, server in servers.items() if not getattr(server, "repacked", True)]
+    return {"meta": {**meta(args), "llama_server_unrepacked": unrepacked}, "results": rows}
 
 
 def pooled_row(name: str, concurrency: int, rounds: list[tuple[list, float]]) -> dict:

@@ -14,7 +14,11 @@ import time
 import httpx
 
 from ..errors import SpecDecodeError
-from .llama_cpp import binary
+from .llama_cpp import NO_REPACK_NOTE, binary
+
+
+class ServerCrashed(SpecDecodeError):
+    """The server process died of a signal before it answered."""
 
 
 def free_port() -> int:
@@ -65,10 +69,12 @@ class ServerProcess:
                     return self
             except httpx.TransportError:
                 pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            exited = self.proc.poll()
+            if exited is not None or time.monotonic() > deadline:
                 output = self.output()
                 self.stop()
-                raise SpecDecodeError(f"`{' '.join(self.args)}` did not come up:\n{output[-2000:]}")
+                error = ServerCrashed if exited is not None and exited < 0 else SpecDecodeError
+                raise error(f"`{' '.join(self.args)}` did not come up:\n{output[-2000:]}")
             time.sleep(0.5)
 
     def output(self) -> str:
@@ -91,12 +97,28 @@ class ServerProcess:
         self.log.close()
 
 
+class LlamaServerProcess(ServerProcess):
+    """llama-server, started again with repacking off where its repacked batch kernels crash it during
+    start-up (its warm-up forward is over several tokens; see llama_cpp.NO_REPACK_NOTE)."""
+
+    repacked = True
+
+    def __enter__(self) -> "LlamaServerProcess":
+        try:
+            return super().__enter__()
+        except ServerCrashed:
+            self.repacked = False
+            self.args[-2:-2] = ["--no-repack"]  # before --port N
+            print(f"note: {NO_REPACK_NOTE} (llama-server)", flush=True)
+            return super().__enter__()
+
+
 def llama_server(bin_dir: str, target: str, slots: int, context: int, threads: int,
-                 draft: str | None = None, k: int = 4) -> ServerProcess:
+                 draft: str | None = None, k: int = 4) -> LlamaServerProcess:
     """llama.cpp's OpenAI-compatible server on a GGUF file: `slots` sequences of `context` tokens, batched
     continuously; with `draft`, its own draft-model speculation of up to k tokens."""
     command = [binary(bin_dir, "llama-server"), "--host", "127.0.0.1", "-m", target, "-t", str(threads),
                "-np", str(slots), "-c", str(slots * context), "-cb"]
     if draft:
         command += ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k)]
-    return ServerProcess([], command=command)
+    return LlamaServerProcess([], command=command)
