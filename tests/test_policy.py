@@ -408,17 +408,18 @@ def _probe_steps(p: AdaptivePolicy, batch: int, steps: int, plain_s: float, prob
 
 def test_probes_cost_at_most_their_budget():
     """At batch 8 a probe step costs 1.6 plain ones. With evidence that stays thin, probes are limited
-    to probe_budget of the decoding time (here 2%: one probe per ~30 steps, not every other step)."""
+    to probe_budget of the decoding time (here 2%: one probe per ~30 steps, not one in ten) beyond
+    a first allowance of probe_allowance seconds."""
     p = make_policy("adaptive", 3)
     p.costs.target.record(8, 8, 0.09)
     p.costs.draft.record(1, 0.03)
-    probes = _probe_steps(p, 8, 300, 0.09, 0.145)
-    spent = probes * (0.145 - 0.09)
-    assert 1 <= probes and spent <= p.probe_budget * 300 * 0.09 + (0.145 - 0.09)
+    probes = _probe_steps(p, 8, 1000, 0.09, 0.145)
+    spent, decoding = probes * (0.145 - 0.09), (1000 - probes) * 0.09 + probes * 0.145
+    assert 1 <= probes and spent <= p.probe_allowance + p.probe_budget * decoding + (0.145 - 0.09)
     unlimited = make_policy("adaptive", 3, probe_budget=float("inf"))
     unlimited.costs.target.record(8, 8, 0.09)
     unlimited.costs.draft.record(1, 0.03)
-    assert _probe_steps(unlimited, 8, 300, 0.09, 0.145) > 2 * probes
+    assert _probe_steps(unlimited, 8, 1000, 0.09, 0.145) > 2 * probes
 
 
 def test_a_probe_that_leads_to_drafting_costs_no_budget():
@@ -543,3 +544,20 @@ def test_draft_model_still_wins_where_it_pays_more_than_lookups():
     p = _measured([0.9], 0.05)
     plan = p.choose(["0"], lookups=[(1, [1] * 4, None)])
     assert plan.ks == [4] and plan.by_lookup == [False]
+
+
+def test_one_rejected_first_probe_is_followed_by_another_not_by_plain_decoding():
+    """A fresh engine whose first probe is rejected (the prior and one miss: an estimate below break-even)
+    probes again on its next steps, within the start-up allowance, instead of decoding plainly until the
+    estimate fades back; without the allowance (0 s) it decodes plainly."""
+    for allowance, expected in ((0.5, True), (0.0, False)):
+        p = make_policy("adaptive", 3, probe_allowance=allowance, prior_acceptance=0.7)
+        p.costs.target.record(1, 1, 0.05)
+        for tokens in range(2, 5):
+            p.costs.target.record(1, tokens, 0.05 + 0.003 * tokens)
+        p.costs.draft.record(1, 0.017)
+        assert p.choose(["a"], catch_up=[120]).probe
+        p.observe_acceptance("a", 3, 0)
+        p.observe_step([3], 0.11, 0.017, 0.3)  # a probe with a catch-up: 0.25 s over a plain step
+        assert p.estimator.first_token_acceptance("a") < 0.5
+        assert p.choose(["a"], catch_up=[1]).probe is expected

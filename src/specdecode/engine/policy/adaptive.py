@@ -21,7 +21,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, min_gain: float = 0.1,
                  refresh_plain_every: int = 32, catch_up_horizon: int = 16, probe_trials: float = 4.0,
-                 probe_budget: float = 0.02, **estimator_options):
+                 probe_budget: float = 0.02, probe_allowance: float = 0.5, **estimator_options):
         super().__init__(k_max)
         self.estimator = AcceptanceEstimator(**estimator_options)
         self.costs = costs or CostModel()
@@ -44,6 +44,10 @@ class AdaptivePolicy(Policy):
         # after which the policy drafts by the model is refunded: at batch 1 the probe is what pays a new
         # request's catch-up, and drafting then goes on (budgeted, new requests there decoded plainly).
         self.probe_budget = probe_budget
+        # ... beyond a first probe_allowance seconds: at start-up there is no decoding time to take 2% of, and
+        # one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
+        # good draft off for the next dozens of steps.
+        self.probe_allowance = probe_allowance
         self._probe_seconds = 0.0  # what probes that did not convert have cost
         self._decode_seconds = 0.0
         self._probing = False
@@ -56,6 +60,10 @@ class AdaptivePolicy(Policy):
         self.calibration: dict[int, float] = {}
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
+
+    def _probe_limit(self) -> float:
+        """Seconds that probes which did not lead to drafting may have cost so far."""
+        return self.probe_allowance + self.probe_budget * self._decode_seconds
 
     def token_gains(self, first: float) -> list[float]:
         return self.estimator.token_gains(first, self.k_max)
@@ -77,7 +85,7 @@ class AdaptivePolicy(Policy):
         # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
         estimator = self.estimator
         if drafter and (not self.costs.draft or (estimator.first_position_trials < self.probe_trials
-                                                 and self._probe_seconds <= self.probe_budget * self._decode_seconds)):
+                                                 and self._probe_seconds <= self._probe_limit())):
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
