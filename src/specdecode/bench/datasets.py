@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sysconfig
 from importlib import resources
 from pathlib import Path
 
@@ -22,6 +23,13 @@ from ..errors import SpecDecodeError
 SONNET_INSTRUCTION = ("Pick as many lines as you can from these poem lines and repeat them exactly, one per line, "
                       "without commentary:\n\n")
 _ROMAN = re.compile(r"^[IVXLCDM]+\.?$")
+
+
+def stdlib_sources(max_bytes: int = 200_000) -> list[tuple[Path, str]]:
+    """This Python's own top-level standard-library modules (path, source), below max_bytes each, in name order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < max_bytes)
+    return [(p, p.read_text(encoding="utf-8", errors="ignore")) for p in files]
 
 
 def repeat_to(prompts: list[str], count: int) -> list[str]:

@@ -11,12 +11,10 @@ import ast
 import json
 import os
 import random
-import sysconfig
-from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bench.datasets import humaneval_prompts, jsonl_prompts
+from ..bench.datasets import humaneval_prompts, jsonl_prompts, stdlib_sources
 from ..errors import SpecDecodeError
 from ..models.loader import LoadedModel
 from ..sampling import SamplingParams
@@ -29,10 +27,8 @@ def stdlib_function_prompts(count: int, seed: int = 0, max_lines: int = 60, min_
     """`count` code prefixes: a top-level function of this Python's standard library, from its `def` to
     the end of its docstring (public functions of at most `max_lines` lines whose docstring says what they
     do in `min_doc` characters or more, as a task statement does), chosen at random."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     prompts = []
-    for path in sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000):
-        source = path.read_text(encoding="utf-8", errors="ignore")
+    for _, source in stdlib_sources():
         try:
             tree = ast.parse(source)
         except SyntaxError:

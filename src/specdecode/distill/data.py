@@ -10,20 +10,19 @@ import hashlib
 import json
 import os
 import shutil
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines
+from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines, stdlib_sources
 from ..errors import SpecDecodeError
-from .completions import completion_pieces
 from ..executor.runner import ModelRunner
 from ..proposers.draft_model import in_row_groups
 from ..models.loader import LoadedModel
 from ..models.sources import cache_root
+from .completions import completion_pieces
+from .recipe import Recipe
 
 SOURCES = ("stdlib", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
 
@@ -46,9 +45,7 @@ class FeatureSet:
 def source_texts(source: str) -> list[str]:
     """Training texts by source name (see SOURCES)."""
     if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
-        return [p.read_text(encoding="utf-8", errors="ignore") for p in files]
+        return [text for _, text in stdlib_sources()]
     if source == "sonnets":
         lines = poem_lines()
         return ["\n".join(lines[i:i + 14]) for i in range(0, len(lines), 14)]
@@ -73,7 +70,8 @@ def token_chunks(texts: list[str | list[int]], tokenizer, chunk: int, max_tokens
 
 
 def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_tokens: int,
-                     progress: bool = True, completions: tuple[int, int] = (128, 192)) -> FeatureSet:
+                     progress: bool = True,
+                     completions: tuple[int, int] = (Recipe.completions, Recipe.completion_tokens)) -> FeatureSet:
     """The target's features on the sources' text, read from the cache when this recipe ran before.
     completions: prompts completed and new tokens per completion, for each `completions:NAME` source."""
     generated = [s for s in sources if s.startswith("completions:")]
