@@ -103,10 +103,14 @@ def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
 
 
-def _attend_long_context(isa: str, dtype: torch.dtype, n: int = 300):
-    """The kernel alone on the 0.5B's shapes (14 query heads over 2 KV heads of 64): one token at
-    position n - 1 after n - 1 random cached keys, and two verified drafts after it."""
-    H, Hkv, D, L = 14, 2, 64, 512
+# (query heads, KV heads, dimension per head): the 0.5B's, the 1.5B's, and a head narrower than two vectors
+SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48)]
+
+
+def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300):
+    """The kernel alone: one token at position n - 1 after n - 1 random cached keys, and two verified
+    drafts after it."""
+    (H, Hkv, D), L = shape, 512
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(3, (H + 2 * Hkv) * D, generator=gen)
     k = (torch.randn(1, Hkv, L, D, generator=gen) * 3).to(dtype)
@@ -127,12 +131,13 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_long_context_attention_matches_float64(dtype):
+def test_long_context_attention_matches_float64(dtype, shape):
     """Hundreds of keys (full and partial blocks of keys and values), either cache type: the scalar path
     against float64 attention over what the cache holds (the drafts' own k/v written by the call)."""
-    out, qkv, k, v, cos, sin, positions = _attend_long_context("scalar", dtype)
-    H, Hkv, D = 14, 2, 64
+    out, qkv, k, v, cos, sin, positions = _attend_long_context("scalar", dtype, shape)
+    H, Hkv, D = shape
     for t in range(3):
         q = _rope(qkv[t, :H * D].view(H, D).double(), cos[t].double(), sin[t].double())
         n = int(positions[t]) + 1
@@ -142,10 +147,11 @@ def test_long_context_attention_matches_float64(dtype):
         torch.testing.assert_close(out[t].double(), (weights @ values).reshape(H * D), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("isa", kernel_builds())
-def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype):
-    assert torch.equal(_attend_long_context(isa, dtype)[0], _attend_long_context("scalar", dtype)[0])
+def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype, shape):
+    assert torch.equal(_attend_long_context(isa, dtype, shape)[0], _attend_long_context("scalar", dtype, shape)[0])
 
 
 def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: list[int], seed: int = 2):

@@ -12,8 +12,8 @@
 //
 // Over a long context this streams the cache, so it is read once per kv head: a block of keys is
 // widened to float32 and transposed once (lanes over keys: no dot product ends in a horizontal sum) and
-// every query head of the group reads it; a block of values likewise. exp is a polynomial that
-// vectorises.
+// every query head of the group reads it; each value is widened in registers and weighed for up to 8 query
+// heads at once. exp is a polynomial that vectorises.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,8 +26,9 @@
 
 #define LANES 16   // independent partial sums of the softmax's max and total
 #define KEYS 16    // keys scored together
-#define VALUES 32  // keys whose values are weighed together (a block that stays in L1)
-#define AHEAD 256   // keys (or values) ahead of the ones in use that are prefetched from memory
+#define VALUES 32  // keys whose values are weighed together (their rows stay in L1 while every token and
+                   // group of query heads reads them)
+#define AHEAD 64    // keys (or values) ahead of the ones in use that are prefetched from memory
 #define MAX_DIM 256
 #define MAX_GROUP 64  // query heads per KV head
 #define MAX_TOKENS 8  // a slot's consecutive tokens that attend together (their scores stay in L2)
@@ -37,6 +38,7 @@
 #if defined(ATTENTION_SIMD) && defined(__AVX512F__)
 #define WIDTH 16
 #define HEADS 8  // query heads scored together (their accumulators stay in the 32 registers)
+#define WEIGH_HEADS 8  // query heads weighed together (2 accumulators each: 16 of the 32 registers)
 typedef __m512 vec;
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
@@ -55,6 +57,7 @@ typedef __m512 vec;
 #elif defined(ATTENTION_SIMD)
 #define WIDTH 8
 #define HEADS 4  // query heads scored together (their accumulators stay in the 16 registers)
+#define WEIGH_HEADS 6  // 12 of the 16 registers
 typedef __m256 vec;
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
@@ -170,6 +173,16 @@ static const float *cache_rows(const void *cache, int is_half, size_t row, int c
 }
 
 #ifdef ATTENTION_SIMD
+// WIDTH cached values from entry `at` on, as float32 (float16 widened exactly).
+static inline __attribute__((always_inline)) vec load_values(const void *v, int is_half, size_t at) {
+    if (!is_half) return vload((const float *)v + at);
+#if WIDTH == 16
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const half *)v + at)));
+#else
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half *)v + at)));
+#endif
+}
+
 // 8 rows of 8 floats -> 8 columns (stride `to`).
 static inline void transpose8x8(const __m256 r[8], float *dst, int to) {
     __m256 t[8], u[8];
@@ -189,19 +202,50 @@ static inline void transpose8x8(const __m256 r[8], float *dst, int to) {
     }
 }
 
+#if WIDTH == 16
+// 16 rows of 16 floats -> 16 columns, 64 shuffles (8x8 blocks of ymm would take 96).
+static inline void transpose16x16(const __m512 r[16], float *dst) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows i, i+1 interleaved
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + b], lane L: rows i..i+3 at column 4L + b
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int b = 0; b < 4; b++) {  // the 4x4 transpose of 128-bit lanes across u[b], u[4 + b], ...
+        const __m512 v0 = _mm512_shuffle_f32x4(u[b], u[4 + b], 0x88), v1 = _mm512_shuffle_f32x4(u[b], u[4 + b], 0xDD);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + b], u[12 + b], 0x88);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + b], u[12 + b], 0xDD);
+        _mm512_storeu_ps(dst + (0 + b) * 16, _mm512_shuffle_f32x4(v0, v2, 0x88));
+        _mm512_storeu_ps(dst + (4 + b) * 16, _mm512_shuffle_f32x4(v1, v3, 0x88));
+        _mm512_storeu_ps(dst + (8 + b) * 16, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+        _mm512_storeu_ps(dst + (12 + b) * 16, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    }
+}
+
+// A full block of KEYS (16) keys from the cache, widened and transposed in registers.
+static void transpose_full_block(const void *cache, int is_half, size_t row, int D, float *kt) {
+    __m512 r[16];
+    for (int d = 0; d < D; d += 16) {
+        for (int i = 0; i < 16; i++) r[i] = load_values(cache, is_half, (row + i) * D + d);
+        transpose16x16(r, kt + d * KEYS);
+    }
+}
+#else
 // A full block of KEYS keys from the cache, widened and transposed in registers.
 static void transpose_full_block(const void *cache, int is_half, size_t row, int D, float *kt) {
     __m256 r[8];
     for (int l = 0; l < KEYS; l += 8)
         for (int d = 0; d < D; d += 8) {
-            for (int i = 0; i < 8; i++) {
-                const size_t at = (row + l + i) * D + d;
-                r[i] = is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half *)cache + at)))
-                               : _mm256_loadu_ps((const float *)cache + at);
-            }
+            for (int i = 0; i < 8; i++) r[i] = load_values(cache, is_half, (row + l + i) * D + d);
             transpose8x8(r, kt + d * KEYS + l, KEYS);
         }
 }
+#endif
 #endif
 
 // kt[d * KEYS + l] = key (row + l)'s d-th value as float32, for count <= KEYS keys, the rest zero (data
@@ -276,65 +320,75 @@ static void score_heads(const float *q, int G, const float *kt, int D, int count
 }
 
 #ifdef ATTENTION_SIMD
-// weigh_block's inner loop for `vecs` (<= 4) vectors of dimensions from d0, for one query head or two
-// (`pair`: weights w1, output o1) sharing each loaded value: 4 or 8 independent chains of fused
-// multiply-adds, so the loop runs at the FMA units' throughput rather than their latency.
-static inline __attribute__((always_inline)) void weigh_dims(const float *w0, const float *w1, int pair,
-                                                             const float *vb, int D, int d0, int vecs, int count,
-                                                             float *o0, float *o1) {
-    vec a[4], b[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < vecs; i++) {
-        a[i] = vload(o0 + d0 + i * WIDTH);
-        if (pair) b[i] = vload(o1 + d0 + i * WIDTH);
-    }
+// weigh_block's inner loop for `heads` (<= WEIGH_HEADS) query heads and `vecs` (1 or 2) vectors of
+// dimensions from d0: each value is widened once, in registers, and feeds heads * vecs independent chains
+// of fused multiply-adds (enough to run at the FMA units' throughput rather than their latency).
+static inline __attribute__((always_inline)) void weigh_heads(const float *w, size_t stride, int heads,
+                                                              const void *vb, int is_half, int D, int d0,
+                                                              int vecs, int count, float *o) {
+    vec acc[WEIGH_HEADS][2];
+#pragma GCC unroll 8
+    for (int g = 0; g < heads; g++)
+#pragma GCC unroll 2
+        for (int i = 0; i < vecs; i++) acc[g][i] = vload(o + (size_t)g * D + d0 + i * WIDTH);
     for (int j = 0; j < count; j++) {
-        const float *v = vb + (size_t)j * D + d0;
-        vec x[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < vecs; i++) x[i] = vload(v + i * WIDTH);
-        const vec wa = vset1(w0[j]);
-#pragma GCC unroll 4
-        for (int i = 0; i < vecs; i++) a[i] = vfma(wa, x[i], a[i]);
-        if (pair) {
-            const vec wb = vset1(w1[j]);
-#pragma GCC unroll 4
-            for (int i = 0; i < vecs; i++) b[i] = vfma(wb, x[i], b[i]);
+        vec x[2];
+#pragma GCC unroll 2
+        for (int i = 0; i < vecs; i++) x[i] = load_values(vb, is_half, (size_t)j * D + d0 + i * WIDTH);
+#pragma GCC unroll 8
+        for (int g = 0; g < heads; g++) {
+            const vec wg = vset1(w[g * stride + j]);
+#pragma GCC unroll 2
+            for (int i = 0; i < vecs; i++) acc[g][i] = vfma(wg, x[i], acc[g][i]);
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < vecs; i++) {
-        vstore(o0 + d0 + i * WIDTH, a[i]);
-        if (pair) vstore(o1 + d0 + i * WIDTH, b[i]);
-    }
+#pragma GCC unroll 8
+    for (int g = 0; g < heads; g++)
+#pragma GCC unroll 2
+        for (int i = 0; i < vecs; i++) vstore(o + (size_t)g * D + d0 + i * WIDTH, acc[g][i]);
 }
 
-#define WEIGH_CASE(n, pair) \
-    case n: weigh_dims(w0, w1, pair, vb, D, d0, n, count, o0, o1); break;
+// weigh_heads with constant arguments, so that each call inlines into a loop of its own.
+static inline __attribute__((always_inline)) void weigh_heads_of(const float *w, size_t stride, int heads,
+                                                                 const void *vb, int is_half, int D, int d0,
+                                                                 int count, float *o) {
+    const int two = D - d0 >= 2 * WIDTH;  // D is a multiple of WIDTH
+    if (is_half && two) weigh_heads(w, stride, heads, vb, 1, D, d0, 2, count, o);
+    else if (is_half) weigh_heads(w, stride, heads, vb, 1, D, d0, 1, count, o);
+    else if (two) weigh_heads(w, stride, heads, vb, 0, D, d0, 2, count, o);
+    else weigh_heads(w, stride, heads, vb, 0, D, d0, 1, count, o);
+}
+
+#define WEIGH_CASE(h) \
+    case h: weigh_heads_of(w, stride, h, vb, is_half, D, d0, count, og); break;
 #endif
 
-// o[g][d] += sum_j p[g * stride + j] vb[j][d] for `count` keys, one fused multiply-add per key in order.
-static void weigh_block(const float *p, size_t stride, const float *vb, int D, int count, int G, float *o) {
+// o[g][d] += sum_j p[g * stride + j] v[j][d] for `count` cached values from vb (float32, or float16
+// widened exactly), one fused multiply-add per value in order.
+static void weigh_block(const float *p, size_t stride, const void *vb, int is_half, int D, int count, int G,
+                        float *o) {
 #ifdef ATTENTION_SIMD
-    for (int g = 0; g < G; g += 2) {
-        const int pair = g + 1 < G;
-        const float *w0 = p + g * stride, *w1 = pair ? w0 + stride : w0;
-        float *o0 = o + (size_t)g * D, *o1 = pair ? o0 + D : o0;
-        for (int d0 = 0; d0 < D; d0 += 4 * WIDTH) {
-            const int vecs = (D - d0) / WIDTH < 4 ? (D - d0) / WIDTH : 4;  // D is a multiple of WIDTH
-            if (pair) {  // constant arguments, so that each call inlines into its own loop
-                switch (vecs) { WEIGH_CASE(1, 1) WEIGH_CASE(2, 1) WEIGH_CASE(3, 1) WEIGH_CASE(4, 1) }
-            } else {
-                switch (vecs) { WEIGH_CASE(1, 0) WEIGH_CASE(2, 0) WEIGH_CASE(3, 0) WEIGH_CASE(4, 0) }
+    for (int g = 0; g < G; g += WEIGH_HEADS) {
+        const float *w = p + g * stride;
+        float *og = o + (size_t)g * D;
+        for (int d0 = 0; d0 < D; d0 += 2 * WIDTH)
+            switch (G - g < WEIGH_HEADS ? G - g : WEIGH_HEADS) {
+                WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
+#if WEIGH_HEADS > 6
+                WEIGH_CASE(7) WEIGH_CASE(8)
+#endif
             }
-        }
     }
 #else
     for (int g = 0; g < G; g++) {
         const float *w = p + g * stride;
         float *og = o + (size_t)g * D;
         for (int j = 0; j < count; j++)
-            for (int d = 0; d < D; d++) og[d] = fmaf(w[j], vb[(size_t)j * D + d], og[d]);
+            for (int d = 0; d < D; d++) {
+                const size_t at = (size_t)j * D + d;
+                const float v = is_half ? (float)((const half *)vb)[at] : ((const float *)vb)[at];
+                og[d] = fmaf(w[j], v, og[d]);
+            }
     }
 #endif
 }
@@ -415,7 +469,7 @@ static void attend(const float *q, int tokens, int G, int D, const int *ns, cons
                    int is_half, size_t first, float *work, float *out, size_t out_stride) {
     const float scale = 1.f / sqrtf((float)D);
     const int n = ns[tokens - 1], heads = tokens * G;
-    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)VALUES * D;  // p: [heads][n]
+    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)KEYS * D;  // p: [heads][n]
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     int from = 0;  // the first token that sees the current block
     for (int j0 = 0; j0 < n; j0 += KEYS) {
@@ -433,9 +487,9 @@ static void attend(const float *q, int tokens, int G, int D, const int *ns, cons
         const int count = n - j0 < VALUES ? n - j0 : VALUES;
         while (ns[from] <= j0) from++;
         prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D);
-        const float *vb = cache_rows(vcache, is_half, first + j0, count, D, rows);
+        const void *vb = (const char *)vcache + (first + j0) * D * bytes;
         for (int i = from; i < tokens; i++)
-            weigh_block(p + (size_t)i * G * n + j0, n, vb, D, ns[i] - j0 < count ? ns[i] - j0 : count, G,
+            weigh_block(p + (size_t)i * G * n + j0, n, vb, is_half, D, ns[i] - j0 < count ? ns[i] - j0 : count, G,
                         out + i * out_stride);
     }
     for (int h = 0; h < heads; h++) {
@@ -481,7 +535,7 @@ static void attention(const float *qkv, int N, int H, int Hkv, int D, const int6
         const int tokens = t_end - t0;
         const int n = (int)positions[t0 + tokens - 1] + 1;
         const size_t first = ((size_t)slots[t0] * Hkv + h) * L;
-        float *q = scratch((size_t)tokens * G * D + (size_t)D * KEYS + (size_t)VALUES * D + (size_t)tokens * G * n);
+        float *q = scratch((size_t)tokens * G * D + 2 * (size_t)D * KEYS + (size_t)tokens * G * n);
         int ns[MAX_TOKENS];
         for (int i = 0; i < tokens; i++) {
             const int t = t0 + i;
