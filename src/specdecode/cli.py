@@ -313,7 +313,8 @@ def _add_studies(bench_sub) -> None:
 
 def _add_distill(sub) -> None:
     """`specdecode distill`."""
-    dist = sub.add_parser("distill", help="train a draft head on the target's own features (use: --draft head:OUT)")
+    dist = sub.add_parser("distill", help="train a draft head on the target's own features (use: --draft head:OUT), "
+                                          "or fine-tune a draft model on its outputs")
     dist.add_argument("--model", default=DEFAULT_TARGET, help="the target the head drafts for")
     dist.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     dist.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS,
@@ -334,7 +335,13 @@ def _add_distill(sub) -> None:
     dist.add_argument("--draft-vocab-size", type=int, default=R.draft_vocab_size,
                       help="the head's LM head keeps the target's most chosen tokens on the data")
     dist.add_argument("--intermediate-size", type=int, default=R.intermediate_size, help="the head layer's MLP width")
-    dist.add_argument("--out", required=True, help="OUT.safetensors and OUT.json are written")
+    dist.add_argument("--draft-model", default=None,
+                      help="fine-tune this draft model (sharing the target's tokenizer) on the same recording "
+                           "instead of training a head: OUT is then a checkpoint folder (use: --draft OUT)")
+    dist.add_argument("--finetune-steps", type=int, default=R.finetune_steps, help="with --draft-model")
+    dist.add_argument("--finetune-lr", type=float, default=R.finetune_lr, help="with --draft-model")
+    dist.add_argument("--out", required=True, help="OUT.safetensors and OUT.json are written (a head), or the "
+                                                   "folder OUT (--draft-model)")
 
 
 

@@ -50,7 +50,14 @@ def run_distill_cli(args) -> int:
     target = load_model(args.model, args.device, "auto", True, args.quantization)
     recipe = Recipe(sources=args.data, tokens=args.tokens, completions=args.completions,
                     completion_tokens=args.completion_tokens, chunk=args.chunk, steps=args.steps, batch=args.batch,
-                    lr=args.lr, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size)
+                    lr=args.lr, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+                    finetune_steps=args.finetune_steps, finetune_lr=args.finetune_lr)
+    if args.draft_model:
+        from .draft_model import finetune_draft
+
+        print(json.dumps(finetune_draft(target, args.draft_model, args.out, recipe), indent=1))
+        print(f"wrote the folder {args.out}; use it with --draft {args.out}")
+        return 0
     summary = distill(target, args.out, recipe)
     print(json.dumps(summary, indent=1))
     print(f"wrote {head_base(args.out)}.safetensors and .json; use it with --draft head:{head_base(args.out)}")

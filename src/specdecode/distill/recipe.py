@@ -23,3 +23,6 @@ class Recipe:
     rounds: int = 2  # drafting rounds unrolled in training (training-time test), the later ones on estimates
     round_decay: float = 0.8  # loss weight of round i: decay ** i
     seed: int = 0
+    # fine-tuning a draft model instead (`--draft-model`, the comparison for a head): its own schedule
+    finetune_steps: int = 150
+    finetune_lr: float = 1e-5

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,43 +84,66 @@ def training_precision(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
 
 
+@dataclass
+class Run:
+    """One training run's schedule: AdamW, linear warm-up then cosine decay to zero, random batches."""
+    steps: int
+    batch: int
+    lr: float
+    warmup: int
+    seed: int
+    name: str  # for the progress bar
+
+
 def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | None = None,
           progress: bool = True) -> list[dict]:
-    """Train in place; every 50 steps the head and optimizer go to `checkpoint`, from which a rerun resumes."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / recipe.warmup) * 0.5 *
-                                                 (1 + math.cos(math.pi * min(s, recipe.steps) / recipe.steps)))
+    """Train the head in place (see fit)."""
+    def batch_loss(pick: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
+        loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
+                   for i, (ce, reg, _) in enumerate(losses))
+        return loss, {"ce": losses[0][0].item(), "agree": [a.item() for _, _, a in losses]}
+
+    run = Run(recipe.steps, recipe.batch, recipe.lr, recipe.warmup, recipe.seed, "training head")
+    return fit(head, batch_loss, len(data), run, checkpoint, progress)
+
+
+def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str | None = None,
+        progress: bool = True) -> list[dict]:
+    """Train `model`'s parameters that require gradients, in place: batch_loss(indices of run.batch
+    random examples) -> (loss, figures for the log). Every 50 steps those parameters and the optimizer go
+    to `checkpoint`, from which a rerun resumes."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(named.values(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / run.warmup) * 0.5 *
+                                                 (1 + math.cos(math.pi * min(s, run.steps) / run.steps)))
     step, log = 0, []
     if checkpoint and os.path.exists(checkpoint):
         state = torch.load(checkpoint)
-        head.load_state_dict(state["head"], strict=False)
+        model.load_state_dict(state["params"], strict=False)
         opt.load_state_dict(state["opt"])
         schedule.load_state_dict(state["schedule"])
         step, log = state["step"], state["log"]
-    gen = torch.Generator().manual_seed(recipe.seed + step)
-    bar = tqdm(total=recipe.steps, initial=step, desc="training head", unit="step", disable=not progress)
-    precision = training_precision(head.device)
-    while step < recipe.steps:
-        pick = torch.randint(len(data), (recipe.batch,), generator=gen)
+    gen = torch.Generator().manual_seed(run.seed + step)
+    bar = tqdm(total=run.steps, initial=step, desc=run.name, unit="step", disable=not progress)
+    precision = training_precision(next(iter(named.values())).device)
+    while step < run.steps:
         with precision:
-            losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
-            loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
-                       for i, (ce, reg, _) in enumerate(losses))
-        soft_ce, _, agree = losses[0]
+            loss, figures = batch_loss(torch.randint(examples, (run.batch,), generator=gen))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(named.values(), 1.0)
         opt.step()
         schedule.step()
         step += 1
-        log.append({"step": step, "ce": soft_ce.item(), "agree": [a.item() for _, _, a in losses],
-                    "t": time.time()})
+        log.append({"step": step, **figures, "t": time.time()})
         bar.update(1)
-        bar.set_postfix(ce=f"{log[-1]['ce']:.3f}", agree=" ".join(f"{a:.2f}" for a in log[-1]["agree"]))
-        if checkpoint and (step % 50 == 0 or step == recipe.steps):
+        bar.set_postfix({k: " ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.3f}"
+                         for k, v in figures.items()})
+        if checkpoint and (step % 50 == 0 or step == run.steps):
             os.makedirs(os.path.dirname(checkpoint) or ".", exist_ok=True)
-            torch.save({"head": head.owned_state(), "opt": opt.state_dict(), "schedule": schedule.state_dict(),
+            params = {n: p.detach() for n, p in named.items()}
+            torch.save({"params": params, "opt": opt.state_dict(), "schedule": schedule.state_dict(),
                         "step": step, "log": log}, checkpoint + ".tmp")
             os.replace(checkpoint + ".tmp", checkpoint)
     bar.close()
