@@ -43,11 +43,11 @@ def agreement(model, data: FeatureSet, batch: int = 4) -> float:
     """Top-1 agreement of the model's next token with the target's choice over every position of the
     chunks (teacher-forced: what greedy drafting of one token would have accepted)."""
     model.eval()
-    agree = 0.0
+    agree, device = 0.0, model.device
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            logits = model(data.tokens[i:i + batch]).logits
-            agree += float((logits.argmax(-1) == data.choice[i:i + batch]).float().sum())
+            logits = model(data.tokens[i:i + batch].to(device)).logits
+            agree += float((logits.argmax(-1) == data.choice[i:i + batch].to(device)).float().sum())
     model.train()
     return agree / max(data.choice.numel(), 1)
 
@@ -63,7 +63,7 @@ def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | N
                             (recipe.completions, recipe.completion_tokens))
     train_set, held_out = data.split(HELD_OUT)
     cfg, weights = load_weights(draft, torch.float32, progress)
-    model = causal_lm(cfg, weights)
+    model = causal_lm(cfg, weights).to(target.model.device)  # trains where the target runs (CUDA too)
     del weights
     collected = time.time()
     before = agreement(model, held_out)
@@ -71,8 +71,8 @@ def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | N
         p.requires_grad_(not name.startswith(FROZEN))
 
     def batch_loss(pick: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        logits = model(train_set.tokens[pick]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), train_set.choice[pick].flatten())
+        logits = model(train_set.tokens[pick].to(model.device)).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), train_set.choice[pick].flatten().to(model.device))
         return loss, {"ce": loss.item()}
 
     run = Run(recipe.finetune_steps, recipe.batch, recipe.finetune_lr, recipe.warmup, recipe.seed,
@@ -98,7 +98,7 @@ def _check_same_tokenizer(target: LoadedModel, draft: str) -> None:
 def _save(model, draft: str, out: str, summary: dict) -> None:
     """The weights in bfloat16 (half the bytes; drafting quantizes them further), the draft's tokenizer."""
     os.makedirs(out, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
     load_tokenizer(draft).hf.save_pretrained(out)
     with open(os.path.join(out, "distill.json"), "w") as f:
         json.dump(summary, f, indent=1)
