@@ -10,10 +10,8 @@ import torch
 from ..models.draft_head import HeadSpec, build_head, head_base, save_head, target_fingerprint
 from ..models.loader import LoadedModel
 from .data import collect_features, draft_vocabulary
-from .recipe import Recipe
+from .recipe import HELD_OUT, Recipe
 from .train import evaluate, train, trainable
-
-HELD_OUT = 0.05  # of the chunks, measured after training and never trained on
 
 
 def distill(target: LoadedModel, out: str, recipe: Recipe | None = None, progress: bool = True) -> dict:

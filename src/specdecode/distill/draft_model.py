@@ -17,10 +17,9 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..models.loader import LoadedModel, load_tokenizer, load_weights
 from .data import FeatureSet, collect_features
-from .recipe import Recipe
+from .recipe import HELD_OUT, Recipe
 from .train import Run, fit
 
-HELD_OUT = 0.05  # as for heads: the same chunks are measured, never trained on
 FROZEN = ("model.embed_tokens.", "lm_head.")
 
 
@@ -84,7 +83,8 @@ def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | N
                "train_tokens": int(train_set.tokens.numel()), "prepare_s": collected - started,
                "train_s": time.time() - collected, "final_train_ce": log[-1]["ce"] if log else None}
     _save(model, draft, out, summary)
-    os.remove(checkpoint)
+    if os.path.exists(checkpoint):
+        os.remove(checkpoint)
     return summary
 
 
