@@ -78,5 +78,5 @@ def test_the_finetuned_folder_drafts_what_the_target_says_and_changes_nothing(ta
 
 
 def test_a_draft_with_another_tokenizer_is_refused(target, tmp_path):
-    with pytest.raises(SpecDecodeError, match="tokenizer"):
+    with pytest.raises(SpecDecodeError, match="different vocabularies"):
         finetune_draft(target, _draft_folder(tmp_path / "other", vocab=VOCAB + 16), str(tmp_path / "out"))

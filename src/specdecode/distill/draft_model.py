@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..errors import SpecDecodeError
 from ..models.loader import LoadedModel, load_tokenizer, load_weights
+from ..proposers.draft_model import check_same_vocabulary
 from .data import FeatureSet, collect_features
 from .recipe import HELD_OUT, Recipe
 from .train import Run, fit
@@ -57,7 +57,9 @@ def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | N
     the folder `out`; returns the summary (also in out/distill.json)."""
     recipe = recipe or Recipe()
     started = time.time()
-    _check_same_tokenizer(target, draft)
+    tokenizer = load_tokenizer(draft)
+    check_same_vocabulary(target, draft, tokenizer, "pick a draft model from the target's family (e.g. "
+                          "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     data = collect_features(target, recipe.sources, recipe.chunk, recipe.tokens, progress,
                             (recipe.completions, recipe.completion_tokens))
     train_set, held_out = data.split(HELD_OUT)
@@ -82,23 +84,16 @@ def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | N
                "held_out_top1_before": before, "held_out_top1_after": agreement(model, held_out),
                "train_tokens": int(train_set.tokens.numel()), "prepare_s": collected - started,
                "train_s": time.time() - collected, "final_train_ce": log[-1]["ce"] if log else None}
-    _save(model, draft, out, summary)
+    _save(model, tokenizer, out, summary)
     if os.path.exists(checkpoint):
         os.remove(checkpoint)
     return summary
 
 
-def _check_same_tokenizer(target: LoadedModel, draft: str) -> None:
-    """A draft model proposes token ids, so it must read and write the target's."""
-    if load_tokenizer(draft).get_vocab() != target.tokenizer.get_vocab():
-        raise SpecDecodeError(f"{draft!r} does not share {target.name!r}'s tokenizer, as a draft model must; pick "
-                              "one of the same family (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
-
-
-def _save(model, draft: str, out: str, summary: dict) -> None:
+def _save(model, tokenizer, out: str, summary: dict) -> None:
     """The weights in bfloat16 (half the bytes; drafting quantizes them further), the draft's tokenizer."""
     os.makedirs(out, exist_ok=True)
     model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    load_tokenizer(draft).hf.save_pretrained(out)
+    tokenizer.hf.save_pretrained(out)
     with open(os.path.join(out, "distill.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -36,7 +36,7 @@ class DraftModelProposer(Proposer):
         draft = setup.loaded or load_model(config.speculative_model, str(setup.target.model.device), config.dtype,
                                            setup.progress, config.draft_quantization, draft=True,
                                            kv_cache_dtype=config.kv_cache_dtype)
-        check_same_vocabulary(setup.target, draft)
+        check_same_vocabulary(setup.target, draft.name, draft.tokenizer)
         if config.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
             restrict_draft_vocab(draft, config.draft_vocab_size)
         return cls(draft, setup.timer, config.draft_confidence)
@@ -149,12 +149,13 @@ class DraftModelProposer(Proposer):
             self.runner.free(slot)
 
 
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_tokenizer,
+                          hint: str = "pick a draft from the target's model family, or use --ngram") -> None:
+    """A draft model proposes token ids, so it must read and write the target's."""
+    if target.tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise SpecDecodeError(
-            f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
-            f"({draft.tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens); "
-            "pick a draft from the target's model family, or use --ngram")
+            f"draft {draft_name!r} and target {target.name!r} have different vocabularies "
+            f"({draft_tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens); {hint}")
 
 
 def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:

@@ -183,25 +183,6 @@ static inline __attribute__((always_inline)) vec load_values(const void *v, int 
 #endif
 }
 
-// 8 rows of 8 floats -> 8 columns (stride `to`).
-static inline void transpose8x8(const __m256 r[8], float *dst, int to) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + (size_t)i * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (size_t)(i + 4) * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-    }
-}
-
 #if WIDTH == 16
 // 16 rows of 16 floats -> 16 columns, 64 shuffles (8x8 blocks of ymm would take 96).
 static inline void transpose16x16(const __m512 r[16], float *dst) {
@@ -236,6 +217,25 @@ static void transpose_full_block(const void *cache, int is_half, size_t row, int
     }
 }
 #else
+// 8 rows of 8 floats -> 8 columns (stride `to`).
+static inline void transpose8x8(const __m256 r[8], float *dst, int to) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + (size_t)i * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (size_t)(i + 4) * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
 // A full block of KEYS keys from the cache, widened and transposed in registers.
 static void transpose_full_block(const void *cache, int is_half, size_t row, int D, float *kt) {
     __m256 r[8];
