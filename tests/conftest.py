@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Llama/Qwen2 models with a byte-level tokenizer, for fast engine tests."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -13,6 +14,13 @@ from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
 
 VOCAB = 64
+# `SPECDECODE_TEST_DEVICE=cuda` builds the tiny models on the GPU, so the engine's correctness tests
+# (greedy equality, distribution tests, rollback, their deliberately broken versions) run there unchanged.
+DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
+# How far a row's logprob may move when the same tokens are computed in another batch shape (a cached
+# prompt's last token alone, say): not at all on the CPU, whose kernels we keep row-invariant; CUDA's
+# GEMM kernels change with the row count, in the last bits of float32.
+SHAPE_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
 
 
 def kernel_builds() -> list:
@@ -84,7 +92,7 @@ def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[
 
 def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:
     cfg = tiny_config(arch, **cfg_kwargs)
-    model = build_model(cfg, random_hf_weights(cfg, seed), torch.float32, "cpu")
+    model = build_model(cfg, random_hf_weights(cfg, seed), torch.float32, DEVICE)
     return LoadedModel(f"tiny-{arch}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
 
 

@@ -9,7 +9,7 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.proposers import DraftModelProposer, ProposerSetup, build_proposer
 from specdecode.sampling import SamplingParams
 
-from conftest import tiny_model
+from conftest import DEVICE, tiny_model
 
 
 def _proposer(draft):
@@ -55,7 +55,7 @@ def test_catches_up_lazily_and_rolls_back_to_what_the_target_kept(random_draft):
 
 
 def _first_draft_distribution(proposer, seq):
-    seq.params, seq.generator = SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
+    seq.params, seq.generator = SamplingParams(temperature=1.0), torch.Generator(DEVICE).manual_seed(0)
     return proposer.propose([seq], [1], [None]).probs[0][0]
 
 
@@ -96,8 +96,8 @@ def test_the_registry_builds_it_and_refuses_another_vocabulary(target, random_dr
 
 def test_sampled_drafts_carry_their_distribution(random_draft):
     proposer = _proposer(random_draft)
-    seq = Sequence([1, 2, 3], SamplingParams(temperature=0.8, seed=1), torch.Generator().manual_seed(1))
+    seq = Sequence([1, 2, 3], SamplingParams(temperature=0.8, seed=1), torch.Generator(DEVICE).manual_seed(1))
     drafts = proposer.propose([seq], [3], [None])
-    q = drafts.probs[0]
+    q = drafts.probs[0].cpu()
     assert q.shape == (3, random_draft.config.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(3)) and all(q[i, t] > 0 for i, t in enumerate(drafts.tokens[0]))

@@ -5,7 +5,7 @@ import torch
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.runtime import build_model
 
-from conftest import random_hf_weights, tiny_config
+from conftest import DEVICE, random_hf_weights, tiny_config
 
 
 def _reference(cfg, weights):
@@ -33,7 +33,7 @@ def _prefill(runner, slot, ids, logits="all"):
 def test_forward_matches_transformers(arch):
     cfg = tiny_config(arch)
     weights = random_hf_weights(cfg, seed=3)
-    ours = build_model(cfg, weights, torch.float32, "cpu")
+    ours = build_model(cfg, weights, torch.float32, DEVICE)
     ref = _reference(cfg, weights)
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -44,12 +44,12 @@ def test_forward_matches_transformers(arch):
     got = [_prefill(cache, slot, ids[0, :10].tolist())]
     got += [_prefill(cache, slot, [t]) for t in ids[0, 10:15].tolist()]
     got.append(_prefill(cache, slot, ids[0, 15:].tolist()))
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(got).cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_batched_ragged_forward_equals_single():
     cfg = tiny_config()
-    model = build_model(cfg, random_hf_weights(cfg, seed=4), torch.float32, "cpu")
+    model = build_model(cfg, random_hf_weights(cfg, seed=4), torch.float32, DEVICE)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 12, 3)]
     chunks = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 4, 2)]
@@ -77,7 +77,7 @@ def _rollback_then_continue(model, cfg, prompt, rejected, accepted_next, rollbac
 
 def test_kv_rollback_equals_fresh_prefill():
     cfg = tiny_config()
-    model = build_model(cfg, random_hf_weights(cfg, seed=5), torch.float32, "cpu")
+    model = build_model(cfg, random_hf_weights(cfg, seed=5), torch.float32, DEVICE)
     prompt, rejected, nxt = [3, 9, 27, 1, 4], [11, 12, 13, 14], [40, 41]
     fresh_cache = ModelRunner(model, 1, 64)
     fresh = _prefill(fresh_cache, 0, prompt + nxt, logits="last")

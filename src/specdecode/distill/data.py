@@ -30,7 +30,7 @@ SOURCES = ("stdlib", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
 @dataclass
 class FeatureSet:
     tokens: torch.Tensor  # [chunks, T] token ids
-    hidden: torch.Tensor  # [chunks, T, hidden] the target's final hidden states, bf16
+    hidden: torch.Tensor  # [chunks, T, hidden] the target's final hidden states, bf16 (all on the CPU)
     choice: torch.Tensor  # [chunks, T] the target's greedy next token at each position
 
     def __len__(self) -> int:
@@ -77,7 +77,7 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
     generated = [s for s in sources if s.startswith("completions:")]
     path = _cache_path(target, sources, chunk, max_tokens, *([list(completions)] if generated else []))
     if os.path.exists(path):
-        return FeatureSet(**torch.load(path))
+        return FeatureSet(**torch.load(path, map_location="cpu"))
     texts = []
     for source in sources:
         if source in generated:  # one piece of token ids per chunk: each counts as a text of its own
@@ -119,8 +119,10 @@ def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: 
                   total=len(chunks), disable=not progress):
         runner.rollback(slot, 0)
         logits, h = runner.forward([slot], [chunks[i]], logits="all", hidden=True)
-        hidden.append(h.to(torch.bfloat16))
-        choice.append(logits.argmax(-1))
+        # kept in host memory wherever the target runs: the recording outgrows a GPU's spare memory, and
+        # the cache file then loads on any machine
+        hidden.append(h.to(torch.bfloat16).cpu())
+        choice.append(logits.argmax(-1).cpu())
         if (i + 1) % shard == 0 or i + 1 == len(chunks):
             first = (i // shard) * shard
             os.makedirs(parts, exist_ok=True)
@@ -137,7 +139,7 @@ def _recorded_shards(parts: str) -> tuple[list[torch.Tensor], list[torch.Tensor]
     hidden, choice = [], []
     for name in sorted(os.listdir(parts)) if os.path.isdir(parts) else []:
         if name.endswith(".pt") and int(name[:-3]) == len(hidden):
-            shard = torch.load(os.path.join(parts, name))
+            shard = torch.load(os.path.join(parts, name), map_location="cpu")
             hidden += list(shard["hidden"])
             choice += list(shard["choice"])
     return hidden, choice

@@ -118,15 +118,16 @@ def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str |
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / run.warmup) * 0.5 *
                                                  (1 + math.cos(math.pi * min(s, run.steps) / run.steps)))
     step, log = 0, []
+    device = next(iter(named.values())).device
     if checkpoint and os.path.exists(checkpoint):
-        state = torch.load(checkpoint)
+        state = torch.load(checkpoint, map_location=device)
         model.load_state_dict(state["params"], strict=False)
         opt.load_state_dict(state["opt"])
         schedule.load_state_dict(state["schedule"])
         step, log = state["step"], state["log"]
     gen = torch.Generator().manual_seed(run.seed + step)
     bar = tqdm(total=run.steps, initial=step, desc=run.name, unit="step", disable=not progress)
-    precision = training_precision(next(iter(named.values())).device)
+    precision = training_precision(device)
     while step < run.steps:
         with precision:
             loss, figures = batch_loss(torch.randint(examples, (run.batch,), generator=gen))
