@@ -37,6 +37,12 @@ def test_grid_blocks_are_crossed_and_plain_cells_collapse(tmp_path):
     assert all(c.max_tokens == 12 and c.num_prompts == 2 for c in config.cells)  # [sweep] defaults reach cells
 
 
+def test_any_registered_kind_is_a_cell_and_head_takes_its_path(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text("[[grid]]\nproposer = ['suffix', 'head:heads/tiny']\nk = 2\n")
+    assert [c.label for c in parse_config(read_config(path)).cells] == ["suffix k=2", "head:heads/tiny k=2"]
+
+
 def test_yaml_config_gives_the_same_cells(tmp_path):
     yaml = pytest.importorskip("yaml")
     import tomllib
@@ -51,6 +57,7 @@ def test_yaml_config_gives_the_same_cells(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("[[grid]]\nproposr = 'draft'", "unknown key(s) ['proposr']"),
     ("[[grid]]\nproposer = 'medusa'", "proposer 'medusa' is not one of"),
+    ("[[grid]]\nproposer = 'medusa:heads.bin'", "proposer 'medusa:heads.bin' is not one of"),
     ("[[grid]]\nproposer = 'draft'\nk = 0", "k must be >= 1"),
     ("[sweep]\nmode = 'cloud'\n[[grid]]\nk = 2", "mode must be"),
     ("[sweep]\nmax_tokens = 8", "no [[grid]] blocks"),
@@ -74,6 +81,21 @@ def test_speedups_come_from_plain_on_the_same_dataset_and_concurrency():
     add_speedups(rows)
     assert [r.get("speedup") for r in rows] == pytest.approx([1.0, 1.5, 1.0, 0.8, 3.0, 1.0, 1.2])
     assert rows[1]["tpot_reduction"] == pytest.approx(1.5)
+
+
+def test_proposers_are_ranked_by_their_best_fixed_k_per_dataset():
+    from specdecode.bench.sweep_report import proposer_findings
+
+    def row(proposer, k, speedup, dataset="humaneval", forced=False):
+        return {"proposer": proposer, "k": k, "speedup": speedup, "dataset": dataset, "concurrency": 1,
+                "policy": "fixed", "forced_accept": forced, "acceptance_rate": 0.5}
+
+    rows = [row("draft", 2, 1.4), row("draft", 4, 1.6), row("head:h", 2, 1.2), row("ngram", 2, 1.1),
+            row("draft", 4, 2.5, forced=True), row("ngram", 4, 1.9, "sonnet:256"), row("suffix", 4, 2.1, "sonnet:512")]
+    assert proposer_findings(rows) == [
+        "On humaneval, by each proposer's best fixed k: draft 1.60× (α 0.500, k=4), head:h 1.20× (α 0.500, k=2), "
+        "ngram 1.10× (α 0.500, k=2).",
+        "On sonnets, by each proposer's best fixed k: suffix 2.10× (α 0.500, k=4), ngram 1.90× (α 0.500, k=4)."]
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ class Cell:
 
     group: str = "grid"
     dataset: str = "humaneval"  # humaneval, sonnet:LEN, jsonl:PATH, hf:NAME
-    proposer: str = "none"  # none (plain decoding), draft, ngram
+    proposer: str = "none"  # none (plain decoding), draft, or a registered kind: ngram, suffix, head:PATH
     draft: str = ""  # for proposer draft: the draft model ("" = the sweep's `draft`); a list compares drafts
     k: int = 4
     policy: str = "fixed"  # fixed, adaptive, disable_by_batch_size
@@ -177,9 +177,10 @@ def proposer_choices() -> list[str]:
 
 def check_cell(cell: Cell, where: str) -> None:
     known = proposer_choices()
-    if cell.proposer not in known:
-        raise SpecDecodeError(f"{where}: proposer {cell.proposer!r} is not one of {', '.join(known)} "
-                              "(the draft model itself is [sweep] draft)")
+    kinds_with_argument = known[len(MODEL_PROPOSERS):]  # head:PATH, as `--draft` takes it
+    if cell.proposer not in known and cell.proposer.partition(":")[0] not in kinds_with_argument:
+        raise SpecDecodeError(f"{where}: proposer {cell.proposer!r} is not one of {', '.join(known)} or "
+                              "KIND:ARGUMENT (e.g. head:PATH; the draft model itself is [sweep] draft)")
     if cell.policy not in POLICIES:
         raise SpecDecodeError(f"{where}: policy {cell.policy!r} is not one of {', '.join(POLICIES)}")
     if cell.proposer != "none" and cell.k < 1:
