@@ -406,20 +406,40 @@ def _probe_steps(p: AdaptivePolicy, batch: int, steps: int, plain_s: float, prob
     return probes
 
 
+def _batch_8_costs(p: AdaptivePolicy, drafting_could_pay: bool) -> AdaptivePolicy:
+    """A plain step of 90 ms at batch 8, and either cheap verify rows and draft forwards (drafting pays if
+    the drafts are good) or a draft forward of 30 ms a row with verify rows priced by the default slope
+    (it pays at no acceptance)."""
+    p.costs.target.record(8, 8, 0.09)
+    if drafting_could_pay:
+        p.costs.target.record(8, 32, 0.11)
+        p.costs.draft.record(8, 0.01)
+    else:
+        p.costs.draft.record(1, 0.03)
+    return p
+
+
 def test_probes_cost_at_most_their_budget():
     """At batch 8 a probe step costs 1.6 plain ones. With evidence that stays thin, probes are limited
     to probe_budget of the decoding time (here 2%: one probe per ~30 steps, not one in ten) beyond
     a first allowance of probe_allowance seconds."""
-    p = make_policy("adaptive", 3)
-    p.costs.target.record(8, 8, 0.09)
-    p.costs.draft.record(1, 0.03)
+    p = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=True)
     probes = _probe_steps(p, 8, 1000, 0.09, 0.145)
     spent, decoding = probes * (0.145 - 0.09), (1000 - probes) * 0.09 + probes * 0.145
     assert 1 <= probes and spent <= p.probe_allowance + p.probe_budget * decoding + (0.145 - 0.09)
-    unlimited = make_policy("adaptive", 3, probe_budget=float("inf"))
-    unlimited.costs.target.record(8, 8, 0.09)
-    unlimited.costs.draft.record(1, 0.03)
+    unlimited = _batch_8_costs(make_policy("adaptive", 3, probe_budget=float("inf")), drafting_could_pay=True)
     assert _probe_steps(unlimited, 8, 1000, 0.09, 0.145) > 2 * probes
+
+
+def test_no_probe_where_drafting_could_not_pay_even_with_good_drafts(monkeypatch):
+    """Where the measured costs rule drafting out even at a first-token acceptance of 0.95, the policy
+    never probes (each probe would be a pure loss: a short benchmark cell at batch 8 lost 5% to them);
+    without that check the start-up allowance is spent on probes."""
+    p = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=False)
+    assert _probe_steps(p, 8, 1000, 0.09, 0.145) == 0
+    unchecked = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=False)
+    monkeypatch.setattr(unchecked, "_drafting_could_pay", lambda catch_up, remaining: True)
+    assert _probe_steps(unchecked, 8, 1000, 0.09, 0.145) >= 5
 
 
 def test_a_probe_that_leads_to_drafting_costs_no_budget():

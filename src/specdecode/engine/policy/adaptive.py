@@ -21,7 +21,8 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, min_gain: float = 0.1,
                  refresh_plain_every: int = 32, catch_up_horizon: int = 16, probe_trials: float = 4.0,
-                 probe_budget: float = 0.02, probe_allowance: float = 0.5, **estimator_options):
+                 probe_budget: float = 0.02, probe_allowance: float = 0.5, optimistic_acceptance: float = 0.95,
+                 **estimator_options):
         super().__init__(k_max)
         self.estimator = AcceptanceEstimator(**estimator_options)
         self.costs = costs or CostModel()
@@ -48,6 +49,9 @@ class AdaptivePolicy(Policy):
         # one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
         # good draft off for the next dozens of steps.
         self.probe_allowance = probe_allowance
+        # No probe where drafting would not pay even if the draft's first token were accepted this often:
+        # at a batch size where the measured costs rule drafting out, a probe can only lose.
+        self.optimistic_acceptance = optimistic_acceptance
         self._probe_seconds = 0.0  # what probes that did not convert have cost
         self._decode_seconds = 0.0
         self._probing = False
@@ -81,11 +85,8 @@ class AdaptivePolicy(Policy):
         n = len(request_ids)
         if not self.costs.target.has_plain(n):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
-        # then measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior
-        # that predicts no gain would otherwise never be tested), on the sequence cheapest to start
         estimator = self.estimator
-        if drafter and (not self.costs.draft or (estimator.first_position_trials < self.probe_trials
-                                                 and self._probe_seconds <= self._probe_limit())):
+        if drafter and self._should_probe(catch_up, remaining):  # on the sequence cheapest to start
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
@@ -102,6 +103,19 @@ class AdaptivePolicy(Policy):
                            + sum(starting) * self.costs.draft_prefill_per_token, not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
+
+    def _should_probe(self, catch_up: list[int], remaining: list[int]) -> bool:
+        """Measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior that
+        predicts no gain would otherwise never be tested) while the evidence is thin and the probes'
+        budget lasts, where good drafts would pay."""
+        if not self.costs.draft:
+            return True
+        return (self.estimator.first_position_trials < self.probe_trials and self._probe_seconds <= self._probe_limit()
+                and self._drafting_could_pay(catch_up, remaining))
+
+    def _drafting_could_pay(self, catch_up: list[int], remaining: list[int]) -> bool:
+        optimistic = [self.optimistic_acceptance] * len(catch_up)
+        return any(self.best_decision(optimistic, catch_up, remaining, None).ks)
 
     def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
                       lookups: list[Lookup] | None, drafter: bool = True) -> DraftDecision:
