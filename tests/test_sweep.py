@@ -34,6 +34,10 @@ def test_grid_blocks_are_crossed_and_plain_cells_collapse(tmp_path):
     assert [c.label for c in k_block] == ["plain", "draft k=2", "draft k=3", "ngram k=2", "ngram k=3"]
     load = [c for c in config.cells if c.group == "load"]
     assert len(load) == 2 + 2 * 2  # plain once per concurrency, draft for both policies
+    # each concurrency's cells run together, after their plain baseline
+    assert [(c.label, c.concurrency) for c in load] == [
+        ("plain", 1), ("draft k=4", 1), ("draft k=4 adaptive", 1), ("plain", 2), ("draft k=4", 2),
+        ("draft k=4 adaptive", 2)]
     assert all(c.max_tokens == 12 and c.num_prompts == 2 for c in config.cells)  # [sweep] defaults reach cells
 
 

@@ -148,8 +148,19 @@ def parse_config(data: dict, source: str = "config") -> SweepConfig:
     if not blocks:
         raise SpecDecodeError(f"{source}: no [[grid]] blocks; add at least one, e.g. proposer = [\"none\", \"draft\"]")
     for i, block in enumerate(blocks):
-        config.cells += expand_block(block, defaults, f"{source} grid block {i + 1}")
+        cells = expand_block(block, defaults, f"{source} grid block {i + 1}")
+        # a server restarts per configuration, so there the block keeps its order
+        config.cells += baselines_first(cells) if config.mode == "in-process" else cells
     return config
+
+
+def baselines_first(cells: list[Cell]) -> list[Cell]:
+    """The cells that share a plain baseline (dataset, concurrency, output length) one after another, the
+    baseline first: the host's drift over the minutes a block takes then stays out of their speedups."""
+    order: dict[tuple, int] = {}
+    for c in cells:
+        order.setdefault((c.dataset, c.concurrency, c.max_tokens), len(order))
+    return sorted(cells, key=lambda c: (order[(c.dataset, c.concurrency, c.max_tokens)], c.proposer != "none"))
 
 
 def expand_block(block: dict, defaults: dict, where: str) -> list[Cell]:
