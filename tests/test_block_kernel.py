@@ -254,9 +254,12 @@ def test_greedy_speculation_equals_plain_decoding_on_gguf_formats(quantization):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    for proposer in (dict(draft=drafter), dict(draft=target)):
-        spec = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4, **proposer)
-        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    for proposer in (dict(draft=drafter), dict(draft=target)):  # a fixed k: every step verifies drafts
+        spec = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4,
+                   speculation_policy="fixed", **proposer)
+        outs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
     broken = LLM(target=target, draft=drafter, num_speculative_tokens=4, max_model_len=128, forced_accept=True,
                  speculation_policy="fixed")
     assert [o.outputs[0].token_ids for o in broken.generate(prompts, params)] != expected
