@@ -431,6 +431,20 @@ def test_probes_cost_at_most_their_budget():
     assert _probe_steps(unlimited, 8, 1000, 0.09, 0.145) > 2 * probes
 
 
+def test_a_long_catch_up_does_not_stop_the_probe_of_a_draft_that_would_pay():
+    """Batch 1, a 150-token prompt the draft has not read and 48 tokens to go: spread over those tokens the
+    catch-up outweighs any gain, but it is the probe's one-off cost, and once caught up a good draft pays,
+    so the policy probes (with the catch-up in that check it would never draft for a short request)."""
+    p = make_policy("adaptive", 3)
+    p.costs.target.record(1, 1, 0.05)
+    for tokens in range(2, 5):
+        p.costs.target.record(1, tokens, 0.05 + 0.003 * tokens)
+    p.costs.draft.record(1, 0.017)
+    p.costs.draft_prefill_per_token = 0.004
+    assert not any(p.best_decision([p.optimistic_acceptance], [150], [48], None).ks)
+    assert p.choose(["a"], catch_up=[150], remaining=[48]).probe
+
+
 def test_no_probe_where_drafting_could_not_pay_even_with_good_drafts(monkeypatch):
     """Where the measured costs rule drafting out even at a first-token acceptance of 0.95, the policy
     never probes (each probe would be a pure loss: a short benchmark cell at batch 8 lost 5% to them);
@@ -438,7 +452,7 @@ def test_no_probe_where_drafting_could_not_pay_even_with_good_drafts(monkeypatch
     p = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=False)
     assert _probe_steps(p, 8, 1000, 0.09, 0.145) == 0
     unchecked = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=False)
-    monkeypatch.setattr(unchecked, "_drafting_could_pay", lambda catch_up, remaining: True)
+    monkeypatch.setattr(unchecked, "_drafting_could_pay", lambda n: True)
     assert _probe_steps(unchecked, 8, 1000, 0.09, 0.145) >= 5
 
 

@@ -49,8 +49,8 @@ class AdaptivePolicy(Policy):
         # one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
         # good draft off for the next dozens of steps.
         self.probe_allowance = probe_allowance
-        # No probe where drafting would not pay even if the draft's first token were accepted this often:
-        # at a batch size where the measured costs rule drafting out, a probe can only lose.
+        # No probe where drafting would not pay even if the draft's first token were accepted this often
+        # (catch-ups aside): at a batch size where the measured costs rule drafting out, a probe can only lose.
         self.optimistic_acceptance = optimistic_acceptance
         self._probe_seconds = 0.0  # what probes that did not convert have cost
         self._decode_seconds = 0.0
@@ -86,7 +86,7 @@ class AdaptivePolicy(Policy):
         if not self.costs.target.has_plain(n):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
         estimator = self.estimator
-        if drafter and self._should_probe(catch_up, remaining):  # on the sequence cheapest to start
+        if drafter and self._should_probe(n):  # on the sequence cheapest to start
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
@@ -104,18 +104,19 @@ class AdaptivePolicy(Policy):
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
 
-    def _should_probe(self, catch_up: list[int], remaining: list[int]) -> bool:
+    def _should_probe(self, n: int) -> bool:
         """Measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior that
         predicts no gain would otherwise never be tested) while the evidence is thin and the probes'
-        budget lasts, where good drafts would pay."""
+        budget lasts, at batch sizes where good drafts would pay."""
         if not self.costs.draft:
             return True
         return (self.estimator.first_position_trials < self.probe_trials and self._probe_seconds <= self._probe_limit()
-                and self._drafting_could_pay(catch_up, remaining))
+                and self._drafting_could_pay(n))
 
-    def _drafting_could_pay(self, catch_up: list[int], remaining: list[int]) -> bool:
-        optimistic = [self.optimistic_acceptance] * len(catch_up)
-        return any(self.best_decision(optimistic, catch_up, remaining, None).ks)
+    def _drafting_could_pay(self, n: int) -> bool:
+        """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
+        sequence's one-off cost, which a probe accepts (and refunds once drafting follows)."""
+        return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
 
     def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
                       lookups: list[Lookup] | None, drafter: bool = True) -> DraftDecision:
