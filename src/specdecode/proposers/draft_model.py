@@ -172,7 +172,7 @@ def in_row_groups(ids: torch.Tensor, special_ids, vocab_size: int) -> torch.Tens
     """A draft vocabulary: `ids` plus the special tokens, rounded up to whole 16-row groups with the
     lowest remaining ids, so that a 4-bit LM head stays in its kernel's format. Sorted."""
     special = torch.tensor([i for i in sorted(special_ids) if i < vocab_size], dtype=torch.long)
-    ids = torch.unique(torch.cat([ids.long().cpu(), special]))
+    ids = torch.unique(torch.cat([ids.long(), special]))
     rest = torch.arange(vocab_size)
     rest = rest[~torch.isin(rest, ids)][:min(vocab_size, -(-len(ids) // 16) * 16) - len(ids)]
     return torch.unique(torch.cat([ids, rest]))
