@@ -23,14 +23,21 @@ DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
 SHAPE_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
 
 
-def kernel_builds() -> list:
+def kernel_builds(amx_tiles: bool = False) -> list:
     """The instruction-set builds of the native kernels this CPU runs, as pytest params: its own, the
-    AVX2 path (on x86 CPUs that have AVX2; an AVX-512 machine runs it too) and the portable scalar one."""
+    AVX2 path (on x86 CPUs that have AVX2; an AVX-512 machine runs it too) and the portable scalar one;
+    for a kernel with an AMX path (`amx_tiles`), also the AVX-512 VNNI path on CPUs that have AMX."""
     from specdecode.executor.cpu import cpu_flags
 
-    avx2 = {"avx2", "fma"} <= cpu_flags()
-    return ["native", pytest.param("avx2", marks=pytest.mark.skipif(
-        not avx2, reason="this CPU has no AVX2/FMA: the AVX2 path is tested on CPUs that have it")), "scalar"]
+    flags = cpu_flags()
+    amx, avx2 = {"amx_int8", "avx512_vnni"} <= flags, {"avx2", "fma"} <= flags
+    return ["native",
+            *([pytest.param("avx512", marks=pytest.mark.skipif(
+                not amx, reason="no AMX here: native is the AVX-512 (or AVX2) path, tested as such"))]
+              if amx_tiles else []),
+            pytest.param("avx2", marks=pytest.mark.skipif(
+                not avx2, reason="this CPU has no AVX2/FMA: the AVX2 path is tested on CPUs that have it")),
+            "scalar"]
 
 
 class ByteTokenizer:

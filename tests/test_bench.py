@@ -301,6 +301,7 @@ esac
     bench = run_llama_bench(str(tmp_path), "m.gguf", 2, 96, forward_sizes=(1, 3))
     assert (bench.decode_tokens_per_s, bench.batches_repacked) == (14.0, False)
     assert bench.verify_cost_ratio(2) == pytest.approx((3000 / 45) / 50)
+    assert (bench.prefill_tokens_per_s(3), bench.prefill_tokens_per_s(512)) == (45.0, None)
     _tool(tmp_path, "llama-speculative-simple", """case "$*" in
   *--no-repack*) printf 'decoded 96 tokens in 4.0 seconds\\nn_drafted = 60\\nn_accept = 45\\n' >&2 ;;
   *) kill -SEGV $$ ;;

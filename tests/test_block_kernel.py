@@ -97,14 +97,15 @@ def ties(columns: int, seed: int = 0) -> torch.Tensor:
     return row
 
 
-@pytest.mark.parametrize("isa", kernel_builds())
+@pytest.mark.parametrize("isa", kernel_builds(amx_tiles=True))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_build_gives_the_scalar_reference_bits(fmt, isa):
     """Integer sums are exact and the float steps are the same operations in the same order, so each SIMD
     path equals the portable scalar path bit for bit: a result measured on one kind of CPU holds on all."""
-    raw = gguf_blocks(fmt, 64, 1024, seed=4)
-    x = torch.randn(70, 1024)  # tiles of every size, and more than one cache block of rows
-    x[5] = ties(1024)
+    columns = 1024 if fmt in K_BLOCK_BYTES else 1120  # blocks of 32: 32, or 35 (an odd one after pairs)
+    raw = gguf_blocks(fmt, 64, columns, seed=4)
+    x = torch.randn(70, columns)  # tiles of every size, and more than one cache block of rows
+    x[5] = ties(columns)
     layer = layer_of(raw)
     layer.lib = kernels.load("lowbit", "scalar")
     reference = layer(x)
@@ -121,7 +122,7 @@ def int8_residual(x: torch.Tensor) -> torch.Tensor:
     return (blocks - torch.round(blocks * (1 / scale)) * scale).reshape(x.shape)
 
 
-@pytest.mark.parametrize("isa", kernel_builds())
+@pytest.mark.parametrize("isa", kernel_builds(amx_tiles=True))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_two_pass_activations_add_the_residual_product_on_every_build(fmt, isa):
     """w4a16: x's int8 product plus its residual's, in that order, bit for bit on every build, with each
@@ -130,14 +131,14 @@ def test_two_pass_activations_add_the_residual_product_on_every_build(fmt, isa):
     raw = gguf_blocks(fmt, rows, columns, seed=5)
     layer = layer_of(raw)
     layer.lib = kernels.load("lowbit", isa)
-    x = torch.randn(11, columns)
+    x = torch.randn(20, columns)  # 40 quantized rows: an AMX tile pair where the CPU has AMX
     x[0] *= 50
     x[4] = ties(columns)  # the residual of a tie is +-0.5 only if it is broken as torch.round breaks it
     one_pass, residual_pass = layer(x), layer(int8_residual(x))
     layer.passes = 2
     y = layer(x)
     assert torch.equal(y, one_pass + residual_pass)
-    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
+    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(20)]))
     exact = x.double() @ as_float(raw).double().T
     assert (y - exact).norm() < (one_pass - exact).norm() / 30
 

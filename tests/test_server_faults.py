@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from specdecode import LLM
-from specdecode.metrics import peak_rss_bytes
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
@@ -86,24 +85,29 @@ def test_the_server_timeout_caps_the_requests(target, random_draft):
 # ---- draining ---------------------------------------------------------------------------------------
 def test_drain_refuses_new_requests_lets_short_ones_finish_and_cancels_the_rest(served):
     results = {}
+    short = {"prompt": "a", "max_tokens": 20, "ignore_eos": True}
+    started = time.time()
+    assert served.post(short).status_code == 200
+    # The grace period in units of this machine's speed (a busy GPU runs the tiny model's steps slower than
+    # a CPU): room for the short request, a third of what the long one (12x its tokens) needs.
+    grace = max(1.0, 4 * (time.time() - started))
 
     def run(name, body):
         results[name] = served.post(body)
 
-    threads = [threading.Thread(target=run, args=("short", {"prompt": "a", "max_tokens": 20, "ignore_eos": True})),
-               threading.Thread(target=run, args=("long", LONG))]
+    threads = [threading.Thread(target=run, args=("short", short)), threading.Thread(target=run, args=("long", LONG))]
     for t in threads:
         t.start()
     time.sleep(0.3)
     cancelled_box = []
-    drainer = threading.Thread(target=lambda: cancelled_box.append(served.engine.drain(1.0)))
+    drainer = threading.Thread(target=lambda: cancelled_box.append(served.engine.drain(grace)))
     drainer.start()
     time.sleep(0.1)
     refused = served.post({"prompt": "late", "max_tokens": 2})
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    drainer.join(10)
+    drainer.join(grace + 10)
     for t in threads:
-        t.join(10)
+        t.join(grace + 10)
     assert results["short"].status_code == 200 and results["short"].json()["usage"]["completion_tokens"] == 20
     assert results["long"].status_code == 503 and "shut down" in results["long"].json()["error"]["message"]
     assert len(cancelled_box[0]) == 1
@@ -203,27 +207,27 @@ async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, outcomes
 
 
 def test_soak_at_concurrency_16_loses_nothing(target, random_draft):
+    """16 clients, 8 requests each of the mix (a count, not a duration: a slower machine runs it longer): every
+    request gets its expected answer, every kind of request occurs, and memory does not grow."""
     with Served(target, random_draft, max_num_seqs=8, request_timeout=20) as served:
-        async def worker(seed, deadline, outcomes):
+        async def worker(seed, requests, outcomes):
             rng = random.Random(seed)
             async with httpx.AsyncClient(timeout=60) as client:
-                while time.time() < deadline:
+                for _ in range(requests):
                     await _one(client, served.url, rng, outcomes)
 
-        async def soak(seconds):
+        async def soak(requests):
             outcomes: list[str] = []
-            deadline = time.time() + seconds
-            await asyncio.gather(*(worker(seed, deadline, outcomes) for seed in range(16)))
+            await asyncio.gather(*(worker(seed, requests, outcomes) for seed in range(16)))
             return outcomes
 
-        asyncio.run(soak(3))  # warm-up: allocator pools, grammar tokenizer
+        asyncio.run(soak(2))  # warm-up: allocator pools, grammar tokenizer
         served.assert_idle_and_serving()
         rss_before = _rss_bytes()
-        outcomes = asyncio.run(soak(15))
+        outcomes = asyncio.run(soak(8))
         served.assert_idle_and_serving()
-        assert len(outcomes) > 100 and len(set(outcomes)) == 7  # every kind of request went through
+        assert len(outcomes) == 16 * 8 and len(set(outcomes)) == 7
         assert _rss_bytes() - rss_before < 100 << 20
-        assert peak_rss_bytes() > 0
 
 
 def _rss_bytes() -> int:

@@ -45,6 +45,11 @@ class LatencyResult:
     draft_confidence: float = 0.0  # the draft stopped after a token it gave less probability
     mean_drafts: float | None = None  # tokens drafted per speculative step (below k when the draft stops early)
     acceptance_per_position: list[float] | None = None  # accepted / drafted at each draft position
+    prefill_tokens_per_s: float | None = None  # plain rows: one PREFILL_TOKENS-token prompt's forward
+
+
+# A prompt of llama-bench's pp512: its forward computes the last row's logits only, as a prefill does.
+PREFILL_TOKENS = 512
 
 
 def run_config(llm: LLM, requests: list, params: SamplingParams, k: int, label: str, proposer: str):
@@ -110,6 +115,12 @@ def load_requests(dataset: str, count: int, turns: int) -> list:
 def verify_cost_ratio(model, k: int, context: int = 256) -> float:
     """T(k+1)/T(1): one forward over k+1 new tokens against one over a single token, after `context`."""
     return time_forward(model, 1, k + 1, context, 5) / time_forward(model, 1, 1, context, 5)
+
+
+def prefill_tokens_per_s(model, max_model_len: int) -> float:
+    """Tokens per second of one prompt's forward (PREFILL_TOKENS, or what the model's length allows)."""
+    tokens = min(PREFILL_TOKENS, max_model_len - 1)
+    return tokens / time_forward(model, 1, tokens, 0, 3, logits="last")
 
 
 def predicted_speedup(r: LatencyResult) -> float:
@@ -185,6 +196,7 @@ def run_backend(args, quantization: str, requests: list, params: SamplingParams)
                     max_num_seqs=1, num_speculative_tokens=0) if not runs else runs[0].llm
     plain, plain_outs = run_config(plain_llm, requests, params, 0, f"{name}: plain", "none")
     plain.verify_cost_ratio = 1.0
+    plain.prefill_tokens_per_s = prefill_tokens_per_s(target.model, args.max_model_len)
     print(_row(plain), flush=True)
     results = [plain]
     for run in runs:
@@ -221,7 +233,8 @@ def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, Llama
         print(f"note: {NO_REPACK_NOTE} (llama-bench pp)", flush=True)
     row = LatencyResult(f"llama.cpp: plain ({when})", "llama.cpp", "none", 0, args.max_tokens,
                         args.max_tokens / bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
-                        1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0)
+                        1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0,
+                        prefill_tokens_per_s=bench.prefill_tokens_per_s(PREFILL_TOKENS))
     print(_row(row), flush=True)
     return row, bench
 
@@ -283,9 +296,10 @@ def run_latency(args) -> list[LatencyResult]:
         return results
     after, bench = llama_cpp_plain(args, threads, "after")
     mean_plain = (before.tokens_per_s + after.tokens_per_s) / 2
+    mean_prefill = (before.prefill_tokens_per_s + after.prefill_tokens_per_s) / 2
     mean = LatencyResult("llama.cpp: plain (mean)", "llama.cpp", "none", 0, args.max_tokens,
                          args.max_tokens / mean_plain, mean_plain, None, None, 1000 / mean_plain, None,
-                         speedup=1.0, verify_cost_ratio=1.0)
+                         speedup=1.0, verify_cost_ratio=1.0, prefill_tokens_per_s=mean_prefill)
     results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, bench)
     if args.suffix:
         results += run_llama_cpp_ngram(args, prompts, threads, mean)
@@ -295,6 +309,12 @@ def run_latency(args) -> list[LatencyResult]:
           f"{before.tokens_per_s:.2f} before and {after.tokens_per_s:.2f} tok/s after our rows):", flush=True)
     for r in results:
         print(f"  {r.config:<28} {ratio(r.vs_llama_cpp_plain, 6)}", flush=True)
+    print(f"prefill of a {PREFILL_TOKENS}-token prompt against llama.cpp's pp{PREFILL_TOKENS} (the mean of "
+          f"{before.prefill_tokens_per_s:.1f} and {after.prefill_tokens_per_s:.1f} tok/s):", flush=True)
+    for r in results:
+        if r.backend != "llama.cpp" and r.prefill_tokens_per_s:
+            print(f"  {r.config:<28} {r.prefill_tokens_per_s:7.1f} tok/s {ratio(r.prefill_tokens_per_s / mean_prefill, 6)}",
+                  flush=True)
     return results
 
 

@@ -1,7 +1,7 @@
 """llama.cpp beside us, on the same GGUF files and prompts, in the same run.
 
-`llama-bench` measures plain decoding (tg) and the cost of a forward over 1, 2, 3, 5 tokens (pp), i.e.
-llama.cpp's verify cost ratio; `llama-speculative-simple` runs its own draft-model speculation on each
+`llama-bench` measures plain decoding (tg), the cost of a forward over 1, 2, 3, 5 tokens (pp), i.e.
+llama.cpp's verify cost ratio, and its prefill (pp512); `llama-speculative-simple` runs its own draft-model speculation on each
 prompt. The binaries come from a folder the user passes (e.g. built by build-llama-cpp.sh): llama.cpp
 is a peer to measure against, never a dependency."""
 from __future__ import annotations
@@ -40,6 +40,10 @@ class LlamaBench:
         """T(k+1)/T(1): a verify over k drafts against one decoded token."""
         return self.forward_ms[k + 1] / self.forward_ms[1] if k + 1 in self.forward_ms else None
 
+    def prefill_tokens_per_s(self, tokens: int) -> float | None:
+        """ppN: one forward over an N-token prompt."""
+        return 1000 * tokens / self.forward_ms[tokens] if tokens in self.forward_ms else None
+
 
 @dataclass
 class LlamaSpeculative:
@@ -68,7 +72,7 @@ def binary(bin_dir: str, name: str) -> str:
 
 
 def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
-                    forward_sizes: tuple[int, ...] = (1, 2, 3, 5), repeats: int = 3) -> LlamaBench:
+                    forward_sizes: tuple[int, ...] = (1, 2, 3, 5, 512), repeats: int = 3) -> LlamaBench:
     cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json"]
     sizes = ",".join(map(str, forward_sizes))
     try:

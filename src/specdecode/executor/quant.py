@@ -35,7 +35,8 @@ def lowbit_kernel():
 
 
 def lowbit_isa() -> int:
-    """512 (AVX-512 VNNI), 256 (AVX2) or 0 (portable scalar C); -1 where no kernel builds."""
+    """1024 (AVX-512 VNNI and AMX tiles), 512 (AVX-512 VNNI), 256 (AVX2) or 0 (portable scalar C); -1
+    where no kernel builds."""
     lib = lowbit_kernel()
     return -1 if lib is None else lib.lowbit_isa()
 

@@ -41,9 +41,10 @@ SIGNATURES = {
 }
 
 # Instruction sets a kernel can be built for at or below the machine's own, so that each path is tested on
-# any machine that has it: an AVX-512 machine runs the AVX2 path too, every machine the scalar one.
+# any machine that has it: an AMX machine runs the AVX-512 path too, an AVX-512 machine the AVX2 one, every
+# machine the scalar one.
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+ISA_FLAGS = {"native": [], "avx512": ["-mno-amx-tile", "-mno-amx-int8"], "avx2": ["-mno-avx512f"],
              "scalar": ["-DSPECDECODE_SCALAR"] + (["-mno-avx"] if _X86 else [])}
 
 _problems: dict[str, str] = {}

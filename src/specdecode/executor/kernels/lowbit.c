@@ -39,6 +39,11 @@
 #define HAVE_AVX2 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1  // every format but Q8_0 (signed weights; it takes the AVX2 path)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define HAVE_AMX 1   // tiles of 16 rows of x, where the OS grants the tile state (amx_permitted)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
@@ -134,7 +139,8 @@ static void quantize_row(const float *x, int K, int8_t *xq, float *sx, float *xs
 
 // Scratch memory kept per thread between calls: a decode step makes ~100 kernel calls, and memory freed
 // to glibc can go back to the OS and fault in again on the next call.
-enum { ACTS, PASS_OUTPUT, NUM_SCRATCH };  // the quantized activations; two-pass rows before they are summed
+// The quantized activations; two-pass rows before they are summed; a group's weights unpacked for AMX tiles.
+enum { ACTS, PASS_OUTPUT, UNPACKED, NUM_SCRATCH };
 static __thread void *scratch_buf[NUM_SCRATCH];
 static __thread size_t scratch_size[NUM_SCRATCH];
 
@@ -511,6 +517,152 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 }
 #endif
 
+#if defined(HAVE_AMX)
+// ---- AMX: tiles of 16 rows of x for calls of 16+ rows (prefill, batched verification) ---------------------------
+// A tile product C[m][r] += sum_k x[m][k] * w[r][k] over one block of 32 (s8 activations times u8 weights, or
+// s8 times s8 for Q8_0) gives the VNNI path's integer sums for 16 rows of x and the group's 16 output rows at
+// once; row m of C is then the VNNI path's vector for row m of x and takes the same float steps in the same
+// order. The unpacked weights of 8 consecutive k per row are a VNNI path operand pair (w0, w1) and exactly
+// two rows of a tile's B operand, so a group is unpacked once per call into B rows and read by every tile of x.
+// Each block's C tile goes through memory to be scaled, which bounds the gain: 4- and 5-bit formats pay from 32
+// rows of x (1.1-1.2x the VNNI path; slower at 16), Q8_0 (no unpacking; the VNNI path has no signed-weight
+// instruction) from 16 (6x). Q6_K and Q3_K, scaled per 16 weights, would need twice the tiles and measured no
+// faster: they stay on the VNNI path (docs/decisions.md).
+#define AMX_ROWS 16
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// Linux hands a process the 8 KB tile state only on request; where it refuses, the VNNI path runs.
+static int amx_permitted(void) {
+    static int permitted = -1;  // a benign race: every thread computes the same answer
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+// Tiles 0-3: C (16 x 16 int32) for two pairs of consecutive blocks; 4-5: a pair's x rows (16 x 32 bytes); 6-7:
+// its weights (8 rows of 16 lanes x 4 bytes).
+static void amx_configure(void) {
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t < 6 ? AMX_ROWS : 8;
+        cfg.colsb[t] = t < 4 || t >= 6 ? 64 : 32;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// Block j of x rows m0.. and its B rows, into C tile `c` (a compile-time constant).
+#define AMX_PRODUCT(c, ta, tb, j, signed_weights, bq, xq, K)                      \
+    do {                                                                           \
+        _tile_zero(c);                                                             \
+        _tile_loadd(ta, (xq) + (size_t)(j) * 32, K);                               \
+        _tile_loadd(tb, (bq) + (size_t)(j) * 512, 64);                             \
+        if (signed_weights) _tile_dpbssd(c, ta, tb); else _tile_dpbsud(c, ta, tb); \
+    } while (0)
+
+// acc[m] += (I[m] - zero * xs[m]) * (scale * sx[m]) for the 16 rows of x in C: the VNNI path's step per block.
+static inline __attribute__((always_inline)) void amx_accumulate(const int32_t *c, __m512 scale, int zero,
+        const int32_t *isum, int isum_step, const float *sx, int sx_step, __m512 acc[AMX_ROWS]) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) {
+        __m512i I = _mm512_loadu_si512((const void *)(c + m * 16));
+        if (zero) I = _mm512_sub_epi32(I, _mm512_set1_epi32(zero * isum[m * isum_step]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale, _mm512_set1_ps(sx[m * sx_step])), acc[m]);
+    }
+}
+
+// Block j's C tile (stored at c) into acc: the block's scale per output row, then amx_accumulate.
+static inline __attribute__((always_inline)) void amx_scale_block(int zero, int sck, int g, int j, int K,
+        const weights_t *w, const int32_t *isum, const float *sx, const int32_t *c, __m512 acc[AMX_ROWS]) {
+    const int nsub = K / 32;
+    __m512 scale = _mm512_loadu_ps(w->d + ((size_t)g * (nsub / w->S) + j / w->S) * GROUP);
+    if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + ((size_t)g * nsub + j) * GROUP));
+    int32_t xs[AMX_ROWS];  // the zero point multiplies the block's sum: its two halves' sums added first
+    if (zero)
+        for (int m = 0; m < AMX_ROWS; m++) xs[m] = isum[(size_t)m * 2 * nsub + 2 * j] + isum[(size_t)m * 2 * nsub + 2 * j + 1];
+    amx_accumulate(c, scale, zero, xs, 1, sx + j, nsub, acc);
+}
+
+// The products of blocks j and j + 1 (where there is one) into C tiles c0 and c1; their stores; their scaling.
+#define AMX_PAIR(c0, c1, j)                                                                  \
+    do {                                                                                      \
+        AMX_PRODUCT(c0, 4, 6, j, bits == 8, unpacked, xq, K);                                  \
+        if ((j) + 1 < nsub) AMX_PRODUCT(c1, 5, 7, (j) + 1, bits == 8, unpacked, xq, K);        \
+    } while (0)
+#define AMX_STORE(c0, c1, j)                                      \
+    do {                                                          \
+        _tile_stored(c0, c[0], 64);                               \
+        if ((j) + 1 < nsub) _tile_stored(c1, c[1], 64);           \
+    } while (0)
+#define AMX_SCALE(j) \
+    for (int i = 0; i < 2 && (j) + i < nsub; i++) amx_scale_block(zero, sck, g, (j) + i, K, w, isum, sx, c[i], acc)
+
+// The group's 16 output rows for rows m0..m0+16 of x. `unpacked`: the group's B rows (K / 4 of 64 bytes).
+// The tile unit computes the next pair of blocks (C tiles 0-1 or 2-3) while the vector unit scales the last.
+static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, int sck, int mink, int g, int m0,
+        int K, int N, const weights_t *w, const acts_t *a, const uint8_t *unpacked, float *y) {
+    const int nsub = K / 32, S = w->S;
+    const int8_t *xq = a->xq + (size_t)m0 * K;
+    const int32_t *isum = a->isum16 + (size_t)m0 * 2 * nsub;
+    const float *sx = a->sx + (size_t)m0 * nsub;
+    int32_t c[2][AMX_ROWS * 16] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS];
+    _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) acc[m] = _mm512_setzero_ps();
+    AMX_PAIR(0, 1, 0);
+    for (int j = 0; j < nsub; j += 4) {
+        AMX_STORE(0, 1, j);
+        if (j + 2 < nsub) AMX_PAIR(2, 3, j + 2);
+        AMX_SCALE(j);
+        if (j + 2 >= nsub) break;
+        AMX_STORE(2, 3, j + 2);
+        if (j + 4 < nsub) AMX_PAIR(0, 1, j + 4);
+        AMX_SCALE(j + 2);
+    }
+    float *yt = y + (size_t)m0 * N + (size_t)g * GROUP;
+    _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) _mm512_storeu_ps(yt + (size_t)m * N, acc[m]);
+    if (mink == MIN_NONE) return;
+    __m512 minacc[AMX_ROWS];  // the VNNI path's second sum, in its order, then acc - minacc
+    _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) minacc[m] = _mm512_setzero_ps();
+    for (int j = 0; j < nsub; j++) {
+        __m512 min = _mm512_loadu_ps(w->dmin + ((size_t)g * (nsub / S) + j / S) * GROUP);
+        if (mink == MIN_D_MN) min = _mm512_mul_ps(min, cvt16_u8(w->mn + ((size_t)g * nsub + j) * GROUP));
+        _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++)
+            minacc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(a->xsum[(size_t)(m0 + m) * nsub + j]), minacc[m]);
+    }
+    _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++)
+        _mm512_storeu_ps(yt + (size_t)m * N, _mm512_sub_ps(_mm512_loadu_ps(yt + (size_t)m * N), minacc[m]));
+}
+
+// Rows m0.. of x in whole tiles of 16 for group g; returns the first row left for the VNNI path (m0 where the
+// scratch memory is not there).
+static inline __attribute__((always_inline)) int group_amx(int bits, int zero, int sck, int mink, int g, int m0,
+        int m_end, int K, int N, const weights_t *w, const acts_t *a, float *y) {
+    const uint8_t *unpacked = w->lo + (size_t)g * (K / 4) * 64;  // 8-bit weights are B rows as stored
+    if (bits != 8) {
+        uint8_t *buf = (uint8_t *)scratch(UNPACKED, (size_t)K * GROUP);
+        if (!buf) return m0;
+        const uint8_t *lo = w->lo + (size_t)g * (K / 2) * GROUP, *hi = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
+        for (int t = 0; t < K / 8; t++) {
+            __m512i w0, w1;
+            unpack16(lo + (size_t)t * 64, hi ? hi + (size_t)t * 32 : NULL, &w0, &w1);
+            _mm512_storeu_si512((void *)(buf + (size_t)t * 128), w0);
+            _mm512_storeu_si512((void *)(buf + (size_t)t * 128 + 64), w1);
+        }
+        unpacked = buf;
+    }
+    amx_configure();
+    for (; m0 + AMX_ROWS <= m_end; m0 += AMX_ROWS) tile_amx(bits, zero, sck, mink, g, m0, K, N, w, a, unpacked, y);
+    _tile_release();
+    return m0;
+}
+#endif
+
 // ---- dispatch ------------------------------------------------------------------------------------------------
 // One group of 16 output rows for `rows` rows of x (a compile-time constant in the SIMD paths, which unroll
 // over it), in format FMT's constants.
@@ -555,8 +707,29 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 #endif
 #define FORMAT_CASE(FMT) case FMT: BY_TILE(GROUP_##FMT) break;
 
+#if defined(HAVE_AMX)
+#define AMX_CASE(FMT, bits, zero, sck, mink, min_rows)                                    \
+    case FMT:                                                                              \
+        if (m_end - m0 >= (min_rows)) m0 = group_amx(bits, zero, sck, mink, g, m0, m_end, K, N, w, a, y); \
+        break;
+#endif
+
+// Rows m0..m_end of x for group g: in whole tiles of 16 on AMX where `amx` (and it pays), the rest in tiles of
+// ROW_TILE.
 static inline __attribute__((always_inline)) void run_group(int fmt, int g, int m0, int m_end, int K, int N,
-                                                            const weights_t *w, const acts_t *a, float *y) {
+                                                            const weights_t *w, const acts_t *a, float *y, int amx) {
+#if defined(HAVE_AMX)
+    if (amx) {
+        switch (fmt) {
+            AMX_CASE(Q4_0, 4, 8, SC_NONE, MIN_NONE, 32) AMX_CASE(Q4_1, 4, 0, SC_NONE, MIN_D, 32)
+            AMX_CASE(Q5_0, 6, 16, SC_NONE, MIN_NONE, 32) AMX_CASE(Q5_1, 6, 0, SC_NONE, MIN_D, 32)
+            AMX_CASE(Q4_K, 4, 0, SC_U8, MIN_D_MN, 32) AMX_CASE(Q5_K, 6, 0, SC_U8, MIN_D_MN, 32)
+            AMX_CASE(Q8_0, 8, 0, SC_NONE, MIN_NONE, 16)
+        }
+    }
+#else
+    (void)amx;
+#endif
     for (; m0 < m_end; m0 += ROW_TILE) {
         switch (fmt) {
             FORMAT_CASE(Q4_0) FORMAT_CASE(Q4_1) FORMAT_CASE(Q5_0) FORMAT_CASE(Q5_1)
@@ -565,9 +738,12 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
     }
 }
 
-// The instruction set this build computes with: 512 (AVX-512 VNNI for every format but Q8_0, which takes
-// AVX2), 256 (AVX2 + FMA) or 0 (the portable scalar path).
+// The instruction set this build computes with: 1024 (as 512, and AMX tiles for calls of 16+ rows), 512
+// (AVX-512 VNNI for every format but Q8_0, which takes AVX2), 256 (AVX2 + FMA) or 0 (the portable scalar path).
 int lowbit_isa(void) {
+#if defined(HAVE_AMX)
+    if (amx_permitted()) return 1024;
+#endif
 #if defined(HAVE_VNNI)
     return 512;
 #elif defined(HAVE_AVX2)
@@ -611,11 +787,16 @@ int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uin
     float *out = passes == 1 ? y : (float *)scratch(PASS_OUTPUT, (size_t)Q * N * sizeof(float));
     if (!out) return -5;
     const int groups = N / GROUP, row_blocks = (Q + ROW_BLOCK - 1) / ROW_BLOCK;
+#if defined(HAVE_AMX)
+    const int amx = Q >= AMX_ROWS && amx_permitted();
+#else
+    const int amx = 0;
+#endif
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int rb = 0; rb < row_blocks; rb++)
         for (int g = 0; g < groups; g++) {
             const int m_end = (rb + 1) * ROW_BLOCK < Q ? (rb + 1) * ROW_BLOCK : Q;
-            run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, out);
+            run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, out, amx);
         }
     if (passes == 2)
         for (size_t m = 0; m < (size_t)M; m++)
