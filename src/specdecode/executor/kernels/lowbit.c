@@ -524,8 +524,8 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 // once; row m of C is then the VNNI path's vector for row m of x and takes the same float steps in the same
 // order. The unpacked weights of 8 consecutive k per row are a VNNI path operand pair (w0, w1) and exactly
 // two rows of a tile's B operand, so a group is unpacked once per call into B rows and read by every tile of x.
-// Each block's C tile goes through memory to be scaled, which bounds the gain: 4- and 5-bit formats pay from 32
-// rows of x (1.1-1.2x the VNNI path; slower at 16), Q8_0 (no unpacking; the VNNI path has no signed-weight
+// Each block's C tile goes through memory to be scaled, which bounds the gain: 4- and 5-bit formats pay from 48
+// rows of x (1.1-1.2x the VNNI path; slower below 40), Q8_0 (no unpacking; the VNNI path has no signed-weight
 // instruction) from 16 (6x). Q6_K and Q3_K, scaled per 16 weights, would need twice the tiles and measured no
 // faster: they stay on the VNNI path (docs/decisions.md).
 #define AMX_ROWS 16
@@ -545,15 +545,15 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_t;
 
-// Tiles 0-3: C (16 x 16 int32) for two pairs of consecutive blocks; 4-5: a pair's x rows (16 x 32 bytes); 6-7:
-// its weights (8 rows of 16 lanes x 4 bytes).
+// Tiles 0-1: C (16 x 16 int32) for two consecutive blocks; 2-3: their x rows (16 x 32 bytes); 4-5: their
+// weights (8 rows of 16 lanes x 4 bytes).
 static void amx_configure(void) {
     tile_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t < 6 ? AMX_ROWS : 8;
-        cfg.colsb[t] = t < 4 || t >= 6 ? 64 : 32;
+    for (int t = 0; t < 6; t++) {
+        cfg.rows[t] = t < 4 ? AMX_ROWS : 8;
+        cfg.colsb[t] = t < 2 || t >= 4 ? 64 : 32;
     }
     _tile_loadconfig(&cfg);
 }
@@ -589,22 +589,8 @@ static inline __attribute__((always_inline)) void amx_scale_block(int zero, int 
     amx_accumulate(c, scale, zero, xs, 1, sx + j, nsub, acc);
 }
 
-// The products of blocks j and j + 1 (where there is one) into C tiles c0 and c1; their stores; their scaling.
-#define AMX_PAIR(c0, c1, j)                                                                  \
-    do {                                                                                      \
-        AMX_PRODUCT(c0, 4, 6, j, bits == 8, unpacked, xq, K);                                  \
-        if ((j) + 1 < nsub) AMX_PRODUCT(c1, 5, 7, (j) + 1, bits == 8, unpacked, xq, K);        \
-    } while (0)
-#define AMX_STORE(c0, c1, j)                                      \
-    do {                                                          \
-        _tile_stored(c0, c[0], 64);                               \
-        if ((j) + 1 < nsub) _tile_stored(c1, c[1], 64);           \
-    } while (0)
-#define AMX_SCALE(j) \
-    for (int i = 0; i < 2 && (j) + i < nsub; i++) amx_scale_block(zero, sck, g, (j) + i, K, w, isum, sx, c[i], acc)
-
 // The group's 16 output rows for rows m0..m0+16 of x. `unpacked`: the group's B rows (K / 4 of 64 bytes).
-// The tile unit computes the next pair of blocks (C tiles 0-1 or 2-3) while the vector unit scales the last.
+// Blocks go in pairs, so that the second product runs while the first is stored.
 static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, int sck, int mink, int g, int m0,
         int K, int N, const weights_t *w, const acts_t *a, const uint8_t *unpacked, float *y) {
     const int nsub = K / 32, S = w->S;
@@ -614,15 +600,13 @@ static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, i
     int32_t c[2][AMX_ROWS * 16] __attribute__((aligned(64)));
     __m512 acc[AMX_ROWS];
     _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) acc[m] = _mm512_setzero_ps();
-    AMX_PAIR(0, 1, 0);
-    for (int j = 0; j < nsub; j += 4) {
-        AMX_STORE(0, 1, j);
-        if (j + 2 < nsub) AMX_PAIR(2, 3, j + 2);
-        AMX_SCALE(j);
-        if (j + 2 >= nsub) break;
-        AMX_STORE(2, 3, j + 2);
-        if (j + 4 < nsub) AMX_PAIR(0, 1, j + 4);
-        AMX_SCALE(j + 2);
+    for (int j = 0; j < nsub; j += 2) {
+        const int pair = j + 1 < nsub;
+        AMX_PRODUCT(0, 2, 4, j, bits == 8, unpacked, xq, K);
+        if (pair) AMX_PRODUCT(1, 3, 5, j + 1, bits == 8, unpacked, xq, K);
+        _tile_stored(0, c[0], 64);
+        if (pair) _tile_stored(1, c[1], 64);
+        for (int i = 0; i <= pair; i++) amx_scale_block(zero, sck, g, j + i, K, w, isum, sx, c[i], acc);
     }
     float *yt = y + (size_t)m0 * N + (size_t)g * GROUP;
     _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) _mm512_storeu_ps(yt + (size_t)m * N, acc[m]);
@@ -721,9 +705,9 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
 #if defined(HAVE_AMX)
     if (amx) {
         switch (fmt) {
-            AMX_CASE(Q4_0, 4, 8, SC_NONE, MIN_NONE, 32) AMX_CASE(Q4_1, 4, 0, SC_NONE, MIN_D, 32)
-            AMX_CASE(Q5_0, 6, 16, SC_NONE, MIN_NONE, 32) AMX_CASE(Q5_1, 6, 0, SC_NONE, MIN_D, 32)
-            AMX_CASE(Q4_K, 4, 0, SC_U8, MIN_D_MN, 32) AMX_CASE(Q5_K, 6, 0, SC_U8, MIN_D_MN, 32)
+            AMX_CASE(Q4_0, 4, 8, SC_NONE, MIN_NONE, 48) AMX_CASE(Q4_1, 4, 0, SC_NONE, MIN_D, 48)
+            AMX_CASE(Q5_0, 6, 16, SC_NONE, MIN_NONE, 48) AMX_CASE(Q5_1, 6, 0, SC_NONE, MIN_D, 48)
+            AMX_CASE(Q4_K, 4, 0, SC_U8, MIN_D_MN, 48) AMX_CASE(Q5_K, 6, 0, SC_U8, MIN_D_MN, 48)
             AMX_CASE(Q8_0, 8, 0, SC_NONE, MIN_NONE, 16)
         }
     }
