@@ -518,7 +518,7 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 #endif
 
 #if defined(HAVE_AMX)
-// ---- AMX: tiles of 16 rows of x for calls of 16+ rows (prefill, batched verification) ---------------------------
+// ---- AMX: tiles of 16 rows of x for calls of many rows (prefill, batched verification) -------------------------
 // A tile product C[m][r] += sum_k x[m][k] * w[r][k] over one block of 32 (s8 activations times u8 weights, or
 // s8 times s8 for Q8_0) gives the VNNI path's integer sums for 16 rows of x and the group's 16 output rows at
 // once; row m of C is then the VNNI path's vector for row m of x and takes the same float steps in the same
@@ -722,7 +722,7 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
     }
 }
 
-// The instruction set this build computes with: 1024 (as 512, and AMX tiles for calls of 16+ rows), 512
+// The instruction set this build computes with: 1024 (as 512, and AMX tiles for calls of many rows), 512
 // (AVX-512 VNNI for every format but Q8_0, which takes AVX2), 256 (AVX2 + FMA) or 0 (the portable scalar path).
 int lowbit_isa(void) {
 #if defined(HAVE_AMX)
