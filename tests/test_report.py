@@ -86,3 +86,17 @@ def test_rounds_are_pooled_and_paired_with_plain():
     add_ratios_to_plain(rows)
     assert fast["throughput_vs_plain"] == pytest.approx(9.0 / 12.0)
     assert fast["round_throughputs_vs_plain"] == pytest.approx([2.0, 0.5])  # round i against plain's round i
+
+
+def test_multi_turn_rows_show_the_later_turns_tpot_against_plain():
+    """Sessions' later turns have earlier replies to copy: their TPOT ratio is printed beside the pooled one."""
+    from specdecode.bench.concurrency import summary_table
+
+    rows = [_row("plain", 8, 80.0, 0.09), _row("adaptive-suffix", 8, 96.0, 0.075, 0.88)]
+    rows[0]["later_turns_tpot_s"], rows[1]["later_turns_tpot_s"] = {"mean": 0.086}, {"mean": 0.0645}
+    add_ratios_to_plain(rows)
+    assert rows[1]["later_turns_tpot_reduction_vs_plain"] == pytest.approx(0.086 / 0.0645)
+    table = summary_table(rows).splitlines()
+    assert "later turns: TPOT ms" in table[0]
+    assert table[2].split()[-2:] == ["64.5", "1.33x"]
+    assert "later turns" not in summary_table(_sweep())  # single-turn rows keep the short table

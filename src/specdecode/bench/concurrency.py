@@ -120,6 +120,8 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
             r["throughput_vs_plain"], r["tpot_reduction_vs_plain"] = speedup, tpot
             pairs = zip(r.get("round_throughputs", []), base.get("round_throughputs", []))
             r["round_throughputs_vs_plain"] = [a / b for a, b in pairs]
+        if base and r.get("later_turns_tpot_s") and base.get("later_turns_tpot_s"):
+            r["later_turns_tpot_reduction_vs_plain"] = base["later_turns_tpot_s"]["mean"] / r["later_turns_tpot_s"]["mean"]
 
 
 def meta(args) -> dict:
@@ -142,14 +144,21 @@ HEADER = (f"{'round':>5} {'config':<16}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT
 
 
 def summary_table(rows: list[dict]) -> str:
+    """Each cell against plain; for multi-turn sessions also the TPOT of the turns after the first, which have
+    earlier replies to copy from."""
+    later = any(r.get("later_turns_tpot_s") for r in rows)
     lines = [f"{'config':<16}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
-             f"{'TPOT ÷':>9}"]
+             f"{'TPOT ÷':>9}" + (f"{'later turns: TPOT ms':>22}{'TPOT ÷':>9}" if later else "")]
     for r in rows:
         spread = joined(r.get("round_throughputs_vs_plain", []))
-        lines.append(f"{r['config']:<16}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
-                     f"{ratio(r.get('throughput_vs_plain'), 10, missing='')}{spread:>26}"
-                     f"{fmt(mean(r['tpot_s'], 1000), '.1f', 10)}"
-                     f"{ratio(r.get('tpot_reduction_vs_plain'), 9, missing='')}")
+        line = (f"{r['config']:<16}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
+                f"{ratio(r.get('throughput_vs_plain'), 10, missing='')}{spread:>26}"
+                f"{fmt(mean(r['tpot_s'], 1000), '.1f', 10)}"
+                f"{ratio(r.get('tpot_reduction_vs_plain'), 9, missing='')}")
+        if later:
+            line += (f"{fmt(mean(r.get('later_turns_tpot_s'), 1000), '.1f', 22)}"
+                     f"{ratio(r.get('later_turns_tpot_reduction_vs_plain'), 9, missing='')}")
+        lines.append(line)
     return "\n".join(lines)
 
 
