@@ -524,10 +524,10 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 // once; row m of C is then the VNNI path's vector for row m of x and takes the same float steps in the same
 // order. The unpacked weights of 8 consecutive k per row are a VNNI path operand pair (w0, w1) and exactly
 // two rows of a tile's B operand, so a group is unpacked once per call into B rows and read by every tile of x.
-// Each block's C tile goes through memory to be scaled, which bounds the gain: 4- and 5-bit formats pay from 48
-// rows of x (1.1-1.2x the VNNI path; slower below 40), Q8_0 (no unpacking; the VNNI path has no signed-weight
-// instruction) from 16 (6x). Q6_K and Q3_K, scaled per 16 weights, would need twice the tiles and measured no
-// faster: they stay on the VNNI path (docs/decisions.md).
+// Each block's C tile goes through memory to be scaled, which bounds the gain: 1.1-1.3x the VNNI path for the
+// 4- and 5-bit formats, 6x for Q8_0 (no unpacking, and the VNNI path has no signed-weight instruction). Q6_K and
+// Q3_K, scaled per 16 weights, would need twice the tiles and measured no faster: they stay on the VNNI path
+// (docs/decisions.md).
 #define AMX_ROWS 16
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -589,10 +589,28 @@ static inline __attribute__((always_inline)) void amx_scale_block(int zero, int 
     amx_accumulate(c, scale, zero, xs, 1, sx + j, nsub, acc);
 }
 
-// The group's 16 output rows for rows m0..m0+16 of x. `unpacked`: the group's B rows (K / 4 of 64 bytes).
-// Blocks go in pairs, so that the second product runs while the first is stored.
+// Blocks j and j + 1 (where there is one) of the group's packed weights into B rows, requesting what follows.
+static inline __attribute__((always_inline)) void amx_unpack_pair(int bits, int j, int nsub, const uint8_t *lo,
+                                                                  const uint8_t *hi, uint8_t *rows) {
+    const int end = j + 2 < nsub ? j + 2 : nsub;
+    for (int b = j; b < end; b++) {
+        prefetch_block(lo, hi, b, bits == 8 ? 512 : 256);
+        for (int t = 4 * b; bits != 8 && t < 4 * b + 4; t++) {
+            __m512i w0, w1;
+            unpack16(lo + (size_t)t * 64, hi ? hi + (size_t)t * 32 : NULL, &w0, &w1);
+            _mm512_storeu_si512((void *)(rows + (size_t)t * 128), w0);
+            _mm512_storeu_si512((void *)(rows + (size_t)t * 128 + 64), w1);
+        }
+    }
+}
+
+// The group's 16 output rows for rows m0..m0+16 of x. `rows`: the group's B rows (K / 4 of 64 bytes); with
+// `first`, this tile unpacks them from lo / hi as it goes, so that the weights stream in while the tile unit
+// computes (unpacking the whole group first left the two in turn). Blocks go in pairs, so that the second
+// product runs while the first is stored.
 static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, int sck, int mink, int g, int m0,
-        int K, int N, const weights_t *w, const acts_t *a, const uint8_t *unpacked, float *y) {
+        int K, int N, const weights_t *w, const acts_t *a, int first, const uint8_t *lo, const uint8_t *hi,
+        uint8_t *rows, float *y) {
     const int nsub = K / 32, S = w->S;
     const int8_t *xq = a->xq + (size_t)m0 * K;
     const int32_t *isum = a->isum16 + (size_t)m0 * 2 * nsub;
@@ -602,8 +620,9 @@ static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, i
     _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) acc[m] = _mm512_setzero_ps();
     for (int j = 0; j < nsub; j += 2) {
         const int pair = j + 1 < nsub;
-        AMX_PRODUCT(0, 2, 4, j, bits == 8, unpacked, xq, K);
-        if (pair) AMX_PRODUCT(1, 3, 5, j + 1, bits == 8, unpacked, xq, K);
+        if (first) amx_unpack_pair(bits, j, nsub, lo, hi, rows);
+        AMX_PRODUCT(0, 2, 4, j, bits == 8, rows, xq, K);
+        if (pair) AMX_PRODUCT(1, 3, 5, j + 1, bits == 8, rows, xq, K);
         _tile_stored(0, c[0], 64);
         if (pair) _tile_stored(1, c[1], 64);
         for (int i = 0; i <= pair; i++) amx_scale_block(zero, sck, g, j + i, K, w, isum, sx, c[i], acc);
@@ -627,21 +646,20 @@ static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, i
 // scratch memory is not there).
 static inline __attribute__((always_inline)) int group_amx(int bits, int zero, int sck, int mink, int g, int m0,
         int m_end, int K, int N, const weights_t *w, const acts_t *a, float *y) {
-    const uint8_t *unpacked = w->lo + (size_t)g * (K / 4) * 64;  // 8-bit weights are B rows as stored
-    if (bits != 8) {
-        uint8_t *buf = (uint8_t *)scratch(UNPACKED, (size_t)K * GROUP);
-        if (!buf) return m0;
-        const uint8_t *lo = w->lo + (size_t)g * (K / 2) * GROUP, *hi = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
-        for (int t = 0; t < K / 8; t++) {
-            __m512i w0, w1;
-            unpack16(lo + (size_t)t * 64, hi ? hi + (size_t)t * 32 : NULL, &w0, &w1);
-            _mm512_storeu_si512((void *)(buf + (size_t)t * 128), w0);
-            _mm512_storeu_si512((void *)(buf + (size_t)t * 128 + 64), w1);
-        }
-        unpacked = buf;
+    const uint8_t *lo, *hi = NULL;
+    uint8_t *rows;
+    if (bits == 8) {  // 8-bit weights are B rows as stored
+        lo = w->lo + (size_t)g * (K / 4) * 64;
+        rows = (uint8_t *)lo;
+    } else {
+        lo = w->lo + (size_t)g * (K / 2) * GROUP;
+        hi = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
+        rows = (uint8_t *)scratch(UNPACKED, (size_t)K * GROUP);
+        if (!rows) return m0;
     }
     amx_configure();
-    for (; m0 + AMX_ROWS <= m_end; m0 += AMX_ROWS) tile_amx(bits, zero, sck, mink, g, m0, K, N, w, a, unpacked, y);
+    for (int first = 1; m0 + AMX_ROWS <= m_end; m0 += AMX_ROWS, first = 0)
+        tile_amx(bits, zero, sck, mink, g, m0, K, N, w, a, first, lo, hi, rows, y);
     _tile_release();
     return m0;
 }
@@ -692,10 +710,15 @@ static inline __attribute__((always_inline)) int group_amx(int bits, int zero, i
 #define FORMAT_CASE(FMT) case FMT: BY_TILE(GROUP_##FMT) break;
 
 #if defined(HAVE_AMX)
-#define AMX_CASE(FMT, bits, zero, sck, mink, min_rows)                                    \
-    case FMT:                                                                              \
-        if (m_end - m0 >= (min_rows)) m0 = group_amx(bits, zero, sck, mink, g, m0, m_end, K, N, w, a, y); \
-        break;
+// Whether `rows` rows of x go to AMX tiles: whole tiles pay from 16 rows, but the rows left over for the VNNI
+// path unpack the weights again, which loses where they are more than a quarter of the call (24 rows: 16 + 8).
+// Q8_0's VNNI-machine path is the slow AVX2 one, so any whole tile pays there.
+static inline int amx_pays(int rows, int bits) {
+    return rows >= AMX_ROWS && (bits == 8 || rows % AMX_ROWS <= rows / 4);
+}
+
+#define AMX_CASE(FMT, bits, zero, sck, mink) \
+    case FMT: if (amx_pays(m_end - m0, bits)) m0 = group_amx(bits, zero, sck, mink, g, m0, m_end, K, N, w, a, y); break;
 #endif
 
 // Rows m0..m_end of x for group g: in whole tiles of 16 on AMX where `amx` (and it pays), the rest in tiles of
@@ -705,10 +728,10 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
 #if defined(HAVE_AMX)
     if (amx) {
         switch (fmt) {
-            AMX_CASE(Q4_0, 4, 8, SC_NONE, MIN_NONE, 48) AMX_CASE(Q4_1, 4, 0, SC_NONE, MIN_D, 48)
-            AMX_CASE(Q5_0, 6, 16, SC_NONE, MIN_NONE, 48) AMX_CASE(Q5_1, 6, 0, SC_NONE, MIN_D, 48)
-            AMX_CASE(Q4_K, 4, 0, SC_U8, MIN_D_MN, 48) AMX_CASE(Q5_K, 6, 0, SC_U8, MIN_D_MN, 48)
-            AMX_CASE(Q8_0, 8, 0, SC_NONE, MIN_NONE, 16)
+            AMX_CASE(Q4_0, 4, 8, SC_NONE, MIN_NONE) AMX_CASE(Q4_1, 4, 0, SC_NONE, MIN_D)
+            AMX_CASE(Q5_0, 6, 16, SC_NONE, MIN_NONE) AMX_CASE(Q5_1, 6, 0, SC_NONE, MIN_D)
+            AMX_CASE(Q4_K, 4, 0, SC_U8, MIN_D_MN) AMX_CASE(Q5_K, 6, 0, SC_U8, MIN_D_MN)
+            AMX_CASE(Q8_0, 8, 0, SC_NONE, MIN_NONE)
         }
     }
 #else
