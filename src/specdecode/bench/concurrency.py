@@ -120,8 +120,9 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
             r["throughput_vs_plain"], r["tpot_reduction_vs_plain"] = speedup, tpot
             pairs = zip(r.get("round_throughputs", []), base.get("round_throughputs", []))
             r["round_throughputs_vs_plain"] = [a / b for a, b in pairs]
-        if base and r.get("later_turns_tpot_s") and base.get("later_turns_tpot_s"):
-            r["later_turns_tpot_reduction_vs_plain"] = base["later_turns_tpot_s"]["mean"] / r["later_turns_tpot_s"]["mean"]
+        later, plain_later = r.get("later_turns_tpot_s"), base.get("later_turns_tpot_s") if base else None
+        if later and plain_later:
+            r["later_turns_tpot_reduction_vs_plain"] = plain_later["mean"] / later["mean"]
 
 
 def meta(args) -> dict:

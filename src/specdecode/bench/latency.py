@@ -313,8 +313,8 @@ def run_latency(args) -> list[LatencyResult]:
           f"{before.prefill_tokens_per_s:.1f} and {after.prefill_tokens_per_s:.1f} tok/s):", flush=True)
     for r in results:
         if r.backend != "llama.cpp" and r.prefill_tokens_per_s:
-            print(f"  {r.config:<28} {r.prefill_tokens_per_s:7.1f} tok/s {ratio(r.prefill_tokens_per_s / mean_prefill, 6)}",
-                  flush=True)
+            prefill = r.prefill_tokens_per_s
+            print(f"  {r.config:<28} {prefill:7.1f} tok/s {ratio(prefill / mean_prefill, 6)}", flush=True)
     return results
 
 

@@ -21,7 +21,8 @@ def write_json(path: str, data: dict) -> None:
     print(f"wrote {path}")
 
 
-KERNEL_PATHS = {1024: "AVX-512 VNNI + AMX int8 tiles", 512: "AVX-512 VNNI", 256: "AVX2", 0: "scalar C", -1: "unavailable"}
+KERNEL_PATHS = {1024: "AVX-512 VNNI + AMX int8 tiles", 512: "AVX-512 VNNI", 256: "AVX2", 0: "scalar C",
+                -1: "unavailable"}
 
 
 def machine_info() -> dict:

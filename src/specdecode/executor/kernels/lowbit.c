@@ -584,18 +584,22 @@ static inline __attribute__((always_inline)) void amx_scale_block(int zero, int 
     __m512 scale = _mm512_loadu_ps(w->d + ((size_t)g * (nsub / w->S) + j / w->S) * GROUP);
     if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + ((size_t)g * nsub + j) * GROUP));
     int32_t xs[AMX_ROWS];  // the zero point multiplies the block's sum: its two halves' sums added first
-    if (zero)
-        for (int m = 0; m < AMX_ROWS; m++) xs[m] = isum[(size_t)m * 2 * nsub + 2 * j] + isum[(size_t)m * 2 * nsub + 2 * j + 1];
+    for (int m = 0; zero && m < AMX_ROWS; m++) {
+        const int32_t *halves = isum + (size_t)m * 2 * nsub + 2 * j;
+        xs[m] = halves[0] + halves[1];
+    }
     amx_accumulate(c, scale, zero, xs, 1, sx + j, nsub, acc);
 }
 
-// Blocks j and j + 1 (where there is one) of the group's packed weights into B rows, requesting what follows.
+// Blocks j and j + 1 (where there is one) of the group's weights requested ahead, and unpacked into B rows
+// (8-bit weights are B rows as stored).
 static inline __attribute__((always_inline)) void amx_unpack_pair(int bits, int j, int nsub, const uint8_t *lo,
                                                                   const uint8_t *hi, uint8_t *rows) {
     const int end = j + 2 < nsub ? j + 2 : nsub;
     for (int b = j; b < end; b++) {
         prefetch_block(lo, hi, b, bits == 8 ? 512 : 256);
-        for (int t = 4 * b; bits != 8 && t < 4 * b + 4; t++) {
+        if (bits == 8) continue;
+        for (int t = 4 * b; t < 4 * b + 4; t++) {
             __m512i w0, w1;
             unpack16(lo + (size_t)t * 64, hi ? hi + (size_t)t * 32 : NULL, &w0, &w1);
             _mm512_storeu_si512((void *)(rows + (size_t)t * 128), w0);
