@@ -6,13 +6,16 @@ import torch
 
 from .config import ModelConfig
 from .errors import SpecDecodeError
+from .executor.hugepages import huge_page_zeros
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device):
-        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.dim_per_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        shape = (2, cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.dim_per_head)
+        # one allocation, on huge pages on a CPU: attention over a long context streams all of it
+        kv = huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(
+            shape, dtype=dtype, device=device)
+        self.k, self.v = list(kv[0]), list(kv[1])
         self.max_len = max_len
         self.num_slots = num_slots
         self.lengths = [0] * num_slots

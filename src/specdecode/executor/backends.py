@@ -226,6 +226,7 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
     (its KV cache in `kv_cache_dtype`, as the target's)."""
     from .attention import attach_attention_kernel
     from .elementwise import attach_elementwise_kernels
+    from .hugepages import move_to_huge_pages
 
     if head.dtype != torch.float32:  # a bfloat16 target: the head's own layers compute in its dtype too
         for name in head.OWNED:
@@ -240,4 +241,5 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
     attach_elementwise_kernels(head)
     for p in head.parameters():
         p.requires_grad_(False)
+    move_to_huge_pages(head)
     return head.eval()

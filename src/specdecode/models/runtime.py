@@ -15,6 +15,7 @@ from torch import nn
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
+from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
 
 
@@ -309,6 +310,7 @@ class Transformer(nn.Module):
             raise SpecDecodeError("the draft's LM head is already restricted to another vocabulary subset; "
                                   "load the model again to choose a different draft_vocab_size")
         self.lm_head = self.lm_head.select_rows(token_ids)
+        move_to_huge_pages(self.lm_head)
         self.vocab_ids = token_ids
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
