@@ -68,8 +68,14 @@ typedef struct {
     const uint8_t *lo, *hi, *mn;
     const void *sc;
     const float *d, *dmin;
-    int S;
+    int S;           // sub-blocks per scale of d
+    uint64_t recip;  // ceil(2^32 / S)
 } weights_t;
+
+// i / S, the index of the scale of d that sub-block i takes, as a product and a shift: an integer division
+// per block costs more than the block's arithmetic on one row. Exact while i * (recip * S - 2^32) < 2^32,
+// which check() ensures (i < 2^20, S < 2^12).
+static inline int super_of(int i, const weights_t *w) { return (int)(((uint64_t)(unsigned)i * w->recip) >> 32); }
 
 typedef struct {  // x quantized per block of 32: values, scale, sum * scale, integer sums per 16
     const int8_t *xq;
@@ -206,12 +212,12 @@ static inline float int_scale(const weights_t *w, int sck, size_t at) {
 // The scale of sub-block `sub_index` (of `sub` weights) of group g, lane r; and the min of block j.
 static inline float scale_at(const weights_t *w, int sck, int sub, int K, int g, int r, int sub_index) {
     const int nsub = K / sub;
-    const float d = w->d[((size_t)g * (nsub / w->S) + sub_index / w->S) * GROUP + r];
+    const float d = w->d[((size_t)g * super_of(nsub, w) + super_of(sub_index, w)) * GROUP + r];
     return sck == SC_NONE ? d : d * int_scale(w, sck, ((size_t)g * nsub + sub_index) * GROUP + r);
 }
 
 static inline float min_at(const weights_t *w, int mink, int K, int g, int r, int j) {
-    const float dmin = w->dmin[((size_t)g * (K / 32 / w->S) + j / w->S) * GROUP + r];
+    const float dmin = w->dmin[((size_t)g * super_of(K / 32, w) + super_of(j, w)) * GROUP + r];
     return mink == MIN_D ? dmin : dmin * (float)w->mn[((size_t)g * (K / 32) + j) * GROUP + r];
 }
 
@@ -259,14 +265,14 @@ static inline __m256 cvt_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_
 
 static inline __m256 scale8(const weights_t *w, int sck, int sub, int K, int g, int half, int sub_index) {
     const int nsub = K / sub;
-    const __m256 d = _mm256_loadu_ps(w->d + ((size_t)g * (nsub / w->S) + sub_index / w->S) * GROUP + half * 8);
+    const __m256 d = _mm256_loadu_ps(w->d + ((size_t)g * super_of(nsub, w) + super_of(sub_index, w)) * GROUP + half * 8);
     if (sck == SC_NONE) return d;
     const size_t at = ((size_t)g * nsub + sub_index) * GROUP + half * 8;
     return _mm256_mul_ps(d, sck == SC_U8 ? cvt_u8((const uint8_t *)w->sc + at) : cvt_i8((const int8_t *)w->sc + at));
 }
 
 static inline __m256 min8(const weights_t *w, int mink, int K, int g, int half, int j) {
-    const __m256 dmin = _mm256_loadu_ps(w->dmin + ((size_t)g * (K / 32 / w->S) + j / w->S) * GROUP + half * 8);
+    const __m256 dmin = _mm256_loadu_ps(w->dmin + ((size_t)g * super_of(K / 32, w) + super_of(j, w)) * GROUP + half * 8);
     return mink == MIN_D ? dmin : _mm256_mul_ps(dmin, cvt_u8(w->mn + ((size_t)g * (K / 32) + j) * GROUP + half * 8));
 }
 
@@ -440,13 +446,13 @@ static inline void unpack16(const uint8_t *lo, const uint8_t *hi, __m512i *w0, _
 // wide; 5-bit weights take their top bits from hi as Q6_K's do.
 static inline __attribute__((always_inline)) void group_k32_vnni(int bits, int zero, int sck, int mink, int g,
         int m0, const int rows, int K, int N, const weights_t *w, const acts_t *a, float *y) {
-    const int nsub = K / 32, S = w->S;
+    const int nsub = K / 32;
     const uint8_t *qg = w->lo + (size_t)g * (K / 2) * GROUP;
     const uint8_t *hig = bits > 4 ? w->hi + (size_t)g * (K / 4) * GROUP : NULL;
     __m512 acc[ROW_TILE], minacc[ROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = minacc[r] = _mm512_setzero_ps();
     for (int j = 0; j < nsub; j++) {
-        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * (nsub / S) + j / S) * GROUP;
+        const size_t at = ((size_t)g * nsub + j) * GROUP, sb = ((size_t)g * super_of(nsub, w) + super_of(j, w)) * GROUP;
         __m512 scale = _mm512_loadu_ps(w->d + sb), min = _mm512_setzero_ps();
         if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + at));
         if (mink != MIN_NONE) min = _mm512_loadu_ps(w->dmin + sb);
@@ -487,7 +493,7 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
     __m512 acc[ROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int j = 0; j < nsub; j++) {
-        const __m512 dg = _mm512_loadu_ps(w->d + ((size_t)g * (K / 16 / w->S) + 2 * j / w->S) * GROUP);
+        const __m512 dg = _mm512_loadu_ps(w->d + ((size_t)g * super_of(K / 16, w) + super_of(2 * j, w)) * GROUP);
         const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
         const __m512 sa = _mm512_mul_ps(dg, cvt16_i8(scg)), sb = _mm512_mul_ps(dg, cvt16_i8(scg + GROUP));
         prefetch_block(log, hig, j, 256);
@@ -581,7 +587,7 @@ static inline __attribute__((always_inline)) void amx_accumulate(const int32_t *
 static inline __attribute__((always_inline)) void amx_scale_block(int zero, int sck, int g, int j, int K,
         const weights_t *w, const int32_t *isum, const float *sx, const int32_t *c, __m512 acc[AMX_ROWS]) {
     const int nsub = K / 32;
-    __m512 scale = _mm512_loadu_ps(w->d + ((size_t)g * (nsub / w->S) + j / w->S) * GROUP);
+    __m512 scale = _mm512_loadu_ps(w->d + ((size_t)g * super_of(nsub, w) + super_of(j, w)) * GROUP);
     if (sck == SC_U8) scale = _mm512_mul_ps(scale, cvt16_u8((const uint8_t *)w->sc + ((size_t)g * nsub + j) * GROUP));
     int32_t xs[AMX_ROWS];  // the zero point multiplies the block's sum: its two halves' sums added first
     for (int m = 0; zero && m < AMX_ROWS; m++) {
@@ -615,7 +621,7 @@ static inline __attribute__((always_inline)) void amx_unpack_pair(int bits, int 
 static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, int sck, int mink, int g, int m0,
         int K, int N, const weights_t *w, const acts_t *a, int first, const uint8_t *lo, const uint8_t *hi,
         uint8_t *rows, float *y) {
-    const int nsub = K / 32, S = w->S;
+    const int nsub = K / 32;
     const int8_t *xq = a->xq + (size_t)m0 * K;
     const int32_t *isum = a->isum16 + (size_t)m0 * 2 * nsub;
     const float *sx = a->sx + (size_t)m0 * nsub;
@@ -637,7 +643,7 @@ static inline __attribute__((always_inline)) void tile_amx(int bits, int zero, i
     __m512 minacc[AMX_ROWS];  // the VNNI path's second sum, in its order, then acc - minacc
     _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++) minacc[m] = _mm512_setzero_ps();
     for (int j = 0; j < nsub; j++) {
-        __m512 min = _mm512_loadu_ps(w->dmin + ((size_t)g * (nsub / S) + j / S) * GROUP);
+        __m512 min = _mm512_loadu_ps(w->dmin + ((size_t)g * super_of(nsub, w) + super_of(j, w)) * GROUP);
         if (mink == MIN_D_MN) min = _mm512_mul_ps(min, cvt16_u8(w->mn + ((size_t)g * nsub + j) * GROUP));
         _Pragma("GCC unroll 16") for (int m = 0; m < AMX_ROWS; m++)
             minacc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(a->xsum[(size_t)(m0 + m) * nsub + j]), minacc[m]);
@@ -771,8 +777,8 @@ static int sub_of(int fmt) { return fmt == Q6_K || fmt == Q3_K ? 16 : (fmt >= 0 
 static int check(int fmt, int K, int N, int S, const weights_t *w) {
     const int sub = sub_of(fmt);
     if (!sub) return -1;                                   // unknown format
-    if (K <= 0 || K % 32 || N <= 0 || N % GROUP) return -2;  // K a multiple of 32, N of 16
-    if (S <= 0 || (K / sub) % S) return -3;                // whole super-blocks
+    if (K <= 0 || K % 32 || K >= 1 << 24 || N <= 0 || N % GROUP) return -2;  // K a multiple of 32, N of 16
+    if (S <= 0 || S >= 1 << 12 || (K / sub) % S) return -3;  // whole super-blocks
     if (!w->lo || !w->d) return -4;
     if ((fmt == Q5_0 || fmt == Q5_1 || fmt == Q5_K || fmt == Q6_K) && !w->hi) return -4;
     if ((fmt >= Q4_K) && !w->sc) return -4;
@@ -786,7 +792,7 @@ static int check(int fmt, int K, int N, int S, const weights_t *w) {
 int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uint8_t *lo, const uint8_t *hi,
                   const void *sc, const uint8_t *mn, const float *d, const float *dmin, float *y, int passes,
                   int threads) {
-    const weights_t weights = {lo, hi, mn, sc, d, dmin, S}, *w = &weights;
+    const weights_t weights = {lo, hi, mn, sc, d, dmin, S, S > 0 ? ((1ull << 32) + S - 1) / S : 0}, *w = &weights;
     const int bad = check(fmt, K, N, S, w);
     if (bad) return bad;
     if (passes < 1 || passes > 2) return -7;
@@ -819,7 +825,7 @@ int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uin
 // in float32 with the same products as gguf's dequantization.
 int lowbit_dequantize_rows(int fmt, int K, int N, int S, const uint8_t *lo, const uint8_t *hi, const void *sc,
                            const uint8_t *mn, const float *d, const float *dmin, const int64_t *ids, int n, float *out) {
-    const weights_t weights = {lo, hi, mn, sc, d, dmin, S}, *w = &weights;
+    const weights_t weights = {lo, hi, mn, sc, d, dmin, S, S > 0 ? ((1ull << 32) + S - 1) / S : 0}, *w = &weights;
     const int bad = check(fmt, K, N, S, w);
     if (bad) return bad;
     static const int bits[NUM_FORMATS] = {4, 4, 6, 6, 8, 4, 6, 6, 4}, zero[NUM_FORMATS] = {8, 0, 16, 0, 0, 0, 0, 32, 4};
