@@ -52,15 +52,16 @@ def _collapse(tensor: torch.Tensor) -> None:
 
 
 def huge_page_empty(nbytes: int) -> tuple[torch.Tensor, bool]:
-    """An uninitialised uint8 CPU tensor of `nbytes` starting on a 2 MB boundary, its pages asked to be
-    huge before first touch; and whether the kernel took the advice."""
+    """An uninitialised uint8 CPU tensor of `nbytes`, and whether its pages will be huge: from 2 MB on it
+    starts on a 2 MB boundary and its pages are asked to be huge before first touch (smaller ones, or with
+    huge pages turned off, are a plain allocation)."""
+    madvise = _madvise() if os.environ.get(ENV, "1") != "0" else None
+    if madvise is None or nbytes < HUGE_PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8), False
     padded = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     skip = -padded.data_ptr() % HUGE_PAGE
     tensor = padded[skip:skip + nbytes]
-    madvise = _madvise() if os.environ.get(ENV, "1") != "0" else None
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    advised = madvise is not None and whole > 0 and madvise(tensor.data_ptr(), whole, _MADV_HUGEPAGE) == 0
-    return tensor, advised
+    return tensor, madvise(tensor.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) == 0
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
