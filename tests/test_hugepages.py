@@ -15,6 +15,12 @@ from conftest import random_hf_weights, tiny_config
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this kernel gives no transparent huge pages")
 
 
+@pytest.fixture(autouse=True)
+def huge_pages_on(monkeypatch):
+    """Whatever the environment says (SPECDECODE_HUGE_PAGES=0 to measure without): these tests are of them."""
+    monkeypatch.setenv(ENV, "1")
+
+
 def _huge_kb(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds `address` (from /proc/self/smaps)."""
     inside = False
