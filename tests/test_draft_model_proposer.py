@@ -12,9 +12,9 @@ from specdecode.sampling import SamplingParams
 from conftest import DEVICE, tiny_model
 
 
-def _proposer(draft, max_model_len=64):
+def _proposer(draft):
     p = DraftModelProposer(draft)
-    p.reserve(num_slots=2, max_model_len=max_model_len)
+    p.reserve(num_slots=2, max_model_len=64)
     return p
 
 
@@ -23,7 +23,7 @@ def _seq(ids):
 
 
 def _greedy_continuation(model, ids, k):
-    runner = ModelRunner(model, 1, 256)
+    runner = ModelRunner(model, 1, 64)
     slot, out = runner.allocate(), []
     inputs = list(ids)
     for _ in range(k):
@@ -52,30 +52,6 @@ def test_catches_up_lazily_and_rolls_back_to_what_the_target_kept(random_draft):
     assert proposer.unseen_tokens(seq) == 1  # only the target's own token is new to the draft
     again = proposer.propose([seq], [2], [None]).tokens[0]
     assert again == _greedy_continuation(random_draft.model, seq.token_ids, 2)
-
-
-def test_a_long_catch_up_is_fed_alone_not_padded_beside_the_others(random_draft):
-    """A prompt the draft has not read, beside a sequence that is caught up: in one padded call both would
-    be computed to the prompt's length; each call is either one sequence or packed short inputs."""
-    proposer = _proposer(random_draft, max_model_len=256)
-    short, long = _seq([5, 6, 7, 8]), _seq([(7 * i) % 60 + 1 for i in range(100)])
-    first = proposer.propose([short], [2], [None]).tokens[0]
-    short.token_ids += [first[0], 60]  # a kept draft and the target's own token, as after a verify step
-    proposer.commit(short, 5)
-    calls = []
-    forward = proposer.runner.forward
-
-    def spy(slots, inputs, **kwargs):
-        calls.append([len(tokens) for tokens in inputs])
-        return forward(slots, inputs, **kwargs)
-
-    proposer.runner.forward = spy
-    drafts = proposer.propose([long, short], [2, 2], [None, None]).tokens
-    assert any(100 in lengths for lengths in calls)
-    assert all(len(lengths) == 1 or max(lengths) <= 64 for lengths in calls), calls
-    assert drafts == [_greedy_continuation(random_draft.model, long.token_ids, 2),
-                      _greedy_continuation(random_draft.model, short.token_ids, 2)]
-    assert len(proposer.last_round_seconds) == 2  # the catch-up's calls are timed as one round
 
 
 def _first_draft_distribution(proposer, seq):

@@ -38,3 +38,35 @@ def test_hidden_states_are_the_rows_the_logits_come_from(target):
     logits, hidden = runner.forward(slots, [[1, 2, 3], [4, 5]], "all", hidden=True)
     assert hidden.shape == (5, model.cfg.hidden_size)
     torch.testing.assert_close(logits, model.lm_head(model.norm(hidden)).float())
+
+
+@pytest.mark.parametrize("logits, hidden", [("last", False), ("all", True), ("last", "all")])
+def test_a_long_input_runs_apart_and_its_outputs_come_back_in_order(target, logits, hidden):
+    """A prompt-long input beside short ones (a draft catching up on a prompt while others draft): one
+    padded call would compute every sequence to the longest length, so each long input runs in a call of
+    its own; the outputs are those of each sequence run alone, in sequence order."""
+    model = target.model
+    inputs = [[3, 4], [(7 * i) % 60 + 1 for i in range(100)], [5], [(3 * i) % 50 + 2 for i in range(70)]]
+    alone = []
+    for tokens in inputs:
+        runner = ModelRunner(model, 1, 128)
+        out = runner.forward([runner.allocate()], [tokens], logits, hidden=hidden)
+        alone.append(out if isinstance(out, tuple) else (out,))
+    runner = ModelRunner(model, 4, 128)
+    slots = [runner.allocate() for _ in inputs]
+    shapes = []
+    forward = model.forward
+
+    def spy(tokens, batch, cache, **kwargs):
+        shapes.append(tuple(tokens.shape))
+        return forward(tokens, batch, cache, **kwargs)
+
+    model.forward = spy
+    try:
+        together = runner.forward(slots, inputs, logits, hidden=hidden)
+    finally:
+        del model.forward
+    assert sorted(shapes) == [(1, 3), (1, 70), (1, 100)]  # the long ones alone, the short ones packed
+    together = together if isinstance(together, tuple) else (together,)
+    for k, part in enumerate(together):
+        torch.testing.assert_close(part, torch.cat([out[k] for out in alone]), rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from .cpu import keep_freed_memory
@@ -145,6 +146,31 @@ class ModelRunner:
         same rows, with hidden="all" of every new token, for proposers that draft from the target's
         features. features: per sequence, one input feature row per new token, for a model that reads
         them beside the tokens (a draft head)."""
+        long = [i for i, tokens in enumerate(inputs) if len(tokens) > ROWWISE_ATTENTION_MAX_WIDTH]
+        if long and len(inputs) > 1:
+            return self._forward_apart(long, slots, inputs, logits, hidden, features)
+        return self._forward_call(slots, inputs, logits, hidden, features)
+
+    def _forward_apart(self, long: list[int], slots, inputs, logits, hidden, features):
+        """A sequence with more new tokens than a packed call takes (a prompt, a draft's long catch-up) runs
+        in a call of its own and the rest packed together: one padded call would compute every sequence to
+        the longest one's length. The outputs come back in sequence order, as from one call."""
+        short = [i for i in range(len(inputs)) if i not in long]
+        calls = [[i] for i in long] + ([short] if short else [])
+        parts: list[list[torch.Tensor]] = [[] for _ in inputs]  # per sequence: its logits (and hidden) rows
+        for group in calls:
+            out = self._forward_call([slots[i] for i in group], [inputs[i] for i in group], logits, hidden,
+                                     None if features is None else [features[i] for i in group])
+            outs = out if isinstance(out, tuple) else (out,)
+            for k, tensor in enumerate(outs):
+                every_row = (logits == "all") if k == 0 else (hidden == "all" or (hidden and logits == "all"))
+                counts = [len(inputs[i]) if every_row else 1 for i in group]
+                for i, rows in zip(group, tensor.split(counts)):
+                    parts[i].append(rows)
+        joined = [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]
+        return joined[0] if len(joined) == 1 else tuple(joined)
+
+    def _forward_call(self, slots, inputs, logits, hidden, features):
         starts, lengths = [self._cache.lengths[s] for s in slots], [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")

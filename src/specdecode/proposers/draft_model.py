@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import StepTimer
@@ -89,24 +88,9 @@ class DraftModelProposer(Proposer):
         the draft has not seen, then drafts the first token; later rounds read the last drafted token."""
         if step == 0:
             inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
-            return self._catch_up_forward([slots[i] for i in rows], inputs)
-        return self._forward([slots[i] for i in rows], [[tokens[i][-1]] for i in rows])
-
-    def _catch_up_forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
-        """The first round's forward, timed as one round. A sequence with more unseen tokens than a packed
-        call takes (a prompt, a long stretch without drafting) is fed alone: in one padded call with the
-        others, every sequence would be computed to its length."""
-        long = [i for i, tokens in enumerate(inputs) if len(tokens) > ROWWISE_ATTENTION_MAX_WIDTH]
-        if not long or len(inputs) == 1:
-            return self._forward(slots, inputs)
-        calls = [[i] for i in long] + [[i for i in range(len(inputs)) if i not in long]]
-        calls = [rows for rows in calls if rows]
-        logits = [None] * len(inputs)
-        for rows in calls:
-            for i, row in zip(rows, self._forward([slots[i] for i in rows], [inputs[i] for i in rows])):
-                logits[i] = row
-        self._round_seconds[-len(calls):] = [sum(self._round_seconds[-len(calls):])]
-        return torch.stack(logits)
+        else:
+            inputs = [[tokens[i][-1]] for i in rows]
+        return self._forward([slots[i] for i in rows], inputs)
 
     def _slot(self, seq) -> int:
         if seq.request_id not in self._slots:
