@@ -2,8 +2,8 @@
 
 `llama-bench` measures plain decoding (tg), the cost of a forward over 1, 2, 3, 5 tokens (pp), i.e.
 llama.cpp's verify cost ratio, and its prefill (pp512); `llama-speculative-simple` runs its own
-draft-model speculation on each prompt. The binaries come from a folder the user passes (e.g. built by build-llama-cpp.sh): llama.cpp
-is a peer to measure against, never a dependency."""
+draft-model speculation on each prompt. The binaries come from a folder the user passes (e.g. built by
+build-llama-cpp.sh): llama.cpp is a peer to measure against, never a dependency."""
 from __future__ import annotations
 
 import json

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 
 import torch
@@ -66,10 +67,7 @@ def huge_page_empty(nbytes: int) -> tuple[torch.Tensor, bool]:
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on huge pages (for a KV cache)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    raw, advised = huge_page_empty(numel * dtype.itemsize)
+    raw, advised = huge_page_empty(math.prod(shape) * dtype.itemsize)
     raw.zero_()
     if advised:
         _collapse(raw)

@@ -21,8 +21,10 @@ from .cpu import touch_pages
 from .formats import BY_ID, GROUP, BlockArrays, Format, pack, unpack
 
 ARRAYS = ("lo", "hi", "sc", "mn", "d", "dmin")  # the kernel's buffers, in its argument order
-_KERNEL_ERRORS = {-1: "unknown weight format", -2: "input width not a multiple of 32 below 2^24, or output rows not of 16",
-                  -3: "input width not a whole number of super-blocks (of under 4,096 sub-blocks)", -4: "a buffer the format needs is missing",
+_KERNEL_ERRORS = {-1: "unknown weight format",
+                  -2: "input width not a multiple of 32 below 2^24, or output rows not of 16",
+                  -3: "input width not a whole number of super-blocks (of under 4,096 sub-blocks)",
+                  -4: "a buffer the format needs is missing",
                   -5: "out of memory for the quantized activations", -6: "a token id outside the table",
                   -7: "activation passes other than 1 or 2"}
 

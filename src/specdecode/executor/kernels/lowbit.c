@@ -265,14 +265,16 @@ static inline __m256 cvt_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_
 
 static inline __m256 scale8(const weights_t *w, int sck, int sub, int K, int g, int half, int sub_index) {
     const int nsub = K / sub;
-    const __m256 d = _mm256_loadu_ps(w->d + ((size_t)g * super_of(nsub, w) + super_of(sub_index, w)) * GROUP + half * 8);
+    const size_t at_d = ((size_t)g * super_of(nsub, w) + super_of(sub_index, w)) * GROUP + half * 8;
+    const __m256 d = _mm256_loadu_ps(w->d + at_d);
     if (sck == SC_NONE) return d;
     const size_t at = ((size_t)g * nsub + sub_index) * GROUP + half * 8;
     return _mm256_mul_ps(d, sck == SC_U8 ? cvt_u8((const uint8_t *)w->sc + at) : cvt_i8((const int8_t *)w->sc + at));
 }
 
 static inline __m256 min8(const weights_t *w, int mink, int K, int g, int half, int j) {
-    const __m256 dmin = _mm256_loadu_ps(w->dmin + ((size_t)g * super_of(K / 32, w) + super_of(j, w)) * GROUP + half * 8);
+    const size_t at = ((size_t)g * super_of(K / 32, w) + super_of(j, w)) * GROUP + half * 8;
+    const __m256 dmin = _mm256_loadu_ps(w->dmin + at);
     return mink == MIN_D ? dmin : _mm256_mul_ps(dmin, cvt_u8(w->mn + ((size_t)g * (K / 32) + j) * GROUP + half * 8));
 }
 
