@@ -595,3 +595,20 @@ def test_one_rejected_first_probe_is_followed_by_another_not_by_plain_decoding()
         p.observe_step([3], 0.11, 0.017, 0.3)  # a probe with a catch-up: 0.25 s over a plain step
         assert p.estimator.first_token_acceptance("a") < 0.5
         assert p.choose(["a"], catch_up=[1]).probe is expected
+
+
+def test_a_step_priced_token_by_token_costs_the_same_in_any_order():
+    """The allocation grows drafts one token at a time and prices each step from the one before
+    (StepPrice); whatever the order of growth, the price is the step's, as priced whole."""
+    from specdecode.engine.policy.costs import StepPrice
+
+    reach = [1.0, 0.5, 0.25, 0.125]
+    p = _measured([0.9, 0.9, 0.9], 0.1, verify_growth=0.01)
+    ks, by_lookup = [4, 2, 6], [False, False, True]
+    growth = [(i, length) for i, k in enumerate(ks) for length in range(1, k + 1)]
+    for order in (growth, sorted(growth, key=lambda g: (g[1], -g[0]))):
+        step = StepPrice(p.costs, 3, reach)
+        for i, length in order:
+            step.grow(length, by_lookup[i])
+        assert step.seconds == pytest.approx(p.costs.step_seconds(ks, by_lookup, reach))
+    assert p.costs.step_seconds(ks, by_lookup, reach) > p.costs.step_seconds([4, 2, 0], by_lookup, reach)

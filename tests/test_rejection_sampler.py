@@ -118,3 +118,27 @@ def test_broken_sampler_is_detected(monkeypatch, broken):
     p, q = _case("peaky_q", 1)
     out = _emitted(p, q, 1)
     assert _chi2_pvalue([t[0] for t in out.tokens], p[0]) < 1e-6
+
+
+def test_one_argmax_for_the_call_verifies_as_each_sequence_alone():
+    """verify_batch shares one argmax among plain greedy sequences; each sequence's result must be what
+    verifying it alone gives, beside sequences that need their own processing (a penalty, a sample)."""
+    from specdecode.engine.sequence import Sequence
+    from specdecode.sampling import SamplingParams
+    from specdecode.verify.verifier import verify_batch, verify_drafts
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 50, generator=gen)
+    drafts = [[int(logits[0].argmax()), 7], [], [int(logits[4].argmax()), int(logits[5].argmax())], [3]]
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.5),
+             SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1)]
+    seqs = [Sequence([1, 2, 3], params, torch.Generator().manual_seed(1)) for params in kinds]
+    together = verify_batch(seqs, drafts, [None] * 4, logits, eos_ids=[])
+    alone, row = [], 0
+    seqs = [Sequence([1, 2, 3], params, torch.Generator().manual_seed(1)) for params in kinds]
+    for seq, tokens in zip(seqs, drafts):
+        alone.append(verify_drafts(seq, tokens, None, logits[row:row + len(tokens) + 1], eos_ids=[]))
+        row += len(tokens) + 1
+    assert [r.tokens for r, _ in together] == [r.tokens for r, _ in alone]
+    assert [r.num_accepted for r, _ in together] == [r.num_accepted for r, _ in alone]
+    assert together[0][0].num_accepted == [1] and together[2][0].num_accepted == [2]  # matches, then a miss

@@ -13,8 +13,7 @@ from ..metrics import SpecCounters, StepTimer, now
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
-from ..verify.rejection_sampler import VerifyResult
-from ..verify.verifier import prompt_logprobs, sample_first, verify_drafts
+from ..verify.verifier import prompt_logprobs, sample_first, verify_batch
 from .policy import DraftDecision, Policy, make_policy
 from .sequence import Sequence, check_token_ids
 from .step import StepHooks, StepOutput
@@ -204,7 +203,8 @@ class Engine:
         starts = [seq.num_tokens - 1 for seq in seqs]
         with self.timer.measure("target"):
             logits, hidden = self._target_forward([s.slot for s in seqs], inputs, logits="all")
-        results = self._verify(seqs, drafts, logits)
+        results = verify_batch(seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids,
+                               self.forced_accept)
         out.draft_lengths = drafts.num_tokens
         out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
         row = 0
@@ -284,17 +284,6 @@ class Engine:
     def _draft_budget(self, seq: Sequence, k: int) -> int:
         """k, capped so that emitted tokens fit max_tokens and the verified tokens fit the context."""
         return max(0, min(k, seq.remaining_tokens - 1, self.max_model_len - seq.num_tokens))
-
-    def _verify(self, seqs: list[Sequence], drafts: DraftBatch,
-                logits: torch.Tensor) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
-        """Split the flat verify logits per sequence and verify each sequence's drafts."""
-        results, row = [], 0
-        for seq, tokens, q in zip(seqs, drafts.tokens, drafts.probs):
-            n = len(tokens)
-            results.append(verify_drafts(seq, tokens, q, logits[row:row + n + 1], self.tokenizer.eos_token_ids,
-                                         self.forced_accept))
-            row += n + 1
-        return results
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         seq.append(tokens, logprobs, self.tokenizer, self.max_model_len)

@@ -47,6 +47,38 @@ def sample_first(seq: Sequence, logits: torch.Tensor,
     return token, emitted_logprobs(seq, processed, [token])
 
 
+def verify_batch(seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+                 logits: torch.Tensor, eos_ids: Collection[int], forced_accept: bool = False
+                 ) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
+    """Every sequence's verification from one call's logits, sequence i's rows following the rows of the
+    sequences before it (its drafts + 1). Greedy sequences with nothing to apply to their logits share one
+    argmax over the whole call: one pass, and on a GPU one synchronisation instead of one per sequence."""
+    plain = [not forced_accept and _argmax_is_enough(seq) for seq in seqs]
+    argmax = logits.argmax(-1).tolist() if any(plain) else []
+    results, row = [], 0
+    for seq, tokens, q, is_plain in zip(seqs, drafts, draft_probs, plain):
+        n = len(tokens)
+        if is_plain:
+            results.append((match_greedy(tokens, argmax[row:row + n + 1]), None))
+        else:
+            results.append(verify_drafts(seq, tokens, q, logits[row:row + n + 1], eos_ids, forced_accept))
+        row += n + 1
+    return results
+
+
+def _argmax_is_enough(seq: Sequence) -> bool:
+    return (seq.params.greedy and not seq.params.has_processors and seq.grammar is None
+            and seq.params.logprobs is None)
+
+
+def match_greedy(drafts: list[int], argmax: list[int]) -> VerifyResult:
+    """Drafts accepted while they equal the target's argmax after each prefix; then the argmax."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+        accepted += 1
+    return VerifyResult([accepted], [drafts[:accepted] + [argmax[accepted]]])
+
+
 def verify_drafts(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
                   eos_ids: Collection[int], forced_accept: bool = False
                   ) -> tuple[VerifyResult, list[TokenLogprob] | None]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 from ...config import DEFAULT_K
 from .acceptance import AcceptanceEstimator
 from .base import DraftDecision, Lookup, Policy
-from .costs import CostModel
+from .costs import CostModel, StepPrice
 
 
 class AdaptivePolicy(Policy):
     """estimator_options: AcceptanceEstimator's fields (priors, smoothing)."""
 
     name = "adaptive"
+    COULD_PAY_REFRESH = 8  # steps between two checks whether drafting could pay at a batch size
     wants_draft_costs = True
     chooses_proposers = True
 
@@ -64,6 +65,7 @@ class AdaptivePolicy(Policy):
         self.calibration: dict[int, float] = {}
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
+        self._could_pay: dict[int, tuple[int, bool]] = {}  # batch size -> (steps since worked out, answer)
 
     def _probe_limit(self) -> float:
         """Seconds that probes which did not lead to drafting may have cost so far."""
@@ -115,8 +117,13 @@ class AdaptivePolicy(Policy):
 
     def _drafting_could_pay(self, n: int) -> bool:
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
-        sequence's one-off cost, which a probe accepts (and refunds once drafting follows)."""
-        return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
+        sequence's one-off cost, which a probe accepts (and refunds once drafting follows). The answer
+        moves only as the measured costs do, so it is worked out again every few steps, not every step."""
+        age, answer = self._could_pay.get(n, (self.COULD_PAY_REFRESH, False))
+        if age >= self.COULD_PAY_REFRESH:
+            age, answer = 0, any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
+        self._could_pay[n] = (age + 1, answer)
+        return answer
 
     def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
                       lookups: list[Lookup] | None, drafter: bool = True) -> DraftDecision:
@@ -155,14 +162,16 @@ class AdaptivePolicy(Policy):
                             key=lambda c: (-c[0], c[1]))
         ks, best, best_score = [0] * n, [0] * n, 1.0
         emitted, extra = float(n), 0.0
-        plain_rate = emitted / self.costs.step_seconds(ks)
-        calibration, reach = self.calibration.get(n, 1.0), self.estimator.draft_reach(self.k_max)
+        step = StepPrice(self.costs, n, self.estimator.draft_reach(self.k_max))
+        plain_rate = emitted / step.seconds
+        calibration = self.calibration.get(n, 1.0)
         for gain, _, i in candidates:
             if ks[i] == 0 and not by_lookup[i]:
                 extra += start_cost[i]
             ks[i] += 1
+            step.grow(ks[i], by_lookup[i])
             emitted += gain
-            rate = emitted / ((self.costs.step_seconds(ks, by_lookup, reach) + extra) * calibration)
+            rate = emitted / ((step.seconds + extra) * calibration)
             score = rate / ((1 + self.min_gain) * plain_rate)
             if score > best_score:
                 best, best_score = list(ks), score

@@ -117,12 +117,17 @@ class TargetCost:
     min_slope_span: int = 4  # tokens a batch size's measurements must span for its own slope to count
     explore_tokens: int = 1  # tokens past the largest measured call that the slope is trusted for
 
+    # prices asked since the tables last changed: the policy asks for the same few calls many times a step
+    _prices: dict[tuple[int, float], float] = field(default_factory=dict)
+
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
+        self._prices.clear()
 
     def record(self, batch: int, tokens: int, seconds: float) -> None:
         """A profiled measurement (see CostTable.record)."""
         self.tables.setdefault(batch, CostTable()).record(tokens, seconds)
+        self._prices.clear()
 
     def __bool__(self) -> bool:
         return bool(self.tables)
@@ -131,7 +136,13 @@ class TargetCost:
         """Plain decoding (one token per sequence) has been measured at this batch size."""
         return batch in self.tables and batch in self.tables[batch].seconds
 
-    def __call__(self, batch: int, tokens: int) -> float:
+    def __call__(self, batch: int, tokens: float) -> float:
+        key = (batch, tokens)
+        if key not in self._prices:
+            self._prices[key] = self._price(batch, tokens)
+        return self._prices[key]
+
+    def _price(self, batch: int, tokens: float) -> float:
         table = self.tables.get(batch)
         if not table:
             raise LookupError(f"nothing measured at batch size {batch}")
@@ -204,13 +215,11 @@ class CostModel:
         by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost; reach[j]: the chance
         that the draft model drafts position j + 1 of those it is allowed (it may stop early; default:
         never), which prices the draft forwards and verify rows a step is expected to make."""
-        drafting = sorted((k for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i])), reverse=True)
-        reach = reach or [1.0] * (drafting[0] if drafting else 0)
-        draft = sum(self._expected_draft_forward(sum(1 for k in drafting if k > j), reach[j])
-                    for j in range(drafting[0])) if drafting else 0.0
-        looked_up = sum(ks) - sum(drafting)
-        drafted = sum(sum(reach[:k]) for k in drafting)
-        return draft + self.target(len(ks), len(ks) + looked_up + drafted)
+        step = StepPrice(self, len(ks), reach or [1.0] * max(ks, default=0))
+        for i, k in enumerate(ks):
+            for length in range(1, k + 1):
+                step.grow(length, bool(by_lookup and by_lookup[i]))
+        return step.seconds
 
     def _expected_draft_forward(self, rows: int, reach: float) -> float:
         """Expected seconds of a draft forward that each of `rows` sequences joins with chance `reach`:
@@ -219,3 +228,29 @@ class CostModel:
             return self.draft(rows)
         runs = 1.0 - (1.0 - reach) ** rows
         return runs * self.draft(rows * reach / runs) if runs > 0 else 0.0
+
+
+class StepPrice:
+    """The predicted seconds of one step (CostModel.step_seconds) while its drafts grow one token at a
+    time: the policy prices dozens of candidate steps per decision, each one token longer than the last,
+    so each is priced from the one before (a draft forward's share changes only at the grown position)."""
+
+    def __init__(self, costs: CostModel, n: int, reach: list[float]):
+        self.costs, self.n, self.reach = costs, n, reach
+        self.rows = [0] * len(reach)  # sequences whose model draft reaches each position
+        self.forwards = [0.0] * len(reach)  # the expected seconds of the draft forward at each position
+        self.tokens = float(n)  # expected rows of the verify call
+
+    def grow(self, length: int, by_lookup: bool) -> None:
+        """One sequence's draft grows to `length` tokens (from prompt lookup: no draft forward)."""
+        if by_lookup:
+            self.tokens += 1
+            return
+        j = length - 1
+        self.rows[j] += 1
+        self.forwards[j] = self.costs._expected_draft_forward(self.rows[j], self.reach[j])
+        self.tokens += self.reach[j]
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.forwards) + self.costs.target(self.n, self.tokens)
