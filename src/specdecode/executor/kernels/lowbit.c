@@ -12,6 +12,9 @@
 //
 // Per output row and block of 32: integer sums of q * x (exact in int32), less the zero point times the
 // sums of x, then in float: acc += I * (scale * sx); mins: minacc += min * (sx * sum x); y = acc - minacc.
+// Sub-blocks of 16 (Q6_K, Q3_K) weigh their two sums by their integer scales first, T = sc_a * I_a + sc_b * I_b
+// (exact, below 2^24), then acc += T * (d * sx): one float step per block, and on AVX2 the scales ride
+// along the widening of the int16 sums (vpmaddwd by the scale instead of by 1).
 // The scalar path is the reference; each SIMD path performs the same float operations in the same order
 // on the same exact integers, so every path gives the same bits (tested).
 //
@@ -209,6 +212,11 @@ static inline float int_scale(const weights_t *w, int sck, size_t at) {
     return sck == SC_U8 ? (float)((const uint8_t *)w->sc)[at] : (float)((const int8_t *)w->sc)[at];
 }
 
+// The signed integer scale of sub-block `sub_index` of 16 weights (Q6_K, Q3_K) of group g, lane r.
+static inline int int_scale16(const weights_t *w, int K, int g, int r, int sub_index) {
+    return ((const int8_t *)w->sc)[((size_t)g * (K / 16) + sub_index) * GROUP + r];
+}
+
 // The scale of sub-block `sub_index` (of `sub` weights) of group g, lane r; and the min of block j.
 static inline float scale_at(const weights_t *w, int sck, int sub, int K, int g, int r, int sub_index) {
     const int nsub = K / sub;
@@ -232,10 +240,10 @@ static void group_scalar(int fmt_bits, int sub, int zero, int sck, int mink, int
                 for (int i = 0; i < 32; i++) half[i / 16] += weight_at(w, fmt_bits, K, g, r, j * 32 + i) * xq[j * 32 + i];
                 const size_t b = (size_t)m * (K / 32) + j;
                 if (sub == 16) {
-                    for (int h = 0; h < 2; h++) {
-                        const int32_t I = half[h] - zero * a->isum16[2 * b + h];
-                        acc = fmaf((float)I, scale_at(w, sck, 16, K, g, r, 2 * j + h) * a->sx[b], acc);
-                    }
+                    int32_t T = 0;
+                    for (int h = 0; h < 2; h++)
+                        T += int_scale16(w, K, g, r, 2 * j + h) * (half[h] - zero * a->isum16[2 * b + h]);
+                    acc = fmaf((float)T, scale_at(w, SC_NONE, 16, K, g, r, 2 * j) * a->sx[b], acc);
                 } else {
                     const int32_t I = half[0] + half[1] - zero * (a->isum16[2 * b] + a->isum16[2 * b + 1]);
                     acc = fmaf((float)I, scale_at(w, sck, 32, K, g, r, j) * a->sx[b], acc);
@@ -299,55 +307,60 @@ static inline void unpack8(int bits, const uint8_t *lo, const uint8_t *hi, int h
     }
 }
 
-// Chunk t (8 weights per row) of block j into the sums: int16 (s16) for 4 bits in sub-blocks of 32, int32 per
-// sub-block (I) otherwise.
+// Chunk t (8 weights per row) of block j into the sums: int16 (s16) for 4 bits in sub-blocks of 32, int32 (I)
+// otherwise, widened by vpmaddwd with mult (1, or for sub-blocks of 16 the chunk's integer scale).
 static inline __attribute__((always_inline)) void chunk_dots(int bits, int sub, int t, size_t chunk, int j, int half,
-        int m0, const int rows, int K, const weights_t *w, const acts_t *a, __m256i s16[ROW_TILE],
-        __m256i I[ROW_TILE][2]) {
-    const __m256i ones = _mm256_set1_epi16(1);
+        int m0, const int rows, int K, const weights_t *w, const acts_t *a, const __m256i mult[2], __m256i s16[ROW_TILE],
+        __m256i I[ROW_TILE]) {
     __m256i w0, w1;
     unpack8(bits, w->lo + (chunk + t) * 64, bits > 4 ? w->hi + (chunk + t) * 32 : NULL, half, &w0, &w1);
-    const int h = sub == 16 ? t / 2 : 0;
+    const __m256i m = mult[sub == 16 ? t / 2 : 0];
     _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
         const int8_t *xr = a->xq + (size_t)(m0 + r) * K + j * 32 + t * 8;
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(xr)), _mm256_maddubs_epi16(w1, bcast4(xr + 4)));
         if (bits == 4 && sub == 32)
             s16[r] = _mm256_add_epi16(s16[r], p);
         else
-            I[r][h] = _mm256_add_epi32(I[r][h], _mm256_madd_epi16(p, ones));
+            I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(p, m));
     }
 }
 
-// Integer sums of block j for `rows` rows of x: per row, I[r][0] over weights 0..15 and I[r][1] over 16..31
-// (sub 16), or I[r][0] over all 32. u8 x s8 products are summed in pairs (int16) by maddubs: 4-bit pairs
+// int16 pairs (lo, hi) in each 4-byte lane from the low halves of two int32 vectors, for vpmaddwd.
+static inline __m256i int16_pairs(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+
+// Integer sums of block j for `rows` rows of x: per row, I[r] over the block's 32 weights (for sub 16, each
+// half times its integer scale, at most 2 * 16 * 63 * 127 * 128 in magnitude). u8 x s8 products are summed
+// in pairs (int16) by maddubs: 4-bit pairs
 // (at most 2 * 15 * 127) add up over the whole block in int16 (for sub 32), 3- to 6-bit pairs otherwise over
 // 8 weights (4 * 63 * 127 = 32004), 8-bit pairs (2 * 127 * 127, signs moved onto x) one at a time.
 static inline __attribute__((always_inline)) void block_dots(int bits, int sub, int g, int j, int half, int m0,
-        const int rows, int K, const weights_t *w, const acts_t *a, __m256i I[ROW_TILE][2]) {
+        const int rows, int K, const weights_t *w, const acts_t *a, const __m256i mult[2], __m256i I[ROW_TILE]) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (bits == 8) {
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r][0] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r] = _mm256_setzero_si256();
         const uint8_t *lo = w->lo + ((size_t)g * (K / 4) + (size_t)j * 8) * 64 + half * 32;
         _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(lo + t * 64)), aw = _mm256_abs_epi8(wv);
             _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
                 const __m256i xs = _mm256_sign_epi8(bcast4(a->xq + (size_t)(m0 + r) * K + j * 32 + t * 4), wv);
-                I[r][0] = _mm256_add_epi32(I[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+                I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
             }
         }
         return;
     }
     const size_t chunk = (size_t)g * (K / 8) + (size_t)j * 4;
     __m256i s16[ROW_TILE];
-    _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) s16[r] = I[r][0] = I[r][1] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) s16[r] = I[r] = _mm256_setzero_si256();
     // Unrolled for one or two rows of x; beyond, four chunks in flight would spill the 16 ymm registers.
     if (rows <= 2) {
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, s16, I);
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, mult, s16, I);
     } else {
-        _Pragma("GCC unroll 1") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, s16, I);
+        _Pragma("GCC unroll 1") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, mult, s16, I);
     }
     if (bits == 4 && sub == 32)
-        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r][0] = _mm256_madd_epi16(s16[r], ones);
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r] = _mm256_madd_epi16(s16[r], ones);
 }
 
 static inline __attribute__((always_inline)) void min_sums(int mink, int g, int half, int m0, const int rows,
@@ -365,24 +378,31 @@ static inline __attribute__((always_inline)) void min_sums(int mink, int g, int 
 static inline __attribute__((always_inline)) void half_block(int bits, int sub, int zero, int sck, int mink,
         int inline_mins, int g, int half, int j, int m0, const int rows, int K, const weights_t *w,
         const acts_t *a, __m256 acc[ROW_TILE], __m256 minacc[ROW_TILE]) {
-    __m256i I[ROW_TILE][2];
-    block_dots(bits, sub, g, j, half, m0, rows, K, w, a, I);
+    __m256i I[ROW_TILE];
     if (sub == 16) {
-        const __m256 sa = scale8(w, sck, 16, K, g, half, 2 * j), sb = scale8(w, sck, 16, K, g, half, 2 * j + 1);
+        // each sub-block's sums weighted by its integer scale as they are widened (T of the header), less the
+        // zero point times the scales and x sums: (zero * sc_a, zero * sc_b) . (sum_a, sum_b)
+        const int8_t *sc = (const int8_t *)w->sc + ((size_t)g * (K / 16) + 2 * j) * GROUP + half * 8;
+        const __m256i va = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const __m256i vb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + GROUP)));
+        const __m256i mult[2] = {int16_pairs(va, va), int16_pairs(vb, vb)};
+        const __m256i zsc = _mm256_mullo_epi16(int16_pairs(va, vb), _mm256_set1_epi16((short)zero));
+        const __m256 d = scale8(w, SC_NONE, 16, K, g, half, 2 * j);
+        block_dots(bits, sub, g, j, half, m0, rows, K, w, a, mult, I);
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
             const size_t b = (size_t)(m0 + r) * (K / 32) + j;
-            const __m256i ia = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(zero * a->isum16[2 * b]));
-            const __m256i ib = _mm256_sub_epi32(I[r][1], _mm256_set1_epi32(zero * a->isum16[2 * b + 1]));
-            const __m256 s = _mm256_set1_ps(a->sx[b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(sa, s), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(sb, s), acc[r]);
+            const __m256i sums = _mm256_set1_epi32((int)(((uint32_t)a->isum16[2 * b] & 0xFFFF) | ((uint32_t)a->isum16[2 * b + 1] << 16)));
+            const __m256i T = _mm256_sub_epi32(I[r], _mm256_madd_epi16(zsc, sums));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), _mm256_mul_ps(d, _mm256_set1_ps(a->sx[b])), acc[r]);
         }
     } else {
+        const __m256i ones = _mm256_set1_epi16(1), mult[2] = {ones, ones};
+        block_dots(bits, sub, g, j, half, m0, rows, K, w, a, mult, I);
         const __m256 scale = scale8(w, sck, 32, K, g, half, j);
         const __m256 min = inline_mins ? min8(w, mink, K, g, half, j) : _mm256_setzero_ps();
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
             const size_t b = (size_t)(m0 + r) * (K / 32) + j;
-            __m256i I32 = I[r][0];
+            __m256i I32 = I[r];
             if (zero) I32 = _mm256_sub_epi32(I32, _mm256_set1_epi32(zero * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I32), _mm256_mul_ps(scale, _mm256_set1_ps(a->sx[b])), acc[r]);
             if (inline_mins) minacc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->xsum[b]), minacc[r]);
@@ -497,7 +517,7 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
     for (int j = 0; j < nsub; j++) {
         const __m512 dg = _mm512_loadu_ps(w->d + ((size_t)g * super_of(K / 16, w) + super_of(2 * j, w)) * GROUP);
         const int8_t *scg = sc + ((size_t)g * (K / 16) + 2 * j) * GROUP;
-        const __m512 sa = _mm512_mul_ps(dg, cvt16_i8(scg)), sb = _mm512_mul_ps(dg, cvt16_i8(scg + GROUP));
+        const __m512 sa = cvt16_i8(scg), sb = cvt16_i8(scg + GROUP);
         prefetch_block(log, hig, j, 256);
         __m512i I[ROW_TILE][2];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r][0] = I[r][1] = _mm512_setzero_si512();
@@ -515,9 +535,10 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
             const size_t b = (size_t)(m0 + r) * nsub + j;
             const __m512i ia = _mm512_sub_epi32(I[r][0], _mm512_set1_epi32(zero * a->isum16[2 * b]));
             const __m512i ib = _mm512_sub_epi32(I[r][1], _mm512_set1_epi32(zero * a->isum16[2 * b + 1]));
-            const __m512 s = _mm512_set1_ps(a->sx[b]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(sa, s), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(sb, s), acc[r]);
+            // T = sc_a * ia + sc_b * ib in float: each product is exact (< 2^23) and the fma rounds their exact
+            // sum, which is below 2^24, so T is the scalar path's integer exactly
+            const __m512 T = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sa, _mm512_mul_ps(_mm512_cvtepi32_ps(ib), sb));
+            acc[r] = _mm512_fmadd_ps(T, _mm512_mul_ps(dg, _mm512_set1_ps(a->sx[b])), acc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
