@@ -299,11 +299,12 @@ static inline void unpack8(int bits, const uint8_t *lo, const uint8_t *hi, int h
     *w0 = _mm256_and_si256(packed, low);
     *w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
     if (bits > 4) {
-        const __m256i top = _mm256_set1_epi8(0x30);
-        __m256i h = _mm256_loadu_si256((const __m256i *)hi);
-        h = _mm256_and_si256(half ? _mm256_srli_epi16(h, 4) : h, low);
-        *w0 = _mm256_or_si256(*w0, _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
-        *w1 = _mm256_or_si256(*w1, _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+        // a weight's top bit pair moved to bits 4-5 of its byte: half 0 reads the low nibbles (pairs of e at
+        // bits 0-1, of 4+e at 2-3), half 1 the high ones (at 4-5 and 6-7); bits shifted across bytes are
+        // masked off
+        const __m256i top = _mm256_set1_epi8(0x30), h = _mm256_loadu_si256((const __m256i *)hi);
+        *w0 = _mm256_or_si256(*w0, _mm256_and_si256(half ? h : _mm256_slli_epi16(h, 4), top));
+        *w1 = _mm256_or_si256(*w1, _mm256_and_si256(half ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
     }
 }
 
