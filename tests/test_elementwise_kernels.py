@@ -58,6 +58,7 @@ def test_each_row_is_computed_as_if_alone(rows):
 @pytest.mark.parametrize("isa", kernel_builds())
 def test_every_build_gives_the_scalar_reference_bits(isa):
     norm, x, residual, gate_up = _norm(), torch.randn(4, 1536), torch.randn(4, 1536), torch.randn(4, 2 * 8960) * 8
+    gate_up[0, :8960] = torch.linspace(-120, 120, 8960)  # past exp's clamps on both sides
     scalar, build = load("norm", "scalar"), load("norm", isa)
     reference_out, reference_sum = NormKernel(scalar)(norm, x, residual.clone())
     out, summed = NormKernel(build)(norm, x, residual.clone())

@@ -5,6 +5,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(SPECDECODE_SCALAR) && defined(__AVX2__) && !defined(__AVX512F__)
+#define SILU_AVX2 1  // AVX-512 builds vectorise the plain loop themselves
+#include <immintrin.h>
+#endif
+
 #define LANES 16  // independent partial sums: the compiler keeps them in one vector
 #define PARALLEL_ROWS 16  // below this many rows one thread is faster than waking the others
 
@@ -61,8 +66,36 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+#if defined(SILU_AVX2)
+// exp_approx on 8 lanes, the same operations in the same order. Without AVX-512's masks GCC does not turn
+// the clamps into vector code and the loop below would stay scalar (4x slower): max(-87, x) and min(88, x)
+// keep a NaN x as the comparisons do (MAXPS and MINPS return their second operand when one is NaN).
+static inline __m256 exp_approx8(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic);
+    const __m256 n = _mm256_sub_ps(t, magic);
+    const __m256 f = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723e-6f)));
+    __m256 p = _mm256_set1_ps(1.38888889e-3f);
+    static const float coef[6] = {8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f};
+    for (int c = 0; c < 6; c++) p = _mm256_add_ps(_mm256_set1_ps(coef[c]), _mm256_mul_ps(f, p));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(-0x4B400000 + 127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int n) {
-    for (int i = 0; i < n; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    int i = 0;
+#if defined(SILU_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_approx8(_mm256_xor_ps(x, sign));  // -x
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
 }
 
 // gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = silu(gate) * up
