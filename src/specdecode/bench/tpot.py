@@ -25,7 +25,8 @@ def tpot_by_window(llm: LLM, prompt: str, max_tokens: int, window: int) -> list[
         tokens = seq.num_output_tokens - mark
         if tokens >= window:
             now = time.perf_counter()
-            rows.append((seq.num_output_tokens, (now - mark_time) / tokens, (timer.target_time - mark_forward) / tokens))
+            forward = timer.target_time - mark_forward
+            rows.append((seq.num_output_tokens, (now - mark_time) / tokens, forward / tokens))
             mark, mark_time, mark_forward = seq.num_output_tokens, now, timer.target_time
     return rows
 

@@ -311,8 +311,8 @@ static inline void unpack8(int bits, const uint8_t *lo, const uint8_t *hi, int h
 // Chunk t (8 weights per row) of block j into the sums: int16 (s16) for 4 bits in sub-blocks of 32, int32 (I)
 // otherwise, widened by vpmaddwd with mult (1, or for sub-blocks of 16 the chunk's integer scale).
 static inline __attribute__((always_inline)) void chunk_dots(int bits, int sub, int t, size_t chunk, int j, int half,
-        int m0, const int rows, int K, const weights_t *w, const acts_t *a, const __m256i mult[2], __m256i s16[ROW_TILE],
-        __m256i I[ROW_TILE]) {
+        int m0, const int rows, int K, const weights_t *w, const acts_t *a, const __m256i mult[2],
+        __m256i s16[ROW_TILE], __m256i I[ROW_TILE]) {
     __m256i w0, w1;
     unpack8(bits, w->lo + (chunk + t) * 64, bits > 4 ? w->hi + (chunk + t) * 32 : NULL, half, &w0, &w1);
     const __m256i m = mult[sub == 16 ? t / 2 : 0];
@@ -356,9 +356,11 @@ static inline __attribute__((always_inline)) void block_dots(int bits, int sub, 
     _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) s16[r] = I[r] = _mm256_setzero_si256();
     // Unrolled for one or two rows of x; beyond, four chunks in flight would spill the 16 ymm registers.
     if (rows <= 2) {
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, mult, s16, I);
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
+            chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, mult, s16, I);
     } else {
-        _Pragma("GCC unroll 1") for (int t = 0; t < 4; t++) chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, mult, s16, I);
+        _Pragma("GCC unroll 1") for (int t = 0; t < 4; t++)
+            chunk_dots(bits, sub, t, chunk, j, half, m0, rows, K, w, a, mult, s16, I);
     }
     if (bits == 4 && sub == 32)
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) I[r] = _mm256_madd_epi16(s16[r], ones);
@@ -392,7 +394,8 @@ static inline __attribute__((always_inline)) void half_block(int bits, int sub, 
         block_dots(bits, sub, g, j, half, m0, rows, K, w, a, mult, I);
         _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) {
             const size_t b = (size_t)(m0 + r) * (K / 32) + j;
-            const __m256i sums = _mm256_set1_epi32((int)(((uint32_t)a->isum16[2 * b] & 0xFFFF) | ((uint32_t)a->isum16[2 * b + 1] << 16)));
+            const uint32_t sum_a = (uint32_t)a->isum16[2 * b] & 0xFFFF, sum_b = (uint32_t)a->isum16[2 * b + 1];
+            const __m256i sums = _mm256_set1_epi32((int)(sum_a | sum_b << 16));
             const __m256i T = _mm256_sub_epi32(I[r], _mm256_madd_epi16(zsc, sums));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), _mm256_mul_ps(d, _mm256_set1_ps(a->sx[b])), acc[r]);
         }

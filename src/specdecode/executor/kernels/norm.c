@@ -80,7 +80,8 @@ static inline __m256 exp_approx8(__m256 x) {
     __m256 p = _mm256_set1_ps(1.38888889e-3f);
     static const float coef[6] = {8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f};
     for (int c = 0; c < 6; c++) p = _mm256_add_ps(_mm256_set1_ps(coef[c]), _mm256_mul_ps(f, p));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(-0x4B400000 + 127)), 23);
+    const __m256i exponent = _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(-0x4B400000 + 127));
+    const __m256i bits = _mm256_slli_epi32(exponent, 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
