@@ -161,10 +161,10 @@ class ModelRunner:
         for group in calls:
             out = self._forward_call([slots[i] for i in group], [inputs[i] for i in group], logits, hidden,
                                      None if features is None else [features[i] for i in group])
-            outs = out if isinstance(out, tuple) else (out,)
-            for k, tensor in enumerate(outs):
-                every_row = (logits == "all") if k == 0 else (hidden == "all" or (hidden and logits == "all"))
-                counts = [len(inputs[i]) if every_row else 1 for i in group]
+            lengths = [len(inputs[i]) for i in group]
+            for tensor in out if isinstance(out, tuple) else (out,):
+                # a row per new token or a row per sequence (the two agree when every input is one token)
+                counts = lengths if tensor.shape[0] == sum(lengths) else [1] * len(group)
                 for i, rows in zip(group, tensor.split(counts)):
                     parts[i].append(rows)
         joined = [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]
