@@ -27,16 +27,21 @@ class VerifyResult:
 
 def greedy_verify(draft_tokens: torch.Tensor, num_draft: list[int], target_argmax: torch.Tensor) -> VerifyResult:
     """draft_tokens [B, K], target_argmax [B, K+1] (the target's choice after each prefix)."""
-    matches = (draft_tokens == target_argmax[:, :-1]).tolist()
-    argmax = target_argmax.tolist()
     accepted, tokens = [], []
-    for row, n_draft in enumerate(num_draft):
-        n = 0
-        while n < n_draft and matches[row][n]:
-            n += 1
+    for drafts, argmax, n_draft in zip(draft_tokens.tolist(), target_argmax.tolist(), num_draft):
+        n, emitted = match_greedy(drafts[:n_draft], argmax)
         accepted.append(n)
-        tokens.append(draft_tokens[row, :n].tolist() + [argmax[row][n]])
+        tokens.append(emitted)
     return VerifyResult(accepted, tokens)
+
+
+def match_greedy(drafts: list[int], argmax: list[int]) -> tuple[int, list[int]]:
+    """One sequence: its drafts accepted while they equal the target's argmax after each prefix, then the
+    argmax. Returns (accepted, emitted tokens)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+        accepted += 1
+    return accepted, drafts[:accepted] + [argmax[accepted]]
 
 
 def rejection_sample(draft_tokens: torch.Tensor, num_draft: list[int], target_probs: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import TokenLogprob, logits_to_probs, process_logits, sample_token, token_logprobs
-from .rejection_sampler import VerifyResult, greedy_verify, rejection_sample
+from .rejection_sampler import VerifyResult, greedy_verify, match_greedy, rejection_sample
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
@@ -59,7 +59,8 @@ def verify_batch(seqs: list[Sequence], drafts: list[list[int]], draft_probs: lis
     for seq, tokens, q, is_plain in zip(seqs, drafts, draft_probs, plain):
         n = len(tokens)
         if is_plain:
-            results.append((match_greedy(tokens, argmax[row:row + n + 1]), None))
+            accepted, emitted = match_greedy(tokens, argmax[row:row + n + 1])
+            results.append((VerifyResult([accepted], [emitted]), None))
         else:
             results.append(verify_drafts(seq, tokens, q, logits[row:row + n + 1], eos_ids, forced_accept))
         row += n + 1
@@ -69,14 +70,6 @@ def verify_batch(seqs: list[Sequence], drafts: list[list[int]], draft_probs: lis
 def _argmax_is_enough(seq: Sequence) -> bool:
     return (seq.params.greedy and not seq.params.has_processors and seq.grammar is None
             and seq.params.logprobs is None)
-
-
-def match_greedy(drafts: list[int], argmax: list[int]) -> VerifyResult:
-    """Drafts accepted while they equal the target's argmax after each prefix; then the argmax."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
-        accepted += 1
-    return VerifyResult([accepted], [drafts[:accepted] + [argmax[accepted]]])
 
 
 def verify_drafts(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
