@@ -4,6 +4,7 @@ another target, and training that learns; each property beside a broken variant 
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -335,6 +336,73 @@ def test_an_interrupted_recording_resumes_where_its_last_shard_ends(target, tmp_
     whole = data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
     assert len(whole) == 30 and all(torch.equal(getattr(resumed, f), getattr(whole, f))
                                     for f in ("tokens", "hidden", "choice"))
+
+
+def _jsonl_text(tmp_path, lines=40):
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n"
+                            for i in range(1, lines)))
+    return f"jsonl:{text}"
+
+
+def test_a_recording_past_its_deadline_stops_at_a_shard_and_a_later_run_carries_on(target, tmp_path, monkeypatch):
+    """With its deadline already past, a recording of 30 chunks ends after its first shard (8) and says it
+    planned 30; a run without a deadline then records only the 22 after them, and returns what one
+    uninterrupted recording returns."""
+    from specdecode.distill import data
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    source = _jsonl_text(tmp_path)
+    calls, forward = [], data.ModelRunner.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(data.ModelRunner, "forward", counted)
+    cut = data.collect_features(target, [source], 32, 30 * 32, progress=False, deadline=time.time() - 1)
+    assert (len(cut), cut.planned, len(calls)) == (8, 30, 8)
+    calls.clear()
+    carried_on = data.collect_features(target, [source], 32, 30 * 32, progress=False)
+    assert (len(carried_on), carried_on.planned, len(calls)) == (30, None, 22)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "fresh"))
+    whole = data.collect_features(target, [source], 32, 30 * 32, progress=False)
+    assert all(torch.equal(getattr(carried_on, f), getattr(whole, f)) for f in ("tokens", "hidden", "choice"))
+    assert all(torch.equal(getattr(cut, f), getattr(whole, f)[:8]) for f in ("tokens", "hidden", "choice"))
+
+
+def test_training_shortens_its_schedule_to_end_by_its_deadline():
+    """A run whose remaining steps would end past its deadline takes as many as the measured pace allows
+    (never fewer than it has taken); one with time to spare takes all of its steps."""
+    from specdecode.distill.train import Run, fit
+
+    run = Run(100, 1, 0.1, 1, 0, "test", deadline=1020.5)
+    run.shorten(10, 1.0, 1000.0)
+    assert run.steps == 30
+    run.shorten(10, 1.0, 2000.0)
+    assert run.steps == 10
+    model = torch.nn.Linear(2, 1)
+
+    def batch_loss(pick):
+        return model(torch.ones(len(pick), 2)).square().mean(), {}
+
+    past = Run(100, 2, 0.1, 1, 0, "test", deadline=time.time() - 1)
+    log = fit(model, batch_loss, 4, past, progress=False)
+    assert len(log) == past.steps == 4  # the pace is known after 3 steps past the first
+    unhurried = Run(6, 2, 0.1, 1, 0, "test", deadline=time.time() + 3600)
+    assert len(fit(model, batch_loss, 4, unhurried, progress=False)) == 6
+
+
+def test_a_distill_run_past_its_budget_trains_on_what_it_recorded(target, tmp_path, monkeypatch):
+    """With no time at all, distill records one shard, trains the steps the measured pace allows, and still
+    writes a head that loads; the summary says how much text and how many steps it used."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    recipe = Recipe(sources=[_jsonl_text(tmp_path)], tokens=30 * 32, chunk=32, draft_vocab_size=48,
+                    intermediate_size=32, steps=300, batch=2, minutes=1e-6)
+    summary = distill(target, str(tmp_path / "hurried"), recipe, progress=False)
+    assert summary["train_tokens"] == 7 * 32  # 8 chunks recorded, one held out
+    assert summary["steps"] == 4
+    _llm(target, f"head:{tmp_path / 'hurried'}").generate([[1, 2, 3]], GREEDY)
 
 
 def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_kept(target, tmp_path, monkeypatch):

@@ -335,6 +335,9 @@ def _add_distill(sub) -> None:
     dist.add_argument("--draft-vocab-size", type=int, default=R.draft_vocab_size,
                       help="the head's LM head keeps the target's most chosen tokens on the data")
     dist.add_argument("--intermediate-size", type=int, default=R.intermediate_size, help="the head layer's MLP width")
+    dist.add_argument("--minutes", type=float, default=R.minutes,
+                      help="time budget of a head's run: on a slower machine it records less text and trains "
+                           "proportionally fewer steps to end in about this time (0: the whole recipe)")
     dist.add_argument("--draft-model", default=None,
                       help="fine-tune this draft model (sharing the target's tokenizer) on the same recording "
                            "instead of training a head: OUT is then a checkpoint folder (use: --draft OUT)")

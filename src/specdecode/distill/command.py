@@ -10,7 +10,7 @@ import torch
 from ..models.draft_head import HeadSpec, build_head, head_base, save_head, target_fingerprint
 from ..models.loader import LoadedModel
 from .data import collect_features, draft_vocabulary
-from .recipe import HELD_OUT, Recipe
+from .recipe import HELD_OUT, RECORDING_SHARE, Recipe
 from .train import evaluate, train, trainable
 
 
@@ -18,9 +18,13 @@ def distill(target: LoadedModel, out: str, recipe: Recipe | None = None, progres
     """Train a head for `target` and write it to OUT.safetensors / OUT.json; returns the summary."""
     recipe = recipe or Recipe()
     started = time.time()
+    budget = recipe.minutes * 60 if recipe.minutes else None
     data = collect_features(target, recipe.sources, recipe.chunk, recipe.tokens, progress,
-                            (recipe.completions, recipe.completion_tokens))
+                            (recipe.completions, recipe.completion_tokens),
+                            started + RECORDING_SHARE * budget if budget else None)
     collected = time.time()
+    # a recording cut short by the budget trains proportionally fewer steps (as many passes over its text)
+    steps = max(1, round(recipe.steps * len(data) / data.planned)) if data.planned else recipe.steps
     train_set, held_out = data.split(HELD_OUT)
     vocab = draft_vocabulary(train_set, recipe.draft_vocab_size, target.tokenizer.special_ids,
                              target.config.vocab_size)
@@ -28,11 +32,13 @@ def distill(target: LoadedModel, out: str, recipe: Recipe | None = None, progres
                     recipe=asdict(recipe))
     torch.manual_seed(recipe.seed)
     head = trainable(build_head(spec, None, target.model, vocab))
-    log = train(head, train_set, recipe, head_base(out) + ".ckpt", progress)
+    log = train(head, train_set, recipe, head_base(out) + ".ckpt", progress, steps,
+                started + budget if budget else None)
     agreement = evaluate(head, held_out, recipe.rounds)
     coverage = float(torch.isin(held_out.choice, vocab).float().mean())
     spec.measured = {"held_out_top1_per_round": agreement, "held_out_vocab_coverage": coverage,
-                     "train_tokens": int(train_set.tokens.numel()), "collect_s": collected - started,
+                     "train_tokens": int(train_set.tokens.numel()), "steps": log[-1]["step"] if log else 0,
+                     "collect_s": collected - started,
                      "train_s": time.time() - collected, "final_train_ce": log[-1]["ce"] if log else None}
     save_head(head, spec, out)
     if os.path.exists(head_base(out) + ".ckpt"):
@@ -49,7 +55,7 @@ def run_distill_cli(args) -> int:
     recipe = Recipe(sources=args.data, tokens=args.tokens, completions=args.completions,
                     completion_tokens=args.completion_tokens, chunk=args.chunk, steps=args.steps, batch=args.batch,
                     lr=args.lr, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
-                    finetune_steps=args.finetune_steps, finetune_lr=args.finetune_lr)
+                    finetune_steps=args.finetune_steps, finetune_lr=args.finetune_lr, minutes=args.minutes)
     if args.draft_model:
         from .draft_model import finetune_draft
 
@@ -58,5 +64,8 @@ def run_distill_cli(args) -> int:
         return 0
     summary = distill(target, args.out, recipe)
     print(json.dumps(summary, indent=1))
+    if summary["steps"] < recipe.steps:
+        print(f"the {recipe.minutes:g}-minute budget left time for {summary['train_tokens']:,} tokens of training text "
+              f"and {summary['steps']} of {recipe.steps} steps on this machine; --minutes 0 runs the whole recipe")
     print(f"wrote {head_base(args.out)}.safetensors and .json; use it with --draft head:{head_base(args.out)}")
     return 0

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class FeatureSet:
     tokens: torch.Tensor  # [chunks, T] token ids
     hidden: torch.Tensor  # [chunks, T, hidden] the target's final hidden states, bf16 (all on the CPU)
     choice: torch.Tensor  # [chunks, T] the target's greedy next token at each position
+    planned: int | None = None  # the chunks the recipe asked for, where a deadline cut the recording short
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -71,9 +73,12 @@ def token_chunks(texts: list[str | list[int]], tokenizer, chunk: int, max_tokens
 
 def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_tokens: int,
                      progress: bool = True,
-                     completions: tuple[int, int] = (Recipe.completions, Recipe.completion_tokens)) -> FeatureSet:
+                     completions: tuple[int, int] = (Recipe.completions, Recipe.completion_tokens),
+                     deadline: float | None = None) -> FeatureSet:
     """The target's features on the sources' text, read from the cache when this recipe ran before.
-    completions: prompts completed and new tokens per completion, for each `completions:NAME` source."""
+    completions: prompts completed and new tokens per completion, for each `completions:NAME` source.
+    deadline (a time.time()): the recording stops at the first shard past it and returns the chunks so
+    far, its shards kept, so that a later run (with more time) carries on from them."""
     generated = [s for s in sources if s.startswith("completions:")]
     path = _cache_path(target, sources, chunk, max_tokens, *([list(completions)] if generated else []))
     if os.path.exists(path):
@@ -89,8 +94,11 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
     chunks = token_chunks(texts, target.tokenizer, chunk, max_tokens)
     if not chunks:
         raise SpecDecodeError(f"the data sources {sources} hold no chunk of {chunk} tokens")
-    hidden, choice = _record(target, chunks, path + ".parts", progress)
-    data = FeatureSet(torch.tensor(chunks), torch.stack(hidden), torch.stack(choice))
+    hidden, choice = _record(target, chunks, path + ".parts", progress, deadline)
+    data = FeatureSet(torch.tensor(chunks[:len(hidden)]), hidden, choice)
+    if len(data) < len(chunks):
+        data.planned = len(chunks)
+        return data
     torch.save(vars(data), path + ".tmp")
     os.replace(path + ".tmp", path)
     shutil.rmtree(path + ".parts")
@@ -108,41 +116,55 @@ def _cache_path(target: LoadedModel, *recipe) -> str:
 
 
 def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool,
-            shard: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The target's hidden states and greedy choices per chunk. Every `shard` chunks go to a file of their
-    own in `parts`, from which an interrupted run resumes: appending shards keeps saving linear in the
-    data (rewriting one growing file every few chunks also grew the process by a logits tensor a save)."""
-    hidden, choice = _recorded_shards(parts)
+            deadline: float | None = None, shard: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's hidden states [chunks, T, hidden] (bf16) and greedy choices [chunks, T], written into
+    tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragmented
+    the heap (the runner keeps freed memory for reuse), and a 1,055-chunk recording grew by ~45 MB a chunk
+    until the machine ran out. Every `shard` chunks go to a file of their own in `parts`, from which an
+    interrupted run resumes (appending shards keeps saving linear in the data)."""
     runner = ModelRunner(target.model, 1, len(chunks[0]))
+    hidden = torch.empty(len(chunks), len(chunks[0]), target.model.cfg.hidden_size, dtype=torch.bfloat16)
+    choice = torch.empty(len(chunks), len(chunks[0]), dtype=torch.int64)
+    done = _read_shards(parts, hidden, choice)
     slot = runner.allocate()
-    for i in tqdm(range(len(hidden), len(chunks)), desc="target features", unit="chunk", initial=len(hidden),
+    for i in tqdm(range(done, len(chunks)), desc="target features", unit="chunk", initial=done,
                   total=len(chunks), disable=not progress):
-        runner.rollback(slot, 0)
-        logits, h = runner.forward([slot], [chunks[i]], logits="all", hidden=True)
-        # kept in host memory wherever the target runs: the recording outgrows a GPU's spare memory, and
-        # the cache file then loads on any machine
-        hidden.append(h.to(torch.bfloat16).cpu())
-        choice.append(logits.argmax(-1).cpu())
+        _record_chunk(runner, slot, chunks[i], hidden[i], choice[i])
         if (i + 1) % shard == 0 or i + 1 == len(chunks):
             first = (i // shard) * shard
             os.makedirs(parts, exist_ok=True)
             name = os.path.join(parts, f"{first:06d}.pt")
-            # two stacked tensors per shard: saving lists of the chunks' tensors kept the process growing
-            # until the OOM killer stopped it (docs/decisions.md)
-            torch.save({"hidden": torch.stack(hidden[first:]), "choice": torch.stack(choice[first:])}, name + ".tmp")
+            # clones: saving a slice would save the whole recording's storage
+            torch.save({"hidden": hidden[first:i + 1].clone(), "choice": choice[first:i + 1].clone()},
+                       name + ".tmp")
             os.replace(name + ".tmp", name)
+            if deadline is not None and time.time() > deadline:
+                return hidden[:i + 1], choice[:i + 1]
     return hidden, choice
 
 
-def _recorded_shards(parts: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """What an interrupted recording saved, in chunk order (shard files are named by their first chunk)."""
-    hidden, choice = [], []
+def _record_chunk(runner: ModelRunner, slot: int, chunk: list[int], hidden: torch.Tensor,
+                  choice: torch.Tensor) -> None:
+    """One chunk's features and choices into the given rows (the full-vocabulary logits die here)."""
+    runner.rollback(slot, 0)
+    logits, h = runner.forward([slot], [chunk], logits="all", hidden=True)
+    # kept in host memory wherever the target runs: the recording outgrows a GPU's spare memory, and the
+    # cache file then loads on any machine
+    hidden.copy_(h)
+    choice.copy_(logits.argmax(-1))
+
+
+def _read_shards(parts: str, hidden: torch.Tensor, choice: torch.Tensor) -> int:
+    """What an interrupted recording saved, into the first rows in chunk order (shard files are named by
+    their first chunk); returns how many chunks that was."""
+    done = 0
     for name in sorted(os.listdir(parts)) if os.path.isdir(parts) else []:
-        if name.endswith(".pt") and int(name[:-3]) == len(hidden):
+        if name.endswith(".pt") and int(name[:-3]) == done:
             shard = torch.load(os.path.join(parts, name), map_location="cpu")
-            hidden += list(shard["hidden"])
-            choice += list(shard["choice"])
-    return hidden, choice
+            rows = torch.stack(list(shard["hidden"]))  # stacked, or a list per chunk (older recordings)
+            hidden[done:done + len(rows)], choice[done:done + len(rows)] = rows, torch.stack(list(shard["choice"]))
+            done += len(rows)
+    return done
 
 
 def draft_vocabulary(data: FeatureSet, size: int, special_ids, vocab_size: int) -> torch.Tensor:

@@ -1,22 +1,25 @@
 """How a draft head is made: the data and the training, each option's default written once (the CLI's
-flags default to these). The defaults finish in well under an hour on two CPU cores (docs/decisions.md)."""
+flags default to these). The defaults take about 45 minutes on two CPU cores with native bf16, and a run
+never takes much over `minutes`: where the machine is slower, it records less text and trains
+proportionally fewer steps (docs/decisions.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 HELD_OUT = 0.05  # of the recorded chunks: measured after training, never trained on (heads and drafts alike)
+RECORDING_SHARE = 0.55  # of a time budget, for the target's recording; training gets what is left
 
 
 @dataclass
 class Recipe:
     sources: list[str] = field(default_factory=lambda: ["stdlib", "sonnets"])  # see data.SOURCES
-    tokens: int = 90_000  # of text the target reads and records
+    tokens: int = 270_000  # of text the target reads and records
     completions: int = 128  # prompts the target completes, per completions:NAME source
     completion_tokens: int = 192  # new tokens per completion at most
     chunk: int = 256  # tokens per training sequence
     draft_vocab_size: int = 16384  # the target's most chosen tokens on the data
     intermediate_size: int = 2048  # the head layer's MLP width
-    steps: int = 600
+    steps: int = 1800
     batch: int = 2  # chunks per step
     lr: float = 1e-3
     warmup: int = 30
@@ -25,6 +28,7 @@ class Recipe:
     rounds: int = 2  # drafting rounds unrolled in training (training-time test), the later ones on estimates
     round_decay: float = 0.8  # loss weight of round i: decay ** i
     seed: int = 0
+    minutes: float = 60.0  # the run's time budget (0: none): text and steps shrink together to fit it
     # fine-tuning a draft model instead (`--draft-model`, the comparison for a head): its own schedule
     finetune_steps: int = 150
     finetune_lr: float = 1e-5

@@ -93,18 +93,26 @@ class Run:
     warmup: int
     seed: int
     name: str  # for the progress bar
+    deadline: float | None = None  # a time.time() by which to end: steps shrink to what the rest's pace allows
+
+    def shorten(self, step: int, seconds_per_step: float, now: float) -> None:
+        """Fewer steps in all where the rest would end past the deadline (never fewer than taken); the
+        cosine schedule follows the new length."""
+        affordable = step + int(max(0.0, self.deadline - now) / seconds_per_step)
+        self.steps = max(step, min(self.steps, affordable))
 
 
 def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | None = None,
-          progress: bool = True) -> list[dict]:
-    """Train the head in place (see fit)."""
+          progress: bool = True, steps: int | None = None, deadline: float | None = None) -> list[dict]:
+    """Train the head in place (see fit) for `steps` (default: the recipe's), ending by `deadline`."""
+    steps = steps or recipe.steps
     def batch_loss(pick: torch.Tensor) -> tuple[torch.Tensor, dict]:
         losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
         loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
                    for i, (ce, reg, _) in enumerate(losses))
         return loss, {"ce": losses[0][0].item(), "agree": [a.item() for _, _, a in losses]}
 
-    run = Run(recipe.steps, recipe.batch, recipe.lr, recipe.warmup, recipe.seed, "training head")
+    run = Run(steps, recipe.batch, recipe.lr, recipe.warmup, recipe.seed, "training head", deadline)
     return fit(head, batch_loss, len(data), run, checkpoint, progress)
 
 
@@ -128,6 +136,7 @@ def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str |
     gen = torch.Generator().manual_seed(run.seed + step)
     bar = tqdm(total=run.steps, initial=step, desc=run.name, unit="step", disable=not progress)
     precision = training_precision(device)
+    paced = None  # (step, time) after this process's first step: the pace is measured from there
     while step < run.steps:
         with precision:
             loss, figures = batch_loss(torch.randint(examples, (run.batch,), generator=gen))
@@ -138,6 +147,10 @@ def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str |
         schedule.step()
         step += 1
         log.append({"step": step, **figures, "t": time.time()})
+        paced = paced or (step, log[-1]["t"])
+        if run.deadline is not None and step - paced[0] >= 3:
+            run.shorten(step, (log[-1]["t"] - paced[1]) / (step - paced[0]), log[-1]["t"])
+            bar.total = run.steps
         bar.update(1)
         bar.set_postfix({k: " ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.3f}"
                          for k, v in figures.items()})
