@@ -118,10 +118,10 @@ def _cache_path(target: LoadedModel, *recipe) -> str:
 def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool,
             deadline: float | None = None, shard: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden states [chunks, T, hidden] (bf16) and greedy choices [chunks, T], written into
-    tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragmented
-    the heap (the runner keeps freed memory for reuse), and a 1,055-chunk recording grew by ~45 MB a chunk
-    until the machine ran out. Every `shard` chunks go to a file of their own in `parts`, from which an
-    interrupted run resumes (appending shards keeps saving linear in the data)."""
+    tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragments a
+    heap that the runner asks never to be trimmed (docs/decisions.md). Every `shard` chunks go to a file of
+    their own in `parts`, from which an interrupted run resumes (appending shards keeps saving linear in
+    the data)."""
     runner = ModelRunner(target.model, 1, len(chunks[0]))
     hidden = torch.empty(len(chunks), len(chunks[0]), target.model.cfg.hidden_size, dtype=torch.bfloat16)
     choice = torch.empty(len(chunks), len(chunks[0]), dtype=torch.int64)

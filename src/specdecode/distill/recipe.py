@@ -1,5 +1,5 @@
 """How a draft head is made: the data and the training, each option's default written once (the CLI's
-flags default to these). The defaults take about 45 minutes on two CPU cores with native bf16, and a run
+flags default to these). The defaults take about 40 minutes on two CPU cores with native bf16, and a run
 never takes much over `minutes`: where the machine is slower, it records less text and trains
 proportionally fewer steps (docs/decisions.md)."""
 from __future__ import annotations

@@ -106,6 +106,7 @@ def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | N
           progress: bool = True, steps: int | None = None, deadline: float | None = None) -> list[dict]:
     """Train the head in place (see fit) for `steps` (default: the recipe's), ending by `deadline`."""
     steps = steps or recipe.steps
+
     def batch_loss(pick: torch.Tensor) -> tuple[torch.Tensor, dict]:
         losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
         loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
