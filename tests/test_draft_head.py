@@ -307,42 +307,48 @@ def test_the_head_keeps_its_cache_in_the_engines_kv_cache_dtype(target, head):
         assert llm.engine.proposer.runner._cache.k[0].dtype == expected
 
 
+def _jsonl_text(tmp_path):
+    """A distill source of 39 lines of 300 characters (`jsonl:FILE`)."""
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n"
+                            for i in range(1, 40)))
+    return f"jsonl:{text}"
+
+
+class _ForwardCounter:
+    """Counts the recording's target forwards; with `limit` set, the forward after that many is
+    interrupted (as a killed run would be)."""
+
+    def __init__(self, monkeypatch, runner_class):
+        self.calls, self.limit, forward = 0, None, runner_class.forward
+
+        def counted(runner, *args, **kwargs):
+            if self.calls == self.limit:
+                raise KeyboardInterrupt
+            self.calls += 1
+            return forward(runner, *args, **kwargs)
+
+        monkeypatch.setattr(runner_class, "forward", counted)
+
+
 def test_an_interrupted_recording_resumes_where_its_last_shard_ends(target, tmp_path, monkeypatch):
     """Killed after 20 of 30 chunks, a rerun reads the two saved shards (16 chunks), records only the 14
     after them, and returns what one uninterrupted recording returns."""
     from specdecode.distill import data
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    text = tmp_path / "text.jsonl"
-    text.write_text("".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n"
-                            for i in range(1, 40)))
-    calls, forward = [], data.ModelRunner.forward
-
-    def counted(self, *args, **kwargs):
-        if len(calls) == limit:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(data.ModelRunner, "forward", counted)
-    limit = 20
+    source = _jsonl_text(tmp_path)
+    forwards = _ForwardCounter(monkeypatch, data.ModelRunner)
+    forwards.limit = 20
     with pytest.raises(KeyboardInterrupt):
-        data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
-    calls.clear()
-    limit = None
-    resumed = data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
-    assert len(calls) == 30 - 16
+        data.collect_features(target, [source], 32, 30 * 32, progress=False)
+    forwards.calls, forwards.limit = 0, None
+    resumed = data.collect_features(target, [source], 32, 30 * 32, progress=False)
+    assert forwards.calls == 30 - 16
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "fresh"))
-    whole = data.collect_features(target, [f"jsonl:{text}"], 32, 30 * 32, progress=False)
+    whole = data.collect_features(target, [source], 32, 30 * 32, progress=False)
     assert len(whole) == 30 and all(torch.equal(getattr(resumed, f), getattr(whole, f))
                                     for f in ("tokens", "hidden", "choice"))
-
-
-def _jsonl_text(tmp_path, lines=40):
-    text = tmp_path / "text.jsonl"
-    text.write_text("".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n"
-                            for i in range(1, lines)))
-    return f"jsonl:{text}"
 
 
 def test_a_recording_past_its_deadline_stops_at_a_shard_and_a_later_run_carries_on(target, tmp_path, monkeypatch):
@@ -353,18 +359,12 @@ def test_a_recording_past_its_deadline_stops_at_a_shard_and_a_later_run_carries_
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     source = _jsonl_text(tmp_path)
-    calls, forward = [], data.ModelRunner.forward
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(data.ModelRunner, "forward", counted)
+    forwards = _ForwardCounter(monkeypatch, data.ModelRunner)
     cut = data.collect_features(target, [source], 32, 30 * 32, progress=False, deadline=time.time() - 1)
-    assert (len(cut), cut.planned, len(calls)) == (8, 30, 8)
-    calls.clear()
+    assert (len(cut), cut.planned, forwards.calls) == (8, 30, 8)
+    forwards.calls = 0
     carried_on = data.collect_features(target, [source], 32, 30 * 32, progress=False)
-    assert (len(carried_on), carried_on.planned, len(calls)) == (30, None, 22)
+    assert (len(carried_on), carried_on.planned, forwards.calls) == (30, None, 22)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "fresh"))
     whole = data.collect_features(target, [source], 32, 30 * 32, progress=False)
     assert all(torch.equal(getattr(carried_on, f), getattr(whole, f)) for f in ("tokens", "hidden", "choice"))
