@@ -154,11 +154,10 @@ def test_sessions_put_each_reply_into_the_next_turn(server):
             history += result.text
 
 
-def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server, tmp_path, capsys):
-    """`bench concurrency --dataset agent-loop`: each configuration gets the same sessions, every turn
-    counted, and the rows carry the later turns' TPOT (no server processes: each config is the local one)."""
+@pytest.fixture
+def local_servers(monkeypatch, server):
+    """`bench concurrency` without server processes: every configuration is the local test server."""
     from specdecode.bench import concurrency
-    from specdecode.cli import build_parser
 
     class Local:
         base_url = server.url
@@ -170,6 +169,15 @@ def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server, t
             return False
 
     monkeypatch.setattr(concurrency, "start_server", lambda name, serve_args, args: Local())
+    return concurrency
+
+
+def test_bench_concurrency_plays_sessions_on_every_server(local_servers, monkeypatch, tmp_path, capsys):
+    """`bench concurrency --dataset agent-loop`: each configuration gets the same sessions, every turn
+    counted, and the rows carry the later turns' TPOT."""
+    from specdecode.cli import build_parser
+
+    concurrency = local_servers
     scripted = []  # the real scripts are longer than the tiny model's context
     monkeypatch.setattr(concurrency, "agent_loop_scripts",
                         lambda count, turns: scripted.append((count, turns)) or [["ab", "cd"]] * count)
@@ -185,6 +193,42 @@ def test_bench_concurrency_plays_sessions_on_every_server(monkeypatch, server, t
         assert row["num_requests"] == 3 * 2 and row["num_failed"] == 0
         assert row["later_turns_tpot_s"] is not None
     assert report["meta"]["dataset"] == "agent-loop" and scripted == [(3, 2)]
+
+
+def test_benchmarks_take_any_prompt_dataset(tmp_path, monkeypatch, capsys):
+    """bench latency / concurrency --dataset: chats, or any dataset load_prompts reads (the user's own
+    prompts among them); a wrong one fails before any model loads, naming what is accepted."""
+    from specdecode.bench import concurrency, datasets, latency
+    from specdecode.cli import build_parser
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert latency.load_requests(f"jsonl:{f}", 3, 2, "tiny") == ["a", "b", "a"]
+    assert concurrency.workload(build_parser().parse_args(["bench", "concurrency", "--dataset", f"jsonl:{f}"]), 3) == [
+        "a", "b", "a"]
+    monkeypatch.setattr(datasets, "token_counter", lambda name: _count_words)  # sized by the model's tokenizer
+    (sonnet,) = latency.load_requests("sonnet:60", 1, 2, "tiny")
+    assert sonnet.startswith(SONNET_INSTRUCTION) and 50 <= _count_words(sonnet) <= 60
+    assert latency.load_requests("code-edit", 1, 2, "tiny")[0][-1]["role"] == "user"
+    for bad in ("poems", "sonnet:long", "jsonl:"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "latency", "--dataset", bad])
+        assert f"unknown dataset '{bad}'; use humaneval, code-edit, agent-loop" in capsys.readouterr().err
+
+
+def test_bench_concurrency_sends_a_prompt_file_as_completions(local_servers, tmp_path, capsys):
+    """`bench concurrency --dataset jsonl:PATH`: the file's prompts, as completions that run to max tokens."""
+    from specdecode.cli import build_parser
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in ("ab", "cde")))
+    args = build_parser().parse_args(["bench", "concurrency", "--dataset", f"jsonl:{f}", "--policies", "plain",
+                                      "--concurrency", "2", "--max-tokens", "4", "--min-requests", "3",
+                                      "--requests-per-client", "1", "--out", str(tmp_path / "c.json")])
+    assert local_servers.run_concurrency_cli(args) == 0
+    assert capsys.readouterr().out.startswith(f"prompts from jsonl:{f} through the server")
+    (row,) = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert row["num_requests"] == 3 and row["num_failed"] == 0 and row["output_tokens"] == 3 * 4
 
 
 def test_tpot_windows_cover_the_whole_output(target):

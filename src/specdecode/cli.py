@@ -190,6 +190,23 @@ def _add_measurements(bench_sub) -> None:
     _add_serve_load(bench_sub)
 
 
+WORKLOAD_HELP = ("completion prompts (EOS ignored): humaneval, sonnet:LEN (tokens), jsonl:PATH (a \"prompt\" field "
+                 "per line) or hf:NAME; or chats that end with the reply: code-edit (standard-library functions "
+                 "with an edit whose answer is mostly a copy), agent-loop (sessions that ask for the whole file "
+                 "again with one change per turn)")
+
+
+def _workload(spec: str) -> str:
+    """A benchmark's --dataset, checked before any model loads."""
+    from .bench.datasets import check_spec
+    from .bench.edits import CHAT_DATASETS
+
+    try:
+        return check_spec(spec, CHAT_DATASETS)
+    except SpecDecodeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_latency(bench_sub) -> None:
     lat = bench_sub.add_parser("latency", help="HumanEval, batch size 1: plain vs draft model vs n-gram")
     _add_model_args(lat, several_backends=True)
@@ -197,9 +214,7 @@ def _add_latency(bench_sub) -> None:
     lat.add_argument("--num-prompts", type=int, default=5)
     lat.add_argument("--max-tokens", type=int, default=128)
     lat.add_argument("--no-ngram", action="store_true")
-    lat.add_argument("--dataset", default="humaneval", choices=("humaneval", "code-edit", "agent-loop"),
-                     help="code-edit: standard-library functions with an edit whose answer is mostly a copy; "
-                          "agent-loop: sessions that ask for the whole file again with one change per turn")
+    lat.add_argument("--dataset", default="humaneval", type=_workload, help=WORKLOAD_HELP)
     lat.add_argument("--turns", type=int, default=3, help="agent-loop: turns per session (the first is not timed)")
     lat.add_argument("--suffix", action="store_true",
                      help="also measure suffix speculation (adaptive policy), alone and beside the draft model; "
@@ -290,9 +305,9 @@ def _add_studies(bench_sub) -> None:
     conc.add_argument("--policies", nargs="+", default=["plain", "fixed", "adaptive"],
                       choices=["plain", "fixed", "adaptive", "adaptive-suffix"],
                       help="adaptive-suffix: the adaptive policy with suffix speculation beside the drafter")
-    conc.add_argument("--dataset", default="humaneval", choices=["humaneval", "code-edit", "agent-loop"],
-                      help="HumanEval prompts, or chat sessions: code edits (one turn), agent loops (--turns turns, "
-                           "each reply put into the next turn's history; one tenant per session)")
+    conc.add_argument("--dataset", default="humaneval", type=_workload,
+                      help=WORKLOAD_HELP + "; each agent-loop reply goes into the next turn's history, one tenant "
+                                           "per session")
     conc.add_argument("--turns", type=int, default=3, help="agent-loop: turns per session")
     conc.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     conc.add_argument("--max-tokens", type=int, default=128)

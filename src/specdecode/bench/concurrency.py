@@ -12,8 +12,8 @@ from contextlib import ExitStack
 
 import torch
 
-from .datasets import humaneval_prompts, repeat_to
-from .edits import agent_loop_scripts, code_edit_prompts, describe_dataset
+from .datasets import humaneval_prompts, prompts_for
+from .edits import CHAT_DATASETS, agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, joined, mean, ratio
 from .load import LoadResult, play_sessions, run_load, send_requests, summarize
 from .results import command_line, machine_info, speedup_against, write_json
@@ -45,24 +45,24 @@ def start_server(name: str, serve_args: list[str], args) -> ServerProcess:
 
 
 def requests_at(concurrency: int, args) -> int:
-    """Requests (HumanEval) or sessions (chat datasets) sent at one concurrency."""
+    """Requests (completion prompts) or sessions (chat datasets) sent at one concurrency."""
     return max(args.min_requests, args.requests_per_client * concurrency)
 
 
 def workload(args, count: int) -> list:
-    """`count` prompts (HumanEval) or sessions: lists of user turns (one turn for a code edit)."""
+    """`count` completion prompts or sessions: lists of user turns (one turn for a code edit)."""
     if args.dataset == "agent-loop":
         return agent_loop_scripts(count, args.turns)
     if args.dataset == "code-edit":
         return [[chat[-1]["content"]] for chat in code_edit_prompts(count)]
-    return repeat_to(humaneval_prompts(), count)
+    return prompts_for(args.dataset, count, args.model)
 
 
 def send(base_url: str, args, work: list, concurrency: int, run: str) -> tuple[list, float]:
     """One configuration's requests at one concurrency; `run` names the measurement, so that sessions
     replayed in a later round or at another concurrency are new users to the server's per-user caches
     (suffix speculation would otherwise draft a replayed session from its own earlier replies)."""
-    if args.dataset == "humaneval":
+    if args.dataset not in CHAT_DATASETS:
         return asyncio.run(send_requests(base_url, work, args.max_tokens, concurrency=concurrency))
     return asyncio.run(play_sessions(base_url, work, args.max_tokens, concurrency=concurrency, run=run))
 

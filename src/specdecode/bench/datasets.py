@@ -109,23 +109,46 @@ def hf_prompts(name: str, field: str = "prompt", split: str = "train", limit: in
     return [str(r) for r in rows]
 
 
+def check_spec(spec: str, chats: tuple[str, ...] = ()) -> str:
+    """`spec` where load_prompts reads it (or it is one of the caller's own `chats` workloads); otherwise an
+    error naming what is accepted."""
+    kind, _, arg = spec.partition(":")
+    if (spec in ("humaneval", *chats) or (kind == "sonnet" and (not arg or arg.isdigit()))
+            or (kind in ("jsonl", "hf") and arg)):
+        return spec
+    accepted = ", ".join(("humaneval", *chats, "sonnet:LEN", "jsonl:PATH"))
+    raise SpecDecodeError(f"unknown dataset {spec!r}; use {accepted} or hf:NAME")
+
+
+def token_counter(tokenizer_name: str):
+    """A function counting a text's tokens by a model's tokenizer (sonnet prompts are sized with it)."""
+    from ..models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_name)
+    return lambda text: len(tokenizer.encode(text))
+
+
+def prompts_for(spec: str, num_prompts: int, tokenizer_name: str, **options) -> list[str]:
+    """load_prompts, sonnet prompts sized by `tokenizer_name`'s tokenizer (loaded only for them)."""
+    count_tokens = token_counter(tokenizer_name) if spec.startswith("sonnet") else None
+    return load_prompts(spec, num_prompts, count_tokens=count_tokens, **options)
+
+
 def load_prompts(spec: str, num_prompts: int, *, count_tokens=None, seed: int = 0, field: str = "prompt",
                  sonnet_file: str | None = None) -> list[str]:
     """`humaneval`, `sonnet:LEN`, `jsonl:PATH` or `hf:NAME`; exactly num_prompts prompts, cycling if the
     source has fewer."""
-    kind, _, arg = spec.partition(":")
+    kind, _, arg = check_spec(spec).partition(":")
     if kind == "humaneval":
         prompts = humaneval_prompts()
     elif kind == "sonnet":
         if count_tokens is None:
             raise SpecDecodeError("sonnet prompts are sized in tokens: pass a tokenizer's count function")
         prompts = sonnet_prompts(num_prompts, int(arg or 512), count_tokens, sonnet_file, seed)
-    elif kind == "jsonl" and arg:
+    elif kind == "jsonl":
         prompts = jsonl_prompts(arg, field)
-    elif kind == "hf" and arg:
-        prompts = hf_prompts(arg, field)
     else:
-        raise SpecDecodeError(f"unknown dataset {spec!r}; use humaneval, sonnet:LEN, jsonl:PATH or hf:NAME")
+        prompts = hf_prompts(arg, field)
     if not prompts:
         raise SpecDecodeError(f"dataset {spec!r} has no prompts")
     return repeat_to(prompts, num_prompts)

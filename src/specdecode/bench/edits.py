@@ -51,10 +51,14 @@ AGENT_TASKS = (
 AGENT_FOLLOW_UP = " Reply with the complete updated file in one Python code block."
 
 
+CHAT_DATASETS = ("code-edit", "agent-loop")  # chats that end where the reply does; the rest are completion prompts
+
+
 def describe_dataset(dataset: str, turns: int) -> str:
     """What a benchmark's --dataset plays, for its first line."""
-    return {"humaneval": "HumanEval prompts", "code-edit": "code-edit chats",
-            "agent-loop": f"agent-loop sessions of {turns} turns"}[dataset]
+    named = {"humaneval": "HumanEval prompts", "code-edit": "code-edit chats",
+             "agent-loop": f"agent-loop sessions of {turns} turns"}
+    return named.get(dataset, f"prompts from {dataset}")
 
 
 def code_edit_prompts(count: int, seed: int = 0, max_lines: int = 40) -> list[list[dict]]:

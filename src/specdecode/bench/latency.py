@@ -14,8 +14,8 @@ from ..models.loader import load_model
 from ..models.sources import default_draft, resolve
 from ..proposers.registry import DRAFT_MODEL, proposer_kind
 from ..sampling import SamplingParams
-from .datasets import humaneval_prompts
-from .edits import agent_loop_scripts, code_edit_prompts, describe_dataset
+from .datasets import prompts_for
+from .edits import CHAT_DATASETS, agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, ratio, yes_no
 from .llama_cpp import LLAMA_NGRAM_MODES, NO_REPACK_NOTE, LlamaBench, run_llama_bench, run_llama_speculative
 from .results import command_line, describe_machine, machine_info, write_json
@@ -103,13 +103,14 @@ class Session:
     turns: list[str]  # user messages, in order
 
 
-def load_requests(dataset: str, count: int, turns: int) -> list:
-    """HumanEval prompts, code-edit chats or agent sessions (see bench/edits.py)."""
+def load_requests(dataset: str, count: int, turns: int, tokenizer_name: str) -> list:
+    """Code-edit chats or agent sessions (see bench/edits.py), or completion prompts of any dataset that
+    datasets.load_prompts reads (HumanEval, sonnet:LEN sized by the model's tokenizer, jsonl:PATH, hf:NAME)."""
     if dataset == "code-edit":
         return code_edit_prompts(count)
     if dataset == "agent-loop":
         return [Session(script) for script in agent_loop_scripts(count, turns)]
-    return humaneval_prompts(count)
+    return prompts_for(dataset, count, tokenizer_name)
 
 
 def verify_cost_ratio(model, k: int, context: int = 256) -> float:
@@ -281,10 +282,10 @@ def run_latency(args) -> list[LatencyResult]:
     speed drifts, and ratios are taken to the mean of the two."""
     import torch
 
-    requests = load_requests(args.dataset, args.num_prompts, args.turns)
+    requests = load_requests(args.dataset, args.num_prompts, args.turns, args.model)
     # a completion prompt has no natural end; a chat reply (a code edit) does, and what follows its end
     # would be the model talking to itself, which no user asks for
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.dataset == "humaneval")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.dataset not in CHAT_DATASETS)
     threads = torch.get_num_threads()
     before, _ = llama_cpp_plain(args, threads, "before") if args.vs_llama_cpp else (None, None)
     results, prompts = [], []

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
-from .datasets import load_prompts
+from .datasets import prompts_for
 from .results import command_line, write_json
 
 
@@ -217,19 +217,10 @@ async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: in
     return [r for results in done for r in results], duration
 
 
-def token_counter(tokenizer_name: str):
-    from ..models.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_name)
-    return lambda text: len(tokenizer.encode(text))
-
-
 def run_bench_serve_cli(args) -> int:
     """`specdecode bench serve`: one load run per concurrency (or one at --request-rate) against a server."""
-    needs_tokens = args.dataset.startswith("sonnet")
-    prompts = load_prompts(args.dataset, args.num_prompts, seed=args.seed, field=args.prompt_field,
-                           count_tokens=token_counter(args.tokenizer) if needs_tokens else None,
-                           sonnet_file=args.sonnet_file)
+    prompts = prompts_for(args.dataset, args.num_prompts, args.tokenizer, seed=args.seed, field=args.prompt_field,
+                          sonnet_file=args.sonnet_file)
     levels = [None] if args.request_rate else args.concurrency
     runs = []
     print(f"{args.base_url}: {len(prompts)} prompts from {args.dataset}, {args.max_tokens} new tokens", flush=True)

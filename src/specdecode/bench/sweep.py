@@ -34,9 +34,9 @@ from ..errors import SpecDecodeError
 from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..proposers import proposer_names
 from ..proposers.registry import DRAFT_MODEL
-from .datasets import load_prompts, repeat_to
+from .datasets import load_prompts, repeat_to, token_counter
 from .formatting import fmt, mean, ratio
-from .load import LoadResult, RequestResult, run_load, send_requests, token_counter
+from .load import LoadResult, RequestResult, run_load, send_requests
 from .advisor import AdvisorOptions, calibrate, print_advice
 from .report import write_report
 from .results import command_line, machine_info, speedup_against
