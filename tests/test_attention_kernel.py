@@ -24,7 +24,7 @@ def _with_kernel(seed=0, kv_cache_dtype="auto", **cfg):
 def _verify(model, drafts):
     runner = ModelRunner(model, 2, 128)
     slot = runner.allocate()
-    runner.forward([slot], [PROMPT], "last")  # prefill: the PyTorch path (a long call)
+    runner.forward([slot], [PROMPT], "last")
     runner.commit(slot, len(PROMPT))
     return runner.forward([slot], [drafts], "all"), runner
 
@@ -45,7 +45,7 @@ def test_the_kernel_computes_what_pytorch_does(kv_cache_dtype, tolerance):
         torch.testing.assert_close(kernel_runner._cache.v[layer], torch_runner._cache.v[layer])
 
 
-def _lowbit_with_kernel():
+def _lowbit_with_kernel(hidden: int = 64):
     """A tiny model whose linear layers are the low-bit kernel (Q8_0 weights): each row of a call is
     computed alone by construction. (torch's float32 GEMM is not: on some CPUs, e.g. Ice Lake, it
     accumulates a row differently in a 1-row and a 4-row call, so a float model's logits differ in the
@@ -57,7 +57,7 @@ def _lowbit_with_kernel():
 
     if lowbit_kernel() is None:
         pytest.skip("the low-bit kernel needs a C compiler")
-    cfg = tiny_config()
+    cfg = tiny_config(hidden=hidden)
     model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
     assert attach_attention_kernel(model) or model.layers[0].self_attn.rowwise_kernel is not None
     return model
@@ -75,6 +75,39 @@ def test_a_verified_token_is_computed_as_if_decoded_alone():
         alone.append(runner.forward([slot], [[token]], "all")[0])
         runner.commit(slot, runner.length(slot) + 1)
     assert torch.equal(verified, torch.stack(alone))
+
+
+def _last_logits(model, pieces: list[list[int]]) -> torch.Tensor:
+    """The last token's logits after feeding a prompt to a fresh runner in `pieces`, each one call."""
+    runner = ModelRunner(model, 1, 256)
+    slot = runner.allocate()
+    for piece in pieces:
+        logits = runner.forward([slot], [piece], "last")
+        runner.commit(slot, runner.length(slot) + len(piece))
+    return logits
+
+
+LONG_PROMPT = [(7 * i + 3) % 60 + 1 for i in range(150)]  # wider than a verify call (MAX_VERIFY_WIDTH)
+KEPT_PREFIX = 100  # also wider: what a finished request might leave behind for prefix caching
+
+
+def test_a_prompt_gives_the_same_bits_whole_after_a_kept_prefix_and_token_by_token():
+    """With the kernel a prefill attends row by row too, so a prompt continued from a kept prefix (prefix
+    caching) computes exactly what a whole prefill does, and so does decoding its last token alone: greedy
+    output does not depend on which earlier request left a prefix behind."""
+    model = _lowbit_with_kernel(hidden=256)
+    whole = _last_logits(model, [LONG_PROMPT])
+    assert torch.equal(_last_logits(model, [LONG_PROMPT[:KEPT_PREFIX], LONG_PROMPT[KEPT_PREFIX:]]), whole)
+    assert torch.equal(_last_logits(model, [LONG_PROMPT[:-1], LONG_PROMPT[-1:]]), whole)
+
+
+def test_a_masked_prefill_gives_other_bits_after_a_kept_prefix(monkeypatch):
+    """The check above can fail: prefills by one masked call over the padded key range round differently
+    from rows attended one by one, so the rest of a prompt after a kept prefix gets other bits."""
+    model = _lowbit_with_kernel(hidden=256)
+    monkeypatch.setattr(ModelRunner, "_rowwise_width", lambda self: 64)
+    after_prefix = _last_logits(model, [LONG_PROMPT[:KEPT_PREFIX], LONG_PROMPT[KEPT_PREFIX:]])
+    assert not torch.equal(after_prefix, _last_logits(model, [LONG_PROMPT]))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])

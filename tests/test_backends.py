@@ -113,9 +113,7 @@ def test_the_longest_verify_call_is_bitwise_equal_to_decoding_one_token_at_a_tim
 @needs_kernel
 def test_verifying_long_drafts_by_the_prefill_path_breaks_bitwise_equality(monkeypatch):
     """The check above can fail: a call wider than the row-wise limit attends by one masked call."""
-    from specdecode.models import runtime
-
-    monkeypatch.setattr(runtime, "ROWWISE_ATTENTION_MAX_WIDTH", 16)
+    monkeypatch.setattr(ModelRunner, "_rowwise_width", lambda self: 16)
     model = _quantized("w8a8", hidden=256).model
     verified, one_by_one = _verify_vs_one_by_one(model, model.cfg.vocab_size, EngineConfig.suffix_max_tokens + 1)
     assert not torch.equal(verified, one_by_one)

@@ -17,9 +17,10 @@ DRAFT_VOCAB_SIZE = 65536
 DRAFT_CONFIDENCE = 0.8
 DEFAULT_K = 4  # the most tokens drafted per sequence and step
 # Decode and verify calls of up to this many new tokens per sequence attend row by row over exactly the
-# keys each token may see, as it would alone (models/runtime.py); longer (prefill) calls use one masked
-# attention call, whose rounding differs. So no draft may be longer than MAX_VERIFY_WIDTH - 1 tokens, or
-# greedy speculation would stop reproducing plain decoding token for token.
+# keys each token may see, as it would alone (models/runtime.py); where no attention kernel does that at
+# any width, longer (prefill) calls use one masked attention call, whose rounding differs. So no draft may
+# be longer than MAX_VERIFY_WIDTH - 1 tokens, or greedy speculation would stop reproducing plain decoding
+# token for token.
 MAX_VERIFY_WIDTH = 64
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # the bundled pair
 

@@ -15,6 +15,8 @@ another's prefill, which would tell them what the other sent.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
@@ -146,7 +148,8 @@ class ModelRunner:
         same rows, with hidden="all" of every new token, for proposers that draft from the target's
         features. features: per sequence, one input feature row per new token, for a model that reads
         them beside the tokens (a draft head)."""
-        long = [i for i, tokens in enumerate(inputs) if len(tokens) > ROWWISE_ATTENTION_MAX_WIDTH]
+        width = self._rowwise_width() or ROWWISE_ATTENTION_MAX_WIDTH
+        long = [i for i, tokens in enumerate(inputs) if len(tokens) > width]
         if long and len(inputs) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
@@ -174,7 +177,8 @@ class ModelRunner:
         starts, lengths = [self._cache.lengths[s] for s in slots], [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
-        batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits)
+        batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits,
+                                   rowwise_width=self._rowwise_width())
         tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
         extra = {} if features is None else {"features": self._batched(batch, features)}
         out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
@@ -183,6 +187,14 @@ class ModelRunner:
             del self._tokens[slot][start:]
             self._tokens[slot].extend(int(t) for t in new)
         return out
+
+    def _rowwise_width(self) -> float | None:
+        """The widest call attended row by row over exactly each token's keys: any, where the model's
+        attention kernel does it (a prompt's rows then get the bits decoding them would, so a prompt
+        continued from a kept prefix computes what a whole prefill does); else None, the runtime's
+        ROWWISE_ATTENTION_MAX_WIDTH (PyTorch's row-by-row path costs a call per token)."""
+        kernel = getattr(self.model.layers[0].self_attn, "rowwise_kernel", None)
+        return math.inf if kernel is not None else None
 
     @staticmethod
     def _batched(batch: ForwardBatch, rows: list[torch.Tensor]) -> torch.Tensor:

@@ -27,8 +27,9 @@ class ForwardBatch:
 
     Decode and verify calls are packed: the new tokens of all sequences side by side as one row of
     sum(num_new) tokens, with no padding, so a step where one sequence verifies 4 drafts and the rest
-    none costs 4 tokens more than plain decoding, not 4 per sequence. Longer (prefill) calls are padded
-    to [B, width] and use one masked attention call."""
+    none costs 4 tokens more than plain decoding, not 4 per sequence. Calls wider than `rowwise_width`
+    (prefills, where no attention kernel attends row by row) are padded to [B, width] and use one masked
+    attention call."""
 
     slots: torch.Tensor  # [B] cache slot of each sequence, or [1, N] of each token when packed
     slot_index: slice | torch.Tensor  # the sequences' slots, as a slice when contiguous (reads are then views)
@@ -41,14 +42,17 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], max_len: int, device,
-              logits: str = "last") -> "ForwardBatch":
-        """`logits`: "last" (last new token of each sequence) or "all" (every valid new token)."""
+              logits: str = "last", rowwise_width: float | None = None) -> "ForwardBatch":
+        """`logits`: "last" (last new token of each sequence) or "all" (every valid new token).
+        `rowwise_width`: the widest call that is packed and attended row by row (default
+        ROWWISE_ATTENTION_MAX_WIDTH)."""
         batch, width = len(slots), max(num_new)
+        rowwise_width = ROWWISE_ATTENTION_MAX_WIDTH if rowwise_width is None else rowwise_width
         kv_len = max(s + n for s, n in zip(starts, num_new))
         slots_t = torch.tensor(slots, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + batch))
         slot_index = slice(slots[0], slots[0] + batch) if contiguous else slots_t
-        if width <= ROWWISE_ATTENTION_MAX_WIDTH:
+        if width <= rowwise_width:
             positions = torch.tensor([[s + i for s, n in zip(starts, num_new) for i in range(n)]], device=device)
             token_slots = torch.tensor([[slot for slot, n in zip(slots, num_new) for _ in range(n)]], device=device)
             rowwise = [(slot, [s + i + 1 for i in range(n)]) for slot, s, n in zip(slots, starts, num_new)]
