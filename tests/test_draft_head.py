@@ -139,6 +139,89 @@ def test_drafting_rolls_the_head_cache_back_to_the_targets_rows(target, head, re
         _llm(target, "no-rollback-head:" + head[len("head:"):]).generate(PROMPTS, GREEDY)
 
 
+class CacheSnapshots(DraftHeadProposer):
+    """Records, as each drafting round begins, the head's cache rows and the tokens of the sequence."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.snapshots: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+
+    def _draft_forward(self, step, rows, seqs, slots, tokens):
+        if step == 0:
+            cache = self.runner._cache
+            for i in rows:
+                n = self.runner.length(slots[i])
+                self.snapshots.append((list(seqs[i].token_ids), cache.k[0][slots[i], :, :n].clone(),
+                                       cache.v[0][slots[i], :, :n].clone()))
+        return super()._draft_forward(step, rows, seqs, slots, tokens)
+
+
+class KeepsTheChangedTokensRow(CacheSnapshots):
+    """Broken: keeps as many head rows as the target keeps tokens, so the last one read the old turn's
+    next token."""
+
+    def keep_prefix(self, seq, kept):
+        self._slots[seq.request_id] = seq.slot
+        self._left.pop(seq.slot, None)
+        return self.runner.take(seq.slot, kept)
+
+
+class ShiftsTheFeaturesLeftUnread(CacheSnapshots):
+    """Broken: hands the features a finished turn left unread to the next turn one position late."""
+
+    def keep_prefix(self, seq, kept):
+        kept = super().keep_prefix(seq, kept)
+        left = self._features.get(seq.request_id)
+        if left:
+            left[:] = [torch.cat([left[0][1:], left[0][-1:]])]
+        return kept
+
+
+def _rows_unlike_a_fresh_heads(target, proposer) -> int:
+    """Snapshot rows that differ from what a fresh head cache computes for the same tokens."""
+    fresh_target, fresh_head, wrong = ModelRunner(target.model, 1, 256), ModelRunner(proposer.model, 1, 256), 0
+    for ids, keys, values in proposer.snapshots:
+        n = keys.shape[1]
+        if n == 0:
+            continue
+        t, h = fresh_target.allocate(), fresh_head.allocate()
+        _, hidden = fresh_target.forward([t], [ids[:n]], "all", hidden=True)
+        fresh_head.forward([h], [ids[1:n + 1]], "last", features=[hidden])
+        cache = fresh_head._cache
+        for p in range(n):
+            wrong += not (torch.allclose(keys[:, p], cache.k[0][h, :, p], atol=1e-3, rtol=1e-3)
+                          and torch.allclose(values[:, p], cache.v[0][h, :, p], atol=1e-3, rtol=1e-3))
+        fresh_target.free(t)
+        fresh_head.free(h)
+    return wrong
+
+
+@pytest.mark.parametrize("kind, broken", [(CacheSnapshots, False), (KeepsTheChangedTokensRow, True),
+                                          (ShiftsTheFeaturesLeftUnread, True)])
+def test_a_next_turn_keeps_the_head_rows_whose_tokens_it_shares(target, head, registered, kind, broken):
+    """Prefix caching with a head: a turn that continues the last one starts where the target's kept
+    prefix ends (the head kept its rows and the features it had not read); a prompt that changes a kept
+    token at n keeps the head's rows below n - 1. Outputs are plain decoding's either way."""
+    registered("snapshot-head", lambda setup: kind.from_setup(setup))
+    llm = _llm(target, "snapshot-head:" + head[len("head:"):], max_num_seqs=2)
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256, max_num_seqs=2)
+    a = list(range(10, 40))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    first = llm.generate([a], params)[0].outputs[0].token_ids
+    assert first == plain.generate([a], params)[0].outputs[0].token_ids
+    cached = []
+    for prompt in (a + first + [5, 6, 7], a[:20] + [50, 51, 52, 53]):  # continues turn 1; then changes token 20
+        out, alone = llm.generate([prompt], params)[0], plain.generate([prompt], params)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        cached.append((out.metrics.num_cached_prompt_tokens, alone.metrics.num_cached_prompt_tokens))
+    wrong = _rows_unlike_a_fresh_heads(target, llm.engine.proposer)
+    if broken:
+        assert wrong > 0
+    else:
+        assert cached == [(len(a) + 15,) * 2, (19, 20)] and wrong == 0
+    assert len(llm.engine.proposer.snapshots) > 3
+
+
 def test_a_head_for_another_target_is_refused(head):
     other = tiny_model(seed=1)
     with pytest.raises(SpecDecodeError, match="trained for .* another model"):

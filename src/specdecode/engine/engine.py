@@ -156,14 +156,23 @@ class Engine:
 
     def _reusable_prompt(self, seq: Sequence) -> list[int] | None:
         """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy
-        the first's), prompt logprobs (every row's logits) or a draft head (every row's features)."""
-        reusable = not (seq.index or seq.params.prompt_logprobs is not None or self.wants_hidden_states)
-        return seq.prompt_ids if reusable else None
+        the first's), prompt logprobs (every row's logits), or the first of a group whose proposers read
+        the target's features (each sequence's reader needs the rows the shared prefill computes)."""
+        shared = self.wants_hidden_states and len(seq.siblings) > 1
+        return None if seq.index or seq.params.prompt_logprobs is not None or shared else seq.prompt_ids
+
+    def _kept_prefix(self, seq: Sequence) -> int:
+        """Prompt tokens the prefill skips: those its slot kept, as far as every proposer holds its own state."""
+        kept = self.runner.length(seq.slot)
+        for proposer in self.proposers:
+            kept = min(kept, proposer.keep_prefix(seq, kept))
+        self.runner.rollback(seq.slot, kept)
+        return kept
 
     def _prefill(self, group: list[Sequence]) -> None:
         """One forward over the shared prompt past what the slot holds; the others get a copy of its KV."""
         first, top = group[0], group[0].params.prompt_logprobs
-        cached = self.runner.length(first.slot)
+        cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
         first.metrics.num_cached_prompt_tokens = cached
         logits, hidden = self._target_forward([first.slot], [first.prompt_ids[cached:]],
                                               "last" if top is None else "all", every_row=True)
@@ -177,7 +186,7 @@ class Engine:
             self.runner.copy_slot(first.slot, seq.slot)
         for seq in group:
             token, logprobs = sample_first(seq, logits[:1], self.tokenizer.eos_token_ids)
-            self._feed_back(seq, TargetFeedback([token], hidden, 0))
+            self._feed_back(seq, TargetFeedback([token], hidden, cached))
             self._emit(seq, [token], logprobs)
 
     def _target_forward(self, slots: list[int], inputs: list[list[int]], logits: str,

@@ -77,11 +77,23 @@ class ModelRunner:
                 free = self._cache.free_slots or [self._cache.allocate()]  # none free: allocate() says so
                 slot = min(free, key=lambda s: self._kept.get(s, -1))
             self._cache.take(slot)
-        self._kept.pop(slot, None)
+        self._hand_out(slot, reused)
         self._scope[slot] = scope
-        self._cache.lengths[slot] = self._written[slot] = reused
-        del self._tokens[slot][reused:]
         return slot
+
+    def take(self, slot: int, keep: int) -> int:
+        """This free slot, continuing from at most `keep` positions of the context it kept (with
+        reuse_prefixes; else none): for a model whose slots follow another runner's. Returns how many
+        positions it continues from."""
+        kept = min(keep, len(self._tokens[slot])) if self.reuse_prefixes and slot in self._kept else 0
+        self._cache.take(slot)
+        self._hand_out(slot, kept)
+        return kept
+
+    def _hand_out(self, slot: int, kept: int) -> None:
+        self._kept.pop(slot, None)
+        self._cache.lengths[slot] = self._written[slot] = kept
+        del self._tokens[slot][kept:]
 
     def cached_prefix(self, tokens: list[int], scope: str = "") -> int:
         """How many of `tokens` allocate(tokens, scope) would find computed already."""

@@ -78,6 +78,13 @@ class Proposer:
     def forget_prefixes(self) -> None:
         """Nothing computed for finished sequences is reused from now on."""
 
+    def keep_prefix(self, seq: Sequence, kept: int) -> int:
+        """seq's prompt starts with `kept` tokens that its slot in the target's cache kept from a finished
+        sequence (prefix caching): of these, how many the target may skip in its prefill. The target's
+        hidden states come from there on, so a proposer that reads them gets the whole prompt's unless it
+        holds its own state for the rest."""
+        return 0 if self.wants_hidden_states else kept
+
     def propose(self, seqs: list[Sequence], ks: list[int], feedback: list[TargetFeedback | None]) -> DraftBatch:
         """Up to ks[i] tokens for seqs[i]; feedback[i] is what the target emitted for it last step."""
         raise NotImplementedError

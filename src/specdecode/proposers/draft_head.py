@@ -5,7 +5,11 @@ target's features arrive with every step's feedback (`observe`, also in steps wi
 first drafting round reads them all, the next rounds read the head's own estimate of the features, and
 after drafting the cache is rolled back to the rows built from the target's real features: the next
 step's feedback brings those for the accepted tokens. Sampling, the confidence stop, grammars and the
-draft probabilities returned for verification are the draft model's (the base class)."""
+draft probabilities returned for verification are the draft model's (the base class).
+
+The head's slots are the target's: a sequence drafts in the head slot numbered as its target slot, so
+when prefix caching hands a new prompt a finished sequence's slot, the head's rows and the features it
+had not read yet are there beside the target's kept prefix (`keep_prefix`)."""
 from __future__ import annotations
 
 import os
@@ -34,7 +38,6 @@ def head_path(name: str) -> str:
 
 class DraftHeadProposer(DraftModelProposer):
     wants_hidden_states = True
-    reuses_prefixes = False  # its rows pair the target's features at p with token p + 1
 
     def __init__(self, head: DraftHead, loaded: LoadedModel, timer: StepTimer | None = None,
                  confidence_threshold: float = 0.0):
@@ -42,6 +45,7 @@ class DraftHeadProposer(DraftModelProposer):
         self._features: dict[str, list[torch.Tensor]] = {}  # request id -> target features not yet read
         self._estimates: dict[int, torch.Tensor] = {}  # batch row -> the head's last estimated features
         self._real_rows: dict[str, int] = {}  # request id -> head cache rows built from the target's features
+        self._left: dict[int, tuple[int, torch.Tensor]] = {}  # free slot -> (its rows, features left unread)
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "DraftHeadProposer":
@@ -56,6 +60,23 @@ class DraftHeadProposer(DraftModelProposer):
                             setup.config.kv_cache_dtype)
         loaded = LoadedModel(f"head:{os.path.basename(path)}", head, setup.target.tokenizer, head.cfg)
         return cls(head, loaded, setup.timer, setup.config.draft_confidence)
+
+    def keep_prefix(self, seq, kept: int) -> int:
+        """Of the `kept` prompt tokens the target's slot holds, the head holds rows up to the first n - 1
+        (row p read token p + 1, which the new prompt may change at n) and, where its rows all hold, the
+        features it had not read below n; the target's prefill starts where these end."""
+        rows = self.runner.take(seq.slot, max(kept - 1, 0))
+        self._slots[seq.request_id] = seq.slot
+        start, unread = self._left.pop(seq.slot, (-1, None))
+        if start == rows and unread is not None and kept > rows:
+            self._features[seq.request_id] = [unread[:kept - rows]]
+            return rows + min(len(unread), kept - rows)
+        return rows
+
+    def _slot(self, seq) -> int:
+        if seq.request_id not in self._slots:
+            self.keep_prefix(seq, 0)
+        return self._slots[seq.request_id]
 
     def observe(self, seq, feedback) -> None:
         if feedback.hidden is None:
@@ -107,6 +128,12 @@ class DraftHeadProposer(DraftModelProposer):
         """Nothing to do: drafting already rolled back to the rows built from real features."""
 
     def release(self, seq) -> None:
-        self._features.pop(seq.request_id, None)
+        unread, slot = self._features.pop(seq.request_id, None), self._slots.get(seq.request_id)
+        if unread and slot is not None and self.runner.reuse_prefixes:  # a next turn may continue the slot
+            self._left[slot] = (self.runner.length(slot), torch.cat(unread))
         self._real_rows.pop(seq.request_id, None)
         super().release(seq)
+
+    def forget_prefixes(self) -> None:
+        self._left.clear()
+        super().forget_prefixes()
