@@ -69,6 +69,10 @@ def test_the_shipped_draft_head_is_lossless_and_drafts_what_the_target_says(qwen
     assert _ids(outs) == _ids([plain.generate(p, params)[0] for p in prompts])
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
     assert sum(o.spec["num_accepted_tokens"] for o in outs) / drafted > 0.15
+    follow = prompts[-1] + outs[-1].outputs[0].text + "\n\n"  # a next turn starts from the last one's context
+    again = head.generate(follow, params)[0]
+    assert again.metrics.num_cached_prompt_tokens > len(outs[-1].prompt_token_ids)
+    assert _ids([again]) == _ids(plain.generate(follow, params)) and again.spec["num_accepted_tokens"] > 0
 
 
 def test_qwen_ngram_greedy_equals_plain(qwen_target, prompts):
