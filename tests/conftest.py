@@ -103,6 +103,16 @@ def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:
     return LoadedModel(f"tiny-{arch}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
 
 
+def make_head(target: LoadedModel, path, seed: int = 0, intermediate: int = 48) -> str:
+    """An untrained draft head for `target`, saved at path; its speculative_model name."""
+    from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
+
+    torch.manual_seed(seed)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), intermediate, target.config.vocab_size)
+    save_head(build_head(spec, None, target.model, torch.arange(target.config.vocab_size)), spec, str(path))
+    return f"head:{path}"
+
+
 def run_as_one_batch(engine, prompt_ids: list[list[int]], params) -> tuple[list[list[int]], list[list[int]], int]:
     """Queue every prompt, step until all finish: (outputs, tokens drafted per sequence in each step,
     sequence-steps drafted by prompt lookup)."""

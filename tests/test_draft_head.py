@@ -18,18 +18,11 @@ from specdecode.models.runtime import build_model
 from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
 from specdecode.proposers.draft_head import DraftHeadProposer
 
-from conftest import random_hf_weights, tiny_model
+from conftest import make_head, random_hf_weights, tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9], list(range(10, 40))]  # the last one prefills by the batched path
-
-
-def make_head(target, path, seed=0, intermediate=48):
-    torch.manual_seed(seed)
-    spec = HeadSpec(target.name, target_fingerprint(target.model), intermediate, target.config.vocab_size)
-    save_head(build_head(spec, None, target.model, torch.arange(target.config.vocab_size)), spec, str(path))
-    return f"head:{path}"
 
 
 def _llm(target, head, k=3, **kw):

@@ -1,10 +1,13 @@
 """The memory plan: weights and both KV caches placed in a byte budget, slots sized to what fits,
-requests beyond the slots wait in the queue, and a budget that can never hold a sequence is refused."""
+requests beyond the slots wait in the queue, a budget that can never hold a sequence is refused, and a
+draft head's unread features are counted per token."""
 import pytest
 import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.memory import kv_bytes_per_token, parse_bytes, plan_memory
+
+from conftest import make_head
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -84,3 +87,15 @@ def test_requests_beyond_the_slots_wait_and_all_complete(target, random_draft):
         most_running = max(most_running, len(llm.engine.running))
     assert most_running == 2
     assert [s.output_ids for s in seqs] == [a.outputs[0].token_ids for a in alone]
+
+
+def test_the_plan_counts_a_draft_heads_unread_features_per_token(target, tmp_path):
+    row = target.config.hidden_size * torch.empty((), dtype=target.model.dtype).element_size()
+    plain = plan_memory(target.model, None, 128, 4, 3, None)
+    assert plan_memory(target.model, None, 128, 4, 3, None, features=True).kv_bytes_per_token == (
+        plain.kv_bytes_per_token + row)
+    llm = LLM(target=target, speculative_model=make_head(target, tmp_path / "head"), num_speculative_tokens=2,
+              max_model_len=128, max_num_seqs=4)
+    head = llm.engine.proposer.model
+    assert llm.memory_plan.kv_bytes_per_token == plain.kv_bytes_per_token + row + kv_bytes_per_token(
+        head.cfg, head.kv_dtype)

@@ -95,7 +95,8 @@ class LLM:
         budget = resolve_budget(self.target.model.device, config.memory_budget, config.gpu_memory_utilization)
         draft_model = next((p.model for p in proposers if p.model is not None), None)
         self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs,
-                                       config.num_speculative_tokens, budget)
+                                       config.num_speculative_tokens, budget,
+                                       features=any(p.wants_hidden_states for p in proposers))
         for proposer in proposers:
             proposer.reserve(self.memory_plan.num_slots, max_model_len, config.prefix_caching)
         runner = ModelRunner(self.target.model, self.memory_plan.num_slots, max_model_len, config.prefix_caching)

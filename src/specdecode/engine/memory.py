@@ -56,7 +56,7 @@ class MemoryPlan:
     target_weight_bytes: int
     draft_weight_bytes: int
     reserve_bytes: int
-    kv_bytes_per_token: int  # target and draft caches together
+    kv_bytes_per_token: int  # target and draft caches together, and a draft head's unread features
     max_model_len: int
     num_slots: int
 
@@ -92,8 +92,10 @@ def resolve_budget(device: torch.device, memory_budget: str | int | None,
 
 
 def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_model_len: int, max_num_seqs: int,
-                k_max: int, budget_bytes: int | None) -> MemoryPlan:
-    """Slots for at most max_num_seqs sequences of max_model_len tokens, as many as the budget holds."""
+                k_max: int, budget_bytes: int | None, features: bool = False) -> MemoryPlan:
+    """Slots for at most max_num_seqs sequences of max_model_len tokens, as many as the budget holds.
+    features: a proposer reads the target's hidden states, and holds those it has not read yet (at most a
+    row per position of each slot, as long as the slot's context may be continued)."""
     if max_num_seqs < 1 or max_model_len < 2:
         raise SpecDecodeError(f"max_num_seqs must be >= 1 and max_model_len >= 2 "
                               f"(got {max_num_seqs} and {max_model_len})")
@@ -101,6 +103,8 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
     per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
     if separate_draft:
         per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
+    if features:
+        per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
     plan = MemoryPlan(budget_bytes, target.weight_bytes(), draft.weight_bytes() if separate_draft else 0,
                       activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
                       per_token, max_model_len, max_num_seqs)
