@@ -133,9 +133,7 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
 def test_masked_batched_attention_breaks_bitwise_equality(monkeypatch):
     """Verifying with one masked attention call over the padded key range (instead of one call per token
     over exactly its keys) changes the rounding: the row-wise path is what keeps greedy lossless."""
-    from specdecode.models import runtime
-
-    monkeypatch.setattr(runtime, "ROWWISE_ATTENTION_MAX_WIDTH", 0)
+    monkeypatch.setattr(ModelRunner, "_rowwise_width", lambda self: 0)
     verified, one_by_one = _verify_vs_one_by_one(tiny_config(hidden=256, layers=2))
     assert not torch.equal(verified, one_by_one)
 

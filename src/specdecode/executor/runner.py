@@ -160,8 +160,7 @@ class ModelRunner:
         same rows, with hidden="all" of every new token, for proposers that draft from the target's
         features. features: per sequence, one input feature row per new token, for a model that reads
         them beside the tokens (a draft head)."""
-        width = self._rowwise_width() or ROWWISE_ATTENTION_MAX_WIDTH
-        long = [i for i, tokens in enumerate(inputs) if len(tokens) > width]
+        long = [i for i, tokens in enumerate(inputs) if len(tokens) > self._rowwise_width()]
         if long and len(inputs) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
@@ -200,13 +199,13 @@ class ModelRunner:
             self._tokens[slot].extend(int(t) for t in new)
         return out
 
-    def _rowwise_width(self) -> float | None:
+    def _rowwise_width(self) -> float:
         """The widest call attended row by row over exactly each token's keys: any, where the model's
         attention kernel does it (a prompt's rows then get the bits decoding them would, so a prompt
-        continued from a kept prefix computes what a whole prefill does); else None, the runtime's
+        continued from a kept prefix computes what a whole prefill does); else
         ROWWISE_ATTENTION_MAX_WIDTH (PyTorch's row-by-row path costs a call per token)."""
         kernel = getattr(self.model.layers[0].self_attn, "rowwise_kernel", None)
-        return math.inf if kernel is not None else None
+        return math.inf if kernel is not None else ROWWISE_ATTENTION_MAX_WIDTH
 
     @staticmethod
     def _batched(batch: ForwardBatch, rows: list[torch.Tensor]) -> torch.Tensor:

@@ -42,12 +42,10 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], max_len: int, device,
-              logits: str = "last", rowwise_width: float | None = None) -> "ForwardBatch":
+              logits: str = "last", rowwise_width: float = ROWWISE_ATTENTION_MAX_WIDTH) -> "ForwardBatch":
         """`logits`: "last" (last new token of each sequence) or "all" (every valid new token).
-        `rowwise_width`: the widest call that is packed and attended row by row (default
-        ROWWISE_ATTENTION_MAX_WIDTH)."""
+        `rowwise_width`: the widest call that is packed and attended row by row."""
         batch, width = len(slots), max(num_new)
-        rowwise_width = ROWWISE_ATTENTION_MAX_WIDTH if rowwise_width is None else rowwise_width
         kv_len = max(s + n for s, n in zip(starts, num_new))
         slots_t = torch.tensor(slots, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + batch))
