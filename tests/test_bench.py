@@ -324,6 +324,16 @@ def test_llama_cpp_perplexity_and_tokens_are_read_from_its_output(tmp_path):
         run_llama_perplexity(str(tmp_path), "m.gguf", "t.txt", 256, 2)
 
 
+def test_a_missing_perplexity_tool_says_how_to_build_it(tmp_path):
+    from specdecode.bench.llama_cpp import run_llama_tokenize
+
+    _tool(tmp_path, "llama-bench", "exit 0\n")  # build-llama-cpp.sh's folder, without the extra targets
+    with pytest.raises(SpecDecodeError, match="--target llama-perplexity llama-tokenize"):
+        run_llama_tokenize(str(tmp_path), "m.gguf", "t.txt")
+    with pytest.raises(SpecDecodeError, match="pass the folder that build-llama-cpp.sh printed"):
+        run_llama_tokenize(str(tmp_path / "elsewhere"), "m.gguf", "t.txt")
+
+
 def _tool(folder, name: str, script: str) -> None:
     tool = folder / name
     tool.write_text("#!/bin/sh\n" + script)

@@ -63,9 +63,17 @@ class LlamaSpeculative:
         return self.accepted / self.drafted if self.drafted else None
 
 
+# What `bench quality --vs-llama-cpp` runs beyond build-llama-cpp.sh's targets.
+EXTRA_TARGETS = ("llama-perplexity", "llama-tokenize")
+
+
 def binary(bin_dir: str, name: str) -> str:
     path = os.path.join(os.path.expanduser(bin_dir), name)
     if not os.access(path, os.X_OK):
+        if name in EXTRA_TARGETS and os.access(os.path.join(os.path.expanduser(bin_dir), "llama-bench"), os.X_OK):
+            raise SpecDecodeError(f"no executable {name} in {bin_dir}: build-llama-cpp.sh does not build it; run "
+                                  f"`cmake --build build --target {' '.join(EXTRA_TARGETS)}` in the folder above "
+                                  "build/ to add it")
         raise SpecDecodeError(f"no executable {name} in {bin_dir}; pass the folder that build-llama-cpp.sh "
                               "printed (it holds llama-bench and llama-speculative-simple)")
     return path
@@ -128,9 +136,7 @@ def run_llama_tokenize(bin_dir: str, gguf: str, text_file: str) -> list[int]:
 
 
 def run_llama_perplexity(bin_dir: str, gguf: str, text_file: str, context: int, threads: int) -> float:
-    """`llama-perplexity`'s final estimate over the file (chunks of `context`, second halves scored).
-    llama-perplexity and llama-tokenize are not among build-llama-cpp.sh's targets: `cmake --build build
-    --target llama-perplexity llama-tokenize` in its folder adds them."""
+    """`llama-perplexity`'s final estimate over the file (chunks of `context`, second halves scored)."""
     log = _run([binary(bin_dir, "llama-perplexity"), "-m", gguf, "-f", text_file, "-c", str(context),
                 "-b", str(context), "-t", str(threads)])
     found = re.search(r"Final estimate: PPL = ([\d.]+)", log)
