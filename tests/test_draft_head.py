@@ -58,6 +58,8 @@ def test_greedy_output_equals_plain_decoding(target, head):
     assert [o.outputs[0].token_ids for o in outs] == _ids(LLM(target=target, num_speculative_tokens=0,
                                                                max_model_len=256))
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
+    # each prompt's features are read in one forward, timed as the head's prefill, not as a drafting step
+    assert llm.timer.draft_prefill_calls >= 1 and llm.timer.draft_calls > llm.timer.draft_prefill_calls
 
 
 class Recorder(DraftHeadProposer):

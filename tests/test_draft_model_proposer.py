@@ -54,6 +54,18 @@ def test_catches_up_lazily_and_rolls_back_to_what_the_target_kept(random_draft):
     assert again == _greedy_continuation(random_draft.model, seq.token_ids, 2)
 
 
+def test_the_forward_over_the_prompt_is_timed_as_the_drafts_prefill(random_draft):
+    proposer, seq = _proposer(random_draft), _seq([5, 6, 7, 8])
+    proposer.propose([seq], [3], [None])
+    timer = proposer.timer
+    assert (timer.draft_prefill_calls, timer.draft_calls) == (1, 2)  # the prompt, then two one-token rounds
+    seq.token_ids += [1, 2, 3, 60]  # every draft kept, and the target's bonus token
+    proposer.commit(seq, 7)
+    proposer.propose([seq], [2], [None])  # reads the last draft and the bonus: a drafting step
+    assert (timer.draft_prefill_calls, timer.draft_calls) == (1, 4)
+    assert timer.draft_step_s == timer.draft_time / 4 and timer.draft_prefill_time > 0
+
+
 def _first_draft_distribution(proposer, seq):
     seq.params, seq.generator = SamplingParams(temperature=1.0), torch.Generator(DEVICE).manual_seed(0)
     return proposer.propose([seq], [1], [None]).probs[0][0]

@@ -119,22 +119,26 @@ class RequestMetrics:
 
 @dataclass
 class StepTimer:
-    """Wall time and call counts of the target and draft forward passes (for the cost ratio c)."""
+    """Wall time and call counts of the target's decode forwards and the draft's forwards (for the cost ratio
+    c). A draft forward that still reads a prompt is the draft's prefill, counted apart as the target's
+    prefill is: it is paid once a request, not per step."""
 
     target_time: float = 0.0
     target_calls: int = 0
     draft_time: float = 0.0
     draft_calls: int = 0
+    draft_prefill_time: float = 0.0
+    draft_prefill_calls: int = 0
     propose_time: float = 0.0  # whole proposer calls (draft forwards plus their bookkeeping, or n-gram lookup)
 
     def reset(self) -> None:
         """Start counting afresh (a benchmark's measured run after its warm-up)."""
-        self.target_time = self.draft_time = self.propose_time = 0.0
-        self.target_calls = self.draft_calls = 0
+        self.target_time = self.draft_time = self.draft_prefill_time = self.propose_time = 0.0
+        self.target_calls = self.draft_calls = self.draft_prefill_calls = 0
 
     @contextmanager
     def measure(self, which: str):
-        """Time one call; `which` is "target", "draft" (forward passes) or "propose"."""
+        """Time one call; `which` is "target", "draft", "draft_prefill" (forward passes) or "propose"."""
         start = now()
         yield
         setattr(self, f"{which}_time", getattr(self, f"{which}_time") + now() - start)

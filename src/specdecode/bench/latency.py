@@ -46,6 +46,7 @@ class LatencyResult:
     mean_drafts: float | None = None  # tokens drafted per speculative step (below k when the draft stops early)
     acceptance_per_position: list[float] | None = None  # accepted / drafted at each draft position
     prefill_tokens_per_s: float | None = None  # plain rows: one PREFILL_TOKENS-token prompt's forward
+    draft_prefill_ms: float | None = None  # the draft's forwards over each prompt, a request's mean (not in c)
 
 
 # A prompt of llama-bench's pp512: its forward computes the last row's logits only, as a prefill does.
@@ -76,7 +77,8 @@ def run_config(llm: LLM, requests: list, params: SamplingParams, k: int, label: 
         t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None,
         e2e_tokens_per_s=tokens / seconds, mean_ttft_ms=1000 * ttft / len(outs),
         mean_drafts=drafted / steps if steps else None,
-        acceptance_per_position=counters.acceptance_per_position or None)
+        acceptance_per_position=counters.acceptance_per_position or None,
+        draft_prefill_ms=1000 * t.draft_prefill_time / len(outs) if t.draft_prefill_calls else None)
     return result, outs
 
 
@@ -216,8 +218,9 @@ def run_backend(args, quantization: str, requests: list, params: SamplingParams)
             results.append(res)
             print(_row(res), flush=True)
             if res.acceptance_per_position:
-                positions = res.acceptance_per_position[:8]
-                print(f"{'':<28}α per position: " + " ".join(f"{a:.2f}" for a in positions), flush=True)
+                positions = " ".join(f"{a:.2f}" for a in res.acceptance_per_position[:8])
+                prefill = f"   draft prefill: {res.draft_prefill_ms:.0f} ms a request" if res.draft_prefill_ms else ""
+                print(f"{'':<28}α per position: {positions}{prefill}", flush=True)
     return results, [o.prompt for o in plain_outs]
 
 

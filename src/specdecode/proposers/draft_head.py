@@ -115,7 +115,8 @@ class DraftHeadProposer(DraftModelProposer):
         else:
             inputs = [[tokens[i][-1]] for i in rows]
             features = [self._estimates[i] for i in rows]
-        logits, estimates = self._forward([slots[i] for i in rows], inputs, hidden=True, features=features)
+        logits, estimates = self._forward([slots[i] for i in rows], inputs, self._reads_prompt(step, rows, seqs, slots),
+                                          hidden=True, features=features)
         for row, i in enumerate(rows):
             self._estimates[i] = estimates[row:row + 1]
         return logits

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..metrics import StepTimer
+from ..metrics import StepTimer, now
 from ..models.loader import LoadedModel, load_model
 from ..sampling import process_logits, sample_token
 from .base import DraftBatch, Proposer
@@ -90,19 +90,23 @@ class DraftModelProposer(Proposer):
             inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
         else:
             inputs = [[tokens[i][-1]] for i in rows]
-        return self._forward([slots[i] for i in rows], inputs)
+        return self._forward([slots[i] for i in rows], inputs, self._reads_prompt(step, rows, seqs, slots))
+
+    def _reads_prompt(self, step: int, rows: list[int], seqs, slots: dict[int, int]) -> bool:
+        """Whether this round's forward still reads prompt tokens: the draft's prefill, timed apart."""
+        return step == 0 and any(self.runner.length(slots[i]) < seqs[i].num_prompt_tokens - 1 for i in rows)
 
     def _slot(self, seq) -> int:
         if seq.request_id not in self._slots:
             self._slots[seq.request_id] = self.runner.allocate(seq.token_ids, seq.tenant)
         return self._slots[seq.request_id]
 
-    def _forward(self, slots: list[int], inputs: list[list[int]], **extra):
+    def _forward(self, slots: list[int], inputs: list[list[int]], prefill: bool = False, **extra):
         """One timed draft forward (logits of each sequence's last input); the inputs become context."""
-        before = self.timer.draft_time
-        with self.timer.measure("draft"):
+        started = now()
+        with self.timer.measure("draft_prefill" if prefill else "draft"):
             out = self.runner.forward(slots, inputs, logits="last", **extra)
-        self._round_seconds.append(self.timer.draft_time - before)
+        self._round_seconds.append(now() - started)
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out
