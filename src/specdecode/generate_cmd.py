@@ -122,13 +122,16 @@ def _print_comparison(llm: LLM, spec: _Run, plain: _Run, params: SamplingParams)
     speedup = spec.tokens_per_s / plain.tokens_per_s
     print("\n== comparison ==")
     line = f"speedup: {speedup:.2f}x ({spec.tokens_per_s:.2f} vs {plain.tokens_per_s:.2f} tokens/s)"
-    alpha, k = spec.output.spec["acceptance_rate"], llm.engine.k
+    m = spec.output.spec
+    alpha = m["acceptance_rate"]
+    # the policy and the confidence stop draft fewer than k_max: the formula takes the drafts a step made
+    k = m["num_draft_tokens"] / m["num_spec_steps"] if m["num_spec_steps"] else llm.engine.k
     if alpha is not None and spec.draft_step and plain.target_step:
         c = spec.draft_step / plain.target_step
         predicted = expected_speedup(alpha, k, c)
         line += (f"   cost ratio c = draft step / target step: {c:.3f}   "
-                 f"Leviathan-predicted speedup (α={alpha:.3f}, k={k}, c={c:.3f}): {predicted:.2f}x "
-                 f"(measured = {speedup / predicted:.0%} of predicted)")
+                 f"Leviathan-predicted speedup (α={alpha:.3f}, k={k:.2f} drafted a step, c={c:.3f}; a verify "
+                 f"priced as one decode step): {predicted:.2f}x (measured = {speedup / predicted:.0%} of predicted)")
     elif alpha is not None:
         line += f"   (n-gram proposer: c ≈ 0, predicted speedup {expected_speedup(alpha, k, 0.0):.2f}x)"
     print(line)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Leviathan et al.: (1 - α^(k+1)) / ((1 - α)(k·c + 1)), for cost ratio c = draft step / target step."""
+def expected_speedup(alpha: float, k: float, c: float) -> float:
+    """Leviathan et al.: (1 - α^(k+1)) / ((1 - α)(k·c + 1)), for cost ratio c = draft step / target step
+    (k may be a mean number of drafts a step)."""
     if k == 0:
         return 1.0
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
