@@ -68,9 +68,10 @@ EXTRA_TARGETS = ("llama-perplexity", "llama-tokenize")
 
 
 def binary(bin_dir: str, name: str) -> str:
-    path = os.path.join(os.path.expanduser(bin_dir), name)
+    folder = os.path.expanduser(bin_dir)
+    path = os.path.join(folder, name)
     if not os.access(path, os.X_OK):
-        if name in EXTRA_TARGETS and os.access(os.path.join(os.path.expanduser(bin_dir), "llama-bench"), os.X_OK):
+        if name in EXTRA_TARGETS and os.access(os.path.join(folder, "llama-bench"), os.X_OK):
             raise SpecDecodeError(f"no executable {name} in {bin_dir}: build-llama-cpp.sh does not build it; run "
                                   f"`cmake --build build --target {' '.join(EXTRA_TARGETS)}` in the folder above "
                                   "build/ to add it")

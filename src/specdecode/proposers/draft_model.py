@@ -7,7 +7,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..metrics import StepTimer, now
+from ..metrics import StepTimer
 from ..models.loader import LoadedModel, load_model
 from ..sampling import process_logits, sample_token
 from .base import DraftBatch, Proposer
@@ -103,10 +103,11 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, slots: list[int], inputs: list[list[int]], prefill: bool = False, **extra):
         """One timed draft forward (logits of each sequence's last input); the inputs become context."""
-        started = now()
-        with self.timer.measure("draft_prefill" if prefill else "draft"):
+        which = "draft_prefill" if prefill else "draft"
+        before = getattr(self.timer, f"{which}_time")
+        with self.timer.measure(which):
             out = self.runner.forward(slots, inputs, logits="last", **extra)
-        self._round_seconds.append(now() - started)
+        self._round_seconds.append(getattr(self.timer, f"{which}_time") - before)
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out
