@@ -449,6 +449,32 @@ def test_a_recording_past_its_deadline_stops_at_a_shard_and_a_later_run_carries_
     assert all(torch.equal(getattr(cut, f), getattr(whole, f)[:8]) for f in ("tokens", "hidden", "choice"))
 
 
+def test_a_recording_in_batches_of_chunks_equals_one_chunk_a_forward(target, tmp_path, monkeypatch):
+    """Where the target records several chunks a forward (a GPU), 30 chunks take 8 forwards of at most 4
+    (shards of 8) and give what one chunk a forward gives, row for row."""
+    from specdecode.distill import data
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "one"))
+    source = _jsonl_text(tmp_path)
+    one = data.collect_features(target, [source], 32, 30 * 32, progress=False)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "four"))
+    monkeypatch.setattr(data, "RECORD_BATCH", {target.model.device.type: 4})
+    forwards = _ForwardCounter(monkeypatch, data.ModelRunner)
+    four = data.collect_features(target, [source], 32, 30 * 32, progress=False)
+    assert forwards.calls == 8
+    assert torch.equal(one.tokens, four.tokens) and torch.equal(one.choice, four.choice)
+    torch.testing.assert_close(one.hidden, four.hidden, rtol=1e-2, atol=1e-2)  # bf16 rows
+
+
+def test_python_sources_read_about_the_budget_in_a_fixed_order():
+    from specdecode.bench.datasets import python_sources
+
+    small, larger = python_sources(200_000), python_sources(600_000)
+    assert 200_000 <= sum(map(len, small)) < 200_000 + 200_000  # stops at the first file past the budget
+    assert larger[:len(small)] == small  # a larger budget reads more of the same order
+    assert all(len(text.encode()) >= 1_000 for text in larger)  # too short for a chunk: left out
+
+
 def test_training_shortens_its_schedule_to_end_by_its_deadline():
     """A run whose remaining steps would end past its deadline takes as many as the measured pace allows
     (never fewer than it has taken); one with time to spare takes all of its steps."""

@@ -70,3 +70,30 @@ def test_a_long_input_runs_apart_and_its_outputs_come_back_in_order(target, logi
     together = together if isinstance(together, tuple) else (together,)
     for k, part in enumerate(together):
         torch.testing.assert_close(part, torch.cat([out[k] for out in alone]), rtol=1e-5, atol=1e-5)
+
+
+def test_long_inputs_of_one_length_share_a_call(target):
+    """Chunks of one length (a distill recording's) pad nothing, so they run in one call, with each
+    sequence's outputs as when run alone."""
+    model = target.model
+    inputs = [[(k * i) % 60 + 1 for i in range(90)] for k in (3, 5, 7)]
+    alone = []
+    for tokens in inputs:
+        runner = ModelRunner(model, 1, 128)
+        alone.append(runner.forward([runner.allocate()], [tokens], "all", hidden=True))
+    runner = ModelRunner(model, 3, 128)
+    calls = []
+    forward = model.forward
+
+    def spy(tokens, batch, cache, **kwargs):
+        calls.append(tuple(tokens.shape))
+        return forward(tokens, batch, cache, **kwargs)
+
+    model.forward = spy
+    try:
+        together = runner.forward([runner.allocate() for _ in inputs], inputs, "all", hidden=True)
+    finally:
+        del model.forward
+    assert len(calls) == 1
+    for k, part in enumerate(together):
+        torch.testing.assert_close(part, torch.cat([out[k] for out in alone]), rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@
 `load_prompts("sonnet:512", n, tokenizer=...)` parses these as one string for the CLI and the sweeps."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -30,6 +31,24 @@ def stdlib_sources(max_bytes: int = 200_000) -> list[tuple[Path, str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size < max_bytes)
     return [(p, p.read_text(encoding="utf-8", errors="ignore")) for p in files]
+
+
+def python_sources(max_chars: int, min_bytes: int = 2_000, max_bytes: int = 200_000) -> list[str]:
+    """Python source of this Python's standard library and installed packages, every folder down, up to
+    about max_chars: files between min_bytes and max_bytes (below, too short for a training chunk; above,
+    mostly generated tables), in an order fixed by their paths' hashes, so a budget samples every package
+    rather than the first ones alphabetically."""
+    paths = sysconfig.get_paths()
+    roots = sorted({Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")})
+    files = {p for root in roots for p in root.rglob("*.py")
+             if p.is_file() and min_bytes <= p.stat().st_size < max_bytes}
+    texts, total = [], 0
+    for path in sorted(files, key=lambda p: hashlib.sha1(str(p).encode()).hexdigest()):
+        if total >= max_chars:
+            break
+        texts.append(path.read_text(encoding="utf-8", errors="ignore"))
+        total += len(texts[-1])
+    return texts
 
 
 def repeat_to(prompts: list[str], count: int) -> list[str]:

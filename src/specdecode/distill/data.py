@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines, stdlib_sources
+from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines, python_sources, stdlib_sources
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..proposers.draft_model import in_row_groups
@@ -25,7 +25,8 @@ from ..models.sources import cache_root
 from .completions import completion_pieces
 from .recipe import Recipe
 
-SOURCES = ("stdlib", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
+SOURCES = ("stdlib", "python", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
+CHARS_PER_TOKEN = 5  # read for `python`: code runs ~4.3 characters a token, and each file's tail is cut
 
 
 @dataclass
@@ -44,10 +45,12 @@ class FeatureSet:
                 FeatureSet(self.tokens[-n:], self.hidden[-n:], self.choice[-n:]))
 
 
-def source_texts(source: str) -> list[str]:
-    """Training texts by source name (see SOURCES)."""
+def source_texts(source: str, max_tokens: int) -> list[str]:
+    """Training texts by source name (see SOURCES); `python` reads about what max_tokens needs."""
     if source == "stdlib":
         return [text for _, text in stdlib_sources()]
+    if source == "python":
+        return python_sources(CHARS_PER_TOKEN * max_tokens)
     if source == "sonnets":
         lines = poem_lines()
         return ["\n".join(lines[i:i + 14]) for i in range(0, len(lines), 14)]
@@ -90,7 +93,7 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
             kept = _cache_path(target, prompt_set, *completions)[:-3] + ".completions.json"
             texts += completion_pieces(target, prompt_set, *completions, chunk, kept, progress)
         else:
-            texts += source_texts(source)
+            texts += source_texts(source, max_tokens)
     chunks = token_chunks(texts, target.tokenizer, chunk, max_tokens)
     if not chunks:
         raise SpecDecodeError(f"the data sources {sources} hold no chunk of {chunk} tokens")
@@ -115,43 +118,56 @@ def _cache_path(target: LoadedModel, *recipe) -> str:
     return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16] + ".pt")
 
 
+# chunks per target forward while recording: a GPU runs one 256-token chunk in about the time of a few
+# launches per layer, so it records several at once; a CPU is busy with one
+RECORD_BATCH = {"cuda": 16}
+SHARD = 8  # chunks per shard file at least (a whole number of forwards)
+
+
 def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool,
-            deadline: float | None = None, shard: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+            deadline: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden states [chunks, T, hidden] (bf16) and greedy choices [chunks, T], written into
     tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragments a
-    heap that the runner asks never to be trimmed (docs/decisions.md). Every `shard` chunks go to a file of
-    their own in `parts`, from which an interrupted run resumes (appending shards keeps saving linear in
-    the data)."""
-    runner = ModelRunner(target.model, 1, len(chunks[0]))
+    heap that the runner asks never to be trimmed (docs/decisions.md). Every shard of chunks goes to a
+    file of its own in `parts`, from which an interrupted run resumes (appending shards keeps saving
+    linear in the data)."""
+    batch = RECORD_BATCH.get(target.model.device.type, 1)
+    shard = -(-SHARD // batch) * batch
+    runner = ModelRunner(target.model, batch, len(chunks[0]))
     hidden = torch.empty(len(chunks), len(chunks[0]), target.model.cfg.hidden_size, dtype=torch.bfloat16)
     choice = torch.empty(len(chunks), len(chunks[0]), dtype=torch.int64)
     done = _read_shards(parts, hidden, choice)
-    slot = runner.allocate()
-    for i in tqdm(range(done, len(chunks)), desc="target features", unit="chunk", initial=done,
-                  total=len(chunks), disable=not progress):
-        _record_chunk(runner, slot, chunks[i], hidden[i], choice[i])
-        if (i + 1) % shard == 0 or i + 1 == len(chunks):
-            first = (i // shard) * shard
-            os.makedirs(parts, exist_ok=True)
-            name = os.path.join(parts, f"{first:06d}.pt")
-            # clones: saving a slice would save the whole recording's storage
-            torch.save({"hidden": hidden[first:i + 1].clone(), "choice": choice[first:i + 1].clone()},
-                       name + ".tmp")
-            os.replace(name + ".tmp", name)
-            if deadline is not None and time.time() > deadline:
-                return hidden[:i + 1], choice[:i + 1]
+    slots = [runner.allocate() for _ in range(batch)]
+    bar = tqdm(desc="target features", unit="chunk", initial=done, total=len(chunks), disable=not progress)
+    for first in range(done, len(chunks), shard):
+        end = min(first + shard, len(chunks))
+        for i in range(first, end, batch):
+            _record_chunks(runner, slots, chunks[i:min(i + batch, end)], hidden[i:i + batch], choice[i:i + batch])
+            bar.update(min(i + batch, end) - i)
+        os.makedirs(parts, exist_ok=True)
+        name = os.path.join(parts, f"{first:06d}.pt")
+        # clones: saving a slice would save the whole recording's storage
+        torch.save({"hidden": hidden[first:end].clone(), "choice": choice[first:end].clone()}, name + ".tmp")
+        os.replace(name + ".tmp", name)
+        if deadline is not None and time.time() > deadline and end < len(chunks):
+            bar.close()
+            return hidden[:end], choice[:end]
+    bar.close()
     return hidden, choice
 
 
-def _record_chunk(runner: ModelRunner, slot: int, chunk: list[int], hidden: torch.Tensor,
-                  choice: torch.Tensor) -> None:
-    """One chunk's features and choices into the given rows (the full-vocabulary logits die here)."""
-    runner.rollback(slot, 0)
-    logits, h = runner.forward([slot], [chunk], logits="all", hidden=True)
+def _record_chunks(runner: ModelRunner, slots: list[int], chunks: list[list[int]], hidden: torch.Tensor,
+                   choice: torch.Tensor) -> None:
+    """Chunks' features and choices into the given rows, in one forward (the full-vocabulary logits die
+    here)."""
+    slots = slots[:len(chunks)]
+    for slot in slots:
+        runner.rollback(slot, 0)
+    logits, h = runner.forward(slots, chunks, logits="all", hidden=True)
     # kept in host memory wherever the target runs: the recording outgrows a GPU's spare memory, and the
     # cache file then loads on any machine
-    hidden.copy_(h)
-    choice.copy_(logits.argmax(-1))
+    hidden[:len(chunks)].copy_(h.view(hidden[:len(chunks)].shape))
+    choice[:len(chunks)].copy_(logits.argmax(-1).view(choice[:len(chunks)].shape))
 
 
 def _read_shards(parts: str, hidden: torch.Tensor, choice: torch.Tensor) -> int:

