@@ -466,6 +466,16 @@ def test_a_recording_in_batches_of_chunks_equals_one_chunk_a_forward(target, tmp
     torch.testing.assert_close(one.hidden, four.hidden, rtol=1e-2, atol=1e-2)  # bf16 rows
 
 
+def test_the_default_recipe_is_the_devices_and_given_options_override_it():
+    from specdecode.distill.recipe import GPU_RECIPE, recipe_for
+
+    assert recipe_for("cpu", tokens=None) == Recipe()
+    on_gpu = recipe_for("cuda", steps=None, lr=2e-3)
+    assert (on_gpu.tokens, on_gpu.batch, on_gpu.sources, on_gpu.lr) == (GPU_RECIPE["tokens"], GPU_RECIPE["batch"],
+                                                                       GPU_RECIPE["sources"], 2e-3)
+    assert on_gpu.steps == GPU_RECIPE["steps"] and on_gpu.chunk == Recipe().chunk
+
+
 def test_python_sources_read_about_the_budget_in_a_fixed_order():
     from specdecode.bench.datasets import python_sources
 

@@ -7,7 +7,7 @@ import sys
 
 from .config import KV_CACHE_DTYPES, LOOKUPS, POLICIES, QUANTIZATIONS, SUFFIX_SCOPES
 from .config import EngineConfig as C  # every engine default, written once there
-from .distill.recipe import Recipe
+from .distill.recipe import GPU_RECIPE, Recipe
 from .errors import SpecDecodeError
 from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 
@@ -328,6 +328,13 @@ def _add_studies(bench_sub) -> None:
     conc.add_argument("--out", default="results/concurrency.json")
 
 
+def _cpu_gpu(option: str) -> str:
+    """A distill option's two defaults, for its help."""
+    cpu, gpu = getattr(R, option), GPU_RECIPE[option]
+    show = (lambda v: " ".join(v)) if isinstance(cpu, list) else (lambda v: f"{v:,}")
+    return f"{show(cpu)} on a CPU, {show(gpu)} on a GPU"
+
+
 def _add_distill(sub) -> None:
     """`specdecode distill`."""
     dist = sub.add_parser("distill", help="train a draft head on the target's own features (use: --draft head:OUT), "
@@ -336,26 +343,27 @@ def _add_distill(sub) -> None:
     dist.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     dist.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS,
                       help="the target's backend while recording its features: the one it will serve with")
-    dist.add_argument("--data", nargs="+", default=R.sources,
+    dist.add_argument("--data", nargs="+", default=None,
                       help="text the target reads: completions:NAME (the target's own completions of prompts: "
                            "stdlib = the standard library's function signatures and docstrings, humaneval, "
                            "jsonl:FILE with a 'prompt' field), stdlib (this Python's own top-level modules), "
                            "python (the source of its standard library and installed packages), sonnets, "
-                           "humaneval, jsonl:FILE (a 'text' field per line)")
-    dist.add_argument("--tokens", type=int, default=R.tokens, help="tokens of text to record")
+                           "humaneval, jsonl:FILE (a 'text' field per line); default: " + _cpu_gpu("sources"))
+    dist.add_argument("--tokens", type=int, default=None, help="tokens of text to record; " + _cpu_gpu("tokens"))
     dist.add_argument("--completions", type=int, default=R.completions, help="prompts completed per completions source")
     dist.add_argument("--completion-tokens", type=int, default=R.completion_tokens,
                       help="new tokens per completion at most")
     dist.add_argument("--chunk", type=int, default=R.chunk, help="tokens per training sequence")
-    dist.add_argument("--steps", type=int, default=R.steps)
-    dist.add_argument("--batch", type=int, default=R.batch, help="sequences per step")
+    dist.add_argument("--steps", type=int, default=None, help=_cpu_gpu("steps"))
+    dist.add_argument("--batch", type=int, default=None, help="sequences per step; " + _cpu_gpu("batch"))
     dist.add_argument("--lr", type=float, default=R.lr)
     dist.add_argument("--draft-vocab-size", type=int, default=R.draft_vocab_size,
                       help="the head's LM head keeps the target's most chosen tokens on the data")
     dist.add_argument("--intermediate-size", type=int, default=R.intermediate_size, help="the head layer's MLP width")
-    dist.add_argument("--minutes", type=float, default=R.minutes,
+    dist.add_argument("--minutes", type=float, default=None,
                       help="time budget of a head's run: on a slower machine it records less text and trains "
-                           "proportionally fewer steps to end in about this time (0: the whole recipe)")
+                           "proportionally fewer steps to end in about this time (0: the whole recipe); "
+                           + _cpu_gpu("minutes"))
     dist.add_argument("--draft-model", default=None,
                       help="fine-tune this draft model (sharing the target's tokenizer) on the same recording "
                            "instead of training a head: OUT is then a checkpoint folder (use: --draft OUT)")

@@ -10,7 +10,7 @@ import torch
 from ..models.draft_head import HeadSpec, build_head, head_base, save_head, target_fingerprint
 from ..models.loader import LoadedModel
 from .data import collect_features, draft_vocabulary
-from .recipe import HELD_OUT, RECORDING_SHARE, Recipe
+from .recipe import HELD_OUT, RECORDING_SHARE, Recipe, recipe_for
 from .train import evaluate, train, trainable
 
 
@@ -52,10 +52,11 @@ def run_distill_cli(args) -> int:
     from ..models.loader import load_model
 
     target = load_model(args.model, args.device, "auto", True, args.quantization)
-    recipe = Recipe(sources=args.data, tokens=args.tokens, completions=args.completions,
-                    completion_tokens=args.completion_tokens, chunk=args.chunk, steps=args.steps, batch=args.batch,
-                    lr=args.lr, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
-                    finetune_steps=args.finetune_steps, finetune_lr=args.finetune_lr, minutes=args.minutes)
+    recipe = recipe_for(target.model.device.type, sources=args.data, tokens=args.tokens,
+                        completions=args.completions, completion_tokens=args.completion_tokens, chunk=args.chunk,
+                        steps=args.steps, batch=args.batch, lr=args.lr, draft_vocab_size=args.draft_vocab_size,
+                        intermediate_size=args.intermediate_size, finetune_steps=args.finetune_steps,
+                        finetune_lr=args.finetune_lr, minutes=args.minutes)
     if args.draft_model:
         from .draft_model import finetune_draft
 
