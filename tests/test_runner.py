@@ -40,19 +40,15 @@ def test_hidden_states_are_the_rows_the_logits_come_from(target):
     torch.testing.assert_close(logits, model.lm_head(model.norm(hidden)).float())
 
 
-@pytest.mark.parametrize("logits, hidden", [("last", False), ("all", True), ("last", "all")])
-def test_a_long_input_runs_apart_and_its_outputs_come_back_in_order(target, logits, hidden):
-    """A prompt-long input beside short ones (a draft catching up on a prompt while others draft): one
-    padded call would compute every sequence to the longest length, so each long input runs in a call of
-    its own; the outputs are those of each sequence run alone, in sequence order."""
-    model = target.model
-    inputs = [[3, 4], [(7 * i) % 60 + 1 for i in range(100)], [5], [(3 * i) % 50 + 2 for i in range(70)]]
+def _alone_and_together(model, inputs, logits, hidden):
+    """Each input's outputs run alone, all inputs' outputs from one runner.forward, and the token shapes
+    of the model calls that forward made."""
     alone = []
     for tokens in inputs:
         runner = ModelRunner(model, 1, 128)
         out = runner.forward([runner.allocate()], [tokens], logits, hidden=hidden)
         alone.append(out if isinstance(out, tuple) else (out,))
-    runner = ModelRunner(model, 4, 128)
+    runner = ModelRunner(model, len(inputs), 128)
     slots = [runner.allocate() for _ in inputs]
     shapes = []
     forward = model.forward
@@ -66,34 +62,29 @@ def test_a_long_input_runs_apart_and_its_outputs_come_back_in_order(target, logi
         together = runner.forward(slots, inputs, logits, hidden=hidden)
     finally:
         del model.forward
-    assert sorted(shapes) == [(1, 3), (1, 70), (1, 100)]  # the long ones alone, the short ones packed
-    together = together if isinstance(together, tuple) else (together,)
+    return alone, together if isinstance(together, tuple) else (together,), shapes
+
+
+def _assert_same_rows(alone, together):
     for k, part in enumerate(together):
         torch.testing.assert_close(part, torch.cat([out[k] for out in alone]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("logits, hidden", [("last", False), ("all", True), ("last", "all")])
+def test_a_long_input_runs_apart_and_its_outputs_come_back_in_order(target, logits, hidden):
+    """A prompt-long input beside short ones (a draft catching up on a prompt while others draft): one
+    padded call would compute every sequence to the longest length, so each long input runs in a call of
+    its own; the outputs are those of each sequence run alone, in sequence order."""
+    inputs = [[3, 4], [(7 * i) % 60 + 1 for i in range(100)], [5], [(3 * i) % 50 + 2 for i in range(70)]]
+    alone, together, shapes = _alone_and_together(target.model, inputs, logits, hidden)
+    assert sorted(shapes) == [(1, 3), (1, 70), (1, 100)]  # the long ones alone, the short ones packed
+    _assert_same_rows(alone, together)
 
 
 def test_long_inputs_of_one_length_share_a_call(target):
     """Chunks of one length (a distill recording's) pad nothing, so they run in one call, with each
     sequence's outputs as when run alone."""
-    model = target.model
     inputs = [[(k * i) % 60 + 1 for i in range(90)] for k in (3, 5, 7)]
-    alone = []
-    for tokens in inputs:
-        runner = ModelRunner(model, 1, 128)
-        alone.append(runner.forward([runner.allocate()], [tokens], "all", hidden=True))
-    runner = ModelRunner(model, 3, 128)
-    calls = []
-    forward = model.forward
-
-    def spy(tokens, batch, cache, **kwargs):
-        calls.append(tuple(tokens.shape))
-        return forward(tokens, batch, cache, **kwargs)
-
-    model.forward = spy
-    try:
-        together = runner.forward([runner.allocate() for _ in inputs], inputs, "all", hidden=True)
-    finally:
-        del model.forward
-    assert len(calls) == 1
-    for k, part in enumerate(together):
-        torch.testing.assert_close(part, torch.cat([out[k] for out in alone]), rtol=1e-5, atol=1e-5)
+    alone, together, shapes = _alone_and_together(target.model, inputs, "all", True)
+    assert len(shapes) == 1
+    _assert_same_rows(alone, together)
