@@ -392,6 +392,26 @@ def test_bench_latency_draft_takes_a_proposer_kind_as_its_own_rows(target, monke
     assert [kw["speculative_model"] for kw in made][:1] == [draft or "ngram"]
 
 
+@pytest.mark.parametrize("flags", [["--draft", "head:H"], ["--head", "H"]])
+def test_bench_latency_suffix_measures_a_head_alone_and_beside_suffix_drafts(target, monkeypatch, flags):
+    """With --suffix, a head (from --draft or --head) gets the adaptive rows a draft model gets: alone and
+    with suffix drafts beside it, each with the last confidence asked for."""
+    from specdecode.bench import latency
+    from specdecode.cli import build_parser
+
+    made = []
+    monkeypatch.setattr(latency, "LLM", lambda **kw: made.append(kw) or kw)
+    args = build_parser().parse_args(["bench", "latency", "--model", "tiny", "-k", "2", "3", "--suffix",
+                                      "--no-ngram", "--draft-confidence", "0.5", "0.8", *flags])
+    runs = latency.make_runs(args, target, None, None)
+    assert [r.kind for r in runs] == ["head", "suffix adaptive", "head adaptive", "head+suffix adaptive"]
+    adaptive = made[-2:]
+    assert [kw["speculative_model"] for kw in adaptive] == ["head:H", "head:H"]
+    assert [kw["prompt_lookup"] for kw in adaptive] == [None, "suffix"]
+    assert all(kw["draft_confidence"] == 0.8 and kw["num_speculative_tokens"] == 3 for kw in adaptive)
+    assert "speculation_policy" not in adaptive[0]  # the engine's default, adaptive
+
+
 def test_llama_server_starts_unrepacked_where_its_repacked_kernels_crash_it(tmp_path):
     """A llama-server that dies of SIGSEGV at start-up unless repacking is off (as its AMX kernels do on
     some Intel hosts) is started again with --no-repack, and says so; one that crashes either way is an

@@ -164,8 +164,8 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
     if draft:
         runs.append(Run(LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **fixed),
                         "draft", draft_name, args.ks, args.draft_confidence))
+    head = _head(args)
     if args.head:
-        head = args.head if args.head.startswith("head:") else f"head:{args.head}"
         runs.append(Run(LLM(target=target, speculative_model=head, **fixed), "head", head, args.ks,
                         args.draft_confidence))
     if not args.no_ngram and kind != "ngram":
@@ -174,15 +174,23 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
         k = max(args.ks)
         runs.append(Run(LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common),
                         "suffix adaptive", "suffix", [k], [0.0]))
-        if draft:  # the drafter alone and with suffix drafts beside it, under the same policy
-            confidence = args.draft_confidence[-1]
+        drafters = ([("draft", draft_name, dict(draft=draft, draft_vocab_size=args.draft_vocab_size or None))]
+                    if draft else []) + ([("head", head, dict(speculative_model=head))] if head else [])
+        confidence = args.draft_confidence[-1]
+        for kind, name, drafter in drafters:  # each drafter alone and with suffix drafts beside it, adaptive
             for lookup in (None, "suffix"):
-                llm = LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None,
-                          draft_confidence=confidence, prompt_lookup=lookup, num_speculative_tokens=k, **common)
-                name = "draft+suffix" if lookup else "draft"
-                runs.append(Run(llm, f"{name} adaptive", f"{draft_name}+{lookup}" if lookup else draft_name, [k],
-                                [confidence]))
+                llm = LLM(target=target, draft_confidence=confidence, prompt_lookup=lookup, num_speculative_tokens=k,
+                          **drafter, **common)
+                runs.append(Run(llm, f"{kind}+suffix adaptive" if lookup else f"{kind} adaptive",
+                                f"{name}+{lookup}" if lookup else name, [k], [confidence]))
     return runs
+
+
+def _head(args) -> str | None:
+    """The draft head measured: --head's, else --draft's where it names one."""
+    if args.head:
+        return args.head if args.head.startswith("head:") else f"head:{args.head}"
+    return args.draft if proposer_kind(args.draft) == "head" else None
 
 
 def run_backend(args, quantization: str, requests: list, params: SamplingParams) -> tuple[list[LatencyResult], list[str]]:
