@@ -138,36 +138,35 @@ def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: 
     choice = torch.empty(len(chunks), len(chunks[0]), dtype=torch.int64)
     done = _read_shards(parts, hidden, choice)
     slots = [runner.allocate() for _ in range(batch)]
-    bar = tqdm(desc="target features", unit="chunk", initial=done, total=len(chunks), disable=not progress)
-    for first in range(done, len(chunks), shard):
-        end = min(first + shard, len(chunks))
-        for i in range(first, end, batch):
-            _record_chunks(runner, slots, chunks[i:min(i + batch, end)], hidden[i:i + batch], choice[i:i + batch])
-            bar.update(min(i + batch, end) - i)
-        os.makedirs(parts, exist_ok=True)
-        name = os.path.join(parts, f"{first:06d}.pt")
-        # clones: saving a slice would save the whole recording's storage
-        torch.save({"hidden": hidden[first:end].clone(), "choice": choice[first:end].clone()}, name + ".tmp")
-        os.replace(name + ".tmp", name)
-        if deadline is not None and time.time() > deadline and end < len(chunks):
-            bar.close()
-            return hidden[:end], choice[:end]
-    bar.close()
+    with tqdm(desc="target features", unit="chunk", initial=done, total=len(chunks), disable=not progress) as bar:
+        for first in range(done, len(chunks), shard):
+            end = min(first + shard, len(chunks))
+            for i in range(first, end, batch):
+                rows = slice(i, min(i + batch, end))
+                _record_chunks(runner, slots, chunks[rows], hidden[rows], choice[rows])
+                bar.update(rows.stop - rows.start)
+            os.makedirs(parts, exist_ok=True)
+            name = os.path.join(parts, f"{first:06d}.pt")
+            # clones: saving a slice would save the whole recording's storage
+            torch.save({"hidden": hidden[first:end].clone(), "choice": choice[first:end].clone()}, name + ".tmp")
+            os.replace(name + ".tmp", name)
+            if deadline is not None and time.time() > deadline:
+                return hidden[:end], choice[:end]
     return hidden, choice
 
 
 def _record_chunks(runner: ModelRunner, slots: list[int], chunks: list[list[int]], hidden: torch.Tensor,
                    choice: torch.Tensor) -> None:
-    """Chunks' features and choices into the given rows, in one forward (the full-vocabulary logits die
-    here)."""
+    """Chunks' features and choices into their rows of `hidden` and `choice`, in one forward (the
+    full-vocabulary logits die here)."""
     slots = slots[:len(chunks)]
     for slot in slots:
         runner.rollback(slot, 0)
     logits, h = runner.forward(slots, chunks, logits="all", hidden=True)
     # kept in host memory wherever the target runs: the recording outgrows a GPU's spare memory, and the
     # cache file then loads on any machine
-    hidden[:len(chunks)].copy_(h.view(hidden[:len(chunks)].shape))
-    choice[:len(chunks)].copy_(logits.argmax(-1).view(choice[:len(chunks)].shape))
+    hidden.copy_(h.view(hidden.shape))
+    choice.copy_(logits.argmax(-1).view(choice.shape))
 
 
 def _read_shards(parts: str, hidden: torch.Tensor, choice: torch.Tensor) -> int:
