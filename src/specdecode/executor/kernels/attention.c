@@ -28,7 +28,6 @@
 #define KEYS 16    // keys scored together
 #define VALUES 32  // keys whose values are weighed together (their rows stay in L1 while every token and
                    // group of query heads reads them)
-#define AHEAD 64    // keys (or values) ahead of the ones in use that are prefetched from memory
 #define MAX_DIM 256
 #define MAX_GROUP 64  // query heads per KV head
 #define MAX_TOKENS 8  // a slot's consecutive tokens that attend together (their scores stay in L2)
@@ -39,6 +38,9 @@
 #define WIDTH 16
 #define HEADS 8  // query heads scored together (their accumulators stay in the 32 registers)
 #define WEIGH_HEADS 8  // query heads weighed together (2 accumulators each: 16 of the 32 registers)
+#define KEYS_AHEAD 64    // keys prefetched into L1 this far ahead of the ones in use
+#define VALUES_AHEAD 64  // values, the same
+#define VALUES_FAR 0     // values also asked into L2 this far ahead (0: not)
 typedef __m512 vec;
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
@@ -56,8 +58,14 @@ typedef __m512 vec;
 #define vshl_i32 _mm512_slli_epi32
 #elif defined(ATTENTION_SIMD)
 #define WIDTH 8
-#define HEADS 4  // query heads scored together (their accumulators stay in the 16 registers)
+#define HEADS 5  // query heads scored together: 10 accumulators, 2 keys' vectors and a broadcast fill 13
+                 // of the 16 registers (4 heads leave the FMA units waiting on their latency)
 #define WEIGH_HEADS 6  // 12 of the 16 registers
+// Where a core spends longer on each key (AVX2), asking for keys 16 ahead, and for values 32 ahead and
+// again 512 ahead into L2, kept the stream fuller than 64 ahead on the AVX2 CPU measured (decisions.md).
+#define KEYS_AHEAD 16
+#define VALUES_AHEAD 32
+#define VALUES_FAR 512
 typedef __m256 vec;
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
@@ -75,6 +83,9 @@ typedef __m256 vec;
 #define vshl_i32 _mm256_slli_epi32
 #else
 #define HEADS 4
+#define KEYS_AHEAD 64
+#define VALUES_AHEAD 64
+#define VALUES_FAR 0
 #endif
 #define KEY_VECS (KEYS / WIDTH)
 
@@ -313,7 +324,10 @@ static void score_heads(const float *q, int G, const float *kt, int D, int count
         switch (G - g < HEADS ? G - g : HEADS) {
             SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
 #if HEADS > 4
-            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+            SCORE_CASE(5)
+#endif
+#if HEADS > 5
+            SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
 #endif
         }
     }
@@ -450,14 +464,21 @@ static void write_kv(const float *row, const float *cos, const float *sin, int H
     }
 }
 
-// Asks for the `block` cache rows AHEAD rows past row j (of the n from row `first` on; D entries of `bytes`
-// bytes each) ahead of their use: the hardware prefetcher alone leaves a long context's stream at a third
-// of the memory's bandwidth, as the loads wait behind the arithmetic on the rows before them.
-static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first, int j, int block, int n, int D) {
-    const int from_row = j + AHEAD, to_row = from_row + block < n ? from_row + block : n;
+// Asks for the `block` cache rows `ahead` rows past row j (of the n from row `first` on; D entries of
+// `bytes` bytes each) into L1 ahead of their use, and with `far` the rows that far past j into L2: the
+// hardware prefetcher alone leaves a long context's stream at a third of the memory's bandwidth, as the
+// loads wait behind the arithmetic on the rows before them.
+static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first, int j, int block, int n, int D,
+                                  int ahead, int far) {
+    const int from_row = j + ahead, to_row = from_row + block < n ? from_row + block : n;
     const char *at = (const char *)cache + (first + from_row) * D * bytes;
     for (const char *end = at + (size_t)(to_row > from_row ? to_row - from_row : 0) * D * bytes; at < end; at += 64)
         __builtin_prefetch(at);
+    if (!far) return;
+    const int far_from = j + far, far_to = far_from + block < n ? far_from + block : n;
+    const char *f = (const char *)cache + (first + far_from) * D * bytes;
+    for (const char *end = f + (size_t)(far_to > far_from ? far_to - far_from : 0) * D * bytes; f < end; f += 64)
+        __builtin_prefetch(f, 0, 1);
 }
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
@@ -475,7 +496,7 @@ static void attend(const float *q, int tokens, int G, int D, const int *ns, cons
     for (int j0 = 0; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
         while (ns[from] <= j0) from++;
-        prefetch_ahead(kcache, bytes, first, j0, KEYS, n, D);
+        prefetch_ahead(kcache, bytes, first, j0, KEYS, n, D, KEYS_AHEAD, 0);
         keys_block(kcache, is_half, first + j0, count, D, rows, kt);
         score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale, p + (size_t)from * G * n + j0, n);
     }
@@ -486,7 +507,7 @@ static void attend(const float *q, int tokens, int G, int D, const int *ns, cons
     for (int j0 = 0; j0 < n; j0 += VALUES) {
         const int count = n - j0 < VALUES ? n - j0 : VALUES;
         while (ns[from] <= j0) from++;
-        prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D);
+        prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D, VALUES_AHEAD, VALUES_FAR);
         const void *vb = (const char *)vcache + (first + j0) * D * bytes;
         for (int i = from; i < tokens; i++)
             weigh_block(p + (size_t)i * G * n + j0, n, vb, is_half, D, ns[i] - j0 < count ? ns[i] - j0 : count, G,
