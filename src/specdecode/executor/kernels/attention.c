@@ -38,9 +38,6 @@
 #define WIDTH 16
 #define HEADS 8  // query heads scored together (their accumulators stay in the 32 registers)
 #define WEIGH_HEADS 8  // query heads weighed together (2 accumulators each: 16 of the 32 registers)
-#define KEYS_AHEAD 64    // keys prefetched into L1 this far ahead of the ones in use
-#define VALUES_AHEAD 64  // values, the same
-#define VALUES_FAR 0     // values also asked into L2 this far ahead (0: not)
 typedef __m512 vec;
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
@@ -83,9 +80,11 @@ typedef __m256 vec;
 #define vshl_i32 _mm256_slli_epi32
 #else
 #define HEADS 4
-#define KEYS_AHEAD 64
-#define VALUES_AHEAD 64
-#define VALUES_FAR 0
+#endif
+#ifndef KEYS_AHEAD  // the AVX-512 and scalar builds: the distances measured on the Xeon
+#define KEYS_AHEAD 64    // keys prefetched into L1 this far ahead of the ones in use
+#define VALUES_AHEAD 64  // values, the same
+#define VALUES_FAR 0     // values also asked into L2 this far ahead (0: not)
 #endif
 #define KEY_VECS (KEYS / WIDTH)
 
