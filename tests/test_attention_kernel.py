@@ -136,8 +136,9 @@ def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
 
 
-# (query heads, KV heads, dimension per head): the 0.5B's, the 1.5B's, and a head narrower than two vectors
-SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48)]
+# (query heads, KV heads, dimension per head): the 0.5B's, the 1.5B's, a head narrower than two vectors, one
+# query head per KV head over 6 vectors (AVX2 weighs 4 then 2), 8 per KV head (AVX2 weighs 6 then 2)
+SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48), (16, 2, 32)]
 
 
 def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300):

@@ -369,6 +369,27 @@ esac
         run_llama_bench(str(tmp_path), "m.gguf", 2, 96)
 
 
+def test_llama_cpp_decoding_after_a_filled_cache_reads_each_depth(tmp_path):
+    """`bench tpot --vs-llama-cpp` asks llama-bench for decoding after each depth and reads the rate by depth,
+    rerunning unrepacked where filling the cache crashes its repacked kernels."""
+    from specdecode.bench.llama_cpp import run_llama_decode_at_depths
+
+    rows = ('[{"n_prompt": 0, "n_gen": 500, "n_depth": 230, "avg_ts": 42.0},'
+            ' {"n_prompt": 0, "n_gen": 500, "n_depth": 3630, "avg_ts": 21.0}]')
+    _tool(tmp_path, "llama-bench", f"""case "$*" in
+  *"-n 500 -d 230,3630"*) echo '{rows}' ;;
+  *) echo "unexpected arguments: $*" >&2; exit 1 ;;
+esac
+""")
+    assert run_llama_decode_at_depths(str(tmp_path), "m.gguf", 2, 500, (230, 3630)) == ({230: 42.0, 3630: 21.0}, True)
+    _tool(tmp_path, "llama-bench", f"""case "$*" in
+  *"--repack 0"*) echo '{rows}' ;;
+  *) kill -SEGV $$ ;;
+esac
+""")
+    assert run_llama_decode_at_depths(str(tmp_path), "m.gguf", 2, 500, (230, 3630))[1] is False
+
+
 @pytest.mark.parametrize("draft, rows", [
     (None, ["ngram"]),  # no bundled draft for a tiny target: the n-gram rows only
     ("ngram", ["ngram"]),

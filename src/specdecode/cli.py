@@ -238,6 +238,9 @@ def _add_tpot(bench_sub) -> None:
     tpot.add_argument("--window", type=int, default=100, help="tokens per TPOT measurement")
     tpot.add_argument("--device", default=None)
     tpot.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+    tpot.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
+                      help="also time llama.cpp's plain decoding (llama-bench from this folder) on the same file "
+                           "over the same stretches of context")
     tpot.add_argument("--out", default="results/tpot.json")
 
 

@@ -1,7 +1,7 @@
 """llama.cpp beside us, on the same GGUF files and prompts, in the same run.
 
-`llama-bench` measures plain decoding (tg), the cost of a forward over 1, 2, 3, 5 tokens (pp), i.e.
-llama.cpp's verify cost ratio, and its prefill (pp512); `llama-speculative-simple` runs its own
+`llama-bench` measures plain decoding (tg), also after a long context (tg @ depth), the cost of a forward
+over 1, 2, 3, 5 tokens (pp), i.e. llama.cpp's verify cost ratio, and its prefill (pp512); `llama-speculative-simple` runs its own
 draft-model speculation on each prompt. The binaries come from a folder the user passes (e.g. built by
 build-llama-cpp.sh): llama.cpp is a peer to measure against, never a dependency."""
 from __future__ import annotations
@@ -93,6 +93,21 @@ def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     forward_ms = {r["n_prompt"]: 1000 * r["n_prompt"] / r["avg_ts"] for r in rows if r["n_prompt"] > 0}
     return LlamaBench(tg, forward_ms, repacked)
+
+
+def run_llama_decode_at_depths(bin_dir: str, gguf: str, threads: int, tokens: int, depths: tuple[int, ...],
+                               repeats: int = 2) -> tuple[dict[int, float], bool]:
+    """llama-bench's plain decoding of `tokens` tokens after `depth` tokens already in its cache: tokens/s
+    by depth, and whether the weights ran repacked. The cache is filled by a forward over `depth` tokens,
+    which takes the repacked batch kernels; where those crash (see NO_REPACK_NOTE) the whole run goes
+    unrepacked."""
+    cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json",
+           "-p", "0", "-n", str(tokens), "-d", ",".join(map(str, depths))]
+    try:
+        rows, repacked = json.loads(_run(cmd)), True
+    except LlamaCrashed:
+        rows, repacked = json.loads(_run(cmd + ["--repack", "0"])), False
+    return {r["n_depth"]: r["avg_ts"] for r in rows if r["n_gen"] > 0}, repacked
 
 
 def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts: list[str], k: int,

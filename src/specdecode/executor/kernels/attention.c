@@ -38,6 +38,7 @@
 #define WIDTH 16
 #define HEADS 8  // query heads scored together (their accumulators stay in the 32 registers)
 #define WEIGH_HEADS 8  // query heads weighed together (2 accumulators each: 16 of the 32 registers)
+#define WEIGH_VECS(h) 2  // vectors of dimensions a pass for h heads (see the AVX2 build)
 typedef __m512 vec;
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
@@ -58,6 +59,9 @@ typedef __m512 vec;
 #define HEADS 5  // query heads scored together: 10 accumulators, 2 keys' vectors and a broadcast fill 13
                  // of the 16 registers (4 heads leave the FMA units waiting on their latency)
 #define WEIGH_HEADS 6  // 12 of the 16 registers
+// Vectors of dimensions weighed a pass for h query heads: the one or two heads left over (7 = 6 + 1) take
+// 4, so that their chains of FMAs cover more of the FMA latency than 2 would
+#define WEIGH_VECS(h) ((h) <= 2 ? 4 : 2)
 // Where a core spends longer on each key (AVX2), asking for keys 16 ahead, and for values 32 ahead and
 // again 512 ahead into L2, kept the stream fuller than 64 ahead on the AVX2 CPU measured (decisions.md).
 #define KEYS_AHEAD 16
@@ -333,47 +337,59 @@ static void score_heads(const float *q, int G, const float *kt, int D, int count
 }
 
 #ifdef ATTENTION_SIMD
-// weigh_block's inner loop for `heads` (<= WEIGH_HEADS) query heads and `vecs` (1 or 2) vectors of
-// dimensions from d0: each value is widened once, in registers, and feeds heads * vecs independent chains
-// of fused multiply-adds (enough to run at the FMA units' throughput rather than their latency).
+// weigh_block's inner loop for `heads` (<= WEIGH_HEADS) query heads and `vecs` (<= WEIGH_VECS(heads))
+// vectors of dimensions from d0: each value is widened once, in registers, and feeds heads * vecs
+// independent chains of fused multiply-adds (enough to run at the FMA units' throughput rather than
+// their latency).
 static inline __attribute__((always_inline)) void weigh_heads(const float *w, size_t stride, int heads,
                                                               const void *vb, int is_half, int D, int d0,
                                                               int vecs, int count, float *o) {
-    vec acc[WEIGH_HEADS][2];
+    vec acc[16];
 #pragma GCC unroll 8
     for (int g = 0; g < heads; g++)
-#pragma GCC unroll 2
-        for (int i = 0; i < vecs; i++) acc[g][i] = vload(o + (size_t)g * D + d0 + i * WIDTH);
+#pragma GCC unroll 4
+        for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vload(o + (size_t)g * D + d0 + i * WIDTH);
     for (int j = 0; j < count; j++) {
-        vec x[2];
-#pragma GCC unroll 2
+        vec x[4];
+#pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) x[i] = load_values(vb, is_half, (size_t)j * D + d0 + i * WIDTH);
 #pragma GCC unroll 8
         for (int g = 0; g < heads; g++) {
             const vec wg = vset1(w[g * stride + j]);
-#pragma GCC unroll 2
-            for (int i = 0; i < vecs; i++) acc[g][i] = vfma(wg, x[i], acc[g][i]);
+#pragma GCC unroll 4
+            for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vfma(wg, x[i], acc[g * vecs + i]);
         }
     }
 #pragma GCC unroll 8
     for (int g = 0; g < heads; g++)
-#pragma GCC unroll 2
-        for (int i = 0; i < vecs; i++) vstore(o + (size_t)g * D + d0 + i * WIDTH, acc[g][i]);
+#pragma GCC unroll 4
+        for (int i = 0; i < vecs; i++) vstore(o + (size_t)g * D + d0 + i * WIDTH, acc[g * vecs + i]);
 }
 
-// weigh_heads with constant arguments, so that each call inlines into a loop of its own.
-static inline __attribute__((always_inline)) void weigh_heads_of(const float *w, size_t stride, int heads,
-                                                                 const void *vb, int is_half, int D, int d0,
-                                                                 int count, float *o) {
-    const int two = D - d0 >= 2 * WIDTH;  // D is a multiple of WIDTH
-    if (is_half && two) weigh_heads(w, stride, heads, vb, 1, D, d0, 2, count, o);
-    else if (is_half) weigh_heads(w, stride, heads, vb, 1, D, d0, 1, count, o);
-    else if (two) weigh_heads(w, stride, heads, vb, 0, D, d0, 2, count, o);
-    else weigh_heads(w, stride, heads, vb, 0, D, d0, 1, count, o);
+#define WEIGH_VECS_CASE(v) \
+    case v: \
+        if (v <= WEIGH_VECS(heads)) {  /* constant: the cases a head count never takes are not built */ \
+            if (is_half) weigh_heads(w, stride, heads, vb, 1, D, d0, v, count, o); \
+            else weigh_heads(w, stride, heads, vb, 0, D, d0, v, count, o); \
+        } \
+        break;
+
+// One pass of weigh_heads from d0 on, with constant arguments (so that each call inlines into a loop of
+// its own): as many vectors as WEIGH_VECS gives `heads`, fewer where D ends first. Returns the dimensions
+// it weighed.
+static inline __attribute__((always_inline)) int weigh_pass(const float *w, size_t stride, int heads,
+                                                            const void *vb, int is_half, int D, int d0,
+                                                            int count, float *o) {
+    int vecs = WEIGH_VECS(heads);
+    while (vecs * WIDTH > D - d0) vecs /= 2;  // D is a multiple of WIDTH
+    switch (vecs) {
+        WEIGH_VECS_CASE(4) WEIGH_VECS_CASE(2) WEIGH_VECS_CASE(1)
+    }
+    return vecs * WIDTH;
 }
 
 #define WEIGH_CASE(h) \
-    case h: weigh_heads_of(w, stride, h, vb, is_half, D, d0, count, og); break;
+    case h: d0 += weigh_pass(w, stride, h, vb, is_half, D, d0, count, og); break;
 #endif
 
 // o[g][d] += sum_j p[g * stride + j] v[j][d] for `count` cached values from vb (float32, or float16
@@ -384,7 +400,7 @@ static void weigh_block(const float *p, size_t stride, const void *vb, int is_ha
     for (int g = 0; g < G; g += WEIGH_HEADS) {
         const float *w = p + g * stride;
         float *og = o + (size_t)g * D;
-        for (int d0 = 0; d0 < D; d0 += 2 * WIDTH)
+        for (int d0 = 0; d0 < D;)
             switch (G - g < WEIGH_HEADS ? G - g : WEIGH_HEADS) {
                 WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
 #if WEIGH_HEADS > 6
