@@ -239,9 +239,41 @@ def test_tpot_windows_cover_the_whole_output(target):
 
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=512, max_num_seqs=1)
     rows = tpot_by_window(llm, "abc", max_tokens=300, window=50)
-    assert [t for t, _, _ in rows] == list(range(52, 300, 50))  # the first step: prefill + one decode, 2 tokens
+    assert [r.tokens for r in rows] == list(range(52, 300, 50))  # the first step: prefill + one decode, 2 tokens
     # the forward is timed inside the same steps: part of each token's time, never more
-    assert all(0 < forward < seconds for _, seconds, forward in rows)
+    assert all(0 < r.forward_s < r.tpot_s for r in rows)
+
+
+def test_tpot_pairs_each_long_window_with_a_short_requests_window(target, monkeypatch):
+    """Between windows of the long output, a short request on a second engine (same weights) decodes its
+    stretch of tokens SHORT_FROM..SHORT_TO, starting over past it; neither engine's output is disturbed."""
+    from specdecode import LLM, SamplingParams
+    from specdecode.bench import tpot
+
+    monkeypatch.setattr(tpot, "SHORT_FROM", 20)
+    monkeypatch.setattr(tpot, "SHORT_TO", 60)
+    long, short = (LLM(target=target, num_speculative_tokens=0, max_model_len=512, max_num_seqs=1) for _ in "ab")
+    seen = []
+    original_run = tpot.TimedRequest.run
+
+    def run(request, window):
+        row = original_run(request, window)
+        seen.append((request.llm is short, request.seq, row))
+        return row
+
+    monkeypatch.setattr(tpot.TimedRequest, "run", run)
+    pairs = tpot.tpot_interleaved(long, short, "abc", max_tokens=200, window=20)
+    assert [row.tokens for row, _ in pairs] == list(range(22, 200, 20))
+    # timed short windows run from token 20 to 60, then a fresh request: untimed warm-ups to token 20 between
+    assert [ref.tokens for _, ref in pairs] == [40, 60, 40, 60, 40, 60, 40, 60, 40]
+    assert sum(1 for is_short, _, row in seen if is_short and row.tokens == 20) == 5
+    assert all(0 < ref.forward_s < ref.tpot_s for _, ref in pairs)
+    alone = LLM(target=target, num_speculative_tokens=0, max_model_len=512, max_num_seqs=1)
+    expected = alone.generate(["abc"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
+    long_seq = next(seq for is_short, seq, _ in seen if not is_short)
+    assert long_seq.output_ids == expected.outputs[0].token_ids
+    assert all(seq.output_ids == expected.outputs[0].token_ids[:len(seq.output_ids)]
+               for is_short, seq, _ in seen if is_short)
 
 
 class _Loaded(Exception):
