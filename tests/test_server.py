@@ -102,6 +102,18 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, body, message):
     assert ok.choices[0].text is not None
 
 
+@pytest.mark.parametrize("path, body", [("completions", {"prompt": "x"}),
+                                        ("chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_a_model_not_served_here_is_404_and_one_left_out_is_this_one(served, path, body):
+    """Another model's name would get this model's output: the client is told which name to send."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{served.url}/v1/{path}", json={"model": "gpt-4o", "max_tokens": 2, **body}, headers=headers)
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model" and "send model='tiny'" in r.json()["error"]["message"]
+    r = httpx.post(f"{served.url}/v1/{path}", json={"max_tokens": 2, **body}, headers=headers)
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+
+
 def test_malformed_json_is_400(served):
     r = httpx.post(served.url + "/v1/completions", content=b"{not json",
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})

@@ -264,7 +264,8 @@ def _add_quality(bench_sub) -> None:
 def _add_serve_load(bench_sub) -> None:
     load = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
-    load.add_argument("--model", default="default", help="model name sent in the requests")
+    load.add_argument("--model", default=None,
+                      help="model name sent in the requests (default: the one the server lists at /v1/models)")
     load.add_argument("--dataset", default="humaneval", help="humaneval, sonnet:LEN, jsonl:PATH or hf:NAME")
     load.add_argument("--prompt-field", default="prompt", help="the prompt's field for jsonl/hf datasets")
     load.add_argument("--sonnet-file", default=None, help="poem text for sonnet prompts (default: the sonnets)")

@@ -141,11 +141,19 @@ async def run_load(base_url: str, prompts: list[str], max_tokens: int, **options
     return LoadResult.from_requests(results, duration, options.get("concurrency", 1), options.get("request_rate"))
 
 
-async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, model: str = "default",
+async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model the server lists at /v1/models (the one it serves, for ours, vLLM's and llama.cpp's)."""
+    r = await client.get(base_url.rstrip("/") + "/v1/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, model: str | None = None,
                         concurrency: int | None = 1, request_rate: float | None = None, temperature: float = 0.0,
                         ignore_eos: bool = True, api_key: str | None = None, seed: int = 0,
                         progress: bool = True) -> tuple[list[RequestResult], float]:
-    """The load itself (see `run_load`): each request's result, and the run's wall time in seconds."""
+    """The load itself (see `run_load`): each request's result, and the run's wall time in seconds. `model`:
+    the name sent in the requests (None: the one the server lists)."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     url = base_url.rstrip("/") + "/v1/completions"
@@ -166,6 +174,7 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
     timeout = httpx.Timeout(None, connect=30)
     pool = httpx.Limits(max_connections=(concurrency or len(prompts)) + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=pool, headers=headers) as client:
+        model = model or await served_model(client, base_url)
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
@@ -178,7 +187,7 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
     return list(results), duration
 
 
-async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: int, *, model: str = "default",
+async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: int, *, model: str | None = None,
                         concurrency: int = 1, api_key: str | None = None, progress: bool = True,
                         run: str = "") -> tuple[list[RequestResult], float]:
     """Chat sessions, `concurrency` in flight: each session's user turns one after the other, each reply
@@ -210,6 +219,7 @@ async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: in
 
     pool = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=pool, headers=headers) as client:
+        model = model or await served_model(client, base_url)
         start = time.perf_counter()
         done = await asyncio.gather(*(one(client, i, turns) for i, turns in enumerate(sessions)))
         duration = time.perf_counter() - start

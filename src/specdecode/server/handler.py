@@ -20,7 +20,8 @@ from .async_engine import QueueFull, ShuttingDown
 from .protocol import ChatRequest, CommonRequest, CompletionRequest
 from .responses import chat_logprobs, completion_logprobs, usage
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
@@ -57,7 +58,17 @@ class RequestHandler:
         self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
         self.tokenizer = engine.tokenizer
 
+    def other_model(self, req: CommonRequest) -> JSONResponse | None:
+        """A 404 for a request that names a model this server does not serve (its output would be another
+        model's); a request that names none gets this one."""
+        if req.model is None or req.model == self.model_name:
+            return None
+        return error_response(404, f"the model {req.model!r} is not served here; send model={self.model_name!r} "
+                                   "(listed at /v1/models)", param="model")
+
     async def completion(self, req: CompletionRequest, request: Request):
+        if wrong := self.other_model(req):
+            return wrong
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -76,6 +87,8 @@ class RequestHandler:
                                 tenant_of(req, request))
 
     async def chat(self, req: ChatRequest, request: Request):
+        if wrong := self.other_model(req):
+            return wrong
         try:
             if not req.messages:
                 raise SpecDecodeError("messages is empty; send at least one message")
