@@ -24,6 +24,16 @@ def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engi
     assert engine.proposer.runner.num_free == engine.proposer.runner.num_slots
 
 
+def test_suffix_drafts_beside_the_drafter_have_their_verify_widths_timed(target, random_draft):
+    """Suffix speculation beside an adaptive drafter drafts up to 32 tokens, past what the draft's steps
+    measure, so the target's verify calls are timed at start-up at batch 1 for 1 .. 33 tokens."""
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, max_num_seqs=2, max_model_len=256,
+              prompt_lookup="suffix")
+    assert [type(p).__name__ for p in llm.engine.proposers] == ["DraftModelProposer", "SuffixProposer"]
+    assert llm.engine.lookup_cap == 32
+    assert sorted(llm.engine.policy.costs.target.tables[1].seconds) == [1, 2, 4, 8, 16, 32, 33]
+
+
 def test_plain_decoding_prompt_lookup_and_fixed_k_profile_nothing(target, random_draft):
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
     ngram = LLM(target=target, speculative_model="ngram", num_speculative_tokens=4, max_model_len=128,

@@ -20,7 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False,
                    help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
     p.add_argument("--draft", default=None,
                    help=f"draft model or proposer kind, e.g. ngram, suffix, head:PATH (default {default_draft} "
-                        "with the default target)")
+                        "with the default target, suffix otherwise)")
     p.add_argument("--device", default=C.device, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=C.dtype, help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     _add_draft_args(p, several_backends)
@@ -57,10 +57,11 @@ def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) ->
 
 
 def _add_lookup_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt-lookup", nargs="?", const="ngram", default=C.prompt_lookup, choices=LOOKUPS,
+    p.add_argument("--prompt-lookup", nargs="?", const="ngram", default=C.prompt_lookup or "none",
+                   choices=[*LOOKUPS, "none"],
                    help="adaptive policy: may also take a sequence's drafts from this lookup (ngram, or suffix: "
                         "long drafts from the sequence's text and the tenant's earlier outputs) where that "
-                        "predicts more goodput than the drafter")
+                        "predicts more goodput than the drafter; none: the drafter's alone")
     p.add_argument("--suffix-max-tokens", type=int, default=C.suffix_max_tokens,
                    help="suffix speculation: the longest draft")
     p.add_argument("--suffix-cache-bytes", type=int, default=C.suffix_cache_bytes,
@@ -73,7 +74,8 @@ def _add_lookup_args(p: argparse.ArgumentParser) -> None:
 
 def lookup_options(args) -> dict:
     """EngineConfig's lookup fields from the flags _add_lookup_args adds."""
-    return {"prompt_lookup": args.prompt_lookup, "suffix_max_tokens": args.suffix_max_tokens,
+    return {"prompt_lookup": None if args.prompt_lookup == "none" else args.prompt_lookup,
+            "suffix_max_tokens": args.suffix_max_tokens,
             "suffix_cache_bytes": args.suffix_cache_bytes, "suffix_cache_scope": args.suffix_cache_scope}
 
 
@@ -126,7 +128,8 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     serve.add_argument("--model", default=DEFAULT_TARGET)
     serve.add_argument("--speculative-model", "--draft", dest="draft", default=None,
-                       help=f"draft model or proposer kind (default {DEFAULT_HEAD} with the default target)")
+                       help=f"draft model or proposer kind (default {DEFAULT_HEAD} with the default target, suffix "
+                            "otherwise)")
     serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=C.num_speculative_tokens)
     serve.add_argument("--policy", default=C.speculation_policy, choices=POLICIES)
     serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)

@@ -50,7 +50,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     speculation_policy: str = "adaptive"
     speculative_disable_by_batch_size: int | None = None
-    # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter.
+    # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter (None:
+    # none; not on by default: on a chat with nothing to copy, copies of the prompt's own words displace the
+    # head's better drafts, see decisions.md).
     prompt_lookup: str | None = None
     suffix_max_tokens: int = 32  # the longest suffix-speculation draft
     suffix_min_prob: float = 0.1  # a suffix draft stops where its frequency estimate falls below this

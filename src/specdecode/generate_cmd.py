@@ -47,7 +47,7 @@ def structured_output(args) -> StructuredOutput | None:
 
 def run_generate(args) -> int:
     params = validate_args(args)
-    proposer = "ngram" if args.ngram else default_draft(args.model, args.draft, DEFAULT_HEAD)
+    proposer = "ngram" if args.ngram else default_draft(args.model, args.draft, DEFAULT_HEAD, "suffix")
     llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
               draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
@@ -62,7 +62,8 @@ def run_generate(args) -> int:
     spec = _timed(llm, prompt, params)
     print(spec.output.outputs[0].text)
     k = f"k={llm.engine.k}" if args.policy == "fixed" else f"{args.policy} policy, k_max={llm.engine.k}"
-    label = f"{'n-gram' if args.ngram else proposer}, {k}" if proposer else "none"
+    lookup = f" + {llm.config.prompt_lookup} lookup" if len(llm.engine.proposers) > 1 else ""
+    label = f"{'n-gram' if args.ngram else proposer}{lookup}, {k}" if proposer else "none"
     print(f"\n== speculative decoding (proposer: {label}) ==")
     _print_stats(spec)
     if args.forced_accept:

@@ -41,7 +41,7 @@ def serve_argv(model: str, max_num_seqs: int, max_model_len: int, dtype: str, *,
         return argv + ["--num-speculative-tokens", "0"]
     return (argv + [*_option("--speculative-model", draft), "-k", str(k), "--policy", policy,
                     *_option("--speculative-disable-by-batch-size", disable_by_batch_size)]
-            + (["--forced-accept"] if forced_accept else []) + (["--prompt-lookup", prompt_lookup] if prompt_lookup else []))
+            + (["--forced-accept"] if forced_accept else []) + ["--prompt-lookup", prompt_lookup or "none"])
 
 
 def _option(flag: str, value) -> list[str]:

@@ -135,9 +135,11 @@ def _download_wheel(dist: str, dest: str) -> str:
     return os.path.join(dest, new[0])
 
 
-def default_draft(model: str, draft: str | None, bundled: str = DEFAULT_DRAFT) -> str | None:
+def default_draft(model: str, draft: str | None, bundled: str = DEFAULT_DRAFT,
+                  otherwise: str | None = None) -> str | None:
     """The drafter to use: the one asked for, else `bundled` when the target is the bundled default (the
-    0.5B draft model for the benchmarks' draft-model rows; `generate` and `serve` pass DEFAULT_HEAD)."""
+    0.5B draft model for the benchmarks' draft-model rows; `generate` and `serve` pass DEFAULT_HEAD), else
+    `otherwise` (`generate` and `serve`: suffix speculation, which needs no model)."""
     if draft:
         return draft
-    return bundled if model == DEFAULT_TARGET else None
+    return bundled if model == DEFAULT_TARGET else otherwise
