@@ -21,8 +21,7 @@ from .protocol import ChatRequest, CommonRequest, CompletionRequest
 from .responses import chat_logprobs, completion_logprobs, usage
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

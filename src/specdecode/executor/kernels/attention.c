@@ -344,7 +344,7 @@ static void score_heads(const float *q, int G, const float *kt, int D, int count
 static inline __attribute__((always_inline)) void weigh_heads(const float *w, size_t stride, int heads,
                                                               const void *vb, int is_half, int D, int d0,
                                                               int vecs, int count, float *o) {
-    vec acc[16];
+    vec acc[WEIGH_HEADS * 2];  // heads * vecs never exceeds it: WEIGH_VECS gives 4 only below 3 heads
 #pragma GCC unroll 8
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 4
@@ -479,21 +479,24 @@ static void write_kv(const float *row, const float *cos, const float *sin, int H
     }
 }
 
-// Asks for the `block` cache rows `ahead` rows past row j (of the n from row `first` on; D entries of
-// `bytes` bytes each) into L1 ahead of their use, and with `far` the rows that far past j into L2: the
-// hardware prefetcher alone leaves a long context's stream at a third of the memory's bandwidth, as the
-// loads wait behind the arithmetic on the rows before them.
-static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first, int j, int block, int n, int D,
-                                  int ahead, int far) {
-    const int from_row = j + ahead, to_row = from_row + block < n ? from_row + block : n;
+// Asks for the cache rows from `from_row` on, `block` of them but not past row n (of the n from row `first`
+// on; D entries of `bytes` bytes each): into L1, or with `to_l2` into L2 only.
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, size_t bytes, size_t first,
+                                                                int from_row, int block, int n, int D, int to_l2) {
+    const int to_row = from_row + block < n ? from_row + block : n;
     const char *at = (const char *)cache + (first + from_row) * D * bytes;
     for (const char *end = at + (size_t)(to_row > from_row ? to_row - from_row : 0) * D * bytes; at < end; at += 64)
-        __builtin_prefetch(at);
-    if (!far) return;
-    const int far_from = j + far, far_to = far_from + block < n ? far_from + block : n;
-    const char *f = (const char *)cache + (first + far_from) * D * bytes;
-    for (const char *end = f + (size_t)(far_to > far_from ? far_to - far_from : 0) * D * bytes; f < end; f += 64)
-        __builtin_prefetch(f, 0, 1);
+        if (to_l2) __builtin_prefetch(at, 0, 1);
+        else __builtin_prefetch(at);
+}
+
+// Asks for the `block` cache rows `ahead` rows past row j into L1 ahead of their use, and with `far` the
+// rows that far past j into L2: the hardware prefetcher alone leaves a long context's stream at a third of
+// the memory's bandwidth, as the loads wait behind the arithmetic on the rows before them.
+static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first, int j, int block, int n, int D,
+                                  int ahead, int far) {
+    prefetch_rows(cache, bytes, first, j + ahead, block, n, D, 0);
+    if (far) prefetch_rows(cache, bytes, first, j + far, block, n, D, 1);
 }
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
