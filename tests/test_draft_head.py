@@ -329,6 +329,31 @@ def test_distill_trains_a_head_that_drafts_what_the_target_says(target, tmp_path
     assert trained > untrained + 0.15, (trained, untrained)
 
 
+def test_distill_trains_on_from_a_given_head_and_refuses_one_for_another_target(target, tmp_path, monkeypatch):
+    """`--init HEAD`: training starts from that head's weights and draft vocabulary (with a zero learning
+    rate the result is the same head, whatever the recipe's own vocabulary size); a head made for another
+    target is refused."""
+    from specdecode.models.draft_head import read_head
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": "".join(chr(40 + (i * j) % 50) for j in range(300))}) + "\n"
+                            for i in range(1, 9)))
+    recipe = Recipe(sources=[f"jsonl:{text}"], tokens=2000, chunk=48, draft_vocab_size=32, intermediate_size=64,
+                    steps=3, batch=2, minutes=0)
+    first = tmp_path / "first"
+    distill(target, str(first), recipe, progress=False)
+    again = tmp_path / "again"
+    distill(target, str(again), dataclasses.replace(recipe, init=str(first), lr=0.0, draft_vocab_size=48),
+            progress=False)
+    (_, before), (spec, after) = read_head(str(first)), read_head(str(again))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert spec.recipe["init"] == str(first) and spec.intermediate_size == 64
+    other = tiny_model(seed=1)
+    with pytest.raises(SpecDecodeError, match="another model"):
+        distill(other, str(tmp_path / "other"), dataclasses.replace(recipe, init=str(first)), progress=False)
+
+
 # ---- training-time test -----------------------------------------------------------------------------
 def _drafting_rounds(head, features, ids, p, rounds):
     """What drafting computes: the head's cache filled from the target's features at positions 0..p, then
@@ -520,18 +545,20 @@ def test_a_distill_run_past_its_budget_trains_on_what_it_recorded(target, tmp_pa
 
 
 def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_kept(target, tmp_path, monkeypatch):
-    """`completions:jsonl:FILE`: each prompt followed by what the engine decodes for it greedily, in prompt
-    order, cut into chunks; a second recording reads the kept completions instead of generating again."""
+    """`completions:jsonl:FILE`: each prompt followed by what the engine decodes for it greedily, shortest
+    prompts first, cut into chunks; a second recording reads the kept completions instead of generating."""
     from specdecode.distill import completions, data
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    prompts = ["".join(chr(33 + (7 * i + 3 * j) % 60) for j in range(5 + i)) for i in range(10)]
+    monkeypatch.setitem(completions.BATCH, "cpu", 3)  # several padded batches of mixed lengths
+    prompts = ["".join(chr(33 + (7 * i + 3 * j) % 60) for j in range(15 - i)) for i in range(10)]
     file = tmp_path / "prompts.jsonl"
     file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     params = SamplingParams(temperature=0, max_tokens=12)
-    engine = LLM(target=target, num_speculative_tokens=0, max_num_seqs=completions.BATCH, max_model_len=64)
-    expected = [t for p, o in zip(prompts, engine.generate(prompts, params))
-                for t in target.tokenizer.encode(p) + o.outputs[0].token_ids]
+    engine = LLM(target=target, num_speculative_tokens=0, max_num_seqs=8, max_model_len=64)
+    outputs = [target.tokenizer.encode(p) + o.outputs[0].token_ids for p, o in zip(prompts, engine.generate(prompts, params))]
+    expected = [t for p, ids in sorted(zip(prompts, outputs), key=lambda po: len(target.tokenizer.encode(po[0])))
+                for t in ids]
     assert len(expected) > 4 * 16
 
     def recorded():
@@ -542,6 +569,35 @@ def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_ke
     monkeypatch.setattr(completions, "_generate_stream", lambda *a: pytest.fail("generated again"))
     os.remove(data._cache_path(target, [f"completions:jsonl:{file}"], 16, 10_000, [10, 12]))  # features only
     assert torch.equal(recorded().tokens, first.tokens)
+
+
+def test_padded_greedy_completions_equal_the_engines_and_end_at_eos(target, monkeypatch):
+    """Decoded together in padded calls, prompts of different lengths continue as each does alone in the
+    engine, and a completion ends with its EOS while the others go on."""
+    from specdecode.distill.completions import greedy_completions
+
+    prompts = [list(range(3, 3 + n)) for n in (2, 9, 5, 17)]
+    engine = LLM(target=target, num_speculative_tokens=0, max_num_seqs=1, max_model_len=64)
+    alone = [o.outputs[0].token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10))]
+    assert greedy_completions(target, prompts, 10) == alone
+    eos = alone[2][3]  # the third prompt's fourth token, made an EOS: that completion stops there
+    monkeypatch.setattr(target.tokenizer, "eos_token_ids", frozenset({eos}))
+    cut = greedy_completions(target, prompts, 10)
+    assert cut[2] == alone[2][:alone[2].index(eos) + 1]
+    assert all(c == a[:a.index(eos) + 1] if eos in a else c == a for c, a in zip(cut, alone))
+
+
+def test_completions_start_no_batch_past_their_deadline(target, tmp_path, monkeypatch):
+    from specdecode.distill import completions
+
+    monkeypatch.setitem(completions.BATCH, "cpu", 2)
+    calls = []
+    monkeypatch.setattr(completions, "greedy_completions", lambda t, group, n: calls.append(group) or [[1]] * len(group))
+    monkeypatch.setattr(completions, "completion_prompts", lambda *a: ["ab", "cd", "ef"])
+    clock = iter([0.0, 10.0, 20.0])
+    monkeypatch.setattr(completions.time, "time", lambda: next(clock))
+    completions.completion_pieces(target, "stdlib", 3, 4, 2, str(tmp_path / "kept.json"), False, deadline=5.0)
+    assert len(calls) == 1  # the second batch would start at 10.0, past the deadline
 
 
 def test_stdlib_completion_prompts_end_after_a_docstring():

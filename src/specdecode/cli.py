@@ -352,7 +352,8 @@ def _add_distill(sub) -> None:
                       help="the target's backend while recording its features: the one it will serve with")
     dist.add_argument("--data", nargs="+", default=None,
                       help="text the target reads: completions:NAME (the target's own completions of prompts: "
-                           "stdlib = the standard library's function signatures and docstrings, humaneval, "
+                           "stdlib = the standard library's function signatures and docstrings, python = the same "
+                           "from the installed packages too, humaneval, "
                            "jsonl:FILE with a 'prompt' field), stdlib (this Python's own top-level modules), "
                            "python (the source of its standard library and installed packages), sonnets, "
                            "humaneval, jsonl:FILE (a 'text' field per line); default: " + _cpu_gpu("sources"))
@@ -367,6 +368,10 @@ def _add_distill(sub) -> None:
     dist.add_argument("--draft-vocab-size", type=int, default=R.draft_vocab_size,
                       help="the head's LM head keeps the target's most chosen tokens on the data")
     dist.add_argument("--intermediate-size", type=int, default=R.intermediate_size, help="the head layer's MLP width")
+    dist.add_argument("--init", default=None, metavar="HEAD",
+                      help="train on from this head (a path or a bundled head's name, e.g. qwen2.5-coder-1.5b): "
+                           "its weights and draft vocabulary, which --draft-vocab-size and --intermediate-size "
+                           "then do not change")
     dist.add_argument("--minutes", type=float, default=None,
                       help="time budget of a head's run: on a slower machine it records less text and trains "
                            "proportionally fewer steps to end in about this time (0: the whole recipe); "

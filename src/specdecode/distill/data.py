@@ -77,9 +77,10 @@ def token_chunks(texts: list[str | list[int]], tokenizer, chunk: int, max_tokens
 def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_tokens: int,
                      progress: bool = True,
                      completions: tuple[int, int] = (Recipe.completions, Recipe.completion_tokens),
-                     deadline: float | None = None) -> FeatureSet:
+                     deadline: float | None = None, generation_deadline: float | None = None) -> FeatureSet:
     """The target's features on the sources' text, read from the cache when this recipe ran before.
-    completions: prompts completed and new tokens per completion, for each `completions:NAME` source.
+    completions: prompts completed and new tokens per completion, for each `completions:NAME` source,
+    whose generation starts no batch of prompts past generation_deadline.
     deadline (a time.time()): the recording stops at the first shard past it and returns the chunks so
     far, its shards kept, so that a later run (with more time) carries on from them."""
     generated = [s for s in sources if s.startswith("completions:")]
@@ -91,7 +92,7 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
         if source in generated:  # one piece of token ids per chunk: each counts as a text of its own
             prompt_set = source[len("completions:"):]
             kept = _cache_path(target, prompt_set, *completions)[:-3] + ".completions.json"
-            texts += completion_pieces(target, prompt_set, *completions, chunk, kept, progress)
+            texts += completion_pieces(target, prompt_set, *completions, chunk, kept, progress, generation_deadline)
         else:
             texts += source_texts(source, max_tokens)
     chunks = token_chunks(texts, target.tokenizer, chunk, max_tokens)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 HELD_OUT = 0.05  # of the recorded chunks: measured after training, never trained on (heads and drafts alike)
 RECORDING_SHARE = 0.55  # of a time budget, for the target's recording; training gets what is left
+GENERATION_SHARE = 0.3  # of a time budget, within the recording's, for the target's completions (if any)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Recipe:
     rounds: int = 2  # drafting rounds unrolled in training (training-time test), the later ones on estimates
     round_decay: float = 0.8  # loss weight of round i: decay ** i
     seed: int = 0
+    init: str | None = None  # a head to train on from (its weights and draft vocabulary), else a fresh one
     minutes: float = 60.0  # the run's time budget (0: none): text and steps shrink together to fit it
     # fine-tuning a draft model instead (`--draft-model`, the comparison for a head): its own schedule
     finetune_steps: int = 150
