@@ -550,7 +550,7 @@ def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_ke
     from specdecode.distill import completions, data
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(completions.BATCH, "cpu", 3)  # several padded batches of mixed lengths
+    monkeypatch.setitem(completions.BATCH, "cpu", 3)  # several batches of mixed lengths
     prompts = ["".join(chr(33 + (7 * i + 3 * j) % 60) for j in range(15 - i)) for i in range(10)]
     file = tmp_path / "prompts.jsonl"
     file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -587,12 +587,17 @@ def test_padded_greedy_completions_equal_the_engines_and_end_at_eos(target, monk
     assert all(c == a[:a.index(eos) + 1] if eos in a else c == a for c, a in zip(cut, alone))
 
 
-def test_completions_start_no_batch_past_their_deadline(target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True])
+def test_completions_start_no_batch_past_their_deadline(target, tmp_path, monkeypatch, padded):
+    """Whichever way the device decodes them (padded calls on a GPU, the engine's packed steps on a CPU)."""
     from specdecode.distill import completions
 
     monkeypatch.setitem(completions.BATCH, "cpu", 2)
+    monkeypatch.setattr(completions, "PADDED", {"cpu"} if padded else set())
     calls = []
-    monkeypatch.setattr(completions, "greedy_completions", lambda t, group, n: calls.append(group) or [[1]] * len(group))
+    chosen, other = ("greedy_completions", "engine_completions")[::1 if padded else -1]
+    monkeypatch.setattr(completions, chosen, lambda t, group, n: calls.append(group) or [[1]] * len(group))
+    monkeypatch.setattr(completions, other, lambda *a: pytest.fail(f"{other} on a device that decodes otherwise"))
     monkeypatch.setattr(completions, "completion_prompts", lambda *a: ["ab", "cd", "ef"])
     clock = iter([0.0, 10.0, 20.0])
     monkeypatch.setattr(completions.time, "time", lambda: next(clock))
