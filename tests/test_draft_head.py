@@ -587,22 +587,26 @@ def test_padded_greedy_completions_equal_the_engines_and_end_at_eos(target, monk
     assert all(c == a[:a.index(eos) + 1] if eos in a else c == a for c, a in zip(cut, alone))
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_completions_start_no_batch_past_their_deadline(target, tmp_path, monkeypatch, padded):
-    """Whichever way the device decodes them (padded calls on a GPU, the engine's packed steps on a CPU)."""
+@pytest.mark.parametrize("generate", ["_padded_batches", "_engine_stream"])
+def test_completions_start_no_prompt_past_their_deadline(target, monkeypatch, generate):
+    """Both ways of decoding completions (padded batches on a GPU, the engine's packed steps on a CPU)
+    finish the prompts they started and start none after the deadline; without one they complete all."""
+    from tqdm import tqdm
+
     from specdecode.distill import completions
+    from specdecode.engine.engine import Engine
 
     monkeypatch.setitem(completions.BATCH, "cpu", 2)
-    monkeypatch.setattr(completions, "PADDED", {"cpu"} if padded else set())
-    calls = []
-    chosen, other = ("greedy_completions", "engine_completions")[::1 if padded else -1]
-    monkeypatch.setattr(completions, chosen, lambda t, group, n: calls.append(group) or [[1]] * len(group))
-    monkeypatch.setattr(completions, other, lambda *a: pytest.fail(f"{other} on a device that decodes otherwise"))
-    monkeypatch.setattr(completions, "completion_prompts", lambda *a: ["ab", "cd", "ef"])
-    clock = iter([0.0, 10.0, 20.0])
-    monkeypatch.setattr(completions.time, "time", lambda: next(clock))
-    completions.completion_pieces(target, "stdlib", 3, 4, 2, str(tmp_path / "kept.json"), False, deadline=5.0)
-    assert len(calls) == 1  # the second batch would start at 10.0, past the deadline
+    now = [0.0]  # a clock that each padded batch and each engine step moves on by one second
+    monkeypatch.setattr(completions.time, "time", lambda: now[0])
+    decode, step = completions.greedy_completions, Engine.step
+    monkeypatch.setattr(completions, "greedy_completions", lambda *a: now.__setitem__(0, now[0] + 1) or decode(*a))
+    monkeypatch.setattr(Engine, "step", lambda self, *a: now.__setitem__(0, now[0] + 1) or step(self, *a))
+    ids = [[3 + i, 4 + i, 5] for i in range(5)]
+    run = getattr(completions, generate)
+    cut = run(target, ids, 6, 0.5, tqdm(disable=True))
+    assert len(cut) == 2 and all(cut)  # the first two, started at 0 s, finished
+    assert len(run(target, ids, 6, None, tqdm(disable=True))) == 5
 
 
 def test_stdlib_completion_prompts_end_after_a_docstring():

@@ -96,32 +96,48 @@ def _generate_stream(target: LoadedModel, prompts: list[str], max_new_tokens: in
                      deadline: float | None = None) -> list[int]:
     ids = [i for i in (target.tokenizer.encode(p) for p in prompts) if len(i) <= MAX_PROMPT_TOKENS]
     ids.sort(key=len)  # batches of similar lengths pad little
-    device = target.model.device.type
-    batch, complete = BATCH.get(device, BATCH["cpu"]), greedy_completions if device in PADDED else engine_completions
-    stream: list[int] = []
+    generate = _padded_batches if target.model.device.type in PADDED else _engine_stream
     with tqdm(total=len(ids), desc="target completions", unit="prompt", disable=not progress) as bar:
-        for first in range(0, len(ids), batch):
-            if deadline is not None and time.time() > deadline:
-                break
-            group = ids[first:first + batch]
-            for prompt, completion in zip(group, complete(target, group, max_new_tokens)):
-                stream += prompt + completion
-            bar.update(len(group))
+        completions = generate(target, ids, max_new_tokens, deadline, bar)
+    stream = [token for prompt, completion in zip(ids, completions) for token in prompt + completion]
     if progress:  # the bar's last line may be lost among a log's lines: say what the data holds
-        tqdm.write(f"target completions: {bar.n:,} of {len(ids):,} prompts, {len(stream):,} tokens "
+        tqdm.write(f"target completions: {len(completions):,} of {len(ids):,} prompts, {len(stream):,} tokens "
                    f"with their prompts, in {bar.format_dict['elapsed']:.0f} s")
     return stream
 
 
-def engine_completions(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy continuation, decoded together by the engine: on a CPU its attention kernel
-    makes these packed steps about twice as fast as padded calls (docs/decisions.md)."""
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.time() > deadline
+
+
+def _padded_batches(target: LoadedModel, ids: list[list[int]], max_new_tokens: int, deadline, bar) -> list[list[int]]:
+    """The first prompts' completions, BATCH of them at a time in padded calls, until the deadline."""
+    batch, completions = BATCH.get(target.model.device.type, BATCH["cpu"]), []
+    for first in range(0, len(ids), batch):
+        if _past(deadline):
+            break
+        completions += greedy_completions(target, ids[first:first + batch], max_new_tokens)
+        bar.update(len(ids[first:first + batch]))
+    return completions
+
+
+def _engine_stream(target: LoadedModel, ids: list[list[int]], max_new_tokens: int, deadline, bar) -> list[list[int]]:
+    """The first prompts' completions through the engine's packed steps (on a CPU its attention kernel makes
+    them about twice as fast as padded calls, docs/decisions.md), BATCH["cpu"] in flight: the next prompt
+    joins as one finishes, until the deadline."""
     from ..engine.llm import LLM
 
-    llm = LLM(target=target, num_speculative_tokens=0, max_num_seqs=len(prompts), progress=False,
-              max_model_len=max(map(len, prompts)) + max_new_tokens + 1)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens))
-    return [o.outputs[0].token_ids for o in outputs]
+    llm = LLM(target=target, num_speculative_tokens=0, max_num_seqs=BATCH["cpu"], progress=False,
+              max_model_len=max(map(len, ids), default=0) + max_new_tokens + 1)
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    seqs = []
+    while True:
+        while len(seqs) < len(ids) and sum(not s.finished for s in seqs) < BATCH["cpu"] and not _past(deadline):
+            seqs += llm.engine.add_group(ids[len(seqs)], params)
+        if not llm.engine.has_unfinished():
+            return [list(s.output_ids) for s in seqs]
+        llm.engine.step()
+        bar.update(sum(s.finished for s in seqs) - bar.n)
 
 
 @torch.inference_mode()
