@@ -510,6 +510,20 @@ def test_python_sources_read_about_the_budget_in_a_fixed_order():
     assert all(len(text.encode()) >= 1_000 for text in larger)  # too short for a chunk: left out
 
 
+def test_another_python_sample_reads_other_files_and_the_first_sample_stays():
+    """`python:N` orders the files by another hash: a budget reads mostly other files; `python` and
+    `python:0` read the same files as ever; a malformed name says what to write."""
+    from specdecode.bench.datasets import python_sample, python_sources
+    from specdecode.distill.data import source_texts
+
+    first, again, other = python_sources(300_000), python_sources(300_000, sample=0), python_sources(300_000, sample=1)
+    assert first == again and len(set(first) & set(other)) < len(first) / 2
+    assert source_texts("python:1", 300_000 // 5) == other and python_sample("python") == 0
+    for bad in ("python:", "python:x", "pythons"):
+        with pytest.raises(SpecDecodeError, match="python:N"):
+            python_sample(bad)
+
+
 def test_training_shortens_its_schedule_to_end_by_its_deadline():
     """A run whose remaining steps would end past its deadline takes as many as the measured pace allows
     (never fewer than it has taken); one with time to spare takes all of its steps."""

@@ -355,7 +355,8 @@ def _add_distill(sub) -> None:
                            "stdlib = the standard library's function signatures and docstrings, python = the same "
                            "from the installed packages too, humaneval, "
                            "jsonl:FILE with a 'prompt' field), stdlib (this Python's own top-level modules), "
-                           "python (the source of its standard library and installed packages), sonnets, "
+                           "python (the source of its standard library and installed packages; python:N another "
+                           "sample of its files), sonnets, "
                            "humaneval, jsonl:FILE (a 'text' field per line); default: " + _cpu_gpu("sources"))
     dist.add_argument("--tokens", type=int, default=None, help="tokens of text to record; " + _cpu_gpu("tokens"))
     dist.add_argument("--completions", type=int, default=R.completions, help="prompts completed per completions source")

@@ -33,22 +33,33 @@ def stdlib_sources(max_bytes: int = 200_000) -> list[tuple[Path, str]]:
     return [(p, p.read_text(encoding="utf-8", errors="ignore")) for p in files]
 
 
-def python_sources(max_chars: int, min_bytes: int = 2_000, max_bytes: int = 200_000) -> list[str]:
+def python_sources(max_chars: int, min_bytes: int = 2_000, max_bytes: int = 200_000, sample: int = 0) -> list[str]:
     """Python source of this Python's standard library and installed packages, every folder down, up to
     about max_chars: files between min_bytes and max_bytes (below, too short for a training chunk; above,
     mostly generated tables), in an order fixed by their paths' hashes, so a budget samples every package
-    rather than the first ones alphabetically."""
+    rather than the first ones alphabetically. Another `sample` hashes the paths with its number: another
+    order, so a budget reads mostly other files."""
     paths = sysconfig.get_paths()
     roots = sorted({Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")})
     files = {p for root in roots for p in root.rglob("*.py")
              if p.is_file() and min_bytes <= p.stat().st_size < max_bytes}
     texts, total = [], 0
-    for path in sorted(files, key=lambda p: hashlib.sha1(str(p).encode()).hexdigest()):
+    salt = f"{sample}:" if sample else ""
+    for path in sorted(files, key=lambda p: hashlib.sha1(f"{salt}{p}".encode()).hexdigest()):
         if total >= max_chars:
             break
         texts.append(path.read_text(encoding="utf-8", errors="ignore"))
         total += len(texts[-1])
     return texts
+
+
+def python_sample(source: str) -> int:
+    """N of a `python:N` source name (`python` is sample 0)."""
+    name, colon, number = source.partition(":")
+    if name != "python" or (colon and not number.isdigit()):
+        raise SpecDecodeError(f"{source!r}: write python, or python:N with N a whole number (another sample "
+                              "of the installed Python files)")
+    return int(number) if colon else 0
 
 
 def repeat_to(prompts: list[str], count: int) -> list[str]:

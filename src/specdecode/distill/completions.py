@@ -17,14 +17,14 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..bench.datasets import humaneval_prompts, jsonl_prompts, python_sources, stdlib_sources
+from ..bench.datasets import humaneval_prompts, jsonl_prompts, python_sample, python_sources, stdlib_sources
 from ..errors import SpecDecodeError
 from ..kv_cache import KVCache
 from ..models.loader import LoadedModel
 from ..models.runtime import ForwardBatch
 from ..sampling import SamplingParams
 
-PROMPT_SETS = ("stdlib", "python", "humaneval", "jsonl:FILE")
+PROMPT_SETS = ("stdlib", "python[:N]", "humaneval", "jsonl:FILE")
 # prompts decoded together. A GPU step is bound by its launches, so hundreds of sequences cost about what
 # one does; on a CPU plain decoding's throughput grows ~4x from 1 to 8 sequences and little after
 BATCH = {"cuda": 256, "cpu": 8}
@@ -65,8 +65,8 @@ def stdlib_function_prompts(count: int, seed: int = 0) -> list[str]:
 def completion_prompts(prompt_set: str, count: int) -> list[str]:
     if prompt_set == "stdlib":
         return stdlib_function_prompts(count)
-    if prompt_set == "python":  # the standard library's and installed packages' source, every folder down
-        return function_prompts(python_sources(CHARS_PER_PROMPT * count), count)
+    if prompt_set.split(":")[0] == "python":  # the standard library's and installed packages' source
+        return function_prompts(python_sources(CHARS_PER_PROMPT * count, sample=python_sample(prompt_set)), count)
     if prompt_set == "humaneval":
         return humaneval_prompts(count)
     if prompt_set.startswith("jsonl:"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines, python_sources, stdlib_sources
+from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines, python_sample, python_sources, stdlib_sources
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..proposers.draft_model import in_row_groups
@@ -25,7 +25,7 @@ from ..models.sources import cache_root
 from .completions import completion_pieces
 from .recipe import Recipe
 
-SOURCES = ("stdlib", "python", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
+SOURCES = ("stdlib", "python[:N]", "sonnets", "humaneval", "jsonl:FILE", "completions:NAME")
 CHARS_PER_TOKEN = 5  # read for `python`: code runs ~4.3 characters a token, and each file's tail is cut
 
 
@@ -49,8 +49,8 @@ def source_texts(source: str, max_tokens: int) -> list[str]:
     """Training texts by source name (see SOURCES); `python` reads about what max_tokens needs."""
     if source == "stdlib":
         return [text for _, text in stdlib_sources()]
-    if source == "python":
-        return python_sources(CHARS_PER_TOKEN * max_tokens)
+    if source.split(":")[0] == "python":
+        return python_sources(CHARS_PER_TOKEN * max_tokens, sample=python_sample(source))
     if source == "sonnets":
         lines = poem_lines()
         return ["\n".join(lines[i:i + 14]) for i in range(0, len(lines), 14)]
