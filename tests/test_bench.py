@@ -262,7 +262,7 @@ def test_tpot_pairs_each_long_window_with_a_short_requests_window(target, monkey
         return row
 
     monkeypatch.setattr(tpot.TimedRequest, "run", run)
-    pairs = tpot.tpot_interleaved(long, short, "abc", max_tokens=200, window=20)
+    pairs = tpot.tpot_interleaved(long, short, long.tokenizer.encode("abc"), max_tokens=200, window=20)
     assert [row.tokens for row, _ in pairs] == list(range(22, 200, 20))
     # timed short windows run from token 20 to 60, then a fresh request: untimed warm-ups to token 20 between
     assert [ref.tokens for _, ref in pairs] == [40, 60, 40, 60, 40, 60, 40, 60, 40]

@@ -9,18 +9,18 @@ from .config import KV_CACHE_DTYPES, LOOKUPS, POLICIES, QUANTIZATIONS, SUFFIX_SC
 from .config import EngineConfig as C  # every engine default, written once there
 from .distill.recipe import GPU_RECIPE, Recipe
 from .errors import SpecDecodeError
-from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
+from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET, SERVED_FALLBACK
 
 R = Recipe()  # every distill default, written once there
 
 
 def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False,
-                    default_draft: str = DEFAULT_DRAFT) -> None:
+                    default_draft: str = DEFAULT_DRAFT, otherwise: str | None = None) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET,
                    help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
     p.add_argument("--draft", default=None,
                    help=f"draft model or proposer kind, e.g. ngram, suffix, head:PATH (default {default_draft} "
-                        "with the default target, suffix otherwise)")
+                        f"with the default target{f', {otherwise} otherwise' if otherwise else ''})")
     p.add_argument("--device", default=C.device, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=C.dtype, help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     _add_draft_args(p, several_backends)
@@ -97,7 +97,7 @@ def _add_generate(sub) -> None:
     """`specdecode generate`."""
     gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
     gen.add_argument("prompt")
-    _add_model_args(gen, default_draft=DEFAULT_HEAD)
+    _add_model_args(gen, default_draft=DEFAULT_HEAD, otherwise=SERVED_FALLBACK)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
     _add_lookup_args(gen)
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=C.num_speculative_tokens, dest="k",
@@ -128,8 +128,8 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     serve.add_argument("--model", default=DEFAULT_TARGET)
     serve.add_argument("--speculative-model", "--draft", dest="draft", default=None,
-                       help=f"draft model or proposer kind (default {DEFAULT_HEAD} with the default target, suffix "
-                            "otherwise)")
+                       help=f"draft model or proposer kind (default {DEFAULT_HEAD} with the default target, "
+                            f"{SERVED_FALLBACK} otherwise)")
     serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=C.num_speculative_tokens)
     serve.add_argument("--policy", default=C.speculation_policy, choices=POLICIES)
     serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)

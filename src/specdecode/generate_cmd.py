@@ -10,7 +10,7 @@ from .config import LOSSY_NOTE
 from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
 from .metrics import expected_speedup
-from .models.sources import DEFAULT_HEAD, default_draft
+from .models.sources import served_draft
 from .sampling import SamplingParams, StructuredOutput
 
 
@@ -47,7 +47,7 @@ def structured_output(args) -> StructuredOutput | None:
 
 def run_generate(args) -> int:
     params = validate_args(args)
-    proposer = "ngram" if args.ngram else default_draft(args.model, args.draft, DEFAULT_HEAD, "suffix")
+    proposer = "ngram" if args.ngram else served_draft(args.model, args.draft)
     llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
               draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,

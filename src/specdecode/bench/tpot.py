@@ -66,10 +66,10 @@ def tpot_by_window(llm: LLM, prompt: str, max_tokens: int, window: int) -> list[
     return rows
 
 
-def tpot_interleaved(long: LLM, short: LLM, prompt: str, max_tokens: int, window: int) -> list[tuple[Window, Window]]:
+def tpot_interleaved(long: LLM, short: LLM, prompt_ids: list[int], max_tokens: int,
+                     window: int) -> list[tuple[Window, Window]]:
     """Each full window of one long output on `long`, paired with a window of a short request's tokens
     SHORT_FROM..SHORT_TO decoded right after it on `short` (a fresh request once one passes SHORT_TO)."""
-    prompt_ids = long.tokenizer.encode(prompt)
     request, reference, pairs = TimedRequest(long, prompt_ids, max_tokens), None, []
     while (row := request.run(window)) is not None:
         if reference is None or reference.tokens >= SHORT_TO:
@@ -91,12 +91,13 @@ def run_tpot_cli(args) -> int:
     print(f"{args.model}, plain decoding, one request of {args.max_tokens} tokens (a stop string checked every "
           f"token), each window followed by one of a short request's tokens {SHORT_FROM}-{SHORT_TO} on the same "
           f"weights; {describe_machine(machine)}", flush=True)
-    pairs = tpot_interleaved(long, short, prompt, args.max_tokens, args.window)
+    prompt_ids = long.tokenizer.encode(prompt)
+    pairs = tpot_interleaved(long, short, prompt_ids, args.max_tokens, args.window)
     for row, ref in pairs:
         print(f"tokens {row.tokens - args.window:>5}-{row.tokens:<5}  TPOT {1000 * row.tpot_s:7.2f} ms   "
               f"short request {1000 * ref.tpot_s:6.2f} ms   ratio {row.tpot_s / ref.tpot_s:.3f}", flush=True)
     summary = summarize(pairs, args.window)
-    llama = llama_cpp_at_same_depths(args, summary, len(long.tokenizer.encode(prompt))) if args.vs_llama_cpp else None
+    llama = llama_cpp_at_same_depths(args, summary, len(prompt_ids)) if args.vs_llama_cpp else None
     write_json(args.out, {"meta": {"command": command_line(), "model": args.model, "max_tokens": args.max_tokens,
                                    "window": args.window, "short_tokens": [SHORT_FROM, SHORT_TO],
                                    "machine": machine},

