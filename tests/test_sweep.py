@@ -4,7 +4,7 @@ import json
 import pytest
 
 from specdecode import SpecDecodeError
-from specdecode.bench.advisor import AdvisorOptions, calibrate, expected_tokens, predict
+from specdecode.bench.advisor import AdvisorOptions, calibrate, ceiling, expected_tokens, predict
 from specdecode.bench.report import write_report
 from specdecode.bench.sweep import InProcessRunner, add_speedups, measure_grid, parse_config, read_config
 
@@ -140,6 +140,7 @@ def test_in_process_sweep_writes_results_and_report(tmp_path, models):
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
         assert f"]({png})" in text
     assert "Best k at concurrency 1" in text and "the plan recommended k =" in text
+    assert "ceiling, every draft accepted and drafting free: b=1 " in text
     assert "Upper bound, every draft token accepted, draft k=3" in text
     assert "| load | jsonl:" in text
 
@@ -154,6 +155,8 @@ def test_plan_with_a_self_draft_expects_every_token(models):
     assert plan["expected_tokens"] == {1: 2.0, 2: 3.0, 3: 4.0}
     assert plan["predicted_speedup"][2][3] == pytest.approx(
         4.0 * plan["target_seconds"][2][1] / (plan["target_seconds"][2][4] + 3 * plan["draft_seconds"][2]))
+    best, tokens = plan["ceiling"][2]
+    assert best >= 1.0 and best == pytest.approx(tokens * plan["target_seconds"][2][1] / plan["target_seconds"][2][tokens])
 
 
 def test_expected_tokens_use_prefix_acceptance_not_independence():
@@ -161,6 +164,16 @@ def test_expected_tokens_use_prefix_acceptance_not_independence():
     assert expected_tokens(prefix, 3) == pytest.approx(1 + 0.8 + 0.7 + 0.65)
     target = {1: {1: 1.0, 4: 1.2}}
     assert predict(prefix, target, {1: 0.1}, 3, 1) == pytest.approx(3.15 / 1.5)
+
+
+def test_ceiling_is_the_best_verify_length_with_every_draft_accepted():
+    """Memory-bound steps (a longer verify costs little more) leave room for t tokens a step; compute-bound
+    ones (a verified token costs a decoded one) leave none, whatever the drafter."""
+    seconds = {1: {1: 1.0, 2: 1.2, 3: 1.9, 4: 2.5},   # 2 tokens for 1.2 beat 3 for 1.9 and 4 for 2.5
+               8: {1: 4.0, 2: 8.0, 3: 12.0, 4: 16.4}}  # every row costs a decoded token's time
+    best = ceiling(seconds)
+    assert best[1] == (pytest.approx(2 / 1.2), 2)
+    assert best[8] == (pytest.approx(1.0), 1)
 
 
 def test_transformers_baseline_runs_the_same_weights():

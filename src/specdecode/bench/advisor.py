@@ -10,7 +10,12 @@ Calibration measures
 
 Prediction: speedup(k, b) = E(k) · T(b, 1) / (T(b, k + 1) + k · D(b)). It leaves out sampling and
 bookkeeping, and assumes every sequence of the batch accepts like the calibration prompts; the sweep
-report sets it beside measured speedups."""
+report sets it beside measured speedups.
+
+Ceiling: max over t of t · T(b, 1) / T(b, t), what any proposer could gain at batch size b if every draft
+token were accepted and drafting cost nothing (a lookup's drafts nearly do). Where a batch already keeps
+the cores' arithmetic busy, a verified token costs about what a decoded one does, and no drafter, however
+good, can lift the ceiling there."""
 from __future__ import annotations
 
 import time
@@ -67,6 +72,16 @@ def predict(prefix_acceptance: list[float], target_s: dict, draft_s: dict, k: in
     return expected_tokens(prefix_acceptance, k) * target_s[b][1] / spec
 
 
+def ceiling(target_s: dict) -> dict:
+    """Per batch size b: (the best speedup with every draft accepted and free drafting, the tokens per
+    sequence a step verifies there), over the verify lengths timed."""
+    best = {}
+    for b, seconds in target_s.items():
+        tokens = max(seconds, key=lambda t: t * seconds[1] / seconds[t])
+        best[b] = (tokens * seconds[1] / seconds[tokens], tokens)
+    return best
+
+
 def calibrate(target, draft, options: AdvisorOptions, seed: int = 0) -> dict:
     if draft is None:
         raise SpecDecodeError("the plan needs a draft model (it predicts draft-model speculation)")
@@ -85,7 +100,7 @@ def calibrate(target, draft, options: AdvisorOptions, seed: int = 0) -> dict:
         "alpha": {k: sum(prefix[:k]) / k for k in ks},  # the acceptance rate a run with k drafts would see
         "expected_tokens": {k: expected_tokens(prefix, k) for k in ks},
         "target_seconds": target_s, "draft_seconds": draft_s,
-        "predicted_speedup": speedup, "best_k": best_k,
+        "predicted_speedup": speedup, "best_k": best_k, "ceiling": ceiling(target_s),
         "recommended_k": best_k[min(options.batch_sizes)],
         # speculation should stop above the largest measured batch size at which it still pays
         "speculate_up_to_batch": max(paying) if paying else 0,
@@ -115,9 +130,15 @@ def recommendation(plan: dict) -> str:
                    if above else f"; speculation pays at every batch size measured (up to {up_to})")
 
 
+def ceiling_line(plan: dict) -> str:
+    cells = ", ".join(f"b={b} {ratio(best)} ({tokens} tokens a step)" for b, (best, tokens) in plan["ceiling"].items())
+    return f"ceiling, every draft accepted and drafting free: {cells}"
+
+
 def print_advice(plan: dict) -> None:
     print(f"predicted speedup over plain decoding (draft {plan['draft']}, target {plan['target']}):")
     print(plan_table(plan))
+    print(ceiling_line(plan))
     print(recommendation(plan), flush=True)
 
 

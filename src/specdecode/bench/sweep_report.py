@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from .formatting import fmt, markdown_heading, markdown_images, mean, ratio
-from .advisor import plan_table, recommendation
+from .advisor import ceiling_line, plan_table, recommendation
 from .plots import label_axes, log2_axis, parity_line, plot_concurrency, pyplot, save
 
 
@@ -257,8 +257,10 @@ def sweep_section(data: dict, plan: dict | None, out: Path) -> tuple[list[str], 
     if table:
         lines += ["### Proposers at batch size 1 (each one's best fixed k)", "", table, ""]
     if plan:
-        lines += ["### The advisor's plan (`specdecode plan`)", "", "```", plan_table(_int_keys(plan)),
-                  recommendation(_int_keys(plan)), "```", ""]
+        advice = _int_keys(plan)
+        lines += ["### The advisor's plan (`specdecode plan`)", "", "```", plan_table(advice)]
+        lines += [ceiling_line(advice)] if "ceiling" in advice else []  # plans written before it had none
+        lines += [recommendation(advice), "```", ""]
     lines += ["### All cells", "", sweep_table(rows, plan), ""]
     return sweep_findings(rows, plan), lines
 
@@ -268,5 +270,5 @@ def _int_keys(plan: dict) -> dict:
     def conv(d):
         return {int(k): conv(v) if isinstance(v, dict) else v for k, v in d.items()}
 
-    return {**plan, **{key: conv(plan[key]) for key in ("alpha", "expected_tokens", "target_seconds",
-                                                          "draft_seconds", "predicted_speedup", "best_k")}}
+    keys = ("alpha", "expected_tokens", "target_seconds", "draft_seconds", "predicted_speedup", "best_k", "ceiling")
+    return {**plan, **{key: conv(plan[key]) for key in keys if key in plan}}
