@@ -156,7 +156,8 @@ def test_plan_with_a_self_draft_expects_every_token(models):
     assert plan["predicted_speedup"][2][3] == pytest.approx(
         4.0 * plan["target_seconds"][2][1] / (plan["target_seconds"][2][4] + 3 * plan["draft_seconds"][2]))
     best, tokens = plan["ceiling"][2]
-    assert best >= 1.0 and best == pytest.approx(tokens * plan["target_seconds"][2][1] / plan["target_seconds"][2][tokens])
+    seconds = plan["target_seconds"][2]
+    assert best >= 1.0 and best == pytest.approx(tokens * seconds[1] / seconds[tokens])
 
 
 def test_expected_tokens_use_prefix_acceptance_not_independence():
