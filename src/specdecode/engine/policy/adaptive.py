@@ -28,7 +28,11 @@ class AdaptivePolicy(Policy):
         self.estimator = AcceptanceEstimator(**estimator_options)
         self.costs = costs or CostModel()
         # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
-        # noisy, and near break-even a wrong "yes" costs more than a wrong "no".
+        # noisy, and near break-even a wrong "yes" for many sequences at once (their verify rows, their
+        # catch-ups) costs more than a wrong "no", and a lookup's estimate starts from frequency counts that
+        # run high for a path seen once. A lone sequence drafting by the model needs only to beat plain
+        # decoding: its decision is re-made every step from its own outcomes, and the margin mostly kept it
+        # plain after a few misses through stretches where drafting paid (docs/decisions.md).
         self.min_gain = min_gain
         # Every this many speculative steps, one plain step re-measures plain decoding's cost.
         self.refresh_plain_every = refresh_plain_every
@@ -156,14 +160,15 @@ class AdaptivePolicy(Policy):
                   start_cost: list[float]) -> tuple[DraftDecision, float]:
         """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
         allocation with the highest predicted goodput; its score is that goodput over the bar it must
-        clear (plain decoding's plus min_gain)."""
+        clear (plain decoding's, plus min_gain unless one sequence drafts by the model)."""
         n = len(gains)
         candidates = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0),
                             key=lambda c: (-c[0], c[1]))
         ks, best, best_score = [0] * n, [0] * n, 1.0
         emitted, extra = float(n), 0.0
         step = StepPrice(self.costs, n, self.estimator.draft_reach(self.k_max))
-        plain_rate = emitted / step.seconds
+        margin = 0.0 if n == 1 and not by_lookup[0] else self.min_gain
+        bar = (1 + margin) * emitted / step.seconds  # plain decoding's rate, raised by the margin
         calibration = self.calibration.get(n, 1.0)
         for gain, _, i in candidates:
             if ks[i] == 0 and not by_lookup[i]:
@@ -172,7 +177,7 @@ class AdaptivePolicy(Policy):
             step.grow(ks[i], by_lookup[i])
             emitted += gain
             rate = emitted / ((step.seconds + extra) * calibration)
-            score = rate / ((1 + self.min_gain) * plain_rate)
+            score = rate / bar
             if score > best_score:
                 best, best_score = list(ks), score
         return DraftDecision(best, [by_lookup[i] and k > 0 for i, k in enumerate(best)]), best_score
