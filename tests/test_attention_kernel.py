@@ -141,7 +141,17 @@ def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
 SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48), (16, 2, 32)]
 
 
-def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300):
+def _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, window=0, scale=None, norms=None,
+          eps=1e-6) -> int:
+    """One call of the kernel over the cache k, v [S, Hkv, L, D]; norms: (q weights, k weights) or None."""
+    attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
+    q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
+    return attend(qkv.data_ptr(), len(slots), H, Hkv, D, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                  sin.data_ptr(), q_norm, k_norm, eps, D ** -0.5 if scale is None else scale, window, k.data_ptr(),
+                  v.data_ptr(), k.shape[0], k.shape[2], out.data_ptr(), torch.get_num_threads())
+
+
+def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300, **options):
     """The kernel alone: one token at position n - 1 after n - 1 random cached keys, and two verified
     drafts after it."""
     (H, Hkv, D), L = shape, 512
@@ -153,10 +163,7 @@ def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int =
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     slots, positions = torch.zeros(3, dtype=torch.int64), torch.arange(n - 1, n + 2, dtype=torch.int64)
     out = torch.empty(3, H * D)
-    lib = load("attention", isa)
-    attend = lib.rowwise_attention_f16 if dtype == torch.float16 else lib.rowwise_attention
-    attend(qkv.data_ptr(), 3, H, Hkv, D, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           k.data_ptr(), v.data_ptr(), L, out.data_ptr(), torch.get_num_threads())
+    assert _call(load("attention", isa), qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, **options) == 0
     return out, qkv, k, v, cos, sin, positions
 
 
@@ -165,30 +172,68 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+def _rms_norm(x, weight, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+# a sliding window that ends inside a block of keys, and one inside a block of values, with a query scale and
+# q/k norms (Gemma 3's layers), and none of them (Llama's)
+WINDOWED = [dict(), dict(window=37, scale=0.11), dict(window=130, norms=True)]
+
+
+@pytest.mark.parametrize("options", WINDOWED, ids=["full", "window-37", "window-130-qk-norm"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_long_context_attention_matches_float64(dtype, shape):
+def test_long_context_attention_matches_float64(dtype, shape, options):
     """Hundreds of keys (full and partial blocks of keys and values), either cache type: the scalar path
-    against float64 attention over what the cache holds (the drafts' own k/v written by the call)."""
-    out, qkv, k, v, cos, sin, positions = _attend_long_context("scalar", dtype, shape)
+    against float64 attention over what the cache holds (the drafts' own k/v written by the call), over the
+    last `window` keys only where a window is set."""
     H, Hkv, D = shape
+    norms = (1 + torch.rand(D), 1 + torch.rand(D)) if options.get("norms") else None
+    out, qkv, k, v, cos, sin, positions = _attend_long_context("scalar", dtype, shape, **{**options, "norms": norms})
     for t in range(3):
-        q = _rope(qkv[t, :H * D].view(H, D).double(), cos[t].double(), sin[t].double())
+        q = qkv[t, :H * D].view(H, D).double()
+        q = _rope(q if norms is None else _rms_norm(q, norms[0].double()), cos[t].double(), sin[t].double())
         n = int(positions[t]) + 1
-        keys = k[0, :, :n].double().repeat_interleave(H // Hkv, 0)
-        values = v[0, :, :n].double().repeat_interleave(H // Hkv, 0)
-        weights = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) / D ** 0.5, -1)
+        seen = slice(max(0, n - options.get("window", n)), n)
+        keys = k[0, :, seen].double().repeat_interleave(H // Hkv, 0)
+        values = v[0, :, seen].double().repeat_interleave(H // Hkv, 0)
+        weights = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) * options.get("scale", D ** -0.5), -1)
         torch.testing.assert_close(out[t].double(), (weights @ values).reshape(H * D), rtol=1e-4, atol=1e-5)
+    if norms is not None:  # the drafts' keys went into the cache normalised, then rotated
+        raw = qkv[2, H * D:(H + Hkv) * D].view(Hkv, D).double()
+        expected = _rope(_rms_norm(raw, norms[1].double()), cos[2].double(), sin[2].double())
+        torch.testing.assert_close(k[0, :, int(positions[2])].double(), expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("options", WINDOWED[:2], ids=["full", "window-37"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("isa", kernel_builds())
-def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype, shape):
-    assert torch.equal(_attend_long_context(isa, dtype, shape)[0], _attend_long_context("scalar", dtype, shape)[0])
+def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype, shape, options):
+    assert torch.equal(_attend_long_context(isa, dtype, shape, **options)[0],
+                       _attend_long_context("scalar", dtype, shape, **options)[0])
 
 
-def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: list[int], seed: int = 2):
+def test_a_window_the_kernel_ignored_would_fail_the_reference():
+    """The float64 check above sees a window: the whole context's attention is far from the windowed one."""
+    windowed = _attend_long_context("scalar", torch.float32, window=37)[0]
+    assert not torch.allclose(windowed, _attend_long_context("scalar", torch.float32)[0], rtol=1e-3, atol=1e-3)
+
+
+def test_a_call_outside_the_cache_or_of_a_shape_it_does_not_take_is_refused_with_a_code():
+    (H, Hkv, D), lib = SHAPES[0], load("attention", "scalar")
+    qkv, out = torch.randn(1, (H + 2 * Hkv) * D), torch.empty(1, H * D)
+    k = v = torch.zeros(1, Hkv, 16, D)
+    cos = sin = torch.ones(1, D)
+    call = lambda slot, position, **kw: _call(lib, qkv, H, Hkv, D, torch.tensor([slot]), torch.tensor([position]),
+                                              cos, sin, k, v, out, **kw)
+    assert call(0, 15) == 0
+    assert call(0, 16) == call(1, 0) == -3  # past the cache's length, a slot it does not have
+    assert call(0, 0, window=-1) == -1
+
+
+def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: list[int], seed: int = 2, **options):
     """One call of the kernel on the 0.5B's shapes over a cache of random keys and values in two slots:
     the outputs and the cache after the call (which the call extends with the batch's own keys)."""
     H, Hkv, D, L, N = 14, 2, 64, 512, len(slots)
@@ -200,15 +245,12 @@ def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: lis
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     slots_t, positions_t = torch.tensor(slots, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
     lib = load("attention", isa)
-    attend = lib.rowwise_attention_f16 if dtype == torch.float16 else lib.rowwise_attention
     out = torch.empty(N, H * D)
-    attend(qkv.data_ptr(), N, H, Hkv, D, slots_t.data_ptr(), positions_t.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           k.data_ptr(), v.data_ptr(), L, out.data_ptr(), torch.get_num_threads())
+    assert _call(lib, qkv, H, Hkv, D, slots_t, positions_t, cos, sin, k, v, out, **options) == 0
     alone = torch.empty(N, H * D)
     for t in range(N):  # each token again in a call of its own, over the cache the batch call left
-        attend(qkv[t].data_ptr(), 1, H, Hkv, D, slots_t[t:].data_ptr(), positions_t[t:].data_ptr(),
-               cos[t].data_ptr(), sin[t].data_ptr(), k.data_ptr(), v.data_ptr(), L, alone[t].data_ptr(),
-               torch.get_num_threads())
+        assert _call(lib, qkv[t:t + 1], H, Hkv, D, slots_t[t:t + 1], positions_t[t:t + 1], cos[t:t + 1], sin[t:t + 1],
+                     k, v, alone[t:t + 1], **options) == 0
     return out, alone
 
 
@@ -221,6 +263,18 @@ def test_a_sequences_verified_tokens_attend_together_as_if_each_were_alone(isa, 
     slots = [0] * 11 + [1] * 3 + [1]
     positions = list(range(290, 301)) + [40, 41, 42] + [200]
     out, alone = _attend_batch(isa, dtype, slots, positions)
+    assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("window", [5, 37])
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_verified_tokens_in_a_sliding_window_attend_together_as_if_each_were_alone(isa, window):
+    """The same under a window narrower than a run of tokens (5: each token's first key differs from the
+    run's) and one whose start falls inside a block of keys (37), with q/k norms and another scale."""
+    slots = [0] * 11 + [1] * 3 + [1]
+    positions = list(range(290, 301)) + [40, 41, 42] + [200]
+    norms = (1 + torch.rand(64), 1 + torch.rand(64))
+    out, alone = _attend_batch(isa, torch.float16, slots, positions, window=window, scale=0.07, norms=norms)
     assert torch.equal(out, alone)
 
 

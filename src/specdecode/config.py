@@ -1,7 +1,7 @@
 """Names shared without importing torch (the CLI offers them), and the model architecture description."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 # Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
 # without importing torch.
@@ -105,11 +105,12 @@ class EngineConfig:
 LOSSY_NOTE = "forced_accept: every draft token accepted -- an upper bound, NOT the target's distribution"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ModelConfig:
-    """Decoder-only Llama/Qwen2-family architecture."""
+    """What a decoder-only transformer computes, layer by layer. models/families.py reads it from GGUF metadata
+    or a config.json and refuses what the runtime does not implement; the defaults are Llama's."""
 
-    arch: str  # "llama" or "qwen2" (informational; the runtime is the same)
+    arch: str  # the family as its source names it ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -122,32 +123,67 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     head_dim: int | None = None
+    # -- what the families beyond Llama and Qwen2 add (models/families.py) --
+    # RoPE frequency scaling of the (global) attention layers: () none, or sorted (name, value) items:
+    # ("rope_type", "linear"), ("factor", f); ("rope_type", "llama3") with factor, low_freq_factor,
+    # high_freq_factor and original_max_position_embeddings; ("rope_type", "freq_factors"): per-dimension
+    # divisors stored with the weights (GGUF's rope_freqs tensor).
+    rope_scaling: tuple = ()
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma)
+    embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # of the query-key scores; None: head_dim ** -0.5
+    sliding_window: int | None = None  # keys a sliding layer's token sees, itself included
+    sliding_layers: tuple[int, ...] | None = None  # layers that slide; None: all, when sliding_window is set
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (unscaled); None: rope_theta
+    num_experts: int = 0  # mixture of experts: experts per sparse layer (0: dense)
+    experts_per_token: int = 0
+    expert_intermediate_size: int | None = None  # None: intermediate_size
+    normalize_expert_weights: bool = True  # the chosen experts' router probabilities rescaled to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
+
+    def __post_init__(self):
+        # read back from JSON, tuples arrive as lists
+        for name in ("rope_scaling", "sliding_layers", "dense_layers"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(tuple(v) if isinstance(v, list) else v for v in value))
+
+    def __repr__(self) -> str:
+        """Every Llama/Qwen2 field, then the others that differ from their defaults: a Llama or Qwen2 model
+        reads as it always has (a draft head names its target by a hash of this text)."""
+        items = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[:_LLAMA_FIELDS]]
+        items += [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[_LLAMA_FIELDS:]
+                  if getattr(self, f.name) != f.default]
+        return f"ModelConfig({', '.join(items)})"
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
     @property
-    def layer_parameters(self) -> int:
-        """Weights of the decoder layers' linear maps (what each decoded token streams and multiplies)."""
-        attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads + self.num_heads) * self.dim_per_head
-        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+    def expert_size(self) -> int:
+        return self.expert_intermediate_size or self.intermediate_size
 
-    @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
-        arch = cfg.get("model_type", "llama")
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
-            qkv_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            head_dim=cfg.get("head_dim"),
-        )
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer (None: it attends to the whole context)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def layer_parameters(self) -> int:
+        """Weights of the decoder layers' linear maps that each decoded token streams and multiplies (of a
+        mixture of experts, the experts_per_token it is routed to)."""
+        attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads + self.num_heads) * self.dim_per_head
+        dense = 3 * self.hidden_size * self.intermediate_size
+        sparse = self.experts_per_token * 3 * self.hidden_size * self.expert_size + self.num_experts * self.hidden_size
+        return sum(attention + (sparse if self.is_sparse(i) else dense) for i in range(self.num_layers))
+
+
+_LLAMA_FIELDS = 13  # ModelConfig's fields up to head_dim: what it held when it described Llama and Qwen2 only

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..executor.backends import resolve_dtype
 from ..models.draft_head import DraftHead
-from ..models.runtime import Linear, RMSNorm
+from ..models.layers import Linear, RMSNorm
 from .data import FeatureSet
 from .recipe import Recipe
 

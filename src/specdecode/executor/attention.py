@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpecDecodeError
 from .kernels import load
+
+
+ERRORS = {-1: "a head size, group or window the kernel does not take", -2: "out of memory for its scratch",
+          -3: "a slot or position outside the KV cache"}
 
 
 class RowwiseAttentionKernel:
@@ -13,28 +18,35 @@ class RowwiseAttentionKernel:
 
     def __init__(self, lib, num_heads: int, num_kv_heads: int, head_dim: int):
         self.lib, self.num_heads, self.num_kv_heads, self.head_dim = lib, num_heads, num_kv_heads, head_dim
-        self._inputs = None  # (batch, rope, flat tensors): every layer of one forward shares them
+        self._batch, self._flat = None, {}  # per RoPE table, its flat inputs: every layer of a forward shares them
 
-    def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, cache, layer: int
-                 ) -> torch.Tensor:
+    def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, cache, attn) -> torch.Tensor:
         n = qkv.shape[-2] * qkv.shape[0]
         qkv = qkv.reshape(n, -1).contiguous()
         slots, positions, cos, sin = self._flat_inputs(batch, rope, n)
         out = torch.empty(n, self.num_heads * self.head_dim)
-        keys, values = cache.k[layer], cache.v[layer]
+        keys, values = cache.k[attn.layer], cache.v[attn.layer]
+        norms = attn.qk_norms
+        q_norm, k_norm = (0, 0) if norms is None else (norms[0].weight.data_ptr(), norms[1].weight.data_ptr())
+        eps = 0.0 if norms is None else norms[0].eps
         attend = self.lib.rowwise_attention_f16 if keys.dtype == torch.float16 else self.lib.rowwise_attention
-        attend(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, slots.data_ptr(),
-               positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-               cache.max_len, out.data_ptr(), torch.get_num_threads())
+        code = attend(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, slots.data_ptr(),
+                      positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_norm, k_norm, eps, attn.scale,
+                      attn.window or 0, keys.data_ptr(), values.data_ptr(), cache.num_slots, cache.max_len,
+                      out.data_ptr(), torch.get_num_threads())
+        if code:
+            raise SpecDecodeError(f"the attention kernel refused layer {attn.layer}: {ERRORS.get(code, code)}")
         return out
 
     def _flat_inputs(self, batch, rope, n: int):
         """Slots, positions and rotary factors as contiguous [N] / [N, D] tensors, made once per forward."""
-        if self._inputs is None or self._inputs[0] is not batch or self._inputs[1] is not rope:
-            flat = (batch.slots.reshape(n).contiguous(), batch.positions.reshape(n).contiguous(),
-                    *(t.reshape(n, self.head_dim).contiguous() for t in rope))
-            self._inputs = (batch, rope, flat)
-        return self._inputs[2]
+        if self._batch is not batch:
+            self._batch, self._flat = batch, {}
+        key = id(rope[0])
+        if key not in self._flat:
+            self._flat[key] = (batch.slots.reshape(n).contiguous(), batch.positions.reshape(n).contiguous(),
+                               *(t.reshape(n, self.head_dim).contiguous() for t in rope), rope)  # rope kept alive
+        return self._flat[key][:4]
 
 
 def attach_attention_kernel(model, kv_cache_dtype: str = "auto") -> bool:

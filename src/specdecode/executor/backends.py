@@ -20,6 +20,7 @@ measurements.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterable
 
@@ -29,7 +30,7 @@ from torch import nn
 from ..config import QUANTIZATIONS, ModelConfig
 from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
-from ..models.runtime import Linear, RotaryEmbedding, Transformer, hf_parts
+from ..models.runtime import Linear, Transformer, check_all_used, hf_parts
 from .cpu import cpu_has_native_bf16
 from .formats import FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
 from .quant import (BlockEmbedding, BlockLinear, ConcatLinear, W8A16Linear, block_linear_from, lowbit_isa,
@@ -161,15 +162,18 @@ def _as_float(tensor: torch.Tensor | RawTensor) -> torch.Tensor:
 
 def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantization: str,
                           device) -> Transformer:
-    """A Transformer whose linear layers (and embedding) are low-bit in the given format."""
+    """A Transformer whose linear layers (and embedding) are low-bit in the given format; its norms and
+    routers in float."""
     dtype = activation_dtype(quantization, "auto", device)
     with torch.device("meta"):
         model = Transformer(cfg)
     embed = "model.embed_tokens.weight"
     table = block_linear_from(tensors, embed) if quantization in LOW_BIT else None
+    used = {"model.embed_tokens", "lm_head", "model.rope_freqs"}
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
             parts = hf_parts(name)
+            used.update(parts)
             if parts == ["lm_head"] and not _has_weight(tensors, "lm_head"):  # tied: the embedding table
                 layer = table or W8A16Linear(*quantize_rows(tensors[embed].to(device)), None, dtype)
             else:
@@ -177,19 +181,23 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
             _set_module(model, name, layer)
     model.embed_tokens = BlockEmbedding(table, dtype) if table is not None else \
         nn.Embedding.from_pretrained(tensors[embed].to(device=device, dtype=dtype), freeze=True)
-    norms = {"norm.weight": tensors["model.norm.weight"]}
-    for i in range(cfg.num_layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            norms[f"layers.{i}.{norm}.weight"] = tensors[f"model.layers.{i}.{norm}.weight"]
-    params = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in norms.items()}
+    floats = {name: tensors[f"model.{name}"] for name, p in model.named_parameters() if p.is_meta}
+    used.update(f"model.{name.rpartition('.')[0]}" for name in floats)
+    params = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in floats.items()}
     model.load_state_dict(params, assign=True, strict=False)
-    model.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta).to(device)
+    check_all_used({_module_of(n) for n in tensors}, used)
+    model.set_rotary(tensors.get("model.rope_freqs"), device)
     if quantization == "w4a16":
         for module in model.modules():
             if isinstance(module, BlockLinear):
                 module.passes = 2
     model.backend = f"{torch.device(device).type} {quantization}"
     return model.eval()
+
+
+def _module_of(tensor_name: str) -> str:
+    """"model.layers.0.mlp.up_proj.weight.lo" -> "model.layers.0.mlp.up_proj" (a layer's stored arrays too)."""
+    return re.sub(r"\.(weight|bias)([._]\w+)*$", "", tensor_name)
 
 
 def _has_weight(tensors: dict[str, torch.Tensor], part: str) -> bool:

@@ -45,15 +45,19 @@ class SiluMulKernel:
 
 
 def attach_elementwise_kernels(model) -> bool:
-    """Give the model's norms and MLPs the kernels where they apply (float32 on the CPU); True if it did."""
+    """Give the model's norms and SwiGLU MLPs the kernels where they apply (float32 on the CPU); True if it
+    did. A norm the model shares with another (a draft head reads its target's final norm) gets it too."""
+    from ..models.layers import MLP, RMSNorm
+
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
     lib = load("norm")
     if lib is None:
         return False
     norm, silu_mul = NormKernel(lib), SiluMulKernel(lib)
-    model.norm.kernel = norm
-    for layer in model.layers:
-        layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = norm
-        layer.mlp.silu_mul_kernel = silu_mul
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = norm
+        elif isinstance(module, MLP) and module.activation == "silu":
+            module.act_mul_kernel = silu_mul
     return True

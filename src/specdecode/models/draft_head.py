@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+import copy
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .runtime import DecoderLayer, ForwardBatch, Linear, RMSNorm, RotaryEmbedding, Transformer
+from .layers import Linear, RMSNorm
+from .runtime import DecoderLayer, ForwardBatch, Transformer
 
 # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs), its output added to the features
 ARCHITECTURE = "feature-head-2"
@@ -42,7 +44,11 @@ class HeadSpec:
     measured: dict = field(default_factory=dict)  # held-out acceptance at training's end
 
     def layer_config(self, target: ModelConfig) -> ModelConfig:
-        return replace(target, num_layers=1, intermediate_size=self.intermediate_size)
+        """The head's layer: a Llama layer at the target's width and heads, whatever the target's family (the
+        head is a design of its own; only RoPE follows the target's global layers, see DraftHead)."""
+        plain = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING and f.name not in
+                 ("rope_theta", "rms_norm_eps", "max_position", "qkv_bias", "tie_word_embeddings", "head_dim")}
+        return replace(target, num_layers=1, intermediate_size=self.intermediate_size, **plain)
 
 
 def target_fingerprint(model: Transformer) -> str:
@@ -70,7 +76,7 @@ class DraftHead(nn.Module):
         self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.fc = Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
-        self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta)
+        self.rotary = copy.deepcopy(target.rotary)  # the target's global frequencies, scaled as its are
         self.vocab_ids = vocab_ids
         self.norm = target.norm  # the target's final norm (not saved: see OWNED)
         # the target's embedding, not registered: neither saved nor counted as the head's memory
@@ -106,7 +112,7 @@ class DraftHead(nn.Module):
                 features = torch.zeros_like(embedded)
             features = features.to(embedded.dtype)
             x = self._fused_input(self.embed_norm(embedded), features)
-            x, residual = self.layers[0](x, None, self.rotary(batch.positions, x.dtype), batch, cache)
+            x, residual = self.layers[0](x, None, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
             return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
     def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from .checkpoints import canonical_hf_weights
+from .families import from_hf_config
 from .runtime import Transformer, build_model
 from .sources import ModelSource, cache_root, resolve
 from .tokenizer import Tokenizer
@@ -92,8 +94,9 @@ def load_low_bit_weights(name: str, quantization: str, progress: bool = True
         cfg, tensors = _load_hf_checkpoint(source.path)
         return cfg, quantize_weights(tensors.items(), quantization)
     folder = _cache_dir_for(source, "weights")
-    # v3: every GGUF block format in the block kernel's layout; a layout change must not read an older file
-    path = os.path.join(folder, f"{quantization}-v3.safetensors")
+    # v4: every GGUF block format in the block kernel's layout, the runtime's names for every family; a layout
+    # or naming change must not read an older file
+    path = os.path.join(folder, f"{quantization}-v4.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(path) and os.path.exists(config_path):
         from safetensors.torch import load_file
@@ -124,12 +127,12 @@ def _load_gguf_cached(source: ModelSource, dtype: torch.dtype, progress: bool):
     from .gguf_loader import iter_gguf_tensors
 
     folder = _cache_dir_for(source, "weights")
-    weights = os.path.join(folder, f"{str(dtype).removeprefix('torch.')}.safetensors")
+    weights = os.path.join(folder, f"{str(dtype).removeprefix('torch.')}-v4.safetensors")
     config_path = os.path.join(folder, "config.json")
     if os.path.exists(weights) and os.path.exists(config_path):
         return ModelConfig(**json.load(open(config_path))), load_file(weights)
     cfg, named = iter_gguf_tensors(source.path, progress)
-    tensors = {name: t.to(dtype) for name, t in named}
+    tensors = {name: t if name == "model.rope_freqs" else t.to(dtype) for name, t in named}  # factors stay float32
     _save_cache(tensors, weights, cfg, config_path)
     return cfg, tensors
 
@@ -148,11 +151,11 @@ def _save_cache(tensors: dict[str, torch.Tensor], path: str, cfg: ModelConfig, c
 def _load_hf_checkpoint(folder: str):
     from safetensors.torch import load_file
 
-    cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(folder, "config.json"))))
+    cfg = from_hf_config(json.load(open(os.path.join(folder, "config.json"))))
     tensors: dict[str, torch.Tensor] = {}
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {folder}; convert the checkpoint to safetensors")
     for f in files:
         tensors.update(load_file(os.path.join(folder, f)))
-    return cfg, tensors
+    return cfg, canonical_hf_weights(cfg, tensors)

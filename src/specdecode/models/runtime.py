@@ -1,4 +1,6 @@
-"""Decoder-only transformer for the Llama/Qwen2 family in plain PyTorch.
+"""The decoder every family runs, in plain PyTorch, shaped by its ModelConfig (models/families.py): norm
+placement, q/k norms, activation, attention window, RoPE base and scaling per layer, embedding scale, tied
+head, experts.
 
 One `forward` serves prefill, single-token decode and multi-token verification: the input is a
 batch of sequences, each with its own cache slot, start position and number of new tokens.
@@ -17,9 +19,7 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
-
-
-
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope
 
 @dataclass
 class ForwardBatch:
@@ -35,7 +35,7 @@ class ForwardBatch:
     slot_index: slice | torch.Tensor  # the sequences' slots, as a slice when contiguous (reads are then views)
     positions: torch.Tensor  # [B, T] absolute position of every input token ([1, N] when packed)
     kv_len: int  # keys to attend over: max(start + new tokens)
-    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, for the batched (prefill) attention path
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, causal, for the batched (prefill) attention path
     logit_rows: torch.Tensor | None  # flat rows of the outputs that need logits (None: all)
     # For packed calls: per sequence, (slot, keys visible to each of its new tokens); else None.
     rowwise: list[tuple[int, list[int]]] | None = None
@@ -73,76 +73,16 @@ class ForwardBatch:
     def packed(self) -> bool:
         return self.rowwise is not None
 
-
-class Linear(nn.Linear):
-    """A Linear whose output rows do not depend on how many rows are computed together.
-
-    oneDNN's bf16 GEMM kernels give each row the same result for any M >= 2, but M = 1 goes to a GEMV
-    kernel that rounds differently. Padding a single row to two (no slower here) keeps a token's logits
-    identical whether it is decoded alone or verified with k drafts.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[:-1].numel() == 1:
-            y = F.linear(torch.cat([x, x], dim=-2), self.weight)[..., :1, :]  # a contiguous copy: stride-0 views are slow
-        else:
-            y = F.linear(x, self.weight)
-        # The bias is added apart: a fused bias selects other kernels, which are not row-invariant.
-        return y if self.bias is None else y + self.bias
-
-    def select_rows(self, ids: torch.Tensor) -> "Linear":
-        out = Linear(self.in_features, len(ids), bias=self.bias is not None, device="meta")
-        out.weight = nn.Parameter(self.weight.index_select(0, ids), requires_grad=False)
-        if self.bias is not None:
-            out.bias = nn.Parameter(self.bias.index_select(0, ids), requires_grad=False)
-        return out
-
-
-class RMSNorm(nn.Module):
-    """norm(x); or, given the residual stream, adds x into it first and returns (norm(sum), sum): the
-    residual add and the next norm are one step, which a backend's kernel does in one call."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.kernel = None  # a backend may attach one (see executor/elementwise.py), same signature as forward
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.kernel is not None:
-            return self.kernel(self, x, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """NeoX-style rotary embedding (halves rotated); GGUF llama weights are un-permuted to match."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The batched path's mask for layers with this sliding window (None: the causal mask): a token sees
+        the `window` keys up to itself."""
+        if window is None:
+            return self.mask
+        masks = self.__dict__.setdefault("_window_masks", {})
+        if window not in masks:
+            keys = torch.arange(self.kv_len, device=self.positions.device)[None, None, :]
+            masks[window] = self.mask & (keys > self.positions[:, :, None] - window)[:, None]
+        return masks[window]
 
 
 class Attention(nn.Module):
@@ -154,15 +94,26 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
-        # A backend may attach one kernel for rope + KV write + attention of packed batches (see
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.window = cfg.window(layer)
+        self.scale = cfg.attention_scale or self.head_dim ** -0.5
+        # which of the model's RoPE tables this layer reads (Gemma 3's sliding layers have their own base)
+        self.rope = "local" if self.window is not None and cfg.local_rope_theta is not None else "global"
+        # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
+
+    @property
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        return (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
 
     def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
         """The new tokens after each slot's cached ones."""
         bsz, width, _ = x.shape
         if batch.rowwise is not None and self.rowwise_kernel is not None:
-            out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self.layer)
+            out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self)
             return self.o_proj(out.view(bsz, width, -1))
         q, k, v = self._heads(x, rope)
         cache.write(self.layer, batch.slots, batch.positions, k, v)
@@ -170,16 +121,25 @@ class Attention(nn.Module):
             out = self._rowwise_attention(q, batch, cache)
         else:
             keys, values = (t.to(q.dtype) for t in cache.read(self.layer, batch.slot_index, batch.kv_len))
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask_for(self.window),
+                                                 enable_gqa=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _heads(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v as [B, heads, T, head_dim], q and k rotated."""
+        """q, k, v as [B, heads, T, head_dim], q and k normalised (where the family does) and rotated."""
         bsz, width, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(bsz, width, self.num_heads, self.head_dim).transpose(1, 2), *rope)
-        k = apply_rope(k.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2), *rope)
+        q = q.view(bsz, width, self.num_heads, self.head_dim)
+        k = k.view(bsz, width, self.num_kv_heads, self.head_dim)
+        if self.qk_norms is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope)
+        k = apply_rope(k.transpose(1, 2), *rope)
         return q, k, v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def visible_keys(self, n: int) -> slice:
+        """The cached keys the token at position n - 1 attends to."""
+        return slice(0 if self.window is None else max(0, n - self.window), n)
 
     def _rowwise_attention(self, q, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """One attention call per new token over exactly its visible keys: the same call, bit for bit, as
@@ -195,26 +155,12 @@ class Attention(nn.Module):
             keys, values = cache.k[self.layer][slot:slot + 1], cache.v[self.layer][slot:slot + 1]
             for n in kv_lens:
                 query = q[0, :, token].reshape(1, kv_heads, group, self.head_dim)
-                rows.append(F.scaled_dot_product_attention(query, keys[:, :, :n].to(q.dtype),
-                                                           values[:, :, :n].to(q.dtype)))
+                seen = self.visible_keys(n)
+                rows.append(F.scaled_dot_product_attention(query, keys[:, :, seen].to(q.dtype),
+                                                           values[:, :, seen].to(q.dtype), scale=self.scale))
                 token += 1
         # one [1, Hkv, G, D] per packed token -> [1, H, N, D]
         return torch.stack(rows).view(1, token, self.num_heads, self.head_dim).transpose(1, 2)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.silu_mul_kernel = None  # a backend may attach one: gate_up -> silu(gate) * up in one call
-
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if self.silu_mul_kernel is not None:
-            return self.down_proj(self.silu_mul_kernel(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -223,16 +169,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
 
     def forward(self, x, residual, rope, batch, cache):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None); returns
-        this layer's MLP output and the residual stream before it (the next norm adds them)."""
+        this layer's MLP output and the residual stream before it (the next norm adds them).
+
+        With sandwich norms (Gemma) the attention and MLP outputs are normalised before they join the
+        residual stream: post_attention_layernorm normalises the attention output, and the add + norm before
+        the MLP is pre_feedforward_layernorm's."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, batch, cache), residual)
+        attended = self.self_attn(x, rope[self.self_attn.rope], batch, cache)
+        if hasattr(self, "post_feedforward_layernorm"):
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(x), residual
 
 
@@ -244,12 +201,33 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta)
+        self.set_rotary()
         # Token ids of the logits' columns when the LM head is restricted to a vocabulary subset.
         self.vocab_ids: torch.Tensor | None = None
         # The KV cache's element type when it differs from the activations' (set with the attention
         # kernel: a float16 cache halves what attention over a long context streams).
         self.kv_cache_dtype: torch.dtype | None = None
+
+    def set_rotary(self, freq_factors: torch.Tensor | None = None, device=None) -> None:
+        """The RoPE tables' frequencies: the global layers' (scaled as the config says, by `freq_factors` where
+        it says so) and, for a family whose sliding layers have their own base, theirs (unscaled)."""
+        cfg = self.cfg
+        self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
+        if cfg.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(cfg.dim_per_head, cfg.local_rope_theta).to(device)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of every input position for each kind of layer (Attention.rope names its kind)."""
+        tables = {"global": self.rotary(positions, dtype)}
+        if hasattr(self, "local_rotary"):
+            tables["local"] = self.local_rotary(positions, dtype)
+        return tables
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        if self.cfg.embedding_scale is not None:  # in the activations' dtype, as transformers and llama.cpp do
+            x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
+        return x
 
     @property
     def device(self):
@@ -282,8 +260,8 @@ class Transformer(nn.Module):
         """tokens [B, T] ([1, N] when packed) -> float32 logits [rows, vocab] for `batch.logit_rows`
         (row-major over B, T); with return_hidden also the last layer's output (before the final norm)
         for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
-        x = self.embed_tokens(tokens)
-        rope = self.rotary(batch.positions, x.dtype)
+        x = self.embed(tokens)
+        rope = self.rope_tables(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch, cache)
@@ -316,49 +294,58 @@ class Transformer(nn.Module):
         self.vocab_ids = token_ids
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in Hugging Face Llama/Qwen2 checkpoints (q/k/v and gate/up are fused here)."""
-        self.load_state_dict(fuse_hf_weights(self.cfg, tensors), assign=True, strict=True)
+        """Load weights named as in Hugging Face checkpoints (models/checkpoints.py makes every family's names
+        so; q/k/v and gate/up are fused here)."""
+        self.load_state_dict(runtime_weights(self, tensors), assign=True, strict=True)
         if self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             self.lm_head.weight = self.embed_tokens.weight
         for p in self.parameters():
             p.requires_grad_(False)
 
 
-# the runtime's fused linear layers, and the Hugging Face layers whose output rows they stack
-FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "self_attn.o_proj": ("self_attn.o_proj",),
-               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
+# the runtime's fused linear layers, and the Hugging Face layers (in the same module) whose output rows they stack
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# HF names that hold no weight of the runtime's: computed buffers of older checkpoints
+IGNORED = ("rotary_emb.inv_freq",)
 
 
 def hf_parts(name: str) -> list[str]:
-    """HF names of the layers behind a runtime linear layer ("layers.3.mlp.gate_up_proj" -> gate, up)."""
+    """HF names of the modules behind a runtime module ("layers.3.mlp.gate_up_proj" -> its gate and up)."""
     if name == "lm_head":
         return ["lm_head"]
-    layer, _, local = name.partition(".")[2].partition(".")
-    return [f"model.layers.{layer}.{part}" for part in FUSED_PARTS[local]]
+    parent, _, local = name.rpartition(".")
+    return [f"model.{parent}.{part}" for part in FUSED_PARTS[local]] if local in FUSED_PARTS else [f"model.{name}"]
 
 
-def fuse_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> the runtime's, with q/k/v and gate/up concatenated by output rows."""
-    embed = tensors["model.embed_tokens.weight"]
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": embed, "norm.weight": tensors["model.norm.weight"],
-                                    "lm_head.weight": tensors.get("lm_head.weight", embed)}
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for name, parts in FUSED_PARTS.items():
-            for suffix in ("weight", "bias"):
-                if src + f"{parts[0]}.{suffix}" in tensors:
-                    out[f"{dst}{name}.{suffix}"] = torch.cat([tensors[f"{src}{p}.{suffix}"] for p in parts])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{dst}{norm}.weight"] = tensors[f"{src}{norm}.weight"]
+def runtime_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> the model's parameter names, with q/k/v and gate/up concatenated by output rows. A weight
+    of the checkpoint that the model has no place for is refused: it would change what the model computes."""
+    out, used = {}, set()
+    for name in model.state_dict():
+        module, _, kind = name.rpartition(".")
+        sources = [f"{part}.{kind}" for part in hf_parts(module)]
+        if name == "lm_head.weight" and "lm_head.weight" not in tensors:
+            sources = ["model.embed_tokens.weight"]  # tied
+        missing = [s for s in sources if s not in tensors]
+        if missing:
+            raise SpecDecodeError(f"the checkpoint has no {missing[0]}, which this {model.cfg.arch} model needs")
+        out[name] = tensors[sources[0]] if len(sources) == 1 else torch.cat([tensors[s] for s in sources])
+        used.update(sources)
+    check_all_used(tensors, used | {"lm_head.weight", "model.rope_freqs"})
     return out
+
+
+def check_all_used(tensors, used: set[str]) -> None:
+    unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED))
+    if unused:
+        raise SpecDecodeError(f"the checkpoint holds weights this runtime does not compute ({', '.join(unused[:3])}"
+                              f"{'...' if len(unused) > 3 else ''}): refused rather than run without them")
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
     """Create the model without initialising random weights, then assign the given ones."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    tensors = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
-    model.load_hf_state_dict(tensors)
-    model.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta).to(device)
+    model.set_rotary(tensors.get("model.rope_freqs"), device)  # float32, whatever the weights' dtype
+    model.load_hf_state_dict({name: t.to(device=device, dtype=dtype) for name, t in tensors.items()})
     return model.eval()

@@ -36,8 +36,10 @@ SIGNATURES = {
              "silu_mul": ([_P, _P, _I, _I, _I], None)},
     "attention": {"attention_dim_ok": ([_I], _I), "attention_group_ok": ([_I], _I), "attention_half_ok": ([], _I),
                   "attention_softmax_unnormalised": ([_P, _I], _F),
-                  "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I], None),
-                  "rowwise_attention_f16": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I], None)},
+                  "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P, _I],
+                                        _I),
+                  "rowwise_attention_f16": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P,
+                                             _I], _I)},
 }
 
 # Instruction sets a kernel can be built for at or below the machine's own, so that each path is tested on
@@ -85,10 +87,14 @@ def _load(name: str, isa: str) -> ctypes.CDLL | None:
         return None
     try:
         path = build(name, isa, cc)
-    except KernelBuildError as e:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:  # a damaged cached library (a full disk, a copy cut short): built again
+            os.remove(path)
+            lib = ctypes.CDLL(build(name, isa, cc))
+    except (KernelBuildError, OSError) as e:
         _problems[f"{name}/{isa}"] = str(e)
         return None
-    lib = ctypes.CDLL(path)
     for function, (argtypes, restype) in SIGNATURES.get(name, {}).items():
         getattr(lib, function).argtypes = argtypes
         getattr(lib, function).restype = restype

@@ -1,5 +1,6 @@
-// Decode and verify attention in one call per layer: rotary embedding of q and k, the KV-cache write, and
-// for every new token attention over exactly the keys it may see (its slot's positions 0..its own).
+// Decode and verify attention in one call per layer: the per-head RMSNorm of q and k where the family has
+// one, rotary embedding of q and k, the KV-cache write, and for every new token attention over exactly the
+// keys it may see (its slot's positions 0..its own, or the last `window` of them in a sliding layer).
 // Each (token, query head) is computed by the same operations in the same order whatever else is in the
 // call, so a token's output is identical whether it is decoded alone or verified beside drafts; and every
 // vector lane holds its own key (scores) or its own dimension (values), each a chain of fused
@@ -9,6 +10,8 @@
 //   cos, sin [N, D]         rotary factors of each token's position (NeoX: halves rotated)
 //   kcache, vcache [S, Hkv, L, D] of this layer, float32 or float16; slots, positions [N]
 //   out [N, H D]            query head h reads kv head h / (H / Hkv)
+//   q_norm, k_norm [D]      RMSNorm weights of each query and key head, or NULL (no norm)
+//   scale                   of the query-key scores; window: keys a token sees, itself included (0: all)
 //
 // Over a long context this streams the cache, so it is read once per kv head: a block of keys is
 // widened to float32 and transposed once (lanes over keys: no dot product ends in a horizontal sum) and
@@ -109,9 +112,21 @@ static float *scratch(size_t floats) {
     if (floats > scratch_floats) {
         free(scratch_buf);
         scratch_buf = malloc(floats * sizeof(float));
-        scratch_floats = floats;
+        scratch_floats = scratch_buf ? floats : 0;
     }
     return scratch_buf;
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over D values (a head's RMSNorm), or y = x without w.
+static inline void norm_head(const float *x, const float *w, float eps, int D, float *y) {
+    if (!w) {
+        memcpy(y, x, D * sizeof(float));
+        return;
+    }
+    float ss = 0.f;
+    for (int i = 0; i < D; i++) ss = fmaf(x[i], x[i], ss);
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int i = 0; i < D; i++) y[i] = x[i] * inv * w[i];
 }
 
 // x * cos + rotate_half(x) * sin, rounded as the separate products and sum are in PyTorch.
@@ -464,10 +479,11 @@ int attention_half_ok(void) { return HAVE_HALF; }
 
 // Token t's rotated k and its v into the cache at its slot and position, for kv head h.
 static void write_kv(const float *row, const float *cos, const float *sin, int H, int Hkv, int h, int D,
-                     void *kcache, void *vcache, int is_half, size_t at) {
-    float k[MAX_DIM];
+                     const float *k_norm, float eps, void *kcache, void *vcache, int is_half, size_t at) {
+    float k[MAX_DIM], normed[MAX_DIM];
     const float *v = row + (H + Hkv + h) * D;
-    rope(row + (H + h) * D, cos, sin, k, D);
+    norm_head(row + (H + h) * D, k_norm, eps, D, normed);
+    rope(normed, cos, sin, k, D);
     if (!is_half) {
         memcpy((float *)kcache + at, k, D * sizeof(float));
         memcpy((float *)vcache + at, v, D * sizeof(float));
@@ -500,36 +516,42 @@ static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first,
 }
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
-// over the cached keys and values from row `first` on: token i sees the first ns[i] of them (ns increasing).
-// Every block of keys and values is widened and laid out once for all of them, and each token's heads are
-// scored and weighed exactly as if it were alone (the same blocks, in the same order): lanes past a token's
-// own keys are computed and left unread. out: token i's G heads at out + i * out_stride.
-static void attend(const float *q, int tokens, int G, int D, const int *ns, const void *kcache, const void *vcache,
-                   int is_half, size_t first, float *work, float *out, size_t out_stride) {
-    const float scale = 1.f / sqrtf((float)D);
-    const int n = ns[tokens - 1], heads = tokens * G;
-    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)KEYS * D;  // p: [heads][n]
+// over the cached keys and values from row `first` on: token i sees keys los[i] .. ns[i] - 1 (both
+// nondecreasing). Every block of keys and values is widened and laid out once for all of them, and each
+// token's heads are scored and weighed exactly as if it were alone: a key's score is a chain over its own
+// lane, the softmax's lanes count from the token's first key, and the values are weighed in key order, so
+// where blocks start changes nothing. Scores of keys a token does not see are computed and left unread.
+// out: token i's G heads at out + i * out_stride.
+static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
+                   const void *kcache, const void *vcache, int is_half, size_t first, float *work, float *out,
+                   size_t out_stride) {
+    const int lo = los[0], n = ns[tokens - 1], span = n - lo, heads = tokens * G;
+    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)KEYS * D;  // p: [heads][span]
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     int from = 0;  // the first token that sees the current block
-    for (int j0 = 0; j0 < n; j0 += KEYS) {
+    for (int j0 = lo; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
         while (ns[from] <= j0) from++;
         prefetch_ahead(kcache, bytes, first, j0, KEYS, n, D, KEYS_AHEAD, 0);
         keys_block(kcache, is_half, first + j0, count, D, rows, kt);
-        score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale, p + (size_t)from * G * n + j0, n);
+        score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale,
+                    p + (size_t)from * G * span + (j0 - lo), span);
     }
     float total[MAX_TOKENS * MAX_GROUP];
-    for (int h = 0; h < heads; h++) total[h] = softmax_unnormalised(p + (size_t)h * n, ns[h / G]);
+    for (int h = 0; h < heads; h++)
+        total[h] = softmax_unnormalised(p + (size_t)h * span + (los[h / G] - lo), ns[h / G] - los[h / G]);
     for (int i = 0; i < tokens; i++) memset(out + i * out_stride, 0, (size_t)G * D * sizeof(float));
     from = 0;
-    for (int j0 = 0; j0 < n; j0 += VALUES) {
-        const int count = n - j0 < VALUES ? n - j0 : VALUES;
+    for (int j0 = lo; j0 < n; j0 += VALUES) {
+        const int end = n - j0 < VALUES ? n : j0 + VALUES;
         while (ns[from] <= j0) from++;
         prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D, VALUES_AHEAD, VALUES_FAR);
-        const void *vb = (const char *)vcache + (first + j0) * D * bytes;
-        for (int i = from; i < tokens; i++)
-            weigh_block(p + (size_t)i * G * n + j0, n, vb, is_half, D, ns[i] - j0 < count ? ns[i] - j0 : count, G,
-                        out + i * out_stride);
+        for (int i = from; i < tokens; i++) {
+            const int a = j0 > los[i] ? j0 : los[i], b = end < ns[i] ? end : ns[i];
+            if (a < b)
+                weigh_block(p + (size_t)i * G * span + (a - lo), span, (const char *)vcache + (first + a) * D * bytes,
+                            is_half, D, b - a, G, out + i * out_stride);
+        }
     }
     for (int h = 0; h < heads; h++) {
         const float inv = 1.f / total[h];
@@ -554,49 +576,74 @@ static int find_runs(int N, const int64_t *slots, const int64_t *positions, int 
     return runs;
 }
 
-static void attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
-                      const int64_t *positions, const float *cos, const float *sin, void *kcache, void *vcache,
-                      int is_half, int L, float *out, int threads) {
+// The entry points' error codes (kernels/__init__.py turns them into messages)
+#define ATTENTION_OK 0
+#define ATTENTION_BAD_SHAPE -1   // a head size, group or window the kernel does not take
+#define ATTENTION_NO_MEMORY -2   // scratch memory could not be allocated
+#define ATTENTION_BAD_TOKEN -3   // a slot or position outside the cache
+
+static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
+                     const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
+                     float scale, int window, void *kcache, void *vcache, int is_half, int S, int L, float *out,
+                     int threads) {
+    if (N < 0 || Hkv < 1 || H % Hkv || !attention_group_ok(H / Hkv) || !attention_dim_ok(D) || window < 0 || S < 1)
+        return ATTENTION_BAD_SHAPE;
+    for (int t = 0; t < N; t++)
+        if (slots[t] < 0 || slots[t] >= S || positions[t] < 0 || positions[t] >= L) return ATTENTION_BAD_TOKEN;
     const int G = H / Hkv, width = (H + 2 * Hkv) * D;
     // every token's k and v into the cache first: a verified token attends to the drafts before it
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < N * Hkv; task++) {
         const int t = task / Hkv, h = task % Hkv;
-        write_kv(qkv + (size_t)t * width, cos + (size_t)t * D, sin + (size_t)t * D, H, Hkv, h, D, kcache, vcache,
-                 is_half, (((size_t)slots[t] * Hkv + h) * L + positions[t]) * D);
+        write_kv(qkv + (size_t)t * width, cos + (size_t)t * D, sin + (size_t)t * D, H, Hkv, h, D, k_norm, eps, kcache,
+                 vcache, is_half, (((size_t)slots[t] * Hkv + h) * L + positions[t]) * D);
     }
     const int runs = find_runs(N, slots, positions, -1, NULL, NULL);
-#pragma omp parallel for schedule(static) num_threads(threads)
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : failed)
     for (int task = 0; task < runs * Hkv; task++) {
         const int h = task % Hkv;
         int t0, t_end;
         find_runs(N, slots, positions, task / Hkv, &t0, &t_end);
         const int tokens = t_end - t0;
-        const int n = (int)positions[t0 + tokens - 1] + 1;
+        int ns[MAX_TOKENS], los[MAX_TOKENS];
+        for (int i = 0; i < tokens; i++) {
+            ns[i] = (int)positions[t0 + i] + 1;
+            los[i] = window && ns[i] > window ? ns[i] - window : 0;
+        }
         const size_t first = ((size_t)slots[t0] * Hkv + h) * L;
-        float *q = scratch((size_t)tokens * G * D + 2 * (size_t)D * KEYS + (size_t)tokens * G * n);
-        int ns[MAX_TOKENS];
+        float *q = scratch((size_t)tokens * G * D + 2 * (size_t)D * KEYS + (size_t)tokens * G * (ns[tokens - 1] - los[0]));
+        if (!q) {
+            failed = 1;
+            continue;
+        }
         for (int i = 0; i < tokens; i++) {
             const int t = t0 + i;
-            ns[i] = (int)positions[t] + 1;
-            for (int g = 0; g < G; g++)
-                rope(qkv + (size_t)t * width + (h * G + g) * D, cos + (size_t)t * D, sin + (size_t)t * D,
-                     q + ((size_t)i * G + g) * D, D);
+            for (int g = 0; g < G; g++) {
+                float normed[MAX_DIM];
+                norm_head(qkv + (size_t)t * width + (h * G + g) * D, q_norm, eps, D, normed);
+                rope(normed, cos + (size_t)t * D, sin + (size_t)t * D, q + ((size_t)i * G + g) * D, D);
+            }
         }
-        attend(q, tokens, G, D, ns, kcache, vcache, is_half, first, q + (size_t)tokens * G * D,
+        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, first, q + (size_t)tokens * G * D,
                out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
+    return failed ? ATTENTION_NO_MEMORY : ATTENTION_OK;
 }
 
-void rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
-                       const int64_t *positions, const float *cos, const float *sin, float *kcache, float *vcache,
-                       int L, float *out, int threads) {
-    attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, kcache, vcache, 0, L, out, threads);
+int rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
+                      const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
+                      float scale, int window, float *kcache, float *vcache, int S, int L, float *out, int threads) {
+    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
+                     0, S, L, out, threads);
 }
 
 // The same over a float16 cache (half the bytes to stream; entries rounded to nearest on write).
-void rowwise_attention_f16(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
-                           const int64_t *positions, const float *cos, const float *sin, half *kcache,
-                           half *vcache, int L, float *out, int threads) {
-    attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, kcache, vcache, 1, L, out, threads);
+int rowwise_attention_f16(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
+                          const int64_t *positions, const float *cos, const float *sin, const float *q_norm,
+                          const float *k_norm, float eps, float scale, int window, half *kcache, half *vcache, int S,
+                          int L, float *out, int threads) {
+    if (!HAVE_HALF) return ATTENTION_BAD_SHAPE;
+    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
+                     1, S, L, out, threads);
 }

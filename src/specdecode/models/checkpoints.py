@@ -1,0 +1,98 @@
+"""Every checkpoint's weights under one set of names, which the runtime and the backends read: Hugging Face's as
+Llama and Qwen2 name them, each expert apart ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", the router
+"model.layers.{i}.mlp.gate.weight"), norms as the runtime multiplies them, and a GGUF file's RoPE frequency
+factors as "model.rope_freqs"."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import SpecDecodeError
+
+# ---- Hugging Face checkpoints --------------------------------------------------------------------------
+
+MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# families whose RMSNorm multiplies by (1 + weight): llama.cpp's converter adds the 1 to the stored weights
+NORM_OFFSET_FAMILIES = ("gemma3_text",)
+
+
+def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's tensors under the runtime's names."""
+    out = {}
+    for name, tensor in tensors.items():
+        for canonical, part in _canonical_hf(name, tensor):
+            out[canonical] = part
+    if cfg.arch in NORM_OFFSET_FAMILIES:
+        out = {n: t + 1.0 if n.endswith("norm.weight") else t for n, t in out.items()}
+    return out
+
+
+def _canonical_hf(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    m = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.(.+)", name)  # Mixtral's names
+    if m:
+        expert = re.fullmatch(r"experts\.(\d+)\.(w[123])\.weight", m[2])
+        local = f"experts.{expert[1]}.{MIXTRAL_EXPERT[expert[2]]}.weight" if expert else m[2]
+        yield f"{m[1]}.mlp.{local}", tensor
+        return
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", name)  # stacked experts
+    if m:
+        for e, weight in enumerate(tensor):
+            if m[2] == "down_proj":
+                yield f"{m[1]}.{e}.down_proj.weight", weight
+            else:
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{m[1]}.{e}.gate_proj.weight", gate
+                yield f"{m[1]}.{e}.up_proj.weight", up
+        return
+    yield name, tensor
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------
+
+GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+    "attn_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm",
+}
+# where the attention output has a norm of its own (Gemma), ffn_norm is the one before the MLP
+SANDWICH_LAYER = {**GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm"}
+GGUF_EXPERTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
+                "ffn_gate_up_exps": ("gate_proj", "up_proj")}
+GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]]:
+    """Where the rows of a GGUF tensor go: (runtime name, rows of the tensor). An experts' tensor is stacked
+    [experts, rows, columns]: its names hold an "{expert}" field, and the rows are each expert's."""
+    if name == "rope_freqs.weight":
+        return [("model.rope_freqs", slice(None))]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m is None:
+        base, _, suffix = name.rpartition(".")
+        if base not in GGUF_GLOBAL:
+            raise _unknown_tensor(name)
+        return [(f"{GGUF_GLOBAL[base]}.{suffix}", slice(None))]
+    prefix, kind, suffix = f"model.layers.{m[1]}", m[2], m[3]
+    if kind in GGUF_EXPERTS:
+        parts = GGUF_EXPERTS[kind]
+        size = rows // len(parts)
+        return [(f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}", slice(i * size, (i + 1) * size))
+                for i, p in enumerate(parts)]
+    if kind == "attn_qkv":
+        q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
+        bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+        return [(f"{prefix}.self_attn.{p}_proj.{suffix}", slice(*b)) for p, b in zip("qkv", bounds)]
+    layer = SANDWICH_LAYER if cfg.sandwich_norms else GGUF_LAYER
+    if kind not in layer:
+        raise _unknown_tensor(name)
+    return [(f"{prefix}.{layer[kind]}.{suffix}", slice(None))]
+
+
+def _unknown_tensor(name: str) -> SpecDecodeError:
+    return SpecDecodeError(f"the GGUF file holds a tensor {name!r} that this runtime does not compute; the file is "
+                           "refused rather than run without it")

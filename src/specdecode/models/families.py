@@ -1,0 +1,265 @@
+"""The model families the runtime computes, and how a checkpoint's config.json or a GGUF file's metadata
+becomes the ModelConfig that describes one. A field that would change what the model computes and that the
+runtime does not implement is refused by name: a model that loads computes what its authors' code does.
+
+Each family's reference is its transformers implementation (config.json) and its llama.cpp graph (GGUF,
+where llama.cpp's converter and graph decide what a file means: Gemma 3's query scale and layer pattern,
+Qwen3-MoE's normalised expert weights)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..config import ModelConfig
+from ..errors import SpecDecodeError
+
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+ROPE_TYPES = ("default", "linear", "llama3")
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def refuse(field: str, value: Any, supported: str) -> SpecDecodeError:
+    return SpecDecodeError(f"this model's {field} is {value!r}, which specdecode does not implement "
+                           f"(supported: {supported}); it is refused rather than computed wrongly")
+
+
+# ---- config.json ---------------------------------------------------------------------------------------
+
+
+def from_hf_config(cfg: dict) -> ModelConfig:
+    """The description of a Hugging Face checkpoint, from its config.json."""
+    family = cfg.get("model_type", "llama")
+    if family == "gemma3" and "text_config" in cfg:
+        raise SpecDecodeError("this is a multimodal Gemma 3 checkpoint (model_type 'gemma3'); specdecode runs text "
+                              "models: use a Gemma 3 text checkpoint (model_type 'gemma3_text') or its GGUF")
+    if family not in HF_FAMILIES:
+        raise refuse("model_type", family, ", ".join(HF_FAMILIES))
+    _check_common_fields(cfg, family)
+    gemma = family == "gemma3_text"
+    heads = cfg["num_attention_heads"]
+    theta, scaling = hf_rope(cfg, "full_attention")
+    window, sliding = _hf_window(cfg, family)
+    return ModelConfig(
+        arch=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        rope_theta=theta,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        qkv_bias=family == "qwen2",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        head_dim=cfg.get("head_dim"),
+        rope_scaling=scaling,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+        activation=HF_ACTIVATIONS[cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")],
+        sandwich_norms=gemma,
+        embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
+        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if gemma and window else None,
+        **_hf_experts(cfg, family),
+    )
+
+
+def _check_common_fields(cfg: dict, family: str) -> None:
+    """Fields some configs of these families set to something the runtime does not compute."""
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    allowed = ("gelu_pytorch_tanh",) if family == "gemma3_text" else ("silu",)
+    if activation not in allowed:
+        raise refuse("hidden_act", activation, ", ".join(allowed))
+    if family != "qwen2" and cfg.get("attention_bias"):
+        raise refuse("attention_bias", True, "false (biased q/k/v are Qwen2's only)")
+    for name in ("mlp_bias", "use_bidirectional_attention", "attn_logit_softcapping", "final_logit_softcapping",
+                 "quantization_config"):
+        if cfg.get(name):
+            raise refuse(name, cfg[name], "unset or false")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "1.0")
+    bad = [t for t in cfg.get("layer_types") or () if t not in LAYER_TYPES]
+    if bad:
+        raise refuse("layer_types", bad[0], ", ".join(LAYER_TYPES))
+
+
+def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
+    """(base, scaling items) of the RoPE of one kind of layer, from transformers 5's rope_parameters (per layer
+    type for Gemma 3) or the older rope_theta / rope_scaling (and Gemma 3's rope_local_base_freq)."""
+    params = cfg.get("rope_parameters")
+    field = "rope_parameters"
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params, field = params[layer_type], f"rope_parameters.{layer_type}"
+    elif params is None:
+        field = "rope_scaling"
+        params = dict(cfg.get("rope_scaling") or {}) if layer_type == "full_attention" else {}
+        local = cfg.get("rope_local_base_freq") if layer_type == "sliding_attention" else None
+        params.setdefault("rope_theta", local or cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise refuse(f"{field}.rope_type", rope_type, ", ".join(ROPE_TYPES))
+    if params.get("mrope_section"):
+        raise refuse(f"{field}.mrope_section", params["mrope_section"], "unset")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, ()
+    keys = ("factor",) if rope_type == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise SpecDecodeError(f"this model's {field} is of type {rope_type!r} but has no {missing[0]}")
+    return theta, tuple(sorted([("rope_type", rope_type), *((k, float(params[k])) for k in keys)]))
+
+
+def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding window, the layers that slide; None: all of them)."""
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+        return None, None
+    if not window:
+        return None, None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and family == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    elif layer_types is None and family in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", layers)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if layer_types is None:
+        return int(window), None
+    sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    return (int(window), sliding) if sliding else (None, None)
+
+
+def _hf_experts(cfg: dict, family: str) -> dict:
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if family == "mixtral":
+        return dict(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2))
+    layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+    dense = {i for i in range(layers) if i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step}
+    return dict(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 8),
+                expert_intermediate_size=cfg.get("moe_intermediate_size"),
+                normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)), dense_layers=tuple(sorted(dense)))
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------
+
+
+# GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE): only softmax is implemented
+GATING_SOFTMAX = 1
+
+
+def field(reader, key: str, default=None):
+    """A GGUF metadata value (or default where the file has none)."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def from_gguf(reader) -> ModelConfig:
+    """The description of a GGUF file, from its metadata (and which tensors it holds), as llama.cpp reads it."""
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_FAMILIES:
+        raise refuse("GGUF architecture", arch, ", ".join(GGUF_FAMILIES))
+
+    def key(name, default=None):
+        return field(reader, f"{arch}.{name}", default)
+
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden, heads, layers = key("embedding_length"), key("attention.head_count"), key("block_count")
+    for name in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
+        if isinstance(key(name), list):
+            raise refuse(f"{arch}.{name}", "a value per layer", "one value for every layer")
+    head_dim = key("attention.key_length")
+    _check_gguf_fields(key, arch, head_dim or hidden // heads)
+    gemma = arch == "gemma3"
+    window, sliding = _gguf_window(key, arch, layers)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(embd.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position=int(key("context_length", 4096)),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        head_dim=head_dim,
+        rope_scaling=_gguf_rope_scaling(key, arch, "rope_freqs.weight" in names),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        activation="gelu_tanh" if gemma else "silu",
+        sandwich_norms=gemma,
+        embedding_scale=math.sqrt(hidden) if gemma else None,
+        attention_scale=_gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None,
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if gemma and window else None,
+        **_gguf_experts(key, names, layers),
+    )
+
+
+def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
+    if key("attention.value_length", head_dim) != head_dim:
+        raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise refuse(f"{arch}.rope.dimension_count", key("rope.dimension_count"), f"the head size, {head_dim}")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping", "expert_shared_count"):
+        if key(name):
+            raise refuse(f"{arch}.{name}", key(name), "unset")
+    if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:
+        raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), f"{GATING_SOFTMAX} (softmax)")
+
+
+def _gguf_rope_scaling(key, arch: str, has_freq_factors: bool) -> tuple:
+    kind = key("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise refuse(f"{arch}.rope.scaling.type", kind, "none, linear (and llama3 as a rope_freqs tensor)")
+    if has_freq_factors:
+        if kind != "none":
+            raise refuse(f"{arch}.rope.scaling.type", kind, "none beside a rope_freqs tensor")
+        return (("rope_type", "freq_factors"),)
+    if kind == "linear" and key("rope.scaling.factor", 1.0) != 1.0:
+        return (("factor", float(key("rope.scaling.factor"))), ("rope_type", "linear"))
+    return ()
+
+
+def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """llama.cpp's reading: a window applies where the file states one; Gemma 3's layers slide but every
+    sixth (or as its sliding_window_pattern says), any other family's all slide."""
+    window = key("attention.sliding_window")
+    if not window:
+        return None, None
+    if arch != "gemma3":
+        return int(window), None
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = tuple(i for i, slides in enumerate(pattern) if slides)
+    else:
+        sliding = tuple(i for i in range(layers) if i % pattern < pattern - 1)
+    return int(window), sliding
+
+
+def _gemma3_attention_scale(hidden: int, heads: int, head_dim: int | None, layers: int) -> float:
+    """llama.cpp's Gemma 3 query scale: 1/sqrt(head size), but 1/sqrt(hidden / heads) for the 27B (62
+    layers), as Google's reference code does (GGUF does not store query_pre_attn_scalar)."""
+    return 1.0 / math.sqrt(hidden / heads if layers == 62 else head_dim or hidden // heads)
+
+
+def _gguf_experts(key, names: set[str], layers: int) -> dict:
+    experts = key("expert_count", 0)
+    if not experts:
+        return {}
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    return dict(num_experts=experts, experts_per_token=key("expert_used_count"),
+                expert_intermediate_size=key("expert_feed_forward_length"),
+                normalize_expert_weights=bool(key("expert_weights_norm", True)), dense_layers=dense)

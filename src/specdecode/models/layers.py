@@ -1,0 +1,182 @@
+"""The runtime's building blocks: row-invariant linear maps, RMSNorm, RoPE and its scalings, gated MLPs and
+a mixture of experts. Each computes a token's output the same whatever other rows are computed with it, so
+a token's logits are identical whether it is decoded alone or verified beside drafts."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T, each output row as it would be computed among others.
+
+    oneDNN's GEMM kernels give each row the same result for any M >= 2, but M = 1 goes to a GEMV kernel
+    that rounds differently. Padding a single row to two (no slower here) keeps a token's logits identical
+    whether it is decoded alone or verified with k drafts."""
+    if x.shape[:-1].numel() == 1:
+        return F.linear(torch.cat([x, x], dim=-2), weight)[..., :1, :]  # a contiguous copy: stride-0 views are slow
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """A Linear whose output rows do not depend on how many rows are computed together."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = row_invariant_linear(x, self.weight)
+        # The bias is added apart: a fused bias selects other kernels, which are not row-invariant.
+        return y if self.bias is None else y + self.bias
+
+    def select_rows(self, ids: torch.Tensor) -> "Linear":
+        out = Linear(self.in_features, len(ids), bias=self.bias is not None, device="meta")
+        out.weight = nn.Parameter(self.weight.index_select(0, ids), requires_grad=False)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias.index_select(0, ids), requires_grad=False)
+        return out
+
+
+class RMSNorm(nn.Module):
+    """norm(x); or, given the residual stream, adds x into it first and returns (norm(sum), sum): the
+    residual add and the next norm are one step, which a backend's kernel does in one call.
+
+    The weight multiplies the normalised values as stored: Gemma's checkpoints hold weight - 1, and their
+    loader adds the 1 (as llama.cpp's converter does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernel = None  # a backend may attach one (see executor/elementwise.py), same signature as forward
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernel is not None:
+            return self.kernel(self, x, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style rotary embedding (halves rotated; GGUF Llama q/k rows are un-permuted to match), with the
+    frequency scalings of ModelConfig.rope_scaling."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: tuple = (), freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", scaled_frequencies(inv_freq, dict(scaling), freq_factors), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict, freq_factors: torch.Tensor | None) -> torch.Tensor:
+    kind = scaling.get("rope_type")
+    if kind is None:
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "freq_factors":
+        if freq_factors is None:
+            raise ValueError("the model's RoPE is scaled by per-dimension factors, and no rope_freqs tensor came")
+        return inv_freq / freq_factors.float().to(inv_freq.device)
+    if kind == "llama3":
+        return llama3_frequencies(inv_freq, scaling)
+    raise ValueError(f"unknown RoPE scaling {kind!r}")
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    context = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU or GeGLU."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
+        self.activation = cfg.activation
+        self.act_mul_kernel = None  # a backend may attach one: gate_up -> act(gate) * up in one call
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if self.act_mul_kernel is not None:
+            return self.down_proj(self.act_mul_kernel(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
+
+
+class Router(nn.Module):
+    """A mixture of experts' router: softmax over every expert's logit (in float32), the top k kept, their
+    weights rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
+        probs = torch.softmax(row_invariant_linear(x, self.weight).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class SparseMoE(nn.Module):
+    """Experts in place of the MLP. The rows of a call are grouped by expert, so each chosen expert's weights
+    are read once per call for all the rows routed to it (a verify of k + 1 rows reads the union of their
+    experts). Each row sums its experts' outputs in expert order, as transformers does, whatever the call."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.gate(flat)
+        out = torch.zeros_like(flat)
+        for expert in chosen.unique().tolist():  # ascending
+            rows, rank = (chosen == expert).nonzero(as_tuple=True)
+            y = self.experts[expert](flat.index_select(0, rows))
+            out.index_add_(0, rows, y * weights[rows, rank, None])
+        return out.view_as(x)
+
+    def experts_read(self, x: torch.Tensor) -> int:
+        """How many distinct experts a call over these rows reads."""
+        return int(self.gate(x.reshape(-1, x.shape[-1]))[1].unique().numel())
