@@ -63,38 +63,51 @@ class ByteTokenizer:
 
 
 def tiny_config(arch: str = "qwen2", vocab: int = VOCAB, layers: int = 2, hidden: int = 64,
-                intermediate: int | None = None) -> ModelConfig:
+                intermediate: int | None = None, **features) -> ModelConfig:
+    """features: ModelConfig's family fields (experts, windows, q/k norms...)."""
     return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                        num_layers=layers, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
-                       max_position=256, qkv_bias=arch == "qwen2", tie_word_embeddings=False)
+                       max_position=256, qkv_bias=arch == "qwen2", tie_word_embeddings=False, **features)
 
 
 def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[str, torch.Tensor]:
-    """Random weights named like a Hugging Face checkpoint."""
+    """Random weights named like a Hugging Face checkpoint (every family's parts: q/k norms, sandwich norms,
+    experts and their router, where the config has them)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g) * scale
 
-    d, kv = cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
-    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, cfg.hidden_size) * 6,
-         "model.norm.weight": 1 + rand(cfg.hidden_size),
-         "lm_head.weight": rand(cfg.vocab_size, cfg.hidden_size) * 3}
+    d, kv, hidden = cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head, cfg.hidden_size
+    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, hidden) * 6, "model.norm.weight": 1 + rand(hidden),
+         "lm_head.weight": rand(cfg.vocab_size, hidden) * 3}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, cfg.hidden_size)
-        w[p + "self_attn.k_proj.weight"] = rand(kv, cfg.hidden_size)
-        w[p + "self_attn.v_proj.weight"] = rand(kv, cfg.hidden_size)
+        w[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, hidden)
+        w[p + "self_attn.k_proj.weight"] = rand(kv, hidden)
+        w[p + "self_attn.v_proj.weight"] = rand(kv, hidden)
         if cfg.qkv_bias:
             for name, size in (("q", cfg.num_heads * d), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{name}_proj.bias"] = rand(size)
-        w[p + "self_attn.o_proj.weight"] = rand(cfg.hidden_size, cfg.num_heads * d)
-        w[p + "mlp.gate_proj.weight"] = rand(cfg.intermediate_size, cfg.hidden_size)
-        w[p + "mlp.up_proj.weight"] = rand(cfg.intermediate_size, cfg.hidden_size)
-        w[p + "mlp.down_proj.weight"] = rand(cfg.hidden_size, cfg.intermediate_size)
-        w[p + "input_layernorm.weight"] = 1 + rand(cfg.hidden_size)
-        w[p + "post_attention_layernorm.weight"] = 1 + rand(cfg.hidden_size)
+        if cfg.qk_norm:
+            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = 1 + rand(d), 1 + rand(d)
+        w[p + "self_attn.o_proj.weight"] = rand(hidden, cfg.num_heads * d)
+        if cfg.is_sparse(i):
+            w[p + "mlp.gate.weight"] = rand(cfg.num_experts, hidden) * 8
+            for e in range(cfg.num_experts):
+                w.update(_mlp_weights(rand, f"{p}mlp.experts.{e}.", hidden, cfg.expert_size))
+        else:
+            w.update(_mlp_weights(rand, p + "mlp.", hidden, cfg.intermediate_size))
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if cfg.sandwich_norms else []
+        for norm in norms:
+            w[p + f"{norm}.weight"] = 1 + rand(hidden)
     return w
+
+
+def _mlp_weights(rand, prefix: str, hidden: int, inter: int) -> dict[str, torch.Tensor]:
+    return {prefix + "gate_proj.weight": rand(inter, hidden), prefix + "up_proj.weight": rand(inter, hidden),
+            prefix + "down_proj.weight": rand(hidden, inter)}
 
 
 def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:

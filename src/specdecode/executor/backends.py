@@ -214,6 +214,9 @@ def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: st
         return W8A16Linear(q, scale, bias, dtype)
     layers = [block_linear_from(tensors, f"{p}.weight") for p in parts]
     first = layers[0]
+    if len(layers) == 1:
+        first.bias = bias
+        return first
     if all(x.format == first.format and x.S == first.S and x.rows == x.out_features for x in layers):
         buffers = [x.packed_buffers() for x in layers]
         fused = BlockLinear(packed={k: torch.cat([b[k] for b in buffers]) for k in buffers[0]}, fmt=first.format,

@@ -201,20 +201,22 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.set_rotary()
+        # RoPE scaled by factors stored with the weights gets its tables from the builder (set_rotary)
+        self.rotary = None if dict(cfg.rope_scaling).get("rope_type") == "freq_factors" else self.set_rotary()
         # Token ids of the logits' columns when the LM head is restricted to a vocabulary subset.
         self.vocab_ids: torch.Tensor | None = None
         # The KV cache's element type when it differs from the activations' (set with the attention
         # kernel: a float16 cache halves what attention over a long context streams).
         self.kv_cache_dtype: torch.dtype | None = None
 
-    def set_rotary(self, freq_factors: torch.Tensor | None = None, device=None) -> None:
+    def set_rotary(self, freq_factors: torch.Tensor | None = None, device=None) -> RotaryEmbedding:
         """The RoPE tables' frequencies: the global layers' (scaled as the config says, by `freq_factors` where
         it says so) and, for a family whose sliding layers have their own base, theirs (unscaled)."""
         cfg = self.cfg
         self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
         if cfg.local_rope_theta is not None:
             self.local_rotary = RotaryEmbedding(cfg.dim_per_head, cfg.local_rope_theta).to(device)
+        return self.rotary
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) of every input position for each kind of layer (Attention.rope names its kind)."""
