@@ -194,20 +194,25 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
                                _expected(windowed, ids), **TOLERANCE)
 
 
-def _with_metadata(source, out, extra: dict[str, int]):
-    """A copy of a GGUF file with more integer metadata."""
+def _with_metadata(source, out, extra: dict[str, int], strings: dict[str, str] | None = None,
+                   extra_tensor: str | None = None):
+    """A copy of a GGUF file with more integer (and string) metadata, or one more tensor."""
     from gguf import GGUFReader, GGUFWriter, GGUFValueType
 
     reader = GGUFReader(str(source))
     writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in (strings or {}):
             continue
         value_type = f.types[0]
         sub_type = f.types[-1] if value_type == GGUFValueType.ARRAY else None
         writer.add_key_value(key, f.contents(), value_type, sub_type=sub_type)
     for key, value in extra.items():
         writer.add_uint32(key, value)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
+    if extra_tensor:
+        writer.add_tensor(extra_tensor, torch.zeros(4).numpy())
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])),
                           raw_dtype=t.tensor_type)
@@ -216,3 +221,94 @@ def _with_metadata(source, out, extra: dict[str, int]):
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# ---- what the runtime does not implement is refused by name ----------------------------------------------
+
+LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
+    (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
+    (dict(model_type="gpt_oss"), "model_type"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(model_type="gemma3_text", final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+     "final_logit_softcapping"),
+    (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+])
+def test_an_unsupported_config_field_is_refused_by_name(change, field):
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.families import from_hf_config
+
+    with pytest.raises(SpecDecodeError, match=rf"this model's {field} is .*supported: "):
+        from_hf_config({**LLAMA, **change})
+
+
+def test_a_multimodal_gemma3_checkpoint_is_sent_to_its_text_model():
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.families import from_hf_config
+
+    with pytest.raises(SpecDecodeError, match="gemma3_text"):
+        from_hf_config({"model_type": "gemma3", "text_config": LLAMA})
+
+
+def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused(made, tmp_path):
+    from specdecode.errors import SpecDecodeError
+
+    _, gguf, _ = made("qwen3")
+    yarn = _with_metadata(gguf, tmp_path / "yarn.gguf", {}, {"qwen3.rope.scaling.type": "yarn"})
+    with pytest.raises(SpecDecodeError, match="qwen3.rope.scaling.type is 'yarn'"):
+        load_gguf(str(yarn), progress=False)
+    extra = _with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
+    with pytest.raises(SpecDecodeError, match="blk.0.attn_sinks.weight"):
+        load_gguf(str(extra), progress=False)
+
+
+# ---- sampled speculation on a mixture of experts follows the target exactly ---------------------------------
+
+MOE_PARAMS = SamplingParams(n=16, temperature=1.0, max_tokens=4)  # id 7 is EOS
+
+
+@pytest.fixture(scope="module")
+def moe_pair():
+    from conftest import tiny_model
+
+    target = tiny_model(seed=11, vocab=8, hidden=32, arch="mixtral", num_experts=4, experts_per_token=2)
+    return target, tiny_model(seed=12, vocab=8, hidden=32, layers=1)
+
+
+def test_sampled_speculation_on_a_mixture_of_experts_follows_the_target(moe_pair):
+    from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
+
+    joint = exact_joint(moe_pair[0], [1, 2, 3, 1], MOE_PARAMS)
+    counts, accepted = sampled_joint(*moe_pair, [1, 2, 3, 1], MOE_PARAMS, samples=8000, k=2)
+    assert 0.1 < accepted < 0.95
+    assert chi2_pvalue(counts, joint) > PASS_P
+
+
+def test_verifying_with_other_experts_than_decoding_fails_the_distribution_test(moe_pair, monkeypatch):
+    """A verify call that routes its rows to one expert each (a decode call to two) computes another model."""
+    from specdecode.models.layers import SparseMoE
+
+    from stats import chi2_pvalue, exact_joint, sampled_joint
+
+    joint = exact_joint(moe_pair[0], [1, 2, 3, 1], MOE_PARAMS)
+    forward = SparseMoE.forward
+
+    def routed_apart(self, x):
+        if x.reshape(-1, x.shape[-1]).shape[0] == 1:
+            return forward(self, x)
+        self.gate.top_k = 1
+        try:
+            return forward(self, x)
+        finally:
+            self.gate.top_k = 2
+
+    monkeypatch.setattr(SparseMoE, "forward", routed_apart)
+    counts, _ = sampled_joint(*moe_pair, [1, 2, 3, 1], MOE_PARAMS, samples=8000, k=2)
+    assert chi2_pvalue(counts, joint) < 1e-6
