@@ -143,13 +143,15 @@ def _save_tokenizer(family: Family, folder: Path) -> int:
     return len(tokenizer)
 
 
-_BPE: dict[str, object] = {}
+def vocabulary(vocab_file: str):
+    """The Tokenizer of one of llama.cpp's vocabulary files, as specdecode reads GGUF (kept in the cache: reading
+    a BPE vocabulary of 150k tokens takes some seconds)."""
+    from specdecode.models.tokenizer import Tokenizer
+
+    cache = Path(cache_root()) / "test-vocabularies" / vocab_file
+    cache.mkdir(parents=True, exist_ok=True)
+    return Tokenizer.from_gguf(str(llama_cpp_source() / "models" / vocab_file), str(cache))
 
 
 def _bpe_tokenizer(vocab_file: str):
-    """transformers' tokenizer read from one of llama.cpp's vocabulary files (some seconds: kept)."""
-    from transformers import AutoTokenizer
-
-    if vocab_file not in _BPE:
-        _BPE[vocab_file] = AutoTokenizer.from_pretrained(llama_cpp_source() / "models", gguf_file=vocab_file)
-    return _BPE[vocab_file]
+    return vocabulary(vocab_file).hf

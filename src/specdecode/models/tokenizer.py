@@ -7,11 +7,18 @@ import warnings
 from ..errors import SpecDecodeError
 
 
+# Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>")
+# llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
+IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
+GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer, extra_eos: tuple[int, ...] = ()):
         self.hf = hf_tokenizer
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
-        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
+        for name in END_OF_TURN:
             tid = hf_tokenizer.convert_tokens_to_ids(name)
             if isinstance(tid, int) and tid != hf_tokenizer.unk_token_id:
                 eos.add(tid)
@@ -41,17 +48,25 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str, cache_dir: str) -> "Tokenizer":
-        """Building a tokenizer from GGUF metadata takes seconds; the result is saved and reused."""
+        """The tokenizer a GGUF file describes, encoding as llama.cpp does. Building it from the metadata
+        takes seconds; the result is saved and reused."""
+        import json
+
         from transformers import AutoTokenizer
 
-        if os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
-            return cls(AutoTokenizer.from_pretrained(cache_dir))
+        saved = os.path.join(cache_dir, "end_ids.json")
+        if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
+            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(json.load(open(saved))))
+        meta = gguf_tokenizer_metadata(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                 gguf_file=os.path.basename(path))
+        encode_as_llama_cpp(tok, meta)
+        end_ids = [meta[key] for key in GGUF_END_IDS if meta.get(key) is not None]
         tok.save_pretrained(cache_dir)
-        return cls(tok)
+        json.dump(end_ids, open(saved, "w"))
+        return cls(tok, tuple(end_ids))
 
     @classmethod
     def from_pretrained(cls, folder: str) -> "Tokenizer":
@@ -65,3 +80,32 @@ class Tokenizer:
             eos = json.load(open(gen_cfg)).get("eos_token_id")
             extra = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
         return cls(AutoTokenizer.from_pretrained(folder), extra)
+
+
+def gguf_tokenizer_metadata(path: str) -> dict:
+    """The GGUF fields that say how the vocabulary encodes and which tokens end a turn."""
+    from gguf import GGUFReader
+
+    from .families import field
+
+    reader = GGUFReader(path)
+    keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix", *GGUF_END_IDS)
+    return {key: field(reader, key) for key in keys}
+
+
+def encode_as_llama_cpp(tok, meta: dict) -> None:
+    """Where transformers' reading of GGUF metadata encodes otherwise than llama.cpp (and the model's own
+    tokenizer) does: Llama 3's whole-word vocabulary lookups before the merges, and SentencePiece's dummy
+    prefix, a space before the text whether or not it begins with one (unless the file turns it off, as
+    Gemma's do)."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    backend = tok.backend_tokenizer
+    if meta.get("tokenizer.ggml.pre") in IGNORE_MERGES:
+        backend.model.ignore_merges = True
+    if meta.get("tokenizer.ggml.model") == "llama" and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+        spaces = normalizers.Replace(" ", "▁")
+        prefix = meta.get("tokenizer.ggml.add_space_prefix")
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix in (None, True) \
+            else spaces
+        backend.pre_tokenizer = None

@@ -1,0 +1,51 @@
+"""Tokenizers read from GGUF metadata encode as llama.cpp does: each vocabulary file llama.cpp ships for its own
+tokenizer tests (Llama 3's byte-level BPE, Qwen's, Llama 2's and Mistral's SentencePiece) against the token ids
+those tests expect, and the tokens that end a turn in each family's chat format."""
+from __future__ import annotations
+
+import pytest
+
+from specdecode.models import tokenizer as tokenizer_module
+from specdecode.models.tokenizer import Tokenizer
+
+from families import llama_cpp_source, vocabulary
+
+VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm"]
+
+
+def _cases(name: str) -> list[tuple[str, list[int]]]:
+    models = llama_cpp_source() / "models"
+    inputs = (models / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    outputs = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    return [(text, [int(t) for t in ids.split()]) for text, ids in zip(inputs, outputs)]
+
+
+@pytest.mark.parametrize("name", VOCABULARIES)
+def test_every_llama_cpp_tokenizer_case_encodes_to_its_ids(name):
+    """Read back from the cache as a later load reads it (the first load built and saved it)."""
+    tok = vocabulary(f"ggml-vocab-{name}.gguf")
+    cases = _cases(name)
+    assert len(cases) > 40
+    assert [tok.encode(text) for text, _ in cases] == [ids for _, ids in cases]
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "llama-spm"])
+def test_transformers_own_reading_of_the_file_encodes_otherwise(name, tmp_path, monkeypatch):
+    """What the check above catches: without the corrections of encode_as_llama_cpp (whole-word lookups for
+    Llama 3, SentencePiece's dummy prefix) some cases encode to other ids."""
+    monkeypatch.setattr(tokenizer_module, "encode_as_llama_cpp", lambda tok, meta: None)
+    tok = Tokenizer.from_gguf(str(llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf"), str(tmp_path))
+    assert any(tok.encode(text) != ids for text, ids in _cases(name))
+
+
+@pytest.mark.parametrize("name, ends", [("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),
+                                        ("qwen2", {"<|endoftext|>", "<|im_end|>"}), ("llama-spm", {"</s>"})])
+def test_the_tokens_that_end_a_turn_end_generation(name, ends):
+    tok = vocabulary(f"ggml-vocab-{name}.gguf")
+    assert ends <= set(tok.hf.convert_ids_to_tokens(sorted(tok.eos_token_ids)))
+
+
+def test_a_chat_template_in_the_file_is_applied():
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
