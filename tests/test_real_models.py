@@ -216,3 +216,31 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
         assert "shut down before this request finished" in "".join(events) and [e for e in events if e][-1] == "data: [DONE]"
         assert server.proc.wait(timeout=60) == 0
         assert "cancelled 1 request(s) still running after 3 s" in server.output()
+
+# ---- Gemma 3 270M (a second family, from its own PyPI parts) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_model("gemma3-270m", "cpu")
+
+
+# A base model (no chat template): questions as text to continue. Without its BOS, its query scale or its
+# RoPE bases right it rambles ("France. The The The...").
+FACTS = {"Q: What is the capital of France?\nA:": "Paris", "Q: What is the largest planet in the solar system?\nA:":
+         "Jupiter", "The chemical symbol for gold is": "Au"}
+
+
+def test_gemma3_answers_factual_questions(gemma):
+    llm = LLM(target=gemma, num_speculative_tokens=0, max_model_len=512)
+    outs = llm.generate(list(FACTS), SamplingParams(temperature=0, max_tokens=12))
+    assert all(answer in out.outputs[0].text for answer, out in zip(FACTS.values(), outs))
+
+
+def test_gemma3_greedy_speculation_equals_plain_decoding(gemma):
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(target=gemma, num_speculative_tokens=0, max_model_len=512).generate(prompts, params)
+    spec = LLM(target=gemma, speculative_model="suffix", num_speculative_tokens=4, max_model_len=512,
+               speculation_policy="fixed").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

