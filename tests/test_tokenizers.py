@@ -26,7 +26,22 @@ def test_every_llama_cpp_tokenizer_case_encodes_to_its_ids(name):
     tok = vocabulary(f"ggml-vocab-{name}.gguf")
     cases = _cases(name)
     assert len(cases) > 40
-    assert [tok.encode(text) for text, _ in cases] == [ids for _, ids in cases]
+    assert [_pieces(tok, text) for text, _ in cases] == [ids for _, ids in cases]
+
+
+def _pieces(tok, text: str) -> list[int]:
+    """The text's own tokens (llama.cpp's cases leave out the BOS a prompt begins with)."""
+    ids = tok.encode(text)
+    return ids[1:] if tok.bos_id is not None else ids
+
+
+@pytest.mark.parametrize("name, bos", [("llama-spm", "<s>"), ("llama-bpe", "<|begin_of_text|>"), ("qwen2", None)])
+def test_a_prompt_begins_with_bos_where_the_vocabulary_says_so(name, bos):
+    tok = vocabulary(f"ggml-vocab-{name}.gguf")
+    ids = tok.encode("Hello world")
+    assert (tok.hf.convert_ids_to_tokens(ids[0]) if bos else None) == bos
+    if bos:  # a chat template's text that begins with it gets no second one
+        assert tok.encode(bos + "Hello world").count(ids[0]) == 1
 
 
 @pytest.mark.parametrize("name", ["llama-bpe", "llama-spm"])
@@ -35,7 +50,7 @@ def test_transformers_own_reading_of_the_file_encodes_otherwise(name, tmp_path, 
     Llama 3, SentencePiece's dummy prefix) some cases encode to other ids."""
     monkeypatch.setattr(tokenizer_module, "encode_as_llama_cpp", lambda tok, meta: None)
     tok = Tokenizer.from_gguf(str(llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf"), str(tmp_path))
-    assert any(tok.encode(text) != ids for text, ids in _cases(name))
+    assert any(_pieces(tok, text) != ids for text, ids in _cases(name))
 
 
 @pytest.mark.parametrize("name, ends", [("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),
@@ -49,3 +64,14 @@ def test_a_chat_template_in_the_file_is_applied():
     tok = vocabulary("ggml-vocab-qwen2.gguf")
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both_tokenizers():
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.loader import LoadedModel
+    from specdecode.proposers.draft_model import check_same_vocabulary
+
+    target = LoadedModel("a-llama3", None, vocabulary("ggml-vocab-llama-bpe.gguf"), None)
+    with pytest.raises(SpecDecodeError, match=r"the draft's is byte-level BPE \(qwen2\), 151,\d+ tokens, the "
+                                              r"target's byte-level BPE \(llama-bpe\), 128,\d+ tokens"):
+        check_same_vocabulary(target, "a-qwen", vocabulary("ggml-vocab-qwen2.gguf"))

@@ -18,9 +18,10 @@ class Tokenizer:
     """bos_id: the token a prompt must begin with, where the model was trained so (Gemma, Llama's
     SentencePiece models); encode() puts it there unless the text (a chat template's output) has it already."""
 
-    def __init__(self, hf_tokenizer, extra_eos: tuple[int, ...] = (), bos_id: int | None = None):
+    def __init__(self, hf_tokenizer, extra_eos: tuple[int, ...] = (), bos_id: int | None = None, kind: str = ""):
         self.hf = hf_tokenizer
         self.bos_id = bos_id
+        self.kind = kind or type(hf_tokenizer).__name__  # what it is, for messages: "SentencePiece (gemma3)"
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
         for name in END_OF_TURN:
             tid = hf_tokenizer.convert_tokens_to_ids(name)
@@ -62,7 +63,7 @@ class Tokenizer:
         saved = os.path.join(cache_dir, "gguf_tokenizer.json")
         if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
             found = json.load(open(saved))
-            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"])
+            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"], found["kind"])
         meta = gguf_tokenizer_metadata(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -70,10 +71,10 @@ class Tokenizer:
                                                 gguf_file=os.path.basename(path))
         encode_as_llama_cpp(tok, meta)
         found = {"end_ids": [meta[key] for key in GGUF_END_IDS if meta.get(key) is not None],
-                 "bos_id": gguf_bos_id(meta)}
+                 "bos_id": gguf_bos_id(meta), "kind": gguf_tokenizer_kind(meta)}
         tok.save_pretrained(cache_dir)
         json.dump(found, open(saved, "w"))
-        return cls(tok, tuple(found["end_ids"]), found["bos_id"])
+        return cls(tok, tuple(found["end_ids"]), found["bos_id"], found["kind"])
 
     @classmethod
     def from_pretrained(cls, folder: str) -> "Tokenizer":
@@ -87,9 +88,10 @@ class Tokenizer:
             eos = json.load(open(gen_cfg)).get("eos_token_id")
             extra = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
         tok = AutoTokenizer.from_pretrained(folder)
+        kind = f"{type(tok).__name__} of {os.path.basename(os.path.normpath(folder))}"
         with_specials = tok.encode("a", add_special_tokens=True)  # what the checkpoint's own tokenizer prepends
         bos = tok.bos_token_id if tok.bos_token_id is not None and with_specials[:1] == [tok.bos_token_id] else None
-        return cls(tok, extra, bos)
+        return cls(tok, extra, bos, kind)
 
 
 def gguf_tokenizer_metadata(path: str) -> dict:
@@ -104,12 +106,24 @@ def gguf_tokenizer_metadata(path: str) -> dict:
     return {key: field(reader, key) for key in keys}
 
 
+GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+
+
+def gguf_tokenizer_kind(meta: dict) -> str:
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    return f"{GGUF_TOKENIZER_MODELS.get(model, model)}{f' ({pre})' if pre and pre != 'default' else ''}"
+
+
+# byte-level BPE pre-tokenizers whose prompts begin with BOS where the file does not say (llama.cpp's defaults)
+BOS_BY_DEFAULT = (*IGNORE_MERGES, "tekken", "chameleon")
+
+
 def gguf_bos_id(meta: dict) -> int | None:
-    """The BOS a prompt begins with, as llama.cpp decides: add_bos_token, which SentencePiece vocabularies
-    default to."""
+    """The BOS a prompt begins with, as llama.cpp decides: the file's add_bos_token, else its default for the
+    vocabulary (SentencePiece's and Llama 3's add one)."""
     add = meta.get("tokenizer.ggml.add_bos_token")
     if add is None:
-        add = meta.get("tokenizer.ggml.model") == "llama"
+        add = meta.get("tokenizer.ggml.model") == "llama" or meta.get("tokenizer.ggml.pre") in BOS_BY_DEFAULT
     return meta.get("tokenizer.ggml.bos_token_id") if add else None
 
 

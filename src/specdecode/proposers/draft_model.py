@@ -159,8 +159,14 @@ def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_tokenizer,
     """A draft model proposes token ids, so it must read and write the target's."""
     if target.tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise SpecDecodeError(
-            f"draft {draft_name!r} and target {target.name!r} have different vocabularies "
-            f"({draft_tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens); {hint}")
+            f"draft {draft_name!r} and target {target.name!r} have different vocabularies: the draft's is "
+            f"{describe_tokenizer(draft_tokenizer)}, the target's {describe_tokenizer(target.tokenizer)}; {hint}")
+
+
+def describe_tokenizer(tokenizer) -> str:
+    """"byte-level BPE (qwen2), 151,665 tokens": which tokenizer, in a user's words."""
+    kind = getattr(tokenizer, "kind", None)
+    return f"{kind + ', ' if kind else ''}{tokenizer.vocab_size:,} tokens"
 
 
 def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:
