@@ -21,7 +21,8 @@ demo: setup
 
 # Everything: fast unit tests first, then the kernel and backend tests again on the portable scalar build of the
 # native kernels (the reference every SIMD path is checked against), then the real-model tests, then Ray Serve.
-KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_elementwise_kernels.py tests/test_attention_kernel.py
+KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_elementwise_kernels.py tests/test_attention_kernel.py \
+	tests/test_experts_kernel.py
 test: setup
 	$(PY) -m pytest -q -m "not real_model and not ray"
 	SPECDECODE_KERNELS=scalar $(PY) -m pytest -q $(KERNEL_TESTS)

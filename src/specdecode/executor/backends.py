@@ -32,6 +32,7 @@ from ..errors import SpecDecodeError
 from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, Transformer, check_all_used, hf_parts
 from .cpu import cpu_has_native_bf16
+from .experts import attach_experts_kernels
 from .formats import FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
 from .quant import (BlockEmbedding, BlockLinear, ConcatLinear, W8A16Linear, block_linear_from, lowbit_isa,
                     quantize_rows, stored_layer_tensors, w8a16_supported)
@@ -191,6 +192,8 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
         for module in model.modules():
             if isinstance(module, BlockLinear):
                 module.passes = 2
+    if quantization in LOW_BIT:
+        attach_experts_kernels(model, 2 if quantization == "w4a16" else 1)
     model.backend = f"{torch.device(device).type} {quantization}"
     return model.eval()
 

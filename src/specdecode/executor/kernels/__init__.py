@@ -30,7 +30,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "lowbit": {"lowbit_isa": ([], _I),
                "lowbit_linear": ([_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I], _I),
-               "lowbit_dequantize_rows": ([_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I)},
+               "lowbit_dequantize_rows": ([_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
+               "lowbit_moe": ([_I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _I], _I)},
     "norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
              "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
              "silu_mul": ([_P, _P, _I, _I, _I], None)},

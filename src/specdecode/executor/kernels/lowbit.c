@@ -871,3 +871,137 @@ int lowbit_dequantize_rows(int fmt, int K, int N, int S, const uint8_t *lo, cons
     }
     return 0;
 }
+
+// ---- mixtures of experts --------------------------------------------------------------------------------
+// One expert's layer: the 6 buffer addresses of lowbit_linear, as the table rows Python passes.
+static weights_t expert_weights(const uint64_t *at, int S) {
+    return (weights_t){(const uint8_t *)at[0], (const uint8_t *)at[1], (const uint8_t *)at[3], (const void *)at[2],
+                       (const float *)at[4], (const float *)at[5], S, S > 0 ? ((1ull << 32) + S - 1) / S : 0};
+}
+
+// out [R, N] = the routed rows' products with their experts' weights: rows first[e] .. first[e + 1] of the
+// quantized activations go to expert e (table[e]), every expert's weights read once for all its rows, all
+// experts' groups in one parallel loop. passes 2: out holds two rows per routed row (summed by the caller).
+static int expert_products(int fmt, int S, int E, const int *first, const uint64_t *table, const acts_t *a, int K,
+                           int N, int passes, float *out, int threads) {
+    for (int e = 0; e < E; e++) {
+        if (first[e + 1] == first[e]) continue;
+        const weights_t w = expert_weights(table + 6 * (size_t)e, S);
+        const int bad = check(fmt, K, N, S, &w);
+        if (bad) return bad;
+    }
+    const int groups = N / GROUP;
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(threads)
+    for (int e = 0; e < E; e++)
+        for (int g = 0; g < groups; g++) {
+            const int q0 = first[e] * passes, q1 = first[e + 1] * passes;
+            if (q0 == q1) continue;
+            const weights_t w = expert_weights(table + 6 * (size_t)e, S);
+#if defined(HAVE_AMX)
+            const int amx = q1 - q0 >= AMX_ROWS && amx_permitted();
+#else
+            const int amx = 0;
+#endif
+            for (int m0 = q0; m0 < q1; m0 += ROW_BLOCK)
+                run_group(fmt, g, m0, m0 + ROW_BLOCK < q1 ? m0 + ROW_BLOCK : q1, K, N, &w, a, out, amx);
+        }
+    return 0;
+}
+
+// The two passes' rows summed in place: rows 2r and 2r + 1 of out [2R, N] into row r.
+static void sum_passes(float *out, int R, int N) {
+    for (size_t r = 0; r < (size_t)R; r++)
+        for (int n = 0; n < N; n++) out[r * N + n] = out[2 * r * N + n] + out[(2 * r + 1) * N + n];
+}
+
+static inline float silu(float x) { return x / (1.f + expf(-x)); }
+
+// Row x's router: softmax over the E experts' logits (router [E, K] . x), the `top` most probable kept (ties to
+// the lower id), their probabilities rescaled to sum to 1 where `normalize`.
+static void route(const float *router, const float *x, int K, int E, int top, int normalize, int64_t *chosen,
+                  float *weight, float *p) {
+    float peak = -INFINITY, total = 0.f;
+    for (int e = 0; e < E; e++) {
+        float lanes[16] = {0}, logit = 0.f;  // 16 independent sums (K is a multiple of 32): vectorised, same bits
+        for (int k = 0; k < K; k += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += router[(size_t)e * K + k + l] * x[k + l];
+        for (int l = 0; l < 16; l++) logit += lanes[l];
+        p[e] = logit;
+        peak = logit > peak ? logit : peak;
+    }
+    for (int e = 0; e < E; e++) total += (p[e] = expf(p[e] - peak));
+    float kept = 0.f;
+    for (int j = 0; j < top; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+        chosen[j] = best;
+        weight[j] = p[best] / total;
+        kept += weight[j];
+        p[best] = -1.f;  // taken
+    }
+    if (normalize)
+        for (int j = 0; j < top; j++) weight[j] /= kept;
+}
+
+// A mixture of experts' MLP over M rows of x [M, K]: y[m] = the sum over row m's `top` chosen experts
+// (chosen [M, top], weight [M, top]; or, given the router's weights [E, K], routed here, into chosen and weight)
+// of weight * down_e(silu(gate_e(x_m)) * up_e(x_m)), added in ascending expert order. gate_up_table[e] and down_table[e] hold expert e's 6 buffer addresses: its gate and up layers
+// stacked ([gate; up], 2 * I output rows over K inputs, format fmt_gu) and its down layer (K rows over I,
+// format fmt_down). The rows routed to each expert are computed together, so each expert's weights are read
+// once per call, and every row's result is the same whatever other rows are in the call. Returns 0 or a
+// negative code (check(); -5 out of memory; -6 an expert id outside 0..E-1; -7 passes).
+int lowbit_moe(int fmt_gu, int S_gu, int fmt_down, int S_down, const float *x, int M, int K, int I, int E,
+               const float *router, int normalize, int64_t *chosen, float *weight, int top,
+               const uint64_t *gate_up_table, const uint64_t *down_table, float *y, int passes, int threads) {
+    if (passes < 1 || passes > 2) return -7;
+    if (M <= 0 || top <= 0 || top > E || E <= 0 || I % 32) return M == 0 ? 0 : -2;
+    const int R = M * top;
+    if (router) {
+        float *p = malloc((size_t)E * sizeof(float));
+        if (!p) return -5;
+        for (int m = 0; m < M; m++)
+            route(router, x + (size_t)m * K, K, E, top, normalize, chosen + (size_t)m * top, weight + (size_t)m * top, p);
+        free(p);
+    }
+    int *first = calloc((size_t)E + 1, sizeof(int)), *row_of = malloc((size_t)R * sizeof(int));
+    float *w_of = malloc((size_t)R * sizeof(float)), *routed = malloc((size_t)R * (K > I ? K : I) * sizeof(float));
+    float *hidden = malloc((size_t)R * passes * 2 * I * sizeof(float)), *out = malloc((size_t)R * passes * K * sizeof(float));
+    int code = !first || !row_of || !w_of || !routed || !hidden || !out ? -5 : 0;
+    for (int i = 0; !code && i < R; i++)
+        if (chosen[i] < 0 || chosen[i] >= E) code = -6;
+    if (!code) {
+        // the routed rows in ascending expert order, each expert's in row order
+        for (int i = 0; i < R; i++) first[chosen[i] + 1]++;
+        for (int e = 0; e < E; e++) first[e + 1] += first[e];
+        int *fill = calloc((size_t)E, sizeof(int));
+        if (!fill) code = -5;
+        for (int i = 0; !code && i < R; i++) {
+            const int e = (int)chosen[i], r = first[e] + fill[e]++;
+            row_of[r] = i / top;
+            w_of[r] = weight[i];
+            memcpy(routed + (size_t)r * K, x + (size_t)(i / top) * K, (size_t)K * sizeof(float));
+        }
+        free(fill);
+    }
+    acts_t acts;
+    if (!code) code = quantize_acts(routed, R, K, passes, threads, &acts) ? -5 : 0;
+    if (!code) code = expert_products(fmt_gu, S_gu, E, first, gate_up_table, &acts, K, 2 * I, passes, hidden, threads);
+    if (!code) {
+        if (passes == 2) sum_passes(hidden, R, 2 * I);
+        for (size_t r = 0; r < (size_t)R; r++) {  // silu(gate) * up in routed's place, rows of I
+            const float *h = hidden + r * 2 * I;
+            for (int i = 0; i < I; i++) routed[r * I + i] = silu(h[i]) * h[I + i];
+        }
+        code = quantize_acts(routed, R, I, passes, threads, &acts) ? -5 : 0;
+    }
+    if (!code) code = expert_products(fmt_down, S_down, E, first, down_table, &acts, I, K, passes, out, threads);
+    if (!code) {
+        if (passes == 2) sum_passes(out, R, K);
+        memset(y, 0, (size_t)M * K * sizeof(float));
+        for (size_t r = 0; r < (size_t)R; r++)  // ascending experts: each row's terms in expert order
+            for (int k = 0; k < K; k++) y[(size_t)row_of[r] * K + k] += w_of[r] * out[r * K + k];
+    }
+    free(first); free(row_of); free(w_of); free(routed); free(hidden); free(out);
+    return code;
+}
