@@ -221,3 +221,17 @@ def test_adaptive_without_rollback_breaks_equality(target, random_draft):
     ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert llm.engine.policy.estimator.lookup_acceptance.counts  # lookup drafts were verified
     assert ids != plain_ids
+
+
+def test_generate_takes_one_sampling_params_per_prompt_as_vllm_does(target):
+    from specdecode import LLM, SamplingParams, SpecDecodeError
+
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
+    prompts = [[5, 6, 7], [8, 9]]
+    each = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    outs = llm.generate(prompts, each)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
+    assert outs[1].outputs[0].token_ids == llm.generate([prompts[1]], each[1])[0].outputs[0].token_ids
+    with pytest.raises(SpecDecodeError, match="one per prompt; got 1 for 2 prompts"):
+        llm.generate(prompts, each[:1])

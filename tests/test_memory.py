@@ -7,7 +7,7 @@ import torch
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.memory import kv_bytes_per_token, parse_bytes, plan_memory
 
-from conftest import make_head
+from conftest import make_head, tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -99,3 +99,34 @@ def test_the_plan_counts_a_draft_heads_unread_features_per_token(target, tmp_pat
     head = llm.engine.proposer.model
     assert llm.memory_plan.kv_bytes_per_token == plain.kv_bytes_per_token + row + kv_bytes_per_token(
         head.cfg, head.kv_dtype)
+
+
+def _into_one_arena(model) -> None:
+    """Every weight a view into one buffer, as move_to_huge_pages leaves them (tied weights still tied)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    arena = torch.empty(sum(t.numel() * t.element_size() for t in tensors.values()), dtype=torch.uint8)
+    places, at = {}, 0
+    for ptr, t in tensors.items():
+        size = t.numel() * t.element_size()
+        places[ptr] = arena[at:at + size].view(t.dtype).view(t.shape).copy_(t)
+        at += size
+    with torch.no_grad():
+        model._apply(lambda t: places.get(t.data_ptr(), t))
+
+
+def test_weights_in_one_arena_count_their_own_bytes_and_a_head_what_it_adds(tmp_path):
+    """On huge pages every weight is a view into one arena: counted by its storage, each weight counted the
+    whole arena (a 1.1 GB target planned as 2.2 GB, its 39 MB head as 22 GB)."""
+    from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
+
+    target = tiny_model(seed=0).model
+    weights = {t.data_ptr(): t for t in [*target.parameters(), *target.buffers()]}  # the tied embedding once
+    expected = sum(t.numel() * t.element_size() for t in weights.values())
+    _into_one_arena(target)
+    assert target.weight_bytes() == expected
+    spec = HeadSpec("tiny", target_fingerprint(target), 48, 32)
+    head = build_head(spec, None, target, torch.arange(32))
+    _into_one_arena(head)
+    owned = sum(p.numel() * p.element_size() for name in head.OWNED for p in head.get_submodule(name).parameters())
+    assert head.weight_bytes() == owned + 32 * target.cfg.hidden_size * 4  # and its LM head's 32 rows
+    assert target.weight_bytes() == expected

@@ -244,3 +244,14 @@ def test_gemma3_greedy_speculation_equals_plain_decoding(gemma):
     spec = LLM(target=gemma, speculative_model="suffix", num_speculative_tokens=4, max_model_len=512,
                speculation_policy="fixed").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_memory_budget_works_with_the_default_drafter():
+    """The 1.5B's 1.1 GB and its 39 MB head in a 4 GiB budget (their weights on huge pages were counted as 2.2
+    and 22 GB, and the budget refused)."""
+    from specdecode.config import DEFAULT_HEAD
+
+    llm = LLM(model="qwen2.5-coder-1.5b", speculative_model=DEFAULT_HEAD, memory_budget="4GiB", max_model_len=1024)
+    plan = llm.memory_plan
+    assert 1.0e9 < plan.target_weight_bytes < 1.3e9 and plan.draft_weight_bytes < 0.1e9, plan.summary()
+    assert plan.num_slots >= 1

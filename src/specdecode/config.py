@@ -163,6 +163,13 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_heads
 
     @property
+    def is_llama_or_qwen2(self) -> bool:
+        """What transformers' Llama and Qwen2 classes compute: one of those families with none of the others'
+        features (the fields past Llama's at their defaults)."""
+        extra = fields(self)[_LLAMA_FIELDS:]
+        return self.arch in ("llama", "qwen2") and all(getattr(self, f.name) == f.default for f in extra)
+
+    @property
     def expert_size(self) -> int:
         return self.expert_intermediate_size or self.intermediate_size
 

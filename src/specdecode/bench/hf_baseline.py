@@ -30,6 +30,9 @@ def hf_model_from(cfg, tensors: dict[str, torch.Tensor], dtype: torch.dtype, nam
         from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     except ImportError:
         raise SpecDecodeError("the baseline needs transformers: pip install transformers") from None
+    if not cfg.is_llama_or_qwen2:
+        raise SpecDecodeError(f"{name}: the transformers baseline rebuilds Llama and Qwen2 models only; this is a "
+                              f"{cfg.arch} model (run the baseline on a Llama- or Qwen2-family target)")
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if cfg.arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

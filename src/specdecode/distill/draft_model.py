@@ -27,6 +27,11 @@ def causal_lm(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
     """A trainable transformers model of this architecture holding these (Hugging Face-named) weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ..errors import SpecDecodeError
+
+    if not cfg.is_llama_or_qwen2:
+        raise SpecDecodeError(f"fine-tuning a draft model rebuilds it in transformers as a Llama or Qwen2 model; this "
+                              f"draft is a {cfg.arch} model: train a draft head instead (`specdecode distill`)")
     hf_config = AutoConfig.for_model(
         cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,

@@ -7,6 +7,7 @@ import torch
 
 from ..config import EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
+from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import RequestMetrics, StepTimer, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
@@ -50,6 +51,17 @@ class RequestOutput:
         first = group[0]
         return cls(first.request_id, prompt, first.prompt_ids, [CompletionOutput.from_sequence(s) for s in group],
                    first.metrics, True, first.metrics.as_dict(), first.prompt_logprobs)
+
+
+def per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None, prompts: int) -> list[SamplingParams]:
+    """One SamplingParams for each of `prompts` prompts, from one for all or a list of one each."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * prompts
+    params = list(sampling_params)
+    if len(params) != prompts or not all(isinstance(p, SamplingParams) for p in params):
+        raise SpecDecodeError(f"sampling_params must be one SamplingParams or a list of one per prompt; got "
+                              f"{len(params)} for {prompts} prompts")
+    return params
 
 
 class LLM:
@@ -125,11 +137,12 @@ class LLM:
         return "; ".join(parts + [f"peak RSS {format_bytes(peak_rss_bytes())}"])
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists. Outputs come back in prompt order."""
-        params = sampling_params or SamplingParams()
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; sampling_params one for all of them, or one per prompt (as in
+        vLLM). Outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        params = per_prompt(sampling_params, len(prompts))
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(texts, ids, params)
@@ -142,8 +155,8 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(texts, sampling_params)
 
-    def _run(self, texts, ids, params: SamplingParams) -> list[RequestOutput]:
-        groups = [self.engine.add_group(p, params) for p in ids]
+    def _run(self, texts, ids, params: list[SamplingParams]) -> list[RequestOutput]:
+        groups = [self.engine.add_group(p, q) for p, q in zip(ids, params)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [RequestOutput.from_group(g, t) for g, t in zip(groups, texts)]

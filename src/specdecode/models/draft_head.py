@@ -25,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .layers import Linear, RMSNorm
-from .runtime import DecoderLayer, ForwardBatch, Transformer
+from .runtime import DecoderLayer, ForwardBatch, Transformer, tensor_bytes
 
 # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs), its output added to the features
 ARCHITECTURE = "feature-head-2"
@@ -99,7 +99,10 @@ class DraftHead(nn.Module):
     backend = "torch"
 
     def weight_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in list(self.parameters()) + list(self.buffers()))
+        """What the head adds to its target's memory: what it owns and its LM head's rows (the final norm and
+        the embedding are the target's)."""
+        modules = [self.get_submodule(name) for name in self.OWNED] + [self.lm_head]
+        return tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
 
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache, return_hidden: bool | str = False,
                 features: torch.Tensor | None = None):

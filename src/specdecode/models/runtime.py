@@ -248,14 +248,8 @@ class Transformer(nn.Module):
     backend = "torch"
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights: parameters and buffers (shared storage counted once)."""
-        seen, total = set(), 0
-        for t in list(self.parameters()) + list(self.buffers()):
-            key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+        """Bytes of all weights: parameters and buffers, tied ones once."""
+        return tensor_bytes([*self.parameters(), *self.buffers()])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache, return_hidden: bool | str = False):
@@ -303,6 +297,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         for p in self.parameters():
             p.requires_grad_(False)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes these tensors hold, each memory range once: tied weights are one tensor twice, and on huge pages
+    every weight is a view into one arena, whose whole size each view's storage reports."""
+    seen = {(t.device, t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+    return sum(size for _, _, size in seen)
 
 
 # the runtime's fused linear layers, and the Hugging Face layers (in the same module) whose output rows they stack
