@@ -880,31 +880,33 @@ static weights_t expert_weights(const uint64_t *at, int S) {
 }
 
 // out [R, N] = the routed rows' products with their experts' weights: rows first[e] .. first[e + 1] of the
-// quantized activations go to expert e (table[e]), every expert's weights read once for all its rows, all
-// experts' groups in one parallel loop. passes 2: out holds two rows per routed row (summed by the caller).
+// quantized activations go to expert e (table[e]), every expert's weights read once for all its rows. The
+// chosen experts' groups are one parallel loop, split statically: each thread streams a contiguous run of
+// weights. passes 2: out holds two rows per routed row (summed by the caller).
 static int expert_products(int fmt, int S, int E, const int *first, const uint64_t *table, const acts_t *a, int K,
                            int N, int passes, float *out, int threads) {
+    int used[E > 0 ? E : 1], n_used = 0;
     for (int e = 0; e < E; e++) {
         if (first[e + 1] == first[e]) continue;
         const weights_t w = expert_weights(table + 6 * (size_t)e, S);
         const int bad = check(fmt, K, N, S, &w);
         if (bad) return bad;
+        used[n_used++] = e;
     }
     const int groups = N / GROUP;
-#pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(threads)
-    for (int e = 0; e < E; e++)
-        for (int g = 0; g < groups; g++) {
-            const int q0 = first[e] * passes, q1 = first[e + 1] * passes;
-            if (q0 == q1) continue;
-            const weights_t w = expert_weights(table + 6 * (size_t)e, S);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int task = 0; task < n_used * groups; task++) {
+        const int e = used[task / groups], g = task % groups;
+        const int q0 = first[e] * passes, q1 = first[e + 1] * passes;
+        const weights_t w = expert_weights(table + 6 * (size_t)e, S);
 #if defined(HAVE_AMX)
-            const int amx = q1 - q0 >= AMX_ROWS && amx_permitted();
+        const int amx = q1 - q0 >= AMX_ROWS && amx_permitted();
 #else
-            const int amx = 0;
+        const int amx = 0;
 #endif
-            for (int m0 = q0; m0 < q1; m0 += ROW_BLOCK)
-                run_group(fmt, g, m0, m0 + ROW_BLOCK < q1 ? m0 + ROW_BLOCK : q1, K, N, &w, a, out, amx);
-        }
+        for (int m0 = q0; m0 < q1; m0 += ROW_BLOCK)
+            run_group(fmt, g, m0, m0 + ROW_BLOCK < q1 ? m0 + ROW_BLOCK : q1, K, N, &w, a, out, amx);
+    }
     return 0;
 }
 
