@@ -92,3 +92,15 @@ def test_a_model_with_the_kernels_tracks_pytorch_and_speculation_stays_exact():
                speculation_policy="fixed").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.spec["num_draft_tokens"] for o in spec) > 0
+
+
+def test_a_call_out_of_range_is_refused_with_a_code():
+    from specdecode.executor.kernels import load
+
+    lib = load("norm", "scalar")
+    x, w, out = torch.ones(2, 8), torch.ones(8), torch.empty(2, 8)
+    assert lib.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 2, 8, 1e-6, 1) == 0
+    assert lib.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 2, 0, 1e-6, 1) == -1  # no width
+    assert lib.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 2, 8, float("nan"), 1) == -1
+    assert lib.add_rms_norm(x.data_ptr(), x.data_ptr(), w.data_ptr(), 0, 2, 8, 1e-6, 1) == -2  # no output
+    assert lib.silu_mul(x.data_ptr(), 0, 1, 4, 1) == -2

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpecDecodeError
 from .kernels import load
+
+ERRORS = {-1: "rows, width or epsilon out of range", -2: "a buffer is missing"}
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise SpecDecodeError(f"the elementwise kernel refused {what}: {ERRORS.get(code, code)}")
 
 
 class NormKernel:
@@ -21,11 +29,12 @@ class NormKernel:
         out = torch.empty_like(x)
         rows, threads = x.numel() // dim, torch.get_num_threads()
         if residual is None:
-            self.lib.rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps, threads)
+            _check(self.lib.rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps,
+                                     threads), "an RMSNorm")
             return out
         residual = residual.contiguous()
-        self.lib.add_rms_norm(residual.data_ptr(), x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim,
-                              norm.eps, threads)
+        _check(self.lib.add_rms_norm(residual.data_ptr(), x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows,
+                                     dim, norm.eps, threads), "an RMSNorm")
         return out, residual
 
 
@@ -39,8 +48,8 @@ class SiluMulKernel:
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
-        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
-                          torch.get_num_threads())
+        _check(self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                                 torch.get_num_threads()), "a SwiGLU")
         return out
 
 

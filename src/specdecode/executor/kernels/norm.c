@@ -30,15 +30,31 @@ static inline void norm_row(const float *restrict x, const float *restrict w, fl
     for (int i = 0; i < dim; i++) out[i] = w[i] * (x[i] * scale);
 }
 
+// The entry points' error codes (executor/elementwise.py turns them into messages)
+#define NORM_OK 0
+#define NORM_BAD_SHAPE -1    // rows < 0, dim < 1, or eps not a positive number
+#define NORM_NO_BUFFER -2    // a buffer the call reads or writes is missing
+
+static int bad_call(int rows, int dim, float eps, const void *a, const void *b, const void *c) {
+    if (rows < 0 || dim < 1 || !(eps >= 0.f)) return NORM_BAD_SHAPE;
+    return rows && (!a || !b || !c) ? NORM_NO_BUFFER : NORM_OK;
+}
+
 // out[r] = w * x[r] / rms(x[r])
-void rms_norm(const float *x, const float *w, float *out, int rows, int dim, float eps, int threads) {
+int rms_norm(const float *x, const float *w, float *out, int rows, int dim, float eps, int threads) {
+    const int bad = bad_call(rows, dim, eps, x, w, out);
+    if (bad) return bad;
 #pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
     for (int r = 0; r < rows; r++) norm_row(x + (int64_t)r * dim, w, out + (int64_t)r * dim, dim, eps);
+    return NORM_OK;
 }
 
 // residual[r] += branch[r]; out[r] = w * residual[r] / rms(residual[r])
-void add_rms_norm(float *residual, const float *branch, const float *w, float *out, int rows, int dim, float eps,
-                  int threads) {
+int add_rms_norm(float *residual, const float *branch, const float *w, float *out, int rows, int dim, float eps,
+                 int threads) {
+    int bad = bad_call(rows, dim, eps, residual, branch, w);
+    if (!bad && rows && !out) bad = NORM_NO_BUFFER;
+    if (bad) return bad;
 #pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
     for (int r = 0; r < rows; r++) {
         float *x = residual + (int64_t)r * dim;
@@ -46,6 +62,7 @@ void add_rms_norm(float *residual, const float *branch, const float *w, float *o
         for (int i = 0; i < dim; i++) x[i] += b[i];
         norm_row(x, w, out + (int64_t)r * dim, dim, eps);
     }
+    return NORM_OK;
 }
 
 // exp(x) without a library call, so that the loop below vectorises: x = n ln2 + f with |f| <= ln2 / 2,
@@ -100,10 +117,13 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
 }
 
 // gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = silu(gate) * up
-void silu_mul(const float *gate_up, float *out, int rows, int inter, int threads) {
+int silu_mul(const float *gate_up, float *out, int rows, int inter, int threads) {
+    const int bad = bad_call(rows, inter, 0.f, gate_up, out, out);
+    if (bad) return bad;
 #pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (int64_t)r * 2 * inter;
         silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
     }
+    return NORM_OK;
 }
