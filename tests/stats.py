@@ -12,7 +12,6 @@ from specdecode import LLM
 from specdecode.executor.runner import ModelRunner
 from specdecode.sampling import GrammarMatcher, logits_to_probs, process_logits
 
-
 # Every statistical test draws its random inputs and samples from seeds offset by this, fixed per run (never
 # Python's salted hash); `make chi2-seeds` runs them under 20 offsets to show they are not flaky.
 SEED = int(os.environ.get("SPECDECODE_TEST_SEED", "0"))

@@ -2,14 +2,13 @@
 the same numbers as the PyTorch path, and each token computed as if it were alone."""
 import pytest
 import torch
+from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.attention import attach_attention_kernel
 from specdecode.executor.kernels import load
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
-
-from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 pytestmark = pytest.mark.skipif(load("attention") is None, reason="the attention kernel needs a C compiler")
 PROMPT = list(range(1, 40))
@@ -50,10 +49,10 @@ def _lowbit_with_kernel(hidden: int = 64):
     computed alone by construction. (torch's float32 GEMM is not: on some CPUs, e.g. Ice Lake, it
     accumulates a row differently in a 1-row and a 4-row call, so a float model's logits differ in the
     last bit between verifying and decoding whatever the attention does.)"""
+    from conftest import random_hf_weights, tiny_config
+
     from specdecode.executor.backends import build_quantized_model, quantize_weights
     from specdecode.executor.quant import lowbit_kernel
-
-    from conftest import random_hf_weights, tiny_config
 
     if lowbit_kernel() is None:
         pytest.skip("the low-bit kernel needs a C compiler")
@@ -226,8 +225,10 @@ def test_a_call_outside_the_cache_or_of_a_shape_it_does_not_take_is_refused_with
     qkv, out = torch.randn(1, (H + 2 * Hkv) * D), torch.empty(1, H * D)
     k = v = torch.zeros(1, Hkv, 16, D)
     cos = sin = torch.ones(1, D)
-    call = lambda slot, position, **kw: _call(lib, qkv, H, Hkv, D, torch.tensor([slot]), torch.tensor([position]),
-                                              cos, sin, k, v, out, **kw)
+
+    def call(slot, position, **kw):
+        return _call(lib, qkv, H, Hkv, D, torch.tensor([slot]), torch.tensor([position]), cos, sin, k, v, out, **kw)
+
     assert call(0, 15) == 0
     assert call(0, 16) == call(1, 0) == -3  # past the cache's length, a slot it does not have
     assert call(0, 0, window=-1) == -1

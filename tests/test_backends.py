@@ -6,20 +6,18 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ByteTokenizer, random_hf_weights, tiny_config
+from stats import PASS_P, seeded
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.executor import backends
 from specdecode.config import EngineConfig
-from specdecode.executor.backends import (build_quantized_model, quantize_weights, refine_for_model,
-                                          resolve_quantization)
+from specdecode.executor import backends
+from specdecode.executor.backends import build_quantized_model, quantize_weights, refine_for_model, resolve_quantization
 from specdecode.executor.quant import BlockLinear, W8A16Linear, lowbit_kernel, quantize_rows, w8a16_supported
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
 from specdecode.verify.rejection_sampler import rejection_sample
-
-from conftest import ByteTokenizer, random_hf_weights, tiny_config
-from stats import PASS_P, seeded
 
 needs_kernel = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit kernel needs a C compiler")
 needs_w8a16 = pytest.mark.skipif(not w8a16_supported("cpu"), reason="no weight-only int8 kernel in this build")

@@ -7,8 +7,14 @@ import types
 import pytest
 
 from specdecode import SpecDecodeError
-from specdecode.bench.datasets import (SONNET_INSTRUCTION, humaneval_prompts, jsonl_prompts, load_prompts,
-                                       poem_lines, sonnet_prompts)
+from specdecode.bench.datasets import (
+    SONNET_INSTRUCTION,
+    humaneval_prompts,
+    jsonl_prompts,
+    load_prompts,
+    poem_lines,
+    sonnet_prompts,
+)
 from specdecode.bench.load import LoadResult, RequestResult, run_load, summarize
 
 
@@ -90,11 +96,11 @@ def test_summarize_percentiles():
 
 @pytest.fixture(scope="module")
 def server(target, random_draft):
+    from conftest import LocalServer
+
     from specdecode import LLM
     from specdecode.server.api import build_app
     from specdecode.server.async_engine import AsyncEngine
-
-    from conftest import LocalServer
 
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=4,
               speculation_policy="fixed")

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import ByteTokenizer, kernel_builds, random_hf_weights, tiny_config
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
@@ -19,8 +20,6 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.models.gguf_loader import RawTensor
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
-
-from conftest import ByteTokenizer, kernel_builds, random_hf_weights, tiny_config
 
 pytestmark = pytest.mark.skipif(kernels.load("lowbit") is None,
                                 reason=f"no low-bit kernel: {kernels.build_problem('lowbit')}")

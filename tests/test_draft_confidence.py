@@ -3,14 +3,13 @@ still equals plain decoding, and that sampled output still follows the target ex
 against the exact joint), with the tempting variant that drops the unsure token instead failing it."""
 import pytest
 import torch
+from conftest import run_as_one_batch, tiny_model
+from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.sequence import Sequence
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers import DraftModelProposer
-
-from conftest import run_as_one_batch, tiny_model
-from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [9, 9, 9, 9, 9], [60, 3, 33]]

@@ -4,14 +4,12 @@ before, load as a draft from its folder, and draft what the target says."""
 import json
 
 import pytest
-import torch
+from conftest import VOCAB, random_hf_weights, tiny_config
 
 from specdecode import LLM, SamplingParams
 from specdecode.distill.draft_model import causal_lm, finetune_draft
 from specdecode.distill.recipe import Recipe
 from specdecode.errors import SpecDecodeError
-
-from conftest import VOCAB, random_hf_weights, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

@@ -8,18 +8,17 @@ import time
 
 import pytest
 import torch
+from conftest import make_head, random_hf_weights, tiny_model
+from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.distill.command import distill
 from specdecode.distill.recipe import Recipe
 from specdecode.executor.runner import ModelRunner
-from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
+from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
 from specdecode.models.runtime import build_model
 from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
 from specdecode.proposers.draft_head import DraftHeadProposer
-
-from conftest import make_head, random_hf_weights, tiny_model
-from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9], list(range(10, 40))]  # the last one prefills by the batched path
@@ -589,7 +588,8 @@ def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_ke
     file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     params = SamplingParams(temperature=0, max_tokens=12)
     engine = LLM(target=target, num_speculative_tokens=0, max_num_seqs=8, max_model_len=64)
-    outputs = [target.tokenizer.encode(p) + o.outputs[0].token_ids for p, o in zip(prompts, engine.generate(prompts, params))]
+    outputs = [target.tokenizer.encode(p) + o.outputs[0].token_ids
+               for p, o in zip(prompts, engine.generate(prompts, params))]
     expected = [t for p, ids in sorted(zip(prompts, outputs), key=lambda po: len(target.tokenizer.encode(po[0])))
                 for t in ids]
     assert len(expected) > 4 * 16

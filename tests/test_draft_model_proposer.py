@@ -2,14 +2,13 @@
 rollbacks, frees its slot, and drafts the draft model's own greedy continuation."""
 import pytest
 import torch
+from conftest import DEVICE, tiny_model
 
 from specdecode import SpecDecodeError
 from specdecode.engine.sequence import Sequence
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers import DraftModelProposer, ProposerSetup, build_proposer
 from specdecode.sampling import SamplingParams
-
-from conftest import DEVICE, tiny_model
 
 
 def _proposer(draft):

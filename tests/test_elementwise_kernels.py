@@ -4,6 +4,7 @@ uses them equal to plain decoding."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.attention import attach_attention_kernel
@@ -12,8 +13,6 @@ from specdecode.executor.kernels import load
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import RMSNorm
-
-from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 pytestmark = pytest.mark.skipif(load("norm") is None, reason="the kernels need a C compiler")
 

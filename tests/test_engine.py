@@ -2,12 +2,11 @@
 token (self-draft: everything accepted; random draft: almost nothing accepted; n-gram), stop
 conditions inside an accepted chunk, batching, and the documented errors for bad input."""
 import pytest
+from conftest import run_as_one_batch, tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.step import StepHooks
 from specdecode.models.loader import LoadedModel
-
-from conftest import run_as_one_batch, tiny_model
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

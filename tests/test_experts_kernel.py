@@ -3,13 +3,12 @@ router's float order, each row the same bits whatever other rows share the call 
 decoded token's logits) and every build the scalar reference's bits."""
 import pytest
 import torch
+from conftest import kernel_builds, random_hf_weights, tiny_config
 
 from specdecode.executor.backends import build_quantized_model, quantize_weights
 from specdecode.executor.experts import ExpertsKernel
 from specdecode.executor.kernels import load
 from specdecode.executor.quant import lowbit_kernel
-
-from conftest import kernel_builds, random_hf_weights, tiny_config
 
 pytestmark = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit kernel needs a C compiler")
 

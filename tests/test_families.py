@@ -9,15 +9,14 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import make_head
+from families import FAMILIES, convert, make_checkpoint, reference_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.gguf_loader import load_gguf
 from specdecode.models.loader import _load_hf_checkpoint, load_model
 from specdecode.models.runtime import Attention, build_model
-
-from conftest import make_head
-from families import FAMILIES, convert, make_checkpoint, reference_model
 
 POSITIONS = 64
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
@@ -197,7 +196,7 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
 def _with_metadata(source, out, extra: dict[str, int], strings: dict[str, str] | None = None,
                    extra_tensor: str | None = None):
     """A copy of a GGUF file with more integer (and string) metadata, or one more tensor."""
-    from gguf import GGUFReader, GGUFWriter, GGUFValueType
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     reader = GGUFReader(str(source))
     writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
@@ -293,9 +292,9 @@ def test_sampled_speculation_on_a_mixture_of_experts_follows_the_target(moe_pair
 
 def test_verifying_with_other_experts_than_decoding_fails_the_distribution_test(moe_pair, monkeypatch):
     """A verify call that routes its rows to one expert each (a decode call to two) computes another model."""
-    from specdecode.models.layers import SparseMoE
-
     from stats import chi2_pvalue, exact_joint, sampled_joint
+
+    from specdecode.models.layers import SparseMoE
 
     joint = exact_joint(moe_pair[0], [1, 2, 3, 1], MOE_PARAMS)
     forward = SparseMoE.forward

@@ -4,15 +4,14 @@ permuted for interleaved RoPE) loads into a runtime that matches transformers.""
 import numpy as np
 import pytest
 import torch
+from conftest import random_hf_weights, tiny_config
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
+from test_runtime import _reference
 
 from specdecode.models.gguf_loader import dequantize_tensor, load_gguf, unpermute_rope
 from specdecode.models.runtime import build_model
-
-from conftest import random_hf_weights, tiny_config
-from test_runtime import _reference
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0]
 TOLERANCE = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 0.02, Q.Q5_0: 0.1, Q.Q4_0: 0.2, Q.Q4_1: 0.2}

@@ -2,6 +2,7 @@
 and memory the kernel really backs with 2 MB pages."""
 import pytest
 import torch
+from conftest import random_hf_weights, tiny_config
 from torch import nn
 
 from specdecode.executor.backends import build_quantized_model, quantize_weights
@@ -9,8 +10,6 @@ from specdecode.executor.hugepages import ENV, HUGE_PAGE, huge_pages_available, 
 from specdecode.executor.runner import ModelRunner
 from specdecode.kv_cache import KVCache
 from specdecode.models.runtime import build_model
-
-from conftest import random_hf_weights, tiny_config
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this kernel gives no transparent huge pages")
 

@@ -5,13 +5,12 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
+from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.sampling import logits_to_probs, process_logits
 from specdecode.verify import verifier
-
-from conftest import tiny_model
-from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=1.2, logit_bias={5: 4.0, 9: -100.0})
 

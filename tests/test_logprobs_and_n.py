@@ -2,13 +2,12 @@
 bonus), and n outputs per prompt share one prefill, each with its own random stream."""
 import pytest
 import torch
+from conftest import tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.executor.runner import ModelRunner
 from specdecode.sampling import process_logits, token_logprobs
 from specdecode.verify import verifier
-
-from conftest import tiny_model
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc"]
 PROCESSED = dict(presence_penalty=0.5, logit_bias={3: 2.0})
@@ -86,7 +85,8 @@ def test_n_outputs_share_one_prefill(target, random_draft, monkeypatch):
     prompts_run = []
     real = llm.engine.runner.forward
     monkeypatch.setattr(llm.engine.runner, "forward",
-                        lambda slots, inputs, *a, **kw: prompts_run.append(len(inputs[0])) or real(slots, inputs, *a, **kw))
+                        lambda slots, inputs, *a, **kw: prompts_run.append(len(inputs[0]))
+                            or real(slots, inputs, *a, **kw))
     prompt = target.tokenizer.encode(PROMPTS[0])
     out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True))[0]
     assert prompts_run.count(len(prompt)) == 1  # one prefill for four outputs

@@ -3,11 +3,10 @@ requests beyond the slots wait in the queue, a budget that can never hold a sequ
 draft head's unread features are counted per token."""
 import pytest
 import torch
+from conftest import make_head, tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.memory import kv_bytes_per_token, parse_bytes, plan_memory
-
-from conftest import make_head, tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -27,7 +26,8 @@ def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
     # the engine's cache takes exactly that per token and slot
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
     cache = llm.engine.runner._cache
-    assert sum(t.numel() * t.element_size() for t in cache.k + cache.v) == 3 * 100 * kv_bytes_per_token(cfg, torch.float32)
+    assert (sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+            == 3 * 100 * kv_bytes_per_token(cfg, torch.float32))
 
 
 def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):

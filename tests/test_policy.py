@@ -2,11 +2,10 @@
 import random
 
 import pytest
+from conftest import run_as_one_batch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.policy import AdaptivePolicy, CostTable, TargetCost, make_policy
-
-from conftest import run_as_one_batch
 
 
 def test_token_gains_of_a_fresh_policy_follow_the_prior():
@@ -248,7 +247,8 @@ def _simulate(p: AdaptivePolicy, first: float, then: float, steps: int = 20000, 
     rng = random.Random(0)
     for _ in range(steps):
         drafted = 1
-        while drafted < 4 and (goes_on == 1.0 or rng.random() < goes_on):  # at 1 no draw: the outcome stream stays the same
+        # at 1 no draw: the outcome stream stays the same
+        while drafted < 4 and (goes_on == 1.0 or rng.random() < goes_on):
             drafted += 1
         accepted = 0
         while accepted < drafted and rng.random() < (first if accepted == 0 else then):
@@ -303,7 +303,8 @@ def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
     p = make_policy("adaptive", 4, acceptance_smoothing=0.001, depth_smoothing=0.001)
     _simulate(p, 0.9, 0.95, goes_on=0.5)
     assert p.estimator.draft_reach(4) == pytest.approx([1.0, 0.5, 0.25, 0.125], abs=0.03)
-    assert p.token_gains(p.estimator.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)], abs=0.03)
+    assert p.token_gains(p.estimator.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)],
+                                                                      abs=0.03)
 
 
 def test_a_draft_that_never_stops_reaches_every_position():
@@ -376,7 +377,7 @@ def test_a_new_request_drafts_again_after_one_unlucky_probe():
     p.observe_acceptance("probe", 1, 0)
     unlucky = p.estimator.population_acceptance
     assert unlucky < 0.5
-    for step in range(100):  # plain steps
+    for _ in range(100):  # plain steps
         p.observe_acceptance("other", 0, 0)
         p.observe_step([0], 1.0, None, 1.0)
     assert p.estimator.population_acceptance > 0.6 > unlucky
@@ -393,7 +394,7 @@ def test_the_pooled_evidence_fades_per_step_whatever_the_batch_size(batch):
         p.observe_acceptance("probe", 1, 1)
     before = p.estimator.first_position_trials
     ids = [str(i) for i in range(batch)]
-    for step in range(20):
+    for _ in range(20):
         for i in ids:
             p.observe_acceptance(i, 0, 0)
         p.observe_step([0] * batch, 1.0, None, 1.0)
@@ -565,7 +566,8 @@ def test_lookup_acceptance_is_learned_per_match_length():
         p.observe_lookup("r", 1, 4, 0)  # 1-token matches: always wrong
     assert p.estimator.lookup_acceptance.gains(3, 4) == pytest.approx([1, 1, 1, 0], abs=0.05)
     assert p.estimator.lookup_acceptance.gains(1, 4)[0] == pytest.approx(0, abs=0.05)
-    assert p.estimator.acceptance["r"] == pytest.approx(p.estimator.prior_acceptance)  # says nothing about the draft model
+    # says nothing about the draft model
+    assert p.estimator.acceptance["r"] == pytest.approx(p.estimator.prior_acceptance)
 
 
 def test_prompt_lookup_takes_over_where_the_draft_model_does_not_pay():

@@ -1,12 +1,11 @@
 """Draft-cost profile at start-up: the adaptive policy prices every number of drafting sequences from
 measurements, not from extrapolation."""
-import pytest
+
+from test_policy import _served
 
 from specdecode import LLM
 from specdecode.engine.policy import CostTable
 from specdecode.engine.profile import profile_draft_costs
-
-from test_policy import _served
 
 
 def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engine_untouched(target, random_draft):

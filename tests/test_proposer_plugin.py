@@ -3,13 +3,12 @@ emitted last step (its feedback, hidden states included) and runs through `LLM` 
 import openai
 import pytest
 import torch
+from conftest import LocalServer
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.proposers import DraftBatch, Proposer, proposer_names, register_proposer, unregister_proposer
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
-
-from conftest import LocalServer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -13,13 +13,12 @@ import openai
 import pytest
 
 ray = pytest.importorskip("ray")
+from conftest import tiny_llm  # noqa: E402
 from ray import serve  # noqa: E402
 
 from specdecode import SamplingParams, SpecDecodeError  # noqa: E402
 from specdecode.bench.server_process import free_port  # noqa: E402
 from specdecode.server.ray_serve import ENGINE_DEPLOYMENT, RayDeployment, run_deployment  # noqa: E402
-
-from conftest import tiny_llm  # noqa: E402
 
 pytestmark = pytest.mark.ray
 API_KEY = "ray-key"

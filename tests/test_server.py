@@ -8,12 +8,11 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import LocalServer
 
 from specdecode import LLM, SamplingParams
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
-
-from conftest import LocalServer
 
 API_KEY = "test-key"
 

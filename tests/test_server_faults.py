@@ -11,12 +11,11 @@ import time
 
 import httpx
 import pytest
+from conftest import LocalServer
 
 from specdecode import LLM
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
-
-from conftest import LocalServer
 
 STEP_DELAY = 0.02  # seconds added to each engine step, so that requests last long enough to interrupt
 

@@ -5,12 +5,11 @@ import time
 
 import httpx
 import pytest
+from conftest import VOCAB, LocalServer
 
 from specdecode import LLM, SamplingParams
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
-
-from conftest import VOCAB, LocalServer
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -18,7 +17,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 def _solo(target, prompt, max_tokens):
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
-    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(prompt, params)[0].outputs[0].text
 
 
 def _slowed(llm, seconds):

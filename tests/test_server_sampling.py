@@ -9,13 +9,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import SHAPE_ATOL, LocalServer, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import StructuredOutput
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
-
-from conftest import SHAPE_ATOL, LocalServer, tiny_model
 
 PROCESSORS = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"5": 3.0, "9": -100})
 EXTRA = dict(repetition_penalty=1.2, min_tokens=4, ignore_eos=True)

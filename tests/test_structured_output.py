@@ -6,12 +6,11 @@ import re
 
 import jsonschema
 import pytest
+from conftest import tiny_model
+from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.sampling import GrammarMatcher, StructuredOutput
-
-from conftest import tiny_model
-from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]},

@@ -7,13 +7,12 @@ import random
 import tracemalloc
 
 import pytest
+from conftest import run_as_one_batch, tiny_model
+from stats import PASS_P, SEED, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams
 from specdecode.proposers.suffix import SuffixCache, SuffixProposer
 from specdecode.proposers.suffix_tree import NODE_BYTES, SuffixTrie
-
-from conftest import run_as_one_batch, tiny_model
-from stats import PASS_P, SEED, chi2_pvalue, exact_joint, sampled_joint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -137,11 +136,11 @@ def test_the_cache_stays_under_its_byte_cap_and_evicts_the_least_recently_used()
     kept = cache.tenant_texts("t")
     assert len(kept) == 5 and outputs[0] not in kept and kept == outputs[-5:]  # FIFO until used again...
     lru = SuffixCache(cap)
-    for i, output in enumerate(outputs[:8]):
+    for output in outputs[:8]:
         lru.add("t", output)
         assert lru.draft("t", outputs[0][:30], 32, 0.1).tokens  # ... and kept while drafted from
     assert outputs[0] in lru.tenant_texts("t") and outputs[1] not in lru.tenant_texts("t")
-    for output in lru.tenant_texts("t"):
+    for _ in lru.tenant_texts("t"):
         lru._evict(next(iter(lru.texts)))
     assert lru.nbytes == 0 and not lru.tries
 
@@ -244,11 +243,10 @@ def test_through_the_server_each_tenant_drafts_from_its_own_outputs_only(target)
     cache's size is in /metrics, and the other tenants' drafts never come from it."""
     import httpx
     import openai
+    from conftest import LocalServer
 
     from specdecode.server.api import build_app
     from specdecode.server.async_engine import AsyncEngine
-
-    from conftest import LocalServer
 
     llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=8, max_model_len=256)
     engine = AsyncEngine(llm.engine)

@@ -2,13 +2,12 @@
 import json
 
 import pytest
+from conftest import tiny_model
 
 from specdecode import SpecDecodeError
 from specdecode.bench.advisor import AdvisorOptions, calibrate, ceiling, expected_tokens, predict
 from specdecode.bench.report import write_report
 from specdecode.bench.sweep import InProcessRunner, add_speedups, measure_grid, parse_config, read_config
-
-from conftest import tiny_model
 
 CONFIG = """
 [sweep]
@@ -181,8 +180,8 @@ def test_transformers_baseline_runs_the_same_weights():
     """The baseline's transformers model, built from the tensors specdecode loads, computes the same
     logits as specdecode's runtime: the two engines differ only in how they decode."""
     import torch
-
     from conftest import random_hf_weights, tiny_config
+
     from specdecode.bench.hf_baseline import hf_model_from
     from specdecode.executor.runner import ModelRunner
     from specdecode.models.runtime import build_model

@@ -4,11 +4,10 @@ those tests expect, and the tokens that end a turn in each family's chat format.
 from __future__ import annotations
 
 import pytest
+from families import llama_cpp_source, vocabulary
 
 from specdecode.models import tokenizer as tokenizer_module
 from specdecode.models.tokenizer import Tokenizer
-
-from families import llama_cpp_source, vocabulary
 
 VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm"]
 

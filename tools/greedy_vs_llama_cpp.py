@@ -19,9 +19,10 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.models.sources import resolve
 
 
-def llama_cpp_greedy(bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, port: int = 8097) -> list[list[int]]:
-    server = subprocess.Popen([binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048",
-                               "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def llama_cpp_greedy(bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int,
+                     port: int = 8097) -> list[list[int]]:
+    server = subprocess.Popen([binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2",
+                               "-c", "2048", "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
             try:
@@ -69,7 +70,8 @@ def main() -> None:
         line = f"{text!r}: {same}/{args.tokens} tokens equal"
         if same < args.tokens:
             line += (f"; parted at token {same}: ours {llm.tokenizer.decode([a[same]])!r}, llama.cpp's "
-                     f"{llm.tokenizer.decode([b[same]])!r}, our top-2 logit gap there {top_two_gap(llm, ids + a[:same]):.4f}")
+                     f"{llm.tokenizer.decode([b[same]])!r}, "
+                     f"our top-2 logit gap there {top_two_gap(llm, ids + a[:same]):.4f}")
         print(line)
         print(f"    ours:      {llm.tokenizer.decode(a)!r}\n    llama.cpp: {llm.tokenizer.decode(b)!r}")
 

@@ -13,8 +13,6 @@ import json
 import statistics
 import time
 
-import torch
-
 from specdecode.bench.datasets import humaneval_prompts
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.executor.runner import ModelRunner

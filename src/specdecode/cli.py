@@ -32,7 +32,8 @@ def _add_draft_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=C.draft_vocab_size,
                    help="the draft's LM head keeps this many lowest token ids + special tokens (0 = full "
                         "vocabulary; lower ids are the more frequent byte-pair merges)")
-    p.add_argument("--draft-confidence", type=float, default=[0.0, C.draft_confidence] if several else C.draft_confidence,
+    p.add_argument("--draft-confidence", type=float,
+                   default=[0.0, C.draft_confidence] if several else C.draft_confidence,
                    nargs="+" if several else None,
                    help=("thresholds to measure, each with its own rows; " if several else "") +
                         "the draft stops drafting after a token it gives less probability than this "
@@ -278,7 +279,8 @@ def _add_serve_load(bench_sub) -> None:
     load.add_argument("--concurrency", type=int, nargs="+", default=[1])
     load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead")
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--stop-at-eos", action="store_true", help="default: ignore EOS, every request runs to --max-tokens")
+    load.add_argument("--stop-at-eos", action="store_true",
+                      help="default: ignore EOS, every request runs to --max-tokens")
     load.add_argument("--api-key", default=None)
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--out", default="results/serve.json")
@@ -300,7 +302,8 @@ def _add_studies(bench_sub) -> None:
                                                    "transformers (generate, assisted generation, prompt lookup)")
     hf.add_argument("--model", default=DEFAULT_TARGET)
     hf.add_argument("--draft", default=DEFAULT_DRAFT)
-    hf.add_argument("-k", type=int, default=C.num_speculative_tokens, help="draft tokens per step (assistant and prompt lookup)")
+    hf.add_argument("-k", type=int, default=C.num_speculative_tokens,
+                    help="draft tokens per step (assistant and prompt lookup)")
     hf.add_argument("--num-prompts", type=int, default=3)
     hf.add_argument("--max-tokens", type=int, default=128)
     hf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -143,8 +143,8 @@ def print_advice(plan: dict) -> None:
 
 
 def run_advisor_cli(args) -> int:
-    from ..models.sources import default_draft
     from ..models.loader import load_model
+    from ..models.sources import default_draft
 
     options = AdvisorOptions(k_max=args.k_max, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
                           max_tokens=args.max_tokens, context=args.context)

@@ -193,7 +193,8 @@ def _head(args) -> str | None:
     return args.draft if proposer_kind(args.draft) == "head" else None
 
 
-def run_backend(args, quantization: str, requests: list, params: SamplingParams) -> tuple[list[LatencyResult], list[str]]:
+def run_backend(args, quantization: str, requests: list,
+                params: SamplingParams) -> tuple[list[LatencyResult], list[str]]:
     """Plain, then each proposer at each k, on one loaded target in `quantization`; also the texts of the
     timed prompts as plain decoding saw them (for llama.cpp's rows)."""
     target = load_model(args.model, args.device, args.dtype, quantization=quantization,
@@ -337,7 +338,8 @@ HEADER = (f"{'config':<28}{'tok/s':>8}{'e2e tok/s':>10}{'speedup':>9}{'α':>7}{'
 def _row(r: LatencyResult) -> str:
     measured_share = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
     return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{fmt(r.e2e_tokens_per_s, '.2f', 10)}{fmt(r.speedup, '.2f', 9)}"
-            f"{fmt(r.acceptance_rate, '.3f', 7)}{fmt(r.mean_drafts, '.2f', 7)}{fmt(r.mean_accepted_length, '.2f', 6)}{fmt(r.cost_ratio_c, '.3f', 7)}"
+            f"{fmt(r.acceptance_rate, '.3f', 7)}{fmt(r.mean_drafts, '.2f', 7)}{fmt(r.mean_accepted_length, '.2f', 6)}"
+            f"{fmt(r.cost_ratio_c, '.3f', 7)}"
             f"{fmt(r.predicted_speedup, '.2f', 11)}{fmt(measured_share, '.0%', 11)}"
             f"{fmt(r.verify_cost_ratio, '.2f', 13)}"
             f"{fmt(r.target_step_ms, '.1f', 11)}{fmt(r.draft_step_ms, '.1f', 10)}  {yes_no(r.identical_to_plain)}")

@@ -1,9 +1,10 @@
 """llama.cpp beside us, on the same GGUF files and prompts, in the same run.
 
 `llama-bench` measures plain decoding (tg), also after a long context (tg @ depth), the cost of a forward
-over 1, 2, 3, 5 tokens (pp), i.e. llama.cpp's verify cost ratio, and its prefill (pp512); `llama-speculative-simple` runs its own
-draft-model speculation on each prompt. The binaries come from a folder the user passes (e.g. built by
-build-llama-cpp.sh): llama.cpp is a peer to measure against, never a dependency."""
+over 1, 2, 3, 5 tokens (pp), i.e. llama.cpp's verify cost ratio, and its prefill (pp512);
+`llama-speculative-simple` runs its own draft-model speculation on each prompt. The binaries come from a
+folder the user passes (e.g. built by build-llama-cpp.sh): llama.cpp is a peer to measure against, never a
+dependency."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import subprocess
 from dataclasses import dataclass
 
 from ..errors import SpecDecodeError
-
 
 # llama-speculative-simple's n-gram modes (--spec-type), the peers of prompt lookup and suffix speculation
 LLAMA_NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")

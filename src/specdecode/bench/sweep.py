@@ -34,10 +34,10 @@ from ..errors import SpecDecodeError
 from ..models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..proposers import proposer_names
 from ..proposers.registry import DRAFT_MODEL
+from .advisor import AdvisorOptions, calibrate, print_advice
 from .datasets import load_prompts, repeat_to, token_counter
 from .formatting import fmt, mean, ratio
 from .load import LoadResult, RequestResult, run_load, send_requests
-from .advisor import AdvisorOptions, calibrate, print_advice
 from .report import write_report
 from .results import command_line, machine_info, speedup_against
 from .server_process import ServerProcess, serve_argv
@@ -229,7 +229,8 @@ def drive_closed_loop(engine, prompt_ids: list[list[int]], params,
         for seq in [s for s in in_flight if s.finished]:
             in_flight.remove(seq)
             m = seq.metrics
-            results.append(RequestResult(ok=True, prompt_tokens=len(seq.prompt_ids), output_tokens=seq.num_output_tokens,
+            results.append(RequestResult(ok=True, prompt_tokens=len(seq.prompt_ids),
+                                         output_tokens=seq.num_output_tokens,
                                          ttft_s=m.ttft, latency_s=m.finish_time - m.arrival_time,
                                          speculation=m.as_dict()))
     return results, time.perf_counter() - start

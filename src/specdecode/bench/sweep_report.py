@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .formatting import fmt, markdown_heading, markdown_images, mean, ratio
 from .advisor import ceiling_line, plan_table, recommendation
+from .formatting import fmt, markdown_heading, markdown_images, mean, ratio
 from .plots import label_axes, log2_axis, parity_line, plot_concurrency, pyplot, save
 
 

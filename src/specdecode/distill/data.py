@@ -19,9 +19,9 @@ from tqdm import tqdm
 from ..bench.datasets import humaneval_prompts, jsonl_prompts, poem_lines, python_sample, python_sources, stdlib_sources
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..proposers.draft_model import in_row_groups
 from ..models.loader import LoadedModel
 from ..models.sources import cache_root
+from ..proposers.draft_model import in_row_groups
 from .completions import completion_pieces
 from .recipe import Recipe
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-import torch
-
 from ..config import EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError

@@ -8,7 +8,6 @@ import torch
 from ..errors import SpecDecodeError
 from .kernels import load
 
-
 ERRORS = {-1: "a head size, group or window the kernel does not take", -2: "out of memory for its scratch",
           -3: "a slot or position outside the KV cache"}
 

@@ -34,8 +34,17 @@ from ..models.runtime import Linear, Transformer, check_all_used, hf_parts
 from .cpu import cpu_has_native_bf16
 from .experts import attach_experts_kernels
 from .formats import FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
-from .quant import (BlockEmbedding, BlockLinear, ConcatLinear, W8A16Linear, block_linear_from, lowbit_isa,
-                    quantize_rows, stored_layer_tensors, w8a16_supported)
+from .quant import (
+    BlockEmbedding,
+    BlockLinear,
+    ConcatLinear,
+    W8A16Linear,
+    block_linear_from,
+    lowbit_isa,
+    quantize_rows,
+    stored_layer_tensors,
+    w8a16_supported,
+)
 
 LOW_BIT = ("w8a8", "w4a8", "w4a16", "w4a8-all")  # the block kernel's backends
 

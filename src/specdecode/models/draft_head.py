@@ -3,8 +3,8 @@
 Row p of its input is the target's final hidden state at position p (before the last norm) beside the
 embedding of token p + 1, the token those features chose. Its output at row p, added to those
 features, estimates the target's hidden state at position p + 1, which the target's own final norm and
-LM head (restricted to a draft vocabulary) turn into a distribution for token p + 2. The next draft row reads that estimate beside the
-drafted token, so drafting k tokens costs k forwards of one layer.
+LM head (restricted to a draft vocabulary) turn into a distribution for token p + 2. The next draft row reads that
+estimate beside the drafted token, so drafting k tokens costs k forwards of one layer.
 
 The head owns only its input norms, the fusing projection and the layer; the embedding, final norm and
 LM head rows are the target's, shared at load time. A file holds the owned weights, the draft
@@ -12,10 +12,10 @@ vocabulary (`vocab_ids`) and a JSON beside it naming the target by a fingerprint
 head is never run on a target it was not trained for."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
-import copy
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
@@ -118,7 +118,8 @@ class DraftHead(nn.Module):
             x, residual = self.layers[0](x, None, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
             return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
-    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor,
+                 steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Training-time test: (logits [B*T, V], estimates [B*T, hidden]) for each of `steps` drafting rounds
         at every row, as drafting computes them. Round s at position q reads round s-1's estimate at q-1
         (round 0 reads the target's features) beside token q + 1, and attends to the rows drafting would have

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .checkpoints import gguf_parts
 from .families import from_gguf
+
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves the rotary halves of Llama q/k rows; undo it (NeoX layout)."""

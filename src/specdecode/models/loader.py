@@ -45,9 +45,9 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = 
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
     from ..executor.attention import attach_attention_kernel
+    from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
     from ..executor.elementwise import attach_elementwise_kernels
     from ..executor.hugepages import move_to_huge_pages
-    from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
 
     device = device or default_device()
     requested, quantization = quantization, resolve_quantization(quantization, device, draft)

@@ -21,6 +21,7 @@ from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope
 
+
 @dataclass
 class ForwardBatch:
     """Attention metadata for one forward call (built once, read by every layer).

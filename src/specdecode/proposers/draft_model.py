@@ -70,7 +70,8 @@ class DraftModelProposer(Proposer):
                     seqs[i].metrics.spec.num_draft_forwards += 1
                     token, q = self._sample(logits[row], seqs[i], tokens[i])
                     tokens[i].append(token)
-                    if self.confidence_threshold and self._confidence(logits[row], token, q) < self.confidence_threshold:
+                    if (self.confidence_threshold
+                            and self._confidence(logits[row], token, q) < self.confidence_threshold):
                         unsure.add(i)
                     if seqs[i].grammar is not None:  # the next draft position's mask follows this token
                         seqs[i].grammar.draft(token)

@@ -123,7 +123,8 @@ class SuffixProposer(Proposer):
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "SuffixProposer":
         c = setup.config
-        return cls(c.suffix_max_tokens, c.suffix_min_prob, cache=SuffixCache(c.suffix_cache_bytes, c.suffix_cache_scope))
+        return cls(c.suffix_max_tokens, c.suffix_min_prob,
+                   cache=SuffixCache(c.suffix_cache_bytes, c.suffix_cache_scope))
 
     @property
     def cache_bytes(self) -> int:

@@ -6,4 +6,5 @@ from .params import SamplingParams
 from .probs import logits_to_probs, sample_token
 from .processors import process_logits
 
-__all__ = ["GrammarMatcher", "SamplingParams", "StructuredOutput", "TokenLogprob", "logits_to_probs", "process_logits", "sample_token", "token_logprobs"]
+__all__ = ["GrammarMatcher", "SamplingParams", "StructuredOutput", "TokenLogprob", "logits_to_probs", "process_logits",
+           "sample_token", "token_logprobs"]

@@ -15,7 +15,6 @@ import torch
 
 from ..errors import SpecDecodeError
 
-
 # Whitespace between JSON tokens as the model likes to write it (pretty-printed), but at most 20
 # characters at a time, so that a model cannot stall in a run of spaces until max_tokens. A schema may
 # ask otherwise through its "x-guidance" options (e.g. "whitespace_flexible": false for compact JSON).

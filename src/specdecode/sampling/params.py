@@ -20,7 +20,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # divides (positive) / multiplies (negative) logits of tokens seen in prompt or output
+    # divides (positive) / multiplies (negative) logits of tokens seen in prompt or output
+    repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # end-of-sequence tokens are banned until this many tokens are generated
     max_tokens: int = 16

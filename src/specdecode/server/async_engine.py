@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
-from ..engine.step import StepHooks
 from ..engine.sequence import Sequence
+from ..engine.step import StepHooks
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, TokenLogprob
 from .metrics import ServerMetrics

@@ -8,6 +8,7 @@ import time
 from ..cli import lookup_options
 from ..config import LOSSY_NOTE, EngineConfig
 from ..engine.llm import LLM
+from ..errors import SpecDecodeError
 from ..models.sources import served_draft
 from .api import build_app
 from .async_engine import AsyncEngine

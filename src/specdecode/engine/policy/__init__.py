@@ -12,8 +12,8 @@ from .costs import CostModel, CostTable, TargetCost
 from .simple import DisableByBatchSize, FixedPolicy
 
 
-def make_policy(name: str = EngineConfig.speculation_policy, k_max: int = DEFAULT_K, max_batch_for_speculation: int | None = None,
-                **adaptive_options) -> Policy:
+def make_policy(name: str = EngineConfig.speculation_policy, k_max: int = DEFAULT_K,
+                max_batch_for_speculation: int | None = None, **adaptive_options) -> Policy:
     """A policy by name; adaptive_options are AdaptivePolicy's fields (smoothing, priors, min_gain)."""
     if name == "fixed":
         return FixedPolicy(k_max)

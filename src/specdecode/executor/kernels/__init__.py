@@ -37,8 +37,8 @@ SIGNATURES = {
              "silu_mul": ([_P, _P, _I, _I, _I], _I)},
     "attention": {"attention_dim_ok": ([_I], _I), "attention_group_ok": ([_I], _I), "attention_half_ok": ([], _I),
                   "attention_softmax_unnormalised": ([_P, _I], _F),
-                  "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P, _I],
-                                        _I),
+                  "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P,
+                                         _I], _I),
                   "rowwise_attention_f16": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P,
                                              _I], _I)},
 }
