@@ -38,10 +38,11 @@ def test_the_kernel_computes_what_pytorch_does(kv_cache_dtype, tolerance):
     got, kernel_runner = _verify(_with_kernel(kv_cache_dtype=kv_cache_dtype), [5, 6, 7])
     assert kernel_runner._cache.k[0].dtype == getattr(torch, kv_cache_dtype)
     torch.testing.assert_close(got, reference, rtol=tolerance, atol=tolerance)
+    n = len(PROMPT) + 3
     for layer in range(len(kernel_runner._cache.k)):  # rotated keys and values land where PyTorch puts them
-        torch.testing.assert_close(kernel_runner._cache.k[layer], torch_runner._cache.k[layer], rtol=tolerance,
-                                   atol=tolerance)
-        torch.testing.assert_close(kernel_runner._cache.v[layer], torch_runner._cache.v[layer])
+        torch.testing.assert_close(kernel_runner._cache.keys(layer, 0, n), torch_runner._cache.keys(layer, 0, n),
+                                   rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(kernel_runner._cache.values(layer, 0, n), torch_runner._cache.values(layer, 0, n))
 
 
 def _lowbit_with_kernel(hidden: int = 64):
@@ -141,13 +142,17 @@ SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48), (16, 2, 32)]
 
 
 def _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, window=0, scale=None, norms=None,
-          eps=1e-6) -> int:
-    """One call of the kernel over the cache k, v [S, Hkv, L, D]; norms: (q weights, k weights) or None."""
+          eps=1e-6, tables=None) -> int:
+    """One call of the kernel over the cache k, v [blocks, Hkv, B, D] read through tables [S, MB] (default: one
+    block a slot, slot s's block s); norms: (q weights, k weights) or None."""
     attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
     q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
+    if tables is None:
+        tables = torch.arange(k.shape[0], dtype=torch.int32)[:, None]
     return attend(qkv.data_ptr(), len(slots), H, Hkv, D, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
                   sin.data_ptr(), q_norm, k_norm, eps, D ** -0.5 if scale is None else scale, window, k.data_ptr(),
-                  v.data_ptr(), k.shape[0], k.shape[2], out.data_ptr(), torch.get_num_threads())
+                  v.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1], k.shape[2], k.shape[0],
+                  out.data_ptr(), torch.get_num_threads())
 
 
 def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300, **options):
@@ -223,15 +228,16 @@ def test_a_window_the_kernel_ignored_would_fail_the_reference():
 def test_a_call_outside_the_cache_or_of_a_shape_it_does_not_take_is_refused_with_a_code():
     (H, Hkv, D), lib = SHAPES[0], load("attention", "scalar")
     qkv, out = torch.randn(1, (H + 2 * Hkv) * D), torch.empty(1, H * D)
-    k = v = torch.zeros(1, Hkv, 16, D)
+    k = v = torch.zeros(1, Hkv, 32, D)
     cos = sin = torch.ones(1, D)
 
     def call(slot, position, **kw):
         return _call(lib, qkv, H, Hkv, D, torch.tensor([slot]), torch.tensor([position]), cos, sin, k, v, out, **kw)
 
-    assert call(0, 15) == 0
-    assert call(0, 16) == call(1, 0) == -3  # past the cache's length, a slot it does not have
+    assert call(0, 31) == 0
+    assert call(0, 32) == call(1, 0) == -3  # past the cache's length, a slot it does not have
     assert call(0, 0, window=-1) == -1
+    assert call(0, 0, tables=torch.tensor([[7]], dtype=torch.int32)) == -3  # a block the cache does not have
 
 
 def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: list[int], seed: int = 2, **options):
@@ -308,3 +314,38 @@ def test_softmax_exponentials_are_exp_to_within_a_few_ulp():
     exact = torch.exp(shifted.clamp(min=-87.0))  # below -87 the kernel gives exp(-87), not a denormal
     torch.testing.assert_close(got.double(), exact, rtol=3e-7, atol=0)
     assert total == pytest.approx(float(exact.sum()), rel=1e-5)
+
+
+def _into_blocks(cache: torch.Tensor, block: int, order: torch.Tensor) -> torch.Tensor:
+    """A cache [S, Hkv, L, D] cut into blocks of `block` positions, stored in the pool at `order`'s places."""
+    S, Hkv, L, D = cache.shape
+    blocks = cache.view(S, Hkv, L // block, block, D).transpose(1, 2).reshape(-1, Hkv, block, D)
+    pool = torch.empty_like(blocks)
+    pool[order] = blocks
+    return pool
+
+
+@pytest.mark.parametrize("block", [32, 64, 256])
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_a_cache_in_scattered_blocks_gives_the_contiguous_caches_bits(isa, block):
+    """Keys and values read through block tables (blocks in a shuffled order in the pool) under a window that
+    ends inside a block: the same outputs, and the same entries written, as one contiguous stretch a slot."""
+    H, Hkv, D, L, N = 14, 2, 64, 512, 15
+    slots = torch.tensor([0] * 11 + [1] * 4, dtype=torch.int64)
+    positions = torch.tensor(list(range(290, 301)) + [40, 41, 42, 200], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=gen)
+    k, v = (torch.randn(2, Hkv, L, D, generator=gen).half() for _ in range(2))
+    angles = torch.rand(N, D // 2, generator=gen).repeat(1, 2) * 6
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    lib, options = load("attention", isa), dict(window=37, scale=0.07)
+    expected = torch.empty(N, H * D)
+    order = torch.randperm(2 * L // block, generator=gen)
+    k_blocks, v_blocks = _into_blocks(k, block, order), _into_blocks(v, block, order)
+    assert _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, expected, **options) == 0
+    got = torch.empty(N, H * D)
+    tables = order.view(2, L // block).to(torch.int32)
+    assert _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k_blocks, v_blocks, got, tables=tables,
+                 **options) == 0
+    assert torch.equal(got, expected)
+    assert torch.equal(k_blocks, _into_blocks(k, block, order)) and torch.equal(v_blocks, _into_blocks(v, block, order))

@@ -145,8 +145,8 @@ class CacheSnapshots(DraftHeadProposer):
             cache = self.runner._cache
             for i in rows:
                 n = self.runner.length(slots[i])
-                self.snapshots.append((list(seqs[i].token_ids), cache.k[0][slots[i], :, :n].clone(),
-                                       cache.v[0][slots[i], :, :n].clone()))
+                self.snapshots.append((list(seqs[i].token_ids), cache.keys(0, slots[i], n),
+                                       cache.values(0, slots[i], n)))
         return super()._draft_forward(step, rows, seqs, slots, tokens)
 
 
@@ -181,10 +181,10 @@ def _rows_unlike_a_fresh_heads(target, proposer) -> int:
         t, h = fresh_target.allocate(), fresh_head.allocate()
         _, hidden = fresh_target.forward([t], [ids[:n]], "all", hidden=True)
         fresh_head.forward([h], [ids[1:n + 1]], "last", features=[hidden])
-        cache = fresh_head._cache
+        fresh_keys, fresh_values = fresh_head._cache.keys(0, h, n), fresh_head._cache.values(0, h, n)
         for p in range(n):
-            wrong += not (torch.allclose(keys[:, p], cache.k[0][h, :, p], atol=1e-3, rtol=1e-3)
-                          and torch.allclose(values[:, p], cache.v[0][h, :, p], atol=1e-3, rtol=1e-3))
+            wrong += not (torch.allclose(keys[:, p], fresh_keys[:, p], atol=1e-3, rtol=1e-3)
+                          and torch.allclose(values[:, p], fresh_values[:, p], atol=1e-3, rtol=1e-3))
         fresh_target.free(t)
         fresh_head.free(h)
     return wrong

@@ -94,10 +94,12 @@ def test_nothing_moves_when_small_pages_are_asked_for(monkeypatch):
 
 
 @needs_thp
-def test_the_kv_cache_is_one_zeroed_allocation_on_huge_pages():
+def test_the_kv_cache_is_one_allocation_on_huge_pages_its_blocks_zeroed_when_taken():
     cfg = tiny_config(layers=4, hidden=128)
     cache = KVCache(cfg, 4, 2048, torch.float16, "cpu")  # 2 x 4 layers x 4 slots x 2 heads x 2048 x 64 x 2 B
     storage = cache.k[0].untyped_storage()
     assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in cache.k + cache.v)
-    assert all(not t.any() for t in cache.k + cache.v)
+    slot = cache.allocate()
+    cache.reserve(slot, 2048)
+    assert all(not t[block].any() for t in cache.k + cache.v for block in cache.tables[slot])
     assert cache.k[0].data_ptr() % HUGE_PAGE == 0 and _huge_kb(cache.k[0].data_ptr()) > 0

@@ -23,11 +23,12 @@ def test_parse_bytes():
 def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
     cfg = target.config
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * 4
-    # the engine's cache takes exactly that per token and slot
+    # the engine's cache takes exactly that per token its blocks hold: without a budget, every slot's full length
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
     cache = llm.engine.runner._cache
+    assert cache.num_blocks == 3 * -(-100 // cache.block_size)
     assert (sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-            == 3 * 100 * kv_bytes_per_token(cfg, torch.float32))
+            == cache.num_blocks * cache.block_size * kv_bytes_per_token(cfg, torch.float32))
 
 
 def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):
@@ -38,7 +39,7 @@ def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):
         cache = llm.engine.runner._cache
         assert cache.k[0].dtype == torch.float16
         assert (sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-                == 3 * 100 * kv_bytes_per_token(cfg, torch.float16))
+                == cache.num_blocks * cache.block_size * kv_bytes_per_token(cfg, torch.float16))
         assert llm.memory_plan.kv_bytes_per_token == kv_bytes_per_token(cfg, torch.float32) // 2
     finally:
         model.kv_cache_dtype = None
@@ -49,35 +50,36 @@ def test_an_unknown_cache_dtype_is_refused_with_the_choices(target):
         LLM(target=target, kv_cache_dtype="int4")
 
 
-def test_budget_decides_the_number_of_slots(target, random_draft):
+def test_the_budget_decides_the_number_of_kv_blocks(target, random_draft):
     fixed = plan_memory(target.model, random_draft.model, 128, 64, 4, None)
-    per_slot = 128 * fixed.kv_bytes_per_token
-    assert fixed.num_slots == 64  # no budget: what was asked
+    per_block = fixed.block_size * fixed.kv_bytes_per_token
+    assert fixed.num_slots == 64 and fixed.num_blocks == 64 * 128 // fixed.block_size  # no budget: what was asked
     weights = target.model.weight_bytes() + random_draft.model.weight_bytes() + fixed.reserve_bytes
-    plan = plan_memory(target.model, random_draft.model, 128, 64, 4, weights + 3 * per_slot + per_slot // 2)
-    assert plan.num_slots == 3
-    assert plan.kv_cache_bytes == 3 * per_slot
-    assert "3 sequences × 128 tokens" in plan.summary()
-    assert plan_memory(target.model, random_draft.model, 128, 2, 4, weights + 10 * per_slot).num_slots == 2
+    plan = plan_memory(target.model, random_draft.model, 128, 64, 4, weights + 7 * per_block + per_block // 2)
+    assert plan.num_blocks == 7 and plan.num_slots == 64
+    assert plan.kv_cache_bytes == 7 * per_block
+    assert f"{7 * fixed.block_size} tokens in blocks of {fixed.block_size}" in plan.summary()
+    assert plan_memory(target.model, random_draft.model, 128, 2, 4, weights + 10 * per_block).num_blocks == 4
 
 
 def test_a_budget_that_never_fits_a_sequence_is_refused(target, random_draft):
     plan = plan_memory(target.model, random_draft.model, 256, 8, 4, None)
     fixed = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes
-    with pytest.raises(SpecDecodeError, match="raise the memory budget or lower max_model_len to at most 100$"):
+    with pytest.raises(SpecDecodeError, match="raise the memory budget or lower max_model_len to at most 64$"):
         LLM(target=target, draft=random_draft, max_model_len=256, draft_quantization="none",
             memory_budget=fixed + 100 * plan.kv_bytes_per_token)
     with pytest.raises(SpecDecodeError, match="smaller than the weights and activations"):
         LLM(target=target, draft=random_draft, max_model_len=256, memory_budget=1000)
 
 
-def test_requests_beyond_the_slots_wait_and_all_complete(target, random_draft):
+def test_requests_beyond_the_kv_blocks_wait_and_all_complete(target, random_draft):
+    """Two blocks of KV cache for sequences of up to 64 tokens (one block each): eight slots, two running at a
+    time; a request that could never fit is refused with what to change."""
     plan = plan_memory(target.model, random_draft.model, 64, 8, 3, None)
     budget = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes + 2 * 64 * plan.kv_bytes_per_token
     llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=64, max_num_seqs=8,
-              draft_quantization="none",
-              memory_budget=budget)
-    assert llm.memory_plan.num_slots == llm.engine.runner.num_slots == 2
+              draft_quantization="none", memory_budget=budget)
+    assert llm.memory_plan.num_blocks == llm.engine.runner.num_blocks == 2 and llm.engine.runner.num_slots == 8
     prompts = [f"request {i}" for i in range(5)]
     alone = [LLM(target=target, num_speculative_tokens=0, max_model_len=64).generate(p, PARAMS)[0] for p in prompts]
     seqs = [llm.engine.add_request(target.tokenizer.encode(p), PARAMS) for p in prompts]
@@ -85,8 +87,11 @@ def test_requests_beyond_the_slots_wait_and_all_complete(target, random_draft):
     while llm.engine.has_unfinished():
         llm.engine.step()
         most_running = max(most_running, len(llm.engine.running))
+        assert llm.engine.runner.blocks_in_use() <= 2
     assert most_running == 2
     assert [s.output_ids for s in seqs] == [a.outputs[0].token_ids for a in alone]
+    with pytest.raises(SpecDecodeError, match="lower max_tokens or n, or raise the memory budget"):
+        llm.generate(["x"], SamplingParams(n=3, max_tokens=8))
 
 
 def test_the_plan_counts_a_draft_heads_unread_features_per_token(target, tmp_path):

@@ -38,7 +38,7 @@ class EngineConfig:
     num_speculative_tokens: int = DEFAULT_K
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # tokens a sequence holds (prompt + output); None: the model's context
     max_num_seqs: int = 8
     forced_accept: bool = False
     ngram_prompt_lookup_max: int = 3
@@ -70,7 +70,7 @@ class EngineConfig:
         if not 0 <= self.num_speculative_tokens < MAX_VERIFY_WIDTH:
             problems.append(f"num_speculative_tokens (-k) must be in [0, {MAX_VERIFY_WIDTH - 1}], got "
                             f"{self.num_speculative_tokens}")
-        if self.max_num_seqs < 1 or self.max_model_len < 2:
+        if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
                             f"{self.max_model_len}")
         if not 0.0 <= self.draft_confidence < 1.0:

@@ -1,71 +1,166 @@
-"""Preallocated KV cache. Each sequence owns a slot; its cached length is a pointer, so rolling back
-rejected draft tokens is moving that pointer back (the stale entries are simply overwritten later)."""
+"""The KV cache in blocks of BLOCK_TOKENS tokens, and a block table per sequence slot.
+
+A slot takes blocks as its sequence grows and gives them back when it is truncated (rolled back) or freed, so
+memory follows the tokens held: a 200-token request holds four blocks, not a slot of max_len tokens. The pool
+is one allocation whose pages the OS makes resident only as blocks are first written (a block is zeroed when
+taken); the blocks of a slot need not be contiguous. Rolling back rejected draft tokens is moving the length
+back (entries past it are overwritten later), and a block past the new length returns to the pool."""
 from __future__ import annotations
+
+import heapq
 
 import torch
 
 from .config import ModelConfig
 from .errors import SpecDecodeError
-from .executor.hugepages import huge_page_zeros
+from .executor.hugepages import huge_page_empty
+
+# Tokens per block: a multiple of 32, the attention kernel's span of values weighed together (docs/decisions.md)
+BLOCK_TOKENS = 64
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_TOKENS) -> int:
+    return -(-tokens // block_size)
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device):
-        shape = (2, cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.dim_per_head)
-        # one allocation, on huge pages on a CPU: attention over a long context streams all of it
-        kv = huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(
-            shape, dtype=dtype, device=device)
-        self.k, self.v = list(kv[0]), list(kv[1])
-        self.max_len = max_len
-        self.num_slots = num_slots
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device,
+                 num_blocks: int | None = None, block_size: int = BLOCK_TOKENS):
+        """num_slots sequences of at most max_len tokens each, over num_blocks blocks (default: enough for every
+        slot at max_len)."""
+        if block_size % 32:
+            raise ValueError(f"a KV block holds a multiple of 32 tokens, not {block_size}")
+        self.block_size, self.max_len, self.num_slots = block_size, max_len, num_slots
+        self.max_blocks = blocks_for(max_len, block_size)  # a slot's table row
+        self.num_blocks = num_blocks or num_slots * self.max_blocks
+        shape = (2, cfg.num_layers, self.num_blocks, cfg.num_kv_heads, block_size, cfg.dim_per_head)
+        self.k, self.v = (list(part) for part in _pool(shape, dtype, device))
+        self.tables: list[list[int]] = [[] for _ in range(num_slots)]
+        # the tables as the attention kernel reads them: row s holds slot s's blocks (unused entries 0)
+        self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.int32, device=device)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+        # a heap: the lowest free block is taken first, so the pages in use stay few while few tokens are held
+        self._free_blocks = list(range(self.num_blocks))
 
+    # ---- slots ---------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise SpecDecodeError(f"all {self.num_slots} KV-cache slots are in use; wait for a request to finish")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
-        return slot
 
     @property
     def free_slots(self) -> list[int]:
         return list(self._free)
 
+    def allocate(self) -> int:
+        if not self._free:
+            raise SpecDecodeError(f"all {self.num_slots} KV-cache slots are in use; wait for a request to finish")
+        slot = self._free.pop()
+        self.truncate(slot, 0)
+        return slot
+
     def take(self, slot: int) -> None:
-        """Allocate this free slot (its entries and length are the caller's to set)."""
+        """Allocate this free slot (its length and contents are the caller's to set)."""
         self._free.remove(slot)
 
-    def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
+    def free(self, slot: int, keep_blocks: bool = False) -> None:
+        """The slot is free to allocate; its blocks go back to the pool, unless kept (a kept context: the
+        caller truncates it when the slot is handed out again or the blocks are wanted)."""
+        if keep_blocks:
+            self.lengths[slot] = 0
+        else:
+            self.truncate(slot, 0)
         self._free.append(slot)
 
+    # ---- blocks --------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def blocks_held(self, slot: int) -> int:
+        return len(self.tables[slot])
+
+    def reserve(self, slot: int, tokens: int) -> None:
+        """Blocks for the slot's first `tokens` positions, no more (a forward writes up to there; blocks past them
+        held stale entries of an earlier, longer forward)."""
+        if tokens > self.max_len:
+            raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
+        self._release_past(slot, blocks_for(tokens, self.block_size))
+        need = blocks_for(tokens, self.block_size) - len(self.tables[slot])
+        if need > len(self._free_blocks):
+            raise SpecDecodeError(f"the KV cache is out of blocks ({need} more needed, {len(self._free_blocks)} free "
+                                  f"of {self.num_blocks}); wait for a request to finish")
+        for _ in range(max(need, 0)):
+            block = heapq.heappop(self._free_blocks)
+            for layer in range(len(self.k)):
+                self.k[layer][block].zero_()
+                self.v[layer][block].zero_()
+            self.table[slot, len(self.tables[slot])] = block
+            self.tables[slot].append(block)
+
     def truncate(self, slot: int, length: int) -> None:
-        """Roll back: forget everything past `length` (no copy)."""
-        assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        """The slot holds its first `length` tokens (no copy); the blocks past them return to the pool."""
         self.lengths[slot] = length
+        self._release_past(slot, blocks_for(length, self.block_size))
+
+    def _release_past(self, slot: int, kept: int) -> None:
+        """The slot's blocks past its first `kept` go back to the pool."""
+        for block in self.tables[slot][kept:]:
+            heapq.heappush(self._free_blocks, block)
+        del self.tables[slot][kept:]
 
     def copy(self, source: int, dest: int) -> None:
         """dest gets source's cached tokens (a shared prompt prefilled once)."""
         n = self.lengths[source]
-        for k, v in zip(self.k, self.v):
-            k[dest, :, :n] = k[source, :, :n]
-            v[dest, :, :n] = v[source, :, :n]
+        self.reserve(dest, n)
+        for mine, theirs in zip(self.tables[dest], self.tables[source]):
+            for layer in range(len(self.k)):
+                self.k[layer][mine] = self.k[layer][theirs]
+                self.v[layer][mine] = self.v[layer][theirs]
         self.lengths[dest] = n
+
+    # ---- entries -------------------------------------------------------------------------------------
+    def _places(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each (slot, position)."""
+        return self.table[slots, positions // self.block_size].long(), positions % self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [B, Hkv, T, D] at `positions` [B, T]; slots: [B], one per sequence, or [B, T], one
         per token (a packed batch holds several sequences in one row)."""
-        slot_index = slots[:, None, None] if slots.dim() == 1 else slots[:, None, :]
-        index = (slot_index, torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None, :])
+        per_token = slots[:, None].expand_as(positions) if slots.dim() == 1 else slots
+        blocks, offsets = self._places(per_token, positions)
+        index = (blocks[:, None, :], torch.arange(k.shape[1], device=k.device)[None, :, None], offsets[:, None, :])
         self.k[layer][index] = k.to(self.k[layer].dtype)
         self.v[layer][index] = v.to(self.v[layer].dtype)
 
-    def read(self, layer: int, slot_index, kv_len: int):
-        """Keys/values [B, Hkv, kv_len, D] of the batch's slots, in the cache's dtype (a view when the
-        slots are contiguous)."""
-        return self.k[layer][slot_index, :, :kv_len], self.v[layer][slot_index, :, :kv_len]
+    def read(self, layer: int, slots, kv_len: int):
+        """Keys/values [B, Hkv, kv_len, D] of the slots (a slice or a tensor of them), in the cache's dtype:
+        their blocks gathered in order (a copy)."""
+        table = self.table[slots, :blocks_for(kv_len, self.block_size)].long()
+        return tuple(_gathered(part[layer], table, kv_len) for part in (self.k, self.v))
+
+    def keys(self, layer: int, slot: int, n: int) -> torch.Tensor:
+        """The slot's first n keys [Hkv, n, D] (a copy)."""
+        return self.read(layer, slice(slot, slot + 1), n)[0][0]
+
+    def values(self, layer: int, slot: int, n: int) -> torch.Tensor:
+        return self.read(layer, slice(slot, slot + 1), n)[1][0]
+
+
+def _gathered(pool: torch.Tensor, table: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """pool [blocks, Hkv, block, D] read through table [B, n] -> [B, Hkv, kv_len, D]."""
+    batch, n = table.shape
+    blocks = pool[table.reshape(-1)].view(batch, n, *pool.shape[1:])  # [B, n, Hkv, block, D]
+    return blocks.transpose(1, 2).reshape(batch, pool.shape[1], n * pool.shape[2], pool.shape[3])[:, :, :kv_len]
+
+
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """One allocation for every block, left unwritten: its pages become resident as blocks are first taken
+    (on huge pages on a CPU, where a long context's attention streams it)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = 1
+    for d in shape:
+        nbytes *= d
+    raw, _ = huge_page_empty(nbytes * dtype.itemsize)
+    return raw.view(dtype).view(shape)

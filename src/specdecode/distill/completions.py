@@ -152,6 +152,8 @@ def greedy_completions(target: LoadedModel, prompts: list[list[int]], max_new_to
     n, slots = len(prompts), list(range(len(prompts)))
     max_len = max(map(len, prompts)) + max_new_tokens
     cache = KVCache(model.cfg, n, max_len, model.kv_dtype, model.device)
+    for slot in slots:
+        cache.reserve(slot, max_len)
     tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(p) for p in prompts], batch_first=True)
     starts, new = [0] * n, [len(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]

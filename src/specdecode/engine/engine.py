@@ -14,6 +14,7 @@ from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 from ..verify.verifier import prompt_logprobs, sample_first, verify_batch
+from .admission import BlockBudget
 from .policy import DraftDecision, Policy, make_policy
 from .sequence import Sequence, check_token_ids
 from .step import StepHooks, StepOutput
@@ -42,6 +43,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
+        self.blocks = BlockBudget(runner, lambda: self.k)
 
     @property
     def k(self) -> int:
@@ -64,13 +66,10 @@ class Engine:
         (suffix speculation drafts only from the same tenant's earlier outputs)."""
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty; pass at least one token of text")
-        if len(prompt_ids) >= self.max_model_len:
-            raise SpecDecodeError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}; "
-                "shorten the prompt or raise max_model_len")
         if params.n > self.runner.num_slots:
             raise SpecDecodeError(f"n={params.n} outputs need as many sequence slots, and this engine has "
                                   f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs")
+        self.blocks.check(len(prompt_ids), params)
         check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
         check_token_ids(list(params.logit_bias or ()), self.runner.cfg.vocab_size, "logit_bias")
         grammar = None
@@ -127,6 +126,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
+        self.blocks.release(seq)
         self.runner.free(seq.slot)
         self.policy.forget(seq.request_id)
         for proposer in self.proposers:
@@ -143,8 +143,8 @@ class Engine:
             if not self.waiting:
                 return admitted
             group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
-            if self.runner.num_free < len(group):
-                return admitted
+            if self.runner.num_free < len(group) or not self.blocks.admit(group):
+                return admitted  # the group waits for slots or KV blocks
             for seq in group:
                 self.waiting.remove(seq)
                 seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)

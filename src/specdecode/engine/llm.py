@@ -99,7 +99,7 @@ class LLM:
                                             kv_cache_dtype=config.kv_cache_dtype)
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
-        max_model_len = min(config.max_model_len, self.target.config.max_position)
+        max_model_len = min(config.max_model_len or self.target.config.max_position, self.target.config.max_position)
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
         budget = resolve_budget(self.target.model.device, config.memory_budget, config.gpu_memory_utilization)
@@ -107,9 +107,10 @@ class LLM:
         self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs,
                                        config.num_speculative_tokens, budget,
                                        features=any(p.wants_hidden_states for p in proposers))
+        plan = self.memory_plan
         for proposer in proposers:
-            proposer.reserve(self.memory_plan.num_slots, max_model_len, config.prefix_caching)
-        runner = ModelRunner(self.target.model, self.memory_plan.num_slots, max_model_len, config.prefix_caching)
+            proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
+        runner = ModelRunner(self.target.model, plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
         self.engine = Engine(runner, self.tokenizer, proposers, config.num_speculative_tokens, config.forced_accept,
                              self.timer, policy)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets

@@ -1,9 +1,12 @@
-"""Memory plan: place the target weights, the draft weights and both KV caches in a budget, and size the
-KV caches (sequence slots of max_model_len tokens each) to what fits.
+"""Memory plan: place the target weights, the draft weights and the KV caches in a budget, and size the KV caches'
+pools of blocks (kv_cache.py) to what fits.
 
 The budget is a byte count (`memory_budget`, e.g. "6GiB"; the way to bound a CPU server), or on CUDA a
-fraction of the device's memory (`gpu_memory_utilization`, vLLM's name). Without either, the caches get
-`max_num_seqs` slots and the plan only reports what they take."""
+fraction of the device's memory (`gpu_memory_utilization`, vLLM's name). Without either, the pools hold every
+one of `max_num_seqs` sequences at max_model_len tokens, as far as the machine's available memory goes: their
+pages become resident only as blocks are first taken, so an idle server holds what its requests hold. The
+engine admits a request only while the pool has blocks for its longest length beside those of the running ones,
+so a request waits rather than running out of memory."""
 from __future__ import annotations
 
 import re
@@ -13,6 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
+from ..kv_cache import BLOCK_TOKENS, blocks_for
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -42,10 +46,12 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
                        k_max: int) -> int:
-    """A generous bound on transient memory: a full-context prefill's MLP and projections, plus the
-    float32 logits of the widest verify call."""
+    """A generous bound on transient memory: a prefill forward's MLP and projections (a long prompt is prefilled
+    in chunks: executor/runner.py), plus the float32 logits of the widest verify call."""
+    from ..executor.runner import PREFILL_CHUNK
+
     size = torch.empty((), dtype=dtype).element_size()
-    prefill = max_model_len * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * size
+    prefill = min(max_model_len, PREFILL_CHUNK) * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * size
     logits = max_num_seqs * (k_max + 1) * cfg.vocab_size * 4
     return prefill + logits
 
@@ -58,23 +64,26 @@ class MemoryPlan:
     reserve_bytes: int
     kv_bytes_per_token: int  # target and draft caches together, and a draft head's unread features
     max_model_len: int
-    num_slots: int
+    num_slots: int  # sequences at once
+    num_blocks: int  # KV blocks in each model's pool
+    block_size: int = BLOCK_TOKENS
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_slots * self.max_model_len * self.kv_bytes_per_token
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token
 
     @property
     def max_cached_tokens(self) -> int:
-        return self.num_slots * self.max_model_len
+        return self.num_blocks * self.block_size
 
     def summary(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none set"
         return (f"memory plan (budget {budget}): target weights {format_bytes(self.target_weight_bytes)}, "
                 f"draft weights {format_bytes(self.draft_weight_bytes)}, activations ≤ "
-                f"{format_bytes(self.reserve_bytes)}, KV cache {format_bytes(self.kv_cache_bytes)} "
-                f"({format_bytes(self.kv_bytes_per_token)}/token) = {self.num_slots} sequences × "
-                f"{self.max_model_len} tokens ({self.max_cached_tokens} tokens)")
+                f"{format_bytes(self.reserve_bytes)}, KV cache ≤ {format_bytes(self.kv_cache_bytes)} "
+                f"({format_bytes(self.kv_bytes_per_token)}/token, resident as used) = {self.max_cached_tokens} "
+                f"tokens in blocks of {self.block_size}, for up to {self.num_slots} sequences of ≤ "
+                f"{self.max_model_len} tokens")
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "kv_cache_bytes": self.kv_cache_bytes, "max_cached_tokens": self.max_cached_tokens}
@@ -91,11 +100,25 @@ def resolve_budget(device: torch.device, memory_budget: str | int | None,
     return int(torch.cuda.get_device_properties(device).total_memory * gpu_memory_utilization)
 
 
+# Of the memory the OS reports available when no budget is set, what the KV pools may come to hold
+AVAILABLE_SHARE = 0.8
+
+
+def available_memory() -> int | None:
+    """Bytes the OS could give this process now (Linux's MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
 def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_model_len: int, max_num_seqs: int,
                 k_max: int, budget_bytes: int | None, features: bool = False) -> MemoryPlan:
-    """Slots for at most max_num_seqs sequences of max_model_len tokens, as many as the budget holds.
-    features: a proposer reads the target's hidden states, and holds those it has not read yet (at most a
-    row per position of each slot, as long as the slot's context may be continued)."""
+    """Blocks for max_num_seqs sequences of max_model_len tokens, as many as the budget (or the machine's available
+    memory) holds. features: a proposer reads the target's hidden states, and holds those it has not read yet (at
+    most a row per position of each sequence, as long as its context may be continued)."""
     if max_num_seqs < 1 or max_model_len < 2:
         raise SpecDecodeError(f"max_num_seqs must be >= 1 and max_model_len >= 2 "
                               f"(got {max_num_seqs} and {max_model_len})")
@@ -105,21 +128,26 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
         per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
     if features:
         per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
+    wanted = max_num_seqs * blocks_for(max_model_len)
     plan = MemoryPlan(budget_bytes, target.weight_bytes(), draft.weight_bytes() if separate_draft else 0,
                       activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
-                      per_token, max_model_len, max_num_seqs)
+                      per_token, max_model_len, max_num_seqs, wanted)
+    per_block = BLOCK_TOKENS * per_token
     if budget_bytes is None:
+        available = available_memory() if target.device.type == "cpu" else None
+        if available is not None:
+            plan.num_blocks = max(blocks_for(max_model_len), min(wanted, int(available * AVAILABLE_SHARE) // per_block))
         return plan
     free = budget_bytes - plan.target_weight_bytes - plan.draft_weight_bytes - plan.reserve_bytes
-    per_slot = max_model_len * per_token
-    if free < per_slot:
+    one_sequence = blocks_for(max_model_len) * per_block
+    if free < one_sequence:
         fixed = format_bytes(budget_bytes - free)
-        if free < 2 * per_token:
+        if free < per_block:
             raise SpecDecodeError(f"the memory budget ({format_bytes(budget_bytes)}) is smaller than the weights "
                                   f"and activations ({fixed}); raise the memory budget")
         raise SpecDecodeError(
             f"the memory budget ({format_bytes(budget_bytes)}) holds the weights and activations ({fixed}) but "
-            f"not one sequence of {max_model_len} tokens ({format_bytes(per_slot)} of KV cache); raise the memory "
-            f"budget or lower max_model_len to at most {free // per_token}")
-    plan.num_slots = int(min(max_num_seqs, free // per_slot))
+            f"not one sequence of {max_model_len} tokens ({format_bytes(one_sequence)} of KV cache); raise the "
+            f"memory budget or lower max_model_len to at most {free // per_block * BLOCK_TOKENS}")
+    plan.num_blocks = int(min(wanted, free // per_block))
     return plan

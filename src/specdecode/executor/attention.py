@@ -31,8 +31,8 @@ class RowwiseAttentionKernel:
         attend = self.lib.rowwise_attention_f16 if keys.dtype == torch.float16 else self.lib.rowwise_attention
         code = attend(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, slots.data_ptr(),
                       positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_norm, k_norm, eps, attn.scale,
-                      attn.window or 0, keys.data_ptr(), values.data_ptr(), cache.num_slots, cache.max_len,
-                      out.data_ptr(), torch.get_num_threads())
+                      attn.window or 0, keys.data_ptr(), values.data_ptr(), cache.table.data_ptr(), cache.num_slots,
+                      cache.max_blocks, cache.block_size, cache.num_blocks, out.data_ptr(), torch.get_num_threads())
         if code:
             raise SpecDecodeError(f"the attention kernel refused layer {attn.layer}: {ERRORS.get(code, code)}")
         return out

@@ -4,14 +4,16 @@ The engine, the draft proposer, the start-up profile and the memory plan talk to
 backend (weight format, kernels, device) is chosen when the model is built and is invisible past here.
 
 A slot's KV entries are written by `forward` but become context only when committed:
-- `forward(slots, inputs)` runs each slot's new tokens after its committed length;
+- `forward(slots, inputs)` runs each slot's new tokens after its committed length, taking KV blocks as needed;
 - `commit(slot, n)` makes the first n tokens final (at most what forwards have written);
 - `rollback(slot, n)` forgets everything past n (a pointer move, nothing is copied).
+Blocks past a slot's length go back to the pool (kv_cache.py), so memory follows the tokens held.
 
 With `reuse_prefixes`, a freed slot keeps its context: `allocate(tokens, scope)` hands out the free slot of
 the same scope whose context shares the longest prefix with `tokens`, that prefix already committed (a
 multi-turn chat's next turn computes only what is new). Scopes keep one tenant's context from shortening
-another's prefill, which would tell them what the other sent.
+another's prefill, which would tell them what the other sent. A kept context holds its blocks until they are
+needed: then the context freed longest ago gives them back first.
 """
 from __future__ import annotations
 
@@ -24,13 +26,21 @@ from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from .cpu import keep_freed_memory
 
+# A prompt longer than this is prefilled in forwards of this many tokens: its activations stay bounded whatever
+# its length (a 32k-token prompt's MLP alone would hold gigabytes), and with the attention kernel the rows'
+# results do not depend on the call they are in
+PREFILL_CHUNK = 2048
+
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_slots: int, max_len: int, reuse_prefixes: bool = False):
+    def __init__(self, model: Transformer, num_slots: int, max_len: int, reuse_prefixes: bool = False,
+                 num_blocks: int | None = None):
+        """num_slots sequences of at most max_len tokens over num_blocks KV blocks (default: enough for every
+        slot at max_len; the memory plan sets fewer under a budget)."""
         self.model = model
         if model.device.type == "cpu":
             keep_freed_memory()
-        self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device)
+        self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
@@ -64,6 +74,18 @@ class ModelRunner:
     def max_len(self) -> int:
         return self._cache.max_len
 
+    @property
+    def num_blocks(self) -> int:
+        return self._cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._cache.block_size
+
+    def blocks_in_use(self) -> int:
+        """Blocks held by slots in use (kept contexts of free slots not counted: they give theirs back)."""
+        return sum(self._cache.blocks_held(s) for s in range(self.num_slots) if s not in self._cache.free_slots)
+
     def allocate(self, tokens: list[int] | None = None, scope: str = "") -> int:
         """A free slot. With reuse_prefixes and the tokens it will hold: the kept slot of `scope` sharing
         the longest prefix with them, that prefix committed (`length` says how long; the last token is
@@ -92,7 +114,8 @@ class ModelRunner:
 
     def _hand_out(self, slot: int, kept: int) -> None:
         self._kept.pop(slot, None)
-        self._cache.lengths[slot] = self._written[slot] = kept
+        self._cache.truncate(slot, kept)
+        self._written[slot] = kept
         del self._tokens[slot][kept:]
 
     def cached_prefix(self, tokens: list[int], scope: str = "") -> int:
@@ -109,16 +132,33 @@ class ModelRunner:
         return best, best_length
 
     def free(self, slot: int) -> None:
-        if self.reuse_prefixes:
+        if self.reuse_prefixes:  # the context stays, blocks and all, until reused or its blocks are needed
+            self._cache.truncate(slot, self._cache.lengths[slot])
             del self._tokens[slot][self._cache.lengths[slot]:]
             self._frees += 1
             self._kept[slot] = self._frees
-        self._cache.free(slot)
+            self._cache.free(slot, keep_blocks=True)
+        else:
+            self._cache.free(slot)
         self._written[slot] = 0
 
     def forget_prefixes(self) -> None:
-        """No freed slot's context is reused from now on (until slots are freed again)."""
+        """No freed slot's context is reused from now on (until slots are freed again); their blocks go back."""
+        for slot in self._kept:
+            self._cache.truncate(slot, 0)
         self._kept.clear()
+
+    def _reserve(self, slot: int, tokens: int) -> None:
+        """Blocks for the slot's first `tokens` positions, taken back from kept contexts, the one freed longest
+        ago first, where the pool has too few."""
+        need = -(-tokens // self.block_size) - self._cache.blocks_held(slot)
+        for kept in sorted(self._kept, key=self._kept.get):
+            if need <= self._cache.num_free_blocks:
+                break
+            self._cache.truncate(kept, 0)
+            del self._tokens[kept][:]
+            del self._kept[kept]
+        self._cache.reserve(slot, tokens)
 
     def length(self, slot: int) -> int:
         """Committed tokens of the slot: the context its next forward continues."""
@@ -129,7 +169,8 @@ class ModelRunner:
         if not self._cache.lengths[slot] <= length <= self._written[slot]:
             raise ValueError(f"slot {slot}: cannot commit {length} tokens (committed "
                              f"{self._cache.lengths[slot]}, written {self._written[slot]})")
-        self._cache.lengths[slot] = self._written[slot] = length
+        self._cache.truncate(slot, length)
+        self._written[slot] = length
         del self._tokens[slot][length:]
 
     def rollback(self, slot: int, length: int) -> None:
@@ -140,6 +181,7 @@ class ModelRunner:
 
     def copy_slot(self, source: int, dest: int) -> None:
         """dest continues from source's committed tokens (n outputs of one prompt share its prefill)."""
+        self._reserve(dest, self._cache.lengths[source])
         self._cache.copy(source, dest)
         self._written[dest] = self._cache.lengths[dest]
         self._tokens[dest] = self._tokens[source][:self._written[dest]]
@@ -147,6 +189,7 @@ class ModelRunner:
     def assume_cached(self, slot: int, length: int) -> None:
         """Treat `length` positions as context without computing them: for timing forwards, where the
         cost does not depend on what the cache holds (no token matches them later)."""
+        self._reserve(slot, length)
         self._cache.lengths[slot] = self._written[slot] = length
         self._tokens[slot] = [-1] * length
 
@@ -163,7 +206,24 @@ class ModelRunner:
         long = [i for i, tokens in enumerate(inputs) if len(tokens) > self._rowwise_width()]
         if long and len({len(tokens) for tokens in inputs}) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
+        if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and math.isinf(self._rowwise_width()):
+            return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
+
+    def _forward_in_chunks(self, slot: int, tokens: list[int], logits, hidden, features):
+        """One sequence's long input in forwards of PREFILL_CHUNK tokens, each after the ones before: the same
+        rows as one call where every row is attended alone (the attention kernel), in bounded memory."""
+        start, outs = self._cache.lengths[slot], []
+        for at in range(0, len(tokens), PREFILL_CHUNK):
+            last = at + PREFILL_CHUNK >= len(tokens)
+            part = None if features is None else [features[0][at:at + PREFILL_CHUNK]]
+            out = self._forward_call([slot], [tokens[at:at + PREFILL_CHUNK]], logits, hidden, part, [start + at])
+            if logits == "all" or last:
+                outs.append(out if isinstance(out, tuple) else (out,))
+            elif hidden == "all":  # every row's hidden state, the logits of the last only
+                outs.append((out[0][:0], out[1]))
+        joined = [torch.cat([o[k] for o in outs]) for k in range(len(outs[0]))]
+        return joined[0] if len(joined) == 1 else tuple(joined)
 
     def _forward_apart(self, long: list[int], slots, inputs, logits, hidden, features):
         """A sequence with more new tokens than a packed call takes (a prompt, a draft's long catch-up) runs
@@ -185,10 +245,14 @@ class ModelRunner:
         joined = [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]
         return joined[0] if len(joined) == 1 else tuple(joined)
 
-    def _forward_call(self, slots, inputs, logits, hidden, features):
-        starts, lengths = [self._cache.lengths[s] for s in slots], [len(t) for t in inputs]
+    def _forward_call(self, slots, inputs, logits, hidden, features, starts: list[int] | None = None):
+        """One forward; starts: where each sequence's new tokens begin (default: after its committed ones)."""
+        starts = starts or [self._cache.lengths[s] for s in slots]
+        lengths = [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
+        for slot, start, n in zip(slots, starts, lengths):
+            self._reserve(slot, start + n)
         batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits,
                                    rowwise_width=self._rowwise_width())
         tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])

@@ -153,7 +153,7 @@ class Attention(nn.Module):
         kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         rows, token = [], 0
         for slot, kv_lens in batch.rowwise:
-            keys, values = cache.k[self.layer][slot:slot + 1], cache.v[self.layer][slot:slot + 1]
+            keys, values = cache.read(self.layer, slice(slot, slot + 1), max(kv_lens))
             for n in kv_lens:
                 query = q[0, :, token].reshape(1, kv_heads, group, self.head_dim)
                 seen = self.visible_keys(n)

@@ -71,9 +71,11 @@ class Proposer:
         """Seconds of each drafting round of the last propose() call (empty when no model runs)."""
         return []
 
-    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False) -> None:
-        """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens; with
-        reuse_prefixes, a sequence may start from what a finished one of its tenant had computed."""
+    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False,
+                num_blocks: int | None = None) -> None:
+        """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens (KV caches: pools of
+        num_blocks blocks, as the target's); with reuse_prefixes, a sequence may start from what a finished one of
+        its tenant had computed."""
 
     def forget_prefixes(self) -> None:
         """Nothing computed for finished sequences is reused from now on."""

@@ -41,8 +41,10 @@ class DraftModelProposer(Proposer):
             restrict_draft_vocab(draft, config.draft_vocab_size)
         return cls(draft, setup.timer, config.draft_confidence)
 
-    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False) -> None:
-        self.runner = ModelRunner(self.model, num_slots, max_model_len, reuse_prefixes and self.reuses_prefixes)
+    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False,
+                num_blocks: int | None = None) -> None:
+        self.runner = ModelRunner(self.model, num_slots, max_model_len, reuse_prefixes and self.reuses_prefixes,
+                                  num_blocks)
 
     def forget_prefixes(self) -> None:
         self.runner.forget_prefixes()

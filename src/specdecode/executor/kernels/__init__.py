@@ -37,10 +37,10 @@ SIGNATURES = {
              "silu_mul": ([_P, _P, _I, _I, _I], _I)},
     "attention": {"attention_dim_ok": ([_I], _I), "attention_group_ok": ([_I], _I), "attention_half_ok": ([], _I),
                   "attention_softmax_unnormalised": ([_P, _I], _F),
-                  "rowwise_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P,
-                                         _I], _I),
-                  "rowwise_attention_f16": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _I, _I, _P,
-                                             _I], _I)},
+                  # qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
+                  # tables, S, MB, B, num_blocks, out, threads
+                  **{name: ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _I, _I, _I, _I, _P,
+                             _I], _I) for name in ("rowwise_attention", "rowwise_attention_f16")}},
 }
 
 # Instruction sets a kernel can be built for at or below the machine's own, so that each path is tested on

@@ -8,7 +8,9 @@
 //
 //   qkv [N, (H + 2 Hkv) D]  q | k | v of each new token (projection output, bias added)
 //   cos, sin [N, D]         rotary factors of each token's position (NeoX: halves rotated)
-//   kcache, vcache [S, Hkv, L, D] of this layer, float32 or float16; slots, positions [N]
+//   kcache, vcache [blocks, Hkv, B, D] of this layer, float32 or float16: B tokens a block; slots, positions [N]
+//   tables [S, MB]          each slot's blocks in order: position p of slot s is row p % B of block
+//                           tables[s][p / B]
 //   out [N, H D]            query head h reads kv head h / (H / Hkv)
 //   q_norm, k_norm [D]      RMSNorm weights of each query and key head, or NULL (no norm)
 //   scale                   of the query-key scores; window: keys a token sees, itself included (0: all)
@@ -495,61 +497,76 @@ static void write_kv(const float *row, const float *cos, const float *sin, int H
     }
 }
 
-// Asks for the cache rows from `from_row` on, `block` of them but not past row n (of the n from row `first`
-// on; D entries of `bytes` bytes each): into L1, or with `to_l2` into L2 only.
-static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, size_t bytes, size_t first,
-                                                                int from_row, int block, int n, int D, int to_l2) {
-    const int to_row = from_row + block < n ? from_row + block : n;
-    const char *at = (const char *)cache + (first + from_row) * D * bytes;
-    for (const char *end = at + (size_t)(to_row > from_row ? to_row - from_row : 0) * D * bytes; at < end; at += 64)
-        if (to_l2) __builtin_prefetch(at, 0, 1);
-        else __builtin_prefetch(at);
+// Where the rows of one slot and KV head lie: key j is row ((blocks[j / B] * Hkv + h) * B + j % B) of the cache.
+typedef struct {
+    const int32_t *blocks;  // the slot's table row
+    int h, Hkv, B;
+} rows_t;
+
+static inline size_t row_of(const rows_t *r, int j) {
+    return ((size_t)r->blocks[j / r->B] * r->Hkv + r->h) * r->B + j % r->B;
 }
 
-// Asks for the `block` cache rows `ahead` rows past row j into L1 ahead of their use, and with `far` the
+// Asks for rows j .. j + count - 1 (not past row n; D entries of `bytes` bytes each) into L1, or with `to_l2` into
+// L2 only: a block's rows are contiguous, the next block's elsewhere.
+static inline void prefetch_rows(const void *cache, size_t bytes, const rows_t *r, int j, int count, int n, int D,
+                                 int to_l2) {
+    const int end = j + count < n ? j + count : n;
+    while (j < end) {
+        const int stop = (j / r->B + 1) * r->B < end ? (j / r->B + 1) * r->B : end;  // the end of j's block
+        const char *at = (const char *)cache + row_of(r, j) * D * bytes;
+        for (const char *last = at + (size_t)(stop - j) * D * bytes; at < last; at += 64)
+            if (to_l2) __builtin_prefetch(at, 0, 1);
+            else __builtin_prefetch(at);
+        j = stop;
+    }
+}
+
+// Asks for the `count` cache rows `ahead` rows past row j into L1 ahead of their use, and with `far` the
 // rows that far past j into L2: the hardware prefetcher alone leaves a long context's stream at a third of
 // the memory's bandwidth, as the loads wait behind the arithmetic on the rows before them.
-static inline void prefetch_ahead(const void *cache, size_t bytes, size_t first, int j, int block, int n, int D,
+static inline void prefetch_ahead(const void *cache, size_t bytes, const rows_t *r, int j, int count, int n, int D,
                                   int ahead, int far) {
-    prefetch_rows(cache, bytes, first, j + ahead, block, n, D, 0);
-    if (far) prefetch_rows(cache, bytes, first, j + far, block, n, D, 1);
+    prefetch_rows(cache, bytes, r, j + ahead, count, n, D, 0);
+    if (far) prefetch_rows(cache, bytes, r, j + far, count, n, D, 1);
 }
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
-// over the cached keys and values from row `first` on: token i sees keys los[i] .. ns[i] - 1 (both
-// nondecreasing). Every block of keys and values is widened and laid out once for all of them, and each
-// token's heads are scored and weighed exactly as if it were alone: a key's score is a chain over its own
-// lane, the softmax's lanes count from the token's first key, and the values are weighed in key order, so
-// where blocks start changes nothing. Scores of keys a token does not see are computed and left unread.
-// out: token i's G heads at out + i * out_stride.
+// over the slot's cached keys and values (rows r): token i sees keys los[i] .. ns[i] - 1 (both nondecreasing).
+// Every block of keys and values is widened and laid out once for all of them, and each token's heads are
+// scored and weighed exactly as if it were alone: a key's score is a chain over its own lane, the softmax's
+// lanes count from the token's first key, and the values are weighed in key order, so where blocks start
+// changes nothing. The spans of keys (KEYS) and values (VALUES) start at multiples of their size, so none
+// crosses a KV block (B is a multiple of VALUES). Scores of keys a token does not see are computed and left
+// unread. out: token i's G heads at out + i * out_stride.
 static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
-                   const void *kcache, const void *vcache, int is_half, size_t first, float *work, float *out,
+                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *work, float *out,
                    size_t out_stride) {
-    const int lo = los[0], n = ns[tokens - 1], span = n - lo, heads = tokens * G;
+    const int base = los[0] / VALUES * VALUES, n = ns[tokens - 1], span = n - base, heads = tokens * G;
     float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)KEYS * D;  // p: [heads][span]
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     int from = 0;  // the first token that sees the current block
-    for (int j0 = lo; j0 < n; j0 += KEYS) {
+    for (int j0 = base; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
         while (ns[from] <= j0) from++;
-        prefetch_ahead(kcache, bytes, first, j0, KEYS, n, D, KEYS_AHEAD, 0);
-        keys_block(kcache, is_half, first + j0, count, D, rows, kt);
+        prefetch_ahead(kcache, bytes, r, j0, KEYS, n, D, KEYS_AHEAD, 0);
+        keys_block(kcache, is_half, row_of(r, j0), count, D, rows, kt);
         score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale,
-                    p + (size_t)from * G * span + (j0 - lo), span);
+                    p + (size_t)from * G * span + (j0 - base), span);
     }
     float total[MAX_TOKENS * MAX_GROUP];
     for (int h = 0; h < heads; h++)
-        total[h] = softmax_unnormalised(p + (size_t)h * span + (los[h / G] - lo), ns[h / G] - los[h / G]);
+        total[h] = softmax_unnormalised(p + (size_t)h * span + (los[h / G] - base), ns[h / G] - los[h / G]);
     for (int i = 0; i < tokens; i++) memset(out + i * out_stride, 0, (size_t)G * D * sizeof(float));
     from = 0;
-    for (int j0 = lo; j0 < n; j0 += VALUES) {
+    for (int j0 = base; j0 < n; j0 += VALUES) {
         const int end = n - j0 < VALUES ? n : j0 + VALUES;
         while (ns[from] <= j0) from++;
-        prefetch_ahead(vcache, bytes, first, j0, VALUES, n, D, VALUES_AHEAD, VALUES_FAR);
+        prefetch_ahead(vcache, bytes, r, j0, VALUES, n, D, VALUES_AHEAD, VALUES_FAR);
         for (int i = from; i < tokens; i++) {
             const int a = j0 > los[i] ? j0 : los[i], b = end < ns[i] ? end : ns[i];
             if (a < b)
-                weigh_block(p + (size_t)i * G * span + (a - lo), span, (const char *)vcache + (first + a) * D * bytes,
+                weigh_block(p + (size_t)i * G * span + (a - base), span, (const char *)vcache + row_of(r, a) * D * bytes,
                             is_half, D, b - a, G, out + i * out_stride);
         }
     }
@@ -584,19 +601,25 @@ static int find_runs(int N, const int64_t *slots, const int64_t *positions, int 
 
 static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
                      const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
-                     float scale, int window, void *kcache, void *vcache, int is_half, int S, int L, float *out,
-                     int threads) {
-    if (N < 0 || Hkv < 1 || H % Hkv || !attention_group_ok(H / Hkv) || !attention_dim_ok(D) || window < 0 || S < 1)
+                     float scale, int window, void *kcache, void *vcache, int is_half, const int32_t *tables, int S,
+                     int MB, int B, int num_blocks, float *out, int threads) {
+    if (N < 0 || Hkv < 1 || H % Hkv || !attention_group_ok(H / Hkv) || !attention_dim_ok(D) || window < 0 || S < 1
+        || MB < 1 || B < VALUES || B % VALUES || num_blocks < 1)
         return ATTENTION_BAD_SHAPE;
-    for (int t = 0; t < N; t++)
-        if (slots[t] < 0 || slots[t] >= S || positions[t] < 0 || positions[t] >= L) return ATTENTION_BAD_TOKEN;
+    for (int t = 0; t < N; t++) {
+        if (slots[t] < 0 || slots[t] >= S || positions[t] < 0 || positions[t] >= (int64_t)MB * B)
+            return ATTENTION_BAD_TOKEN;
+        for (int b = 0; b <= positions[t] / B; b++)
+            if (tables[slots[t] * MB + b] < 0 || tables[slots[t] * MB + b] >= num_blocks) return ATTENTION_BAD_TOKEN;
+    }
     const int G = H / Hkv, width = (H + 2 * Hkv) * D;
     // every token's k and v into the cache first: a verified token attends to the drafts before it
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < N * Hkv; task++) {
         const int t = task / Hkv, h = task % Hkv;
+        const rows_t r = {tables + slots[t] * MB, h, Hkv, B};
         write_kv(qkv + (size_t)t * width, cos + (size_t)t * D, sin + (size_t)t * D, H, Hkv, h, D, k_norm, eps, kcache,
-                 vcache, is_half, (((size_t)slots[t] * Hkv + h) * L + positions[t]) * D);
+                 vcache, is_half, row_of(&r, (int)positions[t]) * D);
     }
     const int runs = find_runs(N, slots, positions, -1, NULL, NULL);
     int failed = 0;
@@ -611,8 +634,9 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
             ns[i] = (int)positions[t0 + i] + 1;
             los[i] = window && ns[i] > window ? ns[i] - window : 0;
         }
-        const size_t first = ((size_t)slots[t0] * Hkv + h) * L;
-        float *q = scratch((size_t)tokens * G * D + 2 * (size_t)D * KEYS + (size_t)tokens * G * (ns[tokens - 1] - los[0]));
+        const rows_t r = {tables + slots[t0] * MB, h, Hkv, B};
+        const size_t span = ns[tokens - 1] - los[0] / VALUES * VALUES;
+        float *q = scratch((size_t)tokens * G * D + 2 * (size_t)D * KEYS + (size_t)tokens * G * span);
         if (!q) {
             failed = 1;
             continue;
@@ -625,7 +649,7 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
                 rope(normed, cos + (size_t)t * D, sin + (size_t)t * D, q + ((size_t)i * G + g) * D, D);
             }
         }
-        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, first, q + (size_t)tokens * G * D,
+        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, &r, q + (size_t)tokens * G * D,
                out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
     return failed ? ATTENTION_NO_MEMORY : ATTENTION_OK;
@@ -633,17 +657,18 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
 
 int rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
                       const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
-                      float scale, int window, float *kcache, float *vcache, int S, int L, float *out, int threads) {
+                      float scale, int window, float *kcache, float *vcache, const int32_t *tables, int S, int MB,
+                      int B, int num_blocks, float *out, int threads) {
     return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
-                     0, S, L, out, threads);
+                     0, tables, S, MB, B, num_blocks, out, threads);
 }
 
 // The same over a float16 cache (half the bytes to stream; entries rounded to nearest on write).
 int rowwise_attention_f16(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
                           const int64_t *positions, const float *cos, const float *sin, const float *q_norm,
-                          const float *k_norm, float eps, float scale, int window, half *kcache, half *vcache, int S,
-                          int L, float *out, int threads) {
+                          const float *k_norm, float eps, float scale, int window, half *kcache, half *vcache,
+                          const int32_t *tables, int S, int MB, int B, int num_blocks, float *out, int threads) {
     if (!HAVE_HALF) return ATTENTION_BAD_SHAPE;
     return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
-                     1, S, L, out, threads);
+                     1, tables, S, MB, B, num_blocks, out, threads);
 }
