@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False,
     p.add_argument("--dtype", default=C.dtype, help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
     _add_draft_args(p, several_backends)
     _add_quantization_args(p, several_backends)
-    p.add_argument("--max-model-len", type=int, default=C.max_model_len)
+    p.add_argument("--max-model-len", type=int, default=C.max_model_len,
+                   help="tokens a sequence holds, prompt and output (default: the model's context)")
 
 
 def _add_draft_args(p: argparse.ArgumentParser, several: bool = False) -> None:
@@ -152,7 +153,8 @@ def _add_serve(sub) -> None:
     serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest "
                             "are cancelled")
-    serve.add_argument("--max-model-len", type=int, default=C.max_model_len, help="context length (prompt + output)")
+    serve.add_argument("--max-model-len", type=int, default=C.max_model_len,
+                       help="tokens a sequence holds, prompt and output (default: the model's context)")
     serve.add_argument("--memory-budget", default=None,
                        help="bytes for weights + KV caches, e.g. 6GiB; fewer sequence slots if they do not fit")
     serve.add_argument("--gpu-memory-utilization", type=float, default=C.gpu_memory_utilization,
