@@ -160,6 +160,8 @@ def _add_serve(sub) -> None:
     serve.add_argument("--gpu-memory-utilization", type=float, default=C.gpu_memory_utilization,
                        help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
     serve.add_argument("--device", default=C.device)
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA: run every forward eagerly instead of replaying CUDA graphs (slower)")
     serve.add_argument("--dtype", default=C.dtype)
     _add_draft_args(serve)
     _add_quantization_args(serve)

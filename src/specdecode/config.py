@@ -62,6 +62,8 @@ class EngineConfig:
     prefix_caching: bool = True
     memory_budget: str | int | None = None
     gpu_memory_utilization: float | None = 0.9
+    # on CUDA: every forward eager, no CUDA graphs (slower; for debugging, or a model a graph gets wrong)
+    enforce_eager: bool = False
 
     def __post_init__(self):
         from .errors import SpecDecodeError

@@ -25,19 +25,25 @@ def blocks_for(tokens: int, block_size: int = BLOCK_TOKENS) -> int:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device,
-                 num_blocks: int | None = None, block_size: int = BLOCK_TOKENS):
+                 num_blocks: int | None = None, block_size: int = BLOCK_TOKENS, scratch: bool = False):
         """num_slots sequences of at most max_len tokens each, over num_blocks blocks (default: enough for every
-        slot at max_len)."""
+        slot at max_len). With `scratch`, one more block that no slot ever takes, reached through table row
+        `scratch_row`: where the padding rows of a fixed-shape forward (a CUDA graph's bucket) write and read."""
         if block_size % 32:
             raise ValueError(f"a KV block holds a multiple of 32 tokens, not {block_size}")
         self.block_size, self.max_len, self.num_slots = block_size, max_len, num_slots
         self.max_blocks = blocks_for(max_len, block_size)  # a slot's table row
         self.num_blocks = num_blocks or num_slots * self.max_blocks
-        shape = (2, cfg.num_layers, self.num_blocks, cfg.num_kv_heads, block_size, cfg.dim_per_head)
+        shape = (2, cfg.num_layers, self.num_blocks + scratch, cfg.num_kv_heads, block_size, cfg.dim_per_head)
         self.k, self.v = (list(part) for part in _pool(shape, dtype, device))
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         # the tables as the attention kernel reads them: row s holds slot s's blocks (unused entries 0)
-        self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.int32, device=device)
+        self.table = torch.zeros(num_slots + scratch, self.max_blocks, dtype=torch.int32, device=device)
+        self.scratch_row = num_slots if scratch else None
+        if scratch:
+            self.table[num_slots] = self.num_blocks
+            for part in self.k + self.v:
+                part[self.num_blocks].zero_()
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         # a heap: the lowest free block is taken first, so the pages in use stay few while few tokens are held

@@ -89,7 +89,8 @@ class LLM:
                  suffix_min_prob: float = C.suffix_min_prob, suffix_cache_bytes: int = C.suffix_cache_bytes,
                  suffix_cache_scope: str = C.suffix_cache_scope, prefix_caching: bool = C.prefix_caching,
                  memory_budget: str | int | None = C.memory_budget,
-                 gpu_memory_utilization: float | None = C.gpu_memory_utilization, progress: bool = True,
+                 gpu_memory_utilization: float | None = C.gpu_memory_utilization,
+                 enforce_eager: bool = C.enforce_eager, progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         given = locals()
         self.config = config = EngineConfig(**{f.name: given[f.name] for f in fields(EngineConfig)})
@@ -102,6 +103,9 @@ class LLM:
         max_model_len = min(config.max_model_len or self.target.config.max_position, self.target.config.max_position)
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
+        for loaded in (self.target, self.draft):
+            if loaded is not None:
+                loaded.model.capture_graphs = not config.enforce_eager
         budget = resolve_budget(self.target.model.device, config.memory_budget, config.gpu_memory_utilization)
         draft_model = next((p.model for p in proposers if p.model is not None), None)
         self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs,

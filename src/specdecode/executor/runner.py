@@ -25,6 +25,7 @@ from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from .cpu import keep_freed_memory
+from .cuda_graphs import BucketedForward, fuse_elementwise
 
 # A prompt longer than this is prefilled in forwards of this many tokens: its activations stay bounded whatever
 # its length (a 32k-token prompt's MLP alone would hold gigabytes), and with the attention kernel the rows'
@@ -34,13 +35,20 @@ PREFILL_CHUNK = 2048
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int, max_len: int, reuse_prefixes: bool = False,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, fixed_shapes: bool | None = None):
         """num_slots sequences of at most max_len tokens over num_blocks KV blocks (default: enough for every
-        slot at max_len; the memory plan sets fewer under a budget)."""
+        slot at max_len; the memory plan sets fewer under a budget). fixed_shapes: decode and verify forwards
+        at bucket shapes (executor/cuda_graphs.py), captured as CUDA graphs on a GPU; None: on a GPU, unless the
+        model says it runs eagerly (`capture_graphs`) or its forward waits on the host (experts' routing)."""
         self.model = model
         if model.device.type == "cpu":
             keep_freed_memory()
-        self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks)
+        fixed_shapes = fixed_shapes_by_default(model) if fixed_shapes is None else fixed_shapes
+        self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks,
+                              scratch=fixed_shapes)
+        self._fixed = BucketedForward(model, self._cache, capture=model.device.type == "cuda") if fixed_shapes else None
+        if self._fixed is not None and self._fixed.capture:
+            fuse_elementwise(model)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
@@ -253,11 +261,15 @@ class ModelRunner:
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
         for slot, start, n in zip(slots, starts, lengths):
             self._reserve(slot, start + n)
-        batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits,
-                                   rowwise_width=self._rowwise_width())
-        tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
-        extra = {} if features is None else {"features": self._batched(batch, features)}
-        out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
+        out = None
+        if self._fixed is not None and features is None:
+            out = self._fixed(slots, starts, inputs, logits, hidden)
+        if out is None:
+            batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits,
+                                       rowwise_width=self._rowwise_width())
+            tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
+            extra = {} if features is None else {"features": self._batched(batch, features)}
+            out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
         for slot, start, n, new in zip(slots, starts, lengths, inputs):
             self._written[slot] = start + n
             del self._tokens[slot][start:]
@@ -279,6 +291,12 @@ class ModelRunner:
         if batch.packed:
             return torch.cat(rows)[None]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def fixed_shapes_by_default(model: Transformer) -> bool:
+    """Graphs on a GPU, for a model that has not been told to run eagerly and whose forward never waits on the
+    host (a mixture of experts groups its rows by expert on the host)."""
+    return model.device.type == "cuda" and getattr(model, "capture_graphs", False) and not model.cfg.num_experts
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -74,6 +74,11 @@ class ForwardBatch:
     def packed(self) -> bool:
         return self.rowwise is not None
 
+    def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
+        """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask_for(window), enable_gqa=True,
+                                              scale=scale)
+
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The batched path's mask for layers with this sliding window (None: the causal mask): a token sees
         the `window` keys up to itself."""
@@ -105,6 +110,7 @@ class Attention(nn.Module):
         # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
+        self.rope_kernel = apply_rope  # a backend may attach a fused one, same signature
 
     @property
     def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
@@ -121,9 +127,8 @@ class Attention(nn.Module):
         if batch.rowwise is not None:
             out = self._rowwise_attention(q, batch, cache)
         else:
-            keys, values = (t.to(q.dtype) for t in cache.read(self.layer, batch.slot_index, batch.kv_len))
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask_for(self.window),
-                                                 enable_gqa=True, scale=self.scale)
+            keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+            out = batch.attend(q, keys.to(q.dtype), values.to(q.dtype), self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _heads(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,8 +139,8 @@ class Attention(nn.Module):
         k = k.view(bsz, width, self.num_kv_heads, self.head_dim)
         if self.qk_norms is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), *rope)
-        k = apply_rope(k.transpose(1, 2), *rope)
+        q = self.rope_kernel(q.transpose(1, 2), *rope)
+        k = self.rope_kernel(k.transpose(1, 2), *rope)
         return q, k, v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def visible_keys(self, n: int) -> slice:
@@ -247,6 +252,8 @@ class Transformer(nn.Module):
 
     # how the linear layers compute: set by the builder (see executor.backends)
     backend = "torch"
+    # decode and verify forwards replayed as CUDA graphs on a GPU (executor/cuda_graphs.py); False: eager
+    capture_graphs = True
 
     def weight_bytes(self) -> int:
         """Bytes of all weights: parameters and buffers, tied ones once."""

@@ -1,0 +1,267 @@
+"""Decode and verify forwards at fixed shapes, replayed as CUDA graphs.
+
+On a GPU a small model's decode step is bound by kernel launches, not bytes: each of the 1.5B's ~850 kernels
+launched from Python costs more than the bytes it reads (docs/decisions.md, CUDA). A CUDA graph replays a whole
+captured forward with one launch, but fixes every shape. So a forward runs at the shape of a bucket: B sequences
+of R new tokens each, attending over K key positions, each rounded up. Padding rows write their keys into a
+scratch KV block that no sequence holds, and their outputs are dropped. A forward outside every bucket (a
+prompt, a context past the largest K, a model whose forward waits on the host, like a mixture of experts' routing)
+runs eagerly, as before.
+
+The same fixed-shape forward runs without capture on a CPU, where the tests check it against the eager one.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MAX_VERIFY_WIDTH
+from ..kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+MIN_KEYS = 256  # the smallest K bucket: below it a step's attention costs next to nothing either way
+MAX_SEQS = 256
+MAX_TOKENS = 1024  # B x R: the largest verify call a graph is kept for
+# B x K: keys gathered per layer and step (each sequence's blocks are copied into one [K, D] run per KV head);
+# past this an eager forward gathers only what each sequence holds
+MAX_GATHERED_KEYS = 64 * 4096
+
+
+@dataclass(frozen=True)
+class Bucket:
+    seqs: int  # B
+    rows: int  # R new tokens per sequence
+    keys: int  # K key positions each sequence attends over
+
+
+def _at_least(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def bucket_for(num_new: list[int], kv_len: int, max_keys: int) -> Bucket | None:
+    """The bucket a forward of these sequences runs in, or None where it runs eagerly. max_keys: the most key
+    positions a sequence's block table reaches."""
+    keys = min(max(MIN_KEYS, _at_least(kv_len)), max_keys)
+    bucket = Bucket(_at_least(len(num_new)), _at_least(max(num_new)), keys)
+    fits = (kv_len <= keys and bucket.seqs <= MAX_SEQS and bucket.rows <= MAX_VERIFY_WIDTH
+            and bucket.seqs * bucket.rows <= MAX_TOKENS and bucket.seqs * bucket.keys <= MAX_GATHERED_KEYS)
+    return bucket if fits else None
+
+
+class StaticBatch:
+    """A ForwardBatch's part for one bucket, in tensors whose addresses never change (a graph reads them): the
+    tokens, positions and KV slot of every row ([B, R]) and each sequence's slot ([B]), in one buffer filled by
+    one copy a step."""
+
+    rowwise = None
+    logit_rows = None  # every row's logits: the caller keeps the rows it asked for
+
+    def __init__(self, bucket: Bucket, device):
+        self.bucket, self.kv_len = bucket, bucket.keys
+        rows = bucket.seqs * bucket.rows
+        self.ints = torch.zeros(3 * rows + bucket.seqs, dtype=torch.long, device=device)
+        shape = (bucket.seqs, bucket.rows)
+        self.tokens, self.positions, self.slots = (self.ints[i * rows:(i + 1) * rows].view(shape) for i in range(3))
+        self.slot_index = self.ints[3 * rows:]
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def fill(self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int) -> None:
+        """These sequences' new tokens; every other row is padding (token 0 at position 0 of the scratch slot)."""
+        b, r = self.bucket.seqs, self.bucket.rows
+        tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
+        for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
+            at = i * r
+            tokens[at:at + len(new)] = new
+            positions[at:at + len(new)] = range(start, start + len(new))
+            row_slots[at:at + len(new)] = [slot] * len(new)
+        seq_slots = list(slots) + [scratch_row] * (b - len(slots))
+        self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
+        self._masks.clear()
+
+    def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
+        """q [B, H, R, D] over keys and values [B, Hkv, K, D], each row seeing the keys up to its position. The
+        query heads that share a KV head are folded into the query length ([B, Hkv, G x R, D]): one
+        memory-efficient attention call, where `enable_gqa` with a mask falls back to the unfused one."""
+        batch, heads, rows, dim = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        mask = self.mask_for(window)  # [B, 1, R, K]
+        mask = mask[:, :, None].expand(batch, 1, group, rows, self.kv_len).reshape(batch, 1, group * rows, -1)
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * rows, dim), keys, values,
+                                             attn_mask=mask, scale=scale)
+        return out.view(batch, heads, rows, dim)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """[B, 1, R, K]: a row sees the keys up to its own position (the last `window` of them where set); made
+        once a forward, so within a graph once a replay."""
+        if window not in self._masks:
+            keys = torch.arange(self.kv_len, device=self.ints.device)
+            mask = keys <= self.positions[..., None]
+            if window is not None:
+                mask &= keys > self.positions[..., None] - window
+            self._masks[window] = mask[:, None]
+        return self._masks[window]
+
+
+class _Entry:
+    """One bucket's batch, and its captured graph with the graph's outputs (None: run without capture)."""
+
+    def __init__(self, batch: StaticBatch, graph=None, outputs=None):
+        self.batch, self.graph, self.outputs = batch, graph, outputs
+
+
+class BucketedForward:
+    """The runner's decode and verify forwards at bucket shapes: captured as CUDA graphs (`capture`) the first
+    time a bucket is met, replayed after; or run at those shapes without capture (a CPU, in tests)."""
+
+    def __init__(self, model, cache: KVCache, capture: bool):
+        if cache.scratch_row is None:
+            raise ValueError("fixed-shape forwards need a KV cache with a scratch block")
+        self.model, self.cache, self.capture = model, cache, capture
+        self.max_keys = cache.max_blocks * cache.block_size
+        self._entries: dict[Bucket, _Entry] = {}
+        self._refused: set[Bucket] = set()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all buckets
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The buckets prepared so far."""
+        return list(self._entries)
+
+    def __call__(self, slots: list[int], starts: list[int], inputs: list[list[int]], logits: str,
+                 hidden: bool | str):
+        """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly."""
+        num_new = [len(t) for t in inputs]
+        bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
+        if bucket is None or bucket in self._refused:
+            return None
+        entry = self._entries.get(bucket) or self._prepare(bucket)
+        if entry is None:
+            return None
+        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row)
+        if entry.graph is not None:
+            entry.graph.replay()
+            every_logit, every_hidden = entry.outputs
+        else:
+            every_logit, every_hidden = self._run(entry.batch)
+        return _selected(every_logit, every_hidden, bucket.rows, num_new, logits, hidden)
+
+    def _run(self, batch: StaticBatch):
+        return self.model(batch.tokens, batch, self.cache, return_hidden="all")
+
+    def _prepare(self, bucket: Bucket) -> _Entry | None:
+        batch = StaticBatch(bucket, self.cache.table.device)
+        entry = _Entry(batch)
+        if self.capture:
+            try:
+                entry.graph, entry.outputs = self._captured(batch)
+            except RuntimeError as e:  # a forward that waits on the host cannot be captured: it runs eagerly
+                log.warning("forwards of %s run eagerly: their capture failed (%s)", bucket, e)
+                self._refused.add(bucket)
+                return None
+        self._entries[bucket] = entry
+        return entry
+
+    def _captured(self, batch: StaticBatch):
+        """A graph of the bucket's forward, its rows all padding while captured (they write the scratch block)."""
+        batch.fill([], [], [], self.cache.scratch_row)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: one-off work (workspaces, kernel choice) stays out of the graph
+            for _ in range(2):
+                batch._masks.clear()
+                self._run(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        batch._masks.clear()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = self._run(batch)
+        return graph, outputs
+
+
+def _selected(every_logit: torch.Tensor, every_hidden: torch.Tensor, rows: int, num_new: list[int], logits: str,
+              hidden: bool | str):
+    """The rows the caller asked for, as Transformer.forward returns them (copies: a graph's outputs are
+    overwritten by its next replay)."""
+    last = [i * rows + n - 1 for i, n in enumerate(num_new)]
+    every = [i * rows + j for i, n in enumerate(num_new) for j in range(n)]
+    picked = torch.tensor(last if logits == "last" else every, device=every_logit.device)
+    out = every_logit.index_select(0, picked)
+    if not hidden:
+        return out
+    return out, every_hidden.index_select(0, torch.tensor(every, device=picked.device) if hidden == "all" else picked)
+
+
+# ---- elementwise steps fused on the GPU -------------------------------------------------------------------
+# In a graph each kernel still costs a few microseconds to run however small its work: an RMSNorm is eight
+# kernels in eager PyTorch, RoPE five, SwiGLU two. torch.compile fuses each into one (shapes left symbolic,
+# so one compilation serves every bucket).
+
+def _add_rms_norm(weight, eps: float, x, residual):
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype), x
+
+
+def _silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class _FusedNorm:
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, norm, x, residual=None):
+        normed, summed = self.compiled(norm.weight, norm.eps, x, residual)
+        return normed if residual is None else (normed, summed)
+
+
+def fuse_elementwise(model) -> bool:
+    """Give the model's norms, RoPE and SwiGLU MLPs compiled kernels, once; a module that already has a
+    backend's kernel keeps it. Where compiling fails (no compiler for the device), the model stays as it was:
+    False."""
+    from ..models.layers import MLP, RMSNorm, apply_rope
+    from ..models.runtime import Attention
+
+    if getattr(model, "elementwise_fused", False):
+        return True
+    compiled = [torch.compile(f, dynamic=True) for f in (_add_rms_norm, _silu_mul, _rope)]
+    try:
+        _try_compiled(compiled, model.device, model.dtype)
+    except Exception as e:  # any compiler failure leaves the eager kernels, which work
+        log.warning("elementwise steps stay unfused: compiling them failed (%s)", e)
+        return False
+    norm, silu_mul, rope = _FusedNorm(compiled[0]), compiled[1], compiled[2]
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.kernel is None:
+            module.kernel = norm
+        elif isinstance(module, MLP) and module.activation == "silu" and module.act_mul_kernel is None:
+            module.act_mul_kernel = silu_mul
+        elif isinstance(module, Attention) and module.rope_kernel is apply_rope:
+            module.rope_kernel = rope
+    model.elementwise_fused = True
+    return True
+
+
+def _try_compiled(compiled, device, dtype) -> None:
+    """Run each compiled function once (compiling it), against its eager self."""
+    x = torch.randn(3, 2, 8, device=device, dtype=dtype)
+    cases = [(_add_rms_norm, (torch.ones(8, device=device, dtype=dtype), 1e-6, x, x)), (_silu_mul, (x,)),
+             (_rope, (x, x, x))]
+    for fn, (eager, args) in zip(compiled, cases):
+        got, want = fn(*args), eager(*args)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)

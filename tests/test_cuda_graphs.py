@@ -1,0 +1,134 @@
+"""Decode and verify forwards at bucket shapes (the forwards CUDA graphs replay): which bucket a forward takes, the
+fixed-shape forward against the eager one (logits, hidden states, KV entries), padding kept out of every
+sequence's cache, the eager fallback, and greedy speculation through the engine. On a CPU they run without
+capture; with SPECDECODE_TEST_DEVICE=cuda, captured and replayed."""
+import pytest
+import torch
+from conftest import DEVICE, tiny_model
+
+from specdecode import LLM, SamplingParams
+from specdecode.executor import cuda_graphs
+from specdecode.executor import runner as runner_module
+from specdecode.executor.cuda_graphs import Bucket, bucket_for
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.layers import apply_rope
+
+# the fixed-shape forward sums attention over padded key ranges: the same values, rounded otherwise
+ATOL = 1e-4 if DEVICE == "cpu" else 2e-2
+
+
+def test_buckets_round_sequences_rows_and_keys_up():
+    assert bucket_for([1], 10, 4096) == Bucket(1, 1, 256)
+    assert bucket_for([5, 1, 2], 300, 4096) == Bucket(4, 8, 512)
+    assert bucket_for([1] * 9, 1000, 4096) == Bucket(16, 1, 1024)
+    assert bucket_for([1], 600, 640) == Bucket(1, 1, 640)  # K stops at what a block table reaches
+
+
+def test_forwards_outside_every_bucket_run_eagerly():
+    assert bucket_for([65], 100, 4096) is None  # a prompt: wider than any verify
+    assert bucket_for([1] * 300, 100, 4096) is None  # more sequences than the largest bucket
+    assert bucket_for([8] * 200, 100, 4096) is None  # more rows than the largest verify call
+    assert bucket_for([1] * 64, 8000, 8192) is None  # too many keys to gather a step
+
+
+def _steps():
+    """(inputs per sequence) for a prefill, decodes and verifies of several widths, over two sequences."""
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, 60, (n,), generator=gen).tolist()
+
+    return [[tokens(20), tokens(7)], [tokens(1), tokens(1)], [tokens(4), tokens(1)], [tokens(3), tokens(6)],
+            [tokens(1), tokens(2)]]
+
+
+def _run(runner, model_steps, logits="all", hidden="all"):
+    slots = [runner.allocate(), runner.allocate()]
+    outs = []
+    for inputs in model_steps:
+        out = runner.forward(slots, inputs, logits, hidden=hidden)
+        outs.append(out)
+        for slot, new in zip(slots, inputs):
+            runner.commit(slot, runner.length(slot) + len(new) - (len(new) > 2))  # a rejected draft now and then
+    return outs, slots
+
+
+@pytest.mark.parametrize("features", [{}, {"sliding_window": 5, "qk_norm": True}], ids=["qwen2", "window+qk-norm"])
+def test_the_fixed_shape_forward_computes_the_eager_one(features):
+    model = tiny_model(seed=3, **features).model
+    eager = ModelRunner(model, 3, 600, fixed_shapes=False)
+    fixed = ModelRunner(model, 3, 600, fixed_shapes=True)
+    expected, slots = _run(eager, _steps())
+    got, _ = _run(fixed, _steps())
+    assert {b.rows for b in fixed._fixed.buckets} == {32, 1, 4, 8, 2}  # the 20-token prefill in a bucket too
+    for want, out in zip(expected, got):
+        torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+    for slot in slots:  # the caches hold the same entries, padding nowhere among them
+        n = fixed.length(slot)
+        for layer in range(model.cfg.num_layers):
+            torch.testing.assert_close(fixed._cache.keys(layer, slot, n), eager._cache.keys(layer, slot, n),
+                                       atol=ATOL, rtol=0)
+
+
+def test_the_last_rows_and_their_hidden_states():
+    model = tiny_model(seed=4).model
+    eager, fixed = ModelRunner(model, 2, 256, fixed_shapes=False), ModelRunner(model, 2, 256, fixed_shapes=True)
+    for want, got in zip(_run(eager, _steps(), "last", True)[0], _run(fixed, _steps(), "last", True)[0]):
+        assert got[0].shape == want[0].shape == (2, model.cfg.vocab_size)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_padding_written_into_a_real_slot_is_caught(monkeypatch):
+    """The deliberately broken variant: padding rows aimed at slot 0 instead of the scratch block."""
+    model = tiny_model(seed=3).model
+    expected, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=False), _steps())
+    fill = cuda_graphs.StaticBatch.fill
+    monkeypatch.setattr(cuda_graphs.StaticBatch, "fill", lambda self, slots, starts, inputs, scratch:
+                        fill(self, slots, starts, inputs, 0))
+    got, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=True), _steps())
+    assert any(not torch.allclose(g[0], e[0], atol=ATOL, rtol=0) for g, e in zip(got, expected))
+
+
+def test_a_forward_outside_the_buckets_runs_eagerly():
+    model = tiny_model(seed=5).model
+    fixed, eager = ModelRunner(model, 1, 256, fixed_shapes=True), ModelRunner(model, 1, 256, fixed_shapes=False)
+    prompt = list(range(1, 61)) * 2  # 120 tokens: wider than any verify call
+    outs = [r.forward([r.allocate()], [prompt], "last") for r in (fixed, eager)]
+    assert fixed._fixed.buckets == []
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_greedy_speculation_with_fixed_shapes_is_plain_decoding(monkeypatch):
+    """The engine with every runner at bucket shapes (target and draft): speculative greedy output is the target's
+    own greedy output, decoded eagerly."""
+    prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 42], list(range(10, 40))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def outputs(fixed: bool, k: int):
+        monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: fixed)
+        target, draft = tiny_model(seed=0), tiny_model(seed=0, layers=1)
+        llm = LLM(target=target, draft=draft if k else None, num_speculative_tokens=k, max_model_len=256,
+                  speculation_policy="fixed", progress=False)
+        assert (llm.engine.runner._fixed is not None) == fixed
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    assert outputs(True, 3) == outputs(False, 0)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_enforce_eager_keeps_graphs_off(eager):
+    target = tiny_model(seed=0)
+    llm = LLM(target=target, max_model_len=64, enforce_eager=eager, progress=False)
+    assert target.model.capture_graphs is not eager
+    assert (llm.engine.runner._fixed is not None) == (DEVICE == "cuda" and not eager)
+
+
+def test_fused_elementwise_steps_compute_what_eager_ones_do():
+    """The GPU's compiled norms, RoPE and SwiGLU (compiled for the CPU here) against the eager model."""
+    model = tiny_model(seed=6, qk_norm=True).model
+    expected, _ = _run(ModelRunner(model, 3, 256, fixed_shapes=False), _steps())
+    assert cuda_graphs.fuse_elementwise(model)
+    assert model.layers[0].self_attn.rope_kernel is not apply_rope
+    got, _ = _run(ModelRunner(model, 3, 256, fixed_shapes=True), _steps())
+    for want, out in zip(expected, got):
+        torch.testing.assert_close(out, want, atol=ATOL, rtol=0)

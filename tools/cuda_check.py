@@ -1,0 +1,337 @@
+"""The prepared GPU check (issue 51), in one run of a few minutes on a GPU machine that cannot reach the bundled
+files: the default pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft, bf16, tied embeddings, the real
+vocabulary) with random weights. Acceptance means nothing here (the draft is unrelated to the target); step
+costs, the forced-accept bound, the adaptive policy against plain decoding and greedy equality do.
+
+Each figure is printed beside the fraction of the roofline: bytes a token must read (weights, and the KV
+entries it attends over) over the time it took, against the device-to-device copy bandwidth measured in the
+same run (bytes read plus bytes written). Then the engine's CUDA test files run with graphs on.
+
+    PYTHONPATH=src python3 tools/cuda_check.py --out DIR     # SMOKE=1: tiny shapes, on a CPU too
+"""
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.config import ModelConfig
+from specdecode.executor import runner as runner_module
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.loader import LoadedModel
+from specdecode.models.runtime import Transformer
+
+SMOKE = bool(os.environ.get("SMOKE"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+VOCAB = 512 if SMOKE else 151936
+SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
+    "target": (64, 128, 2, 4) if SMOKE else (1536, 8960, 28, 12),
+    "draft": (32, 64, 1, 4) if SMOKE else (896, 4864, 24, 14),
+}
+PROMPT, NEW = 200, 128
+TEST_FILES = ["tests/test_cuda_graphs.py", "tests/test_runner.py", "tests/test_engine.py",
+              "tests/test_rejection_sampler.py", "tests/test_draft_model_proposer.py", "tests/test_policy.py",
+              "tests/test_prefix_caching.py"]
+RESULTS: dict = {}
+
+
+class NumberTokenizer:
+    """Token ids written as numbers: enough for an engine fed token ids."""
+
+    def __init__(self, vocab: int):
+        self.vocab_size = vocab
+        self.eos_token_ids = frozenset({vocab - 1})
+        self.special_ids = set(self.eos_token_ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(self.vocab_size)}
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {i}" for i in ids if i not in self.eos_token_ids)
+
+
+def random_model(role: str, seed: int) -> LoadedModel:
+    hidden, inter, layers, heads = SHAPES[role]
+    cfg = ModelConfig(arch="qwen2", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                      num_heads=heads, num_kv_heads=2, rope_theta=1e6, max_position=32768, qkv_bias=True,
+                      tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.set_rotary(None, DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    weights = {}
+    for name, t in model.state_dict().items():
+        w = torch.randn(t.shape, generator=g, device=DEVICE, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            w = 1 + 0.1 * w
+        elif name.endswith("bias"):
+            w = 0.1 * w
+        elif name not in ("embed_tokens.weight", "lm_head.weight"):
+            w = w * t.shape[-1] ** -0.5
+        weights[name] = w.to(DTYPE)
+    weights["lm_head.weight"] = weights["embed_tokens.weight"]
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.lm_head.weight = model.embed_tokens.weight
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return LoadedModel(f"random-{role}", model.eval(), NumberTokenizer(VOCAB), cfg)
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, repeats: int = 30) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a device-to-device copy of 1 GiB."""
+    a = torch.randn(1 << (20 if SMOKE else 29), device=DEVICE, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    seconds = median_seconds(lambda: b.copy_(a), 20)
+    return 2 * a.numel() * a.element_size() / seconds
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * torch.finfo(DTYPE).bits // 8
+
+
+def roofline(tokens_per_s: float, seqs: int, context: int, model) -> float:
+    """The fraction of the copy bandwidth a decode at this rate reads: each step streams the weights once for
+    `seqs` sequences, and each sequence its `context` KV entries."""
+    per_token = model.weight_bytes() / seqs + context * kv_bytes_per_token(model.cfg)
+    return tokens_per_s * per_token / RESULTS["copy_bandwidth_B_s"]
+
+
+def section(name):
+    def wrap(fn):
+        def run(*args):
+            start = time.perf_counter()
+            print(f"\n== {name}", flush=True)
+            try:
+                fn(*args)
+            except Exception:  # a failing section is reported; the next ones still run
+                traceback.print_exc()
+                RESULTS.setdefault("failed", []).append(name)
+            print(f"   ({time.perf_counter() - start:.1f} s)", flush=True)
+            save()
+        return run
+    return wrap
+
+
+def save():
+    out = os.environ.get("CHECK_OUT")
+    if out:
+        with open(os.path.join(out, "cuda-check.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+@section("device")
+def device_facts():
+    RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    RESULTS["torch"] = torch.__version__
+    RESULTS["copy_bandwidth_B_s"] = copy_bandwidth()
+    print(f"{RESULTS['device']}, torch {torch.__version__}, copy bandwidth "
+          f"{RESULTS['copy_bandwidth_B_s'] / 1e12:.2f} TB/s (read + written)")
+
+
+def _decode_runner(model, seqs: int, context: int, fixed: bool, rows: int = 1):
+    runner = ModelRunner(model, seqs, context + 64, fixed_shapes=fixed)
+    slots = [runner.allocate() for _ in range(seqs)]
+    for s in slots:
+        runner.assume_cached(s, context)
+    inputs = [[1] * rows for _ in slots]
+    logits = "all" if rows > 1 else "last"
+    return runner, lambda: runner.forward(slots, inputs, logits)
+
+
+@contextlib.contextmanager
+def unfused():
+    """Graph runners made inside leave the elementwise steps unfused (the first one would fuse them)."""
+    saved = runner_module.fuse_elementwise
+    runner_module.fuse_elementwise = lambda model: False
+    try:
+        yield
+    finally:
+        runner_module.fuse_elementwise = saved
+
+
+@section("step costs: one forward, eager / graphs / graphs with fused elementwise steps")
+def step_costs(target):
+    model, rows = target.model, {}
+    for mode in ("eager", "graphs", "graphs+fused"):
+        with unfused() if mode == "graphs" else contextlib.nullcontext():
+            for seqs, width in ((1, 1), (1, 5), (8, 1), (64, 1)):
+                rows.update(_step_cost(model, mode, seqs, width))
+    RESULTS["step_costs"] = rows
+
+
+def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
+    runner, step = _decode_runner(model, seqs, PROMPT, mode != "eager", width)
+    seconds = median_seconds(step, 20 if mode == "eager" else 50)
+    frac = roofline(seqs / seconds, seqs, PROMPT, model) if width == 1 else None
+    rows = {f"{mode}, {seqs} seq x {width} rows": {"ms": seconds * 1e3, "roofline": frac}}
+    print(f"{mode:13s} {seqs:3d} seq x {width} rows: {seconds * 1e3:7.2f} ms"
+          + (f"  {frac:.0%} of roofline" if frac is not None else ""), flush=True)
+    if mode != "eager" and DEVICE == "cuda" and (seqs, width) == (1, 1):
+        graph = next(iter(runner._fixed._entries.values())).graph
+        replay = median_seconds(graph.replay, 100)
+        frac = roofline(1 / replay, 1, PROMPT, model)
+        rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac}
+        print(f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline", flush=True)
+    return rows
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (PROMPT,), generator=g).tolist() for _ in range(n)]
+
+
+def engine(target, draft=None, **options) -> LLM:
+    return LLM(target=target, draft=draft, max_model_len=1024, max_num_seqs=64, progress=False,
+               memory_budget="40GiB" if DEVICE == "cuda" else None, **options)
+
+
+def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0):
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts(batch, seed + 1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts(batch, seed), params)
+    sync()
+    seconds = time.perf_counter() - start
+    spec = outs[0].spec or {}
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds, [o.outputs[0].token_ids for o in outs], spec
+
+
+@section("batch 1 through the engine: plain eager / plain graphs / the draft")
+def batch_one(target, draft):
+    rows = {}
+    runs = {"plain, graphs": (None, dict(num_speculative_tokens=0)),
+            "draft k=4 fixed, forced accept (bound)": (draft, dict(num_speculative_tokens=4, forced_accept=True,
+                                                                    speculation_policy="fixed")),
+            "draft k=4 fixed": (draft, dict(num_speculative_tokens=4, speculation_policy="fixed")),
+            "draft k<=4 adaptive": (draft, dict(num_speculative_tokens=4))}
+    for name, (d, options) in runs.items():
+        llm = engine(target, d, **options)
+        tok_s, _, spec = generate(llm, 1)
+        frac = roofline(tok_s, 1, PROMPT + NEW // 2, target.model)
+        rows[name] = {"tok_s": tok_s, "roofline_plain_equiv": frac, "spec": spec}
+        print(f"{name:42s} {tok_s:8.1f} tok/s  ({frac:.0%} of roofline as plain decoding)  steps "
+              f"{spec.get('num_spec_steps', 0)} of {spec.get('num_steps', '?')} speculated", flush=True)
+        del llm
+    base = rows["plain, graphs"]["tok_s"]
+    for name, row in rows.items():
+        row["vs_plain_graphs"] = row["tok_s"] / base
+        print(f"{name:42s} {row['vs_plain_graphs']:.2f}x plain with graphs")
+    RESULTS["batch_one"] = rows
+
+
+@section("batch 1 through the engine, eager (every forward launched op by op, nothing fused)")
+def batch_one_eager(target):
+    tok_s = generate(engine(target, num_speculative_tokens=0, enforce_eager=True), 1)[0]
+    frac = roofline(tok_s, 1, PROMPT + NEW // 2, target.model)
+    RESULTS["batch_one_eager"] = {"tok_s": tok_s, "roofline": frac}
+    print(f"plain, eager: {tok_s:.1f} tok/s ({frac:.0%} of roofline)")
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def _top2_gap(model, tokens: list[int]) -> float:
+    runner = ModelRunner(model, 1, len(tokens) + 8, fixed_shapes=False)
+    logits = runner.forward([runner.allocate()], [tokens], "last")[0]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+@section("greedy: speculative (draft, real verification) against plain, both with graphs")
+def greedy(target, draft):
+    rows = {}
+    for batch in (1, 8):
+        plain = generate(engine(target, num_speculative_tokens=0), batch)[1]
+        spec = generate(engine(target, draft, num_speculative_tokens=4, speculation_policy="fixed"), batch)[1]
+        diverged = []
+        for p, a, b in zip(prompts(batch), plain, spec):
+            at = _first_difference(a, b)
+            if at is not None:
+                diverged.append({"position": at, "top2_gap": _top2_gap(target.model, p + a[:at])})
+        rows[f"batch {batch}"] = {"equal": batch - len(diverged), "of": batch, "divergences": diverged}
+        print(f"batch {batch}: speculative greedy == plain for {batch - len(diverged)}/{batch}; divergences "
+              f"(position, top-2 logit gap there): {[(d['position'], round(d['top2_gap'], 4)) for d in diverged]}",
+              flush=True)
+    RESULTS["greedy"] = rows
+
+
+@section("concurrency sweep: plain and the adaptive policy (draft k<=4), graphs on")
+def concurrency(target, draft):
+    rows = {}
+    plain, adaptive = engine(target, num_speculative_tokens=0), engine(target, draft, num_speculative_tokens=4)
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        p_tok_s = generate(plain, n, 64)[0]
+        a_tok_s, _, spec = generate(adaptive, n, 64)
+        frac = roofline(p_tok_s, n, PROMPT + 32, target.model)
+        rows[n] = {"plain_tok_s": p_tok_s, "adaptive_tok_s": a_tok_s, "ratio": a_tok_s / p_tok_s,
+                   "plain_roofline": frac, "spec_steps": spec.get("num_spec_steps")}
+        print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline), adaptive {a_tok_s:8.1f} "
+              f"tok/s = {a_tok_s / p_tok_s:.3f}x, {spec.get('num_spec_steps')} of {spec.get('num_steps')} steps "
+              "speculated", flush=True)
+    rows["plain_64_over_1"] = rows[64]["plain_tok_s"] / rows[1]["plain_tok_s"]
+    print(f"plain throughput at 64 / at 1: {rows['plain_64_over_1']:.1f}x")
+    RESULTS["concurrency"] = rows
+
+
+@section("the CUDA test files, graphs on")
+def tests():
+    env = dict(os.environ, SPECDECODE_TEST_DEVICE=DEVICE)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not real_model and not ray",
+           "-n", os.environ.get("TEST_WORKERS", "8"), *TEST_FILES]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=int(os.environ.get("TEST_SECONDS", "150")))
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    RESULTS["tests"] = {"rc": proc.returncode, "tail": proc.stdout[-400:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+    if args.out:
+        os.environ["CHECK_OUT"] = args.out
+    device_facts()
+    target, draft = random_model("target", 0), random_model("draft", 1)
+    print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
+    batch_one_eager(target)
+    step_costs(target)
+    batch_one(target, draft)
+    greedy(target, draft)
+    concurrency(target, draft)
+    if not args.skip_tests:
+        tests()
+    print(json.dumps({k: v for k, v in RESULTS.items() if k in ("device", "failed")}))
+
+
+if __name__ == "__main__":
+    main()
