@@ -45,10 +45,10 @@ def _alone_and_together(model, inputs, logits, hidden):
     of the model calls that forward made."""
     alone = []
     for tokens in inputs:
-        runner = ModelRunner(model, 1, 128)
+        runner = ModelRunner(model, 1, 128, fixed_shapes=False)  # the eager layout's calls
         out = runner.forward([runner.allocate()], [tokens], logits, hidden=hidden)
         alone.append(out if isinstance(out, tuple) else (out,))
-    runner = ModelRunner(model, len(inputs), 128)
+    runner = ModelRunner(model, len(inputs), 128, fixed_shapes=False)
     slots = [runner.allocate() for _ in inputs]
     shapes = []
     forward = model.forward

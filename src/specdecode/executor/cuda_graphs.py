@@ -94,7 +94,7 @@ class StaticBatch:
         mask = mask[:, :, None].expand(batch, 1, group, rows, self.kv_len).reshape(batch, 1, group * rows, -1)
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * rows, dim), keys, values,
                                              attn_mask=mask, scale=scale)
-        return out.view(batch, heads, rows, dim)
+        return out.reshape(batch, heads, rows, dim)  # CUDA's kernels may return another layout
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """[B, 1, R, K]: a row sees the keys up to its own position (the last `window` of them where set); made
@@ -202,12 +202,15 @@ def _selected(every_logit: torch.Tensor, every_hidden: torch.Tensor, rows: int, 
 # kernels in eager PyTorch, RoPE five, SwiGLU two. torch.compile fuses each into one (shapes left symbolic,
 # so one compilation serves every bucket).
 
-def _add_rms_norm(weight, eps: float, x, residual):
-    if residual is not None:
-        x = x + residual
+def _rms_norm(weight, eps: float, x):
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype), x
+    return weight * x32.to(x.dtype)
+
+
+def _add_rms_norm(weight, eps: float, x, residual):
+    x = x + residual
+    return _rms_norm(weight, eps, x), x
 
 
 def _silu_mul(gate_up):
@@ -221,12 +224,13 @@ def _rope(x, cos, sin):
 
 
 class _FusedNorm:
-    def __init__(self, compiled):
-        self.compiled = compiled
+    def __init__(self, norm, add_norm):
+        self.norm, self.add_norm = norm, add_norm
 
     def __call__(self, norm, x, residual=None):
-        normed, summed = self.compiled(norm.weight, norm.eps, x, residual)
-        return normed if residual is None else (normed, summed)
+        if residual is None:
+            return self.norm(norm.weight, norm.eps, x)
+        return self.add_norm(norm.weight, norm.eps, x, residual)
 
 
 def fuse_elementwise(model) -> bool:
@@ -238,13 +242,13 @@ def fuse_elementwise(model) -> bool:
 
     if getattr(model, "elementwise_fused", False):
         return True
-    compiled = [torch.compile(f, dynamic=True) for f in (_add_rms_norm, _silu_mul, _rope)]
+    compiled = [torch.compile(f, dynamic=True) for f in (_rms_norm, _add_rms_norm, _silu_mul, _rope)]
     try:
         _try_compiled(compiled, model.device, model.dtype)
     except Exception as e:  # any compiler failure leaves the eager kernels, which work
         log.warning("elementwise steps stay unfused: compiling them failed (%s)", e)
         return False
-    norm, silu_mul, rope = _FusedNorm(compiled[0]), compiled[1], compiled[2]
+    norm, silu_mul, rope = _FusedNorm(compiled[0], compiled[1]), compiled[2], compiled[3]
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = norm
@@ -259,7 +263,8 @@ def fuse_elementwise(model) -> bool:
 def _try_compiled(compiled, device, dtype) -> None:
     """Run each compiled function once (compiling it), against its eager self."""
     x = torch.randn(3, 2, 8, device=device, dtype=dtype)
-    cases = [(_add_rms_norm, (torch.ones(8, device=device, dtype=dtype), 1e-6, x, x)), (_silu_mul, (x,)),
+    weight = torch.ones(8, device=device, dtype=dtype)
+    cases = [(_rms_norm, (weight, 1e-6, x)), (_add_rms_norm, (weight, 1e-6, x, x)), (_silu_mul, (x,)),
              (_rope, (x, x, x))]
     for fn, (eager, args) in zip(compiled, cases):
         got, want = fn(*args), eager(*args)
