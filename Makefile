@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.
 
-.PHONY: setup demo test test-fast test-cuda bench chi2-seeds
+.PHONY: setup demo test test-fast test-cuda cuda-check bench chi2-seeds
 setup: $(VENV)/.installed
 
 # torch is pinned first so pip takes the local CPU build instead of the CUDA wheels.
@@ -41,9 +41,14 @@ CUDA_TESTS := tests/test_engine.py tests/test_runtime.py tests/test_rejection_sa
 	tests/test_suffix.py tests/test_draft_model_proposer.py tests/test_draft_confidence.py tests/test_logits_processors.py \
 	tests/test_logprobs_and_n.py tests/test_sampling.py tests/test_structured_output.py tests/test_prefix_caching.py \
 	tests/test_policy.py tests/test_server.py tests/test_memory.py tests/test_server_sampling.py \
-	tests/test_server_faults.py tests/test_draft_finetune.py tests/test_runner.py
+	tests/test_server_faults.py tests/test_draft_finetune.py tests/test_runner.py tests/test_cuda_graphs.py
 test-cuda:
 	SPECDECODE_TEST_DEVICE=cuda $(PY) -m pytest -q -m "not real_model and not ray" $(CUDA_TESTS)
+
+# The prepared GPU check (issue 51; a few minutes): step costs eager / graphs / fused, batch 1 through the engine,
+# greedy equality, a concurrency sweep, each beside the fraction of the memory roofline; then the CUDA test files.
+cuda-check:
+	mkdir -p results && PYTHONPATH=src python3 tools/cuda_check.py --out results
 
 bench: setup
 	$(VENV)/bin/specdecode bench latency --num-prompts 5 --max-tokens 128 -k 2 4 6 --out results/latency.json

@@ -293,13 +293,13 @@ def greedy(target, draft):
 
 
 @section("concurrency sweep: plain and the adaptive policy (draft k<=4), graphs on")
-def concurrency(target, draft):
+def concurrency(target, draft, tokens: int):
     rows = {}
     plain, adaptive = engine(target, num_speculative_tokens=0), engine(target, draft, num_speculative_tokens=4)
     for n in (1, 2, 4, 8, 16, 32, 64):
-        p_tok_s = generate(plain, n, 64)[0]
-        a_tok_s, _, spec = generate(adaptive, n, 64)
-        frac = roofline(p_tok_s, n, PROMPT + 32, target.model)
+        p_tok_s = generate(plain, n, tokens)[0]
+        a_tok_s, _, spec = generate(adaptive, n, tokens)
+        frac = roofline(p_tok_s, n, PROMPT + tokens // 2, target.model)
         rows[n] = {"plain_decode_tok_s": p_tok_s, "adaptive_decode_tok_s": a_tok_s, "ratio": a_tok_s / p_tok_s,
                    "plain_roofline": frac, "spec_steps": spec.get("num_spec_steps")}
         print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline), adaptive {a_tok_s:8.1f} "
@@ -325,17 +325,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--sweep-tokens", type=int, default=64, help="tokens per request in the concurrency sweep")
+    parser.add_argument("--only-sweep", action="store_true", help="the device facts and the concurrency sweep alone")
     args = parser.parse_args()
     if args.out:
         os.environ["CHECK_OUT"] = args.out
     device_facts()
     target, draft = random_model("target", 0), random_model("draft", 1)
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
-    batch_one_eager(target)
-    step_costs(target)
-    batch_one(target, draft)
-    greedy(target, draft)
-    concurrency(target, draft)
+    if not args.only_sweep:
+        batch_one_eager(target)
+        step_costs(target)
+        batch_one(target, draft)
+        greedy(target, draft)
+    concurrency(target, draft, args.sweep_tokens)
     if not args.skip_tests:
         tests()
     print(json.dumps({k: v for k, v in RESULTS.items() if k in ("device", "failed")}))
