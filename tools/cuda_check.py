@@ -36,9 +36,9 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
     "draft": (32, 64, 1, 4) if SMOKE else (896, 4864, 24, 14),
 }
 PROMPT, NEW = 200, 128
-TEST_FILES = ["tests/test_cuda_graphs.py", "tests/test_runner.py", "tests/test_engine.py",
-              "tests/test_rejection_sampler.py", "tests/test_draft_model_proposer.py", "tests/test_policy.py",
-              "tests/test_prefix_caching.py"]
+TEST_FILES = ["tests/test_cuda_graphs.py", "tests/test_chunked_prefill.py", "tests/test_runner.py",
+              "tests/test_engine.py", "tests/test_rejection_sampler.py", "tests/test_draft_model_proposer.py",
+              "tests/test_policy.py", "tests/test_prefix_caching.py"]
 RESULTS: dict = {}
 
 
@@ -177,9 +177,9 @@ def unfused():
 
 
 @section("step costs: one forward, eager / graphs / graphs with fused elementwise steps")
-def step_costs(target):
+def step_costs(target, modes=("eager", "graphs", "graphs+fused")):
     model, rows = target.model, {}
-    for mode in ("eager", "graphs", "graphs+fused"):
+    for mode in modes:
         with unfused() if mode == "graphs" else contextlib.nullcontext():
             for seqs, width in ((1, 1), (1, 5), (8, 1), (64, 1)):
                 rows.update(_step_cost(model, mode, seqs, width))
@@ -200,6 +200,24 @@ def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
         rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac}
         print(f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline", flush=True)
     return rows
+
+
+@section("where a plain step's host time goes: the engine at batch 1 under cProfile, graphs on")
+def host_profile(target):
+    import cProfile
+    import io
+    import pstats
+
+    llm = engine(target, num_speculative_tokens=0)
+    _timed(llm, 1, 8, 1)
+    profile = cProfile.Profile()
+    profile.enable()
+    seconds, _ = _timed(llm, 1, NEW, 0)
+    profile.disable()
+    report = io.StringIO()
+    pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(25)
+    print(f"{NEW} tokens in {seconds:.3f} s under the profiler\n{report.getvalue()}")
+    RESULTS["host_profile"] = report.getvalue()[-6000:]
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -327,12 +345,20 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--sweep-tokens", type=int, default=64, help="tokens per request in the concurrency sweep")
     parser.add_argument("--only-sweep", action="store_true", help="the device facts and the concurrency sweep alone")
+    parser.add_argument("--quick", action="store_true",
+                        help="step costs with graphs and fusion, a profile of the engine at batch 1, then the tests")
     args = parser.parse_args()
     if args.out:
         os.environ["CHECK_OUT"] = args.out
     device_facts()
     target, draft = random_model("target", 0), random_model("draft", 1)
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
+    if args.quick:
+        step_costs(target, ("graphs+fused",))
+        host_profile(target)
+        if not args.skip_tests:
+            tests()
+        return
     if not args.only_sweep:
         batch_one_eager(target)
         step_costs(target)

@@ -160,6 +160,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--gpu-memory-utilization", type=float, default=C.gpu_memory_utilization,
                        help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
     serve.add_argument("--device", default=C.device)
+    serve.add_argument("--prefill-chunk-tokens", type=int, default=C.prefill_chunk_tokens, metavar="N",
+                       help="a longer prompt arriving while others decode is prefilled N tokens a step beside them "
+                            "(0: whole, the others waiting)")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run every forward eagerly instead of replaying CUDA graphs (slower)")
     serve.add_argument("--dtype", default=C.dtype)

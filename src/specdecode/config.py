@@ -64,6 +64,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = 0.9
     # on CUDA: every forward eager, no CUDA graphs (slower; for debugging, or a model a graph gets wrong)
     enforce_eager: bool = False
+    # a prompt longer than this, arriving while others decode, is prefilled this many tokens a step beside them
+    # (0: whole, the others' streams waiting)
+    prefill_chunk_tokens: int = 512
 
     def __post_init__(self):
         from .errors import SpecDecodeError
@@ -75,6 +78,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
                             f"{self.max_model_len}")
+        if self.prefill_chunk_tokens < 0:
+            problems.append(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
         if not 0.0 <= self.draft_confidence < 1.0:
             problems.append(f"the draft confidence threshold must be in [0, 1), got {self.draft_confidence}")
         if self.speculation_policy not in POLICIES:

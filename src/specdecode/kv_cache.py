@@ -133,17 +133,32 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [B, Hkv, T, D] at `positions` [B, T]; slots: [B], one per sequence, or [B, T], one
         per token (a packed batch holds several sequences in one row)."""
+        self.write_at(layer, self.entries(slots, positions), k, v)
+
+    def entries(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The index of the entries at `positions` of `slots` (as `write` takes them), for write_at: the same
+        for every layer."""
         per_token = slots[:, None].expand_as(positions) if slots.dim() == 1 else slots
         blocks, offsets = self._places(per_token, positions)
-        index = (blocks[:, None, :], torch.arange(k.shape[1], device=k.device)[None, :, None], offsets[:, None, :])
-        self.k[layer][index] = k.to(self.k[layer].dtype)
-        self.v[layer][index] = v.to(self.v[layer].dtype)
+        heads = torch.arange(self.k[0].shape[1], device=positions.device)
+        return blocks[:, None, :], heads[None, :, None], offsets[:, None, :]
+
+    def write_at(self, layer: int, entries: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor):
+        self.k[layer][entries] = k.to(self.k[layer].dtype)
+        self.v[layer][entries] = v.to(self.v[layer].dtype)
 
     def read(self, layer: int, slots, kv_len: int):
         """Keys/values [B, Hkv, kv_len, D] of the slots (a slice or a tensor of them), in the cache's dtype:
         their blocks gathered in order (a copy)."""
-        table = self.table[slots, :blocks_for(kv_len, self.block_size)].long()
-        return tuple(_gathered(part[layer], table, kv_len) for part in (self.k, self.v))
+        return self.read_blocks(layer, self.block_rows(slots, kv_len), kv_len)
+
+    def block_rows(self, slots, kv_len: int) -> torch.Tensor:
+        """[B, blocks]: the blocks holding the slots' first kv_len entries, for read_blocks (the same for every
+        layer)."""
+        return self.table[slots, :blocks_for(kv_len, self.block_size)].long()
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor, kv_len: int):
+        return tuple(_gathered(part[layer], blocks, kv_len) for part in (self.k, self.v))
 
     def keys(self, layer: int, slot: int, n: int) -> torch.Tensor:
         """The slot's first n keys [Hkv, n, D] (a copy)."""

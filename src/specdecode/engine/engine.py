@@ -1,9 +1,11 @@
 """The engine loop: admit requests (prefill), then per step draft -> verify in one target forward ->
-accept/reject -> commit (KV pointers move) -> emit, for every running sequence at once."""
+accept/reject -> commit (KV pointers move) -> emit, for every running sequence at once. A long prompt that
+arrives while others decode is prefilled a chunk a step beside them, so that their streams go on."""
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,14 +22,27 @@ from .sequence import Sequence, check_token_ids
 from .step import StepHooks, StepOutput
 
 
+@dataclass
+class _Prefill:
+    """A sequence whose prompt is prefilled a chunk a step beside the decoding batch."""
+
+    seq: Sequence
+    done: int  # prompt tokens in its slot: the kept prefix, then each chunk
+    cached: int  # of them, kept from an earlier request
+    hidden: list[torch.Tensor] = field(default_factory=list)  # the prompt rows' hidden states, for proposers
+
+
 class Engine:
     """proposers: at most one that drafts with a model (a draft model or head) and one that previews its
     drafts at no forward cost (prompt lookup, suffix speculation). With both, the policy chooses per
-    sequence and step which one drafts; with a previewing one alone, it drafts for everyone."""
+    sequence and step which one drafts; with a previewing one alone, it drafts for everyone.
+
+    prefill_chunk: a prompt longer than this that arrives while other sequences decode is prefilled this many
+    tokens a step, after each decoding step (None: every prompt at once, the decoding streams waiting)."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, proposers: list[Proposer] = (),
                  num_speculative_tokens: int = 0, forced_accept: bool = False, timer: StepTimer | None = None,
-                 policy: Policy | None = None):
+                 policy: Policy | None = None, prefill_chunk: int | None = None):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.runner, self.tokenizer = runner, tokenizer
@@ -42,6 +57,8 @@ class Engine:
         self.timer = timer or StepTimer()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: list[_Prefill] = []  # admitted, prompt partly computed, oldest first
         self.totals = SpecCounters()
         self.blocks = BlockBudget(runner, lambda: self.k)
 
@@ -93,17 +110,29 @@ class Engine:
         return torch.Generator(device=self.runner.device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2 ** 64)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences admitted and not finished: decoding, or their prompt being prefilled in chunks."""
+        return len(self.running) + len(self.prefilling)
 
     def step(self, hooks: StepHooks | None = None) -> StepOutput:
-        """Admit what fits, run one decoding step; say what it did."""
+        """Admit what fits, run one decoding step, and one chunk of a long prompt's prefill; say what it did."""
+        hooks = hooks or StepHooks()
         out = StepOutput()
-        out.updated = self._admit(hooks or StepHooks())
+        out.updated = self._admit(hooks)
         decoding = [s for s in self.running if not s.finished]
         if decoding:
             self._decode_step(decoding, out)
             admitted = {id(s) for s in out.updated}
             out.updated += [s for s in decoding if id(s) not in admitted]
+        if self.prefilling:
+            prefilled = self._prefill_chunk()
+            if prefilled is not None:
+                out.updated.append(prefilled)
+                if hooks.on_prefilled is not None:
+                    hooks.on_prefilled([prefilled])
         out.finished = [s for s in self.running if s.finished]
         for seq in out.finished:
             self._release(seq)
@@ -117,11 +146,15 @@ class Engine:
             holder.forget_prefixes()
 
     def abort(self, seq: Sequence) -> None:
+        prefilling = next((p for p in self.prefilling if p.seq is seq), None)
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
             self._release(seq)
             self.running.remove(seq)
+        elif prefilling is not None:
+            self._release(seq)
+            self.prefilling.remove(prefilling)
         seq.finish_reason = seq.finish_reason or "abort"
 
     def _release(self, seq: Sequence) -> None:
@@ -148,11 +181,42 @@ class Engine:
             for seq in group:
                 self.waiting.remove(seq)
                 seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
-                self.running.append(seq)
+            if self._in_chunks(group):
+                kept = self._kept_prefix(group[0])
+                self.prefilling.append(_Prefill(group[0], kept, kept))
+                continue
+            self.running += group
             self._prefill(group)
             admitted += group
             if hooks.on_prefilled is not None:
                 hooks.on_prefilled(group)
+
+    def _in_chunks(self, group: list[Sequence]) -> bool:
+        """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
+        sequence (n > 1 samples share one prefill; prompt logprobs need every row's logits at once)."""
+        seq = group[0]
+        decoding = self.prefilling or any(not s.finished for s in self.running)
+        return bool(self.prefill_chunk and decoding and len(group) == 1 and seq.params.prompt_logprobs is None
+                    and len(seq.prompt_ids) > self.prefill_chunk)
+
+    def _prefill_chunk(self) -> Sequence | None:
+        """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
+        more); the sequence once its prompt is done and its first token sampled."""
+        task = self.prefilling[0]
+        seq, prompt = task.seq, task.seq.prompt_ids
+        alone = not any(not s.finished for s in self.running) and len(self.prefilling) == 1
+        end = len(prompt) if alone else min(len(prompt), task.done + self.prefill_chunk)
+        logits, hidden = self._target_forward([seq.slot], [prompt[task.done:end]], "last", every_row=True)
+        self.runner.commit(seq.slot, end)
+        task.done = end
+        if hidden is not None:
+            task.hidden.append(hidden)
+        if end < len(prompt):
+            return None
+        self.prefilling.pop(0)
+        self.running.append(seq)
+        self._finish_prefill([seq], logits, torch.cat(task.hidden) if task.hidden else None, task.cached)
+        return seq
 
     def _reusable_prompt(self, seq: Sequence) -> list[int] | None:
         """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy
@@ -173,7 +237,6 @@ class Engine:
         """One forward over the shared prompt past what the slot holds; the others get a copy of its KV."""
         first, top = group[0], group[0].params.prompt_logprobs
         cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
-        first.metrics.num_cached_prompt_tokens = cached
         logits, hidden = self._target_forward([first.slot], [first.prompt_ids[cached:]],
                                               "last" if top is None else "all", every_row=True)
         if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
@@ -182,6 +245,14 @@ class Engine:
                 seq.prompt_logprobs = scored
             logits = logits[-1:]
         self.runner.commit(first.slot, len(first.prompt_ids))
+        self._finish_prefill(group, logits, hidden, cached)
+
+    def _finish_prefill(self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
+                        cached: int) -> None:
+        """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
+        it, and each samples its first token from the last row's logits."""
+        first = group[0]
+        first.metrics.num_cached_prompt_tokens = cached
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)
         for seq in group:

@@ -90,7 +90,8 @@ class LLM:
                  suffix_cache_scope: str = C.suffix_cache_scope, prefix_caching: bool = C.prefix_caching,
                  memory_budget: str | int | None = C.memory_budget,
                  gpu_memory_utilization: float | None = C.gpu_memory_utilization,
-                 enforce_eager: bool = C.enforce_eager, progress: bool = True,
+                 enforce_eager: bool = C.enforce_eager, prefill_chunk_tokens: int = C.prefill_chunk_tokens,
+                 progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         given = locals()
         self.config = config = EngineConfig(**{f.name: given[f.name] for f in fields(EngineConfig)})
@@ -116,7 +117,7 @@ class LLM:
             proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
         runner = ModelRunner(self.target.model, plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
         self.engine = Engine(runner, self.tokenizer, proposers, config.num_speculative_tokens, config.forced_accept,
-                             self.timer, policy)
+                             self.timer, policy, prefill_chunk=config.prefill_chunk_tokens or None)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
         self.profile_seconds = profile_draft_costs(self.engine) + profile_verify_costs(self.engine) \

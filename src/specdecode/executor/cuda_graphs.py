@@ -68,7 +68,7 @@ class StaticBatch:
         shape = (bucket.seqs, bucket.rows)
         self.tokens, self.positions, self.slots = (self.ints[i * rows:(i + 1) * rows].view(shape) for i in range(3))
         self.slot_index = self.ints[3 * rows:]
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._per_forward: dict = {}  # see _derived
 
     def fill(self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int) -> None:
         """These sequences' new tokens; every other row is padding (token 0 at position 0 of the scratch slot)."""
@@ -81,7 +81,25 @@ class StaticBatch:
             row_slots[at:at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
         self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
-        self._masks.clear()
+        self.forget()
+
+    def forget(self) -> None:
+        """Before a forward that is not a replay: what the last forward derived is stale."""
+        self._per_forward.clear()
+
+    def store(self, cache: KVCache, layer: int, k, v) -> None:
+        cache.write_at(layer, self._derived("entries", lambda: cache.entries(self.slots, self.positions)), k, v)
+
+    def load(self, cache: KVCache, layer: int):
+        return cache.read_blocks(layer, self._derived("blocks", lambda: cache.block_rows(self.slot_index, self.kv_len)),
+                                 self.kv_len)
+
+    def _derived(self, name, make):
+        """What every layer reads the same (KV indices, masks): made by the first layer of a forward, so within
+        a graph once a replay."""
+        if name not in self._per_forward:
+            self._per_forward[name] = make()
+        return self._per_forward[name]
 
     def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
         """q [B, H, R, D] over keys and values [B, Hkv, K, D], each row seeing the keys up to its position. The
@@ -90,22 +108,21 @@ class StaticBatch:
         batch, heads, rows, dim = q.shape
         kv_heads = keys.shape[1]
         group = heads // kv_heads
-        mask = self.mask_for(window)  # [B, 1, R, K]
-        mask = mask[:, :, None].expand(batch, 1, group, rows, self.kv_len).reshape(batch, 1, group * rows, -1)
+        mask = self._derived(("folded", window, group), lambda: self.mask_for(window)[:, :, None].expand(
+            batch, 1, group, rows, self.kv_len).reshape(batch, 1, group * rows, -1))
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * rows, dim), keys, values,
                                              attn_mask=mask, scale=scale)
         return out.reshape(batch, heads, rows, dim)  # CUDA's kernels may return another layout
 
     def mask_for(self, window: int | None) -> torch.Tensor:
-        """[B, 1, R, K]: a row sees the keys up to its own position (the last `window` of them where set); made
-        once a forward, so within a graph once a replay."""
-        if window not in self._masks:
+        """[B, 1, R, K]: a row sees the keys up to its own position (the last `window` of them where set)."""
+        def make():
             keys = torch.arange(self.kv_len, device=self.ints.device)
             mask = keys <= self.positions[..., None]
             if window is not None:
                 mask &= keys > self.positions[..., None] - window
-            self._masks[window] = mask[:, None]
-        return self._masks[window]
+            return mask[:, None]
+        return self._derived(("mask", window), make)
 
 
 class _Entry:
@@ -174,11 +191,11 @@ class BucketedForward:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: one-off work (workspaces, kernel choice) stays out of the graph
             for _ in range(2):
-                batch._masks.clear()
+                batch.forget()
                 self._run(batch)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        batch._masks.clear()
+        batch.forget()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._run(batch)
         return graph, outputs

@@ -74,6 +74,14 @@ class ForwardBatch:
     def packed(self) -> bool:
         return self.rowwise is not None
 
+    def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' keys and values [B, Hkv, T, D] into the cache."""
+        cache.write(layer, self.slots, self.positions, k, v)
+
+    def load(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batched path's keys and values [B, Hkv, kv_len, D]."""
+        return cache.read(layer, self.slot_index, self.kv_len)
+
     def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
         """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask_for(window), enable_gqa=True,
@@ -123,11 +131,11 @@ class Attention(nn.Module):
             out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self)
             return self.o_proj(out.view(bsz, width, -1))
         q, k, v = self._heads(x, rope)
-        cache.write(self.layer, batch.slots, batch.positions, k, v)
+        batch.store(cache, self.layer, k, v)
         if batch.rowwise is not None:
             out = self._rowwise_attention(q, batch, cache)
         else:
-            keys, values = cache.read(self.layer, batch.slot_index, batch.kv_len)
+            keys, values = batch.load(cache, self.layer)
             out = batch.attend(q, keys.to(q.dtype), values.to(q.dtype), self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 

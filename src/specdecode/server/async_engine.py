@@ -231,7 +231,7 @@ class AsyncEngine:
                 self._active.remove(handle)
                 self._ended += 1
                 self.metrics.aborted.inc()
-        self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+        self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
 
     def _publish(self) -> None:
         still_active = []
@@ -243,7 +243,7 @@ class AsyncEngine:
             else:
                 still_active.append(handle)
         self._active = still_active
-        self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+        self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
 
     def _publish_output(self, handle: RequestHandle, i: int, seq: Sequence) -> None:
         """New text of output i, with the logprobs of every token generated since its last update."""

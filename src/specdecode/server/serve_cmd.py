@@ -26,7 +26,8 @@ def llm_options(args) -> dict:
         draft_vocab_size=args.draft_vocab_size, draft_confidence=args.draft_confidence,
         speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-        forced_accept=args.forced_accept, enforce_eager=args.enforce_eager, **lookup_options(args)).as_dict()
+        forced_accept=args.forced_accept, enforce_eager=args.enforce_eager,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, **lookup_options(args)).as_dict()
 
 
 def run_serve(args) -> int:
