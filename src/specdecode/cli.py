@@ -162,7 +162,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--device", default=C.device)
     serve.add_argument("--prefill-chunk-tokens", type=int, default=C.prefill_chunk_tokens, metavar="N",
                        help="a longer prompt arriving while others decode is prefilled N tokens a step beside them "
-                            "(0: whole, the others waiting)")
+                            "(0: whole, the others waiting; default: 64 on a CPU, 2048 on a GPU)")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run every forward eagerly instead of replaying CUDA graphs (slower)")
     serve.add_argument("--dtype", default=C.dtype)

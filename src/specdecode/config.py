@@ -28,6 +28,14 @@ DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # th
 DEFAULT_HEAD = "head:qwen2.5-coder-1.5b"
 
 
+# Tokens of a long prompt prefilled per step beside decoding streams, by device. On a 2-core Zen 5 with the 1.5B,
+# a 4,096-token prompt beside a chat stream: chunks of 64 cost its first token 1.13x its time alone and the
+# stream 8.4x its time per token, 128 1.04x and 18x, 512 1.01x and 70x, the whole prompt 459x
+# (docs/decisions.md). A GPU's prefill forward runs eagerly, a launch-bound ~30 ms whatever its length, so
+# small chunks would multiply its prefill time there: vLLM's 2,048 (not measured here).
+PREFILL_CHUNK_TOKENS = {"cpu": 64, "cuda": 2048}
+
+
 @dataclass
 class EngineConfig:
     """Every engine option with its one default, checked when made. `LLM` takes these as keyword
@@ -65,8 +73,8 @@ class EngineConfig:
     # on CUDA: every forward eager, no CUDA graphs (slower; for debugging, or a model a graph gets wrong)
     enforce_eager: bool = False
     # a prompt longer than this, arriving while others decode, is prefilled this many tokens a step beside them
-    # (0: whole, the others' streams waiting)
-    prefill_chunk_tokens: int = 512
+    # (0: whole, the others' streams waiting; None: PREFILL_CHUNK_TOKENS for the device)
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self):
         from .errors import SpecDecodeError
@@ -78,7 +86,7 @@ class EngineConfig:
         if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
                             f"{self.max_model_len}")
-        if self.prefill_chunk_tokens < 0:
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             problems.append(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
         if not 0.0 <= self.draft_confidence < 1.0:
             problems.append(f"the draft confidence threshold must be in [0, 1), got {self.draft_confidence}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..config import EngineConfig
+from ..config import PREFILL_CHUNK_TOKENS, EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
@@ -90,7 +90,7 @@ class LLM:
                  suffix_cache_scope: str = C.suffix_cache_scope, prefix_caching: bool = C.prefix_caching,
                  memory_budget: str | int | None = C.memory_budget,
                  gpu_memory_utilization: float | None = C.gpu_memory_utilization,
-                 enforce_eager: bool = C.enforce_eager, prefill_chunk_tokens: int = C.prefill_chunk_tokens,
+                 enforce_eager: bool = C.enforce_eager, prefill_chunk_tokens: int | None = C.prefill_chunk_tokens,
                  progress: bool = True,
                  target: LoadedModel | None = None, draft: LoadedModel | None = None):
         given = locals()
@@ -116,8 +116,11 @@ class LLM:
         for proposer in proposers:
             proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
         runner = ModelRunner(self.target.model, plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
+        chunk = config.prefill_chunk_tokens
+        if chunk is None:
+            chunk = PREFILL_CHUNK_TOKENS.get(self.target.model.device.type, PREFILL_CHUNK_TOKENS["cuda"])
         self.engine = Engine(runner, self.tokenizer, proposers, config.num_speculative_tokens, config.forced_accept,
-                             self.timer, policy, prefill_chunk=config.prefill_chunk_tokens or None)
+                             self.timer, policy, prefill_chunk=chunk or None)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
         self.profile_seconds = profile_draft_costs(self.engine) + profile_verify_costs(self.engine) \
