@@ -11,6 +11,7 @@ same run (bytes read plus bytes written). Then the engine's CUDA test files run 
 """
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -331,8 +332,9 @@ def concurrency(target, draft, tokens: int):
 @section("the CUDA test files, graphs on")
 def tests(files=TEST_FILES):
     env = dict(os.environ, SPECDECODE_TEST_DEVICE=DEVICE)
+    workers = ["-n", os.environ.get("TEST_WORKERS", "8")] if importlib.util.find_spec("xdist") else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real_model and not ray",
-           "-n", os.environ.get("TEST_WORKERS", "8"), *files]
+           *workers, *files]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=int(os.environ.get("TEST_SECONDS", "150")))
     print(proc.stdout[-3000:], proc.stderr[-2000:])
