@@ -119,15 +119,27 @@ class TargetCost:
 
     # prices asked since the tables last changed: the policy asks for the same few calls many times a step
     _prices: dict[tuple[int, float], float] = field(default_factory=dict)
+    # what prices are made of that does not depend on the tokens priced (slopes, spans over all batch sizes),
+    # worked out once while the tables stay as they are: a decision at 64 sequences prices hundreds of calls
+    _parts: dict = field(default_factory=dict)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
-        self._prices.clear()
+        self._changed()
 
     def record(self, batch: int, tokens: int, seconds: float) -> None:
         """A profiled measurement (see CostTable.record)."""
         self.tables.setdefault(batch, CostTable()).record(tokens, seconds)
+        self._changed()
+
+    def _changed(self) -> None:
         self._prices.clear()
+        self._parts.clear()
+
+    def _part(self, key, make):
+        if key not in self._parts:
+            self._parts[key] = make()
+        return self._parts[key]
 
     def __bool__(self) -> bool:
         return bool(self.tables)
@@ -166,18 +178,22 @@ class TargetCost:
         The linear layers cost by the rows in the call whatever the batch, so this follows the kernels'
         cost per row where a slope averages it out (1 -> 5 tokens cost 3.25 ms a token on average, 2 -> 5
         4.2)."""
-        others = [t for b, t in self.tables.items() if b != batch and t.sizes[0] <= edge < t.sizes[-1]]
+        others = self._part(("spanning", batch, edge), lambda: [
+            t for b, t in self.tables.items() if b != batch and t.sizes[0] <= edge < t.sizes[-1]])
         if not others:
             return None
-        reach = min(tokens, max(t.sizes[-1] for t in others))
+        reach = min(tokens, self._part(("farthest", batch, edge), lambda: max(t.sizes[-1] for t in others)))
         growth = [t(reach) - t(edge) for t in others if t.sizes[-1] >= reach]
         return reach, statistics.median(growth)
 
     def _largest_call(self) -> int:
-        return max(t.sizes[-1] for t in self.tables.values())
+        return self._part("largest", lambda: max(t.sizes[-1] for t in self.tables.values()))
 
     def slope(self, batch: int) -> float:
         """Seconds per extra token in a call at this batch size (see the class doc)."""
+        return self._part(("slope", batch), lambda: self._slope(batch))
+
+    def _slope(self, batch: int) -> float:
         if self._spans(batch):
             return self.tables[batch].slope()
         others = sorted(t.slope() for b, t in self.tables.items() if b != batch and self._spans(b))
