@@ -14,6 +14,7 @@ from specdecode.bench.datasets import (
     load_prompts,
     poem_lines,
     sonnet_prompts,
+    stdlib_prompts,
 )
 from specdecode.bench.load import LoadResult, RequestResult, run_load, summarize
 
@@ -45,6 +46,14 @@ def test_sonnet_prompts_are_deterministic_and_sized():
         assert 180 <= _count_words(p) <= 200  # filled up to the target, never past it
     longer = sonnet_prompts(1, 800, _count_words, seed=1)[0]
     assert 780 <= _count_words(longer) <= 800
+
+
+def test_stdlib_prompts_are_real_source_of_the_asked_length():
+    prompts = stdlib_prompts(3, 2000, _count_words)
+    assert len(set(prompts)) == 3  # each from another module
+    for prompt in prompts:
+        assert 1800 <= _count_words(prompt) <= 2000 and prompt.endswith("\n")
+        assert "def " in prompt or "class " in prompt
 
 
 def test_sonnet_prompts_from_a_user_file(tmp_path):

@@ -203,8 +203,9 @@ def _add_measurements(bench_sub) -> None:
     _add_serve_load(bench_sub)
 
 
-WORKLOAD_HELP = ("completion prompts (EOS ignored): humaneval, sonnet:LEN (tokens), jsonl:PATH (a \"prompt\" field "
-                 "per line) or hf:NAME; or chats that end with the reply: code-edit (standard-library functions "
+WORKLOAD_HELP = ("completion prompts (EOS ignored): humaneval, sonnet:LEN (tokens), stdlib:LEN (standard-library "
+                 "source of LEN tokens, for long contexts), jsonl:PATH (a \"prompt\" field per line) or hf:NAME; "
+                 "or chats that end with the reply: code-edit (standard-library functions "
                  "with an edit whose answer is mostly a copy), agent-loop (sessions that ask for the whole file "
                  "again with one change per turn)")
 

@@ -109,6 +109,26 @@ def sonnet_prompts(num_prompts: int, input_len: int, count_tokens, path: str | P
     return prompts
 
 
+def stdlib_prompts(num_prompts: int, input_len: int, count_tokens) -> list[str]:
+    """Long prompts of real text: standard-library source, each starting at another module and cut at a line end
+    within input_len tokens (as `count_tokens` counts them)."""
+    sources = [source for _, source in stdlib_sources()]
+    starts = [0]
+    for source in sources:
+        starts.append(starts[-1] + len(source) + 1)
+    text = "\n".join(sources)
+    prompts = []
+    for i in range(num_prompts):
+        start = starts[i * len(sources) // max(num_prompts, 1)]
+        lines = text[start:start + input_len * 16].splitlines(keepends=True)  # more than a token takes
+        fits, over = 0, len(lines) + 1  # the most lines within input_len tokens: bisected
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            fits, over = (mid, over) if count_tokens("".join(lines[:mid])) <= input_len else (fits, mid)
+        prompts.append("".join(lines[:fits]))
+    return prompts
+
+
 def jsonl_prompts(path: str | Path, field: str = "prompt", limit: int | None = None) -> list[str]:
     prompts = []
     with open(path, encoding="utf-8") as f:
@@ -143,10 +163,10 @@ def check_spec(spec: str, chats: tuple[str, ...] = ()) -> str:
     """`spec` where load_prompts reads it (or it is one of the caller's own `chats` workloads); otherwise an
     error naming what is accepted."""
     kind, _, arg = spec.partition(":")
-    if (spec in ("humaneval", *chats) or (kind == "sonnet" and (not arg or arg.isdigit()))
+    if (spec in ("humaneval", *chats) or (kind in ("sonnet", "stdlib") and (not arg or arg.isdigit()))
             or (kind in ("jsonl", "hf") and arg)):
         return spec
-    accepted = ", ".join(("humaneval", *chats, "sonnet:LEN", "jsonl:PATH"))
+    accepted = ", ".join(("humaneval", *chats, "sonnet:LEN", "stdlib:LEN", "jsonl:PATH"))
     raise SpecDecodeError(f"unknown dataset {spec!r}; use {accepted} or hf:NAME")
 
 
@@ -160,14 +180,14 @@ def token_counter(tokenizer_name: str):
 
 def prompts_for(spec: str, num_prompts: int, tokenizer_name: str, **options) -> list[str]:
     """load_prompts, sonnet prompts sized by `tokenizer_name`'s tokenizer (loaded only for them)."""
-    count_tokens = token_counter(tokenizer_name) if spec.startswith("sonnet") else None
+    count_tokens = token_counter(tokenizer_name) if spec.startswith(("sonnet", "stdlib")) else None
     return load_prompts(spec, num_prompts, count_tokens=count_tokens, **options)
 
 
 def load_prompts(spec: str, num_prompts: int, *, count_tokens=None, seed: int = 0, field: str = "prompt",
                  sonnet_file: str | None = None) -> list[str]:
-    """`humaneval`, `sonnet:LEN`, `jsonl:PATH` or `hf:NAME`; exactly num_prompts prompts, cycling if the
-    source has fewer."""
+    """`humaneval`, `sonnet:LEN`, `stdlib:LEN`, `jsonl:PATH` or `hf:NAME`; exactly num_prompts prompts, cycling if
+    the source has fewer."""
     kind, _, arg = check_spec(spec).partition(":")
     if kind == "humaneval":
         prompts = humaneval_prompts()
@@ -175,6 +195,10 @@ def load_prompts(spec: str, num_prompts: int, *, count_tokens=None, seed: int = 
         if count_tokens is None:
             raise SpecDecodeError("sonnet prompts are sized in tokens: pass a tokenizer's count function")
         prompts = sonnet_prompts(num_prompts, int(arg or 512), count_tokens, sonnet_file, seed)
+    elif kind == "stdlib":
+        if count_tokens is None:
+            raise SpecDecodeError("stdlib prompts are sized in tokens: pass a tokenizer's count function")
+        prompts = stdlib_prompts(num_prompts, int(arg or 4096), count_tokens)
     elif kind == "jsonl":
         prompts = jsonl_prompts(arg, field)
     else:
