@@ -7,7 +7,7 @@ import pytest
 from conftest import make_head, tiny_model
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine import engine as engine_module
+from specdecode.engine import prefill as prefill_module
 
 SHORT = [5, 9, 14, 3, 22, 7, 30, 2]
 LONG = [(7 * i) % 60 + 1 for i in range(150)]  # 150 tokens: five chunks of 32
@@ -94,7 +94,8 @@ class _NewestFirst(list):
 def test_a_head_given_the_chunks_out_of_order_drafts_otherwise(tmp_path, monkeypatch):
     """The deliberately broken variant: the chunks' hidden states joined newest first."""
     alone, drafts = _alone("head", tmp_path, LONG, 12)
-    monkeypatch.setattr(engine_module, "_Prefill", functools.partial(engine_module._Prefill, hidden=_NewestFirst()))
+    monkeypatch.setattr(prefill_module, "ChunkedPrefill",
+                        functools.partial(prefill_module.ChunkedPrefill, hidden=_NewestFirst()))
     _, long, _, engine = _together("head", tmp_path)
     assert long.output_ids == alone.output_ids  # still lossless...
     assert engine.drafts[len(LONG)] != drafts  # ...but the head drafted from the wrong context

@@ -1,0 +1,121 @@
+"""The engine's admission half: requests admitted while their slots and KV blocks fit, and their prompts
+prefilled, at once or, for a long prompt arriving while others decode, a chunk a step beside them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..proposers.base import TargetFeedback
+from ..verify.verifier import prompt_logprobs, sample_first
+from .sequence import Sequence
+from .step import StepHooks
+
+
+@dataclass
+class ChunkedPrefill:
+    """A sequence whose prompt is prefilled a chunk a step beside the decoding batch."""
+
+    seq: Sequence
+    done: int  # prompt tokens in its slot: the kept prefix, then each chunk
+    cached: int  # of them, kept from an earlier request
+    hidden: list[torch.Tensor] = field(default_factory=list)  # the prompt rows' hidden states, for proposers
+
+
+class Prefilling:
+    """Engine's prefill steps (a part of Engine, apart for its length: it reads the engine's queues, runner and
+    proposers)."""
+
+    def _admit(self, hooks: StepHooks) -> list[Sequence]:
+        """Prefill the waiting groups that fit, in arrival order; the sequences admitted."""
+        admitted: list[Sequence] = []
+        while True:
+            if hooks.poll_arrivals is not None:
+                hooks.poll_arrivals()
+            if not self.waiting:
+                return admitted
+            group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
+            if self.runner.num_free < len(group) or not self.blocks.admit(group):
+                return admitted  # the group waits for slots or KV blocks
+            for seq in group:
+                self.waiting.remove(seq)
+                seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
+            if self._in_chunks(group):
+                kept = self._kept_prefix(group[0])
+                self.prefilling.append(ChunkedPrefill(group[0], kept, kept))
+                continue
+            self.running += group
+            self._prefill(group)
+            admitted += group
+            if hooks.on_prefilled is not None:
+                hooks.on_prefilled(group)
+
+    def _in_chunks(self, group: list[Sequence]) -> bool:
+        """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
+        sequence (n > 1 samples share one prefill; prompt logprobs need every row's logits at once)."""
+        seq = group[0]
+        decoding = self.prefilling or any(not s.finished for s in self.running)
+        return bool(self.prefill_chunk and decoding and len(group) == 1 and seq.params.prompt_logprobs is None
+                    and len(seq.prompt_ids) > self.prefill_chunk)
+
+    def _prefill_chunk(self) -> Sequence | None:
+        """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
+        more); the sequence once its prompt is done and its first token sampled."""
+        task = self.prefilling[0]
+        seq, prompt = task.seq, task.seq.prompt_ids
+        alone = not any(not s.finished for s in self.running) and len(self.prefilling) == 1
+        end = len(prompt) if alone else min(len(prompt), task.done + self.prefill_chunk)
+        logits, hidden = self._target_forward([seq.slot], [prompt[task.done:end]], "last", every_row=True)
+        self.runner.commit(seq.slot, end)
+        task.done = end
+        if hidden is not None:
+            task.hidden.append(hidden)
+        if end < len(prompt):
+            return None
+        self.prefilling.pop(0)
+        self.running.append(seq)
+        self._finish_prefill([seq], logits, torch.cat(task.hidden) if task.hidden else None, task.cached)
+        return seq
+
+    def _reusable_prompt(self, seq: Sequence) -> list[int] | None:
+        """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy
+        the first's), prompt logprobs (every row's logits), or the first of a group whose proposers read
+        the target's features (each sequence's reader needs the rows the shared prefill computes)."""
+        shared = self.wants_hidden_states and len(seq.siblings) > 1
+        return None if seq.index or seq.params.prompt_logprobs is not None or shared else seq.prompt_ids
+
+    def _kept_prefix(self, seq: Sequence) -> int:
+        """Prompt tokens the prefill skips: those its slot kept, as far as every proposer holds its own state."""
+        kept = self.runner.length(seq.slot)
+        for proposer in self.proposers:
+            kept = min(kept, proposer.keep_prefix(seq, kept))
+        self.runner.rollback(seq.slot, kept)
+        return kept
+
+    def _prefill(self, group: list[Sequence]) -> None:
+        """One forward over the shared prompt past what the slot holds; the others get a copy of its KV."""
+        first, top = group[0], group[0].params.prompt_logprobs
+        cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
+        logits, hidden = self._target_forward([first.slot], [first.prompt_ids[cached:]],
+                                              "last" if top is None else "all", every_row=True)
+        if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
+            scored = prompt_logprobs(first.prompt_ids, logits, top)
+            for seq in group:
+                seq.prompt_logprobs = scored
+            logits = logits[-1:]
+        self.runner.commit(first.slot, len(first.prompt_ids))
+        self._finish_prefill(group, logits, hidden, cached)
+
+    def _finish_prefill(self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
+                        cached: int) -> None:
+        """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
+        it, and each samples its first token from the last row's logits."""
+        first = group[0]
+        first.metrics.num_cached_prompt_tokens = cached
+        for seq in group[1:]:
+            self.runner.copy_slot(first.slot, seq.slot)
+        for seq in group:
+            token, logprobs = sample_first(seq, logits[:1], self.tokenizer.eos_token_ids)
+            self._feed_back(seq, TargetFeedback([token], hidden, cached))
+            self._emit(seq, [token], logprobs)
+
