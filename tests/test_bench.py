@@ -17,6 +17,7 @@ from specdecode.bench.datasets import (
     stdlib_prompts,
 )
 from specdecode.bench.load import LoadResult, RequestResult, run_load, summarize
+from specdecode.bench.server_process import serve_argv
 
 
 def _count_words(text: str) -> int:
@@ -504,3 +505,11 @@ esac
     with pytest.raises(ServerCrashed, match="crashed"):
         with llama_server(str(tmp_path), "m.gguf", 2, 256, 2):
             pass
+
+
+def test_a_server_without_a_context_length_gets_the_models_own():
+    """max_model_len None (the model's context, the engine's default) leaves the flag out rather than passing
+    "None", which the server's parser refuses."""
+    assert "--max-model-len" not in serve_argv("m", 4, None, "auto")
+    argv = serve_argv("m", 4, 512, "auto")
+    assert argv[argv.index("--max-model-len") + 1] == "512"

@@ -208,7 +208,7 @@ def run_backend(args, quantization: str, requests: list,
                     max_num_seqs=1, num_speculative_tokens=0) if not runs else runs[0].llm
     plain, plain_outs = run_config(plain_llm, requests, params, 0, f"{name}: plain", "none")
     plain.verify_cost_ratio = 1.0
-    plain.prefill_tokens_per_s = prefill_tokens_per_s(target.model, args.max_model_len)
+    plain.prefill_tokens_per_s = prefill_tokens_per_s(target.model, plain_llm.engine.max_model_len)
     print(_row(plain), flush=True)
     results = [plain]
     for run in runs:

@@ -27,14 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(model: str, max_num_seqs: int, max_model_len: int, dtype: str, *, device: str | None = None,
+def serve_argv(model: str, max_num_seqs: int, max_model_len: int | None, dtype: str, *, device: str | None = None,
                quantization: str | None = None, draft_quantization: str | None = None,
                kv_cache_dtype: str | None = None, draft: str | None = None,
                k: int = 0, policy: str = "fixed", disable_by_batch_size: int = 0, forced_accept: bool = False,
                prompt_lookup: str | None = None) -> list[str]:
     """`specdecode serve` flags for one configuration, k = 0 being plain decoding; options left at their
     defaults are left out, so the server's own defaults apply (the default draft model, for one)."""
-    argv = ["--model", model, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+    argv = ["--model", model, "--max-num-seqs", str(max_num_seqs), *_option("--max-model-len", max_model_len),
             "--dtype", dtype, *_option("--device", device), *_option("--quantization", quantization),
             *_option("--draft-quantization", draft_quantization), *_option("--kv-cache-dtype", kv_cache_dtype)]
     if k == 0:
