@@ -15,7 +15,8 @@ from .config import ModelConfig
 from .errors import SpecDecodeError
 from .executor.hugepages import huge_page_empty
 
-# Tokens per block: a multiple of 32, the attention kernel's span of values weighed together (docs/decisions.md)
+# Tokens per block: a multiple of 32, the attention kernel's span of values weighed together
+# (docs/decisions.md#the-kv-cache-in-blocks-2026-11-27-fifteenth-session)
 BLOCK_TOKENS = 64
 
 

@@ -1,7 +1,9 @@
 """How a draft head is made: the data and the training, each option's default written once (the CLI's
 flags default to these). The defaults take about 40 minutes on two CPU cores with native bf16, and a run
 never takes much over `minutes`: where the machine is slower, it records less text and trains
-proportionally fewer steps (docs/decisions.md). On a GPU the default is GPU_RECIPE's."""
+proportionally fewer steps
+(docs/decisions.md#three-times-the-text-and-steps-within-a-60-minute-budget-2026-11-26-sixth-session). On a GPU
+the default is GPU_RECIPE's."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -37,7 +39,8 @@ class Recipe:
 
 
 # A GPU records the target's features ~300 times as fast as two CPU cores and trains a step of 32 chunks in
-# ~35 ms (an H200), so its default reads twenty times the text: the shipped head's recipe (docs/decisions.md)
+# ~35 ms (an H200), so its default reads twenty times the text: the shipped head's recipe
+# (docs/decisions.md#a-head-trained-on-a-gpu-2026-11-27-tenth-session)
 GPU_RECIPE = {"sources": ["python", "sonnets"], "tokens": 6_000_000, "steps": 8000, "batch": 32, "minutes": 7.5}
 
 

@@ -1,12 +1,11 @@
 """Decode and verify forwards at fixed shapes, replayed as CUDA graphs.
 
-On a GPU a small model's decode step is bound by kernel launches, not bytes: each of the 1.5B's ~850 kernels
-launched from Python costs more than the bytes it reads (docs/decisions.md, CUDA). A CUDA graph replays a whole
-captured forward with one launch, but fixes every shape. So a forward runs at the shape of a bucket: B sequences
-of R new tokens each, attending over K key positions, each rounded up. Padding rows write their keys into a
-scratch KV block that no sequence holds, and their outputs are dropped. A forward outside every bucket (a
-prompt, a context past the largest K, a model whose forward waits on the host, like a mixture of experts' routing)
-runs eagerly, as before.
+On a GPU a small model's decode step is bound by kernel launches, not bytes: each of the 1.5B's ~850 kernels launched
+from Python costs more than the bytes it reads (docs/decisions.md#cuda-on-a-lent-h100-2026-11-26). A CUDA graph replays
+a whole captured forward with one launch, but fixes every shape. So a forward runs at the shape of a bucket: B sequences
+of R new tokens each, attending over K key positions, each rounded up. Padding rows write their keys into a scratch KV
+block that no sequence holds, and their outputs are dropped. A forward outside every bucket (a prompt, a context past
+the largest K, a model whose forward waits on the host, like a mixture of experts' routing) runs eagerly, as before.
 
 The same fixed-shape forward runs without capture on a CPU, where the tests check it against the eager one.
 """

@@ -112,7 +112,8 @@ class AsyncEngine:
         """Run the step loop in the calling thread until stop(). `serve` gives it the main thread: that is
         where the models were loaded, and kernels called from another thread would start a second
         OpenMP thread pool, which oversubscribes the cores, so OpenMP makes idle workers sleep at once
-        instead of spinning and every kernel call pays their wake-up (docs/decisions.md)."""
+        instead of spinning and every kernel call pays their wake-up
+        (docs/decisions.md#cpu-backends-which-kernels-compute-the-linear-layers-2026-11-23)."""
         self._run()
 
     def stop(self) -> None:
