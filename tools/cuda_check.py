@@ -23,8 +23,10 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.config import ModelConfig
+from specdecode.engine.memory import kv_bytes_per_token
 from specdecode.executor import runner as runner_module
 from specdecode.executor.runner import ModelRunner
+from specdecode.metrics import now
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import Transformer
 
@@ -88,20 +90,13 @@ def random_model(role: str, seed: int) -> LoadedModel:
     return LoadedModel(f"random-{role}", model.eval(), NumberTokenizer(VOCAB), cfg)
 
 
-def sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def median_seconds(fn, repeats: int = 30) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+        start = now()
         fn()
-        sync()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return sorted(times)[len(times) // 2]
 
 
@@ -113,14 +108,10 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * a.element_size() / seconds
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * torch.finfo(DTYPE).bits // 8
-
-
 def roofline(tokens_per_s: float, seqs: int, context: int, model) -> float:
     """The fraction of the copy bandwidth a decode at this rate reads: each step streams the weights once for
     `seqs` sequences, and each sequence its `context` KV entries."""
-    per_token = model.weight_bytes() / seqs + context * kv_bytes_per_token(model.cfg)
+    per_token = model.weight_bytes() / seqs + context * kv_bytes_per_token(model.cfg, model.kv_dtype)
     return tokens_per_s * per_token / RESULTS["copy_bandwidth_B_s"]
 
 
@@ -233,11 +224,9 @@ def engine(target, draft=None, **options) -> LLM:
 
 
 def _timed(llm: LLM, batch: int, tokens: int, seed: int):
-    sync()
-    start = time.perf_counter()
+    start = now()
     outs = llm.generate(prompts(batch, seed), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    sync()
-    return time.perf_counter() - start, outs
+    return now() - start, outs
 
 
 def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0):

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
+from ..kv_cache import blocks_for
 from ..sampling import SamplingParams
 from .sequence import Sequence
 
@@ -19,7 +20,7 @@ class BlockBudget:
     def blocks_for(self, prompt_tokens: int, params: SamplingParams) -> int:
         """A sequence's most blocks: its prompt and max_tokens, and a verify's drafts past them."""
         longest = min(self.runner.max_len, prompt_tokens + params.max_tokens + self.k_max() + 1)
-        return -(-longest // self.runner.block_size)
+        return blocks_for(longest, self.runner.block_size)
 
     def check(self, prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse, saying what to change, a request the context or the whole pool could never hold."""

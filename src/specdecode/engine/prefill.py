@@ -17,8 +17,7 @@ class ChunkedPrefill:
     """A sequence whose prompt is prefilled a chunk a step beside the decoding batch."""
 
     seq: Sequence
-    done: int  # prompt tokens in its slot: the kept prefix, then each chunk
-    cached: int  # of them, kept from an earlier request
+    cached: int  # prompt tokens its slot kept from an earlier request (the chunks continue after its length)
     hidden: list[torch.Tensor] = field(default_factory=list)  # the prompt rows' hidden states, for proposers
 
 
@@ -41,8 +40,7 @@ class Prefilling:
                 self.waiting.remove(seq)
                 seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
             if self._in_chunks(group):
-                kept = self._kept_prefix(group[0])
-                self.prefilling.append(ChunkedPrefill(group[0], kept, kept))
+                self.prefilling.append(ChunkedPrefill(group[0], self._kept_prefix(group[0])))
                 continue
             self.running += group
             self._prefill(group)
@@ -54,20 +52,21 @@ class Prefilling:
         """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
         sequence (n > 1 samples share one prefill; prompt logprobs need every row's logits at once)."""
         seq = group[0]
-        decoding = self.prefilling or any(not s.finished for s in self.running)
-        return bool(self.prefill_chunk and decoding and len(group) == 1 and seq.params.prompt_logprobs is None
-                    and len(seq.prompt_ids) > self.prefill_chunk)
+        return bool(self.prefill_chunk and (self.prefilling or self._decoding()) and len(group) == 1
+                    and seq.params.prompt_logprobs is None and len(seq.prompt_ids) > self.prefill_chunk)
+
+    def _decoding(self) -> bool:
+        return any(not s.finished for s in self.running)
 
     def _prefill_chunk(self) -> Sequence | None:
         """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
         more); the sequence once its prompt is done and its first token sampled."""
         task = self.prefilling[0]
-        seq, prompt = task.seq, task.seq.prompt_ids
-        alone = not any(not s.finished for s in self.running) and len(self.prefilling) == 1
-        end = len(prompt) if alone else min(len(prompt), task.done + self.prefill_chunk)
-        logits, hidden = self._target_forward([seq.slot], [prompt[task.done:end]], "last", every_row=True)
+        seq, prompt, done = task.seq, task.seq.prompt_ids, self.runner.length(task.seq.slot)
+        alone = not self._decoding() and len(self.prefilling) == 1
+        end = len(prompt) if alone else min(len(prompt), done + self.prefill_chunk)
+        logits, hidden = self._target_forward([seq.slot], [prompt[done:end]], "last", every_row=True)
         self.runner.commit(seq.slot, end)
-        task.done = end
         if hidden is not None:
             task.hidden.append(hidden)
         if end < len(prompt):

@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, blocks_for
 from ..models.runtime import ForwardBatch, Transformer
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
@@ -159,7 +159,7 @@ class ModelRunner:
     def _reserve(self, slot: int, tokens: int) -> None:
         """Blocks for the slot's first `tokens` positions, taken back from kept contexts, the one freed longest
         ago first, where the pool has too few."""
-        need = -(-tokens // self.block_size) - self._cache.blocks_held(slot)
+        need = blocks_for(tokens, self.block_size) - self._cache.blocks_held(slot)
         for kept in sorted(self._kept, key=self._kept.get):
             if need <= self._cache.num_free_blocks:
                 break
