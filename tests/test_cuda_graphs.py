@@ -132,3 +132,32 @@ def test_fused_elementwise_steps_compute_what_eager_ones_do():
     got, _ = _run(ModelRunner(model, 3, 256, fixed_shapes=True), _steps())
     for want, out in zip(expected, got):
         torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+
+
+def test_eager_forwards_leave_the_compiled_kernels_alone():
+    """A prompt's eager forward, at shapes no bucket has, takes the eager kernels: compiling for each new prompt
+    shape would cost more than the kernel saves, and past the compiler's recompile limit graphs captured later
+    would be left unfused."""
+    model = tiny_model(seed=7).model
+    assert cuda_graphs.fuse_elementwise(model)
+    calls, kernels = [], set()
+    for module in model.modules():
+        for kernel in (getattr(module, "kernel", None), getattr(module, "act_mul_kernel", None),
+                       getattr(module, "rope_kernel", None)):
+            kernels.update(k for k in (kernel, getattr(kernel, "norm", None), getattr(kernel, "add_norm", None))
+                           if isinstance(k, cuda_graphs._InFixedShapes))
+    for kernel in kernels:
+        kernel.compiled = _counted(kernel.compiled, calls)
+    runner = ModelRunner(model, 2, 256, fixed_shapes=True)
+    slot = runner.allocate()
+    runner.forward([slot], [[i % 50 for i in range(80)]], "last")  # a prompt wider than any bucket: eager
+    assert not calls
+    runner.forward([slot], [[8]], "last")  # a decode: fixed shapes, compiled kernels
+    assert calls
+
+
+def _counted(fn, calls: list):
+    def counted(*args):
+        calls.append(fn)
+        return fn(*args)
+    return counted

@@ -624,3 +624,22 @@ def test_a_step_priced_token_by_token_costs_the_same_in_any_order():
             step.grow(length, by_lookup[i])
         assert step.seconds == pytest.approx(p.costs.step_seconds(ks, by_lookup, reach))
     assert p.costs.step_seconds(ks, by_lookup, reach) > p.costs.step_seconds([4, 2, 0], by_lookup, reach)
+
+
+def test_drafts_that_cannot_clear_the_bar_are_ruled_out_without_pricing_a_step(monkeypatch):
+    """At 64 sequences whose drafts are hardly ever accepted, a decision must cost next to nothing beside a GPU step
+    of a few milliseconds: gains that would not clear the bar even at a plain step's price price no candidate step.
+    Decisions where drafting might pay still price them (and draft)."""
+    from specdecode.engine.policy import costs
+
+    priced = []
+    grow = costs.StepPrice.grow
+    monkeypatch.setattr(costs.StepPrice, "grow", lambda self, *a: (priced.append(a), grow(self, *a))[1])
+    p = make_policy("adaptive", 4)
+    for tokens, seconds in ((64, 0.005), (128, 0.0052), (320, 0.006)):  # a GPU's: verify rows come cheap
+        p.costs.target.record(64, tokens, seconds)
+    p.costs.draft.record(64, 0.0005)
+    assert p.best_decision([0.01] * 64, [0] * 64, [100] * 64, None).ks == [0] * 64
+    assert not priced
+    assert any(p.best_decision([0.9] * 64, [0] * 64, [100] * 64, None).ks)
+    assert priced

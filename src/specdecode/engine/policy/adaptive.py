@@ -170,6 +170,9 @@ class AdaptivePolicy(Policy):
         margin = 0.0 if n == 1 and not by_lookup[0] else self.min_gain
         bar = (1 + margin) * emitted / step.seconds  # plain decoding's rate, raised by the margin
         calibration = self.calibration.get(n, 1.0)
+        if 1 + sum(g for g, _, _ in candidates) / n <= (1 + margin) * calibration:
+            # not even at a plain step's price (drafting only adds to it) would these gains clear the bar
+            return DraftDecision(best, [False] * n), best_score
         for gain, _, i in candidates:
             if ks[i] == 0 and not by_lookup[i]:
                 extra += start_cost[i]
