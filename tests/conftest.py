@@ -148,6 +148,16 @@ def random_draft() -> LoadedModel:
     return tiny_model(seed=123, layers=1)
 
 
+def wait_until(condition, what: str, timeout: float = 30.0, every: float = 0.01):
+    """Poll `condition` until it holds (the state a test waits for, never a guessed pause); fails naming `what`
+    past `timeout` seconds. Returns the condition's (true) value."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(every)
+    return value
+
+
 class LocalServer:
     """A uvicorn server for an app, in a thread, on a free 127.0.0.1 port."""
 
@@ -157,10 +167,7 @@ class LocalServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
+        wait_until(lambda: self.server.started, "the server started")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self

@@ -6,14 +6,13 @@ import concurrent.futures
 import functools
 import os
 import re
-import time
 
 import httpx
 import openai
 import pytest
 
 ray = pytest.importorskip("ray")
-from conftest import tiny_llm  # noqa: E402
+from conftest import tiny_llm, wait_until  # noqa: E402
 from ray import serve  # noqa: E402
 
 from specdecode import SamplingParams, SpecDecodeError  # noqa: E402
@@ -77,25 +76,45 @@ def test_a_session_stays_on_one_replica_and_sessions_spread(cluster):
     assert len(set().union(*placed.values())) == 2
 
 
-def _draft_tokens_by_replica(url: str) -> dict[str, float]:
+def _by_replica(url: str, metric: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
     return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'specdecode_spec_decode_num_draft_tokens_total\{replica="([^"]+)"\} ([0-9.e+]+)', text)}
+            re.finditer(metric + r'\{replica="([^"]+)"\} ([0-9.e+]+)', text)}
+
+
+def _draft_tokens_by_replica(url: str) -> dict[str, float]:
+    return _by_replica(url, "specdecode_spec_decode_num_draft_tokens_total")
+
+
+def _pushed_twice_more(hub) -> None:
+    """Until each replica has pushed twice more (the first may have been rendered before this call): its
+    metrics then count every request finished before it."""
+    start = ray.get(hub.pushes.remote())
+    wait_until(lambda: len(now := ray.get(hub.pushes.remote())) == 2
+               and all(n >= start.get(replica, 0) + 2 for replica, n in now.items()),
+               "both replicas pushed their metrics", timeout=30, every=0.1)
 
 
 def test_metrics_carry_both_replicas_and_add_up(cluster):
-    url, client, _ = cluster
-    time.sleep(2.5)  # replicas push every second
+    url, client, hub = cluster
+    _pushed_twice_more(hub)
     before = _draft_tokens_by_replica(url)
     drafted = 0
     for i in range(8):
         r = client.completions.create(model="tiny", prompt=f"m{i}", max_tokens=12, temperature=0,
                                       user=f"metrics-{i}", extra_body={"ignore_eos": True})
         drafted += r.usage.model_extra["speculation"]["num_draft_tokens"]
-    time.sleep(2.5)
+    assert drafted > 0
+    _pushed_twice_more(hub)
     after = _draft_tokens_by_replica(url)
     assert len(after) == 2
-    assert sum(after.values()) - sum(before.values()) == drafted > 0
+    assert sum(after.values()) - sum(before.values()) == drafted
+
+
+def _two_replicas_run() -> bool:
+    app = serve.status().applications.get("specdecode")
+    running = app and app.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0)
+    return running == 2 and len(_engine_replicas()) == 2
 
 
 def _engine_replicas() -> list[tuple[str, str]]:
@@ -125,21 +144,14 @@ def test_killing_a_replica_during_load_loses_no_request(cluster):
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(whole, i) for i in range(16)] + [pool.submit(streamed, i) for i in range(8)]
-        time.sleep(1.0)
+        wait_until(lambda: sum(_by_replica(url, "specdecode_num_requests_running").values()) > 0,
+                   "the replicas run the load", timeout=60, every=0.1)
         name, namespace = _engine_replicas()[0]
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         outcomes = [f.result(timeout=180) for f in futures]
     assert outcomes[:16] == ["ok"] * 16
     assert set(outcomes[16:]) <= {"ok", "replica error"}, outcomes[16:]
-    deadline = time.time() + 120  # Ray Serve replaces the dead replica
-    while time.time() < deadline:
-        app = serve.status().applications.get("specdecode")
-        running = app and app.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0)
-        if running == 2 and len(_engine_replicas()) == 2:
-            break
-        time.sleep(1)
-    else:
-        pytest.fail("the killed replica was not replaced")
+    wait_until(_two_replicas_run, "Ray Serve replaced the killed replica", timeout=120, every=1)
     r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 5}, headers=auth, timeout=60)
     assert r.status_code == 200
 

@@ -2,9 +2,9 @@
 wheels on first use). Slow, so marked; CI runs them after the unit tests."""
 import subprocess
 import sys
-import time
 
 import pytest
+from conftest import wait_until
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import humaneval_prompts
@@ -213,7 +213,7 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
         reader.start()
         assert started.wait(60)
         os.kill(server.proc.pid, signal.SIGTERM)
-        time.sleep(0.5)
+        wait_until(lambda: "shutdown: draining" in server.output(), "the server drains")
         refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"]
         reader.join(30)

@@ -5,7 +5,7 @@ import time
 
 import httpx
 import pytest
-from conftest import VOCAB, LocalServer
+from conftest import VOCAB, LocalServer, wait_until
 
 from specdecode import LLM, SamplingParams
 from specdecode.server.api import build_app
@@ -54,7 +54,7 @@ def test_token_ids_outside_the_vocabulary_get_a_400_while_other_requests_carry_o
     body = {"prompt": "hello world", "max_tokens": 40, "ignore_eos": True}
     worker = threading.Thread(target=lambda: good.update(r=_complete(server, body)))
     worker.start()
-    time.sleep(0.1)  # the good request is running
+    wait_until(lambda: server.engine.engine.running, "the good request is running")
     r = _complete(server, {"prompt": bad, "max_tokens": 4})
     worker.join()
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
@@ -68,10 +68,7 @@ def test_a_full_waiting_queue_answers_429_with_retry_after_and_recovers(server):
     workers = [threading.Thread(target=lambda: results.append(_complete(server, body))) for _ in range(3)]
     for w in workers:  # two slots and one waiting place
         w.start()
-    deadline = time.time() + 10
-    while server.engine.in_flight < 3:
-        assert time.time() < deadline, "the three requests did not arrive"
-        time.sleep(0.01)
+    wait_until(lambda: server.engine.in_flight == 3, "the three requests arrived")
     refused = _complete(server, body)
     for w in workers:
         w.join()
@@ -193,10 +190,7 @@ def test_after_the_hostile_suite_the_server_serves_and_holds_no_slot(server, tar
         next(r.iter_lines())  # a client that leaves after the first chunk
     r = _complete(server, {"prompt": "hello world", "max_tokens": 12, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _solo(target, "hello world", 12)
-    deadline = time.time() + 10
-    while server.engine.in_flight:
-        assert time.time() < deadline, "a request was left in flight"
-        time.sleep(0.02)
+    wait_until(lambda: not server.engine.in_flight, "no request is left in flight")
     metrics = httpx.get(server.url + "/metrics").text
     assert "specdecode_num_requests_running 0.0" in metrics
 

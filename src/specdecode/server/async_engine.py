@@ -113,7 +113,7 @@ class AsyncEngine:
         where the models were loaded, and kernels called from another thread would start a second
         OpenMP thread pool, which oversubscribes the cores, so OpenMP makes idle workers sleep at once
         instead of spinning and every kernel call pays their wake-up
-        (docs/decisions.md#cpu-backends-which-kernels-compute-the-linear-layers-2026-11-23)."""
+        (docs/decisions.md#the-servers-engine-thread)."""
         self._run()
 
     def stop(self) -> None:
@@ -210,7 +210,7 @@ class AsyncEngine:
             try:
                 kind, handle = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "cancel_all":
                 ids = [h.seqs[0].request_id for h in self._active if h.seqs]
                 self._fail_all(ShuttingDown("the server shut down before this request finished; retry it"))

@@ -64,9 +64,15 @@ class MetricsHub:
 
     def __init__(self):
         self._texts: dict[str, tuple[float, bytes]] = {}
+        self._pushes: dict[str, int] = {}
 
     def put(self, replica: str, text: bytes) -> None:
         self._texts[replica] = (time.monotonic(), text)
+        self._pushes[replica] = self._pushes.get(replica, 0) + 1
+
+    def pushes(self) -> dict[str, int]:
+        """How many times each replica has pushed: a push counted after a moment shows all done before it."""
+        return dict(self._pushes)
 
     def live(self) -> dict[str, bytes]:
         now = time.monotonic()
