@@ -11,7 +11,7 @@ LOOKUPS = ("ngram", "suffix")  # proposers that draft at no forward cost, offere
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # auto: float16 where the CPU attention kernel reads it
 SUFFIX_SCOPES = ("tenant", "global", "none")  # who shares suffix speculation's cache of earlier outputs
 # Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair
-# (docs/decisions.md#cheaper-drafting-at-batch-1-stop-at-an-unsure-draft-a-smaller-draft-head-2026-11-23): the
+# (docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary): the
 # draft's LM head keeps the 65,536 lowest token ids, and drafting stops after a token the draft gives less than
 # this probability (both change only what is proposed, never what is accepted).
 DRAFT_VOCAB_SIZE = 65536
@@ -26,14 +26,14 @@ MAX_VERIFY_WIDTH = 64
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # the bundled pair
 # What `generate` and `serve` draft with for the bundled target: its bundled head, ahead of the 0.5B draft
 # model on HumanEval at a seventh of its cost per drafted token
-# (docs/decisions.md#a-head-trained-on-a-gpu-2026-11-27-tenth-session)
+# (docs/decisions.md#the-shipped-head-trained-on-a-gpu)
 DEFAULT_HEAD = "head:qwen2.5-coder-1.5b"
 
 
 # Tokens of a long prompt prefilled per step beside decoding streams, by device. On a 2-core Zen 5 with the 1.5B,
 # a 4,096-token prompt beside a chat stream: chunks of 64 cost its first token 1.13x its time alone and the
 # stream 8.4x its time per token, 128 1.04x and 18x, 512 1.01x and 70x, the whole prompt 459x
-# (docs/decisions.md#chunked-prefill-beside-decoding-2026-11-27-sixteenth-session). A GPU's prefill forward runs
+# (docs/decisions.md#chunked-prefill-beside-decoding). A GPU's prefill forward runs
 # eagerly, a launch-bound ~30 ms whatever its length, so small chunks would multiply its prefill time there:
 # vLLM's 2,048 (not measured here).
 PREFILL_CHUNK_TOKENS = {"cpu": 64, "cuda": 2048}
@@ -64,7 +64,7 @@ class EngineConfig:
     # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter (None:
     # none; not on by default: on a chat with nothing to copy, copies of the prompt's own words displace the
     # head's better drafts, see
-    # docs/decisions.md#suffix-drafts-beside-the-head-by-default-measured-not-kept-2026-11-27-twelfth-session).
+    # docs/decisions.md#suffix-drafts-beside-the-head-off-by-default).
     prompt_lookup: str | None = None
     suffix_max_tokens: int = 32  # the longest suffix-speculation draft
     suffix_min_prob: float = 0.1  # a suffix draft stops where its frequency estimate falls below this

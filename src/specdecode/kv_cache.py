@@ -16,7 +16,7 @@ from .errors import SpecDecodeError
 from .executor.hugepages import huge_page_empty
 
 # Tokens per block: a multiple of 32, the attention kernel's span of values weighed together
-# (docs/decisions.md#the-kv-cache-in-blocks-2026-11-27-fifteenth-session)
+# (docs/decisions.md#the-kv-cache-in-blocks)
 BLOCK_TOKENS = 64
 
 

@@ -130,7 +130,7 @@ def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: 
     """The target's hidden states [chunks, T, hidden] (bf16) and greedy choices [chunks, T], written into
     tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragments a
     heap that the runner asks never to be trimmed
-    (decisions.md#a-recording-that-still-grew-its-rows-now-go-into-tensors-allocated-once-2026-11-26-sixth-session).
+    (decisions.md#recording-shards-and-preallocated-tensors).
     Every shard of chunks goes to a file of its own in `parts`, from which an interrupted run resumes
     (appending shards keeps saving linear in the data)."""
     batch = RECORD_BATCH.get(target.model.device.type, 1)

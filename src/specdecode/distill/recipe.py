@@ -2,7 +2,7 @@
 flags default to these). The defaults take about 40 minutes on two CPU cores with native bf16, and a run
 never takes much over `minutes`: where the machine is slower, it records less text and trains
 proportionally fewer steps
-(docs/decisions.md#three-times-the-text-and-steps-within-a-60-minute-budget-2026-11-26-sixth-session). On a GPU
+(docs/decisions.md#cpu-distill-recipe-and-its-60-minute-budget). On a GPU
 the default is GPU_RECIPE's."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Recipe:
 
 # A GPU records the target's features ~300 times as fast as two CPU cores and trains a step of 32 chunks in
 # ~35 ms (an H200), so its default reads twenty times the text: the shipped head's recipe
-# (docs/decisions.md#a-head-trained-on-a-gpu-2026-11-27-tenth-session)
+# (docs/decisions.md#the-shipped-head-trained-on-a-gpu)
 GPU_RECIPE = {"sources": ["python", "sonnets"], "tokens": 6_000_000, "steps": 8000, "batch": 32, "minutes": 7.5}
 
 

@@ -16,7 +16,7 @@
 
 "auto" takes w4a8 where the kernel builds with SIMD (it streams far fewer bytes than float and verifies
 k+1 tokens for little more than one), float elsewhere, and bf16 on CUDA;
-docs/decisions.md#cpu-backends-which-kernels-compute-the-linear-layers-2026-11-23 has the measurements.
+docs/decisions.md#linear-layers-gguf-block-formats-as-stored has the measurements.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def resolve_quantization(name: str, device: str | torch.device, draft: bool = Fa
 
 # Below this many layer parameters, `auto` computes a target's activations in two int8 passes (w4a16): a
 # model this small flips a few percent of its next tokens under int8 activations, and its step is cheap
-# (docs/decisions.md#two-activation-passes-for-small-models-w4a16-2026-11-25: SmolLM2-135M, 106M, 96.5% -> 100.0%
+# (docs/decisions.md#w4a16-two-activation-passes-for-small-models: SmolLM2-135M, 106M, 96.5% -> 100.0%
 # top-1 for ~8% step time; the 0.5B, 358M, keeps 98.2% with w4a8, where a second pass would double its verify
 # cost).
 SMALL_MODEL_PARAMETERS = 200_000_000

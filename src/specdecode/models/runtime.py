@@ -163,7 +163,7 @@ class Attention(nn.Module):
         Each call folds the query heads that share a KV head into the query length ([1, Hkv, G, D]
         against [1, Hkv, n, D], no mask: a lone token sees all n keys), which PyTorch's CPU kernel runs
         far faster than [1, H, 1, D] with `enable_gqa`
-        (docs/decisions.md#attention-over-a-few-hundred-keys-query-heads-folded-into-the-query-length)."""
+        (docs/decisions.md#query-heads-folded-into-the-query-length)."""
         kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         rows, token = [], 0
         for slot, kv_lens in batch.rowwise:

@@ -32,7 +32,7 @@ class AdaptivePolicy(Policy):
         # catch-ups) costs more than a wrong "no", and a lookup's estimate starts from frequency counts that
         # run high for a path seen once. A lone sequence drafting by the model needs only to beat plain
         # decoding: its decision is re-made every step from its own outcomes, and the margin mostly kept it
-        # plain after a few misses through stretches where drafting paid (docs/decisions.md).
+        # plain after a few misses through stretches where drafting paid (docs/decisions.md#the-bar-for-drafting).
         self.min_gain = min_gain
         # Every this many speculative steps, one plain step re-measures plain decoding's cost.
         self.refresh_plain_every = refresh_plain_every

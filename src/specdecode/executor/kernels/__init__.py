@@ -1,5 +1,5 @@
 """Native CPU kernels that no installed library provides
-(docs/decisions.md#cpu-backends-which-kernels-compute-the-linear-layers-2026-11-23 has the measurements).
+(docs/decisions.md#linear-layers-gguf-block-formats-as-stored has the measurements).
 
 Each kernel is one C file, compiled on first use for this machine's CPU (`-march=native`) with the
 system's C compiler, and cached under the specdecode cache; it is called through ctypes on tensor

@@ -68,7 +68,7 @@ typedef __m512 vec;
 // 4, so that their chains of FMAs cover more of the FMA latency than 2 would
 #define WEIGH_VECS(h) ((h) <= 2 ? 4 : 2)
 // Where a core spends longer on each key (AVX2), asking for keys 16 ahead, and for values 32 ahead and
-// again 512 ahead into L2, kept the stream fuller than 64 ahead on the AVX2 CPU measured (decisions.md).
+// again 512 ahead into L2, kept the stream fuller than 64 ahead on the AVX2 CPU measured (decisions.md#avx2-attention).
 #define KEYS_AHEAD 16
 #define VALUES_AHEAD 32
 #define VALUES_FAR 512

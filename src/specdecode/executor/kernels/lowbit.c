@@ -58,7 +58,7 @@
 #endif
 // Packed weights are requested this many bytes ahead of use: the hardware prefetcher alone leaves
 // bandwidth unused on a weight stream read once per step
-// (docs/decisions.md#cpu-backends-which-kernels-compute-the-linear-layers-2026-11-23).
+// (docs/decisions.md#linear-layers-gguf-block-formats-as-stored).
 #define PREFETCH_AHEAD 1024
 // Rows of x per cache block in long calls (prefill): each group's weights are read once per block while
 // the block's activations stay in L2, instead of every activation row streaming past every group.
@@ -561,7 +561,7 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 // Each block's C tile goes through memory to be scaled, which bounds the gain: 1.1-1.3x the VNNI path for the
 // 4- and 5-bit formats, 6x for Q8_0 (no unpacking, and the VNNI path has no signed-weight instruction). Q6_K and
 // Q3_K, scaled per 16 weights, would need twice the tiles and measured no faster: they stay on the VNNI path
-// (docs/decisions.md#amx-int8-tiles-for-calls-of-16-rows-2026-11-26-third-session).
+// (docs/decisions.md#amx-int8-tiles-for-calls-of-16-rows).
 #define AMX_ROWS 16
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
