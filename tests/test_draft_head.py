@@ -69,26 +69,31 @@ class Recorder(DraftHeadProposer):
         self.rows: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
         self.tokens: dict[str, list[int]] = {}
 
+    def read_ahead(self, seqs):
+        for seq in seqs:  # all rows but the last (the first drafting round reads that one)
+            self._record(seq, self.runner.length(self._slot(seq)), but_last=True)
+        super().read_ahead(seqs)
+
     def _draft_forward(self, step, rows, seqs, slots, tokens):
         if step == 0:
             for i in rows:
-                seq, start = seqs[i], self.runner.length(slots[i])
-                read = torch.cat(self._features[seq.request_id])
-                for j in range(len(read)):
-                    self.rows.setdefault(seq.request_id, {})[start + j] = (seq.token_ids[start + 1 + j], read[j])
-                self.tokens[seq.request_id] = seq.token_ids
+                self._record(seqs[i], self.runner.length(slots[i]), but_last=False)
         return super()._draft_forward(step, rows, seqs, slots, tokens)
+
+    def _record(self, seq, start: int, but_last: bool) -> None:
+        read = torch.cat(self._features[seq.request_id])
+        for j in range(len(read) - but_last):
+            self.rows.setdefault(seq.request_id, {})[start + j] = (seq.token_ids[start + 1 + j], read[j])
+        self.tokens[seq.request_id] = seq.token_ids
 
 
 class ShiftedRecorder(Recorder):
     """Broken: pairs each feature row with the token one position later."""
 
-    def _draft_forward(self, step, rows, seqs, slots, tokens):
-        if step == 0:
-            for i in rows:
-                pending = self._features[seqs[i].request_id]
-                pending[:] = [torch.cat([pending[0][1:], pending[-1][-1:]] + [p for p in pending[1:]])]
-        return super()._draft_forward(step, rows, seqs, slots, tokens)
+    def _record(self, seq, start: int, but_last: bool) -> None:
+        pending = self._features[seq.request_id]
+        pending[:] = [torch.cat([pending[0][1:], pending[-1][-1:]] + [p for p in pending[1:]])]
+        super()._record(seq, start, but_last)
 
 
 def _pairing_errors(target, recorder) -> int:

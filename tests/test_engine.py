@@ -2,7 +2,7 @@
 token (self-draft: everything accepted; random draft: almost nothing accepted; n-gram), stop
 conditions inside an accepted chunk, batching, and the documented errors for bad input."""
 import pytest
-from conftest import run_as_one_batch, tiny_model
+from conftest import make_head, run_as_one_batch, tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine.step import StepHooks
@@ -234,3 +234,36 @@ def test_generate_takes_one_sampling_params_per_prompt_as_vllm_does(target):
     assert outs[1].outputs[0].token_ids == llm.generate([prompts[1]], each[1])[0].outputs[0].token_ids
     with pytest.raises(SpecDecodeError, match="one per prompt; got 1 for 2 prompts"):
         llm.generate(prompts, each[:1])
+
+
+@pytest.fixture(scope="module")
+def tiny_head(target, tmp_path_factory):
+    return make_head(target, tmp_path_factory.mktemp("heads") / "tiny")
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_the_drafter_reads_a_prompt_before_its_first_token(target, random_draft, tiny_head, drafter):
+    """When the first token is out, the drafter has read all of the prompt but its last position (the first
+    drafting round reads from there): the prompt's one-off cost falls in the time to the first token, not
+    between the first token and the second. Its drafts are those of a drafter that reads the prompt in its
+    first round, and so is the output (a drafter that does not read ahead: the broken variant, which fails the
+    first assertion)."""
+    prompt = list(range(3, 43))
+    options = dict(speculative_model=tiny_head) if drafter == "head" else dict(draft=random_draft)
+    ahead, lazily = (_first_token_and_run(_llm(target, k=3, **options), prompt, read_ahead) for read_ahead in (1, 0))
+    assert ahead[0] == [1 if drafter == "head" else 2]
+    assert lazily[0][0] > len(prompt) - 1
+    assert ahead[1:] == lazily[1:] and ahead[3] > 0
+
+
+def _first_token_and_run(llm, prompt, read_ahead: bool):
+    """(what the drafter had not read when the first token was out, then over a whole run: the output, the
+    acceptance per position, the draft tokens)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    if not read_ahead:
+        llm.engine.policy.expects_drafting = lambda batch: False
+    engine, unseen = llm.engine, []
+    engine.add_request(prompt, params)
+    engine.step(StepHooks(on_prefilled=lambda group: unseen.extend(engine.proposer.unseen_tokens(s) for s in group)))
+    out = llm.generate(prompt, params)[0]
+    return unseen, out.outputs[0].token_ids, out.spec["acceptance_per_position"], out.spec["num_draft_tokens"]

@@ -113,8 +113,18 @@ class Prefilling:
         first.metrics.num_cached_prompt_tokens = cached
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)
-        for seq in group:
-            token, logprobs = sample_first(seq, logits[:1], self.tokenizer.eos_token_ids)
+        firsts = [sample_first(seq, logits[:1], self.tokenizer.eos_token_ids) for seq in group]
+        for seq, (token, _) in zip(group, firsts):
             self._feed_back(seq, TargetFeedback([token], hidden, cached))
+        self._read_ahead(group)
+        for seq, (token, logprobs) in zip(group, firsts):
             self._emit(seq, [token], logprobs)
+
+    def _read_ahead(self, group: list[Sequence]) -> None:
+        """Proposers read the new prompt now, where drafting is likely soon: its cost is then part of the time
+        to the first token, not a pause after it."""
+        reading = [seq for seq in group if seq.params.max_tokens > 1]
+        if reading and self.policy.expects_drafting(self.num_running):
+            for proposer in self.proposers:
+                proposer.read_ahead(reading)
 

@@ -71,6 +71,11 @@ class Proposer:
         """Seconds of each drafting round of the last propose() call (empty when no model runs)."""
         return []
 
+    def read_ahead(self, seqs: list[Sequence]) -> None:
+        """Read now what the next drafting round would first have to catch up on, but its last position (the
+        round drafts from there): called as a prompt is prefilled, so that its one-off cost falls before the
+        first token rather than between the first and the second (a no-op for proposers without a model)."""
+
     def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False,
                 num_blocks: int | None = None) -> None:
         """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens (KV caches: pools of

@@ -88,6 +88,22 @@ class DraftHeadProposer(DraftModelProposer):
             raise RuntimeError(f"draft head: features from position {feedback.start}, expected {read}")
         pending.append(feedback.hidden)
 
+    def read_ahead(self, seqs) -> None:
+        slots, inputs, features = [], [], []
+        for seq in seqs:
+            pending = self._features.get(seq.request_id)
+            unread = torch.cat(pending) if pending else None
+            if unread is None or len(unread) < 2:
+                continue
+            slot = self._slot(seq)
+            start = self.runner.length(slot)
+            self._features[seq.request_id] = [unread[-1:]]  # the first drafting round reads the last row
+            slots.append(slot)
+            inputs.append(seq.token_ids[start + 1:start + len(unread)])  # row p pairs with token p + 1
+            features.append(unread[:-1])
+        if slots:
+            self._forward(slots, inputs, prefill=True, features=features)
+
     def propose(self, seqs, ks, feedback=None):
         ks = [k if self._features.get(s.request_id) else 0 for s, k in zip(seqs, ks)]  # nothing to read: no draft
         try:

@@ -85,6 +85,13 @@ class DraftModelProposer(Proposer):
                     seqs[i].grammar.undo_drafts()
         return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
 
+    def read_ahead(self, seqs) -> None:
+        slots = [self._slot(seq) for seq in seqs]
+        unseen = [seq.token_ids[self.runner.length(slot):-1] for seq, slot in zip(seqs, slots)]
+        reading = [i for i, tokens in enumerate(unseen) if tokens]
+        if reading:
+            self._forward([slots[i] for i in reading], [unseen[i] for i in reading], prefill=True)
+
     def _draft_forward(self, step: int, rows: list[int], seqs, slots: dict[int, int],
                        tokens: list[list[int]]) -> torch.Tensor:
         """Logits for the next draft token of seqs[i], i in rows. The first round catches up on everything

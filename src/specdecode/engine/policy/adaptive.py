@@ -119,6 +119,16 @@ class AdaptivePolicy(Policy):
         return (self.estimator.first_position_trials < self.probe_trials and self._probe_seconds <= self._probe_limit()
                 and self._drafting_could_pay(n))
 
+    def expects_drafting(self, batch: int) -> bool:
+        """Until the costs at this batch size are measured, yes (the first rounds probe them anyway); after, as long
+        as good drafts would pay there (the answer _drafting_could_pay keeps, left as it is)."""
+        if self.k_max == 0 or not self.costs.draft or not self.costs.target.has_plain(batch):
+            return self.k_max > 0
+        answer = self._could_pay.get(batch, (None, None))[1]
+        if answer is None:
+            answer = any(self.best_decision([self.optimistic_acceptance] * batch, [0] * batch, [0] * batch, None).ks)
+        return answer
+
     def _drafting_could_pay(self, n: int) -> bool:
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
         sequence's one-off cost, which a probe accepts (and refunds once drafting follows). The answer

@@ -51,6 +51,11 @@ class Policy:
                lookups: list[Lookup] | None, drafter: bool) -> DraftDecision:
         raise NotImplementedError
 
+    def expects_drafting(self, batch: int) -> bool:
+        """Whether a draft model is likely to draft for some of `batch` sequences soon: worth reading a new
+        prompt ahead of its first round."""
+        return self.k_max > 0
+
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
         """The main proposer's drafts for this sequence in the step just run (drafted 0: it did not draft),
         of the `allowed` it was given (None: as many as it drafted)."""

@@ -28,3 +28,6 @@ class DisableByBatchSize(Policy):
     def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
         n = len(request_ids)
         return DraftDecision.main_proposer([self.k_max if n <= self.max_batch_for_speculation else 0] * n)
+
+    def expects_drafting(self, batch: int) -> bool:
+        return self.k_max > 0 and batch <= self.max_batch_for_speculation
