@@ -2,8 +2,8 @@
 as one table (decode tok/s per configuration, its ratio to plain decoding, the KV bytes a plain step reads
 beside the weights) and a plot of each configuration's speedup against the context.
 
-    for n in 1024 4096 8192 16384; do specdecode bench latency --dataset stdlib:$n --num-prompts 1 \\
-        --max-tokens 64 -k 3 --draft head:qwen2.5-coder-1.5b --no-ngram --suffix --out results/context-$n.json; done
+    for n in 1024 4096 16384; do specdecode bench latency --dataset stdlib:$n --num-prompts 1 \\
+        --max-tokens 256 -k 3 --draft head:qwen2.5-coder-1.5b --no-ngram --out results/context-$n.json; done
     python tools/context_study.py results/context-*.json --out docs/bench
 """
 from __future__ import annotations
@@ -29,51 +29,37 @@ def load(paths: list[str]) -> dict[int, dict]:
     return dict(sorted(runs.items()))
 
 
-def rate(row: dict, without_catch_up: bool) -> float:
-    """Decode tok/s; without_catch_up: less the draft model's or head's one reading of the prompt, which lands in
-    the first drafting step (a prefill of the drafter's, a cost of the prompt like the target's own prefill)."""
-    if not without_catch_up or not row.get("draft_prefill_ms"):
-        return row["tokens_per_s"]
-    tokens = row["output_tokens"] - 1
-    return tokens / (tokens / row["tokens_per_s"] - row["draft_prefill_ms"] / 1e3)
-
-
-def table(runs: dict[int, dict], without_catch_up: bool = False) -> str:
+def table(runs: dict[int, dict]) -> str:
     configs = list(next(iter(runs.values()))["rows"])
-    lines = ["| context | KV a plain step reads | " + " | ".join(configs) + " |",
-             "|---:|---:|" + "---:|" * len(configs)]
+    lines = ["| context | KV a plain step reads | time to first token, plain | " + " | ".join(configs) + " |",
+             "|---:|---:|---:|" + "---:|" * len(configs)]
     for length, run in runs.items():
-        rows, plain = run["rows"], run["rows"]["plain"]["tokens_per_s"]
-        cells = [_cell(rows.get(c), plain, c == "plain", without_catch_up) for c in configs]
-        lines.append(f"| {length:,} | {length * KV_BYTES_PER_TOKEN / 2 ** 20:.0f} MiB | " + " | ".join(cells) + " |")
+        rows, plain = run["rows"], run["rows"]["plain"]
+        cells = [_cell(rows.get(c), plain["tokens_per_s"], c == "plain") for c in configs]
+        lines.append(f"| {length:,} | {length * KV_BYTES_PER_TOKEN / 2 ** 20:.0f} MiB | "
+                     f"{plain['mean_ttft_ms'] / 1e3:.1f} s | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _cell(row: dict | None, plain: float, is_plain: bool, without_catch_up: bool) -> str:
+def _cell(row: dict | None, plain: float, is_plain: bool) -> str:
     if row is None:
         return "-"
-    tok_s = rate(row, without_catch_up)
+    tok_s = row["tokens_per_s"]
     return f"{tok_s:.1f}" if is_plain else f"{tok_s:.1f} ({tok_s / plain:.2f}×)"
 
 
 def plot(runs: dict[int, dict], out: Path) -> str:
-    """Each configuration's speedup as measured (solid) and without the drafter's catch-up (dashed)."""
+    """Each configuration's decode speedup over plain decoding against the context."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lengths = list(runs)
-    for i, config in enumerate(c for c in next(iter(runs.values()))["rows"] if c != "plain"):
-        color = f"C{i}"
-        for without, style in ((False, "-"), (True, "--")):
-            if without and not any(run["rows"][config].get("draft_prefill_ms") for run in runs.values()):
-                continue
-            speedups = [rate(run["rows"][config], without) / run["rows"]["plain"]["tokens_per_s"]
-                        for run in runs.values()]
-            ax.plot(lengths, speedups, style, marker="o", color=color, label=None if without else config)
+    for config in (c for c in next(iter(runs.values()))["rows"] if c != "plain"):
+        speedups = [run["rows"][config]["tokens_per_s"] / run["rows"]["plain"]["tokens_per_s"] for run in runs.values()]
+        ax.plot(lengths, speedups, "-", marker="o", label=config)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
-    label_axes(ax, "tokens of context (standard-library source)",
-               "decode speedup over plain (dashed: catch-up out)", legend_size=7)
+    label_axes(ax, "tokens of context (standard-library source)", "decode speedup over plain", legend_size=7)
     return save(fig, out, "context-study")
 
 
@@ -85,8 +71,6 @@ def main() -> None:
     runs = load(args.results)
     print(describe_machine(next(iter(runs.values()))["meta"]["machine"]))
     print(table(runs))
-    print("\nthe drafters' catch-up over the prompt taken out:")
-    print(table(runs, without_catch_up=True))
     print(f"plot: {plot(runs, Path(args.out))}")
 
 
