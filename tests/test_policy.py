@@ -643,3 +643,32 @@ def test_drafts_that_cannot_clear_the_bar_are_ruled_out_without_pricing_a_step(m
     assert not priced
     assert any(p.best_decision([0.9] * 64, [0] * 64, [100] * 64, None).ks)
     assert priced
+
+
+def _plain_steps(draft_seconds: float, steps: int = 256) -> tuple[int, float]:
+    """(plain steps among `steps` decisions for one sequence whose drafts are always accepted, the score of its
+    drafting decisions), a plain step costing 30 ms, a verify of 4 rows 33 ms, a draft forward draft_seconds."""
+    p = make_policy("adaptive", 3)
+    p.costs.target.record(1, 1, 0.030)
+    p.costs.target.record(1, 4, 0.033)
+    p.costs.draft.record(1, draft_seconds)
+    plain, score = 0, 0.0
+    for _ in range(steps):
+        decision = p.choose(["0"])
+        plain += not decision.ks[0]
+        score = decision.score or score
+        p.observe_acceptance("0", decision.ks[0], decision.ks[0])
+        target = 0.033 if decision.ks[0] else 0.030
+        p.observe_step(decision.ks, target, draft_seconds if decision.ks[0] else None,
+                       target + decision.ks[0] * draft_seconds)
+    return plain, score
+
+
+def test_plain_decoding_is_measured_again_less_often_where_drafting_clears_the_bar_by_far():
+    """Every plain step that re-measures plain decoding's cost gives up what a draft would have added: where
+    drafting is predicted to beat the bar by more than CLEAR_MARGIN, it comes every 128 speculative steps, where
+    the decision is close every 32."""
+    clear_plain, clear_score = _plain_steps(0.001)
+    close_plain, close_score = _plain_steps(0.025)
+    assert clear_score > AdaptivePolicy.CLEAR_MARGIN > close_score > 1
+    assert clear_plain <= 3 and close_plain >= 6

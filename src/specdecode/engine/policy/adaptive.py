@@ -17,6 +17,7 @@ class AdaptivePolicy(Policy):
 
     name = "adaptive"
     COULD_PAY_REFRESH = 8  # steps between two checks whether drafting could pay at a batch size
+    CLEAR_MARGIN = 1.25  # a decision this far above the bar re-measures plain decoding less often
     wants_draft_costs = True
     chooses_proposers = True
 
@@ -34,7 +35,9 @@ class AdaptivePolicy(Policy):
         # decoding: its decision is re-made every step from its own outcomes, and the margin mostly kept it
         # plain after a few misses through stretches where drafting paid (docs/decisions.md#the-bar-for-drafting).
         self.min_gain = min_gain
-        # Every this many speculative steps, one plain step re-measures plain decoding's cost.
+        # Every this many speculative steps, one plain step re-measures plain decoding's cost; four times as
+        # many where the last decision cleared the bar by CLEAR_MARGIN (an error that large in the plain
+        # cost would be needed to change it), since each such step gives up what a draft would have added.
         self.refresh_plain_every = refresh_plain_every
         # A catch-up must pay for itself within this many steps: drafting may well stop again before the
         # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
@@ -69,6 +72,7 @@ class AdaptivePolicy(Policy):
         self.calibration: dict[int, float] = {}
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
+        self._last_score = 0.0  # the last decision's predicted goodput over the bar
         self._could_pay: dict[int, tuple[int, bool]] = {}  # batch size -> (steps since worked out, answer)
 
     def _probe_limit(self) -> float:
@@ -96,11 +100,13 @@ class AdaptivePolicy(Policy):
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
-        if self._spec_steps_since_plain >= self.refresh_plain_every:
+        refresh_every = self.refresh_plain_every * (4 if self._last_score > self.CLEAR_MARGIN else 1)
+        if self._spec_steps_since_plain >= refresh_every:
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter)
+        self._last_score = decision.score
         if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
             self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
         self._unconverted_probe = 0.0
@@ -158,13 +164,14 @@ class AdaptivePolicy(Policy):
             # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
             options.append(self._allocate(lookup_gains, use, start_cost))
-            if not drafter:
-                return options[0][0]
-            mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
-            options.append(self._allocate(mixed, use, start_cost))
+            if drafter:
+                mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
+                options.append(self._allocate(mixed, use, start_cost))
         if not options:
             return DraftDecision([0] * n, [True] * n)
-        return max(options, key=lambda option: option[1])[0]
+        decision, score = max(options, key=lambda option: option[1])
+        decision.score = score
+        return decision
 
     def _allocate(self, gains: list[list[float]], by_lookup: list[bool],
                   start_cost: list[float]) -> tuple[DraftDecision, float]:
