@@ -267,3 +267,10 @@ def _first_token_and_run(llm, prompt, read_ahead: bool):
     engine.step(StepHooks(on_prefilled=lambda group: unseen.extend(engine.proposer.unseen_tokens(s) for s in group)))
     out = llm.generate(prompt, params)[0]
     return unseen, out.outputs[0].token_ids, out.spec["acceptance_per_position"], out.spec["num_draft_tokens"]
+
+
+def test_an_unknown_option_is_refused_with_the_valid_ones_named(target):
+    with pytest.raises(TypeError, match=r"'max_num_seq': did you mean 'max_num_seqs'.*options are: model, "):
+        LLM(target=target, max_num_seq=4)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'colour' for LLM; the options are: .*prefix_caching"):
+        LLM(target=target, colour="blue")

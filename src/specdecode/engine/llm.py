@@ -1,6 +1,9 @@
 """Offline API with vLLM's names: LLM(...).generate(prompts, SamplingParams(...)) and .chat(...)."""
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 from dataclasses import dataclass, field, fields
 
 from ..config import PREFILL_CHUNK_TOKENS, EngineConfig
@@ -62,6 +65,23 @@ def per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None, pr
     return params
 
 
+def names_valid_options(init):
+    """An unknown keyword is refused with the valid ones named (and the nearest, where one is close), instead of
+    Python's bare "unexpected keyword argument"."""
+    valid = [name for name in inspect.signature(init).parameters if name != "self"]
+
+    @functools.wraps(init)
+    def checked(self, *args, **options):
+        unknown = [name for name in options if name not in valid]
+        if unknown:
+            near = {name: difflib.get_close_matches(name, valid, n=1) for name in unknown}
+            hints = "".join(f" ({name!r}: did you mean {close[0]!r}?)" for name, close in near.items() if close)
+            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))} for LLM{hints}; the options are: "
+                            f"{', '.join(valid)}")
+        return init(self, *args, **options)
+    return checked
+
+
 class LLM:
     """Target model plus an optional proposer: `speculative_model` names a registered proposer kind
     ("ngram": prompt lookup; see proposers.registry) or a draft model (name, path or hub id).
@@ -76,6 +96,7 @@ class LLM:
     policy asks); neither changes the output. With `prefix_caching`, a prompt starts from the longest
     prefix that a finished request of the same tenant left in a free KV slot."""
 
+    @names_valid_options
     def __init__(self, model: str = C.model, speculative_model: str | None = C.speculative_model,
                  num_speculative_tokens: int = C.num_speculative_tokens, *, device: str | None = C.device,
                  dtype: str = C.dtype, max_model_len: int = C.max_model_len, max_num_seqs: int = C.max_num_seqs,
