@@ -550,11 +550,10 @@ def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
     """With k = 1 the draft runs one round, and if that round read a whole prompt first, its time says
     nothing about a draft round: it must not enter the cost table."""
     engine = LLM(target=target, draft=target, num_speculative_tokens=1, max_model_len=256).engine
-    engine.proposer._round_seconds = [0.7]
-    assert engine._draft_round_seconds(0.71, rounds=1, catch_up=150) is None
-    assert engine._draft_round_seconds(0.05, rounds=1, catch_up=1) == 0.05
+    assert engine._draft_round_seconds(0.71, rounds=1, catch_up=150, timed=[0.7]) is None
+    assert engine._draft_round_seconds(0.05, rounds=1, catch_up=1, timed=[0.05]) == 0.05
     # allowed 4 tokens, the draft stopped after its first (unsure of it): one round's cost, not a quarter
-    assert engine._draft_round_seconds(0.05, rounds=4, catch_up=1) == 0.05
+    assert engine._draft_round_seconds(0.05, rounds=4, catch_up=1, timed=[0.05]) == 0.05
 
 
 def test_lookup_acceptance_is_learned_per_match_length():

@@ -238,16 +238,16 @@ class Engine(Prefilling):
             before = self.timer.propose_time
             with self.timer.measure("propose"):
                 drafts = self.proposer.propose(seqs, main_ks, [s.feedback for s in seqs])
-            seconds = self._draft_round_seconds(self.timer.propose_time - before, max(main_ks), catch_up)
+            seconds = self._draft_round_seconds(self.timer.propose_time - before, max(main_ks), catch_up,
+                                                drafts.round_seconds)
         for i, (k, lookup) in enumerate(zip(decision.ks, decision.by_lookup)):
             if k and lookup:
                 drafts.tokens[i], drafts.probs[i] = previews[i].tokens[:k], None
         return drafts, seconds
 
-    def _draft_round_seconds(self, total: float, rounds: int, catch_up: int) -> float | None:
-        """A draft model's steady cost is a round of single-token forwards; its first round may carry a
-        one-off catch-up (a whole prompt), timed apart so that drafting does not look expensive for good."""
-        timed = self.proposer.last_round_seconds
+    def _draft_round_seconds(self, total: float, rounds: int, catch_up: int, timed: list[float]) -> float | None:
+        """A draft model's steady cost is a round of single-token forwards (`timed`: each round's seconds); its first
+        round may carry a one-off catch-up, timed apart so that drafting does not look expensive for good."""
         rounds = len(timed) or rounds  # a draft that stops early (its confidence stop) ran fewer rounds than k
         if len(timed) < 2:  # one round: a catch-up in it cannot be told apart, so only a clean one counts
             return total / rounds if catch_up < 8 else None

@@ -4,7 +4,7 @@ A proposer is built by its registry entry (see registry.py), then told how many 
 (`reserve`), and called once per decoding step with what the target emitted in the step before."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +21,9 @@ class DraftBatch:
     # Per sequence, the distribution each token was sampled from [n_i, V], or None when the proposer is
     # deterministic (n-gram, greedy drafting): the rejection sampler then treats q as one-hot.
     probs: list[torch.Tensor | None]
+    # Seconds of each drafting round (one forward of the drafter) the call ran, the first with whatever it read
+    # first; empty where no model runs. The policy's cost model learns a round's cost from them.
+    round_seconds: list[float] = field(default_factory=list)
 
     @classmethod
     def empty(cls, n: int) -> "DraftBatch":
@@ -65,11 +68,6 @@ class Proposer:
     previews = False  # it implements preview(): drafts known before the step, free of forward cost
     max_draft: int | None = None  # a previewing proposer's own cap on a draft's length (None: the engine's k)
     cache_bytes = 0  # memory held across requests (suffix speculation's cache of earlier outputs)
-
-    @property
-    def last_round_seconds(self) -> list[float]:
-        """Seconds of each drafting round of the last propose() call (empty when no model runs)."""
-        return []
 
     def read_ahead(self, seqs: list[Sequence]) -> None:
         """Read now what the next drafting round would first have to catch up on, but its last position (the

@@ -49,12 +49,6 @@ class DraftModelProposer(Proposer):
     def forget_prefixes(self) -> None:
         self.runner.forget_prefixes()
 
-    @property
-    def last_round_seconds(self) -> list[float]:
-        """The first round also feeds whatever the draft had not seen (a whole prompt, after a stretch
-        without drafting), so it can be long."""
-        return self._round_seconds
-
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -83,7 +77,7 @@ class DraftModelProposer(Proposer):
             for i in active:
                 if seqs[i].grammar is not None:
                     seqs[i].grammar.undo_drafts()
-        return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs])
+        return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs], self._round_seconds)
 
     def read_ahead(self, seqs) -> None:
         slots = [self._slot(seq) for seq in seqs]
