@@ -127,13 +127,14 @@ def make_head(target: LoadedModel, path, seed: int = 0, intermediate: int = 48) 
 
 
 def run_as_one_batch(engine, prompt_ids: list[list[int]], params) -> tuple[list[list[int]], list[list[int]], int]:
-    """Queue every prompt, step until all finish: (outputs, tokens drafted per sequence in each step,
+    """Queue every prompt, step until all finish: (outputs, tokens drafted per sequence in each decoding step,
     sequence-steps drafted by prompt lookup)."""
     seqs = [engine.add_request(ids, params) for ids in prompt_ids]
     step_ks, lookup_drafts = [], 0
     while engine.has_unfinished():
         out = engine.step()
-        step_ks.append(list(out.draft_lengths))
+        if out.batch_size:  # not the step that only prefilled
+            step_ks.append(list(out.draft_lengths))
         lookup_drafts += out.lookup_drafts
     return [s.output_ids for s in seqs], step_ks, lookup_drafts
 

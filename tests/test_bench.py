@@ -255,7 +255,7 @@ def test_tpot_windows_cover_the_whole_output(target):
 
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=512, max_num_seqs=1)
     rows = tpot_by_window(llm, "abc", max_tokens=300, window=50)
-    assert [r.tokens for r in rows] == list(range(52, 300, 50))  # the first step: prefill + one decode, 2 tokens
+    assert [r.tokens for r in rows] == list(range(51, 300, 50))  # the first step: the prefill, 1 token
     # the forward is timed inside the same steps: part of each token's time, never more
     assert all(0 < r.forward_s < r.tpot_s for r in rows)
 
@@ -279,7 +279,7 @@ def test_tpot_pairs_each_long_window_with_a_short_requests_window(target, monkey
 
     monkeypatch.setattr(tpot.TimedRequest, "run", run)
     pairs = tpot.tpot_interleaved(long, short, long.tokenizer.encode("abc"), max_tokens=200, window=20)
-    assert [row.tokens for row, _ in pairs] == list(range(22, 200, 20))
+    assert [row.tokens for row, _ in pairs] == list(range(21, 200, 20))
     # timed short windows run from token 20 to 60, then a fresh request: untimed warm-ups to token 20 between
     assert [ref.tokens for _, ref in pairs] == [40, 60, 40, 60, 40, 60, 40, 60, 40]
     assert sum(1 for is_short, _, row in seen if is_short and row.tokens == 20) == 5

@@ -5,7 +5,6 @@ import pytest
 from conftest import make_head, run_as_one_batch, tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.engine.step import StepHooks
 from specdecode.models.loader import LoadedModel
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox"]
@@ -153,13 +152,15 @@ def test_prompt_near_context_end_stops_with_length(target, random_draft):
 
 
 def test_a_step_says_what_it_did(target):
-    """The server's metrics read each step's output: a speculative step reports its drafts and the
-    sequences it decoded; a prefill-only step reports the admitted sequence and no decoding counts (none
-    of the previous step's, which would be counted twice); a finishing step names the finished sequence."""
+    """The server's metrics read each step's output: a prefill-only step reports the admitted sequence and no
+    decoding counts (none of the previous step's, which would be counted twice); a speculative step reports its
+    drafts and the sequences it decoded; a finishing step names the finished sequence."""
     llm = _llm(target, draft=target, k=3)
     engine = llm.engine
     first = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    out = engine.step()  # prefill and the first speculative step
+    out = engine.step()  # nothing decoded before: the prefill alone, its first token out at once
+    assert out.updated == [first] and out.batch_size == 0 and out.counters.num_steps == 0
+    out = engine.step()  # the first speculative step
     assert out.updated == [first] and out.batch_size == 1 and out.draft_lengths[0] > 0
     assert out.counters.num_draft_tokens == out.draft_lengths[0] and out.counters.num_steps == 1
     assert out.counters.num_emitted_tokens == out.counters.num_accepted_tokens + 1
@@ -173,22 +174,22 @@ def test_a_step_says_what_it_did(target):
     assert out.counters.num_draft_tokens == 0 and out.counters.num_steps == 0 and out.batch_size == 0
 
 
-def test_requests_arriving_during_a_prefill_join_the_same_step(target):
-    """The server hands new requests over between admissions (poll_arrivals): three requests that arrive
-    while the first prompt is prefilled are decoded together with it in the very first step, instead of
-    the first one decoding alone (and, with the adaptive policy, perhaps starting a draft catch-up that a
-    batch of four no longer wants)."""
+@pytest.mark.parametrize("broken", [False, True])
+def test_requests_arriving_during_a_prefill_decode_with_it_from_the_first_step(target, broken):
+    """A step that admits while nothing decodes ends after the prefill, so three requests that arrive while the
+    first prompt is prefilled are admitted next and decoded together with it in the very first decoding step,
+    instead of the first one decoding alone (and, with the adaptive policy, perhaps starting a draft catch-up that
+    a batch of four no longer wants). Broken: the first step decodes at once."""
     engine = _llm(target, draft=target, k=3, speculation_policy="adaptive").engine
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    arrivals = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
-
-    def poll():
-        if engine.running and arrivals:  # the first prompt is being admitted: the others arrive now
-            engine.add_request(arrivals.pop(0), params)
-
+    if broken:
+        engine._decoding = lambda: True
     engine.add_request([1, 2, 3], params)
-    out = engine.step(StepHooks(poll_arrivals=poll))
-    assert out.batch_size == 4 and not engine.waiting
+    first = engine.step()
+    for prompt in ([4, 5, 6], [7, 8], [9, 10, 11, 12]):
+        engine.add_request(prompt, params)
+    second = engine.step()
+    assert (first.batch_size, second.batch_size) == ((1, 4) if broken else (0, 4))
 
 
 def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft):
@@ -262,9 +263,10 @@ def _first_token_and_run(llm, prompt, read_ahead: bool):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     if not read_ahead:
         llm.engine.policy.expects_drafting = lambda batch: False
-    engine, unseen = llm.engine, []
-    engine.add_request(prompt, params)
-    engine.step(StepHooks(on_prefilled=lambda group: unseen.extend(engine.proposer.unseen_tokens(s) for s in group)))
+    engine = llm.engine
+    seq = engine.add_request(prompt, params)
+    engine.step()  # the prefill alone: the first token is out
+    unseen = [engine.proposer.unseen_tokens(seq)]
     out = llm.generate(prompt, params)[0]
     return unseen, out.outputs[0].token_ids, out.spec["acceptance_per_position"], out.spec["num_draft_tokens"]
 

@@ -27,10 +27,10 @@ class Served:
         real_step = llm.engine.step
         self.steps = 0  # engine steps run: how far a request got, counted rather than timed
 
-        def slow_step(hooks=None):
+        def slow_step():
             self.steps += 1
             time.sleep(STEP_DELAY)
-            return real_step(hooks)
+            return real_step()
 
         llm.engine.step = slow_step
         self.llm, self.engine = llm, AsyncEngine(llm.engine)

@@ -25,9 +25,9 @@ def _slowed(llm, seconds):
     """Each engine step takes at least `seconds`, so that requests overlap for long enough to test."""
     step = llm.engine.step
 
-    def slow_step(hooks=None):
+    def slow_step():
         time.sleep(seconds)
-        return step(hooks)
+        return step()
 
     llm.engine.step = slow_step
 

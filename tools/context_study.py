@@ -2,7 +2,7 @@
 as one table (decode tok/s per configuration, its ratio to plain decoding, the KV bytes a plain step reads
 beside the weights) and a plot of each configuration's speedup against the context.
 
-    for n in 1024 4096 16384; do specdecode bench latency --dataset stdlib:$n --num-prompts 1 \\
+    for n in 1024 4096 16384 32000; do specdecode bench latency --dataset stdlib:$n --num-prompts 1 \\
         --max-tokens 256 -k 3 --draft head:qwen2.5-coder-1.5b --no-ngram --out results/context-$n.json; done
     python tools/context_study.py results/context-*.json --out docs/bench
 """
@@ -54,8 +54,9 @@ def plot(runs: dict[int, dict], out: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lengths = list(runs)
     for config in (c for c in next(iter(runs.values()))["rows"] if c != "plain"):
-        speedups = [run["rows"][config]["tokens_per_s"] / run["rows"]["plain"]["tokens_per_s"] for run in runs.values()]
-        ax.plot(lengths, speedups, "-", marker="o", label=config)
+        points = [(n, run["rows"][config]["tokens_per_s"] / run["rows"]["plain"]["tokens_per_s"])
+                  for n, run in runs.items() if config in run["rows"]]
+        ax.plot(*zip(*points), "-", marker="o", label=config)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])

@@ -37,7 +37,7 @@ class TimedRequest:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=["\x00never\x00"])
         self.llm = llm
         self.seq = llm.engine.add_request(prompt_ids, params)
-        llm.engine.step()  # prefill and the first decode step
+        llm.engine.step()  # the prefill: its first token
 
     @property
     def tokens(self) -> int:

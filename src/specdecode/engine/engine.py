@@ -19,7 +19,7 @@ from .admission import BlockBudget
 from .policy import DraftDecision, Policy, make_policy
 from .prefill import ChunkedPrefill, Prefilling
 from .sequence import Sequence, check_token_ids
-from .step import StepHooks, StepOutput
+from .step import StepOutput
 
 
 class Engine(Prefilling):
@@ -107,22 +107,23 @@ class Engine(Prefilling):
         """Sequences admitted and not finished: decoding, or their prompt being prefilled in chunks."""
         return len(self.running) + len(self.prefilling)
 
-    def step(self, hooks: StepHooks | None = None) -> StepOutput:
-        """Admit what fits, run one decoding step, and one chunk of a long prompt's prefill; say what it did."""
-        hooks = hooks or StepHooks()
+    def step(self) -> StepOutput:
+        """Admit what fits and prefill it, then run one decoding step and one chunk of a long prompt's prefill;
+        say what it did. A step that admits while nothing decodes ends after the prefill: its first tokens go out
+        at once, and requests that arrived meanwhile are admitted in time to decode with them from the first
+        decoding step (with others decoding, waiting a prefill out would hold up their tokens)."""
         out = StepOutput()
-        out.updated = self._admit(hooks)
+        was_decoding = self._decoding() or bool(self.prefilling)
+        out.updated = self._admit()
         decoding = [s for s in self.running if not s.finished]
-        if decoding:
+        if decoding and (was_decoding or not out.updated):
             self._decode_step(decoding, out)
             admitted = {id(s) for s in out.updated}
             out.updated += [s for s in decoding if id(s) not in admitted]
-        if self.prefilling:
+        if self.prefilling and was_decoding:
             prefilled = self._prefill_chunk()
             if prefilled is not None:
                 out.updated.append(prefilled)
-                if hooks.on_prefilled is not None:
-                    hooks.on_prefilled([prefilled])
         out.finished = [s for s in self.running if s.finished]
         for seq in out.finished:
             self._release(seq)

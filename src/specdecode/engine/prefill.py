@@ -9,7 +9,6 @@ import torch
 from ..proposers.base import TargetFeedback
 from ..verify.verifier import prompt_logprobs, sample_first
 from .sequence import Sequence
-from .step import StepHooks
 
 
 @dataclass
@@ -25,12 +24,10 @@ class Prefilling:
     """Engine's prefill steps (a part of Engine, apart for its length: it reads the engine's queues, runner and
     proposers)."""
 
-    def _admit(self, hooks: StepHooks) -> list[Sequence]:
+    def _admit(self) -> list[Sequence]:
         """Prefill the waiting groups that fit, in arrival order; the sequences admitted."""
         admitted: list[Sequence] = []
         while True:
-            if hooks.poll_arrivals is not None:
-                hooks.poll_arrivals()
             if not self.waiting:
                 return admitted
             group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
@@ -45,8 +42,6 @@ class Prefilling:
             self.running += group
             self._prefill(group)
             admitted += group
-            if hooks.on_prefilled is not None:
-                hooks.on_prefilled(group)
 
     def _in_chunks(self, group: list[Sequence]) -> bool:
         """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one

@@ -1,7 +1,6 @@
-"""What one engine step reports (StepOutput) and what its caller runs inside it (StepHooks)."""
+"""What one engine step reports."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..metrics import SpecCounters
@@ -24,14 +23,3 @@ class StepOutput:
     def batch_size(self) -> int:
         """Sequences in the decoding step."""
         return len(self.draft_lengths)
-
-
-@dataclass
-class StepHooks:
-    """What the caller of step() runs inside it. poll_arrivals: before each admission (a server drains its
-    inbox there, so requests that arrive while another prompt is prefilled join this step's batch instead of
-    waiting out a decode step). on_prefilled: after each prefill, with the group just admitted (a server
-    streams their first token at once instead of after this step's decode)."""
-
-    poll_arrivals: Callable[[], None] | None = None
-    on_prefilled: Callable[[list[Sequence]], None] | None = None

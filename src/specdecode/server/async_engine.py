@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
 from ..engine.sequence import Sequence
-from ..engine.step import StepHooks
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, TokenLogprob
 from .metrics import ServerMetrics
@@ -98,7 +97,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         # run on the engine thread inside each step: arrivals join this step's admissions, and a request's
         # first token goes out right after its prefill
-        self._hooks = StepHooks(poll_arrivals=self._drain_inbox, on_prefilled=lambda group: self._publish())
 
     # ---- what the HTTP layer reads (server/handler.py's ServingEngine) ----------------------------------
     async def metrics_text(self) -> bytes:
@@ -196,7 +194,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                out = self.engine.step(self._hooks)
+                out = self.engine.step()
             except Exception as exc:  # a bug must not take the server down: fail the batch, carry on
                 log.exception("engine step failed")
                 self._fail_all(exc)
