@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
 from ..engine.sequence import Sequence
+from ..engine.step import StepOutput
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, TokenLogprob
 from .metrics import ServerMetrics
@@ -92,11 +93,10 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._active: list[RequestHandle] = []
+        self._outputs: dict[int, tuple[RequestHandle, int]] = {}  # id of a sequence -> its request, output index
         self._stopping = False
         self.draining = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
-        # run on the engine thread inside each step: arrivals join this step's admissions, and a request's
-        # first token goes out right after its prefill
 
     # ---- what the HTTP layer reads (server/handler.py's ServingEngine) ----------------------------------
     async def metrics_text(self) -> bytes:
@@ -200,7 +200,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self.metrics.observe_step(out)
-            self._publish()
+            self._publish(out)
         self._fail_all(RuntimeError("server shutting down"))
 
     def _drain_inbox(self) -> None:
@@ -219,6 +219,7 @@ class AsyncEngine:
                     handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params, handle.tenant)
                     handle.sent_chars = [0] * len(handle.seqs)
                     handle.sent_tokens = [0] * len(handle.seqs)
+                    self._outputs.update((id(seq), (handle, i)) for i, seq in enumerate(handle.seqs))
                 except Exception as exc:
                     handle.push(Update("", True, error=exc))
                     self._ended += 1
@@ -227,21 +228,23 @@ class AsyncEngine:
             elif handle in self._active:
                 for seq in handle.seqs:
                     self.engine.abort(seq)
+                    self._outputs.pop(id(seq), None)
                 self._active.remove(handle)
                 self._ended += 1
                 self.metrics.aborted.inc()
         self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
 
-    def _publish(self) -> None:
-        still_active = []
-        for handle in self._active:
-            for i, seq in enumerate(handle.seqs):
-                self._publish_output(handle, i, seq)
-            if handle.finished:
-                self._ended += 1
-            else:
-                still_active.append(handle)
-        self._active = still_active
+    def _publish(self, out: StepOutput) -> None:
+        """Stream what the step gave the sequences it names; a request whose outputs have all finished leaves."""
+        for seq in out.updated:
+            if id(seq) in self._outputs:
+                self._publish_output(*self._outputs[id(seq)], seq)
+        for seq in out.finished:
+            self._outputs.pop(id(seq), None)
+        ended = [handle for handle in self._active if handle.finished]
+        if ended:
+            self._ended += len(ended)
+            self._active = [handle for handle in self._active if not handle.finished]
         self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
 
     def _publish_output(self, handle: RequestHandle, i: int, seq: Sequence) -> None:
@@ -279,3 +282,4 @@ class AsyncEngine:
             handle.push(Update("", True, error=exc))
         self._ended += len(self._active)
         self._active = []
+        self._outputs.clear()
