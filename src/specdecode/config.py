@@ -10,10 +10,9 @@ POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policie
 LOOKUPS = ("ngram", "suffix")  # proposers that draft at no forward cost, offered beside a drafter
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # auto: float16 where the CPU attention kernel reads it
 SUFFIX_SCOPES = ("tenant", "global", "none")  # who shares suffix speculation's cache of earlier outputs
-# Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair
-# (docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary): the
-# draft's LM head keeps the 65,536 lowest token ids, and drafting stops after a token the draft gives less than
-# this probability (both change only what is proposed, never what is accepted).
+# Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair: the draft's LM head keeps the 65,536
+# lowest token ids, and drafting stops after a token the draft gives less than this probability (both change only
+# what is proposed, never what is accepted; docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary).
 DRAFT_VOCAB_SIZE = 65536
 DRAFT_CONFIDENCE = 0.8
 DEFAULT_K = 4  # the most tokens drafted per sequence and step
@@ -33,9 +32,8 @@ DEFAULT_HEAD = "head:qwen2.5-coder-1.5b"
 # Tokens of a long prompt prefilled per step beside decoding streams, by device. On a 2-core Zen 5 with the 1.5B,
 # a 4,096-token prompt beside a chat stream: chunks of 64 cost its first token 1.13x its time alone and the
 # stream 8.4x its time per token, 128 1.04x and 18x, 512 1.01x and 70x, the whole prompt 459x
-# (docs/decisions.md#chunked-prefill-beside-decoding). A GPU's prefill forward runs
-# eagerly, a launch-bound ~30 ms whatever its length, so small chunks would multiply its prefill time there:
-# vLLM's 2,048 (not measured here).
+# (docs/decisions.md#chunked-prefill-beside-decoding). A GPU's prefill forward runs eagerly, a launch-bound ~30 ms
+# whatever its length, so small chunks would multiply its prefill time there: vLLM's 2,048 (not measured here).
 PREFILL_CHUNK_TOKENS = {"cpu": 64, "cuda": 2048}
 
 
@@ -63,8 +61,7 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = None
     # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter (None:
     # none; not on by default: on a chat with nothing to copy, copies of the prompt's own words displace the
-    # head's better drafts, see
-    # docs/decisions.md#suffix-drafts-beside-the-head-off-by-default).
+    # head's better drafts, see docs/decisions.md#suffix-drafts-beside-the-head-off-by-default).
     prompt_lookup: str | None = None
     suffix_max_tokens: int = 32  # the longest suffix-speculation draft
     suffix_min_prob: float = 0.1  # a suffix draft stops where its frequency estimate falls below this

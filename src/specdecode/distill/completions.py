@@ -124,8 +124,7 @@ def _padded_batches(target: LoadedModel, ids: list[list[int]], max_new_tokens: i
 
 def _engine_stream(target: LoadedModel, ids: list[list[int]], max_new_tokens: int, deadline, bar) -> list[list[int]]:
     """The first prompts' completions through the engine's packed steps (on a CPU its attention kernel makes
-    them about twice as fast as padded calls,
-    decisions.md#the-targets-completions-as-training-data),
+    them about twice as fast as padded calls, docs/decisions.md#the-targets-completions-as-training-data),
     BATCH["cpu"] in flight: the next prompt joins as one finishes, until the deadline."""
     from ..engine.llm import LLM
 

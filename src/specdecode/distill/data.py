@@ -129,8 +129,7 @@ def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: 
             deadline: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden states [chunks, T, hidden] (bf16) and greedy choices [chunks, T], written into
     tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragments a
-    heap that the runner asks never to be trimmed
-    (decisions.md#recording-shards-and-preallocated-tensors).
+    heap that the runner asks never to be trimmed (docs/decisions.md#recording-shards-and-preallocated-tensors).
     Every shard of chunks goes to a file of its own in `parts`, from which an interrupted run resumes
     (appending shards keeps saving linear in the data)."""
     batch = RECORD_BATCH.get(target.model.device.type, 1)

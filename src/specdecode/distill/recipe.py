@@ -1,9 +1,8 @@
 """How a draft head is made: the data and the training, each option's default written once (the CLI's
 flags default to these). The defaults take about 40 minutes on two CPU cores with native bf16, and a run
 never takes much over `minutes`: where the machine is slower, it records less text and trains
-proportionally fewer steps
-(docs/decisions.md#cpu-distill-recipe-and-its-60-minute-budget). On a GPU
-the default is GPU_RECIPE's."""
+proportionally fewer steps (docs/decisions.md#cpu-distill-recipe-and-its-60-minute-budget). On a GPU the
+default is GPU_RECIPE's."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

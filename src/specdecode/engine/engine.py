@@ -113,7 +113,7 @@ class Engine(Prefilling):
         at once, and requests that arrived meanwhile are admitted in time to decode with them from the first
         decoding step (with others decoding, waiting a prefill out would hold up their tokens)."""
         out = StepOutput()
-        was_decoding = self._decoding() or bool(self.prefilling)
+        was_decoding = self._busy()
         out.updated = self._admit()
         decoding = [s for s in self.running if not s.finished]
         if decoding and (was_decoding or not out.updated):

@@ -27,12 +27,10 @@ class Prefilling:
     def _admit(self) -> list[Sequence]:
         """Prefill the waiting groups that fit, in arrival order; the sequences admitted."""
         admitted: list[Sequence] = []
-        while True:
-            if not self.waiting:
-                return admitted
+        while self.waiting:
             group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
             if self.runner.num_free < len(group) or not self.blocks.admit(group):
-                return admitted  # the group waits for slots or KV blocks
+                break  # the group waits for slots or KV blocks
             for seq in group:
                 self.waiting.remove(seq)
                 seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
@@ -42,16 +40,21 @@ class Prefilling:
             self.running += group
             self._prefill(group)
             admitted += group
+        return admitted
 
     def _in_chunks(self, group: list[Sequence]) -> bool:
         """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
         sequence (n > 1 samples share one prefill; prompt logprobs need every row's logits at once)."""
         seq = group[0]
-        return bool(self.prefill_chunk and (self.prefilling or self._decoding()) and len(group) == 1
+        return bool(self.prefill_chunk and self._busy() and len(group) == 1
                     and seq.params.prompt_logprobs is None and len(seq.prompt_ids) > self.prefill_chunk)
 
     def _decoding(self) -> bool:
         return any(not s.finished for s in self.running)
+
+    def _busy(self) -> bool:
+        """Whether sequences decode or a prompt is being prefilled in chunks."""
+        return bool(self.prefilling) or self._decoding()
 
     def _prefill_chunk(self) -> Sequence | None:
         """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any

@@ -15,8 +15,8 @@
   output exact).
 
 "auto" takes w4a8 where the kernel builds with SIMD (it streams far fewer bytes than float and verifies
-k+1 tokens for little more than one), float elsewhere, and bf16 on CUDA;
-docs/decisions.md#linear-layers-gguf-block-formats-as-stored has the measurements.
+k+1 tokens for little more than one), float elsewhere, and bf16 on CUDA
+(docs/decisions.md#linear-layers-gguf-block-formats-as-stored has the measurements).
 """
 from __future__ import annotations
 

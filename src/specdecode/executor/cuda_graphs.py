@@ -11,6 +11,7 @@ The same fixed-shape forward runs without capture on a CPU, where the tests chec
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -229,16 +230,15 @@ _FIXED = [False]  # whether a fixed-shape forward is running (they run on one th
 RECOMPILE_LIMIT = 64
 
 
-class _fixed_shapes:
-    def __enter__(self):
-        self.outer, _FIXED[0] = _FIXED[0], True
-        self.limit = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                                accumulated_recompile_limit=16 * RECOMPILE_LIMIT)
-        self.limit.__enter__()
-
-    def __exit__(self, *exc):
-        self.limit.__exit__(*exc)
-        _FIXED[0] = self.outer
+@contextlib.contextmanager
+def _fixed_shapes():
+    outer, _FIXED[0] = _FIXED[0], True
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                        accumulated_recompile_limit=16 * RECOMPILE_LIMIT):
+            yield
+    finally:
+        _FIXED[0] = outer
 
 
 def _rms_norm(weight, eps: float, x):

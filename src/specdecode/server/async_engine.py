@@ -241,10 +241,9 @@ class AsyncEngine:
                 self._publish_output(*self._outputs[id(seq)], seq)
         for seq in out.finished:
             self._outputs.pop(id(seq), None)
-        ended = [handle for handle in self._active if handle.finished]
-        if ended:
-            self._ended += len(ended)
-            self._active = [handle for handle in self._active if not handle.finished]
+        still_active = [handle for handle in self._active if not handle.finished]
+        self._ended += len(self._active) - len(still_active)
+        self._active = still_active
         self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
 
     def _publish_output(self, handle: RequestHandle, i: int, seq: Sequence) -> None:

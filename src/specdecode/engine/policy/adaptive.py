@@ -131,9 +131,7 @@ class AdaptivePolicy(Policy):
         if self.k_max == 0 or not self.costs.draft or not self.costs.target.has_plain(batch):
             return self.k_max > 0
         answer = self._could_pay.get(batch, (None, None))[1]
-        if answer is None:
-            answer = any(self.best_decision([self.optimistic_acceptance] * batch, [0] * batch, [0] * batch, None).ks)
-        return answer
+        return self._good_drafts_would_pay(batch) if answer is None else answer
 
     def _drafting_could_pay(self, n: int) -> bool:
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
@@ -141,9 +139,12 @@ class AdaptivePolicy(Policy):
         moves only as the measured costs do, so it is worked out again every few steps, not every step."""
         age, answer = self._could_pay.get(n, (self.COULD_PAY_REFRESH, False))
         if age >= self.COULD_PAY_REFRESH:
-            age, answer = 0, any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
+            age, answer = 0, self._good_drafts_would_pay(n)
         self._could_pay[n] = (age + 1, answer)
         return answer
+
+    def _good_drafts_would_pay(self, n: int) -> bool:
+        return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
 
     def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
                       lookups: list[Lookup] | None, drafter: bool = True) -> DraftDecision:
