@@ -242,8 +242,8 @@ def _timed(llm: LLM, batch: int, tokens: int, seed: int):
 def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0):
     """(decoding tok/s, the outputs, the first request's speculation counters). Every request arrives at once
     and is prefilled before any decodes, so decoding runs from the last first token to the last finish: the
-    tokens after each first over that span (not the run less a run of one token: at 64 sequences the prefill
-    is most of a run, and the difference of two noisy runs left more noise than signal)."""
+    tokens after each first over that span (at 64 sequences the prefill is most of a run, so timing it apart and
+    subtracting would leave its noise in the rate)."""
     _timed(llm, batch, 8, seed + 1)  # warm-up: graphs captured, kernels chosen
     _, outs = _timed(llm, batch, tokens, seed)
     specs = [o.spec for o in outs]
