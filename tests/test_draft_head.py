@@ -155,25 +155,14 @@ class CacheSnapshots(DraftHeadProposer):
         return super()._draft_forward(step, rows, seqs, slots, tokens)
 
 
-class KeepsTheChangedTokensRow(CacheSnapshots):
-    """Broken: keeps as many head rows as the target keeps tokens, so the last one read the old turn's
-    next token."""
+class IgnoresTheFirstToken(CacheSnapshots):
+    """Broken: finds its rows by the tokens they read (token p + 1) alone, though row p read the target's
+    features at p, which depend on every token up to p: the first token too."""
 
     def keep_prefix(self, seq, kept):
+        inputs = seq.token_ids[1:]
         self._slots[seq.request_id] = seq.slot
-        self._left.pop(seq.slot, None)
-        return self.runner.take(seq.slot, kept)
-
-
-class ShiftsTheFeaturesLeftUnread(CacheSnapshots):
-    """Broken: hands the features a finished turn left unread to the next turn one position late."""
-
-    def keep_prefix(self, seq, kept):
-        kept = super().keep_prefix(seq, kept)
-        left = self._features.get(seq.request_id)
-        if left:
-            left[:] = [torch.cat([left[0][1:], left[0][-1:]])]
-        return kept
+        return self.runner.take(seq.slot, inputs, seq.tenant, min(kept, len(inputs)))
 
 
 def _rows_unlike_a_fresh_heads(target, proposer) -> int:
@@ -195,12 +184,14 @@ def _rows_unlike_a_fresh_heads(target, proposer) -> int:
     return wrong
 
 
-@pytest.mark.parametrize("kind, broken", [(CacheSnapshots, False), (KeepsTheChangedTokensRow, True),
-                                          (ShiftsTheFeaturesLeftUnread, True)])
+@pytest.mark.parametrize("kind, broken", [(CacheSnapshots, False), (IgnoresTheFirstToken, True)])
 def test_a_next_turn_keeps_the_head_rows_whose_tokens_it_shares(target, head, registered, kind, broken):
-    """Prefix caching with a head: a turn that continues the last one starts where the target's kept
-    prefix ends (the head kept its rows and the features it had not read); a prompt that changes a kept
-    token at n keeps the head's rows below n - 1. Outputs are plain decoding's either way."""
+    """Prefix caching with a head: a prompt starts from the head's rows found for it, which the target's found
+    prefix bounds (the head needs the target's features past its rows): a turn that continues the last starts
+    where the head's rows of it end (all but the last step's positions, whose features it had not read yet); a
+    prompt that changes token n keeps the head's rows below n - 1 (row p read token p + 1); one that changes
+    only the first token finds its own rows, not those of the prompt it differs from. Outputs are plain
+    decoding's either way."""
     registered("snapshot-head", lambda setup: kind.from_setup(setup))
     llm = _llm(target, "snapshot-head:" + head[len("head:"):], max_num_seqs=2)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256, max_num_seqs=2)
@@ -209,7 +200,8 @@ def test_a_next_turn_keeps_the_head_rows_whose_tokens_it_shares(target, head, re
     first = llm.generate([a], params)[0].outputs[0].token_ids
     assert first == plain.generate([a], params)[0].outputs[0].token_ids
     cached = []
-    for prompt in (a + first + [5, 6, 7], a[:20] + [50, 51, 52, 53]):  # continues turn 1; then changes token 20
+    other_start = [a[0] + 1] + a[1:]
+    for prompt in (a + first + [5, 6, 7], a[:20] + [50, 51, 52, 53], other_start, other_start + [9, 9, 9]):
         out, alone = llm.generate([prompt], params)[0], plain.generate([prompt], params)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
         cached.append((out.metrics.num_cached_prompt_tokens, alone.metrics.num_cached_prompt_tokens))
@@ -217,7 +209,8 @@ def test_a_next_turn_keeps_the_head_rows_whose_tokens_it_shares(target, head, re
     if broken:
         assert wrong > 0
     else:
-        assert cached == [(len(a) + 15,) * 2, (19, 20)] and wrong == 0
+        assert len(a) + 15 - 4 <= cached[0][0] < cached[0][1] == len(a) + 15 and cached[1] == (19, 20)
+        assert cached[2] == (0, 0) and cached[3] == (len(a) - 1, len(a)) and wrong == 0
     assert len(llm.engine.proposer.snapshots) > 3
 
 

@@ -1,10 +1,13 @@
-"""The KV cache in blocks: block accounting under random admits, aborts, rollbacks, commits and finishes (no
-block leaked or held twice; a version that forgets to return them fails), memory that follows the tokens
-held, long prompts prefilled in chunks with the bits of one call, kept contexts giving their blocks back, and
-a context that defaults to the model's."""
+"""The KV cache in blocks: block accounting under random admits (sharing found prefixes or not), forwards,
+commits, rollbacks, copies and finishes (references counted right, no block leaked, a block a slot writes
+held by it alone; a version that forgets to return blocks fails, and one that writes into a shared block
+fails the check of what each slot holds), memory that follows the tokens held, long prompts prefilled in
+chunks with the bits of one call, spare blocks given back least recently released first, and a context that
+defaults to the model's."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -17,35 +20,69 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.kv_cache import KVCache
 
 STEPS = 1000
+PREFIXES = [[(7 * i + 5 * j) % 60 for i in range(150)] for j in range(3)]  # prompts share these, so blocks match
 
 
 def _holdings_are_consistent(runner: ModelRunner) -> None:
     cache = runner._cache
-    held = [b for table in cache.tables for b in table]
-    assert len(held) == len(set(held)), "a block held twice"
-    assert set(held).isdisjoint(cache._free_blocks), "a block both held and free"
-    assert len(held) + len(cache._free_blocks) == cache.num_blocks, "a block leaked"
+    held = Counter(b for table in cache.tables for b in table)
+    spare = list(cache.index._idle)
+    assert all(cache.references(b) == held[b] for b in range(cache.num_blocks)), "a reference miscounted"
+    assert set(held).isdisjoint(cache._free_blocks) and set(held).isdisjoint(spare), "a block both held and free"
+    assert not set(spare) & set(cache._free_blocks), "a spare block also unused"
+    assert len(held) + len(cache._free_blocks) + len(spare) == cache.num_blocks, "a block leaked"
+    assert all(cache.index.is_registered(b) for b in spare) and not any(map(cache.index.is_registered,
+                                                                           cache._free_blocks))
     for slot, table in enumerate(cache.tables):  # a slot holds what its written tokens need, no more
-        assert len(table) == -(-runner._written[slot] // cache.block_size) or slot in runner._kept
+        assert len(table) == -(-runner._written[slot] // cache.block_size)
         assert torch.equal(cache.table[slot, :len(table)], torch.tensor(table, dtype=torch.int32))
+        length = cache.lengths[slot]
+        if length % cache.block_size:  # the block it writes next is its own, and nobody finds it
+            mine = table[length // cache.block_size]
+            assert cache.references(mine) == 1 and not cache.index.is_registered(mine), "a shared block is written"
 
 
-def _random_operations(runner: ModelRunner, seed: int) -> None:
-    """STEPS random admits (with a kept prefix or not), forwards of 1-40 tokens, commits, rollbacks, copies and
-    frees, the accounting checked after each."""
+def _entries_are_what_their_tokens_compute(runner: ModelRunner, slots: list[int]) -> None:
+    """Each slot's committed keys and values equal a fresh computation of its tokens."""
+    for slot in slots:
+        n = runner.length(slot)
+        if n == 0 or -1 in runner._tokens[slot][:n]:
+            continue
+        fresh = ModelRunner(runner.model, 1, runner.max_len)
+        fresh.forward([0], [runner._tokens[slot][:n]], "last")
+        for layer in range(runner.cfg.num_layers):
+            for got, expected in ((runner._cache.keys(layer, slot, n), fresh._cache.keys(layer, 0, n)),
+                                  (runner._cache.values(layer, slot, n), fresh._cache.values(layer, 0, n))):
+                assert torch.allclose(got, expected, atol=1e-4), f"slot {slot} holds entries of other tokens"
+
+
+def _random_operations(runner: ModelRunner, seed: int, check_entries_every: int = 0) -> None:
+    """STEPS random admits (prompts that start with a shared prefix or not), forwards of 1-40 tokens, commits,
+    rollbacks, copies and frees, the accounting checked after each (and the entries every so often)."""
     rng = random.Random(seed)
     live: list[int] = []
-    for _ in range(STEPS):
-        op = rng.choice(["admit", "forward", "forward", "commit", "rollback", "copy", "free"])
+    for step in range(STEPS):
+        op = rng.choice(["admit", "forward", "forward", "commit", "commit", "rollback", "copy", "free"])
         if op == "admit" and runner.num_free:
-            tokens = [rng.randrange(60) for _ in range(rng.randrange(1, 80))]
-            live.append(runner.allocate(tokens if rng.random() < 0.5 else None, rng.choice(["a", "b"])))
+            tokens = rng.choice(PREFIXES)[:rng.randrange(1, 150)] + [rng.randrange(60) for _ in range(rng.randrange(3))]
+            slot = runner.allocate(tokens if rng.random() < 0.7 else None, rng.choice(["a", "b"]))
+            live.append(slot)
+            if rng.random() < 0.7:  # its prompt prefilled past what was found
+                try:
+                    runner.forward([slot], [tokens[runner.length(slot):]], "last")
+                    runner.commit(slot, len(tokens))
+                except Exception as e:
+                    assert "out of blocks" in str(e)
         elif op == "forward" and live:
             slot = rng.choice(live)
             n = min(rng.randrange(1, 40), runner.max_len - runner.length(slot))
-            if n > 0 and runner._cache.num_free_blocks + len(runner._kept) * 4 > 3:
+            known = runner._tokens[slot][:runner.length(slot)]
+            following = [p for p in PREFIXES if p[:len(known)] == known]  # keep following a prefix, mostly
+            tokens = rng.choice(following)[len(known):len(known) + n] if following and rng.random() < 0.9 else []
+            tokens = tokens or [rng.randrange(60) for _ in range(n)]
+            if n > 0:
                 try:
-                    runner.forward([slot], [[rng.randrange(60) for _ in range(n)]], "last")
+                    runner.forward([slot], [tokens], "last")
                 except Exception as e:  # the pool can run out: the engine's admission prevents that, not this
                     assert "out of blocks" in str(e)
         elif op == "commit" and live:
@@ -65,6 +102,8 @@ def _random_operations(runner: ModelRunner, seed: int) -> None:
         elif op == "free" and live:
             runner.free(live.pop(rng.randrange(len(live))))
         _holdings_are_consistent(runner)
+        if check_entries_every and step % check_entries_every == 0:
+            _entries_are_what_their_tokens_compute(runner, live)
 
 
 @pytest.mark.parametrize("reuse_prefixes", [False, True])
@@ -73,15 +112,30 @@ def test_block_accounting_survives_a_thousand_random_operations(reuse_prefixes):
     _random_operations(runner, seed=int(reuse_prefixes))
 
 
+def test_slots_sharing_blocks_hold_what_their_own_tokens_compute():
+    runner = ModelRunner(tiny_model(seed=0).model, 6, 256, reuse_prefixes=True, num_blocks=24)
+    _random_operations(runner, seed=2, check_entries_every=10)
+    assert runner._cache.index._children, "no block was ever found again: the test shared nothing"
+
+
+def test_a_cache_that_writes_into_a_shared_block_fails_the_checks(monkeypatch):
+    """The two checks above can fail: a truncation that leaves the slot writing into a block others hold."""
+    monkeypatch.setattr(KVCache, "_own", lambda self, slot, i: None)
+    runner = ModelRunner(tiny_model(seed=0).model, 6, 256, reuse_prefixes=True, num_blocks=24)
+    with pytest.raises(AssertionError, match="shared block is written|entries of other tokens"):
+        _random_operations(runner, seed=2, check_entries_every=10)
+
+
 def test_a_cache_that_forgets_to_return_blocks_fails_the_accounting(monkeypatch):
     """The check above can fail: a truncate that keeps its blocks' places in the table but never frees them."""
     original = KVCache.truncate
 
-    def leaky(self, slot, length):
+    def leaky(self, slot, length, forget=False):
         before = list(self.tables[slot])
-        original(self, slot, length)
+        original(self, slot, length, forget)
         for block in before[len(self.tables[slot]):]:
-            self._free_blocks.remove(block)  # taken back from the pool: lost
+            if block in self._free_blocks:
+                self._free_blocks.remove(block)  # taken back from the pool: lost
 
     monkeypatch.setattr(KVCache, "truncate", leaky)
     runner = ModelRunner(tiny_model(seed=0).model, 6, 256, num_blocks=12)
@@ -104,18 +158,20 @@ def test_memory_follows_the_tokens_held():
     assert runner.blocks_in_use() == 0 and runner._cache.num_free_blocks == runner.num_blocks
 
 
-def test_kept_contexts_give_their_blocks_back_oldest_first():
+def test_spare_blocks_go_back_least_recently_released_first():
     runner = ModelRunner(tiny_model(seed=0).model, 3, 256, reuse_prefixes=True, num_blocks=4)
     first, second = runner.allocate(), runner.allocate()
-    for slot, tokens in ((first, list(range(1, 60)) * 2), (second, list(range(2, 61)))):
+    older, newer = list(range(1, 60)) * 2, list(range(2, 61))
+    for slot, tokens in ((first, older), (second, newer)):
         runner.forward([slot], [tokens], "last")
         runner.commit(slot, len(tokens))
-        runner.free(slot)  # kept: the first two blocks, the second one
-    assert runner._cache.num_free_blocks == 1 and runner.cached_prefix(list(range(2, 61)) + [5]) == 59
+        runner.free(slot)  # spare: the first two blocks, then the second one
+    assert runner._cache.num_free_blocks == 4 and runner.blocks_in_use() == 0
+    assert runner.cached_prefix(older + [5]) == len(older) and runner.cached_prefix(newer + [5]) == len(newer)
     third = runner.allocate()
-    runner.forward([third], [list(range(3, 50)) * 2], "last")  # 94 tokens: two blocks, the oldest kept ones
-    assert runner.cached_prefix(list(range(1, 60)) * 2 + [5]) == 0  # the first context gave its blocks
-    assert runner.cached_prefix(list(range(2, 61)) + [5]) == 59  # the second kept its own
+    runner.forward([third], [list(range(3, 50)) * 2], "last")  # 94 tokens: the unused block and the oldest spare
+    assert runner.cached_prefix(older + [5]) == 64  # its last block went first, its first is still found
+    assert runner.cached_prefix(newer + [5]) == len(newer)  # the second kept its own
 
 
 def _with_kernel():

@@ -1,12 +1,18 @@
-"""Prefix caching: a freed slot keeps its context, and a prompt of the same tenant that starts with it
-computes only the rest; the answer is the one computed whole, one tenant never starts from another's
-context, and the kept tokens follow every commit and rollback."""
+"""Prefix caching: computed blocks are found again by their tokens, and a prompt of the same tenant that starts
+with them computes only the rest; running sequences share a common prefix's blocks; the answer is the one
+computed whole, one tenant never starts from another's blocks, and what is found follows every commit and
+rollback."""
+from dataclasses import replace
+
 import pytest
 import torch
+from conftest import DEVICE, ByteTokenizer, random_hf_weights, tiny_config
 
-from specdecode import LLM, SamplingParams
-from specdecode.executor import runner as runner_module
+from specdecode import LLM, SamplingParams, prefix_index
 from specdecode.executor.runner import ModelRunner
+from specdecode.kv_cache import KVCache
+from specdecode.models.loader import LoadedModel
+from specdecode.models.runtime import build_model
 
 A = list(range(5, 25))
 
@@ -25,25 +31,25 @@ def kept(runner: ModelRunner, tokens: list[int], scope: str = "t") -> int:
     return slot
 
 
-def test_a_freed_slot_gives_its_prefix_to_the_next_prompt_of_its_scope(target):
+def test_a_finished_sequence_gives_its_prefix_to_the_next_prompt_of_its_scope(target):
     runner = ModelRunner(target.model, 3, 64, reuse_prefixes=True)
-    slot = kept(runner, A)
+    kept(runner, A)
     longer = A + [30, 31, 32]
     again = runner.allocate(longer, "t")
-    assert again == slot and runner.length(again) == len(A)
+    assert runner.length(again) == len(A)
     logits = runner.forward([again], [longer[len(A):]], "all")
     torch.testing.assert_close(logits, full_logits(target.model, longer)[len(A):], rtol=0, atol=1e-5)
     runner.commit(again, len(longer))
     runner.free(again)
     same = runner.allocate(A, "t")  # the whole prompt is cached: its last token is computed again, for its logits
-    assert same == slot and runner.length(same) == len(A) - 1
+    assert runner.length(same) == len(A) - 1
     runner.free(same)
-    other = runner.allocate(longer, "u")  # another tenant: nothing reused, and the kept slot is spared
-    assert runner.length(other) == 0 and other != slot
-    assert runner.cached_prefix(longer, "t") == len(A) - 1
+    other = runner.allocate(longer, "u")  # another tenant: nothing found
+    assert runner.length(other) == 0
+    assert runner.cached_prefix(longer, "t") == len(longer) - 1  # both turns stay findable
 
 
-def test_the_kept_tokens_follow_rollbacks_and_timing_slots(target):
+def test_the_found_tokens_follow_rollbacks_and_timing_slots(target):
     runner = ModelRunner(target.model, 2, 64, reuse_prefixes=True)
     slot = runner.allocate(A, "t")
     runner.forward([slot], [A + [40, 41]], "all")  # a draft of two tokens after A...
@@ -60,9 +66,37 @@ def test_the_kept_tokens_follow_rollbacks_and_timing_slots(target):
     assert runner.cached_prefix([-1] * 10 + [1], "t") == 0
     runner.forget_prefixes()
     assert runner.cached_prefix(A + [50, 1], "t") == 0
-    plain = ModelRunner(target.model, 2, 64)  # reuse off: nothing is kept
+    plain = ModelRunner(target.model, 2, 64)  # reuse off: nothing is found
     kept(plain, A)
     assert plain.cached_prefix(A + [1], "t") == 0 and plain.length(plain.allocate(A + [1], "t")) == 0
+
+
+def test_running_sequences_share_the_full_blocks_of_a_common_prefix(target):
+    """A second prompt with a committed sequence's first 150 tokens holds its two full blocks by reference (one
+    copy in memory) and continues from a copy of nothing else; each computes what a whole prefill does, and
+    a rollback into a shared block leaves the other's entries alone."""
+    runner = ModelRunner(target.model, 3, 256, reuse_prefixes=True)
+    common = [(5 * i + i // 12) % 60 + 2 for i in range(150)]
+    first = runner.allocate(common + [7], "t")
+    runner.forward([first], [common + [7]], "last")
+    runner.commit(first, 151)
+    second = runner.allocate(common + [8, 9], "t")
+    assert runner.length(second) == 128 and runner.blocks_in_use() == 3 + 2 - 2
+    logits = runner.forward([second], [(common + [8, 9])[128:]], "all")
+    torch.testing.assert_close(logits, full_logits_long(target.model, common + [8, 9])[128:], rtol=0, atol=1e-5)
+    runner.commit(second, 152)
+    runner.rollback(second, 100)  # into the second shared block: a copy of it is the second's own now
+    runner.forward([second], [[60] * 10], "last")
+    runner.commit(second, 110)
+    keys = runner._cache.keys(0, first, 151)
+    fresh = ModelRunner(target.model, 1, 256)
+    fresh.forward([0], [common + [7]], "last")
+    torch.testing.assert_close(keys, fresh._cache.keys(0, 0, 151), rtol=0, atol=1e-5)
+
+
+def full_logits_long(model, tokens: list[int]) -> torch.Tensor:
+    runner = ModelRunner(model, 1, 256)
+    return runner.forward([runner.allocate()], [tokens], "all")
 
 
 def second_turn(target, draft, monkeypatch=None, **options) -> tuple[list, list, int, int]:
@@ -99,8 +133,8 @@ def test_a_second_turn_starts_from_the_first_and_answers_as_computed_whole(targe
 def test_a_prefix_claimed_one_token_too_long_is_caught(target, random_draft, monkeypatch):
     """The check above sees a cache that reuses one position more than the prompts share."""
     whole = second_turn(target, random_draft, prefix_caching=False)
-    true_prefix = runner_module.common_prefix
-    monkeypatch.setattr(runner_module, "common_prefix", lambda a, b, limit: min(true_prefix(a, b, limit) + 1, limit))
+    true_prefix = prefix_index.common_prefix
+    monkeypatch.setattr(prefix_index, "common_prefix", lambda a, b: min(true_prefix(a, b) + 1, len(b)))
     tokens, logprobs, _, _ = second_turn(target, random_draft)
     assert tokens != whole[0] or max(abs(a - b) for a, b in zip(logprobs, whole[1])) >= 1e-4
 
@@ -121,8 +155,68 @@ def test_tenants_never_start_from_each_others_context(target, same_tenant):
 def test_common_prefix_equals_the_first_difference():
     rng = torch.Generator().manual_seed(0)
     for _ in range(2000):
-        a = torch.randint(0, 3, (int(torch.randint(0, 40, (), generator=rng)),), generator=rng).tolist()
-        b = a[:int(torch.randint(0, len(a) + 1, (), generator=rng))] + torch.randint(0, 3, (5,), generator=rng).tolist()
-        limit = int(torch.randint(0, 50, (), generator=rng))
+        a = tuple(torch.randint(0, 3, (int(torch.randint(0, 40, (), generator=rng)),), generator=rng).tolist())
+        tail = tuple(torch.randint(0, 3, (5,), generator=rng).tolist())
+        b = a[:int(torch.randint(0, len(a) + 1, (), generator=rng))] + tail
         first_difference = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert runner_module.common_prefix(a, b, limit) == min(first_difference, limit)
+        assert prefix_index.common_prefix(a, b) == first_difference
+
+
+@pytest.fixture(scope="module")
+def long_target():
+    """The tiny model with a 4k-token context, for prompts of a 2k-token prefix."""
+    cfg = replace(tiny_config(), max_position=4096)
+    return LoadedModel("tiny-4k", build_model(cfg, random_hf_weights(cfg, 0), torch.float32, DEVICE),
+                       ByteTokenizer(cfg.vocab_size), cfg)
+
+
+PREFIX = [(7 * i + i // 9) % 60 + 2 for i in range(2048)]  # 32 blocks
+
+
+def _run_together(llm, prompts: list[list[int]], tenants: list[str], n: int = 1):
+    """Queue every prompt, then step until all finish; (their sequences, the most KV blocks held at once,
+    prompt tokens computed in all)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=n)
+    seqs = [s for prompt, tenant in zip(prompts, tenants) for s in llm.engine.add_group(prompt, params, tenant=tenant)]
+    most = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        most = max(most, llm.engine.runner.blocks_in_use())
+    computed = sum(len(s.prompt_ids) - s.metrics.num_cached_prompt_tokens for s in seqs if s.index == 0)
+    return seqs, most, computed
+
+
+@pytest.mark.parametrize("variant", ["shared", "copied", "off"])
+def test_four_requests_with_a_common_2k_prefix_compute_and_store_it_once(long_target, variant, monkeypatch):
+    """Four requests whose prompts start with the same 2,048 tokens: the prefix is computed once and held once
+    (32 blocks, beside each request's own last block), and the outputs are those computed alone. A cache that
+    copies found blocks instead of sharing them fails the count of blocks, one without prefix caching that of
+    tokens computed."""
+    if variant == "copied":
+        monkeypatch.setattr(KVCache, "share", lambda self, slot, blocks: [self.append_copy(slot, b) for b in blocks])
+    llm = LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, max_num_seqs=4,
+              prefix_caching=variant != "off")
+    prompts = [PREFIX + [i + 2] * 10 for i in range(4)]
+    seqs, most, computed = _run_together(llm, prompts, ["t"] * 4)
+    alone = [LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, prefix_caching=False)
+             .generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+             for p in prompts[:2]]
+    assert [s.output_ids for s in seqs[:2]] == alone
+    assert (computed == 2048 + 4 * 10) == (variant != "off")
+    assert (most == 32 + 4) == (variant == "shared")
+
+
+def test_n_samples_share_their_prompts_blocks(long_target):
+    llm = LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, max_num_seqs=4)
+    seqs, most, computed = _run_together(llm, [PREFIX + [5]], ["t"], n=4)
+    assert len(seqs) == 4 and most == 32 + 4 and computed == 2049
+
+
+@pytest.mark.parametrize("scoped", [True, False])
+def test_two_tenants_running_together_never_share_a_block(long_target, scoped, monkeypatch):
+    """Two API keys with the same prompt each compute it; an index that forgot the scope fails."""
+    if not scoped:
+        monkeypatch.setattr(prefix_index.PrefixIndex, "root", staticmethod(lambda scope: "everyone"))
+    llm = LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, max_num_seqs=4)
+    seqs, _, computed = _run_together(llm, [PREFIX + [5], PREFIX + [5]], ["alice", "bob"])
+    assert (computed == 2 * 2049) == scoped

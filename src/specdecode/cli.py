@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub) -> None:
     """`specdecode generate`."""
     gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to continue; - reads it from standard input")
     _add_model_args(gen, default_draft=DEFAULT_HEAD, otherwise=SERVED_FALLBACK)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
     _add_lookup_args(gen)

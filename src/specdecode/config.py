@@ -67,7 +67,7 @@ class EngineConfig:
     suffix_min_prob: float = 0.1  # a suffix draft stops where its frequency estimate falls below this
     suffix_cache_bytes: int = 256 << 20  # earlier outputs kept for suffix drafts, over all tenants
     suffix_cache_scope: str = "tenant"  # by API key and `user` (tenant), shared by all (global), or off (none)
-    # A prompt starts from the longest prefix a finished request of the same tenant left in a free slot
+    # A prompt starts from the KV blocks its tenant's requests (running or finished) computed for its longest prefix
     prefix_caching: bool = True
     memory_budget: str | int | None = None
     gpu_memory_utilization: float | None = 0.9

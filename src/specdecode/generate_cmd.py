@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from .cli import lookup_options
@@ -16,6 +17,8 @@ from .sampling import SamplingParams, StructuredOutput
 
 def validate_args(args) -> SamplingParams:
     """Fail fast, before loading gigabytes of weights."""
+    if args.prompt == "-":  # a prompt longer than a command-line argument may be (128 KiB on Linux)
+        args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty; pass some text to continue")
     if args.k < 0:

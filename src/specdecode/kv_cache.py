@@ -4,16 +4,22 @@ A slot takes blocks as its sequence grows and gives them back when it is truncat
 memory follows the tokens held: a 200-token request holds four blocks, not a slot of max_len tokens. The pool
 is one allocation whose pages the OS makes resident only as blocks are first written (a block is zeroed when
 taken); the blocks of a slot need not be contiguous. Rolling back rejected draft tokens is moving the length
-back (entries past it are overwritten later), and a block past the new length returns to the pool."""
+back (entries past it are overwritten later), and a block past the new length returns to the pool.
+
+A block may be in several slots' tables (counted references): sequences share the full blocks of a common
+prefix (prefix_index.py). Only a slot's block at its length is ever written, so that block is kept its own:
+where a truncation lands inside a block others hold, the slot gets a copy (copy on write)."""
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 import torch
 
 from .config import ModelConfig
 from .errors import SpecDecodeError
 from .executor.hugepages import huge_page_empty
+from .prefix_index import PrefixIndex
 
 # Tokens per block: a multiple of 32, the attention kernel's span of values weighed together
 # (docs/decisions.md#the-kv-cache-in-blocks)
@@ -49,6 +55,8 @@ class KVCache:
         self._free = list(range(num_slots - 1, -1, -1))
         # a heap: the lowest free block is taken first, so the pages in use stay few while few tokens are held
         self._free_blocks = list(range(self.num_blocks))
+        self._refs = [0] * self.num_blocks  # the tables holding each block
+        self.index = PrefixIndex(block_size)  # blocks found by their tokens; those no table holds are spare
 
     # ---- slots ---------------------------------------------------------------------------------------
     @property
@@ -70,22 +78,26 @@ class KVCache:
         """Allocate this free slot (its length and contents are the caller's to set)."""
         self._free.remove(slot)
 
-    def free(self, slot: int, keep_blocks: bool = False) -> None:
-        """The slot is free to allocate; its blocks go back to the pool, unless kept (a kept context: the
-        caller truncates it when the slot is handed out again or the blocks are wanted)."""
-        if keep_blocks:
-            self.lengths[slot] = 0
-        else:
-            self.truncate(slot, 0)
+    def free(self, slot: int) -> None:
+        """The slot is free to allocate; its blocks go back, the last first (registered ones stay findable)."""
+        self.truncate(slot, 0)
         self._free.append(slot)
 
     # ---- blocks --------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks a slot may take: unused ones and registered ones no slot holds."""
+        return len(self._free_blocks) + self.index.num_idle
+
+    def blocks_in_use(self) -> int:
+        """Distinct blocks that slots hold."""
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_held(self, slot: int) -> int:
         return len(self.tables[slot])
+
+    def references(self, block: int) -> int:
+        return self._refs[block]
 
     def reserve(self, slot: int, tokens: int) -> None:
         """Blocks for the slot's first `tokens` positions, no more (a forward writes up to there; blocks past them
@@ -94,36 +106,93 @@ class KVCache:
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
         self._release_past(slot, blocks_for(tokens, self.block_size))
         need = blocks_for(tokens, self.block_size) - len(self.tables[slot])
-        if need > len(self._free_blocks):
-            raise SpecDecodeError(f"the KV cache is out of blocks ({need} more needed, {len(self._free_blocks)} free "
+        if need > self.num_free_blocks:
+            raise SpecDecodeError(f"the KV cache is out of blocks ({need} more needed, {self.num_free_blocks} free "
                                   f"of {self.num_blocks}); wait for a request to finish")
         for _ in range(max(need, 0)):
-            block = heapq.heappop(self._free_blocks)
-            for layer in range(len(self.k)):
-                self.k[layer][block].zero_()
-                self.v[layer][block].zero_()
-            self.table[slot, len(self.tables[slot])] = block
-            self.tables[slot].append(block)
+            self._append(slot, self._new_block())
 
-    def truncate(self, slot: int, length: int) -> None:
-        """The slot holds its first `length` tokens (no copy); the blocks past them return to the pool."""
+    def share(self, slot: int, blocks: Iterable[int]) -> None:
+        """The slot's next blocks are these, held with whoever holds them."""
+        for block in blocks:
+            if self._refs[block] == 0 and self.index.is_registered(block):
+                self.index.busy(block)
+            self._refs[block] += 1
+            self._append(slot, block)
+
+    def append_copy(self, slot: int, block: int) -> None:
+        """The slot's next block is a copy of this one (whose first entries it continues from)."""
+        self._append(slot, self._new_block(like=block))
+
+    def truncate(self, slot: int, length: int, forget: bool = False) -> None:
+        """The slot holds its first `length` tokens (no copy); the blocks past them return to the pool (with
+        `forget`, those nobody else holds are no longer findable: they held rejected tokens), and the block
+        it writes next becomes its own."""
         self.lengths[slot] = length
-        self._release_past(slot, blocks_for(length, self.block_size))
+        self._release_past(slot, blocks_for(length, self.block_size), forget)
+        if length % self.block_size and length // self.block_size < len(self.tables[slot]):
+            self._own(slot, length // self.block_size)
 
-    def _release_past(self, slot: int, kept: int) -> None:
-        """The slot's blocks past its first `kept` go back to the pool."""
-        for block in self.tables[slot][kept:]:
-            heapq.heappush(self._free_blocks, block)
+    def _own(self, slot: int, i: int) -> None:
+        """The slot's i-th block is written by it alone: a copy where others hold it, else no longer findable."""
+        block = self.tables[slot][i]
+        if self._refs[block] > 1:
+            mine = self._new_block(like=block)
+            self._drop(block)
+            self.tables[slot][i] = mine
+            self.table[slot, i] = mine
+        elif self.index.is_registered(block):
+            self.index.unregister(block)
+
+    def _release_past(self, slot: int, kept: int, forget: bool = False) -> None:
+        """The slot's blocks past its first `kept` go back, the last first."""
+        for block in reversed(self.tables[slot][kept:]):
+            self._drop(block, forget)
         del self.tables[slot][kept:]
 
+    def _append(self, slot: int, block: int) -> None:
+        self.table[slot, len(self.tables[slot])] = block
+        self.tables[slot].append(block)
+
+    def _new_block(self, like: int | None = None) -> int:
+        """A block for one table: an unused one, else the registered block released longest ago; zeroed, or a
+        copy of `like`."""
+        block = heapq.heappop(self._free_blocks) if self._free_blocks else self.index.evict()
+        if block is None:
+            raise SpecDecodeError(f"the KV cache is out of blocks (all {self.num_blocks} are held)")
+        for part in self.k + self.v:
+            if like is None:
+                part[block].zero_()
+            else:
+                part[block].copy_(part[like])
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int, forget: bool = False) -> None:
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        if forget and self.index.is_registered(block):
+            self.index.unregister(block)
+        if self.index.is_registered(block):
+            self.index.idle(block)
+        else:
+            heapq.heappush(self._free_blocks, block)
+
+    def forget_registered(self) -> None:
+        """No block is findable by its tokens any more; those no slot holds go back to the pool."""
+        for block in self.index.clear():
+            heapq.heappush(self._free_blocks, block)
+
     def copy(self, source: int, dest: int) -> None:
-        """dest gets source's cached tokens (a shared prompt prefilled once)."""
+        """dest continues from source's cached tokens (a shared prompt prefilled once): it shares their full
+        blocks and copies the one they end in."""
         n = self.lengths[source]
-        self.reserve(dest, n)
-        for mine, theirs in zip(self.tables[dest], self.tables[source]):
-            for layer in range(len(self.k)):
-                self.k[layer][mine] = self.k[layer][theirs]
-                self.v[layer][mine] = self.v[layer][theirs]
+        self.truncate(dest, 0)
+        full, rest = divmod(n, self.block_size)
+        self.share(dest, self.tables[source][:full])
+        if rest:
+            self.append_copy(dest, self.tables[source][full])
         self.lengths[dest] = n
 
     # ---- entries -------------------------------------------------------------------------------------

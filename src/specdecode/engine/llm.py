@@ -93,8 +93,8 @@ class LLM:
 
     A draft model's LM head keeps `draft_vocab_size` token ids (None or 0: all of them), and it stops
     drafting after a token it gives less than `draft_confidence` probability (0: always drafts what the
-    policy asks); neither changes the output. With `prefix_caching`, a prompt starts from the longest
-    prefix that a finished request of the same tenant left in a free KV slot."""
+    policy asks); neither changes the output. With `prefix_caching`, a prompt starts from the KV blocks
+    that requests of the same tenant, running or finished, computed for its longest prefix."""
 
     @names_valid_options
     def __init__(self, model: str = C.model, speculative_model: str | None = C.speculative_model,

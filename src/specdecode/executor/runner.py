@@ -9,21 +9,25 @@ A slot's KV entries are written by `forward` but become context only when commit
 - `rollback(slot, n)` forgets everything past n (a pointer move, nothing is copied).
 Blocks past a slot's length go back to the pool (kv_cache.py), so memory follows the tokens held.
 
-With `reuse_prefixes`, a freed slot keeps its context: `allocate(tokens, scope)` hands out the free slot of
-the same scope whose context shares the longest prefix with `tokens`, that prefix already committed (a
-multi-turn chat's next turn computes only what is new). Scopes keep one tenant's context from shortening
-another's prefill, which would tell them what the other sent. A kept context holds its blocks until they are
-needed: then the context freed longest ago gives them back first.
+With `reuse_prefixes`, computed blocks are found again by their tokens (prefix_index.py): `allocate(tokens,
+scope)` starts a slot from the blocks of the same scope holding the longest prefix of `tokens`, the full ones
+shared with whoever holds them (a running request with the same system prompt, the `n` samples of a prompt)
+and a partly matching one copied (a finished turn's last block). Committed full blocks become findable at once,
+a finished sequence's last block when it is freed. Scopes keep one tenant's blocks from shortening another's
+prefill, which would tell them what the other sent. Blocks no slot holds stay findable until the pool needs
+them, the one released longest ago first.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
-from ..kv_cache import KVCache, blocks_for
+from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
+from ..prefix_index import PrefixIndex
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
 
@@ -52,9 +56,8 @@ class ModelRunner:
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
-        self._scope = [""] * num_slots
-        self._kept: dict[int, int] = {}  # free slot whose context may be reused -> when it was freed
-        self._frees = 0
+        self._scope: list[Hashable | None] = [None] * num_slots  # None: the slot's blocks are never findable
+        self._chain: list[list[int]] = [[] for _ in range(num_slots)]  # the prefix uid of each findable full block
 
     # ---- what the model is ----------------------------------------------------------------------
     @property
@@ -91,82 +94,71 @@ class ModelRunner:
         return self._cache.block_size
 
     def blocks_in_use(self) -> int:
-        """Blocks held by slots in use (kept contexts of free slots not counted: they give theirs back)."""
-        return sum(self._cache.blocks_held(s) for s in range(self.num_slots) if s not in self._cache.free_slots)
+        """Distinct blocks held by slots in use (blocks only the prefix index holds not counted: they are spare)."""
+        return self._cache.blocks_in_use()
 
-    def allocate(self, tokens: list[int] | None = None, scope: str = "") -> int:
-        """A free slot. With reuse_prefixes and the tokens it will hold: the kept slot of `scope` sharing
-        the longest prefix with them, that prefix committed (`length` says how long; the last token is
-        always left to compute, for its logits); else the slot freed longest ago, whose context is the
-        least likely to be asked for again."""
-        if not self.reuse_prefixes:
-            slot, reused = self._cache.allocate(), 0
-        else:
-            slot, reused = self._kept_prefix(tokens, scope)
-            if slot is None:
-                free = self._cache.free_slots or [self._cache.allocate()]  # none free: allocate() says so
-                slot = min(free, key=lambda s: self._kept.get(s, -1))
-            self._cache.take(slot)
-        self._hand_out(slot, reused)
-        self._scope[slot] = scope
+    def allocate(self, tokens: list[int] | None = None, scope: Hashable = "") -> int:
+        """A free slot. With reuse_prefixes and the tokens it will hold: starting from the computed blocks of
+        `scope` that hold the longest prefix of them (`length` says how long; the last token is always left to
+        compute, for its logits)."""
+        slot = self._cache.allocate()
+        self._start(slot, tokens, scope, len(tokens) - 1 if tokens else 0)
         return slot
 
-    def take(self, slot: int, keep: int) -> int:
-        """This free slot, continuing from at most `keep` positions of the context it kept (with
-        reuse_prefixes; else none): for a model whose slots follow another runner's. Returns how many
-        positions it continues from."""
-        kept = min(keep, len(self._tokens[slot])) if self.reuse_prefixes and slot in self._kept else 0
+    def take(self, slot: int, tokens: list[int], scope: Hashable, limit: int) -> int:
+        """This free slot, for a model whose slots follow another runner's, starting as allocate() does from at
+        most `limit` of `tokens`; how many positions it starts from."""
         self._cache.take(slot)
-        self._hand_out(slot, kept)
-        return kept
+        self._cache.truncate(slot, 0)
+        return self._start(slot, tokens, scope, limit)
 
-    def _hand_out(self, slot: int, kept: int) -> None:
-        self._kept.pop(slot, None)
-        self._cache.truncate(slot, kept)
-        self._written[slot] = kept
-        del self._tokens[slot][kept:]
+    def _start(self, slot: int, tokens: list[int] | None, scope: Hashable, limit: int) -> int:
+        self._scope[slot] = scope
+        found = self._cache.index.match(scope, tokens, limit) if self.reuse_prefixes and tokens else None
+        if found is not None:
+            self._cache.share(slot, (entry.block for entry in found.shared))
+            if found.partial is not None:
+                self._cache.append_copy(slot, found.partial.block)
+        n = found.length(self.block_size) if found is not None else 0
+        self._chain[slot] = [entry.uid for entry in found.shared] if found is not None else []
+        self._tokens[slot] = list(tokens[:n]) if n else []
+        self._cache.lengths[slot] = self._written[slot] = n
+        return n
 
-    def cached_prefix(self, tokens: list[int], scope: str = "") -> int:
+    def cached_prefix(self, tokens: list[int], scope: Hashable = "") -> int:
         """How many of `tokens` allocate(tokens, scope) would find computed already."""
-        return self._kept_prefix(tokens, scope)[1] if self.reuse_prefixes else 0
-
-    def _kept_prefix(self, tokens: list[int] | None, scope: str) -> tuple[int | None, int]:
-        best, best_length = None, 0
-        for slot in self._kept if tokens else ():
-            if self._scope[slot] == scope:
-                length = common_prefix(self._tokens[slot], tokens, len(tokens) - 1)
-                if length > best_length:
-                    best, best_length = slot, length
-        return best, best_length
+        if not self.reuse_prefixes or not tokens:
+            return 0
+        return self._cache.index.match(scope, tokens, len(tokens) - 1).length(self.block_size)
 
     def free(self, slot: int) -> None:
-        if self.reuse_prefixes:  # the context stays, blocks and all, until reused or its blocks are needed
-            self._cache.truncate(slot, self._cache.lengths[slot])
-            del self._tokens[slot][self._cache.lengths[slot]:]
-            self._frees += 1
-            self._kept[slot] = self._frees
-            self._cache.free(slot, keep_blocks=True)
-        else:
-            self._cache.free(slot)
+        """The slot's blocks go back, its last one findable too (a next turn continues from it)."""
+        self._publish(slot, self._cache.lengths[slot], last=True)
+        self._cache.free(slot)
         self._written[slot] = 0
+        self._tokens[slot], self._chain[slot], self._scope[slot] = [], [], None
+
+    def _publish(self, slot: int, length: int, last: bool = False) -> None:
+        """The slot's full blocks within its first `length` positions become findable (and, with `last`, the
+        block they end in), each under the prefix before it."""
+        if not self.reuse_prefixes or self._scope[slot] is None:
+            return
+        size, chain, tokens = self.block_size, self._chain[slot], self._tokens[slot]
+        ends = [(i + 1) * size for i in range(len(chain), length // size)]
+        if last and length % size and len(chain) == length // size:
+            ends.append(length)
+        for end in ends:
+            parent = chain[-1] if chain else PrefixIndex.root(self._scope[slot])
+            begin = len(chain) * size
+            uid = self._cache.index.register(parent, tuple(tokens[begin:end]), self._cache.tables[slot][len(chain)])
+            if end - begin == size:
+                chain.append(uid)
 
     def forget_prefixes(self) -> None:
-        """No freed slot's context is reused from now on (until slots are freed again); their blocks go back."""
-        for slot in self._kept:
-            self._cache.truncate(slot, 0)
-        self._kept.clear()
-
-    def _reserve(self, slot: int, tokens: int) -> None:
-        """Blocks for the slot's first `tokens` positions, taken back from kept contexts, the one freed longest
-        ago first, where the pool has too few."""
-        need = blocks_for(tokens, self.block_size) - self._cache.blocks_held(slot)
-        for kept in sorted(self._kept, key=self._kept.get):
-            if need <= self._cache.num_free_blocks:
-                break
-            self._cache.truncate(kept, 0)
-            del self._tokens[kept][:]
-            del self._kept[kept]
-        self._cache.reserve(slot, tokens)
+        """No computed block is found again from now on (until more are committed)."""
+        self._cache.forget_registered()
+        for chain in self._chain:
+            chain.clear()
 
     def length(self, slot: int) -> int:
         """Committed tokens of the slot: the context its next forward continues."""
@@ -177,29 +169,34 @@ class ModelRunner:
         if not self._cache.lengths[slot] <= length <= self._written[slot]:
             raise ValueError(f"slot {slot}: cannot commit {length} tokens (committed "
                              f"{self._cache.lengths[slot]}, written {self._written[slot]})")
-        self._cache.truncate(slot, length)
-        self._written[slot] = length
-        del self._tokens[slot][length:]
+        self._cut(slot, length)
+        self._publish(slot, length)
 
     def rollback(self, slot: int, length: int) -> None:
         """Forget everything past `length` tokens."""
-        self._cache.truncate(slot, length)
+        self._cut(slot, length, forget=True)
+
+    def _cut(self, slot: int, length: int, forget: bool = False) -> None:
+        self._cache.truncate(slot, length, forget)
         self._written[slot] = length
         del self._tokens[slot][length:]
+        del self._chain[slot][length // self.block_size:]
 
     def copy_slot(self, source: int, dest: int) -> None:
-        """dest continues from source's committed tokens (n outputs of one prompt share its prefill)."""
-        self._reserve(dest, self._cache.lengths[source])
+        """dest continues from source's committed tokens (n outputs of one prompt share its prefill, and its
+        full blocks)."""
         self._cache.copy(source, dest)
-        self._written[dest] = self._cache.lengths[dest]
-        self._tokens[dest] = self._tokens[source][:self._written[dest]]
+        n = self._written[dest] = self._cache.lengths[dest]
+        self._tokens[dest] = self._tokens[source][:n]
+        self._scope[dest] = self._scope[source]
+        self._chain[dest] = self._chain[source][:n // self.block_size]
 
     def assume_cached(self, slot: int, length: int) -> None:
         """Treat `length` positions as context without computing them: for timing forwards, where the
         cost does not depend on what the cache holds (no token matches them later)."""
-        self._reserve(slot, length)
+        self._cache.reserve(slot, length)
         self._cache.lengths[slot] = self._written[slot] = length
-        self._tokens[slot] = [-1] * length
+        self._tokens[slot], self._scope[slot] = [-1] * length, None
 
     # ---- the forward -----------------------------------------------------------------------------------
     def forward(self, slots: list[int], inputs: list[list[int]], logits: str = "last", hidden: bool | str = False,
@@ -260,7 +257,7 @@ class ModelRunner:
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
         for slot, start, n in zip(slots, starts, lengths):
-            self._reserve(slot, start + n)
+            self._cache.reserve(slot, start + n)
         out = None
         if self._fixed is not None and features is None:
             out = self._fixed(slots, starts, inputs, logits, hidden)
@@ -297,19 +294,3 @@ def fixed_shapes_by_default(model: Transformer) -> bool:
     """Graphs on a GPU, for a model that has not been told to run eagerly and whose forward never waits on the
     host (a mixture of experts groups its rows by expert on the host)."""
     return model.device.type == "cuda" and getattr(model, "capture_graphs", False) and not model.cfg.num_experts
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """The length of the longest common prefix of a and b, at most limit. Bisects with slice comparisons
-    (element loops in C): admission and the draft's catch-up estimate compare thousands of tokens per slot."""
-    n = max(0, min(len(a), len(b), limit))
-    if a[:n] == b[:n]:
-        return n
-    same, differs = 0, n  # a[:same] == b[:same]; a[:differs] != b[:differs]
-    while differs - same > 1:
-        mid = (same + differs) // 2
-        if a[same:mid] == b[same:mid]:
-            same = mid
-        else:
-            differs = mid
-    return same

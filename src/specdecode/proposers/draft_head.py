@@ -7,9 +7,10 @@ after drafting the cache is rolled back to the rows built from the target's real
 step's feedback brings those for the accepted tokens. Sampling, the confidence stop, grammars and the
 draft probabilities returned for verification are the draft model's (the base class).
 
-The head's slots are the target's: a sequence drafts in the head slot numbered as its target slot, so
-when prefix caching hands a new prompt a finished sequence's slot, the head's rows and the features it
-had not read yet are there beside the target's kept prefix (`keep_prefix`)."""
+The head's slots are numbered as the target's. With prefix caching its rows are found again as the target's
+blocks are (executor/runner.py), by the tokens they read: row p read the target's features at p, which
+follow from the tokens up to p, and token p + 1, so the head's blocks are found by the tokens from the
+second on, in a scope of the tenant and the first token (`keep_prefix`)."""
 from __future__ import annotations
 
 import os
@@ -45,7 +46,6 @@ class DraftHeadProposer(DraftModelProposer):
         self._features: dict[str, list[torch.Tensor]] = {}  # request id -> target features not yet read
         self._estimates: dict[int, torch.Tensor] = {}  # batch row -> the head's last estimated features
         self._real_rows: dict[str, int] = {}  # request id -> head cache rows built from the target's features
-        self._left: dict[int, tuple[int, torch.Tensor]] = {}  # free slot -> (its rows, features left unread)
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "DraftHeadProposer":
@@ -62,15 +62,12 @@ class DraftHeadProposer(DraftModelProposer):
         return cls(head, loaded, setup.timer, setup.config.draft_confidence)
 
     def keep_prefix(self, seq, kept: int) -> int:
-        """Of the `kept` prompt tokens the target's slot holds, the head holds rows up to the first n - 1
-        (row p read token p + 1, which the new prompt may change at n) and, where its rows all hold, the
-        features it had not read below n; the target's prefill starts where these end."""
-        rows = self.runner.take(seq.slot, max(kept - 1, 0))
+        """Of the `kept` prompt tokens the target found computed, the rows the head finds computed for a prefix
+        of them (each row needs the target's features at its position, which the target computes only past
+        what it keeps): the target's prefill starts where these end."""
+        inputs = seq.token_ids[1:]  # row p pairs with token p + 1
+        rows = self.runner.take(seq.slot, inputs, (seq.tenant, seq.token_ids[0]), min(kept, len(inputs)))
         self._slots[seq.request_id] = seq.slot
-        start, unread = self._left.pop(seq.slot, (-1, None))
-        if start == rows and unread is not None and kept > rows:
-            self._features[seq.request_id] = [unread[:kept - rows]]
-            return rows + min(len(unread), kept - rows)
         return rows
 
     def _slot(self, seq) -> int:
@@ -145,12 +142,6 @@ class DraftHeadProposer(DraftModelProposer):
         """Nothing to do: drafting already rolled back to the rows built from real features."""
 
     def release(self, seq) -> None:
-        unread, slot = self._features.pop(seq.request_id, None), self._slots.get(seq.request_id)
-        if unread and slot is not None and self.runner.reuse_prefixes:  # a next turn may continue the slot
-            self._left[slot] = (self.runner.length(slot), torch.cat(unread))
+        self._features.pop(seq.request_id, None)
         self._real_rows.pop(seq.request_id, None)
         super().release(seq)
-
-    def forget_prefixes(self) -> None:
-        self._left.clear()
-        super().forget_prefixes()
