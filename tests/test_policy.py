@@ -5,6 +5,7 @@ import pytest
 from conftest import run_as_one_batch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.config import AdaptiveOptions
 from specdecode.engine.policy import AdaptivePolicy, CostTable, TargetCost, make_policy
 
 
@@ -669,5 +670,25 @@ def test_plain_decoding_is_measured_again_less_often_where_drafting_clears_the_b
     the decision is close every 32."""
     clear_plain, clear_score = _plain_steps(0.001)
     close_plain, close_score = _plain_steps(0.025)
-    assert clear_score > AdaptivePolicy.CLEAR_MARGIN > close_score > 1
+    assert clear_score > AdaptiveOptions().clear_margin > close_score > 1
     assert clear_plain <= 3 and close_plain >= 6
+
+
+def test_the_adaptive_knobs_reach_the_policy_from_llm_the_cli_and_ray_s_plain_data(target):
+    """One dataclass holds the knobs: LLM(adaptive=...), serve's --adaptive flags and the dict Ray ships all set
+    the policy's; an unknown knob is refused with the valid ones, by LLM and by the CLI."""
+    from specdecode.cli import build_parser
+    from specdecode.config import EngineConfig
+    from specdecode.server.serve_cmd import llm_options
+
+    llm = LLM(target=target, num_speculative_tokens=3, adaptive={"min_gain": 0.3, "prior_acceptance": 0.5})
+    policy = llm.engine.policy
+    assert policy.min_gain == 0.3 and policy.estimator.prior_acceptance == 0.5
+    assert policy.probe_budget == AdaptiveOptions().probe_budget  # the rest keep their defaults
+    with pytest.raises(SpecDecodeError, match="unknown adaptive policy option.*min_gainz.*valid: min_gain"):
+        LLM(target=target, adaptive={"min_gainz": 1})
+    args = build_parser().parse_args(["serve", "--adaptive", "min_gain=0.25", "--adaptive", "refresh_plain_every=64"])
+    shipped = llm_options(args)  # plain data, as Ray sends it to a replica
+    assert EngineConfig(**shipped).adaptive == AdaptiveOptions(min_gain=0.25, refresh_plain_every=64)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--adaptive", "min_gainz=1"])

@@ -221,8 +221,9 @@ def test_server_mode_passes_valid_serve_flags():
                                      "forced_accept": True}]})
     runner = ServerRunner(config, config.cells)
     parsed = {c.label: build_parser().parse_args(["serve"] + runner.serve_args(c)) for c in config.cells}
-    assert parsed["plain"].k == 0 and parsed["plain"].max_num_seqs == 4
+    assert parsed["plain"].num_speculative_tokens == 0 and parsed["plain"].max_num_seqs == 4
     draft = parsed["draft k=3 off above 2 forced-accept"]
-    assert (draft.draft, draft.k, draft.policy, draft.speculative_disable_by_batch_size, draft.forced_accept) == \
+    assert (draft.speculative_model, draft.num_speculative_tokens, draft.speculation_policy,
+            draft.speculative_disable_by_batch_size, draft.forced_accept) == \
         ("qwen2.5-coder-0.5b", 3, "disable_by_batch_size", 2, True)
-    assert parsed["ngram k=3 off above 2 forced-accept"].draft == "ngram"
+    assert parsed["ngram k=3 off above 2 forced-accept"].speculative_model == "ngram"

@@ -63,7 +63,8 @@ def main() -> None:
     print("|---|---:|---:|---|---:|")
     for caching, r in results.items():
         ttfts = " / ".join(f"{t:.2f}" for t in r["ttft_s"])
-        print(f"| {'on' if caching else 'off'} | {r['computed']:,} | {r['most_blocks']} | {ttfts} | {r['wall_s']:.1f} |")
+        state = "on" if caching else "off"
+        print(f"| {state} | {r['computed']:,} | {r['most_blocks']} | {ttfts} | {r['wall_s']:.1f} |")
     same = results[True]["outputs"] == results[False]["outputs"]
     print(f"greedy outputs equal with and without: {same}")
     if not same:

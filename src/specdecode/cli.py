@@ -4,81 +4,123 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from dataclasses import fields
 
-from .config import KV_CACHE_DTYPES, LOOKUPS, POLICIES, QUANTIZATIONS, SUFFIX_SCOPES
+from .config import KV_CACHE_DTYPES, QUANTIZATIONS, AdaptiveOptions
 from .config import EngineConfig as C  # every engine default, written once there
 from .distill.recipe import GPU_RECIPE, Recipe
 from .errors import SpecDecodeError
-from .models.sources import BUNDLED, DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET, SERVED_FALLBACK
+from .models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
 
 R = Recipe()  # every distill default, written once there
 
 
-def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False,
-                    default_draft: str = DEFAULT_DRAFT, otherwise: str | None = None) -> None:
-    p.add_argument("--model", default=DEFAULT_TARGET,
-                   help=f"target: {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder or a hub id")
+def _help(name: str) -> str:
+    """An engine option's help, as config.py gives it."""
+    return next(f.metadata["help"] for f in fields(C) if f.name == name).replace("%", "%%")
+
+
+def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) -> None:
+    """The model flags of `plan` and `bench latency`: their draft-model rows draft with the bundled 0.5B, and
+    `bench latency` measures several backends and confidence thresholds in one run."""
+    p.add_argument("--model", default=C.model, help=_help("model"))
     p.add_argument("--draft", default=None,
-                   help=f"draft model or proposer kind, e.g. ngram, suffix, head:PATH (default {default_draft} "
-                        f"with the default target{f', {otherwise} otherwise' if otherwise else ''})")
-    p.add_argument("--device", default=C.device, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=C.dtype, help="auto (bf16 on CUDA / bf16-capable CPUs), float32, bfloat16")
-    _add_draft_args(p, several_backends)
-    _add_quantization_args(p, several_backends)
-    p.add_argument("--max-model-len", type=int, default=C.max_model_len,
-                   help="tokens a sequence holds, prompt and output (default: the model's context)")
-
-
-def _add_draft_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--draft-vocab-size", type=int, default=C.draft_vocab_size,
-                   help="the draft's LM head keeps this many lowest token ids + special tokens (0 = full "
-                        "vocabulary; lower ids are the more frequent byte-pair merges)")
-    p.add_argument("--draft-confidence", type=float,
-                   default=[0.0, C.draft_confidence] if several else C.draft_confidence,
-                   nargs="+" if several else None,
-                   help=("thresholds to measure, each with its own rows; " if several else "") +
-                        "the draft stops drafting after a token it gives less probability than this "
-                        "(0 = always draft as many as the policy asks)")
-
-
-def _add_quantization_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+                   help=f"draft model or proposer kind, e.g. ngram, suffix, head:PATH (default {DEFAULT_DRAFT} "
+                        f"with the default target)")
+    p.add_argument("--device", default=C.device, help=_help("device"))
+    p.add_argument("--dtype", default=C.dtype, help=_help("dtype"))
+    p.add_argument("--draft-vocab-size", type=int, default=C.draft_vocab_size, help=_help("draft_vocab_size"))
+    several = {"nargs": "+"} if several_backends else {}
+    p.add_argument("--draft-confidence", type=float, **several,
+                   default=[0.0, C.draft_confidence] if several_backends else C.draft_confidence,
+                   help=("thresholds to measure, each with its own rows; " if several else "")
+                   + _help("draft_confidence"))
     p.add_argument("--quantization", default=[C.quantization] if several else C.quantization, choices=QUANTIZATIONS,
-                   nargs="+" if several else None,
-                   help=("backends to measure, each with its own plain row; " if several else "") +
-                        "target weights: auto = the block kernel where it builds with SIMD (w4a8, w4a16 for models "
-                        "under 200M layer parameters; bf16/float on CUDA or without it), none = floating weights in "
-                        "--dtype, w4a8 = the GGUF's block formats as stored (Q4_0..Q8_0, Q3_K..Q6_K) with int8 "
-                        "activations per 32, w4a16 = the same weights with activations in two int8 passes (~15 bits), "
-                        "w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = every weight as "
-                        "Q8_0, w8a16 = int8 weights, bf16 activations")
+                   **several, help=("backends to measure, each with its own plain row; " if several else "") +
+                   _help("quantization"))
+    _add_draft_and_cache_formats(p)
+    p.add_argument("--max-model-len", type=int, default=C.max_model_len, help=_help("max_model_len"))
+
+
+def _add_draft_and_cache_formats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", default=C.draft_quantization, choices=QUANTIZATIONS,
-                   help="the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)")
-    p.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="KV cache entries: auto = float16 where the CPU attention kernel reads them (half the bytes "
-                        "that attention over a long context streams), else the activations' dtype")
+                   help=_help("draft_quantization"))
+    p.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES, help=_help("kv_cache_dtype"))
 
 
-def _add_lookup_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt-lookup", nargs="?", const="ngram", default=C.prompt_lookup or "none",
-                   choices=[*LOOKUPS, "none"],
-                   help="adaptive policy: may also take a sequence's drafts from this lookup (ngram, or suffix: "
-                        "long drafts from the sequence's text and the tenant's earlier outputs) where that "
-                        "predicts more goodput than the drafter; none: the drafter's alone")
-    p.add_argument("--suffix-max-tokens", type=int, default=C.suffix_max_tokens,
-                   help="suffix speculation: the longest draft")
-    p.add_argument("--suffix-cache-bytes", type=int, default=C.suffix_cache_bytes,
-                   help="suffix speculation: bytes of earlier outputs kept, over all tenants (least recently "
-                        "used go first)")
-    p.add_argument("--suffix-cache-scope", default=C.suffix_cache_scope, choices=SUFFIX_SCOPES,
-                   help="who may draft from whose earlier outputs: tenant (same API key and user), global, "
-                        "none")
+def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """EngineConfig's fields as flags, their help, choices and defaults read from config.py (their one place)."""
+    for f in fields(C):
+        if f.name not in skip:
+            p.add_argument(*_flag_names(f), **_flag_spec(f))
 
 
-def lookup_options(args) -> dict:
-    """EngineConfig's lookup fields from the flags _add_lookup_args adds."""
-    return {"prompt_lookup": None if args.prompt_lookup == "none" else args.prompt_lookup,
-            "suffix_max_tokens": args.suffix_max_tokens,
-            "suffix_cache_bytes": args.suffix_cache_bytes, "suffix_cache_scope": args.suffix_cache_scope}
+def _flag_names(f) -> tuple[str, ...]:
+    dashed = f.name.replace("_", "-")
+    if f.type == "bool" and f.default:
+        return (f"--no-{dashed}",)
+    return f.metadata.get("flags", (f"--{dashed}",))
+
+
+def _flag_spec(f) -> dict:
+    meta = f.metadata
+    spec = {"dest": f.name, "help": meta["help"].replace("%", "%%")}
+    if f.name == "adaptive":
+        knobs = ", ".join(f"{k.name}={k.default}" for k in fields(AdaptiveOptions))
+        return spec | {"type": _adaptive_knob, "action": "append", "default": [], "metavar": "KNOB=VALUE",
+                       "help": spec["help"] + f"; repeatable, of: {knobs}"}
+    if f.type == "bool":
+        return spec | {"action": "store_false" if f.default else "store_true"}
+    default = meta["none"] if f.default is None and "none" in meta else f.default
+    kind = f.type.split(" |")[0]
+    spec |= {"default": default, "type": {"int": int, "float": float}.get(kind, str)}
+    if kind in ("int", "float") and "nargs" not in meta:
+        spec["metavar"] = "N" if kind == "int" else "X"
+    if "choices" in meta:
+        spec["choices"] = [*meta["choices"], *([meta["none"]] if "none" in meta else [])]
+    spec |= {key: meta[key] for key in ("nargs", "const") if key in meta}
+    if default is not None:
+        spec["help"] += " (default: %(default)s)"
+    return spec
+
+
+def options_table() -> str:
+    """EngineConfig's fields as a Markdown table (docs/usage.md holds it; tools/options_table.py writes it there)."""
+    rows = ["| `LLM` option | `generate` / `serve` flag | default | what it does |", "|---|---|---|---|"]
+    for f in fields(C):
+        default = "AdaptiveOptions()" if f.name == "adaptive" else repr(f.default)
+        flags = " ".join(f"`{flag}`" for flag in _flag_names(f))
+        if f.name in GENERATE_FIXED:
+            flags += " (`serve`)"
+        rows.append(f"| `{f.name}` | {flags} | `{default}` | {f.metadata['help'].replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def engine_options(args, skip: tuple[str, ...] = ()) -> dict:
+    """EngineConfig's fields from the flags _engine_flags made (a word that stands for None back to None)."""
+    options = {}
+    for f in fields(C):
+        if f.name in skip:
+            continue
+        value = getattr(args, f.name)
+        if f.name == "adaptive":
+            value = dict(value)
+        elif "none" in f.metadata and value == f.metadata["none"]:
+            value = None
+        options[f.name] = value
+    return options
+
+
+def _adaptive_knob(text: str) -> tuple[str, int | float]:
+    """One --adaptive KNOB=VALUE, checked against the policy's knobs."""
+    types = {f.name: f.type for f in fields(AdaptiveOptions)}
+    knob, equals, value = text.partition("=")
+    if not equals or knob not in types:
+        raise argparse.ArgumentTypeError(f"expected KNOB=VALUE with one of: {', '.join(types)}")
+    try:
+        return knob, (int if types[knob] == "int" else float)(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{knob} takes a number ({types[knob]}), got {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,81 +137,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags of `generate` that are not the engine's to set: it runs one sequence
+GENERATE_FIXED = ("max_num_seqs",)
+
+
 def _add_generate(sub) -> None:
     """`specdecode generate`."""
     gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
     gen.add_argument("prompt", help="the text to continue; - reads it from standard input")
-    _add_model_args(gen, default_draft=DEFAULT_HEAD, otherwise=SERVED_FALLBACK)
+    _engine_flags(gen, skip=GENERATE_FIXED)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
-    _add_lookup_args(gen)
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=C.num_speculative_tokens, dest="k",
-                     help="the most tokens drafted per step (the adaptive policy may draft fewer, or none)")
-    gen.add_argument("--policy", default=C.speculation_policy, choices=POLICIES,
-                     help="adaptive: k per step by expected goodput; fixed: always k")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--json-schema", default=None, metavar="JSON_OR_FILE",
-                     help="structured output: the text must be JSON following this schema (inline or a file)")
-    gen.add_argument("--regex", default=None, help="structured output: the text must match this regex")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling = gen.add_argument_group("sampling (default: greedy, so that the output is the target's own choice "
+                                      "and speculation's speedup shows against it; the API's temperature is 1)")
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--presence-penalty", type=float, default=0.0)
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0)
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling.add_argument("--json-schema", default=None, metavar="JSON_OR_FILE",
+                          help="structured output: the text must be JSON following this schema (inline or a file)")
+    sampling.add_argument("--regex", default=None, help="structured output: the text must match this regex")
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--max-tokens", type=int, default=128)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--compare", action="store_true",
                      help="also run plain decoding on the same engine; print speedup and predicted speedup")
-    gen.add_argument("--forced-accept", action="store_true", help="upper-bound measurement (lossy)")
 
 
 def _add_serve(sub) -> None:
     """`specdecode serve` (and its Ray Serve scale-out)."""
     serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
-    serve.add_argument("--model", default=DEFAULT_TARGET)
-    serve.add_argument("--speculative-model", "--draft", dest="draft", default=None,
-                       help=f"draft model or proposer kind (default {DEFAULT_HEAD} with the default target, "
-                            f"{SERVED_FALLBACK} otherwise)")
-    serve.add_argument("--num-speculative-tokens", "-k", dest="k", type=int, default=C.num_speculative_tokens)
-    serve.add_argument("--policy", default=C.speculation_policy, choices=POLICIES)
-    serve.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
-    _add_lookup_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=C.max_num_seqs, help="most sequences decoded at once")
-    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                       help="compute every prompt whole (by default a prompt starts from the longest prefix that a "
-                            "finished request of the same API key and user left in a free sequence slot)")
-    serve.add_argument("--max-waiting-requests", type=int, default=64,
-                       help="requests that may wait for a free sequence slot; beyond them the server answers 429 "
-                            "with Retry-After")
-    serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
-                       help="larger request bodies are refused (413) before they are read")
-    serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                       help="cancel a request that runs longer (504); a request may ask for less with 'timeout'")
-    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                       help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest "
-                            "are cancelled")
-    serve.add_argument("--max-model-len", type=int, default=C.max_model_len,
-                       help="tokens a sequence holds, prompt and output (default: the model's context)")
-    serve.add_argument("--memory-budget", default=None,
-                       help="bytes for weights + KV caches, e.g. 6GiB; fewer sequence slots if they do not fit")
-    serve.add_argument("--gpu-memory-utilization", type=float, default=C.gpu_memory_utilization,
-                       help="on CUDA without --memory-budget: the fraction of GPU memory to plan with")
-    serve.add_argument("--device", default=C.device)
-    serve.add_argument("--prefill-chunk-tokens", type=int, default=C.prefill_chunk_tokens, metavar="N",
-                       help="a longer prompt arriving while others decode is prefilled N tokens a step beside them "
-                            "(0: whole, the others waiting; default: 64 on a CPU, 2048 on a GPU)")
-    serve.add_argument("--enforce-eager", action="store_true",
-                       help="on CUDA: run every forward eagerly instead of replaying CUDA graphs (slower)")
-    serve.add_argument("--dtype", default=C.dtype)
-    _add_draft_args(serve)
-    _add_quantization_args(serve)
-    serve.add_argument("--forced-accept", action="store_true",
-                       help="benchmarks only: accept every draft token (an upper bound; output is NOT the target's)")
+    _engine_flags(serve)
+    http = serve.add_argument_group("the server")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=None)
+    http.add_argument("--max-waiting-requests", type=int, default=64,
+                      help="requests that may wait for a free sequence slot; beyond them the server answers 429 "
+                           "with Retry-After")
+    http.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                      help="larger request bodies are refused (413) before they are read")
+    http.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                      help="cancel a request that runs longer (504); a request may ask for less with 'timeout'")
+    http.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                      help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest "
+                           "are cancelled")
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
     ray.add_argument("--ray", action="store_true", help="serve with engine replicas on Ray Serve behind one endpoint")
     ray.add_argument("--replicas", type=int, default=2, help="engine replicas (without autoscaling bounds)")
@@ -334,7 +349,8 @@ def _add_studies(bench_sub) -> None:
     conc.add_argument("--requests-per-client", type=int, default=2)
     conc.add_argument("--min-requests", type=int, default=4)
     conc.add_argument("--rounds", type=int, default=1, help="measure each cell this many times, pooled")
-    _add_quantization_args(conc)
+    conc.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS, help=_help("quantization"))
+    _add_draft_and_cache_formats(conc)
     conc.add_argument("--vs-llama-server", metavar="BIN_DIR", default=None,
                       help="also drive llama.cpp's llama-server from this folder (plain, and with the draft model) "
                            "on the same GGUF files through the same load generator")

@@ -1,7 +1,7 @@
 """Names shared without importing torch (the CLI offers them), and the model architecture description."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 # Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
 # without importing torch.
@@ -37,49 +37,121 @@ DEFAULT_HEAD = "head:qwen2.5-coder-1.5b"
 PREFILL_CHUNK_TOKENS = {"cpu": 64, "cuda": 2048}
 
 
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """The adaptive policy's knobs, each explained where the policy uses it (engine/policy/adaptive.py and
+    acceptance.py). They change how fast the engine is, never what it outputs."""
+
+    min_gain: float = 0.1  # drafting must beat plain decoding's predicted goodput by this fraction
+    refresh_plain_every: int = 32  # speculative steps between plain steps that re-measure plain decoding
+    clear_margin: float = 1.25  # where a decision clears the bar this far, plain is re-measured 4x less often
+    could_pay_refresh: int = 8  # steps between two checks whether drafting could pay at a batch size
+    catch_up_horizon: int = 16  # steps within which a draft's catch-up must pay for itself
+    probe_trials: float = 4.0  # below this much evidence on the first draft position, drafting is probed
+    probe_budget: float = 0.02  # the fraction of decoding time that probes leading nowhere may cost...
+    probe_allowance: float = 0.5  # ... beyond this many seconds
+    optimistic_acceptance: float = 0.95  # no probe where drafting would not pay even at this acceptance
+    prior_acceptance: float = 0.7  # the first draft token's acceptance before any is measured
+    acceptance_smoothing: float = 0.1  # per step, on a sequence's first-position outcome
+    acceptance_recovery: float = 0.02  # per step without drafting, back towards the prior
+    depth_smoothing: float = 0.01  # per outcome, on the pooled deeper positions
+
+    @classmethod
+    def of(cls, value: "AdaptiveOptions | dict | None") -> "AdaptiveOptions":
+        """From a dict of some of the knobs (the rest default); an unknown one is refused with the valid ones."""
+        from .errors import SpecDecodeError
+
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise SpecDecodeError(f"unknown adaptive policy option(s) {', '.join(unknown)}; valid: {', '.join(names)}")
+        return cls(**value)
+
+
+def option(default, help: str, **cli):
+    """An EngineConfig field: its one default and its help, which `LLM`'s check, the CLI's flags (cli.py) and the
+    options table in docs/usage.md all read. cli: how the flag differs from the plain `--field-name VALUE`
+    (flags, choices, nargs, const, `none`: the word the command line uses for None)."""
+    if isinstance(default, AdaptiveOptions):
+        return field(default_factory=AdaptiveOptions, metadata={"help": help, **cli})
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
-    """Every engine option with its one default, checked when made. `LLM` takes these as keyword
-    arguments; the CLI's and the server's flags default to them, and Ray ships them to its replicas."""
+    """Every engine option with its one default and help, checked when made. `LLM` takes these as keyword
+    arguments; `generate`'s and `serve`'s flags are made from them, and Ray ships them to its replicas."""
 
-    model: str = DEFAULT_TARGET
-    speculative_model: str | None = None  # a draft model or a proposer kind ("ngram", "head:PATH", ...)
-    num_speculative_tokens: int = DEFAULT_K
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "auto"
-    max_model_len: int | None = None  # tokens a sequence holds (prompt + output); None: the model's context
-    max_num_seqs: int = 8
-    forced_accept: bool = False
-    ngram_prompt_lookup_max: int = 3
-    ngram_prompt_lookup_min: int = 1
-    draft_vocab_size: int | None = DRAFT_VOCAB_SIZE
-    draft_confidence: float = DRAFT_CONFIDENCE
-    quantization: str = "auto"
-    draft_quantization: str = "auto"
-    kv_cache_dtype: str = "auto"
-    speculation_policy: str = "adaptive"
-    speculative_disable_by_batch_size: int | None = None
-    # A lookup proposer the adaptive policy may take a sequence's drafts from instead of the drafter (None:
-    # none; not on by default: on a chat with nothing to copy, copies of the prompt's own words displace the
-    # head's better drafts, see docs/decisions.md#suffix-drafts-beside-the-head-off-by-default).
-    prompt_lookup: str | None = None
-    suffix_max_tokens: int = 32  # the longest suffix-speculation draft
-    suffix_min_prob: float = 0.1  # a suffix draft stops where its frequency estimate falls below this
-    suffix_cache_bytes: int = 256 << 20  # earlier outputs kept for suffix drafts, over all tenants
-    suffix_cache_scope: str = "tenant"  # by API key and `user` (tenant), shared by all (global), or off (none)
-    # A prompt starts from the KV blocks its tenant's requests (running or finished) computed for its longest prefix
-    prefix_caching: bool = True
-    memory_budget: str | int | None = None
-    gpu_memory_utilization: float | None = 0.9
-    # on CUDA: every forward eager, no CUDA graphs (slower; for debugging, or a model a graph gets wrong)
-    enforce_eager: bool = False
-    # a prompt longer than this, arriving while others decode, is prefilled this many tokens a step beside them
-    # (0: whole, the others' streams waiting; None: PREFILL_CHUNK_TOKENS for the device)
-    prefill_chunk_tokens: int | None = None
+    model: str = option(DEFAULT_TARGET, "the target: a bundled name, a .gguf file, a checkpoint folder or a hub id")
+    speculative_model: str | None = option(
+        None, "the drafter: a draft model (bundled name, .gguf, folder, hub id) or a proposer kind (ngram, suffix, "
+              "head:PATH); the commands' default: the bundled head with the default target, else a lookup",
+        flags=("--speculative-model", "--draft"))
+    num_speculative_tokens: int = option(DEFAULT_K, "the most tokens drafted per sequence and step (the adaptive "
+                                                    "policy may draft fewer, or none)",
+                                         flags=("-k", "--num-speculative-tokens"))
+    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu)")
+    dtype: str = option("auto", "activations: auto (bf16 on CUDA and bf16-capable CPUs), float32, bfloat16")
+    max_model_len: int | None = option(None, "tokens a sequence holds, prompt and output (default: the model's "
+                                             "context)")
+    max_num_seqs: int = option(8, "most sequences decoded at once")
+    forced_accept: bool = option(False, "benchmarks only: accept every draft token (an upper bound; the output is "
+                                        "NOT the target's)")
+    ngram_prompt_lookup_max: int = option(3, "n-gram lookup: the longest n tried")
+    ngram_prompt_lookup_min: int = option(1, "n-gram lookup: the shortest n tried")
+    # docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary
+    draft_vocab_size: int | None = option(DRAFT_VOCAB_SIZE, "the draft's LM head keeps this many lowest token ids "
+                                                            "and the special tokens (0: the whole vocabulary)")
+    draft_confidence: float = option(DRAFT_CONFIDENCE, "the draft stops after a token it gives less probability "
+                                                       "than this (0: always drafts what the policy asks)")
+    quantization: str = option(
+        "auto", "target weights: auto = the block kernel where it builds with SIMD (w4a8; w4a16 under 200M layer "
+                "parameters; bf16/float on CUDA or without it), none = floating weights in dtype, w4a8 = the GGUF's "
+                "block formats as stored with int8 activations, w4a16 = the same with activations in two int8 "
+                "passes, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = every weight "
+                "as Q8_0, w8a16 = int8 weights with bf16 activations", choices=QUANTIZATIONS)
+    draft_quantization: str = option("auto", "the same for the draft model (auto: w4a8-all where the kernel "
+                                             "builds, else as the target)", choices=QUANTIZATIONS)
+    kv_cache_dtype: str = option("auto", "KV cache entries: auto = float16 where the CPU attention kernel reads "
+                                         "them, else the activations' dtype", choices=KV_CACHE_DTYPES)
+    speculation_policy: str = option("adaptive", "adaptive: k per sequence and step by expected goodput; fixed: "
+                                                 "always k; disable_by_batch_size: vLLM's rule",
+                                     choices=POLICIES, flags=("--policy", "--speculation-policy"))
+    speculative_disable_by_batch_size: int | None = option(None, "disable_by_batch_size: draft while at most this "
+                                                                 "many sequences run")
+    # Not on by default: on a chat with nothing to copy, copies of the prompt's own words displace the head's
+    # better drafts (docs/decisions.md#suffix-drafts-beside-the-head-off-by-default).
+    prompt_lookup: str | None = option(
+        None, "the adaptive policy may also take a sequence's drafts from this lookup (ngram, or suffix: long "
+              "drafts from the sequence's text and the tenant's earlier outputs) where that predicts more goodput "
+              "than the drafter", choices=LOOKUPS, nargs="?", const="ngram", none="none")
+    suffix_max_tokens: int = option(32, "suffix speculation: the longest draft")
+    suffix_min_prob: float = option(0.1, "suffix speculation: a draft stops where its frequency estimate falls "
+                                         "below this")
+    suffix_cache_bytes: int = option(256 << 20, "suffix speculation: bytes of earlier outputs kept, over all "
+                                                "tenants (least recently used go first)")
+    suffix_cache_scope: str = option("tenant", "who may draft from whose earlier outputs: tenant (same API key "
+                                               "and user), global, none", choices=SUFFIX_SCOPES)
+    prefix_caching: bool = option(True, "a prompt starts from the KV blocks that requests of its tenant, running "
+                                        "or finished, computed for its longest prefix")
+    memory_budget: str | int | None = option(None, "bytes for weights and KV caches, e.g. 6GiB (fewer sequence slots "
+                                             "if they do not fit)")
+    gpu_memory_utilization: float | None = option(0.9, "on CUDA without a memory budget: the fraction of GPU "
+                                                       "memory to plan with")
+    enforce_eager: bool = option(False, "on CUDA: every forward eager, no CUDA graphs (slower; for debugging)")
+    # docs/decisions.md#chunked-prefill-beside-decoding
+    prefill_chunk_tokens: int | None = option(None, "a longer prompt arriving while others decode is prefilled "
+                                                    "this many tokens a step beside them (0: whole, the others "
+                                                    "waiting; default: 64 on a CPU, 2048 on a GPU)")
+    adaptive: AdaptiveOptions = option(AdaptiveOptions(), "the adaptive policy's knobs (AdaptiveOptions, or a dict "
+                                                          "of some of them): speed only, never the output")
 
     def __post_init__(self):
         from .errors import SpecDecodeError
 
+        self.adaptive = AdaptiveOptions.of(self.adaptive)
         problems = []
         if not 0 <= self.num_speculative_tokens < MAX_VERIFY_WIDTH:
             problems.append(f"num_speculative_tokens (-k) must be in [0, {MAX_VERIFY_WIDTH - 1}], got "

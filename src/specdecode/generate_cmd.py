@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from .cli import lookup_options
+from .cli import GENERATE_FIXED, engine_options
 from .config import LOSSY_NOTE
 from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
@@ -21,9 +21,9 @@ def validate_args(args) -> SamplingParams:
         args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty; pass some text to continue")
-    if args.k < 0:
-        raise SpecDecodeError(f"-k must be >= 0 (0 = plain decoding), got {args.k}")
-    if args.ngram and args.draft:
+    if args.num_speculative_tokens < 0:
+        raise SpecDecodeError(f"-k must be >= 0 (0 = plain decoding), got {args.num_speculative_tokens}")
+    if args.ngram and args.speculative_model:
         raise SpecDecodeError("choose one proposer: --draft MODEL or --ngram, not both")
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -50,13 +50,9 @@ def structured_output(args) -> StructuredOutput | None:
 
 def run_generate(args) -> int:
     params = validate_args(args)
-    proposer = "ngram" if args.ngram else served_draft(args.model, args.draft)
-    llm = LLM(args.model, proposer, args.k, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len, max_num_seqs=1, forced_accept=args.forced_accept,
-              draft_vocab_size=args.draft_vocab_size or None, draft_confidence=args.draft_confidence,
-              quantization=args.quantization,
-              draft_quantization=args.draft_quantization, kv_cache_dtype=args.kv_cache_dtype,
-              speculation_policy=args.policy, **lookup_options(args))
+    options = engine_options(args, skip=GENERATE_FIXED)
+    options["speculative_model"] = "ngram" if args.ngram else served_draft(args.model, args.speculative_model)
+    llm = LLM(**options, max_num_seqs=1)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     if args.compare:
@@ -64,8 +60,10 @@ def run_generate(args) -> int:
         _warm_up(llm, prompt)
     spec = _timed(llm, prompt, params)
     print(spec.output.outputs[0].text)
-    k = f"k={llm.engine.k}" if args.policy == "fixed" else f"{args.policy} policy, k_max={llm.engine.k}"
+    k = f"k={llm.engine.k}" if args.speculation_policy == "fixed" else \
+        f"{args.speculation_policy} policy, k_max={llm.engine.k}"
     lookup = f" + {llm.config.prompt_lookup} lookup" if len(llm.engine.proposers) > 1 else ""
+    proposer = options["speculative_model"]
     label = f"{'n-gram' if args.ngram else proposer}{lookup}, {k}" if proposer else "none"
     print(f"\n== speculative decoding (proposer: {label}) ==")
     _print_stats(spec)

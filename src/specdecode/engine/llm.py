@@ -66,9 +66,10 @@ def per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None, pr
 
 
 def names_valid_options(init):
-    """An unknown keyword is refused with the valid ones named (and the nearest, where one is close), instead of
-    Python's bare "unexpected keyword argument"."""
-    valid = [name for name in inspect.signature(init).parameters if name != "self"]
+    """Options beyond the signature's are EngineConfig's fields; an unknown one is refused with the valid ones
+    named (and the nearest, where one is close), instead of Python's bare "unexpected keyword argument"."""
+    valid = [name for name in inspect.signature(init).parameters if name not in ("self", "options")]
+    valid += [f.name for f in fields(EngineConfig) if f.name not in valid]
 
     @functools.wraps(init)
     def checked(self, *args, **options):
@@ -79,6 +80,7 @@ def names_valid_options(init):
             raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))} for LLM{hints}; the options are: "
                             f"{', '.join(valid)}")
         return init(self, *args, **options)
+    checked.valid_options = valid
     return checked
 
 
@@ -98,26 +100,13 @@ class LLM:
 
     @names_valid_options
     def __init__(self, model: str = C.model, speculative_model: str | None = C.speculative_model,
-                 num_speculative_tokens: int = C.num_speculative_tokens, *, device: str | None = C.device,
-                 dtype: str = C.dtype, max_model_len: int = C.max_model_len, max_num_seqs: int = C.max_num_seqs,
-                 forced_accept: bool = C.forced_accept, ngram_prompt_lookup_max: int = C.ngram_prompt_lookup_max,
-                 ngram_prompt_lookup_min: int = C.ngram_prompt_lookup_min,
-                 draft_vocab_size: int | None = C.draft_vocab_size, draft_confidence: float = C.draft_confidence,
-                 quantization: str = C.quantization, draft_quantization: str = C.draft_quantization,
-                 kv_cache_dtype: str = C.kv_cache_dtype, speculation_policy: str = C.speculation_policy,
-                 speculative_disable_by_batch_size: int | None = C.speculative_disable_by_batch_size,
-                 prompt_lookup: str | None = C.prompt_lookup, suffix_max_tokens: int = C.suffix_max_tokens,
-                 suffix_min_prob: float = C.suffix_min_prob, suffix_cache_bytes: int = C.suffix_cache_bytes,
-                 suffix_cache_scope: str = C.suffix_cache_scope, prefix_caching: bool = C.prefix_caching,
-                 memory_budget: str | int | None = C.memory_budget,
-                 gpu_memory_utilization: float | None = C.gpu_memory_utilization,
-                 enforce_eager: bool = C.enforce_eager, prefill_chunk_tokens: int | None = C.prefill_chunk_tokens,
-                 progress: bool = True,
-                 target: LoadedModel | None = None, draft: LoadedModel | None = None):
-        given = locals()
-        self.config = config = EngineConfig(**{f.name: given[f.name] for f in fields(EngineConfig)})
+                 num_speculative_tokens: int = C.num_speculative_tokens, *, progress: bool = True,
+                 target: LoadedModel | None = None, draft: LoadedModel | None = None, **options):
+        """options: EngineConfig's other fields (config.py: each with its default and what it does)."""
+        self.config = config = EngineConfig(model=model, speculative_model=speculative_model,
+                                            num_speculative_tokens=num_speculative_tokens, **options)
         policy = make_policy(config.speculation_policy, config.num_speculative_tokens,
-                             config.speculative_disable_by_batch_size)
+                             config.speculative_disable_by_batch_size, config.adaptive)
         self.target = target or load_model(config.model, config.device, config.dtype, progress, config.quantization,
                                             kv_cache_dtype=config.kv_cache_dtype)
         self.tokenizer = self.target.tokenizer

@@ -5,7 +5,7 @@ import signal
 import threading
 import time
 
-from ..cli import lookup_options
+from ..cli import engine_options
 from ..config import LOSSY_NOTE, EngineConfig
 from ..engine.llm import LLM
 from ..errors import SpecDecodeError
@@ -16,18 +16,11 @@ from .async_engine import AsyncEngine
 
 def llm_options(args) -> dict:
     """LLM(...)'s arguments from serve's flags, checked: plain data, so that Ray can ship them to replicas."""
-    draft = served_draft(args.model, args.draft) if args.k else None  # k = 0: no draft to load or plan for
-    return EngineConfig(
-        model=args.model, speculative_model=draft, num_speculative_tokens=args.k, device=args.device,
-        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        prefix_caching=args.prefix_caching,
-        quantization=args.quantization, draft_quantization=args.draft_quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        draft_vocab_size=args.draft_vocab_size, draft_confidence=args.draft_confidence,
-        speculation_policy=args.policy, speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        memory_budget=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-        forced_accept=args.forced_accept, enforce_eager=args.enforce_eager,
-        prefill_chunk_tokens=args.prefill_chunk_tokens, **lookup_options(args)).as_dict()
+    options = engine_options(args)
+    # k = 0: no draft to load or plan for
+    options["speculative_model"] = served_draft(args.model, args.speculative_model) \
+        if args.num_speculative_tokens else None
+    return EngineConfig(**options).as_dict()
 
 
 def run_serve(args) -> int:
@@ -82,7 +75,7 @@ def run_serve(args) -> int:
             raise SpecDecodeError(f"the HTTP server did not start on {args.host}:{args.port} (is the port free?)")
         time.sleep(0.05)
     threading.Thread(target=lambda: (http.join(), engine.stop()), daemon=True).start()
-    print(f"serving {args.model} (draft: {draft or 'none'}, policy: {args.policy}) on http://{args.host}:{args.port}/v1",
+    print(f"serving {args.model} (draft: {draft or 'none'}, policy: {args.speculation_policy}) on http://{args.host}:{args.port}/v1",
           flush=True)
     engine.run()
     return 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...config import AdaptiveOptions
+
 PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
 
 
@@ -61,12 +63,12 @@ class AcceptanceEstimator:
     reach is tracked apart (`reach`), because a draft token costs its forward and its verify row whether
     or not it is accepted."""
 
-    prior_acceptance: float = 0.7  # before anything is measured; see population_acceptance
-    acceptance_smoothing: float = 0.1  # per step, on the first draft position's outcome
+    prior_acceptance: float = AdaptiveOptions.prior_acceptance  # before anything is measured; see population_acceptance
+    acceptance_smoothing: float = AdaptiveOptions.acceptance_smoothing  # per step, on the first position's outcome
     # While a sequence does not draft, its estimate drifts back towards the prior by this fraction per
     # step, so a sequence that turned easy is probed again (a probe costs one draft forward).
-    acceptance_recovery: float = 0.02
-    depth_smoothing: float = 0.01
+    acceptance_recovery: float = AdaptiveOptions.acceptance_recovery
+    depth_smoothing: float = AdaptiveOptions.depth_smoothing
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> P(first draft token accepted)
     depth: dict[int, tuple[float, float]] = field(default_factory=dict)
     # position l >= 2 -> discounted (drafted, tried) given that position l-1 was drafted and l allowed

@@ -6,27 +6,25 @@ earlier in its text may take its drafts from there instead: they cost no draft f
 verification, which keeps speculation worthwhile at batch sizes where the draft model no longer pays."""
 from __future__ import annotations
 
-from ...config import DEFAULT_K
+from ...config import DEFAULT_K, AdaptiveOptions
 from .acceptance import AcceptanceEstimator
 from .base import DraftDecision, Lookup, Policy
 from .costs import CostModel, StepPrice
 
 
 class AdaptivePolicy(Policy):
-    """estimator_options: AcceptanceEstimator's fields (priors, smoothing)."""
+    """options: its knobs (config.AdaptiveOptions; the estimator's priors and smoothing among them)."""
 
     name = "adaptive"
-    COULD_PAY_REFRESH = 8  # steps between two checks whether drafting could pay at a batch size
-    CLEAR_MARGIN = 1.25  # a decision this far above the bar re-measures plain decoding less often
     wants_draft_costs = True
     chooses_proposers = True
 
-    def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, min_gain: float = 0.1,
-                 refresh_plain_every: int = 32, catch_up_horizon: int = 16, probe_trials: float = 4.0,
-                 probe_budget: float = 0.02, probe_allowance: float = 0.5, optimistic_acceptance: float = 0.95,
-                 **estimator_options):
+    def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None,
+                 options: AdaptiveOptions | None = None):
         super().__init__(k_max)
-        self.estimator = AcceptanceEstimator(**estimator_options)
+        options = options or AdaptiveOptions()
+        self.estimator = AcceptanceEstimator(options.prior_acceptance, options.acceptance_smoothing,
+                                             options.acceptance_recovery, options.depth_smoothing)
         self.costs = costs or CostModel()
         # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
         # noisy, and near break-even a wrong "yes" for many sequences at once (their verify rows, their
@@ -34,32 +32,33 @@ class AdaptivePolicy(Policy):
         # run high for a path seen once. A lone sequence drafting by the model needs only to beat plain
         # decoding: its decision is re-made every step from its own outcomes, and the margin mostly kept it
         # plain after a few misses through stretches where drafting paid (docs/decisions.md#the-bar-for-drafting).
-        self.min_gain = min_gain
+        self.min_gain = options.min_gain
         # Every this many speculative steps, one plain step re-measures plain decoding's cost; four times as
-        # many where the last decision cleared the bar by CLEAR_MARGIN (an error that large in the plain
+        # many where the last decision cleared the bar by clear_margin (an error that large in the plain
         # cost would be needed to change it), since each such step gives up what a draft would have added.
-        self.refresh_plain_every = refresh_plain_every
+        self.refresh_plain_every = options.refresh_plain_every
+        self.clear_margin = options.clear_margin
         # A catch-up must pay for itself within this many steps: drafting may well stop again before the
         # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
-        self.catch_up_horizon = catch_up_horizon
+        self.catch_up_horizon = options.catch_up_horizon
         # Below this much pooled evidence on the first draft position (in trials, faded while nobody
         # drafts; see AcceptanceEstimator), drafting is probed on one sequence instead of trusting the
         # estimate: one early rejection must not switch speculation off for good.
-        self.probe_trials = probe_trials
+        self.probe_trials = options.probe_trials
         # Probes that do not lead to drafting may cost at most this fraction of the time spent decoding
         # (a probe's cost: its step's seconds beyond a plain step's). At batch 8 a probe step (a draft
         # forward, often a catch-up, and verify rows) costs ~1.6 plain ones, and probing whenever the
         # evidence was thin spent 18% of an agent-loop run there without ever leading to drafting. A probe
         # after which the policy drafts by the model is refunded: at batch 1 the probe is what pays a new
         # request's catch-up, and drafting then goes on (budgeted, new requests there decoded plainly).
-        self.probe_budget = probe_budget
+        self.probe_budget = options.probe_budget
         # ... beyond a first probe_allowance seconds: at start-up there is no decoding time to take 2% of, and
         # one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
         # good draft off for the next dozens of steps.
-        self.probe_allowance = probe_allowance
+        self.probe_allowance = options.probe_allowance
         # No probe where drafting would not pay even if the draft's first token were accepted this often
         # (catch-ups aside): at a batch size where the measured costs rule drafting out, a probe can only lose.
-        self.optimistic_acceptance = optimistic_acceptance
+        self.optimistic_acceptance = options.optimistic_acceptance
         self._probe_seconds = 0.0  # what probes that did not convert have cost
         self._decode_seconds = 0.0
         self._probing = False
@@ -73,6 +72,7 @@ class AdaptivePolicy(Policy):
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
         self._last_score = 0.0  # the last decision's predicted goodput over the bar
+        self.could_pay_refresh = options.could_pay_refresh  # steps between two works of 'could drafting pay here'
         self._could_pay: dict[int, tuple[int, bool]] = {}  # batch size -> (steps since worked out, answer)
 
     def _probe_limit(self) -> float:
@@ -100,7 +100,7 @@ class AdaptivePolicy(Policy):
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
-        refresh_every = self.refresh_plain_every * (4 if self._last_score > self.CLEAR_MARGIN else 1)
+        refresh_every = self.refresh_plain_every * (4 if self._last_score > self.clear_margin else 1)
         if self._spec_steps_since_plain >= refresh_every:
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
@@ -137,8 +137,8 @@ class AdaptivePolicy(Policy):
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
         sequence's one-off cost, which a probe accepts (and refunds once drafting follows). The answer
         moves only as the measured costs do, so it is worked out again every few steps, not every step."""
-        age, answer = self._could_pay.get(n, (self.COULD_PAY_REFRESH, False))
-        if age >= self.COULD_PAY_REFRESH:
+        age, answer = self._could_pay.get(n, (self.could_pay_refresh, False))
+        if age >= self.could_pay_refresh:
             age, answer = 0, self._good_drafts_would_pay(n)
         self._could_pay[n] = (age + 1, answer)
         return answer
