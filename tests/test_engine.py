@@ -174,6 +174,28 @@ def test_a_step_says_what_it_did(target):
     assert out.counters.num_draft_tokens == 0 and out.counters.num_steps == 0 and out.batch_size == 0
 
 
+def test_each_step_gives_each_sequence_its_new_tokens_and_logprobs(target):
+    """Read step by step, what each step gave each sequence adds up to its output: tokens, logprobs (the n
+    samples each their own), and the finish reason in the step that finished it, none before."""
+    llm = _llm(target, draft=target, k=3)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True, logprobs=1, n=2)
+    seqs = engine.add_group([1, 2, 3], params) + engine.add_group([4, 5], SamplingParams(temperature=0, max_tokens=5))
+    given = {id(s): ([], [], []) for s in seqs}
+    while engine.has_unfinished():
+        for update in engine.step().outputs:
+            tokens, logprobs, reasons = given[id(update.seq)]
+            assert update.token_ids
+            tokens += update.token_ids
+            logprobs += update.logprobs or []
+            reasons.append(update.finish_reason)
+    for seq in seqs:
+        tokens, logprobs, reasons = given[id(seq)]
+        assert tokens == seq.output_ids and reasons[-1] == seq.finish_reason and not any(reasons[:-1])
+        assert logprobs == (seq.logprobs or [])
+    assert len(given[id(seqs[0])][1]) == 9 and given[id(seqs[0])][0] != given[id(seqs[1])][0]
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_requests_arriving_during_a_prefill_decode_with_it_from_the_first_step(target, broken):
     """A step that admits while nothing decodes ends after the prefill, so three requests that arrive while the

@@ -119,6 +119,13 @@ class RequestMetrics:
 
 
 @dataclass
+class Span:
+    """One timed call's seconds (StepTimer.measure yields it)."""
+
+    seconds: float = 0.0
+
+
+@dataclass
 class StepTimer:
     """Wall time and call counts of the target's decode forwards and the draft's forwards (for the cost ratio
     c). A draft forward that still reads a prompt is the draft's prefill, counted apart as the target's
@@ -139,10 +146,13 @@ class StepTimer:
 
     @contextmanager
     def measure(self, which: str):
-        """Time one call; `which` is "target", "draft", "draft_prefill" (forward passes) or "propose"."""
+        """Time one call, added to the totals and given to the caller as the yielded span's `seconds`; `which` is
+        "target", "draft", "draft_prefill" (forward passes) or "propose"."""
+        span = Span()
         start = now()
-        yield
-        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + now() - start)
+        yield span
+        span.seconds = now() - start
+        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + span.seconds)
         if which != "propose":
             setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + 1)
 

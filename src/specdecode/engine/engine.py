@@ -19,7 +19,7 @@ from .admission import BlockBudget
 from .policy import DraftDecision, Policy, make_policy
 from .prefill import ChunkedPrefill, Prefilling
 from .sequence import Sequence, check_token_ids
-from .step import StepOutput
+from .step import SequenceUpdate, StepOutput
 
 
 class Engine(Prefilling):
@@ -49,6 +49,7 @@ class Engine(Prefilling):
         self.running: list[Sequence] = []
         self.prefill_chunk = prefill_chunk
         self.prefilling: list[ChunkedPrefill] = []  # admitted, prompt partly computed, oldest first
+        self._given: dict[int, tuple[Sequence, int]] = {}  # this step: a sequence given tokens -> where they begin
         self.totals = SpecCounters()
         self.blocks = BlockBudget(runner, lambda: self.k)
 
@@ -113,17 +114,15 @@ class Engine(Prefilling):
         at once, and requests that arrived meanwhile are admitted in time to decode with them from the first
         decoding step (with others decoding, waiting a prefill out would hold up their tokens)."""
         out = StepOutput()
+        self._given = {}
         was_decoding = self._busy()
-        out.updated = self._admit()
+        admitted = self._admit()
         decoding = [s for s in self.running if not s.finished]
-        if decoding and (was_decoding or not out.updated):
+        if decoding and (was_decoding or not admitted):
             self._decode_step(decoding, out)
-            admitted = {id(s) for s in out.updated}
-            out.updated += [s for s in decoding if id(s) not in admitted]
         if self.prefilling and was_decoding:
-            prefilled = self._prefill_chunk()
-            if prefilled is not None:
-                out.updated.append(prefilled)
+            self._prefill_chunk()
+        out.outputs = [SequenceUpdate.since(seq, start) for seq, start in self._given.values()]
         out.finished = [s for s in self.running if s.finished]
         for seq in out.finished:
             self._release(seq)
@@ -236,11 +235,9 @@ class Engine(Prefilling):
         drafts, seconds = DraftBatch.empty(len(seqs)), None
         if any(main_ks):
             catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, main_ks) if k)
-            before = self.timer.propose_time
-            with self.timer.measure("propose"):
+            with self.timer.measure("propose") as span:
                 drafts = self.proposer.propose(seqs, main_ks, [s.feedback for s in seqs])
-            seconds = self._draft_round_seconds(self.timer.propose_time - before, max(main_ks), catch_up,
-                                                drafts.round_seconds)
+            seconds = self._draft_round_seconds(span.seconds, max(main_ks), catch_up, drafts.round_seconds)
         for i, (k, lookup) in enumerate(zip(decision.ks, decision.by_lookup)):
             if k and lookup:
                 drafts.tokens[i], drafts.probs[i] = previews[i].tokens[:k], None
@@ -263,4 +260,5 @@ class Engine(Prefilling):
         return max(0, min(k, seq.remaining_tokens - 1, self.max_model_len - seq.num_tokens))
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        self._given.setdefault(id(seq), (seq, seq.num_output_tokens))  # where this step's tokens begin
         seq.append(tokens, logprobs, self.tokenizer, self.max_model_len)

@@ -56,9 +56,9 @@ class Prefilling:
         """Whether sequences decode or a prompt is being prefilled in chunks."""
         return bool(self.prefilling) or self._decoding()
 
-    def _prefill_chunk(self) -> Sequence | None:
+    def _prefill_chunk(self) -> None:
         """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
-        more); the sequence once its prompt is done and its first token sampled."""
+        more); once the prompt is done, its first token is sampled and the sequence decodes from the next step."""
         task = self.prefilling[0]
         seq, prompt, done = task.seq, task.seq.prompt_ids, self.runner.length(task.seq.slot)
         alone = not self._decoding() and len(self.prefilling) == 1
@@ -68,11 +68,10 @@ class Prefilling:
         if hidden is not None:
             task.hidden.append(hidden)
         if end < len(prompt):
-            return None
+            return
         self.prefilling.pop(0)
         self.running.append(seq)
         self._finish_prefill([seq], logits, torch.cat(task.hidden) if task.hidden else None, task.cached)
-        return seq
 
     def _reusable_prompt(self, seq: Sequence) -> list[int] | None:
         """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy

@@ -108,10 +108,9 @@ class DraftModelProposer(Proposer):
     def _forward(self, slots: list[int], inputs: list[list[int]], prefill: bool = False, **extra):
         """One timed draft forward (logits of each sequence's last input); the inputs become context."""
         which = "draft_prefill" if prefill else "draft"
-        before = getattr(self.timer, f"{which}_time")
-        with self.timer.measure(which):
+        with self.timer.measure(which) as span:
             out = self.runner.forward(slots, inputs, logits="last", **extra)
-        self._round_seconds.append(getattr(self.timer, f"{which}_time") - before)
+        self._round_seconds.append(span.seconds)
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out

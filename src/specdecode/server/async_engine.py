@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
 from ..engine.sequence import Sequence
-from ..engine.step import StepOutput
+from ..engine.step import SequenceUpdate, StepOutput
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, TokenLogprob
 from .metrics import ServerMetrics
@@ -62,7 +62,6 @@ class RequestHandle:
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     seqs: list[Sequence] = field(default_factory=list)  # its n outputs, once the engine has them
     sent_chars: list[int] = field(default_factory=list)
-    sent_tokens: list[int] = field(default_factory=list)
     opened: set[int] = field(default_factory=set)  # outputs whose first update is out
     closed: set[int] = field(default_factory=set)  # outputs whose final update is out
 
@@ -218,7 +217,6 @@ class AsyncEngine:
                 try:
                     handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params, handle.tenant)
                     handle.sent_chars = [0] * len(handle.seqs)
-                    handle.sent_tokens = [0] * len(handle.seqs)
                     self._outputs.update((id(seq), (handle, i)) for i, seq in enumerate(handle.seqs))
                 except Exception as exc:
                     handle.push(Update("", True, error=exc))
@@ -236,9 +234,9 @@ class AsyncEngine:
 
     def _publish(self, out: StepOutput) -> None:
         """Stream what the step gave the sequences it names; a request whose outputs have all finished leaves."""
-        for seq in out.updated:
-            if id(seq) in self._outputs:
-                self._publish_output(*self._outputs[id(seq)], seq)
+        for update in out.outputs:
+            if id(update.seq) in self._outputs:
+                self._publish_output(*self._outputs[id(update.seq)], update)
         for seq in out.finished:
             self._outputs.pop(id(seq), None)
         still_active = [handle for handle in self._active if not handle.finished]
@@ -246,19 +244,19 @@ class AsyncEngine:
         self._active = still_active
         self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
 
-    def _publish_output(self, handle: RequestHandle, i: int, seq: Sequence) -> None:
-        """New text of output i, with the logprobs of every token generated since its last update."""
+    def _publish_output(self, handle: RequestHandle, i: int, update: SequenceUpdate) -> None:
+        """New text of output i, with the logprobs of the tokens the step gave it."""
         if i in handle.closed:
             return
+        seq = update.seq
         text = self._streamable_text(seq)[handle.sent_chars[i]:]
-        logprobs = seq.logprobs[handle.sent_tokens[i]:] if seq.logprobs is not None else []
+        logprobs = update.logprobs or []
         if text or logprobs or seq.finished:
             handle.push(Update(text, seq.finished, seq.finish_reason, index=i, logprobs=logprobs,
                                prompt_logprobs=None if i in handle.opened else seq.prompt_logprobs,
                                num_tokens=seq.num_output_tokens,
                                spec=seq.metrics.as_dict() if seq.finished else None, replica=self.replica))
             handle.sent_chars[i] += len(text)
-            handle.sent_tokens[i] += len(logprobs)
             handle.opened.add(i)
             if seq.finished:
                 handle.closed.add(i)
