@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/specdecode generate --chat --compare --max-tokens 128 "$(PROMPT)"
 
-# Everything: the linter, fast unit tests first, then the kernel and backend tests again on the portable scalar build of the
+# Everything: the linter and formatter check, fast unit tests first, then the kernel and backend tests again on the portable scalar build of the
 # native kernels (the reference every SIMD path is checked against), then the real-model tests, then Ray Serve.
 KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_elementwise_kernels.py tests/test_attention_kernel.py \
 	tests/test_experts_kernel.py
@@ -27,6 +27,7 @@ KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_ele
 test: SHELL := /bin/bash
 test: setup
 	time $(VENV)/bin/ruff check src tests tools
+	time $(VENV)/bin/ruff format --check src tests tools
 	time $(PY) -m pytest -q -m "not real_model and not ray"
 	time SPECDECODE_KERNELS=scalar $(PY) -m pytest -q $(KERNEL_TESTS)
 	time $(PY) -m pytest -q -m real_model

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random Llama/Qwen2 models with a byte-level tokenizer, for fast engine tests."""
+
 from __future__ import annotations
 
 import os
@@ -31,13 +32,28 @@ def kernel_builds(amx_tiles: bool = False) -> list:
 
     flags = cpu_flags()
     amx, avx2 = {"amx_int8", "avx512_vnni"} <= flags, {"avx2", "fma"} <= flags
-    return ["native",
-            *([pytest.param("avx512", marks=pytest.mark.skipif(
-                not amx, reason="no AMX here: native is the AVX-512 (or AVX2) path, tested as such"))]
-              if amx_tiles else []),
-            pytest.param("avx2", marks=pytest.mark.skipif(
-                not avx2, reason="this CPU has no AVX2/FMA: the AVX2 path is tested on CPUs that have it")),
-            "scalar"]
+    return [
+        "native",
+        *(
+            [
+                pytest.param(
+                    "avx512",
+                    marks=pytest.mark.skipif(
+                        not amx, reason="no AMX here: native is the AVX-512 (or AVX2) path, tested as such"
+                    ),
+                )
+            ]
+            if amx_tiles
+            else []
+        ),
+        pytest.param(
+            "avx2",
+            marks=pytest.mark.skipif(
+                not avx2, reason="this CPU has no AVX2/FMA: the AVX2 path is tested on CPUs that have it"
+            ),
+        ),
+        "scalar",
+    ]
 
 
 class ByteTokenizer:
@@ -62,12 +78,30 @@ class ByteTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
-def tiny_config(arch: str = "qwen2", vocab: int = VOCAB, layers: int = 2, hidden: int = 64,
-                intermediate: int | None = None, **features) -> ModelConfig:
+def tiny_config(
+    arch: str = "qwen2",
+    vocab: int = VOCAB,
+    layers: int = 2,
+    hidden: int = 64,
+    intermediate: int | None = None,
+    **features,
+) -> ModelConfig:
     """features: ModelConfig's family fields (experts, windows, q/k norms...)."""
-    return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                       num_layers=layers, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
-                       max_position=256, qkv_bias=arch == "qwen2", tie_word_embeddings=False, **features)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position=256,
+        qkv_bias=arch == "qwen2",
+        tie_word_embeddings=False,
+        **features,
+    )
 
 
 def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[str, torch.Tensor]:
@@ -79,8 +113,11 @@ def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[
         return torch.randn(*shape, generator=g) * scale
 
     d, kv, hidden = cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head, cfg.hidden_size
-    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, hidden) * 6, "model.norm.weight": 1 + rand(hidden),
-         "lm_head.weight": rand(cfg.vocab_size, hidden) * 3}
+    w = {
+        "model.embed_tokens.weight": rand(cfg.vocab_size, hidden) * 6,
+        "model.norm.weight": 1 + rand(hidden),
+        "lm_head.weight": rand(cfg.vocab_size, hidden) * 3,
+    }
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, hidden)
@@ -106,8 +143,11 @@ def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[
 
 
 def _mlp_weights(rand, prefix: str, hidden: int, inter: int) -> dict[str, torch.Tensor]:
-    return {prefix + "gate_proj.weight": rand(inter, hidden), prefix + "up_proj.weight": rand(inter, hidden),
-            prefix + "down_proj.weight": rand(hidden, inter)}
+    return {
+        prefix + "gate_proj.weight": rand(inter, hidden),
+        prefix + "up_proj.weight": rand(inter, hidden),
+        prefix + "down_proj.weight": rand(hidden, inter),
+    }
 
 
 def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:
@@ -182,5 +222,11 @@ def tiny_llm(seed: int = 0, draft_seed: int = 123, k: int = 3, max_num_seqs: int
     """A whole engine on tiny models, built where it runs (e.g. inside a Ray Serve replica)."""
     from specdecode import LLM
 
-    return LLM(target=tiny_model(seed=seed), draft=tiny_model(seed=draft_seed, layers=1), num_speculative_tokens=k,
-               max_model_len=256, max_num_seqs=max_num_seqs, speculation_policy=policy)
+    return LLM(
+        target=tiny_model(seed=seed),
+        draft=tiny_model(seed=draft_seed, layers=1),
+        num_speculative_tokens=k,
+        max_model_len=256,
+        max_num_seqs=max_num_seqs,
+        speculation_policy=policy,
+    )

@@ -3,6 +3,7 @@ forward is the reference), with tokenizers their converters accept: a SentencePi
 sonnets, or the byte-level BPE vocabularies of Llama 3 and Qwen that llama.cpp ships for its own tests; and their
 GGUF conversions by llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python source on PyPI, the source
 `../shared/tools/build-llama-cpp.sh` builds from). Nobody here wrote the reference or the conversion."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,15 @@ from specdecode.models.sources import cache_root
 LLAMA_CPP_PYTHON = "0.3.36"
 SONNETS = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "bench" / "data" / "sonnets.txt"
 SPM_VOCAB = 300
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=1024)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
 
 
 @dataclass(frozen=True)
@@ -36,23 +44,59 @@ class Family:
 
 
 FAMILIES = {
-    "llama3": Family("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=32),
-        tie_word_embeddings=True), tokenizer="ggml-vocab-llama-bpe.gguf"),
+    "llama3": Family(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+            tie_word_embeddings=True,
+        ),
+        tokenizer="ggml-vocab-llama-bpe.gguf",
+    ),
     "mistral": Family("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, tie_word_embeddings=False)),
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True),
-                    tokenizer="ggml-vocab-qwen2.gguf"),
+    "qwen3": Family(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=32, tie_word_embeddings=True),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     # six layers: the sixth attends to the whole context (the pattern llama.cpp assumes), the others to 12 keys;
     # the global layers' RoPE linearly scaled, as in the larger Gemma 3 models
-    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        num_hidden_layers=6, num_key_value_heads=1, sliding_window=12, query_pre_attn_scalar=16,
-        rope_parameters=dict(full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
-                             sliding_attention=dict(rope_type="default", rope_theta=10000.0))), norm_center=0.0),
+    "gemma3": Family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            ),
+        ),
+        norm_center=0.0,
+    ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-        tie_word_embeddings=False), tokenizer="ggml-vocab-qwen2.gguf"),
+    "qwen3_moe": Family(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
 }
 
 
@@ -67,8 +111,22 @@ def llama_cpp_source() -> Path:
     source = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     if not (source / "convert_hf_to_gguf.py").exists():
         root.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                str(root),
+            ],
+            check=True,
+        )
         wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
         with tarfile.open(root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
             members = [m for m in tar.getmembers() if m.name.partition("/vendor/llama.cpp/")[2].startswith(wanted)]
@@ -101,8 +159,11 @@ def reference_model(folder: Path):
 def convert(folder: Path, out: Path) -> Path:
     """llama.cpp's conversion of a checkpoint folder (float32 weights)."""
     source = llama_cpp_source()
-    done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                           "--outfile", str(out)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32", "--outfile", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -131,12 +192,23 @@ def _save_tokenizer(family: Family, folder: Path) -> int:
         import sentencepiece as spm
 
         text = SONNETS.read_text().splitlines()
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(folder / "tokenizer"),
-                                       vocab_size=SPM_VOCAB, model_type="bpe", bos_id=1, eos_id=2, unk_id=0,
-                                       pad_id=-1, minloglevel=2)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(text),
+            model_prefix=str(folder / "tokenizer"),
+            vocab_size=SPM_VOCAB,
+            model_type="bpe",
+            bos_id=1,
+            eos_id=2,
+            unk_id=0,
+            pad_id=-1,
+            minloglevel=2,
+        )
         (folder / "tokenizer.vocab").unlink()
-        (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps(
+                {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+            )
+        )
         return SPM_VOCAB
     tokenizer = _bpe_tokenizer(family.tokenizer)
     tokenizer.save_pretrained(folder)

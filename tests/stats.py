@@ -1,6 +1,7 @@
 """Exact and sampled distributions of short generations, for the losslessness tests of whole requests:
 the exact joint P(t1, ..., tn) of plain decoding is enumerated from fresh forwards over every prefix,
 and speculative samples are compared with it by a chi-square test."""
+
 from __future__ import annotations
 
 import os
@@ -58,15 +59,31 @@ def exact_joint(model, prompt: list[int], params) -> dict[tuple, float]:
     return joint
 
 
-def sampled_joint(target, draft, prompt, params, samples: int, k: int = 2, draft_confidence: float = 0.0,
-                  with_drafts_per_step: bool = False, speculative_model: str | None = None) -> tuple:
+def sampled_joint(
+    target,
+    draft,
+    prompt,
+    params,
+    samples: int,
+    k: int = 2,
+    draft_confidence: float = 0.0,
+    with_drafts_per_step: bool = False,
+    speculative_model: str | None = None,
+) -> tuple:
     """Counts of each output over `samples` speculative generations (k drafts per step, fewer where the
     draft stops at `draft_confidence`), the acceptance rate they had and, if asked, the mean number of
     tokens drafted per sequence and step."""
     torch.manual_seed(SEED)
-    llm = LLM(target=target, draft=draft, speculative_model=speculative_model, num_speculative_tokens=k,
-              max_model_len=256, max_num_seqs=128,
-              speculation_policy="fixed", draft_confidence=draft_confidence)
+    llm = LLM(
+        target=target,
+        draft=draft,
+        speculative_model=speculative_model,
+        num_speculative_tokens=k,
+        max_model_len=256,
+        max_num_seqs=128,
+        speculation_policy="fixed",
+        draft_confidence=draft_confidence,
+    )
     outs = llm.generate([prompt] * (samples // params.n), params)
     counts: dict[tuple, int] = {}
     for out in outs:

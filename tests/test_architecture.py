@@ -1,5 +1,6 @@
 """The package's shape: no import cycles, engine modules of a readable size, no function over 60 lines, no history
 in the code."""
+
 from __future__ import annotations
 
 import ast
@@ -104,8 +105,9 @@ def test_the_cycle_check_catches_a_cycle_through_a_function_level_import(tmp_pat
 
 
 def test_engine_modules_stay_readable():
-    sizes = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines())
-             for p in (PACKAGE / "engine").rglob("*.py")}
+    sizes = {
+        p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in (PACKAGE / "engine").rglob("*.py")
+    }
     assert {name: n for name, n in sizes.items() if n > 300} == {}
 
 
@@ -129,12 +131,19 @@ def test_the_length_check_sees_a_long_method(tmp_path):
     assert long_functions(tmp_path) == ["m.py:5 long"]
 
 
-@pytest.mark.parametrize("pattern", [
-    r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b",  # a commit hash
-    r"\b(was|were) tried\b",  # an experiment log
-    r"DESIGN\.md",  # a document the repository does not have
-])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b",  # a commit hash
+        r"\b(was|were) tried\b",  # an experiment log
+        r"DESIGN\.md",  # a document the repository does not have
+    ],
+)
 def test_code_carries_no_history(pattern):
-    hits = [f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py")
-            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(pattern, line)]
+    hits = [
+        f"{p.relative_to(PACKAGE)}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(pattern, line)
+    ]
     assert hits == []

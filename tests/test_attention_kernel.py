@@ -1,5 +1,6 @@
 """The attention kernel (rope + KV write + attention of decode/verify batches in one call per layer):
 the same numbers as the PyTorch path, and each token computed as if it were alone."""
+
 import pytest
 import torch
 from conftest import ByteTokenizer, kernel_builds, tiny_model
@@ -40,8 +41,12 @@ def test_the_kernel_computes_what_pytorch_does(kv_cache_dtype, tolerance):
     torch.testing.assert_close(got, reference, rtol=tolerance, atol=tolerance)
     n = len(PROMPT) + 3
     for layer in range(len(kernel_runner._cache.k)):  # rotated keys and values land where PyTorch puts them
-        torch.testing.assert_close(kernel_runner._cache.keys(layer, 0, n), torch_runner._cache.keys(layer, 0, n),
-                                   rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(
+            kernel_runner._cache.keys(layer, 0, n),
+            torch_runner._cache.keys(layer, 0, n),
+            rtol=tolerance,
+            atol=tolerance,
+        )
         torch.testing.assert_close(kernel_runner._cache.values(layer, 0, n), torch_runner._cache.values(layer, 0, n))
 
 
@@ -123,14 +128,21 @@ def test_every_build_gives_the_scalar_reference_bits(isa, kv_cache_dtype):
 
 def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
     target = LoadedModel("tiny-kernel", _with_kernel(), ByteTokenizer(64), tiny_model().config)
-    draft = LoadedModel("tiny-kernel-draft", _with_kernel(seed=7, layers=1), ByteTokenizer(64),
-                        tiny_model(seed=7, layers=1).config)
+    draft = LoadedModel(
+        "tiny-kernel-draft", _with_kernel(seed=7, layers=1), ByteTokenizer(64), tiny_model(seed=7, layers=1).config
+    )
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = [[5, 17, 33, 2, 9, 41], [60, 1, 1, 7], [12, 12, 12, 30, 31, 32, 33, 34]]
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    spec = LLM(target=target, draft=draft, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4,
-               speculation_policy="fixed")
+    spec = LLM(
+        target=target,
+        draft=draft,
+        num_speculative_tokens=4,
+        max_model_len=128,
+        max_num_seqs=4,
+        speculation_policy="fixed",
+    )
     outs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
@@ -141,18 +153,40 @@ def test_greedy_speculation_equals_plain_decoding_with_the_kernel():
 SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48), (16, 2, 32)]
 
 
-def _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, window=0, scale=None, norms=None,
-          eps=1e-6, tables=None) -> int:
+def _call(
+    lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, window=0, scale=None, norms=None, eps=1e-6, tables=None
+) -> int:
     """One call of the kernel over the cache k, v [blocks, Hkv, B, D] read through tables [S, MB] (default: one
     block a slot, slot s's block s); norms: (q weights, k weights) or None."""
     attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
     q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
     if tables is None:
         tables = torch.arange(k.shape[0], dtype=torch.int32)[:, None]
-    return attend(qkv.data_ptr(), len(slots), H, Hkv, D, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-                  sin.data_ptr(), q_norm, k_norm, eps, D ** -0.5 if scale is None else scale, window, k.data_ptr(),
-                  v.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1], k.shape[2], k.shape[0],
-                  out.data_ptr(), torch.get_num_threads())
+    return attend(
+        qkv.data_ptr(),
+        len(slots),
+        H,
+        Hkv,
+        D,
+        slots.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q_norm,
+        k_norm,
+        eps,
+        D**-0.5 if scale is None else scale,
+        window,
+        k.data_ptr(),
+        v.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[0],
+        tables.shape[1],
+        k.shape[2],
+        k.shape[0],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300, **options):
@@ -196,16 +230,16 @@ def test_long_context_attention_matches_float64(dtype, shape, options):
     norms = (1 + torch.rand(D), 1 + torch.rand(D)) if options.get("norms") else None
     out, qkv, k, v, cos, sin, positions = _attend_long_context("scalar", dtype, shape, **{**options, "norms": norms})
     for t in range(3):
-        q = qkv[t, :H * D].view(H, D).double()
+        q = qkv[t, : H * D].view(H, D).double()
         q = _rope(q if norms is None else _rms_norm(q, norms[0].double()), cos[t].double(), sin[t].double())
         n = int(positions[t]) + 1
         seen = slice(max(0, n - options.get("window", n)), n)
         keys = k[0, :, seen].double().repeat_interleave(H // Hkv, 0)
         values = v[0, :, seen].double().repeat_interleave(H // Hkv, 0)
-        weights = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) * options.get("scale", D ** -0.5), -1)
+        weights = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) * options.get("scale", D**-0.5), -1)
         torch.testing.assert_close(out[t].double(), (weights @ values).reshape(H * D), rtol=1e-4, atol=1e-5)
     if norms is not None:  # the drafts' keys went into the cache normalised, then rotated
-        raw = qkv[2, H * D:(H + Hkv) * D].view(Hkv, D).double()
+        raw = qkv[2, H * D : (H + Hkv) * D].view(Hkv, D).double()
         expected = _rope(_rms_norm(raw, norms[1].double()), cos[2].double(), sin[2].double())
         torch.testing.assert_close(k[0, :, int(positions[2])].double(), expected, rtol=1e-3, atol=1e-3)
 
@@ -215,8 +249,10 @@ def test_long_context_attention_matches_float64(dtype, shape, options):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("isa", kernel_builds())
 def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype, shape, options):
-    assert torch.equal(_attend_long_context(isa, dtype, shape, **options)[0],
-                       _attend_long_context("scalar", dtype, shape, **options)[0])
+    assert torch.equal(
+        _attend_long_context(isa, dtype, shape, **options)[0],
+        _attend_long_context("scalar", dtype, shape, **options)[0],
+    )
 
 
 def test_a_window_the_kernel_ignored_would_fail_the_reference():
@@ -256,8 +292,24 @@ def _attend_batch(isa: str, dtype: torch.dtype, slots: list[int], positions: lis
     assert _call(lib, qkv, H, Hkv, D, slots_t, positions_t, cos, sin, k, v, out, **options) == 0
     alone = torch.empty(N, H * D)
     for t in range(N):  # each token again in a call of its own, over the cache the batch call left
-        assert _call(lib, qkv[t:t + 1], H, Hkv, D, slots_t[t:t + 1], positions_t[t:t + 1], cos[t:t + 1], sin[t:t + 1],
-                     k, v, alone[t:t + 1], **options) == 0
+        assert (
+            _call(
+                lib,
+                qkv[t : t + 1],
+                H,
+                Hkv,
+                D,
+                slots_t[t : t + 1],
+                positions_t[t : t + 1],
+                cos[t : t + 1],
+                sin[t : t + 1],
+                k,
+                v,
+                alone[t : t + 1],
+                **options,
+            )
+            == 0
+        )
     return out, alone
 
 
@@ -345,7 +397,8 @@ def test_a_cache_in_scattered_blocks_gives_the_contiguous_caches_bits(isa, block
     assert _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, expected, **options) == 0
     got = torch.empty(N, H * D)
     tables = order.view(2, L // block).to(torch.int32)
-    assert _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k_blocks, v_blocks, got, tables=tables,
-                 **options) == 0
+    assert (
+        _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k_blocks, v_blocks, got, tables=tables, **options) == 0
+    )
     assert torch.equal(got, expected)
     assert torch.equal(k_blocks, _into_blocks(k, block, order)) and torch.equal(v_blocks, _into_blocks(v, block, order))

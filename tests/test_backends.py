@@ -1,6 +1,7 @@
 """Low-bit backends: int8 layers close to their float originals, every output row independent of the rows
 computed with it (so greedy speculation equals plain decoding on each backend), sampling still lossless,
 and the per-machine choices."""
+
 import dataclasses
 
 import pytest
@@ -21,8 +22,11 @@ from specdecode.verify.rejection_sampler import rejection_sample
 
 needs_kernel = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit kernel needs a C compiler")
 needs_w8a16 = pytest.mark.skipif(not w8a16_supported("cpu"), reason="no weight-only int8 kernel in this build")
-BACKENDS = [pytest.param("w8a8", marks=needs_kernel), pytest.param("w4a8-all", marks=needs_kernel),
-            pytest.param("w8a16", marks=needs_w8a16)]
+BACKENDS = [
+    pytest.param("w8a8", marks=needs_kernel),
+    pytest.param("w4a8-all", marks=needs_kernel),
+    pytest.param("w8a16", marks=needs_w8a16),
+]
 
 
 def _quantized(quantization: str, seed: int = 0, **cfg_kwargs) -> LoadedModel:
@@ -144,8 +148,14 @@ def test_greedy_speculation_equals_plain_decoding_on_each_backend(quantization):
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     for proposer in (dict(draft=draft), dict(draft=target), dict(speculative_model="ngram")):
         # a fixed k drafts every step: the adaptive policy would rightly never draft with a self-draft
-        llm = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4,
-                  speculation_policy="fixed", **proposer)
+        llm = LLM(
+            target=target,
+            num_speculative_tokens=4,
+            max_model_len=128,
+            max_num_seqs=4,
+            speculation_policy="fixed",
+            **proposer,
+        )
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected
         if proposer.get("draft") is target:  # a self-draft is accepted: the comparison covered verified tokens
@@ -157,8 +167,14 @@ def test_a_broken_verifier_is_caught_on_each_backend(quantization):
     target, draft = _quantized(quantization, seed=0), _quantized(quantization, seed=7, layers=1)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    broken = LLM(target=target, draft=draft, num_speculative_tokens=4, max_model_len=128, forced_accept=True,
-                 speculation_policy="fixed")
+    broken = LLM(
+        target=target,
+        draft=draft,
+        num_speculative_tokens=4,
+        max_model_len=128,
+        forced_accept=True,
+        speculation_policy="fixed",
+    )
     assert [o.outputs[0].token_ids for o in broken.generate(PROMPTS, GREEDY)] != expected
 
 
@@ -206,8 +222,7 @@ def test_auto_gives_a_small_target_two_activation_passes():
     a backend asked for by name, and a draft's, stay as asked."""
     smollm2 = tiny_config("llama", hidden=576, intermediate=1536, layers=30)
     smollm2 = dataclasses.replace(smollm2, num_heads=9, num_kv_heads=3)
-    qwen_05b = dataclasses.replace(tiny_config(hidden=896, intermediate=4864, layers=24), num_heads=14,
-                                   num_kv_heads=2)
+    qwen_05b = dataclasses.replace(tiny_config(hidden=896, intermediate=4864, layers=24), num_heads=14, num_kv_heads=2)
     assert smollm2.layer_parameters == 106_168_320 and qwen_05b.layer_parameters == 357_826_560
     assert refine_for_model("w4a8", smollm2, "auto") == "w4a16"
     assert refine_for_model("w4a8", qwen_05b, "auto") == "w4a8"

@@ -1,5 +1,6 @@
 """Benchmark pieces: datasets are deterministic, the load generator's arithmetic is right, and it measures
 a real local server."""
+
 import asyncio
 import json
 import types
@@ -80,9 +81,13 @@ def test_jsonl_and_dataset_specs(tmp_path):
 
 def test_request_and_run_arithmetic():
     """TTFT 0.5 s, latency 2.5 s, 11 tokens: TPOT = (2.5 - 0.5) / 10 = 0.2 s."""
-    r = RequestResult(ok=True, output_tokens=11, ttft_s=0.5, latency_s=2.5,
-                      speculation={"num_draft_tokens": 8, "num_accepted_tokens": 6, "num_spec_steps": 2,
-                                   "num_steps": 4})
+    r = RequestResult(
+        ok=True,
+        output_tokens=11,
+        ttft_s=0.5,
+        latency_s=2.5,
+        speculation={"num_draft_tokens": 8, "num_accepted_tokens": 6, "num_spec_steps": 2, "num_steps": 4},
+    )
     assert r.tpot_s == pytest.approx(0.2)
     assert RequestResult(ok=True, output_tokens=1, ttft_s=0.5, latency_s=0.5).tpot_s is None
     other = RequestResult(ok=True, output_tokens=5, ttft_s=1.5, latency_s=3.5)
@@ -112,8 +117,14 @@ def server(target, random_draft):
     from specdecode.server.api import build_app
     from specdecode.server.async_engine import AsyncEngine
 
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=4,
-              speculation_policy="fixed")
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=4,
+        speculation_policy="fixed",
+    )
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny", None)) as s:
         yield s
 
@@ -132,8 +143,9 @@ def test_load_generator_against_a_local_server(server):
 
 def test_poisson_arrivals_are_spread_out(server):
     prompts = ["hello"] * 6
-    run = asyncio.run(run_load(server.url, prompts, 4, model="tiny", concurrency=None, request_rate=20.0,
-                               progress=False, seed=3))
+    run = asyncio.run(
+        run_load(server.url, prompts, 4, model="tiny", concurrency=None, request_rate=20.0, progress=False, seed=3)
+    )
     assert run.num_failed == 0 and run.output_tokens == 24
     assert run.duration_s > 0.05  # 5 gaps at 20 req/s: about 0.25 s on average
 
@@ -144,8 +156,30 @@ def test_bench_serve_cli_writes_json(server, tmp_path):
     out = tmp_path / "serve.json"
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(4)))
-    assert main(["bench", "serve", "--base-url", server.url, "--model", "tiny", "--dataset", f"jsonl:{f}",
-                 "--num-prompts", "4", "--max-tokens", "5", "--concurrency", "1", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--model",
+                "tiny",
+                "--dataset",
+                f"jsonl:{f}",
+                "--num-prompts",
+                "4",
+                "--max-tokens",
+                "5",
+                "--concurrency",
+                "1",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["concurrency"] for r in report["results"]] == [1, 2]
     assert all(r["output_tokens"] == 20 and r["num_failed"] == 0 for r in report["results"])
@@ -157,8 +191,7 @@ def test_sessions_put_each_reply_into_the_next_turn(server):
     from specdecode.bench.load import play_sessions
 
     sessions = [["ab", "cde", "f"], ["xyz", "w"], ["q"]]
-    results, duration = asyncio.run(play_sessions(server.url, sessions, 6, model="tiny", concurrency=2,
-                                                  progress=False))
+    results, duration = asyncio.run(play_sessions(server.url, sessions, 6, model="tiny", concurrency=2, progress=False))
     assert [r.turn for r in results] == [0, 1, 2, 0, 1, 0] and all(r.ok for r in results) and duration > 0
     by_session = [results[0:3], results[3:5], results[5:6]]
     for turns, played in zip(sessions, by_session):
@@ -195,12 +228,34 @@ def test_bench_concurrency_plays_sessions_on_every_server(local_servers, monkeyp
 
     concurrency = local_servers
     scripted = []  # the real scripts are longer than the tiny model's context
-    monkeypatch.setattr(concurrency, "agent_loop_scripts",
-                        lambda count, turns: scripted.append((count, turns)) or [["ab", "cd"]] * count)
-    args = build_parser().parse_args(["bench", "concurrency", "--dataset", "agent-loop", "--turns", "2",
-                                      "--policies", "plain", "adaptive-suffix", "--concurrency", "2",
-                                      "--max-tokens", "4", "--min-requests", "3", "--requests-per-client", "1",
-                                      "--out", str(tmp_path / "c.json")])
+    monkeypatch.setattr(
+        concurrency,
+        "agent_loop_scripts",
+        lambda count, turns: scripted.append((count, turns)) or [["ab", "cd"]] * count,
+    )
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "concurrency",
+            "--dataset",
+            "agent-loop",
+            "--turns",
+            "2",
+            "--policies",
+            "plain",
+            "adaptive-suffix",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "4",
+            "--min-requests",
+            "3",
+            "--requests-per-client",
+            "1",
+            "--out",
+            str(tmp_path / "c.json"),
+        ]
+    )
     assert concurrency.run_concurrency_cli(args) == 0
     assert capsys.readouterr().out.startswith("agent-loop sessions of 2 turns through the server")
     report = json.loads((tmp_path / "c.json").read_text())
@@ -221,7 +276,10 @@ def test_benchmarks_take_any_prompt_dataset(tmp_path, monkeypatch, capsys):
     f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     assert latency.load_requests(f"jsonl:{f}", 3, 2, "tiny") == ["a", "b", "a"]
     assert concurrency.workload(build_parser().parse_args(["bench", "concurrency", "--dataset", f"jsonl:{f}"]), 3) == [
-        "a", "b", "a"]
+        "a",
+        "b",
+        "a",
+    ]
     monkeypatch.setattr(datasets, "token_counter", lambda name: _count_words)  # sized by the model's tokenizer
     (sonnet,) = latency.load_requests("sonnet:60", 1, 2, "tiny")
     assert sonnet.startswith(SONNET_INSTRUCTION) and 50 <= _count_words(sonnet) <= 60
@@ -238,9 +296,26 @@ def test_bench_concurrency_sends_a_prompt_file_as_completions(local_servers, tmp
 
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt": p}) for p in ("ab", "cde")))
-    args = build_parser().parse_args(["bench", "concurrency", "--dataset", f"jsonl:{f}", "--policies", "plain",
-                                      "--concurrency", "2", "--max-tokens", "4", "--min-requests", "3",
-                                      "--requests-per-client", "1", "--out", str(tmp_path / "c.json")])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "concurrency",
+            "--dataset",
+            f"jsonl:{f}",
+            "--policies",
+            "plain",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "4",
+            "--min-requests",
+            "3",
+            "--requests-per-client",
+            "1",
+            "--out",
+            str(tmp_path / "c.json"),
+        ]
+    )
     assert local_servers.run_concurrency_cli(args) == 0
     assert capsys.readouterr().out.startswith(f"prompts from jsonl:{f} through the server")
     (row,) = json.loads((tmp_path / "c.json").read_text())["results"]
@@ -288,18 +363,22 @@ def test_tpot_pairs_each_long_window_with_a_short_requests_window(target, monkey
     expected = alone.generate(["abc"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
     long_seq = next(seq for is_short, seq, _ in seen if not is_short)
     assert long_seq.output_ids == expected.outputs[0].token_ids
-    assert all(seq.output_ids == expected.outputs[0].token_ids[:len(seq.output_ids)]
-               for is_short, seq, _ in seen if is_short)
+    assert all(
+        seq.output_ids == expected.outputs[0].token_ids[: len(seq.output_ids)] for is_short, seq, _ in seen if is_short
+    )
 
 
 class _Loaded(Exception):
     """Raised by a stand-in load_model once it has recorded what it was asked for."""
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
-    ["plan", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
+        ["plan", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
+    ],
+)
 def test_benchmarks_load_models_with_the_backend_flags_they_show(monkeypatch, argv):
     """A flag a benchmark accepts reaches the models it loads (the target's and the draft's)."""
     import specdecode.models.loader as loader
@@ -331,8 +410,19 @@ def test_bench_concurrency_starts_every_server_with_the_backend_flags():
     from specdecode.bench.concurrency import server_configs
     from specdecode.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "concurrency", "--policies", "plain", "adaptive-suffix",
-                                      "--quantization", "w8a8", "--kv-cache-dtype", "float32"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "concurrency",
+            "--policies",
+            "plain",
+            "adaptive-suffix",
+            "--quantization",
+            "w8a8",
+            "--kv-cache-dtype",
+            "float32",
+        ]
+    )
     for _, argv in server_configs(args):
         assert argv[argv.index("--quantization") + 1] == "w8a8"
         assert argv[argv.index("--kv-cache-dtype") + 1] == "float32"
@@ -360,8 +450,10 @@ def test_chunked_perplexity_scores_each_whole_chunks_second_half(target):
 def test_llama_cpp_perplexity_and_tokens_are_read_from_its_output(tmp_path):
     from specdecode.bench.llama_cpp import run_llama_perplexity, run_llama_tokenize
 
-    for name, output in (("llama-tokenize", "load: 151643 tokens\n[1, 22, 333]"),
-                         ("llama-perplexity", "[1]59.5859,[2]63.7833,\nFinal estimate: PPL = 17.8779 +/- 1.46745")):
+    for name, output in (
+        ("llama-tokenize", "load: 151643 tokens\n[1, 22, 333]"),
+        ("llama-perplexity", "[1]59.5859,[2]63.7833,\nFinal estimate: PPL = 17.8779 +/- 1.46745"),
+    ):
         tool = tmp_path / name
         tool.write_text(f"#!/bin/sh\nprintf '{output}\\n' >&2\n")
         tool.chmod(0o755)
@@ -395,21 +487,29 @@ def test_llama_cpp_batches_run_unrepacked_where_its_repacked_kernels_crash(tmp_p
 
     tg = '{"n_prompt": 0, "n_gen": 96, "avg_ts": 14.0}'
     pp = '{"n_prompt": 1, "n_gen": 0, "avg_ts": 20.0}, {"n_prompt": 3, "n_gen": 0, "avg_ts": 45.0}'
-    _tool(tmp_path, "llama-bench", f"""case "$*" in
+    _tool(
+        tmp_path,
+        "llama-bench",
+        f"""case "$*" in
   *"--repack 0"*) echo '[{pp}]' ;;
   *"-p 0 "*) echo '[{tg}]' ;;
   *) kill -SEGV $$ ;;
 esac
-""")
+""",
+    )
     bench = run_llama_bench(str(tmp_path), "m.gguf", 2, 96, forward_sizes=(1, 3))
     assert (bench.decode_tokens_per_s, bench.batches_repacked) == (14.0, False)
     assert bench.verify_cost_ratio(2) == pytest.approx((3000 / 45) / 50)
     assert (bench.prefill_tokens_per_s(3), bench.prefill_tokens_per_s(512)) == (45.0, None)
-    _tool(tmp_path, "llama-speculative-simple", """case "$*" in
+    _tool(
+        tmp_path,
+        "llama-speculative-simple",
+        """case "$*" in
   *--no-repack*) printf 'decoded 96 tokens in 4.0 seconds\\nn_drafted = 60\\nn_accept = 45\\n' >&2 ;;
   *) kill -SEGV $$ ;;
 esac
-""")
+""",
+    )
     spec = run_llama_speculative(str(tmp_path), "m.gguf", "d.gguf", ["a", "b"], 3, 96, 2)
     assert (spec.output_tokens, spec.drafted, spec.accepted, spec.repacked) == (192, 120, 90, False)
     _tool(tmp_path, "llama-bench", "kill -SEGV $$\n")  # crashing either way: the error says so
@@ -422,28 +522,41 @@ def test_llama_cpp_decoding_after_a_filled_cache_reads_each_depth(tmp_path):
     rerunning unrepacked where filling the cache crashes its repacked kernels."""
     from specdecode.bench.llama_cpp import run_llama_decode_at_depths
 
-    rows = ('[{"n_prompt": 0, "n_gen": 500, "n_depth": 230, "avg_ts": 42.0},'
-            ' {"n_prompt": 0, "n_gen": 500, "n_depth": 3630, "avg_ts": 21.0}]')
-    _tool(tmp_path, "llama-bench", f"""case "$*" in
+    rows = (
+        '[{"n_prompt": 0, "n_gen": 500, "n_depth": 230, "avg_ts": 42.0},'
+        ' {"n_prompt": 0, "n_gen": 500, "n_depth": 3630, "avg_ts": 21.0}]'
+    )
+    _tool(
+        tmp_path,
+        "llama-bench",
+        f"""case "$*" in
   *"-n 500 -d 230,3630"*) echo '{rows}' ;;
   *) echo "unexpected arguments: $*" >&2; exit 1 ;;
 esac
-""")
+""",
+    )
     assert run_llama_decode_at_depths(str(tmp_path), "m.gguf", 2, 500, (230, 3630)) == ({230: 42.0, 3630: 21.0}, True)
-    _tool(tmp_path, "llama-bench", f"""case "$*" in
+    _tool(
+        tmp_path,
+        "llama-bench",
+        f"""case "$*" in
   *"--repack 0"*) echo '{rows}' ;;
   *) kill -SEGV $$ ;;
 esac
-""")
+""",
+    )
     assert run_llama_decode_at_depths(str(tmp_path), "m.gguf", 2, 500, (230, 3630))[1] is False
 
 
-@pytest.mark.parametrize("draft, rows", [
-    (None, ["ngram"]),  # no bundled draft for a tiny target: the n-gram rows only
-    ("ngram", ["ngram"]),
-    ("suffix", ["suffix", "ngram"]),
-    ("head:H", ["head", "ngram"]),
-])
+@pytest.mark.parametrize(
+    "draft, rows",
+    [
+        (None, ["ngram"]),  # no bundled draft for a tiny target: the n-gram rows only
+        ("ngram", ["ngram"]),
+        ("suffix", ["suffix", "ngram"]),
+        ("head:H", ["head", "ngram"]),
+    ],
+)
 def test_bench_latency_draft_takes_a_proposer_kind_as_its_own_rows(target, monkeypatch, draft, rows):
     """`bench latency --draft ngram|suffix|head:PATH` (as --help says) measures that proposer under the fixed
     policy instead of loading a draft model named like it."""
@@ -452,8 +565,9 @@ def test_bench_latency_draft_takes_a_proposer_kind_as_its_own_rows(target, monke
 
     made = []
     monkeypatch.setattr(latency, "LLM", lambda **kw: made.append(kw) or kw)
-    args = build_parser().parse_args(["bench", "latency", "--model", "tiny", "-k", "2", "3"]
-                                     + (["--draft", draft] if draft else []))
+    args = build_parser().parse_args(
+        ["bench", "latency", "--model", "tiny", "-k", "2", "3"] + (["--draft", draft] if draft else [])
+    )
     assert latency.draft_model_name(args) is None
     runs = latency.make_runs(args, target, None, None)
     assert [r.kind for r in runs] == rows
@@ -470,8 +584,23 @@ def test_bench_latency_suffix_measures_a_head_alone_and_beside_suffix_drafts(tar
 
     made = []
     monkeypatch.setattr(latency, "LLM", lambda **kw: made.append(kw) or kw)
-    args = build_parser().parse_args(["bench", "latency", "--model", "tiny", "-k", "2", "3", "--suffix",
-                                      "--no-ngram", "--draft-confidence", "0.5", "0.8", *flags])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "latency",
+            "--model",
+            "tiny",
+            "-k",
+            "2",
+            "3",
+            "--suffix",
+            "--no-ngram",
+            "--draft-confidence",
+            "0.5",
+            "0.8",
+            *flags,
+        ]
+    )
     runs = latency.make_runs(args, target, None, None)
     assert [r.kind for r in runs] == ["head", "suffix adaptive", "head adaptive", "head+suffix adaptive"]
     adaptive = made[-2:]
@@ -489,16 +618,22 @@ def test_llama_server_starts_unrepacked_where_its_repacked_kernels_crash_it(tmp_
 
     from specdecode.bench.server_process import ServerCrashed, llama_server
 
-    health = ("import http.server, sys; port = int(sys.argv[sys.argv.index('--port') + 1])\n"
-              "class H(http.server.BaseHTTPRequestHandler):\n"
-              "    def do_GET(self): self.send_response(200); self.end_headers()\n"
-              "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    health = (
+        "import http.server, sys; port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n"
+    )
     (tmp_path / "health.py").write_text(health)
-    _tool(tmp_path, "llama-server", f"""case "$*" in
-  *--no-repack*) exec {sys.executable} {tmp_path / 'health.py'} "$@" ;;
+    _tool(
+        tmp_path,
+        "llama-server",
+        f"""case "$*" in
+  *--no-repack*) exec {sys.executable} {tmp_path / "health.py"} "$@" ;;
   *) echo 'repacked kernels'; kill -SEGV $$ ;;
 esac
-""")
+""",
+    )
     with llama_server(str(tmp_path), "m.gguf", 2, 256, 2) as server:
         assert not server.repacked and "--no-repack" in server.args and server.proc.poll() is None
     _tool(tmp_path, "llama-server", "echo 'crashed'; kill -SEGV $$\n")

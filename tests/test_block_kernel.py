@@ -2,6 +2,7 @@
 as `gguf` does), its products track the float product, each output row is independent of the rows
 computed with it, and every instruction-set build gives the portable scalar build's bits; the build
 itself shows the compiler's errors, and without a compiler the backends fall back to float."""
+
 import os
 
 import numpy as np
@@ -21,8 +22,9 @@ from specdecode.models.gguf_loader import RawTensor
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
 
-pytestmark = pytest.mark.skipif(kernels.load("lowbit") is None,
-                                reason=f"no low-bit kernel: {kernels.build_problem('lowbit')}")
+pytestmark = pytest.mark.skipif(
+    kernels.load("lowbit") is None, reason=f"no low-bit kernel: {kernels.build_problem('lowbit')}"
+)
 K_BLOCK_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
@@ -84,7 +86,7 @@ def test_product_tracks_the_float_product_and_rows_are_independent(fmt):
     exact = x @ as_float(raw).T
     y = layer(x)
     assert (y - exact).norm() / exact.norm() < 0.02
-    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(11)]))
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(11)]))
 
 
 def ties(columns: int, seed: int = 0) -> torch.Tensor:
@@ -137,7 +139,7 @@ def test_two_pass_activations_add_the_residual_product_on_every_build(fmt, isa):
     layer.passes = 2
     y = layer(x)
     assert torch.equal(y, one_pass + residual_pass)
-    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(24)]))
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(24)]))
     exact = x.double() @ as_float(raw).double().T
     assert (y - exact).norm() < (one_pass - exact).norm() / 30
 
@@ -218,8 +220,17 @@ def tiny_gguf_model(seed: int = 0, layers: int = 2, quantization: str = "w4a8"):
     named = dict(random_hf_weights(cfg, seed))
     for i, name in enumerate(list(named)):
         rows, columns = named[name].shape[0], named[name].shape[-1]
-        fmt = ("Q6_K" if name.endswith(("v_proj.weight", "lm_head.weight")) else "Q5_0" if "up_proj" in name
-               else "Q8_0" if "embed" in name else "Q4_K" if name.endswith("_proj.weight") else None)
+        fmt = (
+            "Q6_K"
+            if name.endswith(("v_proj.weight", "lm_head.weight"))
+            else "Q5_0"
+            if "up_proj" in name
+            else "Q8_0"
+            if "embed" in name
+            else "Q4_K"
+            if name.endswith("_proj.weight")
+            else None
+        )
         if fmt:
             named[name] = gguf_blocks(fmt, rows, columns, seed * 1000 + i)
     floats = {k: as_float(v) if isinstance(v, RawTensor) else v for k, v in named.items()}
@@ -255,13 +266,25 @@ def test_greedy_speculation_equals_plain_decoding_on_gguf_formats(quantization):
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     for proposer in (dict(draft=drafter), dict(draft=target)):  # a fixed k: every step verifies drafts
-        spec = LLM(target=target, num_speculative_tokens=4, max_model_len=128, max_num_seqs=4,
-                   speculation_policy="fixed", **proposer)
+        spec = LLM(
+            target=target,
+            num_speculative_tokens=4,
+            max_model_len=128,
+            max_num_seqs=4,
+            speculation_policy="fixed",
+            **proposer,
+        )
         outs = spec.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
-    broken = LLM(target=target, draft=drafter, num_speculative_tokens=4, max_model_len=128, forced_accept=True,
-                 speculation_policy="fixed")
+    broken = LLM(
+        target=target,
+        draft=drafter,
+        num_speculative_tokens=4,
+        max_model_len=128,
+        forced_accept=True,
+        speculation_policy="fixed",
+    )
     assert [o.outputs[0].token_ids for o in broken.generate(prompts, params)] != expected
 
 
@@ -276,14 +299,15 @@ def test_requantized_weights_with_seven_sub_blocks_per_scale():
     y = layer(x)
     torch.testing.assert_close(y, x @ layer.dequantize().T, rtol=0.02, atol=0.02)
     assert (y - x @ w.T).norm() / (x @ w.T).norm() < 0.15
-    assert torch.equal(y, torch.cat([layer(x[i:i + 1]) for i in range(6)]))
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(6)]))
 
 
 def test_a_draft_loaded_all_4bit_stays_a_lossless_proposer():
     """A requantized draft only changes acceptance: greedy output still equals plain decoding."""
     cfg = tiny_config(hidden=256, intermediate=512, layers=1)
-    draft_model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 5).items(), "w4a8-all"),
-                                        "w4a8-all", "cpu")
+    draft_model = build_quantized_model(
+        cfg, quantize_weights(random_hf_weights(cfg, 5).items(), "w4a8-all"), "w4a8-all", "cpu"
+    )
     assert draft_model.layers[0].mlp.down_proj.format.name == "Q4_K"
     model, _ = tiny_gguf_model()
     target = LoadedModel("tiny-w4a8", model, ByteTokenizer(64), model.cfg)
@@ -311,8 +335,12 @@ def test_a_vocabulary_subset_of_a_head_stays_in_its_format_and_exact(count):
 def test_restricting_a_draft_vocabulary_keeps_whole_groups_and_the_special_tokens():
     from specdecode.proposers.draft_model import restrict_draft_vocab
 
-    draft = LoadedModel("tiny", build_model(tiny_config(vocab=64), random_hf_weights(tiny_config(vocab=64), 1),
-                                            torch.float32, "cpu"), ByteTokenizer(64), tiny_config(vocab=64))
+    draft = LoadedModel(
+        "tiny",
+        build_model(tiny_config(vocab=64), random_hf_weights(tiny_config(vocab=64), 1), torch.float32, "cpu"),
+        ByteTokenizer(64),
+        tiny_config(vocab=64),
+    )
     restrict_draft_vocab(draft, 20)
     ids = draft.model.vocab_ids.tolist()
     assert len(ids) == 32 and ids[:21] == list(range(21)) and 63 in ids  # 0..19, then whole groups; EOS kept

@@ -1,6 +1,7 @@
 """A long prompt that arrives while another sequence decodes is prefilled a chunk a step beside it: the running
 stream gets tokens every step meanwhile, and both outputs (and the drafts proposers make) are those of each
 request run alone."""
+
 import functools
 
 import pytest
@@ -94,8 +95,9 @@ class _NewestFirst(list):
 def test_a_head_given_the_chunks_out_of_order_drafts_otherwise(tmp_path, monkeypatch):
     """The deliberately broken variant: the chunks' hidden states joined newest first."""
     alone, drafts = _alone("head", tmp_path, LONG, 12)
-    monkeypatch.setattr(prefill_module, "ChunkedPrefill",
-                        functools.partial(prefill_module.ChunkedPrefill, hidden=_NewestFirst()))
+    monkeypatch.setattr(
+        prefill_module, "ChunkedPrefill", functools.partial(prefill_module.ChunkedPrefill, hidden=_NewestFirst())
+    )
     _, long, _, engine = _together("head", tmp_path)
     assert long.output_ids == alone.output_ids  # still lossless...
     assert engine.drafts[len(LONG)] != drafts  # ...but the head drafted from the wrong context

@@ -2,6 +2,7 @@
 fixed-shape forward against the eager one (logits, hidden states, KV entries), padding kept out of every
 sequence's cache, the eager fallback, and greedy speculation through the engine. On a CPU they run without
 capture; with SPECDECODE_TEST_DEVICE=cuda, captured and replayed."""
+
 import pytest
 import torch
 from conftest import DEVICE, tiny_model
@@ -38,8 +39,13 @@ def _steps():
     def tokens(n):
         return torch.randint(0, 60, (n,), generator=gen).tolist()
 
-    return [[tokens(20), tokens(7)], [tokens(1), tokens(1)], [tokens(4), tokens(1)], [tokens(3), tokens(6)],
-            [tokens(1), tokens(2)]]
+    return [
+        [tokens(20), tokens(7)],
+        [tokens(1), tokens(1)],
+        [tokens(4), tokens(1)],
+        [tokens(3), tokens(6)],
+        [tokens(1), tokens(2)],
+    ]
 
 
 def _run(runner, model_steps, logits="all", hidden="all"):
@@ -66,8 +72,9 @@ def test_the_fixed_shape_forward_computes_the_eager_one(features):
     for slot in slots:  # the caches hold the same entries, padding nowhere among them
         n = fixed.length(slot)
         for layer in range(model.cfg.num_layers):
-            torch.testing.assert_close(fixed._cache.keys(layer, slot, n), eager._cache.keys(layer, slot, n),
-                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                fixed._cache.keys(layer, slot, n), eager._cache.keys(layer, slot, n), atol=ATOL, rtol=0
+            )
 
 
 def test_the_last_rows_and_their_hidden_states():
@@ -83,8 +90,11 @@ def test_padding_written_into_a_real_slot_is_caught(monkeypatch):
     model = tiny_model(seed=3).model
     expected, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=False), _steps())
     fill = cuda_graphs.StaticBatch.fill
-    monkeypatch.setattr(cuda_graphs.StaticBatch, "fill", lambda self, slots, starts, inputs, scratch:
-                        fill(self, slots, starts, inputs, 0))
+    monkeypatch.setattr(
+        cuda_graphs.StaticBatch,
+        "fill",
+        lambda self, slots, starts, inputs, scratch: fill(self, slots, starts, inputs, 0),
+    )
     got, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=True), _steps())
     assert any(not torch.allclose(g[0], e[0], atol=ATOL, rtol=0) for g, e in zip(got, expected))
 
@@ -107,8 +117,14 @@ def test_greedy_speculation_with_fixed_shapes_is_plain_decoding(monkeypatch):
     def outputs(fixed: bool, k: int):
         monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: fixed)
         target, draft = tiny_model(seed=0), tiny_model(seed=0, layers=1)
-        llm = LLM(target=target, draft=draft if k else None, num_speculative_tokens=k, max_model_len=256,
-                  speculation_policy="fixed", progress=False)
+        llm = LLM(
+            target=target,
+            draft=draft if k else None,
+            num_speculative_tokens=k,
+            max_model_len=256,
+            speculation_policy="fixed",
+            progress=False,
+        )
         assert (llm.engine.runner._fixed is not None) == fixed
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
@@ -142,10 +158,16 @@ def test_eager_forwards_leave_the_compiled_kernels_alone():
     assert cuda_graphs.fuse_elementwise(model)
     calls, kernels = [], set()
     for module in model.modules():
-        for kernel in (getattr(module, "kernel", None), getattr(module, "act_mul_kernel", None),
-                       getattr(module, "rope_kernel", None)):
-            kernels.update(k for k in (kernel, getattr(kernel, "norm", None), getattr(kernel, "add_norm", None))
-                           if isinstance(k, cuda_graphs._InFixedShapes))
+        for kernel in (
+            getattr(module, "kernel", None),
+            getattr(module, "act_mul_kernel", None),
+            getattr(module, "rope_kernel", None),
+        ):
+            kernels.update(
+                k
+                for k in (kernel, getattr(kernel, "norm", None), getattr(kernel, "add_norm", None))
+                if isinstance(k, cuda_graphs._InFixedShapes)
+            )
     for kernel in kernels:
         kernel.compiled = _counted(kernel.compiled, calls)
     runner = ModelRunner(model, 2, 256, fixed_shapes=True)
@@ -160,4 +182,5 @@ def _counted(fn, calls: list):
     def counted(*args):
         calls.append(fn)
         return fn(*args)
+
     return counted

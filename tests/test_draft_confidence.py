@@ -1,6 +1,7 @@
 """A draft model that stops drafting after a token it is unsure of: where it stops, that greedy output
 still equals plain decoding, and that sampled output still follows the target exactly (chi-square
 against the exact joint), with the tempting variant that drops the unsure token instead failing it."""
+
 import pytest
 import torch
 from conftest import run_as_one_batch, tiny_model
@@ -37,7 +38,7 @@ def test_drafting_stops_right_after_the_first_unsure_token(random_draft):
     proposer.reserve(num_slots=1, max_model_len=64)
     drafts = proposer.propose([Sequence(ids, SamplingParams(temperature=0), None)], [k], [None]).tokens[0]
     first_unsure = next(i for i, (_, c) in enumerate(continuation) if c < threshold)
-    assert drafts == [t for t, _ in continuation[:first_unsure + 1]]
+    assert drafts == [t for t, _ in continuation[: first_unsure + 1]]
 
 
 @pytest.mark.parametrize("threshold", [-0.1, 1.0])
@@ -54,9 +55,16 @@ def test_greedy_output_equals_plain_when_rows_stop_at_different_steps(target):
         for p in draft.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     plain, _, _ = run_as_one_batch(
-        LLM(target=target, num_speculative_tokens=0, max_model_len=256).engine, PROMPTS, GREEDY)
-    llm = LLM(target=target, draft=draft, num_speculative_tokens=6, max_model_len=256,
-              speculation_policy="fixed", draft_confidence=0.5)
+        LLM(target=target, num_speculative_tokens=0, max_model_len=256).engine, PROMPTS, GREEDY
+    )
+    llm = LLM(
+        target=target,
+        draft=draft,
+        num_speculative_tokens=6,
+        max_model_len=256,
+        speculation_policy="fixed",
+        draft_confidence=0.5,
+    )
     spec, step_ks, _ = run_as_one_batch(llm.engine, PROMPTS, GREEDY)
     assert spec == plain
     drafted = {k for ks in step_ks for k in ks}
@@ -89,12 +97,14 @@ def _drop_unsure_last_draft(propose):
             if tokens and q is not None and float(q[-1][tokens[-1]]) < self.confidence_threshold:
                 batch.tokens[i], batch.probs[i] = tokens[:-1], (q[:-1] if len(tokens) > 1 else None)
         return batch
+
     return wrapped
 
 
 def test_sampled_output_follows_the_target_with_early_stops(small_pair, joint):
-    counts, accepted, drafts_per_step = sampled_joint(*small_pair, [1, 2, 3, 1], PARAMS, samples=8000, k=3,
-                                                      draft_confidence=THRESHOLD, with_drafts_per_step=True)
+    counts, accepted, drafts_per_step = sampled_joint(
+        *small_pair, [1, 2, 3, 1], PARAMS, samples=8000, k=3, draft_confidence=THRESHOLD, with_drafts_per_step=True
+    )
     assert 0.1 < accepted < 0.95  # both accepted drafts and rejections are exercised
     assert 1.05 < drafts_per_step < 1.9  # up to 2 fit before max_tokens: the draft stopped early in some steps
     assert chi2_pvalue(counts, joint) > PASS_P

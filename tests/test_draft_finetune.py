@@ -1,6 +1,7 @@
 """`specdecode distill --draft-model`: a small draft model fine-tuned on the target's own outputs, the
 comparison for a draft head. Tiny models here: the fine-tuned draft must agree with the target more than
 before, load as a draft from its folder, and draft what the target says."""
+
 import json
 
 import pytest
@@ -21,8 +22,13 @@ def _hf_tokenizer(vocab: int):
 
     table = {chr(32 + i): i for i in range(vocab)}
     eos = chr(32 + vocab - 1)  # every special token named, so that no tokenizer class adds its own
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(table, unk_token=" ")),
-                                   eos_token=eos, unk_token=" ", pad_token=eos, bos_token=eos)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(table, unk_token=" ")),
+        eos_token=eos,
+        unk_token=" ",
+        pad_token=eos,
+        bos_token=eos,
+    )
 
 
 def _draft_folder(path, seed: int = 123, vocab: int = VOCAB) -> str:
@@ -36,10 +42,15 @@ def _draft_folder(path, seed: int = 123, vocab: int = VOCAB) -> str:
 def _own_text(target, path) -> str:
     """The target's greedy continuations of some prompts, as a jsonl data source."""
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
-    outs = plain.generate([[i, i + 1, (3 * i) % 60] for i in range(1, 49)],
-                          SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    path.write_text("".join(json.dumps({"text": target.tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids)})
-                            + "\n" for o in outs))
+    outs = plain.generate(
+        [[i, i + 1, (3 * i) % 60] for i in range(1, 49)], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    )
+    path.write_text(
+        "".join(
+            json.dumps({"text": target.tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids)}) + "\n"
+            for o in outs
+        )
+    )
     return f"jsonl:{path}"
 
 
@@ -48,8 +59,14 @@ def finetuned(target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("finetune")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDECODE_CACHE", str(tmp / "cache"))
-        recipe = Recipe(sources=[_own_text(target, tmp / "own.jsonl")], tokens=4000, chunk=48, batch=8,
-                        finetune_steps=100, finetune_lr=3e-3)
+        recipe = Recipe(
+            sources=[_own_text(target, tmp / "own.jsonl")],
+            tokens=4000,
+            chunk=48,
+            batch=8,
+            finetune_steps=100,
+            finetune_lr=3e-3,
+        )
         draft = _draft_folder(tmp / "draft")
         summary = finetune_draft(target, draft, str(tmp / "tuned"), recipe, progress=False)
     return draft, str(tmp / "tuned"), summary
@@ -68,8 +85,9 @@ def test_the_finetuned_folder_drafts_what_the_target_says_and_changes_nothing(ta
     plain = LLM(target=target, num_speculative_tokens=0).generate(unseen, GREEDY)[0].outputs[0].token_ids
     rates = []
     for draft in (tuned, before):
-        out = LLM(target=target, speculative_model=draft, num_speculative_tokens=4,
-                  speculation_policy="fixed").generate(unseen, GREEDY)[0]
+        out = LLM(
+            target=target, speculative_model=draft, num_speculative_tokens=4, speculation_policy="fixed"
+        ).generate(unseen, GREEDY)[0]
         assert out.outputs[0].token_ids == plain
         rates.append(out.spec["acceptance_rate"])
     assert rates[0] > rates[1] + 0.15, rates

@@ -1,6 +1,7 @@
 """The draft head proposer (drafts from the target's hidden states) and `distill`: greedy equality,
 the sampled distribution, the pairing of features with tokens, KV rollback, refusal of a head made for
 another target, and training that learns; each property beside a broken variant that fails it."""
+
 import dataclasses
 import json
 import os
@@ -46,6 +47,7 @@ def registered(request):
     def add(name, factory):
         register_proposer(name, factory)
         names.append(name)
+
     yield add
     for name in names:
         unregister_proposer(name)
@@ -54,8 +56,9 @@ def registered(request):
 def test_greedy_output_equals_plain_decoding(target, head):
     llm = _llm(target, head)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == _ids(LLM(target=target, num_speculative_tokens=0,
-                                                               max_model_len=256))
+    assert [o.outputs[0].token_ids for o in outs] == _ids(
+        LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    )
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
     # each prompt's features are read in one forward, timed as the head's prefill, not as a drafting step
     assert llm.timer.draft_prefill_calls >= 1 and llm.timer.draft_calls > llm.timer.draft_prefill_calls
@@ -113,9 +116,10 @@ def _pairing_errors(target, recorder) -> int:
 
 @pytest.mark.parametrize("kind, broken", [(Recorder, False), (ShiftedRecorder, True)])
 def test_each_head_row_reads_the_targets_features_at_its_position_beside_the_next_token(
-        target, head, registered, kind, broken):
+    target, head, registered, kind, broken
+):
     registered("recording-head", lambda setup: kind.from_setup(setup))
-    llm = _llm(target, "recording-head:" + head[len("head:"):])
+    llm = _llm(target, "recording-head:" + head[len("head:") :])
     llm.generate(PROMPTS, GREEDY)
     recorder = llm.engine.proposer
     assert sum(len(r) for r in recorder.rows.values()) > sum(map(len, PROMPTS))
@@ -135,7 +139,7 @@ def test_drafting_rolls_the_head_cache_back_to_the_targets_rows(target, head, re
     assert all(proposer.runner.length(s) == 0 for s in range(proposer.runner.num_slots))  # all released
     registered("no-rollback-head", lambda setup: NoRollback.from_setup(setup))
     with pytest.raises(RuntimeError, match="features from position"):
-        _llm(target, "no-rollback-head:" + head[len("head:"):]).generate(PROMPTS, GREEDY)
+        _llm(target, "no-rollback-head:" + head[len("head:") :]).generate(PROMPTS, GREEDY)
 
 
 class CacheSnapshots(DraftHeadProposer):
@@ -150,8 +154,9 @@ class CacheSnapshots(DraftHeadProposer):
             cache = self.runner._cache
             for i in rows:
                 n = self.runner.length(slots[i])
-                self.snapshots.append((list(seqs[i].token_ids), cache.keys(0, slots[i], n),
-                                       cache.values(0, slots[i], n)))
+                self.snapshots.append(
+                    (list(seqs[i].token_ids), cache.keys(0, slots[i], n), cache.values(0, slots[i], n))
+                )
         return super()._draft_forward(step, rows, seqs, slots, tokens)
 
 
@@ -174,11 +179,13 @@ def _rows_unlike_a_fresh_heads(target, proposer) -> int:
             continue
         t, h = fresh_target.allocate(), fresh_head.allocate()
         _, hidden = fresh_target.forward([t], [ids[:n]], "all", hidden=True)
-        fresh_head.forward([h], [ids[1:n + 1]], "last", features=[hidden])
+        fresh_head.forward([h], [ids[1 : n + 1]], "last", features=[hidden])
         fresh_keys, fresh_values = fresh_head._cache.keys(0, h, n), fresh_head._cache.values(0, h, n)
         for p in range(n):
-            wrong += not (torch.allclose(keys[:, p], fresh_keys[:, p], atol=1e-3, rtol=1e-3)
-                          and torch.allclose(values[:, p], fresh_values[:, p], atol=1e-3, rtol=1e-3))
+            wrong += not (
+                torch.allclose(keys[:, p], fresh_keys[:, p], atol=1e-3, rtol=1e-3)
+                and torch.allclose(values[:, p], fresh_values[:, p], atol=1e-3, rtol=1e-3)
+            )
         fresh_target.free(t)
         fresh_head.free(h)
     return wrong
@@ -193,7 +200,7 @@ def test_a_next_turn_keeps_the_head_rows_whose_tokens_it_shares(target, head, re
     only the first token finds its own rows, not those of the prompt it differs from. Outputs are plain
     decoding's either way."""
     registered("snapshot-head", lambda setup: kind.from_setup(setup))
-    llm = _llm(target, "snapshot-head:" + head[len("head:"):], max_num_seqs=2)
+    llm = _llm(target, "snapshot-head:" + head[len("head:") :], max_num_seqs=2)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256, max_num_seqs=2)
     a = list(range(10, 40))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -249,8 +256,9 @@ def test_a_head_drafts_for_a_bfloat16_target(target, head):
 
 
 # ---- the distribution ---------------------------------------------------------------------------------
-STAT_PARAMS = dict(temperature=1.0, max_tokens=3, repetition_penalty=1.3, presence_penalty=0.7, logit_bias={2: 1.0},
-                   top_k=6)
+STAT_PARAMS = dict(
+    temperature=1.0, max_tokens=3, repetition_penalty=1.3, presence_penalty=0.7, logit_bias={2: 1.0}, top_k=6
+)
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +282,13 @@ def test_sampling_with_the_head_under_a_grammar_follows_the_masked_target(small)
     from specdecode.sampling import StructuredOutput
 
     target, path, _, _, _ = small
-    params = SamplingParams(n=16, temperature=1.0, max_tokens=4, presence_penalty=0.5,
-                            structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'))
+    params = SamplingParams(
+        n=16,
+        temperature=1.0,
+        max_tokens=4,
+        presence_penalty=0.5,
+        structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'),
+    )
     joint = exact_joint(target, [1, 2, 3], params)
     counts, accepted = sampled_joint(target, None, [1, 2, 3], params, samples=6000, speculative_model=path)
     assert accepted > 0.05
@@ -286,16 +299,19 @@ def test_a_head_that_misstates_its_probabilities_fails_the_distribution_test(sma
     """Broken: the tokens are drawn from the head's q, but verification is told q is uniform. (Returning
     no q at all is not a broken variant: verifying a draft as one-hot is exact for any way of choosing
     it, and only lowers acceptance.)"""
+
     class UniformQ(DraftHeadProposer):
         def propose(self, seqs, ks, feedback=None):
             drafts = super().propose(seqs, ks, feedback)
-            return DraftBatch(drafts.tokens, [None if q is None else torch.full_like(q, 1 / q.shape[-1])
-                                              for q in drafts.probs])
+            return DraftBatch(
+                drafts.tokens, [None if q is None else torch.full_like(q, 1 / q.shape[-1]) for q in drafts.probs]
+            )
 
     target, path, prompt, params, joint = small
     registered("uniform-q-head", lambda setup: UniformQ.from_setup(setup))
-    counts, _ = sampled_joint(target, None, prompt, params, samples=4000,
-                              speculative_model="uniform-q-head:" + path[len("head:"):])
+    counts, _ = sampled_joint(
+        target, None, prompt, params, samples=4000, speculative_model="uniform-q-head:" + path[len("head:") :]
+    )
     assert chi2_pvalue(counts, joint) < 1e-6
 
 
@@ -303,8 +319,16 @@ def test_a_head_that_misstates_its_probabilities_fails_the_distribution_test(sma
 # targets of the families beyond Qwen2's: Gemma 3's layers (a window narrower than the prompts, sandwich norms,
 # GeGLU, q/k norms, a RoPE base per kind of layer) and a mixture of experts
 FAMILY_TARGETS = {
-    "gemma3": dict(arch="gemma3", qk_norm=True, activation="gelu_tanh", sandwich_norms=True, embedding_scale=8.0,
-                   sliding_window=8, sliding_layers=(0,), local_rope_theta=1e6),
+    "gemma3": dict(
+        arch="gemma3",
+        qk_norm=True,
+        activation="gelu_tanh",
+        sandwich_norms=True,
+        embedding_scale=8.0,
+        sliding_window=8,
+        sliding_layers=(0,),
+        local_rope_theta=1e6,
+    ),
     "mixtral": dict(arch="mixtral", num_experts=4, experts_per_token=2),
 }
 
@@ -329,19 +353,34 @@ def _trains_a_head(target, tmp_path, monkeypatch, precision, margin: float = 0.1
     monkeypatch.setattr(train, "resolve_dtype", lambda dtype, device: precision)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
-    outs = plain.generate([[i, i + 1, (3 * i) % 60] for i in range(1, 49)],
-                          SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    outs = plain.generate(
+        [[i, i + 1, (3 * i) % 60] for i in range(1, 49)], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    )
     text = tmp_path / "own.jsonl"
-    text.write_text("".join(json.dumps({"text": target.tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids)})
-                            + "\n" for o in outs))
+    text.write_text(
+        "".join(
+            json.dumps({"text": target.tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids)}) + "\n"
+            for o in outs
+        )
+    )
     out = tmp_path / "trained"
-    recipe = Recipe(sources=[f"jsonl:{text}"], tokens=4000, chunk=48, draft_vocab_size=48, intermediate_size=64,
-                    steps=150, batch=8, lr=3e-3)
+    recipe = Recipe(
+        sources=[f"jsonl:{text}"],
+        tokens=4000,
+        chunk=48,
+        draft_vocab_size=48,
+        intermediate_size=64,
+        steps=150,
+        batch=8,
+        lr=3e-3,
+    )
     summary = distill(target, str(out), recipe, progress=False)
     assert summary["held_out_top1_per_round"][0] > 0.1  # chance: about 1 in 48
     unseen = [[50, 51, 27]]
-    trained, untrained = (_llm(target, h, k=4).generate(unseen, GREEDY)[0].spec["acceptance_rate"]
-                          for h in (f"head:{out}", make_head(target, tmp_path / "untrained")))
+    trained, untrained = (
+        _llm(target, h, k=4).generate(unseen, GREEDY)[0].spec["acceptance_rate"]
+        for h in (f"head:{out}", make_head(target, tmp_path / "untrained"))
+    )
     assert trained > untrained + margin, (trained, untrained)
 
 
@@ -353,15 +392,25 @@ def test_distill_trains_on_from_a_given_head_and_refuses_one_for_another_target(
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "text.jsonl"
-    text.write_text("".join(json.dumps({"text": "".join(chr(40 + (i * j) % 50) for j in range(300))}) + "\n"
-                            for i in range(1, 9)))
-    recipe = Recipe(sources=[f"jsonl:{text}"], tokens=2000, chunk=48, draft_vocab_size=32, intermediate_size=64,
-                    steps=3, batch=2, minutes=0)
+    text.write_text(
+        "".join(json.dumps({"text": "".join(chr(40 + (i * j) % 50) for j in range(300))}) + "\n" for i in range(1, 9))
+    )
+    recipe = Recipe(
+        sources=[f"jsonl:{text}"],
+        tokens=2000,
+        chunk=48,
+        draft_vocab_size=32,
+        intermediate_size=64,
+        steps=3,
+        batch=2,
+        minutes=0,
+    )
     first = tmp_path / "first"
     distill(target, str(first), recipe, progress=False)
     again = tmp_path / "again"
-    distill(target, str(again), dataclasses.replace(recipe, init=str(first), lr=0.0, draft_vocab_size=48),
-            progress=False)
+    distill(
+        target, str(again), dataclasses.replace(recipe, init=str(first), lr=0.0, draft_vocab_size=48), progress=False
+    )
     (_, before), (spec, after) = read_head(str(first)), read_head(str(again))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert spec.recipe["init"] == str(first) and spec.intermediate_size == 64
@@ -376,7 +425,7 @@ def _drafting_rounds(head, features, ids, p, rounds):
     `rounds` - 1 rounds each reading the previous round's estimate beside the next token (teacher-forced)."""
     runner = ModelRunner(head, 1, 64)
     slot = runner.allocate()
-    logits, estimate = runner.forward([slot], [ids[1:p + 2]], "last", hidden=True, features=[features[:p + 1]])
+    logits, estimate = runner.forward([slot], [ids[1 : p + 2]], "last", hidden=True, features=[features[: p + 1]])
     out = [logits[-1]]
     for r in range(1, rounds):
         runner.commit(slot, p + r)
@@ -393,9 +442,15 @@ def test_training_unrolls_the_rounds_as_drafting_computes_them(target, monkeypat
     import specdecode.models.draft_head as draft_head
 
     if broken:
-        monkeypatch.setattr(draft_head, "_unrolled_mask", lambda step, width, device: torch.cat(
-            [torch.ones(width, width, dtype=torch.bool, device=device).tril()] +
-            [torch.eye(width, dtype=torch.bool, device=device)] * step, 1))
+        monkeypatch.setattr(
+            draft_head,
+            "_unrolled_mask",
+            lambda step, width, device: torch.cat(
+                [torch.ones(width, width, dtype=torch.bool, device=device).tril()]
+                + [torch.eye(width, dtype=torch.bool, device=device)] * step,
+                1,
+            ),
+        )
     torch.manual_seed(3)
     spec = HeadSpec(target.name, target_fingerprint(target.model), 48, target.config.vocab_size)
     head = build_head(spec, None, target.model, torch.arange(target.config.vocab_size))
@@ -429,8 +484,9 @@ def test_the_head_keeps_its_cache_in_the_engines_kv_cache_dtype(target, head):
 def _jsonl_text(tmp_path):
     """A distill source of 39 lines of 300 characters (`jsonl:FILE`)."""
     text = tmp_path / "text.jsonl"
-    text.write_text("".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n"
-                            for i in range(1, 40)))
+    text.write_text(
+        "".join(json.dumps({"text": "".join(chr(33 + (i * j) % 60) for j in range(300))}) + "\n" for i in range(1, 40))
+    )
     return f"jsonl:{text}"
 
 
@@ -466,8 +522,9 @@ def test_an_interrupted_recording_resumes_where_its_last_shard_ends(target, tmp_
     assert forwards.calls == 30 - 16
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "fresh"))
     whole = data.collect_features(target, [source], 32, 30 * 32, progress=False)
-    assert len(whole) == 30 and all(torch.equal(getattr(resumed, f), getattr(whole, f))
-                                    for f in ("tokens", "hidden", "choice"))
+    assert len(whole) == 30 and all(
+        torch.equal(getattr(resumed, f), getattr(whole, f)) for f in ("tokens", "hidden", "choice")
+    )
 
 
 def test_a_recording_past_its_deadline_stops_at_a_shard_and_a_later_run_carries_on(target, tmp_path, monkeypatch):
@@ -512,8 +569,12 @@ def test_the_default_recipe_is_the_devices_and_given_options_override_it():
 
     assert recipe_for("cpu", tokens=None) == Recipe()
     on_gpu = recipe_for("cuda", steps=None, lr=2e-3)
-    assert (on_gpu.tokens, on_gpu.batch, on_gpu.sources, on_gpu.lr) == (GPU_RECIPE["tokens"], GPU_RECIPE["batch"],
-                                                                       GPU_RECIPE["sources"], 2e-3)
+    assert (on_gpu.tokens, on_gpu.batch, on_gpu.sources, on_gpu.lr) == (
+        GPU_RECIPE["tokens"],
+        GPU_RECIPE["batch"],
+        GPU_RECIPE["sources"],
+        2e-3,
+    )
     assert on_gpu.steps == GPU_RECIPE["steps"] and on_gpu.chunk == Recipe().chunk
 
 
@@ -522,7 +583,7 @@ def test_python_sources_read_about_the_budget_in_a_fixed_order():
 
     small, larger = python_sources(200_000), python_sources(600_000)
     assert 200_000 <= sum(map(len, small)) < 200_000 + 200_000  # stops at the first file past the budget
-    assert larger[:len(small)] == small  # a larger budget reads more of the same order
+    assert larger[: len(small)] == small  # a larger budget reads more of the same order
     assert all(len(text.encode()) >= 1_000 for text in larger)  # too short for a chunk: left out
 
 
@@ -566,8 +627,16 @@ def test_a_distill_run_past_its_budget_trains_on_what_it_recorded(target, tmp_pa
     """With no time at all, distill records one shard, trains the steps the measured pace allows, and still
     writes a head that loads; the summary says how much text and how many steps it used."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    recipe = Recipe(sources=[_jsonl_text(tmp_path)], tokens=30 * 32, chunk=32, draft_vocab_size=48,
-                    intermediate_size=32, steps=300, batch=2, minutes=1e-6)
+    recipe = Recipe(
+        sources=[_jsonl_text(tmp_path)],
+        tokens=30 * 32,
+        chunk=32,
+        draft_vocab_size=48,
+        intermediate_size=32,
+        steps=300,
+        batch=2,
+        minutes=1e-6,
+    )
     summary = distill(target, str(tmp_path / "hurried"), recipe, progress=False)
     assert summary["train_tokens"] == 7 * 32  # 8 chunks recorded, one held out
     assert summary["steps"] == 4
@@ -586,17 +655,19 @@ def test_completions_are_the_targets_greedy_continuations_laid_end_to_end_and_ke
     file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     params = SamplingParams(temperature=0, max_tokens=12)
     engine = LLM(target=target, num_speculative_tokens=0, max_num_seqs=8, max_model_len=64)
-    outputs = [target.tokenizer.encode(p) + o.outputs[0].token_ids
-               for p, o in zip(prompts, engine.generate(prompts, params))]
-    expected = [t for p, ids in sorted(zip(prompts, outputs), key=lambda po: len(target.tokenizer.encode(po[0])))
-                for t in ids]
+    outputs = [
+        target.tokenizer.encode(p) + o.outputs[0].token_ids for p, o in zip(prompts, engine.generate(prompts, params))
+    ]
+    expected = [
+        t for p, ids in sorted(zip(prompts, outputs), key=lambda po: len(target.tokenizer.encode(po[0]))) for t in ids
+    ]
     assert len(expected) > 4 * 16
 
     def recorded():
         return data.collect_features(target, [f"completions:jsonl:{file}"], 16, 10_000, False, (10, 12))
 
     first = recorded()
-    assert first.tokens.flatten().tolist() == expected[:len(first) * 16] and len(first) == len(expected) // 16
+    assert first.tokens.flatten().tolist() == expected[: len(first) * 16] and len(first) == len(expected) // 16
     monkeypatch.setattr(completions, "_generate_stream", lambda *a: pytest.fail("generated again"))
     os.remove(data._cache_path(target, [f"completions:jsonl:{file}"], 16, 10_000, [10, 12]))  # features only
     assert torch.equal(recorded().tokens, first.tokens)
@@ -614,8 +685,8 @@ def test_padded_greedy_completions_equal_the_engines_and_end_at_eos(target, monk
     eos = alone[2][3]  # the third prompt's fourth token, made an EOS: that completion stops there
     monkeypatch.setattr(target.tokenizer, "eos_token_ids", frozenset({eos}))
     cut = greedy_completions(target, prompts, 10)
-    assert cut[2] == alone[2][:alone[2].index(eos) + 1]
-    assert all(c == a[:a.index(eos) + 1] if eos in a else c == a for c, a in zip(cut, alone))
+    assert cut[2] == alone[2][: alone[2].index(eos) + 1]
+    assert all(c == a[: a.index(eos) + 1] if eos in a else c == a for c, a in zip(cut, alone))
 
 
 @pytest.mark.parametrize("generate", ["_padded_batches", "_engine_stream"])

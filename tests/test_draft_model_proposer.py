@@ -1,5 +1,6 @@
 """The draft-model proposer on its own: its cache catches up lazily, follows the target's commits and
 rollbacks, frees its slot, and drafts the draft model's own greedy continuation."""
+
 import pytest
 import torch
 from conftest import DEVICE, tiny_model

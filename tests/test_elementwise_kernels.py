@@ -1,6 +1,7 @@
 """The elementwise kernels (RMSNorm with the residual add, SwiGLU): the numbers of the PyTorch path, each
 row computed as if alone, the AVX2 build equal to the native one, and greedy speculation on a model that
 uses them equal to plain decoding."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,9 +50,9 @@ def test_each_row_is_computed_as_if_alone(rows):
     batch_out, batch_sum = NormKernel(lib)(norm, x, residual.clone())
     batch_silu = SiluMulKernel(lib)(gate_up)
     for r in range(rows):
-        out, summed = NormKernel(lib)(norm, x[r:r + 1], residual[r:r + 1].clone())
+        out, summed = NormKernel(lib)(norm, x[r : r + 1], residual[r : r + 1].clone())
         assert torch.equal(out[0], batch_out[r]) and torch.equal(summed[0], batch_sum[r])
-        assert torch.equal(SiluMulKernel(lib)(gate_up[r:r + 1])[0], batch_silu[r])
+        assert torch.equal(SiluMulKernel(lib)(gate_up[r : r + 1])[0], batch_silu[r])
 
 
 @pytest.mark.parametrize("isa", kernel_builds())
@@ -82,13 +83,15 @@ def test_a_model_with_the_kernels_tracks_pytorch_and_speculation_stays_exact():
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
     target = LoadedModel("tiny-kernels", _with_kernels(), ByteTokenizer(64), tiny_model().config)
-    draft = LoadedModel("tiny-kernels-draft", _with_kernels(seed=7, layers=1), ByteTokenizer(64),
-                        tiny_model(seed=7, layers=1).config)
+    draft = LoadedModel(
+        "tiny-kernels-draft", _with_kernels(seed=7, layers=1), ByteTokenizer(64), tiny_model(seed=7, layers=1).config
+    )
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = [[5, 17, 33, 2, 9, 41], [60, 1, 1, 7]]
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128).generate(prompts, params)
-    spec = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=128,
-               speculation_policy="fixed").generate(prompts, params)
+    spec = LLM(
+        target=target, draft=draft, num_speculative_tokens=3, max_model_len=128, speculation_policy="fixed"
+    ).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.spec["num_draft_tokens"] for o in spec) > 0
 

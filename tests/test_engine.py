@@ -1,6 +1,7 @@
 """The engine on tiny random models: greedy speculative output equals plain greedy output token for
 token (self-draft: everything accepted; random draft: almost nothing accepted; n-gram), stop
 conditions inside an accepted chunk, batching, and the documented errors for bad input."""
+
 import pytest
 from conftest import make_head, run_as_one_batch, tiny_model
 
@@ -14,8 +15,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def _llm(target, draft=None, k=4, **kw):
     kw.setdefault("speculation_policy", "fixed")  # these tests are about the mechanics of a given k
     kw.setdefault("draft_confidence", 0.0)
-    return LLM(target=target, draft=draft, speculative_model=kw.pop("speculative_model", None),
-               num_speculative_tokens=k, max_model_len=256, **kw)
+    return LLM(
+        target=target,
+        draft=draft,
+        speculative_model=kw.pop("speculative_model", None),
+        num_speculative_tokens=k,
+        max_model_len=256,
+        **kw,
+    )
 
 
 def _plain_ids(target, prompts=PROMPTS, params=GREEDY):
@@ -88,7 +95,7 @@ def test_eos_inside_accepted_chunk_stops_there(target, plain):
     cut = next(i for i in range(7, len(ids)) if ids[i] not in ids[:i])  # first occurrence of that token
     eos_target = _with_eos(target, ids[cut])
     out = _llm(eos_target, draft=target, k=4).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40))[0]
-    assert out.outputs[0].token_ids == ids[:cut + 1]  # up to and including EOS, nothing after it
+    assert out.outputs[0].token_ids == ids[: cut + 1]  # up to and including EOS, nothing after it
     assert out.outputs[0].finish_reason == "stop"
 
 
@@ -119,10 +126,18 @@ def test_sampling_with_seed_is_reproducible(target, random_draft):
 
 
 # ---- bad input ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"), ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"), ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(SpecDecodeError, match=message):
         SamplingParams(**kwargs)
@@ -221,7 +236,8 @@ def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft)
     plain_ids = _plain_ids(target)
     llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup="ngram")
     outputs, step_ks, lookup_drafts = run_as_one_batch(
-        llm.engine, [target.tokenizer.encode(p) for p in PROMPTS], GREEDY)
+        llm.engine, [target.tokenizer.encode(p) for p in PROMPTS], GREEDY
+    )
     assert outputs == plain_ids
     assert lookup_drafts > 0
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged within a step
@@ -250,8 +266,10 @@ def test_generate_takes_one_sampling_params_per_prompt_as_vllm_does(target):
 
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
     prompts = [[5, 6, 7], [8, 9]]
-    each = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    each = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ]
     outs = llm.generate(prompts, each)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
     assert outs[1].outputs[0].token_ids == llm.generate([prompts[1]], each[1])[0].outputs[0].token_ids

@@ -1,6 +1,7 @@
 """The mixture-of-experts kernel (kernels/lowbit.c, lowbit_moe): the experts' MLP of the PyTorch path up to the
 router's float order, each row the same bits whatever other rows share the call (so a verified token gets a
 decoded token's logits) and every build the scalar reference's bits."""
+
 import pytest
 import torch
 from conftest import kernel_builds, random_hf_weights, tiny_config
@@ -14,10 +15,17 @@ pytestmark = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit ker
 
 
 def _moe(quantization: str = "w8a8", experts: int = 8, top: int = 2, normalize: bool = True):
-    cfg = tiny_config(arch="mixtral", hidden=64, intermediate=96, num_experts=experts, experts_per_token=top,
-                      normalize_expert_weights=normalize)
-    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), quantization),
-                                  quantization, "cpu")
+    cfg = tiny_config(
+        arch="mixtral",
+        hidden=64,
+        intermediate=96,
+        num_experts=experts,
+        experts_per_token=top,
+        normalize_expert_weights=normalize,
+    )
+    model = build_quantized_model(
+        cfg, quantize_weights(random_hf_weights(cfg, 0).items(), quantization), quantization, "cpu"
+    )
     moe = model.layers[0].mlp
     assert isinstance(moe.kernel, ExpertsKernel)
     return moe
@@ -38,7 +46,7 @@ def test_the_kernel_computes_the_pytorch_paths_experts(quantization, normalize):
 def test_each_row_is_computed_as_if_alone():
     moe = _moe(experts=8, top=3)
     together = moe(ROWS)
-    assert torch.equal(together, torch.cat([moe(ROWS[i:i + 1]) for i in range(len(ROWS))]))
+    assert torch.equal(together, torch.cat([moe(ROWS[i : i + 1]) for i in range(len(ROWS))]))
 
 
 @pytest.mark.parametrize("isa", kernel_builds(amx_tiles=True))

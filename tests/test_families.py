@@ -3,6 +3,7 @@ saved and from llama.cpp's GGUF conversion of it; greedy decoding against transf
 speculation (n-gram, suffix, a draft of the same family, a head) against plain decoding on the low-bit backend;
 and each test failing on a deliberately broken runtime (RoPE scaling off, q/k norm skipped, window ignored,
 wrong top-k)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,9 +94,14 @@ def test_greedy_decoding_equals_transformers(made, family):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = LLM(target=loaded, num_speculative_tokens=0, max_model_len=256).generate([prompt], params)
     with torch.no_grad():
-        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt):].tolist()
+        theirs = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            min_new_tokens=32,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
 
 
 PROPOSERS = ["ngram", "suffix", "draft", "head"]
@@ -103,8 +109,7 @@ PROPOSERS = ["ngram", "suffix", "draft", "head"]
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_speculation_equals_plain_decoding_on_the_low_bit_backend(made, family, proposer, tmp_path,
-                                                                         monkeypatch):
+def test_greedy_speculation_equals_plain_decoding_on_the_low_bit_backend(made, family, proposer, tmp_path, monkeypatch):
     folder, gguf, _ = made(family)
     target = load_model(str(gguf), quantization="w8a8", progress=False)
     options = dict(speculative_model=proposer) if proposer in ("ngram", "suffix") else {}
@@ -119,8 +124,9 @@ def test_greedy_speculation_equals_plain_decoding_on_the_low_bit_backend(made, f
     prompts = [_prompt(vocab, 24, seed=2) * 2, _prompt(vocab, 9, seed=3)]  # the first repeats itself: lookups hit
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate(prompts, params)
-    spec = LLM(target=target, num_speculative_tokens=3, max_model_len=256, speculation_policy="fixed",
-               **options).generate(prompts, params)
+    spec = LLM(
+        target=target, num_speculative_tokens=3, max_model_len=256, speculation_policy="fixed", **options
+    ).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     # lookups draft where the output repeats its context, which random weights over a BPE vocabulary (128k-151k
     # tokens) hardly do: there the verify of several tokens is exercised by the draft model and the head
@@ -138,18 +144,31 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
     return _logits(build_model(change(cfg), tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
 
 
-@pytest.mark.parametrize("family, change", [
-    ("llama3", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # RoPE scaling off
-    ("gemma3", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),
-    ("gemma3", lambda cfg: dataclasses.replace(cfg, local_rope_theta=None)),  # one RoPE base for every layer
-    ("mistral", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),  # window ignored
-    ("gemma3", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
-    ("gemma3", lambda cfg: dataclasses.replace(cfg, embedding_scale=None)),
-    ("mixtral", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),  # wrong top-k
-    ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, experts_per_token=3)),
-    ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
-], ids=["llama3-rope-scaling", "gemma3-rope-scaling", "gemma3-one-rope-base", "mistral-window", "gemma3-window",
-        "gemma3-embedding-scale", "mixtral-top-k", "qwen3-moe-top-k", "qwen3-moe-norm-topk"])
+@pytest.mark.parametrize(
+    "family, change",
+    [
+        ("llama3", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # RoPE scaling off
+        ("gemma3", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),
+        ("gemma3", lambda cfg: dataclasses.replace(cfg, local_rope_theta=None)),  # one RoPE base for every layer
+        ("mistral", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),  # window ignored
+        ("gemma3", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
+        ("gemma3", lambda cfg: dataclasses.replace(cfg, embedding_scale=None)),
+        ("mixtral", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),  # wrong top-k
+        ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, experts_per_token=3)),
+        ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+    ],
+    ids=[
+        "llama3-rope-scaling",
+        "gemma3-rope-scaling",
+        "gemma3-one-rope-base",
+        "mistral-window",
+        "gemma3-window",
+        "gemma3-embedding-scale",
+        "mixtral-top-k",
+        "qwen3-moe-top-k",
+        "qwen3-moe-norm-topk",
+    ],
+)
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
     got, expected = _broken_logits(made, family, change)
     assert not torch.allclose(got, expected, **TOLERANCE)
@@ -189,12 +208,14 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
     stated = _with_metadata(gguf, tmp_path / "stated.gguf", {"llama.attention.sliding_window": 12})
     cfg, tensors = load_gguf(str(stated), progress=False)
     assert cfg.sliding_window == 12
-    torch.testing.assert_close(_logits(build_model(cfg, tensors, torch.float32, "cpu"), ids),
-                               _expected(windowed, ids), **TOLERANCE)
+    torch.testing.assert_close(
+        _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(windowed, ids), **TOLERANCE
+    )
 
 
-def _with_metadata(source, out, extra: dict[str, int], strings: dict[str, str] | None = None,
-                   extra_tensor: str | None = None):
+def _with_metadata(
+    source, out, extra: dict[str, int], strings: dict[str, str] | None = None, extra_tensor: str | None = None
+):
     """A copy of a GGUF file with more integer (and string) metadata, or one more tensor."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
@@ -213,8 +234,7 @@ def _with_metadata(source, out, extra: dict[str, int], strings: dict[str, str] |
     if extra_tensor:
         writer.add_tensor(extra_tensor, torch.zeros(4).numpy())
     for t in reader.tensors:
-        writer.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])),
-                          raw_dtype=t.tensor_type)
+        writer.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -224,22 +244,34 @@ def _with_metadata(source, out, extra: dict[str, int], strings: dict[str, str] |
 
 # ---- what the runtime does not implement is refused by name ----------------------------------------------
 
-LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
-    (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
-    (dict(model_type="gpt_oss"), "model_type"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (dict(model_type="gemma3_text", final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
-     "final_logit_softcapping"),
-    (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
-    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
+        (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
+        (dict(model_type="gpt_oss"), "model_type"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (
+            dict(model_type="gemma3_text", final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+            "final_logit_softcapping",
+        ),
+        (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+        (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    ],
+)
 def test_an_unsupported_config_field_is_refused_by_name(change, field):
     from specdecode.errors import SpecDecodeError
     from specdecode.models.families import from_hf_config

@@ -1,6 +1,7 @@
 """GGUF loading: dequantization through our loader equals the `gguf` package's reference, tensor
 orientation is right, and a model written the way llama.cpp's converter writes it (Llama q/k rows
 permuted for interleaved RoPE) loads into a runtime that matches transformers."""
+
 import numpy as np
 import pytest
 import torch
@@ -42,11 +43,22 @@ def _write(path, arch, cfg, tensors: dict[str, np.ndarray], qtype=Q.F32):
 
 
 def _to_gguf_names(cfg, hf: dict[str, torch.Tensor], arch: str) -> dict[str, np.ndarray]:
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    out = {"token_embd.weight": hf["model.embed_tokens.weight"].numpy(),
-           "output_norm.weight": hf["model.norm.weight"].numpy(), "output.weight": hf["lm_head.weight"].numpy()}
+    names = {
+        "q_proj": "attn_q",
+        "k_proj": "attn_k",
+        "v_proj": "attn_v",
+        "o_proj": "attn_output",
+        "gate_proj": "ffn_gate",
+        "up_proj": "ffn_up",
+        "down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    out = {
+        "token_embd.weight": hf["model.embed_tokens.weight"].numpy(),
+        "output_norm.weight": hf["model.norm.weight"].numpy(),
+        "output.weight": hf["lm_head.weight"].numpy(),
+    }
     for key, value in hf.items():
         parts = key.split(".")
         if parts[1] != "layers":
@@ -107,7 +119,7 @@ def _k_quant_blocks(qtype, rows: int, columns: int, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
     scales = 2 if qtype == Q.Q2_K else 1  # Q2_K: d and dmin
     d = rng.uniform(0.0005, 0.0015, (rows, nb, scales)).astype(np.float16)
-    blocks[..., size - 2 * scales:] = d.view(np.uint8).reshape(rows, nb, 2 * scales)
+    blocks[..., size - 2 * scales :] = d.view(np.uint8).reshape(rows, nb, 2 * scales)
     return blocks.reshape(rows, nb * size)
 
 
@@ -123,9 +135,14 @@ def test_k_quants_load_q3_k_as_stored_and_q2_k_requantized_with_a_warning(tmp_pa
     cfg = tiny_config("qwen2", hidden=256, intermediate=512)
     tensors = _to_gguf_names(cfg, random_hf_weights(cfg, seed=3), "qwen2")
     w = GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
-    for key, value in (("block_count", cfg.num_layers), ("context_length", cfg.max_position),
-                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
-                       ("head_count", cfg.num_heads), ("head_count_kv", cfg.num_kv_heads)):
+    for key, value in (
+        ("block_count", cfg.num_layers),
+        ("context_length", cfg.max_position),
+        ("embedding_length", cfg.hidden_size),
+        ("feed_forward_length", cfg.intermediate_size),
+        ("head_count", cfg.num_heads),
+        ("head_count_kv", cfg.num_kv_heads),
+    ):
         getattr(w, f"add_{key}")(value)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -147,10 +164,13 @@ def test_k_quants_load_q3_k_as_stored_and_q2_k_requantized_with_a_warning(tmp_pa
     with pytest.warns(UserWarning, match="weights in Q2_K are not computed as stored"):
         _, low_bit = load_low_bit_weights(str(tmp_path / "k.gguf"), "w4a8", progress=False)
     ids = list(range(1, 30))
-    models = [build_model(loaded_cfg, floats, torch.float32, "cpu"),
-              build_quantized_model(loaded_cfg, low_bit, "w4a8", "cpu")]
-    formats = {part.format.name for m in models[1].modules() for part in getattr(m, "parts", [m])
-               if hasattr(part, "format")}
+    models = [
+        build_model(loaded_cfg, floats, torch.float32, "cpu"),
+        build_quantized_model(loaded_cfg, low_bit, "w4a8", "cpu"),
+    ]
+    formats = {
+        part.format.name for m in models[1].modules() for part in getattr(m, "parts", [m]) if hasattr(part, "format")
+    }
     assert "Q3_K" in formats and "Q2_K" not in formats
     reference, got = (ModelRunner(m, 1, 64).forward([0], [ids], "all") for m in models)
     assert ((got - reference).norm() / reference.norm()).item() < 0.03
@@ -161,7 +181,8 @@ def test_a_type_gguf_cannot_dequantize_is_refused_with_what_to_use():
 
     from specdecode.errors import SpecDecodeError
 
-    tensor = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=Q.Q8_1, shape=[256, 16],
-                             data=np.zeros((16, 8 * 36), dtype=np.uint8))
+    tensor = SimpleNamespace(
+        name="blk.0.attn_q.weight", tensor_type=Q.Q8_1, shape=[256, 16], data=np.zeros((16, 8 * 36), dtype=np.uint8)
+    )
     with pytest.raises(SpecDecodeError, match="Q8_1, which the gguf package cannot dequantize; use a file"):
         dequantize_tensor(tensor)

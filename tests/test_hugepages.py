@@ -1,5 +1,6 @@
 """Weights and KV caches on huge pages: the same numbers from one arena, views and shared tensors kept,
 and memory the kernel really backs with 2 MB pages."""
+
 import pytest
 import torch
 from conftest import random_hf_weights, tiny_config

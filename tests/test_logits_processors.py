@@ -1,6 +1,7 @@
 """Logits processors (logit_bias, min_tokens, repetition/presence/frequency penalties, min_p) under
 speculation: the formulas, greedy equality with plain decoding, and the statistical test that the
 emitted text follows the processed target distribution, each failing on a deliberately broken variant."""
+
 import math
 
 import pytest
@@ -17,8 +18,14 @@ PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty
 
 def _llm(target, draft=None, k=3, **kw):
     kw.setdefault("speculation_policy", "fixed")
-    return LLM(target=target, draft=draft, speculative_model=kw.pop("speculative_model", None),
-               num_speculative_tokens=k, max_model_len=256, **kw)
+    return LLM(
+        target=target,
+        draft=draft,
+        speculative_model=kw.pop("speculative_model", None),
+        num_speculative_tokens=k,
+        max_model_len=256,
+        **kw,
+    )
 
 
 # ---- the formulas -----------------------------------------------------------------------------------
@@ -27,11 +34,13 @@ def test_penalties_follow_their_definitions_per_row():
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     out = process_logits(logits, params, prompt_ids=[4], output_ids=[0, 0], drafts=[1, 3])
     # row 0 sees output [0, 0]; row 1 adds draft 1; row 2 adds drafts 1 and 3
-    expected = torch.tensor([
-        [2.0 / 2 - 0.5 - 0.5, -1.0, 0.5, 3.0, 0.0 * 2],
-        [2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, 0.0],
-        [2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, 0.0],
-    ])
+    expected = torch.tensor(
+        [
+            [2.0 / 2 - 0.5 - 0.5, -1.0, 0.5, 3.0, 0.0 * 2],
+            [2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, 0.0],
+            [2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, 0.0],
+        ]
+    )
     torch.testing.assert_close(out, expected)
 
 
@@ -50,16 +59,19 @@ def test_min_p_keeps_tokens_within_a_factor_of_the_best():
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(presence_penalty=3), "presence_penalty must be a finite number from -2 to 2"),
-    (dict(repetition_penalty=0), "repetition_penalty must be in (0, 10]"),
-    (dict(min_p=1.5), "min_p must be a finite number from 0 to 1"),
-    (dict(logit_bias={"x": 1}), "logit_bias keys must be token ids"),
-    (dict(logit_bias={3: 200}), "logit_bias[3] must be a finite number from -100 to 100"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens must be an integer from 0 to 10"),
-    (dict(logprobs=21), "logprobs must be an integer from 0 to 20"),
-    (dict(n=0), "n must be an integer from 1 to 16"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(presence_penalty=3), "presence_penalty must be a finite number from -2 to 2"),
+        (dict(repetition_penalty=0), "repetition_penalty must be in (0, 10]"),
+        (dict(min_p=1.5), "min_p must be a finite number from 0 to 1"),
+        (dict(logit_bias={"x": 1}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={3: 200}), "logit_bias[3] must be a finite number from -100 to 100"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens must be an integer from 0 to 10"),
+        (dict(logprobs=21), "logprobs must be an integer from 0 to 20"),
+        (dict(n=0), "n must be an integer from 1 to 16"),
+    ],
+)
 def test_bad_processor_params(kwargs, message):
     with pytest.raises(SpecDecodeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingParams(**kwargs)
@@ -112,8 +124,17 @@ def test_penalties_without_the_drafts_break_greedy_equality(target, plain_penali
 
 # ---- the distribution ---------------------------------------------------------------------------------
 SMALL_VOCAB = 8  # id 7 is EOS
-STAT_PARAMS = dict(temperature=1.0, max_tokens=3, min_tokens=2, repetition_penalty=1.3, presence_penalty=0.7,
-                   frequency_penalty=0.9, logit_bias={2: 1.0}, min_p=0.02, top_k=6)
+STAT_PARAMS = dict(
+    temperature=1.0,
+    max_tokens=3,
+    min_tokens=2,
+    repetition_penalty=1.3,
+    presence_penalty=0.7,
+    frequency_penalty=0.9,
+    logit_bias={2: 1.0},
+    min_p=0.02,
+    top_k=6,
+)
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +169,11 @@ def test_min_tokens_holds_back_eos(small_pair):
     target, draft = small_pair
     eos_first = SamplingParams(temperature=0, max_tokens=6, logit_bias={7: 100.0})
     assert _llm(target, draft, k=2).generate([[1, 2]], eos_first)[0].outputs[0].token_ids == [7]
-    out = _llm(target, draft, k=2).generate([[1, 2]], SamplingParams(temperature=0, max_tokens=6, min_tokens=4,
-                                                                      logit_bias={7: 100.0}))[0].outputs[0]
+    out = (
+        _llm(target, draft, k=2)
+        .generate([[1, 2]], SamplingParams(temperature=0, max_tokens=6, min_tokens=4, logit_bias={7: 100.0}))[0]
+        .outputs[0]
+    )
     assert len(out.token_ids) == 5 and out.token_ids[-1] == 7 and 7 not in out.token_ids[:4]
     assert out.finish_reason == "stop"
 

@@ -1,5 +1,6 @@
 """Logprobs under speculation equal plain decoding's for every emitted token (accepted draft, recovered,
 bonus), and n outputs per prompt share one prefill, each with its own random stream."""
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -66,8 +67,9 @@ def test_sampled_logprobs_are_the_targets_for_accepted_recovered_and_bonus_token
 def test_logprobs_of_the_wrong_row_are_caught(target, monkeypatch):
     """The broken variant reads each token's logprob one row late (the row after it was chosen)."""
     real = verifier.emitted_logprobs
-    monkeypatch.setattr(verifier, "emitted_logprobs",
-                        lambda seq, processed, tokens: real(seq, torch.roll(processed, -1, 0), tokens))
+    monkeypatch.setattr(
+        verifier, "emitted_logprobs", lambda seq, processed, tokens: real(seq, torch.roll(processed, -1, 0), tokens)
+    )
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=0)
     plain = _flat(_llm(target, k=0).generate(PROMPTS, params))
     with pytest.raises(AssertionError):
@@ -84,9 +86,11 @@ def test_n_outputs_share_one_prefill(target, random_draft, monkeypatch):
     llm = _llm(target, random_draft, k=2)
     prompts_run = []
     real = llm.engine.runner.forward
-    monkeypatch.setattr(llm.engine.runner, "forward",
-                        lambda slots, inputs, *a, **kw: prompts_run.append(len(inputs[0]))
-                            or real(slots, inputs, *a, **kw))
+    monkeypatch.setattr(
+        llm.engine.runner,
+        "forward",
+        lambda slots, inputs, *a, **kw: prompts_run.append(len(inputs[0])) or real(slots, inputs, *a, **kw),
+    )
     prompt = target.tokenizer.encode(PROMPTS[0])
     out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True))[0]
     assert prompts_run.count(len(prompt)) == 1  # one prefill for four outputs
@@ -98,8 +102,9 @@ def test_n_outputs_share_one_prefill(target, random_draft, monkeypatch):
 def test_greedy_n_outputs_are_all_plain_greedy(target, random_draft):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = _llm(target, k=0).generate(PROMPTS[0], params)[0].outputs[0].token_ids
-    out = _llm(target, random_draft).generate(PROMPTS[0], SamplingParams(n=3, temperature=0, max_tokens=20,
-                                                                            ignore_eos=True))[0]
+    out = _llm(target, random_draft).generate(
+        PROMPTS[0], SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
+    )[0]
     assert [o.token_ids for o in out.outputs] == [plain] * 3
 
 

@@ -1,6 +1,7 @@
 """The memory plan: weights and both KV caches placed in a byte budget, slots sized to what fits,
 requests beyond the slots wait in the queue, a budget that can never hold a sequence is refused, and a
 draft head's unread features are counted per token."""
+
 import pytest
 import torch
 from conftest import make_head, tiny_model
@@ -27,8 +28,9 @@ def test_kv_bytes_per_token_counts_k_and_v_of_every_layer(target):
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
     cache = llm.engine.runner._cache
     assert cache.num_blocks == 3 * -(-100 // cache.block_size)
-    assert (sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-            == cache.num_blocks * cache.block_size * kv_bytes_per_token(cfg, torch.float32))
+    assert sum(
+        t.numel() * t.element_size() for t in cache.k + cache.v
+    ) == cache.num_blocks * cache.block_size * kv_bytes_per_token(cfg, torch.float32)
 
 
 def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):
@@ -38,8 +40,9 @@ def test_a_float16_cache_takes_half_the_bytes_and_the_plan_counts_them(target):
         llm = LLM(target=target, num_speculative_tokens=0, max_model_len=100, max_num_seqs=3)
         cache = llm.engine.runner._cache
         assert cache.k[0].dtype == torch.float16
-        assert (sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-                == cache.num_blocks * cache.block_size * kv_bytes_per_token(cfg, torch.float16))
+        assert sum(
+            t.numel() * t.element_size() for t in cache.k + cache.v
+        ) == cache.num_blocks * cache.block_size * kv_bytes_per_token(cfg, torch.float16)
         assert llm.memory_plan.kv_bytes_per_token == kv_bytes_per_token(cfg, torch.float32) // 2
     finally:
         model.kv_cache_dtype = None
@@ -66,8 +69,13 @@ def test_a_budget_that_never_fits_a_sequence_is_refused(target, random_draft):
     plan = plan_memory(target.model, random_draft.model, 256, 8, 4, None)
     fixed = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes
     with pytest.raises(SpecDecodeError, match="raise the memory budget or lower max_model_len to at most 64$"):
-        LLM(target=target, draft=random_draft, max_model_len=256, draft_quantization="none",
-            memory_budget=fixed + 100 * plan.kv_bytes_per_token)
+        LLM(
+            target=target,
+            draft=random_draft,
+            max_model_len=256,
+            draft_quantization="none",
+            memory_budget=fixed + 100 * plan.kv_bytes_per_token,
+        )
     with pytest.raises(SpecDecodeError, match="smaller than the weights and activations"):
         LLM(target=target, draft=random_draft, max_model_len=256, memory_budget=1000)
 
@@ -77,8 +85,15 @@ def test_requests_beyond_the_kv_blocks_wait_and_all_complete(target, random_draf
     time; a request that could never fit is refused with what to change."""
     plan = plan_memory(target.model, random_draft.model, 64, 8, 3, None)
     budget = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes + 2 * 64 * plan.kv_bytes_per_token
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=64, max_num_seqs=8,
-              draft_quantization="none", memory_budget=budget)
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=3,
+        max_model_len=64,
+        max_num_seqs=8,
+        draft_quantization="none",
+        memory_budget=budget,
+    )
     assert llm.memory_plan.num_blocks == llm.engine.runner.num_blocks == 2 and llm.engine.runner.num_slots == 8
     prompts = [f"request {i}" for i in range(5)]
     alone = [LLM(target=target, num_speculative_tokens=0, max_model_len=64).generate(p, PARAMS)[0] for p in prompts]
@@ -98,12 +113,19 @@ def test_the_plan_counts_a_draft_heads_unread_features_per_token(target, tmp_pat
     row = target.config.hidden_size * torch.empty((), dtype=target.model.dtype).element_size()
     plain = plan_memory(target.model, None, 128, 4, 3, None)
     assert plan_memory(target.model, None, 128, 4, 3, None, features=True).kv_bytes_per_token == (
-        plain.kv_bytes_per_token + row)
-    llm = LLM(target=target, speculative_model=make_head(target, tmp_path / "head"), num_speculative_tokens=2,
-              max_model_len=128, max_num_seqs=4)
+        plain.kv_bytes_per_token + row
+    )
+    llm = LLM(
+        target=target,
+        speculative_model=make_head(target, tmp_path / "head"),
+        num_speculative_tokens=2,
+        max_model_len=128,
+        max_num_seqs=4,
+    )
     head = llm.engine.proposer.model
     assert llm.memory_plan.kv_bytes_per_token == plain.kv_bytes_per_token + row + kv_bytes_per_token(
-        head.cfg, head.kv_dtype)
+        head.cfg, head.kv_dtype
+    )
 
 
 def _into_one_arena(model) -> None:
@@ -113,7 +135,7 @@ def _into_one_arena(model) -> None:
     places, at = {}, 0
     for ptr, t in tensors.items():
         size = t.numel() * t.element_size()
-        places[ptr] = arena[at:at + size].view(t.dtype).view(t.shape).copy_(t)
+        places[ptr] = arena[at : at + size].view(t.dtype).view(t.shape).copy_(t)
         at += size
     with torch.no_grad():
         model._apply(lambda t: places.get(t.data_ptr(), t))

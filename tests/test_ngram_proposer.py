@@ -1,5 +1,6 @@
 """Prompt lookup on its own: which match it takes, what it offers, and that the engine's preview and
 its drafts agree."""
+
 import pytest
 
 from specdecode.engine.sequence import Sequence

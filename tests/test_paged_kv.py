@@ -4,6 +4,7 @@ held by it alone; a version that forgets to return blocks fails, and one that wr
 fails the check of what each slot holds), memory that follows the tokens held, long prompts prefilled in
 chunks with the bits of one call, spare blocks given back least recently released first, and a context that
 defaults to the model's."""
+
 from __future__ import annotations
 
 import random
@@ -31,11 +32,12 @@ def _holdings_are_consistent(runner: ModelRunner) -> None:
     assert set(held).isdisjoint(cache._free_blocks) and set(held).isdisjoint(spare), "a block both held and free"
     assert not set(spare) & set(cache._free_blocks), "a spare block also unused"
     assert len(held) + len(cache._free_blocks) + len(spare) == cache.num_blocks, "a block leaked"
-    assert all(cache.index.is_registered(b) for b in spare) and not any(map(cache.index.is_registered,
-                                                                           cache._free_blocks))
+    assert all(cache.index.is_registered(b) for b in spare) and not any(
+        map(cache.index.is_registered, cache._free_blocks)
+    )
     for slot, table in enumerate(cache.tables):  # a slot holds what its written tokens need, no more
         assert len(table) == -(-runner._written[slot] // cache.block_size)
-        assert torch.equal(cache.table[slot, :len(table)], torch.tensor(table, dtype=torch.int32))
+        assert torch.equal(cache.table[slot, : len(table)], torch.tensor(table, dtype=torch.int32))
         length = cache.lengths[slot]
         if length % cache.block_size:  # the block it writes next is its own, and nobody finds it
             mine = table[length // cache.block_size]
@@ -51,8 +53,10 @@ def _entries_are_what_their_tokens_compute(runner: ModelRunner, slots: list[int]
         fresh = ModelRunner(runner.model, 1, runner.max_len)
         fresh.forward([0], [runner._tokens[slot][:n]], "last")
         for layer in range(runner.cfg.num_layers):
-            for got, expected in ((runner._cache.keys(layer, slot, n), fresh._cache.keys(layer, 0, n)),
-                                  (runner._cache.values(layer, slot, n), fresh._cache.values(layer, 0, n))):
+            for got, expected in (
+                (runner._cache.keys(layer, slot, n), fresh._cache.keys(layer, 0, n)),
+                (runner._cache.values(layer, slot, n), fresh._cache.values(layer, 0, n)),
+            ):
                 assert torch.allclose(got, expected, atol=1e-4), f"slot {slot} holds entries of other tokens"
 
 
@@ -64,21 +68,23 @@ def _random_operations(runner: ModelRunner, seed: int, check_entries_every: int 
     for step in range(STEPS):
         op = rng.choice(["admit", "forward", "forward", "commit", "commit", "rollback", "copy", "free"])
         if op == "admit" and runner.num_free:
-            tokens = rng.choice(PREFIXES)[:rng.randrange(1, 150)] + [rng.randrange(60) for _ in range(rng.randrange(3))]
+            tokens = rng.choice(PREFIXES)[: rng.randrange(1, 150)] + [
+                rng.randrange(60) for _ in range(rng.randrange(3))
+            ]
             slot = runner.allocate(tokens if rng.random() < 0.7 else None, rng.choice(["a", "b"]))
             live.append(slot)
             if rng.random() < 0.7:  # its prompt prefilled past what was found
                 try:
-                    runner.forward([slot], [tokens[runner.length(slot):]], "last")
+                    runner.forward([slot], [tokens[runner.length(slot) :]], "last")
                     runner.commit(slot, len(tokens))
                 except Exception as e:
                     assert "out of blocks" in str(e)
         elif op == "forward" and live:
             slot = rng.choice(live)
             n = min(rng.randrange(1, 40), runner.max_len - runner.length(slot))
-            known = runner._tokens[slot][:runner.length(slot)]
-            following = [p for p in PREFIXES if p[:len(known)] == known]  # keep following a prefix, mostly
-            tokens = rng.choice(following)[len(known):len(known) + n] if following and rng.random() < 0.9 else []
+            known = runner._tokens[slot][: runner.length(slot)]
+            following = [p for p in PREFIXES if p[: len(known)] == known]  # keep following a prefix, mostly
+            tokens = rng.choice(following)[len(known) : len(known) + n] if following and rng.random() < 0.9 else []
             tokens = tokens or [rng.randrange(60) for _ in range(n)]
             if n > 0:
                 try:
@@ -133,7 +139,7 @@ def test_a_cache_that_forgets_to_return_blocks_fails_the_accounting(monkeypatch)
     def leaky(self, slot, length, forget=False):
         before = list(self.tables[slot])
         original(self, slot, length, forget)
-        for block in before[len(self.tables[slot]):]:
+        for block in before[len(self.tables[slot]) :]:
             if block in self._free_blocks:
                 self._free_blocks.remove(block)  # taken back from the pool: lost
 

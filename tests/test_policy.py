@@ -1,4 +1,5 @@
 """Speculation policies: fixed, vLLM's disable-by-batch-size, and the adaptive goodput policy."""
+
 import random
 
 import pytest
@@ -55,11 +56,14 @@ def test_adaptive_explores_then_decides():
     assert p.choose(["r", "s"], catch_up=[300, 2]).ks == [0, 4]  # probe where the draft has least to catch up
 
 
-@pytest.mark.parametrize("alpha, c, expected", [
-    (0.9, 0.1, [4]),  # good draft, cheap: draft the most
-    (0.2, 0.5, [0]),  # poor draft, costly: do not speculate
-    (0.0, 0.05, [0]),  # nothing is ever accepted
-])
+@pytest.mark.parametrize(
+    "alpha, c, expected",
+    [
+        (0.9, 0.1, [4]),  # good draft, cheap: draft the most
+        (0.2, 0.5, [0]),  # poor draft, costly: do not speculate
+        (0.0, 0.05, [0]),  # nothing is ever accepted
+    ],
+)
 def test_adaptive_picks_goodput_maximising_k(alpha, c, expected):
     assert _choose(_measured([alpha], c), 1) == expected
 
@@ -240,8 +244,9 @@ def test_new_requests_at_batch_4_draft_but_not_at_batch_8():
     assert p.choose(ids, catch_up=[115] * 8, remaining=[127] * 8).ks == [0] * 8
 
 
-def _simulate(p: AdaptivePolicy, first: float, then: float, steps: int = 20000, request_id: str = "r",
-              goes_on: float = 1.0) -> None:
+def _simulate(
+    p: AdaptivePolicy, first: float, then: float, steps: int = 20000, request_id: str = "r", goes_on: float = 1.0
+) -> None:
     """Steps allowed 4 draft tokens: the first accepted with probability `first`, each later one (given
     the one before was accepted) with probability `then`. After each drafted token the draft goes on with
     probability `goes_on` (below 1: it stops early, as under the draft's confidence stop)."""
@@ -265,7 +270,7 @@ def test_acceptance_estimates_are_unbiased():
     assert p.estimator.acceptance["r"] == pytest.approx(0.6, abs=0.05)
     for position in (2, 3, 4):
         assert p.estimator.conditional_acceptance(position) == pytest.approx(0.6, abs=0.05)
-    assert 1 + sum(p.token_gains(0.6)) == pytest.approx((1 - 0.6 ** 5) / (1 - 0.6), rel=0.05)  # i.i.d. formula
+    assert 1 + sum(p.token_gains(0.6)) == pytest.approx((1 - 0.6**5) / (1 - 0.6), rel=0.05)  # i.i.d. formula
 
 
 @pytest.mark.parametrize("earlier, draft_cost, drafts", [(0.95, 0.75, True), (0.3, 0.3, False)])
@@ -294,7 +299,7 @@ def test_bursty_acceptance_makes_long_drafts_worth_more():
     _simulate(p, 0.6, 0.95)
     gains = p.token_gains(p.estimator.acceptance["r"])
     assert gains[0] == pytest.approx(0.6, abs=0.05)
-    assert gains[3] == pytest.approx(0.6 * 0.95 ** 3, abs=0.05)
+    assert gains[3] == pytest.approx(0.6 * 0.95**3, abs=0.05)
 
 
 def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
@@ -304,8 +309,9 @@ def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
     p = make_policy("adaptive", 4, acceptance_smoothing=0.001, depth_smoothing=0.001)
     _simulate(p, 0.9, 0.95, goes_on=0.5)
     assert p.estimator.draft_reach(4) == pytest.approx([1.0, 0.5, 0.25, 0.125], abs=0.03)
-    assert p.token_gains(p.estimator.acceptance["r"]) == pytest.approx([0.9 * (0.5 * 0.95) ** j for j in range(4)],
-                                                                      abs=0.03)
+    assert p.token_gains(p.estimator.acceptance["r"]) == pytest.approx(
+        [0.9 * (0.5 * 0.95) ** j for j in range(4)], abs=0.03
+    )
 
 
 def test_a_draft_that_never_stops_reaches_every_position():
@@ -401,7 +407,7 @@ def test_the_pooled_evidence_fades_per_step_whatever_the_batch_size(batch):
         p.observe_step([0] * batch, 1.0, None, 1.0)
     p.observe_lookup("0", 3, 3, 3)  # a lookup step
     p.observe_step([3] + [0] * (batch - 1), 1.0, None, 1.0, by_lookup=[True] * batch)
-    assert p.estimator.first_position_trials == pytest.approx(before * 0.98 ** 21)
+    assert p.estimator.first_position_trials == pytest.approx(before * 0.98**21)
 
 
 def _probe_steps(p: AdaptivePolicy, batch: int, steps: int, plain_s: float, probe_s: float) -> int:
@@ -413,8 +419,7 @@ def _probe_steps(p: AdaptivePolicy, batch: int, steps: int, plain_s: float, prob
         for i, k in zip(ids, ks):
             p.observe_acceptance(i, k, 0)
         probes += any(ks)
-        p.observe_step(ks, probe_s if any(ks) else plain_s, 0.1 if any(ks) else None,
-                       probe_s if any(ks) else plain_s)
+        p.observe_step(ks, probe_s if any(ks) else plain_s, 0.1 if any(ks) else None, probe_s if any(ks) else plain_s)
     return probes
 
 
@@ -505,8 +510,14 @@ def test_thin_evidence_is_probed_rather_than_trusted():
 def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_draft):
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate("hello world", params)
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
-              max_model_len=256, prompt_lookup=None)
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=4,
+        speculation_policy="adaptive",
+        max_model_len=256,
+        prompt_lookup=None,
+    )
     policy = llm.engine.policy
     # Forget the start-up timing of the draft, so that the policy probes it (as without a profile): with
     # the profile, a draft as costly as the target may never be tried at all, and this test is about
@@ -529,8 +540,13 @@ def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
     alone = [plain.generate(p, params)[0].outputs[0].token_ids for p in prompts]
-    llm = LLM(target=target, speculative_model="ngram", num_speculative_tokens=4, speculation_policy="adaptive",
-              max_model_len=256)
+    llm = LLM(
+        target=target,
+        speculative_model="ngram",
+        num_speculative_tokens=4,
+        speculation_policy="adaptive",
+        max_model_len=256,
+    )
     outputs, step_ks, _ = run_as_one_batch(llm.engine, [target.tokenizer.encode(p) for p in prompts], params)
     assert outputs == alone
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged: different k within one step
@@ -544,7 +560,6 @@ def test_catch_up_is_amortised_over_the_tokens_left():
     assert p.choose(["0"], catch_up=[500], remaining=[4]).ks == [0]
     assert p.choose(["0"], catch_up=[500], remaining=[100_000]).ks[0] > 0
     assert p.choose(["0"], catch_up=[0], remaining=[4]).ks[0] > 0
-
 
 
 def test_a_single_draft_round_with_a_catch_up_is_not_a_round_cost(target):
@@ -659,8 +674,9 @@ def _plain_steps(draft_seconds: float, steps: int = 256) -> tuple[int, float]:
         score = decision.score or score
         p.observe_acceptance("0", decision.ks[0], decision.ks[0])
         target = 0.033 if decision.ks[0] else 0.030
-        p.observe_step(decision.ks, target, draft_seconds if decision.ks[0] else None,
-                       target + decision.ks[0] * draft_seconds)
+        p.observe_step(
+            decision.ks, target, draft_seconds if decision.ks[0] else None, target + decision.ks[0] * draft_seconds
+        )
     return plain, score
 
 

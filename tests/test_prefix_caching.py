@@ -2,6 +2,7 @@
 with them computes only the rest; running sequences share a common prefix's blocks; the answer is the one
 computed whole, one tenant never starts from another's blocks, and what is found follows every commit and
 rollback."""
+
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,7 @@ def full_logits(model, tokens: list[int]) -> torch.Tensor:
 def kept(runner: ModelRunner, tokens: list[int], scope: str = "t") -> int:
     """Run tokens in a fresh slot, commit them, free the slot; its index."""
     slot = runner.allocate(tokens, scope)
-    runner.forward([slot], [tokens[runner.length(slot):]], "last")
+    runner.forward([slot], [tokens[runner.length(slot) :]], "last")
     runner.commit(slot, len(tokens))
     runner.free(slot)
     return slot
@@ -37,8 +38,8 @@ def test_a_finished_sequence_gives_its_prefix_to_the_next_prompt_of_its_scope(ta
     longer = A + [30, 31, 32]
     again = runner.allocate(longer, "t")
     assert runner.length(again) == len(A)
-    logits = runner.forward([again], [longer[len(A):]], "all")
-    torch.testing.assert_close(logits, full_logits(target.model, longer)[len(A):], rtol=0, atol=1e-5)
+    logits = runner.forward([again], [longer[len(A) :]], "all")
+    torch.testing.assert_close(logits, full_logits(target.model, longer)[len(A) :], rtol=0, atol=1e-5)
     runner.commit(again, len(longer))
     runner.free(again)
     same = runner.allocate(A, "t")  # the whole prompt is cached: its last token is computed again, for its logits
@@ -102,8 +103,15 @@ def full_logits_long(model, tokens: list[int]) -> torch.Tensor:
 def second_turn(target, draft, monkeypatch=None, **options) -> tuple[list, list, int, int]:
     """A chat's second turn after its first on one engine: (tokens, logprobs, prompt tokens the target
     found cached, prompt tokens the draft found cached)."""
-    llm = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=2,
-              speculation_policy="fixed", **options)
+    llm = LLM(
+        target=target,
+        draft=draft,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=2,
+        speculation_policy="fixed",
+        **options,
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     first = llm.generate([A], params)[0].outputs[0].token_ids
     draft_found = []
@@ -117,8 +125,12 @@ def second_turn(target, draft, monkeypatch=None, **options) -> tuple[list, list,
     if monkeypatch is not None:
         monkeypatch.setattr(llm.engine.proposer.runner, "allocate", spy)
     out = llm.generate([A + first + [7, 8, 9]], params)[0]
-    return (out.outputs[0].token_ids, [t.logprob for t in out.outputs[0].logprobs],
-            out.metrics.num_cached_prompt_tokens, draft_found[0] if draft_found else 0)
+    return (
+        out.outputs[0].token_ids,
+        [t.logprob for t in out.outputs[0].logprobs],
+        out.metrics.num_cached_prompt_tokens,
+        draft_found[0] if draft_found else 0,
+    )
 
 
 def test_a_second_turn_starts_from_the_first_and_answers_as_computed_whole(target, random_draft, monkeypatch):
@@ -157,7 +169,7 @@ def test_common_prefix_equals_the_first_difference():
     for _ in range(2000):
         a = tuple(torch.randint(0, 3, (int(torch.randint(0, 40, (), generator=rng)),), generator=rng).tolist())
         tail = tuple(torch.randint(0, 3, (5,), generator=rng).tolist())
-        b = a[:int(torch.randint(0, len(a) + 1, (), generator=rng))] + tail
+        b = a[: int(torch.randint(0, len(a) + 1, (), generator=rng))] + tail
         first_difference = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert prefix_index.common_prefix(a, b) == first_difference
 
@@ -166,8 +178,12 @@ def test_common_prefix_equals_the_first_difference():
 def long_target():
     """The tiny model with a 4k-token context, for prompts of a 2k-token prefix."""
     cfg = replace(tiny_config(), max_position=4096)
-    return LoadedModel("tiny-4k", build_model(cfg, random_hf_weights(cfg, 0), torch.float32, DEVICE),
-                       ByteTokenizer(cfg.vocab_size), cfg)
+    return LoadedModel(
+        "tiny-4k",
+        build_model(cfg, random_hf_weights(cfg, 0), torch.float32, DEVICE),
+        ByteTokenizer(cfg.vocab_size),
+        cfg,
+    )
 
 
 PREFIX = [(7 * i + i // 9) % 60 + 2 for i in range(2048)]  # 32 blocks
@@ -194,13 +210,22 @@ def test_four_requests_with_a_common_2k_prefix_compute_and_store_it_once(long_ta
     tokens computed."""
     if variant == "copied":
         monkeypatch.setattr(KVCache, "share", lambda self, slot, blocks: [self.append_copy(slot, b) for b in blocks])
-    llm = LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, max_num_seqs=4,
-              prefix_caching=variant != "off")
+    llm = LLM(
+        target=long_target,
+        num_speculative_tokens=0,
+        max_model_len=4096,
+        max_num_seqs=4,
+        prefix_caching=variant != "off",
+    )
     prompts = [PREFIX + [i + 2] * 10 for i in range(4)]
     seqs, most, computed = _run_together(llm, prompts, ["t"] * 4)
-    alone = [LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, prefix_caching=False)
-             .generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
-             for p in prompts[:2]]
+    alone = [
+        LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, prefix_caching=False)
+        .generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+        for p in prompts[:2]
+    ]
     assert [s.output_ids for s in seqs[:2]] == alone
     assert (computed == 2048 + 4 * 10) == (variant != "off")
     assert (most == 32 + 4) == (variant == "shared")

@@ -9,8 +9,14 @@ from specdecode.engine.profile import profile_draft_costs
 
 
 def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engine_untouched(target, random_draft):
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
-              max_num_seqs=6, max_model_len=256)
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=4,
+        speculation_policy="adaptive",
+        max_num_seqs=6,
+        max_model_len=256,
+    )
     engine, costs = llm.engine, llm.engine.policy.costs
     assert llm.profile_seconds > 0
     assert sorted(costs.draft.seconds) == [1, 2, 3, 4, 5, 6]
@@ -26,8 +32,14 @@ def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engi
 def test_suffix_drafts_beside_the_drafter_have_their_verify_widths_timed(target, random_draft):
     """Suffix speculation beside an adaptive drafter drafts up to 32 tokens, past what the draft's steps
     measure, so the target's verify calls are timed at start-up at batch 1 for 1 .. 33 tokens."""
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, max_num_seqs=2, max_model_len=256,
-              prompt_lookup="suffix")
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=4,
+        max_num_seqs=2,
+        max_model_len=256,
+        prompt_lookup="suffix",
+    )
     assert [type(p).__name__ for p in llm.engine.proposers] == ["DraftModelProposer", "SuffixProposer"]
     assert llm.engine.lookup_cap == 32
     assert sorted(llm.engine.policy.costs.target.tables[1].seconds) == [1, 2, 4, 8, 16, 32, 33]
@@ -35,10 +47,16 @@ def test_suffix_drafts_beside_the_drafter_have_their_verify_widths_timed(target,
 
 def test_plain_decoding_prompt_lookup_and_fixed_k_profile_nothing(target, random_draft):
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=128)
-    ngram = LLM(target=target, speculative_model="ngram", num_speculative_tokens=4, max_model_len=128,
-                speculation_policy="adaptive")
-    fixed = LLM(target=target, draft=random_draft, num_speculative_tokens=4, max_model_len=128,
-                speculation_policy="fixed")
+    ngram = LLM(
+        target=target,
+        speculative_model="ngram",
+        num_speculative_tokens=4,
+        max_model_len=128,
+        speculation_policy="adaptive",
+    )
+    fixed = LLM(
+        target=target, draft=random_draft, num_speculative_tokens=4, max_model_len=128, speculation_policy="fixed"
+    )
     for llm in (plain, ngram, fixed):
         assert llm.profile_seconds == 0.0
     for llm in (plain, ngram):

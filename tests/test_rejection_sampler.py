@@ -3,6 +3,7 @@
 Lossless means: whatever the draft distribution q, every emitted token is distributed as the target's p.
 With 1e5 samples a chi-square test must accept p and reject deliberately broken samplers.
 """
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -129,14 +130,18 @@ def test_one_argmax_for_the_call_verifies_as_each_sequence_alone():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(9, 50, generator=gen)
     drafts = [[int(logits[0].argmax()), 7], [], [int(logits[4].argmax()), int(logits[5].argmax())], [3]]
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.5),
-             SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1)]
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, seed=1),
+    ]
     seqs = [Sequence([1, 2, 3], params, torch.Generator().manual_seed(1)) for params in kinds]
     together = verify_batch(seqs, drafts, [None] * 4, logits, eos_ids=[])
     alone, row = [], 0
     seqs = [Sequence([1, 2, 3], params, torch.Generator().manual_seed(1)) for params in kinds]
     for seq, tokens in zip(seqs, drafts):
-        alone.append(verify_drafts(seq, tokens, None, logits[row:row + len(tokens) + 1], eos_ids=[]))
+        alone.append(verify_drafts(seq, tokens, None, logits[row : row + len(tokens) + 1], eos_ids=[]))
         row += len(tokens) + 1
     assert [r.tokens for r, _ in together] == [r.tokens for r, _ in alone]
     assert [r.num_accepted for r, _ in together] == [r.num_accepted for r, _ in alone]

@@ -1,4 +1,5 @@
 """The report renders from stored results: plots are real PNGs, tables and findings carry the numbers."""
+
 import json
 import shutil
 from pathlib import Path
@@ -13,14 +14,29 @@ LATENCY = Path(__file__).parent.parent / "docs" / "bench" / "latency-humaneval-c
 
 
 def _row(config, c, tok_s, tpot, alpha=None):
-    return {"config": config, "concurrency": c, "output_throughput": tok_s, "tpot_s": {"mean": tpot},
-            "ttft_s": {"mean": 1.0}, "acceptance_rate": alpha, "speculating_fraction": 0.0 if alpha is None else 1.0}
+    return {
+        "config": config,
+        "concurrency": c,
+        "output_throughput": tok_s,
+        "tpot_s": {"mean": tpot},
+        "ttft_s": {"mean": 1.0},
+        "acceptance_rate": alpha,
+        "speculating_fraction": 0.0 if alpha is None else 1.0,
+    }
 
 
 def _sweep():
-    rows = [_row("plain", 1, 5.0, 0.2), _row("plain", 4, 16.0, 0.25), _row("plain", 16, 40.0, 0.4),
-            _row("fixed", 1, 8.0, 0.12, 0.8), _row("fixed", 4, 14.0, 0.28, 0.8), _row("fixed", 16, 20.0, 0.8, 0.8),
-            _row("adaptive", 1, 7.5, 0.13, 0.8), _row("adaptive", 4, 16.2, 0.25), _row("adaptive", 16, 40.5, 0.4)]
+    rows = [
+        _row("plain", 1, 5.0, 0.2),
+        _row("plain", 4, 16.0, 0.25),
+        _row("plain", 16, 40.0, 0.4),
+        _row("fixed", 1, 8.0, 0.12, 0.8),
+        _row("fixed", 4, 14.0, 0.28, 0.8),
+        _row("fixed", 16, 20.0, 0.8, 0.8),
+        _row("adaptive", 1, 7.5, 0.13, 0.8),
+        _row("adaptive", 4, 16.2, 0.25),
+        _row("adaptive", 16, 40.5, 0.4),
+    ]
     add_ratios_to_plain(rows)
     return rows
 
@@ -47,8 +63,9 @@ def test_a_loss_without_drafting_is_named_as_such(drafted, idle):
 
 def test_report_renders_plots_and_tables(tmp_path):
     shutil.copy(LATENCY, tmp_path / "latency.json")
-    (tmp_path / "concurrency.json").write_text(json.dumps({"meta": {"command": "specdecode bench concurrency"},
-                                                           "results": _sweep()}))
+    (tmp_path / "concurrency.json").write_text(
+        json.dumps({"meta": {"command": "specdecode bench concurrency"}, "results": _sweep()})
+    )
     report = write_report(tmp_path)
     text = report.read_text()
     for png in ("throughput_vs_concurrency.png", "tpot_vs_concurrency.png", "acceptance_vs_k.png", "speedup_vs_k.png"):

@@ -1,5 +1,6 @@
 """The executor seam: a slot's KV entries become context only when committed, never past what a forward
 wrote; rollback moves the pointer back; hidden states come with the logits of the same rows."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """The model runtime against transformers' reference implementation, and KV-cache rollback."""
+
 import pytest
 import torch
 from conftest import DEVICE, random_hf_weights, tiny_config
@@ -10,10 +11,18 @@ from specdecode.models.runtime import build_model
 def _reference(cfg, weights):
     import transformers
 
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                  num_key_value_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                  max_position_embeddings=cfg.max_position, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings=False,
+    )
     if cfg.arch == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     else:
@@ -103,9 +112,11 @@ def _one_row_matmul_differs() -> bool:
     return not torch.equal(one, torch.nn.functional.linear(rows, weight)[:1])
 
 
-@pytest.mark.skipif(not _bf16_is_native(),
-                    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
-                           "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
+@pytest.mark.skipif(
+    not _bf16_is_native(),
+    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
+    "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)",
+)
 def test_verify_logits_are_bitwise_equal_to_decode_logits():
     """Greedy speculation reproduces plain decoding only if a token's logits do not depend on how many
     tokens are verified with it. Compare every position decoded one by one against one verify call."""
@@ -114,17 +125,21 @@ def test_verify_logits_are_bitwise_equal_to_decode_logits():
     assert torch.equal(verified, one_by_one)
 
 
-@pytest.mark.skipif(not _bf16_is_native(),
-                    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
-                           "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
+@pytest.mark.skipif(
+    not _bf16_is_native(),
+    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
+    "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)",
+)
 def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     """Without the two-row padding (the GEMV path), the same comparison finds differences: the test
     above is sensitive to the property it guards."""
     from specdecode.models import runtime
 
     if not _one_row_matmul_differs():
-        pytest.skip("this CPU's oneDNN computes one bf16 row with the same kernel as many (AMX does), "
-                    "so the padding is not what keeps the logits equal here and cannot be shown necessary")
+        pytest.skip(
+            "this CPU's oneDNN computes one bf16 row with the same kernel as many (AMX does), "
+            "so the padding is not what keeps the logits equal here and cannot be shown necessary"
+        )
 
     monkeypatch.setattr(runtime.Linear, "forward", torch.nn.Linear.forward)
     cfg = tiny_config(hidden=1536, intermediate=8960, layers=1, vocab=4096)  # Qwen2.5-1.5B's layer shapes
@@ -132,9 +147,11 @@ def test_unpadded_single_row_breaks_bitwise_equality(monkeypatch):
     assert not torch.equal(verified, one_by_one)
 
 
-@pytest.mark.skipif(not _bf16_is_native(),
-                    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
-                           "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)")
+@pytest.mark.skipif(
+    not _bf16_is_native(),
+    reason="needs native bf16 (AVX512-BF16/AMX): float bit-exactness is shown for oneDNN bf16 only; "
+    "every CPU runs the same check on the low-bit backends (test_backends, test_block_kernel)",
+)
 def test_masked_batched_attention_breaks_bitwise_equality(monkeypatch):
     """Verifying with one masked attention call over the padded key range (instead of one call per token
     over exactly its keys) changes the rounding: the row-wise path is what keeps greedy lossless."""

@@ -1,4 +1,5 @@
 """Temperature / top-k / top-p: the processed distribution that both target and draft use."""
+
 import torch
 
 from specdecode.sampling import SamplingParams, logits_to_probs

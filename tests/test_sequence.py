@@ -1,6 +1,7 @@
 """A sequence's text grows by incremental detokenization: equal to decoding the whole output at every
 step, for tokenizers that split characters across tokens or render a token differently at the start of a
 text, and stop strings found across token boundaries; each beside a broken variant that fails."""
+
 import random
 
 import pytest
@@ -40,7 +41,7 @@ def _grow(tokenizer, ids, chunks, params=None, prompt=(1, 2)):
     seq = Sequence(list(prompt), params or SamplingParams(max_tokens=1000, ignore_eos=True), None)
     seen, i = [], 0
     for size in chunks:
-        seq.append(ids[i:i + size], None, tokenizer, max_model_len=10_000)
+        seq.append(ids[i : i + size], None, tokenizer, max_model_len=10_000)
         seen.append(seq.text)
         i += size
         if seq.finished:
@@ -55,8 +56,9 @@ def _chunks(n, seed):
     return sizes
 
 
-@pytest.mark.parametrize("tokenizer, ids", [(ByteLevel(), ByteLevel().encode(TEXT)),
-                                            (LeadingSpace(), [0, 1, 2, 3, 4, 5, 0, 6, 7, 1])])
+@pytest.mark.parametrize(
+    "tokenizer, ids", [(ByteLevel(), ByteLevel().encode(TEXT)), (LeadingSpace(), [0, 1, 2, 3, 4, 5, 0, 6, 7, 1])]
+)
 def test_incremental_text_is_the_whole_decode_at_every_step(tokenizer, ids):
     for seed in range(5):
         seq, seen = _grow(tokenizer, ids, _chunks(len(ids), seed))
@@ -68,8 +70,9 @@ def test_incremental_text_is_the_whole_decode_at_every_step(tokenizer, ids):
 
 def test_a_window_without_the_earlier_token_drops_spaces(monkeypatch):
     """Broken: decoding each new token alone renders it as a text's first token."""
+
     def alone(self, tokenizer, ids, flush=False):
-        new = tokenizer.decode(ids[self.read:])
+        new = tokenizer.decode(ids[self.read :])
         self.read = len(ids)
         return new
 
@@ -83,8 +86,9 @@ def test_a_character_cut_off_at_the_end_comes_out_as_a_replacement():
     assert seq.finish_reason == "length" and seq.text == "ok \ufffd"
 
 
-@pytest.mark.parametrize("stop, expected", [(["—"], "naïve café "), (["東京 o", "zzz"], "naïve café — "),
-                                            (["é"], "naïve caf")])
+@pytest.mark.parametrize(
+    "stop, expected", [(["—"], "naïve café "), (["東京 o", "zzz"], "naïve café — "), (["é"], "naïve caf")]
+)
 def test_stop_strings_spanning_token_boundaries_cut_the_text(stop, expected):
     ids = ByteLevel().encode(TEXT)
     for seed in range(5):
@@ -94,11 +98,13 @@ def test_stop_strings_spanning_token_boundaries_cut_the_text(stop, expected):
 
 def test_stop_search_that_misses_strings_across_chunks_fails(monkeypatch):
     """Broken: searching only the newest characters misses a stop string that began earlier."""
+
     def newest_only(self, tokenizer):
         added = self._extend_text(tokenizer)
-        return any(s in self.text[len(self.text) - added:] for s in self.params.stop_strings)
+        return any(s in self.text[len(self.text) - added :] for s in self.params.stop_strings)
 
     monkeypatch.setattr(sequence_module.Sequence, "_hit_stop_string", newest_only)
-    seq, _ = _grow(ByteLevel(), ByteLevel().encode(TEXT), [1] * len(TEXT.encode()),
-                   SamplingParams(max_tokens=1000, stop=["café"]))
+    seq, _ = _grow(
+        ByteLevel(), ByteLevel().encode(TEXT), [1] * len(TEXT.encode()), SamplingParams(max_tokens=1000, stop=["café"])
+    )
     assert seq.finish_reason != "stop"

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the official `openai` client,
 with tiny random models (the engine is the same one the real models use)."""
+
 import asyncio
 import concurrent.futures
 import threading
@@ -18,8 +19,14 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def served(target, random_draft):
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=16,
-              speculation_policy="fixed")
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=16,
+        speculation_policy="fixed",
+    )
     engine = AsyncEngine(llm.engine)
     with LocalServer(build_app(engine, "tiny", API_KEY)) as server:
         server.engine = engine
@@ -33,8 +40,9 @@ def _solo(target, prompt, max_tokens):
 
 
 def test_completion_and_usage(served, target):
-    r = served.client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    r = served.client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == _solo(target, "hello world", 12).outputs[0].text
     assert r.usage.completion_tokens == 12
     assert r.usage.model_extra["speculation"]["num_draft_tokens"] > 0
@@ -50,10 +58,12 @@ def test_streaming_completion_equals_non_streaming(served):
 
 def test_chat_streaming_and_not(served):
     msgs = [{"role": "user", "content": "hi"}]
-    whole = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
-                                                  extra_body={"ignore_eos": True})
-    parts = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
+    whole = served.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    parts = served.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in parts) == whole.choices[0].message.content
 
 
@@ -69,8 +79,9 @@ def test_concurrent_requests_batched_equal_solo_and_all_complete(served, target)
     lengths = [5 + i % 11 for i in range(100)]
 
     def one(i):
-        r = served.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
-                                             extra_body={"ignore_eos": True})
+        r = served.client.completions.create(
+            model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0, extra_body={"ignore_eos": True}
+        )
         return r.choices[0].text, r.usage.completion_tokens
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -80,28 +91,34 @@ def test_concurrent_requests_batched_equal_solo_and_all_complete(served, target)
         assert results[i][0] == _solo(target, prompts[i], lengths[i]).outputs[0].text
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
-    ({"prompt": "x", "temperature": -0.5}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "x" * 300}, "context"),
-    ({"prompt": "x", "n": 17}, "n must be an integer from 1 to 16"),
-    ({"max_tokens": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x" * 300}, "context"),
+        ({"prompt": "x", "n": 17}, "n must be an integer from 1 to 16"),
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
 def test_bad_requests_get_400_and_server_keeps_serving(served, body, message):
-    r = httpx.post(served.url + "/v1/completions", json={"model": "tiny", **body},
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+    r = httpx.post(
+        served.url + "/v1/completions", json={"model": "tiny", **body}, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert r.status_code == 400
     assert message in r.json()["error"]["message"]
     ok = served.client.completions.create(model="tiny", prompt="still", max_tokens=3, temperature=0)
     assert ok.choices[0].text is not None
 
 
-@pytest.mark.parametrize("path, body", [("completions", {"prompt": "x"}),
-                                        ("chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+@pytest.mark.parametrize(
+    "path, body",
+    [("completions", {"prompt": "x"}), ("chat/completions", {"messages": [{"role": "user", "content": "x"}]})],
+)
 def test_a_model_not_served_here_is_404_and_one_left_out_is_this_one(served, path, body):
     """Another model's name would get this model's output: the client is told which name to send."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -113,8 +130,11 @@ def test_a_model_not_served_here_is_404_and_one_left_out_is_this_one(served, pat
 
 
 def test_malformed_json_is_400(served):
-    r = httpx.post(served.url + "/v1/completions", content=b"{not json",
-                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    r = httpx.post(
+        served.url + "/v1/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and "error" in r.json()
 
 
@@ -128,15 +148,27 @@ def test_api_key_required(served):
 
 def test_client_disconnect_frees_the_slot(served):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": "tiny", "prompt": "long one", "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": "long one",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=headers) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break  # one chunk, then hang up
     # the gauge too: an abort while nothing else runs must not leave it counting the aborted request
-    wait_until(lambda: "specdecode_num_requests_running 0.0" in httpx.get(served.url + "/metrics").text
-               and served.engine.engine.runner.num_free == 16, "the slot is free again", timeout=10)
+    wait_until(
+        lambda: (
+            "specdecode_num_requests_running 0.0" in httpx.get(served.url + "/metrics").text
+            and served.engine.engine.runner.num_free == 16
+        ),
+        "the slot is free again",
+        timeout=10,
+    )
     assert "specdecode_requests_aborted_total 1.0" in httpx.get(served.url + "/metrics").text
 
 

@@ -1,6 +1,7 @@
 """Faults and load: per-request timeouts, draining before shutdown, clients that disconnect at every phase
 of a request, and a bounded soak at concurrency 16 with every feature mixed in. After each, the server
 answers a good request and holds no sequence slot, no waiting request and no draft KV slot."""
+
 import asyncio
 import json
 import random
@@ -22,8 +23,14 @@ STEP_DELAY = 0.02  # seconds added to each engine step, so that requests last lo
 
 class Served:
     def __init__(self, target, draft, max_num_seqs=16, **app_kwargs):
-        llm = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=256,
-                  max_num_seqs=max_num_seqs, speculation_policy="fixed")
+        llm = LLM(
+            target=target,
+            draft=draft,
+            num_speculative_tokens=3,
+            max_model_len=256,
+            max_num_seqs=max_num_seqs,
+            speculation_policy="fixed",
+        )
         real_step = llm.engine.step
         self.steps = 0  # engine steps run: how far a request got, counted rather than timed
 
@@ -123,8 +130,11 @@ def test_drain_refuses_new_requests_lets_short_ones_finish_and_cancels_the_rest(
 def _raw(served, body: bytes, declared_length: int | None = None) -> socket.socket:
     host, port = served.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {declared_length or len(body)}\r\n\r\n".encode() + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {declared_length or len(body)}\r\n\r\n".encode()
+        + body
+    )
     return sock
 
 
@@ -144,8 +154,9 @@ def test_clients_that_disconnect_at_every_phase_leave_nothing_behind(target, ran
         wait_until(lambda: served.llm.engine.waiting, "the third request waits for a slot")
         waiting.close()
         # 5. in the middle of a stream, after some tokens
-        with httpx.stream("POST", f"{served.url}/v1/completions", json={"model": "tiny", **LONG, "stream": True},
-                          timeout=30) as r:
+        with httpx.stream(
+            "POST", f"{served.url}/v1/completions", json={"model": "tiny", **LONG, "stream": True}, timeout=30
+        ) as r:
             next(r.iter_lines())
         # 6. in the middle of a non-streaming generation
         with pytest.raises(httpx.ReadTimeout):
@@ -165,14 +176,47 @@ def _requests(rng: random.Random):
     kind = rng.choice(["stream", "chat_logprobs_n", "penalties", "structured", "disconnect", "bad", "timeout"])
     tokens = rng.randint(4, 24)
     if kind == "stream":
-        return kind, {"prompt": "soak " * rng.randint(1, 5), "max_tokens": tokens, "ignore_eos": True,
-                      "stream": True, "temperature": 0.8}, "completions", tokens
+        return (
+            kind,
+            {
+                "prompt": "soak " * rng.randint(1, 5),
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "temperature": 0.8,
+            },
+            "completions",
+            tokens,
+        )
     if kind == "chat_logprobs_n":
-        return kind, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "ignore_eos": True,
-                      "logprobs": True, "top_logprobs": 2, "n": 2}, "chat/completions", 2 * tokens
+        return (
+            kind,
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "n": 2,
+            },
+            "chat/completions",
+            2 * tokens,
+        )
     if kind == "penalties":
-        return kind, {"prompt": "abcabc", "max_tokens": tokens, "ignore_eos": True, "presence_penalty": 1.0,
-                      "frequency_penalty": 0.5, "min_p": 0.05, "logit_bias": {"3": 2}}, "completions", tokens
+        return (
+            kind,
+            {
+                "prompt": "abcabc",
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "presence_penalty": 1.0,
+                "frequency_penalty": 0.5,
+                "min_p": 0.05,
+                "logit_bias": {"3": 2},
+            },
+            "completions",
+            tokens,
+        )
     if kind == "structured":
         return kind, {"prompt": "code:", "max_tokens": 20, "guided_regex": "[A-C]{3}X"}, "completions", None
     if kind == "bad":
@@ -212,6 +256,7 @@ def test_soak_at_concurrency_16_loses_nothing(target, random_draft):
     """16 clients, 8 requests each of the mix (a count, not a duration: a slower machine runs it longer): every
     request gets its expected answer, every kind of request occurs, and memory does not grow."""
     with Served(target, random_draft, max_num_seqs=8, request_timeout=20) as served:
+
         async def worker(seed, requests, outcomes):
             rng = random.Random(seed)
             async with httpx.AsyncClient(timeout=60) as client:

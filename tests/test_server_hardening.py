@@ -1,5 +1,6 @@
 """The server under bad input and overload: a bad request gets a clear error and never costs the
 others theirs; a full queue answers 429 at once; the API key and body size are checked before work."""
+
 import threading
 import time
 
@@ -34,8 +35,14 @@ def _slowed(llm, seconds):
 
 @pytest.fixture
 def server(target, random_draft):
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=256, max_num_seqs=2,
-              speculation_policy="fixed")
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=2,
+        speculation_policy="fixed",
+    )
     _slowed(llm, 0.01)
     engine = AsyncEngine(llm.engine, max_waiting=1)
     with LocalServer(build_app(engine, "tiny", KEY, max_request_bytes=4096)) as s:
@@ -44,11 +51,12 @@ def server(target, random_draft):
 
 
 def _complete(server, body, **kw):
-    return httpx.post(server.url + "/v1/completions", json={"model": "tiny", "temperature": 0, **body},
-                      headers=AUTH, timeout=60, **kw)
+    return httpx.post(
+        server.url + "/v1/completions", json={"model": "tiny", "temperature": 0, **body}, headers=AUTH, timeout=60, **kw
+    )
 
 
-@pytest.mark.parametrize("bad", [[5, VOCAB], [-1, 3], [7, 10 ** 12]])
+@pytest.mark.parametrize("bad", [[5, VOCAB], [-1, 3], [7, 10**12]])
 def test_token_ids_outside_the_vocabulary_get_a_400_while_other_requests_carry_on(server, target, bad):
     good = {}
     body = {"prompt": "hello world", "max_tokens": 40, "ignore_eos": True}
@@ -81,8 +89,9 @@ def test_a_full_waiting_queue_answers_429_with_retry_after_and_recovers(server):
     assert "specdecode_requests_rejected_total 1.0" in httpx.get(server.url + "/metrics").text
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer hardening-kez", "Bearer hardening-key-and-more", "bearer hardening-key",
-                                  "hardening-key"])
+@pytest.mark.parametrize(
+    "auth", [None, "Bearer hardening-kez", "Bearer hardening-key-and-more", "bearer hardening-key", "hardening-key"]
+)
 def test_wrong_api_keys_are_refused(server, auth):
     headers = {} if auth is None else {"Authorization": auth}
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
@@ -116,12 +125,12 @@ HOSTILE = [
     ("completions", {"prompt": "x", "max_tokens": -1}),
     ("completions", {"prompt": "x", "max_tokens": 0}),
     ("completions", {"prompt": "x", "max_tokens": 1e30}),
-    ("completions", {"prompt": "x", "max_tokens": 10 ** 9}),
+    ("completions", {"prompt": "x", "max_tokens": 10**9}),
     ("completions", {"prompt": "x", "temperature": "hot"}),
     ("completions", {"prompt": "x", "top_k": -5}),
     ("completions", {"prompt": "x", "top_k": 1.5}),
     ("completions", {"prompt": "x", "seed": "abc"}),
-    ("completions", {"prompt": "x", "seed": 2 ** 70}),
+    ("completions", {"prompt": "x", "seed": 2**70}),
     ("completions", {"prompt": "x", "stop": 5}),
     ("completions", {"prompt": "x", "stop": [""]}),
     ("completions", {"prompt": "x", "logprobs": 50}),
@@ -148,8 +157,13 @@ HOSTILE = [
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+    (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+        },
+    ),
     ("completions", {"prompt": "x", "guided_regex": "(unclosed"}),
     ("completions", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a", "b"]}),
     ("completions", {"prompt": "x", "guided_choice": []}),
@@ -167,26 +181,37 @@ def test_hostile_input_gets_a_clear_4xx(server, endpoint, body):
     assert r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("content, headers", [
-    (b"[1, 2, 3]", {}),
-    (b"\xff\xfe not utf-8", {}),
-    (b'{"prompt": "x"', {}),
-    (b'{"prompt": "x", "max_tokens": NaN}', {}),
-    (b'{"prompt": "x", "temperature": 1e400}', {}),
-    (b"", {}),
-])
+@pytest.mark.parametrize(
+    "content, headers",
+    [
+        (b"[1, 2, 3]", {}),
+        (b"\xff\xfe not utf-8", {}),
+        (b'{"prompt": "x"', {}),
+        (b'{"prompt": "x", "max_tokens": NaN}', {}),
+        (b'{"prompt": "x", "temperature": 1e400}', {}),
+        (b"", {}),
+    ],
+)
 def test_broken_bodies_get_400(server, content, headers):
-    r = httpx.post(f"{server.url}/v1/completions", content=content,
-                   headers={**AUTH, "Content-Type": "application/json", **headers}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=content,
+        headers={**AUTH, "Content-Type": "application/json", **headers},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
 def test_after_the_hostile_suite_the_server_serves_and_holds_no_slot(server, target):
     for endpoint, body in HOSTILE[:10]:
         httpx.post(f"{server.url}/v1/{endpoint}", json={"model": "tiny", **body}, headers=AUTH, timeout=30)
-    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=30,
-                      json={"model": "tiny", "prompt": "abc", "max_tokens": 50, "stream": True,
-                            "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        headers=AUTH,
+        timeout=30,
+        json={"model": "tiny", "prompt": "abc", "max_tokens": 50, "stream": True, "ignore_eos": True},
+    ) as r:
         next(r.iter_lines())  # a client that leaves after the first chunk
     r = _complete(server, {"prompt": "hello world", "max_tokens": 12, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _solo(target, "hello world", 12)
@@ -197,10 +222,16 @@ def test_after_the_hostile_suite_the_server_serves_and_holds_no_slot(server, tar
 
 def test_text_content_parts_are_accepted(server, target):
     parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
-    r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 5,
-                         "temperature": 0})
-    plain = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30,
-                       json={"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
-                             "temperature": 0})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 5, "temperature": 0},
+    )
+    plain = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "temperature": 0},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]

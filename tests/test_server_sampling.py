@@ -2,6 +2,7 @@
 prompt lookup): penalties, logit_bias, min_p, min_tokens, logprobs (chat and completions, streamed and
 not), n and structured output (response_format, guided_*). Greedy answers equal plain decoding's with the
 same processors, token for token, and the logprobs equal plain decoding's."""
+
 import json
 import re
 
@@ -23,8 +24,9 @@ EXTRA = dict(repetition_penalty=1.2, min_tokens=4, ignore_eos=True)
 @pytest.fixture(scope="module", params=["draft", "ngram"])
 def server(request, target, random_draft):
     draft = dict(draft=target) if request.param == "draft" else dict(speculative_model="ngram")
-    llm = LLM(target=target, num_speculative_tokens=3, max_model_len=256, max_num_seqs=8,
-              speculation_policy="fixed", **draft)
+    llm = LLM(
+        target=target, num_speculative_tokens=3, max_model_len=256, max_num_seqs=8, speculation_policy="fixed", **draft
+    )
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         yield server
@@ -36,16 +38,30 @@ def plain(target):
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
 
     def run(prompt_ids, max_tokens, logprobs=None):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs,
-                                logit_bias={int(k): v for k, v in PROCESSORS["logit_bias"].items()},
-                                **{k: v for k, v in PROCESSORS.items() if k != "logit_bias"}, **EXTRA)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            logit_bias={int(k): v for k, v in PROCESSORS["logit_bias"].items()},
+            **{k: v for k, v in PROCESSORS.items() if k != "logit_bias"},
+            **EXTRA,
+        )
         return llm.generate([prompt_ids], params)[0].outputs[0]
+
     return run
 
 
 def _completion(server, stream=False, **kw):
-    return server.client.completions.create(model="tiny", prompt="hello hello hello world", max_tokens=16,
-                                            temperature=0, stream=stream, **PROCESSORS, extra_body=EXTRA, **kw)
+    return server.client.completions.create(
+        model="tiny",
+        prompt="hello hello hello world",
+        max_tokens=16,
+        temperature=0,
+        stream=stream,
+        **PROCESSORS,
+        extra_body=EXTRA,
+        **kw,
+    )
 
 
 def test_processed_greedy_completion_equals_plain(server, plain, target):
@@ -69,16 +85,28 @@ def test_completion_logprobs_equal_plain_streamed_and_not(server, plain, target)
 
 def test_chat_logprobs_and_top_logprobs(server):
     msgs = [{"role": "user", "content": "abcabc"}]
-    kw = dict(model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
-              **PROCESSORS, extra_body=EXTRA)
+    kw = dict(
+        model="tiny",
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        **PROCESSORS,
+        extra_body=EXTRA,
+    )
     whole = server.client.chat.completions.create(**kw).choices[0]
     content = whole.logprobs.content
     assert len(content) == 12 and "".join(t.token for t in content) == whole.message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
     # another user: the prompt is computed whole again, not from the first request's cached rows (whose
     # last token, computed apart, rounds differently in the 7th digit)
-    streamed = [t for c in server.client.chat.completions.create(stream=True, user="another", **kw)
-                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    streamed = [
+        t
+        for c in server.client.chat.completions.create(stream=True, user="another", **kw)
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert [t.token for t in streamed] == [t.token for t in content]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-6)
 
@@ -102,8 +130,15 @@ def test_a_users_next_turn_reports_its_cached_prompt_tokens(server):
 
 
 def test_n_outputs_streamed_and_not(server):
-    kw = dict(model="tiny", prompt="the cat", max_tokens=10, temperature=1.0, n=3, seed=5,
-              extra_body={"ignore_eos": True, "min_p": 0.05})
+    kw = dict(
+        model="tiny",
+        prompt="the cat",
+        max_tokens=10,
+        temperature=1.0,
+        n=3,
+        seed=5,
+        extra_body={"ignore_eos": True, "min_p": 0.05},
+    )
     whole = server.client.completions.create(**kw)
     assert sorted(c.index for c in whole.choices) == [0, 1, 2]
     assert whole.usage.completion_tokens == 30
@@ -115,24 +150,38 @@ def test_n_outputs_streamed_and_not(server):
 
 def test_min_tokens_and_logit_bias_reach_the_engine(server):
     eos = 63  # the tiny tokenizer's EOS
-    r = server.client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0,
-                                         logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    r = server.client.completions.create(
+        model="tiny", prompt="x", max_tokens=8, temperature=0, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
+    )
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
 
 
 # ---- structured output ----------------------------------------------------------------------------
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}},
+}
 
 
 @pytest.fixture(scope="module", params=["draft", "ngram"])
 def json_server(request):
     """Vocabulary 100, so that braces and quotes are tokens."""
     target = tiny_model(seed=0, vocab=100)
-    proposer = dict(draft=tiny_model(seed=5, vocab=100, layers=1)) if request.param == "draft" \
+    proposer = (
+        dict(draft=tiny_model(seed=5, vocab=100, layers=1))
+        if request.param == "draft"
         else dict(speculative_model="ngram")
-    llm = LLM(target=target, num_speculative_tokens=3, max_model_len=256, max_num_seqs=8,
-              speculation_policy="fixed", **proposer)
+    )
+    llm = LLM(
+        target=target,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=8,
+        speculation_policy="fixed",
+        **proposer,
+    )
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         server.target = target
@@ -142,35 +191,57 @@ def json_server(request):
 def test_response_format_json_schema_validates_and_equals_plain(json_server):
     fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA, "strict": True}}
     msgs = [{"role": "user", "content": "a pair"}]
-    r = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=180, temperature=0,
-                                                   response_format=fmt)
+    r = json_server.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=180, temperature=0, response_format=fmt
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     assert r.choices[0].finish_reason == "stop"
     plain = LLM(target=json_server.target, num_speculative_tokens=0, max_model_len=256).chat(
-        msgs, SamplingParams(temperature=0, max_tokens=180, structured_output=StructuredOutput(json=SCHEMA)))
+        msgs, SamplingParams(temperature=0, max_tokens=180, structured_output=StructuredOutput(json=SCHEMA))
+    )
     assert r.choices[0].message.content == plain[0].outputs[0].text
-    streamed = json_server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=180,
-                                                          temperature=0, response_format=fmt, stream=True)
+    streamed = json_server.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=180, temperature=0, response_format=fmt, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
 
 
 def test_sampled_json_schema_with_n_and_guided_fields(json_server):
     r = json_server.client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=120, temperature=1.0, n=4, seed=2,
-        response_format={"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA}})
+        model="tiny",
+        messages=[{"role": "user", "content": "json"}],
+        max_tokens=120,
+        temperature=1.0,
+        n=4,
+        seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA}},
+    )
     for choice in r.choices:
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    choice = json_server.client.completions.create(model="tiny", prompt="pick", max_tokens=10, temperature=1.0,
-                                                   extra_body={"guided_choice": ["red", "green", "blue"]})
+    choice = json_server.client.completions.create(
+        model="tiny",
+        prompt="pick",
+        max_tokens=10,
+        temperature=1.0,
+        extra_body={"guided_choice": ["red", "green", "blue"]},
+    )
     assert choice.choices[0].text in ("red", "green", "blue")
-    regex = json_server.client.completions.create(model="tiny", prompt="code", max_tokens=10, temperature=1.0,
-                                                  extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    regex = json_server.client.completions.create(
+        model="tiny", prompt="code", max_tokens=10, temperature=1.0, extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"}
+    )
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
 
 
 def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(server, target):
-    kw = dict(model="tiny", prompt="HELLO HELLO", max_tokens=6, temperature=0, echo=True, logprobs=1,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt="HELLO HELLO",
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     whole = server.client.completions.create(**kw).choices[0]
     completion = server.client.completions.create(**{**kw, "echo": False, "logprobs": None}).choices[0].text
     assert whole.text == "HELLO HELLO" + completion

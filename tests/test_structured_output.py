@@ -1,6 +1,7 @@
 """Structured output under speculation (llguidance masks at every draft position, to target and draft):
 every output follows its grammar, greedy output equals plain constrained greedy output, sampled output
 follows the masked target distribution; each fails on a deliberately broken variant."""
+
 import json
 import re
 
@@ -12,9 +13,16 @@ from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.sampling import GrammarMatcher, StructuredOutput
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]},
-                         "c": {"type": "string", "maxLength": 4}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["a", "b"],
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"enum": ["x", "y"]},
+        "c": {"type": "string", "maxLength": 4},
+    },
+}
 LARK = 'start: "(" item ("," item)+ ")"\nitem: /[a-c]/ | "x"'
 SPECS = {
     "regex": (StructuredOutput(regex="[a-c]{3}x"), lambda text: re.fullmatch("[a-c]{3}x", text)),
@@ -32,8 +40,7 @@ def models():
 
 
 def _generate(target, draft=None, k=3, params=None, prompts=("hello", "the json:"), **kw):
-    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_model_len=256,
-              speculation_policy="fixed", **kw)
+    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_model_len=256, speculation_policy="fixed", **kw)
     return llm.generate(list(prompts), params)
 
 
@@ -57,8 +64,9 @@ def test_greedy_structured_output_is_valid_and_equals_plain(models, name):
 def test_sampled_structured_outputs_all_validate(models, name):
     target, draft = models
     spec, valid = SPECS[name]
-    outs = _generate(target, draft, params=SamplingParams(n=8, temperature=1.0, max_tokens=120, seed=1,
-                                                          structured_output=spec))
+    outs = _generate(
+        target, draft, params=SamplingParams(n=8, temperature=1.0, max_tokens=120, seed=1, structured_output=spec)
+    )
     texts = [o.text for out in outs for o in out.outputs if o.finish_reason == "stop"]
     assert len(texts) >= 12 and all(valid(t) for t in texts)
     assert len(set(texts)) > 4
@@ -86,8 +94,13 @@ SMALL_VOCAB = 8  # characters ' ' to '&'; id 7 is EOS
 def test_sampling_under_a_grammar_follows_the_masked_target():
     target = tiny_model(seed=7, vocab=SMALL_VOCAB, hidden=32)
     draft = tiny_model(seed=8, vocab=SMALL_VOCAB, hidden=32, layers=1)
-    params = SamplingParams(n=16, temperature=1.0, max_tokens=4, presence_penalty=0.5,
-                            structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'))
+    params = SamplingParams(
+        n=16,
+        temperature=1.0,
+        max_tokens=4,
+        presence_penalty=0.5,
+        structured_output=StructuredOutput(regex='[!"#]{1,2}[$%&]'),
+    )
     prompt = [1, 2, 3]
     joint = exact_joint(target, prompt, params)
     assert abs(sum(joint.values()) - 1) < 1e-5 and all(t[-1] == 7 for t in joint)  # each ends with EOS
@@ -96,13 +109,16 @@ def test_sampling_under_a_grammar_follows_the_masked_target():
     assert chi2_pvalue(counts, joint) > PASS_P
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(regex="(unclosed"), "grammar is not valid"),
-    (dict(grammar="start: ???"), "grammar is not valid"),
-    (dict(json="{not json"), "not valid JSON"),
-    (dict(choice=()), "non-empty list"),
-    (dict(regex="a", choice=("a",)), "exactly one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(regex="(unclosed"), "grammar is not valid"),
+        (dict(grammar="start: ???"), "grammar is not valid"),
+        (dict(json="{not json"), "not valid JSON"),
+        (dict(choice=()), "non-empty list"),
+        (dict(regex="a", choice=("a",)), "exactly one of"),
+    ],
+)
 def test_bad_grammars_get_clear_errors(models, kwargs, message):
     with pytest.raises(SpecDecodeError, match=message):
         _generate(models[0], k=0, params=SamplingParams(structured_output=StructuredOutput(**kwargs)))

@@ -3,6 +3,7 @@ what followed a match and stop where the counts disagree; the cross-request cach
 draft from another's outputs and stays under its byte cap; in the engine, greedy output equals plain
 decoding and sampled outputs follow the target's distribution (and accepting drafts unverified fails
 both checks)."""
+
 import random
 import tracemalloc
 
@@ -44,7 +45,7 @@ def test_trie_counts_every_substring_up_to_its_depth_as_it_grows():
     for text_id, text in enumerate(texts):
         nodes = None
         for start in range(0, len(text), 7):  # fed in pieces, as a sequence grows
-            nodes = trie.extend(text[start:start + 7], text_id, start, nodes)
+            nodes = trie.extend(text[start : start + 7], text_id, start, nodes)
     assert _trie_counts(trie) == _substring_counts(texts, 6)
     assert trie.num_nodes == len(_substring_counts(texts, 6))
 
@@ -105,8 +106,10 @@ def test_draft_length_follows_how_often_the_continuation_followed():
 def test_one_tenants_outputs_never_appear_in_another_tenants_drafts():
     rng = random.Random(SEED)
     cache = SuffixCache(1 << 30, "tenant")
-    secrets = {t: [[rng.randrange(low, low + 500) for _ in range(50)] for _ in range(5)]
-               for t, low in (("alice", 0), ("bob", 500))}
+    secrets = {
+        t: [[rng.randrange(low, low + 500) for _ in range(50)] for _ in range(5)]
+        for t, low in (("alice", 0), ("bob", 500))
+    }
     for tenant, outputs in secrets.items():
         for output in outputs:
             cache.add(tenant, output)
@@ -174,8 +177,13 @@ def plain_outputs(target):
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_suffix_speculation_matches_plain_decoding(target, plain_outputs, policy):
-    llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=8, max_model_len=256,
-              speculation_policy=policy)
+    llm = LLM(
+        target=target,
+        speculative_model="suffix",
+        num_speculative_tokens=8,
+        max_model_len=256,
+        speculation_policy=policy,
+    )
     first = [o for o in llm.generate(PROMPTS, GREEDY)]
     assert [o.outputs[0].token_ids for o in first] == plain_outputs
     again = llm.generate(PROMPTS, GREEDY)  # now the cache holds the first outputs: long drafts
@@ -187,8 +195,14 @@ def test_suffix_speculation_matches_plain_decoding(target, plain_outputs, policy
 
 
 def test_suffix_beside_a_draft_model_matches_plain_decoding_in_one_batch(target, random_draft, plain_outputs):
-    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, max_model_len=256,
-              speculation_policy="adaptive", prompt_lookup="suffix")
+    llm = LLM(
+        target=target,
+        draft=random_draft,
+        num_speculative_tokens=4,
+        max_model_len=256,
+        speculation_policy="adaptive",
+        prompt_lookup="suffix",
+    )
     llm.generate(PROMPTS, GREEDY)
     outputs, step_ks, lookup_drafts = run_as_one_batch(llm.engine, PROMPTS, GREEDY)
     assert outputs == plain_outputs
@@ -197,8 +211,14 @@ def test_suffix_beside_a_draft_model_matches_plain_decoding_in_one_batch(target,
 
 def test_accepting_suffix_drafts_unverified_breaks_equality(target, plain_outputs):
     """The checks above can fail: with every draft accepted, the output is the drafts', not the target's."""
-    llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=8, max_model_len=256,
-              speculation_policy="fixed", forced_accept=True)
+    llm = LLM(
+        target=target,
+        speculative_model="suffix",
+        num_speculative_tokens=8,
+        max_model_len=256,
+        speculation_policy="fixed",
+        forced_accept=True,
+    )
     llm.generate(PROMPTS, GREEDY)
     assert _outputs(llm) != plain_outputs
 
@@ -221,8 +241,15 @@ def test_sampling_with_suffix_drafts_follows_the_target(small):
 
 def test_unverified_suffix_drafts_fail_the_distribution_test(small):
     target, prompt, params, joint = small
-    llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=3, max_model_len=64,
-              max_num_seqs=128, speculation_policy="fixed", forced_accept=True)
+    llm = LLM(
+        target=target,
+        speculative_model="suffix",
+        num_speculative_tokens=3,
+        max_model_len=64,
+        max_num_seqs=128,
+        speculation_policy="fixed",
+        forced_accept=True,
+    )
     counts = {}
     for out in llm.generate([prompt] * (6000 // params.n), params):
         for o in out.outputs:
@@ -235,7 +262,6 @@ def test_suffix_proposer_rejects_bad_options():
         SuffixProposer(max_tokens=0)
     with pytest.raises(ValueError, match="scope"):
         SuffixCache(10, "everyone")
-
 
 
 def test_through_the_server_each_tenant_drafts_from_its_own_outputs_only(target):
@@ -255,8 +281,9 @@ def test_through_the_server_each_tenant_drafts_from_its_own_outputs_only(target)
         outputs = {}
         for key, user in (("k1", "ann"), ("k1", "bo"), ("k2", "ann")):
             client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-            r = client.completions.create(model="tiny", prompt="hello world", max_tokens=30, temperature=0,
-                                          user=user, extra_body=body)
+            r = client.completions.create(
+                model="tiny", prompt="hello world", max_tokens=30, temperature=0, user=user, extra_body=body
+            )
             outputs[key, user] = r.choices[0].text
         metrics = httpx.get(server.url + "/metrics").text
     cache = llm.engine.lookup.cache

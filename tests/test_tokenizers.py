@@ -1,6 +1,7 @@
 """Tokenizers read from GGUF metadata encode as llama.cpp does: each vocabulary file llama.cpp ships for its own
 tokenizer tests (Llama 3's byte-level BPE, Qwen's, Llama 2's and Mistral's SentencePiece) against the token ids
 those tests expect, and the tokens that end a turn in each family's chat format."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,8 +53,14 @@ def test_transformers_own_reading_of_the_file_encodes_otherwise(name, tmp_path, 
     assert any(_pieces(tok, text) != ids for text, ids in _cases(name))
 
 
-@pytest.mark.parametrize("name, ends", [("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),
-                                        ("qwen2", {"<|endoftext|>", "<|im_end|>"}), ("llama-spm", {"</s>"})])
+@pytest.mark.parametrize(
+    "name, ends",
+    [
+        ("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),
+        ("qwen2", {"<|endoftext|>", "<|im_end|>"}),
+        ("llama-spm", {"</s>"}),
+    ],
+)
 def test_the_tokens_that_end_a_turn_end_generation(name, ends):
     tok = vocabulary(f"ggml-vocab-{name}.gguf")
     assert ends <= set(tok.hf.convert_ids_to_tokens(sorted(tok.eos_token_ids)))
@@ -71,6 +78,9 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both_tokenizers():
     from specdecode.proposers.draft_model import check_same_vocabulary
 
     target = LoadedModel("a-llama3", None, vocabulary("ggml-vocab-llama-bpe.gguf"), None)
-    with pytest.raises(SpecDecodeError, match=r"the draft's is byte-level BPE \(qwen2\), 151,\d+ tokens, the "
-                                              r"target's byte-level BPE \(llama-bpe\), 128,\d+ tokens"):
+    with pytest.raises(
+        SpecDecodeError,
+        match=r"the draft's is byte-level BPE \(qwen2\), 151,\d+ tokens, the "
+        r"target's byte-level BPE \(llama-bpe\), 128,\d+ tokens",
+    ):
         check_same_vocabulary(target, "a-qwen", vocabulary("ggml-vocab-qwen2.gguf"))

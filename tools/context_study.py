@@ -6,6 +6,7 @@ beside the weights) and a plot of each configuration's speedup against the conte
         --max-tokens 256 -k 3 --draft head:qwen2.5-coder-1.5b --no-ngram --out results/context-$n.json; done
     python tools/context_study.py results/context-*.json --out docs/bench
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,17 @@ def load(paths: list[str]) -> dict[int, dict]:
 
 def table(runs: dict[int, dict]) -> str:
     configs = list(next(iter(runs.values()))["rows"])
-    lines = ["| context | KV a plain step reads | time to first token, plain | " + " | ".join(configs) + " |",
-             "|---:|---:|---:|" + "---:|" * len(configs)]
+    lines = [
+        "| context | KV a plain step reads | time to first token, plain | " + " | ".join(configs) + " |",
+        "|---:|---:|---:|" + "---:|" * len(configs),
+    ]
     for length, run in runs.items():
         rows, plain = run["rows"], run["rows"]["plain"]
         cells = [_cell(rows.get(c), plain["tokens_per_s"], c == "plain") for c in configs]
-        lines.append(f"| {length:,} | {length * KV_BYTES_PER_TOKEN / 2 ** 20:.0f} MiB | "
-                     f"{plain['mean_ttft_ms'] / 1e3:.1f} s | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {length:,} | {length * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB | "
+            f"{plain['mean_ttft_ms'] / 1e3:.1f} s | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -54,8 +59,11 @@ def plot(runs: dict[int, dict], out: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lengths = list(runs)
     for config in (c for c in next(iter(runs.values()))["rows"] if c != "plain"):
-        points = [(n, run["rows"][config]["tokens_per_s"] / run["rows"]["plain"]["tokens_per_s"])
-                  for n, run in runs.items() if config in run["rows"]]
+        points = [
+            (n, run["rows"][config]["tokens_per_s"] / run["rows"]["plain"]["tokens_per_s"])
+            for n, run in runs.items()
+            if config in run["rows"]
+        ]
         ax.plot(*zip(*points), "-", marker="o", label=config)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)

@@ -9,6 +9,7 @@ same run (bytes read plus bytes written). Then the engine's CUDA test files run 
 
     PYTHONPATH=src python3 tools/cuda_check.py --out DIR     # SMOKE=1: tiny shapes, on a CPU too
 """
+
 import argparse
 import contextlib
 import importlib.util
@@ -39,9 +40,16 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
     "draft": (32, 64, 1, 4) if SMOKE else (896, 4864, 24, 14),
 }
 PROMPT, NEW = 200, 128
-TEST_FILES = ["tests/test_cuda_graphs.py", "tests/test_chunked_prefill.py", "tests/test_runner.py",
-              "tests/test_engine.py", "tests/test_rejection_sampler.py", "tests/test_draft_model_proposer.py",
-              "tests/test_policy.py", "tests/test_prefix_caching.py"]
+TEST_FILES = [
+    "tests/test_cuda_graphs.py",
+    "tests/test_chunked_prefill.py",
+    "tests/test_runner.py",
+    "tests/test_engine.py",
+    "tests/test_rejection_sampler.py",
+    "tests/test_draft_model_proposer.py",
+    "tests/test_policy.py",
+    "tests/test_prefix_caching.py",
+]
 RESULTS: dict = {}
 
 
@@ -65,9 +73,19 @@ class NumberTokenizer:
 
 def random_model(role: str, seed: int) -> LoadedModel:
     hidden, inter, layers, heads = SHAPES[role]
-    cfg = ModelConfig(arch="qwen2", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-                      num_heads=heads, num_kv_heads=2, rope_theta=1e6, max_position=32768, qkv_bias=True,
-                      tie_word_embeddings=True)
+    cfg = ModelConfig(
+        arch="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        max_position=32768,
+        qkv_bias=True,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = Transformer(cfg)
     model.set_rotary(None, DEVICE)
@@ -127,7 +145,9 @@ def section(name):
                 RESULTS.setdefault("failed", []).append(name)
             print(f"   ({time.perf_counter() - start:.1f} s)", flush=True)
             save()
+
         return run
+
     return wrap
 
 
@@ -143,8 +163,10 @@ def device_facts():
     RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     RESULTS["torch"] = torch.__version__
     RESULTS["copy_bandwidth_B_s"] = copy_bandwidth()
-    print(f"{RESULTS['device']}, torch {torch.__version__}, copy bandwidth "
-          f"{RESULTS['copy_bandwidth_B_s'] / 1e12:.2f} TB/s (read + written)")
+    print(
+        f"{RESULTS['device']}, torch {torch.__version__}, copy bandwidth "
+        f"{RESULTS['copy_bandwidth_B_s'] / 1e12:.2f} TB/s (read + written)"
+    )
 
 
 def _decode_runner(model, seqs: int, context: int, fixed: bool, rows: int = 1):
@@ -183,8 +205,11 @@ def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
     seconds = median_seconds(step, 20 if mode == "eager" else 50)
     frac = roofline(seqs / seconds, seqs, PROMPT, model) if width == 1 else None
     rows = {f"{mode}, {seqs} seq x {width} rows": {"ms": seconds * 1e3, "roofline": frac}}
-    print(f"{mode:13s} {seqs:3d} seq x {width} rows: {seconds * 1e3:7.2f} ms"
-          + (f"  {frac:.0%} of roofline" if frac is not None else ""), flush=True)
+    print(
+        f"{mode:13s} {seqs:3d} seq x {width} rows: {seconds * 1e3:7.2f} ms"
+        + (f"  {frac:.0%} of roofline" if frac is not None else ""),
+        flush=True,
+    )
     if mode != "eager" and DEVICE == "cuda" and (seqs, width) == (1, 1):
         graph = next(iter(runner._fixed._entries.values())).graph
         replay = median_seconds(graph.replay, 100)
@@ -196,9 +221,11 @@ def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
 
 @section("where a step's host time goes: the engine under cProfile, graphs on (plain at 1 and 32, adaptive at 32)")
 def host_profile(target, draft):
-    for name, batch, d, options in (("plain", 1, None, dict(num_speculative_tokens=0)),
-                                    ("plain", 32, None, dict(num_speculative_tokens=0)),
-                                    ("adaptive draft k<=4", 32, draft, dict(num_speculative_tokens=4))):
+    for name, batch, d, options in (
+        ("plain", 1, None, dict(num_speculative_tokens=0)),
+        ("plain", 32, None, dict(num_speculative_tokens=0)),
+        ("adaptive draft k<=4", 32, draft, dict(num_speculative_tokens=4)),
+    ):
         _profile(f"{name}, batch {batch}", engine(target, d, **options), batch)
 
 
@@ -217,8 +244,11 @@ def _profile(name: str, llm: LLM, batch: int):
     stats.sort_stats("tottime").print_stats(22)
     stats.sort_stats("cumulative").print_stats("specdecode", 28)
     spec = outs[0].spec or {}
-    print(f"-- {name}: {NEW} tokens in {seconds:.3f} s under the profiler, {spec.get('num_spec_steps', 0)} of "
-          f"{spec.get('num_steps')} steps speculated\n{report.getvalue()}", flush=True)
+    print(
+        f"-- {name}: {NEW} tokens in {seconds:.3f} s under the profiler, {spec.get('num_spec_steps', 0)} of "
+        f"{spec.get('num_steps')} steps speculated\n{report.getvalue()}",
+        flush=True,
+    )
     RESULTS.setdefault("host_profile", {})[name] = {"seconds": seconds, "report": report.getvalue()[-8000:]}
 
 
@@ -229,8 +259,16 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def engine(target, draft=None, **options) -> LLM:
     """No prefix caching: each timed run prefills its prompts, as new requests would."""
-    return LLM(target=target, draft=draft, max_model_len=1024, max_num_seqs=64, progress=False, prefix_caching=False,
-               memory_budget="40GiB" if DEVICE == "cuda" else None, **options)
+    return LLM(
+        target=target,
+        draft=draft,
+        max_model_len=1024,
+        max_num_seqs=64,
+        progress=False,
+        prefix_caching=False,
+        memory_budget="40GiB" if DEVICE == "cuda" else None,
+        **options,
+    )
 
 
 def _timed(llm: LLM, batch: int, tokens: int, seed: int):
@@ -256,18 +294,25 @@ def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0):
 @section("batch 1 through the engine: plain eager / plain graphs / the draft")
 def batch_one(target, draft):
     rows = {}
-    runs = {"plain, graphs": (None, dict(num_speculative_tokens=0)),
-            "draft k=4 fixed, forced accept (bound)": (draft, dict(num_speculative_tokens=4, forced_accept=True,
-                                                                    speculation_policy="fixed")),
-            "draft k=4 fixed": (draft, dict(num_speculative_tokens=4, speculation_policy="fixed")),
-            "draft k<=4 adaptive": (draft, dict(num_speculative_tokens=4))}
+    runs = {
+        "plain, graphs": (None, dict(num_speculative_tokens=0)),
+        "draft k=4 fixed, forced accept (bound)": (
+            draft,
+            dict(num_speculative_tokens=4, forced_accept=True, speculation_policy="fixed"),
+        ),
+        "draft k=4 fixed": (draft, dict(num_speculative_tokens=4, speculation_policy="fixed")),
+        "draft k<=4 adaptive": (draft, dict(num_speculative_tokens=4)),
+    }
     for name, (d, options) in runs.items():
         llm = engine(target, d, **options)
         tok_s, _, spec = generate(llm, 1)
         frac = roofline(tok_s, 1, PROMPT + NEW // 2, target.model)
         rows[name] = {"decode_tok_s": tok_s, "roofline_plain_equiv": frac, "spec": spec}
-        print(f"{name:42s} {tok_s:8.1f} tok/s  ({frac:.0%} of roofline as plain decoding)  steps "
-              f"{spec.get('num_spec_steps', 0)} of {spec.get('num_steps', '?')} speculated", flush=True)
+        print(
+            f"{name:42s} {tok_s:8.1f} tok/s  ({frac:.0%} of roofline as plain decoding)  steps "
+            f"{spec.get('num_spec_steps', 0)} of {spec.get('num_steps', '?')} speculated",
+            flush=True,
+        )
         del llm
     base = rows["plain, graphs"]["decode_tok_s"]
     for name, row in rows.items():
@@ -307,9 +352,11 @@ def greedy(target, draft):
             if at is not None:
                 diverged.append({"position": at, "top2_gap": _top2_gap(target.model, p + a[:at])})
         rows[f"batch {batch}"] = {"equal": batch - len(diverged), "of": batch, "divergences": diverged}
-        print(f"batch {batch}: speculative greedy == plain for {batch - len(diverged)}/{batch}; divergences "
-              f"(position, top-2 logit gap there): {[(d['position'], round(d['top2_gap'], 4)) for d in diverged]}",
-              flush=True)
+        print(
+            f"batch {batch}: speculative greedy == plain for {batch - len(diverged)}/{batch}; divergences "
+            f"(position, top-2 logit gap there): {[(d['position'], round(d['top2_gap'], 4)) for d in diverged]}",
+            flush=True,
+        )
     RESULTS["greedy"] = rows
 
 
@@ -321,11 +368,19 @@ def concurrency(target, draft, tokens: int):
         p_tok_s = generate(plain, n, tokens)[0]
         a_tok_s, _, spec = generate(adaptive, n, tokens)
         frac = roofline(p_tok_s, n, PROMPT + tokens // 2, target.model)
-        rows[n] = {"plain_decode_tok_s": p_tok_s, "adaptive_decode_tok_s": a_tok_s, "ratio": a_tok_s / p_tok_s,
-                   "plain_roofline": frac, "spec_steps": spec.get("num_spec_steps")}
-        print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline), adaptive {a_tok_s:8.1f} "
-              f"tok/s = {a_tok_s / p_tok_s:.3f}x, {spec.get('num_spec_steps')} of {spec.get('num_steps')} steps "
-              "speculated", flush=True)
+        rows[n] = {
+            "plain_decode_tok_s": p_tok_s,
+            "adaptive_decode_tok_s": a_tok_s,
+            "ratio": a_tok_s / p_tok_s,
+            "plain_roofline": frac,
+            "spec_steps": spec.get("num_spec_steps"),
+        }
+        print(
+            f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline), adaptive {a_tok_s:8.1f} "
+            f"tok/s = {a_tok_s / p_tok_s:.3f}x, {spec.get('num_spec_steps')} of {spec.get('num_steps')} steps "
+            "speculated",
+            flush=True,
+        )
     rows["plain_64_over_1"] = rows[64]["plain_decode_tok_s"] / rows[1]["plain_decode_tok_s"]
     print(f"plain throughput at 64 / at 1: {rows['plain_64_over_1']:.1f}x")
     RESULTS["concurrency"] = rows
@@ -335,10 +390,21 @@ def concurrency(target, draft, tokens: int):
 def tests(files=TEST_FILES):
     env = dict(os.environ, SPECDECODE_TEST_DEVICE=DEVICE)
     workers = ["-n", os.environ.get("TEST_WORKERS", "8")] if importlib.util.find_spec("xdist") else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real_model and not ray",
-           *workers, *files]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=int(os.environ.get("TEST_SECONDS", "150")))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not real_model and not ray",
+        *workers,
+        *files,
+    ]
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=int(os.environ.get("TEST_SECONDS", "150"))
+    )
     print(proc.stdout[-3000:], proc.stderr[-2000:])
     RESULTS["tests"] = {"rc": proc.returncode, "tail": proc.stdout[-400:]}
 
@@ -359,8 +425,11 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--sweep-tokens", type=int, default=64, help="tokens per request in the concurrency sweep")
     parser.add_argument("--only-sweep", action="store_true", help="the device facts and the concurrency sweep alone")
-    parser.add_argument("--quick", action="store_true",
-                        help="step costs with graphs and fusion, a profile of the engine at batch 1, then the tests")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="step costs with graphs and fusion, a profile of the engine at batch 1, then the tests",
+    )
     args = parser.parse_args()
     if args.out:
         os.environ["CHECK_OUT"] = args.out

@@ -4,6 +4,7 @@ is where two correct implementations may choose differently).
 
     python tools/greedy_vs_llama_cpp.py --model gemma3-270m --bin BIN [--quantization w4a8] PROMPT...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,14 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.models.sources import resolve
 
 
-def llama_cpp_greedy(bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int,
-                     port: int = 8097) -> list[list[int]]:
-    server = subprocess.Popen([binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2",
-                               "-c", "2048", "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def llama_cpp_greedy(
+    bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, port: int = 8097
+) -> list[list[int]]:
+    server = subprocess.Popen(
+        [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048", "--log-disable"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(600):
             try:
@@ -32,10 +37,20 @@ def llama_cpp_greedy(bin_dir: str, gguf: str, prompts: list[list[int]], tokens: 
                 time.sleep(0.1)
         outs = []
         for ids in prompts:  # the prompt as our tokenizer gave it, BOS included: both models read the same ids
-            body = json.dumps({"prompt": ids, "n_predict": tokens, "temperature": 0, "top_k": 1, "cache_prompt": False,
-                               "return_tokens": True, "ignore_eos": True}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
-                                             {"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "prompt": ids,
+                    "n_predict": tokens,
+                    "temperature": 0,
+                    "top_k": 1,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                    "ignore_eos": True,
+                }
+            ).encode()
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"}
+            )
             outs.append(json.load(urllib.request.urlopen(request))["tokens"])
         return outs
     finally:
@@ -61,17 +76,21 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(model=args.model, quantization=args.quantization, num_speculative_tokens=0)
     prompts = [llm.tokenizer.encode(p) for p in args.prompts]
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens,
-                                                                                    ignore_eos=True))]
+    ours = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+    ]
     theirs = llama_cpp_greedy(args.bin, resolve(args.model).path, prompts, args.tokens)
     print(f"{args.model} ({args.quantization}), {args.tokens} greedy tokens; {describe_machine(machine_info())}")
     for text, ids, a, b in zip(args.prompts, prompts, ours, theirs):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         line = f"{text!r}: {same}/{args.tokens} tokens equal"
         if same < args.tokens:
-            line += (f"; parted at token {same}: ours {llm.tokenizer.decode([a[same]])!r}, llama.cpp's "
-                     f"{llm.tokenizer.decode([b[same]])!r}, "
-                     f"our top-2 logit gap there {top_two_gap(llm, ids + a[:same]):.4f}")
+            line += (
+                f"; parted at token {same}: ours {llm.tokenizer.decode([a[same]])!r}, llama.cpp's "
+                f"{llm.tokenizer.decode([b[same]])!r}, "
+                f"our top-2 logit gap there {top_two_gap(llm, ids + a[:same]):.4f}"
+            )
         print(line)
         print(f"    ours:      {llm.tokenizer.decode(a)!r}\n    llama.cpp: {llm.tokenizer.decode(b)!r}")
 

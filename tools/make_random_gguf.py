@@ -5,6 +5,7 @@ depend on the weights' values; acceptance does, so none is measured on these).
 
     python tools/make_random_gguf.py SHAPE --bin BIN --out DIR [--type Q4_K_M]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,27 +23,84 @@ from families import llama_cpp_source, vocabulary  # noqa: E402
 QWEN_VOCAB, LLAMA_VOCAB = "ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf"
 SHAPES = {
     # Qwen3-1.7B
-    "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN_VOCAB, dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "qwen3-1.7b": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # Llama-3.2-1B
-    "llama3.2-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_VOCAB, dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, tie_word_embeddings=True, max_position_embeddings=131072,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=8192))),
+    "llama3.2-1b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        LLAMA_VOCAB,
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
     # A Qwen3-MoE of about 0.9B active parameters (3.8B in all): 32 experts, 4 per token
-    "qwen3-moe-a0.9b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN_VOCAB, dict(
-        hidden_size=1536, intermediate_size=4096, moe_intermediate_size=1024, num_experts=32, num_experts_per_tok=4,
-        norm_topk_prob=True, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-        tie_word_embeddings=False, max_position_embeddings=40960,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "qwen3-moe-a0.9b": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=1536,
+            intermediate_size=4096,
+            moe_intermediate_size=1024,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # the dense model of the same active parameters: the MoE's attention, one MLP as wide as its 4 experts
-    "qwen3-dense-0.9b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN_VOCAB, dict(
-        hidden_size=1536, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
-        head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "qwen3-dense-0.9b": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=1536,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
 }
 
 
@@ -63,8 +121,18 @@ def make(shape: str, bin_dir: str, out: Path, quant: str) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     del model
-    subprocess.run([sys.executable, str(llama_cpp_source() / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f16",
-                    "--outfile", str(f16)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(llama_cpp_source() / "convert_hf_to_gguf.py"),
+            str(folder),
+            "--outtype",
+            "f16",
+            "--outfile",
+            str(f16),
+        ],
+        check=True,
+    )
     shutil.rmtree(folder)
     subprocess.run([os.path.join(bin_dir, "llama-quantize"), str(f16), str(final), quant, "2"], check=True)
     f16.unlink()

@@ -6,6 +6,7 @@ draft accepted, drafting free).
 
     python tools/moe_verify_cost.py MOE.gguf DENSE.gguf [--out FILE.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ def verify_calls(loaded, width: int, text: str) -> tuple[float, float | None]:
     hooks = [m.register_forward_pre_hook(lambda m, args: counts.append(m.experts_read(args[0]))) for m in layers]
     times = []
     try:
-        ids = loaded.tokenizer.encode(text)[:128 + 256]
+        ids = loaded.tokenizer.encode(text)[: 128 + 256]
         runner = ModelRunner(loaded.model, 1, len(ids) + 1)
         slot = runner.allocate()
         runner.forward([slot], [ids[:128]], "last")
@@ -39,7 +40,7 @@ def verify_calls(loaded, width: int, text: str) -> tuple[float, float | None]:
         del counts[:]  # the prefill's
         for start in range(128, len(ids) - width + 1, width):
             began = time.perf_counter()
-            runner.forward([slot], [ids[start:start + width]], "all")
+            runner.forward([slot], [ids[start : start + width]], "all")
             times.append(time.perf_counter() - began)
             runner.commit(slot, start + width)
     finally:
@@ -52,7 +53,7 @@ def verify_calls(loaded, width: int, text: str) -> tuple[float, float | None]:
     runner.commit(slot, 128)
     for start in range(128, len(ids) - width + 1, width):
         began = time.perf_counter()
-        runner.forward([slot], [ids[start:start + width]], "all")
+        runner.forward([slot], [ids[start : start + width]], "all")
         times.append(time.perf_counter() - began)
         runner.commit(slot, start + width)
     return statistics.median(times), (sum(counts) / len(counts) if counts else None)
@@ -63,9 +64,16 @@ def measure(path: str, text: str) -> dict:
     calls = {t: verify_calls(loaded, t, text) for t in WIDTHS}
     ratio = {t: calls[t][0] / calls[1][0] for t in WIDTHS}
     cfg = loaded.config
-    return {"model": path, "experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
-            "active_layer_parameters": cfg.layer_parameters, "t1_ms": 1000 * calls[1][0], "cost_ratio": ratio,
-            "experts_read_per_layer": {t: calls[t][1] for t in WIDTHS}, "ceiling": max(t / ratio[t] for t in WIDTHS)}
+    return {
+        "model": path,
+        "experts": cfg.num_experts,
+        "experts_per_token": cfg.experts_per_token,
+        "active_layer_parameters": cfg.layer_parameters,
+        "t1_ms": 1000 * calls[1][0],
+        "cost_ratio": ratio,
+        "experts_read_per_layer": {t: calls[t][1] for t in WIDTHS},
+        "ceiling": max(t / ratio[t] for t in WIDTHS),
+    }
 
 
 def main() -> None:
@@ -78,12 +86,17 @@ def main() -> None:
     rows = [measure(m, text) for m in args.models]
     print(f"{'model':<44}{'T(1) ms':>9}" + "".join(f"{f'T({t})/T(1)':>12}" for t in WIDTHS[1:]) + f"{'ceiling':>9}")
     for r in rows:
-        print(f"{r['model'].rsplit('/', 1)[-1]:<44}{r['t1_ms']:>9.2f}"
-              + "".join(f"{r['cost_ratio'][t]:>12.2f}" for t in WIDTHS[1:]) + f"{r['ceiling']:>8.2f}x")
+        print(
+            f"{r['model'].rsplit('/', 1)[-1]:<44}{r['t1_ms']:>9.2f}"
+            + "".join(f"{r['cost_ratio'][t]:>12.2f}" for t in WIDTHS[1:])
+            + f"{r['ceiling']:>8.2f}x"
+        )
         if r["experts"]:
-            print(f"{'  distinct experts read per layer':<53}"
-                  + "".join(f"{r['experts_read_per_layer'][t]:>12.2f}" for t in WIDTHS[1:])
-                  + f"   (of {r['experts']}, {r['experts_per_token']} per token)")
+            print(
+                f"{'  distinct experts read per layer':<53}"
+                + "".join(f"{r['experts_read_per_layer'][t]:>12.2f}" for t in WIDTHS[1:])
+                + f"   (of {r['experts']}, {r['experts_per_token']} per token)"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": machine_info(), "results": rows}, f, indent=1)

@@ -1,7 +1,8 @@
 """Write EngineConfig's options table (cli.options_table) into docs/usage.md, between its markers.
 
-    python tools/options_table.py
+python tools/options_table.py
 """
+
 from __future__ import annotations
 
 from pathlib import Path

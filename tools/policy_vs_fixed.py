@@ -4,6 +4,7 @@ decoding rate (output tokens after the first over the time after the first) per 
 
     python tools/policy_vs_fixed.py [--draft head:qwen2.5-coder-1.5b] [-k 3] [--num-prompts 10] [--max-tokens 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     target = load_model(args.model, progress=False)
-    common = dict(target=target, speculative_model=args.draft, num_speculative_tokens=args.k,
-                  draft_confidence=args.confidence)
-    engines = {"adaptive": LLM(speculation_policy="adaptive", **common),
-               f"fixed k={args.k}": LLM(speculation_policy="fixed", **common)}
+    common = dict(
+        target=target, speculative_model=args.draft, num_speculative_tokens=args.k, draft_confidence=args.confidence
+    )
+    engines = {
+        "adaptive": LLM(speculation_policy="adaptive", **common),
+        f"fixed k={args.k}": LLM(speculation_policy="fixed", **common),
+    }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     chat = engines["adaptive"].tokenizer.apply_chat_template([{"role": "user", "content": DEMO_CHAT}])
     print(describe_machine(machine_info()))

@@ -4,6 +4,7 @@ its value alone. One process, one model load, the engine as `generate` builds it
 
     python tools/prefill_beside_decoding.py --prompt-tokens 4096 --chunks 0 256 512 1024
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ STREAM = "Write a Python function that parses an ISO 8601 date string and explai
 def stream_alone(llm: LLM, tokens: int = 48) -> float:
     """Seconds per output token of the stream decoding alone (after its first 8)."""
     engine = llm.engine
-    seq = engine.add_request(llm.tokenizer.encode(STREAM), SamplingParams(temperature=0, max_tokens=tokens + 8,
-                                                                          ignore_eos=True))
+    seq = engine.add_request(
+        llm.tokenizer.encode(STREAM), SamplingParams(temperature=0, max_tokens=tokens + 8, ignore_eos=True)
+    )
     while len(seq.output_ids) < 8:
         engine.step()
     start, before = time.perf_counter(), len(seq.output_ids)
@@ -45,8 +47,9 @@ def beside(llm: LLM, prompt: list[int]) -> tuple[float, float]:
     time to first token)."""
     engine = llm.engine
     engine.forget_cached_prefixes()
-    stream = engine.add_request(llm.tokenizer.encode(STREAM), SamplingParams(temperature=0, max_tokens=4096,
-                                                                            ignore_eos=True))
+    stream = engine.add_request(
+        llm.tokenizer.encode(STREAM), SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    )
     while len(stream.output_ids) < 8:
         engine.step()
     long = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
@@ -67,18 +70,25 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 256, 512, 1024])
     args = parser.parse_args()
     llm = LLM(model=args.model, speculative_model=args.draft, progress=False)
-    ids = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[:args.prompt_tokens]
-    print(f"{describe_machine(machine_info())}; {args.model}, drafts by {args.draft}; a {len(ids)}-token prompt "
-          "arriving while a chat stream decodes", flush=True)
+    ids = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prompt_tokens]
+    print(
+        f"{describe_machine(machine_info())}; {args.model}, drafts by {args.draft}; a {len(ids)}-token prompt "
+        "arriving while a chat stream decodes",
+        flush=True,
+    )
     tpot = stream_alone(llm)
     ttft = long_alone(llm, ids)
-    print(f"alone: the stream {tpot * 1e3:.0f} ms per token; the long prompt's first token after {ttft:.1f} s",
-          flush=True)
+    print(
+        f"alone: the stream {tpot * 1e3:.0f} ms per token; the long prompt's first token after {ttft:.1f} s", flush=True
+    )
     for chunk in args.chunks:
         llm.engine.prefill_chunk = chunk or None
         during, first = beside(llm, ids)
-        print(f"chunk {chunk or 'whole':>5}: the stream {during * 1e3:7.0f} ms per token ({during / tpot:5.1f}x "
-              f"alone), the long prompt's first token after {first:.1f} s ({first / ttft:.2f}x alone)", flush=True)
+        print(
+            f"chunk {chunk or 'whole':>5}: the stream {during * 1e3:7.0f} ms per token ({during / tpot:5.1f}x "
+            f"alone), the long prompt's first token after {first:.1f} s ({first / ttft:.2f}x alone)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

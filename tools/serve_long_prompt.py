@@ -4,6 +4,7 @@ resident memory.
 
     python tools/serve_long_prompt.py --tokens 32000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ def wait_for(server: subprocess.Popen) -> None:
 
 def complete(prompt: str, max_tokens: int) -> tuple[dict, float]:
     body = json.dumps({"model": DEFAULT_TARGET, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions", body.encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
     start = time.perf_counter()
     reply = json.load(urllib.request.urlopen(request, timeout=3600))
     return reply, time.perf_counter() - start
@@ -43,7 +45,7 @@ def complete(prompt: str, max_tokens: int) -> tuple[dict, float]:
 
 def peak_rss_gib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
-        return int(f.read().split("VmHWM:")[1].split()[0]) / 2 ** 20
+        return int(f.read().split("VmHWM:")[1].split()[0]) / 2**20
 
 
 def main() -> None:
@@ -53,17 +55,25 @@ def main() -> None:
     args = parser.parse_args()
     print(describe_machine(machine_info()))
     prompt = prompts_for(f"stdlib:{args.tokens}", 1, DEFAULT_TARGET)[0]
-    server = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--port", str(PORT)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(PORT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(server)
-        for label, text in (("the prompt", prompt), ("the same prompt + a question",
-                                                      prompt + "\n# What does the code above do?\n")):
+        for label, text in (
+            ("the prompt", prompt),
+            ("the same prompt + a question", prompt + "\n# What does the code above do?\n"),
+        ):
             reply, seconds = complete(text, args.max_tokens)
             usage = reply["usage"]
-            print(f"{label}: {usage['prompt_tokens']} prompt tokens, {usage['prompt_tokens_details']['cached_tokens']}"
-                  f" cached, {usage['completion_tokens']} generated in {seconds:.1f} s; server peak RSS "
-                  f"{peak_rss_gib(server.pid):.2f} GiB")
+            print(
+                f"{label}: {usage['prompt_tokens']} prompt tokens, {usage['prompt_tokens_details']['cached_tokens']}"
+                f" cached, {usage['completion_tokens']} generated in {seconds:.1f} s; server peak RSS "
+                f"{peak_rss_gib(server.pid):.2f} GiB"
+            )
             print("  ", repr(reply["choices"][0]["text"][:120]))
     finally:
         server.send_signal(signal.SIGTERM)

@@ -5,6 +5,7 @@ must be equal between the two.
 
     python tools/shared_prefix.py --prefix-tokens 2048 --requests 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,16 @@ from specdecode.bench.datasets import stdlib_sources
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
 
-QUESTIONS = ["\n# Summarise what the code above does.\n", "\n# List the functions defined above.\n",
-             "\n# Which modules does the code above import?\n", "\n# Suggest one test for the code above.\n",
-             "\n# Find one bug in the code above.\n", "\n# Explain the first class above.\n",
-             "\n# Rewrite the first function above more simply.\n", "\n# What does the code above return?\n"]
+QUESTIONS = [
+    "\n# Summarise what the code above does.\n",
+    "\n# List the functions defined above.\n",
+    "\n# Which modules does the code above import?\n",
+    "\n# Suggest one test for the code above.\n",
+    "\n# Find one bug in the code above.\n",
+    "\n# Explain the first class above.\n",
+    "\n# Rewrite the first function above more simply.\n",
+    "\n# What does the code above return?\n",
+]
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -32,10 +39,13 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     while engine.has_unfinished():
         engine.step()
         most = max(most, engine.runner.blocks_in_use())
-    return {"wall_s": time.perf_counter() - start, "most_blocks": most,
-            "ttft_s": [s.metrics.ttft for s in seqs],
-            "computed": sum(len(s.prompt_ids) - s.metrics.num_cached_prompt_tokens for s in seqs),
-            "outputs": [s.output_ids for s in seqs]}
+    return {
+        "wall_s": time.perf_counter() - start,
+        "most_blocks": most,
+        "ttft_s": [s.metrics.ttft for s in seqs],
+        "computed": sum(len(s.prompt_ids) - s.metrics.num_cached_prompt_tokens for s in seqs),
+        "outputs": [s.output_ids for s in seqs],
+    }
 
 
 def main() -> None:
@@ -49,16 +59,23 @@ def main() -> None:
     print(describe_machine(machine_info()))
     results = {}
     for caching in (True, False):
-        llm = LLM(model=args.model, speculative_model=None if args.draft == "none" else args.draft,
-                  max_num_seqs=args.requests, prefix_caching=caching, progress=False)
-        prefix = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[:args.prefix_tokens]
-        prompts = [prefix + llm.tokenizer.encode(q) for q in QUESTIONS[:args.requests]]
+        llm = LLM(
+            model=args.model,
+            speculative_model=None if args.draft == "none" else args.draft,
+            max_num_seqs=args.requests,
+            prefix_caching=caching,
+            progress=False,
+        )
+        prefix = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prefix_tokens]
+        prompts = [prefix + llm.tokenizer.encode(q) for q in QUESTIONS[: args.requests]]
         run(llm, prompts[:1], 2)  # warm-up: kernels and the policy's first measurements
         results[caching] = run(llm, prompts, args.max_tokens)
         del llm
         gc.collect()
-    print(f"{args.requests} requests, a {args.prefix_tokens}-token common prefix, {args.max_tokens} tokens each, "
-          f"draft {args.draft}")
+    print(
+        f"{args.requests} requests, a {args.prefix_tokens}-token common prefix, {args.max_tokens} tokens each, "
+        f"draft {args.draft}"
+    )
     print("| prefix caching | prompt tokens computed | KV blocks held at most | TTFT per request (s) | wall (s) |")
     print("|---|---:|---:|---|---:|")
     for caching, r in results.items():

@@ -1,4 +1,5 @@
 """specdecode: lossless speculative decoding on PyTorch."""
+
 from .engine.llm import LLM, CompletionOutput, RequestOutput
 from .errors import SpecDecodeError
 from .metrics import expected_speedup

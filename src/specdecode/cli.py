@@ -1,4 +1,5 @@
 """Command line: `specdecode generate ...`, `specdecode bench latency ...`."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,27 +25,38 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) 
     """The model flags of `plan` and `bench latency`: their draft-model rows draft with the bundled 0.5B, and
     `bench latency` measures several backends and confidence thresholds in one run."""
     p.add_argument("--model", default=C.model, help=_help("model"))
-    p.add_argument("--draft", default=None,
-                   help=f"draft model or proposer kind, e.g. ngram, suffix, head:PATH (default {DEFAULT_DRAFT} "
-                        f"with the default target)")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help=f"draft model or proposer kind, e.g. ngram, suffix, head:PATH (default {DEFAULT_DRAFT} "
+        f"with the default target)",
+    )
     p.add_argument("--device", default=C.device, help=_help("device"))
     p.add_argument("--dtype", default=C.dtype, help=_help("dtype"))
     p.add_argument("--draft-vocab-size", type=int, default=C.draft_vocab_size, help=_help("draft_vocab_size"))
     several = {"nargs": "+"} if several_backends else {}
-    p.add_argument("--draft-confidence", type=float, **several,
-                   default=[0.0, C.draft_confidence] if several_backends else C.draft_confidence,
-                   help=("thresholds to measure, each with its own rows; " if several else "")
-                   + _help("draft_confidence"))
-    p.add_argument("--quantization", default=[C.quantization] if several else C.quantization, choices=QUANTIZATIONS,
-                   **several, help=("backends to measure, each with its own plain row; " if several else "") +
-                   _help("quantization"))
+    p.add_argument(
+        "--draft-confidence",
+        type=float,
+        **several,
+        default=[0.0, C.draft_confidence] if several_backends else C.draft_confidence,
+        help=("thresholds to measure, each with its own rows; " if several else "") + _help("draft_confidence"),
+    )
+    p.add_argument(
+        "--quantization",
+        default=[C.quantization] if several else C.quantization,
+        choices=QUANTIZATIONS,
+        **several,
+        help=("backends to measure, each with its own plain row; " if several else "") + _help("quantization"),
+    )
     _add_draft_and_cache_formats(p)
     p.add_argument("--max-model-len", type=int, default=C.max_model_len, help=_help("max_model_len"))
 
 
 def _add_draft_and_cache_formats(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-quantization", default=C.draft_quantization, choices=QUANTIZATIONS,
-                   help=_help("draft_quantization"))
+    p.add_argument(
+        "--draft-quantization", default=C.draft_quantization, choices=QUANTIZATIONS, help=_help("draft_quantization")
+    )
     p.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES, help=_help("kv_cache_dtype"))
 
 
@@ -67,8 +79,13 @@ def _flag_spec(f) -> dict:
     spec = {"dest": f.name, "help": meta["help"].replace("%", "%%")}
     if f.name == "adaptive":
         knobs = ", ".join(f"{k.name}={k.default}" for k in fields(AdaptiveOptions))
-        return spec | {"type": _adaptive_knob, "action": "append", "default": [], "metavar": "KNOB=VALUE",
-                       "help": spec["help"] + f"; repeatable, of: {knobs}"}
+        return spec | {
+            "type": _adaptive_knob,
+            "action": "append",
+            "default": [],
+            "metavar": "KNOB=VALUE",
+            "help": spec["help"] + f"; repeatable, of: {knobs}",
+        }
     if f.type == "bool":
         return spec | {"action": "store_false" if f.default else "store_true"}
     default = meta["none"] if f.default is None and "none" in meta else f.default
@@ -147,8 +164,10 @@ def _add_generate(sub) -> None:
     gen.add_argument("prompt", help="the text to continue; - reads it from standard input")
     _engine_flags(gen, skip=GENERATE_FIXED)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
-    sampling = gen.add_argument_group("sampling (default: greedy, so that the output is the target's own choice "
-                                      "and speculation's speedup shows against it; the API's temperature is 1)")
+    sampling = gen.add_argument_group(
+        "sampling (default: greedy, so that the output is the target's own choice "
+        "and speculation's speedup shows against it; the API's temperature is 1)"
+    )
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=-1)
@@ -156,15 +175,22 @@ def _add_generate(sub) -> None:
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--frequency-penalty", type=float, default=0.0)
     sampling.add_argument("--repetition-penalty", type=float, default=1.0)
-    sampling.add_argument("--json-schema", default=None, metavar="JSON_OR_FILE",
-                          help="structured output: the text must be JSON following this schema (inline or a file)")
+    sampling.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="JSON_OR_FILE",
+        help="structured output: the text must be JSON following this schema (inline or a file)",
+    )
     sampling.add_argument("--regex", default=None, help="structured output: the text must match this regex")
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--max-tokens", type=int, default=128)
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--compare", action="store_true",
-                     help="also run plain decoding on the same engine; print speedup and predicted speedup")
+    gen.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run plain decoding on the same engine; print speedup and predicted speedup",
+    )
 
 
 def _add_serve(sub) -> None:
@@ -175,25 +201,46 @@ def _add_serve(sub) -> None:
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", default=None)
-    http.add_argument("--max-waiting-requests", type=int, default=64,
-                      help="requests that may wait for a free sequence slot; beyond them the server answers 429 "
-                           "with Retry-After")
-    http.add_argument("--max-request-bytes", type=int, default=8 << 20,
-                      help="larger request bodies are refused (413) before they are read")
-    http.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                      help="cancel a request that runs longer (504); a request may ask for less with 'timeout'")
-    http.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                      help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest "
-                           "are cancelled")
+    http.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=64,
+        help="requests that may wait for a free sequence slot; beyond them the server answers 429 with Retry-After",
+    )
+    http.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 << 20,
+        help="larger request bodies are refused (413) before they are read",
+    )
+    http.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="cancel a request that runs longer (504); a request may ask for less with 'timeout'",
+    )
+    http.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest are cancelled",
+    )
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
     ray.add_argument("--ray", action="store_true", help="serve with engine replicas on Ray Serve behind one endpoint")
     ray.add_argument("--replicas", type=int, default=2, help="engine replicas (without autoscaling bounds)")
     ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
     ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
-    ray.add_argument("--target-ongoing-requests", type=float, default=None,
-                     help="autoscaling: requests per replica it aims for")
-    ray.add_argument("--num-cpus-per-replica", type=float, default=1.0,
-                     help="CPUs Ray reserves for each replica (its torch threads too)")
+    ray.add_argument(
+        "--target-ongoing-requests", type=float, default=None, help="autoscaling: requests per replica it aims for"
+    )
+    ray.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves for each replica (its torch threads too)",
+    )
     ray.add_argument("--num-gpus-per-replica", type=float, default=None, help="GPUs Ray reserves for each replica")
     ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
 
@@ -218,11 +265,13 @@ def _add_measurements(bench_sub) -> None:
     _add_serve_load(bench_sub)
 
 
-WORKLOAD_HELP = ("completion prompts (EOS ignored): humaneval, sonnet:LEN (tokens), stdlib:LEN (standard-library "
-                 "source of LEN tokens, for long contexts), jsonl:PATH (a \"prompt\" field per line) or hf:NAME; "
-                 "or chats that end with the reply: code-edit (standard-library functions "
-                 "with an edit whose answer is mostly a copy), agent-loop (sessions that ask for the whole file "
-                 "again with one change per turn)")
+WORKLOAD_HELP = (
+    "completion prompts (EOS ignored): humaneval, sonnet:LEN (tokens), stdlib:LEN (standard-library "
+    'source of LEN tokens, for long contexts), jsonl:PATH (a "prompt" field per line) or hf:NAME; '
+    "or chats that end with the reply: code-edit (standard-library functions "
+    "with an edit whose answer is mostly a copy), agent-loop (sessions that ask for the whole file "
+    "again with one change per turn)"
+)
 
 
 def _workload(spec: str) -> str:
@@ -245,45 +294,74 @@ def _add_latency(bench_sub) -> None:
     lat.add_argument("--no-ngram", action="store_true")
     lat.add_argument("--dataset", default="humaneval", type=_workload, help=WORKLOAD_HELP)
     lat.add_argument("--turns", type=int, default=3, help="agent-loop: turns per session (the first is not timed)")
-    lat.add_argument("--suffix", action="store_true",
-                     help="also measure suffix speculation (adaptive policy), alone and beside the draft model; "
-                          "with --vs-llama-cpp, llama.cpp's n-gram modes too")
-    lat.add_argument("--head", metavar="PATH", default=None,
-                     help="also measure this draft head (a path or a bundled head's name) at each k, beside the "
-                          "draft model")
-    lat.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
-                     help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
-                          "same GGUF files and prompts, and print our ratios to its plain decoding")
+    lat.add_argument(
+        "--suffix",
+        action="store_true",
+        help="also measure suffix speculation (adaptive policy), alone and beside the draft model; "
+        "with --vs-llama-cpp, llama.cpp's n-gram modes too",
+    )
+    lat.add_argument(
+        "--head",
+        metavar="PATH",
+        default=None,
+        help="also measure this draft head (a path or a bundled head's name) at each k, beside the draft model",
+    )
+    lat.add_argument(
+        "--vs-llama-cpp",
+        metavar="BIN_DIR",
+        default=None,
+        help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
+        "same GGUF files and prompts, and print our ratios to its plain decoding",
+    )
     lat.add_argument("--out", default="results/latency.json")
 
 
 def _add_tpot(bench_sub) -> None:
-    tpot = bench_sub.add_parser("tpot", help="plain decoding of one long output: time per output token as the "
-                                             "output grows (emission must not slow down with length)")
+    tpot = bench_sub.add_parser(
+        "tpot",
+        help="plain decoding of one long output: time per output token as the "
+        "output grows (emission must not slow down with length)",
+    )
     tpot.add_argument("--model", default="qwen2.5-coder-0.5b")
     tpot.add_argument("--max-tokens", type=int, default=4000)
     tpot.add_argument("--window", type=int, default=100, help="tokens per TPOT measurement")
     tpot.add_argument("--device", default=None)
     tpot.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES)
-    tpot.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
-                      help="also time llama.cpp's plain decoding (llama-bench from this folder) on the same file "
-                           "over the same stretches of context")
+    tpot.add_argument(
+        "--vs-llama-cpp",
+        metavar="BIN_DIR",
+        default=None,
+        help="also time llama.cpp's plain decoding (llama-bench from this folder) on the same file "
+        "over the same stretches of context",
+    )
     tpot.add_argument("--out", default="results/tpot.json")
 
 
 def _add_quality(bench_sub) -> None:
     qual = bench_sub.add_parser("quality", help="top-1 agreement with the float model and perplexity, per backend")
     qual.add_argument("--model", default=DEFAULT_TARGET)
-    qual.add_argument("--quantization", nargs="+", default=["w4a8", "w4a16", "w8a8", "w8a16", "none", "w4a8-all"],
-                      choices=QUANTIZATIONS)
+    qual.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["w4a8", "w4a16", "w8a8", "w8a16", "none", "w4a8-all"],
+        choices=QUANTIZATIONS,
+    )
     qual.add_argument("--dtype", default=C.dtype, help="activations of --quantization none (the reference is float32)")
-    qual.add_argument("--kv-cache-dtype", default=C.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                      help="the KV cache of the measured backends (the reference's is float32)")
+    qual.add_argument(
+        "--kv-cache-dtype",
+        default=C.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache of the measured backends (the reference's is float32)",
+    )
     qual.add_argument("--num-texts", type=int, default=16)
     qual.add_argument("--max-len", type=int, default=256, help="tokens per text")
-    qual.add_argument("--vs-llama-cpp", metavar="BIN_DIR", default=None,
-                      help="also score the held text as llama-perplexity does, with each backend and with "
-                           "llama.cpp's llama-perplexity from this folder on the same GGUF file")
+    qual.add_argument(
+        "--vs-llama-cpp",
+        metavar="BIN_DIR",
+        default=None,
+        help="also score the held text as llama-perplexity does, with each backend and with "
+        "llama.cpp's llama-perplexity from this folder on the same GGUF file",
+    )
     qual.add_argument("--context", type=int, default=256, help="with --vs-llama-cpp: tokens per chunk")
     qual.add_argument("--out", default="results/quality.json")
 
@@ -291,8 +369,11 @@ def _add_quality(bench_sub) -> None:
 def _add_serve_load(bench_sub) -> None:
     load = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
-    load.add_argument("--model", default=None,
-                      help="model name sent in the requests (default: the one the server lists at /v1/models)")
+    load.add_argument(
+        "--model",
+        default=None,
+        help="model name sent in the requests (default: the one the server lists at /v1/models)",
+    )
     load.add_argument("--dataset", default="humaneval", help="humaneval, sonnet:LEN, jsonl:PATH or hf:NAME")
     load.add_argument("--prompt-field", default="prompt", help="the prompt's field for jsonl/hf datasets")
     load.add_argument("--sonnet-file", default=None, help="poem text for sonnet prompts (default: the sonnets)")
@@ -302,8 +383,9 @@ def _add_serve_load(bench_sub) -> None:
     load.add_argument("--concurrency", type=int, nargs="+", default=[1])
     load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead")
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--stop-at-eos", action="store_true",
-                      help="default: ignore EOS, every request runs to --max-tokens")
+    load.add_argument(
+        "--stop-at-eos", action="store_true", help="default: ignore EOS, every request runs to --max-tokens"
+    )
     load.add_argument("--api-key", default=None)
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--out", default="results/serve.json")
@@ -321,28 +403,40 @@ def _add_studies(bench_sub) -> None:
     sweep.add_argument("--mode", default=None, choices=["in-process", "server"], help="override the config's mode")
     sweep.add_argument("--no-report", action="store_true", help="skip `bench report` at the end")
 
-    hf = bench_sub.add_parser("transformers", help="baseline: the batch-1 latency measurement through Hugging Face "
-                                                   "transformers (generate, assisted generation, prompt lookup)")
+    hf = bench_sub.add_parser(
+        "transformers",
+        help="baseline: the batch-1 latency measurement through Hugging Face "
+        "transformers (generate, assisted generation, prompt lookup)",
+    )
     hf.add_argument("--model", default=DEFAULT_TARGET)
     hf.add_argument("--draft", default=DEFAULT_DRAFT)
-    hf.add_argument("-k", type=int, default=C.num_speculative_tokens,
-                    help="draft tokens per step (assistant and prompt lookup)")
+    hf.add_argument(
+        "-k", type=int, default=C.num_speculative_tokens, help="draft tokens per step (assistant and prompt lookup)"
+    )
     hf.add_argument("--num-prompts", type=int, default=3)
     hf.add_argument("--max-tokens", type=int, default=128)
     hf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     hf.add_argument("--out", default="results/transformers.json")
 
-    conc = bench_sub.add_parser("concurrency", help="through the server: plain vs fixed-k vs adaptive at "
-                                                    "each concurrency")
+    conc = bench_sub.add_parser(
+        "concurrency", help="through the server: plain vs fixed-k vs adaptive at each concurrency"
+    )
     conc.add_argument("--model", default=DEFAULT_TARGET)
     conc.add_argument("--draft", "--speculative-model", dest="draft", default=DEFAULT_DRAFT)
     conc.add_argument("-k", type=int, default=C.num_speculative_tokens, help="k for fixed, k_max for adaptive")
-    conc.add_argument("--policies", nargs="+", default=["plain", "fixed", "adaptive"],
-                      choices=["plain", "fixed", "adaptive", "adaptive-suffix"],
-                      help="adaptive-suffix: the adaptive policy with suffix speculation beside the drafter")
-    conc.add_argument("--dataset", default="humaneval", type=_workload,
-                      help=WORKLOAD_HELP + "; each agent-loop reply goes into the next turn's history, one tenant "
-                                           "per session")
+    conc.add_argument(
+        "--policies",
+        nargs="+",
+        default=["plain", "fixed", "adaptive"],
+        choices=["plain", "fixed", "adaptive", "adaptive-suffix"],
+        help="adaptive-suffix: the adaptive policy with suffix speculation beside the drafter",
+    )
+    conc.add_argument(
+        "--dataset",
+        default="humaneval",
+        type=_workload,
+        help=WORKLOAD_HELP + "; each agent-loop reply goes into the next turn's history, one tenant per session",
+    )
     conc.add_argument("--turns", type=int, default=3, help="agent-loop: turns per session")
     conc.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     conc.add_argument("--max-tokens", type=int, default=128)
@@ -351,12 +445,20 @@ def _add_studies(bench_sub) -> None:
     conc.add_argument("--rounds", type=int, default=1, help="measure each cell this many times, pooled")
     conc.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS, help=_help("quantization"))
     _add_draft_and_cache_formats(conc)
-    conc.add_argument("--vs-llama-server", metavar="BIN_DIR", default=None,
-                      help="also drive llama.cpp's llama-server from this folder (plain, and with the draft model) "
-                           "on the same GGUF files through the same load generator")
-    conc.add_argument("--once", nargs="*", default=[], choices=["plain", "fixed", "adaptive", "adaptive-suffix",
-                                                                 "llama.cpp", "llama.cpp-draft"],
-                      help="configurations measured in the first round only")
+    conc.add_argument(
+        "--vs-llama-server",
+        metavar="BIN_DIR",
+        default=None,
+        help="also drive llama.cpp's llama-server from this folder (plain, and with the draft model) "
+        "on the same GGUF files through the same load generator",
+    )
+    conc.add_argument(
+        "--once",
+        nargs="*",
+        default=[],
+        choices=["plain", "fixed", "adaptive", "adaptive-suffix", "llama.cpp", "llama.cpp-draft"],
+        help="configurations measured in the first round only",
+    )
     conc.add_argument("--max-model-len", type=int, default=2048)
     conc.add_argument("--dtype", default=C.dtype)
     conc.add_argument("--out", default="results/concurrency.json")
@@ -371,48 +473,75 @@ def _cpu_gpu(option: str) -> str:
 
 def _add_distill(sub) -> None:
     """`specdecode distill`."""
-    dist = sub.add_parser("distill", help="train a draft head on the target's own features (use: --draft head:OUT), "
-                                          "or fine-tune a draft model on its outputs")
+    dist = sub.add_parser(
+        "distill",
+        help="train a draft head on the target's own features (use: --draft head:OUT), "
+        "or fine-tune a draft model on its outputs",
+    )
     dist.add_argument("--model", default=DEFAULT_TARGET, help="the target the head drafts for")
     dist.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    dist.add_argument("--quantization", default=C.quantization, choices=QUANTIZATIONS,
-                      help="the target's backend while recording its features: the one it will serve with")
-    dist.add_argument("--data", nargs="+", default=None,
-                      help="text the target reads: completions:NAME (the target's own completions of prompts: "
-                           "stdlib = the standard library's function signatures and docstrings, python = the same "
-                           "from the installed packages too, humaneval, "
-                           "jsonl:FILE with a 'prompt' field), stdlib (this Python's own top-level modules), "
-                           "python (the source of its standard library and installed packages; python:N another "
-                           "sample of its files), sonnets, "
-                           "humaneval, jsonl:FILE (a 'text' field per line); default: " + _cpu_gpu("sources"))
+    dist.add_argument(
+        "--quantization",
+        default=C.quantization,
+        choices=QUANTIZATIONS,
+        help="the target's backend while recording its features: the one it will serve with",
+    )
+    dist.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        help="text the target reads: completions:NAME (the target's own completions of prompts: "
+        "stdlib = the standard library's function signatures and docstrings, python = the same "
+        "from the installed packages too, humaneval, "
+        "jsonl:FILE with a 'prompt' field), stdlib (this Python's own top-level modules), "
+        "python (the source of its standard library and installed packages; python:N another "
+        "sample of its files), sonnets, "
+        "humaneval, jsonl:FILE (a 'text' field per line); default: " + _cpu_gpu("sources"),
+    )
     dist.add_argument("--tokens", type=int, default=None, help="tokens of text to record; " + _cpu_gpu("tokens"))
     dist.add_argument("--completions", type=int, default=R.completions, help="prompts completed per completions source")
-    dist.add_argument("--completion-tokens", type=int, default=R.completion_tokens,
-                      help="new tokens per completion at most")
+    dist.add_argument(
+        "--completion-tokens", type=int, default=R.completion_tokens, help="new tokens per completion at most"
+    )
     dist.add_argument("--chunk", type=int, default=R.chunk, help="tokens per training sequence")
     dist.add_argument("--steps", type=int, default=None, help=_cpu_gpu("steps"))
     dist.add_argument("--batch", type=int, default=None, help="sequences per step; " + _cpu_gpu("batch"))
     dist.add_argument("--lr", type=float, default=R.lr)
-    dist.add_argument("--draft-vocab-size", type=int, default=R.draft_vocab_size,
-                      help="the head's LM head keeps the target's most chosen tokens on the data")
+    dist.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=R.draft_vocab_size,
+        help="the head's LM head keeps the target's most chosen tokens on the data",
+    )
     dist.add_argument("--intermediate-size", type=int, default=R.intermediate_size, help="the head layer's MLP width")
-    dist.add_argument("--init", default=None, metavar="HEAD",
-                      help="train on from this head (a path or a bundled head's name, e.g. qwen2.5-coder-1.5b): "
-                           "its weights and draft vocabulary, which --draft-vocab-size and --intermediate-size "
-                           "then do not change")
-    dist.add_argument("--minutes", type=float, default=None,
-                      help="time budget of a head's run: on a slower machine it records less text and trains "
-                           "proportionally fewer steps to end in about this time (0: the whole recipe); "
-                           + _cpu_gpu("minutes"))
-    dist.add_argument("--draft-model", default=None,
-                      help="fine-tune this draft model (sharing the target's tokenizer) on the same recording "
-                           "instead of training a head: OUT is then a checkpoint folder (use: --draft OUT)")
+    dist.add_argument(
+        "--init",
+        default=None,
+        metavar="HEAD",
+        help="train on from this head (a path or a bundled head's name, e.g. qwen2.5-coder-1.5b): "
+        "its weights and draft vocabulary, which --draft-vocab-size and --intermediate-size "
+        "then do not change",
+    )
+    dist.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="time budget of a head's run: on a slower machine it records less text and trains "
+        "proportionally fewer steps to end in about this time (0: the whole recipe); " + _cpu_gpu("minutes"),
+    )
+    dist.add_argument(
+        "--draft-model",
+        default=None,
+        help="fine-tune this draft model (sharing the target's tokenizer) on the same recording "
+        "instead of training a head: OUT is then a checkpoint folder (use: --draft OUT)",
+    )
     dist.add_argument("--finetune-steps", type=int, default=R.finetune_steps, help="with --draft-model")
     dist.add_argument("--finetune-lr", type=float, default=R.finetune_lr, help="with --draft-model")
-    dist.add_argument("--out", required=True, help="OUT.safetensors and OUT.json are written (a head), or the "
-                                                   "folder OUT (--draft-model)")
-
-
+    dist.add_argument(
+        "--out",
+        required=True,
+        help="OUT.safetensors and OUT.json are written (a head), or the folder OUT (--draft-model)",
+    )
 
 
 # Each command's runner, imported only when that command runs (the server's and benchmarks' imports are heavy).

@@ -1,4 +1,5 @@
 """Names shared without importing torch (the CLI offers them), and the model architecture description."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -86,67 +87,111 @@ class EngineConfig:
 
     model: str = option(DEFAULT_TARGET, "the target: a bundled name, a .gguf file, a checkpoint folder or a hub id")
     speculative_model: str | None = option(
-        None, "the drafter: a draft model (bundled name, .gguf, folder, hub id) or a proposer kind (ngram, suffix, "
-              "head:PATH); the commands' default: the bundled head with the default target, else a lookup",
-        flags=("--speculative-model", "--draft"))
-    num_speculative_tokens: int = option(DEFAULT_K, "the most tokens drafted per sequence and step (the adaptive "
-                                                    "policy may draft fewer, or none)",
-                                         flags=("-k", "--num-speculative-tokens"))
+        None,
+        "the drafter: a draft model (bundled name, .gguf, folder, hub id) or a proposer kind (ngram, suffix, "
+        "head:PATH); the commands' default: the bundled head with the default target, else a lookup",
+        flags=("--speculative-model", "--draft"),
+    )
+    num_speculative_tokens: int = option(
+        DEFAULT_K,
+        "the most tokens drafted per sequence and step (the adaptive policy may draft fewer, or none)",
+        flags=("-k", "--num-speculative-tokens"),
+    )
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu)")
     dtype: str = option("auto", "activations: auto (bf16 on CUDA and bf16-capable CPUs), float32, bfloat16")
-    max_model_len: int | None = option(None, "tokens a sequence holds, prompt and output (default: the model's "
-                                             "context)")
+    max_model_len: int | None = option(
+        None, "tokens a sequence holds, prompt and output (default: the model's context)"
+    )
     max_num_seqs: int = option(8, "most sequences decoded at once")
-    forced_accept: bool = option(False, "benchmarks only: accept every draft token (an upper bound; the output is "
-                                        "NOT the target's)")
+    forced_accept: bool = option(
+        False, "benchmarks only: accept every draft token (an upper bound; the output is NOT the target's)"
+    )
     ngram_prompt_lookup_max: int = option(3, "n-gram lookup: the longest n tried")
     ngram_prompt_lookup_min: int = option(1, "n-gram lookup: the shortest n tried")
     # docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary
-    draft_vocab_size: int | None = option(DRAFT_VOCAB_SIZE, "the draft's LM head keeps this many lowest token ids "
-                                                            "and the special tokens (0: the whole vocabulary)")
-    draft_confidence: float = option(DRAFT_CONFIDENCE, "the draft stops after a token it gives less probability "
-                                                       "than this (0: always drafts what the policy asks)")
+    draft_vocab_size: int | None = option(
+        DRAFT_VOCAB_SIZE,
+        "the draft's LM head keeps this many lowest token ids and the special tokens (0: the whole vocabulary)",
+    )
+    draft_confidence: float = option(
+        DRAFT_CONFIDENCE,
+        "the draft stops after a token it gives less probability than this (0: always drafts what the policy asks)",
+    )
     quantization: str = option(
-        "auto", "target weights: auto = the block kernel where it builds with SIMD (w4a8; w4a16 under 200M layer "
-                "parameters; bf16/float on CUDA or without it), none = floating weights in dtype, w4a8 = the GGUF's "
-                "block formats as stored with int8 activations, w4a16 = the same with activations in two int8 "
-                "passes, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = every weight "
-                "as Q8_0, w8a16 = int8 weights with bf16 activations", choices=QUANTIZATIONS)
-    draft_quantization: str = option("auto", "the same for the draft model (auto: w4a8-all where the kernel "
-                                             "builds, else as the target)", choices=QUANTIZATIONS)
-    kv_cache_dtype: str = option("auto", "KV cache entries: auto = float16 where the CPU attention kernel reads "
-                                         "them, else the activations' dtype", choices=KV_CACHE_DTYPES)
-    speculation_policy: str = option("adaptive", "adaptive: k per sequence and step by expected goodput; fixed: "
-                                                 "always k; disable_by_batch_size: vLLM's rule",
-                                     choices=POLICIES, flags=("--policy", "--speculation-policy"))
-    speculative_disable_by_batch_size: int | None = option(None, "disable_by_batch_size: draft while at most this "
-                                                                 "many sequences run")
+        "auto",
+        "target weights: auto = the block kernel where it builds with SIMD (w4a8; w4a16 under 200M layer "
+        "parameters; bf16/float on CUDA or without it), none = floating weights in dtype, w4a8 = the GGUF's "
+        "block formats as stored with int8 activations, w4a16 = the same with activations in two int8 "
+        "passes, w4a8-all = every weight requantized to 4 bits (lossy: for drafts), w8a8 = every weight "
+        "as Q8_0, w8a16 = int8 weights with bf16 activations",
+        choices=QUANTIZATIONS,
+    )
+    draft_quantization: str = option(
+        "auto",
+        "the same for the draft model (auto: w4a8-all where the kernel builds, else as the target)",
+        choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache entries: auto = float16 where the CPU attention kernel reads them, else the activations' dtype",
+        choices=KV_CACHE_DTYPES,
+    )
+    speculation_policy: str = option(
+        "adaptive",
+        "adaptive: k per sequence and step by expected goodput; fixed: always k; disable_by_batch_size: vLLM's rule",
+        choices=POLICIES,
+        flags=("--policy", "--speculation-policy"),
+    )
+    speculative_disable_by_batch_size: int | None = option(
+        None, "disable_by_batch_size: draft while at most this many sequences run"
+    )
     # Not on by default: on a chat with nothing to copy, copies of the prompt's own words displace the head's
     # better drafts (docs/decisions.md#suffix-drafts-beside-the-head-off-by-default).
     prompt_lookup: str | None = option(
-        None, "the adaptive policy may also take a sequence's drafts from this lookup (ngram, or suffix: long "
-              "drafts from the sequence's text and the tenant's earlier outputs) where that predicts more goodput "
-              "than the drafter", choices=LOOKUPS, nargs="?", const="ngram", none="none")
+        None,
+        "the adaptive policy may also take a sequence's drafts from this lookup (ngram, or suffix: long "
+        "drafts from the sequence's text and the tenant's earlier outputs) where that predicts more goodput "
+        "than the drafter",
+        choices=LOOKUPS,
+        nargs="?",
+        const="ngram",
+        none="none",
+    )
     suffix_max_tokens: int = option(32, "suffix speculation: the longest draft")
-    suffix_min_prob: float = option(0.1, "suffix speculation: a draft stops where its frequency estimate falls "
-                                         "below this")
-    suffix_cache_bytes: int = option(256 << 20, "suffix speculation: bytes of earlier outputs kept, over all "
-                                                "tenants (least recently used go first)")
-    suffix_cache_scope: str = option("tenant", "who may draft from whose earlier outputs: tenant (same API key "
-                                               "and user), global, none", choices=SUFFIX_SCOPES)
-    prefix_caching: bool = option(True, "a prompt starts from the KV blocks that requests of its tenant, running "
-                                        "or finished, computed for its longest prefix")
-    memory_budget: str | int | None = option(None, "bytes for weights and KV caches, e.g. 6GiB (fewer sequence slots "
-                                             "if they do not fit)")
-    gpu_memory_utilization: float | None = option(0.9, "on CUDA without a memory budget: the fraction of GPU "
-                                                       "memory to plan with")
+    suffix_min_prob: float = option(
+        0.1, "suffix speculation: a draft stops where its frequency estimate falls below this"
+    )
+    suffix_cache_bytes: int = option(
+        256 << 20, "suffix speculation: bytes of earlier outputs kept, over all tenants (least recently used go first)"
+    )
+    suffix_cache_scope: str = option(
+        "tenant",
+        "who may draft from whose earlier outputs: tenant (same API key and user), global, none",
+        choices=SUFFIX_SCOPES,
+    )
+    prefix_caching: bool = option(
+        True,
+        "a prompt starts from the KV blocks that requests of its tenant, running "
+        "or finished, computed for its longest prefix",
+    )
+    memory_budget: str | int | None = option(
+        None, "bytes for weights and KV caches, e.g. 6GiB (fewer sequence slots if they do not fit)"
+    )
+    gpu_memory_utilization: float | None = option(
+        0.9, "on CUDA without a memory budget: the fraction of GPU memory to plan with"
+    )
     enforce_eager: bool = option(False, "on CUDA: every forward eager, no CUDA graphs (slower; for debugging)")
     # docs/decisions.md#chunked-prefill-beside-decoding
-    prefill_chunk_tokens: int | None = option(None, "a longer prompt arriving while others decode is prefilled "
-                                                    "this many tokens a step beside them (0: whole, the others "
-                                                    "waiting; default: 64 on a CPU, 2048 on a GPU)")
-    adaptive: AdaptiveOptions = option(AdaptiveOptions(), "the adaptive policy's knobs (AdaptiveOptions, or a dict "
-                                                          "of some of them): speed only, never the output")
+    prefill_chunk_tokens: int | None = option(
+        None,
+        "a longer prompt arriving while others decode is prefilled "
+        "this many tokens a step beside them (0: whole, the others "
+        "waiting; default: 64 on a CPU, 2048 on a GPU)",
+    )
+    adaptive: AdaptiveOptions = option(
+        AdaptiveOptions(),
+        "the adaptive policy's knobs (AdaptiveOptions, or a dict of some of them): speed only, never the output",
+    )
 
     def __post_init__(self):
         from .errors import SpecDecodeError
@@ -154,11 +199,13 @@ class EngineConfig:
         self.adaptive = AdaptiveOptions.of(self.adaptive)
         problems = []
         if not 0 <= self.num_speculative_tokens < MAX_VERIFY_WIDTH:
-            problems.append(f"num_speculative_tokens (-k) must be in [0, {MAX_VERIFY_WIDTH - 1}], got "
-                            f"{self.num_speculative_tokens}")
+            problems.append(
+                f"num_speculative_tokens (-k) must be in [0, {MAX_VERIFY_WIDTH - 1}], got {self.num_speculative_tokens}"
+            )
         if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
-            problems.append(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "
-                            f"{self.max_model_len}")
+            problems.append(
+                f"max_num_seqs must be >= 1 and max_model_len >= 2, got {self.max_num_seqs} and {self.max_model_len}"
+            )
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             problems.append(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
         if not 0.0 <= self.draft_confidence < 1.0:
@@ -175,12 +222,18 @@ class EngineConfig:
         if self.prompt_lookup not in (None, *LOOKUPS):
             problems.append(f"unknown prompt lookup {self.prompt_lookup!r}; use one of {', '.join(LOOKUPS)}")
         if self.suffix_cache_scope not in SUFFIX_SCOPES:
-            problems.append(f"unknown suffix cache scope {self.suffix_cache_scope!r}; use one of "
-                            f"{', '.join(SUFFIX_SCOPES)}")
-        if not 1 <= self.suffix_max_tokens < MAX_VERIFY_WIDTH or self.suffix_cache_bytes < 0 \
-                or not 0 <= self.suffix_min_prob <= 1:
-            problems.append(f"suffix speculation needs suffix_max_tokens in [1, {MAX_VERIFY_WIDTH - 1}], "
-                            "suffix_cache_bytes >= 0 and suffix_min_prob in [0, 1]")
+            problems.append(
+                f"unknown suffix cache scope {self.suffix_cache_scope!r}; use one of {', '.join(SUFFIX_SCOPES)}"
+            )
+        if (
+            not 1 <= self.suffix_max_tokens < MAX_VERIFY_WIDTH
+            or self.suffix_cache_bytes < 0
+            or not 0 <= self.suffix_min_prob <= 1
+        ):
+            problems.append(
+                f"suffix speculation needs suffix_max_tokens in [1, {MAX_VERIFY_WIDTH - 1}], "
+                "suffix_cache_bytes >= 0 and suffix_min_prob in [0, 1]"
+            )
         if problems:
             raise SpecDecodeError("; ".join(problems))
         if self.draft_vocab_size == 0:
@@ -242,8 +295,11 @@ class ModelConfig:
         """Every Llama/Qwen2 field, then the others that differ from their defaults: a Llama or Qwen2 model
         reads as it always has (a draft head names its target by a hash of this text)."""
         items = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[:_LLAMA_FIELDS]]
-        items += [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[_LLAMA_FIELDS:]
-                  if getattr(self, f.name) != f.default]
+        items += [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)[_LLAMA_FIELDS:]
+            if getattr(self, f.name) != f.default
+        ]
         return f"ModelConfig({', '.join(items)})"
 
     @property

@@ -1,4 +1,5 @@
 """`specdecode generate`: one generation with its statistics; --compare adds plain decoding beside it."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,19 @@ def validate_args(args) -> SamplingParams:
         raise SpecDecodeError(f"-k must be >= 0 (0 = plain decoding), got {args.num_speculative_tokens}")
     if args.ngram and args.speculative_model:
         raise SpecDecodeError("choose one proposer: --draft MODEL or --ngram, not both")
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, seed=args.seed,
-                          stop=args.stop, structured_output=structured_output(args))
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        structured_output=structured_output(args),
+    )
 
 
 def structured_output(args) -> StructuredOutput | None:
@@ -53,15 +63,17 @@ def run_generate(args) -> int:
     options = engine_options(args, skip=GENERATE_FIXED)
     options["speculative_model"] = "ngram" if args.ngram else served_draft(args.model, args.speculative_model)
     llm = LLM(**options, max_num_seqs=1)
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
-        else args.prompt
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if args.compare:
         print(llm.startup_summary(), flush=True)
         _warm_up(llm, prompt)
     spec = _timed(llm, prompt, params)
     print(spec.output.outputs[0].text)
-    k = f"k={llm.engine.k}" if args.speculation_policy == "fixed" else \
-        f"{args.speculation_policy} policy, k_max={llm.engine.k}"
+    k = (
+        f"k={llm.engine.k}"
+        if args.speculation_policy == "fixed"
+        else f"{args.speculation_policy} policy, k_max={llm.engine.k}"
+    )
     lookup = f" + {llm.config.prompt_lookup} lookup" if len(llm.engine.proposers) > 1 else ""
     proposer = options["speculative_model"]
     label = f"{'n-gram' if args.ngram else proposer}{lookup}, {k}" if proposer else "none"
@@ -110,14 +122,18 @@ def _warm_up(llm: LLM, prompt: str) -> None:
 
 def _print_stats(run: _Run) -> None:
     m = run.output.spec
-    print(f"tokens: {run.num_tokens}   time: {run.seconds:.2f} s   tokens/s: {run.tokens_per_s:.2f}   "
-          f"TTFT: {m['ttft_s']:.3f} s   TPOT: {(m['tpot_s'] or 0) * 1000:.1f} ms")
+    print(
+        f"tokens: {run.num_tokens}   time: {run.seconds:.2f} s   tokens/s: {run.tokens_per_s:.2f}   "
+        f"TTFT: {m['ttft_s']:.3f} s   TPOT: {(m['tpot_s'] or 0) * 1000:.1f} ms"
+    )
     print(f"target forwards: {m['num_target_forwards']} (1 prefill)   draft forwards: {m['num_draft_forwards']}")
     if m["num_draft_tokens"]:
         per_pos = " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])
-        print(f"drafted: {m['num_draft_tokens']}   accepted: {m['num_accepted_tokens']}   "
-              f"acceptance rate α: {m['acceptance_rate']:.3f}   mean accepted length τ: "
-              f"{m['mean_accepted_length']:.2f}   α per position: {per_pos}")
+        print(
+            f"drafted: {m['num_draft_tokens']}   accepted: {m['num_accepted_tokens']}   "
+            f"acceptance rate α: {m['acceptance_rate']:.3f}   mean accepted length τ: "
+            f"{m['mean_accepted_length']:.2f}   α per position: {per_pos}"
+        )
 
 
 def _print_comparison(llm: LLM, spec: _Run, plain: _Run, params: SamplingParams) -> None:
@@ -131,9 +147,11 @@ def _print_comparison(llm: LLM, spec: _Run, plain: _Run, params: SamplingParams)
     if alpha is not None and spec.draft_step and plain.target_step:
         c = spec.draft_step / plain.target_step
         predicted = expected_speedup(alpha, k, c)
-        line += (f"   cost ratio c = draft step / target step: {c:.3f}   "
-                 f"Leviathan-predicted speedup (α={alpha:.3f}, k={k:.2f} drafted a step, c={c:.3f}; a verify "
-                 f"priced as one decode step): {predicted:.2f}x (measured = {speedup / predicted:.0%} of predicted)")
+        line += (
+            f"   cost ratio c = draft step / target step: {c:.3f}   "
+            f"Leviathan-predicted speedup (α={alpha:.3f}, k={k:.2f} drafted a step, c={c:.3f}; a verify "
+            f"priced as one decode step): {predicted:.2f}x (measured = {speedup / predicted:.0%} of predicted)"
+        )
     elif alpha is not None:
         line += f"   (n-gram proposer: c ≈ 0, predicted speedup {expected_speedup(alpha, k, 0.0):.2f}x)"
     print(line)

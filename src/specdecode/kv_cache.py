@@ -9,6 +9,7 @@ back (entries past it are overwritten later), and a block past the new length re
 A block may be in several slots' tables (counted references): sequences share the full blocks of a common
 prefix (prefix_index.py). Only a slot's block at its length is ever written, so that block is kept its own:
 where a truncation lands inside a block others hold, the slot gets a copy (copy on write)."""
+
 from __future__ import annotations
 
 import heapq
@@ -31,8 +32,17 @@ def blocks_for(tokens: int, block_size: int = BLOCK_TOKENS) -> int:
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device,
-                 num_blocks: int | None = None, block_size: int = BLOCK_TOKENS, scratch: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device,
+        num_blocks: int | None = None,
+        block_size: int = BLOCK_TOKENS,
+        scratch: bool = False,
+    ):
         """num_slots sequences of at most max_len tokens each, over num_blocks blocks (default: enough for every
         slot at max_len). With `scratch`, one more block that no slot ever takes, reached through table row
         `scratch_row`: where the padding rows of a fixed-shape forward (a CUDA graph's bucket) write and read."""
@@ -107,8 +117,10 @@ class KVCache:
         self._release_past(slot, blocks_for(tokens, self.block_size))
         need = blocks_for(tokens, self.block_size) - len(self.tables[slot])
         if need > self.num_free_blocks:
-            raise SpecDecodeError(f"the KV cache is out of blocks ({need} more needed, {self.num_free_blocks} free "
-                                  f"of {self.num_blocks}); wait for a request to finish")
+            raise SpecDecodeError(
+                f"the KV cache is out of blocks ({need} more needed, {self.num_free_blocks} free "
+                f"of {self.num_blocks}); wait for a request to finish"
+            )
         for _ in range(max(need, 0)):
             self._append(slot, self._new_block())
 
@@ -225,7 +237,7 @@ class KVCache:
     def block_rows(self, slots, kv_len: int) -> torch.Tensor:
         """[B, blocks]: the blocks holding the slots' first kv_len entries, for read_blocks (the same for every
         layer)."""
-        return self.table[slots, :blocks_for(kv_len, self.block_size)].long()
+        return self.table[slots, : blocks_for(kv_len, self.block_size)].long()
 
     def read_blocks(self, layer: int, blocks: torch.Tensor, kv_len: int):
         return tuple(_gathered(part[layer], blocks, kv_len) for part in (self.k, self.v))

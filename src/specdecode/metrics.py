@@ -1,5 +1,6 @@
 """Speculation and latency metrics, per request and aggregated. Terms as in Leviathan et al. (2023):
 α = accepted / drafted, τ = tokens emitted per verification step (bonus/recovered token included)."""
+
 from __future__ import annotations
 
 import time
@@ -107,14 +108,22 @@ class RequestMetrics:
     def as_dict(self) -> dict:
         s = self.spec
         return {
-            "num_prompt_tokens": self.num_prompt_tokens, "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,
-            "ttft_s": self.ttft, "tpot_s": self.tpot, "tokens_per_s": self.tokens_per_s,
-            "num_target_forwards": s.num_steps + 1, "num_draft_forwards": s.num_draft_forwards,
-            "num_steps": s.num_steps, "num_spec_steps": s.num_spec_steps,
-            "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
-            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-            "acceptance_per_position": s.acceptance_per_position, "forced_accept": self.forced_accept,
+            "ttft_s": self.ttft,
+            "tpot_s": self.tpot,
+            "tokens_per_s": self.tokens_per_s,
+            "num_target_forwards": s.num_steps + 1,
+            "num_draft_forwards": s.num_draft_forwards,
+            "num_steps": s.num_steps,
+            "num_spec_steps": s.num_spec_steps,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "acceptance_per_position": s.acceptance_per_position,
+            "forced_accept": self.forced_accept,
         }
 
 

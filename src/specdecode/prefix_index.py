@@ -8,6 +8,7 @@ it is; a block that matches only in part (a finished sequence's last block, or a
 at some token) is copied, since the new sequence writes into it. Registered blocks that no sequence holds stay
 until the pool needs them, least recently released first; a sequence releases its blocks last to first, so a
 prefix outlives the continuations that hang from it."""
+
 from __future__ import annotations
 
 import itertools
@@ -52,12 +53,12 @@ class PrefixIndex:
         size, parent, shared = self.block_size, self.root(scope), []
         while (len(shared) + 1) * size <= limit:
             at = len(shared) * size
-            entry = self._children.get(parent, {}).get(tuple(tokens[at:at + size]))
+            entry = self._children.get(parent, {}).get(tuple(tokens[at : at + size]))
             if entry is None:
                 break
             shared.append(entry)
             parent = entry.uid
-        rest = tuple(tokens[len(shared) * size:limit])
+        rest = tuple(tokens[len(shared) * size : limit])
         partial, best = None, 0
         for entry in self._children.get(parent, {}).values() if rest else ():
             n = common_prefix(entry.tokens, rest)

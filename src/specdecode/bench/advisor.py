@@ -16,6 +16,7 @@ Ceiling: max over t of t · T(b, 1) / T(b, t), what any proposer could gain at b
 token were accepted and drafting cost nothing (a lookup's drafts nearly do). Where a batch already keeps
 the cores' arithmetic busy, a verified token costs about what a decoded one does, and no drafter, however
 good, can lift the ceiling there."""
+
 from __future__ import annotations
 
 import time
@@ -50,11 +51,18 @@ def measure_acceptance(target, draft, options: AdvisorOptions, seed: int) -> lis
     from ..engine.llm import LLM
     from ..sampling import SamplingParams
 
-    llm = LLM(target=target, draft=draft, num_speculative_tokens=options.k_max, max_num_seqs=1,
-              max_model_len=max(2048, options.context * 2), speculation_policy="fixed",
-              draft_confidence=0.0)  # acceptance per position needs every position drafted
-    prompts = load_prompts(options.dataset, options.num_prompts, seed=seed,
-                           count_tokens=lambda text: len(target.tokenizer.encode(text)))
+    llm = LLM(
+        target=target,
+        draft=draft,
+        num_speculative_tokens=options.k_max,
+        max_num_seqs=1,
+        max_model_len=max(2048, options.context * 2),
+        speculation_policy="fixed",
+        draft_confidence=0.0,
+    )  # acceptance per position needs every position drafted
+    prompts = load_prompts(
+        options.dataset, options.num_prompts, seed=seed, count_tokens=lambda text: len(target.tokenizer.encode(text))
+    )
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
     for prompt in prompts:
         llm.generate(prompt, params)
@@ -87,20 +95,28 @@ def calibrate(target, draft, options: AdvisorOptions, seed: int = 0) -> dict:
         raise SpecDecodeError("the plan needs a draft model (it predicts draft-model speculation)")
     started = time.perf_counter()
     prefix = measure_acceptance(target, draft, options, seed)
-    target_s = {b: {t: time_forward(target.model, b, t, options.context, options.repeats)
-                    for t in range(1, options.k_max + 2)} for b in options.batch_sizes}
+    target_s = {
+        b: {t: time_forward(target.model, b, t, options.context, options.repeats) for t in range(1, options.k_max + 2)}
+        for b in options.batch_sizes
+    }
     draft_s = {b: time_forward(draft.model, b, 1, options.context, options.repeats) for b in options.batch_sizes}
     ks = range(1, options.k_max + 1)
     speedup = {b: {k: predict(prefix, target_s, draft_s, k, b) for k in ks} for b in options.batch_sizes}
     best_k = {b: max(ks, key=lambda k: speedup[b][k]) for b in options.batch_sizes}
     paying = [b for b in options.batch_sizes if speedup[b][best_k[b]] > 1.0]
     return {
-        "kind": "plan", "options": asdict(options), "target": target.name, "draft": draft.name,
+        "kind": "plan",
+        "options": asdict(options),
+        "target": target.name,
+        "draft": draft.name,
         "prefix_acceptance": prefix,
         "alpha": {k: sum(prefix[:k]) / k for k in ks},  # the acceptance rate a run with k drafts would see
         "expected_tokens": {k: expected_tokens(prefix, k) for k in ks},
-        "target_seconds": target_s, "draft_seconds": draft_s,
-        "predicted_speedup": speedup, "best_k": best_k, "ceiling": ceiling(target_s),
+        "target_seconds": target_s,
+        "draft_seconds": draft_s,
+        "predicted_speedup": speedup,
+        "best_k": best_k,
+        "ceiling": ceiling(target_s),
         "recommended_k": best_k[min(options.batch_sizes)],
         # speculation should stop above the largest measured batch size at which it still pays
         "speculate_up_to_batch": max(paying) if paying else 0,
@@ -126,8 +142,11 @@ def recommendation(plan: dict) -> str:
     if not up_to:
         return text + "; speculation is not predicted to pay at any batch size measured"
     above = [b for b in plan["predicted_speedup"] if b > up_to]
-    return text + (f"; speculate up to batch size {up_to}, decode plainly from batch size {above[0]}"
-                   if above else f"; speculation pays at every batch size measured (up to {up_to})")
+    return text + (
+        f"; speculate up to batch size {up_to}, decode plainly from batch size {above[0]}"
+        if above
+        else f"; speculation pays at every batch size measured (up to {up_to})"
+    )
 
 
 def ceiling_line(plan: dict) -> str:
@@ -146,17 +165,32 @@ def run_advisor_cli(args) -> int:
     from ..models.loader import load_model
     from ..models.sources import default_draft
 
-    options = AdvisorOptions(k_max=args.k_max, batch_sizes=args.batch_sizes, num_prompts=args.num_prompts,
-                          max_tokens=args.max_tokens, context=args.context)
+    options = AdvisorOptions(
+        k_max=args.k_max,
+        batch_sizes=args.batch_sizes,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        context=args.context,
+    )
     draft_name = default_draft(args.model, args.draft)
     if not draft_name:
         raise SpecDecodeError("pass --draft: the plan predicts draft-model speculation")
-    target = load_model(args.model, args.device, args.dtype, quantization=args.quantization,
-                        kv_cache_dtype=args.kv_cache_dtype)
-    draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
-                       draft=True, kv_cache_dtype=args.kv_cache_dtype)
-    print(f"calibrating: {options.num_prompts} prompts x {options.max_tokens} tokens at k={options.k_max}, "
-          f"step costs at batch sizes {options.batch_sizes}", flush=True)
+    target = load_model(
+        args.model, args.device, args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype
+    )
+    draft = load_model(
+        draft_name,
+        str(target.model.device),
+        args.dtype,
+        quantization=args.draft_quantization,
+        draft=True,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    print(
+        f"calibrating: {options.num_prompts} prompts x {options.max_tokens} tokens at k={options.k_max}, "
+        f"step costs at batch sizes {options.batch_sizes}",
+        flush=True,
+    )
     plan = calibrate(target, draft, options)
     plan["command"] = command_line()
     print_advice(plan)

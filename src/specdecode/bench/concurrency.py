@@ -4,6 +4,7 @@ each concurrency. HumanEval: the same prompts, greedy, a fixed number of new tok
 configuration does the same work); code edits and agent loops: chat sessions (see load.play_sessions),
 greedy, each reply ending at EOS (greedy output is the same under every configuration, so is the work).
 Prints throughput and TPOT with their ratios to plain decoding at the same concurrency; writes JSON."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,14 +23,21 @@ from .server_process import ServerProcess, llama_server, serve_argv
 
 def server_configs(args) -> list[tuple[str, list[str]]]:
     """The `specdecode serve` flags of each policy asked for: plain, fixed k, adaptive up to k."""
-    common = dict(model=args.model, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
-                  dtype=args.dtype, quantization=args.quantization, draft_quantization=args.draft_quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
-    configs = {"plain": serve_argv(**common),
-               "fixed": serve_argv(**common, draft=args.draft, k=args.k, policy="fixed"),
-               "adaptive": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive"),
-               "adaptive-suffix": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive",
-                                             prompt_lookup="suffix")}
+    common = dict(
+        model=args.model,
+        max_num_seqs=max(args.concurrency),
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        draft_quantization=args.draft_quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    configs = {
+        "plain": serve_argv(**common),
+        "fixed": serve_argv(**common, draft=args.draft, k=args.k, policy="fixed"),
+        "adaptive": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive"),
+        "adaptive-suffix": serve_argv(**common, draft=args.draft, k=args.k, policy="adaptive", prompt_lookup="suffix"),
+    }
     return [(name, configs[name]) for name in args.policies]
 
 
@@ -40,8 +48,15 @@ def start_server(name: str, serve_args: list[str], args) -> ServerProcess:
     from ..models.sources import resolve
 
     draft = resolve(args.draft).path if name == "llama.cpp-draft" else None
-    return llama_server(args.vs_llama_server, resolve(args.model).path, max(args.concurrency), args.max_model_len,
-                        torch.get_num_threads(), draft, args.k)
+    return llama_server(
+        args.vs_llama_server,
+        resolve(args.model).path,
+        max(args.concurrency),
+        args.max_model_len,
+        torch.get_num_threads(),
+        draft,
+        args.k,
+    )
 
 
 def requests_at(concurrency: int, args) -> int:
@@ -105,8 +120,13 @@ def pooled_row(name: str, concurrency: int, rounds: list[tuple[list, float]]) ->
     pooled = LoadResult.from_requests(requests, sum(s for _, s in rounds), concurrency, None)
     per_round = [LoadResult.from_requests(batch, s, concurrency, None).output_throughput for batch, s in rounds]
     later = summarize([r.tpot_s for r in requests if r.ok and r.turn > 0 and r.tpot_s is not None])
-    return {"config": name, **pooled.as_dict(), "rounds": len(rounds), "round_throughputs": per_round,
-            "later_turns_tpot_s": later}
+    return {
+        "config": name,
+        **pooled.as_dict(),
+        "rounds": len(rounds),
+        "round_throughputs": per_round,
+        "later_turns_tpot_s": later,
+    }
 
 
 def add_ratios_to_plain(rows: list[dict]) -> None:
@@ -126,47 +146,72 @@ def add_ratios_to_plain(rows: list[dict]) -> None:
 
 
 def meta(args) -> dict:
-    return {"command": command_line(), "model": args.model, "draft": args.draft, "quantization": args.quantization,
-            "draft_quantization": args.draft_quantization, "kv_cache_dtype": args.kv_cache_dtype,
-            "k": args.k, "max_tokens": args.max_tokens, "dataset": args.dataset, "turns": args.turns, "greedy": True,
-            "requests": {c: requests_at(c, args) for c in args.concurrency}, "rounds": args.rounds,
-            "once": args.once, "machine": machine_info(), "cuda": torch.cuda.is_available()}
+    return {
+        "command": command_line(),
+        "model": args.model,
+        "draft": args.draft,
+        "quantization": args.quantization,
+        "draft_quantization": args.draft_quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "dataset": args.dataset,
+        "turns": args.turns,
+        "greedy": True,
+        "requests": {c: requests_at(c, args) for c in args.concurrency},
+        "rounds": args.rounds,
+        "once": args.once,
+        "machine": machine_info(),
+        "cuda": torch.cuda.is_available(),
+    }
 
 
 def row_text(name: str, r: LoadResult, rnd: int) -> str:
     """One configuration's measurement in one round, as it finishes."""
-    return (f"{rnd + 1:>5} {name:<16}{r.concurrency:>5}{r.num_requests:>6}{r.output_throughput:>10.2f}"
-            f"{fmt(mean(r.tpot_s, 1000), '.1f', 10, missing='nan')}{fmt(mean(r.ttft_s), '.2f', 9, missing='nan')}"
-            f"{fmt(r.acceptance_rate, '.3f', 8)}{fmt(r.speculating_fraction, '.0%', 8)}{r.num_failed:>7}")
+    return (
+        f"{rnd + 1:>5} {name:<16}{r.concurrency:>5}{r.num_requests:>6}{r.output_throughput:>10.2f}"
+        f"{fmt(mean(r.tpot_s, 1000), '.1f', 10, missing='nan')}{fmt(mean(r.ttft_s), '.2f', 9, missing='nan')}"
+        f"{fmt(r.acceptance_rate, '.3f', 8)}{fmt(r.speculating_fraction, '.0%', 8)}{r.num_failed:>7}"
+    )
 
 
-HEADER = (f"{'round':>5} {'config':<16}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}"
-          f"{'spec%':>8}{'failed':>7}")
+HEADER = (
+    f"{'round':>5} {'config':<16}{'conc':>5}{'reqs':>6}{'tok/s':>10}{'TPOT ms':>10}{'TTFT s':>9}{'α':>8}"
+    f"{'spec%':>8}{'failed':>7}"
+)
 
 
 def summary_table(rows: list[dict]) -> str:
     """Each cell against plain; for multi-turn sessions also the TPOT of the turns after the first, which have
     earlier replies to copy from."""
     later = any(r.get("later_turns_tpot_s") for r in rows)
-    lines = [f"{'config':<16}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
-             f"{'TPOT ÷':>9}" + (f"{'later turns: TPOT ms':>22}{'TPOT ÷':>9}" if later else "")]
+    lines = [
+        f"{'config':<16}{'conc':>5}{'tok/s':>10}{'vs plain':>10}{'rounds vs plain':>26}{'TPOT ms':>10}"
+        f"{'TPOT ÷':>9}" + (f"{'later turns: TPOT ms':>22}{'TPOT ÷':>9}" if later else "")
+    ]
     for r in rows:
         spread = joined(r.get("round_throughputs_vs_plain", []))
-        line = (f"{r['config']:<16}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
-                f"{ratio(r.get('throughput_vs_plain'), 10, missing='')}{spread:>26}"
-                f"{fmt(mean(r['tpot_s'], 1000), '.1f', 10)}"
-                f"{ratio(r.get('tpot_reduction_vs_plain'), 9, missing='')}")
+        line = (
+            f"{r['config']:<16}{r['concurrency']:>5}{r['output_throughput']:>10.2f}"
+            f"{ratio(r.get('throughput_vs_plain'), 10, missing='')}{spread:>26}"
+            f"{fmt(mean(r['tpot_s'], 1000), '.1f', 10)}"
+            f"{ratio(r.get('tpot_reduction_vs_plain'), 9, missing='')}"
+        )
         if later:
-            line += (f"{fmt(mean(r.get('later_turns_tpot_s'), 1000), '.1f', 22)}"
-                     f"{ratio(r.get('later_turns_tpot_reduction_vs_plain'), 9, missing='')}")
+            line += (
+                f"{fmt(mean(r.get('later_turns_tpot_s'), 1000), '.1f', 22)}"
+                f"{ratio(r.get('later_turns_tpot_reduction_vs_plain'), 9, missing='')}"
+            )
         lines.append(line)
     return "\n".join(lines)
 
 
 def run_concurrency_cli(args) -> int:
-    print(f"{describe_dataset(args.dataset, args.turns)} through the server, greedy, {args.max_tokens} new tokens "
-          f"at most; policies {', '.join(args.policies)}; concurrency {args.concurrency}; {args.rounds} round(s)",
-          flush=True)
+    print(
+        f"{describe_dataset(args.dataset, args.turns)} through the server, greedy, {args.max_tokens} new tokens "
+        f"at most; policies {', '.join(args.policies)}; concurrency {args.concurrency}; {args.rounds} round(s)",
+        flush=True,
+    )
     print(HEADER, flush=True)
     report = measure_concurrency(args)
     print("\n" + summary_table(report["results"]))

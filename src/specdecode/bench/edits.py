@@ -6,6 +6,7 @@
   change, so every answer after the first repeats most of the one before it (an agent rewriting a file).
 
 Both are deterministic for a seed and need nothing beyond the standard library."""
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,24 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-SOURCE_MODULES = ("textwrap", "shutil", "difflib", "csv", "configparser", "argparse", "calendar", "fractions",
-                  "statistics", "string", "ipaddress", "tarfile", "zipfile", "gettext", "heapq", "bisect")
+SOURCE_MODULES = (
+    "textwrap",
+    "shutil",
+    "difflib",
+    "csv",
+    "configparser",
+    "argparse",
+    "calendar",
+    "fractions",
+    "statistics",
+    "string",
+    "ipaddress",
+    "tarfile",
+    "zipfile",
+    "gettext",
+    "heapq",
+    "bisect",
+)
 REPLY = "Reply with the complete function only, in one Python code block."
 INSTRUCTIONS = (
     "Add type hints to every parameter and to the return value of this function. " + REPLY,
@@ -26,27 +43,39 @@ INSTRUCTIONS = (
 )
 
 AGENT_TASKS = (
-    ("Write a Python module with a class `Inventory` that stores items as name -> (count, unit price), with "
-     "methods `add(name, count, price)`, `remove(name, count)` and `total_value()`. Reply with the complete "
-     "file in one Python code block.",
-     ["Make `remove` raise a ValueError when more items are removed than are stored.",
-      "Add a method `most_valuable(n)` that returns the n names with the highest count x price.",
-      "Add type hints to every method.",
-      "Add a `__repr__` that lists the items sorted by name."]),
-    ("Write a Python module with a class `TodoList` whose tasks have a title, a priority from 1 to 5 and a "
-     "done flag, with methods `add(title, priority)`, `complete(title)` and `pending()`. Reply with the "
-     "complete file in one Python code block.",
-     ["Make `pending` return tasks sorted by priority, highest first.",
-      "Add a method `to_json()` that returns the tasks as a JSON string.",
-      "Add a class method `from_json(text)` that builds a TodoList from that JSON.",
-      "Add docstrings to the class and every method."]),
-    ("Write a Python module with a function `parse_config(text)` that reads `key = value` lines into a "
-     "dict, skipping blank lines and lines starting with '#', and a function `render_config(config)` that "
-     "writes such a dict back. Reply with the complete file in one Python code block.",
-     ["Make `parse_config` convert values that look like integers to int.",
-      "Make `parse_config` raise a ValueError naming the line number of a line without '='.",
-      "Add support for `[section]` headers: the result maps section names to dicts.",
-      "Add type hints to both functions."]),
+    (
+        "Write a Python module with a class `Inventory` that stores items as name -> (count, unit price), with "
+        "methods `add(name, count, price)`, `remove(name, count)` and `total_value()`. Reply with the complete "
+        "file in one Python code block.",
+        [
+            "Make `remove` raise a ValueError when more items are removed than are stored.",
+            "Add a method `most_valuable(n)` that returns the n names with the highest count x price.",
+            "Add type hints to every method.",
+            "Add a `__repr__` that lists the items sorted by name.",
+        ],
+    ),
+    (
+        "Write a Python module with a class `TodoList` whose tasks have a title, a priority from 1 to 5 and a "
+        "done flag, with methods `add(title, priority)`, `complete(title)` and `pending()`. Reply with the "
+        "complete file in one Python code block.",
+        [
+            "Make `pending` return tasks sorted by priority, highest first.",
+            "Add a method `to_json()` that returns the tasks as a JSON string.",
+            "Add a class method `from_json(text)` that builds a TodoList from that JSON.",
+            "Add docstrings to the class and every method.",
+        ],
+    ),
+    (
+        "Write a Python module with a function `parse_config(text)` that reads `key = value` lines into a "
+        "dict, skipping blank lines and lines starting with '#', and a function `render_config(config)` that "
+        "writes such a dict back. Reply with the complete file in one Python code block.",
+        [
+            "Make `parse_config` convert values that look like integers to int.",
+            "Make `parse_config` raise a ValueError naming the line number of a line without '='.",
+            "Add support for `[section]` headers: the result maps section names to dicts.",
+            "Add type hints to both functions.",
+        ],
+    ),
 )
 AGENT_FOLLOW_UP = " Reply with the complete updated file in one Python code block."
 
@@ -56,8 +85,11 @@ CHAT_DATASETS = ("code-edit", "agent-loop")  # chats that end where the reply do
 
 def describe_dataset(dataset: str, turns: int) -> str:
     """What a benchmark's --dataset plays, for its first line."""
-    named = {"humaneval": "HumanEval prompts", "code-edit": "code-edit chats",
-             "agent-loop": f"agent-loop sessions of {turns} turns"}
+    named = {
+        "humaneval": "HumanEval prompts",
+        "code-edit": "code-edit chats",
+        "agent-loop": f"agent-loop sessions of {turns} turns",
+    }
     return named.get(dataset, f"prompts from {dataset}")
 
 
@@ -90,10 +122,14 @@ def _library_functions(min_lines: int, max_lines: int) -> list[tuple[str, set[st
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
                 text = ast.get_source_segment(source, node, padded=True)
-                if text and not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in ast.walk(node)
-                                    if n is not node):
-                    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-                             and len(n.id) > 2}
+                if text and not any(
+                    isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in ast.walk(node) if n is not node
+                ):
+                    names = {
+                        n.id
+                        for n in ast.walk(node)
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and len(n.id) > 2
+                    }
                     found.append((textwrap.dedent(text), names))
     return sorted(found)
 
@@ -102,5 +138,5 @@ def agent_loop_scripts(count: int, turns: int = 3) -> list[list[str]]:
     """`count` sessions of `turns` user messages: a task, then changes that each ask for the whole file."""
     if not 1 <= turns <= 1 + len(AGENT_TASKS[0][1]):
         raise SpecDecodeError(f"agent-loop sessions have 1 to {1 + len(AGENT_TASKS[0][1])} turns, got {turns}")
-    scripts = [[task] + [change + AGENT_FOLLOW_UP for change in changes[:turns - 1]] for task, changes in AGENT_TASKS]
+    scripts = [[task] + [change + AGENT_FOLLOW_UP for change in changes[: turns - 1]] for task, changes in AGENT_TASKS]
     return [scripts[i % len(scripts)] for i in range(count)]

@@ -1,4 +1,5 @@
 """How the benchmarks write a figure in a table cell, so the console tables and the Markdown report agree."""
+
 from __future__ import annotations
 
 

@@ -1,6 +1,7 @@
 """Batch-size-1 latency benchmark: plain decoding vs draft-model and n-gram speculation for several k,
 on each requested backend (one loaded target per backend), greedy, in one run; optionally llama.cpp on the
 same GGUF files and prompts beside it. Prints a table and writes JSON."""
+
 from __future__ import annotations
 
 import gc
@@ -71,14 +72,23 @@ def run_config(llm: LLM, requests: list, params: SamplingParams, k: int, label: 
     drafted, steps = counters.num_draft_tokens, counters.num_spec_steps
     t = llm.timer
     result = LatencyResult(
-        label, llm.target.model.backend, proposer, k, tokens, seconds, (tokens - len(outs)) / (seconds - ttft),
+        label,
+        llm.target.model.backend,
+        proposer,
+        k,
+        tokens,
+        seconds,
+        (tokens - len(outs)) / (seconds - ttft),
         counters.num_accepted_tokens / drafted if drafted else None,
         (counters.num_accepted_tokens + steps) / steps if steps else None,
-        t.target_step_s * 1000 if t.target_step_s else None, t.draft_step_s * 1000 if t.draft_step_s else None,
-        e2e_tokens_per_s=tokens / seconds, mean_ttft_ms=1000 * ttft / len(outs),
+        t.target_step_s * 1000 if t.target_step_s else None,
+        t.draft_step_s * 1000 if t.draft_step_s else None,
+        e2e_tokens_per_s=tokens / seconds,
+        mean_ttft_ms=1000 * ttft / len(outs),
         mean_drafts=drafted / steps if steps else None,
         acceptance_per_position=counters.acceptance_per_position or None,
-        draft_prefill_ms=1000 * t.draft_prefill_time / len(outs) if t.draft_prefill_calls else None)
+        draft_prefill_ms=1000 * t.draft_prefill_time / len(outs) if t.draft_prefill_calls else None,
+    )
     return result, outs
 
 
@@ -159,30 +169,60 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
     kind = proposer_kind(args.draft)
     if kind not in (None, DRAFT_MODEL):
         confidences = [0.0] if kind in ("ngram", "suffix") else args.draft_confidence  # their drafts are sure
-        runs.append(Run(LLM(target=target, speculative_model=args.draft, **fixed), kind, args.draft, args.ks,
-                        confidences))
+        runs.append(
+            Run(LLM(target=target, speculative_model=args.draft, **fixed), kind, args.draft, args.ks, confidences)
+        )
     if draft:
-        runs.append(Run(LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **fixed),
-                        "draft", draft_name, args.ks, args.draft_confidence))
+        runs.append(
+            Run(
+                LLM(target=target, draft=draft, draft_vocab_size=args.draft_vocab_size or None, **fixed),
+                "draft",
+                draft_name,
+                args.ks,
+                args.draft_confidence,
+            )
+        )
     head = _head(args)
     if args.head:
-        runs.append(Run(LLM(target=target, speculative_model=head, **fixed), "head", head, args.ks,
-                        args.draft_confidence))
+        runs.append(
+            Run(LLM(target=target, speculative_model=head, **fixed), "head", head, args.ks, args.draft_confidence)
+        )
     if not args.no_ngram and kind != "ngram":
         runs.append(Run(LLM(target=target, speculative_model="ngram", **fixed), "ngram", "ngram", args.ks, [0.0]))
     if args.suffix:
         k = max(args.ks)
-        runs.append(Run(LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common),
-                        "suffix adaptive", "suffix", [k], [0.0]))
-        drafters = ([("draft", draft_name, dict(draft=draft, draft_vocab_size=args.draft_vocab_size or None))]
-                    if draft else []) + ([("head", head, dict(speculative_model=head))] if head else [])
+        runs.append(
+            Run(
+                LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common),
+                "suffix adaptive",
+                "suffix",
+                [k],
+                [0.0],
+            )
+        )
+        drafters = (
+            [("draft", draft_name, dict(draft=draft, draft_vocab_size=args.draft_vocab_size or None))] if draft else []
+        ) + ([("head", head, dict(speculative_model=head))] if head else [])
         confidence = args.draft_confidence[-1]
         for kind, name, drafter in drafters:  # each drafter alone and with suffix drafts beside it, adaptive
             for lookup in (None, "suffix"):
-                llm = LLM(target=target, draft_confidence=confidence, prompt_lookup=lookup, num_speculative_tokens=k,
-                          **drafter, **common)
-                runs.append(Run(llm, f"{kind}+suffix adaptive" if lookup else f"{kind} adaptive",
-                                f"{name}+{lookup}" if lookup else name, [k], [confidence]))
+                llm = LLM(
+                    target=target,
+                    draft_confidence=confidence,
+                    prompt_lookup=lookup,
+                    num_speculative_tokens=k,
+                    **drafter,
+                    **common,
+                )
+                runs.append(
+                    Run(
+                        llm,
+                        f"{kind}+suffix adaptive" if lookup else f"{kind} adaptive",
+                        f"{name}+{lookup}" if lookup else name,
+                        [k],
+                        [confidence],
+                    )
+                )
     return runs
 
 
@@ -193,19 +233,41 @@ def _head(args) -> str | None:
     return args.draft if proposer_kind(args.draft) == "head" else None
 
 
-def run_backend(args, quantization: str, requests: list,
-                params: SamplingParams) -> tuple[list[LatencyResult], list[str]]:
+def run_backend(
+    args, quantization: str, requests: list, params: SamplingParams
+) -> tuple[list[LatencyResult], list[str]]:
     """Plain, then each proposer at each k, on one loaded target in `quantization`; also the texts of the
     timed prompts as plain decoding saw them (for llama.cpp's rows)."""
-    target = load_model(args.model, args.device, args.dtype, quantization=quantization,
-                        kv_cache_dtype=args.kv_cache_dtype)
+    target = load_model(
+        args.model, args.device, args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype
+    )
     draft_name = draft_model_name(args)
-    draft = load_model(draft_name, str(target.model.device), args.dtype, quantization=args.draft_quantization,
-                       draft=True, kv_cache_dtype=args.kv_cache_dtype) if draft_name else None
+    draft = (
+        load_model(
+            draft_name,
+            str(target.model.device),
+            args.dtype,
+            quantization=args.draft_quantization,
+            draft=True,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        if draft_name
+        else None
+    )
     runs = make_runs(args, target, draft, draft_name)
     name = target.model.backend
-    plain_llm = LLM(target=target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                    max_num_seqs=1, num_speculative_tokens=0) if not runs else runs[0].llm
+    plain_llm = (
+        LLM(
+            target=target,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=1,
+            num_speculative_tokens=0,
+        )
+        if not runs
+        else runs[0].llm
+    )
     plain, plain_outs = run_config(plain_llm, requests, params, 0, f"{name}: plain", "none")
     plain.verify_cost_ratio = 1.0
     plain.prefill_tokens_per_s = prefill_tokens_per_s(target.model, plain_llm.engine.max_model_len)
@@ -244,27 +306,52 @@ def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, Llama
     bench = run_llama_bench(args.vs_llama_cpp, resolve(args.model).path, threads, args.max_tokens)
     if not bench.batches_repacked:
         print(f"note: {NO_REPACK_NOTE} (llama-bench pp)", flush=True)
-    row = LatencyResult(f"llama.cpp: plain ({when})", "llama.cpp", "none", 0, args.max_tokens,
-                        args.max_tokens / bench.decode_tokens_per_s, bench.decode_tokens_per_s, None, None,
-                        1000 / bench.decode_tokens_per_s, None, speedup=1.0, verify_cost_ratio=1.0,
-                        prefill_tokens_per_s=bench.prefill_tokens_per_s(PREFILL_TOKENS))
+    row = LatencyResult(
+        f"llama.cpp: plain ({when})",
+        "llama.cpp",
+        "none",
+        0,
+        args.max_tokens,
+        args.max_tokens / bench.decode_tokens_per_s,
+        bench.decode_tokens_per_s,
+        None,
+        None,
+        1000 / bench.decode_tokens_per_s,
+        None,
+        speedup=1.0,
+        verify_cost_ratio=1.0,
+        prefill_tokens_per_s=bench.prefill_tokens_per_s(PREFILL_TOKENS),
+    )
     print(_row(row), flush=True)
     return row, bench
 
 
-def run_llama_cpp_speculative(args, prompts: list[str], threads: int, plain: LatencyResult,
-                              bench: LlamaBench) -> list[LatencyResult]:
+def run_llama_cpp_speculative(
+    args, prompts: list[str], threads: int, plain: LatencyResult, bench: LlamaBench
+) -> list[LatencyResult]:
     """llama.cpp's own draft-model speculation at each k, on the same files and prompts."""
 
     draft_name = draft_model_name(args)
     results = []
     for k in args.ks if draft_name else []:
-        spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path,
-                                     prompts, k, args.max_tokens, threads)
-        res = LatencyResult(f"llama.cpp: draft k={k}{_unrepacked(spec)}", "llama.cpp", draft_name, k,
-                            spec.output_tokens, spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
-                            speedup=spec.tokens_per_s / plain.tokens_per_s,
-                            verify_cost_ratio=bench.verify_cost_ratio(k))
+        spec = run_llama_speculative(
+            args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path, prompts, k, args.max_tokens, threads
+        )
+        res = LatencyResult(
+            f"llama.cpp: draft k={k}{_unrepacked(spec)}",
+            "llama.cpp",
+            draft_name,
+            k,
+            spec.output_tokens,
+            spec.seconds,
+            spec.tokens_per_s,
+            spec.acceptance_rate,
+            None,
+            None,
+            None,
+            speedup=spec.tokens_per_s / plain.tokens_per_s,
+            verify_cost_ratio=bench.verify_cost_ratio(k),
+        )
         results.append(res)
         print(_row(res), flush=True)
     return results
@@ -279,11 +366,23 @@ def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyRe
     """llama.cpp's n-gram speculation modes (no draft model), each with its defaults, on the same prompts."""
     results = []
     for mode in LLAMA_NGRAM_MODES:
-        spec = run_llama_speculative(args.vs_llama_cpp, resolve(args.model).path, None, prompts, 0,
-                                     args.max_tokens, threads, spec_type=mode)
-        res = LatencyResult(f"llama.cpp: {mode}{_unrepacked(spec)}", "llama.cpp", mode, 0, spec.output_tokens,
-                            spec.seconds, spec.tokens_per_s, spec.acceptance_rate, None, None, None,
-                            speedup=spec.tokens_per_s / plain.tokens_per_s)
+        spec = run_llama_speculative(
+            args.vs_llama_cpp, resolve(args.model).path, None, prompts, 0, args.max_tokens, threads, spec_type=mode
+        )
+        res = LatencyResult(
+            f"llama.cpp: {mode}{_unrepacked(spec)}",
+            "llama.cpp",
+            mode,
+            0,
+            spec.output_tokens,
+            spec.seconds,
+            spec.tokens_per_s,
+            spec.acceptance_rate,
+            None,
+            None,
+            None,
+            speedup=spec.tokens_per_s / plain.tokens_per_s,
+        )
         results.append(res)
         print(_row(res), flush=True)
     return results
@@ -310,20 +409,39 @@ def run_latency(args) -> list[LatencyResult]:
     after, bench = llama_cpp_plain(args, threads, "after")
     mean_plain = (before.tokens_per_s + after.tokens_per_s) / 2
     mean_prefill = (before.prefill_tokens_per_s + after.prefill_tokens_per_s) / 2
-    mean = LatencyResult("llama.cpp: plain (mean)", "llama.cpp", "none", 0, args.max_tokens,
-                         args.max_tokens / mean_plain, mean_plain, None, None, 1000 / mean_plain, None,
-                         speedup=1.0, verify_cost_ratio=1.0, prefill_tokens_per_s=mean_prefill)
+    mean = LatencyResult(
+        "llama.cpp: plain (mean)",
+        "llama.cpp",
+        "none",
+        0,
+        args.max_tokens,
+        args.max_tokens / mean_plain,
+        mean_plain,
+        None,
+        None,
+        1000 / mean_plain,
+        None,
+        speedup=1.0,
+        verify_cost_ratio=1.0,
+        prefill_tokens_per_s=mean_prefill,
+    )
     results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, bench)
     if args.suffix:
         results += run_llama_cpp_ngram(args, prompts, threads, mean)
     for r in results:
         r.vs_llama_cpp_plain = r.tokens_per_s / mean_plain
-    print(f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of "
-          f"{before.tokens_per_s:.2f} before and {after.tokens_per_s:.2f} tok/s after our rows):", flush=True)
+    print(
+        f"\nagainst llama.cpp's plain decoding (same GGUF files, CPU and threads; the mean of "
+        f"{before.tokens_per_s:.2f} before and {after.tokens_per_s:.2f} tok/s after our rows):",
+        flush=True,
+    )
     for r in results:
         print(f"  {r.config:<28} {ratio(r.vs_llama_cpp_plain, 6)}", flush=True)
-    print(f"prefill of a {PREFILL_TOKENS}-token prompt against llama.cpp's pp{PREFILL_TOKENS} (the mean of "
-          f"{before.prefill_tokens_per_s:.1f} and {after.prefill_tokens_per_s:.1f} tok/s):", flush=True)
+    print(
+        f"prefill of a {PREFILL_TOKENS}-token prompt against llama.cpp's pp{PREFILL_TOKENS} (the mean of "
+        f"{before.prefill_tokens_per_s:.1f} and {after.prefill_tokens_per_s:.1f} tok/s):",
+        flush=True,
+    )
     for r in results:
         if r.backend != "llama.cpp" and r.prefill_tokens_per_s:
             prefill = r.prefill_tokens_per_s
@@ -331,32 +449,49 @@ def run_latency(args) -> list[LatencyResult]:
     return results
 
 
-HEADER = (f"{'config':<28}{'tok/s':>8}{'e2e tok/s':>10}{'speedup':>9}{'α':>7}{'drafts':>7}{'τ':>6}{'c':>7}"
-          f"{'predicted':>11}{'meas/pred':>11}{'T(n+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical")
+HEADER = (
+    f"{'config':<28}{'tok/s':>8}{'e2e tok/s':>10}{'speedup':>9}{'α':>7}{'drafts':>7}{'τ':>6}{'c':>7}"
+    f"{'predicted':>11}{'meas/pred':>11}{'T(n+1)/T(1)':>13}{'target ms':>11}{'draft ms':>10}  identical"
+)
 
 
 def _row(r: LatencyResult) -> str:
     measured_share = r.speedup / r.predicted_speedup if r.speedup and r.predicted_speedup else None
-    return (f"{r.config:<28}{r.tokens_per_s:>8.2f}{fmt(r.e2e_tokens_per_s, '.2f', 10)}{fmt(r.speedup, '.2f', 9)}"
-            f"{fmt(r.acceptance_rate, '.3f', 7)}{fmt(r.mean_drafts, '.2f', 7)}{fmt(r.mean_accepted_length, '.2f', 6)}"
-            f"{fmt(r.cost_ratio_c, '.3f', 7)}"
-            f"{fmt(r.predicted_speedup, '.2f', 11)}{fmt(measured_share, '.0%', 11)}"
-            f"{fmt(r.verify_cost_ratio, '.2f', 13)}"
-            f"{fmt(r.target_step_ms, '.1f', 11)}{fmt(r.draft_step_ms, '.1f', 10)}  {yes_no(r.identical_to_plain)}")
+    return (
+        f"{r.config:<28}{r.tokens_per_s:>8.2f}{fmt(r.e2e_tokens_per_s, '.2f', 10)}{fmt(r.speedup, '.2f', 9)}"
+        f"{fmt(r.acceptance_rate, '.3f', 7)}{fmt(r.mean_drafts, '.2f', 7)}{fmt(r.mean_accepted_length, '.2f', 6)}"
+        f"{fmt(r.cost_ratio_c, '.3f', 7)}"
+        f"{fmt(r.predicted_speedup, '.2f', 11)}{fmt(measured_share, '.0%', 11)}"
+        f"{fmt(r.verify_cost_ratio, '.2f', 13)}"
+        f"{fmt(r.target_step_ms, '.1f', 11)}{fmt(r.draft_step_ms, '.1f', 10)}  {yes_no(r.identical_to_plain)}"
+    )
 
 
 def run_latency_cli(args) -> int:
     machine = machine_info()
-    what = describe_dataset(args.dataset, args.turns) + (" (turns after the first timed)"
-                                                          if args.dataset == "agent-loop" else "")
-    print(f"{what}, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts; "
-          f"{describe_machine(machine)}", flush=True)
+    what = describe_dataset(args.dataset, args.turns) + (
+        " (turns after the first timed)" if args.dataset == "agent-loop" else ""
+    )
+    print(
+        f"{what}, batch 1, greedy, {args.max_tokens} new tokens, {args.num_prompts} prompts; "
+        f"{describe_machine(machine)}",
+        flush=True,
+    )
     print(HEADER, flush=True)
     results = run_latency(args)
-    meta = {"command": command_line(), "model": args.model, "draft": args.draft, "head": args.head,
-            "dtype": args.dtype,
-            "quantization": args.quantization, "draft_quantization": args.draft_quantization,
-            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "dataset": args.dataset,
-            "turns": args.turns, "machine": machine}
+    meta = {
+        "command": command_line(),
+        "model": args.model,
+        "draft": args.draft,
+        "head": args.head,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "draft_quantization": args.draft_quantization,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "dataset": args.dataset,
+        "turns": args.turns,
+        "machine": machine,
+    }
     write_json(args.out, {"meta": meta, "results": [asdict(r) for r in results]})
     return 0

@@ -5,6 +5,7 @@ over 1, 2, 3, 5 tokens (pp), i.e. llama.cpp's verify cost ratio, and its prefill
 `llama-speculative-simple` runs its own draft-model speculation on each prompt. The binaries come from a
 folder the user passes (e.g. built by build-llama-cpp.sh): llama.cpp is a peer to measure against, never a
 dependency."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ class LlamaCrashed(SpecDecodeError):
 # Where llama.cpp's repacked weights crash its batched forwards (its AMX kernels on some Intel hosts die
 # of a general protection fault), it runs again with repacking off; decoding one token never takes that
 # path, so its plain rate keeps the faster repacked weights.
-NO_REPACK_NOTE = ("llama.cpp's repacked batch kernels crashed on this CPU: its forwards over several tokens "
-                  "ran unrepacked")
+NO_REPACK_NOTE = (
+    "llama.cpp's repacked batch kernels crashed on this CPU: its forwards over several tokens ran unrepacked"
+)
 
 
 @dataclass
@@ -72,16 +74,26 @@ def binary(bin_dir: str, name: str) -> str:
     path = os.path.join(folder, name)
     if not os.access(path, os.X_OK):
         if name in EXTRA_TARGETS and os.access(os.path.join(folder, "llama-bench"), os.X_OK):
-            raise SpecDecodeError(f"no executable {name} in {bin_dir}: build-llama-cpp.sh does not build it; run "
-                                  f"`cmake --build build --target {' '.join(EXTRA_TARGETS)}` in the folder above "
-                                  "build/ to add it")
-        raise SpecDecodeError(f"no executable {name} in {bin_dir}; pass the folder that build-llama-cpp.sh "
-                              "printed (it holds llama-bench and llama-speculative-simple)")
+            raise SpecDecodeError(
+                f"no executable {name} in {bin_dir}: build-llama-cpp.sh does not build it; run "
+                f"`cmake --build build --target {' '.join(EXTRA_TARGETS)}` in the folder above "
+                "build/ to add it"
+            )
+        raise SpecDecodeError(
+            f"no executable {name} in {bin_dir}; pass the folder that build-llama-cpp.sh "
+            "printed (it holds llama-bench and llama-speculative-simple)"
+        )
     return path
 
 
-def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
-                    forward_sizes: tuple[int, ...] = (1, 2, 3, 5, 512), repeats: int = 3) -> LlamaBench:
+def run_llama_bench(
+    bin_dir: str,
+    gguf: str,
+    threads: int,
+    max_tokens: int,
+    forward_sizes: tuple[int, ...] = (1, 2, 3, 5, 512),
+    repeats: int = 3,
+) -> LlamaBench:
     cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json"]
     sizes = ",".join(map(str, forward_sizes))
     try:
@@ -95,14 +107,30 @@ def run_llama_bench(bin_dir: str, gguf: str, threads: int, max_tokens: int,
     return LlamaBench(tg, forward_ms, repacked)
 
 
-def run_llama_decode_at_depths(bin_dir: str, gguf: str, threads: int, tokens: int, depths: tuple[int, ...],
-                               repeats: int = 2) -> tuple[dict[int, float], bool]:
+def run_llama_decode_at_depths(
+    bin_dir: str, gguf: str, threads: int, tokens: int, depths: tuple[int, ...], repeats: int = 2
+) -> tuple[dict[int, float], bool]:
     """llama-bench's plain decoding of `tokens` tokens after `depth` tokens already in its cache: tokens/s
     by depth, and whether the weights ran repacked. The cache is filled by a forward over `depth` tokens,
     which takes the repacked batch kernels; where those crash (see NO_REPACK_NOTE) the whole run goes
     unrepacked."""
-    cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json",
-           "-p", "0", "-n", str(tokens), "-d", ",".join(map(str, depths))]
+    cmd = [
+        binary(bin_dir, "llama-bench"),
+        "-m",
+        gguf,
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+        "-p",
+        "0",
+        "-n",
+        str(tokens),
+        "-d",
+        ",".join(map(str, depths)),
+    ]
     try:
         rows, repacked = json.loads(_run(cmd)), True
     except LlamaCrashed:
@@ -110,18 +138,42 @@ def run_llama_decode_at_depths(bin_dir: str, gguf: str, threads: int, tokens: in
     return {r["n_depth"]: r["avg_ts"] for r in rows if r["n_gen"] > 0}, repacked
 
 
-def run_llama_speculative(bin_dir: str, target: str, draft: str | None, prompts: list[str], k: int,
-                          max_tokens: int, threads: int, context: int = 4096,
-                          spec_type: str = "draft-simple") -> LlamaSpeculative:
+def run_llama_speculative(
+    bin_dir: str,
+    target: str,
+    draft: str | None,
+    prompts: list[str],
+    k: int,
+    max_tokens: int,
+    threads: int,
+    context: int = 4096,
+    spec_type: str = "draft-simple",
+) -> LlamaSpeculative:
     """Greedy, EOS ignored, every prompt after the other (batch size 1); figures pooled over prompts. With
     an n-gram spec_type there is no draft model, and the mode drafts as its defaults say."""
     total = LlamaSpeculative(k, 0, 0.0, 0, 0)
     proposer = ["-md", draft, "--spec-draft-n-max", str(k), "-td", str(threads)] if draft else []
     no_repack: list[str] = []  # set for the rest of the prompts once a repacked run crashed
     for prompt in prompts:
-        cmd = [binary(bin_dir, "llama-speculative-simple"), "-m", target, *proposer, "--spec-type", spec_type,
-               "-t", str(threads), "-c", str(context), "-n", str(max_tokens), "--temp", "0", "--ignore-eos",
-               "-p", prompt]
+        cmd = [
+            binary(bin_dir, "llama-speculative-simple"),
+            "-m",
+            target,
+            *proposer,
+            "--spec-type",
+            spec_type,
+            "-t",
+            str(threads),
+            "-c",
+            str(context),
+            "-n",
+            str(max_tokens),
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "-p",
+            prompt,
+        ]
         try:
             log = _run(cmd + no_repack)
         except LlamaCrashed:
@@ -153,8 +205,21 @@ def run_llama_tokenize(bin_dir: str, gguf: str, text_file: str) -> list[int]:
 
 def run_llama_perplexity(bin_dir: str, gguf: str, text_file: str, context: int, threads: int) -> float:
     """`llama-perplexity`'s final estimate over the file (chunks of `context`, second halves scored)."""
-    log = _run([binary(bin_dir, "llama-perplexity"), "-m", gguf, "-f", text_file, "-c", str(context),
-                "-b", str(context), "-t", str(threads)])
+    log = _run(
+        [
+            binary(bin_dir, "llama-perplexity"),
+            "-m",
+            gguf,
+            "-f",
+            text_file,
+            "-c",
+            str(context),
+            "-b",
+            str(context),
+            "-t",
+            str(threads),
+        ]
+    )
     found = re.search(r"Final estimate: PPL = ([\d.]+)", log)
     if not found:
         raise SpecDecodeError(f"could not read llama-perplexity's estimate:\n{log[-2000:]}")

@@ -5,6 +5,7 @@ TPOT and latency, and for the run throughput and speculation statistics.
 
 Works against any OpenAI-compatible server (vLLM, SGLang, llama.cpp, ours); the speculation fields are
 read from `usage.speculation` where the server sends them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,12 @@ def summarize(values: list[float]) -> dict | None:
     def rank(q: float) -> float:
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
-    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p90": rank(0.9),
-            "p99": rank(0.99)}
+    return {
+        "mean": statistics.fmean(ordered),
+        "median": statistics.median(ordered),
+        "p90": rank(0.9),
+        "p99": rank(0.99),
+    }
 
 
 @dataclass
@@ -83,13 +88,22 @@ class LoadResult:
         spec_steps = sum(s.get("num_spec_steps", 0) for s in spec)
         steps = sum(s.get("num_steps", 0) for s in spec)
         return cls(
-            concurrency, rate, len(results), len(results) - len(ok), duration, tokens, tokens / duration,
-            len(ok) / duration, summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
+            concurrency,
+            rate,
+            len(results),
+            len(results) - len(ok),
+            duration,
+            tokens,
+            tokens / duration,
+            len(ok) / duration,
+            summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
             summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
             summarize([r.latency_s for r in ok if r.latency_s is not None]),
-            accepted / drafted if drafted else None, (accepted + spec_steps) / spec_steps if spec_steps else None,
+            accepted / drafted if drafted else None,
+            (accepted + spec_steps) / spec_steps if spec_steps else None,
             spec_steps / steps if steps else (0.0 if spec else None),
-            sorted({r.error for r in results if r.error})[:5])
+            sorted({r.error for r in results if r.error})[:5],
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -148,10 +162,20 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, model: str | None = None,
-                        concurrency: int | None = 1, request_rate: float | None = None, temperature: float = 0.0,
-                        ignore_eos: bool = True, api_key: str | None = None, seed: int = 0,
-                        progress: bool = True) -> tuple[list[RequestResult], float]:
+async def send_requests(
+    base_url: str,
+    prompts: list[str],
+    max_tokens: int,
+    *,
+    model: str | None = None,
+    concurrency: int | None = 1,
+    request_rate: float | None = None,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
     """The load itself (see `run_load`): each request's result, and the run's wall time in seconds. `model`:
     the name sent in the requests (None: the one the server lists)."""
     if concurrency is not None and concurrency < 1:
@@ -160,13 +184,23 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(concurrency or len(prompts))
     arrivals = random.Random(seed)
-    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}" if request_rate is None else
-               f"{request_rate} req/s", disable=None if progress else True, leave=False)  # None: off when not a TTY
+    bar = tqdm(
+        total=len(prompts),
+        desc=f"concurrency {concurrency}" if request_rate is None else f"{request_rate} req/s",
+        disable=None if progress else True,
+        leave=False,
+    )  # None: off when not a TTY
 
     async def one(client, prompt):
         async with limit:
-            payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                       "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+            payload = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "ignore_eos": ignore_eos,
+                "stream_options": {"include_usage": True},
+            }
             r = await send_completion(client, url, payload)
             bar.update(1)
             return r
@@ -187,9 +221,17 @@ async def send_requests(base_url: str, prompts: list[str], max_tokens: int, *, m
     return list(results), duration
 
 
-async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: int, *, model: str | None = None,
-                        concurrency: int = 1, api_key: str | None = None, progress: bool = True,
-                        run: str = "") -> tuple[list[RequestResult], float]:
+async def play_sessions(
+    base_url: str,
+    sessions: list[list[str]],
+    max_tokens: int,
+    *,
+    model: str | None = None,
+    concurrency: int = 1,
+    api_key: str | None = None,
+    progress: bool = True,
+    run: str = "",
+) -> tuple[list[RequestResult], float]:
     """Chat sessions, `concurrency` in flight: each session's user turns one after the other, each reply
     (greedy, ending at EOS or max_tokens) put into the next turn's history, as an agent loop does. Each
     session is its own `user` (named after `run` too), so a server that scopes caches by user shares
@@ -198,16 +240,26 @@ async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: in
     url = base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=sum(map(len, sessions)), desc=f"sessions, concurrency {concurrency}",
-               disable=None if progress else True, leave=False)
+    bar = tqdm(
+        total=sum(map(len, sessions)),
+        desc=f"sessions, concurrency {concurrency}",
+        disable=None if progress else True,
+        leave=False,
+    )
 
     async def one(client, index: int, turns: list[str]) -> list[RequestResult]:
         async with limit:
             history, results = [], []
             for turn, message in enumerate(turns):
                 history.append({"role": "user", "content": message})
-                payload = {"model": model, "messages": history, "max_tokens": max_tokens, "temperature": 0.0,
-                           "user": f"{run}session-{index}", "stream_options": {"include_usage": True}}
+                payload = {
+                    "model": model,
+                    "messages": history,
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "user": f"{run}session-{index}",
+                    "stream_options": {"include_usage": True},
+                }
                 result = await send_completion(client, url, payload)
                 result.turn = turn
                 results.append(result)
@@ -229,20 +281,45 @@ async def play_sessions(base_url: str, sessions: list[list[str]], max_tokens: in
 
 def run_bench_serve_cli(args) -> int:
     """`specdecode bench serve`: one load run per concurrency (or one at --request-rate) against a server."""
-    prompts = prompts_for(args.dataset, args.num_prompts, args.tokenizer, seed=args.seed, field=args.prompt_field,
-                          sonnet_file=args.sonnet_file)
+    prompts = prompts_for(
+        args.dataset,
+        args.num_prompts,
+        args.tokenizer,
+        seed=args.seed,
+        field=args.prompt_field,
+        sonnet_file=args.sonnet_file,
+    )
     levels = [None] if args.request_rate else args.concurrency
     runs = []
     print(f"{args.base_url}: {len(prompts)} prompts from {args.dataset}, {args.max_tokens} new tokens", flush=True)
     for c in levels:
-        result = asyncio.run(run_load(args.base_url, prompts, args.max_tokens, model=args.model, concurrency=c,
-                                      request_rate=args.request_rate, temperature=args.temperature,
-                                      ignore_eos=not args.stop_at_eos, api_key=args.api_key, seed=args.seed))
+        result = asyncio.run(
+            run_load(
+                args.base_url,
+                prompts,
+                args.max_tokens,
+                model=args.model,
+                concurrency=c,
+                request_rate=args.request_rate,
+                temperature=args.temperature,
+                ignore_eos=not args.stop_at_eos,
+                api_key=args.api_key,
+                seed=args.seed,
+            )
+        )
         runs.append(result.as_dict())
         print(describe(result), flush=True)
-    report = {"meta": {"command": command_line(), "base_url": args.base_url,
-                       "dataset": args.dataset, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                       "temperature": args.temperature}, "results": runs}
+    report = {
+        "meta": {
+            "command": command_line(),
+            "base_url": args.base_url,
+            "dataset": args.dataset,
+            "num_prompts": args.num_prompts,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+        },
+        "results": runs,
+    }
     write_json(args.out, report)
     return 0
 
@@ -255,5 +332,7 @@ def describe(r: LoadResult) -> str:
 
     spec = "" if r.acceptance_rate is None else f", α {r.acceptance_rate:.3f}, τ {r.mean_accepted_length:.2f}"
     failed = f", {r.num_failed} FAILED ({'; '.join(r.errors)})" if r.num_failed else ""
-    return (f"{mode}: {r.output_throughput:.2f} tok/s, {r.request_throughput:.3f} req/s; TTFT ms mean/median/p99 "
-            f"{ms(r.ttft_s)}; TPOT ms {ms(r.tpot_s)}; latency ms {ms(r.latency_s)}{spec}{failed}")
+    return (
+        f"{mode}: {r.output_throughput:.2f} tok/s, {r.request_throughput:.3f} req/s; TTFT ms mean/median/p99 "
+        f"{ms(r.ttft_s)}; TPOT ms {ms(r.tpot_s)}; latency ms {ms(r.latency_s)}{spec}{failed}"
+    )

@@ -1,5 +1,6 @@
 """What every plot of the report shares: matplotlib without a display, PNG output, axes styling, and the
 throughput/TPOT-against-concurrency plots that both the concurrency sweep and `bench sweep` draw."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -60,8 +61,10 @@ def plot_concurrency(rows: list[dict], out: Path, prefix: str = "") -> list[str]
     plt = pyplot()
     lines = by_config(rows)
     images = []
-    for metric, label, name, scale in (("output_throughput", "output tokens / s", "throughput_vs_concurrency.png", 1),
-                                       ("tpot_s", "mean TPOT (ms)", "tpot_vs_concurrency.png", 1000)):
+    for metric, label, name, scale in (
+        ("output_throughput", "output tokens / s", "throughput_vs_concurrency.png", 1),
+        ("tpot_s", "mean TPOT (ms)", "tpot_vs_concurrency.png", 1000),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for config, series in lines.items():
             xs = [r["concurrency"] for r in series]

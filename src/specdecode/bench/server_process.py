@@ -1,6 +1,7 @@
 """Start `specdecode serve` (or llama.cpp's llama-server, a peer to compare with) in a child process on a
 free 127.0.0.1 port, wait until it answers, stop it with SIGTERM. Used by the benchmark sweeps and the
 tests."""
+
 from __future__ import annotations
 
 import os
@@ -27,21 +28,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(model: str, max_num_seqs: int, max_model_len: int | None, dtype: str, *, device: str | None = None,
-               quantization: str | None = None, draft_quantization: str | None = None,
-               kv_cache_dtype: str | None = None, draft: str | None = None,
-               k: int = 0, policy: str = "fixed", disable_by_batch_size: int = 0, forced_accept: bool = False,
-               prompt_lookup: str | None = None) -> list[str]:
+def serve_argv(
+    model: str,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    dtype: str,
+    *,
+    device: str | None = None,
+    quantization: str | None = None,
+    draft_quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    draft: str | None = None,
+    k: int = 0,
+    policy: str = "fixed",
+    disable_by_batch_size: int = 0,
+    forced_accept: bool = False,
+    prompt_lookup: str | None = None,
+) -> list[str]:
     """`specdecode serve` flags for one configuration, k = 0 being plain decoding; options left at their
     defaults are left out, so the server's own defaults apply (the default draft model, for one)."""
-    argv = ["--model", model, "--max-num-seqs", str(max_num_seqs), *_option("--max-model-len", max_model_len),
-            "--dtype", dtype, *_option("--device", device), *_option("--quantization", quantization),
-            *_option("--draft-quantization", draft_quantization), *_option("--kv-cache-dtype", kv_cache_dtype)]
+    argv = [
+        "--model",
+        model,
+        "--max-num-seqs",
+        str(max_num_seqs),
+        *_option("--max-model-len", max_model_len),
+        "--dtype",
+        dtype,
+        *_option("--device", device),
+        *_option("--quantization", quantization),
+        *_option("--draft-quantization", draft_quantization),
+        *_option("--kv-cache-dtype", kv_cache_dtype),
+    ]
     if k == 0:
         return argv + ["--num-speculative-tokens", "0"]
-    return (argv + [*_option("--speculative-model", draft), "-k", str(k), "--policy", policy,
-                    *_option("--speculative-disable-by-batch-size", disable_by_batch_size)]
-            + (["--forced-accept"] if forced_accept else []) + ["--prompt-lookup", prompt_lookup or "none"])
+    return (
+        argv
+        + [
+            *_option("--speculative-model", draft),
+            "-k",
+            str(k),
+            "--policy",
+            policy,
+            *_option("--speculative-disable-by-batch-size", disable_by_batch_size),
+        ]
+        + (["--forced-accept"] if forced_accept else [])
+        + ["--prompt-lookup", prompt_lookup or "none"]
+    )
 
 
 def _option(flag: str, value) -> list[str]:
@@ -113,12 +146,25 @@ class LlamaServerProcess(ServerProcess):
             return super().__enter__()
 
 
-def llama_server(bin_dir: str, target: str, slots: int, context: int, threads: int,
-                 draft: str | None = None, k: int = 4) -> LlamaServerProcess:
+def llama_server(
+    bin_dir: str, target: str, slots: int, context: int, threads: int, draft: str | None = None, k: int = 4
+) -> LlamaServerProcess:
     """llama.cpp's OpenAI-compatible server on a GGUF file: `slots` sequences of `context` tokens, batched
     continuously; with `draft`, its own draft-model speculation of up to k tokens."""
-    command = [binary(bin_dir, "llama-server"), "--host", "127.0.0.1", "-m", target, "-t", str(threads),
-               "-np", str(slots), "-c", str(slots * context), "-cb"]
+    command = [
+        binary(bin_dir, "llama-server"),
+        "--host",
+        "127.0.0.1",
+        "-m",
+        target,
+        "-t",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * context),
+        "-cb",
+    ]
     if draft:
         command += ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k)]
     return LlamaServerProcess([], command=command)

@@ -15,6 +15,7 @@ same dataset and concurrency; then, unless --no-report, `bench report` draws the
     proposer = ["none", "draft", "ngram"]
     k = [2, 4, 6]
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,11 @@ class Cell:
     def label(self) -> str:
         if self.proposer == "none":
             return "plain"
-        policy = {"fixed": "", "adaptive": " adaptive",
-                  "disable_by_batch_size": f" off above {self.disable_by_batch_size}"}[self.policy]
+        policy = {
+            "fixed": "",
+            "adaptive": " adaptive",
+            "disable_by_batch_size": f" off above {self.disable_by_batch_size}",
+        }[self.policy]
         name = f"draft {self.draft}" if self.proposer == "draft" and self.draft else self.proposer
         text = f"{name} k={self.k}{policy}" + (f" +{self.prompt_lookup}" if self.prompt_lookup else "")
         text += f" conf {self.draft_confidence:g}" if self.draft_confidence else ""
@@ -82,8 +86,9 @@ class Cell:
 
     def normalized(self) -> "Cell":
         if self.proposer == "none":
-            return replace(self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="",
-                           prompt_lookup=None)
+            return replace(
+                self, k=0, policy="fixed", forced_accept=False, disable_by_batch_size=0, draft="", prompt_lookup=None
+            )
         if self.proposer not in MODEL_PROPOSERS:  # a registered kind (ngram, ...) runs no draft model
             self = replace(self, draft="", prompt_lookup=None)
         elif self.policy != "adaptive":
@@ -118,8 +123,9 @@ def read_config(path: str | Path) -> dict:
         try:
             import yaml
         except ImportError:
-            raise SpecDecodeError("YAML configs need PyYAML (pip install pyyaml), "
-                                  "or write the config as TOML") from None
+            raise SpecDecodeError(
+                "YAML configs need PyYAML (pip install pyyaml), or write the config as TOML"
+            ) from None
         data = yaml.safe_load(text)
     else:
         try:
@@ -139,14 +145,15 @@ def parse_config(data: dict, source: str = "config") -> SweepConfig:
     defaults = {k: sweep.pop(k) for k in list(sweep) if k in CELL_KEYS - {"draft"}}  # [sweep] draft: the default
     known = {f.name for f in fields(SweepConfig)} - {"cells", "plan"}
     if set(sweep) - known:
-        raise SpecDecodeError(f"{source}: unknown [sweep] key(s) {sorted(set(sweep) - known)}; "
-                              f"known: {sorted(known | CELL_KEYS)}")
+        raise SpecDecodeError(
+            f"{source}: unknown [sweep] key(s) {sorted(set(sweep) - known)}; known: {sorted(known | CELL_KEYS)}"
+        )
     config = SweepConfig(**sweep, plan=data.get("plan"))
     if config.mode not in ("in-process", "server"):
         raise SpecDecodeError(f"{source}: mode must be 'in-process' or 'server', got {config.mode!r}")
     blocks = data.get("grid") or []
     if not blocks:
-        raise SpecDecodeError(f"{source}: no [[grid]] blocks; add at least one, e.g. proposer = [\"none\", \"draft\"]")
+        raise SpecDecodeError(f'{source}: no [[grid]] blocks; add at least one, e.g. proposer = ["none", "draft"]')
     for i, block in enumerate(blocks):
         cells = expand_block(block, defaults, f"{source} grid block {i + 1}")
         # a server restarts per configuration, so there the block keeps its order
@@ -188,10 +195,12 @@ def proposer_choices() -> list[str]:
 
 def check_cell(cell: Cell, where: str) -> None:
     known = proposer_choices()
-    kinds_with_argument = known[len(MODEL_PROPOSERS):]  # head:PATH, as `--draft` takes it
+    kinds_with_argument = known[len(MODEL_PROPOSERS) :]  # head:PATH, as `--draft` takes it
     if cell.proposer not in known and cell.proposer.partition(":")[0] not in kinds_with_argument:
-        raise SpecDecodeError(f"{where}: proposer {cell.proposer!r} is not one of {', '.join(known)} or "
-                              "KIND:ARGUMENT (e.g. head:PATH; the draft model itself is [sweep] draft)")
+        raise SpecDecodeError(
+            f"{where}: proposer {cell.proposer!r} is not one of {', '.join(known)} or "
+            "KIND:ARGUMENT (e.g. head:PATH; the draft model itself is [sweep] draft)"
+        )
     if cell.policy not in POLICIES:
         raise SpecDecodeError(f"{where}: policy {cell.policy!r} is not one of {', '.join(POLICIES)}")
     if cell.proposer != "none" and cell.k < 1:
@@ -211,13 +220,19 @@ class PromptCache:
     def get(self, cell: Cell) -> list[str]:
         key = (cell.dataset, cell.num_requests)
         if key not in self._prompts:
-            self._prompts[key] = load_prompts(cell.dataset, cell.num_requests, count_tokens=self.count_tokens,
-                                              seed=self.config.seed, sonnet_file=self.config.sonnet_file)
+            self._prompts[key] = load_prompts(
+                cell.dataset,
+                cell.num_requests,
+                count_tokens=self.count_tokens,
+                seed=self.config.seed,
+                sonnet_file=self.config.sonnet_file,
+            )
         return repeat_to(self._prompts[key], cell.num_requests)
 
 
-def drive_closed_loop(engine, prompt_ids: list[list[int]], params,
-                      concurrency: int) -> tuple[list[RequestResult], float]:
+def drive_closed_loop(
+    engine, prompt_ids: list[list[int]], params, concurrency: int
+) -> tuple[list[RequestResult], float]:
     """Keep `concurrency` requests in the engine until all prompts are done; per-request timings as the
     load generator would see them (arrival = when the request entered the engine)."""
     pending, in_flight, results = deque(prompt_ids), [], []
@@ -229,10 +244,16 @@ def drive_closed_loop(engine, prompt_ids: list[list[int]], params,
         for seq in [s for s in in_flight if s.finished]:
             in_flight.remove(seq)
             m = seq.metrics
-            results.append(RequestResult(ok=True, prompt_tokens=len(seq.prompt_ids),
-                                         output_tokens=seq.num_output_tokens,
-                                         ttft_s=m.ttft, latency_s=m.finish_time - m.arrival_time,
-                                         speculation=m.as_dict()))
+            results.append(
+                RequestResult(
+                    ok=True,
+                    prompt_tokens=len(seq.prompt_ids),
+                    output_tokens=seq.num_output_tokens,
+                    ttft_s=m.ttft,
+                    latency_s=m.finish_time - m.arrival_time,
+                    speculation=m.as_dict(),
+                )
+            )
     return results, time.perf_counter() - start
 
 
@@ -260,14 +281,20 @@ class InProcessRunner:
     def build(self, cell: Cell, max_num_seqs: int):
         from ..engine.llm import LLM
 
-        return LLM(target=self.target, draft=self.draft_model(cell.draft) if cell.proposer == "draft" else None,
-                   speculative_model=None if cell.proposer in MODEL_PROPOSERS else cell.proposer,
-                   num_speculative_tokens=cell.k, max_model_len=self.config.max_model_len,
-                   max_num_seqs=max_num_seqs, forced_accept=cell.forced_accept,
-                   speculation_policy=cell.policy, prompt_lookup=cell.prompt_lookup,
-                   draft_confidence=cell.draft_confidence,
-                   speculative_disable_by_batch_size=cell.disable_by_batch_size or None,
-                   prefix_caching=False)  # the study's prompts repeat: every cell computes them whole
+        return LLM(
+            target=self.target,
+            draft=self.draft_model(cell.draft) if cell.proposer == "draft" else None,
+            speculative_model=None if cell.proposer in MODEL_PROPOSERS else cell.proposer,
+            num_speculative_tokens=cell.k,
+            max_model_len=self.config.max_model_len,
+            max_num_seqs=max_num_seqs,
+            forced_accept=cell.forced_accept,
+            speculation_policy=cell.policy,
+            prompt_lookup=cell.prompt_lookup,
+            draft_confidence=cell.draft_confidence,
+            speculative_disable_by_batch_size=cell.disable_by_batch_size or None,
+            prefix_caching=False,
+        )  # the study's prompts repeat: every cell computes them whole
 
     def run(self, cell: Cell) -> dict:
         from ..sampling import SamplingParams
@@ -279,9 +306,11 @@ class InProcessRunner:
         params = SamplingParams(temperature=0, max_tokens=cell.max_tokens, ignore_eos=True)
         requests, seconds = drive_closed_loop(llm.engine, prompts, params, cell.concurrency)
         timer = llm.timer
-        return {**result_row(cell, requests, seconds),
-                "target_step_ms": timer.target_step_s * 1000 if timer.target_step_s else None,
-                "draft_step_ms": timer.draft_step_s * 1000 if timer.draft_step_s else None}
+        return {
+            **result_row(cell, requests, seconds),
+            "target_step_ms": timer.target_step_s * 1000 if timer.target_step_s else None,
+            "draft_step_ms": timer.draft_step_s * 1000 if timer.draft_step_s else None,
+        }
 
     def close(self) -> None:
         pass
@@ -305,10 +334,19 @@ class ServerRunner:
     def serve_args(self, cell: Cell) -> list[str]:
         c = self.config
         draft = cell.draft or c.draft if cell.proposer in MODEL_PROPOSERS else cell.proposer
-        return serve_argv(c.model, self.max_seqs, c.max_model_len, c.dtype, device=c.device, draft=draft,
-                          k=0 if cell.proposer == "none" else cell.k, policy=cell.policy,
-                          disable_by_batch_size=cell.disable_by_batch_size, forced_accept=cell.forced_accept,
-                          prompt_lookup=cell.prompt_lookup)
+        return serve_argv(
+            c.model,
+            self.max_seqs,
+            c.max_model_len,
+            c.dtype,
+            device=c.device,
+            draft=draft,
+            k=0 if cell.proposer == "none" else cell.k,
+            policy=cell.policy,
+            disable_by_batch_size=cell.disable_by_batch_size,
+            forced_accept=cell.forced_accept,
+            prompt_lookup=cell.prompt_lookup,
+        )
 
     def run(self, cell: Cell) -> dict:
         key = tuple(self.serve_args(cell))
@@ -316,8 +354,9 @@ class ServerRunner:
             self.close()
             self.server, self.server_key = ServerProcess(list(key)).__enter__(), key
             asyncio.run(run_load(self.server.base_url, self.prompts.get(cell)[:1], 8, progress=False))  # warm-up
-        requests, seconds = asyncio.run(send_requests(self.server.base_url, self.prompts.get(cell), cell.max_tokens,
-                                                      concurrency=cell.concurrency))
+        requests, seconds = asyncio.run(
+            send_requests(self.server.base_url, self.prompts.get(cell), cell.max_tokens, concurrency=cell.concurrency)
+        )
         return result_row(cell, requests, seconds)
 
     def close(self) -> None:
@@ -328,8 +367,12 @@ class ServerRunner:
 
 def result_row(cell: Cell, requests: list[RequestResult], seconds: float) -> dict:
     load = LoadResult.from_requests(requests, seconds, cell.concurrency, None)
-    return {**asdict(cell), "label": cell.label, **load.as_dict(),
-            "acceptance_per_position": mean_positions(requests) or None}
+    return {
+        **asdict(cell),
+        "label": cell.label,
+        **load.as_dict(),
+        "acceptance_per_position": mean_positions(requests) or None,
+    }
 
 
 def mean_positions(requests: list[RequestResult]) -> list[float]:
@@ -351,8 +394,13 @@ def add_speedups(rows: list[dict]) -> None:
     block if it has one, else from a block with as many requests, else from any."""
     plain = [r for r in rows if r["proposer"] == "none"]
     for r in rows:
-        same = [p for p in plain if p["dataset"] == r["dataset"] and p["concurrency"] == r["concurrency"]
-                and p["max_tokens"] == r["max_tokens"]]
+        same = [
+            p
+            for p in plain
+            if p["dataset"] == r["dataset"]
+            and p["concurrency"] == r["concurrency"]
+            and p["max_tokens"] == r["max_tokens"]
+        ]
         same.sort(key=lambda p: (p["group"] != r["group"], p["num_requests"] != r["num_requests"]))
         speedup, tpot = speedup_against(r, same[0]) if same else (None, None)
         if speedup is not None:
@@ -375,9 +423,17 @@ def measure_grid(config: SweepConfig, config_path: str = "", runner=None) -> dic
     speedups, to sweep.json."""
     out = Path(config.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    meta = {"kind": "sweep", "command": command_line(), "config": config_path,
-            "model": config.model, "draft": config.draft, "mode": config.mode, "dtype": config.dtype,
-            "machine": machine_info(), "cuda": torch.cuda.is_available()}
+    meta = {
+        "kind": "sweep",
+        "command": command_line(),
+        "config": config_path,
+        "model": config.model,
+        "draft": config.draft,
+        "mode": config.mode,
+        "dtype": config.dtype,
+        "machine": machine_info(),
+        "cuda": torch.cuda.is_available(),
+    }
     runner = runner or (InProcessRunner if config.mode == "in-process" else ServerRunner)(config, config.cells)
     started = time.perf_counter()
     try:
@@ -410,23 +466,29 @@ def run_plan_step(config: SweepConfig, runner, out: Path) -> None:
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
 
 
-HEADER = (f"{'group':<14}{'dataset':<12}{'config':<26}{'conc':>5}{'reqs':>5}{'tok/s':>9}{'TPOT ms':>9}"
-          f"{'TTFT s':>8}{'α':>7}{'τ':>6}")
+HEADER = (
+    f"{'group':<14}{'dataset':<12}{'config':<26}{'conc':>5}{'reqs':>5}{'tok/s':>9}{'TPOT ms':>9}"
+    f"{'TTFT s':>8}{'α':>7}{'τ':>6}"
+)
 
 
 def row_text(r: dict) -> str:
     """One cell's measurement, as it finishes."""
-    return (f"{r['group']:<14}{r['dataset']:<12}{r['label']:<26}{r['concurrency']:>5}{r['num_requests']:>5}"
-            f"{r['output_throughput']:>9.2f}{fmt(mean(r['tpot_s'], 1000), '.1f', 9)}{fmt(mean(r['ttft_s']), '.2f', 8)}"
-            f"{fmt(r['acceptance_rate'], '.3f', 7)}{fmt(r['mean_accepted_length'], '.2f', 6)}")
+    return (
+        f"{r['group']:<14}{r['dataset']:<12}{r['label']:<26}{r['concurrency']:>5}{r['num_requests']:>5}"
+        f"{r['output_throughput']:>9.2f}{fmt(mean(r['tpot_s'], 1000), '.1f', 9)}{fmt(mean(r['ttft_s']), '.2f', 8)}"
+        f"{fmt(r['acceptance_rate'], '.3f', 7)}{fmt(r['mean_accepted_length'], '.2f', 6)}"
+    )
 
 
 def summary_table(rows: list[dict]) -> str:
     lines = [f"{'group':<14}{'dataset':<12}{'config':<26}{'conc':>5}{'tok/s':>9}{'speedup':>9}{'TPOT ÷':>8}{'α':>7}"]
     for r in rows:
-        lines.append(f"{r['group']:<14}{r['dataset']:<12}{r['label']:<26}{r['concurrency']:>5}"
-                     f"{r['output_throughput']:>9.2f}{ratio(r.get('speedup'), 9)}{ratio(r.get('tpot_reduction'), 8)}"
-                     f"{fmt(r.get('acceptance_rate'), '.3f', 7)}")
+        lines.append(
+            f"{r['group']:<14}{r['dataset']:<12}{r['label']:<26}{r['concurrency']:>5}"
+            f"{r['output_throughput']:>9.2f}{ratio(r.get('speedup'), 9)}{ratio(r.get('tpot_reduction'), 8)}"
+            f"{fmt(r.get('acceptance_rate'), '.3f', 7)}"
+        )
     return "\n".join(lines)
 
 
@@ -439,8 +501,10 @@ def run_sweep_cli(args) -> int:
     print(f"{len(config.cells)} cells ({config.mode}), results in {config.out}", flush=True)
     report = measure_grid(config, args.config)
     print("\n" + summary_table(report["results"]))
-    print(f"\n{len(report['results'])} cells in {report['meta']['seconds'] / 60:.1f} min; wrote "
-          f"{config.out}/sweep.json and {config.out}/runs/")
+    print(
+        f"\n{len(report['results'])} cells in {report['meta']['seconds'] / 60:.1f} min; wrote "
+        f"{config.out}/sweep.json and {config.out}/runs/"
+    )
     if not args.no_report:
         path = write_report(config.out)
         print(f"wrote {path} and its plots")

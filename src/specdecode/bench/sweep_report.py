@@ -1,5 +1,6 @@
 """The report's part for `bench sweep` results (and the advisor's plan beside them): the k sweep with its
 upper bound, throughput/TPOT against concurrency, input length, draft vs n-gram, predicted vs measured."""
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -15,7 +16,7 @@ def _real(rows: list[dict]) -> list[dict]:
 
 
 def proposer_name(r: dict) -> str:
-    """"draft" (the sweep's draft model), "draft NAME" (another one), or the kind ("ngram", "head:PATH")."""
+    """ "draft" (the sweep's draft model), "draft NAME" (another one), or the kind ("ngram", "head:PATH")."""
     return f"draft {r['draft']}" if r["proposer"] == "draft" and r.get("draft") else r["proposer"]
 
 
@@ -102,8 +103,13 @@ def plot_k_sweep(rows: list[dict], plan: dict | None, out: Path) -> list[str]:
         axes[2].plot(ks, [r["speedup"] for r in series], **style)
     if plan:
         draft = sorted((r for r in ks_rows if predicted(plan, r)), key=lambda r: r["k"])
-        axes[2].plot([r["k"] for r in draft], [predicted(plan, r) for r in draft], marker="x", linestyle=":",
-                     label="draft: predicted (plan)")
+        axes[2].plot(
+            [r["k"] for r in draft],
+            [predicted(plan, r) for r in draft],
+            marker="x",
+            linestyle=":",
+            label="draft: predicted (plan)",
+        )
     parity_line(axes[2])
     all_ks = sorted({r["k"] for r in ks_rows})
     for ax, label in zip(axes, ("acceptance rate α", "mean accepted length τ", "speedup over plain")):
@@ -130,8 +136,17 @@ def plot_input_length(rows: list[dict], out: Path) -> list[str]:
 
 
 def plot_predicted_vs_measured(rows: list[dict], plan: dict | None, out: Path) -> list[str]:
-    pairs = [(predicted(plan, r), r["speedup"], r) for r in rows if predicted(plan, r) and r.get("speedup")
-             and r["dataset"] == plan.get("options", {}).get("dataset", "humaneval")] if plan else []
+    pairs = (
+        [
+            (predicted(plan, r), r["speedup"], r)
+            for r in rows
+            if predicted(plan, r)
+            and r.get("speedup")
+            and r["dataset"] == plan.get("options", {}).get("dataset", "humaneval")
+        ]
+        if plan
+        else []
+    )
     if not pairs:
         return []
     plt = pyplot()
@@ -157,14 +172,18 @@ def plot_sweep_concurrency(rows: list[dict], out: Path) -> list[str]:
 
 # ---- tables and findings --------------------------------------------------------------------------------------
 def sweep_table(rows: list[dict], plan: dict | None) -> str:
-    out = ["| block | dataset | config | conc | tok/s | speedup | predicted | TPOT ms | TTFT s | α | τ |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| block | dataset | config | conc | tok/s | speedup | predicted | TPOT ms | TTFT s | α | τ |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['group']} | {r['dataset']} | {r['label']} | {r['concurrency']} | "
-                   f"{r['output_throughput']:.2f} | {fmt(r.get('speedup'), '.2f')} | "
-                   f"{fmt(predicted(plan, r), '.2f')} | "
-                   f"{fmt(mean(r.get('tpot_s'), 1000), '.0f')} | {fmt(mean(r.get('ttft_s')), '.2f')} | "
-                   f"{fmt(r.get('acceptance_rate'), '.3f')} | {fmt(r.get('mean_accepted_length'), '.2f')} |")
+        out.append(
+            f"| {r['group']} | {r['dataset']} | {r['label']} | {r['concurrency']} | "
+            f"{r['output_throughput']:.2f} | {fmt(r.get('speedup'), '.2f')} | "
+            f"{fmt(predicted(plan, r), '.2f')} | "
+            f"{fmt(mean(r.get('tpot_s'), 1000), '.0f')} | {fmt(mean(r.get('ttft_s')), '.2f')} | "
+            f"{fmt(r.get('acceptance_rate'), '.3f')} | {fmt(r.get('mean_accepted_length'), '.2f')} |"
+        )
     return "\n".join(out)
 
 
@@ -173,8 +192,10 @@ def proposer_table(rows: list[dict]) -> str:
     best = best_by(filter(speculative_at_batch_one, _real(rows)), lambda r: (r["dataset"], proposer_name(r)))
     out = ["| dataset | proposer | best k | α | τ | speedup |", "|---|---|---:|---:|---:|---:|"]
     for (dataset, proposer), r in sorted(best.items(), key=lambda kv: (_dataset_order(kv[0][0]), kv[0][1])):
-        out.append(f"| {dataset} | {proposer} | {r['k']} | {fmt(r['acceptance_rate'], '.3f')} | "
-                   f"{fmt(r['mean_accepted_length'], '.2f')} | {ratio(r['speedup'], sign='×')} |")
+        out.append(
+            f"| {dataset} | {proposer} | {r['k']} | {fmt(r['acceptance_rate'], '.3f')} | "
+            f"{fmt(r['mean_accepted_length'], '.2f')} | {ratio(r['speedup'], sign='×')} |"
+        )
     return "\n".join(out) if best else ""
 
 
@@ -194,38 +215,49 @@ def sweep_findings(rows: list[dict], plan: dict | None) -> list[str]:
     bound = [r for r in k_rows(rows) if r["forced_accept"]]
     for r in sorted(bound, key=lambda r: r["k"]):
         real = next((x for x in real_k if proposer_name(x) == proposer_name(r) and x["k"] == r["k"]), None)
-        found.append(f"Upper bound, every draft token accepted, {proposer_name(r)} k={r['k']}: {r['speedup']:.2f}×"
-                     + (f" (real acceptance reaches {real['speedup'] / r['speedup']:.0%} of it)." if real else "."))
+        found.append(
+            f"Upper bound, every draft token accepted, {proposer_name(r)} k={r['k']}: {r['speedup']:.2f}×"
+            + (f" (real acceptance reaches {real['speedup'] / r['speedup']:.0%} of it)." if real else ".")
+        )
     for label, s in concurrency_series(rows).items():
         if label == "plain":
             continue
         if "adaptive" in label:
             worst = min(s, key=lambda r: r.get("speedup", 1))
-            found.append(f"{label} stays at or above plain decoding at every concurrency measured "
-                         f"(lowest {worst['speedup']:.2f}× at concurrency {worst['concurrency']})."
-                         if worst["speedup"] >= 1 else
-                         f"{label} falls below plain decoding at concurrency "
-                         f"{', '.join(str(r['concurrency']) for r in s if r.get('speedup', 1) < 1)} "
-                         f"(lowest {worst['speedup']:.2f}× at concurrency {worst['concurrency']}).")
+            found.append(
+                f"{label} stays at or above plain decoding at every concurrency measured "
+                f"(lowest {worst['speedup']:.2f}× at concurrency {worst['concurrency']})."
+                if worst["speedup"] >= 1
+                else f"{label} falls below plain decoding at concurrency "
+                f"{', '.join(str(r['concurrency']) for r in s if r.get('speedup', 1) < 1)} "
+                f"(lowest {worst['speedup']:.2f}× at concurrency {worst['concurrency']})."
+            )
         else:
             losing = [r for r in s if r.get("speedup", 1) < 1]
-            found.append(f"{label} stops paying at concurrency {losing[0]['concurrency']} "
-                         f"({losing[0]['speedup']:.2f}× plain)." if losing else
-                         f"{label} pays at every concurrency measured (lowest {min(r['speedup'] for r in s):.2f}×).")
+            found.append(
+                f"{label} stops paying at concurrency {losing[0]['concurrency']} ({losing[0]['speedup']:.2f}× plain)."
+                if losing
+                else f"{label} pays at every concurrency measured (lowest {min(r['speedup'] for r in s):.2f}×)."
+            )
     ratios = [(r["speedup"] / predicted(plan, r), r) for r in rows if predicted(plan, r) and r.get("speedup")]
     if ratios:
         at1 = [x for x, r in ratios if r["concurrency"] == 1]
         above = [x for x, r in ratios if r["concurrency"] > 1]
         text = "Measured speedup relative to the plan's prediction: "
-        parts = [f"{min(v):.0%}–{max(v):.0%} at {name}" for v, name in ((at1, "concurrency 1"),
-                                                                        (above, "higher concurrency")) if v]
+        parts = [
+            f"{min(v):.0%}–{max(v):.0%} at {name}"
+            for v, name in ((at1, "concurrency 1"), (above, "higher concurrency"))
+            if v
+        ]
         found.append(text + "; ".join(parts) + ".")
     for label, s in input_length_rows(rows).items():
         if len(s) > 1:
             a, b = s[0], s[-1]
-            found.append(f"Input length {input_len(a)} → {input_len(b)} tokens, {label}: "
-                         f"α {a['acceptance_rate']:.3f} → {b['acceptance_rate']:.3f}, "
-                         f"speedup {a['speedup']:.2f}× → {b['speedup']:.2f}×.")
+            found.append(
+                f"Input length {input_len(a)} → {input_len(b)} tokens, {label}: "
+                f"α {a['acceptance_rate']:.3f} → {b['acceptance_rate']:.3f}, "
+                f"speedup {a['speedup']:.2f}× → {b['speedup']:.2f}×."
+            )
     found += proposer_findings(rows)
     return found
 
@@ -234,25 +266,37 @@ def proposer_findings(rows: list[dict]) -> list[str]:
     """Per dataset kind (sonnet lengths together), the proposers ranked by their best fixed k's speedup."""
     found = []
     by_dataset = defaultdict(dict)
-    for (kind, proposer), r in best_by(filter(speculative_at_batch_one, _real(rows)), lambda r: (
-            "sonnets" if r["dataset"].startswith("sonnet:") else r["dataset"], proposer_name(r))).items():
+    for (kind, proposer), r in best_by(
+        filter(speculative_at_batch_one, _real(rows)),
+        lambda r: ("sonnets" if r["dataset"].startswith("sonnet:") else r["dataset"], proposer_name(r)),
+    ).items():
         by_dataset[kind][proposer] = r
     for kind, best in by_dataset.items():
         if len(best) > 1:
             ranked = sorted(best.items(), key=lambda item: -item[1]["speedup"])
-            found.append(f"On {kind}, by each proposer's best fixed k: " + ", ".join(
-                f"{name} {r['speedup']:.2f}× (α {r['acceptance_rate']:.3f}, k={r['k']})" for name, r in ranked) + ".")
+            found.append(
+                f"On {kind}, by each proposer's best fixed k: "
+                + ", ".join(
+                    f"{name} {r['speedup']:.2f}× (α {r['acceptance_rate']:.3f}, k={r['k']})" for name, r in ranked
+                )
+                + "."
+            )
     return found
 
 
 def sweep_section(data: dict, plan: dict | None, out: Path) -> tuple[list[str], list[str]]:
     """(findings, Markdown lines) for one sweep.json."""
     rows = data["results"]
-    images = (plot_k_sweep(rows, plan, out) + plot_sweep_concurrency(rows, out) + plot_input_length(rows, out)
-              + plot_predicted_vs_measured(rows, plan, out))
+    images = (
+        plot_k_sweep(rows, plan, out)
+        + plot_sweep_concurrency(rows, out)
+        + plot_input_length(rows, out)
+        + plot_predicted_vs_measured(rows, plan, out)
+    )
     minutes = data["meta"].get("seconds", 0) / 60
-    lines = (markdown_heading(f"Sweep ({data['file']}, {len(rows)} cells, {minutes:.1f} min)", data["meta"])
-             + markdown_images(images))
+    lines = markdown_heading(
+        f"Sweep ({data['file']}, {len(rows)} cells, {minutes:.1f} min)", data["meta"]
+    ) + markdown_images(images)
     table = proposer_table(rows)
     if table:
         lines += ["### Proposers at batch size 1 (each one's best fixed k)", "", table, ""]
@@ -267,6 +311,7 @@ def sweep_section(data: dict, plan: dict | None, out: Path) -> tuple[list[str], 
 
 def _int_keys(plan: dict) -> dict:
     """JSON turned the plan's int keys into strings; the printing helpers want them back."""
+
     def conv(d):
         return {int(k): conv(v) if isinstance(v, dict) else v for k, v in d.items()}
 

@@ -5,6 +5,7 @@ docstring, as HumanEval poses a task) completed greedily by the target on the ba
 The completions are generated once per target, prompt set and length, and kept beside the recorded
 features, so a resumed recording reads the same text (batched greedy decoding need not repeat itself
 bit for bit)."""
+
 from __future__ import annotations
 
 import ast
@@ -43,11 +44,17 @@ def documented_functions(source: str, max_lines: int = 60, min_doc: int = 80) ->
         return []
     lines = source.splitlines()
     nodes = [n for top in tree.body for n in ([top] if not isinstance(top, ast.ClassDef) else top.body)]
-    return [textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n"
-            for node in nodes
-            if (isinstance(node, ast.FunctionDef) and len(ast.get_docstring(node) or "") >= min_doc
-                and not node.name.startswith("_") and node.end_lineno - node.lineno < max_lines
-                and len(node.body) > 1)]
+    return [
+        textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
+        for node in nodes
+        if (
+            isinstance(node, ast.FunctionDef)
+            and len(ast.get_docstring(node) or "") >= min_doc
+            and not node.name.startswith("_")
+            and node.end_lineno - node.lineno < max_lines
+            and len(node.body) > 1
+        )
+    ]
 
 
 def function_prompts(sources: list[str], count: int, seed: int = 0) -> list[str]:
@@ -70,13 +77,22 @@ def completion_prompts(prompt_set: str, count: int) -> list[str]:
     if prompt_set == "humaneval":
         return humaneval_prompts(count)
     if prompt_set.startswith("jsonl:"):
-        return jsonl_prompts(prompt_set[len("jsonl:"):], limit=count)
-    raise SpecDecodeError(f"unknown completion prompts {prompt_set!r}; use completions:NAME with NAME one of "
-                          f"{', '.join(PROMPT_SETS)}")
+        return jsonl_prompts(prompt_set[len("jsonl:") :], limit=count)
+    raise SpecDecodeError(
+        f"unknown completion prompts {prompt_set!r}; use completions:NAME with NAME one of {', '.join(PROMPT_SETS)}"
+    )
 
 
-def completion_pieces(target: LoadedModel, prompt_set: str, count: int, max_new_tokens: int, chunk: int,
-                      path: str, progress: bool = True, deadline: float | None = None) -> list[list[int]]:
+def completion_pieces(
+    target: LoadedModel,
+    prompt_set: str,
+    count: int,
+    max_new_tokens: int,
+    chunk: int,
+    path: str,
+    progress: bool = True,
+    deadline: float | None = None,
+) -> list[list[int]]:
     """The target's greedy completions of `count` prompts of `prompt_set`, each after its prompt, laid end
     to end and cut into pieces of `chunk` token ids (a completion ends at EOS or after max_new_tokens).
     The stream is generated once and kept at `path`; past `deadline` (a time.time()) no further batch of
@@ -89,11 +105,12 @@ def completion_pieces(target: LoadedModel, prompt_set: str, count: int, max_new_
         with open(path + ".tmp", "w") as f:
             json.dump(stream, f)
         os.replace(path + ".tmp", path)
-    return [stream[i:i + chunk] for i in range(0, len(stream) - chunk + 1, chunk)]
+    return [stream[i : i + chunk] for i in range(0, len(stream) - chunk + 1, chunk)]
 
 
-def _generate_stream(target: LoadedModel, prompts: list[str], max_new_tokens: int, progress: bool,
-                     deadline: float | None = None) -> list[int]:
+def _generate_stream(
+    target: LoadedModel, prompts: list[str], max_new_tokens: int, progress: bool, deadline: float | None = None
+) -> list[int]:
     ids = [i for i in (target.tokenizer.encode(p) for p in prompts) if len(i) <= MAX_PROMPT_TOKENS]
     ids.sort(key=len)  # batches of similar lengths pad little
     generate = _padded_batches if target.model.device.type in PADDED else _engine_stream
@@ -101,8 +118,10 @@ def _generate_stream(target: LoadedModel, prompts: list[str], max_new_tokens: in
         completions = generate(target, ids, max_new_tokens, deadline, bar)
     stream = [token for prompt, completion in zip(ids, completions) for token in prompt + completion]
     if progress:  # the bar's last line may be lost among a log's lines: say what the data holds
-        tqdm.write(f"target completions: {len(completions):,} of {len(ids):,} prompts, {len(stream):,} tokens "
-                   f"with their prompts, in {bar.format_dict['elapsed']:.0f} s")
+        tqdm.write(
+            f"target completions: {len(completions):,} of {len(ids):,} prompts, {len(stream):,} tokens "
+            f"with their prompts, in {bar.format_dict['elapsed']:.0f} s"
+        )
     return stream
 
 
@@ -116,7 +135,7 @@ def _padded_batches(target: LoadedModel, ids: list[list[int]], max_new_tokens: i
     for first in range(0, len(ids), batch):
         if _past(deadline):
             break
-        group = ids[first:first + batch]
+        group = ids[first : first + batch]
         completions += greedy_completions(target, group, max_new_tokens)
         bar.update(len(group))
     return completions
@@ -128,8 +147,13 @@ def _engine_stream(target: LoadedModel, ids: list[list[int]], max_new_tokens: in
     BATCH["cpu"] in flight: the next prompt joins as one finishes, until the deadline."""
     from ..engine.llm import LLM
 
-    llm = LLM(target=target, num_speculative_tokens=0, max_num_seqs=BATCH["cpu"], progress=False,
-              max_model_len=max(map(len, ids), default=0) + max_new_tokens + 1)
+    llm = LLM(
+        target=target,
+        num_speculative_tokens=0,
+        max_num_seqs=BATCH["cpu"],
+        progress=False,
+        max_model_len=max(map(len, ids), default=0) + max_new_tokens + 1,
+    )
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
     seqs = []
     while True:

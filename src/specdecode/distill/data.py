@@ -4,6 +4,7 @@ For every chunk of text the target (on the backend it will serve with) records i
 and its own next-token choice at every position: the head learns the target as it runs, not the
 checkpoint's float model. Collected features are cached per target and recipe, so a second run (or a
 resumed one) skips the target's forwards."""
+
 from __future__ import annotations
 
 import hashlib
@@ -41,8 +42,10 @@ class FeatureSet:
 
     def split(self, held_out: float) -> tuple["FeatureSet", "FeatureSet"]:
         n = max(1, int(len(self) * held_out))
-        return (FeatureSet(self.tokens[:-n], self.hidden[:-n], self.choice[:-n]),
-                FeatureSet(self.tokens[-n:], self.hidden[-n:], self.choice[-n:]))
+        return (
+            FeatureSet(self.tokens[:-n], self.hidden[:-n], self.choice[:-n]),
+            FeatureSet(self.tokens[-n:], self.hidden[-n:], self.choice[-n:]),
+        )
 
 
 def source_texts(source: str, max_tokens: int) -> list[str]:
@@ -53,11 +56,11 @@ def source_texts(source: str, max_tokens: int) -> list[str]:
         return python_sources(CHARS_PER_TOKEN * max_tokens, sample=python_sample(source))
     if source == "sonnets":
         lines = poem_lines()
-        return ["\n".join(lines[i:i + 14]) for i in range(0, len(lines), 14)]
+        return ["\n".join(lines[i : i + 14]) for i in range(0, len(lines), 14)]
     if source == "humaneval":
         return humaneval_prompts()
     if source.startswith("jsonl:"):
-        return jsonl_prompts(source[len("jsonl:"):], field="text")
+        return jsonl_prompts(source[len("jsonl:") :], field="text")
     raise SpecDecodeError(f"unknown distill data source {source!r}; use one of {', '.join(SOURCES)}")
 
 
@@ -65,7 +68,7 @@ def token_chunks(texts: list[str | list[int]], tokenizer, chunk: int, max_tokens
     """Texts (or token ids) tokenized and cut into chunks of `chunk` tokens, interleaved across texts (so a
     small budget still sees many files), up to `max_tokens` in all."""
     per_text = [tokenizer.encode(t) if isinstance(t, str) else t for t in texts]
-    pieces = [[ids[i:i + chunk] for i in range(0, len(ids) - chunk + 1, chunk)] for ids in per_text]
+    pieces = [[ids[i : i + chunk] for i in range(0, len(ids) - chunk + 1, chunk)] for ids in per_text]
     out: list[list[int]] = []
     for round_ in range(max((len(p) for p in pieces), default=0)):
         for p in pieces:
@@ -74,10 +77,16 @@ def token_chunks(texts: list[str | list[int]], tokenizer, chunk: int, max_tokens
     return out
 
 
-def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_tokens: int,
-                     progress: bool = True,
-                     completions: tuple[int, int] = (Recipe.completions, Recipe.completion_tokens),
-                     deadline: float | None = None, generation_deadline: float | None = None) -> FeatureSet:
+def collect_features(
+    target: LoadedModel,
+    sources: list[str],
+    chunk: int,
+    max_tokens: int,
+    progress: bool = True,
+    completions: tuple[int, int] = (Recipe.completions, Recipe.completion_tokens),
+    deadline: float | None = None,
+    generation_deadline: float | None = None,
+) -> FeatureSet:
     """The target's features on the sources' text, read from the cache when this recipe ran before.
     completions: prompts completed and new tokens per completion, for each `completions:NAME` source,
     whose generation starts no batch of prompts past generation_deadline.
@@ -90,7 +99,7 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
     texts = []
     for source in sources:
         if source in generated:  # one piece of token ids per chunk: each counts as a text of its own
-            prompt_set = source[len("completions:"):]
+            prompt_set = source[len("completions:") :]
             kept = _cache_path(target, prompt_set, *completions)[:-3] + ".completions.json"
             texts += completion_pieces(target, prompt_set, *completions, chunk, kept, progress, generation_deadline)
         else:
@@ -99,7 +108,7 @@ def collect_features(target: LoadedModel, sources: list[str], chunk: int, max_to
     if not chunks:
         raise SpecDecodeError(f"the data sources {sources} hold no chunk of {chunk} tokens")
     hidden, choice = _record(target, chunks, path + ".parts", progress, deadline)
-    data = FeatureSet(torch.tensor(chunks[:len(hidden)]), hidden, choice)
+    data = FeatureSet(torch.tensor(chunks[: len(hidden)]), hidden, choice)
     if len(data) < len(chunks):
         data.planned = len(chunks)
         return data
@@ -125,8 +134,9 @@ RECORD_BATCH = {"cuda": 16}
 SHARD = 8  # chunks per shard file at least (a whole number of forwards)
 
 
-def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool,
-            deadline: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _record(
+    target: LoadedModel, chunks: list[list[int]], parts: str, progress: bool, deadline: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden states [chunks, T, hidden] (bf16) and greedy choices [chunks, T], written into
     tensors allocated once: a tensor kept per chunk between the forward's large temporaries fragments a
     heap that the runner asks never to be trimmed (docs/decisions.md#recording-shards-and-preallocated-tensors).
@@ -156,11 +166,12 @@ def _record(target: LoadedModel, chunks: list[list[int]], parts: str, progress: 
     return hidden, choice
 
 
-def _record_chunks(runner: ModelRunner, slots: list[int], chunks: list[list[int]], hidden: torch.Tensor,
-                   choice: torch.Tensor) -> None:
+def _record_chunks(
+    runner: ModelRunner, slots: list[int], chunks: list[list[int]], hidden: torch.Tensor, choice: torch.Tensor
+) -> None:
     """Chunks' features and choices into their rows of `hidden` and `choice`, in one forward (the
     full-vocabulary logits die here)."""
-    slots = slots[:len(chunks)]
+    slots = slots[: len(chunks)]
     for slot in slots:
         runner.rollback(slot, 0)
     logits, h = runner.forward(slots, chunks, logits="all", hidden=True)
@@ -178,7 +189,7 @@ def _read_shards(parts: str, hidden: torch.Tensor, choice: torch.Tensor) -> int:
         if name.endswith(".pt") and int(name[:-3]) == done:
             shard = torch.load(os.path.join(parts, name), map_location="cpu")
             rows = torch.stack(list(shard["hidden"]))  # stacked, or a list per chunk (older recordings)
-            hidden[done:done + len(rows)], choice[done:done + len(rows)] = rows, torch.stack(list(shard["choice"]))
+            hidden[done : done + len(rows)], choice[done : done + len(rows)] = rows, torch.stack(list(shard["choice"]))
             done += len(rows)
     return done
 

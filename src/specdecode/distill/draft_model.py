@@ -4,6 +4,7 @@ position of the distill text), by cross-entropy of its own next-token distributi
 Its decoder layers are trained; the embeddings and LM head (a third of a 0.5B model's weights, and the
 costliest gradients) stay as they are. The result is a Hugging Face checkpoint folder, which loads as
 a draft like any other (`--draft FOLDER`) and is quantized for drafting the same way."""
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,25 @@ def causal_lm(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
     from ..errors import SpecDecodeError
 
     if not cfg.is_llama_or_qwen2:
-        raise SpecDecodeError(f"fine-tuning a draft model rebuilds it in transformers as a Llama or Qwen2 model; this "
-                              f"draft is a {cfg.arch} model: train a draft head instead (`specdecode distill`)")
+        raise SpecDecodeError(
+            f"fine-tuning a draft model rebuilds it in transformers as a Llama or Qwen2 model; this "
+            f"draft is a {cfg.arch} model: train a draft head instead (`specdecode distill`)"
+        )
     hf_config = AutoConfig.for_model(
-        cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position,
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.qkv_bias,
-        **({"head_dim": cfg.head_dim} if cfg.head_dim else {}))
+        cfg.arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=cfg.qkv_bias,
+        **({"head_dim": cfg.head_dim} if cfg.head_dim else {}),
+    )
     model = AutoModelForCausalLM.from_config(hf_config).float()
     model.load_state_dict(weights, strict=not cfg.tie_word_embeddings)
     return model
@@ -50,23 +62,29 @@ def agreement(model, data: FeatureSet, batch: int = 4) -> float:
     agree, device = 0.0, model.device
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            logits = model(data.tokens[i:i + batch].to(device)).logits
-            agree += float((logits.argmax(-1) == data.choice[i:i + batch].to(device)).float().sum())
+            logits = model(data.tokens[i : i + batch].to(device)).logits
+            agree += float((logits.argmax(-1) == data.choice[i : i + batch].to(device)).float().sum())
     model.train()
     return agree / max(data.choice.numel(), 1)
 
 
-def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | None = None,
-                   progress: bool = True) -> dict:
+def finetune_draft(
+    target: LoadedModel, draft: str, out: str, recipe: Recipe | None = None, progress: bool = True
+) -> dict:
     """Fine-tune the model `draft` (a name, file or folder) on `target`'s recorded outputs and write it to
     the folder `out`; returns the summary (also in out/distill.json)."""
     recipe = recipe or Recipe()
     started = time.time()
     tokenizer = load_tokenizer(draft)
-    check_same_vocabulary(target, draft, tokenizer, "pick a draft model from the target's family (e.g. "
-                          "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
-    data = collect_features(target, recipe.sources, recipe.chunk, recipe.tokens, progress,
-                            (recipe.completions, recipe.completion_tokens))
+    check_same_vocabulary(
+        target,
+        draft,
+        tokenizer,
+        "pick a draft model from the target's family (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)",
+    )
+    data = collect_features(
+        target, recipe.sources, recipe.chunk, recipe.tokens, progress, (recipe.completions, recipe.completion_tokens)
+    )
     train_set, held_out = data.split(HELD_OUT)
     cfg, weights = load_weights(draft, torch.float32, progress)
     model = causal_lm(cfg, weights).to(target.model.device)  # trains where the target runs (CUDA too)
@@ -81,14 +99,20 @@ def finetune_draft(target: LoadedModel, draft: str, out: str, recipe: Recipe | N
         loss = F.cross_entropy(logits.float().flatten(0, 1), train_set.choice[pick].flatten().to(model.device))
         return loss, {"ce": loss.item()}
 
-    run = Run(recipe.finetune_steps, recipe.batch, recipe.finetune_lr, recipe.warmup, recipe.seed,
-              "fine-tuning draft")
+    run = Run(recipe.finetune_steps, recipe.batch, recipe.finetune_lr, recipe.warmup, recipe.seed, "fine-tuning draft")
     checkpoint = os.path.join(out, "training.ckpt")
     log = fit(model, batch_loss, len(train_set), run, checkpoint, progress)
-    summary = {"draft": draft, "target": target.name, "recipe": vars(recipe),
-               "held_out_top1_before": before, "held_out_top1_after": agreement(model, held_out),
-               "train_tokens": int(train_set.tokens.numel()), "prepare_s": collected - started,
-               "train_s": time.time() - collected, "final_train_ce": log[-1]["ce"] if log else None}
+    summary = {
+        "draft": draft,
+        "target": target.name,
+        "recipe": vars(recipe),
+        "held_out_top1_before": before,
+        "held_out_top1_after": agreement(model, held_out),
+        "train_tokens": int(train_set.tokens.numel()),
+        "prepare_s": collected - started,
+        "train_s": time.time() - collected,
+        "final_train_ce": log[-1]["ce"] if log else None,
+    }
     _save(model, tokenizer, out, summary)
     if os.path.exists(checkpoint):
         os.remove(checkpoint)

@@ -3,6 +3,7 @@ flags default to these). The defaults take about 40 minutes on two CPU cores wit
 never takes much over `minutes`: where the machine is slower, it records less text and trains
 proportionally fewer steps (docs/decisions.md#cpu-distill-recipe-and-its-60-minute-budget). On a GPU the
 default is GPU_RECIPE's."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

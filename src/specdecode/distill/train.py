@@ -4,6 +4,7 @@ Row p reads the target's features at p and token p + 1; its output is trained to
 features at p + 1 (a smooth-L1 regression after the target's final norm) and, through the target's own
 norm and LM head rows of the draft vocabulary, toward the target's next-token distribution there (soft
 cross-entropy). The target's parts stay frozen, in float32, so gradients reach the head only."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ def trainable(head: DraftHead) -> DraftHead:
     return head.train()
 
 
-def head_losses(head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0,
-                steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def head_losses(
+    head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0, steps: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per drafting round (see DraftHead.unrolled): (soft cross-entropy, regression, top-1 agreement) over
     the rows p = round .. T-2 of a batch of chunks, each row's truth the target's at p + 1."""
     tokens, hidden = tokens.to(head.device), hidden.to(head.device)
@@ -68,9 +70,10 @@ def evaluate(head: DraftHead, data: FeatureSet, steps: int = 1, batch: int = 4) 
     agree, n = [0.0] * steps, 0
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            rows = data.tokens[i:i + batch].shape[0]
-            for step, (_, _, a) in enumerate(head_losses(head, data.tokens[i:i + batch], data.hidden[i:i + batch],
-                                                         steps=steps)):
+            rows = data.tokens[i : i + batch].shape[0]
+            for step, (_, _, a) in enumerate(
+                head_losses(head, data.tokens[i : i + batch], data.hidden[i : i + batch], steps=steps)
+            ):
                 agree[step] += float(a) * rows
             n += rows
     head.train()
@@ -92,6 +95,7 @@ CHECKPOINT_SECONDS = 30.0
 @dataclass
 class Run:
     """One training run's schedule: AdamW, linear warm-up then cosine decay to zero, random batches."""
+
     steps: int
     batch: int
     lr: float
@@ -107,30 +111,40 @@ class Run:
         self.steps = max(step, min(self.steps, affordable))
 
 
-def train(head: DraftHead, data: FeatureSet, recipe: Recipe, checkpoint: str | None = None,
-          progress: bool = True, steps: int | None = None, deadline: float | None = None) -> list[dict]:
+def train(
+    head: DraftHead,
+    data: FeatureSet,
+    recipe: Recipe,
+    checkpoint: str | None = None,
+    progress: bool = True,
+    steps: int | None = None,
+    deadline: float | None = None,
+) -> list[dict]:
     """Train the head in place (see fit) for `steps` (default: the recipe's), ending by `deadline`."""
     steps = steps or recipe.steps
 
     def batch_loss(pick: torch.Tensor) -> tuple[torch.Tensor, dict]:
         losses = head_losses(head, data.tokens[pick], data.hidden[pick], recipe.feature_noise, recipe.rounds)
-        loss = sum(recipe.round_decay ** i * (ce + recipe.regression_weight * reg)
-                   for i, (ce, reg, _) in enumerate(losses))
+        loss = sum(
+            recipe.round_decay**i * (ce + recipe.regression_weight * reg) for i, (ce, reg, _) in enumerate(losses)
+        )
         return loss, {"ce": losses[0][0].item(), "agree": [a.item() for _, _, a in losses]}
 
     run = Run(steps, recipe.batch, recipe.lr, recipe.warmup, recipe.seed, "training head", deadline)
     return fit(head, batch_loss, len(data), run, checkpoint, progress)
 
 
-def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str | None = None,
-        progress: bool = True) -> list[dict]:
+def fit(
+    model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str | None = None, progress: bool = True
+) -> list[dict]:
     """Train `model`'s parameters that require gradients, in place: batch_loss(indices of run.batch
     random examples) -> (loss, figures for the log). Every CHECKPOINT_SECONDS, and at the end, those
     parameters and the optimizer go to `checkpoint`, from which a rerun resumes."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(named.values(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / run.warmup) * 0.5 *
-                                                 (1 + math.cos(math.pi * min(s, run.steps) / run.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / run.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, run.steps) / run.steps))
+    )
     step, log = 0, []
     device = next(iter(named.values())).device
     if checkpoint and os.path.exists(checkpoint):
@@ -159,14 +173,23 @@ def fit(model: nn.Module, batch_loss, examples: int, run: Run, checkpoint: str |
             run.shorten(step, (log[-1]["t"] - paced[1]) / (step - paced[0]), log[-1]["t"])
             bar.total = run.steps
         bar.update(1)
-        bar.set_postfix({k: " ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.3f}"
-                         for k, v in figures.items()})
+        bar.set_postfix(
+            {k: " ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.3f}" for k, v in figures.items()}
+        )
         if checkpoint and (step == run.steps or log[-1]["t"] - saved >= CHECKPOINT_SECONDS):
             saved = log[-1]["t"]
             os.makedirs(os.path.dirname(checkpoint) or ".", exist_ok=True)
             params = {n: p.detach() for n, p in named.items()}
-            torch.save({"params": params, "opt": opt.state_dict(), "schedule": schedule.state_dict(),
-                        "step": step, "log": log}, checkpoint + ".tmp")
+            torch.save(
+                {
+                    "params": params,
+                    "opt": opt.state_dict(),
+                    "schedule": schedule.state_dict(),
+                    "step": step,
+                    "log": log,
+                },
+                checkpoint + ".tmp",
+            )
             os.replace(checkpoint + ".tmp", checkpoint)
     bar.close()
     return log

@@ -1,6 +1,7 @@
 """The engine loop: admit requests (prefill), then per step draft -> verify in one target forward ->
 accept/reject -> commit (KV pointers move) -> emit, for every running sequence at once. A long prompt that
 arrives while others decode is prefilled a chunk a step beside them, so that their streams go on."""
+
 from __future__ import annotations
 
 import time
@@ -30,9 +31,17 @@ class Engine(Prefilling):
     prefill_chunk: a prompt longer than this that arrives while other sequences decode is prefilled this many
     tokens a step, after each decoding step (None: every prompt at once, the decoding streams waiting)."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, proposers: list[Proposer] = (),
-                 num_speculative_tokens: int = 0, forced_accept: bool = False, timer: StepTimer | None = None,
-                 policy: Policy | None = None, prefill_chunk: int | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        proposers: list[Proposer] = (),
+        num_speculative_tokens: int = 0,
+        forced_accept: bool = False,
+        timer: StepTimer | None = None,
+        policy: Policy | None = None,
+        prefill_chunk: int | None = None,
+    ):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.runner, self.tokenizer = runner, tokenizer
@@ -75,8 +84,10 @@ class Engine(Prefilling):
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty; pass at least one token of text")
         if params.n > self.runner.num_slots:
-            raise SpecDecodeError(f"n={params.n} outputs need as many sequence slots, and this engine has "
-                                  f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs")
+            raise SpecDecodeError(
+                f"n={params.n} outputs need as many sequence slots, and this engine has "
+                f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs"
+            )
         self.blocks.check(len(prompt_ids), params)
         check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
         check_token_ids(list(params.logit_bias or ()), self.runner.cfg.vocab_size, "logit_bias")
@@ -85,9 +96,16 @@ class Engine(Prefilling):
             grammar = GrammarMatcher.compile(params.structured_output, self.tokenizer, self.runner.cfg.vocab_size)
         group: list[Sequence] = []
         for index in range(params.n):
-            seq = Sequence(list(prompt_ids), params, self._generator(params.seed, index), index=index,
-                           siblings=group, logprobs=None if params.logprobs is None else [],
-                           grammar=grammar.copy() if grammar is not None else None, tenant=tenant)
+            seq = Sequence(
+                list(prompt_ids),
+                params,
+                self._generator(params.seed, index),
+                index=index,
+                siblings=group,
+                logprobs=None if params.logprobs is None else [],
+                grammar=grammar.copy() if grammar is not None else None,
+                tenant=tenant,
+            )
             seq.metrics.num_prompt_tokens = len(prompt_ids)
             seq.metrics.forced_accept = self.forced_accept and self.k > 0
             group.append(seq)
@@ -98,7 +116,7 @@ class Engine(Prefilling):
         """A seeded request's i-th output gets a stream of its own, derived from the seed (the first uses it as is)."""
         if seed is None:
             return None
-        return torch.Generator(device=self.runner.device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2 ** 64)
+        return torch.Generator(device=self.runner.device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**64)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -156,8 +174,9 @@ class Engine(Prefilling):
             proposer.release(seq)
         self.totals.merge(seq.metrics.spec)
 
-    def _target_forward(self, slots: list[int], inputs: list[list[int]], logits: str,
-                        every_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _target_forward(
+        self, slots: list[int], inputs: list[list[int]], logits: str, every_row: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits, and when a proposer reads them the hidden states of the same rows (of every input
         row with every_row: a prompt's, which a draft head reads as its context)."""
         if self.wants_hidden_states:
@@ -179,8 +198,9 @@ class Engine(Prefilling):
         starts = [seq.num_tokens - 1 for seq in seqs]
         with self.timer.measure("target"):
             logits, hidden = self._target_forward([s.slot for s in seqs], inputs, logits="all")
-        results = verify_batch(seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids,
-                               self.forced_accept)
+        results = verify_batch(
+            seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
+        )
         out.draft_lengths = drafts.num_tokens
         out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
         row = 0
@@ -190,8 +210,9 @@ class Engine(Prefilling):
             self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
             for proposer in self.proposers:
                 proposer.commit(seq, committed)
-            self._feed_back(seq, TargetFeedback(emitted, None if hidden is None else hidden[row:row + len(emitted)],
-                                                start))
+            self._feed_back(
+                seq, TargetFeedback(emitted, None if hidden is None else hidden[row : row + len(emitted)], start)
+            )
             row += n_draft + 1
             seq.metrics.spec.record_step(n_draft, accepted, len(emitted))
             out.counters.record_step(n_draft, accepted, len(emitted))
@@ -202,8 +223,9 @@ class Engine(Prefilling):
             self._emit(seq, emitted, logprobs)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
         end = now()
-        self.policy.observe_step(drafts.num_tokens, end - verify_start, draft_seconds, end - step_start,
-                                 by_lookup=decision.by_lookup)
+        self.policy.observe_step(
+            drafts.num_tokens, end - verify_start, draft_seconds, end - step_start, by_lookup=decision.by_lookup
+        )
 
     def _decide_drafts(self, seqs: list[Sequence]) -> tuple[DraftDecision, list[Preview] | None]:
         """The policy's decision, capped per sequence (see _draft_budget), and the lookup proposer's
@@ -213,9 +235,13 @@ class Engine(Prefilling):
             return DraftDecision.main_proposer([0] * n), None
         previews = self.lookup.preview(seqs, self.lookup_cap) if self.lookup and self.k else None
         catch_up = [max(0, self.proposer.unseen_tokens(s) - 2) if self.proposer else 0 for s in seqs]  # 1-2: steady
-        decision = self.policy.choose([s.request_id for s in seqs], catch_up, [s.remaining_tokens for s in seqs],
-                                      [(p.match, p.tokens, p.probs) for p in previews] if previews else None,
-                                      drafter=self.proposer is not None)
+        decision = self.policy.choose(
+            [s.request_id for s in seqs],
+            catch_up,
+            [s.remaining_tokens for s in seqs],
+            [(p.match, p.tokens, p.probs) for p in previews] if previews else None,
+            drafter=self.proposer is not None,
+        )
         if self.proposer is None:
             decision.by_lookup = [True] * n
         decision.ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, decision.ks)]
@@ -227,8 +253,9 @@ class Engine(Prefilling):
         cost no forward, so they may run far past k), else k."""
         return (self.lookup.max_draft or self.k) if self.lookup else 0
 
-    def _propose(self, seqs: list[Sequence], decision: DraftDecision,
-                 previews: list[Preview] | None) -> tuple[DraftBatch, float | None]:
+    def _propose(
+        self, seqs: list[Sequence], decision: DraftDecision, previews: list[Preview] | None
+    ) -> tuple[DraftBatch, float | None]:
         """Drafts from each proposer the decision picked (a lookup's are its previews, already made), and
         the seconds of one drafter round (for the policy's cost model; None if it did not run)."""
         main_ks = [0 if lookup else k for k, lookup in zip(decision.ks, decision.by_lookup)]

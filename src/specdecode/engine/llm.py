@@ -1,4 +1,5 @@
 """Offline API with vLLM's names: LLM(...).generate(prompts, SamplingParams(...)) and .chat(...)."""
+
 from __future__ import annotations
 
 import difflib
@@ -50,8 +51,16 @@ class RequestOutput:
     def from_group(cls, group: list[Sequence], prompt: str | None) -> "RequestOutput":
         """One prompt's n outputs; metrics are the first output's (its TTFT includes the shared prefill)."""
         first = group[0]
-        return cls(first.request_id, prompt, first.prompt_ids, [CompletionOutput.from_sequence(s) for s in group],
-                   first.metrics, True, first.metrics.as_dict(), first.prompt_logprobs)
+        return cls(
+            first.request_id,
+            prompt,
+            first.prompt_ids,
+            [CompletionOutput.from_sequence(s) for s in group],
+            first.metrics,
+            True,
+            first.metrics.as_dict(),
+            first.prompt_logprobs,
+        )
 
 
 def per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None, prompts: int) -> list[SamplingParams]:
@@ -60,8 +69,10 @@ def per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None, pr
         return [sampling_params or SamplingParams()] * prompts
     params = list(sampling_params)
     if len(params) != prompts or not all(isinstance(p, SamplingParams) for p in params):
-        raise SpecDecodeError(f"sampling_params must be one SamplingParams or a list of one per prompt; got "
-                              f"{len(params)} for {prompts} prompts")
+        raise SpecDecodeError(
+            f"sampling_params must be one SamplingParams or a list of one per prompt; got "
+            f"{len(params)} for {prompts} prompts"
+        )
     return params
 
 
@@ -77,9 +88,11 @@ def names_valid_options(init):
         if unknown:
             near = {name: difflib.get_close_matches(name, valid, n=1) for name in unknown}
             hints = "".join(f" ({name!r}: did you mean {close[0]!r}?)" for name, close in near.items() if close)
-            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))} for LLM{hints}; the options are: "
-                            f"{', '.join(valid)}")
+            raise TypeError(
+                f"unknown option(s) {', '.join(map(repr, unknown))} for LLM{hints}; the options are: {', '.join(valid)}"
+            )
         return init(self, *args, **options)
+
     checked.valid_options = valid
     return checked
 
@@ -99,16 +112,35 @@ class LLM:
     that requests of the same tenant, running or finished, computed for its longest prefix."""
 
     @names_valid_options
-    def __init__(self, model: str = C.model, speculative_model: str | None = C.speculative_model,
-                 num_speculative_tokens: int = C.num_speculative_tokens, *, progress: bool = True,
-                 target: LoadedModel | None = None, draft: LoadedModel | None = None, **options):
+    def __init__(
+        self,
+        model: str = C.model,
+        speculative_model: str | None = C.speculative_model,
+        num_speculative_tokens: int = C.num_speculative_tokens,
+        *,
+        progress: bool = True,
+        target: LoadedModel | None = None,
+        draft: LoadedModel | None = None,
+        **options,
+    ):
         """options: EngineConfig's other fields (config.py: each with its default and what it does)."""
-        self.config = config = EngineConfig(model=model, speculative_model=speculative_model,
-                                            num_speculative_tokens=num_speculative_tokens, **options)
-        policy = make_policy(config.speculation_policy, config.num_speculative_tokens,
-                             config.speculative_disable_by_batch_size, config.adaptive)
-        self.target = target or load_model(config.model, config.device, config.dtype, progress, config.quantization,
-                                            kv_cache_dtype=config.kv_cache_dtype)
+        self.config = config = EngineConfig(
+            model=model, speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens, **options
+        )
+        policy = make_policy(
+            config.speculation_policy,
+            config.num_speculative_tokens,
+            config.speculative_disable_by_batch_size,
+            config.adaptive,
+        )
+        self.target = target or load_model(
+            config.model,
+            config.device,
+            config.dtype,
+            progress,
+            config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         max_model_len = min(config.max_model_len or self.target.config.max_position, self.target.config.max_position)
@@ -119,9 +151,15 @@ class LLM:
                 loaded.model.capture_graphs = not config.enforce_eager
         budget = resolve_budget(self.target.model.device, config.memory_budget, config.gpu_memory_utilization)
         draft_model = next((p.model for p in proposers if p.model is not None), None)
-        self.memory_plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs,
-                                       config.num_speculative_tokens, budget,
-                                       features=any(p.wants_hidden_states for p in proposers))
+        self.memory_plan = plan_memory(
+            self.target.model,
+            draft_model,
+            max_model_len,
+            config.max_num_seqs,
+            config.num_speculative_tokens,
+            budget,
+            features=any(p.wants_hidden_states for p in proposers),
+        )
         plan = self.memory_plan
         for proposer in proposers:
             proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
@@ -129,32 +167,52 @@ class LLM:
         chunk = config.prefill_chunk_tokens
         if chunk is None:
             chunk = PREFILL_CHUNK_TOKENS.get(self.target.model.device.type, PREFILL_CHUNK_TOKENS["cuda"])
-        self.engine = Engine(runner, self.tokenizer, proposers, config.num_speculative_tokens, config.forced_accept,
-                             self.timer, policy, prefill_chunk=chunk or None)
+        self.engine = Engine(
+            runner,
+            self.tokenizer,
+            proposers,
+            config.num_speculative_tokens,
+            config.forced_accept,
+            self.timer,
+            policy,
+            prefill_chunk=chunk or None,
+        )
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
-        self.profile_seconds = profile_draft_costs(self.engine) + profile_verify_costs(self.engine) \
-            if policy.wants_draft_costs else 0.0
+        self.profile_seconds = (
+            profile_draft_costs(self.engine) + profile_verify_costs(self.engine) if policy.wants_draft_costs else 0.0
+        )
 
     def _proposers(self, setup: ProposerSetup, policy) -> list[Proposer]:
         """The main proposer, and a lookup proposer beside it where the policy may choose per sequence."""
         kind = DRAFT_MODEL if setup.loaded is not None else proposer_kind(setup.config.speculative_model)
         proposers: list[Proposer] = [build_proposer(kind, setup)] if kind else []
         lookup = setup.config.prompt_lookup
-        if lookup and proposers and not proposers[0].previews and policy.chooses_proposers \
-                and not setup.config.forced_accept:
+        if (
+            lookup
+            and proposers
+            and not proposers[0].previews
+            and policy.chooses_proposers
+            and not setup.config.forced_accept
+        ):
             proposers.append(build_proposer(lookup, setup))
         return proposers
 
     def startup_summary(self) -> str:
         """Each model's backend, weight bytes and load time, and the peak memory so far."""
-        parts = [f"{role} {m.name}: {m.model.backend}, {format_bytes(m.model.weight_bytes())} of weights, "
-                 f"loaded in {m.load_seconds:.1f} s" for role, m in (("target", self.target), ("draft", self.draft))
-                 if m is not None and m.load_seconds]
+        parts = [
+            f"{role} {m.name}: {m.model.backend}, {format_bytes(m.model.weight_bytes())} of weights, "
+            f"loaded in {m.load_seconds:.1f} s"
+            for role, m in (("target", self.target), ("draft", self.draft))
+            if m is not None and m.load_seconds
+        ]
         return "; ".join(parts + [f"peak RSS {format_bytes(peak_rss_bytes())}"])
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Prompts are strings or token-id lists; sampling_params one for all of them, or one per prompt (as in
         vLLM). Outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -164,8 +222,9 @@ class LLM:
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(texts, ids, params)
 
-    def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Conversations are lists of {"role", "content"} messages; the model's chat template is applied."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

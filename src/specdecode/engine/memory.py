@@ -7,6 +7,7 @@ one of `max_num_seqs` sequences at max_model_len tokens, as far as the machine's
 pages become resident only as blocks are first taken, so an idle server holds what its requests hold. The
 engine admits a request only while the pool has blocks for its longest length beside those of the running ones,
 so a request waits rather than running out of memory."""
+
 from __future__ import annotations
 
 import re
@@ -18,12 +19,26 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..kv_cache import BLOCK_TOKENS, blocks_for
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(size: str | int) -> int:
-    """"6GiB", "512MB", "2.5g" or a plain number of bytes."""
+    """ "6GiB", "512MB", "2.5g" or a plain number of bytes."""
     if isinstance(size, int):
         return size
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
@@ -44,8 +59,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * torch.empty((), dtype=dtype).element_size()
 
 
-def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
-                       k_max: int) -> int:
+def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, k_max: int) -> int:
     """A generous bound on transient memory: a prefill forward's MLP and projections (a long prompt is prefilled
     in chunks: executor/runner.py), plus the float32 logits of the widest verify call."""
     from ..executor.runner import PREFILL_CHUNK
@@ -78,19 +92,22 @@ class MemoryPlan:
 
     def summary(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none set"
-        return (f"memory plan (budget {budget}): target weights {format_bytes(self.target_weight_bytes)}, "
-                f"draft weights {format_bytes(self.draft_weight_bytes)}, activations ≤ "
-                f"{format_bytes(self.reserve_bytes)}, KV cache ≤ {format_bytes(self.kv_cache_bytes)} "
-                f"({format_bytes(self.kv_bytes_per_token)}/token, resident as used) = {self.max_cached_tokens} "
-                f"tokens in blocks of {self.block_size}, for up to {self.num_slots} sequences of ≤ "
-                f"{self.max_model_len} tokens")
+        return (
+            f"memory plan (budget {budget}): target weights {format_bytes(self.target_weight_bytes)}, "
+            f"draft weights {format_bytes(self.draft_weight_bytes)}, activations ≤ "
+            f"{format_bytes(self.reserve_bytes)}, KV cache ≤ {format_bytes(self.kv_cache_bytes)} "
+            f"({format_bytes(self.kv_bytes_per_token)}/token, resident as used) = {self.max_cached_tokens} "
+            f"tokens in blocks of {self.block_size}, for up to {self.num_slots} sequences of ≤ "
+            f"{self.max_model_len} tokens"
+        )
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "kv_cache_bytes": self.kv_cache_bytes, "max_cached_tokens": self.max_cached_tokens}
 
 
-def resolve_budget(device: torch.device, memory_budget: str | int | None,
-                   gpu_memory_utilization: float | None) -> int | None:
+def resolve_budget(
+    device: torch.device, memory_budget: str | int | None, gpu_memory_utilization: float | None
+) -> int | None:
     if memory_budget is not None:
         return parse_bytes(memory_budget)
     if gpu_memory_utilization is None or device.type != "cuda":
@@ -114,14 +131,22 @@ def available_memory() -> int | None:
     return int(line.split()[1]) * 1024
 
 
-def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_model_len: int, max_num_seqs: int,
-                k_max: int, budget_bytes: int | None, features: bool = False) -> MemoryPlan:
+def plan_memory(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    max_model_len: int,
+    max_num_seqs: int,
+    k_max: int,
+    budget_bytes: int | None,
+    features: bool = False,
+) -> MemoryPlan:
     """Blocks for max_num_seqs sequences of max_model_len tokens, as many as the budget (or the machine's available
     memory) holds. features: a proposer reads the target's hidden states, and holds those it has not read yet (at
     most a row per position of each sequence, as long as its context may be continued)."""
     if max_num_seqs < 1 or max_model_len < 2:
-        raise SpecDecodeError(f"max_num_seqs must be >= 1 and max_model_len >= 2 "
-                              f"(got {max_num_seqs} and {max_model_len})")
+        raise SpecDecodeError(
+            f"max_num_seqs must be >= 1 and max_model_len >= 2 (got {max_num_seqs} and {max_model_len})"
+        )
     separate_draft = draft is not None and draft is not target  # a self-draft shares the target's memory
     per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
     if separate_draft:
@@ -129,9 +154,16 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
     if features:
         per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
     wanted = max_num_seqs * blocks_for(max_model_len)
-    plan = MemoryPlan(budget_bytes, target.weight_bytes(), draft.weight_bytes() if separate_draft else 0,
-                      activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
-                      per_token, max_model_len, max_num_seqs, wanted)
+    plan = MemoryPlan(
+        budget_bytes,
+        target.weight_bytes(),
+        draft.weight_bytes() if separate_draft else 0,
+        activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max),
+        per_token,
+        max_model_len,
+        max_num_seqs,
+        wanted,
+    )
     per_block = BLOCK_TOKENS * per_token
     if budget_bytes is None:
         available = available_memory() if target.device.type == "cpu" else None
@@ -143,11 +175,14 @@ def plan_memory(target: torch.nn.Module, draft: torch.nn.Module | None, max_mode
     if free < one_sequence:
         fixed = format_bytes(budget_bytes - free)
         if free < per_block:
-            raise SpecDecodeError(f"the memory budget ({format_bytes(budget_bytes)}) is smaller than the weights "
-                                  f"and activations ({fixed}); raise the memory budget")
+            raise SpecDecodeError(
+                f"the memory budget ({format_bytes(budget_bytes)}) is smaller than the weights "
+                f"and activations ({fixed}); raise the memory budget"
+            )
         raise SpecDecodeError(
             f"the memory budget ({format_bytes(budget_bytes)}) holds the weights and activations ({fixed}) but "
             f"not one sequence of {max_model_len} tokens ({format_bytes(one_sequence)} of KV cache); raise the "
-            f"memory budget or lower max_model_len to at most {free // per_block * BLOCK_TOKENS}")
+            f"memory budget or lower max_model_len to at most {free // per_block * BLOCK_TOKENS}"
+        )
     plan.num_blocks = int(min(wanted, free // per_block))
     return plan

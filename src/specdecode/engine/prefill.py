@@ -1,5 +1,6 @@
 """The engine's admission half: requests admitted while their slots and KV blocks fit, and their prompts
 prefilled, at once or, for a long prompt arriving while others decode, a chunk a step beside them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,8 +47,13 @@ class Prefilling:
         """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
         sequence (n > 1 samples share one prefill; prompt logprobs need every row's logits at once)."""
         seq = group[0]
-        return bool(self.prefill_chunk and self._busy() and len(group) == 1
-                    and seq.params.prompt_logprobs is None and len(seq.prompt_ids) > self.prefill_chunk)
+        return bool(
+            self.prefill_chunk
+            and self._busy()
+            and len(group) == 1
+            and seq.params.prompt_logprobs is None
+            and len(seq.prompt_ids) > self.prefill_chunk
+        )
 
     def _decoding(self) -> bool:
         return any(not s.finished for s in self.running)
@@ -92,8 +98,9 @@ class Prefilling:
         """One forward over the shared prompt past what the slot holds; the others get a copy of its KV."""
         first, top = group[0], group[0].params.prompt_logprobs
         cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
-        logits, hidden = self._target_forward([first.slot], [first.prompt_ids[cached:]],
-                                              "last" if top is None else "all", every_row=True)
+        logits, hidden = self._target_forward(
+            [first.slot], [first.prompt_ids[cached:]], "last" if top is None else "all", every_row=True
+        )
         if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
             scored = prompt_logprobs(first.prompt_ids, logits, top)
             for seq in group:
@@ -102,8 +109,9 @@ class Prefilling:
         self.runner.commit(first.slot, len(first.prompt_ids))
         self._finish_prefill(group, logits, hidden, cached)
 
-    def _finish_prefill(self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
-                        cached: int) -> None:
+    def _finish_prefill(
+        self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None, cached: int
+    ) -> None:
         """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
         it, and each samples its first token from the last row's logits."""
         first = group[0]
@@ -124,4 +132,3 @@ class Prefilling:
         if reading and self.policy.expects_drafting(self.num_running):
             for proposer in self.proposers:
                 proposer.read_ahead(reading)
-

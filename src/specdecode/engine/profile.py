@@ -8,6 +8,7 @@ takes a few seconds and removes the guess. The target's verify calls are learned
 tokens (the policy measures plain decoding at a batch size before it speculates there, and grows calls a
 token at a time); a lookup proposer whose drafts run far past k (suffix speculation, up to 32) would take
 dozens of steps to learn what a long call costs, so those sizes are timed up front."""
+
 from __future__ import annotations
 
 import statistics
@@ -22,8 +23,9 @@ from ..models.runtime import Transformer
 CATCH_UP_TOKENS = 128  # a typical prompt, read by the draft when a sequence starts drafting
 
 
-def time_forward(model: Transformer, batch: int, tokens: int, context: int, repeats: int,
-                 logits: str | None = None) -> float:
+def time_forward(
+    model: Transformer, batch: int, tokens: int, context: int, repeats: int, logits: str | None = None
+) -> float:
     """Median seconds of one forward of `batch` sequences with `tokens` new tokens each after `context`
     cached ones, in a cache of its own (contents do not change the cost, so they are left as zeros).
     logits: "all" (verification, the default for several tokens) or "last" (decoding, a draft)."""

@@ -1,4 +1,5 @@
 """One request's state as it moves through the engine."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,12 +27,12 @@ class Detokenizer:
     read: int
 
     def new_text(self, tokenizer, ids: list[int], flush: bool = False) -> str:
-        before = tokenizer.decode(ids[self.prefix:self.read])
-        after = tokenizer.decode(ids[self.prefix:])
+        before = tokenizer.decode(ids[self.prefix : self.read])
+        after = tokenizer.decode(ids[self.prefix :])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not flush):
             return ""
         self.prefix, self.read = self.read, len(ids)
-        return after[len(before):]
+        return after[len(before) :]
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         """The generated tokens (a copy)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -115,7 +116,7 @@ class Sequence:
         start = max(0, len(self.text) - added - max(map(len, self.params.stop_strings)) + 1)
         hits = [i for i in (self.text.find(s, start) for s in self.params.stop_strings) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
         return bool(hits)
 
 
@@ -123,5 +124,7 @@ def check_token_ids(ids: list[int], vocab_size: int, where: str = "the prompt") 
     """Token ids must index the embedding: checked per request, since a bad one would fail the whole step."""
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise SpecDecodeError(f"token id {bad!r} in {where} is not in this model's vocabulary: ids are integers "
-                              f"from 0 to {vocab_size - 1}")
+        raise SpecDecodeError(
+            f"token id {bad!r} in {where} is not in this model's vocabulary: ids are integers "
+            f"from 0 to {vocab_size - 1}"
+        )

@@ -1,4 +1,5 @@
 """What one engine step reports."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,6 +1,7 @@
 """Decode/verify attention by this package's kernel (kernels/attention.c): rotary embedding, the KV-cache
 write and attention over each token's visible keys in one call per layer, where PyTorch needs about
 twenty small operations and one attention call per token."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,11 @@ import torch
 from ..errors import SpecDecodeError
 from .kernels import load
 
-ERRORS = {-1: "a head size, group or window the kernel does not take", -2: "out of memory for its scratch",
-          -3: "a slot or position outside the KV cache"}
+ERRORS = {
+    -1: "a head size, group or window the kernel does not take",
+    -2: "out of memory for its scratch",
+    -3: "a slot or position outside the KV cache",
+}
 
 
 class RowwiseAttentionKernel:
@@ -29,10 +33,31 @@ class RowwiseAttentionKernel:
         q_norm, k_norm = (0, 0) if norms is None else (norms[0].weight.data_ptr(), norms[1].weight.data_ptr())
         eps = 0.0 if norms is None else norms[0].eps
         attend = self.lib.rowwise_attention_f16 if keys.dtype == torch.float16 else self.lib.rowwise_attention
-        code = attend(qkv.data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, slots.data_ptr(),
-                      positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_norm, k_norm, eps, attn.scale,
-                      attn.window or 0, keys.data_ptr(), values.data_ptr(), cache.table.data_ptr(), cache.num_slots,
-                      cache.max_blocks, cache.block_size, cache.num_blocks, out.data_ptr(), torch.get_num_threads())
+        code = attend(
+            qkv.data_ptr(),
+            n,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            slots.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q_norm,
+            k_norm,
+            eps,
+            attn.scale,
+            attn.window or 0,
+            keys.data_ptr(),
+            values.data_ptr(),
+            cache.table.data_ptr(),
+            cache.num_slots,
+            cache.max_blocks,
+            cache.block_size,
+            cache.num_blocks,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if code:
             raise SpecDecodeError(f"the attention kernel refused layer {attn.layer}: {ERRORS.get(code, code)}")
         return out
@@ -43,8 +68,12 @@ class RowwiseAttentionKernel:
             self._batch, self._flat = batch, {}
         key = id(rope[0])
         if key not in self._flat:
-            self._flat[key] = (batch.slots.reshape(n).contiguous(), batch.positions.reshape(n).contiguous(),
-                               *(t.reshape(n, self.head_dim).contiguous() for t in rope), rope)  # rope kept alive
+            self._flat[key] = (
+                batch.slots.reshape(n).contiguous(),
+                batch.positions.reshape(n).contiguous(),
+                *(t.reshape(n, self.head_dim).contiguous() for t in rope),
+                rope,
+            )  # rope kept alive
         return self._flat[key][:4]
 
 
@@ -58,8 +87,11 @@ def attach_attention_kernel(model, kv_cache_dtype: str = "auto") -> bool:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
     lib = load("attention")
-    if (lib is None or not lib.attention_dim_ok(cfg.dim_per_head)
-            or not lib.attention_group_ok(cfg.num_heads // cfg.num_kv_heads)):
+    if (
+        lib is None
+        or not lib.attention_dim_ok(cfg.dim_per_head)
+        or not lib.attention_group_ok(cfg.num_heads // cfg.num_kv_heads)
+    ):
         return False
     if kv_cache_dtype == "auto" and lib.attention_half_ok():
         model.kv_cache_dtype = torch.float16

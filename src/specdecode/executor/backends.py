@@ -18,6 +18,7 @@
 k+1 tokens for little more than one), float elsewhere, and bf16 on CUDA
 (docs/decisions.md#linear-layers-gguf-block-formats-as-stored has the measurements).
 """
+
 from __future__ import annotations
 
 import re
@@ -50,7 +51,7 @@ LOW_BIT = ("w8a8", "w4a8", "w4a16", "w4a8-all")  # the block kernel's backends
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16/AMX), else float32.
+    """ "auto": bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16/AMX), else float32.
 
     Why bf16 on such CPUs: decoding is bandwidth-bound, and there oneDNN's bf16 kernels verify k+1
     tokens in about the time of one, while fp32 small-batch GEMMs run 2-3x slower than fp32 GEMV.
@@ -62,8 +63,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
             return torch.bfloat16
         return torch.float32
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        return {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }[dtype]
     except KeyError:
         raise SpecDecodeError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
 
@@ -86,8 +93,10 @@ def resolve_quantization(name: str, device: str | torch.device, draft: bool = Fa
     if name in LOW_BIT and not on_cpu:
         raise SpecDecodeError(f"{name} runs on the CPU; use --quantization none on {device}")
     if name in LOW_BIT and isa < 0:
-        raise SpecDecodeError(f"{name} needs the low-bit kernel, which is unavailable here: "
-                              f"{build_problem('lowbit')}\nuse --quantization none")
+        raise SpecDecodeError(
+            f"{name} needs the low-bit kernel, which is unavailable here: "
+            f"{build_problem('lowbit')}\nuse --quantization none"
+        )
     if name == "w8a16" and not w8a16_supported(device):
         raise SpecDecodeError(f"w8a16 has no kernel on {device}; use --quantization none")
     return name
@@ -127,8 +136,9 @@ def is_linear_weight(name: str) -> bool:
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def quantize_weights(named: Iterable[tuple[str, torch.Tensor | RawTensor]], quantization: str
-                     ) -> dict[str, torch.Tensor]:
+def quantize_weights(
+    named: Iterable[tuple[str, torch.Tensor | RawTensor]], quantization: str
+) -> dict[str, torch.Tensor]:
     """Linear weights (and the embedding) in the kernel's layout for `quantization` (for w8a16, int8 rows
     with a `weight_scale`), one tensor at a time as they stream in, so the float model never exists whole;
     everything else float32."""
@@ -151,13 +161,18 @@ def block_arrays(name: str, tensor: torch.Tensor | RawTensor, quantization: str)
     """One weight in the block format `quantization` computes it in (see the module's docstring)."""
     as_stored = isinstance(tensor, RawTensor) and tensor.qtype.name in FORMATS
     layout = weight_layout(quantization)
-    if as_stored and (layout == "w4a8" or name == "model.embed_tokens.weight"
-                      or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[layout]):
+    if as_stored and (
+        layout == "w4a8"
+        or name == "model.embed_tokens.weight"
+        or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[layout]
+    ):
         return split(tensor.qtype, tensor.blocks)
     weight = _as_float(tensor)
     if weight.shape[1] % 32:
-        raise SpecDecodeError(f"{name}: {weight.shape[1]} columns, not a multiple of 32, which the low-bit "
-                              "kernel needs; use --quantization none")
+        raise SpecDecodeError(
+            f"{name}: {weight.shape[1]} columns, not a multiple of 32, which the low-bit "
+            "kernel needs; use --quantization none"
+        )
     if quantization == "w4a8-all" and name != "model.embed_tokens.weight":
         return quantize_4bit(weight)
     return quantize_q8_0(weight)
@@ -171,8 +186,7 @@ def _as_float(tensor: torch.Tensor | RawTensor) -> torch.Tensor:
     return torch.from_numpy(dequantize(tensor.blocks.numpy(), tensor.qtype).reshape(-1, tensor.columns).copy())
 
 
-def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantization: str,
-                          device) -> Transformer:
+def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantization: str, device) -> Transformer:
     """A Transformer whose linear layers (and embedding) are low-bit in the given format; its norms and
     routers in float."""
     dtype = activation_dtype(quantization, "auto", device)
@@ -190,8 +204,11 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
             else:
                 layer = _linear(tensors, parts, quantization, device, dtype)
             _set_module(model, name, layer)
-    model.embed_tokens = BlockEmbedding(table, dtype) if table is not None else \
-        nn.Embedding.from_pretrained(tensors[embed].to(device=device, dtype=dtype), freeze=True)
+    model.embed_tokens = (
+        BlockEmbedding(table, dtype)
+        if table is not None
+        else nn.Embedding.from_pretrained(tensors[embed].to(device=device, dtype=dtype), freeze=True)
+    )
     floats = {name: tensors[f"model.{name}"] for name, p in model.named_parameters() if p.is_meta}
     used.update(f"model.{name.rpartition('.')[0]}" for name in floats)
     params = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in floats.items()}
@@ -209,7 +226,7 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
 
 
 def _module_of(tensor_name: str) -> str:
-    """"model.layers.0.mlp.up_proj.weight.lo" -> "model.layers.0.mlp.up_proj" (a layer's stored arrays too)."""
+    """ "model.layers.0.mlp.up_proj.weight.lo" -> "model.layers.0.mlp.up_proj" (a layer's stored arrays too)."""
     return re.sub(r"\.(weight|bias)([._]\w+)*$", "", tensor_name)
 
 
@@ -232,8 +249,12 @@ def _linear(tensors: dict[str, torch.Tensor], parts: list[str], quantization: st
         return first
     if all(x.format == first.format and x.S == first.S and x.rows == x.out_features for x in layers):
         buffers = [x.packed_buffers() for x in layers]
-        fused = BlockLinear(packed={k: torch.cat([b[k] for b in buffers]) for k in buffers[0]}, fmt=first.format,
-                            S=first.S, out_features=sum(x.out_features for x in layers))
+        fused = BlockLinear(
+            packed={k: torch.cat([b[k] for b in buffers]) for k in buffers[0]},
+            fmt=first.format,
+            S=first.S,
+            out_features=sum(x.out_features for x in layers),
+        )
         fused.bias = bias
         return fused
     return ConcatLinear(layers, bias)
@@ -258,8 +279,14 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
     if isinstance(head.lm_head, BlockLinear) and quantization != "none":  # the target is low-bit
         for name, module in list(head.named_modules()):
             if isinstance(module, Linear) and module is not head.lm_head:
-                _set_module(head, name, BlockLinear(quantize_q8_0(module.weight.detach().float()),
-                                                    None if module.bias is None else module.bias.detach()))
+                _set_module(
+                    head,
+                    name,
+                    BlockLinear(
+                        quantize_q8_0(module.weight.detach().float()),
+                        None if module.bias is None else module.bias.detach(),
+                    ),
+                )
         head.backend = f"cpu {quantization} (Q8_0 head)"
     attach_attention_kernel(head, kv_cache_dtype)
     attach_elementwise_kernels(head)

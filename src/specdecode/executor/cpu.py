@@ -1,4 +1,5 @@
 """What this CPU can do: every speed choice is made per capability (AVX2, AVX-512 VNNI/BF16, AMX)."""
+
 from __future__ import annotations
 
 import ctypes

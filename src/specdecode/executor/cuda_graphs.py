@@ -9,6 +9,7 @@ the largest K, a model whose forward waits on the host, like a mixture of expert
 
 The same fixed-shape forward runs without capture on a CPU, where the tests check it against the eager one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,13 @@ def bucket_for(num_new: list[int], kv_len: int, max_keys: int) -> Bucket | None:
     positions a sequence's block table reaches."""
     keys = min(max(MIN_KEYS, _at_least(kv_len)), max_keys)
     bucket = Bucket(_at_least(len(num_new)), _at_least(max(num_new)), keys)
-    fits = (kv_len <= keys and bucket.seqs <= MAX_SEQS and bucket.rows <= MAX_VERIFY_WIDTH
-            and bucket.seqs * bucket.rows <= MAX_TOKENS and bucket.seqs * bucket.keys <= MAX_GATHERED_KEYS)
+    fits = (
+        kv_len <= keys
+        and bucket.seqs <= MAX_SEQS
+        and bucket.rows <= MAX_VERIFY_WIDTH
+        and bucket.seqs * bucket.rows <= MAX_TOKENS
+        and bucket.seqs * bucket.keys <= MAX_GATHERED_KEYS
+    )
     return bucket if fits else None
 
 
@@ -66,8 +72,8 @@ class StaticBatch:
         rows = bucket.seqs * bucket.rows
         self.ints = torch.zeros(3 * rows + bucket.seqs, dtype=torch.long, device=device)
         shape = (bucket.seqs, bucket.rows)
-        self.tokens, self.positions, self.slots = (self.ints[i * rows:(i + 1) * rows].view(shape) for i in range(3))
-        self.slot_index = self.ints[3 * rows:]
+        self.tokens, self.positions, self.slots = (self.ints[i * rows : (i + 1) * rows].view(shape) for i in range(3))
+        self.slot_index = self.ints[3 * rows :]
         self._per_forward: dict = {}  # see _derived
 
     def fill(self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int) -> None:
@@ -76,9 +82,9 @@ class StaticBatch:
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
             at = i * r
-            tokens[at:at + len(new)] = new
-            positions[at:at + len(new)] = range(start, start + len(new))
-            row_slots[at:at + len(new)] = [slot] * len(new)
+            tokens[at : at + len(new)] = new
+            positions[at : at + len(new)] = range(start, start + len(new))
+            row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
         self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
         self.forget()
@@ -91,8 +97,9 @@ class StaticBatch:
         cache.write_at(layer, self._derived("entries", lambda: cache.entries(self.slots, self.positions)), k, v)
 
     def load(self, cache: KVCache, layer: int):
-        return cache.read_blocks(layer, self._derived("blocks", lambda: cache.block_rows(self.slot_index, self.kv_len)),
-                                 self.kv_len)
+        return cache.read_blocks(
+            layer, self._derived("blocks", lambda: cache.block_rows(self.slot_index, self.kv_len)), self.kv_len
+        )
 
     def _derived(self, name, make):
         """What every layer reads the same (KV indices, masks): made by the first layer of a forward, so within
@@ -108,20 +115,29 @@ class StaticBatch:
         batch, heads, rows, dim = q.shape
         kv_heads = keys.shape[1]
         group = heads // kv_heads
-        mask = self._derived(("folded", window, group), lambda: self.mask_for(window)[:, :, None].expand(
-            batch, 1, group, rows, self.kv_len).reshape(batch, 1, group * rows, -1))
-        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * rows, dim), keys, values,
-                                             attn_mask=mask, scale=scale)
+        mask = self._derived(
+            ("folded", window, group),
+            lambda: (
+                self.mask_for(window)[:, :, None]
+                .expand(batch, 1, group, rows, self.kv_len)
+                .reshape(batch, 1, group * rows, -1)
+            ),
+        )
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, kv_heads, group * rows, dim), keys, values, attn_mask=mask, scale=scale
+        )
         return out.reshape(batch, heads, rows, dim)  # CUDA's kernels may return another layout
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """[B, 1, R, K]: a row sees the keys up to its own position (the last `window` of them where set)."""
+
         def make():
             keys = torch.arange(self.kv_len, device=self.ints.device)
             mask = keys <= self.positions[..., None]
             if window is not None:
                 mask &= keys > self.positions[..., None] - window
             return mask[:, None]
+
         return self._derived(("mask", window), make)
 
 
@@ -150,8 +166,7 @@ class BucketedForward:
         """The buckets prepared so far."""
         return list(self._entries)
 
-    def __call__(self, slots: list[int], starts: list[int], inputs: list[list[int]], logits: str,
-                 hidden: bool | str):
+    def __call__(self, slots: list[int], starts: list[int], inputs: list[list[int]], logits: str, hidden: bool | str):
         """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly."""
         num_new = [len(t) for t in inputs]
         bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
@@ -202,8 +217,14 @@ class BucketedForward:
         return graph, outputs
 
 
-def _selected(every_logit: torch.Tensor, every_hidden: torch.Tensor, rows: int, num_new: list[int], logits: str,
-              hidden: bool | str):
+def _selected(
+    every_logit: torch.Tensor,
+    every_hidden: torch.Tensor,
+    rows: int,
+    num_new: list[int],
+    logits: str,
+    hidden: bool | str,
+):
     """The rows the caller asked for, as Transformer.forward returns them (copies: a graph's outputs are
     overwritten by its next replay)."""
     last = [i * rows + n - 1 for i, n in enumerate(num_new)]
@@ -234,8 +255,9 @@ RECOMPILE_LIMIT = 64
 def _fixed_shapes():
     outer, _FIXED[0] = _FIXED[0], True
     try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                        accumulated_recompile_limit=16 * RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=16 * RECOMPILE_LIMIT
+        ):
             yield
     finally:
         _FIXED[0] = outer
@@ -316,8 +338,12 @@ def _try_compiled(compiled, device, dtype) -> None:
     x = torch.randn(3, 2, 8, device=device, dtype=dtype)
     weight = torch.nn.Parameter(torch.ones(8, device=device, dtype=dtype), requires_grad=False)  # as a norm's
     tolerance = max(2e-3, 8 * torch.finfo(dtype).eps)  # a few last places: the fused kernels round otherwise
-    cases = [(_rms_norm, (weight, 1e-6, x)), (_add_rms_norm, (weight, 1e-6, x, x)), (_silu_mul, (x,)),
-             (_rope, (x, x, x))]
+    cases = [
+        (_rms_norm, (weight, 1e-6, x)),
+        (_add_rms_norm, (weight, 1e-6, x, x)),
+        (_silu_mul, (x,)),
+        (_rope, (x, x, x)),
+    ]
     for fn, (eager, args) in zip(compiled, cases):
         got, want = fn(*args), eager(*args)
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):

@@ -1,6 +1,7 @@
 """RMSNorm (with the residual add before it) and SwiGLU by this package's kernel (kernels/norm.c): one
 call each where PyTorch runs about eight and three small operations, which at one token per step cost
 more than the arithmetic (docs/decisions.md#fused-norms-and-swiglu-on-the-cpu)."""
+
 from __future__ import annotations
 
 import torch
@@ -29,12 +30,18 @@ class NormKernel:
         out = torch.empty_like(x)
         rows, threads = x.numel() // dim, torch.get_num_threads()
         if residual is None:
-            _check(self.lib.rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps,
-                                     threads), "an RMSNorm")
+            _check(
+                self.lib.rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps, threads),
+                "an RMSNorm",
+            )
             return out
         residual = residual.contiguous()
-        _check(self.lib.add_rms_norm(residual.data_ptr(), x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows,
-                                     dim, norm.eps, threads), "an RMSNorm")
+        _check(
+            self.lib.add_rms_norm(
+                residual.data_ptr(), x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps, threads
+            ),
+            "an RMSNorm",
+        )
         return out, residual
 
 
@@ -48,8 +55,12 @@ class SiluMulKernel:
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
-        _check(self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
-                                 torch.get_num_threads()), "a SwiGLU")
+        _check(
+            self.lib.silu_mul(
+                gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads()
+            ),
+            "a SwiGLU",
+        )
         return out
 
 

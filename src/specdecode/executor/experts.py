@@ -2,6 +2,7 @@
 every row to its experts, reads each chosen expert's weights once for all the rows routed to it, and sums
 each row's experts in ascending order, where the PyTorch path makes three calls and a dozen small
 operations per expert (a decoded token of a 32-expert top-4 model: 96 experts a step)."""
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,10 @@ class ExpertsKernel:
         """The experts' buffer addresses, taken again when the modules' buffers have moved (to huge pages, say)."""
         now = self.gate_ups[0]._buffers_at
         if self._tables_for != now:
-            self._tables = tuple(torch.tensor([layer._buffers_at for layer in layers], dtype=torch.int64)
-                                 for layers in (self.gate_ups, self.downs))
+            self._tables = tuple(
+                torch.tensor([layer._buffers_at for layer in layers], dtype=torch.int64)
+                for layers in (self.gate_ups, self.downs)
+            )
             self._tables_for = now
         return self._tables
 
@@ -34,8 +37,14 @@ class ExpertsKernel:
     def applies(experts) -> bool:
         """Every expert's layers as single block layers of one format per kind, without padding rows."""
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
-        return all(isinstance(x, BlockLinear) and x.bias is None and x.rows == x.out_features
-                   and (x.format, x.S) == (kind[0].format, kind[0].S) for kind in layers for x in kind)
+        return all(
+            isinstance(x, BlockLinear)
+            and x.bias is None
+            and x.rows == x.out_features
+            and (x.format, x.S) == (kind[0].format, kind[0].S)
+            for kind in layers
+            for x in kind
+        )
 
     def __call__(self, moe, flat: torch.Tensor) -> torch.Tensor:
         flat = flat.float().contiguous()
@@ -44,11 +53,27 @@ class ExpertsKernel:
         y, top = torch.empty(rows, hidden), moe.gate.top_k
         chosen, weights = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, top)
         gate_up, down = self.tables()
-        _check(self.lib.lowbit_moe(*self.formats, flat.data_ptr(), rows, hidden, self.inter, len(gate_up),
-                                   router.data_ptr(), int(moe.gate.normalize), chosen.data_ptr(), weights.data_ptr(),
-                                   top, gate_up.data_ptr(), down.data_ptr(), y.data_ptr(), self.passes,
-                                   torch.get_num_threads()),
-               "a mixture of experts' MLP")
+        _check(
+            self.lib.lowbit_moe(
+                *self.formats,
+                flat.data_ptr(),
+                rows,
+                hidden,
+                self.inter,
+                len(gate_up),
+                router.data_ptr(),
+                int(moe.gate.normalize),
+                chosen.data_ptr(),
+                weights.data_ptr(),
+                top,
+                gate_up.data_ptr(),
+                down.data_ptr(),
+                y.data_ptr(),
+                self.passes,
+                torch.get_num_threads(),
+            ),
+            "a mixture of experts' MLP",
+        )
         return y
 
 

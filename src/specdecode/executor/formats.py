@@ -6,6 +6,7 @@ for the K formats d per super-block times an integer sc -- and a zero point or a
 them into the kernel's layout and `unpack` back; no value is changed on the way. `quantize_q8_0` and
 `quantize_4bit` make such arrays from float weights (float checkpoints, and drafts requantized to 4 bits).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -19,21 +20,28 @@ GROUP = 16  # output rows per group in the kernel's layout (one vector lane each
 @dataclass(frozen=True)
 class Format:
     name: str
-    id: int          # the kernel's format number
-    bits: int        # 3, 4, 5, 6 or 8 (signed)
-    sub: int         # weights per scale
-    zero: int        # integer zero point (0: none)
-    sc: str | None   # integer scale per sub-block: "u8", "i8" or None
+    id: int  # the kernel's format number
+    bits: int  # 3, 4, 5, 6 or 8 (signed)
+    sub: int  # weights per scale
+    zero: int  # integer zero point (0: none)
+    sc: str | None  # integer scale per sub-block: "u8", "i8" or None
     min: str | None  # float min per 32 weights: "d" (dmin), "d*mn" (dmin times an integer mn) or None
 
 
-FORMATS = {f.name: f for f in (
-    Format("Q4_0", 0, 4, 32, 8, None, None), Format("Q4_1", 1, 4, 32, 0, None, "d"),
-    Format("Q5_0", 2, 5, 32, 16, None, None), Format("Q5_1", 3, 5, 32, 0, None, "d"),
-    Format("Q8_0", 4, 8, 32, 0, None, None), Format("Q4_K", 5, 4, 32, 0, "u8", "d*mn"),
-    Format("Q5_K", 6, 5, 32, 0, "u8", "d*mn"), Format("Q6_K", 7, 6, 16, 32, "i8", None),
-    Format("Q3_K", 8, 3, 16, 4, "i8", None),
-)}
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("Q4_0", 0, 4, 32, 8, None, None),
+        Format("Q4_1", 1, 4, 32, 0, None, "d"),
+        Format("Q5_0", 2, 5, 32, 16, None, None),
+        Format("Q5_1", 3, 5, 32, 0, None, "d"),
+        Format("Q8_0", 4, 8, 32, 0, None, None),
+        Format("Q4_K", 5, 4, 32, 0, "u8", "d*mn"),
+        Format("Q5_K", 6, 5, 32, 0, "u8", "d*mn"),
+        Format("Q6_K", 7, 6, 16, 32, "i8", None),
+        Format("Q3_K", 8, 3, 16, 4, "i8", None),
+    )
+}
 BY_ID = {f.id: f for f in FORMATS.values()}
 
 
@@ -41,6 +49,7 @@ BY_ID = {f.id: f for f in FORMATS.values()}
 class BlockArrays:
     """One tensor in a format, per output row: q [rows, K] (uint8; int8 for Q8_0), sc [rows, K/sub],
     mn [rows, K/32], d [rows, K/sub/S], dmin [rows, K/32/S] (float32); S sub-blocks share a d."""
+
     format: Format
     q: torch.Tensor
     d: torch.Tensor
@@ -97,26 +106,41 @@ def split(qtype: T, blocks: torch.Tensor) -> BlockArrays:
     fmt = FORMATS.get(qtype.name)
     if fmt is None:
         raise ValueError(f"no kernel for GGUF type {qtype.name}")
-    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
-            "Q3_K": 110}
+    size = {
+        "Q4_0": 18,
+        "Q4_1": 20,
+        "Q5_0": 22,
+        "Q5_1": 24,
+        "Q8_0": 34,
+        "Q4_K": 144,
+        "Q5_K": 176,
+        "Q6_K": 210,
+        "Q3_K": 110,
+    }
     b = blocks.reshape(rows, -1, size[fmt.name])
     flat = lambda t: t.reshape(rows, -1)  # noqa: E731
     if fmt.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         has_min, five = fmt.min is not None, fmt.bits == 5
         at = 4 if has_min else 2
-        q = _nibbles(b[..., at + 4 * five:])
+        q = _nibbles(b[..., at + 4 * five :])
         if five:
-            q = q | _fifth_bits(b[..., at:at + 4])
-        return BlockArrays(fmt, flat(q).to(torch.uint8), flat(_f16(b[..., 0:2])),
-                           dmin=flat(-_f16(b[..., 2:4])) if has_min else None)
+            q = q | _fifth_bits(b[..., at : at + 4])
+        return BlockArrays(
+            fmt, flat(q).to(torch.uint8), flat(_f16(b[..., 0:2])), dmin=flat(-_f16(b[..., 2:4])) if has_min else None
+        )
     if fmt.name == "Q8_0":
         return BlockArrays(fmt, flat(b[..., 2:].contiguous().view(torch.int8)), flat(_f16(b[..., 0:2])))
     if fmt.name == "Q6_K":
         ql, qh = b[..., :128].reshape(rows, -1, 2, 64), b[..., 128:192].reshape(rows, -1, 2, 32)
         low = torch.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=-2)
         top = torch.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
-        return BlockArrays(fmt, flat(low | (top << 4)), flat(_f16(b[..., 208:210])), S=16,
-                           sc=flat(b[..., 192:208].contiguous().view(torch.int8)))
+        return BlockArrays(
+            fmt,
+            flat(low | (top << 4)),
+            flat(_f16(b[..., 208:210])),
+            S=16,
+            sc=flat(b[..., 192:208].contiguous().view(torch.int8)),
+        )
     if fmt.name == "Q3_K":
         return _split_q3_k(fmt, b, rows)
     sc, mn = _k_scales(b[..., 4:16])  # Q4_K, Q5_K
@@ -126,8 +150,9 @@ def split(qtype: T, blocks: torch.Tensor) -> BlockArrays:
         low = _nibbles(b[..., 48:].reshape(rows, -1, 4, 32)).reshape(rows, -1, 8, 32)
         qh = b[..., 16:48].unsqueeze(-2)  # bit i of byte l: weight l of sub-block i
         q = low | (((qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
-    return BlockArrays(fmt, flat(q), flat(_f16(b[..., 0:2])), S=8, sc=flat(sc), mn=flat(mn),
-                       dmin=flat(_f16(b[..., 2:4])))
+    return BlockArrays(
+        fmt, flat(q), flat(_f16(b[..., 0:2])), S=8, sc=flat(sc), mn=flat(mn), dmin=flat(_f16(b[..., 2:4]))
+    )
 
 
 def _split_q3_k(fmt: Format, b: torch.Tensor, rows: int) -> BlockArrays:
@@ -140,8 +165,13 @@ def _split_q3_k(fmt: Format, b: torch.Tensor, rows: int) -> BlockArrays:
     nibbles = torch.cat([packed[..., :8] & 0xF, packed[..., :8] >> 4], dim=-1)
     tops = torch.cat([(packed[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
     sc = ((nibbles | (tops << 4)).to(torch.int16) - 32).to(torch.int8)
-    return BlockArrays(fmt, (low | (high << 2)).reshape(rows, -1), _f16(b[..., 108:110]).reshape(rows, -1), S=16,
-                       sc=sc.reshape(rows, -1))
+    return BlockArrays(
+        fmt,
+        (low | (high << 2)).reshape(rows, -1),
+        _f16(b[..., 108:110]).reshape(rows, -1),
+        S=16,
+        sc=sc.reshape(rows, -1),
+    )
 
 
 # ---- BlockArrays <-> the kernel's layout ---------------------------------------------------------------------
@@ -214,5 +244,12 @@ def quantize_4bit(w: torch.Tensor) -> BlockArrays:
     mn = (shift / dmin[..., None]).round().clamp(0, 255)
     scale, offset = (d[..., None] * sc).reshape(rows, nsub, 1), (dmin[..., None] * mn).reshape(rows, nsub, 1)
     q = ((g + offset) / scale).round().clamp(0, 15).to(torch.uint8).reshape(rows, cols)
-    return BlockArrays(FORMATS["Q4_K"], q, d, S=per_super, sc=sc.to(torch.uint8).reshape(rows, -1),
-                       mn=mn.to(torch.uint8).reshape(rows, -1), dmin=dmin)
+    return BlockArrays(
+        FORMATS["Q4_K"],
+        q,
+        d,
+        S=per_super,
+        sc=sc.to(torch.uint8).reshape(rows, -1),
+        mn=mn.to(torch.uint8).reshape(rows, -1),
+        dmin=dmin,
+    )

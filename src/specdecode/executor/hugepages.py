@@ -6,6 +6,7 @@ hardware prefetchers stop at every page's end. On 2 MB pages neither happens. We
 cache file sit in the page cache, which has no huge pages, so they are copied once into one anonymous
 arena that does. Where the kernel refuses (another OS, THP set to "never") the memory stays on small
 pages and everything works as before."""
+
 from __future__ import annotations
 
 import ctypes
@@ -61,7 +62,7 @@ def huge_page_empty(nbytes: int) -> tuple[torch.Tensor, bool]:
         return torch.empty(nbytes, dtype=torch.uint8), False
     padded = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     skip = -padded.data_ptr() % HUGE_PAGE
-    tensor = padded[skip:skip + nbytes]
+    tensor = padded[skip : skip + nbytes]
     return tensor, madvise(tensor.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) == 0
 
 
@@ -91,7 +92,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     if not advised:
         return 0
     for storage, at in storages.values():
-        arena[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        arena[at : at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     _collapse(arena)
 
     def in_arena(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
         if t.device.type != "cpu" or storage.data_ptr() not in storages:
             return t
         _, at = storages[storage.data_ptr()]
-        whole = arena[at:at + storage.nbytes()].view(t.dtype)
+        whole = arena[at : at + storage.nbytes()].view(t.dtype)
         return whole.as_strided(t.shape, t.stride(), whole.storage_offset() + t.storage_offset())
 
     with torch.no_grad():

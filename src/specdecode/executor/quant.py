@@ -11,6 +11,7 @@ reproduces plain decoding exactly):
 - `W8A16Linear`: int8 weights, bf16 activations (torch's weight-only int8 kernel).
 `ConcatLinear` stacks layers of different formats (a fused q/k/v whose parts are stored differently).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,12 +22,15 @@ from .cpu import touch_pages
 from .formats import BY_ID, GROUP, BlockArrays, Format, pack, unpack
 
 ARRAYS = ("lo", "hi", "sc", "mn", "d", "dmin")  # the kernel's buffers, in its argument order
-_KERNEL_ERRORS = {-1: "unknown weight format",
-                  -2: "input width not a multiple of 32 below 2^24, or output rows not of 16",
-                  -3: "input width not a whole number of super-blocks (of under 4,096 sub-blocks)",
-                  -4: "a buffer the format needs is missing",
-                  -5: "out of memory for the quantized activations", -6: "a token id outside the table",
-                  -7: "activation passes other than 1 or 2"}
+_KERNEL_ERRORS = {
+    -1: "unknown weight format",
+    -2: "input width not a multiple of 32 below 2^24, or output rows not of 16",
+    -3: "input width not a whole number of super-blocks (of under 4,096 sub-blocks)",
+    -4: "a buffer the format needs is missing",
+    -5: "out of memory for the quantized activations",
+    -6: "a token id outside the table",
+    -7: "activation passes other than 1 or 2",
+}
 
 
 def lowbit_kernel():
@@ -53,9 +57,16 @@ class BlockLinear(nn.Module):
     (again if the module is moved): a decode step makes ~100 such calls, and per-call Python work would
     cost more than the smaller layers' kernels."""
 
-    def __init__(self, arrays: BlockArrays | None = None, bias: torch.Tensor | None = None, *,
-                 packed: dict[str, torch.Tensor] | None = None, fmt: Format | None = None, S: int = 1,
-                 out_features: int | None = None):
+    def __init__(
+        self,
+        arrays: BlockArrays | None = None,
+        bias: torch.Tensor | None = None,
+        *,
+        packed: dict[str, torch.Tensor] | None = None,
+        fmt: Format | None = None,
+        S: int = 1,
+        out_features: int | None = None,
+    ):
         super().__init__()
         if arrays is not None:
             packed, fmt, S, out_features = pack(arrays), arrays.format, arrays.S, arrays.rows
@@ -89,18 +100,30 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
-            raise SpecDecodeError(f"a {self.format.name} layer of {self.in_features} input features was given "
-                                  f"{x.shape[-1]}")
+            raise SpecDecodeError(
+                f"a {self.format.name} layer of {self.in_features} input features was given {x.shape[-1]}"
+            )
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.rows)
-        _check(self.lib.lowbit_linear(self.format.id, rows.data_ptr(), rows.shape[0], self.in_features, self.rows,
-                                      self.S, *self._buffers_at, y.data_ptr(), self.passes,
-                                      torch.get_num_threads()),
-               f"a {self.format.name} product")
+        _check(
+            self.lib.lowbit_linear(
+                self.format.id,
+                rows.data_ptr(),
+                rows.shape[0],
+                self.in_features,
+                self.rows,
+                self.S,
+                *self._buffers_at,
+                y.data_ptr(),
+                self.passes,
+                torch.get_num_threads(),
+            ),
+            f"a {self.format.name} product",
+        )
         if self.rows != self.out_features:
-            y = y[:, :self.out_features]
+            y = y[:, : self.out_features]
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -109,8 +132,19 @@ class BlockLinear(nn.Module):
         ids = torch.arange(self.out_features) if ids is None else ids
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(len(ids), self.in_features)
-        _check(self.lib.lowbit_dequantize_rows(self.format.id, self.in_features, self.rows, self.S, *self._buffers_at,
-                                               ids.data_ptr(), len(ids), out.data_ptr()), "a row lookup")
+        _check(
+            self.lib.lowbit_dequantize_rows(
+                self.format.id,
+                self.in_features,
+                self.rows,
+                self.S,
+                *self._buffers_at,
+                ids.data_ptr(),
+                len(ids),
+                out.data_ptr(),
+            ),
+            "a row lookup",
+        )
         return out
 
     def arrays(self) -> BlockArrays:
@@ -166,8 +200,13 @@ class W8A16Linear(nn.Module):
     """int8 weights (per output channel) with bf16 activations, by `torch._weight_int8pack_mm`. Always bf16:
     with float32 activations the kernel takes a scalar path slower than the float32 GEMM it replaces."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
@@ -189,8 +228,9 @@ def w8a16_supported(device: torch.device | str) -> bool:
     """The weight-only int8 op has CPU (and MPS) kernels."""
     try:
         x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
-        torch._weight_int8pack_mm(x, torch.zeros(8, 32, dtype=torch.int8, device=device),
-                                  torch.ones(8, dtype=torch.bfloat16, device=device))
+        torch._weight_int8pack_mm(
+            x, torch.zeros(8, 32, dtype=torch.int8, device=device), torch.ones(8, dtype=torch.bfloat16, device=device)
+        )
         return True
     except (RuntimeError, NotImplementedError, AttributeError):
         return False

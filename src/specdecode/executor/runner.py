@@ -17,6 +17,7 @@ a finished sequence's last block when it is freed. Scopes keep one tenant's bloc
 prefill, which would tell them what the other sent. Blocks no slot holds stay findable until the pool needs
 them, the one released longest ago first.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,15 @@ PREFILL_CHUNK = 2048
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_slots: int, max_len: int, reuse_prefixes: bool = False,
-                 num_blocks: int | None = None, fixed_shapes: bool | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        num_slots: int,
+        max_len: int,
+        reuse_prefixes: bool = False,
+        num_blocks: int | None = None,
+        fixed_shapes: bool | None = None,
+    ):
         """num_slots sequences of at most max_len tokens over num_blocks KV blocks (default: enough for every
         slot at max_len; the memory plan sets fewer under a budget). fixed_shapes: decode and verify forwards
         at bucket shapes (executor/cuda_graphs.py), captured as CUDA graphs on a GPU; None: on a GPU, unless the
@@ -48,8 +56,9 @@ class ModelRunner:
         if model.device.type == "cpu":
             keep_freed_memory()
         fixed_shapes = fixed_shapes_by_default(model) if fixed_shapes is None else fixed_shapes
-        self._cache = KVCache(model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks,
-                              scratch=fixed_shapes)
+        self._cache = KVCache(
+            model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks, scratch=fixed_shapes
+        )
         self._fixed = BucketedForward(model, self._cache, capture=model.device.type == "cuda") if fixed_shapes else None
         if self._fixed is not None and self._fixed.capture:
             fuse_elementwise(model)
@@ -167,8 +176,10 @@ class ModelRunner:
     def commit(self, slot: int, length: int) -> None:
         """The slot's first `length` tokens are final; entries written past them are dropped."""
         if not self._cache.lengths[slot] <= length <= self._written[slot]:
-            raise ValueError(f"slot {slot}: cannot commit {length} tokens (committed "
-                             f"{self._cache.lengths[slot]}, written {self._written[slot]})")
+            raise ValueError(
+                f"slot {slot}: cannot commit {length} tokens (committed "
+                f"{self._cache.lengths[slot]}, written {self._written[slot]})"
+            )
         self._cut(slot, length)
         self._publish(slot, length)
 
@@ -180,7 +191,7 @@ class ModelRunner:
         self._cache.truncate(slot, length, forget)
         self._written[slot] = length
         del self._tokens[slot][length:]
-        del self._chain[slot][length // self.block_size:]
+        del self._chain[slot][length // self.block_size :]
 
     def copy_slot(self, source: int, dest: int) -> None:
         """dest continues from source's committed tokens (n outputs of one prompt share its prefill, and its
@@ -189,7 +200,7 @@ class ModelRunner:
         n = self._written[dest] = self._cache.lengths[dest]
         self._tokens[dest] = self._tokens[source][:n]
         self._scope[dest] = self._scope[source]
-        self._chain[dest] = self._chain[source][:n // self.block_size]
+        self._chain[dest] = self._chain[source][: n // self.block_size]
 
     def assume_cached(self, slot: int, length: int) -> None:
         """Treat `length` positions as context without computing them: for timing forwards, where the
@@ -199,8 +210,14 @@ class ModelRunner:
         self._tokens[slot], self._scope[slot] = [-1] * length, None
 
     # ---- the forward -----------------------------------------------------------------------------------
-    def forward(self, slots: list[int], inputs: list[list[int]], logits: str = "last", hidden: bool | str = False,
-                features: list[torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        slots: list[int],
+        inputs: list[list[int]],
+        logits: str = "last",
+        hidden: bool | str = False,
+        features: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run new tokens (a different number per sequence) after each slot's committed tokens.
 
         logits: "last" (the last new token of each sequence) or "all" (every new token), flat in
@@ -221,8 +238,8 @@ class ModelRunner:
         start, outs = self._cache.lengths[slot], []
         for at in range(0, len(tokens), PREFILL_CHUNK):
             last = at + PREFILL_CHUNK >= len(tokens)
-            part = None if features is None else [features[0][at:at + PREFILL_CHUNK]]
-            out = self._forward_call([slot], [tokens[at:at + PREFILL_CHUNK]], logits, hidden, part, [start + at])
+            part = None if features is None else [features[0][at : at + PREFILL_CHUNK]]
+            out = self._forward_call([slot], [tokens[at : at + PREFILL_CHUNK]], logits, hidden, part, [start + at])
             if logits == "all" or last:
                 outs.append(out if isinstance(out, tuple) else (out,))
             elif hidden == "all":  # every row's hidden state, the logits of the last only
@@ -239,8 +256,13 @@ class ModelRunner:
         calls = [[i] for i in long] + ([short] if short else [])
         parts: list[list[torch.Tensor]] = [[] for _ in inputs]  # per sequence: its logits (and hidden) rows
         for group in calls:
-            out = self._forward_call([slots[i] for i in group], [inputs[i] for i in group], logits, hidden,
-                                     None if features is None else [features[i] for i in group])
+            out = self._forward_call(
+                [slots[i] for i in group],
+                [inputs[i] for i in group],
+                logits,
+                hidden,
+                None if features is None else [features[i] for i in group],
+            )
             lengths = [len(inputs[i]) for i in group]
             for tensor in out if isinstance(out, tuple) else (out,):
                 # a row per new token or a row per sequence (the two agree when every input is one token)
@@ -262,8 +284,9 @@ class ModelRunner:
         if self._fixed is not None and features is None:
             out = self._fixed(slots, starts, inputs, logits, hidden)
         if out is None:
-            batch = ForwardBatch.build(slots, starts, lengths, self.max_len, self.device, logits=logits,
-                                       rowwise_width=self._rowwise_width())
+            batch = ForwardBatch.build(
+                slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
+            )
             tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
             extra = {} if features is None else {"features": self._batched(batch, features)}
             out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)

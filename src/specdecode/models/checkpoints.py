@@ -2,6 +2,7 @@
 Llama and Qwen2 name them, each expert apart ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", the router
 "model.layers.{i}.mlp.gate.weight"), norms as the runtime multiplies them, and a GGUF file's RoPE frequency
 factors as "model.rope_freqs"."""
+
 from __future__ import annotations
 
 import re
@@ -53,16 +54,29 @@ def _canonical_hf(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
 # ---- GGUF ----------------------------------------------------------------------------------------------
 
 GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # where the attention output has a norm of its own (Gemma), ffn_norm is the one before the MLP
 SANDWICH_LAYER = {**GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm"}
-GGUF_EXPERTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
-                "ffn_gate_up_exps": ("gate_proj", "up_proj")}
+GGUF_EXPERTS = {
+    "ffn_gate_exps": ("gate_proj",),
+    "ffn_up_exps": ("up_proj",),
+    "ffn_down_exps": ("down_proj",),
+    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
+}
 GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -81,8 +95,10 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
     if kind in GGUF_EXPERTS:
         parts = GGUF_EXPERTS[kind]
         size = rows // len(parts)
-        return [(f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}", slice(i * size, (i + 1) * size))
-                for i, p in enumerate(parts)]
+        return [
+            (f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}", slice(i * size, (i + 1) * size))
+            for i, p in enumerate(parts)
+        ]
     if kind == "attn_qkv":
         q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
         bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
@@ -94,5 +110,7 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
 
 
 def _unknown_tensor(name: str) -> SpecDecodeError:
-    return SpecDecodeError(f"the GGUF file holds a tensor {name!r} that this runtime does not compute; the file is "
-                           "refused rather than run without it")
+    return SpecDecodeError(
+        f"the GGUF file holds a tensor {name!r} that this runtime does not compute; the file is "
+        "refused rather than run without it"
+    )

@@ -10,6 +10,7 @@ The head owns only its input norms, the fusing projection and the layer; the emb
 LM head rows are the target's, shared at load time. A file holds the owned weights, the draft
 vocabulary (`vocab_ids`) and a JSON beside it naming the target by a fingerprint of its weights, so a
 head is never run on a target it was not trained for."""
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,13 @@ class HeadSpec:
     def layer_config(self, target: ModelConfig) -> ModelConfig:
         """The head's layer: a Llama layer at the target's width and heads, whatever the target's family (the
         head is a design of its own; only RoPE follows the target's global layers, see DraftHead)."""
-        plain = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING and f.name not in
-                 ("rope_theta", "rms_norm_eps", "max_position", "qkv_bias", "tie_word_embeddings", "head_dim")}
+        plain = {
+            f.name: f.default
+            for f in fields(ModelConfig)
+            if f.default is not MISSING
+            and f.name
+            not in ("rope_theta", "rms_norm_eps", "max_position", "qkv_bias", "tie_word_embeddings", "head_dim")
+        }
         return replace(target, num_layers=1, intermediate_size=self.intermediate_size, **plain)
 
 
@@ -104,8 +110,14 @@ class DraftHead(nn.Module):
         modules = [self.get_submodule(name) for name in self.OWNED] + [self.lm_head]
         return tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
 
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache, return_hidden: bool | str = False,
-                features: torch.Tensor | None = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        cache,
+        return_hidden: bool | str = False,
+        features: torch.Tensor | None = None,
+    ):
         """tokens [B, T] and features [B, T, hidden] after each slot's cached rows -> logits over the draft
         vocabulary for the batch's logit rows, and with return_hidden the estimated next features of the
         same rows. (Training runs `unrolled`, which computes the same rounds for every row at once.)"""
@@ -118,8 +130,9 @@ class DraftHead(nn.Module):
             x, residual = self.layers[0](x, None, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
             return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
-    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor,
-                 steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def unrolled(
+        self, tokens: torch.Tensor, features: torch.Tensor, steps: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Training-time test: (logits [B*T, V], estimates [B*T, hidden]) for each of `steps` drafting rounds
         at every row, as drafting computes them. Round s at position q reads round s-1's estimate at q-1
         (round 0 reads the target's features) beside token q + 1, and attends to the rows drafting would have
@@ -139,8 +152,9 @@ class DraftHead(nn.Module):
             keys.append(k)
             values.append(v)
             mask = _unrolled_mask(step, width, features.device)
-            attended = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                                      enable_gqa=True)
+            attended = F.scaled_dot_product_attention(
+                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
+            )
             attended = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
             h, residual = layer.post_attention_layernorm(attended, x)
             out.append(self._output(_estimate(features, layer.mlp(h), residual), None, True))
@@ -203,8 +217,10 @@ def read_head(path: str) -> tuple[HeadSpec, dict[str, torch.Tensor]]:
     base = head_base(path)
     missing = [p for p in (base + ".json", base + ".safetensors") if not os.path.exists(p)]
     if missing:
-        raise SpecDecodeError(f"draft head {path!r}: {', '.join(missing)} not found; train one with "
-                              "`specdecode distill --out PATH` or pass an existing head's path")
+        raise SpecDecodeError(
+            f"draft head {path!r}: {', '.join(missing)} not found; train one with "
+            "`specdecode distill --out PATH` or pass an existing head's path"
+        )
     with open(base + ".json") as f:
         spec = HeadSpec(**json.load(f))
     if spec.architecture != ARCHITECTURE:
@@ -212,14 +228,16 @@ def read_head(path: str) -> tuple[HeadSpec, dict[str, torch.Tensor]]:
     return spec, load_file(base + ".safetensors")
 
 
-def build_head(spec: HeadSpec, tensors: dict[str, torch.Tensor] | None, target: Transformer,
-               vocab_ids: torch.Tensor | None = None) -> DraftHead:
+def build_head(
+    spec: HeadSpec, tensors: dict[str, torch.Tensor] | None, target: Transformer, vocab_ids: torch.Tensor | None = None
+) -> DraftHead:
     """A head for `target` from stored weights (or freshly initialised ones, to train), in float32."""
     if tensors is not None and spec.target_fingerprint != target_fingerprint(target):
         raise SpecDecodeError(
             f"this draft head was trained for {spec.target_name!r} (fingerprint {spec.target_fingerprint}), and "
             f"the target here is another model (fingerprint {target_fingerprint(target)}); train a head for it "
-            "with `specdecode distill --model <target>`")
+            "with `specdecode distill --model <target>`"
+        )
     ids = (tensors["vocab_ids"] if tensors is not None else vocab_ids).long().to(target.device)
     head = DraftHead(spec.layer_config(target.cfg), target, ids)
     if tensors is not None:
@@ -227,8 +245,9 @@ def build_head(spec: HeadSpec, tensors: dict[str, torch.Tensor] | None, target: 
         missing, unexpected = head.load_state_dict(owned, strict=False)
         unexpected_owned = [k for k in missing if k.split(".")[0] in DraftHead.OWNED]
         if unexpected_owned or unexpected:
-            raise SpecDecodeError(f"draft head file does not match its spec: missing {unexpected_owned}, "
-                                  f"unexpected {unexpected}")
+            raise SpecDecodeError(
+                f"draft head file does not match its spec: missing {unexpected_owned}, unexpected {unexpected}"
+            )
     else:
         init_head(head)
     return head.to(target.device)
@@ -243,4 +262,3 @@ def init_head(head: DraftHead) -> None:
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-

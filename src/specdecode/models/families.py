@@ -5,6 +5,7 @@ runtime does not implement is refused by name: a model that loads computes what 
 Each family's reference is its transformers implementation (config.json) and its llama.cpp graph (GGUF,
 where llama.cpp's converter and graph decide what a file means: Gemma 3's query scale and layer pattern,
 Qwen3-MoE's normalised expert weights)."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def refuse(field: str, value: Any, supported: str) -> SpecDecodeError:
-    return SpecDecodeError(f"this model's {field} is {value!r}, which specdecode does not implement "
-                           f"(supported: {supported}); it is refused rather than computed wrongly")
+    return SpecDecodeError(
+        f"this model's {field} is {value!r}, which specdecode does not implement "
+        f"(supported: {supported}); it is refused rather than computed wrongly"
+    )
 
 
 # ---- config.json ---------------------------------------------------------------------------------------
@@ -32,8 +35,10 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     """The description of a Hugging Face checkpoint, from its config.json."""
     family = cfg.get("model_type", "llama")
     if family == "gemma3" and "text_config" in cfg:
-        raise SpecDecodeError("this is a multimodal Gemma 3 checkpoint (model_type 'gemma3'); specdecode runs text "
-                              "models: use a Gemma 3 text checkpoint (model_type 'gemma3_text') or its GGUF")
+        raise SpecDecodeError(
+            "this is a multimodal Gemma 3 checkpoint (model_type 'gemma3'); specdecode runs text "
+            "models: use a Gemma 3 text checkpoint (model_type 'gemma3_text') or its GGUF"
+        )
     if family not in HF_FAMILIES:
         raise refuse("model_type", family, ", ".join(HF_FAMILIES))
     _check_common_fields(cfg, family)
@@ -76,8 +81,13 @@ def _check_common_fields(cfg: dict, family: str) -> None:
         raise refuse("hidden_act", activation, ", ".join(allowed))
     if family != "qwen2" and cfg.get("attention_bias"):
         raise refuse("attention_bias", True, "false (biased q/k/v are Qwen2's only)")
-    for name in ("mlp_bias", "use_bidirectional_attention", "attn_logit_softcapping", "final_logit_softcapping",
-                 "quantization_config"):
+    for name in (
+        "mlp_bias",
+        "use_bidirectional_attention",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "quantization_config",
+    ):
         if cfg.get(name):
             raise refuse(name, cfg[name], "unset or false")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -107,8 +117,11 @@ def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, ()
-    keys = ("factor",) if rope_type == "linear" else (
-        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    keys = (
+        ("factor",)
+        if rope_type == "linear"
+        else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
     missing = [k for k in keys if k not in params]
     if missing:
         raise SpecDecodeError(f"this model's {field} is of type {rope_type!r} but has no {missing[0]}")
@@ -144,9 +157,13 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         return dict(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2))
     layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
     dense = {i for i in range(layers) if i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step}
-    return dict(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 8),
-                expert_intermediate_size=cfg.get("moe_intermediate_size"),
-                normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)), dense_layers=tuple(sorted(dense)))
+    return dict(
+        num_experts=experts,
+        experts_per_token=cfg.get("num_experts_per_tok", 8),
+        expert_intermediate_size=cfg.get("moe_intermediate_size"),
+        normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=tuple(sorted(dense)),
+    )
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------
@@ -260,6 +277,10 @@ def _gguf_experts(key, names: set[str], layers: int) -> dict:
     if not experts:
         return {}
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
-    return dict(num_experts=experts, experts_per_token=key("expert_used_count"),
-                expert_intermediate_size=key("expert_feed_forward_length"),
-                normalize_expert_weights=bool(key("expert_weights_norm", True)), dense_layers=dense)
+    return dict(
+        num_experts=experts,
+        experts_per_token=key("expert_used_count"),
+        expert_intermediate_size=key("expert_feed_forward_length"),
+        normalize_expert_weights=bool(key("expert_weights_norm", True)),
+        dense_layers=dense,
+    )

@@ -2,6 +2,7 @@
 for the weight types the low-bit kernel computes as stored, their blocks. Any type `gguf` can dequantize
 loads (Q2_K, the IQ and TQ types, MXFP4...): a low-bit backend requantizes what it cannot compute as
 stored, at more bytes per weight than the file's, and says so."""
+
 from __future__ import annotations
 
 import warnings
@@ -33,12 +34,14 @@ def dequantize_tensor(tensor) -> np.ndarray:
     except NotImplementedError:
         raise SpecDecodeError(
             f"tensor {tensor.name} uses GGUF type {tensor.tensor_type.name}, which the gguf package cannot "
-            "dequantize; use a file quantized as Q4_K_M, Q8_0 or F16 (or another llama.cpp k- or i-quant)") from None
+            "dequantize; use a file quantized as Q4_K_M, Q8_0 or F16 (or another llama.cpp k- or i-quant)"
+        ) from None
     return values.reshape(shape).astype(np.float32, copy=False)
 
 
-def iter_gguf_tensors(path: str, progress: bool = True, raw_types: frozenset = frozenset()
-                      ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | RawTensor]]]:
+def iter_gguf_tensors(
+    path: str, progress: bool = True, raw_types: frozenset = frozenset()
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | RawTensor]]]:
     """The architecture, and the tensors as (runtime name, float32 tensor; models/checkpoints.py), dequantized
     one at a time as they are consumed (the file is memory-mapped: nothing else is read). Weights of a type in
     `raw_types` come as their GGUF blocks instead, one row of blocks per output row; a tensor of stacked
@@ -51,8 +54,9 @@ def iter_gguf_tensors(path: str, progress: bool = True, raw_types: frozenset = f
     def tensors():
         if raw_types:
             _warn_of_requantized_types(reader, raw_types)
-        for t in tqdm(reader.tensors, desc=f"loading {path.rsplit('/', 1)[-1]}", unit="tensor",
-                      disable=not progress, leave=False):
+        for t in tqdm(
+            reader.tensors, desc=f"loading {path.rsplit('/', 1)[-1]}", unit="tensor", disable=not progress, leave=False
+        ):
             raw = t.tensor_type in raw_types and t.name.endswith(".weight") and len(t.shape) in (2, 3)
             w = np.asarray(t.data) if raw else dequantize_tensor(t)
             for expert, matrix in enumerate(w) if len(t.shape) == 3 else [(None, w)]:
@@ -76,17 +80,26 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 
 def _warn_of_requantized_types(reader: GGUFReader, raw_types: frozenset) -> None:
     """Block types of the file's weights that a low-bit backend will requantize instead of computing."""
-    other = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) in (2, 3)
-                    and t.tensor_type not in raw_types | FLOAT_TYPES})
+    other = sorted(
+        {
+            t.tensor_type.name
+            for t in reader.tensors
+            if len(t.shape) in (2, 3) and t.tensor_type not in raw_types | FLOAT_TYPES
+        }
+    )
     if other:
-        warnings.warn(f"weights in {', '.join(other)} are not computed as stored: they are requantized (Q8_0; 4 "
-                      f"bits under w4a8-all), more bytes per token than the file (computed as stored: "
-                      f"{', '.join(sorted(t.name for t in raw_types))})", stacklevel=3)
+        warnings.warn(
+            f"weights in {', '.join(other)} are not computed as stored: they are requantized (Q8_0; 4 "
+            f"bits under w4a8-all), more bytes per token than the file (computed as stored: "
+            f"{', '.join(sorted(t.name for t in raw_types))})",
+            stacklevel=3,
+        )
 
 
 @dataclass
 class RawTensor:
     """A GGUF weight as stored: `blocks` [rows, bytes per row] of type `qtype`, `columns` weights per row."""
+
     qtype: GGMLQuantizationType
     columns: int
     blocks: torch.Tensor

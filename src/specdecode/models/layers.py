@@ -1,6 +1,7 @@
 """The runtime's building blocks: row-invariant linear maps, RMSNorm, RoPE and its scalings, gated MLPs and
 a mixture of experts. Each computes a token's output the same whatever other rows are computed with it, so
 a token's logits are identical whether it is decoded alone or verified beside drafts."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Load a model by name: weights (with an on-disk cache of dequantized GGUF weights) and tokenizer."""
+
 from __future__ import annotations
 
 import hashlib
@@ -38,9 +39,15 @@ def load_tokenizer(name: str) -> Tokenizer:
     return Tokenizer.from_pretrained(source.path)
 
 
-def load_model(name: str, device: str | None = None, dtype: str | torch.dtype = "auto",
-               progress: bool = True, quantization: str = "auto", draft: bool = False,
-               kv_cache_dtype: str = "auto") -> LoadedModel:
+def load_model(
+    name: str,
+    device: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    progress: bool = True,
+    quantization: str = "auto",
+    draft: bool = False,
+    kv_cache_dtype: str = "auto",
+) -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
@@ -76,8 +83,9 @@ def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[
     return _load_hf_checkpoint(source.path)
 
 
-def load_low_bit_weights(name: str, quantization: str, progress: bool = True
-                         ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_low_bit_weights(
+    name: str, quantization: str, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Linear weights (and the embedding) in the block kernel's layout (GGUF formats as stored for w4a8;
     see executor.backends), or int8 rows with a `weight_scale` for w8a16; the rest float32.
 

@@ -5,6 +5,7 @@ head, experts.
 One `forward` serves prefill, single-token decode and multi-token verification: the input is a
 batch of sequences, each with its own cache slot, start position and number of new tokens.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,8 +43,16 @@ class ForwardBatch:
     rowwise: list[tuple[int, list[int]]] | None = None
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], num_new: list[int], max_len: int, device,
-              logits: str = "last", rowwise_width: float = ROWWISE_ATTENTION_MAX_WIDTH) -> "ForwardBatch":
+    def build(
+        cls,
+        slots: list[int],
+        starts: list[int],
+        num_new: list[int],
+        max_len: int,
+        device,
+        logits: str = "last",
+        rowwise_width: float = ROWWISE_ATTENTION_MAX_WIDTH,
+    ) -> "ForwardBatch":
         """`logits`: "last" (last new token of each sequence) or "all" (every valid new token).
         `rowwise_width`: the widest call that is packed and attended row by row."""
         batch, width = len(slots), max(num_new)
@@ -84,8 +93,9 @@ class ForwardBatch:
 
     def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
         """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]."""
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask_for(window), enable_gqa=True,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=self.mask_for(window), enable_gqa=True, scale=scale
+        )
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The batched path's mask for layers with this sliding window (None: the causal mask): a token sees
@@ -112,7 +122,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.window = cfg.window(layer)
-        self.scale = cfg.attention_scale or self.head_dim ** -0.5
+        self.scale = cfg.attention_scale or self.head_dim**-0.5
         # which of the model's RoPE tables this layer reads (Gemma 3's sliding layers have their own base)
         self.rope = "local" if self.window is not None and cfg.local_rope_theta is not None else "global"
         # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
@@ -171,8 +181,11 @@ class Attention(nn.Module):
             for n in kv_lens:
                 query = q[0, :, token].reshape(1, kv_heads, group, self.head_dim)
                 seen = self.visible_keys(n)
-                rows.append(F.scaled_dot_product_attention(query, keys[:, :, seen].to(q.dtype),
-                                                           values[:, :, seen].to(q.dtype), scale=self.scale))
+                rows.append(
+                    F.scaled_dot_product_attention(
+                        query, keys[:, :, seen].to(q.dtype), values[:, :, seen].to(q.dtype), scale=self.scale
+                    )
+                )
                 token += 1
         # one [1, Hkv, G, D] per packed token -> [1, H, N, D]
         return torch.stack(rows).view(1, token, self.num_heads, self.head_dim).transpose(1, 2)
@@ -278,8 +291,9 @@ class Transformer(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch, cache)
-        return self.output(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows,
-                           return_hidden)
+        return self.output(
+            x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows, return_hidden
+        )
 
     def output(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, return_hidden: bool | str):
         """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for."""
@@ -300,8 +314,10 @@ class Transformer(nn.Module):
         if self.vocab_ids is not None:
             if torch.equal(self.vocab_ids, token_ids):
                 return
-            raise SpecDecodeError("the draft's LM head is already restricted to another vocabulary subset; "
-                                  "load the model again to choose a different draft_vocab_size")
+            raise SpecDecodeError(
+                "the draft's LM head is already restricted to another vocabulary subset; "
+                "load the model again to choose a different draft_vocab_size"
+            )
         self.lm_head = self.lm_head.select_rows(token_ids)
         move_to_huge_pages(self.lm_head)
         self.vocab_ids = token_ids
@@ -358,8 +374,10 @@ def runtime_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
 def check_all_used(tensors, used: set[str]) -> None:
     unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED))
     if unused:
-        raise SpecDecodeError(f"the checkpoint holds weights this runtime does not compute ({', '.join(unused[:3])}"
-                              f"{'...' if len(unused) > 3 else ''}): refused rather than run without them")
+        raise SpecDecodeError(
+            f"the checkpoint holds weights this runtime does not compute ({', '.join(unused[:3])}"
+            f"{'...' if len(unused) > 3 else ''}): refused rather than run without them"
+        )
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:

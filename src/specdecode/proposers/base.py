@@ -2,6 +2,7 @@
 
 A proposer is built by its registry entry (see registry.py), then told how many sequences it must serve
 (`reserve`), and called once per decoding step with what the target emitted in the step before."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class TargetFeedback:
     hidden: torch.Tensor | None = None
     start: int = 0
 
+
 @dataclass
 class Preview:
     """Drafts a proposer knows before the step at no forward cost (a prompt-lookup match): the policy
@@ -74,8 +76,9 @@ class Proposer:
         round drafts from there): called as a prompt is prefilled, so that its one-off cost falls before the
         first token rather than between the first and the second (a no-op for proposers without a model)."""
 
-    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False,
-                num_blocks: int | None = None) -> None:
+    def reserve(
+        self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False, num_blocks: int | None = None
+    ) -> None:
         """Size per-sequence state for at most `num_slots` sequences of `max_model_len` tokens (KV caches: pools of
         num_blocks blocks, as the target's); with reuse_prefixes, a sequence may start from what a finished one of
         its tenant had computed."""

@@ -11,6 +11,7 @@ The head's slots are numbered as the target's. With prefix caching its rows are 
 blocks are (executor/runner.py), by the tokens they read: row p read the target's features at p, which
 follow from the tokens up to p, and token p + 1, so the head's blocks are found by the tokens from the
 second on, in a scope of the tenant and the first token (`keep_prefix`)."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ def head_path(name: str) -> str:
 class DraftHeadProposer(DraftModelProposer):
     wants_hidden_states = True
 
-    def __init__(self, head: DraftHead, loaded: LoadedModel, timer: StepTimer | None = None,
-                 confidence_threshold: float = 0.0):
+    def __init__(
+        self, head: DraftHead, loaded: LoadedModel, timer: StepTimer | None = None, confidence_threshold: float = 0.0
+    ):
         super().__init__(loaded, timer, confidence_threshold)
         self._features: dict[str, list[torch.Tensor]] = {}  # request id -> target features not yet read
         self._estimates: dict[int, torch.Tensor] = {}  # batch row -> the head's last estimated features
@@ -56,8 +58,9 @@ class DraftHeadProposer(DraftModelProposer):
             raise SpecDecodeError("the draft-head proposer needs a head: speculative_model='head:PATH'")
         path = head_path(name)
         spec, tensors = read_head(path)
-        head = prepare_head(build_head(spec, tensors, setup.target.model), setup.config.draft_quantization,
-                            setup.config.kv_cache_dtype)
+        head = prepare_head(
+            build_head(spec, tensors, setup.target.model), setup.config.draft_quantization, setup.config.kv_cache_dtype
+        )
         loaded = LoadedModel(f"head:{os.path.basename(path)}", head, setup.target.tokenizer, head.cfg)
         return cls(head, loaded, setup.timer, setup.config.draft_confidence)
 
@@ -96,7 +99,7 @@ class DraftHeadProposer(DraftModelProposer):
             start = self.runner.length(slot)
             self._features[seq.request_id] = [unread[-1:]]  # the first drafting round reads the last row
             slots.append(slot)
-            inputs.append(seq.token_ids[start + 1:start + len(unread)])  # row p pairs with token p + 1
+            inputs.append(seq.token_ids[start + 1 : start + len(unread)])  # row p pairs with token p + 1
             features.append(unread[:-1])
         if slots:
             self._forward(slots, inputs, prefill=True, features=features)
@@ -119,19 +122,26 @@ class DraftHeadProposer(DraftModelProposer):
                 seq, start = seqs[i], self.runner.length(slots[i])
                 read = torch.cat(self._features.pop(seq.request_id))
                 # row p pairs the target's features at p with token p + 1, the token they chose
-                inputs.append(seq.token_ids[start + 1:start + 1 + len(read)])
+                inputs.append(seq.token_ids[start + 1 : start + 1 + len(read)])
                 if len(inputs[-1]) != len(read):
-                    raise RuntimeError(f"draft head: {len(read)} feature rows from position {start} but the "
-                                       f"sequence has {seq.num_tokens} tokens")
+                    raise RuntimeError(
+                        f"draft head: {len(read)} feature rows from position {start} but the "
+                        f"sequence has {seq.num_tokens} tokens"
+                    )
                 features.append(read)
                 self._real_rows[seq.request_id] = start + len(read)
         else:
             inputs = [[tokens[i][-1]] for i in rows]
             features = [self._estimates[i] for i in rows]
-        logits, estimates = self._forward([slots[i] for i in rows], inputs, self._reads_prompt(step, rows, seqs, slots),
-                                          hidden=True, features=features)
+        logits, estimates = self._forward(
+            [slots[i] for i in rows],
+            inputs,
+            self._reads_prompt(step, rows, seqs, slots),
+            hidden=True,
+            features=features,
+        )
         for row, i in enumerate(rows):
-            self._estimates[i] = estimates[row:row + 1]
+            self._estimates[i] = estimates[row : row + 1]
         return logits
 
     def unseen_tokens(self, seq) -> int:

@@ -1,6 +1,7 @@
 """A small draft model proposes k tokens autoregressively, keeping its own KV cache in step with the
 accepted text. Tokens it has not seen yet (the last emitted token, a bonus token, or a stretch decoded
 without speculation) are fed in its first forward, so its cache catches up lazily."""
+
 from __future__ import annotations
 
 import torch
@@ -33,18 +34,26 @@ class DraftModelProposer(Proposer):
         if setup.loaded is None and setup.config.speculative_model is None:
             raise SpecDecodeError("the draft-model proposer needs a draft model (a name, path or hub id)")
         config = setup.config
-        draft = setup.loaded or load_model(config.speculative_model, str(setup.target.model.device), config.dtype,
-                                           setup.progress, config.draft_quantization, draft=True,
-                                           kv_cache_dtype=config.kv_cache_dtype)
+        draft = setup.loaded or load_model(
+            config.speculative_model,
+            str(setup.target.model.device),
+            config.dtype,
+            setup.progress,
+            config.draft_quantization,
+            draft=True,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
         check_same_vocabulary(setup.target, draft.name, draft.tokenizer)
         if config.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
             restrict_draft_vocab(draft, config.draft_vocab_size)
         return cls(draft, setup.timer, config.draft_confidence)
 
-    def reserve(self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False,
-                num_blocks: int | None = None) -> None:
-        self.runner = ModelRunner(self.model, num_slots, max_model_len, reuse_prefixes and self.reuses_prefixes,
-                                  num_blocks)
+    def reserve(
+        self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False, num_blocks: int | None = None
+    ) -> None:
+        self.runner = ModelRunner(
+            self.model, num_slots, max_model_len, reuse_prefixes and self.reuses_prefixes, num_blocks
+        )
 
     def forget_prefixes(self) -> None:
         self.runner.forget_prefixes()
@@ -66,8 +75,10 @@ class DraftModelProposer(Proposer):
                     seqs[i].metrics.spec.num_draft_forwards += 1
                     token, q = self._sample(logits[row], seqs[i], tokens[i])
                     tokens[i].append(token)
-                    if (self.confidence_threshold
-                            and self._confidence(logits[row], token, q) < self.confidence_threshold):
+                    if (
+                        self.confidence_threshold
+                        and self._confidence(logits[row], token, q) < self.confidence_threshold
+                    ):
                         unsure.add(i)
                     if seqs[i].grammar is not None:  # the next draft position's mask follows this token
                         seqs[i].grammar.draft(token)
@@ -81,17 +92,18 @@ class DraftModelProposer(Proposer):
 
     def read_ahead(self, seqs) -> None:
         slots = [self._slot(seq) for seq in seqs]
-        unseen = [seq.token_ids[self.runner.length(slot):-1] for seq, slot in zip(seqs, slots)]
+        unseen = [seq.token_ids[self.runner.length(slot) : -1] for seq, slot in zip(seqs, slots)]
         reading = [i for i, tokens in enumerate(unseen) if tokens]
         if reading:
             self._forward([slots[i] for i in reading], [unseen[i] for i in reading], prefill=True)
 
-    def _draft_forward(self, step: int, rows: list[int], seqs, slots: dict[int, int],
-                       tokens: list[list[int]]) -> torch.Tensor:
+    def _draft_forward(
+        self, step: int, rows: list[int], seqs, slots: dict[int, int], tokens: list[list[int]]
+    ) -> torch.Tensor:
         """Logits for the next draft token of seqs[i], i in rows. The first round catches up on everything
         the draft has not seen, then drafts the first token; later rounds read the last drafted token."""
         if step == 0:
-            inputs = [seqs[i].token_ids[self.runner.length(slots[i]):] for i in rows]
+            inputs = [seqs[i].token_ids[self.runner.length(slots[i]) :] for i in rows]
         else:
             inputs = [[tokens[i][-1]] for i in rows]
         return self._forward([slots[i] for i in rows], inputs, self._reads_prompt(step, rows, seqs, slots))
@@ -125,8 +137,9 @@ class DraftModelProposer(Proposer):
             # back to the full vocabulary; tokens outside the subset get q = 0
             full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
             logits = full.index_copy_(0, vocab_ids, logits)
-        logits = process_logits(logits[None], seq.params, seq.prompt_ids, seq.output_ids + drafted, (),
-                                self.loaded.tokenizer.eos_token_ids)
+        logits = process_logits(
+            logits[None], seq.params, seq.prompt_ids, seq.output_ids + drafted, (), self.loaded.tokenizer.eos_token_ids
+        )
         if seq.grammar is not None:
             logits = seq.grammar.mask_rows(logits, [])
         return sample_token(logits[0], seq.params, seq.generator)
@@ -157,17 +170,22 @@ class DraftModelProposer(Proposer):
             self.runner.free(slot)
 
 
-def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_tokenizer,
-                          hint: str = "pick a draft from the target's model family, or use --ngram") -> None:
+def check_same_vocabulary(
+    target: LoadedModel,
+    draft_name: str,
+    draft_tokenizer,
+    hint: str = "pick a draft from the target's model family, or use --ngram",
+) -> None:
     """A draft model proposes token ids, so it must read and write the target's."""
     if target.tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise SpecDecodeError(
             f"draft {draft_name!r} and target {target.name!r} have different vocabularies: the draft's is "
-            f"{describe_tokenizer(draft_tokenizer)}, the target's {describe_tokenizer(target.tokenizer)}; {hint}")
+            f"{describe_tokenizer(draft_tokenizer)}, the target's {describe_tokenizer(target.tokenizer)}; {hint}"
+        )
 
 
 def describe_tokenizer(tokenizer) -> str:
-    """"byte-level BPE (qwen2), 151,665 tokens": which tokenizer, in a user's words."""
+    """ "byte-level BPE (qwen2), 151,665 tokens": which tokenizer, in a user's words."""
     kind = getattr(tokenizer, "kind", None)
     return f"{kind + ', ' if kind else ''}{tokenizer.vocab_size:,} tokens"
 
@@ -188,5 +206,5 @@ def in_row_groups(ids: torch.Tensor, special_ids, vocab_size: int) -> torch.Tens
     special = torch.tensor([i for i in sorted(special_ids) if i < vocab_size], dtype=torch.long)
     ids = torch.unique(torch.cat([ids.long(), special]))
     rest = torch.arange(vocab_size)
-    rest = rest[~torch.isin(rest, ids)][:min(vocab_size, -(-len(ids) // 16) * 16) - len(ids)]
+    rest = rest[~torch.isin(rest, ids)][: min(vocab_size, -(-len(ids) // 16) * 16) - len(ids)]
     return torch.unique(torch.cat([ids, rest]))

@@ -1,4 +1,5 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the last n tokens."""
+
 from __future__ import annotations
 
 from .base import DraftBatch, Preview, Proposer
@@ -18,8 +19,9 @@ class NgramProposer(Proposer):
         return cls(setup.config.ngram_prompt_lookup_max, setup.config.ngram_prompt_lookup_min)
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
-        return DraftBatch([self.match(s.token_ids, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)],
-                          [None] * len(seqs))
+        return DraftBatch(
+            [self.match(s.token_ids, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs)
+        )
 
     def preview(self, seqs, k: int) -> list[Preview]:
         return [self.match(s.token_ids, k) for s in seqs]
@@ -30,6 +32,6 @@ class NgramProposer(Proposer):
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             tail = ids[-n:]
             for start in range(len(ids) - n - 1, -1, -1):
-                if ids[start:start + n] == tail:
-                    return Preview(n, ids[start + n:start + n + k])
+                if ids[start : start + n] == tail:
+                    return Preview(n, ids[start + n : start + n + k])
         return Preview(0, [])

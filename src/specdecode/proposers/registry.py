@@ -1,5 +1,6 @@
 """Proposers by name. `LLM`, the CLI, the server and the benchmarks all build proposers here, so a new
 kind (e.g. a draft head on the target's hidden states) is one file plus one `register_proposer` line."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

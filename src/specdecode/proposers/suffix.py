@@ -7,6 +7,7 @@ tenant's outputs never shape another's drafts: whether a draft is accepted chang
 arrive, which would leak what someone else generated. The cache has one byte cap over all tenants and
 evicts the least recently used output (added, or drafted from). Drafts are deterministic (q is one-hot),
 so verification keeps the target's distribution exactly, as for prompt lookup."""
+
 from __future__ import annotations
 
 from array import array
@@ -67,8 +68,7 @@ class SuffixCache:
         if not trie.num_nodes:
             del self.tries[key]
 
-    def draft(self, tenant: str, context: list[int], max_tokens: int | Callable[[int], int],
-              min_prob: float) -> Draft:
+    def draft(self, tenant: str, context: list[int], max_tokens: int | Callable[[int], int], min_prob: float) -> Draft:
         """max_tokens: a number, or the number for a context match of a given length."""
         key = self.key(tenant)
         trie = self.tries.get(key) if key is not None else None
@@ -109,11 +109,18 @@ class SuffixProposer(Proposer):
 
     previews = True
 
-    def __init__(self, max_tokens: int = 32, min_prob: float = 0.1, depth: int = 24, match_factor: float = 2.0,
-                 cache: SuffixCache | None = None):
+    def __init__(
+        self,
+        max_tokens: int = 32,
+        min_prob: float = 0.1,
+        depth: int = 24,
+        match_factor: float = 2.0,
+        cache: SuffixCache | None = None,
+    ):
         if max_tokens < 1 or depth < 2 or not 0 <= min_prob <= 1 or match_factor <= 0:
-            raise ValueError("suffix speculation needs max_tokens >= 1, depth >= 2, 0 <= min_prob <= 1 and "
-                             "match_factor > 0")
+            raise ValueError(
+                "suffix speculation needs max_tokens >= 1, depth >= 2, 0 <= min_prob <= 1 and match_factor > 0"
+            )
         self.max_draft, self.min_prob, self.depth, self.match_factor = max_tokens, min_prob, depth, match_factor
         self.cache = cache or SuffixCache(0, "none", depth)
         if self.cache.depth != depth:
@@ -123,8 +130,9 @@ class SuffixProposer(Proposer):
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "SuffixProposer":
         c = setup.config
-        return cls(c.suffix_max_tokens, c.suffix_min_prob,
-                   cache=SuffixCache(c.suffix_cache_bytes, c.suffix_cache_scope))
+        return cls(
+            c.suffix_max_tokens, c.suffix_min_prob, cache=SuffixCache(c.suffix_cache_bytes, c.suffix_cache_scope)
+        )
 
     @property
     def cache_bytes(self) -> int:
@@ -145,8 +153,11 @@ class SuffixProposer(Proposer):
         local = self._index(seq)
         ids = seq.token_ids
         node, match = local.trie.longest_continued_in(local.open_nodes)  # its suffixes' nodes: no walk
-        own = local.trie.draft_from(node, match, self._limit(match, max_tokens), self.min_prob, lambda _: ids) \
-            if match else Draft()
+        own = (
+            local.trie.draft_from(node, match, self._limit(match, max_tokens), self.min_prob, lambda _: ids)
+            if match
+            else Draft()
+        )
         cached = self.cache.draft(seq.tenant, ids, lambda m: self._limit(m, max_tokens), self.min_prob)
         better = (cached.expected_tokens, cached.match) > (own.expected_tokens, own.match)  # ties: the longer match
         return cached if better else own
@@ -160,7 +171,7 @@ class SuffixProposer(Proposer):
             local = self._local[seq.slot] = _Local(SuffixTrie(self.depth))
         ids = seq.token_ids
         if local.indexed < len(ids):
-            local.open_nodes = local.trie.extend(ids[local.indexed:], 0, local.indexed, local.open_nodes)
+            local.open_nodes = local.trie.extend(ids[local.indexed :], 0, local.indexed, local.open_nodes)
             local.indexed = len(ids)
         return local
 

@@ -9,6 +9,7 @@ the most frequent child while the product of the branch frequencies (how often t
 followed this context) stays above `min_prob`. Once the path has occurred only once, its continuation is
 the text after that occurrence, copied up to the length asked for: the trie's depth bounds the context
 it matches on, not how far a draft reaches."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -51,8 +52,9 @@ class SuffixTrie:
         return self.num_nodes * NODE_BYTES
 
     # ---- building ----------------------------------------------------------------------------------
-    def extend(self, tokens: Sequence[int], text_id: int = 0, start: int = 0,
-               open_nodes: list[int] | None = None) -> list[int]:
+    def extend(
+        self, tokens: Sequence[int], text_id: int = 0, start: int = 0, open_nodes: list[int] | None = None
+    ) -> list[int]:
         """Append tokens[...] to text `text_id`, whose first `start` tokens were fed before and left
         `open_nodes` (what that call returned; None for a new text). Returns the nodes of the text's
         suffixes now, longest last, for the next call."""
@@ -119,7 +121,7 @@ class SuffixTrie:
 
     def longest_continued_in(self, open_nodes: list[int]) -> tuple[int, int]:
         """The same for a text fed to this trie, from the suffix nodes its last extend() returned."""
-        return self._longest_continued(iter(open_nodes[:self.depth - 1]))
+        return self._longest_continued(iter(open_nodes[: self.depth - 1]))
 
     def _longest_continued(self, suffix_nodes) -> tuple[int, int]:
         """suffix_nodes: the context's suffixes' nodes (None where not indexed), shortest first."""
@@ -139,8 +141,9 @@ class SuffixTrie:
                 return None
         return node
 
-    def draft_from(self, node: int, match: int, max_tokens: int, min_prob: float,
-                   text: Callable[[int], Sequence[int] | None]) -> Draft:
+    def draft_from(
+        self, node: int, match: int, max_tokens: int, min_prob: float, text: Callable[[int], Sequence[int] | None]
+    ) -> Draft:
         """Up to max_tokens continuing the context suffix at `node`; text(id) gives a text to copy from."""
         draft, p = Draft(match=match), 1.0
         counts, children = self.counts, self.children
@@ -169,7 +172,7 @@ class SuffixTrie:
         tokens = text(text_id)
         if tokens is None:
             return
-        copied = list(tokens[end + 1:end + 1 + max_tokens - len(draft.tokens)])
+        copied = list(tokens[end + 1 : end + 1 + max_tokens - len(draft.tokens)])
         draft.tokens += copied
         draft.probs += [1.0] * len(copied)
         draft.source = text_id

@@ -5,6 +5,7 @@ Under speculation the mask is applied at every draft position, to target and dra
 advances along the drafts to compute the verify rows' masks and rolls back, so the processed target
 distribution at each position is exactly the one plain constrained decoding samples from. Only emitted
 tokens advance it for good."""
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,10 @@ class StructuredOutput:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise SpecDecodeError(f"structured output takes exactly one of json, json_object, regex, choice or "
-                                  f"grammar; got {', '.join(given) or 'none'}")
+            raise SpecDecodeError(
+                f"structured output takes exactly one of json, json_object, regex, choice or "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise SpecDecodeError("choice must be a non-empty list of non-empty strings")
 
@@ -83,8 +86,9 @@ def _build_ll_tokenizer(tokenizer, vocab_size: int):
         except ValueError:  # not a fast (Rust) tokenizer
             pass
     # any other tokenizer whose tokens decode one by one (character- or byte-level)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos)),
-                                  n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos)), n_vocab=vocab_size, eos_token=eos
+    )
 
 
 class _TokenBytes:
@@ -137,7 +141,7 @@ class GrammarMatcher:
         the grammar refuses, or past an end-of-sequence draft, repeat that row's mask (the draft is rejected
         there, or the text ends, so they go unused)."""
         rows, vocab = logits.shape
-        drafts = list(drafts[:rows - 1])
+        drafts = list(drafts[: rows - 1])
         before_eos = next((i for i, t in enumerate(drafts) if t in self._eos), len(drafts))
         valid = self._matcher.validate_tokens(drafts[:before_eos])
         masks, consumed = [], 0

@@ -1,4 +1,5 @@
 """Sampling parameters, with vLLM's names and OpenAI's ranges."""
+
 from __future__ import annotations
 
 import math
@@ -72,12 +73,15 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -2 ** 63 <= self.seed < 2 ** 64):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64
+        ):
             raise SpecDecodeError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
         if self.structured_output is not None and (self.ignore_eos or self.min_tokens):
-            raise SpecDecodeError("structured output ends the text when its grammar is complete; it cannot be "
-                                  "combined with ignore_eos or min_tokens")
+            raise SpecDecodeError(
+                "structured output ends the text when its grammar is complete; it cannot be "
+                "combined with ignore_eos or min_tokens"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise SpecDecodeError("stop must be a non-empty string or a list of non-empty strings")
 

@@ -1,4 +1,5 @@
 """Processed logits -> the distribution a token is drawn from, and the draw."""
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
     """Draw one token from a logits row [V]: the argmax for greedy requests (probs None, i.e. one-hot),
     else a sample from the processed distribution, which is returned for rejection sampling."""
     if params.greedy:

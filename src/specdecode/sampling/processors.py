@@ -6,6 +6,7 @@ first j drafted tokens, exactly what plain decoding would have seen at that posi
 accepted. The draft samples through the same function, so target and draft distributions are processed
 alike and rejection sampling stays lossless with respect to the processed target distribution.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
@@ -15,9 +16,14 @@ import torch
 from .params import SamplingParams
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                   output_ids: Sequence[int], drafts: Sequence[int] = (),
-                   eos_ids: Collection[int] = ()) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    drafts: Sequence[int] = (),
+    eos_ids: Collection[int] = (),
+) -> torch.Tensor:
     """logits [P, V], row j following output_ids + drafts[:j]; returned unchanged without processors."""
     if not params.has_processors:
         return logits
@@ -28,11 +34,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
     if params.min_tokens and not params.ignore_eos:
         ban_eos_while_short(logits, params.min_tokens - len(output_ids), eos_ids)
     if params.has_penalties:
-        counts = output_counts(output_ids, drafts[:rows - 1], rows, vocab, logits.device)
+        counts = output_counts(output_ids, drafts[: rows - 1], rows, vocab, logits.device)
         if params.repetition_penalty != 1:
             seen = (counts > 0) | token_mask(prompt_ids, vocab, logits.device)
-            penalised = torch.where(logits > 0, logits / params.repetition_penalty,
-                                    logits * params.repetition_penalty)
+            penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
             logits = torch.where(seen, penalised, logits)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     return logits
@@ -52,8 +57,9 @@ def ban_eos_while_short(logits: torch.Tensor, tokens_missing: int, eos_ids: Coll
         logits[:tokens_missing, eos] = float("-inf")
 
 
-def output_counts(output_ids: Sequence[int], drafts: Sequence[int], rows: int, vocab: int,
-                  device: torch.device) -> torch.Tensor:
+def output_counts(
+    output_ids: Sequence[int], drafts: Sequence[int], rows: int, vocab: int, device: torch.device
+) -> torch.Tensor:
     """[rows, vocab]: how often each token occurs in output_ids + drafts[:j], for row j."""
     counts = torch.zeros(vocab, device=device)
     if output_ids:
@@ -63,7 +69,7 @@ def output_counts(output_ids: Sequence[int], drafts: Sequence[int], rows: int, v
     counts = counts.repeat(rows, 1)
     for j, token in enumerate(drafts):
         if token < vocab:
-            counts[j + 1:, token] += 1
+            counts[j + 1 :, token] += 1
     return counts
 
 

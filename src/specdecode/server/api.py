@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API: the routes (/v1/completions, /v1/chat/completions with server-sent-event
 streaming, /v1/models, /health, /metrics) and the guards in front of them (API key, body size, validation
 errors as 400); server/handler.py turns requests into engine work and responses."""
+
 from __future__ import annotations
 
 import hmac
@@ -16,9 +17,14 @@ from .protocol import ChatRequest, CompletionRequest
 MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
 
 
-def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES, runs_engine: bool = True,
-              request_timeout: float | None = None) -> FastAPI:
+def build_app(
+    engine: ServingEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    runs_engine: bool = True,
+    request_timeout: float | None = None,
+) -> FastAPI:
     """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
     the engine loop itself, as `serve` does on its main thread). request_timeout: the most seconds a
     request may run (a request may ask for less with its `timeout` field); then it is cancelled (504)."""
@@ -54,8 +60,7 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
                 return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > max_request_bytes):
-            return error_response(413, f"the request body is over {max_request_bytes} bytes; send a shorter "
-                                       "prompt")
+            return error_response(413, f"the request body is over {max_request_bytes} bytes; send a shorter prompt")
         return await call_next(request)
 
 
@@ -72,8 +77,18 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": handler.model_name, "object": "model", "owned_by": "specdecode",
-                                            "created": 0, "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": handler.model_name,
+                    "object": "model",
+                    "owned_by": "specdecode",
+                    "created": 0,
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

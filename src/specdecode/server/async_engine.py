@@ -1,5 +1,6 @@
 """The engine's step loop in one background thread: requests join and leave between steps (continuous
 batching), and each request's new text reaches its asyncio consumer as it is produced."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ class ShuttingDown(SpecDecodeError):
 @dataclass
 class Update:
     """News about one of a request's n outputs (`index`); plain data, so that it can cross processes."""
+
     text: str  # new text since the previous update
     finished: bool = False  # this output is complete
     finish_reason: str | None = None
@@ -77,8 +79,13 @@ class AsyncEngine:
     """max_waiting: requests that may wait for a sequence slot beyond those running (None: unbounded);
     past it, submit() refuses at once instead of letting the queue and every client's wait grow."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None,
-                 replica: str | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics | None = None,
+        max_waiting: int | None = None,
+        replica: str | None = None,
+    ):
         self.engine = engine
         # what the HTTP layer reads of the engine (server/handler.py's ServingEngine)
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
@@ -138,8 +145,14 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return self._submitted - self._ended
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
-               streamed: bool = True, tenant: str = "") -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: str | None = None,
+        streamed: bool = True,
+        tenant: str = "",
+    ) -> RequestHandle:
         """Queue a request (raises QueueFull when the waiting queue is at its bound, ShuttingDown while the
         server drains). session (which conversation it belongs to) and streamed (whether its client sees each
         update) matter to deployments of several engines, which route and retry by them; tenant (who asks)
@@ -148,8 +161,10 @@ class AsyncEngine:
             raise ShuttingDown("the server is shutting down; send the request to another replica or retry later")
         if self.max_waiting is not None and self.in_flight >= self.engine.runner.num_slots + self.max_waiting:
             self.metrics.rejected.inc()
-            raise QueueFull(f"the server is at capacity ({self.engine.runner.num_slots} running, "
-                            f"{self.max_waiting} waiting); retry shortly")
+            raise QueueFull(
+                f"the server is at capacity ({self.engine.runner.num_slots} running, "
+                f"{self.max_waiting} waiting); retry shortly"
+            )
         handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), tenant=tenant)
         self._submitted += 1
         self._inbox.put(("add", handle))
@@ -169,11 +184,14 @@ class AsyncEngine:
         try:
             while unfinished:
                 try:
-                    update = await asyncio.wait_for(handle.updates.get(),
-                                                    None if deadline is None else deadline - time.monotonic())
+                    update = await asyncio.wait_for(
+                        handle.updates.get(), None if deadline is None else deadline - time.monotonic()
+                    )
                 except TimeoutError:
-                    raise RequestTimeout(f"the request ran past its time limit of {timeout:g} s and was cancelled; "
-                                         "ask for fewer tokens or a longer timeout") from None
+                    raise RequestTimeout(
+                        f"the request ran past its time limit of {timeout:g} s and was cancelled; "
+                        "ask for fewer tokens or a longer timeout"
+                    ) from None
                 if update.error is not None:
                     unfinished = 0
                     raise update.error
@@ -249,13 +267,22 @@ class AsyncEngine:
         if i in handle.closed:
             return
         seq = update.seq
-        text = self._streamable_text(seq)[handle.sent_chars[i]:]
+        text = self._streamable_text(seq)[handle.sent_chars[i] :]
         logprobs = update.logprobs or []
         if text or logprobs or seq.finished:
-            handle.push(Update(text, seq.finished, seq.finish_reason, index=i, logprobs=logprobs,
-                               prompt_logprobs=None if i in handle.opened else seq.prompt_logprobs,
-                               num_tokens=seq.num_output_tokens,
-                               spec=seq.metrics.as_dict() if seq.finished else None, replica=self.replica))
+            handle.push(
+                Update(
+                    text,
+                    seq.finished,
+                    seq.finish_reason,
+                    index=i,
+                    logprobs=logprobs,
+                    prompt_logprobs=None if i in handle.opened else seq.prompt_logprobs,
+                    num_tokens=seq.num_output_tokens,
+                    spec=seq.metrics.as_dict() if seq.finished else None,
+                    replica=self.replica,
+                )
+            )
             handle.sent_chars[i] += len(text)
             handle.opened.add(i)
             if seq.finished:
@@ -267,7 +294,7 @@ class AsyncEngine:
         if not seq.finished:
             # hold back what a stop string could still claim, and a half-decoded UTF-8 character
             hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
-            text = text[:len(text) - hold] if hold else text
+            text = text[: len(text) - hold] if hold else text
             text = text.rstrip("\ufffd")
         return text
 

@@ -1,5 +1,6 @@
 """From an OpenAI request to the engine and back: sampling parameters from the request, submission, and
 the response built from the engine's updates (a whole JSON body, or server-sent events as they come)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,13 +21,21 @@ from .async_engine import QueueFull, ShuttingDown
 from .protocol import ChatRequest, CommonRequest, CompletionRequest
 from .responses import chat_logprobs, completion_logprobs, usage
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
+    }
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -41,8 +50,14 @@ class ServingEngine(Protocol):
     max_model_len: int
     vocab_size: int
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
-               streamed: bool = False, tenant: str = "") -> Any: ...
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: str | None = None,
+        streamed: bool = False,
+        tenant: str = "",
+    ) -> Any: ...
 
     def updates(self, handle: Any, timeout: float | None = None) -> AsyncIterator: ...
 
@@ -62,8 +77,11 @@ class RequestHandler:
         model's); a request that names none gets this one."""
         if req.model is None or req.model == self.model_name:
             return None
-        return error_response(404, f"the model {req.model!r} is not served here; send model={self.model_name!r} "
-                                   "(listed at /v1/models)", param="model")
+        return error_response(
+            404,
+            f"the model {req.model!r} is not served here; send model={self.model_name!r} (listed at /v1/models)",
+            param="model",
+        )
 
     async def completion(self, req: CompletionRequest, request: Request):
         if wrong := self.other_model(req):
@@ -71,8 +89,9 @@ class RequestHandler:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                return error_response(400, "send one prompt per request (batching happens on the server)",
-                                      param="prompt")
+                return error_response(
+                    400, "send one prompt per request (batching happens on the server)", param="prompt"
+                )
             prompt = prompt[0]
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -80,10 +99,17 @@ class RequestHandler:
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids), ids) if req.echo else None
-        reply = Reply(self, ids, params, chat=False, echo=echo,
-                      best=(req.n, req.logprobs is not None) if params.n > req.n else None)
-        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request),
-                                tenant_of(req, request))
+        reply = Reply(
+            self,
+            ids,
+            params,
+            chat=False,
+            echo=echo,
+            best=(req.n, req.logprobs is not None) if params.n > req.n else None,
+        )
+        return await reply.send(
+            request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
+        )
 
     async def chat(self, req: ChatRequest, request: Request):
         if wrong := self.other_model(req):
@@ -97,8 +123,9 @@ class RequestHandler:
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         reply = Reply(self, ids, params, chat=True)
-        return await reply.send(request, req.stream, self.time_limit(req.timeout), _session(req, request),
-                                tenant_of(req, request))
+        return await reply.send(
+            request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
+        )
 
     def time_limit(self, requested: float | None) -> float | None:
         """The request's own timeout, never past the server's."""
@@ -111,12 +138,15 @@ class RequestHandler:
             raise SpecDecodeError("the prompt is empty")
         room = max_len - len(prompt_ids)
         if room <= 0:
-            raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_len}; "
-                                  "shorten the prompt")
+            raise SpecDecodeError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {max_len}; shorten the prompt"
+            )
         max_tokens = 16 if max_tokens is None else max_tokens
         if isinstance(max_tokens, int) and max_tokens > room:
-            raise SpecDecodeError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
-                                  f"tokens and the context holds {max_len}; ask for at most {room}")
+            raise SpecDecodeError(
+                f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
+                f"tokens and the context holds {max_len}; ask for at most {room}"
+            )
         return req.sampling_params(max_tokens, req.requested_logprobs())
 
 
@@ -137,15 +167,21 @@ class Reply:
     (completions' `echo`); best: (n, whether logprobs are returned) when more outputs than n were
     generated (`best_of`)."""
 
-    def __init__(self, handler: RequestHandler, ids: list[int], params: SamplingParams, chat: bool,
-                 echo: tuple | None = None, best: tuple[int, bool] | None = None):
+    def __init__(
+        self,
+        handler: RequestHandler,
+        ids: list[int],
+        params: SamplingParams,
+        chat: bool,
+        echo: tuple | None = None,
+        best: tuple[int, bool] | None = None,
+    ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
 
-    async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None,
-                   tenant: str = ""):
+    async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None, tenant: str = ""):
         engine = self.handler.engine
         if self.params.structured_output is not None:  # built once, in seconds: not on the engine's thread
             await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
@@ -177,10 +213,25 @@ class Reply:
         best = self.best
         order = range(self.params.n) if best is None else best_outputs(logprobs, best[0], scored)
         show_logprobs = self.params.logprobs is not None and (best is None or best[1])
-        choices = [self.choice(rank, texts[i], logprobs[i] if show_logprobs else None, finals[i].finish_reason,
-                               delta=False, echo=self.echo) for rank, i in enumerate(order)]
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.handler.model_name,
-                "choices": choices, "usage": usage(len(self.ids), finals)}
+        choices = [
+            self.choice(
+                rank,
+                texts[i],
+                logprobs[i] if show_logprobs else None,
+                finals[i].finish_reason,
+                delta=False,
+                echo=self.echo,
+            )
+            for rank, i in enumerate(order)
+        ]
+        return {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.handler.model_name,
+            "choices": choices,
+            "usage": usage(len(self.ids), finals),
+        }
 
     async def events(self, updates):
         """Server-sent events, one per update, the usage with the last."""
@@ -190,17 +241,28 @@ class Reply:
             async for update in updates:
                 i = update.index
                 echoed = self.echo if self.echo is not None and not started[i] else None
-                body = self.choice(i, update.text, self._logprobs(update),
-                                   update.finish_reason if update.finished else None, delta=True,
-                                   text_offset=offsets[i], echo=echoed)
+                body = self.choice(
+                    i,
+                    update.text,
+                    self._logprobs(update),
+                    update.finish_reason if update.finished else None,
+                    delta=True,
+                    text_offset=offsets[i],
+                    echo=echoed,
+                )
                 if self.chat and started[i]:
                     del body["delta"]["role"]  # the role goes in each output's first chunk only
                 started[i] = True
                 offsets[i] += len(update.text) + (len(echoed[0]) if echoed else 0)
                 if update.finished:
                     finals[i] = update
-                chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.handler.model_name,
-                         "choices": [body]}
+                chunk = {
+                    "id": self.id,
+                    "object": kind,
+                    "created": self.created,
+                    "model": self.handler.model_name,
+                    "choices": [body],
+                }
                 if len(finals) == n:
                     chunk["usage"] = usage(len(self.ids), finals)
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -215,8 +277,16 @@ class Reply:
             return None
         return (update.prompt_logprobs or []) + update.logprobs
 
-    def choice(self, index: int, text: str, logprobs, finish_reason, delta: bool, text_offset: int = 0,
-               echo: tuple | None = None) -> dict:
+    def choice(
+        self,
+        index: int,
+        text: str,
+        logprobs,
+        finish_reason,
+        delta: bool,
+        text_offset: int = 0,
+        echo: tuple | None = None,
+    ) -> dict:
         """echo: (prompt text, prompt ids) when this piece starts with the echoed prompt (its logprobs, if
         asked for, are already at the front of logprobs)."""
         tokenizer = self.handler.tokenizer
@@ -224,8 +294,11 @@ class Reply:
         if echo is not None:
             text = echo[0] + text
         if logprobs is not None:
-            out["logprobs"] = chat_logprobs(tokenizer, logprobs) if self.chat else \
-                completion_logprobs(tokenizer, logprobs, text_offset, token_ids=echo[1] if echo else None)
+            out["logprobs"] = (
+                chat_logprobs(tokenizer, logprobs)
+                if self.chat
+                else completion_logprobs(tokenizer, logprobs, text_offset, token_ids=echo[1] if echo else None)
+            )
         if self.chat:
             out["delta" if delta else "message"] = {"role": "assistant", "content": text}
         else:

@@ -1,4 +1,5 @@
 """Prometheus metrics of the server: speculation counters, latency histograms, queue gauges."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -15,40 +16,63 @@ class ServerMetrics:
         self.steps = Counter("specdecode_steps", "Decoding steps", ["speculated"], registry=r)
         self.drafts = Counter("specdecode_spec_decode_num_drafts", "Sequence-steps that drafted tokens", registry=r)
         self.draft_tokens = Counter("specdecode_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
-        self.accepted_tokens = Counter("specdecode_spec_decode_num_accepted_tokens", "Accepted draft tokens",
-                                       registry=r)
-        self.accepted_per_pos = Counter("specdecode_spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by draft position", ["position"], registry=r)
+        self.accepted_tokens = Counter(
+            "specdecode_spec_decode_num_accepted_tokens", "Accepted draft tokens", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "specdecode_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position",
+            ["position"],
+            registry=r,
+        )
         self.emitted_tokens = Counter("specdecode_generation_tokens", "Output tokens", registry=r)
-        self.acceptance_rate = Gauge("specdecode_spec_decode_acceptance_rate", "Accepted / drafted, since start",
-                                     registry=r)
-        self.mean_accepted_length = Gauge("specdecode_spec_decode_mean_accepted_length",
-                                          "Tokens per speculative step (bonus included), since start", registry=r)
-        self.speculating_fraction = Gauge("specdecode_spec_decode_speculating_fraction",
-                                          "Fraction of steps that drafted", registry=r)
-        self.draft_lengths = Counter("specdecode_spec_decode_draft_length", "Sequence-steps by tokens drafted "
-                                     "(the speculation policy's decisions; 0 = plain decoding)", ["k"], registry=r)
-        self.lookup_drafts = Counter("specdecode_spec_decode_num_lookup_drafts", "Sequence-steps whose drafts "
-                                     "came from prompt lookup instead of the draft model (adaptive policy)",
-                                     registry=r)
-        self.draft_cache_bytes = Gauge("specdecode_suffix_cache_bytes", "Bytes of earlier outputs suffix "
-                                       "speculation keeps to draft from (all tenants)", registry=r)
+        self.acceptance_rate = Gauge(
+            "specdecode_spec_decode_acceptance_rate", "Accepted / drafted, since start", registry=r
+        )
+        self.mean_accepted_length = Gauge(
+            "specdecode_spec_decode_mean_accepted_length",
+            "Tokens per speculative step (bonus included), since start",
+            registry=r,
+        )
+        self.speculating_fraction = Gauge(
+            "specdecode_spec_decode_speculating_fraction", "Fraction of steps that drafted", registry=r
+        )
+        self.draft_lengths = Counter(
+            "specdecode_spec_decode_draft_length",
+            "Sequence-steps by tokens drafted (the speculation policy's decisions; 0 = plain decoding)",
+            ["k"],
+            registry=r,
+        )
+        self.lookup_drafts = Counter(
+            "specdecode_spec_decode_num_lookup_drafts",
+            "Sequence-steps whose drafts came from prompt lookup instead of the draft model (adaptive policy)",
+            registry=r,
+        )
+        self.draft_cache_bytes = Gauge(
+            "specdecode_suffix_cache_bytes",
+            "Bytes of earlier outputs suffix speculation keeps to draft from (all tenants)",
+            registry=r,
+        )
         self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.slots = Gauge("specdecode_kv_cache_slots", "Sequences the memory plan's KV cache holds", registry=r)
-        self.slot_tokens = Gauge("specdecode_kv_cache_slot_tokens", "Tokens per KV-cache slot (max_model_len)",
-                                 registry=r)
+        self.slot_tokens = Gauge(
+            "specdecode_kv_cache_slot_tokens", "Tokens per KV-cache slot (max_model_len)", registry=r
+        )
         self.batch_size = Gauge("specdecode_batch_size", "Sequences in the last decoding step", registry=r)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.cached_prompt_tokens = Counter("specdecode_prompt_tokens_cached", "Prompt tokens found in the KV cache "
-                                            "(prefix caching), not computed again", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "specdecode_prompt_tokens_cached",
+            "Prompt tokens found in the KV cache (prefix caching), not computed again",
+            registry=r,
+        )
         self.aborted = Counter("specdecode_requests_aborted", "Requests cancelled (e.g. client gone)", registry=r)
-        self.rejected = Counter("specdecode_requests_rejected", "Requests refused with 429: the waiting queue was "
-                                "at its bound", registry=r)
+        self.rejected = Counter(
+            "specdecode_requests_rejected", "Requests refused with 429: the waiting queue was at its bound", registry=r
+        )
         self.finished = Counter("specdecode_requests_finished", "Requests finished", ["reason"], registry=r)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS,
-                              registry=r)
+        self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS, registry=r)
         self.totals = SpecCounters()  # every decoding step's sequences, since start
         self._steps = self._speculated_steps = 0
 

@@ -1,4 +1,5 @@
 """The OpenAI request bodies we accept, and their translation to SamplingParams."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,14 @@ from ..sampling import SamplingParams, StructuredOutput
 # Fields that change the output and that this server does not implement, with the value that means
 # "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "echo": False, "suffix": None, "tools": None, "functions": None, "tool_choice": None,
-    "prompt_logprobs": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "echo": False,
+    "suffix": None,
+    "tools": None,
+    "functions": None,
+    "tool_choice": None,
+    "prompt_logprobs": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
 }
 
 
@@ -58,14 +65,30 @@ class CommonRequest(BaseModel):
         return SamplingParams(
             prompt_logprobs=logprobs if getattr(self, "echo", False) else None,
             structured_output=self.structured_output(),
-            n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
-            seed=self.seed, stop=self.stop, max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs)
+            n=n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
     def structured_output(self) -> StructuredOutput | None:
-        guided = {"json": self.guided_json, "regex": self.guided_regex, "grammar": self.guided_grammar,
-                  "choice": tuple(self.guided_choice) if self.guided_choice is not None else None}
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "grammar": self.guided_grammar,
+            "choice": tuple(self.guided_choice) if self.guided_choice is not None else None,
+        }
         guided = {k: v for k, v in guided.items() if v is not None}
         from_format = response_format_grammar(self.response_format)
         if from_format and guided:
@@ -125,8 +148,9 @@ class ChatMessage(BaseModel):
             return self.content
         kinds = {part.type for part in self.content} - {"text"}
         if kinds:
-            raise SpecDecodeError(f"messages: content parts of type {', '.join(sorted(kinds))} are not supported "
-                                  "(text only)")
+            raise SpecDecodeError(
+                f"messages: content parts of type {', '.join(sorted(kinds))} are not supported (text only)"
+            )
         return "".join(part.text or "" for part in self.content)
 
 

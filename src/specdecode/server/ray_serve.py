@@ -9,6 +9,7 @@ spreads requests and keeps a conversation (the request's `user` field or an `X-S
 replica whose KV and acceptance statistics already know it. `ray` is an optional extra: nothing here is
 imported unless a Ray deployment is asked for.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -111,11 +112,20 @@ class EngineReplica:
             time.sleep(METRICS_PUSH_SECONDS)
 
     def describe(self) -> dict:
-        return {"tokenizer": self.engine.tokenizer, "max_model_len": self.engine.max_model_len,
-                "vocab_size": self.engine.vocab_size}
+        return {
+            "tokenizer": self.engine.tokenizer,
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.vocab_size,
+        }
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float | None = None,
-                       session: str | None = None, tenant: str = ""):
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        timeout: float | None = None,
+        session: str | None = None,
+        tenant: str = "",
+    ):
         """Streams the request's Updates; a refusal or failure arrives as an Update carrying the error."""
         try:
             handle = self.engine.submit(prompt_ids, params, tenant=tenant)
@@ -154,15 +164,22 @@ class RemoteEngines:
         self.vocab_size = described["vocab_size"]
         self.max_attempts = max_attempts
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None,
-               streamed: bool = True, tenant: str = "") -> RemoteRequest:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: str | None = None,
+        streamed: bool = True,
+        tenant: str = "",
+    ) -> RemoteRequest:
         return RemoteRequest(prompt_ids, params, session, streamed, tenant)
 
     async def updates(self, request: RemoteRequest, timeout: float | None = None):
         for attempt in range(1, self.max_attempts + 1):
             produced, held = False, []
-            stream = self._handle.generate.remote(request.prompt_ids, request.params, timeout, session=request.session,
-                                                  tenant=request.tenant)
+            stream = self._handle.generate.remote(
+                request.prompt_ids, request.params, timeout, session=request.session, tenant=request.tenant
+            )
             try:
                 async for update in stream:
                     if update.error is not None:
@@ -177,8 +194,9 @@ class RemoteEngines:
                 return
             except ray.exceptions.RayError as exc:  # the replica died (or became unreachable)
                 if produced:
-                    raise ReplicaDied("the engine replica serving this request died mid-stream; retry the "
-                                      "request") from exc
+                    raise ReplicaDied(
+                        "the engine replica serving this request died mid-stream; retry the request"
+                    ) from exc
                 if attempt == self.max_attempts:
                     raise ReplicaDied(f"{attempt} engine replicas failed this request in a row; retry later") from exc
             finally:
@@ -189,11 +207,18 @@ class RemoteEngines:
 
 
 class OpenAIIngress:
-    async def __init__(self, engines, hub, model_name: str, api_key: str | None, max_request_bytes: int,
-                       request_timeout: float | None):
+    async def __init__(
+        self, engines, hub, model_name: str, api_key: str | None, max_request_bytes: int, request_timeout: float | None
+    ):
         described = await engines.describe.remote()
-        self._app = build_app(RemoteEngines(engines, hub, described), model_name, api_key, max_request_bytes,
-                              runs_engine=False, request_timeout=request_timeout)
+        self._app = build_app(
+            RemoteEngines(engines, hub, described),
+            model_name,
+            api_key,
+            max_request_bytes,
+            runs_engine=False,
+            request_timeout=request_timeout,
+        )
 
     def __serve_build_asgi_app__(self):
         return self._app
@@ -224,8 +249,9 @@ class RayDeployment:
         low = self.min_replicas if self.min_replicas is not None else 1
         high = self.max_replicas if self.max_replicas is not None else max(low, self.replicas)
         if not 0 <= low <= high or high < 1:
-            raise SpecDecodeError(f"autoscaling needs 0 <= --min-replicas <= --max-replicas and at least one "
-                                  f"replica, got {low}..{high}")
+            raise SpecDecodeError(
+                f"autoscaling needs 0 <= --min-replicas <= --max-replicas and at least one replica, got {low}..{high}"
+            )
         config = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1)}
         if self.target_ongoing_requests is not None:
             config["target_ongoing_requests"] = self.target_ongoing_requests
@@ -246,16 +272,23 @@ class RayDeployment:
         resources = {"num_cpus": self.num_cpus_per_replica}
         if self.num_gpus_per_replica:
             resources["num_gpus"] = self.num_gpus_per_replica
-        engines = serve.deployment(EngineReplica).options(
-            name=ENGINE_DEPLOYMENT, ray_actor_options=resources,
-            max_ongoing_requests=self.max_ongoing_requests,
-            request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
-            health_check_period_s=2, health_check_timeout_s=10, **self.scaling(),
-        ).bind(self.llm_factory, hub, self.max_waiting)
+        engines = (
+            serve.deployment(EngineReplica)
+            .options(
+                name=ENGINE_DEPLOYMENT,
+                ray_actor_options=resources,
+                max_ongoing_requests=self.max_ongoing_requests,
+                request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
+                health_check_period_s=2,
+                health_check_timeout_s=10,
+                **self.scaling(),
+            )
+            .bind(self.llm_factory, hub, self.max_waiting)
+        )
         ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
-            name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-        return ingress.bind(engines, hub, self.model_name, self.api_key, self.max_request_bytes,
-                            self.request_timeout)
+            name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+        )
+        return ingress.bind(engines, hub, self.model_name, self.api_key, self.max_request_bytes, self.request_timeout)
 
 
 def run_deployment(deployment: RayDeployment, host: str, port: int, app_name: str = "specdecode"):

@@ -1,4 +1,5 @@
 """OpenAI response pieces: logprobs in the chat and the completions formats, and usage."""
+
 from __future__ import annotations
 
 from ..sampling import TokenLogprob
@@ -15,12 +16,16 @@ def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
         text = tokenizer.decode([token_id])
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
-    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
-                        for lp in logprobs]}
+    return {
+        "content": [
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in logprobs
+        ]
+    }
 
 
-def completion_logprobs(tokenizer, logprobs: list[TokenLogprob | None], text_offset: int = 0,
-                        token_ids: list[int] | None = None) -> dict:
+def completion_logprobs(
+    tokenizer, logprobs: list[TokenLogprob | None], text_offset: int = 0, token_ids: list[int] | None = None
+) -> dict:
     """token_ids: the tokens, where an entry of logprobs is None (an echoed prompt's first token)."""
     ids = [lp.token_id if lp is not None else token_ids[i] for i, lp in enumerate(logprobs)]
     tokens = [tokenizer.decode([token]) for token in ids]
@@ -28,10 +33,14 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprob | None], text_off
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in logprobs],
-            "top_logprobs": [None if lp is None else {tokenizer.decode([i]): _finite(v) for i, v in lp.top}
-                             for lp in logprobs],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in logprobs],
+        "top_logprobs": [
+            None if lp is None else {tokenizer.decode([i]): _finite(v) for i, v in lp.top} for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
 
 
 def usage(prompt_tokens: int, finals: dict) -> dict:
@@ -41,8 +50,13 @@ def usage(prompt_tokens: int, finals: dict) -> dict:
     completion = sum(update.num_tokens for update in finals.values())
     first = finals.get(0)
     spec = (first.spec if first else None) or {}
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-           "prompt_tokens_details": {"cached_tokens": spec.get("num_cached_prompt_tokens", 0)}, "speculation": spec}
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": spec.get("num_cached_prompt_tokens", 0)},
+        "speculation": spec,
+    }
     if first is not None and first.replica is not None:
         out["replica"] = first.replica
     return out

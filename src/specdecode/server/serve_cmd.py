@@ -1,4 +1,5 @@
 """`specdecode serve`: load the models, then serve the OpenAI-compatible API with uvicorn."""
+
 from __future__ import annotations
 
 import signal
@@ -18,8 +19,9 @@ def llm_options(args) -> dict:
     """LLM(...)'s arguments from serve's flags, checked: plain data, so that Ray can ship them to replicas."""
     options = engine_options(args)
     # k = 0: no draft to load or plan for
-    options["speculative_model"] = served_draft(args.model, args.speculative_model) \
-        if args.num_speculative_tokens else None
+    options["speculative_model"] = (
+        served_draft(args.model, args.speculative_model) if args.num_speculative_tokens else None
+    )
     return EngineConfig(**options).as_dict()
 
 
@@ -36,13 +38,22 @@ def run_serve(args) -> int:
     print(llm.startup_summary(), flush=True)
     print(llm.memory_plan.summary(), flush=True)
     if llm.profile_seconds:
-        print(f"timed the draft's forward for 1-{llm.engine.runner.num_slots} sequences in {llm.profile_seconds:.1f} s "
-              "(the adaptive policy's cost model)", flush=True)
+        print(
+            f"timed the draft's forward for 1-{llm.engine.runner.num_slots} sequences in {llm.profile_seconds:.1f} s "
+            "(the adaptive policy's cost model)",
+            flush=True,
+        )
     if args.forced_accept:
         print(f"WARNING: {LOSSY_NOTE}", flush=True)
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests)
-    app = build_app(engine, args.model, args.api_key, args.max_request_bytes, runs_engine=False,
-                    request_timeout=args.request_timeout)
+    app = build_app(
+        engine,
+        args.model,
+        args.api_key,
+        args.max_request_bytes,
+        runs_engine=False,
+        request_timeout=args.request_timeout,
+    )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
@@ -50,8 +61,11 @@ def run_serve(args) -> int:
     def drain_then_exit():
         cancelled = engine.drain(args.shutdown_grace)
         if cancelled:
-            print(f"shutdown: cancelled {len(cancelled)} request(s) still running after {args.shutdown_grace:g} s: "
-                  f"{', '.join(cancelled)}", flush=True)
+            print(
+                f"shutdown: cancelled {len(cancelled)} request(s) still running after {args.shutdown_grace:g} s: "
+                f"{', '.join(cancelled)}",
+                flush=True,
+            )
         else:
             print("shutdown: every running request finished", flush=True)
         server.should_exit = True
@@ -63,8 +77,9 @@ def run_serve(args) -> int:
             server.force_exit = server.should_exit = True
             return
         engine.draining = True
-        print(f"shutdown: draining {engine.in_flight} running request(s) for up to {args.shutdown_grace:g} s",
-              flush=True)
+        print(
+            f"shutdown: draining {engine.in_flight} running request(s) for up to {args.shutdown_grace:g} s", flush=True
+        )
         threading.Thread(target=drain_then_exit, daemon=True).start()
 
     signal.signal(signal.SIGTERM, shut_down)
@@ -75,7 +90,9 @@ def run_serve(args) -> int:
             raise SpecDecodeError(f"the HTTP server did not start on {args.host}:{args.port} (is the port free?)")
         time.sleep(0.05)
     threading.Thread(target=lambda: (http.join(), engine.stop()), daemon=True).start()
-    print(f"serving {args.model} (draft: {draft or 'none'}, policy: {args.speculation_policy}) on http://{args.host}:{args.port}/v1",
-          flush=True)
+    print(
+        f"serving {args.model} (draft: {draft or 'none'}, policy: {args.speculation_policy}) on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     engine.run()
     return 0

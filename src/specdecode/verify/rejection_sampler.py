@@ -10,6 +10,7 @@ A deterministic proposer (n-gram, greedy draft) has a one-hot q.
 
 Layout: drafts padded to [B, K] with per-sequence counts `num_draft` (ragged, 0 allowed).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,13 @@ def match_greedy(drafts: list[int], argmax: list[int]) -> tuple[int, list[int]]:
     return accepted, drafts[:accepted] + [argmax[accepted]]
 
 
-def rejection_sample(draft_tokens: torch.Tensor, num_draft: list[int], target_probs: torch.Tensor,
-                     draft_probs: torch.Tensor | None, generators: Generators = None) -> VerifyResult:
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    num_draft: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generators: Generators = None,
+) -> VerifyResult:
     """draft_tokens [B, K]; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (one-hot q)."""
     batch, k = draft_tokens.shape
     counts = torch.tensor(num_draft, device=draft_tokens.device)
@@ -90,8 +96,11 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _uniform(shape, generators: Generators, device) -> torch.Tensor:
     if isinstance(generators, list):
-        return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generators]) \
-            if shape[0] else torch.empty(shape, device=device)
+        return (
+            torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generators])
+            if shape[0]
+            else torch.empty(shape, device=device)
+        )
     return torch.rand(shape, generator=generators, device=device)
 
 

@@ -2,6 +2,7 @@
 asks (row j after the output and the first j drafts), then greedy matching or rejection sampling, and
 the logprobs of the emitted tokens where the request asks for them. A structured-output grammar is one
 more processor: its mask at row j is the grammar's state after the first j drafts."""
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -17,8 +18,7 @@ if TYPE_CHECKING:
     from ..engine.sequence import Sequence
 
 
-def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int],
-                     eos_ids: Collection[int]) -> torch.Tensor:
+def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int], eos_ids: Collection[int]) -> torch.Tensor:
     """The request's logits processors and grammar on rows [P, V], row j after seq's output and drafts[:j]."""
     logits = process_logits(logits, seq.params, seq.prompt_ids, seq.output_ids, drafts, eos_ids)
     return logits if seq.grammar is None else seq.grammar.mask_rows(logits, drafts)
@@ -37,8 +37,9 @@ def prompt_logprobs(prompt_ids: list[int], logits: torch.Tensor, num_top: int) -
     return [None] + token_logprobs(logits[:-1], prompt_ids[1:], num_top)
 
 
-def sample_first(seq: Sequence, logits: torch.Tensor,
-                 eos_ids: Collection[int]) -> tuple[int, list[TokenLogprob] | None]:
+def sample_first(
+    seq: Sequence, logits: torch.Tensor, eos_ids: Collection[int]
+) -> tuple[int, list[TokenLogprob] | None]:
     """The token after the prompt, from the prefill's last logits row [1, V]."""
     processed = processed_logits(seq, logits, [], eos_ids)
     token = sample_token(processed[0], seq.params, seq.generator)[0]
@@ -47,9 +48,14 @@ def sample_first(seq: Sequence, logits: torch.Tensor,
     return token, emitted_logprobs(seq, processed, [token])
 
 
-def verify_batch(seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
-                 logits: torch.Tensor, eos_ids: Collection[int], forced_accept: bool = False
-                 ) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
+def verify_batch(
+    seqs: list[Sequence],
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    logits: torch.Tensor,
+    eos_ids: Collection[int],
+    forced_accept: bool = False,
+) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
     """Every sequence's verification from one call's logits, sequence i's rows following the rows of the
     sequences before it (its drafts + 1). Greedy sequences with nothing to apply to their logits share one
     argmax over the whole call: one pass, and on a GPU one synchronisation instead of one per sequence."""
@@ -59,22 +65,26 @@ def verify_batch(seqs: list[Sequence], drafts: list[list[int]], draft_probs: lis
     for seq, tokens, q, is_plain in zip(seqs, drafts, draft_probs, plain):
         n = len(tokens)
         if is_plain:
-            accepted, emitted = match_greedy(tokens, argmax[row:row + n + 1])
+            accepted, emitted = match_greedy(tokens, argmax[row : row + n + 1])
             results.append((VerifyResult([accepted], [emitted]), None))
         else:
-            results.append(verify_drafts(seq, tokens, q, logits[row:row + n + 1], eos_ids, forced_accept))
+            results.append(verify_drafts(seq, tokens, q, logits[row : row + n + 1], eos_ids, forced_accept))
         row += n + 1
     return results
 
 
 def _argmax_is_enough(seq: Sequence) -> bool:
-    return (seq.params.greedy and not seq.params.has_processors and seq.grammar is None
-            and seq.params.logprobs is None)
+    return seq.params.greedy and not seq.params.has_processors and seq.grammar is None and seq.params.logprobs is None
 
 
-def verify_drafts(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                  eos_ids: Collection[int], forced_accept: bool = False
-                  ) -> tuple[VerifyResult, list[TokenLogprob] | None]:
+def verify_drafts(
+    seq: Sequence,
+    drafts: list[int],
+    draft_probs: torch.Tensor | None,
+    logits: torch.Tensor,
+    eos_ids: Collection[int],
+    forced_accept: bool = False,
+) -> tuple[VerifyResult, list[TokenLogprob] | None]:
     """logits [n + 1, V]: the target's raw logits after each prefix of the n drafts. The grammar, if any,
     advances along the emitted tokens. forced_accept keeps every draft (the upper-bound benchmark; not
     lossless)."""
@@ -85,8 +95,9 @@ def verify_drafts(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | 
     return result, emitted_logprobs(seq, processed, result.tokens[0])
 
 
-def _accept(seq: Sequence, drafts: list[int], q: torch.Tensor | None, processed: torch.Tensor,
-            forced_accept: bool) -> VerifyResult:
+def _accept(
+    seq: Sequence, drafts: list[int], q: torch.Tensor | None, processed: torch.Tensor, forced_accept: bool
+) -> VerifyResult:
     n = len(drafts)
     draft = torch.tensor([drafts], dtype=torch.long, device=processed.device)
     if forced_accept:

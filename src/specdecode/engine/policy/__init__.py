@@ -1,6 +1,7 @@
 """How many tokens to draft, decided every step and for every sequence: `fixed`, `disable_by_batch_size`
 (vLLM's) or `adaptive` (goodput-maximising, per sequence). Costs, acceptance estimates and the decision
 live in their own modules; the engine talks to the `Policy` interface only."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -14,9 +15,13 @@ from .costs import CostModel, CostTable, TargetCost
 from .simple import DisableByBatchSize, FixedPolicy
 
 
-def make_policy(name: str = EngineConfig.speculation_policy, k_max: int = DEFAULT_K,
-                max_batch_for_speculation: int | None = None, options: AdaptiveOptions | None = None,
-                **overrides) -> Policy:
+def make_policy(
+    name: str = EngineConfig.speculation_policy,
+    k_max: int = DEFAULT_K,
+    max_batch_for_speculation: int | None = None,
+    options: AdaptiveOptions | None = None,
+    **overrides,
+) -> Policy:
     """A policy by name; the adaptive one's knobs are `options` with `overrides` (AdaptiveOptions' fields)."""
     if name == "fixed":
         return FixedPolicy(k_max)
@@ -27,5 +32,17 @@ def make_policy(name: str = EngineConfig.speculation_policy, k_max: int = DEFAUL
     raise SpecDecodeError(f"unknown speculation policy {name!r}; use one of {', '.join(POLICIES)}")
 
 
-__all__ = ["POLICIES", "make_policy", "Policy", "DraftDecision", "FixedPolicy", "DisableByBatchSize",
-           "AdaptivePolicy", "AcceptanceEstimator", "LookupAcceptance", "CostModel", "CostTable", "TargetCost"]
+__all__ = [
+    "POLICIES",
+    "make_policy",
+    "Policy",
+    "DraftDecision",
+    "FixedPolicy",
+    "DisableByBatchSize",
+    "AdaptivePolicy",
+    "AcceptanceEstimator",
+    "LookupAcceptance",
+    "CostModel",
+    "CostTable",
+    "TargetCost",
+]

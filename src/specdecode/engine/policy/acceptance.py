@@ -1,4 +1,5 @@
 """Acceptance estimates: how likely each sequence's next draft tokens are to be accepted."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,8 +45,9 @@ class LookupAcceptance:
     def observe(self, match: int, drafted: int, accepted: int) -> None:
         for position in range(1, min(drafted, accepted + 1) + 1):
             key = (_bucket(match), position)
-            self.counts[key] = discounted_update(self.counts.get(key, (0.0, 0.0)), accepted >= position,
-                                                 1 - self.smoothing)
+            self.counts[key] = discounted_update(
+                self.counts.get(key, (0.0, 0.0)), accepted >= position, 1 - self.smoothing
+            )
 
 
 @dataclass
@@ -114,11 +116,13 @@ class AcceptanceEstimator:
             evidence = discounted_update(evidence, accepted >= 1, 1 - self.acceptance_smoothing)
             keep = 1 - self.depth_smoothing
             for position in range(1, min(allowed, accepted + 1) + 1):
-                self.depth[position] = discounted_update(self.depth.get(position, (0.0, 0.0)), accepted >= position,
-                                                         keep)
+                self.depth[position] = discounted_update(
+                    self.depth.get(position, (0.0, 0.0)), accepted >= position, keep
+                )
             for position in range(2, min(allowed, drafted + 1) + 1):
-                self.reach[position] = discounted_update(self.reach.get(position, (0.0, 0.0)), drafted >= position,
-                                                         keep)
+                self.reach[position] = discounted_update(
+                    self.reach.get(position, (0.0, 0.0)), drafted >= position, keep
+                )
         else:  # drift back towards the prior
             (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
             r = self.acceptance_recovery

@@ -4,6 +4,7 @@ forwards at the sizes involved. k = 0 for everyone means no draft forward at all
 nothing over plain decoding. Where the engine also has prompt lookup, a sequence whose recent tokens occur
 earlier in its text may take its drafts from there instead: they cost no draft forward, only
 verification, which keeps speculation worthwhile at batch sizes where the draft model no longer pays."""
+
 from __future__ import annotations
 
 from ...config import DEFAULT_K, AdaptiveOptions
@@ -19,12 +20,14 @@ class AdaptivePolicy(Policy):
     wants_draft_costs = True
     chooses_proposers = True
 
-    def __init__(self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None,
-                 options: AdaptiveOptions | None = None):
+    def __init__(
+        self, k_max: int = DEFAULT_K, *, costs: CostModel | None = None, options: AdaptiveOptions | None = None
+    ):
         super().__init__(k_max)
         options = options or AdaptiveOptions()
-        self.estimator = AcceptanceEstimator(options.prior_acceptance, options.acceptance_smoothing,
-                                             options.acceptance_recovery, options.depth_smoothing)
+        self.estimator = AcceptanceEstimator(
+            options.prior_acceptance, options.acceptance_smoothing, options.acceptance_recovery, options.depth_smoothing
+        )
         self.costs = costs or CostModel()
         # Speculate only when the predicted goodput beats plain decoding's by this fraction: estimates are
         # noisy, and near break-even a wrong "yes" for many sequences at once (their verify rows, their
@@ -111,8 +114,11 @@ class AdaptivePolicy(Policy):
             self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
         self._unconverted_probe = 0.0
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
-        self._predicted = (self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max))
-                           + sum(starting) * self.costs.draft_prefill_per_token, not starting)
+        self._predicted = (
+            self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max))
+            + sum(starting) * self.costs.draft_prefill_per_token,
+            not starting,
+        )
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
 
@@ -122,8 +128,11 @@ class AdaptivePolicy(Policy):
         budget lasts, at batch sizes where good drafts would pay."""
         if not self.costs.draft:
             return True
-        return (self.estimator.first_position_trials < self.probe_trials and self._probe_seconds <= self._probe_limit()
-                and self._drafting_could_pay(n))
+        return (
+            self.estimator.first_position_trials < self.probe_trials
+            and self._probe_seconds <= self._probe_limit()
+            and self._drafting_could_pay(n)
+        )
 
     def expects_drafting(self, batch: int) -> bool:
         """Until the costs at this batch size are measured, yes (the first rounds probe them anyway); after, as long
@@ -146,8 +155,14 @@ class AdaptivePolicy(Policy):
     def _good_drafts_would_pay(self, n: int) -> bool:
         return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
 
-    def best_decision(self, alphas: list[float], catch_up: list[int], remaining: list[int],
-                      lookups: list[Lookup] | None, drafter: bool = True) -> DraftDecision:
+    def best_decision(
+        self,
+        alphas: list[float],
+        catch_up: list[int],
+        remaining: list[int],
+        lookups: list[Lookup] | None,
+        drafter: bool = True,
+    ) -> DraftDecision:
         """The draft model for everyone, the lookup's drafts where a sequence has them, or those and the
         draft model for the rest: whichever allocation predicts the highest goodput (without a drafter,
         the lookups alone)."""
@@ -160,8 +175,9 @@ class AdaptivePolicy(Policy):
         options = [self._allocate(draft_gains, [False] * n, start_cost)] if drafter else []
         if lookups and any(tokens for _, tokens, _ in lookups):
             use = [bool(tokens) for _, tokens, _ in lookups]
-            lookup_gains = [self.estimator.lookup_acceptance.gains(match, len(tokens), probs)
-                            for match, tokens, probs in lookups]
+            lookup_gains = [
+                self.estimator.lookup_acceptance.gains(match, len(tokens), probs) for match, tokens, probs in lookups
+            ]
             # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
             options.append(self._allocate(lookup_gains, use, start_cost))
@@ -174,14 +190,16 @@ class AdaptivePolicy(Policy):
         decision.score = score
         return decision
 
-    def _allocate(self, gains: list[list[float]], by_lookup: list[bool],
-                  start_cost: list[float]) -> tuple[DraftDecision, float]:
+    def _allocate(
+        self, gains: list[list[float]], by_lookup: list[bool], start_cost: list[float]
+    ) -> tuple[DraftDecision, float]:
         """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
         allocation with the highest predicted goodput; its score is that goodput over the bar it must
         clear (plain decoding's, plus min_gain unless one sequence drafts by the model)."""
         n = len(gains)
-        candidates = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0),
-                            key=lambda c: (-c[0], c[1]))
+        candidates = sorted(
+            ((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0), key=lambda c: (-c[0], c[1])
+        )
         ks, best, best_score = [0] * n, [0] * n, 1.0
         emitted, extra = float(n), 0.0
         step = StepPrice(self.costs, n, self.estimator.draft_reach(self.k_max))
@@ -203,8 +221,14 @@ class AdaptivePolicy(Policy):
                 best, best_score = list(ks), score
         return DraftDecision(best, [by_lookup[i] and k > 0 for i, k in enumerate(best)]), best_score
 
-    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
-                     step_seconds: float | None = None, by_lookup: list[bool] | None = None) -> None:
+    def observe_step(
+        self,
+        ks: list[int],
+        target_seconds: float,
+        draft_seconds_per_forward: float | None,
+        step_seconds: float | None = None,
+        by_lookup: list[bool] | None = None,
+    ) -> None:
         """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
         (their drafts cost the draft model nothing)."""
         n = len(ks)

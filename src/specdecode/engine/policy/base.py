@@ -1,4 +1,5 @@
 """What every speculation policy decides, and what the engine tells it afterwards."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -35,21 +36,35 @@ class Policy:
         self.k_max = k_max
         self.decisions: Counter = Counter()  # k chosen -> sequence-steps
 
-    def choose(self, request_ids: list[str], catch_up: list[int] | None = None,
-               remaining: list[int] | None = None, lookups: list[Lookup] | None = None,
-               drafter: bool = True) -> DraftDecision:
+    def choose(
+        self,
+        request_ids: list[str],
+        catch_up: list[int] | None = None,
+        remaining: list[int] | None = None,
+        lookups: list[Lookup] | None = None,
+        drafter: bool = True,
+    ) -> DraftDecision:
         """k per sequence for this step (the engine still caps each by max_tokens and the context).
         catch_up: tokens the draft must read before it can draft for the sequence; remaining: tokens the
         sequence may still emit; lookups: per sequence, what the previewing proposer offers, where the
         engine has one; drafter: whether a model drafter exists (without one, every draft is a lookup's)."""
         n = len(request_ids)
-        decision = DraftDecision.main_proposer([0] * n) if self.k_max == 0 else \
-            self.decide(request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups, drafter)
+        decision = (
+            DraftDecision.main_proposer([0] * n)
+            if self.k_max == 0
+            else self.decide(request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups, drafter)
+        )
         self.decisions.update(decision.ks)
         return decision
 
-    def decide(self, request_ids: list[str], catch_up: list[int], remaining: list[int],
-               lookups: list[Lookup] | None, drafter: bool) -> DraftDecision:
+    def decide(
+        self,
+        request_ids: list[str],
+        catch_up: list[int],
+        remaining: list[int],
+        lookups: list[Lookup] | None,
+        drafter: bool,
+    ) -> DraftDecision:
         raise NotImplementedError
 
     def expects_drafting(self, batch: int) -> bool:
@@ -64,8 +79,14 @@ class Policy:
     def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
         """Drafts taken from a preview with a context match of length `match`, in the step just run."""
 
-    def observe_step(self, ks: list[int], target_seconds: float, draft_seconds_per_forward: float | None,
-                     step_seconds: float | None = None, by_lookup: list[bool] | None = None) -> None:
+    def observe_step(
+        self,
+        ks: list[int],
+        target_seconds: float,
+        draft_seconds_per_forward: float | None,
+        step_seconds: float | None = None,
+        by_lookup: list[bool] | None = None,
+    ) -> None:
         """Measured phases of the step just run."""
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:

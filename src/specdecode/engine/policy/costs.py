@@ -1,4 +1,5 @@
 """The adaptive policy's cost model: measured seconds of target and draft forwards, by size."""
+
 from __future__ import annotations
 
 import bisect
@@ -178,8 +179,10 @@ class TargetCost:
         The linear layers cost by the rows in the call whatever the batch, so this follows the kernels'
         cost per row where a slope averages it out (1 -> 5 tokens cost 3.25 ms a token on average, 2 -> 5
         4.2)."""
-        others = self._part(("spanning", batch, edge), lambda: [
-            t for b, t in self.tables.items() if b != batch and t.sizes[0] <= edge < t.sizes[-1]])
+        others = self._part(
+            ("spanning", batch, edge),
+            lambda: [t for b, t in self.tables.items() if b != batch and t.sizes[0] <= edge < t.sizes[-1]],
+        )
         if not others:
             return None
         reach = min(tokens, self._part(("farthest", batch, edge), lambda: max(t.sizes[-1] for t in others)))
@@ -225,8 +228,9 @@ class CostModel:
         else:
             self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
 
-    def step_seconds(self, ks: list[int], by_lookup: list[bool] | None = None,
-                     reach: list[float] | None = None) -> float:
+    def step_seconds(
+        self, ks: list[int], by_lookup: list[bool] | None = None, reach: list[float] | None = None
+    ) -> float:
         """Predicted seconds of a step where sequence i may draft ks[i] tokens and the target verifies them;
         by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost; reach[j]: the chance
         that the draft model drafts position j + 1 of those it is allowed (it may stop early; default:

@@ -1,4 +1,5 @@
 """Policies that need no measurement."""
+
 from __future__ import annotations
 
 from ...errors import SpecDecodeError

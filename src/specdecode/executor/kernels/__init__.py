@@ -8,6 +8,7 @@ against bit for bit: `SPECDECODE_KERNELS=scalar` builds that path for every kern
 both ways). Without a compiler, or when the build fails, `load` returns None, `build_problem` says why
 (the compiler's own output included), and the backends that need a kernel are not offered.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,27 +30,41 @@ ENV = "SPECDECODE_KERNELS"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # Argument types per exported function: ctypes then passes addresses (ints) without wrapping each one.
 SIGNATURES = {
-    "lowbit": {"lowbit_isa": ([], _I),
-               "lowbit_linear": ([_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I], _I),
-               "lowbit_dequantize_rows": ([_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
-               "lowbit_moe": ([_I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _I], _I)},
-    "norm": {"rms_norm": ([_P, _P, _P, _I, _I, _F, _I], _I),
-             "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], _I),
-             "silu_mul": ([_P, _P, _I, _I, _I], _I)},
-    "attention": {"attention_dim_ok": ([_I], _I), "attention_group_ok": ([_I], _I), "attention_half_ok": ([], _I),
-                  "attention_softmax_unnormalised": ([_P, _I], _F),
-                  # qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
-                  # tables, S, MB, B, num_blocks, out, threads
-                  **{name: ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _I, _I, _I, _I, _P,
-                             _I], _I) for name in ("rowwise_attention", "rowwise_attention_f16")}},
+    "lowbit": {
+        "lowbit_isa": ([], _I),
+        "lowbit_linear": ([_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I], _I),
+        "lowbit_dequantize_rows": ([_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
+        "lowbit_moe": ([_I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _I], _I),
+    },
+    "norm": {
+        "rms_norm": ([_P, _P, _P, _I, _I, _F, _I], _I),
+        "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], _I),
+        "silu_mul": ([_P, _P, _I, _I, _I], _I),
+    },
+    "attention": {
+        "attention_dim_ok": ([_I], _I),
+        "attention_group_ok": ([_I], _I),
+        "attention_half_ok": ([], _I),
+        "attention_softmax_unnormalised": ([_P, _I], _F),
+        # qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
+        # tables, S, MB, B, num_blocks, out, threads
+        **{
+            name: ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _I, _I, _I, _I, _P, _I], _I)
+            for name in ("rowwise_attention", "rowwise_attention_f16")
+        },
+    },
 }
 
 # Instruction sets a kernel can be built for at or below the machine's own, so that each path is tested on
 # any machine that has it: an AMX machine runs the AVX-512 path too, an AVX-512 machine the AVX2 one, every
 # machine the scalar one.
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-ISA_FLAGS = {"native": [], "avx512": ["-mno-amx-tile", "-mno-amx-int8"], "avx2": ["-mno-avx512f"],
-             "scalar": ["-DSPECDECODE_SCALAR"] + (["-mno-avx"] if _X86 else [])}
+ISA_FLAGS = {
+    "native": [],
+    "avx512": ["-mno-amx-tile", "-mno-amx-int8"],
+    "avx2": ["-mno-avx512f"],
+    "scalar": ["-DSPECDECODE_SCALAR"] + (["-mno-avx"] if _X86 else []),
+}
 
 _problems: dict[str, str] = {}
 
@@ -84,8 +99,10 @@ def build_problem(name: str, isa: str | None = None) -> str | None:
 def _load(name: str, isa: str) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
-        _problems[f"{name}/{isa}"] = ("no C compiler found (install gcc or clang, or set CC); the native kernels "
-                                      "are needed for the low-bit backends")
+        _problems[f"{name}/{isa}"] = (
+            "no C compiler found (install gcc or clang, or set CC); the native kernels "
+            "are needed for the low-bit backends"
+        )
         return None
     try:
         path = build(name, isa, cc)
