@@ -402,7 +402,11 @@ def _add_studies(bench_sub) -> None:
     sweep.add_argument("--out", default=None, help="results folder (default: the config's [sweep] out)")
     sweep.add_argument("--mode", default=None, choices=["in-process", "server"], help="override the config's mode")
     sweep.add_argument("--no-report", action="store_true", help="skip `bench report` at the end")
+    _add_transformers_baseline(bench_sub)
+    _add_concurrency(bench_sub)
 
+
+def _add_transformers_baseline(bench_sub) -> None:
     hf = bench_sub.add_parser(
         "transformers",
         help="baseline: the batch-1 latency measurement through Hugging Face "
@@ -418,6 +422,8 @@ def _add_studies(bench_sub) -> None:
     hf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     hf.add_argument("--out", default="results/transformers.json")
 
+
+def _add_concurrency(bench_sub) -> None:
     conc = bench_sub.add_parser(
         "concurrency", help="through the server: plain vs fixed-k vs adaptive at each concurrency"
     )
@@ -498,6 +504,16 @@ def _add_distill(sub) -> None:
         "sample of its files), sonnets, "
         "humaneval, jsonl:FILE (a 'text' field per line); default: " + _cpu_gpu("sources"),
     )
+    _add_distill_recipe(dist)
+    dist.add_argument(
+        "--out",
+        required=True,
+        help="OUT.safetensors and OUT.json are written (a head), or the folder OUT (--draft-model)",
+    )
+
+
+def _add_distill_recipe(dist) -> None:
+    """How much `distill` records and how it trains (the recipe's defaults, by device)."""
     dist.add_argument("--tokens", type=int, default=None, help="tokens of text to record; " + _cpu_gpu("tokens"))
     dist.add_argument("--completions", type=int, default=R.completions, help="prompts completed per completions source")
     dist.add_argument(
@@ -537,11 +553,6 @@ def _add_distill(sub) -> None:
     )
     dist.add_argument("--finetune-steps", type=int, default=R.finetune_steps, help="with --draft-model")
     dist.add_argument("--finetune-lr", type=float, default=R.finetune_lr, help="with --draft-model")
-    dist.add_argument(
-        "--out",
-        required=True,
-        help="OUT.safetensors and OUT.json are written (a head), or the folder OUT (--draft-model)",
-    )
 
 
 # Each command's runner, imported only when that command runs (the server's and benchmarks' imports are heavy).

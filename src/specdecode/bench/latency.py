@@ -190,39 +190,32 @@ def make_runs(args, target, draft, draft_name: str | None) -> list[Run]:
     if not args.no_ngram and kind != "ngram":
         runs.append(Run(LLM(target=target, speculative_model="ngram", **fixed), "ngram", "ngram", args.ks, [0.0]))
     if args.suffix:
-        k = max(args.ks)
-        runs.append(
-            Run(
-                LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common),
-                "suffix adaptive",
-                "suffix",
-                [k],
-                [0.0],
+        runs += _suffix_runs(args, target, draft, draft_name, head, common)
+    return runs
+
+
+def _suffix_runs(args, target, draft, draft_name: str | None, head: str | None, common: dict) -> list[Run]:
+    """Suffix speculation alone, then each drafter alone and with suffix drafts beside it, all adaptive."""
+    k = max(args.ks)
+    suffix = LLM(target=target, speculative_model="suffix", num_speculative_tokens=k, **common)
+    runs = [Run(suffix, "suffix adaptive", "suffix", [k], [0.0])]
+    drafters = (
+        [("draft", draft_name, dict(draft=draft, draft_vocab_size=args.draft_vocab_size or None))] if draft else []
+    )
+    drafters += [("head", head, dict(speculative_model=head))] if head else []
+    confidence = args.draft_confidence[-1]
+    for kind, name, drafter in drafters:
+        for lookup in (None, "suffix"):
+            llm = LLM(
+                target=target,
+                draft_confidence=confidence,
+                prompt_lookup=lookup,
+                num_speculative_tokens=k,
+                **drafter,
+                **common,
             )
-        )
-        drafters = (
-            [("draft", draft_name, dict(draft=draft, draft_vocab_size=args.draft_vocab_size or None))] if draft else []
-        ) + ([("head", head, dict(speculative_model=head))] if head else [])
-        confidence = args.draft_confidence[-1]
-        for kind, name, drafter in drafters:  # each drafter alone and with suffix drafts beside it, adaptive
-            for lookup in (None, "suffix"):
-                llm = LLM(
-                    target=target,
-                    draft_confidence=confidence,
-                    prompt_lookup=lookup,
-                    num_speculative_tokens=k,
-                    **drafter,
-                    **common,
-                )
-                runs.append(
-                    Run(
-                        llm,
-                        f"{kind}+suffix adaptive" if lookup else f"{kind} adaptive",
-                        f"{name}+{lookup}" if lookup else name,
-                        [k],
-                        [confidence],
-                    )
-                )
+            label = f"{kind}+suffix adaptive" if lookup else f"{kind} adaptive"
+            runs.append(Run(llm, label, f"{name}+{lookup}" if lookup else name, [k], [confidence]))
     return runs
 
 

@@ -127,12 +127,8 @@ class LLM:
         self.config = config = EngineConfig(
             model=model, speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens, **options
         )
-        policy = make_policy(
-            config.speculation_policy,
-            config.num_speculative_tokens,
-            config.speculative_disable_by_batch_size,
-            config.adaptive,
-        )
+        k, disable_above = config.num_speculative_tokens, config.speculative_disable_by_batch_size
+        policy = make_policy(config.speculation_policy, k, disable_above, config.adaptive)
         self.target = target or load_model(
             config.model,
             config.device,
@@ -143,45 +139,35 @@ class LLM:
         )
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
-        max_model_len = min(config.max_model_len or self.target.config.max_position, self.target.config.max_position)
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
         for loaded in (self.target, self.draft):
             if loaded is not None:
                 loaded.model.capture_graphs = not config.enforce_eager
-        budget = resolve_budget(self.target.model.device, config.memory_budget, config.gpu_memory_utilization)
-        draft_model = next((p.model for p in proposers if p.model is not None), None)
-        self.memory_plan = plan_memory(
-            self.target.model,
-            draft_model,
-            max_model_len,
-            config.max_num_seqs,
-            config.num_speculative_tokens,
-            budget,
-            features=any(p.wants_hidden_states for p in proposers),
-        )
-        plan = self.memory_plan
-        for proposer in proposers:
-            proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
-        runner = ModelRunner(self.target.model, plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
-        chunk = config.prefill_chunk_tokens
-        if chunk is None:
-            chunk = PREFILL_CHUNK_TOKENS.get(self.target.model.device.type, PREFILL_CHUNK_TOKENS["cuda"])
-        self.engine = Engine(
-            runner,
-            self.tokenizer,
-            proposers,
-            config.num_speculative_tokens,
-            config.forced_accept,
-            self.timer,
-            policy,
-            prefill_chunk=chunk or None,
-        )
+        self.engine = self._engine(proposers, policy)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
         self.profile_seconds = (
             profile_draft_costs(self.engine) + profile_verify_costs(self.engine) if policy.wants_draft_costs else 0.0
         )
+
+    def _engine(self, proposers: list[Proposer], policy) -> Engine:
+        """The memory plan, the KV caches it allows (the target's and each proposer's), and the engine over them."""
+        config, device = self.config, self.target.model.device
+        max_model_len = min(config.max_model_len or self.target.config.max_position, self.target.config.max_position)
+        budget = resolve_budget(device, config.memory_budget, config.gpu_memory_utilization)
+        draft_model = next((p.model for p in proposers if p.model is not None), None)
+        features = any(p.wants_hidden_states for p in proposers)
+        k = config.num_speculative_tokens
+        plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs, k, budget, features)
+        self.memory_plan = plan
+        for proposer in proposers:
+            proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
+        runner = ModelRunner(self.target.model, plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)
+        chunk = config.prefill_chunk_tokens
+        if chunk is None:
+            chunk = PREFILL_CHUNK_TOKENS.get(device.type, PREFILL_CHUNK_TOKENS["cuda"])
+        return Engine(runner, self.tokenizer, proposers, k, config.forced_accept, self.timer, policy, chunk or None)
 
     def _proposers(self, setup: ProposerSetup, policy) -> list[Proposer]:
         """The main proposer, and a lookup proposer beside it where the policy may choose per sequence."""

@@ -12,7 +12,13 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 class ServerMetrics:
     def __init__(self):
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._speculation_metrics(self.registry)
+        self._request_metrics(self.registry)
+        self.totals = SpecCounters()  # every decoding step's sequences, since start
+        self._steps = self._speculated_steps = 0
+
+    def _speculation_metrics(self, r: CollectorRegistry) -> None:
         self.steps = Counter("specdecode_steps", "Decoding steps", ["speculated"], registry=r)
         self.drafts = Counter("specdecode_spec_decode_num_drafts", "Sequence-steps that drafted tokens", registry=r)
         self.draft_tokens = Counter("specdecode_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
@@ -53,6 +59,8 @@ class ServerMetrics:
             "Bytes of earlier outputs suffix speculation keeps to draft from (all tenants)",
             registry=r,
         )
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
         self.running = Gauge("specdecode_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("specdecode_num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.slots = Gauge("specdecode_kv_cache_slots", "Sequences the memory plan's KV cache holds", registry=r)
@@ -73,8 +81,6 @@ class ServerMetrics:
         self.finished = Counter("specdecode_requests_finished", "Requests finished", ["reason"], registry=r)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS, registry=r)
-        self.totals = SpecCounters()  # every decoding step's sequences, since start
-        self._steps = self._speculated_steps = 0
 
     def set_capacity(self, slots: int, tokens_per_slot: int) -> None:
         self.slots.set(slots)

@@ -34,17 +34,7 @@ def run_serve(args) -> int:
         return run_serve_ray(args, llm_options(args))
     options = llm_options(args)
     llm = LLM(**options)
-    draft = options["speculative_model"]
-    print(llm.startup_summary(), flush=True)
-    print(llm.memory_plan.summary(), flush=True)
-    if llm.profile_seconds:
-        print(
-            f"timed the draft's forward for 1-{llm.engine.runner.num_slots} sequences in {llm.profile_seconds:.1f} s "
-            "(the adaptive policy's cost model)",
-            flush=True,
-        )
-    if args.forced_accept:
-        print(f"WARNING: {LOSSY_NOTE}", flush=True)
+    _print_startup(llm, args)
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests)
     app = build_app(
         engine,
@@ -57,12 +47,46 @@ def run_serve(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+    _drain_on_signals(engine, server, args.shutdown_grace)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise SpecDecodeError(f"the HTTP server did not start on {args.host}:{args.port} (is the port free?)")
+        time.sleep(0.05)
+    threading.Thread(target=lambda: (http.join(), engine.stop()), daemon=True).start()
+    draft = options["speculative_model"] or "none"
+    print(
+        f"serving {args.model} (draft: {draft}, policy: {args.speculation_policy}) on "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    engine.run()
+    return 0
+
+
+def _print_startup(llm: LLM, args) -> None:
+    print(llm.startup_summary(), flush=True)
+    print(llm.memory_plan.summary(), flush=True)
+    if llm.profile_seconds:
+        slots = llm.engine.runner.num_slots
+        print(
+            f"timed the draft's forward for 1-{slots} sequences in {llm.profile_seconds:.1f} s (the adaptive "
+            "policy's cost model)",
+            flush=True,
+        )
+    if args.forced_accept:
+        print(f"WARNING: {LOSSY_NOTE}", flush=True)
+
+
+def _drain_on_signals(engine: AsyncEngine, server, grace: float) -> None:
+    """SIGTERM or SIGINT: new requests get 503 while the running ones have `grace` seconds to finish; then the
+    rest are cancelled and the HTTP server stops. A second signal stops at once."""
 
     def drain_then_exit():
-        cancelled = engine.drain(args.shutdown_grace)
+        cancelled = engine.drain(grace)
         if cancelled:
             print(
-                f"shutdown: cancelled {len(cancelled)} request(s) still running after {args.shutdown_grace:g} s: "
+                f"shutdown: cancelled {len(cancelled)} request(s) still running after {grace:g} s: "
                 f"{', '.join(cancelled)}",
                 flush=True,
             )
@@ -71,28 +95,12 @@ def run_serve(args) -> int:
         server.should_exit = True
 
     def shut_down(*_):
-        # new requests get 503 while the running ones have --shutdown-grace seconds to finish; then the
-        # rest are cancelled and the HTTP server stops. A second signal stops at once.
         if engine.draining:
             server.force_exit = server.should_exit = True
             return
         engine.draining = True
-        print(
-            f"shutdown: draining {engine.in_flight} running request(s) for up to {args.shutdown_grace:g} s", flush=True
-        )
+        print(f"shutdown: draining {engine.in_flight} running request(s) for up to {grace:g} s", flush=True)
         threading.Thread(target=drain_then_exit, daemon=True).start()
 
     signal.signal(signal.SIGTERM, shut_down)
     signal.signal(signal.SIGINT, shut_down)
-    http.start()
-    while not server.started:
-        if not http.is_alive():
-            raise SpecDecodeError(f"the HTTP server did not start on {args.host}:{args.port} (is the port free?)")
-        time.sleep(0.05)
-    threading.Thread(target=lambda: (http.join(), engine.stop()), daemon=True).start()
-    print(
-        f"serving {args.model} (draft: {draft or 'none'}, policy: {args.speculation_policy}) on http://{args.host}:{args.port}/v1",
-        flush=True,
-    )
-    engine.run()
-    return 0
