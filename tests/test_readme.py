@@ -396,3 +396,15 @@ def test_the_readme_figures_are_those_of_the_runs_it_cites():
         expected = [rates["plain", c], rates["adaptive", c], rates["llama.cpp", c], rates["llama.cpp-draft", c]]
         ratio = f" ({rates['adaptive', c] / rates['plain', c]:.2f}×)"
         assert [plain, adaptive.replace(ratio, ""), server, server_draft] == [f"{v:.2f}" for v in expected], c
+
+
+def test_measurements_md_is_what_its_script_writes_from_the_json():
+    """docs/measurements.md's tables come from docs/bench/*.json (python tools/measurements.py): a run's JSON or
+    the file changed alone fails here."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from measurements import render
+
+    written = (ROOT / "docs" / "measurements.md").read_text()
+    assert render() == written, "docs/measurements.md is stale: run python tools/measurements.py"
