@@ -19,7 +19,7 @@ A = list(range(5, 25))
 
 
 def full_logits(model, tokens: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model, 1, 64)
+    runner = ModelRunner(model, 1, 256)
     return runner.forward([runner.allocate()], [tokens], "all")
 
 
@@ -84,7 +84,7 @@ def test_running_sequences_share_the_full_blocks_of_a_common_prefix(target):
     second = runner.allocate(common + [8, 9], "t")
     assert runner.length(second) == 128 and runner.blocks_in_use() == 3 + 2 - 2
     logits = runner.forward([second], [(common + [8, 9])[128:]], "all")
-    torch.testing.assert_close(logits, full_logits_long(target.model, common + [8, 9])[128:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, full_logits(target.model, common + [8, 9])[128:], rtol=0, atol=1e-5)
     runner.commit(second, 152)
     runner.rollback(second, 100)  # into the second shared block: a copy of it is the second's own now
     runner.forward([second], [[60] * 10], "last")
@@ -93,11 +93,6 @@ def test_running_sequences_share_the_full_blocks_of_a_common_prefix(target):
     fresh = ModelRunner(target.model, 1, 256)
     fresh.forward([0], [common + [7]], "last")
     torch.testing.assert_close(keys, fresh._cache.keys(0, 0, 151), rtol=0, atol=1e-5)
-
-
-def full_logits_long(model, tokens: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model, 1, 256)
-    return runner.forward([runner.allocate()], [tokens], "all")
 
 
 def second_turn(target, draft, monkeypatch=None, **options) -> tuple[list, list, int, int]:

@@ -74,9 +74,8 @@ class AdaptiveOptions:
 def option(default, help: str, **cli):
     """An EngineConfig field: its one default and its help, which `LLM`'s check, the CLI's flags (cli.py) and the
     options table in docs/usage.md all read. cli: how the flag differs from the plain `--field-name VALUE`
-    (flags, choices, nargs, const, `none`: the word the command line uses for None)."""
-    if isinstance(default, AdaptiveOptions):
-        return field(default_factory=AdaptiveOptions, metadata={"help": help, **cli})
+    (flags, choices, nargs, const, `none`: the word the command line uses for None). A default is shared by every
+    config, so it must be immutable (AdaptiveOptions is frozen)."""
     return field(default=default, metadata={"help": help, **cli})
 
 

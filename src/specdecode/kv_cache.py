@@ -73,10 +73,6 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def free_slots(self) -> list[int]:
-        return list(self._free)
-
     def allocate(self) -> int:
         if not self._free:
             raise SpecDecodeError(f"all {self.num_slots} KV-cache slots are in use; wait for a request to finish")
@@ -102,9 +98,6 @@ class KVCache:
     def blocks_in_use(self) -> int:
         """Distinct blocks that slots hold."""
         return self.num_blocks - self.num_free_blocks
-
-    def blocks_held(self, slot: int) -> int:
-        return len(self.tables[slot])
 
     def references(self, block: int) -> int:
         return self._refs[block]

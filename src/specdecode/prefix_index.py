@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,9 @@ class Entry:
 
 @dataclass
 class Match:
-    shared: list[Entry]  # full blocks to share, in order
-    partial: Entry | None  # a block to copy, of which the first `partial_tokens` positions hold
-    partial_tokens: int
+    shared: list[Entry] = field(default_factory=list)  # full blocks to share, in order
+    partial: Entry | None = None  # a block to copy, of which the first `partial_tokens` positions hold
+    partial_tokens: int = 0
 
     def length(self, block_size: int) -> int:
         return len(self.shared) * block_size + self.partial_tokens

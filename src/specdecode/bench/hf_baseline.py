@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..errors import SpecDecodeError
+from ..models.families import llama_config_fields
 from .datasets import humaneval_prompts
 from .formatting import ratio
 from .results import command_line, describe_machine, machine_info, write_json
@@ -39,15 +40,7 @@ def hf_model_from(cfg, tensors: dict[str, torch.Tensor], dtype: torch.dtype, nam
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if cfg.arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position,
+        **llama_config_fields(cfg),
         tie_word_embeddings="lm_head.weight" not in tensors,
         head_dim=cfg.dim_per_head,
         torch_dtype=dtype,

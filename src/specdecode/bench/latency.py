@@ -299,22 +299,7 @@ def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, Llama
     bench = run_llama_bench(args.vs_llama_cpp, resolve(args.model).path, threads, args.max_tokens)
     if not bench.batches_repacked:
         print(f"note: {NO_REPACK_NOTE} (llama-bench pp)", flush=True)
-    row = LatencyResult(
-        f"llama.cpp: plain ({when})",
-        "llama.cpp",
-        "none",
-        0,
-        args.max_tokens,
-        args.max_tokens / bench.decode_tokens_per_s,
-        bench.decode_tokens_per_s,
-        None,
-        None,
-        1000 / bench.decode_tokens_per_s,
-        None,
-        speedup=1.0,
-        verify_cost_ratio=1.0,
-        prefill_tokens_per_s=bench.prefill_tokens_per_s(PREFILL_TOKENS),
-    )
+    row = _llama_plain_row(when, args.max_tokens, bench.decode_tokens_per_s, bench.prefill_tokens_per_s(PREFILL_TOKENS))
     print(_row(row), flush=True)
     return row, bench
 
@@ -330,21 +315,7 @@ def run_llama_cpp_speculative(
         spec = run_llama_speculative(
             args.vs_llama_cpp, resolve(args.model).path, resolve(draft_name).path, prompts, k, args.max_tokens, threads
         )
-        res = LatencyResult(
-            f"llama.cpp: draft k={k}{_unrepacked(spec)}",
-            "llama.cpp",
-            draft_name,
-            k,
-            spec.output_tokens,
-            spec.seconds,
-            spec.tokens_per_s,
-            spec.acceptance_rate,
-            None,
-            None,
-            None,
-            speedup=spec.tokens_per_s / plain.tokens_per_s,
-            verify_cost_ratio=bench.verify_cost_ratio(k),
-        )
+        res = _llama_speculation_row(f"draft k={k}", draft_name, k, spec, plain, bench.verify_cost_ratio(k))
         results.append(res)
         print(_row(res), flush=True)
     return results
@@ -355,6 +326,47 @@ def _unrepacked(spec) -> str:
     return "" if spec.repacked else ", no repack"
 
 
+def _llama_plain_row(when: str, max_tokens: int, tokens_per_s: float, prefill_tokens_per_s: float) -> LatencyResult:
+    """A row of llama.cpp's plain decoding (llama-bench's), the reference of the ratios."""
+    return LatencyResult(
+        f"llama.cpp: plain ({when})",
+        "llama.cpp",
+        "none",
+        0,
+        max_tokens,
+        max_tokens / tokens_per_s,
+        tokens_per_s,
+        None,
+        None,
+        1000 / tokens_per_s,
+        None,
+        speedup=1.0,
+        verify_cost_ratio=1.0,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
+
+
+def _llama_speculation_row(
+    label: str, proposer: str, k: int, spec, plain: LatencyResult, verify_cost_ratio: float | None = None
+) -> LatencyResult:
+    """A row of llama.cpp's speculation (llama-speculative-simple's result), against its plain decoding."""
+    return LatencyResult(
+        f"llama.cpp: {label}{_unrepacked(spec)}",
+        "llama.cpp",
+        proposer,
+        k,
+        spec.output_tokens,
+        spec.seconds,
+        spec.tokens_per_s,
+        spec.acceptance_rate,
+        None,
+        None,
+        None,
+        speedup=spec.tokens_per_s / plain.tokens_per_s,
+        verify_cost_ratio=verify_cost_ratio,
+    )
+
+
 def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyResult) -> list[LatencyResult]:
     """llama.cpp's n-gram speculation modes (no draft model), each with its defaults, on the same prompts."""
     results = []
@@ -362,20 +374,7 @@ def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyRe
         spec = run_llama_speculative(
             args.vs_llama_cpp, resolve(args.model).path, None, prompts, 0, args.max_tokens, threads, spec_type=mode
         )
-        res = LatencyResult(
-            f"llama.cpp: {mode}{_unrepacked(spec)}",
-            "llama.cpp",
-            mode,
-            0,
-            spec.output_tokens,
-            spec.seconds,
-            spec.tokens_per_s,
-            spec.acceptance_rate,
-            None,
-            None,
-            None,
-            speedup=spec.tokens_per_s / plain.tokens_per_s,
-        )
+        res = _llama_speculation_row(mode, mode, 0, spec, plain)
         results.append(res)
         print(_row(res), flush=True)
     return results
@@ -402,22 +401,7 @@ def run_latency(args) -> list[LatencyResult]:
     after, bench = llama_cpp_plain(args, threads, "after")
     mean_plain = (before.tokens_per_s + after.tokens_per_s) / 2
     mean_prefill = (before.prefill_tokens_per_s + after.prefill_tokens_per_s) / 2
-    mean = LatencyResult(
-        "llama.cpp: plain (mean)",
-        "llama.cpp",
-        "none",
-        0,
-        args.max_tokens,
-        args.max_tokens / mean_plain,
-        mean_plain,
-        None,
-        None,
-        1000 / mean_plain,
-        None,
-        speedup=1.0,
-        verify_cost_ratio=1.0,
-        prefill_tokens_per_s=mean_prefill,
-    )
+    mean = _llama_plain_row("mean", args.max_tokens, mean_plain, mean_prefill)
     results += [before, after, mean] + run_llama_cpp_speculative(args, prompts, threads, mean, bench)
     if args.suffix:
         results += run_llama_cpp_ngram(args, prompts, threads, mean)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..models.families import llama_config_fields
 from ..models.loader import LoadedModel, load_tokenizer, load_weights
 from ..proposers.draft_model import check_same_vocabulary
 from .data import FeatureSet, collect_features
@@ -37,15 +38,7 @@ def causal_lm(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
         )
     hf_config = AutoConfig.for_model(
         cfg.arch,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position,
+        **llama_config_fields(cfg),
         tie_word_embeddings=cfg.tie_word_embeddings,
         attention_bias=cfg.qkv_bias,
         **({"head_dim": cfg.head_dim} if cfg.head_dim else {}),

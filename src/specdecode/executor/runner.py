@@ -28,7 +28,7 @@ import torch
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
-from ..prefix_index import PrefixIndex
+from ..prefix_index import Match, PrefixIndex
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
 
@@ -122,14 +122,12 @@ class ModelRunner:
         return self._start(slot, tokens, scope, limit)
 
     def _start(self, slot: int, tokens: list[int] | None, scope: Hashable, limit: int) -> int:
-        self._scope[slot] = scope
-        found = self._cache.index.match(scope, tokens, limit) if self.reuse_prefixes and tokens else None
-        if found is not None:
-            self._cache.share(slot, (entry.block for entry in found.shared))
-            if found.partial is not None:
-                self._cache.append_copy(slot, found.partial.block)
-        n = found.length(self.block_size) if found is not None else 0
-        self._chain[slot] = [entry.uid for entry in found.shared] if found is not None else []
+        found = self._cache.index.match(scope, tokens, limit) if self.reuse_prefixes and tokens else Match()
+        self._cache.share(slot, (entry.block for entry in found.shared))
+        if found.partial is not None:
+            self._cache.append_copy(slot, found.partial.block)
+        n = found.length(self.block_size)
+        self._scope[slot], self._chain[slot] = scope, [entry.uid for entry in found.shared]
         self._tokens[slot] = list(tokens[:n]) if n else []
         self._cache.lengths[slot] = self._written[slot] = n
         return n

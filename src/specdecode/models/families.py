@@ -73,6 +73,22 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     )
 
 
+def llama_config_fields(cfg: ModelConfig) -> dict:
+    """The config.json fields that describe a Llama- or Qwen2-shaped model (the inverse of from_hf_config for
+    them), for rebuilding it in transformers; the caller adds tying, biases and dtype as its weights say."""
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position,
+    )
+
+
 def _check_common_fields(cfg: dict, family: str) -> None:
     """Fields some configs of these families set to something the runtime does not compute."""
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
