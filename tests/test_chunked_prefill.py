@@ -84,7 +84,7 @@ def test_a_long_prompt_prefills_in_chunks_beside_a_decoding_stream(kind, tmp_pat
     assert long.output_ids == alone.output_ids
     # the same drafts as alone: a head read every prompt row's hidden state, whichever chunk computed it
     assert engine.drafts.get(len(LONG)) == drafts and (kind == "plain" or drafts)
-    assert engine.runner.num_free == engine.runner.num_slots and engine.blocks.promised == 0
+    assert engine.runner.num_free == engine.runner.num_slots and engine.runner.blocks_in_use() == 0
 
 
 class _NewestFirst(list):
@@ -116,7 +116,7 @@ def test_a_prompt_aborted_while_it_prefills_gives_its_slot_and_blocks_back(tmp_p
     while engine.has_unfinished():
         engine.step()
     assert len(short.output_ids) == 20 and not long.output_ids
-    assert engine.runner.num_free == engine.runner.num_slots and engine.blocks.promised == 0
+    assert engine.runner.num_free == engine.runner.num_slots and engine.runner.blocks_in_use() == 0
 
 
 def test_without_a_decoding_stream_a_long_prompt_prefills_whole(tmp_path):

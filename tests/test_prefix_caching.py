@@ -10,10 +10,13 @@ import torch
 from conftest import DEVICE, ByteTokenizer, random_hf_weights, tiny_config
 
 from specdecode import LLM, SamplingParams, prefix_index
+from specdecode.engine.engine import Engine
+from specdecode.errors import SpecDecodeError
 from specdecode.executor.runner import ModelRunner
 from specdecode.kv_cache import KVCache
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
+from specdecode.proposers.draft_model import DraftModelProposer
 
 A = list(range(5, 25))
 
@@ -240,3 +243,57 @@ def test_two_tenants_running_together_never_share_a_block(long_target, scoped, m
     llm = LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, max_num_seqs=4)
     seqs, _, computed = _run_together(llm, [PREFIX + [5], PREFIX + [5]], ["alice", "bob"])
     assert (computed == 2 * 2049) == scoped
+
+
+@pytest.mark.parametrize("variant", ["counted once", "counted whole", "in use ignored"])
+def test_admission_counts_a_shared_prefix_once_and_never_runs_out(long_target, variant, monkeypatch):
+    """A pool of 36 blocks: four requests with a common 2,048-token prefix (33 blocks each, 32 of them shared) run
+    together, and a fifth with a prompt of its own waits until they finish, all answering as computed alone.
+    Counting each sequence whole runs them one at a time; forgetting the blocks in use admits the fifth beside the
+    four, and the pool runs out."""
+    if variant == "counted whole":  # every sequence charged its longest length, as if it shared nothing
+        monkeypatch.setattr(ModelRunner, "blocks_in_use", lambda self: 0)
+        monkeypatch.setattr(ModelRunner, "blocks_held", lambda self, slot: 0)
+    if variant == "in use ignored":
+        monkeypatch.setattr(ModelRunner, "blocks_in_use", lambda self: 0)
+    engine = Engine(ModelRunner(long_target.model, 5, 4096, reuse_prefixes=True, num_blocks=36), long_target.tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [PREFIX + [i + 2] * 10 for i in range(4)] + [PREFIX[::-1] + [3] * 10]
+    seqs = [engine.add_request(p, params) for p in prompts]
+    most = 0
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            most = max(most, len(engine.running))
+    except SpecDecodeError as e:
+        assert variant == "in use ignored" and "out of blocks" in str(e)
+        return
+    assert variant != "in use ignored"
+    assert most == (4 if variant == "counted once" else 1)
+    alone = LLM(target=long_target, num_speculative_tokens=0, max_model_len=4096, prefix_caching=False)
+    for seq, prompt in zip(seqs[3:], prompts[3:]):
+        assert seq.output_ids == alone.generate([prompt], params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("drafter_counted", [True, False])
+def test_admission_counts_the_drafters_pool_too(long_target, drafter_counted, monkeypatch):
+    """The draft model's pool holds each sequence whole (its prefixes not reused here), so the four requests that
+    share the target's blocks run one at a time; admission that weighed the target's pool alone runs the
+    draft model out of blocks."""
+    if not drafter_counted:
+        monkeypatch.setattr(DraftModelProposer, "kv_pool", lambda self: None)
+    proposer = DraftModelProposer(long_target)
+    proposer.reserve(4, 4096, reuse_prefixes=False, num_blocks=36)
+    runner = ModelRunner(long_target.model, 4, 4096, reuse_prefixes=True, num_blocks=36)
+    engine = Engine(runner, long_target.tokenizer, [proposer], num_speculative_tokens=2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seqs = [engine.add_request(PREFIX + [i + 2] * 10, params) for i in range(4)]
+    most = 0
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            most = max(most, len(engine.running))
+    except SpecDecodeError as e:
+        assert not drafter_counted and "out of blocks" in str(e)
+        return
+    assert drafter_counted and most == 1 and all(len(s.output_ids) == 6 for s in seqs)

@@ -1,22 +1,34 @@
-"""Which waiting requests the KV cache can take: a sequence is admitted only while the pool has blocks for its
-longest length beside what the running ones may come to hold, so a request waits rather than runs out of
-memory midway (and a request that could never fit is refused up front)."""
+"""Which waiting requests the KV cache can take. A group is admitted only while every pool (the target's, and a
+drafter's) has room, beside the blocks its sequences hold now, for the blocks each admitted sequence may still
+take on the way to its longest length (prompt, max_tokens and a verify's drafts): a request waits rather than
+running out of memory midway, and a request that could never fit is refused up front.
+
+A block that sequences share (a common system prompt, a chat's earlier turns) is counted once, as held, and
+each sequence is charged only for the blocks past those it holds. The bound stays true until a sequence
+finishes: rollbacks stop at its committed tokens, past every block it shares, so a shared block it holds is
+never given up and taken again (docs/decisions.md#prefix-caching-per-tenant)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..kv_cache import blocks_for
+from ..proposers.base import Proposer
 from ..sampling import SamplingParams
 from .sequence import Sequence
 
 
 class BlockBudget:
-    def __init__(self, runner: ModelRunner, k_max: Callable[[], int]):
-        self.runner, self.k_max = runner, k_max
-        self.promised = 0  # blocks the running sequences may come to hold
+    def __init__(self, runner: ModelRunner, proposers: Seq[Proposer], k_max: Callable[[], int]):
+        self.runner, self.proposers, self.k_max = runner, proposers, k_max
+
+    @property
+    def pools(self) -> list[tuple[ModelRunner, Callable[[Sequence], int | None]]]:
+        """Each pool, and where a sequence's blocks are in it (None: nowhere yet)."""
+        drafters = [(p.kv_pool(), p.kv_slot) for p in self.proposers if p.kv_pool() is not None]
+        return [(self.runner, _target_slot), *drafters]
 
     def blocks_for(self, prompt_tokens: int, params: SamplingParams) -> int:
         """A sequence's most blocks: its prompt and max_tokens, and a verify's drafts past them."""
@@ -24,7 +36,8 @@ class BlockBudget:
         return blocks_for(longest, self.runner.block_size)
 
     def check(self, prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse, saying what to change, a request the context or the whole pool could never hold."""
+        """Refuse, saying what to change, a request the context or the whole pool could never hold (its samples
+        counted apart: admission counts them so until they have shared the prompt)."""
         if prompt_tokens >= self.runner.max_len:
             raise SpecDecodeError(
                 f"the prompt has {prompt_tokens} tokens but the context holds {self.runner.max_len}; "
@@ -38,13 +51,25 @@ class BlockBudget:
                 f"max_tokens)) and the cache holds {tokens} in all; lower max_tokens or n, or raise the memory budget"
             )
 
-    def admit(self, group: list[Sequence]) -> bool:
-        """Promise the group its blocks if the pool has them beside the running sequences'."""
-        blocks = sum(self.blocks_for(len(s.prompt_ids), s.params) for s in group)
-        if self.promised + blocks > self.runner.num_blocks:
-            return False
-        self.promised += blocks
-        return True
+    def fits(self, admitted: list[Sequence]) -> bool:
+        """Whether every pool holds what these sequences hold now and may still take."""
+        return all(self.needed(runner, slot_of, admitted) <= runner.num_blocks for runner, slot_of in self.pools)
 
-    def release(self, seq: Sequence) -> None:
-        self.promised -= self.blocks_for(len(seq.prompt_ids), seq.params)
+    def may_fit(self, admitted: list[Sequence], group: list[Sequence], cached_tokens: int) -> bool:
+        """Before a group takes anything: whether the target's pool could hold it at best (its first sequence
+        sharing the `cached_tokens` found computed), so that a group that cannot fit takes no blocks to give back."""
+        best = self.needed(self.runner, _target_slot, admitted) - cached_tokens // self.runner.block_size
+        return best + sum(self.blocks_for(len(s.prompt_ids), s.params) for s in group) <= self.runner.num_blocks
+
+    def needed(self, runner: ModelRunner, slot_of: Callable[[Sequence], int | None], seqs: list[Sequence]) -> int:
+        """The pool's blocks in use and those the sequences may still take."""
+        need = runner.blocks_in_use()
+        for seq in seqs:
+            slot = slot_of(seq)
+            held = 0 if slot is None else runner.blocks_held(slot)
+            need += max(0, self.blocks_for(len(seq.prompt_ids), seq.params) - held)
+        return need
+
+
+def _target_slot(seq: Sequence) -> int | None:
+    return seq.slot if seq.slot >= 0 else None

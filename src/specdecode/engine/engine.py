@@ -60,7 +60,7 @@ class Engine(Prefilling):
         self.prefilling: list[ChunkedPrefill] = []  # admitted, prompt partly computed, oldest first
         self._given: dict[int, tuple[Sequence, int]] = {}  # this step: a sequence given tokens -> where they begin
         self.totals = SpecCounters()
-        self.blocks = BlockBudget(runner, lambda: self.k)
+        self.blocks = BlockBudget(runner, self.proposers, lambda: self.k)
 
     @property
     def k(self) -> int:
@@ -167,7 +167,6 @@ class Engine(Prefilling):
 
     def _release(self, seq: Sequence) -> None:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
-        self.blocks.release(seq)
         self.runner.free(seq.slot)
         self.policy.forget(seq.request_id)
         for proposer in self.proposers:

@@ -30,18 +30,37 @@ class Prefilling:
         admitted: list[Sequence] = []
         while self.waiting:
             group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
-            if self.runner.num_free < len(group) or not self.blocks.admit(group):
+            cached = self._take_slots(group)
+            if cached is None:
                 break  # the group waits for slots or KV blocks
             for seq in group:
                 self.waiting.remove(seq)
-                seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
             if self._in_chunks(group):
-                self.prefilling.append(ChunkedPrefill(group[0], self._kept_prefix(group[0])))
+                self.prefilling.append(ChunkedPrefill(group[0], cached))
                 continue
             self.running += group
-            self._prefill(group)
+            self._prefill(group, cached)
             admitted += group
         return admitted
+
+    def _take_slots(self, group: list[Sequence]) -> int | None:
+        """Slots for the group, started from the blocks they find computed, if every KV pool then holds it beside
+        the sequences admitted before: the prompt tokens its prefill skips (None: nothing taken, it waits)."""
+        first, before = group[0], [*(s for s in self.running if not s.finished), *(p.seq for p in self.prefilling)]
+        found = self.runner.cached_prefix(self._reusable_prompt(first) or [], first.tenant)
+        if self.runner.num_free < len(group) or not self.blocks.may_fit(before, group, found):
+            return None
+        for seq in group:
+            seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
+        cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
+        if self.blocks.fits(before + group):
+            return cached
+        for seq in group:
+            for proposer in self.proposers:
+                proposer.release(seq)
+            self.runner.free(seq.slot)
+            seq.slot = -1
+        return None
 
     def _in_chunks(self, group: list[Sequence]) -> bool:
         """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
@@ -94,10 +113,10 @@ class Prefilling:
         self.runner.rollback(seq.slot, kept)
         return kept
 
-    def _prefill(self, group: list[Sequence]) -> None:
-        """One forward over the shared prompt past what the slot holds; the others get a copy of its KV."""
+    def _prefill(self, group: list[Sequence], cached: int) -> None:
+        """One forward over the shared prompt past the `cached` tokens its slot holds; the others get a copy of
+        its KV."""
         first, top = group[0], group[0].params.prompt_logprobs
-        cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
         logits, hidden = self._target_forward(
             [first.slot], [first.prompt_ids[cached:]], "last" if top is None else "all", every_row=True
         )

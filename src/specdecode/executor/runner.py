@@ -106,6 +106,10 @@ class ModelRunner:
         """Distinct blocks held by slots in use (blocks only the prefix index holds not counted: they are spare)."""
         return self._cache.blocks_in_use()
 
+    def blocks_held(self, slot: int) -> int:
+        """Blocks in the slot's table, its own and shared."""
+        return len(self._cache.tables[slot])
+
     def allocate(self, tokens: list[int] | None = None, scope: Hashable = "") -> int:
         """A free slot. With reuse_prefixes and the tokens it will hold: starting from the computed blocks of
         `scope` that hold the longest prefix of them (`length` says how long; the last token is always left to

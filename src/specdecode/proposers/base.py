@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
+    from ..executor.runner import ModelRunner
     from ..models.loader import LoadedModel
     from ..models.runtime import Transformer
 
@@ -110,6 +111,14 @@ class Proposer:
 
     def commit(self, seq: Sequence, num_valid_tokens: int) -> None:
         """The first `num_valid_tokens` of seq.token_ids are final; forget anything drafted past them."""
+
+    def kv_pool(self) -> ModelRunner | None:
+        """The runner whose KV blocks the proposer's sequences hold, for admission to count (None: it holds none)."""
+        return None
+
+    def kv_slot(self, seq: Sequence) -> int | None:
+        """seq's slot in kv_pool(), once it has one."""
+        return None
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished; free what the proposer holds for it."""

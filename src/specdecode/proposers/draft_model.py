@@ -58,6 +58,12 @@ class DraftModelProposer(Proposer):
     def forget_prefixes(self) -> None:
         self.runner.forget_prefixes()
 
+    def kv_pool(self) -> ModelRunner | None:
+        return self.runner
+
+    def kv_slot(self, seq) -> int | None:
+        return self._slots.get(seq.request_id)
+
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
