@@ -10,7 +10,7 @@ never given up and taken again (docs/decisions.md#prefix-caching-per-tenant)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
@@ -21,7 +21,7 @@ from .sequence import Sequence
 
 
 class BlockBudget:
-    def __init__(self, runner: ModelRunner, proposers: Seq[Proposer], k_max: Callable[[], int]):
+    def __init__(self, runner: ModelRunner, proposers: list[Proposer], k_max: Callable[[], int]):
         self.runner, self.proposers, self.k_max = runner, proposers, k_max
 
     @property
