@@ -12,13 +12,14 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BENCH = DOCS / "bench"
 
-# The README's batch-1 table, by machine: (name, date, JSON)
+# Batch 1 beside llama.cpp, by machine: (name, date, JSON); the README's table shows the first five
 BATCH_1 = [
     ("Zen 5", "2026-11-23", "latency-humaneval-cpu.json"),
     ("Zen 2, AVX2 only (AMD EPYC family 23 model 49)", "2026-11-27", "latency-humaneval-gpuhead-zen2.json"),
     ("Ice Lake (Intel Xeon, family 6 model 106)", "2026-11-24", "latency-humaneval-avx512.json"),
     ("Zen 4", "2026-11-25", "latency-humaneval-zen4-single-pass.json"),
     ("Xeon AMX (Intel Xeon, family 6 model 167)", "2026-11-26", "latency-humaneval-xeon-amx-head270k.json"),
+    ("Zen 3, AVX2 only (AMD EPYC family 25 model 1)", "2026-11-28", "latency-humaneval-zen3.json"),
 ]
 UNDER_LOAD = ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json")
 CONTEXT = ("Zen 5", "2026-11-28", [f"context-stdlib-{n}-read-ahead-zen5.json" for n in (1024, 4096, 16384, 32000)])

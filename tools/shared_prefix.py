@@ -1,9 +1,10 @@
 """Requests that share a long prefix (a system prompt, a file under discussion), arriving together: each one's
 time to first token, the prompt tokens computed, the KV blocks held at most and the wall time, with prefix
 caching (blocks shared among running requests) and without, on one engine configuration each. Greedy outputs
-must be equal between the two.
+must be equal between the two. With --kv-blocks, a memory budget that holds that many KV blocks beside the
+weights: how many requests admission lets run at once when they share their prefix, and when they do not.
 
-    python tools/shared_prefix.py --prefix-tokens 2048 --requests 4
+    python tools/shared_prefix.py --prefix-tokens 2048 --requests 4 [--kv-blocks 40]
 """
 
 from __future__ import annotations
@@ -35,17 +36,36 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     seqs = [engine.add_request(p, params) for p in prompts]
-    most = 0
+    most, together = 0, 0
     while engine.has_unfinished():
         engine.step()
-        most = max(most, engine.runner.blocks_in_use())
+        most, together = max(most, engine.runner.blocks_in_use()), max(together, engine.num_running)
     return {
         "wall_s": time.perf_counter() - start,
         "most_blocks": most,
+        "together": together,
         "ttft_s": [s.metrics.ttft for s in seqs],
         "computed": sum(len(s.prompt_ids) - s.metrics.num_cached_prompt_tokens for s in seqs),
         "outputs": [s.output_ids for s in seqs],
     }
+
+
+def build(args: argparse.Namespace, caching: bool, budget: int | None = None) -> LLM:
+    return LLM(
+        model=args.model,
+        speculative_model=None if args.draft == "none" else args.draft,
+        max_num_seqs=args.requests,
+        prefix_caching=caching,
+        progress=False,
+        memory_budget=budget,
+    )
+
+
+def budget_for(llm: LLM, blocks: int) -> int:
+    """A memory budget that holds the weights, the activations and this many KV blocks."""
+    plan = llm.memory_plan
+    fixed = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes
+    return fixed + blocks * plan.kv_bytes_per_token * llm.engine.runner.block_size
 
 
 def main() -> None:
@@ -55,17 +75,18 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=4, choices=range(1, len(QUESTIONS) + 1))
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--kv-blocks", type=int, help="a memory budget of the weights and this many KV blocks")
     args = parser.parse_args()
     print(describe_machine(machine_info()))
-    results, prompts = {}, None
+    results, prompts, budget = {}, None, None
     for caching in (True, False):
-        llm = LLM(
-            model=args.model,
-            speculative_model=None if args.draft == "none" else args.draft,
-            max_num_seqs=args.requests,
-            prefix_caching=caching,
-            progress=False,
-        )
+        llm = build(args, caching, budget)
+        if args.kv_blocks and budget is None:
+            budget = budget_for(llm, args.kv_blocks)
+            del llm
+            gc.collect()
+            llm = build(args, caching, budget)
+            print(f"memory budget {budget / 2**30:.2f} GiB: {llm.memory_plan.num_blocks} KV blocks")
         if prompts is None:  # the same tokenizer both times: encode the sources once
             prefix = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prefix_tokens]
             prompts = [prefix + llm.tokenizer.encode(q) for q in QUESTIONS[: args.requests]]
@@ -77,12 +98,15 @@ def main() -> None:
         f"{args.requests} requests, a {args.prefix_tokens}-token common prefix, {args.max_tokens} tokens each, "
         f"draft {args.draft}"
     )
-    print("| prefix caching | prompt tokens computed | KV blocks held at most | TTFT per request (s) | wall (s) |")
-    print("|---|---:|---:|---|---:|")
+    print(
+        "| prefix caching | prompt tokens computed | KV blocks held at most | running at once | TTFT per request (s) "
+        "| wall (s) |"
+    )
+    print("|---|---:|---:|---:|---|---:|")
     for caching, r in results.items():
         ttfts = " / ".join(f"{t:.2f}" for t in r["ttft_s"])
         state = "on" if caching else "off"
-        print(f"| {state} | {r['computed']:,} | {r['most_blocks']} | {ttfts} | {r['wall_s']:.1f} |")
+        print(f"| {state} | {r['computed']:,} | {r['most_blocks']} | {r['together']} | {ttfts} | {r['wall_s']:.1f} |")
     same = results[True]["outputs"] == results[False]["outputs"]
     print(f"greedy outputs equal with and without: {same}")
     if not same:
