@@ -20,6 +20,11 @@ BATCH_1 = [
     ("Zen 4", "2026-11-25", "latency-humaneval-zen4-single-pass.json"),
     ("Xeon AMX (Intel Xeon, family 6 model 167)", "2026-11-26", "latency-humaneval-xeon-amx-head270k.json"),
     ("Zen 3, AVX2 only (AMD EPYC family 25 model 1)", "2026-11-28", "latency-humaneval-zen3.json"),
+    (
+        "Zen 3 again, plain and n-gram, the model file already on disk (the run above read it just assembled)",
+        "2026-11-28",
+        "latency-humaneval-zen3-plain-again.json",
+    ),
 ]
 UNDER_LOAD = ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json")
 CONTEXT = ("Zen 5", "2026-11-28", [f"context-stdlib-{n}-read-ahead-zen5.json" for n in (1024, 4096, 16384, 32000)])
