@@ -4,7 +4,7 @@ caching (blocks shared among running requests) and without, on one engine config
 must be equal between the two. With --kv-blocks, a memory budget that holds that many KV blocks beside the
 weights: how many requests admission lets run at once when they share their prefix, and when they do not.
 
-    python tools/shared_prefix.py --prefix-tokens 2048 --requests 4 [--kv-blocks 40]
+    python tools/shared_prefix.py --prefix-tokens 2048 --requests 4 [--kv-blocks 24 --max-model-len 1536]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def build(args: argparse.Namespace, caching: bool, budget: int | None = None) ->
         prefix_caching=caching,
         progress=False,
         memory_budget=budget,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, choices=range(1, len(QUESTIONS) + 1))
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, help="a memory budget of the weights and this many KV blocks")
+    parser.add_argument("--max-model-len", type=int, help="default: the model's context (a budget must hold one)")
     args = parser.parse_args()
     print(describe_machine(machine_info()))
     results, prompts, budget = {}, None, None
