@@ -14,28 +14,39 @@ import httpx
 import pytest
 from conftest import LocalServer, wait_until
 
-from specdecode import LLM
+from specdecode import LLM, SamplingParams
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
 STEP_DELAY = 0.02  # seconds added to each engine step, so that requests last long enough to interrupt
 
 
+def _llm(target, draft, max_num_seqs=16, memory_budget=None) -> LLM:
+    return LLM(
+        target=target,
+        draft=draft,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        max_num_seqs=max_num_seqs,
+        speculation_policy="fixed",
+        memory_budget=memory_budget,
+    )
+
+
 class Served:
-    def __init__(self, target, draft, max_num_seqs=16, **app_kwargs):
-        llm = LLM(
-            target=target,
-            draft=draft,
-            num_speculative_tokens=3,
-            max_model_len=256,
-            max_num_seqs=max_num_seqs,
-            speculation_policy="fixed",
-        )
+    def __init__(self, target, draft, max_num_seqs=16, memory_budget=None, **app_kwargs):
+        llm = _llm(target, draft, max_num_seqs, memory_budget)
         real_step = llm.engine.step
         self.steps = 0  # engine steps run: how far a request got, counted rather than timed
+        self.most_waiting = 0  # requests waiting for room at once, at most
+        self.fail_next_step = False
 
         def slow_step():
+            if self.fail_next_step:
+                self.fail_next_step = False
+                raise RuntimeError("a bug in the step")
             self.steps += 1
+            self.most_waiting = max(self.most_waiting, len(llm.engine.waiting))
             time.sleep(STEP_DELAY)
             return real_step()
 
@@ -91,6 +102,13 @@ def test_the_server_timeout_caps_the_requests(target, random_draft):
         assert s.post({**LONG, "timeout": 100}).status_code == 504
         assert s.post({"prompt": "x", "timeout": -1}).status_code == 400
         s.assert_idle_and_serving()
+
+
+def test_a_step_that_raises_fails_its_requests_with_500_and_the_server_carries_on(served):
+    served.fail_next_step = True
+    r = served.post({"prompt": "x", "max_tokens": 5})
+    assert r.status_code == 500 and "a bug in the step" in r.json()["error"]["message"]
+    served.assert_idle_and_serving()
 
 
 # ---- draining ---------------------------------------------------------------------------------------
@@ -280,3 +298,44 @@ def test_soak_at_concurrency_16_loses_nothing(target, random_draft):
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+def test_under_block_pressure_requests_wait_and_none_is_lost(target, random_draft):
+    """A KV budget of 8 blocks for 16 clients whose requests take 2-4 blocks each (prompt, max_tokens and the
+    drafts): requests wait for room rather than run the pool out, every one gets the greedy text computed alone,
+    and the server ends idle, its blocks all returned."""
+    plan = _llm(target, random_draft).memory_plan
+    block_bytes = plan.kv_bytes_per_token * plan.block_size
+    budget = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes + 8 * block_bytes
+    rng = random.Random(0)
+    bodies = [
+        {
+            "prompt": "pressure " * rng.randint(4, 16),
+            "max_tokens": rng.randint(40, 120),
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for _ in range(16)
+    ]
+    alone = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    expected = [
+        alone.generate([b["prompt"]], SamplingParams(temperature=0, max_tokens=b["max_tokens"], ignore_eos=True))[0]
+        .outputs[0]
+        .text
+        for b in bodies
+    ]
+    with Served(target, random_draft, memory_budget=budget, request_timeout=120) as served:
+        assert served.llm.memory_plan.num_blocks == 8
+
+        async def send_all():
+            async with httpx.AsyncClient(timeout=180) as client:
+                return await asyncio.gather(
+                    *(client.post(f"{served.url}/v1/completions", json={"model": "tiny", **b}) for b in bodies)
+                )
+
+        replies = asyncio.run(send_all())
+        assert [r.status_code for r in replies] == [200] * 16
+        assert [r.json()["choices"][0]["text"] for r in replies] == expected
+        assert served.most_waiting >= 8  # 8 blocks hold 2-4 of them at once: the rest waited
+        served.assert_idle_and_serving()
+        assert served.llm.engine.runner.blocks_in_use() == 0

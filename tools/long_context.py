@@ -1,7 +1,10 @@
-"""A long prompt of real text (standard-library source) through `LLM` on default settings: prefill time, decode
-rate, and the memory the process holds before and after, per prompt length.
+"""A long prompt of real text (standard-library source) through `LLM` on default settings, per prompt length:
+prefill rate (the tokens computed, past any prefix an earlier length left cached), decode rate against what the
+bytes a step reads allow (weights + the KV cache at the read bandwidth measured in the same run), and the memory
+the process holds. With `--vs-llama-cpp`, llama.cpp's prefill of the first length (`llama-bench -p N`) on the
+same file and threads, in the same run.
 
-    python tools/long_context.py --lengths 16384 32000 [--max-tokens 32] [--model qwen2.5-coder-1.5b]
+    python tools/long_context.py --lengths 16384 32000 1024 [--max-tokens 32] [--vs-llama-cpp BIN]
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ import argparse
 import resource
 import time
 
+import torch
+
 from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import stdlib_sources
+from specdecode.bench.llama_cpp import run_llama_bench
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_TARGET
+from specdecode.models.sources import resolve
 
 
 def rss_gib() -> float:
@@ -22,30 +29,57 @@ def rss_gib() -> float:
     return kb / 2**20
 
 
+def read_bandwidth(gib: int = 2, repeats: int = 5) -> float:
+    """Bytes per second that summing a tensor far larger than the caches reads, on the engine's threads (the
+    best of a few passes): the rate a decode step's weights and KV could stream at, at most."""
+    data = torch.ones(gib * 2**30 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def llama_prefill(bin_dir: str, gguf: str, tokens: int) -> float:
+    bench = run_llama_bench(bin_dir, gguf, torch.get_num_threads(), 1, forward_sizes=(tokens,), repeats=1, warmup=False)
+    return bench.prefill_tokens_per_s(tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--vs-llama-cpp", metavar="BIN", help="llama.cpp's tools folder (build-llama-cpp.sh's)")
     args = parser.parse_args()
     llm = LLM(model=args.model, num_speculative_tokens=0, progress=False)  # every option at its default
+    plan = llm.memory_plan
     text = "\n".join(source for _, source in stdlib_sources())
     ids = llm.tokenizer.encode(text)
-    print(
-        f"{describe_machine(machine_info())}; max_model_len {llm.engine.max_model_len}; {llm.memory_plan.summary()}",
-        flush=True,
-    )
-    print(f"idle: RSS {rss_gib():.2f} GiB", flush=True)
+    print(f"{describe_machine(machine_info())}; max_model_len {llm.engine.max_model_len}; {plan.summary()}")
+    bandwidth = read_bandwidth()
+    print(f"idle: RSS {rss_gib():.2f} GiB; read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    first_prefill = None
     for length in args.lengths:
         started = time.perf_counter()
         out = llm.generate([ids[:length]], SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
         spec = out[0].spec
+        computed = length - spec["num_cached_prompt_tokens"]
+        first_prefill = first_prefill or computed / spec["ttft_s"]
+        step_bytes = plan.target_weight_bytes + plan.kv_bytes_per_token * length
+        allowed = bandwidth / step_bytes
+        decode = 1 / spec["tpot_s"]
         print(
-            f"{length} tokens: prefill {spec['ttft_s']:.1f} s ({length / spec['ttft_s']:.0f} tok/s), decode "
-            f"{1 / spec['tpot_s']:.2f} tok/s, {time.perf_counter() - started:.1f} s in all; RSS now "
-            f"{rss_gib():.2f} GiB, peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+            f"{length} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({computed / spec['ttft_s']:.0f} tok/s); "
+            f"decode {decode:.2f} tok/s, the bytes allow {allowed:.2f} ({step_bytes / 2**30:.2f} GiB a step): "
+            f"{decode / allowed:.0%}; {time.perf_counter() - started:.1f} s in all; RSS now {rss_gib():.2f} GiB, "
+            f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
             flush=True,
         )
+    if args.vs_llama_cpp:
+        theirs = llama_prefill(args.vs_llama_cpp, resolve(args.model).path, args.lengths[0])
+        print(f"llama.cpp llama-bench -p {args.lengths[0]}: {theirs:.0f} tok/s; ours {first_prefill / theirs:.2f}×")
 
 
 if __name__ == "__main__":

@@ -93,8 +93,12 @@ def run_llama_bench(
     max_tokens: int,
     forward_sizes: tuple[int, ...] = (1, 2, 3, 5, 512),
     repeats: int = 3,
+    warmup: bool = True,
 ) -> LlamaBench:
+    """Without `warmup`, llama-bench times its first forward: worth it where one forward takes minutes (a long
+    prompt), and its warm-up would double the run."""
     cmd = [binary(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    cmd += [] if warmup else ["--no-warmup"]
     sizes = ",".join(map(str, forward_sizes))
     try:
         rows, repacked = json.loads(_run(cmd + ["-p", sizes, "-n", str(max_tokens)])), True

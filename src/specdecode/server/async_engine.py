@@ -33,6 +33,12 @@ class RequestTimeout(SpecDecodeError):
     http_status = 504
 
 
+class EngineFailed(SpecDecodeError):
+    """A step of the engine raised (a bug, not the request): the requests in it fail, the server carries on."""
+
+    http_status = 500
+
+
 class ShuttingDown(SpecDecodeError):
     """The server is draining before it stops: no new requests; those still running at the end are cancelled."""
 
@@ -214,7 +220,7 @@ class AsyncEngine:
                 out = self.engine.step()
             except Exception as exc:  # a bug must not take the server down: fail the batch, carry on
                 log.exception("engine step failed")
-                self._fail_all(exc)
+                self._fail_all(EngineFailed(f"the engine failed while running this request ({exc}); retry it"))
                 continue
             self.metrics.observe_step(out)
             self._publish(out)
