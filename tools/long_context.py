@@ -2,9 +2,10 @@
 prefill rate (the tokens computed, past any prefix an earlier length left cached), decode rate against what the
 bytes a step reads allow (weights + the KV cache at the read bandwidth measured in the same run), and the memory
 the process holds. With `--vs-llama-cpp`, llama.cpp's prefill of the first length (`llama-bench -p N`) on the
-same file and threads, in the same run.
+same file and threads, in the same run. With `--draft`, each length runs with that drafter (the default adaptive
+policy) and then plain (the policy swapped for k = 0, the prompt found cached), and prints the drafter's speedup.
 
-    python tools/long_context.py --lengths 16384 32000 1024 [--max-tokens 32] [--vs-llama-cpp BIN]
+    python tools/long_context.py --lengths 16384 32000 1024 [--max-tokens 32] [--vs-llama-cpp BIN] [--draft NAME]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -20,6 +22,8 @@ from specdecode.bench.datasets import stdlib_sources
 from specdecode.bench.llama_cpp import run_llama_bench
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_TARGET
+from specdecode.engine.memory import kv_bytes_per_token
+from specdecode.engine.policy import FixedPolicy
 from specdecode.models.sources import resolve
 
 
@@ -46,37 +50,66 @@ def llama_prefill(bin_dir: str, gguf: str, tokens: int) -> float:
     return bench.prefill_tokens_per_s(tokens)
 
 
+@contextmanager
+def plain_decoding(llm: LLM):
+    """The engine with k = 0 for every sequence: the drafter never runs, the target decodes as plain."""
+    policy, llm.engine.policy = llm.engine.policy, FixedPolicy(0)
+    try:
+        yield
+    finally:
+        llm.engine.policy = policy
+
+
+def decode(llm: LLM, ids: list[int], max_tokens: int) -> dict:
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return {**out[0].spec, "token_ids": out[0].outputs[0].token_ids}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--vs-llama-cpp", metavar="BIN", help="llama.cpp's tools folder (build-llama-cpp.sh's)")
+    parser.add_argument("--draft", help="also decode with this drafter (e.g. head:qwen2.5-coder-1.5b)")
     args = parser.parse_args()
-    llm = LLM(model=args.model, num_speculative_tokens=0, progress=False)  # every option at its default
+    drafter = {"speculative_model": args.draft} if args.draft else {"num_speculative_tokens": 0}
+    llm = LLM(model=args.model, progress=False, **drafter)  # every other option at its default
     plan = llm.memory_plan
     text = "\n".join(source for _, source in stdlib_sources())
     ids = llm.tokenizer.encode(text)
     print(f"{describe_machine(machine_info())}; max_model_len {llm.engine.max_model_len}; {plan.summary()}")
     bandwidth = read_bandwidth()
     print(f"idle: RSS {rss_gib():.2f} GiB; read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    target = llm.engine.runner.model
+    target_kv_bytes = kv_bytes_per_token(target.cfg, target.kv_dtype)  # what a plain step reads a cached token
     first_prefill = None
     for length in args.lengths:
         started = time.perf_counter()
-        out = llm.generate([ids[:length]], SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
-        spec = out[0].spec
+        spec = decode(llm, ids[:length], args.max_tokens)
         computed = length - spec["num_cached_prompt_tokens"]
         first_prefill = first_prefill or computed / spec["ttft_s"]
-        step_bytes = plan.target_weight_bytes + plan.kv_bytes_per_token * length
-        allowed = bandwidth / step_bytes
-        decode = 1 / spec["tpot_s"]
+        if args.draft:
+            with plain_decoding(llm):
+                plain = decode(llm, ids[:length], args.max_tokens)
+        else:
+            plain = spec
+        step_bytes = plan.target_weight_bytes + target_kv_bytes * length
+        allowed, plain_rate = bandwidth / step_bytes, 1 / plain["tpot_s"]
         print(
             f"{length} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({computed / spec['ttft_s']:.0f} tok/s); "
-            f"decode {decode:.2f} tok/s, the bytes allow {allowed:.2f} ({step_bytes / 2**30:.2f} GiB a step): "
-            f"{decode / allowed:.0%}; {time.perf_counter() - started:.1f} s in all; RSS now {rss_gib():.2f} GiB, "
-            f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+            f"plain decoding {plain_rate:.2f} tok/s, the bytes allow {allowed:.2f} ({step_bytes / 2**30:.2f} GiB a "
+            f"step): {plain_rate / allowed:.0%}; {time.perf_counter() - started:.1f} s in all; RSS now "
+            f"{rss_gib():.2f} GiB, peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
             flush=True,
         )
+        if args.draft:
+            print(
+                f"  {args.draft}: {1 / spec['tpot_s']:.2f} tok/s (τ {spec['mean_accepted_length'] or 1:.2f}): "
+                f"{plain['tpot_s'] / spec['tpot_s']:.2f}× plain; the same tokens: "
+                f"{plain['token_ids'] == spec['token_ids']}",
+                flush=True,
+            )
     if args.vs_llama_cpp:
         theirs = llama_prefill(args.vs_llama_cpp, resolve(args.model).path, args.lengths[0])
         print(f"llama.cpp llama-bench -p {args.lengths[0]}: {theirs:.0f} tok/s; ours {first_prefill / theirs:.2f}×")
