@@ -84,7 +84,7 @@ def test_requests_beyond_the_kv_blocks_wait_and_all_complete(target, random_draf
     """Two blocks of KV cache for sequences of up to 64 tokens (one block each): eight slots, two running at a
     time; a request that could never fit is refused with what to change."""
     plan = plan_memory(target.model, random_draft.model, 64, 8, 3, None)
-    budget = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes + 2 * 64 * plan.kv_bytes_per_token
+    budget = plan.budget_holding(2)
     llm = LLM(
         target=target,
         draft=random_draft,

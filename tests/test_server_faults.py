@@ -304,9 +304,7 @@ def test_under_block_pressure_requests_wait_and_none_is_lost(target, random_draf
     """A KV budget of 8 blocks for 16 clients whose requests take 2-4 blocks each (prompt, max_tokens and the
     drafts): requests wait for room rather than run the pool out, every one gets the greedy text computed alone,
     and the server ends idle, its blocks all returned."""
-    plan = _llm(target, random_draft).memory_plan
-    block_bytes = plan.kv_bytes_per_token * plan.block_size
-    budget = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes + 8 * block_bytes
+    budget = _llm(target, random_draft).memory_plan.budget_holding(8)
     rng = random.Random(0)
     bodies = [
         {

@@ -14,16 +14,11 @@ from types import SimpleNamespace
 
 import torch
 
-from specdecode.bench.results import describe_machine, machine_info
+from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.executor.attention import RowwiseAttentionKernel
 from specdecode.executor.kernels import load
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 28, 12, 2, 128, 64
-
-
-def read_bandwidth(gib: int = 2, repeats: int = 5) -> float:
-    data = torch.ones(gib * 2**30 // 4)
-    return data.numel() * 4 / min(_seconds(data.sum) for _ in range(repeats))
 
 
 def matmul_flops(n: int = 2048, repeats: int = 3) -> float:

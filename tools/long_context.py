@@ -20,7 +20,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import stdlib_sources
 from specdecode.bench.llama_cpp import run_llama_bench
-from specdecode.bench.results import describe_machine, machine_info
+from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.config import DEFAULT_TARGET
 from specdecode.engine.memory import kv_bytes_per_token
 from specdecode.engine.policy import FixedPolicy
@@ -31,18 +31,6 @@ def rss_gib() -> float:
     with open("/proc/self/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return kb / 2**20
-
-
-def read_bandwidth(gib: int = 2, repeats: int = 5) -> float:
-    """Bytes per second that summing a tensor far larger than the caches reads, on the engine's threads (the
-    best of a few passes): the rate a decode step's weights and KV could stream at, at most."""
-    data = torch.ones(gib * 2**30 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * 4 / best
 
 
 def llama_prefill(bin_dir: str, gguf: str, tokens: int) -> float:

@@ -62,13 +62,6 @@ def build(args: argparse.Namespace, caching: bool, budget: int | None = None) ->
     )
 
 
-def budget_for(llm: LLM, blocks: int) -> int:
-    """A memory budget that holds the weights, the activations and this many KV blocks."""
-    plan = llm.memory_plan
-    fixed = plan.target_weight_bytes + plan.draft_weight_bytes + plan.reserve_bytes
-    return fixed + blocks * plan.kv_bytes_per_token * llm.engine.runner.block_size
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -84,7 +77,7 @@ def main() -> None:
     for caching in (True, False):
         llm = build(args, caching, budget)
         if args.kv_blocks and budget is None:
-            budget = budget_for(llm, args.kv_blocks)
+            budget = llm.memory_plan.budget_holding(args.kv_blocks)
             del llm
             gc.collect()
             llm = build(args, caching, budget)

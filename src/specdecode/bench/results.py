@@ -55,6 +55,22 @@ def machine_info() -> dict:
     }
 
 
+def read_bandwidth(gib: int = 2, repeats: int = 5) -> float:
+    """Bytes per second that summing a tensor far larger than the caches reads on this process's threads (the best
+    of a few passes): the most a decode step's weights and KV cache could stream at."""
+    import time
+
+    import torch
+
+    data = torch.ones(gib * 2**30 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
 def describe_machine(info: dict) -> str:
     """machine_info in one line, for a benchmark's printed header."""
     return (

@@ -90,6 +90,15 @@ class MemoryPlan:
     def max_cached_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def fixed_bytes(self) -> int:
+        """What does not grow with the tokens held: the weights and the activations' reserve."""
+        return self.target_weight_bytes + self.draft_weight_bytes + self.reserve_bytes
+
+    def budget_holding(self, blocks: int) -> int:
+        """The memory budget that holds the fixed bytes and this many KV blocks."""
+        return self.fixed_bytes + blocks * self.block_size * self.kv_bytes_per_token
+
     def summary(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none set"
         return (
@@ -170,10 +179,10 @@ def plan_memory(
         if available is not None:
             plan.num_blocks = max(blocks_for(max_model_len), min(wanted, int(available * AVAILABLE_SHARE) // per_block))
         return plan
-    free = budget_bytes - plan.target_weight_bytes - plan.draft_weight_bytes - plan.reserve_bytes
+    free = budget_bytes - plan.fixed_bytes
     one_sequence = blocks_for(max_model_len) * per_block
     if free < one_sequence:
-        fixed = format_bytes(budget_bytes - free)
+        fixed = format_bytes(plan.fixed_bytes)
         if free < per_block:
             raise SpecDecodeError(
                 f"the memory budget ({format_bytes(budget_bytes)}) is smaller than the weights "
