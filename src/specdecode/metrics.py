@@ -87,6 +87,7 @@ class RequestMetrics:
     num_output_tokens: int = 0
     spec: SpecCounters = field(default_factory=SpecCounters)
     forced_accept: bool = False  # lossy upper-bound run: every draft token was accepted
+    num_preemptions: int = 0  # times it gave its KV blocks back and was recomputed later
 
     @property
     def ttft(self) -> float | None:
@@ -124,6 +125,7 @@ class RequestMetrics:
             "mean_accepted_length": s.mean_accepted_length,
             "acceptance_per_position": s.acceptance_per_position,
             "forced_accept": self.forced_accept,
+            "num_preemptions": self.num_preemptions,
         }
 
 

@@ -1,12 +1,15 @@
-"""Which waiting requests the KV cache can take. A group is admitted only while every pool (the target's, and a
-drafter's) has room, beside the blocks its sequences hold now, for the blocks each admitted sequence may still
-take on the way to its longest length (prompt, max_tokens and a verify's drafts): a request waits rather than
-running out of memory midway, and a request that could never fit is refused up front.
+"""Which waiting requests the KV cache can take, and which running sequences give their blocks back when it cannot
+hold the next step of all. A group is admitted while every pool (the target's, and a drafter's) has room, beside
+the blocks its sequences hold now, for what each admitted sequence may take in its next ADMISSION_LOOKAHEAD tokens
+(no further than its longest length: prompt, max_tokens and a verify's drafts). Past that, a sequence is
+admitted on trust: before each step, while the pools cannot hold every sequence's next step, the newest one is
+preempted (Engine._make_room) and later recomputed from its tokens, from what the prefix cache still holds. A
+request that could never fit alone is refused up front, so the oldest sequence always runs.
 
 A block that sequences share (a common system prompt, a chat's earlier turns) is counted once, as held, and
-each sequence is charged only for the blocks past those it holds. The bound stays true until a sequence
-finishes: rollbacks stop at its committed tokens, past every block it shares, so a shared block it holds is
-never given up and taken again (docs/decisions.md#prefix-caching-per-tenant)."""
+each sequence is charged only for the blocks past those it holds; rollbacks stop at its committed tokens, past
+every block it shares, so a shared block it holds is never given up and taken again
+(docs/decisions.md#prefix-caching-per-tenant)."""
 
 from __future__ import annotations
 
@@ -19,8 +22,14 @@ from ..proposers.base import Proposer
 from ..sampling import SamplingParams
 from .sequence import Sequence
 
+# Tokens of growth admission leaves room for: a request with a short max_tokens is held whole (it never waits on
+# another's growth); a long one holds its next few blocks, so that a new admission rarely preempts at once.
+ADMISSION_LOOKAHEAD = 256
+
 
 class BlockBudget:
+    lookahead = ADMISSION_LOOKAHEAD
+
     def __init__(self, runner: ModelRunner, proposers: list[Proposer], k_max: Callable[[], int]):
         self.runner, self.proposers, self.k_max = runner, proposers, k_max
 
@@ -30,7 +39,7 @@ class BlockBudget:
         drafters = [(p.kv_pool(), p.kv_slot) for p in self.proposers if p.kv_pool() is not None]
         return [(self.runner, _target_slot), *drafters]
 
-    def blocks_for(self, prompt_tokens: int, params: SamplingParams) -> int:
+    def longest_blocks(self, prompt_tokens: int, params: SamplingParams) -> int:
         """A sequence's most blocks: its prompt and max_tokens, and a verify's drafts past them."""
         longest = min(self.runner.max_len, prompt_tokens + params.max_tokens + self.k_max() + 1)
         return blocks_for(longest, self.runner.block_size)
@@ -43,7 +52,7 @@ class BlockBudget:
                 f"the prompt has {prompt_tokens} tokens but the context holds {self.runner.max_len}; "
                 "shorten the prompt or raise max_model_len"
             )
-        need = params.n * self.blocks_for(prompt_tokens, params)
+        need = params.n * self.longest_blocks(prompt_tokens, params)
         if need > self.runner.num_blocks:
             tokens = self.runner.num_blocks * self.runner.block_size
             raise SpecDecodeError(
@@ -51,24 +60,38 @@ class BlockBudget:
                 f"max_tokens)) and the cache holds {tokens} in all; lower max_tokens or n, or raise the memory budget"
             )
 
-    def fits(self, admitted: list[Sequence]) -> bool:
-        """Whether every pool holds what these sequences hold now and may still take."""
-        return all(self.needed(runner, slot_of, admitted) <= runner.num_blocks for runner, slot_of in self.pools)
+    def fits(self, seqs: list[Sequence], lookahead: int | None = None) -> bool:
+        """Whether every pool holds what these sequences hold now and may take in their next `lookahead` tokens
+        of output (0: their next step)."""
+        return all(self.needed(runner, slot_of, seqs, lookahead) <= runner.num_blocks for runner, slot_of in self.pools)
 
     def may_fit(self, admitted: list[Sequence], group: list[Sequence], cached_tokens: int) -> bool:
         """Before a group takes anything: whether the target's pool could hold it at best (its first sequence
         sharing the `cached_tokens` found computed), so that a group that cannot fit takes no blocks to give back."""
         best = self.needed(self.runner, _target_slot, admitted) - cached_tokens // self.runner.block_size
-        return best + sum(self.blocks_for(len(s.prompt_ids), s.params) for s in group) <= self.runner.num_blocks
+        return best + sum(self.ahead(s, self.lookahead) for s in group) <= self.runner.num_blocks
 
-    def needed(self, runner: ModelRunner, slot_of: Callable[[Sequence], int | None], seqs: list[Sequence]) -> int:
-        """The pool's blocks in use and those the sequences may still take."""
+    def needed(
+        self,
+        runner: ModelRunner,
+        slot_of: Callable[[Sequence], int | None],
+        seqs: list[Sequence],
+        lookahead: int | None = None,
+    ) -> int:
+        """The pool's blocks in use and those the sequences may take in their next `lookahead` tokens."""
         need = runner.blocks_in_use()
         for seq in seqs:
             slot = slot_of(seq)
             held = 0 if slot is None else runner.blocks_held(slot)
-            need += max(0, self.blocks_for(len(seq.prompt_ids), seq.params) - held)
+            need += max(0, self.ahead(seq, lookahead) - held)
         return need
+
+    def ahead(self, seq: Sequence, lookahead: int) -> int:
+        """The blocks seq holds once it has its context, its next step's rows, and `lookahead` more tokens of
+        output (as far as its longest length; None: the admission's lookahead)."""
+        lookahead = self.lookahead if lookahead is None else lookahead
+        rows = self.k_max() + 1 + min(lookahead, seq.remaining_tokens)
+        return blocks_for(min(self.runner.max_len, seq.num_tokens + rows), self.runner.block_size)
 
 
 def _target_slot(seq: Sequence) -> int | None:

@@ -127,12 +127,14 @@ class Engine(Prefilling):
         return len(self.running) + len(self.prefilling)
 
     def step(self) -> StepOutput:
-        """Admit what fits and prefill it, then run one decoding step and one chunk of a long prompt's prefill;
-        say what it did. A step that admits while nothing decodes ends after the prefill: its first tokens go out
-        at once, and requests that arrived meanwhile are admitted in time to decode with them from the first
-        decoding step (with others decoding, waiting a prefill out would hold up their tokens)."""
+        """Preempt what the KV cache cannot hold, admit what fits and prefill it, then run one decoding step and
+        one chunk of a long prompt's prefill; say what it did. A step that admits while nothing decodes ends after
+        the prefill: its first tokens go out at once, and requests that arrived meanwhile are admitted in time to
+        decode with them from the first decoding step (with others decoding, waiting a prefill out would hold up
+        their tokens)."""
         out = StepOutput()
         self._given = {}
+        out.preempted = self._make_room()
         was_decoding = self._busy()
         admitted = self._admit()
         decoding = [s for s in self.running if not s.finished]
@@ -157,6 +159,7 @@ class Engine(Prefilling):
         prefilling = next((p for p in self.prefilling if p.seq is seq), None)
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self.totals.merge(seq.metrics.spec)  # a preempted sequence's steps so far
         elif seq in self.running:
             self._release(seq)
             self.running.remove(seq)

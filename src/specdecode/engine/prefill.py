@@ -1,5 +1,6 @@
 """The engine's admission half: requests admitted while their slots and KV blocks fit, and their prompts
-prefilled, at once or, for a long prompt arriving while others decode, a chunk a step beside them."""
+prefilled, at once or, for a long prompt arriving while others decode, a chunk a step beside them; the newest
+sequences preempted while the KV cache cannot hold the next step of all."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ class Prefilling:
     proposers)."""
 
     def _admit(self) -> list[Sequence]:
-        """Prefill the waiting groups that fit, in arrival order; the sequences admitted."""
+        """Prefill the waiting groups that fit, in arrival order (a preempted sequence first); the sequences
+        admitted."""
         admitted: list[Sequence] = []
         while self.waiting:
-            group = [s for s in self.waiting[0].siblings if not s.finished]  # aborted siblings have left
+            group = self._next_group()
             cached = self._take_slots(group)
             if cached is None:
                 break  # the group waits for slots or KV blocks
@@ -43,10 +45,47 @@ class Prefilling:
             admitted += group
         return admitted
 
+    def _next_group(self) -> list[Sequence]:
+        """The first waiting sequence with its siblings still waiting (the samples of one prompt share its prefill);
+        a preempted sequence comes back alone, since its output is its own."""
+        first = self.waiting[0]
+        if first.resuming:
+            return [first]
+        return [s for s in first.siblings if s in self.waiting and not s.resuming]
+
+    def _make_room(self) -> int:
+        """Preempt the newest sequences while the pools cannot hold the next step of all; how many. The oldest
+        always runs: a request that could not fit alone was refused."""
+        preempted = 0
+        while True:
+            active = self._active()
+            if len(active) < 2 or self.blocks.fits(active, lookahead=0):
+                return preempted
+            self._preempt(max(active, key=lambda s: (s.arrival, s.index)))
+            preempted += 1
+
+    def _active(self) -> list[Sequence]:
+        """The sequences admitted and not finished: decoding, or their prompts prefilled in chunks."""
+        return [*(s for s in self.running if not s.finished), *(p.seq for p in self.prefilling)]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """seq gives back every block it holds and waits at the front of the queue; it resumes by recomputing its
+        tokens (from what the prefix cache still holds), its output so far kept (docs/decisions.md#preemption)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.prefilling = [p for p in self.prefilling if p.seq is not seq]
+        self.runner.free(seq.slot)
+        for proposer in self.proposers:
+            proposer.suspend(seq)
+        seq.slot, seq.feedback = -1, None
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
     def _take_slots(self, group: list[Sequence]) -> int | None:
         """Slots for the group, started from the blocks they find computed, if every KV pool then holds it beside
         the sequences admitted before: the prompt tokens its prefill skips (None: nothing taken, it waits)."""
-        first, before = group[0], [*(s for s in self.running if not s.finished), *(p.seq for p in self.prefilling)]
+        first, before = group[0], self._active()
         found = self.runner.cached_prefix(self._reusable_prompt(first) or [], first.tenant)
         if self.runner.num_free < len(group) or not self.blocks.may_fit(before, group, found):
             return None
@@ -70,8 +109,8 @@ class Prefilling:
             self.prefill_chunk
             and self._busy()
             and len(group) == 1
-            and seq.params.prompt_logprobs is None
-            and len(seq.prompt_ids) > self.prefill_chunk
+            and (seq.params.prompt_logprobs is None or seq.resuming)
+            and len(seq.context_ids) > self.prefill_chunk
         )
 
     def _decoding(self) -> bool:
@@ -85,7 +124,7 @@ class Prefilling:
         """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
         more); once the prompt is done, its first token is sampled and the sequence decodes from the next step."""
         task = self.prefilling[0]
-        seq, prompt, done = task.seq, task.seq.prompt_ids, self.runner.length(task.seq.slot)
+        seq, prompt, done = task.seq, task.seq.context_ids, self.runner.length(task.seq.slot)
         alone = not self._decoding() and len(self.prefilling) == 1
         end = len(prompt) if alone else min(len(prompt), done + self.prefill_chunk)
         logits, hidden = self._target_forward([seq.slot], [prompt[done:end]], "last", every_row=True)
@@ -102,6 +141,8 @@ class Prefilling:
         """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy
         the first's), prompt logprobs (every row's logits), or the first of a group whose proposers read
         the target's features (each sequence's reader needs the rows the shared prefill computes)."""
+        if seq.resuming:  # alone, and its prompt was scored before
+            return seq.context_ids
         shared = self.wants_hidden_states and len(seq.siblings) > 1
         return None if seq.index or seq.params.prompt_logprobs is not None or shared else seq.prompt_ids
 
@@ -116,16 +157,17 @@ class Prefilling:
     def _prefill(self, group: list[Sequence], cached: int) -> None:
         """One forward over the shared prompt past the `cached` tokens its slot holds; the others get a copy of
         its KV."""
-        first, top = group[0], group[0].params.prompt_logprobs
+        first = group[0]
+        top = None if first.resuming else first.params.prompt_logprobs
         logits, hidden = self._target_forward(
-            [first.slot], [first.prompt_ids[cached:]], "last" if top is None else "all", every_row=True
+            [first.slot], [first.context_ids[cached:]], "last" if top is None else "all", every_row=True
         )
         if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
             scored = prompt_logprobs(first.prompt_ids, logits, top)
             for seq in group:
                 seq.prompt_logprobs = scored
             logits = logits[-1:]
-        self.runner.commit(first.slot, len(first.prompt_ids))
+        self.runner.commit(first.slot, len(first.context_ids))
         self._finish_prefill(group, logits, hidden, cached)
 
     def _finish_prefill(
@@ -134,6 +176,10 @@ class Prefilling:
         """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
         it, and each samples its first token from the last row's logits."""
         first = group[0]
+        if first.resuming:  # its last token is known: the next step reads it, as after any step
+            self._feed_back(first, TargetFeedback([first.token_ids[-1]], hidden, cached))
+            self._read_ahead(group)
+            return
         first.metrics.num_cached_prompt_tokens = cached
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)

@@ -14,6 +14,7 @@ from ..proposers.base import TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 
 _ids = itertools.count()
+_arrivals = itertools.count()
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Sequence:
     # The request's n sequences (this one included): admitted together, they share one prefill.
     siblings: list["Sequence"] = field(default_factory=list)
     tenant: str = ""  # who asked (the server's API key and `user`): whose earlier outputs it may draft from
+    arrival: int = field(default_factory=lambda: next(_arrivals))  # queue order: the newest is preempted first
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)  # prompt + output: the one list that grows, in place
@@ -71,6 +73,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def resuming(self) -> bool:
+        """Whether its prefill recomputes a preempted sequence (it has output already) rather than a new prompt."""
+        return self.num_output_tokens > 0
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens its prefill computes: the prompt, or all but the last token of a preempted sequence (the next
+        decoding step reads that one, as it reads the token a sequence emitted last)."""
+        return self.token_ids[:-1] if self.resuming else self.prompt_ids
 
     @property
     def finished(self) -> bool:

@@ -38,6 +38,7 @@ class StepOutput:
     draft_lengths: list[int] = field(default_factory=list)  # tokens drafted per decoding sequence
     lookup_drafts: int = 0  # of those sequences, how many drafted by prompt lookup
     draft_cache_bytes: int = 0  # what the lookup proposer keeps across requests (suffix speculation's cache)
+    preempted: int = 0  # sequences that gave their KV blocks back, to be recomputed (the cache was full)
 
     @property
     def updated(self) -> list[Sequence]:

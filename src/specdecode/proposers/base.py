@@ -120,5 +120,10 @@ class Proposer:
         """seq's slot in kv_pool(), once it has one."""
         return None
 
+    def suspend(self, seq: Sequence) -> None:
+        """The sequence is preempted: free what the proposer holds for it; it comes back later with its tokens so far,
+        as a prompt does (its prefill feeds the target's rows again)."""
+        self.release(seq)
+
     def release(self, seq: Sequence) -> None:
         """The sequence finished; free what the proposer holds for it."""

@@ -175,6 +175,9 @@ class SuffixProposer(Proposer):
             local.indexed = len(ids)
         return local
 
+    def suspend(self, seq) -> None:
+        self._local.pop(seq.slot, None)  # its output is not finished: not yet one to draft from
+
     def release(self, seq) -> None:
         self._local.pop(seq.slot, None)
         if seq.finish_reason != "abort":

@@ -75,6 +75,9 @@ class ServerMetrics:
             registry=r,
         )
         self.aborted = Counter("specdecode_requests_aborted", "Requests cancelled (e.g. client gone)", registry=r)
+        self.preempted = Counter(
+            "specdecode_preemptions", "Times a sequence gave its KV blocks back, to be recomputed later", registry=r
+        )
         self.rejected = Counter(
             "specdecode_requests_rejected", "Requests refused with 429: the waiting queue was at its bound", registry=r
         )
@@ -106,6 +109,7 @@ class ServerMetrics:
             self.draft_lengths.labels(k=str(k)).inc()
         self.lookup_drafts.inc(out.lookup_drafts)
         self.draft_cache_bytes.set(out.draft_cache_bytes)
+        self.preempted.inc(out.preempted)
         self.totals.merge(step)
         self._steps += 1
         self._speculated_steps += speculated
