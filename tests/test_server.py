@@ -67,6 +67,18 @@ def test_chat_streaming_and_not(served):
     assert "".join(c.choices[0].delta.content or "" for c in parts) == whole.choices[0].message.content
 
 
+def test_without_max_tokens_a_chat_runs_to_the_context_end_and_a_completion_gives_16(served):
+    """OpenAI's defaults: a chat answer is not cut at some small length; a legacy completion gives 16 tokens."""
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = served.client.chat.completions.create(
+        model="tiny", messages=msgs, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 256
+    assert chat.choices[0].finish_reason == "length"
+    completion = served.client.completions.create(model="tiny", prompt="x", extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 16
+
+
 def test_models_health_metrics(served):
     assert [m.id for m in served.client.models.list()] == ["tiny"]
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}

@@ -300,10 +300,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_under_block_pressure_requests_wait_and_none_is_lost(target, random_draft):
+@pytest.mark.parametrize("lookahead", [None, 8])
+def test_under_block_pressure_requests_wait_or_are_preempted_and_none_is_lost(target, random_draft, lookahead):
     """A KV budget of 8 blocks for 16 clients whose requests take 2-4 blocks each (prompt, max_tokens and the
     drafts): requests wait for room rather than run the pool out, every one gets the greedy text computed alone,
-    and the server ends idle, its blocks all returned."""
+    and the server ends idle, its blocks all returned. Admitted with room for their next 8 tokens only, requests
+    outgrow the pool and are preempted, and still none is lost."""
     budget = _llm(target, random_draft).memory_plan.budget_holding(8)
     rng = random.Random(0)
     bodies = [
@@ -324,6 +326,7 @@ def test_under_block_pressure_requests_wait_and_none_is_lost(target, random_draf
     ]
     with Served(target, random_draft, memory_budget=budget, request_timeout=120) as served:
         assert served.llm.memory_plan.num_blocks == 8
+        served.llm.engine.blocks.lookahead = lookahead or served.llm.engine.blocks.lookahead
 
         async def send_all():
             async with httpx.AsyncClient(timeout=180) as client:
@@ -337,3 +340,5 @@ def test_under_block_pressure_requests_wait_and_none_is_lost(target, random_draf
         assert served.most_waiting >= 8  # 8 blocks hold 2-4 of them at once: the rest waited
         served.assert_idle_and_serving()
         assert served.llm.engine.runner.blocks_in_use() == 0
+        preempted = re.search(r"^specdecode_preemptions_total (\S+)", httpx.get(f"{served.url}/metrics").text, re.M)
+        assert (float(preempted.group(1)) > 0) == (lookahead is not None)

@@ -119,7 +119,7 @@ class RequestHandler:
                 raise SpecDecodeError("messages is empty; send at least one message")
             text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
             ids = self.tokenizer.encode(text)
-            params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens)
+            params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens, default=None)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         reply = Reply(self, ids, params, chat=True)
@@ -132,7 +132,11 @@ class RequestHandler:
         limits = [t for t in (requested, self.request_timeout) if t is not None]
         return min(limits) if limits else None
 
-    def sampling_params(self, req: CommonRequest, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, req: CommonRequest, prompt_ids: list[int], max_tokens: int | None, default: int | None = 16
+    ) -> SamplingParams:
+        """default: max_tokens where the request sets none, as OpenAI's API has it: 16 for completions, for chat
+        the rest of the context (None)."""
         max_len = self.engine.max_model_len
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty")
@@ -141,7 +145,8 @@ class RequestHandler:
             raise SpecDecodeError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {max_len}; shorten the prompt"
             )
-        max_tokens = 16 if max_tokens is None else max_tokens
+        if max_tokens is None:
+            max_tokens = room if default is None else min(default, room)
         if isinstance(max_tokens, int) and max_tokens > room:
             raise SpecDecodeError(
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
