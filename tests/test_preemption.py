@@ -126,13 +126,13 @@ def _random_engine_operations(llm: LLM, seed: int, steps: int = 1000) -> tuple[l
     return seqs, made
 
 
-@pytest.mark.parametrize("leaky", [False, True])
-def test_block_accounting_survives_a_thousand_random_engine_operations(leaky, monkeypatch):
+@pytest.mark.parametrize("kind, leaky", [("draft", False), ("head", False), ("draft", True)])
+def test_block_accounting_survives_a_thousand_random_engine_operations(kind, leaky, monkeypatch, tmp_path):
     """Every request ends with its max_tokens (or aborted) and every pool ends with no block held; a preemption
     that leaves the draft model's slot and blocks held fails."""
     if leaky:  # the draft model forgets the sequence's slot without giving it back
         monkeypatch.setattr(DraftModelProposer, "suspend", lambda self, seq: self._slots.pop(seq.request_id, None))
-    llm = _holding(16, {**_options("draft", None), "max_model_len": 768, "max_num_seqs": 8})
+    llm = _holding(16, {**_options(kind, tmp_path), "max_model_len": 768, "max_num_seqs": 8})
     llm.engine.blocks.lookahead = 16  # admitted on trust soon: the pool runs short often
     with pytest.raises((AssertionError, SpecDecodeError)) if leaky else contextlib.nullcontext():
         seqs, made = _random_engine_operations(llm, seed=3)

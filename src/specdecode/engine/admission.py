@@ -67,9 +67,13 @@ class BlockBudget:
 
     def may_fit(self, admitted: list[Sequence], group: list[Sequence], cached_tokens: int) -> bool:
         """Before a group takes anything: whether the target's pool could hold it at best (its first sequence
-        sharing the `cached_tokens` found computed), so that a group that cannot fit takes no blocks to give back."""
+        sharing the `cached_tokens` found computed), and every drafter's pool the block each sequence may copy as it
+        takes a found prefix, so that a group that cannot fit takes no blocks to give back, nor runs a pool out."""
         best = self.needed(self.runner, _target_slot, admitted) - cached_tokens // self.runner.block_size
-        return best + sum(self.ahead(s, self.lookahead) for s in group) <= self.runner.num_blocks
+        if best + sum(self.ahead(s, self.lookahead) for s in group) > self.runner.num_blocks:
+            return False
+        drafters = self.pools[1:]
+        return all(self.needed(pool, slot_of, admitted) + len(group) <= pool.num_blocks for pool, slot_of in drafters)
 
     def needed(
         self,
