@@ -1,8 +1,9 @@
 """Preemption: when the KV cache cannot hold the next step of every running sequence, the newest gives its blocks
 back and is recomputed later from its tokens. Its output equals the one computed alone (greedy, with each kind
 of proposer, and seeded sampling), no request is lost, and block accounting holds over 1,000 random engine
-operations (admit, step, abort, preempt, finish) with no block leaked or held twice. A resume that forgets the
-output so far fails the first test; a preemption that leaves a drafter's blocks held fails the second."""
+operations (admit, step, abort, preempt, finish) with no block leaked or held twice, with a draft model and with
+a head (whose pool an admission that weighed only the target's ran out). A resume that forgets the output so far
+fails the first test; a preemption that leaves a drafter's blocks held fails the second."""
 
 from __future__ import annotations
 

@@ -122,7 +122,8 @@ class Prefilling:
 
     def _prefill_chunk(self) -> None:
         """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
-        more); once the prompt is done, its first token is sampled and the sequence decodes from the next step."""
+        more); once the prompt is done, its first token is sampled (a resuming sequence has its next one) and the
+        sequence decodes from the next step."""
         task = self.prefilling[0]
         seq, prompt, done = task.seq, task.seq.context_ids, self.runner.length(task.seq.slot)
         alone = not self._decoding() and len(self.prefilling) == 1
@@ -174,7 +175,7 @@ class Prefilling:
         self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None, cached: int
     ) -> None:
         """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
-        it, and each samples its first token from the last row's logits."""
+        it, and each samples its first token from the last row's logits (a resuming sequence samples nothing)."""
         first = group[0]
         if first.resuming:  # its last token is known: the next step reads it, as after any step
             self._feed_back(first, TargetFeedback([first.token_ids[-1]], hidden, cached))
