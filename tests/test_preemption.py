@@ -17,6 +17,7 @@ from conftest import DEVICE, ByteTokenizer, make_head, random_hf_weights, tiny_c
 from test_paged_kv import _holdings_are_consistent
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.bench.budgets import llm_holding
 from specdecode.engine.sequence import Sequence
 from specdecode.models.loader import LoadedModel
 from specdecode.models.runtime import build_model
@@ -48,12 +49,6 @@ def _options(kind: str, tmp_path) -> dict:
     return options
 
 
-def _holding(blocks: int, options: dict) -> LLM:
-    """The engine with a memory budget of `blocks` KV blocks per pool."""
-    budget = LLM(**options).memory_plan.budget_holding(blocks)
-    return LLM(**options, memory_budget=budget)
-
-
 def _run(llm: LLM, params: SamplingParams) -> tuple[list[Sequence], int]:
     seqs = [llm.engine.add_request(p, params) for p in PROMPTS]
     preempted = 0
@@ -64,7 +59,7 @@ def _run(llm: LLM, params: SamplingParams) -> tuple[list[Sequence], int]:
 
 def _resumes_as_alone(options: dict, params: SamplingParams) -> None:
     """Three requests in 12 blocks: at least one is preempted, and every output is the one computed alone."""
-    llm = _holding(12, options)
+    llm = llm_holding(12, **options)
     assert llm.engine.runner.num_blocks == 12
     seqs, preempted = _run(llm, params)
     assert preempted >= 1 and sum(s.metrics.num_preemptions for s in seqs) == preempted
@@ -133,7 +128,7 @@ def test_block_accounting_survives_a_thousand_random_engine_operations(kind, lea
     that leaves the draft model's slot and blocks held fails."""
     if leaky:  # the draft model forgets the sequence's slot without giving it back
         monkeypatch.setattr(DraftModelProposer, "suspend", lambda self, seq: self._slots.pop(seq.request_id, None))
-    llm = _holding(16, {**_options(kind, tmp_path), "max_model_len": 768, "max_num_seqs": 8})
+    llm = llm_holding(16, **{**_options(kind, tmp_path), "max_model_len": 768, "max_num_seqs": 8})
     llm.engine.blocks.lookahead = 16  # admitted on trust soon: the pool runs short often
     with pytest.raises((AssertionError, SpecDecodeError)) if leaky else contextlib.nullcontext():
         seqs, made = _random_engine_operations(llm, seed=3)

@@ -10,10 +10,10 @@ most requests running at once, preemptions and each request's time to first toke
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.budgets import llm_holding
 from specdecode.bench.datasets import humaneval_prompts
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
@@ -42,17 +42,6 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, whole: bool = False
     }
 
 
-def build(args: argparse.Namespace, budget: int | None = None) -> LLM:
-    return LLM(
-        model=args.model,
-        speculative_model=None if args.draft == "none" else args.draft,
-        max_num_seqs=args.requests,
-        progress=False,
-        memory_budget=budget,
-        max_model_len=args.max_model_len,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -65,13 +54,16 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true", help="every answer runs to max_tokens (no stop, no EOS)")
     args = parser.parse_args()
     print(describe_machine(machine_info()))
-    llm = build(args)
-    budget = llm.memory_plan.budget_holding(args.kv_blocks)
-    del llm
-    gc.collect()
-    llm = build(args, budget)
-    blocks, size = llm.memory_plan.num_blocks, llm.engine.runner.block_size
-    print(f"memory budget {budget / 2**30:.2f} GiB: {blocks} KV blocks of {size} tokens")
+    llm = llm_holding(
+        args.kv_blocks,
+        model=args.model,
+        speculative_model=None if args.draft == "none" else args.draft,
+        max_num_seqs=args.requests,
+        progress=False,
+        max_model_len=args.max_model_len,
+    )
+    plan = llm.memory_plan
+    print(f"memory budget {plan.budget_bytes / 2**30:.2f} GiB: {plan.num_blocks} KV blocks of {plan.block_size} tokens")
     prompts = [llm.tokenizer.encode(p) for p in humaneval_prompts(args.requests)]
     run(llm, prompts[:1], 2)  # warm-up: kernels and the policy's first measurements
     results = {}

@@ -14,6 +14,7 @@ import gc
 import time
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.budgets import llm_holding
 from specdecode.bench.datasets import stdlib_sources
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
@@ -50,18 +51,6 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def build(args: argparse.Namespace, caching: bool, budget: int | None = None) -> LLM:
-    return LLM(
-        model=args.model,
-        speculative_model=None if args.draft == "none" else args.draft,
-        max_num_seqs=args.requests,
-        prefix_caching=caching,
-        progress=False,
-        memory_budget=budget,
-        max_model_len=args.max_model_len,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -73,15 +62,20 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, help="default: the model's context (a budget must hold one)")
     args = parser.parse_args()
     print(describe_machine(machine_info()))
-    results, prompts, budget = {}, None, None
+    results, prompts = {}, None
     for caching in (True, False):
-        llm = build(args, caching, budget)
-        if args.kv_blocks and budget is None:
-            budget = llm.memory_plan.budget_holding(args.kv_blocks)
-            del llm
-            gc.collect()
-            llm = build(args, caching, budget)
-            print(f"memory budget {budget / 2**30:.2f} GiB: {llm.memory_plan.num_blocks} KV blocks")
+        llm = llm_holding(
+            args.kv_blocks,
+            model=args.model,
+            speculative_model=None if args.draft == "none" else args.draft,
+            max_num_seqs=args.requests,
+            prefix_caching=caching,
+            progress=False,
+            max_model_len=args.max_model_len,
+        )
+        if args.kv_blocks:
+            plan = llm.memory_plan
+            print(f"memory budget {plan.budget_bytes / 2**30:.2f} GiB: {plan.num_blocks} KV blocks")
         if prompts is None:  # the same tokenizer both times: encode the sources once
             prefix = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prefix_tokens]
             prompts = [prefix + llm.tokenizer.encode(q) for q in QUESTIONS[: args.requests]]
