@@ -9,6 +9,7 @@ product reaches on the same threads. The 1.5B's shape by default (28 layers, 12 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import torch
 
 from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.executor.attention import RowwiseAttentionKernel
+from specdecode.executor.hugepages import huge_page_zeros
 from specdecode.executor.kernels import load
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 28, 12, 2, 128, 64
@@ -32,10 +34,19 @@ def _seconds(work) -> float:
     return time.perf_counter() - started
 
 
+def _on_huge_pages(cache: torch.Tensor) -> torch.Tensor:
+    """The cache on 2 MB pages where the kernel gives them, as the engine allocates it."""
+    if os.environ.get("SMALL_PAGES"):
+        return cache
+    moved = huge_page_zeros(tuple(cache.shape), cache.dtype)
+    moved.copy_(cache)
+    return moved
+
+
 def step_seconds(kernel: RowwiseAttentionKernel, keys: int, rows: int, repeats: int = 5) -> float:
     """The best of `repeats` steps: every layer's call for `rows` new tokens after `keys` cached ones."""
     blocks = (keys + rows + BLOCK - 1) // BLOCK
-    caches = [torch.randn(blocks, KV_HEADS, BLOCK, DIM).half() for _ in range(2 * LAYERS)]
+    caches = [_on_huge_pages(torch.randn(blocks, KV_HEADS, BLOCK, DIM).half()) for _ in range(2 * LAYERS)]
     cache = SimpleNamespace(
         k=caches[:LAYERS], v=caches[LAYERS:], table=torch.arange(blocks, dtype=torch.int32)[None], num_slots=1,
         max_blocks=blocks, block_size=BLOCK, num_blocks=blocks,
