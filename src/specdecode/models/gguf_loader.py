@@ -27,6 +27,20 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class MappedReader(GGUFReader):
+    """gguf's reader over a plain array view of the file's memory map: its parse slices the map once or twice per
+    value (each token of a vocabulary), and a slice of a numpy memmap costs several times one of a plain array
+    (docs/decisions.md#model-families-one-decoder-from-a-description). Tensor data stay mapped all the same."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain = mapped.view(np.ndarray)
+
+
 def dequantize_tensor(tensor) -> np.ndarray:
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
     try:
@@ -46,7 +60,7 @@ def iter_gguf_tensors(
     one at a time as they are consumed (the file is memory-mapped: nothing else is read). Weights of a type in
     `raw_types` come as their GGUF blocks instead, one row of blocks per output row; a tensor of stacked
     experts comes as one weight per expert."""
-    reader = GGUFReader(path)
+    reader = MappedReader(path)
     cfg = from_gguf(reader)
     for t in reader.tensors:
         gguf_parts(cfg, t.name, 0)  # an unknown tensor is refused before anything is computed

@@ -102,11 +102,10 @@ class Tokenizer:
 
 def gguf_tokenizer_metadata(path: str) -> dict:
     """The GGUF fields that say how the vocabulary encodes and which tokens end a turn."""
-    from gguf import GGUFReader
-
     from .families import field
+    from .gguf_loader import MappedReader
 
-    reader = GGUFReader(path)
+    reader = MappedReader(path)
     keys = (
         "tokenizer.ggml.model",
         "tokenizer.ggml.pre",
