@@ -61,8 +61,8 @@ typedef __m512 vec;
 #define vshl_i32 _mm512_slli_epi32
 #elif defined(ATTENTION_SIMD)
 #define WIDTH 8
-#define HEADS 5  // query heads scored together: 10 accumulators, 2 keys' vectors and a broadcast fill 13
-                 // of the 16 registers (4 heads leave the FMA units waiting on their latency)
+#define HEADS 6  // query heads scored together at most: 12 accumulators, 2 keys' vectors and a broadcast
+                 // fill 15 of the 16 registers
 #define WEIGH_HEADS 6  // 12 of the 16 registers
 // Vectors of dimensions weighed a pass for h query heads: the one or two heads left over (7 = 6 + 1) take
 // 4, so that their chains of FMAs cover more of the FMA latency than 2 would
@@ -336,20 +336,25 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 #define SCORE_CASE(h) \
     case h: score_block(qg, h, kt, D, count, scale, sg, stride); break;
 
-// score_block for the G heads of a group, HEADS at a time.
+// score_block for the G heads of a group, HEADS at a time, except that no pass takes a lone head: its two
+// chains of FMAs would leave the units waiting on their latency (AVX2 takes 7 heads as 5 + 2, not 6 + 1).
+// Each head's scores are the same chains whatever pass computes them.
 static void score_heads(const float *q, int G, const float *kt, int D, int count, float scale, float *s, size_t stride) {
-    for (int g = 0; g < G; g += HEADS) {
+    for (int g = 0; g < G;) {
+        int heads = G - g < HEADS ? G - g : HEADS;
+        if (G - g - heads == 1) heads--;  // never a lone head in the last pass
         const float *qg = q + (size_t)g * D;
         float *sg = s + g * stride;
-        switch (G - g < HEADS ? G - g : HEADS) {
+        switch (heads) {
             SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
 #if HEADS > 4
-            SCORE_CASE(5)
+            SCORE_CASE(5) SCORE_CASE(6)
 #endif
-#if HEADS > 5
-            SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+#if HEADS > 6
+            SCORE_CASE(7) SCORE_CASE(8)
 #endif
         }
+        g += heads;
     }
 }
 
