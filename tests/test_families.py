@@ -217,9 +217,11 @@ def _with_metadata(
     source, out, extra: dict[str, int], strings: dict[str, str] | None = None, extra_tensor: str | None = None
 ):
     """A copy of a GGUF file with more integer (and string) metadata, or one more tensor."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFValueType, GGUFWriter
 
-    reader = GGUFReader(str(source))
+    from specdecode.models.gguf_loader import MappedReader
+
+    reader = MappedReader(str(source))
     writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in (strings or {}):

@@ -58,7 +58,7 @@ class Tokenizer:
         takes seconds; the result is saved and reused."""
         import json
 
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         saved = os.path.join(cache_dir, "gguf_tokenizer.json")
         if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
@@ -69,7 +69,9 @@ class Tokenizer:
         meta = gguf_tokenizer_metadata(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tok = AutoTokenizer.from_pretrained(
+            # the fast tokenizer class itself, not AutoTokenizer: that reads the whole file again for a model config
+            # before it picks the class (docs/decisions.md#model-families-one-decoder-from-a-description)
+            tok = PreTrainedTokenizerFast.from_pretrained(
                 os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
             )
         encode_as_llama_cpp(tok, meta)
