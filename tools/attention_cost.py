@@ -3,14 +3,21 @@ go under on this machine: the KV bytes at the read bandwidth, and its multiply-a
 product reaches on the same threads. The 1.5B's shape by default (28 layers, 12 query heads on 2 KV heads of
 128, a float16 cache), one cache per layer so the stream comes from memory as it does in the engine.
 
-    python tools/attention_cost.py --keys 1024 16384 32000 [--rows 1 2 4]
+    python tools/attention_cost.py --keys 1024 16384 32000 [--rows 1 2 4] [--against REVISION]
+
+With --against, the kernel as of a git revision too (its attention.c built with this build's flags), the two
+timed in turn over the same caches, and the ratio of their steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -18,9 +25,10 @@ import torch
 from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.executor.attention import RowwiseAttentionKernel
 from specdecode.executor.hugepages import huge_page_zeros
-from specdecode.executor.kernels import load
+from specdecode.executor.kernels import FLAGS, ISA_FLAGS, SIGNATURES, compiler, default_isa, load
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 28, 12, 2, 128, 64
+SOURCE = "src/specdecode/executor/kernels/attention.c"
 
 
 def matmul_flops(n: int = 2048, repeats: int = 3) -> float:
@@ -43,8 +51,9 @@ def _on_huge_pages(cache: torch.Tensor) -> torch.Tensor:
     return moved
 
 
-def step_seconds(kernel: RowwiseAttentionKernel, keys: int, rows: int, repeats: int = 5) -> float:
-    """The best of `repeats` steps: every layer's call for `rows` new tokens after `keys` cached ones."""
+def step_seconds(kernels: list, keys: int, rows: int, repeats: int = 5) -> list[float]:
+    """Each kernel's best of `repeats` steps, the kernels taken in turn over the same caches: every layer's call for
+    `rows` new tokens after `keys` cached ones."""
     blocks = (keys + rows + BLOCK - 1) // BLOCK
     caches = [_on_huge_pages(torch.randn(blocks, KV_HEADS, BLOCK, DIM).half()) for _ in range(2 * LAYERS)]
     cache = SimpleNamespace(
@@ -59,34 +68,62 @@ def step_seconds(kernel: RowwiseAttentionKernel, keys: int, rows: int, repeats: 
     qkv = torch.randn(1, rows, (HEADS + 2 * KV_HEADS) * DIM)
     layers = [SimpleNamespace(layer=i, qk_norms=None, scale=DIM**-0.5, window=0) for i in range(LAYERS)]
 
-    def step():
+    def step(kernel):
         for attn in layers:
             kernel(qkv, rope, batch, cache, attn)
 
-    return min(_seconds(step) for _ in range(repeats))
+    best = [float("inf")] * len(kernels)
+    for _ in range(repeats):
+        for i, kernel in enumerate(kernels):
+            best[i] = min(best[i], _seconds(lambda kernel=kernel: step(kernel)))
+    return best
+
+
+def kernel_at(revision: str) -> RowwiseAttentionKernel:
+    """The attention kernel as of a git revision, compiled with this build's flags."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{revision}:{SOURCE}"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    folder = tempfile.mkdtemp(prefix="attention-")
+    src, built = os.path.join(folder, "attention.c"), os.path.join(folder, "attention.so")
+    Path(src).write_text(source)
+    subprocess.run([compiler(), *FLAGS, *ISA_FLAGS[default_isa()], src, "-o", built], check=True)
+    lib = ctypes.CDLL(built)
+    for function, (argtypes, restype) in SIGNATURES["attention"].items():
+        getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
+    return RowwiseAttentionKernel(lib, HEADS, KV_HEADS, DIM)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, nargs="+", default=[1024, 16384])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--against", metavar="REVISION", help="also the kernel as of this git revision")
+    parser.add_argument("--repeats", type=int, default=5, help="steps of each kernel; the best counts")
     args = parser.parse_args()
-    kernel = RowwiseAttentionKernel(load("attention"), HEADS, KV_HEADS, DIM)
+    kernels = [RowwiseAttentionKernel(load("attention"), HEADS, KV_HEADS, DIM)]
+    if args.against:
+        kernels.append(kernel_at(args.against))
     bandwidth, flops = read_bandwidth(), matmul_flops()
     print(f"{describe_machine(machine_info())}; read {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
-    print("| keys | rows | ms a step | KV bytes at the read rate | its arithmetic at the matmul rate | ns a key |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    against = f" ms at {args.against} | this kernel's step against it |" if args.against else ""
+    header = "| keys | rows | ms a step | KV bytes at the read rate | its arithmetic at the matmul rate | ns a key |"
+    print(header + against)
+    print("|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * bool(args.against))
     for keys in args.keys:
         for rows in args.rows:
-            seconds = step_seconds(kernel, keys, rows)
+            seconds = step_seconds(kernels, keys, rows, args.repeats)
             kv_bytes = LAYERS * 2 * KV_HEADS * keys * DIM * 2
             arithmetic = LAYERS * KV_HEADS * keys * rows * HEADS // KV_HEADS * DIM * 2 * 2  # scores, values
-            per_key = seconds / (LAYERS * keys) * 1e9  # a key of each KV head: one thread each
-            print(
-                f"| {keys:,} | {rows} | {seconds * 1e3:.1f} | {kv_bytes / bandwidth * 1e3:.1f} | "
-                f"{arithmetic / flops * 1e3:.1f} | {per_key:.0f} |",
-                flush=True,
+            per_key = seconds[0] / (LAYERS * keys) * 1e9  # a key of each KV head: one thread each
+            row = (
+                f"| {keys:,} | {rows} | {seconds[0] * 1e3:.1f} | {kv_bytes / bandwidth * 1e3:.1f} | "
+                f"{arithmetic / flops * 1e3:.1f} | {per_key:.0f} |"
             )
+            if args.against:
+                row += f" {seconds[1] * 1e3:.1f} | {seconds[0] / seconds[1]:.2f}× |"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":
