@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import os
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +24,7 @@ import torch
 from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.executor.attention import RowwiseAttentionKernel
 from specdecode.executor.hugepages import huge_page_zeros
-from specdecode.executor.kernels import FLAGS, ISA_FLAGS, SIGNATURES, compiler, default_isa, load
+from specdecode.executor.kernels import bind, build, compiler, default_isa, load
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 28, 12, 2, 128, 64
 SOURCE = "src/specdecode/executor/kernels/attention.c"
@@ -80,19 +79,11 @@ def step_seconds(kernels: list, keys: int, rows: int, repeats: int = 5) -> list[
 
 
 def kernel_at(revision: str) -> RowwiseAttentionKernel:
-    """The attention kernel as of a git revision, compiled with this build's flags."""
+    """The attention kernel as of a git revision, compiled as the current one is."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "show", f"{revision}:{SOURCE}"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout
-    folder = tempfile.mkdtemp(prefix="attention-")
-    src, built = os.path.join(folder, "attention.c"), os.path.join(folder, "attention.so")
-    Path(src).write_text(source)
-    subprocess.run([compiler(), *FLAGS, *ISA_FLAGS[default_isa()], src, "-o", built], check=True)
-    lib = ctypes.CDLL(built)
-    for function, (argtypes, restype) in SIGNATURES["attention"].items():
-        getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
-    return RowwiseAttentionKernel(lib, HEADS, KV_HEADS, DIM)
+    source = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], cwd=root, capture_output=True, check=True).stdout
+    lib = ctypes.CDLL(build("attention", default_isa(), compiler(), source))
+    return RowwiseAttentionKernel(bind(lib, "attention"), HEADS, KV_HEADS, DIM)
 
 
 def main() -> None:

@@ -114,17 +114,23 @@ def _load(name: str, isa: str) -> ctypes.CDLL | None:
     except (KernelBuildError, OSError) as e:
         _problems[f"{name}/{isa}"] = str(e)
         return None
+    return bind(lib, name)
+
+
+def bind(lib: ctypes.CDLL, name: str) -> ctypes.CDLL:
+    """`lib` with the argument and result types of kernel `name`'s entry points set."""
     for function, (argtypes, restype) in SIGNATURES.get(name, {}).items():
         getattr(lib, function).argtypes = argtypes
         getattr(lib, function).restype = restype
     return lib
 
 
-def build(name: str, isa: str, cc: str) -> str:
-    """Compile kernels/<name>.c for `isa` into the cache (once per source, flags and CPU); the path of the
-    shared library. The build goes to a temporary file beside its final place and is renamed there, so a
-    concurrent or interrupted build never leaves a partial library behind."""
-    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
+    """Compile kernels/<name>.c (or `source` in its place, another version of it) for `isa` into the cache (once
+    per source, flags and CPU); the path of the shared library. The build goes to a temporary file beside its final
+    place and is renamed there, so a concurrent or interrupted build never leaves a partial library behind."""
+    if source is None:
+        source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
     flags = FLAGS + ISA_FLAGS[isa]
     key = hashlib.sha1(source + " ".join([cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
     folder = os.path.join(cache_root(), "kernels")
