@@ -67,11 +67,11 @@ typedef __m512 vec;
 // Vectors of dimensions weighed a pass for h query heads: the one or two heads left over (7 = 6 + 1) take
 // 4, so that their chains of FMAs cover more of the FMA latency than 2 would
 #define WEIGH_VECS(h) ((h) <= 2 ? 4 : 2)
-// Where a core spends longer on each key (AVX2), asking for keys 16 ahead, and for values 32 ahead and
-// again 512 ahead into L2, kept the stream fuller than 64 ahead on the AVX2 CPU measured (decisions.md#avx2-attention).
+// Where a core spends longer on each key (AVX2), keys asked for 16 ahead and values 32 ahead, a line at a time
+// among the loads in use, kept the stream fullest on the AVX2 CPUs measured (decisions.md#avx2-attention).
 #define KEYS_AHEAD 16
 #define VALUES_AHEAD 32
-#define VALUES_FAR 512
+#define SPREAD_AHEAD 1
 typedef __m256 vec;
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
@@ -90,10 +90,10 @@ typedef __m256 vec;
 #else
 #define HEADS 4
 #endif
-#ifndef KEYS_AHEAD  // the AVX-512 and scalar builds: the distances measured on the Xeon
+#ifndef KEYS_AHEAD  // the AVX-512 and scalar builds: the distances and bursts measured on the Xeon
 #define KEYS_AHEAD 64    // keys prefetched into L1 this far ahead of the ones in use
 #define VALUES_AHEAD 64  // values, the same
-#define VALUES_FAR 0     // values also asked into L2 this far ahead (0: not)
+#define SPREAD_AHEAD 0   // a block's prefetches at once, before its arithmetic
 #endif
 #define KEY_VECS (KEYS / WIDTH)
 
@@ -104,6 +104,22 @@ typedef _Float16 half;
 typedef uint16_t half;  // storage only: the float16 entry point reports itself unavailable
 #define HAVE_HALF 0
 #endif
+
+// The cache lines of a span of rows still to ask for into L1 (see rows_ahead), a line every `every` calls: called
+// among the loads of the rows in use, the requests run beside the arithmetic instead of queueing ahead of it.
+typedef struct {
+    const char *at, *end;
+    int every, wait;
+} ahead_t;
+
+static inline __attribute__((always_inline)) void prefetch_next(ahead_t *a) {
+    if (--a->wait) return;
+    a->wait = a->every;
+    if (a->at < a->end) {
+        __builtin_prefetch(a->at);
+        a->at += 64;
+    }
+}
 
 // Scratch memory kept per thread between calls (memory freed to glibc can go back to the OS and fault in
 // again on the next of the ~30 calls per step).
@@ -294,10 +310,11 @@ static void keys_block(const void *cache, int is_half, size_t row, int count, in
 }
 
 // s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for `heads`
-// <= HEADS query heads (rows of q, D apart) and the first `count` of KEYS keys. Inlined with a constant
-// `heads`, so the accumulators stay in registers.
+// <= HEADS query heads (rows of q, D apart) and the first `count` of KEYS keys, asking for `ahead`'s lines
+// among them. Inlined with a constant `heads`, so the accumulators stay in registers.
 static inline __attribute__((always_inline)) void score_block(const float *q, int heads, const float *kt, int D,
-                                                              int count, float scale, float *s, size_t stride) {
+                                                              int count, float scale, float *s, size_t stride,
+                                                              ahead_t *ahead) {
 #ifdef ATTENTION_SIMD
     vec acc[HEADS][KEY_VECS];
 #pragma GCC unroll 8
@@ -305,6 +322,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 #pragma GCC unroll 2
         for (int v = 0; v < KEY_VECS; v++) acc[g][v] = vzero();
     for (int d = 0; d < D; d++) {
+        prefetch_next(ahead);
         vec k[KEY_VECS];
 #pragma GCC unroll 2
         for (int v = 0; v < KEY_VECS; v++) k[v] = vload(kt + d * KEYS + v * WIDTH);
@@ -334,12 +352,13 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 }
 
 #define SCORE_CASE(h) \
-    case h: score_block(qg, h, kt, D, count, scale, sg, stride); break;
+    case h: score_block(qg, h, kt, D, count, scale, sg, stride, ahead); break;
 
 // score_block for the G heads of a group, HEADS at a time, except that no pass takes a lone head: its two
 // chains of FMAs would leave the units waiting on their latency (AVX2 takes 7 heads as 5 + 2, not 6 + 1).
 // Each head's scores are the same chains whatever pass computes them.
-static void score_heads(const float *q, int G, const float *kt, int D, int count, float scale, float *s, size_t stride) {
+static void score_heads(const float *q, int G, const float *kt, int D, int count, float scale, float *s, size_t stride,
+                        ahead_t *ahead) {
     for (int g = 0; g < G;) {
         int heads = G - g < HEADS ? G - g : HEADS;
         if (G - g - heads == 1) heads--;  // never a lone head in the last pass
@@ -365,13 +384,14 @@ static void score_heads(const float *q, int G, const float *kt, int D, int count
 // their latency).
 static inline __attribute__((always_inline)) void weigh_heads(const float *w, size_t stride, int heads,
                                                               const void *vb, int is_half, int D, int d0,
-                                                              int vecs, int count, float *o) {
+                                                              int vecs, int count, float *o, ahead_t *ahead) {
     vec acc[WEIGH_HEADS * 2];  // heads * vecs never exceeds it: WEIGH_VECS gives 4 only below 3 heads
 #pragma GCC unroll 8
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vload(o + (size_t)g * D + d0 + i * WIDTH);
     for (int j = 0; j < count; j++) {
+        prefetch_next(ahead);
         vec x[4];
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) x[i] = load_values(vb, is_half, (size_t)j * D + d0 + i * WIDTH);
@@ -391,8 +411,8 @@ static inline __attribute__((always_inline)) void weigh_heads(const float *w, si
 #define WEIGH_VECS_CASE(v) \
     case v: \
         if (v <= WEIGH_VECS(heads)) {  /* constant: the cases a head count never takes are not built */ \
-            if (is_half) weigh_heads(w, stride, heads, vb, 1, D, d0, v, count, o); \
-            else weigh_heads(w, stride, heads, vb, 0, D, d0, v, count, o); \
+            if (is_half) weigh_heads(w, stride, heads, vb, 1, D, d0, v, count, o, ahead); \
+            else weigh_heads(w, stride, heads, vb, 0, D, d0, v, count, o, ahead); \
         } \
         break;
 
@@ -401,7 +421,7 @@ static inline __attribute__((always_inline)) void weigh_heads(const float *w, si
 // it weighed.
 static inline __attribute__((always_inline)) int weigh_pass(const float *w, size_t stride, int heads,
                                                             const void *vb, int is_half, int D, int d0,
-                                                            int count, float *o) {
+                                                            int count, float *o, ahead_t *ahead) {
     int vecs = WEIGH_VECS(heads);
     while (vecs * WIDTH > D - d0) vecs /= 2;  // D is a multiple of WIDTH
     switch (vecs) {
@@ -411,13 +431,13 @@ static inline __attribute__((always_inline)) int weigh_pass(const float *w, size
 }
 
 #define WEIGH_CASE(h) \
-    case h: d0 += weigh_pass(w, stride, h, vb, is_half, D, d0, count, og); break;
+    case h: d0 += weigh_pass(w, stride, h, vb, is_half, D, d0, count, og, ahead); break;
 #endif
 
 // o[g][d] += sum_j p[g * stride + j] v[j][d] for `count` cached values from vb (float32, or float16
-// widened exactly), one fused multiply-add per value in order.
+// widened exactly), one fused multiply-add per value in order, asking for `ahead`'s lines among them.
 static void weigh_block(const float *p, size_t stride, const void *vb, int is_half, int D, int count, int G,
-                        float *o) {
+                        float *o, ahead_t *ahead) {
 #ifdef ATTENTION_SIMD
     for (int g = 0; g < G; g += WEIGH_HEADS) {
         const float *w = p + g * stride;
@@ -512,28 +532,32 @@ static inline size_t row_of(const rows_t *r, int j) {
     return ((size_t)r->blocks[j / r->B] * r->Hkv + r->h) * r->B + j % r->B;
 }
 
-// Asks for rows j .. j + count - 1 (not past row n; D entries of `bytes` bytes each) into L1, or with `to_l2` into
-// L2 only: a block's rows are contiguous, the next block's elsewhere.
-static inline void prefetch_rows(const void *cache, size_t bytes, const rows_t *r, int j, int count, int n, int D,
-                                 int to_l2) {
-    const int end = j + count < n ? j + count : n;
-    while (j < end) {
-        const int stop = (j / r->B + 1) * r->B < end ? (j / r->B + 1) * r->B : end;  // the end of j's block
-        const char *at = (const char *)cache + row_of(r, j) * D * bytes;
-        for (const char *last = at + (size_t)(stop - j) * D * bytes; at < last; at += 64)
-            if (to_l2) __builtin_prefetch(at, 0, 1);
-            else __builtin_prefetch(at);
-        j = stop;
-    }
+// The calls of prefetch_next that weighing a block of values makes for `tokens` tokens of G query heads.
+static inline int weigh_steps(int tokens, int G, int D) {
+#ifdef ATTENTION_SIMD
+    return tokens * (G + WEIGH_HEADS - 1) / WEIGH_HEADS * D / (2 * WIDTH) * VALUES;  // 2 vectors a pass, mostly
+#else
+    (void)tokens, (void)G, (void)D;
+    return 1;  // the scalar build asks for a block's lines at once
+#endif
 }
 
-// Asks for the `count` cache rows `ahead` rows past row j into L1 ahead of their use, and with `far` the
-// rows that far past j into L2: the hardware prefetcher alone leaves a long context's stream at a third of
-// the memory's bandwidth, as the loads wait behind the arithmetic on the rows before them.
-static inline void prefetch_ahead(const void *cache, size_t bytes, const rows_t *r, int j, int count, int n, int D,
-                                  int ahead, int far) {
-    prefetch_rows(cache, bytes, r, j + ahead, count, n, D, 0);
-    if (far) prefetch_rows(cache, bytes, r, j + far, count, n, D, 1);
+// Rows j .. j + count - 1 of the cache (not past row n, nor the end of j's block: a block's rows are contiguous,
+// the next block's elsewhere) as the lines to ask for ahead of their use: the hardware prefetcher alone leaves a
+// long context's stream at a third of the memory's bandwidth, as the loads wait behind the arithmetic on the rows
+// before them. Where SPREAD_AHEAD, they are asked for evenly over the `steps` calls of prefetch_next that the
+// arithmetic on the block in use makes; else here, all at once.
+static inline ahead_t rows_ahead(const void *cache, size_t bytes, const rows_t *r, int j, int count, int n, int D,
+                                 int steps) {
+    const int end = j + count < n ? j + count : n, stop = (j / r->B + 1) * r->B < end ? (j / r->B + 1) * r->B : end;
+    if (j >= stop) return (ahead_t){NULL, NULL, 1, 1};
+    const char *at = (const char *)cache + row_of(r, j) * D * bytes;
+    const size_t span = (size_t)(stop - j) * D * bytes;
+    const int lines = (int)((span + 63) / 64), every = steps > lines ? steps / lines : 1;
+    ahead_t a = {at, at + span, every, every};
+    if (!SPREAD_AHEAD)
+        while (a.at < a.end) prefetch_next(&a);
+    return a;
 }
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
@@ -554,10 +578,11 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
     for (int j0 = base; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? n - j0 : KEYS;
         while (ns[from] <= j0) from++;
-        prefetch_ahead(kcache, bytes, r, j0, KEYS, n, D, KEYS_AHEAD, 0);
+        const int key_steps = ((tokens - from) * G + HEADS - 1) / HEADS * D;  // of score_block's loop
+        ahead_t keys_ahead = rows_ahead(kcache, bytes, r, j0 + KEYS_AHEAD, KEYS, n, D, key_steps);
         keys_block(kcache, is_half, row_of(r, j0), count, D, rows, kt);
         score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale,
-                    p + (size_t)from * G * span + (j0 - base), span);
+                    p + (size_t)from * G * span + (j0 - base), span, &keys_ahead);
     }
     float total[MAX_TOKENS * MAX_GROUP];
     for (int h = 0; h < heads; h++)
@@ -567,12 +592,14 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
     for (int j0 = base; j0 < n; j0 += VALUES) {
         const int end = n - j0 < VALUES ? n : j0 + VALUES;
         while (ns[from] <= j0) from++;
-        prefetch_ahead(vcache, bytes, r, j0, VALUES, n, D, VALUES_AHEAD, VALUES_FAR);
+        const int value_steps = weigh_steps(tokens - from, G, D);
+        ahead_t values_ahead = rows_ahead(vcache, bytes, r, j0 + VALUES_AHEAD, VALUES, n, D, value_steps);
         for (int i = from; i < tokens; i++) {
             const int a = j0 > los[i] ? j0 : los[i], b = end < ns[i] ? end : ns[i];
+            const char *values = (const char *)vcache + row_of(r, a) * D * bytes;
             if (a < b)
-                weigh_block(p + (size_t)i * G * span + (a - base), span, (const char *)vcache + row_of(r, a) * D * bytes,
-                            is_half, D, b - a, G, out + i * out_stride);
+                weigh_block(p + (size_t)i * G * span + (a - base), span, values, is_half, D, b - a, G,
+                            out + i * out_stride, &values_ahead);
         }
     }
     for (int h = 0; h < heads; h++) {
