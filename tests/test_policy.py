@@ -35,7 +35,8 @@ def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: floa
     for i, a in enumerate(alphas):
         p.estimator.acceptance[str(i)] = a
     for tokens in range(n, n * (k_max + 1) + 1):
-        p.costs.target.observe(n, tokens, 1.0 + verify_growth * (tokens - n))
+        for _ in range(2):  # a size's first sample is provisional
+            p.costs.target.observe(n, tokens, 1.0 + verify_growth * (tokens - n))
     for m in range(1, n + 1):
         p.costs.draft.observe(m, c)
     p.probe_trials = 0  # the estimates are trusted as they are (no probing); later positions stay at the prior
@@ -49,9 +50,12 @@ def _choose(p: AdaptivePolicy, n: int) -> list[int]:
 def test_adaptive_explores_then_decides():
     p = make_policy("adaptive", 4)
     assert p.choose(["r"]).ks == [0]  # nothing measured: plain first
+    p.costs.target.observe(1, 1, 3.0)
+    assert p.choose(["r"]).ks == [0]  # the first sample carries one-off work: plain again
     p.costs.target.observe(1, 1, 1.0)
     assert p.choose(["r"]).ks == [4]  # plain measured: try speculating once
     assert p.choose(["r", "s"]).ks == [0, 0]  # a new batch size: measure plain there first
+    p.costs.target.observe(2, 2, 1.0)
     p.costs.target.observe(2, 2, 1.0)
     assert p.choose(["r", "s"], catch_up=[300, 2]).ks == [0, 4]  # probe where the draft has least to catch up
 

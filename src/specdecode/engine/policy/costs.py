@@ -146,8 +146,9 @@ class TargetCost:
         return bool(self.tables)
 
     def has_plain(self, batch: int) -> bool:
-        """Plain decoding (one token per sequence) has been measured at this batch size."""
-        return batch in self.tables and batch in self.tables[batch].seconds
+        """Plain decoding (one token per sequence) has been measured at this batch size past its first sample,
+        which is provisional (CostTable): priced from verify calls instead, plain looks as dear as a draft."""
+        return batch in self.tables and self.tables[batch].samples[batch] >= 2
 
     def __call__(self, batch: int, tokens: float) -> float:
         key = (batch, tokens)
