@@ -55,9 +55,13 @@ class CostTable:
 
     def _refresh(self) -> None:
         # the policy looks sizes up many times per step: decide once here which samples it trusts
-        self._known = {s: v for s, v in self.seconds.items() if self.samples[s] >= 2} or dict(self.seconds)
+        self._known = {s: v for s, v in self.seconds.items() if self.trusts(s)} or dict(self.seconds)
         self._sizes = sorted(self._known)
         self._slope = _least_squares_slope(self._known)
+
+    def trusts(self, size: int) -> bool:
+        """`size` has been measured past its provisional first sample (or profiled)."""
+        return self.samples[size] >= 2
 
     def __bool__(self) -> bool:
         return bool(self.seconds)
@@ -148,7 +152,7 @@ class TargetCost:
     def has_plain(self, batch: int) -> bool:
         """Plain decoding (one token per sequence) has been measured at this batch size past its first sample,
         which is provisional (CostTable): priced from verify calls instead, plain looks as dear as a draft."""
-        return batch in self.tables and self.tables[batch].samples[batch] >= 2
+        return batch in self.tables and self.tables[batch].trusts(batch)
 
     def __call__(self, batch: int, tokens: float) -> float:
         key = (batch, tokens)

@@ -552,12 +552,13 @@ static inline ahead_t rows_ahead(const void *cache, size_t bytes, const rows_t *
     const int end = j + count < n ? j + count : n, stop = (j / r->B + 1) * r->B < end ? (j / r->B + 1) * r->B : end;
     if (j >= stop) return (ahead_t){NULL, NULL, 1, 1};
     const char *at = (const char *)cache + row_of(r, j) * D * bytes;
-    const size_t span = (size_t)(stop - j) * D * bytes;
-    const int lines = (int)((span + 63) / 64), every = steps > lines ? steps / lines : 1;
-    ahead_t a = {at, at + span, every, every};
-    if (!SPREAD_AHEAD)
-        while (a.at < a.end) prefetch_next(&a);
-    return a;
+    const size_t length = (size_t)(stop - j) * D * bytes;
+    if (!SPREAD_AHEAD) {
+        for (const char *line = at; line < at + length; line += 64) __builtin_prefetch(line);
+        return (ahead_t){NULL, NULL, 1, 1};
+    }
+    const int lines = (int)((length + 63) / 64), every = steps > lines ? steps / lines : 1;
+    return (ahead_t){at, at + length, every, every};
 }
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
@@ -596,10 +597,10 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
         ahead_t values_ahead = rows_ahead(vcache, bytes, r, j0 + VALUES_AHEAD, VALUES, n, D, value_steps);
         for (int i = from; i < tokens; i++) {
             const int a = j0 > los[i] ? j0 : los[i], b = end < ns[i] ? end : ns[i];
+            if (a >= b) continue;
             const char *values = (const char *)vcache + row_of(r, a) * D * bytes;
-            if (a < b)
-                weigh_block(p + (size_t)i * G * span + (a - base), span, values, is_half, D, b - a, G,
-                            out + i * out_stride, &values_ahead);
+            weigh_block(p + (size_t)i * G * span + (a - base), span, values, is_half, D, b - a, G, out + i * out_stride,
+                        &values_ahead);
         }
     }
     for (int h = 0; h < heads; h++) {
