@@ -9,6 +9,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.executor.attention import attach_attention_kernel
 from specdecode.executor.kernels import load
 from specdecode.executor.runner import ModelRunner
+from specdecode.kv_cache import tiled_keys, untiled_keys
 from specdecode.models.loader import LoadedModel
 
 pytestmark = pytest.mark.skipif(load("attention") is None, reason="the attention kernel needs a C compiler")
@@ -157,12 +158,14 @@ def _call(
     lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, window=0, scale=None, norms=None, eps=1e-6, tables=None
 ) -> int:
     """One call of the kernel over the cache k, v [blocks, Hkv, B, D] read through tables [S, MB] (default: one
-    block a slot, slot s's block s); norms: (q weights, k weights) or None."""
+    block a slot, slot s's block s); norms: (q weights, k weights) or None. The keys go to the kernel in tiles
+    as the cache stores them, and the ones it writes come back into k."""
     attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
     q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
     if tables is None:
         tables = torch.arange(k.shape[0], dtype=torch.int32)[:, None]
-    return attend(
+    tiles = tiled_keys(k)
+    code = attend(
         qkv.data_ptr(),
         len(slots),
         H,
@@ -177,7 +180,7 @@ def _call(
         eps,
         D**-0.5 if scale is None else scale,
         window,
-        k.data_ptr(),
+        tiles.data_ptr(),
         v.data_ptr(),
         tables.data_ptr(),
         tables.shape[0],
@@ -187,6 +190,8 @@ def _call(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    k.copy_(untiled_keys(tiles))
+    return code
 
 
 def _attend_long_context(isa: str, dtype: torch.dtype, shape=SHAPES[0], n: int = 300, **options):

@@ -25,6 +25,9 @@ from .prefix_index import PrefixIndex
 # Tokens per block: a multiple of 32, the attention kernel's span of values weighed together
 # (docs/decisions.md#the-kv-cache-in-blocks)
 BLOCK_TOKENS = 64
+# Keys are stored in tiles of this many tokens with the dimension outermost ([.., tiles, D, KEY_TILE]): the CPU
+# attention kernel scores a tile with one vector lane per key and no transpose (docs/decisions.md#keys-in-tiles)
+KEY_TILE = 16
 
 
 def blocks_for(tokens: int, block_size: int = BLOCK_TOKENS) -> int:
@@ -52,7 +55,9 @@ class KVCache:
         self.max_blocks = blocks_for(max_len, block_size)  # a slot's table row
         self.num_blocks = num_blocks or num_slots * self.max_blocks
         shape = (2, cfg.num_layers, self.num_blocks + scratch, cfg.num_kv_heads, block_size, cfg.dim_per_head)
-        self.k, self.v = (list(part) for part in _pool(shape, dtype, device))
+        keys, values = _pool(shape, dtype, device)
+        self.k = [layer.view(*shape[2:4], block_size // KEY_TILE, cfg.dim_per_head, KEY_TILE) for layer in keys]
+        self.v = list(values)
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         # the tables as the attention kernel reads them: row s holds slot s's blocks (unused entries 0)
         self.table = torch.zeros(num_slots + scratch, self.max_blocks, dtype=torch.int32, device=device)
@@ -219,7 +224,8 @@ class KVCache:
         return blocks[:, None, :], heads[None, :, None], offsets[:, None, :]
 
     def write_at(self, layer: int, entries: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor):
-        self.k[layer][entries] = k.to(self.k[layer].dtype)
+        blocks, heads, offsets = entries
+        self.k[layer][blocks, heads, offsets // KEY_TILE, :, offsets % KEY_TILE] = k.to(self.k[layer].dtype)
         self.v[layer][entries] = v.to(self.v[layer].dtype)
 
     def read(self, layer: int, slots, kv_len: int):
@@ -233,7 +239,7 @@ class KVCache:
         return self.table[slots, : blocks_for(kv_len, self.block_size)].long()
 
     def read_blocks(self, layer: int, blocks: torch.Tensor, kv_len: int):
-        return tuple(_gathered(part[layer], blocks, kv_len) for part in (self.k, self.v))
+        return _gathered(self.k[layer], blocks, kv_len, tiled=True), _gathered(self.v[layer], blocks, kv_len)
 
     def keys(self, layer: int, slot: int, n: int) -> torch.Tensor:
         """The slot's first n keys [Hkv, n, D] (a copy)."""
@@ -243,11 +249,27 @@ class KVCache:
         return self.read(layer, slice(slot, slot + 1), n)[1][0]
 
 
-def _gathered(pool: torch.Tensor, table: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """pool [blocks, Hkv, block, D] read through table [B, n] -> [B, Hkv, kv_len, D]."""
+def tiled_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Keys [.., B, D] (B a multiple of KEY_TILE) as the cache stores them: [.., B / KEY_TILE, D, KEY_TILE] (a copy)."""
+    *outer, rows, dim = keys.shape
+    return keys.reshape(*outer, rows // KEY_TILE, KEY_TILE, dim).transpose(-1, -2).contiguous()
+
+
+def untiled_keys(tiles: torch.Tensor) -> torch.Tensor:
+    """The cache's keys [.., B / KEY_TILE, D, KEY_TILE] as rows [.., B, D]."""
+    *outer, count, dim, tile = tiles.shape
+    return tiles.transpose(-1, -2).reshape(*outer, count * tile, dim)
+
+
+def _gathered(pool: torch.Tensor, table: torch.Tensor, kv_len: int, tiled: bool = False) -> torch.Tensor:
+    """pool [blocks, Hkv, block, D] (`tiled`: keys [blocks, Hkv, tiles, D, tile]) read through table [B, n] ->
+    [B, Hkv, kv_len, D] (one copy)."""
     batch, n = table.shape
-    blocks = pool[table.reshape(-1)].view(batch, n, *pool.shape[1:])  # [B, n, Hkv, block, D]
-    return blocks.transpose(1, 2).reshape(batch, pool.shape[1], n * pool.shape[2], pool.shape[3])[:, :, :kv_len]
+    blocks = pool[table.reshape(-1)].view(batch, n, *pool.shape[1:])  # [B, n, Hkv, block, D] or tiled
+    if tiled:  # [B, n, Hkv, tiles, D, tile] -> [B, n, Hkv, tiles, tile, D]
+        blocks = blocks.transpose(-1, -2)
+    kv_heads, dim = pool.shape[1], blocks.shape[-1]
+    return blocks.transpose(1, 2).reshape(batch, kv_heads, -1, dim)[:, :, :kv_len]
 
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

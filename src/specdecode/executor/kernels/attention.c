@@ -8,17 +8,19 @@
 //
 //   qkv [N, (H + 2 Hkv) D]  q | k | v of each new token (projection output, bias added)
 //   cos, sin [N, D]         rotary factors of each token's position (NeoX: halves rotated)
-//   kcache, vcache [blocks, Hkv, B, D] of this layer, float32 or float16: B tokens a block; slots, positions [N]
+//   vcache [blocks, Hkv, B, D] of this layer, float32 or float16: B tokens a block; slots, positions [N]
+//   kcache [blocks, Hkv, B / 16, D, 16] the same, keys in tiles of 16 (KEYS) with the dimension outermost: row r's
+//                           d-th entry is entry d * 16 + r % 16 of tile r / 16
 //   tables [S, MB]          each slot's blocks in order: position p of slot s is row p % B of block
 //                           tables[s][p / B]
 //   out [N, H D]            query head h reads kv head h / (H / Hkv)
 //   q_norm, k_norm [D]      RMSNorm weights of each query and key head, or NULL (no norm)
 //   scale                   of the query-key scores; window: keys a token sees, itself included (0: all)
 //
-// Over a long context this streams the cache, so it is read once per kv head: a block of keys is
-// widened to float32 and transposed once (lanes over keys: no dot product ends in a horizontal sum) and
-// every query head of the group reads it; each value is widened in registers and weighed for up to 8 query
-// heads at once. exp is a polynomial that vectorises.
+// Over a long context this streams the cache, so it is read once per kv head: a tile of keys is already laid
+// out with lanes over keys (no dot product ends in a horizontal sum, and nothing to transpose), widened in
+// registers as it is loaded and scored for up to 8 query heads at once; each value likewise is widened in
+// registers and weighed for up to 8 query heads at once. exp is a polynomial that vectorises.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -205,20 +207,6 @@ static inline vec vexp_nonpositive(vec x) {
 }
 #endif
 
-// `count` rows of D cache entries from row `row` on, as float32: the rows themselves, or float16 widened
-// into buf (exact).
-static const float *cache_rows(const void *cache, int is_half, size_t row, int count, int D, float *buf) {
-    if (!is_half) return (const float *)cache + row * D;
-    const half *src = (const half *)cache + row * D;
-    int i = 0;
-#ifdef ATTENTION_SIMD
-    for (; i + 8 <= count * D; i += 8)
-        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-#endif
-    for (; i < count * D; i++) buf[i] = (float)src[i];
-    return buf;
-}
-
 #ifdef ATTENTION_SIMD
 // WIDTH cached values from entry `at` on, as float32 (float16 widened exactly).
 static inline __attribute__((always_inline)) vec load_values(const void *v, int is_half, size_t at) {
@@ -229,91 +217,19 @@ static inline __attribute__((always_inline)) vec load_values(const void *v, int 
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half *)v + at)));
 #endif
 }
-
-#if WIDTH == 16
-// 16 rows of 16 floats -> 16 columns, 64 shuffles (8x8 blocks of ymm would take 96).
-static inline void transpose16x16(const __m512 r[16], float *dst) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows i, i+1 interleaved
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // u[i + b], lane L: rows i..i+3 at column 4L + b
-        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int b = 0; b < 4; b++) {  // the 4x4 transpose of 128-bit lanes across u[b], u[4 + b], ...
-        const __m512 v0 = _mm512_shuffle_f32x4(u[b], u[4 + b], 0x88), v1 = _mm512_shuffle_f32x4(u[b], u[4 + b], 0xDD);
-        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + b], u[12 + b], 0x88);
-        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + b], u[12 + b], 0xDD);
-        _mm512_storeu_ps(dst + (0 + b) * 16, _mm512_shuffle_f32x4(v0, v2, 0x88));
-        _mm512_storeu_ps(dst + (4 + b) * 16, _mm512_shuffle_f32x4(v1, v3, 0x88));
-        _mm512_storeu_ps(dst + (8 + b) * 16, _mm512_shuffle_f32x4(v0, v2, 0xDD));
-        _mm512_storeu_ps(dst + (12 + b) * 16, _mm512_shuffle_f32x4(v1, v3, 0xDD));
-    }
-}
-
-// A full block of KEYS (16) keys from the cache, widened and transposed in registers.
-static void transpose_full_block(const void *cache, int is_half, size_t row, int D, float *kt) {
-    __m512 r[16];
-    for (int d = 0; d < D; d += 16) {
-        for (int i = 0; i < 16; i++) r[i] = load_values(cache, is_half, (row + i) * D + d);
-        transpose16x16(r, kt + d * KEYS);
-    }
-}
-#else
-// 8 rows of 8 floats -> 8 columns (stride `to`).
-static inline void transpose8x8(const __m256 r[8], float *dst, int to) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + (size_t)i * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (size_t)(i + 4) * to, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-    }
-}
-
-// A full block of KEYS keys from the cache, widened and transposed in registers.
-static void transpose_full_block(const void *cache, int is_half, size_t row, int D, float *kt) {
-    __m256 r[8];
-    for (int l = 0; l < KEYS; l += 8)
-        for (int d = 0; d < D; d += 8) {
-            for (int i = 0; i < 8; i++) r[i] = load_values(cache, is_half, (row + l + i) * D + d);
-            transpose8x8(r, kt + d * KEYS + l, KEYS);
-        }
-}
-#endif
 #endif
 
-// kt[d * KEYS + l] = key (row + l)'s d-th value as float32, for count <= KEYS keys, the rest zero (data
-// movement and exact widening: every path gives the same bits). rows: scratch for count * D floats.
-static void keys_block(const void *cache, int is_half, size_t row, int count, int D, float *rows, float *kt) {
-#ifdef ATTENTION_SIMD
-    if (count == KEYS) {
-        transpose_full_block(cache, is_half, row, D, kt);
-        return;
-    }
-#endif
-    const float *keys = cache_rows(cache, is_half, row, count, D, rows);
-    for (int d = 0; d < D; d++)
-        for (int l = 0; l < KEYS; l++) kt[d * KEYS + l] = l < count ? keys[(size_t)l * D + d] : 0.f;
+// Entry i of a float32 or float16 cache, as float32 (exact).
+static inline float entry(const void *cache, int is_half, size_t i) {
+    return is_half ? (float)((const half *)cache)[i] : ((const float *)cache)[i];
 }
 
 // s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for `heads`
-// <= HEADS query heads (rows of q, D apart) and the first `count` of KEYS keys, asking for `ahead`'s lines
-// among them. Inlined with a constant `heads`, so the accumulators stay in registers.
-static inline __attribute__((always_inline)) void score_block(const float *q, int heads, const float *kt, int D,
-                                                              int count, float scale, float *s, size_t stride,
+// <= HEADS query heads (rows of q, D apart) and the first `count` keys of the tile kt (float32, or float16
+// widened exactly as it is loaded), asking for `ahead`'s lines among them. Inlined with a constant `heads` and
+// `is_half`, so the accumulators stay in registers.
+static inline __attribute__((always_inline)) void score_block(const float *q, int heads, const void *kt, int is_half,
+                                                              int D, int count, float scale, float *s, size_t stride,
                                                               ahead_t *ahead) {
 #ifdef ATTENTION_SIMD
     vec acc[HEADS][KEY_VECS];
@@ -325,7 +241,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
         prefetch_next(ahead);
         vec k[KEY_VECS];
 #pragma GCC unroll 2
-        for (int v = 0; v < KEY_VECS; v++) k[v] = vload(kt + d * KEYS + v * WIDTH);
+        for (int v = 0; v < KEY_VECS; v++) k[v] = load_values(kt, is_half, d * KEYS + v * WIDTH);
 #pragma GCC unroll 8
         for (int g = 0; g < heads; g++) {
             const vec qd = vset1(q[(size_t)g * D + d]);
@@ -345,20 +261,23 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
     for (int g = 0; g < heads; g++)
         for (int l = 0; l < count; l++) {
             float acc = 0.f;
-            for (int d = 0; d < D; d++) acc = fmaf(q[(size_t)g * D + d], kt[d * KEYS + l], acc);
+            for (int d = 0; d < D; d++) acc = fmaf(q[(size_t)g * D + d], entry(kt, is_half, d * KEYS + l), acc);
             s[g * stride + l] = acc * scale;
         }
 #endif
 }
 
 #define SCORE_CASE(h) \
-    case h: score_block(qg, h, kt, D, count, scale, sg, stride, ahead); break;
+    case h: \
+        if (is_half) score_block(qg, h, kt, 1, D, count, scale, sg, stride, ahead); \
+        else score_block(qg, h, kt, 0, D, count, scale, sg, stride, ahead); \
+        break;
 
 // score_block for the G heads of a group, HEADS at a time, except that no pass takes a lone head: its two
 // chains of FMAs would leave the units waiting on their latency (AVX2 takes 7 heads as 5 + 2, not 6 + 1).
 // Each head's scores are the same chains whatever pass computes them.
-static void score_heads(const float *q, int G, const float *kt, int D, int count, float scale, float *s, size_t stride,
-                        ahead_t *ahead) {
+static void score_heads(const float *q, int G, const void *kt, int is_half, int D, int count, float scale, float *s,
+                        size_t stride, ahead_t *ahead) {
     for (int g = 0; g < G;) {
         int heads = G - g < HEADS ? G - g : HEADS;
         if (G - g - heads == 1) heads--;  // never a lone head in the last pass
@@ -456,9 +375,7 @@ static void weigh_block(const float *p, size_t stride, const void *vb, int is_ha
         float *og = o + (size_t)g * D;
         for (int j = 0; j < count; j++)
             for (int d = 0; d < D; d++) {
-                const size_t at = (size_t)j * D + d;
-                const float v = is_half ? (float)((const half *)vb)[at] : ((const float *)vb)[at];
-                og[d] = fmaf(w[j], v, og[d]);
+                og[d] = fmaf(w[j], entry(vb, is_half, (size_t)j * D + d), og[d]);
             }
     }
 #endif
@@ -504,21 +421,23 @@ int attention_group_ok(int G) { return G >= 1 && G <= MAX_GROUP; }
 
 int attention_half_ok(void) { return HAVE_HALF; }
 
-// Token t's rotated k and its v into the cache at its slot and position, for kv head h.
+// Token t's rotated k and its v into the cache at row `row` (its slot's block, kv head h and position): the value
+// as the row, the key as lane row % KEYS of its tile.
 static void write_kv(const float *row, const float *cos, const float *sin, int H, int Hkv, int h, int D,
                      const float *k_norm, float eps, void *kcache, void *vcache, int is_half, size_t at) {
     float k[MAX_DIM], normed[MAX_DIM];
     const float *v = row + (H + Hkv + h) * D;
     norm_head(row + (H + h) * D, k_norm, eps, D, normed);
     rope(normed, cos, sin, k, D);
-    if (!is_half) {
-        memcpy((float *)kcache + at, k, D * sizeof(float));
-        memcpy((float *)vcache + at, v, D * sizeof(float));
-        return;
-    }
+    const size_t key = (at - at % KEYS) * D + at % KEYS;
     for (int i = 0; i < D; i++) {
-        ((half *)kcache)[at + i] = (half)k[i];
-        ((half *)vcache)[at + i] = (half)v[i];
+        if (is_half) {
+            ((half *)kcache)[key + (size_t)i * KEYS] = (half)k[i];
+            ((half *)vcache)[at * D + i] = (half)v[i];
+        } else {
+            ((float *)kcache)[key + (size_t)i * KEYS] = k[i];
+            ((float *)vcache)[at * D + i] = v[i];
+        }
     }
 }
 
@@ -573,7 +492,7 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
                    const void *kcache, const void *vcache, int is_half, const rows_t *r, float *work, float *out,
                    size_t out_stride) {
     const int base = los[0] / VALUES * VALUES, n = ns[tokens - 1], span = n - base, heads = tokens * G;
-    float *kt = work, *rows = kt + (size_t)D * KEYS, *p = rows + (size_t)KEYS * D;  // p: [heads][span]
+    float *p = work;  // [heads][span]
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     int from = 0;  // the first token that sees the current block
     for (int j0 = base; j0 < n; j0 += KEYS) {
@@ -581,8 +500,8 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
         while (ns[from] <= j0) from++;
         const int key_steps = ((tokens - from) * G + HEADS - 1) / HEADS * D;  // of score_block's loop
         ahead_t keys_ahead = rows_ahead(kcache, bytes, r, j0 + KEYS_AHEAD, KEYS, n, D, key_steps);
-        keys_block(kcache, is_half, row_of(r, j0), count, D, rows, kt);
-        score_heads(q + (size_t)from * G * D, heads - from * G, kt, D, count, scale,
+        const char *kt = (const char *)kcache + row_of(r, j0) * D * bytes;  // the tile of keys j0 ..
+        score_heads(q + (size_t)from * G * D, heads - from * G, kt, is_half, D, count, scale,
                     p + (size_t)from * G * span + (j0 - base), span, &keys_ahead);
     }
     float total[MAX_TOKENS * MAX_GROUP];
@@ -652,7 +571,7 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
         const int t = task / Hkv, h = task % Hkv;
         const rows_t r = {tables + slots[t] * MB, h, Hkv, B};
         write_kv(qkv + (size_t)t * width, cos + (size_t)t * D, sin + (size_t)t * D, H, Hkv, h, D, k_norm, eps, kcache,
-                 vcache, is_half, row_of(&r, (int)positions[t]) * D);
+                 vcache, is_half, row_of(&r, (int)positions[t]));
     }
     const int runs = find_runs(N, slots, positions, -1, NULL, NULL);
     int failed = 0;
@@ -669,7 +588,7 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
         }
         const rows_t r = {tables + slots[t0] * MB, h, Hkv, B};
         const size_t span = ns[tokens - 1] - los[0] / VALUES * VALUES;
-        float *q = scratch((size_t)tokens * G * D + 2 * (size_t)D * KEYS + (size_t)tokens * G * span);
+        float *q = scratch((size_t)tokens * G * D + (size_t)tokens * G * span);
         if (!q) {
             failed = 1;
             continue;
