@@ -26,7 +26,7 @@ from .prefix_index import PrefixIndex
 # (docs/decisions.md#the-kv-cache-in-blocks)
 BLOCK_TOKENS = 64
 # Keys are stored in tiles of this many tokens with the dimension outermost ([.., tiles, D, KEY_TILE]): the CPU
-# attention kernel scores a tile with one vector lane per key and no transpose (docs/decisions.md#keys-in-tiles)
+# attention kernel scores a tile with one vector lane per key and no transpose (docs/decisions.md#cpu-attention-kernel)
 KEY_TILE = 16
 
 

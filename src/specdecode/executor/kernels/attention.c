@@ -578,7 +578,7 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : failed)
     for (int task = 0; task < runs * Hkv; task++) {
         const int h = task % Hkv;
-        int t0, t_end;
+        int t0 = 0, t_end = 0;  // set by find_runs: task / Hkv < runs
         find_runs(N, slots, positions, task / Hkv, &t0, &t_end);
         const int tokens = t_end - t0;
         int ns[MAX_TOKENS], los[MAX_TOKENS];
