@@ -258,6 +258,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
         if (count < KEYS) memcpy(s + g * stride, row, count * sizeof(float));
     }
 #else
+    (void)ahead;  // the scalar build asks for a block's lines at once (rows_ahead)
     for (int g = 0; g < heads; g++)
         for (int l = 0; l < count; l++) {
             float acc = 0.f;
@@ -370,6 +371,7 @@ static void weigh_block(const float *p, size_t stride, const void *vb, int is_ha
             }
     }
 #else
+    (void)ahead;
     for (int g = 0; g < G; g++) {
         const float *w = p + g * stride;
         float *og = o + (size_t)g * D;
@@ -482,17 +484,16 @@ static inline ahead_t rows_ahead(const void *cache, size_t bytes, const rows_t *
 
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
 // over the slot's cached keys and values (rows r): token i sees keys los[i] .. ns[i] - 1 (both nondecreasing).
-// Every block of keys and values is widened and laid out once for all of them, and each token's heads are
+// Every tile of keys and block of values is read from the cache once for all of them, and each token's heads are
 // scored and weighed exactly as if it were alone: a key's score is a chain over its own lane, the softmax's
 // lanes count from the token's first key, and the values are weighed in key order, so where blocks start
 // changes nothing. The spans of keys (KEYS) and values (VALUES) start at multiples of their size, so none
 // crosses a KV block (B is a multiple of VALUES). Scores of keys a token does not see are computed and left
-// unread. out: token i's G heads at out + i * out_stride.
+// unread. p: scratch for the scores [tokens * G][span]; out: token i's G heads at out + i * out_stride.
 static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
-                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *work, float *out,
+                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *out,
                    size_t out_stride) {
     const int base = los[0] / VALUES * VALUES, n = ns[tokens - 1], span = n - base, heads = tokens * G;
-    float *p = work;  // [heads][span]
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     int from = 0;  // the first token that sees the current block
     for (int j0 = base; j0 < n; j0 += KEYS) {
