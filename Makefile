@@ -23,12 +23,12 @@ demo: setup
 # native kernels (the reference every SIMD path is checked against), then the real-model tests, then Ray Serve.
 KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_elementwise_kernels.py tests/test_attention_kernel.py \
 	tests/test_experts_kernel.py
-# Each stage prints its time (bash's `time`).
+# Each stage prints its time (bash's `time`); the unit stage also its slowest tests, where a longer run shows first.
 test: SHELL := /bin/bash
 test: setup
 	time $(VENV)/bin/ruff check src tests tools
 	time $(VENV)/bin/ruff format --check src tests tools
-	time $(PY) -m pytest -q -m "not real_model and not ray"
+	time $(PY) -m pytest -q --durations=15 -m "not real_model and not ray"
 	time SPECDECODE_KERNELS=scalar $(PY) -m pytest -q $(KERNEL_TESTS)
 	time $(PY) -m pytest -q -m real_model
 	time $(PY) -m pytest -q -m ray

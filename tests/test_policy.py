@@ -473,7 +473,7 @@ def test_no_probe_where_drafting_could_not_pay_even_with_good_drafts(monkeypatch
     p = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=False)
     assert _probe_steps(p, 8, 1000, 0.09, 0.145) == 0
     unchecked = _batch_8_costs(make_policy("adaptive", 3), drafting_could_pay=False)
-    monkeypatch.setattr(unchecked, "_drafting_could_pay", lambda n: True)
+    monkeypatch.setattr(unchecked, "_drafting_could_pay", lambda n, contexts=None: True)
     assert _probe_steps(unchecked, 8, 1000, 0.09, 0.145) >= 5
 
 
@@ -712,3 +712,53 @@ def test_the_adaptive_knobs_reach_the_policy_from_llm_the_cli_and_ray_s_plain_da
     assert EngineConfig(**shipped).adaptive == AdaptiveOptions(min_gain=0.25, refresh_plain_every=64)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--adaptive", "min_gainz=1"])
+
+
+def _seconds_at(tokens: int, context: int) -> float:
+    """A target call of one sequence: its weights (1 s, +0.05 s a row) and its rows' attention over the context."""
+    return 1.0 + 0.05 * (tokens - 1) + 2e-5 * tokens * context
+
+
+def test_costs_learned_at_a_short_context_price_a_long_one():
+    """A verify's rows each read the whole context, so drafts that pay at 1k tokens may not at 32k. Costs the
+    policy learned at 1k must price a step at 32k, not carry 1k's over: tables keyed by call size alone had
+    the 1.5B's head drafting at 0.84x plain decoding at 32k tokens after learning at 16k."""
+    p = make_policy("adaptive", 4)
+    p.record_attention_cost(2e-5)
+    p.estimator.acceptance["r"] = 0.8
+    p.probe_trials = 0
+    for tokens in range(1, 6):
+        for _ in range(2):  # a size's first sample is provisional
+            p.costs.target.observe(1, tokens, _seconds_at(tokens, 1000), keys=tokens * 1000)
+    p.costs.draft.observe(1, 0.05)
+    gains = p.token_gains(0.8)
+
+    def best_k(context: int) -> int:
+        return max(range(5), key=lambda k: (1 + sum(gains[:k])) / (_seconds_at(k + 1, context) + 0.05 * k))
+
+    assert best_k(32000) < best_k(1000)  # the two contexts want different drafts
+    for context in (1000, 32000):
+        for k in range(5):
+            priced = p.costs.step_seconds([k], contexts=[context])
+            assert priced == pytest.approx(_seconds_at(k + 1, context) + 0.05 * k)
+        assert p.choose(["r"], contexts=[context]).ks == [best_k(context)]
+
+
+def test_the_engine_tells_the_policy_each_sequence_s_cached_tokens(target):
+    """What the policy prices and learns by: the tokens each sequence has cached before the step."""
+    llm = LLM(target=target, speculative_model="ngram", num_speculative_tokens=3, max_model_len=256)
+    policy, seen = llm.engine.policy, []
+    decide, observe = policy.decide, policy.observe_step
+    policy.decide = lambda *args: seen.append(("decide", args[-1])) or decide(*args)
+    policy.observe_step = lambda *args, **kw: seen.append(("observe", kw["contexts"])) or observe(*args, **kw)
+    prompts = ["abcabcabcabcabc", "hello world, hello"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [target.tokenizer.encode(p) for p in prompts]
+    run_as_one_batch(llm.engine, ids, params)
+    assert seen[:4] == [
+        ("decide", [len(i) for i in ids]),  # the first decoding step: each prompt cached
+        ("observe", [len(i) for i in ids]),
+        ("decide", seen[2][1]),
+        ("observe", seen[2][1]),
+    ]
+    assert all(b > a for a, b in zip(seen[0][1], seen[2][1]))  # then what each emitted too

@@ -2,13 +2,18 @@
 prompts: how many tokens agree, and where they part, the gap between our top two logits there (a near-tie
 is where two correct implementations may choose differently).
 
-    python tools/greedy_vs_llama_cpp.py --model gemma3-270m --bin BIN [--quantization w4a8] PROMPT...
+    python tools/greedy_vs_llama_cpp.py --model gemma3-270m --bin BIN [--quantization w4a8]
+        [--server-args "-fa off"] PROMPT...
+
+llama-server's CPU flash attention (on by default) sums the weighted values in float16; "-fa off" sums them in
+float32, as this engine does (docs/families.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import time
 import urllib.request
@@ -21,10 +26,11 @@ from specdecode.models.sources import resolve
 
 
 def llama_cpp_greedy(
-    bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, port: int = 8097
+    bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, server_args: list[str], port: int = 8097
 ) -> list[list[int]]:
+    command = [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048"]
     server = subprocess.Popen(
-        [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048", "--log-disable"],
+        [*command, "--log-disable", *server_args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -66,6 +72,10 @@ def top_two_gap(llm: LLM, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prompts", nargs="+")
@@ -73,6 +83,7 @@ def main() -> None:
     parser.add_argument("--bin", required=True, help="the folder build-llama-cpp.sh printed")
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--server-args", default="", help="more llama-server options, e.g. '-fa off'")
     args = parser.parse_args()
     llm = LLM(model=args.model, quantization=args.quantization, num_speculative_tokens=0)
     prompts = [llm.tokenizer.encode(p) for p in args.prompts]
@@ -80,10 +91,14 @@ def main() -> None:
         o.outputs[0].token_ids
         for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
     ]
-    theirs = llama_cpp_greedy(args.bin, resolve(args.model).path, prompts, args.tokens)
-    print(f"{args.model} ({args.quantization}), {args.tokens} greedy tokens; {describe_machine(machine_info())}")
+    gguf = resolve(args.model).path
+    theirs = llama_cpp_greedy(args.bin, gguf, prompts, args.tokens, shlex.split(args.server_args))
+    print(
+        f"{args.model} ({args.quantization}), {args.tokens} greedy tokens, "
+        f"llama-server {args.server_args or 'defaults'}; {describe_machine(machine_info())}"
+    )
     for text, ids, a, b in zip(args.prompts, prompts, ours, theirs):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same = first_difference(a, b)
         line = f"{text!r}: {same}/{args.tokens} tokens equal"
         if same < args.tokens:
             line += (

@@ -226,7 +226,12 @@ class Engine(Prefilling):
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
         end = now()
         self.policy.observe_step(
-            drafts.num_tokens, end - verify_start, draft_seconds, end - step_start, by_lookup=decision.by_lookup
+            drafts.num_tokens,
+            end - verify_start,
+            draft_seconds,
+            end - step_start,
+            by_lookup=decision.by_lookup,
+            contexts=starts,
         )
 
     def _decide_drafts(self, seqs: list[Sequence]) -> tuple[DraftDecision, list[Preview] | None]:
@@ -243,6 +248,7 @@ class Engine(Prefilling):
             [s.remaining_tokens for s in seqs],
             [(p.match, p.tokens, p.probs) for p in previews] if previews else None,
             drafter=self.proposer is not None,
+            contexts=[s.num_tokens - 1 for s in seqs],
         )
         if self.proposer is None:
             decision.by_lookup = [True] * n

@@ -19,7 +19,7 @@ from ..sampling import SamplingParams, TokenLogprob
 from .engine import Engine
 from .memory import format_bytes, plan_memory, resolve_budget
 from .policy import make_policy
-from .profile import profile_draft_costs, profile_verify_costs
+from .profile import profile_attention_cost, profile_draft_costs, profile_verify_costs
 from .sequence import Sequence
 
 
@@ -148,7 +148,9 @@ class LLM:
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
         self.profile_seconds = (
-            profile_draft_costs(self.engine) + profile_verify_costs(self.engine) if policy.wants_draft_costs else 0.0
+            profile_attention_cost(self.engine) + profile_draft_costs(self.engine) + profile_verify_costs(self.engine)
+            if policy.wants_draft_costs
+            else 0.0
         )
 
     def _engine(self, proposers: list[Proposer], policy) -> Engine:

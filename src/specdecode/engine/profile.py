@@ -1,5 +1,6 @@
 """Cost profiles taken before any request arrives and recorded in the adaptive policy's cost model: the
-draft model's forward at every batch size, and the target's verify call up to the longest lookup draft.
+draft model's forward at every batch size, the target's verify call up to the longest lookup draft, and
+the target's attention per cached key.
 
 Learned online, the draft's cost is known only at the numbers of drafting sequences the policy has
 already run, and it is not smooth beyond them (kernels change tiling at some row counts), so a guess can
@@ -21,6 +22,7 @@ from ..metrics import now
 from ..models.runtime import Transformer
 
 CATCH_UP_TOKENS = 128  # a typical prompt, read by the draft when a sequence starts drafting
+SHORT_CONTEXT, LONG_CONTEXT = 128, 8192  # cached tokens of the two decode steps that price attention per key
 
 
 def time_forward(
@@ -73,5 +75,22 @@ def profile_verify_costs(engine, context: int = 128, repeats: int = 2) -> float:
     context = min(context, engine.max_model_len - cap - 2)
     sizes = sorted({1 << i for i in range((cap + 1).bit_length()) if 1 << i <= cap + 1} | {cap + 1})
     for tokens in sizes:
-        engine.policy.record_target_cost(1, tokens, time_forward(engine.runner.model, 1, tokens, context, repeats))
+        seconds = time_forward(engine.runner.model, 1, tokens, context, repeats)
+        engine.policy.record_target_cost(1, tokens, seconds, tokens * context)
+    return time.perf_counter() - started
+
+
+def profile_attention_cost(engine, repeats: int = 5) -> float:
+    """Record in the engine's policy what the target's attention costs per row and cached key: a decode step
+    after LONG_CONTEXT cached tokens against one after SHORT_CONTEXT (the difference is the attention over
+    the keys between; the weights cost the same). A verify's rows cost by the keys they read, so costs
+    learned at one context length price another with it. Returns the seconds it took (0 where the context
+    is too short for the difference to be measured)."""
+    long = min(LONG_CONTEXT, engine.max_model_len - 2)
+    if long < 8 * SHORT_CONTEXT:
+        return 0.0
+    started = time.perf_counter()
+    model = engine.runner.model
+    gap = time_forward(model, 1, 1, long, repeats) - time_forward(model, 1, 1, SHORT_CONTEXT, repeats)
+    engine.policy.record_attention_cost(max(0.0, gap) / (long - SHORT_CONTEXT))
     return time.perf_counter() - started

@@ -94,12 +94,13 @@ class AdaptivePolicy(Policy):
     def forget(self, request_id: str) -> None:
         self.estimator.forget(request_id)
 
-    def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
+    def decide(self, request_ids, catch_up, remaining, lookups, drafter, contexts=None) -> DraftDecision:
         n = len(request_ids)
+        contexts = contexts or [0] * n
         if not self.costs.target.has_plain(n):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
         estimator = self.estimator
-        if drafter and self._should_probe(n):  # on the sequence cheapest to start
+        if drafter and self._should_probe(n, contexts):  # on the sequence cheapest to start
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
@@ -108,21 +109,21 @@ class AdaptivePolicy(Policy):
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
-        decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter)
+        decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter, contexts)
         self._last_score = decision.score
         if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
             self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
         self._unconverted_probe = 0.0
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
         self._predicted = (
-            self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max))
+            self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max), contexts)
             + sum(starting) * self.costs.draft_prefill_per_token,
             not starting,
         )
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
 
-    def _should_probe(self, n: int) -> bool:
+    def _should_probe(self, n: int, contexts: list[int]) -> bool:
         """Measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior that
         predicts no gain would otherwise never be tested) while the evidence is thin and the probes'
         budget lasts, at batch sizes where good drafts would pay."""
@@ -131,7 +132,7 @@ class AdaptivePolicy(Policy):
         return (
             self.estimator.first_position_trials < self.probe_trials
             and self._probe_seconds <= self._probe_limit()
-            and self._drafting_could_pay(n)
+            and self._drafting_could_pay(n, contexts)
         )
 
     def expects_drafting(self, batch: int) -> bool:
@@ -142,18 +143,18 @@ class AdaptivePolicy(Policy):
         answer = self._could_pay.get(batch, (None, None))[1]
         return self._good_drafts_would_pay(batch) if answer is None else answer
 
-    def _drafting_could_pay(self, n: int) -> bool:
+    def _drafting_could_pay(self, n: int, contexts: list[int] | None = None) -> bool:
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
         sequence's one-off cost, which a probe accepts (and refunds once drafting follows). The answer
         moves only as the measured costs do, so it is worked out again every few steps, not every step."""
         age, answer = self._could_pay.get(n, (self.could_pay_refresh, False))
         if age >= self.could_pay_refresh:
-            age, answer = 0, self._good_drafts_would_pay(n)
+            age, answer = 0, self._good_drafts_would_pay(n, contexts)
         self._could_pay[n] = (age + 1, answer)
         return answer
 
-    def _good_drafts_would_pay(self, n: int) -> bool:
-        return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None).ks)
+    def _good_drafts_would_pay(self, n: int, contexts: list[int] | None = None) -> bool:
+        return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None, True, contexts).ks)
 
     def best_decision(
         self,
@@ -162,17 +163,19 @@ class AdaptivePolicy(Policy):
         remaining: list[int],
         lookups: list[Lookup] | None,
         drafter: bool = True,
+        contexts: list[int] | None = None,
     ) -> DraftDecision:
         """The draft model for everyone, the lookup's drafts where a sequence has them, or those and the
         draft model for the rest: whichever allocation predicts the highest goodput (without a drafter,
-        the lookups alone)."""
+        the lookups alone). contexts: each sequence's cached tokens (default: none)."""
         n = len(alphas)
+        contexts = contexts or [0] * n
         draft_gains = [self.token_gains(a) for a in alphas]
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
         for i, (tokens, left) in enumerate(zip(catch_up, remaining)):
             steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
             start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
-        options = [self._allocate(draft_gains, [False] * n, start_cost)] if drafter else []
+        options = [self._allocate(draft_gains, [False] * n, start_cost, contexts)] if drafter else []
         if lookups and any(tokens for _, tokens, _ in lookups):
             use = [bool(tokens) for _, tokens, _ in lookups]
             lookup_gains = [
@@ -180,10 +183,10 @@ class AdaptivePolicy(Policy):
             ]
             # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
-            options.append(self._allocate(lookup_gains, use, start_cost))
+            options.append(self._allocate(lookup_gains, use, start_cost, contexts))
             if drafter:
                 mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
-                options.append(self._allocate(mixed, use, start_cost))
+                options.append(self._allocate(mixed, use, start_cost, contexts))
         if not options:
             return DraftDecision([0] * n, [True] * n)
         decision, score = max(options, key=lambda option: option[1])
@@ -191,7 +194,7 @@ class AdaptivePolicy(Policy):
         return decision
 
     def _allocate(
-        self, gains: list[list[float]], by_lookup: list[bool], start_cost: list[float]
+        self, gains: list[list[float]], by_lookup: list[bool], start_cost: list[float], contexts: list[int]
     ) -> tuple[DraftDecision, float]:
         """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
         allocation with the highest predicted goodput; its score is that goodput over the bar it must
@@ -202,7 +205,7 @@ class AdaptivePolicy(Policy):
         )
         ks, best, best_score = [0] * n, [0] * n, 1.0
         emitted, extra = float(n), 0.0
-        step = StepPrice(self.costs, n, self.estimator.draft_reach(self.k_max))
+        step = StepPrice(self.costs, n, self.estimator.draft_reach(self.k_max), contexts)
         margin = 0.0 if n == 1 and not by_lookup[0] else self.min_gain
         bar = (1 + margin) * emitted / step.seconds  # plain decoding's rate, raised by the margin
         calibration = self.calibration.get(n, 1.0)
@@ -213,7 +216,7 @@ class AdaptivePolicy(Policy):
             if ks[i] == 0 and not by_lookup[i]:
                 extra += start_cost[i]
             ks[i] += 1
-            step.grow(ks[i], by_lookup[i])
+            step.grow(ks[i], by_lookup[i], contexts[i])
             emitted += gain
             rate = emitted / ((step.seconds + extra) * calibration)
             score = rate / bar
@@ -228,13 +231,16 @@ class AdaptivePolicy(Policy):
         draft_seconds_per_forward: float | None,
         step_seconds: float | None = None,
         by_lookup: list[bool] | None = None,
+        contexts: list[int] | None = None,
     ) -> None:
         """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
-        (their drafts cost the draft model nothing)."""
+        (their drafts cost the draft model nothing); contexts: each sequence's cached tokens before the step."""
         n = len(ks)
+        contexts = contexts or [0] * n
+        plain_keys = sum(contexts)
         self._decode_seconds += step_seconds or target_seconds
         if self._probing:
-            self._unconverted_probe = max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n))
+            self._unconverted_probe = max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n, plain_keys))
             self._probe_seconds += self._unconverted_probe
             self._probing = False
         if any(ks):
@@ -245,7 +251,7 @@ class AdaptivePolicy(Policy):
         elif n in self.calibration:
             self.calibration[n] += self.estimator.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
-        self.costs.target.observe(n, n + sum(ks), target_seconds)
+        self.costs.target.observe(n, n + sum(ks), target_seconds, sum((k + 1) * c for k, c in zip(ks, contexts)))
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
         if not drafting:
             self.estimator.fade_population_evidence()
@@ -258,5 +264,8 @@ class AdaptivePolicy(Policy):
     def record_draft_cost(self, batch: int, seconds: float) -> None:
         self.costs.draft.record(batch, seconds)
 
-    def record_target_cost(self, batch: int, tokens: int, seconds: float) -> None:
-        self.costs.target.record(batch, tokens, seconds)
+    def record_target_cost(self, batch: int, tokens: int, seconds: float, keys: int = 0) -> None:
+        self.costs.target.record(batch, tokens, seconds, keys)
+
+    def record_attention_cost(self, seconds_per_row_key: float) -> None:
+        self.costs.target.per_row_key = seconds_per_row_key

@@ -43,16 +43,20 @@ class Policy:
         remaining: list[int] | None = None,
         lookups: list[Lookup] | None = None,
         drafter: bool = True,
+        contexts: list[int] | None = None,
     ) -> DraftDecision:
         """k per sequence for this step (the engine still caps each by max_tokens and the context).
         catch_up: tokens the draft must read before it can draft for the sequence; remaining: tokens the
         sequence may still emit; lookups: per sequence, what the previewing proposer offers, where the
-        engine has one; drafter: whether a model drafter exists (without one, every draft is a lookup's)."""
+        engine has one; drafter: whether a model drafter exists (without one, every draft is a lookup's);
+        contexts: the tokens each sequence has cached, which each of its verify rows attends to."""
         n = len(request_ids)
         decision = (
             DraftDecision.main_proposer([0] * n)
             if self.k_max == 0
-            else self.decide(request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups, drafter)
+            else self.decide(
+                request_ids, catch_up or [0] * n, remaining or [1 << 30] * n, lookups, drafter, contexts or [0] * n
+            )
         )
         self.decisions.update(decision.ks)
         return decision
@@ -64,6 +68,7 @@ class Policy:
         remaining: list[int],
         lookups: list[Lookup] | None,
         drafter: bool,
+        contexts: list[int] | None = None,
     ) -> DraftDecision:
         raise NotImplementedError
 
@@ -86,8 +91,9 @@ class Policy:
         draft_seconds_per_forward: float | None,
         step_seconds: float | None = None,
         by_lookup: list[bool] | None = None,
+        contexts: list[int] | None = None,
     ) -> None:
-        """Measured phases of the step just run."""
+        """Measured phases of the step just run (contexts: each sequence's cached tokens before it)."""
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         """A draft model read `tokens` it had missed in `seconds`."""
@@ -95,8 +101,12 @@ class Policy:
     def record_draft_cost(self, batch: int, seconds: float) -> None:
         """A draft forward for `batch` sequences takes `seconds` (timed at start-up, see engine/profile.py)."""
 
-    def record_target_cost(self, batch: int, tokens: int, seconds: float) -> None:
-        """A target call of `batch` sequences and `tokens` tokens in all takes `seconds` (timed at start-up)."""
+    def record_target_cost(self, batch: int, tokens: int, seconds: float, keys: int = 0) -> None:
+        """A target call of `batch` sequences and `tokens` tokens in all, whose rows read `keys` cached keys,
+        takes `seconds` (timed at start-up)."""
+
+    def record_attention_cost(self, seconds_per_row_key: float) -> None:
+        """The target's attention costs this much per verify row and cached key it reads (timed at start-up)."""
 
     def forget(self, request_id: str) -> None:
         """The sequence finished."""

@@ -116,9 +116,13 @@ class TargetCost:
     grow (on this project's CPU 2 sequences x 5 tokens cost 2.6x 2 x 1, where 1 x 5 cost 1.4x 1 x 1), so
     a slope learned on small calls priced large ones far too cheaply, and the policy started drafting at
     a new batch size, catch-ups included, for steps that then ran at a loss. Calls grow one token
-    past what has been measured at a time, which is how they learn."""
+    past what has been measured at a time, which is how they learn.
+
+    Attention is priced apart, by the cached keys the call's rows read (`keys`, summed over its rows), so
+    costs learned at one context length price another (docs/decisions.md#adaptive-policy-the-cost-model)."""
 
     tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
+    per_row_key: float = 0.0  # seconds of attention per row and cached key it reads (profiled; 0: not known)
     min_slope_span: int = 4  # tokens a batch size's measurements must span for its own slope to count
     explore_tokens: int = 1  # tokens past the largest measured call that the slope is trusted for
 
@@ -128,14 +132,17 @@ class TargetCost:
     # worked out once while the tables stay as they are: a decision at 64 sequences prices hundreds of calls
     _parts: dict = field(default_factory=dict)
 
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        self.tables.setdefault(batch, CostTable()).observe(tokens, seconds)
+    def observe(self, batch: int, tokens: int, seconds: float, keys: float = 0.0) -> None:
+        self.tables.setdefault(batch, CostTable()).observe(tokens, self._beside_attention(seconds, keys))
         self._changed()
 
-    def record(self, batch: int, tokens: int, seconds: float) -> None:
+    def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0) -> None:
         """A profiled measurement (see CostTable.record)."""
-        self.tables.setdefault(batch, CostTable()).record(tokens, seconds)
+        self.tables.setdefault(batch, CostTable()).record(tokens, self._beside_attention(seconds, keys))
         self._changed()
+
+    def _beside_attention(self, seconds: float, keys: float) -> float:
+        return max(seconds - self.per_row_key * keys, 1e-9)
 
     def _changed(self) -> None:
         self._prices.clear()
@@ -154,11 +161,12 @@ class TargetCost:
         which is provisional (CostTable): priced from verify calls instead, plain looks as dear as a draft."""
         return batch in self.tables and self.tables[batch].trusts(batch)
 
-    def __call__(self, batch: int, tokens: float) -> float:
+    def __call__(self, batch: int, tokens: float, keys: float = 0.0) -> float:
+        """Seconds of a call of `batch` sequences and `tokens` rows in all, whose rows read `keys` cached keys."""
         key = (batch, tokens)
         if key not in self._prices:
             self._prices[key] = self._price(batch, tokens)
-        return self._prices[key]
+        return self._prices[key] + self.per_row_key * keys
 
     def _price(self, batch: int, tokens: float) -> float:
         table = self.tables.get(batch)
@@ -234,16 +242,22 @@ class CostModel:
             self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
 
     def step_seconds(
-        self, ks: list[int], by_lookup: list[bool] | None = None, reach: list[float] | None = None
+        self,
+        ks: list[int],
+        by_lookup: list[bool] | None = None,
+        reach: list[float] | None = None,
+        contexts: list[int] | None = None,
     ) -> float:
         """Predicted seconds of a step where sequence i may draft ks[i] tokens and the target verifies them;
         by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost; reach[j]: the chance
         that the draft model drafts position j + 1 of those it is allowed (it may stop early; default:
-        never), which prices the draft forwards and verify rows a step is expected to make."""
-        step = StepPrice(self, len(ks), reach or [1.0] * max(ks, default=0))
+        never), which prices the draft forwards and verify rows a step is expected to make; contexts[i]: the
+        tokens sequence i has cached (each of its rows reads them)."""
+        contexts = contexts or [0] * len(ks)
+        step = StepPrice(self, len(ks), reach or [1.0] * max(ks, default=0), contexts)
         for i, k in enumerate(ks):
             for length in range(1, k + 1):
-                step.grow(length, bool(by_lookup and by_lookup[i]))
+                step.grow(length, bool(by_lookup and by_lookup[i]), contexts[i])
         return step.seconds
 
     def _expected_draft_forward(self, rows: int, reach: float) -> float:
@@ -260,22 +274,26 @@ class StepPrice:
     time: the policy prices dozens of candidate steps per decision, each one token longer than the last,
     so each is priced from the one before (a draft forward's share changes only at the grown position)."""
 
-    def __init__(self, costs: CostModel, n: int, reach: list[float]):
+    def __init__(self, costs: CostModel, n: int, reach: list[float], contexts: list[int] | None = None):
         self.costs, self.n, self.reach = costs, n, reach
         self.rows = [0] * len(reach)  # sequences whose model draft reaches each position
         self.forwards = [0.0] * len(reach)  # the expected seconds of the draft forward at each position
         self.tokens = float(n)  # expected rows of the verify call
+        self.keys = float(sum(contexts or ()))  # expected cached keys its rows read: a row per sequence so far
 
-    def grow(self, length: int, by_lookup: bool) -> None:
-        """One sequence's draft grows to `length` tokens (from prompt lookup: no draft forward)."""
+    def grow(self, length: int, by_lookup: bool, context: int = 0) -> None:
+        """One sequence's draft grows to `length` tokens (from prompt lookup: no draft forward); it has
+        `context` tokens cached."""
         if by_lookup:
             self.tokens += 1
+            self.keys += context
             return
         j = length - 1
         self.rows[j] += 1
         self.forwards[j] = self.costs._expected_draft_forward(self.rows[j], self.reach[j])
         self.tokens += self.reach[j]
+        self.keys += self.reach[j] * context
 
     @property
     def seconds(self) -> float:
-        return sum(self.forwards) + self.costs.target(self.n, self.tokens)
+        return sum(self.forwards) + self.costs.target(self.n, self.tokens, self.keys)

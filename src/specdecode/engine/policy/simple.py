@@ -11,7 +11,7 @@ class FixedPolicy(Policy):
 
     name = "fixed"
 
-    def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
+    def decide(self, request_ids, catch_up, remaining, lookups, drafter, contexts=None) -> DraftDecision:
         return DraftDecision.main_proposer([self.k_max] * len(request_ids))
 
 
@@ -26,7 +26,7 @@ class DisableByBatchSize(Policy):
         super().__init__(k_max)
         self.max_batch_for_speculation = max_batch_for_speculation
 
-    def decide(self, request_ids, catch_up, remaining, lookups, drafter) -> DraftDecision:
+    def decide(self, request_ids, catch_up, remaining, lookups, drafter, contexts=None) -> DraftDecision:
         n = len(request_ids)
         return DraftDecision.main_proposer([self.k_max if n <= self.max_batch_for_speculation else 0] * n)
 
