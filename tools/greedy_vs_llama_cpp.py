@@ -28,9 +28,9 @@ from specdecode.models.sources import resolve
 def llama_cpp_greedy(
     bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, server_args: list[str], port: int = 8097
 ) -> list[list[int]]:
-    command = [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048"]
     server = subprocess.Popen(
-        [*command, "--log-disable", *server_args],
+        [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048", "--log-disable"]
+        + server_args,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

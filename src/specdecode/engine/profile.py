@@ -84,10 +84,10 @@ def profile_attention_cost(engine, repeats: int = 5) -> float:
     """Record in the engine's policy what the target's attention costs per row and cached key: a decode step
     after LONG_CONTEXT cached tokens against one after SHORT_CONTEXT (the difference is the attention over
     the keys between; the weights cost the same). A verify's rows cost by the keys they read, so costs
-    learned at one context length price another with it. Returns the seconds it took (0 where the context
-    is too short for the difference to be measured)."""
+    learned at one context length price another with it. Returns the seconds it took (0 where nothing will
+    be verified, k = 0, or the context is too short for the difference to be measured)."""
     long = min(LONG_CONTEXT, engine.max_model_len - 2)
-    if long < 8 * SHORT_CONTEXT:
+    if engine.k == 0 or long < 8 * SHORT_CONTEXT:
         return 0.0
     started = time.perf_counter()
     model = engine.runner.model
