@@ -2,16 +2,20 @@
 prefill rate (the tokens computed, past any prefix an earlier length left cached), decode rate against what the
 bytes a step reads allow (weights + the KV cache at the read bandwidth measured just after its decoding), and memory
 the process holds. With `--vs-llama-cpp`, llama.cpp's prefill of the first length (`llama-bench -p N`) on the
-same file and threads, in the same run. With `--draft`, each length runs with that drafter (the default adaptive
-policy) and then plain (the policy swapped for k = 0, the prompt found cached), and prints the drafter's speedup.
+same file and threads, in the same run. With `--draft`, each length's prompt is prefilled once, then decoded
+`--rounds` times with that drafter (the default adaptive policy) and plain (the policy swapped for k = 0) in turn,
+the prompt found cached; the median time per token of each gives the drafter's speedup. Alternating matters: the
+first steps after a long prefill run slower (the host's caches and pages), and whichever mode ran there would lose.
 
-    python tools/long_context.py --lengths 16384 32000 1024 [--max-tokens 32] [--vs-llama-cpp BIN] [--draft NAME]
+    python tools/long_context.py --lengths 16384 32000 1024 [--max-tokens 32] [--rounds 3] [--vs-llama-cpp BIN]
+        [--draft NAME]
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -53,6 +57,32 @@ def decode(llm: LLM, ids: list[int], max_tokens: int) -> dict:
     return {**out[0].spec, "token_ids": out[0].outputs[0].token_ids}
 
 
+def decode_in_turn(llm: LLM, ids: list[int], max_tokens: int, rounds: int) -> tuple[list[dict], list[dict]]:
+    """The drafter's runs and plain runs, alternating, so neither always meets the host just after the prefill."""
+    drafted, plain = [], []
+    for _ in range(rounds):
+        drafted.append(decode(llm, ids, max_tokens))
+        with plain_decoding(llm):
+            plain.append(decode(llm, ids, max_tokens))
+    return drafted, plain
+
+
+def median_tpot(runs: list[dict]) -> float:
+    return statistics.median(run["tpot_s"] for run in runs)
+
+
+def print_drafter(name: str, drafted: list[dict], plain: list[dict]) -> None:
+    rates = " ".join(f"{1 / run['tpot_s']:.2f}/{1 / p['tpot_s']:.2f}" for run, p in zip(drafted, plain))
+    taus = " ".join(f"{run['mean_accepted_length'] or 1:.2f}" for run in drafted)
+    steps = " ".join(f"{run['num_spec_steps']}/{run['num_steps']}" for run in drafted)
+    same = all(run["token_ids"] == plain[0]["token_ids"] for run in drafted + plain)
+    print(
+        f"  {name}: {1 / median_tpot(drafted):.2f} tok/s: {median_tpot(plain) / median_tpot(drafted):.2f}× plain "
+        f"(medians; tok/s drafter/plain per round {rates}; τ {taus}; steps drafted {steps}); the same tokens: {same}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -60,6 +90,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--vs-llama-cpp", metavar="BIN", help="llama.cpp's tools folder (build-llama-cpp.sh's)")
     parser.add_argument("--draft", help="also decode with this drafter (e.g. head:qwen2.5-coder-1.5b)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --draft: decodes of each mode, in turn")
     args = parser.parse_args()
     drafter = {"speculative_model": args.draft} if args.draft else {"num_speculative_tokens": 0}
     llm = LLM(model=args.model, progress=False, **drafter)  # every other option at its default
@@ -77,14 +108,10 @@ def main() -> None:
         spec = decode(llm, ids[:length], args.max_tokens)
         computed = length - spec["num_cached_prompt_tokens"]
         first_prefill = first_prefill or computed / spec["ttft_s"]
-        if args.draft:
-            with plain_decoding(llm):
-                plain = decode(llm, ids[:length], args.max_tokens)
-        else:
-            plain = spec
+        drafted, plain = decode_in_turn(llm, ids[:length], args.max_tokens, args.rounds) if args.draft else ([], [spec])
         step_bytes = plan.target_weight_bytes + target_kv_bytes * length
         beside = read_bandwidth()  # the host's rate drifts over a long prefill: the one beside the decoding counts
-        allowed, plain_rate = beside / step_bytes, 1 / plain["tpot_s"]
+        allowed, plain_rate = beside / step_bytes, 1 / median_tpot(plain)
         print(
             f"{length} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({computed / spec['ttft_s']:.0f} tok/s); "
             f"plain decoding {plain_rate:.2f} tok/s, the bytes allow {allowed:.2f} ({step_bytes / 2**30:.2f} GiB a "
@@ -94,12 +121,7 @@ def main() -> None:
             flush=True,
         )
         if args.draft:
-            print(
-                f"  {args.draft}: {1 / spec['tpot_s']:.2f} tok/s (τ {spec['mean_accepted_length'] or 1:.2f}): "
-                f"{plain['tpot_s'] / spec['tpot_s']:.2f}× plain; the same tokens: "
-                f"{plain['token_ids'] == spec['token_ids']}",
-                flush=True,
-            )
+            print_drafter(args.draft, drafted, plain)
     if args.vs_llama_cpp:
         theirs = llama_prefill(args.vs_llama_cpp, resolve(args.model).path, args.lengths[0])
         print(f"llama.cpp llama-bench -p {args.lengths[0]}: {theirs:.0f} tok/s; ours {first_prefill / theirs:.2f}×")
