@@ -58,7 +58,7 @@ bench: setup
 # random inputs and samples change with SPECDECODE_TEST_SEED, so a flaky threshold shows here.
 CHI2_TESTS := tests/test_rejection_sampler.py tests/test_backends.py::test_sampling_from_backend_distributions_is_lossless \
 	tests/test_draft_confidence.py tests/test_draft_head.py tests/test_logits_processors.py tests/test_structured_output.py \
-	tests/test_suffix.py
+	tests/test_suffix.py tests/test_families.py
 chi2-seeds: setup
 	for seed in $$(seq 0 19); do SPECDECODE_TEST_SEED=$$seed $(PY) -m pytest -q \
 		-k "follow or lossless or fails_the_distribution or detected or accepts_everything" $(CHI2_TESTS) || exit 1; done

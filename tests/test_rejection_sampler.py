@@ -146,3 +146,59 @@ def test_one_argmax_for_the_call_verifies_as_each_sequence_alone():
     assert [r.tokens for r, _ in together] == [r.tokens for r, _ in alone]
     assert [r.num_accepted for r, _ in together] == [r.num_accepted for r, _ in alone]
     assert together[0][0].num_accepted == [1] and together[2][0].num_accepted == [2]  # matches, then a miss
+
+
+def _together_and_alone(trial: int):
+    """Sampled sequences of two distribution settings (one-hot and real draft q, a penalty, logprobs, no
+    drafts at all), each seeded, verified in one batch and one at a time."""
+    from specdecode.engine.sequence import Sequence
+    from specdecode.sampling import SamplingParams
+    from specdecode.verify.verifier import verify_batch, verify_drafts
+
+    gen = seeded(500 + trial)
+    kinds = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.8, seed=2),
+        SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.5, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=5, seed=4),
+        SamplingParams(temperature=1.0, top_k=5, seed=5),
+        SamplingParams(temperature=0.8, seed=6),
+    ]
+    counts = [2, 3, 2, 1, 3, 0]
+    logits = torch.randn(sum(counts) + len(counts), V, generator=gen) * 2
+    qs = [torch.stack([_random_dist(gen) for _ in range(n)]) if i in (1, 4) else None for i, n in enumerate(counts)]
+    drafts, row = [], 0
+    for n, q in zip(counts, qs):  # mostly the target's likely tokens, so some steps accept every draft
+        likely = logits[row : row + n].argmax(-1) if q is None else torch.multinomial(q, 1, generator=gen)[:, 0]
+        drafts.append(likely.tolist())
+        row += n + 1
+
+    def fresh():
+        return [Sequence([1, 2, 3], params, torch.Generator().manual_seed(params.seed + trial)) for params in kinds]
+
+    together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[])
+    alone, row = [], 0
+    for seq, tokens, q in zip(fresh(), drafts, qs):
+        alone.append(verify_drafts(seq, tokens, q, logits[row : row + len(tokens) + 1], eos_ids=[]))
+        row += len(tokens) + 1
+    return together, alone, counts
+
+
+def _differences(trials: int) -> tuple[int, list[int]]:
+    """Trials where the batch's results differ from each sequence's own, and each sequence's accepted counts."""
+    differ, accepted = 0, []
+    for trial in range(trials):
+        together, alone, counts = _together_and_alone(trial)
+        differ += [(r.tokens, r.num_accepted, lp) for r, lp in together] != [
+            (r.tokens, r.num_accepted, lp) for r, lp in alone
+        ]
+        accepted += [r.num_accepted[0] - n for (r, _), n in zip(together, counts)]
+    return differ, accepted
+
+
+def test_sampled_sequences_verified_together_draw_as_each_alone():
+    """Each seeded sequence's tokens, accepted counts and logprobs are those it gets verified alone, whatever
+    shares its batch."""
+    differ, shortfalls = _differences(trials=30)
+    assert differ == 0
+    assert 0 in shortfalls and any(s < 0 for s in shortfalls)  # every draft accepted, and rejections

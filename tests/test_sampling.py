@@ -1,8 +1,12 @@
 """Temperature / top-k / top-p: the processed distribution that both target and draft use."""
 
+import pytest
 import torch
+from scipy.stats import chisquare
+from stats import PASS_P, seeded
 
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams, logits_to_probs, sample_rows
+from specdecode.sampling.probs import NUCLEUS_CANDIDATES
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -32,3 +36,51 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
 
 def test_top_p_one_and_top_k_off_leave_distribution_unchanged():
     torch.testing.assert_close(logits_to_probs(LOGITS, SamplingParams(top_p=1.0, top_k=-1)), LOGITS.softmax(-1))
+
+
+def _top_p_by_sorting(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, on whole sorted rows: a token is dropped when the tokens ranked above it reach top_p."""
+    ranked, order = probs.sort(-1, descending=True)
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, (ranked.cumsum(-1) - ranked) >= top_p)
+    kept = probs.masked_fill(drop, 0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_over_a_large_vocabulary_keeps_what_sorting_every_row_keeps(top_p):
+    """Peaked rows (their nucleus among the first-ranked candidates) and flat ones (wider than the candidates)."""
+    gen = seeded(31)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    logits = torch.randn(12, vocab, generator=gen) * torch.tensor([8.0] * 6 + [0.5] * 6)[:, None]
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    got, expected = logits_to_probs(logits, params), _top_p_by_sorting(logits.softmax(-1), top_p)
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected)
+    assert (expected[6:] > 0).sum(-1).min() > NUCLEUS_CANDIDATES  # the flat rows needed more than the candidates
+
+
+def _draws_follow(sampler, probs: torch.Tensor, n: int = 200_000) -> float:
+    """Chi-square p-value of n draws from one unnormalised row; fails outright on a zero-probability token."""
+    tokens = sampler(probs.expand(n, -1), seeded(7))
+    counts = torch.bincount(tokens, minlength=probs.shape[-1]).double()
+    assert counts[probs == 0].sum() == 0, "drew a token of probability 0"
+    keep = probs > 0
+    return chisquare(counts[keep].numpy(), (probs[keep].double() / probs.sum() * n).numpy()).pvalue
+
+
+# unnormalised, as a rejection's residual max(0, p - q) is, with zeros inside and at both ends
+RESIDUAL = torch.tensor([0.0, 0.05, 0.0, 0.12, 0.003, 0.0, 0.09, 0.04, 0.0])
+
+
+def test_drawn_tokens_follow_an_unnormalised_row():
+    assert _draws_follow(sample_rows, RESIDUAL) > PASS_P
+
+
+def test_a_draw_that_ignores_the_row_s_total_is_caught():
+    def broken(probs, generator):
+        cdf = probs.double().cumsum(-1)
+        u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+        return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+    with pytest.raises(AssertionError, match="probability 0"):
+        _draws_follow(broken, RESIDUAL)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import sample_rows
+
 Generators = torch.Generator | list[torch.Generator | None] | None
 
 
@@ -107,5 +109,5 @@ def _uniform(shape, generators: Generators, device) -> torch.Tensor:
 def _sample_rows(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
     """One token per row of an (unnormalised) probability matrix [B, V]."""
     if isinstance(generators, list):
-        return torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in zip(probs, generators)])
-    return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
+        return torch.cat([sample_rows(row[None], g) for row, g in zip(probs, generators)])
+    return sample_rows(probs, generators)
