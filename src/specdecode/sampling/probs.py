@@ -33,8 +33,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-# Tokens ranked first by topk before sorting a whole row: a full sort of a 152k vocabulary costs ~8 ms a row on
-# a CPU core, the 256 largest well under one; rows whose nucleus is wider are sorted whole.
+# Tokens ranked by topk before any whole-row sort: on a CPU, sorting a 152k vocabulary costs tens of times what
+# ranking its first 256 does (docs/decisions.md#the-sampling-api-under-speculation).
 NUCLEUS_CANDIDATES = 256
 
 
@@ -71,9 +71,9 @@ def sample_token(
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of (unnormalised) probabilities [R, V], by inverting each row's cumulative sum at a
-    uniform draw: one pass over the row, where torch.multinomial draws a random number per token (~4 ms a
-    152k row on a CPU core). Accumulated in float64, so rounding moves no measurable mass; a zero-probability
-    token spans an empty interval and is never drawn."""
+    uniform draw: one pass over the row, where torch.multinomial draws a random number per token. Accumulated
+    in float64, so rounding moves no measurable mass; a zero-probability token spans an empty interval and is
+    never drawn."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
