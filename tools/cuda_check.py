@@ -23,6 +23,7 @@ import traceback
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.results import median_seconds
 from specdecode.config import ModelConfig
 from specdecode.engine.memory import kv_bytes_per_token
 from specdecode.executor import runner as runner_module
@@ -106,16 +107,6 @@ def random_model(role: str, seed: int) -> LoadedModel:
     for p in model.parameters():
         p.requires_grad_(False)
     return LoadedModel(f"random-{role}", model.eval(), NumberTokenizer(VOCAB), cfg)
-
-
-def median_seconds(fn, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = now()
-        fn()
-        times.append(now() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth() -> float:

@@ -71,6 +71,20 @@ def read_bandwidth(gib: int = 2, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def median_seconds(fn, repeats: int = 30) -> float:
+    """The median wall time of `repeats` calls of fn after one warm-up call, each timed after the accelerator
+    (if any) finishes its queued work."""
+    from ..metrics import now
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = now()
+        fn()
+        times.append(now() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def describe_machine(info: dict) -> str:
     """machine_info in one line, for a benchmark's printed header."""
     return (
