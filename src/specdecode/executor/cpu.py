@@ -18,6 +18,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def cpu_has_native_bf16() -> bool:
     try:
         mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -69,11 +69,6 @@ typedef __m512 vec;
 // Vectors of dimensions weighed a pass for h query heads: the one or two heads left over (7 = 6 + 1) take
 // 4, so that their chains of FMAs cover more of the FMA latency than 2 would
 #define WEIGH_VECS(h) ((h) <= 2 ? 4 : 2)
-// Where a core spends longer on each key (AVX2), keys asked for 16 ahead and values 32 ahead, a line at a time
-// among the loads in use, kept the stream fullest on the AVX2 CPUs measured (decisions.md#avx2-attention).
-#define KEYS_AHEAD 16
-#define VALUES_AHEAD 32
-#define SPREAD_AHEAD 1
 typedef __m256 vec;
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
@@ -92,10 +87,18 @@ typedef __m256 vec;
 #else
 #define HEADS 4
 #endif
-#ifndef KEYS_AHEAD  // the AVX-512 and scalar builds: the distances and bursts measured on the Xeon
-#define KEYS_AHEAD 64    // keys prefetched into L1 this far ahead of the ones in use
-#define VALUES_AHEAD 64  // values, the same
-#define SPREAD_AHEAD 0   // a block's prefetches at once, before its arithmetic
+// How the cache is asked for ahead of its use. Keys 16 ahead and values 32 ahead, a line at a time among the loads
+// in use, kept the stream fullest on the AMD cores measured (AVX2 and AVX-512); on Intel's AVX-512 Xeon a block's
+// lines at once, 64 ahead, measured best (the build defines SPECDECODE_PREFETCH_BURST there;
+// decisions.md#avx2-attention). The scalar build asks for a block's lines at once: its loops make no calls between.
+#if defined(ATTENTION_SIMD) && !defined(SPECDECODE_PREFETCH_BURST)
+#define KEYS_AHEAD 16    // keys prefetched into L1 this far ahead of the ones in use
+#define VALUES_AHEAD 32  // values, the same
+#define SPREAD_AHEAD 1   // a line at each of the block's calls of prefetch_next, spread evenly
+#else
+#define KEYS_AHEAD 64
+#define VALUES_AHEAD 64
+#define SPREAD_AHEAD 0  // a block's prefetches at once, before its arithmetic
 #endif
 #define KEY_VECS (KEYS / WIDTH)
 
