@@ -718,3 +718,33 @@ def test_stdlib_completion_prompts_end_after_a_docstring():
     assert len(prompts) == 20 and len(set(prompts)) == 20
     for p in prompts:
         assert p.lstrip().startswith("def ") and p.rstrip().endswith(('"""', "'''")), p
+
+
+def test_a_head_holds_no_copy_of_its_targets_weights():
+    """The head copies its target's rotary tables; once the target's tensors are views into one arena of all its
+    weights (huge pages), a deep copy of such a view would bring the whole arena along."""
+    target = tiny_model(seed=3)
+    weights = torch.zeros(1 << 22)  # 16 MB: the arena the target's tensors view
+    at = 0
+    for name, t in list(target.model.rotary.named_buffers()):
+        view = weights[at : at + t.numel()].view(t.shape)
+        view.copy_(t)
+        target.model.rotary._buffers[name] = view
+        at += t.numel()
+    spec = HeadSpec(target.name, target_fingerprint(target.model), 48, target.config.vocab_size)
+    head = build_head(spec, None, target.model, torch.arange(target.config.vocab_size))
+    for name, t in head.rotary.named_buffers():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+        assert torch.equal(t, target.model.rotary.get_buffer(name))
+
+
+def test_a_head_moves_to_huge_pages_only_what_it_owns():
+    """What the head shares with its target (the final norm) views the target's arena of weights; the head's own
+    move must leave it there, and take everything else it holds."""
+    target = tiny_model(seed=3)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), 48, target.config.vocab_size)
+    head = build_head(spec, None, target.model, torch.arange(target.config.vocab_size))
+    own = head.own_modules()
+    storages = lambda module: {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}  # noqa: E731
+    assert not storages(own) & storages(target.model)
+    assert storages(head) - storages(target.model) == storages(own)

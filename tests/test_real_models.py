@@ -54,23 +54,36 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_qwen_pair_greedy_speculative_equals_plain(qwen_target, qwen_draft, prompts):
-    params = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(target=qwen_target, num_speculative_tokens=0)
+GREEDY = SamplingParams(temperature=0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def plain_ids(qwen_target):
+    """Plain greedy decoding's tokens for a prompt on this backend, decoded once for every test that compares
+    speculation with it (greedy decoding gives one answer; decoding it again per test only cost time)."""
+    llm, decoded = LLM(target=qwen_target, num_speculative_tokens=0), {}
+
+    def ids(prompt: str) -> list[int]:
+        if prompt not in decoded:
+            decoded[prompt] = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+        return decoded[prompt]
+
+    return ids
+
+
+def test_qwen_pair_greedy_speculative_equals_plain(qwen_target, qwen_draft, prompts, plain_ids):
     spec = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=4)
-    spec_outs = [spec.generate(p, params)[0] for p in prompts]
-    assert _ids(spec_outs) == _ids([plain.generate(p, params)[0] for p in prompts])
+    spec_outs = [spec.generate(p, GREEDY)[0] for p in prompts]
+    assert _ids(spec_outs) == [plain_ids(p) for p in prompts]
     drafted = sum(o.spec["num_draft_tokens"] for o in spec_outs)
     accepted = sum(o.spec["num_accepted_tokens"] for o in spec_outs)
     assert drafted > 0 and accepted / drafted > 0.5  # the 0.5B draft agrees with the 1.5B target most of the time
 
 
-def test_the_shipped_draft_head_is_lossless_and_drafts_what_the_target_says(qwen_target, prompts):
+def test_the_shipped_draft_head_is_lossless_and_drafts_what_the_target_says(qwen_target, prompts, plain_ids):
     """The head bundled for the 1.5B (trained by `specdecode distill`) loads for the bundled target on
     this backend, keeps greedy output equal to plain decoding, and its drafts are accepted far above
     what an untrained head gets (a few percent) on prompts of another source than its training text."""
-    params = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(target=qwen_target, num_speculative_tokens=0)
     head = LLM(
         target=qwen_target,
         speculative_model="head:qwen2.5-coder-1.5b",
@@ -78,21 +91,19 @@ def test_the_shipped_draft_head_is_lossless_and_drafts_what_the_target_says(qwen
         speculation_policy="fixed",
         draft_confidence=0.0,
     )
-    outs = [head.generate(p, params)[0] for p in prompts]
-    assert _ids(outs) == _ids([plain.generate(p, params)[0] for p in prompts])
+    outs = [head.generate(p, GREEDY)[0] for p in prompts]
+    assert _ids(outs) == [plain_ids(p) for p in prompts]
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
     assert sum(o.spec["num_accepted_tokens"] for o in outs) / drafted > 0.15
     follow = prompts[-1] + outs[-1].outputs[0].text + "\n\n"  # a next turn starts from the last one's context
-    again = head.generate(follow, params)[0]
+    again = head.generate(follow, GREEDY)[0]
     assert again.metrics.num_cached_prompt_tokens > len(outs[-1].prompt_token_ids)
-    assert _ids([again]) == _ids(plain.generate(follow, params)) and again.spec["num_accepted_tokens"] > 0
+    assert _ids([again]) == [plain_ids(follow)] and again.spec["num_accepted_tokens"] > 0
 
 
-def test_qwen_ngram_greedy_equals_plain(qwen_target, prompts):
-    params = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(target=qwen_target, num_speculative_tokens=0).generate(prompts[0], params)
-    ngram = LLM(target=qwen_target, speculative_model="ngram", num_speculative_tokens=3).generate(prompts[0], params)
-    assert _ids(ngram) == _ids(plain)
+def test_qwen_ngram_greedy_equals_plain(qwen_target, prompts, plain_ids):
+    ngram = LLM(target=qwen_target, speculative_model="ngram", num_speculative_tokens=3).generate(prompts[0], GREEDY)
+    assert _ids(ngram) == [plain_ids(prompts[0])]
 
 
 def test_qwen_chat_sampling_is_seeded(qwen_target, qwen_draft):

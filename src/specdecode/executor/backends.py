@@ -292,5 +292,5 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
     attach_elementwise_kernels(head)
     for p in head.parameters():
         p.requires_grad_(False)
-    move_to_huge_pages(head)
+    move_to_huge_pages(head.own_modules())
     return head.eval()

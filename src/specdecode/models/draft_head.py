@@ -82,12 +82,15 @@ class DraftHead(nn.Module):
         self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.fc = Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
-        self.rotary = copy.deepcopy(target.rotary)  # the target's global frequencies, scaled as its are
+        # the target's global frequencies, scaled as its are; its tensors cloned first, as a deep copy of a view
+        # copies the whole storage it views (the target's arena of weights)
+        self.rotary = copy.deepcopy(target.rotary, {id(t): t.clone() for t in target.rotary.buffers()})
         self.vocab_ids = vocab_ids
         self.norm = target.norm  # the target's final norm (not saved: see OWNED)
         # the target's embedding, not registered: neither saved nor counted as the head's memory
         self._shared = {"embed": target.embed_tokens}
-        self.lm_head = target.lm_head.select_rows(vocab_ids) if target.vocab_ids is None else target.lm_head
+        self.owns_lm_head = target.vocab_ids is None  # else the target's rows are the head's too
+        self.lm_head = target.lm_head.select_rows(vocab_ids) if self.owns_lm_head else target.lm_head
         self.kv_cache_dtype: torch.dtype | None = None  # as Transformer's
 
     @property
@@ -109,6 +112,13 @@ class DraftHead(nn.Module):
         the embedding are the target's)."""
         modules = [self.get_submodule(name) for name in self.OWNED] + [self.lm_head]
         return tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
+
+    def own_modules(self) -> nn.ModuleList:
+        """The modules the head holds of its own: the stored ones, its rotary tables and its LM head's rows where
+        it selected them (what it shares is in its target's memory, on huge pages already: moving it again would
+        copy the target's whole arena, which those tensors view)."""
+        own = [self.get_submodule(name) for name in self.OWNED] + [self.rotary]
+        return nn.ModuleList(own + [self.lm_head] if self.owns_lm_head else own)
 
     def forward(
         self,
