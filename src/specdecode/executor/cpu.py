@@ -8,25 +8,25 @@ import functools
 import torch
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The value of the first /proc/cpuinfo line naming `field` ("" where there is none, or no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith(field)), "")
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    return line.partition(":")[2].strip()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
+    """vendor_id: GenuineIntel, AuthenticAMD, or ""."""
+    return _cpuinfo("vendor_id")
 
 
 def cpu_has_native_bf16() -> bool:
