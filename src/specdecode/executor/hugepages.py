@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import mmap
 import os
 
 import torch
@@ -55,12 +56,15 @@ def _collapse(tensor: torch.Tensor) -> None:
 
 def huge_page_empty(nbytes: int) -> tuple[torch.Tensor, bool]:
     """An uninitialised uint8 CPU tensor of `nbytes`, and whether its pages will be huge: from 2 MB on it
-    starts on a 2 MB boundary and its pages are asked to be huge before first touch (smaller ones, or with
-    huge pages turned off, are a plain allocation)."""
+    starts on a 2 MB boundary of a mapping of its own, whose pages are asked to be huge before first touch (smaller
+    ones, or with huge pages turned off, are a plain allocation). A mapping of its own, not the allocator's memory:
+    that may reuse pages already touched, which stay small unless the kernel finds 2 MB free to collapse them into."""
     madvise = _madvise() if os.environ.get(ENV, "1") != "0" else None
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8), False
-    padded = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # the tensor holds the mapping (torch.frombuffer keeps its buffer), which is unmapped when the last view goes
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    padded = torch.frombuffer(region, dtype=torch.uint8)
     skip = -padded.data_ptr() % HUGE_PAGE
     tensor = padded[skip : skip + nbytes]
     return tensor, madvise(tensor.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) == 0
