@@ -395,6 +395,34 @@ def test_a_new_request_drafts_again_after_one_unlucky_probe():
     assert p.estimator.first_token_acceptance("new") == p.estimator.population_acceptance
 
 
+def _steps_until_deeper_drafts(p: AdaptivePolicy, steps: int) -> int | None:
+    """Decode `steps` steps on which every allowed draft token is accepted (a verify row costs 0.3 of a plain
+    step, a draft forward 0.05); the first step allowed more than one token, or None."""
+    for step in range(steps):
+        k = _choose(p, 1)[0]
+        if k > 1:
+            return step
+        p.observe_acceptance("0", k, k, allowed=k)
+        p.observe_step([k], 1.0 + 0.3 * k, 0.05 if k else None, 1.0 + 0.35 * k)
+    return None
+
+
+def test_a_deeper_position_priced_low_by_early_misses_is_tried_again():
+    """A few early misses at position 2 price it low; where a verify row is dear (a long context) the policy then
+    allows one token only, which never tries position 2 again: its evidence must fade towards the prior while
+    untried, or the early misses decide for good (the 1.5B's head at 16k tokens: allowed 1 token a step,
+    0.90x the rate of a fixed k = 3 under the head's confidence stop). Without the fade, it stays at 1."""
+    for fades in (True, False):
+        p = _measured([0.8], 0.05, k_max=3, verify_growth=0.3)
+        for _ in range(5):  # the second token drafted and rejected
+            p.observe_acceptance("0", 2, 1, allowed=2)
+        assert _choose(p, 1) == [1]
+        if not fades:
+            p.estimator.end_step = lambda: None
+        step = _steps_until_deeper_drafts(p, 300)
+        assert (step is not None) == fades and (step is None or step > 20)  # not at once either
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_the_pooled_evidence_fades_per_step_whatever_the_batch_size(batch):
     """Steps in which nobody drafts fade the pooled first-position evidence by the same amount at batch 8

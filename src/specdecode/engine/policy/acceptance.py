@@ -77,6 +77,7 @@ class AcceptanceEstimator:
     reach: dict[int, tuple[float, float]] = field(default_factory=dict)
     lookup_acceptance: LookupAcceptance = field(default_factory=LookupAcceptance)
     _evidence: dict[str, tuple[float, float]] = field(default_factory=dict)  # discounted (accepted, trials)
+    _tried: set[int] = field(default_factory=set)  # deeper positions tried in the current step (see end_step)
 
     def conditional_acceptance(self, position: int) -> float:
         """P(draft token `position` is drafted and accepted | the one before it was), pooled over all
@@ -123,6 +124,7 @@ class AcceptanceEstimator:
                 self.reach[position] = discounted_update(
                     self.reach.get(position, (0.0, 0.0)), drafted >= position, keep
                 )
+            self._tried.update(range(2, allowed + 1))
         else:  # drift back towards the prior
             (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
             r = self.acceptance_recovery
@@ -146,6 +148,19 @@ class AcceptanceEstimator:
             accepted, tried = self.depth[1]
             keep = 1 - self.acceptance_recovery
             self.depth[1] = accepted * keep, tried * keep
+
+    def end_step(self) -> None:
+        """Called once per step: the acceptance of deeper positions no sequence was allowed to draft in it fades
+        towards the prior by acceptance_recovery, as the first position's does while nobody drafts. Else a few early
+        misses at a position price it low for good: where a verify row is dear (a long context) the policy then never
+        allows it, and so never measures it again. How far drafts reach does not fade: a stale low reach only makes
+        drafts look cheap, which gets them allowed and so measured
+        (docs/decisions.md#adaptive-policy-acceptance-estimates)."""
+        keep = 1 - self.acceptance_recovery
+        for position, (hits, tried) in self.depth.items():
+            if position > 1 and position not in self._tried:
+                self.depth[position] = hits * keep, tried * keep
+        self._tried.clear()
 
     def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
         """A step drafted by prompt lookup: its outcome says how good lookups of that match length are,

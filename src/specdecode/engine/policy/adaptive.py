@@ -255,6 +255,7 @@ class AdaptivePolicy(Policy):
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
         if not drafting:
             self.estimator.fade_population_evidence()
+        self.estimator.end_step()
         if draft_seconds_per_forward is not None and drafting:
             self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
