@@ -79,12 +79,19 @@ def test_errors_and_api_key_as_in_one_engine(cluster):
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
 
 
+def _replica(client: openai.OpenAI, **request) -> str:
+    return client.completions.create(model="tiny", prompt="s", max_tokens=2, **request).usage.model_extra["replica"]
+
+
 def test_a_session_stays_on_one_replica_and_sessions_spread(cluster):
+    """Sessions spread only over the replicas the router knows: requests without one (to the less loaded of two)
+    first show that it routes to both. 16 sessions all ranked to one of two replicas: a chance of 2^-15."""
     _, client, _ = cluster
+    seen: set[str] = set()
+    wait_until(lambda: seen.add(_replica(client)) or len(seen) == 2, "requests reach both replicas")
     placed: dict[str, set] = {}
-    for session in [f"user-{i}" for i in range(10)] * 3:
-        r = client.completions.create(model="tiny", prompt="s", max_tokens=2, user=session)
-        placed.setdefault(session, set()).add(r.usage.model_extra["replica"])
+    for session in [f"user-{i}" for i in range(16)] * 3:
+        placed.setdefault(session, set()).add(_replica(client, user=session))
     assert all(len(replicas) == 1 for replicas in placed.values())
     assert len(set().union(*placed.values())) == 2
 
