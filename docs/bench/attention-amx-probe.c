@@ -128,9 +128,14 @@ typedef struct {
     float *S, *O;
 } work_t;
 
+// Where key or value j of kv head h starts in a cache of blocks placed by `table` (float16 or bf16 tiles alike).
+static inline size_t cache_row(const int32_t *table, int h, int j) {
+    return (((size_t)table[j / BLK] * HKV + h) * BLK + j % BLK) * D;
+}
+
 // One kv head: `tokens` tokens at positions n - tokens .. n - 1, G heads each: q [tokens][G][D] (float32), out rows
 // as the engine's (token i, head g at out + i * H * D + g * D). mode 0: bf16 from f16; 1: bf16 tiles laid out
-// beforehand; 2: split hi + lo from f16 (3 products).
+// beforehand in blocks placed as the float16 cache's; 2: split hi + lo from f16 (3 products).
 static void amx_head(const float *q, int tokens, int n, const half *kc, const half *vc, const int32_t *table, int h,
                      int mode, const uint16_t *kpre, const uint16_t *vpre, float scale, work_t *w, float *out) {
     const int R = tokens * G, groups = (R + 15) / 16, split = mode == 2;
@@ -142,14 +147,15 @@ static void amx_head(const float *q, int tokens, int n, const half *kc, const ha
     amx_config();
     for (int j0 = 0; j0 < n; j0 += KB) {
         const uint16_t *k = w->kb, *kl = w->kl;
-        if (mode == 1) k = kpre + (size_t)j0 * D;
-        else convert_keys(kc, table, h, j0, w->kb, split ? w->kl : NULL);
+        if (mode != 1) convert_keys(kc, table, h, j0, w->kb, split ? w->kl : NULL);
         for (int t = 0; t < KB / 16 && j0 + t * 16 < n; t++)
             for (int g = 0; g < groups; g++) {
+                const size_t at = (size_t)t * (D / 2) * 32;
+                const uint16_t *kt = mode == 1 ? kpre + cache_row(table, h, j0 + t * 16) : k + at;
                 _tile_zero(0);
                 for (int c = 0; c < D / 32; c++)
-                    TDP3(0, w->qh + (size_t)g * 16 * D + c * 32, w->ql + (size_t)g * 16 * D + c * 32,
-                         k + ((size_t)t * (D / 2) + c * 16) * 32, kl + ((size_t)t * (D / 2) + c * 16) * 32, D * 2, 64);
+                    TDP3(0, w->qh + (size_t)g * 16 * D + c * 32, w->ql + (size_t)g * 16 * D + c * 32, kt + c * 16 * 32,
+                         kl + at + c * 16 * 32, D * 2, 64);
                 _tile_stored(0, w->S + (size_t)g * 16 * n + j0 + t * 16, n * 4);
             }
     }
@@ -164,15 +170,17 @@ static void amx_head(const float *q, int tokens, int n, const half *kc, const ha
     memset(w->O, 0, (size_t)groups * 16 * D * 4);
     for (int j0 = 0; j0 < n; j0 += KB) {
         const uint16_t *v = w->vb, *vl = w->vl;
-        if (mode == 1) v = vpre + (size_t)j0 * D;
-        else convert_values(vc, table, h, j0, w->vb, split ? w->vl : NULL);
+        if (mode != 1) convert_values(vc, table, h, j0, w->vb, split ? w->vl : NULL);
         const int chunks = (n - j0 < KB ? n - j0 : KB) / 32;
         for (int g = 0; g < groups; g++)
             for (int s = 0; s < D / 16; s++) {
                 _tile_loadd(0, w->O + (size_t)g * 16 * D + s * 16, D * 4);
-                for (int c = 0; c < chunks; c++)
-                    TDP3(0, w->ph + (size_t)g * 16 * n + j0 + c * 32, w->pl + (size_t)g * 16 * n + j0 + c * 32,
-                         v + (((size_t)c * 8 + s) * 16) * 32, vl + (((size_t)c * 8 + s) * 16) * 32, n * 2, 64);
+                for (int c = 0; c < chunks; c++) {
+                    const size_t at = ((size_t)c * 8 + s) * 16 * 32;
+                    const uint16_t *vt = mode == 1 ? vpre + cache_row(table, h, j0 + c * 32) + s * 16 * 32 : v + at;
+                    TDP3(0, w->ph + (size_t)g * 16 * n + j0 + c * 32, w->pl + (size_t)g * 16 * n + j0 + c * 32, vt,
+                         vl + at, n * 2, 64);
+                }
                 _tile_stored(0, w->O + (size_t)g * 16 * D + s * 16, D * 4);
             }
     }
@@ -189,8 +197,9 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < (size_t)nb * HKV * BLK * D; i++) kc[i] = (half)((rand() / (float)RAND_MAX) - .5f), vc[i] = kc[i];
     int32_t *table = malloc(nb * 4);
     for (int b = 0; b < nb; b++) table[b] = (b * 7919) % nb;  // scattered blocks
-    uint16_t *kpre = aligned_alloc(64, (size_t)HKV * n * D * 2), *vpre = aligned_alloc(64, (size_t)HKV * n * D * 2);
-    memset(kpre, 0, (size_t)HKV * n * D * 2), memset(vpre, 0, (size_t)HKV * n * D * 2);
+    const size_t entries = (size_t)nb * HKV * BLK * D;  // bf16 tiles in the float16 cache's block placement
+    uint16_t *kpre = aligned_alloc(64, entries * 2), *vpre = aligned_alloc(64, entries * 2);
+    memset(kpre, 0, entries * 2), memset(vpre, 0, entries * 2);
     printf("n %d keys, 1 layer (H 12, Hkv 2, D 128), %d threads; ms per layer (x28 for a step), median of %d\n", n,
            omp_get_max_threads(), reps);
     for (int tokens = 1; tokens <= 8; tokens *= 2) {
@@ -223,7 +232,7 @@ int main(int argc, char **argv) {
                     }
                     for (int i = 0; i < N; i++)  // the query heads of kv head h, as the engine reads them (no rope)
                         memcpy(q + (size_t)i * G * D, qkv + (size_t)i * (H + 2 * HKV) * D + h * G * D, G * D * 4);
-                    amx_head(q, N, n, kc, vc, table, h, mode, kpre + (size_t)h * n * D, vpre + (size_t)h * n * D, .088f,
+                    amx_head(q, N, n, kc, vc, table, h, mode, kpre, vpre, .088f,
                              &w, amx_out + h * G * D);
                 }
                 m[mode][r] = now() - t1;
