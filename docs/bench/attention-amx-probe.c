@@ -5,8 +5,9 @@
 // over the same float16 cache converted as it is read; over a cache already laid out as bf16 B tiles; and split
 // (each operand as hi + lo bf16, three products: float32-like error at three times the tile work). Max err: against
 // the engine's kernel on the same random data.
-// cc -O3 -march=native -fopenmp -ffp-contract=off -DSPECDECODE_PREFETCH_BURST -I src/specdecode/executor/kernels \
-//     docs/bench/attention-amx-probe.c -o /tmp/attention-amx-probe -lm && OMP_NUM_THREADS=2 /tmp/attention-amx-probe 16384 15
+// Build and run (the compile line is the engine's flags for this kernel on an Intel AVX-512 host):
+//   cc -O3 -march=native -fopenmp -ffp-contract=off -DSPECDECODE_PREFETCH_BURST -I src/specdecode/executor/kernels docs/bench/attention-amx-probe.c -o /tmp/attention-amx-probe -lm
+//   OMP_NUM_THREADS=2 /tmp/attention-amx-probe 16384 15
 #include "attention.c"
 #include <immintrin.h>
 #include <omp.h>
@@ -21,6 +22,8 @@
 #define D 128
 #define BLK 64
 #define KB 256  // keys converted and consumed per pass
+#define ARCH_REQ_XCOMP_PERM 0x1023  // Linux grants the AMX tile state on request (as lowbit.c asks)
+#define XFEATURE_XTILEDATA 18
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -191,7 +194,7 @@ static void amx_head(const float *q, int tokens, int n, const half *kc, const ha
 
 int main(int argc, char **argv) {
     const int n = argc > 1 ? atoi(argv[1]) : 16384, reps = argc > 2 ? atoi(argv[2]) : 20;
-    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 1;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 1;
     const int nb = n / BLK + 1;
     half *kc = aligned_alloc(64, (size_t)nb * HKV * BLK * D * 2), *vc = aligned_alloc(64, (size_t)nb * HKV * BLK * D * 2);
     for (size_t i = 0; i < (size_t)nb * HKV * BLK * D; i++) kc[i] = (half)((rand() / (float)RAND_MAX) - .5f), vc[i] = kc[i];
@@ -203,7 +206,7 @@ int main(int argc, char **argv) {
     printf("n %d keys, 1 layer (H 12, Hkv 2, D 128), %d threads; ms per layer (x28 for a step), median of %d\n", n,
            omp_get_max_threads(), reps);
     for (int tokens = 1; tokens <= 8; tokens *= 2) {
-        const int N = tokens, R = tokens * G, Rp = (R + 15) / 16 * 16;
+        const int N = tokens, R = tokens * G;
         float *qkv = malloc((size_t)N * (H + 2 * HKV) * D * 4), *cs = malloc((size_t)N * D * 4), *sn = malloc((size_t)N * D * 4),
               *out = malloc((size_t)N * H * D * 4);
         int64_t slots[8] = {0}, pos[8];
