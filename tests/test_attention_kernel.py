@@ -1,17 +1,13 @@
 """The attention kernel (rope + KV write + attention of decode/verify batches in one call per layer):
 the same numbers as the PyTorch path, and each token computed as if it were alone."""
 
-import ctypes
-from importlib import resources
-
 import pytest
 import torch
 from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 from specdecode import LLM, SamplingParams
-from specdecode.executor import kernels
 from specdecode.executor.attention import attach_attention_kernel
-from specdecode.executor.kernels import bind, build, compiler, load, machine_defines
+from specdecode.executor.kernels import load
 from specdecode.executor.runner import ModelRunner
 from specdecode.kv_cache import tiled_keys, untiled_keys
 from specdecode.models.loader import LoadedModel
@@ -263,43 +259,6 @@ def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype,
         _attend_long_context(isa, dtype, shape, **options)[0],
         _attend_long_context("scalar", dtype, shape, **options)[0],
     )
-
-
-def _the_other_prefetching_build():
-    """This machine's own build, asking for the cache ahead the other way than it does here (in bursts on Intel's
-    AVX-512 cores, a line at a time elsewhere), so that every machine runs both."""
-    burst = "-DSPECDECODE_PREFETCH_BURST" in machine_defines("attention", "native")
-    switch = b"#undef SPECDECODE_PREFETCH_BURST\n" if burst else b"#define SPECDECODE_PREFETCH_BURST 1\n"
-    source = switch + resources.files(kernels).joinpath("attention.c").read_bytes()
-    return bind(ctypes.CDLL(build("attention", "native", compiler(), source)), "attention")
-
-
-@pytest.mark.parametrize("options", WINDOWED[:2], ids=["full", "window-37"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_either_way_of_prefetching_gives_the_scalar_bits(dtype, options):
-    other = _the_other_prefetching_build()
-    for shape in SHAPES[:2]:
-        assert torch.equal(
-            _attend_long_context(other, dtype, shape, **options)[0],
-            _attend_long_context("scalar", dtype, shape, **options)[0],
-        )
-
-
-@pytest.mark.parametrize(
-    "vendor, flags, isa, bursts",
-    [
-        ("GenuineIntel", {"avx2", "avx512f"}, "native", True),
-        ("GenuineIntel", {"avx2", "avx512f"}, "avx2", False),
-        ("GenuineIntel", {"avx2"}, "native", False),
-        ("AuthenticAMD", {"avx2", "avx512f"}, "native", False),
-        ("AuthenticAMD", {"avx2", "avx512f"}, "avx512", False),
-    ],
-)
-def test_the_cache_is_asked_for_in_bursts_only_on_intels_avx512_cores(monkeypatch, vendor, flags, isa, bursts):
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
-    assert ("-DSPECDECODE_PREFETCH_BURST" in machine_defines("attention", isa)) == bursts
-    assert machine_defines("norm", isa) == []
 
 
 def test_a_window_the_kernel_ignored_would_fail_the_reference():

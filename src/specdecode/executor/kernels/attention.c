@@ -87,11 +87,10 @@ typedef __m256 vec;
 #else
 #define HEADS 4
 #endif
-// How the cache is asked for ahead of its use. Keys 16 ahead and values 32 ahead, a line at a time among the loads
-// in use, kept the stream fullest on the AMD cores measured (AVX2 and AVX-512); on Intel's AVX-512 Xeon a block's
-// lines at once, 64 ahead, measured best (the build defines SPECDECODE_PREFETCH_BURST there;
-// decisions.md#avx2-attention). The scalar build asks for a block's lines at once: its loops make no calls between.
-#if defined(ATTENTION_SIMD) && !defined(SPECDECODE_PREFETCH_BURST)
+// How the cache is asked for ahead of its use: keys 16 and values 32 ahead, a line at a time among the loads in use,
+// kept the stream fullest on every AVX2 and AVX-512 core measured, AMD's and Intel's (decisions.md#avx2-attention).
+// The scalar build asks for a block's lines at once: its loops make no calls between.
+#ifdef ATTENTION_SIMD
 #define KEYS_AHEAD 16    // keys prefetched into L1 this far ahead of the ones in use
 #define VALUES_AHEAD 32  // values, the same
 #define SPREAD_AHEAD 1   // a line at each of the block's calls of prefetch_next, spread evenly
