@@ -19,8 +19,9 @@
 //
 // Over a long context this streams the cache, so it is read once per kv head: a tile of keys is already laid
 // out with lanes over keys (no dot product ends in a horizontal sum, and nothing to transpose), widened in
-// registers as it is loaded and scored for up to 8 query heads at once; each value likewise is widened in
-// registers and weighed for up to 8 query heads at once. exp is a polynomial that vectorises.
+// registers as it is loaded and scored for up to 16 query heads at once; each value likewise is widened in
+// registers and weighed for up to 8 query heads at once, the heads of every token that sees the whole block of
+// values together. exp is a polynomial that vectorises.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,8 +44,9 @@
 // chain of operations at either width, so the width changes the speed, never the bits.
 #if defined(ATTENTION_SIMD) && defined(__AVX512F__)
 #define WIDTH 16
-#define HEADS 8  // query heads scored together (their accumulators stay in the 32 registers)
-#define WEIGH_HEADS 8  // query heads weighed together (2 accumulators each: 16 of the 32 registers)
+#define HEADS 16  // query heads scored together at most (16 accumulators of the 32 registers)
+#define WEIGH_HEADS 8  // query heads weighed together at most (2 accumulators each: 16 of the 32 registers)
+#define EVEN_PASSES 1  // a group's heads in passes of equal size (see heads_a_pass)
 #define WEIGH_VECS(h) 2  // vectors of dimensions a pass for h heads (see the AVX2 build)
 typedef __m512 vec;
 #define vload _mm512_loadu_ps
@@ -66,6 +68,7 @@ typedef __m512 vec;
 #define HEADS 6  // query heads scored together at most: 12 accumulators, 2 keys' vectors and a broadcast
                  // fill 15 of the 16 registers
 #define WEIGH_HEADS 6  // 12 of the 16 registers
+#define EVEN_PASSES 0
 // Vectors of dimensions weighed a pass for h query heads: the one or two heads left over (7 = 6 + 1) take
 // 4, so that their chains of FMAs cover more of the FMA latency than 2 would
 #define WEIGH_VECS(h) ((h) <= 2 ? 4 : 2)
@@ -86,6 +89,7 @@ typedef __m256 vec;
 #define vshl_i32 _mm256_slli_epi32
 #else
 #define HEADS 4
+#define EVEN_PASSES 0
 #endif
 // How the cache is asked for ahead of its use: keys 16 and values 32 ahead, a line at a time among the loads in use,
 // kept the stream fullest on every AVX2 and AVX-512 core measured, AMD's and Intel's (decisions.md#avx2-attention).
@@ -235,7 +239,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
                                                               ahead_t *ahead) {
 #ifdef ATTENTION_SIMD
     vec acc[HEADS][KEY_VECS];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 2
         for (int v = 0; v < KEY_VECS; v++) acc[g][v] = vzero();
@@ -244,7 +248,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
         vec k[KEY_VECS];
 #pragma GCC unroll 2
         for (int v = 0; v < KEY_VECS; v++) k[v] = load_values(kt, is_half, d * KEYS + v * WIDTH);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int g = 0; g < heads; g++) {
             const vec qd = vset1(q[(size_t)g * D + d]);
 #pragma GCC unroll 2
@@ -252,7 +256,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
         }
     }
     float row[KEYS];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int g = 0; g < heads; g++) {
         float *dst = count == KEYS ? s + g * stride : row;  // a partial block goes through row
 #pragma GCC unroll 2
@@ -276,14 +280,25 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
         else score_block(qg, h, kt, 0, D, count, scale, sg, stride, ahead); \
         break;
 
-// score_block for the G heads of a group, HEADS at a time, except that no pass takes a lone head: its two
-// chains of FMAs would leave the units waiting on their latency (AVX2 takes 7 heads as 5 + 2, not 6 + 1).
-// Each head's scores are the same chains whatever pass computes them.
+// How many of `left` heads the next pass takes, at most `most`. Each pass runs one chain of FMAs per head and
+// vector, and a pass with few chains leaves the FMA units waiting on their latency: on AVX-512 the passes are of
+// equal size (24 heads as 12 + 12, not 16 + 8; 18 as 9 + 9, not 16 + 2); on AVX2, whose passes are smaller, the
+// most a pass takes, except that none takes a lone head (7 as 5 + 2, measured faster than 6 + 1 and 4 + 3).
+static inline int heads_a_pass(int left, int most) {
+    if (EVEN_PASSES) {
+        const int passes = (left + most - 1) / most;
+        return (left + passes - 1) / passes;
+    }
+    const int heads = left < most ? left : most;
+    return left - heads == 1 ? heads - 1 : heads;
+}
+
+// score_block for the G heads of a group, in passes of heads_a_pass. Each head's scores are the same chains
+// whatever pass computes them.
 static void score_heads(const float *q, int G, const void *kt, int is_half, int D, int count, float scale, float *s,
                         size_t stride, ahead_t *ahead) {
     for (int g = 0; g < G;) {
-        int heads = G - g < HEADS ? G - g : HEADS;
-        if (G - g - heads == 1) heads--;  // never a lone head in the last pass
+        const int heads = heads_a_pass(G - g, HEADS);
         const float *qg = q + (size_t)g * D;
         float *sg = s + g * stride;
         switch (heads) {
@@ -292,7 +307,8 @@ static void score_heads(const float *q, int G, const void *kt, int is_half, int 
             SCORE_CASE(5) SCORE_CASE(6)
 #endif
 #if HEADS > 6
-            SCORE_CASE(7) SCORE_CASE(8)
+            SCORE_CASE(7) SCORE_CASE(8) SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
+            SCORE_CASE(13) SCORE_CASE(14) SCORE_CASE(15) SCORE_CASE(16)
 #endif
         }
         g += heads;
@@ -361,11 +377,12 @@ static inline __attribute__((always_inline)) int weigh_pass(const float *w, size
 static void weigh_block(const float *p, size_t stride, const void *vb, int is_half, int D, int count, int G,
                         float *o, ahead_t *ahead) {
 #ifdef ATTENTION_SIMD
-    for (int g = 0; g < G; g += WEIGH_HEADS) {
+    for (int g = 0, heads; g < G; g += heads) {
         const float *w = p + g * stride;
         float *og = o + (size_t)g * D;
+        heads = EVEN_PASSES ? heads_a_pass(G - g, WEIGH_HEADS) : G - g < WEIGH_HEADS ? G - g : WEIGH_HEADS;
         for (int d0 = 0; d0 < D;)
-            switch (G - g < WEIGH_HEADS ? G - g : WEIGH_HEADS) {
+            switch (heads) {
                 WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
 #if WEIGH_HEADS > 6
                 WEIGH_CASE(7) WEIGH_CASE(8)
@@ -458,7 +475,7 @@ static inline size_t row_of(const rows_t *r, int j) {
 // The calls of prefetch_next that weighing a block of values makes for `tokens` tokens of G query heads.
 static inline int weigh_steps(int tokens, int G, int D) {
 #ifdef ATTENTION_SIMD
-    return tokens * (G + WEIGH_HEADS - 1) / WEIGH_HEADS * D / (2 * WIDTH) * VALUES;  // 2 vectors a pass, mostly
+    return (tokens * G + WEIGH_HEADS - 1) / WEIGH_HEADS * D / (2 * WIDTH) * VALUES;  // 2 vectors a pass, mostly
 #else
     (void)tokens, (void)G, (void)D;
     return 1;  // the scalar build asks for a block's lines at once
@@ -484,6 +501,26 @@ static inline ahead_t rows_ahead(const void *cache, size_t bytes, const rows_t *
     return (ahead_t){at, at + length, every, every};
 }
 
+// o[i] += the values of keys j0 .. end - 1 (a block) weighed by token i's exponentials (its G rows of p, span apart,
+// from key base), for the tokens from `from` on: those that see the whole block in one call, their rows being
+// consecutive (more heads a pass), and any that see part of it (the last keys of a run, the first of a window) alone.
+static void weigh_tokens(const float *p, size_t span, int base, int j0, int end, int from, int tokens, const int *los,
+                         const int *ns, const void *vcache, int is_half, size_t bytes, const rows_t *r, int G, int D,
+                         float *o, ahead_t *ahead) {
+    int whole = from, past = from;  // tokens whole .. past - 1 see keys j0 .. end - 1 (ns, los nondecreasing)
+    while (whole < tokens && ns[whole] < end) whole++;
+    for (past = whole; past < tokens && los[past] <= j0;) past++;
+    if (past > whole)
+        weigh_block(p + (size_t)whole * G * span + (j0 - base), span, (const char *)vcache + row_of(r, j0) * D * bytes,
+                    is_half, D, end - j0, (past - whole) * G, o + (size_t)whole * G * D, ahead);
+    for (int i = from; i < tokens; i++) {
+        const int a = j0 > los[i] ? j0 : los[i], b = end < ns[i] ? end : ns[i];
+        if ((i >= whole && i < past) || a >= b) continue;
+        weigh_block(p + (size_t)i * G * span + (a - base), span, (const char *)vcache + row_of(r, a) * D * bytes,
+                    is_half, D, b - a, G, o + (size_t)i * G * D, ahead);
+    }
+}
+
 // Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
 // over the slot's cached keys and values (rows r): token i sees keys los[i] .. ns[i] - 1 (both nondecreasing).
 // Every tile of keys and block of values is read from the cache once for all of them, and each token's heads are
@@ -491,10 +528,11 @@ static inline ahead_t rows_ahead(const void *cache, size_t bytes, const rows_t *
 // lanes count from the token's first key, and the values are weighed in key order, so where blocks start
 // changes nothing. The spans of keys (KEYS) and values (VALUES) start at multiples of their size, so none
 // crosses a KV block (B is a multiple of VALUES). Scores of keys a token does not see are computed and left
-// unread. p: scratch for the scores [tokens * G][span]; out: token i's G heads at out + i * out_stride.
+// unread. p: scratch for the scores [tokens * G][span], o for the outputs [tokens * G][D]; out: token i's G heads
+// at out + i * out_stride.
 static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
-                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *out,
-                   size_t out_stride) {
+                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *o,
+                   float *out, size_t out_stride) {
     const int base = los[0] / VALUES * VALUES, n = ns[tokens - 1], span = n - base, heads = tokens * G;
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     int from = 0;  // the first token that sees the current block
@@ -510,25 +548,19 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
     float total[MAX_TOKENS * MAX_GROUP];
     for (int h = 0; h < heads; h++)
         total[h] = softmax_unnormalised(p + (size_t)h * span + (los[h / G] - base), ns[h / G] - los[h / G]);
-    for (int i = 0; i < tokens; i++) memset(out + i * out_stride, 0, (size_t)G * D * sizeof(float));
+    memset(o, 0, (size_t)heads * D * sizeof(float));
     from = 0;
     for (int j0 = base; j0 < n; j0 += VALUES) {
         const int end = n - j0 < VALUES ? n : j0 + VALUES;
         while (ns[from] <= j0) from++;
-        const int value_steps = weigh_steps(tokens - from, G, D);
-        ahead_t values_ahead = rows_ahead(vcache, bytes, r, j0 + VALUES_AHEAD, VALUES, n, D, value_steps);
-        for (int i = from; i < tokens; i++) {
-            const int a = j0 > los[i] ? j0 : los[i], b = end < ns[i] ? end : ns[i];
-            if (a >= b) continue;
-            const char *values = (const char *)vcache + row_of(r, a) * D * bytes;
-            weigh_block(p + (size_t)i * G * span + (a - base), span, values, is_half, D, b - a, G, out + i * out_stride,
-                        &values_ahead);
-        }
+        ahead_t values_ahead = rows_ahead(vcache, bytes, r, j0 + VALUES_AHEAD, VALUES, n, D,
+                                          weigh_steps(tokens - from, G, D));
+        weigh_tokens(p, span, base, j0, end, from, tokens, los, ns, vcache, is_half, bytes, r, G, D, o, &values_ahead);
     }
     for (int h = 0; h < heads; h++) {
         const float inv = 1.f / total[h];
-        float *o = out + (h / G) * out_stride + (size_t)(h % G) * D;
-        for (int d = 0; d < D; d++) o[d] *= inv;
+        float *dst = out + (h / G) * out_stride + (size_t)(h % G) * D;
+        for (int d = 0; d < D; d++) dst[d] = o[(size_t)h * D + d] * inv;
     }
 }
 
@@ -591,7 +623,7 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
         }
         const rows_t r = {tables + slots[t0] * MB, h, Hkv, B};
         const size_t span = ns[tokens - 1] - los[0] / VALUES * VALUES;
-        float *q = scratch((size_t)tokens * G * D + (size_t)tokens * G * span);
+        float *q = scratch((size_t)tokens * G * (2 * D + span));  // q, the outputs, the scores
         if (!q) {
             failed = 1;
             continue;
@@ -604,8 +636,8 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
                 rope(normed, cos + (size_t)t * D, sin + (size_t)t * D, q + ((size_t)i * G + g) * D, D);
             }
         }
-        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, &r, q + (size_t)tokens * G * D,
-               out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
+        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, &r, q + (size_t)tokens * G * 2 * D,
+               q + (size_t)tokens * G * D, out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
     return failed ? ATTENTION_NO_MEMORY : ATTENTION_OK;
 }
