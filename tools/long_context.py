@@ -18,7 +18,7 @@ import argparse
 import resource
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -66,10 +66,7 @@ def decode_in_turn(llm: LLM, ids: list[int], max_tokens: int, rounds: int, fixed
     runs: list[list[dict]] = [[] for _ in modes]
     for _ in range(rounds):
         for mode, done in zip(modes, runs):
-            if mode is None:
-                done.append(decode(llm, ids, max_tokens))
-                continue
-            with fixed_k(llm, mode):
+            with nullcontext() if mode is None else fixed_k(llm, mode):
                 done.append(decode(llm, ids, max_tokens))
     return runs
 

@@ -507,9 +507,10 @@ static inline ahead_t rows_ahead(const void *cache, size_t bytes, const rows_t *
 static void weigh_tokens(const float *p, size_t span, int base, int j0, int end, int from, int tokens, const int *los,
                          const int *ns, const void *vcache, int is_half, size_t bytes, const rows_t *r, int G, int D,
                          float *o, ahead_t *ahead) {
-    int whole = from, past = from;  // tokens whole .. past - 1 see keys j0 .. end - 1 (ns, los nondecreasing)
+    int whole = from;  // tokens whole .. past - 1 see keys j0 .. end - 1 (ns, los nondecreasing)
     while (whole < tokens && ns[whole] < end) whole++;
-    for (past = whole; past < tokens && los[past] <= j0;) past++;
+    int past = whole;
+    while (past < tokens && los[past] <= j0) past++;
     if (past > whole)
         weigh_block(p + (size_t)whole * G * span + (j0 - base), span, (const char *)vcache + row_of(r, j0) * D * bytes,
                     is_half, D, end - j0, (past - whole) * G, o + (size_t)whole * G * D, ahead);
