@@ -17,11 +17,12 @@
 //   q_norm, k_norm [D]      RMSNorm weights of each query and key head, or NULL (no norm)
 //   scale                   of the query-key scores; window: keys a token sees, itself included (0: all)
 //
-// Over a long context this streams the cache, so it is read once per kv head: a tile of keys is already laid
-// out with lanes over keys (no dot product ends in a horizontal sum, and nothing to transpose), widened in
-// registers as it is loaded and scored for up to 16 query heads at once; each value likewise is widened in
-// registers and weighed for up to 8 query heads at once, the heads of every token that sees the whole block of
-// values together. exp is a polynomial that vectorises.
+// Over a long context this streams the cache, so it is read once per kv head, a chunk of keys at a time (scored,
+// folded into each head's running softmax, weighed): a tile of keys is already laid out with lanes over keys (no
+// dot product ends in a horizontal sum, and nothing to transpose), widened in registers as it is loaded and
+// scored for up to 16 query heads at once (their queries stored dimension-major, so a pass broadcasts from one
+// pointer); each value likewise is widened in registers and weighed for up to 8 query heads at once, the heads of
+// every token that sees the whole block of values together. exp is a polynomial in fused multiply-adds.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,14 +39,16 @@
                    // group of query heads reads them)
 #define MAX_DIM 256
 #define MAX_GROUP 64  // query heads per KV head
-#define MAX_TOKENS 8  // a slot's consecutive tokens that attend together (their scores stay in L2)
+#define MAX_TOKENS 8  // a slot's consecutive tokens that attend together
+#define CHUNK 256     // keys scored, folded into the softmaxes and weighed at a time (a multiple of VALUES): the
+                      // scores of 8 tokens' 6 heads stay in L2
 
 // One vector of WIDTH floats: a zmm register where AVX-512 is there, else a ymm. Each lane runs the same
 // chain of operations at either width, so the width changes the speed, never the bits.
 #if defined(ATTENTION_SIMD) && defined(__AVX512F__)
 #define WIDTH 16
 #define HEADS 16  // query heads scored together at most (16 accumulators of the 32 registers)
-#define WEIGH_HEADS 8  // query heads weighed together at most (2 accumulators each: 16 of the 32 registers)
+#define WEIGH_HEADS 8  // query heads weighed together at most (2 accumulators each: 24 of the 32 registers)
 #define EVEN_PASSES 1  // a group's heads in passes of equal size (see heads_a_pass)
 #define WEIGH_VECS(h) 2  // vectors of dimensions a pass for h heads (see the AVX2 build)
 typedef __m512 vec;
@@ -169,21 +172,22 @@ static inline void rope(const float *x, const float *c, const float *s, float *y
 }
 
 // exp(x) for x <= 0 (a score minus the row's maximum) to within 2 ulp: x = n ln2 + r, |r| <= ln2 / 2,
-// exp(r) by its Taylor polynomial to degree 7, times 2^n built in the exponent bits.
+// exp(r) by its Taylor polynomial to degree 7 (Horner's rule in fused multiply-adds), times 2^n built in the
+// exponent bits.
 static inline float exp_nonpositive(float x) {
     const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer kept in the low bits
     x = x < -87.f ? -87.f : x;       // below, 2^n would not be a normal float; exp(-87) ~ 1.6e-38 anyway
-    float t = x * 1.44269504f + magic, n = t - magic;
-    float r = x - n * 0.693145752f;
-    r = r - n * 1.42860677e-6f;  // ln 2 in two parts: n * the first is exact
+    float t = fmaf(x, 1.44269504f, magic), n = t - magic;
+    float r = fmaf(n, -0.693145752f, x);
+    r = fmaf(n, -1.42860677e-6f, r);  // ln 2 in two parts: n * the first is exact
     float p = 1.f / 5040;
-    p = p * r + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    p = fmaf(p, r, 1.f / 720);
+    p = fmaf(p, r, 1.f / 120);
+    p = fmaf(p, r, 1.f / 24);
+    p = fmaf(p, r, 1.f / 6);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.f);
+    p = fmaf(p, r, 1.f);
     int32_t bits, shift;
     memcpy(&bits, &t, sizeof bits);
     shift = (bits - 0x4B400000 + 127) << 23;  // n + 127 in the exponent field
@@ -197,17 +201,17 @@ static inline float exp_nonpositive(float x) {
 static inline vec vexp_nonpositive(vec x) {
     const vec magic = vset1(12582912.f);
     x = vmax(vset1(-87.f), x);  // (-87, NaN) is NaN, as in the scalar clamp
-    const vec t = vadd(vmul(x, vset1(1.44269504f)), magic), n = vsub(t, magic);
-    vec r = vsub(x, vmul(n, vset1(0.693145752f)));
-    r = vsub(r, vmul(n, vset1(1.42860677e-6f)));
+    const vec t = vfma(x, vset1(1.44269504f), magic), n = vsub(t, magic);
+    vec r = vfma(n, vset1(-0.693145752f), x);
+    r = vfma(n, vset1(-1.42860677e-6f), r);
     vec p = vset1(1.f / 5040);
-    p = vadd(vmul(p, r), vset1(1.f / 720));
-    p = vadd(vmul(p, r), vset1(1.f / 120));
-    p = vadd(vmul(p, r), vset1(1.f / 24));
-    p = vadd(vmul(p, r), vset1(1.f / 6));
-    p = vadd(vmul(p, r), vset1(0.5f));
-    p = vadd(vmul(p, r), vset1(1.f));
-    p = vadd(vmul(p, r), vset1(1.f));
+    p = vfma(p, r, vset1(1.f / 720));
+    p = vfma(p, r, vset1(1.f / 120));
+    p = vfma(p, r, vset1(1.f / 24));
+    p = vfma(p, r, vset1(1.f / 6));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.f));
+    p = vfma(p, r, vset1(1.f));
     const vec scale = vfloats(vshl_i32(vadd_i32(vbits(t), vset1_i32(-0x4B400000 + 127)), 23));
     return vmul(p, scale);
 }
@@ -231,26 +235,27 @@ static inline float entry(const void *cache, int is_half, size_t i) {
 }
 
 // s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for `heads`
-// <= HEADS query heads (rows of q, D apart) and the first `count` keys of the tile kt (float32, or float16
+// <= HEADS query heads (q_g[d] at q[d * qstride + g]: a pass's broadcasts from one pointer) and the first `count` keys of the tile kt (float32, or float16
 // widened exactly as it is loaded), asking for `ahead`'s lines among them. Inlined with a constant `heads` and
 // `is_half`, so the accumulators stay in registers.
-static inline __attribute__((always_inline)) void score_block(const float *q, int heads, const void *kt, int is_half,
-                                                              int D, int count, float scale, float *s, size_t stride,
-                                                              ahead_t *ahead) {
+static inline __attribute__((always_inline)) void score_block(const float *q, size_t qstride, int heads,
+                                                              const void *kt, int is_half, int D, int count,
+                                                              float scale, float *s, size_t stride, ahead_t *ahead) {
 #ifdef ATTENTION_SIMD
+    ahead_t next = *ahead;  // in registers over the loop
     vec acc[HEADS][KEY_VECS];
 #pragma GCC unroll 16
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 2
         for (int v = 0; v < KEY_VECS; v++) acc[g][v] = vzero();
     for (int d = 0; d < D; d++) {
-        prefetch_next(ahead);
+        prefetch_next(&next);
         vec k[KEY_VECS];
 #pragma GCC unroll 2
         for (int v = 0; v < KEY_VECS; v++) k[v] = load_values(kt, is_half, d * KEYS + v * WIDTH);
 #pragma GCC unroll 16
         for (int g = 0; g < heads; g++) {
-            const vec qd = vset1(q[(size_t)g * D + d]);
+            const vec qd = vset1(q[d * qstride + g]);
 #pragma GCC unroll 2
             for (int v = 0; v < KEY_VECS; v++) acc[g][v] = vfma(qd, k[v], acc[g][v]);
         }
@@ -263,12 +268,13 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
         for (int v = 0; v < KEY_VECS; v++) vstore(dst + v * WIDTH, vmul(acc[g][v], vset1(scale)));
         if (count < KEYS) memcpy(s + g * stride, row, count * sizeof(float));
     }
+    *ahead = next;
 #else
     (void)ahead;  // the scalar build asks for a block's lines at once (rows_ahead)
     for (int g = 0; g < heads; g++)
         for (int l = 0; l < count; l++) {
             float acc = 0.f;
-            for (int d = 0; d < D; d++) acc = fmaf(q[(size_t)g * D + d], entry(kt, is_half, d * KEYS + l), acc);
+            for (int d = 0; d < D; d++) acc = fmaf(q[d * qstride + g], entry(kt, is_half, d * KEYS + l), acc);
             s[g * stride + l] = acc * scale;
         }
 #endif
@@ -276,8 +282,8 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 
 #define SCORE_CASE(h) \
     case h: \
-        if (is_half) score_block(qg, h, kt, 1, D, count, scale, sg, stride, ahead); \
-        else score_block(qg, h, kt, 0, D, count, scale, sg, stride, ahead); \
+        if (is_half) score_block(qg, qstride, h, kt, 1, D, count, scale, sg, stride, ahead); \
+        else score_block(qg, qstride, h, kt, 0, D, count, scale, sg, stride, ahead); \
         break;
 
 // How many of `left` heads the next pass takes, at most `most`. Each pass runs one chain of FMAs per head and
@@ -293,13 +299,13 @@ static inline int heads_a_pass(int left, int most) {
     return left - heads == 1 ? heads - 1 : heads;
 }
 
-// score_block for the G heads of a group, in passes of heads_a_pass. Each head's scores are the same chains
-// whatever pass computes them.
-static void score_heads(const float *q, int G, const void *kt, int is_half, int D, int count, float scale, float *s,
-                        size_t stride, ahead_t *ahead) {
+// score_block for G heads, in passes of heads_a_pass. Each head's scores are the same chains whatever pass
+// computes them.
+static void score_heads(const float *q, size_t qstride, int G, const void *kt, int is_half, int D, int count,
+                        float scale, float *s, size_t stride, ahead_t *ahead) {
     for (int g = 0; g < G;) {
         const int heads = heads_a_pass(G - g, HEADS);
-        const float *qg = q + (size_t)g * D;
+        const float *qg = q + g;
         float *sg = s + g * stride;
         switch (heads) {
             SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
@@ -323,27 +329,29 @@ static void score_heads(const float *q, int G, const void *kt, int is_half, int 
 static inline __attribute__((always_inline)) void weigh_heads(const float *w, size_t stride, int heads,
                                                               const void *vb, int is_half, int D, int d0,
                                                               int vecs, int count, float *o, ahead_t *ahead) {
+    ahead_t next = *ahead;  // in registers over the loop
     vec acc[WEIGH_HEADS * 2];  // heads * vecs never exceeds it: WEIGH_VECS gives 4 only below 3 heads
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vload(o + (size_t)g * D + d0 + i * WIDTH);
     for (int j = 0; j < count; j++) {
-        prefetch_next(ahead);
+        prefetch_next(&next);
         vec x[4];
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) x[i] = load_values(vb, is_half, (size_t)j * D + d0 + i * WIDTH);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int g = 0; g < heads; g++) {
             const vec wg = vset1(w[g * stride + j]);
 #pragma GCC unroll 4
             for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vfma(wg, x[i], acc[g * vecs + i]);
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) vstore(o + (size_t)g * D + d0 + i * WIDTH, acc[g * vecs + i]);
+    *ahead = next;
 }
 
 #define WEIGH_VECS_CASE(v) \
@@ -385,7 +393,7 @@ static void weigh_block(const float *p, size_t stride, const void *vb, int is_ha
             switch (heads) {
                 WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
 #if WEIGH_HEADS > 6
-                WEIGH_CASE(7) WEIGH_CASE(8)
+                WEIGH_CASE(7) WEIGH_CASE(8) WEIGH_CASE(9) WEIGH_CASE(10) WEIGH_CASE(11) WEIGH_CASE(12)
 #endif
             }
     }
@@ -402,39 +410,73 @@ static void weigh_block(const float *p, size_t stride, const void *vb, int is_ha
 #endif
 }
 
-// Scores -> exp(score - max) in place, for one query head's n scores; returns their sum (the output is
-// divided by it once, instead of every weight).
-static float softmax_unnormalised(float *p, int n) {
-    float top_lane[LANES], sum_lane[LANES] = {0};
-    for (int l = 0; l < LANES; l++) top_lane[l] = p[0];
-    int j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++) top_lane[l] = p[j + l] > top_lane[l] ? p[j + l] : top_lane[l];
-    for (; j < n; j++) top_lane[0] = p[j] > top_lane[0] ? p[j] : top_lane[0];
-    float top = top_lane[0];
-    for (int l = 1; l < LANES; l++) top = top_lane[l] > top ? top_lane[l] : top;
+// The softmax of one query head over the chunks of keys folded so far: the largest score, and the sum of
+// exp(score - top) in LANES partial sums, key j's in lane j % LANES (where a chunk starts changes no lane's chain).
+typedef struct {
+    float top, sum[LANES];
+} running_t;
+
+// p[j] <- exp(p[j] - s->top) for keys a .. b - 1 (p indexed by key), each added to its lane of s->sum.
+static void exponentials(float *p, int a, int b, running_t *s) {
+    const float top = s->top;
+    int j = a;
+    for (; j < b && j % LANES; j++) s->sum[j % LANES] += (p[j] = exp_nonpositive(p[j] - top));
 #ifdef ATTENTION_SIMD
     vec sums[LANES / WIDTH];
-    for (int v = 0; v < LANES / WIDTH; v++) sums[v] = vzero();
-    for (j = 0; j + LANES <= n; j += LANES)
+    for (int v = 0; v < LANES / WIDTH; v++) sums[v] = vload(s->sum + v * WIDTH);
+    for (; j + LANES <= b; j += LANES)
         for (int v = 0; v < LANES / WIDTH; v++) {
             const vec e = vexp_nonpositive(vsub(vload(p + j + v * WIDTH), vset1(top)));
             vstore(p + j + v * WIDTH, e);
             sums[v] = vadd(sums[v], e);
         }
-    for (int v = 0; v < LANES / WIDTH; v++) vstore(sum_lane + v * WIDTH, sums[v]);
+    for (int v = 0; v < LANES / WIDTH; v++) vstore(s->sum + v * WIDTH, sums[v]);
 #else
-    for (j = 0; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++) sum_lane[l] += (p[j + l] = exp_nonpositive(p[j + l] - top));
+    for (; j + LANES <= b; j += LANES)
+        for (int l = 0; l < LANES; l++) s->sum[l] += (p[j + l] = exp_nonpositive(p[j + l] - top));
 #endif
-    for (; j < n; j++) sum_lane[0] += (p[j] = exp_nonpositive(p[j] - top));
-    float total = 0.f;
-    for (int l = 0; l < LANES; l++) total += sum_lane[l];
-    return total;
+    for (; j < b; j++) s->sum[j % LANES] += (p[j] = exp_nonpositive(p[j] - top));
+}
+
+// The largest of p[a .. b - 1] (b > a; exact in any order).
+static float largest(const float *p, int a, int b) {
+    int j = a;
+    float top = p[a];
+#ifdef ATTENTION_SIMD
+    if (b - a >= WIDTH) {
+        vec tops = vload(p + a);
+        for (j = a + WIDTH; j + WIDTH <= b; j += WIDTH) tops = vmax(tops, vload(p + j));
+        float lanes[WIDTH];
+        vstore(lanes, tops);
+        for (int l = 0; l < WIDTH; l++) top = lanes[l] > top ? lanes[l] : top;
+    }
+#endif
+    for (; j < b; j++) top = p[j] > top ? p[j] : top;
+    return top;
+}
+
+// Folds the scores of keys a .. b - 1 of one query head (p indexed by key) into its softmax s, turning them into
+// their exponentials: a larger score than any before rescales what came before (the sum, and the values weighed so
+// far, o[D]) by exp(old top - new top). Before the first chunk s->top is -inf, and the factor exp(-87) meets zeros.
+static void fold_chunk(float *p, int a, int b, running_t *s, float *o, int D) {
+    const float top = largest(p, a, b);
+    if (top > s->top) {
+        const float factor = exp_nonpositive(s->top - top);
+        for (int l = 0; l < LANES; l++) s->sum[l] *= factor;
+        for (int d = 0; d < D; d++) o[d] *= factor;
+        s->top = top;
+    }
+    exponentials(p, a, b, s);
 }
 
 // The softmax's exponentials alone, for tests: p[j] <- exp(p[j] - max p), returns their sum.
-float attention_softmax_unnormalised(float *p, int n) { return softmax_unnormalised(p, n); }
+float attention_softmax_unnormalised(float *p, int n) {
+    running_t s = {-INFINITY, {0}};
+    fold_chunk(p, 0, n, &s, NULL, 0);
+    float total = 0.f;
+    for (int l = 0; l < LANES; l++) total += s.sum[l];
+    return total;
+}
 
 int attention_dim_ok(int D) { return D % LANES == 0 && D <= MAX_DIM; }
 
@@ -522,44 +564,59 @@ static void weigh_tokens(const float *p, size_t span, int base, int j0, int end,
     }
 }
 
-// Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [tokens][G][D]),
-// over the slot's cached keys and values (rows r): token i sees keys los[i] .. ns[i] - 1 (both nondecreasing).
-// Every tile of keys and block of values is read from the cache once for all of them, and each token's heads are
-// scored and weighed exactly as if it were alone: a key's score is a chain over its own lane, the softmax's
-// lanes count from the token's first key, and the values are weighed in key order, so where blocks start
-// changes nothing. The spans of keys (KEYS) and values (VALUES) start at multiples of their size, so none
-// crosses a KV block (B is a multiple of VALUES). Scores of keys a token does not see are computed and left
-// unread. p: scratch for the scores [tokens * G][span], o for the outputs [tokens * G][D]; out: token i's G heads
-// at out + i * out_stride.
-static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
-                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *o,
-                   float *out, size_t out_stride) {
-    const int base = los[0] / VALUES * VALUES, n = ns[tokens - 1], span = n - base, heads = tokens * G;
+// Scores of keys j .. c1 - 1 (tiles from a multiple of KEYS, within the chunk from c0) for every token that sees
+// each tile (q [D][tokens * G]), into p [tokens * G][CHUNK] at the key's place from c0.
+static void score_chunk(const float *q, int tokens, int G, int D, const int *ns, float scale, const void *kcache,
+                        int is_half, const rows_t *r, int j, int c0, int c1, int n, float *p) {
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
-    int from = 0;  // the first token that sees the current block
-    for (int j0 = base; j0 < n; j0 += KEYS) {
-        const int count = n - j0 < KEYS ? n - j0 : KEYS;
+    for (int j0 = j, from = 0; j0 < c1; j0 += KEYS) {
+        const int count = c1 - j0 < KEYS ? c1 - j0 : KEYS;
         while (ns[from] <= j0) from++;
         const int key_steps = ((tokens - from) * G + HEADS - 1) / HEADS * D;  // of score_block's loop
         ahead_t keys_ahead = rows_ahead(kcache, bytes, r, j0 + KEYS_AHEAD, KEYS, n, D, key_steps);
         const char *kt = (const char *)kcache + row_of(r, j0) * D * bytes;  // the tile of keys j0 ..
-        score_heads(q + (size_t)from * G * D, heads - from * G, kt, is_half, D, count, scale,
-                    p + (size_t)from * G * span + (j0 - base), span, &keys_ahead);
+        score_heads(q + (size_t)from * G, (size_t)tokens * G, (tokens - from) * G, kt, is_half, D, count, scale,
+                    p + (size_t)from * G * CHUNK + (j0 - c0), CHUNK, &keys_ahead);
     }
-    float total[MAX_TOKENS * MAX_GROUP];
-    for (int h = 0; h < heads; h++)
-        total[h] = softmax_unnormalised(p + (size_t)h * span + (los[h / G] - base), ns[h / G] - los[h / G]);
+}
+
+// Attention of `tokens` consecutive tokens of one slot, each with G query heads (rotated, q [D][tokens][G]),
+// over the slot's cached keys and values (rows r): token i sees keys los[i] .. ns[i] - 1 (both nondecreasing).
+// Keys are taken a chunk at a time, chunks starting at multiples of CHUNK: its tiles of keys are scored for
+// every token that sees them, each head's scores folded into its running softmax, and its values weighed, so
+// the scores stay in cache and every key and value is read from memory once for all the tokens. Each token's
+// heads are computed exactly as if it were alone: a key's score is a chain over its own lane, its chunks are the
+// same, and its values are weighed in key order. Tiles (KEYS) and blocks of values (VALUES) start at multiples of
+// their size, so none crosses a KV block (B is a multiple of VALUES) or a chunk. Scores of keys a token does not
+// see are computed and left unread. p: scratch for a chunk's scores [tokens * G][CHUNK], o for the outputs
+// [tokens * G][D], soft for the softmaxes; out: token i's G heads at out + i * out_stride.
+static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
+                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *o,
+                   running_t *soft, float *out, size_t out_stride) {
+    const int first = los[0] / VALUES * VALUES, n = ns[tokens - 1], heads = tokens * G;
+    const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     memset(o, 0, (size_t)heads * D * sizeof(float));
-    from = 0;
-    for (int j0 = base; j0 < n; j0 += VALUES) {
-        const int end = n - j0 < VALUES ? n : j0 + VALUES;
-        while (ns[from] <= j0) from++;
-        ahead_t values_ahead = rows_ahead(vcache, bytes, r, j0 + VALUES_AHEAD, VALUES, n, D,
-                                          weigh_steps(tokens - from, G, D));
-        weigh_tokens(p, span, base, j0, end, from, tokens, los, ns, vcache, is_half, bytes, r, G, D, o, &values_ahead);
+    for (int h = 0; h < heads; h++) soft[h] = (running_t){-INFINITY, {0}};
+    for (int c0 = first / CHUNK * CHUNK; c0 < n; c0 += CHUNK) {
+        const int c1 = n - c0 < CHUNK ? n : c0 + CHUNK, j = c0 > first ? c0 : first;
+        score_chunk(q, tokens, G, D, ns, scale, kcache, is_half, r, j, c0, c1, n, p);
+        for (int h = 0; h < heads; h++) {
+            const int i = h / G, a = los[i] > j ? los[i] : j, b = ns[i] < c1 ? ns[i] : c1;
+            if (a < b) fold_chunk(p + (size_t)h * CHUNK, a - c0, b - c0, &soft[h], o + (size_t)h * D, D);
+        }
+        for (int j0 = j, from = 0; j0 < c1; j0 += VALUES) {
+            const int end = c1 - j0 < VALUES ? c1 : j0 + VALUES;
+            while (ns[from] <= j0) from++;
+            ahead_t values_ahead = rows_ahead(vcache, bytes, r, j0 + VALUES_AHEAD, VALUES, n, D,
+                                              weigh_steps(tokens - from, G, D));
+            weigh_tokens(p, CHUNK, c0, j0, end, from, tokens, los, ns, vcache, is_half, bytes, r, G, D, o,
+                         &values_ahead);
+        }
     }
     for (int h = 0; h < heads; h++) {
-        const float inv = 1.f / total[h];
+        float total = 0.f;
+        for (int l = 0; l < LANES; l++) total += soft[h].sum[l];
+        const float inv = 1.f / total;
         float *dst = out + (h / G) * out_stride + (size_t)(h % G) * D;
         for (int d = 0; d < D; d++) dst[d] = o[(size_t)h * D + d] * inv;
     }
@@ -623,8 +680,8 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
             los[i] = window && ns[i] > window ? ns[i] - window : 0;
         }
         const rows_t r = {tables + slots[t0] * MB, h, Hkv, B};
-        const size_t span = ns[tokens - 1] - los[0] / VALUES * VALUES;
-        float *q = scratch((size_t)tokens * G * (2 * D + span));  // q, the outputs, the scores
+        const size_t heads = (size_t)tokens * G;
+        float *q = scratch(heads * (2 * D + CHUNK) + heads * sizeof(running_t) / sizeof(float));
         if (!q) {
             failed = 1;
             continue;
@@ -632,13 +689,15 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
         for (int i = 0; i < tokens; i++) {
             const int t = t0 + i;
             for (int g = 0; g < G; g++) {
-                float normed[MAX_DIM];
+                float normed[MAX_DIM], rotated[MAX_DIM];
                 norm_head(qkv + (size_t)t * width + (h * G + g) * D, q_norm, eps, D, normed);
-                rope(normed, cos + (size_t)t * D, sin + (size_t)t * D, q + ((size_t)i * G + g) * D, D);
+                rope(normed, cos + (size_t)t * D, sin + (size_t)t * D, rotated, D);
+                for (int d = 0; d < D; d++) q[d * heads + (size_t)i * G + g] = rotated[d];
             }
         }
-        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, &r, q + (size_t)tokens * G * 2 * D,
-               q + (size_t)tokens * G * D, out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
+        float *o = q + heads * D, *p = o + heads * D;  // the outputs, a chunk's scores, the softmaxes
+        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, &r, p, o, (running_t *)(p + heads * CHUNK),
+               out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
     return failed ? ATTENTION_NO_MEMORY : ATTENTION_OK;
 }
