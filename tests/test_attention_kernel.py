@@ -1,13 +1,17 @@
 """The attention kernel (rope + KV write + attention of decode/verify batches in one call per layer):
 the same numbers as the PyTorch path, and each token computed as if it were alone."""
 
+import ctypes
+from importlib import resources
+
 import pytest
 import torch
 from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 from specdecode import LLM, SamplingParams
+from specdecode.executor import kernels
 from specdecode.executor.attention import attach_attention_kernel
-from specdecode.executor.kernels import load
+from specdecode.executor.kernels import bind, build, compiler, load, machine_defines
 from specdecode.executor.runner import ModelRunner
 from specdecode.kv_cache import tiled_keys, untiled_keys
 from specdecode.models.loader import LoadedModel
@@ -259,6 +263,44 @@ def test_long_context_attention_gives_the_scalar_bits_on_every_build(isa, dtype,
         _attend_long_context(isa, dtype, shape, **options)[0],
         _attend_long_context("scalar", dtype, shape, **options)[0],
     )
+
+
+def _the_other_prefetching_build():
+    """This machine's own build, asking for the cache ahead into the other level than it does here (L2 on Intel's
+    AVX-512 cores, L1 elsewhere), so that every machine runs both."""
+    into_l2 = "-DSPECDECODE_PREFETCH_L2" in machine_defines("attention", "native")
+    switch = b"#undef SPECDECODE_PREFETCH_L2\n" if into_l2 else b"#define SPECDECODE_PREFETCH_L2 1\n"
+    source = switch + resources.files(kernels).joinpath("attention.c").read_bytes()
+    return bind(ctypes.CDLL(build("attention", "native", compiler(), source)), "attention")
+
+
+@pytest.mark.parametrize("options", WINDOWED[:2], ids=["full", "window-37"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_either_way_of_prefetching_gives_the_scalar_bits(dtype, options):
+    other = _the_other_prefetching_build()
+    for shape in SHAPES[:2]:
+        assert torch.equal(
+            _attend_long_context(other, dtype, shape, **options)[0],
+            _attend_long_context("scalar", dtype, shape, **options)[0],
+        )
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, isa, into_l2",
+    [
+        ("GenuineIntel", {"avx2", "avx512f"}, "native", True),
+        ("GenuineIntel", {"avx2", "avx512f"}, "avx512", True),
+        ("GenuineIntel", {"avx2", "avx512f"}, "avx2", False),
+        ("GenuineIntel", {"avx2"}, "native", False),
+        ("AuthenticAMD", {"avx2", "avx512f"}, "native", False),
+        ("AuthenticAMD", {"avx2", "avx512f"}, "avx512", False),
+    ],
+)
+def test_the_cache_is_asked_for_into_l2_only_on_intels_avx512_cores(monkeypatch, vendor, flags, isa, into_l2):
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    assert ("-DSPECDECODE_PREFETCH_L2" in machine_defines("attention", isa)) == into_l2
+    assert machine_defines("norm", isa) == []
 
 
 def test_a_window_the_kernel_ignored_would_fail_the_reference():

@@ -23,6 +23,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo("flags").split())
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """vendor_id: GenuineIntel, AuthenticAMD, or ""."""
+    return _cpuinfo("vendor_id")
+
+
 def cpu_has_native_bf16() -> bool:
     try:
         mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

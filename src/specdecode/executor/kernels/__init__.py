@@ -22,7 +22,7 @@ import tempfile
 from importlib import resources
 
 from ...models.sources import cache_root
-from ..cpu import cpu_flags
+from ..cpu import cpu_flags, cpu_vendor
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 ENV = "SPECDECODE_KERNELS"
@@ -131,7 +131,7 @@ def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
     place and is renamed there, so a concurrent or interrupted build never leaves a partial library behind."""
     if source is None:
         source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
-    flags = FLAGS + ISA_FLAGS[isa]
+    flags = FLAGS + ISA_FLAGS[isa] + machine_defines(name, isa)
     key = hashlib.sha1(source + " ".join([cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
     folder = os.path.join(cache_root(), "kernels")
     path = os.path.join(folder, f"{name}-{isa}-{key}.so")
@@ -155,6 +155,15 @@ def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
             if os.path.exists(leftover):
                 os.remove(leftover)
     return path
+
+
+def machine_defines(name: str, isa: str) -> list[str]:
+    """Choices of a kernel's build that its instruction set does not make: the attention kernel asks for the
+    cache into L2 on Intel's AVX-512 cores, into L1 elsewhere (docs/decisions.md#avx2-attention)."""
+    avx512 = isa == "avx512" or (isa == "native" and "avx512f" in cpu_flags())
+    if name == "attention" and avx512 and cpu_vendor() == "GenuineIntel":
+        return ["-DSPECDECODE_PREFETCH_L2"]
+    return []
 
 
 def _cpu_signature() -> str:

@@ -95,8 +95,15 @@ typedef __m256 vec;
 #define EVEN_PASSES 0
 #endif
 // How the cache is asked for ahead of its use: keys 16 and values 32 ahead, a line at a time among the loads in use,
-// kept the stream fullest on every AVX2 and AVX-512 core measured, AMD's and Intel's (decisions.md#avx2-attention).
-// The scalar build asks for a block's lines at once: its loops make no calls between.
+// kept the stream fullest on every AVX2 and AVX-512 core measured, AMD's and Intel's (decisions.md#avx2-attention);
+// into L2 on Intel's AVX-512 cores (SPECDECODE_PREFETCH_L2: a decode row's stream measured faster there, verify runs
+// level; their AVX2 build's 2-row runs slower), into L1 elsewhere (AMD's measured so; Zen 4 is reported to drop some
+// prefetches into L2). The scalar build asks for a block's lines at once: its loops make no calls between.
+#ifdef SPECDECODE_PREFETCH_L2
+#define PREFETCH_LOCALITY 1  // prefetcht2
+#else
+#define PREFETCH_LOCALITY 3  // prefetcht0
+#endif
 #ifdef ATTENTION_SIMD
 #define KEYS_AHEAD 16    // keys prefetched into L1 this far ahead of the ones in use
 #define VALUES_AHEAD 32  // values, the same
@@ -127,7 +134,7 @@ static inline __attribute__((always_inline)) void prefetch_next(ahead_t *a) {
     if (--a->wait) return;
     a->wait = a->every;
     if (a->at < a->end) {
-        __builtin_prefetch(a->at, 0, 1);  // into L2 (decisions.md#avx2-attention)
+        __builtin_prefetch(a->at, 0, PREFETCH_LOCALITY);
         a->at += 64;
     }
 }
