@@ -373,13 +373,15 @@ def test_a_sequences_verified_tokens_attend_together_as_if_each_were_alone(isa, 
     assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize("window", [5, 37])
+@pytest.mark.parametrize("window, first", [(5, 290), (37, 290), (300, 423)])
 @pytest.mark.parametrize("isa", kernel_builds())
-def test_verified_tokens_in_a_sliding_window_attend_together_as_if_each_were_alone(isa, window):
+def test_verified_tokens_in_a_sliding_window_attend_together_as_if_each_were_alone(isa, window, first):
     """The same under a window narrower than a run of tokens (5: each token's first key differs from the
-    run's) and one whose start falls inside a block of keys (37), with q/k norms and another scale."""
+    run's), one whose start falls inside a block of keys (37), and one wider than a chunk of keys whose first
+    keys straddle a multiple of 32 within a run of 8 (300 from 423: the run's first token sees keys from 124, its
+    last from 131), with q/k norms and another scale: a token's chunks start where they would alone."""
     slots = [0] * 11 + [1] * 3 + [1]
-    positions = list(range(290, 301)) + [40, 41, 42] + [200]
+    positions = list(range(first, first + 11)) + [40, 41, 42] + [200]
     norms = (1 + torch.rand(64), 1 + torch.rand(64))
     out, alone = _attend_batch(isa, torch.float16, slots, positions, window=window, scale=0.07, norms=norms)
     assert torch.equal(out, alone)
