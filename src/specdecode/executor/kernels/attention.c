@@ -48,7 +48,7 @@
 #if defined(ATTENTION_SIMD) && defined(__AVX512F__)
 #define WIDTH 16
 #define HEADS 16  // query heads scored together at most (16 accumulators of the 32 registers)
-#define WEIGH_HEADS 8  // query heads weighed together at most (2 accumulators each: 24 of the 32 registers)
+#define WEIGH_HEADS 8  // query heads weighed together at most (2 accumulators each: 16 of the 32 registers)
 #define EVEN_PASSES 1  // a group's heads in passes of equal size (see heads_a_pass)
 #define WEIGH_VECS(h) 2  // vectors of dimensions a pass for h heads (see the AVX2 build)
 typedef __m512 vec;
@@ -105,7 +105,7 @@ typedef __m256 vec;
 #define PREFETCH_LOCALITY 3  // prefetcht0
 #endif
 #ifdef ATTENTION_SIMD
-#define KEYS_AHEAD 16    // keys prefetched into L1 this far ahead of the ones in use
+#define KEYS_AHEAD 16    // keys prefetched this far ahead of the ones in use
 #define VALUES_AHEAD 32  // values, the same
 #define SPREAD_AHEAD 1   // a line at each of the block's calls of prefetch_next, spread evenly
 #else
@@ -242,9 +242,9 @@ static inline float entry(const void *cache, int is_half, size_t i) {
 }
 
 // s[g * stride + l] = scale * sum_d q_g[d] kt[d][l] (one fused multiply-add per d, in order) for `heads`
-// <= HEADS query heads (q_g[d] at q[d * qstride + g]: a pass's broadcasts from one pointer) and the first `count` keys of the tile kt (float32, or float16
-// widened exactly as it is loaded), asking for `ahead`'s lines among them. Inlined with a constant `heads` and
-// `is_half`, so the accumulators stay in registers.
+// <= HEADS query heads (q_g[d] at q[d * qstride + g]: a pass's broadcasts from one pointer) and the first `count`
+// keys of the tile kt (float32, or float16 widened exactly as it is loaded), asking for `ahead`'s lines among them.
+// Inlined with a constant `heads` and `is_half`, so the accumulators stay in registers.
 static inline __attribute__((always_inline)) void score_block(const float *q, size_t qstride, int heads,
                                                               const void *kt, int is_half, int D, int count,
                                                               float scale, float *s, size_t stride, ahead_t *ahead) {
@@ -338,7 +338,7 @@ static inline __attribute__((always_inline)) void weigh_heads(const float *w, si
                                                               int vecs, int count, float *o, ahead_t *ahead) {
     ahead_t next = *ahead;  // in registers over the loop
     vec acc[WEIGH_HEADS * 2];  // heads * vecs never exceeds it: WEIGH_VECS gives 4 only below 3 heads
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vload(o + (size_t)g * D + d0 + i * WIDTH);
@@ -347,14 +347,14 @@ static inline __attribute__((always_inline)) void weigh_heads(const float *w, si
         vec x[4];
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) x[i] = load_values(vb, is_half, (size_t)j * D + d0 + i * WIDTH);
-#pragma GCC unroll 16
+#pragma GCC unroll 8
         for (int g = 0; g < heads; g++) {
             const vec wg = vset1(w[g * stride + j]);
 #pragma GCC unroll 4
             for (int i = 0; i < vecs; i++) acc[g * vecs + i] = vfma(wg, x[i], acc[g * vecs + i]);
         }
     }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int g = 0; g < heads; g++)
 #pragma GCC unroll 4
         for (int i = 0; i < vecs; i++) vstore(o + (size_t)g * D + d0 + i * WIDTH, acc[g * vecs + i]);
@@ -400,7 +400,7 @@ static void weigh_block(const float *p, size_t stride, const void *vb, int is_ha
             switch (heads) {
                 WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
 #if WEIGH_HEADS > 6
-                WEIGH_CASE(7) WEIGH_CASE(8) WEIGH_CASE(9) WEIGH_CASE(10) WEIGH_CASE(11) WEIGH_CASE(12)
+                WEIGH_CASE(7) WEIGH_CASE(8)
 #endif
             }
     }
