@@ -742,34 +742,62 @@ def test_the_adaptive_knobs_reach_the_policy_from_llm_the_cli_and_ray_s_plain_da
         build_parser().parse_args(["serve", "--adaptive", "min_gainz=1"])
 
 
-def _seconds_at(tokens: int, context: int) -> float:
+FIRST_ROW_KEY = 2e-5  # seconds per cached key of a sequence's first verify row, in the tests below
+
+
+def _seconds_at(tokens: int, context: int, further_row_key: float = FIRST_ROW_KEY) -> float:
     """A target call of one sequence: its weights (1 s, +0.05 s a row) and its rows' attention over the context."""
-    return 1.0 + 0.05 * (tokens - 1) + 2e-5 * tokens * context
+    return 1.0 + 0.05 * (tokens - 1) + (FIRST_ROW_KEY + further_row_key * (tokens - 1)) * context
+
+
+def _policy_learnt_at(context: int, further_row_key: float, priced_further_row_key: float | None):
+    """A policy whose target costs were learnt over verifies of 1-5 tokens after `context` cached ones, whose
+    attention was profiled at FIRST_ROW_KEY and `priced_further_row_key` (None: further rows as the first)."""
+    p = make_policy("adaptive", 4)
+    p.record_attention_cost(FIRST_ROW_KEY, priced_further_row_key)
+    p.estimator.acceptance["r"] = 0.8
+    p.probe_trials = 0
+    for tokens in range(1, 6):
+        for _ in range(2):  # a size's first sample is provisional
+            seconds = _seconds_at(tokens, context, further_row_key)
+            p.costs.target.observe(1, tokens, seconds, keys=context, extra_keys=(tokens - 1) * context)
+    p.costs.draft.observe(1, 0.05)
+    return p
+
+
+def _best_k(gains: list[float], context: int, further_row_key: float = FIRST_ROW_KEY) -> int:
+    return max(range(5), key=lambda k: (1 + sum(gains[:k])) / (_seconds_at(k + 1, context, further_row_key) + 0.05 * k))
 
 
 def test_costs_learned_at_a_short_context_price_a_long_one():
     """A verify's rows each read the whole context, so drafts that pay at 1k tokens may not at 32k. Costs the
     policy learned at 1k must price a step at 32k, not carry 1k's over: tables keyed by call size alone had
     the 1.5B's head drafting at 0.84x plain decoding at 32k tokens after learning at 16k."""
-    p = make_policy("adaptive", 4)
-    p.record_attention_cost(2e-5)
-    p.estimator.acceptance["r"] = 0.8
-    p.probe_trials = 0
-    for tokens in range(1, 6):
-        for _ in range(2):  # a size's first sample is provisional
-            p.costs.target.observe(1, tokens, _seconds_at(tokens, 1000), keys=tokens * 1000)
-    p.costs.draft.observe(1, 0.05)
+    p = _policy_learnt_at(1000, FIRST_ROW_KEY, None)
     gains = p.token_gains(0.8)
-
-    def best_k(context: int) -> int:
-        return max(range(5), key=lambda k: (1 + sum(gains[:k])) / (_seconds_at(k + 1, context) + 0.05 * k))
-
-    assert best_k(32000) < best_k(1000)  # the two contexts want different drafts
+    assert _best_k(gains, 32000) < _best_k(gains, 1000)  # the two contexts want different drafts
     for context in (1000, 32000):
         for k in range(5):
             priced = p.costs.step_seconds([k], contexts=[context])
             assert priced == pytest.approx(_seconds_at(k + 1, context) + 0.05 * k)
-        assert p.choose(["r"], contexts=[context]).ks == [best_k(context)]
+        assert p.choose(["r"], contexts=[context]).ks == [_best_k(gains, context)]
+
+
+def test_a_verify_s_further_rows_are_priced_at_their_own_rate_per_key():
+    """The attention kernel reads a sequence's keys once for all its verify rows, so a further row costs a
+    fraction of the first per key (the 1.5B on a Xeon: a third). Priced at the first row's rate, the policy
+    drafts less at long contexts than pays: the head drafted 1 token a step at 16k where 3 ran faster."""
+    further = FIRST_ROW_KEY / 3
+    for learnt_at in (1000, 16000):
+        p = _policy_learnt_at(learnt_at, further, further)
+        gains = p.token_gains(0.8)
+        for context in (1000, 32000):
+            for k in range(5):
+                priced = p.costs.step_seconds([k], contexts=[context])
+                assert priced == pytest.approx(_seconds_at(k + 1, context, further) + 0.05 * k)
+            assert p.choose(["r"], contexts=[context]).ks == [_best_k(gains, context, further)]
+    one_rate = _policy_learnt_at(1000, further, None)
+    assert one_rate.choose(["r"], contexts=[32000]).ks[0] < _best_k(gains, 32000, further)
 
 
 def test_the_engine_tells_the_policy_each_sequence_s_cached_tokens(target):

@@ -8,8 +8,12 @@ same run. With `--draft`, each length's prompt is prefilled once, then decoded `
 time per token of each gives the drafter's speedup. Alternating matters: the first steps after a long prefill run
 slower (the host's caches and pages), and whichever mode ran there would lose.
 
+With `--ends`, the same for several continuations (each end a token offset in the text where decoding starts), and
+per length the drafter's speedup over all of them (geometric mean) and τ (mean): one continuation's acceptance varies
+with what the target writes there, and the target writes differently after more context.
+
     python tools/long_context.py --lengths 16384 32000 1024 [--max-tokens 32] [--rounds 3] [--vs-llama-cpp BIN]
-        [--draft NAME [--fixed-k K]]
+        [--draft NAME [--fixed-k K]] [--ends END ...]
 """
 
 from __future__ import annotations
@@ -75,24 +79,64 @@ def median_tpot(runs: list[dict]) -> float:
     return statistics.median(run["tpot_s"] for run in runs)
 
 
-def print_drafter(name: str, drafted: list[dict], plain: list[dict]) -> None:
+def print_drafter(name: str, drafted: list[dict], plain: list[dict]) -> float:
+    """One drafter's line for one prompt; returns its speedup over plain (medians)."""
     rates = " ".join(f"{1 / run['tpot_s']:.2f}/{1 / p['tpot_s']:.2f}" for run, p in zip(drafted, plain))
-    taus = " ".join(f"{run['mean_accepted_length'] or 1:.2f}" for run in drafted)
+    taus = " ".join(f"{tau(run):.2f}" for run in drafted)
     steps = " ".join(f"{run['num_spec_steps']}/{run['num_steps']}" for run in drafted)
     drafts = " ".join(f"{run['num_draft_tokens'] / max(run['num_spec_steps'], 1):.2f}" for run in drafted)
     same = all(run["token_ids"] == plain[0]["token_ids"] for run in drafted + plain)
+    speedup = median_tpot(plain) / median_tpot(drafted)
     print(
-        f"  {name}: {1 / median_tpot(drafted):.2f} tok/s: {median_tpot(plain) / median_tpot(drafted):.2f}× plain "
+        f"  {name}: {1 / median_tpot(drafted):.2f} tok/s: {speedup:.2f}× plain "
         f"(medians; tok/s drafter/plain per round {rates}; τ {taus}; steps drafted {steps}; drafts a drafted step "
         f"{drafts}); the same tokens: {same}",
         flush=True,
     )
+    return speedup
+
+
+def tau(run: dict) -> float:
+    return run["mean_accepted_length"] or 1
+
+
+def measure(llm: LLM, prompt: list[int], args, bytes_per_step: float) -> tuple[dict, list[list[dict]]]:
+    """One prompt: its prefill (the first decode), then the modes' decodes in turn; prints the prefill and
+    plain decoding's rate against what its bytes allow."""
+    started = time.perf_counter()
+    spec = decode(llm, prompt, args.max_tokens)
+    computed = len(prompt) - spec["num_cached_prompt_tokens"]
+    runs = decode_in_turn(llm, prompt, args.max_tokens, args.rounds, args.fixed_k) if args.draft else [[spec]]
+    beside = read_bandwidth()  # the host's rate drifts over a long prefill: the one beside the decoding counts
+    allowed, plain_rate = beside / bytes_per_step, 1 / median_tpot(runs[-1])
+    print(
+        f"{len(prompt)} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({computed / spec['ttft_s']:.0f} tok/s); "
+        f"plain decoding {plain_rate:.2f} tok/s, the bytes allow {allowed:.2f} ({bytes_per_step / 2**30:.2f} GiB a "
+        f"step at {beside / 1e9:.1f} GB/s, read just after): {plain_rate / allowed:.0%}; "
+        f"{time.perf_counter() - started:.1f} s in all; RSS now "
+        f"{rss_gib():.2f} GiB, peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+        flush=True,
+    )
+    return spec, runs
+
+
+def print_over_ends(name: str, speedups: dict[int, list[float]], taus: dict[int, list[float]]) -> None:
+    for length, values in speedups.items():
+        mean = statistics.geometric_mean(values)
+        print(
+            f"{name}, {length} tokens over {len(values)} continuations: {mean:.2f}× plain (geometric mean; each "
+            f"{' '.join(f'{v:.2f}' for v in values)}), τ {statistics.mean(taus[length]):.2f}",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
+    parser.add_argument(
+        "--ends", type=int, nargs="+", help="token offsets where decoding starts (default: the longest length's)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--vs-llama-cpp", metavar="BIN", help="llama.cpp's tools folder (build-llama-cpp.sh's)")
     parser.add_argument("--draft", help="also decode with this drafter (e.g. head:qwen2.5-coder-1.5b)")
@@ -105,34 +149,30 @@ def main() -> None:
     text = "\n".join(source for _, source in stdlib_sources())
     ids = llm.tokenizer.encode(text)
     print(f"{describe_machine(machine_info())}; max_model_len {llm.engine.max_model_len}; {plan.summary()}")
-    bandwidth = read_bandwidth()
-    print(f"idle: RSS {rss_gib():.2f} GiB; read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(f"idle: RSS {rss_gib():.2f} GiB; read bandwidth {read_bandwidth() / 1e9:.1f} GB/s", flush=True)
     target = llm.engine.runner.model
     target_kv_bytes = kv_bytes_per_token(target.cfg, target.kv_dtype)  # what a plain step reads a cached token
-    first_prefill, end = None, max(args.lengths)
-    for length in args.lengths:
-        started = time.perf_counter()
-        prompt = ids[end - length : end]  # every length decodes the same continuation, after more or less context
-        spec = decode(llm, prompt, args.max_tokens)
-        computed = length - spec["num_cached_prompt_tokens"]
-        first_prefill = first_prefill or computed / spec["ttft_s"]
-        runs = decode_in_turn(llm, prompt, args.max_tokens, args.rounds, args.fixed_k) if args.draft else [[spec]]
-        plain = runs[-1]
-        step_bytes = plan.target_weight_bytes + target_kv_bytes * length
-        beside = read_bandwidth()  # the host's rate drifts over a long prefill: the one beside the decoding counts
-        allowed, plain_rate = beside / step_bytes, 1 / median_tpot(plain)
-        print(
-            f"{length} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({computed / spec['ttft_s']:.0f} tok/s); "
-            f"plain decoding {plain_rate:.2f} tok/s, the bytes allow {allowed:.2f} ({step_bytes / 2**30:.2f} GiB a "
-            f"step at {beside / 1e9:.1f} GB/s, read just after): {plain_rate / allowed:.0%}; "
-            f"{time.perf_counter() - started:.1f} s in all; RSS now "
-            f"{rss_gib():.2f} GiB, peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
-            flush=True,
-        )
-        if args.draft:
-            print_drafter(args.draft, runs[0], plain)
-        if args.draft and args.fixed_k:
-            print_drafter(f"{args.draft} at fixed k = {args.fixed_k}", runs[1], plain)
+    first_prefill = None
+    modes = [args.draft, *([f"{args.draft} at fixed k = {args.fixed_k}"] if args.fixed_k else [])]
+    speedups = {mode: {length: [] for length in args.lengths} for mode in modes}
+    taus = {mode: {length: [] for length in args.lengths} for mode in modes}
+    for end in args.ends or [max(args.lengths)]:
+        if len(args.ends or []) > 1:
+            print(f"# the continuation from token {end}", flush=True)
+        continuations = {}
+        for length in args.lengths:
+            prompt = ids[end - length : end]  # every length decodes the same continuation, after more or less context
+            spec, runs = measure(llm, prompt, args, plan.target_weight_bytes + target_kv_bytes * length)
+            first_prefill = first_prefill or (length - spec["num_cached_prompt_tokens"]) / spec["ttft_s"]
+            continuations[length] = runs[-1][0]["token_ids"]
+            for mode, drafted in zip(modes if args.draft else [], runs):
+                speedups[mode][length].append(print_drafter(mode, drafted, runs[-1]))
+                taus[mode][length].append(statistics.mean(tau(run) for run in drafted))
+        if len(continuations) > 1:
+            same = sum(a == b for a, b in zip(*continuations.values()))
+            print(f"  plain writes the same first tokens after every length: {same} of {args.max_tokens}", flush=True)
+    for mode in modes if args.draft and len(args.ends or []) > 1 else []:
+        print_over_ends(mode, speedups[mode], taus[mode])
     if args.vs_llama_cpp:
         theirs = llama_prefill(args.vs_llama_cpp, resolve(args.model).path, args.lengths[0])
         print(f"llama.cpp llama-bench -p {args.lengths[0]}: {theirs:.0f} tok/s; ours {first_prefill / theirs:.2f}×")

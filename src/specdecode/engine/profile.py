@@ -76,21 +76,28 @@ def profile_verify_costs(engine, context: int = 128, repeats: int = 2) -> float:
     sizes = sorted({1 << i for i in range((cap + 1).bit_length()) if 1 << i <= cap + 1} | {cap + 1})
     for tokens in sizes:
         seconds = time_forward(engine.runner.model, 1, tokens, context, repeats)
-        engine.policy.record_target_cost(1, tokens, seconds, tokens * context)
+        engine.policy.record_target_cost(1, tokens, seconds, context, (tokens - 1) * context)
     return time.perf_counter() - started
 
 
 def profile_attention_cost(engine, repeats: int = 5) -> float:
-    """Record in the engine's policy what the target's attention costs per row and cached key: a decode step
-    after LONG_CONTEXT cached tokens against one after SHORT_CONTEXT (the difference is the attention over
-    the keys between; the weights cost the same). A verify's rows cost by the keys they read, so costs
-    learned at one context length price another with it. Returns the seconds it took (0 where nothing will
-    be verified, k = 0, or the context is too short for the difference to be measured)."""
-    long = min(LONG_CONTEXT, engine.max_model_len - 2)
+    """Record in the engine's policy what the target's attention costs per cached key, for a sequence's first row
+    and for each further row of a verify (k + 1 rows): calls after LONG_CONTEXT cached tokens against the same
+    calls after SHORT_CONTEXT (the difference is the attention over the keys between; the weights cost the same).
+    A further row reads keys the first already brought in, so it costs less per key. Costs learned at one
+    context length then price another. Returns the seconds it took (0 where nothing will be verified, k = 0, or
+    the context is too short for the difference to be measured)."""
+    long = min(LONG_CONTEXT, engine.max_model_len - engine.k - 2)
     if engine.k == 0 or long < 8 * SHORT_CONTEXT:
         return 0.0
     started = time.perf_counter()
-    model = engine.runner.model
-    gap = time_forward(model, 1, 1, long, repeats) - time_forward(model, 1, 1, SHORT_CONTEXT, repeats)
-    engine.policy.record_attention_cost(max(0.0, gap) / (long - SHORT_CONTEXT))
+    model, rows, keys = engine.runner.model, engine.k + 1, long - SHORT_CONTEXT
+
+    def gap(tokens: int) -> float:
+        return max(
+            0.0, time_forward(model, 1, tokens, long, repeats) - time_forward(model, 1, tokens, SHORT_CONTEXT, repeats)
+        )
+
+    first = gap(1)
+    engine.policy.record_attention_cost(first / keys, max(0.0, gap(rows) - first) / ((rows - 1) * keys))
     return time.perf_counter() - started

@@ -251,7 +251,7 @@ class AdaptivePolicy(Policy):
         elif n in self.calibration:
             self.calibration[n] += self.estimator.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
-        self.costs.target.observe(n, n + sum(ks), target_seconds, sum((k + 1) * c for k, c in zip(ks, contexts)))
+        self.costs.target.observe(n, n + sum(ks), target_seconds, plain_keys, sum(k * c for k, c in zip(ks, contexts)))
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
         if not drafting:
             self.estimator.fade_population_evidence()
@@ -265,8 +265,8 @@ class AdaptivePolicy(Policy):
     def record_draft_cost(self, batch: int, seconds: float) -> None:
         self.costs.draft.record(batch, seconds)
 
-    def record_target_cost(self, batch: int, tokens: int, seconds: float, keys: int = 0) -> None:
-        self.costs.target.record(batch, tokens, seconds, keys)
+    def record_target_cost(self, batch: int, tokens: int, seconds: float, keys: int = 0, extra_keys: int = 0) -> None:
+        self.costs.target.record(batch, tokens, seconds, keys, extra_keys)
 
-    def record_attention_cost(self, seconds_per_row_key: float) -> None:
-        self.costs.target.per_row_key = seconds_per_row_key
+    def record_attention_cost(self, per_row_key: float, per_extra_row_key: float | None = None) -> None:
+        self.costs.target.per_row_key, self.costs.target.per_extra_row_key = per_row_key, per_extra_row_key

@@ -101,12 +101,13 @@ class Policy:
     def record_draft_cost(self, batch: int, seconds: float) -> None:
         """A draft forward for `batch` sequences takes `seconds` (timed at start-up, see engine/profile.py)."""
 
-    def record_target_cost(self, batch: int, tokens: int, seconds: float, keys: int = 0) -> None:
-        """A target call of `batch` sequences and `tokens` tokens in all, whose rows read `keys` cached keys,
-        takes `seconds` (timed at start-up)."""
+    def record_target_cost(self, batch: int, tokens: int, seconds: float, keys: int = 0, extra_keys: int = 0) -> None:
+        """A target call of `batch` sequences and `tokens` tokens in all, whose sequences' first rows read `keys`
+        cached keys and further rows `extra_keys`, takes `seconds` (timed at start-up)."""
 
-    def record_attention_cost(self, seconds_per_row_key: float) -> None:
-        """The target's attention costs this much per verify row and cached key it reads (timed at start-up)."""
+    def record_attention_cost(self, per_row_key: float, per_extra_row_key: float | None = None) -> None:
+        """The target's attention costs this much per cached key for a sequence's first row, and for each of its
+        further rows (None: as much; timed at start-up)."""
 
     def forget(self, request_id: str) -> None:
         """The sequence finished."""

@@ -118,11 +118,16 @@ class TargetCost:
     a new batch size, catch-ups included, for steps that then ran at a loss. Calls grow one token
     past what has been measured at a time, which is how they learn.
 
-    Attention is priced apart, by the cached keys the call's rows read (`keys`, summed over its rows), so
-    costs learned at one context length price another (docs/decisions.md#adaptive-policy-the-cost-model)."""
+    Attention is priced apart, by the cached keys the call's rows read, so costs learned at one context length
+    price another: a sequence's first row by `keys` (summed over the sequences) at `per_row_key`, its further
+    rows by `extra_keys` at `per_extra_row_key`. The attention kernel reads a sequence's keys once for all its
+    rows, so a further row pays mostly its arithmetic: priced as first rows, a verify's rows at a long context
+    look far dearer than they are, and the policy drafts too little there
+    (docs/decisions.md#adaptive-policy-the-cost-model)."""
 
     tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
-    per_row_key: float = 0.0  # seconds of attention per row and cached key it reads (profiled; 0: not known)
+    per_row_key: float = 0.0  # seconds of attention per sequence and cached key, its first row (profiled; 0: unknown)
+    per_extra_row_key: float | None = None  # the same for each further row of the sequence (None: as the first)
     min_slope_span: int = 4  # tokens a batch size's measurements must span for its own slope to count
     explore_tokens: int = 1  # tokens past the largest measured call that the slope is trusted for
 
@@ -132,17 +137,23 @@ class TargetCost:
     # worked out once while the tables stay as they are: a decision at 64 sequences prices hundreds of calls
     _parts: dict = field(default_factory=dict)
 
-    def observe(self, batch: int, tokens: int, seconds: float, keys: float = 0.0) -> None:
-        self.tables.setdefault(batch, CostTable()).observe(tokens, self._beside_attention(seconds, keys))
+    def observe(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
+        self.tables.setdefault(batch, CostTable()).observe(tokens, self._beside_attention(seconds, keys, extra_keys))
         self._changed()
 
-    def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0) -> None:
+    def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
         """A profiled measurement (see CostTable.record)."""
-        self.tables.setdefault(batch, CostTable()).record(tokens, self._beside_attention(seconds, keys))
+        self.tables.setdefault(batch, CostTable()).record(tokens, self._beside_attention(seconds, keys, extra_keys))
         self._changed()
 
-    def _beside_attention(self, seconds: float, keys: float) -> float:
-        return max(seconds - self.per_row_key * keys, 1e-9)
+    def attention(self, keys: float, extra_keys: float = 0.0) -> float:
+        """Seconds of a call's attention: its sequences' first rows read `keys` cached keys, their further rows
+        `extra_keys` (see the class doc)."""
+        extra = self.per_row_key if self.per_extra_row_key is None else self.per_extra_row_key
+        return self.per_row_key * keys + extra * extra_keys
+
+    def _beside_attention(self, seconds: float, keys: float, extra_keys: float) -> float:
+        return max(seconds - self.attention(keys, extra_keys), 1e-9)
 
     def _changed(self) -> None:
         self._prices.clear()
@@ -161,12 +172,13 @@ class TargetCost:
         which is provisional (CostTable): priced from verify calls instead, plain looks as dear as a draft."""
         return batch in self.tables and self.tables[batch].trusts(batch)
 
-    def __call__(self, batch: int, tokens: float, keys: float = 0.0) -> float:
-        """Seconds of a call of `batch` sequences and `tokens` rows in all, whose rows read `keys` cached keys."""
+    def __call__(self, batch: int, tokens: float, keys: float = 0.0, extra_keys: float = 0.0) -> float:
+        """Seconds of a call of `batch` sequences and `tokens` rows in all, whose first rows read `keys` cached
+        keys and further rows `extra_keys`."""
         key = (batch, tokens)
         if key not in self._prices:
             self._prices[key] = self._price(batch, tokens)
-        return self._prices[key] + self.per_row_key * keys
+        return self._prices[key] + self.attention(keys, extra_keys)
 
     def _price(self, batch: int, tokens: float) -> float:
         table = self.tables.get(batch)
@@ -279,21 +291,22 @@ class StepPrice:
         self.rows = [0] * len(reach)  # sequences whose model draft reaches each position
         self.forwards = [0.0] * len(reach)  # the expected seconds of the draft forward at each position
         self.tokens = float(n)  # expected rows of the verify call
-        self.keys = float(sum(contexts or ()))  # expected cached keys its rows read: a row per sequence so far
+        self.keys = float(sum(contexts or ()))  # cached keys the sequences' first rows read
+        self.extra_keys = 0.0  # expected cached keys the further rows read
 
     def grow(self, length: int, by_lookup: bool, context: int = 0) -> None:
         """One sequence's draft grows to `length` tokens (from prompt lookup: no draft forward); it has
         `context` tokens cached."""
         if by_lookup:
             self.tokens += 1
-            self.keys += context
+            self.extra_keys += context
             return
         j = length - 1
         self.rows[j] += 1
         self.forwards[j] = self.costs._expected_draft_forward(self.rows[j], self.reach[j])
         self.tokens += self.reach[j]
-        self.keys += self.reach[j] * context
+        self.extra_keys += self.reach[j] * context
 
     @property
     def seconds(self) -> float:
-        return sum(self.forwards) + self.costs.target(self.n, self.tokens, self.keys)
+        return sum(self.forwards) + self.costs.target(self.n, self.tokens, self.keys, self.extra_keys)
