@@ -11,22 +11,19 @@ from dataclasses import dataclass, field
 @dataclass
 class CostTable:
     """Seconds of a forward by size (tokens in the call, or sequences drafting): the median of the most
-    recent samples of each size. A median, because steps stall now and then (a 2x step among steady ones
-    is common on a shared CPU) and a mean would carry one stall for many steps: a plain step priced high
-    makes speculation look better than it is until plain decoding is measured again, which under
-    speculation is rare.
+    recent samples of each size. A median, because steps stall now and then on a shared CPU, and a mean
+    would carry one stall for many steps: a plain step priced high makes speculation look better than it
+    is until plain decoding is measured again, which under speculation is rare.
 
-    The first sample of a size is provisional: it often carries one-off work (a first call for a new
-    shape), so it is replaced by the second, and while other sizes have two samples it is not used at
-    all: a size is estimated from the trusted ones instead. Otherwise a pessimistic first sample would
-    keep the policy from ever choosing that size again, and so from correcting it. Unmeasured sizes are
-    interpolated between the trusted neighbours.
+    The first sample of a size is provisional (a first call for a new shape often carries one-off work):
+    the second replaces it, and while other sizes have two samples it is not used at all. Otherwise a
+    pessimistic first sample would keep the policy from choosing that size again, and so from correcting
+    it. Unmeasured sizes are interpolated between the trusted neighbours.
 
     Outside them the estimate never gets cheaper per unit than the nearest measured size: above the
-    largest it grows in proportion, below the smallest it stays at the smallest's cost. Costs jump
-    where kernels change tiling, so a slope through the measured sizes can be far too optimistic; a
-    pessimistic guess costs little, since the policy then drafts for fewer sequences, which it has
-    measured, and measures larger sizes as it grows into them."""
+    largest it grows in proportion, below the smallest it stays at the smallest's cost. Costs jump where
+    kernels change tiling, so a slope can be far too optimistic; a pessimistic guess costs little, since
+    the policy then drafts for fewer sequences and measures larger sizes as it grows into them."""
 
     window: int = 7  # recent samples per size that the median is taken over
     seconds: dict[int, float] = field(default_factory=dict)
@@ -112,18 +109,15 @@ class TargetCost:
     the other batch sizes', else 2% of its plain step.
 
     The slope is trusted only up to one token past the largest call measured at any batch size; beyond
-    that the cost grows in proportion to the tokens. Low-bit CPU kernels get dearer per row as calls
-    grow (on this project's CPU 2 sequences x 5 tokens cost 2.6x 2 x 1, where 1 x 5 cost 1.4x 1 x 1), so
-    a slope learned on small calls priced large ones far too cheaply, and the policy started drafting at
-    a new batch size, catch-ups included, for steps that then ran at a loss. Calls grow one token
-    past what has been measured at a time, which is how they learn.
+    that the cost grows in proportion to the tokens: low-bit CPU kernels get dearer per row as calls grow,
+    and a slope learned on small calls priced large ones so cheaply that the policy drafted at a loss.
+    Calls grow one token past what has been measured at a time, which is how they learn.
 
-    Attention is priced apart, by the cached keys the call's rows read, so costs learned at one context length
-    price another: a sequence's first row by `keys` (summed over the sequences) at `per_row_key`, its further
-    rows by `extra_keys` at `per_extra_row_key`. The attention kernel reads a sequence's keys once for all its
-    rows, so a further row pays mostly its arithmetic: priced as first rows, a verify's rows at a long context
-    look far dearer than they are, and the policy drafts too little there
-    (docs/decisions.md#adaptive-policy-the-cost-model)."""
+    Attention is priced apart per cached key, so costs learned at one context length price another: a
+    sequence's first row by `keys` at `per_row_key`, its further rows by `extra_keys` at `per_extra_row_key`.
+    The kernel reads a sequence's keys once for all its rows, so a further row pays mostly its arithmetic:
+    priced as first rows, a long context's verify rows look far dearer than they are, and the policy drafts
+    too little there (docs/decisions.md#adaptive-policy-the-cost-model)."""
 
     tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
     per_row_key: float = 0.0  # seconds of attention per sequence and cached key, its first row (profiled; 0: unknown)
@@ -138,12 +132,13 @@ class TargetCost:
     _parts: dict = field(default_factory=dict)
 
     def observe(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
-        self.tables.setdefault(batch, CostTable()).observe(tokens, self._beside_attention(seconds, keys, extra_keys))
+        beside = max(seconds - self.attention(keys, extra_keys), 1e-9)
+        self.tables.setdefault(batch, CostTable()).observe(tokens, beside)
         self._changed()
 
     def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
         """A profiled measurement (see CostTable.record)."""
-        self.tables.setdefault(batch, CostTable()).record(tokens, self._beside_attention(seconds, keys, extra_keys))
+        self.tables.setdefault(batch, CostTable()).record(tokens, max(seconds - self.attention(keys, extra_keys), 1e-9))
         self._changed()
 
     def attention(self, keys: float, extra_keys: float = 0.0) -> float:
@@ -151,9 +146,6 @@ class TargetCost:
         `extra_keys` (see the class doc)."""
         extra = self.per_row_key if self.per_extra_row_key is None else self.per_extra_row_key
         return self.per_row_key * keys + extra * extra_keys
-
-    def _beside_attention(self, seconds: float, keys: float, extra_keys: float) -> float:
-        return max(seconds - self.attention(keys, extra_keys), 1e-9)
 
     def _changed(self) -> None:
         self._prices.clear()
@@ -248,10 +240,8 @@ class CostModel:
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         per_token = max(0.0, seconds) / tokens
         self._prefill_samples += 1
-        if self._prefill_samples == 1:
-            self.draft_prefill_per_token = per_token
-        else:
-            self.draft_prefill_per_token += self.smoothing * (per_token - self.draft_prefill_per_token)
+        weight = 1.0 if self._prefill_samples == 1 else self.smoothing  # the first sample is taken as it is
+        self.draft_prefill_per_token += weight * (per_token - self.draft_prefill_per_token)
 
     def step_seconds(
         self,
@@ -260,11 +250,10 @@ class CostModel:
         reach: list[float] | None = None,
         contexts: list[int] | None = None,
     ) -> float:
-        """Predicted seconds of a step where sequence i may draft ks[i] tokens and the target verifies them;
-        by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost; reach[j]: the chance
-        that the draft model drafts position j + 1 of those it is allowed (it may stop early; default:
-        never), which prices the draft forwards and verify rows a step is expected to make; contexts[i]: the
-        tokens sequence i has cached (each of its rows reads them)."""
+        """Predicted seconds of a step where sequence i, with contexts[i] tokens cached, may draft ks[i] tokens
+        and the target verifies them; by_lookup[i]: those drafts come from prompt lookup, at no draft-forward
+        cost; reach[j]: the chance that the draft model drafts position j + 1 of those it is allowed (it may
+        stop early; default: never), which prices the draft forwards and verify rows a step is expected to make."""
         contexts = contexts or [0] * len(ks)
         step = StepPrice(self, len(ks), reach or [1.0] * max(ks, default=0), contexts)
         for i, k in enumerate(ks):
@@ -295,8 +284,7 @@ class StepPrice:
         self.extra_keys = 0.0  # expected cached keys the further rows read
 
     def grow(self, length: int, by_lookup: bool, context: int = 0) -> None:
-        """One sequence's draft grows to `length` tokens (from prompt lookup: no draft forward); it has
-        `context` tokens cached."""
+        """One sequence, with `context` tokens cached, drafts to `length` (by prompt lookup: no draft forward)."""
         if by_lookup:
             self.tokens += 1
             self.extra_keys += context
