@@ -93,11 +93,10 @@ def profile_attention_cost(engine, repeats: int = 5) -> float:
     started = time.perf_counter()
     model, rows, keys = engine.runner.model, engine.k + 1, long - SHORT_CONTEXT
 
-    def gap(tokens: int) -> float:
-        return max(
-            0.0, time_forward(model, 1, tokens, long, repeats) - time_forward(model, 1, tokens, SHORT_CONTEXT, repeats)
-        )
+    def attention_seconds(tokens: int) -> float:  # over the keys between the two contexts
+        return time_forward(model, 1, tokens, long, repeats) - time_forward(model, 1, tokens, SHORT_CONTEXT, repeats)
 
-    first = gap(1)
-    engine.policy.record_attention_cost(first / keys, max(0.0, gap(rows) - first) / ((rows - 1) * keys))
+    first = max(0.0, attention_seconds(1))
+    further = max(0.0, attention_seconds(rows) - first) / (rows - 1)
+    engine.policy.record_attention_cost(first / keys, further / keys)
     return time.perf_counter() - started

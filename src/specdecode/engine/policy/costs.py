@@ -138,12 +138,12 @@ class TargetCost:
 
     def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
         """A profiled measurement (see CostTable.record)."""
-        self.tables.setdefault(batch, CostTable()).record(tokens, max(seconds - self.attention(keys, extra_keys), 1e-9))
+        beside = max(seconds - self.attention(keys, extra_keys), 1e-9)
+        self.tables.setdefault(batch, CostTable()).record(tokens, beside)
         self._changed()
 
     def attention(self, keys: float, extra_keys: float = 0.0) -> float:
-        """Seconds of a call's attention: its sequences' first rows read `keys` cached keys, their further rows
-        `extra_keys` (see the class doc)."""
+        """Seconds of a call's attention: first rows read `keys` cached keys, further rows `extra_keys`."""
         extra = self.per_row_key if self.per_extra_row_key is None else self.per_extra_row_key
         return self.per_row_key * keys + extra * extra_keys
 
