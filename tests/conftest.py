@@ -84,6 +84,7 @@ def tiny_config(
     layers: int = 2,
     hidden: int = 64,
     intermediate: int | None = None,
+    max_position: int = 256,
     **features,
 ) -> ModelConfig:
     """features: ModelConfig's family fields (experts, windows, q/k norms...)."""
@@ -97,7 +98,7 @@ def tiny_config(
         num_kv_heads=2,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
-        max_position=256,
+        max_position=max_position,
         qkv_bias=arch == "qwen2",
         tie_word_embeddings=False,
         **features,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ KINDS = ["plain", "draft", "head", "suffix"]
 
 def _model(layers: int) -> LoadedModel:
     """The tiny model with a context of 1,024 tokens."""
-    cfg = replace(tiny_config(layers=layers), max_position=1024)
+    cfg = tiny_config(layers=layers, max_position=1024)
     weights = build_model(cfg, random_hf_weights(cfg, 0), torch.float32, DEVICE)
     return LoadedModel(f"tiny-1k-{layers}", weights, ByteTokenizer(cfg.vocab_size), cfg)
 

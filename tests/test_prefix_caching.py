@@ -3,8 +3,6 @@ with them computes only the rest; running sequences share a common prefix's bloc
 computed whole, one tenant never starts from another's blocks, and what is found follows every commit and
 rollback."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 from conftest import DEVICE, ByteTokenizer, random_hf_weights, tiny_config
@@ -175,7 +173,7 @@ def test_common_prefix_equals_the_first_difference():
 @pytest.fixture(scope="module")
 def long_target():
     """The tiny model with a 4k-token context, for prompts of a 2k-token prefix."""
-    cfg = replace(tiny_config(), max_position=4096)
+    cfg = tiny_config(max_position=4096)
     return LoadedModel(
         "tiny-4k",
         build_model(cfg, random_hf_weights(cfg, 0), torch.float32, DEVICE),

@@ -1,17 +1,12 @@
 """Draft-cost profile at start-up: the adaptive policy prices every number of drafting sequences from
 measurements, not from extrapolation."""
 
-from dataclasses import replace
-
-import torch
-from conftest import DEVICE, random_hf_weights
+from conftest import tiny_model
 from test_policy import _served
 
 from specdecode import LLM
 from specdecode.engine.policy import CostTable
 from specdecode.engine.profile import profile_draft_costs
-from specdecode.models.loader import LoadedModel
-from specdecode.models.runtime import build_model
 
 
 def test_an_adaptive_llm_times_the_draft_at_every_batch_size_and_leaves_the_engine_untouched(target, random_draft):
@@ -96,13 +91,10 @@ def test_a_profiled_draft_lets_batch_4_start_where_extrapolation_would_not():
     assert profiled.choose(ids, catch_up=[115] * 8, remaining=[127] * 8).ks == [0] * 8
 
 
-def test_attention_is_timed_for_a_sequence_s_first_row_and_for_its_further_rows(target):
+def test_attention_is_timed_for_a_sequence_s_first_row_and_for_its_further_rows():
     """Attention is priced per cached key at two rates: a sequence's first row, and each further row of a
     verify (which reads keys the first brought in). Both come from the start-up profile."""
-    cfg = replace(target.config, max_position=2048)
-    long = LoadedModel(
-        "tiny-2k", build_model(cfg, random_hf_weights(cfg, 0), torch.float32, DEVICE), target.tokenizer, cfg
-    )
+    long = tiny_model(max_position=2048)
     llm = LLM(target=long, draft=long, num_speculative_tokens=3, max_num_seqs=1)
     costs = llm.engine.policy.costs.target
     assert llm.profile_seconds > 0

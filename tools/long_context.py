@@ -169,8 +169,8 @@ def main() -> None:
                 speedups[mode][length].append(print_drafter(mode, drafted, runs[-1]))
                 taus[mode][length].append(statistics.mean(tau(run) for run in drafted))
         if len(continuations) > 1:
-            same = sum(a == b for a, b in zip(*continuations.values()))
-            print(f"  plain writes the same first tokens after every length: {same} of {args.max_tokens}", flush=True)
+            same = sum(len(set(tokens)) == 1 for tokens in zip(*continuations.values()))
+            print(f"  plain writes the same token after every length at {same} of {args.max_tokens} places", flush=True)
     for mode in modes if args.draft and len(args.ends or []) > 1 else []:
         print_over_ends(mode, speedups[mode], taus[mode])
     if args.vs_llama_cpp:

@@ -19,7 +19,7 @@ from specdecode.models.draft_head import build_head, read_head
 from specdecode.models.loader import load_model
 from specdecode.proposers.draft_head import head_path
 
-CHUNK, WINDOW = 256, 1024
+CHUNK, WINDOW, SPAN = 256, 1024, 2048  # SPAN: the positions each line of the first END's profile covers
 
 
 def record(target, ids: list[int]) -> FeatureSet:
@@ -60,9 +60,9 @@ def main() -> None:
             f"({time.perf_counter() - started:.0f} s)",
             flush=True,
         )
-        for first in range(0, len(after) if number == 0 else 0, 2048 // CHUNK):
-            part = rows(after, first, first + 2048 // CHUNK)
-            print(f"  positions {first * CHUNK}-{(first + 8) * CHUNK}: {rounds(evaluate(head, part, 2))}", flush=True)
+        for first in range(0, len(after) if number == 0 else 0, SPAN // CHUNK):
+            part = rows(after, first, first + SPAN // CHUNK)
+            print(f"  positions {first * CHUNK}-{first * CHUNK + SPAN}: {rounds(evaluate(head, part, 2))}", flush=True)
 
 
 if __name__ == "__main__":
