@@ -398,6 +398,37 @@ def test_the_readme_figures_are_those_of_the_runs_it_cites():
         assert [plain, adaptive.replace(ratio, ""), server, server_draft] == [f"{v:.2f}" for v in expected], c
 
 
+def _limitations() -> str:
+    text = README.read_text()
+    return text[text.index("## Limitations") : text.index("## Documentation")]
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}×"
+
+
+def test_the_limitations_cite_the_figures_of_the_runs_they_sum_up():
+    """The Limitations' batch-1 gain is the span over the batch-1 table's hosts of its best drafter's rate against
+    our plain decoding and against llama.cpp's, from the same JSON; the head against context length is its log's
+    geometric means. A table changed alone leaves a stale sum here, which fails."""
+    over_ours, over_llama_cpp = [], []
+    drafters = [c for label, configs in BATCH_1_CONFIGS.items() if label.startswith("ours, ") for c in configs]
+    for run in BATCH_1_RUNS.values():
+        rates = {
+            r["config"]: r["tokens_per_s"] for r in json.loads((ROOT / "docs" / "bench" / run).read_text())["results"]
+        }
+        best = max(rates[c] for c in drafters if c in rates and c != "cpu w4a8: plain")
+        over_ours.append(best / rates["cpu w4a8: plain"])
+        over_llama_cpp.append(best / rates["llama.cpp: plain (mean)"])
+    limitations = " ".join(_limitations().split())
+    assert f"reads {_span(over_ours)} our plain decoding on the five hosts ({_span(over_llama_cpp)} llama.cpp's)" in (
+        limitations
+    )
+    log = (ROOT / "docs" / "bench" / "long-context-head-xeon-amx-continuations.log").read_text()
+    means = dict(re.findall(r"^head:\S+, (\d+) tokens over \d+ continuations: ([\d.]+)×", log, re.M))
+    assert f"{means['1024']}× plain at 1k tokens of context and {means['16384']}× at 16k" in limitations
+
+
 def test_measurements_md_is_what_its_script_writes_from_the_json():
     """docs/measurements.md's tables come from docs/bench/*.json (python tools/measurements.py): a run's JSON or
     the file changed alone fails here."""
