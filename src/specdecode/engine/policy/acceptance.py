@@ -150,16 +150,18 @@ class AcceptanceEstimator:
             self.depth[1] = accepted * keep, tried * keep
 
     def end_step(self) -> None:
-        """Called once per step: the acceptance of deeper positions no sequence was allowed to draft in it fades
-        towards the prior by acceptance_recovery, as the first position's does while nobody drafts. Else a few early
-        misses at a position price it low for good: where a verify row is dear (a long context) the policy then never
-        allows it, and so never measures it again. How far drafts reach does not fade: a stale low reach only makes
+        """Called once per step: the acceptance of each deeper position no sequence was allowed to draft in it moves
+        acceptance_recovery of the way to the prior, its evidence's weight kept. Else early misses at a position price
+        it low for good: where a verify row is dear (a long context) the policy then never allows it, and so never
+        measures it again. The ratio moves, not the weight: fading hits and trials alike leaves thick evidence's ratio
+        where it was for a hundred steps and more. How far drafts reach does not move: a stale low reach only makes
         drafts look cheap, which gets them allowed and so measured
         (docs/decisions.md#adaptive-policy-acceptance-estimates)."""
-        keep = 1 - self.acceptance_recovery
+        r = self.acceptance_recovery
         for position, (hits, tried) in self.depth.items():
-            if position > 1 and position not in self._tried:
-                self.depth[position] = hits * keep, tried * keep
+            if position > 1 and position not in self._tried and tried > 0:
+                ratio = hits / tried
+                self.depth[position] = (ratio + r * (self.prior_acceptance - ratio)) * tried, tried
         self._tried.clear()
 
     def observe_lookup(self, request_id: str, match: int, drafted: int, accepted: int) -> None:
