@@ -375,13 +375,16 @@ BATCH_1_CONFIGS = {
 }
 
 
+def _rates(run: str) -> dict[str, float]:
+    """A batch-1 run's decoding rate by config, from its JSON in docs/bench."""
+    return {r["config"]: r["tokens_per_s"] for r in json.loads((ROOT / "docs" / "bench" / run).read_text())["results"]}
+
+
 def test_the_readme_figures_are_those_of_the_runs_it_cites():
     """Every figure of the README's batch-1 and under-load tables is its run's JSON value, as printed (2 places),
     and each ratio is computed from the same JSON."""
     for column, run in enumerate(BATCH_1_RUNS.values()):
-        rates = {
-            r["config"]: r["tokens_per_s"] for r in json.loads((ROOT / "docs" / "bench" / run).read_text())["results"]
-        }
+        rates = _rates(run)
         reference = rates["llama.cpp: plain (mean)"]
         for label, *cells in _table_after("| config | Zen 5 tok/s"):
             rate, ratio = cells[2 * column], cells[2 * column + 1]
@@ -414,9 +417,7 @@ def test_the_limitations_cite_the_figures_of_the_runs_they_sum_up():
     over_ours, over_llama_cpp = [], []
     drafters = [c for label, configs in BATCH_1_CONFIGS.items() if label.startswith("ours, ") for c in configs]
     for run in BATCH_1_RUNS.values():
-        rates = {
-            r["config"]: r["tokens_per_s"] for r in json.loads((ROOT / "docs" / "bench" / run).read_text())["results"]
-        }
+        rates = _rates(run)
         best = max(rates[c] for c in drafters if c in rates and c != "cpu w4a8: plain")
         over_ours.append(best / rates["cpu w4a8: plain"])
         over_llama_cpp.append(best / rates["llama.cpp: plain (mean)"])

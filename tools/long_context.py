@@ -100,24 +100,25 @@ def tau(run: dict) -> float:
     return run["mean_accepted_length"] or 1
 
 
-def measure(llm: LLM, prompt: list[int], args, bytes_per_step: float) -> tuple[dict, list[list[dict]]]:
+def measure(llm: LLM, prompt: list[int], args, bytes_per_step: float) -> tuple[float, list[list[dict]]]:
     """One prompt: its prefill (the first decode), then the modes' decodes in turn; prints the prefill and
-    plain decoding's rate against what its bytes allow."""
+    plain decoding's rate against what its bytes allow. Returns the prefill's tokens a second and the runs."""
     started = time.perf_counter()
     spec = decode(llm, prompt, args.max_tokens)
     computed = len(prompt) - spec["num_cached_prompt_tokens"]
+    prefill_rate = computed / spec["ttft_s"]
     runs = decode_in_turn(llm, prompt, args.max_tokens, args.rounds, args.fixed_k) if args.draft else [[spec]]
     beside = read_bandwidth()  # the host's rate drifts over a long prefill: the one beside the decoding counts
     allowed, plain_rate = beside / bytes_per_step, 1 / median_tpot(runs[-1])
     print(
-        f"{len(prompt)} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({computed / spec['ttft_s']:.0f} tok/s); "
+        f"{len(prompt)} tokens: prefill {computed} in {spec['ttft_s']:.1f} s ({prefill_rate:.0f} tok/s); "
         f"plain decoding {plain_rate:.2f} tok/s, the bytes allow {allowed:.2f} ({bytes_per_step / 2**30:.2f} GiB a "
         f"step at {beside / 1e9:.1f} GB/s, read just after): {plain_rate / allowed:.0%}; "
         f"{time.perf_counter() - started:.1f} s in all; RSS now "
         f"{rss_gib():.2f} GiB, peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
         flush=True,
     )
-    return spec, runs
+    return prefill_rate, runs
 
 
 def print_over_ends(name: str, speedups: dict[int, list[float]], taus: dict[int, list[float]]) -> None:
@@ -162,8 +163,8 @@ def main() -> None:
         continuations = {}
         for length in args.lengths:
             prompt = ids[end - length : end]  # every length decodes the same continuation, after more or less context
-            spec, runs = measure(llm, prompt, args, plan.target_weight_bytes + target_kv_bytes * length)
-            first_prefill = first_prefill or (length - spec["num_cached_prompt_tokens"]) / spec["ttft_s"]
+            prefill_rate, runs = measure(llm, prompt, args, plan.target_weight_bytes + target_kv_bytes * length)
+            first_prefill = first_prefill or prefill_rate
             continuations[length] = runs[-1][0]["token_ids"]
             for mode, drafted in zip(modes if args.draft else [], runs):
                 speedups[mode][length].append(print_drafter(mode, drafted, runs[-1]))

@@ -113,11 +113,10 @@ class TargetCost:
     and a slope learned on small calls priced large ones so cheaply that the policy drafted at a loss.
     Calls grow one token past what has been measured at a time, which is how they learn.
 
-    Attention is priced apart per cached key, so costs learned at one context length price another: a
-    sequence's first row by `keys` at `per_row_key`, its further rows by `extra_keys` at `per_extra_row_key`.
-    The kernel reads a sequence's keys once for all its rows, so a further row pays mostly its arithmetic:
-    priced as first rows, a long context's verify rows look far dearer than they are, and the policy drafts
-    too little there (docs/decisions.md#adaptive-policy-the-cost-model)."""
+    Attention is priced apart per cached key, so costs learned at one context length price another: a sequence's
+    first row by `keys` at `per_row_key`, its further rows by `extra_keys` at `per_extra_row_key` (the kernel reads
+    the keys once for all rows, so a further row pays mostly arithmetic; priced as first rows, a long context's
+    verify looks far dearer than it is: docs/decisions.md#adaptive-policy-the-cost-model)."""
 
     tables: dict[int, CostTable] = field(default_factory=dict)  # batch size -> cost by tokens in the call
     per_row_key: float = 0.0  # seconds of attention per sequence and cached key, its first row (profiled; 0: unknown)
@@ -132,15 +131,16 @@ class TargetCost:
     _parts: dict = field(default_factory=dict)
 
     def observe(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
-        beside = max(seconds - self.attention(keys, extra_keys), 1e-9)
-        self.tables.setdefault(batch, CostTable()).observe(tokens, beside)
+        self.tables.setdefault(batch, CostTable()).observe(tokens, self._beside_attention(seconds, keys, extra_keys))
         self._changed()
 
     def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
         """A profiled measurement (see CostTable.record)."""
-        beside = max(seconds - self.attention(keys, extra_keys), 1e-9)
-        self.tables.setdefault(batch, CostTable()).record(tokens, beside)
+        self.tables.setdefault(batch, CostTable()).record(tokens, self._beside_attention(seconds, keys, extra_keys))
         self._changed()
+
+    def _beside_attention(self, seconds: float, keys: float, extra_keys: float) -> float:
+        return max(seconds - self.attention(keys, extra_keys), 1e-9)
 
     def attention(self, keys: float, extra_keys: float = 0.0) -> float:
         """Seconds of a call's attention: first rows read `keys` cached keys, further rows `extra_keys`."""
