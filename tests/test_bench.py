@@ -642,6 +642,24 @@ esac
             pass
 
 
+def test_a_server_interrupted_while_it_starts_is_stopped(monkeypatch):
+    """SIGTERM (the bench turns it into SystemExit) or Ctrl-C while a server loads: its context manager's
+    __exit__ never runs, so __enter__ itself must stop the child rather than leave it holding memory and a port."""
+    import sys
+
+    from specdecode.bench import server_process
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server_process.time, "sleep", interrupted)
+    server = server_process.ServerProcess([], command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(KeyboardInterrupt):
+        with server:
+            pass
+    assert server.proc.poll() is not None
+
+
 def test_a_server_without_a_context_length_gets_the_models_own():
     """max_model_len None (the model's context, the engine's default) leaves the flag out rather than passing
     "None", which the server's parser refuses."""

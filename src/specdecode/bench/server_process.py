@@ -95,6 +95,13 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            return self._wait_until_it_answers()
+        except BaseException:  # SIGTERM or Ctrl-C while it starts: __exit__ will not run, so stop it here
+            self.stop()
+            raise
+
+    def _wait_until_it_answers(self) -> "ServerProcess":
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             try:
@@ -105,7 +112,6 @@ class ServerProcess:
             exited = self.proc.poll()
             if exited is not None or time.monotonic() > deadline:
                 output = self.output()
-                self.stop()
                 error = ServerCrashed if exited is not None and exited < 0 else SpecDecodeError
                 raise error(f"`{' '.join(self.args)}` did not come up:\n{output[-2000:]}")
             time.sleep(0.5)
