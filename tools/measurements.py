@@ -26,7 +26,10 @@ BATCH_1 = [
         "latency-humaneval-zen3-plain-again.json",
     ),
 ]
-UNDER_LOAD = ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json")
+UNDER_LOAD = [
+    ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json"),
+    ("Xeon AMX, the head", "2026-12-02", "concurrency-humaneval-head-xeon-amx-recovery.json"),
+]
 CONTEXT = ("Zen 5", "2026-11-28", [f"context-stdlib-{n}-read-ahead-zen5.json" for n in (1024, 4096, 16384, 32000)])
 
 HEADER = """# Measurements: the current tables
@@ -74,8 +77,7 @@ def batch_1_section(name: str, date: str, file: str) -> list[str]:
     return lines + [""]
 
 
-def under_load_section() -> list[str]:
-    name, date, file = UNDER_LOAD
+def under_load_section(name: str, date: str, file: str) -> list[str]:
     run = load(file)
     results = run["results"]
     configs = list(dict.fromkeys(r["config"] for r in results))
@@ -84,8 +86,9 @@ def under_load_section() -> list[str]:
     lines = [
         f"## Through the server, by concurrency ({name}, {date})",
         "",
-        f"Output tokens/s, 128 new tokens a request, HumanEval; ratio to our plain decoding at the same "
-        f"concurrency. {machine(run['meta'])}. `{run['meta']['command']}` ([json](bench/{file}))",
+        f"Output tokens/s, {run['meta']['max_tokens']} new tokens a request, HumanEval, drafts by "
+        f"{run['meta']['draft']}; ratio to our plain decoding at the same concurrency. {machine(run['meta'])}. "
+        f"`{run['meta']['command']}` ([json](bench/{file}))",
         "",
         "| config | " + " | ".join(f"{c} clients" for c in levels) + " |",
         "|---|" + "---:|" * len(levels),
@@ -135,7 +138,7 @@ def render() -> str:
     ]
     for name, date, file in BATCH_1:
         lines += batch_1_section(name, date, file)
-    lines += under_load_section() + context_section()
+    lines += [line for run in UNDER_LOAD for line in under_load_section(*run)] + context_section()
     return "\n".join(lines).rstrip() + "\n"
 
 
