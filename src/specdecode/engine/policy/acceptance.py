@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from ...config import AdaptiveOptions
 
 PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
+# A request's own first-token estimate starts from the pooled one with more weight: at 2 trials its first two misses
+# (common at an acceptance of 0.7) priced its drafts at 0.33, where a verify row that costs 40% of a plain step (a
+# 16k context) does not pay, and it decoded plainly for steps while its text accepted well. Pooled estimates rest on
+# many trials and keep 2 (docs/decisions.md#adaptive-policy-acceptance-estimates).
+REQUEST_PRIOR_TRIALS = 4
 
 
 def discounted_update(counts: tuple[float, float], success: bool, keep: float) -> tuple[float, float]:
@@ -182,7 +187,7 @@ class AcceptanceEstimator:
 
     @property
     def _prior_evidence(self) -> tuple[float, float]:
-        return self.population_acceptance * PRIOR_TRIALS, float(PRIOR_TRIALS)
+        return self.population_acceptance * REQUEST_PRIOR_TRIALS, float(REQUEST_PRIOR_TRIALS)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
