@@ -428,7 +428,14 @@ def _add_concurrency(bench_sub) -> None:
         "concurrency", help="through the server: plain vs fixed-k vs adaptive at each concurrency"
     )
     conc.add_argument("--model", default=DEFAULT_TARGET)
-    conc.add_argument("--draft", "--speculative-model", dest="draft", default=DEFAULT_DRAFT)
+    conc.add_argument(
+        "--draft",
+        "--speculative-model",
+        dest="draft",
+        default=DEFAULT_DRAFT,
+        help=f"the fixed and adaptive rows' drafter (default {DEFAULT_DRAFT}, the model llama-server's draft row "
+        "uses; `serve` drafts with the bundled head)",
+    )
     conc.add_argument("-k", type=int, default=C.num_speculative_tokens, help="k for fixed, k_max for adaptive")
     conc.add_argument(
         "--policies",
