@@ -8,7 +8,7 @@ from ...config import AdaptiveOptions
 
 PRIOR_TRIALS = 2  # weight of the prior acceptance, in draft-token trials
 # A request's own first-token estimate starts from the pooled one with more weight: at 2 trials its first two misses
-# (common at an acceptance of 0.7) priced its drafts at 0.33, where a verify row that costs 40% of a plain step (a
+# (common at an acceptance of 0.7) priced its drafts at 0.32, where a verify row that costs 40% of a plain step (a
 # 16k context) does not pay, and it decoded plainly for steps while its text accepted well. Pooled estimates rest on
 # many trials and keep 2 (docs/decisions.md#adaptive-policy-acceptance-estimates).
 REQUEST_PRIOR_TRIALS = 4
