@@ -837,12 +837,13 @@ int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uin
 #else
     const int amx = 0;
 #endif
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (int rb = 0; rb < row_blocks; rb++)
-        for (int g = 0; g < groups; g++) {
-            const int m_end = (rb + 1) * ROW_BLOCK < Q ? (rb + 1) * ROW_BLOCK : Q;
-            run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, out, amx);
-        }
+    // The threads share each block's groups: split by blocks, a call of 65 rows would give one thread 64 of them.
+#pragma omp parallel num_threads(threads)
+    for (int rb = 0; rb < row_blocks; rb++) {
+        const int m_end = (rb + 1) * ROW_BLOCK < Q ? (rb + 1) * ROW_BLOCK : Q;
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, out, amx);
+    }
     if (passes == 2)
         for (size_t m = 0; m < (size_t)M; m++)
             for (int n = 0; n < N; n++) y[m * N + n] = out[2 * m * N + n] + out[(2 * m + 1) * N + n];
