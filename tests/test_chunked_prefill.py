@@ -5,10 +5,15 @@ request run alone."""
 import functools
 
 import pytest
-from conftest import make_head, tiny_model
+from conftest import ByteTokenizer, make_head, random_hf_weights, tiny_config, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine import prefill as prefill_module
+from specdecode.executor.attention import attach_attention_kernel
+from specdecode.executor.backends import build_quantized_model, quantize_weights
+from specdecode.executor.kernels import load
+from specdecode.executor.quant import lowbit_kernel
+from specdecode.models.loader import LoadedModel
 
 SHORT = [5, 9, 14, 3, 22, 7, 30, 2]
 LONG = [(7 * i) % 60 + 1 for i in range(150)]  # 150 tokens: five chunks of 32
@@ -16,15 +21,27 @@ CHUNK = 32
 PROPOSERS = ["plain", "draft", "head"]
 
 
-def _llm(kind: str, chunk: int, tmp_path):
-    target = tiny_model(seed=0)
+@functools.cache
+def _lowbit_target() -> LoadedModel:
+    """A tiny model as GGUF files run on a CPU: low-bit linear layers (each row of a call computed alone) and the
+    attention kernel, so that one call packs a verify's rows and a prompt's chunk."""
+    if lowbit_kernel() is None or load("attention") is None:
+        pytest.skip("the low-bit and attention kernels need a C compiler")
+    cfg = tiny_config()
+    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
+    assert attach_attention_kernel(model)
+    return LoadedModel("tiny-lowbit", model, ByteTokenizer(cfg.vocab_size), cfg)
+
+
+def _llm(kind: str, chunk: int, tmp_path, lowbit: bool = False):
+    target = _lowbit_target() if lowbit else tiny_model(seed=0)
     options = dict(num_speculative_tokens=3, speculation_policy="fixed")
     if kind == "plain":
         options = dict(num_speculative_tokens=0)
     elif kind == "draft":
         options["draft"] = tiny_model(seed=0, layers=1)
     else:
-        options["speculative_model"] = make_head(target, tmp_path / "head")
+        options["speculative_model"] = make_head(target, tmp_path / "head", intermediate=64 if lowbit else 48)
     return LLM(target=target, max_model_len=256, prefill_chunk_tokens=chunk, progress=False, **options)
 
 
@@ -46,8 +63,8 @@ def _recording_drafts(engine) -> dict[int, list[list[int]]]:
     return drafts
 
 
-def _alone(kind, tmp_path, prompt, tokens):
-    engine = _llm(kind, 0, tmp_path).engine
+def _alone(kind, tmp_path, prompt, tokens, lowbit=False):
+    engine = _llm(kind, 0, tmp_path, lowbit).engine
     drafts = _recording_drafts(engine)
     seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     while engine.has_unfinished():
@@ -55,20 +72,28 @@ def _alone(kind, tmp_path, prompt, tokens):
     return seq, drafts.get(len(prompt))
 
 
-def _together(kind, tmp_path):
+def _together(kind, tmp_path, lowbit=False):
     """The short request decodes; after two steps the long one arrives. Returns both sequences and, for each
-    step until the long one's first token, how many tokens the short one got."""
-    engine = _llm(kind, CHUNK, tmp_path).engine
+    step until the long one's first token, how many tokens the short one got; the engine counts its target
+    calls in those steps (`engine.calls`)."""
+    engine = _llm(kind, CHUNK, tmp_path, lowbit).engine
     engine.drafts = _recording_drafts(engine)
     short = engine.add_request(SHORT, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     for _ in range(2):
         engine.step()
     long = engine.add_request(LONG, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    gains = []
+    gains, forward, engine.calls = [], engine.runner.forward, []
+
+    def counted(*args, **kwargs):
+        engine.calls.append(len(args[0]))
+        return forward(*args, **kwargs)
+
+    engine.runner.forward = counted
     while not long.output_ids:
         before = len(short.output_ids)
         engine.step()
         gains.append(len(short.output_ids) - before)
+    engine.runner.forward = forward
     while engine.has_unfinished():
         engine.step()
     return short, long, gains, engine
@@ -85,6 +110,35 @@ def test_a_long_prompt_prefills_in_chunks_beside_a_decoding_stream(kind, tmp_pat
     # the same drafts as alone: a head read every prompt row's hidden state, whichever chunk computed it
     assert engine.drafts.get(len(LONG)) == drafts and (kind == "plain" or drafts)
     assert engine.runner.num_free == engine.runner.num_slots and engine.runner.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "head"])
+def test_a_chunk_rides_in_the_verify_call_where_one_call_packs_both(kind, tmp_path):
+    """Where the runner packs any width (the CPU kernels), a step reads the weights once for the stream's verify
+    and the prompt's chunk, and every row still computes what it would alone."""
+    short, long, gains, engine = _together(kind, tmp_path, lowbit=True)
+    assert engine.runner.packs_any_width
+    assert engine.calls == [2] * len(gains)  # one target call a step, with both sequences in it
+    assert all(g >= 1 for g in gains)
+    assert short.output_ids == _alone(kind, tmp_path, SHORT, 60, lowbit=True)[0].output_ids
+    alone, drafts = _alone(kind, tmp_path, LONG, 12, lowbit=True)
+    assert long.output_ids == alone.output_ids
+    assert engine.drafts.get(len(LONG)) == drafts
+    assert engine.runner.num_free == engine.runner.num_slots and engine.runner.blocks_in_use() == 0
+
+
+def test_a_chunk_whose_logits_row_is_taken_from_the_verify_rows_samples_another_first_token(tmp_path, monkeypatch):
+    """The deliberately broken variant: the chunk's logits row read from the wrong end of the packed call's."""
+    verify_forward = prefill_module.Prefilling._verify_forward
+
+    def misread(self, seqs, inputs, chunk):
+        logits, hidden, chunk_out = verify_forward(self, seqs, inputs, chunk)
+        return logits, hidden, None if chunk_out is None else (logits[:1], chunk_out[1])
+
+    alone, _ = _alone("plain", tmp_path, LONG, 12, lowbit=True)
+    monkeypatch.setattr(prefill_module.Prefilling, "_verify_forward", misread)
+    _, long, _, _ = _together("plain", tmp_path, lowbit=True)
+    assert long.output_ids[0] != alone.output_ids[0]
 
 
 class _NewestFirst(list):

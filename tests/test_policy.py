@@ -106,6 +106,19 @@ def test_slow_speculation_at_one_batch_size_does_not_switch_it_off_at_another():
     assert any(_choose(p, 4))
 
 
+@pytest.mark.parametrize("carried", [True, False])
+def test_steps_that_carry_a_prompt_chunk_leave_the_cost_model_as_it_was(carried):
+    """While a long prompt prefills, its chunk rides in the verify's call and every step takes many verifies'
+    time. Timed as any other step, they make a verify row look nearly free against the chunk, and once the prompt
+    is in, the policy drafts deeper than the target's real costs pay for (the variant with carried False)."""
+    p = _measured([0.6], 0.05, verify_growth=0.3)
+    before = _choose(p, 1)
+    for _ in range(30):
+        k = _choose(p, 1)[0]
+        p.observe_step([k], 8.0 + 0.3 * k, 0.05 if k else None, step_seconds=8.5 + 0.3 * k, carried_prompt=carried)
+    assert (_choose(p, 1) == before) == carried
+
+
 def test_cost_table_interpolates_and_replaces_the_warmup_sample():
     t = CostTable()
     t.observe(1, 10.0)  # first call: warm-up

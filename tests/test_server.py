@@ -194,10 +194,10 @@ def test_first_token_is_streamed_before_the_first_decode_step(target):
     engine, first_token_out = AsyncEngine(llm.engine), threading.Event()
     decode_step = llm.engine._decode_step
 
-    def held_decode_step(seqs, out):
+    def held_decode_step(seqs, out, chunk=None):
         if not first_token_out.wait(3):
             raise RuntimeError("the first token was not published before the first decode step")
-        decode_step(seqs, out)
+        decode_step(seqs, out, chunk)
 
     llm.engine._decode_step = held_decode_step
 

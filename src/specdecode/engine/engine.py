@@ -18,8 +18,8 @@ from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 from ..verify.verifier import verify_batch
 from .admission import BlockBudget
 from .policy import DraftDecision, Policy, make_policy
-from .prefill import ChunkedPrefill, Prefilling
-from .sequence import Sequence, check_token_ids
+from .prefill import ChunkedPrefill, Prefilling, PromptChunk
+from .sequence import Sequence, check_token_ids, sample_stream
 from .step import SequenceUpdate, StepOutput
 
 
@@ -99,7 +99,7 @@ class Engine(Prefilling):
             seq = Sequence(
                 list(prompt_ids),
                 params,
-                self._generator(params.seed, index),
+                sample_stream(params.seed, index, self.runner.device),
                 index=index,
                 siblings=group,
                 logprobs=None if params.logprobs is None else [],
@@ -112,12 +112,6 @@ class Engine(Prefilling):
         self.waiting.extend(group)
         return group
 
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        """A seeded request's i-th output gets a stream of its own, derived from the seed (the first uses it as is)."""
-        if seed is None:
-            return None
-        return torch.Generator(device=self.runner.device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**64)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
 
@@ -127,20 +121,21 @@ class Engine(Prefilling):
         return len(self.running) + len(self.prefilling)
 
     def step(self) -> StepOutput:
-        """Preempt what the KV cache cannot hold, admit what fits and prefill it, then run one decoding step and
-        one chunk of a long prompt's prefill; say what it did. A step that admits while nothing decodes ends after
-        the prefill: its first tokens go out at once, and requests that arrived meanwhile are admitted in time to
-        decode with them from the first decoding step (with others decoding, waiting a prefill out would hold up
-        their tokens)."""
+        """Preempt what the KV cache cannot hold, admit what fits and prefill it, then run one decoding step and one
+        chunk of a long prompt's prefill (in the verify's target call where the runner packs them); say what it did. A
+        step that admits while nothing decodes ends after the prefill: its first tokens go out at once, and requests
+        that arrived meanwhile are admitted in time to decode with them from the first decoding step (with others
+        decoding, waiting a prefill out would hold up their tokens)."""
         out = StepOutput()
         self._given = {}
         out.preempted = self._make_room()
         was_decoding = self._busy()
         admitted = self._admit()
         decoding = [s for s in self.running if not s.finished]
+        riding = bool(self.prefilling and was_decoding and decoding) and self.runner.packs_any_width
         if decoding and (was_decoding or not admitted):
-            self._decode_step(decoding, out)
-        if self.prefilling and was_decoding:
+            self._decode_step(decoding, out, self._next_chunk() if riding else None)
+        if self.prefilling and was_decoding and not riding:
             self._prefill_chunk()
         out.outputs = [SequenceUpdate.since(seq, start) for seq, start in self._given.values()]
         out.finished = [s for s in self.running if s.finished]
@@ -177,7 +172,7 @@ class Engine(Prefilling):
         self.totals.merge(seq.metrics.spec)
 
     def _target_forward(
-        self, slots: list[int], inputs: list[list[int]], logits: str, every_row: bool = False
+        self, slots: list[int], inputs: list[list[int]], logits: str | list[int], every_row: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits, and when a proposer reads them the hidden states of the same rows (of every input
         row with every_row: a prompt's, which a draft head reads as its context)."""
@@ -191,7 +186,7 @@ class Engine(Prefilling):
             proposer.observe(seq, feedback)
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
-    def _decode_step(self, seqs: list[Sequence], out: StepOutput) -> None:
+    def _decode_step(self, seqs: list[Sequence], out: StepOutput, chunk: PromptChunk | None = None) -> None:
         step_start = now()
         decision, previews = self._decide_drafts(seqs)
         drafts, draft_seconds = self._propose(seqs, decision, previews)
@@ -199,7 +194,7 @@ class Engine(Prefilling):
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
         with self.timer.measure("target"):
-            logits, hidden = self._target_forward([s.slot for s in seqs], inputs, logits="all")
+            logits, hidden, chunk_out = self._verify_forward(seqs, inputs, chunk)
         results = verify_batch(
             seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
         )
@@ -232,7 +227,10 @@ class Engine(Prefilling):
             end - step_start,
             by_lookup=decision.by_lookup,
             contexts=starts,
+            carried_prompt=chunk is not None,
         )
+        if chunk is not None:
+            self._chunk_done(chunk, *chunk_out)
 
     def _decide_drafts(self, seqs: list[Sequence]) -> tuple[DraftDecision, list[Preview] | None]:
         """The policy's decision, capped per sequence (see _draft_budget), and the lookup proposer's

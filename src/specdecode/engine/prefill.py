@@ -14,6 +14,19 @@ from .sequence import Sequence
 
 
 @dataclass
+class PromptChunk:
+    """The next tokens of a prompt being prefilled in chunks: its prompt[start:end]."""
+
+    task: "ChunkedPrefill"
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.task.seq.context_ids[self.start : self.end]
+
+
+@dataclass
 class ChunkedPrefill:
     """A sequence whose prompt is prefilled a chunk a step beside the decoding batch."""
 
@@ -120,21 +133,47 @@ class Prefilling:
         """Whether sequences decode or a prompt is being prefilled in chunks."""
         return bool(self.prefilling) or self._decoding()
 
-    def _prefill_chunk(self) -> None:
+    def _next_chunk(self) -> PromptChunk:
         """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
-        more); once the prompt is done, its first token is sampled (a resuming sequence has its next one) and the
-        sequence decodes from the next step."""
+        more)."""
         task = self.prefilling[0]
-        seq, prompt, done = task.seq, task.seq.context_ids, self.runner.length(task.seq.slot)
+        done, prompt = self.runner.length(task.seq.slot), task.seq.context_ids
         alone = not self._decoding() and len(self.prefilling) == 1
-        end = len(prompt) if alone else min(len(prompt), done + self.prefill_chunk)
-        logits, hidden = self._target_forward([seq.slot], [prompt[done:end]], "last", every_row=True)
-        self.runner.commit(seq.slot, end)
+        return PromptChunk(task, done, len(prompt) if alone else min(len(prompt), done + self.prefill_chunk))
+
+    def _prefill_chunk(self) -> None:
+        """The next chunk in a forward of its own."""
+        chunk = self._next_chunk()
+        logits, hidden = self._target_forward([chunk.task.seq.slot], [chunk.tokens], "last", every_row=True)
+        self._chunk_done(chunk, logits, hidden)
+
+    def _verify_forward(
+        self, seqs: list[Sequence], inputs: list[list[int]], chunk: PromptChunk | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """The verify's logits of every row (and hidden states where a proposer reads them), a prompt's chunk
+        riding in the same call where one is given: the weights are read once for both, and each row's result
+        is its own (docs/decisions.md#chunked-prefill-beside-decoding). Third: the chunk's outputs."""
+        slots = [s.slot for s in seqs]
+        if chunk is None:
+            return *self._target_forward(slots, inputs, logits="all"), None
+        rows = sum(map(len, inputs))
+        logits, hidden = self._target_forward(
+            [*slots, chunk.task.seq.slot], [*inputs, chunk.tokens], [*map(len, inputs), 1], every_row=True
+        )
+        if hidden is None:
+            return logits[:rows], None, (logits[rows:], None)
+        return logits[:rows], hidden[:rows], (logits[rows:], hidden[rows:])
+
+    def _chunk_done(self, chunk: PromptChunk, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """A chunk was computed: once its prompt is done, the first token is sampled (a resuming sequence has its
+        next one) and the sequence decodes from the next step."""
+        task, seq = chunk.task, chunk.task.seq
+        self.runner.commit(seq.slot, chunk.end)
         if hidden is not None:
             task.hidden.append(hidden)
-        if end < len(prompt):
+        if chunk.end < len(seq.context_ids):
             return
-        self.prefilling.pop(0)
+        self.prefilling.remove(task)
         self.running.append(seq)
         self._finish_prefill([seq], logits, torch.cat(task.hidden) if task.hidden else None, task.cached)
 

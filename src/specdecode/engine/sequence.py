@@ -17,6 +17,13 @@ _ids = itertools.count()
 _arrivals = itertools.count()
 
 
+def sample_stream(seed: int | None, index: int, device) -> torch.Generator | None:
+    """A seeded request's i-th output gets a stream of its own, derived from the seed (the first uses it as is)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**64)
+
+
 @dataclass
 class Detokenizer:
     """The text of a growing token list, decoding a short window per token instead of the whole list (the

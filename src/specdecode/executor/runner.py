@@ -216,17 +216,21 @@ class ModelRunner:
         self,
         slots: list[int],
         inputs: list[list[int]],
-        logits: str = "last",
+        logits: str | list[int] = "last",
         hidden: bool | str = False,
         features: list[torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run new tokens (a different number per sequence) after each slot's committed tokens.
 
-        logits: "last" (the last new token of each sequence) or "all" (every new token), flat in
-        sequence order. With hidden=True also the final hidden states (before the last norm) of the
-        same rows, with hidden="all" of every new token, for proposers that draft from the target's
-        features. features: per sequence, one input feature row per new token, for a model that reads
-        them beside the tokens (a draft head)."""
+        logits: "last" (the last new token of each sequence), "all" (every new token), or per sequence how many of its
+        last new tokens (only where the call packs any width), flat in sequence order. With hidden=True also the final
+        hidden states (before the last norm) of the same rows, with hidden="all" of every new token, for proposers that
+        draft from the target's features. features: per sequence, one input feature row per new token, for a model that
+        reads them beside the tokens (a draft head)."""
+        if isinstance(logits, list):
+            if not self.packs_any_width:
+                raise ValueError("logits per sequence need a call that packs any width (the attention kernel)")
+            return self._forward_call(slots, inputs, logits, hidden, features)
         long = [i for i, tokens in enumerate(inputs) if len(tokens) > self._rowwise_width()]
         if long and len({len(tokens) for tokens in inputs}) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
@@ -283,7 +287,7 @@ class ModelRunner:
         for slot, start, n in zip(slots, starts, lengths):
             self._cache.reserve(slot, start + n)
         out = None
-        if self._fixed is not None and features is None:
+        if self._fixed is not None and features is None and isinstance(logits, str):
             out = self._fixed(slots, starts, inputs, logits, hidden)
         if out is None:
             batch = ForwardBatch.build(
@@ -297,6 +301,12 @@ class ModelRunner:
             del self._tokens[slot][start:]
             self._tokens[slot].extend(int(t) for t in new)
         return out
+
+    @property
+    def packs_any_width(self) -> bool:
+        """Whether one call takes sequences of any lengths side by side, each row attended over its own keys: a
+        prompt's chunk can then ride in a verify's call, sharing its read of the weights."""
+        return math.isinf(self._rowwise_width())
 
     def _rowwise_width(self) -> float:
         """The widest call attended row by row over exactly each token's keys: any, where the model's

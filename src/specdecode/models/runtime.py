@@ -50,12 +50,14 @@ class ForwardBatch:
         num_new: list[int],
         max_len: int,
         device,
-        logits: str = "last",
+        logits: str | list[int] = "last",
         rowwise_width: float = ROWWISE_ATTENTION_MAX_WIDTH,
     ) -> "ForwardBatch":
-        """`logits`: "last" (last new token of each sequence) or "all" (every valid new token).
-        `rowwise_width`: the widest call that is packed and attended row by row."""
+        """`logits`: "last" (last new token of each sequence), "all" (every valid new token), or per sequence how
+        many of its last new tokens (a verify's rows beside a prompt chunk's last). `rowwise_width`: the widest
+        call that is packed and attended row by row."""
         batch, width = len(slots), max(num_new)
+        wanted = logits if isinstance(logits, list) else [n if logits == "all" else 1 for n in num_new]
         kv_len = max(s + n for s, n in zip(starts, num_new))
         slots_t = torch.tensor(slots, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + batch))
@@ -65,17 +67,13 @@ class ForwardBatch:
             token_slots = torch.tensor([[slot for slot, n in zip(slots, num_new) for _ in range(n)]], device=device)
             rowwise = [(slot, [s + i + 1 for i in range(n)]) for slot, s, n in zip(slots, starts, num_new)]
             ends = list(itertools.accumulate(num_new))
-            rows = None if logits == "all" else torch.tensor([e - 1 for e in ends], device=device)
-            if rows is not None and len(ends) == ends[-1]:  # one token per sequence: every row
-                rows = None
+            picked = [e - i for e, w in zip(ends, wanted) for i in range(w, 0, -1)]
+            rows = None if len(picked) == ends[-1] else torch.tensor(picked, device=device)
             return cls(token_slots, slot_index, positions, kv_len, None, rows, rowwise)
         start_t = torch.tensor(starts, device=device)
         positions = (start_t[:, None] + torch.arange(width, device=device)[None, :]).clamp_(max=max_len - 1)
         mask = (torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
-        if logits == "last":
-            rows = [b * width + n - 1 for b, n in enumerate(num_new)]
-        else:
-            rows = [b * width + i for b, n in enumerate(num_new) for i in range(n)]
+        rows = [b * width + i for b, (n, w) in enumerate(zip(num_new, wanted)) for i in range(n - w, n)]
         logit_rows = None if len(rows) == batch * width else torch.tensor(rows, device=device)
         return cls(slots_t, slot_index, positions, kv_len, mask, logit_rows)
 

@@ -232,12 +232,27 @@ class AdaptivePolicy(Policy):
         step_seconds: float | None = None,
         by_lookup: list[bool] | None = None,
         contexts: list[int] | None = None,
+        carried_prompt: bool = False,
     ) -> None:
         """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
-        (their drafts cost the draft model nothing); contexts: each sequence's cached tokens before the step."""
-        n = len(ks)
-        contexts = contexts or [0] * n
-        plain_keys = sum(contexts)
+        (their drafts cost the draft model nothing); contexts: each sequence's cached tokens before the step.
+        A step that carried a prompt's chunk times the chunk, not the drafts: only its acceptance counts."""
+        if carried_prompt:
+            self._probing, self._predicted = False, None
+        else:
+            self._observe_target_time(ks, target_seconds, step_seconds, contexts or [0] * len(ks))
+        drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
+        if not drafting:
+            self.estimator.fade_population_evidence()
+        self.estimator.end_step()
+        if draft_seconds_per_forward is not None and drafting:
+            self.costs.draft.observe(drafting, draft_seconds_per_forward)
+
+    def _observe_target_time(
+        self, ks: list[int], target_seconds: float, step_seconds: float | None, contexts: list[int]
+    ) -> None:
+        """The target call's and the step's times: the cost model, its calibration, and a probe's cost."""
+        n, plain_keys = len(ks), sum(contexts)
         self._decode_seconds += step_seconds or target_seconds
         if self._probing:
             self._unconverted_probe = max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n, plain_keys))
@@ -252,12 +267,6 @@ class AdaptivePolicy(Policy):
             self.calibration[n] += self.estimator.acceptance_recovery * (1.0 - self.calibration[n])
         self._predicted = None
         self.costs.target.observe(n, n + sum(ks), target_seconds, plain_keys, sum(k * c for k, c in zip(ks, contexts)))
-        drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
-        if not drafting:
-            self.estimator.fade_population_evidence()
-        self.estimator.end_step()
-        if draft_seconds_per_forward is not None and drafting:
-            self.costs.draft.observe(drafting, draft_seconds_per_forward)
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         self.costs.observe_draft_prefill(tokens, seconds)

@@ -92,8 +92,10 @@ class Policy:
         step_seconds: float | None = None,
         by_lookup: list[bool] | None = None,
         contexts: list[int] | None = None,
+        carried_prompt: bool = False,
     ) -> None:
-        """Measured phases of the step just run (contexts: each sequence's cached tokens before it)."""
+        """Measured phases of the step just run (contexts: each sequence's cached tokens before it;
+        carried_prompt: its target call also prefilled a chunk of a prompt)."""
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         """A draft model read `tokens` it had missed in `seconds`."""
