@@ -675,7 +675,8 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
     }
     const int runs = find_runs(N, slots, positions, -1, NULL, NULL);
     int failed = 0;
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : failed)
+    // Tasks one at a time: their costs differ with their contexts (a verify beside a long prompt's chunk).
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
     for (int task = 0; task < runs * Hkv; task++) {
         const int h = task % Hkv;
         int t0 = 0, t_end = 0;  // set by find_runs: task / Hkv < runs
