@@ -1,6 +1,7 @@
 """A decoding stream's time per output token while a long prompt (standard-library source) arrives and
 prefills, and that prompt's time to first token, per prefill chunk size (0: the prompt whole), each against
-its value alone. One process, one model load, the engine as `generate` builds it (the bundled head drafting).
+its value alone. One process, one model load, the engine as `generate` builds it (the bundled head drafting; a
+chunk rides in the verify's target call where the runner packs any width, unless --separate-calls).
 
     python tools/prefill_beside_decoding.py --prompt-tokens 4096 --chunks 0 256 512 1024
 """
@@ -14,6 +15,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import stdlib_sources
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
+from specdecode.executor.runner import ModelRunner
 
 STREAM = "Write a Python function that parses an ISO 8601 date string and explain each step."
 
@@ -68,7 +70,12 @@ def main() -> None:
     parser.add_argument("--draft", default=DEFAULT_HEAD)
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 256, 512, 1024])
+    parser.add_argument(
+        "--separate-calls", action="store_true", help="each chunk in a target call of its own, not in the verify's"
+    )
     args = parser.parse_args()
+    if args.separate_calls:  # as a runner that cannot pack a chunk beside a verify does
+        ModelRunner.packs_any_width = property(lambda self: False)
     llm = LLM(model=args.model, speculative_model=args.draft, progress=False)
     ids = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prompt_tokens]
     print(
