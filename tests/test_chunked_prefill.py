@@ -75,7 +75,7 @@ def _alone(kind, tmp_path, prompt, tokens, lowbit=False):
 def _together(kind, tmp_path, lowbit=False):
     """The short request decodes; after two steps the long one arrives. Returns both sequences and, for each
     step until the long one's first token, how many tokens the short one got; the engine counts its target
-    calls in those steps (`engine.calls`)."""
+    calls in those steps (`engine.calls`) and those its timer took as decode forwards (`engine.timed_decode_calls`)."""
     engine = _llm(kind, CHUNK, tmp_path, lowbit).engine
     engine.drafts = _recording_drafts(engine)
     short = engine.add_request(SHORT, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
@@ -89,11 +89,13 @@ def _together(kind, tmp_path, lowbit=False):
         return forward(*args, **kwargs)
 
     engine.runner.forward = counted
+    timed = engine.timer.target_calls
     while not long.output_ids:
         before = len(short.output_ids)
         engine.step()
         gains.append(len(short.output_ids) - before)
     engine.runner.forward = forward
+    engine.timed_decode_calls = engine.timer.target_calls - timed
     while engine.has_unfinished():
         engine.step()
     return short, long, gains, engine
@@ -103,6 +105,7 @@ def _together(kind, tmp_path, lowbit=False):
 def test_a_long_prompt_prefills_in_chunks_beside_a_decoding_stream(kind, tmp_path):
     short, long, gains, engine = _together(kind, tmp_path)
     assert len(gains) == -(-len(LONG) // CHUNK)  # one chunk a step
+    assert engine.timed_decode_calls == len(gains)  # the decode forwards timed, the chunks' calls apart
     assert all(g >= 1 for g in gains)  # the running stream never waited
     assert short.output_ids == _alone(kind, tmp_path, SHORT, 60)[0].output_ids
     alone, drafts = _alone(kind, tmp_path, LONG, 12)
@@ -119,6 +122,7 @@ def test_a_chunk_rides_in_the_verify_call_where_one_call_packs_both(kind, tmp_pa
     short, long, gains, engine = _together(kind, tmp_path, lowbit=True)
     assert engine.runner.packs_any_width
     assert engine.calls == [2] * len(gains)  # one target call a step, with both sequences in it
+    assert engine.timed_decode_calls == 0  # nor are they timed as decode forwards (the stats' cost ratio c)
     assert all(g >= 1 for g in gains)
     assert short.output_ids == _alone(kind, tmp_path, SHORT, 60, lowbit=True)[0].output_ids
     alone, drafts = _alone(kind, tmp_path, LONG, 12, lowbit=True)

@@ -4,6 +4,7 @@ arrives while others decode is prefilled a chunk a step beside them, so that the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 
@@ -193,7 +194,8 @@ class Engine(Prefilling):
         verify_start = now()
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         starts = [seq.num_tokens - 1 for seq in seqs]
-        with self.timer.measure("target"):
+        # a call that also prefilled a chunk is not a decode forward's time (prefills are counted apart)
+        with self.timer.measure("target") if chunk is None else contextlib.nullcontext():
             logits, hidden, chunk_out = self._verify_forward(seqs, inputs, chunk)
         results = verify_batch(
             seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
