@@ -105,13 +105,14 @@ def test_every_build_gives_the_scalar_reference_bits(fmt, isa):
     path equals the portable scalar path bit for bit: a result measured on one kind of CPU holds on all."""
     columns = 1024 if fmt in K_BLOCK_BYTES else 1120  # blocks of 32: 32, or 35 (an odd one after pairs)
     raw = gguf_blocks(fmt, 64, columns, seed=4)
-    x = torch.randn(70, columns)  # tiles of every size, and more than one cache block of rows
+    x = torch.randn(150, columns)  # tiles of every size; blocks of 64 rows, 64 and a tail of 22
     x[5] = ties(columns)
     layer = layer_of(raw)
     layer.lib = kernels.load("lowbit", "scalar")
     reference = layer(x)
     layer.lib = kernels.load("lowbit", isa)
     assert torch.equal(layer(x), reference)
+    assert torch.equal(layer(x[:70]), reference[:70])  # a tail of 6 rows computed in the block before it
     assert torch.equal(layer(x[3:4]), reference[3:4])
 
 

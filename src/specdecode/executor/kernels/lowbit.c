@@ -831,7 +831,10 @@ int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uin
     const int Q = M * passes;
     float *out = passes == 1 ? y : (float *)scratch(PASS_OUTPUT, (size_t)Q * N * sizeof(float));
     if (!out) return -5;
-    const int groups = N / GROUP, row_blocks = (Q + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int groups = N / GROUP, tail = Q % ROW_BLOCK;
+    // A short tail joins the block before it (a verify's rows beside a prompt's chunk of 64): a block of its own
+    // would take one more pass over every weight for a few rows.
+    const int row_blocks = Q / ROW_BLOCK + (tail > ROW_BLOCK / 4 || Q < ROW_BLOCK);
 #if defined(HAVE_AMX)
     const int amx = Q >= AMX_ROWS && amx_permitted();
 #else
@@ -840,7 +843,7 @@ int lowbit_linear(int fmt, const float *x, int M, int K, int N, int S, const uin
     // The threads share each block's groups: split by blocks, a call of 65 rows would give one thread 64 of them.
 #pragma omp parallel num_threads(threads)
     for (int rb = 0; rb < row_blocks; rb++) {
-        const int m_end = (rb + 1) * ROW_BLOCK < Q ? (rb + 1) * ROW_BLOCK : Q;
+        const int m_end = rb + 1 < row_blocks ? (rb + 1) * ROW_BLOCK : Q;
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) run_group(fmt, g, rb * ROW_BLOCK, m_end, K, N, w, a, out, amx);
     }
