@@ -157,6 +157,24 @@ def tiny_model(seed: int = 0, arch: str = "qwen2", **cfg_kwargs) -> LoadedModel:
     return LoadedModel(f"tiny-{arch}-{seed}", model, ByteTokenizer(cfg.vocab_size), cfg)
 
 
+def lowbit_tiny_model(hidden: int = 64):
+    """A tiny model as GGUF files run on a CPU: Q8_0 linear layers by the low-bit kernel (each row of a call
+    computed alone, by construction) and the attention kernel (each row over its own keys), so that one call packs
+    rows of any lengths. (torch's float32 GEMM is not row-independent: on some CPUs, e.g. Ice Lake, it accumulates
+    a row differently in a 1-row and a 4-row call.) Skips where the kernels do not build."""
+    from specdecode.executor.attention import attach_attention_kernel
+    from specdecode.executor.backends import build_quantized_model, quantize_weights
+    from specdecode.executor.kernels import load
+    from specdecode.executor.quant import lowbit_kernel
+
+    if lowbit_kernel() is None or load("attention") is None:
+        pytest.skip("the low-bit and attention kernels need a C compiler")
+    cfg = tiny_config(hidden=hidden)
+    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
+    assert attach_attention_kernel(model) or model.layers[0].self_attn.rowwise_kernel is not None
+    return model
+
+
 def make_head(target: LoadedModel, path, seed: int = 0, intermediate: int = 48) -> str:
     """An untrained draft head for `target`, saved at path; its speculative_model name."""
     from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint

@@ -6,7 +6,7 @@ from importlib import resources
 
 import pytest
 import torch
-from conftest import ByteTokenizer, kernel_builds, tiny_model
+from conftest import ByteTokenizer, kernel_builds, lowbit_tiny_model, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor import kernels
@@ -55,26 +55,8 @@ def test_the_kernel_computes_what_pytorch_does(kv_cache_dtype, tolerance):
         torch.testing.assert_close(kernel_runner._cache.values(layer, 0, n), torch_runner._cache.values(layer, 0, n))
 
 
-def _lowbit_with_kernel(hidden: int = 64):
-    """A tiny model whose linear layers are the low-bit kernel (Q8_0 weights): each row of a call is
-    computed alone by construction. (torch's float32 GEMM is not: on some CPUs, e.g. Ice Lake, it
-    accumulates a row differently in a 1-row and a 4-row call, so a float model's logits differ in the
-    last bit between verifying and decoding whatever the attention does.)"""
-    from conftest import random_hf_weights, tiny_config
-
-    from specdecode.executor.backends import build_quantized_model, quantize_weights
-    from specdecode.executor.quant import lowbit_kernel
-
-    if lowbit_kernel() is None:
-        pytest.skip("the low-bit kernel needs a C compiler")
-    cfg = tiny_config(hidden=hidden)
-    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
-    assert attach_attention_kernel(model) or model.layers[0].self_attn.rowwise_kernel is not None
-    return model
-
-
 def test_a_verified_token_is_computed_as_if_decoded_alone():
-    model = _lowbit_with_kernel()
+    model = lowbit_tiny_model()
     verified, _ = _verify(model, [5, 6, 7])
     runner = ModelRunner(model, 1, 128)
     slot = runner.allocate()
@@ -105,7 +87,7 @@ def test_a_prompt_gives_the_same_bits_whole_after_a_kept_prefix_and_token_by_tok
     """With the kernel a prefill attends row by row too, so a prompt continued from a kept prefix (prefix
     caching) computes exactly what a whole prefill does, and so does decoding its last token alone: greedy
     output does not depend on which earlier request left a prefix behind."""
-    model = _lowbit_with_kernel(hidden=256)
+    model = lowbit_tiny_model(hidden=256)
     whole = _last_logits(model, [LONG_PROMPT])
     assert torch.equal(_last_logits(model, [LONG_PROMPT[:KEPT_PREFIX], LONG_PROMPT[KEPT_PREFIX:]]), whole)
     assert torch.equal(_last_logits(model, [LONG_PROMPT[:-1], LONG_PROMPT[-1:]]), whole)
@@ -114,7 +96,7 @@ def test_a_prompt_gives_the_same_bits_whole_after_a_kept_prefix_and_token_by_tok
 def test_a_masked_prefill_gives_other_bits_after_a_kept_prefix(monkeypatch):
     """The check above can fail: prefills by one masked call over the padded key range round differently
     from rows attended one by one, so the rest of a prompt after a kept prefix gets other bits."""
-    model = _lowbit_with_kernel(hidden=256)
+    model = lowbit_tiny_model(hidden=256)
     monkeypatch.setattr(ModelRunner, "_rowwise_width", lambda self: 64)
     after_prefix = _last_logits(model, [LONG_PROMPT[:KEPT_PREFIX], LONG_PROMPT[KEPT_PREFIX:]])
     assert not torch.equal(after_prefix, _last_logits(model, [LONG_PROMPT]))

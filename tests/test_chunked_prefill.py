@@ -5,14 +5,10 @@ request run alone."""
 import functools
 
 import pytest
-from conftest import ByteTokenizer, make_head, random_hf_weights, tiny_config, tiny_model
+from conftest import ByteTokenizer, lowbit_tiny_model, make_head, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine import prefill as prefill_module
-from specdecode.executor.attention import attach_attention_kernel
-from specdecode.executor.backends import build_quantized_model, quantize_weights
-from specdecode.executor.kernels import load
-from specdecode.executor.quant import lowbit_kernel
 from specdecode.models.loader import LoadedModel
 
 SHORT = [5, 9, 14, 3, 22, 7, 30, 2]
@@ -23,14 +19,8 @@ PROPOSERS = ["plain", "draft", "head"]
 
 @functools.cache
 def _lowbit_target() -> LoadedModel:
-    """A tiny model as GGUF files run on a CPU: low-bit linear layers (each row of a call computed alone) and the
-    attention kernel, so that one call packs a verify's rows and a prompt's chunk."""
-    if lowbit_kernel() is None or load("attention") is None:
-        pytest.skip("the low-bit and attention kernels need a C compiler")
-    cfg = tiny_config()
-    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
-    assert attach_attention_kernel(model)
-    return LoadedModel("tiny-lowbit", model, ByteTokenizer(cfg.vocab_size), cfg)
+    model = lowbit_tiny_model()
+    return LoadedModel("tiny-lowbit", model, ByteTokenizer(model.cfg.vocab_size), model.cfg)
 
 
 def _llm(kind: str, chunk: int, tmp_path, lowbit: bool = False):

@@ -8,25 +8,13 @@ calls and in one (the engine's step while a long prompt prefills). Medians of --
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from specdecode import LLM
 from specdecode.bench.datasets import stdlib_sources
-from specdecode.bench.results import describe_machine, machine_info
+from specdecode.bench.results import describe_machine, machine_info, median_seconds
 from specdecode.config import DEFAULT_TARGET
 
 VERIFY_ROWS = 5
-
-
-def median_ms(call, reps: int) -> float:
-    call()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -45,7 +33,7 @@ def main() -> None:
     runner.forward([chat], [ids[-200:-100]], "last")
     runner.commit(chat, 100)
     verify = ids[-100 : -100 + VERIFY_ROWS]
-    alone = median_ms(lambda: runner.forward([chat], [verify], "all"), args.reps)
+    alone = median_seconds(lambda: runner.forward([chat], [verify], "all"), args.reps) * 1e3
     print(f"the verify alone ({VERIFY_ROWS} rows): {alone:.1f} ms", flush=True)
     for rows in args.rows:
         by_itself, two, one = _chunk_costs(
@@ -66,7 +54,7 @@ def _chunk_costs(runner, slots: tuple[int, int], chunk: list[int], verify: list[
         lambda: (runner.forward([chat], [verify], "all"), runner.forward([prompt], [chunk], "last")),
         lambda: runner.forward([chat, prompt], [verify, chunk], [len(verify), 1]),
     ]
-    return [median_ms(call, reps) for call in calls]
+    return [median_seconds(call, reps) * 1e3 for call in calls]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from .sequence import Sequence
 class PromptChunk:
     """The next tokens of a prompt being prefilled in chunks: its prompt[start:end]."""
 
-    task: "ChunkedPrefill"
+    task: ChunkedPrefill
     start: int
     end: int
 

@@ -234,7 +234,7 @@ class ModelRunner:
         long = [i for i, tokens in enumerate(inputs) if len(tokens) > self._rowwise_width()]
         if long and len({len(tokens) for tokens in inputs}) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
-        if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and math.isinf(self._rowwise_width()):
+        if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and self.packs_any_width:
             return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
 
