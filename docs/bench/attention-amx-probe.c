@@ -6,7 +6,7 @@
 // (each operand as hi + lo bf16, three products: float32-like error at three times the tile work). Max err: against
 // the engine's kernel on the same random data.
 // Build and run (the compile line is the engine's flags for this kernel on an Intel AVX-512 host):
-//   cc -O3 -march=native -fopenmp -ffp-contract=off -DSPECDECODE_PREFETCH_BURST -I src/specdecode/executor/kernels docs/bench/attention-amx-probe.c -o /tmp/attention-amx-probe -lm
+//   cc -O3 -march=native -fopenmp -ffp-contract=off -DSPECDECODE_PREFETCH_L2 -I src/specdecode/executor/kernels docs/bench/attention-amx-probe.c -o /tmp/attention-amx-probe -lm
 //   OMP_NUM_THREADS=2 /tmp/attention-amx-probe 16384 15
 #include "attention.c"
 #include <immintrin.h>
@@ -166,7 +166,7 @@ static void amx_head(const float *q, int tokens, int n, const half *kc, const ha
     for (int r = 0; r < R; r++) {
         const int seen = n - (tokens - 1 - r / G);
         float *s = w->S + (size_t)r * n;
-        total[r] = softmax_unnormalised(s, seen);
+        total[r] = attention_softmax_unnormalised(s, seen);
         for (int j = seen; j < n; j++) s[j] = 0.f;
         to_bf16(s, n, w->ph + (size_t)r * n, split ? w->pl + (size_t)r * n : NULL);
     }
