@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -74,8 +75,16 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(32 + i) for i in ids if i not in self.eos_token_ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    tool_call_format = "hermes"
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Each message as <role>content, an assistant's calls as <tool_call> blocks, the tools first."""
+
+        def calls(m):
+            return "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>" for c in m.get("tool_calls", []))
+
+        shown = f"<tools>{json.dumps(tools)}</tools>" if tools else ""
+        return shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}" for m in messages) + "<assistant>"
 
 
 def tiny_config(

@@ -9,6 +9,7 @@ from conftest import wait_until
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import humaneval_prompts
+from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 
 pytestmark = pytest.mark.real_model
@@ -153,6 +154,60 @@ def test_qwen_structured_json_with_processors_and_logprobs(qwen_target, qwen_dra
     anything = SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutput(json_object=True))
     reply = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3).chat(conv, anything)[0].outputs[0]
     assert isinstance(json.loads(reply.text), dict) and reply.finish_reason == "stop"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city's name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_qwen_calls_a_tool_through_the_openai_client(qwen_target, qwen_draft, backend):
+    """The tool rendered by Qwen's template, the model's call read back (it answers in a ```json fence, not the
+    <tool_call> block its template asks for), streamed or not; a template without tools gets a 400."""
+    import json
+
+    import openai
+    from conftest import LocalServer
+
+    from specdecode.models.loader import load_tokenizer
+    from specdecode.server.api import build_app
+    from specdecode.server.async_engine import AsyncEngine
+
+    if backend != "auto":
+        pytest.skip("the server's reading of calls is the same on every backend")
+    llm = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3)
+    ask = dict(
+        model="qwen",
+        messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=64,
+    )
+    with LocalServer(build_app(AsyncEngine(llm.engine), "qwen")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        choice = client.chat.completions.create(**ask).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **ask))
+        smol = client.chat.completions.create(**{**ask, "tool_choice": "none"}).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert smol.message.tool_calls is None and smol.message.content  # none: no tools in the prompt, an answer
+    with pytest.raises(SpecDecodeError, match="no tool calls in a format"):
+        load_tokenizer("smollm2-135m").apply_chat_template(ask["messages"], tools=[WEATHER_TOOL])
 
 
 def test_smollm2_default_backend_tracks_float_then_knows_paris():

@@ -211,12 +211,16 @@ class LLM:
         return self._run(texts, ids, params)
 
     def chat(
-        self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Conversations are lists of {"role", "content"} messages; the model's chat template is applied."""
+        """Conversations are lists of {"role", "content"} messages; the model's chat template is applied, with
+        `tools` (OpenAI function tools) where it renders them. The calls stay in the output's text."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        texts = [self.tokenizer.apply_chat_template(c, tools=tools) for c in conversations]
         return self.generate(texts, sampling_params)
 
     def _run(self, texts, ids, params: list[SamplingParams]) -> list[RequestOutput]:

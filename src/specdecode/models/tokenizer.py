@@ -47,10 +47,22 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """tools: OpenAI function tools, rendered where the template asks the model for Hermes-style calls."""
         if not self.hf.chat_template:
             raise SpecDecodeError("this model has no chat template; pass plain prompts instead of --chat/llm.chat")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if tools and self.tool_call_format is None:
+            raise SpecDecodeError(
+                "this model's chat template asks for no tool calls in a format this server reads (Hermes' "
+                "<tool_call>, as Qwen2.5's and Qwen3's templates do); leave tools out"
+            )
+        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """ "hermes" where the chat template renders tools and asks for <tool_call> blocks, else None."""
+        template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else ""
+        return "hermes" if "tools" in template and "<tool_call>" in template else None
 
     @classmethod
     def from_gguf(cls, path: str, cache_dir: str) -> "Tokenizer":

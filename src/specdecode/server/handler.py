@@ -20,6 +20,7 @@ from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
 from .protocol import ChatRequest, CommonRequest, CompletionRequest
 from .responses import chat_logprobs, completion_logprobs, usage
+from .tools import Tools, template_messages
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -117,12 +118,14 @@ class RequestHandler:
         try:
             if not req.messages:
                 raise SpecDecodeError("messages is empty; send at least one message")
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+            tools = req.tool_use()
+            rendered = tools.rendered if tools else None
+            text = self.tokenizer.apply_chat_template(template_messages(req.messages), tools=rendered)
             ids = self.tokenizer.encode(text)
             params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens, default=None)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        reply = Reply(self, ids, params, chat=True)
+        reply = Reply(self, ids, params, chat=True, tools=tools)
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
         )
@@ -170,7 +173,7 @@ def tenant_of(req: CommonRequest, request: Request) -> str:
 class Reply:
     """One request's response. echo: (prompt text, prompt ids) to put before each completion
     (completions' `echo`); best: (n, whether logprobs are returned) when more outputs than n were
-    generated (`best_of`)."""
+    generated (`best_of`); tools: a chat's tools, whose calls are read out of each output."""
 
     def __init__(
         self,
@@ -180,8 +183,10 @@ class Reply:
         chat: bool,
         echo: tuple | None = None,
         best: tuple[int, bool] | None = None,
+        tools: Tools | None = None,
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
+        self.tools = tools
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
@@ -221,9 +226,8 @@ class Reply:
         choices = [
             self.choice(
                 rank,
-                texts[i],
+                *self._called(texts[i], finals[i].finish_reason),
                 logprobs[i] if show_logprobs else None,
-                finals[i].finish_reason,
                 delta=False,
                 echo=self.echo,
             )
@@ -242,15 +246,15 @@ class Reply:
         """Server-sent events, one per update, the usage with the last."""
         n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
         started, offsets, finals = [False] * n, [0] * n, {}
+        calls = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
         try:
             async for update in updates:
                 i = update.index
                 echoed = self.echo if self.echo is not None and not started[i] else None
                 body = self.choice(
                     i,
-                    update.text,
+                    *self._streamed(update, calls[i] if calls else None),
                     self._logprobs(update),
-                    update.finish_reason if update.finished else None,
                     delta=True,
                     text_offset=offsets[i],
                     echo=echoed,
@@ -277,6 +281,27 @@ class Reply:
             await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
         yield "data: [DONE]\n\n"
 
+    def _called(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+        """A whole output's content, tool calls and finish reason."""
+        if self.tools is None:
+            return text, None, reason
+        content, calls = self.tools.parse(text)
+        return content, [c.as_dict() for c in calls] or None, self.tools.finish_reason(reason, bool(calls))
+
+    def _streamed(self, update, stream) -> tuple[str | None, list[dict] | None, str | None]:
+        """An update's content, the tool calls that closed in it and, at the end, the finish reason."""
+        reason = update.finish_reason if update.finished else None
+        if stream is None:
+            return update.text, None, reason
+        before = stream.calls_made
+        content, calls = stream.feed(update.text)
+        if update.finished:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            reason = self.tools.finish_reason(reason, stream.called)
+        deltas = [call.as_dict(index=before + k) for k, call in enumerate(calls)]
+        return (content or None) if deltas else content, deltas or None, reason
+
     def _logprobs(self, update):
         if self.params.logprobs is None:
             return None
@@ -285,15 +310,16 @@ class Reply:
     def choice(
         self,
         index: int,
-        text: str,
-        logprobs,
+        text: str | None,
+        tool_calls: list[dict] | None,
         finish_reason,
+        logprobs,
         delta: bool,
         text_offset: int = 0,
         echo: tuple | None = None,
     ) -> dict:
         """echo: (prompt text, prompt ids) when this piece starts with the echoed prompt (its logprobs, if
-        asked for, are already at the front of logprobs)."""
+        asked for, are already at the front of logprobs); text None: a chat message of tool calls alone."""
         tokenizer = self.handler.tokenizer
         out = {"index": index, "finish_reason": finish_reason, "logprobs": None}
         if echo is not None:
@@ -305,7 +331,10 @@ class Reply:
                 else completion_logprobs(tokenizer, logprobs, text_offset, token_ids=echo[1] if echo else None)
             )
         if self.chat:
-            out["delta" if delta else "message"] = {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            out["delta" if delta else "message"] = message
         else:
             out["text"] = text
         return out

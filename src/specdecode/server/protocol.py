@@ -8,15 +8,14 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, StructuredOutput
+from .tools import Tools
 
 # Fields that change the output and that this server does not implement, with the value that means
 # "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
 UNSUPPORTED_UNLESS_DEFAULT = {
     "echo": False,
     "suffix": None,
-    "tools": None,
     "functions": None,
-    "tool_choice": None,
     "prompt_logprobs": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
@@ -140,10 +139,17 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None: an assistant's message of tool calls alone
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
     def text(self) -> str:
         """The message's text; content parts (the newer OpenAI form) must all be text."""
+        if self.content is None:
+            if not self.tool_calls:
+                raise SpecDecodeError(f"messages: a {self.role} message needs content")
+            return ""
         if isinstance(self.content, str):
             return self.content
         kinds = {part.type for part in self.content} - {"text"}
@@ -159,6 +165,23 @@ class ChatRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_use(self) -> Tools | None:
+        return Tools.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A call that tool_choice forces is a grammar of its own, which no other may join."""
+        own = super().structured_output()
+        forced = (tools := self.tool_use()) and tools.constraint()
+        if forced and own:
+            raise SpecDecodeError(
+                "tool_choice required or a named function constrains the output already; leave out "
+                "response_format and guided_* fields"
+            )
+        return forced or own
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,0 +1,241 @@
+"""Tool calling on the chat endpoint: calls read out of the model's text (Hermes' <tool_call> blocks) the same
+however the text is streamed, forced calls by grammar, the tools and earlier calls rendered into the prompt, and
+clear 400s; through the `openai` client against tiny random models (vocabulary 100: braces and quotes are tokens)."""
+
+import json
+import random
+
+import jsonschema
+import openai
+import pytest
+from conftest import LocalServer, tiny_model
+
+from specdecode import LLM, SamplingParams
+from specdecode.sampling import StructuredOutput
+from specdecode.server import tools as tool_calls
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import AsyncEngine
+from specdecode.server.tools import Tools
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+TEXTS = [
+    CALL,
+    "Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n",
+    "no call here: < tool_call> and <tool_ca",
+    '<tool_call>{"name": "unknown", "arguments": {}}</tool_call> then text',
+    '<tool_call>{"name": "get_weather", "argu',  # cut short
+    'a\n\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>  \n more \n',
+    "<tool_call>not json</tool_call>" + CALL,
+    '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n```',  # bare calls, as small
+    '  {"name": "add", "arguments": {"a": 1, "b": 2}}',  # models answer despite their templates
+    '{"name": "nope", "arguments": {}}',
+    '{"key": 1} and more',
+    "``not a fence",
+]
+
+
+def _streamed(tools: Tools, pieces: list[str]):
+    stream, content, calls = tools.stream(), [], []
+    for piece in pieces:
+        text, made = stream.feed(piece)
+        content.append(text)
+        calls += made
+    text, made = stream.finish()
+    joined = "".join(content) + text
+    return (joined or None) if calls + made else joined, [(c.name, c.arguments) for c in calls + made]
+
+
+def _splits(text: str, rng: random.Random, trials: int = 300):
+    for _ in range(trials):
+        cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, min(8, len(text)))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def test_a_stream_splits_content_and_calls_as_the_whole_text_does_however_it_arrives():
+    tools, rng = Tools.from_request(TOOLS, None, True), random.Random(0)
+    for text in TEXTS:
+        content, calls = tools.parse(text)
+        whole = (content, [(c.name, c.arguments) for c in calls])
+        for pieces in _splits(text, rng):
+            assert _streamed(tools, pieces) == whole, pieces
+
+
+def test_a_stream_that_does_not_hold_a_tag_s_first_characters_splits_otherwise(monkeypatch):
+    """The broken variant: text that may begin <tool_call> leaves at once, so a tag cut between two pieces is
+    sent as content and its call is lost."""
+    tools, rng = Tools.from_request(TOOLS, None, True), random.Random(0)
+    monkeypatch.setattr(tool_calls, "_partial_tag", lambda text: 0)
+    whole = _streamed(tools, [CALL])
+    assert any(_streamed(tools, pieces) != whole for pieces in _splits(CALL, rng))
+
+
+def test_hermes_blocks_become_calls_and_the_rest_content():
+    tools = Tools.from_request(TOOLS, None, True)
+    content, calls = tools.parse(TEXTS[1])
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_weather", {"city": "Rome", "days": 2}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    assert tools.parse(CALL)[0] is None  # calls alone: no content
+    for text in TEXTS[2:5]:  # no call: an unknown function, a block cut short
+        assert tools.parse(text) == (text, [])
+    content, calls = tools.parse(TEXTS[6])  # a block that is not JSON stays text; the next one is a call
+    assert content == "<tool_call>not json</tool_call>" and [c.name for c in calls] == ["get_weather"]
+    assert tools.finish_reason("stop", True) == "tool_calls" and tools.finish_reason("length", True) == "length"
+    for text, call in [(TEXTS[7], ("get_weather", {"city": "Oslo", "days": 1})), (TEXTS[8], ("add", {"a": 1, "b": 2}))]:
+        content, calls = tools.parse(text)
+        assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [call]
+    for text in TEXTS[9:]:
+        assert tools.parse(text) == (text, [])
+
+
+@pytest.fixture(scope="module")
+def server():
+    target = tiny_model(seed=0, vocab=100, max_position=2048)  # the tools' JSON is a token a character
+    llm = LLM(
+        target=target,
+        draft=tiny_model(seed=5, vocab=100, layers=1, max_position=2048),
+        num_speculative_tokens=3,
+        max_model_len=2048,
+        max_num_seqs=8,
+        speculation_policy="fixed",
+    )
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as served:
+        served.client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        served.plain = LLM(target=target, num_speculative_tokens=0, max_model_len=2048)
+        yield served
+
+
+ASK = [{"role": "user", "content": "weather?"}]
+
+
+def _chat(server, max_tokens=200, **kwargs):
+    return server.client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=max_tokens, temperature=0, **kwargs
+    )
+
+
+def _streamed_calls(chunks) -> tuple[str, dict, str]:
+    """(content, {index: [name, arguments]}, finish reason) accumulated from a stream, as clients do."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content, calls, reason
+
+
+def test_a_named_function_is_called_with_arguments_its_schema_allows(server):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = _chat(server, tools=TOOLS, tool_choice=choice).choices[0]
+    assert r.message.content is None and r.finish_reason == "stop"  # OpenAI's reason when the call is forced
+    (call,) = r.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # what the engine computes for the same prompt and grammar, without the server
+    plain = server.plain.chat(
+        ASK,
+        SamplingParams(temperature=0, max_tokens=200, structured_output=StructuredOutput(json=WEATHER)),
+        tools=TOOLS,
+    )[0]
+    assert call.function.arguments == plain.outputs[0].text.strip()
+    content, calls, reason = _streamed_calls(_chat(server, tools=TOOLS, tool_choice=choice, stream=True))
+    assert (content, calls, reason) == ("", {0: ["get_weather", call.function.arguments]}, "stop")
+
+
+def test_required_calls_one_declared_function_when_parallel_calls_are_off(server):
+    # a random model may spend up to 20 spaces wherever JSON allows them
+    r = _chat(server, 480, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert r.finish_reason == "tool_calls"
+    (call,) = r.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tools_reach_the_prompt_and_none_leaves_them_out(server):
+    """auto: the prompt holds the tools (a random model calls nothing, so its text is the content, as the engine
+    decodes that prompt); none: the prompt without them."""
+    asked = _chat(server, tools=TOOLS).choices[0]
+    with_tools = server.plain.chat(ASK, SamplingParams(temperature=0, max_tokens=200), tools=TOOLS)[0].outputs[0]
+    without = server.plain.chat(ASK, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert with_tools.text != without.text  # the check can fail
+    assert asked.message.tool_calls is None and asked.message.content == with_tools.text
+    assert _chat(server, tools=TOOLS, tool_choice="none").choices[0].message.content == without.text
+
+
+def test_earlier_calls_and_tool_results_are_rendered(server):
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
+    r = server.client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=30, temperature=0)
+    rendered = [history[0], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0]}]}, history[2]]
+    rendered[1]["tool_calls"][0]["function"] = {"name": "add", "arguments": {"a": 1, "b": 2}}  # as templates read
+    rendered[1]["content"] = ""
+    plain = server.plain.chat(rendered, SamplingParams(temperature=0, max_tokens=30), tools=TOOLS)[0].outputs[0]
+    assert r.choices[0].message.content == plain.text
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(tool_choice="required"), "tool_choice needs tools"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+        (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "each tool is"),
+        (dict(tools=TOOLS, tool_choice="sometimes"), 'tool_choice is "auto"'),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": "add"}), 'tool_choice is "auto"'),
+        (dict(tools=TOOLS, parallel_tool_calls=False), "parallel_tool_calls false"),
+        (
+            dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+            "constrains the output already",
+        ),
+        (dict(functions=[{"name": "f"}]), "functions is not supported"),
+    ],
+)
+def test_tool_requests_the_server_cannot_honour_get_a_400_that_says_why(server, fields, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        _chat(server, **fields)
+
+
+def test_a_call_in_the_history_whose_arguments_are_not_json_gets_a_400(server):
+    bad = {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [bad]}]
+    with pytest.raises(openai.BadRequestError, match="arguments are not JSON"):
+        server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
