@@ -72,6 +72,24 @@ def test_a_chat_template_in_the_file_is_applied():
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 
+def test_a_template_that_refuses_the_messages_says_so_and_tools_need_a_call_format(monkeypatch):
+    """A template's raise_exception (Gemma's and Mistral's roles that must alternate) is the request's error, not
+    the server's; tools go only to templates that ask for Hermes' <tool_call> blocks."""
+    from specdecode.errors import SpecDecodeError
+
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    assert tok.tool_call_format is None  # this file's template renders no tools
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}x"
+    monkeypatch.setattr(tok.hf, "chat_template", strict)
+    with pytest.raises(SpecDecodeError, match="template refused these messages: roles must alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(SpecDecodeError, match="no tool calls in a format"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    monkeypatch.setattr(tok.hf, "chat_template", "{{ tools | tojson }}<tool_call>")
+    assert tok.tool_call_format == "hermes"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"n": 1}]).startswith('[{"n": 1}]')
+
+
 def test_a_draft_of_another_vocabulary_is_refused_naming_both_tokenizers():
     from specdecode.errors import SpecDecodeError
     from specdecode.models.loader import LoadedModel

@@ -56,7 +56,14 @@ class Tokenizer:
                 "this model's chat template asks for no tool calls in a format this server reads (Hermes' "
                 "<tool_call>, as Qwen2.5's and Qwen3's templates do); leave tools out"
             )
-        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            return self.hf.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as exc:  # the template's own check (roles that must alternate, a call id's form)
+            raise SpecDecodeError(f"the model's chat template refused these messages: {exc}") from None
 
     @property
     def tool_call_format(self) -> str | None:
