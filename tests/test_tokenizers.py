@@ -74,7 +74,7 @@ def test_a_chat_template_in_the_file_is_applied():
 
 def test_a_template_that_refuses_the_messages_says_so_and_tools_need_a_call_format(monkeypatch):
     """A template's raise_exception (Gemma's and Mistral's roles that must alternate) is the request's error, not
-    the server's; tools go only to templates that ask for Hermes' <tool_call> blocks."""
+    the server's; tools go only to templates that ask for calls in a format read back (Hermes', Llama 3's)."""
     from specdecode.errors import SpecDecodeError
 
     tok = vocabulary("ggml-vocab-qwen2.gguf")
@@ -85,6 +85,9 @@ def test_a_template_that_refuses_the_messages_says_so_and_tools_need_a_call_form
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
     with pytest.raises(SpecDecodeError, match="no tool calls in a format"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    llama3 = '{{ tools | tojson }} Respond in the format {"name": function name, "parameters": dictionary of argument'
+    monkeypatch.setattr(tok.hf, "chat_template", llama3 + " name and its value}.")
+    assert tok.tool_call_format == "json"
     monkeypatch.setattr(tok.hf, "chat_template", "{{ tools | tojson }}<tool_call>")
     assert tok.tool_call_format == "hermes"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"n": 1}]).startswith('[{"n": 1}]')

@@ -52,6 +52,7 @@ TEXTS = [
     "<tool_call>not json</tool_call>" + CALL,
     '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n```',  # bare calls, as small
     '  {"name": "add", "arguments": {"a": 1, "b": 2}}',  # models answer despite their templates
+    '{"name": "add", "parameters": {"a": 3, "b": 4}}',  # Llama 3's form
     '{"name": "nope", "arguments": {}}',
     '{"key": 1} and more',
     "``not a fence",
@@ -108,10 +109,14 @@ def test_hermes_blocks_become_calls_and_the_rest_content():
     content, calls = tools.parse(TEXTS[6])  # a block that is not JSON stays text; the next one is a call
     assert content == "<tool_call>not json</tool_call>" and [c.name for c in calls] == ["get_weather"]
     assert tools.finish_reason("stop", True) == "tool_calls" and tools.finish_reason("length", True) == "length"
-    for text, call in [(TEXTS[7], ("get_weather", {"city": "Oslo", "days": 1})), (TEXTS[8], ("add", {"a": 1, "b": 2}))]:
+    for text, call in [
+        (TEXTS[7], ("get_weather", {"city": "Oslo", "days": 1})),
+        (TEXTS[8], ("add", {"a": 1, "b": 2})),
+        (TEXTS[9], ("add", {"a": 3, "b": 4})),
+    ]:
         content, calls = tools.parse(text)
         assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [call]
-    for text in TEXTS[9:]:
+    for text in TEXTS[10:]:
         assert tools.parse(text) == (text, [])
 
 

@@ -54,7 +54,7 @@ class Tokenizer:
         if tools and self.tool_call_format is None:
             raise SpecDecodeError(
                 "this model's chat template asks for no tool calls in a format this server reads (Hermes' "
-                "<tool_call>, as Qwen2.5's and Qwen3's templates do); leave tools out"
+                "<tool_call> blocks, as Qwen2.5's and Qwen3's templates do, or Llama 3's bare JSON); leave tools out"
             )
         from jinja2 import TemplateError
 
@@ -67,9 +67,14 @@ class Tokenizer:
 
     @property
     def tool_call_format(self) -> str | None:
-        """ "hermes" where the chat template renders tools and asks for <tool_call> blocks, else None."""
+        """How the chat template asks the model to call the tools it renders: "hermes" (<tool_call> blocks: Qwen2.5,
+        Qwen3, Hermes), "json" (a bare {"name", "parameters"} object: Llama 3.1-3.3), else None."""
         template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else ""
-        return "hermes" if "tools" in template and "<tool_call>" in template else None
+        if "tools" not in template:
+            return None
+        if "<tool_call>" in template:
+            return "hermes"
+        return "json" if '"parameters": dictionary of argument name' in template else None
 
     @classmethod
     def from_gguf(cls, path: str, cache_dir: str) -> "Tokenizer":

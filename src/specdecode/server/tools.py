@@ -1,7 +1,8 @@
 """OpenAI tool calling on chat requests. The tools reach the model through its chat template, and its calls come
-back out of its text in the format the template asks for: Hermes' `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>` blocks (Qwen2.5, Qwen3, Hermes). tool_choice "required" or a named function constrains the output
-by grammar, as vLLM does: to a JSON list of calls, or to the named function's arguments."""
+back out of its text in the formats templates ask for: Hermes' `<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>` blocks (Qwen2.5, Qwen3, Hermes) and a whole answer that is a call's JSON (Llama 3's `{"name": ...,
+"parameters": {...}}`). tool_choice "required" or a named function constrains the output by grammar, as vLLM does:
+to a JSON list of calls, or to the named function's arguments."""
 
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ class CallStream:
     def _as_call(self, value) -> ToolCall | None:
         if not isinstance(value, dict) or value.get("name") not in self.tools.schemas:
             return None
-        arguments = value.get("arguments", {})
+        arguments = value.get("arguments", value.get("parameters", {}))  # Llama 3's name for them
         if isinstance(arguments, str):
             return ToolCall(value["name"], arguments)
         return (
