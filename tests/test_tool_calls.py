@@ -56,6 +56,7 @@ TEXTS = [
     '{"name": "nope", "arguments": {}}',
     '{"key": 1} and more',
     "``not a fence",
+    '{"name": ["get_weather"], "arguments": {}}',
 ]
 
 

@@ -188,14 +188,14 @@ class CallStream:
             return None
 
     def _as_call(self, value) -> ToolCall | None:
-        if not isinstance(value, dict) or value.get("name") not in self.tools.schemas:
+        """A call of a declared function, or None."""
+        name = value.get("name") if isinstance(value, dict) else None
+        if not isinstance(name, str) or name not in self.tools.schemas:
             return None
         arguments = value.get("arguments", value.get("parameters", {}))  # Llama 3's name for them
         if isinstance(arguments, str):
-            return ToolCall(value["name"], arguments)
-        return (
-            ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
-        )
+            return ToolCall(name, arguments)
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
 
     def _json_calls(self, text: str, forced: bool = False) -> list[ToolCall]:
         """The calls a whole output's JSON holds: the named function's arguments, or a call or a list of them."""
