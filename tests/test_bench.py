@@ -649,10 +649,11 @@ def test_a_server_interrupted_while_it_starts_is_stopped(monkeypatch):
 
     from specdecode.bench import server_process
 
-    def interrupted(_seconds):
+    def interrupted(_self):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(server_process.time, "sleep", interrupted)
+    # (not time.sleep: stopping the child waits on it through time.sleep too, and would be interrupted as well)
+    monkeypatch.setattr(server_process.ServerProcess, "_wait_until_it_answers", interrupted)
     server = server_process.ServerProcess([], command=[sys.executable, "-c", "import time; time.sleep(60)"])
     with pytest.raises(KeyboardInterrupt):
         with server:

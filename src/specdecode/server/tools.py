@@ -2,7 +2,7 @@
 back out of its text in the formats templates ask for: Hermes' `<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>` blocks (Qwen2.5, Qwen3, Hermes) and a whole answer that is a call's JSON (Llama 3's `{"name": ...,
 "parameters": {...}}`). tool_choice "required" or a named function constrains the output by grammar, as vLLM does:
-to a JSON list of calls, or to the named function's arguments."""
+to a JSON list of calls, or to the named function's arguments (docs/decisions.md#tool-calls-read-out-of-the-text)."""
 
 from __future__ import annotations
 
