@@ -72,9 +72,20 @@ def test_a_chat_template_in_the_file_is_applied():
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 
+# Mistral's template in brief: call ids of 9 letters or digits, or it raises
+MISTRAL_LIKE = (
+    "{%- for m in messages %}{%- if m.tool_calls is defined %}{%- for c in m.tool_calls %}"
+    "{%- if c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}{{ c.id }}|{%- endfor %}{%- elif m.role == 'tool' %}{%- if m.tool_call_id|length != 9 %}"
+    "{{ raise_exception('bad id') }}{%- endif %}{{ m.tool_call_id }}|{%- endif %}{%- endfor %}"
+    "[TOOL_CALLS]{{ tools | tojson }}"
+)
+
+
 def test_a_template_that_refuses_the_messages_says_so_and_tools_need_a_call_format(monkeypatch):
     """A template's raise_exception (Gemma's and Mistral's roles that must alternate) is the request's error, not
-    the server's; tools go only to templates that ask for calls in a format read back (Hermes', Llama 3's)."""
+    the server's; tools go only to templates that ask for calls in a format read back (Hermes', Llama 3's, Mistral's),
+    whose call ids Mistral's demands in a form of its own."""
     from specdecode.errors import SpecDecodeError
 
     tok = vocabulary("ggml-vocab-qwen2.gguf")
@@ -91,6 +102,16 @@ def test_a_template_that_refuses_the_messages_says_so_and_tools_need_a_call_form
     monkeypatch.setattr(tok.hf, "chat_template", "{{ tools | tojson }}<tool_call>")
     assert tok.tool_call_format == "hermes"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"n": 1}]).startswith('[{"n": 1}]')
+    monkeypatch.setattr(tok.hf, "chat_template", MISTRAL_LIKE)
+    assert tok.tool_call_format == "mistral"
+    long_id = "call_0123456789abcdef01234567"  # OpenAI's form, which Mistral's template refuses
+    call = {"id": long_id, "type": "function", "function": {"name": "f", "arguments": {}}}
+    text = tok.apply_chat_template(
+        [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": long_id}],
+        tools=[{"n": 1}],
+    )
+    call_id, result_id = text.split("|")[:2]
+    assert call_id == result_id and len(call_id) == 9 and call_id.isalnum()  # the pair still names one call
 
 
 def test_a_draft_of_another_vocabulary_is_refused_naming_both_tokenizers():

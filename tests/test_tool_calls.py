@@ -42,21 +42,40 @@ TOOLS = [
     },
 ]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-TEXTS = [
-    CALL,
-    "Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n",
-    "no call here: < tool_call> and <tool_ca",
-    '<tool_call>{"name": "unknown", "arguments": {}}</tool_call> then text',
-    '<tool_call>{"name": "get_weather", "argu',  # cut short
-    'a\n\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>  \n more \n',
-    "<tool_call>not json</tool_call>" + CALL,
-    '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n```',  # bare calls, as small
-    '  {"name": "add", "arguments": {"a": 1, "b": 2}}',  # models answer despite their templates
-    '{"name": "add", "parameters": {"a": 3, "b": 4}}',  # Llama 3's form
-    '{"name": "nope", "arguments": {}}',
-    '{"key": 1} and more',
-    "``not a fence",
-    '{"name": ["get_weather"], "arguments": {}}',
+PARIS, ROME = ("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome", "days": 2})
+# A model's text, the content read from it (the text itself: no call) and its calls as (name, arguments).
+READ = [
+    (CALL, None, [PARIS]),
+    ("Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n", "Let me look.", [PARIS, ROME]),
+    ("no call here: < tool_call> and <tool_ca", "self", []),
+    ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call> then text', "self", []),  # undeclared
+    ('<tool_call>{"name": "get_weather", "argu', "self", []),  # cut short
+    (
+        'a\n\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>  \n more \n',
+        "a\n\n  \n more",
+        [("add", {"a": 1, "b": 2})],
+    ),
+    ("<tool_call>not json</tool_call>" + CALL, "<tool_call>not json</tool_call>", [PARIS]),
+    # bare calls, as small models answer despite their templates; Llama 3's form; Mistral's (its marker kept, or
+    # skipped as a special token)
+    (
+        '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n```',
+        None,
+        [("get_weather", {"city": "Oslo", "days": 1})],
+    ),
+    ('  {"name": "add", "arguments": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
+    ('{"name": "add", "parameters": {"a": 3, "b": 4}}', None, [("add", {"a": 3, "b": 4})]),
+    (
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 5, "b": 6}}, {"name": "add", "arguments": {"a": 7, "b": 8}}]',
+        None,
+        [("add", {"a": 5, "b": 6}), ("add", {"a": 7, "b": 8})],
+    ),
+    (' [{"name": "add", "arguments": {"a": 1, "b": 1}}]', None, [("add", {"a": 1, "b": 1})]),
+    ('{"name": "nope", "arguments": {}}', "self", []),
+    ('{"name": ["get_weather"], "arguments": {}}', "self", []),
+    ('{"key": 1} and more', "self", []),
+    ("``not a fence", "self", []),
+    ("[1] a footnote", "self", []),
 ]
 
 
@@ -79,7 +98,7 @@ def _splits(text: str, rng: random.Random, trials: int = 300):
 
 def test_a_stream_splits_content_and_calls_as_the_whole_text_does_however_it_arrives():
     tools, rng = Tools.from_request(TOOLS, None, True), random.Random(0)
-    for text in TEXTS:
+    for text, _, _ in READ:
         content, calls = tools.parse(text)
         whole = (content, [(c.name, c.arguments) for c in calls])
         for pieces in _splits(text, rng):
@@ -95,30 +114,14 @@ def test_a_stream_that_does_not_hold_a_tag_s_first_characters_splits_otherwise(m
     assert any(_streamed(tools, pieces) != whole for pieces in _splits(CALL, rng))
 
 
-def test_hermes_blocks_become_calls_and_the_rest_content():
+def test_calls_are_read_from_hermes_blocks_and_whole_json_answers_and_the_rest_is_content():
     tools = Tools.from_request(TOOLS, None, True)
-    content, calls = tools.parse(TEXTS[1])
-    assert content == "Let me look."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris", "days": 2}),
-        ("get_weather", {"city": "Rome", "days": 2}),
-    ]
-    assert len({c.id for c in calls}) == 2
-    assert tools.parse(CALL)[0] is None  # calls alone: no content
-    for text in TEXTS[2:5]:  # no call: an unknown function, a block cut short
-        assert tools.parse(text) == (text, [])
-    content, calls = tools.parse(TEXTS[6])  # a block that is not JSON stays text; the next one is a call
-    assert content == "<tool_call>not json</tool_call>" and [c.name for c in calls] == ["get_weather"]
+    for text, content, calls in READ:
+        got, made = tools.parse(text)
+        expected = text if content == "self" else content
+        assert (got, [(c.name, json.loads(c.arguments)) for c in made]) == (expected, calls)
+        assert len({c.id for c in made}) == len(made)
     assert tools.finish_reason("stop", True) == "tool_calls" and tools.finish_reason("length", True) == "length"
-    for text, call in [
-        (TEXTS[7], ("get_weather", {"city": "Oslo", "days": 1})),
-        (TEXTS[8], ("add", {"a": 1, "b": 2})),
-        (TEXTS[9], ("add", {"a": 3, "b": 4})),
-    ]:
-        content, calls = tools.parse(text)
-        assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [call]
-    for text in TEXTS[10:]:
-        assert tools.parse(text) == (text, [])
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,18 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """tools: OpenAI function tools, rendered where the template asks the model for Hermes-style calls."""
+        """tools: OpenAI function tools, rendered where the template asks for calls in a format read back
+        (tool_call_format)."""
         if not self.hf.chat_template:
             raise SpecDecodeError("this model has no chat template; pass plain prompts instead of --chat/llm.chat")
-        if tools and self.tool_call_format is None:
+        form = self.tool_call_format
+        if tools and form is None:
             raise SpecDecodeError(
                 "this model's chat template asks for no tool calls in a format this server reads (Hermes' "
-                "<tool_call> blocks, as Qwen2.5's and Qwen3's templates do, or Llama 3's bare JSON); leave tools out"
+                "<tool_call> blocks, Llama 3's bare JSON, Mistral's [TOOL_CALLS]); leave tools out"
             )
+        if form == "mistral":  # its template refuses any call id but 9 letters or digits
+            messages = [nine_character_ids(m) for m in messages]
         from jinja2 import TemplateError
 
         try:
@@ -68,12 +72,15 @@ class Tokenizer:
     @property
     def tool_call_format(self) -> str | None:
         """How the chat template asks the model to call the tools it renders: "hermes" (<tool_call> blocks: Qwen2.5,
-        Qwen3, Hermes), "json" (a bare {"name", "parameters"} object: Llama 3.1-3.3), else None."""
+        Qwen3, Hermes), "json" (a bare {"name", "parameters"} object: Llama 3.1-3.3), "mistral" ([TOOL_CALLS] and a
+        list of calls), else None."""
         template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else ""
         if "tools" not in template:
             return None
         if "<tool_call>" in template:
             return "hermes"
+        if "[TOOL_CALLS]" in template:
+            return "mistral"
         return "json" if '"parameters": dictionary of argument name' in template else None
 
     @classmethod
@@ -181,3 +188,22 @@ def encode_as_llama_cpp(tok, meta: dict) -> None:
             normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix in (None, True) else spaces
         )
         backend.pre_tokenizer = None
+
+
+def nine_character_ids(message: dict) -> dict:
+    """The message with its call ids as Mistral's template demands, each derived from the id sent (so a call and its
+    result still name the same one); ids already so are kept."""
+    out = dict(message)
+    if out.get("tool_call_id") is not None:
+        out["tool_call_id"] = _nine_characters(str(out["tool_call_id"]))
+    if out.get("tool_calls"):
+        out["tool_calls"] = [{**c, "id": _nine_characters(str(c.get("id", "")))} for c in out["tool_calls"]]
+    return out
+
+
+def _nine_characters(call_id: str) -> str:
+    import hashlib
+
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    return hashlib.blake2b(call_id.encode(), digest_size=5).hexdigest()[:9]

@@ -1,8 +1,9 @@
 """OpenAI tool calling on chat requests. The tools reach the model through its chat template, and its calls come
 back out of its text in the formats templates ask for: Hermes' `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>` blocks (Qwen2.5, Qwen3, Hermes) and a whole answer that is a call's JSON (Llama 3's `{"name": ...,
-"parameters": {...}}`). tool_choice "required" or a named function constrains the output by grammar, as vLLM does:
-to a JSON list of calls, or to the named function's arguments (docs/decisions.md#tool-calls-read-out-of-the-text)."""
+</tool_call>` blocks (Qwen2.5, Qwen3, Hermes), and a whole answer that is a call's JSON or a list of them (Llama 3's
+`{"name": ..., "parameters": {...}}`, Mistral's `[TOOL_CALLS] [...]`). tool_choice "required" or a named function
+constrains the output by grammar, as vLLM does: to a JSON list of calls, or to the named function's arguments
+(docs/decisions.md#tool-calls-read-out-of-the-text)."""
 
 from __future__ import annotations
 
@@ -209,19 +210,19 @@ class CallStream:
         return calls if calls and all(calls) else []
 
 
-FENCE = "```json"
+FENCE, MISTRAL = "```json", "[TOOL_CALLS]"
 
 
 def _may_be_bare(head: str) -> bool | None:
     """Whether an output beginning so may be a call's JSON alone; None while its start cannot tell."""
     start = head.lstrip()
-    if start.startswith(("{", FENCE)):
+    if start.startswith(("{", "[", FENCE)):  # a list of calls: Mistral's after its [TOOL_CALLS]
         return True
     return None if FENCE.startswith(start) else False
 
 
 def _unfenced(text: str) -> str:
-    text = text.strip()
+    text = text.strip().removeprefix(MISTRAL).lstrip()  # its marker where decoding keeps special tokens
     if text.startswith(FENCE) and text.endswith("```"):
         return text[len(FENCE) : -3]
     return text
