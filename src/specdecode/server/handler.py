@@ -246,14 +246,14 @@ class Reply:
         """Server-sent events, one per update, the usage with the last."""
         n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
         started, offsets, finals = [False] * n, [0] * n, {}
-        calls = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
+        streams = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
         try:
             async for update in updates:
                 i = update.index
                 echoed = self.echo if self.echo is not None and not started[i] else None
                 body = self.choice(
                     i,
-                    *self._streamed(update, calls[i] if calls else None),
+                    *self._streamed(update, streams[i] if streams else None),
                     self._logprobs(update),
                     delta=True,
                     text_offset=offsets[i],
