@@ -243,8 +243,11 @@ def test_tool_requests_the_server_cannot_honour_get_a_400_that_says_why(server, 
         _chat(server, **fields)
 
 
-def test_a_call_in_the_history_whose_arguments_are_not_json_gets_a_400(server):
+def test_a_call_in_the_history_whose_arguments_are_not_a_json_object_gets_a_400(server):
     bad = {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [bad]}]
-    with pytest.raises(openai.BadRequestError, match="arguments are not JSON"):
+    with pytest.raises(openai.BadRequestError, match="arguments are not a JSON object"):
+        server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    bad["function"]["arguments"] = "[1, 2]"
+    with pytest.raises(openai.BadRequestError, match="arguments are not a JSON object"):
         server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)

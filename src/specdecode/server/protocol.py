@@ -148,7 +148,7 @@ class ChatMessage(BaseModel):
         """The message's text; content parts (the newer OpenAI form) must all be text."""
         if self.content is None:
             if not self.tool_calls:
-                raise SpecDecodeError(f"messages: a {self.role} message needs content")
+                raise SpecDecodeError(f"messages: each {self.role!r} message needs content (or tool_calls)")
             return ""
         if isinstance(self.content, str):
             return self.content

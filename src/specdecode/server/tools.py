@@ -285,5 +285,7 @@ def _template_call(i: int, call) -> dict:
         try:
             arguments = json.loads(arguments or "{}")
         except json.JSONDecodeError:
-            raise SpecDecodeError(f"messages[{i}].tool_calls: {function['name']}'s arguments are not JSON") from None
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise SpecDecodeError(f"messages[{i}].tool_calls: {function['name']}'s arguments are not a JSON object")
     return {**call, "function": {"name": function["name"], "arguments": arguments}}
