@@ -171,6 +171,32 @@ HOSTILE = [
     ("completions", {"prompt": "x", "guided_json": "{not json"}),
     ("completions", {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+    *(
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], **fields})
+        for fields in [
+            {"tools": "string"},
+            {"tools": [1]},
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+                "tool_choice": "required",
+            },
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": 5},
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}},
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": "f"}},
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": "maybe"},
+            {"tool_choice": "required"},
+        ]
+    ),
+    *(
+        ("chat/completions", {"messages": [{"role": "assistant", **fields}]})
+        for fields in [
+            {"tool_calls": [1]},
+            {"tool_calls": [{"function": {"name": 1}}]},
+            {"tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
+            {"content": None},
+        ]
+    ),
 ]
 
 
