@@ -75,8 +75,6 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(32 + i) for i in ids if i not in self.eos_token_ids)
 
-    tool_call_format = "hermes"
-
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Each message as <role>content, an assistant's calls as <tool_call> blocks, the tools first."""
 

@@ -118,7 +118,7 @@ class RequestHandler:
         try:
             if not req.messages:
                 raise SpecDecodeError("messages is empty; send at least one message")
-            tools = req.tool_use()
+            tools = req.tool_use
             rendered = tools.rendered if tools else None
             text = self.tokenizer.apply_chat_template(template_messages(req.messages), tools=rendered)
             ids = self.tokenizer.encode(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -169,13 +170,15 @@ class ChatRequest(CommonRequest):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
+    @cached_property
     def tool_use(self) -> Tools | None:
+        """The request's tools and tool_choice, checked once (the prompt and the grammar both read them)."""
         return Tools.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def structured_output(self) -> StructuredOutput | None:
         """A call that tool_choice forces is a grammar of its own, which no other may join."""
         own = super().structured_output()
-        forced = (tools := self.tool_use()) and tools.constraint()
+        forced = (tools := self.tool_use) and tools.constraint()
         if forced and own:
             raise SpecDecodeError(
                 "tool_choice required or a named function constrains the output already; leave out "
