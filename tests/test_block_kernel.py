@@ -4,6 +4,7 @@ computed with it, and every instruction-set build gives the portable scalar buil
 itself shows the compiler's errors, and without a compiler the backends fall back to float."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -345,3 +346,17 @@ def test_restricting_a_draft_vocabulary_keeps_whole_groups_and_the_special_token
     restrict_draft_vocab(draft, 20)
     ids = draft.model.vocab_ids.tolist()
     assert len(ids) == 32 and ids[:21] == list(range(21)) and 63 in ids  # 0..19, then whole groups; EOS kept
+
+
+def test_processes_that_need_one_library_at_once_compile_it_once(tmp_path, monkeypatch):
+    """Two builds of one library at a time (the test workers, a server's replicas): one runs the compiler, the
+    other waits for its library. The compiler here is slow on purpose, so both builds overlap."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "slow-cc"
+    compiler.write_text(f'#!/bin/sh\necho called >> {calls}\nsleep 1\nexec {kernels.compiler()} "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: kernels.build("norm", "scalar", str(compiler)), range(2)))
+    assert paths[0] == paths[1] and calls.read_text().count("called") == 1
+    assert os.listdir(tmp_path / "cache" / "kernels") == [os.path.basename(paths[0])]  # no lock file left

@@ -11,7 +11,9 @@ both ways). Without a compiler, or when the build fails, `load` returns None, `b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -127,8 +129,8 @@ def bind(lib: ctypes.CDLL, name: str) -> ctypes.CDLL:
 
 def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
     """Compile kernels/<name>.c (or `source` in its place, another version of it) for `isa` into the cache (once
-    per source, flags and CPU); the path of the shared library. The build goes to a temporary file beside its final
-    place and is renamed there, so a concurrent or interrupted build never leaves a partial library behind."""
+    per source, flags and CPU); the path of the shared library. Processes that need the same library at once (the
+    test workers, the replicas of a server) wait for one build under a file lock instead of each compiling it."""
     if source is None:
         source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
     flags = FLAGS + ISA_FLAGS[isa] + machine_defines(name, isa)
@@ -138,7 +140,21 @@ def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
     if os.path.exists(path):
         return path
     os.makedirs(folder, exist_ok=True)
-    fd, src = tempfile.mkstemp(dir=folder, prefix=f"{name}-", suffix=".c")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.exists(path):
+                _compile(name, cc, flags, source, path)
+        finally:  # the library is in place before the lock goes, so a process that finds no lock finds the library
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + ".lock")
+    return path
+
+
+def _compile(name: str, cc: str, flags: list[str], source: bytes, path: str) -> None:
+    """The build goes to a temporary file beside its final place and is renamed there, so an interrupted build
+    never leaves a partial library behind."""
+    fd, src = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f"{name}-", suffix=".c")
     built = src[:-2] + ".so.tmp"
     try:
         with os.fdopen(fd, "wb") as f:
@@ -154,7 +170,6 @@ def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
         for leftover in (src, built):
             if os.path.exists(leftover):
                 os.remove(leftover)
-    return path
 
 
 def machine_defines(name: str, isa: str) -> list[str]:
