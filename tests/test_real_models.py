@@ -59,7 +59,7 @@ def _ids(outs):
 
 
 def _default_backend_only(backend: str, why: str) -> None:
-    """Floating weights cost several times the default backend's forward (4-5× on CPUs whose bf16 is AVX-512
+    """Floating weights cost several times the default backend's forward (2-4× on CPUs whose bf16 is AVX-512
     alone): they run the tests whose outcome depends on the weights' arithmetic (greedy equality through a
     draft model's and the head's verify rows), not those whose outcome is the same on every backend."""
     if backend != "auto":
