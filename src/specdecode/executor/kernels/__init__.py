@@ -140,14 +140,15 @@ def build(name: str, isa: str, cc: str, source: bytes | None = None) -> str:
     if os.path.exists(path):
         return path
     os.makedirs(folder, exist_ok=True)
-    with open(path + ".lock", "w") as lock:
+    lock_path = path + ".lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not os.path.exists(path):
                 _compile(name, cc, flags, source, path)
         finally:  # the library is in place before the lock goes, so a process that finds no lock finds the library
             with contextlib.suppress(FileNotFoundError):
-                os.remove(path + ".lock")
+                os.remove(lock_path)
     return path
 
 
