@@ -19,27 +19,27 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/specdecode generate --chat --compare --max-tokens 128 "$(PROMPT)"
 
-# Everything: the linter and formatter check, fast unit tests first, then the kernel and backend tests again on the portable scalar build of the
-# native kernels (the reference every SIMD path is checked against), then the real-model tests, then Ray Serve.
+# Everything: the linter and formatter check, then every test in parallel processes (unit tests on tiny models,
+# the real models, Ray Serve), then the kernel and backend tests again on the portable scalar build of the native
+# kernels (the reference every SIMD path is checked against; the build is chosen per process).
 KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_elementwise_kernels.py tests/test_attention_kernel.py \
 	tests/test_experts_kernel.py
-# Each stage prints its time (bash's `time`); the unit stage also its slowest tests, where a longer run shows first.
-# The unit tests run in parallel processes, a file each at a time (pytest-xdist; one process left a core idle while
-# it waited on subprocesses and Python), each on 2 threads whose OpenMP waits sleep instead of spinning, so that the
-# processes do not take the cores from each other's work (docs/decisions.md#the-test-run).
-UNIT_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n / 2 > 2 ? n / 2 : 2 )))
-UNIT_PARALLEL := OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(UNIT_WORKERS) --dist loadfile
+# Each stage prints its time (bash's `time`), the parallel one also its slowest tests. The tests run in parallel
+# processes, a file each at a time (pytest-xdist), the real-model and Ray files first (tests/conftest.py), each
+# process on 2 threads whose OpenMP waits sleep instead of spinning, so that the processes do not take the cores from
+# each other's work (docs/decisions.md#the-test-run).
+TEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n / 2 > 2 ? n / 2 : 2 )))
+PARALLEL_PYTEST := OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	--no-loadscope-reorder
 test: SHELL := /bin/bash
 test: setup
 	time $(VENV)/bin/ruff check src tests tools
 	time $(VENV)/bin/ruff format --check src tests tools
-	time $(UNIT_PARALLEL) -q --durations=15 -m "not real_model and not ray"
+	time $(PARALLEL_PYTEST) -q --durations=15
 	time SPECDECODE_KERNELS=scalar $(PY) -m pytest -q $(KERNEL_TESTS)
-	time $(PY) -m pytest -q -m real_model
-	time $(PY) -m pytest -q -m ray
 
 test-fast: setup
-	$(UNIT_PARALLEL) -q -m "not real_model and not ray"
+	$(PARALLEL_PYTEST) -q -m "not real_model and not ray"
 
 # On a machine with a GPU (and its own CUDA build of torch): the engine's correctness tests with the tiny
 # models on CUDA (greedy equality, distribution tests, rollback, server, distill; CPU kernel tests excluded).

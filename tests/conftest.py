@@ -25,6 +25,16 @@ DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
 SHAPE_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
 
 
+# The real-model and Ray files take minutes each, every other file seconds to a few minutes: collected first (and
+# handed out in collection order, `--no-loadscope-reorder`), pytest-xdist starts them at once and the other
+# processes work through the short files beside them, instead of one process running them alone at the end.
+LONG_RUNNING_MARKS = ("real_model", "ray")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not any(item.get_closest_marker(mark) for mark in LONG_RUNNING_MARKS))
+
+
 def kernel_builds(amx_tiles: bool = False) -> list:
     """The instruction-set builds of the native kernels this CPU runs, as pytest params: its own, the
     AVX2 path (on x86 CPUs that have AVX2; an AVX-512 machine runs it too) and the portable scalar one;
