@@ -25,9 +25,9 @@ DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
 SHAPE_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
 
 
-# The real-model and Ray files take minutes each, every other file seconds to a few minutes: collected first (and
-# handed out in collection order, `--no-loadscope-reorder`), pytest-xdist starts them at once and the other
-# processes work through the short files beside them, instead of one process running them alone at the end.
+# The real-model and Ray files are among the longest (minutes each): collected first and handed out in collection
+# order (`--no-loadscope-reorder`), pytest-xdist starts them at once and the other processes work through the shorter
+# files beside them, so that no process runs a long file alone at the end while the others idle.
 LONG_RUNNING_MARKS = ("real_model", "ray")
 
 
