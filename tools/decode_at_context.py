@@ -1,8 +1,8 @@
 """Plain decoding after a long context, ours and llama.cpp's llama-server on the same GGUF file and threads, in turn
 on one host. Each engine holds the same prompt (the text's last N tokens, as tools/long_context.py takes them) in
-its cache; every round decodes the same tokens with ours, then with llama-server, then reads the bandwidth, so both
-meet the host's drift alike. Per length: each engine's rate, what the bytes a step reads allow (weights + KV at the
-round's read rate), and ours against theirs, as medians over the rounds.
+its cache; every round decodes the same tokens with each (ours first in even rounds, llama-server first in odd ones),
+then reads the bandwidth, so both meet the host's drift alike. Per length: each engine's rate, what the bytes a step
+reads allow (weights + KV at the round's read rate), and ours against theirs, as medians over the rounds.
 
     python tools/decode_at_context.py --vs-llama-cpp BIN [--lengths 16384 1024] [--max-tokens 64] [--rounds 5]
 """
@@ -56,11 +56,13 @@ def rounds_at(llm: LLM, server, prompt: list[int], args, bytes_per_step: float) 
     ours(llm, prompt, args.max_tokens)
     theirs(server.base_url, prompt, args.max_tokens)
     rows = []
-    for _ in range(args.rounds):
-        (mine, my_tokens), (peer, peer_tokens) = (
-            ours(llm, prompt, args.max_tokens),
-            theirs(server.base_url, prompt, args.max_tokens),
-        )
+    for round_ in range(args.rounds):
+        if round_ % 2:  # whichever goes first follows the bandwidth read: alternating favours neither
+            peer, peer_tokens = theirs(server.base_url, prompt, args.max_tokens)
+            mine, my_tokens = ours(llm, prompt, args.max_tokens)
+        else:
+            mine, my_tokens = ours(llm, prompt, args.max_tokens)
+            peer, peer_tokens = theirs(server.base_url, prompt, args.max_tokens)
         bandwidth = read_bandwidth()
         rows.append((mine, peer, percent(mine, bytes_per_step, bandwidth), percent(peer, bytes_per_step, bandwidth)))
         same = sum(a == b for a, b in zip(my_tokens, peer_tokens))
