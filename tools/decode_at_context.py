@@ -1,4 +1,4 @@
-"""Plain decoding after a long context, ours and llama.cpp's llama-server on the same GGUF file and threads, in turn
+"""Plain decoding after a context, ours and llama.cpp's llama-server on the same GGUF file and threads, in turn
 on one host. Each engine holds the same prompt (the text's last N tokens, as tools/long_context.py takes them) in
 its cache; every round decodes the same tokens with each (ours first in even rounds, llama-server first in odd ones),
 then reads the bandwidth, so both meet the host's drift alike. Per length: each engine's rate, what the bytes a step
@@ -46,7 +46,8 @@ def theirs(base_url: str, ids: list[int], max_tokens: int) -> tuple[float, list[
     return reply["timings"]["predicted_per_second"], reply["tokens"]
 
 
-def percent(rate: float, bytes_per_step: float, bandwidth: float) -> float:
+def share_of_bytes(rate: float, bytes_per_step: float, bandwidth: float) -> float:
+    """The decode rate as a share of what reading `bytes_per_step` at `bandwidth` allows."""
     return rate * bytes_per_step / bandwidth
 
 
@@ -64,10 +65,11 @@ def rounds_at(llm: LLM, server, prompt: list[int], args, bytes_per_step: float) 
             mine, my_tokens = ours(llm, prompt, args.max_tokens)
             peer, peer_tokens = theirs(server.base_url, prompt, args.max_tokens)
         bandwidth = read_bandwidth()
-        rows.append((mine, peer, percent(mine, bytes_per_step, bandwidth), percent(peer, bytes_per_step, bandwidth)))
+        shares = share_of_bytes(mine, bytes_per_step, bandwidth), share_of_bytes(peer, bytes_per_step, bandwidth)
+        rows.append((mine, peer, *shares))
         same = sum(a == b for a, b in zip(my_tokens, peer_tokens))
         print(
-            f"  ours {mine:.2f} tok/s ({rows[-1][2]:.0%} of the bytes), llama.cpp {peer:.2f} ({rows[-1][3]:.0%}) at "
+            f"  ours {mine:.2f} tok/s ({shares[0]:.0%} of the bytes), llama.cpp {peer:.2f} ({shares[1]:.0%}) at "
             f"{bandwidth / 1e9:.1f} GB/s; {mine / peer:.2f}×; the same token at {same} of {args.max_tokens} places",
             flush=True,
         )
