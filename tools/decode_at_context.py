@@ -16,7 +16,7 @@ import httpx
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.bench.datasets import stdlib_sources
+from specdecode.bench.datasets import stdlib_text
 from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.bench.server_process import llama_server
 from specdecode.config import DEFAULT_TARGET
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     llm = LLM(model=args.model, progress=False, num_speculative_tokens=0)
-    ids = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))
+    ids = llm.tokenizer.encode(stdlib_text())
     target = llm.engine.runner.model
     kv_per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
     print(f"{describe_machine(machine_info())}; {llm.memory_plan.summary()}", flush=True)

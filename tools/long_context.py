@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.bench.datasets import stdlib_sources
+from specdecode.bench.datasets import stdlib_text
 from specdecode.bench.llama_cpp import run_llama_bench
 from specdecode.bench.results import describe_machine, machine_info, read_bandwidth
 from specdecode.config import DEFAULT_TARGET
@@ -147,7 +147,7 @@ def main() -> None:
     drafter = {"speculative_model": args.draft} if args.draft else {"num_speculative_tokens": 0}
     llm = LLM(model=args.model, progress=False, **drafter)  # every other option at its default
     plan = llm.memory_plan
-    text = "\n".join(source for _, source in stdlib_sources())
+    text = stdlib_text()
     ids = llm.tokenizer.encode(text)
     print(f"{describe_machine(machine_info())}; max_model_len {llm.engine.max_model_len}; {plan.summary()}")
     print(f"idle: RSS {rss_gib():.2f} GiB; read bandwidth {read_bandwidth() / 1e9:.1f} GB/s", flush=True)

@@ -12,7 +12,7 @@ import argparse
 import time
 
 from specdecode import LLM, SamplingParams
-from specdecode.bench.datasets import stdlib_sources
+from specdecode.bench.datasets import stdlib_text
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
 from specdecode.executor.runner import ModelRunner
@@ -77,7 +77,7 @@ def main() -> None:
     if args.separate_calls:  # as a runner that cannot pack a chunk beside a verify does
         ModelRunner.packs_any_width = property(lambda self: False)
     llm = LLM(model=args.model, speculative_model=args.draft, progress=False)
-    ids = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prompt_tokens]
+    ids = llm.tokenizer.encode(stdlib_text())[: args.prompt_tokens]
     print(
         f"{describe_machine(machine_info())}; {args.model}, drafts by {args.draft}; a {len(ids)}-token prompt "
         "arriving while a chat stream decodes",

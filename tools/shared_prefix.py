@@ -15,7 +15,7 @@ import time
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.budgets import llm_holding
-from specdecode.bench.datasets import stdlib_sources
+from specdecode.bench.datasets import stdlib_text
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
 
@@ -77,7 +77,7 @@ def main() -> None:
             plan = llm.memory_plan
             print(f"memory budget {plan.budget_bytes / 2**30:.2f} GiB: {plan.num_blocks} KV blocks")
         if prompts is None:  # the same tokenizer both times: encode the sources once
-            prefix = llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))[: args.prefix_tokens]
+            prefix = llm.tokenizer.encode(stdlib_text())[: args.prefix_tokens]
             prompts = [prefix + llm.tokenizer.encode(q) for q in QUESTIONS[: args.requests]]
         run(llm, prompts[:1], 2)  # warm-up: kernels and the policy's first measurements
         results[caching] = run(llm, prompts, args.max_tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from specdecode import LLM
-from specdecode.bench.datasets import stdlib_sources
+from specdecode.bench.datasets import stdlib_text
 from specdecode.bench.results import describe_machine, machine_info, median_seconds
 from specdecode.config import DEFAULT_TARGET
 
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     llm = LLM(model=args.model, progress=False)
-    runner, ids = llm.engine.runner, llm.tokenizer.encode("\n".join(source for _, source in stdlib_sources()))
+    runner, ids = llm.engine.runner, llm.tokenizer.encode(stdlib_text())
     print(f"{describe_machine(machine_info())}; {args.model}, a chunk after {args.context} tokens", flush=True)
     prompt, chat = runner.allocate(), runner.allocate()
     runner.forward([prompt], [ids[: args.context]], "last")

@@ -35,6 +35,11 @@ def stdlib_sources(max_bytes: int = 200_000) -> list[tuple[Path, str]]:
     return [(p, p.read_text(encoding="utf-8", errors="ignore")) for p in files]
 
 
+def stdlib_text() -> str:
+    """Those modules' sources as one text, in name order: the long real prompt the context-length tools cut from."""
+    return "\n".join(source for _, source in stdlib_sources())
+
+
 def python_sources(max_chars: int, min_bytes: int = 2_000, max_bytes: int = 200_000, sample: int = 0) -> list[str]:
     """Python source of this Python's standard library and installed packages, every folder down, up to
     about max_chars: files between min_bytes and max_bytes (below, too short for a training chunk; above,
