@@ -23,7 +23,7 @@ demo: setup
 # the real models, Ray Serve), then the kernel and backend tests again on the portable scalar build of the native
 # kernels (the reference every SIMD path is checked against; the build is chosen per process).
 KERNEL_TESTS := tests/test_block_kernel.py tests/test_backends.py tests/test_elementwise_kernels.py tests/test_attention_kernel.py \
-	tests/test_experts_kernel.py
+	tests/test_experts_kernel.py tests/test_decoder_kernel.py
 # Each stage prints its time (bash's `time`), the parallel one also its slowest tests. The tests run in parallel
 # processes, a file each at a time (pytest-xdist), the real-model and Ray files first (tests/conftest.py), each
 # process on 2 threads whose OpenMP waits sleep instead of spinning, so that the processes do not take the cores from

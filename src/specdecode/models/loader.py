@@ -53,6 +53,7 @@ def load_model(
     executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
+    from ..executor.decoder import attach_decoder_kernel
     from ..executor.elementwise import attach_elementwise_kernels
     from ..executor.hugepages import move_to_huge_pages
 
@@ -70,6 +71,7 @@ def load_model(
     del tensors
     attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
+    attach_decoder_kernel(model)
     move_to_huge_pages(model)
     tokenizer = load_tokenizer(name)
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)

@@ -274,6 +274,14 @@ class Transformer(nn.Module):
     backend = "torch"
     # decode and verify forwards replayed as CUDA graphs on a GPU (executor/cuda_graphs.py); False: eager
     capture_graphs = True
+    # a backend may attach one call for all layers of packed forwards (executor/decoder.py), same results
+    layers_kernel = None
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        if self.layers_kernel is not None:  # it holds the weights' addresses, which may have moved
+            self.layers_kernel.forget_addresses()
+        return module
 
     def weight_bytes(self) -> int:
         """Bytes of all weights: parameters and buffers, tied ones once."""
@@ -286,9 +294,12 @@ class Transformer(nn.Module):
         for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
         x = self.embed(tokens)
         rope = self.rope_tables(batch.positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, batch, cache)
+        if self.layers_kernel is not None and batch.rowwise is not None:  # packed: decode and verify
+            x, residual = self.layers_kernel(self, x, rope, batch, cache)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, rope, batch, cache)
         return self.output(
             x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows, return_hidden
         )

@@ -43,6 +43,7 @@ SIGNATURES = {
         "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], _I),
         "silu_mul": ([_P, _P, _I, _I, _I], _I),
     },
+    "decoder": {"decoder_layers": ([_P, _P, _P, _P, _I, _P], _I)},
     "attention": {
         "attention_dim_ok": ([_I], _I),
         "attention_group_ok": ([_I], _I),

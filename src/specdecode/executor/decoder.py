@@ -1,0 +1,226 @@
+"""A low-bit decoder's layers for packed (decode and verify) forwards in one call (kernels/decoder.c), which
+calls the same kernels as the modules do, in the same order, so logits are the same bit for bit. At a short
+context a step's ~250 small calls from Python cost more than a tenth of it
+(docs/decisions.md#one-call-for-a-decode-steps-layers).
+
+It applies to the decoders whose every layer is RMSNorm, attention by the rowwise kernel, SwiGLU by the
+elementwise kernel and low-bit projections (Qwen2/2.5/3, Llama, Mistral, SmolLM); the others (Gemma's sandwich
+norms and GeGLU, mixtures of experts, float weights) run module by module."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..errors import SpecDecodeError
+from .attention import ERRORS as ATTENTION_ERRORS
+from .attention import RowwiseAttentionKernel
+from .elementwise import ERRORS as NORM_ERRORS
+from .elementwise import NormKernel, SiluMulKernel
+from .kernels import load
+from .quant import _KERNEL_ERRORS as LINEAR_ERRORS
+from .quant import BlockLinear, ConcatLinear
+
+_I32, _F32, _P = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+MAX_PARTS = 3  # as kernels/decoder.c
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [(name, _I32) for name in ("format", "in_features", "rows", "out_features", "S", "passes")] + [
+        (name, _P) for name in ("lo", "hi", "sc", "mn", "d", "dmin")
+    ]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = (
+        [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+        + [(name, _F32) for name in ("eps", "qk_eps", "scale")]
+        + [("window", _I32), ("local_rope", _I32)]
+        + [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
+    )
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = (
+        [(name, _P) for name in ("linear", "norm", "add_norm", "silu_mul", "attention")]
+        + [(name, _I32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim")]
+        + [("layer", _P)]
+    )
+
+
+class _Tokens(ctypes.Structure):
+    _fields_ = (
+        [("rows", _I32), ("slots", _P), ("positions", _P), ("cos", _P * 2), ("sin", _P * 2)]
+        + [(name, _P) for name in ("kcache", "vcache", "tables")]
+        + [(name, _I32) for name in ("num_slots", "max_blocks", "block_size", "num_blocks")]
+    )
+
+
+# kernels/decoder.c's steps, as its enum numbers them, and whose error codes each returns
+STEPS = [
+    ("input norm", NORM_ERRORS),
+    ("q/k/v projection", LINEAR_ERRORS),
+    ("attention", ATTENTION_ERRORS),
+    ("output projection", LINEAR_ERRORS),
+    ("post-attention norm", NORM_ERRORS),
+    ("gate/up projection", LINEAR_ERRORS),
+    ("SwiGLU", NORM_ERRORS),
+    ("down projection", LINEAR_ERRORS),
+]
+OWN_ERRORS = {-100: "a call with no rows or no layers", -101: "out of memory for its scratch"}
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, _P).value
+
+
+def _parts(projection) -> tuple[list[BlockLinear], torch.Tensor | None] | None:
+    """A projection's low-bit parts and the bias over them all, or None where the kernel cannot run it."""
+    if isinstance(projection, BlockLinear):
+        return [projection], projection.bias
+    if isinstance(projection, ConcatLinear) and len(projection.parts) <= MAX_PARTS:
+        parts = list(projection.parts)
+        if all(isinstance(p, BlockLinear) and p.bias is None for p in parts):
+            return parts, projection.bias
+    return None
+
+
+def _projection(projection) -> _Projection:
+    parts, bias = _parts(projection)
+    p = _Projection(parts=len(parts), out_features=sum(b.out_features for b in parts))
+    p.bias = None if bias is None else bias.data_ptr()
+    for i, b in enumerate(parts):
+        p.part[i] = _Block(b.format.id, b.in_features, b.rows, b.out_features, b.S, b.passes, *b._buffers_at)
+    return p
+
+
+def _layer(layer) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = attn.qk_norms
+    out = _Layer(
+        input_norm=layer.input_layernorm.weight.data_ptr(),
+        post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        eps=layer.input_layernorm.eps,
+        scale=attn.scale,
+        window=attn.window or 0,
+        local_rope=int(attn.rope == "local"),
+        qkv=_projection(attn.qkv_proj),
+        o=_projection(attn.o_proj),
+        gate_up=_projection(mlp.gate_up_proj),
+        down=_projection(mlp.down_proj),
+    )
+    if norms is not None:
+        out.q_norm, out.k_norm, out.qk_eps = norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps
+    return out
+
+
+def runs_in_one_call(layer) -> bool:
+    """Whether the decoder kernel computes this layer as its modules would."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (
+        not hasattr(layer, "post_feedforward_layernorm")
+        and isinstance(attn.rowwise_kernel, RowwiseAttentionKernel)
+        and all(isinstance(n.kernel, NormKernel) and n.eps == norms[0].eps for n in norms)
+        and isinstance(getattr(mlp, "act_mul_kernel", None), SiluMulKernel)
+        and all(_parts(p) is not None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    )
+
+
+class DecoderKernel:
+    """Transformer.forward's layers for packed batches: (x, residual) as the module loop returns them."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self._decoder: _Decoder | None = None  # the weights' addresses, taken on the first call after a move
+        self._caches: tuple | None = None
+        self._failed = (_I32 * 2)()
+
+    def forget_addresses(self) -> None:
+        self._decoder = None
+
+    def __call__(self, model, x: torch.Tensor, rope: dict, batch, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        decoder = self._decoder or self._describe(model)
+        attention = model.layers[0].self_attn.rowwise_kernel
+        n, hidden = x.shape[0] * x.shape[1], x.shape[-1]
+        x = x.reshape(n, hidden).contiguous()
+        residual = torch.empty_like(x)
+        flat = {kind: attention._flat_inputs(batch, table, n) for kind, table in rope.items()}
+        slots, positions, cos, sin = flat["global"]
+        _, _, local_cos, local_sin = flat.get("local", flat["global"])
+        tokens = _Tokens(n, slots.data_ptr(), positions.data_ptr())
+        tokens.cos[:] = cos.data_ptr(), local_cos.data_ptr()
+        tokens.sin[:] = sin.data_ptr(), local_sin.data_ptr()
+        tokens.kcache, tokens.vcache = self._cache_addresses(cache, decoder)
+        tokens.tables = cache.table.data_ptr()
+        tokens.num_slots, tokens.max_blocks = cache.num_slots, cache.max_blocks
+        tokens.block_size, tokens.num_blocks = cache.block_size, cache.num_blocks
+        code = self.lib.decoder_layers(
+            ctypes.addressof(decoder),
+            ctypes.addressof(tokens),
+            x.data_ptr(),
+            residual.data_ptr(),
+            torch.get_num_threads(),
+            ctypes.addressof(self._failed),
+        )
+        if code:
+            raise SpecDecodeError(self._message(code))
+        return x.view(1, n, hidden), residual.view(1, n, hidden)
+
+    def _describe(self, model) -> _Decoder:
+        cfg, first = model.cfg, model.layers[0]
+        layers = (_Layer * len(model.layers))(*(_layer(layer) for layer in model.layers))
+        linear_lib = _parts(first.mlp.gate_up_proj)[0][0].lib
+        norm_lib, attention_lib = first.input_layernorm.kernel.lib, first.self_attn.rowwise_kernel.lib
+        decoder = _Decoder(
+            _address(linear_lib.lowbit_linear),
+            _address(norm_lib.rms_norm),
+            _address(norm_lib.add_rms_norm),
+            _address(first.mlp.act_mul_kernel.lib.silu_mul),
+            _address(attention_lib.rowwise_attention),
+            len(model.layers),
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.dim_per_head,
+            ctypes.addressof(layers),
+        )
+        decoder._keep = (layers, attention_lib)  # the array the struct points into
+        self._decoder, self._caches = decoder, None
+        return decoder
+
+    def _cache_addresses(self, cache, decoder: _Decoder) -> tuple[int, int]:
+        """Each layer's keys and values, and the attention kernel for the cache's element type."""
+        if self._caches is None or self._caches[0] is not cache:
+            keys = (_P * len(cache.k))(*(t.data_ptr() for t in cache.k))
+            values = (_P * len(cache.v))(*(t.data_ptr() for t in cache.v))
+            self._caches = (cache, keys, values)
+            lib = decoder._keep[1]
+            half = cache.k[0].dtype == torch.float16
+            decoder.attention = _address(lib.rowwise_attention_f16 if half else lib.rowwise_attention)
+        _, keys, values = self._caches
+        return ctypes.addressof(keys), ctypes.addressof(values)
+
+    def _message(self, code: int) -> str:
+        layer, step = self._failed
+        if step < 1:
+            return f"the decoder kernel refused the call: {OWN_ERRORS.get(code, code)}"
+        name, errors = STEPS[step - 1]
+        return f"the decoder kernel's {name} in layer {layer} failed: {errors.get(code, code)}"
+
+
+def attach_decoder_kernel(model) -> bool:
+    """Give the model the one-call decoder where every layer runs in it (after the attention and elementwise
+    kernels are attached); True if it did."""
+    if model.device.type != "cpu" or not all(runs_in_one_call(layer) for layer in model.layers):
+        return False
+    lib = load("decoder")
+    if lib is None:
+        return False
+    model.layers_kernel = DecoderKernel(lib)
+    return True

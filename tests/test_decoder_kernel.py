@@ -1,0 +1,155 @@
+"""The one-call decoder (kernels/decoder.c): the module-by-module forward's bits for every kind of layer and
+batch it takes, builds of it with a deliberate mistake failing that comparison, and the models it leaves alone."""
+
+import ctypes
+from importlib import resources
+
+import pytest
+import torch
+from conftest import kernel_builds, random_hf_weights, tiny_config
+
+from specdecode.errors import SpecDecodeError
+from specdecode.executor.attention import attach_attention_kernel
+from specdecode.executor.backends import build_quantized_model, quantize_weights
+from specdecode.executor.decoder import DecoderKernel, attach_decoder_kernel
+from specdecode.executor.elementwise import attach_elementwise_kernels
+from specdecode.executor.formats import quantize_4bit, quantize_q8_0
+from specdecode.executor.kernels import bind, build, compiler, load
+from specdecode.executor.quant import BlockLinear, ConcatLinear, lowbit_kernel
+from specdecode.executor.runner import ModelRunner
+from specdecode.models.runtime import ForwardBatch, build_model
+
+pytestmark = pytest.mark.skipif(
+    lowbit_kernel() is None or load("attention") is None or load("decoder") is None,
+    reason="the decoder kernel and the kernels it calls need a C compiler",
+)
+
+# Each variant exercises one thing a layer of the kernel may hold
+VARIANTS = {
+    "qkv bias, Q8_0": dict(arch="qwen2"),
+    "q/k norms, float16 cache": dict(arch="qwen3", qk_norm=True, kv="float16"),
+    "two activation passes (w4a16)": dict(arch="llama", quantization="w4a16"),
+    "sliding layers with their own RoPE base": dict(
+        arch="llama", sliding_window=5, sliding_layers=(1,), local_rope_theta=500.0
+    ),
+    "q/k/v in different formats": dict(arch="qwen2", mixed_formats=True),
+}
+
+
+def _model(arch="qwen2", quantization="w8a8", kv="float32", mixed_formats=False, **features):
+    cfg = tiny_config(arch, layers=3, **features)
+    weights = random_hf_weights(cfg, 0)
+    model = build_quantized_model(cfg, quantize_weights(weights.items(), quantization), quantization, "cpu")
+    if mixed_formats:  # a Q6_K v beside Q4_K q and k, as a Q4_K_M file has it: here Q4_K k between Q8_0 q and v
+        for i, layer in enumerate(model.layers):
+            parts = [weights[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
+            blocks = [
+                BlockLinear(quantize_q8_0(parts[0])),
+                BlockLinear(quantize_4bit(parts[1])),
+                BlockLinear(quantize_q8_0(parts[2])),
+            ]
+            layer.self_attn.qkv_proj = ConcatLinear(blocks, layer.self_attn.qkv_proj.bias)
+    assert attach_attention_kernel(model, kv) and attach_elementwise_kernels(model)
+    assert attach_decoder_kernel(model)
+    return model
+
+
+def _session(model, kernel) -> list[torch.Tensor]:
+    """Logits of prompts of three lengths packed in one call, a decode step of all three, and a verify call (4, 1
+    and 2 rows), then every layer's cache: the calls a serving engine makes."""
+    model.layers_kernel = kernel
+    runner = ModelRunner(model, 3, 64)
+    slots = [runner.allocate() for _ in range(3)]
+    outs = []
+    for inputs, logits in (
+        ([list(range(3, 12)), list(range(20, 26)), [7, 8]], "last"),
+        ([[30], [31], [32]], "last"),
+        ([[40, 41, 42, 43], [44], [45, 46]], "all"),
+    ):
+        outs.append(runner.forward(slots, inputs, logits))
+        for slot, tokens in zip(slots, inputs):
+            runner.commit(slot, runner.length(slot) + len(tokens))
+    cache = runner._cache
+    return outs + [torch.cat([k.flatten() for k in cache.k]), torch.cat([v.flatten() for v in cache.v])]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_call_gives_the_module_by_module_bits(variant):
+    model = _model(**VARIANTS[variant])
+    kernel = model.layers_kernel
+    assert _same(_session(model, kernel), _session(model, None))
+
+
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_one_call_gives_the_module_bits_on_every_build(isa, monkeypatch):
+    """With every kernel of one build (SPECDECODE_KERNELS): the decoder calls the builds the modules call."""
+    monkeypatch.setenv("SPECDECODE_KERNELS", isa)
+    model = _model(**VARIANTS["q/k norms, float16 cache"])
+    assert model.layers[0].self_attn.rowwise_kernel.lib is load("attention", isa)
+    assert _same(_session(model, model.layers_kernel), _session(model, None))
+
+
+# A mistake in each thing the kernel does beyond calling other kernels: the bias added, the parts' columns placed,
+# the residual stream carried, the window's RoPE table chosen.
+MISTAKES = {
+    "bias left out": ("y[(int64_t)r * p->out_features + c] += p->bias[c];", ";", "qkv bias, Q8_0"),
+    "parts at one column": ("col += b[i].out_features, i++", "i++", "q/k/v in different formats"),
+    "residual restarted each layer": ("if (l == 0) {", "if (1) {", "qkv bias, Q8_0"),
+    "one RoPE table for all": ("t->cos[L->local_rope]", "t->cos[0]", "sliding layers with their own RoPE base"),
+}
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_build_with_a_mistake_fails_the_comparison(mistake):
+    right, wrong, variant = MISTAKES[mistake]
+    source = resources.files("specdecode.executor.kernels").joinpath("decoder.c").read_text()
+    assert right in source
+    broken = bind(ctypes.CDLL(build("decoder", "native", compiler(), source.replace(right, wrong).encode())), "decoder")
+    model = _model(**VARIANTS[variant])
+    assert not _same(_session(model, DecoderKernel(broken)), _session(model, None))
+
+
+def test_moved_weights_are_found_again():
+    """Weights copied elsewhere (huge pages, .to()) and the old copies freed: the kernel takes their new addresses."""
+    model = _model()
+    before = _session(model, model.layers_kernel)
+    model._apply(lambda t: t.clone())
+    torch.randn(1 << 20)  # reuse the freed memory
+    assert _same(_session(model, model.layers_kernel), before)
+
+
+def test_a_failing_step_is_named_with_its_layer():
+    model = _model()
+    cache = ModelRunner(model, 1, 64)._cache
+    batch = ForwardBatch.build([3], [0], [2], 64, "cpu")  # slot 3 of a cache of one: the attention kernel refuses it
+    with pytest.raises(SpecDecodeError, match="attention in layer 0 failed: a slot or position outside the KV cache"):
+        model(torch.tensor([[1, 2]]), batch, cache)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(arch="gemma3", sandwich_norms=True, activation="gelu_tanh"),
+        dict(arch="qwen3moe", num_experts=4, experts_per_token=2),
+    ],
+    ids=["sandwich norms and GeGLU", "mixture of experts"],
+)
+def test_layers_the_kernel_does_not_compute_stay_module_by_module(features):
+    cfg = tiny_config(**features)
+    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
+    attach_attention_kernel(model)
+    attach_elementwise_kernels(model)
+    assert not attach_decoder_kernel(model) and model.layers_kernel is None
+
+
+def test_float_weights_stay_module_by_module():
+    cfg = tiny_config()
+    model = build_model(cfg, random_hf_weights(cfg, 0), torch.float32, "cpu")
+    attach_attention_kernel(model)
+    attach_elementwise_kernels(model)
+    assert not attach_decoder_kernel(model)
