@@ -10,13 +10,14 @@ from conftest import kernel_builds, random_hf_weights, tiny_config
 
 from specdecode.errors import SpecDecodeError
 from specdecode.executor.attention import attach_attention_kernel
-from specdecode.executor.backends import build_quantized_model, quantize_weights
+from specdecode.executor.backends import build_quantized_model, prepare_head, quantize_weights
 from specdecode.executor.decoder import DecoderKernel, attach_decoder_kernel
 from specdecode.executor.elementwise import attach_elementwise_kernels
 from specdecode.executor.formats import quantize_4bit, quantize_q8_0
 from specdecode.executor.kernels import bind, build, compiler, load
 from specdecode.executor.quant import BlockLinear, ConcatLinear, lowbit_kernel
 from specdecode.executor.runner import ModelRunner
+from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
 from specdecode.models.runtime import ForwardBatch, build_model
 
 pytestmark = pytest.mark.skipif(
@@ -73,6 +74,21 @@ def _session(model, kernel) -> list[torch.Tensor]:
     return outs + [torch.cat([k.flatten() for k in cache.k]), torch.cat([v.flatten() for v in cache.v])]
 
 
+def _head_session(head, kernel) -> list[torch.Tensor]:
+    """A draft head's calls: rows of three sequences packed, with the target's features beside the tokens."""
+    head.layers_kernel = kernel
+    runner = ModelRunner(head, 3, 64)
+    slots = [runner.allocate() for _ in range(3)]
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for inputs in ([list(range(3, 12)), [7, 8], [9]], [[30], [31, 32, 33], [34]]):
+        features = [torch.randn(len(t), head.cfg.hidden_size, generator=g) for t in inputs]
+        outs.extend(runner.forward(slots, inputs, "all", hidden=True, features=features))
+        for slot, tokens in zip(slots, inputs):
+            runner.commit(slot, runner.length(slot) + len(tokens))
+    return outs
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -91,6 +107,15 @@ def test_one_call_gives_the_module_bits_on_every_build(isa, monkeypatch):
     model = _model(**VARIANTS["q/k norms, float16 cache"])
     assert model.layers[0].self_attn.rowwise_kernel.lib is load("attention", isa)
     assert _same(_session(model, model.layers_kernel), _session(model, None))
+
+
+def test_a_draft_heads_layer_in_one_call_gives_the_module_bits():
+    """The head's one layer starts the residual stream as a first layer does; its projections are Q8_0."""
+    target = _model()
+    spec = HeadSpec("tiny", target_fingerprint(target), 96, target.cfg.vocab_size)
+    head = prepare_head(build_head(spec, None, target, torch.arange(target.cfg.vocab_size)))
+    assert head.layers_kernel is not None
+    assert _same(_head_session(head, head.layers_kernel), _head_session(head, None))
 
 
 # A mistake in each thing the kernel does beyond calling other kernels: the bias added, the parts' columns placed,
@@ -114,13 +139,25 @@ def test_a_build_with_a_mistake_fails_the_comparison(mistake):
     assert not _same(_session(model, DecoderKernel(broken)), _session(model, None))
 
 
+def _move_and_zero_the_old_copies(layers) -> None:
+    old = [t.detach() for t in (*layers.parameters(), *layers.buffers())]
+    layers._apply(lambda t: t.clone())  # as huge pages move a draft head's own modules
+    with torch.no_grad():
+        for t in old:
+            t.zero_()
+
+
 def test_moved_weights_are_found_again():
-    """Weights copied elsewhere (huge pages, .to()) and the old copies freed: the kernel takes their new addresses."""
+    """The kernel takes the weights' new addresses, where one that kept the old ones (told nothing moved) computes
+    from the zeros left there."""
     model = _model()
-    before = _session(model, model.layers_kernel)
-    model._apply(lambda t: t.clone())
-    torch.randn(1 << 20)  # reuse the freed memory
-    assert _same(_session(model, model.layers_kernel), before)
+    kernel = model.layers_kernel
+    before = _session(model, kernel)
+    _move_and_zero_the_old_copies(model.layers)
+    assert _same(_session(model, kernel), before)
+    _move_and_zero_the_old_copies(model.layers)
+    kernel._moves = [layer.moves for layer in model.layers]  # the addresses taken before this move, kept
+    assert not _same(_session(model, kernel), before)
 
 
 def test_a_failing_step_is_named_with_its_layer():

@@ -1,6 +1,7 @@
 """What the one-call decoder (executor/decoder.py) saves: the target's and the draft model's forwards with it and
 module by module, alternated in one process, at a short and a longer context; then greedy generation of a
-HumanEval prompt both ways, plain and speculative (the default drafter), with the outputs compared.
+HumanEval prompt both ways, plain and speculative (the bundled head, or --speculative-model), with the outputs
+compared.
 
     python tools/one_call_decoder.py --contexts 128 1024 --rounds 5
 """
@@ -13,6 +14,7 @@ import statistics
 from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import humaneval_prompts
 from specdecode.bench.results import describe_machine, machine_info
+from specdecode.config import DEFAULT_HEAD
 from specdecode.engine.profile import time_forward
 
 
@@ -39,7 +41,7 @@ def forward_costs(model, contexts: list[int], rows: list[int], rounds: int) -> N
 def generation(llm: LLM, prompt: str, max_tokens: int, rounds: int) -> None:
     """tok/s of greedy generation both ways, plain (k = 0) and speculative, and whether the outputs agree."""
     draft = getattr(llm.engine.proposer, "model", None)
-    models = [llm.engine.runner.model] + ([draft] if draft is not None else [])
+    models = [m for m in (llm.engine.runner.model, draft) if getattr(m, "layers_kernel", None) is not None]
     kernels = [m.layers_kernel for m in models]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     k = llm.engine.k
@@ -63,15 +65,14 @@ def generation(llm: LLM, prompt: str, max_tokens: int, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--speculative-model", default=None, help="the drafter (default: the default drafter)")
+    parser.add_argument("--speculative-model", default=DEFAULT_HEAD, help=f"the drafter (default {DEFAULT_HEAD})")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    llm = LLM(progress=False, **({"speculative_model": args.speculative_model} if args.speculative_model else {}))
-    drafter = type(llm.engine.proposer).__name__
-    print(f"{describe_machine(machine_info())}; {llm.memory_plan.summary()}; drafter {drafter}", flush=True)
+    llm = LLM(progress=False, speculative_model=args.speculative_model)
+    print(f"{describe_machine(machine_info())}; drafter {args.speculative_model}, k = {llm.engine.k}", flush=True)
     target, proposer = llm.engine.runner.model, llm.engine.proposer
     print("target forwards:", flush=True)
     forward_costs(target, args.contexts, args.rows, args.rounds)

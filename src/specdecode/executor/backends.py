@@ -270,6 +270,7 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
     layer is small, so 4 bits would save little time and cost acceptance), and the CPU kernels attach
     (its KV cache in `kv_cache_dtype`, as the target's)."""
     from .attention import attach_attention_kernel
+    from .decoder import attach_decoder_kernel
     from .elementwise import attach_elementwise_kernels
     from .hugepages import move_to_huge_pages
 
@@ -290,6 +291,7 @@ def prepare_head(head, quantization: str = "auto", kv_cache_dtype: str = "auto")
         head.backend = f"cpu {quantization} (Q8_0 head)"
     attach_attention_kernel(head, kv_cache_dtype)
     attach_elementwise_kernels(head)
+    attach_decoder_kernel(head)
     for p in head.parameters():
         p.requires_grad_(False)
     move_to_huge_pages(head.own_modules())

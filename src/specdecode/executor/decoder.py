@@ -137,15 +137,14 @@ class DecoderKernel:
 
     def __init__(self, lib):
         self.lib = lib
-        self._decoder: _Decoder | None = None  # the weights' addresses, taken on the first call after a move
+        self._decoder: _Decoder | None = None  # the weights' addresses, taken again after the layers move
+        self._moves: list[int] | None = None
         self._caches: tuple | None = None
         self._failed = (_I32 * 2)()
 
-    def forget_addresses(self) -> None:
-        self._decoder = None
-
     def __call__(self, model, x: torch.Tensor, rope: dict, batch, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        decoder = self._decoder or self._describe(model)
+        moves = [layer.moves for layer in model.layers]
+        decoder = self._decoder if moves == self._moves else self._describe(model, moves)
         attention = model.layers[0].self_attn.rowwise_kernel
         n, hidden = x.shape[0] * x.shape[1], x.shape[-1]
         x = x.reshape(n, hidden).contiguous()
@@ -172,7 +171,7 @@ class DecoderKernel:
             raise SpecDecodeError(self._message(code))
         return x.view(1, n, hidden), residual.view(1, n, hidden)
 
-    def _describe(self, model) -> _Decoder:
+    def _describe(self, model, moves: list[int]) -> _Decoder:
         cfg, first = model.cfg, model.layers[0]
         layers = (_Layer * len(model.layers))(*(_layer(layer) for layer in model.layers))
         linear_lib = _parts(first.mlp.gate_up_proj)[0][0].lib
@@ -191,7 +190,7 @@ class DecoderKernel:
             ctypes.addressof(layers),
         )
         decoder._keep = (layers, attention_lib)  # the array the struct points into
-        self._decoder, self._caches = decoder, None
+        self._decoder, self._moves, self._caches = decoder, moves, None
         return decoder
 
     def _cache_addresses(self, cache, decoder: _Decoder) -> tuple[int, int]:

@@ -106,6 +106,7 @@ class DraftHead(nn.Module):
         return self.kv_cache_dtype or self.dtype
 
     backend = "torch"
+    layers_kernel = None  # as Transformer's
 
     def weight_bytes(self) -> int:
         """What the head adds to its target's memory: what it owns and its LM head's rows (the final norm and
@@ -137,7 +138,11 @@ class DraftHead(nn.Module):
                 features = torch.zeros_like(embedded)
             features = features.to(embedded.dtype)
             x = self._fused_input(self.embed_norm(embedded), features)
-            x, residual = self.layers[0](x, None, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
+            rope = {"global": self.rotary(batch.positions, x.dtype)}
+            if self.layers_kernel is not None and batch.rowwise is not None:
+                x, residual = self.layers_kernel(self, x, rope, batch, cache)
+            else:
+                x, residual = self.layers[0](x, None, rope, batch, cache)
             return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
     def unrolled(

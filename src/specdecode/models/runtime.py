@@ -199,6 +199,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
+        self.moves = 0  # of its tensors (Module._apply): a kernel holding their addresses takes them again
+
+    def _apply(self, fn, recurse=True):
+        self.moves += 1
+        return super()._apply(fn, recurse)
 
     def forward(self, x, residual, rope, batch, cache):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None); returns
@@ -276,12 +281,6 @@ class Transformer(nn.Module):
     capture_graphs = True
     # a backend may attach one call for all layers of packed forwards (executor/decoder.py), same results
     layers_kernel = None
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
-        if self.layers_kernel is not None:  # it holds the weights' addresses, which may have moved
-            self.layers_kernel.forget_addresses()
-        return module
 
     def weight_bytes(self) -> int:
         """Bytes of all weights: parameters and buffers, tied ones once."""
