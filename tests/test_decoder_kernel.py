@@ -160,6 +160,25 @@ def test_moved_weights_are_found_again():
     assert not _same(_session(model, kernel), before)
 
 
+def test_two_caches_in_turn_are_each_read_and_written_at_their_own_addresses():
+    """Two runners of one model (a server's replicas share weights) called in turn: the kernel follows the cache."""
+    model = _model()
+
+    def calls(kernel):
+        model.layers_kernel = kernel
+        runners = [ModelRunner(model, 1, 64), ModelRunner(model, 1, 64)]
+        slots = [r.allocate() for r in runners]
+        outs = []
+        for tokens in ([3, 4, 5], [9, 8], [6], [7]):
+            for runner, slot in zip(runners, slots):
+                outs.append(runner.forward([slot], [tokens]))
+                runner.commit(slot, runner.length(slot) + len(tokens))
+                tokens = [t + 1 for t in tokens]
+        return outs
+
+    assert _same(calls(model.layers_kernel), calls(None))
+
+
 def test_a_failing_step_is_named_with_its_layer():
     model = _model()
     cache = ModelRunner(model, 1, 64)._cache

@@ -361,7 +361,7 @@ BATCH_1_RUNS = {  # the README's batch-1 columns and the runs they come from
     "Zen 5": "latency-humaneval-cpu.json",
     "Zen 2": "latency-humaneval-gpuhead-zen2.json",
     "Ice Lake": "latency-humaneval-avx512.json",
-    "Zen 4": "latency-humaneval-zen4-single-pass.json",
+    "Zen 4": "latency-humaneval-zen4-one-call.json",
     "Xeon AMX": "latency-humaneval-xeon-amx-head270k.json",
 }
 BATCH_1_CONFIGS = {

@@ -1,7 +1,7 @@
 """A low-bit decoder's layers for packed (decode and verify) forwards in one call (kernels/decoder.c), which
 calls the same kernels as the modules do, in the same order, so logits are the same bit for bit. At a short
 context a step's ~250 small calls from Python cost more than a tenth of it
-(docs/decisions.md#one-call-for-a-decode-steps-layers).
+(docs/decisions.md#fused-norms-and-swiglu-and-a-steps-layers-in-one-call).
 
 It applies to the decoders whose every layer is RMSNorm, attention by the rowwise kernel, SwiGLU by the
 elementwise kernel and low-bit projections (Qwen2/2.5/3, Llama, Mistral, SmolLM); the others (Gemma's sandwich
@@ -10,6 +10,7 @@ norms and GeGLU, mixtures of experts, float weights) run module by module."""
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -138,8 +139,11 @@ class DecoderKernel:
     def __init__(self, lib):
         self.lib = lib
         self._decoder: _Decoder | None = None  # the weights' addresses, taken again after the layers move
+        self._layers = None  # the array the decoder's struct points into
         self._moves: list[int] | None = None
-        self._caches: tuple | None = None
+        self._attention_lib = None
+        self._cache: weakref.ref | None = None  # the cache whose layers' addresses `_kv` holds
+        self._kv: tuple | None = None
         self._failed = (_I32 * 2)()
 
     def __call__(self, model, x: torch.Tensor, rope: dict, batch, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,21 +193,18 @@ class DecoderKernel:
             cfg.dim_per_head,
             ctypes.addressof(layers),
         )
-        decoder._keep = (layers, attention_lib)  # the array the struct points into
-        self._decoder, self._moves, self._caches = decoder, moves, None
+        self._decoder, self._layers, self._moves, self._attention_lib = decoder, layers, moves, attention_lib
+        self._cache = None
         return decoder
 
     def _cache_addresses(self, cache, decoder: _Decoder) -> tuple[int, int]:
         """Each layer's keys and values, and the attention kernel for the cache's element type."""
-        if self._caches is None or self._caches[0] is not cache:
-            keys = (_P * len(cache.k))(*(t.data_ptr() for t in cache.k))
-            values = (_P * len(cache.v))(*(t.data_ptr() for t in cache.v))
-            self._caches = (cache, keys, values)
-            lib = decoder._keep[1]
-            half = cache.k[0].dtype == torch.float16
+        if self._cache is None or self._cache() is not cache:
+            self._kv = tuple((_P * len(part))(*(t.data_ptr() for t in part)) for part in (cache.k, cache.v))
+            self._cache = weakref.ref(cache)  # not kept alive by the model
+            lib, half = self._attention_lib, cache.k[0].dtype == torch.float16
             decoder.attention = _address(lib.rowwise_attention_f16 if half else lib.rowwise_attention)
-        _, keys, values = self._caches
-        return ctypes.addressof(keys), ctypes.addressof(values)
+        return ctypes.addressof(self._kv[0]), ctypes.addressof(self._kv[1])
 
     def _message(self, code: int) -> str:
         layer, step = self._failed

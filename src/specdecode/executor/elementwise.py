@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add before it) and SwiGLU by this package's kernel (kernels/norm.c): one
 call each where PyTorch runs about eight and three small operations, which at one token per step cost
-more than the arithmetic (docs/decisions.md#fused-norms-and-swiglu-on-the-cpu)."""
+more than the arithmetic (docs/decisions.md#fused-norms-and-swiglu-and-a-steps-layers-in-one-call)."""
 
 from __future__ import annotations
 
