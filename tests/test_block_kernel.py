@@ -167,8 +167,8 @@ def test_the_kernel_checks_its_preconditions():
         layer.dequantize(torch.tensor([16]))
     lib = layer.lib
     x, y = torch.randn(1, 48), torch.empty(1, 16)
-    assert lib.lowbit_linear(4, x.data_ptr(), 1, 48, 16, 1, *layer._buffers_at, y.data_ptr(), 1, 1) == -2
-    assert lib.lowbit_linear(9, x.data_ptr(), 1, 64, 16, 1, *layer._buffers_at, y.data_ptr(), 1, 1) == -1
+    assert lib.lowbit_linear(4, x.data_ptr(), 1, 48, 16, 1, *layer.buffer_addresses, y.data_ptr(), 1, 1) == -2
+    assert lib.lowbit_linear(9, x.data_ptr(), 1, 64, 16, 1, *layer.buffer_addresses, y.data_ptr(), 1, 1) == -1
     assert lib.lowbit_linear(4, x.data_ptr(), 1, 64, 16, 1, 0, 0, 0, 0, 0, 0, y.data_ptr(), 1, 1) == -4
     layer.passes = 3
     with pytest.raises(SpecDecodeError, match="passes other than 1 or 2"):

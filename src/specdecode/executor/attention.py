@@ -26,7 +26,7 @@ class RowwiseAttentionKernel:
     def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, cache, attn) -> torch.Tensor:
         n = qkv.shape[-2] * qkv.shape[0]
         qkv = qkv.reshape(n, -1).contiguous()
-        slots, positions, cos, sin = self._flat_inputs(batch, rope, n)
+        slots, positions, cos, sin = self.flat_inputs(batch, rope, n)
         out = torch.empty(n, self.num_heads * self.head_dim)
         keys, values = cache.k[attn.layer], cache.v[attn.layer]
         norms = attn.qk_norms
@@ -62,7 +62,7 @@ class RowwiseAttentionKernel:
             raise SpecDecodeError(f"the attention kernel refused layer {attn.layer}: {ERRORS.get(code, code)}")
         return out
 
-    def _flat_inputs(self, batch, rope, n: int):
+    def flat_inputs(self, batch, rope, n: int):
         """Slots, positions and rotary factors as contiguous [N] / [N, D] tensors, made once per forward."""
         if self._batch is not batch:
             self._batch, self._flat = batch, {}

@@ -20,7 +20,7 @@ from .attention import RowwiseAttentionKernel
 from .elementwise import ERRORS as NORM_ERRORS
 from .elementwise import NormKernel, SiluMulKernel
 from .kernels import load
-from .quant import _KERNEL_ERRORS as LINEAR_ERRORS
+from .quant import ERRORS as LINEAR_ERRORS
 from .quant import BlockLinear, ConcatLinear
 
 _I32, _F32, _P = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -96,7 +96,7 @@ def _projection(projection) -> _Projection:
     p = _Projection(parts=len(parts), out_features=sum(b.out_features for b in parts))
     p.bias = None if bias is None else bias.data_ptr()
     for i, b in enumerate(parts):
-        p.part[i] = _Block(b.format.id, b.in_features, b.rows, b.out_features, b.S, b.passes, *b._buffers_at)
+        p.part[i] = _Block(b.format.id, b.in_features, b.rows, b.out_features, b.S, b.passes, *b.buffer_addresses)
     return p
 
 
@@ -153,7 +153,7 @@ class DecoderKernel:
         n, hidden = x.shape[0] * x.shape[1], x.shape[-1]
         x = x.reshape(n, hidden).contiguous()
         residual = torch.empty_like(x)
-        flat = {kind: attention._flat_inputs(batch, table, n) for kind, table in rope.items()}
+        flat = {kind: attention.flat_inputs(batch, table, n) for kind, table in rope.items()}
         slots, positions, cos, sin = flat["global"]
         _, _, local_cos, local_sin = flat.get("local", flat["global"])
         tokens = _Tokens(n, slots.data_ptr(), positions.data_ptr())

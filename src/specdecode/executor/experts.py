@@ -24,10 +24,10 @@ class ExpertsKernel:
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' buffer addresses, taken again when the modules' buffers have moved (to huge pages, say)."""
-        now = self.gate_ups[0]._buffers_at
+        now = self.gate_ups[0].buffer_addresses
         if self._tables_for != now:
             self._tables = tuple(
-                torch.tensor([layer._buffers_at for layer in layers], dtype=torch.int64)
+                torch.tensor([layer.buffer_addresses for layer in layers], dtype=torch.int64)
                 for layers in (self.gate_ups, self.downs)
             )
             self._tables_for = now

@@ -22,7 +22,7 @@ from .cpu import touch_pages
 from .formats import BY_ID, GROUP, BlockArrays, Format, pack, unpack
 
 ARRAYS = ("lo", "hi", "sc", "mn", "d", "dmin")  # the kernel's buffers, in its argument order
-_KERNEL_ERRORS = {
+ERRORS = {
     -1: "unknown weight format",
     -2: "input width not a multiple of 32 below 2^24, or output rows not of 16",
     -3: "input width not a whole number of super-blocks (of under 4,096 sub-blocks)",
@@ -49,7 +49,7 @@ def lowbit_isa() -> int:
 
 def _check(code: int, what: str) -> None:
     if code:
-        raise SpecDecodeError(f"low-bit kernel refused {what}: {_KERNEL_ERRORS.get(code, code)}")
+        raise SpecDecodeError(f"low-bit kernel refused {what}: {ERRORS.get(code, code)}")
 
 
 class BlockLinear(nn.Module):
@@ -88,7 +88,9 @@ class BlockLinear(nn.Module):
         return sum(t.numel() * t.element_size() for name in ARRAYS if (t := getattr(self, name)) is not None)
 
     def _take_addresses(self) -> None:
-        self._buffers_at = tuple(0 if (t := getattr(self, name)) is None else t.data_ptr() for name in ARRAYS)
+        """The buffers' addresses in the kernel's argument order: a new tuple after each move, which the experts'
+        kernel checks for."""
+        self.buffer_addresses = tuple(0 if (t := getattr(self, name)) is None else t.data_ptr() for name in ARRAYS)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -115,7 +117,7 @@ class BlockLinear(nn.Module):
                 self.in_features,
                 self.rows,
                 self.S,
-                *self._buffers_at,
+                *self.buffer_addresses,
                 y.data_ptr(),
                 self.passes,
                 torch.get_num_threads(),
@@ -138,7 +140,7 @@ class BlockLinear(nn.Module):
                 self.in_features,
                 self.rows,
                 self.S,
-                *self._buffers_at,
+                *self.buffer_addresses,
                 ids.data_ptr(),
                 len(ids),
                 out.data_ptr(),
