@@ -293,7 +293,7 @@ class Transformer(nn.Module):
         for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
         x = self.embed(tokens)
         rope = self.rope_tables(batch.positions, x.dtype)
-        if self.layers_kernel is not None and batch.rowwise is not None:  # packed: decode and verify
+        if self.layers_kernel is not None and batch.rowwise is not None:  # packed: decode, verify, prompt chunks
             x, residual = self.layers_kernel(self, x, rope, batch, cache)
         else:
             residual = None
