@@ -26,7 +26,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .layers import Linear, RMSNorm
-from .runtime import DecoderLayer, ForwardBatch, Transformer, tensor_bytes
+from .runtime import DecoderLayer, ForwardBatch, Transformer, run_layers, tensor_bytes
 
 # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs), its output added to the features
 ARCHITECTURE = "feature-head-2"
@@ -138,11 +138,7 @@ class DraftHead(nn.Module):
                 features = torch.zeros_like(embedded)
             features = features.to(embedded.dtype)
             x = self._fused_input(self.embed_norm(embedded), features)
-            rope = {"global": self.rotary(batch.positions, x.dtype)}
-            if self.layers_kernel is not None and batch.rowwise is not None:
-                x, residual = self.layers_kernel(self, x, rope, batch, cache)
-            else:
-                x, residual = self.layers[0](x, None, rope, batch, cache)
+            x, residual = run_layers(self, x, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
             return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
     def unrolled(

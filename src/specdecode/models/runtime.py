@@ -293,12 +293,7 @@ class Transformer(nn.Module):
         for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
         x = self.embed(tokens)
         rope = self.rope_tables(batch.positions, x.dtype)
-        if self.layers_kernel is not None and batch.rowwise is not None:  # packed: decode, verify, prompt chunks
-            x, residual = self.layers_kernel(self, x, rope, batch, cache)
-        else:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer(x, residual, rope, batch, cache)
+        x, residual = run_layers(self, x, rope, batch, cache)
         return self.output(
             x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows, return_hidden
         )
@@ -338,6 +333,17 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         for p in self.parameters():
             p.requires_grad_(False)
+
+
+def run_layers(model, x: torch.Tensor, rope, batch: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Transformer's or a draft head's layers from the embeddings: (last MLP output, residual stream before it). In
+    one call where the model has a layers kernel and the batch is packed (decode, verify, prompt chunks)."""
+    if model.layers_kernel is not None and batch.rowwise is not None:
+        return model.layers_kernel(model, x, rope, batch, cache)
+    residual = None
+    for layer in model.layers:
+        x, residual = layer(x, residual, rope, batch, cache)
+    return x, residual
 
 
 def tensor_bytes(tensors) -> int:

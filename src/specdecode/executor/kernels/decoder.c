@@ -64,17 +64,20 @@ enum { AT_INPUT_NORM = 1, AT_QKV, AT_ATTENTION, AT_O, AT_POST_NORM, AT_GATE_UP, 
 // output rows are padded to whole groups beyond its out_features.
 static int needs_tmp(const projection_t *p) { return p->parts > 1 || p->part[0].rows != p->part[0].out_features; }
 
+static int block_product(const decoder_t *m, const block_t *b, const float *x, int n, float *y, int threads) {
+    return m->linear(b->format, x, n, b->in_features, b->rows, b->S, b->lo, b->hi, b->sc, b->mn, b->d, b->dmin, y,
+                     b->passes, threads);
+}
+
 static int project(const decoder_t *m, const projection_t *p, const float *x, int n, float *y, float *tmp,
                    int threads) {
     const block_t *b = p->part;
     if (!needs_tmp(p)) {
-        int rc = m->linear(b->format, x, n, b->in_features, b->rows, b->S, b->lo, b->hi, b->sc, b->mn, b->d, b->dmin,
-                           y, b->passes, threads);
+        int rc = block_product(m, b, x, n, y, threads);
         if (rc) return rc;
     } else {
         for (int i = 0, col = 0; i < p->parts; col += b[i].out_features, i++) {
-            int rc = m->linear(b[i].format, x, n, b[i].in_features, b[i].rows, b[i].S, b[i].lo, b[i].hi, b[i].sc,
-                               b[i].mn, b[i].d, b[i].dmin, tmp, b[i].passes, threads);
+            int rc = block_product(m, &b[i], x, n, tmp, threads);
             if (rc) return rc;
             for (int r = 0; r < n; r++)
                 memcpy(y + (int64_t)r * p->out_features + col, tmp + (int64_t)r * b[i].rows,
