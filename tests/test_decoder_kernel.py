@@ -34,6 +34,16 @@ VARIANTS = {
         arch="llama", sliding_window=5, sliding_layers=(1,), local_rope_theta=500.0
     ),
     "q/k/v in different formats": dict(arch="qwen2", mixed_formats=True),
+    "sandwich norms and GeGLU": dict(
+        arch="gemma3",
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        qk_norm=True,
+        sliding_window=5,
+        sliding_layers=(0, 1),
+        local_rope_theta=500.0,
+    ),
+    "mixture of experts": dict(arch="qwen3moe", num_experts=4, experts_per_token=2, qk_norm=True, dense_layers=(1,)),
 }
 
 
@@ -100,11 +110,12 @@ def test_one_call_gives_the_module_by_module_bits(variant):
     assert _same(_session(model, kernel), _session(model, None))
 
 
+@pytest.mark.parametrize("variant", ["q/k norms, float16 cache", "sandwich norms and GeGLU", "mixture of experts"])
 @pytest.mark.parametrize("isa", kernel_builds())
-def test_one_call_gives_the_module_bits_on_every_build(isa, monkeypatch):
+def test_one_call_gives_the_module_bits_on_every_build(isa, variant, monkeypatch):
     """With every kernel of one build (SPECDECODE_KERNELS): the decoder calls the builds the modules call."""
     monkeypatch.setenv("SPECDECODE_KERNELS", isa)
-    model = _model(**VARIANTS["q/k norms, float16 cache"])
+    model = _model(**VARIANTS[variant])
     assert model.layers[0].self_attn.rowwise_kernel.lib is load("attention", isa)
     assert _same(_session(model, model.layers_kernel), _session(model, None))
 
@@ -119,12 +130,25 @@ def test_a_draft_heads_layer_in_one_call_gives_the_module_bits():
 
 
 # A mistake in each thing the kernel does beyond calling other kernels: the bias added, the parts' columns placed,
-# the residual stream carried, the window's RoPE table chosen.
+# the residual stream carried, the window's RoPE table chosen, the sandwich norms' weights and order, the experts'
+# input and routing.
 MISTAKES = {
     "bias left out": ("y[(int64_t)r * p->out_features + c] += p->bias[c];", ";", "qkv bias, Q8_0"),
     "parts at one column": ("col += b[i].out_features, i++", "i++", "q/k/v in different formats"),
     "residual restarted each layer": ("if (l == 0) {", "if (1) {", "qkv bias, Q8_0"),
     "one RoPE table for all": ("t->cos[L->local_rope]", "t->cos[0]", "sliding layers with their own RoPE base"),
+    "pre-feedforward norm with the post-attention weights": (
+        "L->pre_ff_norm, s->normed",
+        "L->post_norm, s->normed",
+        "sandwich norms and GeGLU",
+    ),
+    "MLP output not normed": (
+        "return m->norm(s->mlp_out, L->post_ff_norm, x, n, hidden, L->eps, threads);",
+        "memcpy(x, s->mlp_out, (size_t)n * hidden * sizeof(float)); return 0;",
+        "sandwich norms and GeGLU",
+    ),
+    "experts read a stale buffer": ("&L->moe, s->normed,", "&L->moe, s->qkv,", "mixture of experts"),
+    "router's normalisation flipped": ("e->router, e->normalize,", "e->router, !e->normalize,", "mixture of experts"),
 }
 
 
@@ -187,19 +211,17 @@ def test_a_failing_step_is_named_with_its_layer():
         model(torch.tensor([[1, 2]]), batch, cache)
 
 
-@pytest.mark.parametrize(
-    "features",
-    [
-        dict(arch="gemma3", sandwich_norms=True, activation="gelu_tanh"),
-        dict(arch="qwen3moe", num_experts=4, experts_per_token=2),
-    ],
-    ids=["sandwich norms and GeGLU", "mixture of experts"],
-)
-def test_layers_the_kernel_does_not_compute_stay_module_by_module(features):
-    cfg = tiny_config(**features)
-    model = build_quantized_model(cfg, quantize_weights(random_hf_weights(cfg, 0).items(), "w8a8"), "w8a8", "cpu")
-    attach_attention_kernel(model)
-    attach_elementwise_kernels(model)
+@pytest.mark.parametrize("variant", ["sandwich norms and GeGLU", "mixture of experts"])
+def test_a_layer_the_kernel_would_compute_otherwise_stays_module_by_module(variant):
+    """A norm of another epsilon (the kernel takes one per layer), or experts without their kernel (of mixed
+    formats, say): the model keeps its module loop."""
+    model = _model(**VARIANTS[variant])
+    layer = model.layers[1]
+    if variant == "mixture of experts":
+        model.layers[0].mlp.kernel = None
+    else:
+        layer.post_feedforward_layernorm.eps *= 2
+    model.layers_kernel = None
     assert not attach_decoder_kernel(model) and model.layers_kernel is None
 
 

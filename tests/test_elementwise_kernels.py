@@ -1,4 +1,4 @@
-"""The elementwise kernels (RMSNorm with the residual add, SwiGLU): the numbers of the PyTorch path, each
+"""The elementwise kernels (RMSNorm with the residual add, SwiGLU and GeGLU): the numbers of the PyTorch path, each
 row computed as if alone, the AVX2 build equal to the native one, and greedy speculation on a model that
 uses them equal to plain decoding."""
 
@@ -9,7 +9,7 @@ from conftest import ByteTokenizer, kernel_builds, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.attention import attach_attention_kernel
-from specdecode.executor.elementwise import NormKernel, SiluMulKernel, attach_elementwise_kernels
+from specdecode.executor.elementwise import ActMulKernel, NormKernel, attach_elementwise_kernels
 from specdecode.executor.kernels import load
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.loader import LoadedModel
@@ -34,13 +34,29 @@ def test_norm_and_residual_add_compute_what_pytorch_does():
     torch.testing.assert_close(out, expected_out, rtol=1e-6, atol=1e-6)
 
 
-def test_silu_mul_computes_what_pytorch_does_over_the_whole_range():
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_act_mul_computes_what_pytorch_does_over_the_whole_range(activation):
     gate = torch.linspace(-120, 120, 20001)
     gate_up = torch.stack([torch.cat([gate, torch.full_like(gate, 3.0)])])
-    got = SiluMulKernel(load("norm"))(gate_up)
-    expected = F.silu(gate)[None] * 3.0
+    got = ActMulKernel(load("norm"), activation)(gate_up)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-30)
+    if activation == "silu":
+        torch.testing.assert_close(got, F.silu(gate)[None] * 3.0, rtol=2e-6, atol=1e-30)
+        return
+    # in float32, 1 + tanh(y) cancels below x = -5 (PyTorch's GELU is 0 from x = -8); float64 holds it to e-15
+    expected = (F.gelu(gate.double(), approximate="tanh")[None] * 3.0).float()
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-12)
+
+
+def test_gelu_without_its_cubic_term_fails_the_comparison():
+    """The bound above is tight enough to catch a GELU missing its 0.044715 x^3."""
+    gate = torch.linspace(-6, 6, 2001)
+    wrong = gate * torch.sigmoid(1.5957691216057308 * gate)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(wrong, F.gelu(gate.double(), approximate="tanh").float(), rtol=2e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("rows", [3, 40])  # below and above the row count where threads join
@@ -48,11 +64,13 @@ def test_each_row_is_computed_as_if_alone(rows):
     lib, norm = load("norm"), _norm(256)
     x, residual, gate_up = torch.randn(rows, 256), torch.randn(rows, 256), torch.randn(rows, 2 * 512)
     batch_out, batch_sum = NormKernel(lib)(norm, x, residual.clone())
-    batch_silu = SiluMulKernel(lib)(gate_up)
+    kernels = [ActMulKernel(lib, activation) for activation in ACTIVATIONS]
+    batch_act = [kernel(gate_up) for kernel in kernels]
     for r in range(rows):
         out, summed = NormKernel(lib)(norm, x[r : r + 1], residual[r : r + 1].clone())
         assert torch.equal(out[0], batch_out[r]) and torch.equal(summed[0], batch_sum[r])
-        assert torch.equal(SiluMulKernel(lib)(gate_up[r : r + 1])[0], batch_silu[r])
+        for kernel, batch in zip(kernels, batch_act):
+            assert torch.equal(kernel(gate_up[r : r + 1])[0], batch[r])
 
 
 @pytest.mark.parametrize("isa", kernel_builds())
@@ -63,7 +81,8 @@ def test_every_build_gives_the_scalar_reference_bits(isa):
     reference_out, reference_sum = NormKernel(scalar)(norm, x, residual.clone())
     out, summed = NormKernel(build)(norm, x, residual.clone())
     assert torch.equal(out, reference_out) and torch.equal(summed, reference_sum)
-    assert torch.equal(SiluMulKernel(build)(gate_up), SiluMulKernel(scalar)(gate_up))
+    for activation in ACTIVATIONS:
+        assert torch.equal(ActMulKernel(build, activation)(gate_up), ActMulKernel(scalar, activation)(gate_up))
 
 
 def _with_kernels(seed=0, kv_cache_dtype="auto", **cfg):
@@ -106,3 +125,4 @@ def test_a_call_out_of_range_is_refused_with_a_code():
     assert lib.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 2, 8, float("nan"), 1) == -1
     assert lib.add_rms_norm(x.data_ptr(), x.data_ptr(), w.data_ptr(), 0, 2, 8, 1e-6, 1) == -2  # no output
     assert lib.silu_mul(x.data_ptr(), 0, 1, 4, 1) == -2
+    assert lib.gelu_tanh_mul(x.data_ptr(), 0, 1, 4, 1) == -2

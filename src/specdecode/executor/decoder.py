@@ -3,9 +3,9 @@ calls the same kernels as the modules do, in the same order, so logits are the s
 context a step's ~250 small calls from Python cost more than a tenth of it
 (docs/decisions.md#fused-norms-and-swiglu-and-a-steps-layers-in-one-call).
 
-It applies to the decoders whose every layer is RMSNorm, attention by the rowwise kernel, SwiGLU by the
-elementwise kernel and low-bit projections (Qwen2/2.5/3, Llama, Mistral, SmolLM); the others (Gemma's sandwich
-norms and GeGLU, mixtures of experts, float weights) run module by module."""
+It applies to the decoders whose every layer is RMSNorm, attention by the rowwise kernel, SwiGLU or GeGLU by the
+elementwise kernel or experts by theirs, and low-bit projections: Qwen2/2.5/3, Llama, Mistral, SmolLM, Gemma 3,
+Mixtral and Qwen3-MoE from GGUF block formats. Float weights run module by module."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ..errors import SpecDecodeError
 from .attention import ERRORS as ATTENTION_ERRORS
 from .attention import RowwiseAttentionKernel
 from .elementwise import ERRORS as NORM_ERRORS
-from .elementwise import NormKernel, SiluMulKernel
+from .elementwise import ActMulKernel, NormKernel
+from .experts import ExpertsKernel
 from .kernels import load
 from .quant import ERRORS as LINEAR_ERRORS
 from .quant import BlockLinear, ConcatLinear
@@ -37,18 +38,30 @@ class _Projection(ctypes.Structure):
     _fields_ = [("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P)]
 
 
+class _Experts(ctypes.Structure):
+    _fields_ = (
+        [
+            (name, _I32)
+            for name in ("experts", "top", "normalize", "inter", "gate_up_format", "gate_up_S", "down_format", "down_S")
+        ]
+        + [("passes", _I32)]
+        + [(name, _P) for name in ("router", "gate_up_table", "down_table")]
+    )
+
+
 class _Layer(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+        [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "pre_ff_norm", "post_ff_norm")]
         + [(name, _F32) for name in ("eps", "qk_eps", "scale")]
         + [("window", _I32), ("local_rope", _I32)]
         + [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
+        + [("moe", _Experts)]
     )
 
 
 class _Decoder(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("linear", "norm", "add_norm", "silu_mul", "attention")]
+        [(name, _P) for name in ("linear", "norm", "add_norm", "act_mul", "attention", "moe")]
         + [(name, _I32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim")]
         + [("layer", _P)]
     )
@@ -70,8 +83,11 @@ STEPS = [
     ("output projection", LINEAR_ERRORS),
     ("post-attention norm", NORM_ERRORS),
     ("gate/up projection", LINEAR_ERRORS),
-    ("SwiGLU", NORM_ERRORS),
+    ("activation", NORM_ERRORS),
     ("down projection", LINEAR_ERRORS),
+    ("pre-feedforward norm", NORM_ERRORS),
+    ("post-feedforward norm", NORM_ERRORS),
+    ("experts", LINEAR_ERRORS),
 ]
 OWN_ERRORS = {-100: "a call with no rows or no layers", -101: "out of memory for its scratch"}
 
@@ -100,6 +116,26 @@ def _projection(projection) -> _Projection:
     return p
 
 
+def _experts(moe) -> _Experts:
+    kernel = moe.kernel
+    gate_up, down = kernel.tables()
+    fmt_gu, s_gu, fmt_down, s_down = kernel.formats
+    return _Experts(
+        len(gate_up),
+        moe.gate.top_k,
+        int(moe.gate.normalize),
+        kernel.inter,
+        fmt_gu,
+        s_gu,
+        fmt_down,
+        s_down,
+        kernel.passes,
+        moe.gate.weight.data_ptr(),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+    )
+
+
 def _layer(layer) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     norms = attn.qk_norms
@@ -112,25 +148,46 @@ def _layer(layer) -> _Layer:
         local_rope=int(attn.rope == "local"),
         qkv=_projection(attn.qkv_proj),
         o=_projection(attn.o_proj),
-        gate_up=_projection(mlp.gate_up_proj),
-        down=_projection(mlp.down_proj),
     )
     if norms is not None:
         out.q_norm, out.k_norm, out.qk_eps = norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps
+    if hasattr(layer, "post_feedforward_layernorm"):
+        out.pre_ff_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
+        out.post_ff_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+    if isinstance(mlp.kernel if hasattr(mlp, "gate") else None, ExpertsKernel):
+        out.moe = _experts(mlp)
+    else:
+        out.gate_up, out.down = _projection(mlp.gate_up_proj), _projection(mlp.down_proj)
     return out
+
+
+def _norms(layer) -> list:
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    return [getattr(layer, name) for name in names if hasattr(layer, name)]
+
+
+def _mlp_runs_in_one_call(mlp) -> bool:
+    if hasattr(mlp, "gate"):  # a mixture of experts: the kernel's router reads its weights as float32 rows
+        router = mlp.gate.weight
+        return isinstance(mlp.kernel, ExpertsKernel) and router.dtype == torch.float32 and router.is_contiguous()
+    return isinstance(mlp.act_mul_kernel, ActMulKernel) and all(
+        _parts(p) is not None for p in (mlp.gate_up_proj, mlp.down_proj)
+    )
 
 
 def runs_in_one_call(layer) -> bool:
     """Whether the decoder kernel computes this layer as its modules would."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    attn, norms = layer.self_attn, _norms(layer)
     return (
-        not hasattr(layer, "post_feedforward_layernorm")
-        and isinstance(attn.rowwise_kernel, RowwiseAttentionKernel)
+        isinstance(attn.rowwise_kernel, RowwiseAttentionKernel)
         and all(isinstance(n.kernel, NormKernel) and n.eps == norms[0].eps for n in norms)
-        and isinstance(getattr(mlp, "act_mul_kernel", None), SiluMulKernel)
-        and all(_parts(p) is not None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        and _mlp_runs_in_one_call(layer.mlp)
+        and all(_parts(p) is not None for p in (attn.qkv_proj, attn.o_proj))
     )
+
+
+def _dense_mlps(model) -> list:
+    return [layer.mlp for layer in model.layers if not hasattr(layer.mlp, "gate")]
 
 
 class DecoderKernel:
@@ -178,14 +235,16 @@ class DecoderKernel:
     def _describe(self, model, moves: list[int]) -> _Decoder:
         cfg, first = model.cfg, model.layers[0]
         layers = (_Layer * len(model.layers))(*(_layer(layer) for layer in model.layers))
-        linear_lib = _parts(first.mlp.gate_up_proj)[0][0].lib
+        linear_lib = _parts(first.self_attn.o_proj)[0][0].lib
         norm_lib, attention_lib = first.input_layernorm.kernel.lib, first.self_attn.rowwise_kernel.lib
+        dense = _dense_mlps(model)
         decoder = _Decoder(
             _address(linear_lib.lowbit_linear),
             _address(norm_lib.rms_norm),
             _address(norm_lib.add_rms_norm),
-            _address(first.mlp.act_mul_kernel.lib.silu_mul),
+            _address(dense[0].act_mul_kernel.fn) if dense else None,
             _address(attention_lib.rowwise_attention),
+            _address(linear_lib.lowbit_moe) if len(dense) < len(model.layers) else None,
             len(model.layers),
             cfg.hidden_size,
             cfg.num_heads,
@@ -218,6 +277,8 @@ def attach_decoder_kernel(model) -> bool:
     """Give the model the one-call decoder where every layer runs in it (after the attention and elementwise
     kernels are attached); True if it did."""
     if model.device.type != "cpu" or not all(runs_in_one_call(layer) for layer in model.layers):
+        return False
+    if len({mlp.activation for mlp in _dense_mlps(model)}) > 1:  # the kernel takes one activation
         return False
     lib = load("decoder")
     if lib is None:

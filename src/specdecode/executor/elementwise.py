@@ -1,4 +1,4 @@
-"""RMSNorm (with the residual add before it) and SwiGLU by this package's kernel (kernels/norm.c): one
+"""RMSNorm (with the residual add before it), SwiGLU and GeGLU by this package's kernel (kernels/norm.c): one
 call each where PyTorch runs about eight and three small operations, which at one token per step cost
 more than the arithmetic (docs/decisions.md#fused-norms-and-swiglu-and-a-steps-layers-in-one-call)."""
 
@@ -45,27 +45,29 @@ class NormKernel:
         return out, residual
 
 
-class SiluMulKernel:
-    """Replaces MLP's silu(gate) * up on the gate_up projection's output [..., 2 * inter]."""
+class ActMulKernel:
+    """Replaces MLP's act(gate) * up on the gate_up projection's output [..., 2 * inter]: SiLU (SwiGLU) or GELU's
+    tanh approximation (GeGLU)."""
 
-    def __init__(self, lib):
-        self.lib = lib
+    FUNCTIONS = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}
+
+    def __init__(self, lib, activation: str):
+        self.lib, self.activation = lib, activation
+        self.fn = getattr(lib, self.FUNCTIONS[activation])
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
         _check(
-            self.lib.silu_mul(
-                gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads()
-            ),
-            "a SwiGLU",
+            self.fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads()),
+            f"a {'SwiGLU' if self.activation == 'silu' else 'GeGLU'}",
         )
         return out
 
 
 def attach_elementwise_kernels(model) -> bool:
-    """Give the model's norms and SwiGLU MLPs the kernels where they apply (float32 on the CPU); True if it
+    """Give the model's norms and gated MLPs the kernels where they apply (float32 on the CPU); True if it
     did. A norm the model shares with another (a draft head reads its target's final norm) gets it too."""
     from ..models.layers import MLP, RMSNorm
 
@@ -74,10 +76,11 @@ def attach_elementwise_kernels(model) -> bool:
     lib = load("norm")
     if lib is None:
         return False
-    norm, silu_mul = NormKernel(lib), SiluMulKernel(lib)
+    norm = NormKernel(lib)
+    act_mul = {activation: ActMulKernel(lib, activation) for activation in ActMulKernel.FUNCTIONS}
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = norm
-        elif isinstance(module, MLP) and module.activation == "silu":
-            module.act_mul_kernel = silu_mul
+        elif isinstance(module, MLP):
+            module.act_mul_kernel = act_mul[module.activation]
     return True

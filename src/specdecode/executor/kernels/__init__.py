@@ -42,6 +42,7 @@ SIGNATURES = {
         "rms_norm": ([_P, _P, _P, _I, _I, _F, _I], _I),
         "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], _I),
         "silu_mul": ([_P, _P, _I, _I, _I], _I),
+        "gelu_tanh_mul": ([_P, _P, _I, _I, _I], _I),
     },
     "decoder": {"decoder_layers": ([_P, _P, _P, _P, _I, _P], _I)},
     "attention": {

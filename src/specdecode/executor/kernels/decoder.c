@@ -1,7 +1,9 @@
 // A decoder's layers for one packed forward (decode and verify: each row a new token of some sequence) in one
-// call. Per layer: the residual add and RMSNorm, q/k/v, attention, o_proj, the add and norm, gate/up, SwiGLU and
-// down, each by the kernel Python would call for it (passed in as function pointers), in the same order on the
-// same values, so the result is the same bit for bit. What it saves is the interpreter between the ~250 small
+// call. Per layer: the residual add and RMSNorm, q/k/v, attention, o_proj, the add and norm, then gate/up, the
+// activation (SiLU or GELU) times up and down, or a mixture of experts; with sandwich norms (Gemma) the attention
+// and MLP outputs are normed before they join the residual stream. Each step is the kernel Python would call for
+// it (passed in as function pointers), in the same order on the same values, so the result is the same bit for
+// bit. What it saves is the interpreter between the ~250 small
 // calls a step makes, which at a short context cost more than a tenth of the step.
 #include <stdint.h>
 #include <stdlib.h>
@@ -11,7 +13,9 @@ typedef int (*linear_fn)(int, const float *, int, int, int, int, const void *, c
                          const void *, const void *, const void *, float *, int, int);
 typedef int (*norm_fn)(const float *, const float *, float *, int, int, float, int);
 typedef int (*add_norm_fn)(float *, const float *, const float *, float *, int, int, float, int);
-typedef int (*silu_mul_fn)(const float *, float *, int, int, int);
+typedef int (*act_mul_fn)(const float *, float *, int, int, int);
+typedef int (*moe_fn)(int, int, int, int, const float *, int, int, int, int, const float *, int, int64_t *, float *,
+                      int, const uint64_t *, const uint64_t *, float *, int, int);
 typedef int (*attention_fn)(const float *, int, int, int, int, const int64_t *, const int64_t *, const float *,
                             const float *, const float *, const float *, float, float, int, void *, void *,
                             const int32_t *, int, int, int, int, float *, int);
@@ -29,19 +33,28 @@ typedef struct {  // the parts' outputs side by side, then the bias (ConcatLinea
     const float *bias;  // NULL: none
 } projection_t;
 
+typedef struct {  // a mixture of experts in place of gate_up and down: executor/experts.py
+    int32_t experts, top, normalize, inter, gate_up_format, gate_up_S, down_format, down_S, passes;
+    const float *router;                          // [experts, hidden]
+    const uint64_t *gate_up_table, *down_table;  // each expert's block buffers' addresses
+} experts_t;
+
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  // q_norm, k_norm NULL: the family has none
+    const float *pre_ff_norm, *post_ff_norm;               // NULL but with sandwich norms
     float eps, qk_eps, scale;
     int32_t window, local_rope;  // local_rope: the layer reads the second rotary table
     projection_t qkv, o, gate_up, down;
+    experts_t moe;  // moe.experts 0: a dense MLP
 } layer_t;
 
 typedef struct {
     linear_fn linear;
     norm_fn norm;
     add_norm_fn add_norm;
-    silu_mul_fn silu_mul;
+    act_mul_fn act_mul;
     attention_fn attention;
+    moe_fn moe;
     int32_t layers, hidden, heads, kv_heads, head_dim;
     const layer_t *layer;
 } decoder_t;
@@ -56,7 +69,8 @@ typedef struct {  // one call's tokens: where they are and what they read
 } tokens_t;
 
 // Which step failed, for the caller's message: the kernel's own code is the return value.
-enum { AT_INPUT_NORM = 1, AT_QKV, AT_ATTENTION, AT_O, AT_POST_NORM, AT_GATE_UP, AT_SILU_MUL, AT_DOWN };
+enum { AT_INPUT_NORM = 1, AT_QKV, AT_ATTENTION, AT_O, AT_POST_NORM, AT_GATE_UP, AT_ACT_MUL, AT_DOWN, AT_PRE_FF_NORM,
+       AT_POST_FF_NORM, AT_EXPERTS };
 #define DECODER_BAD_CALL -100
 #define DECODER_NO_MEMORY -101
 
@@ -99,35 +113,41 @@ static int64_t tmp_width(const projection_t *p) {
 }
 
 // The buffers of a call, carved from one allocation. Buffers never live at once share memory: the normed input
-// (read by q/k/v and by gate/up) with attention's output (written after q/k/v, read by o_proj before the next
-// norm), and q/k/v with gate/up.
+// (read by q/k/v and by the MLP) with attention's output (written after q/k/v, read by o_proj before the next
+// norm), and q/k/v with gate/up and with a sandwiched MLP's output (normed into x after gate/up is consumed). The
+// experts chosen for each row and their weights come first, for the int64 ids' alignment.
 typedef struct {
-    float *normed, *attended, *qkv, *gate_up, *act, *tmp;
+    int64_t *chosen;
+    float *expert_weights, *normed, *attended, *qkv, *gate_up, *mlp_out, *act, *branch, *tmp;
 } scratch_t;
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static float *carve(const decoder_t *m, int n, scratch_t *s) {
-    int64_t tmp = 0, wide = 0, act = 0;
+    int64_t tmp = 0, wide = m->hidden, act = m->hidden, routes = 0;
     for (int l = 0; l < m->layers; l++) {
         const layer_t *L = m->layer + l;
         const projection_t *all[] = {&L->qkv, &L->o, &L->gate_up, &L->down};
         for (int i = 0; i < 4; i++) tmp = max64(tmp, tmp_width(all[i]));
         wide = max64(wide, max64(L->qkv.out_features, L->gate_up.out_features));
         act = max64(act, L->down.part[0].in_features);
+        routes = max64(routes, L->moe.top);
     }
     const int64_t narrow = max64(m->hidden, (int64_t)m->heads * m->head_dim);
-    float *base = malloc(max64((narrow + wide + act + tmp) * n, 1) * sizeof(float));
+    float *base = malloc(max64((3 * routes + narrow + wide + act + tmp) * n, 1) * sizeof(float));
     if (!base) return NULL;
-    s->normed = s->attended = base;
-    s->qkv = s->gate_up = base + narrow * n;
-    s->act = s->qkv + wide * n;
+    s->chosen = (int64_t *)base;
+    s->expert_weights = base + 2 * routes * n;
+    s->normed = s->attended = s->expert_weights + routes * n;
+    s->qkv = s->gate_up = s->mlp_out = s->normed + narrow * n;
+    s->act = s->branch = s->qkv + wide * n;
     s->tmp = s->act + act * n;
     return base;
 }
 
-static int layer_forward(const decoder_t *m, int l, const tokens_t *t, float *x, float *residual, scratch_t *s,
-                         int threads, int *step) {
+// The input norm through o_proj: x becomes the attention output.
+static int attention_block(const decoder_t *m, int l, const tokens_t *t, float *x, float *residual, scratch_t *s,
+                           int threads, int *step) {
     const layer_t *L = m->layer + l;
     const int n = t->rows, hidden = m->hidden;
     int rc;
@@ -146,14 +166,49 @@ static int layer_forward(const decoder_t *m, int l, const tokens_t *t, float *x,
                       t->vcache[l], t->tables, t->num_slots, t->max_blocks, t->block_size, t->num_blocks,
                       s->attended, threads);
     if (rc) return rc;
-    if ((*step = AT_O, rc = project(m, &L->o, s->attended, n, x, s->tmp, threads))) return rc;
-    *step = AT_POST_NORM;
-    if ((rc = m->add_norm(residual, x, L->post_norm, s->normed, n, hidden, L->eps, threads))) return rc;
+    *step = AT_O;
+    return project(m, &L->o, s->attended, n, x, s->tmp, threads);
+}
+
+static int experts(const decoder_t *m, const experts_t *e, const float *in, int n, float *y, scratch_t *s,
+                   int threads) {
+    return m->moe(e->gate_up_format, e->gate_up_S, e->down_format, e->down_S, in, n, m->hidden, e->inter,
+                  e->experts, e->router, e->normalize, s->chosen, s->expert_weights, e->top, e->gate_up_table,
+                  e->down_table, y, e->passes, threads);
+}
+
+// The MLP (or experts) of the normed input into y.
+static int mlp(const decoder_t *m, const layer_t *L, int n, float *y, scratch_t *s, int threads, int *step) {
+    int rc;
+    if (L->moe.experts) return (*step = AT_EXPERTS, experts(m, &L->moe, s->normed, n, y, s, threads));
     if ((*step = AT_GATE_UP, rc = project(m, &L->gate_up, s->normed, n, s->gate_up, s->tmp, threads))) return rc;
-    *step = AT_SILU_MUL;
-    if ((rc = m->silu_mul(s->gate_up, s->act, n, L->gate_up.out_features / 2, threads))) return rc;
+    if ((*step = AT_ACT_MUL, rc = m->act_mul(s->gate_up, s->act, n, L->gate_up.out_features / 2, threads))) return rc;
     *step = AT_DOWN;
-    return project(m, &L->down, s->act, n, x, s->tmp, threads);
+    return project(m, &L->down, s->act, n, y, s->tmp, threads);
+}
+
+// x: the attention output in, the MLP output out (normed first with sandwich norms).
+static int mlp_block(const decoder_t *m, const layer_t *L, int n, float *x, float *residual, scratch_t *s,
+                     int threads, int *step) {
+    const int hidden = m->hidden;
+    int rc;
+    *step = AT_POST_NORM;
+    if (!L->post_ff_norm) {
+        if ((rc = m->add_norm(residual, x, L->post_norm, s->normed, n, hidden, L->eps, threads))) return rc;
+        return mlp(m, L, n, x, s, threads, step);
+    }
+    if ((rc = m->norm(x, L->post_norm, s->branch, n, hidden, L->eps, threads))) return rc;
+    *step = AT_PRE_FF_NORM;
+    if ((rc = m->add_norm(residual, s->branch, L->pre_ff_norm, s->normed, n, hidden, L->eps, threads))) return rc;
+    if ((rc = mlp(m, L, n, s->mlp_out, s, threads, step))) return rc;
+    *step = AT_POST_FF_NORM;
+    return m->norm(s->mlp_out, L->post_ff_norm, x, n, hidden, L->eps, threads);
+}
+
+static int layer_forward(const decoder_t *m, int l, const tokens_t *t, float *x, float *residual, scratch_t *s,
+                         int threads, int *step) {
+    const int rc = attention_block(m, l, t, x, residual, s, threads, step);
+    return rc ? rc : mlp_block(m, m->layer + l, t->rows, x, residual, s, threads, step);
 }
 
 // x [rows, hidden]: the embeddings in, the last layer's MLP output out; residual [rows, hidden]: the residual

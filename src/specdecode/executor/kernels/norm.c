@@ -1,5 +1,5 @@
 // The elementwise steps of a decoder layer, one call each instead of several PyTorch operations: RMSNorm
-// (optionally after adding the residual branch into the residual stream) and SwiGLU. Each row is computed
+// (optionally after adding the residual branch into the residual stream), SwiGLU and GeGLU. Each row is computed
 // alone, by the same operations in the same order, so a token's result does not depend on its batch.
 #include <math.h>
 #include <stdint.h>
@@ -103,27 +103,53 @@ static inline __m256 exp_approx8(__m256 x) {
 }
 #endif
 
-static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int n) {
+// GeGLU's tanh approximation as a sigmoid: 0.5 x (1 + tanh(y)) = x sigmoid(2y), y = sqrt(2/pi) (x + 0.044715 x^3),
+// so both activations are x / (1 + exp(-z)), z = x (SiLU) or 2y (GELU).
+#define GELU_2Y 1.5957691216057308f  // 2 sqrt(2 / pi)
+#define GELU_CUBIC 0.044715f
+
+static inline float gelu_z(float x) { return GELU_2Y * (x + GELU_CUBIC * x * x * x); }
+
+#if defined(SILU_AVX2)
+static inline __m256 gelu_z8(__m256 x) {
+    const __m256 cubic = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_CUBIC), x), x), x);
+    return _mm256_mul_ps(_mm256_set1_ps(GELU_2Y), _mm256_add_ps(x, cubic));
+}
+#endif
+
+static void act_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int n, int gelu) {
     int i = 0;
 #if defined(SILU_AVX2)
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = exp_approx8(_mm256_xor_ps(x, sign));  // -x
+        const __m256 e = exp_approx8(_mm256_xor_ps(gelu ? gelu_z8(x) : x, sign));  // -z
         _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
 #endif
-    for (; i < n; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    if (gelu)
+        for (; i < n; i++) o[i] = g[i] / (1.0f + exp_approx(-gelu_z(g[i]))) * u[i];
+    else
+        for (; i < n; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
 }
 
-// gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = silu(gate) * up
-int silu_mul(const float *gate_up, float *out, int rows, int inter, int threads) {
+static int act_mul(const float *gate_up, float *out, int rows, int inter, int gelu, int threads) {
     const int bad = bad_call(rows, inter, 0.f, gate_up, out, out);
     if (bad) return bad;
 #pragma omp parallel for schedule(static) num_threads(rows >= PARALLEL_ROWS ? threads : 1)
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (int64_t)r * 2 * inter;
-        silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
+        act_mul_row(g, g + inter, out + (int64_t)r * inter, inter, gelu);
     }
     return NORM_OK;
+}
+
+// gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = silu(gate) * up
+int silu_mul(const float *gate_up, float *out, int rows, int inter, int threads) {
+    return act_mul(gate_up, out, rows, inter, 0, threads);
+}
+
+// the same with GELU's tanh approximation: gelu_tanh(gate) * up
+int gelu_tanh_mul(const float *gate_up, float *out, int rows, int inter, int threads) {
+    return act_mul(gate_up, out, rows, inter, 1, threads);
 }
