@@ -4,6 +4,7 @@ HumanEval prompt both ways, plain and speculative (the bundled head, or --specul
 compared.
 
     python tools/one_call_decoder.py --contexts 128 1024 --rounds 5
+    python tools/one_call_decoder.py --model gemma3-270m --speculative-model ngram
 """
 
 from __future__ import annotations
@@ -65,14 +66,20 @@ def generation(llm: LLM, prompt: str, max_tokens: int, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="the target (default: the bundled 1.5B)")
     parser.add_argument("--speculative-model", default=DEFAULT_HEAD, help=f"the drafter (default {DEFAULT_HEAD})")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    llm = LLM(progress=False, speculative_model=args.speculative_model)
-    print(f"{describe_machine(machine_info())}; drafter {args.speculative_model}, k = {llm.engine.k}", flush=True)
+    target = {"model": args.model} if args.model else {}
+    llm = LLM(progress=False, speculative_model=args.speculative_model, **target)
+    print(
+        f"{describe_machine(machine_info())}; {llm.engine.runner.model.cfg.arch} target, drafter "
+        f"{args.speculative_model}, k = {llm.engine.k}",
+        flush=True,
+    )
     target, proposer = llm.engine.runner.model, llm.engine.proposer
     print("target forwards:", flush=True)
     forward_costs(target, args.contexts, args.rows, args.rounds)

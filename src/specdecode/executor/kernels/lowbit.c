@@ -41,7 +41,7 @@
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HAVE_VNNI 1  // every format but Q8_0 (signed weights; it takes the AVX2 path)
+#define HAVE_VNNI 1
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define HAVE_AMX 1   // tiles of 16 rows of x, where the OS grants the tile state (amx_permitted)
 #include <sys/syscall.h>
@@ -443,7 +443,7 @@ static inline __attribute__((always_inline)) void group_avx2(int bits, int sub, 
 #endif
 
 #if defined(HAVE_VNNI)
-// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 (all but Q8_0) ---------------------------
+// ---- AVX-512 VNNI: 16 rows per vector, u8 x s8 sums of 4 in int32 ------------------------------------------
 static inline __m512 cvt16_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline __m512 cvt16_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
@@ -549,7 +549,37 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
         _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, acc[r]);
 }
+// Q8_0: vpdpbusd takes weights only as its unsigned operand, so each signed weight goes in with its sign bit
+// flipped (w + 128, one XOR per 64 bytes) and 128 times the block's sum of x comes off: the exact integer sum of
+// w * x the other paths take, then their float step.
+static inline __attribute__((always_inline)) void group_q8_vnni(int g, int m0, const int rows, int K, int N,
+        const weights_t *w, const acts_t *a, float *y) {
+    const int nsub = K / 32;
+    const uint8_t *qg = w->lo + (size_t)g * K * GROUP;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[ROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int j = 0; j < nsub; j++) {
+        const __m512 scale = _mm512_loadu_ps(w->d + ((size_t)g * super_of(nsub, w) + super_of(j, w)) * GROUP);
+        prefetch_block(qg, NULL, j, 512);
+        __m512i I[ROW_TILE];
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) I[r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+            const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qg + ((size_t)j * 8 + t) * 64)), flip);
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
+                I[r] = _mm512_dpbusd_epi32(I[r], wu, bcast4_512(a->xq + (size_t)(m0 + r) * K + j * 32 + t * 4));
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+            const size_t b = (size_t)(m0 + r) * nsub + j;
+            const __m512i I32 = _mm512_sub_epi32(I[r], _mm512_set1_epi32(128 * (a->isum16[2 * b] + a->isum16[2 * b + 1])));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I32), _mm512_mul_ps(scale, _mm512_set1_ps(a->sx[b])), acc[r]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(y + (size_t)(m0 + r) * N + (size_t)g * GROUP, acc[r]);
+}
 #endif
+
 
 #if defined(HAVE_AMX)
 // ---- AMX: tiles of 16 rows of x for calls of many rows (prefill, batched verification) -------------------------
@@ -559,7 +589,7 @@ static inline __attribute__((always_inline)) void group_k16_vnni(int bits, int z
 // order. The unpacked weights of 8 consecutive k per row are a VNNI path operand pair (w0, w1) and exactly
 // two rows of a tile's B operand, so a group is unpacked once per call into B rows and read by every tile of x.
 // Each block's C tile goes through memory to be scaled, which bounds the gain: 1.1-1.3x the VNNI path for the
-// 4- and 5-bit formats, 6x for Q8_0 (no unpacking, and the VNNI path has no signed-weight instruction). Q6_K and
+// 4- and 5-bit formats, more for Q8_0 (no unpacking; the tile takes signed weights as they are). Q6_K and
 // Q3_K, scaled per 16 weights, would need twice the tiles and measured no faster: they stay on the VNNI path
 // (docs/decisions.md#amx-int8-tiles-for-calls-of-16-rows).
 #define AMX_ROWS 16
@@ -724,9 +754,9 @@ static inline __attribute__((always_inline)) int group_amx(int bits, int zero, i
     }
 
 // Each format's group call for R rows: its bits in memory, sub-block size, zero point, scale and min kinds
-// (with VNNI, every format but Q8_0 has its 512-bit code).
-#define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
+// (with VNNI, each has its 512-bit code).
 #if defined(HAVE_VNNI)
+#define GROUP_Q8_0(R) group_q8_vnni(g, m0, R, K, N, w, a, y)
 #define GROUP_Q4_0(R) group_k32_vnni(4, 8, SC_NONE, MIN_NONE, g, m0, R, K, N, w, a, y)
 #define GROUP_Q4_1(R) group_k32_vnni(4, 0, SC_NONE, MIN_D, g, m0, R, K, N, w, a, y)
 #define GROUP_Q5_0(R) group_k32_vnni(6, 16, SC_NONE, MIN_NONE, g, m0, R, K, N, w, a, y)
@@ -736,6 +766,7 @@ static inline __attribute__((always_inline)) int group_amx(int bits, int zero, i
 #define GROUP_Q6_K(R) group_k16_vnni(6, 32, g, m0, R, K, N, w, a, y)
 #define GROUP_Q3_K(R) group_k16_vnni(4, 4, g, m0, R, K, N, w, a, y)
 #else
+#define GROUP_Q8_0(R) SIMD_GROUP(8, 32, 0, SC_NONE, MIN_NONE, R)
 #define GROUP_Q4_0(R) SIMD_GROUP(4, 32, 8, SC_NONE, MIN_NONE, R)
 #define GROUP_Q4_1(R) SIMD_GROUP(4, 32, 0, SC_NONE, MIN_D, R)
 #define GROUP_Q5_0(R) SIMD_GROUP(6, 32, 16, SC_NONE, MIN_NONE, R)
@@ -750,7 +781,7 @@ static inline __attribute__((always_inline)) int group_amx(int bits, int zero, i
 #if defined(HAVE_AMX)
 // Whether `rows` rows of x go to AMX tiles: whole tiles pay from 16 rows, but the rows left over for the VNNI
 // path unpack the weights again, which loses where they are more than a quarter of the call (24 rows: 16 + 8).
-// Q8_0's VNNI-machine path is the slow AVX2 one, so any whole tile pays there.
+// Q8_0 has no unpacking to repeat, so any whole tile pays there.
 static inline int amx_pays(int rows, int bits) {
     return rows >= AMX_ROWS && (bits == 8 || rows % AMX_ROWS <= rows / 4);
 }
@@ -784,7 +815,7 @@ static inline __attribute__((always_inline)) void run_group(int fmt, int g, int 
 }
 
 // The instruction set this build computes with: 1024 (as 512, and AMX tiles for calls of many rows), 512
-// (AVX-512 VNNI for every format but Q8_0, which takes AVX2), 256 (AVX2 + FMA) or 0 (the portable scalar path).
+// (AVX-512 VNNI), 256 (AVX2 + FMA) or 0 (the portable scalar path).
 int lowbit_isa(void) {
 #if defined(HAVE_AMX)
     if (amx_permitted()) return 1024;
