@@ -38,15 +38,13 @@ class _Projection(ctypes.Structure):
     _fields_ = [("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P)]
 
 
+_EXPERTS_INTS = "experts top normalize inter passes gate_up_format gate_up_S down_format down_S".split()
+
+
 class _Experts(ctypes.Structure):
-    _fields_ = (
-        [
-            (name, _I32)
-            for name in ("experts", "top", "normalize", "inter", "gate_up_format", "gate_up_S", "down_format", "down_S")
-        ]
-        + [("passes", _I32)]
-        + [(name, _P) for name in ("router", "gate_up_table", "down_table")]
-    )
+    _fields_ = [(name, _I32) for name in _EXPERTS_INTS] + [
+        (name, _P) for name in ("router", "gate_up_table", "down_table")
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -125,11 +123,11 @@ def _experts(moe) -> _Experts:
         moe.gate.top_k,
         int(moe.gate.normalize),
         kernel.inter,
+        kernel.passes,
         fmt_gu,
         s_gu,
         fmt_down,
         s_down,
-        kernel.passes,
         moe.gate.weight.data_ptr(),
         gate_up.data_ptr(),
         down.data_ptr(),
@@ -154,7 +152,7 @@ def _layer(layer) -> _Layer:
     if hasattr(layer, "post_feedforward_layernorm"):
         out.pre_ff_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
         out.post_ff_norm = layer.post_feedforward_layernorm.weight.data_ptr()
-    if isinstance(mlp.kernel if hasattr(mlp, "gate") else None, ExpertsKernel):
+    if _sparse(mlp):
         out.moe = _experts(mlp)
     else:
         out.gate_up, out.down = _projection(mlp.gate_up_proj), _projection(mlp.down_proj)
@@ -166,8 +164,13 @@ def _norms(layer) -> list:
     return [getattr(layer, name) for name in names if hasattr(layer, name)]
 
 
+def _sparse(mlp) -> bool:
+    """A mixture of experts (models/layers.py's SparseMoE) in place of the MLP."""
+    return hasattr(mlp, "gate")
+
+
 def _mlp_runs_in_one_call(mlp) -> bool:
-    if hasattr(mlp, "gate"):  # a mixture of experts: the kernel's router reads its weights as float32 rows
+    if _sparse(mlp):  # the kernel's router reads its weights as float32 rows
         router = mlp.gate.weight
         return isinstance(mlp.kernel, ExpertsKernel) and router.dtype == torch.float32 and router.is_contiguous()
     return isinstance(mlp.act_mul_kernel, ActMulKernel) and all(
@@ -187,7 +190,7 @@ def runs_in_one_call(layer) -> bool:
 
 
 def _dense_mlps(model) -> list:
-    return [layer.mlp for layer in model.layers if not hasattr(layer.mlp, "gate")]
+    return [layer.mlp for layer in model.layers if not _sparse(layer.mlp)]
 
 
 class DecoderKernel:

@@ -34,7 +34,7 @@ typedef struct {  // the parts' outputs side by side, then the bias (ConcatLinea
 } projection_t;
 
 typedef struct {  // a mixture of experts in place of gate_up and down: executor/experts.py
-    int32_t experts, top, normalize, inter, gate_up_format, gate_up_S, down_format, down_S, passes;
+    int32_t experts, top, normalize, inter, passes, gate_up_format, gate_up_S, down_format, down_S;
     const float *router;                          // [experts, hidden]
     const uint64_t *gate_up_table, *down_table;  // each expert's block buffers' addresses
 } experts_t;
