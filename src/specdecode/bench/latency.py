@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import statistics
 from dataclasses import asdict, dataclass
 
 from ..engine.llm import LLM
@@ -125,9 +126,11 @@ def load_requests(dataset: str, count: int, turns: int, tokenizer_name: str) -> 
     return prompts_for(dataset, count, tokenizer_name)
 
 
-def verify_cost_ratio(model, k: int, context: int = 256) -> float:
-    """T(k+1)/T(1): one forward over k+1 new tokens against one over a single token, after `context`."""
-    return time_forward(model, 1, k + 1, context, 5) / time_forward(model, 1, 1, context, 5)
+def verify_cost_ratio(model, k: int, context: int = 256, rounds: int = 5) -> float:
+    """T(k+1)/T(1): one forward over k+1 new tokens against one over a single token, after `context`; the median
+    of ratios timed in pairs, so that a slow spell of the host falls on both sides of one ratio."""
+    pairs = [time_forward(model, 1, k + 1, context, 1) / time_forward(model, 1, 1, context, 1) for _ in range(rounds)]
+    return statistics.median(pairs)
 
 
 def prefill_tokens_per_s(model, max_model_len: int) -> float:
