@@ -36,6 +36,7 @@ VARIANTS = {
     "q/k/v in different formats": dict(arch="qwen2", mixed_formats=True),
     "sandwich norms and GeGLU": dict(
         arch="gemma3",
+        quantization="w4a16",  # as Gemma 3 270M loads: under 200M layer parameters
         sandwich_norms=True,
         activation="gelu_tanh",
         qk_norm=True,
