@@ -212,6 +212,16 @@ def test_a_failing_step_is_named_with_its_layer():
         model(torch.tensor([[1, 2]]), batch, cache)
 
 
+def test_a_failing_experts_step_is_named_with_its_layer():
+    model = _model(**VARIANTS["mixture of experts"])
+    runner = ModelRunner(model, 1, 64)
+    slot = runner.allocate()
+    runner.forward([slot], [[1, 2]])  # describes the layers
+    model.layers_kernel._layers[2].moe.passes = 3  # what lowbit_moe refuses
+    with pytest.raises(SpecDecodeError, match="experts in layer 2 failed: activation passes other than 1 or 2"):
+        runner.forward([slot], [[3]])
+
+
 @pytest.mark.parametrize("variant", ["sandwich norms and GeGLU", "mixture of experts"])
 def test_a_layer_the_kernel_would_compute_otherwise_stays_module_by_module(variant):
     """A norm of another epsilon (the kernel takes one per layer), or experts without their kernel (of mixed

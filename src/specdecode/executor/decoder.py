@@ -19,6 +19,7 @@ from .attention import ERRORS as ATTENTION_ERRORS
 from .attention import RowwiseAttentionKernel
 from .elementwise import ERRORS as NORM_ERRORS
 from .elementwise import ActMulKernel, NormKernel
+from .experts import ERRORS as EXPERTS_ERRORS
 from .experts import ExpertsKernel
 from .kernels import load
 from .quant import ERRORS as LINEAR_ERRORS
@@ -85,7 +86,7 @@ STEPS = [
     ("down projection", LINEAR_ERRORS),
     ("pre-feedforward norm", NORM_ERRORS),
     ("post-feedforward norm", NORM_ERRORS),
-    ("experts", LINEAR_ERRORS),
+    ("experts", EXPERTS_ERRORS),
 ]
 OWN_ERRORS = {-100: "a call with no rows or no layers", -101: "out of memory for its scratch"}
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from .quant import ERRORS as LINEAR_ERRORS
 from .quant import BlockLinear, _check
+
+# lowbit_moe's codes: lowbit_linear's, but -6 names an expert where a lookup names a token
+ERRORS = {**LINEAR_ERRORS, -6: "an expert id outside the experts"}
 
 
 class ExpertsKernel:
@@ -73,6 +77,7 @@ class ExpertsKernel:
                 torch.get_num_threads(),
             ),
             "a mixture of experts' MLP",
+            ERRORS,
         )
         return y
 

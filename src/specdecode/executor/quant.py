@@ -47,9 +47,9 @@ def lowbit_isa() -> int:
     return -1 if lib is None else lib.lowbit_isa()
 
 
-def _check(code: int, what: str) -> None:
+def _check(code: int, what: str, errors: dict[int, str] = ERRORS) -> None:
     if code:
-        raise SpecDecodeError(f"low-bit kernel refused {what}: {ERRORS.get(code, code)}")
+        raise SpecDecodeError(f"low-bit kernel refused {what}: {errors.get(code, code)}")
 
 
 class BlockLinear(nn.Module):
