@@ -3,8 +3,8 @@
 // activation (SiLU or GELU) times up and down, or a mixture of experts; with sandwich norms (Gemma) the attention
 // and MLP outputs are normed before they join the residual stream. Each step is the kernel Python would call for
 // it (passed in as function pointers), in the same order on the same values, so the result is the same bit for
-// bit. What it saves is the interpreter between the ~250 small
-// calls a step makes, which at a short context cost more than a tenth of the step.
+// bit. What it saves is the interpreter between the ~250 small calls a step makes, which at a short context cost
+// more than a tenth of the step.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
