@@ -49,11 +49,11 @@ class ActMulKernel:
     """Replaces MLP's act(gate) * up on the gate_up projection's output [..., 2 * inter]: SiLU (SwiGLU) or GELU's
     tanh approximation (GeGLU)."""
 
-    FUNCTIONS = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}
+    FUNCTIONS = {"silu": ("silu_mul", "a SwiGLU"), "gelu_tanh": ("gelu_tanh_mul", "a GeGLU")}  # and what they compute
 
     def __init__(self, lib, activation: str):
-        self.lib, self.activation = lib, activation
-        self.fn = getattr(lib, self.FUNCTIONS[activation])
+        name, self.what = self.FUNCTIONS[activation]
+        self.lib, self.fn = lib, getattr(lib, name)
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
@@ -61,7 +61,7 @@ class ActMulKernel:
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
         _check(
             self.fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads()),
-            f"a {'SwiGLU' if self.activation == 'silu' else 'GeGLU'}",
+            self.what,
         )
         return out
 
