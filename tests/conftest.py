@@ -8,12 +8,18 @@ import threading
 import time
 
 import pytest
-import torch
-import uvicorn
 
-from specdecode.config import ModelConfig
-from specdecode.models.loader import LoadedModel
-from specdecode.models.runtime import build_model
+# Without a GPU, the GPU's Triton kernels run in Triton's interpreter, which is chosen before Triton is imported
+# (torch's compiler imports it).
+if os.environ.get("SPECDECODE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+
+from specdecode.config import ModelConfig  # noqa: E402
+from specdecode.models.loader import LoadedModel  # noqa: E402
+from specdecode.models.runtime import build_model  # noqa: E402
 
 VOCAB = 64
 # `SPECDECODE_TEST_DEVICE=cuda` builds the tiny models on the GPU, so the engine's correctness tests

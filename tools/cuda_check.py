@@ -8,6 +8,8 @@ entries it attends over) over the time it took, against the device-to-device cop
 same run (bytes read plus bytes written). Then the engine's CUDA test files run with graphs on.
 
     PYTHONPATH=src python3 tools/cuda_check.py --out DIR     # SMOKE=1: tiny shapes, on a CPU too
+
+A GPU machine without network gets what its image lacks as wheels: tools/gpu_wheels.sh.
 """
 
 import argparse
@@ -22,15 +24,19 @@ import traceback
 
 import torch
 
-from specdecode import LLM, SamplingParams
-from specdecode.bench.results import median_seconds
-from specdecode.config import ModelConfig
-from specdecode.engine.memory import kv_bytes_per_token
-from specdecode.executor import runner as runner_module
-from specdecode.executor.runner import ModelRunner
-from specdecode.metrics import now
-from specdecode.models.loader import LoadedModel
-from specdecode.models.runtime import Transformer
+if not torch.cuda.is_available():  # a smoke run on a CPU: the GPU's Triton kernels run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specdecode import LLM, SamplingParams  # noqa: E402
+from specdecode.bench.results import median_seconds  # noqa: E402
+from specdecode.config import ModelConfig  # noqa: E402
+from specdecode.engine.memory import kv_bytes_per_token  # noqa: E402
+from specdecode.executor import runner as runner_module  # noqa: E402
+from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
+from specdecode.executor.runner import ModelRunner  # noqa: E402
+from specdecode.metrics import now  # noqa: E402
+from specdecode.models.loader import LoadedModel  # noqa: E402
+from specdecode.models.runtime import Transformer  # noqa: E402
 
 SMOKE = bool(os.environ.get("SMOKE"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,6 +49,7 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
 PROMPT, NEW = 200, 128
 TEST_FILES = [
     "tests/test_cuda_graphs.py",
+    "tests/test_paged_attention.py",
     "tests/test_chunked_prefill.py",
     "tests/test_runner.py",
     "tests/test_engine.py",
@@ -181,19 +188,29 @@ def unfused():
         runner_module.fuse_elementwise = saved
 
 
-@section("step costs: one forward, eager / graphs / graphs with fused elementwise steps")
-def step_costs(target, modes=("eager", "graphs", "graphs+fused")):
+# The attention of each mode's captured forwards: PyTorch's (gather + SDPA), or the paged Triton kernels with a
+# query head a program or a KV head's group of them a program (executor/paged_attention.py)
+ATTENTION = {"graphs": None, "graphs+fused": None, "+paged": PagedAttention(1), "+paged/group": PagedAttention(None)}
+ALL_MODES = ("eager", "graphs", "graphs+fused", "+paged", "+paged/group")
+# sequences x rows per sequence; a CPU (a smoke run) times one, its Triton kernels being interpreted
+STEP_SHAPES = ((1, 1), (1, 5), (8, 1), (64, 1)) if DEVICE == "cuda" else ((1, 1),)
+
+
+@section("step costs: one forward, eager / graphs / + fused elementwise steps / + paged attention kernels")
+def step_costs(target, modes=ALL_MODES):
     model, rows = target.model, {}
     for mode in modes:
         with unfused() if mode == "graphs" else contextlib.nullcontext():
-            for seqs, width in ((1, 1), (1, 5), (8, 1), (64, 1)):
+            for seqs, width in STEP_SHAPES:
                 rows.update(_step_cost(model, mode, seqs, width))
     RESULTS["step_costs"] = rows
 
 
 def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
     runner, step = _decode_runner(model, seqs, PROMPT, mode != "eager", width)
-    seconds = median_seconds(step, 20 if mode == "eager" else 50)
+    if mode != "eager":
+        runner._fixed.attention = ATTENTION[mode]
+    seconds = median_seconds(step, 20 if mode == "eager" or DEVICE == "cpu" else 50)
     frac = roofline(seqs / seconds, seqs, PROMPT, model) if width == 1 else None
     rows = {f"{mode}, {seqs} seq x {width} rows": {"ms": seconds * 1e3, "roofline": frac}}
     print(
@@ -207,6 +224,26 @@ def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
         frac = roofline(1 / replay, 1, PROMPT, model)
         rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac}
         print(f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline", flush=True)
+        RESULTS.setdefault("kernels", {})[mode] = kernel_breakdown(graph.replay)
+    return rows
+
+
+def kernel_breakdown(replay, replays: int = 20, shown: int = 14) -> list:
+    """The kernels of one replay, by time: what a step is made of, and what fusing would save."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in kernels) / replays
+    rows = [{"kernel": e.key[:70], "calls": e.count / replays, "us": e.device_time_total / replays} for e in kernels]
+    print(f"   {len(rows)} kinds of kernel, {sum(r['calls'] for r in rows):.0f} launches, {total:.0f} us a replay")
+    for r in rows[:shown]:
+        print(f"   {r['us']:8.1f} us {r['us'] / total:4.0%} {r['calls']:5.0f}x  {r['kernel']}")
     return rows
 
 
@@ -419,7 +456,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="step costs with graphs and fusion, a profile of the engine at batch 1, then the tests",
+        help="step costs with graphs, fusion and the paged attention kernels, the engine's host profile, some tests",
     )
     args = parser.parse_args()
     if args.out:
@@ -428,10 +465,10 @@ def main() -> None:
     target, draft = random_model("target", 0), random_model("draft", 1)
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
     if args.quick:
-        step_costs(target, ("graphs+fused",))
+        step_costs(target, ALL_MODES[2:])
         host_profile(target, draft)
         if not args.skip_tests:
-            tests(TEST_FILES[:3])
+            tests(TEST_FILES[:4])
         compiler_counts()
         return
     if not args.only_sweep:

@@ -13,7 +13,9 @@ The same fixed-shape forward runs without capture on a CPU, where the tests chec
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +68,7 @@ class StaticBatch:
 
     rowwise = None
     logit_rows = None  # every row's logits: the caller keeps the rows it asked for
+    paged_attention = None  # set: attention by it (executor/paged_attention.py), not by store / load / attend
 
     def __init__(self, bucket: Bucket, device):
         self.bucket, self.kv_len = bucket, bucket.keys
@@ -152,10 +155,11 @@ class BucketedForward:
     """The runner's decode and verify forwards at bucket shapes: captured as CUDA graphs (`capture`) the first
     time a bucket is met, replayed after; or run at those shapes without capture (a CPU, in tests)."""
 
-    def __init__(self, model, cache: KVCache, capture: bool):
+    def __init__(self, model, cache: KVCache, capture: bool, attention=None):
+        """attention: a PagedAttention for every bucket's forwards (None: PyTorch's, through the batch)."""
         if cache.scratch_row is None:
             raise ValueError("fixed-shape forwards need a KV cache with a scratch block")
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.capture, self.attention = model, cache, capture, attention
         self.max_keys = cache.max_blocks * cache.block_size
         self._entries: dict[Bucket, _Entry] = {}
         self._refused: set[Bucket] = set()
@@ -189,6 +193,7 @@ class BucketedForward:
 
     def _prepare(self, bucket: Bucket) -> _Entry | None:
         batch = StaticBatch(bucket, self.cache.table.device)
+        batch.paged_attention = self.attention
         entry = _Entry(batch)
         if self.capture:
             try:
@@ -215,6 +220,29 @@ class BucketedForward:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._run(batch)
         return graph, outputs
+
+
+ATTENTION_CHOICE = "SPECDECODE_GPU_ATTENTION"  # "triton" (the default) or "sdpa"
+
+
+def gpu_attention(model):
+    """The attention of the model's captured forwards: the paged Triton kernels (executor/paged_attention.py), unless
+    SPECDECODE_GPU_ATTENTION=sdpa, Triton is missing, or the kernels fail their check on this device: then None
+    (PyTorch's gather and SDPA)."""
+    choice = os.environ.get(ATTENTION_CHOICE, "triton")
+    if choice not in ("triton", "sdpa"):
+        raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
+    return _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
+
+
+@functools.cache  # one check a process for each device and type: a target and its draft share it
+def _checked_kernels(device: str, dtype: torch.dtype):
+    try:
+        from .paged_attention import checked_paged_attention
+    except ImportError as e:
+        log.warning("attention in captured forwards stays PyTorch's: %s", e)
+        return None
+    return checked_paged_attention(device, dtype)
 
 
 def _selected(

@@ -30,7 +30,7 @@ from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from .cpu import keep_freed_memory
-from .cuda_graphs import BucketedForward, fuse_elementwise
+from .cuda_graphs import BucketedForward, fuse_elementwise, gpu_attention
 
 # A prompt longer than this is prefilled in forwards of this many tokens: its activations stay bounded whatever
 # its length (a 32k-token prompt's MLP alone would hold gigabytes), and with the attention kernel the rows'
@@ -62,6 +62,7 @@ class ModelRunner:
         self._fixed = BucketedForward(model, self._cache, capture=model.device.type == "cuda") if fixed_shapes else None
         if self._fixed is not None and self._fixed.capture:
             fuse_elementwise(model)
+            self._fixed.attention = gpu_attention(model)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions

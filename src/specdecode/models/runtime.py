@@ -41,6 +41,9 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None  # flat rows of the outputs that need logits (None: all)
     # For packed calls: per sequence, (slot, keys visible to each of its new tokens); else None.
     rowwise: list[tuple[int, list[int]]] | None = None
+    # A fixed-shape batch (executor/cuda_graphs.py) may carry one: new rows' q, k, v -> attention outputs, the
+    # cache written, in one call (executor/paged_attention.py)
+    paged_attention = None
 
     @classmethod
     def build(
@@ -138,6 +141,9 @@ class Attention(nn.Module):
         if batch.rowwise is not None and self.rowwise_kernel is not None:
             out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self)
             return self.o_proj(out.view(bsz, width, -1))
+        if batch.paged_attention is not None:
+            out = batch.paged_attention(batch, cache, self.layer, *self._split_heads(x), rope, self.window, self.scale)
+            return self.o_proj(out)
         q, k, v = self._heads(x, rope)
         batch.store(cache, self.layer, k, v)
         if batch.rowwise is not None:
@@ -149,15 +155,20 @@ class Attention(nn.Module):
 
     def _heads(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, heads, T, head_dim], q and k normalised (where the family does) and rotated."""
+        q, k, v = self._split_heads(x)
+        q = self.rope_kernel(q.transpose(1, 2), *rope)
+        k = self.rope_kernel(k.transpose(1, 2), *rope)
+        return q, k, v.transpose(1, 2)
+
+    def _split_heads(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, T, heads, head_dim] (views of the projection), q and k normalised where the family does."""
         bsz, width, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(bsz, width, self.num_heads, self.head_dim)
         k = k.view(bsz, width, self.num_kv_heads, self.head_dim)
         if self.qk_norms is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rope_kernel(q.transpose(1, 2), *rope)
-        k = self.rope_kernel(k.transpose(1, 2), *rope)
-        return q, k, v.view(bsz, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v.view(bsz, width, self.num_kv_heads, self.head_dim)
 
     def visible_keys(self, n: int) -> slice:
         """The cached keys the token at position n - 1 attends to."""

@@ -1,0 +1,216 @@
+"""Attention of fixed-shape forwards on a GPU, in two Triton kernels that read the KV blocks where they lie.
+
+The PyTorch path of a bucket's forward spends ten kernels a layer on attention: RoPE on queries and keys, the cache
+write, the gather of each sequence's blocks into one run of keys and of values, the copies that lay out queries and
+outputs, the masked SDPA call. Inside a CUDA graph each costs a few microseconds however small its work, which
+makes up most of a 1.5B step (docs/decisions.md#cuda-graphs-and-fused-elementwise-kernels). Here one kernel rotates
+the new rows' queries and keys and writes keys and values into their blocks, and one attends each sequence's rows
+over the blocks its table lists, reading the queries and writing the outputs in the layouts the projections use.
+
+Each row's result depends only on its own keys: the keys are taken in spans fixed by position, and a span that a
+row does not see leaves its sums as they were, bit for bit. So a token gets the same attention output whether it is
+decoded alone or verified beside drafts, in a batch of any size.
+
+Without a GPU (the tests) the kernels run in Triton's interpreter, which TRITON_INTERPRET=1 turns on before Triton
+is imported (tests/conftest.py does).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..kv_cache import KEY_TILE, KVCache
+
+log = logging.getLogger(__name__)
+
+
+@triton.jit
+def _rotate_and_store(
+    q, k, v, q_seq, q_row, q_head, k_seq, k_row, k_head, v_seq, v_row, v_head,  # new rows [B, R, heads, D], strided
+    cos, sin, positions, row_slots, table, max_blocks,  # cos, sin [N, D]; positions, row_slots [N]
+    k_cache, v_cache, q_out,  # keys [blocks, Hkv, BS / TILE, D, TILE], values [blocks, Hkv, BS, D]; q_out [N, H, D]
+    R: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """Program (n, h): query head h of row n (= b * R + r) rotated into q_out, or for h >= H key and value head
+    h - H of row n (the key rotated) written at the row's position in its slot's block."""
+    n, h = tl.program_id(0), tl.program_id(1)
+    b, r = n // R, n % R
+    d = tl.arange(0, BLOCK_D)
+    inside = d < D
+    partner = (d + D // 2) % D  # rotate_half(x)[d] = -x[d + D/2] below the middle, x[d - D/2] above
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    c = tl.load(cos + n * D + d, mask=inside).to(tl.float32)
+    s = tl.load(sin + n * D + d, mask=inside).to(tl.float32)
+    if h < H:
+        x = q + b * q_seq + r * q_row + h * q_head
+        rotated = tl.load(x + d, mask=inside).to(tl.float32) * c + sign * tl.load(x + partner, mask=inside) * s
+        tl.store(q_out + (n * H + h) * D + d, rotated.to(q_out.dtype.element_ty), mask=inside)
+    else:
+        kv = h - H
+        position = tl.load(positions + n)
+        block = tl.load(table + tl.load(row_slots + n) * max_blocks + position // BS).to(tl.int64)
+        at = position % BS
+        x = k + b * k_seq + r * k_row + kv * k_head
+        rotated = tl.load(x + d, mask=inside).to(tl.float32) * c + sign * tl.load(x + partner, mask=inside) * s
+        key_at = ((block * HKV + kv) * (BS // TILE) + at // TILE) * D * TILE + d * TILE + at % TILE
+        tl.store(k_cache + key_at, rotated.to(k_cache.dtype.element_ty), mask=inside)
+        value = tl.load(v + b * v_seq + r * v_row + kv * v_head + d, mask=inside)
+        tl.store(v_cache + ((block * HKV + kv) * BS + at) * D + d, value.to(v_cache.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _attend(
+    q, out, positions, seq_slots, table, max_blocks, k_cache, v_cache, scale, window,  # window 0: none
+    R: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, HEADS: tl.constexpr,  # HEADS: query heads a program
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+    KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (b, p): query heads p * HEADS.. (all under one KV head) of sequence b's R rows, q and out [B * R, H, D],
+    over the keys each row sees (those up to its position, the last `window` of them where set), BLOCK_N at a time
+    from position 0 with an online softmax in float32; KEYS: the bucket's key positions, a multiple of BLOCK_N."""
+    b, p = tl.program_id(0), tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)  # the program's (head, row) pairs, head-major
+    real = m < HEADS * R
+    rows = b * R + m % R
+    heads = p * HEADS + m // R
+    kv = (p * HEADS) // (H // HKV)
+    d = tl.arange(0, BLOCK_D)
+    at = (rows[:, None] * H + heads[:, None]) * D + d[None, :]
+    both = real[:, None] & (d[None, :] < D)
+    queries = tl.load(q + at, mask=both, other=0.0)
+    position = tl.load(positions + rows, mask=real, other=0)
+    slot = tl.load(seq_slots + b)
+    seen_max, seen_min = tl.max(tl.where(real, position, 0)), tl.min(tl.where(real, position, 1 << 30))
+    reach = tl.where(window > 0, window, 1 << 30)  # keys a row sees, itself included
+    first = tl.maximum(seen_min - reach + 1, 0)  # the first key any row sees
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    # (the bucket's key positions bound the loop, not the rows' own: Triton's interpreter takes no tensor as a bound)
+    for start in range(0, KEYS, BLOCK_N):
+        if (start <= seen_max) & (start + BLOCK_N > first):
+            block = tl.load(table + slot * max_blocks + start // BS).to(tl.int64)
+            offset = start % BS + n  # BLOCK_N divides BS: the span lies in one block
+            key_at = ((block * HKV + kv) * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
+            keys = tl.load(k_cache + key_at + offset[:, None] % TILE, mask=d[None, :] < D, other=0.0)
+            values = tl.load(
+                v_cache + ((block * HKV + kv) * BS + offset[:, None]) * D + d[None, :], mask=d[None, :] < D, other=0.0
+            )
+            scores = tl.dot(queries, tl.trans(keys.to(queries.dtype)), input_precision="ieee") * scale
+            key = start + n
+            sees = (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
+            scores = tl.where(sees, scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, 1))
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen no key yet
+            weights = tl.exp(scores - shift[:, None])
+            rescale = tl.exp(best - shift)
+            total = total * rescale + tl.sum(weights, 1)
+            acc = acc * rescale[:, None] + tl.dot(
+                weights.to(queries.dtype), values.to(queries.dtype), input_precision="ieee"
+            )
+            best = new_best
+    total = tl.where(total > 0, total, 1.0)  # lanes of no query (BLOCK_M past the rows) may see no key
+    tl.store(out + at, (acc / total[:, None]).to(out.dtype.element_ty), mask=both)
+
+
+class PagedAttention:
+    """The attention of a fixed-shape forward (executor/cuda_graphs.StaticBatch): new rows' q, k, v [B, R, heads, D]
+    (views of the QKV projection, normalised where the family does) -> outputs [B, R, H * D].
+
+    heads_per_program: query heads one program attends (they share a KV head, whose keys it then reads once). Fewer
+    make more programs: a batch of one sequence is otherwise a handful of programs on a device of a hundred cores."""
+
+    def __init__(self, heads_per_program: int | None = 1, span: int = 64):
+        self.heads_per_program, self.span = heads_per_program, span
+
+    def __call__(self, batch, cache: KVCache, layer: int, q, k, v, rope, window: int | None, scale: float):
+        bsz, rows, heads, dim = q.shape
+        kv_heads = k.shape[2]
+        count = bsz * rows
+        cos, sin = (t.reshape(count, dim) for t in rope)  # [B, 1, R, D]: contiguous
+        rotated = torch.empty(count, heads, dim, device=q.device, dtype=q.dtype)
+        if any(t.stride(3) != 1 for t in (q, k, v)):
+            raise ValueError("the new rows' q, k and v must each hold a head's values side by side")
+        strides = [s for t in (q, k, v) for s in t.stride()[:3]]
+        block_size, max_blocks = cache.block_size, cache.table.shape[1]
+        width = triton.next_power_of_2(dim)
+        _rotate_and_store[(count, heads + kv_heads)](
+            q, k, v, *strides, cos, sin, batch.positions, batch.slots, cache.table, max_blocks,
+            cache.k[layer], cache.v[layer], rotated,
+            R=rows, H=heads, HKV=kv_heads, D=dim, BLOCK_D=width, BS=block_size, TILE=KEY_TILE,
+        )  # fmt: skip
+        per_program = min(self.heads_per_program or heads // kv_heads, heads // kv_heads)
+        out = torch.empty(bsz, rows, heads, dim, device=q.device, dtype=q.dtype)
+        _attend[(bsz, heads // per_program)](
+            rotated, out, batch.positions, batch.slot_index, cache.table, max_blocks, cache.k[layer], cache.v[layer],
+            scale, window or 0,
+            R=rows, H=heads, HKV=kv_heads, HEADS=per_program, D=dim, BLOCK_D=width, BS=block_size, TILE=KEY_TILE,
+            KEYS=batch.kv_len, BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)),
+            BLOCK_N=min(self.span, block_size),
+        )  # fmt: skip
+        return out.view(bsz, rows, heads * dim)
+
+
+def checked_paged_attention(device, dtype) -> PagedAttention | None:
+    """The kernels, where they compile for this device and agree with PyTorch's attention on a small case; else None
+    (forwards keep PyTorch's attention), with the reason logged."""
+    attention = PagedAttention()
+    try:
+        got, want = _small_case(attention, device, dtype)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    except Exception as e:  # a compiler or driver that cannot run them: PyTorch's attention works everywhere
+        log.warning("attention in fixed-shape forwards stays PyTorch's: the Triton kernels failed (%s)", e)
+        return None
+    return attention
+
+
+class _Rows:
+    """The fields of a fixed-shape batch the kernels read."""
+
+    def __init__(self, positions, slots, slot_index, kv_len):
+        self.positions, self.slots, self.slot_index, self.kv_len = positions, slots, slot_index, kv_len
+
+
+@torch.inference_mode()
+def _small_case(attention: PagedAttention, device, dtype):
+    """Two sequences of 3 rows after 70 and 5 cached tokens, the kernels' output and SDPA's on the same entries."""
+    from ..config import ModelConfig
+
+    cfg = ModelConfig("llama", 1, hidden_size=64, intermediate_size=1, num_layers=1, num_heads=4, num_kv_heads=2)
+    cache = KVCache(cfg, 2, 128, dtype, device, scratch=True)
+    starts, rows = [70, 5], 3
+    for slot, start in enumerate(starts):
+        cache.reserve(slot, start + rows)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for part in (cache.k[0], cache.v[0]):
+        part.copy_(torch.randn(part.shape, generator=g).to(part))
+    q, k, v = (torch.randn(2, rows, h, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
+    positions = torch.tensor([[s + i for i in range(rows)] for s in starts], device=device)
+    row_slots = torch.tensor([[0] * rows, [1] * rows], device=device)
+    batch = _Rows(positions, row_slots, torch.tensor([0, 1], device=device), 128)
+    cos, sin = torch.randn(2, 2, 1, rows, 16, generator=g).to(device, dtype)
+    got = attention(batch, cache, 0, q, k, v, (cos, sin), None, 0.25)
+    want = []
+    for b, start in enumerate(starts):
+        keys, values = cache.read(0, slice(b, b + 1), start + rows)  # the cached entries, and the kernels' new ones
+        query = _rope(q[b : b + 1], cos[b : b + 1], sin[b : b + 1])
+        keys[:, :, start:] = _rope(k[b : b + 1], cos[b : b + 1], sin[b : b + 1])
+        values[:, :, start:] = v[b : b + 1].transpose(1, 2)
+        mask = torch.arange(start + rows, device=device) <= positions[b, :, None]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True)
+        want.append(out.transpose(1, 2).reshape(1, rows, -1))
+    return got, torch.cat(want)
+
+
+def _rope(x, cos, sin):
+    """x [B, R, heads, D] rotated -> [B, heads, R, D], as Attention rotates."""
+    x = x.transpose(1, 2).float()
+    half = x.shape[-1] // 2
+    return (x * cos.float() + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin.float()).to(cos.dtype)

@@ -1,0 +1,194 @@
+"""The Triton kernels of captured forwards' attention (executor/paged_attention.py), run in Triton's interpreter on a
+CPU (tests/conftest.py turns it on) and compiled with SPECDECODE_TEST_DEVICE=cuda: against PyTorch's path through
+the batch (RoPE, cache write, gathered blocks, masked SDPA) on scattered blocks, windows and padding rows; the same
+output for a row whatever else is in its call; whole forwards against the eager ones; and the choice of attention
+for a GPU's runners. Versions with a mistake in their source fail."""
+
+import dataclasses
+import importlib.util
+import inspect
+import logging
+
+import pytest
+import torch
+from conftest import DEVICE, tiny_config, tiny_model
+
+pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
+
+from specdecode.executor import cuda_graphs, paged_attention  # noqa: E402
+from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
+from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
+from specdecode.executor.runner import ModelRunner  # noqa: E402
+from specdecode.kv_cache import KVCache  # noqa: E402
+from specdecode.models.layers import apply_rope  # noqa: E402
+
+# float32 on a CPU: the kernels sum over keys in another order than SDPA's
+ATOL = 2e-5 if DEVICE == "cpu" else 2e-2
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+
+
+def _case(seed: int, heads: int, kv_heads: int, dim: int, starts: list[int], rows: int, block_size: int = 64):
+    """A cache of scattered blocks with random entries, a bucket of len(starts) sequences (one of them padding
+    where the bucket holds more) of `rows` new rows after `starts` cached tokens, and their q, k, v, RoPE tables."""
+    cfg = dataclasses.replace(tiny_config(hidden=heads * dim), num_heads=heads, num_kv_heads=kv_heads)
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(cfg, 4, 512, DTYPE, DEVICE, block_size=block_size, scratch=True)
+    for slot in (3, 1, 0):  # blocks taken out of order: a sequence's blocks are not contiguous
+        cache.reserve(slot, 40)
+    slots = [0, 1, 3][: len(starts)]
+    for slot, start in zip(slots, starts):
+        cache.reserve(slot, start + rows)
+    for part in cache.k + cache.v:
+        part.copy_(torch.randn(part.shape, generator=g))
+    bucket = Bucket(len(starts) + 1, rows, 256)  # one more sequence than given: a padding one
+    batch = StaticBatch(bucket, DEVICE)
+    batch.fill(slots, starts, [[1] * rows for _ in starts], cache.scratch_row)
+    shape = (bucket.seqs, rows)
+    q, k, v = (torch.randn(*shape, h, dim, generator=g).to(DEVICE, DTYPE) for h in (heads, kv_heads, kv_heads))
+    angles = torch.randn(*shape, dim // 2, generator=g)
+    angles = torch.cat([angles, angles], -1)[:, None]
+    rope = (angles.cos().to(DEVICE, DTYPE), angles.sin().to(DEVICE, DTYPE))
+    return cache, batch, (q, k, v), rope, [(slot, start + rows) for slot, start in zip(slots, starts)]
+
+
+def _pytorch(batch, cache, q, k, v, rope, window, scale):
+    """The same step through the batch as the fixed-shape forward runs it without the kernels."""
+    q, k = (apply_rope(t.transpose(1, 2), *rope) for t in (q, k))
+    batch.forget()
+    batch.store(cache, 0, k, v.transpose(1, 2))
+    keys, values = batch.load(cache, 0)
+    out = batch.attend(q, keys, values, window, scale)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def _clone(cache: KVCache) -> KVCache:
+    other = KVCache.__new__(KVCache)
+    other.__dict__.update(cache.__dict__)
+    other.k, other.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    return other
+
+
+def _both(attention, case, window=None, scale=0.3):
+    cache, batch, (q, k, v), rope, slots = case
+    theirs = _clone(cache)
+    got = attention(batch, cache, 0, q, k, v, rope, window, scale)
+    want = _pytorch(batch, theirs, q, k, v, rope, window, scale)
+    return got, want, cache, theirs, slots
+
+
+SHAPES = {  # heads, KV heads, head dim
+    "6-per-kv-head": (12, 2, 32),
+    "no-grouping": (2, 2, 16),
+    "head-dim-48": (4, 2, 48),  # not a power of two: masked lanes
+}
+
+
+@pytest.mark.parametrize("heads_per_program", [1, None], ids=["a-head-a-program", "a-group-a-program"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("rows,window", [(1, None), (4, None), (3, 7)], ids=["decode", "verify", "verify-window"])
+def test_the_kernels_compute_pytorchs_attention_and_cache_writes(heads_per_program, shape, rows, window):
+    case = _case(1, *SHAPES[shape], starts=[70, 5], rows=rows)
+    got, want, cache, theirs, slots = _both(PagedAttention(heads_per_program), case, window)
+    real = got[: len(slots)]  # the padding sequence's rows are dropped by the caller
+    torch.testing.assert_close(real, want[: len(slots)], atol=ATOL, rtol=0)
+    for slot, n in slots:  # the new rows' rotated keys and values where PyTorch's path puts them
+        torch.testing.assert_close(cache.keys(0, slot, n), theirs.keys(0, slot, n), atol=ATOL, rtol=0)
+        torch.testing.assert_close(cache.values(0, slot, n), theirs.values(0, slot, n), atol=0, rtol=0)
+
+
+def test_blocks_of_32_tokens():
+    case = _case(2, 4, 2, 16, starts=[40, 100], rows=2, block_size=32)
+    got, want, *_ = _both(PagedAttention(), case, None)
+    torch.testing.assert_close(got[:2], want[:2], atol=ATOL, rtol=0)
+
+
+def test_a_row_gets_the_same_output_whatever_else_its_call_holds():
+    """Decoded alone, or as the first row of a verify beside another sequence: the same bits (its keys the same)."""
+    alone = _case(3, 4, 2, 16, starts=[70], rows=1)
+    beside = _case(3, 4, 2, 16, starts=[70, 9], rows=1)
+    attention = PagedAttention()
+    first = attention(alone[1], alone[0], 0, *alone[2], alone[3], None, 0.3)[0]
+    q, k, v = beside[2]
+    for t, one in zip((q, k, v), alone[2]):
+        t[0] = one[0]
+    rope = beside[3]
+    for t, one in zip(rope, alone[3]):
+        t[0] = one[0]
+    second = attention(beside[1], beside[0], 0, q, k, v, rope, None, 0.3)[0]
+    assert torch.equal(first, second)
+
+
+def _forwards(model, attention):
+    runner = ModelRunner(model, 3, 600, fixed_shapes=True)
+    runner._fixed.attention = attention
+    slots = [runner.allocate(), runner.allocate()]
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for widths in ((20, 7), (1, 1), (4, 1), (3, 6), (1, 2)):  # a prefill, decodes, verifies
+        inputs = [torch.randint(0, 60, (n,), generator=g).tolist() for n in widths]
+        outs.append(runner.forward(slots, inputs, "all"))
+        for slot, new in zip(slots, inputs):
+            runner.commit(slot, runner.length(slot) + len(new) - (len(new) > 2))  # a rejected draft now and then
+    return outs
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"sliding_window": 5, "qk_norm": True}, {"attention_scale": 0.2}],
+    ids=["qwen2", "window+qk-norm", "scale"],
+)
+def test_whole_forwards_with_the_kernels_compute_pytorchs(features):
+    model = tiny_model(seed=3, **features).model
+    for got, want in zip(_forwards(model, PagedAttention()), _forwards(model, None)):
+        torch.testing.assert_close(got, want, atol=10 * ATOL, rtol=0)
+
+
+MISTAKES = {  # what the source says, and what the broken version says instead
+    "a row sees only the keys before its own": ("key[None, :] <= position", "key[None, :] < position"),
+    "the window one key wider": ("position[:, None] - reach)", "position[:, None] - reach - 1)"),
+    "keys stored unrotated": ("tl.store(k_cache + key_at, rotated", "tl.store(k_cache + key_at, tl.load(x + d)"),
+    "old sums not rescaled": ("acc = acc * rescale[:, None] +", "acc = acc +"),
+    "the value of the next position": ("* BS + at) * D + d", "* BS + at + 1) * D + d"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=list(MISTAKES))
+def test_kernels_with_a_mistake_fail(mistake, tmp_path):
+    old, new = MISTAKES[mistake]
+    source = inspect.getsource(paged_attention)
+    assert source.count(old) == 1
+    path = tmp_path / "broken_paged_attention.py"
+    path.write_text(source.replace(old, new).replace("from ..", "from specdecode."))
+    spec = importlib.util.spec_from_file_location("broken_paged_attention", path)
+    broken = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(broken)
+    assert not all(_agrees(broken.PagedAttention(), window) for window in (None, 7))
+
+
+def _agrees(attention, window) -> bool:
+    got, want, cache, theirs, _ = _both(attention, _case(4, 4, 2, 16, starts=[70, 5], rows=3), window)
+    same_cache = all(torch.allclose(a, b, atol=ATOL) for a, b in zip(cache.k + cache.v, theirs.k + theirs.v))
+    return same_cache and torch.allclose(got[:2], want[:2], atol=ATOL, rtol=0)
+
+
+def test_a_gpu_takes_the_kernels_unless_told_or_they_fail(monkeypatch, caplog):
+    model = tiny_model(seed=1).model
+    cuda_graphs._checked_kernels.cache_clear()
+    assert isinstance(cuda_graphs.gpu_attention(model), PagedAttention)  # they pass their check here
+    monkeypatch.setenv(cuda_graphs.ATTENTION_CHOICE, "sdpa")
+    assert cuda_graphs.gpu_attention(model) is None
+    monkeypatch.setenv(cuda_graphs.ATTENTION_CHOICE, "flash")
+    with pytest.raises(ValueError, match="'triton' or 'sdpa'"):
+        cuda_graphs.gpu_attention(model)
+    monkeypatch.delenv(cuda_graphs.ATTENTION_CHOICE)
+
+    def wrong(attention, device, dtype):
+        got, want = paged_attention._small_case(attention, device, dtype)
+        return got + 1, want
+
+    monkeypatch.setattr(paged_attention, "_small_case", wrong)
+    cuda_graphs._checked_kernels.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        assert cuda_graphs.gpu_attention(model) is None  # disagreeing kernels are not used
+    assert "stays PyTorch's" in caplog.text
+    cuda_graphs._checked_kernels.cache_clear()
