@@ -27,9 +27,9 @@ ATOL = 2e-5 if DEVICE == "cpu" else 2e-2
 DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
 
 
-def _case(seed: int, heads: int, kv_heads: int, dim: int, starts: list[int], rows: int, block_size: int = 64):
-    """A cache of scattered blocks with random entries, a bucket of len(starts) sequences (one of them padding
-    where the bucket holds more) of `rows` new rows after `starts` cached tokens, and their q, k, v, RoPE tables."""
+def _case(seed: int, heads, kv_heads, dim, starts: list[int], rows: int, block_size: int = 64, keys: int = 256):
+    """A cache of scattered blocks with random entries, a bucket of len(starts) sequences and a padding one, `rows`
+    new rows each after `starts` cached tokens, over `keys` key positions, and their q, k, v and RoPE tables."""
     cfg = dataclasses.replace(tiny_config(hidden=heads * dim), num_heads=heads, num_kv_heads=kv_heads)
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(cfg, 4, 512, DTYPE, DEVICE, block_size=block_size, scratch=True)
@@ -40,7 +40,7 @@ def _case(seed: int, heads: int, kv_heads: int, dim: int, starts: list[int], row
         cache.reserve(slot, start + rows)
     for part in cache.k + cache.v:
         part.copy_(torch.randn(part.shape, generator=g))
-    bucket = Bucket(len(starts) + 1, rows, 256)  # one more sequence than given: a padding one
+    bucket = Bucket(len(starts) + 1, rows, keys)
     batch = StaticBatch(bucket, DEVICE)
     batch.fill(slots, starts, [[1] * rows for _ in starts], cache.scratch_row)
     shape = (bucket.seqs, rows)
@@ -83,12 +83,13 @@ SHAPES = {  # heads, KV heads, head dim
 }
 
 
+@pytest.mark.parametrize("split_keys", [512, 64], ids=["one-program-a-row", "split-and-merged"])
 @pytest.mark.parametrize("heads_per_program", [1, None], ids=["a-head-a-program", "a-group-a-program"])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("rows,window", [(1, None), (4, None), (3, 7)], ids=["decode", "verify", "verify-window"])
-def test_the_kernels_compute_pytorchs_attention_and_cache_writes(heads_per_program, shape, rows, window):
+def test_the_kernels_compute_pytorchs_attention_and_cache_writes(split_keys, heads_per_program, shape, rows, window):
     case = _case(1, *SHAPES[shape], starts=[70, 5], rows=rows)
-    got, want, cache, theirs, slots = _both(PagedAttention(heads_per_program), case, window)
+    got, want, cache, theirs, slots = _both(PagedAttention(heads_per_program, split_keys=split_keys), case, window)
     real = got[: len(slots)]  # the padding sequence's rows are dropped by the caller
     torch.testing.assert_close(real, want[: len(slots)], atol=ATOL, rtol=0)
     for slot, n in slots:  # the new rows' rotated keys and values where PyTorch's path puts them
@@ -102,19 +103,17 @@ def test_blocks_of_32_tokens():
     torch.testing.assert_close(got[:2], want[:2], atol=ATOL, rtol=0)
 
 
-def test_a_row_gets_the_same_output_whatever_else_its_call_holds():
-    """Decoded alone, or as the first row of a verify beside another sequence: the same bits (its keys the same)."""
-    alone = _case(3, 4, 2, 16, starts=[70], rows=1)
-    beside = _case(3, 4, 2, 16, starts=[70, 9], rows=1)
-    attention = PagedAttention()
+@pytest.mark.parametrize("start", [40, 70], ids=["keys-in-one-split", "keys-in-two"])
+def test_a_row_gets_the_same_output_whatever_else_its_call_holds(start):
+    """Decoded alone in the smallest bucket, or beside another sequence in a bucket of more key positions (more
+    splits, merged by the second kernel): the same bits, its keys being the same."""
+    attention = PagedAttention(split_keys=64)
+    alone = _case(3, 4, 2, 16, starts=[start], rows=1, keys=128)
+    beside = _case(3, 4, 2, 16, starts=[start, 9], rows=1, keys=512)
+    for mine, theirs in zip((*alone[2], *alone[3]), (*beside[2], *beside[3])):
+        theirs[0] = mine[0]  # the same new row (the caches' entries are the same already)
     first = attention(alone[1], alone[0], 0, *alone[2], alone[3], None, 0.3)[0]
-    q, k, v = beside[2]
-    for t, one in zip((q, k, v), alone[2]):
-        t[0] = one[0]
-    rope = beside[3]
-    for t, one in zip(rope, alone[3]):
-        t[0] = one[0]
-    second = attention(beside[1], beside[0], 0, q, k, v, rope, None, 0.3)[0]
+    second = attention(beside[1], beside[0], 0, *beside[2], beside[3], None, 0.3)[0]
     assert torch.equal(first, second)
 
 
@@ -148,6 +147,7 @@ MISTAKES = {  # what the source says, and what the broken version says instead
     "the window one key wider": ("position[:, None] - reach)", "position[:, None] - reach - 1)"),
     "keys stored unrotated": ("tl.store(k_cache + key_at, rotated", "tl.store(k_cache + key_at, tl.load(x + d)"),
     "old sums not rescaled": ("acc = acc * rescale[:, None] +", "acc = acc +"),
+    "splits merged unweighted": ("total += tl.load(part_total + s * count + i) * weight", "total += 1.0"),
     "the value of the next position": ("* BS + at) * D + d", "* BS + at + 1) * D + d"),
 }
 
@@ -162,7 +162,8 @@ def test_kernels_with_a_mistake_fail(mistake, tmp_path):
     spec = importlib.util.spec_from_file_location("broken_paged_attention", path)
     broken = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(broken)
-    assert not all(_agrees(broken.PagedAttention(), window) for window in (None, 7))
+    cases = [(split_keys, window) for split_keys in (512, 64) for window in (None, 7)]  # 64: four splits merged
+    assert not all(_agrees(broken.PagedAttention(split_keys=split_keys), window) for split_keys, window in cases)
 
 
 def _agrees(attention, window) -> bool:

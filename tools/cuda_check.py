@@ -192,8 +192,12 @@ def unfused():
 # query head a program or a KV head's group of them a program (executor/paged_attention.py)
 ATTENTION = {"graphs": None, "graphs+fused": None, "+paged": PagedAttention(1), "+paged/group": PagedAttention(None)}
 ALL_MODES = ("eager", "graphs", "graphs+fused", "+paged", "+paged/group")
-# sequences x rows per sequence; a CPU (a smoke run) times one, its Triton kernels being interpreted
-STEP_SHAPES = ((1, 1), (1, 5), (8, 1), (64, 1)) if DEVICE == "cuda" else ((1, 1),)
+# sequences x rows per sequence after a context; a CPU (a smoke run) times one, its Triton kernels interpreted
+STEP_SHAPES = (
+    ((1, 1, PROMPT), (1, 5, PROMPT), (8, 1, PROMPT), (64, 1, PROMPT), (1, 1, 4096), (1, 5, 4096))
+    if DEVICE == "cuda"
+    else ((1, 1, PROMPT),)
+)
 
 
 @section("step costs: one forward, eager / graphs / + fused elementwise steps / + paged attention kernels")
@@ -201,30 +205,33 @@ def step_costs(target, modes=ALL_MODES):
     model, rows = target.model, {}
     for mode in modes:
         with unfused() if mode == "graphs" else contextlib.nullcontext():
-            for seqs, width in STEP_SHAPES:
-                rows.update(_step_cost(model, mode, seqs, width))
+            for seqs, width, context in STEP_SHAPES:
+                rows.update(_step_cost(model, mode, seqs, width, context))
     RESULTS["step_costs"] = rows
 
 
-def _step_cost(model, mode: str, seqs: int, width: int) -> dict:
-    runner, step = _decode_runner(model, seqs, PROMPT, mode != "eager", width)
+def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
+    runner, step = _decode_runner(model, seqs, context, mode != "eager", width)
     if mode != "eager":
         runner._fixed.attention = ATTENTION[mode]
     seconds = median_seconds(step, 20 if mode == "eager" or DEVICE == "cpu" else 50)
-    frac = roofline(seqs / seconds, seqs, PROMPT, model) if width == 1 else None
-    rows = {f"{mode}, {seqs} seq x {width} rows": {"ms": seconds * 1e3, "roofline": frac}}
+    frac = roofline(seqs / seconds, seqs, context, model) if width == 1 else None
+    name = f"{seqs} seq x {width} rows" + (f" after {context}" if context != PROMPT else "")
+    rows = {f"{mode}, {name}": {"ms": seconds * 1e3, "roofline": frac}}
     print(
-        f"{mode:13s} {seqs:3d} seq x {width} rows: {seconds * 1e3:7.2f} ms"
-        + (f"  {frac:.0%} of roofline" if frac is not None else ""),
+        f"{mode:13s} {name:24s}: {seconds * 1e3:7.2f} ms" + (f"  {frac:.0%} of roofline" if frac is not None else ""),
         flush=True,
     )
-    if mode != "eager" and DEVICE == "cuda" and (seqs, width) == (1, 1):
+    if mode != "eager" and DEVICE == "cuda" and (seqs, width, context) == (1, 1, PROMPT):
         graph = next(iter(runner._fixed._entries.values())).graph
         replay = median_seconds(graph.replay, 100)
         frac = roofline(1 / replay, 1, PROMPT, model)
         rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac}
         print(f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline", flush=True)
-        RESULTS.setdefault("kernels", {})[mode] = kernel_breakdown(graph.replay)
+        try:  # the profiler needs CUPTI: without it the timings above still stand
+            RESULTS.setdefault("kernels", {})[mode] = kernel_breakdown(graph.replay)
+        except Exception as e:
+            print(f"   no kernel list: the profiler failed ({e})")
     return rows
 
 

@@ -1,7 +1,7 @@
 """Decode and verify forwards at fixed shapes, replayed as CUDA graphs.
 
 On a GPU a small model's decode step is bound by kernel launches, not bytes: each of the 1.5B's ~850 kernels launched
-from Python costs more than the bytes it reads (docs/decisions.md#cuda-tests-and-eager-speed). A CUDA graph replays
+from Python costs more than the bytes it reads (docs/decisions.md#cuda-tests). A CUDA graph replays
 a whole captured forward with one launch, but fixes every shape. So a forward runs at the shape of a bucket: B sequences
 of R new tokens each, attending over K key positions, each rounded up. Padding rows write their keys into a scratch KV
 block that no sequence holds, and their outputs are dropped. A forward outside every bucket (a prompt, a context past

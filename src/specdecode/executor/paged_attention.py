@@ -67,14 +67,17 @@ def _rotate_and_store(
 @triton.jit
 def _attend(
     q, out, positions, seq_slots, table, max_blocks, k_cache, v_cache, scale, window,  # window 0: none
+    part_best, part_total, part_acc,  # [SPLITS, B * R * H (, D)] float32, where SPLITS > 1
     R: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, HEADS: tl.constexpr,  # HEADS: query heads a program
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEYS: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, p): query heads p * HEADS.. (all under one KV head) of sequence b's R rows, q and out [B * R, H, D],
-    over the keys each row sees (those up to its position, the last `window` of them where set), BLOCK_N at a time
-    from position 0 with an online softmax in float32; KEYS: the bucket's key positions, a multiple of BLOCK_N."""
-    b, p = tl.program_id(0), tl.program_id(1)
+    """Program (b, p, s): query heads p * HEADS.. (all under one KV head) of sequence b's R rows, q and out
+    [B * R, H, D], over the keys each row sees (those up to its position, the last `window` of them where set) among
+    keys s * SPLIT.. (s * SPLIT + SPLIT), BLOCK_N at a time with an online softmax in float32. KEYS: the bucket's key
+    positions. With one split the outputs are written; with more, each split's running max, sum and weighted values,
+    which _combine merges."""
+    b, p, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, BLOCK_M)  # the program's (head, row) pairs, head-major
     real = m < HEADS * R
     rows = b * R + m % R
@@ -93,9 +96,10 @@ def _attend(
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    # (the bucket's key positions bound the loop, not the rows' own: Triton's interpreter takes no tensor as a bound)
-    for start in range(0, KEYS, BLOCK_N):
-        if (start <= seen_max) & (start + BLOCK_N > first):
+    # (constant bounds, not the rows' own: Triton's interpreter takes no tensor as a loop bound)
+    for i in range(0, SPLIT, BLOCK_N):
+        start = split * SPLIT + i
+        if (start < KEYS) & (start <= seen_max) & (start + BLOCK_N > first):
             block = tl.load(table + slot * max_blocks + start // BS).to(tl.int64)
             offset = start % BS + n  # BLOCK_N divides BS: the span lies in one block
             key_at = ((block * HKV + kv) * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
@@ -116,8 +120,37 @@ def _attend(
                 weights.to(queries.dtype), values.to(queries.dtype), input_precision="ieee"
             )
             best = new_best
-    total = tl.where(total > 0, total, 1.0)  # lanes of no query (BLOCK_M past the rows) may see no key
-    tl.store(out + at, (acc / total[:, None]).to(out.dtype.element_ty), mask=both)
+    if SPLITS == 1:
+        total = tl.where(total > 0, total, 1.0)  # lanes of no query (BLOCK_M past the rows) may see no key
+        tl.store(out + at, (acc / total[:, None]).to(out.dtype.element_ty), mask=both)
+    else:
+        flat = split * (tl.num_programs(0) * R * H) + rows * H + heads
+        tl.store(part_best + flat, best, mask=real)
+        tl.store(part_total + flat, total, mask=real)
+        tl.store(part_acc + flat[:, None] * D + d[None, :], acc, mask=both)
+
+
+@triton.jit
+def _combine(
+    out, part_best, part_total, part_acc, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr
+):  # fmt: skip
+    """Program i: row-head i's output from its splits', merged in split order. A split past the row's keys adds
+    exact zeros, so a row's bits do not depend on how many splits its bucket has."""
+    i, count = tl.program_id(0), tl.num_programs(0)
+    d = tl.arange(0, BLOCK_D)
+    best = tl.load(part_best + i)
+    for s in range(1, SPLITS):
+        best = tl.maximum(best, tl.load(part_best + s * count + i))
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    weight = tl.exp(tl.load(part_best + i) - shift)
+    total = tl.load(part_total + i) * weight
+    acc = tl.load(part_acc + i * D + d, mask=d < D, other=0.0) * weight
+    for s in range(1, SPLITS):
+        weight = tl.exp(tl.load(part_best + s * count + i) - shift)
+        total += tl.load(part_total + s * count + i) * weight
+        acc += tl.load(part_acc + (s * count + i) * D + d, mask=d < D, other=0.0) * weight
+    total = tl.where(total > 0, total, 1.0)
+    tl.store(out + i * D + d, (acc / total).to(out.dtype.element_ty), mask=d < D)
 
 
 class PagedAttention:
@@ -125,10 +158,12 @@ class PagedAttention:
     (views of the QKV projection, normalised where the family does) -> outputs [B, R, H * D].
 
     heads_per_program: query heads one program attends (they share a KV head, whose keys it then reads once). Fewer
-    make more programs: a batch of one sequence is otherwise a handful of programs on a device of a hundred cores."""
+    make more programs: a batch of one sequence is otherwise a handful of programs on a device of a hundred cores.
+    split_keys: where a bucket has more key positions, programs take this many each (split at fixed positions, so a
+    row's result stays its own), and a second kernel merges their sums; a multiple of span."""
 
-    def __init__(self, heads_per_program: int | None = 1, span: int = 64):
-        self.heads_per_program, self.span = heads_per_program, span
+    def __init__(self, heads_per_program: int | None = 1, span: int = 64, split_keys: int = 512):
+        self.heads_per_program, self.span, self.split_keys = heads_per_program, span, split_keys
 
     def __call__(self, batch, cache: KVCache, layer: int, q, k, v, rope, window: int | None, scale: float):
         bsz, rows, heads, dim = q.shape
@@ -148,13 +183,23 @@ class PagedAttention:
         )  # fmt: skip
         per_program = min(self.heads_per_program or heads // kv_heads, heads // kv_heads)
         out = torch.empty(bsz, rows, heads, dim, device=q.device, dtype=q.dtype)
-        _attend[(bsz, heads // per_program)](
+        keys = batch.kv_len
+        split = keys if keys <= self.split_keys else self.split_keys
+        splits = -(-keys // split)
+        parts = [out] * 3  # one split: not read
+        if splits > 1:
+            flat = (splits, count * heads)
+            parts = [torch.empty(flat, device=q.device), torch.empty(flat, device=q.device)]
+            parts.append(torch.empty(*flat, dim, device=q.device))
+        _attend[(bsz, heads // per_program, splits)](
             rotated, out, batch.positions, batch.slot_index, cache.table, max_blocks, cache.k[layer], cache.v[layer],
-            scale, window or 0,
+            scale, window or 0, *parts,
             R=rows, H=heads, HKV=kv_heads, HEADS=per_program, D=dim, BLOCK_D=width, BS=block_size, TILE=KEY_TILE,
-            KEYS=batch.kv_len, BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)),
+            KEYS=keys, SPLIT=split, SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)),
             BLOCK_N=min(self.span, block_size),
         )  # fmt: skip
+        if splits > 1:
+            _combine[(count * heads,)](out, *parts, D=dim, BLOCK_D=width, SPLITS=splits)
         return out.view(bsz, rows, heads * dim)
 
 
