@@ -2,12 +2,17 @@
 CPU (tests/conftest.py turns it on) and compiled with SPECDECODE_TEST_DEVICE=cuda: against PyTorch's path through
 the batch (RoPE, cache write, gathered blocks, masked SDPA) on scattered blocks, windows and padding rows; the same
 output for a row whatever else is in its call; whole forwards against the eager ones; and the choice of attention
-for a GPU's runners. Versions with a mistake in their source fail."""
+for a GPU's runners. Versions with a mistake in their source fail. And every launch compiles for Hopper (sm_90),
+down to machine code, where no GPU is at hand."""
 
 import dataclasses
 import importlib.util
 import inspect
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +198,12 @@ def test_a_gpu_takes_the_kernels_unless_told_or_they_fail(monkeypatch, caplog):
         assert cuda_graphs.gpu_attention(model) is None  # disagreeing kernels are not used
     assert "stays PyTorch's" in caplog.text
     cuda_graphs._checked_kernels.cache_clear()
+
+
+def test_every_launch_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = Path(__file__).resolve().parents[1] / "tools" / "gpu_kernels_compile.py"
+    proc = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every launch compiled for sm_90 (bfloat16)" in proc.stdout
+    assert proc.stdout.count("_attend ") == 5  # each representative forward's attention, splits merged once

@@ -96,30 +96,31 @@ def _attend(
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    # (constant bounds, not the rows' own: Triton's interpreter takes no tensor as a loop bound)
+    # Constant bounds and masked spans rather than the rows' own bounds or a branch: Triton's interpreter takes no
+    # tensor as a loop bound, and the compiler pipelines the loads of a loop's body, not of a branch in it. A span of
+    # no key a row sees changes no sum.
     for i in range(0, SPLIT, BLOCK_N):
         start = split * SPLIT + i
-        if (start < KEYS) & (start <= seen_max) & (start + BLOCK_N > first):
-            block = tl.load(table + slot * max_blocks + start // BS).to(tl.int64)
-            offset = start % BS + n  # BLOCK_N divides BS: the span lies in one block
-            key_at = ((block * HKV + kv) * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
-            keys = tl.load(k_cache + key_at + offset[:, None] % TILE, mask=d[None, :] < D, other=0.0)
-            values = tl.load(
-                v_cache + ((block * HKV + kv) * BS + offset[:, None]) * D + d[None, :], mask=d[None, :] < D, other=0.0
-            )
-            scores = tl.dot(queries, tl.trans(keys.to(queries.dtype)), input_precision="ieee") * scale
-            key = start + n
-            sees = (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
-            scores = tl.where(sees, scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, 1))
-            shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen no key yet
-            weights = tl.exp(scores - shift[:, None])
-            rescale = tl.exp(best - shift)
-            total = total * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + tl.dot(
-                weights.to(queries.dtype), values.to(queries.dtype), input_precision="ieee"
-            )
-            best = new_best
+        key = start + n
+        live = (key < KEYS) & (key <= seen_max) & (key >= first)
+        block = tl.load(table + slot * max_blocks + tl.minimum(start, KEYS - 1) // BS).to(tl.int64)
+        offset = start % BS + n  # BLOCK_N divides BS: the span lies in one block
+        key_at = ((block * HKV + kv) * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
+        wanted = live[:, None] & (d[None, :] < D)
+        keys = tl.load(k_cache + key_at + offset[:, None] % TILE, mask=wanted, other=0.0)
+        values = tl.load(v_cache + ((block * HKV + kv) * BS + offset[:, None]) * D + d[None, :], mask=wanted, other=0.0)
+        scores = tl.dot(queries, tl.trans(keys.to(queries.dtype)), input_precision="ieee") * scale
+        sees = live[None, :] & (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
+        scores = tl.where(sees, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen no key yet
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(best - shift)
+        total = total * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.dot(
+            weights.to(queries.dtype), values.to(queries.dtype), input_precision="ieee"
+        )
+        best = new_best
     if SPLITS == 1:
         total = tl.where(total > 0, total, 1.0)  # lanes of no query (BLOCK_M past the rows) may see no key
         tl.store(out + at, (acc / total[:, None]).to(out.dtype.element_ty), mask=both)

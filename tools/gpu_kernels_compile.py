@@ -1,0 +1,97 @@
+"""Compile the GPU's Triton kernels (executor/paged_attention.py) for a GPU this machine need not have: Hopper (the
+H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes (Triton's wheel carries it).
+A mistake the interpreter lets through (a type that differs between branches, a shape `tl.dot` refuses, too much
+shared memory) fails here, without a lent GPU.
+
+The launches are those of representative forwards (decode, verify, a KV head's group a program, a 4,160-key context
+in splits, Gemma 3's head size), each typed from its own arguments: PagedAttention runs on CPU tensors with the
+kernels swapped for recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do not compile).
+
+    python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from specdecode.config import ModelConfig  # noqa: E402
+from specdecode.executor import paged_attention  # noqa: E402
+from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
+from specdecode.kv_cache import KVCache  # noqa: E402
+
+KERNELS = ("_rotate_and_store", "_attend", "_combine")
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
+# heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program
+FORWARDS = {
+    "1.5B decode": (12, 2, 128, 1, 1, 200, 1),
+    "1.5B verify of 5, a KV head's group a program": (12, 2, 128, 1, 5, 200, None),
+    "1.5B 64 sequences": (12, 2, 128, 64, 1, 200, 1),
+    "1.5B decode after 4,096 tokens (splits)": (12, 2, 128, 1, 1, 4096, 1),
+    "Gemma 3 270M verify (head size 256)": (4, 1, 256, 1, 4, 200, 1),
+}
+
+
+class Recorder:
+    """Stands for a kernel: records each launch's arguments instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: self.launches.append((args, constants))
+
+
+def launches(dtype) -> dict[str, list]:
+    recorders = {name: Recorder() for name in KERNELS}
+    for name, recorder in recorders.items():
+        setattr(paged_attention, name, recorder)
+    for heads, kv_heads, dim, seqs, rows, cached, per_program in FORWARDS.values():
+        cfg = ModelConfig("llama", 1, heads * dim, 1, 1, heads, kv_heads, head_dim=dim)
+        cache = KVCache(cfg, seqs, cached + 64, dtype, "cpu", scratch=True)
+        bucket = Bucket(seqs, rows, cache.max_blocks * cache.block_size)
+        batch = StaticBatch(bucket, "cpu")
+        q, k, v = (torch.zeros(seqs, rows, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+        rope = (torch.zeros(seqs, 1, rows, dim, dtype=dtype),) * 2
+        paged_attention.PagedAttention(per_program)(batch, cache, 0, q, k, v, rope, None, dim**-0.5)
+    return {name: recorder.launches for name, recorder in recorders.items()}
+
+
+def signature(fn, args, constants) -> ASTSource:
+    def typed(arg):
+        if isinstance(arg, torch.Tensor):
+            return "*" + TYPES[arg.dtype]
+        return "fp32" if isinstance(arg, float) else "i32"
+
+    types = {name: typed(arg) for name, arg in zip(fn.arg_names, args)}
+    types.update(dict.fromkeys(constants, "constexpr"))
+    return ASTSource(fn, types, {(fn.arg_names.index(k),): v for k, v in constants.items()})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="the CUDA compute capability, as a number (90: Hopper)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args()
+    if triton.knobs.runtime.interpret:
+        sys.exit("TRITON_INTERPRET is set: the interpreter's kernels do not compile; run without it")
+    kernels = {name: getattr(paged_attention, name) for name in KERNELS}
+    target = GPUTarget("cuda", args.arch, 32)
+    for name, calls in launches(getattr(torch, args.dtype)).items():
+        for call_args, constants in calls:
+            compiled = triton.compile(signature(kernels[name], call_args, constants), target=target)
+            assert compiled.asm.get("cubin"), f"{name}: no machine code"
+            shown = {k: v for k, v in constants.items() if k in ("R", "HEADS", "D", "KEYS", "SPLITS", "BLOCK_M")}
+            print(f"{name:18s} {shown}: {compiled.metadata.shared} B shared, {compiled.metadata.num_warps} warps")
+    print(f"every launch compiled for sm_{args.arch} ({args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
