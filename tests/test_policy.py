@@ -728,6 +728,54 @@ def test_drafts_that_cannot_clear_the_bar_are_ruled_out_without_pricing_a_step(m
     assert priced
 
 
+def _gpu_costs_at_64(p: AdaptivePolicy, draft_seconds: float) -> AdaptivePolicy:
+    """A GPU's costs at 64 sequences: a 5 ms plain step, cheap verify rows, a draft forward of draft_seconds."""
+    for tokens, seconds in ((64, 0.005), (128, 0.0052), (320, 0.006)):
+        p.costs.target.record(64, tokens, seconds)
+    p.costs.draft.record(64, draft_seconds)
+    return p
+
+
+def test_where_even_good_drafts_would_not_pay_a_decision_prices_nothing(monkeypatch):
+    """A draft forward of 4 ms beside a 5 ms step (the 0.5B beside the 1.5B on a launch-bound GPU): not even drafts
+    accepted at 0.95 would pay at 64 sequences, so a decision drafts nothing without pricing an allocation (which
+    at 64 sequences cost about a millisecond), once whether drafting could pay is known; and the answer is the
+    full pricing's. Where the draft is cheap, good drafts would pay, and decisions are priced (and draft)."""
+    priced = []
+    allocate = AdaptivePolicy._allocate
+    monkeypatch.setattr(AdaptivePolicy, "_allocate", lambda self, *a: (priced.append(1), allocate(self, *a))[1])
+    ids = [str(i) for i in range(64)]
+    p = _gpu_costs_at_64(make_policy("adaptive", 4), 0.004)
+    assert p.choose(ids).ks == [0] * 64  # works out whether drafting could pay: one allocation priced
+    assert len(priced) == 1
+    for _ in range(7):
+        p.observe_step([0] * 64, 0.005, None, 0.005)
+        assert p.choose(ids).ks == [0] * 64
+    assert len(priced) == 1  # worked out again after 8 steps
+    alphas = [p.estimator.first_token_acceptance(i) for i in ids]
+    assert p.best_decision(alphas, [0] * 64, [100] * 64, None).ks == [0] * 64  # what pricing every step decides
+    cheap = _gpu_costs_at_64(make_policy("adaptive", 4), 0.0003)
+    assert cheap._drafting_could_pay(64)
+    priced.clear()
+    assert any(cheap.best_decision(alphas, [0] * 64, [100] * 64, None).ks) and priced
+
+
+def test_whether_drafting_could_pay_is_worked_out_less_often_while_the_answer_holds(monkeypatch):
+    """Worked out after 8 steps, then 16, 32, 64 and 64 while the answer stays no; after 8 again once it changes."""
+    p = _gpu_costs_at_64(make_policy("adaptive", 4), 0.004)
+    works = []
+    monkeypatch.setattr(p, "_good_drafts_would_pay", lambda n, contexts=None: works.append(n) or len(works) == 6)
+    steps_at = []
+    for step in range(1 + 8 + 16 + 32 + 64 + 64 + 8 + 1):
+        before = len(works)
+        p._drafting_could_pay(64)
+        p._drafting_could_pay(64)  # asked twice a step (whether to probe, whether to price): counted once
+        p.observe_step([0] * 64, 0.005, None, 0.005)
+        if len(works) > before:
+            steps_at.append(step)
+    assert steps_at == [0, 8, 24, 56, 120, 184, 192]
+
+
 def _plain_steps(draft_seconds: float, steps: int = 256) -> tuple[int, float]:
     """(plain steps among `steps` decisions for one sequence whose drafts are always accepted, the score of its
     drafting decisions), a plain step costing 30 ms, a verify of 4 rows 33 ms, a draft forward draft_seconds."""

@@ -75,8 +75,10 @@ class AdaptivePolicy(Policy):
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
         self._last_score = 0.0  # the last decision's predicted goodput over the bar
-        self.could_pay_refresh = options.could_pay_refresh  # steps between two works of 'could drafting pay here'
-        self._could_pay: dict[int, tuple[int, bool]] = {}  # batch size -> (steps since worked out, answer)
+        # Steps between two works of 'could drafting pay here', doubled (up to 8 times) while the answer holds: at 64
+        # sequences a work prices a whole allocation, which a launch-bound GPU's step would feel if done often.
+        self.could_pay_refresh = options.could_pay_refresh
+        self._could_pay: dict[int, tuple[int, bool, int]] = {}  # batch size -> (steps since worked out, answer, every)
 
     def _probe_limit(self) -> float:
         """Seconds that probes which did not lead to drafting may have cost so far."""
@@ -109,17 +111,26 @@ class AdaptivePolicy(Policy):
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
+        if (
+            drafter
+            and self.costs.draft  # a draft model's, measured (a lookup as the main proposer costs no forward)
+            and max(alphas) <= self.optimistic_acceptance
+            and not self._drafting_could_pay(n, contexts)
+        ):
+            drafter = False  # not even good, caught-up drafts would pay at this batch size: no allocation to price
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter, contexts)
         self._last_score = decision.score
         if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
             self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
         self._unconverted_probe = 0.0
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
-        self._predicted = (
-            self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max), contexts)
-            + sum(starting) * self.costs.draft_prefill_per_token,
-            not starting,
-        )
+        self._predicted = None  # what a speculative step is predicted to cost (a plain step's is measured)
+        if any(decision.ks):
+            self._predicted = (
+                self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max), contexts)
+                + sum(starting) * self.costs.draft_prefill_per_token,
+                not starting,
+            )
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
 
@@ -140,17 +151,18 @@ class AdaptivePolicy(Policy):
         as good drafts would pay there (the answer _drafting_could_pay keeps, left as it is)."""
         if self.k_max == 0 or not self.costs.draft or not self.costs.target.has_plain(batch):
             return self.k_max > 0
-        answer = self._could_pay.get(batch, (None, None))[1]
+        answer = self._could_pay.get(batch, (None, None, None))[1]
         return self._good_drafts_would_pay(batch) if answer is None else answer
 
     def _drafting_could_pay(self, n: int, contexts: list[int] | None = None) -> bool:
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
         sequence's one-off cost, which a probe accepts (and refunds once drafting follows). The answer
         moves only as the measured costs do, so it is worked out again every few steps, not every step."""
-        age, answer = self._could_pay.get(n, (self.could_pay_refresh, False))
-        if age >= self.could_pay_refresh:
-            age, answer = 0, self._good_drafts_would_pay(n, contexts)
-        self._could_pay[n] = (age + 1, answer)
+        age, answer, every = self._could_pay.get(n, (self.could_pay_refresh, None, self.could_pay_refresh))
+        if age >= every:
+            before, answer = answer, self._good_drafts_would_pay(n, contexts)
+            every = min(2 * every, 8 * self.could_pay_refresh) if answer == before else self.could_pay_refresh
+            self._could_pay[n] = (0, answer, every)
         return answer
 
     def _good_drafts_would_pay(self, n: int, contexts: list[int] | None = None) -> bool:
@@ -169,14 +181,18 @@ class AdaptivePolicy(Policy):
         draft model for the rest: whichever allocation predicts the highest goodput (without a drafter,
         the lookups alone). contexts: each sequence's cached tokens (default: none)."""
         n = len(alphas)
+        looked_up = bool(lookups) and any(tokens for _, tokens, _ in lookups)
+        if not (drafter or looked_up):
+            return DraftDecision([0] * n, [True] * n)
         contexts = contexts or [0] * n
-        draft_gains = [self.token_gains(a) for a in alphas]
+        gains_of: dict[float, list[float]] = {}  # sequences share estimates (the population's, early on)
+        draft_gains = [gains_of[a] if a in gains_of else gains_of.setdefault(a, self.token_gains(a)) for a in alphas]
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
         for i, (tokens, left) in enumerate(zip(catch_up, remaining)):
             steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
             start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
         options = [self._allocate(draft_gains, [False] * n, start_cost, contexts)] if drafter else []
-        if lookups and any(tokens for _, tokens, _ in lookups):
+        if looked_up:
             use = [bool(tokens) for _, tokens, _ in lookups]
             lookup_gains = [
                 self.estimator.lookup_acceptance.gains(match, len(tokens), probs) for match, tokens, probs in lookups
@@ -187,8 +203,6 @@ class AdaptivePolicy(Policy):
             if drafter:
                 mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
                 options.append(self._allocate(mixed, use, start_cost, contexts))
-        if not options:
-            return DraftDecision([0] * n, [True] * n)
         decision, score = max(options, key=lambda option: option[1])
         decision.score = score
         return decision
@@ -241,6 +255,9 @@ class AdaptivePolicy(Policy):
             self._probing, self._predicted = False, None
         else:
             self._observe_target_time(ks, target_seconds, step_seconds, contexts or [0] * len(ks))
+        if len(ks) in self._could_pay:  # one more step at this batch size since it was worked out
+            age, answer, every = self._could_pay[len(ks)]
+            self._could_pay[len(ks)] = (age + 1, answer, every)
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
         if not drafting:
             self.estimator.fade_population_evidence()
