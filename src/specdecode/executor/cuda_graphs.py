@@ -6,6 +6,8 @@ a whole captured forward with one launch, but fixes every shape. So a forward ru
 of R new tokens each, attending over K key positions, each rounded up. Padding rows write their keys into a scratch KV
 block that no sequence holds, and their outputs are dropped. A forward outside every bucket (a prompt, a context past
 the largest K, a model whose forward waits on the host, like a mixture of experts' routing) runs eagerly, as before.
+On a GPU a bucket's attention is two Triton kernels that read the KV blocks in place (executor/paged_attention.py),
+where they pass their check at start-up; else PyTorch's gather and SDPA.
 
 The same fixed-shape forward runs without capture on a CPU, where the tests check it against the eager one.
 """

@@ -41,8 +41,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None  # flat rows of the outputs that need logits (None: all)
     # For packed calls: per sequence, (slot, keys visible to each of its new tokens); else None.
     rowwise: list[tuple[int, list[int]]] | None = None
-    # A fixed-shape batch (executor/cuda_graphs.py) may carry one: new rows' q, k, v -> attention outputs, the
-    # cache written, in one call (executor/paged_attention.py)
+    # A fixed-shape batch (executor/cuda_graphs.py) may carry one: the new rows' q, k, v -> their attention outputs,
+    # the cache written along the way (executor/paged_attention.py)
     paged_attention = None
 
     @classmethod
