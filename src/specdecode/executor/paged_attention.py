@@ -65,6 +65,21 @@ def _rotate_and_store(
 
 
 @triton.jit
+def _fold_in(queries, keys, values, sees, scale, best, total, acc):
+    """A span of keys and values folded into the rows' running softmax (best: the highest score so far, total: the
+    sum of weights, acc: the weighted values, float32); keys a row does not see leave its sums as they were."""
+    scores = tl.dot(queries, tl.trans(keys.to(queries.dtype)), input_precision="ieee") * scale
+    scores = tl.where(sees, scores, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen no key yet
+    weights = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(best - shift)
+    total = total * rescale + tl.sum(weights, 1)
+    acc = acc * rescale[:, None] + tl.dot(weights.to(queries.dtype), values.to(queries.dtype), input_precision="ieee")
+    return new_best, total, acc
+
+
+@triton.jit
 def _attend(
     q, out, positions, seq_slots, table, max_blocks, k_cache, v_cache, scale, window,  # window 0: none
     part_best, part_total, part_acc,  # [SPLITS, B * R * H (, D)] float32, where SPLITS > 1
@@ -109,18 +124,8 @@ def _attend(
         wanted = live[:, None] & (d[None, :] < D)
         keys = tl.load(k_cache + key_at + offset[:, None] % TILE, mask=wanted, other=0.0)
         values = tl.load(v_cache + ((block * HKV + kv) * BS + offset[:, None]) * D + d[None, :], mask=wanted, other=0.0)
-        scores = tl.dot(queries, tl.trans(keys.to(queries.dtype)), input_precision="ieee") * scale
         sees = live[None, :] & (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
-        scores = tl.where(sees, scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen no key yet
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(best - shift)
-        total = total * rescale + tl.sum(weights, 1)
-        acc = acc * rescale[:, None] + tl.dot(
-            weights.to(queries.dtype), values.to(queries.dtype), input_precision="ieee"
-        )
-        best = new_best
+        best, total, acc = _fold_in(queries, keys, values, sees, scale, best, total, acc)
     if SPLITS == 1:
         total = tl.where(total > 0, total, 1.0)  # lanes of no query (BLOCK_M past the rows) may see no key
         tl.store(out + at, (acc / total[:, None]).to(out.dtype.element_ty), mask=both)
