@@ -463,7 +463,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="step costs with graphs, fusion and the paged attention kernels, the engine's host profile, some tests",
+        help="step costs (graphs, fusion, paged attention kernels), the concurrency sweep, a host profile, some tests",
     )
     args = parser.parse_args()
     if args.out:
@@ -473,6 +473,7 @@ def main() -> None:
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
     if args.quick:
         step_costs(target, ALL_MODES[2:])
+        concurrency(target, draft, args.sweep_tokens)
         host_profile(target, draft)
         if not args.skip_tests:
             tests(TEST_FILES[:4])
