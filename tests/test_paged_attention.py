@@ -20,7 +20,8 @@ from conftest import DEVICE, tiny_config, tiny_model
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
-from specdecode.executor import cuda_graphs, paged_attention  # noqa: E402
+from specdecode.executor import paged_attention  # noqa: E402
+from specdecode.executor import runner as runner_module  # noqa: E402
 from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
 from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
 from specdecode.executor.runner import ModelRunner  # noqa: E402
@@ -179,25 +180,25 @@ def _agrees(attention, window) -> bool:
 
 def test_a_gpu_takes_the_kernels_unless_told_or_they_fail(monkeypatch, caplog):
     model = tiny_model(seed=1).model
-    cuda_graphs._checked_kernels.cache_clear()
-    assert isinstance(cuda_graphs.gpu_attention(model), PagedAttention)  # they pass their check here
-    monkeypatch.setenv(cuda_graphs.ATTENTION_CHOICE, "sdpa")
-    assert cuda_graphs.gpu_attention(model) is None
-    monkeypatch.setenv(cuda_graphs.ATTENTION_CHOICE, "flash")
+    runner_module._checked_kernels.cache_clear()
+    assert isinstance(runner_module.gpu_attention(model), PagedAttention)  # they pass their check here
+    monkeypatch.setenv(runner_module.ATTENTION_CHOICE, "sdpa")
+    assert runner_module.gpu_attention(model) is None
+    monkeypatch.setenv(runner_module.ATTENTION_CHOICE, "flash")
     with pytest.raises(ValueError, match="'triton' or 'sdpa'"):
-        cuda_graphs.gpu_attention(model)
-    monkeypatch.delenv(cuda_graphs.ATTENTION_CHOICE)
+        runner_module.gpu_attention(model)
+    monkeypatch.delenv(runner_module.ATTENTION_CHOICE)
 
     def wrong(attention, device, dtype):
         got, want = paged_attention._small_case(attention, device, dtype)
         return got + 1, want
 
     monkeypatch.setattr(paged_attention, "_small_case", wrong)
-    cuda_graphs._checked_kernels.cache_clear()
+    runner_module._checked_kernels.cache_clear()
     with caplog.at_level(logging.WARNING):
-        assert cuda_graphs.gpu_attention(model) is None  # disagreeing kernels are not used
+        assert runner_module.gpu_attention(model) is None  # disagreeing kernels are not used
     assert "stays PyTorch's" in caplog.text
-    cuda_graphs._checked_kernels.cache_clear()
+    runner_module._checked_kernels.cache_clear()
 
 
 def test_every_launch_compiles_for_hopper():

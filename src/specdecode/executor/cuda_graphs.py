@@ -15,9 +15,7 @@ The same fixed-shape forward runs without capture on a CPU, where the tests chec
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -222,29 +220,6 @@ class BucketedForward:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._run(batch)
         return graph, outputs
-
-
-ATTENTION_CHOICE = "SPECDECODE_GPU_ATTENTION"  # "triton" (the default) or "sdpa"
-
-
-def gpu_attention(model):
-    """The attention of the model's captured forwards: the paged Triton kernels (executor/paged_attention.py), unless
-    SPECDECODE_GPU_ATTENTION=sdpa, Triton is missing, or the kernels fail their check on this device: then None
-    (PyTorch's gather and SDPA)."""
-    choice = os.environ.get(ATTENTION_CHOICE, "triton")
-    if choice not in ("triton", "sdpa"):
-        raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
-    return _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
-
-
-@functools.cache  # one check a process for each device and type: a target and its draft share it
-def _checked_kernels(device: str, dtype: torch.dtype):
-    try:
-        from .paged_attention import checked_paged_attention
-    except ImportError as e:
-        log.warning("attention in captured forwards stays PyTorch's: %s", e)
-        return None
-    return checked_paged_attention(device, dtype)
 
 
 def _selected(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -176,9 +175,9 @@ class PagedAttention:
         kv_heads = k.shape[2]
         count = bsz * rows
         cos, sin = (t.reshape(count, dim) for t in rope)  # [B, 1, R, D]: contiguous
-        rotated = torch.empty(count, heads, dim, device=q.device, dtype=q.dtype)
         if any(t.stride(3) != 1 for t in (q, k, v)):
             raise ValueError("the new rows' q, k and v must each hold a head's values side by side")
+        rotated = torch.empty(count, heads, dim, device=q.device, dtype=q.dtype)
         strides = [s for t in (q, k, v) for s in t.stride()[:3]]
         block_size, max_blocks = cache.block_size, cache.table.shape[1]
         width = triton.next_power_of_2(dim)
@@ -222,17 +221,14 @@ def checked_paged_attention(device, dtype) -> PagedAttention | None:
     return attention
 
 
-class _Rows:
-    """The fields of a fixed-shape batch the kernels read."""
-
-    def __init__(self, positions, slots, slot_index, kv_len):
-        self.positions, self.slots, self.slot_index, self.kv_len = positions, slots, slot_index, kv_len
-
-
 @torch.inference_mode()
 def _small_case(attention: PagedAttention, device, dtype):
-    """Two sequences of 3 rows after 70 and 5 cached tokens, the kernels' output and SDPA's on the same entries."""
+    """Two sequences of 3 new rows after 70 and 5 cached tokens: the kernels' outputs, then those of the path they
+    replace (RoPE, the cache write through the batch, which puts the new entries back as it would have written
+    them, the gathered blocks and SDPA), on the same cached entries."""
     from ..config import ModelConfig
+    from ..models.layers import apply_rope
+    from .cuda_graphs import Bucket, StaticBatch
 
     cfg = ModelConfig("llama", 1, hidden_size=64, intermediate_size=1, num_layers=1, num_heads=4, num_kv_heads=2)
     cache = KVCache(cfg, 2, 128, dtype, device, scratch=True)
@@ -242,26 +238,12 @@ def _small_case(attention: PagedAttention, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
     for part in (cache.k[0], cache.v[0]):
         part.copy_(torch.randn(part.shape, generator=g).to(part))
+    batch = StaticBatch(Bucket(2, rows, 128), device)
+    batch.fill([0, 1], starts, [[0] * rows] * 2, cache.scratch_row)
     q, k, v = (torch.randn(2, rows, h, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
-    positions = torch.tensor([[s + i for i in range(rows)] for s in starts], device=device)
-    row_slots = torch.tensor([[0] * rows, [1] * rows], device=device)
-    batch = _Rows(positions, row_slots, torch.tensor([0, 1], device=device), 128)
     cos, sin = torch.randn(2, 2, 1, rows, 16, generator=g).to(device, dtype)
     got = attention(batch, cache, 0, q, k, v, (cos, sin), None, 0.25)
-    want = []
-    for b, start in enumerate(starts):
-        keys, values = cache.read(0, slice(b, b + 1), start + rows)  # the cached entries, and the kernels' new ones
-        query = _rope(q[b : b + 1], cos[b : b + 1], sin[b : b + 1])
-        keys[:, :, start:] = _rope(k[b : b + 1], cos[b : b + 1], sin[b : b + 1])
-        values[:, :, start:] = v[b : b + 1].transpose(1, 2)
-        mask = torch.arange(start + rows, device=device) <= positions[b, :, None]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True)
-        want.append(out.transpose(1, 2).reshape(1, rows, -1))
-    return got, torch.cat(want)
-
-
-def _rope(x, cos, sin):
-    """x [B, R, heads, D] rotated -> [B, heads, R, D], as Attention rotates."""
-    x = x.transpose(1, 2).float()
-    half = x.shape[-1] // 2
-    return (x * cos.float() + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin.float()).to(cos.dtype)
+    rotated_q, rotated_k = (apply_rope(t.transpose(1, 2), cos, sin) for t in (q, k))
+    batch.store(cache, 0, rotated_k, v.transpose(1, 2))
+    want = batch.attend(rotated_q, *batch.load(cache, 0), None, 0.25)
+    return got, want.transpose(1, 2).reshape(2, rows, -1)

@@ -20,7 +20,10 @@ them, the one released longest ago first.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 from collections.abc import Hashable
 
 import torch
@@ -30,7 +33,9 @@ from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from .cpu import keep_freed_memory
-from .cuda_graphs import BucketedForward, fuse_elementwise, gpu_attention
+from .cuda_graphs import BucketedForward, fuse_elementwise
+
+log = logging.getLogger(__name__)
 
 # A prompt longer than this is prefilled in forwards of this many tokens: its activations stay bounded whatever
 # its length (a 32k-token prompt's MLP alone would hold gigabytes), and with the attention kernel the rows'
@@ -330,3 +335,26 @@ def fixed_shapes_by_default(model: Transformer) -> bool:
     """Graphs on a GPU, for a model that has not been told to run eagerly and whose forward never waits on the
     host (a mixture of experts groups its rows by expert on the host)."""
     return model.device.type == "cuda" and getattr(model, "capture_graphs", False) and not model.cfg.num_experts
+
+
+ATTENTION_CHOICE = "SPECDECODE_GPU_ATTENTION"  # "triton" (the default) or "sdpa"
+
+
+def gpu_attention(model):
+    """The attention of the model's captured forwards: the paged Triton kernels (executor/paged_attention.py), unless
+    SPECDECODE_GPU_ATTENTION=sdpa, Triton is missing, or the kernels fail their check on this device: then None
+    (PyTorch's gather and SDPA)."""
+    choice = os.environ.get(ATTENTION_CHOICE, "triton")
+    if choice not in ("triton", "sdpa"):
+        raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
+    return _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
+
+
+@functools.cache  # one check a process for each device and type: a target and its draft share it
+def _checked_kernels(device: str, dtype: torch.dtype):
+    try:
+        from .paged_attention import checked_paged_attention
+    except ImportError as e:
+        log.warning("attention in captured forwards stays PyTorch's: %s", e)
+        return None
+    return checked_paged_attention(device, dtype)

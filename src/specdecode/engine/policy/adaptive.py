@@ -185,8 +185,8 @@ class AdaptivePolicy(Policy):
         if not (drafter or looked_up):
             return DraftDecision([0] * n, [True] * n)
         contexts = contexts or [0] * n
-        gains_of: dict[float, list[float]] = {}  # sequences share estimates (the population's, early on)
-        draft_gains = [gains_of[a] if a in gains_of else gains_of.setdefault(a, self.token_gains(a)) for a in alphas]
+        gains_of = {a: self.token_gains(a) for a in set(alphas)}  # sequences share estimates (the population's, early)
+        draft_gains = [gains_of[a] for a in alphas]
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
         for i, (tokens, left) in enumerate(zip(catch_up, remaining)):
             steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
