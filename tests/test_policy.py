@@ -2,12 +2,14 @@
 
 import random
 
+import numpy as np
 import pytest
 from conftest import run_as_one_batch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.config import AdaptiveOptions
 from specdecode.engine.policy import AdaptivePolicy, CostTable, TargetCost, make_policy
+from specdecode.engine.policy.allocation import step_seconds
 
 
 def test_token_gains_of_a_fresh_policy_follow_the_prior():
@@ -93,7 +95,7 @@ def test_slow_speculation_at_one_batch_size_does_not_switch_it_off_at_another():
     assert any(_choose(p, 4))
     for _ in range(20):  # twenty steady speculative steps at batch 4, each twice as slow as predicted
         ks = [4] * 4
-        p._predicted = (p.costs.step_seconds(ks), True)
+        p._predicted = (step_seconds(p.costs, ks), True)
         p.observe_step(ks, 1.2, None, step_seconds=2 * p._predicted[0])
     assert _choose(p, 4) == [0] * 4
     p.costs.target.observe(1, 1, 1.0)
@@ -343,11 +345,11 @@ def test_step_cost_counts_the_drafts_a_stop_leaves_out():
     joins it, over the rows that do."""
     reach = [1.0, 0.5, 0.25, 0.125]
     p = _measured([0.9], 0.1, verify_growth=0.01)
-    assert p.costs.step_seconds([4], None, reach) == pytest.approx(0.1 * 1.875 + 1.0 + 0.01 * 1.875)
-    assert p.costs.step_seconds([4]) == pytest.approx(0.1 * 4 + 1.0 + 0.01 * 4)
+    assert step_seconds(p.costs, [4], None, reach) == pytest.approx(0.1 * 1.875 + 1.0 + 0.01 * 1.875)
+    assert step_seconds(p.costs, [4]) == pytest.approx(0.1 * 4 + 1.0 + 0.01 * 4)
     p = _measured([0.9, 0.9], 0.1, verify_growth=0.01)
     runs = [1.0] + [1 - (1 - r) ** 2 for r in reach[1:]]  # a draft forward costs 0.1 s at 1 or 2 rows
-    assert p.costs.step_seconds([4, 4], None, reach) == pytest.approx(0.1 * sum(runs) + p.costs.target(2, 2 + 3.75))
+    assert step_seconds(p.costs, [4, 4], None, reach) == pytest.approx(0.1 * sum(runs) + p.costs.target(2, 2 + 3.75))
 
 
 def test_a_draft_that_stops_after_its_unsure_first_token_is_not_worth_it():
@@ -695,7 +697,7 @@ def test_one_rejected_first_probe_is_followed_by_another_not_by_plain_decoding()
 def test_a_step_priced_token_by_token_costs_the_same_in_any_order():
     """The allocation grows drafts one token at a time and prices each step from the one before
     (StepPrice); whatever the order of growth, the price is the step's, as priced whole."""
-    from specdecode.engine.policy.costs import StepPrice
+    from specdecode.engine.policy.allocation import StepPrice
 
     reach = [1.0, 0.5, 0.25, 0.125]
     p = _measured([0.9, 0.9, 0.9], 0.1, verify_growth=0.01)
@@ -705,19 +707,20 @@ def test_a_step_priced_token_by_token_costs_the_same_in_any_order():
         step = StepPrice(p.costs, 3, reach)
         for i, length in order:
             step.grow(length, by_lookup[i])
-        assert step.seconds == pytest.approx(p.costs.step_seconds(ks, by_lookup, reach))
-    assert p.costs.step_seconds(ks, by_lookup, reach) > p.costs.step_seconds([4, 2, 0], by_lookup, reach)
+        assert step.seconds == pytest.approx(step_seconds(p.costs, ks, by_lookup, reach))
+    assert step_seconds(p.costs, ks, by_lookup, reach) > step_seconds(p.costs, [4, 2, 0], by_lookup, reach)
 
 
 def test_drafts_that_cannot_clear_the_bar_are_ruled_out_without_pricing_a_step(monkeypatch):
     """At 64 sequences whose drafts are hardly ever accepted, a decision must cost next to nothing beside a GPU step
     of a few milliseconds: gains that would not clear the bar even at a plain step's price price no candidate step.
     Decisions where drafting might pay still price them (and draft)."""
-    from specdecode.engine.policy import costs
+    from specdecode.engine.policy import allocation
 
     priced = []
-    grow = costs.StepPrice.grow
-    monkeypatch.setattr(costs.StepPrice, "grow", lambda self, *a: (priced.append(a), grow(self, *a))[1])
+    grow, prices = allocation.StepPrice.grow, allocation._step_prices
+    monkeypatch.setattr(allocation.StepPrice, "grow", lambda self, *a: (priced.append(a), grow(self, *a))[1])
+    monkeypatch.setattr(allocation, "_step_prices", lambda *a: (priced.append(a), prices(*a))[1])
     p = make_policy("adaptive", 4)
     for tokens, seconds in ((64, 0.005), (128, 0.0052), (320, 0.006)):  # a GPU's: verify rows come cheap
         p.costs.target.record(64, tokens, seconds)
@@ -898,7 +901,7 @@ def test_costs_learned_at_a_short_context_price_a_long_one():
     assert _best_k(gains, 32000) < _best_k(gains, 1000)  # the two contexts want different drafts
     for context in (1000, 32000):
         for k in range(5):
-            priced = p.costs.step_seconds([k], contexts=[context])
+            priced = step_seconds(p.costs, [k], contexts=[context])
             assert priced == pytest.approx(_seconds_at(k + 1, context) + 0.05 * k)
         assert p.choose(["r"], contexts=[context]).ks == [_best_k(gains, context)]
 
@@ -913,7 +916,7 @@ def test_a_verify_s_further_rows_are_priced_at_their_own_rate_per_key():
         gains = p.token_gains(0.8)
         for context in (1000, 32000):
             for k in range(5):
-                priced = p.costs.step_seconds([k], contexts=[context])
+                priced = step_seconds(p.costs, [k], contexts=[context])
                 assert priced == pytest.approx(_seconds_at(k + 1, context, further) + 0.05 * k)
             assert p.choose(["r"], contexts=[context]).ks == [_best_k(gains, context, further)]
     one_rate = _policy_learnt_at(1000, further, None)
@@ -938,3 +941,74 @@ def test_the_engine_tells_the_policy_each_sequence_s_cached_tokens(target):
         ("observe", seen[2][1]),
     ]
     assert all(b > a for a, b in zip(seen[0][1], seen[2][1]))  # then what each emitted too
+
+
+def _random_costs(rng: random.Random) -> AdaptivePolicy:
+    """A policy whose tables hold a few calls at each of several batch sizes (some reaching further than others, so
+    prices run below, between and past what each measured), a draft cost per drafting batch, attention per key."""
+    p = make_policy("adaptive", rng.choice([3, 4, 6]))
+    for batch in (1, 2, 3, 5, 8, 13, 32, 64):
+        plain = 0.004 + 0.00002 * batch * rng.uniform(0.5, 2)
+        span = batch * rng.randint(2, 6)
+        for tokens in [batch, *sorted(rng.sample(range(batch + 1, span + 1), min(rng.randint(1, 3), span - batch)))]:
+            p.costs.target.record(batch, tokens, plain * (1 + rng.uniform(0, 0.02) * (tokens - batch)))
+        if rng.random() < 0.7:
+            p.costs.draft.record(batch, plain * rng.uniform(0.05, 0.9))
+    p.record_attention_cost(rng.uniform(0, 1e-8), rng.choice([None, rng.uniform(0, 1e-9)]))
+    for position in range(2, p.k_max + 1):  # deeper positions accepted and drafted as measured
+        p.estimator.depth[position] = (rng.uniform(0, 30), 30.0)
+        p.estimator.reach[position] = (rng.uniform(20, 30), 30.0)
+    return p
+
+
+def _random_allocation(rng: random.Random, p: AdaptivePolicy, n: int) -> tuple:
+    """gains, by_lookup, start costs, contexts, reach, margin, calibration for n sequences, some drafting by lookup
+    (drafts of their own lengths, past k too), some with a catch-up to pay."""
+    lookup = [rng.random() < 0.3 for _ in range(n)]
+    gains = [
+        sorted((rng.random() ** 2 for _ in range(rng.randint(1, 8))), reverse=True)
+        if looked_up
+        else p.token_gains(rng.choice([0.05, 0.3, 0.6, 0.9, rng.random()]))
+        for looked_up in lookup
+    ]
+    start = [rng.choice([0.0, 0.0, rng.uniform(0, 0.004)]) for _ in range(n)]
+    contexts = [rng.randint(0, 4000) for _ in range(n)]
+    margin = 0.0 if n == 1 and not lookup[0] else p.min_gain
+    return gains, lookup, start, contexts, p.estimator.draft_reach(p.k_max), margin, rng.uniform(0.8, 1.3)
+
+
+def test_an_allocation_priced_as_arrays_is_the_one_priced_candidate_by_candidate():
+    """Many candidate steps are priced at once as arrays, few one after another (allocation.py): over random
+    costs, estimates, lookups, catch-ups and batch sizes the two choose the same drafts, with the same score and
+    predicted seconds."""
+    from specdecode.engine.policy.allocation import _by_arrays, _by_loop
+
+    rng, drafted = random.Random(7), 0
+    for trial in range(300):
+        p = _random_costs(rng)
+        n = rng.choice([1, 2, 3, 5, 8, 13, 32, 64])
+        args = _random_allocation(rng, p, n)
+        if not p.costs.draft and not all(args[1]):
+            continue  # nothing measured for the draft model: the policy probes instead of allocating
+        (by_loop, loop_score), (by_arrays, arrays_score) = _by_loop(p.costs, *args), _by_arrays(p.costs, *args)
+        assert (by_arrays.ks, by_arrays.by_lookup) == (by_loop.ks, by_loop.by_lookup), trial
+        assert arrays_score == pytest.approx(loop_score, rel=1e-9)
+        assert by_arrays.seconds == pytest.approx(by_loop.seconds, rel=1e-9)
+        drafted += any(by_loop.ks)
+    assert 50 < drafted < 250  # both kinds of answer were compared
+
+
+def test_target_prices_as_arrays_are_the_prices_one_by_one():
+    """TargetCost's price of many calls at once (allocation.target_prices) is its price of each: below, between and
+    past a batch size's measured calls, past them by other batch sizes' growth or by the slope."""
+    from specdecode.engine.policy.allocation import target_prices
+
+    rng = random.Random(3)
+    for _ in range(50):
+        p = _random_costs(rng)
+        for batch in p.costs.target.tables:
+            tokens = [rng.uniform(batch * 0.5, batch * 8) for _ in range(40)] + [float(batch), batch * 5.0]
+            one_by_one = [p.costs.target(batch, t) for t in tokens]
+            assert target_prices(p.costs.target, batch, np.array(tokens)).tolist() == pytest.approx(
+                one_by_one, rel=1e-12
+            )

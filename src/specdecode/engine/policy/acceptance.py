@@ -104,12 +104,15 @@ class AcceptanceEstimator:
     def token_gains(self, first: float, k: int) -> list[float]:
         """Probability that draft token j (1..k) is emitted, for a sequence whose first token is accepted
         with probability `first`: first · β_2 · … · β_j."""
-        gains, p = [], first
+        return [first * depth for depth in self.depth_products(k)]
+
+    def depth_products(self, k: int) -> list[float]:
+        """β_2 · … · β_j for j = 1..k (1 for j = 1): token_gains' factors, the same for every sequence."""
+        products, p = [], 1.0
         for j in range(1, k + 1):
-            if j > 1:
-                p *= self.conditional_acceptance(j)
-            gains.append(p)
-        return gains
+            p *= self.conditional_acceptance(j) if j > 1 else 1.0
+            products.append(p)
+        return products
 
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
         """The main proposer drafted `drafted` of the `allowed` tokens (default: all of them) and `accepted`
@@ -117,19 +120,18 @@ class AcceptanceEstimator:
         step that drafts (per sequence), position l only when l-1 was accepted (pooled over sequences).
         Counting accepted/drafted instead would be biased low."""
         allowed = drafted if allowed is None else allowed
-        evidence = self._evidence.get(request_id, self._prior_evidence)
+        evidence = self._evidence.get(request_id) or self._prior_evidence
         if drafted:
             evidence = discounted_update(evidence, accepted >= 1, 1 - self.acceptance_smoothing)
-            keep = 1 - self.depth_smoothing
-            for position in range(1, min(allowed, accepted + 1) + 1):
-                self.depth[position] = discounted_update(
-                    self.depth.get(position, (0.0, 0.0)), accepted >= position, keep
-                )
+            keep, depth, reach = 1 - self.depth_smoothing, self.depth, self.reach
+            for position in range(1, min(allowed, accepted + 1) + 1):  # 64 sequences a step: no call per position
+                hits, tried = depth.get(position, (0.0, 0.0))
+                depth[position] = keep * hits + (accepted >= position), keep * tried + 1
             for position in range(2, min(allowed, drafted + 1) + 1):
-                self.reach[position] = discounted_update(
-                    self.reach.get(position, (0.0, 0.0)), drafted >= position, keep
-                )
-            self._tried.update(range(2, allowed + 1))
+                hits, tried = reach.get(position, (0.0, 0.0))
+                reach[position] = keep * hits + (drafted >= position), keep * tried + 1
+            if allowed > 1:
+                self._tried.update(range(2, allowed + 1))
         else:  # drift back towards the prior
             (successes, trials), (prior_s, prior_t) = evidence, self._prior_evidence
             r = self.acceptance_recovery

@@ -7,10 +7,13 @@ verification, which keeps speculation worthwhile at batch sizes where the draft 
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...config import DEFAULT_K, AdaptiveOptions
 from .acceptance import AcceptanceEstimator
+from .allocation import allocate, gains_of
 from .base import DraftDecision, Lookup, Policy
-from .costs import CostModel, StepPrice
+from .costs import CostModel
 
 
 class AdaptivePolicy(Policy):
@@ -126,11 +129,7 @@ class AdaptivePolicy(Policy):
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
         self._predicted = None  # what a speculative step is predicted to cost (a plain step's is measured)
         if any(decision.ks):
-            self._predicted = (
-                self.costs.step_seconds(decision.ks, decision.by_lookup, estimator.draft_reach(self.k_max), contexts)
-                + sum(starting) * self.costs.draft_prefill_per_token,
-                not starting,
-            )
+            self._predicted = (decision.seconds + sum(starting) * self.costs.draft_prefill_per_token, not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
 
@@ -185,12 +184,12 @@ class AdaptivePolicy(Policy):
         if not (drafter or looked_up):
             return DraftDecision([0] * n, [True] * n)
         contexts = contexts or [0] * n
-        gains_of = {a: self.token_gains(a) for a in set(alphas)}  # sequences share estimates (the population's, early)
-        draft_gains = [gains_of[a] for a in alphas]
+        draft_gains = gains_of(alphas, self.estimator.depth_products(self.k_max))
         start_cost = [0.0] * n  # a sequence's catch-up, spread over the next few steps it has left
         for i, (tokens, left) in enumerate(zip(catch_up, remaining)):
-            steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
-            start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
+            if tokens:
+                steps = min(self.catch_up_horizon, max(1.0, left / (1 + sum(draft_gains[i]))))
+                start_cost[i] = tokens * self.costs.draft_prefill_per_token / steps
         options = [self._allocate(draft_gains, [False] * n, start_cost, contexts)] if drafter else []
         if looked_up:
             use = [bool(tokens) for _, tokens, _ in lookups]
@@ -201,42 +200,21 @@ class AdaptivePolicy(Policy):
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
             options.append(self._allocate(lookup_gains, use, start_cost, contexts))
             if drafter:
-                mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, draft_gains)]
+                mixed = [lg if u else dg for u, lg, dg in zip(use, lookup_gains, list(draft_gains))]
                 options.append(self._allocate(mixed, use, start_cost, contexts))
         decision, score = max(options, key=lambda option: option[1])
         decision.score = score
         return decision
 
     def _allocate(
-        self, gains: list[list[float]], by_lookup: list[bool], start_cost: list[float], contexts: list[int]
+        self, gains: list[list[float]] | np.ndarray, by_lookup: list[bool], start_cost: list[float], contexts: list[int]
     ) -> tuple[DraftDecision, float]:
-        """Grow the drafts one token at a time, most likely accepted first (see token_gains), and keep the
-        allocation with the highest predicted goodput; its score is that goodput over the bar it must
-        clear (plain decoding's, plus min_gain unless one sequence drafts by the model)."""
+        """The allocation with the highest predicted goodput (allocation.allocate); the bar it must clear is plain
+        decoding's, plus min_gain unless one sequence drafts by the model."""
         n = len(gains)
-        candidates = sorted(
-            ((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1) if g > 0), key=lambda c: (-c[0], c[1])
-        )
-        ks, best, best_score = [0] * n, [0] * n, 1.0
-        emitted, extra = float(n), 0.0
-        step = StepPrice(self.costs, n, self.estimator.draft_reach(self.k_max), contexts)
         margin = 0.0 if n == 1 and not by_lookup[0] else self.min_gain
-        bar = (1 + margin) * emitted / step.seconds  # plain decoding's rate, raised by the margin
-        calibration = self.calibration.get(n, 1.0)
-        if 1 + sum(g for g, _, _ in candidates) / n <= (1 + margin) * calibration:
-            # not even at a plain step's price (drafting only adds to it) would these gains clear the bar
-            return DraftDecision(best, [False] * n), best_score
-        for gain, _, i in candidates:
-            if ks[i] == 0 and not by_lookup[i]:
-                extra += start_cost[i]
-            ks[i] += 1
-            step.grow(ks[i], by_lookup[i], contexts[i])
-            emitted += gain
-            rate = emitted / ((step.seconds + extra) * calibration)
-            score = rate / bar
-            if score > best_score:
-                best, best_score = list(ks), score
-        return DraftDecision(best, [by_lookup[i] and k > 0 for i, k in enumerate(best)]), best_score
+        reach = self.estimator.draft_reach(self.k_max)
+        return allocate(self.costs, gains, by_lookup, start_cost, contexts, reach, margin, self.calibration.get(n, 1.0))
 
     def observe_step(
         self,

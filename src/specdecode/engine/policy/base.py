@@ -14,6 +14,7 @@ class DraftDecision:
     by_lookup: list[bool]  # per sequence: drafted by the previewing proposer (prompt lookup), not the main one
     probe: bool = False  # drafting tried to measure it (the adaptive policy's thin evidence), not as predicted to pay
     score: float = 0.0  # the adaptive policy's predicted goodput over the bar drafting must clear (0: not scored)
+    seconds: float = 0.0  # the adaptive policy's predicted seconds of the step, catch-ups aside (0: not priced)
 
     @classmethod
     def main_proposer(cls, ks: list[int]) -> "DraftDecision":

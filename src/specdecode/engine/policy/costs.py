@@ -7,6 +7,8 @@ import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class CostTable:
@@ -31,16 +33,21 @@ class CostTable:
     _recent: dict[int, deque] = field(default_factory=dict)
     _known: dict[int, float] = field(default_factory=dict)  # what lookups use (see above), by size
     _sizes: list[int] = field(default_factory=list)  # its sizes, sorted
-    _slope: float = 0.0  # slope() of _known
+    _slope: float | None = None  # slope() of _known, once asked for
+    _points: tuple | None = None  # points, once asked for
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float) -> bool:
+        """Whether the table changed: a new sample moves the median only now and then."""
         self.samples[size] += 1
         recent = self._recent.setdefault(size, deque(maxlen=self.window))
         if self.samples[size] == 2:
             recent.clear()  # the warm-up sample
         recent.append(seconds)
-        self.seconds[size] = statistics.median_low(recent)  # of two samples, the lower: a stall is the likelier
+        before, self.seconds[size] = self.seconds.get(size), statistics.median_low(recent)  # of two, the lower
+        if self.seconds[size] == before and self.samples[size] > 2:
+            return False
         self._refresh()
+        return True
 
     def record(self, size: int, seconds: float) -> None:
         """A profiled measurement (its warm-up call already left out): trusted at once, like a size seen
@@ -54,7 +61,7 @@ class CostTable:
         # the policy looks sizes up many times per step: decide once here which samples it trusts
         self._known = {s: v for s, v in self.seconds.items() if self.trusts(s)} or dict(self.seconds)
         self._sizes = sorted(self._known)
-        self._slope = _least_squares_slope(self._known)
+        self._slope = self._points = None  # worked out when asked for: a table changes every step
 
     def trusts(self, size: int) -> bool:
         """`size` has been measured past its provisional first sample (or profiled)."""
@@ -84,8 +91,25 @@ class CostTable:
         lo, hi = sizes[i - 1], sizes[i]
         return known[lo] + (known[hi] - known[lo]) * (size - lo) / (hi - lo)
 
+    @property
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """The trusted sizes (sorted) and their seconds as arrays, for pricing many sizes at once."""
+        if self._points is None:
+            self._points = (np.array(self._sizes, dtype=float), np.array([self._known[s] for s in self._sizes]))
+        return self._points
+
+    def at(self, sizes: np.ndarray) -> np.ndarray:
+        """__call__ at many sizes (each > 0) at once."""
+        if not self._sizes:
+            raise LookupError("nothing measured yet")
+        xs, ys = self.points
+        seconds = np.interp(sizes, xs, ys)
+        return np.where(sizes > xs[-1], ys[-1] * sizes / xs[-1], seconds)
+
     def slope(self) -> float:
         """Least-squares seconds per unit of size over the trusted sizes (0 with fewer than two)."""
+        if self._slope is None:
+            self._slope = _least_squares_slope(self._known)
         return self._slope
 
 
@@ -131,8 +155,9 @@ class TargetCost:
     _parts: dict = field(default_factory=dict)
 
     def observe(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
-        self.tables.setdefault(batch, CostTable()).observe(tokens, self._beside_attention(seconds, keys, extra_keys))
-        self._changed()
+        table = self.tables.setdefault(batch, CostTable())
+        if table.observe(tokens, self._beside_attention(seconds, keys, extra_keys)):
+            self._changed()
 
     def record(self, batch: int, tokens: int, seconds: float, keys: float = 0.0, extra_keys: float = 0.0) -> None:
         """A profiled measurement (see CostTable.record)."""
@@ -186,7 +211,7 @@ class TargetCost:
         if borrowed:
             edge, growth = borrowed
             seconds += growth
-        trusted = min(tokens, max(edge, self._largest_call()) + self.explore_tokens)
+        trusted = min(tokens, max(edge, self.largest_call()) + self.explore_tokens)
         seconds += self.slope(batch) * (trusted - edge)
         return seconds * tokens / trusted
 
@@ -196,17 +221,23 @@ class TargetCost:
         The linear layers cost by the rows in the call whatever the batch, so this follows the kernels'
         cost per row where a slope averages it out (1 -> 5 tokens cost 3.25 ms a token on average, 2 -> 5
         4.2)."""
-        others = self._part(
-            ("spanning", batch, edge),
-            lambda: [t for b, t in self.tables.items() if b != batch and t.sizes[0] <= edge < t.sizes[-1]],
-        )
+        others, farthest = self.spanning(batch, edge)
         if not others:
             return None
-        reach = min(tokens, self._part(("farthest", batch, edge), lambda: max(t.sizes[-1] for t in others)))
+        reach = min(tokens, farthest)
         growth = [t(reach) - t(edge) for t in others if t.sizes[-1] >= reach]
         return reach, statistics.median(growth)
 
-    def _largest_call(self) -> int:
+    def spanning(self, batch: int, edge: int) -> tuple[list[CostTable], int]:
+        """The other batch sizes' tables that measured calls from `edge` tokens on, and the farthest they reach."""
+
+        def make():
+            others = [t for b, t in self.tables.items() if b != batch and t.sizes[0] <= edge < t.sizes[-1]]
+            return others, max((t.sizes[-1] for t in others), default=edge)
+
+        return self._part(("spanning", batch, edge), make)
+
+    def largest_call(self) -> int:
         return self._part("largest", lambda: max(t.sizes[-1] for t in self.tables.values()))
 
     def slope(self, batch: int) -> float:
@@ -243,58 +274,10 @@ class CostModel:
         weight = 1.0 if self._prefill_samples == 1 else self.smoothing  # the first sample is taken as it is
         self.draft_prefill_per_token += weight * (per_token - self.draft_prefill_per_token)
 
-    def step_seconds(
-        self,
-        ks: list[int],
-        by_lookup: list[bool] | None = None,
-        reach: list[float] | None = None,
-        contexts: list[int] | None = None,
-    ) -> float:
-        """Predicted seconds of a step where sequence i, with contexts[i] tokens cached, may draft ks[i] tokens
-        and the target verifies them; by_lookup[i]: those drafts come from prompt lookup, at no draft-forward
-        cost; reach[j]: the chance that the draft model drafts position j + 1 of those it is allowed (it may
-        stop early; default: never), which prices the draft forwards and verify rows a step is expected to make."""
-        contexts = contexts or [0] * len(ks)
-        step = StepPrice(self, len(ks), reach or [1.0] * max(ks, default=0), contexts)
-        for i, k in enumerate(ks):
-            for length in range(1, k + 1):
-                step.grow(length, bool(by_lookup and by_lookup[i]), contexts[i])
-        return step.seconds
-
-    def _expected_draft_forward(self, rows: int, reach: float) -> float:
+    def expected_draft_forward(self, rows: int, reach: float) -> float:
         """Expected seconds of a draft forward that each of `rows` sequences joins with chance `reach`:
         it runs if any does, over as many rows as join."""
         if reach >= 1.0:
             return self.draft(rows)
         runs = 1.0 - (1.0 - reach) ** rows
         return runs * self.draft(rows * reach / runs) if runs > 0 else 0.0
-
-
-class StepPrice:
-    """The predicted seconds of one step (CostModel.step_seconds) while its drafts grow one token at a
-    time: the policy prices dozens of candidate steps per decision, each one token longer than the last,
-    so each is priced from the one before (a draft forward's share changes only at the grown position)."""
-
-    def __init__(self, costs: CostModel, n: int, reach: list[float], contexts: list[int] | None = None):
-        self.costs, self.n, self.reach = costs, n, reach
-        self.rows = [0] * len(reach)  # sequences whose model draft reaches each position
-        self.forwards = [0.0] * len(reach)  # the expected seconds of the draft forward at each position
-        self.tokens = float(n)  # expected rows of the verify call
-        self.keys = float(sum(contexts or ()))  # cached keys the sequences' first rows read
-        self.extra_keys = 0.0  # expected cached keys the further rows read
-
-    def grow(self, length: int, by_lookup: bool, context: int = 0) -> None:
-        """One sequence, with `context` tokens cached, drafts to `length` (by prompt lookup: no draft forward)."""
-        if by_lookup:
-            self.tokens += 1
-            self.extra_keys += context
-            return
-        j = length - 1
-        self.rows[j] += 1
-        self.forwards[j] = self.costs._expected_draft_forward(self.rows[j], self.reach[j])
-        self.tokens += self.reach[j]
-        self.extra_keys += self.reach[j] * context
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.forwards) + self.costs.target(self.n, self.tokens, self.keys, self.extra_keys)
