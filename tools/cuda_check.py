@@ -152,6 +152,7 @@ def section(name):
 def save():
     out = os.environ.get("CHECK_OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "cuda-check.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
 
