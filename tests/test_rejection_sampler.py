@@ -148,9 +148,10 @@ def test_one_argmax_for_the_call_verifies_as_each_sequence_alone():
     assert together[0][0].num_accepted == [1] and together[2][0].num_accepted == [2]  # matches, then a miss
 
 
-def _together_and_alone(trial: int):
-    """Sampled sequences of two distribution settings (one-hot and real draft q, a penalty, logprobs, no
-    drafts at all), each seeded, verified in one batch and one at a time."""
+def _together_and_alone(trial: int, sample_together: bool | None = False, device: str = "cpu"):
+    """Sampled sequences of several distribution settings (one-hot and real draft q, penalties, logprobs, no
+    drafts at all), each seeded, verified in one batch (sample_together: those that can, in one pass; None: the
+    device's way) and one at a time."""
     from specdecode.engine.sequence import Sequence
     from specdecode.sampling import SamplingParams
     from specdecode.verify.verifier import verify_batch, verify_drafts
@@ -163,8 +164,9 @@ def _together_and_alone(trial: int):
         SamplingParams(temperature=1.0, top_k=5, seed=4),
         SamplingParams(temperature=1.0, top_k=5, seed=5),
         SamplingParams(temperature=0.8, seed=6),
+        SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.5),
     ]
-    counts = [2, 3, 2, 1, 3, 0]
+    counts = [2, 3, 2, 1, 3, 0, 2]
     logits = torch.randn(sum(counts) + len(counts), V, generator=gen) * 2
     qs = [torch.stack([_random_dist(gen) for _ in range(n)]) if i in (1, 4) else None for i, n in enumerate(counts)]
     drafts, row = [], 0
@@ -172,11 +174,13 @@ def _together_and_alone(trial: int):
         likely = logits[row : row + n].argmax(-1) if q is None else torch.multinomial(q, 1, generator=gen)[:, 0]
         drafts.append(likely.tolist())
         row += n + 1
+    logits, qs = logits.to(device), [None if q is None else q.to(device) for q in qs]
 
     def fresh():
-        return [Sequence([1, 2, 3], params, torch.Generator().manual_seed(params.seed + trial)) for params in kinds]
+        generators = [torch.Generator(device).manual_seed(params.seed + trial) for params in kinds]
+        return [Sequence([1, 2, 3], params, g) for params, g in zip(kinds, generators)]
 
-    together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[])
+    together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[], sample_together=sample_together)
     alone, row = [], 0
     for seq, tokens, q in zip(fresh(), drafts, qs):
         alone.append(verify_drafts(seq, tokens, q, logits[row : row + len(tokens) + 1], eos_ids=[]))
@@ -184,11 +188,11 @@ def _together_and_alone(trial: int):
     return together, alone, counts
 
 
-def _differences(trials: int) -> tuple[int, list[int]]:
+def _differences(trials: int, sample_together: bool | None = False, device: str = "cpu") -> tuple[int, list[int]]:
     """Trials where the batch's results differ from each sequence's own, and each sequence's accepted counts."""
     differ, accepted = 0, []
     for trial in range(trials):
-        together, alone, counts = _together_and_alone(trial)
+        together, alone, counts = _together_and_alone(trial, sample_together, device)
         differ += [(r.tokens, r.num_accepted, lp) for r, lp in together] != [
             (r.tokens, r.num_accepted, lp) for r, lp in alone
         ]
@@ -196,9 +200,13 @@ def _differences(trials: int) -> tuple[int, list[int]]:
     return differ, accepted
 
 
-def test_sampled_sequences_verified_together_draw_as_each_alone():
+GPU = [pytest.param("cuda", None, id="cuda")] if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("device, sample_together", [("cpu", False), ("cpu", True), *GPU])
+def test_sampled_sequences_verified_together_draw_as_each_alone(device, sample_together):
     """Each seeded sequence's tokens, accepted counts and logprobs are those it gets verified alone, whatever
-    shares its batch."""
-    differ, shortfalls = _differences(trials=30)
+    shares its batch: sequence by sequence (a CPU's way) and in one pass for all that can (a GPU's)."""
+    differ, shortfalls = _differences(trials=30, sample_together=sample_together, device=device)
     assert differ == 0
     assert 0 in shortfalls and any(s < 0 for s in shortfalls)  # every draft accepted, and rejections

@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 from stats import PASS_P, seeded
 
 from specdecode.sampling import SamplingParams, logits_to_probs, sample_rows
-from specdecode.sampling.probs import NUCLEUS_CANDIDATES
+from specdecode.sampling.probs import NUCLEUS_CANDIDATES, nucleus
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -57,6 +57,9 @@ def test_top_p_over_a_large_vocabulary_keeps_what_sorting_every_row_keeps(top_p)
     assert torch.equal(got > 0, expected > 0)
     torch.testing.assert_close(got, expected)
     assert (expected[6:] > 0).sum(-1).min() > NUCLEUS_CANDIDATES  # the flat rows needed more than the candidates
+    sorted_whole = nucleus(logits.softmax(-1), top_p, sort_rows=True)  # a GPU's way
+    assert torch.equal(sorted_whole > 0, expected > 0)
+    torch.testing.assert_close(sorted_whole, expected)
 
 
 def _draws_follow(sampler, probs: torch.Tensor, n: int = 200_000) -> float:

@@ -52,8 +52,8 @@ TEST_FILES = [
     "tests/test_paged_attention.py",
     "tests/test_chunked_prefill.py",
     "tests/test_runner.py",
-    "tests/test_engine.py",
     "tests/test_rejection_sampler.py",
+    "tests/test_engine.py",
     "tests/test_draft_model_proposer.py",
     "tests/test_policy.py",
     "tests/test_prefix_caching.py",
@@ -477,7 +477,7 @@ def main() -> None:
         concurrency(target, draft, args.sweep_tokens)
         host_profile(target, draft)
         if not args.skip_tests:
-            tests(TEST_FILES[:4])
+            tests(TEST_FILES[:5])
         compiler_counts()
         return
     if not args.only_sweep:

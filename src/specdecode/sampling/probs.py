@@ -38,9 +38,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 NUCLEUS_CANDIDATES = 256
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus(probs: torch.Tensor, top_p: float, sort_rows: bool | None = None) -> torch.Tensor:
     """Top-p on probability rows [R, V]: keep the fewest highest-ranked tokens whose mass reaches top_p (a token
-    is dropped when the tokens ranked above it already reach it), renormalised."""
+    is dropped when the tokens ranked above it already reach it), renormalised. sort_rows (default: on a GPU) sorts
+    whole rows at once: there, asking whether the first-ranked candidates suffice would cost a synchronisation,
+    where the sort costs little."""
+    if probs.is_cuda if sort_rows is None else sort_rows:
+        return _nucleus_of_ranked(probs, *probs.sort(-1, descending=True), top_p)
     width = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     top, order = probs.topk(width, dim=-1)
     kept = _nucleus_of_ranked(probs, top, order, top_p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..sampling import sample_rows
 
@@ -61,7 +62,7 @@ def rejection_sample(
     safe_tokens = draft_tokens.clamp(min=0)[..., None]
     p = target_probs[:, :k].gather(-1, safe_tokens).squeeze(-1)
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, safe_tokens).squeeze(-1)
-    u = _uniform((batch, k), generators, draft_tokens.device)
+    u = _uniform((batch, k), generators, draft_tokens.device, num_draft)
     accept = accept_draft(u, p, q) & in_range
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
 
@@ -81,9 +82,9 @@ def rejection_sample(
         final = torch.where(rejected[:, None], residual, final)
     extra = _sample_rows(final, generators)
 
-    accepted_list, extra_list = num_accepted.tolist(), extra.tolist()
-    tokens = [draft_tokens[row, :n].tolist() + [extra_list[row]] for row, n in enumerate(accepted_list)]
-    return VerifyResult(accepted_list, tokens)
+    # one device-to-host copy: per row, how many drafts were accepted, the token after them, the drafts
+    copied = torch.cat([num_accepted[:, None], extra[:, None].to(draft_tokens.dtype), draft_tokens], 1).tolist()
+    return VerifyResult([row[0] for row in copied], [row[2 : 2 + row[0]] + [row[1]] for row in copied])
 
 
 def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -96,10 +97,17 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp(min=0)
 
 
-def _uniform(shape, generators: Generators, device) -> torch.Tensor:
+def _uniform(shape, generators: Generators, device, num_draft: list[int]) -> torch.Tensor:
+    """A uniform draw per draft position; with a generator per sequence, each draws one per draft of its own (then
+    padded): what it draws does not depend on the other sequences' drafts."""
     if isinstance(generators, list):
         return (
-            torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generators])
+            torch.stack(
+                [
+                    F.pad(torch.rand(n, generator=g, device=device), (0, shape[1] - n))
+                    for g, n in zip(generators, num_draft)
+                ]
+            )
             if shape[0]
             else torch.empty(shape, device=device)
         )

@@ -55,22 +55,67 @@ def verify_batch(
     logits: torch.Tensor,
     eos_ids: Collection[int],
     forced_accept: bool = False,
+    sample_together: bool | None = None,
 ) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
     """Every sequence's verification from one call's logits, sequence i's rows following the rows of the
     sequences before it (its drafts + 1). Greedy sequences with nothing to apply to their logits share one
-    argmax over the whole call: one pass, and on a GPU one synchronisation instead of one per sequence."""
+    argmax over the whole call: one pass, and on a GPU one synchronisation instead of one per sequence. So do
+    sampled sequences with no grammar and no logprobs to return where `sample_together` (default: on a GPU, where
+    a synchronisation per sequence is what verification costs; a CPU pays nothing for them, and would pay for the
+    padded rows): see verify_sampled."""
+    sample_together = logits.is_cuda if sample_together is None else sample_together
     plain = [not forced_accept and _argmax_is_enough(seq) for seq in seqs]
     argmax = logits.argmax(-1).tolist() if any(plain) else []
-    results, row = [], 0
-    for seq, tokens, q, is_plain in zip(seqs, drafts, draft_probs, plain):
-        n = len(tokens)
-        if is_plain:
-            accepted, emitted = match_greedy(tokens, argmax[row : row + n + 1])
+    starts = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(drafts))]
+    sampled = [
+        i for i, seq in enumerate(seqs) if sample_together and not (forced_accept or plain[i]) and _samples_alone(seq)
+    ]
+    together = dict(
+        zip(sampled, verify_sampled([seqs[i] for i in sampled], [drafts[i] for i in sampled],
+                                    [draft_probs[i] for i in sampled], logits, [starts[i] for i in sampled], eos_ids))
+    ) if sampled else {}  # fmt: skip
+    results = []
+    for i, (seq, tokens, q, start) in enumerate(zip(seqs, drafts, draft_probs, starts)):
+        rows = logits[start : start + len(tokens) + 1]
+        if plain[i]:
+            accepted, emitted = match_greedy(tokens, argmax[start : start + len(tokens) + 1])
             results.append((VerifyResult([accepted], [emitted]), None))
+        elif i in together:
+            results.append((together[i], None))
         else:
-            results.append(verify_drafts(seq, tokens, q, logits[row : row + n + 1], eos_ids, forced_accept))
-        row += n + 1
+            results.append(verify_drafts(seq, tokens, q, rows, eos_ids, forced_accept))
     return results
+
+
+def verify_sampled(
+    seqs: list[Sequence],
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    logits: torch.Tensor,
+    starts: list[int],
+    eos_ids: Collection[int],
+) -> list[VerifyResult]:
+    """Rejection sampling for sampled sequences with no grammar to advance and no logprobs to return, all in one
+    pass: each sequence's rows processed as the request asks, then padded to the longest draft, accepted and drawn
+    together, one device-to-host copy in all. Each sequence's generator draws what it draws verified alone, so the
+    tokens are those of verify_drafts, whatever shares the batch."""
+    k, vocab = max(map(len, drafts)), logits.shape[-1]
+    padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=logits.device)
+    p = logits.new_zeros(len(seqs), k + 1, vocab, dtype=torch.float32)
+    q = None if all(qi is None for qi in draft_probs) else logits.new_zeros(len(seqs), k, vocab, dtype=torch.float32)
+    for i, (seq, tokens, qi, start) in enumerate(zip(seqs, drafts, draft_probs, starts)):
+        n = len(tokens)
+        p[i, : n + 1] = logits_to_probs(
+            processed_logits(seq, logits[start : start + n + 1], tokens, eos_ids), seq.params
+        )
+        if q is not None and n:  # a deterministic proposer's q is one-hot
+            q[i, :n] = F.one_hot(padded[i, :n], vocab) if qi is None else match_vocab(qi, vocab)
+    both = rejection_sample(padded, [len(d) for d in drafts], p, q, [seq.generator for seq in seqs])
+    return [VerifyResult([n], [tokens]) for n, tokens in zip(both.num_accepted, both.tokens)]
+
+
+def _samples_alone(seq: Sequence) -> bool:
+    return not seq.params.greedy and seq.grammar is None and seq.params.logprobs is None
 
 
 def _argmax_is_enough(seq: Sequence) -> bool:
