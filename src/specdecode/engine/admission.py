@@ -63,14 +63,15 @@ class BlockBudget:
     def fits(self, seqs: list[Sequence], lookahead: int | None = None) -> bool:
         """Whether every pool holds what these sequences hold now and may take in their next `lookahead` tokens
         of output (0: their next step)."""
-        return all(self.needed(runner, slot_of, seqs, lookahead) <= runner.num_blocks for runner, slot_of in self.pools)
+        aheads = self.aheads(seqs, lookahead)  # the same in every pool: worked out once (a check every step)
+        return all(self._needed(runner, slot_of, seqs, aheads) <= runner.num_blocks for runner, slot_of in self.pools)
 
     def may_fit(self, admitted: list[Sequence], group: list[Sequence], cached_tokens: int) -> bool:
         """Before a group takes anything: whether the target's pool could hold it at best (its first sequence
         sharing the `cached_tokens` found computed), and every drafter's pool the block each sequence may copy as it
         takes a found prefix, so that a group that cannot fit takes no blocks to give back, nor runs a pool out."""
         best = self.needed(self.runner, _target_slot, admitted) - cached_tokens // self.runner.block_size
-        if best + sum(self.ahead(s, self.lookahead) for s in group) > self.runner.num_blocks:
+        if best + sum(self.aheads(group)) > self.runner.num_blocks:
             return False
         drafters = self.pools[1:]
         return all(self.needed(pool, slot_of, admitted) + len(group) <= pool.num_blocks for pool, slot_of in drafters)
@@ -83,19 +84,24 @@ class BlockBudget:
         lookahead: int | None = None,
     ) -> int:
         """The pool's blocks in use and those the sequences may take in their next `lookahead` tokens."""
+        return self._needed(runner, slot_of, seqs, self.aheads(seqs, lookahead))
+
+    def _needed(self, runner: ModelRunner, slot_of, seqs: list[Sequence], aheads: list[int]) -> int:
         need = runner.blocks_in_use()
-        for seq in seqs:
+        for seq, ahead in zip(seqs, aheads):
             slot = slot_of(seq)
-            held = 0 if slot is None else runner.blocks_held(slot)
-            need += max(0, self.ahead(seq, lookahead) - held)
+            need += max(0, ahead - (0 if slot is None else runner.blocks_held(slot)))
         return need
 
-    def ahead(self, seq: Sequence, lookahead: int) -> int:
-        """The blocks seq holds once it has its context, its next step's rows, and `lookahead` more tokens of
-        output (as far as its longest length; None: the admission's lookahead)."""
+    def aheads(self, seqs: list[Sequence], lookahead: int | None = None) -> list[int]:
+        """The blocks each sequence holds once it has its context, its next step's rows, and `lookahead` more tokens
+        of output (as far as its longest length; None: the admission's lookahead)."""
         lookahead = self.lookahead if lookahead is None else lookahead
-        rows = self.k_max() + 1 + min(lookahead, seq.remaining_tokens)
-        return blocks_for(min(self.runner.max_len, seq.num_tokens + rows), self.runner.block_size)
+        rows, longest, block_size = self.k_max() + 1, self.runner.max_len, self.runner.block_size
+        return [
+            blocks_for(min(longest, seq.num_tokens + rows + min(lookahead, seq.remaining_tokens)), block_size)
+            for seq in seqs
+        ]
 
 
 def _target_slot(seq: Sequence) -> int | None:

@@ -167,8 +167,8 @@ class DraftModelProposer(Proposer):
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         slot = self._slots.get(seq.request_id)
-        if slot is not None:
-            self.runner.rollback(slot, min(self.runner.length(slot), num_valid_tokens))
+        if slot is not None and self.runner.length(slot) > num_valid_tokens:  # it drafted past what was accepted
+            self.runner.rollback(slot, num_valid_tokens)
 
     def release(self, seq) -> None:
         slot = self._slots.pop(seq.request_id, None)
