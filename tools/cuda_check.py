@@ -255,6 +255,41 @@ def kernel_breakdown(replay, replays: int = 20, shown: int = 14) -> list:
     return rows
 
 
+@section("plain decoding at batch 1 through the engine: a token's wall time against the device's busy time in it")
+def engine_trace(target, tokens: int = 160):
+    """What separates the engine's time a token from a replay's: the device's busy time a token (every kernel and copy
+    the profiler saw, the prompt's prefill among them: under 2% of it) and the host's operations by their own time
+    (waits for the device show as synchronisations and copies to the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = engine(target, num_speculative_tokens=0)
+    _timed(llm, 1, 8, 1)  # warm-up: the buckets' graphs captured
+    unprofiled = generate(llm, 1, tokens)[0]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    try:  # the profiler needs CUPTI for the device's side
+        with profile(activities=activities) as prof:
+            _, outs = _timed(llm, 1, tokens, 2)
+    except Exception as e:
+        print(f"   no trace: the profiler failed ({e})")
+        return
+    spec = outs[0].spec
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / tokens
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]
+    print(
+        f"unprofiled {1e3 / unprofiled:.2f} ms a token; profiled {spec['tpot_s'] * 1e3:.2f} ms a token, the device "
+        f"busy {busy / 1e3:.2f} ms of it; the host's own time by operation, a token:"
+    )
+    for e in host:
+        print(f"   {e.self_cpu_time_total / tokens:8.1f} us {e.count / tokens:6.1f}x  {e.key[:70]}")
+    RESULTS["engine_trace"] = {
+        "unprofiled_ms": 1e3 / unprofiled,
+        "profiled_ms": spec["tpot_s"] * 1e3,
+        "device_busy_ms": busy / 1e3,
+        "host": [{"op": e.key[:70], "us": e.self_cpu_time_total / tokens, "calls": e.count / tokens} for e in host],
+    }
+
+
 @section("where a step's host time goes: the engine under cProfile, graphs on (plain at 1 and 32, adaptive at 32)")
 def host_profile(target, draft):
     for name, batch, d, options in (
@@ -474,6 +509,7 @@ def main() -> None:
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
     if args.quick:
         step_costs(target, ALL_MODES[2:])
+        engine_trace(target)
         concurrency(target, draft, args.sweep_tokens)
         host_profile(target, draft)
         if not args.skip_tests:
