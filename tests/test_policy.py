@@ -1012,3 +1012,14 @@ def test_target_prices_as_arrays_are_the_prices_one_by_one():
             assert target_prices(p.costs.target, batch, np.array(tokens)).tolist() == pytest.approx(
                 one_by_one, rel=1e-12
             )
+
+
+def test_an_allocation_of_drafts_never_emitted_is_none_either_way():
+    """Gains of 0 (lookups whose tokens cannot be right) leave no candidate step: both pricings decide nothing."""
+    from specdecode.engine.policy.allocation import _by_arrays, _by_loop
+
+    p = _random_costs(random.Random(1))
+    args = ([[0.0] * 8] * 5, [True] * 5, [0.0] * 5, [100] * 5, p.estimator.draft_reach(p.k_max), p.min_gain, 1.0)
+    for allocation in (_by_loop, _by_arrays):
+        decision, score = allocation(p.costs, *args)
+        assert (decision.ks, score) == ([0] * 5, 1.0)

@@ -125,7 +125,7 @@ def _by_arrays(
     n = len(gains)
     g, i, j = _candidates(gains)
     emitted = n + g.cumsum()
-    if emitted[-1] / n <= (1 + margin) * calibration:
+    if not len(g) or emitted[-1] / n <= (1 + margin) * calibration:  # as the loop: not even at a plain step's price
         return DraftDecision([0] * n, [False] * n), 1.0
     keys = float(sum(contexts))
     bar = (1 + margin) * n / costs.target(n, float(n), keys)
