@@ -184,3 +184,26 @@ def _counted(fn, calls: list):
         return fn(*args)
 
     return counted
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the check itself is run, at full shapes")
+def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
+    """tools/cuda_check.py --quick, the one run a lent GPU gets, at tiny shapes on this CPU: every section runs (a
+    section that raises is listed as failed and the run goes on, which on a GPU would cost its minutes), and each
+    leaves its figures."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "cuda_check.py"
+    env = {**os.environ, "SMOKE": "1", "PYTHONPATH": str(tool.parents[1] / "src")}
+    command = [sys.executable, str(tool), "--quick", "--skip-tests", "--sweep-tokens", "8", "--out", str(tmp_path)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "cuda-check.json").read_text())
+    assert "failed" not in results, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {"step_costs", "engine_trace", "concurrency", "host_profile"} <= set(results)
+    assert [n for n in (1, 2, 4, 8, 16, 32, 64) if str(n) in results["concurrency"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert results["engine_trace"]["unprofiled_ms"] > 0
