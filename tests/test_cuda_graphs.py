@@ -93,7 +93,7 @@ def test_padding_written_into_a_real_slot_is_caught(monkeypatch):
     monkeypatch.setattr(
         cuda_graphs.StaticBatch,
         "fill",
-        lambda self, slots, starts, inputs, scratch: fill(self, slots, starts, inputs, 0),
+        lambda self, slots, starts, inputs, scratch, features=None: fill(self, slots, starts, inputs, 0, features),
     )
     got, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=True), _steps())
     assert any(not torch.allclose(g[0], e[0], atol=ATOL, rtol=0) for g, e in zip(got, expected))
@@ -204,6 +204,66 @@ def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "cuda-check.json").read_text())
     assert "failed" not in results, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {"step_costs", "engine_trace", "concurrency", "host_profile"} <= set(results)
+    assert {"step_costs", "head_step", "engine_trace", "concurrency", "host_profile"} <= set(results)
     assert [n for n in (1, 2, 4, 8, 16, 32, 64) if str(n) in results["concurrency"]] == [1, 2, 4, 8, 16, 32, 64]
     assert results["engine_trace"]["unprofiled_ms"] > 0
+
+
+def _head_for(target):
+    from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
+
+    torch.manual_seed(0)
+    spec = HeadSpec(target.name, target_fingerprint(target.model), 48, target.config.vocab_size)
+    return build_head(spec, None, target.model, torch.arange(target.config.vocab_size))
+
+
+def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features():
+    """A draft head's decode and verify forwards at bucket shapes (replayed as graphs on a GPU) take each row's
+    target features beside its token, as its eager forwards do: the same logits and estimated features."""
+    target = tiny_model(seed=0)
+    head = _head_for(target)
+    gen = torch.Generator().manual_seed(1)
+    hidden = target.config.hidden_size
+    steps = [[10, 3], [1, 1], [3, 2], [1, 1]]  # per step, each sequence's new rows: a catch-up, decodes, verifies
+    outs = []
+    for fixed in (True, False):
+        runner = ModelRunner(head, 2, 256, fixed_shapes=fixed)
+        slots, got = [runner.allocate(), runner.allocate()], []
+        torch.manual_seed(2)
+        for widths in steps:
+            inputs = [torch.randint(0, 60, (n,), generator=gen).tolist() for n in widths]
+            features = [torch.randn(n, hidden, generator=gen) for n in widths]
+            got.append(runner.forward(slots, inputs, "all", hidden=True, features=features))
+            for slot, n in zip(slots, widths):
+                runner.commit(slot, runner.length(slot) + n)
+        gen.manual_seed(1)
+        outs.append(got)
+        assert bool(runner._fixed and runner._fixed.buckets) == fixed  # decodes and verifies took a bucket
+    for (fixed_logits, fixed_estimates), (logits, estimates) in zip(*outs):
+        torch.testing.assert_close(fixed_logits, logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(fixed_estimates, estimates, atol=ATOL, rtol=0)
+
+
+def test_speculation_with_a_draft_head_at_bucket_shapes_drafts_as_eagerly(monkeypatch, tmp_path):
+    """The engine with a draft head, every runner at bucket shapes: the head drafts what it drafts eagerly (the same
+    tokens accepted at each position) and the output is the target's own greedy output."""
+    from conftest import make_head
+
+    prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 42], list(range(10, 40))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    target = tiny_model(seed=0)
+    name = make_head(target, tmp_path / "head")
+
+    def run(fixed: bool, k: int):
+        monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: fixed)
+        llm = LLM(target=target, speculative_model=name if k else None, num_speculative_tokens=k,
+                  max_model_len=256, speculation_policy="fixed", progress=False)  # fmt: skip
+        outs = llm.generate(prompts, params)
+        accepted = [(o.spec.get("num_draft_tokens"), o.spec.get("acceptance_per_position")) for o in outs]
+        return [o.outputs[0].token_ids for o in outs], accepted, llm
+
+    fixed, fixed_accepted, llm = run(True, 3)
+    assert llm.engine.proposer.runner._fixed.buckets  # the head's forwards took buckets
+    eager, eager_accepted, _ = run(False, 3)
+    assert fixed == eager == run(False, 0)[0]
+    assert fixed_accepted == eager_accepted and any(any(rates) for _, rates in fixed_accepted)

@@ -255,6 +255,35 @@ def kernel_breakdown(replay, replays: int = 20, shown: int = 14) -> list:
     return rows
 
 
+@section("a draft head's drafting forward at batch 1 (the shipped head's shape, random weights), eager and captured")
+def head_step(target):
+    """A draft round of the head costs c of a target step: eager, every kernel launched from Python; captured, one
+    replay. Drafting k tokens costs k rounds, so c decides how far the head's acceptance carries."""
+    from specdecode.executor.backends import prepare_head
+    from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
+
+    spec = HeadSpec(target.name, target_fingerprint(target.model), 64 if SMOKE else 2048, min(VOCAB, 16384))
+    head = prepare_head(build_head(spec, None, target.model, torch.arange(spec.draft_vocab_size)))
+    features = [torch.randn(1, target.config.hidden_size, device=DEVICE, dtype=head.dtype)]
+    plain = median_seconds(_decode_runner(target.model, 1, PROMPT, True)[1], 50)
+    rows = {"target step ms": plain * 1e3}
+    for fixed in (False, True):
+        seconds = median_seconds(_head_round(head, features, fixed), 50)
+        name = "captured" if fixed else "eager"
+        rows[name] = {"ms": seconds * 1e3, "c": seconds / plain}
+        print(
+            f"head {name:8s}: {seconds * 1e3:6.3f} ms a round, c = {seconds / plain:.3f} of a target step", flush=True
+        )
+    RESULTS["head_step"] = rows
+
+
+def _head_round(head, features, fixed: bool):
+    runner = ModelRunner(head, 1, PROMPT + 64, fixed_shapes=fixed)
+    slot = runner.allocate()
+    runner.assume_cached(slot, PROMPT)
+    return lambda: runner.forward([slot], [[1]], "last", hidden=True, features=features)
+
+
 @section("plain decoding at batch 1 through the engine: a token's wall time against the device's busy time in it")
 def engine_trace(target, tokens: int = 160):
     """What separates the engine's time a token from a replay's: the device's busy time a token (every kernel and copy
@@ -509,6 +538,7 @@ def main() -> None:
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
     if args.quick:
         step_costs(target, ALL_MODES[2:])
+        head_step(target)
         engine_trace(target)
         concurrency(target, draft, args.sweep_tokens)
         host_profile(target, draft)

@@ -64,14 +64,17 @@ def bucket_for(num_new: list[int], kv_len: int, max_keys: int) -> Bucket | None:
 class StaticBatch:
     """A ForwardBatch's part for one bucket, in tensors whose addresses never change (a graph reads them): the
     tokens, positions and KV slot of every row ([B, R]) and each sequence's slot ([B]), in one buffer filled by
-    one copy a step."""
+    one copy a step; for a model that reads the target's features beside the tokens (a draft head), those too
+    ([B, R, width])."""
 
     rowwise = None
     logit_rows = None  # every row's logits: the caller keeps the rows it asked for
     paged_attention = None  # set: attention by it (executor/paged_attention.py), not by store / load / attend
 
-    def __init__(self, bucket: Bucket, device):
+    def __init__(self, bucket: Bucket, device, features: tuple[int, torch.dtype] | None = None):
         self.bucket, self.kv_len = bucket, bucket.keys
+        width = features and (bucket.seqs, bucket.rows, features[0])
+        self.features = None if width is None else torch.zeros(width, dtype=features[1], device=device)
         rows = bucket.seqs * bucket.rows
         self.ints = torch.zeros(3 * rows + bucket.seqs, dtype=torch.long, device=device)
         shape = (bucket.seqs, bucket.rows)
@@ -79,8 +82,11 @@ class StaticBatch:
         self.slot_index = self.ints[3 * rows :]
         self._per_forward: dict = {}  # see _derived
 
-    def fill(self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int) -> None:
-        """These sequences' new tokens; every other row is padding (token 0 at position 0 of the scratch slot)."""
+    def fill(
+        self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int, features=None
+    ) -> None:
+        """These sequences' new tokens (and feature rows); every other row is padding (token 0 at position 0 of the
+        scratch slot; its features whatever a forward left there)."""
         b, r = self.bucket.seqs, self.bucket.rows
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
@@ -90,6 +96,8 @@ class StaticBatch:
             row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
         self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
+        for i, rows in enumerate(features or ()):
+            self.features[i, : len(rows)].copy_(rows)
         self.forget()
 
     def forget(self) -> None:
@@ -170,8 +178,22 @@ class BucketedForward:
         """The buckets prepared so far."""
         return list(self._entries)
 
-    def __call__(self, slots: list[int], starts: list[int], inputs: list[list[int]], logits: str, hidden: bool | str):
-        """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly."""
+    @property
+    def reads_features(self) -> bool:
+        """Whether the model reads the target's features beside its tokens (a draft head)."""
+        return getattr(self.model, "reads_features", False)
+
+    def __call__(
+        self,
+        slots: list[int],
+        starts: list[int],
+        inputs: list[list[int]],
+        logits: str,
+        hidden: bool | str,
+        features=None,
+    ):
+        """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly. features:
+        per sequence, a feature row per new token, where the model reads them."""
         num_new = [len(t) for t in inputs]
         bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
         if bucket is None or bucket in self._refused:
@@ -179,7 +201,7 @@ class BucketedForward:
         entry = self._entries.get(bucket) or self._prepare(bucket)
         if entry is None:
             return None
-        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row)
+        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features)
         if entry.graph is not None:
             entry.graph.replay()
             every_logit, every_hidden = entry.outputs
@@ -188,11 +210,13 @@ class BucketedForward:
         return _selected(every_logit, every_hidden, bucket.rows, num_new, logits, hidden)
 
     def _run(self, batch: StaticBatch):
+        extra = {} if batch.features is None else {"features": batch.features}
         with _fixed_shapes():
-            return self.model(batch.tokens, batch, self.cache, return_hidden="all")
+            return self.model(batch.tokens, batch, self.cache, return_hidden="all", **extra)
 
     def _prepare(self, bucket: Bucket) -> _Entry | None:
-        batch = StaticBatch(bucket, self.cache.table.device)
+        features = (self.model.cfg.hidden_size, self.model.dtype) if self.reads_features else None
+        batch = StaticBatch(bucket, self.cache.table.device, features)
         batch.paged_attention = self.attention
         entry = _Entry(batch)
         if self.capture:

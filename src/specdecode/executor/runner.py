@@ -293,8 +293,8 @@ class ModelRunner:
         for slot, start, n in zip(slots, starts, lengths):
             self._cache.reserve(slot, start + n)
         out = None
-        if self._fixed is not None and features is None and isinstance(logits, str):
-            out = self._fixed(slots, starts, inputs, logits, hidden)
+        if self._fixed is not None and isinstance(logits, str) and (features is None or self._fixed.reads_features):
+            out = self._fixed(slots, starts, inputs, logits, hidden, features)
         if out is None:
             batch = ForwardBatch.build(
                 slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()

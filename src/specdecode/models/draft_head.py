@@ -107,6 +107,8 @@ class DraftHead(nn.Module):
 
     backend = "torch"
     layers_kernel = None  # as Transformer's
+    capture_graphs = True  # as Transformer's: decode and verify forwards at bucket shapes on a GPU, replayed
+    reads_features = True  # the forward takes the target's features beside the tokens (a bucket holds them too)
 
     def weight_bytes(self) -> int:
         """What the head adds to its target's memory: what it owns and its LM head's rows (the final norm and
