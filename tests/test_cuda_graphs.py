@@ -232,7 +232,7 @@ def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features():
         torch.manual_seed(2)
         for widths in steps:
             inputs = [torch.randint(0, 60, (n,), generator=gen).tolist() for n in widths]
-            features = [torch.randn(n, hidden, generator=gen) for n in widths]
+            features = [torch.randn(n, hidden, generator=gen).to(head.device) for n in widths]
             got.append(runner.forward(slots, inputs, "all", hidden=True, features=features))
             for slot, n in zip(slots, widths):
                 runner.commit(slot, runner.length(slot) + n)
