@@ -222,21 +222,18 @@ def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features():
     target features beside its token, as its eager forwards do: the same logits and estimated features."""
     target = tiny_model(seed=0)
     head = _head_for(target)
-    gen = torch.Generator().manual_seed(1)
     hidden = target.config.hidden_size
     steps = [[10, 3], [1, 1], [3, 2], [1, 1]]  # per step, each sequence's new rows: a catch-up, decodes, verifies
     outs = []
     for fixed in (True, False):
         runner = ModelRunner(head, 2, 256, fixed_shapes=fixed)
-        slots, got = [runner.allocate(), runner.allocate()], []
-        torch.manual_seed(2)
+        slots, got, gen = [runner.allocate(), runner.allocate()], [], torch.Generator().manual_seed(1)
         for widths in steps:
             inputs = [torch.randint(0, 60, (n,), generator=gen).tolist() for n in widths]
             features = [torch.randn(n, hidden, generator=gen).to(head.device) for n in widths]
             got.append(runner.forward(slots, inputs, "all", hidden=True, features=features))
             for slot, n in zip(slots, widths):
                 runner.commit(slot, runner.length(slot) + n)
-        gen.manual_seed(1)
         outs.append(got)
         assert bool(runner._fixed and runner._fixed.buckets) == fixed  # decodes and verifies took a bucket
     for (fixed_logits, fixed_estimates), (logits, estimates) in zip(*outs):
