@@ -113,3 +113,32 @@ def test_sampled_drafts_carry_their_distribution(random_draft):
     q = drafts.probs[0].cpu()
     assert q.shape == (3, random_draft.config.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(3)) and all(q[i, t] > 0 for i, t in enumerate(drafts.tokens[0]))
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_plain_greedy_drafts_of_a_round_come_back_as_each_rows_own(restricted):
+    """A round's drafts for greedy sequences with nothing to apply to their logits come back in one copy to the host
+    (_argmax_drafts): the tokens, in the target's ids (also from a restricted draft vocabulary), and the confidences
+    that sampling each row and weighing its draft give; a sampled sequence's row is left to be sampled."""
+    from specdecode.proposers.draft_model import restrict_draft_vocab
+
+    draft = tiny_model(seed=4)
+    if restricted:
+        restrict_draft_vocab(draft, 20)
+    proposer = DraftModelProposer(draft, confidence_threshold=0.5)
+    proposer.reserve(4, 64)
+    width = len(proposer.runner.vocab_ids) if restricted else draft.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.1, 1.0, 3.0, 10.0, 30.0, 1.0])[:, None]  # flat rows to peaked ones
+    logits = torch.randn(6, width, generator=gen) * scales
+    logits[1:3, -3:] += 50.0  # drafts among the last ids: a restricted vocabulary's map to other target ids
+    logits = logits.to(DEVICE)
+    params = [SamplingParams(temperature=0)] * 5 + [SamplingParams(temperature=0.8)]
+    seqs = [Sequence([1, 2, 3], p, None) for p in params]
+    got = proposer._argmax_drafts(logits, list(range(6)), seqs)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for row in range(5):
+        token, q = proposer._sample(logits[row], seqs[row], [])
+        assert q is None and got[row][0] == token
+        assert got[row][1] == pytest.approx(proposer._confidence(logits[row], token, q), rel=1e-6)
+    assert len({token for token, _ in got.values()}) > 1 and min(c for _, c in got.values()) < 0.5

@@ -28,6 +28,7 @@ class DraftModelProposer(Proposer):
         self.runner: ModelRunner | None = None  # built by reserve(), once the memory plan is known
         self._slots: dict[str, int] = {}  # request id -> the draft's KV-cache slot for it
         self._round_seconds: list[float] = []
+        self._vocab: list[int] | None = None  # the draft vocabulary's target ids, on the host (None: all of them)
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "DraftModelProposer":
@@ -54,6 +55,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(
             self.model, num_slots, max_model_len, reuse_prefixes and self.reuses_prefixes, num_blocks
         )
+        self._vocab = None if self.runner.vocab_ids is None else self.runner.vocab_ids.tolist()
 
     def forget_prefixes(self) -> None:
         self.runner.forget_prefixes()
@@ -77,14 +79,16 @@ class DraftModelProposer(Proposer):
                 if not rows:
                     break
                 logits = self._draft_forward(step, rows, seqs, slots, tokens)
+                argmax = self._argmax_drafts(logits, rows, seqs)
                 for row, i in enumerate(rows):
                     seqs[i].metrics.spec.num_draft_forwards += 1
-                    token, q = self._sample(logits[row], seqs[i], tokens[i])
+                    if row in argmax:
+                        (token, confidence), q = argmax[row], None
+                    else:
+                        token, q = self._sample(logits[row], seqs[i], tokens[i])
+                        confidence = self._confidence(logits[row], token, q) if self.confidence_threshold else 1.0
                     tokens[i].append(token)
-                    if (
-                        self.confidence_threshold
-                        and self._confidence(logits[row], token, q) < self.confidence_threshold
-                    ):
+                    if confidence < self.confidence_threshold:
                         unsure.add(i)
                     if seqs[i].grammar is not None:  # the next draft position's mask follows this token
                         seqs[i].grammar.draft(token)
@@ -133,14 +137,24 @@ class DraftModelProposer(Proposer):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out
 
+    def _argmax_drafts(self, logits: torch.Tensor, rows: list[int], seqs) -> dict[int, tuple[int, float]]:
+        """Each row of a greedy sequence with nothing to apply to its logits: its draft (the argmax, as a target id)
+        and the draft's softmax probability of it (what _sample and _confidence give), all in one copy to the host: a
+        copy per row would each wait on the device."""
+        plain = [row for row, i in enumerate(rows) if _drafts_argmax(seqs[i])]
+        if not plain:
+            return {}
+        picked = logits[plain].float()
+        confidence = 1.0 / torch.exp(picked - picked.amax(-1, keepdim=True)).sum(-1)
+        ids, probs = torch.stack([picked.argmax(-1).double(), confidence.double()]).tolist()
+        return {row: (self._vocab[int(t)] if self._vocab else int(t), p) for row, t, p in zip(plain, ids, probs)}
+
     def _sample(self, logits: torch.Tensor, seq, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
-        """Greedy requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification.
-        The request's logits processors see the drafts so far, as the target's verify rows will."""
+        """A draft of a sequence that processes its logits or samples (plain greedy ones: _argmax_drafts): greedy
+        requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification. The request's
+        logits processors see the drafts so far, as the target's verify rows will."""
         vocab_ids = self.runner.vocab_ids
-        if vocab_ids is not None:
-            if seq.params.greedy and not seq.params.has_processors and seq.grammar is None:
-                return int(vocab_ids[int(logits.argmax())]), None
-            # back to the full vocabulary; tokens outside the subset get q = 0
+        if vocab_ids is not None:  # back to the full vocabulary; tokens outside the subset get q = 0
             full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
             logits = full.index_copy_(0, vocab_ids, logits)
         logits = process_logits(
@@ -174,6 +188,10 @@ class DraftModelProposer(Proposer):
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:
             self.runner.free(slot)
+
+
+def _drafts_argmax(seq) -> bool:
+    return seq.params.greedy and not seq.params.has_processors and seq.grammar is None
 
 
 def check_same_vocabulary(
