@@ -14,6 +14,7 @@ A GPU machine without network gets what its image lacks as wheels: tools/gpu_whe
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -319,6 +320,26 @@ def engine_trace(target, tokens: int = 160):
     }
 
 
+@section("sampled decoding (temperature 0.8), plain at 32 sequences: verification in one pass against one by one")
+def sampled(target, batch: int = 32, tokens: int = 64):
+    """A GPU verifies sampled sequences in one pass, one copy to the host (verify/verifier.verify_sampled); one by
+    one, each sequence's draw is a copy of its own, each waiting on the device."""
+    from specdecode.engine import engine as engine_module
+
+    llm, rates = engine(target, num_speculative_tokens=0), {}
+    together = engine_module.verify_batch
+    ways = {"one pass": True, "one by one": False}
+    for name, verify in ((name, functools.partial(together, sample_together=way)) for name, way in ways.items()):
+        engine_module.verify_batch = verify
+        try:
+            rates[name] = generate(llm, batch, tokens, temperature=0.8)[0]
+        finally:
+            engine_module.verify_batch = together
+        print(f"{name:10s}: {rates[name]:8.1f} tok/s", flush=True)
+    print(f"one pass / one by one: {rates['one pass'] / rates['one by one']:.3f}x")
+    RESULTS["sampled"] = rates
+
+
 @section("where a step's host time goes: the engine under cProfile, graphs on (plain at 1 and 32, adaptive at 32)")
 def host_profile(target, draft):
     for name, batch, d, options in (
@@ -371,19 +392,22 @@ def engine(target, draft=None, **options) -> LLM:
     )
 
 
-def _timed(llm: LLM, batch: int, tokens: int, seed: int):
+def _timed(llm: LLM, batch: int, tokens: int, seed: int, temperature: float = 0.0):
     start = now()
-    outs = llm.generate(prompts(batch, seed), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    params = SamplingParams(
+        temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=seed if temperature else None
+    )
+    outs = llm.generate(prompts(batch, seed), params)
     return now() - start, outs
 
 
-def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0):
+def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0, temperature: float = 0.0):
     """(decoding tok/s, the outputs, the first request's speculation counters). Every request arrives at once
     and is prefilled before any decodes, so decoding runs from the last first token to the last finish: the
     tokens after each first over that span (at 64 sequences the prefill is most of a run, so timing it apart and
     subtracting would leave its noise in the rate)."""
-    _timed(llm, batch, 8, seed + 1)  # warm-up: graphs captured, kernels chosen
-    _, outs = _timed(llm, batch, tokens, seed)
+    _timed(llm, batch, 8, seed + 1, temperature)  # warm-up: graphs captured, kernels chosen
+    _, outs = _timed(llm, batch, tokens, seed, temperature)
     specs = [o.spec for o in outs]
     first = max(s["ttft_s"] for s in specs)
     last = max(s["ttft_s"] + s["tpot_s"] * (s["num_output_tokens"] - 1) for s in specs)
@@ -541,6 +565,7 @@ def main() -> None:
         head_step(target)
         engine_trace(target)
         concurrency(target, draft, args.sweep_tokens)
+        sampled(target)
         host_profile(target, draft)
         if not args.skip_tests:
             tests(TEST_FILES[:5])
