@@ -142,3 +142,4 @@ def test_plain_greedy_drafts_of_a_round_come_back_as_each_rows_own(restricted):
         assert q is None and got[row][0] == token
         assert got[row][1] == pytest.approx(proposer._confidence(logits[row], token, q), rel=1e-6)
     assert len({token for token, _ in got.values()}) > 1 and min(c for _, c in got.values()) < 0.5
+    assert proposer._argmax_drafts(logits[:5], list(range(5)), seqs[:5]) == got  # every row plain greedy

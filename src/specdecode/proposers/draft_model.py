@@ -144,7 +144,7 @@ class DraftModelProposer(Proposer):
         plain = [row for row, i in enumerate(rows) if _drafts_argmax(seqs[i])]
         if not plain:
             return {}
-        picked = logits[plain].float()
+        picked = (logits if len(plain) == len(rows) else logits[plain]).float()  # all of them: no index to copy
         confidence = 1.0 / torch.exp(picked - picked.amax(-1, keepdim=True)).sum(-1)
         ids, probs = torch.stack([picked.argmax(-1).double(), confidence.double()]).tolist()
         return {row: (self._vocab[int(t)] if self._vocab else int(t), p) for row, t, p in zip(plain, ids, probs)}
