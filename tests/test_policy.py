@@ -9,7 +9,7 @@ from conftest import run_as_one_batch
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.config import AdaptiveOptions
 from specdecode.engine.policy import AdaptivePolicy, CostTable, TargetCost, make_policy
-from specdecode.engine.policy.allocation import step_seconds
+from specdecode.engine.policy.allocation import StepPrice
 
 
 def test_token_gains_of_a_fresh_policy_follow_the_prior():
@@ -27,6 +27,20 @@ def test_fixed_and_disable_by_batch_size():
         make_policy("disable_by_batch_size", 3)
     with pytest.raises(SpecDecodeError, match="unknown speculation policy"):
         make_policy("sometimes", 3)
+
+
+def step_seconds(
+    costs, ks: list[int], by_lookup: list[bool] | None = None, reach: list[float] | None = None, contexts=None
+) -> float:
+    """The predicted seconds of a step where sequence i (contexts[i] tokens cached) may draft ks[i] tokens, by prompt
+    lookup where by_lookup[i], the draft model reaching position j + 1 with chance reach[j] (default: always): its
+    drafts grown sequence by sequence, where the allocation grows them most likely first."""
+    contexts = contexts or [0] * len(ks)
+    step = StepPrice(costs, len(ks), reach or [1.0] * max(ks, default=0), contexts)
+    for i, k in enumerate(ks):
+        for length in range(1, k + 1):
+            step.grow(length, bool(by_lookup and by_lookup[i]), contexts[i])
+    return step.seconds
 
 
 def _measured(alphas: list[float], c: float, k_max: int = 4, verify_growth: float = 0.0) -> AdaptivePolicy:
@@ -697,8 +711,6 @@ def test_one_rejected_first_probe_is_followed_by_another_not_by_plain_decoding()
 def test_a_step_priced_token_by_token_costs_the_same_in_any_order():
     """The allocation grows drafts one token at a time and prices each step from the one before
     (StepPrice); whatever the order of growth, the price is the step's, as priced whole."""
-    from specdecode.engine.policy.allocation import StepPrice
-
     reach = [1.0, 0.5, 0.25, 0.125]
     p = _measured([0.9, 0.9, 0.9], 0.1, verify_growth=0.01)
     ks, by_lookup = [4, 2, 6], [False, False, True]

@@ -97,6 +97,12 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def takes_argmax(self) -> bool:
+        """Greedy with nothing applied to its logits (no processor, no grammar): its token is the raw argmax, which
+        a draft round and a verify take for all such sequences in one copy to the host."""
+        return self.params.greedy and not self.params.has_processors and self.grammar is None
+
+    @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - self.num_output_tokens
 

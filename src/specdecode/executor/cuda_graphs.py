@@ -73,8 +73,9 @@ class StaticBatch:
 
     def __init__(self, bucket: Bucket, device, features: tuple[int, torch.dtype] | None = None):
         self.bucket, self.kv_len = bucket, bucket.keys
-        width = features and (bucket.seqs, bucket.rows, features[0])
-        self.features = None if width is None else torch.zeros(width, dtype=features[1], device=device)
+        self.features = None  # features: (width, dtype) of the rows a draft head reads
+        if features is not None:
+            self.features = torch.zeros(bucket.seqs, bucket.rows, features[0], dtype=features[1], device=device)
         rows = bucket.seqs * bucket.rows
         self.ints = torch.zeros(3 * rows + bucket.seqs, dtype=torch.long, device=device)
         shape = (bucket.seqs, bucket.rows)

@@ -141,7 +141,7 @@ class DraftModelProposer(Proposer):
         """Each row of a greedy sequence with nothing to apply to its logits: its draft (the argmax, as a target id)
         and the draft's softmax probability of it (what _sample and _confidence give), all in one copy to the host: a
         copy per row would each wait on the device."""
-        plain = [row for row, i in enumerate(rows) if _drafts_argmax(seqs[i])]
+        plain = [row for row, i in enumerate(rows) if seqs[i].takes_argmax]
         if not plain:
             return {}
         picked = (logits if len(plain) == len(rows) else logits[plain]).float()  # all of them: no index to copy
@@ -188,10 +188,6 @@ class DraftModelProposer(Proposer):
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:
             self.runner.free(slot)
-
-
-def _drafts_argmax(seq) -> bool:
-    return seq.params.greedy and not seq.params.has_processors and seq.grammar is None
 
 
 def check_same_vocabulary(

@@ -6,6 +6,7 @@ more processor: its mask at row j is the grammar's state after the first j draft
 from __future__ import annotations
 
 from collections.abc import Collection
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,26 +65,28 @@ def verify_batch(
     a synchronisation per sequence is what verification costs; a CPU pays nothing for them, and would pay for the
     padded rows): see verify_sampled."""
     sample_together = logits.is_cuda if sample_together is None else sample_together
-    plain = [not forced_accept and _argmax_is_enough(seq) for seq in seqs]
+    plain = [not forced_accept and seq.takes_argmax and seq.params.logprobs is None for seq in seqs]
     argmax = logits.argmax(-1).tolist() if any(plain) else []
-    starts = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(drafts))]
-    sampled = [
-        i for i, seq in enumerate(seqs) if sample_together and not (forced_accept or plain[i]) and _samples_alone(seq)
-    ]
-    together = dict(
-        zip(sampled, verify_sampled([seqs[i] for i in sampled], [drafts[i] for i in sampled],
-                                    [draft_probs[i] for i in sampled], logits, [starts[i] for i in sampled], eos_ids))
-    ) if sampled else {}  # fmt: skip
+    starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))  # sequence i's rows begin at starts[i]
+    together = {}
+    sampled = [i for i, seq in enumerate(seqs) if sample_together and not forced_accept and _samples_alone(seq)]
+    if sampled:
+
+        def pick(items):
+            return [items[i] for i in sampled]
+
+        verified = verify_sampled(pick(seqs), pick(drafts), pick(draft_probs), logits, pick(starts), eos_ids)
+        together = dict(zip(sampled, verified))
     results = []
     for i, (seq, tokens, q, start) in enumerate(zip(seqs, drafts, draft_probs, starts)):
-        rows = logits[start : start + len(tokens) + 1]
+        end = start + len(tokens) + 1
         if plain[i]:
-            accepted, emitted = match_greedy(tokens, argmax[start : start + len(tokens) + 1])
+            accepted, emitted = match_greedy(tokens, argmax[start:end])
             results.append((VerifyResult([accepted], [emitted]), None))
         elif i in together:
             results.append((together[i], None))
         else:
-            results.append(verify_drafts(seq, tokens, q, rows, eos_ids, forced_accept))
+            results.append(verify_drafts(seq, tokens, q, logits[start:end], eos_ids, forced_accept))
     return results
 
 
@@ -116,10 +119,6 @@ def verify_sampled(
 
 def _samples_alone(seq: Sequence) -> bool:
     return not seq.params.greedy and seq.grammar is None and seq.params.logprobs is None
-
-
-def _argmax_is_enough(seq: Sequence) -> bool:
-    return seq.params.greedy and not seq.params.has_processors and seq.grammar is None and seq.params.logprobs is None
 
 
 def verify_drafts(

@@ -1,5 +1,5 @@
 """The adaptive policy's allocation: drafts grown one token at a time, most likely accepted first, keeping the step
-with the highest predicted goodput; and what a step of given drafts is predicted to cost.
+with the highest predicted goodput.
 
 A decision prices one candidate step per draft token it might allow. Up to LOOP_CANDIDATES of them are priced one
 after another, each from the one before (StepPrice); more are priced at once as arrays (their verify calls' rows,
@@ -18,8 +18,10 @@ LOOP_CANDIDATES = 16  # up to this many candidate steps the loop is the faster (
 
 
 class StepPrice:
-    """The predicted seconds of one step (step_seconds) while its drafts grow one token at a time, each candidate
-    priced from the one before (a draft forward's share changes only at the grown position)."""
+    """The predicted seconds of one step while its drafts grow one token at a time, each candidate priced from the
+    one before (a draft forward's share changes only at the grown position). reach[j]: the chance that the draft
+    model drafts position j + 1 of those it is allowed (it may stop early), which prices the draft forwards and
+    verify rows a step is expected to make."""
 
     def __init__(self, costs: CostModel, n: int, reach: list[float], contexts: list[int] | None = None):
         self.costs, self.n, self.reach = costs, n, reach
@@ -46,25 +48,6 @@ class StepPrice:
     @property
     def seconds(self) -> float:
         return self.forward_seconds + self.costs.target(self.n, self.tokens, self.keys, self.extra_keys)
-
-
-def step_seconds(
-    costs: CostModel,
-    ks: list[int],
-    by_lookup: list[bool] | None = None,
-    reach: list[float] | None = None,
-    contexts: list[int] | None = None,
-) -> float:
-    """Predicted seconds of a step where sequence i, with contexts[i] tokens cached, may draft ks[i] tokens and the
-    target verifies them; by_lookup[i]: those drafts come from prompt lookup, at no draft-forward cost; reach[j]: the
-    chance that the draft model drafts position j + 1 of those it is allowed (it may stop early; default: never),
-    which prices the draft forwards and verify rows a step is expected to make."""
-    contexts = contexts or [0] * len(ks)
-    step = StepPrice(costs, len(ks), reach or [1.0] * max(ks, default=0), contexts)
-    for i, k in enumerate(ks):
-        for length in range(1, k + 1):
-            step.grow(length, bool(by_lookup and by_lookup[i]), contexts[i])
-    return step.seconds
 
 
 def gains_of(alphas: list[float], depth: list[float]) -> list[list[float]] | np.ndarray:
