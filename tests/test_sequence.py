@@ -5,6 +5,7 @@ text, and stop strings found across token boundaries; each beside a broken varia
 import random
 
 import pytest
+from families import llama_cpp_source, vocabulary
 
 from specdecode.engine import sequence as sequence_module
 from specdecode.engine.sequence import Detokenizer, Sequence
@@ -108,3 +109,49 @@ def test_stop_search_that_misses_strings_across_chunks_fails(monkeypatch):
         ByteLevel(), ByteLevel().encode(TEXT), [1] * len(TEXT.encode()), SamplingParams(max_tokens=1000, stop=["café"])
     )
     assert seq.finish_reason != "stop"
+
+
+def _llama_cpp_cases(name: str) -> list[str]:
+    """The texts of llama.cpp's tokenizer tests: scripts, emoji, runs of spaces and newlines, code."""
+    path = llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf.inp"
+    return path.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+
+
+def _streamed_cases(tok, name: str, seed: int = 0):
+    """Each case's tokens (an end-of-turn token inside: decoding skips it) grown in chunks of 1-4: (the texts seen
+    after each chunk, the whole decode) per case."""
+    eos = min(tok.eos_token_ids)
+    for text in _llama_cpp_cases(name):
+        ids = tok.encode(text)
+        ids = ids[: len(ids) // 2] + [eos] + ids[len(ids) // 2 :]
+        seq, seen = _grow(tok, ids, _chunks(len(ids), seed))
+        assert seq.detokenizer.stream  # the tokenizer's own incremental decoder, not the window
+        yield seen, tok.decode(ids)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "llama-spm"])
+def test_a_real_tokenizers_incremental_decoder_gives_the_whole_decode(name):
+    """Byte-level BPE (Qwen's, Llama 3's) and SentencePiece with byte fallback (Llama 2's)."""
+    tok = vocabulary(f"ggml-vocab-{name}.gguf")
+    for seen, whole in _streamed_cases(tok, name):
+        assert seen[-1] == whole
+        assert all(whole.startswith(text) for text in seen)
+
+
+def test_a_real_tokenizers_cut_off_character_comes_out_as_the_whole_decode_does():
+    tok = vocabulary("ggml-vocab-llama-spm.gguf")  # byte fallback: 🙂 is four byte tokens
+    ids = tok.encode("ok 🙂 ok 🙂")[:-1]
+    seq, _ = _grow(tok, ids, [1] * len(ids), SamplingParams(max_tokens=len(ids)))
+    assert seq.finish_reason == "length" and seq.text == tok.decode(ids) and seq.text.endswith("\ufffd")
+
+
+def test_an_incremental_decoder_started_afresh_each_step_fails(monkeypatch):
+    """Broken: a decoder that forgets the tokens before drops a word's leading space and splits characters."""
+    from tokenizers.decoders import DecodeStream
+
+    tok = vocabulary("ggml-vocab-llama-spm.gguf")
+    backend = tok.hf.backend_tokenizer
+    monkeypatch.setattr(
+        type(tok), "decode_stream", lambda self: lambda t: DecodeStream(skip_special_tokens=True).step(backend, t)
+    )
+    assert any(seen[-1] != whole for seen, whole in _streamed_cases(tok, "llama-spm"))

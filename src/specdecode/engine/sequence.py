@@ -24,17 +24,37 @@ def sample_stream(seed: int | None, index: int, device) -> torch.Generator | Non
     return torch.Generator(device=device).manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**64)
 
 
-@dataclass
 class Detokenizer:
-    """The text of a growing token list, decoding a short window per token instead of the whole list (the
-    incremental decoding of vLLM and TGI): tokens before `read` are text already; the window starts at
-    `prefix`, one token earlier, because a tokenizer may render a token differently at the start of a text
-    (a dropped leading space). Text that ends inside a UTF-8 character waits for the next token."""
+    """The text of a growing token list, each token decoded once: by the tokenizer's own incremental decoder where
+    it has one (`decode_stream`), else by decoding a short window per token (the incremental decoding of vLLM and
+    TGI). Tokens before `read` are text already; a window starts at `prefix`, one emission earlier, because a
+    tokenizer may render a token differently at the start of a text (a dropped leading space). Text that ends
+    inside a UTF-8 character waits for the next token; a finished sequence's (`flush`) ends in a replacement
+    character, as decoding the whole list would."""
 
-    prefix: int
-    read: int
+    def __init__(self, start: int):
+        self.prefix = self.read = self.fed = start  # fed: the tokens the incremental decoder has been given
+        self.stream = None  # the tokenizer's incremental decoder; False where it has none
 
     def new_text(self, tokenizer, ids: list[int], flush: bool = False) -> str:
+        if self.stream is None:
+            self.stream = getattr(tokenizer, "decode_stream", lambda: None)() or False
+        if not self.stream:
+            return self._window(tokenizer, ids, flush)
+        text = self._streamed(ids)
+        return text + self._window(tokenizer, ids, flush) if flush and self.read < len(ids) else text
+
+    def _streamed(self, ids: list[int]) -> str:
+        pieces = []
+        for i in range(self.fed, len(ids)):
+            piece = self.stream(ids[i])
+            if piece is not None:  # None: a character that waits for its next bytes
+                pieces.append(piece)
+                self.prefix, self.read = self.read, i + 1
+        self.fed = len(ids)
+        return "".join(pieces)
+
+    def _window(self, tokenizer, ids: list[int], flush: bool) -> str:
         before = tokenizer.decode(ids[self.prefix : self.read])
         after = tokenizer.decode(ids[self.prefix :])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not flush):
@@ -66,7 +86,7 @@ class Sequence:
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)  # prompt + output: the one list that grows, in place
         self.num_prompt_tokens = len(self.prompt_ids)
-        self.detokenizer = Detokenizer(self.num_prompt_tokens, self.num_prompt_tokens)  # the output's text only
+        self.detokenizer = Detokenizer(self.num_prompt_tokens)  # the output's text only
 
     @property
     def output_ids(self) -> list[int]:

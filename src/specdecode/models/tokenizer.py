@@ -47,6 +47,18 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def decode_stream(self):
+        """A function that takes the next token and returns the text it completes (None while a character waits
+        for more bytes): the tokenizers library's incremental decoder, rendering what decode() would. None where
+        decode() does more than the Rust tokenizer's own (a Python tokenizer, clean-up of spaces)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token: stream.step(backend, token)
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """tools: OpenAI function tools, rendered where the template asks for calls in a format read back
         (tool_call_format)."""
