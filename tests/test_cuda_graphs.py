@@ -1,7 +1,7 @@
 """Decode and verify forwards at bucket shapes (the forwards CUDA graphs replay): which bucket a forward takes, the
 fixed-shape forward against the eager one (logits, hidden states, KV entries), padding kept out of every
-sequence's cache, the eager fallback, and greedy speculation through the engine. On a CPU they run without
-capture; with SPECDECODE_TEST_DEVICE=cuda, captured and replayed."""
+sequence's cache, the eager fallback, a drafter's greedy rounds chained, and greedy speculation through the
+engine. On a CPU they run without capture; with SPECDECODE_TEST_DEVICE=cuda, captured and replayed."""
 
 import pytest
 import torch
@@ -108,9 +108,10 @@ def test_a_forward_outside_the_buckets_runs_eagerly():
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
-def test_greedy_speculation_with_fixed_shapes_is_plain_decoding(monkeypatch):
+@pytest.mark.parametrize("confidence", [0.0, 0.8])
+def test_greedy_speculation_with_fixed_shapes_is_plain_decoding(monkeypatch, confidence):
     """The engine with every runner at bucket shapes (target and draft): speculative greedy output is the target's
-    own greedy output, decoded eagerly."""
+    own greedy output, decoded eagerly. The draft model chains its rounds where it has no confidence stop."""
     prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 42], list(range(10, 40))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -123,10 +124,14 @@ def test_greedy_speculation_with_fixed_shapes_is_plain_decoding(monkeypatch):
             num_speculative_tokens=k,
             max_model_len=256,
             speculation_policy="fixed",
+            draft_confidence=confidence,
             progress=False,
         )
         assert (llm.engine.runner._fixed is not None) == fixed
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if k and fixed:
+            assert bool(llm.engine.proposer.runner._rounds._chains) == (confidence == 0.0)
+        return outs
 
     assert outputs(True, 3) == outputs(False, 0)
 
@@ -261,6 +266,125 @@ def test_speculation_with_a_draft_head_at_bucket_shapes_drafts_as_eagerly(monkey
 
     fixed, fixed_accepted, llm = run(True, 3)
     assert llm.engine.proposer.runner._fixed.buckets  # the head's forwards took buckets
+    assert llm.engine.proposer.runner._rounds._chains  # and its rounds after the first chained
     eager, eager_accepted, _ = run(False, 3)
     assert fixed == eager == run(False, 0)[0]
     assert fixed_accepted == eager_accepted and any(any(rates) for _, rates in fixed_accepted)
+
+
+def _drafting_runner(model, fixed: bool, features_of, prompts):
+    """A runner of the drafter with each prompt read and one drafting round run: (runner, slots, that round's logits,
+    its estimated features or None)."""
+    runner = ModelRunner(model, len(prompts), 256, fixed_shapes=fixed)
+    slots = [runner.allocate() for _ in prompts]
+    runner.forward(slots, prompts, "last", features=features_of(prompts))
+    for slot, prompt in zip(slots, prompts):
+        runner.commit(slot, len(prompt))
+    last = [[p[-1]] for p in prompts]
+    out = runner.forward(slots, last, "last", hidden=features_of(last) is not None, features=features_of(last))
+    for slot, prompt in zip(slots, prompts):
+        runner.commit(slot, len(prompt) + 1)
+    return (runner, slots, *out) if isinstance(out, tuple) else (runner, slots, out, None)
+
+
+def _one_by_one(runner, slots, logits, estimates, rounds):
+    """Greedy drafting round by round from the host, as a CPU drafts: per slot, (draft, probability) pairs."""
+    drafts = []
+    for row, (slot, r) in enumerate(zip(slots, rounds)):
+        step_logits, feature = logits[row], None if estimates is None else estimates[row : row + 1]
+        mine = []
+        while True:
+            token = int(step_logits.argmax())
+            mine.append((token, float(torch.softmax(step_logits.float(), -1)[token])))
+            if len(mine) == r + 1:
+                break
+            features = None if feature is None else [feature]
+            out = runner.forward([slot], [[token]], "last", hidden=features is not None, features=features)
+            step_logits, feature = (out[0][0], out[1]) if isinstance(out, tuple) else (out[0], None)
+            runner.commit(slot, runner.length(slot) + 1)
+        drafts.append(mine)
+    return drafts
+
+
+def _chained_and_one_by_one(drafter: str, rounds: list[int]):
+    """A drafter's chained drafts and those of rounds one by one, from the same first round; with the chained runner
+    and its slots' keys before the chain."""
+    target = tiny_model(seed=0)
+    model = _head_for(target) if drafter == "head" else tiny_model(seed=2, layers=1).model
+    gen = torch.Generator().manual_seed(3)
+    width = target.config.hidden_size
+
+    def features_of(inputs):
+        if drafter != "head":
+            return None
+        return [torch.randn(len(t), width, generator=torch.Generator().manual_seed(len(t))) for t in inputs]
+
+    prompts = [torch.randint(1, 60, (n,), generator=gen).tolist() for n in (12, 5, 30)]
+    runner, slots, logits, estimates = _drafting_runner(model, True, features_of, prompts)
+    before = [runner._cache.keys(0, s, runner.blocks_held(s) * runner.block_size) for s in slots]
+    starts = [runner.length(s) for s in slots]
+    chained = runner.greedy_rounds(slots, logits, estimates, rounds)
+    assert chained is not None and runner._rounds._chains  # the rounds chained
+    reference = _drafting_runner(model, False, features_of, prompts)
+    return chained, _one_by_one(*reference, rounds), (runner, slots, starts, before, reference[0])
+
+
+def _same_drafts(chained, expected) -> bool:
+    if [[t for t, _ in d] for d in chained] != [[t for t, _ in d] for d in expected]:
+        return False
+    probs = [torch.tensor([p for _, p in d]) for d in chained], [torch.tensor([p for _, p in d]) for d in expected]
+    return all(torch.allclose(a, b, atol=ATOL, rtol=0) for a, b in zip(*probs))
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_chained_greedy_rounds_draft_what_rounds_one_by_one_do(drafter):
+    """A drafter's rounds after the first chained on the device (one replay on a GPU): each sequence's drafts and their
+    probabilities are those of rounds run one by one; its keys are those rounds' keys, and a sequence that drafts fewer
+    rounds than the longest leaves every row past its own as it was (its extra rounds write the scratch block)."""
+    rounds = [3, 1, 0]
+    chained, expected, (runner, slots, starts, before, reference) = _chained_and_one_by_one(drafter, rounds)
+    assert [len(d) for d in chained] == [4, 2, 1] and _same_drafts(chained, expected)
+    for slot, start, r, old in zip(slots, starts, rounds, before):
+        rows = runner.blocks_held(slot) * runner.block_size
+        now, want = runner._cache.keys(0, slot, rows), reference._cache.keys(0, slot, start + r)
+        torch.testing.assert_close(now[:, : start + r], want, atol=ATOL, rtol=0)
+        assert torch.equal(now[:, start + r :], old[:, start + r : rows])
+
+
+def _features_not_fed(batch, drafts, estimates):
+    batch.tokens[:, 0] = drafts
+    batch.positions += 1
+
+
+def _positions_not_advanced(batch, drafts, estimates):
+    batch.tokens[:, 0] = drafts
+    if batch.features is not None:
+        batch.features[:, 0] = estimates
+
+
+@pytest.mark.parametrize("broken", [_features_not_fed, _positions_not_advanced])
+def test_chained_rounds_that_read_the_wrong_inputs_are_caught(monkeypatch, broken):
+    """The deliberately broken variants: a head's rounds that read the first round's features again, or rounds that
+    all read and write one position."""
+    from specdecode.executor.draft_chain import GreedyChain
+
+    monkeypatch.setattr(GreedyChain, "_next_round", staticmethod(broken))
+    chained, expected, _ = _chained_and_one_by_one("head", [3, 3, 3])
+    assert not _same_drafts(chained, expected)
+
+
+def test_chained_rounds_that_write_past_a_sequences_own_rows_are_caught(monkeypatch):
+    """The deliberately broken variant: every sequence runs the longest's rounds into its own blocks."""
+    from specdecode.executor.draft_chain import GreedyChain
+
+    run = GreedyChain.run
+    monkeypatch.setattr(
+        GreedyChain, "run", lambda self, c, s, st, f, ft, r: run(self, c, s, st, f, ft, [max(r)] * len(r))
+    )
+    model = tiny_model(seed=2, layers=1).model
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    runner, slots, logits, _ = _drafting_runner(model, True, lambda inputs: None, prompts)
+    starts = [runner.length(s) for s in slots]
+    before = runner._cache.keys(0, slots[1], runner.block_size)
+    runner.greedy_rounds(slots, logits, None, [3, 0])
+    assert not torch.equal(runner._cache.keys(0, slots[1], runner.block_size)[:, starts[1] :], before[:, starts[1] :])

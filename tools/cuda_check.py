@@ -275,6 +275,11 @@ def head_step(target):
         print(
             f"head {name:8s}: {seconds * 1e3:6.3f} ms a round, c = {seconds / plain:.3f} of a target step", flush=True
         )
+    for chained in (False, True):  # k = 4 greedy drafts: a round, then three more from the host or chained
+        seconds = median_seconds(_head_drafts(head, features, 4, chained), 50)
+        name = "k=4 chained" if chained else "k=4 one by one"
+        rows[name] = {"ms": seconds * 1e3, "c": seconds / plain}
+        print(f"head {name:14s}: {seconds * 1e3:6.3f} ms for 4 drafts, {seconds / plain:.3f} of a target step")
     RESULTS["head_step"] = rows
 
 
@@ -283,6 +288,29 @@ def _head_round(head, features, fixed: bool):
     slot = runner.allocate()
     runner.assume_cached(slot, PROMPT)
     return lambda: runner.forward([slot], [[1]], "last", hidden=True, features=features)
+
+
+def _head_drafts(head, features, k: int, chained: bool):
+    """k greedy drafts at bucket shapes (captured on a GPU), each copied to the host: after the first round, the rest
+    round by round from the host or chained on the device (ModelRunner.greedy_rounds)."""
+    runner = ModelRunner(head, 1, PROMPT + 64, fixed_shapes=True)
+    slot = runner.allocate()
+    runner.assume_cached(slot, PROMPT)
+
+    def drafts():
+        logits, estimate = runner.forward([slot], [[1]], "last", hidden=True, features=features)
+        runner.commit(slot, PROMPT + 1)
+        if chained:
+            runner.greedy_rounds([slot], logits, estimate, [k - 1])
+            runner.commit(slot, PROMPT + k)
+        else:
+            for _ in range(k - 1):
+                token = int(logits[0].argmax())
+                logits, estimate = runner.forward([slot], [[token]], "last", hidden=True, features=[estimate])
+                runner.commit(slot, runner.length(slot) + 1)
+        runner.rollback(slot, PROMPT)
+
+    return drafts
 
 
 @section("plain decoding at batch 1 through the engine: a token's wall time against the device's busy time in it")

@@ -163,9 +163,12 @@ class StepTimer:
         start = now()
         yield span
         span.seconds = now() - start
-        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + span.seconds)
+        self.record(which, span.seconds)
+
+    def record(self, which: str, seconds: float, calls: int = 1) -> None:
+        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + seconds)
         if which != "propose":
-            setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + 1)
+            setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + calls)
 
     @property
     def target_step_s(self) -> float | None:

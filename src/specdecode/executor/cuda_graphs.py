@@ -216,13 +216,10 @@ class BucketedForward:
             return self.model(batch.tokens, batch, self.cache, return_hidden="all", **extra)
 
     def _prepare(self, bucket: Bucket) -> _Entry | None:
-        features = (self.model.cfg.hidden_size, self.model.dtype) if self.reads_features else None
-        batch = StaticBatch(bucket, self.cache.table.device, features)
-        batch.paged_attention = self.attention
-        entry = _Entry(batch)
+        entry = _Entry(self.new_batch(bucket))
         if self.capture:
             try:
-                entry.graph, entry.outputs = self._captured(batch)
+                entry.graph, entry.outputs = self.capture_graph(entry.batch, lambda: self._run(entry.batch))
             except RuntimeError as e:  # a forward that waits on the host cannot be captured: it runs eagerly
                 log.warning("forwards of %s run eagerly: their capture failed (%s)", bucket, e)
                 self._refused.add(bucket)
@@ -230,20 +227,26 @@ class BucketedForward:
         self._entries[bucket] = entry
         return entry
 
-    def _captured(self, batch: StaticBatch):
-        """A graph of the bucket's forward, its rows all padding while captured (they write the scratch block)."""
-        batch.fill([], [], [], self.cache.scratch_row)
+    def new_batch(self, bucket: Bucket) -> StaticBatch:
+        features = (self.model.cfg.hidden_size, self.model.dtype) if self.reads_features else None
+        batch = StaticBatch(bucket, self.cache.table.device, features)
+        batch.paged_attention = self.attention
+        return batch
+
+    def capture_graph(self, batch: StaticBatch, run):
+        """A graph of `run` (a bucket's work on `batch`), the batch's rows all padding while captured (they write the
+        scratch block); and what run returned while captured (tensors a replay overwrites)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: one-off work (workspaces, kernel choice) stays out of the graph
             for _ in range(2):
-                batch.forget()
-                self._run(batch)
+                batch.fill([], [], [], self.cache.scratch_row)  # anew: a run may move the rows on (drafting rounds)
+                run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        batch.forget()
+        batch.fill([], [], [], self.cache.scratch_row)
         with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._run(batch)
+            outputs = run()
         return graph, outputs
 
 

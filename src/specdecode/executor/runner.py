@@ -34,6 +34,7 @@ from ..models.runtime import ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
+from .draft_chain import GreedyChain
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ModelRunner:
         if self._fixed is not None and self._fixed.capture:
             fuse_elementwise(model)
             self._fixed.attention = gpu_attention(model)
+        self._rounds = GreedyChain(self._fixed, model.vocab_ids) if self._fixed is not None else None
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
@@ -307,6 +309,34 @@ class ModelRunner:
             del self._tokens[slot][start:]
             self._tokens[slot].extend(int(t) for t in new)
         return out
+
+    def greedy_rounds(self, slots: list[int], logits: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
+        """Greedy drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
+        rounds[i] more, each round reading the draft before it (and, for a draft head, the features it estimated:
+        `features`), chained on the device (executor/draft_chain.py). Per slot, its drafts as (target id, the drafter's
+        probability of it), from one copy to the host; the rounds' rows are written, not committed. None where the
+        rounds do not chain (no fixed shapes, no bucket): the caller drafts round by round."""
+        starts = [self._cache.lengths[s] for s in slots]
+        if self._rounds is None or any(s + r > self.max_len for s, r in zip(starts, rounds)):
+            return None
+        chain = self._rounds.prepare(starts, rounds)
+        if chain is None:
+            return None
+        for slot, start, r in zip(slots, starts, rounds):
+            self._cache.reserve(slot, start + r)
+        picked = logits.float()
+        first_probs = 1.0 / torch.exp(picked - picked.amax(-1, keepdim=True)).sum(-1)
+        first = picked.argmax(-1)
+        first = first if self.vocab_ids is None else self.vocab_ids[first]
+        tokens, probs = self._rounds.run(chain, slots, starts, first, features, rounds)
+        tokens = torch.cat([first[:, None], tokens], 1).double()
+        probs = torch.cat([first_probs[:, None], probs], 1).double()
+        tokens, probs = torch.stack([tokens, probs]).tolist()  # one copy, after every round
+        for slot, start, r, drafts in zip(slots, starts, rounds, tokens):
+            self._written[slot] = start + r
+            del self._tokens[slot][start:]
+            self._tokens[slot].extend(int(t) for t in drafts[:r])
+        return [[(int(t), p) for t, p in zip(ts[: r + 1], ps[: r + 1])] for ts, ps, r in zip(tokens, probs, rounds)]
 
     @property
     def packs_any_width(self) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..metrics import StepTimer
+from ..metrics import StepTimer, now
 from ..models.loader import LoadedModel, load_model
 from ..sampling import process_logits, sample_token
 from .base import DraftBatch, Proposer
@@ -79,6 +79,8 @@ class DraftModelProposer(Proposer):
                 if not rows:
                     break
                 logits = self._draft_forward(step, rows, seqs, slots, tokens)
+                if step == 0 and self._chained(logits, rows, seqs, [slots[i] for i in rows], ks, tokens):
+                    break
                 argmax = self._argmax_drafts(logits, rows, seqs)
                 for row, i in enumerate(rows):
                     seqs[i].metrics.spec.num_draft_forwards += 1
@@ -136,6 +138,40 @@ class DraftModelProposer(Proposer):
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out
+
+    def _chained(self, logits: torch.Tensor, rows: list[int], seqs, slots: list[int], ks, tokens) -> bool:
+        """Where every row takes its argmax, the rounds after the first chained on the device (one launch, one copy
+        back: ModelRunner.greedy_rounds): each sequence's drafts up to its k, or up to the first under the confidence
+        threshold. False where they do not chain: the rounds run one by one."""
+        rounds = [ks[i] - 1 for i in rows]
+        if not self.chains_rounds or max(rounds) < 1 or not all(seqs[i].takes_argmax for i in rows):
+            return False
+        start = now()
+        drafts = self.runner.greedy_rounds(slots, logits, self._estimated_features(rows), rounds)
+        if drafts is None:
+            return False
+        seconds = now() - start
+        self.timer.record("draft", seconds, calls=max(rounds))
+        self._round_seconds += [seconds / max(rounds)] * max(rounds)
+        for i, slot, r, drafted in zip(rows, slots, rounds, drafts):
+            self.runner.commit(slot, self.runner.length(slot) + r)
+            seqs[i].metrics.spec.num_draft_forwards += r + 1
+            for token, confidence in drafted:
+                tokens[i].append(token)
+                if confidence < self.confidence_threshold:
+                    break
+        return True
+
+    @property
+    def chains_rounds(self) -> bool:
+        """Whether greedy rounds chain where the runner can: a chain runs every round it was allowed, so a draft
+        model, whose round costs a fair share of a target step, chains only where no confidence stop would have
+        ended its drafting early."""
+        return self.confidence_threshold == 0.0
+
+    def _estimated_features(self, rows: list[int]) -> torch.Tensor | None:
+        """What a drafter that reads features beside its tokens estimated in its last round, a row per sequence."""
+        return None
 
     def _argmax_drafts(self, logits: torch.Tensor, rows: list[int], seqs) -> dict[int, tuple[int, float]]:
         """Each row of a greedy sequence with nothing to apply to its logits: its draft (the argmax, as a target id)
