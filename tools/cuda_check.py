@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -261,10 +262,13 @@ def head_step(target):
     """A draft round of the head costs c of a target step: eager, every kernel launched from Python; captured, one
     replay. Drafting k tokens costs k rounds, so c decides how far the head's acceptance carries."""
     from specdecode.executor.backends import prepare_head
-    from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
+    from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
 
     spec = HeadSpec(target.name, target_fingerprint(target.model), 64 if SMOKE else 2048, min(VOCAB, 16384))
-    head = prepare_head(build_head(spec, None, target.model, torch.arange(spec.draft_vocab_size)))
+    built = build_head(spec, None, target.model, torch.arange(spec.draft_vocab_size))
+    path = os.path.join(tempfile.mkdtemp(), "head")
+    save_head(built, spec, path)
+    head = prepare_head(built)
     features = [torch.randn(1, target.config.hidden_size, device=DEVICE, dtype=head.dtype)]
     plain = median_seconds(_decode_runner(target.model, 1, PROMPT, True)[1], 50)
     rows = {"target step ms": plain * 1e3}
@@ -280,7 +284,26 @@ def head_step(target):
         name = "k=4 chained" if chained else "k=4 one by one"
         rows[name] = {"ms": seconds * 1e3, "c": seconds / plain}
         print(f"head {name:14s}: {seconds * 1e3:6.3f} ms for 4 drafts, {seconds / plain:.3f} of a target step")
+    rows["engine"] = _head_through_engine(target, f"head:{path}")
     RESULTS["head_step"] = rows
+
+
+def _head_through_engine(target, name: str) -> dict:
+    """Batch 1 through the engine with the head at k = 4, every draft accepted (the bound its cost allows: a random
+    head accepts nothing), its rounds chained and one by one, beside plain decoding."""
+    from unittest import mock
+
+    from specdecode.proposers.draft_head import DraftHeadProposer
+
+    rows = {"plain": generate(engine(target, num_speculative_tokens=0), 1)[0]}
+    for chained in (True, False):
+        with mock.patch.object(DraftHeadProposer, "chains_rounds", chained):
+            options = dict(num_speculative_tokens=4, speculation_policy="fixed", forced_accept=True)
+            llm = engine(target, speculative_model=name, **options)
+            rows["chained" if chained else "one by one"] = generate(llm, 1)[0]
+    for key, tok_s in rows.items():
+        print(f"engine, head k=4 forced accept, {key:10s}: {tok_s:8.1f} tok/s = {tok_s / rows['plain']:.2f}x plain")
+    return rows
 
 
 def _head_round(head, features, fixed: bool):
