@@ -64,7 +64,12 @@ class BlockBudget:
         """Whether every pool holds what these sequences hold now and may take in their next `lookahead` tokens
         of output (0: their next step)."""
         aheads = self.aheads(seqs, lookahead)  # the same in every pool: worked out once (a check every step)
-        return all(self._needed(runner, slot_of, seqs, aheads) <= runner.num_blocks for runner, slot_of in self.pools)
+        most = sum(aheads)  # what they may take at most, holding nothing yet: where that fits, no slot is looked at
+        return all(
+            runner.blocks_in_use() + most <= runner.num_blocks
+            or self._needed(runner, slot_of, seqs, aheads) <= runner.num_blocks
+            for runner, slot_of in self.pools
+        )
 
     def may_fit(self, admitted: list[Sequence], group: list[Sequence], cached_tokens: int) -> bool:
         """Before a group takes anything: whether the target's pool could hold it at best (its first sequence

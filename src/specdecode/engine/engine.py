@@ -252,7 +252,8 @@ class Engine(Prefilling):
         )
         if self.proposer is None:
             decision.by_lookup = [True] * n
-        decision.ks = [self._draft_budget(seq, k) for seq, k in zip(seqs, decision.ks)]
+        if any(decision.ks):
+            decision.ks = [self._draft_budget(seq, k) if k else 0 for seq, k in zip(seqs, decision.ks)]
         return decision, previews
 
     @property
