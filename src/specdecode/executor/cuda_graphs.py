@@ -207,10 +207,11 @@ class BucketedForward:
             entry.graph.replay()
             every_logit, every_hidden = entry.outputs
         else:
-            every_logit, every_hidden = self._run(entry.batch)
+            every_logit, every_hidden = self.run(entry.batch)
         return _selected(every_logit, every_hidden, bucket.rows, num_new, logits, hidden)
 
-    def _run(self, batch: StaticBatch):
+    def run(self, batch: StaticBatch):
+        """The batch's forward at its bucket's shape, eagerly: (every row's logits, every row's hidden state)."""
         extra = {} if batch.features is None else {"features": batch.features}
         with _fixed_shapes():
             return self.model(batch.tokens, batch, self.cache, return_hidden="all", **extra)
@@ -219,7 +220,7 @@ class BucketedForward:
         entry = _Entry(self.new_batch(bucket))
         if self.capture:
             try:
-                entry.graph, entry.outputs = self.capture_graph(entry.batch, lambda: self._run(entry.batch))
+                entry.graph, entry.outputs = self.capture_graph(entry.batch, lambda: self.run(entry.batch))
             except RuntimeError as e:  # a forward that waits on the host cannot be captured: it runs eagerly
                 log.warning("forwards of %s run eagerly: their capture failed (%s)", bucket, e)
                 self._refused.add(bucket)

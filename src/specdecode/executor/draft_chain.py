@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from ..sampling import argmax_probability
 from .cuda_graphs import Bucket, BucketedForward, StaticBatch, bucket_for
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,8 @@ class GreedyChain:
             # past its own rounds a sequence writes into the scratch block
             batch.slots[:, 0] = torch.where(chain.limits > r, own, self.forward.cache.scratch_row)
             batch.forget()
-            logits, hidden = self.forward._run(batch)
-            logits = logits.float()
-            chain.probs[:, r] = 1.0 / torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1)
+            logits, hidden = self.forward.run(batch)
+            chain.probs[:, r] = argmax_probability(logits)
             picked = logits.argmax(-1)
             chain.tokens[:, r] = picked if self.vocab_ids is None else self.vocab_ids[picked]
             self._next_round(batch, chain.tokens[:, r], hidden)

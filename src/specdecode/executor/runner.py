@@ -32,6 +32,7 @@ from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
+from ..sampling import argmax_probability
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
 from .draft_chain import GreedyChain
@@ -324,9 +325,7 @@ class ModelRunner:
             return None
         for slot, start, r in zip(slots, starts, rounds):
             self._cache.reserve(slot, start + r)
-        picked = logits.float()
-        first_probs = 1.0 / torch.exp(picked - picked.amax(-1, keepdim=True)).sum(-1)
-        first = picked.argmax(-1)
+        first_probs, first = argmax_probability(logits), logits.argmax(-1)
         first = first if self.vocab_ids is None else self.vocab_ids[first]
         tokens, probs = self._rounds.run(chain, slots, starts, first, features, rounds)
         tokens = torch.cat([first[:, None], tokens], 1).double()

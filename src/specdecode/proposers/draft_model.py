@@ -10,7 +10,7 @@ from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import StepTimer, now
 from ..models.loader import LoadedModel, load_model
-from ..sampling import process_logits, sample_token
+from ..sampling import argmax_probability, process_logits, sample_token
 from .base import DraftBatch, Proposer
 from .registry import ProposerSetup
 
@@ -180,9 +180,8 @@ class DraftModelProposer(Proposer):
         plain = [row for row, i in enumerate(rows) if seqs[i].takes_argmax]
         if not plain:
             return {}
-        picked = (logits if len(plain) == len(rows) else logits[plain]).float()  # all of them: no index to copy
-        confidence = 1.0 / torch.exp(picked - picked.amax(-1, keepdim=True)).sum(-1)
-        ids, probs = torch.stack([picked.argmax(-1).double(), confidence.double()]).tolist()
+        picked = logits if len(plain) == len(rows) else logits[plain]  # all of them: no index to copy
+        ids, probs = torch.stack([picked.argmax(-1).double(), argmax_probability(picked).double()]).tolist()
         return {row: (self._vocab[int(t)] if self._vocab else int(t), p) for row, t, p in zip(plain, ids, probs)}
 
     def _sample(self, logits: torch.Tensor, seq, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
@@ -206,7 +205,7 @@ class DraftModelProposer(Proposer):
         the choice depends on the draft alone, so verification stays lossless."""
         if q is not None:
             return float(q[token])
-        return float(1.0 / torch.exp(logits.float() - logits.max()).sum())
+        return float(argmax_probability(logits))
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""

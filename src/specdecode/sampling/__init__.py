@@ -4,7 +4,7 @@ logits processors (bias, min_tokens, penalties, grammar) -> temperature -> min_p
 from .grammar import GrammarMatcher, StructuredOutput
 from .logprobs import TokenLogprob, token_logprobs
 from .params import SamplingParams
-from .probs import logits_to_probs, sample_rows, sample_token
+from .probs import argmax_probability, logits_to_probs, sample_rows, sample_token
 from .processors import process_logits
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "TokenLogprob",
+    "argmax_probability",
     "logits_to_probs",
     "process_logits",
     "sample_rows",

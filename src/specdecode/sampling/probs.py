@@ -38,6 +38,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 NUCLEUS_CANDIDATES = 256
 
 
+def argmax_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The softmax probability of each row's largest logit (a greedy draft's confidence): 1 / sum(exp(x - max))."""
+    logits = logits.float()
+    return 1.0 / torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1)
+
+
 def nucleus(probs: torch.Tensor, top_p: float, sort_rows: bool | None = None) -> torch.Tensor:
     """Top-p on probability rows [R, V]: keep the fewest highest-ranked tokens whose mass reaches top_p (a token
     is dropped when the tokens ranked above it already reach it), renormalised. sort_rows (default: on a GPU) sorts
