@@ -80,10 +80,13 @@ class GreedyChain:
             batch.slots[:, 0] = torch.where(chain.limits > r, own, self.forward.cache.scratch_row)
             batch.forget()
             logits, hidden = self.forward.run(batch)
-            chain.probs[:, r] = argmax_probability(logits)
-            picked = logits.argmax(-1)
-            chain.tokens[:, r] = picked if self.vocab_ids is None else self.vocab_ids[picked]
+            chain.tokens[:, r], chain.probs[:, r] = self.pick(logits)
             self._next_round(batch, chain.tokens[:, r], hidden)
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's greedy draft (a target id) and the drafter's probability of it, on the device."""
+        picked = logits.argmax(-1)
+        return picked if self.vocab_ids is None else self.vocab_ids[picked], argmax_probability(logits)
 
     @staticmethod
     def _next_round(batch: StaticBatch, drafts: torch.Tensor, estimates: torch.Tensor) -> None:

@@ -32,7 +32,6 @@ from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
-from ..sampling import argmax_probability
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
 from .draft_chain import GreedyChain
@@ -305,11 +304,15 @@ class ModelRunner:
             tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
             extra = {} if features is None else {"features": self._batched(batch, features)}
             out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
-        for slot, start, n, new in zip(slots, starts, lengths, inputs):
-            self._written[slot] = start + n
-            del self._tokens[slot][start:]
-            self._tokens[slot].extend(int(t) for t in new)
+        for slot, start, new in zip(slots, starts, inputs):
+            self._wrote(slot, start, new)
         return out
+
+    def _wrote(self, slot: int, start: int, tokens) -> None:
+        """A forward wrote these tokens' rows from `start` on (written, not committed)."""
+        self._written[slot] = start + len(tokens)
+        del self._tokens[slot][start:]
+        self._tokens[slot].extend(int(t) for t in tokens)
 
     def greedy_rounds(self, slots: list[int], logits: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
         """Greedy drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
@@ -325,16 +328,13 @@ class ModelRunner:
             return None
         for slot, start, r in zip(slots, starts, rounds):
             self._cache.reserve(slot, start + r)
-        first_probs, first = argmax_probability(logits), logits.argmax(-1)
-        first = first if self.vocab_ids is None else self.vocab_ids[first]
+        first, first_probs = self._rounds.pick(logits)
         tokens, probs = self._rounds.run(chain, slots, starts, first, features, rounds)
         tokens = torch.cat([first[:, None], tokens], 1).double()
         probs = torch.cat([first_probs[:, None], probs], 1).double()
         tokens, probs = torch.stack([tokens, probs]).tolist()  # one copy, after every round
         for slot, start, r, drafts in zip(slots, starts, rounds, tokens):
-            self._written[slot] = start + r
-            del self._tokens[slot][start:]
-            self._tokens[slot].extend(int(t) for t in drafts[:r])
+            self._wrote(slot, start, drafts[:r])  # its r chained rounds read its drafts before the last
         return [[(int(t), p) for t, p in zip(ts[: r + 1], ps[: r + 1])] for ts, ps, r in zip(tokens, probs, rounds)]
 
     @property
