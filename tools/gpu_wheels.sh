@@ -12,7 +12,8 @@ fetch() {
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$dir" "$@"
 }
-fetch gguf fastapi starlette uvicorn pydantic annotated-types typing-inspection typing-extensions llguidance
+fetch gguf fastapi starlette uvicorn pydantic annotated-types typing-inspection typing-extensions llguidance \
+  annotated-doc opentelemetry-api  # fastapi's since 0.12x
 # pydantic pins its compiled core exactly
 core=$(unzip -p "$dir"/pydantic-2*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([0-9.]*\).*/\1/p')
 fetch "pydantic-core==$core"

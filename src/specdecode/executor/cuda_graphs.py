@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,7 @@ class BucketedForward:
         self._entries: dict[Bucket, _Entry] = {}
         self._refused: set[Bucket] = set()
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all buckets
+        self.capture_seconds: list[float] = []  # each capture's, its warm-up runs included
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -237,6 +239,7 @@ class BucketedForward:
     def capture_graph(self, batch: StaticBatch, run):
         """A graph of `run` (a bucket's work on `batch`), the batch's rows all padding while captured (they write the
         scratch block); and what run returned while captured (tensors a replay overwrites)."""
+        start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: one-off work (workspaces, kernel choice) stays out of the graph
@@ -248,6 +251,7 @@ class BucketedForward:
         batch.fill([], [], [], self.cache.scratch_row)
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = run()
+        self.capture_seconds.append(time.perf_counter() - start)
         return graph, outputs
 
 

@@ -101,7 +101,7 @@ class GreedyChain:
         chain = _Chain(self.forward.new_batch(bucket), rounds)
         if self.forward.capture:
             try:
-                chain.graph = self.forward.capture_graph(chain.batch, lambda: self._run(chain))
+                chain.graph, _ = self.forward.capture_graph(chain.batch, lambda: self._run(chain))
             except RuntimeError as e:  # a forward that waits on the host cannot be captured: rounds one by one
                 log.warning("drafting rounds of %s run one by one: their capture failed (%s)", bucket, e)
                 self._refused.add(key)
