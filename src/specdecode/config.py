@@ -50,7 +50,7 @@ class AdaptiveOptions:
     catch_up_horizon: int = 16  # steps within which a draft's catch-up must pay for itself
     probe_trials: float = 4.0  # below this much evidence on the first draft position, drafting is probed
     probe_budget: float = 0.02  # the fraction of decoding time that probes leading nowhere may cost...
-    probe_allowance: float = 0.5  # ... beyond this many seconds
+    probe_allowance_steps: float = 10.0  # ... beyond the time of this many plain steps at the batch size probed
     optimistic_acceptance: float = 0.95  # no probe where drafting would not pay even at this acceptance
     prior_acceptance: float = 0.7  # the first draft token's acceptance before any is measured
     acceptance_smoothing: float = 0.1  # per step, on a sequence's first-position outcome

@@ -58,10 +58,11 @@ class AdaptivePolicy(Policy):
         # after which the policy drafts by the model is refunded: at batch 1 the probe is what pays a new
         # request's catch-up, and drafting then goes on (budgeted, new requests there decoded plainly).
         self.probe_budget = options.probe_budget
-        # ... beyond a first probe_allowance seconds: at start-up there is no decoding time to take 2% of, and
-        # one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
-        # good draft off for the next dozens of steps.
-        self.probe_allowance = options.probe_allowance
+        # ... beyond a first probe_allowance_steps plain steps' time: at start-up there is no decoding time to take 2%
+        # of, and one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
+        # good draft off for the next dozens of steps. In plain steps, so that it is the same share of a run whatever
+        # the device and the model.
+        self.probe_allowance_steps = options.probe_allowance_steps
         # No probe where drafting would not pay even if the draft's first token were accepted this often
         # (catch-ups aside): at a batch size where the measured costs rule drafting out, a probe can only lose.
         self.optimistic_acceptance = options.optimistic_acceptance
@@ -83,9 +84,9 @@ class AdaptivePolicy(Policy):
         self.could_pay_refresh = options.could_pay_refresh
         self._could_pay: dict[int, tuple[int, bool, int]] = {}  # batch size -> (steps since worked out, answer, every)
 
-    def _probe_limit(self) -> float:
-        """Seconds that probes which did not lead to drafting may have cost so far."""
-        return self.probe_allowance + self.probe_budget * self._decode_seconds
+    def _probe_limit(self, n: int) -> float:
+        """Seconds that probes which did not lead to drafting may have cost so far, probing at n sequences."""
+        return self.probe_allowance_steps * self.costs.target(n, n) + self.probe_budget * self._decode_seconds
 
     def token_gains(self, first: float) -> list[float]:
         return self.estimator.token_gains(first, self.k_max)
@@ -141,7 +142,7 @@ class AdaptivePolicy(Policy):
             return True
         return (
             self.estimator.first_position_trials < self.probe_trials
-            and self._probe_seconds <= self._probe_limit()
+            and self._probe_seconds <= self._probe_limit(n)
             and self._drafting_could_pay(n, contexts)
         )
 
