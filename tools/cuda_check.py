@@ -235,14 +235,31 @@ def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
     if mode != "eager" and DEVICE == "cuda" and (seqs, width, context) == (1, 1, PROMPT):
         graph = next(iter(runner._fixed._entries.values())).graph
         replay = median_seconds(graph.replay, 100)
-        frac = roofline(1 / replay, 1, PROMPT, model)
-        rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac}
-        print(f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline", flush=True)
+        frac, launch = roofline(1 / replay, 1, PROMPT, model), _launch_seconds(graph)
+        rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac, "launch_us": launch * 1e6}
+        print(
+            f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline; the host's launch call "
+            f"{launch * 1e6:.0f} us",
+            flush=True,
+        )
         try:  # the profiler needs CUPTI: without it the timings above still stand
             RESULTS.setdefault("kernels", {})[mode] = kernel_breakdown(graph.replay)
         except Exception as e:
             print(f"   no kernel list: the profiler failed ({e})")
     return rows
+
+
+def _launch_seconds(graph, launches: int = 50) -> float:
+    """The median time the host spends in a replay's launch call, the device idle before it: what each step's
+    launch adds to the host's work (a cost that may grow with the graph's kernels)."""
+    seconds = []
+    for _ in range(launches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        seconds.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(seconds)[len(seconds) // 2]
 
 
 def kernel_breakdown(replay, replays: int = 20, shown: int = 14) -> list:
@@ -397,6 +414,39 @@ def sampled(target, batch: int = 32, tokens: int = 64):
         print(f"{name:10s}: {rates[name]:8.1f} tok/s", flush=True)
     print(f"one pass / one by one: {rates['one pass'] / rates['one by one']:.3f}x")
     RESULTS["sampled"] = rates
+
+
+@section("the linear layers alone, read at decode shapes: cuBLAS, and Inductor's autotuned kernels (1 row)")
+def linear_costs(target, autotune_seconds: float = 60.0):
+    """What each of a layer's projections and the LM head cost at 1 and 8 rows, in µs and in TB/s of weights read:
+    where cuBLAS tiles a narrow projection over few of the device's cores, a kernel that splits its inner dimension
+    would read faster. Inductor's max-autotune choice (its Triton templates beside cuBLAS) shows what one could gain,
+    for as many projections as its compile time allows."""
+    import torch.nn.functional as F
+
+    linears = {n: m for n, m in target.model.layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    linears["lm_head"] = target.model.lm_head
+    start, rows = time.perf_counter(), {}
+    for count in (1, 8):
+        for name, m in linears.items():
+            x = torch.randn(count, m.in_features, device=DEVICE, dtype=DTYPE)
+            ways = {"cuBLAS": functools.partial(F.linear, x, m.weight, m.bias)}
+            tuning = count == 1 and name != "lm_head" and time.perf_counter() - start < autotune_seconds
+            if DEVICE == "cuda" and tuning:
+                torch._dynamo.reset()  # each shape compiled apart, clear of the recompile limit
+                tuned = torch.compile(_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+                ways["autotuned"] = functools.partial(tuned, x, m.weight, m.bias)
+            for way, fn in ways.items():
+                seconds = median_seconds(fn, 100)
+                rate = m.weight.numel() * m.weight.element_size() / seconds
+                rows[f"{name}, {count} rows, {way}"] = {"us": seconds * 1e6, "TB_s": rate / 1e12}
+                print(f"{name:24s} {count} rows {way:9s}: {seconds * 1e6:8.1f} us, {rate / 1e12:5.2f} TB/s", flush=True)
+    torch._dynamo.reset()
+    RESULTS["linear_costs"] = rows
+
+
+def _linear(x, weight, bias):
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 @section("where a step's host time goes: the engine under cProfile, graphs on (plain at 1 and 32, adaptive at 32)")
@@ -627,7 +677,8 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="step costs (graphs, fusion, paged attention kernels), the concurrency sweep, a host profile, some tests",
+        help="step costs (graphs, fusion, paged attention kernels), the concurrency sweep, a host profile, the linear "
+        "layers alone, some tests",
     )
     args = parser.parse_args()
     if args.out:
@@ -642,9 +693,10 @@ def main() -> None:
         concurrency(target, draft, args.sweep_tokens)
         sampled(target)
         host_profile(target, draft)
+        compiler_counts()  # the engine's compiles, before linear_costs' own
+        linear_costs(target)
         if not args.skip_tests:
             tests(TEST_FILES[:5])
-        compiler_counts()
         return
     if not args.only_sweep:
         batch_one_eager(target)
