@@ -793,11 +793,57 @@ def test_where_even_good_drafts_would_not_pay_a_decision_prices_nothing(monkeypa
     assert any(cheap.best_decision(alphas, [0] * 64, [100] * 64, None).ks) and priced
 
 
+def test_where_no_sequence_drafts_well_enough_to_pay_a_decision_prices_nothing(monkeypatch):
+    """A cheap draft on a GPU at 64 sequences (good drafts would pay) whose drafts are seldom accepted (a draft that
+    does not fit the target): once the acceptance under which drafting cannot pay is worked out, a decision drafts
+    nothing without pricing an allocation, as full pricing decides; drafts accepted often are priced, and drafted."""
+    priced = []
+    allocate = AdaptivePolicy._allocate
+    monkeypatch.setattr(AdaptivePolicy, "_allocate", lambda self, *a: (priced.append(1), allocate(self, *a))[1])
+    ids = [str(i) for i in range(64)]
+    p = _gpu_costs_at_64(make_policy("adaptive", 4), 0.0003)
+    for _ in range(20):
+        for i in ids:
+            p.observe_acceptance(i, 4, 0)
+    alphas = [p.estimator.first_token_acceptance(i) for i in ids]
+    assert p.best_decision(alphas, [0] * 64, [100] * 64, None).ks == [0] * 64  # what full pricing decides
+    priced.clear()
+    assert p.choose(ids).ks == [0] * 64
+    worked_out = len(priced)  # the bar: a few allocations of 64 sequences alike
+    for _ in range(7):
+        p.observe_step([0] * 64, 0.005, None, 0.005)
+        assert p.choose(ids).ks == [0] * 64
+    assert len(priced) == worked_out <= 1 + 4
+    assert p._draft_bar(64) - 0.1 >= max(alphas)
+    p.estimator.acceptance.update({i: 0.9 for i in ids})
+    assert any(p.choose(ids).ks) and len(priced) > worked_out
+
+
+def test_under_the_bar_no_mix_of_acceptances_would_draft():
+    """The skip is sound: wherever every sequence's acceptance is at most the bar, however they differ, full pricing
+    drafts nothing (drafts' gains grow with their acceptance)."""
+    gen = np.random.default_rng(0)
+    for draft_seconds in (0.0003, 0.001, 0.002):
+        p = _gpu_costs_at_64(make_policy("adaptive", 4), draft_seconds)
+        bar = p._draft_bar(64)
+        assert 0 < bar < p.optimistic_acceptance  # good drafts pay, bad ones do not
+        for _ in range(20):
+            alphas = list(gen.uniform(0, bar, 64))
+            assert p.best_decision(alphas, [0] * 64, [100] * 64, None).ks == [0] * 64
+        assert any(p.best_decision([bar + 2 * 0.95 / 16] * 64, [0] * 64, [100] * 64, None).ks)
+
+
 def test_whether_drafting_could_pay_is_worked_out_less_often_while_the_answer_holds(monkeypatch):
     """Worked out after 8 steps, then 16, 32, 64 and 64 while the answer stays no; after 8 again once it changes."""
     p = _gpu_costs_at_64(make_policy("adaptive", 4), 0.004)
     works = []
-    monkeypatch.setattr(p, "_good_drafts_would_pay", lambda n, contexts=None: works.append(n) or len(works) == 6)
+    no, yes = p.optimistic_acceptance, 0.3  # acceptances under which drafting cannot pay
+
+    def bar(n, contexts=None):
+        works.append(n)
+        return yes if len(works) == 6 else no
+
+    monkeypatch.setattr(p, "_highest_unpaying_acceptance", bar)
     steps_at = []
     for step in range(1 + 8 + 16 + 32 + 64 + 64 + 8 + 1):
         before = len(works)

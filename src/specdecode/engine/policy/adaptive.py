@@ -15,6 +15,11 @@ from .allocation import allocate, gains_of
 from .base import DraftDecision, Lookup, Policy
 from .costs import CostModel
 
+BAR_HALVINGS = 4  # halvings of [0, optimistic_acceptance] that find the acceptance under which drafting cannot pay
+# the pooled depth acceptance and the costs move between two works of that bar: sequences this close under it are
+# priced all the same
+BAR_MARGIN = 0.1
+
 
 class AdaptivePolicy(Policy):
     """options: its knobs (config.AdaptiveOptions; the estimator's priors and smoothing among them)."""
@@ -115,13 +120,10 @@ class AdaptivePolicy(Policy):
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
-        if (
-            drafter
-            and self.costs.draft  # a draft model's, measured (a lookup as the main proposer costs no forward)
-            and max(alphas) <= self.optimistic_acceptance
-            and not self._drafting_could_pay(n, contexts)
-        ):
-            drafter = False  # not even good, caught-up drafts would pay at this batch size: no allocation to price
+        # a draft model's costs measured (a lookup as the main proposer costs no forward): where no sequence's drafts
+        # are accepted often enough to pay at this batch size, there is no allocation to price
+        if drafter and self.costs.draft and max(alphas) <= self._draft_bar(n, contexts) - BAR_MARGIN:
+            drafter = False
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter, contexts)
         self._last_score = decision.score
         if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
@@ -148,25 +150,44 @@ class AdaptivePolicy(Policy):
 
     def expects_drafting(self, batch: int) -> bool:
         """Until the costs at this batch size are measured, yes (the first rounds probe them anyway); after, as long
-        as good drafts would pay there (the answer _drafting_could_pay keeps, left as it is)."""
+        as good drafts would pay there (as _draft_bar last found, left as it is)."""
         if self.k_max == 0 or not self.costs.draft or not self.costs.target.has_plain(batch):
             return self.k_max > 0
-        answer = self._could_pay.get(batch, (None, None, None))[1]
-        return self._good_drafts_would_pay(batch) if answer is None else answer
+        bar = self._could_pay.get(batch, (None, None, None))[1]
+        good = self.optimistic_acceptance
+        return self._drafts_would_pay(batch, good) if bar is None else bar < good
 
     def _drafting_could_pay(self, n: int, contexts: list[int] | None = None) -> bool:
         """Whether n sequences whose drafts are good and caught up would draft: a catch-up is the probed
-        sequence's one-off cost, which a probe accepts (and refunds once drafting follows). The answer
-        moves only as the measured costs do, so it is worked out again every few steps, not every step."""
-        age, answer, every = self._could_pay.get(n, (self.could_pay_refresh, None, self.could_pay_refresh))
-        if age >= every:
-            before, answer = answer, self._good_drafts_would_pay(n, contexts)
-            every = min(2 * every, 8 * self.could_pay_refresh) if answer == before else self.could_pay_refresh
-            self._could_pay[n] = (0, answer, every)
-        return answer
+        sequence's one-off cost, which a probe accepts (and refunds once drafting follows)."""
+        return self._draft_bar(n, contexts) < self.optimistic_acceptance
 
-    def _good_drafts_would_pay(self, n: int, contexts: list[int] | None = None) -> bool:
-        return any(self.best_decision([self.optimistic_acceptance] * n, [0] * n, [0] * n, None, True, contexts).ks)
+    def _draft_bar(self, n: int, contexts: list[int] | None = None) -> float:
+        """A first-token acceptance at which caught-up drafts for all n sequences would not pay (optimistic_acceptance
+        where not even those pay), as high as a few halvings find: a sequence's gains grow with its acceptance, so
+        where every sequence's is at most this, no allocation pays and none is priced (at 64 sequences a pricing
+        costs a launch-bound GPU's step several per cent). It moves only as the measured costs do, so it is worked
+        out again every few steps, not every step."""
+        age, bar, every = self._could_pay.get(n, (self.could_pay_refresh, None, self.could_pay_refresh))
+        if age >= every:
+            before, bar = bar, self._highest_unpaying_acceptance(n, contexts)
+            steady = before is not None and abs(bar - before) <= self.optimistic_acceptance / 2**BAR_HALVINGS
+            every = min(2 * every, 8 * self.could_pay_refresh) if steady else self.could_pay_refresh
+            self._could_pay[n] = (0, bar, every)
+        return bar
+
+    def _highest_unpaying_acceptance(self, n: int, contexts: list[int] | None) -> float:
+        if not self._drafts_would_pay(n, self.optimistic_acceptance, contexts):
+            return self.optimistic_acceptance
+        low, high = 0.0, self.optimistic_acceptance  # drafts at `low` do not pay, at `high` they do
+        for _ in range(BAR_HALVINGS):
+            middle = (low + high) / 2
+            low, high = (low, middle) if self._drafts_would_pay(n, middle, contexts) else (middle, high)
+        return low
+
+    def _drafts_would_pay(self, n: int, acceptance: float, contexts: list[int] | None = None) -> bool:
+        """Whether n caught-up sequences whose first drafts are each accepted this often would draft."""
+        return any(self.best_decision([acceptance] * n, [0] * n, [0] * n, None, True, contexts).ks)
 
     def best_decision(
         self,
