@@ -16,8 +16,8 @@ from .base import DraftDecision, Lookup, Policy
 from .costs import CostModel
 
 BAR_HALVINGS = 4  # halvings of [0, optimistic_acceptance] that find the acceptance under which drafting cannot pay
-# the pooled depth acceptance and the costs move between two works of that bar: sequences this close under it are
-# priced all the same
+# the pooled depth acceptance and the costs move between two works of that bar: it is set this far under the highest
+# acceptance found not to pay
 BAR_MARGIN = 0.1
 
 
@@ -87,7 +87,7 @@ class AdaptivePolicy(Policy):
         # Steps between two works of 'could drafting pay here', doubled (up to 8 times) while the answer holds: at 64
         # sequences a work prices a whole allocation, which a launch-bound GPU's step would feel if done often.
         self.could_pay_refresh = options.could_pay_refresh
-        self._could_pay: dict[int, tuple[int, bool, int]] = {}  # batch size -> (steps since worked out, answer, every)
+        self._could_pay: dict[int, tuple[int, float, int]] = {}  # batch size -> (steps since worked out, bar, every)
 
     def _probe_limit(self, n: int) -> float:
         """Seconds that probes which did not lead to drafting may have cost so far, probing at n sequences."""
@@ -122,7 +122,7 @@ class AdaptivePolicy(Policy):
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
         # a draft model's costs measured (a lookup as the main proposer costs no forward): where no sequence's drafts
         # are accepted often enough to pay at this batch size, there is no allocation to price
-        if drafter and self.costs.draft and max(alphas) <= self._draft_bar(n, contexts) - BAR_MARGIN:
+        if drafter and self.costs.draft and max(alphas) <= self._draft_bar(n, contexts):
             drafter = False
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter, contexts)
         self._last_score = decision.score
@@ -164,7 +164,7 @@ class AdaptivePolicy(Policy):
 
     def _draft_bar(self, n: int, contexts: list[int] | None = None) -> float:
         """A first-token acceptance at which caught-up drafts for all n sequences would not pay (optimistic_acceptance
-        where not even those pay), as high as a few halvings find: a sequence's gains grow with its acceptance, so
+        where not even those pay; else found by a few halvings, less BAR_MARGIN): gains grow with acceptance, so
         where every sequence's is at most this, no allocation pays and none is priced (at 64 sequences a pricing
         costs a launch-bound GPU's step several per cent). It moves only as the measured costs do, so it is worked
         out again every few steps, not every step."""
@@ -183,7 +183,7 @@ class AdaptivePolicy(Policy):
         for _ in range(BAR_HALVINGS):
             middle = (low + high) / 2
             low, high = (low, middle) if self._drafts_would_pay(n, middle, contexts) else (middle, high)
-        return low
+        return max(0.0, low - BAR_MARGIN)
 
     def _drafts_would_pay(self, n: int, acceptance: float, contexts: list[int] | None = None) -> bool:
         """Whether n caught-up sequences whose first drafts are each accepted this often would draft."""
