@@ -192,8 +192,8 @@ def unfused():
 
 
 # The attention of each mode's captured forwards: PyTorch's (gather + SDPA), or the paged Triton kernels with a
-# query head a program or a KV head's group of them a program (executor/paged_attention.py)
-# +paged/split64: keys split every 64 positions, so that a short context is attended by several programs a head
+# query head a program (executor/paged_attention.py), keys split across programs every 512 positions, or every 64
+# or 128 so that a short context is attended by several programs a head
 ATTENTION = {
     "graphs": None,
     "graphs+fused": None,
@@ -201,7 +201,7 @@ ATTENTION = {
     "+paged/split64": PagedAttention(1, split_keys=64),
     "+paged/split128": PagedAttention(1, split_keys=128),
 }
-ALL_MODES = tuple(["eager", *ATTENTION])
+ALL_MODES = ("eager", *ATTENTION)
 # sequences x rows per sequence after a context; a CPU (a smoke run) times one, its Triton kernels interpreted
 STEP_SHAPES = (
     ((1, 1, PROMPT), (1, 5, PROMPT), (8, 1, PROMPT), (64, 1, PROMPT), (1, 1, 4096), (1, 5, 4096))

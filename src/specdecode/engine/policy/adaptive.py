@@ -84,10 +84,10 @@ class AdaptivePolicy(Policy):
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
         self._last_score = 0.0  # the last decision's predicted goodput over the bar
-        # Steps between two works of 'could drafting pay here', doubled (up to 8 times) while the answer holds: at 64
-        # sequences a work prices a whole allocation, which a launch-bound GPU's step would feel if done often.
+        # Steps between two works of a batch size's draft bar, doubled (up to 8 times) while it holds: at 64 sequences
+        # a work prices a few whole allocations, which a launch-bound GPU's step would feel if done often.
         self.could_pay_refresh = options.could_pay_refresh
-        self._could_pay: dict[int, tuple[int, float, int]] = {}  # batch size -> (steps since worked out, bar, every)
+        self._bars: dict[int, tuple[int, float, int]] = {}  # batch size -> (steps since worked out, bar, every)
 
     def _probe_limit(self, n: int) -> float:
         """Seconds that probes which did not lead to drafting may have cost so far, probing at n sequences."""
@@ -153,7 +153,7 @@ class AdaptivePolicy(Policy):
         as good drafts would pay there (as _draft_bar last found, left as it is)."""
         if self.k_max == 0 or not self.costs.draft or not self.costs.target.has_plain(batch):
             return self.k_max > 0
-        bar = self._could_pay.get(batch, (None, None, None))[1]
+        bar = self._bars.get(batch, (None, None, None))[1]
         good = self.optimistic_acceptance
         return self._drafts_would_pay(batch, good) if bar is None else bar < good
 
@@ -168,12 +168,12 @@ class AdaptivePolicy(Policy):
         where every sequence's is at most this, no allocation pays and none is priced (at 64 sequences a pricing
         costs a launch-bound GPU's step several per cent). It moves only as the measured costs do, so it is worked
         out again every few steps, not every step."""
-        age, bar, every = self._could_pay.get(n, (self.could_pay_refresh, None, self.could_pay_refresh))
+        age, bar, every = self._bars.get(n, (self.could_pay_refresh, None, self.could_pay_refresh))
         if age >= every:
             before, bar = bar, self._highest_unpaying_acceptance(n, contexts)
             steady = before is not None and abs(bar - before) <= self.optimistic_acceptance / 2**BAR_HALVINGS
             every = min(2 * every, 8 * self.could_pay_refresh) if steady else self.could_pay_refresh
-            self._could_pay[n] = (0, bar, every)
+            self._bars[n] = (0, bar, every)
         return bar
 
     def _highest_unpaying_acceptance(self, n: int, contexts: list[int] | None) -> float:
@@ -255,9 +255,9 @@ class AdaptivePolicy(Policy):
             self._probing, self._predicted = False, None
         else:
             self._observe_target_time(ks, target_seconds, step_seconds, contexts or [0] * len(ks))
-        if len(ks) in self._could_pay:  # one more step at this batch size since it was worked out
-            age, answer, every = self._could_pay[len(ks)]
-            self._could_pay[len(ks)] = (age + 1, answer, every)
+        if len(ks) in self._bars:  # one more step at this batch size since it was worked out
+            age, bar, every = self._bars[len(ks)]
+            self._bars[len(ks)] = (age + 1, bar, every)
         drafting = sum(1 for i, k in enumerate(ks) if k and not (by_lookup and by_lookup[i]))
         if not drafting:
             self.estimator.fade_population_evidence()
