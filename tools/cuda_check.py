@@ -51,6 +51,7 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
 PROMPT, NEW = 200, 128
 TEST_FILES = [
     "tests/test_cuda_graphs.py",
+    "tests/test_overlap.py",
     "tests/test_paged_attention.py",
     "tests/test_chunked_prefill.py",
     "tests/test_runner.py",
@@ -370,7 +371,17 @@ def engine_trace(target, tokens: int = 160):
 
     llm = engine(target, num_speculative_tokens=0)
     _timed(llm, 1, 8, 1)  # warm-up: the buckets' graphs captured
+    llm.engine.overlap = True  # the default where graphs replay (forced on a CPU, to run the same code)
     unprofiled = generate(llm, 1, tokens)[0]
+    llm.engine.overlap = False  # each step's forward queued once the step before it is on the host
+    one_after_another = generate(llm, 1, tokens)[0]
+    llm.engine.overlap = True
+    print(
+        f"plain steps queued ahead {1e3 / unprofiled:.2f} ms a token, one after another {1e3 / one_after_another:.2f}"
+        f" ms ({unprofiled / one_after_another:.2f}x; {roofline(unprofiled, 1, PROMPT + tokens // 2, target.model):.0%}"
+        f" of roofline)",
+        flush=True,
+    )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     try:  # the profiler needs CUPTI for the device's side
         with profile(activities=activities) as prof:
@@ -390,6 +401,7 @@ def engine_trace(target, tokens: int = 160):
         print(f"   {e.self_cpu_time_total / tokens:8.1f} us {e.count / tokens:6.1f}x  {e.key[:70]}")
     RESULTS["engine_trace"] = {
         "unprofiled_ms": 1e3 / unprofiled,
+        "one_after_another_ms": 1e3 / one_after_another,
         "profiled_ms": spec["tpot_s"] * 1e3,
         "device_busy_ms": busy / 1e3,
         "host": [{"op": e.key[:70], "us": e.self_cpu_time_total / tokens, "calls": e.count / tokens} for e in host],
@@ -540,6 +552,7 @@ def batch_one(target, draft):
     rows = {}
     runs = {
         "plain, graphs": (None, dict(num_speculative_tokens=0)),
+        "plain, graphs, steps one after another": (None, dict(num_speculative_tokens=0, overlap=False)),
         "draft k=4 fixed, forced accept (bound)": (
             draft,
             dict(num_speculative_tokens=4, forced_accept=True, speculation_policy="fixed"),
@@ -548,7 +561,9 @@ def batch_one(target, draft):
         "draft k<=4 adaptive": (draft, dict(num_speculative_tokens=4)),
     }
     for name, (d, options) in runs.items():
+        overlap = options.pop("overlap", True)
         llm = engine(target, d, **options)
+        llm.engine.overlap = overlap
         tok_s, _, spec = generate(llm, 1)
         frac = roofline(tok_s, 1, PROMPT + NEW // 2, target.model)
         rows[name] = {"decode_tok_s": tok_s, "roofline_plain_equiv": frac, "spec": spec}
@@ -696,7 +711,7 @@ def main() -> None:
         compiler_counts()  # the engine's compiles, before linear_costs' own
         linear_costs(target)
         if not args.skip_tests:
-            tests(TEST_FILES[:5])
+            tests(TEST_FILES[:6])
         return
     if not args.only_sweep:
         batch_one_eager(target)

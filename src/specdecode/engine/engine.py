@@ -5,7 +5,6 @@ arrives while others decode is prefilled a chunk a step beside them, so that the
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
 
 import torch
@@ -18,19 +17,22 @@ from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 from ..verify.verifier import verify_batch
 from .admission import BlockBudget
+from .overlap import QueuingAhead, StepAhead
 from .policy import DraftDecision, Policy, make_policy
 from .prefill import ChunkedPrefill, Prefilling, PromptChunk
 from .sequence import Sequence, check_token_ids, sample_stream
 from .step import SequenceUpdate, StepOutput
 
 
-class Engine(Prefilling):
+class Engine(Prefilling, QueuingAhead):
     """proposers: at most one that drafts with a model (a draft model or head) and one that previews its
     drafts at no forward cost (prompt lookup, suffix speculation). With both, the policy chooses per
     sequence and step which one drafts; with a previewing one alone, it drafts for everyone.
 
     prefill_chunk: a prompt longer than this that arrives while other sequences decode is prefilled this many
-    tokens a step, after each decoding step (None: every prompt at once, the decoding streams waiting)."""
+    tokens a step, after each decoding step (None: every prompt at once, the decoding streams waiting).
+
+    overlap: plain steps queued ahead of the host (engine/overlap.py; None: where the runner replays graphs)."""
 
     def __init__(
         self,
@@ -42,6 +44,7 @@ class Engine(Prefilling):
         timer: StepTimer | None = None,
         policy: Policy | None = None,
         prefill_chunk: int | None = None,
+        overlap: bool | None = None,
     ):
         if num_speculative_tokens < 0:
             raise SpecDecodeError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
@@ -61,6 +64,9 @@ class Engine(Prefilling):
         self.prefilling: list[ChunkedPrefill] = []  # admitted, prompt partly computed, oldest first
         self._given: dict[int, tuple[Sequence, int]] = {}  # this step: a sequence given tokens -> where they begin
         self.totals = SpecCounters()
+        self.overlap = runner.replays_graphs if overlap is None else overlap
+        self._ahead: StepAhead | None = None  # the next plain step, queued on the device
+        self._plain_run = 0  # plain decoding steps in a row
         self.blocks = BlockBudget(runner, self.proposers, lambda: self.k)
 
     @property
@@ -134,6 +140,7 @@ class Engine(Prefilling):
         admitted = self._admit()
         decoding = [s for s in self.running if not s.finished]
         riding = bool(self.prefilling and was_decoding and decoding) and self.runner.packs_any_width
+        riding = riding and self._ahead is None  # a step queued ahead has no room for the chunk
         if decoding and (was_decoding or not admitted):
             self._decode_step(decoding, out, self._next_chunk() if riding else None)
         if self.prefilling and was_decoding and not riding:
@@ -150,27 +157,6 @@ class Engine(Prefilling):
         """Later prompts are computed whole (benchmarks that compare configurations on the same prompts)."""
         for holder in (self.runner, *self.proposers):
             holder.forget_prefixes()
-
-    def abort(self, seq: Sequence) -> None:
-        prefilling = next((p for p in self.prefilling if p.seq is seq), None)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-            self.totals.merge(seq.metrics.spec)  # a preempted sequence's steps so far
-        elif seq in self.running:
-            self._release(seq)
-            self.running.remove(seq)
-        elif prefilling is not None:
-            self._release(seq)
-            self.prefilling.remove(prefilling)
-        seq.finish_reason = seq.finish_reason or "abort"
-
-    def _release(self, seq: Sequence) -> None:
-        seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
-        self.runner.free(seq.slot)
-        self.policy.forget(seq.request_id)
-        for proposer in self.proposers:
-            proposer.release(seq)
-        self.totals.merge(seq.metrics.spec)
 
     def _target_forward(
         self, slots: list[int], inputs: list[list[int]], logits: str | list[int], every_row: bool = False
@@ -190,6 +176,9 @@ class Engine(Prefilling):
     def _decode_step(self, seqs: list[Sequence], out: StepOutput, chunk: PromptChunk | None = None) -> None:
         step_start = now()
         decision, previews = self._decide_drafts(seqs)
+        if chunk is None and self._plain(seqs, decision):
+            return self._plain_step(seqs, out, step_start)
+        self._ahead, self._plain_run = None, 0  # a step queued as plain and not taken: its rows are written anew
         drafts, draft_seconds = self._propose(seqs, decision, previews)
         verify_start = now()
         inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]

@@ -1,9 +1,10 @@
 """The engine's admission half: requests admitted while their slots and KV blocks fit, and their prompts
 prefilled, at once or, for a long prompt arriving while others decode, a chunk a step beside them; the newest
-sequences preempted while the KV cache cannot hold the next step of all."""
+sequences preempted while the KV cache cannot hold the next step of all; finished and aborted ones released."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,28 @@ class Prefilling:
             self._prefill(group, cached)
             admitted += group
         return admitted
+
+    def abort(self, seq: Sequence) -> None:
+        """The sequence stops where it is, whatever stage it is in, and gives back what it holds."""
+        prefilling = next((p for p in self.prefilling if p.seq is seq), None)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.totals.merge(seq.metrics.spec)  # a preempted sequence's steps so far
+        elif seq in self.running:
+            self._release(seq)
+            self.running.remove(seq)
+        elif prefilling is not None:
+            self._release(seq)
+            self.prefilling.remove(prefilling)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def _release(self, seq: Sequence) -> None:
+        seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
+        self.runner.free(seq.slot)
+        self.policy.forget(seq.request_id)
+        for proposer in self.proposers:
+            proposer.release(seq)
+        self.totals.merge(seq.metrics.spec)
 
     def _next_group(self) -> list[Sequence]:
         """The first waiting sequence with its siblings still waiting (the samples of one prompt share its prefill);

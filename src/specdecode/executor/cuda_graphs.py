@@ -88,16 +88,21 @@ class StaticBatch:
         self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int, features=None
     ) -> None:
         """These sequences' new tokens (and feature rows); every other row is padding (token 0 at position 0 of the
-        scratch slot; its features whatever a forward left there)."""
+        scratch slot; its features whatever a forward left there). inputs: per sequence its tokens, or a tensor
+        [n, 1] on the device (tokens a step picked, copied on the device: the host never waits for them)."""
         b, r = self.bucket.seqs, self.bucket.rows
+        on_device = isinstance(inputs, torch.Tensor)
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
             at = i * r
-            tokens[at : at + len(new)] = new
+            if not on_device:
+                tokens[at : at + len(new)] = new
             positions[at : at + len(new)] = range(start, start + len(new))
             row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
         self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
+        if on_device:
+            self.tokens[: len(inputs), :1].copy_(inputs)
         for i, rows in enumerate(features or ()):
             self.features[i, : len(rows)].copy_(rows)
         self.forget()

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # its length (a 32k-token prompt's MLP alone would hold gigabytes), and with the attention kernel the rows'
 # results do not depend on the call they are in
 PREFILL_CHUNK = 2048
+_UNSETTLED = -1  # a written position whose token id is still on the device
 
 
 class ModelRunner:
@@ -246,6 +247,19 @@ class ModelRunner:
             return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
 
+    def forward_picked(self, slots: list[int], picked: torch.Tensor, hidden: bool = False):
+        """Each slot's next token, read where a step picked it: `picked` [n] on the device, one per slot, so that
+        this forward is queued before those tokens reach the host. Their rows are written; the runner learns the
+        token ids from `settle` (they must be known before they are committed). The logits of each row, and with
+        `hidden` its hidden state."""
+        return self._forward_call(slots, picked, "last", hidden, None)
+
+    def settle(self, slot: int, position: int, token: int) -> None:
+        """The token id a forward_picked wrote at `position` of the slot, now on the host."""
+        if self._tokens[slot][position] != _UNSETTLED:
+            raise ValueError(f"slot {slot}: position {position} holds token {self._tokens[slot][position]} already")
+        self._tokens[slot][position] = token
+
     def _forward_in_chunks(self, slot: int, tokens: list[int], logits, hidden, features):
         """One sequence's long input in forwards of PREFILL_CHUNK tokens, each after the ones before: the same
         rows as one call where every row is attended alone (the attention kernel), in bounded memory."""
@@ -289,6 +303,8 @@ class ModelRunner:
     def _forward_call(self, slots, inputs, logits, hidden, features, starts: list[int] | None = None):
         """One forward; starts: where each sequence's new tokens begin (default: after its committed ones)."""
         starts = starts or [self._cache.lengths[s] for s in slots]
+        if isinstance(inputs, torch.Tensor):  # picked tokens on the device, one per slot: a row each
+            inputs = inputs.view(-1, 1)
         lengths = [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
@@ -301,7 +317,7 @@ class ModelRunner:
             batch = ForwardBatch.build(
                 slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
             )
-            tokens = self._batched(batch, [torch.tensor(t, dtype=torch.long, device=self.device) for t in inputs])
+            tokens = self._batched(batch, [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in inputs])
             extra = {} if features is None else {"features": self._batched(batch, features)}
             out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
         for slot, start, new in zip(slots, starts, inputs):
@@ -309,10 +325,11 @@ class ModelRunner:
         return out
 
     def _wrote(self, slot: int, start: int, tokens) -> None:
-        """A forward wrote these tokens' rows from `start` on (written, not committed)."""
+        """A forward wrote these tokens' rows from `start` on (written, not committed); a token still on the
+        device (forward_picked) is recorded as unsettled."""
         self._written[slot] = start + len(tokens)
         del self._tokens[slot][start:]
-        self._tokens[slot].extend(int(t) for t in tokens)
+        self._tokens[slot].extend(_UNSETTLED if isinstance(t, torch.Tensor) else int(t) for t in tokens)
 
     def greedy_rounds(self, slots: list[int], logits: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
         """Greedy drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
@@ -336,6 +353,11 @@ class ModelRunner:
         for slot, start, r, drafts in zip(slots, starts, rounds, tokens):
             self._wrote(slot, start, drafts[:r])  # its r chained rounds read its drafts before the last
         return [[(int(t), p) for t, p in zip(ts[: r + 1], ps[: r + 1])] for ts, ps, r in zip(tokens, probs, rounds)]
+
+    @property
+    def replays_graphs(self) -> bool:
+        """Whether decode forwards replay CUDA graphs: queued with one launch, they run while the host goes on."""
+        return self._fixed is not None and self._fixed.capture
 
     @property
     def packs_any_width(self) -> bool:
