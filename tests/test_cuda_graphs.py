@@ -257,10 +257,14 @@ def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "cuda-check.json").read_text())
     assert "failed" not in results, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sections = {"step_costs", "head_step", "engine_trace", "concurrency", "sampled", "host_profile", "linear_costs"}
+    sections = {
+        *("step_costs", "head_step", "measured_acceptance", "engine_trace", "concurrency", "sampled", "host_profile"),
+        "linear_costs",
+    }
     assert sections <= set(results)
     assert [n for n in (1, 2, 4, 8, 16, 32, 64) if str(n) in results["concurrency"]] == [1, 2, 4, 8, 16, 32, 64]
     assert results["engine_trace"]["unprofiled_ms"] > 0
+    assert results["measured_acceptance"]["head, adaptive"]["decode_tok_s"] > 0
 
 
 def _head_for(target):

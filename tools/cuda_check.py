@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -282,10 +283,8 @@ def kernel_breakdown(replay, replays: int = 20, shown: int = 14) -> list:
     return rows
 
 
-@section("a draft head's drafting forward at batch 1 (the shipped head's shape, random weights), eager and captured")
-def head_step(target):
-    """A draft round of the head costs c of a target step: eager, every kernel launched from Python; captured, one
-    replay. Drafting k tokens costs k rounds, so c decides how far the head's acceptance carries."""
+def random_head(target):
+    """A head at the shipped head's shapes, random weights: the module, and its speculative_model name."""
     from specdecode.executor.backends import prepare_head
     from specdecode.models.draft_head import HeadSpec, build_head, save_head, target_fingerprint
 
@@ -293,7 +292,14 @@ def head_step(target):
     built = build_head(spec, None, target.model, torch.arange(spec.draft_vocab_size))
     path = os.path.join(tempfile.mkdtemp(), "head")
     save_head(built, spec, path)
-    head = prepare_head(built)
+    return prepare_head(built), f"head:{path}"
+
+
+@section("a draft head's drafting forward at batch 1 (the shipped head's shape, random weights), eager and captured")
+def head_step(target):
+    """A draft round of the head costs c of a target step: eager, every kernel launched from Python; captured, one
+    replay. Drafting k tokens costs k rounds, so c decides how far the head's acceptance carries."""
+    head, head_name = random_head(target)
     features = [torch.randn(1, target.config.hidden_size, device=DEVICE, dtype=head.dtype)]
     plain = median_seconds(_decode_runner(target.model, 1, PROMPT, True)[1], 50)
     rows = {"target step ms": plain * 1e3}
@@ -309,8 +315,43 @@ def head_step(target):
         name = "k=4 chained" if chained else "k=4 one by one"
         rows[name] = {"ms": seconds * 1e3, "c": seconds / plain}
         print(f"head {name:14s}: {seconds * 1e3:6.3f} ms for 4 drafts, {seconds / plain:.3f} of a target step")
-    rows["engine"] = _head_through_engine(target, f"head:{path}")
+    rows["engine"] = _head_through_engine(target, head_name)
     RESULTS["head_step"] = rows
+
+
+# Acceptance per position at k = 4 of the real pair (the shipped head, the 0.5B draft) on 20 HumanEval prompts, greedy,
+# 128 tokens, no confidence stop: `specdecode bench latency -k 4 --draft-confidence 0 --no-ngram` on a CPU
+BENCH_DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "bench")
+MEASURED_ACCEPTANCE = {
+    name: os.path.join(BENCH_DOCS, f"acceptance-humaneval-{f}.json")
+    for name, f in (("head", "head-k4-zen3"), ("0.5B draft", "draft-0.5b-k4-zen3"))
+}
+
+
+@section("batch 1, HumanEval's acceptance: each step keeps drafts as the real pair kept them (measured on a CPU)")
+def measured_acceptance(target, draft):
+    """Issue 51's batch-1 bars (the head 2.0x plain, the 0.5B draft 1.3x) at the real shapes: random weights, each
+    step keeping as many drafts as the real weights kept on HumanEval (bench/imposed.py), so that speed is the
+    device's and acceptance the real models'. Fixed k = 4 and the adaptive policy (k <= 4), against plain decoding."""
+    from specdecode.bench.imposed import MeasuredAcceptance
+
+    _, head = random_head(target)
+    rows = {"plain": {"decode_tok_s": generate(engine(target, num_speculative_tokens=0), 1)[0]}}
+    drafters = {"head": dict(speculative_model=head), "0.5B draft": dict(draft=draft)}
+    for (name, drafter), policy in itertools.product(drafters.items(), ("fixed", "adaptive")):
+        acceptance = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE[name], 4)
+        llm = engine(target, num_speculative_tokens=4, speculation_policy=policy, draft_confidence=0.0, **drafter)
+        llm.engine.forced_accept = acceptance
+        tok_s, _, spec = generate(llm, 1)
+        ratio = tok_s / rows["plain"]["decode_tok_s"]
+        rows[f"{name}, {policy}"] = {"decode_tok_s": tok_s, "vs_plain": ratio, "tau": spec.get("tau")}
+        print(
+            f"{name:10s} {policy:8s}: {tok_s:8.1f} tok/s = {ratio:.2f}x plain (kept {acceptance.mean_accepted:.2f} of "
+            f"4 drafts a step on average)",
+            flush=True,
+        )
+        del llm
+    RESULTS["measured_acceptance"] = rows
 
 
 def _head_through_engine(target, name: str) -> dict:
@@ -704,6 +745,7 @@ def main() -> None:
     if args.quick:
         step_costs(target, ALL_MODES[2:])
         head_step(target)
+        measured_acceptance(target, draft)
         engine_trace(target)
         concurrency(target, draft, args.sweep_tokens)
         sampled(target)
@@ -717,6 +759,7 @@ def main() -> None:
         batch_one_eager(target)
         step_costs(target)
         batch_one(target, draft)
+        measured_acceptance(target, draft)
         greedy(target, draft)
     concurrency(target, draft, args.sweep_tokens)
     if not args.skip_tests:

@@ -15,7 +15,7 @@ from ..metrics import SpecCounters, StepTimer, now
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
-from ..verify.verifier import verify_batch
+from ..verify.verifier import ForcedAcceptance, verify_batch
 from .admission import BlockBudget
 from .overlap import QueuingAhead, StepAhead
 from .policy import DraftDecision, Policy, make_policy
@@ -40,7 +40,7 @@ class Engine(Prefilling, QueuingAhead):
         tokenizer: Tokenizer,
         proposers: list[Proposer] = (),
         num_speculative_tokens: int = 0,
-        forced_accept: bool = False,
+        forced_accept: ForcedAcceptance = False,
         timer: StepTimer | None = None,
         policy: Policy | None = None,
         prefill_chunk: int | None = None,
@@ -114,7 +114,7 @@ class Engine(Prefilling, QueuingAhead):
                 tenant=tenant,
             )
             seq.metrics.num_prompt_tokens = len(prompt_ids)
-            seq.metrics.forced_accept = self.forced_accept and self.k > 0
+            seq.metrics.forced_accept = bool(self.forced_accept) and self.k > 0
             group.append(seq)
         self.waiting.extend(group)
         return group

@@ -5,7 +5,7 @@ more processor: its mask at row j is the grammar's state after the first j draft
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,10 @@ from .rejection_sampler import VerifyResult, greedy_verify, match_greedy, reject
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
+
+# A benchmark's acceptance, not the models': True keeps every draft (the upper bound), a function of the number of
+# drafts says how many to keep (bench/imposed.py: as often as a run with the real weights kept them)
+ForcedAcceptance = bool | Callable[[int], int]
 
 
 def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int], eos_ids: Collection[int]) -> torch.Tensor:
@@ -55,7 +59,7 @@ def verify_batch(
     draft_probs: list[torch.Tensor | None],
     logits: torch.Tensor,
     eos_ids: Collection[int],
-    forced_accept: bool = False,
+    forced_accept: ForcedAcceptance = False,
     sample_together: bool | None = None,
 ) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
     """Every sequence's verification from one call's logits, sequence i's rows following the rows of the
@@ -127,10 +131,10 @@ def verify_drafts(
     draft_probs: torch.Tensor | None,
     logits: torch.Tensor,
     eos_ids: Collection[int],
-    forced_accept: bool = False,
+    forced_accept: ForcedAcceptance = False,
 ) -> tuple[VerifyResult, list[TokenLogprob] | None]:
     """logits [n + 1, V]: the target's raw logits after each prefix of the n drafts. The grammar, if any,
-    advances along the emitted tokens. forced_accept keeps every draft (the upper-bound benchmark; not
+    advances along the emitted tokens. forced_accept keeps every draft, or as many as it says (benchmarks; not
     lossless)."""
     processed = processed_logits(seq, logits, drafts, eos_ids)
     result = _accept(seq, drafts, draft_probs, processed, forced_accept)
@@ -140,13 +144,14 @@ def verify_drafts(
 
 
 def _accept(
-    seq: Sequence, drafts: list[int], q: torch.Tensor | None, processed: torch.Tensor, forced_accept: bool
+    seq: Sequence, drafts: list[int], q: torch.Tensor | None, processed: torch.Tensor, forced_accept: ForcedAcceptance
 ) -> VerifyResult:
     n = len(drafts)
     draft = torch.tensor([drafts], dtype=torch.long, device=processed.device)
     if forced_accept:
-        bonus = sample_token(processed[n], seq.params, seq.generator)[0]
-        return VerifyResult([n], [drafts + [bonus]])
+        kept = n if forced_accept is True else forced_accept(n)
+        bonus = sample_token(processed[kept], seq.params, seq.generator)[0]
+        return VerifyResult([kept], [drafts[:kept] + [bonus]])
     if seq.params.greedy:
         return greedy_verify(draft, [n], processed.argmax(-1)[None])
     p = logits_to_probs(processed, seq.params)[None]
