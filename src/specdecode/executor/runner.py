@@ -240,7 +240,8 @@ class ModelRunner:
             if not self.packs_any_width:
                 raise ValueError("logits per sequence need a call that packs any width (the attention kernel)")
             return self._forward_call(slots, inputs, logits, hidden, features)
-        long = [i for i, tokens in enumerate(inputs) if len(tokens) > self._rowwise_width()]
+        width = self._rowwise_width()
+        long = [i for i, tokens in enumerate(inputs) if len(tokens) > width]
         if long and len({len(tokens) for tokens in inputs}) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
         if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and self.packs_any_width:
