@@ -141,7 +141,7 @@ def test_padding_written_into_a_real_slot_is_caught(monkeypatch):
     monkeypatch.setattr(
         cuda_graphs.StaticBatch,
         "fill",
-        lambda self, slots, starts, inputs, scratch, features=None: fill(self, slots, starts, inputs, 0, features),
+        lambda self, slots, starts, inputs, scratch, *rest: fill(self, slots, starts, inputs, 0, *rest),
     )
     got, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=True), _steps())
     assert any(not torch.allclose(g[0], e[0], atol=ATOL, rtol=0) for g, e in zip(got, expected))

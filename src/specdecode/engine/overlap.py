@@ -108,7 +108,7 @@ class QueuingAhead:
         this one's again: no prompt waits to be admitted or prefilled, the pools hold one more token of each, and
         this is not a lone plain step (a policy that drafts re-measures plain decoding with one now and then, and the
         step after it drafts: it would not take a plain step queued for it)."""
-        if not self.overlap or self.waiting or self.prefilling or self._plain_run < 2:
+        if self.waiting or self.prefilling or self._plain_run < 2:
             return None
         going = [i for i, s in enumerate(seqs) if s.remaining_tokens > 1 and s.num_tokens + 1 < self.max_model_len]
         if not going or not self.blocks.fits(self._active(), lookahead=1):

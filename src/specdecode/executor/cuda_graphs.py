@@ -85,24 +85,28 @@ class StaticBatch:
         self._per_forward: dict = {}  # see _derived
 
     def fill(
-        self, slots: list[int], starts: list[int], inputs: list[list[int]], scratch_row: int, features=None
+        self,
+        slots: list[int],
+        starts: list[int],
+        inputs: list[list[int]],
+        scratch_row: int,
+        features=None,
+        picked: torch.Tensor | None = None,
     ) -> None:
         """These sequences' new tokens (and feature rows); every other row is padding (token 0 at position 0 of the
-        scratch slot; its features whatever a forward left there). inputs: per sequence its tokens, or a tensor
-        [n, 1] on the device (tokens a step picked, copied on the device: the host never waits for them)."""
+        scratch slot; its features whatever a forward left there). picked: one token per sequence, on the device,
+        in place of the inputs' (tokens a step picked, copied on the device: the host never waits for them)."""
         b, r = self.bucket.seqs, self.bucket.rows
-        on_device = isinstance(inputs, torch.Tensor)
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
             at = i * r
-            if not on_device:
-                tokens[at : at + len(new)] = new
+            tokens[at : at + len(new)] = new
             positions[at : at + len(new)] = range(start, start + len(new))
             row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
         self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
-        if on_device:
-            self.tokens[: len(inputs), :1].copy_(inputs)
+        if picked is not None:
+            self.tokens[: len(picked), 0].copy_(picked)
         for i, rows in enumerate(features or ()):
             self.features[i, : len(rows)].copy_(rows)
         self.forget()
@@ -199,9 +203,10 @@ class BucketedForward:
         logits: str,
         hidden: bool | str,
         features=None,
+        picked: torch.Tensor | None = None,
     ):
         """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly. features:
-        per sequence, a feature row per new token, where the model reads them."""
+        per sequence, a feature row per new token, where the model reads them; picked: see StaticBatch.fill."""
         num_new = [len(t) for t in inputs]
         bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
         if bucket is None or bucket in self._refused:
@@ -209,7 +214,7 @@ class BucketedForward:
         entry = self._entries.get(bucket) or self._prepare(bucket)
         if entry is None:
             return None
-        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features)
+        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features, picked)
         if entry.graph is not None:
             entry.graph.replay()
             every_logit, every_hidden = entry.outputs

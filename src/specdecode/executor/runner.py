@@ -253,7 +253,7 @@ class ModelRunner:
         this forward is queued before those tokens reach the host. Their rows are written; the runner learns the
         token ids from `settle` (they must be known before they are committed). The logits of each row, and with
         `hidden` its hidden state."""
-        return self._forward_call(slots, picked, "last", hidden, None)
+        return self._forward_call(slots, [[_UNSETTLED]] * len(slots), "last", hidden, None, picked=picked)
 
     def settle(self, slot: int, position: int, token: int) -> None:
         """The token id a forward_picked wrote at `position` of the slot, now on the host."""
@@ -301,11 +301,10 @@ class ModelRunner:
         joined = [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]
         return joined[0] if len(joined) == 1 else tuple(joined)
 
-    def _forward_call(self, slots, inputs, logits, hidden, features, starts: list[int] | None = None):
-        """One forward; starts: where each sequence's new tokens begin (default: after its committed ones)."""
+    def _forward_call(self, slots, inputs, logits, hidden, features, starts: list[int] | None = None, picked=None):
+        """One forward; starts: where each sequence's new tokens begin (default: after its committed ones); picked:
+        each sequence's one new token on the device, read in place of its input (forward_picked)."""
         starts = starts or [self._cache.lengths[s] for s in slots]
-        if isinstance(inputs, torch.Tensor):  # picked tokens on the device, one per slot: a row each
-            inputs = inputs.view(-1, 1)
         lengths = [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
@@ -313,12 +312,13 @@ class ModelRunner:
             self._cache.reserve(slot, start + n)
         out = None
         if self._fixed is not None and isinstance(logits, str) and (features is None or self._fixed.reads_features):
-            out = self._fixed(slots, starts, inputs, logits, hidden, features)
+            out = self._fixed(slots, starts, inputs, logits, hidden, features, picked)
         if out is None:
             batch = ForwardBatch.build(
                 slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
             )
-            tokens = self._batched(batch, [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in inputs])
+            rows = list(picked.view(-1, 1)) if picked is not None else inputs
+            tokens = self._batched(batch, [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in rows])
             extra = {} if features is None else {"features": self._batched(batch, features)}
             out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
         for slot, start, new in zip(slots, starts, inputs):
@@ -326,11 +326,10 @@ class ModelRunner:
         return out
 
     def _wrote(self, slot: int, start: int, tokens) -> None:
-        """A forward wrote these tokens' rows from `start` on (written, not committed); a token still on the
-        device (forward_picked) is recorded as unsettled."""
+        """A forward wrote these tokens' rows from `start` on (written, not committed)."""
         self._written[slot] = start + len(tokens)
         del self._tokens[slot][start:]
-        self._tokens[slot].extend(_UNSETTLED if isinstance(t, torch.Tensor) else int(t) for t in tokens)
+        self._tokens[slot].extend(int(t) for t in tokens)
 
     def greedy_rounds(self, slots: list[int], logits: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
         """Greedy drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
