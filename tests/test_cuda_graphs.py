@@ -376,8 +376,10 @@ def _chained_and_one_by_one(drafter: str, rounds: list[int]):
     runner, slots, logits, estimates = _drafting_runner(model, True, features_of, prompts)
     before = [runner._cache.keys(0, s, runner.blocks_held(s) * runner.block_size) for s in slots]
     starts = [runner.length(s) for s in slots]
-    chained = runner.greedy_rounds(slots, logits, estimates, rounds)
-    assert chained is not None and runner._rounds._chains  # the rounds chained
+    out = runner.greedy_rounds(slots, logits, estimates, rounds)
+    assert out is not None and runner._rounds._chains  # the rounds chained
+    tokens, probs = (t.double().tolist() for t in out)
+    chained = [[(int(t), p) for t, p in zip(ts[: r + 1], ps[: r + 1])] for ts, ps, r in zip(tokens, probs, rounds)]
     reference = _drafting_runner(model, False, features_of, prompts)
     return chained, _one_by_one(*reference, rounds), (runner, slots, starts, before, reference[0])
 

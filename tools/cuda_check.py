@@ -37,9 +37,9 @@ from specdecode.engine.memory import kv_bytes_per_token  # noqa: E402
 from specdecode.executor import runner as runner_module  # noqa: E402
 from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
 from specdecode.executor.runner import ModelRunner  # noqa: E402
-from specdecode.metrics import now  # noqa: E402
 from specdecode.models.loader import LoadedModel  # noqa: E402
 from specdecode.models.runtime import Transformer  # noqa: E402
+from specdecode.timing import now  # noqa: E402
 
 SMOKE = bool(os.environ.get("SMOKE"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,6 +53,7 @@ PROMPT, NEW = 200, 128
 TEST_FILES = [
     "tests/test_cuda_graphs.py",
     "tests/test_overlap.py",
+    "tests/test_drafts_on_device.py",
     "tests/test_paged_attention.py",
     "tests/test_chunked_prefill.py",
     "tests/test_runner.py",
@@ -342,16 +343,65 @@ def measured_acceptance(target, draft):
         acceptance = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE[name], 4)
         llm = engine(target, num_speculative_tokens=4, speculation_policy=policy, draft_confidence=0.0, **drafter)
         llm.engine.forced_accept = acceptance
-        tok_s, _, spec = generate(llm, 1)
-        ratio = tok_s / rows["plain"]["decode_tok_s"]
-        rows[f"{name}, {policy}"] = {"decode_tok_s": tok_s, "vs_plain": ratio, "tau": spec.get("tau")}
-        print(
-            f"{name:10s} {policy:8s}: {tok_s:8.1f} tok/s = {ratio:.2f}x plain (kept {acceptance.mean_accepted:.2f} of "
-            f"4 drafts a step on average)",
-            flush=True,
-        )
+        ways = {policy: True, f"{policy}, drafts read first": False} if policy == "fixed" else {policy: True}
+        for way, on_device in ways.items():  # drafts read first: the host waits for them before queuing the verify
+            llm.engine.overlap = on_device
+            tok_s, _, spec = generate(llm, 1)
+            ratio = tok_s / rows["plain"]["decode_tok_s"]
+            rows[f"{name}, {way}"] = {"decode_tok_s": tok_s, "vs_plain": ratio, "tau": spec.get("tau")}
+            print(
+                f"{name:10s} {way:24s}: {tok_s:8.1f} tok/s = {ratio:.2f}x plain (kept {acceptance.mean_accepted:.2f} "
+                "of 4 drafts a step on average)",
+                flush=True,
+            )
         del llm
     RESULTS["measured_acceptance"] = rows
+
+
+@section("the host's waits for the device, a step (PyTorch's sync debug mode): plain queued ahead, the head at k = 4")
+def waits(target, steps: int = 24):
+    """Every operation that makes the host wait for the device, counted per engine step and located: a plain step
+    queued ahead should wait on its tokens' copy alone (an event, which the debug mode does not count), a speculative
+    step once, for its drafts and the target's argmax together."""
+    if DEVICE != "cuda":
+        print("   (only a GPU's host waits: nothing to count)")
+        return
+    _, head = random_head(target)
+    configs = {
+        "plain, queued ahead": dict(num_speculative_tokens=0),
+        "head k=4, forced accept": dict(speculative_model=head, num_speculative_tokens=4, speculation_policy="fixed"),
+    }
+    for name, options in configs.items():
+        llm = engine(target, draft_confidence=0.0, **options)
+        llm.engine.forced_accept = "head" in name
+        counts, where = _waits_a_step(llm.engine, steps)
+        print(f"{name:24s}: {sum(counts) / len(counts):.2f} waits a step ({counts})")
+        for place, n in where.most_common(8):
+            print(f"   {n:4d}  {place}")
+        RESULTS.setdefault("waits", {})[name] = {"per_step": counts, "where": dict(where.most_common(12))}
+        del llm
+
+
+def _waits_a_step(eng, steps: int):
+    import collections
+    import warnings
+
+    eng.add_request(list(range(1, PROMPT)), SamplingParams(temperature=0, max_tokens=steps * 6, ignore_eos=True))
+    for _ in range(6):  # the prefill, the first plain steps, every bucket's capture
+        eng.step()
+    counts, where = [], collections.Counter()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(steps):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                eng.step()
+            found = [w for w in caught if "synchroniz" in str(w.message)]
+            counts.append(len(found))
+            where.update(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in found)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return counts, where
 
 
 def _head_through_engine(target, name: str) -> dict:
@@ -391,7 +441,8 @@ def _head_drafts(head, features, k: int, chained: bool):
         logits, estimate = runner.forward([slot], [[1]], "last", hidden=True, features=features)
         runner.commit(slot, PROMPT + 1)
         if chained:
-            runner.greedy_rounds([slot], logits, estimate, [k - 1])
+            tokens, probs = runner.greedy_rounds([slot], logits, estimate, [k - 1])
+            torch.stack([tokens.double(), probs.double()]).tolist()
             runner.commit(slot, PROMPT + k)
         else:
             for _ in range(k - 1):
@@ -453,17 +504,17 @@ def engine_trace(target, tokens: int = 160):
 def sampled(target, batch: int = 32, tokens: int = 64):
     """A GPU verifies sampled sequences in one pass, one copy to the host (verify/verifier.verify_sampled); one by
     one, each sequence's draw is a copy of its own, each waiting on the device."""
-    from specdecode.engine import engine as engine_module
+    from specdecode.engine import overlap as verifying
 
     llm, rates = engine(target, num_speculative_tokens=0), {}
-    together = engine_module.verify_batch
+    together = verifying.verify_batch
     ways = {"one pass": True, "one by one": False}
     for name, verify in ((name, functools.partial(together, sample_together=way)) for name, way in ways.items()):
-        engine_module.verify_batch = verify
+        verifying.verify_batch = verify
         try:
             rates[name] = generate(llm, batch, tokens, temperature=0.8)[0]
         finally:
-            engine_module.verify_batch = together
+            verifying.verify_batch = together
         print(f"{name:10s}: {rates[name]:8.1f} tok/s", flush=True)
     print(f"one pass / one by one: {rates['one pass'] / rates['one by one']:.3f}x")
     RESULTS["sampled"] = rates
@@ -744,6 +795,7 @@ def main() -> None:
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
     if args.quick:
         step_costs(target, ALL_MODES[2:])
+        waits(target)
         head_step(target)
         measured_acceptance(target, draft)
         engine_trace(target)
@@ -753,12 +805,13 @@ def main() -> None:
         compiler_counts()  # the engine's compiles, before linear_costs' own
         linear_costs(target)
         if not args.skip_tests:
-            tests(TEST_FILES[:6])
+            tests(TEST_FILES[:7])
         return
     if not args.only_sweep:
         batch_one_eager(target)
         step_costs(target)
         batch_one(target, draft)
+        waits(target)
         measured_acceptance(target, draft)
         greedy(target, draft)
     concurrency(target, draft, args.sweep_tokens)

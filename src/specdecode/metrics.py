@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import torch
 
 
 def expected_speedup(alpha: float, k: float, c: float) -> float:
@@ -127,63 +124,6 @@ class RequestMetrics:
             "forced_accept": self.forced_accept,
             "num_preemptions": self.num_preemptions,
         }
-
-
-@dataclass
-class Span:
-    """One timed call's seconds (StepTimer.measure yields it)."""
-
-    seconds: float = 0.0
-
-
-@dataclass
-class StepTimer:
-    """Wall time and call counts of the target's decode forwards and the draft's forwards (for the cost ratio
-    c). A draft forward that still reads a prompt is the draft's prefill, counted apart as the target's
-    prefill is: it is paid once a request, not per step."""
-
-    target_time: float = 0.0
-    target_calls: int = 0
-    draft_time: float = 0.0
-    draft_calls: int = 0
-    draft_prefill_time: float = 0.0
-    draft_prefill_calls: int = 0
-    propose_time: float = 0.0  # whole proposer calls (draft forwards plus their bookkeeping, or n-gram lookup)
-
-    def reset(self) -> None:
-        """Start counting afresh (a benchmark's measured run after its warm-up)."""
-        self.target_time = self.draft_time = self.draft_prefill_time = self.propose_time = 0.0
-        self.target_calls = self.draft_calls = self.draft_prefill_calls = 0
-
-    @contextmanager
-    def measure(self, which: str):
-        """Time one call, added to the totals and given to the caller as the yielded span's `seconds`; `which` is
-        "target", "draft", "draft_prefill" (forward passes) or "propose"."""
-        span = Span()
-        start = now()
-        yield span
-        span.seconds = now() - start
-        self.record(which, span.seconds)
-
-    def record(self, which: str, seconds: float, calls: int = 1) -> None:
-        setattr(self, f"{which}_time", getattr(self, f"{which}_time") + seconds)
-        if which != "propose":
-            setattr(self, f"{which}_calls", getattr(self, f"{which}_calls") + calls)
-
-    @property
-    def target_step_s(self) -> float | None:
-        return self.target_time / self.target_calls if self.target_calls else None
-
-    @property
-    def draft_step_s(self) -> float | None:
-        return self.draft_time / self.draft_calls if self.draft_calls else None
-
-
-def now() -> float:
-    """Wall clock after the accelerator has finished queued work, so phases are timed honestly."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def peak_rss_bytes() -> int:

@@ -74,7 +74,7 @@ def read_bandwidth(gib: int = 2, repeats: int = 5) -> float:
 def median_seconds(fn, repeats: int = 30) -> float:
     """The median wall time of `repeats` calls of fn after one warm-up call, each timed after the accelerator
     (if any) finishes its queued work."""
-    from ..metrics import now
+    from ..timing import now
 
     fn()
     times = []

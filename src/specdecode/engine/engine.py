@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..metrics import SpecCounters, StepTimer, now
+from ..metrics import SpecCounters
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
-from ..verify.verifier import ForcedAcceptance, verify_batch
+from ..timing import Span, StepTimer, mark, seconds_between
+from ..verify.verifier import ForcedAcceptance
 from .admission import BlockBudget
 from .overlap import QueuingAhead, StepAhead
 from .policy import DraftDecision, Policy, make_policy
@@ -32,7 +34,8 @@ class Engine(Prefilling, QueuingAhead):
     prefill_chunk: a prompt longer than this that arrives while other sequences decode is prefilled this many
     tokens a step, after each decoding step (None: every prompt at once, the decoding streams waiting).
 
-    overlap: plain steps queued ahead of the host (engine/overlap.py; None: where the runner replays graphs)."""
+    overlap: work queued ahead of the host, a step waiting for the device once (engine/overlap.py; None: where the
+    runner replays graphs)."""
 
     def __init__(
         self,
@@ -174,21 +177,18 @@ class Engine(Prefilling, QueuingAhead):
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence], out: StepOutput, chunk: PromptChunk | None = None) -> None:
-        step_start = now()
+        step_start = mark()
         decision, previews = self._decide_drafts(seqs)
         if chunk is None and self._plain(seqs, decision):
             return self._plain_step(seqs, out, step_start)
         self._ahead, self._plain_run = None, 0  # a step queued as plain and not taken: its rows are written anew
         drafts, draft_seconds = self._propose(seqs, decision, previews)
-        verify_start = now()
-        inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
+        verify_start = mark()
         starts = [seq.num_tokens - 1 for seq in seqs]
         # a call that also prefilled a chunk is not a decode forward's time (prefills are counted apart)
         with self.timer.measure("target") if chunk is None else contextlib.nullcontext():
-            logits, hidden, chunk_out = self._verify_forward(seqs, inputs, chunk)
-        results = verify_batch(
-            seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
-        )
+            logits, hidden, chunk_out = self._verify_forward(seqs, drafts, chunk)
+        results, widths = self._verified(seqs, drafts, logits)  # the step's one wait for the device
         out.draft_lengths = drafts.num_tokens
         out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
         row = 0
@@ -201,7 +201,7 @@ class Engine(Prefilling, QueuingAhead):
             self._feed_back(
                 seq, TargetFeedback(emitted, None if hidden is None else hidden[row : row + len(emitted)], start)
             )
-            row += n_draft + 1
+            row += widths[i]
             seq.metrics.spec.record_step(n_draft, accepted, len(emitted))
             out.counters.record_step(n_draft, accepted, len(emitted))
             if decision.by_lookup[i] and n_draft:
@@ -210,16 +210,17 @@ class Engine(Prefilling, QueuingAhead):
                 self.policy.observe_acceptance(seq.request_id, n_draft, accepted, decision.ks[i])
             self._emit(seq, emitted, logprobs)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
-        end = now()
+        end = mark()
         self.policy.observe_step(
-            drafts.num_tokens,
-            end - verify_start,
-            draft_seconds,
-            end - step_start,
+            [w - 1 for w in widths],  # the rows verified: drafts past a confidence stop too, where they were verified
+            seconds_between(verify_start, end),
+            draft_seconds(),
+            seconds_between(step_start, end),
             by_lookup=decision.by_lookup,
             contexts=starts,
             carried_prompt=chunk is not None,
         )
+        self.timer.settle()
         if chunk is not None:
             self._chunk_done(chunk, *chunk_out)
 
@@ -253,16 +254,21 @@ class Engine(Prefilling, QueuingAhead):
 
     def _propose(
         self, seqs: list[Sequence], decision: DraftDecision, previews: list[Preview] | None
-    ) -> tuple[DraftBatch, float | None]:
-        """Drafts from each proposer the decision picked (a lookup's are its previews, already made), and
-        the seconds of one drafter round (for the policy's cost model; None if it did not run)."""
+    ) -> tuple[DraftBatch, Callable[[], float | None]]:
+        """Drafts from each proposer the decision picked (a lookup's are its previews, already made), and the seconds
+        of one drafter round (for the policy's cost model; None if it did not run), to be read once the step's results
+        are (on a GPU, reading them before would wait for the drafter)."""
         main_ks = [0 if lookup else k for k, lookup in zip(decision.ks, decision.by_lookup)]
-        drafts, seconds = DraftBatch.empty(len(seqs)), None
+        drafts, seconds = DraftBatch.empty(len(seqs)), lambda: None
         if any(main_ks):
             catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, main_ks) if k)
             with self.timer.measure("propose") as span:
                 drafts = self.proposer.propose(seqs, main_ks, [s.feedback for s in seqs])
-            seconds = self._draft_round_seconds(span.seconds, max(main_ks), catch_up, drafts.round_seconds)
+            timed, most = drafts.round_spans, max(main_ks)
+
+            def seconds() -> float | None:
+                return self._draft_round_seconds(span.seconds, most, catch_up, _each_round(timed))
+
         for i, (k, lookup) in enumerate(zip(decision.ks, decision.by_lookup)):
             if k and lookup:
                 drafts.tokens[i], drafts.probs[i] = previews[i].tokens[:k], None
@@ -287,3 +293,8 @@ class Engine(Prefilling, QueuingAhead):
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         self._given.setdefault(id(seq), (seq, seq.num_output_tokens))  # where this step's tokens begin
         seq.append(tokens, logprobs, self.tokenizer, self.max_model_len)
+
+
+def _each_round(spans: list[tuple[Span, int]]) -> list[float]:
+    """Each drafting round's seconds, from spans that each timed some rounds (chained ones: one span)."""
+    return [span.seconds / rounds for span, rounds in spans for _ in range(rounds)]

@@ -11,11 +11,12 @@ from ..config import PREFILL_CHUNK_TOKENS, EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..metrics import RequestMetrics, StepTimer, peak_rss_bytes
+from ..metrics import RequestMetrics, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
 from ..proposers import Proposer, ProposerSetup, build_proposer, proposer_kind
 from ..proposers.registry import DRAFT_MODEL
 from ..sampling import SamplingParams, TokenLogprob
+from ..timing import StepTimer
 from .engine import Engine
 from .memory import format_bytes, plan_memory, resolve_budget
 from .policy import make_policy

@@ -1,18 +1,27 @@
-"""Plain decoding steps queued ahead: where nothing drafts, a step's forward reads the tokens the step before it
-picked while they are still on the device, so that it is queued before they reach the host. The host's work on a
-step (its tokens emitted, stop checks, the next step's inputs and launch) then runs while the device computes the
-next one, instead of between two forwards (docs/decisions.md#plain-steps-queued-ahead). The tokens are the same:
-a plain step's token is the argmax of its logits either way; a sequence that finishes where the host sees it
-leaves one forward's row unused."""
+"""Work queued ahead of the host. On a GPU the host only queues work, and every time it waits for a result the device
+idles while the host prepares what comes next; so a step waits once, for what it must know:
+- a plain decoding step's forward reads the tokens the step before it picked while they are still on the device, and
+  is queued before they reach the host: the host's work on a step (its tokens emitted, stop checks, the next step's
+  inputs and launch) runs while the device computes the next one, instead of between two forwards
+  (docs/decisions.md#one-wait-a-step). The tokens are the same: a plain step's token is the argmax of its
+  logits either way; a sequence that finishes where the host sees it leaves one forward's row unused;
+- a speculative step's verify reads the drafts a drafter's chained rounds left on the device, queued behind them, and
+  the drafts come back with the target's argmax in one copy. Drafts past a confidence stop are verified and ignored
+  (a row's argmax depends on the rows before it alone), so the tokens are those of a verify that read them first.
+Timing waits for nothing either (timing.py)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..metrics import now
-from ..proposers.base import TargetFeedback
+from ..executor.transfers import to_device
+from ..proposers.base import DraftBatch, TargetFeedback
+from ..timing import Mark
+from ..verify.verifier import verify_argmax_rows, verify_batch
 from .policy import DraftDecision
 from .sequence import Sequence
 from .step import StepOutput
@@ -27,6 +36,7 @@ class StepAhead:
     stood: list[tuple[int, int, int]]
     picked: torch.Tensor
     hidden: torch.Tensor | None
+    after: float = 0.0  # the host's time when it had read the step before (this step's time runs from there)
 
     @classmethod
     def queued(cls, seqs: list[Sequence], picked: torch.Tensor, hidden: torch.Tensor | None) -> "StepAhead":
@@ -40,16 +50,24 @@ class StepAhead:
         return [r if r is not None and self.stood[r] == _standing(s) else None for s, r in zip(seqs, rows)]
 
 
+class Picked(NamedTuple):
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None
+    everyone: bool
+    since: float
+
+
 def _standing(seq: Sequence, emitted: int = 0) -> tuple[int, int, int]:
     """Where a sequence stands: its slot, its preemptions, and its tokens once `emitted` more are out."""
     return seq.slot, seq.metrics.num_preemptions, seq.num_tokens + emitted
 
 
 class QueuingAhead:
-    """Engine's plain steps (a part of Engine, apart for its length: it reads the engine's runner, queues, policy
-    and proposers). `overlap`: whether plain steps are queued ahead (the default: where the runner replays graphs,
-    so a forward runs while the host goes on; on a CPU the host computes the forward itself, and a step queued
-    ahead would only delay the tokens before it)."""
+    """Engine's steps queued ahead of the host (a part of Engine, apart for its length: it reads the engine's runner,
+    queues, policy and proposers). `overlap`: whether they are (the default: where the runner replays graphs, so a
+    forward runs while the host goes on; on a CPU the host computes each forward itself: a step queued ahead would only
+    delay the tokens before it, and a verify of every drafted row would pay for the rows past a confidence stop)."""
 
     def _plain(self, seqs: list[Sequence], decision: DraftDecision) -> bool:
         """Whether this decoding step is plain and may queue the next: nothing drafts, and each sequence's token is
@@ -61,46 +79,52 @@ class QueuingAhead:
             and all(s.takes_argmax and s.params.logprobs is None for s in seqs)
         )
 
-    def _plain_step(self, seqs: list[Sequence], out: StepOutput, step_start: float) -> None:
+    def _plain_step(self, seqs: list[Sequence], out: StepOutput, step_start: Mark) -> None:
         """One token for each sequence the step is for: from the forward queued by the last step where there is one
         (sequences admitted since sit this step out), else from a forward now; the next step's forward is queued
-        before these tokens are read."""
+        before these tokens are read. Its time: from the step's start, or for a forward queued ahead from the read
+        before it (reads a forward apart: the time a token takes while the host keeps up, and while it does not)."""
         self._plain_run += 1
-        with self.timer.measure("target"):
-            seqs, picked, hidden, everyone = self._picked(seqs)
-            contexts = [s.num_tokens - 1 for s in seqs]
-            for seq in seqs:  # the row of each input token is final: the next forward continues after it
-                self.runner.commit(seq.slot, seq.num_tokens)
-                for proposer in self.proposers:
-                    proposer.commit(seq, seq.num_tokens)
-            read = _copied_to_host(picked)  # queued before the next forward: reading it waits for this one alone
-            self._ahead = self._queue_next(seqs, picked) if everyone else None
-            tokens = read()
-        queued = set() if self._ahead is None else {id(s) for s in self._ahead.seqs}
+        got = self._picked(seqs, step_start.host)
+        seqs, contexts = got.seqs, [s.num_tokens - 1 for s in got.seqs]
+        for seq in seqs:  # the row of each input token is final: the next forward continues after it
+            self.runner.commit(seq.slot, seq.num_tokens)
+            for proposer in self.proposers:
+                proposer.commit(seq, seq.num_tokens)
+        read = _copied_to_host(got.tokens)  # queued before the next forward: reading it waits for this one alone
+        self._ahead = self._queue_next(seqs, got.tokens) if got.everyone else None
+        tokens, read_at = read(), time.perf_counter()
+        seconds = read_at - got.since
+        self.timer.record("target", seconds)
+        queued = set()
+        if self._ahead is not None:
+            self._ahead.after = read_at
+            queued = {id(s) for s in self._ahead.seqs}
         for i, (seq, token, start) in enumerate(zip(seqs, tokens, contexts)):
             if id(seq) in queued:
-                self.runner.settle(seq.slot, start + 1, token)
-            self._feed_back(seq, TargetFeedback([token], None if hidden is None else hidden[i : i + 1], start))
+                self.runner.settle(seq.slot, start + 1, [token])
+            self._feed_back(seq, TargetFeedback([token], None if got.hidden is None else got.hidden[i : i + 1], start))
             seq.metrics.spec.record_step(0, 0, 1)
             out.counters.record_step(0, 0, 1)
             self.policy.observe_acceptance(seq.request_id, 0, 0, 0)
             self._emit(seq, [token])
         out.draft_lengths = [0] * len(seqs)
-        seconds = now() - step_start
         self.policy.observe_step(out.draft_lengths, seconds, None, seconds, contexts=contexts)
 
-    def _picked(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None, bool]:
+    def _picked(self, seqs: list[Sequence], start: float) -> Picked:
         """The sequences this step is for, their tokens on the device (and their rows' hidden states where a proposer
-        reads them), and whether they are all of `seqs`."""
+        reads them), whether they are all of `seqs`, and when their forward's time began (`start`, this step's, unless
+        it was queued by the step before)."""
         ahead, self._ahead = self._ahead, None
         rows = ahead.rows(seqs) if ahead is not None else [None]
         if any(r is not None for r in rows):
             kept = [r for r in rows if r is not None]
             every = kept == list(range(len(ahead.seqs)))
             picked, hidden = (ahead.picked, ahead.hidden) if every else _rows((ahead.picked, ahead.hidden), kept)
-            return [s for s, r in zip(seqs, rows) if r is not None], picked, hidden, len(kept) == len(seqs)
+            mine = [s for s, r in zip(seqs, rows) if r is not None]
+            return Picked(mine, picked, hidden, len(kept) == len(seqs), ahead.after)
         logits, hidden = self._target_forward([s.slot for s in seqs], [[s.token_ids[-1]] for s in seqs], "last")
-        return seqs, logits.argmax(-1), hidden, True
+        return Picked(seqs, logits.argmax(-1), hidden, True, start)
 
     def _queue_next(self, seqs: list[Sequence], picked: torch.Tensor) -> StepAhead | None:
         """The next step's forward, queued for the sequences that will still decode after this step's token (as far
@@ -114,14 +138,64 @@ class QueuingAhead:
         if not going or not self.blocks.fits(self._active(), lookahead=1):
             return None
         next_seqs = [seqs[i] for i in going]
-        picked = picked if next_seqs == seqs else picked[going]
-        out = self.runner.forward_picked([s.slot for s in next_seqs], picked, hidden=self.wants_hidden_states)
+        picked = picked if next_seqs == seqs else picked[to_device(going, picked.device)]
+        out = self.runner.forward_picked([s.slot for s in next_seqs], picked[:, None], hidden=self.wants_hidden_states)
         logits, hidden = out if isinstance(out, tuple) else (out, None)
         return StepAhead.queued(next_seqs, logits.argmax(-1), hidden)
 
+    def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
+        """Whether the verify reads the drafts where the drafter left them: every draft is there (none is a lookup's),
+        and each sequence's verification is its logits' argmax matched against them (greedy, nothing to apply to
+        the logits, no logprobs), read with the drafts in one copy."""
+        return (
+            self.overlap
+            and drafts.on_device is not None
+            and not any(drafts.tokens)
+            and self.runner.vocab_ids is None
+            and all(s.takes_argmax and s.params.logprobs is None for s in seqs)
+        )
+
+    def _verify_drafts_on_device(self, seqs: list[Sequence], drafts: DraftBatch):
+        """The verify's logits of every row (and hidden states where a proposer reads them), its inputs each
+        sequence's last token and its drafts on the device."""
+        pending = drafts.on_device
+        picked = pending.tokens.new_zeros(len(seqs), 1 + pending.tokens.shape[1])
+        picked[:, 0] = to_device([s.token_ids[-1] for s in seqs], picked.device)
+        mine = slice(None) if len(pending.rows) == len(seqs) else to_device(pending.rows, picked.device)
+        picked[mine, 1:] = pending.tokens
+        out = self.runner.forward_picked(
+            [s.slot for s in seqs], picked, _widths(drafts), logits="all", hidden=self.wants_hidden_states
+        )
+        return out if isinstance(out, tuple) else (out, None)
+
+    def _verified(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor):
+        """Each sequence's verification and the number of its rows in the verify's logits. Drafts still on the device
+        (the verify read them there) come back with the target's argmax, in one copy."""
+        if drafts.on_device is None:
+            results = verify_batch(
+                seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
+            )
+            return results, [n + 1 for n in drafts.num_tokens]
+        widths, argmax = _widths(drafts), logits.argmax(-1)
+        values = torch.cat([argmax.double(), drafts.on_device.values()]).tolist()
+        drafts.settle(values[len(argmax) :])
+        picks = [int(v) for v in values[: len(argmax)]]
+        for seq, tokens in zip(seqs, drafts.tokens):  # the ids of the rows the verify read on the device
+            self.runner.settle(seq.slot, seq.num_tokens - 1, [seq.token_ids[-1], *tokens])
+        results = verify_argmax_rows(drafts.tokens, widths, picks, self.forced_accept)
+        return [(result, None) for result in results], widths
+
+
+def _widths(drafts: DraftBatch) -> list[int]:
+    """Each sequence's rows in a verify that reads drafts left on the device: its last token and every draft."""
+    widths = [1] * len(drafts.tokens)
+    for i, count in zip(drafts.on_device.rows, drafts.on_device.counts):
+        widths[i] += count
+    return widths
+
 
 def _rows(tensors, rows: list[int]):
-    return tuple(None if t is None else t[rows] for t in tensors)
+    return tuple(None if t is None else t[to_device(rows, t.device)] for t in tensors)
 
 
 def _copied_to_host(picked: torch.Tensor):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..proposers.base import TargetFeedback
+from ..proposers.base import DraftBatch, TargetFeedback
 from ..verify.verifier import prompt_logprobs, sample_first
 from .sequence import Sequence
 
@@ -171,11 +171,16 @@ class Prefilling:
         self._chunk_done(chunk, logits, hidden)
 
     def _verify_forward(
-        self, seqs: list[Sequence], inputs: list[list[int]], chunk: PromptChunk | None
+        self, seqs: list[Sequence], drafts: DraftBatch, chunk: PromptChunk | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """The verify's logits of every row (and hidden states where a proposer reads them), a prompt's chunk
         riding in the same call where one is given: the weights are read once for both, and each row's result
-        is its own (docs/decisions.md#chunked-prefill-beside-decoding). Third: the chunk's outputs."""
+        is its own (docs/decisions.md#chunked-prefill-beside-decoding). Third: the chunk's outputs. Drafts left on
+        the device are read there where the verification allows (engine/overlap.py), else read here first."""
+        if chunk is None and self._verifies_on_device(seqs, drafts):
+            return *self._verify_drafts_on_device(seqs, drafts), None
+        drafts.read()
+        inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
         slots = [s.slot for s in seqs]
         if chunk is None:
             return *self._target_forward(slots, inputs, logits="all"), None

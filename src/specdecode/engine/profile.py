@@ -18,8 +18,8 @@ import time
 import torch
 
 from ..executor.runner import ModelRunner
-from ..metrics import now
 from ..models.runtime import Transformer
+from ..timing import now
 
 CATCH_UP_TOKENS = 128  # a typical prompt, read by the draft when a sequence starts drafting
 SHORT_CONTEXT, LONG_CONTEXT = 128, 8192  # cached tokens of the two decode steps that price attention per key

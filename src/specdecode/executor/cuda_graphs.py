@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..config import MAX_VERIFY_WIDTH
 from ..kv_cache import KVCache
+from .transfers import copy_into, to_device
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ class StaticBatch:
         picked: torch.Tensor | None = None,
     ) -> None:
         """These sequences' new tokens (and feature rows); every other row is padding (token 0 at position 0 of the
-        scratch slot; its features whatever a forward left there). picked: one token per sequence, on the device,
-        in place of the inputs' (tokens a step picked, copied on the device: the host never waits for them)."""
+        scratch slot; its features whatever a forward left there). picked: [n, w] on the device, sequence i's new tokens
+        its row's first len(inputs[i]), in place of the inputs' (tokens a step picked, drafts a drafter left there,
+        copied on the device: the host never waits for them; columns past a sequence's width land in padding rows)."""
         b, r = self.bucket.seqs, self.bucket.rows
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
@@ -104,9 +106,9 @@ class StaticBatch:
             positions[at : at + len(new)] = range(start, start + len(new))
             row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
-        self.ints.copy_(torch.tensor(tokens + positions + row_slots + seq_slots, dtype=torch.long))
+        copy_into(self.ints, tokens + positions + row_slots + seq_slots)
         if picked is not None:
-            self.tokens[: len(picked), 0].copy_(picked)
+            self.tokens[: len(picked), : picked.shape[1]].copy_(picked[:, :r])
         for i, rows in enumerate(features or ()):
             self.features[i, : len(rows)].copy_(rows)
         self.forget()
@@ -277,11 +279,11 @@ def _selected(
     overwritten by its next replay)."""
     last = [i * rows + n - 1 for i, n in enumerate(num_new)]
     every = [i * rows + j for i, n in enumerate(num_new) for j in range(n)]
-    picked = torch.tensor(last if logits == "last" else every, device=every_logit.device)
+    picked = to_device(last if logits == "last" else every, every_logit.device)
     out = every_logit.index_select(0, picked)
     if not hidden:
         return out
-    return out, every_hidden.index_select(0, torch.tensor(every, device=picked.device) if hidden == "all" else picked)
+    return out, every_hidden.index_select(0, to_device(every, picked.device) if hidden == "all" else picked)
 
 
 # ---- elementwise steps fused on the GPU -------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 
 from ..sampling import argmax_probability
 from .cuda_graphs import Bucket, BucketedForward, StaticBatch, bucket_for
+from .transfers import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class GreedyChain:
         batch.tokens[:n, 0] = first
         if features is not None:
             batch.features[:n, 0] = features
-        chain.limits.copy_(torch.tensor(rounds + [0] * (batch.bucket.seqs - n)))
+        copy_into(chain.limits, rounds + [0] * (batch.bucket.seqs - n))
         if chain.graph is not None:
             chain.graph.replay()
         else:

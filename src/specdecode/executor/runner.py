@@ -170,7 +170,10 @@ class ModelRunner:
         for end in ends:
             parent = chain[-1] if chain else PrefixIndex.root(self._scope[slot])
             begin = len(chain) * size
-            uid = self._cache.index.register(parent, tuple(tokens[begin:end]), self._cache.tables[slot][len(chain)])
+            held = tuple(tokens[begin:end])
+            if _UNSETTLED in held:  # findable once its ids are back from the device (a later commit publishes it)
+                break
+            uid = self._cache.index.register(parent, held, self._cache.tables[slot][len(chain)])
             if end - begin == size:
                 chain.append(uid)
 
@@ -218,7 +221,7 @@ class ModelRunner:
         cost does not depend on what the cache holds (no token matches them later)."""
         self._cache.reserve(slot, length)
         self._cache.lengths[slot] = self._written[slot] = length
-        self._tokens[slot], self._scope[slot] = [-1] * length, None
+        self._tokens[slot], self._scope[slot] = [_UNSETTLED] * length, None
 
     # ---- the forward -----------------------------------------------------------------------------------
     def forward(
@@ -248,18 +251,23 @@ class ModelRunner:
             return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
 
-    def forward_picked(self, slots: list[int], picked: torch.Tensor, hidden: bool = False):
-        """Each slot's next token, read where a step picked it: `picked` [n] on the device, one per slot, so that
-        this forward is queued before those tokens reach the host. Their rows are written; the runner learns the
-        token ids from `settle` (they must be known before they are committed). The logits of each row, and with
-        `hidden` its hidden state."""
-        return self._forward_call(slots, [[_UNSETTLED]] * len(slots), "last", hidden, None, picked=picked)
+    def forward_picked(self, slots: list[int], picked: torch.Tensor, widths: list[int] | None = None, **outputs):
+        """Each slot's new tokens read where the device holds them, so that this forward is queued before they reach
+        the host: `picked` [n, w], slot i's tokens the first widths[i] (default 1) of its row (tokens a step picked,
+        drafts a drafter left there). Their rows are written; the runner learns the token ids from `settle` before
+        they are committed. outputs: `logits` and `hidden` as for forward (default: the logits of each last row)."""
+        widths = widths or [1] * len(slots)
+        if max(widths) > self._rowwise_width() or picked.shape[1] < max(widths):
+            raise ValueError(f"picked tokens: {max(widths)} a sequence, of {picked.shape[1]} given")
+        logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
+        return self._forward_call(slots, [[_UNSETTLED] * w for w in widths], logits, hidden, None, picked=picked)
 
-    def settle(self, slot: int, position: int, token: int) -> None:
-        """The token id a forward_picked wrote at `position` of the slot, now on the host."""
-        if self._tokens[slot][position] != _UNSETTLED:
-            raise ValueError(f"slot {slot}: position {position} holds token {self._tokens[slot][position]} already")
-        self._tokens[slot][position] = token
+    def settle(self, slot: int, position: int, tokens: list[int]) -> None:
+        """The token ids a forward_picked (or chained drafting) wrote from `position` of the slot, now on the host."""
+        held = self._tokens[slot][position : position + len(tokens)]
+        if held != [_UNSETTLED] * len(tokens):
+            raise ValueError(f"slot {slot}: positions from {position} hold tokens {held} already")
+        self._tokens[slot][position : position + len(tokens)] = tokens
 
     def _forward_in_chunks(self, slot: int, tokens: list[int], logits, hidden, features):
         """One sequence's long input in forwards of PREFILL_CHUNK tokens, each after the ones before: the same
@@ -303,7 +311,7 @@ class ModelRunner:
 
     def _forward_call(self, slots, inputs, logits, hidden, features, starts: list[int] | None = None, picked=None):
         """One forward; starts: where each sequence's new tokens begin (default: after its committed ones); picked:
-        each sequence's one new token on the device, read in place of its input (forward_picked)."""
+        each sequence's new tokens on the device, read in place of its inputs (forward_picked)."""
         starts = starts or [self._cache.lengths[s] for s in slots]
         lengths = [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
@@ -317,7 +325,7 @@ class ModelRunner:
             batch = ForwardBatch.build(
                 slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
             )
-            rows = list(picked.view(-1, 1)) if picked is not None else inputs
+            rows = inputs if picked is None else [row[: len(new)] for row, new in zip(picked, inputs)]
             tokens = self._batched(batch, [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in rows])
             extra = {} if features is None else {"features": self._batched(batch, features)}
             out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
@@ -334,8 +342,9 @@ class ModelRunner:
     def greedy_rounds(self, slots: list[int], logits: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
         """Greedy drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
         rounds[i] more, each round reading the draft before it (and, for a draft head, the features it estimated:
-        `features`), chained on the device (executor/draft_chain.py). Per slot, its drafts as (target id, the drafter's
-        probability of it), from one copy to the host; the rounds' rows are written, not committed. None where the
+        `features`), chained on the device (executor/draft_chain.py). The drafts (target ids) and the drafter's
+        probability of each, [n, max(rounds) + 1] on the device, slot i's the first rounds[i] + 1: nothing waits for
+        them. The rounds' rows are written, not committed, their ids settled once read (`settle`). None where the
         rounds do not chain (no fixed shapes, no bucket): the caller drafts round by round."""
         starts = [self._cache.lengths[s] for s in slots]
         if self._rounds is None or any(s + r > self.max_len for s, r in zip(starts, rounds)):
@@ -347,12 +356,9 @@ class ModelRunner:
             self._cache.reserve(slot, start + r)
         first, first_probs = self._rounds.pick(logits)
         tokens, probs = self._rounds.run(chain, slots, starts, first, features, rounds)
-        tokens = torch.cat([first[:, None], tokens], 1).double()
-        probs = torch.cat([first_probs[:, None], probs], 1).double()
-        tokens, probs = torch.stack([tokens, probs]).tolist()  # one copy, after every round
-        for slot, start, r, drafts in zip(slots, starts, rounds, tokens):
-            self._wrote(slot, start, drafts[:r])  # its r chained rounds read its drafts before the last
-        return [[(int(t), p) for t, p in zip(ts[: r + 1], ps[: r + 1])] for ts, ps, r in zip(tokens, probs, rounds)]
+        for slot, start, r in zip(slots, starts, rounds):
+            self._wrote(slot, start, [_UNSETTLED] * r)  # its r chained rounds read its drafts before the last
+        return torch.cat([first[:, None], tokens], 1), torch.cat([first_probs[:, None], probs], 1)
 
     @property
     def replays_graphs(self) -> bool:

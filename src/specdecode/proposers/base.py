@@ -5,10 +5,13 @@ A proposer is built by its registry entry (see registry.py), then told how many 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from ..timing import Span
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
@@ -18,14 +21,44 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class DraftsOnDevice:
+    """Greedy drafts that a drafter's chained rounds left on the device, not read yet: sequences `rows` of the batch
+    drafted `counts[j]` each, `tokens` their target ids and `probs` the drafter's probability of each ([len(rows),
+    max(counts)], row j's first counts[j] its own). `settle`, called with them once read (as lists), does the
+    drafter's bookkeeping and gives the drafts it stands by: each row's cut after its first under the confidence
+    threshold (a cut that depends on the drafts alone, so verifying the rows past it changes nothing)."""
+
+    rows: list[int]
+    counts: list[int]
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    settle: Callable[[list[list[int]], list[list[float]]], list[list[int]]]
+
+    def values(self) -> torch.Tensor:
+        """Tokens then probabilities, flat, as one tensor to copy to the host (with whatever else is copied then)."""
+        return torch.cat([self.tokens.flatten().double(), self.probs.flatten().double()])
+
+    def read_from(self, values: list[float]) -> list[list[int]]:
+        """The drafts stood by, from `values()` as read on the host."""
+        width, n = self.tokens.shape[1], self.tokens.numel()
+        rows = [values[at : at + width] for at in range(0, n, width)]
+        probs = [values[n + at : n + at + width] for at in range(0, n, width)]
+        return self.settle(
+            [[int(t) for t in r[:c]] for r, c in zip(rows, self.counts)], [p[:c] for p, c in zip(probs, self.counts)]
+        )
+
+
+@dataclass
 class DraftBatch:
     tokens: list[list[int]]  # ragged: up to k_i tokens per sequence (0 allowed)
     # Per sequence, the distribution each token was sampled from [n_i, V], or None when the proposer is
     # deterministic (n-gram, greedy drafting): the rejection sampler then treats q as one-hot.
     probs: list[torch.Tensor | None]
-    # Seconds of each drafting round (one forward of the drafter) the call ran, the first with whatever it read
-    # first; empty where no model runs. The policy's cost model learns a round's cost from them.
-    round_seconds: list[float] = field(default_factory=list)
+    # Each drafting round (one forward of the drafter) the call ran, timed, the first with whatever it read first;
+    # empty where no model runs. The policy's cost model learns a round's cost from them.
+    round_spans: list[Span] = field(default_factory=list)
+    # Drafts still on the device (their sequences' `tokens` are empty until read): the verify may read them there
+    on_device: DraftsOnDevice | None = None
 
     @classmethod
     def empty(cls, n: int) -> "DraftBatch":
@@ -34,6 +67,17 @@ class DraftBatch:
     @property
     def num_tokens(self) -> list[int]:
         return [len(t) for t in self.tokens]
+
+    def read(self) -> None:
+        """Drafts left on the device copied to the host (waiting for the drafter) and settled."""
+        if self.on_device is not None:
+            self.settle(self.on_device.values().tolist())
+
+    def settle(self, values: list[float]) -> None:
+        """The drafts left on the device, from their values as read on the host."""
+        pending, self.on_device = self.on_device, None
+        for i, drafts in zip(pending.rows, pending.read_from(values)):
+            self.tokens[i] = drafts
 
 
 @dataclass

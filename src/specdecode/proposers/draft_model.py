@@ -8,10 +8,10 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
-from ..metrics import StepTimer, now
 from ..models.loader import LoadedModel, load_model
 from ..sampling import argmax_probability, process_logits, sample_token
-from .base import DraftBatch, Proposer
+from ..timing import Span, StepTimer, mark
+from .base import DraftBatch, DraftsOnDevice, Proposer
 from .registry import ProposerSetup
 
 
@@ -27,7 +27,7 @@ class DraftModelProposer(Proposer):
         self.timer = timer or StepTimer()
         self.runner: ModelRunner | None = None  # built by reserve(), once the memory plan is known
         self._slots: dict[str, int] = {}  # request id -> the draft's KV-cache slot for it
-        self._round_seconds: list[float] = []
+        self._round_spans: list[tuple[Span, int]] = []
         self._vocab: list[int] | None = None  # the draft vocabulary's target ids, on the host (None: all of them)
 
     @classmethod
@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        self._round_seconds = []
+        self._round_spans, on_device = [], None
         slots = {i: self._slot(seqs[i]) for i in active}
         unsure: set[int] = set()  # sequences whose last draft was below the confidence threshold
         try:
@@ -79,7 +79,7 @@ class DraftModelProposer(Proposer):
                 if not rows:
                     break
                 logits = self._draft_forward(step, rows, seqs, slots, tokens)
-                if step == 0 and self._chained(logits, rows, seqs, [slots[i] for i in rows], ks, tokens):
+                if step == 0 and (on_device := self._chained(logits, rows, seqs, [slots[i] for i in rows], ks)):
                     break
                 argmax = self._argmax_drafts(logits, rows, seqs)
                 for row, i in enumerate(rows):
@@ -100,7 +100,7 @@ class DraftModelProposer(Proposer):
             for i in active:
                 if seqs[i].grammar is not None:
                     seqs[i].grammar.undo_drafts()
-        return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs], self._round_seconds)
+        return DraftBatch(tokens, [torch.stack(p) if p else None for p in probs], self._round_spans, on_device)
 
     def read_ahead(self, seqs) -> None:
         slots = [self._slot(seq) for seq in seqs]
@@ -134,33 +134,47 @@ class DraftModelProposer(Proposer):
         which = "draft_prefill" if prefill else "draft"
         with self.timer.measure(which) as span:
             out = self.runner.forward(slots, inputs, logits="last", **extra)
-        self._round_seconds.append(span.seconds)
+        self._round_spans.append((span, 1))
         for slot, tokens in zip(slots, inputs):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out
 
-    def _chained(self, logits: torch.Tensor, rows: list[int], seqs, slots: list[int], ks, tokens) -> bool:
-        """Where every row takes its argmax, the rounds after the first chained on the device (one launch, one copy
-        back: ModelRunner.greedy_rounds): each sequence's drafts up to its k, or up to the first under the confidence
-        threshold. False where they do not chain: the rounds run one by one."""
+    def _chained(self, logits: torch.Tensor, rows: list[int], seqs, slots: list[int], ks) -> DraftsOnDevice | None:
+        """Where every row takes its argmax, the rounds after the first chained on the device (one launch:
+        ModelRunner.greedy_rounds), their drafts left there: each sequence's up to its k, stood by up to the first
+        under the confidence threshold once read. None where they do not chain: the rounds run one by one."""
         rounds = [ks[i] - 1 for i in rows]
         if not self.chains_rounds or max(rounds) < 1 or not all(seqs[i].takes_argmax for i in rows):
-            return False
-        start = now()
+            return None
+        start = mark()
         drafts = self.runner.greedy_rounds(slots, logits, self._estimated_features(rows), rounds)
         if drafts is None:
-            return False
-        seconds = now() - start
-        self.timer.record("draft", seconds, calls=max(rounds))
-        self._round_seconds += [seconds / max(rounds)] * max(rounds)
-        for i, slot, r, drafted in zip(rows, slots, rounds, drafts):
+            return None
+        span = Span(start, mark())
+        self.timer.record("draft", span, calls=max(rounds))
+        self._round_spans.append((span, max(rounds)))
+        starts = [self.runner.length(slot) for slot in slots]
+        for i, slot, r in zip(rows, slots, rounds):
             self.runner.commit(slot, self.runner.length(slot) + r)
             seqs[i].metrics.spec.num_draft_forwards += r + 1
-            for token, confidence in drafted:
-                tokens[i].append(token)
-                if confidence < self.confidence_threshold:
-                    break
-        return True
+
+        def settle(tokens: list[list[int]], probs: list[list[float]]) -> list[list[int]]:
+            self._chain_read(slots, starts, [t[:r] for t, r in zip(tokens, rounds)])
+            return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
+
+        return DraftsOnDevice(rows, [r + 1 for r in rounds], *drafts, settle)
+
+    def _chain_read(self, slots: list[int], starts: list[int], inputs: list[list[int]]) -> None:
+        """The chained rounds' inputs, read: the ids of the rows they wrote from `starts`."""
+        for slot, start, tokens in zip(slots, starts, inputs):
+            self.runner.settle(slot, start, tokens)
+
+    def _stood_by(self, tokens: list[int], probs: list[float]) -> list[int]:
+        """Drafts up to the first under the confidence threshold."""
+        for n, p in enumerate(probs):
+            if p < self.confidence_threshold:
+                return tokens[: n + 1]
+        return tokens
 
     @property
     def chains_rounds(self) -> bool:

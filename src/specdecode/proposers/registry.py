@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..errors import SpecDecodeError
-from ..metrics import StepTimer
+from ..timing import StepTimer
 
 if TYPE_CHECKING:
     from ..models.loader import LoadedModel

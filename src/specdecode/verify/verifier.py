@@ -94,6 +94,26 @@ def verify_batch(
     return results
 
 
+def verify_argmax_rows(
+    drafts: list[list[int]], widths: list[int], argmax: list[int], forced_accept: ForcedAcceptance = False
+) -> list[VerifyResult]:
+    """Greedy verification of sequences with nothing to apply to their logits, from the argmax of every verified row
+    (read already): sequence i's widths[i] rows follow those of the sequences before it, its drafts + 1 or more (rows
+    past a draft cut after they were verified are ignored: a row's argmax depends on the rows before it alone).
+    forced_accept as in verify_drafts."""
+    results, row = [], 0
+    for tokens, width in zip(drafts, widths):
+        picks = argmax[row : row + len(tokens) + 1]
+        if forced_accept:
+            kept = len(tokens) if forced_accept is True else forced_accept(len(tokens))
+            accepted, emitted = kept, tokens[:kept] + [picks[kept]]
+        else:
+            accepted, emitted = match_greedy(tokens, picks)
+        results.append(VerifyResult([accepted], [emitted]))
+        row += width
+    return results
+
+
 def verify_sampled(
     seqs: list[Sequence],
     drafts: list[list[int]],

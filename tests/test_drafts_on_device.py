@@ -1,0 +1,213 @@
+"""A speculative step that waits for the device once (engine/overlap.py, timing.py): the verify reads the drafts a
+drafter's chained rounds left on the device, queued behind them, and the drafts come back with the target's argmax in
+one copy; the step's phases are timed by marks read only after that copy. On a CPU the engine reads drafts first by
+default; these tests turn the device path on at fixed shapes (the chained rounds' path) and check that it gives the
+tokens and the acceptance of a verify that reads the drafts first, under a confidence stop (rows verified past it and
+ignored) and under imposed acceptance, and that nothing waits before the step's read. Broken variants fail: rows
+counted by the drafts kept rather than by those verified, the drafts not fed to the verify, drafts read before the
+verify is queued, spans read as they end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import DEVICE, make_head, tiny_model
+
+from specdecode import LLM, SamplingParams, timing
+from specdecode.bench.imposed import MeasuredAcceptance
+from specdecode.engine import overlap
+from specdecode.executor import cuda_graphs
+from specdecode.executor import runner as runner_module
+from specdecode.executor.runner import ModelRunner
+from specdecode.proposers.base import DraftBatch, DraftsOnDevice
+
+PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42], list(range(10, 40))]
+PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 17, 24)]
+K = 4
+
+
+@pytest.fixture(autouse=True)
+def fixed_shapes(monkeypatch):
+    """Fixed-shape forwards and chained drafting rounds, as on a GPU (without its kernels: slow on a CPU)."""
+    monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
+    if DEVICE == "cpu":
+        for kernels in ("fuse_elementwise", "gpu_attention"):
+            monkeypatch.setattr(runner_module, kernels, lambda model: None)
+
+
+def _near_target(target):
+    """A draft close to the target (its weights perturbed): it drafts what the target takes, often but not always."""
+    draft = tiny_model(seed=0)
+    with torch.no_grad():
+        for p in draft.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
+    return draft
+
+
+def _drafting(drafter: str, target, tmp_path, **options) -> LLM:
+    if drafter == "head":
+        options.update(speculative_model=make_head(target, tmp_path / "head"), draft_confidence=0.4)
+    else:
+        options.update(draft=_near_target(target), draft_confidence=0.0)  # a draft model chains without a stop
+    options.update(num_speculative_tokens=K, max_model_len=256, progress=False, speculation_policy="fixed")
+    return LLM(target=target, **options)
+
+
+def _run(llm: LLM, on_device: bool, forced=None) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """Outputs, and per sequence (steps, drafts, accepted)."""
+    engine = llm.engine
+    engine.overlap, engine.forced_accept = on_device, forced or False
+    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, PARAMS)]
+    while engine.has_unfinished():
+        engine.step()
+    spec = [s.metrics.spec for s in seqs]
+    return [s.output_ids for s in seqs], [(c.num_steps, c.num_draft_tokens, c.num_accepted_tokens) for c in spec]
+
+
+def _count_verifies(monkeypatch) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The widths of each verify that read drafts on the device, and of the drafts read there, how many were drafted
+    and how many stood by (cut after a draft under the confidence threshold)."""
+    widths: list[list[int]] = []
+    reads: list[tuple[int, int]] = []
+    forward, read_from = ModelRunner.forward_picked, DraftsOnDevice.read_from
+
+    def counting(self, slots, picked, widths_=None, **kw):
+        if widths_ is not None:
+            widths.append(list(widths_))
+        return forward(self, slots, picked, widths_, **kw)
+
+    def reading(self, values):
+        kept = read_from(self, values)
+        reads.append((sum(self.counts), sum(map(len, kept))))
+        return kept
+
+    monkeypatch.setattr(ModelRunner, "forward_picked", counting)
+    monkeypatch.setattr(DraftsOnDevice, "read_from", reading)
+    return widths, reads
+
+
+@pytest.mark.parametrize("drafter", ["draft model", "head"])
+def test_a_verify_reading_drafts_on_the_device_gives_what_one_reading_them_first_does(drafter, tmp_path, monkeypatch):
+    target = tiny_model(seed=0)
+    plain = [o.outputs[0].token_ids for o in LLM(target=target, num_speculative_tokens=0).generate(PROMPTS, PARAMS)]
+    first = _run(_drafting(drafter, target, tmp_path), on_device=False)
+    verifies, reads = _count_verifies(monkeypatch)
+    there = _run(_drafting(drafter, target, tmp_path), on_device=True)
+    assert there == first and there[0] == plain
+    assert len(verifies) >= 8 and max(max(w) for w in verifies) == K + 1 and len(reads) == len(verifies)
+    assert sum(accepted for _, _, accepted in there[1]) > 0
+    drafted, kept = (sum(n) for n in zip(*reads))
+    assert drafted == sum(sum(w) - len(w) for w in verifies)  # every draft verified, those past a stop too
+    assert (kept < drafted) is (drafter == "head")  # the head's confidence stop cut some
+
+
+def _misaligned(drafts, widths, argmax, forced=False):
+    return _verify_rows(drafts, [len(t) + 1 for t in drafts], argmax, forced)
+
+
+_verify_rows = overlap.verify_argmax_rows
+
+
+def _drafts_not_fed(fill):
+    def fill_without_drafts(self, slots, starts, inputs, scratch_row, features=None, picked=None):
+        if picked is not None:
+            picked = torch.cat([picked[:, :1], torch.zeros_like(picked[:, 1:])], 1)
+        return fill(self, slots, starts, inputs, scratch_row, features, picked)
+
+    return fill_without_drafts
+
+
+@pytest.mark.parametrize("broken", [None, "rows counted by the drafts kept", "drafts not fed"])
+def test_imposed_acceptance_reads_drafts_on_the_device_alike(broken, tmp_path, monkeypatch):
+    """Steps that keep as many drafts as a measured pair did (bench/imposed.py), the head's confidence stop cutting
+    some: each emits the kept drafts and the target's token after them, whichever way the drafts reach the verify. A
+    verify that counts a sequence's rows by its drafts kept (not by those it verified), or reads no drafts, differs."""
+    target = tiny_model(seed=0)
+    llm = _drafting("head", target, tmp_path)
+    first = _run(llm, False, MeasuredAcceptance([0.9, 0.8, 0.6, 0.5], seed=4))
+    if broken == "rows counted by the drafts kept":
+        monkeypatch.setattr(overlap, "verify_argmax_rows", _misaligned)
+    elif broken == "drafts not fed":
+        monkeypatch.setattr(cuda_graphs.StaticBatch, "fill", _drafts_not_fed(cuda_graphs.StaticBatch.fill))
+    there = _run(_drafting("head", target, tmp_path), True, MeasuredAcceptance([0.9, 0.8, 0.6, 0.5], seed=4))
+    assert (there == first) is (broken is None)
+
+
+def _logged(monkeypatch, log: list[str]) -> None:
+    """Log each verify launched with drafts still on the device, each read of drafts to the host, and each wait for
+    a timing mark (on a GPU its events; on a CPU a stand-in for them, which records the host's time)."""
+    forward, settle = ModelRunner.forward_picked, DraftBatch.settle
+
+    def verify(self, slots, picked, widths=None, **kw):
+        log.append("verify" if widths else "plain")
+        return forward(self, slots, picked, widths, **kw)
+
+    def read(self, values):
+        log.append("read")
+        return settle(self, values)
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = time.perf_counter()
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            log.append("wait")
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1000
+
+    monkeypatch.setattr(ModelRunner, "forward_picked", verify)
+    monkeypatch.setattr(DraftBatch, "settle", read)
+    if DEVICE == "cuda":  # the real events, their waits logged
+        synchronize = torch.cuda.Event.synchronize
+
+        def waiting(self):
+            log.append("wait")
+            return synchronize(self)
+
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", waiting)
+        return
+    monkeypatch.setattr(timing, "_device_queue", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+
+def _read_spans_at_once(record):
+    def record_resolved(self, which, seconds, calls=1):
+        if isinstance(seconds, timing.Span):
+            seconds.seconds  # noqa: B018 (the read is the point)
+        return record(self, which, seconds, calls)
+
+    return record_resolved
+
+
+@pytest.mark.parametrize("broken", [None, "drafts read first", "spans read as they end"])
+def test_a_speculative_step_waits_for_the_device_once_after_its_verify_is_queued(broken, tmp_path, monkeypatch):
+    """Within a step, the verify is queued before the drafts are read, and no timing mark is waited for before that
+    read (after it, every mark has passed). Broken variants: the engine reading drafts first, a timer reading each
+    span as it ends (as timing did by synchronising)."""
+    llm = _drafting("head", tiny_model(seed=0), tmp_path)
+    log: list[str] = []
+    _logged(monkeypatch, log)
+    if broken == "drafts read first":
+        monkeypatch.setattr(overlap.QueuingAhead, "_verifies_on_device", lambda self, seqs, drafts: False)
+    elif broken == "spans read as they end":
+        monkeypatch.setattr(timing.StepTimer, "record", _read_spans_at_once(timing.StepTimer.record))
+    engine = llm.engine
+    engine.overlap = True
+    engine.add_request(PROMPTS[0], PARAMS[0])
+    steps = []
+    while engine.has_unfinished():
+        log.clear()
+        if any(engine.step().draft_lengths):
+            steps.append(list(log))
+    chained = [s[: s.index("read")] for s in steps if "read" in s]  # steps that drafted k > 1: the rounds chained
+    ok = len(chained) >= 5 and all("verify" in s and "wait" not in s for s in chained)
+    assert ok is (broken is None)
