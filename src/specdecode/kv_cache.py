@@ -150,7 +150,7 @@ class KVCache:
             mine = self._new_block(like=block)
             self._drop(block)
             self.tables[slot][i] = mine
-            self.table[slot, i] = mine
+            self.table[slot, i].fill_(mine)
         elif self.index.is_registered(block):
             self.index.unregister(block)
 
@@ -161,7 +161,8 @@ class KVCache:
         del self.tables[slot][kept:]
 
     def _append(self, slot: int, block: int) -> None:
-        self.table[slot, len(self.tables[slot])] = block
+        # fill_ queues a kernel with the value; an assignment copies it from the host, on a GPU waiting for its queue
+        self.table[slot, len(self.tables[slot])].fill_(block)
         self.tables[slot].append(block)
 
     def _new_block(self, like: int | None = None) -> int:

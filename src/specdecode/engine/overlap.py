@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..executor.transfers import to_device
 from ..proposers.base import DraftBatch, TargetFeedback
 from ..timing import Mark
+from ..transfers import to_device
 from ..verify.verifier import verify_argmax_rows, verify_batch
 from .policy import DraftDecision
 from .sequence import Sequence

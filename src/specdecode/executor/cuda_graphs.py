@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..config import MAX_VERIFY_WIDTH
 from ..kv_cache import KVCache
-from .transfers import copy_into, to_device
+from ..transfers import copy_into, to_device
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import logging
 import torch
 
 from ..sampling import argmax_probability
+from ..transfers import copy_into
 from .cuda_graphs import Bucket, BucketedForward, StaticBatch, bucket_for
-from .transfers import copy_into
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from ..transfers import to_device
 from .params import SamplingParams
 
 
@@ -44,17 +45,17 @@ def process_logits(
 
 
 def add_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
-    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-    inside = ids < logits.shape[-1]  # a draft's head may cover fewer ids than the target's vocabulary
-    logits[:, ids[inside]] += values[inside]
+    inside = {i: v for i, v in bias.items() if i < logits.shape[-1]}  # a draft's head may cover fewer ids
+    if inside:
+        values = to_device(list(inside.values()), logits.device, logits.dtype)
+        logits[:, to_device(list(inside), logits.device)] += values
 
 
 def ban_eos_while_short(logits: torch.Tensor, tokens_missing: int, eos_ids: Collection[int]) -> None:
     """Row j is the (len(output) + j)-th output token: rows before `tokens_missing` may not end the text."""
     eos = [e for e in eos_ids if e < logits.shape[-1]]
     if tokens_missing > 0 and eos:
-        logits[:tokens_missing, eos] = float("-inf")
+        logits[:tokens_missing, to_device(eos, logits.device)] = float("-inf")
 
 
 def output_counts(
@@ -62,10 +63,9 @@ def output_counts(
 ) -> torch.Tensor:
     """[rows, vocab]: how often each token occurs in output_ids + drafts[:j], for row j."""
     counts = torch.zeros(vocab, device=device)
-    if output_ids:
-        ids = torch.tensor(output_ids, dtype=torch.long, device=device)
-        ids = ids[ids < vocab]
-        counts.index_add_(0, ids, torch.ones(len(ids), device=device))
+    ids = [i for i in output_ids if i < vocab]
+    if ids:
+        counts.index_add_(0, to_device(ids, device), torch.ones(len(ids), device=device))
     counts = counts.repeat(rows, 1)
     for j, token in enumerate(drafts):
         if token < vocab:
@@ -75,7 +75,7 @@ def output_counts(
 
 def token_mask(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    ids = [i for i in ids if i < vocab]
     if ids:
-        index = torch.tensor(ids, dtype=torch.long, device=device)
-        mask[index[index < vocab]] = True
+        mask[to_device(ids, device)] = True
     return mask

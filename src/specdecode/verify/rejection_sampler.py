@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import sample_rows
+from ..transfers import to_device
 
 Generators = torch.Generator | list[torch.Generator | None] | None
 
@@ -57,7 +58,7 @@ def rejection_sample(
 ) -> VerifyResult:
     """draft_tokens [B, K]; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (one-hot q)."""
     batch, k = draft_tokens.shape
-    counts = torch.tensor(num_draft, device=draft_tokens.device)
+    counts = to_device(num_draft, draft_tokens.device)
     in_range = torch.arange(k, device=draft_tokens.device)[None, :] < counts[:, None]
     safe_tokens = draft_tokens.clamp(min=0)[..., None]
     p = target_probs[:, :k].gather(-1, safe_tokens).squeeze(-1)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import TokenLogprob, logits_to_probs, process_logits, sample_token, token_logprobs
+from ..transfers import to_device
 from .rejection_sampler import VerifyResult, greedy_verify, match_greedy, rejection_sample
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ def verify_sampled(
     together, one device-to-host copy in all. Each sequence's generator draws what it draws verified alone, so the
     tokens are those of verify_drafts, whatever shares the batch."""
     k, vocab = max(map(len, drafts)), logits.shape[-1]
-    padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=logits.device)
+    padded = to_device([d + [0] * (k - len(d)) for d in drafts], logits.device)
     p = logits.new_zeros(len(seqs), k + 1, vocab, dtype=torch.float32)
     q = None if all(qi is None for qi in draft_probs) else logits.new_zeros(len(seqs), k, vocab, dtype=torch.float32)
     for i, (seq, tokens, qi, start) in enumerate(zip(seqs, drafts, draft_probs, starts)):
@@ -167,7 +168,7 @@ def _accept(
     seq: Sequence, drafts: list[int], q: torch.Tensor | None, processed: torch.Tensor, forced_accept: ForcedAcceptance
 ) -> VerifyResult:
     n = len(drafts)
-    draft = torch.tensor([drafts], dtype=torch.long, device=processed.device)
+    draft = to_device([drafts], processed.device)
     if forced_accept:
         kept = n if forced_accept is True else forced_accept(n)
         bonus = sample_token(processed[kept], seq.params, seq.generator)[0]
