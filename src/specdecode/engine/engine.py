@@ -16,7 +16,7 @@ from ..metrics import SpecCounters
 from ..models.tokenizer import Tokenizer
 from ..proposers.base import DraftBatch, Preview, Proposer, TargetFeedback
 from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
-from ..timing import Span, StepTimer, mark, seconds_between
+from ..timing import StepTimer, mark, seconds_between
 from ..verify.verifier import ForcedAcceptance
 from .admission import BlockBudget
 from .overlap import QueuingAhead, StepAhead
@@ -264,10 +264,9 @@ class Engine(Prefilling, QueuingAhead):
             catch_up = sum(max(0, self.proposer.unseen_tokens(s) - 1) for s, k in zip(seqs, main_ks) if k)
             with self.timer.measure("propose") as span:
                 drafts = self.proposer.propose(seqs, main_ks, [s.feedback for s in seqs])
-            timed, most = drafts.round_spans, max(main_ks)
 
             def seconds() -> float | None:
-                return self._draft_round_seconds(span.seconds, most, catch_up, _each_round(timed))
+                return self._draft_round_seconds(span.seconds, max(main_ks), catch_up, drafts.round_seconds())
 
         for i, (k, lookup) in enumerate(zip(decision.ks, decision.by_lookup)):
             if k and lookup:
@@ -293,8 +292,3 @@ class Engine(Prefilling, QueuingAhead):
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         self._given.setdefault(id(seq), (seq, seq.num_output_tokens))  # where this step's tokens begin
         seq.append(tokens, logprobs, self.tokenizer, self.max_model_len)
-
-
-def _each_round(spans: list[tuple[Span, int]]) -> list[float]:
-    """Each drafting round's seconds, from spans that each timed some rounds (chained ones: one span)."""
-    return [span.seconds / rounds for span, rounds in spans for _ in range(rounds)]

@@ -54,9 +54,10 @@ class DraftBatch:
     # Per sequence, the distribution each token was sampled from [n_i, V], or None when the proposer is
     # deterministic (n-gram, greedy drafting): the rejection sampler then treats q as one-hot.
     probs: list[torch.Tensor | None]
-    # Each drafting round (one forward of the drafter) the call ran, timed, the first with whatever it read first;
-    # empty where no model runs. The policy's cost model learns a round's cost from them.
-    round_spans: list[Span] = field(default_factory=list)
+    # The drafting rounds (forwards of the drafter) the call ran, timed: each span and how many rounds it timed (a
+    # round alone, or a chain of them), the first with whatever it read first; empty where no model runs. The
+    # policy's cost model learns a round's cost from them.
+    round_spans: list[tuple[Span, int]] = field(default_factory=list)
     # Drafts still on the device (their sequences' `tokens` are empty until read): the verify may read them there
     on_device: DraftsOnDevice | None = None
 
@@ -67,6 +68,10 @@ class DraftBatch:
     @property
     def num_tokens(self) -> list[int]:
         return [len(t) for t in self.tokens]
+
+    def round_seconds(self) -> list[float]:
+        """Each drafting round's seconds (on a GPU, to be read once the step's results are: it waits for them)."""
+        return [span.seconds / rounds for span, rounds in self.round_spans for _ in range(rounds)]
 
     def read(self) -> None:
         """Drafts left on the device copied to the host (waiting for the drafter) and settled."""
