@@ -1,10 +1,11 @@
 """Plain steps queued ahead (engine/overlap.py): each step's forward is queued before the tokens of the step before it
 reach the host, reading them on the device. The tokens are those of steps run one after another, whatever stops a
-sequence (max_tokens, EOS, a stop string), with requests arriving, sampled or asking for logprobs (they take the
-usual path), preempted and resumed, and with their blocks found again by a later prompt; block accounting holds over
-random engine operations. On a CPU the engine runs without them by default; these tests turn them on, through the
-eager forward and the fixed-shape one taken through its capture path. Broken variants fail: the tokens read before
-the next forward is queued, a stale queued step taken for a resumed sequence, token ids never settled."""
+sequence (max_tokens, EOS, a stop string), with requests arriving, sampled (a draw from each sequence's stream, given
+back where a queued step is dropped) or asking for logprobs (the usual path), preempted and resumed, and with their
+blocks found again by a later prompt; block accounting holds over random engine operations. On a CPU the engine runs
+without them by default; these tests turn them on, through the eager forward and the fixed-shape one taken through
+its capture path. Broken variants fail: the tokens read before the next forward is queued, a stale queued step taken
+for a resumed sequence, token ids never settled, draws of a dropped step kept."""
 
 from __future__ import annotations
 
@@ -122,8 +123,8 @@ def test_each_step_queues_the_next_forward_before_reading_its_tokens(monkeypatch
 
 
 def test_requests_arriving_mid_run_decode_as_they_would_alone(monkeypatch):
-    """Arrivals while steps are queued ahead, greedy, sampled with a seed and asking for logprobs (those two take
-    the usual path): each output is the one computed alone, and every sequence decodes from the step after its
+    """Arrivals while steps are queued ahead, greedy, sampled with a seed and asking for logprobs (which takes the
+    usual path): each output is the one computed alone, and every sequence decodes from the step after its
     admission (a queued step covers the sequences it was queued for; the others sit one step out, not more)."""
     target = tiny_model(seed=0)
     arrivals = [
@@ -250,3 +251,61 @@ def test_plain_steps_between_drafting_ones_queue_ahead_and_feed_the_drafter_alik
     assert outputs == outputs_alone == plain
     assert drafted == drafted_alone and len(drafted) >= 6
     assert len(queued) >= 2 * len(drafted) and dropped >= len(drafted) - 2  # each plain run's last queued, dropped
+
+
+def _sampled(max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_sampled_steps_queue_ahead_and_draw_what_steps_one_after_another_draw(monkeypatch):
+    """Seeded sampled sequences beside greedy ones: each queued step draws its token on the device from the
+    sequence's own stream, the draw its verification would make, so the outputs are those of steps run one after
+    another."""
+    target = tiny_model(seed=0)
+    params = [_sampled(30, 1), _greedy(20), _sampled(25, 2), _sampled(12, 3)]
+    expected = [o.outputs[0].token_ids for o in _llm(target, False).generate(PROMPTS, params)]
+    queued = _count_queued(monkeypatch)
+    assert [o.outputs[0].token_ids for o in _llm(target, True).generate(PROMPTS, params)] == expected
+    assert len(queued) >= 20 and max(queued) == 4
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_sampled_sequence_preempted_with_a_step_queued_for_it_draws_as_alone(broken, monkeypatch):
+    """The queued step's draw for a preempted sequence goes back to its stream (the sequence resumes in another slot
+    and draws that token again): its output is the one decoded alone. Kept instead, the stream runs one draw ahead."""
+    if broken:
+        monkeypatch.setattr(overlap.StepAhead, "undraw", lambda self, seqs=None: None)
+    target = tiny_model(seed=0)
+    params = [_sampled(30, 7), _sampled(30, 8)]
+    alone = [_llm(target, False).generate([p], q)[0].outputs[0].token_ids for p, q in zip(PROMPTS, params)]
+    engine = _llm(target, True).engine
+    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+    for _ in range(6):
+        engine.step()
+    assert engine._ahead is not None and seqs[1] in engine._ahead.seqs
+    engine._preempt(seqs[1])
+    while engine.has_unfinished():
+        engine.step()
+    assert ([s.output_ids for s in seqs] == alone) is not broken
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_steps_queued_for_sampled_sequences_and_dropped_for_drafting_give_their_draws_back(broken, monkeypatch):
+    """A drafter's engine whose policy drafts now and then: each drafting step drops the plain step queued before it,
+    and its draws go back to the sampled sequences' streams, so the outputs are those of an engine that never
+    queued. Kept instead, they differ."""
+    if broken:
+        monkeypatch.setattr(overlap.StepAhead, "undraw", lambda self, seqs=None: None)
+    target, draft = tiny_model(seed=0), tiny_model(seed=123, layers=1)
+    params = [_sampled(40, 11), _sampled(33, 12)]
+
+    def run(overlap_steps: bool) -> list[list[int]]:
+        llm = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=256, progress=False)
+        engine = llm.engine
+        engine.overlap, engine.policy = overlap_steps, _Scripted(3, lambda step: step % 5 == 0)
+        seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_ids for s in seqs]
+
+    assert (run(True) == run(False)) is not broken

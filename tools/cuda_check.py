@@ -500,23 +500,28 @@ def engine_trace(target, tokens: int = 160):
     }
 
 
-@section("sampled decoding (temperature 0.8), plain at 32 sequences: verification in one pass against one by one")
+@section("sampled decoding (temperature 0.8), plain at 32 sequences: queued ahead, one after another, one by one")
 def sampled(target, batch: int = 32, tokens: int = 64):
-    """A GPU verifies sampled sequences in one pass, one copy to the host (verify/verifier.verify_sampled); one by
-    one, each sequence's draw is a copy of its own, each waiting on the device."""
+    """Plain sampled steps queued ahead (each draws its tokens on the device: engine/overlap.py); one after another,
+    verified in one pass with one copy to the host (verify/verifier.verify_sampled); and one by one, each sequence's
+    draw a copy of its own, each waiting on the device."""
     from specdecode.engine import overlap as verifying
 
     llm, rates = engine(target, num_speculative_tokens=0), {}
     together = verifying.verify_batch
-    ways = {"one pass": True, "one by one": False}
-    for name, verify in ((name, functools.partial(together, sample_together=way)) for name, way in ways.items()):
-        verifying.verify_batch = verify
+    ways = {"queued ahead": (True, True), "one pass": (False, True), "one by one": (False, False)}
+    for name, (queued, way) in ways.items():
+        llm.engine.overlap = queued
+        verifying.verify_batch = functools.partial(together, sample_together=way)
         try:
             rates[name] = generate(llm, batch, tokens, temperature=0.8)[0]
         finally:
             verifying.verify_batch = together
-        print(f"{name:10s}: {rates[name]:8.1f} tok/s", flush=True)
-    print(f"one pass / one by one: {rates['one pass'] / rates['one by one']:.3f}x")
+        print(f"{name:12s}: {rates[name]:8.1f} tok/s", flush=True)
+    print(
+        f"queued ahead / one pass / one by one: 1 / {rates['one pass'] / rates['queued ahead']:.3f} / "
+        f"{rates['one by one'] / rates['queued ahead']:.3f}"
+    )
     RESULTS["sampled"] = rates
 
 

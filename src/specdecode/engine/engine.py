@@ -181,7 +181,8 @@ class Engine(Prefilling, QueuingAhead):
         decision, previews = self._decide_drafts(seqs)
         if chunk is None and self._plain(seqs, decision):
             return self._plain_step(seqs, out, step_start)
-        self._ahead, self._plain_run = None, 0  # a step queued as plain and not taken: its rows are written anew
+        self._drop_ahead()  # a step queued as plain and not taken: its rows are written anew
+        self._plain_run = 0
         drafts, draft_seconds = self._propose(seqs, decision, previews)
         verify_start = mark()
         starts = [seq.num_tokens - 1 for seq in seqs]

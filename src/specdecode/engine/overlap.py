@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..proposers.base import DraftBatch, TargetFeedback
+from ..sampling import logits_to_probs, sample_rows
 from ..timing import Mark
 from ..transfers import to_device
 from ..verify.verifier import verify_argmax_rows, verify_batch
@@ -36,11 +37,21 @@ class StepAhead:
     stood: list[tuple[int, int, int]]
     picked: torch.Tensor
     hidden: torch.Tensor | None
+    streams: list  # each seeded sampled sequence's stream as it was before this step drew its token (else None)
     after: float = 0.0  # the host's time when it had read the step before (this step's time runs from there)
 
     @classmethod
-    def queued(cls, seqs: list[Sequence], picked: torch.Tensor, hidden: torch.Tensor | None) -> "StepAhead":
-        return cls(seqs, [_standing(s, 1) for s in seqs], picked, hidden)
+    def queued(cls, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None) -> "StepAhead":
+        streams = [s.generator.get_state() if not s.params.greedy and s.generator else None for s in seqs]
+        return cls(seqs, [_standing(s, 1) for s in seqs], _tokens_of(seqs, logits), hidden, streams)
+
+    def undraw(self, seqs: list[Sequence] | None = None) -> None:
+        """The draws this step made for these sequences (default: all) given back to their streams: they will not
+        take it (preempted, or drafting instead), and a seeded stream goes on as if it had never been queued."""
+        for i, (seq, stream) in enumerate(zip(self.seqs, self.streams)):
+            if stream is not None and (seqs is None or seq in seqs):
+                seq.generator.set_state(stream)
+                self.streams[i] = None  # given back once: the stream may have drawn again since
 
     def rows(self, seqs: list[Sequence]) -> list[int | None]:
         """Each sequence's row, None where this step was not queued for it as it stands now (admitted or resumed
@@ -70,14 +81,21 @@ class QueuingAhead:
     delay the tokens before it, and a verify of every drafted row would pay for the rows past a confidence stop)."""
 
     def _plain(self, seqs: list[Sequence], decision: DraftDecision) -> bool:
-        """Whether this decoding step is plain and may queue the next: nothing drafts, and each sequence's token is
-        its logits' argmax with nothing more to compute from them (logprobs), which the device picks alone."""
+        """Whether this decoding step is plain and may queue the next: nothing drafts, and each sequence's token
+        follows from its logits row on the device alone (_tokens_of)."""
         return (
             self.overlap
             and not any(decision.ks)
             and self.runner.vocab_ids is None
-            and all(s.takes_argmax and s.params.logprobs is None for s in seqs)
+            and all(_picks_on_device(s) for s in seqs)
         )
+
+    def _drop_ahead(self, seqs: list[Sequence] | None = None) -> None:
+        """The step queued ahead, not taken by these sequences (default: by any), its draws for them given back."""
+        if self._ahead is not None:
+            self._ahead.undraw(seqs)
+            if seqs is None:
+                self._ahead = None
 
     def _plain_step(self, seqs: list[Sequence], out: StepOutput, step_start: Mark) -> None:
         """One token for each sequence the step is for: from the forward queued by the last step where there is one
@@ -124,7 +142,7 @@ class QueuingAhead:
             mine = [s for s, r in zip(seqs, rows) if r is not None]
             return Picked(mine, picked, hidden, len(kept) == len(seqs), ahead.after)
         logits, hidden = self._target_forward([s.slot for s in seqs], [[s.token_ids[-1]] for s in seqs], "last")
-        return Picked(seqs, logits.argmax(-1), hidden, True, start)
+        return Picked(seqs, _tokens_of(seqs, logits), hidden, True, start)
 
     def _queue_next(self, seqs: list[Sequence], picked: torch.Tensor) -> StepAhead | None:
         """The next step's forward, queued for the sequences that will still decode after this step's token (as far
@@ -141,7 +159,7 @@ class QueuingAhead:
         picked = picked if next_seqs == seqs else picked[to_device(going, picked.device)]
         out = self.runner.forward_picked([s.slot for s in next_seqs], picked[:, None], hidden=self.wants_hidden_states)
         logits, hidden = out if isinstance(out, tuple) else (out, None)
-        return StepAhead.queued(next_seqs, logits.argmax(-1), hidden)
+        return StepAhead.queued(next_seqs, logits, hidden)
 
     def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         """Whether the verify reads the drafts where the drafter left them: every draft is there (none is a lookup's),
@@ -192,6 +210,22 @@ def _widths(drafts: DraftBatch) -> list[int]:
     for i, count in zip(drafts.on_device.rows, drafts.on_device.counts):
         widths[i] += count
     return widths
+
+
+def _picks_on_device(seq: Sequence) -> bool:
+    """Whether a sequence's token follows from its logits row alone: no processor, grammar or logprobs, which need
+    the host."""
+    return not seq.params.has_processors and seq.grammar is None and seq.params.logprobs is None
+
+
+def _tokens_of(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Each sequence's token from its row of `logits`, on the device: the argmax where greedy, else a draw from its
+    own stream, the one its verification would make (a plain step's token is its bonus token)."""
+    tokens = logits.argmax(-1)
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            tokens[i : i + 1] = sample_rows(logits_to_probs(logits[i : i + 1], seq.params), seq.generator)
+    return tokens
 
 
 def _rows(tensors, rows: list[int]):

@@ -111,6 +111,7 @@ class Prefilling:
             self.running.remove(seq)
         else:
             self.prefilling = [p for p in self.prefilling if p.seq is not seq]
+        self._drop_ahead([seq])  # the row queued for it is its no more: it resumes in another slot
         self.runner.free(seq.slot)
         for proposer in self.proposers:
             proposer.suspend(seq)

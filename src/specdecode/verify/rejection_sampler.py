@@ -70,7 +70,7 @@ def rejection_sample(
     rows = torch.arange(batch, device=draft_tokens.device)
     final = target_probs[rows, num_accepted]  # p at the first rejected position, or the bonus position
     rejected = num_accepted < counts
-    if rejected.any():
+    if k and (final.is_cuda or rejected.any()):  # on a GPU the test would wait for the device: the residual costs less
         at = num_accepted.clamp(max=max(k - 1, 0))
         if draft_probs is None:
             q_at = torch.zeros_like(final).scatter_(-1, safe_tokens[rows, at], 1.0)
