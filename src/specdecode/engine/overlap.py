@@ -48,8 +48,9 @@ class StepAhead:
     def undraw(self, seqs: list[Sequence] | None = None) -> None:
         """The draws this step made for these sequences (default: all) given back to their streams: they will not
         take it (preempted, or drafting instead), and a seeded stream goes on as if it had never been queued."""
+        chosen = None if seqs is None else {id(s) for s in seqs}
         for i, (seq, stream) in enumerate(zip(self.seqs, self.streams)):
-            if stream is not None and (seqs is None or seq in seqs):
+            if stream is not None and (chosen is None or id(seq) in chosen):
                 seq.generator.set_state(stream)
                 self.streams[i] = None  # given back once: the stream may have drawn again since
 
@@ -62,6 +63,9 @@ class StepAhead:
 
 
 class Picked(NamedTuple):
+    """A plain step's sequences, their tokens on the device (and hidden states), whether they are all the sequences it
+    was asked for, and the host's time its forward's time runs from."""
+
     seqs: list[Sequence]
     tokens: torch.Tensor
     hidden: torch.Tensor | None
