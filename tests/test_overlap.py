@@ -147,15 +147,9 @@ def test_requests_arriving_mid_run_decode_as_they_would_alone(monkeypatch):
     assert queued and all(waited.count(s) <= 1 for s in seqs)
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_a_sequence_preempted_with_a_step_queued_for_it_resumes_as_alone(broken, monkeypatch):
-    """Preempted while a step is queued for it, a sequence is recomputed into a slot: the queued step is not its own
-    any more (its row sits the first step out). A variant that takes the queued row by the sequence alone, not
-    where it stands, fails."""
-    if broken:
-        monkeypatch.setattr(overlap, "_standing", lambda seq, emitted=0: id(seq))
+def _preempted_with_a_step_queued(params: list[SamplingParams]):
+    """An engine running two requests, the second preempted while a step is queued for it; the outputs alone."""
     target = tiny_model(seed=0)
-    params = [_greedy(30), _greedy(30)]
     alone = [_llm(target, False).generate([p], q)[0].outputs[0].token_ids for p, q in zip(PROMPTS, params)]
     engine = _llm(target, True).engine
     seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
@@ -163,6 +157,17 @@ def test_a_sequence_preempted_with_a_step_queued_for_it_resumes_as_alone(broken,
         engine.step()
     assert engine._ahead is not None and seqs[1] in engine._ahead.seqs
     engine._preempt(seqs[1])
+    return engine, seqs, alone
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_sequence_preempted_with_a_step_queued_for_it_resumes_as_alone(broken, monkeypatch):
+    """Preempted while a step is queued for it, a sequence is recomputed into a slot: the queued step is not its own
+    any more (its row sits the first step out). A variant that takes the queued row by the sequence alone, not
+    where it stands, fails."""
+    if broken:
+        monkeypatch.setattr(overlap, "_standing", lambda seq, emitted=0: id(seq))
+    engine, seqs, alone = _preempted_with_a_step_queued([_greedy(30), _greedy(30)])
     if broken:
         with pytest.raises(ValueError, match="cannot commit"):
             while engine.has_unfinished():
@@ -275,15 +280,7 @@ def test_a_sampled_sequence_preempted_with_a_step_queued_for_it_draws_as_alone(b
     and draws that token again): its output is the one decoded alone. Kept instead, the stream runs one draw ahead."""
     if broken:
         monkeypatch.setattr(overlap.StepAhead, "undraw", lambda self, seqs=None: None)
-    target = tiny_model(seed=0)
-    params = [_sampled(30, 7), _sampled(30, 8)]
-    alone = [_llm(target, False).generate([p], q)[0].outputs[0].token_ids for p, q in zip(PROMPTS, params)]
-    engine = _llm(target, True).engine
-    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
-    for _ in range(6):
-        engine.step()
-    assert engine._ahead is not None and seqs[1] in engine._ahead.seqs
-    engine._preempt(seqs[1])
+    engine, seqs, alone = _preempted_with_a_step_queued([_sampled(30, 7), _sampled(30, 8)])
     while engine.has_unfinished():
         engine.step()
     assert ([s.output_ids for s in seqs] == alone) is not broken
