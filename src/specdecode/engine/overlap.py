@@ -162,8 +162,7 @@ class QueuingAhead:
         next_seqs = [seqs[i] for i in going]
         picked = picked if next_seqs == seqs else picked[to_device(going, picked.device)]
         out = self.runner.forward_picked([s.slot for s in next_seqs], picked[:, None], hidden=self.wants_hidden_states)
-        logits, hidden = out if isinstance(out, tuple) else (out, None)
-        return StepAhead.queued(next_seqs, logits, hidden)
+        return StepAhead.queued(next_seqs, *_with_hidden(out))
 
     def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         """Whether the verify reads the drafts where the drafter left them: every draft is there (none is a lookup's),
@@ -174,7 +173,7 @@ class QueuingAhead:
             and drafts.on_device is not None
             and not any(drafts.tokens)
             and self.runner.vocab_ids is None
-            and all(s.takes_argmax and s.params.logprobs is None for s in seqs)
+            and all(s.params.greedy and _picks_on_device(s) for s in seqs)
         )
 
     def _verify_drafts_on_device(self, seqs: list[Sequence], drafts: DraftBatch):
@@ -188,7 +187,7 @@ class QueuingAhead:
         out = self.runner.forward_picked(
             [s.slot for s in seqs], picked, _widths(drafts), logits="all", hidden=self.wants_hidden_states
         )
-        return out if isinstance(out, tuple) else (out, None)
+        return _with_hidden(out)
 
     def _verified(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor):
         """Each sequence's verification and the number of its rows in the verify's logits. Drafts still on the device
@@ -206,6 +205,11 @@ class QueuingAhead:
             self.runner.settle(seq.slot, seq.num_tokens - 1, [seq.token_ids[-1], *tokens])
         results = verify_argmax_rows(drafts.tokens, widths, picks, self.forced_accept)
         return [(result, None) for result in results], widths
+
+
+def _with_hidden(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A forward's logits and hidden states (None where it was not asked for them)."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 def _widths(drafts: DraftBatch) -> list[int]:

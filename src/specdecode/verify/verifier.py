@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 ForcedAcceptance = bool | Callable[[int], int]
 
 
+def forced_kept(forced_accept: ForcedAcceptance, drafts: int) -> int:
+    """How many of a step's drafts an imposed acceptance keeps (True: every one)."""
+    return drafts if forced_accept is True else forced_accept(drafts)
+
+
 def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int], eos_ids: Collection[int]) -> torch.Tensor:
     """The request's logits processors and grammar on rows [P, V], row j after seq's output and drafts[:j]."""
     logits = process_logits(logits, seq.params, seq.prompt_ids, seq.output_ids, drafts, eos_ids)
@@ -106,7 +111,7 @@ def verify_argmax_rows(
     for tokens, width in zip(drafts, widths):
         picks = argmax[row : row + len(tokens) + 1]
         if forced_accept:
-            kept = len(tokens) if forced_accept is True else forced_accept(len(tokens))
+            kept = forced_kept(forced_accept, len(tokens))
             accepted, emitted = kept, tokens[:kept] + [picks[kept]]
         else:
             accepted, emitted = match_greedy(tokens, picks)
@@ -170,7 +175,7 @@ def _accept(
     n = len(drafts)
     draft = to_device([drafts], processed.device)
     if forced_accept:
-        kept = n if forced_accept is True else forced_accept(n)
+        kept = forced_kept(forced_accept, n)
         bonus = sample_token(processed[kept], seq.params, seq.generator)[0]
         return VerifyResult([kept], [drafts[:kept] + [bonus]])
     if seq.params.greedy:
