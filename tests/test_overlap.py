@@ -258,16 +258,17 @@ def test_plain_steps_between_drafting_ones_queue_ahead_and_feed_the_drafter_alik
     assert len(queued) >= 2 * len(drafted) and dropped >= len(drafted) - 2  # each plain run's last queued, dropped
 
 
-def _sampled(max_tokens: int, seed: int) -> SamplingParams:
-    return SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+def _sampled(max_tokens: int, seed: int, **settings) -> SamplingParams:
+    settings = {"temperature": 0.8, "top_p": 0.9, **settings}
+    return SamplingParams(seed=seed, max_tokens=max_tokens, ignore_eos=True, **settings)
 
 
 def test_sampled_steps_queue_ahead_and_draw_what_steps_one_after_another_draw(monkeypatch):
-    """Seeded sampled sequences beside greedy ones: each queued step draws its token on the device from the
-    sequence's own stream, the draw its verification would make, so the outputs are those of steps run one after
-    another."""
+    """Seeded sampled sequences of two settings beside greedy ones: each queued step draws its token on the device
+    from the sequence's own stream, the draw its verification would make, so the outputs are those of steps run one
+    after another."""
     target = tiny_model(seed=0)
-    params = [_sampled(30, 1), _greedy(20), _sampled(25, 2), _sampled(12, 3)]
+    params = [_sampled(30, 1), _greedy(20), _sampled(25, 2, temperature=1.2, top_k=5), _sampled(12, 3)]
     expected = [o.outputs[0].token_ids for o in _llm(target, False).generate(PROMPTS, params)]
     queued = _count_queued(monkeypatch)
     assert [o.outputs[0].token_ids for o in _llm(target, True).generate(PROMPTS, params)] == expected

@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from stats import PASS_P, seeded
 
 from specdecode.verify import rejection_sampler as rs
+from specdecode.verify import verifier
 from specdecode.verify.rejection_sampler import greedy_verify, rejection_sample
 
 N = 100_000
@@ -165,8 +166,9 @@ def _together_and_alone(trial: int, sample_together: bool | None = False, device
         SamplingParams(temperature=1.0, top_k=5, seed=5),
         SamplingParams(temperature=0.8, seed=6),
         SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, top_p=0.8),  # no seed: drawn from the default generator, not compared
     ]
-    counts = [2, 3, 2, 1, 3, 0, 2]
+    counts = [2, 3, 2, 1, 3, 0, 2, 2]
     logits = torch.randn(sum(counts) + len(counts), V, generator=gen) * 2
     qs = [torch.stack([_random_dist(gen) for _ in range(n)]) if i in (1, 4) else None for i, n in enumerate(counts)]
     drafts, row = [], 0
@@ -177,7 +179,7 @@ def _together_and_alone(trial: int, sample_together: bool | None = False, device
     logits, qs = logits.to(device), [None if q is None else q.to(device) for q in qs]
 
     def fresh():
-        generators = [torch.Generator(device).manual_seed(params.seed + trial) for params in kinds]
+        generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed + trial) for p in kinds]
         return [Sequence([1, 2, 3], params, g) for params, g in zip(kinds, generators)]
 
     together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[], sample_together=sample_together)
@@ -193,8 +195,8 @@ def _differences(trials: int, sample_together: bool | None = False, device: str 
     differ, accepted = 0, []
     for trial in range(trials):
         together, alone, counts = _together_and_alone(trial, sample_together, device)
-        differ += [(r.tokens, r.num_accepted, lp) for r, lp in together] != [
-            (r.tokens, r.num_accepted, lp) for r, lp in alone
+        differ += [(r.tokens, r.num_accepted, lp) for r, lp in together[:-1]] != [
+            (r.tokens, r.num_accepted, lp) for r, lp in alone[:-1]
         ]
         accepted += [r.num_accepted[0] - n for (r, _), n in zip(together, counts)]
     return differ, accepted
@@ -210,3 +212,18 @@ def test_sampled_sequences_verified_together_draw_as_each_alone(device, sample_t
     differ, shortfalls = _differences(trials=30, sample_together=sample_together, device=device)
     assert differ == 0
     assert 0 in shortfalls and any(s < 0 for s in shortfalls)  # every draft accepted, and rejections
+
+
+BROKEN_TOGETHER = {
+    # every row made a distribution under the first sequence's settings
+    "one setting for all": ("probs_of_rows", lambda logits, params: verifier.logits_to_probs(logits, params[0])),
+    # every draft taken as deterministic (one-hot q), the draft model's own distributions dropped
+    "draft distributions dropped": ("_draft_distributions", lambda *args: None),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_TOGETHER))
+def test_a_pass_that_mixes_up_sequences_is_caught(monkeypatch, broken):
+    name, impl = BROKEN_TOGETHER[broken]
+    monkeypatch.setattr(verifier, name, impl)
+    assert _differences(trials=10, sample_together=True)[0] > 0

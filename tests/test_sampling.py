@@ -3,9 +3,10 @@
 import pytest
 import torch
 from scipy.stats import chisquare
-from stats import PASS_P, seeded
+from stats import PASS_P, SEED, seeded
 
-from specdecode.sampling import SamplingParams, logits_to_probs, sample_rows
+from specdecode.sampling import SamplingParams, logits_to_probs, probs_of_rows, sample_rows, uniform_rows
+from specdecode.sampling import probs as probs_module
 from specdecode.sampling.probs import NUCLEUS_CANDIDATES, nucleus
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
@@ -87,3 +88,66 @@ def test_a_draw_that_ignores_the_row_s_total_is_caught():
 
     with pytest.raises(AssertionError, match="probability 0"):
         _draws_follow(broken, RESIDUAL)
+
+
+# Pairs that differ in one setting each (temperature, top-k, top-p, min-p), and greedy
+SETTINGS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=0.7, top_p=0.6),
+    SamplingParams(temperature=0.7, min_p=0.2),
+    SamplingParams(temperature=0),
+]
+
+
+def _rows_differing_from_alone() -> int:
+    """Rows of interleaved settings made distributions together that differ, in any bit, from each made alone."""
+    gen = seeded(41)
+    logits = torch.randn(24, 40, generator=gen) * 2
+    params = [SETTINGS[i % len(SETTINGS)] for i in torch.randperm(24, generator=gen).tolist()]
+    together = probs_of_rows(logits, params)
+    return sum(not torch.equal(together[i], logits_to_probs(logits[i : i + 1], p)[0]) for i, p in enumerate(params))
+
+
+def test_rows_of_different_settings_get_what_each_gets_alone():
+    assert _rows_differing_from_alone() == 0
+
+
+@pytest.mark.parametrize("forgotten", range(4))
+def test_settings_that_differ_in_one_field_are_told_apart(monkeypatch, forgotten):
+    """Broken variants: rows grouped by a key that leaves out temperature, top-k, top-p or min-p."""
+    told = probs_module._distribution
+    monkeypatch.setattr(
+        probs_module, "_distribution", lambda p: tuple(v for i, v in enumerate(told(p)) if i != forgotten)
+    )
+    assert _rows_differing_from_alone() > 0
+
+
+def _streams(rows: int) -> list:
+    """Every third row seeded (a stream of its own), the rest drawing from the default generator."""
+    return [None if i % 3 else torch.Generator().manual_seed(SEED + 100 + i) for i in range(rows)]
+
+
+def test_a_seeded_row_draws_what_it_draws_alone_beside_rows_without_a_seed():
+    counts = [i % 4 for i in range(30)]
+    torch.manual_seed(SEED)
+    u = uniform_rows(_streams(30), counts, 3, "cpu")
+    for i, g in enumerate(_streams(30)):
+        if g is not None:
+            assert torch.equal(u[i, : counts[i]], torch.rand(counts[i], generator=g))
+            assert (u[i, counts[i] :] == 0).all()
+    unseeded = u[[i for i in range(30) if i % 3]]
+    assert len(set(unseeded.flatten().tolist())) == unseeded.numel()  # draws of their own, none shared
+
+
+def test_rows_without_a_seed_beside_seeded_ones_follow_their_row():
+    n = 60_000
+    torch.manual_seed(SEED + 7)
+    tokens = sample_rows(RESIDUAL.expand(n, -1), _streams(n))
+    unseeded = tokens[[i for i in range(n) if i % 3]]
+    counts = torch.bincount(unseeded, minlength=len(RESIDUAL)).double()
+    assert counts[RESIDUAL == 0].sum() == 0
+    keep = RESIDUAL > 0
+    expected = RESIDUAL[keep].double() / RESIDUAL.sum() * len(unseeded)
+    assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > PASS_P

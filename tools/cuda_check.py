@@ -500,11 +500,12 @@ def engine_trace(target, tokens: int = 160):
     }
 
 
-@section("sampled decoding (temperature 0.8), plain at 32 sequences: queued ahead, one after another, one by one")
+@section("sampled decoding (temperature 0.8), plain at 32 sequences: queued ahead, one pass, one by one; greedy beside")
 def sampled(target, batch: int = 32, tokens: int = 64):
-    """Plain sampled steps queued ahead (each draws its tokens on the device: engine/overlap.py); one after another,
-    verified in one pass with one copy to the host (verify/verifier.verify_sampled); and one by one, each sequence's
-    draw a copy of its own, each waiting on the device."""
+    """Plain sampled steps queued ahead (each draws its tokens on the device: engine/overlap.py, the rows' distributions
+    a call per setting); one after another, verified in one pass with one copy to the host (verify/verifier.
+    verify_sampled); one by one, each sequence's draw a copy of its own, each waiting on the device; and greedy,
+    queued ahead, for what sampling costs."""
     from specdecode.engine import overlap as verifying
 
     llm, rates = engine(target, num_speculative_tokens=0), {}
@@ -518,9 +519,12 @@ def sampled(target, batch: int = 32, tokens: int = 64):
         finally:
             verifying.verify_batch = together
         print(f"{name:12s}: {rates[name]:8.1f} tok/s", flush=True)
+    llm.engine.overlap = True
+    rates["greedy"] = generate(llm, batch, tokens)[0]
+    print(f"{'greedy':12s}: {rates['greedy']:8.1f} tok/s")
     print(
-        f"queued ahead / one pass / one by one: 1 / {rates['one pass'] / rates['queued ahead']:.3f} / "
-        f"{rates['one by one'] / rates['queued ahead']:.3f}"
+        f"queued ahead / one pass / one by one / greedy: 1 / {rates['one pass'] / rates['queued ahead']:.3f} / "
+        f"{rates['one by one'] / rates['queued ahead']:.3f} / {rates['greedy'] / rates['queued ahead']:.3f}"
     )
     RESULTS["sampled"] = rates
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..proposers.base import DraftBatch, TargetFeedback
-from ..sampling import logits_to_probs, sample_rows
+from ..sampling import probs_of_rows, sample_rows
 from ..timing import Mark
 from ..transfers import to_device
 from ..verify.verifier import verify_argmax_rows, verify_batch
@@ -228,11 +228,19 @@ def _picks_on_device(seq: Sequence) -> bool:
 
 def _tokens_of(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     """Each sequence's token from its row of `logits`, on the device: the argmax where greedy, else a draw from its
-    own stream, the one its verification would make (a plain step's token is its bonus token)."""
+    own stream, the one its verification would make (a plain step's token is its bonus token); the sampled rows'
+    distributions a call per sampling setting, their draws together."""
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if not sampled:
+        return logits.argmax(-1)
+    every = len(sampled) == len(seqs)
+    at = None if every else to_device(sampled, logits.device)
+    probs = probs_of_rows(logits if every else logits[at], [seqs[i].params for i in sampled])
+    drawn = sample_rows(probs, [seqs[i].generator for i in sampled])
+    if every:
+        return drawn
     tokens = logits.argmax(-1)
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            tokens[i : i + 1] = sample_rows(logits_to_probs(logits[i : i + 1], seq.params), seq.generator)
+    tokens[at] = drawn
     return tokens
 
 

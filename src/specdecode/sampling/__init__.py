@@ -4,18 +4,29 @@ logits processors (bias, min_tokens, penalties, grammar) -> temperature -> min_p
 from .grammar import GrammarMatcher, StructuredOutput
 from .logprobs import TokenLogprob, token_logprobs
 from .params import SamplingParams
-from .probs import argmax_probability, logits_to_probs, sample_rows, sample_token
+from .probs import (
+    Generators,
+    argmax_probability,
+    logits_to_probs,
+    probs_of_rows,
+    sample_rows,
+    sample_token,
+    uniform_rows,
+)
 from .processors import process_logits
 
 __all__ = [
+    "Generators",
     "GrammarMatcher",
     "SamplingParams",
     "StructuredOutput",
     "TokenLogprob",
     "argmax_probability",
     "logits_to_probs",
+    "probs_of_rows",
     "process_logits",
     "sample_rows",
     "sample_token",
     "token_logprobs",
+    "uniform_rows",
 ]

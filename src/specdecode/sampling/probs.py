@@ -6,7 +6,11 @@ import math
 
 import torch
 
+from ..transfers import to_device
 from .params import SamplingParams
+
+# One random stream a row, or None: PyTorch's default generator (requests without a seed); a list gives each row its own
+Generators = torch.Generator | list[torch.Generator | None] | None
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -31,6 +35,29 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1:
         probs = nucleus(probs, params.top_p)
     return probs
+
+
+def probs_of_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits_to_probs for rows [N, V] that each follow their own request's settings (params[i] for row i): rows of
+    the same settings in one call, whatever their order, so a batch costs a call per setting, not per sequence. A
+    row gets what logits_to_probs gives it alone."""
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(_distribution(p), []).append(row)
+    if len(groups) == 1:
+        return logits_to_probs(logits, params[0])
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups.values():
+        at = to_device(rows, logits.device)
+        probs[at] = logits_to_probs(logits[at], params[rows[0]])
+    return probs
+
+
+def _distribution(params: SamplingParams) -> tuple:
+    """What logits_to_probs reads of a request's settings."""
+    if params.greedy:
+        return ("greedy",)
+    return params.temperature, max(params.top_k, 0), params.top_p, params.min_p
 
 
 # Tokens ranked by topk before any whole-row sort: on a CPU, sorting a 152k vocabulary costs tens of times what
@@ -79,12 +106,32 @@ def sample_token(
     return int(sample_rows(probs[None], generator)[0]), probs
 
 
-def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     """One token per row of (unnormalised) probabilities [R, V], by inverting each row's cumulative sum at a
     uniform draw: one pass over the row, where torch.multinomial draws a random number per token. Accumulated
     in float64, so rounding moves no measurable mass; a zero-probability token spans an empty interval and is
-    never drawn."""
+    never drawn. With a generator per row, each row draws what it draws sampled alone (see uniform_rows)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    u = uniform_rows(generators, [1] * probs.shape[0], 1, probs.device, torch.float64)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
     return tokens.clamp(max=probs.shape[-1] - 1)  # u * total rounding up to total itself
+
+
+def uniform_rows(generators: Generators, counts: list[int], width: int, device, dtype=torch.float32) -> torch.Tensor:
+    """[rows, width] uniform draws, row i's first counts[i] its own. A list of generators gives each row its own
+    stream: a seeded row draws exactly counts[i] numbers from it, what it would draw in a batch of one (the rest of
+    its row is zeros), and the rows without a generator share one draw from the default generator. Otherwise
+    (one generator or None) one draw fills the whole block."""
+    if not isinstance(generators, list) or all(g is None for g in generators):
+        one = generators if not isinstance(generators, list) else None
+        return torch.rand(len(counts), width, generator=one, device=device, dtype=dtype)
+    common = torch.rand(sum(g is None for g in generators), width, device=device, dtype=dtype)
+    rows, taken = [], 0
+    for g, n in zip(generators, counts):
+        if g is None:
+            rows.append(common[taken : taken + 1])
+            taken += 1
+        else:
+            own = torch.rand(n, generator=g, device=device, dtype=dtype)
+            rows.append(torch.nn.functional.pad(own, (0, width - n))[None])
+    return torch.cat(rows)

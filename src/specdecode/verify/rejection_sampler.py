@@ -16,12 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..sampling import sample_rows
+from ..sampling import Generators, sample_rows, uniform_rows
 from ..transfers import to_device
-
-Generators = torch.Generator | list[torch.Generator | None] | None
 
 
 @dataclass
@@ -63,7 +60,7 @@ def rejection_sample(
     safe_tokens = draft_tokens.clamp(min=0)[..., None]
     p = target_probs[:, :k].gather(-1, safe_tokens).squeeze(-1)
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, safe_tokens).squeeze(-1)
-    u = _uniform((batch, k), generators, draft_tokens.device, num_draft)
+    u = uniform_rows(generators, num_draft, k, draft_tokens.device)
     accept = accept_draft(u, p, q) & in_range
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
 
@@ -81,7 +78,7 @@ def rejection_sample(
         has_mass = residual.sum(-1, keepdim=True) > 0
         residual = torch.where(has_mass, residual, final)
         final = torch.where(rejected[:, None], residual, final)
-    extra = _sample_rows(final, generators)
+    extra = sample_rows(final, generators)
 
     # one device-to-host copy: per row, how many drafts were accepted, the token after them, the drafts
     copied = torch.cat([num_accepted[:, None], extra[:, None].to(draft_tokens.dtype), draft_tokens], 1).tolist()
@@ -96,27 +93,3 @@ def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Ten
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Unnormalised max(0, p - q): where to resample after a rejection."""
     return (p - q).clamp(min=0)
-
-
-def _uniform(shape, generators: Generators, device, num_draft: list[int]) -> torch.Tensor:
-    """A uniform draw per draft position; with a generator per sequence, each draws one per draft of its own (then
-    padded): what it draws does not depend on the other sequences' drafts."""
-    if isinstance(generators, list):
-        return (
-            torch.stack(
-                [
-                    F.pad(torch.rand(n, generator=g, device=device), (0, shape[1] - n))
-                    for g, n in zip(generators, num_draft)
-                ]
-            )
-            if shape[0]
-            else torch.empty(shape, device=device)
-        )
-    return torch.rand(shape, generator=generators, device=device)
-
-
-def _sample_rows(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
-    """One token per row of an (unnormalised) probability matrix [B, V]."""
-    if isinstance(generators, list):
-        return torch.cat([sample_rows(row[None], g) for row, g in zip(probs, generators)])
-    return sample_rows(probs, generators)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..sampling import TokenLogprob, logits_to_probs, process_logits, sample_token, token_logprobs
+from ..sampling import TokenLogprob, logits_to_probs, probs_of_rows, process_logits, sample_token, token_logprobs
 from ..transfers import to_device
 from .rejection_sampler import VerifyResult, greedy_verify, match_greedy, rejection_sample
 
@@ -129,22 +129,57 @@ def verify_sampled(
     eos_ids: Collection[int],
 ) -> list[VerifyResult]:
     """Rejection sampling for sampled sequences with no grammar to advance and no logprobs to return, all in one
-    pass: each sequence's rows processed as the request asks, then padded to the longest draft, accepted and drawn
-    together, one device-to-host copy in all. Each sequence's generator draws what it draws verified alone, so the
-    tokens are those of verify_drafts, whatever shares the batch."""
-    k, vocab = max(map(len, drafts)), logits.shape[-1]
+    pass: the rows of every sequence taken together (processed first where a request has logits processors), made
+    distributions a call per sampling setting, padded to the longest draft, accepted and drawn together, one
+    device-to-host copy in all. Each sequence's generator draws what it draws verified alone, so the tokens are those
+    of verify_drafts, whatever shares the batch."""
+    k, vocab, counts = max(map(len, drafts)), logits.shape[-1], [len(d) for d in drafts]
     padded = to_device([d + [0] * (k - len(d)) for d in drafts], logits.device)
-    p = logits.new_zeros(len(seqs), k + 1, vocab, dtype=torch.float32)
-    q = None if all(qi is None for qi in draft_probs) else logits.new_zeros(len(seqs), k, vocab, dtype=torch.float32)
-    for i, (seq, tokens, qi, start) in enumerate(zip(seqs, drafts, draft_probs, starts)):
-        n = len(tokens)
-        p[i, : n + 1] = logits_to_probs(
-            processed_logits(seq, logits[start : start + n + 1], tokens, eos_ids), seq.params
-        )
-        if q is not None and n:  # a deterministic proposer's q is one-hot
-            q[i, :n] = F.one_hot(padded[i, :n], vocab) if qi is None else match_vocab(qi, vocab)
-    both = rejection_sample(padded, [len(d) for d in drafts], p, q, [seq.generator for seq in seqs])
+    rows = [start + j for start, n in zip(starts, counts) for j in range(n + 1)]  # each sequence's rows in logits
+    places = [i * (k + 1) + j for i, n in enumerate(counts) for j in range(n + 1)]  # and in p's [B * (k + 1)]
+    processed = _processed_rows(seqs, drafts, logits, rows, eos_ids)
+    p = logits.new_zeros(len(seqs) * (k + 1), vocab, dtype=torch.float32)
+    p[to_device(places, logits.device)] = probs_of_rows(
+        processed, [s.params for s, n in zip(seqs, counts) for _ in range(n + 1)]
+    )
+    q = _draft_distributions(padded, counts, draft_probs, vocab)
+    both = rejection_sample(padded, counts, p.view(len(seqs), k + 1, vocab), q, [seq.generator for seq in seqs])
     return [VerifyResult([n], [tokens]) for n, tokens in zip(both.num_accepted, both.tokens)]
+
+
+def _processed_rows(
+    seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, rows: list[int], eos_ids: Collection[int]
+) -> torch.Tensor:
+    """The sequences' rows of `logits`, in order, float32 (what the distributions are made from), each request's
+    logits processors applied to its own."""
+    processed = logits[to_device(rows, logits.device)].float()
+    at = 0
+    for seq, tokens in zip(seqs, drafts):
+        n = len(tokens) + 1
+        if seq.params.has_processors:
+            processed[at : at + n] = processed_logits(seq, processed[at : at + n], tokens, eos_ids)
+        at += n
+    return processed
+
+
+def _draft_distributions(
+    padded: torch.Tensor, counts: list[int], draft_probs: list[torch.Tensor | None], vocab: int
+) -> torch.Tensor | None:
+    """q [B, k, V] for padded drafts [B, k]: each draft's distribution where its proposer gave one, else one-hot at
+    the draft (a deterministic proposer). None where no proposer gave any (all one-hot)."""
+    if all(q is None for q in draft_probs):
+        return None
+    batch, k = padded.shape
+    q = padded.new_zeros(batch * k, vocab, dtype=torch.float32)
+    given = [i for i, (qi, n) in enumerate(zip(draft_probs, counts)) if qi is not None and n]
+    one_hot = [i * k + j for i, (qi, n) in enumerate(zip(draft_probs, counts)) if qi is None for j in range(n)]
+    if given:
+        places = to_device([i * k + j for i in given for j in range(counts[i])], padded.device)
+        q[places] = torch.cat([match_vocab(draft_probs[i][: counts[i]], vocab) for i in given]).float()
+    if one_hot:
+        places = to_device(one_hot, padded.device)
+        q[places, padded.view(-1)[places]] = 1.0
+    return q.view(batch, k, vocab)
 
 
 def _samples_alone(seq: Sequence) -> bool:
