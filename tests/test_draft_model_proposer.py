@@ -1,6 +1,8 @@
 """The draft-model proposer on its own: its cache catches up lazily, follows the target's commits and
 rollbacks, frees its slot, and drafts the draft model's own greedy continuation."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, tiny_model
@@ -9,7 +11,7 @@ from specdecode import SpecDecodeError
 from specdecode.engine.sequence import Sequence
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers import DraftModelProposer, ProposerSetup, build_proposer
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, argmax_probability, process_logits, sample_token
 
 
 def _proposer(draft):
@@ -115,31 +117,121 @@ def test_sampled_drafts_carry_their_distribution(random_draft):
     assert torch.allclose(q.sum(-1), torch.ones(3)) and all(q[i, t] > 0 for i, t in enumerate(drafts.tokens[0]))
 
 
-@pytest.mark.parametrize("restricted", [False, True])
-def test_plain_greedy_drafts_of_a_round_come_back_as_each_rows_own(restricted):
-    """A round's drafts for greedy sequences with nothing to apply to their logits come back in one copy to the host
-    (_argmax_drafts): the tokens, in the target's ids (also from a restricted draft vocabulary), and the confidences
-    that sampling each row and weighing its draft give; a sampled sequence's row is left to be sampled."""
+def _drafted_alone(proposer, row: torch.Tensor, seq, drafted: list[int]):
+    """One row's draft by the definition: over the target's vocabulary (-inf outside a restricted draft vocabulary),
+    the request's processors seeing the drafts so far, then the argmax (greedy; its confidence the raw softmax's) or a
+    draw from q (its confidence q's)."""
+    vocab_ids = proposer.runner.vocab_ids
+    full = row.float()
+    if vocab_ids is not None:
+        full = torch.full((proposer.runner.cfg.vocab_size,), float("-inf"), device=row.device)
+        full = full.index_copy_(0, vocab_ids, row.float())
+    eos = proposer.loaded.tokenizer.eos_token_ids
+    processed = process_logits(full[None], seq.params, seq.prompt_ids, seq.output_ids + drafted, (), eos)
+    token, q = sample_token(processed[0], seq.params, seq.generator)
+    return token, float(argmax_probability(row)) if q is None else float(q[token]), q
+
+
+def _round(restricted: bool, rows: int):
+    """A proposer (its vocabulary restricted or not) and a round's logits, flat rows to peaked ones, some drafts among
+    the last ids (a restricted vocabulary's map to other target ids)."""
     from specdecode.proposers.draft_model import restrict_draft_vocab
 
     draft = tiny_model(seed=4)
     if restricted:
         restrict_draft_vocab(draft, 20)
     proposer = DraftModelProposer(draft, confidence_threshold=0.5)
-    proposer.reserve(4, 64)
+    proposer.reserve(8, 64)
     width = len(proposer.runner.vocab_ids) if restricted else draft.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    scales = torch.tensor([0.1, 1.0, 3.0, 10.0, 30.0, 1.0])[:, None]  # flat rows to peaked ones
-    logits = torch.randn(6, width, generator=gen) * scales
-    logits[1:3, -3:] += 50.0  # drafts among the last ids: a restricted vocabulary's map to other target ids
-    logits = logits.to(DEVICE)
+    logits = torch.randn(rows, width, generator=gen) * torch.logspace(-1, 1.5, rows)[:, None]
+    logits[1:3, -3:] += 50.0
+    return proposer, logits.to(DEVICE)
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_plain_greedy_drafts_of_a_round_come_back_as_each_rows_own(restricted):
+    """A round's drafts for greedy sequences with nothing to apply to their logits come back in one copy to the host
+    (_argmax_drafts): the tokens, in the target's ids (also from a restricted draft vocabulary), and the confidences
+    the definition gives; a sampled sequence's row is left to be sampled."""
+    proposer, logits = _round(restricted, 6)
     params = [SamplingParams(temperature=0)] * 5 + [SamplingParams(temperature=0.8)]
     seqs = [Sequence([1, 2, 3], p, None) for p in params]
     got = proposer._argmax_drafts(logits, list(range(6)), seqs)
     assert sorted(got) == [0, 1, 2, 3, 4]
     for row in range(5):
-        token, q = proposer._sample(logits[row], seqs[row], [])
-        assert q is None and got[row][0] == token
-        assert got[row][1] == pytest.approx(proposer._confidence(logits[row], token, q), rel=1e-6)
-    assert len({token for token, _ in got.values()}) > 1 and min(c for _, c in got.values()) < 0.5
+        token, confidence, q = _drafted_alone(proposer, logits[row], seqs[row], [])
+        assert got[row][0] == token and got[row][2] is None
+        assert got[row][1] == pytest.approx(confidence, rel=1e-6)
+    assert len({d[0] for d in got.values()}) > 1 and min(d[1] for d in got.values()) < 0.5
     assert proposer._argmax_drafts(logits[:5], list(range(5)), seqs[:5]) == got  # every row plain greedy
+
+
+# Sequences that process their logits or sample, seeded (a greedy one with penalties, sampled ones of three settings)
+PROCESSED = [
+    SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={2: 3.0}),
+    SamplingParams(temperature=0.8, seed=11, frequency_penalty=0.5),
+    SamplingParams(temperature=1.1, top_k=4, seed=12, presence_penalty=0.4),
+    SamplingParams(temperature=0.7, top_p=0.8, seed=13),
+    SamplingParams(temperature=0),  # plain greedy: _argmax_drafts' row
+]
+
+
+def _processed_round(restricted: bool):
+    """A round of PROCESSED sequences, each with its output and drafts so far: the proposer's drafts, and each row's
+    drafted alone by the definition."""
+    proposer, logits = _round(restricted, len(PROCESSED))
+
+    def fresh():
+        streams = [None if p.seed is None else torch.Generator(DEVICE).manual_seed(p.seed) for p in PROCESSED]
+        seqs = [Sequence([1, 2, 3, 4], p, g) for p, g in zip(PROCESSED, streams)]
+        for n, seq in enumerate(seqs):
+            seq.token_ids.extend([2, 5, n])
+        return seqs
+
+    drafted = [[2], [30, 30], [7, 2], [1], []]
+    got = proposer._processed_drafts(logits, list(range(len(PROCESSED))), fresh(), drafted)
+    alone = {row: _drafted_alone(proposer, logits[row], seq, drafted[row]) for row, seq in enumerate(fresh()[:-1])}
+    return got, alone
+
+
+def _same(got, alone) -> bool:
+    return sorted(got) == sorted(alone) and all(
+        got[r][0] == alone[r][0]
+        and got[r][1] == pytest.approx(alone[r][1], rel=1e-6)
+        and ((got[r][2] is None and alone[r][2] is None) or torch.equal(got[r][2], alone[r][2]))
+        for r in alone
+    )
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_rows_that_process_or_sample_draft_in_one_pass_what_each_drafts_alone(restricted):
+    """A round's rows of sequences that process their logits or sample, drafted together (one pass, one copy): each
+    row's token, confidence and q those it gets drafted alone, its seeded stream drawing what it draws alone."""
+    got, alone = _processed_round(restricted)
+    assert _same(got, alone)
+    assert {got[r][2] is None for r in got} == {True, False}  # greedy and sampled rows among them
+
+
+BROKEN_ROUND = {
+    # each seeded row drawing from the next sequence's stream
+    "streams mixed up": ("sample_rows", lambda real: lambda q, streams: real(q, streams[1:] + streams[:1])),
+    # every row's distribution under the first sampled row's settings
+    "one setting for all": ("probs_of_rows", lambda real: lambda rows, params: real(rows, [params[0]] * len(params))),
+    # the processors not seeing the drafts so far (each output is 3 tokens)
+    "drafts so far unseen": (
+        "process_rows",
+        lambda real: (
+            lambda rows, hs, eos: real(rows, [dataclasses.replace(h, output_ids=h.output_ids[:3]) for h in hs], eos)
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_ROUND))
+def test_a_pass_that_mixes_up_rows_is_caught(monkeypatch, broken):
+    from specdecode.proposers import draft_model
+
+    name, wrap = BROKEN_ROUND[broken]
+    monkeypatch.setattr(draft_model, name, wrap(getattr(draft_model, name)))
+    assert not _same(*_processed_round(False))

@@ -10,7 +10,8 @@ from conftest import tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.sampling import logits_to_probs, process_logits
+from specdecode.sampling import logits_to_probs, process_logits, processors
+from specdecode.sampling.processors import History, process_rows
 from specdecode.verify import verifier
 
 PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=1.2, logit_bias={5: 4.0, 9: -100.0})
@@ -51,6 +52,72 @@ def test_bias_and_min_tokens():
     assert out[:, 2].tolist() == [1.5] * 3
     # output has 1 token: rows 0 and 1 are tokens 2 and 3 of the output, row 2 is the fourth
     assert out[:, 5].tolist() == [-math.inf, -math.inf, 0.0]
+
+
+# Requests of different processors side by side (one with none), each with its own prompt, output and drafts
+BATCH = [
+    History(SamplingParams(logit_bias={2: 1.5, 7: -3.0}), [1], [0, 4], [3], 2),
+    History(SamplingParams(min_tokens=4, max_tokens=9), [2], [1], [5, 6, 2], 4),
+    History(SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3), [3, 7], [0, 0, 6], [6, 1], 3),
+    History(SamplingParams(temperature=0.7), [4], [2], [], 1),
+    History(SamplingParams(presence_penalty=0.5, repetition_penalty=0.8, logit_bias={0: 2.0}), [6], [7, 7], [7], 2),
+]
+
+
+def _by_definition(logits: torch.Tensor, histories, eos_ids) -> torch.Tensor:
+    """Row by row, from the formulas: bias; EOS banned while the output is short; then the penalties over the output
+    and the drafts before the row."""
+    out, row = logits.clone(), 0
+    for h in histories:
+        p = h.params
+        for j in range(h.rows):
+            x = out[row]
+            for i, v in (p.logit_bias or {}).items():
+                x[i] += v
+            if p.min_tokens and len(h.output_ids) + j < p.min_tokens:
+                x[list(eos_ids)] = -math.inf
+            if p.has_penalties:
+                before = list(h.output_ids) + list(h.drafts[:j])
+                for t in range(len(x)):
+                    n = before.count(t)
+                    if n or t in h.prompt_ids:
+                        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+                    x[t] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+            row += 1
+    return out
+
+
+def _batch_logits() -> torch.Tensor:
+    return torch.randn(sum(h.rows for h in BATCH), 8, generator=torch.Generator().manual_seed(3)) * 2
+
+
+def test_requests_processed_together_get_their_own_rows_processed_by_definition():
+    logits = _batch_logits()
+    together = process_rows(logits.clone(), BATCH, eos_ids={5})
+    torch.testing.assert_close(together, _by_definition(logits, BATCH, {5}))
+    alone, row = [], 0
+    for h in BATCH:  # one request alone takes the same operations: the same bits
+        alone.append(process_logits(logits[row : row + h.rows], h.params, h.prompt_ids, h.output_ids, h.drafts, {5}))
+        row += h.rows
+    assert torch.equal(together, torch.cat(alone))
+
+
+BROKEN_BATCH = {
+    # each request's output counted for the request after it
+    "counts of another request": ("_counts", lambda told: lambda hs, *a: told(hs, *a).roll(1, 0)),
+    # the drafts up to and including the row's own token counted
+    "a row's own draft counted": ("_rows_of", lambda told: lambda pen: [(h, j + 1) for h, j in told(pen)]),
+    # EOS banned one row too long
+    "min_tokens one row late": ("_short_rows", lambda told: lambda h: range(min(told(h).stop + 1, h.rows))),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_BATCH))
+def test_a_batch_that_mixes_up_requests_is_caught(monkeypatch, broken):
+    name, wrap = BROKEN_BATCH[broken]
+    monkeypatch.setattr(processors, name, wrap(getattr(processors, name)))
+    logits = _batch_logits()
+    assert not torch.allclose(process_rows(logits.clone(), BATCH, eos_ids={5}), _by_definition(logits, BATCH, {5}))
 
 
 def test_min_p_keeps_tokens_within_a_factor_of_the_best():

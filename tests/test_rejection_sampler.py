@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 from stats import PASS_P, seeded
 
+from specdecode.sampling.logprobs import logprobs_of_rows
 from specdecode.verify import rejection_sampler as rs
 from specdecode.verify import verifier
 from specdecode.verify.rejection_sampler import greedy_verify, rejection_sample
@@ -87,6 +88,13 @@ def test_emitted_tokens_follow_target_distribution(name, k):
         assert abs(first_accepted - torch.minimum(p[0], q[0]).sum().item()) < 0.01
 
 
+def test_a_draw_of_zero_accepts_no_token_the_target_excludes():
+    """torch.rand may return exactly 0: a draft of p = 0 must still be rejected, one of p >= q accepted."""
+    u = torch.tensor([0.0, 0.0, 0.999999])
+    p, q = torch.tensor([0.0, 0.3, 0.5]), torch.tensor([0.4, 0.3, 0.5])
+    assert rs.accept_draft(u, p, q).tolist() == [False, True, True]
+
+
 def test_q_equal_p_accepts_everything():
     gen = seeded(1)
     p = torch.stack([_random_dist(gen) for _ in range(4)])
@@ -149,10 +157,10 @@ def test_one_argmax_for_the_call_verifies_as_each_sequence_alone():
     assert together[0][0].num_accepted == [1] and together[2][0].num_accepted == [2]  # matches, then a miss
 
 
-def _together_and_alone(trial: int, sample_together: bool | None = False, device: str = "cpu"):
-    """Sampled sequences of several distribution settings (one-hot and real draft q, penalties, logprobs, no
-    drafts at all), each seeded, verified in one batch (sample_together: those that can, in one pass; None: the
-    device's way) and one at a time."""
+def _together_and_alone(trial: int, in_one_pass: bool | None = False, device: str = "cpu"):
+    """Sequences of several settings (sampled with one-hot and real draft q, penalties, logprobs, no drafts at all;
+    greedy with processors), each seeded but the last, verified in one batch (in_one_pass: every sequence that is not
+    plain greedy in one pass; None: the device's way) and one at a time."""
     from specdecode.engine.sequence import Sequence
     from specdecode.sampling import SamplingParams
     from specdecode.verify.verifier import verify_batch, verify_drafts
@@ -166,9 +174,11 @@ def _together_and_alone(trial: int, sample_together: bool | None = False, device
         SamplingParams(temperature=1.0, top_k=5, seed=5),
         SamplingParams(temperature=0.8, seed=6),
         SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0, seed=8, repetition_penalty=1.2, logprobs=1),
+        SamplingParams(temperature=0, seed=9, logit_bias={3: 2.0}),
         SamplingParams(temperature=1.0, top_p=0.8),  # no seed: drawn from the default generator, not compared
     ]
-    counts = [2, 3, 2, 1, 3, 0, 2, 2]
+    counts = [2, 3, 2, 1, 3, 0, 2, 3, 1, 2]
     logits = torch.randn(sum(counts) + len(counts), V, generator=gen) * 2
     qs = [torch.stack([_random_dist(gen) for _ in range(n)]) if i in (1, 4) else None for i, n in enumerate(counts)]
     drafts, row = [], 0
@@ -182,7 +192,7 @@ def _together_and_alone(trial: int, sample_together: bool | None = False, device
         generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed + trial) for p in kinds]
         return [Sequence([1, 2, 3], params, g) for params, g in zip(kinds, generators)]
 
-    together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[], sample_together=sample_together)
+    together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[], together=in_one_pass)
     alone, row = [], 0
     for seq, tokens, q in zip(fresh(), drafts, qs):
         alone.append(verify_drafts(seq, tokens, q, logits[row : row + len(tokens) + 1], eos_ids=[]))
@@ -190,11 +200,11 @@ def _together_and_alone(trial: int, sample_together: bool | None = False, device
     return together, alone, counts
 
 
-def _differences(trials: int, sample_together: bool | None = False, device: str = "cpu") -> tuple[int, list[int]]:
+def _differences(trials: int, in_one_pass: bool | None = False, device: str = "cpu") -> tuple[int, list[int]]:
     """Trials where the batch's results differ from each sequence's own, and each sequence's accepted counts."""
     differ, accepted = 0, []
     for trial in range(trials):
-        together, alone, counts = _together_and_alone(trial, sample_together, device)
+        together, alone, counts = _together_and_alone(trial, in_one_pass, device)
         differ += [(r.tokens, r.num_accepted, lp) for r, lp in together[:-1]] != [
             (r.tokens, r.num_accepted, lp) for r, lp in alone[:-1]
         ]
@@ -205,11 +215,11 @@ def _differences(trials: int, sample_together: bool | None = False, device: str 
 GPU = [pytest.param("cuda", None, id="cuda")] if torch.cuda.is_available() else []
 
 
-@pytest.mark.parametrize("device, sample_together", [("cpu", False), ("cpu", True), *GPU])
-def test_sampled_sequences_verified_together_draw_as_each_alone(device, sample_together):
+@pytest.mark.parametrize("device, together", [("cpu", False), ("cpu", True), *GPU])
+def test_sequences_verified_together_draw_as_each_alone(device, together):
     """Each seeded sequence's tokens, accepted counts and logprobs are those it gets verified alone, whatever
     shares its batch: sequence by sequence (a CPU's way) and in one pass for all that can (a GPU's)."""
-    differ, shortfalls = _differences(trials=30, sample_together=sample_together, device=device)
+    differ, shortfalls = _differences(trials=30, in_one_pass=together, device=device)
     assert differ == 0
     assert 0 in shortfalls and any(s < 0 for s in shortfalls)  # every draft accepted, and rejections
 
@@ -219,6 +229,13 @@ BROKEN_TOGETHER = {
     "one setting for all": ("probs_of_rows", lambda logits, params: verifier.logits_to_probs(logits, params[0])),
     # every draft taken as deterministic (one-hot q), the draft model's own distributions dropped
     "draft distributions dropped": ("_draft_distributions", lambda *args: None),
+    # the pass's rows left unprocessed (penalties, logit bias), greedy and sampled alike
+    "processors dropped": ("process_rows", lambda processed, histories, eos_ids=(): processed),
+    # each sequence's logprobs read a row late
+    "logprobs a row late": (
+        "logprobs_of_rows",
+        lambda rows, starts, tokens, tops: logprobs_of_rows(rows, [s + 1 for s in starts], tokens, tops),
+    ),
 }
 
 
@@ -226,4 +243,4 @@ BROKEN_TOGETHER = {
 def test_a_pass_that_mixes_up_sequences_is_caught(monkeypatch, broken):
     name, impl = BROKEN_TOGETHER[broken]
     monkeypatch.setattr(verifier, name, impl)
-    assert _differences(trials=10, sample_together=True)[0] > 0
+    assert _differences(trials=10, in_one_pass=True)[0] > 0

@@ -2,6 +2,7 @@
 every output follows its grammar, greedy output equals plain constrained greedy output, sampled output
 follows the masked target distribution; each fails on a deliberately broken variant."""
 
+import functools
 import json
 import re
 
@@ -11,7 +12,9 @@ from conftest import tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.engine import overlap
 from specdecode.sampling import GrammarMatcher, StructuredOutput
+from specdecode.verify import verifier
 
 SCHEMA = {
     "type": "object",
@@ -86,6 +89,29 @@ def test_masks_not_advanced_along_the_drafts_are_caught(models, monkeypatch):
         assert "outside the grammar" in str(exc)
     else:
         assert broken != plain
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_grammars_verified_in_one_pass_give_what_one_by_one_gives(models, monkeypatch, broken):
+    """Greedy and seeded sampled requests under grammars, beside a penalised one, verified in one pass (a GPU's way,
+    the masks of every row applied at once): the outputs of verification one by one. Broken: no mask in the pass."""
+    target, draft = models
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, structured_output=SPECS["json_schema"][0]),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_output=SPECS["lark"][0]),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=40, presence_penalty=0.3),
+    ]
+    prompts = ("hello", "the json:", "abc")
+    one_by_one = [o.outputs[0].token_ids for o in _generate(target, draft, params=params, prompts=prompts)]
+    monkeypatch.setattr(overlap, "verify_batch", functools.partial(verifier.verify_batch, together=True))
+    if broken:
+        monkeypatch.setattr(verifier, "mask_grammars", lambda rows, grammars, drafts: rows)
+    try:
+        one_pass = [o.outputs[0].token_ids for o in _generate(target, draft, params=params, prompts=prompts)]
+    except SpecDecodeError as exc:  # the emitted text left the grammar
+        assert broken and "outside the grammar" in str(exc)
+    else:
+        assert (one_pass == one_by_one) is not broken
 
 
 SMALL_VOCAB = 8  # characters ' ' to '&'; id 7 is EOS

@@ -504,7 +504,7 @@ def engine_trace(target, tokens: int = 160):
 def sampled(target, batch: int = 32, tokens: int = 64):
     """Plain sampled steps queued ahead (each draws its tokens on the device: engine/overlap.py, the rows' distributions
     a call per setting); one after another, verified in one pass with one copy to the host (verify/verifier.
-    verify_sampled); one by one, each sequence's draw a copy of its own, each waiting on the device; and greedy,
+    verify_together); one by one, each sequence's draw a copy of its own, each waiting on the device; and greedy,
     queued ahead, for what sampling costs."""
     from specdecode.engine import overlap as verifying
 
@@ -513,7 +513,7 @@ def sampled(target, batch: int = 32, tokens: int = 64):
     ways = {"queued ahead": (True, True), "one pass": (False, True), "one by one": (False, False)}
     for name, (queued, way) in ways.items():
         llm.engine.overlap = queued
-        verifying.verify_batch = functools.partial(together, sample_together=way)
+        verifying.verify_batch = functools.partial(together, together=way)
         try:
             rates[name] = generate(llm, batch, tokens, temperature=0.8)[0]
         finally:

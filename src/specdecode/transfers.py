@@ -17,6 +17,13 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, queued behind the device's work."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def copy_into(dest: torch.Tensor, values) -> None:
     """dest[:] = values from the host, queued behind the device's work."""
     dest.copy_(torch.tensor(values, dtype=dest.dtype, pin_memory=dest.is_cuda), non_blocking=True)

@@ -9,8 +9,11 @@ import torch
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..models.loader import LoadedModel, load_model
-from ..sampling import argmax_probability, process_logits, sample_token
+from ..sampling import argmax_probability, probs_of_rows, sample_rows
+from ..sampling.grammar import mask_grammars
+from ..sampling.processors import History, process_rows
 from ..timing import Span, StepTimer, mark
+from ..transfers import to_device
 from .base import DraftBatch, DraftsOnDevice, Proposer
 from .registry import ProposerSetup
 
@@ -81,14 +84,10 @@ class DraftModelProposer(Proposer):
                 logits = self._draft_forward(step, rows, seqs, slots, tokens)
                 if step == 0 and (on_device := self._chained(logits, rows, seqs, [slots[i] for i in rows], ks)):
                     break
-                argmax = self._argmax_drafts(logits, rows, seqs)
+                drawn = self._argmax_drafts(logits, rows, seqs) | self._processed_drafts(logits, rows, seqs, tokens)
                 for row, i in enumerate(rows):
                     seqs[i].metrics.spec.num_draft_forwards += 1
-                    if row in argmax:
-                        (token, confidence), q = argmax[row], None
-                    else:
-                        token, q = self._sample(logits[row], seqs[i], tokens[i])
-                        confidence = self._confidence(logits[row], token, q) if self.confidence_threshold else 1.0
+                    token, confidence, q = drawn[row]
                     tokens[i].append(token)
                     if confidence < self.confidence_threshold:
                         unsure.add(i)
@@ -187,39 +186,56 @@ class DraftModelProposer(Proposer):
         """What a drafter that reads features beside its tokens estimated in its last round, a row per sequence."""
         return None
 
-    def _argmax_drafts(self, logits: torch.Tensor, rows: list[int], seqs) -> dict[int, tuple[int, float]]:
-        """Each row of a greedy sequence with nothing to apply to its logits: its draft (the argmax, as a target id)
-        and the draft's softmax probability of it (what _sample and _confidence give), all in one copy to the host: a
-        copy per row would each wait on the device."""
+    def _argmax_drafts(self, logits: torch.Tensor, rows: list[int], seqs) -> dict[int, tuple[int, float, None]]:
+        """Each row of a greedy sequence with nothing to apply to its logits: its draft (the argmax, as a target id),
+        the draft's softmax probability of it (its confidence) and no q (one-hot), all in one copy to the host: a copy
+        per row would each wait on the device."""
         plain = [row for row, i in enumerate(rows) if seqs[i].takes_argmax]
         if not plain:
             return {}
-        picked = logits if len(plain) == len(rows) else logits[plain]  # all of them: no index to copy
+        picked = logits if len(plain) == len(rows) else logits[to_device(plain, logits.device)]
         ids, probs = torch.stack([picked.argmax(-1).double(), argmax_probability(picked).double()]).tolist()
-        return {row: (self._vocab[int(t)] if self._vocab else int(t), p) for row, t, p in zip(plain, ids, probs)}
+        return {row: (self._vocab[int(t)] if self._vocab else int(t), p, None) for row, t, p in zip(plain, ids, probs)}
 
-    def _sample(self, logits: torch.Tensor, seq, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
-        """A draft of a sequence that processes its logits or samples (plain greedy ones: _argmax_drafts): greedy
-        requests draft the argmax (a one-hot q); sampled ones draw from q, returned for verification. The request's
-        logits processors see the drafts so far, as the target's verify rows will."""
+    def _processed_drafts(
+        self, logits: torch.Tensor, rows: list[int], seqs, drafted: list[list[int]]
+    ) -> dict[int, tuple[int, float, torch.Tensor | None]]:
+        """Each row of a sequence that processes its logits or samples, as verification will: the request's logits
+        processors (seeing the drafts so far, as the target's verify rows will) and grammar over the full vocabulary
+        (tokens outside a restricted draft vocabulary get q = 0); greedy ones draft the argmax (q one-hot, their
+        confidence the raw softmax's), sampled ones draw from q (returned for verification; their confidence q's). One
+        pass for all of them, one copy to the host."""
+        other = [row for row, i in enumerate(rows) if not seqs[i].takes_argmax]
+        if not other:
+            return {}
+        chosen = [seqs[rows[row]] for row in other]
+        picked = logits[to_device(other, logits.device)]
+        histories = [
+            History(s.params, s.prompt_ids, s.output_ids + drafted[rows[row]], (), 1) for s, row in zip(chosen, other)
+        ]
+        confidence = argmax_probability(picked)  # before processing, which may be in place
+        processed = self._full_vocab(picked).float()
+        processed = process_rows(processed, histories, self.loaded.tokenizer.eos_token_ids)
+        processed = mask_grammars(processed, [s.grammar for s in chosen], [[] for _ in chosen])
+        tokens = processed.argmax(-1)
+        sampled = [n for n, s in enumerate(chosen) if not s.params.greedy]
+        q = None
+        if sampled:
+            at = to_device(sampled, logits.device)
+            q = probs_of_rows(processed[at], [chosen[n].params for n in sampled])
+            tokens[at] = sample_rows(q, [chosen[n].generator for n in sampled])
+            confidence[at] = q.gather(-1, tokens[at][:, None])[:, 0].to(confidence.dtype)
+        ids, sure = torch.stack([tokens.double(), confidence.double()]).tolist()
+        qs = dict(zip(sampled, q)) if sampled else {}
+        return {row: (int(t), p, qs.get(n)) for n, (row, t, p) in enumerate(zip(other, ids, sure))}
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows over the draft vocabulary, over the target's instead (-inf outside the draft's)."""
         vocab_ids = self.runner.vocab_ids
-        if vocab_ids is not None:  # back to the full vocabulary; tokens outside the subset get q = 0
-            full = torch.full((self.runner.cfg.vocab_size,), float("-inf"), device=logits.device)
-            logits = full.index_copy_(0, vocab_ids, logits)
-        logits = process_logits(
-            logits[None], seq.params, seq.prompt_ids, seq.output_ids + drafted, (), self.loaded.tokenizer.eos_token_ids
-        )
-        if seq.grammar is not None:
-            logits = seq.grammar.mask_rows(logits, [])
-        return sample_token(logits[0], seq.params, seq.generator)
-
-    def _confidence(self, logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
-        """The draft's probability of the token it proposed: q's where it sampled, else its raw softmax's
-        (greedy drafts the argmax). A draft past an unlikely token is likely wasted, so drafting stops there;
-        the choice depends on the draft alone, so verification stays lossless."""
-        if q is not None:
-            return float(q[token])
-        return float(argmax_probability(logits))
+        if vocab_ids is None:
+            return logits
+        full = torch.full((logits.shape[0], self.runner.cfg.vocab_size), float("-inf"), device=logits.device)
+        return full.index_copy_(1, vocab_ids, logits.to(full.dtype))
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""

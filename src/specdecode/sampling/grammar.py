@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
 
 from ..errors import SpecDecodeError
+from ..transfers import tensor_to_device, to_device
 
 # Whitespace between JSON tokens as the model likes to write it (pretty-printed), but at most 20
 # characters at a time, so that a model cannot stall in a run of spaces until max_tokens. A schema may
@@ -137,10 +139,14 @@ class GrammarMatcher:
         return torch.cat([allowed, torch.zeros(vocab - len(allowed), dtype=torch.bool)])
 
     def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """logits [P, V], row j after drafts[:j]: disallowed tokens get -inf. Rows past the first draft
+        """logits [P, V], row j after drafts[:j]: disallowed tokens get -inf (see allowed_rows)."""
+        allowed = self.allowed_rows(drafts, *logits.shape)
+        return logits.masked_fill(~tensor_to_device(allowed, logits.device), float("-inf"))
+
+    def allowed_rows(self, drafts: list[int], rows: int, vocab: int) -> torch.Tensor:
+        """[rows, vocab] bool on the host: the tokens allowed at row j, after drafts[:j]. Rows past the first draft
         the grammar refuses, or past an end-of-sequence draft, repeat that row's mask (the draft is rejected
         there, or the text ends, so they go unused)."""
-        rows, vocab = logits.shape
         drafts = list(drafts[: rows - 1])
         before_eos = next((i for i, t in enumerate(drafts) if t in self._eos), len(drafts))
         valid = self._matcher.validate_tokens(drafts[:before_eos])
@@ -156,7 +162,7 @@ class GrammarMatcher:
         if consumed:
             self._matcher.rollback(consumed)
         masks += [masks[-1]] * (rows - len(masks))
-        return logits.masked_fill(~torch.stack(masks).to(logits.device), float("-inf"))
+        return torch.stack(masks)
 
     def advance(self, tokens: list[int]) -> None:
         """The tokens are emitted: final."""
@@ -176,3 +182,16 @@ class GrammarMatcher:
         if self._drafted:
             self._matcher.rollback(len(self._drafted))
         self._drafted = []
+
+
+def mask_grammars(rows: torch.Tensor, grammars: list[GrammarMatcher | None], drafts: list[list[int]]) -> torch.Tensor:
+    """Logits rows of several sequences (sequence i's len(drafts[i]) + 1 after those before it, row j after
+    drafts[:j]) with each grammar's mask applied, every sequence's masks copied to the device at once; in place."""
+    masked = [i for i, g in enumerate(grammars) if g is not None]
+    if not masked:
+        return rows
+    starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))
+    allowed = torch.cat([grammars[i].allowed_rows(drafts[i], len(drafts[i]) + 1, rows.shape[-1]) for i in masked])
+    where = to_device([starts[i] + j for i in masked for j in range(len(drafts[i]) + 1)], rows.device)
+    rows[where] = rows[where].masked_fill(~tensor_to_device(allowed, rows.device), float("-inf"))
+    return rows

@@ -5,16 +5,34 @@ They depend on the tokens generated so far, so a verify window's row j sees the 
 first j drafted tokens, exactly what plain decoding would have seen at that position if those drafts are
 accepted. The draft samples through the same function, so target and draft distributions are processed
 alike and rejection sampling stays lossless with respect to the processed target distribution.
+
+A batch's rows are processed together, each request's by its own settings, in a fixed number of tensor
+operations however many requests share it; one request alone goes through the same operations, so a row gets
+the same bits either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from ..transfers import to_device
 from .params import SamplingParams
+
+
+@dataclass
+class History:
+    """What one request's rows are processed by: its settings and tokens; its `rows` rows follow the output, row j
+    followed by drafts[:j]."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    drafts: Sequence[int]
+    rows: int
 
 
 def process_logits(
@@ -28,54 +46,97 @@ def process_logits(
     """logits [P, V], row j following output_ids + drafts[:j]; returned unchanged without processors."""
     if not params.has_processors:
         return logits
-    logits = logits.float().clone()
-    rows, vocab = logits.shape
-    if params.logit_bias:
-        add_logit_bias(logits, params.logit_bias)
-    if params.min_tokens and not params.ignore_eos:
-        ban_eos_while_short(logits, params.min_tokens - len(output_ids), eos_ids)
-    if params.has_penalties:
-        counts = output_counts(output_ids, drafts[: rows - 1], rows, vocab, logits.device)
-        if params.repetition_penalty != 1:
-            seen = (counts > 0) | token_mask(prompt_ids, vocab, logits.device)
-            penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-            logits = torch.where(seen, penalised, logits)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    history = History(params, prompt_ids, output_ids, drafts, logits.shape[0])
+    return process_rows(logits.float().clone(), [history], eos_ids)
+
+
+def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """Float32 rows [N, V] of several requests, in order (history i's rows after those before it), each request's
+    processors applied to its own rows: in place where the operation allows, the result returned."""
+    starts = list(accumulate((h.rows for h in histories), initial=0))
+    vocab, device = logits.shape[-1], logits.device
+    bias = [(start + j, i, v) for h, start in zip(histories, starts) for j in range(h.rows) for i, v in _bias(h, vocab)]
+    if bias:
+        rows, ids, values = zip(*bias)
+        at = (to_device(list(rows), device), to_device(list(ids), device))
+        logits.index_put_(at, to_device(list(values), device, logits.dtype), accumulate=True)
+    banned = [
+        (start + j, e) for h, start in zip(histories, starts) for j in _short_rows(h) for e in eos_ids if e < vocab
+    ]
+    if banned:
+        rows, ids = zip(*banned)
+        logits[to_device(list(rows), device), to_device(list(ids), device)] = float("-inf")
+    penalised = [(h, start) for h, start in zip(histories, starts) if h.params.has_penalties]
+    if penalised:
+        logits = _penalised(logits, penalised)
     return logits
 
 
-def add_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
-    inside = {i: v for i, v in bias.items() if i < logits.shape[-1]}  # a draft's head may cover fewer ids
-    if inside:
-        values = to_device(list(inside.values()), logits.device, logits.dtype)
-        logits[:, to_device(list(inside), logits.device)] += values
+def _bias(history: History, vocab: int) -> list[tuple[int, float]]:
+    """The request's logit bias on ids the rows cover (a draft's head may cover fewer)."""
+    return [(i, v) for i, v in (history.params.logit_bias or {}).items() if i < vocab]
 
 
-def ban_eos_while_short(logits: torch.Tensor, tokens_missing: int, eos_ids: Collection[int]) -> None:
-    """Row j is the (len(output) + j)-th output token: rows before `tokens_missing` may not end the text."""
-    eos = [e for e in eos_ids if e < logits.shape[-1]]
-    if tokens_missing > 0 and eos:
-        logits[:tokens_missing, to_device(eos, logits.device)] = float("-inf")
+def _short_rows(history: History) -> range:
+    """Rows before min_tokens output tokens: they may not end the text (row j is output token len(output) + j)."""
+    params = history.params
+    if not params.min_tokens or params.ignore_eos:
+        return range(0)
+    return range(min(max(params.min_tokens - len(history.output_ids), 0), history.rows))
 
 
-def output_counts(
-    output_ids: Sequence[int], drafts: Sequence[int], rows: int, vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[rows, vocab]: how often each token occurs in output_ids + drafts[:j], for row j."""
-    counts = torch.zeros(vocab, device=device)
-    ids = [i for i in output_ids if i < vocab]
-    if ids:
-        counts.index_add_(0, to_device(ids, device), torch.ones(len(ids), device=device))
-    counts = counts.repeat(rows, 1)
-    for j, token in enumerate(drafts):
-        if token < vocab:
-            counts[j + 1 :, token] += 1
+def _penalised(logits: torch.Tensor, penalised: list[tuple[History, int]]) -> torch.Tensor:
+    """The repetition, frequency and presence penalties on the rows of the requests that have them, each row by its
+    request's values (a value that leaves a row as it is where a request sets only some)."""
+    vocab, device = logits.shape[-1], logits.device
+    rows = [start + j for h, start in penalised for j in range(h.rows)]
+    whole = len(rows) == logits.shape[0]
+    at = None if whole else to_device(rows, device)
+    part = logits if whole else logits[at]
+    requests = [h for h, _ in penalised]
+    one = len(requests) == 1  # a request alone: its rows read its counts and prompt as they are (no gather)
+    owner = None if one else to_device([k for k, h in enumerate(requests) for _ in range(h.rows)], device)
+    counts = _counts(requests, vocab, device)
+    counts = counts.repeat(len(rows), 1) if one else counts[owner]
+    drafted = [(row, t) for row, (h, j) in enumerate(_rows_of(penalised)) for t in h.drafts[:j] if t < vocab]
+    if drafted:
+        row_ids, token_ids = zip(*drafted)
+        at_drafts = (to_device(list(row_ids), device), to_device(list(token_ids), device))
+        counts.index_put_(at_drafts, torch.ones(len(drafted), device=device), accumulate=True)
+    values = to_device([[h.params.repetition_penalty, h.params.frequency_penalty, h.params.presence_penalty]
+                        for h, j in _rows_of(penalised)], device, logits.dtype)  # fmt: skip
+    repetition, frequency, presence = (values[:, i : i + 1] for i in range(3))
+    present, in_prompt = counts > 0, _seen_in_prompt(requests, vocab, device)
+    seen = present | (in_prompt if one else in_prompt[owner])
+    part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
+    part -= frequency * counts + presence * present
+    if whole:
+        return part
+    logits[at] = part
+    return logits
+
+
+def _rows_of(penalised: list[tuple[History, int]]) -> list[tuple[History, int]]:
+    """(request, j) for every row, in order."""
+    return [(h, j) for h, _ in penalised for j in range(h.rows)]
+
+
+def _counts(histories: list[History], vocab: int, device) -> torch.Tensor:
+    """[requests, vocab]: how often each token occurs in each request's output."""
+    pairs = [(k, i) for k, h in enumerate(histories) for i in h.output_ids if i < vocab]
+    counts = torch.zeros(len(histories), vocab, device=device)
+    if pairs:
+        owners, ids = zip(*pairs)
+        at = (to_device(list(owners), device), to_device(list(ids), device))
+        counts.index_put_(at, torch.ones(len(pairs), device=device), accumulate=True)
     return counts
 
 
-def token_mask(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-    ids = [i for i in ids if i < vocab]
-    if ids:
-        mask[to_device(ids, device)] = True
+def _seen_in_prompt(histories: list[History], vocab: int, device) -> torch.Tensor:
+    """[requests, vocab]: whether each token occurs in each request's prompt."""
+    pairs = [(k, i) for k, h in enumerate(histories) for i in h.prompt_ids if i < vocab]
+    mask = torch.zeros(len(histories), vocab, dtype=torch.bool, device=device)
+    if pairs:
+        owners, ids = zip(*pairs)
+        mask[to_device(list(owners), device), to_device(list(ids), device)] = True
     return mask

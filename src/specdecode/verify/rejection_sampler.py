@@ -86,8 +86,9 @@ def rejection_sample(
 
 
 def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Accept with probability min(1, p/q): u <= p/q, written without dividing by q."""
-    return u * q <= p
+    """Accept with probability min(1, p/q): u < p/q for u in [0, 1), written without dividing by q. Strictly: a
+    draw of exactly 0 must not accept a token the target gives probability 0."""
+    return u * q < p
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import TokenLogprob, logits_to_probs, probs_of_rows, process_logits, sample_token, token_logprobs
+from ..sampling.grammar import mask_grammars
+from ..sampling.logprobs import logprobs_of_rows
+from ..sampling.processors import History, process_rows
 from ..transfers import to_device
 from .rejection_sampler import VerifyResult, greedy_verify, match_greedy, rejection_sample
 
@@ -66,35 +69,35 @@ def verify_batch(
     logits: torch.Tensor,
     eos_ids: Collection[int],
     forced_accept: ForcedAcceptance = False,
-    sample_together: bool | None = None,
+    together: bool | None = None,
 ) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
     """Every sequence's verification from one call's logits, sequence i's rows following the rows of the
     sequences before it (its drafts + 1). Greedy sequences with nothing to apply to their logits share one
-    argmax over the whole call: one pass, and on a GPU one synchronisation instead of one per sequence. So do
-    sampled sequences with no grammar and no logprobs to return where `sample_together` (default: on a GPU, where
-    a synchronisation per sequence is what verification costs; a CPU pays nothing for them, and would pay for the
-    padded rows): see verify_sampled."""
-    sample_together = logits.is_cuda if sample_together is None else sample_together
+    argmax over the whole call: one pass, and on a GPU one synchronisation instead of one per sequence. The others
+    are verified in one pass too where `together` (default: on a GPU, where a synchronisation per sequence is what
+    verification costs; a CPU pays nothing for them, and would pay for the padded rows): see verify_together."""
+    together = logits.is_cuda if together is None else together
     plain = [not forced_accept and seq.takes_argmax and seq.params.logprobs is None for seq in seqs]
     argmax = logits.argmax(-1).tolist() if any(plain) else []
     starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))  # sequence i's rows begin at starts[i]
-    together = {}
-    sampled = [i for i, seq in enumerate(seqs) if sample_together and not forced_accept and _samples_alone(seq)]
-    if sampled:
+    joint = [i for i in range(len(seqs)) if together and not forced_accept and not plain[i]]
+    verified = {}
+    if joint:
 
         def pick(items):
-            return [items[i] for i in sampled]
+            return [items[i] for i in joint]
 
-        verified = verify_sampled(pick(seqs), pick(drafts), pick(draft_probs), logits, pick(starts), eos_ids)
-        together = dict(zip(sampled, verified))
+        verified = dict(
+            zip(joint, verify_together(pick(seqs), pick(drafts), pick(draft_probs), logits, pick(starts), eos_ids))
+        )
     results = []
     for i, (seq, tokens, q, start) in enumerate(zip(seqs, drafts, draft_probs, starts)):
         end = start + len(tokens) + 1
         if plain[i]:
             accepted, emitted = match_greedy(tokens, argmax[start:end])
             results.append((VerifyResult([accepted], [emitted]), None))
-        elif i in together:
-            results.append((together[i], None))
+        elif i in verified:
+            results.append(verified[i])
         else:
             results.append(verify_drafts(seq, tokens, q, logits[start:end], eos_ids, forced_accept))
     return results
@@ -120,28 +123,74 @@ def verify_argmax_rows(
     return results
 
 
-def verify_sampled(
+def verify_together(
     seqs: list[Sequence],
     drafts: list[list[int]],
     draft_probs: list[torch.Tensor | None],
     logits: torch.Tensor,
     starts: list[int],
     eos_ids: Collection[int],
+) -> list[tuple[VerifyResult, list[TokenLogprob] | None]]:
+    """verify_drafts for every sequence at once (its rows at starts[i] in `logits`): all rows processed together
+    (logits processors, grammar masks), the greedy sequences' argmax in one copy, the sampled ones' rejection sampling
+    in one pass; then each grammar advances along its tokens and logprobs are read where asked. Each sequence's
+    generator draws what it draws verified alone, so the tokens are verify_drafts', whatever shares the batch."""
+    counts = [len(d) for d in drafts]
+    processed = _processed_rows(seqs, drafts, logits, _rows(starts, counts, range(len(seqs))), eos_ids)
+    at = list(accumulate((n + 1 for n in counts), initial=0))  # sequence i's rows in `processed`
+    greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    results: dict[int, VerifyResult] = {}
+    for picked, verify in ((greedy, _greedy_matched), (sampled, _rejection_sampled)):
+        if picked:
+            chosen = [list(items) for items in zip(*((seqs[i], drafts[i], draft_probs[i]) for i in picked))]
+            results.update(zip(picked, verify(*chosen, _subset(processed, at, counts, picked))))
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.advance(results[i].tokens[0])
+    asking = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    emitted = [results[i].tokens[0] for i in asking]
+    read = logprobs_of_rows(processed, [at[i] for i in asking], emitted, [seqs[i].params.logprobs for i in asking])
+    logprobs = dict(zip(asking, read))
+    return [(results[i], logprobs.get(i)) for i in range(len(seqs))]
+
+
+def _rows(starts: list[int], counts: list[int], chosen) -> list[int]:
+    """The rows of the chosen sequences, sequence i's counts[i] + 1 from starts[i]."""
+    return [starts[i] + j for i in chosen for j in range(counts[i] + 1)]
+
+
+def _subset(processed: torch.Tensor, at: list[int], counts: list[int], picked: list[int]) -> torch.Tensor:
+    """The picked sequences' rows of `processed` (sequence i's counts[i] + 1 from at[i]): all of it where all are."""
+    if len(picked) == len(counts):
+        return processed
+    return processed[to_device(_rows(at, counts, picked), processed.device)]
+
+
+def _greedy_matched(
+    seqs: list[Sequence], drafts: list[list[int]], draft_probs, processed: torch.Tensor
 ) -> list[VerifyResult]:
-    """Rejection sampling for sampled sequences with no grammar to advance and no logprobs to return, all in one
-    pass: the rows of every sequence taken together (processed first where a request has logits processors), made
-    distributions a call per sampling setting, padded to the longest draft, accepted and drawn together, one
-    device-to-host copy in all. Each sequence's generator draws what it draws verified alone, so the tokens are those
-    of verify_drafts, whatever shares the batch."""
-    k, vocab, counts = max(map(len, drafts)), logits.shape[-1], [len(d) for d in drafts]
-    padded = to_device([d + [0] * (k - len(d)) for d in drafts], logits.device)
-    rows = [start + j for start, n in zip(starts, counts) for j in range(n + 1)]  # each sequence's rows in logits
-    places = [i * (k + 1) + j for i, n in enumerate(counts) for j in range(n + 1)]  # and in p's [B * (k + 1)]
-    processed = _processed_rows(seqs, drafts, logits, rows, eos_ids)
-    p = logits.new_zeros(len(seqs) * (k + 1), vocab, dtype=torch.float32)
-    p[to_device(places, logits.device)] = probs_of_rows(
-        processed, [s.params for s, n in zip(seqs, counts) for _ in range(n + 1)]
-    )
+    """Greedy verification of sequences whose processed rows follow one another in `processed`: one argmax, one copy."""
+    argmax, results = processed.argmax(-1).tolist(), []
+    for tokens in drafts:
+        accepted, emitted = match_greedy(tokens, argmax[: len(tokens) + 1])
+        results.append(VerifyResult([accepted], [emitted]))
+        argmax = argmax[len(tokens) + 1 :]
+    return results
+
+
+def _rejection_sampled(
+    seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None], processed: torch.Tensor
+) -> list[VerifyResult]:
+    """Rejection sampling for sampled sequences whose processed rows follow one another in `processed`: their
+    distributions made a call per sampling setting, padded to the longest draft, accepted and drawn together, one
+    device-to-host copy in all."""
+    k, vocab, counts = max(map(len, drafts)), processed.shape[-1], [len(d) for d in drafts]
+    padded = to_device([d + [0] * (k - len(d)) for d in drafts], processed.device)
+    places = _rows([i * (k + 1) for i in range(len(seqs))], counts, range(len(seqs)))  # each row's place in p
+    p = processed.new_zeros(len(seqs) * (k + 1), vocab, dtype=torch.float32)
+    params = [s.params for s, n in zip(seqs, counts) for _ in range(n + 1)]
+    p[to_device(places, processed.device)] = probs_of_rows(processed, params)
     q = _draft_distributions(padded, counts, draft_probs, vocab)
     both = rejection_sample(padded, counts, p.view(len(seqs), k + 1, vocab), q, [seq.generator for seq in seqs])
     return [VerifyResult([n], [tokens]) for n, tokens in zip(both.num_accepted, both.tokens)]
@@ -150,16 +199,13 @@ def verify_sampled(
 def _processed_rows(
     seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, rows: list[int], eos_ids: Collection[int]
 ) -> torch.Tensor:
-    """The sequences' rows of `logits`, in order, float32 (what the distributions are made from), each request's
-    logits processors applied to its own."""
+    """The sequences' rows of `logits`, in order, float32 (what distributions are made from), each request's logits
+    processors and grammar applied to its own, all together (one request alone takes processed_logits' operations)."""
     processed = logits[to_device(rows, logits.device)].float()
-    at = 0
-    for seq, tokens in zip(seqs, drafts):
-        n = len(tokens) + 1
-        if seq.params.has_processors:
-            processed[at : at + n] = processed_logits(seq, processed[at : at + n], tokens, eos_ids)
-        at += n
-    return processed
+    if any(seq.params.has_processors for seq in seqs):
+        histories = [History(s.params, s.prompt_ids, s.output_ids, d, len(d) + 1) for s, d in zip(seqs, drafts)]
+        processed = process_rows(processed, histories, eos_ids)
+    return mask_grammars(processed, [seq.grammar for seq in seqs], drafts)
 
 
 def _draft_distributions(
@@ -180,10 +226,6 @@ def _draft_distributions(
         places = to_device(one_hot, padded.device)
         q[places, padded.view(-1)[places]] = 1.0
     return q.view(batch, k, vocab)
-
-
-def _samples_alone(seq: Sequence) -> bool:
-    return not seq.params.greedy and seq.grammar is None and seq.params.logprobs is None
 
 
 def verify_drafts(
