@@ -106,7 +106,7 @@ BROKEN_BATCH = {
     # each request's output counted for the request after it
     "counts of another request": ("_counts", lambda told: lambda hs, *a: told(hs, *a).roll(1, 0)),
     # the drafts up to and including the row's own token counted
-    "a row's own draft counted": ("_rows_of", lambda told: lambda pen: [(h, j + 1) for h, j in told(pen)]),
+    "a row's own draft counted": ("_drafts_before", lambda told: lambda h, row: told(h, row + 1)),
     # EOS banned one row too long
     "min_tokens one row late": ("_short_rows", lambda told: lambda h: range(min(told(h).stop + 1, h.rows))),
 }

@@ -133,5 +133,5 @@ def uniform_rows(generators: Generators, counts: list[int], width: int, device, 
             taken += 1
         else:
             own = torch.rand(n, generator=g, device=device, dtype=dtype)
-            rows.append(torch.nn.functional.pad(own, (0, width - n))[None])
+            rows.append((own if n == width else torch.nn.functional.pad(own, (0, width - n)))[None])
     return torch.cat(rows)

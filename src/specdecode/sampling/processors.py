@@ -89,24 +89,22 @@ def _penalised(logits: torch.Tensor, penalised: list[tuple[History, int]]) -> to
     """The repetition, frequency and presence penalties on the rows of the requests that have them, each row by its
     request's values (a value that leaves a row as it is where a request sets only some)."""
     vocab, device = logits.shape[-1], logits.device
-    rows = [start + j for h, start in penalised for j in range(h.rows)]
+    requests, rows = [h for h, _ in penalised], [(h, start, j) for h, start in penalised for j in range(h.rows)]
     whole = len(rows) == logits.shape[0]
-    at = None if whole else to_device(rows, device)
+    at = None if whole else to_device([start + j for _, start, j in rows], device)
     part = logits if whole else logits[at]
-    requests = [h for h, _ in penalised]
     one = len(requests) == 1  # a request alone: its rows read its counts and prompt as they are (no gather)
     owner = None if one else to_device([k for k, h in enumerate(requests) for _ in range(h.rows)], device)
-    counts = _counts(requests, vocab, device)
+    counts = _counts([h.output_ids for h in requests], vocab, device)
     counts = counts.repeat(len(rows), 1) if one else counts[owner]
-    drafted = [(row, t) for row, (h, j) in enumerate(_rows_of(penalised)) for t in h.drafts[:j] if t < vocab]
+    drafted = [(row, t) for row, (h, _, j) in enumerate(rows) for t in _drafts_before(h, j) if t < vocab]
     if drafted:
         row_ids, token_ids = zip(*drafted)
         at_drafts = (to_device(list(row_ids), device), to_device(list(token_ids), device))
         counts.index_put_(at_drafts, torch.ones(len(drafted), device=device), accumulate=True)
-    values = to_device([[h.params.repetition_penalty, h.params.frequency_penalty, h.params.presence_penalty]
-                        for h, j in _rows_of(penalised)], device, logits.dtype)  # fmt: skip
-    repetition, frequency, presence = (values[:, i : i + 1] for i in range(3))
-    present, in_prompt = counts > 0, _seen_in_prompt(requests, vocab, device)
+    values = [[h.params.repetition_penalty, h.params.frequency_penalty, h.params.presence_penalty] for h, _, _ in rows]
+    repetition, frequency, presence = to_device(values, device, logits.dtype).T[:, :, None]
+    present, in_prompt = counts > 0, _counts([h.prompt_ids for h in requests], vocab, device) > 0
     seen = present | (in_prompt if one else in_prompt[owner])
     part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
     part -= frequency * counts + presence * present
@@ -116,27 +114,17 @@ def _penalised(logits: torch.Tensor, penalised: list[tuple[History, int]]) -> to
     return logits
 
 
-def _rows_of(penalised: list[tuple[History, int]]) -> list[tuple[History, int]]:
-    """(request, j) for every row, in order."""
-    return [(h, j) for h, _ in penalised for j in range(h.rows)]
+def _drafts_before(history: History, row: int) -> Sequence[int]:
+    """The drafts the request's row follows."""
+    return history.drafts[:row]
 
 
-def _counts(histories: list[History], vocab: int, device) -> torch.Tensor:
-    """[requests, vocab]: how often each token occurs in each request's output."""
-    pairs = [(k, i) for k, h in enumerate(histories) for i in h.output_ids if i < vocab]
-    counts = torch.zeros(len(histories), vocab, device=device)
+def _counts(token_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[lists, vocab]: how often each token occurs in each list."""
+    pairs = [(k, i) for k, tokens in enumerate(token_lists) for i in tokens if i < vocab]
+    counts = torch.zeros(len(token_lists), vocab, device=device)
     if pairs:
         owners, ids = zip(*pairs)
         at = (to_device(list(owners), device), to_device(list(ids), device))
         counts.index_put_(at, torch.ones(len(pairs), device=device), accumulate=True)
     return counts
-
-
-def _seen_in_prompt(histories: list[History], vocab: int, device) -> torch.Tensor:
-    """[requests, vocab]: whether each token occurs in each request's prompt."""
-    pairs = [(k, i) for k, h in enumerate(histories) for i in h.prompt_ids if i < vocab]
-    mask = torch.zeros(len(histories), vocab, dtype=torch.bool, device=device)
-    if pairs:
-        owners, ids = zip(*pairs)
-        mask[to_device(list(owners), device), to_device(list(ids), device)] = True
-    return mask
