@@ -122,9 +122,10 @@ def uniform_rows(generators: Generators, counts: list[int], width: int, device, 
     stream: a seeded row draws exactly counts[i] numbers from it, what it would draw in a batch of one (the rest of
     its row is zeros), and the rows without a generator share one draw from the default generator. Otherwise
     (one generator or None) one draw fills the whole block."""
-    if not isinstance(generators, list) or all(g is None for g in generators):
-        one = generators if not isinstance(generators, list) else None
-        return torch.rand(len(counts), width, generator=one, device=device, dtype=dtype)
+    if not isinstance(generators, list):
+        return torch.rand(len(counts), width, generator=generators, device=device, dtype=dtype)
+    if all(g is None for g in generators):
+        return torch.rand(len(counts), width, device=device, dtype=dtype)
     common = torch.rand(sum(g is None for g in generators), width, device=device, dtype=dtype)
     rows, taken = [], 0
     for g, n in zip(generators, counts):

@@ -55,7 +55,7 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
     processors applied to its own rows: in place where the operation allows, the result returned."""
     starts = list(accumulate((h.rows for h in histories), initial=0))
     vocab, device = logits.shape[-1], logits.device
-    bias = [(start + j, i, v) for h, start in zip(histories, starts) for j in range(h.rows) for i, v in _bias(h, vocab)]
+    bias = [(start + j, i, v) for h, start in zip(histories, starts) for i, v in _bias(h, vocab) for j in range(h.rows)]
     if bias:
         rows, ids, values = zip(*bias)
         at = (to_device(list(rows), device), to_device(list(ids), device))

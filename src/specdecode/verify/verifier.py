@@ -143,8 +143,11 @@ def verify_together(
     results: dict[int, VerifyResult] = {}
     for picked, verify in ((greedy, _greedy_matched), (sampled, _rejection_sampled)):
         if picked:
-            chosen = [list(items) for items in zip(*((seqs[i], drafts[i], draft_probs[i]) for i in picked))]
-            results.update(zip(picked, verify(*chosen, _subset(processed, at, counts, picked))))
+            rows = _subset(processed, at, counts, picked)
+            verified = verify(
+                [seqs[i] for i in picked], [drafts[i] for i in picked], [draft_probs[i] for i in picked], rows
+            )
+            results.update(zip(picked, verified))
     for i, seq in enumerate(seqs):
         if seq.grammar is not None:
             seq.grammar.advance(results[i].tokens[0])
@@ -170,13 +173,9 @@ def _subset(processed: torch.Tensor, at: list[int], counts: list[int], picked: l
 def _greedy_matched(
     seqs: list[Sequence], drafts: list[list[int]], draft_probs, processed: torch.Tensor
 ) -> list[VerifyResult]:
-    """Greedy verification of sequences whose processed rows follow one another in `processed`: one argmax, one copy."""
-    argmax, results = processed.argmax(-1).tolist(), []
-    for tokens in drafts:
-        accepted, emitted = match_greedy(tokens, argmax[: len(tokens) + 1])
-        results.append(VerifyResult([accepted], [emitted]))
-        argmax = argmax[len(tokens) + 1 :]
-    return results
+    """Greedy verification of sequences whose processed rows follow one another in `processed`: one argmax, one copy
+    (their draft distributions are one-hot: unused)."""
+    return verify_argmax_rows(drafts, [len(d) + 1 for d in drafts], processed.argmax(-1).tolist())
 
 
 def _rejection_sampled(
