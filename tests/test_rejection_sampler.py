@@ -6,12 +6,14 @@ With 1e5 samples a chi-square test must accept p and reject deliberately broken 
 
 import pytest
 import torch
+from host_reads import HostReads
 from scipy.stats import chisquare
 from stats import PASS_P, seeded
 
-from specdecode.sampling.logprobs import logprobs_of_rows
+from specdecode.sampling import logits_to_probs
+from specdecode.sampling.logprobs import logprob_table
 from specdecode.verify import rejection_sampler as rs
-from specdecode.verify import verifier
+from specdecode.verify import together as one_pass
 from specdecode.verify.rejection_sampler import greedy_verify, rejection_sample
 
 N = 100_000
@@ -157,13 +159,12 @@ def test_one_argmax_for_the_call_verifies_as_each_sequence_alone():
     assert together[0][0].num_accepted == [1] and together[2][0].num_accepted == [2]  # matches, then a miss
 
 
-def _together_and_alone(trial: int, in_one_pass: bool | None = False, device: str = "cpu"):
+def _mixed_batch(trial: int, device: str = "cpu"):
     """Sequences of several settings (sampled with one-hot and real draft q, penalties, logprobs, no drafts at all;
-    greedy with processors), each seeded but the last, verified in one batch (in_one_pass: every sequence that is not
-    plain greedy in one pass; None: the device's way) and one at a time."""
+    greedy with processors, and plain), each seeded but the last: a function making them afresh, their drafts, the
+    drafts' q and the call's logits."""
     from specdecode.engine.sequence import Sequence
     from specdecode.sampling import SamplingParams
-    from specdecode.verify.verifier import verify_batch, verify_drafts
 
     gen = seeded(500 + trial)
     kinds = [
@@ -176,9 +177,10 @@ def _together_and_alone(trial: int, in_one_pass: bool | None = False, device: st
         SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.5),
         SamplingParams(temperature=0, seed=8, repetition_penalty=1.2, logprobs=1),
         SamplingParams(temperature=0, seed=9, logit_bias={3: 2.0}),
+        SamplingParams(temperature=0),  # plain greedy: the raw argmax
         SamplingParams(temperature=1.0, top_p=0.8),  # no seed: drawn from the default generator, not compared
     ]
-    counts = [2, 3, 2, 1, 3, 0, 2, 3, 1, 2]
+    counts = [2, 3, 2, 1, 3, 0, 2, 3, 1, 2, 2]
     logits = torch.randn(sum(counts) + len(counts), V, generator=gen) * 2
     qs = [torch.stack([_random_dist(gen) for _ in range(n)]) if i in (1, 4) else None for i, n in enumerate(counts)]
     drafts, row = [], 0
@@ -186,18 +188,26 @@ def _together_and_alone(trial: int, in_one_pass: bool | None = False, device: st
         likely = logits[row : row + n].argmax(-1) if q is None else torch.multinomial(q, 1, generator=gen)[:, 0]
         drafts.append(likely.tolist())
         row += n + 1
-    logits, qs = logits.to(device), [None if q is None else q.to(device) for q in qs]
 
     def fresh():
         generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed + trial) for p in kinds]
         return [Sequence([1, 2, 3], params, g) for params, g in zip(kinds, generators)]
 
+    return fresh, drafts, [None if q is None else q.to(device) for q in qs], logits.to(device)
+
+
+def _together_and_alone(trial: int, in_one_pass: bool | None = False, device: str = "cpu"):
+    """_mixed_batch's sequences verified in one batch (in_one_pass: all in one pass; False: plain greedy ones share
+    an argmax, the others one by one; None: the device's way) and one at a time."""
+    from specdecode.verify.verifier import verify_batch, verify_drafts
+
+    fresh, drafts, qs, logits = _mixed_batch(trial, device)
     together = verify_batch(fresh(), drafts, qs, logits, eos_ids=[], together=in_one_pass)
     alone, row = [], 0
     for seq, tokens, q in zip(fresh(), drafts, qs):
         alone.append(verify_drafts(seq, tokens, q, logits[row : row + len(tokens) + 1], eos_ids=[]))
         row += len(tokens) + 1
-    return together, alone, counts
+    return together, alone, [len(d) for d in drafts]
 
 
 def _differences(trials: int, in_one_pass: bool | None = False, device: str = "cpu") -> tuple[int, list[int]]:
@@ -224,17 +234,32 @@ def test_sequences_verified_together_draw_as_each_alone(device, together):
     assert 0 in shortfalls and any(s < 0 for s in shortfalls)  # every draft accepted, and rejections
 
 
+def test_a_pass_reads_the_host_once_however_mixed_its_batch():
+    """One pass over a batch of every kind (plain greedy, greedy with processors, seeded and unseeded sampled,
+    logprobs, real and one-hot q) copies to the host once (on a GPU: one wait a verify); one by one, a sequence that
+    is not plain greedy copies at least once of its own."""
+    from specdecode.verify.verifier import verify_batch
+
+    fresh, drafts, qs, logits = _mixed_batch(0)
+    reads = {}
+    for in_one_pass in (True, False):
+        with HostReads() as reads[in_one_pass]:
+            verify_batch(fresh(), drafts, qs, logits, eos_ids=[], together=in_one_pass)
+    assert reads[True].total == 1
+    assert reads[False].total >= len(drafts)
+
+
 BROKEN_TOGETHER = {
     # every row made a distribution under the first sequence's settings
-    "one setting for all": ("probs_of_rows", lambda logits, params: verifier.logits_to_probs(logits, params[0])),
+    "one setting for all": ("probs_of_rows", lambda logits, params: logits_to_probs(logits, params[0])),
     # every draft taken as deterministic (one-hot q), the draft model's own distributions dropped
     "draft distributions dropped": ("_draft_distributions", lambda *args: None),
     # the pass's rows left unprocessed (penalties, logit bias), greedy and sampled alike
     "processors dropped": ("process_rows", lambda processed, histories, eos_ids=(): processed),
-    # each sequence's logprobs read a row late
+    # each sequence's logprobs read from the row after the token's
     "logprobs a row late": (
-        "logprobs_of_rows",
-        lambda rows, starts, tokens, tops: logprobs_of_rows(rows, [s + 1 for s in starts], tokens, tops),
+        "logprob_table",
+        lambda rows, at, tokens, widest: logprob_table(rows, [min(r + 1, len(rows) - 1) for r in at], tokens, widest),
     ),
 }
 
@@ -242,5 +267,5 @@ BROKEN_TOGETHER = {
 @pytest.mark.parametrize("broken", list(BROKEN_TOGETHER))
 def test_a_pass_that_mixes_up_sequences_is_caught(monkeypatch, broken):
     name, impl = BROKEN_TOGETHER[broken]
-    monkeypatch.setattr(verifier, name, impl)
+    monkeypatch.setattr(one_pass, name, impl)
     assert _differences(trials=10, in_one_pass=True)[0] > 0

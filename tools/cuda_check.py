@@ -503,8 +503,8 @@ def engine_trace(target, tokens: int = 160):
 @section("sampled decoding (temperature 0.8), plain at 32 sequences: queued ahead, one pass, one by one; greedy beside")
 def sampled(target, batch: int = 32, tokens: int = 64):
     """Plain sampled steps queued ahead (each draws its tokens on the device: engine/overlap.py, the rows' distributions
-    a call per setting); one after another, verified in one pass with one copy to the host (verify/verifier.
-    verify_together); one by one, each sequence's draw a copy of its own, each waiting on the device; and greedy,
+    a call per setting); one after another, verified in one pass with one copy to the host (verify/together.py);
+    one by one, each sequence's draw a copy of its own, each waiting on the device; and greedy,
     queued ahead, for what sampling costs."""
     from specdecode.engine import overlap as verifying
 

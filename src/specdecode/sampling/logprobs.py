@@ -33,20 +33,35 @@ def logprobs_of_rows(
     rows = [start + j for start, emitted in zip(starts, tokens) for j in range(len(emitted))]
     if not rows:
         return [[] for _ in tokens]
-    index = to_device(rows, processed.device)
-    logp = torch.log_softmax(processed[index].float(), dim=-1)
     flat = [t for emitted in tokens for t in emitted]
-    columns = [logp.gather(-1, to_device(flat, logp.device)[:, None]).double()]
-    widest = min(max(num_tops), logp.shape[-1])
-    if widest:
-        values, ids = logp.topk(widest, dim=-1)
-        columns += [values.double(), ids.double()]
-    copied = torch.cat(columns, 1).tolist()  # ids as float64: exact below 2**53
+    widest = top_width(num_tops, processed.shape[-1])
+    copied = logprob_table(processed, rows, to_device(flat, processed.device), widest).tolist()
     out = []
     for emitted, num_top in zip(tokens, num_tops):
         mine, copied = copied[: len(emitted)], copied[len(emitted) :]
-        top = [
-            [(int(i), v) for v, i in zip(row[1 : 1 + num_top], row[1 + widest : 1 + widest + num_top])] for row in mine
-        ]
-        out.append([TokenLogprob(t, row[0], alt) for t, row, alt in zip(emitted, mine, top)])
+        out.append(logprobs_of_table(mine, emitted, num_top, widest))
     return out
+
+
+def top_width(num_tops: list[int], vocab: int) -> int:
+    """How many alternatives a table of rows holds: the most any of its sequences asks for."""
+    return min(max(num_tops, default=0), vocab)
+
+
+def logprob_table(processed: torch.Tensor, rows: list[int], tokens: torch.Tensor, widest: int) -> torch.Tensor:
+    """Float64 [len(rows), 1 + 2 * widest], left on the device: for each of the rows of `processed`, the logprob of
+    its token (tokens[i] for rows[i]), then the `widest` largest logprobs, then their ids (exact in float64)."""
+    logp = torch.log_softmax(processed[to_device(rows, processed.device)].float(), dim=-1)
+    columns = [logp.gather(-1, tokens[:, None]).double()]
+    if widest:
+        values, ids = logp.topk(widest, dim=-1)
+        columns += [values.double(), ids.double()]
+    return torch.cat(columns, 1)
+
+
+def logprobs_of_table(table: list[list[float]], tokens: list[int], num_top: int, widest: int) -> list[TokenLogprob]:
+    """The logprobs of tokens drawn from a logprob_table's rows, as read on the host, row i for tokens[i]."""
+    return [
+        TokenLogprob(token, row[0], [(int(i), v) for v, i in zip(row[1 : 1 + num_top], row[1 + widest :][:num_top])])
+        for token, row in zip(tokens, table)
+    ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..sampling import Generators, sample_rows, uniform_rows
 from ..transfers import to_device
@@ -54,6 +55,21 @@ def rejection_sample(
     generators: Generators = None,
 ) -> VerifyResult:
     """draft_tokens [B, K]; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (one-hot q)."""
+    num_accepted, extra = rejection_sample_on_device(draft_tokens, num_draft, target_probs, draft_probs, generators)
+    # one device-to-host copy: per row, how many drafts were accepted, the token after them, the drafts
+    copied = torch.cat([num_accepted[:, None], extra[:, None].to(draft_tokens.dtype), draft_tokens], 1).tolist()
+    return VerifyResult([row[0] for row in copied], [row[2 : 2 + row[0]] + [row[1]] for row in copied])
+
+
+def rejection_sample_on_device(
+    draft_tokens: torch.Tensor,
+    num_draft: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generators: Generators = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample's outcome left on the device: each row's number of accepted drafts [B] and the token drawn
+    after them [B] (recovered or bonus)."""
     batch, k = draft_tokens.shape
     counts = to_device(num_draft, draft_tokens.device)
     in_range = torch.arange(k, device=draft_tokens.device)[None, :] < counts[:, None]
@@ -78,11 +94,7 @@ def rejection_sample(
         has_mass = residual.sum(-1, keepdim=True) > 0
         residual = torch.where(has_mass, residual, final)
         final = torch.where(rejected[:, None], residual, final)
-    extra = sample_rows(final, generators)
-
-    # one device-to-host copy: per row, how many drafts were accepted, the token after them, the drafts
-    copied = torch.cat([num_accepted[:, None], extra[:, None].to(draft_tokens.dtype), draft_tokens], 1).tolist()
-    return VerifyResult([row[0] for row in copied], [row[2 : 2 + row[0]] + [row[1]] for row in copied])
+    return num_accepted, sample_rows(final, generators)
 
 
 def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -94,3 +106,10 @@ def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Ten
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Unnormalised max(0, p - q): where to resample after a rejection."""
     return (p - q).clamp(min=0)
+
+
+def match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft and target embedding tables may be padded differently; q must cover the target's rows."""
+    if q.shape[-1] == vocab:
+        return q
+    return F.pad(q, (0, vocab - q.shape[-1])) if q.shape[-1] < vocab else q[..., :vocab]
