@@ -119,6 +119,32 @@ def test_seeded_n_is_reproducible_and_its_first_output_is_the_single_request(tar
     assert len(set(map(tuple, three))) == 3  # each output has a stream of its own
 
 
+def test_siblings_draw_their_first_tokens_in_one_pass_as_one_by_one(target, random_draft, monkeypatch):
+    """n outputs take their first tokens (and logprobs) from the prompt's last row in one verification without
+    drafts, in one pass where verification takes one (a GPU's way): each sibling draws what it draws one by one
+    (its own stream, processors, logprobs), and every sibling is in that one call."""
+    from specdecode.engine import prefill
+
+    params = SamplingParams(
+        n=3, temperature=1.0, max_tokens=6, seed=5, logprobs=2, presence_penalty=0.5, ignore_eos=True
+    )
+
+    def run():
+        outputs = _llm(target, random_draft).generate(PROMPTS[1], params)[0].outputs
+        return [(o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]) for o in outputs]
+
+    one_by_one, calls = run(), []
+
+    def in_one_pass(seqs, *args, **kwargs):
+        calls.append(len(seqs))
+        return verifier.verify_batch(seqs, *args, together=True, **kwargs)
+
+    monkeypatch.setattr(prefill, "verify_batch", in_one_pass)
+    assert run() == one_by_one
+    assert calls == [3]
+    assert len({tuple(tokens) for tokens, _ in one_by_one}) == 3  # each sibling its own stream
+
+
 def test_n_above_the_slots_is_refused(target):
     with pytest.raises(SpecDecodeError, match="n=5 outputs need as many sequence slots"):
         _llm(target, max_num_seqs=4).generate("abc", SamplingParams(n=5))

@@ -21,7 +21,7 @@ import torch
 from ..proposers.base import DraftBatch, TargetFeedback
 from ..sampling import probs_of_rows, sample_rows
 from ..timing import Mark
-from ..transfers import to_device
+from ..transfers import read_at_once, to_device
 from ..verify.verifier import verify_argmax_rows, verify_batch
 from .policy import DraftDecision
 from .sequence import Sequence
@@ -197,10 +197,10 @@ class QueuingAhead:
                 seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
             )
             return results, [n + 1 for n in drafts.num_tokens]
-        widths, argmax = _widths(drafts), logits.argmax(-1)
-        values = torch.cat([argmax.double(), drafts.on_device.values()]).tolist()
-        drafts.settle(values[len(argmax) :])
-        picks = [int(v) for v in values[: len(argmax)]]
+        widths = _widths(drafts)
+        argmax, values = read_at_once([logits.argmax(-1), drafts.on_device.values()])
+        drafts.settle(values)
+        picks = [int(v) for v in argmax]
         for seq, tokens in zip(seqs, drafts.tokens):  # the ids of the rows the verify read on the device
             self.runner.settle(seq.slot, seq.num_tokens - 1, [seq.token_ids[-1], *tokens])
         results = verify_argmax_rows(drafts.tokens, widths, picks, self.forced_accept)

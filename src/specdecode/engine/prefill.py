@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..proposers.base import DraftBatch, TargetFeedback
-from ..verify.verifier import prompt_logprobs, sample_first
+from ..verify.verifier import prompt_logprobs, verify_batch
 from .sequence import Sequence
 
 
@@ -252,12 +252,19 @@ class Prefilling:
         first.metrics.num_cached_prompt_tokens = cached
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)
-        firsts = [sample_first(seq, logits[:1], self.tokenizer.eos_token_ids) for seq in group]
+        firsts = self._first_tokens(group, logits[:1])
         for seq, (token, _) in zip(group, firsts):
             self._feed_back(seq, TargetFeedback([token], hidden, cached))
         self._read_ahead(group)
         for seq, (token, logprobs) in zip(group, firsts):
             self._emit(seq, [token], logprobs)
+
+    def _first_tokens(self, group: list[Sequence], last: torch.Tensor) -> list[tuple[int, list | None]]:
+        """Each sibling's token after the prompt, from the prompt's last logits row [1, V], and its logprobs: a
+        verification without drafts (one pass for all siblings where verification takes one)."""
+        rows = last.expand(len(group), -1)
+        results = verify_batch(group, [[] for _ in group], [None] * len(group), rows, self.tokenizer.eos_token_ids)
+        return [(result.tokens[0][0], logprobs) for result, logprobs in results]
 
     def _read_ahead(self, group: list[Sequence]) -> None:
         """Proposers read the new prompt now, where drafting is likely soon: its cost is then part of the time

@@ -47,17 +47,6 @@ def prompt_logprobs(prompt_ids: list[int], logits: torch.Tensor, num_top: int) -
     return [None] + token_logprobs(logits[:-1], prompt_ids[1:], num_top)
 
 
-def sample_first(
-    seq: Sequence, logits: torch.Tensor, eos_ids: Collection[int]
-) -> tuple[int, list[TokenLogprob] | None]:
-    """The token after the prompt, from the prefill's last logits row [1, V]."""
-    processed = processed_logits(seq, logits, [], eos_ids)
-    token = sample_token(processed[0], seq.params, seq.generator)[0]
-    if seq.grammar is not None:
-        seq.grammar.advance([token])
-    return token, emitted_logprobs(seq, processed, [token])
-
-
 def verify_batch(
     seqs: list[Sequence],
     drafts: list[list[int]],
