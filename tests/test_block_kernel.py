@@ -335,7 +335,7 @@ def test_a_vocabulary_subset_of_a_head_stays_in_its_format_and_exact(count):
 
 
 def test_restricting_a_draft_vocabulary_keeps_whole_groups_and_the_special_tokens():
-    from specdecode.proposers.draft_model import restrict_draft_vocab
+    from specdecode.proposers.vocabulary import restrict_draft_vocab
 
     draft = LoadedModel(
         "tiny",

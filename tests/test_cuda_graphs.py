@@ -325,6 +325,42 @@ def test_speculation_with_a_draft_head_at_bucket_shapes_drafts_as_eagerly(monkey
     assert fixed_accepted == eager_accepted and any(any(rates) for _, rates in fixed_accepted)
 
 
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_sampled_speculation_with_chained_rounds_drafts_as_rounds_one_by_one(monkeypatch, tmp_path, drafter):
+    """The engine, every runner at bucket shapes, seeded sampled requests of several settings beside a greedy one:
+    the drafter's rounds chain (sampled rows drawing on the device at uniforms drawn beforehand from each stream), and
+    each request gets the output and acceptance it gets with eager forwards, rounds one by one; a batch with a
+    penalised request drafts one by one."""
+    from conftest import make_head
+
+    prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 42], list(range(10, 40))]
+    params = [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=2, max_tokens=24, ignore_eos=True),
+    ]
+    target = tiny_model(seed=0)
+    # a draft model chains its rounds where no confidence stop would end them early
+    kind = {"speculative_model": make_head(target, tmp_path / "head")} if drafter == "head" else {"draft_confidence": 0}
+    draft = None if drafter == "head" else tiny_model(seed=0, layers=1)
+
+    def run(fixed: bool, requests):
+        monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: fixed)
+        llm = LLM(target=target, draft=draft, num_speculative_tokens=3, max_model_len=256, speculation_policy="fixed",
+                  progress=False, **kind)  # fmt: skip
+        outs = llm.generate(prompts, requests)
+        accepted = [o.spec.get("acceptance_per_position") for o in outs]
+        rounds = llm.engine.proposer.runner._rounds
+        return [o.outputs[0].token_ids for o in outs], accepted, {key[2] for key in rounds._chains} if rounds else None
+
+    (chained, chained_accepted, kinds), (eager, eager_accepted, _) = run(True, params), run(False, params)
+    assert frozenset({"top_k", "top_p"}) in kinds  # sampled rounds chained
+    assert chained == eager and chained_accepted == eager_accepted
+    assert any(any(rates) for rates in chained_accepted) and len({tuple(t) for t in chained}) == 3
+    penalised = [params[0], params[1], SamplingParams(temperature=0.9, seed=3, presence_penalty=0.4, max_tokens=24)]
+    assert run(True, penalised)[0] == run(False, penalised)[0]
+
+
 def _drafting_runner(model, fixed: bool, features_of, prompts):
     """A runner of the drafter with each prompt read and one drafting round run: (runner, slots, that round's logits,
     its estimated features or None)."""
@@ -376,9 +412,9 @@ def _chained_and_one_by_one(drafter: str, rounds: list[int]):
     runner, slots, logits, estimates = _drafting_runner(model, True, features_of, prompts)
     before = [runner._cache.keys(0, s, runner.blocks_held(s) * runner.block_size) for s in slots]
     starts = [runner.length(s) for s in slots]
-    out = runner.greedy_rounds(slots, logits, estimates, rounds)
-    assert out is not None and runner._rounds._chains  # the rounds chained
-    tokens, probs = (t.double().tolist() for t in out)
+    out = runner.chained_rounds(slots, logits, estimates, rounds)
+    assert out is not None and out[2] is None and runner._rounds._chains  # the rounds chained, greedy
+    tokens, probs = (t.double().tolist() for t in out[:2])
     chained = [[(int(t), p) for t, p in zip(ts[: r + 1], ps[: r + 1])] for ts, ps, r in zip(tokens, probs, rounds)]
     reference = _drafting_runner(model, False, features_of, prompts)
     return chained, _one_by_one(*reference, rounds), (runner, slots, starts, before, reference[0])
@@ -403,6 +439,126 @@ def test_chained_greedy_rounds_draft_what_rounds_one_by_one_do(drafter):
     for slot, start, r, old in zip(slots, starts, rounds, before):
         rows = runner.blocks_held(slot) * runner.block_size
         assert torch.equal(runner._cache.keys(0, slot, rows)[:, start + r :], old[:, start + r : rows])
+
+
+# Sequences of a sampled chain: sampled ones of several settings (truncations on some rows only) beside a greedy one
+SAMPLED = [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.3, top_k=5, top_p=0.9, min_p=0.02),
+]
+
+
+def _drafter(kind: str):
+    """A drafter's model ("head", "draft model" or "restricted draft model": a draft vocabulary of 20 ids) and a
+    function giving the target features it reads beside each input (None: it reads none)."""
+    from specdecode.proposers.vocabulary import restrict_draft_vocab
+
+    target = tiny_model(seed=0)
+    width = target.config.hidden_size
+    if kind == "head":
+        return _head_for(target), lambda inputs: [
+            torch.randn(len(t), width, generator=torch.Generator().manual_seed(len(t))).to(DEVICE) for t in inputs
+        ]
+    draft = tiny_model(seed=2, layers=1)
+    if kind.startswith("restricted"):
+        restrict_draft_vocab(draft, 20)
+    return draft.model, lambda inputs: None
+
+
+def _sampled_one_by_one(runner, slots, logits, estimates, rounds, uniforms):
+    """SAMPLED's drafting round by round from the host, as a CPU drafts: per slot, (draft, probability, q) triples,
+    a sampled row's q over the target's vocabulary (-inf outside a restricted draft vocabulary's), its draft drawn at
+    its round's uniform."""
+    from specdecode.sampling import logits_to_probs, sample_at
+
+    vocab_ids, vocab = runner.vocab_ids, runner.cfg.vocab_size
+    drafts = []
+    for row, (slot, r, params) in enumerate(zip(slots, rounds, SAMPLED)):
+        step_logits, feature, mine = logits[row], None if estimates is None else estimates[row : row + 1], []
+        while True:
+            full = step_logits.float()
+            if vocab_ids is not None:
+                full = torch.full((vocab,), float("-inf"), device=full.device).index_copy_(0, vocab_ids, full)
+            if params.greedy:
+                token, q = int(full.argmax()), None
+                mine.append((token, float(torch.softmax(step_logits.float(), -1).max()), q))
+            else:
+                q = logits_to_probs(full[None], params)[0]
+                token = int(sample_at(q[None], uniforms[row, len(mine)][None])[0])
+                mine.append((token, float(q[token]), q))
+            if len(mine) == r + 1:
+                break
+            features = None if feature is None else [feature]
+            out = runner.forward([slot], [[token]], "last", hidden=features is not None, features=features)
+            step_logits, feature = (out[0][0], out[1]) if isinstance(out, tuple) else (out[0], None)
+            runner.commit(slot, runner.length(slot) + 1)
+        drafts.append(mine)
+    return drafts
+
+
+def _sampled_chained_and_one_by_one(drafter: str, rounds: list[int], broken=None):
+    """SAMPLED's chained drafts and those of rounds one by one from the same first round and uniforms: per slot,
+    (draft, probability, q) triples each. broken(params, uniforms) -> what the chain is given instead."""
+    model, features_of = _drafter(drafter)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 60, (n,), generator=gen).tolist() for n in (12, 5, 30)]
+    uniforms = torch.rand(len(prompts), max(rounds) + 1, generator=gen, dtype=torch.float64).to(DEVICE)
+    runner, slots, logits, estimates = _drafting_runner(model, True, features_of, prompts)
+    sampling = (SAMPLED, uniforms) if broken is None else broken(SAMPLED, uniforms)
+    out = runner.chained_rounds(slots, logits, estimates, rounds, sampling)
+    assert out is not None and runner._rounds._chains  # the rounds chained
+    (tokens, probs), q = (t.double().tolist() for t in out[:2]), out[2]
+    chained = [
+        [(int(t), p, q[row, j] if not params.greedy else None) for j, (t, p) in enumerate(zip(ts[: r + 1], ps))]
+        for row, (ts, ps, r, params) in enumerate(zip(tokens, probs, rounds, SAMPLED))
+    ]
+    reference = _drafting_runner(model, False, features_of, prompts)
+    return chained, _sampled_one_by_one(*reference, rounds, uniforms)
+
+
+def _same_sampled_drafts(chained, expected) -> bool:
+    def pairs(drafts):
+        return [[(t, p) for t, p, _ in d] for d in drafts]
+
+    def close(a, b):
+        return (a is None and b is None) or torch.allclose(a, b, atol=ATOL, rtol=0)
+
+    qs = [(qa, qb) for da, db in zip(chained, expected) for (_, _, qa), (_, _, qb) in zip(da, db)]
+    return _same_drafts(pairs(chained), pairs(expected)) and all(close(qa, qb) for qa, qb in qs)
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model", "restricted draft model"])
+def test_chained_sampled_rounds_draft_what_rounds_one_by_one_do(drafter):
+    """Sampled rows of several settings beside a greedy one, their rounds chained (one replay on a GPU): each row's
+    drafts, their probabilities and a sampled row's q over the target's vocabulary are those of rounds run one by one
+    from the host at the same uniforms (the greedy row's, its argmax)."""
+    rounds = [3, 2, 3]
+    chained, expected = _sampled_chained_and_one_by_one(drafter, rounds)
+    assert [len(d) for d in chained] == [4, 3, 4] and _same_sampled_drafts(chained, expected)
+    sampled_tokens = [t for d, p in zip(chained, SAMPLED) if not p.greedy for t, _, _ in d]
+    assert len(set(sampled_tokens)) > 2  # draws, not one token over and over
+
+
+def test_replayed_sampled_chains_draft_what_rounds_one_by_one_do(captured):
+    chained, expected = _sampled_chained_and_one_by_one("head", [3, 2, 3])
+    assert _same_sampled_drafts(chained, expected)
+
+
+BROKEN_SAMPLED_CHAIN = {
+    # each round drawing at the next round's uniform
+    "uniforms a round late": lambda params, uniforms: (params, uniforms.roll(-1, 1)),
+    # every row by the first row's settings
+    "one setting for all": lambda params, uniforms: ([params[0]] * len(params), uniforms),
+    # each row drawing at the next row's uniforms
+    "streams mixed up": lambda params, uniforms: (params, uniforms.roll(1, 0)),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_SAMPLED_CHAIN))
+def test_chained_sampled_rounds_given_the_wrong_draws_are_caught(broken):
+    chained, expected = _sampled_chained_and_one_by_one("draft model", [3, 2, 3], BROKEN_SAMPLED_CHAIN[broken])
+    assert not _same_sampled_drafts(chained, expected)
 
 
 def _same_keys(runner, slots, starts, rounds, reference) -> bool:
@@ -436,9 +592,9 @@ def test_replayed_chains_draft_what_rounds_one_by_one_do(captured, drafter):
 def test_chained_rounds_that_read_the_wrong_inputs_are_caught(monkeypatch, broken):
     """The deliberately broken variants: a head's rounds that read the first round's features again, or rounds that
     all read and write one position."""
-    from specdecode.executor.draft_chain import GreedyChain
+    from specdecode.executor.draft_chain import DraftChain
 
-    monkeypatch.setattr(GreedyChain, "_next_round", staticmethod(broken))
+    monkeypatch.setattr(DraftChain, "_next_round", staticmethod(broken))
     rounds = [3, 3, 3]
     chained, expected, (runner, slots, starts, _, reference) = _chained_and_one_by_one("head", rounds)
     # a GPU's tolerance can hide a head's small drafts' change; the keys of rows never written cannot
@@ -447,16 +603,16 @@ def test_chained_rounds_that_read_the_wrong_inputs_are_caught(monkeypatch, broke
 
 def test_chained_rounds_that_write_past_a_sequences_own_rows_are_caught(monkeypatch):
     """The deliberately broken variant: every sequence runs the longest's rounds into its own blocks."""
-    from specdecode.executor.draft_chain import GreedyChain
+    from specdecode.executor.draft_chain import DraftChain
 
-    run = GreedyChain.run
+    run = DraftChain.run
     monkeypatch.setattr(
-        GreedyChain, "run", lambda self, c, s, st, f, ft, r: run(self, c, s, st, f, ft, [max(r)] * len(r))
+        DraftChain, "run", lambda self, c, s, st, f, ft, r, *rest: run(self, c, s, st, f, ft, [max(r)] * len(r), *rest)
     )
     model = tiny_model(seed=2, layers=1).model
     prompts = [[5, 6, 7, 8], [9, 10]]
     runner, slots, logits, _ = _drafting_runner(model, True, lambda inputs: None, prompts)
     starts = [runner.length(s) for s in slots]
     before = runner._cache.keys(0, slots[1], runner.block_size)
-    runner.greedy_rounds(slots, logits, None, [3, 0])
+    runner.chained_rounds(slots, logits, None, [3, 0])
     assert not torch.equal(runner._cache.keys(0, slots[1], runner.block_size)[:, starts[1] :], before[:, starts[1] :])

@@ -135,7 +135,7 @@ def _drafted_alone(proposer, row: torch.Tensor, seq, drafted: list[int]):
 def _round(restricted: bool, rows: int):
     """A proposer (its vocabulary restricted or not) and a round's logits, flat rows to peaked ones, some drafts among
     the last ids (a restricted vocabulary's map to other target ids)."""
-    from specdecode.proposers.draft_model import restrict_draft_vocab
+    from specdecode.proposers.vocabulary import restrict_draft_vocab
 
     draft = tiny_model(seed=4)
     if restricted:
@@ -190,7 +190,10 @@ def _processed_round(restricted: bool):
         return seqs
 
     drafted = [[2], [30, 30], [7, 2], [1], []]
-    got = proposer._processed_drafts(logits, list(range(len(PROCESSED))), fresh(), drafted)
+    # each row's uniform: the first its stream draws (the greedy rows' go unused)
+    uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64, device=DEVICE) if s.generator
+                          else torch.zeros(1, dtype=torch.float64, device=DEVICE) for s in fresh()])  # fmt: skip
+    got = proposer._processed_drafts(logits, list(range(len(PROCESSED))), fresh(), drafted, uniforms)
     alone = {row: _drafted_alone(proposer, logits[row], seq, drafted[row]) for row, seq in enumerate(fresh()[:-1])}
     return got, alone
 
@@ -215,7 +218,7 @@ def test_rows_that_process_or_sample_draft_in_one_pass_what_each_drafts_alone(re
 
 BROKEN_ROUND = {
     # each seeded row drawing from the next sequence's stream
-    "streams mixed up": ("sample_rows", lambda real: lambda q, streams: real(q, streams[1:] + streams[:1])),
+    "streams mixed up": ("sample_at", lambda real: lambda q, uniforms: real(q, uniforms.roll(1))),
     # every row's distribution under the first sampled row's settings
     "one setting for all": ("probs_of_rows", lambda real: lambda rows, params: real(rows, [params[0]] * len(params))),
     # the processors not seeing the drafts so far (each output is 3 tokens)

@@ -151,3 +151,61 @@ def test_rows_without_a_seed_beside_seeded_ones_follow_their_row():
     keep = RESIDUAL > 0
     expected = RESIDUAL[keep].double() / RESIDUAL.sum() * len(unseeded)
     assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > PASS_P
+
+
+# Rows for settings held in tensors: SETTINGS, combinations of truncations, a top-k past the vocabulary
+PER_ROW = SETTINGS + [
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.8, min_p=0.01),
+    SamplingParams(temperature=1.1, top_k=7, top_p=0.95),
+    SamplingParams(temperature=0.5, top_k=5000),
+]
+
+
+def _rows_by_settings_differing_from_logits_to_probs() -> int:
+    """Sampled rows of interleaved PER_ROW settings whose distribution by probs_of_settings differs, in any bit, from
+    logits_to_probs' (over a vocabulary wider than the nucleus's first-ranked candidates)."""
+    from specdecode.sampling.per_row import RowSettings, probs_of_settings
+
+    gen = seeded(43)
+    logits = torch.randn(30, 3 * NUCLEUS_CANDIDATES, generator=gen) * torch.logspace(-1, 1, 30)[:, None]
+    params = [PER_ROW[i % len(PER_ROW)] for i in torch.randperm(30, generator=gen).tolist()]
+    got = probs_of_settings(logits, RowSettings.of(params, logits.shape[-1], "cpu"))
+    return sum(
+        not torch.equal(got[i], logits_to_probs(logits[i : i + 1], p)[0]) for i, p in enumerate(params) if not p.greedy
+    )
+
+
+def test_settings_held_in_tensors_give_each_row_what_logits_to_probs_gives():
+    """A drafter's chained rounds make every row's distribution in the same operations, its settings in tensors:
+    each sampled row's, bit for bit, is the one logits_to_probs makes for its settings alone."""
+    assert _rows_by_settings_differing_from_logits_to_probs() == 0
+
+
+def _filled_then(change):
+    from specdecode.sampling.per_row import RowSettings
+
+    fill = RowSettings.fill
+
+    def broken(self, params, vocab):
+        fill(self, params, vocab)
+        change(self, vocab)
+
+    return broken
+
+
+BROKEN_PER_ROW = {
+    # each row's top-k one wider
+    "top-k one wider": lambda s, vocab: s.top_k.copy_((s.top_k + 1).clamp(max=vocab)),
+    # rows without top-p given a value just under 1: their rows renormalised
+    "no top-p not neutral": lambda s, vocab: s.top_p.masked_fill_(s.top_p == 1, 0.9999999),
+    # each row's min-p floor the next row's
+    "min-p of another row": lambda s, vocab: s.log_min_p.copy_(s.log_min_p.roll(1, 0)),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_PER_ROW))
+def test_settings_in_tensors_that_stray_are_caught(monkeypatch, broken):
+    from specdecode.sampling.per_row import RowSettings
+
+    monkeypatch.setattr(RowSettings, "fill", _filled_then(BROKEN_PER_ROW[broken]))
+    assert _rows_by_settings_differing_from_logits_to_probs() > 0

@@ -117,7 +117,7 @@ def test_a_template_that_refuses_the_messages_says_so_and_tools_need_a_call_form
 def test_a_draft_of_another_vocabulary_is_refused_naming_both_tokenizers():
     from specdecode.errors import SpecDecodeError
     from specdecode.models.loader import LoadedModel
-    from specdecode.proposers.draft_model import check_same_vocabulary
+    from specdecode.proposers.vocabulary import check_same_vocabulary
 
     target = LoadedModel("a-llama3", None, vocabulary("ggml-vocab-llama-bpe.gguf"), None)
     with pytest.raises(

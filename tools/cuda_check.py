@@ -432,7 +432,7 @@ def _head_round(head, features, fixed: bool):
 
 def _head_drafts(head, features, k: int, chained: bool):
     """k greedy drafts at bucket shapes (captured on a GPU), each copied to the host: after the first round, the rest
-    round by round from the host or chained on the device (ModelRunner.greedy_rounds)."""
+    round by round from the host or chained on the device (ModelRunner.chained_rounds)."""
     runner = ModelRunner(head, 1, PROMPT + 64, fixed_shapes=True)
     slot = runner.allocate()
     runner.assume_cached(slot, PROMPT)
@@ -441,7 +441,7 @@ def _head_drafts(head, features, k: int, chained: bool):
         logits, estimate = runner.forward([slot], [[1]], "last", hidden=True, features=features)
         runner.commit(slot, PROMPT + 1)
         if chained:
-            tokens, probs = runner.greedy_rounds([slot], logits, estimate, [k - 1])
+            tokens, probs, _ = runner.chained_rounds([slot], logits, estimate, [k - 1])
             torch.stack([tokens.double(), probs.double()]).tolist()
             runner.commit(slot, PROMPT + k)
         else:
@@ -500,12 +500,12 @@ def engine_trace(target, tokens: int = 160):
     }
 
 
-@section("sampled decoding (temperature 0.8), plain at 32 sequences: queued ahead, one pass, one by one; greedy beside")
+@section("sampled decoding (temperature 0.8), 32 sequences: plain queued ahead, one pass, one by one; greedy; the head")
 def sampled(target, batch: int = 32, tokens: int = 64):
     """Plain sampled steps queued ahead (each draws its tokens on the device: engine/overlap.py, the rows' distributions
     a call per setting); one after another, verified in one pass with one copy to the host (verify/together.py);
-    one by one, each sequence's draw a copy of its own, each waiting on the device; and greedy,
-    queued ahead, for what sampling costs."""
+    one by one, each sequence's draw a copy of its own, each waiting on the device; greedy, queued ahead, for what
+    sampling costs; and sampled speculation with the head, its rounds chained and one by one."""
     from specdecode.engine import overlap as verifying
 
     llm, rates = engine(target, num_speculative_tokens=0), {}
@@ -526,7 +526,29 @@ def sampled(target, batch: int = 32, tokens: int = 64):
         f"queued ahead / one pass / one by one / greedy: 1 / {rates['one pass'] / rates['queued ahead']:.3f} / "
         f"{rates['one by one'] / rates['queued ahead']:.3f} / {rates['greedy'] / rates['queued ahead']:.3f}"
     )
+    del llm
+    rates.update(_sampled_head(target, batch, tokens))
     RESULTS["sampled"] = rates
+
+
+def _sampled_head(target, batch: int, tokens: int) -> dict:
+    """Sampled speculation with a random head at k = 4, every draft kept (what drafting costs, not what it earns),
+    its rounds chained on the device (each row drawing at uniforms drawn beforehand) and one by one (a copy a round)."""
+    from unittest import mock
+
+    from specdecode.proposers.draft_head import DraftHeadProposer
+
+    _, name = random_head(target)
+    rates = {}
+    for chained in (True, False):
+        with mock.patch.object(DraftHeadProposer, "chains_rounds", chained):
+            options = dict(num_speculative_tokens=4, speculation_policy="fixed", forced_accept=True)
+            llm = engine(target, speculative_model=name, **options)
+            key = f"head k=4 forced, {'chained' if chained else 'one by one'}"
+            rates[key] = generate(llm, batch, tokens, temperature=0.8)[0]
+            del llm
+        print(f"{key:30s}: {rates[key]:8.1f} tok/s", flush=True)
+    return rates
 
 
 @section("the linear layers alone, read at decode shapes: cuBLAS, and Inductor's autotuned kernels (1 row)")

@@ -22,7 +22,7 @@ from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..models.loader import LoadedModel
 from ..models.sources import cache_root
-from ..proposers.draft_model import in_row_groups
+from ..proposers.vocabulary import in_row_groups
 from .completions import completion_pieces
 from .recipe import Recipe
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..models.families import llama_config_fields
 from ..models.loader import LoadedModel, load_tokenizer, load_weights
-from ..proposers.draft_model import check_same_vocabulary
+from ..proposers.vocabulary import check_same_vocabulary
 from .data import FeatureSet, collect_features
 from .recipe import HELD_OUT, Recipe
 from .train import Run, fit

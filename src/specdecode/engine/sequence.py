@@ -120,7 +120,13 @@ class Sequence:
     def takes_argmax(self) -> bool:
         """Greedy with nothing applied to its logits (no processor, no grammar): its token is the raw argmax, which
         a draft round and a verify take for all such sequences in one copy to the host."""
-        return self.params.greedy and not self.params.has_processors and self.grammar is None
+        return self.params.greedy and self.picks_by_settings
+
+    @property
+    def picks_by_settings(self) -> bool:
+        """Nothing applied to its logits (no processor, no grammar): its token follows from its logits row and its
+        sampling settings alone, which the device applies to a batch without the host (a drafter's chained rounds)."""
+        return not self.params.has_processors and self.grammar is None
 
     @property
     def remaining_tokens(self) -> int:

@@ -1,13 +1,16 @@
-"""A drafter's greedy rounds chained on the device, replayed as one CUDA graph.
+"""A drafter's rounds chained on the device, replayed as one CUDA graph.
 
-Each drafting round after the first reads one token per sequence: the argmax of the round before (and, for a draft
-head, the features that round estimated). Driven from the host, every round waits for its argmax to be copied back
+Each drafting round after the first reads one token per sequence: the draft of the round before (and, for a draft
+head, the features that round estimated). Driven from the host, every round waits for its draft to be copied back
 before the next is launched, and k rounds pay k launches and k synchronisations. Here the rounds after the first run
-in one replay: each round's argmax is written into the next round's input on the device, and every round's draft
-and its probability come back together. Sequences that draft fewer rounds than the longest write their extra
-rounds' keys into the scratch block, never past the rows they would have written round by round; their extra drafts
-are dropped, as are the drafts after one under the confidence threshold (a stop that depends on the drafts alone, so
-verification stays exact).
+in one replay: each round's draft is written into the next round's input on the device, and every round's draft
+and its probability come back together. A greedy row drafts its argmax; a sampled row (no logits processor, no
+grammar: those need the host) draws from its distribution by its own settings (sampling/per_row.py) at a uniform its
+sequence drew beforehand from its own stream, and that distribution, q, stays on the device for verification.
+
+Sequences that draft fewer rounds than the longest write their extra rounds' keys into the scratch block, never past
+the rows they would have written round by round; their extra drafts are dropped, as are the drafts after one under
+the confidence threshold (a stop that depends on the drafts alone, so verification stays exact).
 
 Without capture (a CPU, in tests) the same rounds run at the same fixed shapes.
 """
@@ -15,62 +18,111 @@ Without capture (a CPU, in tests) the same rounds run at the same fixed shapes.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from ..sampling import argmax_probability
+from ..sampling import SamplingParams, argmax_probability, sample_at
+from ..sampling.per_row import RowSettings, kinds_of, probs_of_settings
 from ..transfers import copy_into
-from .cuda_graphs import Bucket, BucketedForward, StaticBatch, bucket_for
+from .cuda_graphs import BucketedForward, StaticBatch, bucket_for
 
 log = logging.getLogger(__name__)
 
 
 class _Chain:
     """One bucket's rounds: its batch, how many rounds each sequence drafts, and every round's drafts and their
-    probabilities ([B, rounds], written by each run or replay)."""
+    probabilities ([B, rounds], written by each run or replay). Where it samples: each row's settings, whether it
+    is greedy, its uniforms a round and every round's distributions over the target's vocabulary ([B, rounds, V])."""
 
-    def __init__(self, batch: StaticBatch, rounds: int):
+    def __init__(self, batch: StaticBatch, rounds: int, kinds: frozenset[str] | None, q: torch.Tensor | None):
         device, seqs = batch.ints.device, batch.bucket.seqs
-        self.batch, self.rounds, self.graph = batch, rounds, None
+        self.batch, self.rounds, self.graph, self.q = batch, rounds, None, q
         self.limits = torch.zeros(seqs, dtype=torch.long, device=device)
         self.tokens = torch.zeros(seqs, rounds, dtype=torch.long, device=device)
         self.probs = torch.zeros(seqs, rounds, dtype=torch.float32, device=device)
+        self.sampling = None if kinds is None else RowSampling.allocate(seqs, rounds, kinds, q.shape[-1], device)
 
 
-class GreedyChain:
-    """The chained rounds of a runner's fixed-shape forwards: one graph per bucket and number of rounds, captured the
-    first time it is met."""
+@dataclass
+class RowSampling:
+    """How each row of a chain picks its drafts: greedy or by its settings, at its uniforms ([rows, rounds] float64,
+    drawn beforehand from its sequence's stream)."""
 
-    def __init__(self, forward: BucketedForward, vocab_ids: torch.Tensor | None):
-        """vocab_ids: the target's ids of the logits' columns, where the drafter's LM head covers a subset."""
-        self.forward, self.vocab_ids = forward, vocab_ids
-        self._chains: dict[tuple[Bucket, int], _Chain] = {}
-        self._refused: set[tuple[Bucket, int]] = set()
+    settings: RowSettings
+    greedy: torch.Tensor  # bool [rows]
+    uniforms: torch.Tensor
 
-    def prepare(self, starts: list[int], rounds: list[int]) -> _Chain | None:
-        """The chain for sequences whose rounds start at these positions (None where they fit no bucket)."""
+    @classmethod
+    def allocate(cls, rows: int, rounds: int, kinds: frozenset[str], vocab: int, device) -> RowSampling:
+        greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        uniforms = torch.zeros(rows, rounds, dtype=torch.float64, device=device)
+        return cls(RowSettings.allocate(rows, kinds, vocab, device), greedy, uniforms)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], uniforms: torch.Tensor, vocab: int) -> RowSampling:
+        sampling = cls.allocate(len(params), uniforms.shape[1], kinds_of(params, vocab), vocab, uniforms.device)
+        sampling.fill(params, uniforms, vocab)
+        return sampling
+
+    def fill(self, params: list[SamplingParams], uniforms: torch.Tensor, vocab: int) -> None:
+        """The first len(params) rows' ways and uniforms; rows past them greedy."""
+        self.settings.fill(params, vocab)
+        copy_into(self.greedy, [p.greedy for p in params] + [True] * (self.greedy.shape[0] - len(params)))
+        self.uniforms[: len(params)] = uniforms[:, : self.uniforms.shape[1]]
+
+
+class DraftChain:
+    """The chained rounds of a runner's fixed-shape forwards: one graph per bucket, number of rounds and truncations
+    sampled, captured the first time it is met."""
+
+    def __init__(self, forward: BucketedForward, vocab_ids: torch.Tensor | None, vocab: int):
+        """vocab_ids: the target's ids of the logits' columns, where the drafter's LM head covers a subset; vocab:
+        the target's vocabulary size (a sampled draft's q covers it)."""
+        self.forward, self.vocab_ids, self.vocab = forward, vocab_ids, vocab
+        self._chains: dict[tuple, _Chain] = {}
+        self._refused: set[tuple] = set()
+        # sampled chains of one bucket and number of rounds share their q (one chain runs at a time, and its q is
+        # verified before the next drafting): [B, rounds, V] float32, 156 MB for 64 sequences, 4 rounds, 152k ids
+        self._q: dict[tuple[int, int], torch.Tensor] = {}
+
+    def prepare(self, starts: list[int], rounds: list[int], kinds: frozenset[str] | None = None) -> _Chain | None:
+        """The chain for sequences whose rounds start at these positions (None where they fit no bucket); kinds:
+        the truncations its sampled rows ask for (None: every row greedy)."""
         longest = max(rounds)
         bucket = bucket_for([1] * len(starts), max(starts) + longest, self.forward.max_keys)
-        key = (bucket, longest)
+        key = (bucket, longest, kinds)
         if bucket is None or key in self._refused:
             return None
         return self._chains.get(key) or self._prepare(key)
 
-    def run(self, chain: _Chain, slots, starts, first: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
-        """Each sequence's drafts after `first` (its draft of the round before, a target id on the device) and their
-        probabilities, [n, max(rounds)] on the device (sequence i's first rounds[i] are its own). features: each
-        sequence's features estimated in the round before (a draft head's)."""
+    def run(
+        self,
+        chain: _Chain,
+        slots,
+        starts,
+        first: torch.Tensor,
+        features: torch.Tensor | None,
+        rounds: list[int],
+        sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+    ):
+        """Each sequence's drafts after `first` (its draft of the round before, a target id on the device), their
+        probabilities, [n, max(rounds)] on the device (sequence i's first rounds[i] are its own), and where the chain
+        samples their distributions [n, max(rounds), V]. features: each sequence's features estimated in the round
+        before (a draft head's); sampling: each sequence's settings and its uniforms for these rounds."""
         n, batch = len(slots), chain.batch
         batch.fill(slots, starts, [[0]] * n, self.forward.cache.scratch_row)
         batch.tokens[:n, 0] = first
         if features is not None:
             batch.features[:n, 0] = features
         copy_into(chain.limits, rounds + [0] * (batch.bucket.seqs - n))
+        if chain.sampling is not None:
+            chain.sampling.fill(*sampling, self.vocab)
         if chain.graph is not None:
             chain.graph.replay()
         else:
             self._run(chain)
-        return chain.tokens[:n], chain.probs[:n]
+        return chain.tokens[:n], chain.probs[:n], None if chain.q is None else chain.q[:n]
 
     @torch.inference_mode()
     def _run(self, chain: _Chain) -> None:
@@ -81,13 +133,33 @@ class GreedyChain:
             batch.slots[:, 0] = torch.where(chain.limits > r, own, self.forward.cache.scratch_row)
             batch.forget()
             logits, hidden = self.forward.run(batch)
-            chain.tokens[:, r], chain.probs[:, r] = self.pick(logits)
+            if chain.sampling is None:
+                chain.tokens[:, r], chain.probs[:, r] = self.pick(logits)
+            else:
+                chain.tokens[:, r], chain.probs[:, r], chain.q[:, r] = self.pick(logits, chain.sampling, r)
             self._next_round(batch, chain.tokens[:, r], hidden)
 
-    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's greedy draft (a target id) and the drafter's probability of it, on the device."""
-        picked = logits.argmax(-1)
-        return picked if self.vocab_ids is None else self.vocab_ids[picked], argmax_probability(logits)
+    def pick(self, logits: torch.Tensor, sampling: RowSampling | None = None, at: int = 0):
+        """Each row's draft (a target id) and the drafter's probability of it, on the device: the argmax and its
+        softmax probability; where `sampling` holds the row's settings, a draw from its distribution q at its uniform
+        `at` and q's probability of it, q returned too."""
+        argmax = logits.argmax(-1)
+        tokens = argmax if self.vocab_ids is None else self.vocab_ids[argmax]
+        if sampling is None:
+            return tokens, argmax_probability(logits)
+        q = probs_of_settings(self._full_vocab(logits), sampling.settings)
+        drawn = sample_at(q, sampling.uniforms[:, at])
+        greedy = sampling.greedy
+        chosen = torch.where(greedy, tokens, drawn)
+        sure = torch.where(greedy, argmax_probability(logits), q.gather(-1, drawn[:, None])[:, 0])
+        return chosen, sure, q
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows over the drafter's vocabulary over the target's (-inf outside the drafter's), float32."""
+        if self.vocab_ids is None:
+            return logits.float()
+        full = torch.full((logits.shape[0], self.vocab), float("-inf"), device=logits.device)
+        return full.index_copy_(1, self.vocab_ids, logits.float())
 
     @staticmethod
     def _next_round(batch: StaticBatch, drafts: torch.Tensor, estimates: torch.Tensor) -> None:
@@ -97,9 +169,15 @@ class GreedyChain:
             batch.features[:, 0] = estimates
         batch.positions += 1
 
-    def _prepare(self, key: tuple[Bucket, int]) -> _Chain | None:
-        bucket, rounds = key
-        chain = _Chain(self.forward.new_batch(bucket), rounds)
+    def _prepare(self, key: tuple) -> _Chain | None:
+        bucket, rounds, kinds = key
+        q = None
+        if kinds is not None:
+            if (bucket.seqs, rounds) not in self._q:
+                device = self.forward.cache.table.device
+                self._q[bucket.seqs, rounds] = torch.zeros(bucket.seqs, rounds, self.vocab, device=device)
+            q = self._q[bucket.seqs, rounds]
+        chain = _Chain(self.forward.new_batch(bucket), rounds, kinds, q)
         if self.forward.capture:
             try:
                 chain.graph, _ = self.forward.capture_graph(chain.batch, lambda: self._run(chain))

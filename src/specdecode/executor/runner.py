@@ -32,9 +32,11 @@ from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
 from ..models.runtime import ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
+from ..sampling import SamplingParams
+from ..sampling.per_row import kinds_of
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
-from .draft_chain import GreedyChain
+from .draft_chain import DraftChain, RowSampling
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class ModelRunner:
         if self._fixed is not None and self._fixed.capture:
             fuse_elementwise(model)
             self._fixed.attention = gpu_attention(model)
-        self._rounds = GreedyChain(self._fixed, model.vocab_ids) if self._fixed is not None else None
+        self._rounds = None if self._fixed is None else DraftChain(self._fixed, model.vocab_ids, model.cfg.vocab_size)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
@@ -339,26 +341,42 @@ class ModelRunner:
         del self._tokens[slot][start:]
         self._tokens[slot].extend(int(t) for t in tokens)
 
-    def greedy_rounds(self, slots: list[int], logits: torch.Tensor, features: torch.Tensor | None, rounds: list[int]):
-        """Greedy drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
+    def chained_rounds(
+        self,
+        slots: list[int],
+        logits: torch.Tensor,
+        features: torch.Tensor | None,
+        rounds: list[int],
+        sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+    ):
+        """Drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
         rounds[i] more, each round reading the draft before it (and, for a draft head, the features it estimated:
-        `features`), chained on the device (executor/draft_chain.py). The drafts (target ids) and the drafter's
-        probability of each, [n, max(rounds) + 1] on the device, slot i's the first rounds[i] + 1: nothing waits for
-        them. The rounds' rows are written, not committed, their ids settled once read (`settle`). None where the
-        rounds do not chain (no fixed shapes, no bucket): the caller drafts round by round."""
+        `features`), chained on the device (executor/draft_chain.py). Greedy, or where `sampling` gives each slot's
+        settings and its uniforms [n, max(rounds) + 1], greedy or sampled a row by its settings. The drafts (target
+        ids), the drafter's probability of each, [n, max(rounds) + 1] on the device, slot i's the first rounds[i] + 1,
+        and where sampled each draft's distribution [n, max(rounds) + 1, V] (else None): nothing waits for them. The
+        rounds' rows are written, not committed, their ids settled once read (`settle`). None where the rounds do not
+        chain (no fixed shapes, no bucket): the caller drafts round by round."""
         starts = [self._cache.lengths[s] for s in slots]
         if self._rounds is None or any(s + r > self.max_len for s, r in zip(starts, rounds)):
             return None
-        chain = self._rounds.prepare(starts, rounds)
+        kinds = None if sampling is None else kinds_of(sampling[0], self.cfg.vocab_size)
+        chain = self._rounds.prepare(starts, rounds, kinds)
         if chain is None:
             return None
         for slot, start, r in zip(slots, starts, rounds):
             self._cache.reserve(slot, start + r)
-        first, first_probs = self._rounds.pick(logits)
-        tokens, probs = self._rounds.run(chain, slots, starts, first, features, rounds)
+        if sampling is None:
+            first = (*self._rounds.pick(logits), None)
+        else:
+            params, uniforms = sampling
+            first = self._rounds.pick(logits, RowSampling.of(params, uniforms, self.cfg.vocab_size))
+            sampling = (params, uniforms[:, 1:])
+        drafts = self._rounds.run(chain, slots, starts, first[0], features, rounds, sampling)
         for slot, start, r in zip(slots, starts, rounds):
             self._wrote(slot, start, [_UNSETTLED] * r)  # its r chained rounds read its drafts before the last
-        return torch.cat([first[:, None], tokens], 1), torch.cat([first_probs[:, None], probs], 1)
+        joined = [torch.cat([a[:, None], b], 1) for a, b in zip(first[:2], drafts[:2])]
+        return *joined, None if sampling is None else torch.cat([first[2][:, None], drafts[2]], 1)
 
     @property
     def replays_graphs(self) -> bool:

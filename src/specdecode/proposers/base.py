@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class DraftsOnDevice:
-    """Greedy drafts that a drafter's chained rounds left on the device, not read yet: sequences `rows` of the batch
+    """Drafts that a drafter's chained rounds left on the device, not read yet: sequences `rows` of the batch
     drafted `counts[j]` each, `tokens` their target ids and `probs` the drafter's probability of each ([len(rows),
     max(counts)], row j's first counts[j] its own). `settle`, called with them once read (as lists), does the
     drafter's bookkeeping and gives the drafts it stands by: each row's cut after its first under the confidence
@@ -33,6 +33,8 @@ class DraftsOnDevice:
     tokens: torch.Tensor
     probs: torch.Tensor
     settle: Callable[[list[list[int]], list[list[float]]], list[list[int]]]
+    q: torch.Tensor | None = None  # each draft's distribution [len(rows), max(counts), V], where some row samples
+    sampled: list[bool] | None = None  # the rows whose drafts were drawn from q (the others are greedy: one-hot)
 
     def values(self) -> torch.Tensor:
         """Tokens then probabilities, flat, as one tensor to copy to the host (with whatever else is copied then)."""
@@ -81,8 +83,10 @@ class DraftBatch:
     def settle(self, values: list[float]) -> None:
         """The drafts left on the device, from their values as read on the host."""
         pending, self.on_device = self.on_device, None
-        for i, drafts in zip(pending.rows, pending.read_from(values)):
+        for row, (i, drafts) in enumerate(zip(pending.rows, pending.read_from(values))):
             self.tokens[i] = drafts
+            if pending.sampled and pending.sampled[row]:
+                self.probs[i] = pending.q[row, : len(drafts)]
 
 
 @dataclass

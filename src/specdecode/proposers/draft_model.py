@@ -9,13 +9,14 @@ import torch
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..models.loader import LoadedModel, load_model
-from ..sampling import argmax_probability, probs_of_rows, sample_rows
+from ..sampling import argmax_probability, probs_of_rows, sample_at, uniform_rows
 from ..sampling.grammar import mask_grammars
 from ..sampling.processors import History, process_rows
 from ..timing import Span, StepTimer, mark
 from ..transfers import to_device
 from .base import DraftBatch, DraftsOnDevice, Proposer
 from .registry import ProposerSetup
+from .vocabulary import check_same_vocabulary, restrict_draft_vocab
 
 
 class DraftModelProposer(Proposer):
@@ -76,15 +77,19 @@ class DraftModelProposer(Proposer):
         self._round_spans, on_device = [], None
         slots = {i: self._slot(seqs[i]) for i in active}
         unsure: set[int] = set()  # sequences whose last draft was below the confidence threshold
+        uniforms = self._uniforms(seqs, ks, active)
         try:
             for step in range(max((ks[i] for i in active), default=0)):
                 rows = [i for i in active if ks[i] > step and i not in unsure]
                 if not rows:
                     break
                 logits = self._draft_forward(step, rows, seqs, slots, tokens)
-                if step == 0 and (on_device := self._chained(logits, rows, seqs, [slots[i] for i in rows], ks)):
+                if step == 0 and (
+                    on_device := self._chained(logits, rows, seqs, [slots[i] for i in rows], ks, uniforms)
+                ):
                     break
-                drawn = self._argmax_drafts(logits, rows, seqs) | self._processed_drafts(logits, rows, seqs, tokens)
+                at = None if uniforms is None else uniforms[to_device(rows, uniforms.device), step]
+                drawn = self._argmax_drafts(logits, rows, seqs) | self._processed_drafts(logits, rows, seqs, tokens, at)
                 for row, i in enumerate(rows):
                     seqs[i].metrics.spec.num_draft_forwards += 1
                     token, confidence, q = drawn[row]
@@ -138,15 +143,36 @@ class DraftModelProposer(Proposer):
             self.runner.commit(slot, self.runner.length(slot) + len(tokens))
         return out
 
-    def _chained(self, logits: torch.Tensor, rows: list[int], seqs, slots: list[int], ks) -> DraftsOnDevice | None:
-        """Where every row takes its argmax, the rounds after the first chained on the device (one launch:
-        ModelRunner.greedy_rounds), their drafts left there: each sequence's up to its k, stood by up to the first
-        under the confidence threshold once read. None where they do not chain: the rounds run one by one."""
-        rounds = [ks[i] - 1 for i in rows]
-        if not self.chains_rounds or max(rounds) < 1 or not all(seqs[i].takes_argmax for i in rows):
+    def _uniforms(self, seqs, ks: list[int], active: list[int]) -> torch.Tensor | None:
+        """Each sampled sequence's uniform draws for this call's drafts, its k at once from its own stream, whether its
+        rounds chain or run one by one and however early a confidence stop ends them: [len(seqs), max k] float64 on
+        the device (rows of greedy sequences zero), or None where no sequence samples."""
+        sampled = [i for i in active if not seqs[i].params.greedy]
+        if not sampled:
             return None
+        width, device = max(ks[i] for i in active), self.runner.device
+        drawn = uniform_rows(
+            [seqs[i].generator for i in sampled], [ks[i] for i in sampled], width, device, torch.float64
+        )
+        uniforms = torch.zeros(len(seqs), width, dtype=torch.float64, device=device)
+        uniforms[to_device(sampled, device)] = drawn
+        return uniforms
+
+    def _chained(
+        self, logits: torch.Tensor, rows: list[int], seqs, slots: list[int], ks, uniforms: torch.Tensor | None
+    ) -> DraftsOnDevice | None:
+        """Where every row picks its draft from its logits and settings alone (greedy or sampled, no processor or
+        grammar), the rounds after the first chained on the device (one launch: ModelRunner.chained_rounds), their
+        drafts left there: each sequence's up to its k, stood by up to the first under the confidence threshold once
+        read, a sampled one's q beside them. None where they do not chain: the rounds run one by one."""
+        rounds = [ks[i] - 1 for i in rows]
+        if not self.chains_rounds or max(rounds) < 1 or not all(seqs[i].picks_by_settings for i in rows):
+            return None
+        sampling = None
+        if not all(seqs[i].params.greedy for i in rows):
+            sampling = [seqs[i].params for i in rows], uniforms[to_device(rows, uniforms.device)]
         start = mark()
-        drafts = self.runner.greedy_rounds(slots, logits, self._estimated_features(rows), rounds)
+        drafts = self.runner.chained_rounds(slots, logits, self._estimated_features(rows), rounds, sampling)
         if drafts is None:
             return None
         span = Span(start, mark())
@@ -161,7 +187,8 @@ class DraftModelProposer(Proposer):
             self._chain_read(slots, starts, [t[:r] for t, r in zip(tokens, rounds)])
             return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
 
-        return DraftsOnDevice(rows, [r + 1 for r in rounds], *drafts, settle)
+        sampled = None if sampling is None else [not seqs[i].params.greedy for i in rows]
+        return DraftsOnDevice(rows, [r + 1 for r in rounds], *drafts[:2], settle, drafts[2], sampled)
 
     def _chain_read(self, slots: list[int], starts: list[int], inputs: list[list[int]]) -> None:
         """The chained rounds' inputs, read: the ids of the rows they wrote from `starts`."""
@@ -198,13 +225,13 @@ class DraftModelProposer(Proposer):
         return {row: (self._vocab[int(t)] if self._vocab else int(t), p, None) for row, t, p in zip(plain, ids, probs)}
 
     def _processed_drafts(
-        self, logits: torch.Tensor, rows: list[int], seqs, drafted: list[list[int]]
+        self, logits: torch.Tensor, rows: list[int], seqs, drafted: list[list[int]], uniforms: torch.Tensor | None
     ) -> dict[int, tuple[int, float, torch.Tensor | None]]:
         """Each row of a sequence that processes its logits or samples, as verification will: the request's logits
         processors (seeing the drafts so far, as the target's verify rows will) and grammar over the full vocabulary
         (tokens outside a restricted draft vocabulary get q = 0); greedy ones draft the argmax (q one-hot, their
-        confidence the raw softmax's), sampled ones draw from q (returned for verification; their confidence q's). One
-        pass for all of them, one copy to the host."""
+        confidence the raw softmax's), sampled ones draw from q at their row's uniform (uniforms[row], float64; q
+        returned for verification; their confidence q's). One pass for all of them, one copy to the host."""
         other = [row for row, i in enumerate(rows) if not seqs[i].takes_argmax]
         if not other:
             return {}
@@ -223,7 +250,7 @@ class DraftModelProposer(Proposer):
         if sampled:
             at = to_device(sampled, logits.device)
             q = probs_of_rows(processed[at], [chosen[n].params for n in sampled])
-            tokens[at] = sample_rows(q, [chosen[n].generator for n in sampled])
+            tokens[at] = sample_at(q, uniforms[to_device([other[n] for n in sampled], uniforms.device)])
             confidence[at] = q.gather(-1, tokens[at][:, None])[:, 0].to(confidence.dtype)
         ids, sure = torch.stack([tokens.double(), confidence.double()]).tolist()
         qs = dict(zip(sampled, q)) if sampled else {}
@@ -253,43 +280,3 @@ class DraftModelProposer(Proposer):
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:
             self.runner.free(slot)
-
-
-def check_same_vocabulary(
-    target: LoadedModel,
-    draft_name: str,
-    draft_tokenizer,
-    hint: str = "pick a draft from the target's model family, or use --ngram",
-) -> None:
-    """A draft model proposes token ids, so it must read and write the target's."""
-    if target.tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise SpecDecodeError(
-            f"draft {draft_name!r} and target {target.name!r} have different vocabularies: the draft's is "
-            f"{describe_tokenizer(draft_tokenizer)}, the target's {describe_tokenizer(target.tokenizer)}; {hint}"
-        )
-
-
-def describe_tokenizer(tokenizer) -> str:
-    """ "byte-level BPE (qwen2), 151,665 tokens": which tokenizer, in a user's words."""
-    kind = getattr(tokenizer, "kind", None)
-    return f"{kind + ', ' if kind else ''}{tokenizer.vocab_size:,} tokens"
-
-
-def restrict_draft_vocab(draft: LoadedModel, size: int) -> None:
-    """Keep the draft LM head's `size` lowest token ids (byte-level BPE ranks ≈ frequency) plus the
-    special tokens. The draft stays a valid proposer (q = 0 elsewhere), so verification stays lossless;
-    the head of a 0.5B draft is ~25% of its weights, so this cuts the draft's step cost."""
-    vocab = draft.config.vocab_size
-    if size >= vocab:
-        return
-    draft.model.restrict_vocab(in_row_groups(torch.arange(size), draft.tokenizer.special_ids, vocab))
-
-
-def in_row_groups(ids: torch.Tensor, special_ids, vocab_size: int) -> torch.Tensor:
-    """A draft vocabulary: `ids` plus the special tokens, rounded up to whole 16-row groups with the
-    lowest remaining ids, so that a 4-bit LM head stays in its kernel's format. Sorted."""
-    special = torch.tensor([i for i in sorted(special_ids) if i < vocab_size], dtype=torch.long)
-    ids = torch.unique(torch.cat([ids.long(), special]))
-    rest = torch.arange(vocab_size)
-    rest = rest[~torch.isin(rest, ids)][: min(vocab_size, -(-len(ids) // 16) * 16) - len(ids)]
-    return torch.unique(torch.cat([ids, rest]))

@@ -77,19 +77,19 @@ def nucleus(probs: torch.Tensor, top_p: float, sort_rows: bool | None = None) ->
     whole rows at once: there, asking whether the first-ranked candidates suffice would cost a synchronisation,
     where the sort costs little."""
     if probs.is_cuda if sort_rows is None else sort_rows:
-        return _nucleus_of_ranked(probs, *probs.sort(-1, descending=True), top_p)
+        return nucleus_of_ranked(probs, *probs.sort(-1, descending=True), top_p)
     width = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     top, order = probs.topk(width, dim=-1)
-    kept = _nucleus_of_ranked(probs, top, order, top_p)
+    kept = nucleus_of_ranked(probs, top, order, top_p)
     if width < probs.shape[-1]:
         wide = top.sum(-1) < top_p
         if wide.any():  # the nucleus may reach past the candidates
             rows = probs[wide]
-            kept[wide] = _nucleus_of_ranked(rows, *rows.sort(-1, descending=True), top_p)
+            kept[wide] = nucleus_of_ranked(rows, *rows.sort(-1, descending=True), top_p)
     return kept
 
 
-def _nucleus_of_ranked(probs: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus_of_ranked(probs: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor, top_p: float) -> torch.Tensor:
     keep_ranked = (ranked.cumsum(-1) - ranked) < top_p
     kept = torch.zeros_like(probs).scatter(-1, order, ranked * keep_ranked)
     return kept / kept.sum(-1, keepdim=True)
@@ -111,9 +111,13 @@ def sample_rows(probs: torch.Tensor, generators: Generators = None) -> torch.Ten
     uniform draw: one pass over the row, where torch.multinomial draws a random number per token. Accumulated
     in float64, so rounding moves no measurable mass; a zero-probability token spans an empty interval and is
     never drawn. With a generator per row, each row draws what it draws sampled alone (see uniform_rows)."""
+    return sample_at(probs, uniform_rows(generators, [1] * probs.shape[0], 1, probs.device, torch.float64)[:, 0])
+
+
+def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample_rows at given uniform draws u [R] (float64, in [0, 1)): the token whose cumulative interval holds u."""
     cdf = probs.double().cumsum(-1)
-    u = uniform_rows(generators, [1] * probs.shape[0], 1, probs.device, torch.float64)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
     return tokens.clamp(max=probs.shape[-1] - 1)  # u * total rounding up to total itself
 
 
