@@ -1,9 +1,10 @@
 """A speculative step that waits for the device once (engine/overlap.py, timing.py): the verify reads the drafts a
 drafter's chained rounds left on the device, queued behind them, and the drafts come back with the target's argmax in
-one copy; the step's phases are timed by marks read only after that copy. On a CPU the engine reads drafts first by
-default; these tests turn the device path on at fixed shapes (the chained rounds' path) and check that it gives the
-tokens and the acceptance of a verify that reads the drafts first, under a confidence stop (rows verified past it and
-ignored) and under imposed acceptance, and that nothing waits before the step's read. Broken variants fail: rows
+one copy (sampled sequences' drafts are read while the verify runs, then verified); the step's phases are timed by
+marks read only after that copy. On a CPU the engine reads drafts first by default; these tests turn the device path
+on at fixed shapes (the chained rounds' path) and check that it gives the tokens and the acceptance of a verify that
+reads the drafts first, greedy and sampled, under a confidence stop (rows verified past it and ignored) and under
+imposed acceptance, and that nothing waits before the step's read. Broken variants fail: rows
 counted by the drafts kept rather than by those verified, the drafts not fed to the verify, drafts read before the
 verify is queued, spans read as they end."""
 
@@ -55,11 +56,11 @@ def _drafting(drafter: str, target, tmp_path, **options) -> LLM:
     return LLM(target=target, **options)
 
 
-def _run(llm: LLM, on_device: bool, forced=None) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+def _run(llm: LLM, on_device: bool, forced=None, params=PARAMS) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
     """Outputs, and per sequence (steps, drafts, accepted)."""
     engine = llm.engine
     engine.overlap, engine.forced_accept = on_device, forced or False
-    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, PARAMS)]
+    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
     while engine.has_unfinished():
         engine.step()
     spec = [s.metrics.spec for s in seqs]
@@ -101,6 +102,39 @@ def test_a_verify_reading_drafts_on_the_device_gives_what_one_reading_them_first
     drafted, kept = (sum(n) for n in zip(*reads))
     assert drafted == sum(sum(w) - len(w) for w in verifies)  # every draft verified, those past a stop too
     assert (kept < drafted) is (drafter == "head")  # the head's confidence stop cut some
+
+
+# Seeded sampled requests of different settings beside a greedy one
+SAMPLED = [
+    SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+    SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=2, max_tokens=24, ignore_eos=True),
+]
+
+
+def _rows_of_kept_drafts(widths, drafts):
+    return list(range(sum(len(t) + 1 for t in drafts)))
+
+
+@pytest.mark.parametrize("drafter, broken", [("draft model", False), ("head", False), ("head", True)])
+def test_sampled_steps_verify_drafts_read_on_the_device_as_drafts_read_first(drafter, broken, tmp_path, monkeypatch):
+    """Sampled sequences' chained drafts (and a greedy one's beside them) are read while the verify's forward, queued
+    behind them, reads them on the device; each sequence's rows up to its drafts stood by are then verified (rejection
+    sampling): the outputs and acceptance of a verify that reads the drafts first, the head's confidence stop cutting
+    some. Broken: rows counted by the drafts kept rather than by those the verify read."""
+    target = tiny_model(seed=0)
+    first = _run(_drafting(drafter, target, tmp_path), False, params=SAMPLED)
+    verifies, reads = _count_verifies(monkeypatch)
+    if broken:
+        monkeypatch.setattr(overlap, "_stood_by_rows", _rows_of_kept_drafts)
+    there = _run(_drafting(drafter, target, tmp_path), True, params=SAMPLED)
+    assert (there == first) is not broken
+    if broken:
+        return
+    assert len(verifies) >= 8 and len(reads) == len(verifies) and sum(a for _, _, a in there[1]) > 0
+    drafted, kept = (sum(n) for n in zip(*reads))
+    assert (kept < drafted) is (drafter == "head")  # the head's confidence stop cut some
+    assert len({tuple(tokens) for tokens in there[0]}) == 3
 
 
 def _misaligned(drafts, widths, argmax, forced=False):
@@ -200,14 +234,27 @@ def test_a_speculative_step_waits_for_the_device_once_after_its_verify_is_queued
         monkeypatch.setattr(overlap.QueuingAhead, "_verifies_on_device", lambda self, seqs, drafts: False)
     elif broken == "spans read as they end":
         monkeypatch.setattr(timing.StepTimer, "record", _read_spans_at_once(timing.StepTimer.record))
+    assert _verified_before_read(llm, log) is (broken is None)
+
+
+def test_a_sampled_step_reads_its_drafts_after_its_verify_is_queued(tmp_path, monkeypatch):
+    """As above for a seeded sampled request: its verify is queued before its drafts are read."""
+    llm = _drafting("head", tiny_model(seed=0), tmp_path)
+    log: list[str] = []
+    _logged(monkeypatch, log)
+    assert _verified_before_read(llm, log, SAMPLED[0])
+
+
+def _verified_before_read(llm: LLM, log: list[str], params: SamplingParams = PARAMS[0]) -> bool:
+    """Whether, over a request's steps that drafted with chained rounds (5 or more), each queued its verify before
+    reading the drafts and waited for no timing mark before that read (`log`: as _logged keeps it)."""
     engine = llm.engine
     engine.overlap = True
-    engine.add_request(PROMPTS[0], PARAMS[0])
+    engine.add_request(PROMPTS[0], params)
     steps = []
     while engine.has_unfinished():
         log.clear()
         if any(engine.step().draft_lengths):
             steps.append(list(log))
     chained = [s[: s.index("read")] for s in steps if "read" in s]  # steps that drafted k > 1: the rounds chained
-    ok = len(chained) >= 5 and all("verify" in s and "wait" not in s for s in chained)
-    assert ok is (broken is None)
+    return len(chained) >= 5 and all("verify" in s and "wait" not in s for s in chained)

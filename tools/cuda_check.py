@@ -361,20 +361,23 @@ def measured_acceptance(target, draft):
 @section("the host's waits for the device, a step (PyTorch's sync debug mode): plain queued ahead, the head at k = 4")
 def waits(target, steps: int = 24):
     """Every operation that makes the host wait for the device, counted per engine step and located: a plain step
-    queued ahead should wait on its tokens' copy alone (an event, which the debug mode does not count), a speculative
-    step once, for its drafts and the target's argmax together."""
+    queued ahead should wait on its tokens' copy alone (an event, which the debug mode does not count), a greedy
+    speculative step once, for its drafts and the target's argmax together, a sampled one twice (its drafts, read
+    while the verify runs, then its verification)."""
     if DEVICE != "cuda":
         print("   (only a GPU's host waits: nothing to count)")
         return
     _, head = random_head(target)
+    speculating = dict(speculative_model=head, num_speculative_tokens=4, speculation_policy="fixed")
     configs = {
-        "plain, queued ahead": dict(num_speculative_tokens=0),
-        "head k=4, forced accept": dict(speculative_model=head, num_speculative_tokens=4, speculation_policy="fixed"),
+        "plain, queued ahead": (dict(num_speculative_tokens=0), 0.0),
+        "head k=4, forced accept": (speculating, 0.0),
+        "head k=4, sampled": (speculating, 0.8),
     }
-    for name, options in configs.items():
+    for name, (options, temperature) in configs.items():
         llm = engine(target, draft_confidence=0.0, **options)
         llm.engine.forced_accept = "head" in name
-        counts, where = _waits_a_step(llm.engine, steps)
+        counts, where = _waits_a_step(llm.engine, steps, temperature)
         print(f"{name:24s}: {sum(counts) / len(counts):.2f} waits a step ({counts})")
         for place, n in where.most_common(8):
             print(f"   {n:4d}  {place}")
@@ -382,11 +385,12 @@ def waits(target, steps: int = 24):
         del llm
 
 
-def _waits_a_step(eng, steps: int):
+def _waits_a_step(eng, steps: int, temperature: float = 0.0):
     import collections
     import warnings
 
-    eng.add_request(list(range(1, PROMPT)), SamplingParams(temperature=0, max_tokens=steps * 6, ignore_eos=True))
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=steps * 6, ignore_eos=True)
+    eng.add_request(list(range(1, PROMPT)), params)
     for _ in range(6):  # the prefill, the first plain steps, every bucket's capture
         eng.step()
     counts, where = [], collections.Counter()

@@ -6,14 +6,17 @@ idles while the host prepares what comes next; so a step waits once, for what it
   (docs/decisions.md#one-wait-a-step). The tokens are the same: a plain step's token is the argmax of its
   logits either way; a sequence that finishes where the host sees it leaves one forward's row unused;
 - a speculative step's verify reads the drafts a drafter's chained rounds left on the device, queued behind them, and
-  the drafts come back with the target's argmax in one copy. Drafts past a confidence stop are verified and ignored
-  (a row's argmax depends on the rows before it alone), so the tokens are those of a verify that read them first.
+  for greedy sequences the drafts come back with the target's argmax in one copy; where some sequence samples, the
+  drafts are read while the verify runs, then rejection sampling takes one more copy. Drafts past a confidence stop
+  are verified and ignored (a row's logits depend on the rows before it alone), so the tokens are those of a verify
+  that read them first.
 Timing waits for nothing either (timing.py)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -165,15 +168,15 @@ class QueuingAhead:
         return StepAhead.queued(next_seqs, *_with_hidden(out))
 
     def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
-        """Whether the verify reads the drafts where the drafter left them: every draft is there (none is a lookup's),
-        and each sequence's verification is its logits' argmax matched against them (greedy, nothing to apply to
-        the logits, no logprobs), read with the drafts in one copy."""
+        """Whether the verify's forward reads the drafts where the drafter left them, queued before they are read:
+        every draft is there (none is a lookup's), and each sequence's token follows from its logits row and
+        settings alone (no processor, grammar or logprobs, which need the drafts on the host first)."""
         return (
             self.overlap
             and drafts.on_device is not None
             and not any(drafts.tokens)
             and self.runner.vocab_ids is None
-            and all(s.params.greedy and _picks_on_device(s) for s in seqs)
+            and all(_picks_on_device(s) for s in seqs)
         )
 
     def _verify_drafts_on_device(self, seqs: list[Sequence], drafts: DraftBatch):
@@ -191,20 +194,31 @@ class QueuingAhead:
 
     def _verified(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor):
         """Each sequence's verification and the number of its rows in the verify's logits. Drafts still on the device
-        (the verify read them there) come back with the target's argmax, in one copy."""
+        (the verify read them there) come back with the target's argmax, in one copy, where every sequence is greedy;
+        otherwise they are read (the verify's forward queued behind them keeps the device busy meanwhile) and each
+        sequence's rows up to its drafts stood by are verified (rows past a confidence stop are ignored: a row's
+        logits depend on the rows before it alone)."""
         if drafts.on_device is None:
-            results = verify_batch(
-                seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept
-            )
-            return results, [n + 1 for n in drafts.num_tokens]
+            return self._verify_batch(seqs, drafts, logits), [n + 1 for n in drafts.num_tokens]
         widths = _widths(drafts)
+        if not all(seq.params.greedy for seq in seqs):
+            drafts.read()
+            self._settle_verified_rows(seqs, drafts)
+            rows = to_device(_stood_by_rows(widths, drafts.tokens), logits.device)
+            return self._verify_batch(seqs, drafts, logits[rows]), widths
         argmax, values = read_at_once([logits.argmax(-1), drafts.on_device.values()])
         drafts.settle(values)
-        picks = [int(v) for v in argmax]
-        for seq, tokens in zip(seqs, drafts.tokens):  # the ids of the rows the verify read on the device
-            self.runner.settle(seq.slot, seq.num_tokens - 1, [seq.token_ids[-1], *tokens])
-        results = verify_argmax_rows(drafts.tokens, widths, picks, self.forced_accept)
+        self._settle_verified_rows(seqs, drafts)
+        results = verify_argmax_rows(drafts.tokens, widths, [int(v) for v in argmax], self.forced_accept)
         return [(result, None) for result in results], widths
+
+    def _verify_batch(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor):
+        return verify_batch(seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept)
+
+    def _settle_verified_rows(self, seqs: list[Sequence], drafts: DraftBatch) -> None:
+        """The ids of the rows the verify read on the device, now the drafts are on the host."""
+        for seq, tokens in zip(seqs, drafts.tokens):
+            self.runner.settle(seq.slot, seq.num_tokens - 1, [seq.token_ids[-1], *tokens])
 
 
 def _with_hidden(out) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,6 +232,13 @@ def _widths(drafts: DraftBatch) -> list[int]:
     for i, count in zip(drafts.on_device.rows, drafts.on_device.counts):
         widths[i] += count
     return widths
+
+
+def _stood_by_rows(widths: list[int], drafts: list[list[int]]) -> list[int]:
+    """The rows verifying each sequence's drafts stood by, of a verify that read widths[i] rows of sequence i: the
+    first drafts + 1 of them."""
+    starts = accumulate(widths, initial=0)
+    return [start + j for start, tokens in zip(starts, drafts) for j in range(len(tokens) + 1)]
 
 
 def _picks_on_device(seq: Sequence) -> bool:
