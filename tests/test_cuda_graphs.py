@@ -378,17 +378,27 @@ def _drafting_runner(model, fixed: bool, features_of, prompts):
 
 def _one_by_one(runner, slots, logits, estimates, rounds):
     """Greedy drafting round by round from the host, as a CPU drafts: per slot, (draft, probability) pairs."""
+
+    def argmax(step_logits, row, done):
+        token = int(step_logits.argmax())
+        return token, float(torch.softmax(step_logits.float(), -1)[token])
+
+    return _rounds_one_by_one(runner, slots, logits, estimates, rounds, argmax)
+
+
+def _rounds_one_by_one(runner, slots, logits, estimates, rounds, pick):
+    """Drafting round by round from the host: per slot, what pick(its logits, its row, drafts so far) gives for each
+    round (a tuple, the draft first), each round reading the draft before it."""
     drafts = []
     for row, (slot, r) in enumerate(zip(slots, rounds)):
         step_logits, feature = logits[row], None if estimates is None else estimates[row : row + 1]
         mine = []
         while True:
-            token = int(step_logits.argmax())
-            mine.append((token, float(torch.softmax(step_logits.float(), -1)[token])))
+            mine.append(pick(step_logits, row, len(mine)))
             if len(mine) == r + 1:
                 break
             features = None if feature is None else [feature]
-            out = runner.forward([slot], [[token]], "last", hidden=features is not None, features=features)
+            out = runner.forward([slot], [[mine[-1][0]]], "last", hidden=features is not None, features=features)
             step_logits, feature = (out[0][0], out[1]) if isinstance(out, tuple) else (out[0], None)
             runner.commit(slot, runner.length(slot) + 1)
         drafts.append(mine)
@@ -473,28 +483,18 @@ def _sampled_one_by_one(runner, slots, logits, estimates, rounds, uniforms):
     from specdecode.sampling import logits_to_probs, sample_at
 
     vocab_ids, vocab = runner.vocab_ids, runner.cfg.vocab_size
-    drafts = []
-    for row, (slot, r, params) in enumerate(zip(slots, rounds, SAMPLED)):
-        step_logits, feature, mine = logits[row], None if estimates is None else estimates[row : row + 1], []
-        while True:
-            full = step_logits.float()
-            if vocab_ids is not None:
-                full = torch.full((vocab,), float("-inf"), device=full.device).index_copy_(0, vocab_ids, full)
-            if params.greedy:
-                token, q = int(full.argmax()), None
-                mine.append((token, float(torch.softmax(step_logits.float(), -1).max()), q))
-            else:
-                q = logits_to_probs(full[None], params)[0]
-                token = int(sample_at(q[None], uniforms[row, len(mine)][None])[0])
-                mine.append((token, float(q[token]), q))
-            if len(mine) == r + 1:
-                break
-            features = None if feature is None else [feature]
-            out = runner.forward([slot], [[token]], "last", hidden=features is not None, features=features)
-            step_logits, feature = (out[0][0], out[1]) if isinstance(out, tuple) else (out[0], None)
-            runner.commit(slot, runner.length(slot) + 1)
-        drafts.append(mine)
-    return drafts
+
+    def by_settings(step_logits, row, done):
+        full = step_logits.float()
+        if vocab_ids is not None:
+            full = torch.full((vocab,), float("-inf"), device=full.device).index_copy_(0, vocab_ids, full)
+        if SAMPLED[row].greedy:
+            return int(full.argmax()), float(torch.softmax(step_logits.float(), -1).max()), None
+        q = logits_to_probs(full[None], SAMPLED[row])[0]
+        token = int(sample_at(q[None], uniforms[row, done][None])[0])
+        return token, float(q[token]), q
+
+    return _rounds_one_by_one(runner, slots, logits, estimates, rounds, by_settings)
 
 
 def _sampled_chained_and_one_by_one(drafter: str, rounds: list[int], broken=None):

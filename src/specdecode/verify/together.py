@@ -54,11 +54,11 @@ def verify_together(
     argmax = logits.argmax(-1) if plain else logits.new_empty(0)
     done = _pass(*([items[i] for i in others] for items in (seqs, drafts, draft_probs, starts)), logits, eos_ids)
     argmax, picks, accepted, table = read_at_once([argmax, done.picks, done.accepted, done.logprobs])
-    results = {i: _matched(drafts[i], argmax[starts[i] :]) for i in plain}
+    results = {i: _matched(drafts[i], argmax[starts[i] : starts[i + 1]]) for i in plain}
     at = list(accumulate((len(drafts[i]) + 1 for i in others), initial=0))  # their rows in the pass
     sampled = iter(accepted)
-    for i, row in zip(others, at):
-        mine = picks[row:]
+    for i, row, end in zip(others, at, at[1:]):
+        mine = picks[row:end]
         results[i] = _matched(drafts[i], mine) if seqs[i].params.greedy else _drawn(drafts[i], mine, next(sampled))
         if seqs[i].grammar is not None:
             seqs[i].grammar.advance(results[i].tokens[0])
@@ -69,7 +69,7 @@ def verify_together(
 
 def _matched(drafts: list[int], argmax: list[float]) -> VerifyResult:
     """Greedy matching of a sequence's drafts against the argmax of its rows (read as floats)."""
-    accepted, emitted = match_greedy(drafts, [int(t) for t in argmax[: len(drafts) + 1]])
+    accepted, emitted = match_greedy(drafts, [int(t) for t in argmax])
     return VerifyResult([accepted], [emitted])
 
 
