@@ -64,7 +64,8 @@ def _run(llm: LLM, on_device: bool, forced=None, params=PARAMS) -> tuple[list[li
     while engine.has_unfinished():
         engine.step()
     spec = [s.metrics.spec for s in seqs]
-    return [s.output_ids for s in seqs], [(c.num_steps, c.num_draft_tokens, c.num_accepted_tokens) for c in spec]
+    outputs = [(s.output_ids, s.logprobs) if s.logprobs else s.output_ids for s in seqs]
+    return outputs, [(c.num_steps, c.num_draft_tokens, c.num_accepted_tokens) for c in spec]
 
 
 def _count_verifies(monkeypatch) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -104,10 +105,10 @@ def test_a_verify_reading_drafts_on_the_device_gives_what_one_reading_them_first
     assert (kept < drafted) is (drafter == "head")  # the head's confidence stop cut some
 
 
-# Seeded sampled requests of different settings beside a greedy one
+# Seeded sampled requests of different settings beside a greedy one asking for logprobs
 SAMPLED = [
     SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
-    SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=2, max_tokens=24, ignore_eos=True),
 ]
 
@@ -118,10 +119,10 @@ def _rows_of_kept_drafts(widths, drafts):
 
 @pytest.mark.parametrize("drafter, broken", [("draft model", False), ("head", False), ("head", True)])
 def test_sampled_steps_verify_drafts_read_on_the_device_as_drafts_read_first(drafter, broken, tmp_path, monkeypatch):
-    """Sampled sequences' chained drafts (and a greedy one's beside them) are read while the verify's forward, queued
-    behind them, reads them on the device; each sequence's rows up to its drafts stood by are then verified (rejection
-    sampling): the outputs and acceptance of a verify that reads the drafts first, the head's confidence stop cutting
-    some. Broken: rows counted by the drafts kept rather than by those the verify read."""
+    """Sampled sequences' chained drafts (and those of a greedy one asking for logprobs) are read while the verify's
+    forward, queued behind them, reads them on the device; each sequence's rows up to its drafts stood by are then
+    verified (rejection sampling, logprobs): the outputs, logprobs and acceptance of a verify that reads the drafts
+    first, the head's confidence stop cutting some. Broken: rows counted by the drafts kept, not by those verified."""
     target = tiny_model(seed=0)
     first = _run(_drafting(drafter, target, tmp_path), False, params=SAMPLED)
     verifies, reads = _count_verifies(monkeypatch)
@@ -134,7 +135,7 @@ def test_sampled_steps_verify_drafts_read_on_the_device_as_drafts_read_first(dra
     assert len(verifies) >= 8 and len(reads) == len(verifies) and sum(a for _, _, a in there[1]) > 0
     drafted, kept = (sum(n) for n in zip(*reads))
     assert (kept < drafted) is (drafter == "head")  # the head's confidence stop cut some
-    assert len({tuple(tokens) for tokens in there[0]}) == 3
+    assert len({str(output) for output in there[0]}) == 3 and there[0][1][1]  # logprobs came back
 
 
 def _misaligned(drafts, widths, argmax, forced=False):

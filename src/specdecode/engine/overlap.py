@@ -25,6 +25,7 @@ from ..proposers.base import DraftBatch, TargetFeedback
 from ..sampling import probs_of_rows, sample_rows
 from ..timing import Mark
 from ..transfers import read_at_once, to_device
+from ..verify.together import reads_raw_argmax
 from ..verify.verifier import verify_argmax_rows, verify_batch
 from .policy import DraftDecision
 from .sequence import Sequence
@@ -170,13 +171,13 @@ class QueuingAhead:
     def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         """Whether the verify's forward reads the drafts where the drafter left them, queued before they are read:
         every draft is there (none is a lookup's), and each sequence's token follows from its logits row and
-        settings alone (no processor, grammar or logprobs, which need the drafts on the host first)."""
+        settings alone (no processor or grammar, which need the drafts on the host before the forward's logits)."""
         return (
             self.overlap
             and drafts.on_device is not None
             and not any(drafts.tokens)
             and self.runner.vocab_ids is None
-            and all(_picks_on_device(s) for s in seqs)
+            and all(s.picks_by_settings for s in seqs)
         )
 
     def _verify_drafts_on_device(self, seqs: list[Sequence], drafts: DraftBatch):
@@ -194,14 +195,14 @@ class QueuingAhead:
 
     def _verified(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor):
         """Each sequence's verification and the number of its rows in the verify's logits. Drafts still on the device
-        (the verify read them there) come back with the target's argmax, in one copy, where every sequence is greedy;
-        otherwise they are read (the verify's forward queued behind them keeps the device busy meanwhile) and each
-        sequence's rows up to its drafts stood by are verified (rows past a confidence stop are ignored: a row's
-        logits depend on the rows before it alone)."""
+        (the verify read them there) come back with the target's argmax, in one copy, where every sequence is greedy
+        without logprobs; otherwise they are read (the verify's forward queued behind them keeps the device busy
+        meanwhile) and each sequence's rows up to its drafts stood by are verified (rows past a confidence stop are
+        ignored: a row's logits depend on the rows before it alone)."""
         if drafts.on_device is None:
             return self._verify_batch(seqs, drafts, logits), [n + 1 for n in drafts.num_tokens]
         widths = _widths(drafts)
-        if not all(seq.params.greedy for seq in seqs):
+        if not all(reads_raw_argmax(seq) for seq in seqs):
             drafts.read()
             self._settle_verified_rows(seqs, drafts)
             rows = to_device(_stood_by_rows(widths, drafts.tokens), logits.device)
