@@ -1,11 +1,11 @@
 """Plain steps queued ahead (engine/overlap.py): each step's forward is queued before the tokens of the step before it
 reach the host, reading them on the device. The tokens are those of steps run one after another, whatever stops a
 sequence (max_tokens, EOS, a stop string), with requests arriving, sampled (a draw from each sequence's stream, given
-back where a queued step is dropped) or asking for logprobs (the usual path), preempted and resumed, and with their
-blocks found again by a later prompt; block accounting holds over random engine operations. On a CPU the engine runs
-without them by default; these tests turn them on, through the eager forward and the fixed-shape one taken through
-its capture path. Broken variants fail: the tokens read before the next forward is queued, a stale queued step taken
-for a resumed sequence, token ids never settled, draws of a dropped step kept."""
+back where a queued step is dropped) or asking for logprobs (read with each token), preempted and resumed, and with
+their blocks found again by a later prompt; block accounting holds over random engine operations. On a CPU the engine
+runs without them by default; these tests turn them on, through the eager forward and the fixed-shape one taken through
+its capture path. Broken variants fail: the tokens read before the next forward is queued, a stale queued step taken for
+a resumed sequence, token ids never settled, draws of a dropped step kept, logprobs of another row."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from test_preemption import _options, _random_engine_operations
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.budgets import llm_holding
-from specdecode.engine import overlap
+from specdecode.engine import ahead
 from specdecode.engine.policy import DraftDecision, Policy
 from specdecode.executor import runner as runner_module
 from specdecode.executor.runner import ModelRunner
@@ -90,7 +90,7 @@ def test_each_step_queues_the_next_forward_before_reading_its_tokens(monkeypatch
     """The point of it: the host's wait for a step's tokens comes after the next forward is queued. A variant that
     reads them first (what a step did before) fails."""
     events: list[str] = []
-    forward, copied = ModelRunner.forward_picked, overlap._copied_to_host
+    forward, copied = ModelRunner.forward_picked, ahead.copied_to_host
 
     def queue(self, slots, picked, **kw):
         events.append("queue")
@@ -106,7 +106,7 @@ def test_each_step_queues_the_next_forward_before_reading_its_tokens(monkeypatch
         return reading
 
     monkeypatch.setattr(ModelRunner, "forward_picked", queue)
-    monkeypatch.setattr(overlap, "_copied_to_host", copy)
+    monkeypatch.setattr(ahead, "copied_to_host", copy)
     _llm(tiny_model(seed=0), True).generate([PROMPTS[0]], _greedy(12))
     # 11 decoding steps: the first plain one in a row queues nothing, nor does the step of the last token
     assert events == ["read"] + ["queue", "read"] * 9 + ["read"]
@@ -117,14 +117,14 @@ def test_each_step_queues_the_next_forward_before_reading_its_tokens(monkeypatch
         return lambda: values
 
     events.clear()
-    monkeypatch.setattr(overlap, "_copied_to_host", read_first)
+    monkeypatch.setattr(ahead, "copied_to_host", read_first)
     _llm(tiny_model(seed=0), True).generate([PROMPTS[0]], _greedy(12))
     assert events != ["read"] + ["queue", "read"] * 9 + ["read"]
 
 
 def test_requests_arriving_mid_run_decode_as_they_would_alone(monkeypatch):
-    """Arrivals while steps are queued ahead, greedy, sampled with a seed and asking for logprobs (which takes the
-    usual path): each output is the one computed alone, and every sequence decodes from the step after its
+    """Arrivals while steps are queued ahead, greedy, sampled with a seed and asking for logprobs: each output is the
+    one computed alone, and every sequence decodes from the step after its
     admission (a queued step covers the sequences it was queued for; the others sit one step out, not more)."""
     target = tiny_model(seed=0)
     arrivals = [
@@ -166,7 +166,7 @@ def test_a_sequence_preempted_with_a_step_queued_for_it_resumes_as_alone(broken,
     any more (its row sits the first step out). A variant that takes the queued row by the sequence alone, not
     where it stands, fails."""
     if broken:
-        monkeypatch.setattr(overlap, "_standing", lambda seq, emitted=0: id(seq))
+        monkeypatch.setattr(ahead, "standing", lambda seq, emitted=0: id(seq))
     engine, seqs, alone = _preempted_with_a_step_queued([_greedy(30), _greedy(30)])
     if broken:
         with pytest.raises(ValueError, match="cannot commit"):
@@ -275,12 +275,43 @@ def test_sampled_steps_queue_ahead_and_draw_what_steps_one_after_another_draw(mo
     assert len(queued) >= 20 and max(queued) == 4
 
 
+def _logprobs_a_row_late(seqs, logits):
+    tokens, table = picks_of(seqs, logits)
+    return tokens, None if table is None else table.roll(1, 0)
+
+
+picks_of = ahead.picks_of
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_steps_queued_for_sequences_asking_for_logprobs_give_the_logprobs_of_steps_one_after_another(
+    broken, monkeypatch
+):
+    """Greedy and seeded sampled sequences asking for logprobs (different numbers of alternatives) beside one that
+    does not: their steps queue ahead, each token's logprobs read with it, and tokens and logprobs are those of steps
+    one after another. Broken: each row given the table of the row before."""
+    target = tiny_model(seed=0)
+    params = [_greedy(20, logprobs=2), _sampled(25, 4, logprobs=0), _greedy(12), _sampled(18, 5, logprobs=3)]
+
+    def run(overlap_steps: bool):
+        outputs = _llm(target, overlap_steps).generate(PROMPTS, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    expected = run(False)
+    queued = _count_queued(monkeypatch)
+    if broken:
+        monkeypatch.setattr(ahead, "picks_of", _logprobs_a_row_late)
+    assert (run(True) == expected) is not broken
+    assert len(queued) >= 15 and max(queued) == 4
+    assert [len(lp[0].top) for _, lp in expected if lp] == [2, 0, 3]
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_sampled_sequence_preempted_with_a_step_queued_for_it_draws_as_alone(broken, monkeypatch):
     """The queued step's draw for a preempted sequence goes back to its stream (the sequence resumes in another slot
     and draws that token again): its output is the one decoded alone. Kept instead, the stream runs one draw ahead."""
     if broken:
-        monkeypatch.setattr(overlap.StepAhead, "undraw", lambda self, seqs=None: None)
+        monkeypatch.setattr(ahead.StepAhead, "undraw", lambda self, seqs=None: None)
     engine, seqs, alone = _preempted_with_a_step_queued([_sampled(30, 7), _sampled(30, 8)])
     while engine.has_unfinished():
         engine.step()
@@ -293,7 +324,7 @@ def test_steps_queued_for_sampled_sequences_and_dropped_for_drafting_give_their_
     and its draws go back to the sampled sequences' streams, so the outputs are those of an engine that never
     queued. Kept instead, they differ."""
     if broken:
-        monkeypatch.setattr(overlap.StepAhead, "undraw", lambda self, seqs=None: None)
+        monkeypatch.setattr(ahead.StepAhead, "undraw", lambda self, seqs=None: None)
     target, draft = tiny_model(seed=0), tiny_model(seed=123, layers=1)
     params = [_sampled(40, 11), _sampled(33, 12)]
 

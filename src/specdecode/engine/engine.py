@@ -19,7 +19,8 @@ from ..sampling import GrammarMatcher, SamplingParams, TokenLogprob
 from ..timing import StepTimer, mark, seconds_between
 from ..verify.verifier import ForcedAcceptance
 from .admission import BlockBudget
-from .overlap import QueuingAhead, StepAhead
+from .ahead import StepAhead
+from .overlap import QueuingAhead
 from .policy import DraftDecision, Policy, make_policy
 from .prefill import ChunkedPrefill, Prefilling, PromptChunk
 from .sequence import Sequence, check_token_ids, sample_stream

@@ -15,71 +15,19 @@ Timing waits for nothing either (timing.py)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from itertools import accumulate
-from typing import NamedTuple
 
 import torch
 
 from ..proposers.base import DraftBatch, TargetFeedback
-from ..sampling import probs_of_rows, sample_rows
 from ..timing import Mark
 from ..transfers import read_at_once, to_device
 from ..verify.together import reads_raw_argmax
 from ..verify.verifier import verify_argmax_rows, verify_batch
+from .ahead import Picked, StepAhead, picks_of, rows_of
 from .policy import DraftDecision
 from .sequence import Sequence
 from .step import StepOutput
-
-
-@dataclass
-class StepAhead:
-    """A plain step queued on the device: its sequences, each as it stood (slot, preemptions, tokens), the tokens it
-    picks ([n], on the device, in the sequences' order) and, where a proposer reads them, its rows' hidden states."""
-
-    seqs: list[Sequence]
-    stood: list[tuple[int, int, int]]
-    picked: torch.Tensor
-    hidden: torch.Tensor | None
-    streams: list  # each seeded sampled sequence's stream as it was before this step drew its token (else None)
-    after: float = 0.0  # the host's time when it had read the step before (this step's time runs from there)
-
-    @classmethod
-    def queued(cls, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None) -> "StepAhead":
-        streams = [s.generator.get_state() if not s.params.greedy and s.generator else None for s in seqs]
-        return cls(seqs, [_standing(s, 1) for s in seqs], _tokens_of(seqs, logits), hidden, streams)
-
-    def undraw(self, seqs: list[Sequence] | None = None) -> None:
-        """The draws this step made for these sequences (default: all) given back to their streams: they will not
-        take it (preempted, or drafting instead), and a seeded stream goes on as if it had never been queued."""
-        chosen = None if seqs is None else {id(s) for s in seqs}
-        for i, (seq, stream) in enumerate(zip(self.seqs, self.streams)):
-            if stream is not None and (chosen is None or id(seq) in chosen):
-                seq.generator.set_state(stream)
-                self.streams[i] = None  # given back once: the stream may have drawn again since
-
-    def rows(self, seqs: list[Sequence]) -> list[int | None]:
-        """Each sequence's row, None where this step was not queued for it as it stands now (admitted or resumed
-        since: preempted, it was recomputed into a new slot)."""
-        row_of = {id(s): i for i, s in enumerate(self.seqs)}
-        rows = [row_of.get(id(s)) for s in seqs]
-        return [r if r is not None and self.stood[r] == _standing(s) else None for s, r in zip(seqs, rows)]
-
-
-class Picked(NamedTuple):
-    """A plain step's sequences, their tokens on the device (and hidden states), whether they are all the sequences it
-    was asked for, and the host's time its forward's time runs from."""
-
-    seqs: list[Sequence]
-    tokens: torch.Tensor
-    hidden: torch.Tensor | None
-    everyone: bool
-    since: float
-
-
-def _standing(seq: Sequence, emitted: int = 0) -> tuple[int, int, int]:
-    """Where a sequence stands: its slot, its preemptions, and its tokens once `emitted` more are out."""
-    return seq.slot, seq.metrics.num_preemptions, seq.num_tokens + emitted
 
 
 class QueuingAhead:
@@ -90,12 +38,12 @@ class QueuingAhead:
 
     def _plain(self, seqs: list[Sequence], decision: DraftDecision) -> bool:
         """Whether this decoding step is plain and may queue the next: nothing drafts, and each sequence's token
-        follows from its logits row on the device alone (_tokens_of)."""
+        follows from its logits row on the device alone (ahead.picks_of)."""
         return (
             self.overlap
             and not any(decision.ks)
             and self.runner.vocab_ids is None
-            and all(_picks_on_device(s) for s in seqs)
+            and all(s.picks_by_settings for s in seqs)
         )
 
     def _drop_ahead(self, seqs: list[Sequence] | None = None) -> None:
@@ -117,23 +65,23 @@ class QueuingAhead:
             self.runner.commit(seq.slot, seq.num_tokens)
             for proposer in self.proposers:
                 proposer.commit(seq, seq.num_tokens)
-        read = _copied_to_host(got.tokens)  # queued before the next forward: reading it waits for this one alone
+        read = got.copied_to_host()  # queued before the next forward: reading it waits for this one alone
         self._ahead = self._queue_next(seqs, got.tokens) if got.everyone else None
-        tokens, read_at = read(), time.perf_counter()
+        picks, read_at = read(), time.perf_counter()
         seconds = read_at - got.since
         self.timer.record("target", seconds)
         queued = set()
         if self._ahead is not None:
             self._ahead.after = read_at
             queued = {id(s) for s in self._ahead.seqs}
-        for i, (seq, token, start) in enumerate(zip(seqs, tokens, contexts)):
+        for i, (seq, (token, logprobs), start) in enumerate(zip(seqs, picks, contexts)):
             if id(seq) in queued:
                 self.runner.settle(seq.slot, start + 1, [token])
             self._feed_back(seq, TargetFeedback([token], None if got.hidden is None else got.hidden[i : i + 1], start))
             seq.metrics.spec.record_step(0, 0, 1)
             out.counters.record_step(0, 0, 1)
             self.policy.observe_acceptance(seq.request_id, 0, 0, 0)
-            self._emit(seq, [token])
+            self._emit(seq, [token], logprobs)
         out.draft_lengths = [0] * len(seqs)
         self.policy.observe_step(out.draft_lengths, seconds, None, seconds, contexts=contexts)
 
@@ -146,11 +94,12 @@ class QueuingAhead:
         if any(r is not None for r in rows):
             kept = [r for r in rows if r is not None]
             every = kept == list(range(len(ahead.seqs)))
-            picked, hidden = (ahead.picked, ahead.hidden) if every else _rows((ahead.picked, ahead.hidden), kept)
+            picked = (ahead.picked, ahead.hidden, ahead.table)
             mine = [s for s, r in zip(seqs, rows) if r is not None]
-            return Picked(mine, picked, hidden, len(kept) == len(seqs), ahead.after)
+            return Picked(mine, *(picked if every else rows_of(picked, kept)), len(kept) == len(seqs), ahead.after)
         logits, hidden = self._target_forward([s.slot for s in seqs], [[s.token_ids[-1]] for s in seqs], "last")
-        return Picked(seqs, _tokens_of(seqs, logits), hidden, True, start)
+        tokens, table = picks_of(seqs, logits)
+        return Picked(seqs, tokens, hidden, table, True, start)
 
     def _queue_next(self, seqs: list[Sequence], picked: torch.Tensor) -> StepAhead | None:
         """The next step's forward, queued for the sequences that will still decode after this step's token (as far
@@ -240,48 +189,3 @@ def _stood_by_rows(widths: list[int], drafts: list[list[int]]) -> list[int]:
     first drafts + 1 of them."""
     starts = accumulate(widths, initial=0)
     return [start + j for start, tokens in zip(starts, drafts) for j in range(len(tokens) + 1)]
-
-
-def _picks_on_device(seq: Sequence) -> bool:
-    """Whether a sequence's token follows from its logits row alone: no processor, grammar or logprobs, which need
-    the host."""
-    return not seq.params.has_processors and seq.grammar is None and seq.params.logprobs is None
-
-
-def _tokens_of(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """Each sequence's token from its row of `logits`, on the device: the argmax where greedy, else a draw from its
-    own stream, the one its verification would make (a plain step's token is its bonus token); the sampled rows'
-    distributions a call per sampling setting, their draws together."""
-    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-    if not sampled:
-        return logits.argmax(-1)
-    every = len(sampled) == len(seqs)
-    at = None if every else to_device(sampled, logits.device)
-    probs = probs_of_rows(logits if every else logits[at], [seqs[i].params for i in sampled])
-    drawn = sample_rows(probs, [seqs[i].generator for i in sampled])
-    if every:
-        return drawn
-    tokens = logits.argmax(-1)
-    tokens[at] = drawn
-    return tokens
-
-
-def _rows(tensors, rows: list[int]):
-    return tuple(None if t is None else t[to_device(rows, t.device)] for t in tensors)
-
-
-def _copied_to_host(picked: torch.Tensor):
-    """A copy of `picked` to the host queued now, and a function that waits for it and gives its values: on a GPU,
-    waiting for this copy alone, not for work queued after it."""
-    if picked.device.type != "cuda":
-        return picked.tolist
-    host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-    host.copy_(picked, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def read() -> list[int]:
-        done.synchronize()
-        return host.tolist()
-
-    return read
