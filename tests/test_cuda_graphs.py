@@ -545,6 +545,23 @@ def test_replayed_sampled_chains_draft_what_rounds_one_by_one_do(captured):
     assert _same_sampled_drafts(chained, expected)
 
 
+def test_sampled_chains_hold_no_more_than_the_memory_plan_reserves():
+    """Sampled chains of every bucket (1, 2 and 4 sequences) and number of rounds (1 to 3, k_max = 4) hold q within
+    what the memory plan reserves for them on a GPU (engine/memory.sampled_chain_reserve)."""
+    from specdecode.engine.memory import sampled_chain_reserve
+
+    model, features_of = _drafter("draft model")
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    runner, slots, logits, _ = _drafting_runner(model, True, features_of, prompts)
+    uniforms = torch.rand(len(prompts), 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for n in (1, 2, 3):
+        for rounds in (1, 2, 3):
+            sampling = (SAMPLED[:n], uniforms[:n, : rounds + 1].to(DEVICE))
+            assert runner.chained_rounds(slots[:n], logits[:n], None, [rounds] * n, sampling) is not None
+    held = sum(q.numel() * q.element_size() for q in runner._rounds._q.values())
+    assert len(runner._rounds._q) == 9 and held <= sampled_chain_reserve(model.cfg, len(prompts), 4)
+
+
 BROKEN_SAMPLED_CHAIN = {
     # each round drawing at the next round's uniform
     "uniforms a round late": lambda params, uniforms: (params, uniforms.roll(-1, 1)),
