@@ -30,6 +30,15 @@ from .cuda_graphs import BucketedForward, StaticBatch, bucket_for
 log = logging.getLogger(__name__)
 
 
+def over_target_vocab(logits: torch.Tensor, vocab_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """A drafter's logits rows over the target's vocabulary of `vocab` ids, float32: where its LM head covers a subset
+    (vocab_ids, the target ids of its columns), -inf outside it, so a distribution made from them gives q = 0 there."""
+    if vocab_ids is None:
+        return logits.float()
+    full = torch.full((logits.shape[0], vocab), float("-inf"), device=logits.device)
+    return full.index_copy_(1, vocab_ids, logits.float())
+
+
 class _Chain:
     """One bucket's rounds: its batch, how many rounds each sequence drafts, and every round's drafts and their
     probabilities ([B, rounds], written by each run or replay). Where it samples: each row's settings, whether it
@@ -147,19 +156,12 @@ class DraftChain:
         tokens = argmax if self.vocab_ids is None else self.vocab_ids[argmax]
         if sampling is None:
             return tokens, argmax_probability(logits)
-        q = probs_of_settings(self._full_vocab(logits), sampling.settings)
+        q = probs_of_settings(over_target_vocab(logits, self.vocab_ids, self.vocab), sampling.settings)
         drawn = sample_at(q, sampling.uniforms[:, at])
         greedy = sampling.greedy
         chosen = torch.where(greedy, tokens, drawn)
         sure = torch.where(greedy, argmax_probability(logits), q.gather(-1, drawn[:, None])[:, 0])
         return chosen, sure, q
-
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Rows over the drafter's vocabulary over the target's (-inf outside the drafter's), float32."""
-        if self.vocab_ids is None:
-            return logits.float()
-        full = torch.full((logits.shape[0], self.vocab), float("-inf"), device=logits.device)
-        return full.index_copy_(1, self.vocab_ids, logits.float())
 
     @staticmethod
     def _next_round(batch: StaticBatch, drafts: torch.Tensor, estimates: torch.Tensor) -> None:

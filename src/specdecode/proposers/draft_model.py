@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecDecodeError
+from ..executor.draft_chain import over_target_vocab
 from ..executor.runner import ModelRunner
 from ..models.loader import LoadedModel, load_model
 from ..sampling import argmax_probability, probs_of_rows, sample_at, uniform_rows
@@ -241,7 +242,7 @@ class DraftModelProposer(Proposer):
             History(s.params, s.prompt_ids, s.output_ids + drafted[rows[row]], (), 1) for s, row in zip(chosen, other)
         ]
         confidence = argmax_probability(picked)  # before processing, which may be in place
-        processed = self._full_vocab(picked).float()
+        processed = over_target_vocab(picked, self.runner.vocab_ids, self.runner.cfg.vocab_size)
         processed = process_rows(processed, histories, self.loaded.tokenizer.eos_token_ids)
         processed = mask_grammars(processed, [s.grammar for s in chosen], [[] for _ in chosen])
         tokens = processed.argmax(-1)
@@ -255,14 +256,6 @@ class DraftModelProposer(Proposer):
         ids, sure = torch.stack([tokens.double(), confidence.double()]).tolist()
         qs = dict(zip(sampled, q)) if sampled else {}
         return {row: (int(t), p, qs.get(n)) for n, (row, t, p) in enumerate(zip(other, ids, sure))}
-
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Rows over the draft vocabulary, over the target's instead (-inf outside the draft's)."""
-        vocab_ids = self.runner.vocab_ids
-        if vocab_ids is None:
-            return logits
-        full = torch.full((logits.shape[0], self.runner.cfg.vocab_size), float("-inf"), device=logits.device)
-        return full.index_copy_(1, vocab_ids, logits.to(full.dtype))
 
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""
