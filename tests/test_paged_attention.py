@@ -20,7 +20,7 @@ from conftest import DEVICE, tiny_config, tiny_model
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
-from specdecode.executor import paged_attention  # noqa: E402
+from specdecode.executor import gemv, paged_attention  # noqa: E402
 from specdecode.executor import runner as runner_module  # noqa: E402
 from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
 from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
@@ -208,3 +208,5 @@ def test_every_launch_compiles_for_hopper():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "every launch compiled for sm_90 (bfloat16)" in proc.stdout
     assert proc.stdout.count("_attend ") == 5  # each representative forward's attention, splits merged once
+    assert proc.stdout.count("_gemv ") == len(gemv.CONFIGS)  # the linear layers' kernel at each configuration
+    assert proc.stdout.count("_sum_splits ") == sum(c.splits > 1 for c in gemv.CONFIGS)

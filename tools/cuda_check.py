@@ -37,6 +37,7 @@ from specdecode.engine.memory import kv_bytes_per_token  # noqa: E402
 from specdecode.executor import runner as runner_module  # noqa: E402
 from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
 from specdecode.executor.runner import ModelRunner  # noqa: E402
+from specdecode.models.layers import Linear  # noqa: E402
 from specdecode.models.loader import LoadedModel  # noqa: E402
 from specdecode.models.runtime import Transformer  # noqa: E402
 from specdecode.timing import now  # noqa: E402
@@ -52,6 +53,7 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
 PROMPT, NEW = 200, 128
 TEST_FILES = [
     "tests/test_cuda_graphs.py",
+    "tests/test_gemv.py",
     "tests/test_overlap.py",
     "tests/test_drafts_on_device.py",
     "tests/test_paged_attention.py",
@@ -194,15 +196,31 @@ def unfused():
         runner_module.fuse_elementwise = saved
 
 
+@contextlib.contextmanager
+def cublas_linear(model, cublas: bool = True):
+    """The model's linear layers by cuBLAS inside (their kernels chosen at start-up set aside, executor/gemv.py)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    kernels = [m.kernel for m in layers]
+    try:
+        for m in layers:
+            m.kernel = None if cublas else m.kernel
+        yield
+    finally:
+        for m, kernel in zip(layers, kernels):
+            m.kernel = kernel
+
+
 # The attention of each mode's captured forwards: PyTorch's (gather + SDPA), or the paged Triton kernels with a
 # query head a program (executor/paged_attention.py), keys split across programs every 512 positions, or every 64
-# or 128 so that a short context is attended by several programs a head
+# so that a short context is attended by several programs a head; linear layers by cuBLAS, or (+gemv) by the kernel
+# where start-up timing chose it
 ATTENTION = {
     "graphs": None,
     "graphs+fused": None,
     "+paged": PagedAttention(1),
     "+paged/split64": PagedAttention(1, split_keys=64),
-    "+paged/split128": PagedAttention(1, split_keys=128),
+    "+gemv": PagedAttention(1),
+    "+gemv/split64": PagedAttention(1, split_keys=64),
 }
 ALL_MODES = ("eager", *ATTENTION)
 # sequences x rows per sequence after a context; a CPU (a smoke run) times one, its Triton kernels interpreted
@@ -217,7 +235,7 @@ STEP_SHAPES = (
 def step_costs(target, modes=ALL_MODES):
     model, rows = target.model, {}
     for mode in modes:
-        with unfused() if mode == "graphs" else contextlib.nullcontext():
+        with unfused() if mode == "graphs" else contextlib.nullcontext(), cublas_linear(model, "gemv" not in mode):
             for seqs, width, context in STEP_SHAPES:
                 rows.update(_step_cost(model, mode, seqs, width, context))
     RESULTS["step_costs"] = rows
@@ -555,6 +573,32 @@ def _sampled_head(target, batch: int, tokens: int) -> dict:
     return rates
 
 
+@section("the linear layers' kernel at a few rows (executor/gemv.py): each shape's configurations against cuBLAS")
+def gemv_choice(target):
+    """What start-up timed for each of the target's layer shapes (a draft head's too, where it has others), in µs a
+    call and the weight's TB/s, and the configuration it chose; the first runner's start-up pays for the timing."""
+    from specdecode.executor.gemv import TIMED_ROWS, attach_gemv
+
+    if DEVICE != "cuda":
+        print("no GPU: nothing to time")
+        return
+    start = time.perf_counter()
+    timed = attach_gemv(target.model)
+    print(f"timed in {time.perf_counter() - start:.1f} s (0 where a runner timed them before)")
+    rows = {}
+    for (n, k, bias, _), t in timed.items():
+        weight = n * k * DTYPE.itemsize
+        for name, seconds in (("cuBLAS", t.cublas), *((str(c), times) for c, times in t.configs.items())):
+            shown = ", ".join(
+                f"{r} rows {s * 1e6:6.1f} us {weight / s / 1e12:4.2f} TB/s" for r, s in zip(TIMED_ROWS, seconds)
+            )
+            print(f"{n:6d} x {k:5d}{' +bias' if bias else '      '} {name:60s}: {shown}")
+        print(f"   chosen: {t.chosen or 'cuBLAS'}", flush=True)
+        configs = {str(c): v for c, v in t.configs.items()}
+        rows[f"{n}x{k}"] = {"cublas_s": t.cublas, "configs": configs, "chosen": str(t.chosen)}
+    RESULTS["gemv"] = rows
+
+
 @section("the linear layers alone, read at decode shapes: cuBLAS, and Inductor's autotuned kernels (1 row)")
 def linear_costs(target, autotune_seconds: float = 60.0):
     """What each of a layer's projections and the LM head cost at 1 and 8 rows, in µs and in TB/s of weights read:
@@ -829,6 +873,7 @@ def main() -> None:
     target, draft = random_model("target", 0), random_model("draft", 1)
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
     if args.quick:
+        gemv_choice(target)
         step_costs(target, ALL_MODES[2:])
         waits(target)
         head_step(target)

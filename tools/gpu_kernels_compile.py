@@ -1,11 +1,12 @@
-"""Compile the GPU's Triton kernels (executor/paged_attention.py) for a GPU this machine need not have: Hopper (the
-H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes (Triton's wheel carries it).
-A mistake the interpreter lets through (a type that differs between branches, a shape `tl.dot` refuses, too much
-shared memory) fails here, without a lent GPU.
+"""Compile the GPU's Triton kernels (executor/paged_attention.py, executor/gemv.py) for a GPU this machine need not
+have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes (Triton's
+wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a shape `tl.dot`
+refuses, too much shared memory) fails here, without a lent GPU.
 
 The launches are those of representative forwards (decode, verify, a KV head's group a program, a 4,160-key context
-in splits, Gemma 3's head size), each typed from its own arguments: PagedAttention runs on CPU tensors with the
-kernels swapped for recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do not compile).
+in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of the linear layers' kernel,
+each typed from its own arguments: the callers run on CPU tensors with the kernels swapped for recorders. Run it
+without TRITON_INTERPRET (the interpreter's kernels do not compile).
 
     python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
 """
@@ -22,11 +23,11 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdecode.config import ModelConfig  # noqa: E402
-from specdecode.executor import paged_attention  # noqa: E402
+from specdecode.executor import gemv, paged_attention  # noqa: E402
 from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
 from specdecode.kv_cache import KVCache  # noqa: E402
 
-KERNELS = ("_rotate_and_store", "_attend", "_combine")
+KERNELS = {paged_attention: ("_rotate_and_store", "_attend", "_combine"), gemv: ("_gemv", "_sum_splits")}
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 # heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program
 FORWARDS = {
@@ -36,6 +37,10 @@ FORWARDS = {
     "1.5B decode after 4,096 tokens (splits)": (12, 2, 128, 1, 1, 4096, 1),
     "Gemma 3 270M verify (head size 256)": (4, 1, 256, 1, 4, 200, 1),
 }
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages")  # a launch's keywords that are not the kernel's arguments
+SHOWN = ("R", "HEADS", "D", "KEYS", "SPLITS", "BLOCK_M", "K", "BLOCK_N", "BLOCK_K")  # constants printed
 
 
 class Recorder:
@@ -49,9 +54,10 @@ class Recorder:
 
 
 def launches(dtype) -> dict[str, list]:
-    recorders = {name: Recorder() for name in KERNELS}
-    for name, recorder in recorders.items():
-        setattr(paged_attention, name, recorder)
+    recorders = {name: Recorder() for names in KERNELS.values() for name in names}
+    for module, names in KERNELS.items():
+        for name in names:
+            setattr(module, name, recorders[name])
     for heads, kv_heads, dim, seqs, rows, cached, per_program in FORWARDS.values():
         cfg = ModelConfig("llama", 1, heads * dim, 1, 1, heads, kv_heads, head_dim=dim)
         cache = KVCache(cfg, seqs, cached + 64, dtype, "cpu", scratch=True)
@@ -60,6 +66,9 @@ def launches(dtype) -> dict[str, list]:
         q, k, v = (torch.zeros(seqs, rows, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
         rope = (torch.zeros(seqs, 1, rows, dim, dtype=dtype),) * 2
         paged_attention.PagedAttention(per_program)(batch, cache, 0, q, k, v, rope, None, dim**-0.5)
+    weight, bias = torch.zeros(2048, 1536, dtype=dtype), torch.zeros(2048, dtype=dtype)
+    for config in gemv.CONFIGS:
+        gemv.gemv(torch.zeros(gemv.MAX_ROWS, 1536, dtype=dtype), weight, bias, config)
     return {name: recorder.launches for name, recorder in recorders.items()}
 
 
@@ -81,13 +90,14 @@ def main() -> int:
     args = parser.parse_args()
     if triton.knobs.runtime.interpret:
         sys.exit("TRITON_INTERPRET is set: the interpreter's kernels do not compile; run without it")
-    kernels = {name: getattr(paged_attention, name) for name in KERNELS}
+    kernels = {name: getattr(module, name) for module, names in KERNELS.items() for name in names}
     target = GPUTarget("cuda", args.arch, 32)
     for name, calls in launches(getattr(torch, args.dtype)).items():
         for call_args, constants in calls:
-            compiled = triton.compile(signature(kernels[name], call_args, constants), target=target)
+            options = {key: constants.pop(key) for key in LAUNCH_OPTIONS if key in constants}
+            compiled = triton.compile(signature(kernels[name], call_args, constants), target=target, options=options)
             assert compiled.asm.get("cubin"), f"{name}: no machine code"
-            shown = {k: v for k, v in constants.items() if k in ("R", "HEADS", "D", "KEYS", "SPLITS", "BLOCK_M")}
+            shown = {k: v for k, v in constants.items() if k in SHOWN}
             print(f"{name:18s} {shown}: {compiled.metadata.shared} B shared, {compiled.metadata.num_warps} warps")
     print(f"every launch compiled for sm_{args.arch} ({args.dtype})")
     return 0

@@ -301,6 +301,11 @@ _FIXED = [False]  # whether a fixed-shape forward is running (they run on one th
 RECOMPILE_LIMIT = 64
 
 
+def in_fixed_shapes() -> bool:
+    """Whether a fixed-shape forward is running (its kernels may then differ from an eager forward's)."""
+    return _FIXED[0]
+
+
 @contextlib.contextmanager
 def _fixed_shapes():
     outer, _FIXED[0] = _FIXED[0], True

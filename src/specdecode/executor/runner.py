@@ -65,11 +65,14 @@ class ModelRunner:
         if model.device.type == "cpu":
             keep_freed_memory()
         fixed_shapes = fixed_shapes_by_default(model) if fixed_shapes is None else fixed_shapes
+        capture = fixed_shapes and model.device.type == "cuda"
+        if capture:  # timed before the KV cache takes the device's memory
+            gpu_linear_layers(model)
         self._cache = KVCache(
             model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks, scratch=fixed_shapes
         )
-        self._fixed = BucketedForward(model, self._cache, capture=model.device.type == "cuda") if fixed_shapes else None
-        if self._fixed is not None and self._fixed.capture:
+        self._fixed = BucketedForward(model, self._cache, capture=capture) if fixed_shapes else None
+        if capture:
             fuse_elementwise(model)
             self._fixed.attention = gpu_attention(model)
         self._rounds = None if self._fixed is None else DraftChain(self._fixed, model.vocab_ids, model.cfg.vocab_size)
@@ -423,6 +426,17 @@ def gpu_attention(model):
     if choice not in ("triton", "sdpa"):
         raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
     return _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
+
+
+def gpu_linear_layers(model) -> dict:
+    """Each linear layer's kernel in captured forwards at a few rows, chosen by timing on this device
+    (executor/gemv.py); cuBLAS where Triton is missing. Returns the timings by layer shape."""
+    try:
+        from .gemv import attach_gemv
+    except ImportError as e:
+        log.warning("linear layers in captured forwards stay cuBLAS's: %s", e)
+        return {}
+    return attach_gemv(model)
 
 
 @functools.cache  # one check a process for each device and type: a target and its draft share it

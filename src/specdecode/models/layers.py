@@ -27,7 +27,11 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """A Linear whose output rows do not depend on how many rows are computed together."""
 
+    kernel = None  # a backend may attach one (executor/gemv.py): (module, x) -> y, or None where it does not apply
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and (y := self.kernel(self, x)) is not None:
+            return y
         if x.is_cuda:  # cuBLAS picks kernels by shape whatever is done here: the bias fused, no padding
             return F.linear(x, self.weight, self.bias)
         y = row_invariant_linear(x, self.weight)

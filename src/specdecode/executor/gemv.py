@@ -1,0 +1,238 @@
+"""The linear layers of fixed-shape forwards at a few rows, in a Triton kernel that spreads a weight over the device.
+
+At one to a few rows a linear layer only streams its weight, so its time is the weight's bytes over the bandwidth the
+kernel reaches. cuBLAS picks tiles for the 1.5B's small projections that leave most of an H200 idle (the QKV
+projection in 32 programs, 1.2 TB/s of its 4.1: docs/decisions.md#linear-layers-of-a-few-rows-on-a-gpu). Here a
+program takes BLOCK_N of the weight's rows, a configuration may split K across programs too (their sums merged in
+split order), and each layer shape takes the configuration, or cuBLAS, that is fastest on this device, timed at
+start-up inside a CUDA graph on weights that do not fit in the L2 cache, as a forward reads them.
+
+A row is computed the same whatever rows are beside it: rows go in tiles of 16 (the matrix unit's height), so a row's
+products and their order over K depend only on the layer's configuration, never on how many rows the call has. Greedy
+verification then sees, in the layers that take the kernel, the bits plain decoding sees.
+
+Without a GPU (the tests) the kernels run in Triton's interpreter (tests/conftest.py turns it on).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .cuda_graphs import in_fixed_shapes
+
+log = logging.getLogger(__name__)
+
+TILE_ROWS = 16  # rows a program multiplies at once: tl.dot's least height
+MAX_ROWS = 16  # calls of more rows keep cuBLAS, whose tiles then fill the device
+TIMED_ROWS = (1, 8)  # decode, and a batch-1 verify of k + 1 rows
+CHOICE = "SPECDECODE_GPU_LINEAR"  # "auto" (timed, the default), "cublas" or "triton" (the fastest configuration)
+
+
+@triton.jit
+def _gemv(
+    x, w, bias, y, part, M, N,  # x [M, K], w [N, K], y [M, N]; part [SPLITS, M, N] float32 where SPLITS > 1
+    K: tl.constexpr, PART: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Program (j, i, s): rows TILE i.. and columns BLOCK_N j.. of x W^T over K's s-th part (PART columns)."""
+    j, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i * TILE + tl.arange(0, TILE)
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([TILE, BLOCK_N], tl.float32)
+    for k0 in range(0, PART, BLOCK_K):  # a constant bound: Triton's interpreter takes no tensor as one
+        at = s * PART + k0 + ks
+        inside = at < K
+        xs = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows < M)[:, None] & inside[None, :], other=0.0)
+        ws = tl.load(w + cols[:, None] * K + at[None, :], mask=(cols < N)[:, None] & inside[None, :], other=0.0)
+        acc += tl.dot(xs, tl.trans(ws), input_precision="ieee")
+    out = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out)
+    else:
+        tl.store(part + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=out)
+
+
+@triton.jit
+def _sum_splits(part, bias, y, M, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: entries BLOCK p.. of y, their splits' sums added in split order (and the bias)."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < M * N
+    total = tl.load(part + at, mask=inside, other=0.0)
+    for s in range(1, SPLITS):
+        total += tl.load(part + s * M * N + at, mask=inside, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias + at % N, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y + at, total.to(y.dtype.element_ty), mask=inside)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows (output columns) a program takes
+    block_k: int  # K columns a program loads at once
+    splits: int = 1  # programs that share each block of columns, each over its part of K
+    warps: int = 4
+
+    def part(self, k: int) -> int:
+        """K columns a split covers: whole blocks."""
+        return math.ceil(k / self.splits / self.block_k) * self.block_k
+
+
+CONFIGS = (
+    GemvConfig(16, 256),
+    GemvConfig(32, 256),
+    GemvConfig(64, 128),
+    GemvConfig(16, 512, warps=8),
+    GemvConfig(16, 256, splits=2),
+    GemvConfig(16, 256, splits=4),
+)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    """x [M, K] (contiguous) @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    part = y if config.splits == 1 else torch.empty(config.splits, rows, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, TILE_ROWS), config.splits)
+    _gemv[grid](
+        x, weight, y if bias is None else bias, y, part, rows, n,
+        K=k, PART=config.part(k), HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLITS=config.splits, TILE=TILE_ROWS, num_warps=config.warps,
+    )  # fmt: skip
+    if config.splits > 1:
+        block = 1024
+        _sum_splits[(triton.cdiv(rows * n, block),)](
+            part, y if bias is None else bias, y, rows, n, HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK=block
+        )
+    return y
+
+
+class Gemv:
+    """A Linear's kernel (models/layers.Linear.kernel): its calls of at most MAX_ROWS rows inside fixed-shape forwards
+    by the Triton kernel at one configuration; None for the others, which the Linear computes itself."""
+
+    def __init__(self, config: GemvConfig):
+        self.config = config
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
+        k = x.shape[-1]
+        rows = x.numel() // k
+        if rows > MAX_ROWS or not in_fixed_shapes():
+            return None
+        y = gemv(x.reshape(rows, k).contiguous(), module.weight, module.bias, self.config)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@dataclass
+class Timed:
+    """One layer shape's seconds a call at TIMED_ROWS, by cuBLAS and by each configuration; the one chosen (None:
+    cuBLAS)."""
+
+    cublas: list[float]
+    configs: dict[GemvConfig, list[float]]
+    chosen: GemvConfig | None
+
+
+def attach_gemv(model) -> dict[tuple, Timed]:
+    """Give each of the model's linear layers the kernel at its shape's fastest configuration, where that beats
+    cuBLAS on this device (SPECDECODE_GPU_LINEAR: "auto"; "triton" takes the fastest configuration whatever cuBLAS
+    does; "cublas" none). Shapes are timed once a process (a target and its draft share them). Returns each shape's
+    timings, by (N, K, bias, dtype)."""
+    from ..models.layers import Linear
+
+    choice = os.environ.get(CHOICE, "auto")
+    if choice not in ("auto", "cublas", "triton"):
+        raise ValueError(f"{CHOICE} is 'auto', 'cublas' or 'triton', not {choice!r}")
+    timed = {}
+    for module in (m for m in model.modules() if isinstance(m, Linear)):
+        module.kernel = None
+        if choice != "cublas":
+            shape = layer_shape(module)
+            timed[shape] = _timed_shape(shape, str(module.weight.device), choice == "triton")
+            module.kernel = None if timed[shape].chosen is None else Gemv(timed[shape].chosen)
+    return timed
+
+
+def layer_shape(module) -> tuple:
+    n, k = module.weight.shape
+    return n, k, module.bias is not None, module.weight.dtype
+
+
+@functools.cache
+def _timed_shape(shape: tuple, device: str, triton_always: bool) -> Timed:
+    n, k, has_bias, dtype = shape
+    copies = _weights_past_the_cache(n, k, has_bias, dtype, device)
+    cublas = [seconds_a_call(copies, rows, None) for rows in TIMED_ROWS]
+    configs = {c: [seconds_a_call(copies, rows, c) for rows in TIMED_ROWS] for c in CONFIGS}
+    fastest = min(configs, key=lambda c: sum(configs[c]))
+    chosen = fastest if triton_always or sum(configs[fastest]) < 0.97 * sum(cublas) else None  # 3%: the timing's noise
+    if chosen is not None and not agrees(*copies[0], chosen):
+        log.warning("linear layers %d x %d stay cuBLAS's: the kernel disagrees with it on this device", n, k)
+        chosen = None
+    del copies
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the copies' memory back to the device, for the KV cache allocated next
+    log.info("linear layers %d x %d: %s", n, k, "cuBLAS" if chosen is None else chosen)
+    return Timed(cublas, configs, chosen)
+
+
+def _weights_past_the_cache(n: int, k: int, has_bias: bool, dtype, device: str) -> list[tuple]:
+    """Copies of a random weight (and bias) whose bytes together are twice the device's L2 cache: calls over them in
+    turn read each from memory, as a forward reads its layers."""
+    cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) if device != "cpu" else 0
+    count = max(2, min(64, math.ceil(2 * cache / (n * k * torch.finfo(dtype).bits // 8))))
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(count)]
+    return [(w, torch.randn(n, device=device, dtype=dtype) if has_bias else None) for w in weights]
+
+
+def agrees(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> bool:
+    """Whether the kernel computes x W^T (+ bias) at this configuration, within a few of the output type's last
+    places, on TIMED_ROWS[-1] random rows."""
+    x = torch.randn(TIMED_ROWS[-1], weight.shape[1], device=weight.device, dtype=weight.dtype)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    error = (gemv(x, weight, bias, config).float() - want).abs().max()
+    return bool(error <= max(4 * torch.finfo(weight.dtype).eps, 1e-4) * want.abs().max())  # float32: sums' order
+
+
+def seconds_a_call(copies: list[tuple], rows: int, config: GemvConfig | None) -> float:
+    """A call's device time at `rows` rows over the copies in turn, by cuBLAS (config None) or the kernel: the calls
+    captured in one CUDA graph and replayed, so that the host's launches are not what is timed."""
+    x = torch.randn(rows, copies[0][0].shape[1], device=copies[0][0].device, dtype=copies[0][0].dtype)
+
+    def calls():
+        for weight, bias in copies:
+            F.linear(x, weight, bias) if config is None else gemv(x, weight, bias, config)
+
+    return graph_seconds(calls) / len(copies)
+
+
+def graph_seconds(work, replays: int = 5) -> float:
+    """Seconds a replay of `work` takes, captured as a CUDA graph (after a warm-up run outside it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays

@@ -1,0 +1,197 @@
+"""The Triton kernel of captured forwards' linear layers at a few rows (executor/gemv.py), run in Triton's interpreter
+on a CPU and compiled with SPECDECODE_TEST_DEVICE=cuda: against F.linear at every configuration, over rows, columns
+and K that do not fill their tiles, with and without a bias, K split or not; a row's result the same whatever rows are
+beside it; taken only inside fixed-shape forwards and at few rows; whole forwards against cuBLAS's; and the choice of
+configuration by timing. Versions with a mistake in their source, or whose configuration follows the row count, fail.
+"""
+
+import importlib.util
+import inspect
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, tiny_model
+
+pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
+
+from specdecode.executor import cuda_graphs, gemv  # noqa: E402
+from specdecode.executor.gemv import CONFIGS, Gemv, GemvConfig  # noqa: E402
+from specdecode.models.layers import Linear  # noqa: E402
+
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+ATOL = 1e-4 if DEVICE == "cpu" else 5e-2  # float32 sums in another order than F.linear's; bfloat16 outputs
+SPLIT = GemvConfig(16, 64, splits=3)  # K = 300 in three parts, the last one short
+
+
+def _operands(seed: int, rows: int, n: int = 40, k: int = 300, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return [None if t is None else t.to(DEVICE, DTYPE) for t in (x, w, b)]
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, SPLIT], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 16, 20])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_the_kernel_computes_linear_layers(config, rows, bias):
+    x, w, b = _operands(0, rows, bias=bias)  # 40 columns, K = 300: neither fills its blocks
+    got = gemv.gemv(x, w, b, config)
+    assert got.shape == (rows, 40) and got.dtype == DTYPE
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), want, atol=ATOL, rtol=0)
+
+
+def _rows_alone_and_beside(compute, config) -> list[bool]:
+    """Whether each of row 0's results (alone, then beside 4 and beside 15 other rows) is the first's, bit for bit; on
+    a GPU every row's too, at each place in its tile (Triton's interpreter multiplies on the CPU, whose BLAS rounds the
+    rows of a tile's edge otherwise)."""
+    x, w, b = _operands(1, 16)
+    alone = [compute(x[i : i + 1], w, b, config) for i in range(16)]
+    same = []
+    for rows in (5, 16):
+        beside = compute(torch.cat([x[:1], torch.randn_like(x[1:rows])]), w, b, config)
+        same.append(torch.equal(beside[0], alone[0][0]))
+    if DEVICE == "cuda":
+        together = compute(x, w, b, config)
+        same += [torch.equal(together[i], alone[i][0]) for i in range(16)]
+    return same
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=["one-part", "K-split"])
+def test_a_row_is_computed_the_same_whatever_rows_are_beside_it(config):
+    assert all(_rows_alone_and_beside(gemv.gemv, config))
+
+
+def test_a_configuration_that_follows_the_row_count_is_caught():
+    def by_rows(x, w, b, config):  # a wider block of K for calls of more rows: sums grouped otherwise
+        return gemv.gemv(x, w, b, config if x.shape[0] == 1 else GemvConfig(config.block_n, 2 * config.block_k))
+
+    assert not all(_rows_alone_and_beside(by_rows, GemvConfig(16, 32)))
+
+
+MISTAKES = {  # what the source says, and what the broken version says instead
+    "the next weight row": ("w + cols[:, None] * K", "w + (cols[:, None] + 1) * K"),
+    "a split's part taken from K's start": ("at = s * PART + k0 + ks", "at = k0 + ks"),
+    "the splits merged without the last": ("for s in range(1, SPLITS):", "for s in range(1, SPLITS - 1):"),
+    "the bias left out": ("acc += tl.load(bias + cols", "acc -= 0 * tl.load(bias + cols"),
+    "the last block of K dropped": ("inside = at < K", "inside = at < K - 64"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=list(MISTAKES))
+def test_kernels_with_a_mistake_fail(mistake, tmp_path, monkeypatch):
+    old, new = MISTAKES[mistake]
+    source = inspect.getsource(gemv)
+    assert source.count(old) == 1
+    path = tmp_path / "broken_gemv.py"
+    source = source.replace(old, new).replace("from ..", "from specdecode.")
+    path.write_text(source.replace("from .", "from specdecode.executor."))
+    spec = importlib.util.spec_from_file_location("broken_gemv", path)
+    broken = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "broken_gemv", broken)  # its dataclasses look their module up
+    spec.loader.exec_module(broken)
+    x, w, b = _operands(2, 3)
+    want = F.linear(x.float(), w.float(), b.float())
+    agree = [torch.allclose(broken.gemv(x, w, b, c).float(), want, atol=ATOL, rtol=0) for c in (CONFIGS[0], SPLIT)]
+    assert not all(agree)
+
+
+def _linear_with_kernel(monkeypatch) -> tuple[Linear, list[int]]:
+    layer = Linear(300, 40, bias=True).to(DEVICE, DTYPE)
+    layer.kernel = Gemv(CONFIGS[0])
+    calls = []
+    compute = gemv.gemv
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return compute(x, *args)
+
+    monkeypatch.setattr(gemv, "gemv", counted)
+    return layer, calls
+
+
+def test_the_kernel_serves_fixed_shape_forwards_of_few_rows(monkeypatch):
+    layer, calls = _linear_with_kernel(monkeypatch)
+    x = torch.randn(2, 8, 300, device=DEVICE, dtype=DTYPE)  # 16 rows
+    with torch.inference_mode():
+        eager = layer(x)
+        assert calls == []  # outside fixed shapes: cuBLAS (here the CPU's own)
+        with cuda_graphs._fixed_shapes():
+            fixed = layer(x)
+            assert calls == [16] and fixed.shape == (2, 8, 40)
+            layer(torch.randn(17, 300, device=DEVICE, dtype=DTYPE))
+            assert calls == [16]  # 17 rows: cuBLAS
+    torch.testing.assert_close(fixed, eager, atol=ATOL, rtol=0)
+
+
+def _fixed_forwards(model):
+    from test_paged_attention import _forwards
+
+    return _forwards(model, None)
+
+
+def test_whole_forwards_with_the_kernel_compute_cublass():
+    model = tiny_model(seed=3).model.to(DTYPE)
+    want = _fixed_forwards(model)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(layers) >= 9  # q/k/v and o, gate/up and down in each layer, the head
+    for i, layer in enumerate(layers):
+        layer.kernel = Gemv((CONFIGS[0], SPLIT)[i % 2])
+    try:
+        got = _fixed_forwards(model)
+    finally:
+        for layer in layers:
+            layer.kernel = None
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=10 * ATOL, rtol=0)
+
+
+def _timings(monkeypatch, fastest: GemvConfig, kernel_seconds: float, cublas_seconds: float = 1.0):
+    """Timings made up: `fastest` takes kernel_seconds a call, every other configuration twice cuBLAS's."""
+
+    def seconds(copies, rows, config):
+        if config is None:
+            return cublas_seconds
+        return kernel_seconds if config == fastest else 2 * cublas_seconds
+
+    monkeypatch.setattr(gemv, "seconds_a_call", seconds)
+    gemv._timed_shape.cache_clear()
+
+
+def _kernels(model) -> set:
+    return {None if m.kernel is None else m.kernel.config for m in model.modules() if isinstance(m, Linear)}
+
+
+def test_each_layer_shape_takes_the_fastest_configuration_where_it_beats_cublas(monkeypatch):
+    model = tiny_model(seed=1).model
+    _timings(monkeypatch, CONFIGS[2], kernel_seconds=0.5)
+    timed = gemv.attach_gemv(model)
+    assert _kernels(model) == {CONFIGS[2]}
+    assert len(timed) == len({gemv.layer_shape(m) for m in model.modules() if isinstance(m, Linear)})
+    assert all(t.chosen == CONFIGS[2] and t.cublas == [1.0, 1.0] for t in timed.values())
+    _timings(monkeypatch, CONFIGS[2], kernel_seconds=0.99)  # within the timing's noise: cuBLAS kept
+    gemv.attach_gemv(model)
+    assert _kernels(model) == {None}
+    monkeypatch.setenv(gemv.CHOICE, "triton")  # the fastest configuration, whatever cuBLAS does
+    gemv.attach_gemv(model)
+    assert _kernels(model) == {CONFIGS[2]}
+    monkeypatch.setenv(gemv.CHOICE, "cublas")
+    assert gemv.attach_gemv(model) == {} and _kernels(model) == {None}
+    monkeypatch.setenv(gemv.CHOICE, "cutlass")
+    with pytest.raises(ValueError, match="'auto', 'cublas' or 'triton'"):
+        gemv.attach_gemv(model)
+    gemv._timed_shape.cache_clear()
+
+
+def test_a_kernel_that_disagrees_with_cublas_is_not_taken(monkeypatch, caplog):
+    model = tiny_model(seed=1).model
+    _timings(monkeypatch, CONFIGS[0], kernel_seconds=0.1)
+    compute = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *args: compute(*args) * 1.01)
+    with caplog.at_level(logging.WARNING):
+        gemv.attach_gemv(model)
+    assert _kernels(model) == {None} and "disagrees" in caplog.text
+    gemv._timed_shape.cache_clear()
