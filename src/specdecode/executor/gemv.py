@@ -37,11 +37,12 @@ TIMED_ROWS = (1, 8)  # decode, and a batch-1 verify of k + 1 rows
 CHOICE = "SPECDECODE_GPU_LINEAR"  # "auto" (timed, the default), "cublas" or "triton" (the fastest configuration)
 
 
-@triton.jit
+# K is an argument, not a constant: one compilation a configuration serves every layer shape (the row count is not
+# specialised either: a decode's single row runs the code a verify's rows do).
+@triton.jit(do_not_specialize=["M"])
 def _gemv(
-    x, w, bias, y, part, M, N,  # x [M, K], w [N, K], y [M, N]; part [SPLITS, M, N] float32 where SPLITS > 1
-    K: tl.constexpr, PART: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLITS: tl.constexpr, TILE: tl.constexpr,
+    x, w, bias, y, part, M, N, K, PART,  # x [M, K], w [N, K], y [M, N]; part [SPLITS, M, N] float32 where SPLITS > 1
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Program (j, i, s): rows TILE i.. and columns BLOCK_N j.. of x W^T over K's s-th part (PART columns)."""
     j, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -49,7 +50,7 @@ def _gemv(
     cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([TILE, BLOCK_N], tl.float32)
-    for k0 in range(0, PART, BLOCK_K):  # a constant bound: Triton's interpreter takes no tensor as one
+    for k0 in range(0, PART, BLOCK_K):
         at = s * PART + k0 + ks
         inside = at < K
         xs = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows < M)[:, None] & inside[None, :], other=0.0)
@@ -64,7 +65,7 @@ def _gemv(
         tl.store(part + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _sum_splits(part, bias, y, M, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """Program p: entries BLOCK p.. of y, their splits' sums added in split order (and the bias)."""
     at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -107,9 +108,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     part = y if config.splits == 1 else torch.empty(config.splits, rows, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, TILE_ROWS), config.splits)
     _gemv[grid](
-        x, weight, y if bias is None else bias, y, part, rows, n,
-        K=k, PART=config.part(k), HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLITS=config.splits, TILE=TILE_ROWS, num_warps=config.warps,
+        x, weight, y if bias is None else bias, y, part, rows, n, k, config.part(k),
+        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLITS=config.splits, TILE=TILE_ROWS,
+        num_warps=config.warps,
     )  # fmt: skip
     if config.splits > 1:
         block = 1024
