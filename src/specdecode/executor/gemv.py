@@ -84,17 +84,21 @@ class GemvConfig:
     block_k: int  # K columns a program loads at once
     splits: int = 1  # programs that share each block of columns, each over its part of K
     warps: int = 4
+    stages: int = 3  # blocks of K in flight a program (the loop's software pipeline)
 
     def part(self, k: int) -> int:
         """K columns a split covers: whole blocks."""
         return math.ceil(k / self.splits / self.block_k) * self.block_k
 
 
+# What a program takes, from narrow (a program for each 16 weight rows: ~a hundred for a 1.5B's 1,536-row layers, one
+# an H200 core) to wide, and how many of K's blocks it keeps in flight; K split where N alone makes few programs.
 CONFIGS = (
     GemvConfig(16, 256),
+    GemvConfig(16, 256, stages=5),
+    GemvConfig(16, 512, warps=8, stages=4),
     GemvConfig(32, 256),
     GemvConfig(64, 128),
-    GemvConfig(16, 512, warps=8),
     GemvConfig(16, 256, splits=2),
     GemvConfig(16, 256, splits=4),
 )
@@ -110,7 +114,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     _gemv[grid](
         x, weight, y if bias is None else bias, y, part, rows, n, k, config.part(k),
         HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLITS=config.splits, TILE=TILE_ROWS,
-        num_warps=config.warps,
+        num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     if config.splits > 1:
         block = 1024
