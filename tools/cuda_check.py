@@ -790,6 +790,40 @@ def greedy(target, draft):
     RESULTS["greedy"] = rows
 
 
+@section("greedy bits at batch 1: plain against the draft verifying 5 rows a step, linear layers as timed / all Triton")
+def greedy_bits(target, draft, runs: int = 4):
+    """Whether a verify row gets the bits a decode row gets: random weights make near-ties everywhere, and a random
+    draft has each step's token come from the first of 5 verified rows, where plain decoding computes 1. With every
+    linear layer in the kernel (rows in fixed tiles) and the paged attention kernels (keys in fixed spans), none
+    should diverge."""
+    from specdecode.executor import gemv
+
+    results = {}
+    for choice in ("auto", "triton"):
+        os.environ[gemv.CHOICE] = choice
+        plain = engine(target, num_speculative_tokens=0)
+        spec = engine(target, draft, num_speculative_tokens=4, speculation_policy="fixed")
+        diverged = []
+        for seed in range(runs):
+            a, b = (_timed(llm, 1, NEW, seed)[1][0].outputs[0].token_ids for llm in (plain, spec))
+            at = _first_difference(a, b)
+            if at is not None:
+                diverged.append({"position": at, "top2_gap": _top2_gap(target.model, prompts(1, seed)[0] + a[:at])})
+        kernels = sum(m.kernel is not None for m in target.model.modules() if isinstance(m, Linear))
+        results[choice] = {"equal": runs - len(diverged), "of": runs, "kernel_layers": kernels, "divergences": diverged}
+        print(
+            f"linear layers {choice:6s} ({kernels} by the kernel): speculative greedy == plain for "
+            f"{runs - len(diverged)}/{runs}; divergences (position, top-2 gap): "
+            f"{[(d['position'], round(d['top2_gap'], 4)) for d in diverged]}",
+            flush=True,
+        )
+        del plain, spec
+    os.environ.pop(gemv.CHOICE)
+    for model in (target.model, draft.model) if DEVICE == "cuda" else ():  # as timed, for the sections after
+        runner_module.gpu_linear_layers(model)
+    RESULTS["greedy_bits"] = results
+
+
 @section("concurrency sweep: plain and the adaptive policy (draft k<=4), graphs on")
 def concurrency(target, draft, tokens: int):
     rows = {}
@@ -863,8 +897,8 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="step costs (graphs, fusion, paged attention kernels), the concurrency sweep, a host profile, the linear "
-        "layers alone, some tests",
+        help="the linear layers' kernel against cuBLAS, step costs (graphs, fusion, attention and linear kernels), the "
+        "waits, the batch-1 bars, the concurrency sweep, sampling, a host profile, greedy bits, some tests",
     )
     args = parser.parse_args()
     if args.out:
@@ -882,8 +916,8 @@ def main() -> None:
         concurrency(target, draft, args.sweep_tokens)
         sampled(target)
         host_profile(target, draft)
-        compiler_counts()  # the engine's compiles, before linear_costs' own
-        linear_costs(target)
+        greedy_bits(target, draft)
+        compiler_counts()
         if not args.skip_tests:
             tests(TEST_FILES[:7])
         return
