@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE, tiny_model
+from test_cuda_graphs import captured  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
@@ -195,3 +196,23 @@ def test_a_kernel_that_disagrees_with_cublas_is_not_taken(monkeypatch, caplog):
         gemv.attach_gemv(model)
     assert _kernels(model) == {None} and "disagrees" in caplog.text
     gemv._timed_shape.cache_clear()
+
+
+def test_start_up_says_what_captured_forwards_run(monkeypatch, request):
+    from specdecode import LLM
+    from specdecode.executor import runner as runner_module
+
+    target = tiny_model(seed=2)
+    assert "captured forwards" not in LLM(target=target, max_model_len=64, progress=False).startup_summary()
+    request.getfixturevalue("captured")
+    monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
+    layers = [m for m in target.model.modules() if isinstance(m, Linear)]
+    for layer in layers[:2]:
+        layer.kernel = Gemv(CONFIGS[0])
+    try:
+        summary = LLM(target=target, max_model_len=64, progress=False).startup_summary()
+    finally:
+        for layer in layers[:2]:
+            layer.kernel = None
+    assert f"2 of {len(layers)} linear layers by the Triton kernel" in summary
+    assert "attention by PyTorch's SDPA" in summary  # the paged kernels are a GPU's, after their check

@@ -188,14 +188,16 @@ class LLM:
         return proposers
 
     def startup_summary(self) -> str:
-        """Each model's backend, weight bytes and load time, and the peak memory so far."""
+        """Each model's backend, weight bytes and load time, the peak memory so far, and on a GPU the kernels of the
+        captured forwards."""
         parts = [
             f"{role} {m.name}: {m.model.backend}, {format_bytes(m.model.weight_bytes())} of weights, "
             f"loaded in {m.load_seconds:.1f} s"
             for role, m in (("target", self.target), ("draft", self.draft))
             if m is not None and m.load_seconds
         ]
-        return "; ".join(parts + [f"peak RSS {format_bytes(peak_rss_bytes())}"])
+        captured = self.engine.runner.captured_kernels()
+        return "; ".join(parts + [f"peak RSS {format_bytes(peak_rss_bytes())}"] + ([captured] if captured else []))
 
     def generate(
         self,

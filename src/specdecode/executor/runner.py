@@ -100,6 +100,20 @@ class ModelRunner:
     def num_slots(self) -> int:
         return self._cache.num_slots
 
+    def captured_kernels(self) -> str | None:
+        """What the captured forwards run beside PyTorch's own operations (None where nothing is captured)."""
+        if self._fixed is None or not self._fixed.capture:
+            return None
+        from ..models.layers import Linear
+
+        layers = [m for m in self.model.modules() if isinstance(m, Linear)]
+        attention = "PyTorch's SDPA" if self._fixed.attention is None else "the paged Triton kernels"
+        by_kernel = sum(m.kernel is not None for m in layers)
+        return (
+            f"captured forwards: attention by {attention}; {by_kernel} of {len(layers)} linear layers by the Triton "
+            "kernel at up to 16 rows, the rest by cuBLAS (as timed at start-up)"
+        )
+
     @property
     def num_free(self) -> int:
         return self._cache.num_free
