@@ -45,6 +45,36 @@ def test_the_kernel_computes_linear_layers(config, rows, bias):
     torch.testing.assert_close(got.float(), want, atol=ATOL, rtol=0)
 
 
+def _normed(x, w, b, config, residual=True):
+    """The kernel with its norm in: (y, the residual stream it wrote) for x + a residual made from x."""
+    nw = torch.linspace(0.5, 1.5, x.shape[1], device=DEVICE, dtype=DTYPE)
+    res = torch.roll(x, 1, 1) if residual else None
+    out = torch.empty_like(x) if residual else None
+    return gemv.gemv(x, w, b, config, (nw, 1e-6), res, out), out, nw, res
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=["one-part", "K-split"])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first-layer"])
+def test_the_kernel_takes_the_norm_before_it_in(config, rows, residual):
+    x, w, b = _operands(3, rows)
+    y, out, nw, res = _normed(x, w, b, config, residual)
+    if residual:
+        normed, stream = cuda_graphs._add_rms_norm(nw, 1e-6, x, res)
+        assert torch.equal(out, stream)  # x + residual, rounded as the add rounds it
+    else:
+        normed = cuda_graphs._rms_norm(nw, 1e-6, x)
+    torch.testing.assert_close(y.float(), F.linear(normed, w, b).float(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=["one-part", "K-split"])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_the_kernel_takes_swiglu_before_it_in(config, rows):
+    x, w, b = _operands(4, rows, k=600)  # gate and up, 300 each
+    y = gemv.gemv(x, w[:, :300].contiguous(), b, config, activated=True)
+    torch.testing.assert_close(y.float(), F.linear(cuda_graphs._silu_mul(x), w[:, :300], b).float(), atol=ATOL, rtol=0)
+
+
 def _rows_alone_and_beside(compute, config) -> list[bool]:
     """Whether each of row 0's results (alone, then beside 4 and beside 15 other rows) is the first's, bit for bit; on
     a GPU every row's too, at each place in its tile (Triton's interpreter multiplies on the CPU, whose BLAS rounds the
@@ -61,9 +91,17 @@ def _rows_alone_and_beside(compute, config) -> list[bool]:
     return same
 
 
+PROLOGUES = {
+    "plain": gemv.gemv,
+    "normed": lambda x, w, b, config: _normed(x, w, b, config)[0],
+    "activated": lambda x, w, b, config: gemv.gemv(torch.cat([x, x.flip(1)], 1), w, b, config, activated=True),
+}
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
 @pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=["one-part", "K-split"])
-def test_a_row_is_computed_the_same_whatever_rows_are_beside_it(config):
-    assert all(_rows_alone_and_beside(gemv.gemv, config))
+def test_a_row_is_computed_the_same_whatever_rows_are_beside_it(config, prologue):
+    assert all(_rows_alone_and_beside(PROLOGUES[prologue], config))
 
 
 def test_a_configuration_that_follows_the_row_count_is_caught():
@@ -79,6 +117,10 @@ MISTAKES = {  # what the source says, and what the broken version says instead
     "the splits merged without the last": ("for s in range(1, SPLITS):", "for s in range(1, SPLITS - 1):"),
     "the bias left out": ("acc += tl.load(bias + cols", "acc -= 0 * tl.load(bias + cols"),
     "the last block of K dropped": ("inside = at < K", "inside = at < K - 64"),
+    "the norm over half of K": ("rstd = tl.rsqrt(squares / K + eps)", "rstd = tl.rsqrt(squares / (K // 2) + eps)"),
+    "the residual stream never written": ("if HAS_RES and j == 0:", "if HAS_RES and j < 0:"),
+    "the norm's weight left out": ("* scale[None, :]).to(", "* 1.0).to("),
+    "SiLU of up": ("gate * tl.sigmoid(gate) * up", "gate * tl.sigmoid(up) * up"),
 }
 
 
@@ -94,10 +136,28 @@ def test_kernels_with_a_mistake_fail(mistake, tmp_path, monkeypatch):
     broken = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "broken_gemv", broken)  # its dataclasses look their module up
     spec.loader.exec_module(broken)
+    assert all(_computes_its_three_ways(gemv))  # the test can pass
+    assert not all(_computes_its_three_ways(broken))
+
+
+def _computes_its_three_ways(module) -> list[bool]:
+    """Whether the kernel (of `module`) computes a linear layer, one with the norm before it and one with SwiGLU before
+    it, at one part of K and at three."""
     x, w, b = _operands(2, 3)
-    want = F.linear(x.float(), w.float(), b.float())
-    agree = [torch.allclose(broken.gemv(x, w, b, c).float(), want, atol=ATOL, rtol=0) for c in (CONFIGS[0], SPLIT)]
-    assert not all(agree)
+    nw, res = torch.rand(300, device=DEVICE, dtype=DTYPE) + 0.5, torch.randn_like(x)
+    normed, stream = cuda_graphs._add_rms_norm(nw, 1e-6, x, res)
+    gate_up = torch.cat([x, res], 1)
+    agree = []
+    for c in (CONFIGS[0], SPLIT):
+        out = torch.empty_like(x)
+        ways = [
+            (module.gemv(x, w, b, c), F.linear(x, w, b)),
+            (module.gemv(x, w, b, c, (nw, 1e-6), res, out), F.linear(normed, w, b)),
+            (out, stream),
+            (module.gemv(gate_up, w, b, c, activated=True), F.linear(cuda_graphs._silu_mul(gate_up), w, b)),
+        ]
+        agree += [torch.allclose(got.float(), want.float(), atol=ATOL, rtol=0) for got, want in ways]
+    return agree
 
 
 def _linear_with_kernel(monkeypatch) -> tuple[Linear, list[int]]:
@@ -134,11 +194,26 @@ def _fixed_forwards(model):
     return _forwards(model, None)
 
 
-def test_whole_forwards_with_the_kernel_compute_cublass():
-    model = tiny_model(seed=3).model.to(DTYPE)
+FAMILIES = {  # what each runs by the kernel: the norms and SwiGLU folded in where the layer has them
+    "qwen2": {},
+    "gemma-like (sandwich norms, GeGLU)": {"sandwich_norms": True, "activation": "gelu_tanh"},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=list(FAMILIES))
+def test_whole_forwards_with_the_kernel_compute_cublass(family, monkeypatch):
+    model = tiny_model(seed=3, **FAMILIES[family]).model.to(DTYPE)
     want = _fixed_forwards(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) >= 9  # q/k/v and o, gate/up and down in each layer, the head
+    kinds = []
+    compute = gemv.gemv
+
+    def counted(x, weight, bias, config, norm=None, residual=None, residual_out=None, activated=False):
+        kinds.append("normed" if norm is not None else "activated" if activated else "plain")
+        return compute(x, weight, bias, config, norm, residual, residual_out, activated)
+
+    monkeypatch.setattr(gemv, "gemv", counted)
     for i, layer in enumerate(layers):
         layer.kernel = Gemv((CONFIGS[0], SPLIT)[i % 2])
     try:
@@ -148,6 +223,11 @@ def test_whole_forwards_with_the_kernel_compute_cublass():
             layer.kernel = None
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=10 * ATOL, rtol=0)
+    calls = {kind: kinds.count(kind) / 4 for kind in ("plain", "normed", "activated")}  # 4 of the 5 forwards fixed
+    if family == "qwen2":  # a layer: the norms into QKV and gate/up, SwiGLU into down, o plain; the final norm too
+        assert calls == {"plain": 2, "normed": 5, "activated": 2}
+    else:  # sandwich norms stay apart, and GeGLU: only the first norm and the final one are folded in
+        assert calls == {"plain": 6, "normed": 3, "activated": 0}
 
 
 def _timings(monkeypatch, fastest: GemvConfig, kernel_seconds: float, cublas_seconds: float = 1.0):

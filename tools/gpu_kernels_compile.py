@@ -4,9 +4,9 @@ wheel carries it). A mistake the interpreter lets through (a type that differs b
 refuses, too much shared memory) fails here, without a lent GPU.
 
 The launches are those of representative forwards (decode, verify, a KV head's group a program, a 4,160-key context
-in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of the linear layers' kernel,
-each typed from its own arguments: the callers run on CPU tensors with the kernels swapped for recorders. Run it
-without TRITON_INTERPRET (the interpreter's kernels do not compile).
+in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of the linear layers' kernel
+(and with the norm or SwiGLU taken in), each typed from its own arguments: the callers run on CPU tensors with the
+kernels swapped for recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do not compile).
 
     python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
 """
@@ -66,9 +66,12 @@ def launches(dtype) -> dict[str, list]:
         q, k, v = (torch.zeros(seqs, rows, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
         rope = (torch.zeros(seqs, 1, rows, dim, dtype=dtype),) * 2
         paged_attention.PagedAttention(per_program)(batch, cache, 0, q, k, v, rope, None, dim**-0.5)
-    weight, bias = torch.zeros(2048, 1536, dtype=dtype), torch.zeros(2048, dtype=dtype)
+    x, weight, bias = torch.zeros(gemv.MAX_ROWS, 1536, dtype=dtype), torch.zeros(2048, 1536, dtype=dtype), None
     for config in gemv.CONFIGS:
-        gemv.gemv(torch.zeros(gemv.MAX_ROWS, 1536, dtype=dtype), weight, bias, config)
+        gemv.gemv(x, weight, torch.zeros(2048, dtype=dtype), config)
+    for config in (gemv.CONFIGS[0], gemv.CONFIGS[-1]):  # the norm (residual added) and SwiGLU taken in, K split or not
+        gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), x, torch.zeros_like(x))
+        gemv.gemv(torch.zeros(gemv.MAX_ROWS, 2 * 1536, dtype=dtype), weight, bias, config, activated=True)
     return {name: recorder.launches for name, recorder in recorders.items()}
 
 

@@ -7,6 +7,11 @@ program takes BLOCK_N of the weight's rows, a configuration may split K across p
 split order), and each layer shape takes the configuration, or cuBLAS, that is fastest on this device, timed at
 start-up inside a CUDA graph on weights that do not fit in the L2 cache, as a forward reads them.
 
+The kernel also takes in what comes before a layer, which would otherwise be a kernel of its own, each a few
+microseconds in a graph however small its work: the residual add and RMSNorm before the QKV and gate/up projections
+(models/layers.normed_linear; it writes the residual stream as it goes) and SwiGLU before the down projection
+(MLP.down), rounded where the separate kernels round.
+
 A row is computed the same whatever rows are beside it: rows go in tiles of 16 (the matrix unit's height), so a row's
 products and their order over K depend only on the layer's configuration, never on how many rows the call has. Greedy
 verification then sees, in the layers that take the kernel, the bits plain decoding sees.
@@ -39,21 +44,44 @@ CHOICE = "SPECDECODE_GPU_LINEAR"  # "auto" (timed, the default), "cublas" or "tr
 
 # K is an argument, not a constant: one compilation a configuration serves every layer shape (the row count is not
 # specialised either: a decode's single row runs the code a verify's rows do).
+PLAIN, NORMED, ACTIVATED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what it does to its input first
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv(
-    x, w, bias, y, part, M, N, K, PART,  # x [M, K], w [N, K], y [M, N]; part [SPLITS, M, N] float32 where SPLITS > 1
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
+    x, w, bias, y, part, M, N, K, PART,  # x [M, K] ([M, 2K]: gate, up), w [N, K], y [M, N]; part [SPLITS, M, N] float32
+    res, res_out, norm_w, eps,  # NORMED: x (+ res) normalised by norm_w first; the sum written to res_out
+    HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Program (j, i, s): rows TILE i.. and columns BLOCK_N j.. of x W^T over K's s-th part (PART columns)."""
     j, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i * TILE + tl.arange(0, TILE)
     cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
+    if PROLOGUE == NORMED:  # each row's inverse root mean square, over all of K whatever this program's part
+        squares = tl.zeros([TILE], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = _summed(x, res, rows, k0 + ks, M, K, HAS_RES)
+            squares += tl.sum(h * h, 1)
+        rstd = tl.rsqrt(squares / K + eps)
     acc = tl.zeros([TILE, BLOCK_N], tl.float32)
     for k0 in range(0, PART, BLOCK_K):
         at = s * PART + k0 + ks
         inside = at < K
-        xs = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows < M)[:, None] & inside[None, :], other=0.0)
+        held = (rows < M)[:, None] & inside[None, :]
+        if PROLOGUE == NORMED:
+            h = _summed(x, res, rows, at, M, K, HAS_RES)
+            if HAS_RES and j == 0:  # the residual stream, once
+                tl.store(res_out + rows[:, None] * K + at[None, :], h.to(res_out.dtype.element_ty), mask=held)
+            scale = tl.load(norm_w + at, mask=inside, other=0.0).to(tl.float32)
+            xs = ((h * rstd[:, None]).to(x.dtype.element_ty).to(tl.float32) * scale[None, :]).to(x.dtype.element_ty)
+        elif PROLOGUE == ACTIVATED:
+            gate = tl.load(x + rows[:, None] * 2 * K + at[None, :], mask=held, other=0.0).to(tl.float32)
+            up = tl.load(x + rows[:, None] * 2 * K + K + at[None, :], mask=held, other=0.0).to(tl.float32)
+            xs = (gate * tl.sigmoid(gate) * up).to(x.dtype.element_ty)
+        else:
+            xs = tl.load(x + rows[:, None] * K + at[None, :], mask=held, other=0.0)
         ws = tl.load(w + cols[:, None] * K + at[None, :], mask=(cols < N)[:, None] & inside[None, :], other=0.0)
         acc += tl.dot(xs, tl.trans(ws), input_precision="ieee")
     out = (rows < M)[:, None] & (cols < N)[None, :]
@@ -63,6 +91,17 @@ def _gemv(
         tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out)
     else:
         tl.store(part + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=out)
+
+
+@triton.jit
+def _summed(x, res, rows, at, M, K, HAS_RES: tl.constexpr):
+    """A block of the rows' residual stream, x + res rounded to x's type as a separate add rounds it, in float32."""
+    held = (rows < M)[:, None] & (at < K)[None, :]
+    h = tl.load(x + rows[:, None] * K + at[None, :], mask=held, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(res + rows[:, None] * K + at[None, :], mask=held, other=0.0).to(tl.float32)
+        h = h.to(x.dtype.element_ty).to(tl.float32)
+    return h
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -104,17 +143,31 @@ CONFIGS = (
 )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """x [M, K] (contiguous) @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype."""
-    rows, k = x.shape
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    activated: bool = False,
+) -> torch.Tensor:
+    """x [M, K] (contiguous) @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype. norm (weight, eps): x + residual (or x)
+    normalised first as RMSNorm does, the sum written to residual_out; activated: x is [M, 2K], gate then up, and
+    SiLU(gate) * up is taken first (SwiGLU, as one rounding)."""
+    rows, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     part = y if config.splits == 1 else torch.empty(config.splits, rows, n, device=x.device, dtype=torch.float32)
+    prologue = NORMED if norm is not None else ACTIVATED if activated else PLAIN
+    norm_weight, eps = norm if norm is not None else (y, 0.0)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, TILE_ROWS), config.splits)
     _gemv[grid](
         x, weight, y if bias is None else bias, y, part, rows, n, k, config.part(k),
-        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLITS=config.splits, TILE=TILE_ROWS,
-        num_warps=config.warps, num_stages=config.stages,
+        y if residual is None else residual, y if residual_out is None else residual_out, norm_weight, eps,
+        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=residual is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SPLITS=config.splits, TILE=TILE_ROWS, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     if config.splits > 1:
         block = 1024
@@ -132,12 +185,38 @@ class Gemv:
         self.config = config
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
-        k = x.shape[-1]
-        rows = x.numel() // k
-        if rows > MAX_ROWS or not in_fixed_shapes():
+        rows = _rows(x)
+        if rows is None:
             return None
-        y = gemv(x.reshape(rows, k).contiguous(), module.weight, module.bias, self.config)
+        y = gemv(x.reshape(rows, -1).contiguous(), module.weight, module.bias, self.config)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None):
+        """(module(norm(x + residual)), x + residual), residual None: (module(norm(x)), x), in one call
+        (models/layers.normed_linear); None where the kernel does not apply."""
+        rows = _rows(x)
+        if rows is None:
+            return None
+        flat = x.reshape(rows, -1).contiguous()
+        added = None if residual is None else residual.reshape(rows, -1).contiguous()
+        out = None if residual is None else torch.empty_like(flat)
+        y = gemv(flat, module.weight, module.bias, self.config, (norm.weight, norm.eps), added, out)
+        return y.view(*x.shape[:-1], y.shape[-1]), x if out is None else out.view_as(x)
+
+    def activated(self, module, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """module(SiLU(gate) * up) from the gate_up projection's output, in one call (MLP.down); None where the
+        kernel does not apply (GeGLU among them)."""
+        rows = _rows(gate_up)
+        if rows is None or activation != "silu":
+            return None
+        y = gemv(gate_up.reshape(rows, -1).contiguous(), module.weight, module.bias, self.config, activated=True)
+        return y.view(*gate_up.shape[:-1], y.shape[-1])
+
+
+def _rows(x: torch.Tensor) -> int | None:
+    """The rows of a call the kernel takes: inside a fixed-shape forward, at most MAX_ROWS; else None."""
+    rows = x.numel() // x.shape[-1]
+    return rows if rows <= MAX_ROWS and in_fixed_shapes() else None
 
 
 @dataclass

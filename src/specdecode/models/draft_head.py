@@ -161,7 +161,7 @@ class DraftHead(nn.Module):
                 features = torch.cat([features[:, :1], previous[:, :-1]], 1)
             x = self._fused_input(embedded, features)
             h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn._heads(h, rope)
+            q, k, v = layer.self_attn._heads(layer.self_attn.qkv_proj(h), rope)
             keys.append(k)
             values.append(v)
             mask = _unrolled_mask(step, width, features.device)

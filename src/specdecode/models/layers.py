@@ -73,6 +73,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(linear(norm(x + residual)), x + residual), or where residual is None (the first layer) (linear(norm(x)), x): in
+    one call where the linear's kernel takes the norm in."""
+    fused = _fused_form(linear, "normed")
+    if fused is not None and (out := fused(linear, norm, x, residual)) is not None:
+        return out
+    if residual is None:
+        return linear(norm(x)), x
+    normed, residual = norm(x, residual)
+    return linear(normed), residual
+
+
+def _fused_form(linear: nn.Module, form: str):
+    """The linear's kernel's call that takes in what comes before it (Gemv.normed, Gemv.activated), where it has one:
+    a backend's own layers (the low-bit BlockLinear) have no kernel."""
+    return getattr(getattr(linear, "kernel", None), form, None)
+
+
 class RotaryEmbedding(nn.Module):
     """NeoX-style rotary embedding (halves rotated; GGUF Llama q/k rows are un-permuted to match), with the
     frequency scalings of ModelConfig.rope_scaling."""
@@ -139,7 +157,14 @@ class MLP(nn.Module):
         self.act_mul_kernel = None  # a backend may attach one: gate_up -> act(gate) * up in one call
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up):
+        """The down projection of act(gate) * up, from the gate_up projection's output: in one call where the down
+        projection's kernel takes the activation in."""
+        fused = _fused_form(self.down_proj, "activated")
+        if fused is not None and (y := fused(self.down_proj, gate_up, self.activation)) is not None:
+            return y
         if self.act_mul_kernel is not None:
             return self.down_proj(self.act_mul_kernel(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

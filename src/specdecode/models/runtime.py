@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
-from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope, normed_linear
 
 
 @dataclass
@@ -135,16 +135,17 @@ class Attention(nn.Module):
     def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
         return (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
 
-    def forward(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        """The new tokens after each slot's cached ones."""
-        bsz, width, _ = x.shape
+    def forward(self, qkv, rope, batch: ForwardBatch, cache: KVCache):
+        """The new tokens after each slot's cached ones, from their QKV projection (the caller's: it may fuse the norm
+        before it in)."""
+        bsz, width, _ = qkv.shape
         if batch.rowwise is not None and self.rowwise_kernel is not None:
-            out = self.rowwise_kernel(self.qkv_proj(x), rope, batch, cache, self)
+            out = self.rowwise_kernel(qkv, rope, batch, cache, self)
             return self.o_proj(out.view(bsz, width, -1))
         if batch.paged_attention is not None:
-            out = batch.paged_attention(batch, cache, self.layer, *self._split_heads(x), rope, self.window, self.scale)
-            return self.o_proj(out)
-        q, k, v = self._heads(x, rope)
+            q, k, v = self._split_heads(qkv)
+            return self.o_proj(batch.paged_attention(batch, cache, self.layer, q, k, v, rope, self.window, self.scale))
+        q, k, v = self._heads(qkv, rope)
         batch.store(cache, self.layer, k, v)
         if batch.rowwise is not None:
             out = self._rowwise_attention(q, batch, cache)
@@ -153,17 +154,17 @@ class Attention(nn.Module):
             out = batch.attend(q, keys.to(q.dtype), values.to(q.dtype), self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
-    def _heads(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _heads(self, qkv, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, heads, T, head_dim], q and k normalised (where the family does) and rotated."""
-        q, k, v = self._split_heads(x)
+        q, k, v = self._split_heads(qkv)
         q = self.rope_kernel(q.transpose(1, 2), *rope)
         k = self.rope_kernel(k.transpose(1, 2), *rope)
         return q, k, v.transpose(1, 2)
 
-    def _split_heads(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split_heads(self, qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, T, heads, head_dim] (views of the projection), q and k normalised where the family does."""
-        bsz, width, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        bsz, width, _ = qkv.shape
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(bsz, width, self.num_heads, self.head_dim)
         k = k.view(bsz, width, self.num_kv_heads, self.head_dim)
         if self.qk_norms is not None:
@@ -223,14 +224,14 @@ class DecoderLayer(nn.Module):
         With sandwich norms (Gemma) the attention and MLP outputs are normalised before they join the
         residual stream: post_attention_layernorm normalises the attention output, and the add + norm before
         the MLP is pre_feedforward_layernorm's."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        attended = self.self_attn(x, rope[self.self_attn.rope], batch, cache)
+        qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        attended = self.self_attn(qkv, rope[self.self_attn.rope], batch, cache)
         if hasattr(self, "post_feedforward_layernorm"):
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
+        if isinstance(self.mlp, MLP):
+            gate_up, residual = normed_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, attended, residual)
+            return self.mlp.down(gate_up), residual
         x, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(x), residual
 
@@ -314,8 +315,8 @@ class Transformer(nn.Module):
         every_row = x + residual if return_hidden == "all" else None
         if rows is not None:
             x, residual = x.index_select(0, rows), residual.index_select(0, rows)
-        normed, hidden = self.norm(x, residual)
-        logits = self.lm_head(normed).float()
+        logits, hidden = normed_linear(self.norm, self.lm_head, x, residual)
+        logits = logits.float()
         if not return_hidden:
             return logits
         return logits, hidden if every_row is None else every_row
