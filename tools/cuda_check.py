@@ -210,10 +210,24 @@ def cublas_linear(model, cublas: bool = True):
             m.kernel = kernel
 
 
+@contextlib.contextmanager
+def separate_prologues():
+    """The linear layers' kernel without what it takes in (the norms before QKV, gate/up and the head, SwiGLU before
+    down), each of those its own kernel again: whether taking them in pays."""
+    from specdecode.executor.gemv import Gemv
+
+    saved = Gemv.normed, Gemv.activated
+    Gemv.normed = Gemv.activated = None
+    try:
+        yield
+    finally:
+        Gemv.normed, Gemv.activated = saved
+
+
 # The attention of each mode's captured forwards: PyTorch's (gather + SDPA), or the paged Triton kernels with a
 # query head a program (executor/paged_attention.py), keys split across programs every 512 positions, or every 64
 # so that a short context is attended by several programs a head; linear layers by cuBLAS, or (+gemv) by the kernel
-# where start-up timing chose it
+# where start-up timing chose it (/unfused: the norms and SwiGLU before them their own kernels)
 ATTENTION = {
     "graphs": None,
     "graphs+fused": None,
@@ -221,6 +235,7 @@ ATTENTION = {
     "+paged/split64": PagedAttention(1, split_keys=64),
     "+gemv": PagedAttention(1),
     "+gemv/split64": PagedAttention(1, split_keys=64),
+    "+gemv/unfused": PagedAttention(1),
 }
 ALL_MODES = ("eager", *ATTENTION)
 # sequences x rows per sequence after a context; a CPU (a smoke run) times one, its Triton kernels interpreted
@@ -235,10 +250,17 @@ STEP_SHAPES = (
 def step_costs(target, modes=ALL_MODES):
     model, rows = target.model, {}
     for mode in modes:
-        with unfused() if mode == "graphs" else contextlib.nullcontext(), cublas_linear(model, "gemv" not in mode):
+        with _fusions(mode), cublas_linear(model, "gemv" not in mode):
             for seqs, width, context in STEP_SHAPES:
                 rows.update(_step_cost(model, mode, seqs, width, context))
     RESULTS["step_costs"] = rows
+
+
+def _fusions(mode: str):
+    """What a mode leaves unfused: "graphs" the elementwise steps, "/unfused" the linear layers' prologues."""
+    if mode == "graphs":
+        return unfused()
+    return separate_prologues() if mode.endswith("/unfused") else contextlib.nullcontext()
 
 
 def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
