@@ -194,18 +194,35 @@ def _fixed_forwards(model):
     return _forwards(model, None)
 
 
-FAMILIES = {  # what each runs by the kernel: the norms and SwiGLU folded in where the layer has them
-    "qwen2": {},
-    "gemma-like (sandwich norms, GeGLU)": {"sandwich_norms": True, "activation": "gelu_tanh"},
+def _qwen2():
+    return tiny_model(seed=3).model
+
+
+def _gemma_like():
+    return tiny_model(seed=3, sandwich_norms=True, activation="gelu_tanh").model
+
+
+def _draft_head():
+    from test_cuda_graphs import _head_for
+
+    return _head_for(tiny_model(seed=3))
+
+
+# What each runs by the kernel (calls a forward) and folds in: the norms before QKV, gate/up and the LM head, SwiGLU
+# before down. Sandwich norms stay apart, and GeGLU; a head's fc reads two norms side by side, its own.
+MODELS = {
+    "qwen2": (_qwen2, {"plain": 2, "normed": 5, "activated": 2}),
+    "gemma-like (sandwich norms, GeGLU)": (_gemma_like, {"plain": 6, "normed": 3, "activated": 0}),
+    "draft head": (_draft_head, {"plain": 2, "normed": 3, "activated": 1}),
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=list(FAMILIES))
-def test_whole_forwards_with_the_kernel_compute_cublass(family, monkeypatch):
-    model = tiny_model(seed=3, **FAMILIES[family]).model.to(DTYPE)
+@pytest.mark.parametrize("name", MODELS, ids=list(MODELS))
+def test_whole_forwards_with_the_kernel_compute_cublass(name, monkeypatch):
+    build, fused_calls = MODELS[name]
+    model = build().to(DTYPE)
     want = _fixed_forwards(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(layers) >= 9  # q/k/v and o, gate/up and down in each layer, the head
     kinds = []
     compute = gemv.gemv
 
@@ -224,10 +241,7 @@ def test_whole_forwards_with_the_kernel_compute_cublass(family, monkeypatch):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=10 * ATOL, rtol=0)
     calls = {kind: kinds.count(kind) / 4 for kind in ("plain", "normed", "activated")}  # 4 of the 5 forwards fixed
-    if family == "qwen2":  # a layer: the norms into QKV and gate/up, SwiGLU into down, o plain; the final norm too
-        assert calls == {"plain": 2, "normed": 5, "activated": 2}
-    else:  # sandwich norms stay apart, and GeGLU: only the first norm and the final one are folded in
-        assert calls == {"plain": 6, "normed": 3, "activated": 0}
+    assert calls == fused_calls
 
 
 def _timings(monkeypatch, fastest: GemvConfig, kernel_seconds: float, cublas_seconds: float = 1.0):

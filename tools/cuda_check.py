@@ -285,11 +285,16 @@ def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
             f"{launch * 1e6:.0f} us",
             flush=True,
         )
-        try:  # the profiler needs CUPTI: without it the timings above still stand
-            RESULTS.setdefault("kernels", {})[mode] = kernel_breakdown(graph.replay)
-        except Exception as e:
-            print(f"   no kernel list: the profiler failed ({e})")
+        _kernel_list(mode, graph)
     return rows
+
+
+def _kernel_list(name: str, graph) -> None:
+    """The kernels of a graph's replay, kept under RESULTS["kernels"][name]."""
+    try:  # the profiler needs CUPTI: without it the timings still stand
+        RESULTS.setdefault("kernels", {})[name] = kernel_breakdown(graph.replay)
+    except Exception as e:
+        print(f"   no kernel list: the profiler failed ({e})")
 
 
 def _launch_seconds(graph, launches: int = 50) -> float:
@@ -345,12 +350,15 @@ def head_step(target):
     plain = median_seconds(_decode_runner(target.model, 1, PROMPT, True)[1], 50)
     rows = {"target step ms": plain * 1e3}
     for fixed in (False, True):
-        seconds = median_seconds(_head_round(head, features, fixed), 50)
+        runner, round_ = _head_round(head, features, fixed)
+        seconds = median_seconds(round_, 50)
         name = "captured" if fixed else "eager"
         rows[name] = {"ms": seconds * 1e3, "c": seconds / plain}
         print(
             f"head {name:8s}: {seconds * 1e3:6.3f} ms a round, c = {seconds / plain:.3f} of a target step", flush=True
         )
+        if fixed and DEVICE == "cuda":  # what a round's replay is made of: its weights are a few microseconds' reading
+            _kernel_list("head round", next(iter(runner._fixed._entries.values())).graph)
     for chained in (False, True):  # k = 4 greedy drafts: a round, then three more from the host or chained
         seconds = median_seconds(_head_drafts(head, features, 4, chained), 50)
         name = "k=4 chained" if chained else "k=4 one by one"
@@ -471,7 +479,7 @@ def _head_round(head, features, fixed: bool):
     runner = ModelRunner(head, 1, PROMPT + 64, fixed_shapes=fixed)
     slot = runner.allocate()
     runner.assume_cached(slot, PROMPT)
-    return lambda: runner.forward([slot], [[1]], "last", hidden=True, features=features)
+    return runner, lambda: runner.forward([slot], [[1]], "last", hidden=True, features=features)
 
 
 def _head_drafts(head, features, k: int, chained: bool):

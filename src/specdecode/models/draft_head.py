@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, normed_linear
 from .runtime import DecoderLayer, ForwardBatch, Transformer, run_layers, tensor_bytes
 
 # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs), its output added to the features
@@ -179,7 +179,7 @@ class DraftHead(nn.Module):
     def _output(self, predicted, rows, return_hidden):
         if rows is not None:
             predicted = predicted.index_select(0, rows)
-        logits = self.lm_head(self.norm(predicted)).float()
+        logits = normed_linear(self.norm, self.lm_head, predicted, None)[0].float()
         return (logits, predicted) if return_hidden else logits
 
     def owned_state(self) -> dict[str, torch.Tensor]:
