@@ -109,11 +109,30 @@ def test_blocks_of_32_tokens():
     torch.testing.assert_close(got[:2], want[:2], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("span", [128, 256])
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("rows,window", [(1, None), (3, 7)], ids=["decode", "verify-window"])
+def test_spans_of_keys_from_several_blocks(span, block_size, rows, window):
+    """A program taking more keys at a time than a KV block holds reads each key from its own block (the blocks are
+    scattered), in a bucket of 512 key positions split in two and merged."""
+    case = _case(5, 4, 2, 16, starts=[300, 70, 5], rows=rows, block_size=block_size, keys=512)
+    got, want, *_ = _both(PagedAttention(span=span, split_keys=256), case, window)
+    torch.testing.assert_close(got[:3], want[:3], atol=ATOL, rtol=0)
+
+
+def test_a_span_that_cannot_tile_its_split_is_refused():
+    with pytest.raises(ValueError, match="dividing split_keys"):
+        PagedAttention(span=128, split_keys=64)
+    with pytest.raises(ValueError, match="power of two"):
+        PagedAttention(span=96)
+
+
 @pytest.mark.parametrize("start", [40, 70], ids=["keys-in-one-split", "keys-in-two"])
-def test_a_row_gets_the_same_output_whatever_else_its_call_holds(start):
+@pytest.mark.parametrize("span", [64, 128])
+def test_a_row_gets_the_same_output_whatever_else_its_call_holds(start, span):
     """Decoded alone in the smallest bucket, or beside another sequence in a bucket of more key positions (more
     splits, merged by the second kernel): the same bits, its keys being the same."""
-    attention = PagedAttention(split_keys=64)
+    attention = PagedAttention(span=span, split_keys=span)
     alone = _case(3, 4, 2, 16, starts=[start], rows=1, keys=128)
     beside = _case(3, 4, 2, 16, starts=[start, 9], rows=1, keys=512)
     for mine, theirs in zip((*alone[2], *alone[3]), (*beside[2], *beside[3])):
@@ -155,6 +174,7 @@ MISTAKES = {  # what the source says, and what the broken version says instead
     "old sums not rescaled": ("acc = acc * rescale[:, None] +", "acc = acc +"),
     "splits merged unweighted": ("total += tl.load(part_total + s * count + i) * weight", "total += 1.0"),
     "the value of the next position": ("* BS + at) * D + d", "* BS + at + 1) * D + d"),
+    "a span's keys all from its first key's block": ("tl.minimum(key, KEYS", "tl.minimum(key - n + n * 0, KEYS"),
 }
 
 
@@ -168,8 +188,9 @@ def test_kernels_with_a_mistake_fail(mistake, tmp_path):
     spec = importlib.util.spec_from_file_location("broken_paged_attention", path)
     broken = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(broken)
-    cases = [(split_keys, window) for split_keys in (512, 64) for window in (None, 7)]  # 64: four splits merged
-    assert not all(_agrees(broken.PagedAttention(split_keys=split_keys), window) for split_keys, window in cases)
+    # 64: four splits merged; a span of 128: two blocks a span
+    cases = [(64, split_keys, window) for split_keys in (512, 64) for window in (None, 7)] + [(128, 256, None)]
+    assert not all(_agrees(broken.PagedAttention(span=span, split_keys=keys), window) for span, keys, window in cases)
 
 
 def _agrees(attention, window) -> bool:
@@ -207,7 +228,7 @@ def test_every_launch_compiles_for_hopper():
     proc = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "every launch compiled for sm_90 (bfloat16)" in proc.stdout
-    assert proc.stdout.count("_attend ") == 5  # each representative forward's attention, splits merged once
+    assert proc.stdout.count("_attend ") == 6  # each representative forward's attention, splits merged once
     # the linear layers' kernel at each configuration, and with the norm or SwiGLU taken in at two
     assert proc.stdout.count("_gemv ") == len(gemv.CONFIGS) + 4
     assert proc.stdout.count("_sum_splits ") == sum(c.splits > 1 for c in gemv.CONFIGS) + 2

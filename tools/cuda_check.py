@@ -226,8 +226,9 @@ def separate_prologues():
 
 # The attention of each mode's captured forwards: PyTorch's (gather + SDPA), or the paged Triton kernels with a
 # query head a program (executor/paged_attention.py), keys split across programs every 512 positions, or every 64
-# so that a short context is attended by several programs a head; linear layers by cuBLAS, or (+gemv) by the kernel
-# where start-up timing chose it (/unfused: the norms and SwiGLU before them their own kernels)
+# so that a short context is attended by several programs a head, or (/span) 128 or 256 keys a load rather than 64
+# (one KV block); linear layers by cuBLAS, or (+gemv) by the kernel where start-up timing chose it (/unfused: the
+# norms and SwiGLU before them their own kernels)
 ATTENTION = {
     "graphs": None,
     "graphs+fused": None,
@@ -236,6 +237,8 @@ ATTENTION = {
     "+gemv": PagedAttention(1),
     "+gemv/split64": PagedAttention(1, split_keys=64),
     "+gemv/unfused": PagedAttention(1),
+    "+gemv/span128": PagedAttention(1, span=128),
+    "+gemv/span256": PagedAttention(1, span=256),
 }
 ALL_MODES = ("eager", *ATTENTION)
 # sequences x rows per sequence after a context; a CPU (a smoke run) times one, its Triton kernels interpreted

@@ -3,10 +3,11 @@ have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to th
 wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a shape `tl.dot`
 refuses, too much shared memory) fails here, without a lent GPU.
 
-The launches are those of representative forwards (decode, verify, a KV head's group a program, a 4,160-key context
-in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of the linear layers' kernel
-(and with the norm or SwiGLU taken in), each typed from its own arguments: the callers run on CPU tensors with the
-kernels swapped for recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do not compile).
+The launches are those of representative forwards (decode, verify, a KV head's group a program, spans of several KV
+blocks, a 4,160-key context in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of
+the linear layers' kernel (and with the norm or SwiGLU taken in), each typed from its own arguments: the callers run
+on CPU tensors with the kernels swapped for recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do
+not compile).
 
     python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
 """
@@ -29,13 +30,14 @@ from specdecode.kv_cache import KVCache  # noqa: E402
 
 KERNELS = {paged_attention: ("_rotate_and_store", "_attend", "_combine"), gemv: ("_gemv", "_sum_splits")}
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
-# heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program
+# heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program, keys a program takes at a time
 FORWARDS = {
-    "1.5B decode": (12, 2, 128, 1, 1, 200, 1),
-    "1.5B verify of 5, a KV head's group a program": (12, 2, 128, 1, 5, 200, None),
-    "1.5B 64 sequences": (12, 2, 128, 64, 1, 200, 1),
-    "1.5B decode after 4,096 tokens (splits)": (12, 2, 128, 1, 1, 4096, 1),
-    "Gemma 3 270M verify (head size 256)": (4, 1, 256, 1, 4, 200, 1),
+    "1.5B decode": (12, 2, 128, 1, 1, 200, 1, 64),
+    "1.5B decode, spans of 256 keys (4 blocks)": (12, 2, 128, 1, 1, 200, 1, 256),
+    "1.5B verify of 5, a KV head's group a program": (12, 2, 128, 1, 5, 200, None, 64),
+    "1.5B 64 sequences": (12, 2, 128, 64, 1, 200, 1, 64),
+    "1.5B decode after 4,096 tokens (splits)": (12, 2, 128, 1, 1, 4096, 1, 64),
+    "Gemma 3 270M verify (head size 256)": (4, 1, 256, 1, 4, 200, 1, 64),
 }
 
 
@@ -58,14 +60,14 @@ def launches(dtype) -> dict[str, list]:
     for module, names in KERNELS.items():
         for name in names:
             setattr(module, name, recorders[name])
-    for heads, kv_heads, dim, seqs, rows, cached, per_program in FORWARDS.values():
+    for heads, kv_heads, dim, seqs, rows, cached, per_program, span in FORWARDS.values():
         cfg = ModelConfig("llama", 1, heads * dim, 1, 1, heads, kv_heads, head_dim=dim)
         cache = KVCache(cfg, seqs, cached + 64, dtype, "cpu", scratch=True)
         bucket = Bucket(seqs, rows, cache.max_blocks * cache.block_size)
         batch = StaticBatch(bucket, "cpu")
         q, k, v = (torch.zeros(seqs, rows, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
         rope = (torch.zeros(seqs, 1, rows, dim, dtype=dtype),) * 2
-        paged_attention.PagedAttention(per_program)(batch, cache, 0, q, k, v, rope, None, dim**-0.5)
+        paged_attention.PagedAttention(per_program, span)(batch, cache, 0, q, k, v, rope, None, dim**-0.5)
     x, weight, bias = torch.zeros(gemv.MAX_ROWS, 1536, dtype=dtype), torch.zeros(2048, 1536, dtype=dtype), None
     for config in gemv.CONFIGS:
         gemv.gemv(x, weight, torch.zeros(2048, dtype=dtype), config)

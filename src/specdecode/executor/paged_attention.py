@@ -117,12 +117,13 @@ def _attend(
         start = split * SPLIT + i
         key = start + n
         live = (key < KEYS) & (key <= seen_max) & (key >= first)
-        block = tl.load(table + slot * max_blocks + tl.minimum(start, KEYS - 1) // BS).to(tl.int64)
-        offset = start % BS + n  # BLOCK_N divides BS: the span lies in one block
-        key_at = ((block * HKV + kv) * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
+        block = tl.load(table + slot * max_blocks + tl.minimum(key, KEYS - 1) // BS).to(tl.int64)  # each key's own
+        offset = key % BS
+        base = (block * HKV + kv)[:, None]
+        key_at = (base * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
         wanted = live[:, None] & (d[None, :] < D)
         keys = tl.load(k_cache + key_at + offset[:, None] % TILE, mask=wanted, other=0.0)
-        values = tl.load(v_cache + ((block * HKV + kv) * BS + offset[:, None]) * D + d[None, :], mask=wanted, other=0.0)
+        values = tl.load(v_cache + (base * BS + offset[:, None]) * D + d[None, :], mask=wanted, other=0.0)
         sees = live[None, :] & (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
         best, total, acc = _fold_in(queries, keys, values, sees, scale, best, total, acc)
     if SPLITS == 1:
@@ -164,10 +165,14 @@ class PagedAttention:
 
     heads_per_program: query heads one program attends (they share a KV head, whose keys it then reads once). Fewer
     make more programs: a batch of one sequence is otherwise a handful of programs on a device of a hundred cores.
+    span: keys a program takes at a time (a power of two, at least a key tile), from one KV block or several; each
+    span is a round of loads the next waits on, so at short contexts fewer, wider spans wait less.
     split_keys: where a bucket has more key positions, programs take this many each (split at fixed positions, so a
     row's result stays its own), and a second kernel merges their sums; a multiple of span."""
 
     def __init__(self, heads_per_program: int | None = 1, span: int = 64, split_keys: int = 512):
+        if span < KEY_TILE or span & (span - 1) or split_keys % span:
+            raise ValueError(f"a span is a power of two from {KEY_TILE} dividing split_keys, not {span} ({split_keys})")
         self.heads_per_program, self.span, self.split_keys = heads_per_program, span, split_keys
 
     def __call__(self, batch, cache: KVCache, layer: int, q, k, v, rope, window: int | None, scale: float):
@@ -201,7 +206,7 @@ class PagedAttention:
             scale, window or 0, *parts,
             R=rows, H=heads, HKV=kv_heads, HEADS=per_program, D=dim, BLOCK_D=width, BS=block_size, TILE=KEY_TILE,
             KEYS=keys, SPLIT=split, SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)),
-            BLOCK_N=min(self.span, block_size),
+            BLOCK_N=self.span, num_warps=4 if self.span <= 64 else 8,
         )  # fmt: skip
         if splits > 1:
             _combine[(count * heads,)](out, *parts, D=dim, BLOCK_D=width, SPLITS=splits)
