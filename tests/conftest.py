@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import os
+import sys
 import threading
 import time
 
@@ -99,6 +102,22 @@ class ByteTokenizer:
 
         shown = f"<tools>{json.dumps(tools)}</tools>" if tools else ""
         return shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}" for m in messages) + "<assistant>"
+
+
+def with_mistake(module, old: str, new: str, tmp_path, monkeypatch):
+    """A copy of one of the package's modules whose source says `new` where it says `old` (once), imported under a name
+    of its own (registered, as its dataclasses look their module up) with its relative imports made absolute."""
+    source = inspect.getsource(module)
+    assert source.count(old) == 1
+    package, name = module.__name__.rsplit(".", 1)
+    source = source.replace(old, new).replace("from ..", "from specdecode.").replace("from .", f"from {package}.")
+    path = tmp_path / f"broken_{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    broken = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, broken)
+    spec.loader.exec_module(broken)
+    return broken
 
 
 def tiny_config(

@@ -5,15 +5,12 @@ beside it; taken only inside fixed-shape forwards and at few rows; whole forward
 configuration by timing. Versions with a mistake in their source, or whose configuration follows the row count, fail.
 """
 
-import importlib.util
-import inspect
 import logging
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, tiny_model
+from conftest import DEVICE, tiny_model, with_mistake
 from test_cuda_graphs import captured  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
@@ -126,16 +123,7 @@ MISTAKES = {  # what the source says, and what the broken version says instead
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=list(MISTAKES))
 def test_kernels_with_a_mistake_fail(mistake, tmp_path, monkeypatch):
-    old, new = MISTAKES[mistake]
-    source = inspect.getsource(gemv)
-    assert source.count(old) == 1
-    path = tmp_path / "broken_gemv.py"
-    source = source.replace(old, new).replace("from ..", "from specdecode.")
-    path.write_text(source.replace("from .", "from specdecode.executor."))
-    spec = importlib.util.spec_from_file_location("broken_gemv", path)
-    broken = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "broken_gemv", broken)  # its dataclasses look their module up
-    spec.loader.exec_module(broken)
+    broken = with_mistake(gemv, *MISTAKES[mistake], tmp_path, monkeypatch)
     assert all(_computes_its_three_ways(gemv))  # the test can pass
     assert not all(_computes_its_three_ways(broken))
 

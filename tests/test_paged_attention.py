@@ -6,8 +6,6 @@ for a GPU's runners. Versions with a mistake in their source fail. And every lau
 down to machine code, where no GPU is at hand."""
 
 import dataclasses
-import importlib.util
-import inspect
 import logging
 import os
 import subprocess
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, tiny_config, tiny_model
+from conftest import DEVICE, tiny_config, tiny_model, with_mistake
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
@@ -179,15 +177,8 @@ MISTAKES = {  # what the source says, and what the broken version says instead
 
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=list(MISTAKES))
-def test_kernels_with_a_mistake_fail(mistake, tmp_path):
-    old, new = MISTAKES[mistake]
-    source = inspect.getsource(paged_attention)
-    assert source.count(old) == 1
-    path = tmp_path / "broken_paged_attention.py"
-    path.write_text(source.replace(old, new).replace("from ..", "from specdecode."))
-    spec = importlib.util.spec_from_file_location("broken_paged_attention", path)
-    broken = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(broken)
+def test_kernels_with_a_mistake_fail(mistake, tmp_path, monkeypatch):
+    broken = with_mistake(paged_attention, *MISTAKES[mistake], tmp_path, monkeypatch)
     # 64: four splits merged; a span of 128: two blocks a span
     cases = [(64, split_keys, window) for split_keys in (512, 64) for window in (None, 7)] + [(128, 256, None)]
     assert not all(_agrees(broken.PagedAttention(span=span, split_keys=keys), window) for span, keys, window in cases)
