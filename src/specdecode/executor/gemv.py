@@ -42,11 +42,11 @@ TIMED_ROWS = (1, 8)  # decode, and a batch-1 verify of k + 1 rows
 CHOICE = "SPECDECODE_GPU_LINEAR"  # "auto" (timed, the default), "cublas" or "triton" (the fastest configuration)
 
 
-# K is an argument, not a constant: one compilation a configuration serves every layer shape (the row count is not
-# specialised either: a decode's single row runs the code a verify's rows do).
 PLAIN, NORMED, ACTIVATED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what it does to its input first
 
 
+# K is an argument, not a constant: one compilation a configuration serves every layer shape (the row count is not
+# specialised either: a decode's single row runs the code a verify's rows do).
 @triton.jit(do_not_specialize=["M"])
 def _gemv(
     x, w, bias, y, part, M, N, K, PART,  # x [M, K] ([M, 2K]: gate, up), w [N, K], y [M, N]; part [SPLITS, M, N] float32
@@ -185,38 +185,33 @@ class Gemv:
         self.config = config
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
-        rows = _rows(x)
-        if rows is None:
-            return None
-        y = gemv(x.reshape(rows, -1).contiguous(), module.weight, module.bias, self.config)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return self._run(module, x) if _takes(x) else None
 
     def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None):
         """(module(norm(x + residual)), x + residual), residual None: (module(norm(x)), x), in one call
         (models/layers.normed_linear); None where the kernel does not apply."""
-        rows = _rows(x)
-        if rows is None:
+        if not _takes(x):
             return None
-        flat = x.reshape(rows, -1).contiguous()
-        added = None if residual is None else residual.reshape(rows, -1).contiguous()
-        out = None if residual is None else torch.empty_like(flat)
-        y = gemv(flat, module.weight, module.bias, self.config, (norm.weight, norm.eps), added, out)
-        return y.view(*x.shape[:-1], y.shape[-1]), x if out is None else out.view_as(x)
+        if residual is None:
+            return self._run(module, x, norm=(norm.weight, norm.eps)), x
+        summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        added, out = (t.reshape(-1, x.shape[-1]) for t in (residual.contiguous(), summed))
+        return self._run(module, x, norm=(norm.weight, norm.eps), residual=added, residual_out=out), summed
 
     def activated(self, module, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
         """module(SiLU(gate) * up) from the gate_up projection's output, in one call (MLP.down); None where the
         kernel does not apply (GeGLU among them)."""
-        rows = _rows(gate_up)
-        if rows is None or activation != "silu":
-            return None
-        y = gemv(gate_up.reshape(rows, -1).contiguous(), module.weight, module.bias, self.config, activated=True)
-        return y.view(*gate_up.shape[:-1], y.shape[-1])
+        return self._run(module, gate_up, activated=True) if activation == "silu" and _takes(gate_up) else None
+
+    def _run(self, module, x: torch.Tensor, **prologue) -> torch.Tensor:
+        """The kernel over x's rows, flattened, and its output in x's leading shape."""
+        y = gemv(x.reshape(-1, x.shape[-1]).contiguous(), module.weight, module.bias, self.config, **prologue)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _rows(x: torch.Tensor) -> int | None:
-    """The rows of a call the kernel takes: inside a fixed-shape forward, at most MAX_ROWS; else None."""
-    rows = x.numel() // x.shape[-1]
-    return rows if rows <= MAX_ROWS and in_fixed_shapes() else None
+def _takes(x: torch.Tensor) -> bool:
+    """Whether the kernel takes a call: inside a fixed-shape forward, at most MAX_ROWS rows."""
+    return x.numel() // x.shape[-1] <= MAX_ROWS and in_fixed_shapes()
 
 
 @dataclass
