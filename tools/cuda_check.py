@@ -51,7 +51,7 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
     "draft": (32, 64, 1, 4) if SMOKE else (896, 4864, 24, 14),
 }
 PROMPT, NEW = 200, 128
-TEST_FILES = [
+QUICK_TEST_FILES = [  # the GPU paths' own tests, run by --quick too
     "tests/test_cuda_graphs.py",
     "tests/test_gemv.py",
     "tests/test_overlap.py",
@@ -60,6 +60,8 @@ TEST_FILES = [
     "tests/test_chunked_prefill.py",
     "tests/test_runner.py",
     "tests/test_rejection_sampler.py",
+]
+TEST_FILES = QUICK_TEST_FILES + [
     "tests/test_engine.py",
     "tests/test_draft_model_proposer.py",
     "tests/test_policy.py",
@@ -202,8 +204,8 @@ def cublas_linear(model, cublas: bool = True):
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     kernels = [m.kernel for m in layers]
     try:
-        for m in layers:
-            m.kernel = None if cublas else m.kernel
+        for m in layers if cublas else ():
+            m.kernel = None
         yield
     finally:
         for m, kernel in zip(layers, kernels):
@@ -952,7 +954,7 @@ def main() -> None:
         greedy_bits(target, draft)
         compiler_counts()
         if not args.skip_tests:
-            tests(TEST_FILES[:7])
+            tests(QUICK_TEST_FILES)
         return
     if not args.only_sweep:
         batch_one_eager(target)
