@@ -275,12 +275,12 @@ def test_sampled_steps_queue_ahead_and_draw_what_steps_one_after_another_draw(mo
     assert len(queued) >= 20 and max(queued) == 4
 
 
+picks_of = ahead.picks_of  # the real one, which the broken variant below wraps once it is patched in
+
+
 def _logprobs_a_row_late(seqs, logits):
     tokens, table = picks_of(seqs, logits)
     return tokens, None if table is None else table.roll(1, 0)
-
-
-picks_of = ahead.picks_of
 
 
 @pytest.mark.parametrize("broken", [False, True])
