@@ -6,6 +6,7 @@ engine. On a CPU they run without capture; with SPECDECODE_TEST_DEVICE=cuda, cap
 import pytest
 import torch
 from conftest import DEVICE, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor import cuda_graphs
@@ -547,9 +548,9 @@ def test_replayed_sampled_chains_draft_what_rounds_one_by_one_do(captured):
 
 
 def test_sampled_chains_hold_no_more_than_the_memory_plan_reserves():
-    """Sampled chains of every bucket (1, 2 and 4 sequences) and number of rounds (1 to 3, k_max = 4) hold q within
-    what the memory plan reserves for them on a GPU (engine/memory.sampled_chain_reserve)."""
-    from specdecode.engine.memory import sampled_chain_reserve
+    """Sampled chains of every bucket (1, 2 and 4 sequences) and number of rounds (1 to 3, k_max = 4) hold the first
+    round's logits and q within what the memory plan reserves for them on a GPU (memory.chained_rounds_reserve)."""
+    from specdecode.engine.memory import chained_rounds_reserve
 
     model, features_of = _drafter("draft model")
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -559,8 +560,55 @@ def test_sampled_chains_hold_no_more_than_the_memory_plan_reserves():
         for rounds in (1, 2, 3):
             sampling = (SAMPLED[:n], uniforms[:n, : rounds + 1].to(DEVICE))
             assert runner.chained_rounds(slots[:n], logits[:n], None, [rounds] * n, sampling) is not None
-    held = sum(q.numel() * q.element_size() for q in runner._rounds._q.values())
-    assert len(runner._rounds._q) == 9 and held <= sampled_chain_reserve(model.cfg, len(prompts), 4)
+    buffers = [*runner._rounds._q.values(), *runner._rounds._first.values()]
+    held = sum(t.numel() * t.element_size() for t in buffers)
+    assert len(buffers) == 9 + 3 and held <= chained_rounds_reserve(model.cfg, len(prompts), 4)
+
+
+class _OpsOutside(TorchDispatchMode):
+    """The ATen operations dispatched outside a chain's rounds (DraftChain._run: in its graph on a GPU), by name,
+    views left out (they launch nothing)."""
+
+    VIEWS = {"alias", "view", "slice", "select", "unsqueeze", "expand", "lift_fresh", "detach", "_unsafe_view"}
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.inside = set(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside and name not in self.VIEWS:
+            self.names.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["head", "restricted draft model"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_chained_rounds_pick_the_first_draft_inside_the_chain(captured, monkeypatch, kind, sampled):
+    """Outside its graph, drafting by chained rounds only copies inputs in: the first round's pick (argmax, softmax,
+    a draw) runs within the chain's replay, where its kernels cost no launch each."""
+    from specdecode.executor.draft_chain import DraftChain
+
+    model, features_of = _drafter(kind)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    runner, slots, logits, estimates = _drafting_runner(model, True, features_of, prompts)
+    sampling = None
+    if sampled:
+        uniforms = torch.rand(len(prompts), 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        sampling = (SAMPLED[:2], uniforms.to(DEVICE))
+    ops, run = _OpsOutside(), DraftChain._run
+
+    def marked(self, chain):
+        ops.inside = True
+        run(self, chain)
+        ops.inside = False
+
+    monkeypatch.setattr(DraftChain, "_run", marked)
+    runner.chained_rounds(slots, logits, estimates, [3, 2], sampling)  # captured: the chain's first run
+    with ops:
+        out = runner.chained_rounds(slots, logits, estimates, [3, 2], sampling)  # replayed
+    assert out is not None and out[0].shape == (2, 4)
+    assert ops.names <= {"copy_", "_to_copy", "zero_", "fill_"}, ops.names
 
 
 BROKEN_SAMPLED_CHAIN = {

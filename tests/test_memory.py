@@ -159,17 +159,17 @@ def test_weights_in_one_arena_count_their_own_bytes_and_a_head_what_it_adds(tmp_
     assert target.weight_bytes() == expected
 
 
-def test_a_gpu_plan_reserves_what_sampled_chained_rounds_hold(target, random_draft, monkeypatch):
-    """On a GPU a drafter's sampled chained rounds keep q per bucket and number of rounds (executor/draft_chain.py):
-    the plan reserves their most beside the activations, so the KV pools leave room for them; a CPU (no chains there)
-    and a target without a drafter reserve nothing for them."""
-    from specdecode.engine.memory import sampled_chain_reserve
+def test_a_gpu_plan_reserves_what_chained_rounds_hold(target, random_draft, monkeypatch):
+    """On a GPU a drafter's chained rounds keep the first round's logits per bucket, and sampled ones q per bucket and
+    number of rounds (executor/draft_chain.py): the plan reserves their most beside the activations, so the KV pools
+    leave room for them; a CPU (no chains there) and a target without a drafter reserve nothing for them."""
+    from specdecode.engine.memory import chained_rounds_reserve
 
     on_cpu = plan_memory(target.model, random_draft.model, 128, 48, 4, None)
     monkeypatch.setattr(type(target.model), "device", property(lambda self: torch.device("cuda")))
     on_gpu = plan_memory(target.model, random_draft.model, 128, 48, 4, None)
     alone = plan_memory(target.model, None, 128, 48, 4, None)
     vocab = target.config.vocab_size
-    assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == sampled_chain_reserve(target.config, 48, 4)
-    assert sampled_chain_reserve(target.config, 48, 4) == 2 * 64 * (1 + 2 + 3) * vocab * 4
+    assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == chained_rounds_reserve(target.config, 48, 4)
+    assert chained_rounds_reserve(target.config, 48, 4) == 2 * 64 * (1 + 2 + 3 + 4) * vocab * 4
     assert alone.reserve_bytes == on_cpu.reserve_bytes

@@ -70,11 +70,12 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int,
     return prefill + logits
 
 
-def sampled_chain_reserve(cfg: ModelConfig, max_num_seqs: int, k_max: int) -> int:
-    """The most a drafter's sampled chained rounds hold on a GPU (executor/draft_chain.py): q, [B, rounds, V] float32,
-    one buffer per bucket of B sequences (powers of two: together under twice the largest) and number of rounds."""
+def chained_rounds_reserve(cfg: ModelConfig, max_num_seqs: int, k_max: int) -> int:
+    """The most a drafter's chained rounds hold on a GPU (executor/draft_chain.py), per bucket of B sequences (powers
+    of two: together under twice the largest): the first round's logits, [B, V] float32, and where they sample q,
+    [B, rounds + 1, V] float32 for each number of rounds from 1 to k_max - 1."""
     largest = 1 << (max_num_seqs - 1).bit_length()
-    return 2 * largest * (k_max * (k_max - 1) // 2) * cfg.vocab_size * 4
+    return 2 * largest * (k_max * (k_max + 1) // 2) * cfg.vocab_size * 4
 
 
 @dataclass
@@ -82,7 +83,7 @@ class MemoryPlan:
     budget_bytes: int | None
     target_weight_bytes: int
     draft_weight_bytes: int
-    reserve_bytes: int  # activations, and on a GPU what a drafter's sampled chained rounds hold (q)
+    reserve_bytes: int  # activations, and on a GPU what a drafter's chained rounds hold (logits, q)
     kv_bytes_per_token: int  # target and draft caches together, and a draft head's unread features
     max_model_len: int
     num_slots: int  # sequences at once
@@ -172,7 +173,7 @@ def plan_memory(
     wanted = max_num_seqs * blocks_for(max_model_len)
     reserve = activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max)
     if target.device.type == "cuda" and (draft is not None or features):  # a drafter whose rounds chain there
-        reserve += sampled_chain_reserve(target.cfg, max_num_seqs, k_max)
+        reserve += chained_rounds_reserve(target.cfg, max_num_seqs, k_max)
     plan = MemoryPlan(
         budget_bytes,
         target.weight_bytes(),

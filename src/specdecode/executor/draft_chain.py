@@ -3,10 +3,12 @@
 Each drafting round after the first reads one token per sequence: the draft of the round before (and, for a draft
 head, the features that round estimated). Driven from the host, every round waits for its draft to be copied back
 before the next is launched, and k rounds pay k launches and k synchronisations. Here the rounds after the first run
-in one replay: each round's draft is written into the next round's input on the device, and every round's draft
-and its probability come back together. A greedy row drafts its argmax; a sampled row (no logits processor, no
-grammar: those need the host) draws from its distribution by its own settings (sampling/per_row.py) at a uniform its
-sequence drew beforehand from its own stream, and that distribution, q, stays on the device for verification.
+in one replay, the pick from the first round's logits with them (a copy of those in, where picking outside the
+graph would launch its kernels one by one): each round's draft is written into the next round's input on the
+device, and every round's draft and its probability come back together. A greedy row drafts its argmax; a
+sampled row (no logits processor, no grammar: those need the host) draws from its distribution by its own settings
+(sampling/per_row.py) at a uniform its sequence drew beforehand from its own stream, and that distribution, q, stays
+on the device for verification.
 
 Sequences that draft fewer rounds than the longest write their extra rounds' keys into the scratch block, never past
 the rows they would have written round by round; their extra drafts are dropped, as are the drafts after one under
@@ -40,17 +42,19 @@ def over_target_vocab(logits: torch.Tensor, vocab_ids: torch.Tensor | None, voca
 
 
 class _Chain:
-    """One bucket's rounds: its batch, how many rounds each sequence drafts, and every round's drafts and their
-    probabilities ([B, rounds], written by each run or replay). Where it samples: each row's settings, whether it
-    is greedy, its uniforms a round and every round's distributions over the target's vocabulary ([B, rounds, V])."""
+    """One bucket's rounds: its batch, the first round's logits ([B, columns], copied in), how many rounds each
+    sequence drafts after the first, and every draft and its probability, the first round's pick in column 0 ([B,
+    rounds + 1], written by each run or replay). Where it samples: each row's settings, whether it is greedy, its
+    uniforms a draft and every draft's distribution over the target's vocabulary ([B, rounds + 1, V])."""
 
-    def __init__(self, batch: StaticBatch, rounds: int, kinds: frozenset[str] | None, q: torch.Tensor | None):
+    def __init__(self, batch: StaticBatch, rounds: int, first: torch.Tensor, kinds, q: torch.Tensor | None):
         device, seqs = batch.ints.device, batch.bucket.seqs
-        self.batch, self.rounds, self.graph, self.q = batch, rounds, None, q
+        self.batch, self.rounds, self.graph, self.first, self.q = batch, rounds, None, first, q
         self.limits = torch.zeros(seqs, dtype=torch.long, device=device)
-        self.tokens = torch.zeros(seqs, rounds, dtype=torch.long, device=device)
-        self.probs = torch.zeros(seqs, rounds, dtype=torch.float32, device=device)
-        self.sampling = None if kinds is None else RowSampling.allocate(seqs, rounds, kinds, q.shape[-1], device)
+        self.tokens = torch.zeros(seqs, rounds + 1, dtype=torch.long, device=device)
+        self.probs = torch.zeros(seqs, rounds + 1, dtype=torch.float32, device=device)
+        drafts = rounds + 1
+        self.sampling = None if kinds is None else RowSampling.allocate(seqs, drafts, kinds, q.shape[-1], device)
 
 
 @dataclass
@@ -86,13 +90,16 @@ class DraftChain:
     sampled, captured the first time it is met."""
 
     def __init__(self, forward: BucketedForward, vocab_ids: torch.Tensor | None, vocab: int):
-        """vocab_ids: the target's ids of the logits' columns, where the drafter's LM head covers a subset; vocab:
-        the target's vocabulary size (a sampled draft's q covers it)."""
+        """vocab_ids: the target's ids of the logits' columns, where the drafter's LM head covers a subset (else its
+        logits cover the vocabulary); vocab: the target's vocabulary size (a sampled draft's q covers it)."""
         self.forward, self.vocab_ids, self.vocab = forward, vocab_ids, vocab
+        self.columns = vocab if vocab_ids is None else len(vocab_ids)
         self._chains: dict[tuple, _Chain] = {}
         self._refused: set[tuple] = set()
-        # sampled chains of one bucket and number of rounds share their q (one chain runs at a time, and its q is
-        # verified before the next drafting): [B, rounds, V] float32, 156 MB for 64 sequences, 4 rounds, 152k ids
+        # chains of one bucket share the first round's logits, and sampled chains of one bucket and number of rounds
+        # their q (one chain runs at a time, and its q is verified before the next drafting): [B, rounds + 1, V]
+        # float32, 156 MB for 64 sequences, 3 rounds after the first, 152k ids (engine/memory.py reserves them)
+        self._first: dict[int, torch.Tensor] = {}
         self._q: dict[tuple[int, int], torch.Tensor] = {}
 
     def prepare(self, starts: list[int], rounds: list[int], kinds: frozenset[str] | None = None) -> _Chain | None:
@@ -110,18 +117,19 @@ class DraftChain:
         chain: _Chain,
         slots,
         starts,
-        first: torch.Tensor,
+        logits: torch.Tensor,
         features: torch.Tensor | None,
         rounds: list[int],
         sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
     ):
-        """Each sequence's drafts after `first` (its draft of the round before, a target id on the device), their
-        probabilities, [n, max(rounds)] on the device (sequence i's first rounds[i] are its own), and where the chain
-        samples their distributions [n, max(rounds), V]. features: each sequence's features estimated in the round
-        before (a draft head's); sampling: each sequence's settings and its uniforms for these rounds."""
+        """Each sequence's draft picked from `logits` (its row of the round before) and its drafts of the rounds after
+        it, their probabilities, [n, max(rounds) + 1] on the device (sequence i's first rounds[i] + 1 are its own),
+        and where the chain samples their distributions [n, max(rounds) + 1, V]: the chain's buffers, which its next
+        run overwrites. features: each sequence's features estimated in the round before (a draft head's);
+        sampling: each sequence's settings and its uniforms for these drafts."""
         n, batch = len(slots), chain.batch
         batch.fill(slots, starts, [[0]] * n, self.forward.cache.scratch_row)
-        batch.tokens[:n, 0] = first
+        chain.first[:n] = logits
         if features is not None:
             batch.features[:n, 0] = features
         copy_into(chain.limits, rounds + [0] * (batch.bucket.seqs - n))
@@ -136,17 +144,23 @@ class DraftChain:
     @torch.inference_mode()
     def _run(self, chain: _Chain) -> None:
         batch = chain.batch
+        self._pick_into(chain, chain.first, 0)
+        batch.tokens[:, 0] = chain.tokens[:, 0]
         own = batch.slots[:, 0].clone()
         for r in range(chain.rounds):
             # past its own rounds a sequence writes into the scratch block
             batch.slots[:, 0] = torch.where(chain.limits > r, own, self.forward.cache.scratch_row)
             batch.forget()
             logits, hidden = self.forward.run(batch)
-            if chain.sampling is None:
-                chain.tokens[:, r], chain.probs[:, r] = self.pick(logits)
-            else:
-                chain.tokens[:, r], chain.probs[:, r], chain.q[:, r] = self.pick(logits, chain.sampling, r)
-            self._next_round(batch, chain.tokens[:, r], hidden)
+            self._pick_into(chain, logits, r + 1)
+            self._next_round(batch, chain.tokens[:, r + 1], hidden)
+
+    def _pick_into(self, chain: _Chain, logits: torch.Tensor, at: int) -> None:
+        """Each row's draft from its logits into column `at` of the chain's drafts (and of q where it samples)."""
+        if chain.sampling is None:
+            chain.tokens[:, at], chain.probs[:, at] = self.pick(logits)
+        else:
+            chain.tokens[:, at], chain.probs[:, at], chain.q[:, at] = self.pick(logits, chain.sampling, at)
 
     def pick(self, logits: torch.Tensor, sampling: RowSampling | None = None, at: int = 0):
         """Each row's draft (a target id) and the drafter's probability of it, on the device: the argmax and its
@@ -173,13 +187,12 @@ class DraftChain:
 
     def _prepare(self, key: tuple) -> _Chain | None:
         bucket, rounds, kinds = key
+        device = self.forward.cache.table.device
+        first = _shared(self._first, bucket.seqs, (bucket.seqs, self.columns), device)
         q = None
         if kinds is not None:
-            if (bucket.seqs, rounds) not in self._q:
-                device = self.forward.cache.table.device
-                self._q[bucket.seqs, rounds] = torch.zeros(bucket.seqs, rounds, self.vocab, device=device)
-            q = self._q[bucket.seqs, rounds]
-        chain = _Chain(self.forward.new_batch(bucket), rounds, kinds, q)
+            q = _shared(self._q, (bucket.seqs, rounds), (bucket.seqs, rounds + 1, self.vocab), device)
+        chain = _Chain(self.forward.new_batch(bucket), rounds, first, kinds, q)
         if self.forward.capture:
             try:
                 chain.graph, _ = self.forward.capture_graph(chain.batch, lambda: self._run(chain))
@@ -189,3 +202,10 @@ class DraftChain:
                 return None
         self._chains[key] = chain
         return chain
+
+
+def _shared(buffers: dict, key, shape: tuple[int, ...], device) -> torch.Tensor:
+    """The float32 buffer of this key, made the first time it is asked for."""
+    if key not in buffers:
+        buffers[key] = torch.zeros(shape, device=device)
+    return buffers[key]

@@ -36,7 +36,7 @@ from ..sampling import SamplingParams
 from ..sampling.per_row import kinds_of
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
-from .draft_chain import DraftChain, RowSampling
+from .draft_chain import DraftChain
 
 log = logging.getLogger(__name__)
 
@@ -371,9 +371,10 @@ class ModelRunner:
         `features`), chained on the device (executor/draft_chain.py). Greedy, or where `sampling` gives each slot's
         settings and its uniforms [n, max(rounds) + 1], greedy or sampled a row by its settings. The drafts (target
         ids), the drafter's probability of each, [n, max(rounds) + 1] on the device, slot i's the first rounds[i] + 1,
-        and where sampled each draft's distribution [n, max(rounds) + 1, V] (else None): nothing waits for them. The
-        rounds' rows are written, not committed, their ids settled once read (`settle`). None where the rounds do not
-        chain (no fixed shapes, no bucket): the caller drafts round by round."""
+        and where sampled each draft's distribution [n, max(rounds) + 1, V] (else None): nothing waits for them, and
+        the next chained drafting overwrites them. The rounds' rows are written, not committed, their ids settled once
+        read (`settle`). None where the rounds do not chain (no fixed shapes, no bucket): the caller drafts round by
+        round."""
         starts = [self._cache.lengths[s] for s in slots]
         if self._rounds is None or any(s + r > self.max_len for s, r in zip(starts, rounds)):
             return None
@@ -383,17 +384,10 @@ class ModelRunner:
             return None
         for slot, start, r in zip(slots, starts, rounds):
             self._cache.reserve(slot, start + r)
-        if sampling is None:
-            first = (*self._rounds.pick(logits), None)
-        else:
-            params, uniforms = sampling
-            first = self._rounds.pick(logits, RowSampling.of(params, uniforms, self.cfg.vocab_size))
-            sampling = (params, uniforms[:, 1:])
-        drafts = self._rounds.run(chain, slots, starts, first[0], features, rounds, sampling)
+        drafts = self._rounds.run(chain, slots, starts, logits, features, rounds, sampling)
         for slot, start, r in zip(slots, starts, rounds):
             self._wrote(slot, start, [_UNSETTLED] * r)  # its r chained rounds read its drafts before the last
-        joined = [torch.cat([a[:, None], b], 1) for a, b in zip(first[:2], drafts[:2])]
-        return *joined, None if sampling is None else torch.cat([first[2][:, None], drafts[2]], 1)
+        return drafts
 
     @property
     def replays_graphs(self) -> bool:
