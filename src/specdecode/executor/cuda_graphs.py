@@ -360,15 +360,15 @@ class _FusedNorm:
 
 
 def fuse_elementwise(model) -> bool:
-    """Give the model's norms, RoPE and SwiGLU MLPs compiled kernels, once; a module that already has a
-    backend's kernel keeps it. Where compiling fails (no compiler for the device), the model stays as it was:
-    False."""
-    from ..models.layers import MLP, RMSNorm, apply_rope
+    """Give the model's norms, RoPE (its tables and their use) and SwiGLU MLPs compiled kernels, once; a module that
+    already has a backend's kernel keeps it. Where compiling fails (no compiler for the device), the model stays as it
+    was: False."""
+    from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, rope_tables
     from ..models.runtime import Attention
 
     if getattr(model, "elementwise_fused", False):
         return True
-    compiled = [torch.compile(f, dynamic=True) for f in (_rms_norm, _add_rms_norm, _silu_mul, _rope)]
+    compiled = [torch.compile(f, dynamic=True) for f in (_rms_norm, _add_rms_norm, _silu_mul, _rope, rope_tables)]
     try:
         _try_compiled(compiled, model.device, model.dtype)
     except Exception as e:  # any compiler failure leaves the eager kernels, which work
@@ -376,9 +376,12 @@ def fuse_elementwise(model) -> bool:
         return False
     norm = _FusedNorm(_InFixedShapes(compiled[0], _rms_norm), _InFixedShapes(compiled[1], _add_rms_norm))
     silu_mul, rope = _InFixedShapes(compiled[2], _silu_mul), _InFixedShapes(compiled[3], apply_rope)
+    tables = _InFixedShapes(compiled[4], rope_tables)
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = norm
+        elif isinstance(module, RotaryEmbedding) and module.kernel is None:
+            module.kernel = tables
         elif isinstance(module, MLP) and module.activation == "silu" and module.act_mul_kernel is None:
             module.act_mul_kernel = silu_mul
         elif isinstance(module, Attention) and module.rope_kernel is apply_rope:
@@ -390,14 +393,18 @@ def fuse_elementwise(model) -> bool:
 @torch.inference_mode()  # as the model's forward runs: another grad mode or tensor kind would compile anew
 def _try_compiled(compiled, device, dtype) -> None:
     """Run each compiled function once (compiling it), against its eager self."""
+    from ..models.layers import rope_tables
+
     x = torch.randn(3, 2, 8, device=device, dtype=dtype)
     weight = torch.nn.Parameter(torch.ones(8, device=device, dtype=dtype), requires_grad=False)  # as a norm's
     tolerance = max(2e-3, 8 * torch.finfo(dtype).eps)  # a few last places: the fused kernels round otherwise
+    positions = torch.arange(6, device=device).view(2, 3) * 1000  # large angles: where cos and sin may differ most
     cases = [
         (_rms_norm, (weight, 1e-6, x)),
         (_add_rms_norm, (weight, 1e-6, x, x)),
         (_silu_mul, (x,)),
         (_rope, (x, x, x)),
+        (rope_tables, (positions, torch.rand(4, device=device), dtype)),
     ]
     for fn, (eager, args) in zip(compiled, cases):
         got, want = fn(*args), eager(*args)

@@ -95,15 +95,22 @@ class RotaryEmbedding(nn.Module):
     """NeoX-style rotary embedding (halves rotated; GGUF Llama q/k rows are un-permuted to match), with the
     frequency scalings of ModelConfig.rope_scaling."""
 
+    kernel = None  # rope_tables in one kernel (a GPU's, executor/cuda_graphs.fuse_elementwise), else None
+
     def __init__(self, head_dim: int, theta: float, scaling: tuple = (), freq_factors: torch.Tensor | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", scaled_frequencies(inv_freq, dict(scaling), freq_factors), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (self.kernel or rope_tables)(positions, self.inv_freq, dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos and sin [B, 1, T, D] of the positions [B, T] at each frequency, both halves alike."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict, freq_factors: torch.Tensor | None) -> torch.Tensor:
