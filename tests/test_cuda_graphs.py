@@ -611,6 +611,35 @@ def test_chained_rounds_pick_the_first_draft_inside_the_chain(captured, monkeypa
     assert ops.names <= {"copy_", "_to_copy", "zero_", "fill_"}, ops.names
 
 
+def test_a_chains_greedy_drafts_are_one_compiled_kernel_that_picks_as_the_eager_form(captured):
+    """Where chains are captured, their greedy pick is compiled (eight kernels a round eager): the same argmax, the
+    first of tied logits included, and its probability; a compiled form that picks otherwise is refused at start-up."""
+    from specdecode.executor import draft_chain
+
+    model, features_of = _drafter("restricted draft model")
+    runner, *_ = _drafting_runner(model, True, features_of, [[5, 6, 7]])
+    fused = draft_chain.fused_greedy_drafts(DEVICE)
+    assert runner._rounds._greedy is fused and fused is not draft_chain.greedy_drafts
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits[2, [7, 9, 250]] = 50.0  # a tie: the first column wins, as argmax has it
+    ids = torch.randperm(1000, generator=torch.Generator().manual_seed(2))[:300].to(DEVICE)
+    with torch.inference_mode():
+        for vocab_ids in (None, ids):
+            (tokens, probs), (want, want_probs) = fused(logits, vocab_ids), draft_chain.greedy_drafts(logits, vocab_ids)
+            assert torch.equal(tokens, want) and int(want[2]) == (7 if vocab_ids is None else int(ids[7]))
+            torch.testing.assert_close(probs, want_probs)
+
+
+def test_a_compiled_greedy_pick_that_disagrees_is_refused(monkeypatch):
+    from specdecode.executor import draft_chain
+
+    def off_by_one(fn, **options):
+        return lambda logits, vocab_ids: (fn(logits, vocab_ids)[0] + 1, fn(logits, vocab_ids)[1])
+
+    monkeypatch.setattr(torch, "compile", off_by_one)
+    assert draft_chain.fused_greedy_drafts.__wrapped__(DEVICE) is draft_chain.greedy_drafts
+
+
 BROKEN_SAMPLED_CHAIN = {
     # each round drawing at the next round's uniform
     "uniforms a round late": lambda params, uniforms: (params, uniforms.roll(-1, 1)),

@@ -19,6 +19,7 @@ Without capture (a CPU, in tests) the same rounds run at the same fixed shapes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class DraftChain:
         logits cover the vocabulary); vocab: the target's vocabulary size (a sampled draft's q covers it)."""
         self.forward, self.vocab_ids, self.vocab = forward, vocab_ids, vocab
         self.columns = vocab if vocab_ids is None else len(vocab_ids)
+        self._greedy = fused_greedy_drafts(forward.cache.table.device.type) if forward.capture else greedy_drafts
         self._chains: dict[tuple, _Chain] = {}
         self._refused: set[tuple] = set()
         # chains of one bucket share the first round's logits, and sampled chains of one bucket and number of rounds
@@ -166,10 +168,10 @@ class DraftChain:
         """Each row's draft (a target id) and the drafter's probability of it, on the device: the argmax and its
         softmax probability; where `sampling` holds the row's settings, a draw from its distribution q at its uniform
         `at` and q's probability of it, q returned too."""
+        if sampling is None:
+            return self._greedy(logits, self.vocab_ids)
         argmax = logits.argmax(-1)
         tokens = argmax if self.vocab_ids is None else self.vocab_ids[argmax]
-        if sampling is None:
-            return tokens, argmax_probability(logits)
         q = probs_of_settings(over_target_vocab(logits, self.vocab_ids, self.vocab), sampling.settings)
         drawn = sample_at(q, sampling.uniforms[:, at])
         greedy = sampling.greedy
@@ -202,6 +204,32 @@ class DraftChain:
                 return None
         self._chains[key] = chain
         return chain
+
+
+def greedy_drafts(logits: torch.Tensor, vocab_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (a target id: its column's in vocab_ids where the logits cover a subset) and its softmax
+    probability."""
+    argmax = logits.argmax(-1)
+    return argmax if vocab_ids is None else vocab_ids[argmax], argmax_probability(logits)
+
+
+@functools.cache
+def fused_greedy_drafts(device_type: str):
+    """greedy_drafts compiled, once a process (shapes symbolic: one compilation serves every bucket), where the
+    compiler serves this device and agrees with the eager form; else the eager form. In a graph every kernel costs a
+    few microseconds however small: the eager form is eight a round, the compiled one or two."""
+    compiled = torch.compile(greedy_drafts, dynamic=True)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).to(device_type)
+    ids = torch.arange(100, 150, device=device_type)
+    try:
+        with torch.inference_mode():  # as chains run: another grad mode would compile anew
+            for vocab_ids in (None, ids):
+                got, want = compiled(logits, vocab_ids), greedy_drafts(logits, vocab_ids)
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    except Exception as e:  # any compiler failure leaves the eager kernels, which work
+        log.warning("greedy drafts of chained rounds stay unfused: compiling them failed (%s)", e)
+        return greedy_drafts
+    return compiled
 
 
 def _shared(buffers: dict, key, shape: tuple[int, ...], device) -> torch.Tensor:
