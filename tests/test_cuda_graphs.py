@@ -277,15 +277,19 @@ def _head_for(target):
     return build_head(spec, None, target.model, torch.arange(target.config.vocab_size))
 
 
-def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager kernels", "fused elementwise"])
+def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features(fused):
     """A draft head's decode and verify forwards at bucket shapes (replayed as graphs on a GPU) take each row's
-    target features beside its token, as its eager forwards do: the same logits and estimated features."""
+    target features beside its token, as its eager forwards do: the same logits and estimated features; with the
+    GPU's compiled elementwise steps (compiled for the CPU here), its two input norms among them, too."""
     target = tiny_model(seed=0)
     head = _head_for(target)
     hidden = target.config.hidden_size
     steps = [[10, 3], [1, 1], [3, 2], [1, 1]]  # per step, each sequence's new rows: a catch-up, decodes, verifies
     outs = []
-    for fixed in (True, False):
+    for fixed in (False, True):
+        if fixed and fused:  # after the eager reference, which the compiled kernels' eager forms must not make
+            assert cuda_graphs.fuse_elementwise(head) and head.inputs_kernel is not None
         runner = ModelRunner(head, 2, 256, fixed_shapes=fixed)
         slots, got, gen = [runner.allocate(), runner.allocate()], [], torch.Generator().manual_seed(1)
         for widths in steps:
@@ -296,7 +300,7 @@ def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features():
                 runner.commit(slot, runner.length(slot) + n)
         outs.append(got)
         assert bool(runner._fixed and runner._fixed.buckets) == fixed  # decodes and verifies took a bucket
-    for (fixed_logits, fixed_estimates), (logits, estimates) in zip(*outs):
+    for (logits, estimates), (fixed_logits, fixed_estimates) in zip(*outs):
         torch.testing.assert_close(fixed_logits, logits, atol=ATOL, rtol=0)
         torch.testing.assert_close(fixed_estimates, estimates, atol=ATOL, rtol=0)
 

@@ -329,6 +329,11 @@ def _add_rms_norm(weight, eps: float, x, residual):
     return _rms_norm(weight, eps, x), x
 
 
+def _normed_pair(weight_a, eps_a: float, a, weight_b, eps_b: float, b):
+    """[norm_a(a), norm_b(b)]: a draft head's input, before its fusing projection."""
+    return torch.cat([_rms_norm(weight_a, eps_a, a), _rms_norm(weight_b, eps_b, b)], -1)
+
+
 def _silu_mul(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -360,15 +365,17 @@ class _FusedNorm:
 
 
 def fuse_elementwise(model) -> bool:
-    """Give the model's norms, RoPE (its tables and their use) and SwiGLU MLPs compiled kernels, once; a module that
-    already has a backend's kernel keeps it. Where compiling fails (no compiler for the device), the model stays as it
-    was: False."""
+    """Give the model's norms, RoPE (its tables and their use) and SwiGLU MLPs compiled kernels, and a draft head's
+    two input norms one, once; a module that already has a backend's kernel keeps it. Where compiling fails (no
+    compiler for the device), the model stays as it was: False."""
+    from ..models.draft_head import DraftHead
     from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, rope_tables
     from ..models.runtime import Attention
 
     if getattr(model, "elementwise_fused", False):
         return True
-    compiled = [torch.compile(f, dynamic=True) for f in (_rms_norm, _add_rms_norm, _silu_mul, _rope, rope_tables)]
+    eager = (_rms_norm, _add_rms_norm, _silu_mul, _rope, rope_tables, _normed_pair)
+    compiled = [torch.compile(f, dynamic=True) for f in eager]
     try:
         _try_compiled(compiled, model.device, model.dtype)
     except Exception as e:  # any compiler failure leaves the eager kernels, which work
@@ -376,7 +383,9 @@ def fuse_elementwise(model) -> bool:
         return False
     norm = _FusedNorm(_InFixedShapes(compiled[0], _rms_norm), _InFixedShapes(compiled[1], _add_rms_norm))
     silu_mul, rope = _InFixedShapes(compiled[2], _silu_mul), _InFixedShapes(compiled[3], apply_rope)
-    tables = _InFixedShapes(compiled[4], rope_tables)
+    tables, pair = _InFixedShapes(compiled[4], rope_tables), _InFixedShapes(compiled[5], _normed_pair)
+    if isinstance(model, DraftHead) and model.inputs_kernel is None:
+        model.inputs_kernel = pair
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = norm
@@ -405,6 +414,7 @@ def _try_compiled(compiled, device, dtype) -> None:
         (_silu_mul, (x,)),
         (_rope, (x, x, x)),
         (rope_tables, (positions, torch.rand(4, device=device), dtype)),
+        (_normed_pair, (weight, 1e-6, x, weight, 1e-5, -x)),
     ]
     for fn, (eager, args) in zip(compiled, cases):
         got, want = fn(*args), eager(*args)

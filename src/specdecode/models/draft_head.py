@@ -107,6 +107,7 @@ class DraftHead(nn.Module):
 
     backend = "torch"
     layers_kernel = None  # as Transformer's
+    inputs_kernel = None  # see _fused_input
     capture_graphs = True  # as Transformer's: decode and verify forwards at bucket shapes on a GPU, replayed
     reads_features = True  # the forward takes the target's features beside the tokens (a bucket holds them too)
 
@@ -139,7 +140,7 @@ class DraftHead(nn.Module):
             if features is None:  # timing a forward (the profile): contents do not change its cost
                 features = torch.zeros_like(embedded)
             features = features.to(embedded.dtype)
-            x = self._fused_input(self.embed_norm(embedded), features)
+            x = self._fused_input(embedded, features)
             x, residual = run_layers(self, x, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
             return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
 
@@ -152,7 +153,7 @@ class DraftHead(nn.Module):
         cached: round 0's at positions up to q - s, then one row of each later round up to its own. Rows
         q < s have no such context and are the caller's to ignore."""
         batch, width, hidden = features.shape
-        embedded = self.embed_norm(self._shared["embed"](tokens).float())
+        embedded = self._shared["embed"](tokens).float()
         rope = self.rotary(torch.arange(width, device=features.device)[None], features.dtype)
         layer, keys, values, out = self.layers[0], [], [], []
         for step in range(steps):
@@ -173,8 +174,13 @@ class DraftHead(nn.Module):
             out.append(self._output(_estimate(features, layer.mlp(h), residual), None, True))
         return out
 
-    def _fused_input(self, normed_embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([normed_embeddings, self.feature_norm(features)], -1))
+    def _fused_input(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc over [norm(embeddings), norm(features)], the norms and their concatenation one kernel where the head has
+        it (a GPU's: executor/cuda_graphs.fuse_elementwise)."""
+        e, f = self.embed_norm, self.feature_norm
+        if self.inputs_kernel is not None:
+            return self.fc(self.inputs_kernel(e.weight, e.eps, embedded, f.weight, f.eps, features))
+        return self.fc(torch.cat([e(embedded), f(features)], -1))
 
     def _output(self, predicted, rows, return_hidden):
         if rows is not None:
