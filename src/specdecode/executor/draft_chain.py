@@ -52,6 +52,7 @@ class _Chain:
         device, seqs = batch.ints.device, batch.bucket.seqs
         self.batch, self.rounds, self.graph, self.first, self.q = batch, rounds, None, first, q
         self.limits = torch.zeros(seqs, dtype=torch.long, device=device)
+        self.round_ids = torch.arange(rounds, device=device)[:, None]
         self.tokens = torch.zeros(seqs, rounds + 1, dtype=torch.long, device=device)
         self.probs = torch.zeros(seqs, rounds + 1, dtype=torch.float32, device=device)
         drafts = rounds + 1
@@ -148,10 +149,10 @@ class DraftChain:
         batch = chain.batch
         self._pick_into(chain, chain.first, 0)
         batch.tokens[:, 0] = chain.tokens[:, 0]
-        own = batch.slots[:, 0].clone()
+        # each round's slot of each row, at once: past its own rounds a sequence writes into the scratch block
+        slots = torch.where(chain.limits > chain.round_ids, batch.slots[:, 0], self.forward.cache.scratch_row)
         for r in range(chain.rounds):
-            # past its own rounds a sequence writes into the scratch block
-            batch.slots[:, 0] = torch.where(chain.limits > r, own, self.forward.cache.scratch_row)
+            batch.slots[:, 0] = slots[r]
             batch.forget()
             logits, hidden = self.forward.run(batch)
             self._pick_into(chain, logits, r + 1)
