@@ -365,10 +365,13 @@ def head_step(target):
         if fixed and DEVICE == "cuda":  # what a round's replay is made of: its weights are a few microseconds' reading
             _kernel_list("head round", next(iter(runner._fixed._entries.values())).graph)
     for chained in (False, True):  # k = 4 greedy drafts: a round, then three more from the host or chained
-        seconds = median_seconds(_head_drafts(head, features, 4, chained), 50)
+        drafts = _head_drafts(head, features, 4, chained)
+        seconds = median_seconds(drafts, 50)
         name = "k=4 chained" if chained else "k=4 one by one"
         rows[name] = {"ms": seconds * 1e3, "c": seconds / plain}
         print(f"head {name:14s}: {seconds * 1e3:6.3f} ms for 4 drafts, {seconds / plain:.3f} of a target step")
+        if chained and DEVICE == "cuda":  # the first round's pick and three rounds in one replay
+            _kernel_list("head chain", next(iter(drafts.runner._rounds._chains.values())).graph)
     rows["engine"] = _head_through_engine(target, head_name)
     RESULTS["head_step"] = rows
 
@@ -508,6 +511,7 @@ def _head_drafts(head, features, k: int, chained: bool):
                 runner.commit(slot, runner.length(slot) + 1)
         runner.rollback(slot, PROMPT)
 
+    drafts.runner = runner
     return drafts
 
 
