@@ -142,7 +142,7 @@ class DraftHead(nn.Module):
             features = features.to(embedded.dtype)
             x = self._fused_input(embedded, features)
             x, residual = run_layers(self, x, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
-            return self._output(_estimate(features, x, residual), batch.logit_rows, return_hidden)
+            return self._output(features, x, residual, batch.logit_rows, return_hidden)
 
     def unrolled(
         self, tokens: torch.Tensor, features: torch.Tensor, steps: int
@@ -171,7 +171,7 @@ class DraftHead(nn.Module):
             )
             attended = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
             h, residual = layer.post_attention_layernorm(attended, x)
-            out.append(self._output(_estimate(features, layer.mlp(h), residual), None, True))
+            out.append(self._output(features, layer.mlp(h), residual, None, True))
         return out
 
     def _fused_input(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -182,21 +182,22 @@ class DraftHead(nn.Module):
             return self.fc(self.inputs_kernel(e.weight, e.eps, embedded, f.weight, f.eps, features))
         return self.fc(torch.cat([e(embedded), f(features)], -1))
 
-    def _output(self, predicted, rows, return_hidden):
+    def _output(self, features, out, residual, rows, return_hidden):
+        """Logits of the estimate of the target's next hidden state (before its final norm) at `rows` (None: all), and
+        with return_hidden the estimate: the features read plus the layer's correction (its output and residual
+        stream). Consecutive hidden states share their large, slowly changing components, which a freshly initialised
+        layer would otherwise need many steps to produce. The last add is the final norm's (one call with the LM head
+        where its kernel takes the norm in)."""
+        hidden = features.shape[-1]
+        x, residual = (features + out).reshape(-1, hidden), residual.reshape(-1, hidden)
         if rows is not None:
-            predicted = predicted.index_select(0, rows)
-        logits = normed_linear(self.norm, self.lm_head, predicted, None)[0].float()
+            x, residual = x.index_select(0, rows), residual.index_select(0, rows)
+        logits, predicted = normed_linear(self.norm, self.lm_head, x, residual)
+        logits = logits.float()
         return (logits, predicted) if return_hidden else logits
 
     def owned_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in self.OWNED}
-
-
-def _estimate(features: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """The estimate of the target's next hidden state (before its final norm), one row per position: the
-    features read plus the layer's correction. Consecutive hidden states share their large, slowly
-    changing components, which a freshly initialised layer would otherwise need many steps to produce."""
-    return (features + out + residual).reshape(-1, features.shape[-1])
 
 
 def _unrolled_mask(step: int, width: int, device) -> torch.Tensor:

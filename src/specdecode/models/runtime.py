@@ -312,7 +312,7 @@ class Transformer(nn.Module):
 
     def output(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, return_hidden: bool | str):
         """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for."""
-        every_row = x + residual if return_hidden == "all" else None
+        every_row = x + residual if return_hidden == "all" and rows is not None else None  # else the norm's sum
         if rows is not None:
             x, residual = x.index_select(0, rows), residual.index_select(0, rows)
         logits, hidden = normed_linear(self.norm, self.lm_head, x, residual)
