@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingParams, argmax_probability, sample_at
-from ..sampling.per_row import RowSettings, kinds_of, probs_of_settings
+from ..sampling.per_row import RowSettings, probs_of_settings
 from ..transfers import copy_into
 from .cuda_graphs import BucketedForward, StaticBatch, bucket_for
 
@@ -48,14 +48,15 @@ class _Chain:
     rounds + 1], written by each run or replay). Where it samples: each row's settings, whether it is greedy, its
     uniforms a draft and every draft's distribution over the target's vocabulary ([B, rounds + 1, V])."""
 
-    def __init__(self, batch: StaticBatch, rounds: int, first: torch.Tensor, kinds, q: torch.Tensor | None):
-        device, seqs = batch.ints.device, batch.bucket.seqs
+    def __init__(
+        self, batch: StaticBatch, rounds: int, first: torch.Tensor, kinds: frozenset[str] | None, q: torch.Tensor | None
+    ):
+        device, seqs, drafts = batch.ints.device, batch.bucket.seqs, rounds + 1
         self.batch, self.rounds, self.graph, self.first, self.q = batch, rounds, None, first, q
         self.limits = torch.zeros(seqs, dtype=torch.long, device=device)
         self.round_ids = torch.arange(rounds, device=device)[:, None]
-        self.tokens = torch.zeros(seqs, rounds + 1, dtype=torch.long, device=device)
-        self.probs = torch.zeros(seqs, rounds + 1, dtype=torch.float32, device=device)
-        drafts = rounds + 1
+        self.tokens = torch.zeros(seqs, drafts, dtype=torch.long, device=device)
+        self.probs = torch.zeros(seqs, drafts, dtype=torch.float32, device=device)
         self.sampling = None if kinds is None else RowSampling.allocate(seqs, drafts, kinds, q.shape[-1], device)
 
 
@@ -73,12 +74,6 @@ class RowSampling:
         greedy = torch.ones(rows, dtype=torch.bool, device=device)
         uniforms = torch.zeros(rows, rounds, dtype=torch.float64, device=device)
         return cls(RowSettings.allocate(rows, kinds, vocab, device), greedy, uniforms)
-
-    @classmethod
-    def of(cls, params: list[SamplingParams], uniforms: torch.Tensor, vocab: int) -> RowSampling:
-        sampling = cls.allocate(len(params), uniforms.shape[1], kinds_of(params, vocab), vocab, uniforms.device)
-        sampling.fill(params, uniforms, vocab)
-        return sampling
 
     def fill(self, params: list[SamplingParams], uniforms: torch.Tensor, vocab: int) -> None:
         """The first len(params) rows' ways and uniforms; rows past them greedy."""
@@ -218,7 +213,7 @@ def greedy_drafts(logits: torch.Tensor, vocab_ids: torch.Tensor | None) -> tuple
 def fused_greedy_drafts(device_type: str):
     """greedy_drafts compiled, once a process (shapes symbolic: one compilation serves every bucket), where the
     compiler serves this device and agrees with the eager form; else the eager form. In a graph every kernel costs a
-    few microseconds however small: the eager form is eight a round, the compiled one or two."""
+    few microseconds however small, and the eager form is eight a round."""
     compiled = torch.compile(greedy_drafts, dynamic=True)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).to(device_type)
     ids = torch.arange(100, 150, device=device_type)
