@@ -280,6 +280,29 @@ def test_a_kernel_that_disagrees_with_cublas_is_not_taken(monkeypatch, caplog):
     gemv._timed_shape.cache_clear()
 
 
+@pytest.mark.parametrize("mistake", ["the norm over half of K", "the residual stream never written", "SiLU of up"])
+def test_a_kernel_whose_prologues_disagree_is_taken_without_them(mistake, monkeypatch, caplog, tmp_path):
+    """Start-up checks the norm and SwiGLU the kernel takes in as it checks the layer: where they disagree with the
+    separate steps, the layers take the kernel alone and the model runs the norm and SwiGLU apart."""
+    model = tiny_model(seed=1).model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    _timings(monkeypatch, CONFIGS[0], kernel_seconds=0.1)
+    gemv.attach_gemv(model)
+    assert all(m.kernel.prologues for m in layers)  # the test can pass
+    monkeypatch.setattr(gemv, "gemv", with_mistake(gemv, *MISTAKES[mistake], tmp_path, monkeypatch).gemv)
+    gemv._timed_shape.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        gemv.attach_gemv(model)
+    assert _kernels(model) == {CONFIGS[0]} and not any(m.kernel.prologues for m in layers)
+    assert "without the norm or SwiGLU" in caplog.text
+    x = torch.randn(2, layers[0].in_features, device=DEVICE, dtype=DTYPE)
+    with cuda_graphs._fixed_shapes():  # where the kernel takes calls, it declines the fused ones
+        assert layers[0].kernel(layers[0], x) is not None
+        assert layers[0].kernel.normed(layers[0], model.norm, x, None) is None
+        assert layers[0].kernel.activated(layers[0], torch.cat([x, x], -1), "silu") is None
+    gemv._timed_shape.cache_clear()
+
+
 def test_start_up_says_what_captured_forwards_run(monkeypatch, request):
     from specdecode import LLM
     from specdecode.executor import runner as runner_module
@@ -289,12 +312,12 @@ def test_start_up_says_what_captured_forwards_run(monkeypatch, request):
     request.getfixturevalue("captured")
     monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
     layers = [m for m in target.model.modules() if isinstance(m, Linear)]
-    for layer in layers[:2]:
-        layer.kernel = Gemv(CONFIGS[0])
+    layers[0].kernel, layers[1].kernel = Gemv(CONFIGS[0]), Gemv(CONFIGS[0], prologues=False)
     try:
         summary = LLM(target=target, max_model_len=64, progress=False).startup_summary()
     finally:
         for layer in layers[:2]:
             layer.kernel = None
     assert f"2 of {len(layers)} linear layers by the Triton kernel" in summary
+    assert "1 of them without the norm or SwiGLU before them" in summary
     assert "attention by PyTorch's SDPA" in summary  # the paged kernels are a GPU's, after their check

@@ -632,9 +632,10 @@ def gemv_choice(target):
                 f"{r} rows {s * 1e6:6.1f} us {weight / s / 1e12:4.2f} TB/s" for r, s in zip(TIMED_ROWS, seconds)
             )
             print(f"{n:6d} x {k:5d}{' +bias' if bias else '      '} {name:60s}: {shown}")
-        print(f"   chosen: {t.chosen or 'cuBLAS'}", flush=True)
+        prologues = "" if t.chosen is None else ", the norm and SwiGLU taken in" if t.prologues else ", alone"
+        print(f"   chosen: {t.chosen or 'cuBLAS'}{prologues}", flush=True)
         configs = {str(c): v for c, v in t.configs.items()}
-        rows[f"{n}x{k}"] = {"cublas_s": t.cublas, "configs": configs, "chosen": str(t.chosen)}
+        rows[f"{n}x{k}"] = {"cublas_s": t.cublas, "configs": configs, "chosen": str(t.chosen), "prologues": t.prologues}
     RESULTS["gemv"] = rows
 
 

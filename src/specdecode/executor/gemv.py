@@ -10,7 +10,8 @@ start-up inside a CUDA graph on weights that do not fit in the L2 cache, as a fo
 The kernel also takes in what comes before a layer, which would otherwise be a kernel of its own, each a few
 microseconds in a graph however small its work: the residual add and RMSNorm before the QKV and gate/up projections
 (models/layers.normed_linear; it writes the residual stream as it goes) and SwiGLU before the down projection
-(MLP.down), rounded where the separate kernels round.
+(MLP.down), rounded where the separate kernels round. Start-up checks those too: where they disagree with the separate
+steps on a device, its layers take the kernel alone.
 
 A row is computed the same whatever rows are beside it: rows go in tiles of 16 (the matrix unit's height), so a row's
 products and their order over K depend only on the layer's configuration, never on how many rows the call has. Greedy
@@ -181,8 +182,9 @@ class Gemv:
     """A Linear's kernel (models/layers.Linear.kernel): its calls of at most MAX_ROWS rows inside fixed-shape forwards
     by the Triton kernel at one configuration; None for the others, which the Linear computes itself."""
 
-    def __init__(self, config: GemvConfig):
-        self.config = config
+    def __init__(self, config: GemvConfig, prologues: bool = True):
+        """prologues: whether it takes in the norm or SwiGLU before its layer (else the model runs those apart)."""
+        self.config, self.prologues = config, prologues
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
         return self._run(module, x) if _takes(x) else None
@@ -190,7 +192,7 @@ class Gemv:
     def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None):
         """(module(norm(x + residual)), x + residual), residual None: (module(norm(x)), x), in one call
         (models/layers.normed_linear); None where the kernel does not apply."""
-        if not _takes(x):
+        if not (self.prologues and _takes(x)):
             return None
         if residual is None:
             return self._run(module, x, norm=(norm.weight, norm.eps)), x
@@ -201,7 +203,9 @@ class Gemv:
     def activated(self, module, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
         """module(SiLU(gate) * up) from the gate_up projection's output, in one call (MLP.down); None where the
         kernel does not apply (GeGLU among them)."""
-        return self._run(module, gate_up, activated=True) if activation == "silu" and _takes(gate_up) else None
+        if not (self.prologues and activation == "silu" and _takes(gate_up)):
+            return None
+        return self._run(module, gate_up, activated=True)
 
     def _run(self, module, x: torch.Tensor, **prologue) -> torch.Tensor:
         """The kernel over x's rows, flattened, and its output in x's leading shape."""
@@ -222,6 +226,7 @@ class Timed:
     cublas: list[float]
     configs: dict[GemvConfig, list[float]]
     chosen: GemvConfig | None
+    prologues: bool = False  # whether the chosen configuration takes in the norm and SwiGLU as the separate steps do
 
 
 def attach_gemv(model) -> dict[tuple, Timed]:
@@ -240,7 +245,7 @@ def attach_gemv(model) -> dict[tuple, Timed]:
         if choice != "cublas":
             shape = layer_shape(module)
             timed[shape] = _timed_shape(shape, str(module.weight.device), choice == "triton")
-            module.kernel = None if timed[shape].chosen is None else Gemv(timed[shape].chosen)
+            module.kernel = None if timed[shape].chosen is None else Gemv(timed[shape].chosen, timed[shape].prologues)
     return timed
 
 
@@ -260,11 +265,15 @@ def _timed_shape(shape: tuple, device: str, triton_always: bool) -> Timed:
     if chosen is not None and not agrees(*copies[0], chosen):
         log.warning("linear layers %d x %d stay cuBLAS's: the kernel disagrees with it on this device", n, k)
         chosen = None
+    prologues = chosen is not None and prologues_agree(*copies[0], chosen)
+    if chosen is not None and not prologues:
+        log.warning("linear layers %d x %d take the kernel without the norm or SwiGLU before them: its prologues "
+                    "disagree with the separate steps on this device", n, k)  # fmt: skip
     del copies
     if device != "cpu":
         torch.cuda.empty_cache()  # the copies' memory back to the device, for the KV cache allocated next
     log.info("linear layers %d x %d: %s", n, k, "cuBLAS" if chosen is None else chosen)
-    return Timed(cublas, configs, chosen)
+    return Timed(cublas, configs, chosen, prologues)
 
 
 def _weights_past_the_cache(n: int, k: int, has_bias: bool, dtype, device: str) -> list[tuple]:
@@ -280,8 +289,33 @@ def agrees(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) 
     """Whether the kernel computes x W^T (+ bias) at this configuration, within a few of the output type's last
     places, on TIMED_ROWS[-1] random rows."""
     x = torch.randn(TIMED_ROWS[-1], weight.shape[1], device=weight.device, dtype=weight.dtype)
+    return _computes(gemv(x, weight, bias, config), x, weight, bias)
+
+
+def prologues_agree(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> bool:
+    """Whether the kernel at this configuration takes in what the separate steps compute before its layer, within
+    `agrees`' bound: RMSNorm of x + residual (the sum written as an add rounds it), and SwiGLU of gate and up."""
+    rows, k, dtype = TIMED_ROWS[-1], weight.shape[1], weight.dtype
+    x, residual, gate_up = (torch.randn(rows, n, device=weight.device, dtype=dtype) for n in (k, k, 2 * k))
+    norm_weight = torch.rand(k, device=weight.device, dtype=dtype) + 0.5
+    stream = torch.empty_like(x)
+    normed = gemv(x, weight, bias, config, (norm_weight, 1e-6), residual, stream)
+    summed = x + residual
+    h = summed.float()
+    want_normed = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    gate, up = gate_up.float().chunk(2, -1)
+    activated = gemv(gate_up, weight, bias, config, activated=True)
+    return (
+        torch.equal(stream, summed)
+        and _computes(normed, want_normed, weight, bias)
+        and _computes(activated, (F.silu(gate) * up).to(dtype), weight, bias)
+    )
+
+
+def _computes(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether got is x W^T (+ bias) within a few of the output type's last places."""
     want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    error = (gemv(x, weight, bias, config).float() - want).abs().max()
+    error = (got.float() - want).abs().max()
     return bool(error <= max(4 * torch.finfo(weight.dtype).eps, 1e-4) * want.abs().max())  # float32: sums' order
 
 

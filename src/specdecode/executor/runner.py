@@ -108,10 +108,12 @@ class ModelRunner:
 
         layers = [m for m in self.model.modules() if isinstance(m, Linear)]
         attention = "PyTorch's SDPA" if self._fixed.attention is None else "the paged Triton kernels"
-        by_kernel = sum(m.kernel is not None for m in layers)
+        kernels = [m.kernel for m in layers if m.kernel is not None]
+        alone = sum(not getattr(k, "prologues", True) for k in kernels)
         return (
-            f"captured forwards: attention by {attention}; {by_kernel} of {len(layers)} linear layers by the Triton "
+            f"captured forwards: attention by {attention}; {len(kernels)} of {len(layers)} linear layers by the Triton "
             "kernel at up to 16 rows, the rest by cuBLAS (as timed at start-up)"
+            + (f"; {alone} of them without the norm or SwiGLU before them (their check failed)" if alone else "")
         )
 
     @property
