@@ -612,7 +612,9 @@ def test_chained_rounds_pick_the_first_draft_inside_the_chain(captured, monkeypa
     with ops:
         out = runner.chained_rounds(slots, logits, estimates, [3, 2], sampling)  # replayed
     assert out is not None and out[0].shape == (2, 4)
-    assert ops.names <= {"copy_", "_to_copy", "zero_", "fill_"}, ops.names
+    copies = {"copy_", "_to_copy", "zero_", "fill_"}
+    host_memory = {"empty", "empty_strided", "_pin_memory", "pin_memory", "is_pinned"}  # launch nothing (a GPU's)
+    assert ops.names <= copies | host_memory, ops.names
 
 
 def test_a_chains_greedy_drafts_are_one_compiled_kernel_that_picks_as_the_eager_form(captured):
