@@ -623,7 +623,9 @@ def test_a_chains_greedy_drafts_are_one_compiled_kernel_that_picks_as_the_eager_
     from specdecode.executor import draft_chain
 
     model, features_of = _drafter("restricted draft model")
-    runner, *_ = _drafting_runner(model, True, features_of, [[5, 6, 7]])
+    runner, slots, logits, _ = _drafting_runner(model, True, features_of, [[5, 6, 7]])
+    assert runner._rounds._greedy is None  # compiled with the first chain, not for every runner (a target's)
+    runner.chained_rounds(slots, logits, None, [2])
     fused = draft_chain.fused_greedy_drafts(DEVICE)
     assert runner._rounds._greedy is fused and fused is not draft_chain.greedy_drafts
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)).to(DEVICE)

@@ -91,7 +91,7 @@ class DraftChain:
         logits cover the vocabulary); vocab: the target's vocabulary size (a sampled draft's q covers it)."""
         self.forward, self.vocab_ids, self.vocab = forward, vocab_ids, vocab
         self.columns = vocab if vocab_ids is None else len(vocab_ids)
-        self._greedy = fused_greedy_drafts(forward.cache.table.device.type) if forward.capture else greedy_drafts
+        self._greedy = None  # the greedy pick, compiled where chains are captured: set by the first chain
         self._chains: dict[tuple, _Chain] = {}
         self._refused: set[tuple] = set()
         # chains of one bucket share the first round's logits, and sampled chains of one bucket and number of rounds
@@ -165,7 +165,7 @@ class DraftChain:
         softmax probability; where `sampling` holds the row's settings, a draw from its distribution q at its uniform
         `at` and q's probability of it, q returned too."""
         if sampling is None:
-            return self._greedy(logits, self.vocab_ids)
+            return (self._greedy or greedy_drafts)(logits, self.vocab_ids)
         argmax = logits.argmax(-1)
         tokens = argmax if self.vocab_ids is None else self.vocab_ids[argmax]
         q = probs_of_settings(over_target_vocab(logits, self.vocab_ids, self.vocab), sampling.settings)
@@ -186,6 +186,8 @@ class DraftChain:
     def _prepare(self, key: tuple) -> _Chain | None:
         bucket, rounds, kinds = key
         device = self.forward.cache.table.device
+        if self._greedy is None:
+            self._greedy = fused_greedy_drafts(device.type) if self.forward.capture else greedy_drafts
         first = _shared(self._first, bucket.seqs, (bucket.seqs, self.columns), device)
         q = None
         if kinds is not None:
