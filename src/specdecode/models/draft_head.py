@@ -25,8 +25,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .layers import Linear, RMSNorm, normed_linear
-from .runtime import DecoderLayer, ForwardBatch, Transformer, run_layers, tensor_bytes
+from .layers import Linear, RMSNorm
+from .runtime import DecoderLayer, ForwardBatch, Transformer, final_logits, run_layers, tensor_bytes
 
 # one layer over [norm(embedding), norm(features)] (EAGLE-1's inputs), its output added to the features
 ARCHITECTURE = "feature-head-2"
@@ -190,10 +190,7 @@ class DraftHead(nn.Module):
         where its kernel takes the norm in)."""
         hidden = features.shape[-1]
         x, residual = (features + out).reshape(-1, hidden), residual.reshape(-1, hidden)
-        if rows is not None:
-            x, residual = x.index_select(0, rows), residual.index_select(0, rows)
-        logits, predicted = normed_linear(self.norm, self.lm_head, x, residual)
-        logits = logits.float()
+        logits, predicted = final_logits(self.norm, self.lm_head, x, residual, rows)
         return (logits, predicted) if return_hidden else logits
 
     def owned_state(self) -> dict[str, torch.Tensor]:

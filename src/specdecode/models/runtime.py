@@ -313,10 +313,7 @@ class Transformer(nn.Module):
     def output(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, return_hidden: bool | str):
         """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for."""
         every_row = x + residual if return_hidden == "all" and rows is not None else None  # else the norm's sum
-        if rows is not None:
-            x, residual = x.index_select(0, rows), residual.index_select(0, rows)
-        logits, hidden = normed_linear(self.norm, self.lm_head, x, residual)
-        logits = logits.float()
+        logits, hidden = final_logits(self.norm, self.lm_head, x, residual, rows)
         if not return_hidden:
             return logits
         return logits, hidden if every_row is None else every_row
@@ -356,6 +353,15 @@ def run_layers(model, x: torch.Tensor, rope, batch: ForwardBatch, cache: KVCache
     for layer in model.layers:
         x, residual = layer(x, residual, rope, batch, cache)
     return x, residual
+
+
+def final_logits(norm: RMSNorm, lm_head: nn.Module, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None):
+    """(float32 logits of norm(x + residual), x + residual) at rows of [N, hidden] x and residual (None: all), the add
+    and the norm in the LM head's call where its kernel takes them in."""
+    if rows is not None:
+        x, residual = x.index_select(0, rows), residual.index_select(0, rows)
+    logits, summed = normed_linear(norm, lm_head, x, residual)
+    return logits.float(), summed
 
 
 def tensor_bytes(tensors) -> int:
