@@ -115,7 +115,7 @@ MISTAKES = {  # what the source says, and what the broken version says instead
     "the bias left out": ("acc += tl.load(bias + cols", "acc -= 0 * tl.load(bias + cols"),
     "the last block of K dropped": ("inside = at < K", "inside = at < K - 64"),
     "the norm over half of K": ("rstd = tl.rsqrt(squares / K + eps)", "rstd = tl.rsqrt(squares / (K // 2) + eps)"),
-    "the residual stream never written": ("if HAS_RES and j == 0:", "if HAS_RES and j < 0:"),
+    "the residual stream never written": ("s, j == 0, M", "s, j < 0, M"),
     "the norm's weight left out": ("* scale[None, :]).to(", "* 1.0).to("),
     "SiLU of up": ("gate * tl.sigmoid(gate) * up", "gate * tl.sigmoid(up) * up"),
 }
@@ -313,6 +313,7 @@ def test_start_up_says_what_captured_forwards_run(monkeypatch, request):
     monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
     layers = [m for m in target.model.modules() if isinstance(m, Linear)]
     layers[0].kernel, layers[1].kernel = Gemv(CONFIGS[0]), Gemv(CONFIGS[0], prologues=False)
+    layers[0].kernel.rope_epilogue = True  # the first layer's QKV projection, as paged_attention.attach_epilogues sets
     try:
         summary = LLM(target=target, max_model_len=64, progress=False).startup_summary()
     finally:
@@ -320,4 +321,5 @@ def test_start_up_says_what_captured_forwards_run(monkeypatch, request):
             layer.kernel = None
     assert f"2 of {len(layers)} linear layers by the Triton kernel" in summary
     assert "1 of them without the norm or SwiGLU before them" in summary
+    assert "RoPE and the cache write in the kernel of 1 of 2 QKV projections" in summary
     assert "attention by PyTorch's SDPA" in summary  # the paged kernels are a GPU's, after their check

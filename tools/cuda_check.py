@@ -54,6 +54,7 @@ PROMPT, NEW = 200, 128
 QUICK_TEST_FILES = [  # the GPU paths' own tests, run by --quick too
     "tests/test_cuda_graphs.py",
     "tests/test_gemv.py",
+    "tests/test_qkv_epilogue.py",
     "tests/test_overlap.py",
     "tests/test_drafts_on_device.py",
     "tests/test_paged_attention.py",
@@ -200,14 +201,23 @@ def unfused():
 
 @contextlib.contextmanager
 def cublas_linear(model, cublas: bool = True):
-    """The model's linear layers by cuBLAS inside (their kernels chosen at start-up set aside, executor/gemv.py)."""
+    """The model's linear layers by cuBLAS inside (their kernels chosen at start-up set aside, executor/gemv.py): a
+    runner made inside attaches none either (it attaches the timed ones unless told cuBLAS)."""
+    from specdecode.executor.gemv import CHOICE
+
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    kernels = [m.kernel for m in layers]
+    kernels, choice = [m.kernel for m in layers], os.environ.get(CHOICE)
     try:
-        for m in layers if cublas else ():
-            m.kernel = None
+        if cublas:
+            os.environ[CHOICE] = "cublas"
+            for m in layers:
+                m.kernel = None
         yield
     finally:
+        if choice is None:
+            os.environ.pop(CHOICE, None)
+        else:
+            os.environ[CHOICE] = choice
         for m, kernel in zip(layers, kernels):
             m.kernel = kernel
 
@@ -230,7 +240,7 @@ def separate_prologues():
 # query head a program (executor/paged_attention.py), keys split across programs every 512 positions, or every 64
 # so that a short context is attended by several programs a head, or (/span) 128 or 256 keys a load rather than 64
 # (one KV block); linear layers by cuBLAS, or (+gemv) by the kernel where start-up timing chose it (/unfused: the
-# norms and SwiGLU before them their own kernels)
+# norms and SwiGLU before them their own kernels; /unrotated: RoPE and the cache write not in the QKV projection's)
 ATTENTION = {
     "graphs": None,
     "graphs+fused": None,
@@ -239,6 +249,7 @@ ATTENTION = {
     "+gemv": PagedAttention(1),
     "+gemv/split64": PagedAttention(1, split_keys=64),
     "+gemv/unfused": PagedAttention(1),
+    "+gemv/unrotated": PagedAttention(1, in_projection=False),
     "+gemv/span128": PagedAttention(1, span=128),
     "+gemv/span256": PagedAttention(1, span=256),
 }
@@ -277,7 +288,7 @@ def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
     name = f"{seqs} seq x {width} rows" + (f" after {context}" if context != PROMPT else "")
     rows = {f"{mode}, {name}": {"ms": seconds * 1e3, "roofline": frac}}
     print(
-        f"{mode:13s} {name:24s}: {seconds * 1e3:7.2f} ms" + (f"  {frac:.0%} of roofline" if frac is not None else ""),
+        f"{mode:15s} {name:24s}: {seconds * 1e3:7.2f} ms" + (f"  {frac:.0%} of roofline" if frac is not None else ""),
         flush=True,
     )
     if mode != "eager" and DEVICE == "cuda" and (seqs, width, context) == (1, 1, PROMPT):
@@ -286,7 +297,7 @@ def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
         frac, launch = roofline(1 / replay, 1, PROMPT, model), _launch_seconds(graph)
         rows[f"{mode}, replay alone, 1 seq"] = {"ms": replay * 1e3, "roofline": frac, "launch_us": launch * 1e6}
         print(
-            f"{mode:13s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline; the host's launch call "
+            f"{mode:15s} graph replay alone: {replay * 1e3:.2f} ms, {frac:.0%} of roofline; the host's launch call "
             f"{launch * 1e6:.0f} us",
             flush=True,
         )

@@ -1,13 +1,13 @@
-"""Compile the GPU's Triton kernels (executor/paged_attention.py, executor/gemv.py) for a GPU this machine need not
-have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes (Triton's
-wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a shape `tl.dot`
-refuses, too much shared memory) fails here, without a lent GPU.
+"""Compile the GPU's Triton kernels (executor/paged_attention.py, gemv.py, qkv_epilogue.py) for a GPU this machine
+need not have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes
+(Triton's wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a shape
+`tl.dot` refuses, too much shared memory) fails here, without a lent GPU.
 
 The launches are those of representative forwards (decode, verify, a KV head's group a program, spans of several KV
 blocks, a 4,160-key context in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of
-the linear layers' kernel (and with the norm or SwiGLU taken in), each typed from its own arguments: the callers run
-on CPU tensors with the kernels swapped for recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do
-not compile).
+the linear layers' kernel (and with the norm or SwiGLU taken in, and RoPE and the cache write), each typed from its
+own arguments: the callers run on CPU tensors with the kernels swapped for recorders. Run it without TRITON_INTERPRET
+(the interpreter's kernels do not compile).
 
     python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
 """
@@ -24,11 +24,15 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdecode.config import ModelConfig  # noqa: E402
-from specdecode.executor import gemv, paged_attention  # noqa: E402
+from specdecode.executor import gemv, paged_attention, qkv_epilogue  # noqa: E402
 from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
 from specdecode.kv_cache import KVCache  # noqa: E402
 
-KERNELS = {paged_attention: ("_rotate_and_store", "_attend", "_combine"), gemv: ("_gemv", "_sum_splits")}
+KERNELS = {
+    paged_attention: ("_rotate_and_store", "_attend", "_combine"),
+    gemv: ("_gemv", "_sum_splits"),
+    qkv_epilogue: ("_projected", "_merged"),
+}
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 # heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program, keys a program takes at a time
 FORWARDS = {
@@ -74,7 +78,16 @@ def launches(dtype) -> dict[str, list]:
     for config in (gemv.CONFIGS[0], gemv.CONFIGS[-1]):  # the norm (residual added) and SwiGLU taken in, K split or not
         gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), x, torch.zeros_like(x))
         gemv.gemv(torch.zeros(gemv.MAX_ROWS, 2 * 1536, dtype=dtype), weight, bias, config, activated=True)
+        qkv_epilogue.projected(x, weight, torch.zeros(2048, dtype=dtype), config, store=_rope_store(dtype))
     return {name: recorder.launches for name, recorder in recorders.items()}
+
+
+def _rope_store(dtype) -> qkv_epilogue.RopeStore:
+    """Where the 1.5B's QKV projection with RoPE and the cache write in puts a decode's rows."""
+    cache = KVCache(ModelConfig("llama", 1, 1536, 1, 1, 12, 2, head_dim=128), 1, 256, dtype, "cpu", scratch=True)
+    rows = torch.zeros(gemv.MAX_ROWS, dtype=torch.long)
+    tables = (torch.zeros(gemv.MAX_ROWS, 128, dtype=dtype),) * 2
+    return qkv_epilogue.RopeStore(*tables, rows, rows, cache.table, cache.k[0], cache.v[0], 12, 2)
 
 
 def signature(fn, args, constants) -> ASTSource:

@@ -59,21 +59,38 @@ def _gemv(
     j, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i * TILE + tl.arange(0, TILE)
     cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = product(x, w, res, res_out, norm_w, eps, rows, cols, s, j == 0, M, N, K, PART, PROLOGUE, HAS_RES, BLOCK_K)
+    out = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out)
+    else:
+        tl.store(part + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=out)
+
+
+@triton.jit
+def product(
+    x, w, res, res_out, norm_w, eps, rows, cols, s, writes_stream, M, N, K, PART,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The rows' products with the weight rows `cols` over K's s-th part, float32 [rows, cols], what PROLOGUE says
+    done to x first (NORMED: the residual stream written to res_out where writes_stream)."""
     ks = tl.arange(0, BLOCK_K)
     if PROLOGUE == NORMED:  # each row's inverse root mean square, over all of K whatever this program's part
-        squares = tl.zeros([TILE], tl.float32)
+        squares = tl.zeros([rows.shape[0]], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             h = _summed(x, res, rows, k0 + ks, M, K, HAS_RES)
             squares += tl.sum(h * h, 1)
         rstd = tl.rsqrt(squares / K + eps)
-    acc = tl.zeros([TILE, BLOCK_N], tl.float32)
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
     for k0 in range(0, PART, BLOCK_K):
         at = s * PART + k0 + ks
         inside = at < K
         held = (rows < M)[:, None] & inside[None, :]
         if PROLOGUE == NORMED:
             h = _summed(x, res, rows, at, M, K, HAS_RES)
-            if HAS_RES and j == 0:  # the residual stream, once
+            if HAS_RES and writes_stream:  # the residual stream, once
                 tl.store(res_out + rows[:, None] * K + at[None, :], h.to(res_out.dtype.element_ty), mask=held)
             scale = tl.load(norm_w + at, mask=inside, other=0.0).to(tl.float32)
             xs = ((h * rstd[:, None]).to(x.dtype.element_ty).to(tl.float32) * scale[None, :]).to(x.dtype.element_ty)
@@ -85,13 +102,7 @@ def _gemv(
             xs = tl.load(x + rows[:, None] * K + at[None, :], mask=held, other=0.0)
         ws = tl.load(w + cols[:, None] * K + at[None, :], mask=(cols < N)[:, None] & inside[None, :], other=0.0)
         acc += tl.dot(xs, tl.trans(ws), input_precision="ieee")
-    out = (rows < M)[:, None] & (cols < N)[None, :]
-    if SPLITS == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out)
-    else:
-        tl.store(part + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=out)
+    return acc
 
 
 @triton.jit
@@ -157,10 +168,30 @@ def gemv(
     """x [M, K] (contiguous) @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype. norm (weight, eps): x + residual (or x)
     normalised first as RMSNorm does, the sum written to residual_out; activated: x is [M, 2K], gate then up, and
     SiLU(gate) * up is taken first (SwiGLU, as one rounding)."""
-    rows, k = x.shape[0], weight.shape[1]
-    n = weight.shape[0]
+    rows, n = x.shape[0], weight.shape[0]
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    part = y if config.splits == 1 else torch.empty(config.splits, rows, n, device=x.device, dtype=torch.float32)
+    prologue = (norm, residual, residual_out, activated)
+    if config.splits == 1:
+        _launch(x, weight, bias, y, y, config, *prologue)
+        return y
+    part = split_sums(x, weight, config, *prologue)
+    block = 1024
+    _sum_splits[(triton.cdiv(rows * n, block),)](
+        part, y if bias is None else bias, y, rows, n, HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK=block
+    )
+    return y
+
+
+def split_sums(x, weight, config, norm=None, residual=None, residual_out=None, activated=False) -> torch.Tensor:
+    """The sums of each of a split configuration's parts of K, [splits, M, N] float32, the prologue taken in as gemv
+    takes it."""
+    part = torch.empty(config.splits, x.shape[0], weight.shape[0], device=x.device, dtype=torch.float32)
+    _launch(x, weight, None, part, part, config, norm, residual, residual_out, activated)
+    return part
+
+
+def _launch(x, weight, bias, y, part, config, norm, residual, residual_out, activated) -> None:
+    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     prologue = NORMED if norm is not None else ACTIVATED if activated else PLAIN
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, TILE_ROWS), config.splits)
@@ -170,12 +201,6 @@ def gemv(
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=residual is not None, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLITS=config.splits, TILE=TILE_ROWS, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
-    if config.splits > 1:
-        block = 1024
-        _sum_splits[(triton.cdiv(rows * n, block),)](
-            part, y if bias is None else bias, y, rows, n, HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK=block
-        )
-    return y
 
 
 class Gemv:
@@ -185,35 +210,38 @@ class Gemv:
     def __init__(self, config: GemvConfig, prologues: bool = True):
         """prologues: whether it takes in the norm or SwiGLU before its layer (else the model runs those apart)."""
         self.config, self.prologues = config, prologues
+        self.rope_epilogue = False  # a QKV projection's: whether it takes RoPE and the cache write in (qkv_epilogue.py)
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
-        return self._run(module, x) if _takes(x) else None
+        return self._run(module, x) if takes(x) else None
 
-    def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None):
+    def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None, compute=None):
         """(module(norm(x + residual)), x + residual), residual None: (module(norm(x)), x), in one call
-        (models/layers.normed_linear); None where the kernel does not apply."""
-        if not (self.prologues and _takes(x)):
+        (models/layers.normed_linear); None where the kernel does not apply. compute: gemv, or a function of its
+        signature that computes the layer with more in it (qkv_epilogue.projected)."""
+        if not (self.prologues and takes(x)):
             return None
         if residual is None:
-            return self._run(module, x, norm=(norm.weight, norm.eps)), x
+            return self._run(module, x, compute, norm=(norm.weight, norm.eps)), x
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)
         added, out = (t.reshape(-1, x.shape[-1]) for t in (residual.contiguous(), summed))
-        return self._run(module, x, norm=(norm.weight, norm.eps), residual=added, residual_out=out), summed
+        return self._run(module, x, compute, norm=(norm.weight, norm.eps), residual=added, residual_out=out), summed
 
     def activated(self, module, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
         """module(SiLU(gate) * up) from the gate_up projection's output, in one call (MLP.down); None where the
         kernel does not apply (GeGLU among them)."""
-        if not (self.prologues and activation == "silu" and _takes(gate_up)):
+        if not (self.prologues and activation == "silu" and takes(gate_up)):
             return None
         return self._run(module, gate_up, activated=True)
 
-    def _run(self, module, x: torch.Tensor, **prologue) -> torch.Tensor:
-        """The kernel over x's rows, flattened, and its output in x's leading shape."""
-        y = gemv(x.reshape(-1, x.shape[-1]).contiguous(), module.weight, module.bias, self.config, **prologue)
+    def _run(self, module, x: torch.Tensor, compute=None, **prologue) -> torch.Tensor:
+        """The kernel over x's rows, flattened, and its output in x's leading shape (by `compute`, else gemv)."""
+        compute = compute or gemv
+        y = compute(x.reshape(-1, x.shape[-1]).contiguous(), module.weight, module.bias, self.config, **prologue)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _takes(x: torch.Tensor) -> bool:
+def takes(x: torch.Tensor) -> bool:
     """Whether the kernel takes a call: inside a fixed-shape forward, at most MAX_ROWS rows."""
     return x.numel() // x.shape[-1] <= MAX_ROWS and in_fixed_shapes()
 

@@ -17,13 +17,18 @@ is imported (tests/conftest.py does).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 import triton
 import triton.language as tl
 
+from ..config import ModelConfig
 from ..kv_cache import KEY_TILE, KVCache
+from ..models.runtime import Attention
+from .gemv import Gemv, GemvConfig, gemv
+from .qkv_epilogue import RopeStore, projected, rotated_projection
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +85,17 @@ def _fold_in(queries, keys, values, sees, scale, best, total, acc):
 
 @triton.jit
 def _attend(
-    q, out, positions, seq_slots, table, max_blocks, k_cache, v_cache, scale, window,  # window 0: none
+    q, q_row, out, positions, seq_slots, table, max_blocks, k_cache, v_cache, scale, window,  # window 0: none
     part_best, part_total, part_acc,  # [SPLITS, B * R * H (, D)] float32, where SPLITS > 1
     R: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, HEADS: tl.constexpr,  # HEADS: query heads a program
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     KEYS: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, p, s): query heads p * HEADS.. (all under one KV head) of sequence b's R rows, q and out
-    [B * R, H, D], over the keys each row sees (those up to its position, the last `window` of them where set) among
-    keys s * SPLIT.. (s * SPLIT + SPLIT), BLOCK_N at a time with an online softmax in float32. KEYS: the bucket's key
-    positions. With one split the outputs are written; with more, each split's running max, sum and weighted values,
-    which _combine merges."""
+    """Program (b, p, s): query heads p * HEADS.. (all under one KV head) of sequence b's R rows, q [B * R, H, D]
+    (rows q_row apart) and out [B * R, H, D], over the keys each row sees (those up to its position, the last
+    `window` of them where set) among keys s * SPLIT.. (s * SPLIT + SPLIT), BLOCK_N at a time with an online softmax
+    in float32. KEYS: the bucket's key positions. With one split the outputs are written; with more, each split's
+    running max, sum and weighted values, which _combine merges."""
     b, p, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, BLOCK_M)  # the program's (head, row) pairs, head-major
     real = m < HEADS * R
@@ -100,7 +105,7 @@ def _attend(
     d = tl.arange(0, BLOCK_D)
     at = (rows[:, None] * H + heads[:, None]) * D + d[None, :]
     both = real[:, None] & (d[None, :] < D)
-    queries = tl.load(q + at, mask=both, other=0.0)
+    queries = tl.load(q + rows[:, None] * q_row + heads[:, None] * D + d[None, :], mask=both, other=0.0)
     position = tl.load(positions + rows, mask=real, other=0)
     slot = tl.load(seq_slots + b)
     seen_max, seen_min = tl.max(tl.where(real, position, 0)), tl.min(tl.where(real, position, 1 << 30))
@@ -168,49 +173,87 @@ class PagedAttention:
     span: keys a program takes at a time (a power of two, at least a key tile), from one KV block or several; each
     span is a round of loads the next waits on, so at short contexts fewer, wider spans wait less.
     split_keys: where a bucket has more key positions, programs take this many each (split at fixed positions, so a
-    row's result stays its own), and a second kernel merges their sums; a multiple of span."""
+    row's result stays its own), and a second kernel merges their sums; a multiple of span.
+    in_projection: RoPE and the cache write in the QKV projection's kernel where it passed its check
+    (executor/qkv_epilogue.py), rather than a kernel of their own."""
 
-    def __init__(self, heads_per_program: int | None = 1, span: int = 64, split_keys: int = 512):
+    def __init__(
+        self, heads_per_program: int | None = 1, span: int = 64, split_keys: int = 512, in_projection: bool = True
+    ):
         if span < KEY_TILE or span & (span - 1) or split_keys % span:
             raise ValueError(f"a span is a power of two from {KEY_TILE} dividing split_keys, not {span} ({split_keys})")
         self.heads_per_program, self.span, self.split_keys = heads_per_program, span, split_keys
+        self.in_projection = in_projection
 
     def __call__(self, batch, cache: KVCache, layer: int, q, k, v, rope, window: int | None, scale: float):
         bsz, rows, heads, dim = q.shape
-        kv_heads = k.shape[2]
-        count = bsz * rows
-        cos, sin = (t.reshape(count, dim) for t in rope)  # [B, 1, R, D]: contiguous
         if any(t.stride(3) != 1 for t in (q, k, v)):
             raise ValueError("the new rows' q, k and v must each hold a head's values side by side")
-        rotated = torch.empty(count, heads, dim, device=q.device, dtype=q.dtype)
-        strides = [s for t in (q, k, v) for s in t.stride()[:3]]
-        block_size, max_blocks = cache.block_size, cache.table.shape[1]
-        width = triton.next_power_of_2(dim)
-        _rotate_and_store[(count, heads + kv_heads)](
-            q, k, v, *strides, cos, sin, batch.positions, batch.slots, cache.table, max_blocks,
-            cache.k[layer], cache.v[layer], rotated,
-            R=rows, H=heads, HKV=kv_heads, D=dim, BLOCK_D=width, BS=block_size, TILE=KEY_TILE,
-        )  # fmt: skip
+        rotated = rotate_and_store(q, k, v, rope_store(batch, cache, layer, rope, heads, k.shape[2]))
+        return self.attend(batch, cache, layer, rotated.view(bsz, rows, heads * dim), heads, window, scale)
+
+    def project(self, attention, norm, x, residual, rope, batch, cache: KVCache):
+        """(the layer's QKV projection of norm(x + residual), its queries rotated, x + residual), its keys and
+        values written: one kernel where the projection's takes RoPE and the cache write in (qkv_epilogue.py), and
+        this attention does (`in_projection`); else None."""
+        if not self.in_projection:
+            return None
+        store = rope_store(batch, cache, attention.layer, rope, attention.num_heads, attention.num_kv_heads)
+        return rotated_projection(attention, norm, x, residual, store)
+
+    def attend(self, batch, cache: KVCache, layer: int, queries, heads: int, window: int | None, scale: float):
+        """The attention outputs [B, R, H * D] of rotated queries [B, R, >= H * D] (the first H * D of a row's
+        values, rows any distance apart), their keys and values already in the cache."""
+        bsz, rows = queries.shape[:2]
+        kv_heads, dim = cache.k[layer].shape[1], cache.k[layer].shape[3]
+        count = bsz * rows
         per_program = min(self.heads_per_program or heads // kv_heads, heads // kv_heads)
-        out = torch.empty(bsz, rows, heads, dim, device=q.device, dtype=q.dtype)
+        out = torch.empty(bsz, rows, heads, dim, device=queries.device, dtype=queries.dtype)
         keys = batch.kv_len
         split = keys if keys <= self.split_keys else self.split_keys
         splits = -(-keys // split)
         parts = [out] * 3  # one split: not read
         if splits > 1:
             flat = (splits, count * heads)
-            parts = [torch.empty(flat, device=q.device), torch.empty(flat, device=q.device)]
-            parts.append(torch.empty(*flat, dim, device=q.device))
+            parts = [torch.empty(flat, device=out.device), torch.empty(flat, device=out.device)]
+            parts.append(torch.empty(*flat, dim, device=out.device))
+        width = triton.next_power_of_2(dim)
         _attend[(bsz, heads // per_program, splits)](
-            rotated, out, batch.positions, batch.slot_index, cache.table, max_blocks, cache.k[layer], cache.v[layer],
-            scale, window or 0, *parts,
-            R=rows, H=heads, HKV=kv_heads, HEADS=per_program, D=dim, BLOCK_D=width, BS=block_size, TILE=KEY_TILE,
-            KEYS=keys, SPLIT=split, SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)),
-            BLOCK_N=self.span, num_warps=4 if self.span <= 64 else 8,
+            queries, queries.stride(1), out, batch.positions, batch.slot_index, cache.table, cache.table.shape[1],
+            cache.k[layer], cache.v[layer], scale, window or 0, *parts,
+            R=rows, H=heads, HKV=kv_heads, HEADS=per_program, D=dim, BLOCK_D=width, BS=cache.block_size,
+            TILE=KEY_TILE, KEYS=keys, SPLIT=split, SPLITS=splits,
+            BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)), BLOCK_N=self.span,
+            num_warps=4 if self.span <= 64 else 8,
         )  # fmt: skip
         if splits > 1:
             _combine[(count * heads,)](out, *parts, D=dim, BLOCK_D=width, SPLITS=splits)
         return out.view(bsz, rows, heads * dim)
+
+
+def rope_store(batch, cache: KVCache, layer: int, rope, heads: int, kv_heads: int) -> RopeStore:
+    """Where a fixed-shape batch's new rows' keys and values go in a layer's cache, and their RoPE tables."""
+    count = batch.positions.numel()
+    cos, sin = (t.reshape(count, -1) for t in rope)  # [B, 1, R, D]: contiguous
+    return RopeStore(
+        cos, sin, batch.positions, batch.slots, cache.table, cache.k[layer], cache.v[layer], heads, kv_heads
+    )
+
+
+def rotate_and_store(q, k, v, store: RopeStore) -> torch.Tensor:
+    """The new rows' queries rotated, [B * R, H, D], from q, k, v [B, R, heads, D] (strided), their keys rotated
+    and their values written into the cache where `store` says."""
+    bsz, rows, heads, dim = q.shape
+    count, kv_heads = bsz * rows, k.shape[2]
+    rotated = torch.empty(count, heads, dim, device=q.device, dtype=q.dtype)
+    strides = [s for t in (q, k, v) for s in t.stride()[:3]]
+    block_size, max_blocks = store.v_cache.shape[2], store.table.shape[1]
+    _rotate_and_store[(count, heads + kv_heads)](
+        q, k, v, *strides, store.cos, store.sin, store.positions, store.row_slots, store.table, max_blocks,
+        store.k_cache, store.v_cache, rotated,
+        R=rows, H=heads, HKV=kv_heads, D=dim, BLOCK_D=triton.next_power_of_2(dim), BS=block_size, TILE=KEY_TILE,
+    )  # fmt: skip
+    return rotated
 
 
 def checked_paged_attention(device, dtype) -> PagedAttention | None:
@@ -231,7 +274,6 @@ def _small_case(attention: PagedAttention, device, dtype):
     """Two sequences of 3 new rows after 70 and 5 cached tokens: the kernels' outputs, then those of the path they
     replace (RoPE, the cache write through the batch, which puts the new entries back as it would have written
     them, the gathered blocks and SDPA), on the same cached entries."""
-    from ..config import ModelConfig
     from ..models.layers import apply_rope
     from .cuda_graphs import Bucket, StaticBatch
 
@@ -252,3 +294,69 @@ def _small_case(attention: PagedAttention, device, dtype):
     batch.store(cache, 0, rotated_k, v.transpose(1, 2))
     want = batch.attend(rotated_q, *batch.load(cache, 0), None, 0.25)
     return got, want.transpose(1, 2).reshape(2, rows, -1)
+
+
+def attach_epilogues(model) -> int:
+    """Let each attention layer's QKV kernel take RoPE and the cache write in, where its configuration computes them
+    as the separate kernels do on this device (checked once a shape); q/k norms between projection and RoPE keep
+    them apart. Returns how many layers take them in."""
+    taken = 0
+    for attention in (m for m in model.modules() if isinstance(m, Attention)):
+        kernel = attention.qkv_proj.kernel
+        if not isinstance(kernel, Gemv) or not kernel.prologues or attention.qk_norms is not None:
+            continue
+        weight = attention.qkv_proj.weight
+        shape = (*weight.shape, attention.qkv_proj.bias is not None, attention.num_heads, attention.num_kv_heads)
+        kernel.rope_epilogue = _agrees(shape, kernel.config, str(weight.device), weight.dtype)
+        taken += kernel.rope_epilogue
+    return taken
+
+
+@functools.cache
+def _agrees(shape: tuple, config: GemvConfig, device: str, dtype: torch.dtype) -> bool:
+    got, want = epilogue_case(shape, config, device, dtype)
+    agree = all(_close(a, b) for a, b in zip(got, want))
+    if not agree:
+        log.warning("QKV projections %d x %d keep RoPE and the cache write apart: the epilogue disagrees with the "
+                    "separate kernels on this device", *shape[:2])  # fmt: skip
+    return agree
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within a few of the type's last places of the largest value (as gemv.agrees bounds a layer)."""
+    bound = max(4 * torch.finfo(want.dtype).eps, 1e-4) * want.float().abs().max()
+    return bool((got.float() - want.float()).abs().max() <= bound)
+
+
+@torch.inference_mode()
+def epilogue_case(shape: tuple, config: GemvConfig, device, dtype):
+    """A QKV projection of this shape (N, K, bias, heads, KV heads) on 8 rows, 5 of a sequence after 70 cached tokens
+    and 3 of one from its start: (the rotated queries, the cache's keys and values) by the fused kernel, then by the
+    separate ones (gemv with its norm, _rotate_and_store)."""
+    n, width, has_bias, heads, kv_heads = shape
+    dim = n // (heads + 2 * kv_heads)
+    cfg = ModelConfig("llama", 1, hidden_size=heads * dim, intermediate_size=1, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads)  # fmt: skip
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *size: torch.randn(*size, generator=g).to(device, dtype)  # noqa: E731
+    weight, bias = rand(n, width) / width**0.5, rand(n) if has_bias else None
+    x, residual, norm = rand(8, width), rand(8, width), (rand(width).abs() + 0.5, 1e-6)
+    caches = [KVCache(cfg, 2, 128, dtype, device, scratch=True) for _ in range(2)]
+    store = []
+    for cache in caches:
+        for entries in cache.k + cache.v:
+            entries.zero_()
+        for slot, length in ((0, 75), (1, 3)):
+            cache.reserve(slot, length)
+        positions = torch.tensor([70, 71, 72, 73, 74, 0, 1, 2], device=device)
+        row_slots = torch.tensor([0] * 5 + [1] * 3, device=device)
+        angles = positions[:, None].float() * torch.linspace(0.01, 1.0, dim // 2, device=device)
+        angles = torch.cat([angles, angles], -1)
+        store.append(RopeStore(angles.cos().to(dtype), angles.sin().to(dtype), positions, row_slots, cache.table,
+                               cache.k[0], cache.v[0], heads, kv_heads))  # fmt: skip
+    fused = projected(x, weight, bias, config, norm, residual, torch.empty_like(x), store=store[0])
+    qkv = gemv(x, weight, bias, config, norm, residual, torch.empty_like(x))
+    parts = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), -1)
+    q, k, v = (t.unflatten(-1, (-1, dim))[:, None] for t in parts)
+    separate = rotate_and_store(q, k, v, store[1]).view(8, -1)
+    return (fused[:, : heads * dim], *caches[0].k, *caches[0].v), (separate, *caches[1].k, *caches[1].v)

@@ -30,7 +30,7 @@ import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
-from ..models.runtime import ForwardBatch, Transformer
+from ..models.runtime import Attention, ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from ..sampling import SamplingParams
 from ..sampling.per_row import kinds_of
@@ -110,11 +110,18 @@ class ModelRunner:
         attention = "PyTorch's SDPA" if self._fixed.attention is None else "the paged Triton kernels"
         kernels = [m.kernel for m in layers if m.kernel is not None]
         alone = sum(not getattr(k, "prologues", True) for k in kernels)
-        return (
-            f"captured forwards: attention by {attention}; {len(kernels)} of {len(layers)} linear layers by the Triton "
-            "kernel at up to 16 rows, the rest by cuBLAS (as timed at start-up)"
-            + (f"; {alone} of them without the norm or SwiGLU before them (their check failed)" if alone else "")
-        )
+        rotating = sum(getattr(k, "rope_epilogue", False) for k in kernels)
+        projections = sum(isinstance(m, Attention) for m in self.model.modules())
+        said = [
+            f"captured forwards: attention by {attention}",
+            f"{len(kernels)} of {len(layers)} linear layers by the Triton kernel at up to 16 rows, the rest by cuBLAS "
+            "(as timed at start-up)",
+        ]
+        if alone:
+            said.append(f"{alone} of them without the norm or SwiGLU before them (their check failed)")
+        if rotating:
+            said.append(f"RoPE and the cache write in the kernel of {rotating} of {projections} QKV projections")
+        return "; ".join(said)
 
     @property
     def num_free(self) -> int:
@@ -435,7 +442,12 @@ def gpu_attention(model):
     choice = os.environ.get(ATTENTION_CHOICE, "triton")
     if choice not in ("triton", "sdpa"):
         raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
-    return _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
+    attention = _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
+    if attention is not None:
+        from .paged_attention import attach_epilogues
+
+        attach_epilogues(model)
+    return attention
 
 
 def gpu_linear_layers(model) -> dict:

@@ -135,6 +135,19 @@ class Attention(nn.Module):
     def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
         return (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
 
+    def normed(self, norm: RMSNorm, x, residual, rope, batch: ForwardBatch, cache: KVCache):
+        """(the attention of norm(x + residual)'s new tokens, x + residual), residual None: of norm(x), and x. A
+        fixed-shape batch's attention may take the QKV projection's kernel with RoPE and the cache write in."""
+        paged = batch.paged_attention
+        if paged is not None and self.qk_norms is None:
+            projected = paged.project(self, norm, x, residual, rope, batch, cache)
+            if projected is not None:
+                queries, residual = projected
+                out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale)
+                return self.o_proj(out), residual
+        qkv, residual = normed_linear(norm, self.qkv_proj, x, residual)
+        return self(qkv, rope, batch, cache), residual
+
     def forward(self, qkv, rope, batch: ForwardBatch, cache: KVCache):
         """The new tokens after each slot's cached ones, from their QKV projection (the caller's: it may fuse the norm
         before it in)."""
@@ -224,8 +237,8 @@ class DecoderLayer(nn.Module):
         With sandwich norms (Gemma) the attention and MLP outputs are normalised before they join the
         residual stream: post_attention_layernorm normalises the attention output, and the add + norm before
         the MLP is pre_feedforward_layernorm's."""
-        qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        attended = self.self_attn(qkv, rope[self.self_attn.rope], batch, cache)
+        attention = self.self_attn
+        attended, residual = attention.normed(self.input_layernorm, x, residual, rope[attention.rope], batch, cache)
         if hasattr(self, "post_feedforward_layernorm"):
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
