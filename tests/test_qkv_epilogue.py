@@ -153,24 +153,38 @@ class _Counted:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("configs", [(CONFIGS[0],), (SPLIT,)], ids=["one-part", "K-split"])
-def test_whole_forwards_with_the_epilogue_compute_those_without(configs, monkeypatch):
-    model = tiny_model(seed=3).model.to(DTYPE)
+def _draft_head():
+    from test_cuda_graphs import _head_for
+
+    return _head_for(tiny_model(seed=3))
+
+
+@pytest.mark.parametrize(
+    "build,configs,layers",
+    [
+        (lambda: tiny_model(seed=3).model, (CONFIGS[0],), 2),
+        (lambda: tiny_model(seed=3).model, (SPLIT,), 2),
+        (_draft_head, (CONFIGS[0],), 1),
+    ],
+    ids=["qwen2 one-part", "qwen2 K-split", "draft head"],
+)
+def test_whole_forwards_with_the_epilogue_compute_those_without(build, configs, layers, monkeypatch):
+    model = build().to(DTYPE)
     _with_kernels(model, configs)
     names = _counted(monkeypatch)
     want = _forwards(model, PagedAttention())
-    assert names == ["_rotate_and_store"] * 10  # 5 forwards of 2 layers, the kernels' epilogues not checked yet
-    assert paged_attention.attach_epilogues(model) == 2  # both layers' QKV kernels pass the check
+    assert names == ["_rotate_and_store"] * 5 * layers  # 5 forwards, the kernels' epilogues not checked yet
+    assert paged_attention.attach_epilogues(model) == layers  # every layer's QKV kernel passes the check
     names.clear()
     got = _forwards(model, PagedAttention())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=10 * ATOL, rtol=0)
     # the first forward's 27 rows are past the kernel's 16, the 4 others' rows within them
     epilogue = "_projected" if configs[0].splits == 1 else "_merged"
-    assert names == ["_rotate_and_store"] * 2 + [epilogue] * 8
+    assert names == ["_rotate_and_store"] * layers + [epilogue] * 4 * layers
     names.clear()
     _forwards(model, PagedAttention(in_projection=False))  # an attention may keep them apart (cuda_check's A/B)
-    assert names == ["_rotate_and_store"] * 10
+    assert names == ["_rotate_and_store"] * 5 * layers
 
 
 def test_layers_with_qk_norms_keep_rope_apart():
