@@ -205,6 +205,8 @@ class PagedAttention:
         """The attention outputs [B, R, H * D] of rotated queries [B, R, >= H * D] (the first H * D of a row's
         values, rows any distance apart), their keys and values already in the cache."""
         bsz, rows = queries.shape[:2]
+        if queries.stride(2) != 1 or queries.stride(0) != rows * queries.stride(1):
+            raise ValueError("a row's queries must lie side by side, and the rows of a batch evenly apart")
         kv_heads, dim = cache.k[layer].shape[1], cache.k[layer].shape[3]
         count = bsz * rows
         per_program = min(self.heads_per_program or heads // kv_heads, heads // kv_heads)

@@ -139,12 +139,11 @@ class Attention(nn.Module):
         """(the attention of norm(x + residual)'s new tokens, x + residual), residual None: of norm(x), and x. A
         fixed-shape batch's attention may take the QKV projection's kernel with RoPE and the cache write in."""
         paged = batch.paged_attention
-        if paged is not None and self.qk_norms is None:
-            projected = paged.project(self, norm, x, residual, rope, batch, cache)
-            if projected is not None:
-                queries, residual = projected
-                out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale)
-                return self.o_proj(out), residual
+        projected = None if paged is None else paged.project(self, norm, x, residual, rope, batch, cache)
+        if projected is not None:
+            queries, residual = projected
+            out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale)
+            return self.o_proj(out), residual
         qkv, residual = normed_linear(norm, self.qkv_proj, x, residual)
         return self(qkv, rope, batch, cache), residual
 
