@@ -673,15 +673,13 @@ def _same_keys(runner, slots, starts, rounds, reference) -> bool:
     return True
 
 
-def _features_not_fed(batch, drafts, estimates):
-    batch.tokens[:, 0] = drafts
-    batch.positions += 1
+def _features_not_fed(batch, drafts, positions, slots, estimates):
+    return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None])
 
 
-def _positions_not_advanced(batch, drafts, estimates):
-    batch.tokens[:, 0] = drafts
-    if batch.features is not None:
-        batch.features[:, 0] = estimates
+def _positions_not_advanced(batch, drafts, positions, slots, estimates):
+    features = None if estimates is None else estimates.view(batch.features.shape)
+    return batch.with_rows(drafts[:, None], batch.positions, slots[:, None], features)
 
 
 @pytest.mark.parametrize("drafter", ["head", "draft model"])

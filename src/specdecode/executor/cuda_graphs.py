@@ -15,6 +15,7 @@ The same fixed-shape forward runs without capture on a CPU, where the tests chec
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -116,6 +117,15 @@ class StaticBatch:
     def forget(self) -> None:
         """Before a forward that is not a replay: what the last forward derived is stale."""
         self._per_forward.clear()
+
+    def with_rows(self, tokens, positions, slots, features=None) -> StaticBatch:
+        """This batch's sequences with other tensors of its rows' tokens, positions and KV slots ([B, R]), and
+        features where given: a chained round's, which a graph reads where they lie, none copied in."""
+        rows = copy.copy(self)
+        rows.tokens, rows.positions, rows.slots = tokens, positions, slots
+        rows.features = self.features if features is None else features
+        rows._per_forward = {}
+        return rows
 
     def store(self, cache: KVCache, layer: int, k, v) -> None:
         cache.write_at(layer, self._derived("entries", lambda: cache.entries(self.slots, self.positions)), k, v)

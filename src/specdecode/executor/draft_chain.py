@@ -4,8 +4,10 @@ Each drafting round after the first reads one token per sequence: the draft of t
 head, the features that round estimated). Driven from the host, every round waits for its draft to be copied back
 before the next is launched, and k rounds pay k launches and k synchronisations. Here the rounds after the first run
 in one replay, the pick from the first round's logits with them (a copy of those in, where picking outside the
-graph would launch its kernels one by one): each round's draft is written into the next round's input on the
-device, and every round's draft and its probability come back together. A greedy row drafts its argmax; a
+graph would launch its kernels one by one): each round reads the draft (and estimated features) of the round
+before where that round left them, at positions and slots computed for all rounds at once, so a round launches its
+forward and its pick and nothing else (each copy is a kernel in a graph), and every round's draft and its
+probability come back together. A greedy row drafts its argmax; a
 sampled row (no logits processor, no grammar: those need the host) draws from its distribution by its own settings
 (sampling/per_row.py) at a uniform its sequence drew beforehand from its own stream, and that distribution, q, stays
 on the device for verification.
@@ -142,23 +144,27 @@ class DraftChain:
     @torch.inference_mode()
     def _run(self, chain: _Chain) -> None:
         batch = chain.batch
-        self._pick_into(chain, chain.first, 0)
-        batch.tokens[:, 0] = chain.tokens[:, 0]
-        # each round's slot of each row, at once: past its own rounds a sequence writes into the scratch block
+        drafts = [self._pick(chain, chain.first, 0)]
+        # each round's position and KV slot of each row, at once: past its own rounds a sequence writes into the
+        # scratch block
+        positions = batch.positions[:, 0] + chain.round_ids
         slots = torch.where(chain.limits > chain.round_ids, batch.slots[:, 0], self.forward.cache.scratch_row)
+        estimates = None
         for r in range(chain.rounds):
-            batch.slots[:, 0] = slots[r]
-            batch.forget()
-            logits, hidden = self.forward.run(batch)
-            self._pick_into(chain, logits, r + 1)
-            self._next_round(batch, chain.tokens[:, r + 1], hidden)
+            logits, estimates = self.forward.run(
+                self._next_round(batch, drafts[-1][0], positions[r], slots[r], estimates)
+            )
+            drafts.append(self._pick(chain, logits, r + 1))
+        torch.stack([tokens for tokens, _ in drafts], 1, out=chain.tokens)
+        torch.stack([probs for _, probs in drafts], 1, out=chain.probs)
 
-    def _pick_into(self, chain: _Chain, logits: torch.Tensor, at: int) -> None:
-        """Each row's draft from its logits into column `at` of the chain's drafts (and of q where it samples)."""
+    def _pick(self, chain: _Chain, logits: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draft from its logits and its probability (where the chain samples, q into column `at` of its
+        distributions)."""
         if chain.sampling is None:
-            chain.tokens[:, at], chain.probs[:, at] = self.pick(logits)
-        else:
-            chain.tokens[:, at], chain.probs[:, at], chain.q[:, at] = self.pick(logits, chain.sampling, at)
+            return self.pick(logits)
+        tokens, probs, chain.q[:, at] = self.pick(logits, chain.sampling, at)
+        return tokens, probs
 
     def pick(self, logits: torch.Tensor, sampling: RowSampling | None = None, at: int = 0):
         """Each row's draft (a target id) and the drafter's probability of it, on the device: the argmax and its
@@ -176,12 +182,11 @@ class DraftChain:
         return chosen, sure, q
 
     @staticmethod
-    def _next_round(batch: StaticBatch, drafts: torch.Tensor, estimates: torch.Tensor) -> None:
-        """The next round reads each sequence's draft (beside the features a head estimated) one position on."""
-        batch.tokens[:, 0] = drafts
-        if batch.features is not None:
-            batch.features[:, 0] = estimates
-        batch.positions += 1
+    def _next_round(batch: StaticBatch, drafts, positions, slots, estimates) -> StaticBatch:
+        """The batch of a round: each sequence's draft of the round before at its position and slot, beside the
+        features a head estimated in it (the first round: those the batch holds)."""
+        features = None if estimates is None or batch.features is None else estimates.view(batch.features.shape)
+        return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None], features)
 
     def _prepare(self, key: tuple) -> _Chain | None:
         bucket, rounds, kinds = key
