@@ -281,7 +281,35 @@ def _head_for(target):
 def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features(fused):
     """A draft head's decode and verify forwards at bucket shapes (replayed as graphs on a GPU) take each row's
     target features beside its token, as its eager forwards do: the same logits and estimated features; with the
-    GPU's compiled elementwise steps (compiled for the CPU here), its two input norms among them, too."""
+    GPU's compiled elementwise steps (compiled for the CPU here), its input's lookup and two norms among them, too."""
+    (logits, estimates), (fixed_logits, fixed_estimates) = _head_forwards(fused)
+    torch.testing.assert_close(fixed_logits, logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fixed_estimates, estimates, atol=ATOL, rtol=0)
+
+
+def _wrong_token_looked_up(table, tokens, weight_a, eps_a, weight_b, eps_b, features):
+    return _HEAD_INPUTS(table, (tokens + 1) % table.shape[0], weight_a, eps_a, weight_b, eps_b, features)
+
+
+def _halves_swapped(table, tokens, weight_a, eps_a, weight_b, eps_b, features):
+    return _HEAD_INPUTS(table, tokens, weight_a, eps_a, weight_b, eps_b, features).roll(features.shape[-1], -1)
+
+
+_HEAD_INPUTS = cuda_graphs._head_inputs
+
+
+@pytest.mark.parametrize("broken", [_wrong_token_looked_up, _halves_swapped])
+def test_a_draft_heads_compiled_input_that_reads_amiss_is_caught(broken, monkeypatch):
+    """The deliberately broken variants of the head's compiled input: the next token's embedding, or the features'
+    norm before the embedding's."""
+    monkeypatch.setattr(cuda_graphs, "_head_inputs", broken)
+    (logits, _), (fixed_logits, _) = _head_forwards(True)
+    assert not torch.allclose(fixed_logits, logits, atol=ATOL, rtol=0)
+
+
+def _head_forwards(fused: bool):
+    """A draft head's forwards eagerly, then at bucket shapes (with the compiled elementwise steps where fused): each
+    step's (logits, estimates), all steps' stacked."""
     target = tiny_model(seed=0)
     head = _head_for(target)
     hidden = target.config.hidden_size
@@ -300,9 +328,7 @@ def test_a_draft_heads_forwards_at_bucket_shapes_read_its_features(fused):
                 runner.commit(slot, runner.length(slot) + n)
         outs.append(got)
         assert bool(runner._fixed and runner._fixed.buckets) == fixed  # decodes and verifies took a bucket
-    for (logits, estimates), (fixed_logits, fixed_estimates) in zip(*outs):
-        torch.testing.assert_close(fixed_logits, logits, atol=ATOL, rtol=0)
-        torch.testing.assert_close(fixed_estimates, estimates, atol=ATOL, rtol=0)
+    return [tuple(torch.cat(parts) for parts in zip(*got)) for got in outs]
 
 
 def test_speculation_with_a_draft_head_at_bucket_shapes_drafts_as_eagerly(monkeypatch, tmp_path):

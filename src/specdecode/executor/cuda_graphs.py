@@ -339,9 +339,11 @@ def _add_rms_norm(weight, eps: float, x, residual):
     return _rms_norm(weight, eps, x), x
 
 
-def _normed_pair(weight_a, eps_a: float, a, weight_b, eps_b: float, b):
-    """[norm_a(a), norm_b(b)]: a draft head's input, before its fusing projection."""
-    return torch.cat([_rms_norm(weight_a, eps_a, a), _rms_norm(weight_b, eps_b, b)], -1)
+def _head_inputs(table, tokens, weight_a, eps_a: float, weight_b, eps_b: float, features):
+    """[norm_a(table[tokens]), norm_b(features)] in the features' type: a draft head's input before its fusing
+    projection, the embedding looked up in the same kernel."""
+    embedded = F.embedding(tokens, table).to(features.dtype)
+    return torch.cat([_rms_norm(weight_a, eps_a, embedded), _rms_norm(weight_b, eps_b, features)], -1)
 
 
 def _silu_mul(gate_up):
@@ -376,15 +378,15 @@ class _FusedNorm:
 
 def fuse_elementwise(model) -> bool:
     """Give the model's norms, RoPE (its tables and their use) and SwiGLU MLPs compiled kernels, and a draft head's
-    two input norms one, once; a module that already has a backend's kernel keeps it. Where compiling fails (no
-    compiler for the device), the model stays as it was: False."""
+    input (its tokens' embeddings looked up, both input norms) one, once; a module that already has a backend's kernel
+    keeps it. Where compiling fails (no compiler for the device), the model stays as it was: False."""
     from ..models.draft_head import DraftHead
     from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, rope_tables
     from ..models.runtime import Attention
 
     if getattr(model, "elementwise_fused", False):
         return True
-    eager = (_rms_norm, _add_rms_norm, _silu_mul, _rope, rope_tables, _normed_pair)
+    eager = (_rms_norm, _add_rms_norm, _silu_mul, _rope, rope_tables, _head_inputs)
     compiled = [torch.compile(f, dynamic=True) for f in eager]
     try:
         _try_compiled(compiled, model.device, model.dtype)
@@ -393,9 +395,9 @@ def fuse_elementwise(model) -> bool:
         return False
     norm = _FusedNorm(_InFixedShapes(compiled[0], _rms_norm), _InFixedShapes(compiled[1], _add_rms_norm))
     silu_mul, rope = _InFixedShapes(compiled[2], _silu_mul), _InFixedShapes(compiled[3], apply_rope)
-    tables, pair = _InFixedShapes(compiled[4], rope_tables), _InFixedShapes(compiled[5], _normed_pair)
+    tables, inputs = _InFixedShapes(compiled[4], rope_tables), _InFixedShapes(compiled[5], _head_inputs)
     if isinstance(model, DraftHead) and model.inputs_kernel is None:
-        model.inputs_kernel = pair
+        model.inputs_kernel = inputs
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = norm
@@ -418,13 +420,14 @@ def _try_compiled(compiled, device, dtype) -> None:
     weight = torch.nn.Parameter(torch.ones(8, device=device, dtype=dtype), requires_grad=False)  # as a norm's
     tolerance = max(2e-3, 8 * torch.finfo(dtype).eps)  # a few last places: the fused kernels round otherwise
     positions = torch.arange(6, device=device).view(2, 3) * 1000  # large angles: where cos and sin may differ most
+    tokens = torch.tensor([[7, 49]] * 3, device=device)  # a token for each of x's rows
     cases = [
         (_rms_norm, (weight, 1e-6, x)),
         (_add_rms_norm, (weight, 1e-6, x, x)),
         (_silu_mul, (x,)),
         (_rope, (x, x, x)),
         (rope_tables, (positions, torch.rand(4, device=device), dtype)),
-        (_normed_pair, (weight, 1e-6, x, weight, 1e-5, -x)),
+        (_head_inputs, (torch.randn(50, 8, device=device, dtype=dtype), tokens, weight, 1e-6, weight, 1e-5, -x)),
     ]
     for fn, (eager, args) in zip(compiled, cases):
         got, want = fn(*args), eager(*args)

@@ -107,7 +107,7 @@ class DraftHead(nn.Module):
 
     backend = "torch"
     layers_kernel = None  # as Transformer's
-    inputs_kernel = None  # see _fused_input
+    inputs_kernel = None  # see _input
     capture_graphs = True  # as Transformer's: decode and verify forwards at bucket shapes on a GPU, replayed
     reads_features = True  # the forward takes the target's features beside the tokens (a bucket holds them too)
 
@@ -136,11 +136,10 @@ class DraftHead(nn.Module):
         vocabulary for the batch's logit rows, and with return_hidden the estimated next features of the
         same rows. (Training runs `unrolled`, which computes the same rounds for every row at once.)"""
         with torch.inference_mode():
-            embedded = self._shared["embed"](tokens).to(self.dtype)
             if features is None:  # timing a forward (the profile): contents do not change its cost
-                features = torch.zeros_like(embedded)
-            features = features.to(embedded.dtype)
-            x = self._fused_input(embedded, features)
+                features = torch.zeros(*tokens.shape, self.cfg.hidden_size, device=tokens.device)
+            features = features.to(self.dtype)
+            x = self._input(tokens, features)
             x, residual = run_layers(self, x, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
             return self._output(features, x, residual, batch.logit_rows, return_hidden)
 
@@ -174,13 +173,17 @@ class DraftHead(nn.Module):
             out.append(self._output(features, layer.mlp(h), residual, None, True))
         return out
 
+    def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc over [norm(embedding of each token), norm(its features)]: the lookup, both norms and their concatenation
+        one kernel where the head has it (a GPU's: executor/cuda_graphs.fuse_elementwise)."""
+        e, f, embed = self.embed_norm, self.feature_norm, self._shared["embed"]
+        if self.inputs_kernel is not None and isinstance(embed, nn.Embedding):
+            return self.fc(self.inputs_kernel(embed.weight, tokens, e.weight, e.eps, f.weight, f.eps, features))
+        return self._fused_input(embed(tokens).to(self.dtype), features)
+
     def _fused_input(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """fc over [norm(embeddings), norm(features)], the norms and their concatenation one kernel where the head has
-        it (a GPU's: executor/cuda_graphs.fuse_elementwise)."""
-        e, f = self.embed_norm, self.feature_norm
-        if self.inputs_kernel is not None:
-            return self.fc(self.inputs_kernel(e.weight, e.eps, embedded, f.weight, f.eps, features))
-        return self.fc(torch.cat([e(embedded), f(features)], -1))
+        """fc over [norm(embeddings), norm(features)]."""
+        return self.fc(torch.cat([self.embed_norm(embedded), self.feature_norm(features)], -1))
 
     def _output(self, features, out, residual, rows, return_hidden):
         """Logits of the estimate of the target's next hidden state (before its final norm) at `rows` (None: all), and
