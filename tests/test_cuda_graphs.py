@@ -699,13 +699,19 @@ def _same_keys(runner, slots, starts, rounds, reference) -> bool:
     return True
 
 
-def _features_not_fed(batch, drafts, positions, slots, estimates):
-    return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None])
+def _features_not_fed(batch, drafts, positions, slots, estimates, rope):
+    return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None], None, rope)
 
 
-def _positions_not_advanced(batch, drafts, positions, slots, estimates):
+def _positions_not_advanced(batch, drafts, positions, slots, estimates, rope):
     features = None if estimates is None else estimates.view(batch.features.shape)
     return batch.with_rows(drafts[:, None], batch.positions, slots[:, None], features)
+
+
+def _rope_of_another_sequence(batch, drafts, positions, slots, estimates, rope):
+    features = None if estimates is None else estimates.view(batch.features.shape)
+    rope = {kind: tuple(t.roll(1, 0) for t in pair) for kind, pair in rope.items()}
+    return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None], features, rope)
 
 
 @pytest.mark.parametrize("drafter", ["head", "draft model"])
@@ -715,10 +721,10 @@ def test_replayed_chains_draft_what_rounds_one_by_one_do(captured, drafter):
     assert _same_drafts(chained, expected)
 
 
-@pytest.mark.parametrize("broken", [_features_not_fed, _positions_not_advanced])
+@pytest.mark.parametrize("broken", [_features_not_fed, _positions_not_advanced, _rope_of_another_sequence])
 def test_chained_rounds_that_read_the_wrong_inputs_are_caught(monkeypatch, broken):
-    """The deliberately broken variants: a head's rounds that read the first round's features again, or rounds that
-    all read and write one position."""
+    """The deliberately broken variants: a head's rounds that read the first round's features again, rounds that
+    all read and write one position, or rows rotated at another sequence's positions."""
     from specdecode.executor.draft_chain import DraftChain
 
     monkeypatch.setattr(DraftChain, "_next_round", staticmethod(broken))

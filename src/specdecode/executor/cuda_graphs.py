@@ -73,6 +73,7 @@ class StaticBatch:
     rowwise = None
     logit_rows = None  # every row's logits: the caller keeps the rows it asked for
     paged_attention = None  # set: attention by it (executor/paged_attention.py), not by store / load / attend
+    rope = None  # set: the rows' RoPE tables, made beforehand (with_rows)
 
     def __init__(self, bucket: Bucket, device, features: tuple[int, torch.dtype] | None = None):
         self.bucket, self.kv_len = bucket, bucket.keys
@@ -118,11 +119,11 @@ class StaticBatch:
         """Before a forward that is not a replay: what the last forward derived is stale."""
         self._per_forward.clear()
 
-    def with_rows(self, tokens, positions, slots, features=None) -> StaticBatch:
+    def with_rows(self, tokens, positions, slots, features=None, rope=None) -> StaticBatch:
         """This batch's sequences with other tensors of its rows' tokens, positions and KV slots ([B, R]), and
-        features where given: a chained round's, which a graph reads where they lie, none copied in."""
+        features and RoPE tables where given: a chained round's, which a graph reads where they lie, none copied in."""
         rows = copy.copy(self)
-        rows.tokens, rows.positions, rows.slots = tokens, positions, slots
+        rows.tokens, rows.positions, rows.slots, rows.rope = tokens, positions, slots, rope
         rows.features = self.features if features is None else features
         rows._per_forward = {}
         return rows
@@ -233,6 +234,11 @@ class BucketedForward:
         else:
             every_logit, every_hidden = self.run(entry.batch)
         return _selected(every_logit, every_hidden, bucket.rows, num_new, logits, hidden)
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The model's RoPE tables of these positions [B, T], as its fixed-shape forwards make them."""
+        with _fixed_shapes():
+            return self.model.rope_tables(positions, self.model.dtype)
 
     def run(self, batch: StaticBatch):
         """The batch's forward at its bucket's shape, eagerly: (every row's logits, every row's hidden state)."""

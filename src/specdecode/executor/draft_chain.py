@@ -5,9 +5,9 @@ head, the features that round estimated). Driven from the host, every round wait
 before the next is launched, and k rounds pay k launches and k synchronisations. Here the rounds after the first run
 in one replay, the pick from the first round's logits with them (a copy of those in, where picking outside the
 graph would launch its kernels one by one): each round reads the draft (and estimated features) of the round
-before where that round left them, at positions and slots computed for all rounds at once, so a round launches its
-forward and its pick and nothing else (each copy is a kernel in a graph), and every round's draft and its
-probability come back together. A greedy row drafts its argmax; a
+before where that round left them, at positions, slots and RoPE tables made for all rounds at once, so a round
+launches its forward and its pick and nothing else (each copy is a kernel in a graph), and every round's draft and
+its probability come back together. A greedy row drafts its argmax; a
 sampled row (no logits processor, no grammar: those need the host) draws from its distribution by its own settings
 (sampling/per_row.py) at a uniform its sequence drew beforehand from its own stream, and that distribution, q, stays
 on the device for verification.
@@ -149,10 +149,12 @@ class DraftChain:
         # scratch block
         positions = batch.positions[:, 0] + chain.round_ids
         slots = torch.where(chain.limits > chain.round_ids, batch.slots[:, 0], self.forward.cache.scratch_row)
-        estimates = None
+        tables = self.forward.rope_tables(positions.view(-1, 1))  # [rounds * B, 1, 1, D] each
+        estimates, seqs = None, batch.bucket.seqs
         for r in range(chain.rounds):
+            rope = {kind: tuple(t[r * seqs : (r + 1) * seqs] for t in pair) for kind, pair in tables.items()}
             logits, estimates = self.forward.run(
-                self._next_round(batch, drafts[-1][0], positions[r], slots[r], estimates)
+                self._next_round(batch, drafts[-1][0], positions[r], slots[r], estimates, rope)
             )
             drafts.append(self._pick(chain, logits, r + 1))
         torch.stack([tokens for tokens, _ in drafts], 1, out=chain.tokens)
@@ -182,11 +184,11 @@ class DraftChain:
         return chosen, sure, q
 
     @staticmethod
-    def _next_round(batch: StaticBatch, drafts, positions, slots, estimates) -> StaticBatch:
-        """The batch of a round: each sequence's draft of the round before at its position and slot, beside the
-        features a head estimated in it (the first round: those the batch holds)."""
+    def _next_round(batch: StaticBatch, drafts, positions, slots, estimates, rope) -> StaticBatch:
+        """The batch of a round: each sequence's draft of the round before at its position and slot (and the RoPE
+        tables of those), beside the features a head estimated in it (the first round: those the batch holds)."""
         features = None if estimates is None or batch.features is None else estimates.view(batch.features.shape)
-        return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None], features)
+        return batch.with_rows(drafts[:, None], positions[:, None], slots[:, None], features, rope)
 
     def _prepare(self, key: tuple) -> _Chain | None:
         bucket, rounds, kinds = key

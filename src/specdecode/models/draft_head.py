@@ -140,7 +140,7 @@ class DraftHead(nn.Module):
                 features = torch.zeros(*tokens.shape, self.cfg.hidden_size, device=tokens.device)
             features = features.to(self.dtype)
             x = self._input(tokens, features)
-            x, residual = run_layers(self, x, {"global": self.rotary(batch.positions, x.dtype)}, batch, cache)
+            x, residual = run_layers(self, x, batch.rope or self.rope_tables(batch.positions, x.dtype), batch, cache)
             return self._output(features, x, residual, batch.logit_rows, return_hidden)
 
     def unrolled(
@@ -172,6 +172,10 @@ class DraftHead(nn.Module):
             h, residual = layer.post_attention_layernorm(attended, x)
             out.append(self._output(features, layer.mlp(h), residual, None, True))
         return out
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of every input position: its one layer's, at the target's global frequencies."""
+        return {"global": self.rotary(positions, dtype)}
 
     def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc over [norm(embedding of each token), norm(its features)]: the lookup, both norms and their concatenation

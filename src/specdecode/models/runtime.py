@@ -44,6 +44,8 @@ class ForwardBatch:
     # A fixed-shape batch (executor/cuda_graphs.py) may carry one: the new rows' q, k, v -> their attention outputs,
     # the cache written along the way (executor/paged_attention.py)
     paged_attention = None
+    # and its rows' RoPE tables, made beforehand (a chain's rounds: executor/draft_chain.py); None: the model's own
+    rope = None
 
     @classmethod
     def build(
@@ -316,7 +318,7 @@ class Transformer(nn.Module):
         (row-major over B, T); with return_hidden also the last layer's output (before the final norm)
         for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
         x = self.embed(tokens)
-        rope = self.rope_tables(batch.positions, x.dtype)
+        rope = batch.rope or self.rope_tables(batch.positions, x.dtype)
         x, residual = run_layers(self, x, rope, batch, cache)
         return self.output(
             x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows, return_hidden
