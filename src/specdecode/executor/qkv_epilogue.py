@@ -135,6 +135,9 @@ def _rotated_and_stored(
     tl.store(v_cache + value_at, values.to(v_cache.dtype.element_ty), mask=held & (head >= H + HKV)[None, :])
 
 
+MERGED_COLUMNS = 64  # columns of every row a merging program takes
+
+
 def projected(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -173,13 +176,10 @@ def projected(
     return y
 
 
-MERGED_COLUMNS = 64  # columns of every row a merging program takes
-
-
 def rotated_projection(attention, norm, x: torch.Tensor, residual: torch.Tensor | None, store: RopeStore):
     """(the layer's QKV projection of norm(x + residual) [..., N], its queries rotated, x + residual), its keys and
-    values in the cache: one kernel, where the projection's kernel takes this call and passed the start-up check;
-    else None."""
+    values in the cache: by the projection's kernel (and the merge of K's splits), where it takes this call and passed
+    the start-up check; else None."""
     kernel = attention.qkv_proj.kernel
     normed = getattr(kernel, "normed", None) if getattr(kernel, "rope_epilogue", False) else None
     return None if normed is None else normed(attention.qkv_proj, norm, x, residual, partial(projected, store=store))
