@@ -80,8 +80,8 @@ def _count_verifies(monkeypatch) -> tuple[list[list[int]], list[tuple[int, int]]
             widths.append(list(widths_))
         return forward(self, slots, picked, widths_, **kw)
 
-    def reading(self, values):
-        kept = read_from(self, values)
+    def reading(self, tokens, probs):
+        kept = read_from(self, tokens, probs)
         reads.append((sum(self.counts), sum(map(len, kept))))
         return kept
 
@@ -146,10 +146,10 @@ _verify_rows = overlap.verify_argmax_rows
 
 
 def _drafts_not_fed(fill):
-    def fill_without_drafts(self, slots, starts, inputs, scratch_row, features=None, picked=None):
-        if picked is not None:
-            picked = torch.cat([picked[:, :1], torch.zeros_like(picked[:, 1:])], 1)
-        return fill(self, slots, starts, inputs, scratch_row, features, picked)
+    def fill_without_drafts(self, slots, starts, inputs, scratch_row, features=None, picked=None, picked_at=0):
+        if picked is not None and picked_at:  # a verify's: every draft read as token 0
+            picked = torch.zeros_like(picked)
+        return fill(self, slots, starts, inputs, scratch_row, features, picked, picked_at)
 
     return fill_without_drafts
 
@@ -179,9 +179,9 @@ def _logged(monkeypatch, log: list[str]) -> None:
         log.append("verify" if widths else "plain")
         return forward(self, slots, picked, widths, **kw)
 
-    def read(self, values):
+    def read(self, tokens, probs):
         log.append("read")
-        return settle(self, values)
+        return settle(self, tokens, probs)
 
     class Event:
         def __init__(self, enable_timing=False):

@@ -133,12 +133,13 @@ class QueuingAhead:
         """The verify's logits of every row (and hidden states where a proposer reads them), its inputs each
         sequence's last token and its drafts on the device."""
         pending = drafts.on_device
-        picked = pending.tokens.new_zeros(len(seqs), 1 + pending.tokens.shape[1])
-        picked[:, 0] = to_device([s.token_ids[-1] for s in seqs], picked.device)
-        mine = slice(None) if len(pending.rows) == len(seqs) else to_device(pending.rows, picked.device)
-        picked[mine, 1:] = pending.tokens
+        picked = pending.tokens
+        if len(pending.rows) < len(seqs):  # each sequence's drafts on its own row, none for those that drafted none
+            rows = to_device(pending.rows, picked.device)
+            picked = picked.new_zeros(len(seqs), picked.shape[1]).index_copy_(0, rows, picked)
+        last = [s.token_ids[-1] for s in seqs]
         out = self.runner.forward_picked(
-            [s.slot for s in seqs], picked, _widths(drafts), logits="all", hidden=self.wants_hidden_states
+            [s.slot for s in seqs], picked, _widths(drafts), first=last, logits="all", hidden=self.wants_hidden_states
         )
         return _with_hidden(out)
 
@@ -156,8 +157,8 @@ class QueuingAhead:
             self._settle_verified_rows(seqs, drafts)
             rows = to_device(_stood_by_rows(widths, drafts.tokens), logits.device)
             return self._verify_batch(seqs, drafts, logits[rows]), widths
-        argmax, values = read_at_once([logits.argmax(-1), drafts.on_device.values()])
-        drafts.settle(values)
+        argmax, *values = read_at_once([logits.argmax(-1), *drafts.on_device.values()])
+        drafts.settle(*values)
         self._settle_verified_rows(seqs, drafts)
         results = verify_argmax_rows(drafts.tokens, widths, [int(v) for v in argmax], self.forced_accept)
         return [(result, None) for result in results], widths
@@ -168,7 +169,7 @@ class QueuingAhead:
     def _settle_verified_rows(self, seqs: list[Sequence], drafts: DraftBatch) -> None:
         """The ids of the rows the verify read on the device, now the drafts are on the host."""
         for seq, tokens in zip(seqs, drafts.tokens):
-            self.runner.settle(seq.slot, seq.num_tokens - 1, [seq.token_ids[-1], *tokens])
+            self.runner.settle(seq.slot, seq.num_tokens, tokens)
 
 
 def _with_hidden(out) -> tuple[torch.Tensor, torch.Tensor | None]:

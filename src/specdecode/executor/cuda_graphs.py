@@ -95,11 +95,13 @@ class StaticBatch:
         scratch_row: int,
         features=None,
         picked: torch.Tensor | None = None,
+        picked_at: int = 0,
     ) -> None:
         """These sequences' new tokens (and feature rows); every other row is padding (token 0 at position 0 of the
         scratch slot; its features whatever a forward left there). picked: [n, w] on the device, sequence i's new tokens
-        its row's first len(inputs[i]), in place of the inputs' (tokens a step picked, drafts a drafter left there,
-        copied on the device: the host never waits for them; columns past a sequence's width land in padding rows)."""
+        from the picked_at-th on its row's first ones, in place of the inputs' (tokens a step picked, drafts a drafter
+        left there, copied on the device: the host never waits for them; columns past a sequence's width land in
+        padding rows)."""
         b, r = self.bucket.seqs, self.bucket.rows
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
@@ -110,7 +112,8 @@ class StaticBatch:
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
         copy_into(self.ints, tokens + positions + row_slots + seq_slots)
         if picked is not None:
-            self.tokens[: len(picked), : picked.shape[1]].copy_(picked[:, :r])
+            width = min(picked.shape[1], r - picked_at)
+            self.tokens[: len(picked), picked_at : picked_at + width].copy_(picked[:, :width])
         for i, rows in enumerate(features or ()):
             self.features[i, : len(rows)].copy_(rows)
         self.forget()
@@ -217,9 +220,11 @@ class BucketedForward:
         hidden: bool | str,
         features=None,
         picked: torch.Tensor | None = None,
+        picked_at: int = 0,
     ):
         """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly. features:
-        per sequence, a feature row per new token, where the model reads them; picked: see StaticBatch.fill."""
+        per sequence, a feature row per new token, where the model reads them; picked, picked_at: see
+        StaticBatch.fill."""
         num_new = [len(t) for t in inputs]
         bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
         if bucket is None or bucket in self._refused:
@@ -227,7 +232,7 @@ class BucketedForward:
         entry = self._entries.get(bucket) or self._prepare(bucket)
         if entry is None:
             return None
-        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features, picked)
+        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features, picked, picked_at)
         if entry.graph is not None:
             entry.graph.replay()
             every_logit, every_hidden = entry.outputs

@@ -279,16 +279,27 @@ class ModelRunner:
             return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
 
-    def forward_picked(self, slots: list[int], picked: torch.Tensor, widths: list[int] | None = None, **outputs):
+    def forward_picked(
+        self,
+        slots: list[int],
+        picked: torch.Tensor,
+        widths: list[int] | None = None,
+        first: list[int] | None = None,
+        **outputs,
+    ):
         """Each slot's new tokens read where the device holds them, so that this forward is queued before they reach
         the host: `picked` [n, w], slot i's tokens the first widths[i] (default 1) of its row (tokens a step picked,
-        drafts a drafter left there). Their rows are written; the runner learns the token ids from `settle` before
-        they are committed. outputs: `logits` and `hidden` as for forward (default: the logits of each last row)."""
+        drafts a drafter left there), or with `first` (a token per slot, from the host) its widths[i] - 1 after that
+        one. Their rows are written; the runner learns the picked ids from `settle` before they are committed.
+        outputs: `logits` and `hidden` as for forward (default: the logits of each last row)."""
         widths = widths or [1] * len(slots)
-        if max(widths) > self._rowwise_width() or picked.shape[1] < max(widths):
-            raise ValueError(f"picked tokens: {max(widths)} a sequence, of {picked.shape[1]} given")
+        known = [[] for _ in slots] if first is None else [[token] for token in first]
+        at = len(known[0])
+        if max(widths) > self._rowwise_width() or picked.shape[1] < max(widths) - at:
+            raise ValueError(f"picked tokens: {max(widths) - at} a sequence, of {picked.shape[1]} given")
+        inputs = [ids + [_UNSETTLED] * (w - at) for ids, w in zip(known, widths)]
         logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
-        return self._forward_call(slots, [[_UNSETTLED] * w for w in widths], logits, hidden, None, picked=picked)
+        return self._forward_call(slots, inputs, logits, hidden, None, picked=(picked, at))
 
     def settle(self, slot: int, position: int, tokens: list[int]) -> None:
         """The token ids a forward_picked (or chained drafting) wrote from `position` of the slot, now on the host."""
@@ -339,7 +350,8 @@ class ModelRunner:
 
     def _forward_call(self, slots, inputs, logits, hidden, features, starts: list[int] | None = None, picked=None):
         """One forward; starts: where each sequence's new tokens begin (default: after its committed ones); picked:
-        each sequence's new tokens on the device, read in place of its inputs (forward_picked)."""
+        (tokens, at), each sequence's new tokens from the at-th on, on the device, read in place of its inputs
+        (forward_picked)."""
         starts = starts or [self._cache.lengths[s] for s in slots]
         lengths = [len(t) for t in inputs]
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
@@ -348,13 +360,16 @@ class ModelRunner:
             self._cache.reserve(slot, start + n)
         out = None
         if self._fixed is not None and isinstance(logits, str) and (features is None or self._fixed.reads_features):
-            out = self._fixed(slots, starts, inputs, logits, hidden, features, picked)
+            out = self._fixed(slots, starts, inputs, logits, hidden, features, *picked or ())
         if out is None:
             batch = ForwardBatch.build(
                 slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
             )
-            rows = inputs if picked is None else [row[: len(new)] for row, new in zip(picked, inputs)]
-            tokens = self._batched(batch, [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in rows])
+            rows = [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in inputs]
+            if picked is not None:
+                tokens, at = picked
+                rows = [torch.cat([row[:at], mine[: len(row) - at]]) for row, mine in zip(rows, tokens)]
+            tokens = self._batched(batch, rows)
             extra = {} if features is None else {"features": self._batched(batch, features)}
             out = self.model(tokens, batch, self._cache, return_hidden=hidden, **extra)
         for slot, start, new in zip(slots, starts, inputs):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..timing import Span
+from ..transfers import read_at_once
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
@@ -36,17 +37,18 @@ class DraftsOnDevice:
     q: torch.Tensor | None = None  # each draft's distribution [len(rows), max(counts), V], where some row samples
     sampled: list[bool] | None = None  # the rows whose drafts were drawn from q (the others are greedy: one-hot)
 
-    def values(self) -> torch.Tensor:
-        """Tokens then probabilities, flat, as one tensor to copy to the host (with whatever else is copied then)."""
-        return torch.cat([self.tokens.flatten().double(), self.probs.flatten().double()])
+    def values(self) -> list[torch.Tensor]:
+        """Tokens and probabilities, to copy to the host in one copy (transfers.read_at_once, with whatever else is
+        copied then)."""
+        return [self.tokens, self.probs]
 
-    def read_from(self, values: list[float]) -> list[list[int]]:
-        """The drafts stood by, from `values()` as read on the host."""
-        width, n = self.tokens.shape[1], self.tokens.numel()
-        rows = [values[at : at + width] for at in range(0, n, width)]
-        probs = [values[n + at : n + at + width] for at in range(0, n, width)]
+    def read_from(self, tokens: list[float], probs: list[float]) -> list[list[int]]:
+        """The drafts stood by, from `values()` as read on the host (each flat)."""
+        width = self.tokens.shape[1]
+        rows = [tokens[at : at + width] for at in range(0, len(tokens), width)]
+        chances = [probs[at : at + width] for at in range(0, len(probs), width)]
         return self.settle(
-            [[int(t) for t in r[:c]] for r, c in zip(rows, self.counts)], [p[:c] for p, c in zip(probs, self.counts)]
+            [[int(t) for t in r[:c]] for r, c in zip(rows, self.counts)], [p[:c] for p, c in zip(chances, self.counts)]
         )
 
 
@@ -78,12 +80,12 @@ class DraftBatch:
     def read(self) -> None:
         """Drafts left on the device copied to the host (waiting for the drafter) and settled."""
         if self.on_device is not None:
-            self.settle(self.on_device.values().tolist())
+            self.settle(*read_at_once(self.on_device.values()))
 
-    def settle(self, values: list[float]) -> None:
-        """The drafts left on the device, from their values as read on the host."""
+    def settle(self, tokens: list[float], probs: list[float]) -> None:
+        """The drafts left on the device, from their values as read on the host (DraftsOnDevice.values)."""
         pending, self.on_device = self.on_device, None
-        for row, (i, drafts) in enumerate(zip(pending.rows, pending.read_from(values))):
+        for row, (i, drafts) in enumerate(zip(pending.rows, pending.read_from(tokens, probs))):
             self.tokens[i] = drafts
             if pending.sampled and pending.sampled[row]:
                 self.probs[i] = pending.q[row, : len(drafts)]
