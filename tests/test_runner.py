@@ -89,3 +89,31 @@ def test_long_inputs_of_one_length_share_a_call(target):
     alone, together, shapes = _alone_and_together(target.model, inputs, "all", True)
     assert len(shapes) == 1
     _assert_same_rows(alone, together)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "bucket shapes"])
+def test_tokens_picked_on_the_device_after_a_first_from_the_host_are_read_in_place(target, fixed):
+    """A verify reading drafts where a drafter left them (forward_picked with each sequence's last token from the
+    host): the logits a forward of the same tokens from the host gives, every row, whatever its width; the written
+    rows settle to those ids."""
+    prompts, drafts = [[5, 6, 7], [8, 9]], [[11, 12, 13], [14, 0, 0]]  # the second sequence drafted one
+    widths = [4, 2]
+    outs = []
+    for picked in (False, True):
+        runner = ModelRunner(target.model, 2, 64, fixed_shapes=fixed)
+        slots = [runner.allocate(), runner.allocate()]
+        runner.forward(slots, [p[:-1] for p in prompts], "last")
+        for slot, prompt in zip(slots, prompts):
+            runner.commit(slot, len(prompt) - 1)
+        if picked:
+            on_device = torch.tensor(drafts, device=target.model.device)
+            last = [p[-1] for p in prompts]
+            outs.append(runner.forward_picked(slots, on_device, widths, first=last, logits="all"))
+            for slot, prompt, mine, width in zip(slots, prompts, drafts, widths):
+                runner.settle(slot, len(prompt), mine[: width - 1])
+        else:
+            inputs = [[p[-1], *d[: w - 1]] for p, d, w in zip(prompts, drafts, widths)]
+            outs.append(runner.forward(slots, inputs, "all"))
+        for slot, prompt, width in zip(slots, prompts, widths):
+            runner.commit(slot, len(prompt) - 1 + width)  # settled ids: committed as a step would
+    torch.testing.assert_close(outs[1], outs[0])
