@@ -25,6 +25,9 @@ import torch.nn.functional as F
 
 from ..config import MAX_VERIFY_WIDTH
 from ..kv_cache import KVCache
+from ..models.draft_head import DraftHead
+from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, rope_tables
+from ..models.runtime import Attention
 from ..transfers import copy_into, to_device
 
 log = logging.getLogger(__name__)
@@ -391,10 +394,6 @@ def fuse_elementwise(model) -> bool:
     """Give the model's norms, RoPE (its tables and their use) and SwiGLU MLPs compiled kernels, and a draft head's
     input (its tokens' embeddings looked up, both input norms) one, once; a module that already has a backend's kernel
     keeps it. Where compiling fails (no compiler for the device), the model stays as it was: False."""
-    from ..models.draft_head import DraftHead
-    from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, rope_tables
-    from ..models.runtime import Attention
-
     if getattr(model, "elementwise_fused", False):
         return True
     eager = (_rms_norm, _add_rms_norm, _silu_mul, _rope, rope_tables, _head_inputs)
@@ -425,8 +424,6 @@ def fuse_elementwise(model) -> bool:
 @torch.inference_mode()  # as the model's forward runs: another grad mode or tensor kind would compile anew
 def _try_compiled(compiled, device, dtype) -> None:
     """Run each compiled function once (compiling it), against its eager self."""
-    from ..models.layers import rope_tables
-
     x = torch.randn(3, 2, 8, device=device, dtype=dtype)
     weight = torch.nn.Parameter(torch.ones(8, device=device, dtype=dtype), requires_grad=False)  # as a norm's
     tolerance = max(2e-3, 8 * torch.finfo(dtype).eps)  # a few last places: the fused kernels round otherwise

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..models.layers import Linear
 from .cuda_graphs import in_fixed_shapes
 
 log = logging.getLogger(__name__)
@@ -262,8 +263,6 @@ def attach_gemv(model) -> dict[tuple, Timed]:
     cuBLAS on this device (SPECDECODE_GPU_LINEAR: "auto"; "triton" takes the fastest configuration whatever cuBLAS
     does; "cublas" none). Shapes are timed once a process (a target and its draft share them). Returns each shape's
     timings, by (N, K, bias, dtype)."""
-    from ..models.layers import Linear
-
     choice = os.environ.get(CHOICE, "auto")
     if choice not in ("auto", "cublas", "triton"):
         raise ValueError(f"{CHOICE} is 'auto', 'cublas' or 'triton', not {choice!r}")

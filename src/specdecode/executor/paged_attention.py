@@ -26,7 +26,9 @@ import triton.language as tl
 
 from ..config import ModelConfig
 from ..kv_cache import KEY_TILE, KVCache
+from ..models.layers import apply_rope
 from ..models.runtime import Attention
+from .cuda_graphs import Bucket, StaticBatch
 from .gemv import Gemv, GemvConfig, gemv
 from .qkv_epilogue import RopeStore, projected, rotated_projection
 
@@ -276,9 +278,6 @@ def _small_case(attention: PagedAttention, device, dtype):
     """Two sequences of 3 new rows after 70 and 5 cached tokens: the kernels' outputs, then those of the path they
     replace (RoPE, the cache write through the batch, which puts the new entries back as it would have written
     them, the gathered blocks and SDPA), on the same cached entries."""
-    from ..models.layers import apply_rope
-    from .cuda_graphs import Bucket, StaticBatch
-
     cfg = ModelConfig("llama", 1, hidden_size=64, intermediate_size=1, num_layers=1, num_heads=4, num_kv_heads=2)
     cache = KVCache(cfg, 2, 128, dtype, device, scratch=True)
     starts, rows = [70, 5], 3

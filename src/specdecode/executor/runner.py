@@ -30,6 +30,7 @@ import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
+from ..models.layers import Linear
 from ..models.runtime import Attention, ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from ..sampling import SamplingParams
@@ -104,8 +105,6 @@ class ModelRunner:
         """What the captured forwards run beside PyTorch's own operations (None where nothing is captured)."""
         if self._fixed is None or not self._fixed.capture:
             return None
-        from ..models.layers import Linear
-
         layers = [m for m in self.model.modules() if isinstance(m, Linear)]
         attention = "PyTorch's SDPA" if self._fixed.attention is None else "the paged Triton kernels"
         kernels = [m.kernel for m in layers if m.kernel is not None]
