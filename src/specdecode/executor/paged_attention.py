@@ -6,6 +6,8 @@ outputs, the masked SDPA call. Inside a CUDA graph each costs a few microseconds
 makes up most of a 1.5B step (docs/decisions.md#cuda-graphs-and-fused-elementwise-kernels). Here one kernel rotates
 the new rows' queries and keys and writes keys and values into their blocks, and one attends each sequence's rows
 over the blocks its table lists, reading the queries and writing the outputs in the layouts the projections use.
+Where the QKV projection runs in the GEMV kernel, that kernel does the first one's work as it stores its outputs
+(executor/qkv_epilogue.py, checked here at start-up), and attention is the one kernel a layer.
 
 Each row's result depends only on its own keys: the keys are taken in spans fixed by position, and a span that a
 row does not see leaves its sums as they were, bit for bit. So a token gets the same attention output whether it is
