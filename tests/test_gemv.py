@@ -108,6 +108,37 @@ def test_a_configuration_that_follows_the_row_count_is_caught():
     assert not all(_rows_alone_and_beside(by_rows, GemvConfig(16, 32)))
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=["one-part", "K-split"])
+def test_the_kernel_holds_its_rounded_outputs_in_float32_where_asked(config):
+    """The LM head's call: float32 logits without a cast kernel of their own, holding what rounding to the model's type
+    gives (float16 here: the interpreter's bfloat16 products are wrong)."""
+    assert all(_float32_outputs_rounded(gemv, config))
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("acc.to(x.dtype.element_ty).to(y.dtype.element_ty)", "acc.to(y.dtype.element_ty)"),
+        ("total.to(x.dtype.element_ty).to(y.dtype.element_ty)", "total.to(y.dtype.element_ty)"),
+    ],
+    ids=["one part unrounded", "splits' sums unrounded"],
+)
+def test_float32_outputs_left_unrounded_are_caught(old, new, tmp_path, monkeypatch):
+    broken = with_mistake(gemv, old, new, tmp_path, monkeypatch)
+    assert not all(ok for config in (CONFIGS[0], SPLIT) for ok in _float32_outputs_rounded(broken, config))
+
+
+def _float32_outputs_rounded(module, config) -> list[bool]:
+    """Whether the kernel's float32 output equals its float16 output widened, plain and with the norm taken in."""
+    x, w, b = (t.to(torch.float16) for t in _operands(4, 5))
+    nw = torch.linspace(0.5, 1.5, x.shape[1], device=DEVICE, dtype=torch.float16)
+    agree = []
+    for norm in (None, (nw, 1e-6)):
+        wide = module.gemv(x, w, b, config, norm, out_dtype=torch.float32)
+        agree.append(wide.dtype == torch.float32 and torch.equal(wide, module.gemv(x, w, b, config, norm).float()))
+    return agree
+
+
 MISTAKES = {  # what the source says, and what the broken version says instead
     "the next weight row": ("w + cols[:, None] * K", "w + (cols[:, None] + 1) * K"),
     "a split's part taken from K's start": ("at = s * PART + k0 + ks", "at = k0 + ks"),
@@ -211,12 +242,13 @@ def test_whole_forwards_with_the_kernel_compute_cublass(name, monkeypatch):
     model = build().to(DTYPE)
     want = _fixed_forwards(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    kinds = []
+    kinds, wide = [], []
     compute = gemv.gemv
 
-    def counted(x, weight, bias, config, norm=None, residual=None, residual_out=None, activated=False):
+    def counted(x, weight, bias, config, norm=None, residual=None, residual_out=None, activated=False, out_dtype=None):
         kinds.append("normed" if norm is not None else "activated" if activated else "plain")
-        return compute(x, weight, bias, config, norm, residual, residual_out, activated)
+        wide.append(out_dtype)
+        return compute(x, weight, bias, config, norm, residual, residual_out, activated, out_dtype)
 
     monkeypatch.setattr(gemv, "gemv", counted)
     for i, layer in enumerate(layers):
@@ -230,6 +262,7 @@ def test_whole_forwards_with_the_kernel_compute_cublass(name, monkeypatch):
         torch.testing.assert_close(g, w, atol=10 * ATOL, rtol=0)
     calls = {kind: kinds.count(kind) / 4 for kind in ("plain", "normed", "activated")}  # 4 of the 5 forwards fixed
     assert calls == fused_calls
+    assert wide.count(torch.float32) == 4  # the LM head's call of each: float32 logits, no cast of their own
 
 
 def _timings(monkeypatch, fastest: GemvConfig, kernel_seconds: float, cublas_seconds: float = 1.0):

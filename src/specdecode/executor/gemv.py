@@ -65,7 +65,7 @@ def _gemv(
     if SPLITS == 1:
         if HAS_BIAS:
             acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out)
+        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(x.dtype.element_ty).to(y.dtype.element_ty), mask=out)
     else:
         tl.store(part + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=out)
 
@@ -118,8 +118,9 @@ def _summed(x, res, rows, at, M, K, HAS_RES: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _sum_splits(part, bias, y, M, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p: entries BLOCK p.. of y, their splits' sums added in split order (and the bias)."""
+def _sum_splits(x, part, bias, y, M, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: entries BLOCK p.. of y, their splits' sums added in split order (and the bias), rounded to x's type
+    (y may hold them wider)."""
     at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = at < M * N
     total = tl.load(part + at, mask=inside, other=0.0)
@@ -127,7 +128,7 @@ def _sum_splits(part, bias, y, M, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexp
         total += tl.load(part + s * M * N + at, mask=inside, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias + at % N, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y + at, total.to(y.dtype.element_ty), mask=inside)
+    tl.store(y + at, total.to(x.dtype.element_ty).to(y.dtype.element_ty), mask=inside)
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,14 @@ def gemv(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     activated: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (contiguous) @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype. norm (weight, eps): x + residual (or x)
+    """x [M, K] (contiguous) @ weight [N, K]^T (+ bias) -> [M, N], rounded to x's dtype (and held as out_dtype where
+    given: a float32 copy of the rounded values without a cast of its own). norm (weight, eps): x + residual (or x)
     normalised first as RMSNorm does, the sum written to residual_out; activated: x is [M, 2K], gate then up, and
     SiLU(gate) * up is taken first (SwiGLU, as one rounding)."""
     rows, n = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    y = torch.empty(rows, n, device=x.device, dtype=out_dtype or x.dtype)
     prologue = (norm, residual, residual_out, activated)
     if config.splits == 1:
         _launch(x, weight, bias, y, y, config, *prologue)
@@ -178,7 +181,7 @@ def gemv(
     part = split_sums(x, weight, config, *prologue)
     block = 1024
     _sum_splits[(triton.cdiv(rows * n, block),)](
-        part, y if bias is None else bias, y, rows, n, HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK=block
+        x, part, y if bias is None else bias, y, rows, n, HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK=block
     )
     return y
 
@@ -216,17 +219,18 @@ class Gemv:
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
         return self._run(module, x) if takes(x) else None
 
-    def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None, compute=None):
+    def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None, compute=None, **out):
         """(module(norm(x + residual)), x + residual), residual None: (module(norm(x)), x), in one call
         (models/layers.normed_linear); None where the kernel does not apply. compute: gemv, or a function of its
-        signature that computes the layer with more in it (qkv_epilogue.projected)."""
+        signature that computes the layer with more in it (qkv_epilogue.projected); out: gemv's out_dtype."""
         if not (self.prologues and takes(x)):
             return None
+        normed = dict(norm=(norm.weight, norm.eps), **out)
         if residual is None:
-            return self._run(module, x, compute, norm=(norm.weight, norm.eps)), x
+            return self._run(module, x, compute, **normed), x
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-        added, out = (t.reshape(-1, x.shape[-1]) for t in (residual.contiguous(), summed))
-        return self._run(module, x, compute, norm=(norm.weight, norm.eps), residual=added, residual_out=out), summed
+        added, stream = (t.reshape(-1, x.shape[-1]) for t in (residual.contiguous(), summed))
+        return self._run(module, x, compute, residual=added, residual_out=stream, **normed), summed
 
     def activated(self, module, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
         """module(SiLU(gate) * up) from the gate_up projection's output, in one call (MLP.down); None where the

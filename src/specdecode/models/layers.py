@@ -73,12 +73,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
+def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, **out):
     """(linear(norm(x + residual)), x + residual), or where residual is None (the first layer) (linear(norm(x)), x): in
-    one call where the linear's kernel takes the norm in."""
+    one call where the linear's kernel takes the norm in. out: out_dtype, the type that call may hold its output in
+    (rounded to x's first; elsewhere the caller casts)."""
     fused = _fused_form(linear, "normed")
-    if fused is not None and (out := fused(linear, norm, x, residual)) is not None:
-        return out
+    if fused is not None and (result := fused(linear, norm, x, residual, **out)) is not None:
+        return result
     if residual is None:
         return linear(norm(x)), x
     normed, residual = norm(x, residual)

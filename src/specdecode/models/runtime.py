@@ -370,11 +370,11 @@ def run_layers(model, x: torch.Tensor, rope, batch: ForwardBatch, cache: KVCache
 
 
 def final_logits(norm: RMSNorm, lm_head: nn.Module, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None):
-    """(float32 logits of norm(x + residual), x + residual) at rows of [N, hidden] x and residual (None: all), the add
-    and the norm in the LM head's call where its kernel takes them in."""
+    """(float32 logits of norm(x + residual), x + residual) at rows of [N, hidden] x and residual (None: all), the add,
+    the norm and the float32 copy in the LM head's call where its kernel takes them in."""
     if rows is not None:
         x, residual = x.index_select(0, rows), residual.index_select(0, rows)
-    logits, summed = normed_linear(norm, lm_head, x, residual)
+    logits, summed = normed_linear(norm, lm_head, x, residual, out_dtype=torch.float32)  # a cast fewer, if fused
     return logits.float(), summed
 
 
