@@ -5,9 +5,9 @@ need not have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, d
 
 The launches are those of representative forwards (decode, verify, a KV head's group a program, spans of several KV
 blocks, a 4,160-key context in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of
-the linear layers' kernel (and with the norm or SwiGLU taken in, and RoPE and the cache write), each typed from its
-own arguments: the callers run on CPU tensors with the kernels swapped for recorders. Run it without TRITON_INTERPRET
-(the interpreter's kernels do not compile).
+the linear layers' kernel (and with the norm or SwiGLU taken in, RoPE and the cache write, float32 logits), each typed
+from its own arguments: the callers run on CPU tensors with the kernels swapped for recorders. Run it without
+TRITON_INTERPRET (the interpreter's kernels do not compile).
 
     python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
 """
@@ -79,6 +79,7 @@ def launches(dtype) -> dict[str, list]:
         gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), x, torch.zeros_like(x))
         gemv.gemv(torch.zeros(gemv.MAX_ROWS, 2 * 1536, dtype=dtype), weight, bias, config, activated=True)
         qkv_epilogue.projected(x, weight, torch.zeros(2048, dtype=dtype), config, store=_rope_store(dtype))
+        gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), out_dtype=torch.float32)  # logits
     return {name: recorder.launches for name, recorder in recorders.items()}
 
 
