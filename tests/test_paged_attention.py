@@ -168,10 +168,10 @@ def test_whole_forwards_with_the_kernels_compute_pytorchs(features):
 MISTAKES = {  # what the source says, and what the broken version says instead
     "a row sees only the keys before its own": ("key[None, :] <= position", "key[None, :] < position"),
     "the window one key wider": ("position[:, None] - reach)", "position[:, None] - reach - 1)"),
-    "keys stored unrotated": ("tl.store(k_cache + key_at, rotated", "tl.store(k_cache + key_at, tl.load(x + d)"),
+    "keys stored unrotated": ("TILE, D), rotated.to(", "TILE, D), tl.load(x + d).to("),
     "old sums not rescaled": ("acc = acc * rescale[:, None] +", "acc = acc +"),
     "splits merged unweighted": ("total += tl.load(part_total + s * count + i) * weight", "total += 1.0"),
-    "the value of the next position": ("* BS + at) * D + d", "* BS + at + 1) * D + d"),
+    "the value of the next position": ("value_offset(base, at, d, BS, D)", "value_offset(base, at + 1, d, BS, D)"),
     "a span's keys all from its first key's block": ("tl.minimum(key, KEYS", "tl.minimum(key - n + n * 0, KEYS"),
 }
 

@@ -97,7 +97,7 @@ MISTAKES = {  # what the source says, and what the broken version says instead
     "a pair's second column the next one": ("second = first + D // 2", "second = first + 1"),
     "values rotated too": ("values.to(v_cache.dtype.element_ty)", "rotated.to(v_cache.dtype.element_ty)"),
     "queries stored unrotated": ("rotated.to(y.dtype.element_ty)", "values.to(y.dtype.element_ty)"),
-    "keys at the next position": ("at = (position % BS)[:, None]", "at = (position % BS + 1)[:, None]"),
+    "keys at the next position": ("key_offset(base, at[:, None],", "key_offset(base, at[:, None] + 1,"),
     "the bias left out": ("acc += tl.load(bias + cols", "acc -= 0 * tl.load(bias + cols"),
     "a split left out of the merge": ("for s in range(1, SPLITS):", "for s in range(1, SPLITS - 1):"),
     "the merge's partner in the next head": ("cols + D // 2, cols - D // 2)", "cols + D // 2, cols + D // 2)"),

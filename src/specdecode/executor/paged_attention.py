@@ -32,6 +32,7 @@ from ..models.layers import apply_rope
 from ..models.runtime import Attention
 from .cuda_graphs import Bucket, StaticBatch
 from .gemv import Gemv, GemvConfig, gemv
+from .kv_layout import key_offset, value_offset
 from .qkv_epilogue import RopeStore, projected, rotated_projection
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,10 @@ def _rotate_and_store(
         at = position % BS
         x = k + b * k_seq + r * k_row + kv * k_head
         rotated = tl.load(x + d, mask=inside).to(tl.float32) * c + sign * tl.load(x + partner, mask=inside) * s
-        key_at = ((block * HKV + kv) * (BS // TILE) + at // TILE) * D * TILE + d * TILE + at % TILE
-        tl.store(k_cache + key_at, rotated.to(k_cache.dtype.element_ty), mask=inside)
+        base = block * HKV + kv
+        tl.store(k_cache + key_offset(base, at, d, BS, TILE, D), rotated.to(k_cache.dtype.element_ty), mask=inside)
         value = tl.load(v + b * v_seq + r * v_row + kv * v_head + d, mask=inside)
-        tl.store(v_cache + ((block * HKV + kv) * BS + at) * D + d, value.to(v_cache.dtype.element_ty), mask=inside)
+        tl.store(v_cache + value_offset(base, at, d, BS, D), value.to(v_cache.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -127,12 +128,10 @@ def _attend(
         key = start + n
         live = (key < KEYS) & (key <= seen_max) & (key >= first)
         block = tl.load(table + slot * max_blocks + tl.minimum(key, KEYS - 1) // BS).to(tl.int64)  # each key's own
-        offset = key % BS
-        base = (block * HKV + kv)[:, None]
-        key_at = (base * (BS // TILE) + offset[:, None] // TILE) * D * TILE + d[None, :] * TILE
+        base, offset = (block * HKV + kv)[:, None], (key % BS)[:, None]
         wanted = live[:, None] & (d[None, :] < D)
-        keys = tl.load(k_cache + key_at + offset[:, None] % TILE, mask=wanted, other=0.0)
-        values = tl.load(v_cache + (base * BS + offset[:, None]) * D + d[None, :], mask=wanted, other=0.0)
+        keys = tl.load(k_cache + key_offset(base, offset, d[None, :], BS, TILE, D), mask=wanted, other=0.0)
+        values = tl.load(v_cache + value_offset(base, offset, d[None, :], BS, D), mask=wanted, other=0.0)
         sees = live[None, :] & (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
         best, total, acc = _fold_in(queries, keys, values, sees, scale, best, total, acc)
     if SPLITS == 1:

@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import KEY_TILE
+from ..models.layers import fused_form
 from .gemv import NORMED, PLAIN, TILE_ROWS, GemvConfig, product, split_sums
+from .kv_layout import key_offset, value_offset
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ def _projected(
         acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     acc = acc.to(y.dtype.element_ty).to(tl.float32)  # the projection's output as the separate kernel reads it
     low, high = tl.split(tl.reshape(acc, [TILE, BLOCK_N // 2, 2]))
-    operands = (rows, M, N, y, cos, sin, positions, row_slots, table, max_blocks, k_cache, v_cache)
+    block, at = _rows_blocks(table, row_slots, positions, rows, M, max_blocks, BS)
+    operands = (rows, M, N, y, cos, sin, block, at, k_cache, v_cache)
     _rotated_and_stored(low, high, first, *operands, H, HKV, D, BS, KEY_TILE)
     _rotated_and_stored(high, low, second, *operands, H, HKV, D, BS, KEY_TILE)
 
@@ -92,7 +95,8 @@ def _merged(
     partners = tl.where(cols % D < D // 2, cols + D // 2, cols - D // 2)
     values = _split_sums(part, bias, rows, cols, M, N, HAS_BIAS, SPLITS).to(y.dtype.element_ty).to(tl.float32)
     others = _split_sums(part, bias, rows, partners, M, N, HAS_BIAS, SPLITS).to(y.dtype.element_ty).to(tl.float32)
-    operands = (rows, M, N, y, cos, sin, positions, row_slots, table, max_blocks, k_cache, v_cache)
+    block, at = _rows_blocks(table, row_slots, positions, rows, M, max_blocks, BS)
+    operands = (rows, M, N, y, cos, sin, block, at, k_cache, v_cache)
     _rotated_and_stored(values, others, cols, *operands, H, HKV, D, BS, KEY_TILE)
 
 
@@ -109,13 +113,22 @@ def _split_sums(part, bias, rows, cols, M, N, HAS_BIAS: tl.constexpr, SPLITS: tl
 
 
 @triton.jit
+def _rows_blocks(table, row_slots, positions, rows, M, max_blocks, BS: tl.constexpr):
+    """Each row's KV block (int64; rows past M: none, masked) and its position in it."""
+    real = rows < M
+    position = tl.load(positions + rows, mask=real, other=0)
+    block = tl.load(table + tl.load(row_slots + rows, mask=real, other=0) * max_blocks + position // BS, mask=real)
+    return block.to(tl.int64), position % BS
+
+
+@triton.jit
 def _rotated_and_stored(
-    values, partners, cols, rows, M, N, y, cos, sin, positions, row_slots, table, max_blocks, k_cache, v_cache,
+    values, partners, cols, rows, M, N, y, cos, sin, block, at, k_cache, v_cache,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KEY_TILE: tl.constexpr,
 ):  # fmt: skip
     """values [rows, cols] of the projection (float32) with their partners' (column d + D/2 of the head where d < D/2,
-    else d - D/2): queries rotated into y, keys rotated and values as they are into the rows' KV blocks, as
-    paged_attention._rotate_and_store computes and places them."""
+    else d - D/2): queries rotated into y, keys rotated and values as they are at position `at` of each row's `block`,
+    as paged_attention._rotate_and_store computes and places them."""
     real = rows < M
     head, d = cols // D, cols % D
     held = real[:, None] & (cols < N)[None, :]
@@ -124,14 +137,11 @@ def _rotated_and_stored(
     s = tl.load(sin + rows[:, None] * D + d[None, :], mask=held, other=0.0).to(tl.float32)
     rotated = values * c + sign[None, :] * partners * s
     tl.store(y + rows[:, None] * N + cols[None, :], rotated.to(y.dtype.element_ty), mask=held & (head < H)[None, :])
-    position = tl.load(positions + rows, mask=real, other=0)
-    block = tl.load(table + tl.load(row_slots + rows, mask=real, other=0) * max_blocks + position // BS, mask=real)
-    base = block.to(tl.int64)[:, None] * HKV + tl.where(head < H + HKV, head - H, head - H - HKV)[None, :]
-    at = (position % BS)[:, None]
-    key_at = (base * (BS // KEY_TILE) + at // KEY_TILE) * D * KEY_TILE + d[None, :] * KEY_TILE + at % KEY_TILE
+    base = block[:, None] * HKV + tl.where(head < H + HKV, head - H, head - H - HKV)[None, :]
+    key_at = key_offset(base, at[:, None], d[None, :], BS, KEY_TILE, D)
     is_key = (head >= H) & (head < H + HKV)
     tl.store(k_cache + key_at, rotated.to(k_cache.dtype.element_ty), mask=held & is_key[None, :])
-    value_at = (base * BS + at) * D + d[None, :]
+    value_at = value_offset(base, at[:, None], d[None, :], BS, D)
     tl.store(v_cache + value_at, values.to(v_cache.dtype.element_ty), mask=held & (head >= H + HKV)[None, :])
 
 
@@ -180,6 +190,6 @@ def rotated_projection(attention, norm, x: torch.Tensor, residual: torch.Tensor 
     """(the layer's QKV projection of norm(x + residual) [..., N], its queries rotated, x + residual), its keys and
     values in the cache: by the projection's kernel (and the merge of K's splits), where it takes this call and passed
     the start-up check; else None."""
-    kernel = attention.qkv_proj.kernel
-    normed = getattr(kernel, "normed", None) if getattr(kernel, "rope_epilogue", False) else None
-    return None if normed is None else normed(attention.qkv_proj, norm, x, residual, partial(projected, store=store))
+    linear = attention.qkv_proj
+    normed = fused_form(linear, "normed") if getattr(linear.kernel, "rope_epilogue", False) else None
+    return None if normed is None else normed(linear, norm, x, residual, partial(projected, store=store))

@@ -77,7 +77,7 @@ def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torc
     """(linear(norm(x + residual)), x + residual), or where residual is None (the first layer) (linear(norm(x)), x): in
     one call where the linear's kernel takes the norm in. out: out_dtype, the type that call may hold its output in
     (rounded to x's first; elsewhere the caller casts)."""
-    fused = _fused_form(linear, "normed")
+    fused = fused_form(linear, "normed")
     if fused is not None and (result := fused(linear, norm, x, residual, **out)) is not None:
         return result
     if residual is None:
@@ -86,7 +86,7 @@ def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torc
     return linear(normed), residual
 
 
-def _fused_form(linear: nn.Module, form: str):
+def fused_form(linear: nn.Module, form: str):
     """The linear's kernel's call that takes in what comes before it (Gemv.normed, Gemv.activated), where it has one:
     a backend's own layers (the low-bit BlockLinear) have no kernel."""
     return getattr(getattr(linear, "kernel", None), form, None)
@@ -170,7 +170,7 @@ class MLP(nn.Module):
     def down(self, gate_up):
         """The down projection of act(gate) * up, from the gate_up projection's output: in one call where the down
         projection's kernel takes the activation in."""
-        fused = _fused_form(self.down_proj, "activated")
+        fused = fused_form(self.down_proj, "activated")
         if fused is not None and (y := fused(self.down_proj, gate_up, self.activation)) is not None:
             return y
         if self.act_mul_kernel is not None:
