@@ -357,6 +357,44 @@ def test_speculation_with_a_draft_head_at_bucket_shapes_drafts_as_eagerly(monkey
     assert fixed_accepted == eager_accepted and any(any(rates) for _, rates in fixed_accepted)
 
 
+# What a capture can meet: a forward that waits on the host, and (where Triton is installed) a kernel the device
+# cannot hold, which Triton raises at its first launch, in the warm-up before the graph
+CAPTURE_FAILURES = [RuntimeError("operation not permitted when stream is capturing")] + [
+    error(151872, 101376, "shared memory") for error in cuda_graphs.UNFIT_KERNEL[:1]
+]
+
+
+@pytest.mark.parametrize("failure", CAPTURE_FAILURES, ids=lambda e: type(e).__name__)
+def test_forwards_and_chains_whose_capture_fails_run_eagerly(captured, monkeypatch, tmp_path, failure):
+    """Every capture failing (the target's buckets, the head's and its chained rounds'): the engine serves the same
+    greedy output eagerly, tries each bucket once, and raises nothing."""
+    from conftest import make_head
+
+    prompts = [[5, 9, 14, 3, 22, 7], list(range(10, 40))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    target = tiny_model(seed=0)
+    name = make_head(target, tmp_path / "head")
+    plain = LLM(target=target, max_model_len=256, progress=False).generate(prompts, params)
+    plain = [o.outputs[0].token_ids for o in plain]
+    attempts = []
+
+    def failing(self, batch, run):
+        attempts.append(batch.bucket)
+        raise failure
+
+    monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
+    monkeypatch.setattr(cuda_graphs.BucketedForward, "capture_graph", failing)
+    llm = LLM(target=target, speculative_model=name, num_speculative_tokens=3, max_model_len=256,
+              speculation_policy="fixed", progress=False)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    runners = (llm.engine.runner, llm.engine.proposer.runner)
+    assert attempts and all(not r._fixed._entries and r._fixed._refused for r in runners)
+    assert not llm.engine.proposer.runner._rounds._chains and llm.engine.proposer.runner._rounds._refused
+    tried = len(attempts)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert len(attempts) == tried  # a bucket that failed is not captured again
+
+
 @pytest.mark.parametrize("drafter", ["head", "draft model"])
 def test_sampled_speculation_with_chained_rounds_drafts_as_rounds_one_by_one(monkeypatch, tmp_path, drafter):
     """The engine, every runner at bucket shapes, seeded sampled requests of several settings beside a greedy one:

@@ -6,6 +6,7 @@ configuration by timing. Versions with a mistake in their source, or whose confi
 """
 
 import logging
+import math
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from conftest import DEVICE, tiny_model, with_mistake
 from test_cuda_graphs import captured  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
+
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from specdecode.executor import cuda_graphs, gemv  # noqa: E402
 from specdecode.executor.gemv import CONFIGS, Gemv, GemvConfig  # noqa: E402
@@ -299,6 +302,52 @@ def test_each_layer_shape_takes_the_fastest_configuration_where_it_beats_cublas(
     monkeypatch.setenv(gemv.CHOICE, "cutlass")
     with pytest.raises(ValueError, match="'auto', 'cublas' or 'triton'"):
         gemv.attach_gemv(model)
+    gemv._timed_shape.cache_clear()
+
+
+def _does_not_fit(*args, **kwargs):
+    """What Triton raises where a launch needs more shared memory than the device's programs may have."""
+    raise OutOfResources(196608, 101376, "shared memory")
+
+
+def test_configurations_that_do_not_fit_the_device_are_passed_over(monkeypatch):
+    """A device with less shared memory than a configuration needs (a float32 model's BLOCK_K 512 on an sm_89 card)
+    refuses its launches: start-up takes the fastest configuration that runs, or cuBLAS where none does."""
+    model = tiny_model(seed=1).model
+    _timings(monkeypatch, CONFIGS[2], kernel_seconds=0.1)
+    timed_fastest = gemv.seconds_a_call
+
+    def seconds(copies, rows, config):
+        if config == CONFIGS[2]:
+            _does_not_fit()
+        return 0.5 if config == CONFIGS[4] else timed_fastest(copies, rows, config)
+
+    monkeypatch.setattr(gemv, "seconds_a_call", seconds)
+    timed = gemv.attach_gemv(model)
+    assert _kernels(model) == {CONFIGS[4]}
+    assert all(t.configs[CONFIGS[2]] == [math.inf, math.inf] for t in timed.values())
+    monkeypatch.setattr(gemv, "seconds_a_call", lambda copies, rows, config: 1.0 if config is None else _does_not_fit())
+    monkeypatch.setenv(gemv.CHOICE, "triton")  # even where asked for, a kernel that cannot run is not taken
+    gemv._timed_shape.cache_clear()
+    gemv.attach_gemv(model)
+    assert _kernels(model) == {None}
+    gemv._timed_shape.cache_clear()
+
+
+def test_a_kernel_whose_prologues_do_not_fit_is_taken_without_them(monkeypatch):
+    model = tiny_model(seed=1).model
+    _timings(monkeypatch, CONFIGS[0], kernel_seconds=0.1)
+    compute = gemv.gemv
+
+    def without_room_for_prologues(x, weight, bias, config, norm=None, *args, activated=False, **kwargs):
+        if norm is not None or activated:
+            _does_not_fit()
+        return compute(x, weight, bias, config, norm, *args, activated=activated, **kwargs)
+
+    monkeypatch.setattr(gemv, "gemv", without_room_for_prologues)
+    gemv.attach_gemv(model)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert _kernels(model) == {CONFIGS[0]} and not any(m.kernel.prologues for m in layers)
     gemv._timed_shape.cache_clear()
 
 

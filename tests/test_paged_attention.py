@@ -18,6 +18,8 @@ from conftest import DEVICE, tiny_config, tiny_model, with_mistake
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
 from specdecode.executor import gemv, paged_attention  # noqa: E402
 from specdecode.executor import runner as runner_module  # noqa: E402
 from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
@@ -201,8 +203,8 @@ def test_a_gpu_takes_the_kernels_unless_told_or_they_fail(monkeypatch, caplog):
         runner_module.gpu_attention(model)
     monkeypatch.delenv(runner_module.ATTENTION_CHOICE)
 
-    def wrong(attention, device, dtype):
-        got, want = paged_attention._small_case(attention, device, dtype)
+    def wrong(attention, device, dtype, head_dim):
+        got, want = paged_attention._small_case(attention, device, dtype, head_dim)
         return got + 1, want
 
     monkeypatch.setattr(paged_attention, "_small_case", wrong)
@@ -213,15 +215,38 @@ def test_a_gpu_takes_the_kernels_unless_told_or_they_fail(monkeypatch, caplog):
     runner_module._checked_kernels.cache_clear()
 
 
+def test_kernels_the_device_cannot_hold_at_a_models_head_size_leave_its_attention_to_pytorch(monkeypatch, caplog):
+    """A program's shared memory grows with the head size (Gemma 3's 256 in float32 needs 152 KB, an sm_89 card has
+    99 KB): the start-up check runs at each model's head size, and where the device refuses the launch, that model's
+    forwards keep PyTorch's attention and start-up goes on."""
+    small, large = tiny_model(seed=1).model, tiny_model(seed=1, hidden=128).model
+    attend = PagedAttention.__call__
+
+    def refusing_large_heads(self, batch, cache, layer, q, *args):
+        if q.shape[-1] > small.cfg.dim_per_head:
+            raise OutOfResources(151872, 101376, "shared memory")
+        return attend(self, batch, cache, layer, q, *args)
+
+    monkeypatch.setattr(PagedAttention, "__call__", refusing_large_heads)
+    runner_module._checked_kernels.cache_clear()
+    assert isinstance(runner_module.gpu_attention(small), PagedAttention)
+    with caplog.at_level(logging.WARNING):
+        assert runner_module.gpu_attention(large) is None
+    assert "stays PyTorch's" in caplog.text and "shared memory" in caplog.text
+    runner_module._checked_kernels.cache_clear()
+
+
 def test_every_launch_compiles_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gpu_kernels_compile.py"
     proc = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "every launch compiled for sm_90 (bfloat16)" in proc.stdout
+    assert "0 launches need more than sm_90's" in proc.stdout  # none that start-up would have to pass over
     assert proc.stdout.count("_attend ") == 6  # each representative forward's attention, splits merged once
-    # the linear layers' kernel at each configuration, and at two with the norm or SwiGLU taken in, RoPE and the cache
-    # write (a split configuration's parts by the plain kernel, merged by the epilogue's), float32 logits
-    assert proc.stdout.count("_gemv ") == len(gemv.CONFIGS) + 7
-    assert proc.stdout.count("_sum_splits ") == sum(c.splits > 1 for c in gemv.CONFIGS) + 3
-    assert proc.stdout.count("_projected ") == 1 and proc.stdout.count("_merged ") == 1
+    # the linear layers' kernel at each configuration, with RoPE and the cache write taken in (a split configuration's
+    # parts by the plain kernel, merged by the epilogue's), and at two with the norm or SwiGLU taken in, float32 logits
+    splits = sum(c.splits > 1 for c in gemv.CONFIGS)
+    assert proc.stdout.count("_gemv ") == len(gemv.CONFIGS) + splits + 6
+    assert proc.stdout.count("_sum_splits ") == splits + 3
+    assert proc.stdout.count("_projected ") == len(gemv.CONFIGS) - splits and proc.stdout.count("_merged ") == splits

@@ -15,6 +15,7 @@ from conftest import DEVICE, tiny_model, with_mistake
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
 from test_paged_attention import _case, _clone, _forwards  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from specdecode.executor import gemv, paged_attention, qkv_epilogue  # noqa: E402
 from specdecode.executor.gemv import CONFIGS, Gemv, GemvConfig  # noqa: E402
@@ -208,4 +209,19 @@ def test_an_epilogue_that_disagrees_on_this_device_is_not_taken(monkeypatch, cap
     with caplog.at_level(logging.WARNING):
         assert paged_attention.attach_epilogues(model) == 0
     assert "keep RoPE and the cache write apart" in caplog.text
+    paged_attention._agrees.cache_clear()
+
+
+def test_an_epilogue_the_device_cannot_hold_is_not_taken(monkeypatch):
+    model = tiny_model(seed=3).model.to(DTYPE)
+    _with_kernels(model)
+    paged_attention._agrees.cache_clear()
+    assert paged_attention.attach_epilogues(model) == 2  # the test can fail
+
+    def refused(*args, **kwargs):
+        raise OutOfResources(196608, 101376, "shared memory")
+
+    monkeypatch.setattr(qkv_epilogue, "_projected", type("Refused", (), {"__getitem__": lambda self, grid: refused})())
+    paged_attention._agrees.cache_clear()
+    assert paged_attention.attach_epilogues(model) == 0
     paged_attention._agrees.cache_clear()

@@ -1,7 +1,8 @@
 """Compile the GPU's Triton kernels (executor/paged_attention.py, gemv.py, qkv_epilogue.py) for a GPU this machine
 need not have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes
 (Triton's wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a shape
-`tl.dot` refuses, too much shared memory) fails here, without a lent GPU.
+`tl.dot` refuses) fails here, without a lent GPU, and so does a launch needing more shared memory than the device
+kind's programs may have (start-up would pass that kernel over: executor/cuda_graphs.UNFIT_KERNEL).
 
 The launches are those of representative forwards (decode, verify, a KV head's group a program, spans of several KV
 blocks, a 4,160-key context in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of
@@ -45,6 +46,9 @@ FORWARDS = {
 }
 
 
+# shared memory a program may have (bytes, opt-in maximum) by compute capability, from CUDA's programming guide: a
+# launch needing more is refused at run time (Triton's OutOfResources), which start-up meets by passing that kernel over
+SHARED_MEMORY = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")  # a launch's keywords that are not the kernel's arguments
 SHOWN = ("R", "HEADS", "D", "KEYS", "SPLITS", "BLOCK_M", "BLOCK_N", "BLOCK_K")  # constants printed
 
@@ -75,10 +79,10 @@ def launches(dtype) -> dict[str, list]:
     x, weight, bias = torch.zeros(gemv.MAX_ROWS, 1536, dtype=dtype), torch.zeros(2048, 1536, dtype=dtype), None
     for config in gemv.CONFIGS:
         gemv.gemv(x, weight, torch.zeros(2048, dtype=dtype), config)
+        qkv_epilogue.projected(x, weight, torch.zeros(2048, dtype=dtype), config, store=_rope_store(dtype))
     for config in (gemv.CONFIGS[0], gemv.CONFIGS[-1]):  # the norm (residual added) and SwiGLU taken in, K split or not
         gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), x, torch.zeros_like(x))
         gemv.gemv(torch.zeros(gemv.MAX_ROWS, 2 * 1536, dtype=dtype), weight, bias, config, activated=True)
-        qkv_epilogue.projected(x, weight, torch.zeros(2048, dtype=dtype), config, store=_rope_store(dtype))
         gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), out_dtype=torch.float32)  # logits
     return {name: recorder.launches for name, recorder in recorders.items()}
 
@@ -126,16 +130,24 @@ def main() -> int:
     if triton.knobs.runtime.interpret:
         sys.exit("TRITON_INTERPRET is set: the interpreter's kernels do not compile; run without it")
     kernels = {name: getattr(module, name) for module, names in KERNELS.items() for name in names}
-    target = GPUTarget("cuda", args.arch, 32)
+    target, limit, too_large = GPUTarget("cuda", args.arch, 32), SHARED_MEMORY.get(args.arch), 0
     for name, calls in launches(getattr(torch, args.dtype)).items():
         for call_args, constants in calls:
             options = {key: constants.pop(key) for key in LAUNCH_OPTIONS if key in constants}
             compiled = triton.compile(signature(kernels[name], call_args, constants), target=target, options=options)
             assert compiled.asm.get("cubin"), f"{name}: no machine code"
             shown = {k: v for k, v in constants.items() if k in SHOWN}
-            print(f"{name:18s} {shown}: {compiled.metadata.shared} B shared, {compiled.metadata.num_warps} warps")
+            shared = compiled.metadata.shared
+            over = limit is not None and shared > limit
+            too_large += over
+            print(f"{name:18s} {shown}: {shared} B shared{' (too much)' if over else ''}, "
+                  f"{compiled.metadata.num_warps} warps")  # fmt: skip
     print(f"every launch compiled for sm_{args.arch} ({args.dtype})")
-    return 0
+    if limit is None:
+        print(f"shared memory not checked: sm_{args.arch}'s limit is not in this tool's table")
+        return 0
+    print(f"{too_large} launches need more than sm_{args.arch}'s {limit} B of shared memory a program")
+    return 1 if too_large else 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,22 @@ from ..transfers import copy_into, to_device
 
 log = logging.getLogger(__name__)
 
+
+def _unfit_kernel_errors() -> tuple[type[Exception], ...]:
+    """What Triton raises for a kernel this device cannot hold (more shared memory than a program may have, a
+    register count ptxas refuses): a configuration or a capture meeting it goes without that kernel, as Triton's own
+    autotuner drops such configurations."""
+    try:
+        from triton.runtime.errors import OutOfResources, PTXASError
+    except ImportError:  # no Triton: no kernel of ours runs
+        return ()
+    return OutOfResources, PTXASError
+
+
+UNFIT_KERNEL = _unfit_kernel_errors()
+# what a forward's capture meets where it cannot be captured (it waits on the host) or its kernels do not fit
+UNCAPTURABLE = (RuntimeError, *UNFIT_KERNEL)
+
 MIN_KEYS = 256  # the smallest K bucket: below it a step's attention costs next to nothing either way
 MAX_SEQS = 256
 MAX_TOKENS = 1024  # B x R: the largest verify call a graph is kept for
@@ -259,7 +275,7 @@ class BucketedForward:
         if self.capture:
             try:
                 entry.graph, entry.outputs = self.capture_graph(entry.batch, lambda: self.run(entry.batch))
-            except RuntimeError as e:  # a forward that waits on the host cannot be captured: it runs eagerly
+            except UNCAPTURABLE as e:  # it runs eagerly, with PyTorch's kernels
                 log.warning("forwards of %s run eagerly: their capture failed (%s)", bucket, e)
                 self._refused.add(bucket)
                 return None

@@ -30,7 +30,7 @@ import torch
 from ..sampling import SamplingParams, argmax_probability, sample_at
 from ..sampling.per_row import RowSettings, probs_of_settings
 from ..transfers import copy_into
-from .cuda_graphs import BucketedForward, StaticBatch, bucket_for
+from .cuda_graphs import UNCAPTURABLE, BucketedForward, StaticBatch, bucket_for
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class DraftChain:
         if self.forward.capture:
             try:
                 chain.graph, _ = self.forward.capture_graph(chain.batch, lambda: self._run(chain))
-            except RuntimeError as e:  # a forward that waits on the host cannot be captured: rounds one by one
+            except UNCAPTURABLE as e:  # rounds one by one
                 log.warning("drafting rounds of %s run one by one: their capture failed (%s)", bucket, e)
                 self._refused.add(key)
                 return None

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..models.layers import Linear
-from .cuda_graphs import in_fixed_shapes
+from .cuda_graphs import UNFIT_KERNEL, in_fixed_shapes
 
 log = logging.getLogger(__name__)
 
@@ -290,13 +290,14 @@ def _timed_shape(shape: tuple, device: str, triton_always: bool) -> Timed:
     n, k, has_bias, dtype = shape
     copies = _weights_past_the_cache(n, k, has_bias, dtype, device)
     cublas = [seconds_a_call(copies, rows, None) for rows in TIMED_ROWS]
-    configs = {c: [seconds_a_call(copies, rows, c) for rows in TIMED_ROWS] for c in CONFIGS}
+    configs = {c: _seconds_where_it_fits(copies, c) for c in CONFIGS}
     fastest = min(configs, key=lambda c: sum(configs[c]))
-    chosen = fastest if triton_always or sum(configs[fastest]) < 0.97 * sum(cublas) else None  # 3%: the timing's noise
+    faster = sum(configs[fastest]) < 0.97 * sum(cublas)  # 3%: the timing's noise
+    chosen = fastest if math.isfinite(sum(configs[fastest])) and (triton_always or faster) else None
     if chosen is not None and not agrees(*copies[0], chosen):
         log.warning("linear layers %d x %d stay cuBLAS's: the kernel disagrees with it on this device", n, k)
         chosen = None
-    prologues = chosen is not None and prologues_agree(*copies[0], chosen)
+    prologues = chosen is not None and _fits(prologues_agree, *copies[0], chosen)
     if chosen is not None and not prologues:
         log.warning("linear layers %d x %d take the kernel without the norm or SwiGLU before them: its prologues "
                     "disagree with the separate steps on this device", n, k)  # fmt: skip
@@ -305,6 +306,24 @@ def _timed_shape(shape: tuple, device: str, triton_always: bool) -> Timed:
         torch.cuda.empty_cache()  # the copies' memory back to the device, for the KV cache allocated next
     log.info("linear layers %d x %d: %s", n, k, "cuBLAS" if chosen is None else chosen)
     return Timed(cublas, configs, chosen, prologues)
+
+
+def _seconds_where_it_fits(copies: list[tuple], config: GemvConfig) -> list[float]:
+    """Seconds a call at each of TIMED_ROWS; infinite where the configuration does not fit this device."""
+    try:
+        return [seconds_a_call(copies, rows, config) for rows in TIMED_ROWS]
+    except UNFIT_KERNEL as e:
+        log.info("the linear layers' kernel at %s does not fit this device (%s)", config, e)
+        return [math.inf] * len(TIMED_ROWS)
+
+
+def _fits(check, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> bool:
+    """A start-up check whose kernels may not fit this device: where they do not, they are not taken."""
+    try:
+        return check(weight, bias, config)
+    except UNFIT_KERNEL as e:
+        log.info("%s: its kernels at %s do not fit this device (%s)", check.__name__, config, e)
+        return False
 
 
 def _weights_past_the_cache(n: int, k: int, has_bias: bool, dtype, device: str) -> list[tuple]:

@@ -456,7 +456,7 @@ def gpu_attention(model):
     choice = os.environ.get(ATTENTION_CHOICE, "triton")
     if choice not in ("triton", "sdpa"):
         raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
-    attention = _checked_kernels(str(model.device), model.dtype) if choice == "triton" else None
+    attention = _checked_kernels(str(model.device), model.dtype, model.cfg.dim_per_head) if choice == "triton" else None
     if attention is not None:
         from .paged_attention import attach_epilogues
 
@@ -475,11 +475,11 @@ def gpu_linear_layers(model) -> dict:
     return attach_gemv(model)
 
 
-@functools.cache  # one check a process for each device and type: a target and its draft share it
-def _checked_kernels(device: str, dtype: torch.dtype):
+@functools.cache  # one check a process for each device, type and head size: a target and its draft share it
+def _checked_kernels(device: str, dtype: torch.dtype, head_dim: int):
     try:
         from .paged_attention import checked_paged_attention
     except ImportError as e:
         log.warning("attention in captured forwards stays PyTorch's: %s", e)
         return None
-    return checked_paged_attention(device, dtype)
+    return checked_paged_attention(device, dtype, head_dim)
