@@ -48,7 +48,7 @@ FORWARDS = {
 
 # shared memory a program may have (bytes, opt-in maximum) by compute capability, from CUDA's programming guide: a
 # launch needing more is refused at run time (Triton's OutOfResources), which start-up meets by passing that kernel over
-SHARED_MEMORY = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")  # a launch's keywords that are not the kernel's arguments
 SHOWN = ("R", "HEADS", "D", "KEYS", "SPLITS", "BLOCK_M", "BLOCK_N", "BLOCK_K")  # constants printed
 
