@@ -19,7 +19,7 @@ from specdecode.executor.runner import ModelRunner
 from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
 from specdecode.models.runtime import build_model
 from specdecode.proposers import DraftBatch, register_proposer, unregister_proposer
-from specdecode.proposers.draft_head import DraftHeadProposer
+from specdecode.proposers.draft_head import DraftHeadProposer, UnreadFeatures
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9], list(range(10, 40))]  # the last one prefills by the batched path
@@ -84,7 +84,7 @@ class Recorder(DraftHeadProposer):
         return super()._draft_forward(step, rows, seqs, slots, tokens)
 
     def _record(self, seq, start: int, but_last: bool) -> None:
-        read = torch.cat(self._features[seq.request_id])
+        read = self._features[seq.request_id].read()
         for j in range(len(read) - but_last):
             self.rows.setdefault(seq.request_id, {})[start + j] = (seq.token_ids[start + 1 + j], read[j])
         self.tokens[seq.request_id] = seq.token_ids
@@ -94,8 +94,8 @@ class ShiftedRecorder(Recorder):
     """Broken: pairs each feature row with the token one position later."""
 
     def _record(self, seq, start: int, but_last: bool) -> None:
-        pending = self._features[seq.request_id]
-        pending[:] = [torch.cat([pending[0][1:], pending[-1][-1:]] + [p for p in pending[1:]])]
+        read = self._features[seq.request_id].read()
+        self._features[seq.request_id] = UnreadFeatures(torch.cat([read[1:], read[-1:]]))
         super()._record(seq, start, but_last)
 
 
@@ -125,6 +125,34 @@ def test_each_head_row_reads_the_targets_features_at_its_position_beside_the_nex
     assert sum(len(r) for r in recorder.rows.values()) > sum(map(len, PROMPTS))
     errors = _pairing_errors(target, recorder)
     assert (errors > 0) if broken else (errors == 0)
+
+
+@pytest.mark.parametrize("broken", [None, "never copied", "a chunk's rows reversed"])
+def test_features_left_unread_for_many_steps_are_read_in_order_and_hold_only_their_own_rows(broken, monkeypatch):
+    """A sequence the policy leaves undrafted (under load) gets a feature row every step, each a view of that step's
+    whole batch: they are counted as they come and read in order, and once copied into a chunk of the sequence's own
+    they no longer keep each step's batch alive. The broken variants: rows never copied (every step's batch kept),
+    and a chunk's rows copied in reverse."""
+    import gc
+    import weakref
+
+    chunk = UnreadFeatures.CHUNK
+    if broken == "never copied":
+        monkeypatch.setattr(UnreadFeatures, "CHUNK", 10**9)
+    elif broken:
+        monkeypatch.setattr(torch, "cat", lambda parts, *a: torch.concat(parts[::-1], *a))
+    steps, batch = 3 * chunk + 5, 8
+    unread, batches = UnreadFeatures(), []
+    for step in range(steps):
+        hidden = torch.full((batch, 4), float(step))  # a step's hidden states, one row per sequence
+        batches.append(weakref.ref(hidden))
+        unread.add(hidden[2:3])
+        del hidden
+    gc.collect()
+    assert unread.rows == steps
+    in_order = torch.equal(unread.read()[:, 0], torch.arange(steps, dtype=torch.float32))
+    released = sum(ref() is None for ref in batches) == 3 * chunk  # the last 5 are still views
+    assert (in_order and released) if broken is None else not (in_order and released)
 
 
 def test_drafting_rolls_the_head_cache_back_to_the_targets_rows(target, head, registered):

@@ -24,7 +24,7 @@ class SequenceUpdate:
     def since(cls, seq: Sequence, start: int) -> "SequenceUpdate":
         """seq's output tokens from index `start` on."""
         logprobs = seq.logprobs[start:] if seq.logprobs is not None else None
-        return cls(seq, seq.output_ids[start:], logprobs, seq.finish_reason)
+        return cls(seq, seq.token_ids[seq.num_prompt_tokens + start :], logprobs, seq.finish_reason)  # not all output
 
 
 @dataclass

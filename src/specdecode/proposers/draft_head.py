@@ -38,6 +38,32 @@ def head_path(name: str) -> str:
     return os.path.join(BUNDLED_HEADS, name)
 
 
+class UnreadFeatures:
+    """A sequence's target features the head has not read yet, rows in order, counted as they come. A step's rows are
+    views of that step's whole batch; every CHUNK steps they are copied into one tensor of the sequence's own, so that
+    a sequence long left undrafted (the policy's choice under load) holds its own rows only, and neither counting
+    nor reading them grows with how many steps they came in."""
+
+    CHUNK = 64
+
+    def __init__(self, rows: torch.Tensor | None = None):
+        self._chunks: list[torch.Tensor] = []
+        self._recent: list[torch.Tensor] = []
+        self.rows = 0
+        if rows is not None:
+            self.add(rows)
+
+    def add(self, rows: torch.Tensor) -> None:
+        self._recent.append(rows)
+        self.rows += rows.shape[0]
+        if len(self._recent) == self.CHUNK:
+            self._chunks.append(torch.cat(self._recent))
+            self._recent = []
+
+    def read(self) -> torch.Tensor:
+        return torch.cat(self._chunks + self._recent)
+
+
 class DraftHeadProposer(DraftModelProposer):
     wants_hidden_states = True
 
@@ -45,7 +71,7 @@ class DraftHeadProposer(DraftModelProposer):
         self, head: DraftHead, loaded: LoadedModel, timer: StepTimer | None = None, confidence_threshold: float = 0.0
     ):
         super().__init__(loaded, timer, confidence_threshold)
-        self._features: dict[str, list[torch.Tensor]] = {}  # request id -> target features not yet read
+        self._features: dict[str, UnreadFeatures] = {}  # request id -> target features not yet read
         self._estimates: dict[int, torch.Tensor] = {}  # batch row -> the head's last estimated features
         self._real_rows: dict[str, int] = {}  # request id -> head cache rows built from the target's features
 
@@ -82,22 +108,24 @@ class DraftHeadProposer(DraftModelProposer):
         if feedback.hidden is None:
             return
         slot = self._slots.get(seq.request_id)
-        pending = self._features.setdefault(seq.request_id, [])
-        read = (self.runner.length(slot) if slot is not None else 0) + sum(len(f) for f in pending)
+        unread = self._features.get(seq.request_id)
+        if unread is None:
+            unread = self._features[seq.request_id] = UnreadFeatures()
+        read = (self.runner.length(slot) if slot is not None else 0) + unread.rows
         if feedback.start != read:  # rows arrive in order, each position once
             raise RuntimeError(f"draft head: features from position {feedback.start}, expected {read}")
-        pending.append(feedback.hidden)
+        unread.add(feedback.hidden)
 
     def read_ahead(self, seqs) -> None:
         slots, inputs, features = [], [], []
         for seq in seqs:
             pending = self._features.get(seq.request_id)
-            unread = torch.cat(pending) if pending else None
-            if unread is None or len(unread) < 2:
+            if pending is None or pending.rows < 2:
                 continue
+            unread = pending.read()
             slot = self._slot(seq)
             start = self.runner.length(slot)
-            self._features[seq.request_id] = [unread[-1:]]  # the first drafting round reads the last row
+            self._features[seq.request_id] = UnreadFeatures(unread[-1:])  # the first drafting round reads the last row
             slots.append(slot)
             inputs.append(seq.token_ids[start + 1 : start + len(unread)])  # row p pairs with token p + 1
             features.append(unread[:-1])
@@ -105,7 +133,7 @@ class DraftHeadProposer(DraftModelProposer):
             self._forward(slots, inputs, prefill=True, features=features)
 
     def propose(self, seqs, ks, feedback=None):
-        ks = [k if self._features.get(s.request_id) else 0 for s, k in zip(seqs, ks)]  # nothing to read: no draft
+        ks = [k if self.unseen_tokens(s) else 0 for s, k in zip(seqs, ks)]  # nothing to read: no draft
         try:
             return super().propose(seqs, ks, feedback)
         finally:
@@ -120,7 +148,7 @@ class DraftHeadProposer(DraftModelProposer):
             inputs, features = [], []
             for i in rows:
                 seq, start = seqs[i], self.runner.length(slots[i])
-                read = torch.cat(self._features.pop(seq.request_id))
+                read = self._features.pop(seq.request_id).read()
                 # row p pairs the target's features at p with token p + 1, the token they chose
                 inputs.append(seq.token_ids[start + 1 : start + 1 + len(read)])
                 if len(inputs[-1]) != len(read):
@@ -154,7 +182,8 @@ class DraftHeadProposer(DraftModelProposer):
 
     def unseen_tokens(self, seq) -> int:
         """Positions whose target features the head has not read yet (its next round reads them)."""
-        return sum(len(f) for f in self._features.get(seq.request_id, ()))
+        unread = self._features.get(seq.request_id)
+        return unread.rows if unread is not None else 0
 
     def commit(self, seq, num_valid_tokens: int) -> None:
         """Nothing to do: drafting already rolled back to the rows built from real features."""
