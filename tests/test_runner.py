@@ -4,7 +4,9 @@ wrote; rollback moves the pointer back; hidden states come with the logits of th
 import pytest
 import torch
 
+from specdecode.executor import runner as runner_module
 from specdecode.executor.runner import ModelRunner
+from specdecode.models import runtime
 
 
 def test_commit_cannot_pass_what_the_forwards_wrote(target):
@@ -117,3 +119,43 @@ def test_tokens_picked_on_the_device_after_a_first_from_the_host_are_read_in_pla
         for slot, prompt, width in zip(slots, prompts, widths):
             runner.commit(slot, len(prompt) - 1 + width)  # settled ids: committed as a step would
     torch.testing.assert_close(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_masked_attention_with_the_kv_heads_repeated_computes_grouped_query_attention(target, monkeypatch, broken):
+    """A GPU's masked attention (prompts, eager forwards) repeats each KV head for its query heads, so that PyTorch
+    keeps a fused kernel: the outputs are those of grouped-query attention. Broken: the heads tiled (0, 1, 0, 1)
+    rather than each repeated (0, 0, 1, 1), pairing query heads with another group's keys."""
+    prompt = [(7 * i + 3) % 60 + 1 for i in range(100)]  # wider than calls attended row by row: one masked call
+
+    def prefill():
+        runner = ModelRunner(target.model, 1, 128, fixed_shapes=False)
+        return runner.forward([runner.allocate()], [prompt], "all", hidden="all")
+
+    grouped = prefill()
+    monkeypatch.setattr(runtime, "REPEATS_KV_HEADS", {"cpu", "cuda"})
+    if broken:
+        monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda t, n, dim: t.repeat(1, n, 1, 1))
+    repeated = prefill()
+    same = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(repeated, grouped))
+    assert same != broken
+
+
+def test_a_gpu_prefills_a_long_prompt_in_chunks(target, monkeypatch):
+    """Without the CPU's attention kernel a long prompt is one masked call, whose scores grow with its length
+    squared: a GPU runs it in PREFILL_CHUNK pieces, each after the ones before, with the rows of one call."""
+    prompt = [(7 * i + 3) % 60 + 1 for i in range(100)]
+    whole = ModelRunner(target.model, 1, 128, fixed_shapes=False)
+    assert not whole.packs_any_width  # the tiny float model has no attention kernel: one call here
+    expected = whole.forward([whole.allocate()], [prompt], "all", hidden="all")
+    monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 32)
+    monkeypatch.setattr(runner_module, "CHUNKS_EVERY_PROMPT", {"cpu", "cuda"})
+    runner, widths = ModelRunner(target.model, 1, 128, fixed_shapes=False), []
+    call = runner._forward_call
+    monkeypatch.setattr(
+        runner, "_forward_call", lambda slots, inputs, *a: widths.append(len(inputs[0])) or call(slots, inputs, *a)
+    )
+    got = runner.forward([runner.allocate()], [prompt], "all", hidden="all")
+    assert widths == [32, 32, 32, 4]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # its length (a 32k-token prompt's MLP alone would hold gigabytes), and with the attention kernel the rows'
 # results do not depend on the call they are in
 PREFILL_CHUNK = 2048
+CHUNKS_EVERY_PROMPT = {"cuda"}  # devices that prefill a long prompt in chunks even without the attention kernel
 _UNSETTLED = -1  # a written position whose token id is still on the device
 
 
@@ -274,7 +275,8 @@ class ModelRunner:
         long = [i for i, tokens in enumerate(inputs) if len(tokens) > width]
         if long and len({len(tokens) for tokens in inputs}) > 1:
             return self._forward_apart(long, slots, inputs, logits, hidden, features)
-        if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and self.packs_any_width:
+        chunked = self.packs_any_width or self.device.type in CHUNKS_EVERY_PROMPT
+        if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and chunked:
             return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
         return self._forward_call(slots, inputs, logits, hidden, features)
 
@@ -309,7 +311,8 @@ class ModelRunner:
 
     def _forward_in_chunks(self, slot: int, tokens: list[int], logits, hidden, features):
         """One sequence's long input in forwards of PREFILL_CHUNK tokens, each after the ones before: the same
-        rows as one call where every row is attended alone (the attention kernel), in bounded memory."""
+        rows as one call where every row is attended alone (the attention kernel), in bounded memory (on a GPU, where
+        a whole prompt's masked attention would hold [heads, T, T] scores, the rows' last bits those of the chunks)."""
         start, outs = self._cache.lengths[slot], []
         for at in range(0, len(tokens), PREFILL_CHUNK):
             last = at + PREFILL_CHUNK >= len(tokens)

@@ -22,6 +22,8 @@ from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope, normed_linear
 
+REPEATS_KV_HEADS = {"cuda"}  # devices where masked attention repeats the KV heads for PyTorch's fused kernels
+
 
 @dataclass
 class ForwardBatch:
@@ -95,9 +97,13 @@ class ForwardBatch:
         return cache.read(layer, self.slot_index, self.kv_len)
 
     def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
-        """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]."""
+        """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]. On CUDA a mask beside
+        `enable_gqa` leaves PyTorch only its unfused kernel, whose float32 scores [B, H, T, kv_len] are 45 GiB at 27k
+        tokens (ComfyUI#15135, transformers' use_gqa_in_sdpa): there the KV heads are repeated instead."""
+        if q.device.type in REPEATS_KV_HEADS and keys.shape[1] != q.shape[1]:
+            keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=self.mask_for(window), enable_gqa=True, scale=scale
+            q, keys, values, attn_mask=self.mask_for(window), enable_gqa=keys.shape[1] != q.shape[1], scale=scale
         )
 
     def mask_for(self, window: int | None) -> torch.Tensor:
