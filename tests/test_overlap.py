@@ -122,6 +122,29 @@ def test_each_step_queues_the_next_forward_before_reading_its_tokens(monkeypatch
     assert events != ["read"] + ["queue", "read"] * 9 + ["read"]
 
 
+def test_plain_steps_let_go_of_timed_spans_the_device_has_passed():
+    """On a GPU a timed call's span is two events in the device's queue, added up once passed: a server whose policy
+    only takes plain steps still lets them go, rather than holding one for every prompt its drafter read."""
+    from specdecode.timing import Mark, Span
+
+    class Passed:  # an event the device has reached, 2 ms after the one before
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    llm = _llm(tiny_model(seed=0), True)
+    timer = llm.engine.timer
+    timer.record("draft_prefill", Span(Mark(0.0, Passed()), Mark(1.0, Passed())))
+    assert timer._queued
+    llm.generate([PROMPTS[0]], _greedy(4))
+    assert not timer._queued and timer._seconds["draft_prefill"] == pytest.approx(0.002)
+
+
 def test_requests_arriving_mid_run_decode_as_they_would_alone(monkeypatch):
     """Arrivals while steps are queued ahead, greedy, sampled with a seed and asking for logprobs: each output is the
     one computed alone, and every sequence decodes from the step after its

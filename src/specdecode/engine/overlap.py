@@ -84,6 +84,7 @@ class QueuingAhead:
             self._emit(seq, [token], logprobs)
         out.draft_lengths = [0] * len(seqs)
         self.policy.observe_step(out.draft_lengths, seconds, None, seconds, contexts=contexts)
+        self.timer.settle()  # spans queued on the device (a drafter's prompt reads) are not kept past their end
 
     def _picked(self, seqs: list[Sequence], start: float) -> Picked:
         """The sequences this step is for, their tokens on the device (and their rows' hidden states where a proposer
