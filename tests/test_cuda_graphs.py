@@ -126,6 +126,40 @@ def test_replayed_forwards_compute_the_eager_ones(captured):
         torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("graphs_kept", [1, 2])
+def test_captured_graphs_keep_their_outputs_within_a_bound(captured, graphs_kept):
+    """Each captured graph keeps its outputs (every row's logits and hidden state): past `kept_bytes` the least
+    recently replayed graphs are let go, captured again when met again, so a server meeting many shapes holds a
+    bounded amount; the forwards compute what eager ones do throughout."""
+    model = tiny_model(seed=3).model
+    expected, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=False), _steps())
+    fixed = ModelRunner(model, 3, 600, fixed_shapes=True)
+    forward = fixed._fixed
+    row = 4 * model.cfg.vocab_size + model.cfg.hidden_size * model.dtype.itemsize
+    forward.kept_bytes = graphs_kept * 32 * row  # the outputs of this many buckets of up to 32 rows
+    got, _ = _run(fixed, _steps())
+    for want, out in zip(expected, got):
+        torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+    held = sum(cuda_graphs._bytes(entry.outputs) for entry in forward._entries.values())
+    assert forward._held == held <= forward.kept_bytes and forward.let_go > 0
+
+
+def test_the_graphs_let_go_are_the_least_recently_replayed(captured):
+    """Three sequences at contexts of three key buckets, room for two graphs' outputs: decoding A, B, A, C lets B go
+    (A was replayed since), not A."""
+    model = tiny_model(seed=3, max_position=1024).model
+    runner = ModelRunner(model, 3, 1024, fixed_shapes=True)
+    forward = runner._fixed
+    forward.kept_bytes = 2 * (4 * model.cfg.vocab_size + model.cfg.hidden_size * model.dtype.itemsize)
+    slots = [runner.allocate() for _ in range(3)]
+    for slot, length in zip(slots, (100, 300, 600)):
+        runner.forward([slot], [[(7 * i) % 60 + 1 for i in range(length)]], "last")
+        runner.commit(slot, length)
+    for slot in (slots[0], slots[1], slots[0], slots[2]):
+        runner.forward([slot], [[5]], "last")
+    assert [bucket.keys for bucket in forward.buckets] == [256, 1024] and forward.let_go == 1
+
+
 def test_the_last_rows_and_their_hidden_states():
     model = tiny_model(seed=4).model
     eager, fixed = ModelRunner(model, 2, 256, fixed_shapes=False), ModelRunner(model, 2, 256, fixed_shapes=True)

@@ -163,13 +163,15 @@ def test_a_gpu_plan_reserves_what_chained_rounds_hold(target, random_draft, monk
     """On a GPU a drafter's chained rounds keep the first round's logits per bucket, and sampled ones q per bucket and
     number of rounds (executor/draft_chain.py): the plan reserves their most beside the activations, so the KV pools
     leave room for them; a CPU (no chains there) and a target without a drafter reserve nothing for them."""
-    from specdecode.engine.memory import chained_rounds_reserve
+    from specdecode.engine.memory import captured_outputs_reserve, chained_rounds_reserve
 
     on_cpu = plan_memory(target.model, random_draft.model, 128, 48, 4, None)
     monkeypatch.setattr(type(target.model), "device", property(lambda self: torch.device("cuda")))
     on_gpu = plan_memory(target.model, random_draft.model, 128, 48, 4, None)
     alone = plan_memory(target.model, None, 128, 48, 4, None)
     vocab = target.config.vocab_size
-    assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == chained_rounds_reserve(target.config, 48, 4)
+    graphs = captured_outputs_reserve([target.model, random_draft.model], 128, 48)  # what captured graphs keep
+    assert graphs > 0 and captured_outputs_reserve([target.model], 128, 48) < graphs
+    assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == chained_rounds_reserve(target.config, 48, 4) + graphs
     assert chained_rounds_reserve(target.config, 48, 4) == 2 * 64 * (1 + 2 + 3 + 4) * vocab * 4
-    assert alone.reserve_bytes == on_cpu.reserve_bytes
+    assert alone.reserve_bytes == on_cpu.reserve_bytes + captured_outputs_reserve([target.model], 128, 48)

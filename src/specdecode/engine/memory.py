@@ -83,7 +83,7 @@ class MemoryPlan:
     budget_bytes: int | None
     target_weight_bytes: int
     draft_weight_bytes: int
-    reserve_bytes: int  # activations, and on a GPU what a drafter's chained rounds hold (logits, q)
+    reserve_bytes: int  # activations, and on a GPU what captured graphs and a drafter's chained rounds hold
     kv_bytes_per_token: int  # target and draft caches together, and a draft head's unread features
     max_model_len: int
     num_slots: int  # sequences at once
@@ -148,6 +148,15 @@ def available_memory() -> int | None:
     return int(line.split()[1]) * 1024
 
 
+def captured_outputs_reserve(models: list, max_model_len: int, max_num_seqs: int) -> int:
+    """What the models' captured graphs keep in outputs at most (executor/cuda_graphs.kept_output_bytes)."""
+    from ..executor.cuda_graphs import kept_output_bytes
+    from ..executor.runner import fixed_shapes_by_default
+
+    keys = blocks_for(max_model_len) * BLOCK_TOKENS
+    return sum(kept_output_bytes(m, max_num_seqs, keys) for m in models if fixed_shapes_by_default(m))
+
+
 def plan_memory(
     target: torch.nn.Module,
     draft: torch.nn.Module | None,
@@ -174,6 +183,7 @@ def plan_memory(
     reserve = activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max)
     if target.device.type == "cuda" and (draft is not None or features):  # a drafter whose rounds chain there
         reserve += chained_rounds_reserve(target.cfg, max_num_seqs, k_max)
+    reserve += captured_outputs_reserve([target] + [draft] * separate_draft, max_model_len, max_num_seqs)
     plan = MemoryPlan(
         budget_bytes,
         target.weight_bytes(),

@@ -68,6 +68,25 @@ def _at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# Rows of outputs (each row's float32 logits and hidden state) the captured graphs keep at most: a graph's outputs are
+# its own, so a server meeting many shapes would otherwise hold every one it met; past this the least recently
+# replayed graphs are let go, captured again if met again. Four times the widest bucket: about two key lengths' worth
+# of every bucket of up to 64 sequences of up to 8 rows.
+KEPT_OUTPUT_ROWS = 4 * MAX_TOKENS
+
+
+def kept_output_bytes(model, max_seqs: int, max_keys: int) -> int:
+    """The most the model's captured graphs hold in outputs with this many sequences and key positions: every bucket's
+    they may meet, or KEPT_OUTPUT_ROWS rows where that is less (what the memory plan reserves)."""
+    columns = model.cfg.vocab_size if model.vocab_ids is None else len(model.vocab_ids)
+    row = 4 * columns + model.cfg.hidden_size * model.dtype.itemsize
+    key_lengths = max(0, _at_least(max_keys) // MIN_KEYS).bit_length() or 1
+    seqs = [1 << i for i in range(_at_least(min(max_seqs, MAX_SEQS)).bit_length())]
+    widths = [1 << i for i in range(MAX_VERIFY_WIDTH.bit_length())]
+    rows = key_lengths * sum(b * r for b in seqs for r in widths if b * r <= MAX_TOKENS)
+    return min(rows, KEPT_OUTPUT_ROWS) * row
+
+
 def bucket_for(num_new: list[int], kv_len: int, max_keys: int) -> Bucket | None:
     """The bucket a forward of these sequences runs in, or None where it runs eagerly. max_keys: the most key
     positions a sequence's block table reaches."""
@@ -215,7 +234,10 @@ class BucketedForward:
             raise ValueError("fixed-shape forwards need a KV cache with a scratch block")
         self.model, self.cache, self.capture, self.attention = model, cache, capture, attention
         self.max_keys = cache.max_blocks * cache.block_size
-        self._entries: dict[Bucket, _Entry] = {}
+        self.kept_bytes = kept_output_bytes(model, cache.num_slots, self.max_keys)
+        self.let_go = 0  # graphs let go to keep their outputs within kept_bytes
+        self._entries: dict[Bucket, _Entry] = {}  # the least recently used first
+        self._held = 0  # bytes of their graphs' outputs
         self._refused: set[Bucket] = set()
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all buckets
         self.capture_seconds: list[float] = []  # each capture's, its warm-up runs included
@@ -248,9 +270,10 @@ class BucketedForward:
         bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
         if bucket is None or bucket in self._refused:
             return None
-        entry = self._entries.get(bucket) or self._prepare(bucket)
+        entry = self._entries.pop(bucket, None) or self._prepare(bucket)
         if entry is None:
             return None
+        self._entries[bucket] = entry  # the most recently used
         entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features, picked, picked_at)
         if entry.graph is not None:
             entry.graph.replay()
@@ -279,8 +302,18 @@ class BucketedForward:
                 log.warning("forwards of %s run eagerly: their capture failed (%s)", bucket, e)
                 self._refused.add(bucket)
                 return None
-        self._entries[bucket] = entry
+            self._held += _bytes(entry.outputs)
+            self._let_go_past_the_bound()
         return entry
+
+    def _let_go_past_the_bound(self) -> None:
+        """Let the least recently replayed graphs go while the graphs' outputs hold more than kept_bytes (their
+        memory stays in the graphs' pool, for the captures that follow)."""
+        for bucket in list(self._entries):
+            if self._held <= self.kept_bytes:
+                return
+            self._held -= _bytes(self._entries.pop(bucket).outputs)
+            self.let_go += 1
 
     def new_batch(self, bucket: Bucket) -> StaticBatch:
         features = (self.model.cfg.hidden_size, self.model.dtype) if self.reads_features else None
@@ -305,6 +338,10 @@ class BucketedForward:
             outputs = run()
         self.capture_seconds.append(time.perf_counter() - start)
         return graph, outputs
+
+
+def _bytes(outputs) -> int:
+    return sum(t.nbytes for t in outputs if t is not None) if outputs is not None else 0
 
 
 def _selected(
