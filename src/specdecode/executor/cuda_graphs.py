@@ -35,13 +35,15 @@ log = logging.getLogger(__name__)
 
 def _unfit_kernel_errors() -> tuple[type[Exception], ...]:
     """What Triton raises for a kernel this device cannot hold (more shared memory than a program may have, a
-    register count ptxas refuses): a configuration or a capture meeting it goes without that kernel, as Triton's own
+    register count ptxas refuses) or its compiler cannot build for it (an architecture whose instructions a kernel's
+    code does not map onto): a configuration or a capture meeting it goes without that kernel, as Triton's own
     autotuner drops such configurations."""
     try:
+        from triton.compiler.errors import CompilationError
         from triton.runtime.errors import OutOfResources, PTXASError
     except ImportError:  # no Triton: no kernel of ours runs
         return ()
-    return OutOfResources, PTXASError
+    return OutOfResources, PTXASError, CompilationError
 
 
 UNFIT_KERNEL = _unfit_kernel_errors()
