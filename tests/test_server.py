@@ -214,3 +214,22 @@ def test_first_token_is_streamed_before_the_first_decode_step(target):
         engine.stop()
     assert updates[0].text == solo[0]
     assert "".join(u.text for u in updates) == solo and updates[-1].finished
+
+
+@pytest.mark.parametrize(
+    "text, stops, finished, sent, expected",
+    [
+        ("hello wor", ["world!"], False, 0, "hell"),  # "o wor" may begin "world!": held back
+        ("abcd", ["abcdefg"], False, 0, ""),  # a stop string longer than the text holds all of it back
+        ("abc\ufffd\ufffd", [], False, 1, "bc"),  # half a character waits for the rest
+        ("ab\ufffd", [], False, 2, ""),
+        ("abc\ufffd", ["xyz"], True, 1, "bc\ufffd"),  # a finished text goes out whole
+    ],
+)
+def test_a_stream_sends_the_tail_a_stop_string_or_half_a_character_cannot_claim(text, stops, finished, sent, expected):
+    class Seq:
+        params = SamplingParams(stop=stops)
+
+    seq = Seq()
+    seq.text, seq.finished = text, finished
+    assert AsyncEngine._streamable_text(seq, sent) == expected

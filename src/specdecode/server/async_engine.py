@@ -273,7 +273,7 @@ class AsyncEngine:
         if i in handle.closed:
             return
         seq = update.seq
-        text = self._streamable_text(seq)[handle.sent_chars[i] :]
+        text = self._streamable_text(seq, handle.sent_chars[i])
         logprobs = update.logprobs or []
         if text or logprobs or seq.finished:
             handle.push(
@@ -295,14 +295,16 @@ class AsyncEngine:
                 handle.closed.add(i)
 
     @staticmethod
-    def _streamable_text(seq: Sequence) -> str:
-        text = seq.text
+    def _streamable_text(seq: Sequence, sent: int) -> str:
+        """seq's text from character `sent` on that may go out now: only that tail is copied, as a long stream's whole
+        text each step would cost in proportion to its length."""
+        text, end = seq.text, len(seq.text)
         if not seq.finished:
             # hold back what a stop string could still claim, and a half-decoded UTF-8 character
-            hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
-            text = text[: len(text) - hold] if hold else text
-            text = text.rstrip("\ufffd")
-        return text
+            end = max(sent, end - max((len(s) - 1 for s in seq.params.stop_strings), default=0))
+            while end > sent and text[end - 1] == "\ufffd":
+                end -= 1
+        return text[sent:end]
 
     def _fail_all(self, exc: Exception) -> None:
         for handle in self._active:
