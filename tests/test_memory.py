@@ -175,3 +175,12 @@ def test_a_gpu_plan_reserves_what_chained_rounds_hold(target, random_draft, monk
     assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == chained_rounds_reserve(target.config, 48, 4) + graphs
     assert chained_rounds_reserve(target.config, 48, 4) == 2 * 64 * (1 + 2 + 3 + 4) * vocab * 4
     assert alone.reserve_bytes == on_cpu.reserve_bytes + captured_outputs_reserve([target.model], 128, 48)
+
+
+def test_a_self_draft_shares_the_targets_weights_but_not_its_kv_cache(target):
+    """A draft that is the target model itself drafts from a KV pool of its own (the proposer's runner), as large as
+    the target's: the plan counts its entries, not its weights again."""
+    alone = plan_memory(target.model, None, 128, 4, 3, None)
+    selfdraft = plan_memory(target.model, target.model, 128, 4, 3, None)
+    assert selfdraft.draft_weight_bytes == 0
+    assert selfdraft.kv_bytes_per_token == 2 * alone.kv_bytes_per_token

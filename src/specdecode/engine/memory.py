@@ -173,9 +173,9 @@ def plan_memory(
         raise SpecDecodeError(
             f"max_num_seqs must be >= 1 and max_model_len >= 2 (got {max_num_seqs} and {max_model_len})"
         )
-    separate_draft = draft is not None and draft is not target  # a self-draft shares the target's memory
+    separate_draft = draft is not None and draft is not target  # a self-draft shares the target's weights
     per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
-    if separate_draft:
+    if draft is not None:  # its own KV pool, a self-draft's too
         per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
     if features:
         per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
