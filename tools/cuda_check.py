@@ -899,10 +899,11 @@ def concurrency(target, draft, tokens: int):
     rows["plain_64_over_1"] = rows[64]["plain_decode_tok_s"] / rows[1]["plain_decode_tok_s"]
     print(f"plain throughput at 64 / at 1: {rows['plain_64_over_1']:.1f}x")
     for name, llm in (("plain", plain), ("adaptive", adaptive)):  # what capturing when first met costs
-        seconds = captures(llm)
+        seconds, let_go = captures(llm), getattr(llm.engine.runner._fixed, "let_go", 0)
         longest = max(seconds, default=0.0)
-        rows[f"{name}_captures"] = {"graphs": len(seconds), "seconds": sum(seconds), "longest": longest}
-        print(f"{name}: {len(seconds)} graphs captured in {sum(seconds):.2f} s (the longest {longest:.3f} s)")
+        rows[f"{name}_captures"] = dict(graphs=len(seconds), seconds=sum(seconds), longest=longest, let_go=let_go)
+        print(f"{name}: {len(seconds)} graphs captured in {sum(seconds):.2f} s (the longest {longest:.3f} s), "
+              f"{let_go} of the target's let go to keep their outputs within its bound")  # fmt: skip
     RESULTS["concurrency"] = rows
 
 
