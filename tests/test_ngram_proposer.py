@@ -16,20 +16,20 @@ def test_longest_match_first_and_the_most_recent_occurrence_wins():
     ngram = NgramProposer(max_ngram=3)
     # "1 2 3" occurred twice; the later occurrence is followed by 7 8, the earlier by 4 5
     ids = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 0, 1, 2, 3]
-    assert ngram.match(ids, 2) == Preview(3, [7, 8])
+    assert ngram.match(_seq(ids), 2) == Preview(3, [7, 8])
     # only a 1-token match: the last 6 is preceded by nothing longer that repeats
-    assert ngram.match([6, 5, 4, 2, 6], 3) == Preview(1, [5, 4, 2])
+    assert ngram.match(_seq([6, 5, 4, 2, 6]), 3) == Preview(1, [5, 4, 2])
 
 
 def test_offers_at_most_k_tokens_and_nothing_without_a_match():
     ngram = NgramProposer(max_ngram=2)
-    assert ngram.match([1, 2, 3, 1, 2], 1) == Preview(2, [3])
-    assert ngram.match([1, 2, 3, 4], 3) == Preview(0, [])
-    assert ngram.match([5], 3) == Preview(0, [])
+    assert ngram.match(_seq([1, 2, 3, 1, 2]), 1) == Preview(2, [3])
+    assert ngram.match(_seq([1, 2, 3, 4]), 3) == Preview(0, [])
+    assert ngram.match(_seq([5]), 3) == Preview(0, [])
 
 
 def test_min_ngram_refuses_short_matches():
-    assert NgramProposer(max_ngram=3, min_ngram=2).match([6, 5, 4, 2, 6], 3) == Preview(0, [])
+    assert NgramProposer(max_ngram=3, min_ngram=2).match(_seq([6, 5, 4, 2, 6]), 3) == Preview(0, [])
     with pytest.raises(ValueError):
         NgramProposer(max_ngram=1, min_ngram=2)
 
@@ -42,3 +42,56 @@ def test_propose_drafts_what_preview_offered_capped_per_sequence():
     assert drafts.tokens == [previews[0].tokens[:2], [], []]
     assert drafts.probs == [None, None, None]  # deterministic: the verifier treats q as one-hot
     assert ngram.unseen_tokens(seqs[0]) == 0  # nothing to catch up on
+
+
+def _scanned(ids: list[int], k: int, sizes: range) -> Preview:
+    """The match by a scan backwards through the sequence: what the index must find."""
+    for n in range(min(sizes.stop - 1, len(ids) - 1), sizes.start - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == ids[-n:]:
+                return Preview(n, ids[start + n : start + n + k])
+    return Preview(0, [])
+
+
+@pytest.mark.parametrize("broken", [None, "the first occurrence kept", "the last token's n-gram indexed"])
+def test_the_index_finds_the_match_a_scan_finds_as_the_sequence_grows(broken, monkeypatch):
+    """The n-gram index, updated as tokens arrive one or several at a time, finds at every length the match a scan
+    backwards finds. Broken: an index that keeps each n-gram's first occurrence, and one that also indexes the n-gram
+    ending at the last token (nothing follows it yet, and the tail would match itself)."""
+    import random
+
+    from specdecode.proposers import ngram as ngram_module
+
+    if broken == "the first occurrence kept":
+
+        def update(self, ids):
+            for n, latest in self.latest.items():
+                for start in range(max(0, self.read - n), len(ids) - n):
+                    latest.setdefault(tuple(ids[start : start + n]), start)
+            self.read = len(ids)
+
+        monkeypatch.setattr(ngram_module.NgramIndex, "update", update)
+    elif broken:
+
+        def update(self, ids):
+            for n, latest in self.latest.items():
+                for start in range(max(0, self.read - n + 1), len(ids) - n + 1):
+                    latest[tuple(ids[start : start + n])] = start
+            self.read = len(ids)
+
+        monkeypatch.setattr(ngram_module.NgramIndex, "update", update)
+    rng, agree = random.Random(0), True
+    for sizes in (range(1, 4), range(2, 5)):
+        proposer, seq = NgramProposer(max_ngram=sizes.stop - 1, min_ngram=sizes.start), _seq([1])
+        while len(seq.token_ids) < 400:
+            seq.token_ids += [rng.randrange(6) for _ in range(rng.choice([1, 1, 3]))]  # few ids: many repeats
+            agree &= proposer.match(seq, 4) == _scanned(seq.token_ids, 4, sizes)
+    assert agree == (broken is None)
+
+
+def test_a_released_sequence_leaves_no_index_behind():
+    ngram, seq = NgramProposer(), _seq([1, 2, 1, 2])
+    ngram.preview([seq], 2)
+    assert ngram._indexes
+    ngram.release(seq)
+    assert not ngram._indexes

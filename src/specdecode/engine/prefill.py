@@ -64,6 +64,7 @@ class Prefilling:
         prefilling = next((p for p in self.prefilling if p.seq is seq), None)
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self.policy.forget(seq.request_id)  # a preempted sequence's estimates (its proposers' went at suspend)
             self.totals.merge(seq.metrics.spec)  # a preempted sequence's steps so far
         elif seq in self.running:
             self._release(seq)

@@ -6,6 +6,29 @@ from .base import DraftBatch, Preview, Proposer
 from .registry import ProposerSetup
 
 
+class NgramIndex:
+    """Of one sequence, the latest start of each n-gram that a token follows (n from min to max), brought up to date
+    as the sequence grows: a match is then a lookup per n, where a scan backwards through the sequence cost each step
+    in proportion to its length (1.1 ms a sequence at 8,000 tokens)."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
+        self.read = 0  # tokens of the sequence indexed
+
+    def update(self, ids: list[int]) -> None:
+        if len(ids) < self.read:  # not the sequence it indexed: start again
+            self.latest, self.read = {n: {} for n in self.sizes}, 0
+        for n, latest in self.latest.items():
+            for start in range(max(0, self.read - n), len(ids) - n):  # the n-grams a token now follows
+                latest[tuple(ids[start : start + n])] = start
+        self.read = len(ids)
+
+    def start_of(self, ids: list[int], n: int) -> int | None:
+        """Where the latest earlier occurrence of the last n tokens starts."""
+        return self.latest[n].get(tuple(ids[-n:]))
+
+
 class NgramProposer(Proposer):
     previews = True  # a match is known before the step and costs no forward
 
@@ -13,25 +36,31 @@ class NgramProposer(Proposer):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("n-gram sizes need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._indexes: dict[str, NgramIndex] = {}  # request id -> its sequence's index
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "NgramProposer":
         return cls(setup.config.ngram_prompt_lookup_max, setup.config.ngram_prompt_lookup_min)
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
-        return DraftBatch(
-            [self.match(s.token_ids, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs)
-        )
+        return DraftBatch([self.match(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
 
     def preview(self, seqs, k: int) -> list[Preview]:
-        return [self.match(s.token_ids, k) for s in seqs]
+        return [self.match(s, k) for s in seqs]
 
-    def match(self, ids: list[int], k: int) -> Preview:
+    def release(self, seq) -> None:
+        self._indexes.pop(seq.request_id, None)
+
+    def match(self, seq, k: int) -> Preview:
         """The up to k tokens that followed the match, and its length n (0 and no tokens without one).
         Longest n first; the most recent match wins (it reflects the current context best)."""
+        ids = seq.token_ids
+        index = self._indexes.get(seq.request_id)
+        if index is None:
+            index = self._indexes[seq.request_id] = NgramIndex(range(self.min_ngram, self.max_ngram + 1))
+        index.update(ids)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            tail = ids[-n:]
-            for start in range(len(ids) - n - 1, -1, -1):
-                if ids[start : start + n] == tail:
-                    return Preview(n, ids[start + n : start + n + k])
+            start = index.start_of(ids, n)
+            if start is not None:
+                return Preview(n, ids[start + n : start + n + k])
         return Preview(0, [])
