@@ -135,3 +135,18 @@ def test_block_accounting_survives_a_thousand_random_engine_operations(kind, lea
         assert held == [0, 0], f"blocks still held after every request ended: {held}"
         assert all(s.finish_reason == "abort" or len(s.output_ids) == s.params.max_tokens for s in seqs)
         assert made > 0, "the pool never ran short: nothing was tested"
+
+
+def test_an_aborted_preempted_sequence_leaves_no_estimates_or_indexes_behind():
+    """A request preempted, then aborted while it waits (a client gone under memory pressure): the adaptive policy's
+    estimates and the lookup's n-gram index of it go, as at any finish; a server would otherwise keep them for good."""
+    llm = LLM(target=_model(layers=1), speculative_model="ngram", num_speculative_tokens=3, max_model_len=256)
+    engine = llm.engine
+    seq = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    estimator, lookup = engine.policy.estimator, engine.lookup
+    assert seq.request_id in estimator.acceptance and seq.request_id in lookup._indexes  # the test can fail
+    engine._preempt(seq)
+    engine.abort(seq)
+    assert seq.request_id not in estimator.acceptance and seq.request_id not in lookup._indexes
