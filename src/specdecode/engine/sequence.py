@@ -93,6 +93,11 @@ class Sequence:
         """The generated tokens (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
 
+    def processed_output(self, drafts: list[int] = ()) -> list[int]:
+        """The tokens the request's logits processors see before its next row (its output, then `drafts`): a copy
+        where it has processors, else none (nothing else reads them, and the copy grows with the output)."""
+        return [*self.token_ids[self.num_prompt_tokens :], *drafts] if self.params.has_processors else []
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
