@@ -56,6 +56,26 @@ def test_catches_up_lazily_and_rolls_back_to_what_the_target_kept(random_draft):
     assert again == _greedy_continuation(random_draft.model, seq.token_ids, 2)
 
 
+def test_a_sequence_never_drafted_for_counts_its_unseen_tokens_without_walking_the_prefixes_each_step(random_draft):
+    """Under load the policy may leave a sequence undrafted for its whole run: what the draft would catch up on is
+    then counted from one look at the draft's cached prefixes, as the sequence grows, not a walk of them each step."""
+    proposer = DraftModelProposer(random_draft)
+    proposer.reserve(num_slots=2, max_model_len=64, reuse_prefixes=True)
+    first = _seq([5, 6, 7, 8] * 5)
+    proposer.propose([first], [2], [None])
+    proposer.release(first)  # its prompt's full blocks stay findable
+    seq, walks = _seq([5, 6, 7, 8] * 5 + [9]), []
+    cached = proposer.runner.cached_prefix
+    proposer.runner.cached_prefix = lambda *a: walks.append(a) or cached(*a)
+    found = seq.num_tokens - proposer.unseen_tokens(seq)
+    for token in range(10, 30):
+        seq.token_ids.append(token)
+        assert proposer.unseen_tokens(seq) == seq.num_tokens - found
+    assert len(walks) == 1
+    proposer.release(seq)
+    assert not proposer._found
+
+
 def test_the_forward_over_the_prompt_is_timed_as_the_drafts_prefill(random_draft):
     proposer, seq = _proposer(random_draft), _seq([5, 6, 7, 8])
     proposer.propose([seq], [3], [None])

@@ -32,6 +32,7 @@ class DraftModelProposer(Proposer):
         self.timer = timer or StepTimer()
         self.runner: ModelRunner | None = None  # built by reserve(), once the memory plan is known
         self._slots: dict[str, int] = {}  # request id -> the draft's KV-cache slot for it
+        self._found: dict[str, int] = {}  # request id without a slot -> its tokens the draft's cache holds
         self._round_spans: list[tuple[Span, int]] = []
         self._vocab: list[int] | None = None  # the draft vocabulary's target ids, on the host (None: all of them)
 
@@ -131,6 +132,7 @@ class DraftModelProposer(Proposer):
 
     def _slot(self, seq) -> int:
         if seq.request_id not in self._slots:
+            self._found.pop(seq.request_id, None)
             self._slots[seq.request_id] = self.runner.allocate(seq.token_ids, seq.tenant)
         return self._slots[seq.request_id]
 
@@ -259,8 +261,11 @@ class DraftModelProposer(Proposer):
     def unseen_tokens(self, seq) -> int:
         """Tokens of the sequence the draft's cache has not read yet (its next round feeds them)."""
         slot = self._slots.get(seq.request_id)
-        if slot is None:
-            return seq.num_tokens - self.runner.cached_prefix(seq.token_ids, seq.tenant)
+        if slot is None:  # looked up once: a walk of the prefix index each step would cost in proportion to it
+            found = self._found.get(seq.request_id)
+            if found is None:
+                found = self._found[seq.request_id] = self.runner.cached_prefix(seq.token_ids, seq.tenant)
+            return seq.num_tokens - found
         return seq.num_tokens - self.runner.length(slot)
 
     def commit(self, seq, num_valid_tokens: int) -> None:
@@ -269,6 +274,7 @@ class DraftModelProposer(Proposer):
             self.runner.rollback(slot, num_valid_tokens)
 
     def release(self, seq) -> None:
+        self._found.pop(seq.request_id, None)
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:
             self.runner.free(slot)
