@@ -24,7 +24,8 @@ class SequenceUpdate:
     def since(cls, seq: Sequence, start: int) -> "SequenceUpdate":
         """seq's output tokens from index `start` on."""
         logprobs = seq.logprobs[start:] if seq.logprobs is not None else None
-        return cls(seq, seq.token_ids[seq.num_prompt_tokens + start :], logprobs, seq.finish_reason)  # not all output
+        new = seq.token_ids[seq.num_prompt_tokens + start :]  # a slice of the new tokens, not a copy of all output
+        return cls(seq, new, logprobs, seq.finish_reason)
 
 
 @dataclass

@@ -82,7 +82,7 @@ def kept_output_bytes(model, max_seqs: int, max_keys: int) -> int:
     they may meet, or KEPT_OUTPUT_ROWS rows where that is less (what the memory plan reserves)."""
     columns = model.cfg.vocab_size if model.vocab_ids is None else len(model.vocab_ids)
     row = 4 * columns + model.cfg.hidden_size * model.dtype.itemsize
-    key_lengths = max(0, _at_least(max_keys) // MIN_KEYS).bit_length() or 1
+    key_lengths = (_at_least(max_keys) // MIN_KEYS).bit_length() or 1
     seqs = [1 << i for i in range(_at_least(min(max_seqs, MAX_SEQS)).bit_length())]
     widths = [1 << i for i in range(MAX_VERIFY_WIDTH.bit_length())]
     rows = key_lengths * sum(b * r for b in seqs for r in widths if b * r <= MAX_TOKENS)
