@@ -184,3 +184,23 @@ def test_a_self_draft_shares_the_targets_weights_but_not_its_kv_cache(target):
     selfdraft = plan_memory(target.model, target.model, 128, 4, 3, None)
     assert selfdraft.draft_weight_bytes == 0
     assert selfdraft.kv_bytes_per_token == 2 * alone.kv_bytes_per_token
+
+
+def test_a_cpu_plan_counts_what_lookup_proposers_index_per_token(target, monkeypatch):
+    """Prompt lookup and suffix speculation index each running sequence's text in host memory, a few hundred bytes
+    to a few kilobytes a token: a CPU's plan counts it beside the KV cache (the host's memory is its budget); a GPU's
+    does not (its budget is the device's)."""
+    from specdecode.proposers import NgramProposer
+    from specdecode.proposers.suffix import SuffixProposer
+
+    indexes = NgramProposer().host_bytes_per_token + SuffixProposer().host_bytes_per_token
+    assert NgramProposer().host_bytes_per_token > 0 and SuffixProposer().host_bytes_per_token > 1000
+    plain = plan_memory(target.model, None, 128, 4, 3, None)
+    assert plan_memory(target.model, None, 128, 4, 3, None, False, indexes).kv_bytes_per_token == (
+        plain.kv_bytes_per_token + indexes
+    )
+    llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=2, max_model_len=128, max_num_seqs=4)
+    assert llm.memory_plan.kv_bytes_per_token > plain.kv_bytes_per_token  # the engine passes its proposers' indexes
+    monkeypatch.setattr(type(target.model), "device", property(lambda self: torch.device("cuda")))
+    on_gpu = plan_memory(target.model, None, 128, 4, 3, None, False, indexes)
+    assert on_gpu.kv_bytes_per_token == plain.kv_bytes_per_token

@@ -95,3 +95,20 @@ def test_a_released_sequence_leaves_no_index_behind():
     assert ngram._indexes
     ngram.release(seq)
     assert not ngram._indexes
+
+
+def test_the_index_holds_no_more_than_it_declares_a_token():
+    """What the memory plan counts for the index (host_bytes_per_token) bounds what it holds, for sequences whose
+    n-grams are all new (the most entries), at lengths on both sides of the index's dicts growing their tables."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(1)
+    for length in (1000, 2800, 5600, 11000):
+        proposer, seq = NgramProposer(), _seq([rng.randrange(1 << 20) for _ in range(length)])
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        proposer.preview([seq], 4)
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert held <= proposer.host_bytes_per_token * length

@@ -162,7 +162,10 @@ class LLM:
         draft_model = next((p.model for p in proposers if p.model is not None), None)
         features = any(p.wants_hidden_states for p in proposers)
         k = config.num_speculative_tokens
-        plan = plan_memory(self.target.model, draft_model, max_model_len, config.max_num_seqs, k, budget, features)
+        indexes = sum(p.host_bytes_per_token for p in proposers)
+        plan = plan_memory(
+            self.target.model, draft_model, max_model_len, config.max_num_seqs, k, budget, features, indexes
+        )
         self.memory_plan = plan
         for proposer in proposers:
             proposer.reserve(plan.num_slots, max_model_len, config.prefix_caching, plan.num_blocks)

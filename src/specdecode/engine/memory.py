@@ -84,7 +84,7 @@ class MemoryPlan:
     target_weight_bytes: int
     draft_weight_bytes: int
     reserve_bytes: int  # activations, and on a GPU what captured graphs and a drafter's chained rounds hold
-    kv_bytes_per_token: int  # target and draft caches together, and a draft head's unread features
+    kv_bytes_per_token: int  # target and draft caches together, a draft head's unread features, a CPU's text indexes
     max_model_len: int
     num_slots: int  # sequences at once
     num_blocks: int  # KV blocks in each model's pool
@@ -165,10 +165,12 @@ def plan_memory(
     k_max: int,
     budget_bytes: int | None,
     features: bool = False,
+    host_bytes_per_token: int = 0,
 ) -> MemoryPlan:
     """Blocks for max_num_seqs sequences of max_model_len tokens, as many as the budget (or the machine's available
     memory) holds. features: a proposer reads the target's hidden states, and holds those it has not read yet (at
-    most a row per position of each sequence, as long as its context may be continued)."""
+    most a row per position of each sequence, as long as its context may be continued). host_bytes_per_token: what
+    proposers hold in host memory for each token of a running sequence (indexes of its text), in a CPU's budget."""
     if max_num_seqs < 1 or max_model_len < 2:
         raise SpecDecodeError(
             f"max_num_seqs must be >= 1 and max_model_len >= 2 (got {max_num_seqs} and {max_model_len})"
@@ -179,6 +181,8 @@ def plan_memory(
         per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
     if features:
         per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
+    if target.device.type == "cpu":
+        per_token += host_bytes_per_token
     wanted = max_num_seqs * blocks_for(max_model_len)
     reserve = activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max)
     if target.device.type == "cuda" and (draft is not None or features):  # a drafter whose rounds chain there

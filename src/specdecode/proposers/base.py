@@ -126,6 +126,7 @@ class Proposer:
     previews = False  # it implements preview(): drafts known before the step, free of forward cost
     max_draft: int | None = None  # a previewing proposer's own cap on a draft's length (None: the engine's k)
     cache_bytes = 0  # memory held across requests (suffix speculation's cache of earlier outputs)
+    host_bytes_per_token = 0  # host memory held for each token of a running sequence (an index of its text)
 
     def read_ahead(self, seqs: list[Sequence]) -> None:
         """Read now what the next drafting round would first have to catch up on, but its last position (the

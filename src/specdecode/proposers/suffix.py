@@ -19,7 +19,7 @@ from itertools import count
 from ..config import SUFFIX_SCOPES
 from .base import DraftBatch, Preview, Proposer
 from .registry import ProposerSetup
-from .suffix_tree import Draft, SuffixTrie
+from .suffix_tree import NODE_BYTES, Draft, SuffixTrie
 
 TOKEN_BYTES = 4  # a stored token id (texts are kept as arrays of int32)
 
@@ -122,6 +122,7 @@ class SuffixProposer(Proposer):
                 "suffix speculation needs max_tokens >= 1, depth >= 2, 0 <= min_prob <= 1 and match_factor > 0"
             )
         self.max_draft, self.min_prob, self.depth, self.match_factor = max_tokens, min_prob, depth, match_factor
+        self.host_bytes_per_token = depth * NODE_BYTES  # a sequence's own trie: at most a node a token and depth
         self.cache = cache or SuffixCache(0, "none", depth)
         if self.cache.depth != depth:
             raise ValueError(f"the cache indexes {self.cache.depth} tokens deep and the proposer {depth}")
