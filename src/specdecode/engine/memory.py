@@ -157,6 +157,17 @@ def captured_outputs_reserve(models: list, max_model_len: int, max_num_seqs: int
     return sum(kept_output_bytes(m, max_num_seqs, keys) for m in models if fixed_shapes_by_default(m))
 
 
+def _bytes_per_token(target, draft, features: bool, host_bytes_per_token: int) -> int:
+    """What each token of a running sequence holds: the target's KV entries, a draft's (a self-draft's too: its own
+    pool), a head's unread feature row, and on a CPU the proposers' indexes of the text."""
+    per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
+    if draft is not None:
+        per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
+    if features:
+        per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
+    return per_token + (host_bytes_per_token if target.device.type == "cpu" else 0)
+
+
 def plan_memory(
     target: torch.nn.Module,
     draft: torch.nn.Module | None,
@@ -176,13 +187,7 @@ def plan_memory(
             f"max_num_seqs must be >= 1 and max_model_len >= 2 (got {max_num_seqs} and {max_model_len})"
         )
     separate_draft = draft is not None and draft is not target  # a self-draft shares the target's weights
-    per_token = kv_bytes_per_token(target.cfg, target.kv_dtype)
-    if draft is not None:  # its own KV pool, a self-draft's too
-        per_token += kv_bytes_per_token(draft.cfg, draft.kv_dtype)
-    if features:
-        per_token += target.cfg.hidden_size * torch.empty((), dtype=target.dtype).element_size()
-    if target.device.type == "cpu":
-        per_token += host_bytes_per_token
+    per_token = _bytes_per_token(target, draft, features, host_bytes_per_token)
     wanted = max_num_seqs * blocks_for(max_model_len)
     reserve = activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max)
     if target.device.type == "cuda" and (draft is not None or features):  # a drafter whose rounds chain there
