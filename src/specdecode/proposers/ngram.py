@@ -12,8 +12,8 @@ ENTRY_BYTES = 160
 
 class NgramIndex:
     """Of one sequence, the latest start of each n-gram that a token follows (n from min to max), brought up to date
-    as the sequence grows: a match is then a lookup per n, where a scan backwards through the sequence cost each step
-    in proportion to its length (1.1 ms a sequence at 8,000 tokens)."""
+    as the sequence grows: a match is then a lookup per n, not a scan backwards through the sequence, whose cost
+    each step would grow with its length (docs/decisions.md#what-grows-with-a-run)."""
 
     def __init__(self, sizes: range):
         self.sizes = sizes
