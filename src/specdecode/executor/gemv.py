@@ -297,7 +297,7 @@ def _timed_shape(shape: tuple, device: str, triton_always: bool) -> Timed:
     if chosen is not None and not agrees(*copies[0], chosen):
         log.warning("linear layers %d x %d stay cuBLAS's: the kernel disagrees with it on this device", n, k)
         chosen = None
-    prologues = chosen is not None and _fits(prologues_agree, *copies[0], chosen)
+    prologues = chosen is not None and passes_where_it_fits(prologues_agree, *copies[0], chosen)
     if chosen is not None and not prologues:
         log.warning("linear layers %d x %d take the kernel without the norm or SwiGLU before them: its prologues "
                     "disagree with the separate steps on this device", n, k)  # fmt: skip
@@ -317,12 +317,12 @@ def _seconds_where_it_fits(copies: list[tuple], config: GemvConfig) -> list[floa
         return [math.inf] * len(TIMED_ROWS)
 
 
-def _fits(check, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> bool:
-    """A start-up check whose kernels may not fit this device: where they do not, they are not taken."""
+def passes_where_it_fits(check, *args) -> bool:
+    """A start-up check whose kernels may not fit this device: where they do not, it fails (they are not taken)."""
     try:
-        return check(weight, bias, config)
+        return check(*args)
     except UNFIT_KERNEL as e:
-        log.info("%s: its kernels at %s do not fit this device (%s)", check.__name__, config, e)
+        log.info("%s: its kernels do not fit this device (%s)", check.__name__, e)
         return False
 
 

@@ -30,8 +30,8 @@ from ..config import ModelConfig
 from ..kv_cache import KEY_TILE, KVCache
 from ..models.layers import apply_rope
 from ..models.runtime import Attention
-from .cuda_graphs import UNFIT_KERNEL, Bucket, StaticBatch
-from .gemv import Gemv, GemvConfig, gemv
+from .cuda_graphs import Bucket, StaticBatch
+from .gemv import Gemv, GemvConfig, gemv, passes_where_it_fits
 from .kv_layout import key_offset, value_offset
 from .qkv_epilogue import RopeStore, projected, rotated_projection
 
@@ -261,7 +261,7 @@ def rotate_and_store(q, k, v, store: RopeStore) -> torch.Tensor:
     return rotated
 
 
-def checked_paged_attention(device, dtype, head_dim: int = 16) -> PagedAttention | None:
+def checked_paged_attention(device, dtype, head_dim: int) -> PagedAttention | None:
     """The kernels, where they compile for this device and agree with PyTorch's attention on a small case at the
     model's head size (what their shared memory grows with); else None (forwards keep PyTorch's attention), with the
     reason logged."""
@@ -276,7 +276,7 @@ def checked_paged_attention(device, dtype, head_dim: int = 16) -> PagedAttention
 
 
 @torch.inference_mode()
-def _small_case(attention: PagedAttention, device, dtype, head_dim: int = 16):
+def _small_case(attention: PagedAttention, device, dtype, head_dim: int):
     """Two sequences of 3 new rows after 70 and 5 cached tokens: the kernels' outputs, then those of the path they
     replace (RoPE, the cache write through the batch, which puts the new entries back as it would have written
     them, the gathered blocks and SDPA), on the same cached entries."""
@@ -317,12 +317,11 @@ def attach_epilogues(model) -> int:
 
 @functools.cache
 def _agrees(shape: tuple, config: GemvConfig, device: str, dtype: torch.dtype) -> bool:
-    try:
-        got, want = epilogue_case(shape, config, device, dtype)
-    except UNFIT_KERNEL as e:
-        log.info("QKV projections %d x %d keep RoPE and the cache write apart: the epilogue at %s does not fit this "
-                 "device (%s)", *shape[:2], config, e)  # fmt: skip
-        return False
+    return passes_where_it_fits(_epilogue_agrees, shape, config, device, dtype)
+
+
+def _epilogue_agrees(shape: tuple, config: GemvConfig, device: str, dtype: torch.dtype) -> bool:
+    got, want = epilogue_case(shape, config, device, dtype)
     agree = all(_close(a, b) for a, b in zip(got, want))
     if not agree:
         log.warning("QKV projections %d x %d keep RoPE and the cache write apart: the epilogue disagrees with the "
