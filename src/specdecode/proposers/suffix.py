@@ -24,10 +24,19 @@ from .suffix_tree import NODE_BYTES, Draft, SuffixTrie
 TOKEN_BYTES = 4  # a stored token id (texts are kept as arrays of int32)
 
 
+@dataclass
+class _Unindexed:
+    """An output in the cache not yet wholly in its trie."""
+
+    indexed: int = 0  # its tokens fed to the trie so far
+    open_nodes: list[int] | None = None  # what the trie returned for them
+
+
 class SuffixCache:
     """Earlier outputs, one trie per scope key, under one byte cap with least-recently-used eviction.
     scope "tenant": the key is the request's tenant; "global": everyone shares one (a single-user
-    deployment); "none": nothing is kept across requests."""
+    deployment); "none": nothing is kept across requests. An output added is indexed by later calls of
+    `index`, a bounded number of tokens each, so that a long one finishing never stalls the step it ends in."""
 
     def __init__(self, max_bytes: int, scope: str = "tenant", depth: int = 24):
         if scope not in SUFFIX_SCOPES:
@@ -35,6 +44,7 @@ class SuffixCache:
         self.max_bytes, self.scope, self.depth = max_bytes, scope, depth
         self.tries: dict[str, SuffixTrie] = {}
         self.texts: OrderedDict[int, tuple[str, array]] = OrderedDict()  # id -> (key, tokens), LRU first
+        self._unindexed: OrderedDict[int, _Unindexed] = OrderedDict()  # by text id, oldest first
         self._ids = count(1)  # 0 is a sequence's own text in its local trie
         self._bytes = 0
 
@@ -47,26 +57,49 @@ class SuffixCache:
         return self._bytes
 
     def add(self, tenant: str, tokens: list[int]) -> None:
+        """Keep an output to draft from once `index` has fed it to its tenant's trie."""
         key = self.key(tenant)
         if key is None or not tokens:
             return
         text_id = next(self._ids)
-        trie = self.tries.setdefault(key, SuffixTrie(self.depth))
-        before = trie.nbytes
-        trie.extend(tokens, text_id)
         self.texts[text_id] = key, array("i", tokens)
-        self._bytes += trie.nbytes - before + TOKEN_BYTES * len(tokens)
+        self._unindexed[text_id] = _Unindexed()
+        self._bytes += TOKEN_BYTES * len(tokens)
+        self._keep_under_cap()
+
+    def index(self, max_tokens: int | None = None) -> None:
+        """Feed up to max_tokens (None: all) of the outputs added and not yet indexed to their tries, oldest first."""
+        budget = sum(len(self.texts[i][1]) for i in self._unindexed) if max_tokens is None else max_tokens
+        while self._unindexed and budget > 0:
+            text_id, progress = next(iter(self._unindexed.items()))
+            key, tokens = self.texts[text_id]
+            piece = tokens[progress.indexed : progress.indexed + budget]
+            trie = self.tries.setdefault(key, SuffixTrie(self.depth))
+            before = trie.nbytes
+            progress.open_nodes = trie.extend(piece, self._text, text_id, progress.indexed, progress.open_nodes)
+            self._bytes += trie.nbytes - before
+            progress.indexed += len(piece)
+            budget -= len(piece)
+            if progress.indexed == len(tokens):
+                del self._unindexed[text_id]
+        self._keep_under_cap()
+
+    def _keep_under_cap(self) -> None:
         while self.texts and self.nbytes > self.max_bytes:
             self._evict(next(iter(self.texts)))
 
     def _evict(self, text_id: int) -> None:
         key, tokens = self.texts.pop(text_id)
-        trie = self.tries[key]
-        before = trie.nbytes
-        trie.remove(tokens)
-        self._bytes -= before - trie.nbytes + TOKEN_BYTES * len(tokens)
-        if not trie.num_nodes:
-            del self.tries[key]
+        progress = self._unindexed.pop(text_id, None)
+        indexed = len(tokens) if progress is None else progress.indexed
+        self._bytes -= TOKEN_BYTES * len(tokens)
+        if indexed:
+            trie = self.tries[key]
+            before = trie.nbytes
+            trie.remove(tokens[:indexed])
+            self._bytes -= before - trie.nbytes
+            if not trie.num_nodes:
+                del self.tries[key]
 
     def draft(self, tenant: str, context: list[int], max_tokens: int | Callable[[int], int], min_prob: float) -> Draft:
         """max_tokens: a number, or the number for a context match of a given length."""
@@ -74,11 +107,11 @@ class SuffixCache:
         trie = self.tries.get(key) if key is not None else None
         if trie is None:
             return Draft()
-        node, match = trie.longest_continued(context)
+        spot, match = trie.longest_continued(context, self._text)
         if not match:
             return Draft()
         limit = max_tokens(match) if callable(max_tokens) else max_tokens
-        draft = trie.draft_from(node, match, limit, min_prob, self._text)
+        draft = trie.draft_from(spot, match, limit, min_prob, self._text)
         if draft.source in self.texts:
             self.texts.move_to_end(draft.source)  # drafted from: recently used
         return draft
@@ -96,8 +129,12 @@ class SuffixCache:
 @dataclass
 class _Local:
     trie: SuffixTrie
-    indexed: int = 0  # tokens of the sequence fed to the trie
+    tokens: list[int]  # the sequence's prompt and output: one list, grown in place
+    indexed: int = 0  # tokens of it fed to the trie
     open_nodes: list[int] = field(default_factory=list)
+
+    def text(self, _text_id: int) -> list[int]:
+        return self.tokens
 
 
 class SuffixProposer(Proposer):
@@ -108,6 +145,9 @@ class SuffixProposer(Proposer):
     without this bound a one-token match would copy 32 tokens that are rarely all right."""
 
     previews = True
+    # Tokens of finished outputs fed to the cache's tries a call of preview or propose (one or two a step): at
+    # most a few milliseconds, where a long output indexed at once stalled the step it ended in
+    cache_index_tokens = 256
 
     def __init__(
         self,
@@ -140,6 +180,7 @@ class SuffixProposer(Proposer):
         return self.cache.nbytes
 
     def preview(self, seqs, k: int) -> list[Preview]:
+        self.cache.index(self.cache_index_tokens)
         previews = []
         for seq in seqs:
             draft = self.draft(seq, min(k, self.max_draft))
@@ -147,15 +188,16 @@ class SuffixProposer(Proposer):
         return previews
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
+        self.cache.index(self.cache_index_tokens)
         return DraftBatch([self.draft(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
 
     def draft(self, seq, max_tokens: int) -> Draft:
         """The better-supported of the drafts from the sequence's own text and from the tenant's cache."""
         local = self._index(seq)
         ids = seq.token_ids
-        node, match = local.trie.longest_continued_in(local.open_nodes)  # its suffixes' nodes: no walk
+        spot, match = local.trie.longest_continued_in(local.open_nodes, local.text)  # its suffixes' nodes: no walk
         own = (
-            local.trie.draft_from(node, match, self._limit(match, max_tokens), self.min_prob, lambda _: ids)
+            local.trie.draft_from(spot, match, self._limit(match, max_tokens), self.min_prob, local.text)
             if match
             else Draft()
         )
@@ -168,11 +210,11 @@ class SuffixProposer(Proposer):
 
     def _index(self, seq) -> _Local:
         local = self._local.get(seq.slot)
-        if local is None:
-            local = self._local[seq.slot] = _Local(SuffixTrie(self.depth))
+        if local is None or local.tokens is not seq.token_ids:
+            local = self._local[seq.slot] = _Local(SuffixTrie(self.depth), seq.token_ids)
         ids = seq.token_ids
         if local.indexed < len(ids):
-            local.open_nodes = local.trie.extend(ids[local.indexed :], 0, local.indexed, local.open_nodes)
+            local.open_nodes = local.trie.extend(ids[local.indexed :], local.text, 0, local.indexed, local.open_nodes)
             local.indexed = len(ids)
         return local
 

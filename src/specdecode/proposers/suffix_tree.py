@@ -1,8 +1,11 @@
 """A depth-limited suffix trie with occurrence counts: every substring of up to `depth` tokens of the texts
-fed to it is a path from the root, each node counts how often its substring occurred and remembers where
-it last ended. Appending a token touches `depth` nodes (one per suffix ending there), so a sequence is
-indexed as it grows, never rebuilt; removing a text replays its insertion with counts going down, which
-is how a bounded cache of earlier outputs forgets one.
+fed to it occurred `count` times and last ended at `last_end`. A substring that occurred once says nothing its
+text does not, so the trie makes nodes only where counts branch: below a node that occurred once, the text after
+that occurrence stands for the subtree (an implicit path), and the node gets its child when it occurs again.
+Code and prose then hold one or two nodes a token rather than one per suffix, and appending a token touches
+only the suffixes ending there that occurred before, so a sequence is indexed as it grows, never rebuilt.
+Removing a text replays its insertion with counts going down, which is how a bounded cache of earlier outputs
+forgets one.
 
 A draft continues the longest suffix of the context that occurred before with a continuation: it follows
 the most frequent child while the product of the branch frequencies (how often that continuation
@@ -12,13 +15,16 @@ it matches on, not how far a draft reaches."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 # Bytes per trie node on CPython 3.11 (its list entries, its count and position, its share of child maps),
 # measured by tests/test_suffix.py: what a cache's byte cap counts.
 NODE_BYTES = 270
 POSITION_BITS = 32  # a node's last occurrence: text id << POSITION_BITS | index of its last token
+
+Texts = Callable[[int], Sequence[int] | None]  # a text id -> its tokens (None: forgotten)
+Spot = tuple[int, int]  # where a substring ends: (node, tokens past it along its only occurrence's text)
 
 
 @dataclass
@@ -53,23 +59,32 @@ class SuffixTrie:
 
     # ---- building ----------------------------------------------------------------------------------
     def extend(
-        self, tokens: Sequence[int], text_id: int = 0, start: int = 0, open_nodes: list[int] | None = None
+        self,
+        tokens: Sequence[int],
+        text: Texts,
+        text_id: int = 0,
+        start: int = 0,
+        open_nodes: list[int] | None = None,
     ) -> list[int]:
         """Append tokens[...] to text `text_id`, whose first `start` tokens were fed before and left
-        `open_nodes` (what that call returned; None for a new text). Returns the nodes of the text's
-        suffixes now, longest last, for the next call."""
+        `open_nodes` (what that call returned; None for a new text). text(id) reads this text and earlier ones.
+        Returns the nodes of the text's suffixes now, longest last, for the next call."""
         counts, children, last_end, limit = self.counts, self.children, self.last_end, self.depth - 1
         nodes = open_nodes or []
         position = (text_id << POSITION_BITS) + start
         for token in tokens:
             grown = []
-            for parent in [0] + nodes[:limit]:
+            for length, parent in enumerate([0] + nodes[:limit]):
+                if parent and counts[parent] < 2:
+                    break  # it occurred only where it ends now: what follows it is in the text (longer ones too)
                 kids = children[parent]
                 if kids is None:
                     kids = children[parent] = {}
                 node = kids.get(token)
                 if node is None:
                     node = kids[token] = self._new_node()
+                elif counts[node] == 1 and children[node] is None and length + 1 < self.depth:
+                    self._unfold(node, position, text)
                 counts[node] += 1
                 last_end[node] = position
                 grown.append(node)
@@ -77,10 +92,26 @@ class SuffixTrie:
             position += 1
         return nodes
 
+    def _unfold(self, node: int, now: int, text: Texts) -> None:
+        """A node about to occur a second time gets the child its first occurrence continues with, unless that
+        continuation ends `now`: the caller adds that one as the next longer suffix."""
+        follows = self.last_end[node] + 1
+        if follows == now:
+            return
+        text_id, index = divmod(follows, 1 << POSITION_BITS)
+        tokens = text(text_id)
+        if tokens is None or index >= len(tokens):
+            return
+        child = self._new_node()
+        self.children[node] = {tokens[index]: child}
+        self.counts[child] = 1
+        self.last_end[child] = follows
+
     def remove(self, tokens: Sequence[int]) -> None:
         """Forget one earlier extension by a whole text. A node whose count drops to 0 occurred only there,
         and so did everything below it: it is unlinked at once and freed once the replay, which still
-        walks through it, is done."""
+        walks through it, is done. A node left with one occurrence keeps its children (their counts stay
+        exact), so `last_end` may name a forgotten text only where nothing follows."""
         counts, children, limit = self.counts, self.children, self.depth - 1
         nodes: list[int] = []
         dead: list[int] = []
@@ -88,7 +119,9 @@ class SuffixTrie:
             grown = []
             for parent in [0] + nodes[:limit]:
                 kids = children[parent]
-                node = kids[token]
+                node = kids.get(token) if kids is not None else None
+                if node is None:
+                    break  # an implicit path: this text's only occurrence, no node to count down
                 counts[node] -= 1
                 if counts[node] == 0:
                     del kids[token]
@@ -113,39 +146,73 @@ class SuffixTrie:
         self.last_end.append(0)
         return len(self.counts) - 1
 
-    # ---- drafting ----------------------------------------------------------------------------------
-    def longest_continued(self, context: Sequence[int]) -> tuple[int, int]:
-        """(node, length) of the longest suffix of `context` indexed with a continuation ((0, 0): none)."""
-        suffixes = (self._find(context, len(context) - m) for m in range(1, min(self.depth - 1, len(context)) + 1))
-        return self._longest_continued(suffixes)
+    # ---- reading -----------------------------------------------------------------------------------
+    def occurrences(self, substring: Sequence[int], text: Texts) -> int:
+        """How often `substring` (at most depth tokens) occurred in the texts fed."""
+        spot = self._find(substring, 0, text)
+        return 0 if spot is None else self.counts[spot[0]]
 
-    def longest_continued_in(self, open_nodes: list[int]) -> tuple[int, int]:
+    def longest_continued(self, context: Sequence[int], text: Texts) -> tuple[Spot, int]:
+        """(spot, length) of the longest suffix of `context` that occurred with a continuation (length 0: none)."""
+        suffixes = (
+            self._find(context, len(context) - m, text) for m in range(1, min(self.depth - 1, len(context)) + 1)
+        )
+        return self._longest_continued(suffixes, text)
+
+    def longest_continued_in(self, open_nodes: list[int], text: Texts) -> tuple[Spot, int]:
         """The same for a text fed to this trie, from the suffix nodes its last extend() returned."""
-        return self._longest_continued(iter(open_nodes[: self.depth - 1]))
+        return self._longest_continued(((node, 0) for node in open_nodes[: self.depth - 1]), text)
 
-    def _longest_continued(self, suffix_nodes) -> tuple[int, int]:
-        """suffix_nodes: the context's suffixes' nodes (None where not indexed), shortest first."""
-        best = (0, 0)
-        for match, node in enumerate(suffix_nodes, 1):
-            if node is None or self.children[node] is None:
+    def _longest_continued(self, suffixes: Iterable[Spot | None], text: Texts) -> tuple[Spot, int]:
+        """suffixes: the context's suffixes' spots (None where they never occurred), shortest first."""
+        best = ((0, 0), 0)
+        for match, spot in enumerate(suffixes, 1):
+            if spot is None or not self._continues(spot, text):
                 break  # a longer suffix ends with this one, so it has no continuation either
-            best = (node, match)
+            best = (spot, match)
         return best
 
-    def _find(self, context: Sequence[int], start: int) -> int | None:
+    def _find(self, context: Sequence[int], start: int, text: Texts) -> Spot | None:
         node, children = 0, self.children
         for i in range(start, len(context)):
             kids = children[node]
-            node = kids.get(context[i]) if kids is not None else None
-            if node is None:
-                return None
-        return node
+            child = kids.get(context[i]) if kids is not None else None
+            if child is None:
+                return self._read_on(node, context[i:], text) if self._implicit_below(node) else None
+            node = child
+        return node, 0
 
-    def draft_from(
-        self, node: int, match: int, max_tokens: int, min_prob: float, text: Callable[[int], Sequence[int] | None]
-    ) -> Draft:
-        """Up to max_tokens continuing the context suffix at `node`; text(id) gives a text to copy from."""
+    def _implicit_below(self, node: int) -> bool:
+        return node != 0 and self.counts[node] == 1 and self.children[node] is None
+
+    def _read_on(self, node: int, tokens: Sequence[int], text: Texts) -> Spot | None:
+        """Where `tokens` end if they follow the node's only occurrence in its text."""
+        following = self._following(node, 0, len(tokens), text)
+        return (node, len(tokens)) if following == list(tokens) else None
+
+    def _following(self, node: int, past: int, n: int, text: Texts) -> list[int] | None:
+        """Up to n tokens of the text after the node's latest occurrence and `past` tokens beyond it (None: that
+        text is forgotten)."""
+        text_id, end = divmod(self.last_end[node], 1 << POSITION_BITS)
+        tokens = text(text_id)
+        start = end + 1 + past
+        return None if tokens is None else list(tokens[start : start + n])
+
+    def _continues(self, spot: Spot, text: Texts) -> bool:
+        node, past = spot
+        if past or self._implicit_below(node):
+            return bool(self._following(node, past, 1, text))
+        return self.children[node] is not None
+
+    def draft_from(self, spot: Spot, match: int, max_tokens: int, min_prob: float, text: Texts) -> Draft:
+        """Up to max_tokens continuing the context suffix at `spot`; text(id) gives a text to copy from."""
         draft, p = Draft(match=match), 1.0
+        node, past = spot
+        if max_tokens <= 0:
+            return draft
+        if past or self._implicit_below(node):
+            self._copy_after(node, past, max_tokens, draft, text)
+            return draft
         counts, children = self.counts, self.children
         while len(draft.tokens) < max_tokens:
             kids = children[node]
@@ -163,16 +230,14 @@ class SuffixTrie:
             draft.probs.append(q)
             node = child
             if counts[child] == 1 or children[child] is None:  # one occurrence, or the trie's depth: what
-                self._copy_after(child, max_tokens, draft, text)  # followed the latest is the evidence left
+                self._copy_after(child, 0, max_tokens, draft, text)  # followed the latest is the evidence left
                 break
         return draft
 
-    def _copy_after(self, node: int, max_tokens: int, draft: Draft, text: Callable) -> None:
-        text_id, end = divmod(self.last_end[node], 1 << POSITION_BITS)
-        tokens = text(text_id)
-        if tokens is None:
+    def _copy_after(self, node: int, past: int, max_tokens: int, draft: Draft, text: Texts) -> None:
+        copied = self._following(node, past, max_tokens - len(draft.tokens), text)
+        if copied is None:
             return
-        copied = list(tokens[end + 1 : end + 1 + max_tokens - len(draft.tokens)])
         draft.tokens += copied
         draft.probs += [1.0] * len(copied)
-        draft.source = text_id
+        draft.source = self.last_end[node] >> POSITION_BITS
