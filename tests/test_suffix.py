@@ -86,8 +86,7 @@ def _unfold_always(self, node, now, text):
     follows = self.last_end[node] + 1
     text_id, index = divmod(follows, 1 << POSITION_BITS)
     if index < len(text(text_id)):
-        child = self._new_node()
-        self.children[node], self.counts[child], self.last_end[child] = {text(text_id)[index]: child}, 1, follows
+        self.children[node] = {text(text_id)[index]: self._new_node(1, follows)}
 
 
 @pytest.mark.parametrize("broken", [lambda self, node, now, text: None, _unfold_always], ids=["never", "always"])

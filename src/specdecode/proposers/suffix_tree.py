@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 # measured by tests/test_suffix.py: what a cache's byte cap counts.
 NODE_BYTES = 270
 POSITION_BITS = 32  # a node's last occurrence: text id << POSITION_BITS | index of its last token
+POSITION_MASK = (1 << POSITION_BITS) - 1
 
 Texts = Callable[[int], Sequence[int] | None]  # a text id -> its tokens (None: forgotten)
 Spot = tuple[int, int]  # where a substring ends: (node, tokens past it along its only occurrence's text)
@@ -98,14 +99,10 @@ class SuffixTrie:
         follows = self.last_end[node] + 1
         if follows == now:
             return
-        text_id, index = divmod(follows, 1 << POSITION_BITS)
-        tokens = text(text_id)
+        tokens, index = text(follows >> POSITION_BITS), follows & POSITION_MASK
         if tokens is None or index >= len(tokens):
             return
-        child = self._new_node()
-        self.children[node] = {tokens[index]: child}
-        self.counts[child] = 1
-        self.last_end[child] = follows
+        self.children[node] = {tokens[index]: self._new_node(1, follows)}
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Forget one earlier extension by a whole text. A node whose count drops to 0 occurred only there,
@@ -135,15 +132,15 @@ class SuffixTrie:
         self.free += dead
         self.num_nodes -= len(dead)
 
-    def _new_node(self) -> int:
+    def _new_node(self, count: int = 0, last_end: int = 0) -> int:
         self.num_nodes += 1
         if self.free:
             node = self.free.pop()
-            self.counts[node] = 0
+            self.counts[node], self.last_end[node] = count, last_end
             return node
-        self.counts.append(0)
+        self.counts.append(count)
         self.children.append(None)
-        self.last_end.append(0)
+        self.last_end.append(last_end)
         return len(self.counts) - 1
 
     # ---- reading -----------------------------------------------------------------------------------
