@@ -329,6 +329,11 @@ def test_a_step_indexes_a_bounded_part_of_a_long_output():
     assert proposer.cache._unindexed[1].indexed == proposer.cache_index_tokens < 1000
     proposer.propose([seq], [4])
     assert proposer.cache._unindexed[1].indexed == 2 * proposer.cache_index_tokens
+    for _ in range(16):  # outputs finishing faster than that: an eighth of the backlog a call
+        proposer.cache.add("t", list(range(1000)))
+    backlog = proposer.cache.unindexed_tokens
+    proposer.preview([seq], 4)
+    assert proposer.cache.unindexed_tokens == backlog - backlog // proposer.backlog_share
 
 
 def test_tenant_of_separates_api_keys_and_users():
@@ -375,6 +380,40 @@ def test_suffix_speculation_matches_plain_decoding(target, plain_outputs, policy
     accepted = sum(o.spec["num_accepted_tokens"] for o in again)
     assert accepted > 0.9 * drafted > 0
     assert llm.engine.lookup.cache_bytes > 0
+
+
+def _cached_outputs(engine):
+    engine.lookup.cache.index()
+    return [list(tokens) for _, tokens in engine.lookup.cache.texts.values()]
+
+
+def test_an_aborted_output_is_not_kept_and_a_finished_one_is(target):
+    engine = LLM(target=target, speculative_model="suffix", num_speculative_tokens=4, max_model_len=256).engine
+    aborted = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort(aborted)
+    finished = engine.add_request(PROMPTS[1], GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    assert aborted.output_ids and _cached_outputs(engine) == [finished.output_ids]
+
+
+def test_a_resumed_sequence_admitted_and_then_turned_back_keeps_nothing_in_the_cache(target, monkeypatch):
+    """Its slot taken, the pools found short after all: it waits on with its output so far, which is not one to
+    draft from until it finishes."""
+    engine = LLM(target=target, speculative_model="suffix", num_speculative_tokens=4, max_model_len=256).engine
+    seq = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine._preempt(seq)
+    monkeypatch.setattr(engine.blocks, "fits", lambda *args, **kwargs: False)
+    assert engine._take_slots([seq]) is None and seq.output_ids
+    assert _cached_outputs(engine) == []
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        engine.step()
+    assert _cached_outputs(engine) == [seq.output_ids]
 
 
 def test_suffix_beside_a_draft_model_matches_plain_decoding_in_one_batch(target, random_draft, plain_outputs):

@@ -61,6 +61,7 @@ class Prefilling:
 
     def abort(self, seq: Sequence) -> None:
         """The sequence stops where it is, whatever stage it is in, and gives back what it holds."""
+        seq.finish_reason = seq.finish_reason or "abort"  # before its proposers let go: an aborted output is not kept
         prefilling = next((p for p in self.prefilling if p.seq is seq), None)
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -72,7 +73,6 @@ class Prefilling:
         elif prefilling is not None:
             self._release(seq)
             self.prefilling.remove(prefilling)
-        seq.finish_reason = seq.finish_reason or "abort"
 
     def _release(self, seq: Sequence) -> None:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
@@ -132,9 +132,9 @@ class Prefilling:
         cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
         if self.blocks.fits(before + group):
             return cached
-        for seq in group:
+        for seq in group:  # it waits on, as a preempted sequence does: nothing of its output is kept as finished
             for proposer in self.proposers:
-                proposer.release(seq)
+                proposer.suspend(seq)
             self.runner.free(seq.slot)
             seq.slot = -1
         return None

@@ -36,7 +36,8 @@ class SuffixCache:
     """Earlier outputs, one trie per scope key, under one byte cap with least-recently-used eviction.
     scope "tenant": the key is the request's tenant; "global": everyone shares one (a single-user
     deployment); "none": nothing is kept across requests. An output added is indexed by later calls of
-    `index`, a bounded number of tokens each, so that a long one finishing never stalls the step it ends in."""
+    `index`, a bounded number of tokens each, so that a long one finishing never stalls the step it ends in
+    (until then, a draft whose match ends in its indexed part may copy on into the rest)."""
 
     def __init__(self, max_bytes: int, scope: str = "tenant", depth: int = 24):
         if scope not in SUFFIX_SCOPES:
@@ -45,8 +46,9 @@ class SuffixCache:
         self.tries: dict[str, SuffixTrie] = {}
         self.texts: OrderedDict[int, tuple[str, array]] = OrderedDict()  # id -> (key, tokens), LRU first
         self._unindexed: OrderedDict[int, _Unindexed] = OrderedDict()  # by text id, oldest first
-        self._ids = count(1)  # 0 is a sequence's own text in its local trie
+        self._ids = count(1)  # never reused (the tries read texts back by id); 0 is a sequence's own text
         self._bytes = 0
+        self.unindexed_tokens = 0
 
     def key(self, tenant: str) -> str | None:
         return None if self.scope == "none" else tenant if self.scope == "tenant" else ""
@@ -64,12 +66,13 @@ class SuffixCache:
         text_id = next(self._ids)
         self.texts[text_id] = key, array("i", tokens)
         self._unindexed[text_id] = _Unindexed()
+        self.unindexed_tokens += len(tokens)
         self._bytes += TOKEN_BYTES * len(tokens)
         self._keep_under_cap()
 
     def index(self, max_tokens: int | None = None) -> None:
         """Feed up to max_tokens (None: all) of the outputs added and not yet indexed to their tries, oldest first."""
-        budget = sum(len(self.texts[i][1]) for i in self._unindexed) if max_tokens is None else max_tokens
+        budget = self.unindexed_tokens if max_tokens is None else max_tokens
         while self._unindexed and budget > 0:
             text_id, progress = next(iter(self._unindexed.items()))
             key, tokens = self.texts[text_id]
@@ -80,6 +83,7 @@ class SuffixCache:
             self._bytes += trie.nbytes - before
             progress.indexed += len(piece)
             budget -= len(piece)
+            self.unindexed_tokens -= len(piece)
             if progress.indexed == len(tokens):
                 del self._unindexed[text_id]
         self._keep_under_cap()
@@ -92,6 +96,7 @@ class SuffixCache:
         key, tokens = self.texts.pop(text_id)
         progress = self._unindexed.pop(text_id, None)
         indexed = len(tokens) if progress is None else progress.indexed
+        self.unindexed_tokens -= len(tokens) - indexed
         self._bytes -= TOKEN_BYTES * len(tokens)
         if indexed:
             trie = self.tries[key]
@@ -145,9 +150,11 @@ class SuffixProposer(Proposer):
     without this bound a one-token match would copy 32 tokens that are rarely all right."""
 
     previews = True
-    # Tokens of finished outputs fed to the cache's tries a call of preview or propose (one or two a step): at
-    # most a few milliseconds, where a long output indexed at once stalled the step it ended in
+    # Tokens of finished outputs fed to the cache's tries a call of preview or propose (one or two a step): a few
+    # milliseconds at most, where a long output indexed at once stalled the step it ended in. Where outputs finish
+    # faster than that, an eighth of what waits: the backlog drains rather than growing until evictions take it.
     cache_index_tokens = 256
+    backlog_share = 8
 
     def __init__(
         self,
@@ -180,7 +187,7 @@ class SuffixProposer(Proposer):
         return self.cache.nbytes
 
     def preview(self, seqs, k: int) -> list[Preview]:
-        self.cache.index(self.cache_index_tokens)
+        self._index_cache()
         previews = []
         for seq in seqs:
             draft = self.draft(seq, min(k, self.max_draft))
@@ -188,8 +195,11 @@ class SuffixProposer(Proposer):
         return previews
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
-        self.cache.index(self.cache_index_tokens)
+        self._index_cache()
         return DraftBatch([self.draft(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
+
+    def _index_cache(self) -> None:
+        self.cache.index(max(self.cache_index_tokens, self.cache.unindexed_tokens // self.backlog_share))
 
     def draft(self, seq, max_tokens: int) -> Draft:
         """The better-supported of the drafts from the sequence's own text and from the tenant's cache."""

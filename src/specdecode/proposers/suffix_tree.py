@@ -69,7 +69,8 @@ class SuffixTrie:
     ) -> list[int]:
         """Append tokens[...] to text `text_id`, whose first `start` tokens were fed before and left
         `open_nodes` (what that call returned; None for a new text). text(id) reads this text and earlier ones.
-        Returns the nodes of the text's suffixes now, longest last, for the next call."""
+        Returns the nodes of the text's suffixes now, longest last, for the next call. A text is fed whole before
+        the next one starts, and an id is never given to another text: a node's first occurrence is read back."""
         counts, children, last_end, limit = self.counts, self.children, self.last_end, self.depth - 1
         nodes = open_nodes or []
         position = (text_id << POSITION_BITS) + start
@@ -108,7 +109,8 @@ class SuffixTrie:
         """Forget one earlier extension by a whole text. A node whose count drops to 0 occurred only there,
         and so did everything below it: it is unlinked at once and freed once the replay, which still
         walks through it, is done. A node left with one occurrence keeps its children (their counts stay
-        exact), so `last_end` may name a forgotten text only where nothing follows."""
+        exact). `last_end` may still name the forgotten text, as a trie of every substring's would: a copy from
+        there stops, and a node without children that names it has nothing after its occurrence left."""
         counts, children, limit = self.counts, self.children, self.depth - 1
         nodes: list[int] = []
         dead: list[int] = []
