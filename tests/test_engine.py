@@ -151,6 +151,16 @@ def test_empty_and_too_long_prompts(target):
         llm.generate("x" * 300, GREEDY)
 
 
+def test_a_call_with_one_prompt_refused_leaves_none_of_its_others_to_run_in_the_next(target):
+    llm = _llm(target, k=0)
+    with pytest.raises(SpecDecodeError, match="context"):
+        llm.generate(["ab", "cd", "x" * 300], GREEDY)
+    assert not llm.engine.has_unfinished()  # the first two were aborted, not left waiting
+    outputs = llm.generate(["ef"], GREEDY)
+    decoded = len(outputs[0].outputs[0].token_ids) - 1  # the first token comes from the prefill
+    assert len(outputs) == 1 and llm.engine.totals.num_emitted_tokens == decoded  # nothing else ran
+
+
 def test_negative_k_and_vocabulary_mismatch(target):
     with pytest.raises(SpecDecodeError, match="k"):
         _llm(target, k=-1)

@@ -387,6 +387,15 @@ def _cached_outputs(engine):
     return [list(tokens) for _, tokens in engine.lookup.cache.texts.values()]
 
 
+def test_forgetting_cached_prefixes_forgets_earlier_outputs(target):
+    """Benchmarks compare configurations on one engine's prompts: none may draft from another's outputs."""
+    llm = LLM(target=target, speculative_model="suffix", num_speculative_tokens=4, max_model_len=256)
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert _cached_outputs(llm.engine)  # the check can fail
+    llm.engine.forget_cached_prefixes()
+    assert _cached_outputs(llm.engine) == [] and llm.engine.lookup.cache_bytes == 0
+
+
 def test_an_aborted_output_is_not_kept_and_a_finished_one_is(target):
     engine = LLM(target=target, speculative_model="suffix", num_speculative_tokens=4, max_model_len=256).engine
     aborted = engine.add_request(PROMPTS[0], GREEDY)

@@ -319,3 +319,16 @@ def test_server_mode_passes_valid_serve_flags():
         draft.forced_accept,
     ) == ("qwen2.5-coder-0.5b", 3, "disable_by_batch_size", 2, True)
     assert parsed["ngram k=3 off above 2 forced-accept"].speculative_model == "ngram"
+
+
+def test_the_study_drafts_from_no_earlier_output_of_its_repeated_prompts(target):
+    """Its prompts repeat to fill a cell: a suffix cache would copy the earlier output of the same prompt, so cells
+    keep none, in process and through a server."""
+    from specdecode.bench.sweep import ServerRunner
+
+    config = parse_config({"sweep": {"max_tokens": 4, "max_model_len": 64}, "grid": [{"proposer": "suffix", "k": 2}]})
+    cell = config.cells[0]
+    llm = InProcessRunner(config, config.cells, target).build(cell, 1)
+    assert llm.engine.lookup.cache.scope == "none"
+    argv = ServerRunner(config, config.cells).serve_args(cell)
+    assert argv[argv.index("--suffix-cache-scope") + 1] == "none"

@@ -44,6 +44,7 @@ def serve_argv(
     disable_by_batch_size: int = 0,
     forced_accept: bool = False,
     prompt_lookup: str | None = None,
+    suffix_cache_scope: str | None = None,
 ) -> list[str]:
     """`specdecode serve` flags for one configuration, k = 0 being plain decoding; options left at their
     defaults are left out, so the server's own defaults apply (the default draft model, for one)."""
@@ -74,6 +75,7 @@ def serve_argv(
         ]
         + (["--forced-accept"] if forced_accept else [])
         + ["--prompt-lookup", prompt_lookup or "none"]
+        + _option("--suffix-cache-scope", suffix_cache_scope)
     )
 
 

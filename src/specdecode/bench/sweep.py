@@ -294,7 +294,8 @@ class InProcessRunner:
             draft_confidence=cell.draft_confidence,
             speculative_disable_by_batch_size=cell.disable_by_batch_size or None,
             prefix_caching=False,
-        )  # the study's prompts repeat: every cell computes them whole
+            suffix_cache_scope="none",
+        )  # the study's prompts repeat: every cell computes them whole, and drafts from no earlier output of them
 
     def run(self, cell: Cell) -> dict:
         from ..sampling import SamplingParams
@@ -346,6 +347,7 @@ class ServerRunner:
             disable_by_batch_size=cell.disable_by_batch_size,
             forced_accept=cell.forced_accept,
             prompt_lookup=cell.prompt_lookup,
+            suffix_cache_scope="none",  # the study's prompts repeat (as in-process: the same outputs to copy)
         )
 
     def run(self, cell: Cell) -> dict:

@@ -230,7 +230,16 @@ class LLM:
         return self.generate(texts, sampling_params)
 
     def _run(self, texts, ids, params: list[SamplingParams]) -> list[RequestOutput]:
-        groups = [self.engine.add_group(p, q) for p, q in zip(ids, params)]
-        while self.engine.has_unfinished():
-            self.engine.step()
+        """Every prompt to its end; a prompt refused, or anything raised on the way, aborts the call's others, which
+        would otherwise run (and be paid for) in the next call."""
+        groups = []
+        try:
+            for prompt, sampling in zip(ids, params):
+                groups.append(self.engine.add_group(prompt, sampling))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for seq in (s for group in groups for s in group if not s.finished):
+                self.engine.abort(seq)
+            raise
         return [RequestOutput.from_group(g, t) for g, t in zip(groups, texts)]

@@ -186,6 +186,9 @@ class SuffixProposer(Proposer):
     def cache_bytes(self) -> int:
         return self.cache.nbytes
 
+    def forget_prefixes(self) -> None:
+        self.cache = SuffixCache(self.cache.max_bytes, self.cache.scope, self.depth)  # no earlier output drafts now
+
     def preview(self, seqs, k: int) -> list[Preview]:
         self._index_cache()
         previews = []
