@@ -64,6 +64,18 @@ def test_greedy_output_equals_plain_decoding(target, head):
     assert llm.timer.draft_prefill_calls >= 1 and llm.timer.draft_calls > llm.timer.draft_prefill_calls
 
 
+def test_a_finished_sequence_holds_no_step_batch_of_hidden_states(target, head):
+    """Its last feedback's hidden rows view the whole step's batch: a caller keeping the sequence (a server's
+    request until its siblings end) would keep that batch alive."""
+    engine = _llm(target, head).engine
+    seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    engine.step()
+    assert all(s.feedback is not None for s in seqs)  # the check can fail
+    while engine.has_unfinished():
+        engine.step()
+    assert all(s.finished and s.feedback is None for s in seqs)
+
+
 class Recorder(DraftHeadProposer):
     """Records every (position, token, features) row the head reads from the target's features."""
 

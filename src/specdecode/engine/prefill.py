@@ -76,6 +76,7 @@ class Prefilling:
 
     def _release(self, seq: Sequence) -> None:
         seq.metrics.finish_time = seq.metrics.finish_time or time.perf_counter()
+        seq.feedback = None  # its hidden rows view a whole step's batch, which a caller holding seq would keep
         self.runner.free(seq.slot)
         self.policy.forget(seq.request_id)
         for proposer in self.proposers:
