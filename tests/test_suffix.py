@@ -326,14 +326,67 @@ def test_a_step_indexes_a_bounded_part_of_a_long_output():
     proposer.cache.add("t", list(range(1000)))
     seq = SimpleNamespace(slot=0, tenant="t", token_ids=[1, 2, 3])
     proposer.preview([seq], 4)
-    assert proposer.cache._unindexed[1].indexed == proposer.cache_index_tokens < 1000
+    assert proposer.cache._unindexed[1].indexed == proposer.index_tokens < 1000
     proposer.propose([seq], [4])
-    assert proposer.cache._unindexed[1].indexed == 2 * proposer.cache_index_tokens
+    assert proposer.cache._unindexed[1].indexed == 2 * proposer.index_tokens
     for _ in range(16):  # outputs finishing faster than that: an eighth of the backlog a call
         proposer.cache.add("t", list(range(1000)))
     backlog = proposer.cache.unindexed_tokens
     proposer.preview([seq], 4)
     assert proposer.cache.unindexed_tokens == backlog - backlog // proposer.backlog_share
+
+
+# ---- a sequence's own text ---------------------------------------------------------------------------------
+def _growing_sequence(prompt, slot=0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(slot=slot, tenant="t", token_ids=list(prompt))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_long_prompt_is_indexed_in_bounded_pieces_that_count_as_if_indexed_at_once(monkeypatch, broken):
+    if broken:  # the check can fail: pieces that do not carry on where the last one stopped miscount
+        monkeypatch.setattr(SuffixTrie, "extend", _resuming_nowhere(SuffixTrie.extend))
+    rng = random.Random(SEED + 4)
+    proposer, seq = SuffixProposer(depth=6), _growing_sequence(rng.randrange(6) for _ in range(3000))
+    local, calls = proposer._local_of(seq), 0
+    while not local.caught_up:
+        behind = local.behind
+        proposer.preview([seq], 4)
+        assert behind - local.behind <= max(proposer.index_tokens, behind // proposer.backlog_share)
+        seq.token_ids += [rng.randrange(6) for _ in range(3)]  # the step's tokens: indexed with the rest
+        calls += 1
+    assert calls > 5
+    proposer.preview([seq], 4)
+    whole = SuffixTrie(6)
+    whole.extend(seq.token_ids, {0: seq.token_ids}.get)
+    assert (_trie_counts(local.trie) == _trie_counts(whole)) != broken
+
+
+def test_the_first_step_indexes_what_it_must_and_a_bounded_share_of_long_prompts():
+    rng = random.Random(SEED + 5)
+    proposer = SuffixProposer()
+    long = [_growing_sequence((rng.randrange(1000) for _ in range(n)), slot) for slot, n in enumerate((4000, 2500))]
+    short = _growing_sequence((rng.randrange(1000) for _ in range(40)), 2)
+    proposer.preview([*long, short], 4)
+    locals_ = [proposer._local_of(s) for s in (*long, short)]
+    assert not locals_[2].behind  # the fewest behind first
+    assert sum(local.indexed for local in locals_) == (4000 + 2500 + 40) // proposer.backlog_share
+    short.token_ids += [1, 2, 3]
+    for _ in range(20):
+        proposer.propose([*long, short], [4, 4, 4])
+        assert not locals_[2].behind  # indexed whole once: a step's tokens go in at once
+    assert not locals_[0].behind and not locals_[1].behind
+
+
+def test_a_prompt_indexed_in_part_drafts_from_that_part():
+    rng = random.Random(SEED + 6)
+    early, copied = [rng.randrange(1000) for _ in range(30)], [rng.randrange(1000) for _ in range(12)]
+    prompt = early + copied + [rng.randrange(1000) for _ in range(4000)] + early
+    proposer, seq = SuffixProposer(), _growing_sequence(prompt)
+    (preview,) = proposer.preview([seq], 8)
+    assert proposer._local_of(seq).behind  # its end is not indexed yet...
+    assert preview.tokens == copied[:8] and preview.match == 23  # ... but what followed its context earlier is
 
 
 def test_tenant_of_separates_api_keys_and_users():

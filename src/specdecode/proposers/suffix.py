@@ -133,10 +133,24 @@ class SuffixCache:
 
 @dataclass
 class _Local:
+    """A sequence's own text and its trie, indexed from the start. Until the whole text has been (a long prompt's
+    first steps), drafts match its end by walking the trie from the root, finding what the part indexed holds."""
+
     trie: SuffixTrie
     tokens: list[int]  # the sequence's prompt and output: one list, grown in place
     indexed: int = 0  # tokens of it fed to the trie
-    open_nodes: list[int] = field(default_factory=list)
+    open_nodes: list[int] = field(default_factory=list)  # the nodes of the indexed part's suffixes
+    caught_up: bool = False  # indexed whole once: from then on a step's few new tokens are indexed as they come
+
+    @property
+    def behind(self) -> int:
+        return len(self.tokens) - self.indexed
+
+    def index(self, max_tokens: int) -> None:
+        piece = self.tokens[self.indexed : self.indexed + max_tokens]
+        self.open_nodes = self.trie.extend(piece, self.text, 0, self.indexed, self.open_nodes)
+        self.indexed += len(piece)
+        self.caught_up = self.caught_up or not self.behind
 
     def text(self, _text_id: int) -> list[int]:
         return self.tokens
@@ -150,10 +164,11 @@ class SuffixProposer(Proposer):
     without this bound a one-token match would copy 32 tokens that are rarely all right."""
 
     previews = True
-    # Tokens of finished outputs fed to the cache's tries a call of preview or propose (one or two a step): a few
-    # milliseconds at most, where a long output indexed at once stalled the step it ended in. Where outputs finish
-    # faster than that, an eighth of what waits: the backlog drains rather than growing until evictions take it.
-    cache_index_tokens = 256
+    # Tokens fed to the tries a call of preview or propose (one or two a step), once for finished outputs going to the
+    # cache and once for sequences' own texts not yet indexed whole (a new or resumed one's prompt): a few milliseconds
+    # at most, where a long text indexed at once stalled the step it came in. Where more waits, an eighth of it: the
+    # backlog drains rather than growing.
+    index_tokens = 256
     backlog_share = 8
 
     def __init__(
@@ -190,7 +205,7 @@ class SuffixProposer(Proposer):
         self.cache = SuffixCache(self.cache.max_bytes, self.cache.scope, self.depth)  # no earlier output drafts now
 
     def preview(self, seqs, k: int) -> list[Preview]:
-        self._index_cache()
+        self._catch_up(seqs)
         previews = []
         for seq in seqs:
             draft = self.draft(seq, min(k, self.max_draft))
@@ -198,17 +213,36 @@ class SuffixProposer(Proposer):
         return previews
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
-        self._index_cache()
+        self._catch_up(seqs)
         return DraftBatch([self.draft(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
 
-    def _index_cache(self) -> None:
-        self.cache.index(max(self.cache_index_tokens, self.cache.unindexed_tokens // self.backlog_share))
+    def _catch_up(self, seqs) -> None:
+        """Index a bounded share of what waits: the cache's outputs, then the sequences' own texts. A sequence indexed
+        whole once has its step's few new tokens indexed at once; the others share the budget, fewest behind first."""
+        self.cache.index(self._budget(self.cache.unindexed_tokens))
+        behind = []
+        for local in map(self._local_of, seqs):
+            if local.caught_up:
+                local.index(local.behind)
+            elif local.behind:
+                behind.append(local)
+        budget = self._budget(sum(local.behind for local in behind))
+        for local in sorted(behind, key=lambda local: local.behind):
+            n = min(local.behind, budget)
+            local.index(n)
+            budget -= n
+
+    def _budget(self, backlog: int) -> int:
+        return max(self.index_tokens, backlog // self.backlog_share)
 
     def draft(self, seq, max_tokens: int) -> Draft:
-        """The better-supported of the drafts from the sequence's own text and from the tenant's cache."""
-        local = self._index(seq)
-        ids = seq.token_ids
-        spot, match = local.trie.longest_continued_in(local.open_nodes, local.text)  # its suffixes' nodes: no walk
+        """The better-supported of the drafts from the sequence's own text and from the tenant's cache, as far as
+        they are indexed (`_catch_up`)."""
+        local, ids = self._local_of(seq), seq.token_ids
+        if local.behind:
+            spot, match = local.trie.longest_continued(ids, local.text)
+        else:
+            spot, match = local.trie.longest_continued_in(local.open_nodes, local.text)  # its suffixes' nodes: no walk
         own = (
             local.trie.draft_from(spot, match, self._limit(match, max_tokens), self.min_prob, local.text)
             if match
@@ -221,14 +255,10 @@ class SuffixProposer(Proposer):
     def _limit(self, match: int, max_tokens: int) -> int:
         return min(max_tokens, int(self.match_factor * match))
 
-    def _index(self, seq) -> _Local:
+    def _local_of(self, seq) -> _Local:
         local = self._local.get(seq.slot)
         if local is None or local.tokens is not seq.token_ids:
             local = self._local[seq.slot] = _Local(SuffixTrie(self.depth), seq.token_ids)
-        ids = seq.token_ids
-        if local.indexed < len(ids):
-            local.open_nodes = local.trie.extend(ids[local.indexed :], local.text, 0, local.indexed, local.open_nodes)
-            local.indexed = len(ids)
         return local
 
     def suspend(self, seq) -> None:
