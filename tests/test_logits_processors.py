@@ -10,7 +10,7 @@ from conftest import tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
-from specdecode.sampling import logits_to_probs, process_logits, processors
+from specdecode.sampling import logits_to_probs, penalties, process_logits, processors
 from specdecode.sampling.processors import History, process_rows
 from specdecode.verify import verifier
 
@@ -61,6 +61,8 @@ BATCH = [
     History(SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3), [3, 7], [0, 0, 6], [6, 1], 3),
     History(SamplingParams(temperature=0.7), [4], [2], [], 1),
     History(SamplingParams(presence_penalty=0.5, repetition_penalty=0.8, logit_bias={0: 2.0}), [6], [7, 7], [7], 2),
+    # tokens past the rows' vocabulary (a draft's may be smaller) are nowhere in them
+    History(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2), [2, 11], [9, 3, 3], [8, 3, 1], 4),
 ]
 
 
@@ -102,20 +104,40 @@ def test_requests_processed_together_get_their_own_rows_processed_by_definition(
     assert torch.equal(together, torch.cat(alone))
 
 
+def test_many_requests_with_long_histories_get_their_rows_penalised_by_definition():
+    rng = torch.Generator().manual_seed(5)
+
+    def tokens(n):
+        return torch.randint(0, 40, (n,), generator=rng).tolist()
+
+    histories = []
+    for i in range(12):
+        rep, freq, pres = (1 + 0.1 * (i % 4), 0.3 * (i % 3), 0.2 * (i % 2))
+        params = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        drafts = tokens(i % 5)
+        histories.append(History(params, tokens(3 * i), tokens(2 * i), drafts, len(drafts) + 1))
+    logits = torch.randn(sum(h.rows for h in histories), 40, generator=rng) * 3
+    torch.testing.assert_close(process_rows(logits.clone(), histories), _by_definition(logits, histories, ()))
+
+
 BROKEN_BATCH = {
-    # each request's output counted for the request after it
-    "counts of another request": ("_counts", lambda told: lambda hs, *a: told(hs, *a).roll(1, 0)),
+    # each request's tokens counted as the next request's
+    "tokens of another request": (penalties, "_keys", lambda told: lambda tokens, r, vocab: told(tokens, r + 1, vocab)),
     # the drafts up to and including the row's own token counted
-    "a row's own draft counted": ("_drafts_before", lambda told: lambda h, row: told(h, row + 1)),
+    "a row's own draft counted": (penalties, "_drafts_before", lambda told: lambda h, row: told(h, row + 1)),
     # EOS banned one row too long
-    "min_tokens one row late": ("_short_rows", lambda told: lambda h: range(min(told(h).stop + 1, h.rows))),
+    "min_tokens one row late": (
+        processors,
+        "_short_rows",
+        lambda told: lambda h: range(min(told(h).stop + 1, h.rows)),
+    ),
 }
 
 
 @pytest.mark.parametrize("broken", list(BROKEN_BATCH))
 def test_a_batch_that_mixes_up_requests_is_caught(monkeypatch, broken):
-    name, wrap = BROKEN_BATCH[broken]
-    monkeypatch.setattr(processors, name, wrap(getattr(processors, name)))
+    module, name, wrap = BROKEN_BATCH[broken]
+    monkeypatch.setattr(module, name, wrap(getattr(module, name)))
     logits = _batch_logits()
     assert not torch.allclose(process_rows(logits.clone(), BATCH, eos_ids={5}), _by_definition(logits, BATCH, {5}))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
@@ -92,6 +94,11 @@ class Sequence:
     def output_ids(self) -> list[int]:
         """The generated tokens (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @cached_property
+    def distinct_prompt_ids(self) -> np.ndarray:
+        """The prompt's tokens, each once: all that penalties read of it (made once, not converted again each step)."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
 
     def processed_output(self, drafts: list[int] = ()) -> list[int]:
         """The tokens the request's logits processors see before its next row (its output, then `drafts`): a copy

@@ -17,10 +17,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ..transfers import to_device
 from .params import SamplingParams
+from .penalties import penalise
 
 
 @dataclass
@@ -29,7 +31,7 @@ class History:
     followed by drafts[:j]."""
 
     params: SamplingParams
-    prompt_ids: Sequence[int]
+    prompt_ids: Sequence[int] | np.ndarray  # its distinct tokens will do: penalties read only which occur
     output_ids: Sequence[int]
     drafts: Sequence[int]
     rows: int
@@ -38,7 +40,7 @@ class History:
 def process_logits(
     logits: torch.Tensor,
     params: SamplingParams,
-    prompt_ids: Sequence[int],
+    prompt_ids: Sequence[int] | np.ndarray,
     output_ids: Sequence[int],
     drafts: Sequence[int] = (),
     eos_ids: Collection[int] = (),
@@ -68,7 +70,7 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
         logits[to_device(list(rows), device), to_device(list(ids), device)] = float("-inf")
     penalised = [(h, start) for h, start in zip(histories, starts) if h.params.has_penalties]
     if penalised:
-        logits = _penalised(logits, penalised)
+        penalise(logits, *map(list, zip(*penalised)))
     return logits
 
 
@@ -83,48 +85,3 @@ def _short_rows(history: History) -> range:
     if not params.min_tokens or params.ignore_eos:
         return range(0)
     return range(min(max(params.min_tokens - len(history.output_ids), 0), history.rows))
-
-
-def _penalised(logits: torch.Tensor, penalised: list[tuple[History, int]]) -> torch.Tensor:
-    """The repetition, frequency and presence penalties on the rows of the requests that have them, each row by its
-    request's values (a value that leaves a row as it is where a request sets only some)."""
-    vocab, device = logits.shape[-1], logits.device
-    requests, rows = [h for h, _ in penalised], [(h, start, j) for h, start in penalised for j in range(h.rows)]
-    whole = len(rows) == logits.shape[0]
-    at = None if whole else to_device([start + j for _, start, j in rows], device)
-    part = logits if whole else logits[at]
-    one = len(requests) == 1  # a request alone: its rows read its counts and prompt as they are (no gather)
-    owner = None if one else to_device([k for k, h in enumerate(requests) for _ in range(h.rows)], device)
-    counts = _counts([h.output_ids for h in requests], vocab, device)
-    counts = counts.repeat(len(rows), 1) if one else counts[owner]
-    drafted = [(row, t) for row, (h, _, j) in enumerate(rows) for t in _drafts_before(h, j) if t < vocab]
-    if drafted:
-        row_ids, token_ids = zip(*drafted)
-        at_drafts = (to_device(list(row_ids), device), to_device(list(token_ids), device))
-        counts.index_put_(at_drafts, torch.ones(len(drafted), device=device), accumulate=True)
-    values = [[h.params.repetition_penalty, h.params.frequency_penalty, h.params.presence_penalty] for h, _, _ in rows]
-    repetition, frequency, presence = to_device(values, device, logits.dtype).T[:, :, None]
-    present, in_prompt = counts > 0, _counts([h.prompt_ids for h in requests], vocab, device) > 0
-    seen = present | (in_prompt if one else in_prompt[owner])
-    part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
-    part -= frequency * counts + presence * present
-    if whole:
-        return part
-    logits[at] = part
-    return logits
-
-
-def _drafts_before(history: History, row: int) -> Sequence[int]:
-    """The drafts the request's row follows."""
-    return history.drafts[:row]
-
-
-def _counts(token_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    """[lists, vocab]: how often each token occurs in each list."""
-    pairs = [(k, i) for k, tokens in enumerate(token_lists) for i in tokens if i < vocab]
-    counts = torch.zeros(len(token_lists), vocab, device=device)
-    if pairs:
-        owners, ids = zip(*pairs)
-        at = (to_device(list(owners), device), to_device(list(ids), device))
-        counts.index_put_(at, torch.ones(len(pairs), device=device), accumulate=True)
-    return counts

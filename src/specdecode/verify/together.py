@@ -146,7 +146,9 @@ def _processed_rows(
     processors and grammar applied to its own, all together (one request alone takes processed_logits' operations)."""
     processed = logits[to_device(rows, logits.device)].float()
     if any(seq.params.has_processors for seq in seqs):
-        histories = [History(s.params, s.prompt_ids, s.processed_output(), d, len(d) + 1) for s, d in zip(seqs, drafts)]
+        histories = [
+            History(s.params, s.distinct_prompt_ids, s.processed_output(), d, len(d) + 1) for s, d in zip(seqs, drafts)
+        ]
         processed = process_rows(processed, histories, eos_ids)
     return mask_grammars(processed, [seq.grammar for seq in seqs], drafts)
 
