@@ -5,6 +5,7 @@ import pytest
 
 from specdecode.engine.sequence import Sequence
 from specdecode.proposers import NgramProposer, Preview
+from specdecode.proposers.catch_up import share
 from specdecode.sampling import SamplingParams
 
 
@@ -44,16 +45,40 @@ def test_propose_drafts_what_preview_offered_capped_per_sequence():
     assert ngram.unseen_tokens(seqs[0]) == 0  # nothing to catch up on
 
 
-def _scanned(ids: list[int], k: int, sizes: range) -> Preview:
-    """The match by a scan backwards through the sequence: what the index must find."""
+def _scanned(ids: list[int], k: int, sizes: range, indexed: int | None = None) -> Preview:
+    """The match by a scan backwards through the sequence (an occurrence followed by a token of its first `indexed`):
+    what the index must find."""
+    indexed = len(ids) if indexed is None else indexed
     for n in range(min(sizes.stop - 1, len(ids) - 1), sizes.start - 1, -1):
-        for start in range(len(ids) - n - 1, -1, -1):
+        for start in range(min(len(ids), indexed) - n - 1, -1, -1):
             if ids[start : start + n] == ids[-n:]:
                 return Preview(n, ids[start + n : start + n + k])
     return Preview(0, [])
 
 
-@pytest.mark.parametrize("broken", [None, "the first occurrence kept", "the last token's n-gram indexed"])
+def _first_occurrence_kept(self, max_tokens):
+    ids, end = self.tokens, min(len(self.tokens), self.read + max_tokens)
+    for n, latest in self.latest.items():
+        for start in range(max(0, self.read - n), end - n):
+            latest.setdefault(tuple(ids[start : start + n]), start)
+    self.read, self.caught_up = end, end == len(ids)
+
+
+def _last_token_indexed(self, max_tokens):
+    ids, end = self.tokens, min(len(self.tokens), self.read + max_tokens)
+    for n, latest in self.latest.items():
+        for start in range(max(0, self.read - n + 1), end - n + 1):
+            latest[tuple(ids[start : start + n])] = start
+    self.read, self.caught_up = end, end == len(ids)
+
+
+BROKEN_INDEX = {
+    "the first occurrence kept": _first_occurrence_kept,
+    "the last token's n-gram indexed": _last_token_indexed,
+}
+
+
+@pytest.mark.parametrize("broken", [None, *BROKEN_INDEX])
 def test_the_index_finds_the_match_a_scan_finds_as_the_sequence_grows(broken, monkeypatch):
     """The n-gram index, updated as tokens arrive one or several at a time, finds at every length the match a scan
     backwards finds. Broken: an index that keeps each n-gram's first occurrence, and one that also indexes the n-gram
@@ -62,30 +87,36 @@ def test_the_index_finds_the_match_a_scan_finds_as_the_sequence_grows(broken, mo
 
     from specdecode.proposers import ngram as ngram_module
 
-    if broken == "the first occurrence kept":
-
-        def update(self, ids):
-            for n, latest in self.latest.items():
-                for start in range(max(0, self.read - n), len(ids) - n):
-                    latest.setdefault(tuple(ids[start : start + n]), start)
-            self.read = len(ids)
-
-        monkeypatch.setattr(ngram_module.NgramIndex, "update", update)
-    elif broken:
-
-        def update(self, ids):
-            for n, latest in self.latest.items():
-                for start in range(max(0, self.read - n + 1), len(ids) - n + 1):
-                    latest[tuple(ids[start : start + n])] = start
-            self.read = len(ids)
-
-        monkeypatch.setattr(ngram_module.NgramIndex, "update", update)
+    if broken:
+        monkeypatch.setattr(ngram_module.NgramIndex, "index", BROKEN_INDEX[broken])
     rng, agree = random.Random(0), True
     for sizes in (range(1, 4), range(2, 5)):
         proposer, seq = NgramProposer(max_ngram=sizes.stop - 1, min_ngram=sizes.start), _seq([1])
         while len(seq.token_ids) < 400:
             seq.token_ids += [rng.randrange(6) for _ in range(rng.choice([1, 1, 3]))]  # few ids: many repeats
             agree &= proposer.match(seq, 4) == _scanned(seq.token_ids, 4, sizes)
+    assert agree == (broken is None)
+
+
+@pytest.mark.parametrize("broken", [None, *BROKEN_INDEX])
+def test_a_long_prompt_is_indexed_in_bounded_shares_and_matched_in_the_part_indexed(broken, monkeypatch):
+    import random
+
+    from specdecode.proposers import ngram as ngram_module
+
+    if broken:
+        monkeypatch.setattr(ngram_module.NgramIndex, "index", BROKEN_INDEX[broken])
+    rng, agree, steps = random.Random(1), True, 0
+    proposer, seq = NgramProposer(), _seq([rng.randrange(12) for _ in range(5000)])
+    index = proposer._index_of(seq)
+    while not index.caught_up:
+        behind = index.behind
+        (preview,) = proposer.preview([seq], 4)
+        assert behind - index.behind <= share(behind)
+        agree &= preview == _scanned(seq.token_ids, 4, range(1, 4), index.read)
+        seq.token_ids += [rng.randrange(12) for _ in range(2)]
+        steps += 1
+    assert steps > 5 and index.read == len(seq.token_ids) - 2
     assert agree == (broken is None)
 
 
@@ -108,7 +139,8 @@ def test_the_index_holds_no_more_than_it_declares_a_token():
         proposer, seq = NgramProposer(), _seq([rng.randrange(1 << 20) for _ in range(length)])
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
-        proposer.preview([seq], 4)
+        while not proposer._index_of(seq).caught_up:
+            proposer.preview([seq], 4)
         held = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert held <= proposer.host_bytes_per_token * length

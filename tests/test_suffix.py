@@ -13,6 +13,7 @@ from stats import PASS_P, SEED, chi2_pvalue, exact_joint, sampled_joint
 from suffix_reference import FullTrie
 
 from specdecode import LLM, SamplingParams
+from specdecode.proposers.catch_up import BACKLOG_SHARE, INDEX_TOKENS
 from specdecode.proposers.suffix import SuffixCache, SuffixProposer
 from specdecode.proposers.suffix_tree import NODE_BYTES, POSITION_BITS, SuffixTrie
 
@@ -326,14 +327,14 @@ def test_a_step_indexes_a_bounded_part_of_a_long_output():
     proposer.cache.add("t", list(range(1000)))
     seq = SimpleNamespace(slot=0, tenant="t", token_ids=[1, 2, 3])
     proposer.preview([seq], 4)
-    assert proposer.cache._unindexed[1].indexed == proposer.index_tokens < 1000
+    assert proposer.cache._unindexed[1].indexed == INDEX_TOKENS < 1000
     proposer.propose([seq], [4])
-    assert proposer.cache._unindexed[1].indexed == 2 * proposer.index_tokens
+    assert proposer.cache._unindexed[1].indexed == 2 * INDEX_TOKENS
     for _ in range(16):  # outputs finishing faster than that: an eighth of the backlog a call
         proposer.cache.add("t", list(range(1000)))
     backlog = proposer.cache.unindexed_tokens
     proposer.preview([seq], 4)
-    assert proposer.cache.unindexed_tokens == backlog - backlog // proposer.backlog_share
+    assert proposer.cache.unindexed_tokens == backlog - backlog // BACKLOG_SHARE
 
 
 # ---- a sequence's own text ---------------------------------------------------------------------------------
@@ -353,7 +354,7 @@ def test_a_long_prompt_is_indexed_in_bounded_pieces_that_count_as_if_indexed_at_
     while not local.caught_up:
         behind = local.behind
         proposer.preview([seq], 4)
-        assert behind - local.behind <= max(proposer.index_tokens, behind // proposer.backlog_share)
+        assert behind - local.behind <= max(INDEX_TOKENS, behind // BACKLOG_SHARE)
         seq.token_ids += [rng.randrange(6) for _ in range(3)]  # the step's tokens: indexed with the rest
         calls += 1
     assert calls > 5
@@ -371,7 +372,7 @@ def test_the_first_step_indexes_what_it_must_and_a_bounded_share_of_long_prompts
     proposer.preview([*long, short], 4)
     locals_ = [proposer._local_of(s) for s in (*long, short)]
     assert not locals_[2].behind  # the fewest behind first
-    assert sum(local.indexed for local in locals_) == (4000 + 2500 + 40) // proposer.backlog_share
+    assert sum(local.indexed for local in locals_) == (4000 + 2500 + 40) // BACKLOG_SHARE
     short.token_ids += [1, 2, 3]
     for _ in range(20):
         proposer.propose([*long, short], [4, 4, 4])

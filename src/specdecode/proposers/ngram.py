@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import DraftBatch, Preview, Proposer
+from .catch_up import catch_up
 from .registry import ProposerSetup
 
 # An index entry on CPython 3.11, a tuple of a few ids and its dict slot: 82-131 bytes measured where every n-gram is
@@ -15,22 +16,27 @@ class NgramIndex:
     as the sequence grows: a match is then a lookup per n, not a scan backwards through the sequence, whose cost
     each step would grow with its length (docs/decisions.md#what-grows-with-a-run)."""
 
-    def __init__(self, sizes: range):
-        self.sizes = sizes
+    def __init__(self, sizes: range, tokens: list[int]):
+        self.sizes, self.tokens = sizes, tokens  # the sequence's tokens: one list, grown in place
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self.read = 0  # tokens of the sequence indexed
+        self.caught_up = False
 
-    def update(self, ids: list[int]) -> None:
-        if len(ids) < self.read:  # not the sequence it indexed: start again
-            self.latest, self.read = {n: {} for n in self.sizes}, 0
+    @property
+    def behind(self) -> int:
+        return len(self.tokens) - self.read
+
+    def index(self, max_tokens: int) -> None:
+        ids, end = self.tokens, min(len(self.tokens), self.read + max_tokens)
         for n, latest in self.latest.items():
-            for start in range(max(0, self.read - n), len(ids) - n):  # the n-grams a token now follows
+            for start in range(max(0, self.read - n), end - n):  # the n-grams a token now follows
                 latest[tuple(ids[start : start + n])] = start
-        self.read = len(ids)
+        self.read = end
+        self.caught_up = self.caught_up or not self.behind
 
-    def start_of(self, ids: list[int], n: int) -> int | None:
-        """Where the latest earlier occurrence of the last n tokens starts."""
-        return self.latest[n].get(tuple(ids[-n:]))
+    def start_of(self, n: int) -> int | None:
+        """Where the latest earlier occurrence of the sequence's last n tokens starts, in the part indexed."""
+        return self.latest[n].get(tuple(self.tokens[-n:]))
 
 
 class NgramProposer(Proposer):
@@ -48,10 +54,12 @@ class NgramProposer(Proposer):
         return cls(setup.config.ngram_prompt_lookup_max, setup.config.ngram_prompt_lookup_min)
 
     def propose(self, seqs, ks, feedback=None) -> DraftBatch:
-        return DraftBatch([self.match(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
+        catch_up(map(self._index_of, seqs))
+        return DraftBatch([self._matched(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
 
     def preview(self, seqs, k: int) -> list[Preview]:
-        return [self.match(s, k) for s in seqs]
+        catch_up(map(self._index_of, seqs))
+        return [self._matched(s, k) for s in seqs]
 
     def release(self, seq) -> None:
         self._indexes.pop(seq.request_id, None)
@@ -59,13 +67,19 @@ class NgramProposer(Proposer):
     def match(self, seq, k: int) -> Preview:
         """The up to k tokens that followed the match, and its length n (0 and no tokens without one).
         Longest n first; the most recent match wins (it reflects the current context best)."""
-        ids = seq.token_ids
-        index = self._indexes.get(seq.request_id)
-        if index is None:
-            index = self._indexes[seq.request_id] = NgramIndex(range(self.min_ngram, self.max_ngram + 1))
-        index.update(ids)
+        catch_up([self._index_of(seq)])
+        return self._matched(seq, k)
+
+    def _matched(self, seq, k: int) -> Preview:
+        ids, index = seq.token_ids, self._index_of(seq)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            start = index.start_of(ids, n)
+            start = index.start_of(n)
             if start is not None:
                 return Preview(n, ids[start + n : start + n + k])
         return Preview(0, [])
+
+    def _index_of(self, seq) -> NgramIndex:
+        index = self._indexes.get(seq.request_id)
+        if index is None or index.tokens is not seq.token_ids:
+            index = self._indexes[seq.request_id] = NgramIndex(range(self.min_ngram, self.max_ngram + 1), seq.token_ids)
+        return index

@@ -18,6 +18,7 @@ from itertools import count
 
 from ..config import SUFFIX_SCOPES
 from .base import DraftBatch, Preview, Proposer
+from .catch_up import catch_up, share
 from .registry import ProposerSetup
 from .suffix_tree import NODE_BYTES, Draft, SuffixTrie
 
@@ -164,12 +165,6 @@ class SuffixProposer(Proposer):
     without this bound a one-token match would copy 32 tokens that are rarely all right."""
 
     previews = True
-    # Tokens fed to the tries a call of preview or propose (one or two a step), once for finished outputs going to the
-    # cache and once for sequences' own texts not yet indexed whole (a new or resumed one's prompt): a few milliseconds
-    # at most, where a long text indexed at once stalled the step it came in. Where more waits, an eighth of it: the
-    # backlog drains rather than growing.
-    index_tokens = 256
-    backlog_share = 8
 
     def __init__(
         self,
@@ -217,23 +212,9 @@ class SuffixProposer(Proposer):
         return DraftBatch([self.draft(s, k).tokens if k > 0 else [] for s, k in zip(seqs, ks)], [None] * len(seqs))
 
     def _catch_up(self, seqs) -> None:
-        """Index a bounded share of what waits: the cache's outputs, then the sequences' own texts. A sequence indexed
-        whole once has its step's few new tokens indexed at once; the others share the budget, fewest behind first."""
-        self.cache.index(self._budget(self.cache.unindexed_tokens))
-        behind = []
-        for local in map(self._local_of, seqs):
-            if local.caught_up:
-                local.index(local.behind)
-            elif local.behind:
-                behind.append(local)
-        budget = self._budget(sum(local.behind for local in behind))
-        for local in sorted(behind, key=lambda local: local.behind):
-            n = min(local.behind, budget)
-            local.index(n)
-            budget -= n
-
-    def _budget(self, backlog: int) -> int:
-        return max(self.index_tokens, backlog // self.backlog_share)
+        """Index a bounded share of what waits: the cache's finished outputs, then the sequences' own texts."""
+        self.cache.index(share(self.cache.unindexed_tokens))
+        catch_up(map(self._local_of, seqs))
 
     def draft(self, seq, max_tokens: int) -> Draft:
         """The better-supported of the drafts from the sequence's own text and from the tenant's cache, as far as

@@ -1,7 +1,7 @@
 """The repetition, frequency and presence penalties. They change only the tokens a request has seen (its prompt,
 its output, and for a verify row the drafts before it), so each row's logits at those tokens are gathered,
 penalised and written back: the work grows with the tokens seen, not with the vocabulary, where a pass over a
-152k vocabulary costs milliseconds a row on a CPU. Which entries those are is worked out on the host, in NumPy
+152k vocabulary costs about a millisecond a row on a CPU. Which entries those are is worked out on the host, in NumPy
 (no value waits for the device), and expanded on the device, all requests together in a fixed number of tensor
 operations; each entry's arithmetic is a dense pass's, so a row gets the same bits alone or beside others."""
 
