@@ -46,14 +46,13 @@ def penalise(logits: torch.Tensor, requests: list[History], first_rows: list[int
     device, vocab = logits.device, logits.shape[-1]
     entries = _entries(requests, vocab, device)
     rows = [(h, first + j) for h, first in zip(requests, first_rows) for j in range(h.rows)]
-    starts = to_device([row * vocab for _, row in rows], device)  # where each row begins in the flat logits
     values = [[h.params.repetition_penalty, h.params.frequency_penalty, h.params.presence_penalty] for h, _ in rows]
     repetition, frequency, presence = to_device(values, device, logits.dtype)[entries.row].T
-    flat, at = logits.view(-1), starts[entries.row] + entries.token
-    part = flat[at]
+    at = (to_device([row for _, row in rows], device)[entries.row], entries.token)
+    part = logits[at]
     part = torch.where(entries.seen, torch.where(part > 0, part / repetition, part * repetition), part)
     part -= frequency * entries.counts + presence * (entries.counts > 0)
-    flat[at] = part
+    logits.index_put_(at, part)
 
 
 def _entries(requests: list[History], vocab: int, device: torch.device) -> _Entries:
