@@ -134,8 +134,8 @@ class SuffixCache:
 
 @dataclass
 class _Local:
-    """A sequence's own text and its trie, indexed from the start. Until the whole text has been (a long prompt's
-    first steps), drafts match its end by walking the trie from the root, finding what the part indexed holds."""
+    """A sequence's own text and its trie, indexed from the start. Until all of it has been (a long prompt's first
+    steps), drafts match its end by walking the trie from the root, finding what the part indexed holds."""
 
     trie: SuffixTrie
     tokens: list[int]  # the sequence's prompt and output: one list, grown in place

@@ -68,9 +68,9 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
     if banned:
         rows, ids = zip(*banned)
         logits[to_device(list(rows), device), to_device(list(ids), device)] = float("-inf")
-    penalised = [(h, start) for h, start in zip(histories, starts) if h.params.has_penalties]
+    penalised = [i for i, h in enumerate(histories) if h.params.has_penalties]
     if penalised:
-        penalise(logits, *map(list, zip(*penalised)))
+        penalise(logits, [histories[i] for i in penalised], [starts[i] for i in penalised])
     return logits
 
 
