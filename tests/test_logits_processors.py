@@ -120,6 +120,25 @@ def test_many_requests_with_long_histories_get_their_rows_penalised_by_definitio
     torch.testing.assert_close(process_rows(logits.clone(), histories), _by_definition(logits, histories, ()))
 
 
+def test_penalties_read_a_prompt_as_its_distinct_tokens_and_write_rows_of_any_strides_in_place():
+    """The engine passes each prompt's distinct tokens (made once per sequence): the same result as the prompt itself.
+    Penalties write in place, so logits whose rows are not contiguous (a view) are changed where they lie."""
+    import numpy as np
+
+    from specdecode.sampling.penalties import penalise
+
+    logits = _batch_logits()
+    distinct = [History(h.params, np.unique(np.asarray(h.prompt_ids)), h.output_ids, h.drafts, h.rows) for h in BATCH]
+    assert torch.equal(process_rows(logits.clone(), distinct, {5}), process_rows(logits.clone(), BATCH, {5}))
+    penalised = [h for h in BATCH if h.params.has_penalties]
+    firsts = [sum(h.rows for h in BATCH[:i]) for i, h in enumerate(BATCH) if h.params.has_penalties]
+    view = logits.T.contiguous().T  # the same values, column-major
+    expected = logits.clone()
+    penalise(expected, penalised, firsts)
+    penalise(view, penalised, firsts)
+    assert not view.is_contiguous() and torch.equal(view, expected)
+
+
 BROKEN_BATCH = {
     # each request's tokens counted as the next request's
     "tokens of another request": (penalties, "_keys", lambda told: lambda tokens, r, vocab: told(tokens, r + 1, vocab)),
