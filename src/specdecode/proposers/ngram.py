@@ -17,7 +17,7 @@ class NgramIndex:
     each step would grow with its length (docs/decisions.md#what-grows-with-a-run)."""
 
     def __init__(self, sizes: range, tokens: list[int]):
-        self.sizes, self.tokens = sizes, tokens  # the sequence's tokens: one list, grown in place
+        self.tokens = tokens  # the sequence's tokens: one list, grown in place
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self.read = 0  # tokens of the sequence indexed
         self.caught_up = False
