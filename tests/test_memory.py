@@ -177,6 +177,27 @@ def test_a_gpu_plan_reserves_what_chained_rounds_hold(target, random_draft, monk
     assert alone.reserve_bytes == on_cpu.reserve_bytes + captured_outputs_reserve([target.model], 128, 48)
 
 
+def test_a_gpu_plan_without_a_budget_holds_what_the_device_has_free(target, random_draft, monkeypatch):
+    """gpu_memory_utilization=None on a GPU: the pools hold max_num_seqs sequences as far as the device's free memory
+    goes (its share beside the activations' reserve), since a GPU's pools are taken whole at start-up; where not one
+    sequence fits, the error says what to lower."""
+    from specdecode.engine import memory
+
+    monkeypatch.setattr(type(target.model), "device", property(lambda self: torch.device("cuda")))
+    full = plan_memory(target.model, random_draft.model, 128, 48, 4, None, features=True)  # no CUDA: nothing free said
+    assert full.num_blocks == 48 * 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    per_block = full.block_size * full.kv_bytes_per_token
+    for blocks in (5, 40, 1000):
+        free = full.reserve_bytes + int(blocks * per_block / memory.AVAILABLE_SHARE) + 1
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 10 * free))
+        plan = plan_memory(target.model, random_draft.model, 128, 48, 4, None, features=True)
+        assert plan.num_blocks == min(blocks, 48 * 2), blocks  # 128 tokens: two blocks a sequence
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (full.reserve_bytes + per_block, 10**12))
+    with pytest.raises(SpecDecodeError, match="lower max_model_len or max_num_seqs, or set gpu_memory_utilization"):
+        plan_memory(target.model, random_draft.model, 128, 48, 4, None, features=True)
+
+
 def test_a_self_draft_shares_the_targets_weights_but_not_its_kv_cache(target):
     """A draft that is the target model itself drafts from a KV pool of its own (the proposer's runner), as large as
     the target's: the plan counts its entries, not its weights again."""

@@ -3,8 +3,9 @@ pools of blocks (kv_cache.py) to what fits.
 
 The budget is a byte count (`memory_budget`, e.g. "6GiB"; the way to bound a CPU server), or on CUDA a
 fraction of the device's memory (`gpu_memory_utilization`, vLLM's name). Without either, the pools hold every
-one of `max_num_seqs` sequences at max_model_len tokens, as far as the machine's available memory goes: their
-pages become resident only as blocks are first taken, so an idle server holds what its requests hold. The
+one of `max_num_seqs` sequences at max_model_len tokens, as far as the memory available goes: on a CPU their pages
+become resident only as blocks are first taken, so an idle server holds what its requests hold; on a GPU, what the
+device has free once the weights are there. The
 engine admits a request only while the pool has blocks for its longest length beside those of the running ones,
 so a request waits rather than running out of memory."""
 
@@ -134,12 +135,15 @@ def resolve_budget(
     return int(torch.cuda.get_device_properties(device).total_memory * gpu_memory_utilization)
 
 
-# Of the memory the OS reports available when no budget is set, what the KV pools may come to hold
+# Of the memory available when no budget is set (beside the activations' reserve), what the KV pools may come to hold
 AVAILABLE_SHARE = 0.8
 
 
-def available_memory() -> int | None:
-    """Bytes the OS could give this process now (Linux's MemAvailable), or None where it does not say."""
+def available_memory(device: torch.device) -> int | None:
+    """Bytes this process could take now: what a GPU has free, or what the OS could give (Linux's MemAvailable); None
+    where it does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
     try:
         with open("/proc/meminfo") as f:
             line = next(line for line in f if line.startswith("MemAvailable:"))
@@ -205,9 +209,17 @@ def plan_memory(
     )
     per_block = BLOCK_TOKENS * per_token
     if budget_bytes is None:
-        available = available_memory() if target.device.type == "cpu" else None
+        available = available_memory(target.device)
         if available is not None:
-            plan.num_blocks = max(blocks_for(max_model_len), min(wanted, int(available * AVAILABLE_SHARE) // per_block))
+            share = int((available - reserve) * AVAILABLE_SHARE)
+            if target.device.type == "cuda" and share < blocks_for(max_model_len) * per_block:  # allocated at once
+                raise SpecDecodeError(
+                    f"the GPU has {format_bytes(available)} free beside the weights, short of the activations "
+                    f"({format_bytes(reserve)}) and one sequence of {max_model_len} tokens "
+                    f"({format_bytes(blocks_for(max_model_len) * per_block)} of KV cache) with room to spare; lower "
+                    "max_model_len or max_num_seqs, or set gpu_memory_utilization"
+                )
+            plan.num_blocks = max(blocks_for(max_model_len), min(wanted, share // per_block))
         return plan
     free = budget_bytes - plan.fixed_bytes
     one_sequence = blocks_for(max_model_len) * per_block
