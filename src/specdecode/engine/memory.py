@@ -172,6 +172,24 @@ def _bytes_per_token(target, draft, features: bool, host_bytes_per_token: int) -
     return per_token + (host_bytes_per_token if target.device.type == "cpu" else 0)
 
 
+def _blocks_available(device: torch.device, plan: MemoryPlan, per_block: int) -> int:
+    """The blocks of an unbudgeted plan: all it wants, as far as the memory available goes beside the reserve (on a
+    CPU at least one sequence's, its pages resident only as used; a GPU's pools are taken whole at start-up)."""
+    available = available_memory(device)
+    if available is None:
+        return plan.num_blocks
+    one_sequence = blocks_for(plan.max_model_len)
+    share = int((available - plan.reserve_bytes) * AVAILABLE_SHARE)
+    if device.type == "cuda" and share < one_sequence * per_block:
+        raise SpecDecodeError(
+            f"the GPU has {format_bytes(available)} free beside the weights, short of the activations "
+            f"({format_bytes(plan.reserve_bytes)}) and one sequence of {plan.max_model_len} tokens "
+            f"({format_bytes(one_sequence * per_block)} of KV cache) with room to spare; lower max_model_len or "
+            "max_num_seqs, or set gpu_memory_utilization"
+        )
+    return max(one_sequence, min(plan.num_blocks, share // per_block))
+
+
 def plan_memory(
     target: torch.nn.Module,
     draft: torch.nn.Module | None,
@@ -209,17 +227,7 @@ def plan_memory(
     )
     per_block = BLOCK_TOKENS * per_token
     if budget_bytes is None:
-        available = available_memory(target.device)
-        if available is not None:
-            share = int((available - reserve) * AVAILABLE_SHARE)
-            if target.device.type == "cuda" and share < blocks_for(max_model_len) * per_block:  # allocated at once
-                raise SpecDecodeError(
-                    f"the GPU has {format_bytes(available)} free beside the weights, short of the activations "
-                    f"({format_bytes(reserve)}) and one sequence of {max_model_len} tokens "
-                    f"({format_bytes(blocks_for(max_model_len) * per_block)} of KV cache) with room to spare; lower "
-                    "max_model_len or max_num_seqs, or set gpu_memory_utilization"
-                )
-            plan.num_blocks = max(blocks_for(max_model_len), min(wanted, share // per_block))
+        plan.num_blocks = _blocks_available(target.device, plan, per_block)
         return plan
     free = budget_bytes - plan.fixed_bytes
     one_sequence = blocks_for(max_model_len) * per_block
