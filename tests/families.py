@@ -84,6 +84,17 @@ FAMILIES = {
         ),
         norm_center=0.0,
     ),
+    # Qwen2.5's long-context recipe, YaRN: over 64 original positions, head dimensions 1-2 on the ramp between those
+    # kept and those divided by the factor, and cos and sin scaled by 0.1 ln 4 + 1
+    "qwen2_yarn": Family(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+    ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",

@@ -156,6 +156,9 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("mixtral", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),  # wrong top-k
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, experts_per_token=3)),
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+        ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
+        ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
+        ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -167,6 +170,9 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "mixtral-top-k",
         "qwen3-moe-top-k",
         "qwen3-moe-norm-topk",
+        "yarn-frequencies",
+        "yarn-attention-factor",
+        "yarn-ramp-not-rounded",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -214,9 +220,9 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
 
 
 def _with_metadata(
-    source, out, extra: dict[str, int], strings: dict[str, str] | None = None, extra_tensor: str | None = None
+    source, out, extra: dict[str, int | float], strings: dict[str, str] | None = None, extra_tensor: str | None = None
 ):
-    """A copy of a GGUF file with more integer (and string) metadata, or one more tensor."""
+    """A copy of a GGUF file with more integer or float (and string) metadata, or one more tensor."""
     from gguf import GGUFValueType, GGUFWriter
 
     from specdecode.models.gguf_loader import MappedReader
@@ -230,7 +236,7 @@ def _with_metadata(
         sub_type = f.types[-1] if value_type == GGUFValueType.ARRAY else None
         writer.add_key_value(key, f.contents(), value_type, sub_type=sub_type)
     for key, value in extra.items():
-        writer.add_uint32(key, value)
+        writer.add_float32(key, value) if isinstance(value, float) else writer.add_uint32(key, value)
     for key, value in (strings or {}).items():
         writer.add_string(key, value)
     if extra_tensor:
@@ -260,7 +266,15 @@ LLAMA = dict(
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
+        (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
+        (
+            dict(
+                rope_scaling=dict(
+                    type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+                )
+            ),
+            "rope_scaling.mscale",
+        ),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
         (dict(model_type="gpt_oss"), "model_type"),
         (dict(attention_bias=True), "attention_bias"),
@@ -282,6 +296,31 @@ def test_an_unsupported_config_field_is_refused_by_name(change, field):
         from_hf_config({**LLAMA, **change})
 
 
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        dict(factor=4.0, original_max_position_embeddings=4096),
+        dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=16, beta_slow=2, truncate=False),
+        dict(factor=8.0, original_max_position_embeddings=2048, attention_factor=0.85),
+    ],
+)
+def test_yarn_s_frequencies_and_attention_factor_are_transformers(yarn):
+    """YaRN's optional fields (the ramp's ends, their rounding, an explicit attention factor) against transformers' own
+    computation: the rotary frequencies, and the query-key scale holding the attention factor squared."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specdecode.models.families import from_hf_config
+    from specdecode.models.layers import RotaryEmbedding
+
+    fields = {**LLAMA, "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "yarn", **yarn}}
+    cfg = from_hf_config(fields)
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](LlamaConfig(**fields), "cpu")
+    got = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling).inv_freq
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert cfg.attention_scale == pytest.approx(cfg.dim_per_head**-0.5 * factor**2)
+
+
 def test_a_multimodal_gemma3_checkpoint_is_sent_to_its_text_model():
     from specdecode.errors import SpecDecodeError
     from specdecode.models.families import from_hf_config
@@ -294,9 +333,13 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     from specdecode.errors import SpecDecodeError
 
     _, gguf, _ = made("qwen3")
-    yarn = _with_metadata(gguf, tmp_path / "yarn.gguf", {}, {"qwen3.rope.scaling.type": "yarn"})
-    with pytest.raises(SpecDecodeError, match="qwen3.rope.scaling.type is 'yarn'"):
-        load_gguf(str(yarn), progress=False)
+    longrope = _with_metadata(gguf, tmp_path / "longrope.gguf", {}, {"qwen3.rope.scaling.type": "longrope"})
+    with pytest.raises(SpecDecodeError, match="qwen3.rope.scaling.type is 'longrope'"):
+        load_gguf(str(longrope), progress=False)
+    _, gguf, _ = made("qwen2_yarn")  # an attention factor transformers would apply and llama.cpp would override
+    factor = _with_metadata(gguf, tmp_path / "factor.gguf", {"qwen2.rope.scaling.yarn_attn_factor": 1.5})
+    with pytest.raises(SpecDecodeError, match="qwen2.rope.scaling.yarn_attn_factor is 1.5"):
+        load_gguf(str(factor), progress=False)
     extra = _with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
     with pytest.raises(SpecDecodeError, match="blk.0.attn_sinks.weight"):
         load_gguf(str(extra), progress=False)

@@ -266,8 +266,10 @@ class ModelConfig:
     # -- what the families beyond Llama and Qwen2 add (models/families.py) --
     # RoPE frequency scaling of the (global) attention layers: () none, or sorted (name, value) items:
     # ("rope_type", "linear"), ("factor", f); ("rope_type", "llama3") with factor, low_freq_factor,
-    # high_freq_factor and original_max_position_embeddings; ("rope_type", "freq_factors"): per-dimension
-    # divisors stored with the weights (GGUF's rope_freqs tensor).
+    # high_freq_factor and original_max_position_embeddings; ("rope_type", "yarn") with factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, truncate and attention_factor (which attention_scale
+    # holds, squared); ("rope_type", "freq_factors"): per-dimension divisors stored with the weights (GGUF's
+    # rope_freqs tensor).
     rope_scaling: tuple = ()
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)

@@ -16,7 +16,8 @@ from ..errors import SpecDecodeError
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -65,7 +66,11 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         activation=HF_ACTIVATIONS[cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")],
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
-        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attention_scale=rope_attention_scale(
+            cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            scaling,
+            float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        ),
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if gemma and window else None,
@@ -133,15 +138,42 @@ def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, ()
-    keys = (
-        ("factor",)
-        if rope_type == "linear"
-        else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    )
-    missing = [k for k in keys if k not in params]
+    keys = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "yarn": ("factor", "original_max_position_embeddings"),
+    }[rope_type]
+    missing = [k for k in keys if params.get(k) is None]
     if missing:
         raise SpecDecodeError(f"this model's {field} is of type {rope_type!r} but has no {missing[0]}")
-    return theta, tuple(sorted([("rope_type", rope_type), *((k, float(params[k])) for k in keys)]))
+    items = [("rope_type", rope_type), *((k, float(params[k])) for k in keys)]
+    if rope_type == "yarn":
+        items += _hf_yarn_items(params, field)
+    return theta, tuple(sorted(items))
+
+
+def _hf_yarn_items(params: dict, field: str) -> list[tuple[str, float]]:
+    """YaRN's optional fields as transformers reads them; DeepSeek's mscale pair (another attention factor) refused."""
+    for name in ("mscale", "mscale_all_dim"):
+        if params.get(name):
+            raise refuse(f"{field}.{name}", params[name], "unset (YaRN's attention factor from its factor)")
+    items = [(k, float(params.get(k) or default)) for k, default in YARN_BETAS.items()]
+    factor = params.get("attention_factor") or yarn_attention_factor(float(params["factor"]))
+    return [*items, ("truncate", float(params.get("truncate", True))), ("attention_factor", float(factor))]
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's default scale of cos and sin (0.1 ln s + 1), transformers' and llama.cpp's alike."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_attention_scale(head_dim: int, scaling: tuple, scale: float | None = None) -> float | None:
+    """The query-key scale (None: the runtime's default, head_dim ** -0.5) with YaRN's attention factor m in it:
+    transformers and llama.cpp multiply cos and sin by m, so queries and keys each by m and their scores by m^2."""
+    factor = dict(scaling).get("attention_factor")
+    if factor is None or factor == 1.0:
+        return scale
+    return (scale or head_dim**-0.5) * factor**2
 
 
 def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | None]:
@@ -214,6 +246,8 @@ def from_gguf(reader) -> ModelConfig:
     _check_gguf_fields(key, arch, head_dim or hidden // heads)
     gemma = arch == "gemma3"
     window, sliding = _gguf_window(key, arch, layers)
+    scaling = _gguf_rope_scaling(key, arch, "rope_freqs.weight" in names)
+    scale = _gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None
     return ModelConfig(
         arch=arch,
         vocab_size=int(embd.shape[1]),
@@ -228,12 +262,12 @@ def from_gguf(reader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         tie_word_embeddings="output.weight" not in names,
         head_dim=head_dim,
-        rope_scaling=_gguf_rope_scaling(key, arch, "rope_freqs.weight" in names),
+        rope_scaling=scaling,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         activation="gelu_tanh" if gemma else "silu",
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(hidden) if gemma else None,
-        attention_scale=_gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None,
+        attention_scale=rope_attention_scale(head_dim or hidden // heads, scaling, scale),
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if gemma and window else None,
@@ -255,15 +289,43 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
 
 def _gguf_rope_scaling(key, arch: str, has_freq_factors: bool) -> tuple:
     kind = key("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
-        raise refuse(f"{arch}.rope.scaling.type", kind, "none, linear (and llama3 as a rope_freqs tensor)")
+    if kind not in ("none", "linear", "yarn"):
+        raise refuse(f"{arch}.rope.scaling.type", kind, "none, linear, yarn (and llama3 as a rope_freqs tensor)")
     if has_freq_factors:
         if kind != "none":
             raise refuse(f"{arch}.rope.scaling.type", kind, "none beside a rope_freqs tensor")
         return (("rope_type", "freq_factors"),)
-    if kind == "linear" and key("rope.scaling.factor", 1.0) != 1.0:
-        return (("factor", float(key("rope.scaling.factor"))), ("rope_type", "linear"))
+    factor = float(key("rope.scaling.factor", 1.0))
+    if kind == "linear" and factor != 1.0:
+        return (("factor", factor), ("rope_type", "linear"))
+    if kind == "yarn":
+        return _gguf_yarn(key, arch, factor)
     return ()
+
+
+def _gguf_yarn(key, arch: str, factor: float) -> tuple:
+    """YaRN as llama.cpp computes it: its ramp between the dimensions kept and those divided by the factor, and cos and
+    sin scaled by 0.1 ln(factor) + 1 whatever the file's yarn_attn_factor says (llama.cpp overrides it), which is
+    therefore refused where it says otherwise, as are the factors llama.cpp applies beside YaRN's own."""
+    default = yarn_attention_factor(factor)
+    allowed = {
+        "rope.scaling.yarn_ext_factor": 1.0,
+        "rope.scaling.yarn_attn_factor": default,
+        "rope.scaling.attn_factor": 1.0,
+        "rope.scaling.yarn_log_multiplier": 0.0,
+    }
+    for name, value in allowed.items():
+        if key(name) is not None and not math.isclose(key(name), value):
+            raise refuse(f"{arch}.{name}", key(name), f"unset or {value:.6g}")
+    items = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": float(key("rope.scaling.original_context_length", key("context_length"))),
+        **{name: float(key(f"rope.scaling.yarn_{name}", default)) for name, default in YARN_BETAS.items()},
+        "truncate": 1.0,
+        "attention_factor": default,
+    }
+    return tuple(sorted(items.items()))
 
 
 def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:

@@ -101,7 +101,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: tuple = (), freq_factors: torch.Tensor | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", scaled_frequencies(inv_freq, dict(scaling), freq_factors), persistent=False)
+        inv_freq = scaled_frequencies(inv_freq, dict(scaling), freq_factors, theta)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         return (self.kernel or rope_tables)(positions, self.inv_freq, dtype)
@@ -114,7 +115,11 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict, freq_factors: torch.Tensor | None) -> torch.Tensor:
+def scaled_frequencies(
+    inv_freq: torch.Tensor, scaling: dict, freq_factors: torch.Tensor | None, theta: float
+) -> torch.Tensor:
+    """The frequencies of a RoPE scaling (ModelConfig.rope_scaling); YaRN's attention factor is the query-key scale's
+    (families.rope_attention_scale), so the tables stay cos and sin of these."""
     kind = scaling.get("rope_type")
     if kind is None:
         return inv_freq
@@ -126,6 +131,8 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict, freq_factors: torc
         return inv_freq / freq_factors.float().to(inv_freq.device)
     if kind == "llama3":
         return llama3_frequencies(inv_freq, scaling)
+    if kind == "yarn":
+        return yarn_frequencies(inv_freq, scaling, theta)
     raise ValueError(f"unknown RoPE scaling {kind!r}")
 
 
@@ -139,6 +146,23 @@ def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < context / high) * ~(wavelen > context / low)
     return torch.where(medium, blended, scaled)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, s: dict, theta: float) -> torch.Tensor:
+    """YaRN's frequencies (transformers' and llama.cpp's alike): dimensions that turn more than beta_fast times over
+    the original context are kept, those turning fewer than beta_slow times divided by `factor`, a linear ramp between
+    (its ends rounded outwards with `truncate`)."""
+    dim, context = 2 * len(inv_freq), s["original_max_position_embeddings"]
+
+    def dimension_turning(turns: float) -> float:
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(s["beta_fast"]), dimension_turning(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / s["factor"] * ramp + inv_freq * (1 - ramp)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
