@@ -7,6 +7,7 @@ wrong top-k)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -319,6 +320,46 @@ def test_yarn_s_frequencies_and_attention_factor_are_transformers(yarn):
     got = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling).inv_freq
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     assert cfg.attention_scale == pytest.approx(cfg.dim_per_head**-0.5 * factor**2)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_a_rope_scaling_given_at_load_computes_what_the_scaled_checkpoint_does(made, tmp_path, source):
+    """Weights saved without RoPE scaling, loaded with YaRN's fields (LLM's rope_scaling, `--rope-scaling`): the
+    logits transformers computes for the same weights saved with YaRN in their config, and the context factor x the
+    original; loaded without, other logits."""
+    yarn = dict(FAMILIES["qwen2_yarn"].options["rope_parameters"])
+    unscaled = dict(rope_type="default", rope_theta=yarn.pop("rope_theta"))
+    folder = make_checkpoint("qwen2_yarn", tmp_path / "unscaled", rope_parameters=unscaled, max_position_embeddings=64)
+    path = folder if source == "hf" else convert(folder, tmp_path / "unscaled.gguf")
+    options = dict(quantization="none", dtype="float32", kv_cache_dtype="float32", progress=False)
+    scaled = load_model(str(path), rope_scaling=yarn, **options)
+    assert scaled.config.max_position == 4 * 64
+    ids = _prompt(scaled.config.vocab_size)
+    expected = _expected(made("qwen2_yarn")[2], ids)
+    torch.testing.assert_close(_logits(scaled.model, ids), expected, **TOLERANCE)
+    assert not torch.allclose(_logits(load_model(str(path), **options).model, ids), expected, **TOLERANCE)
+    llm = LLM(
+        model=str(path), rope_scaling=json.dumps(yarn), num_speculative_tokens=0, **options
+    )  # as `--rope-scaling`
+    out = llm.generate([ids[:20]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 100  # past the 64 positions of the unscaled model's context
+
+
+def test_a_rope_scaling_is_refused_where_the_model_has_its_own_or_it_is_not_json(made):
+    from specdecode.config import EngineConfig
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.families import with_rope_scaling
+
+    cfg, _ = _load_hf_checkpoint(str(made("llama3")[0]))
+    with pytest.raises(SpecDecodeError, match="has a RoPE scaling of its own .llama3.; leave rope_scaling unset"):
+        with_rope_scaling(cfg, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    for bad in ("yarn", "[4]", "{'rope_type': 'yarn'}"):
+        with pytest.raises(SpecDecodeError, match="rope_scaling must be a JSON object such as"):
+            EngineConfig(rope_scaling=bad)
+    assert EngineConfig(rope_scaling={"rope_type": "linear", "factor": 2}).rope_scaling_fields() == {
+        "rope_type": "linear",
+        "factor": 2,
+    }
 
 
 def test_a_multimodal_gemma3_checkpoint_is_sent_to_its_text_model():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 
 # Weight/activation formats a model can be built in (see executor.backends); here so the CLI can offer them
@@ -100,6 +101,12 @@ class EngineConfig:
     dtype: str = option("auto", "activations: auto (bf16 on CUDA and bf16-capable CPUs), float32, bfloat16")
     max_model_len: int | None = option(
         None, "tokens a sequence holds, prompt and output (default: the model's context)"
+    )
+    rope_scaling: str | None = option(
+        None,
+        "the target's RoPE scaling where its own config has none, in config.json's JSON, e.g. "
+        '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768} (Qwen2.5\'s and Qwen3\'s '
+        "recipe for 128k tokens); its context becomes factor x the original",
     )
     max_num_seqs: int = option(8, "most sequences decoded at once")
     forced_accept: bool = option(
@@ -233,10 +240,25 @@ class EngineConfig:
                 f"suffix speculation needs suffix_max_tokens in [1, {MAX_VERIFY_WIDTH - 1}], "
                 "suffix_cache_bytes >= 0 and suffix_min_prob in [0, 1]"
             )
+        problems += self._rope_scaling_problems()
         if problems:
             raise SpecDecodeError("; ".join(problems))
         if self.draft_vocab_size == 0:
             self.draft_vocab_size = None  # 0 on the command line: the whole vocabulary
+
+    def _rope_scaling_problems(self) -> list[str]:
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = json.dumps(self.rope_scaling)  # one form, as the command line gives it
+        try:
+            ok = self.rope_scaling is None or isinstance(json.loads(self.rope_scaling), dict)
+        except ValueError:
+            ok = False
+        example = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}'
+        return [] if ok else [f"rope_scaling must be a JSON object such as {example}, got {self.rope_scaling!r}"]
+
+    def rope_scaling_fields(self) -> dict | None:
+        """rope_scaling as config.json's fields (None: the target's own scaling)."""
+        return None if self.rope_scaling is None else json.loads(self.rope_scaling)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -137,6 +137,7 @@ class LLM:
             progress,
             config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
+            rope_scaling=config.rope_scaling_fields(),
         )
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()

@@ -61,8 +61,8 @@ def target_fingerprint(model: Transformer) -> str:
     """The target's identity, the same under every backend and activation dtype: its shape and three of its
     norm weights (no backend quantizes those), hashed after rounding to bfloat16, the coarsest type a
     target holds them in: a float32 and a bfloat16 target (`--dtype auto` on a CPU with native bf16) of
-    the same file agree."""
-    h = hashlib.sha256(repr(model.cfg).encode())
+    the same file agree, and so do the same weights run with a RoPE scaling of the user's (LLM's rope_scaling)."""
+    h = hashlib.sha256(repr(getattr(model, "native_cfg", model.cfg)).encode())
     for norm in (model.norm, model.layers[-1].input_layernorm, model.layers[0].post_attention_layernorm):
         h.update(norm.weight.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -9,6 +9,7 @@ Qwen3-MoE's normalised expert weights)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from ..config import ModelConfig
@@ -174,6 +175,24 @@ def rope_attention_scale(head_dim: int, scaling: tuple, scale: float | None = No
     if factor is None or factor == 1.0:
         return scale
     return (scale or head_dim**-0.5) * factor**2
+
+
+def with_rope_scaling(cfg: ModelConfig, scaling: dict) -> ModelConfig:
+    """cfg with the RoPE scaling of config.json's `rope_scaling` fields on its (global) layers, its base kept, and the
+    context that scaling reaches: factor x original_max_position_embeddings (transformers' and vLLM's reading), or
+    factor x the model's own context. A model with a scaling of its own keeps it: two would not compose."""
+    if cfg.rope_scaling:
+        raise SpecDecodeError(
+            f"this model has a RoPE scaling of its own ({dict(cfg.rope_scaling)['rope_type']}); "
+            "leave rope_scaling unset"
+        )
+    _, items = hf_rope({"rope_theta": cfg.rope_theta, "rope_scaling": scaling}, "full_attention")
+    if not items:
+        return cfg
+    fields = dict(items)
+    context = fields["factor"] * fields.get("original_max_position_embeddings", cfg.max_position)
+    scale = rope_attention_scale(cfg.dim_per_head, items, cfg.attention_scale)
+    return replace(cfg, rope_scaling=items, attention_scale=scale, max_position=int(context))
 
 
 def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | None]:

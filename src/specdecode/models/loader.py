@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from .checkpoints import canonical_hf_weights
-from .families import from_hf_config
+from .families import from_hf_config, with_rope_scaling
 from .runtime import Transformer, build_model
 from .sources import ModelSource, cache_root, resolve
 from .tokenizer import Tokenizer
@@ -47,10 +47,12 @@ def load_model(
     quantization: str = "auto",
     draft: bool = False,
     kv_cache_dtype: str = "auto",
+    rope_scaling: dict | None = None,
 ) -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
-    executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention."""
+    executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention.
+    rope_scaling: config.json's fields of a RoPE scaling for a model that has none (families.with_rope_scaling)."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
     from ..executor.decoder import attach_decoder_kernel
@@ -62,13 +64,16 @@ def load_model(
     started = time.perf_counter()
     if quantization == "none":
         torch_dtype = resolve_dtype(dtype, device)
-        cfg, tensors = load_weights(name, torch_dtype, progress)
+        native, tensors = load_weights(name, torch_dtype, progress)
+        cfg = with_rope_scaling(native, rope_scaling) if rope_scaling else native
         model = build_model(cfg, tensors, torch_dtype, device)
         model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
     else:
-        cfg, tensors = load_low_bit_weights(name, quantization, progress)
+        native, tensors = load_low_bit_weights(name, quantization, progress)
+        cfg = with_rope_scaling(native, rope_scaling) if rope_scaling else native
         model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
+    model.native_cfg = native  # its identity (a draft head's fingerprint of it) whatever RoPE scaling it runs with
     attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
     attach_decoder_kernel(model)
