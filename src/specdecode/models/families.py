@@ -177,10 +177,13 @@ def rope_attention_scale(head_dim: int, scaling: tuple, scale: float | None = No
     return (scale or head_dim**-0.5) * factor**2
 
 
-def with_rope_scaling(cfg: ModelConfig, scaling: dict) -> ModelConfig:
+def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
     """cfg with the RoPE scaling of config.json's `rope_scaling` fields on its (global) layers, its base kept, and the
     context that scaling reaches: factor x original_max_position_embeddings (transformers' and vLLM's reading), or
-    factor x the model's own context. A model with a scaling of its own keeps it: two would not compose."""
+    factor x the model's own context (None or {}: cfg as it is). A model with a scaling of its own keeps it: two would
+    not compose."""
+    if not scaling:
+        return cfg
     if cfg.rope_scaling:
         raise SpecDecodeError(
             f"this model has a RoPE scaling of its own ({dict(cfg.rope_scaling)['rope_type']}); "

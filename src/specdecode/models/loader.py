@@ -65,12 +65,12 @@ def load_model(
     if quantization == "none":
         torch_dtype = resolve_dtype(dtype, device)
         native, tensors = load_weights(name, torch_dtype, progress)
-        cfg = with_rope_scaling(native, rope_scaling) if rope_scaling else native
+        cfg = with_rope_scaling(native, rope_scaling)
         model = build_model(cfg, tensors, torch_dtype, device)
         model.backend = f"{torch.device(device).type} {str(torch_dtype).removeprefix('torch.')}"
     else:
         native, tensors = load_low_bit_weights(name, quantization, progress)
-        cfg = with_rope_scaling(native, rope_scaling) if rope_scaling else native
+        cfg = with_rope_scaling(native, rope_scaling)
         model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
     model.native_cfg = native  # its identity (a draft head's fingerprint of it) whatever RoPE scaling it runs with
