@@ -193,6 +193,7 @@ def test_a_gpu_plan_without_a_budget_holds_what_the_device_has_free(target, rand
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 10 * free))
         plan = plan_memory(target.model, random_draft.model, 128, 48, 4, None, features=True)
         assert plan.num_blocks == min(blocks, 48 * 2), blocks  # 128 tokens: two blocks a sequence
+        assert f"80% of the {memory.format_bytes(free)} available" in plan.summary()  # start-up says why
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (full.reserve_bytes + per_block, 10**12))
     with pytest.raises(SpecDecodeError, match="lower max_model_len or max_num_seqs, or set gpu_memory_utilization"):
         plan_memory(target.model, random_draft.model, 128, 48, 4, None, features=True)

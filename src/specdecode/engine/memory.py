@@ -90,6 +90,7 @@ class MemoryPlan:
     num_slots: int  # sequences at once
     num_blocks: int  # KV blocks in each model's pool
     block_size: int = BLOCK_TOKENS
+    available_bytes: int | None = None  # without a budget: what the pools were sized by (free GPU or available RAM)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -110,6 +111,9 @@ class MemoryPlan:
 
     def summary(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none set"
+        if self.available_bytes is not None:
+            available = format_bytes(self.available_bytes)
+            budget += f"; KV cache ≤ {AVAILABLE_SHARE:.0%} of the {available} available beside the activations"
         return (
             f"memory plan (budget {budget}): target weights {format_bytes(self.target_weight_bytes)}, "
             f"draft weights {format_bytes(self.draft_weight_bytes)}, activations ≤ "
@@ -175,7 +179,7 @@ def _bytes_per_token(target, draft, features: bool, host_bytes_per_token: int) -
 def _blocks_available(device: torch.device, plan: MemoryPlan, per_block: int) -> int:
     """The blocks of an unbudgeted plan: all it wants, as far as the memory available goes beside the reserve (on a
     CPU at least one sequence's, its pages resident only as used; a GPU's pools are taken whole at start-up)."""
-    available = available_memory(device)
+    available = plan.available_bytes = available_memory(device)
     if available is None:
         return plan.num_blocks
     one_sequence = blocks_for(plan.max_model_len)
