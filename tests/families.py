@@ -95,6 +95,12 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    # four layers: the fourth rotates no position into its queries and keys (NoPE)
+    "smollm3": Family(
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None, bos_token_id=1, eos_token_id=2),
+    ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",

@@ -45,6 +45,7 @@ VARIANTS = {
         local_rope_theta=500.0,
     ),
     "mixture of experts": dict(arch="qwen3moe", num_experts=4, experts_per_token=2, qk_norm=True, dense_layers=(1,)),
+    "a layer without RoPE (SmolLM3's NoPE)": dict(arch="smollm3", nope_layers=(1,)),
 }
 
 
@@ -138,6 +139,7 @@ MISTAKES = {
     "parts at one column": ("col += b[i].out_features, i++", "i++", "q/k/v in different formats"),
     "residual restarted each layer": ("if (l == 0) {", "if (1) {", "qkv bias, Q8_0"),
     "one RoPE table for all": ("t->cos[L->local_rope]", "t->cos[0]", "sliding layers with their own RoPE base"),
+    "a NoPE layer rotated": ("t->sin[L->local_rope]", "t->sin[0]", "a layer without RoPE (SmolLM3's NoPE)"),
     "pre-feedforward norm with the post-attention weights": (
         "L->pre_ff_norm, s->normed",
         "L->post_norm, s->normed",

@@ -157,6 +157,7 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("mixtral", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),  # wrong top-k
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, experts_per_token=3)),
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+        ("smollm3", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE in every layer
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
@@ -171,6 +172,7 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "mixtral-top-k",
         "qwen3-moe-top-k",
         "qwen3-moe-norm-topk",
+        "smollm3-nope-ignored",
         "yarn-frequencies",
         "yarn-attention-factor",
         "yarn-ramp-not-rounded",

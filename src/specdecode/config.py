@@ -306,10 +306,11 @@ class ModelConfig:
     expert_intermediate_size: int | None = None  # None: intermediate_size
     normalize_expert_weights: bool = True  # the chosen experts' router probabilities rescaled to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
+    nope_layers: tuple[int, ...] = ()  # layers that rotate no position into queries and keys (SmolLM3's every fourth)
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists
-        for name in ("rope_scaling", "sliding_layers", "dense_layers"):
+        for name in ("rope_scaling", "sliding_layers", "dense_layers", "nope_layers"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(tuple(v) if isinstance(v, list) else v for v in value))

@@ -144,7 +144,7 @@ def _layer(layer) -> _Layer:
         eps=layer.input_layernorm.eps,
         scale=attn.scale,
         window=attn.window or 0,
-        local_rope=int(attn.rope == "local"),
+        local_rope=int(attn.rope != "global"),  # its own table: Gemma's local RoPE, a NoPE layer's identity
         qkv=_projection(attn.qkv_proj),
         o=_projection(attn.o_proj),
     )
@@ -216,7 +216,7 @@ class DecoderKernel:
         residual = torch.empty_like(x)
         flat = {kind: attention.flat_inputs(batch, table, n) for kind, table in rope.items()}
         slots, positions, cos, sin = flat["global"]
-        _, _, local_cos, local_sin = flat.get("local", flat["global"])
+        _, _, local_cos, local_sin = flat.get("local", flat.get("none", flat["global"]))
         tokens = _Tokens(n, slots.data_ptr(), positions.data_ptr())
         tokens.cos[:] = cos.data_ptr(), local_cos.data_ptr()
         tokens.sin[:] = sin.data_ptr(), local_sin.data_ptr()

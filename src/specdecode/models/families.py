@@ -15,8 +15,9 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "smollm3")
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3")
+NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -76,6 +77,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         sliding_layers=sliding,
         local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if gemma and window else None,
         **_hf_experts(cfg, family),
+        nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
     )
 
 
@@ -198,11 +200,18 @@ def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
     return replace(cfg, rope_scaling=items, attention_scale=scale, max_position=int(context))
 
 
+def _hf_nope_layers(cfg: dict) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: a 0 in no_rope_layers, or by default every no_rope_layer_interval-th."""
+    layers, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval") or NOPE_EVERY
+    uses_rope = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
+    return tuple(i for i, rotates in enumerate(uses_rope[:layers]) if not rotates)
+
+
 def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | None]:
     """(sliding window, the layers that slide; None: all of them)."""
     window = cfg.get("sliding_window")
     layers = cfg["num_hidden_layers"]
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window"):
         return None, None
     if not window:
         return None, None
@@ -294,6 +303,7 @@ def from_gguf(reader) -> ModelConfig:
         sliding_layers=sliding,
         local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if gemma and window else None,
         **_gguf_experts(key, names, layers),
+        nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
     )
 
 

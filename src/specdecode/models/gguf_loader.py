@@ -20,6 +20,8 @@ from ..errors import SpecDecodeError
 from .checkpoints import gguf_parts
 from .families import from_gguf
 
+PERMUTED_ROPE_FAMILIES = ("llama", "smollm3")  # GGUF architectures whose converter interleaves q/k rows (LlamaModel's)
+
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves the rotary halves of Llama q/k rows; undo it (NeoX layout)."""
@@ -81,9 +83,9 @@ def iter_gguf_tensors(
 
 
 def _named_part(cfg: ModelConfig, name: str, w: np.ndarray, raw_tensor):
-    if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+    if cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("q_proj.weight", "q_proj.bias")):
         w = unpermute_rope(w, cfg.num_heads)  # a permutation of whole rows: blocks move with them
-    elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+    elif cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("k_proj.weight", "k_proj.bias")):
         w = unpermute_rope(w, cfg.num_kv_heads)
     tensor = torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy())
     return name, RawTensor(raw_tensor.tensor_type, int(raw_tensor.shape[0]), tensor) if raw_tensor else tensor

@@ -132,8 +132,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.window = cfg.window(layer)
         self.scale = cfg.attention_scale or self.head_dim**-0.5
-        # which of the model's RoPE tables this layer reads (Gemma 3's sliding layers have their own base)
+        # which of the model's RoPE tables this layer reads: Gemma 3's sliding layers have their own base, and a NoPE
+        # layer's table turns nothing (cos 1, sin 0: every kernel that rotates leaves its queries and keys as they are)
         self.rope = "local" if self.window is not None and cfg.local_rope_theta is not None else "global"
+        self.rope = "none" if layer in cfg.nope_layers else self.rope
         # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
@@ -286,6 +288,9 @@ class Transformer(nn.Module):
         tables = {"global": self.rotary(positions, dtype)}
         if hasattr(self, "local_rotary"):
             tables["local"] = self.local_rotary(positions, dtype)
+        if self.cfg.nope_layers:
+            cos, sin = tables["global"]
+            tables["none"] = (torch.ones_like(cos), torch.zeros_like(sin))
         return tables
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
