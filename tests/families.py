@@ -101,6 +101,12 @@ FAMILIES = {
         "SmolLM3ForCausalLM",
         dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None, bos_token_id=1, eos_token_id=2),
     ),
+    # Phi-3 and Phi-4: q/k/v and gate/up each one tensor (no window: Phi-4's; Phi-3's is checked apart)
+    "phi3": Family(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(original_max_position_embeddings=1024, pad_token_id=None, bos_token_id=1, eos_token_id=2),
+    ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from conftest import make_head
-from families import FAMILIES, convert, make_checkpoint, reference_model
+from families import FAMILIES, SPM_VOCAB, convert, make_checkpoint, reference_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.runner import ModelRunner
@@ -220,6 +220,47 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
     torch.testing.assert_close(
         _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(windowed, ids), **TOLERANCE
     )
+
+
+def test_phi3s_window_is_transformers_from_its_folder_and_llama_cpps_from_its_gguf(made, tmp_path):
+    """Phi-3 slides a window over every layer (Phi-4 has none): from the checkpoint folder, transformers' windowed
+    result; llama.cpp's converter writes the window but llama.cpp turns it off, so the GGUF computes full attention,
+    as llama.cpp does: the unwindowed model's result, and the windowed one's within the window."""
+    folder = make_checkpoint("phi3", tmp_path / "windowed", sliding_window=12)
+    windowed, ids = reference_model(folder), _prompt(SPM_VOCAB)
+    cfg, tensors = _load_hf_checkpoint(str(folder))
+    assert cfg.sliding_window == 12
+    got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+    torch.testing.assert_close(got, _expected(windowed, ids), **TOLERANCE)
+    cfg, tensors = load_gguf(str(convert(folder, tmp_path / "windowed.gguf")), progress=False)
+    assert cfg.sliding_window is None
+    got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+    torch.testing.assert_close(got, _expected(made("phi3")[2], ids), **TOLERANCE)
+    torch.testing.assert_close(got[:12], _expected(windowed, ids)[:12], **TOLERANCE)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_phi3s_fused_tensors_split_the_other_way_fail_the_comparison(made, source, monkeypatch):
+    """Phi-3's gate/up tensor read up-first (as its halves would be by a loader that guessed) computes another model,
+    from the folder and from the GGUF."""
+    from specdecode.models import checkpoints, gguf_loader
+
+    def swapped(pairs):
+        return [
+            (n.replace("gate_proj", "@").replace("up_proj", "gate_proj").replace("@", "up_proj"), p) for n, p in pairs
+        ]
+
+    if source == "hf":
+        split = checkpoints._canonical_hf
+        monkeypatch.setattr(checkpoints, "_canonical_hf", lambda cfg, name, t: swapped(split(cfg, name, t)))
+    else:
+        parts = gguf_loader.gguf_parts
+        monkeypatch.setattr(gguf_loader, "gguf_parts", lambda cfg, name, rows: swapped(parts(cfg, name, rows)))
+    folder, gguf, reference = made("phi3")
+    cfg, tensors = _from(source, folder, gguf)
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+    assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
 
 
 def _with_metadata(

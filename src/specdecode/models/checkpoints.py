@@ -24,14 +24,14 @@ def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> 
     """A Hugging Face checkpoint's tensors under the runtime's names."""
     out = {}
     for name, tensor in tensors.items():
-        for canonical, part in _canonical_hf(name, tensor):
+        for canonical, part in _canonical_hf(cfg, name, tensor):
             out[canonical] = part
     if cfg.arch in NORM_OFFSET_FAMILIES:
         out = {n: t + 1.0 if n.endswith("norm.weight") else t for n, t in out.items()}
     return out
 
 
-def _canonical_hf(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     m = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.(.+)", name)  # Mixtral's names
     if m:
         expert = re.fullmatch(r"experts\.(\d+)\.(w[123])\.weight", m[2])
@@ -48,7 +48,24 @@ def _canonical_hf(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
                 yield f"{m[1]}.{e}.gate_proj.weight", gate
                 yield f"{m[1]}.{e}.up_proj.weight", up
         return
+    m = re.fullmatch(r"(model\.layers\.\d+)\.self_attn\.qkv_proj\.weight", name)  # Phi-3's fused projections
+    if m:
+        for part, rows in zip("qkv", _qkv_rows(cfg)):
+            yield f"{m[1]}.self_attn.{part}_proj.weight", tensor[rows]
+        return
+    m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.gate_up_proj\.weight", name)
+    if m:
+        gate, up = tensor.chunk(2)
+        yield f"{m[1]}.mlp.gate_proj.weight", gate
+        yield f"{m[1]}.mlp.up_proj.weight", up
+        return
     yield name, tensor
+
+
+def _qkv_rows(cfg: ModelConfig) -> list[slice]:
+    """The rows of a fused q/k/v projection that are the queries', the keys' and the values'."""
+    q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
+    return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------
@@ -100,9 +117,12 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
             for i, p in enumerate(parts)
         ]
     if kind == "attn_qkv":
-        q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
-        bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-        return [(f"{prefix}.self_attn.{p}_proj.{suffix}", slice(*b)) for p, b in zip("qkv", bounds)]
+        return [(f"{prefix}.self_attn.{p}_proj.{suffix}", rows) for p, rows in zip("qkv", _qkv_rows(cfg))]
+    if kind == "ffn_up" and cfg.arch == "phi3":  # gate and up in one tensor, gate first (llama.cpp's SwiGLU halves)
+        return [
+            (f"{prefix}.mlp.{p}_proj.{suffix}", slice(i * rows // 2, (i + 1) * rows // 2))
+            for i, p in enumerate(("gate", "up"))
+        ]
     layer = SANDWICH_LAYER if cfg.sandwich_norms else GGUF_LAYER
     if kind not in layer:
         raise _unknown_tensor(name)

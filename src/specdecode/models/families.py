@@ -15,8 +15,8 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "smollm3")
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "smollm3", "phi3")
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3")
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
@@ -361,10 +361,10 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
 
 
 def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
-    """llama.cpp's reading: a window applies where the file states one; Gemma 3's layers slide but every
-    sixth (or as its sliding_window_pattern says), any other family's all slide."""
+    """llama.cpp's reading: a window applies where the file states one, but Phi-3's (llama.cpp turns it off); Gemma 3's
+    layers slide but every sixth (or as its sliding_window_pattern says), any other family's all slide."""
     window = key("attention.sliding_window")
-    if not window:
+    if not window or arch == "phi3":
         return None, None
     if arch != "gemma3":
         return int(window), None
