@@ -10,7 +10,7 @@ from families import llama_cpp_source, vocabulary
 from specdecode.models import tokenizer as tokenizer_module
 from specdecode.models.tokenizer import Tokenizer
 
-VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm"]
+VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm", "phi-3"]
 
 
 def _cases(name: str) -> list[tuple[str, list[int]]]:
@@ -59,6 +59,7 @@ def test_transformers_own_reading_of_the_file_encodes_otherwise(name, tmp_path, 
         ("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),
         ("qwen2", {"<|endoftext|>", "<|im_end|>"}),
         ("llama-spm", {"</s>"}),
+        ("phi-3", {"<|endoftext|>", "<|end|>"}),
     ],
 )
 def test_the_tokens_that_end_a_turn_end_generation(name, ends):

@@ -8,7 +8,7 @@ import warnings
 from ..errors import SpecDecodeError
 
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>")
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 # llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
