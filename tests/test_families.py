@@ -396,6 +396,10 @@ def test_a_rope_scaling_is_refused_where_the_model_has_its_own_or_it_is_not_json
     cfg, _ = _load_hf_checkpoint(str(made("llama3")[0]))
     with pytest.raises(SpecDecodeError, match="has a RoPE scaling of its own .llama3.; leave rope_scaling unset"):
         with_rope_scaling(cfg, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    cfg, _ = _load_hf_checkpoint(str(made("qwen3")[0]))
+    with pytest.raises(SpecDecodeError, match="whose base .* stays; leave rope_theta out of it"):
+        with_rope_scaling(cfg, {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    assert with_rope_scaling(cfg, {"rope_type": "linear", "factor": 2.0, "rope_theta": cfg.rope_theta}).rope_scaling
     for bad in ("yarn", "[4]", "{'rope_type': 'yarn'}"):
         with pytest.raises(SpecDecodeError, match="rope_scaling must be a JSON object such as"):
             EngineConfig(rope_scaling=bad)

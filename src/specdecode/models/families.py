@@ -191,6 +191,10 @@ def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
             f"this model has a RoPE scaling of its own ({dict(cfg.rope_scaling)['rope_type']}); "
             "leave rope_scaling unset"
         )
+    if scaling.get("rope_theta", cfg.rope_theta) != cfg.rope_theta:
+        raise SpecDecodeError(
+            f"rope_scaling scales the model's RoPE, whose base ({cfg.rope_theta:g}) stays; leave rope_theta out of it"
+        )
     _, items = hf_rope({"rope_theta": cfg.rope_theta, "rope_scaling": scaling}, "full_attention")
     if not items:
         return cfg
