@@ -107,6 +107,18 @@ FAMILIES = {
         "Phi3ForCausalLM",
         dict(original_max_position_embeddings=1024, pad_token_id=None, bos_token_id=1, eos_token_id=2),
     ),
+    # Granite 3: its four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
+    "granite": Family(
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.05,
+            logits_scaling=8.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",

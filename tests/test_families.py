@@ -158,6 +158,7 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, experts_per_token=3)),
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
         ("smollm3", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE in every layer
+        ("granite", lambda cfg: dataclasses.replace(cfg, embedding_scale=12.0)),  # the residual multiplier left out
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
@@ -173,6 +174,7 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "qwen3-moe-top-k",
         "qwen3-moe-norm-topk",
         "smollm3-nope-ignored",
+        "granite-residual-multiplier",
         "yarn-frequencies",
         "yarn-attention-factor",
         "yarn-ramp-not-rounded",
@@ -261,6 +263,22 @@ def test_phi3s_fused_tensors_split_the_other_way_fail_the_comparison(made, sourc
     ids = _prompt(cfg.vocab_size)
     got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
     assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_granites_logits_divided_otherwise_fail_the_comparison(made, source, monkeypatch):
+    """Granite's logits_scaling is folded into the final norm's weights at load: without the fold, from the folder or
+    the GGUF, the logits are transformers' times the divisor."""
+    from specdecode.models import checkpoints, gguf_loader
+
+    for module in (checkpoints, gguf_loader):
+        monkeypatch.setattr(module, "folded_logit_scale", lambda cfg, name, tensor: tensor)
+    folder, gguf, reference = made("granite")
+    cfg, tensors = _from(source, folder, gguf)
+    ids = _prompt(cfg.vocab_size)
+    got, expected = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
+    assert cfg.logit_scale == 8.0 and not torch.allclose(got, expected, **TOLERANCE)
+    torch.testing.assert_close(got / 8.0, expected, **TOLERANCE)
 
 
 def _with_metadata(

@@ -307,6 +307,7 @@ class ModelConfig:
     normalize_expert_weights: bool = True  # the chosen experts' router probabilities rescaled to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
     nope_layers: tuple[int, ...] = ()  # layers that rotate no position into queries and keys (SmolLM3's every fourth)
+    logit_scale: float | None = None  # the logits divided by it (Granite): folded into the final norm's weights at load
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists

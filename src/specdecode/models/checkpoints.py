@@ -28,7 +28,15 @@ def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> 
             out[canonical] = part
     if cfg.arch in NORM_OFFSET_FAMILIES:
         out = {n: t + 1.0 if n.endswith("norm.weight") else t for n, t in out.items()}
-    return out
+    return {n: folded_logit_scale(cfg, n, t) for n, t in out.items()}
+
+
+def folded_logit_scale(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The final norm's weights divided by the model's logit divisor (Granite's logits_scaling): the LM head is linear
+    in them, so the logits come out divided, tied embeddings or not, whatever backend holds the head."""
+    if name != "model.norm.weight" or not cfg.logit_scale:
+        return tensor
+    return tensor / cfg.logit_scale
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,8 +15,19 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "smollm3", "phi3")
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3")
+HF_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+    "smollm3",
+    "phi3",
+    "granite",
+)
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3", "granite")
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
@@ -49,7 +60,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     theta, scaling = hf_rope(cfg, "full_attention")
     window, sliding = _hf_window(cfg, family)
-    return ModelConfig(
+    described = ModelConfig(
         arch=family,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -79,6 +90,10 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         **_hf_experts(cfg, family),
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
     )
+    if family != "granite":
+        return described
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return with_granite_multipliers(described, *(float(cfg.get(name, 1.0)) for name in names))
 
 
 def llama_config_fields(cfg: ModelConfig) -> dict:
@@ -204,6 +219,23 @@ def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
     return replace(cfg, rope_scaling=items, attention_scale=scale, max_position=int(context))
 
 
+def with_granite_multipliers(
+    cfg: ModelConfig, embedding: float, residual: float, attention: float, logits: float
+) -> ModelConfig:
+    """Granite's four multipliers as what the runtime computes anyway. Each block's output joins the residual stream
+    times `residual`; every block and the final norm read that stream through an RMSNorm, which drops a scale, so the
+    stream divided by `residual` computes the same: the embeddings scaled by embedding / residual and the norms' eps
+    by 1 / residual^2 (exact in real arithmetic; Granite has no q/k norms), no kernel changed. The attention
+    multiplier is the query-key scale; the logits' divisor goes into the final norm's weights (checkpoints.py)."""
+    return replace(
+        cfg,
+        embedding_scale=embedding / residual,
+        rms_norm_eps=cfg.rms_norm_eps / residual**2,
+        attention_scale=attention,
+        logit_scale=logits if logits != 1.0 else None,
+    )
+
+
 def _hf_nope_layers(cfg: dict) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: a 0 in no_rope_layers, or by default every no_rope_layer_interval-th."""
     layers, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval") or NOPE_EVERY
@@ -283,7 +315,7 @@ def from_gguf(reader) -> ModelConfig:
     window, sliding = _gguf_window(key, arch, layers)
     scaling = _gguf_rope_scaling(key, arch, "rope_freqs.weight" in names)
     scale = _gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None
-    return ModelConfig(
+    described = ModelConfig(
         arch=arch,
         vocab_size=int(embd.shape[1]),
         hidden_size=hidden,
@@ -309,6 +341,11 @@ def from_gguf(reader) -> ModelConfig:
         **_gguf_experts(key, names, layers),
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
     )
+    if arch != "granite":
+        return described
+    default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none
+    names = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", default), ("logit_scale", 1.0))
+    return with_granite_multipliers(described, *(float(key(name, value)) for name, value in names))
 
 
 def _check_gguf_fields(key, arch: str, head_dim: int) -> None:

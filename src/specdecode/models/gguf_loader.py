@@ -17,10 +17,14 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .checkpoints import gguf_parts
+from .checkpoints import folded_logit_scale, gguf_parts
 from .families import from_gguf
 
-PERMUTED_ROPE_FAMILIES = ("llama", "smollm3")  # GGUF architectures whose converter interleaves q/k rows (LlamaModel's)
+PERMUTED_ROPE_FAMILIES = (
+    "llama",
+    "smollm3",
+    "granite",
+)  # GGUF architectures whose converter interleaves q/k rows (LlamaModel's)
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -87,7 +91,7 @@ def _named_part(cfg: ModelConfig, name: str, w: np.ndarray, raw_tensor):
         w = unpermute_rope(w, cfg.num_heads)  # a permutation of whole rows: blocks move with them
     elif cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("k_proj.weight", "k_proj.bias")):
         w = unpermute_rope(w, cfg.num_kv_heads)
-    tensor = torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy())
+    tensor = folded_logit_scale(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
     return name, RawTensor(raw_tensor.tensor_type, int(raw_tensor.shape[0]), tensor) if raw_tensor else tensor
 
 
