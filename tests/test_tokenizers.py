@@ -10,7 +10,7 @@ from families import llama_cpp_source, vocabulary
 from specdecode.models import tokenizer as tokenizer_module
 from specdecode.models.tokenizer import Tokenizer
 
-VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm", "phi-3"]
+VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm", "phi-3", "refact"]
 
 
 def _cases(name: str) -> list[tuple[str, list[int]]]:
@@ -44,10 +44,10 @@ def test_a_prompt_begins_with_bos_where_the_vocabulary_says_so(name, bos):
         assert tok.encode(bos + "Hello world").count(ids[0]) == 1
 
 
-@pytest.mark.parametrize("name", ["llama-bpe", "llama-spm"])
+@pytest.mark.parametrize("name", ["llama-bpe", "llama-spm", "refact"])
 def test_transformers_own_reading_of_the_file_encodes_otherwise(name, tmp_path, monkeypatch):
     """What the check above catches: without the corrections of encode_as_llama_cpp (whole-word lookups for
-    Llama 3, SentencePiece's dummy prefix) some cases encode to other ids."""
+    Llama 3, SentencePiece's dummy prefix, refact's numerals one by one) some cases encode to other ids."""
     monkeypatch.setattr(tokenizer_module, "encode_as_llama_cpp", lambda tok, meta: None)
     tok = Tokenizer.from_gguf(str(llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf"), str(tmp_path))
     assert any(_pieces(tok, text) != ids for text, ids in _cases(name))

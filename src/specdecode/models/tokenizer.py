@@ -185,14 +185,17 @@ def gguf_bos_id(meta: dict) -> int | None:
 
 def encode_as_llama_cpp(tok, meta: dict) -> None:
     """Where transformers' reading of GGUF metadata encodes otherwise than llama.cpp (and the model's own
-    tokenizer) does: Llama 3's whole-word vocabulary lookups before the merges, and SentencePiece's dummy
+    tokenizer) does: Llama 3's whole-word vocabulary lookups before the merges, SentencePiece's dummy
     prefix, a space before the text whether or not it begins with one (unless the file turns it off, as
-    Gemma's do)."""
-    from tokenizers import normalizers, pre_tokenizers
+    Gemma's do), and the refact pre-tokenizer's numerals split off one by one before GPT-2's words."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
 
     backend = tok.backend_tokenizer
     if meta.get("tokenizer.ggml.pre") in IGNORE_MERGES:
         backend.model.ignore_merges = True
+    if meta.get("tokenizer.ggml.pre") == "refact" and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        numerals = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([numerals, backend.pre_tokenizer])
     if meta.get("tokenizer.ggml.model") == "llama" and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
         spaces = normalizers.Replace(" ", "▁")
         prefix = meta.get("tokenizer.ggml.add_space_prefix")
