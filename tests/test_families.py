@@ -399,9 +399,8 @@ def test_a_rope_scaling_given_at_load_computes_what_the_scaled_checkpoint_does(m
     expected = _expected(made("qwen2_yarn")[2], ids)
     torch.testing.assert_close(_logits(scaled.model, ids), expected, **TOLERANCE)
     assert not torch.allclose(_logits(load_model(str(path), **options).model, ids), expected, **TOLERANCE)
-    llm = LLM(
-        model=str(path), rope_scaling=json.dumps(yarn), num_speculative_tokens=0, **options
-    )  # as `--rope-scaling`
+    # as `--rope-scaling` gives it
+    llm = LLM(model=str(path), rope_scaling=json.dumps(yarn), num_speculative_tokens=0, **options)
     out = llm.generate([ids[:20]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 100  # past the 64 positions of the unscaled model's context
 

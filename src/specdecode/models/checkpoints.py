@@ -118,23 +118,21 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
         return [(f"{GGUF_GLOBAL[base]}.{suffix}", slice(None))]
     prefix, kind, suffix = f"model.layers.{m[1]}", m[2], m[3]
     if kind in GGUF_EXPERTS:
-        parts = GGUF_EXPERTS[kind]
-        size = rows // len(parts)
-        return [
-            (f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}", slice(i * size, (i + 1) * size))
-            for i, p in enumerate(parts)
-        ]
+        return _stacked([f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}" for p in GGUF_EXPERTS[kind]], rows)
     if kind == "attn_qkv":
         return [(f"{prefix}.self_attn.{p}_proj.{suffix}", rows) for p, rows in zip("qkv", _qkv_rows(cfg))]
     if kind == "ffn_up" and cfg.arch == "phi3":  # gate and up in one tensor, gate first (llama.cpp's SwiGLU halves)
-        return [
-            (f"{prefix}.mlp.{p}_proj.{suffix}", slice(i * rows // 2, (i + 1) * rows // 2))
-            for i, p in enumerate(("gate", "up"))
-        ]
+        return _stacked([f"{prefix}.mlp.{p}_proj.{suffix}" for p in ("gate", "up")], rows)
     layer = SANDWICH_LAYER if cfg.sandwich_norms else GGUF_LAYER
     if kind not in layer:
         raise _unknown_tensor(name)
     return [(f"{prefix}.{layer[kind]}.{suffix}", slice(None))]
+
+
+def _stacked(names: list[str], rows: int) -> list[tuple[str, slice]]:
+    """Equal parts of a tensor's rows stacked one after another, one for each name."""
+    size = rows // len(names)
+    return [(name, slice(i * size, (i + 1) * size)) for i, name in enumerate(names)]
 
 
 def _unknown_tensor(name: str) -> SpecDecodeError:

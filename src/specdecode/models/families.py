@@ -79,17 +79,14 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         activation=HF_ACTIVATIONS[cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")],
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
-        attention_scale=rope_attention_scale(
-            cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            scaling,
-            float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
-        ),
+        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if gemma and window else None,
         **_hf_experts(cfg, family),
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
     )
+    described = with_yarn_attention(described)
     if family != "granite":
         return described
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -185,13 +182,13 @@ def yarn_attention_factor(factor: float) -> float:
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def rope_attention_scale(head_dim: int, scaling: tuple, scale: float | None = None) -> float | None:
-    """The query-key scale (None: the runtime's default, head_dim ** -0.5) with YaRN's attention factor m in it:
-    transformers and llama.cpp multiply cos and sin by m, so queries and keys each by m and their scores by m^2."""
-    factor = dict(scaling).get("attention_factor")
+def with_yarn_attention(cfg: ModelConfig) -> ModelConfig:
+    """cfg with its YaRN attention factor m in the query-key scale: transformers and llama.cpp multiply cos and sin
+    by m, so queries and keys each by m and their scores by m^2."""
+    factor = dict(cfg.rope_scaling).get("attention_factor")
     if factor is None or factor == 1.0:
-        return scale
-    return (scale or head_dim**-0.5) * factor**2
+        return cfg
+    return replace(cfg, attention_scale=(cfg.attention_scale or cfg.dim_per_head**-0.5) * factor**2)
 
 
 def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
@@ -215,8 +212,7 @@ def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
         return cfg
     fields = dict(items)
     context = fields["factor"] * fields.get("original_max_position_embeddings", cfg.max_position)
-    scale = rope_attention_scale(cfg.dim_per_head, items, cfg.attention_scale)
-    return replace(cfg, rope_scaling=items, attention_scale=scale, max_position=int(context))
+    return with_yarn_attention(replace(cfg, rope_scaling=items, max_position=int(context)))
 
 
 def with_granite_multipliers(
@@ -313,8 +309,6 @@ def from_gguf(reader) -> ModelConfig:
     _check_gguf_fields(key, arch, head_dim or hidden // heads)
     gemma = arch == "gemma3"
     window, sliding = _gguf_window(key, arch, layers)
-    scaling = _gguf_rope_scaling(key, arch, "rope_freqs.weight" in names)
-    scale = _gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None
     described = ModelConfig(
         arch=arch,
         vocab_size=int(embd.shape[1]),
@@ -329,18 +323,19 @@ def from_gguf(reader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         tie_word_embeddings="output.weight" not in names,
         head_dim=head_dim,
-        rope_scaling=scaling,
+        rope_scaling=_gguf_rope_scaling(key, arch, "rope_freqs.weight" in names),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         activation="gelu_tanh" if gemma else "silu",
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(hidden) if gemma else None,
-        attention_scale=rope_attention_scale(head_dim or hidden // heads, scaling, scale),
+        attention_scale=_gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if gemma and window else None,
         **_gguf_experts(key, names, layers),
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
     )
+    described = with_yarn_attention(described)
     if arch != "granite":
         return described
     default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none

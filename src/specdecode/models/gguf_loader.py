@@ -20,11 +20,8 @@ from ..errors import SpecDecodeError
 from .checkpoints import folded_logit_scale, gguf_parts
 from .families import from_gguf
 
-PERMUTED_ROPE_FAMILIES = (
-    "llama",
-    "smollm3",
-    "granite",
-)  # GGUF architectures whose converter interleaves q/k rows (LlamaModel's)
+# GGUF architectures whose converter interleaves q/k rows (its LlamaModel's)
+PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite")
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -119,7 +119,7 @@ def scaled_frequencies(
     inv_freq: torch.Tensor, scaling: dict, freq_factors: torch.Tensor | None, theta: float
 ) -> torch.Tensor:
     """The frequencies of a RoPE scaling (ModelConfig.rope_scaling); YaRN's attention factor is the query-key scale's
-    (families.rope_attention_scale), so the tables stay cos and sin of these."""
+    (families.with_yarn_attention), so the tables stay cos and sin of these."""
     kind = scaling.get("rope_type")
     if kind is None:
         return inv_freq

@@ -134,8 +134,8 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale or self.head_dim**-0.5
         # which of the model's RoPE tables this layer reads: Gemma 3's sliding layers have their own base, and a NoPE
         # layer's table turns nothing (cos 1, sin 0: every kernel that rotates leaves its queries and keys as they are)
-        self.rope = "local" if self.window is not None and cfg.local_rope_theta is not None else "global"
-        self.rope = "none" if layer in cfg.nope_layers else self.rope
+        local = self.window is not None and cfg.local_rope_theta is not None
+        self.rope = "none" if layer in cfg.nope_layers else "local" if local else "global"
         # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
