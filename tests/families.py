@@ -21,6 +21,7 @@ from specdecode.models.sources import cache_root
 LLAMA_CPP_PYTHON = "0.3.36"
 SONNETS = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "bench" / "data" / "sonnets.txt"
 SPM_VOCAB = 300
+ATTENTION_SOFTCAP, FINAL_SOFTCAP = 4.0, 30.0
 SMALL = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -81,6 +82,20 @@ FAMILIES = {
                 full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
                 sliding_attention=dict(rope_type="default", rope_theta=10000.0),
             ),
+        ),
+        norm_center=0.0,
+    ),
+    # four layers, the first and third attending to 12 keys; the scores' soft cap low enough to bend these weights'
+    # scores (Gemma 2's own is 50), the logits' Gemma 2's own
+    "gemma2": Family(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=ATTENTION_SOFTCAP,
+            final_logit_softcapping=FINAL_SOFTCAP,
         ),
         norm_center=0.0,
     ),

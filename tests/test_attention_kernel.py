@@ -141,10 +141,27 @@ SHAPES = [(14, 2, 64), (12, 2, 128), (6, 1, 16), (3, 3, 48), (16, 2, 32)]
 
 
 def _call(
-    lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, window=0, scale=None, norms=None, eps=1e-6, tables=None
+    lib,
+    qkv,
+    H,
+    Hkv,
+    D,
+    slots,
+    positions,
+    cos,
+    sin,
+    k,
+    v,
+    out,
+    window=0,
+    scale=None,
+    norms=None,
+    eps=1e-6,
+    tables=None,
+    softcap=0.0,
 ) -> int:
     """One call of the kernel over the cache k, v [blocks, Hkv, B, D] read through tables [S, MB] (default: one
-    block a slot, slot s's block s); norms: (q weights, k weights) or None. The keys go to the kernel in tiles
+    block a slot, slot s's block s); norms: (q weights, k weights) or None; softcap: of the scores (0: none). The keys go to the kernel in tiles
     as the cache stores them, and the ones it writes come back into k."""
     attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
     q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
@@ -166,6 +183,7 @@ def _call(
         eps,
         D**-0.5 if scale is None else scale,
         window,
+        softcap,
         tiles.data_ptr(),
         v.data_ptr(),
         tables.data_ptr(),
@@ -207,11 +225,18 @@ def _rms_norm(x, weight, eps=1e-6):
 
 
 # a sliding window that ends inside a block of keys, and one inside a block of values, with a query scale and
-# q/k norms (Gemma 3's layers), and none of them (Llama's)
-WINDOWED = [dict(), dict(window=37, scale=0.11), dict(window=130, norms=True)]
+# q/k norms (Gemma 3's layers), and none of them (Llama's); scores soft-capped (Gemma 2's layers: a cap these
+# scores, about 3 at most, bend far from their own)
+WINDOWED = [dict(), dict(window=37, scale=0.11), dict(window=130, norms=True), dict(window=37, softcap=1.5)]
+WINDOWED_IDS = ["full", "window-37", "window-130-qk-norm", "window-37-softcap"]
+BITS_CASES = dict(argnames="options", argvalues=WINDOWED[:2] + WINDOWED[3:], ids=WINDOWED_IDS[:2] + WINDOWED_IDS[3:])
 
 
-@pytest.mark.parametrize("options", WINDOWED, ids=["full", "window-37", "window-130-qk-norm"])
+def _softcapped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if not cap else torch.tanh(scores / cap) * cap
+
+
+@pytest.mark.parametrize("options", WINDOWED, ids=WINDOWED_IDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_long_context_attention_matches_float64(dtype, shape, options):
@@ -228,7 +253,8 @@ def test_long_context_attention_matches_float64(dtype, shape, options):
         seen = slice(max(0, n - options.get("window", n)), n)
         keys = k[0, :, seen].double().repeat_interleave(H // Hkv, 0)
         values = v[0, :, seen].double().repeat_interleave(H // Hkv, 0)
-        weights = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) * options.get("scale", D**-0.5), -1)
+        scores = q[:, None, :] @ keys.transpose(1, 2) * options.get("scale", D**-0.5)
+        weights = torch.softmax(_softcapped(scores, options.get("softcap")), -1)
         torch.testing.assert_close(out[t].double(), (weights @ values).reshape(H * D), rtol=1e-4, atol=1e-5)
     if norms is not None:  # the drafts' keys went into the cache normalised, then rotated
         raw = qkv[2, H * D : (H + Hkv) * D].view(Hkv, D).double()
@@ -236,7 +262,7 @@ def test_long_context_attention_matches_float64(dtype, shape, options):
         torch.testing.assert_close(k[0, :, int(positions[2])].double(), expected, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("options", WINDOWED[:2], ids=["full", "window-37"])
+@pytest.mark.parametrize(**BITS_CASES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("isa", kernel_builds())
@@ -256,7 +282,7 @@ def _the_other_prefetching_build():
     return bind(ctypes.CDLL(build("attention", "native", compiler(), source)), "attention")
 
 
-@pytest.mark.parametrize("options", WINDOWED[:2], ids=["full", "window-37"])
+@pytest.mark.parametrize(**BITS_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_either_way_of_prefetching_gives_the_scalar_bits(dtype, options):
     other = _the_other_prefetching_build()
@@ -289,6 +315,11 @@ def test_a_window_the_kernel_ignored_would_fail_the_reference():
     """The float64 check above sees a window: the whole context's attention is far from the windowed one."""
     windowed = _attend_long_context("scalar", torch.float32, window=37)[0]
     assert not torch.allclose(windowed, _attend_long_context("scalar", torch.float32)[0], rtol=1e-3, atol=1e-3)
+
+
+def test_a_soft_cap_the_kernel_ignored_would_fail_the_reference():
+    capped = _attend_long_context("scalar", torch.float32, window=37, softcap=1.5)[0]
+    assert not torch.allclose(capped, _attend_long_context("scalar", torch.float32, window=37)[0], rtol=1e-3, atol=1e-3)
 
 
 def test_a_call_outside_the_cache_or_of_a_shape_it_does_not_take_is_refused_with_a_code():
@@ -369,9 +400,9 @@ def test_verified_tokens_in_a_sliding_window_attend_together_as_if_each_were_alo
     assert torch.equal(out, alone)
 
 
-def _softmax_exponentials(isa: str, scores: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _softmax_exponentials(isa: str, scores: torch.Tensor, softcap: float = 0.0) -> tuple[torch.Tensor, float]:
     p = scores.clone()
-    total = load("attention", isa).attention_softmax_unnormalised(p.data_ptr(), p.numel())
+    total = load("attention", isa).attention_softmax_unnormalised(p.data_ptr(), p.numel(), softcap)
     return p, total
 
 
@@ -389,6 +420,35 @@ def test_softmax_exponentials_give_the_scalar_bits_on_every_build(isa):
     got, total = _softmax_exponentials(isa, scores)
     reference, reference_total = _softmax_exponentials("scalar", scores)
     assert torch.equal(got, reference) and total == reference_total
+
+
+def _scores_over_tanh_range(n: int = 20_003) -> torch.Tensor:
+    """Scores of either sign from far inside the cap (where tanh is its argument) to far past it (where it is 1),
+    and the edges: zeros of both signs, the largest float."""
+    gen = torch.Generator().manual_seed(2)
+    spread = torch.randn(n - 4, generator=gen) * torch.logspace(-6, 3, n - 4)
+    return torch.cat([spread, torch.tensor([0.0, -0.0, 3.4e38, -3.4e38])])
+
+
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_soft_capped_exponentials_give_the_scalar_bits_on_every_build(isa):
+    scores = _scores_over_tanh_range()
+    got, total = _softmax_exponentials(isa, scores, softcap=30.0)
+    reference, reference_total = _softmax_exponentials("scalar", scores, softcap=30.0)
+    assert torch.equal(got, reference) and total == reference_total
+
+
+def test_soft_capped_scores_are_cap_times_tanh_to_within_a_few_ulp_of_the_cap():
+    """The exponentials of capped scores against float64's: the cap's tanh is (1 - e) / (1 + e), whose error near
+    zero is a few ulp of 1 (not of the score), times the cap."""
+    cap, scores = 30.0, _scores_over_tanh_range()
+    got, total = _softmax_exponentials("scalar", scores, softcap=cap)
+    capped = _softcapped(scores.double(), cap)
+    exact = torch.exp(capped - capped.max())
+    torch.testing.assert_close(got.double(), exact, rtol=4 * cap * 2**-24, atol=0)
+    assert total == pytest.approx(float(exact.sum()), rel=1e-5)
+    uncapped, _ = _softmax_exponentials("scalar", scores)
+    assert not torch.allclose(uncapped.double(), exact, rtol=1e-3, atol=1e-6)
 
 
 def test_softmax_exponentials_are_exp_to_within_a_few_ulp():

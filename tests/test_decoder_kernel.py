@@ -46,6 +46,15 @@ VARIANTS = {
     ),
     "mixture of experts": dict(arch="qwen3moe", num_experts=4, experts_per_token=2, qk_norm=True, dense_layers=(1,)),
     "a layer without RoPE (SmolLM3's NoPE)": dict(arch="smollm3", nope_layers=(1,)),
+    "soft-capped scores (Gemma 2)": dict(
+        arch="gemma2",
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        sliding_window=5,
+        sliding_layers=(0, 2),
+        attention_softcap=1.5,  # below these weights' scores: a cap left out changes the bits
+        final_softcap=30.0,
+    ),
 }
 
 
@@ -112,7 +121,10 @@ def test_one_call_gives_the_module_by_module_bits(variant):
     assert _same(_session(model, kernel), _session(model, None))
 
 
-@pytest.mark.parametrize("variant", ["q/k norms, float16 cache", "sandwich norms and GeGLU", "mixture of experts"])
+@pytest.mark.parametrize(
+    "variant",
+    ["q/k norms, float16 cache", "sandwich norms and GeGLU", "mixture of experts", "soft-capped scores (Gemma 2)"],
+)
 @pytest.mark.parametrize("isa", kernel_builds())
 def test_one_call_gives_the_module_bits_on_every_build(isa, variant, monkeypatch):
     """With every kernel of one build (SPECDECODE_KERNELS): the decoder calls the builds the modules call."""
@@ -140,6 +152,7 @@ MISTAKES = {
     "residual restarted each layer": ("if (l == 0) {", "if (1) {", "qkv bias, Q8_0"),
     "one RoPE table for all": ("t->cos[L->local_rope]", "t->cos[0]", "sliding layers with their own RoPE base"),
     "a NoPE layer rotated": ("t->sin[L->local_rope]", "t->sin[0]", "a layer without RoPE (SmolLM3's NoPE)"),
+    "scores not soft-capped": ("L->window, L->softcap,", "L->window, 0.f,", "soft-capped scores (Gemma 2)"),
     "pre-feedforward norm with the post-attention weights": (
         "L->pre_ff_norm, s->normed",
         "L->post_norm, s->normed",

@@ -162,6 +162,9 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
+        ("gemma2", lambda cfg: dataclasses.replace(cfg, attention_softcap=None)),  # scores uncapped
+        ("gemma2", lambda cfg: dataclasses.replace(cfg, final_softcap=None)),  # logits uncapped
+        ("gemma2", lambda cfg: dataclasses.replace(cfg, sliding_layers=(1, 3))),  # the other layers slide
     ],
     ids=[
         "llama3-rope-scaling",
@@ -178,6 +181,9 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "yarn-frequencies",
         "yarn-attention-factor",
         "yarn-ramp-not-rounded",
+        "gemma2-scores-uncapped",
+        "gemma2-logits-uncapped",
+        "gemma2-window-on-odd-layers",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -265,6 +271,19 @@ def test_phi3s_fused_tensors_split_the_other_way_fail_the_comparison(made, sourc
     assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
 
 
+def test_a_gemma2_gguf_that_states_no_caps_or_window_gets_llama_cpps_defaults(made, tmp_path):
+    """Caps of 50 (scores) and 30 (logits) and a window of 4096 on every other layer, as llama.cpp computes such a file;
+    the caps the file states otherwise (the converter writes config.json's)."""
+    _, gguf, _ = made("gemma2")
+    names = ("attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window")
+    bare = _with_metadata(gguf, tmp_path / "bare.gguf", {}, dropped=tuple(f"gemma2.{n}" for n in names))
+    cfg, _ = load_gguf(str(bare), progress=False)
+    assert (cfg.attention_softcap, cfg.final_softcap, cfg.sliding_window) == (50.0, 30.0, 4096)
+    assert cfg.sliding_layers == (0, 2)
+    stated, _ = load_gguf(str(gguf), progress=False)
+    assert (stated.attention_softcap, stated.final_softcap, stated.sliding_window) == (4.0, 30.0, 12)
+
+
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_granites_logits_divided_otherwise_fail_the_comparison(made, source, monkeypatch):
     """Granite's logits_scaling is folded into the final norm's weights at load: without the fold, from the folder or
@@ -282,9 +301,15 @@ def test_granites_logits_divided_otherwise_fail_the_comparison(made, source, mon
 
 
 def _with_metadata(
-    source, out, extra: dict[str, int | float], strings: dict[str, str] | None = None, extra_tensor: str | None = None
+    source,
+    out,
+    extra: dict[str, int | float],
+    strings: dict[str, str] | None = None,
+    extra_tensor: str | None = None,
+    dropped: tuple[str, ...] = (),
 ):
-    """A copy of a GGUF file with more integer or float (and string) metadata, or one more tensor."""
+    """A copy of a GGUF file with more integer or float (and string) metadata, or one more tensor, or without the
+    `dropped` keys."""
     from gguf import GGUFValueType, GGUFWriter
 
     from specdecode.models.gguf_loader import MappedReader
@@ -292,7 +317,7 @@ def _with_metadata(
     reader = MappedReader(str(source))
     writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in (strings or {}):
+        if key.startswith("GGUF.") or key == "general.architecture" or key in (strings or {}) or key in dropped:
             continue
         value_type = f.types[0]
         sub_type = f.types[-1] if value_type == GGUFValueType.ARRAY else None
@@ -424,6 +449,19 @@ def test_a_rope_scaling_is_refused_where_the_model_has_its_own_or_it_is_not_json
         "rope_type": "linear",
         "factor": 2,
     }
+
+
+def test_a_gemma2_config_json_reads_as_transformers_does():
+    """Without layer_types every other layer slides, the first among them; caps absent are transformers' defaults,
+    caps set to null are none."""
+    from specdecode.models.families import from_hf_config
+
+    gemma2 = {**LLAMA, "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096}
+    cfg = from_hf_config(gemma2)
+    assert cfg.sliding_layers == (0,) and (cfg.attention_softcap, cfg.final_softcap) == (50.0, 30.0)
+    assert cfg.sandwich_norms and not cfg.qk_norm and cfg.local_rope_theta is None
+    cfg = from_hf_config({**gemma2, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (cfg.attention_softcap, cfg.final_softcap) == (None, None)
 
 
 def test_a_multimodal_gemma3_checkpoint_is_sent_to_its_text_model():

@@ -57,13 +57,13 @@ def _case(seed: int, heads, kv_heads, dim, starts: list[int], rows: int, block_s
     return cache, batch, (q, k, v), rope, [(slot, start + rows) for slot, start in zip(slots, starts)]
 
 
-def _pytorch(batch, cache, q, k, v, rope, window, scale):
+def _pytorch(batch, cache, q, k, v, rope, window, scale, softcap=None):
     """The same step through the batch as the fixed-shape forward runs it without the kernels."""
     q, k = (apply_rope(t.transpose(1, 2), *rope) for t in (q, k))
     batch.forget()
     batch.store(cache, 0, k, v.transpose(1, 2))
     keys, values = batch.load(cache, 0)
-    out = batch.attend(q, keys, values, window, scale)
+    out = batch.attend(q, keys, values, window, scale, softcap)
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
@@ -74,14 +74,15 @@ def _clone(cache: KVCache) -> KVCache:
     return other
 
 
-def _both(attention, case, window=None, scale=0.3):
+def _both(attention, case, window=None, scale=0.3, softcap=None, their_softcap="same"):
     cache, batch, (q, k, v), rope, slots = case
     theirs = _clone(cache)
-    got = attention(batch, cache, 0, q, k, v, rope, window, scale)
-    want = _pytorch(batch, theirs, q, k, v, rope, window, scale)
+    got = attention(batch, cache, 0, q, k, v, rope, window, scale, softcap)
+    want = _pytorch(batch, theirs, q, k, v, rope, window, scale, softcap if their_softcap == "same" else their_softcap)
     return got, want, cache, theirs, slots
 
 
+SOFTCAP = 0.5  # below the cases' scores
 SHAPES = {  # heads, KV heads, head dim
     "6-per-kv-head": (12, 2, 32),
     "no-grouping": (2, 2, 16),
@@ -101,6 +102,17 @@ def test_the_kernels_compute_pytorchs_attention_and_cache_writes(split_keys, hea
     for slot, n in slots:  # the new rows' rotated keys and values where PyTorch's path puts them
         torch.testing.assert_close(cache.keys(0, slot, n), theirs.keys(0, slot, n), atol=ATOL, rtol=0)
         torch.testing.assert_close(cache.values(0, slot, n), theirs.values(0, slot, n), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("split_keys", [512, 64], ids=["one-program-a-row", "split-and-merged"])
+def test_soft_capped_scores_are_pytorchs(split_keys):
+    """Gemma 2's soft cap on the scores, at a cap these scores reach; a kernel that ignored it would not agree."""
+    case = _case(6, *SHAPES["6-per-kv-head"], starts=[70, 5], rows=3)
+    got, want, *_ = _both(PagedAttention(split_keys=split_keys), case, 7, softcap=SOFTCAP)
+    torch.testing.assert_close(got[:2], want[:2], atol=ATOL, rtol=0)
+    case = _case(6, *SHAPES["6-per-kv-head"], starts=[70, 5], rows=3)
+    uncapped, want, *_ = _both(PagedAttention(split_keys=split_keys), case, 7, their_softcap=SOFTCAP)
+    assert not torch.allclose(uncapped[:2], want[:2], atol=ATOL, rtol=0)
 
 
 def test_blocks_of_32_tokens():
@@ -158,8 +170,8 @@ def _forwards(model, attention):
 
 @pytest.mark.parametrize(
     "features",
-    [{}, {"sliding_window": 5, "qk_norm": True}, {"attention_scale": 0.2}],
-    ids=["qwen2", "window+qk-norm", "scale"],
+    [{}, {"sliding_window": 5, "qk_norm": True}, {"attention_scale": 0.2}, {"attention_softcap": SOFTCAP}],
+    ids=["qwen2", "window+qk-norm", "scale", "softcap"],
 )
 def test_whole_forwards_with_the_kernels_compute_pytorchs(features):
     model = tiny_model(seed=3, **features).model

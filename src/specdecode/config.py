@@ -308,6 +308,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
     nope_layers: tuple[int, ...] = ()  # layers that rotate no position into queries and keys (SmolLM3's every fourth)
     logit_scale: float | None = None  # the logits divided by it (Granite): folded into the final norm's weights at load
+    # Gemma 2's soft caps, cap * tanh(x / cap): of each attention score after the query-key scale, and of the logits
+    attention_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists

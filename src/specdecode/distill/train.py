@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..executor.backends import resolve_dtype
 from ..models.draft_head import DraftHead
-from ..models.layers import Linear, RMSNorm
+from ..models.layers import Linear, RMSNorm, softcapped
 from .data import FeatureSet
 from .recipe import Recipe
 
@@ -49,7 +49,8 @@ def head_losses(
         features = features + noise * features.std(-1, keepdim=True) * torch.randn_like(features)
     truth = hidden[:, 1:].float()
     with torch.no_grad():
-        target_logp = F.log_softmax(head.lm_head(head.norm(truth.reshape(-1, truth.shape[-1]))), -1)
+        truth_logits = head.lm_head(head.norm(truth.reshape(-1, truth.shape[-1])))
+        target_logp = F.log_softmax(softcapped(truth_logits, head.final_softcap), -1)
     width = truth.shape[1]
     losses = []
     for step, (logits, predicted) in enumerate(head.unrolled(tokens[:, 1:], features, steps)):

@@ -48,6 +48,7 @@ class RowwiseAttentionKernel:
             eps,
             attn.scale,
             attn.window or 0,
+            attn.softcap or 0.0,
             keys.data_ptr(),
             values.data_ptr(),
             cache.table.data_ptr(),

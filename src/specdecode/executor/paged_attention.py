@@ -74,10 +74,23 @@ def _rotate_and_store(
 
 
 @triton.jit
-def _fold_in(queries, keys, values, sees, scale, best, total, acc):
+def _softcapped(scores, cap):
+    """cap * tanh(scores / cap) (Gemma 2's soft cap): tanh |y| = (1 - e) / (1 + e), e = exp(-2 |y|), the sign put
+    back (kernels/attention.c's form)."""
+    y = scores / cap
+    e = tl.exp(-2.0 * tl.abs(y))
+    magnitude = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -magnitude, magnitude) * cap
+
+
+@triton.jit
+def _fold_in(queries, keys, values, sees, scale, best, total, acc, SOFTCAP: tl.constexpr):
     """A span of keys and values folded into the rows' running softmax (best: the highest score so far, total: the
-    sum of weights, acc: the weighted values, float32); keys a row does not see leave its sums as they were."""
+    sum of weights, acc: the weighted values, float32), its scores soft-capped where SOFTCAP > 0; keys a row does
+    not see leave its sums as they were."""
     scores = tl.dot(queries, tl.trans(keys.to(queries.dtype)), input_precision="ieee") * scale
+    if SOFTCAP > 0:
+        scores = _softcapped(scores, SOFTCAP)
     scores = tl.where(sees, scores, float("-inf"))
     new_best = tl.maximum(best, tl.max(scores, 1))
     shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen no key yet
@@ -95,6 +108,7 @@ def _attend(
     R: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, HEADS: tl.constexpr,  # HEADS: query heads a program
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     KEYS: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # of the scores (Gemma 2); 0: none
 ):  # fmt: skip
     """Program (b, p, s): query heads p * HEADS.. (all under one KV head) of sequence b's R rows, q [B * R, H, D]
     (rows q_row apart) and out [B * R, H, D], over the keys each row sees (those up to its position, the last
@@ -133,7 +147,7 @@ def _attend(
         keys = tl.load(k_cache + key_offset(base, offset, d[None, :], BS, TILE, D), mask=wanted, other=0.0)
         values = tl.load(v_cache + value_offset(base, offset, d[None, :], BS, D), mask=wanted, other=0.0)
         sees = live[None, :] & (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - reach)
-        best, total, acc = _fold_in(queries, keys, values, sees, scale, best, total, acc)
+        best, total, acc = _fold_in(queries, keys, values, sees, scale, best, total, acc, SOFTCAP)
     if SPLITS == 1:
         total = tl.where(total > 0, total, 1.0)  # lanes of no query (BLOCK_M past the rows) may see no key
         tl.store(out + at, (acc / total[:, None]).to(out.dtype.element_ty), mask=both)
@@ -188,12 +202,14 @@ class PagedAttention:
         self.heads_per_program, self.span, self.split_keys = heads_per_program, span, split_keys
         self.in_projection = in_projection
 
-    def __call__(self, batch, cache: KVCache, layer: int, q, k, v, rope, window: int | None, scale: float):
+    def __call__(
+        self, batch, cache: KVCache, layer: int, q, k, v, rope, window: int | None, scale: float, softcap=None
+    ):
         bsz, rows, heads, dim = q.shape
         if any(t.stride(3) != 1 for t in (q, k, v)):
             raise ValueError("the new rows' q, k and v must each hold a head's values side by side")
         rotated = rotate_and_store(q, k, v, rope_store(batch, cache, layer, rope, heads, k.shape[2]))
-        return self.attend(batch, cache, layer, rotated.view(bsz, rows, heads * dim), heads, window, scale)
+        return self.attend(batch, cache, layer, rotated.view(bsz, rows, heads * dim), heads, window, scale, softcap)
 
     def project(self, attention, norm, x, residual, rope, batch, cache: KVCache):
         """(the layer's QKV projection of norm(x + residual), its queries rotated, x + residual), its keys and
@@ -204,9 +220,12 @@ class PagedAttention:
         store = rope_store(batch, cache, attention.layer, rope, attention.num_heads, attention.num_kv_heads)
         return rotated_projection(attention, norm, x, residual, store)
 
-    def attend(self, batch, cache: KVCache, layer: int, queries, heads: int, window: int | None, scale: float):
+    def attend(
+        self, batch, cache: KVCache, layer: int, queries, heads: int, window: int | None, scale: float, softcap=None
+    ):
         """The attention outputs [B, R, H * D] of rotated queries [B, R, >= H * D] (the first H * D of a row's
-        values, rows any distance apart), their keys and values already in the cache."""
+        values, rows any distance apart), their keys and values already in the cache; scores soft-capped where
+        softcap is set."""
         bsz, rows = queries.shape[:2]
         if queries.stride(2) != 1 or queries.stride(0) != rows * queries.stride(1):
             raise ValueError("a row's queries must lie side by side, and the rows of a batch evenly apart")
@@ -228,7 +247,7 @@ class PagedAttention:
             cache.k[layer], cache.v[layer], scale, window or 0, *parts,
             R=rows, H=heads, HKV=kv_heads, HEADS=per_program, D=dim, BLOCK_D=width, BS=cache.block_size,
             TILE=KEY_TILE, KEYS=keys, SPLIT=split, SPLITS=splits,
-            BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)), BLOCK_N=self.span,
+            BLOCK_M=max(16, triton.next_power_of_2(per_program * rows)), BLOCK_N=self.span, SOFTCAP=float(softcap or 0),
             num_warps=4 if self.span <= 64 else 8,
         )  # fmt: skip
         if splits > 1:

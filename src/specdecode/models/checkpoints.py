@@ -17,7 +17,7 @@ from ..errors import SpecDecodeError
 
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # families whose RMSNorm multiplies by (1 + weight): llama.cpp's converter adds the 1 to the stored weights
-NORM_OFFSET_FAMILIES = ("gemma3_text",)
+NORM_OFFSET_FAMILIES = ("gemma3_text", "gemma2")
 
 
 def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

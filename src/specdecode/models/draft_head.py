@@ -87,6 +87,7 @@ class DraftHead(nn.Module):
         self.rotary = copy.deepcopy(target.rotary, {id(t): t.clone() for t in target.rotary.buffers()})
         self.vocab_ids = vocab_ids
         self.norm = target.norm  # the target's final norm (not saved: see OWNED)
+        self.final_softcap = target.cfg.final_softcap  # and its logits' cap: the head's logits estimate the target's
         # the target's embedding, not registered: neither saved nor counted as the head's memory
         self._shared = {"embed": target.embed_tokens}
         self.owns_lm_head = target.vocab_ids is None  # else the target's rows are the head's too
@@ -197,7 +198,7 @@ class DraftHead(nn.Module):
         where its kernel takes the norm in)."""
         hidden = features.shape[-1]
         x, residual = (features + out).reshape(-1, hidden), residual.reshape(-1, hidden)
-        logits, predicted = final_logits(self.norm, self.lm_head, x, residual, rows)
+        logits, predicted = final_logits(self.norm, self.lm_head, x, residual, rows, self.final_softcap)
         return (logits, predicted) if return_hidden else logits
 
     def owned_state(self) -> dict[str, torch.Tensor]:

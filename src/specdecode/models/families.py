@@ -21,13 +21,19 @@ HF_FAMILIES = (
     "qwen2",
     "qwen3",
     "gemma3_text",
+    "gemma2",
     "mixtral",
     "qwen3_moe",
     "smollm3",
     "phi3",
     "granite",
 )
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3", "granite")
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "smollm3", "phi3", "granite")
+GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
+# Gemma's layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other (Gemma 2)
+GEMMA_WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2}
+# Gemma 2's soft caps of attention scores and logits where the file states none: llama.cpp's and transformers' defaults
+GEMMA2_SOFTCAPS = {"attention": 50.0, "final": 30.0}
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
@@ -56,7 +62,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     if family not in HF_FAMILIES:
         raise refuse("model_type", family, ", ".join(HF_FAMILIES))
     _check_common_fields(cfg, family)
-    gemma = family == "gemma3_text"
+    gemma = family in GEMMA_FAMILIES
     heads = cfg["num_attention_heads"]
     theta, scaling = hf_rope(cfg, "full_attention")
     window, sliding = _hf_window(cfg, family)
@@ -82,9 +88,10 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
-        local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if gemma and window else None,
+        local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if family == "gemma3_text" and window else None,
         **_hf_experts(cfg, family),
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
+        **_hf_softcaps(cfg, family),
     )
     described = with_yarn_attention(described)
     if family != "granite":
@@ -112,18 +119,13 @@ def llama_config_fields(cfg: ModelConfig) -> dict:
 def _check_common_fields(cfg: dict, family: str) -> None:
     """Fields some configs of these families set to something the runtime does not compute."""
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
-    allowed = ("gelu_pytorch_tanh",) if family == "gemma3_text" else ("silu",)
+    allowed = ("gelu_pytorch_tanh",) if family in GEMMA_FAMILIES else ("silu",)
     if activation not in allowed:
         raise refuse("hidden_act", activation, ", ".join(allowed))
     if family != "qwen2" and cfg.get("attention_bias"):
         raise refuse("attention_bias", True, "false (biased q/k/v are Qwen2's only)")
-    for name in (
-        "mlp_bias",
-        "use_bidirectional_attention",
-        "attn_logit_softcapping",
-        "final_logit_softcapping",
-        "quantization_config",
-    ):
+    softcaps = () if family == "gemma2" else ("attn_logit_softcapping", "final_logit_softcapping")
+    for name in ("mlp_bias", "use_bidirectional_attention", *softcaps, "quantization_config"):
         if cfg.get(name):
             raise refuse(name, cfg[name], "unset or false")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -248,8 +250,9 @@ def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | No
     if not window:
         return None, None
     layer_types = cfg.get("layer_types")
-    if layer_types is None and family == "gemma3_text":
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    if layer_types is None and family in GEMMA_FAMILIES:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+        pattern = pattern or GEMMA_WINDOW_PATTERN[family]
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     elif layer_types is None and family in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", layers)
@@ -258,6 +261,15 @@ def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | No
         return int(window), None
     sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     return (int(window), sliding) if sliding else (None, None)
+
+
+def _hf_softcaps(cfg: dict, family: str) -> dict:
+    """Gemma 2's soft caps (None in its config.json: none)."""
+    if family != "gemma2":
+        return {}
+    names = {"attention": "attn_logit_softcapping", "final": "final_logit_softcapping"}
+    caps = {kind: cfg.get(name, GEMMA2_SOFTCAPS[kind]) for kind, name in names.items()}
+    return {f"{kind}_softcap": float(cap) if cap else None for kind, cap in caps.items()}
 
 
 def _hf_experts(cfg: dict, family: str) -> dict:
@@ -307,7 +319,7 @@ def from_gguf(reader) -> ModelConfig:
             raise refuse(f"{arch}.{name}", "a value per layer", "one value for every layer")
     head_dim = key("attention.key_length")
     _check_gguf_fields(key, arch, head_dim or hidden // heads)
-    gemma = arch == "gemma3"
+    gemma = arch in GEMMA_FAMILIES
     window, sliding = _gguf_window(key, arch, layers)
     described = ModelConfig(
         arch=arch,
@@ -328,12 +340,13 @@ def from_gguf(reader) -> ModelConfig:
         activation="gelu_tanh" if gemma else "silu",
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(hidden) if gemma else None,
-        attention_scale=_gemma3_attention_scale(hidden, heads, head_dim, layers) if gemma else None,
+        attention_scale=_gemma_attention_scale(arch, hidden, heads, head_dim, layers) if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
-        local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if gemma and window else None,
+        local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" and window else None,
         **_gguf_experts(key, names, layers),
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
+        **_gguf_softcaps(key, arch),
     )
     described = with_yarn_attention(described)
     if arch != "granite":
@@ -348,7 +361,8 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
         raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
     if key("rope.dimension_count", head_dim) != head_dim:
         raise refuse(f"{arch}.rope.dimension_count", key("rope.dimension_count"), f"the head size, {head_dim}")
-    for name in ("final_logit_softcapping", "attn_logit_softcapping", "expert_shared_count"):
+    softcaps = () if arch == "gemma2" else ("final_logit_softcapping", "attn_logit_softcapping")
+    for name in (*softcaps, "expert_shared_count"):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:
@@ -396,15 +410,24 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     return tuple(sorted(items.items()))
 
 
+def _gguf_softcaps(key, arch: str) -> dict:
+    """Gemma 2's soft caps: llama.cpp applies both, at its defaults where the file states none."""
+    if arch != "gemma2":
+        return {}
+    names = {"attention": "attn_logit_softcapping", "final": "final_logit_softcapping"}
+    return {f"{kind}_softcap": float(key(name, GEMMA2_SOFTCAPS[kind])) for kind, name in names.items()}
+
+
 def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
-    """llama.cpp's reading: a window applies where the file states one, but Phi-3's (llama.cpp turns it off); Gemma 3's
-    layers slide but every sixth (or as its sliding_window_pattern says), any other family's all slide."""
-    window = key("attention.sliding_window")
+    """llama.cpp's reading: a window applies where the file states one (Gemma 2's is 4096 where it does not), but
+    Phi-3's (llama.cpp turns it off); Gemma's layers slide but every sixth (Gemma 3) or every other (Gemma 2), or as
+    its sliding_window_pattern says; any other family's all slide."""
+    window = key("attention.sliding_window", 4096 if arch == "gemma2" else None)
     if not window or arch == "phi3":
         return None, None
-    if arch != "gemma3":
+    if arch not in GEMMA_FAMILIES:
         return int(window), None
-    pattern = key("attention.sliding_window_pattern", 6)
+    pattern = key("attention.sliding_window_pattern", GEMMA_WINDOW_PATTERN[arch])
     if isinstance(pattern, list):
         sliding = tuple(i for i, slides in enumerate(pattern) if slides)
     else:
@@ -412,10 +435,15 @@ def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ..
     return int(window), sliding
 
 
-def _gemma3_attention_scale(hidden: int, heads: int, head_dim: int | None, layers: int) -> float:
-    """llama.cpp's Gemma 3 query scale: 1/sqrt(head size), but 1/sqrt(hidden / heads) for the 27B (62
-    layers), as Google's reference code does (GGUF does not store query_pre_attn_scalar)."""
-    return 1.0 / math.sqrt(hidden / heads if layers == 62 else head_dim or hidden // heads)
+# the 27B models' layer counts, whose query scale llama.cpp takes from hidden / heads
+GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
+
+
+def _gemma_attention_scale(arch: str, hidden: int, heads: int, head_dim: int | None, layers: int) -> float:
+    """llama.cpp's Gemma query scale: 1/sqrt(head size), but 1/sqrt(hidden / heads) for the 27B models, as Google's
+    reference code does (GGUF does not store query_pre_attn_scalar)."""
+    big = layers == GEMMA_27B_LAYERS[arch]
+    return 1.0 / math.sqrt(hidden / heads if big else head_dim or hidden // heads)
 
 
 def _gguf_experts(key, names: set[str], layers: int) -> dict:

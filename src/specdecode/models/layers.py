@@ -174,6 +174,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def softcapped(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap), Gemma 2's soft cap of attention scores and logits (None: x as it is)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def attention(q, keys, values, scale: float, mask=None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over keys and values [B, Hkv, K, D] (mask: the keys each query sees). PyTorch's
+    fused kernels take no soft cap: a capped model's scores are computed as transformers' eager attention does."""
+    gqa = keys.shape[1] != q.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
+    scores = softcapped(q @ keys.transpose(-1, -2) * scale, softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 

@@ -12,7 +12,6 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
@@ -20,7 +19,17 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
-from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope, normed_linear
+from .layers import (
+    MLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoE,
+    apply_rope,
+    attention,
+    normed_linear,
+    softcapped,
+)
 
 REPEATS_KV_HEADS = {"cuda"}  # devices where masked attention repeats the KV heads for PyTorch's fused kernels
 
@@ -96,15 +105,13 @@ class ForwardBatch:
         """The batched path's keys and values [B, Hkv, kv_len, D]."""
         return cache.read(layer, self.slot_index, self.kv_len)
 
-    def attend(self, q, keys, values, window: int | None, scale: float) -> torch.Tensor:
+    def attend(self, q, keys, values, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
         """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]. On CUDA a mask beside
         `enable_gqa` leaves PyTorch only its unfused kernel, whose float32 scores [B, H, T, kv_len] are 45 GiB at 27k
         tokens (ComfyUI#15135, transformers' use_gqa_in_sdpa): there the KV heads are repeated instead."""
         if q.device.type in REPEATS_KV_HEADS and keys.shape[1] != q.shape[1]:
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=self.mask_for(window), enable_gqa=keys.shape[1] != q.shape[1], scale=scale
-        )
+        return attention(q, keys, values, scale, self.mask_for(window), softcap)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The batched path's mask for layers with this sliding window (None: the causal mask): a token sees
@@ -132,6 +139,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.window = cfg.window(layer)
         self.scale = cfg.attention_scale or self.head_dim**-0.5
+        self.softcap = cfg.attention_softcap
         # which of the model's RoPE tables this layer reads: Gemma 3's sliding layers have their own base, and a NoPE
         # layer's table turns nothing (cos 1, sin 0: every kernel that rotates leaves its queries and keys as they are)
         local = self.window is not None and cfg.local_rope_theta is not None
@@ -152,7 +160,7 @@ class Attention(nn.Module):
         projected = None if paged is None else paged.project(self, norm, x, residual, rope, batch, cache)
         if projected is not None:
             queries, residual = projected
-            out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale)
+            out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale, self.softcap)
             return self.o_proj(out), residual
         qkv, residual = normed_linear(norm, self.qkv_proj, x, residual)
         return self(qkv, rope, batch, cache), residual
@@ -166,14 +174,15 @@ class Attention(nn.Module):
             return self.o_proj(out.view(bsz, width, -1))
         if batch.paged_attention is not None:
             q, k, v = self._split_heads(qkv)
-            return self.o_proj(batch.paged_attention(batch, cache, self.layer, q, k, v, rope, self.window, self.scale))
+            paged = batch.paged_attention
+            return self.o_proj(paged(batch, cache, self.layer, q, k, v, rope, self.window, self.scale, self.softcap))
         q, k, v = self._heads(qkv, rope)
         batch.store(cache, self.layer, k, v)
         if batch.rowwise is not None:
             out = self._rowwise_attention(q, batch, cache)
         else:
             keys, values = batch.load(cache, self.layer)
-            out = batch.attend(q, keys.to(q.dtype), values.to(q.dtype), self.window, self.scale)
+            out = batch.attend(q, keys.to(q.dtype), values.to(q.dtype), self.window, self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _heads(self, qkv, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,11 +222,8 @@ class Attention(nn.Module):
             for n in kv_lens:
                 query = q[0, :, token].reshape(1, kv_heads, group, self.head_dim)
                 seen = self.visible_keys(n)
-                rows.append(
-                    F.scaled_dot_product_attention(
-                        query, keys[:, :, seen].to(q.dtype), values[:, :, seen].to(q.dtype), scale=self.scale
-                    )
-                )
+                seen_keys, seen_values = keys[:, :, seen].to(q.dtype), values[:, :, seen].to(q.dtype)
+                rows.append(attention(query, seen_keys, seen_values, self.scale, softcap=self.softcap))
                 token += 1
         # one [1, Hkv, G, D] per packed token -> [1, H, N, D]
         return torch.stack(rows).view(1, token, self.num_heads, self.head_dim).transpose(1, 2)
@@ -338,7 +344,7 @@ class Transformer(nn.Module):
     def output(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, return_hidden: bool | str):
         """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for."""
         every_row = x + residual if return_hidden == "all" and rows is not None else None  # else the norm's sum
-        logits, hidden = final_logits(self.norm, self.lm_head, x, residual, rows)
+        logits, hidden = final_logits(self.norm, self.lm_head, x, residual, rows, self.cfg.final_softcap)
         if not return_hidden:
             return logits
         return logits, hidden if every_row is None else every_row
@@ -380,13 +386,16 @@ def run_layers(model, x: torch.Tensor, rope, batch: ForwardBatch, cache: KVCache
     return x, residual
 
 
-def final_logits(norm: RMSNorm, lm_head: nn.Module, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None):
-    """(float32 logits of norm(x + residual), x + residual) at rows of [N, hidden] x and residual (None: all), the add,
-    the norm and the float32 copy in the LM head's call where its kernel takes them in."""
+def final_logits(
+    norm: RMSNorm, lm_head: nn.Module, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, softcap=None
+):
+    """(float32 logits of norm(x + residual), soft-capped where the model is, and x + residual) at rows of [N, hidden]
+    x and residual (None: all), the add, the norm and the float32 copy in the LM head's call where its kernel takes
+    them in."""
     if rows is not None:
         x, residual = x.index_select(0, rows), residual.index_select(0, rows)
     logits, summed = normed_linear(norm, lm_head, x, residual, out_dtype=torch.float32)  # a cast fewer, if fused
-    return logits.float(), summed
+    return softcapped(logits.float(), softcap), summed
 
 
 def tensor_bytes(tensors) -> int:

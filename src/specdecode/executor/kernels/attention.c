@@ -16,6 +16,7 @@
 //   out [N, H D]            query head h reads kv head h / (H / Hkv)
 //   q_norm, k_norm [D]      RMSNorm weights of each query and key head, or NULL (no norm)
 //   scale                   of the query-key scores; window: keys a token sees, itself included (0: all)
+//   softcap                 each scaled score becomes softcap * tanh(score / softcap) (Gemma 2; 0: none)
 //
 // Over a long context this streams the cache, so it is read once per kv head, a chunk of keys at a time (scored,
 // folded into each head's running softmax, weighed): a tile of keys is already laid out with lanes over keys (no
@@ -66,6 +67,9 @@ typedef __m512 vec;
 #define vadd_i32 _mm512_add_epi32
 #define vset1_i32 _mm512_set1_epi32
 #define vshl_i32 _mm512_slli_epi32
+#define vdiv _mm512_div_ps
+#define vand_i32 _mm512_and_si512
+#define vor_i32 _mm512_or_si512
 #elif defined(ATTENTION_SIMD)
 #define WIDTH 8
 #define HEADS 6  // query heads scored together at most: 12 accumulators, 2 keys' vectors and a broadcast
@@ -90,6 +94,9 @@ typedef __m256 vec;
 #define vadd_i32 _mm256_add_epi32
 #define vset1_i32 _mm256_set1_epi32
 #define vshl_i32 _mm256_slli_epi32
+#define vdiv _mm256_div_ps
+#define vand_i32 _mm256_and_si256
+#define vor_i32 _mm256_or_si256
 #else
 #define HEADS 4
 #define EVEN_PASSES 0
@@ -223,6 +230,33 @@ static inline vec vexp_nonpositive(vec x) {
     return vmul(p, scale);
 }
 #endif
+
+// cap * tanh(x / cap), Gemma 2's soft cap of a score: tanh |y| = (1 - e) / (1 + e) with e = exp(-2 |y|) (within a
+// few ulp of 1: the cap's multiple of that, far below a score's own rounding from its sum), the sign put back.
+static inline float softcap(float x, float cap) {
+    const float y = x / cap, e = exp_nonpositive(-2.f * fabsf(y));
+    return copysignf((1.f - e) / (1.f + e), y) * cap;
+}
+
+#ifdef ATTENTION_SIMD
+// softcap, lane by lane: the same operations in the same order (the sign bit masked off and put back).
+static inline vec vsoftcap(vec x, float cap) {
+    const vec y = vdiv(x, vset1(cap));
+    const vec sign = vfloats(vand_i32(vbits(y), vset1_i32((int32_t)0x80000000)));
+    const vec e = vexp_nonpositive(vmul(vset1(-2.f), vfloats(vand_i32(vbits(y), vset1_i32(0x7fffffff)))));
+    const vec t = vdiv(vsub(vset1(1.f), e), vadd(vset1(1.f), e));
+    return vmul(vfloats(vor_i32(vbits(t), vbits(sign))), vset1(cap));
+}
+#endif
+
+// p[j] <- softcap(p[j], cap) for j = a .. b - 1.
+static void capped(float *p, int a, int b, float cap) {
+    int j = a;
+#ifdef ATTENTION_SIMD
+    for (; j + WIDTH <= b; j += WIDTH) vstore(p + j, vsoftcap(vload(p + j), cap));
+#endif
+    for (; j < b; j++) p[j] = softcap(p[j], cap);
+}
 
 #ifdef ATTENTION_SIMD
 // WIDTH cached values from entry `at` on, as float32 (float16 widened exactly).
@@ -463,9 +497,11 @@ static float largest(const float *p, int a, int b) {
 }
 
 // Folds the scores of keys a .. b - 1 of one query head (p indexed by key) into its softmax s, turning them into
-// their exponentials: a larger score than any before rescales what came before (the sum, and the values weighed so
-// far, o[D]) by exp(old top - new top). Before the first chunk s->top is -inf, and the factor exp(-87) meets zeros.
-static void fold_chunk(float *p, int a, int b, running_t *s, float *o, int D) {
+// their exponentials (soft-capped first where cap > 0): a larger score than any before rescales what came before (the
+// sum, and the values weighed so far, o[D]) by exp(old top - new top). Before the first chunk s->top is -inf, and the
+// factor exp(-87) meets zeros.
+static void fold_chunk(float *p, int a, int b, float cap, running_t *s, float *o, int D) {
+    if (cap > 0.f) capped(p, a, b, cap);
     const float top = largest(p, a, b);
     if (top > s->top) {
         const float factor = exp_nonpositive(s->top - top);
@@ -476,10 +512,11 @@ static void fold_chunk(float *p, int a, int b, running_t *s, float *o, int D) {
     exponentials(p, a, b, s);
 }
 
-// The softmax's exponentials alone, for tests: p[j] <- exp(p[j] - max p), returns their sum.
-float attention_softmax_unnormalised(float *p, int n) {
+// The softmax's exponentials alone, for tests: p[j] <- exp(p[j] - max p) (soft-capped first where cap > 0), returns
+// their sum.
+float attention_softmax_unnormalised(float *p, int n, float cap) {
     running_t s = {-INFINITY, {0}};
-    fold_chunk(p, 0, n, &s, NULL, 0);
+    fold_chunk(p, 0, n, cap, &s, NULL, 0);
     float total = 0.f;
     for (int l = 0; l < LANES; l++) total += s.sum[l];
     return total;
@@ -597,7 +634,7 @@ static void score_chunk(const float *q, int tokens, int G, int D, const int *ns,
 // their size, so none crosses a KV block (B is a multiple of VALUES) or a chunk. Scores of keys a token does not
 // see are computed and left unread. p: scratch for a chunk's scores [tokens * G][CHUNK], o for the outputs
 // [tokens * G][D], soft for the softmaxes; out: token i's G heads at out + i * out_stride.
-static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale,
+static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale, float cap,
                    const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *o,
                    running_t *soft, float *out, size_t out_stride) {
     const int first = los[0] / VALUES * VALUES, n = ns[tokens - 1], heads = tokens * G;
@@ -609,7 +646,7 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
         score_chunk(q, tokens, G, D, ns, scale, kcache, is_half, r, j, c0, c1, n, p);
         for (int h = 0; h < heads; h++) {
             const int i = h / G, a = los[i] > j ? los[i] : j, b = ns[i] < c1 ? ns[i] : c1;
-            if (a < b) fold_chunk(p + (size_t)h * CHUNK, a - c0, b - c0, &soft[h], o + (size_t)h * D, D);
+            if (a < b) fold_chunk(p + (size_t)h * CHUNK, a - c0, b - c0, cap, &soft[h], o + (size_t)h * D, D);
         }
         for (int j0 = j, from = 0; j0 < c1; j0 += VALUES) {
             const int end = c1 - j0 < VALUES ? c1 : j0 + VALUES;
@@ -653,9 +690,10 @@ static int find_runs(int N, const int64_t *slots, const int64_t *positions, int 
 
 static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
                      const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
-                     float scale, int window, void *kcache, void *vcache, int is_half, const int32_t *tables, int S,
-                     int MB, int B, int num_blocks, float *out, int threads) {
+                     float scale, int window, float cap, void *kcache, void *vcache, int is_half,
+                     const int32_t *tables, int S, int MB, int B, int num_blocks, float *out, int threads) {
     if (N < 0 || Hkv < 1 || H % Hkv || !attention_group_ok(H / Hkv) || !attention_dim_ok(D) || window < 0 || S < 1
+        || !(cap >= 0.f)
         || MB < 1 || B < VALUES || B % VALUES || num_blocks < 1)
         return ATTENTION_BAD_SHAPE;
     for (int t = 0; t < N; t++) {
@@ -704,7 +742,7 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
             }
         }
         float *o = q + heads * D, *p = o + heads * D;  // the outputs, a chunk's scores, the softmaxes
-        attend(q, tokens, G, D, los, ns, scale, kcache, vcache, is_half, &r, p, o, (running_t *)(p + heads * CHUNK),
+        attend(q, tokens, G, D, los, ns, scale, cap, kcache, vcache, is_half, &r, p, o, (running_t *)(p + heads * CHUNK),
                out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
     return failed ? ATTENTION_NO_MEMORY : ATTENTION_OK;
@@ -712,18 +750,19 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
 
 int rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
                       const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
-                      float scale, int window, float *kcache, float *vcache, const int32_t *tables, int S, int MB,
-                      int B, int num_blocks, float *out, int threads) {
-    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
-                     0, tables, S, MB, B, num_blocks, out, threads);
+                      float scale, int window, float cap, float *kcache, float *vcache, const int32_t *tables, int S,
+                      int MB, int B, int num_blocks, float *out, int threads) {
+    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, cap, kcache,
+                     vcache, 0, tables, S, MB, B, num_blocks, out, threads);
 }
 
 // The same over a float16 cache (half the bytes to stream; entries rounded to nearest on write).
 int rowwise_attention_f16(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
                           const int64_t *positions, const float *cos, const float *sin, const float *q_norm,
-                          const float *k_norm, float eps, float scale, int window, half *kcache, half *vcache,
-                          const int32_t *tables, int S, int MB, int B, int num_blocks, float *out, int threads) {
+                          const float *k_norm, float eps, float scale, int window, float cap, half *kcache,
+                          half *vcache, const int32_t *tables, int S, int MB, int B, int num_blocks, float *out,
+                          int threads) {
     if (!HAVE_HALF) return ATTENTION_BAD_SHAPE;
-    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, kcache, vcache,
-                     1, tables, S, MB, B, num_blocks, out, threads);
+    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, cap, kcache,
+                     vcache, 1, tables, S, MB, B, num_blocks, out, threads);
 }
