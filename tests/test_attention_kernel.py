@@ -161,8 +161,8 @@ def _call(
     softcap=0.0,
 ) -> int:
     """One call of the kernel over the cache k, v [blocks, Hkv, B, D] read through tables [S, MB] (default: one
-    block a slot, slot s's block s); norms: (q weights, k weights) or None; softcap: of the scores (0: none). The keys go to the kernel in tiles
-    as the cache stores them, and the ones it writes come back into k."""
+    block a slot, slot s's block s); norms: (q weights, k weights) or None; softcap: of the scores (0: none). The keys
+    go to the kernel in tiles as the cache stores them, and the ones it writes come back into k."""
     attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
     q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
     if tables is None:
