@@ -122,6 +122,25 @@ FAMILIES = {
         "Phi3ForCausalLM",
         dict(original_max_position_embeddings=1024, pad_token_id=None, bos_token_id=1, eos_token_id=2),
     ),
+    # Phi-3.5: LongRoPE over 16 original positions (a 20-token prompt is past them, for transformers' switch to the long
+    # factors), each dimension's short and long divisors far apart, cos and sin scaled by sqrt(1 + ln 64 / ln 16)
+    "phi3_longrope": Family(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+                original_max_position_embeddings=16,
+            ),
+            original_max_position_embeddings=16,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Granite 3: its four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
     "granite": Family(
         "GraniteConfig",
@@ -239,30 +258,34 @@ def _randomise(model, norm_center: float, seed: int) -> None:
 def _save_tokenizer(family: Family, folder: Path) -> int:
     """The tokenizer files of a family's checkpoint; returns its vocabulary size."""
     if family.tokenizer == "spm":
-        import sentencepiece as spm
-
-        text = SONNETS.read_text().splitlines()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(text),
-            model_prefix=str(folder / "tokenizer"),
-            vocab_size=SPM_VOCAB,
-            model_type="bpe",
-            bos_id=1,
-            eos_id=2,
-            unk_id=0,
-            pad_id=-1,
-            minloglevel=2,
-        )
-        (folder / "tokenizer.vocab").unlink()
-        (folder / "tokenizer_config.json").write_text(
-            json.dumps(
-                {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-            )
-        )
-        return SPM_VOCAB
+        return save_spm_tokenizer(folder)
     tokenizer = _bpe_tokenizer(family.tokenizer)
     tokenizer.save_pretrained(folder)
     return len(tokenizer)
+
+
+def save_spm_tokenizer(folder: Path) -> int:
+    """A SentencePiece model of SPM_VOCAB pieces trained on the sonnets, saved as a Llama tokenizer; returns its size
+    (llama.cpp's converter pads a larger vocab_size with unused pieces)."""
+    import sentencepiece as spm
+
+    text = SONNETS.read_text().splitlines()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=SPM_VOCAB,
+        model_type="bpe",
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    (folder / "tokenizer.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+    return SPM_VOCAB
 
 
 def vocabulary(vocab_file: str):

@@ -94,15 +94,17 @@ def test_greedy_decoding_equals_transformers(made, family):
     prompt = _prompt(loaded.config.vocab_size, 20, seed=1)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = LLM(target=loaded, num_speculative_tokens=0, max_model_len=256).generate([prompt], params)
+    assert ours[0].outputs[0].token_ids == _greedy(reference, prompt, 32)
+
+
+def _greedy(reference, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, every token chosen by its logits alone: an end-of-sequence token too, which
+    ignore_eos decodes past (generate would stop there, or with min_new_tokens forbid it)."""
+    ids = list(prompt)
     with torch.no_grad():
-        theirs = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=32,
-            do_sample=False,
-            min_new_tokens=32,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
+        for _ in range(n):
+            ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 PROPOSERS = ["ngram", "suffix", "draft", "head"]
@@ -162,6 +164,8 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
+        ("phi3_longrope", lambda cfg: dataclasses.replace(cfg, rope_scaling=_longrope_swapped(cfg))),
+        ("phi3_longrope", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("gemma2", lambda cfg: dataclasses.replace(cfg, attention_softcap=None)),  # scores uncapped
         ("gemma2", lambda cfg: dataclasses.replace(cfg, final_softcap=None)),  # logits uncapped
         ("gemma2", lambda cfg: dataclasses.replace(cfg, sliding_layers=(1, 3))),  # the other layers slide
@@ -181,11 +185,20 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "yarn-frequencies",
         "yarn-attention-factor",
         "yarn-ramp-not-rounded",
+        "longrope-short-factors-past-the-original",
+        "longrope-attention-factor",
         "gemma2-scores-uncapped",
         "gemma2-logits-uncapped",
         "gemma2-window-on-odd-layers",
     ],
 )
+def _longrope_swapped(cfg) -> tuple:
+    """LongRoPE's short factors where its long ones apply."""
+    items = dict(cfg.rope_scaling)
+    items["short_factor"], items["long_factor"] = items["long_factor"], items["short_factor"]
+    return tuple(sorted(items.items()))
+
+
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
     got, expected = _broken_logits(made, family, change)
     assert not torch.allclose(got, expected, **TOLERANCE)
@@ -285,6 +298,43 @@ def test_a_gemma2_gguf_that_states_no_caps_or_window_gets_llama_cpps_defaults(ma
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_longrope_within_the_original_context_takes_its_short_factors(made, source):
+    """An engine whose context is within the original (16 positions) rotates by the short factors, as transformers
+    does any sequence that short; past it the long ones (the comparisons above), as llama.cpp by its context size."""
+    folder, gguf, reference = made("phi3_longrope")
+    path = str(folder if source == "hf" else gguf)
+    loaded = load_model(path, quantization="none", dtype="float32", kv_cache_dtype="float32", progress=False)
+    llm = LLM(target=loaded, num_speculative_tokens=0, max_model_len=16)
+    ids = _prompt(SPM_VOCAB, 12, seed=4)
+    runner = ModelRunner(llm.target.model, 1, 16)
+    got = runner.forward([runner.allocate()], [ids], "all")
+    torch.testing.assert_close(got, _expected(reference, ids), **TOLERANCE)
+    past = load_model(str(folder), quantization="none", dtype="float32", progress=False)
+    unfitted = ModelRunner(past.model, 1, 16)
+    assert not torch.allclose(unfitted.forward([unfitted.allocate()], [ids], "all"), got, **TOLERANCE)
+
+
+def test_a_model_fitted_to_one_longrope_context_is_refused_by_an_engine_of_the_other(made):
+    from specdecode.errors import SpecDecodeError
+
+    folder, _, _ = made("phi3_longrope")
+    loaded = load_model(str(folder), quantization="none", dtype="float32", progress=False)
+    LLM(target=loaded, num_speculative_tokens=0, max_model_len=16)
+    LLM(target=loaded, num_speculative_tokens=0, max_model_len=12)  # the same (short) factors
+    with pytest.raises(SpecDecodeError, match="fitted to a context of 16 tokens.*load it again"):
+        LLM(target=loaded, num_speculative_tokens=0, max_model_len=256)
+
+
+def test_a_longrope_without_its_factors_is_refused():
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.families import from_hf_config
+
+    scaling = dict(rope_type="longrope", short_factor=[1.0] * 8, original_max_position_embeddings=16)
+    with pytest.raises(SpecDecodeError, match="of type 'longrope' but has no long_factor"):
+        from_hf_config({**LLAMA, "rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_granites_logits_divided_otherwise_fail_the_comparison(made, source, monkeypatch):
     """Granite's logits_scaling is folded into the final norm's weights at load: without the fold, from the folder or
     the GGUF, the logits are transformers' times the divisor."""
@@ -353,7 +403,7 @@ LLAMA = dict(
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
+        (dict(rope_parameters=dict(rope_type="proportional", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
         (
             dict(
                 rope_scaling=dict(
@@ -442,6 +492,8 @@ def test_a_rope_scaling_is_refused_where_the_model_has_its_own_or_it_is_not_json
     with pytest.raises(SpecDecodeError, match="whose base .* stays; leave rope_theta out of it"):
         with_rope_scaling(cfg, {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
     assert with_rope_scaling(cfg, {"rope_type": "linear", "factor": 2.0, "rope_theta": cfg.rope_theta}).rope_scaling
+    with pytest.raises(SpecDecodeError, match="LongRoPE's factors are a model's own"):
+        with_rope_scaling(cfg, {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16})
     for bad in ("yarn", "[4]", "{'rope_type': 'yarn'}"):
         with pytest.raises(SpecDecodeError, match="rope_scaling must be a JSON object such as"):
             EngineConfig(rope_scaling=bad)
@@ -483,6 +535,10 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     factor = _with_metadata(gguf, tmp_path / "factor.gguf", {"qwen2.rope.scaling.yarn_attn_factor": 1.5})
     with pytest.raises(SpecDecodeError, match="qwen2.rope.scaling.yarn_attn_factor is 1.5"):
         load_gguf(str(factor), progress=False)
+    # llama.cpp scales cos and sin by a file's attn_factor whatever its scaling: only YaRN's and LongRoPE's are read
+    scaled = _with_metadata(made("qwen3")[1], tmp_path / "scaled.gguf", {"qwen3.rope.scaling.attn_factor": 1.2})
+    with pytest.raises(SpecDecodeError, match="qwen3.rope.scaling.attn_factor is 1.2"):
+        load_gguf(str(scaled), progress=False)
     extra = _with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
     with pytest.raises(SpecDecodeError, match="blk.0.attn_sinks.weight"):
         load_gguf(str(extra), progress=False)

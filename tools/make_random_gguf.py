@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from families import llama_cpp_source, vocabulary  # noqa: E402
+from families import llama_cpp_source, save_spm_tokenizer, vocabulary  # noqa: E402
 
 QWEN_VOCAB, LLAMA_VOCAB = "ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf"
+SPM = "spm"  # a SentencePiece model trained here, its pieces padded to the shape's vocab_size by the converter
 SHAPES = {
     # Qwen3-1.7B
     "qwen3-1.7b": (
@@ -101,6 +102,26 @@ SHAPES = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # Gemma 2 2B: head size 256, every other layer sliding, both soft caps, a 256k vocabulary (tied)
+    "gemma2-2b": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        SPM,
+        dict(
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            max_position_embeddings=8192,
+        ),
+    ),
 }
 
 
@@ -112,14 +133,19 @@ def make(shape: str, bin_dir: str, out: Path, quant: str) -> Path:
     if final.exists():
         return final
     folder, f16 = out / f"{shape}-hf", out / f"{shape}-f16.gguf"
-    tokenizer = vocabulary(vocab).hf
-    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), **options)
+    folder.mkdir(parents=True, exist_ok=True)
+    if vocab == SPM:
+        save_spm_tokenizer(folder)
+    else:
+        tokenizer = vocabulary(vocab).hf
+        tokenizer.save_pretrained(folder)
+        options = dict(vocab_size=len(tokenizer), **options)
+    config = getattr(transformers, config_class)(**options)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)  # half the memory of float32 while the weights are made
     model = getattr(transformers, model_class)(config)
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     del model
     subprocess.run(
         [

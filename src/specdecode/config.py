@@ -290,8 +290,9 @@ class ModelConfig:
     # ("rope_type", "linear"), ("factor", f); ("rope_type", "llama3") with factor, low_freq_factor,
     # high_freq_factor and original_max_position_embeddings; ("rope_type", "yarn") with factor,
     # original_max_position_embeddings, beta_fast, beta_slow, truncate and attention_factor (which attention_scale
-    # holds, squared); ("rope_type", "freq_factors"): per-dimension divisors stored with the weights (GGUF's
-    # rope_freqs tensor).
+    # holds, squared); ("rope_type", "longrope") with short_factor and long_factor (per-dimension divisors, tuples),
+    # original_max_position_embeddings and attention_factor (held as YaRN's); ("rope_type", "freq_factors"):
+    # per-dimension divisors stored with the weights (GGUF's rope_freqs tensor).
     rope_scaling: tuple = ()
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)

@@ -13,6 +13,7 @@ from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner
 from ..metrics import RequestMetrics, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
+from ..models.runtime import Transformer
 from ..proposers import Proposer, ProposerSetup, build_proposer, proposer_kind
 from ..proposers.registry import DRAFT_MODEL
 from ..sampling import SamplingParams, TokenLogprob
@@ -141,11 +142,14 @@ class LLM:
         )
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
+        self.target.model.fit_rope_to_context(self.max_model_len)  # before a draft head copies its tables
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
         for loaded in (self.target, self.draft):
             if loaded is not None:
                 loaded.model.capture_graphs = not config.enforce_eager
+        if self.draft is not None and isinstance(self.draft.model, Transformer):  # a draft head's tables are copies
+            self.draft.model.fit_rope_to_context(self.max_model_len)
         self.engine = self._engine(proposers, policy)
         # a policy that weighs the draft's cost at every number of drafting sequences (the adaptive one) gets
         # it timed now rather than extrapolated; that cost jumps between batch sizes
@@ -155,10 +159,15 @@ class LLM:
             else 0.0
         )
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence served: the option, within the target's context."""
+        context = self.target.config.max_position
+        return min(self.config.max_model_len or context, context)
+
     def _engine(self, proposers: list[Proposer], policy) -> Engine:
         """The memory plan, the KV caches it allows (the target's and each proposer's), and the engine over them."""
-        config, device = self.config, self.target.model.device
-        max_model_len = min(config.max_model_len or self.target.config.max_position, self.target.config.max_position)
+        config, device, max_model_len = self.config, self.target.model.device, self.max_model_len
         budget = resolve_budget(device, config.memory_budget, config.gpu_memory_utilization)
         draft_model = next((p.model for p in proposers if p.model is not None), None)
         features = any(p.wants_hidden_states for p in proposers)

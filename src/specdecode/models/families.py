@@ -35,7 +35,7 @@ GEMMA_WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2}
 # Gemma 2's soft caps of attention scores and logits where the file states none: llama.cpp's and transformers' defaults
 GEMMA2_SOFTCAPS = {"attention": 50.0, "final": 30.0}
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -93,7 +93,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
         **_hf_softcaps(cfg, family),
     )
-    described = with_yarn_attention(described)
+    described = with_rope_attention_factor(described)
     if family != "granite":
         return described
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -155,6 +155,8 @@ def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, ()
+    if rope_type == "longrope":
+        return theta, _hf_longrope(cfg, params, field)
     keys = {
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -179,14 +181,45 @@ def _hf_yarn_items(params: dict, field: str) -> list[tuple[str, float]]:
     return [*items, ("truncate", float(params.get("truncate", True))), ("attention_factor", float(factor))]
 
 
+def _hf_longrope(cfg: dict, params: dict, field: str) -> tuple:
+    """LongRoPE (Phi-3.5, Phi-4-mini) as transformers reads it: per-dimension divisors of the frequencies for contexts
+    up to the original and others past it, and an attention factor from how far the context grew (`factor`, else the
+    context over the original)."""
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    needed = {"short_factor": params.get("short_factor"), "long_factor": params.get("long_factor")}
+    missing = [k for k, v in {**needed, "original_max_position_embeddings": original}.items() if not v]
+    if missing:
+        raise SpecDecodeError(f"this model's {field} is of type 'longrope' but has no {missing[0]}")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", 4096) / original
+    attention = params.get("attention_factor") or longrope_attention_factor(factor, original)
+    return longrope_items(params["short_factor"], params["long_factor"], original, attention)
+
+
+def longrope_attention_factor(factor: float, original: float) -> float:
+    """LongRoPE's default scale of cos and sin, sqrt(1 + ln s / ln original), as transformers and llama.cpp's
+    converter compute it."""
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
+def longrope_items(short, long, original: float, attention: float) -> tuple:
+    items = {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(f) for f in short),
+        "long_factor": tuple(float(f) for f in long),
+        "original_max_position_embeddings": float(original),
+        "attention_factor": float(attention),
+    }
+    return tuple(sorted(items.items()))
+
+
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's default scale of cos and sin (0.1 ln s + 1), transformers' and llama.cpp's alike."""
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def with_yarn_attention(cfg: ModelConfig) -> ModelConfig:
-    """cfg with its YaRN attention factor m in the query-key scale: transformers and llama.cpp multiply cos and sin
-    by m, so queries and keys each by m and their scores by m^2."""
+def with_rope_attention_factor(cfg: ModelConfig) -> ModelConfig:
+    """cfg with its YaRN or LongRoPE attention factor m in the query-key scale: transformers and llama.cpp multiply cos
+    and sin by m, so queries and keys each by m and their scores by m^2."""
     factor = dict(cfg.rope_scaling).get("attention_factor")
     if factor is None or factor == 1.0:
         return cfg
@@ -209,12 +242,16 @@ def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
         raise SpecDecodeError(
             f"rope_scaling scales the model's RoPE, whose base ({cfg.rope_theta:g}) stays; leave rope_theta out of it"
         )
+    if (scaling.get("rope_type") or scaling.get("type")) == "longrope":
+        raise SpecDecodeError(
+            "LongRoPE's factors are a model's own, trained with it: rope_scaling takes linear, llama3 or yarn"
+        )
     _, items = hf_rope({"rope_theta": cfg.rope_theta, "rope_scaling": scaling}, "full_attention")
     if not items:
         return cfg
     fields = dict(items)
     context = fields["factor"] * fields.get("original_max_position_embeddings", cfg.max_position)
-    return with_yarn_attention(replace(cfg, rope_scaling=items, max_position=int(context)))
+    return with_rope_attention_factor(replace(cfg, rope_scaling=items, max_position=int(context)))
 
 
 def with_granite_multipliers(
@@ -335,7 +372,7 @@ def from_gguf(reader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         tie_word_embeddings="output.weight" not in names,
         head_dim=head_dim,
-        rope_scaling=_gguf_rope_scaling(key, arch, "rope_freqs.weight" in names),
+        rope_scaling=_gguf_rope_scaling(key, arch, {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         activation="gelu_tanh" if gemma else "silu",
         sandwich_norms=gemma,
@@ -348,7 +385,7 @@ def from_gguf(reader) -> ModelConfig:
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
         **_gguf_softcaps(key, arch),
     )
-    described = with_yarn_attention(described)
+    described = with_rope_attention_factor(described)
     if arch != "granite":
         return described
     default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none
@@ -369,20 +406,42 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
         raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), f"{GATING_SOFTMAX} (softmax)")
 
 
-def _gguf_rope_scaling(key, arch: str, has_freq_factors: bool) -> tuple:
+# a GGUF's RoPE factors: per dimension (Llama 3's scaling), or LongRoPE's short and long ones (the rows of runtime's
+# tables, read into the description rather than loaded as weights)
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _gguf_rope_scaling(key, arch: str, tensors: dict) -> tuple:
+    """The RoPE scaling llama.cpp computes from a file's rope.scaling metadata and its RoPE factor tensors (where a
+    rope_freqs tensor is there, llama.cpp reads it and not LongRoPE's)."""
     kind = key("rope.scaling.type", "none")
     if kind not in ("none", "linear", "yarn"):
         raise refuse(f"{arch}.rope.scaling.type", kind, "none, linear, yarn (and llama3 as a rope_freqs tensor)")
-    if has_freq_factors:
-        if kind != "none":
-            raise refuse(f"{arch}.rope.scaling.type", kind, "none beside a rope_freqs tensor")
+    longrope = [tensors.get(name) for name in ROPE_TENSORS[1:]]
+    if kind != "none" and len(tensors):
+        raise refuse(f"{arch}.rope.scaling.type", kind, "none beside RoPE factor tensors")
+    if "rope_freqs.weight" in tensors:
         return (("rope_type", "freq_factors"),)
+    if any(t is not None for t in longrope):
+        if not all(t is not None for t in longrope):
+            raise SpecDecodeError("this GGUF file has one of LongRoPE's two factor tensors (short and long), not both")
+        return _gguf_longrope(key, *(t.data for t in longrope))
+    attention = key("rope.scaling.attn_factor")
+    if kind != "yarn" and attention is not None and not math.isclose(attention, 1.0):
+        raise refuse(f"{arch}.rope.scaling.attn_factor", attention, "unset or 1 (without YaRN or LongRoPE)")
     factor = float(key("rope.scaling.factor", 1.0))
     if kind == "linear" and factor != 1.0:
         return (("factor", factor), ("rope_type", "linear"))
     if kind == "yarn":
         return _gguf_yarn(key, arch, factor)
     return ()
+
+
+def _gguf_longrope(key, short, long) -> tuple:
+    """LongRoPE as llama.cpp reads it: the factor tensors, the original context, and the attention factor the converter
+    wrote (transformers' default, from the context over the original)."""
+    original = float(key("rope.scaling.original_context_length", key("context_length")))
+    return longrope_items(short.tolist(), long.tolist(), original, float(key("rope.scaling.attn_factor", 1.0)))
 
 
 def _gguf_yarn(key, arch: str, factor: float) -> tuple:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import SpecDecodeError
 
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -94,14 +95,29 @@ def fused_form(linear: nn.Module, form: str):
 
 class RotaryEmbedding(nn.Module):
     """NeoX-style rotary embedding (halves rotated; GGUF Llama q/k rows are un-permuted to match), with the
-    frequency scalings of ModelConfig.rope_scaling."""
+    frequency scalings of ModelConfig.rope_scaling. context: the longest sequence it rotates (LongRoPE's factors
+    depend on it; None: past the original)."""
 
     kernel = None  # rope_tables in one kernel (a GPU's, executor/cuda_graphs.fuse_elementwise), else None
 
-    def __init__(self, head_dim: int, theta: float, scaling: tuple = (), freq_factors: torch.Tensor | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: tuple = (),
+        freq_factors: torch.Tensor | None = None,
+        context: int | None = None,
+    ):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        inv_freq = scaled_frequencies(inv_freq, dict(scaling), freq_factors, theta)
+        scaling = dict(scaling)
+        if scaling.get("rope_type") == "longrope":
+            freq_factors = torch.tensor(longrope_factors(scaling, context))
+        if freq_factors is not None and freq_factors.numel() != head_dim // 2:
+            raise SpecDecodeError(
+                f"the model's RoPE has {freq_factors.numel()} factors, for {head_dim // 2} frequencies"
+            )
+        inv_freq = scaled_frequencies(inv_freq, scaling, freq_factors, theta)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -119,13 +135,13 @@ def scaled_frequencies(
     inv_freq: torch.Tensor, scaling: dict, freq_factors: torch.Tensor | None, theta: float
 ) -> torch.Tensor:
     """The frequencies of a RoPE scaling (ModelConfig.rope_scaling); YaRN's attention factor is the query-key scale's
-    (families.with_yarn_attention), so the tables stay cos and sin of these."""
+    (families.with_rope_attention_factor), so the tables stay cos and sin of these."""
     kind = scaling.get("rope_type")
     if kind is None:
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "freq_factors":
+    if kind in ("freq_factors", "longrope"):
         if freq_factors is None:
             raise ValueError("the model's RoPE is scaled by per-dimension factors, and no rope_freqs tensor came")
         return inv_freq / freq_factors.float().to(inv_freq.device)
@@ -134,6 +150,13 @@ def scaled_frequencies(
     if kind == "yarn":
         return yarn_frequencies(inv_freq, scaling, theta)
     raise ValueError(f"unknown RoPE scaling {kind!r}")
+
+
+def longrope_factors(scaling: dict, context: int | None) -> tuple[float, ...]:
+    """LongRoPE's divisors of the frequencies for sequences up to `context` tokens: the short ones within the original
+    context, the long ones past it (None: past it)."""
+    within = context is not None and context <= scaling["original_max_position_embeddings"]
+    return scaling["short_factor" if within else "long_factor"]
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -27,6 +27,7 @@ from .layers import (
     SparseMoE,
     apply_rope,
     attention,
+    longrope_factors,
     normed_linear,
     softcapped,
 )
@@ -284,10 +285,30 @@ class Transformer(nn.Module):
         """The RoPE tables' frequencies: the global layers' (scaled as the config says, by `freq_factors` where
         it says so) and, for a family whose sliding layers have their own base, theirs (unscaled)."""
         cfg = self.cfg
-        self.rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
+        rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, freq_factors, self.rope_context)
+        self.rotary = rotary.to(device)
         if cfg.local_rope_theta is not None:
             self.local_rotary = RotaryEmbedding(cfg.dim_per_head, cfg.local_rope_theta).to(device)
         return self.rotary
+
+    def fit_rope_to_context(self, context: int) -> None:
+        """LongRoPE's factors for sequences up to `context` tokens: the short ones within the original context, else the
+        long ones for every position (llama.cpp's choice by its context size; transformers switches within a sequence
+        once it grows past the original, whose earlier keys then turned otherwise). Only a model without LongRoPE, or
+        fitted to the same factors, takes another context: its tables are not changed under an engine using them."""
+        scaling = dict(self.cfg.rope_scaling)
+        if scaling.get("rope_type") != "longrope":
+            return
+        same = longrope_factors(scaling, self.rope_context) == longrope_factors(scaling, context)
+        if self.rope_context is not None and not same:
+            raise SpecDecodeError(
+                f"this loaded model's LongRoPE is fitted to a context of {self.rope_context} tokens, whose factors a "
+                f"context of {context} does not share; load it again for that context"
+            )
+        if self.rope_context is None:
+            self.rope_context = context
+        if not same:
+            self.set_rotary(device=self.device)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) of every input position for each kind of layer (Attention.rope names its kind)."""
@@ -318,6 +339,8 @@ class Transformer(nn.Module):
     def kv_dtype(self):
         return self.kv_cache_dtype or self.dtype
 
+    # the longest sequence the RoPE tables are for (fit_rope_to_context): None, past any original context
+    rope_context: int | None = None
     # how the linear layers compute: set by the builder (see executor.backends)
     backend = "torch"
     # decode and verify forwards replayed as CUDA graphs on a GPU (executor/cuda_graphs.py); False: eager
