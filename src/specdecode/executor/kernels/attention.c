@@ -231,8 +231,8 @@ static inline vec vexp_nonpositive(vec x) {
 }
 #endif
 
-// cap * tanh(x / cap), Gemma 2's soft cap of a score: tanh |y| = (1 - e) / (1 + e) with e = exp(-2 |y|) (within a
-// few ulp of 1: the cap's multiple of that, far below a score's own rounding from its sum), the sign put back.
+// cap * tanh(x / cap), Gemma 2's soft cap of a score: tanh |y| = (1 - e) / (1 + e) with e = exp(-2 |y|), the sign
+// put back. Its error is a few ulp of 1 (not of tanh: near zero, 1 - e cancels), times the cap.
 static inline float softcap(float x, float cap) {
     const float y = x / cap, e = exp_nonpositive(-2.f * fabsf(y));
     return copysignf((1.f - e) / (1.f + e), y) * cap;
