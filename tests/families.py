@@ -141,6 +141,26 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    # Phi-4-mini: RoPE over three quarters of each head (12 of 16 dimensions), by LongRoPE's factors for them
+    "phi4_mini": Family(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0, 1.2, 1.5, 2.0, 2.6, 3.3],
+                long_factor=[1.0, 2.0, 4.0, 7.0, 11.0, 16.0],
+                original_max_position_embeddings=16,
+                partial_rotary_factor=0.75,
+            ),
+            original_max_position_embeddings=16,
+            tie_word_embeddings=True,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Granite 3: its four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
     "granite": Family(
         "GraniteConfig",

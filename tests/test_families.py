@@ -166,6 +166,7 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
         ("phi3_longrope", lambda cfg: dataclasses.replace(cfg, rope_scaling=_longrope_swapped(cfg))),
         ("phi3_longrope", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
+        ("phi4_mini", lambda cfg: _factor_on_the_whole_head(cfg)),
         ("gemma2", lambda cfg: dataclasses.replace(cfg, attention_softcap=None)),  # scores uncapped
         ("gemma2", lambda cfg: dataclasses.replace(cfg, final_softcap=None)),  # logits uncapped
         ("gemma2", lambda cfg: dataclasses.replace(cfg, sliding_layers=(1, 3))),  # the other layers slide
@@ -187,11 +188,20 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "yarn-ramp-not-rounded",
         "longrope-short-factors-past-the-original",
         "longrope-attention-factor",
+        "partial-rotary-attention-factor-on-the-whole-head",
         "gemma2-scores-uncapped",
         "gemma2-logits-uncapped",
         "gemma2-window-on-odd-layers",
     ],
 )
+def _factor_on_the_whole_head(cfg):
+    """LongRoPE's attention factor in the query-key scale, as where every dimension turns."""
+    items = dict(cfg.rope_scaling)
+    factor, items["attention_factor"] = items["attention_factor"], 1.0
+    scaling = tuple(sorted(items.items()))
+    return dataclasses.replace(cfg, rope_scaling=scaling, attention_scale=cfg.dim_per_head**-0.5 * factor**2)
+
+
 def _longrope_swapped(cfg) -> tuple:
     """LongRoPE's short factors where its long ones apply."""
     items = dict(cfg.rope_scaling)
@@ -214,6 +224,12 @@ def test_gemma3s_query_scale_is_its_query_pre_attn_scalar(tmp_path):
     torch.testing.assert_close(_logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), expected, **TOLERANCE)
     broken = build_model(dataclasses.replace(cfg, attention_scale=None), tensors, torch.float32, "cpu")
     assert not torch.allclose(_logits(broken, ids), expected, **TOLERANCE)
+
+
+def test_partial_rotary_on_dimensions_left_in_their_order_fails_the_comparison(made, monkeypatch):
+    monkeypatch.setattr("specdecode.models.checkpoints.rotary_order", lambda size, turned: torch.arange(size))
+    got, expected = _broken_logits(made, "phi4_mini", lambda cfg: cfg)
+    assert not torch.allclose(got, expected, **TOLERANCE)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
@@ -416,7 +432,7 @@ LLAMA = dict(
         (dict(model_type="gpt_oss"), "model_type"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(partial_rotary_factor=0.3125), "partial_rotary_factor"),  # 5 of 16 dimensions: no pairs
         (
             dict(model_type="gemma3_text", final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
             "final_logit_softcapping",

@@ -294,6 +294,8 @@ class ModelConfig:
     # original_max_position_embeddings and attention_factor (held as YaRN's); ("rope_type", "freq_factors"):
     # per-dimension divisors stored with the weights (GGUF's rope_freqs tensor).
     rope_scaling: tuple = ()
+    # head dimensions RoPE turns, the first ones (NeoX halves of them paired; Phi-4-mini's partial rotary); None: all
+    rotary_dim: int | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma)

@@ -28,7 +28,12 @@ def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> 
             out[canonical] = part
     if cfg.arch in NORM_OFFSET_FAMILIES:
         out = {n: t + 1.0 if n.endswith("norm.weight") else t for n, t in out.items()}
-    return {n: folded_logit_scale(cfg, n, t) for n, t in out.items()}
+    return {n: as_computed(cfg, n, t) for n, t in out.items()}
+
+
+def as_computed(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's tensor (under the runtime's name) as the runtime computes with it, from any source."""
+    return rotary_reordered(cfg, name, folded_logit_scale(cfg, name, tensor))
 
 
 def folded_logit_scale(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -37,6 +42,29 @@ def folded_logit_scale(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> tor
     if name != "model.norm.weight" or not cfg.logit_scale:
         return tensor
     return tensor / cfg.logit_scale
+
+
+ROTATED = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)")
+
+
+def rotary_order(head_dim: int, turned: int) -> torch.Tensor:
+    """A head's dimensions reordered where RoPE turns only the first `turned`: their pairs (i, i + turned / 2) moved to
+    where the runtime's tables pair the whole head's (j, j + head_dim / 2), the dimensions that do not turn into the
+    pairs left over (whose frequency is 0: layers.RotaryEmbedding). New dimension j is old dimension order[j]. Queries
+    and keys reordered alike keep every score, and values are not reordered: the attention output is the same."""
+    pairs, still = turned // 2, list(range(turned, head_dim))
+    rest = len(still) // 2
+    return torch.tensor([*range(pairs), *still[:rest], *range(pairs, turned), *still[rest:]])
+
+
+def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The rows of each query and key head (weights, biases, and the q/k norms' weights) in rotary_order, where RoPE
+    turns only part of a head (the rows of a GGUF weight stored in blocks move whole)."""
+    if cfg.rotary_dim is None or not ROTATED.fullmatch(name):
+        return tensor
+    size = cfg.dim_per_head
+    heads = tensor.reshape(tensor.shape[0] // size, size, *tensor.shape[1:])
+    return heads[:, rotary_order(size, cfg.rotary_dim)].reshape(tensor.shape)
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

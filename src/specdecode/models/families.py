@@ -81,6 +81,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
+        rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         activation=HF_ACTIVATIONS[cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")],
         sandwich_norms=gemma,
@@ -128,11 +129,26 @@ def _check_common_fields(cfg: dict, family: str) -> None:
     for name in ("mlp_bias", "use_bidirectional_attention", *softcaps, "quantization_config"):
         if cfg.get(name):
             raise refuse(name, cfg[name], "unset or false")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "1.0")
     bad = [t for t in cfg.get("layer_types") or () if t not in LAYER_TYPES]
     if bad:
         raise refuse("layer_types", bad[0], ", ".join(LAYER_TYPES))
+
+
+def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
+    """The head dimensions RoPE turns where only the first ones turn (partial_rotary_factor, at the top of config.json
+    or in its rope_parameters, as transformers reads either); None: all of them."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+    return rotary_dim(int(head_dim * factor), head_dim, "partial_rotary_factor", factor)
+
+
+def rotary_dim(turned: int, head_dim: int, field: str, value=None) -> int | None:
+    """`turned` head dimensions of RoPE (a model's `field` says so: `value`, else that number), None where all turn."""
+    if turned == head_dim:
+        return None
+    if turned % 2 or not 0 < turned < head_dim:
+        raise refuse(field, turned if value is None else value, f"an even number of the head's {head_dim} dimensions")
+    return turned
 
 
 def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
@@ -219,9 +235,10 @@ def yarn_attention_factor(factor: float) -> float:
 
 def with_rope_attention_factor(cfg: ModelConfig) -> ModelConfig:
     """cfg with its YaRN or LongRoPE attention factor m in the query-key scale: transformers and llama.cpp multiply cos
-    and sin by m, so queries and keys each by m and their scores by m^2."""
+    and sin by m, so queries and keys each by m and their scores by m^2. Where RoPE turns only part of each head, m
+    scales only that part: the tables carry it (layers.RotaryEmbedding)."""
     factor = dict(cfg.rope_scaling).get("attention_factor")
-    if factor is None or factor == 1.0:
+    if factor is None or factor == 1.0 or cfg.rotary_dim is not None:
         return cfg
     return replace(cfg, attention_scale=(cfg.attention_scale or cfg.dim_per_head**-0.5) * factor**2)
 
@@ -355,7 +372,8 @@ def from_gguf(reader) -> ModelConfig:
         if isinstance(key(name), list):
             raise refuse(f"{arch}.{name}", "a value per layer", "one value for every layer")
     head_dim = key("attention.key_length")
-    _check_gguf_fields(key, arch, head_dim or hidden // heads)
+    dims = head_dim or hidden // heads
+    _check_gguf_fields(key, arch, dims)
     gemma = arch in GEMMA_FAMILIES
     window, sliding = _gguf_window(key, arch, layers)
     described = ModelConfig(
@@ -372,6 +390,7 @@ def from_gguf(reader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         tie_word_embeddings="output.weight" not in names,
         head_dim=head_dim,
+        rotary_dim=rotary_dim(key("rope.dimension_count", dims), dims, f"{arch}.rope.dimension_count"),
         rope_scaling=_gguf_rope_scaling(key, arch, {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         activation="gelu_tanh" if gemma else "silu",
@@ -396,8 +415,6 @@ def from_gguf(reader) -> ModelConfig:
 def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     if key("attention.value_length", head_dim) != head_dim:
         raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise refuse(f"{arch}.rope.dimension_count", key("rope.dimension_count"), f"the head size, {head_dim}")
     softcaps = () if arch == "gemma2" else ("final_logit_softcapping", "attn_logit_softcapping")
     for name in (*softcaps, "expert_shared_count"):
         if key(name):

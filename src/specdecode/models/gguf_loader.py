@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .checkpoints import folded_logit_scale, gguf_parts
+from .checkpoints import as_computed, gguf_parts
 from .families import from_gguf
 
 # GGUF architectures whose converter interleaves q/k rows (its LlamaModel's)
@@ -88,7 +88,7 @@ def _named_part(cfg: ModelConfig, name: str, w: np.ndarray, raw_tensor):
         w = unpermute_rope(w, cfg.num_heads)  # a permutation of whole rows: blocks move with them
     elif cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("k_proj.weight", "k_proj.bias")):
         w = unpermute_rope(w, cfg.num_kv_heads)
-    tensor = folded_logit_scale(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
+    tensor = as_computed(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
     return name, RawTensor(raw_tensor.tensor_type, int(raw_tensor.shape[0]), tensor) if raw_tensor else tensor
 
 

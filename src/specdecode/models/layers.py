@@ -96,7 +96,9 @@ def fused_form(linear: nn.Module, form: str):
 class RotaryEmbedding(nn.Module):
     """NeoX-style rotary embedding (halves rotated; GGUF Llama q/k rows are un-permuted to match), with the
     frequency scalings of ModelConfig.rope_scaling. context: the longest sequence it rotates (LongRoPE's factors
-    depend on it; None: past the original)."""
+    depend on it; None: past the original). rotary_dim: the dimensions that turn where not all do; the others' pairs
+    get a frequency of 0 (cos 1, sin 0: every kernel leaves them as they are), the checkpoint's q/k dimensions
+    reordered to match (checkpoints.rotary_order)."""
 
     kernel = None  # rope_tables in one kernel (a GPU's, executor/cuda_graphs.fuse_elementwise), else None
 
@@ -107,21 +109,31 @@ class RotaryEmbedding(nn.Module):
         scaling: tuple = (),
         freq_factors: torch.Tensor | None = None,
         context: int | None = None,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        turned = rotary_dim or head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, turned, 2, dtype=torch.float32) / turned))
         scaling = dict(scaling)
         if scaling.get("rope_type") == "longrope":
             freq_factors = torch.tensor(longrope_factors(scaling, context))
-        if freq_factors is not None and freq_factors.numel() != head_dim // 2:
-            raise SpecDecodeError(
-                f"the model's RoPE has {freq_factors.numel()} factors, for {head_dim // 2} frequencies"
-            )
+        if freq_factors is not None and freq_factors.numel() != turned // 2:
+            raise SpecDecodeError(f"the model's RoPE has {freq_factors.numel()} factors, for {turned // 2} frequencies")
         inv_freq = scaled_frequencies(inv_freq, scaling, freq_factors, theta)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        still = (head_dim - turned) // 2
+        self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq.new_zeros(still)]), persistent=False)
+        factor = scaling.get("attention_factor", 1.0)
+        amplitude = None  # YaRN's or LongRoPE's factor on the turned dimensions' cos and sin, where not all turn
+        if rotary_dim and factor != 1.0:
+            half = torch.cat([torch.full((turned // 2,), factor), torch.ones(still)])
+            amplitude = torch.cat([half, half])
+        self.register_buffer("amplitude", amplitude, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        return (self.kernel or rope_tables)(positions, self.inv_freq, dtype)
+        cos, sin = (self.kernel or rope_tables)(positions, self.inv_freq, dtype)
+        if self.amplitude is None:
+            return cos, sin
+        return cos * self.amplitude.to(dtype), sin * self.amplitude.to(dtype)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):

@@ -285,10 +285,13 @@ class Transformer(nn.Module):
         """The RoPE tables' frequencies: the global layers' (scaled as the config says, by `freq_factors` where
         it says so) and, for a family whose sliding layers have their own base, theirs (unscaled)."""
         cfg = self.cfg
-        rotary = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, freq_factors, self.rope_context)
+        rotary = RotaryEmbedding(
+            cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, freq_factors, self.rope_context, cfg.rotary_dim
+        )
         self.rotary = rotary.to(device)
         if cfg.local_rope_theta is not None:
-            self.local_rotary = RotaryEmbedding(cfg.dim_per_head, cfg.local_rope_theta).to(device)
+            local = RotaryEmbedding(cfg.dim_per_head, cfg.local_rope_theta, rotary_dim=cfg.rotary_dim)
+            self.local_rotary = local.to(device)
         return self.rotary
 
     def fit_rope_to_context(self, context: int) -> None:
