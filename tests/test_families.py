@@ -147,6 +147,21 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
     return _logits(build_model(change(cfg), tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
 
 
+def _factor_on_the_whole_head(cfg):
+    """LongRoPE's attention factor in the query-key scale, as where every dimension turns."""
+    items = dict(cfg.rope_scaling)
+    factor, items["attention_factor"] = items["attention_factor"], 1.0
+    scaling = tuple(sorted(items.items()))
+    return dataclasses.replace(cfg, rope_scaling=scaling, attention_scale=cfg.dim_per_head**-0.5 * factor**2)
+
+
+def _longrope_swapped(cfg) -> tuple:
+    """LongRoPE's short factors where its long ones apply."""
+    items = dict(cfg.rope_scaling)
+    items["short_factor"], items["long_factor"] = items["long_factor"], items["short_factor"]
+    return tuple(sorted(items.items()))
+
+
 @pytest.mark.parametrize(
     "family, change",
     [
@@ -166,7 +181,7 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
         ("phi3_longrope", lambda cfg: dataclasses.replace(cfg, rope_scaling=_longrope_swapped(cfg))),
         ("phi3_longrope", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
-        ("phi4_mini", lambda cfg: _factor_on_the_whole_head(cfg)),
+        ("phi4_mini", _factor_on_the_whole_head),
         ("gemma2", lambda cfg: dataclasses.replace(cfg, attention_softcap=None)),  # scores uncapped
         ("gemma2", lambda cfg: dataclasses.replace(cfg, final_softcap=None)),  # logits uncapped
         ("gemma2", lambda cfg: dataclasses.replace(cfg, sliding_layers=(1, 3))),  # the other layers slide
@@ -194,21 +209,6 @@ def _broken_logits(made, family: str, change) -> tuple[torch.Tensor, torch.Tenso
         "gemma2-window-on-odd-layers",
     ],
 )
-def _factor_on_the_whole_head(cfg):
-    """LongRoPE's attention factor in the query-key scale, as where every dimension turns."""
-    items = dict(cfg.rope_scaling)
-    factor, items["attention_factor"] = items["attention_factor"], 1.0
-    scaling = tuple(sorted(items.items()))
-    return dataclasses.replace(cfg, rope_scaling=scaling, attention_scale=cfg.dim_per_head**-0.5 * factor**2)
-
-
-def _longrope_swapped(cfg) -> tuple:
-    """LongRoPE's short factors where its long ones apply."""
-    items = dict(cfg.rope_scaling)
-    items["short_factor"], items["long_factor"] = items["long_factor"], items["short_factor"]
-    return tuple(sorted(items.items()))
-
-
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
     got, expected = _broken_logits(made, family, change)
     assert not torch.allclose(got, expected, **TOLERANCE)

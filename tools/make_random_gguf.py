@@ -122,6 +122,34 @@ SHAPES = {
             max_position_embeddings=8192,
         ),
     ),
+    # Phi-4-mini: three quarters of each head turned, by LongRoPE past 4k tokens; a 200k vocabulary (tied)
+    "phi4-mini": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        SPM,
+        dict(
+            vocab_size=200064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.75,
+                original_max_position_embeddings=4096,
+                short_factor=[1.0] * 48,
+                long_factor=[1.0 + i for i in range(48)],
+            ),
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 
