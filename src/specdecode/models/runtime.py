@@ -311,7 +311,9 @@ class Transformer(nn.Module):
         if self.rope_context is None:
             self.rope_context = context
         if not same:
+            kernel = self.rotary.kernel  # a device's fused tables, attached at load
             self.set_rotary(device=self.device)
+            self.rotary.kernel = kernel
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) of every input position for each kind of layer (Attention.rope names its kind)."""
