@@ -1,5 +1,5 @@
 """Every family the runtime implements against transformers' forward, from the checkpoint folder transformers
-saved and from llama.cpp's GGUF conversion of it; greedy decoding against transformers' generate; greedy
+saved and from llama.cpp's GGUF conversion of it; greedy decoding against transformers' argmax token by token; greedy
 speculation (n-gram, suffix, a draft of the same family, a head) against plain decoding on the low-bit backend;
 and each test failing on a deliberately broken runtime (RoPE scaling off, q/k norm skipped, window ignored,
 wrong top-k)."""
