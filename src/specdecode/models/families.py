@@ -32,8 +32,12 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "smo
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # Gemma's layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other (Gemma 2)
 GEMMA_WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2}
-# Gemma 2's soft caps of attention scores and logits where the file states none: llama.cpp's and transformers' defaults
-GEMMA2_SOFTCAPS = {"attention": 50.0, "final": 30.0}
+# Gemma 2's soft caps of attention scores and logits: ModelConfig's field, and the config.json and GGUF key that sets
+# it, with llama.cpp's and transformers' default where the file states none
+GEMMA2_SOFTCAPS = {
+    "attention_softcap": ("attn_logit_softcapping", 50.0),
+    "final_softcap": ("final_logit_softcapping", 30.0),
+}
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
@@ -321,9 +325,8 @@ def _hf_softcaps(cfg: dict, family: str) -> dict:
     """Gemma 2's soft caps (None in its config.json: none)."""
     if family != "gemma2":
         return {}
-    names = {"attention": "attn_logit_softcapping", "final": "final_logit_softcapping"}
-    caps = {kind: cfg.get(name, GEMMA2_SOFTCAPS[kind]) for kind, name in names.items()}
-    return {f"{kind}_softcap": float(cap) if cap else None for kind, cap in caps.items()}
+    caps = {field: cfg.get(name, default) for field, (name, default) in GEMMA2_SOFTCAPS.items()}
+    return {field: float(cap) if cap else None for field, cap in caps.items()}
 
 
 def _hf_experts(cfg: dict, family: str) -> dict:
@@ -457,8 +460,13 @@ def _gguf_rope_scaling(key, arch: str, tensors: dict) -> tuple:
 def _gguf_longrope(key, short, long) -> tuple:
     """LongRoPE as llama.cpp reads it: the factor tensors, the original context, and the attention factor the converter
     wrote (transformers' default, from the context over the original)."""
-    original = float(key("rope.scaling.original_context_length", key("context_length")))
-    return longrope_items(short.tolist(), long.tolist(), original, float(key("rope.scaling.attn_factor", 1.0)))
+    attention = float(key("rope.scaling.attn_factor", 1.0))
+    return longrope_items(short.tolist(), long.tolist(), _gguf_original_context(key), attention)
+
+
+def _gguf_original_context(key) -> float:
+    """The context a scaled RoPE was trained at: the file's original_context_length, else its context_length."""
+    return float(key("rope.scaling.original_context_length", key("context_length")))
 
 
 def _gguf_yarn(key, arch: str, factor: float) -> tuple:
@@ -478,7 +486,7 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     items = {
         "rope_type": "yarn",
         "factor": factor,
-        "original_max_position_embeddings": float(key("rope.scaling.original_context_length", key("context_length"))),
+        "original_max_position_embeddings": _gguf_original_context(key),
         **{name: float(key(f"rope.scaling.yarn_{name}", default)) for name, default in YARN_BETAS.items()},
         "truncate": 1.0,
         "attention_factor": default,
@@ -490,8 +498,7 @@ def _gguf_softcaps(key, arch: str) -> dict:
     """Gemma 2's soft caps: llama.cpp applies both, at its defaults where the file states none."""
     if arch != "gemma2":
         return {}
-    names = {"attention": "attn_logit_softcapping", "final": "final_logit_softcapping"}
-    return {f"{kind}_softcap": float(key(name, GEMMA2_SOFTCAPS[kind])) for kind, name in names.items()}
+    return {field: float(key(name, default)) for field, (name, default) in GEMMA2_SOFTCAPS.items()}
 
 
 def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:

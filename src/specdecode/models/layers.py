@@ -214,14 +214,20 @@ def softcapped(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
+def repeated_kv_heads(q, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [B, Hkv, K, D] with each KV head repeated for the query heads that share it (q [B, H, T, D])."""
+    if keys.shape[1] == q.shape[1]:
+        return keys, values
+    return tuple(t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
+
+
 def attention(q, keys, values, scale: float, mask=None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q [B, H, T, D] over keys and values [B, Hkv, K, D] (mask: the keys each query sees). PyTorch's
     fused kernels take no soft cap: a capped model's scores are computed as transformers' eager attention does."""
-    gqa = keys.shape[1] != q.shape[1]
     if softcap is None:
+        gqa = keys.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    if gqa:
-        keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
+    keys, values = repeated_kv_heads(q, keys, values)
     scores = softcapped(q @ keys.transpose(-1, -2) * scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

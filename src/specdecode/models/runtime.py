@@ -29,6 +29,7 @@ from .layers import (
     attention,
     longrope_factors,
     normed_linear,
+    repeated_kv_heads,
     softcapped,
 )
 
@@ -110,8 +111,8 @@ class ForwardBatch:
         """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]. On CUDA a mask beside
         `enable_gqa` leaves PyTorch only its unfused kernel, whose float32 scores [B, H, T, kv_len] are 45 GiB at 27k
         tokens (ComfyUI#15135, transformers' use_gqa_in_sdpa): there the KV heads are repeated instead."""
-        if q.device.type in REPEATS_KV_HEADS and keys.shape[1] != q.shape[1]:
-            keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
+        if q.device.type in REPEATS_KV_HEADS:
+            keys, values = repeated_kv_heads(q, keys, values)
         return attention(q, keys, values, scale, self.mask_for(window), softcap)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
