@@ -33,6 +33,20 @@ SMALL = dict(
 )
 
 
+def _longrope(short: list[float], long: list[float], **rope) -> dict:
+    """A Phi3Config's options for LongRoPE over 16 original positions (its rope_parameters and the top-level field
+    Phi-3's configs carry), with the sonnets' SentencePiece ids for BOS and EOS."""
+    original = 16
+    parameters = dict(rope_type="longrope", rope_theta=10000.0, short_factor=short, long_factor=long, **rope)
+    return dict(
+        rope_parameters=dict(parameters, original_max_position_embeddings=original),
+        original_max_position_embeddings=original,
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 @dataclass(frozen=True)
 class Family:
     """A transformers model class and the config options that exercise what the family adds."""
@@ -127,38 +141,17 @@ FAMILIES = {
     "phi3_longrope": Family(
         "Phi3Config",
         "Phi3ForCausalLM",
-        dict(
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
-                original_max_position_embeddings=16,
-            ),
-            original_max_position_embeddings=16,
-            pad_token_id=None,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
+        _longrope(short=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], long=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]),
     ),
     # Phi-4-mini: RoPE over three quarters of each head (12 of 16 dimensions), by LongRoPE's factors for them
     "phi4_mini": Family(
         "Phi3Config",
         "Phi3ForCausalLM",
         dict(
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                short_factor=[1.0, 1.2, 1.5, 2.0, 2.6, 3.3],
-                long_factor=[1.0, 2.0, 4.0, 7.0, 11.0, 16.0],
-                original_max_position_embeddings=16,
-                partial_rotary_factor=0.75,
+            _longrope(
+                short=[1.0, 1.2, 1.5, 2.0, 2.6, 3.3], long=[1.0, 2.0, 4.0, 7.0, 11.0, 16.0], partial_rotary_factor=0.75
             ),
-            original_max_position_embeddings=16,
             tie_word_embeddings=True,
-            pad_token_id=None,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
     ),
     # Granite 3: its four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
