@@ -239,9 +239,13 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("prologues", [True, False], ids=["prologues taken in", "norms and SwiGLU apart"])
 @pytest.mark.parametrize("name", MODELS, ids=list(MODELS))
-def test_whole_forwards_with_the_kernel_compute_cublass(name, monkeypatch):
+def test_whole_forwards_with_the_kernel_compute_cublass(name, prologues, monkeypatch):
+    monkeypatch.setattr(gemv, "TAKES_PROLOGUES", prologues)
     build, fused_calls = MODELS[name]
+    if not prologues:  # every call the kernel's alone
+        fused_calls = {"plain": sum(fused_calls.values()), "normed": 0, "activated": 0}
     model = build().to(DTYPE)
     want = _fixed_forwards(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
@@ -366,6 +370,7 @@ def test_a_kernel_that_disagrees_with_cublas_is_not_taken(monkeypatch, caplog):
 def test_a_kernel_whose_prologues_disagree_is_taken_without_them(mistake, monkeypatch, caplog, tmp_path):
     """Start-up checks the norm and SwiGLU the kernel takes in as it checks the layer: where they disagree with the
     separate steps, the layers take the kernel alone and the model runs the norm and SwiGLU apart."""
+    monkeypatch.setattr(gemv, "TAKES_PROLOGUES", True)
     model = tiny_model(seed=1).model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     _timings(monkeypatch, CONFIGS[0], kernel_seconds=0.1)
@@ -378,9 +383,10 @@ def test_a_kernel_whose_prologues_disagree_is_taken_without_them(mistake, monkey
     assert _kernels(model) == {CONFIGS[0]} and not any(m.kernel.prologues for m in layers)
     assert "without the norm or SwiGLU" in caplog.text
     x = torch.randn(2, layers[0].in_features, device=DEVICE, dtype=DTYPE)
-    with cuda_graphs._fixed_shapes():  # where the kernel takes calls, it declines the fused ones
-        assert layers[0].kernel(layers[0], x) is not None
-        assert layers[0].kernel.normed(layers[0], model.norm, x, None) is None
+    with cuda_graphs._fixed_shapes():  # where the kernel takes calls, the norm is computed apart, SwiGLU declined
+        assert torch.equal(
+            layers[0].kernel.normed(layers[0], model.norm, x, None)[0], layers[0].kernel(layers[0], model.norm(x))
+        )
         assert layers[0].kernel.activated(layers[0], torch.cat([x, x], -1), "silu") is None
     gemv._timed_shape.cache_clear()
 

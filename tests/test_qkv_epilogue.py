@@ -161,15 +161,18 @@ def _draft_head():
 
 
 @pytest.mark.parametrize(
-    "build,configs,layers",
+    "build,configs,layers,prologues",
     [
-        (lambda: tiny_model(seed=3).model, (CONFIGS[0],), 2),
-        (lambda: tiny_model(seed=3).model, (SPLIT,), 2),
-        (_draft_head, (CONFIGS[0],), 1),
+        (lambda: tiny_model(seed=3).model, (CONFIGS[0],), 2, False),
+        (lambda: tiny_model(seed=3).model, (CONFIGS[0],), 2, True),
+        (lambda: tiny_model(seed=3).model, (SPLIT,), 2, False),
+        (_draft_head, (CONFIGS[0],), 1, False),
     ],
-    ids=["qwen2 one-part", "qwen2 K-split", "draft head"],
+    ids=["qwen2 one-part", "qwen2 one-part, the norm taken in too", "qwen2 K-split", "draft head"],
 )
-def test_whole_forwards_with_the_epilogue_compute_those_without(build, configs, layers, monkeypatch):
+def test_whole_forwards_with_the_epilogue_compute_those_without(build, configs, layers, prologues, monkeypatch):
+    """The epilogue after the kernel's norm prologue, or after the norm computed apart (gemv.TAKES_PROLOGUES)."""
+    monkeypatch.setattr(gemv, "TAKES_PROLOGUES", prologues)
     model = build().to(DTYPE)
     _with_kernels(model, configs)
     names = _counted(monkeypatch)

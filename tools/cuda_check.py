@@ -43,6 +43,7 @@ from specdecode.models.runtime import Transformer  # noqa: E402
 from specdecode.timing import now  # noqa: E402
 
 SMOKE = bool(os.environ.get("SMOKE"))
+STARTED = time.perf_counter()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 VOCAB = 512 if SMOKE else 151936
@@ -223,40 +224,39 @@ def cublas_linear(model, cublas: bool = True):
 
 
 @contextlib.contextmanager
-def separate_prologues():
-    """The linear layers' kernel without what it takes in (the norms before QKV, gate/up and the head, SwiGLU before
-    down), each of those its own kernel again: whether taking them in pays."""
-    from specdecode.executor.gemv import Gemv
+def taken_prologues():
+    """The linear layers' kernel taking in what comes before it where it checked (the norms before QKV, gate/up and the
+    head, SwiGLU before down), rather than those as kernels of their own: whether taking them in pays."""
+    from specdecode.executor import gemv
 
-    saved = Gemv.normed, Gemv.activated
-    Gemv.normed = Gemv.activated = None
+    saved, gemv.TAKES_PROLOGUES = gemv.TAKES_PROLOGUES, True
     try:
         yield
     finally:
-        Gemv.normed, Gemv.activated = saved
+        gemv.TAKES_PROLOGUES = saved
 
 
 # The attention of each mode's captured forwards: PyTorch's (gather + SDPA), or the paged Triton kernels with a
-# query head a program (executor/paged_attention.py), keys split across programs every 512 positions, or every 64
-# so that a short context is attended by several programs a head, or (/span) 128 or 256 keys a load rather than 64
-# (one KV block); linear layers by cuBLAS, or (+gemv) by the kernel where start-up timing chose it (/unfused: the
-# norms and SwiGLU before them their own kernels; /unrotated: RoPE and the cache write not in the QKV projection's)
+# query head a program (executor/paged_attention.py), keys split across programs every 64 positions (/split512: every
+# 512, one program a head below that), (/span128) 128 keys a load rather than 64 (one KV block); linear layers by
+# cuBLAS, or (+gemv) by the kernel where start-up timing chose it (/prologues: the norms and SwiGLU before them taken
+# in; /unrotated: RoPE and the cache write not in the QKV projection's)
 ATTENTION = {
     "graphs": None,
     "graphs+fused": None,
     "+paged": PagedAttention(1),
-    "+paged/split64": PagedAttention(1, split_keys=64),
+    "+paged/split512": PagedAttention(1, split_keys=512),
     "+gemv": PagedAttention(1),
-    "+gemv/split64": PagedAttention(1, split_keys=64),
-    "+gemv/unfused": PagedAttention(1),
+    "+gemv/split512": PagedAttention(1, split_keys=512),
+    "+gemv/prologues": PagedAttention(1),
     "+gemv/unrotated": PagedAttention(1, in_projection=False),
     "+gemv/span128": PagedAttention(1, span=128),
-    "+gemv/span256": PagedAttention(1, span=256),
 }
 ALL_MODES = ("eager", *ATTENTION)
+QUICK_MODES = ("graphs+fused", "+paged", "+gemv", "+gemv/split512", "+gemv/prologues", "+gemv/span128")
 # sequences x rows per sequence after a context; a CPU (a smoke run) times one, its Triton kernels interpreted
 STEP_SHAPES = (
-    ((1, 1, PROMPT), (1, 5, PROMPT), (8, 1, PROMPT), (64, 1, PROMPT), (1, 1, 4096), (1, 5, 4096))
+    ((1, 1, PROMPT), (1, 5, PROMPT), (8, 1, PROMPT), (64, 1, PROMPT), (64, 1, 2000), (1, 1, 4096), (1, 5, 4096))
     if DEVICE == "cuda"
     else ((1, 1, PROMPT),)
 )
@@ -273,10 +273,11 @@ def step_costs(target, modes=ALL_MODES):
 
 
 def _fusions(mode: str):
-    """What a mode leaves unfused: "graphs" the elementwise steps, "/unfused" the linear layers' prologues."""
+    """What a mode fuses otherwise: "graphs" leaves the elementwise steps unfused, "/prologues" takes the norms and
+    SwiGLU into the linear layers' kernel."""
     if mode == "graphs":
         return unfused()
-    return separate_prologues() if mode.endswith("/unfused") else contextlib.nullcontext()
+    return taken_prologues() if mode.endswith("/prologues") else contextlib.nullcontext()
 
 
 def _step_cost(model, mode: str, seqs: int, width: int, context: int) -> dict:
@@ -404,7 +405,9 @@ def measured_acceptance(target, draft):
     from specdecode.bench.imposed import MeasuredAcceptance
 
     _, head = random_head(target)
-    rows = {"plain": {"decode_tok_s": generate(engine(target, num_speculative_tokens=0), 1)[0]}}
+    tok_s, _, spec = generate(engine(target, num_speculative_tokens=0), 1)
+    rows = {"plain": {"decode_tok_s": tok_s, "phases": spec}}
+    print(f"plain: {tok_s:.1f} tok/s; {said_phases(spec)}")
     drafters = {"head": dict(speculative_model=head), "0.5B draft": dict(draft=draft)}
     for (name, drafter), policy in itertools.product(drafters.items(), ("fixed", "adaptive")):
         acceptance = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE[name], 4)
@@ -415,10 +418,10 @@ def measured_acceptance(target, draft):
             llm.engine.overlap = on_device
             tok_s, _, spec = generate(llm, 1)
             ratio = tok_s / rows["plain"]["decode_tok_s"]
-            rows[f"{name}, {way}"] = {"decode_tok_s": tok_s, "vs_plain": ratio, "tau": spec.get("tau")}
+            rows[f"{name}, {way}"] = {"decode_tok_s": tok_s, "vs_plain": ratio, "phases": spec}
             print(
                 f"{name:10s} {way:24s}: {tok_s:8.1f} tok/s = {ratio:.2f}x plain (kept {acceptance.mean_accepted:.2f} "
-                "of 4 drafts a step on average)",
+                f"of 4 drafts a step on average)\n   {said_phases(spec)}",
                 flush=True,
             )
         del llm
@@ -730,7 +733,7 @@ def engine(target, draft=None, **options) -> LLM:
         max_num_seqs=64,
         progress=False,
         prefix_caching=False,
-        memory_budget="40GiB" if DEVICE == "cuda" else None,
+        memory_budget="40GiB" if DEVICE == "cuda" else os.environ.get("CHECK_CPU_BUDGET"),
         **options,
     )
 
@@ -752,7 +755,8 @@ def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0, temperature
     and a shorter warm-up left the captures of the later buckets inside the timed run."""
     _timed(llm, batch, tokens, seed + 1, temperature)
     captured = captures(llm)
-    _, outs = _timed(llm, batch, tokens, seed, temperature)
+    llm.engine.timer.reset()
+    seconds, outs = _timed(llm, batch, tokens, seed, temperature)
     more = captures(llm)[len(captured) :]
     if more:
         print(f"   {len(more)} graphs captured inside the timed run, {sum(more):.2f} s", flush=True)
@@ -760,7 +764,28 @@ def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0, temperature
     first = max(s["ttft_s"] for s in specs)
     last = max(s["ttft_s"] + s["tpot_s"] * (s["num_output_tokens"] - 1) for s in specs)
     decoded = sum(s["num_output_tokens"] - 1 for s in specs)
-    return decoded / (last - first), [o.outputs[0].token_ids for o in outs], specs[0]
+    return decoded / (last - first), [o.outputs[0].token_ids for o in outs], dict(specs[0], **phases(llm, seconds))
+
+
+def phases(llm: LLM, seconds: float) -> dict:
+    """Where a timed run's time went, a step (the engine's own timer, prompts' prefill included): the run's wall time,
+    the target's forwards, the draft's, whole proposer calls."""
+    timer, steps = llm.engine.timer, max(1, llm.engine.timer.target_calls)
+    return {
+        "steps": timer.target_calls,
+        "wall_ms_a_step": 1e3 * seconds / steps,
+        "target_ms_a_step": 1e3 * timer.target_time / steps,
+        "draft_ms_a_step": 1e3 * (timer.draft_time + timer.draft_prefill_time) / steps,
+        "propose_ms_a_step": 1e3 * timer.propose_time / steps,
+    }
+
+
+def said_phases(spec: dict) -> str:
+    return (
+        f"{spec['steps']} steps: {spec['wall_ms_a_step']:.2f} ms a step, the target's forwards "
+        f"{spec['target_ms_a_step']:.2f}, drafting {spec['draft_ms_a_step']:.2f} (proposer calls "
+        f"{spec['propose_ms_a_step']:.2f})"
+    )
 
 
 def captures(llm: LLM) -> list[float]:
@@ -896,6 +921,8 @@ def concurrency(target, draft, tokens: int):
             "speculated",
             flush=True,
         )
+        if a_tok_s < 0.98 * p_tok_s:  # what differs: each engine's phases, and the two timed again the other way round
+            rows[n]["again"] = _again(plain, adaptive, n, tokens)
     rows["plain_64_over_1"] = rows[64]["plain_decode_tok_s"] / rows[1]["plain_decode_tok_s"]
     print(f"plain throughput at 64 / at 1: {rows['plain_64_over_1']:.1f}x")
     for name, llm in (("plain", plain), ("adaptive", adaptive)):  # what capturing when first met costs
@@ -907,10 +934,25 @@ def concurrency(target, draft, tokens: int):
     RESULTS["concurrency"] = rows
 
 
+def _again(plain: LLM, adaptive: LLM, n: int, tokens: int) -> dict:
+    """A sweep point where the adaptive policy fell behind, timed again adaptive first, each run's phases shown."""
+    a_tok_s, _, a_spec = generate(adaptive, n, tokens)
+    p_tok_s, _, p_spec = generate(plain, n, tokens)
+    print(f"   again, adaptive first: {a_tok_s / p_tok_s:.3f}x\n   plain    {said_phases(p_spec)}\n   adaptive "
+          f"{said_phases(a_spec)}", flush=True)  # fmt: skip
+    return {"ratio": a_tok_s / p_tok_s, "plain": p_spec, "adaptive": a_spec}
+
+
 @section("the CUDA test files, graphs on")
-def tests(files=TEST_FILES):
+def tests(files=TEST_FILES, deadline: float | None = None):
+    """The test files on the device, within what is left before `deadline` (where one is set); what they printed is
+    shown however they end, the slowest tests named."""
     env = dict(os.environ, SPECDECODE_TEST_DEVICE=DEVICE)
-    workers = ["-n", os.environ.get("TEST_WORKERS", "8")] if importlib.util.find_spec("xdist") else []
+    workers = str(min(16, os.cpu_count() or 1))
+    workers = ["-n", os.environ.get("TEST_WORKERS", workers)] if importlib.util.find_spec("xdist") else []
+    seconds = int(os.environ.get("TEST_SECONDS", "600"))
+    if deadline is not None:
+        seconds = max(30, min(seconds, int(deadline - time.perf_counter())))
     cmd = [
         sys.executable,
         "-m",
@@ -920,14 +962,23 @@ def tests(files=TEST_FILES):
         "no:cacheprovider",
         "-m",
         "not real_model and not ray",
+        "--durations=12",
         *workers,
         *files,
     ]
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=int(os.environ.get("TEST_SECONDS", "150"))
-    )
-    print(proc.stdout[-3000:], proc.stderr[-2000:])
-    RESULTS["tests"] = {"rc": proc.returncode, "tail": proc.stdout[-400:]}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:  # what ran is still worth reading
+        rc, out, err = "timed out", _text(e.stdout), _text(e.stderr)
+    print(f"{seconds} s given; {rc=}", out[-4000:], err[-2000:], sep="\n")
+    RESULTS["tests"] = {"rc": rc, "seconds": seconds, "tail": out[-600:]}
+    if rc != 0:
+        raise RuntimeError(f"the test files did not pass ({rc})")
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def compiler_counts() -> None:
@@ -947,10 +998,13 @@ def main() -> None:
     parser.add_argument("--sweep-tokens", type=int, default=64, help="tokens per request in the concurrency sweep")
     parser.add_argument("--only-sweep", action="store_true", help="the device facts and the concurrency sweep alone")
     parser.add_argument(
+        "--seconds", type=float, default=540, help="when the run must end: the test files get what is left of it"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
-        help="the linear layers' kernel against cuBLAS, step costs (graphs, fusion, attention and linear kernels), the "
-        "waits, the batch-1 bars, the concurrency sweep, sampling, a host profile, greedy bits, some tests",
+        help="the linear layers' kernel against cuBLAS, the batch-1 bars, the concurrency sweep, step costs (graphs, "
+        "fusion, attention and linear kernels), the head's step, the waits, greedy bits, the GPU paths' tests",
     )
     args = parser.parse_args()
     if args.out:
@@ -962,16 +1016,14 @@ def main() -> None:
         gemv_choice(target)
         measured_acceptance(target, draft)
         concurrency(target, draft, args.sweep_tokens)
-        step_costs(target, ALL_MODES[2:])
+        step_costs(target, QUICK_MODES)
         head_step(target)
         waits(target)
         engine_trace(target)
-        sampled(target)
-        host_profile(target, draft)
         greedy_bits(target, draft)
         compiler_counts()
         if not args.skip_tests:
-            tests(QUICK_TEST_FILES)
+            tests(QUICK_TEST_FILES, deadline=STARTED + args.seconds)
         return
     if not args.only_sweep:
         batch_one_eager(target)
@@ -979,6 +1031,8 @@ def main() -> None:
         batch_one(target, draft)
         waits(target)
         measured_acceptance(target, draft)
+        sampled(target)
+        host_profile(target, draft)
         greedy(target, draft)
     concurrency(target, draft, args.sweep_tokens)
     if not args.skip_tests:

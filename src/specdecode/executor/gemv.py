@@ -7,11 +7,11 @@ program takes BLOCK_N of the weight's rows, a configuration may split K across p
 split order), and each layer shape takes the configuration, or cuBLAS, that is fastest on this device, timed at
 start-up inside a CUDA graph on weights that do not fit in the L2 cache, as a forward reads them.
 
-The kernel also takes in what comes before a layer, which would otherwise be a kernel of its own, each a few
-microseconds in a graph however small its work: the residual add and RMSNorm before the QKV and gate/up projections
-(models/layers.normed_linear; it writes the residual stream as it goes) and SwiGLU before the down projection
-(MLP.down), rounded where the separate kernels round. Start-up checks those too: where they disagree with the separate
-steps on a device, its layers take the kernel alone.
+The kernel can also take in what comes before a layer, which is otherwise a kernel of its own: the residual add and
+RMSNorm before the QKV and gate/up projections (models/layers.normed_linear; it writes the residual stream as it goes)
+and SwiGLU before the down projection (MLP.down), rounded where the separate kernels round. Start-up checks those too:
+where they disagree with the separate steps on a device, its layers take the kernel alone. They are taken only where
+TAKES_PROLOGUES says.
 
 A row is computed the same whatever rows are beside it: rows go in tiles of 16 (the matrix unit's height), so a row's
 products and their order over K depend only on the layer's configuration, never on how many rows the call has. Greedy
@@ -42,6 +42,10 @@ TILE_ROWS = 16  # rows a program multiplies at once: tl.dot's least height
 MAX_ROWS = 16  # calls of more rows keep cuBLAS, whose tiles then fill the device
 TIMED_ROWS = (1, 8)  # decode, and a batch-1 verify of k + 1 rows
 CHOICE = "SPECDECODE_GPU_LINEAR"  # "auto" (timed, the default), "cublas" or "triton" (the fastest configuration)
+# Whether a layer's kernel takes in the norm or SwiGLU before it (where they agree on the device). Off: on an H100 the
+# 1.5B's step was slower with them in at every shape timed, each program summing its rows' squares over all of K
+# before its first weight load (docs/decisions.md#linear-layers-of-a-few-rows-on-a-gpu); cuda_check times both.
+TAKES_PROLOGUES = False
 
 
 PLAIN, NORMED, ACTIVATED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what it does to its input first
@@ -212,9 +216,14 @@ class Gemv:
     by the Triton kernel at one configuration; None for the others, which the Linear computes itself."""
 
     def __init__(self, config: GemvConfig, prologues: bool = True):
-        """prologues: whether it takes in the norm or SwiGLU before its layer (else the model runs those apart)."""
+        """prologues: whether it computes the norm or SwiGLU before its layer as the separate steps do on this device
+        (it takes them in where TAKES_PROLOGUES too; else the model runs those apart)."""
         self.config, self.prologues = config, prologues
         self.rope_epilogue = False  # a QKV projection's: whether it takes RoPE and the cache write in (qkv_epilogue.py)
+
+    @property
+    def takes_prologues(self) -> bool:
+        return self.prologues and TAKES_PROLOGUES
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor | None:
         return self._run(module, x) if takes(x) else None
@@ -222,9 +231,13 @@ class Gemv:
     def normed(self, module, norm, x: torch.Tensor, residual: torch.Tensor | None, compute=None, **out):
         """(module(norm(x + residual)), x + residual), residual None: (module(norm(x)), x), in one call
         (models/layers.normed_linear); None where the kernel does not apply. compute: gemv, or a function of its
-        signature that computes the layer with more in it (qkv_epilogue.projected); out: gemv's out_dtype."""
-        if not (self.prologues and takes(x)):
+        signature that computes the layer with more in it (qkv_epilogue.projected); out: gemv's out_dtype. Where the
+        kernel does not take prologues in, the norm is computed apart and the kernel takes the rest."""
+        if not takes(x):
             return None
+        if not self.takes_prologues:
+            h, summed = (norm(x), x) if residual is None else norm(x, residual)
+            return self._run(module, h, compute, **out), summed
         normed = dict(norm=(norm.weight, norm.eps), **out)
         if residual is None:
             return self._run(module, x, compute, **normed), x
@@ -235,7 +248,7 @@ class Gemv:
     def activated(self, module, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
         """module(SiLU(gate) * up) from the gate_up projection's output, in one call (MLP.down); None where the
         kernel does not apply (GeGLU among them)."""
-        if not (self.prologues and activation == "silu" and takes(gate_up)):
+        if not (self.takes_prologues and activation == "silu" and takes(gate_up)):
             return None
         return self._run(module, gate_up, activated=True)
 

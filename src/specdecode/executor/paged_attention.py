@@ -181,6 +181,11 @@ def _combine(
     tl.store(out + i * D + d, (acc / total).to(out.dtype.element_ty), mask=d < D)
 
 
+# Keys a program attends at most by default: a sequence's heads alone are a few programs on a device of a hundred or
+# more cores, so splitting even a short context pays (docs/decisions.md#paged-attention-kernels-in-captured-forwards).
+SPLIT_KEYS = 64
+
+
 class PagedAttention:
     """The attention of a fixed-shape forward (executor/cuda_graphs.StaticBatch): new rows' q, k, v [B, R, heads, D]
     (views of the QKV projection, normalised where the family does) -> outputs [B, R, H * D].
@@ -190,13 +195,19 @@ class PagedAttention:
     span: keys a program takes at a time (a power of two, at least a key tile), from one KV block or several; each
     span is a round of loads the next waits on, so at short contexts fewer, wider spans wait less.
     split_keys: where a bucket has more key positions, programs take this many each (split at fixed positions, so a
-    row's result stays its own), and a second kernel merges their sums; a multiple of span.
+    row's result stays its own), and a second kernel merges their sums; a multiple of span (default: one span, at
+    least SPLIT_KEYS). Short splits keep a device's cores busy where few sequences attend over a short context.
     in_projection: RoPE and the cache write in the QKV projection's kernel where it passed its check
     (executor/qkv_epilogue.py), rather than a kernel of their own."""
 
     def __init__(
-        self, heads_per_program: int | None = 1, span: int = 64, split_keys: int = 512, in_projection: bool = True
+        self,
+        heads_per_program: int | None = 1,
+        span: int = 64,
+        split_keys: int | None = None,
+        in_projection: bool = True,
     ):
+        split_keys = split_keys or max(span, SPLIT_KEYS)
         if span < KEY_TILE or span & (span - 1) or split_keys % span:
             raise ValueError(f"a span is a power of two from {KEY_TILE} dividing split_keys, not {span} ({split_keys})")
         self.heads_per_program, self.span, self.split_keys = heads_per_program, span, split_keys
@@ -325,7 +336,7 @@ def attach_epilogues(model) -> int:
     taken = 0
     for attention in (m for m in model.modules() if isinstance(m, Attention)):
         kernel = attention.qkv_proj.kernel
-        if not isinstance(kernel, Gemv) or not kernel.prologues or attention.qk_norms is not None:
+        if not isinstance(kernel, Gemv) or attention.qk_norms is not None:
             continue
         weight = attention.qkv_proj.weight
         shape = (*weight.shape, attention.qkv_proj.bias is not None, attention.num_heads, attention.num_kv_heads)
