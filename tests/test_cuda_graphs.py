@@ -302,6 +302,26 @@ def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
     assert results["measured_acceptance"]["head, adaptive"]["phases"]["steps"] > 0  # where a step's time went
 
 
+def test_the_prepared_gpu_checks_test_files_come_to_a_verdict(tmp_path, monkeypatch):
+    """The check's last section runs test files in a pytest of their own, within what is left of the run: a passing
+    file passes it, a failing one marks it failed (the run goes on)."""
+    import time
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import cuda_check
+
+    monkeypatch.setattr(cuda_check, "RESULTS", {})
+    monkeypatch.delenv("CHECK_OUT", raising=False)
+    (tmp_path / "test_passes.py").write_text("def test_passes():\n    assert 1 + 1 == 2\n")
+    (tmp_path / "test_fails.py").write_text("def test_fails():\n    assert 1 + 1 == 3\n")
+    cuda_check.tests([str(tmp_path / "test_passes.py")], deadline=time.perf_counter() + 120)
+    assert cuda_check.RESULTS["tests"]["rc"] == 0 and "failed" not in cuda_check.RESULTS
+    cuda_check.tests([str(tmp_path / "test_fails.py")], deadline=time.perf_counter() + 120)
+    assert cuda_check.RESULTS["tests"]["rc"] == 1
+    assert cuda_check.RESULTS["failed"] == ["the CUDA test files, graphs on"]
+
+
 def _head_for(target):
     from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
 

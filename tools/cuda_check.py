@@ -19,6 +19,7 @@ import importlib.util
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,11 +145,11 @@ def roofline(tokens_per_s: float, seqs: int, context: int, model) -> float:
 
 def section(name):
     def wrap(fn):
-        def run(*args):
+        def run(*args, **kwargs):
             start = time.perf_counter()
             print(f"\n== {name}", flush=True)
             try:
-                fn(*args)
+                fn(*args, **kwargs)
             except Exception:  # a failing section is reported; the next ones still run
                 traceback.print_exc()
                 RESULTS.setdefault("failed", []).append(name)
@@ -978,19 +979,20 @@ def tests(files=TEST_FILES, deadline: float | None = None):
         *workers,
         *files,
     ]
+    # a session of its own: past its time, pytest's workers are stopped with it (they would hold the device)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds)
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:  # what ran is still worth reading
-        rc, out, err = "timed out", _text(e.stdout), _text(e.stderr)
+        out, err = proc.communicate(timeout=seconds)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:  # what ran is still worth reading
+        os.killpg(proc.pid, signal.SIGKILL)
+        (out, err), rc = proc.communicate(), "timed out"
     print(f"{seconds} s given; {rc=}", out[-4000:], err[-2000:], sep="\n")
     RESULTS["tests"] = {"rc": rc, "seconds": seconds, "tail": out[-600:]}
     if rc != 0:
         raise RuntimeError(f"the test files did not pass ({rc})")
-
-
-def _text(output: bytes | str | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def compiler_counts() -> None:
