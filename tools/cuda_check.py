@@ -540,12 +540,13 @@ def _head_drafts(head, features, k: int, chained: bool):
     return drafts
 
 
-@section("plain decoding at batch 1 through the engine: a token's wall time against the device's busy time in it")
+@section("batch 1 through the engine: a step's wall time against the device's busy time in it (plain, the head)")
 def engine_trace(target, tokens: int = 160):
-    """What separates the engine's time a token from a replay's: the device's busy time a token (every kernel and copy
-    the profiler saw, the prompt's prefill among them: under 2% of it) and the host's operations by their own time
-    (waits for the device show as synchronisations and copies to the host)."""
-    from torch.profiler import ProfilerActivity, profile
+    """What separates the engine's time a step from a replay's, for plain decoding and for the head at HumanEval's
+    acceptance (k = 4, imposed): the device's busy time a step (every kernel and copy the profiler saw, the prompt's
+    prefill among them: under 2% of it) and the host's operations by their own time (waits for the device show as
+    synchronisations and copies to the host)."""
+    from specdecode.bench.imposed import MeasuredAcceptance
 
     llm = engine(target, num_speculative_tokens=0)
     _timed(llm, 1, 8, 1)  # warm-up: the buckets' graphs captured
@@ -560,29 +561,41 @@ def engine_trace(target, tokens: int = 160):
         f" of roofline)",
         flush=True,
     )
+    RESULTS["engine_trace"] = {"unprofiled_ms": 1e3 / unprofiled, "one_after_another_ms": 1e3 / one_after_another}
+    RESULTS["engine_trace"]["plain"] = _traced(llm, tokens, "plain")
+    _, head = random_head(target)
+    options = dict(speculation_policy="fixed", draft_confidence=0.0, speculative_model=head)
+    drafting = engine(target, num_speculative_tokens=4, **options)
+    drafting.engine.forced_accept = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE["head"], 4)
+    generate(drafting, 1, tokens)  # its buckets met at the traced run's length
+    RESULTS["engine_trace"]["head"] = _traced(drafting, tokens, "the head, k = 4, HumanEval's acceptance imposed")
+
+
+def _traced(llm: LLM, tokens: int, name: str) -> dict | None:
+    """One batch-1 run under the profiler: its wall time and the device's busy time a step, and the host's own time a
+    step by operation (None where the profiler fails: it needs CUPTI for the device's side)."""
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    try:  # the profiler needs CUPTI for the device's side
+    llm.engine.timer.reset()
+    try:
         with profile(activities=activities) as prof:
-            _, outs = _timed(llm, 1, tokens, 2)
+            seconds, _ = _timed(llm, 1, tokens, 2)
     except Exception as e:
-        print(f"   no trace: the profiler failed ({e})")
-        return
-    spec = outs[0].spec
-    events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / tokens
+        print(f"   {name}: no trace, the profiler failed ({e})")
+        return None
+    steps, events = max(1, llm.engine.timer.target_calls), prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / steps
     host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]
-    print(
-        f"unprofiled {1e3 / unprofiled:.2f} ms a token; profiled {spec['tpot_s'] * 1e3:.2f} ms a token, the device "
-        f"busy {busy / 1e3:.2f} ms of it; the host's own time by operation, a token:"
-    )
+    print(f"{name}, profiled: {steps} steps, {seconds * 1e3 / steps:.2f} ms a step, the device busy "
+          f"{busy / 1e3:.2f} ms of it; the host's own time by operation, a step:")  # fmt: skip
     for e in host:
-        print(f"   {e.self_cpu_time_total / tokens:8.1f} us {e.count / tokens:6.1f}x  {e.key[:70]}")
-    RESULTS["engine_trace"] = {
-        "unprofiled_ms": 1e3 / unprofiled,
-        "one_after_another_ms": 1e3 / one_after_another,
-        "profiled_ms": spec["tpot_s"] * 1e3,
-        "device_busy_ms": busy / 1e3,
-        "host": [{"op": e.key[:70], "us": e.self_cpu_time_total / tokens, "calls": e.count / tokens} for e in host],
+        print(f"   {e.self_cpu_time_total / steps:8.1f} us {e.count / steps:6.1f}x  {e.key[:70]}")
+    return {
+        "steps": steps,
+        "profiled_ms_a_step": seconds * 1e3 / steps,
+        "device_busy_ms_a_step": busy / 1e3,
+        "host": [{"op": e.key[:70], "us": e.self_cpu_time_total / steps, "calls": e.count / steps} for e in host],
     }
 
 
