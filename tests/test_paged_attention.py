@@ -154,6 +154,13 @@ def test_a_row_gets_the_same_output_whatever_else_its_call_holds(start, span):
     assert torch.equal(first, second)
 
 
+def test_splits_are_fixed_up_to_their_most_then_widen():
+    """Splits of 64 keys (a row's bits the same in every bucket of up to 4,096 keys), at most MAX_SPLITS of them."""
+    attention = PagedAttention()
+    assert [attention.split_of(keys) for keys in (64, 256, 4096, 8192, 32768)] == [64, 64, 64, 128, 512]
+    assert all(keys // attention.split_of(keys) <= paged_attention.MAX_SPLITS for keys in (256, 4096, 1 << 20))
+
+
 def _forwards(model, attention):
     runner = ModelRunner(model, 3, 600, fixed_shapes=True)
     runner._fixed.attention = attention
