@@ -154,11 +154,16 @@ def test_a_row_gets_the_same_output_whatever_else_its_call_holds(start, span):
     assert torch.equal(first, second)
 
 
-def test_splits_are_fixed_up_to_their_most_then_widen():
-    """Splits of 64 keys (a row's bits the same in every bucket of up to 4,096 keys), at most MAX_SPLITS of them."""
+def test_splits_of_64_keys_widen_only_where_a_call_would_hold_too_many_sums():
+    """A row's bits are the same in every call short of MAX_PARTIALS partial sums (splits of 64 keys at any length for
+    a batch-1 decode or verify); the largest buckets hold no more than 512-key splits did."""
     attention = PagedAttention()
-    assert [attention.split_of(keys) for keys in (64, 256, 4096, 8192, 32768)] == [64, 64, 64, 128, 512]
-    assert all(keys // attention.split_of(keys) <= paged_attention.MAX_SPLITS for keys in (256, 4096, 1 << 20))
+    assert [attention.split_of(keys, 1) for keys in (64, 256, 8192, 1 << 20)] == [64, 64, 64, 64]
+    assert [attention.split_of(keys, 5) for keys in (256, 32768)] == [64, 64]
+    assert attention.split_of(16384, 1024) == 512  # 16 sequences of 64 rows
+    largest = [(1024, 16384), (512, 32768), (64, 4096), (16, 1 << 18)]  # rows x keys within cuda_graphs' bounds
+    held = [rows * keys // attention.split_of(keys, rows) for rows, keys in largest]
+    assert max(held) <= paged_attention.MAX_PARTIALS == max(rows * keys // 512 for rows, keys in largest)
 
 
 def _forwards(model, attention):

@@ -11,7 +11,7 @@ Where the QKV projection runs in the GEMV kernel, that kernel does the first one
 
 Each row's result depends only on its own keys: the keys are taken in spans fixed by position, and a span that a
 row does not see leaves its sums as they were, bit for bit. So a token gets the same attention output whether it is
-decoded alone or verified beside drafts, in a batch of any size (in buckets of up to MAX_SPLITS splits: 4,096 keys).
+decoded alone or verified beside drafts, in a batch of any size (short of MAX_PARTIALS: see there).
 
 Without a GPU (the tests) the kernels run in Triton's interpreter, which TRITON_INTERPRET=1 turns on before Triton
 is imported (tests/conftest.py does).
@@ -184,9 +184,10 @@ def _combine(
 # Keys a program attends at most by default: a sequence's heads alone are a few programs on a device of a hundred or
 # more cores, so splitting even a short context pays (docs/decisions.md#paged-attention-kernels-in-captured-forwards).
 SPLIT_KEYS = 64
-# Splits a row at most: past MAX_SPLITS x split_keys keys the splits widen, so that a call's partial sums (a row's per
-# split, float32) never outgrow what 512-key splits held in the longest buckets.
-MAX_SPLITS = 64
+# Partial sums a call holds at most, in rows x splits (each a query head's float32 sums): what 512-key splits held in
+# the largest buckets (64 rows a sequence x 64 x 4,096 keys gathered: cuda_graphs' bounds). Where more would be held
+# (verifies of many rows over long contexts) the call's splits widen, and its rows' bits are then those of its size.
+MAX_PARTIALS = 64 * 64 * 4096 // 512
 
 
 class PagedAttention:
@@ -199,8 +200,8 @@ class PagedAttention:
     span is a round of loads the next waits on, so at short contexts fewer, wider spans wait less.
     split_keys: where a bucket has more key positions, programs take this many each (split at fixed positions, so a
     row's result stays its own), and a second kernel merges their sums; a multiple of span (default: one span, at
-    least SPLIT_KEYS). Short splits keep a device's cores busy where few sequences attend over a short context; past
-    MAX_SPLITS of them a bucket's splits widen (its rows' bits then those of that bucket's split).
+    least SPLIT_KEYS). Short splits keep a device's cores busy where few sequences attend over a short context; they
+    widen only where a call would hold more than MAX_PARTIALS partial sums.
     in_projection: RoPE and the cache write in the QKV projection's kernel where it passed its check
     (executor/qkv_epilogue.py), rather than a kernel of their own."""
 
@@ -235,9 +236,13 @@ class PagedAttention:
         store = rope_store(batch, cache, attention.layer, rope, attention.num_heads, attention.num_kv_heads)
         return rotated_projection(attention, norm, x, residual, store)
 
-    def split_of(self, keys: int) -> int:
-        """The keys each program of a bucket of `keys` key positions attends (a power of two, as buckets are)."""
-        return keys if keys <= self.split_keys else max(self.split_keys, keys // MAX_SPLITS)
+    def split_of(self, keys: int, rows: int) -> int:
+        """The keys each program attends in a call of `rows` rows over `keys` key positions (powers of two, as buckets
+        are)."""
+        split = min(keys, self.split_keys)
+        while rows * (keys // split) > MAX_PARTIALS and split < keys:
+            split *= 2
+        return split
 
     def attend(
         self, batch, cache: KVCache, layer: int, queries, heads: int, window: int | None, scale: float, softcap=None
@@ -253,7 +258,7 @@ class PagedAttention:
         per_program = min(self.heads_per_program or heads // kv_heads, heads // kv_heads)
         out = torch.empty(bsz, rows, heads, dim, device=queries.device, dtype=queries.dtype)
         keys = batch.kv_len
-        split = self.split_of(keys)
+        split = self.split_of(keys, count)
         splits = -(-keys // split)
         parts = [out] * 3  # one split: not read
         if splits > 1:
