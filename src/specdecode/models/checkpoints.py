@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
+from .families import LONGROPE_TENSORS
 
 # ---- Hugging Face checkpoints --------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
     [experts, rows, columns]: its names hold an "{expert}" field, and the rows are each expert's."""
     if name == "rope_freqs.weight":
         return [("model.rope_freqs", slice(None))]
-    if name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+    if name in LONGROPE_TENSORS:
         return []  # LongRoPE's factors: in the model's description (families.py), not among its weights
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m is None:

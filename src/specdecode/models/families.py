@@ -428,7 +428,8 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
 
 # a GGUF's RoPE factors: per dimension (Llama 3's scaling), or LongRoPE's short and long ones (the rows of runtime's
 # tables, read into the description rather than loaded as weights)
-ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+ROPE_TENSORS = ("rope_freqs.weight", *LONGROPE_TENSORS)
 
 
 def _gguf_rope_scaling(key, arch: str, tensors: dict) -> tuple:
@@ -437,8 +438,8 @@ def _gguf_rope_scaling(key, arch: str, tensors: dict) -> tuple:
     kind = key("rope.scaling.type", "none")
     if kind not in ("none", "linear", "yarn"):
         raise refuse(f"{arch}.rope.scaling.type", kind, "none, linear, yarn (and llama3 as a rope_freqs tensor)")
-    longrope = [tensors.get(name) for name in ROPE_TENSORS[1:]]
-    if kind != "none" and len(tensors):
+    longrope = [tensors.get(name) for name in LONGROPE_TENSORS]
+    if kind != "none" and tensors:
         raise refuse(f"{arch}.rope.scaling.type", kind, "none beside RoPE factor tensors")
     if "rope_freqs.weight" in tensors:
         return (("rope_type", "freq_factors"),)
