@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..models.layers import Linear
+from ..models.layers import Linear, normed_and_summed
 from .cuda_graphs import UNFIT_KERNEL, in_fixed_shapes
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class Gemv:
         if not takes(x):
             return None
         if not self.takes_prologues:
-            h, summed = (norm(x), x) if residual is None else norm(x, residual)
+            h, summed = normed_and_summed(norm, x, residual)
             return self._run(module, h, compute, **out), summed
         normed = dict(norm=(norm.weight, norm.eps), **out)
         if residual is None:

@@ -81,10 +81,13 @@ def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torc
     fused = fused_form(linear, "normed")
     if fused is not None and (result := fused(linear, norm, x, residual, **out)) is not None:
         return result
-    if residual is None:
-        return linear(norm(x)), x
-    normed, residual = norm(x, residual)
-    return linear(normed), residual
+    normed, summed = normed_and_summed(norm, x, residual)
+    return linear(normed), summed
+
+
+def normed_and_summed(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+    """(norm(x + residual), x + residual), or where residual is None (norm(x), x)."""
+    return (norm(x), x) if residual is None else norm(x, residual)
 
 
 def fused_form(linear: nn.Module, form: str):
