@@ -408,20 +408,25 @@ MEASURED_ACCEPTANCE = {
 }
 
 
+def imposed_acceptance(name: str):
+    """How many of k = 4 drafts each step keeps, drawn as the real drafter `name` kept them on HumanEval."""
+    from specdecode.bench.imposed import MeasuredAcceptance
+
+    return MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE[name], 4)
+
+
 @section("batch 1, HumanEval's acceptance: each step keeps drafts as the real pair kept them (measured on a CPU)")
 def measured_acceptance(target, draft):
     """Issue 51's batch-1 bars (the head 2.0x plain, the 0.5B draft 1.3x) at the real shapes: random weights, each
     step keeping as many drafts as the real weights kept on HumanEval (bench/imposed.py), so that speed is the
     device's and acceptance the real models'. Fixed k = 4 and the adaptive policy (k <= 4), against plain decoding."""
-    from specdecode.bench.imposed import MeasuredAcceptance
-
     _, head = random_head(target)
     tok_s, _, spec = generate(engine(target, num_speculative_tokens=0), 1)
     rows = {"plain": {"decode_tok_s": tok_s, "phases": spec}}
     print(f"plain: {tok_s:.1f} tok/s; {said_phases(spec)}")
     drafters = {"head": dict(speculative_model=head), "0.5B draft": dict(draft=draft)}
     for (name, drafter), policy in itertools.product(drafters.items(), ("fixed", "adaptive")):
-        acceptance = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE[name], 4)
+        acceptance = imposed_acceptance(name)
         llm = engine(target, num_speculative_tokens=4, speculation_policy=policy, draft_confidence=0.0, **drafter)
         llm.engine.forced_accept = acceptance
         ways = {policy: True, f"{policy}, drafts read first": False} if policy == "fixed" else {policy: True}
@@ -546,8 +551,6 @@ def engine_trace(target, tokens: int = 160):
     acceptance (k = 4, imposed): the device's busy time a step (every kernel and copy the profiler saw, the prompt's
     prefill among them: under 2% of it) and the host's operations by their own time (waits for the device show as
     synchronisations and copies to the host)."""
-    from specdecode.bench.imposed import MeasuredAcceptance
-
     llm = engine(target, num_speculative_tokens=0)
     _timed(llm, 1, 8, 1)  # warm-up: the buckets' graphs captured
     llm.engine.overlap = True  # the default where graphs replay (forced on a CPU, to run the same code)
@@ -566,7 +569,7 @@ def engine_trace(target, tokens: int = 160):
     _, head = random_head(target)
     options = dict(speculation_policy="fixed", draft_confidence=0.0, speculative_model=head)
     drafting = engine(target, num_speculative_tokens=4, **options)
-    drafting.engine.forced_accept = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE["head"], 4)
+    drafting.engine.forced_accept = imposed_acceptance("head")
     generate(drafting, 1, tokens)  # its buckets met at the traced run's length
     RESULTS["engine_trace"]["head"] = _traced(drafting, tokens, "the head, k = 4, HumanEval's acceptance imposed")
 
@@ -932,11 +935,9 @@ def concurrency(target, draft, tokens: int):
     random draft's own acceptance (next to none: the policy should draft next to nothing and cost nothing), and
     "imposed", each step keeping as many drafts as the real 0.5B draft kept on HumanEval (bench/imposed.py), so that
     what the policy gains shows at the real pair's acceptance."""
-    from specdecode.bench.imposed import MeasuredAcceptance
-
     plain, rows = engine(target, num_speculative_tokens=0), {}
     drafting = {name: engine(target, draft, num_speculative_tokens=4) for name in ("adaptive", "imposed")}
-    drafting["imposed"].engine.forced_accept = MeasuredAcceptance.from_latency(MEASURED_ACCEPTANCE["0.5B draft"], 4)
+    drafting["imposed"].engine.forced_accept = imposed_acceptance("0.5B draft")
     for n in (1, 2, 4, 8, 16, 32, 64):
         p_tok_s = generate(plain, n, tokens)[0]
         frac = roofline(p_tok_s, n, PROMPT + tokens // 2, target.model)
