@@ -326,3 +326,35 @@ def test_an_unknown_option_is_refused_with_the_valid_ones_named(target):
         LLM(target=target, max_num_seq=4)
     with pytest.raises(TypeError, match=r"unknown option\(s\) 'colour' for LLM; the options are: .*prefix_caching"):
         LLM(target=target, colour="blue")
+
+
+@pytest.mark.parametrize("drafting", [True, False])
+def test_a_step_that_captured_a_graph_is_untimed_for_the_policy(target, random_draft, drafting):
+    """On a GPU a bucket's graph is captured the first time a step meets it (0.15-1.5 s on an H100): that step's time
+    is one-off work, so the policy learns no cost from it (charged to a probe, it spent the probes' budget for many
+    seconds of decoding). Drafting: a verify step with a draft's rounds; else a plain step queued ahead, as on a GPU."""
+    llm = LLM(
+        target=target,
+        draft=random_draft if drafting else None,
+        num_speculative_tokens=3 if drafting else 0,
+        max_model_len=256,
+        speculation_policy="fixed",
+    )
+    engine, captured, observed = llm.engine, [0], []
+    engine.overlap = not drafting
+    engine.runner.graphs_captured = lambda: captured[0]  # what a capture in the step would show
+    decide, observe = engine._decide_drafts, engine.policy.observe_step
+
+    def deciding(seqs):
+        captured[0] += len(observed) in (2, 5)  # the third and sixth steps capture a graph
+        return decide(seqs)
+
+    def observing(ks, target_seconds, draft_seconds, *args, **kwargs):
+        observed.append((kwargs.get("untimed", False), draft_seconds))
+        return observe(ks, target_seconds, draft_seconds, *args, **kwargs)
+
+    engine._decide_drafts, engine.policy.observe_step = deciding, observing
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert len(observed) >= 8 and [i for i, (untimed, _) in enumerate(observed) if untimed] == [2, 5]
+    assert all(seconds is None for untimed, seconds in observed if untimed)  # nor a draft round's cost learned
+    assert all((seconds is None) != drafting for untimed, seconds in observed[:8] if not untimed)

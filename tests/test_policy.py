@@ -131,7 +131,7 @@ def test_steps_that_carry_a_prompt_chunk_leave_the_cost_model_as_it_was(carried)
     before = _choose(p, 1)
     for _ in range(30):
         k = _choose(p, 1)[0]
-        p.observe_step([k], 8.0 + 0.3 * k, 0.05 if k else None, step_seconds=8.5 + 0.3 * k, carried_prompt=carried)
+        p.observe_step([k], 8.0 + 0.3 * k, 0.05 if k else None, step_seconds=8.5 + 0.3 * k, untimed=carried)
     assert (_choose(p, 1) == before) == carried
 
 

@@ -178,10 +178,10 @@ class Engine(Prefilling, QueuingAhead):
 
     # ---- decode: draft, verify, commit ---------------------------------------------------------------
     def _decode_step(self, seqs: list[Sequence], out: StepOutput, chunk: PromptChunk | None = None) -> None:
-        step_start = mark()
+        step_start, captured = mark(), self._graphs_captured()
         decision, previews = self._decide_drafts(seqs)
         if chunk is None and self._plain(seqs, decision):
-            return self._plain_step(seqs, out, step_start)
+            return self._plain_step(seqs, out, step_start, captured)
         self._drop_ahead()  # a step queued as plain and not taken: its rows are written anew
         self._plain_run = 0
         drafts, draft_seconds = self._propose(seqs, decision, previews)
@@ -212,15 +212,15 @@ class Engine(Prefilling, QueuingAhead):
                 self.policy.observe_acceptance(seq.request_id, n_draft, accepted, decision.ks[i])
             self._emit(seq, emitted, logprobs)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
-        end = mark()
+        end, one_off = mark(), self._graphs_captured() != captured  # a capture's time is not the step's cost
         self.policy.observe_step(
             [w - 1 for w in widths],  # the rows verified: drafts past a confidence stop too, where they were verified
             seconds_between(verify_start, end),
-            draft_seconds(),
+            None if one_off else draft_seconds(),
             seconds_between(step_start, end),
             by_lookup=decision.by_lookup,
             contexts=starts,
-            carried_prompt=chunk is not None,
+            untimed=chunk is not None or one_off,
         )
         self.timer.settle()
         if chunk is not None:

@@ -53,7 +53,12 @@ class QueuingAhead:
             if seqs is None:
                 self._ahead = None
 
-    def _plain_step(self, seqs: list[Sequence], out: StepOutput, step_start: Mark) -> None:
+    def _graphs_captured(self) -> int:
+        """Graphs the target's and the proposers' runners have captured so far: a step in which one was captured took
+        one-off time, which the policy must not take for the step's cost."""
+        return self.runner.graphs_captured() + sum(p.graphs_captured() for p in self.proposers)
+
+    def _plain_step(self, seqs: list[Sequence], out: StepOutput, step_start: Mark, captured: int) -> None:
         """One token for each sequence the step is for: from the forward queued by the last step where there is one
         (sequences admitted since sit this step out), else from a forward now; the next step's forward is queued
         before these tokens are read. Its time: from the step's start, or for a forward queued ahead from the read
@@ -83,7 +88,8 @@ class QueuingAhead:
             self.policy.observe_acceptance(seq.request_id, 0, 0, 0)
             self._emit(seq, [token], logprobs)
         out.draft_lengths = [0] * len(seqs)
-        self.policy.observe_step(out.draft_lengths, seconds, None, seconds, contexts=contexts)
+        untimed = self._graphs_captured() != captured
+        self.policy.observe_step(out.draft_lengths, seconds, None, seconds, contexts=contexts, untimed=untimed)
         self.timer.settle()  # spans queued on the device (a drafter's prompt reads) are not kept past their end
 
     def _picked(self, seqs: list[Sequence], start: float) -> Picked:

@@ -102,6 +102,10 @@ class ModelRunner:
     def num_slots(self) -> int:
         return self._cache.num_slots
 
+    def graphs_captured(self) -> int:
+        """How many graphs its forwards have captured so far (none without a GPU)."""
+        return len(self._fixed.capture_seconds) if self._fixed is not None else 0
+
     def captured_kernels(self) -> str | None:
         """What the captured forwards run beside PyTorch's own operations (None where nothing is captured)."""
         if self._fixed is None or not self._fixed.capture:

@@ -128,6 +128,10 @@ class Proposer:
     cache_bytes = 0  # memory held across requests (suffix speculation's cache of earlier outputs)
     host_bytes_per_token = 0  # host memory held for each token of a running sequence (an index of its text)
 
+    def graphs_captured(self) -> int:
+        """How many graphs its model's forwards have captured so far."""
+        return 0
+
     def read_ahead(self, seqs: list[Sequence]) -> None:
         """Read now what the next drafting round would first have to catch up on, but its last position (the
         round drafts from there): called as a prompt is prefilled, so that its one-off cost falls before the

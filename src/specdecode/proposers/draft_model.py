@@ -273,6 +273,9 @@ class DraftModelProposer(Proposer):
         if slot is not None and self.runner.length(slot) > num_valid_tokens:  # it drafted past what was accepted
             self.runner.rollback(slot, num_valid_tokens)
 
+    def graphs_captured(self) -> int:
+        return self.runner.graphs_captured()
+
     def release(self, seq) -> None:
         self._found.pop(seq.request_id, None)
         slot = self._slots.pop(seq.request_id, None)

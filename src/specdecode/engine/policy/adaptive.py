@@ -246,12 +246,14 @@ class AdaptivePolicy(Policy):
         step_seconds: float | None = None,
         by_lookup: list[bool] | None = None,
         contexts: list[int] | None = None,
-        carried_prompt: bool = False,
+        untimed: bool = False,
     ) -> None:
         """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
         (their drafts cost the draft model nothing); contexts: each sequence's cached tokens before the step.
-        A step that carried a prompt's chunk times the chunk, not the drafts: only its acceptance counts."""
-        if carried_prompt:
+        An untimed step (Policy.observe_step) times a prompt's chunk or a graph's capture, not the drafts: only its
+        acceptance counts (a capture, 0.15-1.5 s, charged to a probe would spend the probes' budget for many seconds
+        of decoding)."""
+        if untimed:
             self._probing, self._predicted = False, None
         else:
             self._observe_target_time(ks, target_seconds, step_seconds, contexts or [0] * len(ks))

@@ -93,10 +93,11 @@ class Policy:
         step_seconds: float | None = None,
         by_lookup: list[bool] | None = None,
         contexts: list[int] | None = None,
-        carried_prompt: bool = False,
+        untimed: bool = False,
     ) -> None:
-        """Measured phases of the step just run (contexts: each sequence's cached tokens before it;
-        carried_prompt: its target call also prefilled a chunk of a prompt)."""
+        """Measured phases of the step just run (contexts: each sequence's cached tokens before it; untimed: its time
+        is not a decoding step's, its target call having also prefilled a prompt's chunk or a forward having been
+        captured as a graph)."""
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         """A draft model read `tokens` it had missed in `seconds`."""
