@@ -345,7 +345,8 @@ def test_the_prepared_gpu_check_times_again_a_run_that_captured_a_graph(monkeypa
     timer.draft_prefill_time = timer.propose_time = 0.0
     monkeypatch.setattr(cuda_check, "_timed", timed)
     monkeypatch.setattr(cuda_check, "captures", lambda llm: list(captured))
-    tok_s, _, spec = cuda_check.generate(SimpleNamespace(engine=SimpleNamespace(timer=timer)), 1, 11)
+    llm = SimpleNamespace(engine=SimpleNamespace(timer=timer), plain_steps=[0, 0])
+    tok_s, _, spec = cuda_check.generate(llm, 1, 11)
     assert tok_s == 10.0 and spec["timed_attempts"] == 2 and spec["captured_inside"] == 0
 
 

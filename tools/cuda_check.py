@@ -757,16 +757,34 @@ def engine(target, draft=None, **options) -> LLM:
     are in before the first decoding step (on a CPU they would otherwise be chunked beside the first ones' decoding,
     and the sweep's rates would time a mix of the two)."""
     options.setdefault("prefill_chunk_tokens", 0)
-    return LLM(
-        target=target,
-        draft=draft,
-        max_model_len=1024,
-        max_num_seqs=64,
-        progress=False,
-        prefix_caching=False,
-        memory_budget="40GiB" if DEVICE == "cuda" else os.environ.get("CHECK_CPU_BUDGET"),
-        **options,
+    return counting_plain_steps(
+        LLM(
+            target=target,
+            draft=draft,
+            max_model_len=1024,
+            max_num_seqs=64,
+            progress=False,
+            prefix_caching=False,
+            memory_budget="40GiB" if DEVICE == "cuda" else os.environ.get("CHECK_CPU_BUDGET"),
+            **options,
+        )
     )
+
+
+def counting_plain_steps(llm: LLM) -> LLM:
+    """The engine counts its plain steps, and those whose forward the step before queued (engine/overlap.py): a plain
+    step not queued ahead leaves the device idle while the host works between two forwards."""
+    eng, picked = llm.engine, llm.engine._picked
+    llm.plain_steps = [0, 0]  # queued ahead, all
+
+    def counted(seqs, start):
+        ahead = eng._ahead is not None and any(row is not None for row in eng._ahead.rows(seqs))
+        llm.plain_steps[0] += ahead
+        llm.plain_steps[1] += 1
+        return picked(seqs, start)
+
+    eng._picked = counted
+    return llm
 
 
 def _timed(llm: LLM, batch: int, tokens: int, seed: int, temperature: float = 0.0):
@@ -790,6 +808,7 @@ def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0, temperature
     for attempt in range(1, TIMED_ATTEMPTS + 1):
         captured = len(captures(llm))
         llm.engine.timer.reset()
+        llm.plain_steps[:] = [0, 0]
         seconds, outs = _timed(llm, batch, tokens, seed, temperature)
         more = captures(llm)[captured:]
         if not more:
@@ -815,6 +834,8 @@ def phases(llm: LLM, seconds: float) -> dict:
         "target_ms_a_step": 1e3 * timer.target_time / steps,
         "draft_ms_a_step": 1e3 * (timer.draft_time + timer.draft_prefill_time) / steps,
         "propose_ms_a_step": 1e3 * timer.propose_time / steps,
+        "plain_steps_queued_ahead": llm.plain_steps[0],
+        "plain_steps": llm.plain_steps[1],
     }
 
 
@@ -822,7 +843,8 @@ def said_phases(spec: dict) -> str:
     return (
         f"{spec['steps']} steps: {spec['wall_ms_a_step']:.2f} ms a step, the target's forwards "
         f"{spec['target_ms_a_step']:.2f}, drafting {spec['draft_ms_a_step']:.2f} (proposer calls "
-        f"{spec['propose_ms_a_step']:.2f})"
+        f"{spec['propose_ms_a_step']:.2f}); {spec['plain_steps_queued_ahead']} of {spec['plain_steps']} plain steps "
+        "queued ahead"
     )
 
 
