@@ -331,8 +331,9 @@ def test_an_unknown_option_is_refused_with_the_valid_ones_named(target):
 @pytest.mark.parametrize("drafting", [True, False])
 def test_a_step_that_captured_a_graph_is_untimed_for_the_policy(target, random_draft, drafting):
     """On a GPU a bucket's graph is captured the first time a step meets it (0.15-1.5 s on an H100): that step's time
-    is one-off work, so the policy learns no cost from it (charged to a probe, it spent the probes' budget for many
-    seconds of decoding). Drafting: a verify step with a draft's rounds; else a plain step queued ahead, as on a GPU."""
+    is one-off work, so the policy learns no cost from it (not a verify's, nor a draft round's, nor a catch-up's, whose
+    first sample the policy takes as it is). Drafting: a verify step with a draft's rounds; else a plain step queued
+    ahead, as on a GPU."""
     llm = LLM(
         target=target,
         draft=random_draft if drafting else None,

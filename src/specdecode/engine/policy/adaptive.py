@@ -250,9 +250,8 @@ class AdaptivePolicy(Policy):
     ) -> None:
         """step_seconds is the step's whole wall time; by_lookup: which sequences drafted by prompt lookup
         (their drafts cost the draft model nothing); contexts: each sequence's cached tokens before the step.
-        An untimed step (Policy.observe_step) times a prompt's chunk or a graph's capture, not the drafts: only its
-        acceptance counts (a capture, 0.15-1.5 s, charged to a probe would spend the probes' budget for many seconds
-        of decoding)."""
+        An untimed step (Policy.observe_step) times a prompt's chunk or a graph's capture (0.15-1.5 s on an H100,
+        hundreds of steps' time), not the drafts: only its acceptance counts."""
         if untimed:
             self._probing, self._predicted = False, None
         else:
