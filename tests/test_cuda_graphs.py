@@ -350,6 +350,23 @@ def test_the_prepared_gpu_check_times_again_a_run_that_captured_a_graph(monkeypa
     assert tok_s == 10.0 and spec["timed_attempts"] == 2 and spec["captured_inside"] == 0
 
 
+def test_the_prepared_gpu_checks_host_profile_times_decoding_steps_alone(monkeypatch, capsys, target):
+    """Where the adaptive policy falls behind plain decoding, the check profiles each engine's decoding steps: its
+    prompts are prefilled before the profiler starts, and what it says is a step's host time by function."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import cuda_check
+
+    from specdecode import LLM
+
+    monkeypatch.setattr(cuda_check, "VOCAB", target.config.vocab_size)
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256, max_num_seqs=4)
+    said = cuda_check._decoding_profile("plain", llm, 4, 8)
+    assert len(said) == 12 and sum(said.values()) > 0 and not llm.engine.has_unfinished()
+    assert "in 7 decoding steps" in capsys.readouterr().out  # 8 tokens, the first from the prompt's forward
+
+
 def _head_for(target):
     from specdecode.models.draft_head import HeadSpec, build_head, target_fingerprint
 
