@@ -960,15 +960,18 @@ def greedy_bits(target, draft, runs: int = 4):
     RESULTS["greedy_bits"] = results
 
 
-@section("concurrency sweep: plain and the adaptive policy (draft k<=4), its own acceptance and imposed, graphs on")
-def concurrency(target, draft, tokens: int):
-    """Plain decoding against the adaptive policy with the draft (k <= 4) at each concurrency: "adaptive", at the
-    random draft's own acceptance (next to none: the policy should draft next to nothing and cost nothing), and
-    "imposed", each step keeping as many drafts as the real 0.5B draft kept on HumanEval (bench/imposed.py), so that
-    what the policy gains shows at the real pair's acceptance."""
+@section("concurrency sweep: plain and the adaptive policy (k<=4), the draft's own acceptance and imposed, graphs on")
+def concurrency(target, draft, tokens: int, imposed: tuple[str, ...] = ("head",)):
+    """Plain decoding against the adaptive policy (k <= 4) at each concurrency: "adaptive", with the random draft at
+    its own acceptance (next to none: the policy should draft next to nothing and cost nothing), and "imposed, NAME"
+    for each drafter named (the head, the default drafter; the 0.5B draft), each step keeping as many drafts as the
+    real one kept on HumanEval (bench/imposed.py), so that what the policy gains shows at the real acceptance."""
     plain, rows = engine(target, num_speculative_tokens=0), {}
-    drafting = {name: engine(target, draft, num_speculative_tokens=4) for name in ("adaptive", "imposed")}
-    drafting["imposed"].engine.forced_accept = imposed_acceptance("0.5B draft")
+    drafting = {"adaptive": engine(target, draft, num_speculative_tokens=4)}
+    for name in imposed:
+        drafter = dict(speculative_model=random_head(target)[1]) if name == "head" else dict(draft=draft)
+        drafting[f"imposed, {name}"] = engine(target, num_speculative_tokens=4, **drafter)
+        drafting[f"imposed, {name}"].engine.forced_accept = imposed_acceptance(name)
     for n in (1, 2, 4, 8, 16, 32, 64):
         p_tok_s = generate(plain, n, tokens)[0]
         frac = roofline(p_tok_s, n, PROMPT + tokens // 2, target.model)
@@ -979,8 +982,9 @@ def concurrency(target, draft, tokens: int):
             rows[n][name] = {"decode_tok_s": tok_s, "ratio": tok_s / p_tok_s, "spec_steps": spec["spec_steps_all"]}
             said.append(f"{name} {tok_s:8.1f} tok/s = {tok_s / p_tok_s:.3f}x ({steps} sequence steps drafted)")
         print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline); {'; '.join(said)}", flush=True)
-        if rows[n]["adaptive"]["ratio"] < 0.98:  # what differs: each one's phases, and the two timed the other way
-            rows[n]["again"] = _again(plain, drafting["adaptive"], n, tokens)
+        behind = next((name for name in drafting if rows[n][name]["ratio"] < 0.98), None)
+        if behind:  # what differs: each one's phases and host time, the two timed the other way round
+            rows[n]["again"] = dict(_again(plain, drafting[behind], n, tokens), engine=behind)
     rows["plain_64_over_1"] = rows[64]["plain_decode_tok_s"] / rows[1]["plain_decode_tok_s"]
     print(f"plain throughput at 64 / at 1: {rows['plain_64_over_1']:.1f}x")
     for name, llm in (("plain", plain), *drafting.items()):  # what capturing when first met costs
@@ -993,7 +997,8 @@ def concurrency(target, draft, tokens: int):
 
 
 def _again(plain: LLM, adaptive: LLM, n: int, tokens: int) -> dict:
-    """A sweep point where the adaptive policy fell behind, timed again adaptive first, each run's phases shown."""
+    """A sweep point where an engine with the adaptive policy fell behind, timed again that one first, each run's
+    phases shown."""
     a_tok_s, _, a_spec = generate(adaptive, n, tokens)
     p_tok_s, _, p_spec = generate(plain, n, tokens)
     print(f"   again, adaptive first: {a_tok_s / p_tok_s:.3f}x\n   plain    {said_phases(p_spec)}\n   adaptive "
@@ -1102,7 +1107,7 @@ def main() -> None:
     if args.quick:  # the issue's bars first (a run may be cut short), then what explains them
         gemv_choice(target)
         measured_acceptance(target, draft)
-        concurrency(target, draft, args.sweep_tokens)
+        concurrency(target, draft, args.sweep_tokens)  # the default drafter's acceptance imposed
         step_costs(target, QUICK_MODES)
         head_step(target)
         waits(target)
@@ -1121,7 +1126,7 @@ def main() -> None:
         sampled(target)
         host_profile(target, draft)
         greedy(target, draft)
-    concurrency(target, draft, args.sweep_tokens)
+    concurrency(target, draft, args.sweep_tokens, imposed=("head", "0.5B draft"))
     if not args.skip_tests:
         tests()
     compiler_counts()
