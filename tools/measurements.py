@@ -29,6 +29,7 @@ BATCH_1 = [
 UNDER_LOAD = [
     ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json"),
     ("Xeon AMX, the head", "2026-12-02", "concurrency-humaneval-head-xeon-amx-row-blocks.json"),
+    ("Zen 5, the head", "2026-12-05", "concurrency-humaneval-head-zen5.json"),
 ]
 CONTEXT = ("Zen 5", "2026-11-28", [f"context-stdlib-{n}-read-ahead-zen5.json" for n in (1024, 4096, 16384, 32000)])
 
