@@ -968,9 +968,9 @@ def concurrency(target, draft, tokens: int, imposed: tuple[str, ...] = ("head",)
     real one kept on HumanEval (bench/imposed.py), so that what the policy gains shows at the real acceptance."""
     plain, rows = engine(target, num_speculative_tokens=0), {}
     drafting = {"adaptive": engine(target, draft, num_speculative_tokens=4)}
-    for name in imposed:
+    for name in imposed:  # no confidence stop: a random drafter is never sure, and what is imposed is k = 4's
         drafter = dict(speculative_model=random_head(target)[1]) if name == "head" else dict(draft=draft)
-        drafting[f"imposed, {name}"] = engine(target, num_speculative_tokens=4, **drafter)
+        drafting[f"imposed, {name}"] = engine(target, num_speculative_tokens=4, draft_confidence=0.0, **drafter)
         drafting[f"imposed, {name}"].engine.forced_accept = imposed_acceptance(name)
     for n in (1, 2, 4, 8, 16, 32, 64):
         p_tok_s = generate(plain, n, tokens)[0]
