@@ -984,7 +984,7 @@ def concurrency(target, draft, tokens: int, imposed: tuple[str, ...] = ("head",)
         print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline); {'; '.join(said)}", flush=True)
         behind = next((name for name in drafting if rows[n][name]["ratio"] < 0.98), None)
         if behind:  # what differs: each one's phases and host time, the two timed the other way round
-            rows[n]["again"] = dict(_again(plain, drafting[behind], n, tokens), engine=behind)
+            rows[n]["again"] = dict(_again(plain, drafting[behind], n, tokens, behind), engine=behind)
     rows["plain_64_over_1"] = rows[64]["plain_decode_tok_s"] / rows[1]["plain_decode_tok_s"]
     print(f"plain throughput at 64 / at 1: {rows['plain_64_over_1']:.1f}x")
     for name, llm in (("plain", plain), *drafting.items()):  # what capturing when first met costs
@@ -996,14 +996,14 @@ def concurrency(target, draft, tokens: int, imposed: tuple[str, ...] = ("head",)
     RESULTS["concurrency"] = rows
 
 
-def _again(plain: LLM, adaptive: LLM, n: int, tokens: int) -> dict:
-    """A sweep point where an engine with the adaptive policy fell behind, timed again that one first, each run's
-    phases shown."""
+def _again(plain: LLM, adaptive: LLM, n: int, tokens: int, name: str = "adaptive") -> dict:
+    """A sweep point where an engine with the adaptive policy (`name`) fell behind, timed again that one first, each
+    run's phases and host time shown."""
     a_tok_s, _, a_spec = generate(adaptive, n, tokens)
     p_tok_s, _, p_spec = generate(plain, n, tokens)
-    print(f"   again, adaptive first: {a_tok_s / p_tok_s:.3f}x\n   plain    {said_phases(p_spec)}\n   adaptive "
+    print(f"   again, {name} first: {a_tok_s / p_tok_s:.3f}x\n   plain: {said_phases(p_spec)}\n   {name}: "
           f"{said_phases(a_spec)}", flush=True)  # fmt: skip
-    hosts = {name: _decoding_profile(name, llm, n, tokens) for name, llm in (("plain", plain), ("adaptive", adaptive))}
+    hosts = {who: _decoding_profile(who, llm, n, tokens) for who, llm in (("plain", plain), (name, adaptive))}
     return {"ratio": a_tok_s / p_tok_s, "plain": p_spec, "adaptive": a_spec, "host_us_a_step": hosts}
 
 
