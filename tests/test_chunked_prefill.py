@@ -8,6 +8,7 @@ import pytest
 from conftest import ByteTokenizer, lowbit_tiny_model, make_head, tiny_model
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine import chunked_prefill
 from specdecode.engine import prefill as prefill_module
 from specdecode.models.loader import LoadedModel
 
@@ -123,14 +124,14 @@ def test_a_chunk_rides_in_the_verify_call_where_one_call_packs_both(kind, tmp_pa
 
 def test_a_chunk_whose_logits_row_is_taken_from_the_verify_rows_samples_another_first_token(tmp_path, monkeypatch):
     """The deliberately broken variant: the chunk's logits row read from the wrong end of the packed call's."""
-    verify_forward = prefill_module.Prefilling._verify_forward
+    verify_forward = chunked_prefill.ChunkedPrefilling._verify_forward
 
     def misread(self, seqs, inputs, chunk):
         logits, hidden, chunk_out = verify_forward(self, seqs, inputs, chunk)
         return logits, hidden, None if chunk_out is None else (logits[:1], chunk_out[1])
 
     alone, _ = _alone("plain", tmp_path, LONG, 12, lowbit=True)
-    monkeypatch.setattr(prefill_module.Prefilling, "_verify_forward", misread)
+    monkeypatch.setattr(chunked_prefill.ChunkedPrefilling, "_verify_forward", misread)
     _, long, _, _ = _together("plain", tmp_path, lowbit=True)
     assert long.output_ids[0] != alone.output_ids[0]
 

@@ -62,6 +62,7 @@ QUICK_TEST_FILES = [  # the GPU paths' own tests, run by --quick too
     "tests/test_drafts_on_device.py",
     "tests/test_paged_attention.py",
     "tests/test_chunked_prefill.py",
+    "tests/test_prompts_together.py",
     "tests/test_runner.py",
     "tests/test_rejection_sampler.py",
 ]
@@ -821,6 +822,7 @@ def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0, temperature
     decoded = sum(s["num_output_tokens"] - 1 for s in specs)
     every = {"spec_steps_all": sum(s["num_spec_steps"] for s in specs), "steps_all": sum(s["num_steps"] for s in specs)}
     spec = dict(specs[0], **every, **phases(llm, seconds), captured_inside=len(more), timed_attempts=attempt)
+    spec["last_first_token_s"] = first  # the prompts, admitted in one step, prefill together
     return decoded / (last - first), [o.outputs[0].token_ids for o in outs], spec
 
 
@@ -973,15 +975,16 @@ def concurrency(target, draft, tokens: int, imposed: tuple[str, ...] = ("head",)
         drafting[f"imposed, {name}"] = engine(target, num_speculative_tokens=4, draft_confidence=0.0, **drafter)
         drafting[f"imposed, {name}"].engine.forced_accept = imposed_acceptance(name)
     for n in (1, 2, 4, 8, 16, 32, 64):
-        p_tok_s = generate(plain, n, tokens)[0]
-        frac = roofline(p_tok_s, n, PROMPT + tokens // 2, target.model)
-        rows[n], said = {"plain_decode_tok_s": p_tok_s, "plain_roofline": frac}, []
+        p_tok_s, _, p_spec = generate(plain, n, tokens)
+        frac, ttft = roofline(p_tok_s, n, PROMPT + tokens // 2, target.model), p_spec["last_first_token_s"]
+        rows[n], said = {"plain_decode_tok_s": p_tok_s, "plain_roofline": frac, "plain_last_first_token_s": ttft}, []
         for name, llm in drafting.items():
             tok_s, _, spec = generate(llm, n, tokens)
             steps = f"{spec['spec_steps_all']} of {spec['steps_all']}"  # every sequence's: one drafting widens a call
             rows[n][name] = {"decode_tok_s": tok_s, "ratio": tok_s / p_tok_s, "spec_steps": spec["spec_steps_all"]}
             said.append(f"{name} {tok_s:8.1f} tok/s = {tok_s / p_tok_s:.3f}x ({steps} sequence steps drafted)")
-        print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline); {'; '.join(said)}", flush=True)
+        print(f"concurrency {n:3d}: plain {p_tok_s:8.1f} tok/s ({frac:.0%} of roofline, the last first token at "
+              f"{ttft:.3f} s); {'; '.join(said)}", flush=True)  # fmt: skip
         behind = next((name for name in drafting if rows[n][name]["ratio"] < 0.98), None)
         if behind:  # what differs: each one's phases and host time, the two timed the other way round
             rows[n]["again"] = dict(_again(plain, drafting[behind], n, tokens, behind), engine=behind)

@@ -20,14 +20,15 @@ from ..timing import StepTimer, mark, seconds_between
 from ..verify.verifier import ForcedAcceptance
 from .admission import BlockBudget
 from .ahead import StepAhead
+from .chunked_prefill import ChunkedPrefill, ChunkedPrefilling, PromptChunk
 from .overlap import QueuingAhead
 from .policy import DraftDecision, Policy, make_policy
-from .prefill import ChunkedPrefill, Prefilling, PromptChunk
+from .prefill import Prefilling
 from .sequence import Sequence, check_token_ids, sample_stream
 from .step import SequenceUpdate, StepOutput
 
 
-class Engine(Prefilling, QueuingAhead):
+class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
     """proposers: at most one that drafts with a model (a draft model or head) and one that previews its
     drafts at no forward cost (prompt lookup, suffix speculation). With both, the policy chooses per
     sequence and step which one drafts; with a previewing one alone, it drafts for everyone.

@@ -1,39 +1,18 @@
-"""The engine's admission half: requests admitted while their slots and KV blocks fit, and their prompts
-prefilled, at once or, for a long prompt arriving while others decode, a chunk a step beside them; the newest
-sequences preempted while the KV cache cannot hold the next step of all; finished and aborted ones released."""
+"""The engine's admission half: requests admitted while their slots and KV blocks fit, the prompts admitted in a
+step prefilled together (or, for a long prompt arriving while others decode, a chunk a step beside them:
+chunked_prefill.py); the newest sequences preempted while the KV cache cannot hold the next step of all; finished
+and aborted ones released."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from ..proposers.base import DraftBatch, TargetFeedback
+from ..proposers.base import TargetFeedback
 from ..verify.verifier import prompt_logprobs, verify_batch
+from .chunked_prefill import ChunkedPrefill
 from .sequence import Sequence
-
-
-@dataclass
-class PromptChunk:
-    """The next tokens of a prompt being prefilled in chunks: its prompt[start:end]."""
-
-    task: ChunkedPrefill
-    start: int
-    end: int
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.task.seq.context_ids[self.start : self.end]
-
-
-@dataclass
-class ChunkedPrefill:
-    """A sequence whose prompt is prefilled a chunk a step beside the decoding batch."""
-
-    seq: Sequence
-    cached: int  # prompt tokens its slot kept from an earlier request (the chunks continue after its length)
-    hidden: list[torch.Tensor] = field(default_factory=list)  # the prompt rows' hidden states, for proposers
 
 
 class Prefilling:
@@ -41,11 +20,15 @@ class Prefilling:
     proposers)."""
 
     def _admit(self) -> list[Sequence]:
-        """Prefill the waiting groups that fit, in arrival order (a preempted sequence first); the sequences
-        admitted."""
+        """Prefill the waiting groups that fit, in arrival order (a preempted sequence first), their prompts
+        together (the weights read once for all); the sequences admitted."""
         admitted: list[Sequence] = []
+        together: list[tuple[list[Sequence], int]] = []  # (group, its cached tokens) prefilled in one forward
         while self.waiting:
             group = self._next_group()
+            if self._finds_blocks_of(group[0], together):  # they are computed first, for it to find them
+                self._prefill_together(together)
+                together = []
             cached = self._take_slots(group)
             if cached is None:
                 break  # the group waits for slots or KV blocks
@@ -55,8 +38,12 @@ class Prefilling:
                 self.prefilling.append(ChunkedPrefill(group[0], cached))
                 continue
             self.running += group
-            self._prefill(group, cached)
             admitted += group
+            if group[0].params.prompt_logprobs is None or group[0].resuming:
+                together.append((group, cached))
+            else:  # every row's logits
+                self._prefill(group, cached)
+        self._prefill_together(together)
         return admitted
 
     def abort(self, seq: Sequence) -> None:
@@ -140,73 +127,12 @@ class Prefilling:
             seq.slot = -1
         return None
 
-    def _in_chunks(self, group: list[Sequence]) -> bool:
-        """Whether this group's prompt is prefilled in chunks beside decoding sequences: a long prompt of one
-        sequence (n > 1 samples share one prefill; prompt logprobs need every row's logits at once)."""
-        seq = group[0]
-        return bool(
-            self.prefill_chunk
-            and self._busy()
-            and len(group) == 1
-            and (seq.params.prompt_logprobs is None or seq.resuming)
-            and len(seq.context_ids) > self.prefill_chunk
-        )
-
     def _decoding(self) -> bool:
         return any(not s.finished for s in self.running)
 
     def _busy(self) -> bool:
         """Whether sequences decode or a prompt is being prefilled in chunks."""
         return bool(self.prefilling) or self._decoding()
-
-    def _next_chunk(self) -> PromptChunk:
-        """The next chunk of the oldest prompt being prefilled (the rest of it, where nothing else decodes any
-        more)."""
-        task = self.prefilling[0]
-        done, prompt = self.runner.length(task.seq.slot), task.seq.context_ids
-        alone = not self._decoding() and len(self.prefilling) == 1
-        return PromptChunk(task, done, len(prompt) if alone else min(len(prompt), done + self.prefill_chunk))
-
-    def _prefill_chunk(self) -> None:
-        """The next chunk in a forward of its own."""
-        chunk = self._next_chunk()
-        logits, hidden = self._target_forward([chunk.task.seq.slot], [chunk.tokens], "last", every_row=True)
-        self._chunk_done(chunk, logits, hidden)
-
-    def _verify_forward(
-        self, seqs: list[Sequence], drafts: DraftBatch, chunk: PromptChunk | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-        """The verify's logits of every row (and hidden states where a proposer reads them), a prompt's chunk
-        riding in the same call where one is given: the weights are read once for both, and each row's result
-        is its own (docs/decisions.md#chunked-prefill-beside-decoding). Third: the chunk's outputs. Drafts left on
-        the device are read there where the verification allows (engine/overlap.py), else read here first."""
-        if chunk is None and self._verifies_on_device(seqs, drafts):
-            return *self._verify_drafts_on_device(seqs, drafts), None
-        drafts.read()
-        inputs = [[seq.token_ids[-1]] + d for seq, d in zip(seqs, drafts.tokens)]
-        slots = [s.slot for s in seqs]
-        if chunk is None:
-            return *self._target_forward(slots, inputs, logits="all"), None
-        rows = sum(map(len, inputs))
-        logits, hidden = self._target_forward(
-            [*slots, chunk.task.seq.slot], [*inputs, chunk.tokens], [*map(len, inputs), 1], every_row=True
-        )
-        if hidden is None:
-            return logits[:rows], None, (logits[rows:], None)
-        return logits[:rows], hidden[:rows], (logits[rows:], hidden[rows:])
-
-    def _chunk_done(self, chunk: PromptChunk, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """A chunk was computed: once its prompt is done, the first token is sampled (a resuming sequence has its
-        next one) and the sequence decodes from the next step."""
-        task, seq = chunk.task, chunk.task.seq
-        self.runner.commit(seq.slot, chunk.end)
-        if hidden is not None:
-            task.hidden.append(hidden)
-        if chunk.end < len(seq.context_ids):
-            return
-        self.prefilling.remove(task)
-        self.running.append(seq)
-        self._finish_prefill([seq], logits, torch.cat(task.hidden) if task.hidden else None, task.cached)
 
     def _reusable_prompt(self, seq: Sequence) -> list[int] | None:
         """The prompt, where it may start from a kept prefix: not for a group's later sequences (they copy
@@ -225,41 +151,61 @@ class Prefilling:
         self.runner.rollback(seq.slot, kept)
         return kept
 
-    def _prefill(self, group: list[Sequence], cached: int) -> None:
-        """One forward over the shared prompt past the `cached` tokens its slot holds; the others get a copy of
-        its KV."""
-        first = group[0]
-        top = None if first.resuming else first.params.prompt_logprobs
-        logits, hidden = self._target_forward(
-            [first.slot], [first.context_ids[cached:]], "last" if top is None else "all", every_row=True
-        )
-        if top is not None:  # every prompt row's logits came back: score the prompt, keep the last row
-            scored = prompt_logprobs(first.prompt_ids, logits, top)
-            for seq in group:
-                seq.prompt_logprobs = scored
-            logits = logits[-1:]
-        self.runner.commit(first.slot, len(first.context_ids))
-        self._finish_prefill(group, logits, hidden, cached)
+    def _finds_blocks_of(self, seq: Sequence, together: list[tuple[list[Sequence], int]]) -> bool:
+        """Whether seq's prompt may start from a block that a prompt waiting to be prefilled computes: the same
+        tokens for a whole block (a shared system prompt; whether its tenant may is the prefix index's to say)."""
+        size, prompt = self.runner.block_size, self._reusable_prompt(seq)
+        if not (self.runner.reuse_prefixes and prompt and len(prompt) > size):
+            return False
+        return any(group[0].context_ids[:size] == prompt[:size] for group, _ in together)
 
-    def _finish_prefill(
+    def _prefill_together(self, together: list[tuple[list[Sequence], int]]) -> None:
+        """Each group's shared prompt past the `cached` tokens its first slot holds, in as few forwards as the
+        runner packs them; the others of a group get a copy of its KV."""
+        if not together:
+            return
+        inputs = [group[0].context_ids[cached:] for group, cached in together]
+        logits, hidden = self._target_forward([group[0].slot for group, _ in together], inputs, "last", every_row=True)
+        rows = [None] * len(inputs) if hidden is None else hidden.split([len(tokens) for tokens in inputs])
+        for group, _ in together:
+            self.runner.commit(group[0].slot, len(group[0].context_ids))
+        self._finish_prefill([(g, logits[i : i + 1], rows[i], cached) for i, (g, cached) in enumerate(together)])
+
+    def _prefill(self, group: list[Sequence], cached: int) -> None:
+        """A prompt whose every row's logits are scored (prompt logprobs), in a forward of its own."""
+        first = group[0]
+        logits, hidden = self._target_forward([first.slot], [first.context_ids[cached:]], "all", every_row=True)
+        scored = prompt_logprobs(first.prompt_ids, logits, first.params.prompt_logprobs)
+        for seq in group:
+            seq.prompt_logprobs = scored
+        self.runner.commit(first.slot, len(first.context_ids))
+        self._finish_prefill([(group, logits[-1:], hidden, cached)])
+
+    def _finish_prefill(self, prefilled: list[tuple[list[Sequence], torch.Tensor, torch.Tensor | None, int]]) -> None:
+        """Prompts are in their groups' first slots (each group with its prompt's last logits row, its rows' hidden
+        states and the tokens it kept from before): their first tokens, proposers reading them, the tokens out."""
+        firsts = [first for group, *outputs in prefilled for first in self._prefilled(group, *outputs)]
+        self._read_ahead([seq for group, *_ in prefilled for seq in group])
+        for seq, token, logprobs in firsts:
+            self._emit(seq, [token], logprobs)
+
+    def _prefilled(
         self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None, cached: int
-    ) -> None:
+    ) -> list[tuple[Sequence, int, list | None]]:
         """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
-        it, and each samples its first token from the last row's logits (a resuming sequence samples nothing)."""
+        it, and each samples its first token from the last row's logits (a resuming sequence samples nothing).
+        Each sequence's first token and its logprobs, to emit once proposers have read the prompt."""
         first = group[0]
         if first.resuming:  # its last token is known: the next step reads it, as after any step
             self._feed_back(first, TargetFeedback([first.token_ids[-1]], hidden, cached))
-            self._read_ahead(group)
-            return
+            return []
         first.metrics.num_cached_prompt_tokens = cached
         for seq in group[1:]:
             self.runner.copy_slot(first.slot, seq.slot)
         firsts = self._first_tokens(group, logits[:1])
         for seq, (token, _) in zip(group, firsts):
             self._feed_back(seq, TargetFeedback([token], hidden, cached))
-        self._read_ahead(group)
-        for seq, (token, logprobs) in zip(group, firsts):
-            self._emit(seq, [token], logprobs)
+        return [(seq, token, logprobs) for seq, (token, logprobs) in zip(group, firsts)]
 
     def _first_tokens(self, group: list[Sequence], last: torch.Tensor) -> list[tuple[int, list | None]]:
         """Each sibling's token after the prompt, from the prompt's last logits row [1, V], and its logprobs: a

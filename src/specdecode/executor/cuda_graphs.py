@@ -114,6 +114,7 @@ class StaticBatch:
     logit_rows = None  # every row's logits: the caller keeps the rows it asked for
     paged_attention = None  # set: attention by it (executor/paged_attention.py), not by store / load / attend
     rope = None  # set: the rows' RoPE tables, made beforehand (with_rows)
+    real = None  # padding rows write the scratch block
 
     def __init__(self, bucket: Bucket, device, features: tuple[int, torch.dtype] | None = None):
         self.bucket, self.kv_len = bucket, bucket.keys

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 # results do not depend on the call they are in
 PREFILL_CHUNK = 2048
 CHUNKS_EVERY_PROMPT = {"cuda"}  # devices that prefill a long prompt in chunks even without the attention kernel
+# devices where prompts of several lengths share a padded call (the padding's arithmetic costs less than a call's
+# launches); elsewhere, without the attention kernel, only prompts of one length share a call
+PADS_PROMPTS_TOGETHER = {"cuda"}
 _UNSETTLED = -1  # a written position whose token id is still on the device
 
 
@@ -275,10 +278,15 @@ class ModelRunner:
             if not self.packs_any_width:
                 raise ValueError("logits per sequence need a call that packs any width (the attention kernel)")
             return self._forward_call(slots, inputs, logits, hidden, features)
-        width = self._rowwise_width()
-        long = [i for i, tokens in enumerate(inputs) if len(tokens) > width]
-        if long and len({len(tokens) for tokens in inputs}) > 1:
-            return self._forward_apart(long, slots, inputs, logits, hidden, features)
+        pads, lengths = self.device.type in PADS_PROMPTS_TOGETHER, [len(tokens) for tokens in inputs]
+        ends = [self._cache.lengths[slot] + n for slot, n in zip(slots, lengths)]
+        calls = forward_calls(lengths, self._rowwise_width(), PREFILL_CHUNK, pads, ends)
+        if len(calls) > 1:
+            return self._forward_apart(calls, slots, inputs, logits, hidden, features)
+        return self._forward_one(slots, inputs, logits, hidden, features)
+
+    def _forward_one(self, slots, inputs, logits, hidden, features):
+        """One call, or a long input's chunks where the device prefills in chunks."""
         chunked = self.packs_any_width or self.device.type in CHUNKS_EVERY_PROMPT
         if len(inputs) == 1 and len(inputs[0]) > PREFILL_CHUNK and chunked:
             return self._forward_in_chunks(slots[0], inputs[0], logits, hidden, features)
@@ -329,16 +337,12 @@ class ModelRunner:
         joined = [torch.cat([o[k] for o in outs]) for k in range(len(outs[0]))]
         return joined[0] if len(joined) == 1 else tuple(joined)
 
-    def _forward_apart(self, long: list[int], slots, inputs, logits, hidden, features):
-        """A sequence with more new tokens than a packed call takes (a prompt, a draft's long catch-up) runs
-        in a call of its own and the rest packed together: one padded call would compute every sequence to
-        the longest one's length (sequences of one length share a call: nothing is padded). The outputs come
-        back in sequence order, as from one call."""
-        short = [i for i in range(len(inputs)) if i not in long]
-        calls = [[i] for i in long] + ([short] if short else [])
+    def _forward_apart(self, calls: list[list[int]], slots, inputs, logits, hidden, features):
+        """The sequences in the calls `forward_calls` chose (each a list of their indices); the outputs come back in
+        sequence order, as from one call."""
         parts: list[list[torch.Tensor]] = [[] for _ in inputs]  # per sequence: its logits (and hidden) rows
         for group in calls:
-            out = self._forward_call(
+            out = self._forward_one(
                 [slots[i] for i in group],
                 [inputs[i] for i in group],
                 logits,
@@ -445,6 +449,47 @@ class ModelRunner:
         if batch.packed:
             return torch.cat(rows)[None]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def forward_calls(
+    lengths: list[int], rowwise_width: float, most_rows: int, pads: bool, ends: list[int] | None = None
+) -> list[list[int]]:
+    """Which sequences (indices into `lengths`, their new tokens) share a forward, in as few calls as hold at most
+    `most_rows` rows each (padding counted; one sequence longer than that goes alone, to be chunked): where the
+    call packs any width (`rowwise_width` infinite), side by side in order; else those of at most `rowwise_width`
+    packed together and the longer ones in padded calls, by length (the least padding), of several lengths where
+    the device `pads` and else of one. A padded call gathers each sequence's keys to the furthest end (`ends`:
+    start + new tokens): no more in all than `most_rows` or the furthest one alone would."""
+    every = range(len(lengths))
+    if max(lengths, default=0) <= rowwise_width and sum(lengths) <= most_rows:  # a decode or verify step
+        return [list(every)]
+
+    def packed(call: list[int], i: int) -> bool:
+        return sum(lengths[j] for j in call) + lengths[i] <= most_rows
+
+    if math.isinf(rowwise_width):
+        return _filled(list(every), packed)
+    ends = ends or lengths
+    most_keys = max(most_rows, max(ends))
+
+    def padded(call: list[int], i: int) -> bool:
+        both = [*call, i]
+        rows, keys = (len(both) * max(sizes[j] for j in both) for sizes in (lengths, ends))
+        return rows <= most_rows and keys <= most_keys and (pads or lengths[i] == lengths[call[0]])
+
+    long = sorted((i for i in every if lengths[i] > rowwise_width), key=lengths.__getitem__)
+    return _filled(long, padded) + _filled([i for i in every if lengths[i] <= rowwise_width], packed)
+
+
+def _filled(order: list[int], fits) -> list[list[int]]:
+    """`order` cut into consecutive calls, each growing while `fits(call, next)`."""
+    calls: list[list[int]] = []
+    for i in order:
+        if calls and fits(calls[-1], i):
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    return calls
 
 
 def fixed_shapes_by_default(model: Transformer) -> bool:

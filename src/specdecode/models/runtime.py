@@ -59,6 +59,10 @@ class ForwardBatch:
     paged_attention = None
     # and its rows' RoPE tables, made beforehand (a chain's rounds: executor/draft_chain.py); None: the model's own
     rope = None
+    # A padded call of sequences of several lengths: its real rows (flat, row-major over B, T), their slots and their
+    # positions [1, N]. Only these rows are written: a padding row's position lies past its sequence's reserved blocks,
+    # where another sequence's entries may be.
+    real: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -93,15 +97,25 @@ class ForwardBatch:
         mask = (torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
         rows = [b * width + i for b, (n, w) in enumerate(zip(num_new, wanted)) for i in range(n - w, n)]
         logit_rows = None if len(rows) == batch * width else torch.tensor(rows, device=device)
-        return cls(slots_t, slot_index, positions, kv_len, mask, logit_rows)
+        padded = cls(slots_t, slot_index, positions, kv_len, mask, logit_rows)
+        if min(num_new) < width:
+            real = torch.tensor([b * width + i for b, n in enumerate(num_new) for i in range(n)], device=device)
+            token_slots = slots_t[:, None].expand(batch, width).reshape(1, -1)[:, real]
+            padded.real = (real, token_slots, positions.reshape(1, -1)[:, real])
+        return padded
 
     @property
     def packed(self) -> bool:
         return self.rowwise is not None
 
     def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The new tokens' keys and values [B, Hkv, T, D] into the cache."""
-        cache.write(layer, self.slots, self.positions, k, v)
+        """The new tokens' keys and values [B, Hkv, T, D] into the cache (a padded call's real rows alone)."""
+        if self.real is None:
+            return cache.write(layer, self.slots, self.positions, k, v)
+        rows, slots, positions = self.real
+        kv_heads, dim = k.shape[1], k.shape[3]
+        k, v = (t.transpose(1, 2).reshape(-1, kv_heads, dim)[rows].transpose(0, 1)[None] for t in (k, v))
+        cache.write(layer, slots, positions, k, v)  # [1, Hkv, N, D], a slot per token as a packed call's
 
     def load(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batched path's keys and values [B, Hkv, kv_len, D]."""
@@ -366,13 +380,24 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         rope = batch.rope or self.rope_tables(batch.positions, x.dtype)
         x, residual = run_layers(self, x, rope, batch, cache)
+        real = None if batch.real is None else batch.real[0]
         return self.output(
-            x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows, return_hidden
+            x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), batch.logit_rows, return_hidden, real
         )
 
-    def output(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None, return_hidden: bool | str):
-        """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for."""
+    def output(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        rows: torch.Tensor | None,
+        return_hidden: bool | str,
+        inputs: torch.Tensor | None = None,
+    ):
+        """Logits of the last layer's output at `rows` (None: all), and the hidden states it asks for: "all", those of
+        the input rows (a padded call's real ones: `inputs`)."""
         every_row = x + residual if return_hidden == "all" and rows is not None else None  # else the norm's sum
+        if every_row is not None and inputs is not None:
+            every_row = every_row.index_select(0, inputs)
         logits, hidden = final_logits(self.norm, self.lm_head, x, residual, rows, self.cfg.final_softcap)
         if not return_hidden:
             return logits
