@@ -477,21 +477,21 @@ def test_forwards_and_chains_whose_capture_fails_run_eagerly(captured, monkeypat
     attempts = []
 
     def failing(self, batch, run):
-        attempts.append(batch.bucket)
+        attempts.append((id(self), batch.bucket))
         raise failure
 
     monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
     monkeypatch.setattr(cuda_graphs.BucketedForward, "capture_graph", failing)
-    # no prefix caching: the second run meets the shapes the first met
     llm = LLM(target=target, speculative_model=name, num_speculative_tokens=3, max_model_len=256,
-              speculation_policy="fixed", progress=False, prefix_caching=False)  # fmt: skip
+              speculation_policy="fixed", progress=False)  # fmt: skip
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     runners = (llm.engine.runner, llm.engine.proposer.runner)
     assert attempts and all(not r._fixed._entries and r._fixed._refused for r in runners)
     assert not llm.engine.proposer.runner._rounds._chains and llm.engine.proposer.runner._rounds._refused
-    tried = len(attempts)
+    tried = set(attempts)
+    attempts.clear()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
-    assert len(attempts) == tried  # a bucket that failed is not captured again
+    assert not tried & set(attempts)  # a bucket that failed is not captured again (a call it refused may try others)
 
 
 @pytest.mark.parametrize("drafter", ["head", "draft model"])

@@ -116,6 +116,11 @@ def test_forward_calls_pack_in_order_and_pad_by_length_within_the_row_bound():
     assert forward_calls([100, 120, 130, 70], 64, 2048, pads=True) == [[3, 0, 1, 2]]
     assert forward_calls([100, 120, 100, 70], 64, 2048, pads=False) == [[3], [0, 2], [1]]
     assert forward_calls([3, 1, 5], 64, 2048, pads=True) == [[0, 1, 2]]  # a verify step: one call as it is
+    # where fixed shapes serve calls (at most 64 rows in all, here), short inputs are packed as far as one serves them
+    assert forward_calls([40, 20, 10, 30], 64, 2048, pads=True, serves=lambda n, end: sum(n) <= 64) == [[0, 1], [2, 3]]
+    assert forward_calls([1] * 5, 64, 2048, pads=True, serves=lambda n, end: len(n) <= 4) == [[0, 1, 2, 3], [4]]
+    # and those none serves share an eager call
+    assert forward_calls([40, 20, 10], 64, 2048, pads=True, serves=lambda n, end: False) == [[0, 1, 2]]
     # a prompt after 30,000 cached tokens: padded beside it, another would gather as many keys
     assert forward_calls([100, 120], 64, 2048, pads=True, ends=[30_100, 120]) == [[0], [1]]
     assert forward_calls([100, 120], 64, 2048, pads=True, ends=[900, 120]) == [[0, 1]]
@@ -158,3 +163,27 @@ def test_a_padded_call_of_several_lengths_leaves_other_slots_entries_as_they_wer
 def _without_real(batch: ForwardBatch) -> ForwardBatch:
     batch.real = None
     return batch
+
+
+@pytest.mark.parametrize("bucketed", [True, False])
+def test_short_prompts_together_run_at_bucket_shapes_rather_than_eagerly(bucketed, monkeypatch):
+    """Twenty prompts of 40 tokens where forwards run at fixed shapes (CUDA graphs' buckets, at most 1,024 rows): in
+    two bucket forwards (16 and 4 prompts), none eager, each prompt's logits those it gets alone. Packed as if no
+    bucket bounded them (the deliberately broken variant), they run in one eager call, which on a GPU attends its
+    800 rows a token at a time."""
+    monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
+    if not bucketed:
+        calls = runner_module.forward_calls
+        monkeypatch.setattr(runner_module, "forward_calls", lambda *args: calls(*args[:5]))
+    eager, build = [], ForwardBatch.build.__func__
+    monkeypatch.setattr(ForwardBatch, "build", classmethod(lambda cls, *a, **k: eager.append(1) or build(cls, *a, **k)))
+    model = tiny_model(seed=0).model
+    prompts = [[(7 * i + j) % 60 + 1 for i in range(40)] for j in range(20)]
+    runner = ModelRunner(model, len(prompts), 256)
+    logits = runner.forward([runner.allocate() for _ in prompts], prompts)
+    assert (eager, len(runner._fixed.buckets)) == (([], 2) if bucketed else ([1], 0))
+    for i in (0, 19):
+        alone = ModelRunner(model, 1, 256)
+        torch.testing.assert_close(
+            logits[i : i + 1], alone.forward([alone.allocate()], [prompts[i]]), atol=1e-4, rtol=1e-4
+        )

@@ -248,6 +248,12 @@ class BucketedForward:
         """The buckets prepared so far."""
         return list(self._entries)
 
+    def serves(self, num_new: list[int], kv_len: int) -> bool:
+        """Whether a forward of sequences with these numbers of new tokens, reaching kv_len keys, runs at a bucket's
+        shape (its graph replayed, where captured) rather than eagerly."""
+        bucket = bucket_for(num_new, kv_len, self.max_keys)
+        return bucket is not None and bucket not in self._refused
+
     @property
     def reads_features(self) -> bool:
         """Whether the model reads the target's features beside its tokens (a draft head)."""

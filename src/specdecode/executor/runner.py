@@ -24,7 +24,7 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -280,7 +280,9 @@ class ModelRunner:
             return self._forward_call(slots, inputs, logits, hidden, features)
         pads, lengths = self.device.type in PADS_PROMPTS_TOGETHER, [len(tokens) for tokens in inputs]
         ends = [self._cache.lengths[slot] + n for slot, n in zip(slots, lengths)]
-        calls = forward_calls(lengths, self._rowwise_width(), PREFILL_CHUNK, pads, ends)
+        fixed = self._fixed is not None and (features is None or self._fixed.reads_features)
+        serves = self._fixed.serves if fixed else None  # the calls it serves replay a graph
+        calls = forward_calls(lengths, self._rowwise_width(), PREFILL_CHUNK, pads, ends, serves)
         if len(calls) > 1:
             return self._forward_apart(calls, slots, inputs, logits, hidden, features)
         return self._forward_one(slots, inputs, logits, hidden, features)
@@ -452,24 +454,38 @@ class ModelRunner:
 
 
 def forward_calls(
-    lengths: list[int], rowwise_width: float, most_rows: int, pads: bool, ends: list[int] | None = None
+    lengths: list[int],
+    rowwise_width: float,
+    most_rows: int,
+    pads: bool,
+    ends: list[int] | None = None,
+    serves: Callable[[list[int], int], bool] | None = None,
 ) -> list[list[int]]:
     """Which sequences (indices into `lengths`, their new tokens) share a forward, in as few calls as hold at most
     `most_rows` rows each (padding counted; one sequence longer than that goes alone, to be chunked): where the
     call packs any width (`rowwise_width` infinite), side by side in order; else those of at most `rowwise_width`
     packed together and the longer ones in padded calls, by length (the least padding), of several lengths where
     the device `pads` and else of one. A padded call gathers each sequence's keys to the furthest end (`ends`:
-    start + new tokens): no more in all than `most_rows` or the furthest one alone would."""
-    every = range(len(lengths))
-    if max(lengths, default=0) <= rowwise_width and sum(lengths) <= most_rows:  # a decode or verify step
-        return [list(every)]
+    start + new tokens): no more in all than `most_rows` or the furthest one alone would. Where fixed-shape forwards
+    serve calls (`serves(lengths, furthest end)`: a graph's replay), the short ones are packed only as far as one
+    serves them: an eager call attends them a token at a time (those no fixed shape serves share an eager call)."""
+    every, ends = list(range(len(lengths))), ends or lengths
 
     def packed(call: list[int], i: int) -> bool:
         return sum(lengths[j] for j in call) + lengths[i] <= most_rows
 
     if math.isinf(rowwise_width):
-        return _filled(list(every), packed)
-    ends = ends or lengths
+        return [every] if sum(lengths) <= most_rows else _filled(every, packed)
+
+    def served(call: list[int], i: int) -> bool:  # grows while it replays a graph, or while it runs eagerly anyway
+        def fits(part: list[int]) -> bool:
+            return serves([lengths[j] for j in part], max(ends[j] for j in part))
+
+        return packed(call, i) and (fits([*call, i]) or not fits(call))
+
+    short = [i for i in every if lengths[i] <= rowwise_width]
+    if len(short) == len(every) and sum(lengths) <= most_rows and (serves is None or serves(lengths, max(ends))):
+        return [every]  # a decode or verify step
     most_keys = max(most_rows, max(ends))
 
     def padded(call: list[int], i: int) -> bool:
@@ -478,7 +494,7 @@ def forward_calls(
         return rows <= most_rows and keys <= most_keys and (pads or lengths[i] == lengths[call[0]])
 
     long = sorted((i for i in every if lengths[i] > rowwise_width), key=lengths.__getitem__)
-    return _filled(long, padded) + _filled([i for i in every if lengths[i] <= rowwise_width], packed)
+    return _filled(long, padded) + _filled(short, packed if serves is None else served)
 
 
 def _filled(order: list[int], fits) -> list[list[int]]:
