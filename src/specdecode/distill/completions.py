@@ -170,8 +170,8 @@ def greedy_completions(target: LoadedModel, prompts: list[list[int]], max_new_to
     """Each prompt's greedy continuation (through its EOS, or max_new_tokens), all decoded together in
     padded calls: one masked attention call per layer, where the engine's packed steps attend token by
     token (exact per token, but on a GPU a launch each: 256 prompts would take 7,168 a step). The rows
-    beyond a shorter prompt hold padding until its own tokens overwrite them, and the mask keeps them out
-    of sight until then."""
+    beyond a shorter prompt stay unwritten until its own tokens fill them, and the mask keeps them out of
+    sight until then."""
     model, eos = target.model, target.tokenizer.eos_token_ids
     n, slots = len(prompts), list(range(len(prompts)))
     max_len = max(map(len, prompts)) + max_new_tokens

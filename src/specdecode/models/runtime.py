@@ -111,11 +111,12 @@ class ForwardBatch:
     def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' keys and values [B, Hkv, T, D] into the cache (a padded call's real rows alone)."""
         if self.real is None:
-            return cache.write(layer, self.slots, self.positions, k, v)
-        rows, slots, positions = self.real
-        kv_heads, dim = k.shape[1], k.shape[3]
-        k, v = (t.transpose(1, 2).reshape(-1, kv_heads, dim)[rows].transpose(0, 1)[None] for t in (k, v))
-        cache.write(layer, slots, positions, k, v)  # [1, Hkv, N, D], a slot per token as a packed call's
+            cache.write(layer, self.slots, self.positions, k, v)
+        else:  # [1, Hkv, N, D], a slot per token as a packed call's
+            rows, slots, positions = self.real
+            kv_heads, dim = k.shape[1], k.shape[3]
+            k, v = (t.transpose(1, 2).reshape(-1, kv_heads, dim)[rows].transpose(0, 1)[None] for t in (k, v))
+            cache.write(layer, slots, positions, k, v)
 
     def load(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batched path's keys and values [B, Hkv, kv_len, D]."""
