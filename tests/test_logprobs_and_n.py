@@ -145,6 +145,36 @@ def test_siblings_draw_their_first_tokens_in_one_pass_as_one_by_one(target, rand
     assert len({tuple(tokens) for tokens, _ in one_by_one}) == 3  # each sibling its own stream
 
 
+def test_requests_admitted_together_draw_their_first_tokens_in_one_pass_as_alone(target, random_draft, monkeypatch):
+    """Two requests admitted in one step (one with n=2) draw their first tokens from their own prompts' last rows
+    in one verification (a GPU's one wait), each what it draws alone. Rows handed to the wrong request (the
+    deliberately broken variant: the first group's row for all) draw otherwise."""
+    from specdecode.engine import prefill
+
+    params = [
+        SamplingParams(n=2, temperature=1.0, max_tokens=1, seed=5, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=1, logprobs=2),
+    ]
+
+    def run(prompts, params):
+        return [[o.token_ids + [lp.logprob for lp in o.logprobs or []] for o in r.outputs]
+                for r in _llm(target, random_draft).generate(prompts, params)]  # fmt: skip
+
+    alone = [run([prompt], p)[0] for prompt, p in zip(PROMPTS, params)]
+    calls = []
+
+    def in_one_pass(seqs, drafts, q, rows, *args, **kwargs):
+        calls.append(len(seqs))
+        return verifier.verify_batch(seqs, drafts, q, rows, *args, together=True, **kwargs)
+
+    monkeypatch.setattr(prefill, "verify_batch", in_one_pass)
+    assert run(PROMPTS, params) == alone and calls == [3]
+    monkeypatch.setattr(
+        prefill, "verify_batch", lambda s, d, q, rows, *a: in_one_pass(s, d, q, rows[:1].expand_as(rows), *a)
+    )
+    assert run(PROMPTS, params) != alone
+
+
 def test_n_above_the_slots_is_refused(target):
     with pytest.raises(SpecDecodeError, match="n=5 outputs need as many sequence slots"):
         _llm(target, max_num_seqs=4).generate("abc", SamplingParams(n=5))

@@ -183,35 +183,33 @@ class Prefilling:
 
     def _finish_prefill(self, prefilled: list[tuple[list[Sequence], torch.Tensor, torch.Tensor | None, int]]) -> None:
         """Prompts are in their groups' first slots (each group with its prompt's last logits row, its rows' hidden
-        states and the tokens it kept from before): their first tokens, proposers reading them, the tokens out."""
-        firsts = [first for group, *outputs in prefilled for first in self._prefilled(group, *outputs)]
+        states and the tokens it kept from before): the other sequences of a group copy it, each sequence samples its
+        first token (a resuming one has its next: the next step reads it, as after any step), proposers read the
+        prompts, and the tokens go out."""
+        new = [part for part in prefilled if not part[0][0].resuming]
+        for group, _, hidden, cached in prefilled:
+            if group[0].resuming:
+                self._feed_back(group[0], TargetFeedback([group[0].token_ids[-1]], hidden, cached))
+        for group, _, _, cached in new:
+            group[0].metrics.num_cached_prompt_tokens = cached
+            for seq in group[1:]:
+                self.runner.copy_slot(group[0].slot, seq.slot)
+        firsts = iter(self._first_tokens(new))
+        emitted = [(seq, *next(firsts), hidden, cached) for group, _, hidden, cached in new for seq in group]
+        for seq, token, _, hidden, cached in emitted:
+            self._feed_back(seq, TargetFeedback([token], hidden, cached))
         self._read_ahead([seq for group, *_ in prefilled for seq in group])
-        for seq, token, logprobs in firsts:
+        for seq, token, logprobs, *_ in emitted:
             self._emit(seq, [token], logprobs)
 
-    def _prefilled(
-        self, group: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None, cached: int
-    ) -> list[tuple[Sequence, int, list | None]]:
-        """The prompt is in the first sequence's slot, `cached` of its tokens kept from before: the others copy
-        it, and each samples its first token from the last row's logits (a resuming sequence samples nothing).
-        Each sequence's first token and its logprobs, to emit once proposers have read the prompt."""
-        first = group[0]
-        if first.resuming:  # its last token is known: the next step reads it, as after any step
-            self._feed_back(first, TargetFeedback([first.token_ids[-1]], hidden, cached))
+    def _first_tokens(self, prefilled: list[tuple]) -> list[tuple[int, list | None]]:
+        """Each sequence's token after its prompt, from the prompt's last logits row [1, V], and its logprobs: a
+        verification without drafts (one pass for all where verification takes one: a GPU waits once)."""
+        seqs = [seq for group, *_ in prefilled for seq in group]
+        if not seqs:
             return []
-        first.metrics.num_cached_prompt_tokens = cached
-        for seq in group[1:]:
-            self.runner.copy_slot(first.slot, seq.slot)
-        firsts = self._first_tokens(group, logits[:1])
-        for seq, (token, _) in zip(group, firsts):
-            self._feed_back(seq, TargetFeedback([token], hidden, cached))
-        return [(seq, token, logprobs) for seq, (token, logprobs) in zip(group, firsts)]
-
-    def _first_tokens(self, group: list[Sequence], last: torch.Tensor) -> list[tuple[int, list | None]]:
-        """Each sibling's token after the prompt, from the prompt's last logits row [1, V], and its logprobs: a
-        verification without drafts (one pass for all siblings where verification takes one)."""
-        rows = last.expand(len(group), -1)
-        results = verify_batch(group, [[] for _ in group], [None] * len(group), rows, self.tokenizer.eos_token_ids)
+        rows = torch.cat([logits[:1].expand(len(group), -1) for group, logits, *_ in prefilled])
+        results = verify_batch(seqs, [[] for _ in seqs], [None] * len(seqs), rows, self.tokenizer.eos_token_ids)
         return [(result.tokens[0][0], logprobs) for result, logprobs in results]
 
     def _read_ahead(self, group: list[Sequence]) -> None:
