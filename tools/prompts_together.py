@@ -26,12 +26,12 @@ from specdecode.engine.prefill import Prefilling
 def one_forward_each():
     """Each prompt is prefilled before the next is admitted, as when every prompt could start from the blocks of
     the one before it."""
-    finds = Prefilling._finds_blocks_of
-    Prefilling._finds_blocks_of = lambda self, seq, together: bool(together)
+    first_block = Prefilling._first_block
+    Prefilling._first_block = lambda self, prompt: ()  # every prompt's the same
     try:
         yield
     finally:
-        Prefilling._finds_blocks_of = finds
+        Prefilling._first_block = first_block
 
 
 def first_tokens(llm: LLM, prompts: list[list[int]]) -> tuple[float, float, list[int]]:

@@ -24,11 +24,13 @@ class Prefilling:
         together (the weights read once for all); the sequences admitted."""
         admitted: list[Sequence] = []
         together: list[tuple[list[Sequence], int]] = []  # (group, its cached tokens) prefilled in one forward
+        blocks: set[tuple[int, ...]] = set()  # their prompts' first blocks
         while self.waiting:
             group = self._next_group()
-            if self._finds_blocks_of(group[0], together):  # they are computed first, for it to find them
+            first_block = self._first_block(self._reusable_prompt(group[0]))
+            if first_block is not None and first_block in blocks:  # those are computed first, for it to find
                 self._prefill_together(together)
-                together = []
+                together, blocks = [], set()
             cached = self._take_slots(group)
             if cached is None:
                 break  # the group waits for slots or KV blocks
@@ -41,6 +43,7 @@ class Prefilling:
             admitted += group
             if group[0].params.prompt_logprobs is None or group[0].resuming:
                 together.append((group, cached))
+                blocks.add(self._first_block(group[0].context_ids))  # None among them finds nothing
             else:  # every row's logits
                 self._prefill(group, cached)
         self._prefill_together(together)
@@ -151,13 +154,12 @@ class Prefilling:
         self.runner.rollback(seq.slot, kept)
         return kept
 
-    def _finds_blocks_of(self, seq: Sequence, together: list[tuple[list[Sequence], int]]) -> bool:
-        """Whether seq's prompt may start from a block that a prompt waiting to be prefilled computes: the same
-        tokens for a whole block (a shared system prompt; whether its tenant may is the prefix index's to say)."""
-        size, prompt = self.runner.block_size, self._reusable_prompt(seq)
-        if not (self.runner.reuse_prefixes and prompt and len(prompt) > size):
-            return False
-        return any(group[0].context_ids[:size] == prompt[:size] for group, _ in together)
+    def _first_block(self, prompt: list[int] | None) -> tuple[int, ...] | None:
+        """The tokens of the prompt's first KV block, where a later prompt could find it computed (prefix caching; a
+        prompt that starts with them may find the rest of what they share: a system prompt). Whether its tenant may
+        is the prefix index's to say."""
+        size = self.runner.block_size
+        return tuple(prompt[:size]) if self.runner.reuse_prefixes and prompt and len(prompt) > size else None
 
     def _prefill_together(self, together: list[tuple[list[Sequence], int]]) -> None:
         """Each group's shared prompt past the `cached` tokens its first slot holds, in as few forwards as the
