@@ -167,10 +167,10 @@ def _without_real(batch: ForwardBatch) -> ForwardBatch:
 
 @pytest.mark.parametrize("bucketed", [True, False])
 def test_short_prompts_together_run_at_bucket_shapes_rather_than_eagerly(bucketed, monkeypatch):
-    """Twenty prompts of 40 tokens where forwards run at fixed shapes (CUDA graphs' buckets, at most 1,024 rows): in
-    two bucket forwards (16 and 4 prompts), none eager, each prompt's logits those it gets alone. Packed as if no
-    bucket bounded them (the deliberately broken variant), they run in one eager call, which on a GPU attends its
-    800 rows a token at a time."""
+    """Twenty prompts of 40 tokens where forwards run at fixed shapes (CUDA graphs' buckets, at most 1,024 rows, their
+    outputs kept within the plan's bound): in two bucket forwards (16 and 4 prompts), none eager, each prompt's
+    logits those it gets alone. Packed as if no bucket bounded them (the deliberately broken variant), they run in
+    one eager call, which on a GPU attends its 800 rows a token at a time."""
     monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
     if not bucketed:
         calls = runner_module.forward_calls
