@@ -34,16 +34,19 @@ def one_forward_each():
         Prefilling._first_block = first_block
 
 
-def first_tokens(llm: LLM, prompts: list[list[int]]) -> tuple[float, float, list[int]]:
+def first_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = 1) -> tuple[float, float, list[int]]:
     """(mean seconds to a first token, seconds to the last, the first tokens) of the prompts arriving at once, each
-    first token timed when the step that made it returns (when a server streams it)."""
-    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=1)
+    first token timed when the step that made it returns (when a server streams it); each request's later tokens
+    are decoded (`max_tokens`) until every one has its first."""
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     seqs = [engine.add_request(p, params) for p in prompts]
     seen: dict[int, float] = {}
-    while engine.has_unfinished():
+    while len(seen) < len(seqs):
         engine.step()
         seen.update({i: time.perf_counter() - start for i, s in enumerate(seqs) if s.output_ids and i not in seen})
+    for seq in seqs:
+        engine.abort(seq)
     return sum(seen.values()) / len(seen), max(seen.values()), [s.output_ids[0] for s in seqs]
 
 
@@ -53,6 +56,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=0, help="each prompt's first N tokens (0: whole)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=1, help="each request's (the first ones decode meanwhile)")
     args = parser.parse_args()
     n = max(args.requests)
     llm = LLM(model=DEFAULT_TARGET, num_speculative_tokens=0, prefix_caching=False, max_num_seqs=n,
@@ -60,7 +64,8 @@ def main() -> None:
     prompts = [llm.tokenizer.encode(t)[: args.prompt_tokens or None] for t in humaneval_prompts(n)]
     print(f"# {describe_machine(machine_info())}")
     print(f"# {DEFAULT_TARGET}, plain decoding, HumanEval prompts of {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, prefill_chunk_tokens {args.prefill_chunk_tokens}; best of "
+          f"{max(map(len, prompts))} tokens, prefill_chunk_tokens {args.prefill_chunk_tokens}, max_tokens "
+          f"{args.max_tokens}; best of "
           f"{args.rounds} rounds, the two ways in turn")  # fmt: skip
     first_tokens(llm, prompts[:1])  # warm-up
     for n in args.requests:
@@ -69,7 +74,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for way in ("together", "one each"):
                 with one_forward_each() if way == "one each" else contextlib.nullcontext():
-                    mean, last, tokens[way] = first_tokens(llm, prompts[:n])
+                    mean, last, tokens[way] = first_tokens(llm, prompts[:n], args.max_tokens)
                 best[way] = min(best.get(way, (mean, last)), (mean, last))
         assert tokens["together"] == tokens["one each"], "the first tokens differ"
         (mean, last), (mean_each, last_each) = best["together"], best["one each"]
