@@ -32,7 +32,7 @@ import torch
 if not torch.cuda.is_available():  # a smoke run on a CPU: the GPU's Triton kernels run in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from prompts_together import first_tokens, one_forward_each  # noqa: E402 (tools/, beside this script)
+from prompts_together import WAYS, first_tokens_prefilled  # noqa: E402 (tools/, beside this script)
 
 from specdecode import LLM, SamplingParams  # noqa: E402
 from specdecode.bench.results import median_seconds  # noqa: E402
@@ -1007,24 +1007,19 @@ def prompts_together(target, counts=(8, 64), rounds: int = 2):
     """Plain decoding, PROMPT-token prompts arriving at once: the time to the last first token with the prompts
     prefilled together (the engine's way) and one forward each (as before it: tools/prompts_together.py), the best
     of `rounds` each, after a warm-up of each (their captures)."""
-    llm, rows, ways = engine(target, num_speculative_tokens=0), {}, ("together", "one each")
+    llm, rows = engine(target, num_speculative_tokens=0), {}
     for n in counts:
         batch = prompts(n, seed=7)
-        for way in ways:
-            _last_first_token(llm, batch, way)
-        best = {way: math.inf for way in ways}
-        for way in ways * rounds:
-            best[way] = min(best[way], _last_first_token(llm, batch, way))
+        for way in WAYS:
+            first_tokens_prefilled(way, llm, batch)
+        best = {way: math.inf for way in WAYS}
+        for way in WAYS * rounds:
+            best[way] = min(best[way], first_tokens_prefilled(way, llm, batch)[1])
         rows[n] = {"together_s": best["together"], "one_each_s": best["one each"]}
         together, each = best["together"], best["one each"]
         print(f"{n:3d} prompts of {PROMPT} tokens: the last first token {together:.3f} s together, {each:.3f} s "
               f"one forward each: {each / together:.2f}x", flush=True)  # fmt: skip
     RESULTS["prompts_together"] = rows
-
-
-def _last_first_token(llm: LLM, batch: list[list[int]], way: str) -> float:
-    with one_forward_each() if way == "one each" else contextlib.nullcontext():
-        return first_tokens(llm, batch)[1]
 
 
 def _again(plain: LLM, adaptive: LLM, n: int, tokens: int, name: str = "adaptive") -> dict:

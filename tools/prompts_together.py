@@ -6,7 +6,7 @@ token must be the same both ways. Where others are admitted before it in the ste
 --prefill-chunk-tokens (the engine's default: 64 on a CPU) is left to chunks beside them, as where others decode.
 
     PYTHONPATH=src python tools/prompts_together.py [--requests 1 4 16] [--rounds 3] [--prompt-tokens 60]
-        [--prefill-chunk-tokens 0]
+        [--prefill-chunk-tokens 0] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from specdecode.bench.results import describe_machine, machine_info
 from specdecode.config import DEFAULT_TARGET
 from specdecode.engine.prefill import Prefilling
 
+WAYS = ("together", "one each")  # the engine's, and as before it
+
 
 @contextlib.contextmanager
 def one_forward_each():
@@ -32,6 +34,12 @@ def one_forward_each():
         yield
     finally:
         Prefilling._first_block = first_block
+
+
+def first_tokens_prefilled(way: str, llm: LLM, prompts: list[list[int]], max_tokens: int = 1):
+    """first_tokens with the prompts prefilled `way`: one of WAYS."""
+    with one_forward_each() if way == "one each" else contextlib.nullcontext():
+        return first_tokens(llm, prompts, max_tokens)
 
 
 def first_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = 1) -> tuple[float, float, list[int]]:
@@ -65,17 +73,14 @@ def main() -> None:
     print(f"# {describe_machine(machine_info())}")
     print(f"# {DEFAULT_TARGET}, plain decoding, HumanEval prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, prefill_chunk_tokens {args.prefill_chunk_tokens}, max_tokens "
-          f"{args.max_tokens}; best of "
-          f"{args.rounds} rounds, the two ways in turn")  # fmt: skip
+          f"{args.max_tokens}; best of {args.rounds} rounds, the two ways in turn")  # fmt: skip
     first_tokens(llm, prompts[:1])  # warm-up
     for n in args.requests:
         best: dict[str, tuple[float, float]] = {}
         tokens: dict[str, list[int]] = {}
-        for _ in range(args.rounds):
-            for way in ("together", "one each"):
-                with one_forward_each() if way == "one each" else contextlib.nullcontext():
-                    mean, last, tokens[way] = first_tokens(llm, prompts[:n], args.max_tokens)
-                best[way] = min(best.get(way, (mean, last)), (mean, last))
+        for way in WAYS * args.rounds:
+            mean, last, tokens[way] = first_tokens_prefilled(way, llm, prompts[:n], args.max_tokens)
+            best[way] = min(best.get(way, (mean, last)), (mean, last))
         assert tokens["together"] == tokens["one each"], "the first tokens differ"
         (mean, last), (mean_each, last_each) = best["together"], best["one each"]
         print(f"{n:3d} requests: first token mean / last {mean:.3f} / {last:.3f} s together, {mean_each:.3f} / "

@@ -188,36 +188,37 @@ class Prefilling:
         states and the tokens it kept from before): the other sequences of a group copy it, each sequence samples its
         first token (a resuming one has its next: the next step reads it, as after any step), proposers read the
         prompts, and the tokens go out."""
-        new = [part for part in prefilled if not part[0][0].resuming]
-        for group, _, hidden, cached in prefilled:
+        sampling, rows = [], []  # (sequence, its prompt's hidden states, cached tokens); the logits row of each
+        for group, logits, hidden, cached in prefilled:
             if group[0].resuming:
                 self._feed_back(group[0], TargetFeedback([group[0].token_ids[-1]], hidden, cached))
-        for group, _, _, cached in new:
+                continue
             group[0].metrics.num_cached_prompt_tokens = cached
             for seq in group[1:]:
                 self.runner.copy_slot(group[0].slot, seq.slot)
-        firsts = iter(self._first_tokens(new))
-        emitted = [(seq, *next(firsts), hidden, cached) for group, _, hidden, cached in new for seq in group]
-        for seq, token, _, hidden, cached in emitted:
+            sampling += [(seq, hidden, cached) for seq in group]
+            rows.append(logits[:1].expand(len(group), -1))
+        firsts = self._first_tokens([seq for seq, _, _ in sampling], rows)
+        for (seq, hidden, cached), (token, _) in zip(sampling, firsts):
             self._feed_back(seq, TargetFeedback([token], hidden, cached))
         self._read_ahead([seq for group, *_ in prefilled for seq in group])
-        for seq, token, logprobs, *_ in emitted:
+        for (seq, _, _), (token, logprobs) in zip(sampling, firsts):
             self._emit(seq, [token], logprobs)
 
-    def _first_tokens(self, prefilled: list[tuple]) -> list[tuple[int, list | None]]:
-        """Each sequence's token after its prompt, from the prompt's last logits row [1, V], and its logprobs: a
-        verification without drafts (one pass for all where verification takes one: a GPU waits once)."""
-        seqs = [seq for group, *_ in prefilled for seq in group]
+    def _first_tokens(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[tuple[int, list | None]]:
+        """Each sequence's token after its prompt, from its prompt's last logits row (`rows`: [sequences, V] per
+        group, in order), and its logprobs: a verification without drafts (one pass for all where verification takes
+        one: a GPU waits once)."""
         if not seqs:
             return []
-        rows = torch.cat([logits[:1].expand(len(group), -1) for group, logits, *_ in prefilled])
-        results = verify_batch(seqs, [[] for _ in seqs], [None] * len(seqs), rows, self.tokenizer.eos_token_ids)
+        eos = self.tokenizer.eos_token_ids
+        results = verify_batch(seqs, [[] for _ in seqs], [None] * len(seqs), torch.cat(rows), eos)
         return [(result.tokens[0][0], logprobs) for result, logprobs in results]
 
-    def _read_ahead(self, group: list[Sequence]) -> None:
-        """Proposers read the new prompt now, where drafting is likely soon: its cost is then part of the time
+    def _read_ahead(self, seqs: list[Sequence]) -> None:
+        """Proposers read the new prompts now, where drafting is likely soon: their cost is then part of the time
         to the first token, not a pause after it."""
-        reading = [seq for seq in group if seq.params.max_tokens > 1]
+        reading = [seq for seq in seqs if seq.params.max_tokens > 1]
         if reading and self.policy.expects_drafting(self.num_running):
             for proposer in self.proposers:
                 proposer.read_ahead(reading)
