@@ -162,8 +162,9 @@ def test_weights_in_one_arena_count_their_own_bytes_and_a_head_what_it_adds(tmp_
 def test_a_gpu_plan_reserves_what_chained_rounds_hold(target, random_draft, monkeypatch):
     """On a GPU a drafter's chained rounds keep the first round's logits per bucket, and sampled ones q per bucket and
     number of rounds (executor/draft_chain.py): the plan reserves their most beside the activations, so the KV pools
-    leave room for them; a CPU (no chains there) and a target without a drafter reserve nothing for them."""
-    from specdecode.engine.memory import captured_outputs_reserve, chained_rounds_reserve
+    leave room for them; a CPU (no chains there) and a target without a drafter reserve nothing for them. The paged
+    attention kernels' partial sums are reserved on a GPU, the larger model's."""
+    from specdecode.engine.memory import captured_outputs_reserve, chained_rounds_reserve, split_sums_reserve
 
     on_cpu = plan_memory(target.model, random_draft.model, 128, 48, 4, None)
     monkeypatch.setattr(type(target.model), "device", property(lambda self: torch.device("cuda")))
@@ -172,9 +173,14 @@ def test_a_gpu_plan_reserves_what_chained_rounds_hold(target, random_draft, monk
     vocab = target.config.vocab_size
     graphs = captured_outputs_reserve([target.model, random_draft.model], 128, 48)  # what captured graphs keep
     assert graphs > 0 and captured_outputs_reserve([target.model], 128, 48) < graphs
-    assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == chained_rounds_reserve(target.config, 48, 4) + graphs
-    assert chained_rounds_reserve(target.config, 48, 4) == 2 * 64 * (1 + 2 + 3 + 4) * vocab * 4
-    assert alone.reserve_bytes == on_cpu.reserve_bytes + captured_outputs_reserve([target.model], 128, 48)
+    sums = split_sums_reserve([target.model, random_draft.model])
+    cfg = target.config
+    assert sums == max(split_sums_reserve([target.model]), split_sums_reserve([random_draft.model]))
+    assert split_sums_reserve([target.model]) == 64 * 64 * 4096 // 512 * cfg.num_heads * (cfg.dim_per_head + 2) * 4
+    assert on_gpu.reserve_bytes - on_cpu.reserve_bytes == chained_rounds_reserve(cfg, 48, 4) + graphs + sums
+    assert chained_rounds_reserve(cfg, 48, 4) == 2 * 64 * (1 + 2 + 3 + 4) * vocab * 4
+    alone_sums = split_sums_reserve([target.model])
+    assert alone.reserve_bytes == on_cpu.reserve_bytes + captured_outputs_reserve([target.model], 128, 48) + alone_sums
 
 
 def test_a_gpu_plan_without_a_budget_holds_what_the_device_has_free(target, random_draft, monkeypatch):

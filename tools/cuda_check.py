@@ -64,6 +64,7 @@ QUICK_TEST_FILES = [  # the GPU paths' own tests, run by --quick too
     "tests/test_overlap.py",
     "tests/test_drafts_on_device.py",
     "tests/test_paged_attention.py",
+    "tests/test_packed_rows.py",
     "tests/test_chunked_prefill.py",
     "tests/test_prompts_together.py",
     "tests/test_runner.py",

@@ -158,6 +158,15 @@ def available_memory(device: torch.device) -> int | None:
     return int(line.split()[1]) * 1024
 
 
+def split_sums_reserve(models: list) -> int:
+    """The float32 partial sums one call of a GPU's paged attention kernels holds at most (MAX_PARTIALS rows x splits,
+    a query head's max, total and weighted values each): made layer by layer in an eager call (executor/paged_rows.py),
+    whatever its rows' MLP and logits take."""
+    from ..executor.cuda_graphs import MAX_PARTIALS
+
+    return max(MAX_PARTIALS * m.cfg.num_heads * (m.cfg.dim_per_head + 2) * 4 for m in models)
+
+
 def captured_outputs_reserve(models: list, max_model_len: int, max_num_seqs: int) -> int:
     """What the models' captured graphs keep in outputs at most (executor/cuda_graphs.kept_output_bytes)."""
     from ..executor.cuda_graphs import kept_output_bytes
@@ -220,7 +229,10 @@ def plan_memory(
     reserve = activation_reserve(target.cfg, target.dtype, max_model_len, max_num_seqs, k_max)
     if target.device.type == "cuda" and (draft is not None or features):  # a drafter whose rounds chain there
         reserve += chained_rounds_reserve(target.cfg, max_num_seqs, k_max)
-    reserve += captured_outputs_reserve([target] + [draft] * separate_draft, max_model_len, max_num_seqs)
+    models = [target] + [draft] * separate_draft
+    reserve += captured_outputs_reserve(models, max_model_len, max_num_seqs)
+    if target.device.type == "cuda":
+        reserve += split_sums_reserve(models)
     plan = MemoryPlan(
         budget_bytes,
         target.weight_bytes(),

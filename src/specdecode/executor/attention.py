@@ -4,6 +4,8 @@ twenty small operations and one attention call per token."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import SpecDecodeError
@@ -17,7 +19,9 @@ ERRORS = {
 
 
 class RowwiseAttentionKernel:
-    """Called by `Attention` for packed (decode and verify) batches; returns [N, H * D]."""
+    """Called by `Attention` for packed batches (decode, verify, prompts beside them); returns [N, H * D]."""
+
+    max_width = math.inf  # new tokens a sequence: each is attended as alone
 
     def __init__(self, lib, num_heads: int, num_kv_heads: int, head_dim: int):
         self.lib, self.num_heads, self.num_kv_heads, self.head_dim = lib, num_heads, num_kv_heads, head_dim

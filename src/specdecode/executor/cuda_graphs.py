@@ -56,6 +56,11 @@ MAX_TOKENS = 1024  # B x R: the largest verify call a graph is kept for
 # B x K: keys gathered per layer and step (each sequence's blocks are copied into one [K, D] run per KV head);
 # past this an eager forward gathers only what each sequence holds
 MAX_GATHERED_KEYS = 64 * 4096
+# Partial sums a call of the paged attention kernels holds at most, in rows x splits (each a query head's float32
+# sums): what 512-key splits held in the largest buckets (64 rows a sequence x MAX_GATHERED_KEYS). Where more would
+# be held (verifies of many rows over long contexts) the call's splits widen, and its rows' bits are then those of
+# its size (executor/paged_attention.py).
+MAX_PARTIALS = 64 * MAX_GATHERED_KEYS // 512
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ..config import ModelConfig
 from ..kv_cache import KEY_TILE, KVCache
 from ..models.layers import apply_rope
 from ..models.runtime import Attention
-from .cuda_graphs import Bucket, StaticBatch
+from .cuda_graphs import MAX_PARTIALS, Bucket, StaticBatch
 from .gemv import Gemv, GemvConfig, gemv, passes_where_it_fits
 from .kv_layout import key_offset, value_offset
 from .qkv_epilogue import RopeStore, projected, rotated_projection
@@ -184,10 +184,6 @@ def _combine(
 # Keys a program attends at most by default: a sequence's heads alone are a few programs on a device of a hundred or
 # more cores, so splitting even a short context pays (docs/decisions.md#paged-attention-kernels-in-captured-forwards).
 SPLIT_KEYS = 64
-# Partial sums a call holds at most, in rows x splits (each a query head's float32 sums): what 512-key splits held in
-# the largest buckets (64 rows a sequence x 64 x 4,096 keys gathered: cuda_graphs' bounds). Where more would be held
-# (verifies of many rows over long contexts) the call's splits widen, and its rows' bits are then those of its size.
-MAX_PARTIALS = 64 * 64 * 4096 // 512
 
 
 class PagedAttention:

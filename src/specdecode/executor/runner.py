@@ -79,7 +79,9 @@ class ModelRunner:
         self._fixed = BucketedForward(model, self._cache, capture=capture) if fixed_shapes else None
         if capture:
             fuse_elementwise(model)
-            self._fixed.attention = gpu_attention(model)
+        attention = gpu_attention(model) if model.device.type == "cuda" else None
+        if capture:
+            self._fixed.attention = attention
         self._rounds = None if self._fixed is None else DraftChain(self._fixed, model.vocab_ids, model.cfg.vocab_size)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
         self.reuse_prefixes = reuse_prefixes
@@ -437,12 +439,12 @@ class ModelRunner:
         return math.isinf(self._rowwise_width())
 
     def _rowwise_width(self) -> float:
-        """The widest call attended row by row over exactly each token's keys: any, where the model's
-        attention kernel does it (a prompt's rows then get the bits decoding them would, so a prompt
-        continued from a kept prefix computes what a whole prefill does); else
-        ROWWISE_ATTENTION_MAX_WIDTH (PyTorch's row-by-row path costs a call per token)."""
+        """The widest call attended row by row over exactly each token's keys: what the model's attention kernel
+        takes (the CPU's any: a prompt's rows then get the bits decoding them would, so a prompt continued from a
+        kept prefix computes what a whole prefill does); else ROWWISE_ATTENTION_MAX_WIDTH (PyTorch's row-by-row
+        path costs a call per token)."""
         kernel = getattr(self.model.layers[0].self_attn, "rowwise_kernel", None)
-        return math.inf if kernel is not None else ROWWISE_ATTENTION_MAX_WIDTH
+        return ROWWISE_ATTENTION_MAX_WIDTH if kernel is None else kernel.max_width
 
     @staticmethod
     def _batched(batch: ForwardBatch, rows: list[torch.Tensor]) -> torch.Tensor:
@@ -520,15 +522,17 @@ ATTENTION_CHOICE = "SPECDECODE_GPU_ATTENTION"  # "triton" (the default) or "sdpa
 def gpu_attention(model):
     """The attention of the model's captured forwards: the paged Triton kernels (executor/paged_attention.py), unless
     SPECDECODE_GPU_ATTENTION=sdpa, Triton is missing, or the kernels fail their check on this device: then None
-    (PyTorch's gather and SDPA)."""
+    (PyTorch's gather and SDPA). Where they are taken, they attend its packed eager calls too (paged_rows.py)."""
     choice = os.environ.get(ATTENTION_CHOICE, "triton")
     if choice not in ("triton", "sdpa"):
         raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
     attention = _checked_kernels(str(model.device), model.dtype, model.cfg.dim_per_head) if choice == "triton" else None
     if attention is not None:
         from .paged_attention import attach_epilogues
+        from .paged_rows import attach_packed_row_attention
 
         attach_epilogues(model)
+        attach_packed_row_attention(model, attention)
     return attention
 
 
