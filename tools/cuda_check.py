@@ -40,6 +40,7 @@ from specdecode.config import ModelConfig  # noqa: E402
 from specdecode.engine.memory import kv_bytes_per_token  # noqa: E402
 from specdecode.executor import runner as runner_module  # noqa: E402
 from specdecode.executor.paged_attention import PagedAttention  # noqa: E402
+from specdecode.executor.paged_rows import PackedRowAttention  # noqa: E402
 from specdecode.executor.runner import ModelRunner  # noqa: E402
 from specdecode.models.layers import Linear  # noqa: E402
 from specdecode.models.loader import LoadedModel  # noqa: E402
@@ -1023,6 +1024,38 @@ def prompts_together(target, counts=(8, 64), rounds: int = 2):
     RESULTS["prompts_together"] = rows
 
 
+@section(
+    "packed eager forwards (a mixture of experts' steps, prompts no graph serves): PyTorch's row-by-row attention "
+    "against the paged kernels (executor/paged_rows.py)"
+)
+def packed_eager(target, shapes=((1, 5), (64, 1), (64, 5)) if DEVICE == "cuda" else ((1, 5), (2, 1))):
+    """One eager forward of `seqs` sequences x `rows` new rows after PROMPT cached tokens, attended token by token by
+    PyTorch and by the kernels, and how far the two forwards' logits lie apart."""
+    attentions = [layer.self_attn for layer in target.model.layers]
+    results = {}
+    for seqs, rows in shapes:
+        runner, step = _decode_runner(target.model, seqs, PROMPT, fixed=False, rows=rows)
+        attached = attentions[0].rowwise_kernel  # by a GPU's runner where the kernels passed their check
+        kernel = attached if DEVICE == "cuda" else PackedRowAttention(PagedAttention())  # a CPU's smoke run: as is
+        if kernel is None:
+            print("no kernels attached: they failed their check, or SPECDECODE_GPU_ATTENTION=sdpa")
+            return
+        timed, logits = {}, {}
+        for name, taken in (("pytorch", None), ("kernels", kernel)):
+            for attention in attentions:
+                attention.rowwise_kernel = taken
+            logits[name] = step().float()
+            timed[name] = median_seconds(step, 1 if DEVICE == "cpu" else 5 if taken is None else 20)
+        for attention in attentions:
+            attention.rowwise_kernel = attached
+        apart = (logits["kernels"] - logits["pytorch"]).abs().max().item()
+        results[f"{seqs}x{rows}"] = {**{f"{k}_ms": v * 1e3 for k, v in timed.items()}, "max_logit_apart": apart}
+        pytorch_ms, kernels_ms = timed["pytorch"] * 1e3, timed["kernels"] * 1e3
+        print(f"{seqs:2d} seq x {rows} rows: PyTorch {pytorch_ms:8.2f} ms, kernels {kernels_ms:7.2f} ms "
+              f"({pytorch_ms / kernels_ms:.1f}x); logits apart {apart:.2e}", flush=True)  # fmt: skip
+    RESULTS["packed_eager"] = results
+
+
 def _again(plain: LLM, adaptive: LLM, n: int, tokens: int, name: str = "adaptive") -> dict:
     """A sweep point where an engine with the adaptive policy (`name`) fell behind, timed again that one first, each
     run's phases and host time shown."""
@@ -1136,6 +1169,7 @@ def main() -> None:
         measured_acceptance(target, draft)
         concurrency(target, draft, args.sweep_tokens)  # the default drafter's acceptance imposed
         prompts_together(target)
+        packed_eager(target)
         step_costs(target, QUICK_MODES)
         head_step(target)
         waits(target)
@@ -1147,6 +1181,7 @@ def main() -> None:
         return
     if not args.only_sweep:
         batch_one_eager(target)
+        packed_eager(target)
         step_costs(target)
         batch_one(target, draft)
         waits(target)

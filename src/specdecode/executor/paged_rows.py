@@ -17,10 +17,9 @@ import triton
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
+from .cuda_graphs import MIN_KEYS
 from .paged_attention import PagedAttention, rotate_and_store
 from .qkv_epilogue import RopeStore
-
-from .cuda_graphs import MIN_KEYS
 
 
 @dataclass
