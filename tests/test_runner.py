@@ -34,6 +34,29 @@ def test_a_forward_past_the_context_is_refused(target):
         runner.forward([slot], [list(range(9))], "last")
 
 
+def test_an_eager_forward_copies_its_sequences_tokens_to_the_device_at_once(target, monkeypatch):
+    """On a GPU a copy of host values waits for the device's queued work (transfers.py): an eager forward of several
+    sequences sends their new tokens in one copy queued behind that work, not a waiting copy each, and each
+    sequence's logits are those it gets alone."""
+    inputs, copied = [[1, 2, 3], [4], [5, 6]], []
+    to_device = runner_module.to_device
+
+    def counted(values, device, *args):
+        copied.append(list(values))
+        return to_device(values, device, *args)
+
+    runner = ModelRunner(target.model, 3, 32, fixed_shapes=False)
+    monkeypatch.setattr(runner_module, "to_device", counted)
+    together = runner.forward([runner.allocate() for _ in inputs], inputs, "all")
+    assert copied == [[1, 2, 3, 4, 5, 6]]
+    monkeypatch.undo()
+    alone = []
+    for tokens in inputs:
+        runner = ModelRunner(target.model, 1, 32, fixed_shapes=False)
+        alone.append(runner.forward([runner.allocate()], [tokens], "all"))
+    torch.testing.assert_close(together, torch.cat(alone), atol=1e-5, rtol=0)
+
+
 def test_hidden_states_are_the_rows_the_logits_come_from(target):
     model = target.model
     runner = ModelRunner(model, 2, 32)

@@ -35,6 +35,7 @@ from ..models.runtime import Attention, ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from ..sampling import SamplingParams
 from ..sampling.per_row import kinds_of
+from ..transfers import to_device
 from .cpu import keep_freed_memory
 from .cuda_graphs import BucketedForward, fuse_elementwise
 from .draft_chain import DraftChain
@@ -379,7 +380,7 @@ class ModelRunner:
             batch = ForwardBatch.build(
                 slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
             )
-            rows = [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in inputs]
+            rows = self._on_device(inputs)
             if picked is not None:
                 tokens, at = picked
                 rows = [torch.cat([row[:at], mine[: len(row) - at]]) for row, mine in zip(rows, tokens)]
@@ -389,6 +390,13 @@ class ModelRunner:
         for slot, start, new in zip(slots, starts, inputs):
             self._wrote(slot, start, new)
         return out
+
+    def _on_device(self, inputs) -> list[torch.Tensor]:
+        """Each sequence's new tokens on the device: lists of ids in one copy queued behind the device's work (a copy
+        each would wait for the device once each)."""
+        if not all(isinstance(t, list | tuple) for t in inputs):
+            return [torch.as_tensor(t, dtype=torch.long, device=self.device) for t in inputs]
+        return list(to_device([i for t in inputs for i in t], self.device).split([len(t) for t in inputs]))
 
     def _wrote(self, slot: int, start: int, tokens) -> None:
         """A forward wrote these tokens' rows from `start` on (written, not committed)."""

@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
+from ..transfers import to_device
 from .layers import (
     MLP,
     Linear,
@@ -81,25 +82,25 @@ class ForwardBatch:
         batch, width = len(slots), max(num_new)
         wanted = logits if isinstance(logits, list) else [n if logits == "all" else 1 for n in num_new]
         kv_len = max(s + n for s, n in zip(starts, num_new))
-        slots_t = torch.tensor(slots, device=device)
+        slots_t = to_device(slots, device)
         contiguous = slots == list(range(slots[0], slots[0] + batch))
         slot_index = slice(slots[0], slots[0] + batch) if contiguous else slots_t
         if width <= rowwise_width:
-            positions = torch.tensor([[s + i for s, n in zip(starts, num_new) for i in range(n)]], device=device)
-            token_slots = torch.tensor([[slot for slot, n in zip(slots, num_new) for _ in range(n)]], device=device)
+            positions = to_device([[s + i for s, n in zip(starts, num_new) for i in range(n)]], device)
+            token_slots = to_device([[slot for slot, n in zip(slots, num_new) for _ in range(n)]], device)
             rowwise = [(slot, [s + i + 1 for i in range(n)]) for slot, s, n in zip(slots, starts, num_new)]
             ends = list(itertools.accumulate(num_new))
             picked = [e - i for e, w in zip(ends, wanted) for i in range(w, 0, -1)]
-            rows = None if len(picked) == ends[-1] else torch.tensor(picked, device=device)
+            rows = None if len(picked) == ends[-1] else to_device(picked, device)
             return cls(token_slots, slot_index, positions, kv_len, None, rows, rowwise)
-        start_t = torch.tensor(starts, device=device)
+        start_t = to_device(starts, device)
         positions = (start_t[:, None] + torch.arange(width, device=device)[None, :]).clamp_(max=max_len - 1)
         mask = (torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
         rows = [b * width + i for b, (n, w) in enumerate(zip(num_new, wanted)) for i in range(n - w, n)]
-        logit_rows = None if len(rows) == batch * width else torch.tensor(rows, device=device)
+        logit_rows = None if len(rows) == batch * width else to_device(rows, device)
         padded = cls(slots_t, slot_index, positions, kv_len, mask, logit_rows)
         if min(num_new) < width:
-            real = torch.tensor([b * width + i for b, n in enumerate(num_new) for i in range(n)], device=device)
+            real = to_device([b * width + i for b, n in enumerate(num_new) for i in range(n)], device)
             token_slots = slots_t[:, None].expand(batch, width).reshape(1, -1)[:, real]
             padded.real = (real, token_slots, positions.reshape(1, -1)[:, real])
         return padded
