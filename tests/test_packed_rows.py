@@ -97,7 +97,7 @@ def test_a_token_gets_the_same_bits_alone_and_as_a_captured_forwards_decode_row(
         assert torch.equal(kernel(qkv[:, i : i + 1], tables, alone, _clone(cache), attn)[0], together[i])
         decode = StaticBatch(Bucket(2, 1, 512), DEVICE)  # beside a padding sequence
         decode.fill([slot], [position], [[0]], cache.scratch_row)
-        q, k, v = (t[:, i : i + 1] for t in attn._split_heads(qkv))
+        q, k, v = (t[:, i : i + 1] for t in attn.split_heads(qkv))
         pad = [torch.cat([t, torch.zeros_like(t)]) for t in (q, k, v)]
         rows = [torch.cat([t, t]) for t in tables]
         captured = PagedAttention()(decode, _clone(cache), attn.layer, *pad, rows, attn.window, attn.scale)

@@ -2,11 +2,11 @@
 
 A packed call (a verify or decode step that no captured graph serves, every step of a mixture of experts, prompts
 of at most ROWWISE_ATTENTION_MAX_WIDTH tokens side by side) must attend each token over exactly the keys it sees, as
-decoding it alone would. PyTorch's path does that one attention call per token, about eight launches each: a verify
-of 64 sequences at k = 4 makes ~2,500 a layer. Here each token is a sequence of one row for the two kernels, two
-launches a layer, and it gets the bits a decode row of a captured forward gets (same kernels, same tiles; short of
-paged_attention.MAX_PARTIALS). Wider calls (long prompts) keep the masked SDPA path, whose flash kernel reads each
-key once for many rows where these kernels would read it once a row."""
+decoding it alone would. PyTorch's path does that with an attention call per token and a read of each sequence's
+blocks (a verify of 64 sequences x 5 rows launches 468 kernels a layer). Here each token is a sequence of one row for
+the paged kernels (three launches a layer), and it gets the bits a decode row of a captured forward gets (the same
+kernels and tiles; short of MAX_PARTIALS). Wider calls (long prompts) keep the masked SDPA path, whose flash kernel
+reads each key once for many rows where these kernels would read it once a row."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class PackedRowAttention:
         self._batch, self._rows = None, None  # of the call last seen: every layer of a forward shares them
 
     def __call__(self, qkv: torch.Tensor, rope, batch, cache: KVCache, attn) -> torch.Tensor:
-        q, k, v = (t.reshape(-1, 1, *t.shape[2:]) for t in attn._split_heads(qkv))  # [N, 1, heads, D]
+        q, k, v = (t.reshape(-1, 1, *t.shape[2:]) for t in attn.split_heads(qkv))  # [N, 1, heads, D]
         rows = self._rows_of(batch, cache)
         if id(rope[0]) not in rows.rope:
             rows.rope[id(rope[0])] = (*(t.reshape(len(rows.positions), -1) for t in rope), rope)

@@ -191,7 +191,7 @@ class Attention(nn.Module):
             out = self.rowwise_kernel(qkv, rope, batch, cache, self)
             return self.o_proj(out.view(bsz, width, -1))
         if batch.paged_attention is not None:
-            q, k, v = self._split_heads(qkv)
+            q, k, v = self.split_heads(qkv)
             paged = batch.paged_attention
             return self.o_proj(paged(batch, cache, self.layer, q, k, v, rope, self.window, self.scale, self.softcap))
         q, k, v = self._heads(qkv, rope)
@@ -205,12 +205,12 @@ class Attention(nn.Module):
 
     def _heads(self, qkv, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, heads, T, head_dim], q and k normalised (where the family does) and rotated."""
-        q, k, v = self._split_heads(qkv)
+        q, k, v = self.split_heads(qkv)
         q = self.rope_kernel(q.transpose(1, 2), *rope)
         k = self.rope_kernel(k.transpose(1, 2), *rope)
         return q, k, v.transpose(1, 2)
 
-    def _split_heads(self, qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_heads(self, qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, T, heads, head_dim] (views of the projection), q and k normalised where the family does."""
         bsz, width, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
