@@ -478,7 +478,7 @@ def forward_calls(
     the device `pads` and else of one. A padded call gathers each sequence's keys to the furthest end (`ends`:
     start + new tokens): no more in all than `most_rows` or the furthest one alone would. Where fixed-shape forwards
     serve calls (`serves(lengths, furthest end)`: a graph's replay), the short ones are packed only as far as one
-    serves them: an eager call attends them a token at a time (those no fixed shape serves share an eager call)."""
+    serves them: an eager call launches each of its kernels from Python (those no fixed shape serves share one)."""
     every, ends = list(range(len(lengths))), ends or lengths
 
     def packed(call: list[int], i: int) -> bool:
