@@ -120,6 +120,15 @@ def with_mistake(module, old: str, new: str, tmp_path, monkeypatch):
     return broken
 
 
+def cloned_cache(cache):
+    """A KV cache sharing `cache`'s block table and layout, with copies of its entries: the same step run on both
+    leaves each one's writes apart."""
+    other = type(cache).__new__(type(cache))
+    other.__dict__.update(cache.__dict__)
+    other.k, other.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    return other
+
+
 def tiny_config(
     arch: str = "qwen2",
     vocab: int = VOCAB,

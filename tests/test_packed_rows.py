@@ -5,7 +5,7 @@ runner packs with them, and an engine's greedy outputs with them. Versions with 
 
 import pytest
 import torch
-from conftest import DEVICE, tiny_model, with_mistake
+from conftest import DEVICE, cloned_cache, tiny_model, with_mistake
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
@@ -79,13 +79,6 @@ def _attention_case(seed: int = 0):
     return attn, cache, batch, qkv, rope
 
 
-def _clone(cache):
-    other = type(cache).__new__(type(cache))
-    other.__dict__.update(cache.__dict__)
-    other.k, other.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
-    return other
-
-
 def test_a_token_gets_the_same_bits_alone_and_as_a_captured_forwards_decode_row():
     attn, cache, batch, qkv, rope = _attention_case()
     kernel = PackedRowAttention(PagedAttention())
@@ -94,13 +87,13 @@ def test_a_token_gets_the_same_bits_alone_and_as_a_captured_forwards_decode_row(
     for i, (position, slot) in enumerate(zip(positions, slots)):
         alone = ForwardBatch.build([slot], [position], [1], 512, DEVICE, "all")
         tables = tuple(t[:, :, i : i + 1] for t in rope)
-        assert torch.equal(kernel(qkv[:, i : i + 1], tables, alone, _clone(cache), attn)[0], together[i])
+        assert torch.equal(kernel(qkv[:, i : i + 1], tables, alone, cloned_cache(cache), attn)[0], together[i])
         decode = StaticBatch(Bucket(2, 1, 512), DEVICE)  # beside a padding sequence
         decode.fill([slot], [position], [[0]], cache.scratch_row)
         q, k, v = (t[:, i : i + 1] for t in attn.split_heads(qkv))
         pad = [torch.cat([t, torch.zeros_like(t)]) for t in (q, k, v)]
         rows = [torch.cat([t, t]) for t in tables]
-        captured = PagedAttention()(decode, _clone(cache), attn.layer, *pad, rows, attn.window, attn.scale)
+        captured = PagedAttention()(decode, cloned_cache(cache), attn.layer, *pad, rows, attn.window, attn.scale)
         assert torch.equal(captured[0, 0], together[i])
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, tiny_config, tiny_model, with_mistake
+from conftest import DEVICE, cloned_cache, tiny_config, tiny_model, with_mistake
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
@@ -67,16 +67,9 @@ def _pytorch(batch, cache, q, k, v, rope, window, scale, softcap=None):
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
-def _clone(cache: KVCache) -> KVCache:
-    other = KVCache.__new__(KVCache)
-    other.__dict__.update(cache.__dict__)
-    other.k, other.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
-    return other
-
-
 def _both(attention, case, window=None, scale=0.3, softcap=None, their_softcap="same"):
     cache, batch, (q, k, v), rope, slots = case
-    theirs = _clone(cache)
+    theirs = cloned_cache(cache)
     got = attention(batch, cache, 0, q, k, v, rope, window, scale, softcap)
     want = _pytorch(batch, theirs, q, k, v, rope, window, scale, softcap if their_softcap == "same" else their_softcap)
     return got, want, cache, theirs, slots

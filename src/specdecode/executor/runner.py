@@ -78,10 +78,9 @@ class ModelRunner:
             model.cfg, num_slots, max_len, model.kv_dtype, model.device, num_blocks, scratch=fixed_shapes
         )
         self._fixed = BucketedForward(model, self._cache, capture=capture) if fixed_shapes else None
+        attention = gpu_attention(model) if model.device.type == "cuda" else None  # eager calls' too
         if capture:
             fuse_elementwise(model)
-        attention = gpu_attention(model) if model.device.type == "cuda" else None
-        if capture:
             self._fixed.attention = attention
         self._rounds = None if self._fixed is None else DraftChain(self._fixed, model.vocab_ids, model.cfg.vocab_size)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
