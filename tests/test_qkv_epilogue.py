@@ -10,11 +10,11 @@ import logging
 
 import pytest
 import torch
-from conftest import DEVICE, tiny_model, with_mistake
+from conftest import DEVICE, cloned_cache, tiny_model, with_mistake
 
 pytest.importorskip("triton", reason="the GPU kernels' tests need Triton (the test extras install it)")
 
-from test_paged_attention import _case, _clone, _forwards  # noqa: E402
+from test_paged_attention import _case, _forwards  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from specdecode.executor import gemv, paged_attention, qkv_epilogue  # noqa: E402
@@ -51,7 +51,7 @@ def _both(module, config, shape, rows=4, bias=True, residual=True, seed=1):
     """(the fused kernel's queries, residual stream and cache), then the separate kernels'."""
     (cache, batch, _, rope, _), (x, w, b, norm, stream) = _projection(seed, shape, rows, bias, residual)
     heads, kv_heads, dim = shape
-    theirs = _clone(cache)
+    theirs = cloned_cache(cache)
     outs = [torch.empty_like(x) if residual else None for _ in range(2)]
     store = rope_store(batch, cache, 0, rope, heads, kv_heads)
     fused = module.projected(x, w, b, config, norm, stream, outs[0], store=store)
