@@ -293,7 +293,7 @@ def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
     results = json.loads((tmp_path / "cuda-check.json").read_text())
     assert "failed" not in results, proc.stdout[-3000:] + proc.stderr[-3000:]
     sections = {"step_costs", "head_step", "measured_acceptance", "engine_trace", "concurrency", "greedy_bits"}
-    sections |= {"prompts_together", "packed_eager"}
+    sections |= {"prompts_together", "packed_eager", "experts"}
     assert sections <= set(results)
     assert [n for n in (1, 2, 4, 8, 16, 32, 64) if str(n) in results["concurrency"]] == [1, 2, 4, 8, 16, 32, 64]
     assert all(results["concurrency"]["1"][way]["decode_tok_s"] > 0 for way in ("adaptive", "imposed, head"))
@@ -302,7 +302,8 @@ def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
     assert results["measured_acceptance"]["head, adaptive"]["decode_tok_s"] > 0
     assert results["measured_acceptance"]["head, adaptive"]["phases"]["steps"] > 0  # where a step's time went
     assert all(row["together_s"] > 0 and row["one_each_s"] > 0 for row in results["prompts_together"].values())
-    assert all(row["max_logit_apart"] < 1e-4 for row in results["packed_eager"].values())
+    compared = [*results["packed_eager"].values(), *results["experts"].values()]
+    assert compared and all(row["max_logit_apart"] < 1e-4 for row in compared)
 
 
 def test_the_prepared_gpu_checks_test_files_come_to_a_verdict(tmp_path, monkeypatch):

@@ -57,6 +57,7 @@ SHAPES = {  # hidden, intermediate, layers, heads (2 KV heads each)
     "draft": (32, 64, 1, 4) if SMOKE else (896, 4864, 24, 14),
 }
 PROMPT, NEW = 200, 128
+MIXTURE_LAYERS = 2 if SMOKE else 4  # of random_mixture's: its step's time per layer, within the run's memory and time
 TIMED_ATTEMPTS = 3  # runs a timing may take to find one with no graph captured inside (generate)
 QUICK_TEST_FILES = [  # the GPU paths' own tests, run by --quick too
     "tests/test_cuda_graphs.py",
@@ -66,6 +67,7 @@ QUICK_TEST_FILES = [  # the GPU paths' own tests, run by --quick too
     "tests/test_drafts_on_device.py",
     "tests/test_paged_attention.py",
     "tests/test_packed_rows.py",
+    "tests/test_grouped_experts.py",
     "tests/test_chunked_prefill.py",
     "tests/test_prompts_together.py",
     "tests/test_runner.py",
@@ -113,6 +115,33 @@ def random_model(role: str, seed: int) -> LoadedModel:
         qkv_bias=True,
         tie_word_embeddings=True,
     )
+    return randomly_filled(cfg, role, seed)
+
+
+def random_mixture(seed: int = 2) -> LoadedModel:
+    """Qwen3-30B-A3B's layers (128 experts of 768, top 8, q/k norms), MIXTURE_LAYERS of them: its step's shapes."""
+    hidden, heads, experts, inter = (64, 4, 8, 32) if SMOKE else (2048, 32, 128, 768)
+    cfg = ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=MIXTURE_LAYERS,
+        num_heads=heads,
+        num_kv_heads=4,
+        head_dim=128 if not SMOKE else 16,
+        rope_theta=1e6,
+        max_position=32768,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        num_experts=experts,
+        experts_per_token=8 if not SMOKE else 2,
+        normalize_expert_weights=True,
+    )
+    return randomly_filled(cfg, "mixture", seed)
+
+
+def randomly_filled(cfg: ModelConfig, role: str, seed: int) -> LoadedModel:
     with torch.device("meta"):
         model = Transformer(cfg)
     model.set_rotary(None, DEVICE)
@@ -229,6 +258,23 @@ def cublas_linear(model, cublas: bool = True):
             os.environ[CHOICE] = choice
         for m, kernel in zip(layers, kernels):
             m.kernel = kernel
+
+
+@contextlib.contextmanager
+def experts_by(layers, kernels):
+    """The mixture-of-experts layers' kernels inside (None: PyTorch's path); runners made inside attach none."""
+    saved, choice = [m.kernel for m in layers], os.environ.get(runner_module.EXPERTS_CHOICE)
+    os.environ[runner_module.EXPERTS_CHOICE] = "pytorch"
+    for moe, kernel in zip(layers, kernels or [None] * len(layers)):
+        moe.kernel = kernel
+    try:
+        yield
+    finally:
+        for moe, kernel in zip(layers, saved):
+            moe.kernel = kernel
+        os.environ.pop(runner_module.EXPERTS_CHOICE)
+        if choice is not None:
+            os.environ[runner_module.EXPERTS_CHOICE] = choice
 
 
 @contextlib.contextmanager
@@ -1056,6 +1102,49 @@ def packed_eager(target, shapes=((1, 5), (64, 1), (64, 5)) if DEVICE == "cuda" e
     RESULTS["packed_eager"] = results
 
 
+@section(
+    "a mixture of experts (Qwen3-30B-A3B's layers): PyTorch's experts (rows grouped on the host, eager) against the "
+    "grouped kernels (executor/grouped_experts.py), eager and captured"
+)
+def experts(shapes=((1, 1), (8, 1), (1, 5)) if DEVICE == "cuda" else ((1, 5),)):
+    """A forward of `seqs` sequences x `rows` new rows after PROMPT cached tokens, three ways, the logits compared with
+    PyTorch's; at one sequence the fraction of the roofline (the step reads its chosen experts alone)."""
+    loaded = random_mixture()
+    model = loaded.model
+    layers = [m for m in model.modules() if hasattr(m, "experts")]
+    attached = runner_module.gpu_experts(model) if DEVICE == "cuda" else 0
+    kernels = [m.kernel for m in layers]
+    if DEVICE == "cuda" and not attached:
+        print("no kernels attached: they failed their check, or SPECDECODE_GPU_EXPERTS=pytorch")
+        return
+    if DEVICE == "cpu":  # a smoke run: the kernels in Triton's interpreter
+        from specdecode.executor.grouped_experts import GroupedExperts
+
+        kernels = [GroupedExperts(m) for m in layers]
+    expert_bytes = sum(p.numel() * p.element_size() for m in layers for p in m.experts.parameters())
+    cfg = loaded.config
+    read = model.weight_bytes() - expert_bytes * (1 - cfg.experts_per_token / cfg.num_experts)
+    print(f"{cfg.num_layers} layers, {model.weight_bytes() / 1e9:.2f} GB, {read / 1e9:.3f} GB read by a token")
+    results = {}
+    for seqs, rows in shapes:
+        timed, logits = {}, {}
+        for name, taken, fixed in (("pytorch", None, False), ("kernels", kernels, False), ("captured", kernels, True)):
+            with experts_by(layers, taken):
+                runner, step = _decode_runner(model, seqs, PROMPT, fixed=fixed and DEVICE == "cuda", rows=rows)
+                logits[name] = step().float()
+                timed[name] = median_seconds(step, 1 if DEVICE == "cpu" else 5 if taken is None else 20)
+                del runner, step
+        apart = max((logits[k] - logits["pytorch"]).abs().max().item() for k in ("kernels", "captured"))
+        point = {**{f"{k}_ms": v * 1e3 for k, v in timed.items()}, "max_logit_apart": apart}
+        said = ", ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in timed.items())
+        if (seqs, rows) == (1, 1):
+            point["captured_roofline"] = read / timed["captured"] / RESULTS["copy_bandwidth_B_s"]
+            said += f" ({point['captured_roofline']:.0%} of the roofline)"
+        results[f"{seqs}x{rows}"] = point
+        print(f"{seqs:2d} seq x {rows} rows: {said}; logits apart {apart:.2e}", flush=True)
+    RESULTS["experts"] = results
+
+
 def _again(plain: LLM, adaptive: LLM, n: int, tokens: int, name: str = "adaptive") -> dict:
     """A sweep point where an engine with the adaptive policy (`name`) fell behind, timed again that one first, each
     run's phases and host time shown."""
@@ -1170,6 +1259,7 @@ def main() -> None:
         concurrency(target, draft, args.sweep_tokens)  # the default drafter's acceptance imposed
         prompts_together(target)
         packed_eager(target)
+        experts()
         step_costs(target, QUICK_MODES)
         head_step(target)
         waits(target)
@@ -1182,6 +1272,7 @@ def main() -> None:
     if not args.only_sweep:
         batch_one_eager(target)
         packed_eager(target)
+        experts()
         step_costs(target)
         batch_one(target, draft)
         waits(target)

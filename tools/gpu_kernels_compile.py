@@ -1,14 +1,14 @@
-"""Compile the GPU's Triton kernels (executor/paged_attention.py, gemv.py, qkv_epilogue.py) for a GPU this machine
-need not have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to the machine code ptxas makes
-(Triton's wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a shape
-`tl.dot` refuses) fails here, without a lent GPU, and so does a launch needing more shared memory than the device
+"""Compile the GPU's Triton kernels (executor/paged_attention.py, gemv.py, qkv_epilogue.py, grouped_experts.py) for a
+GPU this machine need not have: Hopper (the H100 and H200, sm_90) unless --arch says otherwise, down to the machine code
+ptxas makes (Triton's wheel carries it). A mistake the interpreter lets through (a type that differs between branches, a
+shape `tl.dot` refuses) fails here, without a lent GPU, and so does a launch needing more shared memory than the device
 kind's programs may have (start-up would pass that kernel over: executor/cuda_graphs.UNFIT_KERNEL).
 
 The launches are those of representative forwards (decode, verify, a KV head's group a program, spans of several KV
-blocks, a 4,160-key context in splits, Gemma 3's head size) and the 1.5B's QKV projection at every configuration of
-the linear layers' kernel (and with the norm or SwiGLU taken in, RoPE and the cache write, float32 logits), each typed
-from its own arguments: the callers run on CPU tensors with the kernels swapped for recorders. Run it without
-TRITON_INTERPRET (the interpreter's kernels do not compile).
+blocks, a 4,160-key context in splits, Gemma 3's head size), a mixture of experts' calls and the 1.5B's QKV projection
+at every configuration of the linear layers' kernel (and with the norm or SwiGLU taken in, RoPE and the cache write,
+float32 logits), each typed from its own arguments: the callers run on CPU tensors with the kernels swapped for
+recorders. Run it without TRITON_INTERPRET (the interpreter's kernels do not compile).
 
     python tools/gpu_kernels_compile.py [--arch 90] [--dtype bfloat16]
 """
@@ -25,14 +25,16 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdecode.config import ModelConfig  # noqa: E402
-from specdecode.executor import gemv, paged_attention, qkv_epilogue  # noqa: E402
+from specdecode.executor import gemv, grouped_experts, paged_attention, qkv_epilogue  # noqa: E402
 from specdecode.executor.cuda_graphs import Bucket, StaticBatch  # noqa: E402
 from specdecode.kv_cache import KVCache  # noqa: E402
+from specdecode.models.layers import SparseMoE  # noqa: E402
 
 KERNELS = {
     paged_attention: ("_rotate_and_store", "_attend", "_combine"),
     gemv: ("_gemv", "_sum_splits"),
     qkv_epilogue: ("_projected", "_merged"),
+    grouped_experts: ("_experts_matmul", "_count_pairs", "_place_pairs", "_sum_experts"),
 }
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 # heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program, keys a program takes at a time
@@ -84,7 +86,19 @@ def launches(dtype) -> dict[str, list]:
         gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), x, torch.zeros_like(x))
         gemv.gemv(torch.zeros(gemv.MAX_ROWS, 2 * 1536, dtype=dtype), weight, bias, config, activated=True)
         gemv.gemv(x, weight, bias, config, (torch.zeros(1536, dtype=dtype), 1e-6), out_dtype=torch.float32)  # logits
+    _mixture_of_experts(dtype)
     return {name: recorder.launches for name, recorder in recorders.items()}
+
+
+def _mixture_of_experts(dtype) -> None:
+    """Qwen3-30B-A3B's experts (128, top 8; narrower layers: the shapes are not constants) at a decode, a verify of 5,
+    64 sequences and a 2,048-token prompt chunk; GeGLU too."""
+    for activation in ("silu", "gelu_tanh"):
+        cfg = ModelConfig("qwen3_moe", 1, 256, 64, 1, 2, 1, num_experts=128, experts_per_token=8, activation=activation)
+        moe = SparseMoE(cfg).to(dtype)
+        kernel = grouped_experts.GroupedExperts(moe)
+        for rows in (1, 5, 64, 2048) if activation == "silu" else (5,):
+            kernel(moe, torch.zeros(rows, 256, dtype=dtype))
 
 
 def _rope_store(dtype) -> qkv_epilogue.RopeStore:
@@ -101,7 +115,8 @@ def signature(fn, args, constants) -> ASTSource:
             return "*" + TYPES[arg.dtype]
         return "fp32" if isinstance(arg, float) else "i32"
 
-    types = {name: typed(arg) for name, arg in zip(fn.arg_names, args)}
+    constants = {**constants, **{name: None for name, arg in zip(fn.arg_names, args) if arg is None}}
+    types = {name: typed(arg) for name, arg in zip(fn.arg_names, args) if arg is not None}
     types.update(dict.fromkeys(constants, "constexpr"))
     constexprs = {(fn.arg_names.index(k),): v for k, v in constants.items()}
     return ASTSource(fn, types, constexprs, aligned(fn, args))

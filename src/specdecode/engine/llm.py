@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from ..config import PREFILL_CHUNK_TOKENS, EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError
-from ..executor.runner import ModelRunner
+from ..executor.runner import ModelRunner, gpu_experts
 from ..metrics import RequestMetrics, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
 from ..models.runtime import Transformer
@@ -148,6 +148,8 @@ class LLM:
         for loaded in (self.target, self.draft):
             if loaded is not None:
                 loaded.model.capture_graphs = not config.enforce_eager
+                if loaded.model.device.type == "cuda":
+                    gpu_experts(loaded.model)  # before the memory plan, which reserves captured forwards' outputs
         if self.draft is not None and isinstance(self.draft.model, Transformer):  # a draft head's tables are copies
             self.draft.model.fit_rope_to_context(self.max_model_len)
         self.engine = self._engine(proposers, policy)

@@ -63,12 +63,14 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, k_max: int) -> int:
     """A generous bound on transient memory: a prefill forward's MLP and projections (a long prompt is prefilled
     in chunks, the prompts admitted together in calls of as many rows: executor/runner.py), plus the float32 logits
-    of the widest verify call."""
+    of the widest verify call. A mixture of experts' row holds, on a GPU, each of its experts' gate/up and float32
+    output (executor/grouped_experts.py)."""
     from ..executor.runner import PREFILL_CHUNK
 
     size = torch.empty((), dtype=dtype).element_size()
     rows = min(max_num_seqs * max_model_len, PREFILL_CHUNK)
-    prefill = rows * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * size
+    mlp = max(3 * cfg.intermediate_size, cfg.experts_per_token * (2 * cfg.expert_size + 2 * cfg.hidden_size))
+    prefill = rows * (mlp + 6 * cfg.hidden_size) * size
     logits = max_num_seqs * (k_max + 1) * cfg.vocab_size * 4
     return prefill + logits
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..models.layers import Linear, normed_and_summed
+from ..models.layers import linear_layers, normed_and_summed
 from .cuda_graphs import UNFIT_KERNEL, in_fixed_shapes
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ def attach_gemv(model) -> dict[tuple, Timed]:
     if choice not in ("auto", "cublas", "triton"):
         raise ValueError(f"{CHOICE} is 'auto', 'cublas' or 'triton', not {choice!r}")
     timed = {}
-    for module in (m for m in model.modules() if isinstance(m, Linear)):
+    for module in linear_layers(model):
         module.kernel = None
         if choice != "cublas":
             shape = layer_shape(module)

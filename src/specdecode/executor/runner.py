@@ -30,7 +30,7 @@ import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
 from ..kv_cache import KVCache
-from ..models.layers import Linear
+from ..models.layers import SparseMoE, linear_layers
 from ..models.runtime import Attention, ForwardBatch, Transformer
 from ..prefix_index import Match, PrefixIndex
 from ..sampling import SamplingParams
@@ -70,6 +70,8 @@ class ModelRunner:
         self.model = model
         if model.device.type == "cpu":
             keep_freed_memory()
+        if model.device.type == "cuda":
+            gpu_experts(model)  # before the choice of fixed shapes: with them, its forwards never wait on the host
         fixed_shapes = fixed_shapes_by_default(model) if fixed_shapes is None else fixed_shapes
         capture = fixed_shapes and model.device.type == "cuda"
         if capture:  # timed before the KV cache takes the device's memory
@@ -115,7 +117,7 @@ class ModelRunner:
         """What the captured forwards run beside PyTorch's own operations (None where nothing is captured)."""
         if self._fixed is None or not self._fixed.capture:
             return None
-        layers = [m for m in self.model.modules() if isinstance(m, Linear)]
+        layers = linear_layers(self.model)
         attention = "PyTorch's SDPA" if self._fixed.attention is None else "the paged Triton kernels"
         kernels = [m.kernel for m in layers if m.kernel is not None]
         alone = sum(not getattr(k, "prologues", True) for k in kernels)
@@ -130,6 +132,9 @@ class ModelRunner:
             said.append(f"{alone} of them without the norm or SwiGLU before them (their check failed)")
         if rotating:
             said.append(f"RoPE and the cache write in the kernel of {rotating} of {projections} QKV projections")
+        grouped = sum(m.kernel is not None for m in self.model.modules() if isinstance(m, SparseMoE))
+        if grouped:
+            said.append(f"the experts of {grouped} mixture-of-experts layers by the grouped Triton kernels")
         return "; ".join(said)
 
     @property
@@ -519,8 +524,35 @@ def _filled(order: list[int], fits) -> list[list[int]]:
 
 def fixed_shapes_by_default(model: Transformer) -> bool:
     """Graphs on a GPU, for a model that has not been told to run eagerly and whose forward never waits on the
-    host (a mixture of experts groups its rows by expert on the host)."""
-    return model.device.type == "cuda" and getattr(model, "capture_graphs", False) and not model.cfg.num_experts
+    host."""
+    return model.device.type == "cuda" and getattr(model, "capture_graphs", False) and not waits_on_host(model)
+
+
+def waits_on_host(model) -> bool:
+    """Whether the model's forward waits on the host: a mixture of experts whose layers group their rows by expert
+    there (PyTorch's path; the GPU's kernels, executor/grouped_experts.py, group them on the device)."""
+    return any(isinstance(m, SparseMoE) and m.kernel is None for m in model.modules())
+
+
+EXPERTS_CHOICE = "SPECDECODE_GPU_EXPERTS"  # "triton" (the default) or "pytorch"
+
+
+def gpu_experts(model) -> int:
+    """A GPU model's mixture-of-experts layers by the grouped Triton kernels, unless SPECDECODE_GPU_EXPERTS=pytorch,
+    Triton is missing, or they fail their check on this device (their forwards then wait on the host and run
+    eagerly). Layers that have them keep them. Returns how many layers have them."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    choice = os.environ.get(EXPERTS_CHOICE, "triton")
+    if choice not in ("triton", "pytorch"):
+        raise ValueError(f"{EXPERTS_CHOICE} is 'triton' or 'pytorch', not {choice!r}")
+    if choice == "pytorch" or not layers or layers[0].kernel is not None:
+        return sum(m.kernel is not None for m in layers)
+    try:
+        from .grouped_experts import attach_grouped_experts
+    except ImportError as e:
+        log.warning("mixture-of-experts layers keep PyTorch's path, whose forwards wait on the host: %s", e)
+        return 0
+    return attach_grouped_experts(model)
 
 
 ATTENTION_CHOICE = "SPECDECODE_GPU_ATTENTION"  # "triton" (the default) or "sdpa"

@@ -316,3 +316,10 @@ class SparseMoE(nn.Module):
     def experts_read(self, x: torch.Tensor) -> int:
         """How many distinct experts a call over these rows reads."""
         return int(self.gate(x.reshape(-1, x.shape[-1]))[1].unique().numel())
+
+
+def linear_layers(model: nn.Module) -> list[Linear]:
+    """The model's linear layers that run as layers: not the experts of a mixture whose kernel multiplies them."""
+    moes = (m for m in model.modules() if isinstance(m, SparseMoE) and m.kernel is not None)
+    grouped = {id(m) for moe in moes for m in moe.experts.modules()}
+    return [m for m in model.modules() if isinstance(m, Linear) and id(m) not in grouped]
