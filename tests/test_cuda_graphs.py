@@ -21,6 +21,8 @@ ATOL = 1e-4 if DEVICE == "cpu" else 2e-2
 
 def test_buckets_round_sequences_rows_and_keys_up():
     assert bucket_for([1], 10, 4096) == Bucket(1, 1, 256)
+    assert bucket_for([1], 10, 4096, logits="last") == Bucket(1, 1, 256)  # a decode's one row: one bucket either way
+    assert bucket_for([20, 7], 10, 4096, logits="last") == Bucket(2, 32, 256, last_logits=True)
     assert bucket_for([5, 1, 2], 300, 4096) == Bucket(4, 8, 512)
     assert bucket_for([1] * 9, 1000, 4096) == Bucket(16, 1, 1024)
     assert bucket_for([1], 600, 640) == Bucket(1, 1, 640)  # K stops at what a block table reaches
@@ -124,6 +126,35 @@ def test_replayed_forwards_compute_the_eager_ones(captured):
     assert all(entry.graph is not None for entry in fixed._fixed._entries.values())
     for want, out in zip(expected, got):
         torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["each sequence's last row", "each sequence's first row"])
+def test_prompts_at_bucket_shapes_take_the_lm_head_at_their_last_rows_alone(captured, broken, monkeypatch):
+    """Prompts (each sequence's last row's logits asked for) run in a bucket of their own whose graph keeps one row of
+    logits a sequence, not one a row (a 1,024-row prompt bucket of the 1.5B would keep 622 MB), and every row's hidden
+    state: the logits and hidden states eager forwards give. Read at each sequence's first row (the deliberately
+    broken variant), they differ."""
+    if broken:
+        fill = cuda_graphs.StaticBatch.fill
+
+        def at_first_rows(self, slots, starts, inputs, *args, **kwargs):
+            fill(self, slots, starts, inputs, *args, **kwargs)
+            if self.logit_rows is not None:
+                self.logit_rows.copy_(torch.arange(len(self.logit_rows)) * self.bucket.rows)
+
+        monkeypatch.setattr(cuda_graphs.StaticBatch, "fill", at_first_rows)
+    model = tiny_model(seed=3).model
+    prompts = [_steps()[0], _steps()[3]]  # 20 and 7 tokens, then 3 and 6
+    expected, _ = _run(ModelRunner(model, 3, 600, fixed_shapes=False), prompts, logits="last")
+    fixed = ModelRunner(model, 3, 600, fixed_shapes=True)
+    got, _ = _run(fixed, prompts, logits="last")
+    entries = fixed._fixed._entries
+    assert {b for b in entries if b.last_logits} == {Bucket(2, 32, 256, True), Bucket(2, 8, 256, True)}
+    assert all(entry.outputs[0].shape[0] == 2 for entry in entries.values())  # a logits row a sequence
+    same = [torch.allclose(out[0], want[0], atol=ATOL, rtol=0) for want, out in zip(expected, got)]
+    assert all(same) != broken
+    for want, out in zip(expected, got):
+        torch.testing.assert_close(out[1], want[1], atol=ATOL, rtol=0)  # every row's hidden state
 
 
 @pytest.mark.parametrize("graphs_kept", [1, 2])

@@ -68,6 +68,7 @@ class Bucket:
     seqs: int  # B
     rows: int  # R new tokens per sequence
     keys: int  # K key positions each sequence attends over
+    last_logits: bool = False  # logits of each sequence's last row alone (prompts), not of every row (verifies)
 
 
 def _at_least(n: int) -> int:
@@ -94,11 +95,13 @@ def kept_output_bytes(model, max_seqs: int, max_keys: int) -> int:
     return min(rows, KEPT_OUTPUT_ROWS) * row
 
 
-def bucket_for(num_new: list[int], kv_len: int, max_keys: int) -> Bucket | None:
+def bucket_for(num_new: list[int], kv_len: int, max_keys: int, logits: str = "all") -> Bucket | None:
     """The bucket a forward of these sequences runs in, or None where it runs eagerly. max_keys: the most key
-    positions a sequence's block table reaches."""
+    positions a sequence's block table reaches. logits: "last" where the caller keeps each sequence's last row's
+    alone (a bucket of one row a sequence serves both)."""
     keys = min(max(MIN_KEYS, _at_least(kv_len)), max_keys)
-    bucket = Bucket(_at_least(len(num_new)), _at_least(max(num_new)), keys)
+    rows = _at_least(max(num_new))
+    bucket = Bucket(_at_least(len(num_new)), rows, keys, last_logits=logits == "last" and rows > 1)
     fits = (
         kv_len <= keys
         and bucket.seqs <= MAX_SEQS
@@ -127,10 +130,12 @@ class StaticBatch:
         if features is not None:
             self.features = torch.zeros(bucket.seqs, bucket.rows, features[0], dtype=features[1], device=device)
         rows = bucket.seqs * bucket.rows
-        self.ints = torch.zeros(3 * rows + bucket.seqs, dtype=torch.long, device=device)
+        self.ints = torch.zeros(3 * rows + 2 * bucket.seqs, dtype=torch.long, device=device)
         shape = (bucket.seqs, bucket.rows)
         self.tokens, self.positions, self.slots = (self.ints[i * rows : (i + 1) * rows].view(shape) for i in range(3))
-        self.slot_index = self.ints[3 * rows :]
+        self.slot_index = self.ints[3 * rows : 3 * rows + bucket.seqs]
+        if bucket.last_logits:  # each sequence's last row: the LM head reads those alone
+            self.logit_rows = self.ints[3 * rows + bucket.seqs :]
         self._per_forward: dict = {}  # see _derived
 
     def fill(
@@ -156,7 +161,8 @@ class StaticBatch:
             positions[at : at + len(new)] = range(start, start + len(new))
             row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
-        copy_into(self.ints, tokens + positions + row_slots + seq_slots)
+        lasts = [i * r + len(new) - 1 for i, new in enumerate(inputs)] + [i * r for i in range(len(inputs), b)]
+        copy_into(self.ints, tokens + positions + row_slots + seq_slots + lasts)
         if picked is not None:
             width = min(picked.shape[1], r - picked_at)
             self.tokens[: len(picked), picked_at : picked_at + width].copy_(picked[:, :width])
@@ -279,7 +285,7 @@ class BucketedForward:
         per sequence, a feature row per new token, where the model reads them; picked, picked_at: see
         StaticBatch.fill."""
         num_new = [len(t) for t in inputs]
-        bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys)
+        bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys, logits)
         if bucket is None or bucket in self._refused:
             return None
         entry = self._entries.pop(bucket, None) or self._prepare(bucket)
@@ -292,7 +298,7 @@ class BucketedForward:
             every_logit, every_hidden = entry.outputs
         else:
             every_logit, every_hidden = self.run(entry.batch)
-        return _selected(every_logit, every_hidden, bucket.rows, num_new, logits, hidden)
+        return _selected(every_logit, every_hidden, bucket, num_new, logits, hidden)
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The model's RoPE tables of these positions [B, T], as its fixed-shape forwards make them."""
@@ -359,17 +365,19 @@ def _bytes(outputs) -> int:
 def _selected(
     every_logit: torch.Tensor,
     every_hidden: torch.Tensor,
-    rows: int,
+    bucket: Bucket,
     num_new: list[int],
     logits: str,
     hidden: bool | str,
 ):
     """The rows the caller asked for, as Transformer.forward returns them (copies: a graph's outputs are
-    overwritten by its next replay)."""
+    overwritten by its next replay). every_logit holds every row's, or in a last_logits bucket each sequence's last
+    row's; every_hidden every row's."""
+    rows = bucket.rows
     last = [i * rows + n - 1 for i, n in enumerate(num_new)]
     every = [i * rows + j for i, n in enumerate(num_new) for j in range(n)]
     picked = to_device(last if logits == "last" else every, every_logit.device)
-    out = every_logit.index_select(0, picked)
+    out = every_logit[: len(num_new)].clone() if bucket.last_logits else every_logit.index_select(0, picked)
     if not hidden:
         return out
     return out, every_hidden.index_select(0, to_device(every, picked.device) if hidden == "all" else picked)

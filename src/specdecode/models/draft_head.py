@@ -195,11 +195,14 @@ class DraftHead(nn.Module):
         with return_hidden the estimate: the features read plus the layer's correction (its output and residual
         stream). Consecutive hidden states share their large, slowly changing components, which a freshly initialised
         layer would otherwise need many steps to produce. The last add is the final norm's (one call with the LM head
-        where its kernel takes the norm in)."""
+        where its kernel takes the norm in). return_hidden="all": every row's estimate, whatever `rows` are."""
         hidden = features.shape[-1]
         x, residual = (features + out).reshape(-1, hidden), residual.reshape(-1, hidden)
+        every_row = x + residual if return_hidden == "all" and rows is not None else None
         logits, predicted = final_logits(self.norm, self.lm_head, x, residual, rows, self.final_softcap)
-        return (logits, predicted) if return_hidden else logits
+        if not return_hidden:
+            return logits
+        return logits, predicted if every_row is None else every_row
 
     def owned_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in self.OWNED}
