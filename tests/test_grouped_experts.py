@@ -198,3 +198,50 @@ def test_greedy_speculation_through_the_kernels_in_fixed_shapes_reproduces_plain
     (speculated, accepted), (plain, _) = generated(True, 3), generated(True, 0)
     assert speculated == plain == generated(False, 0)[0]
     assert accepted > 8
+
+
+def test_the_plans_activation_reserve_holds_what_the_kernels_make_for_a_prompt_chunk(monkeypatch):
+    """Every tensor a call of the kernels makes (its pairs' gate/up and float32 outputs, the router's logits and the
+    places), scaled to a 2,048-row prompt chunk, within the plan's activation reserve: with 8 narrow experts a row
+    (more than a dense MLP's intermediate), a reserve by the dense MLP alone would fall short."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specdecode.engine.memory import activation_reserve
+    from specdecode.executor.runner import PREFILL_CHUNK
+
+    made, launching = [], [False]
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not launching[0]:  # the interpreter's copies of a launch's arguments are not the GPU's
+                outs = out if isinstance(out, tuple) else (out,)
+                made.extend(t.nbytes for t in outs if isinstance(t, torch.Tensor))
+            return out
+
+    class Launch:
+        def __init__(self, jit):
+            self.jit = jit
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launching[0] = True
+                try:
+                    return self.jit[grid](*args, **kwargs)
+                finally:
+                    launching[0] = False
+
+            return run
+
+    for name in ("_experts_matmul", "_count_pairs", "_place_pairs", "_sum_experts"):
+        monkeypatch.setattr(grouped_experts, name, Launch(getattr(grouped_experts, name)))
+
+    moe, model = _moe(num_experts=16, experts_per_token=8, expert_intermediate_size=32)
+    rows = 64
+    with Made():
+        moe(_rows(rows))
+    per_row = sum(made) / rows
+    cfg = model.cfg
+    assert per_row * PREFILL_CHUNK <= activation_reserve(cfg, torch.float32, PREFILL_CHUNK, 1, 0)
+    dense_mlp = (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * 4
+    assert per_row > dense_mlp

@@ -1,8 +1,9 @@
 """A mixture of experts' MLP on a GPU with no wait on the host, so that its forwards can be captured as CUDA graphs.
 
-PyTorch's path (models/layers.SparseMoE) groups a call's rows by expert on the host: a `.tolist()` a layer, each a
-wait for the device, and a forward that no graph can hold. Here, as in vLLM's fused_moe, everything stays on the
-device and its shapes depend on the call's rows alone:
+PyTorch's path (models/layers.SparseMoE) groups a call's rows by expert on the host: each expert's rows found by
+`nonzero`, a decoded token's experts read one by one, each a wait for the device (8 to 128 a layer), and a forward no
+graph can hold. Here, as in vLLM's fused_moe, everything stays on the device and its shapes depend on the call's rows
+alone:
 - the router's logits by the experts' kernel (one "expert" of every row), softmax and top-k by PyTorch, each row's
   experts sorted ascending;
 - `_count_pairs` and `_place_pairs` (a program an expert) give each (row, expert) pair a place in its expert's group,
