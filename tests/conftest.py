@@ -249,6 +249,22 @@ def run_as_one_batch(engine, prompt_ids: list[list[int]], params) -> tuple[list[
     return [s.output_ids for s in seqs], step_ks, lookup_drafts
 
 
+def priced_without_timing(policy, monkeypatch, batches: int) -> None:
+    """The adaptive policy's costs fixed for up to `batches` sequences (a verified row nearly free, as the CPU's kernels
+    make it; a draft model a fraction of a step) and its steps left untimed: what it chooses then depends on acceptance
+    alone, not on how busy the machine is (beside other tests, measured costs kept drafts within k, or none at all)."""
+    for batch in range(1, batches + 1):
+        for tokens in range(batch, 20 * batch + 1):
+            policy.costs.target.record(batch, tokens, 0.05 + 0.0005 * (tokens - batch))
+        policy.costs.draft.record(batch, 0.03)
+    observe = policy.observe_step
+
+    def untimed(ks, target_seconds, draft_seconds, *args, **kwargs):
+        observe(ks, target_seconds, None, *args, **{**kwargs, "untimed": True})
+
+    monkeypatch.setattr(policy, "observe_step", untimed)
+
+
 @pytest.fixture(scope="session")
 def target() -> LoadedModel:
     return tiny_model(seed=0)

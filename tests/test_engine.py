@@ -3,7 +3,7 @@ token (self-draft: everything accepted; random draft: almost nothing accepted; n
 conditions inside an accepted chunk, batching, and the documented errors for bad input."""
 
 import pytest
-from conftest import make_head, run_as_one_batch, tiny_model
+from conftest import make_head, priced_without_timing, run_as_one_batch, tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.models.loader import LoadedModel
@@ -239,12 +239,13 @@ def test_requests_arriving_during_a_prefill_decode_with_it_from_the_first_step(t
     assert (first.batch_size, second.batch_size) == ((1, 4) if broken else (0, 4))
 
 
-def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft):
+def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft, monkeypatch):
     """Adaptive policy, a useless draft model and prompt lookup beside it, three requests in one batch:
     lookup drafts (one-hot q, no draft forward) are verified like any other, per sequence and step, and
     the packed ragged verify keeps the output equal to plain decoding token for token."""
     plain_ids = _plain_ids(target)
     llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup="ngram")
+    priced_without_timing(llm.engine.policy, monkeypatch, len(PROMPTS))
     outputs, step_ks, lookup_drafts = run_as_one_batch(
         llm.engine, [target.tokenizer.encode(p) for p in PROMPTS], GREEDY
     )
@@ -254,11 +255,12 @@ def test_adaptive_with_prompt_lookup_matches_plain_batched(target, random_draft)
     assert llm.engine.policy.estimator.lookup_acceptance.counts  # lookup outcomes were learned
 
 
-def test_adaptive_without_rollback_breaks_equality(target, random_draft):
+def test_adaptive_without_rollback_breaks_equality(target, random_draft, monkeypatch):
     """The check above can fail: if the KV pointer kept rejected drafts (no rollback), later tokens
     attend to them and the output drifts from plain decoding."""
     plain_ids = _plain_ids(target)
     llm = _llm(target, draft=random_draft, k=4, speculation_policy="adaptive", prompt_lookup="ngram")
+    priced_without_timing(llm.engine.policy, monkeypatch, len(PROMPTS))
     runner = llm.engine.runner
     original_commit = runner.commit
 

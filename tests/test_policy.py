@@ -4,7 +4,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import run_as_one_batch
+from conftest import priced_without_timing, run_as_one_batch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.config import AdaptiveOptions
@@ -635,7 +635,7 @@ def test_useless_draft_turns_speculation_off_and_stays_lossless(target, random_d
     assert out[0].spec["num_draft_forwards"] < 120  # k = 0 steps ran no draft forward
 
 
-def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target):
+def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target, monkeypatch):
     """n-gram lookup on a repetitive prompt next to one where lookup fails: the adaptive policy drafts for
     one and not the other within the same step, and the batched output equals each request run alone."""
     prompts = ["abcabcabcabcabcabcabc", "the quick brown fox", "hello world, hello world, hello"]
@@ -649,6 +649,7 @@ def test_adaptive_batch_drafts_per_sequence_and_matches_solo_greedy(target):
         speculation_policy="adaptive",
         max_model_len=256,
     )
+    priced_without_timing(llm.engine.policy, monkeypatch, len(prompts))
     outputs, step_ks, _ = run_as_one_batch(llm.engine, [target.tokenizer.encode(p) for p in prompts], params)
     assert outputs == alone
     assert any(len(set(ks)) > 1 for ks in step_ks)  # ragged: different k within one step

@@ -8,7 +8,7 @@ import random
 import tracemalloc
 
 import pytest
-from conftest import run_as_one_batch, tiny_model
+from conftest import priced_without_timing, run_as_one_batch, tiny_model
 from stats import PASS_P, SEED, chi2_pvalue, exact_joint, sampled_joint
 from suffix_reference import FullTrie
 
@@ -479,22 +479,6 @@ def test_a_resumed_sequence_admitted_and_then_turned_back_keeps_nothing_in_the_c
     assert _cached_outputs(engine) == [seq.output_ids]
 
 
-def _priced_without_timing(policy, monkeypatch) -> None:
-    """The adaptive policy's costs fixed (a verified row nearly free, as the CPU's kernels make it; the draft model a
-    fraction of a step) and its steps left untimed: what it chooses then depends on acceptance alone, not on how busy
-    the machine is (beside other tests, measured rows priced suffix drafts within k)."""
-    for batch in range(1, len(PROMPTS) + 1):
-        for tokens in range(batch, 20 * batch + 1):
-            policy.costs.target.record(batch, tokens, 0.05 + 0.0005 * (tokens - batch))
-        policy.costs.draft.record(batch, 0.03)
-    observe = policy.observe_step
-
-    def untimed(ks, target_seconds, draft_seconds, *args, **kwargs):
-        observe(ks, target_seconds, None, *args, **{**kwargs, "untimed": True})
-
-    monkeypatch.setattr(policy, "observe_step", untimed)
-
-
 def test_suffix_beside_a_draft_model_matches_plain_decoding_in_one_batch(
     target, random_draft, plain_outputs, monkeypatch
 ):
@@ -506,7 +490,7 @@ def test_suffix_beside_a_draft_model_matches_plain_decoding_in_one_batch(
         speculation_policy="adaptive",
         prompt_lookup="suffix",
     )
-    _priced_without_timing(llm.engine.policy, monkeypatch)
+    priced_without_timing(llm.engine.policy, monkeypatch, len(PROMPTS))
     llm.generate(PROMPTS, GREEDY)
     outputs, step_ks, lookup_drafts = run_as_one_batch(llm.engine, PROMPTS, GREEDY)
     assert outputs == plain_outputs
