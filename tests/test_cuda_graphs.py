@@ -352,9 +352,32 @@ def test_the_prepared_gpu_checks_test_files_come_to_a_verdict(tmp_path, monkeypa
     (tmp_path / "test_fails.py").write_text("def test_fails():\n    assert 1 + 1 == 3\n")
     cuda_check.tests([str(tmp_path / "test_passes.py")], deadline=time.perf_counter() + 120)
     assert cuda_check.RESULTS["tests"]["rc"] == 0 and "failed" not in cuda_check.RESULTS
-    cuda_check.tests([str(tmp_path / "test_fails.py")], deadline=time.perf_counter() + 120)
+    assert cuda_check.RESULTS["tests"]["outcomes"] == {"PASSED": 1}
+    both = [str(tmp_path / "test_fails.py"), str(tmp_path / "test_passes.py")]
+    cuda_check.tests(both, deadline=time.perf_counter() + 120)
     assert cuda_check.RESULTS["tests"]["rc"] == 1
+    assert cuda_check.RESULTS["tests"]["outcomes"] == {"PASSED": 1, "FAILED": 1}
+    assert [test.rsplit("/", 1)[-1] for test in cuda_check.RESULTS["tests"]["failed"]] == ["test_fails.py::test_fails"]
     assert cuda_check.RESULTS["failed"] == ["the CUDA test files, graphs on"]
+
+
+def test_the_prepared_gpu_checks_test_files_say_what_passed_before_their_time_ran_out(tmp_path, monkeypatch):
+    """A run cut short by the check's deadline (the H100's said only "timed out") still counts the tests that ended:
+    one passed, one failed, the one still running not at all."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import cuda_check
+
+    monkeypatch.setattr(cuda_check, "RESULTS", {})
+    monkeypatch.delenv("CHECK_OUT", raising=False)
+    monkeypatch.setenv("TEST_WORKERS", "1")
+    monkeypatch.setenv("TEST_SECONDS", "10")
+    tests = ["def test_a():\n    pass", "def test_b():\n    assert False", "def test_c():\n    time.sleep(60)"]
+    (tmp_path / "test_slow.py").write_text("import time\n" + "\n".join(tests) + "\n")
+    cuda_check.tests([str(tmp_path / "test_slow.py")])
+    assert cuda_check.RESULTS["tests"]["rc"] == "timed out"
+    assert cuda_check.RESULTS["tests"]["outcomes"] == {"PASSED": 1, "FAILED": 1}
 
 
 def test_the_prepared_gpu_check_times_again_a_run_that_captured_a_graph(monkeypatch):

@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1197,7 +1198,7 @@ def tests(files=TEST_FILES, deadline: float | None = None):
         sys.executable,
         "-m",
         "pytest",
-        "-q",
+        "-v",  # a line a test as it ends: a run cut short still says which passed and which failed
         "-p",
         "no:cacheprovider",
         "-m",
@@ -1216,10 +1217,31 @@ def tests(files=TEST_FILES, deadline: float | None = None):
     except subprocess.TimeoutExpired:  # what ran is still worth reading
         os.killpg(proc.pid, signal.SIGKILL)
         (out, err), rc = proc.communicate(), "timed out"
-    print(f"{seconds} s given; {rc=}", out[-4000:], err[-2000:], sep="\n")
-    RESULTS["tests"] = {"rc": rc, "seconds": seconds, "tail": out[-600:]}
+    counts, failed = test_outcomes(out)
+    said = ", ".join(f"{n} {outcome.lower()}" for outcome, n in sorted(counts.items())) or "no test ended"
+    kept = "\n".join(line for line in out.splitlines() if not OUTCOME.search(line) or "FAILED" in line)
+    print(f"{seconds} s given; {rc=}; {said}", *failed, kept[-4000:], err[-2000:], sep="\n")
+    RESULTS["tests"] = {"rc": rc, "seconds": seconds, "outcomes": counts, "failed": failed, "tail": kept[-600:]}
     if rc != 0:
-        raise RuntimeError(f"the test files did not pass ({rc})")
+        raise RuntimeError(f"the test files did not pass ({rc}; {said})")
+
+
+OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+TEST_ID = re.compile(r"(\S+\.py::\S+)")
+
+
+def test_outcomes(verbose: str) -> tuple[dict[str, int], list[str]]:
+    """Each outcome's count in pytest -v's lines (a test's, with or without xdist's worker prefix; the summary names a
+    failed test again), and the tests that failed or errored: what a run cut short had settled."""
+    ended = {}
+    for line in verbose.splitlines():
+        outcome, test = OUTCOME.search(line), TEST_ID.search(line)
+        if outcome and test:
+            ended[test[1]] = outcome[1]
+    counts = {}
+    for outcome in ended.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return counts, [test for test, outcome in ended.items() if outcome in ("FAILED", "ERROR")]
 
 
 def compiler_counts() -> None:
