@@ -132,13 +132,15 @@ def test_tiles_that_follow_the_row_count_are_caught(tmp_path, monkeypatch):
     [
         ("rows = tl.where(real, pairs // PER_ROW, 0)", "rows = tl.where(real, pairs % PER_ROW, 0)"),
         ("acc += weight * tl.load(", "acc += tl.load("),
-        ("return weights.gather(1, order), chosen", "return weights, chosen"),
+        ("    if NORMALIZE:\n", "    if not NORMALIZE:\n"),
+        ('logits = tl.where((ids < NUM_EXPERTS)[None, :], logits, float("-inf"))', "logits = logits"),
         ("a = _activated(gate, up, ACT)", "a = _activated(up, gate, ACT)"),
     ],
     ids=[
         "a pair's row by remainder",
         "experts summed unweighted",
-        "weights left in top-k order",
+        "weights rescaled where they should not be, and not where they should",
+        "the padding past the last expert routed to",
         "gate and up swapped",
     ],
 )

@@ -34,7 +34,7 @@ KERNELS = {
     paged_attention: ("_rotate_and_store", "_attend", "_combine"),
     gemv: ("_gemv", "_sum_splits"),
     qkv_epilogue: ("_projected", "_merged"),
-    grouped_experts: ("_experts_matmul", "_count_pairs", "_place_pairs", "_sum_experts"),
+    grouped_experts: ("_routed", "_experts_matmul", "_count_pairs", "_place_pairs", "_sum_experts"),
 }
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 # heads, KV heads, head size, sequences, rows each, cached tokens, query heads a program, keys a program takes at a time

@@ -4,8 +4,8 @@ PyTorch's path (models/layers.SparseMoE) groups a call's rows by expert on the h
 `nonzero`, a decoded token's experts read one by one, each a wait for the device (8 to 128 a layer), and a forward no
 graph can hold. Here, as in vLLM's fused_moe, everything stays on the device and its shapes depend on the call's rows
 alone:
-- the router's logits by the experts' kernel (one "expert" of every row), softmax and top-k by PyTorch, each row's
-  experts sorted ascending;
+- `_routed` routes a tile of rows as Router does (logits, softmax, top-k, rescaled where the family does), each row's
+  experts in ascending order;
 - `_count_pairs` and `_place_pairs` (a program an expert) give each (row, expert) pair a place in its expert's group,
   the groups padded to BLOCK_M places, and each block of BLOCK_M places its expert (NUM_EXPERTS past the last group:
   such programs return at once);
@@ -46,26 +46,20 @@ def _activated(gate, up, ACT: tl.constexpr):
     return 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))) * up  # 1 + tanh(inner)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _experts_matmul(
-    x, w, y, pair_at, block_expert, M, N, K,  # x [rows, K] ([pairs, 2K] gate, up: ACT), w [experts, N, K], y [pairs, N]
-    PER_ROW: tl.constexpr, ACT: tl.constexpr, DIRECT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    x, w, y, pair_at, block_expert, N, K,  # x [rows, K] ([pairs, 2K] gate, up: ACT), w [experts, N, K], y [pairs, N]
+    PER_ROW: tl.constexpr, ACT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program (i, j): the pairs at places BLOCK_M i.. times columns BLOCK_N j.. of their expert's weight. A pair's
-    input is row pair // PER_ROW of x. DIRECT: the places are x's M rows themselves, all of one expert (the router)."""
+    input is row pair // PER_ROW of x."""
     i, j = tl.program_id(0), tl.program_id(1)
-    if DIRECT:
-        pairs = i * BLOCK_M + tl.arange(0, BLOCK_M)
-        real = pairs < M
-        expert = 0
-        weight = w
-    else:
+    expert = tl.load(block_expert + i)
+    if expert < NUM_EXPERTS:
         pairs = tl.load(pair_at + i * BLOCK_M + tl.arange(0, BLOCK_M))
         real = pairs >= 0
-        expert = tl.load(block_expert + i)
         weight = w + expert.to(tl.int64) * N * K
-    if expert < NUM_EXPERTS:
         rows = tl.where(real, pairs // PER_ROW, 0).to(tl.int64)
         cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -83,6 +77,42 @@ def _experts_matmul(
             acc += tl.dot(a, ws, input_precision="ieee")
         out = real[:, None] & (cols < N)[None, :]
         tl.store(y + pairs.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _routed(
+    x, router, chosen, weights, M, K,  # x [M, K], router [NUM_EXPERTS, K]; chosen, weights [M, TOP_K]
+    NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program i: rows BLOCK_M i.. routed as Router does (softmax over every expert's logit in float32, the top
+    TOP_K kept, rescaled to sum to one where NORMALIZE), each row's experts written in ascending order beside their
+    weights. EXPERTS: a power of two covering NUM_EXPERTS."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.arange(0, EXPERTS)
+    logits = tl.zeros([BLOCK_M, EXPERTS], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        inside = (rows < M)[:, None] & (ks < K)[None, :]
+        a = tl.load(x + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=inside, other=0.0)
+        held = (ids < NUM_EXPERTS)[None, :] & (ks < K)[:, None]
+        w = tl.load(router + ids[None, :] * K + ks[:, None], mask=held, other=0.0)
+        logits += tl.dot(a, w, input_precision="ieee")
+    logits = tl.where((ids < NUM_EXPERTS)[None, :], logits, float("-inf"))
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    left, kept = probs, tl.zeros([BLOCK_M, EXPERTS], dtype=tl.int32)
+    for _ in tl.static_range(TOP_K):  # the most likely expert left, the lowest id on a tie
+        best = tl.argmax(left, axis=1)
+        kept = tl.where(ids[None, :] == best[:, None], 1, kept)
+        left = tl.where(ids[None, :] == best[:, None], -1.0, left)
+    weight = tl.where(kept > 0, probs, 0.0)
+    if NORMALIZE:
+        weight = weight / tl.sum(weight, axis=1)[:, None]
+    at = rows.to(tl.int64)[:, None] * TOP_K + tl.cumsum(kept, axis=1) - 1  # ascending ids: a kept expert's rank
+    out = (kept > 0) & (rows < M)[:, None]
+    tl.store(chosen + at, tl.broadcast_to(ids[None, :], [BLOCK_M, EXPERTS]), mask=out)
+    tl.store(weights + at, weight, mask=out)
 
 
 @triton.jit
@@ -189,24 +219,21 @@ class GroupedExperts:
 
     def routed(self, moe: SparseMoE, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts in ascending order [N, k] and their weights (Router's definitions, float32)."""
-        rows = flat.shape[0]
-        router = self.router
-        logits = torch.empty(rows, router.shape[0], dtype=torch.float32, device=flat.device)
-        _experts_matmul[(triton.cdiv(rows, BLOCK_M), triton.cdiv(router.shape[0], BLOCK_N))](
-            flat, router, logits, None, None, rows, router.shape[0], router.shape[1], PER_ROW=1, ACT=0, DIRECT=True,
-            NUM_EXPERTS=1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        rows, (experts, width), top = flat.shape[0], self.router.shape, moe.gate.top_k
+        chosen = torch.empty(rows, top, dtype=torch.int32, device=flat.device)
+        weights = torch.empty(rows, top, dtype=torch.float32, device=flat.device)
+        _routed[(triton.cdiv(rows, BLOCK_M),)](
+            flat, self.router, chosen, weights, rows, width, NUM_EXPERTS=experts,
+            EXPERTS=max(16, triton.next_power_of_2(experts)), TOP_K=top, NORMALIZE=moe.gate.normalize,
+            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
         )  # fmt: skip
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), moe.gate.top_k, dim=-1)
-        if moe.gate.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        chosen, order = chosen.sort(dim=-1)
-        return weights.gather(1, order), chosen
+        return weights, chosen
 
     @staticmethod
     def _matmul(x, w, y, pair_at, block_expert, per_row: int, act: int) -> None:
         experts, n, k = w.shape
         _experts_matmul[(block_expert.numel(), triton.cdiv(n, BLOCK_N))](
-            x, w, y, pair_at, block_expert, 0, n, k, PER_ROW=per_row, ACT=act, DIRECT=False, NUM_EXPERTS=experts,
+            x, w, y, pair_at, block_expert, n, k, PER_ROW=per_row, ACT=act, NUM_EXPERTS=experts,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )  # fmt: skip
 
