@@ -337,6 +337,18 @@ def step_costs(target, modes=ALL_MODES):
     RESULTS["step_costs"] = rows
 
 
+@section("the 0.5B draft's forward (a drafting round), its norms and SwiGLU apart from the linear kernel and taken in")
+def draft_step_costs(draft):
+    """Whether taking the norms and SwiGLU into the linear layers' kernel pays for a narrower model: the 1.5B's step
+    was slower with them in (each program sums its rows' squares over K first), the 0.5B's K is 896 of 1,536."""
+    rows = {}
+    for mode in ("+gemv", "+gemv/prologues"):
+        with _fusions(mode), cublas_linear(draft.model, False):
+            for seqs in (1, 8) if DEVICE == "cuda" else (1,):
+                rows.update(_step_cost(draft.model, mode, seqs, 1, PROMPT))
+    RESULTS["draft_step_costs"] = rows
+
+
 def _fusions(mode: str):
     """What a mode fuses otherwise: "graphs" leaves the elementwise steps unfused, "/prologues" takes the norms and
     SwiGLU into the linear layers' kernel."""
@@ -1283,6 +1295,7 @@ def main() -> None:
         packed_eager(target)
         experts()
         step_costs(target, QUICK_MODES)
+        draft_step_costs(draft)
         head_step(target)
         waits(target)
         engine_trace(target)
