@@ -181,6 +181,7 @@ def test_attaching_checks_the_kernels_on_the_models_own_experts(monkeypatch):
 def test_greedy_speculation_through_the_kernels_in_fixed_shapes_reproduces_plain_decoding(monkeypatch):
     """A mixture of experts' target in fixed-shape forwards with the kernels (what a GPU captures), drafts from a copy
     of its weights on PyTorch's path (accepted where the two agree): plain decoding's tokens, and PyTorch's path's."""
+    monkeypatch.setenv(runner_module.EXPERTS_CHOICE, "pytorch")  # on a GPU: the kernels where this test puts them
     moe = dict(arch="mixtral", num_experts=4, experts_per_token=2)
     target, draft = tiny_model(seed=0, **moe), tiny_model(seed=0, **moe)
     prompts = [[5, 6, 7, 8, 9, 10], [20, 21, 22]]

@@ -138,10 +138,12 @@ def test_a_gpus_runners_attend_packed_eager_calls_with_the_kernels_up_to_the_ver
     runner_module._checked_kernels.cache_clear()
 
 
-def test_greedy_speculation_with_the_kernels_reproduces_plain_decoding():
-    """A mixture of experts' engine on a GPU attends every step's packed rows with the kernels: drafts verified by
-    them (a draft of the target's weights, attended by PyTorch's row-by-row path: accepted where the kernels agree)
-    give plain decoding's tokens, and those of PyTorch's path."""
+def test_greedy_speculation_with_the_kernels_reproduces_plain_decoding(monkeypatch):
+    """A mixture of experts' engine on a GPU whose experts keep PyTorch's path (every forward eager) attends every
+    step's packed rows with the kernels: drafts verified by them (a draft of the target's weights, attended by
+    PyTorch's row-by-row path: accepted where the kernels agree) give plain decoding's tokens, and those of PyTorch's
+    path."""
+    monkeypatch.setenv(runner_module.EXPERTS_CHOICE, "pytorch")
     moe = dict(arch="mixtral", num_experts=4, experts_per_token=2)
     target, draft = tiny_model(seed=0, **moe), tiny_model(seed=0, **moe)
     prompts = [[5, 6, 7, 8, 9, 10], [20, 21, 22]]
