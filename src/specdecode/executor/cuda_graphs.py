@@ -130,11 +130,12 @@ class StaticBatch:
         if features is not None:
             self.features = torch.zeros(bucket.seqs, bucket.rows, features[0], dtype=features[1], device=device)
         rows = bucket.seqs * bucket.rows
-        self.ints = torch.zeros(3 * rows + 2 * bucket.seqs, dtype=torch.long, device=device)
+        lasts = bucket.seqs if bucket.last_logits else 0  # each sequence's last row: the LM head reads those alone
+        self.ints = torch.zeros(3 * rows + bucket.seqs + lasts, dtype=torch.long, device=device)
         shape = (bucket.seqs, bucket.rows)
         self.tokens, self.positions, self.slots = (self.ints[i * rows : (i + 1) * rows].view(shape) for i in range(3))
         self.slot_index = self.ints[3 * rows : 3 * rows + bucket.seqs]
-        if bucket.last_logits:  # each sequence's last row: the LM head reads those alone
+        if lasts:
             self.logit_rows = self.ints[3 * rows + bucket.seqs :]
         self._per_forward: dict = {}  # see _derived
 
@@ -161,7 +162,9 @@ class StaticBatch:
             positions[at : at + len(new)] = range(start, start + len(new))
             row_slots[at : at + len(new)] = [slot] * len(new)
         seq_slots = list(slots) + [scratch_row] * (b - len(slots))
-        lasts = [i * r + len(new) - 1 for i, new in enumerate(inputs)] + [i * r for i in range(len(inputs), b)]
+        lasts = []
+        if self.logit_rows is not None:
+            lasts = [i * r + len(new) - 1 for i, new in enumerate(inputs)] + [i * r for i in range(len(inputs), b)]
         copy_into(self.ints, tokens + positions + row_slots + seq_slots + lasts)
         if picked is not None:
             width = min(picked.shape[1], r - picked_at)
