@@ -238,44 +238,39 @@ def unfused():
         runner_module.fuse_elementwise = saved
 
 
-@contextlib.contextmanager
 def cublas_linear(model, cublas: bool = True):
     """The model's linear layers by cuBLAS inside (their kernels chosen at start-up set aside, executor/gemv.py): a
     runner made inside attaches none either (it attaches the timed ones unless told cuBLAS)."""
     from specdecode.executor.gemv import CHOICE
 
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    kernels, choice = [m.kernel for m in layers], os.environ.get(CHOICE)
-    try:
-        if cublas:
-            os.environ[CHOICE] = "cublas"
-            for m in layers:
-                m.kernel = None
-        yield
-    finally:
-        if choice is None:
-            os.environ.pop(CHOICE, None)
-        else:
-            os.environ[CHOICE] = choice
-        for m, kernel in zip(layers, kernels):
-            m.kernel = kernel
+    return kernels_inside(layers, [None] * len(layers), (CHOICE, "cublas")) if cublas else kernels_inside(layers)
 
 
 @contextlib.contextmanager
-def experts_by(layers, kernels):
-    """The mixture-of-experts layers' kernels inside (None: PyTorch's path); runners made inside attach none."""
-    saved, choice = [m.kernel for m in layers], os.environ.get(runner_module.EXPERTS_CHOICE)
-    os.environ[runner_module.EXPERTS_CHOICE] = "pytorch"
-    for moe, kernel in zip(layers, kernels or [None] * len(layers)):
-        moe.kernel = kernel
+def kernels_inside(modules, kernels=None, choice: tuple[str, str] | None = None):
+    """Inside: these modules' kernels (one each; None: as they are) and, where given, an environment choice (name,
+    value) that keeps runners made inside from attaching their own; after: both as they were."""
+    saved, (name, value) = [m.kernel for m in modules], choice or (None, None)
+    before = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = value
+    for m, kernel in zip(modules, kernels if kernels is not None else saved):
+        m.kernel = kernel
     try:
         yield
     finally:
-        for moe, kernel in zip(layers, saved):
-            moe.kernel = kernel
-        os.environ.pop(runner_module.EXPERTS_CHOICE)
-        if choice is not None:
-            os.environ[runner_module.EXPERTS_CHOICE] = choice
+        if name and before is None:
+            os.environ.pop(name, None)
+        elif name:
+            os.environ[name] = before
+        for m, kernel in zip(modules, saved):
+            m.kernel = kernel
+
+
+def experts_by(layers, kernels):
+    """The mixture-of-experts layers' kernels inside (None: PyTorch's path); runners made inside attach none."""
+    return kernels_inside(layers, kernels or [None] * len(layers), (runner_module.EXPERTS_CHOICE, "pytorch"))
 
 
 @contextlib.contextmanager
