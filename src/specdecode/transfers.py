@@ -33,7 +33,29 @@ def read_at_once(tensors: list[torch.Tensor]) -> list[list[float]]:
     """Each tensor's values, flattened, as floats, in one copy to the host (one wait for the device where a copy
     per tensor would wait once each). Integers read exactly below 2**53 (token ids, counts)."""
     flat = [t.reshape(-1).double() for t in tensors]
-    values = torch.cat(flat).tolist() if flat else []
+    return _split(torch.cat(flat).tolist() if flat else [], flat)
+
+
+def read_later(tensors: list[torch.Tensor]):
+    """read_at_once's copy queued now, and a function that waits for it and gives the values: on a GPU, waiting for
+    this copy alone, not for work queued after it (work that reads these values on the device goes on meanwhile)."""
+    flat = [t.reshape(-1).double() for t in tensors]
+    joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+    if joined.device.type != "cuda":
+        return lambda: _split(joined.tolist(), flat)
+    host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+    host.copy_(joined, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[list[float]]:
+        done.synchronize()
+        return _split(host.tolist(), flat)
+
+    return read
+
+
+def _split(values: list[float], flat: list[torch.Tensor]) -> list[list[float]]:
     out, taken = [], 0
     for t in flat:
         out.append(values[taken : taken + t.numel()])

@@ -3,13 +3,16 @@ picks there (and their logprobs, where asked), and their copy to the host, which
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from ..proposers.base import QueuedDrafts
 from ..sampling import probs_of_rows, sample_rows
 from ..sampling.logprobs import TokenLogprob, logprob_table, logprobs_of_table, top_width
+from ..timing import Mark
 from ..transfers import to_device
 from .sequence import Sequence
 
@@ -49,6 +52,20 @@ class StepAhead:
         row_of = {id(s): i for i, s in enumerate(self.seqs)}
         rows = [row_of.get(id(s)) for s in seqs]
         return [r if r is not None and self.stood[r] == standing(s) else None for s, r in zip(seqs, rows)]
+
+
+class DraftsAhead(NamedTuple):
+    """The next step's drafting, queued behind a verify (engine/overlap.py): the sequences, each as it stood
+    (`standing`), the drafter's queued drafts (None where it queued none), the verify's read queued before them, and
+    where an imposed acceptance keeps drafts, how many it kept of each sequence's; `verified`: a mark when the
+    verify's work was queued, before the drafting (the step's own work ends there)."""
+
+    seqs: list[Sequence]
+    stood: list[tuple[int, int, int]]
+    queued: QueuedDrafts | None
+    read: Callable[[], list[list[float]]]
+    kept: list[int] | None
+    verified: Mark
 
 
 class Picked(NamedTuple):

@@ -185,13 +185,14 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
             return self._plain_step(seqs, out, step_start, captured)
         self._drop_ahead()  # a step queued as plain and not taken: its rows are written anew
         self._plain_run = 0
-        drafts, draft_seconds = self._propose(seqs, decision, previews)
+        drafts, draft_seconds = self._queued_drafts(seqs, decision) or self._propose(seqs, decision, previews)
         verify_start = mark()
         starts = [seq.num_tokens - 1 for seq in seqs]
         # a call that also prefilled a chunk is not a decode forward's time (prefills are counted apart)
         with self.timer.measure("target") if chunk is None else contextlib.nullcontext():
             logits, hidden, chunk_out = self._verify_forward(seqs, drafts, chunk)
-        results, widths = self._verified(seqs, drafts, logits)  # the step's one wait for the device
+        ahead = self._queue_drafts(seqs, drafts, decision, logits, hidden) if chunk is None else None
+        results, widths = self._verified(seqs, drafts, logits, ahead)  # the step's one wait for the device
         out.draft_lengths = drafts.num_tokens
         out.lookup_drafts = sum(1 for k, lookup in zip(drafts.num_tokens, decision.by_lookup) if k and lookup)
         row = 0
@@ -213,7 +214,8 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
                 self.policy.observe_acceptance(seq.request_id, n_draft, accepted, decision.ks[i])
             self._emit(seq, emitted, logprobs)
         # the policy weighs whole phases: verification's sampling and bookkeeping grow with the drafts too
-        end, one_off = mark(), self._graphs_captured() != captured  # a capture's time is not the step's cost
+        end = ahead.verified if ahead is not None else mark()  # the device's work for this step (not the next's drafts)
+        one_off = self._graphs_captured() != captured  # a capture's time is not the step's cost
         self.policy.observe_step(
             [w - 1 for w in widths],  # the rows verified: drafts past a confidence stop too, where they were verified
             seconds_between(verify_start, end),

@@ -121,14 +121,18 @@ class DraftChain:
         features: torch.Tensor | None,
         rounds: list[int],
         sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+        offsets: torch.Tensor | None = None,
     ):
         """Each sequence's draft picked from `logits` (its row of the round before) and its drafts of the rounds after
         it, their probabilities, [n, max(rounds) + 1] on the device (sequence i's first rounds[i] + 1 are its own),
         and where the chain samples their distributions [n, max(rounds) + 1, V]: the chain's buffers, which its next
         run overwrites. features: each sequence's features estimated in the round before (a draft head's);
-        sampling: each sequence's settings and its uniforms for these drafts."""
+        sampling: each sequence's settings and its uniforms for these drafts; offsets: [n] on the device, added to
+        each sequence's start there."""
         n, batch = len(slots), chain.batch
         batch.fill(slots, starts, [[0]] * n, self.forward.cache.scratch_row)
+        if offsets is not None:
+            batch.positions[:n, 0] += offsets
         chain.first[:n] = logits
         if features is not None:
             batch.features[:n, 0] = features

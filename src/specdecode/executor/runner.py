@@ -307,13 +307,15 @@ class ModelRunner:
         picked: torch.Tensor,
         widths: list[int] | None = None,
         first: list[int] | None = None,
+        features: list[torch.Tensor] | None = None,
         **outputs,
     ):
         """Each slot's new tokens read where the device holds them, so that this forward is queued before they reach
         the host: `picked` [n, w], slot i's tokens the first widths[i] (default 1) of its row (tokens a step picked,
         drafts a drafter left there), or with `first` (a token per slot, from the host) its widths[i] - 1 after that
         one. Their rows are written; the runner learns the picked ids from `settle` before they are committed.
-        outputs: `logits` and `hidden` as for forward (default: the logits of each last row)."""
+        outputs: `logits` and `hidden` as for forward (default: the logits of each last row); `features` as for
+        forward."""
         widths = widths or [1] * len(slots)
         known = [[] for _ in slots] if first is None else [[token] for token in first]
         at = len(known[0])
@@ -321,7 +323,7 @@ class ModelRunner:
             raise ValueError(f"picked tokens: {max(widths) - at} a sequence, of {picked.shape[1]} given")
         inputs = [ids + [_UNSETTLED] * (w - at) for ids, w in zip(known, widths)]
         logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
-        return self._forward_call(slots, inputs, logits, hidden, None, picked=(picked, at))
+        return self._forward_call(slots, inputs, logits, hidden, features, picked=(picked, at))
 
     def settle(self, slot: int, position: int, tokens: list[int]) -> None:
         """The token ids a forward_picked (or chained drafting) wrote from `position` of the slot, now on the host."""
@@ -415,6 +417,7 @@ class ModelRunner:
         features: torch.Tensor | None,
         rounds: list[int],
         sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+        after: tuple[list[int], torch.Tensor, int] | None = None,
     ):
         """Drafting after a round whose `logits` (a row per slot) the caller has: each slot's draft from them and
         rounds[i] more, each round reading the draft before it (and, for a draft head, the features it estimated:
@@ -424,19 +427,21 @@ class ModelRunner:
         and where sampled each draft's distribution [n, max(rounds) + 1, V] (else None): nothing waits for them, and
         the next chained drafting overwrites them. The rounds' rows are written, not committed, their ids settled once
         read (`settle`). None where the rounds do not chain (no fixed shapes, no bucket): the caller drafts round by
-        round."""
-        starts = [self._cache.lengths[s] for s in slots]
-        if self._rounds is None or any(s + r > self.max_len for s, r in zip(starts, rounds)):
+        round. after: (starts, offsets, reach), rounds that start where the device says, at starts[i] + offsets[i]
+        (offsets [n] on the device, each at most `reach`), in place of each slot's committed length: drafting queued
+        before the host knows how many drafts the verify before it kept."""
+        starts, offsets, reach = after or ([self._cache.lengths[s] for s in slots], None, 0)
+        if self._rounds is None or any(s + reach + r > self.max_len for s, r in zip(starts, rounds)):
             return None
         kinds = None if sampling is None else kinds_of(sampling[0], self.cfg.vocab_size)
-        chain = self._rounds.prepare(starts, rounds, kinds)
+        chain = self._rounds.prepare([s + reach for s in starts], rounds, kinds)
         if chain is None:
             return None
         for slot, start, r in zip(slots, starts, rounds):
-            self._cache.reserve(slot, start + r)
-        drafts = self._rounds.run(chain, slots, starts, logits, features, rounds, sampling)
+            self._cache.reserve(slot, start + reach + r)
+        drafts = self._rounds.run(chain, slots, starts, logits, features, rounds, sampling, offsets)
         for slot, start, r in zip(slots, starts, rounds):
-            self._wrote(slot, start, [_UNSETTLED] * r)  # its r chained rounds read its drafts before the last
+            self._wrote(slot, start, [_UNSETTLED] * (reach + r))  # its r chained rounds read its drafts before the last
         return drafts
 
     @property

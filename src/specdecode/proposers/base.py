@@ -92,6 +92,23 @@ class DraftBatch:
 
 
 @dataclass
+class QueuedDrafts:
+    """Drafting for the next step queued on the device behind a verify, before the host read it
+    (Proposer.queue_drafts): for sequence i, from `starts[i]` (its last token's position), ks[i] drafts, left on the
+    device as a chain leaves them (`tokens`, `probs`: [n, max(ks)]); drafted on `accepted`, the drafts of that verify
+    each sequence kept as the device counted them ([n]: verify/on_device.py), which the host checks once it has
+    verified them itself (`kept`: its counts)."""
+
+    starts: list[int]
+    ks: list[int]
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    accepted: torch.Tensor
+    round_spans: list[tuple[Span, int]]
+    kept: list[int] | None = None
+
+
+@dataclass
 class TargetFeedback:
     """What the target produced for one sequence in the step before: the tokens it emitted (accepted
     drafts, then the recovered or bonus token; after prefill, the first token) and, for proposers that
@@ -127,6 +144,7 @@ class Proposer:
     max_draft: int | None = None  # a previewing proposer's own cap on a draft's length (None: the engine's k)
     cache_bytes = 0  # memory held across requests (suffix speculation's cache of earlier outputs)
     host_bytes_per_token = 0  # host memory held for each token of a running sequence (an index of its text)
+    confidence_threshold = 0.0  # a drafter's confidence stop: it stands by its drafts up to the first under this
 
     def graphs_captured(self) -> int:
         """How many graphs its model's forwards have captured so far."""
@@ -156,6 +174,18 @@ class Proposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int], feedback: list[TargetFeedback | None]) -> DraftBatch:
         """Up to ks[i] tokens for seqs[i]; feedback[i] is what the target emitted for it last step."""
+        raise NotImplementedError
+
+    def queue_drafts(self, seqs: list[Sequence], ks: list[int], verified, hidden: torch.Tensor) -> QueuedDrafts | None:
+        """Drafts for the step after a verify that is queued and not read yet, queued on the device behind it: for
+        sequence i, ks[i] drafts after the tokens `verified` (verify/on_device.VerifiedOnDevice) says that verify
+        chose, reading its `hidden` states where a proposer reads them. None where this proposer does not queue."""
+        return None
+
+    def take_queued(self, queued: QueuedDrafts, seqs: list[Sequence], ks: list[int]) -> DraftBatch:
+        """The first ks[i] (<= queued.ks[i]) of the queued drafts of each of these sequences (those queued for), now
+        that the host knows what the verify kept (queued.kept) and has given it to them: the proposer's state as if
+        it had drafted them now."""
         raise NotImplementedError
 
     def preview(self, seqs: list[Sequence], k: int) -> list[Preview]:

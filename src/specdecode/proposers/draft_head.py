@@ -21,7 +21,9 @@ import torch
 from ..errors import SpecDecodeError
 from ..models.draft_head import DraftHead, build_head, read_head
 from ..models.loader import LoadedModel
-from ..timing import StepTimer
+from ..timing import Span, StepTimer, mark
+from ..transfers import to_device
+from .base import DraftBatch, DraftsOnDevice, QueuedDrafts
 from .draft_model import DraftModelProposer
 from .registry import ProposerSetup
 
@@ -173,6 +175,51 @@ class DraftHeadProposer(DraftModelProposer):
         return logits
 
     chains_rounds = True  # a round is one decoder layer and a 16k-token LM head: cheaper than a round trip to the host
+
+    def queue_drafts(self, seqs, ks, verified, hidden):
+        """Each sequence's rows of the verify read at once, its kept drafts and the bonus token beside the target's
+        features (rows past the kept ones write positions the next rounds write again before any row attends them),
+        its first draft from its row `accepted`, then its rounds chained from there (executor/draft_chain.py)."""
+        slots = [self._slots.get(s.request_id) for s in seqs]
+        starts = [s.num_tokens - 1 for s in seqs]
+        if None in slots or any(self.runner.length(slot) != start for slot, start in zip(slots, starts)):
+            return None  # features left unread from before: the next step reads them first
+        n, width = len(seqs), verified.width
+        with self.timer.measure("draft") as first:
+            logits, estimates = self.runner.forward_picked(
+                slots, verified.tokens, [width] * n, features=list(hidden[verified.rows]), logits="all", hidden=True
+            )
+        at = torch.arange(n, device=logits.device) * width + verified.accepted
+        rounds, start = [k - 1 for k in ks], mark()
+        after = ([s + 1 for s in starts], verified.accepted, width - 1)
+        drafts = self.runner.chained_rounds(slots, logits[at], estimates[at], rounds, after=after)
+        if drafts is None:
+            return None
+        chain = Span(start, mark())
+        self.timer.record("draft", chain, calls=max(rounds))
+        return QueuedDrafts(starts, list(ks), *drafts[:2], verified.accepted, [(first, 1), (chain, max(rounds))])
+
+    def take_queued(self, queued, seqs, ks):
+        for seq, start, kept, k in zip(seqs, queued.starts, queued.kept, queued.ks):
+            slot, end = self._slots[seq.request_id], start + kept + 1
+            unread = self._features.pop(seq.request_id)
+            if unread.rows != kept + 1:
+                raise RuntimeError(f"draft head: {unread.rows} feature rows from position {start}, {kept + 1} read")
+            self.runner.settle(slot, start, seq.token_ids[start + 1 : end + 1])  # row p pairs with token p + 1
+            self.runner.commit(slot, end)
+            self._real_rows[seq.request_id] = end
+            seq.metrics.spec.num_draft_forwards += k
+
+        def settle(tokens, probs):
+            return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
+
+        rows = [i for i, k in enumerate(ks) if k]
+        tokens, probs = queued.tokens, queued.probs
+        if len(rows) < len(seqs):  # those the policy has draft nothing now
+            at = to_device(rows, tokens.device)
+            tokens, probs = tokens[at], probs[at]
+        on_device = DraftsOnDevice(rows, [ks[i] for i in rows], tokens, probs, settle)
+        return DraftBatch([[] for _ in seqs], [None] * len(seqs), queued.round_spans, on_device)
 
     def _chain_read(self, slots, starts, inputs) -> None:
         """Nothing to settle: the rows the chained rounds wrote were built on estimates, rolled back after drafting."""
