@@ -49,7 +49,7 @@ CUDA_TESTS := tests/test_engine.py tests/test_runtime.py tests/test_rejection_sa
 	tests/test_policy.py tests/test_server.py tests/test_memory.py tests/test_server_sampling.py \
 	tests/test_server_faults.py tests/test_draft_finetune.py tests/test_runner.py tests/test_cuda_graphs.py \
 	tests/test_paged_attention.py tests/test_gemv.py tests/test_qkv_epilogue.py tests/test_prompts_together.py \
-	tests/test_packed_rows.py tests/test_grouped_experts.py
+	tests/test_packed_rows.py tests/test_grouped_experts.py tests/test_drafts_queued_ahead.py
 test-cuda:
 	SPECDECODE_TEST_DEVICE=cuda $(PY) -m pytest -q -m "not real_model and not ray" $(CUDA_TESTS)
 

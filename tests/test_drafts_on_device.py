@@ -146,10 +146,10 @@ _verify_rows = overlap.verify_argmax_rows
 
 
 def _drafts_not_fed(fill):
-    def fill_without_drafts(self, slots, starts, inputs, scratch_row, features=None, picked=None, picked_at=0):
+    def fill_without_drafts(self, slots, starts, inputs, scratch_row, features=None, picked=None, picked_at=0, *rest):
         if picked is not None and picked_at:  # a verify's: every draft read as token 0
             picked = torch.zeros_like(picked)
-        return fill(self, slots, starts, inputs, scratch_row, features, picked, picked_at)
+        return fill(self, slots, starts, inputs, scratch_row, features, picked, picked_at, *rest)
 
     return fill_without_drafts
 

@@ -96,10 +96,17 @@ def test_imposed_counts_are_taken_as_given():
 
 
 # ---- the engine: queued drafting against drafting after the read -------------------------------------------------
-def _engine(target, tmp_path, threshold: float = 0.0):
-    head = make_head(target, tmp_path / "head")
+def _engine(target, tmp_path, threshold: float = 0.0, drafter: str = "head"):
     options = dict(num_speculative_tokens=K, max_model_len=256, progress=False, speculation_policy="fixed")
-    return LLM(target=target, speculative_model=head, draft_confidence=threshold, **options).engine
+    if drafter == "head":
+        options.update(speculative_model=make_head(target, tmp_path / "head"))
+    else:  # a draft close to the target (its weights perturbed): it drafts what the target takes, often
+        draft = tiny_model(seed=0)
+        with torch.no_grad():
+            for p in draft.model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
+        options.update(draft=draft)
+    return LLM(target=target, draft_confidence=threshold, **options).engine
 
 
 def _run(engine, queued: bool, forced=False, arrive_at: int | None = None, confidence: list | None = None):
@@ -157,24 +164,29 @@ FORCED = {
 
 
 @pytest.mark.parametrize(
-    "forced, broken",
+    "drafter, forced, broken",
     [
-        ("greedy", None),
-        ("every draft kept", None),
-        ("imposed", None),
-        ("imposed", "started where nothing was kept"),
-        ("imposed", "the target's picks read for the kept drafts"),
+        ("head", "greedy", None),
+        ("head", "every draft kept", None),
+        ("head", "imposed", None),
+        ("head", "imposed", "started where nothing was kept"),
+        ("head", "imposed", "the target's picks read for the kept drafts"),
+        ("draft model", "greedy", None),
+        ("draft model", "every draft kept", None),
+        ("draft model", "imposed", None),
+        ("draft model", "imposed", "started where nothing was kept"),
+        ("draft model", "imposed", "the target's picks read for the kept drafts"),
     ],
 )
-def test_queued_drafting_drafts_what_drafting_after_the_read_does(forced, broken, tmp_path, monkeypatch):
+def test_queued_drafting_drafts_what_drafting_after_the_read_does(drafter, forced, broken, tmp_path, monkeypatch):
     target, first, then = tiny_model(seed=0), [], []
-    engine = _engine(target, tmp_path)
+    engine = _engine(target, tmp_path, drafter=drafter)
     after_the_read = _run(engine, queued=False, forced=FORCED[forced](), arrive_at=3, confidence=first)
     if broken == "started where nothing was kept":
         monkeypatch.setattr(draft_chain.DraftChain, "run", _started_where_nothing_was_kept(draft_chain.DraftChain.run))
     elif broken:
         monkeypatch.setattr(overlap, "verified_on_device", _picks_read_for_kept_drafts(verified_on_device))
-    engine = _engine(target, tmp_path)
+    engine = _engine(target, tmp_path, drafter=drafter)
     queued = _run(engine, queued=True, forced=FORCED[forced](), arrive_at=3, confidence=then)
     assert engine.queued_drafts_taken >= 5
     alike = queued == after_the_read and len(then) == len(first) and torch.allclose(_t(then), _t(first), atol=1e-5)
@@ -185,12 +197,13 @@ def test_queued_drafting_drafts_what_drafting_after_the_read_does(forced, broken
         assert queued[0] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
 
 
-def test_drafting_queued_on_a_count_the_host_does_not_confirm_goes_unused(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_drafting_queued_on_a_count_the_host_does_not_confirm_goes_unused(drafter, tmp_path, monkeypatch, caplog):
     """The device's count off by one where it can be: the host's verification disagrees, drops the queued drafting
     and the next step drafts after the read; the tokens and acceptance are those of drafting after the read."""
     target = tiny_model(seed=0)
     forced = FORCED["imposed"]
-    after_the_read = _run(_engine(target, tmp_path), queued=False, forced=forced())
+    after_the_read = _run(_engine(target, tmp_path, drafter=drafter), queued=False, forced=forced())
 
     def miscounted(argmax, drafts, probs, widths, threshold=0.0, kept=None):
         out = verified_on_device(argmax, drafts, probs, widths, threshold, kept)
@@ -198,9 +211,9 @@ def test_drafting_queued_on_a_count_the_host_does_not_confirm_goes_unused(tmp_pa
         return out
 
     monkeypatch.setattr(overlap, "verified_on_device", miscounted)
-    engine = _engine(target, tmp_path)
+    engine = _engine(target, tmp_path, drafter=drafter)
     assert _run(engine, queued=True, forced=forced()) == after_the_read
-    assert engine.queued_drafts_taken == 0 and "drafting queued ahead is dropped" in caplog.text
+    assert engine.queued_drafts_taken == 0 and "queued drafting dropped" in caplog.text
 
 
 def test_queued_drafting_under_a_confidence_stop_gives_the_target_own_tokens(tmp_path):
@@ -256,13 +269,14 @@ def _choosing(engine, ks_of_step):
     return steps
 
 
-def test_a_step_drafting_fewer_than_were_queued_takes_the_first_of_them(tmp_path):
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_a_step_drafting_fewer_than_were_queued_takes_the_first_of_them(drafter, tmp_path):
     """The policy's k changing from step to step (some sequences drafting nothing): a step takes the first of the
     drafts queued for it, as many as the policy chose or were queued, and a run drafting after the read given those
     very counts drafts the same, as the imposed acceptance keeps them. Broken (by hand): a step taking every draft
     queued drafts more than the policy chose."""
     target, rng, executed = tiny_model(seed=0), random.Random(0), []
-    engine = _engine(target, tmp_path)
+    engine = _engine(target, tmp_path, drafter=drafter)
     chosen = _choosing(engine, lambda step, n: [rng.choice((0, 1, 2, K, K)) for _ in range(n)])
     record = engine.step
 
@@ -277,6 +291,6 @@ def test_a_step_drafting_fewer_than_were_queued_takes_the_first_of_them(tmp_path
     decoding = [ks for ks in executed if ks]  # the steps that decoded (not a prompt's alone)
     pairs = [(mine, wanted) for ks, want in zip(decoding, chosen) for mine, wanted in zip(ks, want)]
     assert all(mine <= wanted for mine, wanted in pairs) and any(mine < wanted for mine, wanted in pairs)
-    engine = _engine(target, tmp_path)
+    engine = _engine(target, tmp_path, drafter=drafter)
     _choosing(engine, lambda step, n: decoding[step])
     assert _run(engine, queued=False, forced=FORCED["imposed"]()) == queued  # the kept drafts are in the tokens

@@ -72,7 +72,7 @@ class QueuingAhead:
         before these tokens are read. Its time: from the step's start, or for a forward queued ahead from the read
         before it (reads a forward apart: the time a token takes while the host keeps up, and while it does not)."""
         self._plain_run += 1
-        self._drafts_ahead = None
+        self._drop_drafts_ahead()
         got = self._picked(seqs, step_start.host)
         seqs, contexts = got.seqs, [s.num_tokens - 1 for s in got.seqs]
         for seq in seqs:  # the row of each input token is final: the next forward continues after it
@@ -194,7 +194,7 @@ class QueuingAhead:
         (verify/on_device.py): the host's work on this step's tokens then runs while the device drafts for the
         next step, not between the read and the next drafting. Drafts the next step does not take (the policy chose
         otherwise; a sequence finished, or was preempted) go unused. None where nothing was queued."""
-        if not self._drafts_may_queue(seqs, drafts, hidden):
+        if not self._drafts_may_queue(seqs, drafts):
             return None
         verified_at, pending, widths = mark(), drafts.on_device, _widths(drafts)
         kept = [forced_kept(self.forced_accept, c) for c in pending.counts] if self.forced_accept else None
@@ -205,11 +205,10 @@ class QueuingAhead:
         queued = self.proposer.queue_drafts(seqs, decision.ks, verified, hidden)
         return DraftsAhead(seqs, [standing(s) for s in seqs], queued, read, kept, verified_at)
 
-    def _drafts_may_queue(self, seqs: list[Sequence], drafts: DraftBatch, hidden) -> bool:
+    def _drafts_may_queue(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         k = self.k
         return (
             self.overlap_drafting
-            and hidden is not None
             and self._verifies_on_device(seqs, drafts)
             and len(drafts.on_device.rows) == len(seqs)
             and all(reads_raw_argmax(s) for s in seqs)
@@ -223,24 +222,31 @@ class QueuingAhead:
     def _keep_queued(self, ahead: DraftsAhead, kept: list[int], counted: list[int]) -> None:
         """The queued drafting kept for the next step where the device counted the kept drafts as the host did."""
         if kept != counted:
-            log.warning(
-                "drafting queued ahead is dropped: the device counted %s drafts kept, the host %s", counted, kept
-            )
+            log.warning("queued drafting dropped: the device counted %s drafts kept, the host %s", counted, kept)
+            self.proposer.drop_queued(ahead.queued, ahead.seqs)
             return
         ahead.queued.kept = kept
         self._drafts_ahead = ahead
+
+    def _drop_drafts_ahead(self) -> None:
+        """Drafting queued ahead and not taken: the drafter's state as if it had not been queued."""
+        ahead, self._drafts_ahead = self._drafts_ahead, None
+        if ahead is not None:
+            self.proposer.drop_queued(ahead.queued, ahead.seqs)
 
     def _queued_drafts(self, seqs: list[Sequence], decision: DraftDecision):
         """The drafts queued for this step and a function giving a drafting round's seconds, where they were queued
         for these sequences as they stand now and the policy has the drafter draft for them: each sequence's first
         as many as the policy chose (at most as many as were queued); else None."""
-        ahead, self._drafts_ahead = self._drafts_ahead, None
-        if ahead is None or [id(s) for s in ahead.seqs] != [id(s) for s in seqs]:
+        ahead = self._drafts_ahead
+        if ahead is None:
             return None
         queued = ahead.queued
         moved = [standing(s, -kept - 1) for s, kept in zip(seqs, queued.kept)]
-        if moved != ahead.stood or any(decision.by_lookup) or not any(decision.ks):
-            return None
+        same = [id(s) for s in ahead.seqs] == [id(s) for s in seqs] and moved == ahead.stood
+        if not same or any(decision.by_lookup) or not any(decision.ks):
+            return self._drop_drafts_ahead()
+        self._drafts_ahead = None
         drafts = self.proposer.take_queued(queued, seqs, [min(k, q) for k, q in zip(decision.ks, queued.ks)])
         self.queued_drafts_taken += 1
         rounds = drafts.round_seconds  # read once the step's results are: on a GPU reading them waits for them

@@ -148,12 +148,13 @@ class StaticBatch:
         features=None,
         picked: torch.Tensor | None = None,
         picked_at: int = 0,
+        offsets: torch.Tensor | None = None,
     ) -> None:
         """These sequences' new tokens (and feature rows); every other row is padding (token 0 at position 0 of the
         scratch slot; its features whatever a forward left there). picked: [n, w] on the device, sequence i's new tokens
         from the picked_at-th on its row's first ones, in place of the inputs' (tokens a step picked, drafts a drafter
         left there, copied on the device: the host never waits for them; columns past a sequence's width land in
-        padding rows)."""
+        padding rows). offsets: [n] on the device, added there to each sequence's positions."""
         b, r = self.bucket.seqs, self.bucket.rows
         tokens, positions, row_slots = [0] * (b * r), [0] * (b * r), [scratch_row] * (b * r)
         for i, (slot, start, new) in enumerate(zip(slots, starts, inputs)):
@@ -171,6 +172,8 @@ class StaticBatch:
             self.tokens[: len(picked), picked_at : picked_at + width].copy_(picked[:, :width])
         for i, rows in enumerate(features or ()):
             self.features[i, : len(rows)].copy_(rows)
+        if offsets is not None:
+            self.positions[: len(offsets)] += offsets[:, None]
         self.forget()
 
     def forget(self) -> None:
@@ -283,19 +286,21 @@ class BucketedForward:
         features=None,
         picked: torch.Tensor | None = None,
         picked_at: int = 0,
+        offsets: torch.Tensor | None = None,
+        reach: int = 0,
     ):
         """The forward's output as Transformer.forward gives it, or None where this forward runs eagerly. features:
-        per sequence, a feature row per new token, where the model reads them; picked, picked_at: see
-        StaticBatch.fill."""
+        per sequence, a feature row per new token, where the model reads them; picked, picked_at, offsets: see
+        StaticBatch.fill (offsets each at most `reach`)."""
         num_new = [len(t) for t in inputs]
-        bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)), self.max_keys, logits)
+        bucket = bucket_for(num_new, max(s + n for s, n in zip(starts, num_new)) + reach, self.max_keys, logits)
         if bucket is None or bucket in self._refused:
             return None
         entry = self._entries.pop(bucket, None) or self._prepare(bucket)
         if entry is None:
             return None
         self._entries[bucket] = entry  # the most recently used
-        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features, picked, picked_at)
+        entry.batch.fill(slots, starts, inputs, self.cache.scratch_row, features, picked, picked_at, offsets)
         if entry.graph is not None:
             entry.graph.replay()
             every_logit, every_hidden = entry.outputs

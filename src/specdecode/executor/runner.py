@@ -325,6 +325,25 @@ class ModelRunner:
         logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
         return self._forward_call(slots, inputs, logits, hidden, features, picked=(picked, at))
 
+    def forward_after(self, slots, starts, picked: torch.Tensor, offsets: torch.Tensor, reach: int, **outputs):
+        """A forward queued before the host knows where it starts: slot i's picked.shape[1] tokens (on the device)
+        from starts[i] + offsets[i] on (offsets [n] on the device, each at most `reach`), at fixed shapes; None where
+        none serves (an eager forward's rows are placed by the host). Its rows are written and not committed: the
+        caller says which ids they hold once it knows where they are (`wrote_again`). outputs as forward_picked's."""
+        width = picked.shape[1]
+        if self._fixed is None or any(s + reach + width > self.max_len for s in starts):
+            return None
+        for slot, start in zip(slots, starts):
+            self._cache.reserve(slot, start + reach + width)
+        inputs = [[_UNSETTLED] * width for _ in slots]
+        logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
+        return self._fixed(slots, starts, inputs, logits, hidden, None, picked, 0, offsets, reach)
+
+    def wrote_again(self, slot: int, start: int, tokens: list[int], end: int) -> None:
+        """The slot's rows from `start` hold these ids (written again, whatever the runner held for them), and those
+        after them up to `end` are written, their ids to be settled."""
+        self._wrote(slot, start, list(tokens) + [_UNSETTLED] * (end - start - len(tokens)))
+
     def settle(self, slot: int, position: int, tokens: list[int]) -> None:
         """The token ids a forward_picked (or chained drafting) wrote from `position` of the slot, now on the host."""
         held = self._tokens[slot][position : position + len(tokens)]

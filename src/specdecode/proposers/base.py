@@ -188,6 +188,10 @@ class Proposer:
         it had drafted them now."""
         raise NotImplementedError
 
+    def drop_queued(self, queued: QueuedDrafts, seqs: list[Sequence]) -> None:
+        """The queued drafts go unused (the next step drafts otherwise): the proposer's state as if they had never
+        been queued, for those of these sequences it still serves."""
+
     def preview(self, seqs: list[Sequence], k: int) -> list[Preview]:
         raise NotImplementedError(f"{type(self).__name__} does not preview drafts")
 

@@ -22,9 +22,8 @@ from ..errors import SpecDecodeError
 from ..models.draft_head import DraftHead, build_head, read_head
 from ..models.loader import LoadedModel
 from ..timing import Span, StepTimer, mark
-from ..transfers import to_device
-from .base import DraftBatch, DraftsOnDevice, QueuedDrafts
-from .draft_model import DraftModelProposer
+from .base import QueuedDrafts
+from .draft_model import DraftModelProposer, _taken
 from .registry import ProposerSetup
 
 BUNDLED_HEADS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "heads")
@@ -182,7 +181,7 @@ class DraftHeadProposer(DraftModelProposer):
         its first draft from its row `accepted`, then its rounds chained from there (executor/draft_chain.py)."""
         slots = [self._slots.get(s.request_id) for s in seqs]
         starts = [s.num_tokens - 1 for s in seqs]
-        if None in slots or any(self.runner.length(slot) != start for slot, start in zip(slots, starts)):
+        if hidden is None or None in slots or any(self.runner.length(s) != start for s, start in zip(slots, starts)):
             return None  # features left unread from before: the next step reads them first
         n, width = len(seqs), verified.width
         with self.timer.measure("draft") as first:
@@ -213,13 +212,7 @@ class DraftHeadProposer(DraftModelProposer):
         def settle(tokens, probs):
             return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
 
-        rows = [i for i, k in enumerate(ks) if k]
-        tokens, probs = queued.tokens, queued.probs
-        if len(rows) < len(seqs):  # those the policy has draft nothing now
-            at = to_device(rows, tokens.device)
-            tokens, probs = tokens[at], probs[at]
-        on_device = DraftsOnDevice(rows, [ks[i] for i in rows], tokens, probs, settle)
-        return DraftBatch([[] for _ in seqs], [None] * len(seqs), queued.round_spans, on_device)
+        return _taken(queued, ks, settle)
 
     def _chain_read(self, slots, starts, inputs) -> None:
         """Nothing to settle: the rows the chained rounds wrote were built on estimates, rolled back after drafting."""

@@ -15,7 +15,7 @@ from ..sampling.grammar import mask_grammars
 from ..sampling.processors import History, process_rows
 from ..timing import Span, StepTimer, mark
 from ..transfers import to_device
-from .base import DraftBatch, DraftsOnDevice, Proposer
+from .base import DraftBatch, DraftsOnDevice, Proposer, QueuedDrafts
 from .registry import ProposerSetup
 from .vocabulary import check_same_vocabulary, restrict_draft_vocab
 
@@ -35,6 +35,7 @@ class DraftModelProposer(Proposer):
         self._found: dict[str, int] = {}  # request id without a slot -> its tokens the draft's cache holds
         self._round_spans: list[tuple[Span, int]] = []
         self._vocab: list[int] | None = None  # the draft vocabulary's target ids, on the host (None: all of them)
+        self._pending: set[str] = set()  # request ids with drafting queued ahead, not yet taken or dropped
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "DraftModelProposer":
@@ -193,6 +194,61 @@ class DraftModelProposer(Proposer):
         sampled = None if sampling is None else [not seqs[i].params.greedy for i in rows]
         return DraftsOnDevice(rows, [r + 1 for r in rounds], *drafts[:2], settle, drafts[2], sampled)
 
+    def queue_drafts(self, seqs, ks, verified, hidden):
+        """Each sequence's token at the position of its last kept draft (or its last token) and the bonus token, read
+        where the verify left them, as the first round (the first written again as it was: one width whatever was
+        kept, its rows placed on the device), then its rounds chained from there. Until they are taken or dropped the
+        sequence's rows past what it keeps stay (`commit` leaves them)."""
+        slots = [self._slots.get(s.request_id) for s in seqs]
+        starts = [s.num_tokens - 1 for s in seqs]
+        if not self.chains_rounds or None in slots or any(self.runner.length(s) <= t for s, t in zip(slots, starts)):
+            return None
+        reach, accepted = verified.width - 1, verified.accepted
+        known = torch.cat([to_device([s.token_ids[-1] for s in seqs], accepted.device)[:, None], verified.tokens], 1)
+        pair = known.gather(1, torch.stack([accepted, accepted + 1], 1))
+        with self.timer.measure("draft") as first:
+            logits = self.runner.forward_after(slots, starts, pair, accepted, reach)
+        if logits is None:
+            return None
+        self._pending.update(s.request_id for s in seqs)  # rows past what the verify keeps are this drafting's
+        rounds, start = [k - 1 for k in ks], mark()
+        drafts = self.runner.chained_rounds(
+            slots, logits, None, rounds, after=([s + 2 for s in starts], accepted, reach)
+        )
+        if drafts is None:
+            self.drop_queued(None, seqs)
+            return None
+        chain = Span(start, mark())
+        self.timer.record("draft", chain, calls=max(rounds))
+        return QueuedDrafts(starts, list(ks), *drafts[:2], accepted, [(first, 1), (chain, max(rounds))])
+
+    def take_queued(self, queued, seqs, ks):
+        slots, starts = [], []
+        for seq, start, kept, k in zip(seqs, queued.starts, queued.kept, queued.ks):
+            slot, rounds_from = self._slots[seq.request_id], start + kept + 2  # past the bonus token
+            end = rounds_from + k - 1
+            if self.runner.length(slot) > end:  # drafts of the step before past these rows (it drafted more)
+                self.runner.rollback(slot, end)
+            self.runner.wrote_again(slot, start + 1, seq.token_ids[start + 1 : rounds_from], end)
+            self.runner.commit(slot, end)
+            self._pending.discard(seq.request_id)
+            seq.metrics.spec.num_draft_forwards += k
+            slots.append(slot)
+            starts.append(rounds_from)
+        taken = [i for i, k in enumerate(ks) if k]
+
+        def settle(tokens, probs):  # the taken sequences' drafts: the ids of the rows their rounds wrote
+            rows = [t[: queued.ks[i] - 1] for i, t in zip(taken, tokens)]  # a chain's rows read all drafts but its last
+            self._chain_read([slots[i] for i in taken], [starts[i] for i in taken], rows)
+            return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
+
+        return _taken(queued, ks, settle)
+
+    def drop_queued(self, queued, seqs) -> None:
+        for seq in seqs:
+            self._pending.discard(seq.request_id)
+            self.commit(seq, seq.num_tokens - 1)
+
     def _chain_read(self, slots: list[int], starts: list[int], inputs: list[list[int]]) -> None:
         """The chained rounds' inputs, read: the ids of the rows they wrote from `starts`."""
         for slot, start, tokens in zip(slots, starts, inputs):
@@ -269,6 +325,8 @@ class DraftModelProposer(Proposer):
         return seq.num_tokens - self.runner.length(slot)
 
     def commit(self, seq, num_valid_tokens: int) -> None:
+        if seq.request_id in self._pending:  # drafting queued past them: taken or dropped first
+            return
         slot = self._slots.get(seq.request_id)
         if slot is not None and self.runner.length(slot) > num_valid_tokens:  # it drafted past what was accepted
             self.runner.rollback(slot, num_valid_tokens)
@@ -277,7 +335,20 @@ class DraftModelProposer(Proposer):
         return self.runner.graphs_captured()
 
     def release(self, seq) -> None:
+        self._pending.discard(seq.request_id)
         self._found.pop(seq.request_id, None)
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:
             self.runner.free(slot)
+
+
+def _taken(queued: QueuedDrafts, ks: list[int], settle) -> DraftBatch:
+    """Queued drafts as a step takes them: sequence i's first ks[i] (those drafting nothing now left out), on the
+    device; `settle` does the drafter's bookkeeping once they are read."""
+    rows = [i for i, k in enumerate(ks) if k]
+    tokens, probs = queued.tokens, queued.probs
+    if len(rows) < len(ks):
+        at = to_device(rows, tokens.device)
+        tokens, probs = tokens[at], probs[at]
+    on_device = DraftsOnDevice(rows, [ks[i] for i in rows], tokens, probs, settle)
+    return DraftBatch([[] for _ in ks], [None] * len(ks), queued.round_spans, on_device)
