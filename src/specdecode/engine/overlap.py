@@ -9,7 +9,11 @@ idles while the host prepares what comes next; so a step waits once, for what it
   for greedy sequences the drafts come back with the target's argmax in one copy; where some sequence samples, the
   drafts are read while the verify runs, then rejection sampling takes one more copy. Drafts past a confidence stop
   are verified and ignored (a row's logits depend on the rows before it alone), so the tokens are those of a verify
-  that read them first.
+  that read them first;
+- where the next step will draft as this one does, its drafting is queued behind the verify, on the drafts the device
+  counts as kept (verify/on_device.py), before the host reads them: the host's work on the step runs while the device
+  drafts, and the next step takes those drafts where the host's own verification agrees
+  (docs/decisions.md#drafting-queued-behind-the-verify). The drafts are those drafting after the read would make.
 Timing waits for nothing either (timing.py)."""
 
 from __future__ import annotations
@@ -206,6 +210,7 @@ class QueuingAhead:
         return DraftsAhead(seqs, [standing(s) for s in seqs], queued, read, kept, verified_at)
 
     def _drafts_may_queue(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
+        """Whether to queue the next step's drafting behind this verify (see _queue_drafts)."""
         k = self.k
         return (
             self.overlap_drafting

@@ -170,8 +170,11 @@ class StaticBatch:
         if picked is not None:
             width = min(picked.shape[1], r - picked_at)
             self.tokens[: len(picked), picked_at : picked_at + width].copy_(picked[:, :width])
-        for i, rows in enumerate(features or ()):
-            self.features[i, : len(rows)].copy_(rows)
+        if isinstance(features, torch.Tensor):  # [n, w, width]: every sequence's rows in one copy
+            self.features[: features.shape[0], : features.shape[1]].copy_(features)
+        else:
+            for i, rows in enumerate(features or ()):
+                self.features[i, : len(rows)].copy_(rows)
         if offsets is not None:
             self.positions[: len(offsets)] += offsets[:, None]
         self.forget()

@@ -315,7 +315,7 @@ class ModelRunner:
         drafts a drafter left there), or with `first` (a token per slot, from the host) its widths[i] - 1 after that
         one. Their rows are written; the runner learns the picked ids from `settle` before they are committed.
         outputs: `logits` and `hidden` as for forward (default: the logits of each last row); `features` as for
-        forward."""
+        forward, or a tensor [n, w, width] of as many rows each."""
         widths = widths or [1] * len(slots)
         known = [[] for _ in slots] if first is None else [[token] for token in first]
         at = len(known[0])

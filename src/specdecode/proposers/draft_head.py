@@ -23,7 +23,7 @@ from ..models.draft_head import DraftHead, build_head, read_head
 from ..models.loader import LoadedModel
 from ..timing import Span, StepTimer, mark
 from .base import QueuedDrafts
-from .draft_model import DraftModelProposer, _taken
+from .draft_model import DraftModelProposer, taken_drafts
 from .registry import ProposerSetup
 
 BUNDLED_HEADS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "heads")
@@ -186,7 +186,7 @@ class DraftHeadProposer(DraftModelProposer):
         n, width = len(seqs), verified.width
         with self.timer.measure("draft") as first:
             logits, estimates = self.runner.forward_picked(
-                slots, verified.tokens, [width] * n, features=list(hidden[verified.rows]), logits="all", hidden=True
+                slots, verified.tokens, [width] * n, features=hidden[verified.rows], logits="all", hidden=True
             )
         at = torch.arange(n, device=logits.device) * width + verified.accepted
         rounds, start = [k - 1 for k in ks], mark()
@@ -212,7 +212,11 @@ class DraftHeadProposer(DraftModelProposer):
         def settle(tokens, probs):
             return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
 
-        return _taken(queued, ks, settle)
+        return taken_drafts(queued, ks, settle)
+
+    def drop_queued(self, queued, seqs) -> None:
+        """Nothing to undo: the queued rounds wrote past the rows built on the target's features, and the features
+        they read stay unread until a drafting round reads them again."""
 
     def _chain_read(self, slots, starts, inputs) -> None:
         """Nothing to settle: the rows the chained rounds wrote were built on estimates, rolled back after drafting."""

@@ -210,14 +210,12 @@ class DraftModelProposer(Proposer):
             logits = self.runner.forward_after(slots, starts, pair, accepted, reach)
         if logits is None:
             return None
-        self._pending.update(s.request_id for s in seqs)  # rows past what the verify keeps are this drafting's
         rounds, start = [k - 1 for k in ks], mark()
-        drafts = self.runner.chained_rounds(
-            slots, logits, None, rounds, after=([s + 2 for s in starts], accepted, reach)
-        )
-        if drafts is None:
-            self.drop_queued(None, seqs)
+        after = ([s + 2 for s in starts], accepted, reach)
+        drafts = self.runner.chained_rounds(slots, logits, None, rounds, after=after)
+        if drafts is None:  # the first round wrote past what the verify keeps alone: the step's commit drops it
             return None
+        self._pending.update(s.request_id for s in seqs)  # rows past what the verify keeps are this drafting's
         chain = Span(start, mark())
         self.timer.record("draft", chain, calls=max(rounds))
         return QueuedDrafts(starts, list(ks), *drafts[:2], accepted, [(first, 1), (chain, max(rounds))])
@@ -242,7 +240,7 @@ class DraftModelProposer(Proposer):
             self._chain_read([slots[i] for i in taken], [starts[i] for i in taken], rows)
             return [self._stood_by(t, p) for t, p in zip(tokens, probs)]
 
-        return _taken(queued, ks, settle)
+        return taken_drafts(queued, ks, settle)
 
     def drop_queued(self, queued, seqs) -> None:
         for seq in seqs:
@@ -342,7 +340,7 @@ class DraftModelProposer(Proposer):
             self.runner.free(slot)
 
 
-def _taken(queued: QueuedDrafts, ks: list[int], settle) -> DraftBatch:
+def taken_drafts(queued: QueuedDrafts, ks: list[int], settle) -> DraftBatch:
     """Queued drafts as a step takes them: sequence i's first ks[i] (those drafting nothing now left out), on the
     device; `settle` does the drafter's bookkeeping once they are read."""
     rows = [i for i, k in enumerate(ks) if k]
