@@ -294,3 +294,31 @@ def test_a_step_drafting_fewer_than_were_queued_takes_the_first_of_them(drafter,
     engine = _engine(target, tmp_path, drafter=drafter)
     _choosing(engine, lambda step, n: decoding[step])
     assert _run(engine, queued=False, forced=FORCED["imposed"]()) == queued  # the kept drafts are in the tokens
+
+
+@pytest.mark.parametrize("broken", [None, "queued before a re-measure"])
+def test_no_drafting_is_queued_for_a_step_the_adaptive_policy_keeps_plain(broken, tmp_path, monkeypatch):
+    """The adaptive policy re-measures plain decoding every few speculative steps: drafting queued for such a step
+    would go unused, so none is (broken: the policy saying nothing of it)."""
+    from conftest import priced_without_timing
+
+    from specdecode.engine.policy import adaptive
+
+    if broken:
+        monkeypatch.setattr(adaptive.AdaptivePolicy, "plain_next", lambda self: False)
+    target = tiny_model(seed=0)
+    head = make_head(target, tmp_path / "head")
+    options = dict(num_speculative_tokens=K, max_model_len=256, progress=False, draft_confidence=0.0)
+    engine = LLM(target=target, speculative_model=head, speculation_policy="adaptive", **options).engine
+    engine.policy.refresh_plain_every, engine.policy.clear_margin = 4, float("inf")  # every 4 speculative steps
+    priced_without_timing(engine.policy, monkeypatch, 1)
+    dropped = []
+    monkeypatch.setattr(engine.proposer, "drop_queued", lambda queued, seqs: dropped.append(len(seqs)))
+    engine.overlap, engine.forced_accept = True, True
+    seq = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    plain_steps = 0
+    while engine.has_unfinished():
+        out = engine.step()
+        plain_steps += bool(out.draft_lengths) and not any(out.draft_lengths)
+    assert seq.metrics.spec.num_spec_steps >= 8 and plain_steps >= 2 and engine.queued_drafts_taken >= 4
+    assert (dropped == []) is (broken is None)

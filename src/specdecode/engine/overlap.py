@@ -220,6 +220,7 @@ class QueuingAhead:
             and not (self.forced_accept and self.proposer.confidence_threshold)  # kept counts the drafts stood by
             and not self.waiting
             and not self.prefilling
+            and not self.policy.plain_next()
             and all(s.remaining_tokens > 2 * k + 1 and s.num_tokens + 2 * (k + 1) <= self.max_model_len for s in seqs)
             and self.blocks.fits(self._active(), lookahead=k + 1)
         )

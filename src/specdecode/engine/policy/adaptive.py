@@ -115,8 +115,7 @@ class AdaptivePolicy(Policy):
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
-        refresh_every = self.refresh_plain_every * (4 if self._last_score > self.clear_margin else 1)
-        if self._spec_steps_since_plain >= refresh_every:
+        if self._refresh_due():
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
@@ -135,6 +134,14 @@ class AdaptivePolicy(Policy):
             self._predicted = (decision.seconds + sum(starting) * self.costs.draft_prefill_per_token, not starting)
         self._spec_steps_since_plain = self._spec_steps_since_plain + 1 if any(decision.ks) else 0
         return decision
+
+    def plain_next(self) -> bool:
+        return self._refresh_due()
+
+    def _refresh_due(self) -> bool:
+        """Whether this decision re-measures plain decoding (see refresh_plain_every)."""
+        refresh_every = self.refresh_plain_every * (4 if self._last_score > self.clear_margin else 1)
+        return self._spec_steps_since_plain >= refresh_every
 
     def _should_probe(self, n: int, contexts: list[int]) -> bool:
         """Measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior that

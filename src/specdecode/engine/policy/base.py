@@ -78,6 +78,11 @@ class Policy:
         prompt ahead of its first round."""
         return self.k_max > 0
 
+    def plain_next(self) -> bool:
+        """Whether the next decision is a plain step whatever this step's outcome (a re-measure of plain decoding):
+        drafting queued for it would go unused."""
+        return False
+
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
         """The main proposer's drafts for this sequence in the step just run (drafted 0: it did not draft),
         of the `allowed` it was given (None: as many as it drafted)."""
