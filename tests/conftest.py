@@ -249,6 +249,16 @@ def run_as_one_batch(engine, prompt_ids: list[list[int]], params) -> tuple[list[
     return [s.output_ids for s in seqs], step_ks, lookup_drafts
 
 
+def fixed_shapes_as_on_a_gpu(monkeypatch) -> None:
+    """Fixed-shape forwards and chained drafting rounds, as on a GPU (without its kernels on a CPU: slow there)."""
+    from specdecode.executor import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
+    if DEVICE == "cpu":
+        for kernels in ("fuse_elementwise", "gpu_attention"):
+            monkeypatch.setattr(runner_module, kernels, lambda model: None)
+
+
 def priced_without_timing(policy, monkeypatch, batches: int) -> None:
     """The adaptive policy's costs fixed for up to `batches` sequences (a verified row nearly free, as the CPU's kernels
     make it; a draft model a fraction of a step) and its steps left untimed: what it chooses then depends on acceptance

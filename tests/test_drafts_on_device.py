@@ -14,13 +14,12 @@ import time
 
 import pytest
 import torch
-from conftest import DEVICE, make_head, tiny_model
+from conftest import DEVICE, fixed_shapes_as_on_a_gpu, make_head, tiny_model
 
 from specdecode import LLM, SamplingParams, timing
 from specdecode.bench.imposed import MeasuredAcceptance
 from specdecode.engine import overlap
 from specdecode.executor import cuda_graphs
-from specdecode.executor import runner as runner_module
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers.base import DraftBatch, DraftsOnDevice
 
@@ -31,11 +30,7 @@ K = 4
 
 @pytest.fixture(autouse=True)
 def fixed_shapes(monkeypatch):
-    """Fixed-shape forwards and chained drafting rounds, as on a GPU (without its kernels: slow on a CPU)."""
-    monkeypatch.setattr(runner_module, "fixed_shapes_by_default", lambda model: True)
-    if DEVICE == "cpu":
-        for kernels in ("fuse_elementwise", "gpu_attention"):
-            monkeypatch.setattr(runner_module, kernels, lambda model: None)
+    fixed_shapes_as_on_a_gpu(monkeypatch)
 
 
 def _near_target(target):
