@@ -68,12 +68,17 @@ def _count_verifies(monkeypatch) -> tuple[list[list[int]], list[tuple[int, int]]
     and how many stood by (cut after a draft under the confidence threshold)."""
     widths: list[list[int]] = []
     reads: list[tuple[int, int]] = []
-    forward, read_from = ModelRunner.forward_picked, DraftsOnDevice.read_from
+    forward, after, read_from = ModelRunner.forward_picked, ModelRunner.forward_after, DraftsOnDevice.read_from
 
     def counting(self, slots, picked, widths_=None, **kw):
         if widths_ is not None and kw.get("first") is not None:  # a verify (a head's queued first round has none)
             widths.append(list(widths_))
         return forward(self, slots, picked, widths_, **kw)
+
+    def counting_after(self, slots, starts, picked, offsets, reach, **kw):
+        if kw.get("logits") == "all":  # a verify queued by the step before (a draft model's first round: "last")
+            widths.append([picked.shape[1]] * len(slots))
+        return after(self, slots, starts, picked, offsets, reach, **kw)
 
     def reading(self, tokens, probs):
         kept = read_from(self, tokens, probs)
@@ -81,6 +86,7 @@ def _count_verifies(monkeypatch) -> tuple[list[list[int]], list[tuple[int, int]]
         return kept
 
     monkeypatch.setattr(ModelRunner, "forward_picked", counting)
+    monkeypatch.setattr(ModelRunner, "forward_after", counting_after)
     monkeypatch.setattr(DraftsOnDevice, "read_from", reading)
     return widths, reads
 
@@ -166,13 +172,19 @@ def test_imposed_acceptance_reads_drafts_on_the_device_alike(broken, tmp_path, m
 
 
 def _logged(monkeypatch, log: list[str]) -> None:
-    """Log each verify launched with drafts still on the device, each read of drafts to the host, and each wait for
-    a timing mark (on a GPU its events; on a CPU a stand-in for them, which records the host's time)."""
-    forward, settle = ModelRunner.forward_picked, DraftBatch.settle
+    """Log each verify launched with drafts still on the device (and each queued for the next step), each read of
+    drafts to the host, and each wait for a timing mark (on a GPU its events; on a CPU a stand-in for them, which
+    records the host's time)."""
+    forward, after, settle = ModelRunner.forward_picked, ModelRunner.forward_after, DraftBatch.settle
 
     def verify(self, slots, picked, widths=None, **kw):
         log.append("verify" if widths else "plain")
         return forward(self, slots, picked, widths, **kw)
+
+    def verify_ahead(self, slots, starts, picked, offsets, reach, **kw):
+        if kw.get("logits") == "all":  # the next step's verify (a draft model's first round: "last")
+            log.append("next verify")
+        return after(self, slots, starts, picked, offsets, reach, **kw)
 
     def read(self, tokens, probs):
         log.append("read")
@@ -195,6 +207,7 @@ def _logged(monkeypatch, log: list[str]) -> None:
             return (end.at - self.at) * 1000
 
     monkeypatch.setattr(ModelRunner, "forward_picked", verify)
+    monkeypatch.setattr(ModelRunner, "forward_after", verify_ahead)
     monkeypatch.setattr(DraftBatch, "settle", read)
     if DEVICE == "cuda":  # the real events, their waits logged
         synchronize = torch.cuda.Event.synchronize
@@ -243,7 +256,8 @@ def test_a_sampled_step_reads_its_drafts_after_its_verify_is_queued(tmp_path, mo
 
 def _verified_before_read(llm: LLM, log: list[str], params: SamplingParams = PARAMS[0]) -> bool:
     """Whether, over a request's steps that drafted with chained rounds (5 or more), each queued its verify before
-    reading the drafts and waited for no timing mark before that read (`log`: as _logged keeps it)."""
+    reading the drafts (or the step before queued it) and waited for no timing mark before that read (`log`: as
+    _logged keeps it)."""
     engine = llm.engine
     engine.overlap = True
     engine.add_request(PROMPTS[0], params)
@@ -252,5 +266,8 @@ def _verified_before_read(llm: LLM, log: list[str], params: SamplingParams = PAR
         log.clear()
         if any(engine.step().draft_lengths):
             steps.append(list(log))
-    chained = [s[: s.index("read")] for s in steps if "read" in s]  # steps that drafted k > 1: the rounds chained
-    return len(chained) >= 5 and all("verify" in s and "wait" not in s for s in chained)
+    chained = [  # steps that drafted k > 1 (the rounds chained): what each did before its read, and the step before
+        (step[: step.index("read")], before) for before, step in zip([[], *steps], steps) if "read" in step
+    ]
+    queued = all("verify" in mine or "next verify" in before for mine, before in chained)
+    return len(chained) >= 5 and queued and all("wait" not in mine for mine, _ in chained)

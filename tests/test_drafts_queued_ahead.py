@@ -18,8 +18,9 @@ from conftest import fixed_shapes_as_on_a_gpu, make_head, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.imposed import MeasuredAcceptance
-from specdecode.engine import overlap
+from specdecode.engine import queued_drafts
 from specdecode.executor import draft_chain
+from specdecode.executor.runner import ModelRunner
 from specdecode.proposers.base import DraftsOnDevice
 from specdecode.proposers.draft_head import DraftHeadProposer
 from specdecode.verify import on_device
@@ -142,6 +143,15 @@ def _started_where_nothing_was_kept(run):
     return broken
 
 
+def _verify_placed_where_nothing_was_kept(forward_after):
+    def broken(self, slots, starts, picked, offsets, reach, **outputs):
+        if outputs.get("logits") == "all":  # a verify's (a draft model's first round takes the last row's)
+            offsets = torch.zeros_like(offsets)
+        return forward_after(self, slots, starts, picked, offsets, reach, **outputs)
+
+    return broken
+
+
 def _picks_read_for_kept_drafts(verified):
     def broken(argmax, drafts, probs, widths, threshold=0.0, kept=None):
         out = verified(argmax, drafts, probs, widths, threshold, kept)
@@ -171,6 +181,8 @@ FORCED = {
         ("draft model", "imposed", None),
         ("draft model", "imposed", "started where nothing was kept"),
         ("draft model", "imposed", "the target's picks read for the kept drafts"),
+        ("head", "imposed", "the next verify placed where nothing was kept"),
+        ("draft model", "imposed", "the next verify placed where nothing was kept"),
     ],
 )
 def test_queued_drafting_drafts_what_drafting_after_the_read_does(drafter, forced, broken, tmp_path, monkeypatch):
@@ -179,11 +191,15 @@ def test_queued_drafting_drafts_what_drafting_after_the_read_does(drafter, force
     after_the_read = _run(engine, queued=False, forced=FORCED[forced](), arrive_at=3, confidence=first)
     if broken == "started where nothing was kept":
         monkeypatch.setattr(draft_chain.DraftChain, "run", _started_where_nothing_was_kept(draft_chain.DraftChain.run))
+    elif broken == "the next verify placed where nothing was kept":
+        monkeypatch.setattr(
+            ModelRunner, "forward_after", _verify_placed_where_nothing_was_kept(ModelRunner.forward_after)
+        )
     elif broken:
-        monkeypatch.setattr(overlap, "verified_on_device", _picks_read_for_kept_drafts(verified_on_device))
+        monkeypatch.setattr(queued_drafts, "verified_on_device", _picks_read_for_kept_drafts(verified_on_device))
     engine = _engine(target, tmp_path, drafter=drafter)
     queued = _run(engine, queued=True, forced=FORCED[forced](), arrive_at=3, confidence=then)
-    assert engine.queued_drafts_taken >= 5
+    assert engine.queued_drafts_taken >= 5 and engine.verifies_taken_ahead >= 5
     alike = queued == after_the_read and len(then) == len(first) and torch.allclose(_t(then), _t(first), atol=1e-5)
     assert alike is (broken is None)
     if forced == "greedy":  # lossless either way: the target's own tokens
@@ -205,7 +221,7 @@ def test_drafting_queued_on_a_count_the_host_does_not_confirm_goes_unused(drafte
         out.accepted = torch.where(out.accepted > 0, out.accepted - 1, out.accepted + 1)
         return out
 
-    monkeypatch.setattr(overlap, "verified_on_device", miscounted)
+    monkeypatch.setattr(queued_drafts, "verified_on_device", miscounted)
     engine = _engine(target, tmp_path, drafter=drafter)
     assert _run(engine, queued=True, forced=forced()) == after_the_read
     assert engine.queued_drafts_taken == 0 and "queued drafting dropped" in caplog.text
@@ -317,3 +333,16 @@ def test_no_drafting_is_queued_for_a_step_the_adaptive_policy_keeps_plain(broken
         plain_steps += bool(out.draft_lengths) and not any(out.draft_lengths)
     assert seq.metrics.spec.num_spec_steps >= 8 and plain_steps >= 2 and engine.queued_drafts_taken >= 4
     assert (dropped == []) is (broken is None)
+
+
+def test_a_commit_keeps_the_blocks_a_verify_queued_ahead_writes(target):
+    """The step's commit drops what its verify rejected but keeps the blocks where the next verify, queued on the
+    device, writes (`hold`): given back, another sequence could take them before that verify has written there."""
+    runner = ModelRunner(target.model, 2, 1024)
+    slot, size = runner.allocate(), runner.block_size
+    runner.assume_cached(slot, size + 1)
+    runner._cache.reserve(slot, 3 * size)  # as a verify queued ahead reserves where it may write
+    runner.commit(slot, size + 1, hold=3 * size)
+    assert runner.length(slot) == size + 1 and runner.blocks_held(slot) == 3
+    runner.commit(slot, size + 1)
+    assert runner.blocks_held(slot) == 2

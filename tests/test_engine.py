@@ -264,7 +264,7 @@ def test_adaptive_without_rollback_breaks_equality(target, random_draft, monkeyp
     runner = llm.engine.runner
     original_commit = runner.commit
 
-    def commit_keeping_rejected_drafts(slot, length):
+    def commit_keeping_rejected_drafts(slot, length, hold=0):
         original_commit(slot, runner._written[slot])  # as if every verified draft had been accepted
 
     runner.commit = commit_keeping_rejected_drafts

@@ -136,9 +136,9 @@ def test_a_cache_that_forgets_to_return_blocks_fails_the_accounting(monkeypatch)
     """The check above can fail: a truncate that keeps its blocks' places in the table but never frees them."""
     original = KVCache.truncate
 
-    def leaky(self, slot, length, forget=False):
+    def leaky(self, slot, length, forget=False, hold=0):
         before = list(self.tables[slot])
-        original(self, slot, length, forget)
+        original(self, slot, length, forget, hold)
         for block in before[len(self.tables[slot]) :]:
             if block in self._free_blocks:
                 self._free_blocks.remove(block)  # taken back from the pool: lost

@@ -491,13 +491,14 @@ def measured_acceptance(target, draft):
         acceptance = imposed_acceptance(name)
         llm = engine(target, num_speculative_tokens=4, speculation_policy=policy, draft_confidence=0.0, **drafter)
         llm.engine.forced_accept = acceptance
-        ways = {policy: (True, True)}
-        if policy == "fixed":  # drafting after the read, and drafts read before the verify is queued
-            ways.update(
-                {f"{policy}, drafting after the read": (True, False), f"{policy}, drafts read first": (False,) * 2}
-            )
-        for way, (on_device, queued) in ways.items():
-            llm.engine.overlap, llm.engine.overlap_drafting = on_device, queued
+        ways = {policy: (True, True, True)}
+        if policy == "fixed":  # the verify after the read, the drafting too, drafts read before the verify is queued
+            ways[f"{policy}, verify after the read"] = (True, True, False)
+            ways[f"{policy}, drafting after the read"] = (True, False, False)
+            ways[f"{policy}, drafts read first"] = (False, False, False)
+        for way, (on_device, queued, verify_ahead) in ways.items():
+            eng = llm.engine
+            eng.overlap, eng.overlap_drafting, eng.verify_ahead = on_device, queued, verify_ahead
             tok_s, _, spec = generate(llm, 1)
             ratio = tok_s / rows["plain"]["decode_tok_s"]
             rows[f"{name}, {way}"] = {"decode_tok_s": tok_s, "vs_plain": ratio, "phases": spec}
@@ -562,22 +563,24 @@ def _waits_a_step(eng, steps: int, temperature: float = 0.0):
 
 def _head_through_engine(target, name: str) -> dict:
     """Batch 1 through the engine with the head at k = 4, every draft accepted (the bound its cost allows: a random
-    head accepts nothing), its rounds chained and queued behind the verify before it, chained after its read, and
-    one by one, beside plain decoding."""
+    head accepts nothing), its rounds chained and queued behind the verify before it with the next verify behind
+    them, the same with the next verify after the read, chained after the read, and one by one, beside plain
+    decoding."""
     from unittest import mock
 
     from specdecode.proposers.draft_head import DraftHeadProposer
 
     rows = {"plain": generate(engine(target, num_speculative_tokens=0), 1)[0]}
-    for key, chained, queued in (("queued", True, True), ("chained", True, False), ("one by one", False, False)):
+    ways = {"queued": (True, True, True), "drafts queued": (True, True, False), "chained": (True, False, False)}
+    for key, (chained, queued, verify_ahead) in {**ways, "one by one": (False, False, False)}.items():
         with mock.patch.object(DraftHeadProposer, "chains_rounds", chained):
             options = dict(num_speculative_tokens=4, speculation_policy="fixed", forced_accept=True)
             llm = engine(target, speculative_model=name, **options)
-            llm.engine.overlap_drafting = queued
+            llm.engine.overlap_drafting, llm.engine.verify_ahead = queued, verify_ahead
             rows[key] = generate(llm, 1)[0]
             del llm  # one engine's KV cache on the device at a time
     for key, tok_s in rows.items():
-        print(f"engine, head k=4 forced accept, {key:10s}: {tok_s:8.1f} tok/s = {tok_s / rows['plain']:.2f}x plain")
+        print(f"engine, head k=4 forced accept, {key:13s}: {tok_s:8.1f} tok/s = {tok_s / rows['plain']:.2f}x plain")
     return rows
 
 
@@ -640,6 +643,9 @@ def engine_trace(target, tokens: int = 160):
     drafting.engine.forced_accept = imposed_acceptance("head")
     generate(drafting, 1, tokens)  # its buckets met at the traced run's length
     RESULTS["engine_trace"]["head"] = _traced(drafting, tokens, "the head, k = 4, HumanEval's acceptance imposed")
+    drafting.engine.verify_ahead = False  # each step's verify queued once the verify before it is read
+    generate(drafting, 1, tokens)
+    RESULTS["engine_trace"]["head_verify_after_the_read"] = _traced(drafting, tokens, "the same, verify after the read")
     drafting.engine.overlap_drafting = False  # each step's drafting queued once the verify before it is read
     generate(drafting, 1, tokens)
     name = "the same, drafting after the read"
@@ -880,7 +886,7 @@ def generate(llm: LLM, batch: int, tokens: int = NEW, seed: int = 0, temperature
         captured = len(captures(llm))
         llm.engine.timer.reset()
         llm.plain_steps[:] = [0, 0]
-        llm.engine.queued_drafts_taken = 0
+        llm.engine.queued_drafts_taken = llm.engine.verifies_taken_ahead = 0
         seconds, outs = _timed(llm, batch, tokens, seed, temperature)
         more = captures(llm)[captured:]
         if not more:
@@ -910,6 +916,7 @@ def phases(llm: LLM, seconds: float) -> dict:
         "plain_steps_queued_ahead": llm.plain_steps[0],
         "plain_steps": llm.plain_steps[1],
         "drafts_queued_ahead": llm.engine.queued_drafts_taken,  # steps that took drafting queued behind a verify
+        "verifies_queued_ahead": llm.engine.verifies_taken_ahead,  # and their verify queued behind it too
     }
 
 
@@ -918,7 +925,7 @@ def said_phases(spec: dict) -> str:
         f"{spec['steps']} steps: {spec['wall_ms_a_step']:.2f} ms a step, the target's forwards "
         f"{spec['target_ms_a_step']:.2f}, drafting {spec['draft_ms_a_step']:.2f} (proposer calls "
         f"{spec['propose_ms_a_step']:.2f}); {spec['plain_steps_queued_ahead']} of {spec['plain_steps']} plain steps "
-        f"queued ahead, {spec['drafts_queued_ahead']} steps' drafts"
+        f"queued ahead, {spec['drafts_queued_ahead']} steps' drafts and {spec['verifies_queued_ahead']} verifies"
     )
 
 

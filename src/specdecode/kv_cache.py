@@ -134,12 +134,12 @@ class KVCache:
         """The slot's next block is a copy of this one (whose first entries it continues from)."""
         self._append(slot, self._new_block(like=block))
 
-    def truncate(self, slot: int, length: int, forget: bool = False) -> None:
-        """The slot holds its first `length` tokens (no copy); the blocks past them return to the pool (with
-        `forget`, those nobody else holds are no longer findable: they held rejected tokens), and the block
-        it writes next becomes its own."""
+    def truncate(self, slot: int, length: int, forget: bool = False, hold: int = 0) -> None:
+        """The slot holds its first `length` tokens (no copy); the blocks past them (and past its first `hold`
+        positions: a forward queued on the device writes there) return to the pool (with `forget`, those nobody
+        else holds are no longer findable: they held rejected tokens), and the block it writes next becomes its own."""
         self.lengths[slot] = length
-        self._release_past(slot, blocks_for(length, self.block_size), forget)
+        self._release_past(slot, blocks_for(max(length, hold), self.block_size), forget)
         if length % self.block_size and length // self.block_size < len(self.tables[slot]):
             self._own(slot, length // self.block_size)
 

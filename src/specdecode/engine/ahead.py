@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..proposers.base import QueuedDrafts
+from ..proposers.base import DraftBatch, QueuedDrafts
 from ..sampling import probs_of_rows, sample_rows
 from ..sampling.logprobs import TokenLogprob, logprob_table, logprobs_of_table, top_width
-from ..timing import Mark
+from ..timing import Mark, Span
 from ..transfers import to_device
 from .sequence import Sequence
 
@@ -54,11 +54,25 @@ class StepAhead:
         return [r if r is not None and self.stood[r] == standing(s) else None for s, r in zip(seqs, rows)]
 
 
+class VerifyAhead(NamedTuple):
+    """The next step's verify, queued behind its drafting: its logits and hidden states (every row), each sequence's
+    rows (its bonus token and its drafts), the span it runs in, where each sequence's rows may reach (its blocks
+    held that far: `ModelRunner.commit`'s hold), and where the step's work began on the device (its drafting)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    width: int
+    span: Span
+    reach: dict[int, int]
+    since: Mark
+
+
 class DraftsAhead(NamedTuple):
     """The next step's drafting, queued behind a verify (engine/overlap.py): the sequences, each as it stood
     (`standing`), the drafter's queued drafts (None where it queued none), the verify's read queued before them, and
     where an imposed acceptance keeps drafts, how many it kept of each sequence's; `verified`: a mark when the
-    verify's work was queued, before the drafting (the step's own work ends there)."""
+    verify's work was queued, before the drafting (the step's own work ends there); `verify`: the next step's verify,
+    where it was queued too."""
 
     seqs: list[Sequence]
     stood: list[tuple[int, int, int]]
@@ -66,6 +80,7 @@ class DraftsAhead(NamedTuple):
     read: Callable[[], list[list[float]]]
     kept: list[int] | None
     verified: Mark
+    verify: VerifyAhead | None = None
 
 
 class Picked(NamedTuple):
@@ -150,3 +165,16 @@ def copied_to_host(picked: torch.Tensor):
         return host.tolist()
 
     return read
+
+
+def with_hidden(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A forward's logits and hidden states (None where it was not asked for them)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def verify_widths(drafts: DraftBatch) -> list[int]:
+    """Each sequence's rows in a verify that reads drafts left on the device: its last token and every draft."""
+    widths = [1] * len(drafts.tokens)
+    for i, count in zip(drafts.on_device.rows, drafts.on_device.counts):
+        widths[i] += count
+    return widths

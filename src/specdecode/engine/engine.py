@@ -186,10 +186,11 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
         self._drop_ahead()  # a step queued as plain and not taken: its rows are written anew
         self._plain_run = 0
         drafts, draft_seconds = self._queued_drafts(seqs, decision) or self._propose(seqs, decision, previews)
-        verify_start = mark()
+        step_start = self._verify_ahead.since if self._verify_ahead else step_start  # its drafting, the step before
+        verify_start = self._verify_ahead.span.start if self._verify_ahead else mark()
         starts = [seq.num_tokens - 1 for seq in seqs]
         # a call that also prefilled a chunk is not a decode forward's time (prefills are counted apart)
-        with self.timer.measure("target") if chunk is None else contextlib.nullcontext():
+        with self.timer.measure("target") if chunk is None and not self._verify_ahead else contextlib.nullcontext():
             logits, hidden, chunk_out = self._verify_forward(seqs, drafts, chunk)
         ahead = self._queue_drafts(seqs, drafts, decision, logits, hidden) if chunk is None else None
         results, widths = self._verified(seqs, drafts, logits, ahead)  # the step's one wait for the device
@@ -199,7 +200,7 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
         for i, (seq, start, n_draft, (result, logprobs)) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted, emitted = result.num_accepted[0], result.tokens[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
-            self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
+            self._commit_target(seq, committed)  # rejected drafts' KV stays behind the pointer
             for proposer in self.proposers:
                 proposer.commit(seq, committed)
             self._feed_back(

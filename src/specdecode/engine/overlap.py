@@ -18,35 +18,28 @@ Timing waits for nothing either (timing.py)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from itertools import accumulate
 
 import torch
 
 from ..proposers.base import DraftBatch, TargetFeedback
-from ..timing import Mark, mark
-from ..transfers import read_at_once, read_later, to_device
-from ..verify.on_device import verified_on_device
+from ..timing import Mark
+from ..transfers import read_at_once, to_device
 from ..verify.together import reads_raw_argmax
-from ..verify.verifier import forced_kept, verify_argmax_rows, verify_batch
-from .ahead import DraftsAhead, Picked, StepAhead, picks_of, rows_of, standing
+from ..verify.verifier import verify_argmax_rows, verify_batch
+from .ahead import DraftsAhead, Picked, StepAhead, picks_of, rows_of, verify_widths, with_hidden
 from .policy import DraftDecision
+from .queued_drafts import QueuingDrafts, replaying
 from .sequence import Sequence
 from .step import StepOutput
 
-log = logging.getLogger(__name__)
 
-
-class QueuingAhead:
+class QueuingAhead(QueuingDrafts):
     """Engine's steps queued ahead of the host (a part of Engine, apart for its length: it reads the engine's runner,
     queues, policy and proposers). `overlap`: whether they are (the default: where the runner replays graphs, so a
     forward runs while the host goes on; on a CPU the host computes each forward itself: a step queued ahead would only
     delay the tokens before it, and a verify of every drafted row would pay for the rows past a confidence stop)."""
-
-    overlap_drafting = True  # with overlap: the next step's drafting queued behind a verify where it may be
-    queued_drafts_taken = 0  # steps that took drafting queued ahead
-    _drafts_ahead: DraftsAhead | None = None
 
     def _plain(self, seqs: list[Sequence], decision: DraftDecision) -> bool:
         """Whether this decoding step is plain and may queue the next: nothing drafts, and each sequence's token
@@ -135,7 +128,7 @@ class QueuingAhead:
         next_seqs = [seqs[i] for i in going]
         picked = picked if next_seqs == seqs else picked[to_device(going, picked.device)]
         out = self.runner.forward_picked([s.slot for s in next_seqs], picked[:, None], hidden=self.wants_hidden_states)
-        return StepAhead.queued(next_seqs, *_with_hidden(out))
+        return StepAhead.queued(next_seqs, *with_hidden(out))
 
     def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         """Whether the verify's forward reads the drafts where the drafter left them, queued before they are read:
@@ -152,6 +145,12 @@ class QueuingAhead:
     def _verify_drafts_on_device(self, seqs: list[Sequence], drafts: DraftBatch):
         """The verify's logits of every row (and hidden states where a proposer reads them), its inputs each
         sequence's last token and its drafts on the device."""
+        got, self._verify_ahead = self._verify_ahead, None
+        if got is not None:  # queued by the step before: its rows are each sequence's last token and its drafts
+            for seq in seqs:
+                start = seq.num_tokens - 1
+                self.runner.wrote_again(seq.slot, start, [seq.token_ids[-1]], start + got.width)
+            return got.logits, got.hidden
         pending = drafts.on_device
         picked = pending.tokens
         if len(pending.rows) < len(seqs):  # each sequence's drafts on its own row, none for those that drafted none
@@ -159,9 +158,14 @@ class QueuingAhead:
             picked = picked.new_zeros(len(seqs), picked.shape[1]).index_copy_(0, rows, picked)
         last = [s.token_ids[-1] for s in seqs]
         out = self.runner.forward_picked(
-            [s.slot for s in seqs], picked, _widths(drafts), first=last, logits="all", hidden=self.wants_hidden_states
+            [s.slot for s in seqs],
+            picked,
+            verify_widths(drafts),
+            first=last,
+            logits="all",
+            hidden=self.wants_hidden_states,
         )
-        return _with_hidden(out)
+        return with_hidden(out)
 
     def _verified(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor, ahead: DraftsAhead | None):
         """Each sequence's verification and the number of its rows in the verify's logits. Drafts still on the device
@@ -172,7 +176,7 @@ class QueuingAhead:
         before it alone)."""
         if drafts.on_device is None:
             return self._verify_batch(seqs, drafts, logits), [n + 1 for n in drafts.num_tokens]
-        widths = _widths(drafts)
+        widths = verify_widths(drafts)
         if not all(reads_raw_argmax(seq) for seq in seqs):
             drafts.read()
             self._settle_verified_rows(seqs, drafts)
@@ -184,79 +188,11 @@ class QueuingAhead:
             argmax, *values, accepted = ahead.read()
         drafts.settle(*values)
         self._settle_verified_rows(seqs, drafts)
-        forced = self.forced_accept if ahead is None or ahead.kept is None else _replaying(ahead.kept)
+        forced = self.forced_accept if ahead is None or ahead.kept is None else replaying(ahead.kept)
         results = verify_argmax_rows(drafts.tokens, widths, [int(v) for v in argmax], forced)
         if ahead is not None and ahead.queued is not None:
             self._keep_queued(ahead, [r.num_accepted[0] for r in results], [int(a) for a in accepted])
         return [(result, None) for result in results], widths
-
-    # ---- the next step's drafting queued behind a verify -------------------------------------------------------
-    def _queue_drafts(self, seqs: list[Sequence], drafts: DraftBatch, decision: DraftDecision, logits, hidden):
-        """Where the next step will likely draft for these sequences as this one does (greedy, each by the drafter's
-        chained rounds; nothing waits to be admitted; the pools hold two steps' rows), this verify's read queued now
-        and the drafter's next rounds behind it, on what the verify kept as counted on the device
-        (verify/on_device.py): the host's work on this step's tokens then runs while the device drafts for the
-        next step, not between the read and the next drafting. Drafts the next step does not take (the policy chose
-        otherwise; a sequence finished, or was preempted) go unused. None where nothing was queued."""
-        if not self._drafts_may_queue(seqs, drafts):
-            return None
-        verified_at, pending, widths = mark(), drafts.on_device, _widths(drafts)
-        kept = [forced_kept(self.forced_accept, c) for c in pending.counts] if self.forced_accept else None
-        argmax = logits.argmax(-1)
-        stop = self.proposer.confidence_threshold
-        verified = verified_on_device(argmax, pending.tokens, pending.probs, widths, stop, kept)
-        read = read_later([argmax, *pending.values(), verified.accepted])
-        queued = self.proposer.queue_drafts(seqs, decision.ks, verified, hidden)
-        return DraftsAhead(seqs, [standing(s) for s in seqs], queued, read, kept, verified_at)
-
-    def _drafts_may_queue(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
-        """Whether to queue the next step's drafting behind this verify (see _queue_drafts)."""
-        k = self.k
-        return (
-            self.overlap_drafting
-            and self._verifies_on_device(seqs, drafts)
-            and len(drafts.on_device.rows) == len(seqs)
-            and all(reads_raw_argmax(s) for s in seqs)
-            and not (self.forced_accept and self.proposer.confidence_threshold)  # kept counts the drafts stood by
-            and not self.waiting
-            and not self.prefilling
-            and not self.policy.plain_next()
-            and all(s.remaining_tokens > 2 * k + 1 and s.num_tokens + 2 * (k + 1) <= self.max_model_len for s in seqs)
-            and self.blocks.fits(self._active(), lookahead=k + 1)
-        )
-
-    def _keep_queued(self, ahead: DraftsAhead, kept: list[int], counted: list[int]) -> None:
-        """The queued drafting kept for the next step where the device counted the kept drafts as the host did."""
-        if kept != counted:
-            log.warning("queued drafting dropped: the device counted %s drafts kept, the host %s", counted, kept)
-            self.proposer.drop_queued(ahead.queued, ahead.seqs)
-            return
-        ahead.queued.kept = kept
-        self._drafts_ahead = ahead
-
-    def _drop_drafts_ahead(self) -> None:
-        """Drafting queued ahead and not taken: the drafter's state as if it had not been queued."""
-        ahead, self._drafts_ahead = self._drafts_ahead, None
-        if ahead is not None:
-            self.proposer.drop_queued(ahead.queued, ahead.seqs)
-
-    def _queued_drafts(self, seqs: list[Sequence], decision: DraftDecision):
-        """The drafts queued for this step and a function giving a drafting round's seconds, where they were queued
-        for these sequences as they stand now and the policy has the drafter draft for them: each sequence's first
-        as many as the policy chose (at most as many as were queued); else None."""
-        ahead = self._drafts_ahead
-        if ahead is None:
-            return None
-        queued = ahead.queued
-        moved = [standing(s, -kept - 1) for s, kept in zip(seqs, queued.kept)]
-        same = [id(s) for s in ahead.seqs] == [id(s) for s in seqs] and moved == ahead.stood
-        if not same or any(decision.by_lookup) or not any(decision.ks):
-            return self._drop_drafts_ahead()
-        self._drafts_ahead = None
-        drafts = self.proposer.take_queued(queued, seqs, [min(k, q) for k, q in zip(decision.ks, queued.ks)])
-        self.queued_drafts_taken += 1
-        rounds = drafts.round_seconds  # read once the step's results are: on a GPU reading them waits for them
-        return drafts, lambda: self._draft_round_seconds(sum(rounds()), max(queued.ks), 0, rounds())
 
     def _verify_batch(self, seqs: list[Sequence], drafts: DraftBatch, logits: torch.Tensor):
         return verify_batch(seqs, drafts.tokens, drafts.probs, logits, self.tokenizer.eos_token_ids, self.forced_accept)
@@ -265,25 +201,6 @@ class QueuingAhead:
         """The ids of the rows the verify read on the device, now the drafts are on the host."""
         for seq, tokens in zip(seqs, drafts.tokens):
             self.runner.settle(seq.slot, seq.num_tokens, tokens)
-
-
-def _replaying(kept: list[int]):
-    """An imposed acceptance that keeps, sequence after sequence, what it kept already (drawn once a step)."""
-    counts = iter(kept)
-    return lambda drafts: next(counts)
-
-
-def _with_hidden(out) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A forward's logits and hidden states (None where it was not asked for them)."""
-    return out if isinstance(out, tuple) else (out, None)
-
-
-def _widths(drafts: DraftBatch) -> list[int]:
-    """Each sequence's rows in a verify that reads drafts left on the device: its last token and every draft."""
-    widths = [1] * len(drafts.tokens)
-    for i, count in zip(drafts.on_device.rows, drafts.on_device.counts):
-        widths[i] += count
-    return widths
 
 
 def _stood_by_rows(widths: list[int], drafts: list[list[int]]) -> list[int]:

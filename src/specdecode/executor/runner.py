@@ -229,22 +229,23 @@ class ModelRunner:
         """Committed tokens of the slot: the context its next forward continues."""
         return self._cache.lengths[slot]
 
-    def commit(self, slot: int, length: int) -> None:
-        """The slot's first `length` tokens are final; entries written past them are dropped."""
+    def commit(self, slot: int, length: int, hold: int = 0) -> None:
+        """The slot's first `length` tokens are final; entries written past them are dropped (their blocks kept
+        within its first `hold` positions, where a forward queued on the device writes)."""
         if not self._cache.lengths[slot] <= length <= self._written[slot]:
             raise ValueError(
                 f"slot {slot}: cannot commit {length} tokens (committed "
                 f"{self._cache.lengths[slot]}, written {self._written[slot]})"
             )
-        self._cut(slot, length)
+        self._cut(slot, length, hold=hold)
         self._publish(slot, length)
 
     def rollback(self, slot: int, length: int) -> None:
         """Forget everything past `length` tokens."""
         self._cut(slot, length, forget=True)
 
-    def _cut(self, slot: int, length: int, forget: bool = False) -> None:
-        self._cache.truncate(slot, length, forget)
+    def _cut(self, slot: int, length: int, forget: bool = False, hold: int = 0) -> None:
+        self._cache.truncate(slot, length, forget, hold)
         self._written[slot] = length
         del self._tokens[slot][length:]
         del self._chain[slot][length // self.block_size :]
