@@ -346,3 +346,25 @@ def test_a_commit_keeps_the_blocks_a_verify_queued_ahead_writes(target):
     assert runner.length(slot) == size + 1 and runner.blocks_held(slot) == 3
     runner.commit(slot, size + 1)
     assert runner.blocks_held(slot) == 2
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_a_long_prompt_arriving_while_drafting_is_queued_leaves_the_tokens_alike(drafter, tmp_path):
+    """A long prompt arriving while drafting and a verify are queued is admitted and prefilled a chunk a step
+    (chunked prefill): nothing is queued while it waits or prefills, queuing resumes after, and the tokens are those
+    of drafting and verifying after the read."""
+    target, runs = tiny_model(seed=0), []
+    for queued in (False, True):
+        engine = _engine(target, tmp_path, drafter=drafter)
+        engine.prefill_chunk = 8
+        engine.overlap, engine.overlap_drafting, engine.forced_accept = True, queued, FORCED["imposed"]()
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        first, steps, rode = engine.add_request(PROMPTS[0], params), 0, 0
+        while engine.has_unfinished():
+            if steps == 4:
+                late = engine.add_request([(7 * i) % 60 + 2 for i in range(48)], params)
+            rode += bool(engine.prefilling) and steps > 4
+            engine.step()
+            steps += 1
+        runs.append(([first.output_ids, late.output_ids], rode, engine.verifies_taken_ahead))
+    assert runs[1][0] == runs[0][0] and runs[1][1] >= 3 and runs[1][2] >= 5

@@ -185,7 +185,7 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
             return self._plain_step(seqs, out, step_start, captured)
         self._drop_ahead()  # a step queued as plain and not taken: its rows are written anew
         self._plain_run = 0
-        drafts, draft_seconds = self._queued_drafts(seqs, decision) or self._propose(seqs, decision, previews)
+        drafts, draft_seconds = self._queued_drafts(seqs, decision, chunk) or self._propose(seqs, decision, previews)
         step_start = self._verify_ahead.since if self._verify_ahead else step_start  # its drafting, the step before
         verify_start = self._verify_ahead.span.start if self._verify_ahead else mark()
         starts = [seq.num_tokens - 1 for seq in seqs]

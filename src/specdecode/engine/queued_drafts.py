@@ -116,11 +116,12 @@ class QueuingDrafts:
         if ahead is not None:
             self.proposer.drop_queued(ahead.queued, ahead.seqs)
 
-    def _queued_drafts(self, seqs: list[Sequence], decision: DraftDecision):
+    def _queued_drafts(self, seqs: list[Sequence], decision: DraftDecision, chunk=None):
         """The drafts queued for this step and a function giving a drafting round's seconds, where they were queued
         for these sequences as they stand now and the policy has the drafter draft for them: each sequence's first
-        as many as the policy chose (at most as many as were queued); else None."""
-        ahead = self._drafts_ahead
+        as many as the policy chose (at most as many as were queued); else None. The verify queued behind them is
+        this step's where it verifies them all and no prompt's chunk rides in this step's verify."""
+        ahead, self._verify_ahead = self._drafts_ahead, None
         if ahead is None:
             return None
         queued = ahead.queued
@@ -132,7 +133,7 @@ class QueuingDrafts:
         ks = [min(k, q) for k, q in zip(decision.ks, queued.ks)]
         drafts = self.proposer.take_queued(queued, seqs, ks)
         self.queued_drafts_taken += 1
-        if ahead.verify is not None and ks == queued.ks:  # the verify queued behind them verifies them as taken
+        if ahead.verify is not None and ks == queued.ks and chunk is None:  # it verifies them as taken
             self._verify_ahead = ahead.verify
             self.verifies_taken_ahead += 1
             self.timer.record("target", ahead.verify.span)
