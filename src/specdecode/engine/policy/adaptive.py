@@ -83,7 +83,7 @@ class AdaptivePolicy(Policy):
         self.calibration: dict[int, float] = {}
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
-        self._last_score = 0.0  # the last decision's predicted goodput over the bar
+        self._refresh_every = self.refresh_plain_every  # four times as many after a decision that cleared the bar well
         # Steps between two works of a batch size's draft bar, doubled (up to 8 times) while it holds: at 64 sequences
         # a work prices a few whole allocations, which a launch-bound GPU's step would feel if done often.
         self.could_pay_refresh = options.could_pay_refresh
@@ -115,7 +115,7 @@ class AdaptivePolicy(Policy):
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
-        if self._refresh_due():
+        if self._spec_steps_since_plain >= self._refresh_every:
             self._spec_steps_since_plain = 0
             return DraftDecision.main_proposer([0] * n)
         alphas = [estimator.first_token_acceptance(r) for r in request_ids]
@@ -124,7 +124,7 @@ class AdaptivePolicy(Policy):
         if drafter and self.costs.draft and max(alphas) <= self._draft_bar(n, contexts):
             drafter = False
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter, contexts)
-        self._last_score = decision.score
+        self._refresh_every = self.refresh_plain_every * (4 if decision.score > self.clear_margin else 1)
         if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
             self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
         self._unconverted_probe = 0.0
@@ -136,12 +136,7 @@ class AdaptivePolicy(Policy):
         return decision
 
     def plain_next(self) -> bool:
-        return self._refresh_due()
-
-    def _refresh_due(self) -> bool:
-        """Whether this decision re-measures plain decoding (see refresh_plain_every)."""
-        refresh_every = self.refresh_plain_every * (4 if self._last_score > self.clear_margin else 1)
-        return self._spec_steps_since_plain >= refresh_every
+        return self._spec_steps_since_plain >= self._refresh_every
 
     def _should_probe(self, n: int, contexts: list[int]) -> bool:
         """Measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior that
@@ -222,9 +217,7 @@ class AdaptivePolicy(Policy):
         options = [self._allocate(draft_gains, [False] * n, start_cost, contexts)] if drafter else []
         if looked_up:
             use = [bool(tokens) for _, tokens, _ in lookups]
-            lookup_gains = [
-                self.estimator.lookup_acceptance.gains(match, len(tokens), probs) for match, tokens, probs in lookups
-            ]
+            lookup_gains = [self.estimator.lookup_acceptance.gains(m, len(t), p) for m, t, p in lookups]
             # lookups alone, and lookups with the draft model for the rest (tried apart: the allocation
             # grows most-likely tokens first, so a draft model that does not pay would spoil the mix)
             options.append(self._allocate(lookup_gains, use, start_cost, contexts))
