@@ -36,23 +36,29 @@ def read_at_once(tensors: list[torch.Tensor]) -> list[list[float]]:
     return _split(torch.cat(flat).tolist() if flat else [], flat)
 
 
-def read_later(tensors: list[torch.Tensor]):
-    """read_at_once's copy queued now, and a function that waits for it and gives the values: on a GPU, waiting for
-    this copy alone, not for work queued after it (work that reads these values on the device goes on meanwhile)."""
-    flat = [t.reshape(-1).double() for t in tensors]
-    joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
-    if joined.device.type != "cuda":
-        return lambda: _split(joined.tolist(), flat)
-    host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
-    host.copy_(joined, non_blocking=True)
+def copied_to_host(picked: torch.Tensor):
+    """A copy of `picked` to the host queued now, and a function that waits for it and gives its values: on a GPU,
+    waiting for this copy alone, not for work queued after it."""
+    if picked.device.type != "cuda":
+        return picked.tolist
+    host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+    host.copy_(picked, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
 
-    def read() -> list[list[float]]:
+    def read() -> list:
         done.synchronize()
-        return _split(host.tolist(), flat)
+        return host.tolist()
 
     return read
+
+
+def read_later(tensors: list[torch.Tensor]):
+    """read_at_once's copy queued now (copied_to_host), and a function that waits for it and gives the values: work
+    that reads these values on the device goes on meanwhile."""
+    flat = [t.reshape(-1).double() for t in tensors]
+    read = copied_to_host(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64))
+    return lambda: _split(read(), flat)
 
 
 def _split(values: list[float], flat: list[torch.Tensor]) -> list[list[float]]:

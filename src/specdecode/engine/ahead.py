@@ -13,7 +13,7 @@ from ..proposers.base import DraftBatch, QueuedDrafts
 from ..sampling import probs_of_rows, sample_rows
 from ..sampling.logprobs import TokenLogprob, logprob_table, logprobs_of_table, top_width
 from ..timing import Mark, Span
-from ..transfers import to_device
+from ..transfers import copied_to_host, to_device
 from .sequence import Sequence
 
 
@@ -148,23 +148,6 @@ def tokens_of(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
 def rows_of(tensors, rows: list[int]):
     """The given rows of each tensor (None stays None)."""
     return tuple(None if t is None else t[to_device(rows, t.device)] for t in tensors)
-
-
-def copied_to_host(picked: torch.Tensor):
-    """A copy of `picked` to the host queued now, and a function that waits for it and gives its values: on a GPU,
-    waiting for this copy alone, not for work queued after it."""
-    if picked.device.type != "cuda":
-        return picked.tolist
-    host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-    host.copy_(picked, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def read() -> list:
-        done.synchronize()
-        return host.tolist()
-
-    return read
 
 
 def with_hidden(out) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -95,15 +95,14 @@ class DraftBatch:
 class QueuedDrafts:
     """Drafting for the next step queued on the device behind a verify, before the host read it
     (Proposer.queue_drafts): for sequence i, from `starts[i]` (its last token's position), ks[i] drafts, left on the
-    device as a chain leaves them (`tokens`, `probs`: [n, max(ks)]); drafted on `accepted`, the drafts of that verify
-    each sequence kept as the device counted them ([n]: verify/on_device.py), which the host checks once it has
-    verified them itself (`kept`: its counts)."""
+    device as a chain leaves them (`tokens`, `probs`: [n, max(ks)]), drafted on the drafts of that verify each
+    sequence kept as the device counted them (verify/on_device.py); `kept`: those counts once the host has verified
+    them itself and found the same."""
 
     starts: list[int]
     ks: list[int]
     tokens: torch.Tensor
     probs: torch.Tensor
-    accepted: torch.Tensor
     round_spans: list[tuple[Span, int]]
     kept: list[int] | None = None
 

@@ -196,7 +196,7 @@ class DraftHeadProposer(DraftModelProposer):
             return None
         chain = Span(start, mark())
         self.timer.record("draft", chain, calls=max(rounds))
-        return QueuedDrafts(starts, list(ks), *drafts[:2], verified.accepted, [(first, 1), (chain, max(rounds))])
+        return QueuedDrafts(starts, list(ks), *drafts[:2], [(first, 1), (chain, max(rounds))])
 
     def take_queued(self, queued, seqs, ks):
         for seq, start, kept, k in zip(seqs, queued.starts, queued.kept, queued.ks):

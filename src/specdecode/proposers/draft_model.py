@@ -218,7 +218,7 @@ class DraftModelProposer(Proposer):
         self._pending.update(s.request_id for s in seqs)  # rows past what the verify keeps are this drafting's
         chain = Span(start, mark())
         self.timer.record("draft", chain, calls=max(rounds))
-        return QueuedDrafts(starts, list(ks), *drafts[:2], accepted, [(first, 1), (chain, max(rounds))])
+        return QueuedDrafts(starts, list(ks), *drafts[:2], [(first, 1), (chain, max(rounds))])
 
     def take_queued(self, queued, seqs, ks):
         slots, starts = [], []

@@ -1,7 +1,7 @@
 """Greedy verification where the verify's argmax lies, for drafting queued behind a verify before the host reads it
-(engine/overlap.py): how many drafts each sequence keeps, and the tokens its drafter reads next. The host verifies from
-the same argmax once it is read (verifier.verify_argmax_rows), and drafting queued on these counts is taken only where
-the two agree, so the tokens never depend on this computation: at worst its drafts go unused."""
+(engine/queued_drafts.py): how many drafts each sequence keeps, and the tokens its drafter reads next. The host
+verifies from the same argmax once it is read (verifier.verify_argmax_rows), and drafting queued on these counts is
+taken only where the two agree, so the tokens never depend on this computation: at worst its drafts go unused."""
 
 from __future__ import annotations
 
