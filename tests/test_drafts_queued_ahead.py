@@ -1,12 +1,13 @@
 """The next step's drafting queued behind a verify before the host reads it (engine/overlap.py `_queue_drafts`,
 verify/on_device.py, DraftHeadProposer.queue_drafts): the device counts the drafts each sequence keeps, the head reads
-the verify's rows at once and chains its rounds from where the count says, and the next step takes those drafts when
-the host's own verification agrees. On a CPU the engine queues nothing by default; these tests turn the device path
-on at fixed shapes and check that queued drafting gives the drafts, tokens and acceptance of drafting after the read
-(greedy; every draft kept; imposed acceptance drawn a step at a time; requests arriving and finishing), that the
-device's count equals the host's verification, and that where the two disagree the drafts go unused and the tokens
-stay the same. Broken variants fail: the rounds started where nothing was kept, the first round reading the target's
-picks in place of the kept drafts, the count past a confidence stop."""
+the verify's rows at once and chains its rounds from where the count says, and the next step takes those drafts when the
+host's own verification agrees. On a CPU the engine queues nothing by default; these tests turn the device path on at
+fixed shapes and check that queued drafting gives the drafts, tokens and acceptance of drafting after the read (greedy;
+every draft kept; imposed acceptance drawn a step at a time; requests arriving, finishing and waiting for a slot), that
+block accounting holds over random engine operations, that the device's count equals the host's verification, and that
+where the two disagree the drafts go unused and the tokens stay the same. Broken variants fail: the rounds started where
+nothing was kept, the first round reading the target's picks in place of the kept drafts, the count past a confidence
+stop."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from conftest import fixed_shapes_as_on_a_gpu, make_head, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.imposed import MeasuredAcceptance
-from specdecode.engine import queued_drafts
+from specdecode.engine import overlap, queued_drafts
 from specdecode.executor import draft_chain
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers.base import DraftsOnDevice
@@ -92,8 +93,8 @@ def test_imposed_counts_are_taken_as_given():
 
 
 # ---- the engine: queued drafting against drafting after the read -------------------------------------------------
-def _engine(target, tmp_path, threshold: float = 0.0, drafter: str = "head"):
-    options = dict(num_speculative_tokens=K, max_model_len=256, progress=False, speculation_policy="fixed")
+def _engine(target, tmp_path, threshold: float = 0.0, drafter: str = "head", **options):
+    options.update(num_speculative_tokens=K, max_model_len=256, progress=False, speculation_policy="fixed")
     if drafter == "head":
         options.update(speculative_model=make_head(target, tmp_path / "head"))
     else:  # a draft close to the target (its weights perturbed): it drafts what the target takes, often
@@ -335,6 +336,28 @@ def test_no_drafting_is_queued_for_a_step_the_adaptive_policy_keeps_plain(broken
     assert (dropped == []) is (broken is None)
 
 
+@pytest.mark.parametrize("broken", [None, "nothing queued while a request waits"])
+def test_drafting_is_queued_while_requests_wait_for_a_slot(broken, tmp_path, monkeypatch):
+    """Two slots, three requests: while both slots are taken and the third waits (a busy server), drafting and the
+    next verify are queued as with nothing waiting; the tokens are the target's own. Broken: nothing queued while a
+    request waits."""
+    if broken:
+        monkeypatch.setattr(overlap.QueuingAhead, "_may_admit_next", lambda self, leaving=0: bool(self.waiting))
+    target = tiny_model(seed=0)
+    engine = _engine(target, tmp_path, max_num_seqs=2)
+    engine.overlap = True
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+    queued_while_waiting = 0
+    while engine.has_unfinished():
+        waited = bool(engine.waiting)
+        engine.step()
+        queued_while_waiting += waited and engine._drafts_ahead is not None and engine._drafts_ahead.verify is not None
+    plain = LLM(target=target, num_speculative_tokens=0, progress=False)
+    assert [s.output_ids for s in seqs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert (queued_while_waiting >= 10) is (broken is None)
+
+
 def test_a_commit_keeps_the_blocks_a_verify_queued_ahead_writes(target):
     """The step's commit drops what its verify rejected but keeps the blocks where the next verify, queued on the
     device, writes (`hold`): given back, another sequence could take them before that verify has written there."""
@@ -368,3 +391,31 @@ def test_a_long_prompt_arriving_while_drafting_is_queued_leaves_the_tokens_alike
             steps += 1
         runs.append(([first.output_ids, late.output_ids], rode, engine.verifies_taken_ahead))
     assert runs[1][0] == runs[0][0] and runs[1][1] >= 3 and runs[1][2] >= 5
+
+
+@pytest.mark.parametrize("drafter, broken", [("head", False), ("draft", False), ("draft", True)])
+def test_block_accounting_holds_over_random_operations_with_drafting_queued(drafter, broken, tmp_path, monkeypatch):
+    """Requests added, stepped, aborted and preempted at random while drafting and verifies are queued ahead (with
+    requests waiting for slots): every pool's accounting holds after each operation, every request ends, and no
+    pool holds a block after. Broken: a draft model's queued rows never rolled back where they go unused."""
+    from test_paged_kv import _holdings_are_consistent
+    from test_preemption import _options, _random_engine_operations
+
+    from specdecode.bench.budgets import llm_holding
+    from specdecode.proposers.draft_model import DraftModelProposer
+
+    if broken:
+        monkeypatch.setattr(DraftModelProposer, "drop_queued", lambda self, queued, seqs: None)
+    llm = llm_holding(40, **_options(drafter, tmp_path), max_num_seqs=4, draft_confidence=0.0)  # a draft model chains
+    engine = llm.engine
+    engine.overlap = True
+    try:
+        seqs, _ = _random_engine_operations(llm, seed=5, steps=400)
+    except (AssertionError, IndexError, ValueError):
+        assert broken
+        return
+    assert not broken
+    assert engine.queued_drafts_taken > 100 and engine.verifies_taken_ahead > 100 and all(s.finished for s in seqs)
+    for runner, _ in engine.blocks.pools:
+        _holdings_are_consistent(runner)
+        assert runner.blocks_in_use() == 0

@@ -1,11 +1,12 @@
 """Plain steps queued ahead (engine/overlap.py): each step's forward is queued before the tokens of the step before it
 reach the host, reading them on the device. The tokens are those of steps run one after another, whatever stops a
-sequence (max_tokens, EOS, a stop string), with requests arriving, sampled (a draw from each sequence's stream, given
-back where a queued step is dropped) or asking for logprobs (read with each token), preempted and resumed, and with
-their blocks found again by a later prompt; block accounting holds over random engine operations. On a CPU the engine
-runs without them by default; these tests turn them on, through the eager forward and the fixed-shape one taken through
-its capture path. Broken variants fail: the tokens read before the next forward is queued, a stale queued step taken for
-a resumed sequence, token ids never settled, draws of a dropped step kept, logprobs of another row."""
+sequence (max_tokens, EOS, a stop string), with requests arriving or waiting for a slot (steps still queued), sampled (a
+draw from each sequence's stream, given back where a queued step is dropped) or asking for logprobs (read with each
+token), preempted and resumed, and with their blocks found again by a later prompt; block accounting holds over random
+engine operations. On a CPU the engine runs without them by default; these tests turn them on, through the eager forward
+and the fixed-shape one taken through its capture path. Broken variants fail: the tokens read before the next forward is
+queued, a stale queued step taken for a resumed sequence, token ids never settled, draws of a dropped step kept,
+logprobs of another row."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from test_preemption import _options, _random_engine_operations
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.budgets import llm_holding
-from specdecode.engine import ahead
+from specdecode.engine import ahead, overlap
 from specdecode.engine.policy import DraftDecision, Policy
 from specdecode.executor import runner as runner_module
 from specdecode.executor.runner import ModelRunner
@@ -168,6 +169,45 @@ def test_requests_arriving_mid_run_decode_as_they_would_alone(monkeypatch):
         step += 1
     assert [s.output_ids for s in seqs] == alone
     assert queued and all(waited.count(s) <= 1 for s in seqs)
+
+
+def _sitting_out(engine, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list, list, int]:
+    """Runs the requests, all added at once: the outputs, each sequence skipped by a decoding step (as often as it
+    was: one admitted while others decode gets its prompt's token and the step's), and the steps queued ahead while a
+    request waited."""
+    seqs = [engine.add_request(p, params) for p, params in requests]
+    skipped, queued_while_waiting = [], 0
+    while engine.has_unfinished():
+        before, waited = {id(s): s.num_output_tokens for s in engine.running}, bool(engine.waiting)
+        engine.step()
+        gained = [(s, s.num_output_tokens - before.get(id(s), 0)) for s in engine.running if not s.finished]
+        skipped += [s for s, tokens in gained if tokens < (2 if before and id(s) not in before else 1)]
+        queued_while_waiting += waited and engine._ahead is not None
+    return [s.output_ids for s in seqs], skipped, queued_while_waiting
+
+
+@pytest.mark.parametrize("broken", [None, "nothing queued while a request waits", "queued whoever waits"])
+def test_a_full_engine_queues_ahead_while_requests_wait_for_a_slot(broken, monkeypatch):
+    """Two slots, four requests: while every slot is taken and requests wait (a busy server), steps are still queued
+    ahead; none is queued after a step in which a sequence stops at its length, so the request admitted into its
+    slot decodes from the next step. One stopped by EOS frees its slot unforeseen: the request admitted into it sits
+    one step out. Each output is the request's alone. Broken variants fail: nothing queued while a request waits (no
+    overlap in a busy server), steps queued whoever waits (a request admitted at a foreseen stop sits a step out)."""
+    if broken == "nothing queued while a request waits":
+        monkeypatch.setattr(overlap.QueuingAhead, "_may_admit_next", lambda self, leaving=0: bool(self.waiting))
+    elif broken:
+        monkeypatch.setattr(overlap.QueuingAhead, "_may_admit_next", lambda self, leaving=0: False)
+    target = tiny_model(seed=0)
+    stopping = SamplingParams(temperature=0, max_tokens=40)
+    eos = _llm(target, False).generate([PROMPTS[2]], stopping)[0].outputs[0].token_ids[6]
+    target = _with_eos(target, eos)
+    requests = [(PROMPTS[0], _greedy(8)), (PROMPTS[1], _greedy(30)), (PROMPTS[2], stopping), (PROMPTS[3], _greedy(10))]
+    alone = [_llm(target, False).generate([p], params)[0].outputs[0].token_ids for p, params in requests]
+    assert len(alone[2]) < 10  # stopped by EOS, before request 1's end
+    outputs, skipped, queued = _sitting_out(_llm(target, True, max_num_seqs=2).engine, requests)
+    assert outputs == alone
+    assert (queued >= 5) is (broken != "nothing queued while a request waits")
+    assert (len(skipped) <= 1) is (broken != "queued whoever waits")
 
 
 def _preempted_with_a_step_queued(params: list[SamplingParams]):

@@ -117,18 +117,27 @@ class QueuingAhead(QueuingDrafts):
     def _queue_next(self, seqs: list[Sequence], picked: torch.Tensor) -> StepAhead | None:
         """The next step's forward, queued for the sequences that will still decode after this step's token (as far
         as the host knows now: EOS and stop strings show only once the tokens are read), where the next step will be
-        this one's again: no prompt waits to be admitted or prefilled, the pools hold one more token of each, and
-        this is not a lone plain step (a policy that drafts re-measures plain decoding with one now and then, and the
-        step after it drafts: it would not take a plain step queued for it)."""
-        if self.waiting or self.prefilling or self._plain_run < 2:
+        this one's again: no prompt is admitted or prefilled, the pools hold one more token of each, and this is not
+        a lone plain step (a policy that drafts re-measures plain decoding with one now and then, and the step after
+        it drafts: it would not take a plain step queued for it)."""
+        if self.prefilling or self._plain_run < 2:
             return None
         going = [i for i, s in enumerate(seqs) if s.remaining_tokens > 1 and s.num_tokens + 1 < self.max_model_len]
-        if not going or not self.blocks.fits(self._active(), lookahead=1):
+        if not going or self._may_admit_next(len(seqs) - len(going)):
+            return None
+        if not self.blocks.fits(self._active(), lookahead=1):
             return None
         next_seqs = [seqs[i] for i in going]
         picked = picked if next_seqs == seqs else picked[to_device(going, picked.device)]
         out = self.runner.forward_picked([s.slot for s in next_seqs], picked[:, None], hidden=self.wants_hidden_states)
         return StepAhead.queued(next_seqs, *with_hidden(out))
+
+    def _may_admit_next(self, leaving: int = 0) -> bool:
+        """Whether the next step may admit a waiting request: the slots free now and those of the `leaving` sequences
+        (stopping at their length this step) hold the first waiting group. With every slot taken, as a busy server's
+        are, a step still queues the next; a sequence stopped by EOS or a stop string frees a slot unforeseen, and
+        the request admitted into it sits one step out."""
+        return bool(self.waiting) and self.runner.num_free + leaving >= len(self._next_group())
 
     def _verifies_on_device(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         """Whether the verify's forward reads the drafts where the drafter left them, queued before they are read:

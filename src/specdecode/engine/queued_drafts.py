@@ -37,10 +37,10 @@ class QueuingDrafts:
 
     def _queue_drafts(self, seqs: list[Sequence], drafts: DraftBatch, decision: DraftDecision, logits, hidden):
         """Where the next step will likely draft for these sequences as this one does (greedy, each by the drafter's
-        chained rounds; nothing waits to be admitted; the pools hold two steps' rows), this verify's read queued now
-        and the drafter's next rounds behind it, on what the verify kept as counted on the device
-        (verify/on_device.py): the host's work on this step's tokens then runs while the device drafts for the
-        next step, not between the read and the next drafting. Drafts the next step does not take (the policy chose
+        chained rounds; no request the next step may admit; the pools hold two steps' rows), this verify's read queued
+        now and the drafter's next rounds behind it, on what the verify kept as counted on the device
+        (verify/on_device.py): the host's work on this step's tokens then runs while the device drafts for the next
+        step, not between the read and the next drafting. Drafts the next step does not take (the policy chose
         otherwise; a sequence finished, or was preempted) go unused. None where nothing was queued."""
         if not self._drafts_may_queue(seqs, drafts):
             return None
@@ -94,7 +94,7 @@ class QueuingDrafts:
             and len(drafts.on_device.rows) == len(seqs)
             and all(reads_raw_argmax(s) for s in seqs)
             and not (self.forced_accept and self.proposer.confidence_threshold)  # kept counts the drafts stood by
-            and not self.waiting
+            and not self._may_admit_next()
             and not self.prefilling
             and not self.policy.plain_next()
             and all(s.remaining_tokens > 2 * k + 1 and s.num_tokens + 2 * (k + 1) <= self.max_model_len for s in seqs)
