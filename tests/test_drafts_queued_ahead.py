@@ -410,7 +410,7 @@ def test_block_accounting_holds_over_random_operations_with_drafting_queued(draf
     engine = llm.engine
     engine.overlap = True
     try:
-        seqs, _ = _random_engine_operations(llm, seed=5, steps=400)
+        seqs, _ = _random_engine_operations(llm, seed=5, steps=250)
     except (AssertionError, IndexError, ValueError):
         assert broken
         return
