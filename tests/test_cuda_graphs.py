@@ -361,6 +361,27 @@ def test_the_prepared_gpu_checks_test_files_come_to_a_verdict(tmp_path, monkeypa
     assert cuda_check.RESULTS["failed"] == ["the CUDA test files, graphs on"]
 
 
+def test_the_prepared_gpu_check_keeps_its_last_minutes_for_the_test_files(tmp_path, monkeypatch):
+    """With time kept for the test files (--test-seconds), a measuring section that would start past it is skipped
+    and said to be; the test files still run."""
+    import time
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import cuda_check
+
+    monkeypatch.setattr(cuda_check, "RESULTS", {})
+    monkeypatch.delenv("CHECK_OUT", raising=False)
+    monkeypatch.setattr(cuda_check, "MEASURE_UNTIL", time.perf_counter() + 600)
+    cuda_check.device_facts()
+    assert "device" in cuda_check.RESULTS and "skipped" not in cuda_check.RESULTS
+    monkeypatch.setattr(cuda_check, "MEASURE_UNTIL", time.perf_counter())
+    cuda_check.device_facts()
+    (tmp_path / "test_passes.py").write_text("def test_passes():\n    assert 1 + 1 == 2\n")
+    cuda_check.tests([str(tmp_path / "test_passes.py")], deadline=time.perf_counter() + 120)
+    assert cuda_check.RESULTS["skipped"] == ["device"] and cuda_check.RESULTS["tests"]["outcomes"] == {"PASSED": 1}
+
+
 def test_the_prepared_gpu_checks_test_files_say_what_passed_before_their_time_ran_out(tmp_path, monkeypatch):
     """A run cut short by the check's deadline (the H100's said only "timed out") still counts the tests that ended:
     one passed, one failed, the one still running not at all."""

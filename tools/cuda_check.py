@@ -181,11 +181,18 @@ def roofline(tokens_per_s: float, seqs: int, context: int, model) -> float:
     return tokens_per_s * per_token / RESULTS["copy_bandwidth_B_s"]
 
 
+MEASURE_UNTIL = math.inf  # sections that would start later are skipped: the rest of the run is the test files'
+
+
 def section(name):
     def wrap(fn):
         def run(*args, **kwargs):
             start = time.perf_counter()
             print(f"\n== {name}", flush=True)
+            if start > MEASURE_UNTIL and fn.__name__ != "tests":
+                print("   skipped: the time left is kept for the test files", flush=True)
+                RESULTS.setdefault("skipped", []).append(name)
+                return
             try:
                 fn(*args, **kwargs)
             except Exception:  # a failing section is reported; the next ones still run
@@ -1305,6 +1312,13 @@ def main() -> None:
         "--seconds", type=float, default=540, help="when the run must end: the test files get what is left of it"
     )
     parser.add_argument(
+        "--test-seconds",
+        type=float,
+        default=0,
+        help="with --quick, the time at the end kept for the test files: a measuring section that would start later "
+        "is skipped (the bars come first; the test files come to a verdict whatever the measurements took)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="the linear layers' kernel against cuBLAS, the batch-1 bars, the concurrency sweep, step costs (graphs, "
@@ -1313,6 +1327,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.out:
         os.environ["CHECK_OUT"] = args.out
+    if args.quick and not args.skip_tests and args.test_seconds:
+        global MEASURE_UNTIL
+        MEASURE_UNTIL = STARTED + args.seconds - args.test_seconds
     device_facts()
     target, draft = random_model("target", 0), random_model("draft", 1)
     print(f"target {target.model.weight_bytes() / 1e9:.2f} GB, draft {draft.model.weight_bytes() / 1e9:.2f} GB")
