@@ -171,6 +171,43 @@ def test_requests_arriving_mid_run_decode_as_they_would_alone(monkeypatch):
     assert queued and all(waited.count(s) <= 1 for s in seqs)
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_no_plain_step_is_queued_for_a_step_that_probes_drafting(broken, random_draft, monkeypatch):
+    """A useless draft under the adaptive policy: it probes drafting on one sequence now and then, and a plain step
+    queued for the step that probes would go unused (its forward computed for nothing), so none is; the tokens are
+    plain decoding's. Broken: the policy saying nothing of its next probe."""
+    from conftest import priced_without_timing
+
+    from specdecode.engine.policy import adaptive
+
+    if broken:
+        monkeypatch.setattr(adaptive.AdaptivePolicy, "probes_next", lambda self, contexts: False)
+    target = tiny_model(seed=0)
+    params = [_greedy(120), _greedy(90)]
+    plain = [o.outputs[0].token_ids for o in _llm(target, False).generate(PROMPTS[:2], params)]
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=4, speculation_policy="adaptive",
+              max_model_len=256, progress=False)  # fmt: skip
+    engine = llm.engine
+    engine.overlap = True
+    priced_without_timing(engine.policy, monkeypatch, 2)
+    probes, wasted, choose = [], [], engine.policy.choose
+
+    def choosing(*args, **kwargs):
+        decision = choose(*args, **kwargs)
+        if decision.probe:
+            probes.append(decision.ks)
+            wasted.append(engine._ahead is not None)  # a plain step queued for this one, now dropped
+        return decision
+
+    monkeypatch.setattr(engine.policy, "choose", choosing)
+    seqs = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert len(probes) >= 2 and all(sorted(ks)[-2:] in ([4], [0, 4]) for ks in probes)
+    assert any(wasted) is broken
+
+
 def _sitting_out(engine, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list, list, int]:
     """Runs the requests, all added at once: the outputs, each sequence skipped by a decoding step (as often as it
     was: one admitted while others decode gets its prompt's token and the step's), and the steps queued ahead while a

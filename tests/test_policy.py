@@ -69,7 +69,7 @@ def test_adaptive_explores_then_decides():
     p.costs.target.observe(1, 1, 3.0)
     assert p.choose(["r"]).ks == [0]  # the first sample carries one-off work: plain again
     p.costs.target.observe(1, 1, 1.0)
-    assert p.choose(["r"]).ks == [4]  # plain measured: try speculating once
+    assert p.probes_next([0]) and p.choose(["r"]).ks == [4]  # plain measured: try speculating once
     assert p.choose(["r", "s"]).ks == [0, 0]  # a new batch size: measure plain there first
     p.costs.target.observe(2, 2, 1.0)
     p.costs.target.observe(2, 2, 1.0)
@@ -518,6 +518,33 @@ def _batch_8_costs(p: AdaptivePolicy, drafting_could_pay: bool) -> AdaptivePolic
     else:
         p.costs.draft.record(1, 0.03)
     return p
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_the_next_probe_is_said_ahead_and_a_decision_said_not_to_probe_does_not(held, monkeypatch):
+    """probes_next tells a plain step whether the next decision probes (a step queued for it would go unused), before
+    the step's time is known. At the budget's edge that time decides (here a plain step takes 90 ms or, a hiccup,
+    500): where it said no, the next decision does not probe. Broken (`held` False: the word not kept) probes where
+    it said it would not."""
+    import random
+
+    p = _batch_8_costs(make_policy("adaptive", 3, probe_allowance_steps=0.0), drafting_could_pay=True)
+    if not held:
+        monkeypatch.setattr(p, "_probe_now", lambda n, contexts: p._should_probe(n, contexts))
+    ids, rng, probes, unsaid, said = [str(i) for i in range(8)], random.Random(0), 0, 0, None
+    for _ in range(600):  # every draft rejected: the evidence stays thin, probes are budgeted
+        decision = p.choose(ids)
+        probes += decision.probe
+        unsaid += decision.probe and said is False
+        for i, k in zip(ids, decision.ks):
+            p.observe_acceptance(i, k, 0)
+        if any(decision.ks):  # the target's call as priced, the step's whole time dearer (the draft's catch-up)
+            said = None
+            p.observe_step(decision.ks, 0.11, 0.01, 0.3)
+        else:  # a plain step asks before its time is known (as it queues the next)
+            said, seconds = p.probes_next([0] * 8), rng.choice((0.09, 0.09, 0.09, 0.5))
+            p.observe_step(decision.ks, seconds, None, seconds)
+    assert probes >= 5 and (unsaid == 0) is held
 
 
 def test_probes_cost_at_most_their_budget():

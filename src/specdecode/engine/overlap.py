@@ -119,15 +119,17 @@ class QueuingAhead(QueuingDrafts):
         as the host knows now: EOS and stop strings show only once the tokens are read), where the next step will be
         this one's again: no prompt is admitted or prefilled, the pools hold one more token of each, and this is not
         a lone plain step (a policy that drafts re-measures plain decoding with one now and then, and the step after
-        it drafts: it would not take a plain step queued for it)."""
+        it drafts: it would not take a plain step queued for it) nor one before the policy probes drafting."""
         if self.prefilling or self._plain_run < 2:
             return None
         going = [i for i, s in enumerate(seqs) if s.remaining_tokens > 1 and s.num_tokens + 1 < self.max_model_len]
         if not going or self._may_admit_next(len(seqs) - len(going)):
             return None
+        next_seqs = [seqs[i] for i in going]
+        if self.proposer is not None and self.policy.probes_next([s.num_tokens for s in next_seqs]):
+            return None
         if not self.blocks.fits(self._active(), lookahead=1):
             return None
-        next_seqs = [seqs[i] for i in going]
         picked = picked if next_seqs == seqs else picked[to_device(going, picked.device)]
         out = self.runner.forward_picked([s.slot for s in next_seqs], picked[:, None], hidden=self.wants_hidden_states)
         return StepAhead.queued(next_seqs, *with_hidden(out))

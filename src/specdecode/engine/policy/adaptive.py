@@ -14,6 +14,7 @@ from .acceptance import AcceptanceEstimator
 from .allocation import allocate, gains_of
 from .base import DraftDecision, Lookup, Policy
 from .costs import CostModel
+from .probes import Probing
 
 BAR_HALVINGS = 4  # halvings of [0, optimistic_acceptance] that find the acceptance under which drafting cannot pay
 # the pooled depth acceptance and the costs move between two works of that bar: it is set this far under the highest
@@ -21,7 +22,7 @@ BAR_HALVINGS = 4  # halvings of [0, optimistic_acceptance] that find the accepta
 BAR_MARGIN = 0.1
 
 
-class AdaptivePolicy(Policy):
+class AdaptivePolicy(Probing, Policy):
     """options: its knobs (config.AdaptiveOptions; the estimator's priors and smoothing among them)."""
 
     name = "adaptive"
@@ -52,34 +53,11 @@ class AdaptivePolicy(Policy):
         # A catch-up must pay for itself within this many steps: drafting may well stop again before the
         # sequence ends (load grows, acceptance drops), and then the catch-up was wasted.
         self.catch_up_horizon = options.catch_up_horizon
-        # Below this much pooled evidence on the first draft position (in trials, faded while nobody
-        # drafts; see AcceptanceEstimator), drafting is probed on one sequence instead of trusting the
-        # estimate: one early rejection must not switch speculation off for good.
-        self.probe_trials = options.probe_trials
-        # Probes that do not lead to drafting may cost at most this fraction of the time spent decoding
-        # (a probe's cost: its step's seconds beyond a plain step's). At batch 8 a probe step (a draft
-        # forward, often a catch-up, and verify rows) costs ~1.6 plain ones, and probing whenever the
-        # evidence was thin spent 18% of an agent-loop run there without ever leading to drafting. A probe
-        # after which the policy drafts by the model is refunded: at batch 1 the probe is what pays a new
-        # request's catch-up, and drafting then goes on (budgeted, new requests there decoded plainly).
-        self.probe_budget = options.probe_budget
-        # ... beyond a first probe_allowance_steps plain steps' time: at start-up there is no decoding time to take 2%
-        # of, and one rejected first probe (the prior and a single miss: an estimate of 0.47) would otherwise keep a
-        # good draft off for the next dozens of steps. In plain steps, so that it is the same share of a run whatever
-        # the device and the model.
-        self.probe_allowance_steps = options.probe_allowance_steps
-        # No probe where drafting would not pay even if the draft's first token were accepted this often
-        # (catch-ups aside): at a batch size where the measured costs rule drafting out, a probe can only lose.
-        self.optimistic_acceptance = options.optimistic_acceptance
-        self._probe_seconds = 0.0  # what probes that did not convert have cost
-        self._decode_seconds = 0.0
-        self._probing = False
-        self._unconverted_probe = 0.0  # the last probe's cost until the next decision says whether it converted
-        # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss
-        # (the draft's bookkeeping, a longer first round) is charged back to the decision. Plain steps need
-        # none: their table entry is the measured step. Learned only from steps without a catch-up (whose
-        # cost is an estimate of its own), and relaxed back towards 1 while that batch size decodes
-        # plainly: a bad stretch at one load must not switch speculation off at another, or for good.
+        self._init_probes(options)
+        # Measured / predicted seconds of speculative steps, per batch size: what the per-phase tables miss (the
+        # draft's bookkeeping, a longer first round) is charged back to the decision; a plain step's table entry is
+        # the step. Learned only from steps without a catch-up (an estimate of its own), relaxed back towards 1 while
+        # that batch size decodes plainly: a bad stretch at one load must not switch speculation off at another.
         self.calibration: dict[int, float] = {}
         self._predicted: tuple[float, bool] | None = None  # (seconds, no catch-up in the step)
         self._spec_steps_since_plain = 0
@@ -88,10 +66,6 @@ class AdaptivePolicy(Policy):
         # a work prices a few whole allocations, which a launch-bound GPU's step would feel if done often.
         self.could_pay_refresh = options.could_pay_refresh
         self._bars: dict[int, tuple[int, float, int]] = {}  # batch size -> (steps since worked out, bar, every)
-
-    def _probe_limit(self, n: int) -> float:
-        """Seconds that probes which did not lead to drafting may have cost so far, probing at n sequences."""
-        return self.probe_allowance_steps * self.costs.target(n, n) + self.probe_budget * self._decode_seconds
 
     def token_gains(self, first: float) -> list[float]:
         return self.estimator.token_gains(first, self.k_max)
@@ -111,7 +85,7 @@ class AdaptivePolicy(Policy):
         if not self.costs.target.has_plain(n):
             return DraftDecision.main_proposer([0] * n)  # measure plain decoding at this batch size first
         estimator = self.estimator
-        if drafter and self._should_probe(n, contexts):  # on the sequence cheapest to start
+        if drafter and self._probe_now(n, contexts):  # on the sequence cheapest to start
             self._probing = True
             probe = min(range(n), key=lambda i: catch_up[i])
             return DraftDecision([self.k_max if i == probe else 0 for i in range(n)], [False] * n, probe=True)
@@ -125,9 +99,7 @@ class AdaptivePolicy(Policy):
             drafter = False
         decision = self.best_decision(alphas, catch_up, remaining, lookups, drafter, contexts)
         self._refresh_every = self.refresh_plain_every * (4 if decision.score > self.clear_margin else 1)
-        if any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)):
-            self._probe_seconds -= self._unconverted_probe  # the probe led to drafting: it was no loss
-        self._unconverted_probe = 0.0
+        self._settle_probe(converted=any(k and not lookup for k, lookup in zip(decision.ks, decision.by_lookup)))
         starting = [c for c, k, lookup in zip(catch_up, decision.ks, decision.by_lookup) if k and c and not lookup]
         self._predicted = None  # what a speculative step is predicted to cost (a plain step's is measured)
         if any(decision.ks):
@@ -137,18 +109,6 @@ class AdaptivePolicy(Policy):
 
     def plain_next(self) -> bool:
         return self._spec_steps_since_plain >= self._refresh_every
-
-    def _should_probe(self, n: int, contexts: list[int]) -> bool:
-        """Measure drafting (its cost, unless profiled, and whether it is accepted at all: a prior that
-        predicts no gain would otherwise never be tested) while the evidence is thin and the probes'
-        budget lasts, at batch sizes where good drafts would pay."""
-        if not self.costs.draft:
-            return True
-        return (
-            self.estimator.first_position_trials < self.probe_trials
-            and self._probe_seconds <= self._probe_limit(n)
-            and self._drafting_could_pay(n, contexts)
-        )
 
     def expects_drafting(self, batch: int) -> bool:
         """Until the costs at this batch size are measured, yes (the first rounds probe them anyway); after, as long
@@ -271,11 +231,7 @@ class AdaptivePolicy(Policy):
     ) -> None:
         """The target call's and the step's times: the cost model, its calibration, and a probe's cost."""
         n, plain_keys = len(ks), sum(contexts)
-        self._decode_seconds += step_seconds or target_seconds
-        if self._probing:
-            self._unconverted_probe = max(0.0, (step_seconds or target_seconds) - self.costs.target(n, n, plain_keys))
-            self._probe_seconds += self._unconverted_probe
-            self._probing = False
+        self._charge_probe(n, step_seconds or target_seconds, plain_keys)
         if any(ks):
             if self._predicted and self._predicted[1] and step_seconds:
                 ratio = min(2.0, max(0.5, step_seconds / self._predicted[0]))  # one hiccup must not flip decisions

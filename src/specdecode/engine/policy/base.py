@@ -83,6 +83,11 @@ class Policy:
         drafting queued for it would go unused."""
         return False
 
+    def probes_next(self, contexts: list[int]) -> bool:
+        """Whether the next decision, for sequences with these cached tokens, probes drafting by the drafter on one
+        of them: a plain step queued for it would go unused."""
+        return False
+
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int, allowed: int | None = None) -> None:
         """The main proposer's drafts for this sequence in the step just run (drafted 0: it did not draft),
         of the `allowed` it was given (None: as many as it drafted)."""
