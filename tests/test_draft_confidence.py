@@ -114,3 +114,24 @@ def test_dropping_the_unsure_token_fails_the_distribution_test(small_pair, joint
     monkeypatch.setattr(DraftModelProposer, "propose", _drop_unsure_last_draft(DraftModelProposer.propose))
     counts, _ = sampled_joint(*small_pair, [1, 2, 3, 1], PARAMS, samples=8000, k=3, draft_confidence=THRESHOLD)
     assert chi2_pvalue(counts, joint) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "device, eager, asked, expected",
+    [("cpu", False, None, 0.8), ("cuda", False, None, 0.0), ("cuda", True, None, 0.8), ("cuda", False, 0.5, 0.5)],
+)
+def test_the_default_threshold_is_none_where_drafting_rounds_chain_on_the_device(device, eager, asked, expected):
+    """0.8 by default; none on CUDA with graphs, where a drafter's rounds chain on the device (every round and
+    verify row runs anyway: a stop would only drop accepted drafts), and none asked for there either."""
+    from types import SimpleNamespace
+
+    from specdecode.config import EngineConfig
+    from specdecode.engine.llm import _draft_confidence
+
+    config = EngineConfig(draft_confidence=asked, enforce_eager=eager)
+    assert _draft_confidence(config, SimpleNamespace(device=torch.device(device))) == expected
+
+
+def test_an_engine_on_a_cpu_stops_at_the_default_threshold(target, random_draft):
+    llm = LLM(target=target, draft=random_draft, num_speculative_tokens=3, max_model_len=64, progress=False)
+    assert llm.config.draft_confidence == 0.8 == llm.engine.proposer.confidence_threshold

@@ -7,7 +7,7 @@ import signal
 import sys
 from dataclasses import fields
 
-from .config import KV_CACHE_DTYPES, QUANTIZATIONS, AdaptiveOptions
+from .config import DRAFT_CONFIDENCE, KV_CACHE_DTYPES, QUANTIZATIONS, AdaptiveOptions
 from .config import EngineConfig as C  # every engine default, written once there
 from .distill.recipe import GPU_RECIPE, Recipe
 from .errors import SpecDecodeError
@@ -39,7 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser, several_backends: bool = False) 
         "--draft-confidence",
         type=float,
         **several,
-        default=[0.0, C.draft_confidence] if several_backends else C.draft_confidence,
+        default=[0.0, DRAFT_CONFIDENCE] if several_backends else C.draft_confidence,
         help=("thresholds to measure, each with its own rows; " if several else "") + _help("draft_confidence"),
     )
     p.add_argument(

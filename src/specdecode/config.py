@@ -119,9 +119,11 @@ class EngineConfig:
         DRAFT_VOCAB_SIZE,
         "the draft's LM head keeps this many lowest token ids and the special tokens (0: the whole vocabulary)",
     )
-    draft_confidence: float = option(
-        DRAFT_CONFIDENCE,
-        "the draft stops after a token it gives less probability than this (0: always drafts what the policy asks)",
+    draft_confidence: float | None = option(
+        None,
+        "the draft stops after a token it gives less probability than this (0: always drafts what the policy asks; "
+        f"None: {DRAFT_CONFIDENCE}, and 0 on CUDA with graphs, where drafting rounds chain on the device: every "
+        "round and verify row runs there anyway, and a stop would only drop accepted drafts)",
     )
     quantization: str = option(
         "auto",
@@ -214,7 +216,7 @@ class EngineConfig:
             )
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             problems.append(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
-        if not 0.0 <= self.draft_confidence < 1.0:
+        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
             problems.append(f"the draft confidence threshold must be in [0, 1), got {self.draft_confidence}")
         if self.speculation_policy not in POLICIES:
             problems.append(f"unknown speculation policy {self.speculation_policy!r}; use one of {', '.join(POLICIES)}")

@@ -7,7 +7,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field, fields
 
-from ..config import PREFILL_CHUNK_TOKENS, EngineConfig
+from ..config import DRAFT_CONFIDENCE, PREFILL_CHUNK_TOKENS, EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner, gpu_experts
@@ -108,10 +108,10 @@ class LLM:
     ("auto": float16 where the CPU attention kernel reads it, else the activations' dtype). Models passed
     as `target`/`draft` are used as built.
 
-    A draft model's LM head keeps `draft_vocab_size` token ids (None or 0: all of them), and it stops
-    drafting after a token it gives less than `draft_confidence` probability (0: always drafts what the
-    policy asks); neither changes the output. With `prefix_caching`, a prompt starts from the KV blocks
-    that requests of the same tenant, running or finished, computed for its longest prefix."""
+    A draft model's LM head keeps `draft_vocab_size` token ids (None or 0: all of them), and it stops drafting after a
+    token it gives less than `draft_confidence` probability (0: always drafts what the policy asks; None: 0.8, or 0 on
+    CUDA with graphs); neither changes the output. With `prefix_caching`, a prompt starts from the KV blocks that
+    requests of the same tenant, running or finished, computed for its longest prefix."""
 
     @names_valid_options
     def __init__(
@@ -143,6 +143,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         self.target.model.fit_rope_to_context(self.max_model_len)  # before a draft head copies its tables
+        config.draft_confidence = _draft_confidence(config, self.target.model)
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
         for loaded in (self.target, self.draft):
@@ -255,3 +256,12 @@ class LLM:
                 self.engine.abort(seq)
             raise
         return [RequestOutput.from_group(g, t) for g, t in zip(groups, texts)]
+
+
+def _draft_confidence(config: EngineConfig, target) -> float:
+    """The threshold asked for; by default DRAFT_CONFIDENCE, or none where the target's forwards replay CUDA graphs:
+    its drafters' rounds chain on the device there, every round and verify row runs anyway, and a stop would only drop
+    accepted drafts (docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary)."""
+    if config.draft_confidence is not None:
+        return config.draft_confidence
+    return 0.0 if target.device.type == "cuda" and not config.enforce_eager else DRAFT_CONFIDENCE
