@@ -324,7 +324,7 @@ def test_the_prepared_gpu_check_runs_through_at_tiny_shapes(tmp_path):
     results = json.loads((tmp_path / "cuda-check.json").read_text())
     assert "failed" not in results, proc.stdout[-3000:] + proc.stderr[-3000:]
     sections = {"step_costs", "head_step", "measured_acceptance", "engine_trace", "concurrency", "greedy_bits"}
-    sections |= {"prompts_together", "packed_eager", "experts", "draft_step_costs"}
+    sections |= {"prompts_together", "packed_eager", "experts", "draft_step_costs", "verify_widths"}
     assert sections <= set(results)
     assert [n for n in (1, 2, 4, 8, 16, 32, 64) if str(n) in results["concurrency"]] == [1, 2, 4, 8, 16, 32, 64]
     assert all(results["concurrency"]["1"][way]["decode_tok_s"] > 0 for way in ("adaptive", "imposed, head"))

@@ -340,6 +340,23 @@ def step_costs(target, modes=ALL_MODES):
     RESULTS["step_costs"] = rows
 
 
+# rows of a verify at batch 1: a chain of k drafts reads k + 1, a tree of 8, 16 or 32 drafts 9, 17 or 33
+VERIFY_WIDTHS = (1, 2, 5, 9, 17, 33) if DEVICE == "cuda" else (1, 5)
+
+
+@section("a verify's cost by its rows at batch 1, graphs on (what a tree of drafts would cost against a chain)")
+def verify_widths(target):
+    """The engine's forward (graphs, the paged kernels, the linear layers' timed choice) at batch 1 for each number of
+    rows: the cost side of trees of drafts, whose tokens a step the head's replayed steps give on a CPU
+    (tools/tree_acceptance.py; docs/decisions.md#trees-of-drafts-measured-not-built). A causal verify of as many rows
+    stands in for a tree's: its mask lets no row see more keys."""
+    rows = {}
+    with cublas_linear(target.model, False):
+        for width in VERIFY_WIDTHS:
+            rows.update(_step_cost(target.model, "+gemv", 1, width, PROMPT))
+    RESULTS["verify_widths"] = rows
+
+
 @section("the 0.5B draft's forward (a drafting round), its norms and SwiGLU apart from the linear kernel and taken in")
 def draft_step_costs(draft):
     """Whether taking the norms and SwiGLU into the linear layers' kernel pays for a narrower model: the 1.5B's step
@@ -1322,7 +1339,8 @@ def main() -> None:
         "--quick",
         action="store_true",
         help="the linear layers' kernel against cuBLAS, the batch-1 bars, the concurrency sweep, step costs (graphs, "
-        "fusion, attention and linear kernels), the head's step, the waits, greedy bits, the GPU paths' tests",
+        "fusion, attention and linear kernels), a verify by its rows, the head's step, the waits, greedy bits, the GPU "
+        "paths' tests",
     )
     args = parser.parse_args()
     if args.out:
@@ -1341,6 +1359,7 @@ def main() -> None:
         packed_eager(target)
         experts()
         step_costs(target, QUICK_MODES)
+        verify_widths(target)
         draft_step_costs(draft)
         head_step(target)
         waits(target)
@@ -1355,6 +1374,7 @@ def main() -> None:
         packed_eager(target)
         experts()
         step_costs(target)
+        verify_widths(target)
         batch_one(target, draft)
         waits(target)
         measured_acceptance(target, draft)
