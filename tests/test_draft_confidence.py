@@ -123,13 +123,15 @@ def test_dropping_the_unsure_token_fails_the_distribution_test(small_pair, joint
 def test_the_default_threshold_is_none_where_drafting_rounds_chain_on_the_device(device, eager, asked, expected):
     """0.8 by default; none on CUDA with graphs, where a drafter's rounds chain on the device (every round and
     verify row runs anyway: a stop would only drop accepted drafts), and none asked for there either."""
-    from types import SimpleNamespace
-
     from specdecode.config import EngineConfig
-    from specdecode.engine.llm import _draft_confidence
 
-    config = EngineConfig(draft_confidence=asked, enforce_eager=eager)
-    assert _draft_confidence(config, SimpleNamespace(device=torch.device(device))) == expected
+    assert EngineConfig(draft_confidence=asked, enforce_eager=eager).draft_confidence_on(device) == expected
+
+
+def test_a_proposer_built_from_the_default_config_stops_at_the_default_threshold(target, random_draft):
+    from specdecode.proposers import ProposerSetup, build_proposer
+
+    assert build_proposer("draft_model", ProposerSetup(target, loaded=random_draft)).confidence_threshold == 0.8
 
 
 def test_an_engine_on_a_cpu_stops_at_the_default_threshold(target, random_draft):

@@ -258,6 +258,14 @@ class EngineConfig:
         example = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}'
         return [] if ok else [f"rope_scaling must be a JSON object such as {example}, got {self.rope_scaling!r}"]
 
+    def draft_confidence_on(self, device_type: str) -> float:
+        """draft_confidence; where unset DRAFT_CONFIDENCE, or none on CUDA with graphs: a drafter's rounds chain on
+        the device there, every round and verify row runs anyway, and a stop would only drop accepted drafts
+        (docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary)."""
+        if self.draft_confidence is not None:
+            return self.draft_confidence
+        return 0.0 if device_type == "cuda" and not self.enforce_eager else DRAFT_CONFIDENCE
+
     def rope_scaling_fields(self) -> dict | None:
         """rope_scaling as config.json's fields (None: the target's own scaling)."""
         return None if self.rope_scaling is None else json.loads(self.rope_scaling)

@@ -7,7 +7,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field, fields
 
-from ..config import DRAFT_CONFIDENCE, PREFILL_CHUNK_TOKENS, EngineConfig
+from ..config import PREFILL_CHUNK_TOKENS, EngineConfig
 from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner, gpu_experts
@@ -143,7 +143,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         self.target.model.fit_rope_to_context(self.max_model_len)  # before a draft head copies its tables
-        config.draft_confidence = _draft_confidence(config, self.target.model)
+        config.draft_confidence = config.draft_confidence_on(self.target.model.device.type)  # as its proposers read it
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
         for loaded in (self.target, self.draft):
@@ -256,12 +256,3 @@ class LLM:
                 self.engine.abort(seq)
             raise
         return [RequestOutput.from_group(g, t) for g, t in zip(groups, texts)]
-
-
-def _draft_confidence(config: EngineConfig, target) -> float:
-    """The threshold asked for; by default DRAFT_CONFIDENCE, or none where the target's forwards replay CUDA graphs:
-    its drafters' rounds chain on the device there, every round and verify row runs anyway, and a stop would only drop
-    accepted drafts (docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary)."""
-    if config.draft_confidence is not None:
-        return config.draft_confidence
-    return 0.0 if target.device.type == "cuda" and not config.enforce_eager else DRAFT_CONFIDENCE

@@ -89,7 +89,7 @@ class DraftHeadProposer(DraftModelProposer):
             build_head(spec, tensors, setup.target.model), setup.config.draft_quantization, setup.config.kv_cache_dtype
         )
         loaded = LoadedModel(f"head:{os.path.basename(path)}", head, setup.target.tokenizer, head.cfg)
-        return cls(head, loaded, setup.timer, setup.config.draft_confidence)
+        return cls(head, loaded, setup.timer, setup.config.draft_confidence_on(setup.target.model.device.type))
 
     def keep_prefix(self, seq, kept: int) -> int:
         """Of the `kept` prompt tokens the target found computed, the rows the head finds computed for a prefix

@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
         check_same_vocabulary(setup.target, draft.name, draft.tokenizer)
         if config.draft_vocab_size and draft.model is not setup.target.model:  # a self-draft must not alter the target
             restrict_draft_vocab(draft, config.draft_vocab_size)
-        return cls(draft, setup.timer, config.draft_confidence)
+        return cls(draft, setup.timer, config.draft_confidence_on(setup.target.model.device.type))
 
     def reserve(
         self, num_slots: int, max_model_len: int, reuse_prefixes: bool = False, num_blocks: int | None = None
