@@ -147,6 +147,10 @@ def main() -> None:
     for size in SIZES:
         ways[f"tree of {size}"] = in_tree(tree_of(counts, size))
     results = {"live_acceptance": live, "rows": {}}
+    totals = [replay(ranks, conf, n, chain(4, stop)) for ranks, conf, n in per_prompt]
+    steps, tokens = sum(t[0] for t in totals), sum(t[1] for t in totals)
+    results["replayed_as_live"] = tokens / steps
+    print(f"the engine's chain replayed on the same {len(per_prompt)} prompts: {tokens / steps:.3f} tokens a step")
     print(f"replayed on {len(scored)} prompts (trees made on the other {len(fit)}):")
     for name, accept in ways.items():
         totals = [replay(ranks, conf, n, accept) for ranks, conf, n in scored]
