@@ -24,6 +24,7 @@ from specdecode.executor import draft_chain
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers.base import DraftsOnDevice
 from specdecode.proposers.draft_head import DraftHeadProposer
+from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.verify import on_device
 from specdecode.verify.on_device import verified_on_device
 from specdecode.verify.verifier import verify_argmax_rows
@@ -393,24 +394,43 @@ def test_a_long_prompt_arriving_while_drafting_is_queued_leaves_the_tokens_alike
     assert runs[1][0] == runs[0][0] and runs[1][1] >= 3 and runs[1][2] >= 5
 
 
-@pytest.mark.parametrize("drafter, broken", [("head", False), ("draft", False), ("draft", True)])
+BROKEN_QUEUES = {
+    "queued rows never rolled back": lambda: (DraftModelProposer, "drop_queued", lambda self, queued, seqs: None),
+    "the next verify's blocks given back": lambda: (
+        ModelRunner,
+        "commit",
+        lambda self, slot, length, hold=0, commit=ModelRunner.commit: commit(self, slot, length, 0),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "drafter, broken",
+    [
+        ("head", None),
+        ("draft", None),
+        ("draft", "queued rows never rolled back"),
+        ("head", "the next verify's blocks given back"),
+    ],
+)
 def test_block_accounting_holds_over_random_operations_with_drafting_queued(drafter, broken, tmp_path, monkeypatch):
     """Requests added, stepped, aborted and preempted at random while drafting and verifies are queued ahead (with
-    requests waiting for slots): every pool's accounting holds after each operation, every request ends, and no
-    pool holds a block after. Broken: a draft model's queued rows never rolled back where they go unused."""
+    requests waiting for slots): every pool's accounting holds after each operation, every request ends with the
+    target's own greedy tokens, and no pool holds a block after. Broken: a draft model's queued rows never rolled
+    back where they go unused; a commit giving back the blocks the next verify, queued on the device, writes."""
     from test_paged_kv import _holdings_are_consistent
-    from test_preemption import _options, _random_engine_operations
+    from test_preemption import _options, _outputs_are_plain_decodings, _random_engine_operations
 
     from specdecode.bench.budgets import llm_holding
-    from specdecode.proposers.draft_model import DraftModelProposer
 
     if broken:
-        monkeypatch.setattr(DraftModelProposer, "drop_queued", lambda self, queued, seqs: None)
+        monkeypatch.setattr(*BROKEN_QUEUES[broken]())
     llm = llm_holding(40, **_options(drafter, tmp_path), max_num_seqs=4, draft_confidence=0.0)  # a draft model chains
     engine = llm.engine
     engine.overlap = True
     try:
         seqs, _ = _random_engine_operations(llm, seed=5, steps=250)
+        _outputs_are_plain_decodings(llm, seqs)
     except (AssertionError, IndexError, ValueError):
         assert broken
         return

@@ -14,7 +14,7 @@ import pytest
 from conftest import DEVICE, ByteTokenizer, make_head, tiny_model
 from test_cuda_graphs import captured  # noqa: F401 (a fixture)
 from test_paged_kv import _holdings_are_consistent
-from test_preemption import _options, _random_engine_operations
+from test_preemption import _options, _outputs_are_plain_decodings, _random_engine_operations
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.budgets import llm_holding
@@ -285,6 +285,7 @@ def test_block_accounting_holds_over_random_operations_with_steps_queued_ahead(t
     queued = _count_queued(monkeypatch)
     seqs, _ = _random_engine_operations(llm, seed=3, steps=300)
     assert len(queued) > 50 and all(s.finished for s in seqs)
+    _outputs_are_plain_decodings(llm, seqs)
     _holdings_are_consistent(llm.engine.runner)
     assert llm.engine.runner.blocks_in_use() == 0
 

@@ -122,10 +122,25 @@ def _random_engine_operations(llm: LLM, seed: int, steps: int = 1000) -> tuple[l
     return seqs, made
 
 
+def _outputs_are_plain_decodings(llm: LLM, seqs: list[Sequence]) -> None:
+    """Each sequence's output is its prompt's greedy decoding by the target alone (an aborted one's, a prefix of it):
+    what was preempted, resumed, queued ahead or dropped changed no token. The plain decodings in one batched call."""
+    wanted = {(tuple(s.prompt_ids), s.params.max_tokens) for s in seqs}
+    plain = LLM(target=llm.target, num_speculative_tokens=0, max_model_len=llm.config.max_model_len, progress=False)
+    prompts = sorted(wanted)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in prompts]
+    outs = plain.generate([list(p) for p, _ in prompts], params)
+    decoded = {prompt: out.outputs[0].token_ids for prompt, out in zip(prompts, outs)}
+    for seq in seqs:
+        alone = decoded[(tuple(seq.prompt_ids), seq.params.max_tokens)]
+        assert seq.output_ids == alone[: len(seq.output_ids)], f"{seq.request_id} decoded otherwise"
+        assert seq.finish_reason == "abort" or len(seq.output_ids) == len(alone)
+
+
 @pytest.mark.parametrize("kind, leaky", [("draft", False), ("head", False), ("draft", True)])
 def test_block_accounting_survives_a_thousand_random_engine_operations(kind, leaky, monkeypatch, tmp_path):
-    """Every request ends with its max_tokens (or aborted) and every pool ends with no block held; a preemption
-    that leaves the draft model's slot and blocks held fails."""
+    """Every request ends with its max_tokens (or aborted), its tokens the target's own greedy ones, and every pool
+    ends with no block held; a preemption that leaves the draft model's slot and blocks held fails."""
     if leaky:  # the draft model forgets the sequence's slot without giving it back
         monkeypatch.setattr(DraftModelProposer, "suspend", lambda self, seq: self._slots.pop(seq.request_id, None))
     llm = llm_holding(16, **{**_options(kind, tmp_path), "max_model_len": 768, "max_num_seqs": 8})
@@ -136,6 +151,7 @@ def test_block_accounting_survives_a_thousand_random_engine_operations(kind, lea
         assert held == [0, 0], f"blocks still held after every request ended: {held}"
         assert all(s.finish_reason == "abort" or len(s.output_ids) == s.params.max_tokens for s in seqs)
         assert made > 0, "the pool never ran short: nothing was tested"
+        _outputs_are_plain_decodings(llm, seqs)
 
 
 def test_an_aborted_preempted_sequence_leaves_no_estimates_or_indexes_behind():
