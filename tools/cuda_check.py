@@ -340,8 +340,9 @@ def step_costs(target, modes=ALL_MODES):
     RESULTS["step_costs"] = rows
 
 
-# rows of a verify at batch 1: a chain of k drafts reads k + 1, a tree of 8, 16 or 32 drafts 9, 17 or 33
-VERIFY_WIDTHS = (1, 2, 5, 9, 17, 33) if DEVICE == "cuda" else (1, 5)
+# rows of a verify at batch 1: a chain of k drafts reads k + 1 (a bucket of the next power of two), a tree of 7, 15,
+# 31 or 63 drafts 8, 16, 32 or 64
+VERIFY_WIDTHS = (1, 2, 4, 5, 8, 16, 32, 64) if DEVICE == "cuda" else (1, 5)
 
 
 @section("a verify's cost by its rows at batch 1, graphs on (what a tree of drafts would cost against a chain)")

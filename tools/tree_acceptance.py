@@ -28,7 +28,7 @@ from specdecode.config import DEFAULT_HEAD, DEFAULT_TARGET
 from specdecode.executor.runner import ModelRunner
 
 RANKS = 8  # ranks past this are not drafted by any tree considered
-SIZES = (1, 2, 4, 8, 16, 32, 64)  # draft tokens a step (the verify reads one row more)
+SIZES = (1, 3, 7, 15, 31, 63)  # draft tokens a step: with the bonus token's, a power of two rows (a GPU's buckets)
 
 
 def live_paths(llm: LLM, prompts: list[str], max_tokens: int):
@@ -159,7 +159,7 @@ def main() -> None:
         results["rows"][name] = {"tokens_per_step": tokens / steps, "first_accepted": first / steps, "drafts": drafts}
         print(f"  {name:36s}: {tokens / steps:.3f} tokens a step ({steps} steps), the head's top draft the "
               f"target's {first / steps:.3f}, verify rows {drafts + 1}")  # fmt: skip
-    trees = {size: sorted(tree_of(counts, size), key=lambda p: (len(p), p)) for size in (8, 16)}
+    trees = {size: sorted(tree_of(counts, size), key=lambda p: (len(p), p)) for size in (7, 15)}
     for size, tree in trees.items():
         print(f"  the tree of {size}: {' '.join(''.join(map(str, p)) for p in tree)}")
     print(f"({time.perf_counter() - started:.0f} s)")
