@@ -259,6 +259,16 @@ def fixed_shapes_as_on_a_gpu(monkeypatch) -> None:
             monkeypatch.setattr(runner_module, kernels, lambda model: None)
 
 
+def near_target_draft() -> LoadedModel:
+    """A draft close to tiny_model(seed=0) (its weights perturbed): it drafts what that target takes, often but not
+    always."""
+    draft = tiny_model(seed=0)
+    with torch.no_grad():
+        for p in draft.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
+    return draft
+
+
 def priced_without_timing(policy, monkeypatch, batches: int) -> None:
     """The adaptive policy's costs fixed for up to `batches` sequences (a verified row nearly free, as the CPU's kernels
     make it; a draft model a fraction of a step) and its steps left untimed: what it chooses then depends on acceptance

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEVICE, fixed_shapes_as_on_a_gpu, make_head, tiny_model
+from conftest import DEVICE, fixed_shapes_as_on_a_gpu, make_head, near_target_draft, tiny_model
 
 from specdecode import LLM, SamplingParams, timing
 from specdecode.bench.imposed import MeasuredAcceptance
@@ -33,20 +33,11 @@ def fixed_shapes(monkeypatch):
     fixed_shapes_as_on_a_gpu(monkeypatch)
 
 
-def _near_target(target):
-    """A draft close to the target (its weights perturbed): it drafts what the target takes, often but not always."""
-    draft = tiny_model(seed=0)
-    with torch.no_grad():
-        for p in draft.model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
-    return draft
-
-
 def _drafting(drafter: str, target, tmp_path, **options) -> LLM:
     if drafter == "head":
         options.update(speculative_model=make_head(target, tmp_path / "head"), draft_confidence=0.4)
     else:
-        options.update(draft=_near_target(target), draft_confidence=0.0)  # a draft model chains without a stop
+        options.update(draft=near_target_draft(), draft_confidence=0.0)  # a draft model chains without a stop
     options.update(num_speculative_tokens=K, max_model_len=256, progress=False, speculation_policy="fixed")
     return LLM(target=target, **options)
 

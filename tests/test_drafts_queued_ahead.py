@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from conftest import fixed_shapes_as_on_a_gpu, make_head, tiny_model
+from conftest import fixed_shapes_as_on_a_gpu, make_head, near_target_draft, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.imposed import MeasuredAcceptance
@@ -98,12 +98,8 @@ def _engine(target, tmp_path, threshold: float = 0.0, drafter: str = "head", **o
     options.update(num_speculative_tokens=K, max_model_len=256, progress=False, speculation_policy="fixed")
     if drafter == "head":
         options.update(speculative_model=make_head(target, tmp_path / "head"))
-    else:  # a draft close to the target (its weights perturbed): it drafts what the target takes, often
-        draft = tiny_model(seed=0)
-        with torch.no_grad():
-            for p in draft.model.parameters():
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
-        options.update(draft=draft)
+    else:
+        options.update(draft=near_target_draft())
     return LLM(target=target, draft_confidence=threshold, **options).engine
 
 
