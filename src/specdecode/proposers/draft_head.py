@@ -21,8 +21,7 @@ import torch
 from ..errors import SpecDecodeError
 from ..models.draft_head import DraftHead, build_head, read_head
 from ..models.loader import LoadedModel
-from ..timing import Span, StepTimer, mark
-from .base import QueuedDrafts
+from ..timing import StepTimer
 from .draft_model import DraftModelProposer, taken_drafts
 from .registry import ProposerSetup
 
@@ -189,14 +188,8 @@ class DraftHeadProposer(DraftModelProposer):
                 slots, verified.tokens, [width] * n, features=hidden[verified.rows], logits="all", hidden=True
             )
         at = torch.arange(n, device=logits.device) * width + verified.accepted
-        rounds, start = [k - 1 for k in ks], mark()
         after = ([s + 1 for s in starts], verified.accepted, width - 1)
-        drafts = self.runner.chained_rounds(slots, logits[at], estimates[at], rounds, after=after)
-        if drafts is None:
-            return None
-        chain = Span(start, mark())
-        self.timer.record("draft", chain, calls=max(rounds))
-        return QueuedDrafts(starts, list(ks), *drafts[:2], [(first, 1), (chain, max(rounds))])
+        return self._chain_queued(slots, starts, ks, first, logits[at], estimates[at], after)
 
     def take_queued(self, queued, seqs, ks):
         for seq, start, kept, k in zip(seqs, queued.starts, queued.kept, queued.ks):

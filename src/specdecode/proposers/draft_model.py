@@ -210,12 +210,19 @@ class DraftModelProposer(Proposer):
             logits = self.runner.forward_after(slots, starts, pair, accepted, reach)
         if logits is None:
             return None
-        rounds, start = [k - 1 for k in ks], mark()
-        after = ([s + 2 for s in starts], accepted, reach)
-        drafts = self.runner.chained_rounds(slots, logits, None, rounds, after=after)
-        if drafts is None:  # the first round wrote past what the verify keeps alone: the step's commit drops it
+        queued = self._chain_queued(slots, starts, ks, first, logits, None, ([s + 2 for s in starts], accepted, reach))
+        if queued is None:  # the first round wrote past what the verify keeps alone: the step's commit drops it
             return None
         self._pending.update(s.request_id for s in seqs)  # rows past what the verify keeps are this drafting's
+        return queued
+
+    def _chain_queued(self, slots, starts, ks, first: Span, logits, features, after) -> QueuedDrafts | None:
+        """The rounds after a queued first round (timed as `first`), chained from where the device says (`after`,
+        as chained_rounds takes it), each timed: the queued drafts, or None where the rounds do not chain."""
+        rounds, start = [k - 1 for k in ks], mark()
+        drafts = self.runner.chained_rounds(slots, logits, features, rounds, after=after)
+        if drafts is None:
+            return None
         chain = Span(start, mark())
         self.timer.record("draft", chain, calls=max(rounds))
         return QueuedDrafts(starts, list(ks), *drafts[:2], [(first, 1), (chain, max(rounds))])
