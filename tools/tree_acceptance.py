@@ -75,11 +75,17 @@ def step_ranks(llm: LLM, prompt: list[int], output: list[int], depth: int):
 def replay(ranks, confidence, prompt_len: int, accept) -> tuple[int, int, int]:
     """Live decoding replayed: (steps, tokens emitted, steps whose first draft was the target's)."""
     p, steps, tokens, first = prompt_len - 1, 0, 0, 0
-    while p + 2 < len(ranks) + 1:
+    while p + 1 < len(ranks):  # the token after the step's bonus token is in the sequence
         taken = accept(ranks[p].tolist(), confidence[p].tolist())
         steps, tokens, first = steps + 1, tokens + taken + 1, first + (ranks[p, 0] == 0)
         p += taken + 1
     return steps, tokens, int(first)
+
+
+def replayed(per_prompt, accept) -> tuple[int, int, int]:
+    """replay's counts summed over prompts (each its ranks, confidences and prompt length)."""
+    totals = [replay(ranks, confidence, n, accept) for ranks, confidence, n in per_prompt]
+    return tuple(sum(t[i] for t in totals) for i in range(3))
 
 
 def tree_of(counts: Counter, size: int) -> set[tuple[int, ...]]:
@@ -142,30 +148,30 @@ def main() -> None:
                 if row[d] >= RANKS:
                     break
                 counts[tuple(row[: d + 1])] += 1
-    ways = {"chain k=4, stop 0.8 (the CPU's)": chain(4, 0.8), "chain k=4, no stop": chain(4, 0.0)}
-    ways["chain k=6, no stop"] = chain(6, 0.0)
-    for size in SIZES:
-        ways[f"tree of {size}"] = in_tree(tree_of(counts, size))
+    trees = {size: tree_of(counts, size) for size in SIZES}
+    ways = {  # name: (how a step takes drafts, drafts a step)
+        "chain k=4, stop 0.8 (the CPU's)": (chain(4, 0.8), 4),
+        "chain k=4, no stop": (chain(4, 0.0), 4),
+        "chain k=6, no stop": (chain(6, 0.0), 6),
+        **{f"tree of {size}": (in_tree(tree), size) for size, tree in trees.items()},
+    }
     results = {"live_acceptance": live, "rows": {}}
-    totals = [replay(ranks, conf, n, chain(4, stop)) for ranks, conf, n in per_prompt]
-    steps, tokens = sum(t[0] for t in totals), sum(t[1] for t in totals)
+    steps, tokens, _ = replayed(per_prompt, chain(4, stop))
     results["replayed_as_live"] = tokens / steps
     print(f"the engine's chain replayed on the same {len(per_prompt)} prompts: {tokens / steps:.3f} tokens a step")
     print(f"replayed on {len(scored)} prompts (trees made on the other {len(fit)}):")
-    for name, accept in ways.items():
-        totals = [replay(ranks, conf, n, accept) for ranks, conf, n in scored]
-        steps, tokens, first = (sum(t[i] for t in totals) for i in range(3))
-        drafts = int(name.split()[-1]) if name.startswith("tree") else int(name.split(",")[0][-1])
+    for name, (accept, drafts) in ways.items():
+        steps, tokens, first = replayed(scored, accept)
         results["rows"][name] = {"tokens_per_step": tokens / steps, "first_accepted": first / steps, "drafts": drafts}
         print(f"  {name:36s}: {tokens / steps:.3f} tokens a step ({steps} steps), the head's top draft the "
               f"target's {first / steps:.3f}, verify rows {drafts + 1}")  # fmt: skip
-    trees = {size: sorted(tree_of(counts, size), key=lambda p: (len(p), p)) for size in (7, 15)}
-    for size, tree in trees.items():
+    shown = {size: sorted(trees[size], key=lambda p: (len(p), p)) for size in (7, 15)}
+    for size, tree in shown.items():
         print(f"  the tree of {size}: {' '.join(''.join(map(str, p)) for p in tree)}")
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({**results, "trees": {k: [list(p) for p in v] for k, v in trees.items()}}, f, indent=1)
+            json.dump({**results, "trees": {k: [list(p) for p in v] for k, v in shown.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":
