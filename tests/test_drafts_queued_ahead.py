@@ -15,11 +15,15 @@ import random
 
 import pytest
 import torch
-from conftest import fixed_shapes_as_on_a_gpu, make_head, near_target_draft, tiny_model
+from conftest import fixed_shapes_as_on_a_gpu, make_head, near_target_draft, priced_without_timing, tiny_model
+from test_paged_kv import _holdings_are_consistent
+from test_preemption import _options, _outputs_are_plain_decodings, _random_engine_operations
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.budgets import llm_holding
 from specdecode.bench.imposed import MeasuredAcceptance
 from specdecode.engine import overlap, queued_drafts
+from specdecode.engine.policy import adaptive
 from specdecode.executor import draft_chain
 from specdecode.executor.runner import ModelRunner
 from specdecode.proposers.base import DraftsOnDevice
@@ -309,10 +313,6 @@ def test_a_step_drafting_fewer_than_were_queued_takes_the_first_of_them(drafter,
 def test_no_drafting_is_queued_for_a_step_the_adaptive_policy_keeps_plain(broken, tmp_path, monkeypatch):
     """The adaptive policy re-measures plain decoding every few speculative steps: drafting queued for such a step
     would go unused, so none is (broken: the policy saying nothing of it)."""
-    from conftest import priced_without_timing
-
-    from specdecode.engine.policy import adaptive
-
     if broken:
         monkeypatch.setattr(adaptive.AdaptivePolicy, "plain_next", lambda self: False)
     target = tiny_model(seed=0)
@@ -414,11 +414,6 @@ def test_block_accounting_holds_over_random_operations_with_drafting_queued(draf
     requests waiting for slots): every pool's accounting holds after each operation, every request ends with the
     target's own greedy tokens, and no pool holds a block after. Broken: a draft model's queued rows never rolled
     back where they go unused; a commit giving back the blocks the next verify, queued on the device, writes."""
-    from test_paged_kv import _holdings_are_consistent
-    from test_preemption import _options, _outputs_are_plain_decodings, _random_engine_operations
-
-    from specdecode.bench.budgets import llm_holding
-
     if broken:
         monkeypatch.setattr(*BROKEN_QUEUES[broken]())
     llm = llm_holding(40, **_options(drafter, tmp_path), max_num_seqs=4, draft_confidence=0.0)  # a draft model chains
