@@ -358,7 +358,7 @@ def _table_after(marker: str) -> list[list[str]]:
 
 
 BATCH_1_RUNS = {  # the README's batch-1 columns and the runs they come from
-    "Zen 5": "latency-humaneval-cpu.json",
+    "Zen 5": "latency-humaneval-head-zen5.json",
     "Zen 2": "latency-humaneval-gpuhead-zen2.json",
     "Ice Lake": "latency-humaneval-avx512.json",
     "Zen 4": "latency-humaneval-zen4-one-call.json",

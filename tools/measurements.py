@@ -14,7 +14,7 @@ BENCH = DOCS / "bench"
 
 # Batch 1 beside llama.cpp, by machine: (name, date, JSON); the README's table shows the first five
 BATCH_1 = [
-    ("Zen 5", "2026-11-23", "latency-humaneval-cpu.json"),
+    ("Zen 5", "2026-12-06", "latency-humaneval-head-zen5.json"),
     ("Zen 2, AVX2 only (AMD EPYC family 23 model 49)", "2026-11-27", "latency-humaneval-gpuhead-zen2.json"),
     ("Ice Lake (Intel Xeon, family 6 model 106)", "2026-11-24", "latency-humaneval-avx512.json"),
     ("Zen 4", "2026-12-03", "latency-humaneval-zen4-one-call.json"),
@@ -25,6 +25,7 @@ BATCH_1 = [
         "2026-11-28",
         "latency-humaneval-zen3-plain-again.json",
     ),
+    ("Zen 5 again, right after the first run", "2026-12-06", "latency-humaneval-head-zen5-again.json"),
 ]
 UNDER_LOAD = [
     ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json"),
