@@ -434,7 +434,8 @@ def _add_concurrency(bench_sub) -> None:
         dest="draft",
         default=DEFAULT_DRAFT,
         help=f"the fixed and adaptive rows' drafter (default {DEFAULT_DRAFT}, the model llama-server's draft row "
-        "uses; `serve` drafts with the bundled head)",
+        "uses; for a head or a lookup, that row takes the target's bundled draft model; `serve` drafts with the "
+        "bundled head)",
     )
     conc.add_argument("-k", type=int, default=C.num_speculative_tokens, help="k for fixed, k_max for adaptive")
     conc.add_argument(
