@@ -428,25 +428,27 @@ def test_bench_concurrency_starts_every_server_with_the_backend_flags():
         assert argv[argv.index("--kv-cache-dtype") + 1] == "float32"
 
 
-def test_llama_server_speculates_with_our_draft_model_or_else_the_bundled_one(capsys):
-    """llama-server's draft row: our draft where --draft names a model; the target's bundled draft model where it
-    names a head or a lookup (llama.cpp reads neither: resolving one as a file failed the whole sweep); left out
-    where the target has none, and said either way."""
-    from specdecode.bench.concurrency import llama_server_configs, llama_server_draft
+def test_llama_cpp_speculates_with_our_draft_model_or_else_the_bundled_one(capsys):
+    """llama.cpp's draft rows (llama-speculative-simple, llama-server): our draft where --draft names a model; the
+    target's bundled draft model where it names a head or a lookup (llama.cpp reads neither: bench concurrency
+    resolved one as a file and failed the whole sweep); none where the target has none. The sweep says which."""
+    from specdecode.bench.concurrency import llama_server_configs
+    from specdecode.bench.llama_cpp import llama_cpp_draft
     from specdecode.cli import build_parser
-    from specdecode.config import DEFAULT_DRAFT
+    from specdecode.config import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    assert llama_cpp_draft(DEFAULT_TARGET, None) == DEFAULT_DRAFT
+    assert llama_cpp_draft(DEFAULT_TARGET, "smollm2-135m") == "smollm2-135m"
+    assert llama_cpp_draft("smollm2-135m", "ngram") is None
 
     def args(*flags):
         return build_parser().parse_args(["bench", "concurrency", "--vs-llama-server", "bin", *flags])
 
-    assert llama_server_draft(args()) == DEFAULT_DRAFT
-    assert llama_server_draft(args("--draft", "smollm2-135m")) == "smollm2-135m"
     for proposer in ("head:qwen2.5-coder-1.5b", "ngram", "suffix"):
-        assert llama_server_draft(args("--draft", proposer)) == DEFAULT_DRAFT
+        assert llama_cpp_draft(DEFAULT_TARGET, proposer) == DEFAULT_DRAFT
         assert [name for name, _ in llama_server_configs(args("--draft", proposer))] == ["llama.cpp", "llama.cpp-draft"]
         assert f"speculates with {DEFAULT_DRAFT}" in capsys.readouterr().out
     other = args("--model", "smollm2-135m", "--draft", "ngram")
-    assert llama_server_draft(other) is None
     assert [name for name, _ in llama_server_configs(other)] == ["llama.cpp"]
     assert "llama.cpp-draft left out" in capsys.readouterr().out
 

@@ -13,11 +13,10 @@ from contextlib import ExitStack
 
 import torch
 
-from ..models.sources import default_draft
-from ..proposers.registry import DRAFT_MODEL, proposer_kind
 from .datasets import humaneval_prompts, prompts_for
 from .edits import CHAT_DATASETS, agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, joined, mean, ratio
+from .llama_cpp import llama_cpp_draft
 from .load import LoadResult, play_sessions, run_load, send_requests, summarize
 from .results import command_line, machine_info, speedup_against, write_json
 from .server_process import ServerProcess, llama_server, serve_argv
@@ -49,7 +48,7 @@ def start_server(name: str, serve_args: list[str], args) -> ServerProcess:
         return ServerProcess(serve_args)
     from ..models.sources import resolve
 
-    draft = resolve(llama_server_draft(args)).path if name == "llama.cpp-draft" else None
+    draft = resolve(llama_cpp_draft(args.model, args.draft)).path if name == "llama.cpp-draft" else None
     return llama_server(
         args.vs_llama_server,
         resolve(args.model).path,
@@ -84,17 +83,9 @@ def send(base_url: str, args, work: list, concurrency: int, run: str) -> tuple[l
     return asyncio.run(play_sessions(base_url, work, args.max_tokens, concurrency=concurrency, run=run))
 
 
-def llama_server_draft(args) -> str | None:
-    """The draft model llama-server speculates with beside ours: ours where --draft names a model, else (a head, a
-    lookup, a plug-in: nothing llama.cpp reads) the target's bundled draft model, llama.cpp's own best way to
-    speculate; None where the target has none."""
-    mine = args.draft if proposer_kind(args.draft) in (None, DRAFT_MODEL) else None
-    return default_draft(args.model, mine)
-
-
 def llama_server_configs(args) -> list[tuple[str, list[str]]]:
     """llama-server plain, and with a draft model where there is one (said when it is not ours)."""
-    draft = llama_server_draft(args)
+    draft = llama_cpp_draft(args.model, args.draft)
     if draft is None:
         print(f"llama.cpp-draft left out: llama-server reads no {args.draft} and {args.model} has no bundled draft")
         return [("llama.cpp", [])]
@@ -171,7 +162,7 @@ def meta(args) -> dict:
         "command": command_line(),
         "model": args.model,
         "draft": args.draft,
-        "llama_server_draft": llama_server_draft(args) if args.vs_llama_server else None,
+        "llama_server_draft": llama_cpp_draft(args.model, args.draft) if args.vs_llama_server else None,
         "quantization": args.quantization,
         "draft_quantization": args.draft_quantization,
         "kv_cache_dtype": args.kv_cache_dtype,

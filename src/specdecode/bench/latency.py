@@ -19,7 +19,14 @@ from ..sampling import SamplingParams
 from .datasets import prompts_for
 from .edits import CHAT_DATASETS, agent_loop_scripts, code_edit_prompts, describe_dataset
 from .formatting import fmt, ratio, yes_no
-from .llama_cpp import LLAMA_NGRAM_MODES, NO_REPACK_NOTE, LlamaBench, run_llama_bench, run_llama_speculative
+from .llama_cpp import (
+    LLAMA_NGRAM_MODES,
+    NO_REPACK_NOTE,
+    LlamaBench,
+    llama_cpp_draft,
+    run_llama_bench,
+    run_llama_speculative,
+)
 from .results import command_line, describe_machine, machine_info, write_json
 
 
@@ -310,9 +317,11 @@ def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, Llama
 def run_llama_cpp_speculative(
     args, prompts: list[str], threads: int, plain: LatencyResult, bench: LlamaBench
 ) -> list[LatencyResult]:
-    """llama.cpp's own draft-model speculation at each k, on the same files and prompts."""
-
-    draft_name = draft_model_name(args)
+    """llama.cpp's own draft-model speculation at each k, on the same files and prompts (with a head or a lookup as
+    --draft, the target's bundled draft model: llama_cpp_draft)."""
+    draft_name = llama_cpp_draft(args.model, args.draft)
+    if draft_name is not None and draft_name != draft_model_name(args):
+        print(f"llama.cpp's draft rows speculate with {draft_name} (llama.cpp reads no {args.draft})", flush=True)
     results = []
     for k in args.ks if draft_name else []:
         spec = run_llama_speculative(

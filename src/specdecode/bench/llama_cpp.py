@@ -15,9 +15,18 @@ import subprocess
 from dataclasses import dataclass
 
 from ..errors import SpecDecodeError
+from ..models.sources import default_draft
+from ..proposers.registry import DRAFT_MODEL, proposer_kind
 
 # llama-speculative-simple's n-gram modes (--spec-type), the peers of prompt lookup and suffix speculation
 LLAMA_NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+
+
+def llama_cpp_draft(model: str, draft: str | None) -> str | None:
+    """The draft model llama.cpp speculates with beside us: ours where `draft` names a model, else (a head, a
+    lookup, a plug-in: nothing llama.cpp reads) the target's bundled draft model, llama.cpp's own best way to
+    speculate; None where the target has none."""
+    return default_draft(model, draft if proposer_kind(draft) in (None, DRAFT_MODEL) else None)
 
 
 class LlamaCrashed(SpecDecodeError):
