@@ -141,6 +141,39 @@ def test_load_generator_against_a_local_server(server):
     assert 0 <= run.acceptance_rate <= 1 and run.speculating_fraction > 0
 
 
+async def _answers_once_a_connection(reader, writer) -> None:
+    """A server that, as llama-server now and then, keeps a connection open after a streamed response and then
+    drops the request sent on it unanswered."""
+    for answered in (False, True):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        )
+        await reader.readexactly(length)
+        if answered:
+            break
+        body = b'data: {"choices": [{"text": "hi"}], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+    writer.close()
+
+
+def test_load_sends_each_request_on_a_connection_of_its_own():
+    """Every request its own connection: one sent on a connection the server has done with fails unanswered
+    (llama-server, 7 of 40 requests one after another), which would count against the server."""
+
+    async def load():
+        server = await asyncio.start_server(_answers_once_a_connection, "127.0.0.1", 0)
+        async with server:
+            url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            return await run_load(url, ["a", "b", "c", "d"], 1, model="m", concurrency=1, progress=False)
+
+    run = asyncio.run(load())
+    assert run.num_failed == 0 and run.output_tokens == 4, run.errors
+
+
 def test_poisson_arrivals_are_spread_out(server):
     prompts = ["hello"] * 6
     run = asyncio.run(

@@ -109,6 +109,12 @@ class LoadResult:
         return asdict(self)
 
 
+def fresh_connections(most: int) -> httpx.Limits:
+    """At most `most` connections, none kept for a next request: llama-server closes a connection after a streamed
+    response now and then, and a request sent on it as it closes fails unanswered (1 of 4 one after another)."""
+    return httpx.Limits(max_connections=most, max_keepalive_connections=0)
+
+
 async def send_completion(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
     """One streaming completion or chat completion; TTFT is the arrival of the first chunk that carries
     text."""
@@ -206,7 +212,7 @@ async def send_requests(
             return r
 
     timeout = httpx.Timeout(None, connect=30)
-    pool = httpx.Limits(max_connections=(concurrency or len(prompts)) + 4)
+    pool = fresh_connections((concurrency or len(prompts)) + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=pool, headers=headers) as client:
         model = model or await served_model(client, base_url)
         start = time.perf_counter()
@@ -269,7 +275,7 @@ async def play_sessions(
                 history.append({"role": "assistant", "content": result.text})
             return results
 
-    pool = httpx.Limits(max_connections=concurrency + 4)
+    pool = fresh_connections(concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=pool, headers=headers) as client:
         model = model or await served_model(client, base_url)
         start = time.perf_counter()
