@@ -28,7 +28,7 @@ BATCH_1 = [
     ("Zen 5 again, right after the first run", "2026-12-06", "latency-humaneval-head-zen5-again.json"),
 ]
 UNDER_LOAD = [
-    ("Zen 5", "2026-11-23", "concurrency-humaneval-cpu.json"),
+    ("Zen 5, the head, beside llama-server", "2026-12-06", "concurrency-humaneval-head-llama-server-zen5.json"),
     ("Xeon AMX, the head", "2026-12-02", "concurrency-humaneval-head-xeon-amx-row-blocks.json"),
     ("Zen 5, the head", "2026-12-05", "concurrency-humaneval-head-zen5.json"),
 ]
