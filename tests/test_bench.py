@@ -162,7 +162,7 @@ async def _answers_once_a_connection(reader, writer) -> None:
 
 def test_load_sends_each_request_on_a_connection_of_its_own():
     """Every request its own connection: one sent on a connection the server has done with fails unanswered
-    (llama-server, 7 of 40 requests one after another), which would count against the server."""
+    (as llama-server's now and then), which would count against the server."""
 
     async def load():
         server = await asyncio.start_server(_answers_once_a_connection, "127.0.0.1", 0)

@@ -392,7 +392,8 @@ def test_the_readme_figures_are_those_of_the_runs_it_cites():
                 continue
             measured = next(rates[c] for c in BATCH_1_CONFIGS[label] if c in rates)
             assert (rate, ratio) == (f"{measured:.2f}", f"{measured / reference:.2f}"), (run, label)
-    under_load = json.loads((ROOT / "docs" / "bench" / "concurrency-humaneval-head-llama-server-zen5.json").read_text())["results"]
+    under_load_run = ROOT / "docs" / "bench" / "concurrency-humaneval-head-llama-server-zen5.json"
+    under_load = json.loads(under_load_run.read_text())["results"]
     rates = {(r["config"], r["concurrency"]): r["output_throughput"] for r in under_load}
     for concurrency, plain, adaptive, server, server_draft in _table_after("| concurrency | ours, plain"):
         c = int(concurrency)

@@ -110,8 +110,9 @@ class LoadResult:
 
 
 def fresh_connections(most: int) -> httpx.Limits:
-    """At most `most` connections, none kept for a next request: llama-server closes a connection after a streamed
-    response now and then, and a request sent on it as it closes fails unanswered (1 of 4 one after another)."""
+    """At most `most` connections, none kept for a next request: llama-server now and then keeps a connection open
+    after a streamed response and drops the next request sent on it unanswered, which would count against it
+    (docs/decisions.md#llamacpp-beside-us-its-draft-model-and-a-connection-a-request)."""
     return httpx.Limits(max_connections=most, max_keepalive_connections=0)
 
 
