@@ -357,15 +357,22 @@ def test_drafting_is_queued_while_requests_wait_for_a_slot(broken, tmp_path, mon
 
 def test_a_commit_keeps_the_blocks_a_verify_queued_ahead_writes(target):
     """The step's commit drops what its verify rejected but keeps the blocks where the next verify, queued on the
-    device, writes (`hold`): given back, another sequence could take them before that verify has written there."""
-    runner = ModelRunner(target.model, 2, 1024)
+    device, writes (`queued_end`): given back, another sequence could take them before that verify has written
+    there. Taken (its rows written again) or dropped, the next commit gives them back."""
+    runner = ModelRunner(target.model, 2, 1024, fixed_shapes=True)
     slot, size = runner.allocate(), runner.block_size
     runner.assume_cached(slot, size + 1)
-    runner._cache.reserve(slot, 3 * size)  # as a verify queued ahead reserves where it may write
-    runner.commit(slot, size + 1, hold=3 * size)
-    assert runner.length(slot) == size + 1 and runner.blocks_held(slot) == 3
-    runner.commit(slot, size + 1)
-    assert runner.blocks_held(slot) == 2
+    picked, offsets = torch.zeros(1, 3, dtype=torch.long), torch.tensor([2])
+    runner.forward_after([slot], [size + 1], picked, offsets, reach=2 * size - 4, logits="all")
+    assert runner.queued_end(slot) == 3 * size and runner.blocks_held(slot) == 3
+    for settle in (lambda: runner.wrote_again(slot, size + 1, [5], size + 4), lambda: runner.drop_queued(slot)):
+        runner.commit(slot, size + 1)
+        assert runner.length(slot) == size + 1 and runner.blocks_held(slot) == 3
+        settle()
+        assert runner.queued_end(slot) == 0
+        runner.commit(slot, size + 1)
+        assert runner.blocks_held(slot) == 2
+        runner.forward_after([slot], [size + 1], picked, offsets, reach=2 * size - 4, logits="all")
 
 
 @pytest.mark.parametrize("drafter", ["head", "draft model"])
@@ -395,7 +402,7 @@ BROKEN_QUEUES = {
     "the next verify's blocks given back": lambda: (
         ModelRunner,
         "commit",
-        lambda self, slot, length, hold=0, commit=ModelRunner.commit: commit(self, slot, length, 0),
+        lambda self, slot, length, commit=ModelRunner.commit: self.drop_queued(slot) or commit(self, slot, length),
     ),
 }
 

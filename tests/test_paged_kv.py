@@ -24,10 +24,9 @@ STEPS = 1000
 PREFIXES = [[(7 * i + 5 * j) % 60 for i in range(150)] for j in range(3)]  # prompts share these, so blocks match
 
 
-def _holdings_are_consistent(runner: ModelRunner, queued: frozenset[int] = frozenset()) -> None:
+def _holdings_are_consistent(runner: ModelRunner) -> None:
     """The pool's accounting: each block held as often as tables hold it, free or spare or held, never two of them;
-    a slot holds what its written tokens need (`queued` slots: at least that, a forward queued on the device
-    writing past them)."""
+    a slot holds what its written tokens need, or a forward queued on the device writes (`queued_end`)."""
     cache = runner._cache
     held = Counter(b for table in cache.tables for b in table)
     spare = list(cache.index._idle)
@@ -39,8 +38,8 @@ def _holdings_are_consistent(runner: ModelRunner, queued: frozenset[int] = froze
         map(cache.index.is_registered, cache._free_blocks)
     )
     for slot, table in enumerate(cache.tables):
-        needed = -(-runner._written[slot] // cache.block_size)
-        assert len(table) >= needed if slot in queued else len(table) == needed
+        needed = -(-max(runner._written[slot], runner.queued_end(slot)) // cache.block_size)
+        assert len(table) == needed, f"slot {slot} holds {len(table)} blocks where it needs {needed}"
         assert torch.equal(cache.table[slot, : len(table)], torch.tensor(table, dtype=torch.int32))
         length = cache.lengths[slot]
         if length % cache.block_size:  # the block it writes next is its own, and nobody finds it

@@ -56,14 +56,13 @@ class StepAhead:
 
 class VerifyAhead(NamedTuple):
     """The next step's verify, queued behind its drafting: its logits and hidden states (every row), each sequence's
-    rows (its bonus token and its drafts), the span it runs in, where each sequence's rows may reach (its blocks
-    held that far: `ModelRunner.commit`'s hold), and where the step's work began on the device (its drafting)."""
+    rows (its bonus token and its drafts), the span it runs in, and where the step's work began on the device (its
+    drafting). The runner keeps the blocks it writes until its rows are taken (`ModelRunner.queued_end`)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     width: int
     span: Span
-    reach: dict[int, int]
     since: Mark
 
 

@@ -200,7 +200,7 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
         for i, (seq, start, n_draft, (result, logprobs)) in enumerate(zip(seqs, starts, drafts.num_tokens, results)):
             accepted, emitted = result.num_accepted[0], result.tokens[0]
             committed = start + 1 + accepted  # pending token + accepted drafts are now cached
-            self._commit_target(seq, committed)  # rejected drafts' KV stays behind the pointer
+            self.runner.commit(seq.slot, committed)  # rejected drafts' KV stays behind the pointer
             for proposer in self.proposers:
                 proposer.commit(seq, committed)
             self._feed_back(

@@ -75,15 +75,7 @@ class QueuingDrafts:
         if out is None:
             return None
         span.end = mark()
-        ends = {id(s): start + reach + width for s, start in zip(seqs, starts)}
-        return VerifyAhead(*with_hidden(out), width, span, ends, queued.round_spans[0][0].start)
-
-    def _commit_target(self, seq: Sequence, committed: int) -> None:
-        """The target's first `committed` tokens of the sequence are final; its blocks where a verify queued ahead
-        writes are kept."""
-        ahead = self._drafts_ahead
-        hold = ahead.verify.reach.get(id(seq), 0) if ahead is not None and ahead.verify is not None else 0
-        self.runner.commit(seq.slot, committed, hold)
+        return VerifyAhead(*with_hidden(out), width, span, queued.round_spans[0][0].start)
 
     def _drafts_may_queue(self, seqs: list[Sequence], drafts: DraftBatch) -> bool:
         """Whether to queue the next step's drafting behind this verify (see _queue_drafts)."""

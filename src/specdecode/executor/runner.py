@@ -86,6 +86,9 @@ class ModelRunner:
             self._fixed.attention = attention
         self._rounds = None if self._fixed is None else DraftChain(self._fixed, model.vocab_ids, model.cfg.vocab_size)
         self._written = [0] * num_slots  # positions written by forwards, committed or not
+        # where a forward queued on the device before the host knew where it starts (forward_after) may write up to:
+        # the slot's blocks are kept that far until its rows are taken (wrote_again) or dropped
+        self._queued_end: dict[int, int] = {}
         self.reuse_prefixes = reuse_prefixes
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
         self._scope: list[Hashable | None] = [None] * num_slots  # None: the slot's blocks are never findable
@@ -195,6 +198,7 @@ class ModelRunner:
 
     def free(self, slot: int) -> None:
         """The slot's blocks go back, its last one findable too (a next turn continues from it)."""
+        self._queued_end.pop(slot, None)
         self._publish(slot, self._cache.lengths[slot], last=True)
         self._cache.free(slot)
         self._written[slot] = 0
@@ -229,20 +233,30 @@ class ModelRunner:
         """Committed tokens of the slot: the context its next forward continues."""
         return self._cache.lengths[slot]
 
-    def commit(self, slot: int, length: int, hold: int = 0) -> None:
+    def commit(self, slot: int, length: int) -> None:
         """The slot's first `length` tokens are final; entries written past them are dropped (their blocks kept
-        within its first `hold` positions, where a forward queued on the device writes)."""
+        where a forward queued on the device writes: `queued_end`)."""
         if not self._cache.lengths[slot] <= length <= self._written[slot]:
             raise ValueError(
                 f"slot {slot}: cannot commit {length} tokens (committed "
                 f"{self._cache.lengths[slot]}, written {self._written[slot]})"
             )
-        self._cut(slot, length, hold=hold)
+        self._cut(slot, length, hold=self.queued_end(slot))
         self._publish(slot, length)
 
     def rollback(self, slot: int, length: int) -> None:
-        """Forget everything past `length` tokens."""
+        """Forget everything past `length` tokens (a forward queued past them too)."""
+        self._queued_end.pop(slot, None)
         self._cut(slot, length, forget=True)
+
+    def queued_end(self, slot: int) -> int:
+        """Where a forward queued on the device (forward_after), neither taken nor dropped yet, may write up to in
+        the slot (0: none)."""
+        return self._queued_end.get(slot, 0)
+
+    def drop_queued(self, slot: int) -> None:
+        """The forward queued for the slot will not be taken: its blocks go with the slot's next commit or forward."""
+        self._queued_end.pop(slot, None)
 
     def _cut(self, slot: int, length: int, forget: bool = False, hold: int = 0) -> None:
         self._cache.truncate(slot, length, forget, hold)
@@ -329,20 +343,27 @@ class ModelRunner:
     def forward_after(self, slots, starts, picked: torch.Tensor, offsets: torch.Tensor, reach: int, **outputs):
         """A forward queued before the host knows where it starts: slot i's picked.shape[1] tokens (on the device)
         from starts[i] + offsets[i] on (offsets [n] on the device, each at most `reach`), at fixed shapes; None where
-        none serves (an eager forward's rows are placed by the host). Its rows are written and not committed: the
-        caller says which ids they hold once it knows where they are (`wrote_again`). outputs as forward_picked's."""
+        none serves (an eager forward's rows are placed by the host). Its rows are written and not committed, their
+        blocks kept (`queued_end`) until the caller says which ids they hold, once it knows where they are
+        (`wrote_again`), or drops them (`drop_queued`). outputs as forward_picked's."""
         width = picked.shape[1]
         if self._fixed is None or any(s + reach + width > self.max_len for s in starts):
             return None
         for slot, start in zip(slots, starts):
             self._cache.reserve(slot, start + reach + width)
+            self._queued_end[slot] = start + reach + width
         inputs = [[_UNSETTLED] * width for _ in slots]
         logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
-        return self._fixed(slots, starts, inputs, logits, hidden, None, picked, 0, offsets, reach)
+        out = self._fixed(slots, starts, inputs, logits, hidden, None, picked, 0, offsets, reach)
+        if out is None:  # nothing was queued
+            for slot in slots:
+                self._queued_end.pop(slot, None)
+        return out
 
     def wrote_again(self, slot: int, start: int, tokens: list[int], end: int) -> None:
         """The slot's rows from `start` hold these ids (written again, whatever the runner held for them), and those
-        after them up to `end` are written, their ids to be settled."""
+        after them up to `end` are written, their ids to be settled: a queued forward's rows, taken."""
+        self._queued_end.pop(slot, None)
         self._wrote(slot, start, list(tokens) + [_UNSETTLED] * (end - start - len(tokens)))
 
     def settle(self, slot: int, position: int, tokens: list[int]) -> None:
@@ -398,6 +419,7 @@ class ModelRunner:
         if any(s + n > self.max_len for s, n in zip(starts, lengths)):
             raise ValueError(f"a forward would pass the context of {self.max_len} tokens")
         for slot, start, n in zip(slots, starts, lengths):
+            self._queued_end.pop(slot, None)  # a forward queued before, not taken: this one writes in its place
             self._cache.reserve(slot, start + n)
         out = None
         if self._fixed is not None and isinstance(logits, str) and (features is None or self._fixed.reads_features):

@@ -35,7 +35,6 @@ class DraftModelProposer(Proposer):
         self._found: dict[str, int] = {}  # request id without a slot -> its tokens the draft's cache holds
         self._round_spans: list[tuple[Span, int]] = []
         self._vocab: list[int] | None = None  # the draft vocabulary's target ids, on the host (None: all of them)
-        self._pending: set[str] = set()  # request ids with drafting queued ahead, not yet taken or dropped
 
     @classmethod
     def from_setup(cls, setup: ProposerSetup) -> "DraftModelProposer":
@@ -212,8 +211,8 @@ class DraftModelProposer(Proposer):
             return None
         queued = self._chain_queued(slots, starts, ks, first, logits, None, ([s + 2 for s in starts], accepted, reach))
         if queued is None:  # the first round wrote past what the verify keeps alone: the step's commit drops it
-            return None
-        self._pending.update(s.request_id for s in seqs)  # rows past what the verify keeps are this drafting's
+            for slot in slots:
+                self.runner.drop_queued(slot)
         return queued
 
     def _chain_queued(self, slots, starts, ks, first: Span, logits, features, after) -> QueuedDrafts | None:
@@ -236,7 +235,6 @@ class DraftModelProposer(Proposer):
                 self.runner.rollback(slot, end)
             self.runner.wrote_again(slot, start + 1, seq.token_ids[start + 1 : rounds_from], end)
             self.runner.commit(slot, end)
-            self._pending.discard(seq.request_id)
             seq.metrics.spec.num_draft_forwards += k
             slots.append(slot)
             starts.append(rounds_from)
@@ -251,8 +249,10 @@ class DraftModelProposer(Proposer):
 
     def drop_queued(self, queued, seqs) -> None:
         for seq in seqs:
-            self._pending.discard(seq.request_id)
-            self.commit(seq, seq.num_tokens - 1)
+            slot = self._slots.get(seq.request_id)
+            if slot is not None:
+                self.runner.drop_queued(slot)
+                self.commit(seq, seq.num_tokens - 1)
 
     def _chain_read(self, slots: list[int], starts: list[int], inputs: list[list[int]]) -> None:
         """The chained rounds' inputs, read: the ids of the rows they wrote from `starts`."""
@@ -330,17 +330,16 @@ class DraftModelProposer(Proposer):
         return seq.num_tokens - self.runner.length(slot)
 
     def commit(self, seq, num_valid_tokens: int) -> None:
-        if seq.request_id in self._pending:  # drafting queued past them: taken or dropped first
-            return
         slot = self._slots.get(seq.request_id)
-        if slot is not None and self.runner.length(slot) > num_valid_tokens:  # it drafted past what was accepted
+        if slot is None or self.runner.queued_end(slot):  # drafting queued past them: taken or dropped first
+            return
+        if self.runner.length(slot) > num_valid_tokens:  # it drafted past what was accepted
             self.runner.rollback(slot, num_valid_tokens)
 
     def graphs_captured(self) -> int:
         return self.runner.graphs_captured()
 
     def release(self, seq) -> None:
-        self._pending.discard(seq.request_id)
         self._found.pop(seq.request_id, None)
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:
