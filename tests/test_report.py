@@ -59,6 +59,7 @@ def test_a_loss_without_drafting_is_named_as_such(drafted, idle):
     found = concurrency_findings(rows)[1]
     assert "falls below" in found and "0.97× at concurrency 4" in found
     assert ("drafted nothing" in found) == idle
+    assert ("drafted in 40% of its steps" in found) == (not idle)  # how much of the loss drafting could explain
 
 
 def test_report_renders_plots_and_tables(tmp_path):

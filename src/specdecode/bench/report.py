@@ -84,11 +84,14 @@ def concurrency_findings(rows: list[dict]) -> list[str]:
             if worst["throughput_vs_plain"] >= 1
             else "falls below plain decoding's throughput"
         )
-        idle = (
-            " where it drafted nothing: plain decoding's work, so the gap is between two server runs"
-            if worst["throughput_vs_plain"] < 1 and worst.get("speculating_fraction") == 0
-            else ""
-        )
+        idle = ""
+        if worst["throughput_vs_plain"] < 1 and worst.get("speculating_fraction") is not None:
+            drafted = worst["speculating_fraction"]
+            idle = (
+                " where it drafted nothing: plain decoding's work, so the gap is between two server runs"
+                if drafted == 0
+                else f" where it drafted in {drafted:.0%} of its steps"
+            )
         found.append(
             f"The adaptive policy {verdict} "
             f"(lowest: {worst['throughput_vs_plain']:.2f}× at concurrency {worst['concurrency']}{idle})."
