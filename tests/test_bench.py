@@ -487,6 +487,33 @@ def test_llama_cpp_speculates_with_our_draft_model_or_else_the_bundled_one(capsy
     assert "llama.cpp-draft left out" in capsys.readouterr().out
 
 
+def test_bench_latency_gives_llama_cpp_draft_rows_beside_a_head(monkeypatch, capsys):
+    """`bench latency --draft head:... --vs-llama-cpp`: llama.cpp's draft rows speculate with the bundled draft
+    model at each k (they were left out), and the output says so."""
+    from specdecode.bench import latency
+    from specdecode.bench.llama_cpp import LlamaSpeculative
+    from specdecode.cli import build_parser
+    from specdecode.config import DEFAULT_DRAFT
+
+    drafts = []
+
+    def speculative(bin_dir, target, draft, prompts, k, max_tokens, threads):
+        drafts.append((draft, k))
+        return LlamaSpeculative(k, 64, 2.0, 30, 20)
+
+    monkeypatch.setattr(latency, "resolve", lambda name: types.SimpleNamespace(path=f"{name}.gguf"))
+    monkeypatch.setattr(latency, "run_llama_speculative", speculative)
+    args = build_parser().parse_args(
+        ["bench", "latency", "--draft", "head:qwen2.5-coder-1.5b", "-k", "2", "3", "--vs-llama-cpp", "bin"]
+    )
+    plain = types.SimpleNamespace(tokens_per_s=16.0)
+    bench = types.SimpleNamespace(verify_cost_ratio=lambda k: 1.0)
+    rows = latency.run_llama_cpp_speculative(args, ["p"], 2, plain, bench)
+    assert drafts == [(f"{DEFAULT_DRAFT}.gguf", 2), (f"{DEFAULT_DRAFT}.gguf", 3)]
+    assert [r.config for r in rows] == ["llama.cpp: draft k=2", "llama.cpp: draft k=3"] and rows[0].speedup == 2.0
+    assert f"speculate with {DEFAULT_DRAFT}" in capsys.readouterr().out
+
+
 def test_chunked_perplexity_scores_each_whole_chunks_second_half(target):
     """llama-perplexity's measure: whole chunks only, each scored from its middle on (position p predicts
     token p + 1)."""
