@@ -143,7 +143,8 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.timer = StepTimer()
         self.target.model.fit_rope_to_context(self.max_model_len)  # before a draft head copies its tables
-        config.draft_confidence = config.draft_confidence_on(self.target.model.device.type)  # as its proposers read it
+        # the threshold in force, as llm.config reports it (a proposer built apart resolves it the same way)
+        config.draft_confidence = config.draft_confidence_on(self.target.model.device.type)
         proposers = self._proposers(ProposerSetup(self.target, config, draft, progress, self.timer), policy)
         self.draft = next((p.loaded for p in proposers if p.loaded is not None), None)
         for loaded in (self.target, self.draft):

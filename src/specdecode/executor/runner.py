@@ -351,13 +351,11 @@ class ModelRunner:
             return None
         for slot, start in zip(slots, starts):
             self._cache.reserve(slot, start + reach + width)
-            self._queued_end[slot] = start + reach + width
         inputs = [[_UNSETTLED] * width for _ in slots]
         logits, hidden = outputs.get("logits", "last"), outputs.get("hidden", False)
         out = self._fixed(slots, starts, inputs, logits, hidden, None, picked, 0, offsets, reach)
-        if out is None:  # nothing was queued
-            for slot in slots:
-                self._queued_end.pop(slot, None)
+        if out is not None:
+            self._queued_end.update((slot, start + reach + width) for slot, start in zip(slots, starts))
         return out
 
     def wrote_again(self, slot: int, start: int, tokens: list[int], end: int) -> None:
