@@ -289,6 +289,22 @@ def test_cli_empty_prompt():
     assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("given", [["--prompt", "def f():"], ["-p", "def f():"], ["def f():"]])
+def test_cli_takes_the_prompt_as_an_argument_or_a_flag(given):
+    """`--prompt TEXT` (llama.cpp's spelling) is the prompt, not a prefix of --prompt-lookup."""
+    from specdecode.cli import build_parser
+
+    unset = build_parser().parse_args(["generate", "x"]).prompt_lookup
+    args = build_parser().parse_args(["generate", *given, "--max-tokens", "4"])
+    assert (args.prompt, args.prompt_lookup, args.max_tokens) == ("def f():", unset, 4)
+
+
+@pytest.mark.parametrize("given, message", [([], "is required"), (["a", "-p", "b"], "not allowed with")])
+def test_cli_wants_one_prompt(given, message):
+    r = _cli("generate", *given)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
 def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
     import os
     import signal

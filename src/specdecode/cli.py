@@ -161,7 +161,12 @@ GENERATE_FIXED = ("max_num_seqs",)
 def _add_generate(sub) -> None:
     """`specdecode generate`."""
     gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
-    gen.add_argument("prompt", help="the text to continue; - reads it from standard input")
+    # -p/--prompt as llama.cpp's tools take it; without it argparse read `--prompt TEXT` as --prompt-lookup's prefix
+    text = gen.add_mutually_exclusive_group(required=True)
+    text.add_argument(
+        "prompt", nargs="?", default=argparse.SUPPRESS, help="the text to continue; - reads it from standard input"
+    )
+    text.add_argument("-p", "--prompt", dest="prompt", default=None, help="the text to continue, as a flag")
     _engine_flags(gen, skip=GENERATE_FIXED)
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
     sampling = gen.add_argument_group(
