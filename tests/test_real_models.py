@@ -267,6 +267,7 @@ def test_cli_compare_on_small_model():
     "args, message",
     [
         (["--model", "no-such-model"], "unknown model"),
+        (["--model", "models/missing.gguf"], "no file or folder at 'models/missing.gguf'"),
         (["--model", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m"], "different vocabularies"),
         (["-k", "-1"], "-k must be >= 0"),
         (["--max-tokens", "0"], "max_tokens must be a positive integer"),

@@ -85,7 +85,9 @@ def resolve(name: str) -> ModelSource:
         if not os.path.exists(os.path.join(expanded, "config.json")):
             raise ModelNotFoundError(f"folder {name!r} has no config.json; pass a Hugging Face checkpoint folder")
         return ModelSource(name, "hf", expanded)
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if expanded.endswith(".gguf") or expanded.startswith((".", "/")):  # a path, not a hub id: `models/x.gguf` too
+        raise ModelNotFoundError(f"no file or folder at {name!r} (relative to {os.getcwd()}); check the path")
+    if name.count("/") == 1:
         return ModelSource(name, "hf", download_from_hub(name))
     raise ModelNotFoundError(
         f"unknown model {name!r}: use one of {', '.join(BUNDLED)}, a .gguf file, a checkpoint folder, "
