@@ -275,6 +275,8 @@ def test_cli_compare_on_small_model():
         (["--model", "smollm2-135m", "--ngram", "--max-model-len", "8"], "shorten the prompt"),
         (["--json-schema", "{not json"], "--json-schema is neither a file nor valid JSON"),
         (["--presence-penalty", "9"], "presence_penalty must be a finite number from -2 to 2"),
+        (["--model", "smollm2-135m", "--suffix", "x"], "has no fill-in-the-middle tokens"),
+        (["--chat", "--suffix", "x"], "choose one of --chat and --suffix"),
     ],
 )
 def test_cli_errors_are_one_clear_line(args, message):

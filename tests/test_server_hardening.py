@@ -148,6 +148,7 @@ HOSTILE = [
     ("completions", {"prompt": "x", "min_p": 1.5}),
     ("completions", {"prompt": "x", "best_of": 0}),
     ("completions", {"prompt": "x", "echo": "yes please"}),
+    ("completions", {"prompt": "x", "suffix": "a model without fill-in-the-middle tokens"}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}),
     ("chat/completions", {"messages": []}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),

@@ -192,6 +192,12 @@ def _add_generate(sub) -> None:
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument(
+        "--suffix",
+        default=None,
+        help="fill in the middle: the text after a gap, which the output fills after the prompt (code models with "
+        "FIM tokens, such as Qwen2.5-Coder)",
+    )
+    gen.add_argument(
         "--compare",
         action="store_true",
         help="also run plain decoding on the same engine; print speedup and predicted speedup",

@@ -12,6 +12,7 @@ from .config import LOSSY_NOTE
 from .engine.llm import LLM, RequestOutput
 from .errors import SpecDecodeError
 from .metrics import expected_speedup
+from .models.infill import infill_ids
 from .models.sources import served_draft
 from .sampling import SamplingParams, StructuredOutput
 
@@ -26,6 +27,8 @@ def validate_args(args) -> SamplingParams:
         raise SpecDecodeError(f"-k must be >= 0 (0 = plain decoding), got {args.num_speculative_tokens}")
     if args.ngram and args.speculative_model:
         raise SpecDecodeError("choose one proposer: --draft MODEL or --ngram, not both")
+    if args.chat and args.suffix is not None:
+        raise SpecDecodeError("choose one of --chat and --suffix: a gap to fill in is not a chat turn")
     return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -63,7 +66,7 @@ def run_generate(args) -> int:
     options = engine_options(args, skip=GENERATE_FIXED)
     options["speculative_model"] = "ngram" if args.ngram else served_draft(args.model, args.speculative_model)
     llm = LLM(**options, max_num_seqs=1)
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = prompt_of(llm, args)
     if args.compare:
         print(llm.startup_summary(), flush=True)
         _warm_up(llm, prompt)
@@ -89,6 +92,13 @@ def run_generate(args) -> int:
     return 0
 
 
+def prompt_of(llm: LLM, args) -> str | list[int]:
+    """The prompt as given, in the chat template (--chat), or around the gap before --suffix."""
+    if args.chat:
+        return llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    return args.prompt if args.suffix is None else infill_ids(llm.tokenizer, args.prompt, args.suffix)
+
+
 class _Run:
     def __init__(self, output: RequestOutput, seconds: float, target_step: float | None, draft_step: float | None):
         self.output, self.seconds = output, seconds
@@ -103,7 +113,7 @@ class _Run:
         return self.num_tokens / self.seconds
 
 
-def _timed(llm: LLM, prompt: str, params: SamplingParams, k: int | None = None) -> _Run:
+def _timed(llm: LLM, prompt: str | list[int], params: SamplingParams, k: int | None = None) -> _Run:
     saved_k = llm.engine.k
     llm.engine.k = saved_k if k is None else k
     llm.timer.reset()
@@ -115,7 +125,7 @@ def _timed(llm: LLM, prompt: str, params: SamplingParams, k: int | None = None) 
     return _Run(out, seconds, llm.timer.target_step_s, llm.timer.draft_step_s)
 
 
-def _warm_up(llm: LLM, prompt: str) -> None:
+def _warm_up(llm: LLM, prompt: str | list[int]) -> None:
     """First calls pay for kernel selection and allocation; keep that out of both timings."""
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4))
 

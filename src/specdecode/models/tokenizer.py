@@ -6,6 +6,7 @@ import os
 import warnings
 
 from ..errors import SpecDecodeError
+from . import infill
 
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
@@ -23,11 +24,12 @@ class Tokenizer:
         self.bos_id = bos_id
         self.kind = kind or type(hf_tokenizer).__name__  # what it is, for messages: "SentencePiece (gemma3)"
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
-        for name in END_OF_TURN:
+        for name in (*END_OF_TURN, *infill.ENDS):
             tid = hf_tokenizer.convert_tokens_to_ids(name)
             if isinstance(tid, int) and tid != hf_tokenizer.unk_token_id:
                 eos.add(tid)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
+        self.fim_ids = infill.fim_ids(hf_tokenizer.get_vocab())  # None: the model cannot fill in the middle
 
     @property
     def special_ids(self) -> set[int]:

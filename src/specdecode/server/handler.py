@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import SpecDecodeError
+from ..models.infill import infill_ids
 from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
@@ -95,7 +96,7 @@ class RequestHandler:
                 )
             prompt = prompt[0]
         try:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self.prompt_ids(prompt, req.suffix, req.echo)
             params = self.sampling_params(req, ids, req.max_tokens)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
@@ -129,6 +130,14 @@ class RequestHandler:
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
         )
+
+    def prompt_ids(self, prompt: str | list[int], suffix: str | None, echo: bool) -> list[int]:
+        """A completion's prompt; with a suffix, the gap between the two for the model to fill in."""
+        if suffix is None:
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if echo:
+            raise SpecDecodeError("echo and suffix together: the prompt is not what the completion continues; drop one")
+        return infill_ids(self.tokenizer, prompt, suffix)
 
     def time_limit(self, requested: float | None) -> float | None:
         """The request's own timeout, never past the server's."""

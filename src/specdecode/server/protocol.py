@@ -118,6 +118,7 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = None  # the chosen token's logprob and this many alternatives
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
     best_of: int | None = None  # generate this many and return the n with the highest total logprob
+    suffix: str | None = None  # the text after the gap the completion fills (a code model's fill-in-the-middle)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
