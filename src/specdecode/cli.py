@@ -161,7 +161,7 @@ GENERATE_FIXED = ("max_num_seqs",)
 def _add_generate(sub) -> None:
     """`specdecode generate`."""
     gen = sub.add_parser("generate", help="generate text with speculative decoding and print its statistics")
-    # -p/--prompt as llama.cpp's tools take it; without it argparse read `--prompt TEXT` as --prompt-lookup's prefix
+    # -p/--prompt as llama.cpp's tools take it (and so `--prompt TEXT` is never read as an abbreviated --prompt-lookup)
     text = gen.add_mutually_exclusive_group(required=True)
     text.add_argument(
         "prompt", nargs="?", default=argparse.SUPPRESS, help="the text to continue; - reads it from standard input"

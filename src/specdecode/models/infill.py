@@ -1,6 +1,7 @@
 """Fill in the middle: a code model given the text before a gap and after it, in its FIM tokens, generates the gap
 (OpenAI's `suffix`, llama.cpp's /infill). The tokens are found by their spellings, as llama.cpp finds them where a
-GGUF file names none; the prompt is prefix-suffix-middle, the order the families that have these tokens train on."""
+GGUF file names none (the ids a file names are not read); the prompt is prefix-suffix-middle, as llama.cpp lays
+it out."""
 
 from __future__ import annotations
 
