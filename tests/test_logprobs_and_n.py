@@ -193,3 +193,4 @@ def test_prompt_logprobs_are_the_targets_given_each_prefix(target):
         expected = token_logprobs(logits, [prompt[i]], 2)[0]
         assert abs(scored[i].logprob - expected.logprob) < 1e-4
         assert [t for t, _ in scored[i].top] == [t for t, _ in expected.top]
+        assert scored[i].rank == 1 + int((logits[0] > logits[0, prompt[i]]).sum())  # vLLM's rank: 1 + those above

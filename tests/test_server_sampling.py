@@ -256,6 +256,30 @@ def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(server, targe
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
 
 
+def test_prompt_logprobs_are_vllms_each_token_given_those_before_with_its_rank(server, target):
+    """vLLM's field: per prompt token (None first) its logprob and rank, and the N most likely tokens' (ranks 1..N):
+    the library's numbers, a choice's for completions, the reply's for a chat; never streamed."""
+    prompt = "HELLO HELLO world"
+    ids = target.tokenizer.encode(prompt)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2}
+    listed = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    scored = (
+        LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+        .generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+        .prompt_logprobs
+    )
+    assert listed[0] is None and len(listed) == len(ids)
+    for token, entries, lp in zip(ids[1:], listed[1:], scored[1:]):
+        assert entries[str(token)]["logprob"] == pytest.approx(lp.logprob, abs=1e-6)
+        assert entries[str(token)]["rank"] == lp.rank and [entries[str(i)]["rank"] for i, _ in lp.top] == [1, 2]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()
+    assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in reply["choices"][0]
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and "cannot be streamed" in streamed.json()["error"]["message"]
+
+
 def test_best_of_returns_the_outputs_with_the_highest_total_logprob(server):
     kw = dict(model="tiny", prompt="pick", max_tokens=8, temperature=1.0, seed=9, extra_body={"ignore_eos": True})
     all_four = server.client.completions.create(n=4, logprobs=0, **kw)

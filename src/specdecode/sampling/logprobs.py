@@ -17,6 +17,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+    rank: int | None = None  # where the token stands in the vocabulary by logprob (1: first), where it was asked for
 
 
 def token_logprobs(processed_logits: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprob]:

@@ -20,7 +20,7 @@ from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
 from .protocol import ChatRequest, CommonRequest, CompletionRequest
-from .responses import chat_logprobs, completion_logprobs, usage
+from .responses import chat_logprobs, completion_logprobs, usage, vllm_prompt_logprobs
 from .tools import Tools, template_messages
 
 ERROR_TYPES = {
@@ -108,6 +108,7 @@ class RequestHandler:
             chat=False,
             echo=echo,
             best=(req.n, req.logprobs is not None) if params.n > req.n else None,
+            scored_prompt=req.prompt_logprobs is not None,
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
@@ -126,7 +127,7 @@ class RequestHandler:
             params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens, default=None)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        reply = Reply(self, ids, params, chat=True, tools=tools)
+        reply = Reply(self, ids, params, chat=True, tools=tools, scored_prompt=req.prompt_logprobs is not None)
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
         )
@@ -182,7 +183,8 @@ def tenant_of(req: CommonRequest, request: Request) -> str:
 class Reply:
     """One request's response. echo: (prompt text, prompt ids) to put before each completion
     (completions' `echo`); best: (n, whether logprobs are returned) when more outputs than n were
-    generated (`best_of`); tools: a chat's tools, whose calls are read out of each output."""
+    generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; scored_prompt: the
+    prompt's logprobs returned as vLLM's `prompt_logprobs` (each choice's for completions, the reply's for a chat)."""
 
     def __init__(
         self,
@@ -193,9 +195,10 @@ class Reply:
         echo: tuple | None = None,
         best: tuple[int, bool] | None = None,
         tools: Tools | None = None,
+        scored_prompt: bool = False,
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
-        self.tools = tools
+        self.tools, self.scored_prompt = tools, scored_prompt
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
@@ -225,24 +228,26 @@ class Reply:
             collecting.cancel()
             return Response(status_code=499)
         try:
-            texts, finals, logprobs = collecting.result()
+            texts, finals, logprobs, prompt = collecting.result()
         except SpecDecodeError as exc:
             return error_response(exc.http_status, str(exc))
-        scored = len(self.ids) if self.params.prompt_logprobs is not None else 0  # echoed prompt logprobs lead
         best = self.best
-        order = range(self.params.n) if best is None else best_outputs(logprobs, best[0], scored)
+        order = range(self.params.n) if best is None else best_outputs(logprobs, best[0])
         show_logprobs = self.params.logprobs is not None and (best is None or best[1])
+        echoed = prompt if self.echo is not None else []  # an echoed prompt's logprobs lead its choice's
+        listed = vllm_prompt_logprobs(self.handler.tokenizer, self.ids, prompt) if self.scored_prompt else None
         choices = [
             self.choice(
                 rank,
                 *self._called(texts[i], finals[i].finish_reason),
-                logprobs[i] if show_logprobs else None,
+                echoed + logprobs[i] if show_logprobs else None,
                 delta=False,
                 echo=self.echo,
             )
+            | ({"prompt_logprobs": listed} if listed is not None and not self.chat else {})
             for rank, i in enumerate(order)
         ]
-        return {
+        body = {
             "id": self.id,
             "object": self.kind,
             "created": self.created,
@@ -250,6 +255,7 @@ class Reply:
             "choices": choices,
             "usage": usage(len(self.ids), finals),
         }
+        return body | ({"prompt_logprobs": listed} if listed is not None and self.chat else {})
 
     async def events(self, updates):
         """Server-sent events, one per update, the usage with the last."""
@@ -349,22 +355,22 @@ class Reply:
         return out
 
 
-def best_outputs(logprobs: list[list], n: int, skip: int) -> list[int]:
-    """The n outputs with the highest total logprob of their generated tokens (after the first `skip`
-    entries), best first."""
-    totals = [sum(lp.logprob for lp in lps[skip:]) for lps in logprobs]
+def best_outputs(logprobs: list[list], n: int) -> list[int]:
+    """The n outputs with the highest total logprob of their generated tokens, best first."""
+    totals = [sum(lp.logprob for lp in lps) for lps in logprobs]
     return sorted(range(len(totals)), key=lambda i: -totals[i])[:n]
 
 
 async def collect(updates, n: int):
-    """Each output's whole text, final Update and logprobs."""
-    texts, finals, logprobs = [[] for _ in range(n)], {}, [[] for _ in range(n)]
+    """Each output's whole text, final Update and logprobs, and the prompt's logprobs (empty where not asked)."""
+    texts, finals, logprobs, prompt = [[] for _ in range(n)], {}, [[] for _ in range(n)], []
     async for update in updates:
         texts[update.index].append(update.text)
-        logprobs[update.index].extend((update.prompt_logprobs or []) + update.logprobs)
+        logprobs[update.index].extend(update.logprobs)
+        prompt = update.prompt_logprobs or prompt
         if update.finished:
             finals[update.index] = update
-    return ["".join(t) for t in texts], finals, logprobs
+    return ["".join(t) for t in texts], finals, logprobs, prompt
 
 
 async def client_gone(request: Request) -> None:

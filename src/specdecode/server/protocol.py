@@ -17,7 +17,6 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "echo": False,
     "suffix": None,
     "functions": None,
-    "prompt_logprobs": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
 }
@@ -49,6 +48,7 @@ class CommonRequest(BaseModel):
     guided_grammar: str | None = None
     timeout: float | None = None  # seconds; the request is cancelled (504) when it runs longer
     user: str | None = None  # OpenAI's end-user id: a scaled-out deployment keeps its requests on one replica
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob given the tokens before, and N others'
 
     @field_validator("timeout")
     @classmethod
@@ -62,8 +62,11 @@ class CommonRequest(BaseModel):
         n = self.candidates() if isinstance(self, CompletionRequest) else self.n
         if n > self.n and logprobs is None:
             logprobs = 0  # ranking reads each token's logprob; they are not returned
+        if self.prompt_logprobs is not None and self.stream:
+            raise SpecDecodeError("prompt_logprobs cannot be streamed (as in vLLM); ask without stream")
+        echoed = logprobs if getattr(self, "echo", False) else None
         return SamplingParams(
-            prompt_logprobs=logprobs if getattr(self, "echo", False) else None,
+            prompt_logprobs=echoed if self.prompt_logprobs is None else self.prompt_logprobs,
             structured_output=self.structured_output(),
             n=n,
             temperature=self.temperature,

@@ -43,6 +43,22 @@ def completion_logprobs(
     }
 
 
+def vllm_prompt_logprobs(tokenizer, ids: list[int], scored: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) its logprob, rank and text, and those of the
+    most likely tokens there, keyed by token id."""
+
+    def entry(logprob: float, rank: int | None, token_id: int) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    return [
+        None
+        if lp is None
+        else {str(i): entry(v, rank, i) for rank, (i, v) in enumerate(lp.top, 1)}
+        | {str(token): entry(lp.logprob, lp.rank, token)}
+        for token, lp in zip(ids, scored)
+    ]
+
+
 def usage(prompt_tokens: int, finals: dict) -> dict:
     """Token counts over all n outputs (their final Updates by index), with the prompt tokens found in the
     KV cache (OpenAI's `prompt_tokens_details.cached_tokens`); the speculation figures are the first

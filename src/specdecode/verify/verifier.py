@@ -42,9 +42,14 @@ def emitted_logprobs(seq: Sequence, processed: torch.Tensor, tokens: list[int]) 
 
 def prompt_logprobs(prompt_ids: list[int], logits: torch.Tensor, num_top: int) -> list[TokenLogprob | None]:
     """Each prompt token's logprob under the target given the tokens before it (raw logits: the request's
-    processors apply to what it generates), from a prefill's logits for every prompt row; the first token
-    has none."""
-    return [None] + token_logprobs(logits[:-1], prompt_ids[1:], num_top)
+    processors apply to what it generates) and its rank among the vocabulary's (1 + the tokens more likely, as
+    vLLM counts), from a prefill's logits for every prompt row; the first token has none."""
+    scored = token_logprobs(logits[:-1], prompt_ids[1:], num_top)
+    rows = logits[: len(scored)]
+    chosen = rows.gather(-1, to_device(prompt_ids[1:], rows.device)[:, None])
+    for token, rank in zip(scored, ((rows > chosen).sum(-1) + 1).tolist()):
+        token.rank = rank
+    return [None, *scored]
 
 
 def verify_batch(
