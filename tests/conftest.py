@@ -94,14 +94,25 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(32 + i) for i in ids if i not in self.eos_token_ids)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """Each message as <role>content, an assistant's calls as <tool_call> blocks, the tools first."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **variables,
+    ) -> str:
+        """Each message as <role>content</>, an assistant's calls as <tool_call> blocks, the tools and any other
+        variables first; the last message left open where continued, then <assistant> where a reply is asked for."""
 
         def calls(m):
             return "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>" for c in m.get("tool_calls", []))
 
         shown = f"<tools>{json.dumps(tools)}</tools>" if tools else ""
-        return shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}" for m in messages) + "<assistant>"
+        shown += "".join(f"<{name}={value}>" for name, value in sorted(variables.items()))
+        text = shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}</>" for m in messages)
+        text = text.removesuffix("</>") if continue_final_message else text
+        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 def with_mistake(module, old: str, new: str, tmp_path, monkeypatch):

@@ -233,3 +233,38 @@ def test_a_stream_sends_the_tail_a_stop_string_or_half_a_character_cannot_claim(
     seq = Seq()
     seq.text, seq.finished = text, finished
     assert AsyncEngine._streamable_text(seq, sent) == expected
+
+
+def _chat_text(served, target, stream=False, **fields):
+    """A greedy chat's content (streamed: its deltas joined) and what plain decoding gives after `fields`' prompt."""
+    body = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True, **fields.pop("extra", {})})
+    reply = served.client.chat.completions.create(stream=stream, **body, **fields)
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in reply)
+    return reply.choices[0].message.content
+
+
+def test_the_chat_template_takes_vllms_options(served, target):
+    """chat_template_kwargs reach the template; continue_final_message leaves the assistant's message open, and echo
+    puts it before the reply, streamed or not."""
+    hi = [{"role": "user", "content": "hi"}]
+    thinking = _chat_text(served, target, messages=hi, extra={"chat_template_kwargs": {"enable_thinking": False}})
+    prompt = target.tokenizer.apply_chat_template(hi, enable_thinking=False)
+    assert prompt == "<enable_thinking=False><user>hi</><assistant>"
+    assert thinking == _solo(target, prompt, 8).outputs[0].text
+    begun = [*hi, {"role": "assistant", "content": "Hel"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    whole = _chat_text(served, target, messages=begun, extra=options)
+    assert whole == "Hel" + _solo(target, "<user>hi</><assistant>Hel", 8).outputs[0].text
+    assert _chat_text(served, target, stream=True, messages=begun, extra=options) == whole
+    assert _chat_text(served, target, messages=hi, extra={"echo": True}) == _chat_text(served, target, messages=hi)
+
+
+def test_the_library_chat_takes_the_same_options(target):
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    out = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)[0].outputs[0].text
+    assert out == llm.generate("<user>hi</><assistant>Hel", params)[0].outputs[0].text
+    thinking = llm.chat(begun[:1], params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
+    assert thinking == llm.generate("<enable_thinking=False><user>hi</><assistant>", params)[0].outputs[0].text

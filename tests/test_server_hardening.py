@@ -149,7 +149,33 @@ HOSTILE = [
     ("completions", {"prompt": "x", "best_of": 0}),
     ("completions", {"prompt": "x", "echo": "yes please"}),
     ("completions", {"prompt": "x", "suffix": "a model without fill-in-the-middle tokens"}),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}),
+    *(
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], **fields})
+        for fields in [
+            {"echo": "sometimes"},
+            {"continue_final_message": True, "add_generation_prompt": False},  # the last message is the user's
+            {"continue_final_message": True},
+            {"chat_template_kwargs": {"tools": []}},
+            {"chat_template_kwargs": "enable_thinking"},
+            {"add_special_tokens": True},
+        ]
+    ),
+    *(  # vLLM's fields that would change the output and are not implemented here
+        ("completions", {"prompt": "x", **fields})
+        for fields in [
+            {"use_beam_search": True},
+            {"stop_token_ids": [5]},
+            {"include_stop_str_in_output": True},
+            {"skip_special_tokens": False},
+            {"allowed_token_ids": [1, 2]},
+            {"bad_words": ["x"]},
+            {"truncate_prompt_tokens": 4},
+            {"return_token_ids": True},
+            {"structured_outputs": {"regex": "a+"}},
+            {"chat_template": "{{ messages }}"},
+            {"add_special_tokens": False},
+        ]
+    ),
     ("chat/completions", {"messages": []}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99}),

@@ -73,6 +73,22 @@ def test_a_chat_template_in_the_file_is_applied():
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 
+def test_a_chat_template_continues_the_final_message_and_reads_its_variables(monkeypatch):
+    """continue_final_message leaves the assistant's message open (no end of turn, no new header); a template's own
+    variables (Qwen3's enable_thinking) reach it; both switches at once are refused as the request's error."""
+    from specdecode.errors import SpecDecodeError
+
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    begun = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello"}]
+    assert tok.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<|im_start|>assistant\nHello"
+    )
+    with pytest.raises(SpecDecodeError, match="template refused these messages"):
+        tok.apply_chat_template(begun, continue_final_message=True)
+    monkeypatch.setattr(tok.hf, "chat_template", "{{ 'think' if enable_thinking else 'answer' }}")
+    assert tok.apply_chat_template(begun[:1], enable_thinking=False) == "answer"
+
+
 # Mistral's template in brief: call ids of 9 letters or digits, or it raises
 MISTRAL_LIKE = (
     "{%- for m in messages %}{%- if m.tool_calls is defined %}{%- for c in m.tool_calls %}"

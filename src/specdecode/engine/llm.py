@@ -235,12 +235,21 @@ class LLM:
         conversations: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Conversations are lists of {"role", "content"} messages; the model's chat template is applied, with
-        `tools` (OpenAI function tools) where it renders them. The calls stay in the output's text."""
+        `tools` (OpenAI function tools) where it renders them (the calls stay in the output's text), and vLLM's
+        options: continue_final_message (add_generation_prompt off) goes on with the last message; the template's own
+        variables in chat_template_kwargs (Qwen3's enable_thinking)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        texts = [self.tokenizer.apply_chat_template(c, tools=tools) for c in conversations]
+        options = dict(chat_template_kwargs or {}) | dict(
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+        )
+        texts = [self.tokenizer.apply_chat_template(c, tools=tools, **options) for c in conversations]
         return self.generate(texts, sampling_params)
 
     def _run(self, texts, ids, params: list[SamplingParams]) -> list[RequestOutput]:

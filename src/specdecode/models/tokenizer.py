@@ -61,9 +61,10 @@ class Tokenizer:
         stream = DecodeStream(skip_special_tokens=True)
         return lambda token: stream.step(backend, token)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
         """tools: OpenAI function tools, rendered where the template asks for calls in a format read back
-        (tool_call_format)."""
+        (tool_call_format); options: what else the template reads (add_generation_prompt, default on;
+        continue_final_message; the template's own variables, such as Qwen3's enable_thinking)."""
         if not self.hf.chat_template:
             raise SpecDecodeError("this model has no chat template; pass plain prompts instead of --chat/llm.chat")
         form = self.tool_call_format
@@ -78,9 +79,9 @@ class Tokenizer:
 
         try:
             return self.hf.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+                messages, tools=tools or None, tokenize=False, **({"add_generation_prompt": True} | options)
             )
-        except TemplateError as exc:  # the template's own check (roles that must alternate, a call id's form)
+        except (TemplateError, ValueError) as exc:  # its own checks (roles that alternate), a final message not found
             raise SpecDecodeError(f"the model's chat template refused these messages: {exc}") from None
 
     @property

@@ -122,12 +122,16 @@ class RequestHandler:
                 raise SpecDecodeError("messages is empty; send at least one message")
             tools = req.tool_use
             rendered = tools.rendered if tools else None
-            text = self.tokenizer.apply_chat_template(template_messages(req.messages), tools=rendered)
+            messages = template_messages(req.messages)
+            text = self.tokenizer.apply_chat_template(messages, tools=rendered, **req.template_options())
             ids = self.tokenizer.encode(text)
             params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens, default=None)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        reply = Reply(self, ids, params, chat=True, tools=tools, scored_prompt=req.prompt_logprobs is not None)
+        echo = None if (echoed := req.echoed()) is None else (echoed, None)
+        reply = Reply(
+            self, ids, params, chat=True, echo=echo, tools=tools, scored_prompt=req.prompt_logprobs is not None
+        )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
         )
@@ -181,9 +185,9 @@ def tenant_of(req: CommonRequest, request: Request) -> str:
 
 
 class Reply:
-    """One request's response. echo: (prompt text, prompt ids) to put before each completion
-    (completions' `echo`); best: (n, whether logprobs are returned) when more outputs than n were
-    generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; scored_prompt: the
+    """One request's response. echo: (text, ids) to put before each output (completions' `echo`: the prompt; a
+    chat's: the assistant's last message, ids None); best: (n, whether logprobs are returned) when more outputs than
+    n were generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; scored_prompt: the
     prompt's logprobs returned as vLLM's `prompt_logprobs` (each choice's for completions, the reply's for a chat)."""
 
     def __init__(
@@ -234,7 +238,7 @@ class Reply:
         best = self.best
         order = range(self.params.n) if best is None else best_outputs(logprobs, best[0])
         show_logprobs = self.params.logprobs is not None and (best is None or best[1])
-        echoed = prompt if self.echo is not None else []  # an echoed prompt's logprobs lead its choice's
+        echoed = prompt if self.echo is not None and not self.chat else []  # an echoed prompt's logprobs lead
         listed = vllm_prompt_logprobs(self.handler.tokenizer, self.ids, prompt) if self.scored_prompt else None
         choices = [
             self.choice(
@@ -333,12 +337,13 @@ class Reply:
         text_offset: int = 0,
         echo: tuple | None = None,
     ) -> dict:
-        """echo: (prompt text, prompt ids) when this piece starts with the echoed prompt (its logprobs, if
-        asked for, are already at the front of logprobs); text None: a chat message of tool calls alone."""
+        """echo: (text, ids) when this piece starts with echoed text: a completion's prompt (its logprobs, if asked
+        for, already at the front of logprobs), a chat's last message (ids None); text None: a chat message of tool
+        calls alone."""
         tokenizer = self.handler.tokenizer
         out = {"index": index, "finish_reason": finish_reason, "logprobs": None}
         if echo is not None:
-            text = echo[0] + text
+            text = echo[0] + (text or "")
         if logprobs is not None:
             out["logprobs"] = (
                 chat_logprobs(tokenizer, logprobs)

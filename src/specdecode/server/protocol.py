@@ -11,15 +11,38 @@ from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, StructuredOutput
 from .tools import Tools
 
-# Fields that change the output and that this server does not implement, with the value that means
-# "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
+# Fields that change the output and that this server does not implement (OpenAI's and vLLM's), with the value that
+# means "off": a request that sets one otherwise gets a 400 rather than an output that silently ignores it.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "echo": False,
     "suffix": None,
     "functions": None,
+    "function_call": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "stop_token_ids": None,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "include_reasoning": True,
+    "chat_template": None,
+    "mm_processor_kwargs": None,
+    "prompt_embeds": None,
+    "vllm_xargs": None,
+    "max_repetition_pattern_size": 0,
+    "min_repetition_pattern_size": 0,
+    "repetition_min_count": 0,
 }
+# Keys a chat template is given by the server or by fields of their own, which chat_template_kwargs may not set
+TEMPLATE_RESERVED = {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents", "tokenize"}
 
 
 class CommonRequest(BaseModel):
@@ -64,7 +87,7 @@ class CommonRequest(BaseModel):
             logprobs = 0  # ranking reads each token's logprob; they are not returned
         if self.prompt_logprobs is not None and self.stream:
             raise SpecDecodeError("prompt_logprobs cannot be streamed (as in vLLM); ask without stream")
-        echoed = logprobs if getattr(self, "echo", False) else None
+        echoed = logprobs if isinstance(self, CompletionRequest) and self.echo else None
         return SamplingParams(
             prompt_logprobs=echoed if self.prompt_logprobs is None else self.prompt_logprobs,
             structured_output=self.structured_output(),
@@ -121,6 +144,7 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = None  # the chosen token's logprob and this many alternatives
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
     best_of: int | None = None  # generate this many and return the n with the highest total logprob
+    add_special_tokens: bool = True  # vLLM's: the BOS the model's prompts begin with (off: not supported)
     suffix: str | None = None  # the text after the gap the completion fills (a code model's fill-in-the-middle)
 
     def requested_logprobs(self) -> int | None:
@@ -173,6 +197,39 @@ class ChatRequest(CommonRequest):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: how the chat template renders the conversation
+    echo: bool = False  # the reply's content begins with the last message's where that is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open for the reply to go on with ("prefill")
+    chat_template_kwargs: dict | None = None  # further variables for the template (Qwen3's enable_thinking)
+    documents: list[dict] | None = None
+    reasoning_effort: str | None = None
+    add_special_tokens: bool = False  # a BOS on top of the template's (on: not supported)
+
+    def template_options(self) -> dict:
+        """What the chat template is given besides the messages and tools."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise SpecDecodeError(
+                "continue_final_message goes on with the last message: set add_generation_prompt false"
+            )
+        if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
+            raise SpecDecodeError("continue_final_message continues the assistant's message: make it the last one")
+        extra = dict(self.chat_template_kwargs or {})
+        if clash := sorted(TEMPLATE_RESERVED & set(extra)):
+            raise SpecDecodeError(f"chat_template_kwargs may not set {', '.join(clash)}: each is a field of its own")
+        options = dict(
+            add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message
+        )
+        if self.documents is not None:
+            options["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra | options
+
+    def echoed(self) -> str | None:
+        """With echo, the text the reply begins with: the last message's, where it is the assistant's."""
+        last = self.messages[-1] if self.messages else None
+        return last.text() if self.echo and last is not None and last.role == "assistant" else None
 
     @cached_property
     def tool_use(self) -> Tools | None:
@@ -197,6 +254,10 @@ class ChatRequest(CommonRequest):
 
 
 def refuse_unsupported_fields(req: BaseModel) -> None:
+    if req.add_special_tokens != isinstance(req, CompletionRequest):
+        raise SpecDecodeError(
+            "add_special_tokens: a prompt gets the BOS its model wants (a chat's from its template); leave it out"
+        )
     for name, value in (req.model_extra or {}).items():
         if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []):
             raise SpecDecodeError(f"{name} is not supported by this server yet; leave it out (or at its default)")
