@@ -110,6 +110,27 @@ def test_stop_string_inside_accepted_chunk(target, plain):
     assert stop not in out.outputs[0].text
 
 
+def test_a_stop_token_inside_an_accepted_chunk_stops_there_ignore_eos_or_not(target, plain):
+    """vLLM's stop_token_ids: the first of them ends the text as EOS does (kept, nothing after it)."""
+    ids = plain[0]
+    cut = next(i for i in range(7, len(ids)) if ids[i] not in ids[:i])
+    for ignore_eos in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ids[cut]], ignore_eos=ignore_eos)
+        out = _llm(target, draft=target, k=4).generate(PROMPTS[0], params)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == (ids[: cut + 1], "stop")
+
+
+def test_min_tokens_holds_back_the_stop_tokens_too(target, plain):
+    """As vLLM's: before min_tokens no stop token may come (the first output token, here), EOS ignored or not."""
+    first = plain[0][0]
+    for ignore_eos in (False, True):
+        params = SamplingParams(
+            temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[first], ignore_eos=ignore_eos
+        )
+        out = _llm(target, draft=target, k=4).generate(PROMPTS[0], params)[0].outputs[0]
+        assert first not in out.token_ids[:6] and len(out.token_ids) >= 6
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
 def test_max_tokens_is_exact(target, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

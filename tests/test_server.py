@@ -268,3 +268,12 @@ def test_the_library_chat_takes_the_same_options(target):
     assert out == llm.generate("<user>hi</><assistant>Hel", params)[0].outputs[0].text
     thinking = llm.chat(begun[:1], params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
     assert thinking == llm.generate("<enable_thinking=False><user>hi</><assistant>", params)[0].outputs[0].text
+
+
+def test_stop_token_ids_end_the_text_through_the_server(served, target):
+    ids = _solo(target, "hello world", 12).outputs[0].token_ids
+    stop = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+    r = served.client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop]}
+    )
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ids.index(stop) + 1

@@ -164,7 +164,8 @@ HOSTILE = [
         ("completions", {"prompt": "x", **fields})
         for fields in [
             {"use_beam_search": True},
-            {"stop_token_ids": [5]},
+            {"stop_token_ids": [99999]},
+            {"stop_token_ids": ["x"]},
             {"include_stop_str_in_output": True},
             {"skip_special_tokens": False},
             {"allowed_token_ids": [1, 2]},

@@ -103,6 +103,7 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
         self.blocks.check(len(prompt_ids), params)
         check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
         check_token_ids(list(params.logit_bias or ()), self.runner.cfg.vocab_size, "logit_bias")
+        check_token_ids(list(params.stop_ids), self.runner.cfg.vocab_size, "stop_token_ids")
         grammar = None
         if params.structured_output is not None:
             grammar = GrammarMatcher.compile(params.structured_output, self.tokenizer, self.runner.cfg.vocab_size)

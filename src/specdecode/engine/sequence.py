@@ -155,7 +155,7 @@ class Sequence:
             m.num_output_tokens += 1
             if m.first_token_time is None:
                 m.first_token_time = time.perf_counter()
-            if token in tokenizer.eos_token_ids and not self.params.ignore_eos:
+            if (token in tokenizer.eos_token_ids and not self.params.ignore_eos) or token in self.params.stop_ids:
                 self.finish_reason = "stop"
             elif self.params.stop_strings and self._hit_stop_string(tokenizer):
                 self.finish_reason, cut = "stop", True

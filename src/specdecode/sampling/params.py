@@ -28,14 +28,17 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int | None = None
     stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None  # end the text as EOS does (kept in the output), ignore_eos or not
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scored by the prefill)
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
     stop_strings: list[str] = field(init=False, default_factory=list)
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self):
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_ids = frozenset(self.stop_token_ids or ())
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()}
         self.validate()
@@ -84,6 +87,8 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise SpecDecodeError("stop must be a non-empty string or a list of non-empty strings")
+        for token in self.stop_token_ids or ():
+            _check_int("stop_token_ids[]", token, 0)
 
 
 def _is_number(value) -> bool:

@@ -63,7 +63,11 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
         at = (to_device(list(rows), device), to_device(list(ids), device))
         logits.index_put_(at, to_device(list(values), device, logits.dtype), accumulate=True)
     banned = [
-        (start + j, e) for h, start in zip(histories, starts) for j in _short_rows(h) for e in eos_ids if e < vocab
+        (start + j, e)
+        for h, start in zip(histories, starts)
+        for j in _short_rows(h)
+        for e in _ends(h, eos_ids)
+        if e < vocab
     ]
     if banned:
         rows, ids = zip(*banned)
@@ -82,6 +86,14 @@ def _bias(history: History, vocab: int) -> list[tuple[int, float]]:
 def _short_rows(history: History) -> range:
     """Rows before min_tokens output tokens: they may not end the text (row j is output token len(output) + j)."""
     params = history.params
-    if not params.min_tokens or params.ignore_eos:
+    if not params.min_tokens:
         return range(0)
     return range(min(max(params.min_tokens - len(history.output_ids), 0), history.rows))
+
+
+def _ends(history: History, eos_ids: Collection[int]) -> Collection[int]:
+    """The tokens that would end the request's text: its stop tokens, and EOS unless it ignores EOS."""
+    params = history.params
+    if params.ignore_eos:
+        return params.stop_ids
+    return params.stop_ids | frozenset(eos_ids) if params.stop_ids else eos_ids

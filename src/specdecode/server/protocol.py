@@ -22,7 +22,6 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "structured_outputs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "stop_token_ids": None,
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
@@ -60,6 +59,7 @@ class CommonRequest(BaseModel):
     min_tokens: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the text as EOS does
     stream: bool = False
     n: int = 1
     ignore_eos: bool = False
@@ -103,6 +103,7 @@ class CommonRequest(BaseModel):
             min_tokens=self.min_tokens,
             seed=self.seed,
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
