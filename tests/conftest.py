@@ -29,9 +29,10 @@ VOCAB = 64
 # (greedy equality, distribution tests, rollback, their deliberately broken versions) run there unchanged.
 DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
 # How far a row's logprob may move when the same tokens are computed in another batch shape (a cached
-# prompt's last token alone, say): not at all on the CPU, whose kernels we keep row-invariant; CUDA's
-# GEMM kernels change with the row count, in the last bits of float32.
-SHAPE_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
+# prompt's last token alone, say). The GGUF kernels are row-invariant, but the tiny float32 models' linear layers
+# are torch's, whose CPU kernel for one row is another than for several (~4e-6 apart in a logit; logprobs were
+# seen 1.6e-6 apart); CUDA's GEMM kernels change with the row count, in the last bits of float32.
+SHAPE_ATOL = 1e-5 if DEVICE == "cpu" else 1e-4
 
 
 # The real-model and Ray files are among the longest (minutes each): collected first and handed out in collection

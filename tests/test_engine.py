@@ -99,15 +99,19 @@ def test_eos_inside_accepted_chunk_stops_there(target, plain):
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_stop_string_inside_accepted_chunk(target, plain):
+@pytest.mark.parametrize("included", [False, True])
+def test_stop_string_inside_accepted_chunk(target, plain, included):
+    """The text ends before the first stop string (after it, with vLLM's include_stop_str_in_output)."""
     text = target.tokenizer.decode(plain[0])
     stop = text[10:13]
     first = text.find(stop)
-    params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=40, stop=[stop], ignore_eos=True, include_stop_str_in_output=included
+    )
     out = _llm(target, draft=target, k=4).generate(PROMPTS[0], params)[0]
-    assert out.outputs[0].text == text[:first]
+    assert out.outputs[0].text == text[: first + (len(stop) if included else 0)]
     assert out.outputs[0].finish_reason == "stop"
-    assert stop not in out.outputs[0].text
+    assert out.outputs[0].text.count(stop) == included
 
 
 def test_a_stop_token_inside_an_accepted_chunk_stops_there_ignore_eos_or_not(target, plain):

@@ -166,7 +166,7 @@ HOSTILE = [
             {"use_beam_search": True},
             {"stop_token_ids": [99999]},
             {"stop_token_ids": ["x"]},
-            {"include_stop_str_in_output": True},
+            {"include_stop_str_in_output": "maybe"},
             {"skip_special_tokens": False},
             {"allowed_token_ids": [1, 2]},
             {"bad_words": ["x"]},

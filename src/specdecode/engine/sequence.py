@@ -175,12 +175,13 @@ class Sequence:
 
     def _hit_stop_string(self, tokenizer) -> bool:
         """Searches only the text a stop string ending in the newest characters could span; on a hit the
-        text is cut before the stop string (it is not part of the output)."""
+        text is cut before the first stop string found (after it, with include_stop_str_in_output)."""
         added = self._extend_text(tokenizer)
         start = max(0, len(self.text) - added - max(map(len, self.params.stop_strings)) + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop_strings) if i >= 0]
+        hits = [(i, len(s)) for s in self.params.stop_strings if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)
+            self.text = self.text[: at + (length if self.params.include_stop_str_in_output else 0)]
         return bool(hits)
 
 

@@ -28,6 +28,7 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int | None = None
     stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
     stop_token_ids: list[int] | None = None  # end the text as EOS does (kept in the output), ignore_eos or not
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives

@@ -22,7 +22,6 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "structured_outputs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None,
@@ -60,6 +59,7 @@ class CommonRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the text as EOS does
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text kept at its end
     stream: bool = False
     n: int = 1
     ignore_eos: bool = False
@@ -104,6 +104,7 @@ class CommonRequest(BaseModel):
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
