@@ -103,16 +103,16 @@ class ByteTokenizer:
         continue_final_message: bool = False,
         **variables,
     ) -> str:
-        """Each message as <role>content</>, an assistant's calls as <tool_call> blocks, the tools and any other
-        variables first; the last message left open where continued, then <assistant> where a reply is asked for."""
+        """Each message as <role>content (a message ends where the next begins: the last one is left open), an
+        assistant's calls as <tool_call> blocks, the tools and any other variables first, then <assistant> where a
+        reply is asked for."""
 
         def calls(m):
             return "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>" for c in m.get("tool_calls", []))
 
         shown = f"<tools>{json.dumps(tools)}</tools>" if tools else ""
         shown += "".join(f"<{name}={value}>" for name, value in sorted(variables.items()))
-        text = shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}</>" for m in messages)
-        text = text.removesuffix("</>") if continue_final_message else text
+        text = shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -250,12 +250,12 @@ def test_the_chat_template_takes_vllms_options(served, target):
     hi = [{"role": "user", "content": "hi"}]
     thinking = _chat_text(served, target, messages=hi, extra={"chat_template_kwargs": {"enable_thinking": False}})
     prompt = target.tokenizer.apply_chat_template(hi, enable_thinking=False)
-    assert prompt == "<enable_thinking=False><user>hi</><assistant>"
+    assert prompt == "<enable_thinking=False><user>hi<assistant>"
     assert thinking == _solo(target, prompt, 8).outputs[0].text
     begun = [*hi, {"role": "assistant", "content": "Hel"}]
     options = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
     whole = _chat_text(served, target, messages=begun, extra=options)
-    assert whole == "Hel" + _solo(target, "<user>hi</><assistant>Hel", 8).outputs[0].text
+    assert whole == "Hel" + _solo(target, "<user>hi<assistant>Hel", 8).outputs[0].text
     assert _chat_text(served, target, stream=True, messages=begun, extra=options) == whole
     assert _chat_text(served, target, messages=hi, extra={"echo": True}) == _chat_text(served, target, messages=hi)
 
@@ -265,9 +265,9 @@ def test_the_library_chat_takes_the_same_options(target):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
     out = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)[0].outputs[0].text
-    assert out == llm.generate("<user>hi</><assistant>Hel", params)[0].outputs[0].text
+    assert out == llm.generate("<user>hi<assistant>Hel", params)[0].outputs[0].text
     thinking = llm.chat(begun[:1], params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
-    assert thinking == llm.generate("<enable_thinking=False><user>hi</><assistant>", params)[0].outputs[0].text
+    assert thinking == llm.generate("<enable_thinking=False><user>hi<assistant>", params)[0].outputs[0].text
 
 
 def test_stop_token_ids_end_the_text_through_the_server(served, target):

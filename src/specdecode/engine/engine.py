@@ -24,7 +24,7 @@ from .chunked_prefill import ChunkedPrefill, ChunkedPrefilling, PromptChunk
 from .overlap import QueuingAhead
 from .policy import DraftDecision, Policy, make_policy
 from .prefill import Prefilling
-from .sequence import Sequence, check_token_ids, sample_stream
+from .sequence import Sequence, check_request_ids, sample_stream
 from .step import SequenceUpdate, StepOutput
 
 
@@ -101,9 +101,7 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
                 f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs"
             )
         self.blocks.check(len(prompt_ids), params)
-        check_token_ids(prompt_ids, self.runner.cfg.vocab_size)
-        check_token_ids(list(params.logit_bias or ()), self.runner.cfg.vocab_size, "logit_bias")
-        check_token_ids(list(params.stop_ids), self.runner.cfg.vocab_size, "stop_token_ids")
+        check_request_ids(prompt_ids, params, self.runner.cfg.vocab_size)
         grammar = None
         if params.structured_output is not None:
             grammar = GrammarMatcher.compile(params.structured_output, self.tokenizer, self.runner.cfg.vocab_size)

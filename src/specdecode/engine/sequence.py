@@ -185,6 +185,13 @@ class Sequence:
         return bool(hits)
 
 
+def check_request_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request names: its prompt's, its logit bias's, its stop tokens."""
+    check_token_ids(prompt_ids, vocab_size)
+    check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
+    check_token_ids(list(params.stop_ids), vocab_size, "stop_token_ids")
+
+
 def check_token_ids(ids: list[int], vocab_size: int, where: str = "the prompt") -> None:
     """Token ids must index the embedding: checked per request, since a bad one would fail the whole step."""
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
