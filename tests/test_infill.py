@@ -23,8 +23,8 @@ FIM = {"prefix": 1, "suffix": 2, "middle": 3}
 @pytest.mark.parametrize("family, triple", list(infill.TRIPLES.items()))
 def test_each_familys_fim_tokens_are_found_together(family, triple):
     vocab = {"a": 0, **{spelling: 10 + i for i, spelling in enumerate(triple)}}
-    assert fim_ids(vocab) == {"prefix": 10, "suffix": 11, "middle": 12}
-    assert fim_ids({"a": 0, triple[0]: 10, triple[1]: 11}) is None  # no middle: no gap to fill
+    assert fim_ids(vocab.get) == {"prefix": 10, "suffix": 11, "middle": 12}
+    assert fim_ids({"a": 0, triple[0]: 10, triple[1]: 11}.get) is None  # no middle: no gap to fill
 
 
 class BosTokenizer(ByteTokenizer):

@@ -5,6 +5,8 @@ it out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import SpecDecodeError
 
 # Each family's prefix, suffix and middle tokens, as llama.cpp looks them up where a GGUF file names none
@@ -26,11 +28,13 @@ ENDS = (
 )
 
 
-def fim_ids(vocab: dict[str, int]) -> dict[str, int] | None:
-    """The prefix, suffix and middle tokens' ids of the first family whose three the vocabulary holds, or None."""
+def fim_ids(id_of: Callable[[str], int | None]) -> dict[str, int] | None:
+    """The prefix, suffix and middle tokens' ids of the first family whose three the vocabulary holds (id_of: a
+    spelling's id, None where the vocabulary has none), or None."""
     for triple in TRIPLES.values():
-        if all(spelling in vocab for spelling in triple):
-            return dict(zip(("prefix", "suffix", "middle"), (vocab[spelling] for spelling in triple)))
+        ids = [id_of(spelling) for spelling in triple]
+        if None not in ids:
+            return dict(zip(("prefix", "suffix", "middle"), ids))
     return None
 
 

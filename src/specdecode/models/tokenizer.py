@@ -24,12 +24,10 @@ class Tokenizer:
         self.bos_id = bos_id
         self.kind = kind or type(hf_tokenizer).__name__  # what it is, for messages: "SentencePiece (gemma3)"
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
-        for name in (*END_OF_TURN, *infill.ENDS):
-            tid = hf_tokenizer.convert_tokens_to_ids(name)
-            if isinstance(tid, int) and tid != hf_tokenizer.unk_token_id:
-                eos.add(tid)
+        eos.update(token_id(hf_tokenizer, name) for name in (*END_OF_TURN, *infill.ENDS))
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
-        self.fim_ids = infill.fim_ids(hf_tokenizer.get_vocab())  # None: the model cannot fill in the middle
+        # None: the model cannot fill in the middle
+        self.fim_ids = infill.fim_ids(lambda name: token_id(hf_tokenizer, name))
 
     @property
     def special_ids(self) -> set[int]:
@@ -146,6 +144,13 @@ class Tokenizer:
         with_specials = tok.encode("a", add_special_tokens=True)  # what the checkpoint's own tokenizer prepends
         bos = tok.bos_token_id if tok.bos_token_id is not None and with_specials[:1] == [tok.bos_token_id] else None
         return cls(tok, extra, bos, kind)
+
+
+def token_id(hf_tokenizer, name: str) -> int | None:
+    """The id of the token spelt `name`, None where the vocabulary has no such token (transformers answers with the
+    unknown token's id, or None): one lookup, where the whole vocabulary as a dict is built anew each time."""
+    tid = hf_tokenizer.convert_tokens_to_ids(name)
+    return tid if isinstance(tid, int) and tid != hf_tokenizer.unk_token_id else None
 
 
 def gguf_tokenizer_metadata(path: str) -> dict:
