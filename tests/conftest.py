@@ -92,8 +92,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [min(max(ord(ch) - 32, 0), self.vocab - 2) for ch in text]
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(32 + i) for i in ids if i not in self.eos_token_ids)
+    def encode_fragment(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + i) for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
 
     def apply_chat_template(
         self,

@@ -135,6 +135,22 @@ def test_min_tokens_holds_back_the_stop_tokens_too(target, plain):
         assert first not in out.token_ids[:6] and len(out.token_ids) >= 6
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(target):
+    """vLLM's truncate_prompt_tokens: the last N tokens are the prompt; -1 keeps what fits beside max_tokens."""
+    llm, ids = _llm(target, draft=target, k=4), target.tokenizer.encode(PROMPTS[0] * 20)
+    assert len(ids) > 256
+    kept = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, truncate_prompt_tokens=5))[0]
+    assert (
+        kept.outputs[0].token_ids
+        == llm.generate([ids[-5:]], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    )
+    assert kept.prompt_token_ids == ids[-5:]
+    fitted = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, truncate_prompt_tokens=-1))[0]
+    assert fitted.prompt_token_ids == ids[-(256 - 8) :] and len(fitted.outputs[0].token_ids) == 8
+    with pytest.raises(SpecDecodeError, match="the prompt has"):
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
 def test_max_tokens_is_exact(target, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -54,8 +54,17 @@ def test_bias_and_min_tokens():
     assert out[:, 5].tolist() == [-math.inf, -math.inf, 0.0]
 
 
+def _bad_words(ids: list[list[int]], **kw) -> SamplingParams:
+    """Params whose bad words tokenize to `ids` (a tokenizer would set them from the words)."""
+    params = SamplingParams(**kw)
+    params.bad_words_ids = ids
+    return params
+
+
 # Requests of different processors side by side (one with none), each with its own prompt, output and drafts
 BATCH = [
+    History(SamplingParams(allowed_token_ids=[1, 3, 6, 9], logit_bias={3: 1.0}), [2], [0], [3, 6], 3),
+    History(_bad_words([[2], [3, 4], [4, 4, 6]], repetition_penalty=1.2), [1], [5, 4], [4, 3, 4], 4),
     History(SamplingParams(logit_bias={2: 1.5, 7: -3.0}), [1], [0, 4], [3], 2),
     History(SamplingParams(min_tokens=4, max_tokens=9), [2], [1], [5, 6, 2], 4),
     History(SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3), [3, 7], [0, 0, 6], [6, 1], 3),
@@ -67,19 +76,25 @@ BATCH = [
 
 
 def _by_definition(logits: torch.Tensor, histories, eos_ids) -> torch.Tensor:
-    """Row by row, from the formulas: bias; EOS banned while the output is short; then the penalties over the output
-    and the drafts before the row."""
+    """Row by row, from the formulas: only the allowed tokens kept; bias; EOS banned while the output is short; a bad
+    word's last token banned where the text before the row ends with the rest of it; then the penalties over the
+    output and the drafts before the row."""
     out, row = logits.clone(), 0
     for h in histories:
         p = h.params
         for j in range(h.rows):
             x = out[row]
+            before = list(h.output_ids) + list(h.drafts[:j])
+            if p.allowed_token_ids:
+                x[[t for t in range(len(x)) if t not in p.allowed_token_ids]] = -math.inf
             for i, v in (p.logit_bias or {}).items():
                 x[i] += v
             if p.min_tokens and len(h.output_ids) + j < p.min_tokens:
                 x[list(eos_ids)] = -math.inf
+            for word in p.bad_words_ids:
+                if len(before) >= len(word) - 1 and before[len(before) - len(word) + 1 :] == word[:-1]:
+                    x[word[-1]] = -math.inf
             if p.has_penalties:
-                before = list(h.output_ids) + list(h.drafts[:j])
                 for t in range(len(x)):
                     n = before.count(t)
                     if n or t in h.prompt_ids:
@@ -144,6 +159,18 @@ BROKEN_BATCH = {
     "tokens of another request": (penalties, "_keys", lambda told: lambda tokens, r, vocab: told(tokens, r + 1, vocab)),
     # the drafts up to and including the row's own token counted
     "a row's own draft counted": (penalties, "_drafts_before", lambda told: lambda h, row: told(h, row + 1)),
+    # a bad word matched against the output alone, as if no draft came before the row
+    "bad words without the drafts": (
+        processors,
+        "_bad_word_ends",
+        lambda told: lambda h: told(History(h.params, h.prompt_ids, h.output_ids, (), h.rows)),
+    ),
+    # the allowed tokens of the request before kept in a row
+    "allowed ids of another request": (
+        processors,
+        "_keep_allowed",
+        lambda told: lambda logits, hs, starts: told(logits, hs, [s + 1 for s in starts]),
+    ),
     # EOS banned one row too long
     "min_tokens one row late": (
         processors,
@@ -292,3 +319,88 @@ def test_the_exact_joint_sums_to_one_and_respects_min_tokens(stat_setup):
     assert {len(t) for t in joint} == {3}
     assert all(7 not in t[:2] for t in joint)  # min_tokens=2: no EOS in the first two tokens
     assert any(t[-1] == 7 for t in joint)  # the third may end the text
+
+
+# ---- allowed_token_ids and bad_words ------------------------------------------------------------------
+ALLOWED = list(range(20, 50))  # none of them in the 16 ids a draft_vocab_size=8 draft keeps
+
+
+@pytest.fixture(scope="module")
+def limited(target):
+    """Greedy params that allow ALLOWED only and ban, as bad words, a two-token word and a token that decoding with
+    ALLOWED alone generates (so the ban bites), with plain decoding's outputs under them."""
+    kw = dict(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=ALLOWED)
+    free = _ids(_llm(target, k=0), SamplingParams(**kw))
+    first = free[0]
+    pair = next(first[i : i + 2] for i in range(2, len(first) - 1) if first[i] != first[i + 1])
+    single = next(t for t in first if t not in pair)
+    params = SamplingParams(**kw, bad_words=[target.tokenizer.decode(pair), target.tokenizer.decode([single])])
+    return params, free, pair, single, _ids(_llm(target, k=0), params)
+
+
+def test_allowed_ids_and_bad_words_hold_in_plain_decoding(target, limited):
+    params, free, pair, single, plain = limited
+    unlimited = _ids(_llm(target, k=0), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert free != unlimited and plain != free  # each limit changes the output
+    for ids in plain + free:
+        assert set(ids) <= set(ALLOWED)
+    for ids in plain:
+        assert single not in ids and all([a, b] != pair for a, b in zip(ids, ids[1:]))
+
+
+@pytest.mark.parametrize("proposer", ["self", "random", "ngram", "narrow draft"])
+def test_greedy_with_allowed_ids_and_bad_words_equals_plain(target, random_draft, limited, proposer):
+    """ "narrow draft": a draft whose LM head covers none of the allowed ids drafts from a uniform q, never fails."""
+    params, *_, plain = limited
+    draft = {"self": target, "random": random_draft, "narrow draft": random_draft}.get(proposer)
+    narrow = dict(draft_vocab_size=8) if proposer == "narrow draft" else {}
+    llm = _llm(target, draft, k=3, speculative_model="ngram" if proposer == "ngram" else None, **narrow)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
+
+
+def test_sampling_from_a_narrow_draft_keeps_to_the_allowed_ids(target, random_draft):
+    params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, allowed_token_ids=ALLOWED, seed=3)
+    outs = _llm(target, random_draft, k=3, draft_vocab_size=8).generate(PROMPTS, params)
+    assert all(set(o.outputs[0].token_ids) <= set(ALLOWED) for o in outs)
+
+
+def test_bad_words_matched_without_the_drafts_break_greedy_equality(target, limited, monkeypatch):
+    """The broken variant: a verify row's bad words matched against the output alone, not the drafts before it."""
+    params, *_, plain = limited
+    told = processors._bad_word_ends
+    monkeypatch.setattr(
+        processors, "_bad_word_ends", lambda h: told(History(h.params, h.prompt_ids, h.output_ids, (), h.rows))
+    )
+    assert _ids(_llm(target, target, k=3), params) != plain
+
+
+LIMITED_STATS = dict(temperature=1.0, max_tokens=3, allowed_token_ids=[1, 2, 3, 4, 5, 7], bad_words=["!", '"#'])
+
+
+@pytest.fixture(scope="module")
+def limited_stats(small_pair):
+    target, _ = small_pair
+    params = SamplingParams(n=16, **LIMITED_STATS)
+    params.update_from_tokenizer(target.tokenizer)
+    assert params.bad_words_ids == [[1], [2, 3]]
+    return [1, 2, 3, 1], params, exact_joint(target, [1, 2, 3, 1], params)
+
+
+def test_sampling_with_allowed_ids_and_bad_words_follows_the_processed_target(small_pair, limited_stats):
+    prompt, params, joint = limited_stats
+    assert all(0 not in t and 6 not in t and 1 not in t and "2, 3" not in str(t) for t in joint)
+    counts, accepted = sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert 0.1 < accepted < 0.95
+    assert chi2_pvalue(counts, joint) > PASS_P
+
+
+def test_bad_words_without_the_drafts_fail_the_distribution_test(small_pair, limited_stats, monkeypatch):
+    told = processors._bad_word_ends
+    monkeypatch.setattr(
+        processors, "_bad_word_ends", lambda h: told(History(h.params, h.prompt_ids, h.output_ids, (), h.rows))
+    )
+    prompt, params, joint = limited_stats
+    counts, _ = sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert chi2_pvalue(counts, joint) < 1e-6

@@ -9,6 +9,7 @@ from families import llama_cpp_source, vocabulary
 
 from specdecode.engine import sequence as sequence_module
 from specdecode.engine.sequence import Detokenizer, Sequence
+from specdecode.models.tokenizer import token_id
 from specdecode.sampling import SamplingParams
 
 
@@ -155,3 +156,36 @@ def test_an_incremental_decoder_started_afresh_each_step_fails(monkeypatch):
         type(tok), "decode_stream", lambda self: lambda t: DecodeStream(skip_special_tokens=True).step(backend, t)
     )
     assert any(seen[-1] != whole for seen, whole in _streamed_cases(tok, "llama-spm"))
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_special_tokens_stay_in_the_text_when_asked(monkeypatch, incremental):
+    """skip_special_tokens=False: the end-of-turn token inside the text is rendered, by the tokenizer's incremental
+    decoder and by the window alike."""
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    if not incremental:
+        monkeypatch.setattr(type(tok), "decode_stream", lambda self, **options: None)
+    end = token_id(tok.hf, "<|im_end|>")
+    ids = tok.encode("def f(x):") + [end] + tok.encode(" return x")
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=100, ignore_eos=True, skip_special_tokens=skip)
+        seq, _ = _grow(tok, ids, _chunks(len(ids), 1), params)
+        assert seq.text == tok.decode(ids, skip_special_tokens=skip)
+        assert ("<|im_end|>" in seq.text) != skip
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_the_stop_token_that_ends_the_text_is_left_out_of_it(kept):
+    """As vLLM's: EOS or a stop token ends the text without its own text (include_stop_str_in_output keeps it)."""
+    ids = ByteLevel().encode("ab,cd,ef")
+    params = SamplingParams(max_tokens=100, stop_token_ids=[ord(",")], include_stop_str_in_output=kept)
+    seq, _ = _grow(ByteLevel(), ids, [2, 3, 3], params)
+    assert seq.output_ids == ids[:3] and seq.text == ("ab," if kept else "ab")
+
+
+@pytest.mark.parametrize("min_tokens, expected", [(0, "ab"), (2, "ab"), (3, "ab,cd"), (6, "ab,cd,ef")])
+def test_a_stop_string_counts_only_where_it_ends_after_min_tokens(min_tokens, expected):
+    ids = ByteLevel().encode("ab,cd,ef,gh")
+    params = SamplingParams(max_tokens=100, stop=[","], min_tokens=min_tokens, ignore_eos=True)
+    seq, _ = _grow(ByteLevel(), ids, [1] * len(ids), params)
+    assert seq.text == expected and seq.finish_reason == "stop"

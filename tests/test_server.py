@@ -277,3 +277,69 @@ def test_stop_token_ids_end_the_text_through_the_server(served, target):
         model="tiny", prompt="hello world", max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop]}
     )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ids.index(stop) + 1
+
+
+def _solo_with(target, prompt, max_tokens, **params):
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **params))[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(served, target, stream):
+    """vLLM's return_token_ids: completions carry both in each choice (the prompt's in a stream's first chunk); a
+    chat, the prompt's beside the choices; a stream's chunks each carry their own output tokens."""
+    expected = _solo(target, "hello world", 12).outputs[0].token_ids
+    kwargs = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    completion = served.client.completions.create(prompt="hello world", stream=stream, **kwargs)
+    chunks = [c.model_dump() for c in (completion if stream else [completion])]
+    choices = [c["choices"][0] for c in chunks]
+    assert [t for c in choices for t in c["token_ids"]] == expected
+    assert choices[0]["prompt_token_ids"] == target.tokenizer.encode("hello world")
+    assert all("prompt_token_ids" not in c for c in choices[1:])
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = served.client.chat.completions.create(messages=messages, stream=stream, **kwargs)
+    chunks = [c.model_dump() for c in (chat if stream else [chat])]
+    prompt = target.tokenizer.encode(target.tokenizer.apply_chat_template(messages))
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert ids == _solo(target, [prompt], 12).outputs[0].token_ids
+
+
+def test_without_return_token_ids_no_ids_come_back(served):
+    r = served.client.completions.create(model="tiny", prompt="hello", max_tokens=3).model_dump()
+    assert "token_ids" not in r["choices"][0] and "prompt_token_ids" not in r["choices"][0]
+
+
+def test_vocabulary_limits_and_special_tokens_through_the_server(served, target):
+    """allowed_token_ids and bad_words give the library's output; skip_special_tokens=false shows the end token
+    (here made the only token, and ignored as an end)."""
+    limits = dict(allowed_token_ids=list(range(20, 50)), bad_words=["F", "OO"], ignore_eos=True)
+    r = served.client.completions.create(model="tiny", prompt="hello", max_tokens=12, temperature=0, extra_body=limits)
+    assert r.choices[0].text == _solo_with(target, "hello", 12, **limits).outputs[0].text
+    eos = max(target.tokenizer.eos_token_ids)
+    only_eos = dict(logit_bias={str(eos): 100}, ignore_eos=True)
+    for skip in (True, False):
+        r = served.client.completions.create(
+            model="tiny",
+            prompt="hello",
+            max_tokens=4,
+            temperature=0,
+            extra_body=only_eos | {"skip_special_tokens": skip},
+        )
+        assert r.choices[0].text == ("" if skip else target.tokenizer.decode([eos] * 4, skip_special_tokens=False))
+
+
+def test_truncate_prompt_tokens_through_the_server_echoes_what_was_read(served, target):
+    prompt = "the quick brown fox jumps over the lazy dog"
+    kept = target.tokenizer.encode(prompt)[-7:]
+    r = served.client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 7, "ignore_eos": True},
+    )
+    expected = _solo(target, [kept], 6).outputs[0].text
+    assert r.choices[0].text == target.tokenizer.decode(kept) + expected and r.usage.prompt_tokens == 7

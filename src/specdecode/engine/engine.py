@@ -24,7 +24,7 @@ from .chunked_prefill import ChunkedPrefill, ChunkedPrefilling, PromptChunk
 from .overlap import QueuingAhead
 from .policy import DraftDecision, Policy, make_policy
 from .prefill import Prefilling
-from .sequence import Sequence, check_request_ids, sample_stream
+from .sequence import Sequence, prepare_request, sample_stream
 from .step import SequenceUpdate, StepOutput
 
 
@@ -100,8 +100,8 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
                 f"n={params.n} outputs need as many sequence slots, and this engine has "
                 f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs"
             )
+        prompt_ids = prepare_request(prompt_ids, params, self.tokenizer, self.runner.cfg.vocab_size, self.max_model_len)
         self.blocks.check(len(prompt_ids), params)
-        check_request_ids(prompt_ids, params, self.runner.cfg.vocab_size)
         grammar = None
         if params.structured_output is not None:
             grammar = GrammarMatcher.compile(params.structured_output, self.tokenizer, self.runner.cfg.vocab_size)

@@ -32,15 +32,17 @@ class Detokenizer:
     TGI). Tokens before `read` are text already; a window starts at `prefix`, one emission earlier, because a
     tokenizer may render a token differently at the start of a text (a dropped leading space). Text that ends
     inside a UTF-8 character waits for the next token; a finished sequence's (`flush`) ends in a replacement
-    character, as decoding the whole list would."""
+    character, as decoding the whole list would. Special tokens are left out of the text unless
+    skip_special_tokens is False (the option is passed only then, so a tokenizer without it decodes the default way)."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, skip_special_tokens: bool = True):
         self.prefix = self.read = self.fed = start  # fed: the tokens the incremental decoder has been given
         self.stream = None  # the tokenizer's incremental decoder; False where it has none
+        self.options = {} if skip_special_tokens else {"skip_special_tokens": False}
 
     def new_text(self, tokenizer, ids: list[int], flush: bool = False) -> str:
         if self.stream is None:
-            self.stream = getattr(tokenizer, "decode_stream", lambda: None)() or False
+            self.stream = getattr(tokenizer, "decode_stream", lambda **_: None)(**self.options) or False
         if not self.stream:
             return self._window(tokenizer, ids, flush)
         text = self._streamed(ids)
@@ -57,8 +59,8 @@ class Detokenizer:
         return "".join(pieces)
 
     def _window(self, tokenizer, ids: list[int], flush: bool) -> str:
-        before = tokenizer.decode(ids[self.prefix : self.read])
-        after = tokenizer.decode(ids[self.prefix :])
+        before = tokenizer.decode(ids[self.prefix : self.read], **self.options)
+        after = tokenizer.decode(ids[self.prefix :], **self.options)
         if len(after) <= len(before) or (after.endswith("\ufffd") and not flush):
             return ""
         self.prefix, self.read = self.read, len(ids)
@@ -88,7 +90,7 @@ class Sequence:
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)  # prompt + output: the one list that grows, in place
         self.num_prompt_tokens = len(self.prompt_ids)
-        self.detokenizer = Detokenizer(self.num_prompt_tokens)  # the output's text only
+        self.detokenizer = Detokenizer(self.num_prompt_tokens, self.params.skip_special_tokens)  # the output's only
 
     @property
     def output_ids(self) -> list[int]:
@@ -145,9 +147,11 @@ class Sequence:
         return self.params.max_tokens - self.num_output_tokens
 
     def append(self, tokens: list[int], logprobs: list[TokenLogprob] | None, tokenizer, max_model_len: int) -> None:
-        """Append emitted tokens one by one (with their logprobs); EOS, a stop string, max_tokens or the
-        context end finish the sequence and drop whatever follows inside the chunk."""
-        m, cut = self.metrics, False
+        """Append emitted tokens one by one (with their logprobs); EOS, a stop token or string, max_tokens or the
+        context end finish the sequence and drop whatever follows inside the chunk. As in vLLM, the text leaves out
+        the EOS or stop token that ended it (include_stop_str_in_output keeps it), and a stop string counts only where
+        it ends after the first min_tokens tokens."""
+        m, cut, shown = self.metrics, False, None
         for i, token in enumerate(tokens):
             self.token_ids.append(token)
             if logprobs is not None:
@@ -157,6 +161,7 @@ class Sequence:
                 m.first_token_time = time.perf_counter()
             if (token in tokenizer.eos_token_ids and not self.params.ignore_eos) or token in self.params.stop_ids:
                 self.finish_reason = "stop"
+                shown = None if self.params.include_stop_str_in_output else self.num_tokens - 1
             elif self.params.stop_strings and self._hit_stop_string(tokenizer):
                 self.finish_reason, cut = "stop", True
             elif self.remaining_tokens <= 0 or self.num_tokens >= max_model_len:
@@ -165,11 +170,13 @@ class Sequence:
                 m.finish_time = time.perf_counter()
                 break
         if not cut:
-            self._extend_text(tokenizer)
+            self._extend_text(tokenizer, shown)
 
-    def _extend_text(self, tokenizer) -> int:
-        """Decode the tokens not yet in the text; how many characters came."""
-        new = self.detokenizer.new_text(tokenizer, self.token_ids, flush=self.finished)
+    def _extend_text(self, tokenizer, shown: int | None = None) -> int:
+        """Decode the tokens not yet in the text (those before `shown` only, where it is set); how many characters
+        came."""
+        ids = self.token_ids if shown is None else self.token_ids[:shown]
+        new = self.detokenizer.new_text(tokenizer, ids, flush=self.finished)
         self.text += new
         return len(new)
 
@@ -177,6 +184,8 @@ class Sequence:
         """Searches only the text a stop string ending in the newest characters could span; on a hit the
         text is cut before the first stop string found (after it, with include_stop_str_in_output)."""
         added = self._extend_text(tokenizer)
+        if self.num_output_tokens <= self.params.min_tokens:
+            return False
         start = max(0, len(self.text) - added - max(map(len, self.params.stop_strings)) + 1)
         hits = [(i, len(s)) for s in self.params.stop_strings if (i := self.text.find(s, start)) >= 0]
         if hits:
@@ -185,11 +194,50 @@ class Sequence:
         return bool(hits)
 
 
-def check_request_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
-    """The token ids a request names: its prompt's, its logit bias's, its stop tokens."""
+def prepare_request(
+    prompt_ids: list[int], params: SamplingParams, tokenizer, vocab_size: int, max_len: int
+) -> list[int]:
+    """The prompt a request is served with (truncated as it asks), once the token ids it names are checked and its
+    bad words' ids found."""
+    prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, max_len, params.max_tokens)
     check_token_ids(prompt_ids, vocab_size)
     check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
     check_token_ids(list(params.stop_ids), vocab_size, "stop_token_ids")
+    check_token_ids(params.allowed_token_ids or [], vocab_size, "allowed_token_ids")
+    params.update_from_tokenizer(tokenizer)
+    check_token_ids([t for word in params.bad_words_ids for t in word], vocab_size, "bad_words (as tokenized)")
+    if params.allowed_token_ids and not set(params.allowed_token_ids) - _tokens_it_may_ban(params, tokenizer):
+        raise SpecDecodeError(
+            "allowed_token_ids leaves no token to generate once bad_words (and, before min_tokens, the end tokens) "
+            "are banned; allow more tokens"
+        )
+    return prompt_ids
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_len: int, max_tokens: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens; -1: as many as the context holds beside
+    max_tokens."""
+    if keep is None:
+        return prompt_ids
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+        raise SpecDecodeError(
+            f"truncate_prompt_tokens must be a positive number of tokens, or -1 for as many as fit beside "
+            f"max_tokens; got {keep!r}"
+        )
+    if keep == -1:
+        if max_tokens is None:
+            raise SpecDecodeError("truncate_prompt_tokens=-1 keeps what fits beside max_tokens: set max_tokens")
+        keep = max(max_len - max_tokens, 1)
+    return prompt_ids[-keep:]
+
+
+def _tokens_it_may_ban(params: SamplingParams, tokenizer) -> set[int]:
+    """Every token a row of the request could have banned: its bad words' last tokens, its end tokens under
+    min_tokens."""
+    banned = {word[-1] for word in params.bad_words_ids}
+    if params.min_tokens:
+        banned |= params.stop_ids | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+    return banned
 
 
 def check_token_ids(ids: list[int], vocab_size: int, where: str = "the prompt") -> None:

@@ -44,10 +44,14 @@ class Tokenizer:
         ids = self.hf.encode(text, add_special_tokens=False)
         return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def encode_fragment(self, text: str) -> list[int]:
+        """A piece of text as it is tokenized on its own, without the BOS a prompt begins with."""
+        return self.hf.encode(text, add_special_tokens=False)
 
-    def decode_stream(self):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True):
         """A function that takes the next token and returns the text it completes (None while a character waits
         for more bytes): the tokenizers library's incremental decoder, rendering what decode() would. None where
         decode() does more than the Rust tokenizer's own (a Python tokenizer, clean-up of spaces)."""
@@ -56,7 +60,7 @@ class Tokenizer:
             return None
         from tokenizers.decoders import DecodeStream
 
-        stream = DecodeStream(skip_special_tokens=True)
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         return lambda token: stream.step(backend, token)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:

@@ -31,11 +31,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
     stop_token_ids: list[int] | None = None  # end the text as EOS does (kept in the output), ignore_eos or not
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # special tokens (a chat's end of turn) left out of the text
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    bad_words: list[str] | None = None  # words that may not be generated (update_from_tokenizer gives their ids)
+    # keep only the prompt's last N tokens (-1: as many as fit beside max_tokens); see engine.sequence.truncate_prompt
+    truncate_prompt_tokens: int | None = None
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scored by the prefill)
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
     stop_strings: list[str] = field(init=False, default_factory=list)
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    # each bad word's token ids, spelled alone and after a space, as vLLM's; set by update_from_tokenizer
+    bad_words_ids: list[list[int]] = field(init=False, default_factory=list)
 
     def __post_init__(self):
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -55,7 +62,20 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         """Whether the logits are changed before temperature (bias, min_tokens, penalties)."""
-        return bool(self.logit_bias or self.min_tokens or self.has_penalties)
+        return bool(
+            self.logit_bias or self.min_tokens or self.has_penalties or self.allowed_token_ids or self.bad_words_ids
+        )
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """The bad words' token ids, as vLLM finds them: each word's spelling alone, and after a space where that
+        begins with another token and is as long (how it is written inside a text)."""
+        self.bad_words_ids = []
+        for word in self.bad_words or ():
+            alone = tokenizer.encode_fragment(word.lstrip())
+            spaced = tokenizer.encode_fragment(" " + word.lstrip())
+            self.bad_words_ids.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                self.bad_words_ids.append(spaced)
 
     def validate(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -90,6 +110,23 @@ class SamplingParams:
             raise SpecDecodeError("stop must be a non-empty string or a list of non-empty strings")
         for token in self.stop_token_ids or ():
             _check_int("stop_token_ids[]", token, 0)
+        self._validate_vocabulary_limits()
+
+    def _validate_vocabulary_limits(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise SpecDecodeError("allowed_token_ids must be a non-empty list of token ids (None: all allowed)")
+            for token in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", token, 0)
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise SpecDecodeError("bad_words must be a list of non-empty strings")
+        if self.structured_output is not None and (self.allowed_token_ids or self.bad_words):
+            raise SpecDecodeError(
+                "structured output chooses the tokens allowed at each step; it cannot be combined with "
+                "allowed_token_ids or bad_words"
+            )
 
 
 def _is_number(value) -> bool:

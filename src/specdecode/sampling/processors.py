@@ -1,5 +1,5 @@
 """Logits processors: what a request changes in the model's logits before temperature. In vLLM's order:
-logit_bias and min_tokens, then the repetition, frequency and presence penalties.
+allowed_token_ids, logit_bias, min_tokens and bad_words, then the repetition, frequency and presence penalties.
 
 They depend on the tokens generated so far, so a verify window's row j sees the output followed by the
 first j drafted tokens, exactly what plain decoding would have seen at that position if those drafts are
@@ -57,6 +57,7 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
     processors applied to its own rows: in place where the operation allows, the result returned."""
     starts = list(accumulate((h.rows for h in histories), initial=0))
     vocab, device = logits.shape[-1], logits.device
+    _keep_allowed(logits, histories, starts)
     bias = [(start + j, i, v) for h, start in zip(histories, starts) for i, v in _bias(h, vocab) for j in range(h.rows)]
     if bias:
         rows, ids, values = zip(*bias)
@@ -69,6 +70,7 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
         for e in _ends(h, eos_ids)
         if e < vocab
     ]
+    banned += [(start + j, t) for h, start in zip(histories, starts) for j, t in _bad_word_ends(h) if t < vocab]
     if banned:
         rows, ids = zip(*banned)
         logits[to_device(list(rows), device), to_device(list(ids), device)] = float("-inf")
@@ -76,6 +78,44 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
     if penalised:
         penalise(logits, [histories[i] for i in penalised], [starts[i] for i in penalised])
     return logits
+
+
+def _keep_allowed(logits: torch.Tensor, histories: list[History], starts: list[int]) -> None:
+    """-inf, in place, at every token outside the allowed ones of the rows whose requests name them (ids past the
+    rows' vocabulary, a draft's narrower one, dropped)."""
+    limited = [(h, start) for h, start in zip(histories, starts) if h.params.allowed_token_ids]
+    if not limited:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    rows, kept = [], []  # kept: (n, token) for the n-th of those rows
+    for h, start in limited:
+        allowed = [t for t in h.params.allowed_token_ids if t < vocab]
+        for j in range(h.rows):
+            kept += [(len(rows), t) for t in allowed]
+            rows.append(start + j)
+    keep = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
+    if kept:
+        at, ids = zip(*kept)
+        keep[to_device(list(at), device), to_device(list(ids), device)] = True
+    at = to_device(rows, device)
+    logits[at] = logits[at].masked_fill(~keep, float("-inf"))
+
+
+def _bad_word_ends(history: History) -> list[tuple[int, int]]:
+    """(row, token) for each bad word's last token where the tokens before that row end with the word's others
+    (a one-token word: every row)."""
+    words = history.params.bad_words_ids
+    if not words:
+        return []
+    longest = max(map(len, words)) - 1  # the most tokens a word's match reads before its row
+    seen = [*(history.output_ids[-longest:] if longest else ()), *history.drafts]
+    before = len(seen) - len(history.drafts)
+    return [
+        (j, word[-1])
+        for j in range(history.rows)
+        for word in words
+        if len(word) - 1 <= before + j and seen[before + j - len(word) + 1 : before + j] == word[:-1]
+    ]
 
 
 def _bias(history: History, vocab: int) -> list[tuple[int, float]]:

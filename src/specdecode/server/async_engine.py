@@ -56,6 +56,7 @@ class Update:
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens generated since the last update
     num_tokens: int = 0  # output tokens so far
+    token_ids: list[int] = field(default_factory=list)  # the output tokens since the last update
     prompt_logprobs: list | None = None  # the prompt's, in the output's first update when asked for
     spec: dict | None = None  # the output's speculation statistics, once finished
     replica: str | None = None  # which engine replica served it (scaled-out deployments)
@@ -70,6 +71,7 @@ class RequestHandle:
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     seqs: list[Sequence] = field(default_factory=list)  # its n outputs, once the engine has them
     sent_chars: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
     opened: set[int] = field(default_factory=set)  # outputs whose first update is out
     closed: set[int] = field(default_factory=set)  # outputs whose final update is out
 
@@ -240,7 +242,7 @@ class AsyncEngine:
             elif kind == "add":
                 try:
                     handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params, handle.tenant)
-                    handle.sent_chars = [0] * len(handle.seqs)
+                    handle.sent_chars, handle.sent_tokens = [0] * len(handle.seqs), [0] * len(handle.seqs)
                     self._outputs.update((id(seq), (handle, i)) for i, seq in enumerate(handle.seqs))
                 except Exception as exc:
                     handle.push(Update("", True, error=exc))
@@ -285,11 +287,13 @@ class AsyncEngine:
                     logprobs=logprobs,
                     prompt_logprobs=None if i in handle.opened else seq.prompt_logprobs,
                     num_tokens=seq.num_output_tokens,
+                    token_ids=seq.token_ids[seq.num_prompt_tokens + handle.sent_tokens[i] :],
                     spec=seq.metrics.as_dict() if seq.finished else None,
                     replica=self.replica,
                 )
             )
             handle.sent_chars[i] += len(text)
+            handle.sent_tokens[i] = seq.num_output_tokens
             handle.opened.add(i)
             if seq.finished:
                 handle.closed.add(i)

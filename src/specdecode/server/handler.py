@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.sequence import truncate_prompt
 from ..errors import SpecDecodeError
 from ..models.infill import infill_ids
 from ..sampling import SamplingParams
@@ -96,11 +97,13 @@ class RequestHandler:
                 )
             prompt = prompt[0]
         try:
-            ids = self.prompt_ids(prompt, req.suffix, req.echo)
-            params = self.sampling_params(req, ids, req.max_tokens)
+            whole = self.prompt_ids(prompt, req.suffix, req.echo)
+            ids, params = self.sampling_params(req, whole, req.max_tokens)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
-        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids), ids) if req.echo else None
+        echo = None
+        if req.echo:  # the prompt as read: the text sent, unless it was truncated or sent as ids
+            echo = (prompt if isinstance(prompt, str) and ids is whole else self.tokenizer.decode(ids), ids)
         reply = Reply(
             self,
             ids,
@@ -109,6 +112,7 @@ class RequestHandler:
             echo=echo,
             best=(req.n, req.logprobs is not None) if params.n > req.n else None,
             scored_prompt=req.prompt_logprobs is not None,
+            token_ids=req.return_token_ids,
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
@@ -124,13 +128,21 @@ class RequestHandler:
             rendered = tools.rendered if tools else None
             messages = template_messages(req.messages)
             text = self.tokenizer.apply_chat_template(messages, tools=rendered, **req.template_options())
-            ids = self.tokenizer.encode(text)
-            params = self.sampling_params(req, ids, req.max_completion_tokens or req.max_tokens, default=None)
+            ids, params = self.sampling_params(
+                req, self.tokenizer.encode(text), req.max_completion_tokens or req.max_tokens, default=None
+            )
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         echo = None if (echoed := req.echoed()) is None else (echoed, None)
         reply = Reply(
-            self, ids, params, chat=True, echo=echo, tools=tools, scored_prompt=req.prompt_logprobs is not None
+            self,
+            ids,
+            params,
+            chat=True,
+            echo=echo,
+            tools=tools,
+            scored_prompt=req.prompt_logprobs is not None,
+            token_ids=req.return_token_ids,
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
@@ -151,10 +163,12 @@ class RequestHandler:
 
     def sampling_params(
         self, req: CommonRequest, prompt_ids: list[int], max_tokens: int | None, default: int | None = 16
-    ) -> SamplingParams:
-        """default: max_tokens where the request sets none, as OpenAI's API has it: 16 for completions, for chat
-        the rest of the context (None)."""
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt as served (truncated where the request asks) and its sampling parameters. default: max_tokens
+        where the request sets none, as OpenAI's API has it: 16 for completions, for chat the rest of the context
+        (None)."""
         max_len = self.engine.max_model_len
+        prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, max_len, max_tokens or default)
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty")
         room = max_len - len(prompt_ids)
@@ -169,7 +183,7 @@ class RequestHandler:
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
                 f"tokens and the context holds {max_len}; ask for at most {room}"
             )
-        return req.sampling_params(max_tokens, req.requested_logprobs())
+        return prompt_ids, req.sampling_params(max_tokens, req.requested_logprobs())
 
 
 def _session(req: CommonRequest, request: Request) -> str | None:
@@ -188,7 +202,9 @@ class Reply:
     """One request's response. echo: (text, ids) to put before each output (completions' `echo`: the prompt; a
     chat's: the assistant's last message, ids None); best: (n, whether logprobs are returned) when more outputs than
     n were generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; scored_prompt: the
-    prompt's logprobs returned as vLLM's `prompt_logprobs` (each choice's for completions, the reply's for a chat)."""
+    prompt's logprobs returned as vLLM's `prompt_logprobs` (each choice's for completions, the reply's for a chat);
+    token_ids: vLLM's `return_token_ids`, the prompt's token ids (where prompt_logprobs go) and each output's (in a
+    stream, each chunk's, the prompt's in the first)."""
 
     def __init__(
         self,
@@ -200,9 +216,10 @@ class Reply:
         best: tuple[int, bool] | None = None,
         tools: Tools | None = None,
         scored_prompt: bool = False,
+        token_ids: bool = False,
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
-        self.tools, self.scored_prompt = tools, scored_prompt
+        self.tools, self.scored_prompt, self.token_ids = tools, scored_prompt, token_ids
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
@@ -232,7 +249,7 @@ class Reply:
             collecting.cancel()
             return Response(status_code=499)
         try:
-            texts, finals, logprobs, prompt = collecting.result()
+            texts, finals, logprobs, prompt, outputs = collecting.result()
         except SpecDecodeError as exc:
             return error_response(exc.http_status, str(exc))
         best = self.best
@@ -249,6 +266,7 @@ class Reply:
                 echo=self.echo,
             )
             | ({"prompt_logprobs": listed} if listed is not None and not self.chat else {})
+            | self._token_ids(outputs[i], prompt_too=not self.chat)
             for rank, i in enumerate(order)
         ]
         body = {
@@ -259,7 +277,16 @@ class Reply:
             "choices": choices,
             "usage": usage(len(self.ids), finals),
         }
+        body |= self._token_ids(None, prompt_too=self.chat)
         return body | ({"prompt_logprobs": listed} if listed is not None and self.chat else {})
+
+    def _token_ids(self, output: list[int] | None, prompt_too: bool) -> dict:
+        """With return_token_ids: the output's token ids (output None: none), and the prompt's where asked."""
+        if not self.token_ids:
+            return {}
+        return ({} if output is None else {"token_ids": output}) | (
+            {"prompt_token_ids": self.ids} if prompt_too else {}
+        )
 
     async def events(self, updates):
         """Server-sent events, one per update, the usage with the last."""
@@ -280,6 +307,8 @@ class Reply:
                 )
                 if self.chat and started[i]:
                     del body["delta"]["role"]  # the role goes in each output's first chunk only
+                body |= self._token_ids(update.token_ids, prompt_too=not self.chat and not started[i])
+                first_chunk = not any(started)
                 started[i] = True
                 offsets[i] += len(update.text) + (len(echoed[0]) if echoed else 0)
                 if update.finished:
@@ -290,7 +319,7 @@ class Reply:
                     "created": self.created,
                     "model": self.handler.model_name,
                     "choices": [body],
-                }
+                } | self._token_ids(None, prompt_too=self.chat and first_chunk)
                 if len(finals) == n:
                     chunk["usage"] = usage(len(self.ids), finals)
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -367,15 +396,18 @@ def best_outputs(logprobs: list[list], n: int) -> list[int]:
 
 
 async def collect(updates, n: int):
-    """Each output's whole text, final Update and logprobs, and the prompt's logprobs (empty where not asked)."""
+    """Each output's whole text, final Update and logprobs, the prompt's logprobs (empty where not asked), and each
+    output's token ids."""
     texts, finals, logprobs, prompt = [[] for _ in range(n)], {}, [[] for _ in range(n)], []
+    token_ids = [[] for _ in range(n)]
     async for update in updates:
         texts[update.index].append(update.text)
         logprobs[update.index].extend(update.logprobs)
+        token_ids[update.index].extend(update.token_ids)
         prompt = update.prompt_logprobs or prompt
         if update.finished:
             finals[update.index] = update
-    return ["".join(t) for t in texts], finals, logprobs, prompt
+    return ["".join(t) for t in texts], finals, logprobs, prompt, token_ids
 
 
 async def client_gone(request: Request) -> None:

@@ -22,14 +22,9 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "structured_outputs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
     "logits_processors": None,
     "return_tokens_as_token_ids": False,
-    "return_token_ids": False,
     "include_reasoning": True,
     "chat_template": None,
     "mm_processor_kwargs": None,
@@ -72,6 +67,12 @@ class CommonRequest(BaseModel):
     timeout: float | None = None  # seconds; the request is cancelled (504) when it runs longer
     user: str | None = None  # OpenAI's end-user id: a scaled-out deployment keeps its requests on one replica
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob given the tokens before, and N others'
+    # vLLM's too
+    skip_special_tokens: bool = True  # special tokens (end of turn) left out of the text
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    bad_words: list[str] | None = None  # words that may not be generated
+    truncate_prompt_tokens: int | None = None  # only the prompt's last N tokens read (-1: what fits beside max_tokens)
+    return_token_ids: bool = False  # the prompt's and each output's token ids in the response
 
     @field_validator("timeout")
     @classmethod
@@ -107,6 +108,10 @@ class CommonRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
         )
 
