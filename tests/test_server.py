@@ -343,3 +343,24 @@ def test_truncate_prompt_tokens_through_the_server_echoes_what_was_read(served, 
     )
     expected = _solo(target, [kept], 6).outputs[0].text
     assert r.choices[0].text == target.tokenizer.decode(kept) + expected and r.usage.prompt_tokens == 7
+
+
+def test_return_tokens_as_token_ids_names_logprob_entries_by_id(served):
+    asked = {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = served.client.completions.create(
+        model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=2, extra_body=asked
+    ).model_dump()["choices"][0]
+    assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in r["token_ids"]]
+    assert all(key.startswith("token_id:") for top in r["logprobs"]["top_logprobs"] for key in top)
+    chat = served.client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=asked,
+    ).model_dump()["choices"][0]
+    entries = chat["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])

@@ -12,6 +12,7 @@ from .config import EngineConfig as C  # every engine default, written once ther
 from .distill.recipe import GPU_RECIPE, Recipe
 from .errors import SpecDecodeError
 from .models.sources import DEFAULT_DRAFT, DEFAULT_TARGET
+from .server.reasoning import PARSERS as REASONING_PARSERS
 
 R = Recipe()  # every distill default, written once there
 
@@ -230,6 +231,13 @@ def _add_serve(sub) -> None:
         default=None,
         metavar="SECONDS",
         help="cancel a request that runs longer (504); a request may ask for less with 'timeout'",
+    )
+    http.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="a chat reply's thinking (<think> ... </think>: Qwen3, QwQ, DeepSeek-R1) goes to the message's "
+        "'reasoning' field, the rest to 'content', as vLLM's parsers of these names split them",
     )
     http.add_argument(
         "--shutdown-grace",

@@ -24,10 +24,12 @@ def build_app(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     runs_engine: bool = True,
     request_timeout: float | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
     the engine loop itself, as `serve` does on its main thread). request_timeout: the most seconds a
-    request may run (a request may ask for less with its `timeout` field); then it is cancelled (504)."""
+    request may run (a request may ask for less with its `timeout` field); then it is cancelled (504).
+    reasoning_parser: chat replies' thinking goes to `reasoning` (see server/reasoning.py)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -39,7 +41,7 @@ def build_app(
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     add_guards(app, api_key, max_request_bytes)
-    add_routes(app, RequestHandler(engine, model_name, request_timeout))
+    add_routes(app, RequestHandler(engine, model_name, request_timeout, reasoning_parser))
     return app
 
 

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -21,7 +22,8 @@ from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
 from .protocol import ChatRequest, CommonRequest, CompletionRequest
-from .responses import chat_logprobs, completion_logprobs, usage, vllm_prompt_logprobs
+from .reasoning import ReasoningSplit, opens_thinking, split_reasoning
+from .responses import chat_logprobs, completion_logprobs, token_texts, usage, vllm_prompt_logprobs
 from .tools import Tools, template_messages
 
 ERROR_TYPES = {
@@ -69,11 +71,19 @@ class ServingEngine(Protocol):
 
 class RequestHandler:
     """request_timeout: the most seconds a request may run (a request may ask for less with its `timeout`
-    field); then it is cancelled (504)."""
+    field); then it is cancelled (504). reasoning_parser: a chat reply's thinking goes to `reasoning` (one of
+    reasoning.PARSERS; None: the reply is all content)."""
 
-    def __init__(self, engine: ServingEngine, model_name: str, request_timeout: float | None = None):
+    def __init__(
+        self,
+        engine: ServingEngine,
+        model_name: str,
+        request_timeout: float | None = None,
+        reasoning_parser: str | None = None,
+    ):
         self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
         self.tokenizer = engine.tokenizer
+        self.reasoning_parser = reasoning_parser
 
     def other_model(self, req: CommonRequest) -> JSONResponse | None:
         """A 404 for a request that names a model this server does not serve (its output would be another
@@ -111,8 +121,7 @@ class RequestHandler:
             chat=False,
             echo=echo,
             best=(req.n, req.logprobs is not None) if params.n > req.n else None,
-            scored_prompt=req.prompt_logprobs is not None,
-            token_ids=req.return_token_ids,
+            shown=Shown.asked_by(req),
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
@@ -131,6 +140,11 @@ class RequestHandler:
             ids, params = self.sampling_params(
                 req, self.tokenizer.encode(text), req.max_completion_tokens or req.max_tokens, default=None
             )
+            if not req.include_reasoning and self.reasoning_parser is None:
+                raise SpecDecodeError(
+                    "include_reasoning=false needs the reasoning read out of the reply: start the server with "
+                    "--reasoning-parser"
+                )
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         echo = None if (echoed := req.echoed()) is None else (echoed, None)
@@ -141,8 +155,8 @@ class RequestHandler:
             chat=True,
             echo=echo,
             tools=tools,
-            scored_prompt=req.prompt_logprobs is not None,
-            token_ids=req.return_token_ids,
+            shown=Shown.asked_by(req),
+            thinking=None if self.reasoning_parser is None else opens_thinking(text),
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
@@ -198,13 +212,45 @@ def tenant_of(req: CommonRequest, request: Request) -> str:
     return f"{key}/{req.user or ''}"
 
 
+@dataclass
+class Said:
+    """What an output (or a streamed piece of it) says, as a message reads it: content (None: tool calls alone), tool
+    calls, the finish reason (None until it finishes) and the reasoning (None: none, or not returned)."""
+
+    content: str | None
+    tool_calls: list[dict] | None = None
+    finish_reason: str | None = None
+    reasoning: str | None = None
+
+
+@dataclass
+class Shown:
+    """What a response shows besides the text: vLLM's `prompt_logprobs` (each choice's for completions, the reply's
+    for a chat); with `return_token_ids`, the prompt's token ids (where prompt logprobs go) and each output's (in a
+    stream, each chunk's, the prompt's in the first); with `return_tokens_as_token_ids`, logprob entries named
+    "token_id:ID"; a chat reply's reasoning, unless `include_reasoning` is false."""
+
+    prompt_logprobs: bool = False
+    token_ids: bool = False
+    tokens_as_ids: bool = False
+    reasoning: bool = True
+
+    @classmethod
+    def asked_by(cls, req: CommonRequest) -> Shown:
+        return cls(
+            prompt_logprobs=req.prompt_logprobs is not None,
+            token_ids=req.return_token_ids,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+            reasoning=getattr(req, "include_reasoning", True),
+        )
+
+
 class Reply:
     """One request's response. echo: (text, ids) to put before each output (completions' `echo`: the prompt; a
     chat's: the assistant's last message, ids None); best: (n, whether logprobs are returned) when more outputs than
-    n were generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; scored_prompt: the
-    prompt's logprobs returned as vLLM's `prompt_logprobs` (each choice's for completions, the reply's for a chat);
-    token_ids: vLLM's `return_token_ids`, the prompt's token ids (where prompt_logprobs go) and each output's (in a
-    stream, each chunk's, the prompt's in the first)."""
+    n were generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; shown: what else
+    the request asks to see; thinking: None where a chat reply is all content, else whether its prompt left it inside
+    its thinking (see reasoning.py)."""
 
     def __init__(
         self,
@@ -215,11 +261,12 @@ class Reply:
         echo: tuple | None = None,
         best: tuple[int, bool] | None = None,
         tools: Tools | None = None,
-        scored_prompt: bool = False,
-        token_ids: bool = False,
+        shown: Shown | None = None,
+        thinking: bool | None = None,
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
-        self.tools, self.scored_prompt, self.token_ids = tools, scored_prompt, token_ids
+        self.tools, self.shown, self.thinking = tools, shown or Shown(), thinking
+        self.token_text = token_texts(handler.tokenizer, self.shown.tokens_as_ids)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
@@ -256,11 +303,11 @@ class Reply:
         order = range(self.params.n) if best is None else best_outputs(logprobs, best[0])
         show_logprobs = self.params.logprobs is not None and (best is None or best[1])
         echoed = prompt if self.echo is not None and not self.chat else []  # an echoed prompt's logprobs lead
-        listed = vllm_prompt_logprobs(self.handler.tokenizer, self.ids, prompt) if self.scored_prompt else None
+        listed = vllm_prompt_logprobs(self.handler.tokenizer, self.ids, prompt) if self.shown.prompt_logprobs else None
         choices = [
             self.choice(
                 rank,
-                *self._called(texts[i], finals[i].finish_reason),
+                self._called(texts[i], finals[i].finish_reason),
                 echoed + logprobs[i] if show_logprobs else None,
                 delta=False,
                 echo=self.echo,
@@ -282,7 +329,7 @@ class Reply:
 
     def _token_ids(self, output: list[int] | None, prompt_too: bool) -> dict:
         """With return_token_ids: the output's token ids (output None: none), and the prompt's where asked."""
-        if not self.token_ids:
+        if not self.shown.token_ids:
             return {}
         return ({} if output is None else {"token_ids": output}) | (
             {"prompt_token_ids": self.ids} if prompt_too else {}
@@ -293,13 +340,14 @@ class Reply:
         n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
         started, offsets, finals = [False] * n, [0] * n, {}
         streams = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
+        splits = [ReasoningSplit(self.thinking) for _ in range(n)] if self.thinking is not None else None
         try:
             async for update in updates:
                 i = update.index
                 echoed = self.echo if self.echo is not None and not started[i] else None
                 body = self.choice(
                     i,
-                    *self._streamed(update, streams[i] if streams else None),
+                    self._streamed(update, streams[i] if streams else None, splits[i] if splits else None),
                     self._logprobs(update),
                     delta=True,
                     text_offset=offsets[i],
@@ -329,26 +377,39 @@ class Reply:
             await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
         yield "data: [DONE]\n\n"
 
-    def _called(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
-        """A whole output's content, tool calls and finish reason."""
+    def _called(self, text: str, reason: str | None) -> Said:
+        """A whole output's reasoning, content, tool calls (read out of the content) and finish reason."""
+        reasoning = None
+        if self.thinking is not None:
+            reasoning, text = split_reasoning(text, self.thinking)
+        reasoning = reasoning if self.shown.reasoning else None
         if self.tools is None:
-            return text, None, reason
+            return Said(text, None, reason, reasoning)
         content, calls = self.tools.parse(text)
-        return content, [c.as_dict() for c in calls] or None, self.tools.finish_reason(reason, bool(calls))
+        return Said(
+            content, [c.as_dict() for c in calls] or None, self.tools.finish_reason(reason, bool(calls)), reasoning
+        )
 
-    def _streamed(self, update, stream) -> tuple[str | None, list[dict] | None, str | None]:
-        """An update's content, the tool calls that closed in it and, at the end, the finish reason."""
+    def _streamed(self, update, stream, split: ReasoningSplit | None) -> Said:
+        """An update's reasoning, content, the tool calls that closed in it and, at the end, the finish reason."""
         reason = update.finish_reason if update.finished else None
+        text, reasoning = update.text, None
+        if split is not None:
+            reasoning, text = split.feed(text)
+            if update.finished:
+                rest = split.finish()
+                reasoning, text = reasoning + rest[0], text + rest[1]
+            reasoning = reasoning if reasoning and self.shown.reasoning else None
         if stream is None:
-            return update.text, None, reason
+            return Said(text, None, reason, reasoning)
         before = stream.calls_made
-        content, calls = stream.feed(update.text)
+        content, calls = stream.feed(text)
         if update.finished:
             rest, more = stream.finish()
             content, calls = content + rest, calls + more
             reason = self.tools.finish_reason(reason, stream.called)
         deltas = [call.as_dict(index=before + k) for k, call in enumerate(calls)]
-        return (content or None) if deltas else content, deltas or None, reason
+        return Said((content or None) if deltas else content, deltas or None, reason, reasoning)
 
     def _logprobs(self, update):
         if self.params.logprobs is None:
@@ -356,33 +417,26 @@ class Reply:
         return (update.prompt_logprobs or []) + update.logprobs
 
     def choice(
-        self,
-        index: int,
-        text: str | None,
-        tool_calls: list[dict] | None,
-        finish_reason,
-        logprobs,
-        delta: bool,
-        text_offset: int = 0,
-        echo: tuple | None = None,
+        self, index: int, said: Said, logprobs, delta: bool, text_offset: int = 0, echo: tuple | None = None
     ) -> dict:
         """echo: (text, ids) when this piece starts with echoed text: a completion's prompt (its logprobs, if asked
-        for, already at the front of logprobs), a chat's last message (ids None); text None: a chat message of tool
-        calls alone."""
-        tokenizer = self.handler.tokenizer
-        out = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+        for, already at the front of logprobs), a chat's last message (ids None)."""
+        out = {"index": index, "finish_reason": said.finish_reason, "logprobs": None}
+        text = said.content
         if echo is not None:
             text = echo[0] + (text or "")
         if logprobs is not None:
             out["logprobs"] = (
-                chat_logprobs(tokenizer, logprobs)
+                chat_logprobs(self.token_text, logprobs)
                 if self.chat
-                else completion_logprobs(tokenizer, logprobs, text_offset, token_ids=echo[1] if echo else None)
+                else completion_logprobs(self.token_text, logprobs, text_offset, token_ids=echo[1] if echo else None)
             )
         if self.chat:
             message = {"role": "assistant", "content": text}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
+            if said.reasoning is not None:  # vLLM's name, and the one DeepSeek's API gave it
+                message["reasoning"] = message["reasoning_content"] = said.reasoning
+            if said.tool_calls:
+                message["tool_calls"] = said.tool_calls
             out["delta" if delta else "message"] = message
         else:
             out["text"] = text

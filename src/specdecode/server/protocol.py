@@ -24,8 +24,6 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
-    "return_tokens_as_token_ids": False,
-    "include_reasoning": True,
     "chat_template": None,
     "mm_processor_kwargs": None,
     "prompt_embeds": None,
@@ -73,6 +71,7 @@ class CommonRequest(BaseModel):
     bad_words: list[str] | None = None  # words that may not be generated
     truncate_prompt_tokens: int | None = None  # only the prompt's last N tokens read (-1: what fits beside max_tokens)
     return_token_ids: bool = False  # the prompt's and each output's token ids in the response
+    return_tokens_as_token_ids: bool = False  # logprob entries name their tokens "token_id:ID"
 
     @field_validator("timeout")
     @classmethod
@@ -179,6 +178,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None  # a tool's answer: to which call
     name: str | None = None
+    # an earlier reply's thinking, as the server returned it (vLLM's name, DeepSeek's): for templates that render it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The message's text; content parts (the newer OpenAI form) must all be text."""
@@ -212,6 +214,7 @@ class ChatRequest(CommonRequest):
     documents: list[dict] | None = None
     reasoning_effort: str | None = None
     add_special_tokens: bool = False  # a BOS on top of the template's (on: not supported)
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, the reply's thinking returned (off: dropped)
 
     def template_options(self) -> dict:
         """What the chat template is given besides the messages and tools."""

@@ -46,6 +46,7 @@ def run_serve_ray(args, options: dict) -> int:
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     deployment.scaling()  # bad bounds fail here, before a cluster starts
     if args.ray_address is None:

@@ -208,7 +208,14 @@ class RemoteEngines:
 
 class OpenAIIngress:
     async def __init__(
-        self, engines, hub, model_name: str, api_key: str | None, max_request_bytes: int, request_timeout: float | None
+        self,
+        engines,
+        hub,
+        model_name: str,
+        api_key: str | None,
+        max_request_bytes: int,
+        request_timeout: float | None,
+        reasoning_parser: str | None = None,
     ):
         described = await engines.describe.remote()
         self._app = build_app(
@@ -218,6 +225,7 @@ class OpenAIIngress:
             max_request_bytes,
             runs_engine=False,
             request_timeout=request_timeout,
+            reasoning_parser=reasoning_parser,
         )
 
     def __serve_build_asgi_app__(self):
@@ -242,6 +250,7 @@ class RayDeployment:
     api_key: str | None = None
     max_request_bytes: int = MAX_REQUEST_BYTES
     request_timeout: float | None = None
+    reasoning_parser: str | None = None
 
     def scaling(self) -> dict:
         if self.min_replicas is None and self.max_replicas is None:
@@ -288,7 +297,15 @@ class RayDeployment:
         ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
             name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
         )
-        return ingress.bind(engines, hub, self.model_name, self.api_key, self.max_request_bytes, self.request_timeout)
+        return ingress.bind(
+            engines,
+            hub,
+            self.model_name,
+            self.api_key,
+            self.max_request_bytes,
+            self.request_timeout,
+            self.reasoning_parser,
+        )
 
 
 def run_deployment(deployment: RayDeployment, host: str, port: int, app_name: str = "specdecode"):

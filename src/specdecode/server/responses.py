@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..sampling import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a banned token's logprob is reported as this
@@ -11,9 +13,17 @@ def _finite(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
+def token_texts(tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How a logprob entry names its token: its text, or with vLLM's return_tokens_as_token_ids "token_id:ID" (a
+    token that is part of a character, or one that decodes to nothing, named all the same)."""
+    if as_ids:
+        return lambda token: f"token_id:{token}"
+    return lambda token: tokenizer.decode([token])
+
+
+def chat_logprobs(token_text: Callable[[int], str], logprobs: list[TokenLogprob]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
+        text = token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     return {
@@ -24,11 +34,14 @@ def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
 
 
 def completion_logprobs(
-    tokenizer, logprobs: list[TokenLogprob | None], text_offset: int = 0, token_ids: list[int] | None = None
+    token_text: Callable[[int], str],
+    logprobs: list[TokenLogprob | None],
+    text_offset: int = 0,
+    token_ids: list[int] | None = None,
 ) -> dict:
     """token_ids: the tokens, where an entry of logprobs is None (an echoed prompt's first token)."""
     ids = [lp.token_id if lp is not None else token_ids[i] for i, lp in enumerate(logprobs)]
-    tokens = [tokenizer.decode([token]) for token in ids]
+    tokens = [token_text(token) for token in ids]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
@@ -36,9 +49,7 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in logprobs],
-        "top_logprobs": [
-            None if lp is None else {tokenizer.decode([i]): _finite(v) for i, v in lp.top} for lp in logprobs
-        ],
+        "top_logprobs": [None if lp is None else {token_text(i): _finite(v) for i, v in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
 

@@ -43,6 +43,7 @@ def run_serve(args) -> int:
         args.max_request_bytes,
         runs_engine=False,
         request_timeout=args.request_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run

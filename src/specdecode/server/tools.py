@@ -273,6 +273,9 @@ def _template_message(i: int, message) -> dict:
     for key in ("tool_call_id", "name"):
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
+    thinking = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if thinking is not None:  # the name Qwen3's and DeepSeek-R1's templates read
+        out["reasoning_content"] = thinking
     return out
 
 

@@ -1,0 +1,165 @@
+"""A reasoning model's thinking read out of its chat replies (`serve --reasoning-parser`): the split of a whole reply,
+the same split however a stream cuts it (a version that does not hold back a tag's first characters fails), and the
+server's messages and deltas, from an engine whose replies are scripted."""
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+from conftest import ByteTokenizer, LocalServer
+
+from specdecode.server import reasoning
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import Update
+from specdecode.server.reasoning import ReasoningSplit, split_reasoning
+
+# (reply, whether its prompt opened the thinking, reasoning, content)
+SPLITS = [
+    ("<think>\nLet me add.\n</think>\n\nIt is 4.", False, "\nLet me add.\n", "\n\nIt is 4."),
+    ("  <think>a</think>b", False, "a", "b"),
+    ("It is 4.", False, None, "It is 4."),
+    ("It is <think> 4.", False, None, "It is <think> 4."),
+    ("<think>cut off mid-thought", False, "cut off mid-thought", ""),
+    ("<thin", False, None, "<thin"),
+    ("Adding: 2 + 2 = 4.</think>4", True, "Adding: 2 + 2 = 4.", "4"),
+    ("still thinking </thi", True, "still thinking </thi", ""),
+    ("", True, "", ""),
+    ("</think></think>x", True, "", "</think>x"),
+]
+
+
+@pytest.mark.parametrize("reply, thinking, reasoning_text, content", SPLITS)
+def test_a_whole_reply_splits_into_reasoning_and_content(reply, thinking, reasoning_text, content):
+    assert split_reasoning(reply, thinking) == (reasoning_text, content)
+
+
+def _streamed(pieces: list[str], thinking: bool) -> tuple[str, str]:
+    split, said = ReasoningSplit(thinking), []
+    said += [split.feed(piece) for piece in pieces]
+    said.append(split.finish())
+    return "".join(r for r, _ in said), "".join(c for _, c in said)
+
+
+def _cuts(text: str, rng: random.Random, trials: int = 200):
+    for _ in range(trials):
+        cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, min(6, len(text)))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def test_a_stream_splits_as_the_whole_reply_does_however_it_is_cut():
+    rng = random.Random(0)
+    for reply, thinking, reasoning_text, content in SPLITS:
+        for pieces in _cuts(reply, rng):
+            assert _streamed(pieces, thinking) == (reasoning_text or "", content), pieces
+
+
+def test_a_stream_that_sends_a_tags_first_characters_at_once_splits_otherwise(monkeypatch):
+    """The broken variant: '</th' at a piece's end goes out as reasoning before the next piece shows it closes it."""
+    monkeypatch.setattr(reasoning, "_tag_start_at_end", lambda text, tag: 0)
+    assert _streamed(["<think>a</th", "ink>b"], False) != ("a", "b")
+
+
+class ScriptedEngine:
+    """What the HTTP layer needs of an engine, every request answered with the same pieces of text."""
+
+    max_model_len, vocab_size = 256, 100
+
+    def __init__(self, pieces: list[str], opens_thinking: bool = False):
+        self.tokenizer, self.pieces, self.opens = ByteTokenizer(100), pieces, opens_thinking
+        if opens_thinking:  # a template that ends the prompt inside the thinking, as DeepSeek-R1's does
+            render = self.tokenizer.apply_chat_template
+            self.tokenizer.apply_chat_template = lambda *a, **kw: render(*a, **kw) + "<think>\n"
+
+    def submit(self, prompt_ids, params, session=None, streamed=False, tenant=""):
+        return params
+
+    async def updates(self, handle, timeout=None):
+        for k, piece in enumerate(self.pieces):
+            last = k == len(self.pieces) - 1
+            yield Update(piece, last, "stop" if last else None, num_tokens=k + 1)
+
+    async def metrics_text(self) -> bytes:
+        return b""
+
+
+def _served(pieces, parser="qwen3", opens_thinking=False):
+    app = build_app(ScriptedEngine(pieces, opens_thinking), "tiny", runs_engine=False, reasoning_parser=parser)
+    return LocalServer(app)
+
+
+def _both(server, **kwargs) -> tuple[dict, dict]:
+    """The message of a whole reply, and the streamed deltas' fields joined."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "2+2?"}], max_tokens=50) | kwargs
+    message = client.chat.completions.create(**kwargs).choices[0].message.model_dump(exclude_none=True)
+    joined: dict = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for key, value in chunk.choices[0].delta.model_dump(exclude_none=True).items():
+            if isinstance(value, str) and key != "role":
+                joined[key] = joined.get(key, "") + value
+    return message, joined
+
+
+def test_the_server_returns_the_thinking_apart_streamed_or_not():
+    with _served(["<thi", "nk>\nLet me", " add.</th", "ink>\n\nIt is", " 4."]) as server:
+        message, joined = _both(server)
+    assert message["reasoning"] == message["reasoning_content"] == "\nLet me add."
+    assert message["content"] == "\n\nIt is 4."
+    assert joined == {"reasoning": "\nLet me add.", "reasoning_content": "\nLet me add.", "content": "\n\nIt is 4."}
+
+
+def test_a_prompt_that_opens_the_thinking_makes_the_reply_reasoning_until_it_closes_it():
+    with _served(["Adding: 2", " + 2 = 4.</think>", "4"], "deepseek_r1", opens_thinking=True) as server:
+        message, joined = _both(server)
+    assert (message["reasoning"], message["content"]) == ("Adding: 2 + 2 = 4.", "4")
+    assert (joined["reasoning"], joined["content"]) == ("Adding: 2 + 2 = 4.", "4")
+
+
+def test_a_reply_without_thinking_is_all_content_and_include_reasoning_false_drops_the_thinking():
+    with _served(["It is", " 4."]) as server:
+        message, joined = _both(server)
+        assert "reasoning" not in message and message["content"] == "It is 4." and "reasoning" not in joined
+    with _served(["<think>a</think>", "It is 4."]) as server:
+        message, joined = _both(server, extra_body={"include_reasoning": False})
+    assert "reasoning" not in message and message["content"] == "It is 4." and joined == {"content": "It is 4."}
+
+
+def test_without_a_parser_the_thinking_stays_in_the_content_and_include_reasoning_false_is_refused():
+    with _served(["<think>a</think>", "It is 4."], parser=None) as server:
+        message, _ = _both(server)
+        assert message["content"] == "<think>a</think>It is 4." and "reasoning" not in message
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "include_reasoning": False},
+        )
+    assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+
+
+def test_tool_calls_are_read_from_the_content_after_the_thinking():
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    add = {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}},
+    }
+    with _served(["<think>I will call add", ".</think>", call]) as server:
+        message, _ = _both(server, tools=[add])
+    assert message["reasoning"] == "I will call add." and "content" not in message
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("add", {"a": 1, "b": 2})
+    ]
+
+
+def test_an_earlier_replys_thinking_reaches_the_template_as_reasoning_content():
+    """Qwen3's and DeepSeek-R1's templates read an assistant message's `reasoning_content`; either name is taken."""
+    from specdecode.server.protocol import ChatMessage
+    from specdecode.server.tools import template_messages
+
+    sent = [
+        ChatMessage(role="user", content="2+2?"),
+        ChatMessage(role="assistant", content="4", reasoning="adding"),
+        ChatMessage(role="assistant", content="4", reasoning_content="summing"),
+    ]
+    rendered = template_messages(sent)
+    assert [m.get("reasoning_content") for m in rendered] == [None, "adding", "summing"]
