@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API: the routes (/v1/completions, /v1/chat/completions with server-sent-event
 streaming, /v1/models, /health, /metrics) and the guards in front of them (API key, body size, validation
-errors as 400); server/handler.py turns requests into engine work and responses."""
+errors as 400); server/handler.py turns requests into engine work, server/reply.py its updates into responses."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from .handler import RequestHandler, ServingEngine, error_response
+from .handler import RequestHandler, ServingEngine
 from .protocol import ChatRequest, CompletionRequest
+from .responses import error_response
 
 MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
 

@@ -1,10 +1,33 @@
-"""OpenAI response pieces: logprobs in the chat and the completions formats, and usage."""
+"""OpenAI response pieces: errors, logprobs in the chat and the completions formats, and usage."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from fastapi.responses import JSONResponse
+
 from ..sampling import TokenLogprob
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status)
+
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a banned token's logprob is reported as this
 

@@ -1,0 +1,293 @@
+"""One request's response, built from the engine's updates: a whole JSON body, or server-sent events as they come;
+each output's reasoning, content and tool calls read out of its text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..errors import SpecDecodeError
+from ..sampling import SamplingParams
+from ..sampling.grammar import GrammarTokenizers
+from .async_engine import QueueFull, ShuttingDown
+from .protocol import CommonRequest
+from .reasoning import ReasoningSplit, split_reasoning
+from .responses import (
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    error_response,
+    token_texts,
+    usage,
+    vllm_prompt_logprobs,
+)
+from .tools import Tools
+
+if TYPE_CHECKING:
+    from .handler import RequestHandler
+
+
+@dataclass
+class Said:
+    """What an output (or a streamed piece of it) says, as a message reads it: content (None: tool calls alone), tool
+    calls, the finish reason (None until it finishes) and the reasoning (None: none, or not returned)."""
+
+    content: str | None
+    tool_calls: list[dict] | None = None
+    finish_reason: str | None = None
+    reasoning: str | None = None
+
+
+@dataclass
+class Shown:
+    """What a response shows besides the text: vLLM's `prompt_logprobs` (each choice's for completions, the reply's
+    for a chat); with `return_token_ids`, the prompt's token ids (where prompt logprobs go) and each output's (in a
+    stream, each chunk's, the prompt's in the first); with `return_tokens_as_token_ids`, logprob entries named
+    "token_id:ID"; a chat reply's reasoning, unless `include_reasoning` is false."""
+
+    prompt_logprobs: bool = False
+    token_ids: bool = False
+    tokens_as_ids: bool = False
+    reasoning: bool = True
+
+    @classmethod
+    def asked_by(cls, req: CommonRequest) -> Shown:
+        return cls(
+            prompt_logprobs=req.prompt_logprobs is not None,
+            token_ids=req.return_token_ids,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+            reasoning=getattr(req, "include_reasoning", True),
+        )
+
+
+class Reply:
+    """One request's response. echo: (text, ids) to put before each output (completions' `echo`: the prompt; a
+    chat's: the assistant's last message, ids None); best: (n, whether logprobs are returned) when more outputs than
+    n were generated (`best_of`); tools: a chat's tools, whose calls are read out of each output; shown: what else
+    the request asks to see; thinking: None where a chat reply is all content, else whether its prompt left it inside
+    its thinking (see reasoning.py)."""
+
+    def __init__(
+        self,
+        handler: RequestHandler,
+        ids: list[int],
+        params: SamplingParams,
+        chat: bool,
+        echo: tuple | None = None,
+        best: tuple[int, bool] | None = None,
+        tools: Tools | None = None,
+        shown: Shown | None = None,
+        thinking: bool | None = None,
+    ):
+        self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
+        self.tools, self.shown, self.thinking = tools, shown or Shown(), thinking
+        self.token_text = token_texts(handler.tokenizer, self.shown.tokens_as_ids)
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+
+    async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None, tenant: str = ""):
+        engine = self.handler.engine
+        if self.params.structured_output is not None:  # built once, in seconds: not on the engine's thread
+            await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
+        try:
+            handle = engine.submit(self.ids, self.params, session=session, streamed=stream, tenant=tenant)
+        except (QueueFull, ShuttingDown) as exc:
+            response = error_response(exc.http_status, str(exc))
+            response.headers["Retry-After"] = "1"
+            return response
+        updates = engine.updates(handle, timeout)
+        if stream:
+            return StreamingResponse(self.events(updates), media_type="text/event-stream")
+        return await self.whole(request, updates)
+
+    async def whole(self, request: Request, updates):
+        """The JSON body, once every output is done; a client that leaves first aborts the request."""
+        collecting = asyncio.ensure_future(collect(updates, self.params.n))
+        gone = asyncio.ensure_future(client_gone(request))
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collecting.done():  # cancelling the collection aborts the request (its slots, KV)
+            collecting.cancel()
+            return Response(status_code=499)
+        try:
+            texts, finals, logprobs, prompt, outputs = collecting.result()
+        except SpecDecodeError as exc:
+            return error_response(exc.http_status, str(exc))
+        best = self.best
+        order = range(self.params.n) if best is None else best_outputs(logprobs, best[0])
+        show_logprobs = self.params.logprobs is not None and (best is None or best[1])
+        echoed = prompt if self.echo is not None and not self.chat else []  # an echoed prompt's logprobs lead
+        listed = vllm_prompt_logprobs(self.handler.tokenizer, self.ids, prompt) if self.shown.prompt_logprobs else None
+        choices = [
+            self.choice(
+                rank,
+                self._called(texts[i], finals[i].finish_reason),
+                echoed + logprobs[i] if show_logprobs else None,
+                delta=False,
+                echo=self.echo,
+            )
+            | ({"prompt_logprobs": listed} if listed is not None and not self.chat else {})
+            | self._token_ids(outputs[i], prompt_too=not self.chat)
+            for rank, i in enumerate(order)
+        ]
+        body = {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.handler.model_name,
+            "choices": choices,
+            "usage": usage(len(self.ids), finals),
+        }
+        body |= self._token_ids(None, prompt_too=self.chat)
+        return body | ({"prompt_logprobs": listed} if listed is not None and self.chat else {})
+
+    def _token_ids(self, output: list[int] | None, prompt_too: bool) -> dict:
+        """With return_token_ids: the output's token ids (output None: none), and the prompt's where asked."""
+        if not self.shown.token_ids:
+            return {}
+        return ({} if output is None else {"token_ids": output}) | (
+            {"prompt_token_ids": self.ids} if prompt_too else {}
+        )
+
+    async def events(self, updates):
+        """Server-sent events, one per update, the usage with the last."""
+        n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
+        started, offsets, finals = [False] * n, [0] * n, {}
+        streams = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
+        splits = [ReasoningSplit(self.thinking) for _ in range(n)] if self.thinking is not None else None
+        try:
+            async for update in updates:
+                i = update.index
+                echoed = self.echo if self.echo is not None and not started[i] else None
+                body = self.choice(
+                    i,
+                    self._streamed(update, streams[i] if streams else None, splits[i] if splits else None),
+                    self._logprobs(update),
+                    delta=True,
+                    text_offset=offsets[i],
+                    echo=echoed,
+                )
+                if self.chat and started[i]:
+                    del body["delta"]["role"]  # the role goes in each output's first chunk only
+                body |= self._token_ids(update.token_ids, prompt_too=not self.chat and not started[i])
+                first_chunk = not any(started)
+                started[i] = True
+                offsets[i] += len(update.text) + (len(echoed[0]) if echoed else 0)
+                if update.finished:
+                    finals[i] = update
+                chunk = {
+                    "id": self.id,
+                    "object": kind,
+                    "created": self.created,
+                    "model": self.handler.model_name,
+                    "choices": [body],
+                } | self._token_ids(None, prompt_too=self.chat and first_chunk)
+                if len(finals) == n:
+                    chunk["usage"] = usage(len(self.ids), finals)
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except SpecDecodeError as exc:
+            yield f"data: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"
+        finally:
+            await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
+        yield "data: [DONE]\n\n"
+
+    def _called(self, text: str, reason: str | None) -> Said:
+        """A whole output's reasoning, content, tool calls (read out of the content) and finish reason."""
+        reasoning = None
+        if self.thinking is not None:
+            reasoning, text = split_reasoning(text, self.thinking)
+        reasoning = reasoning if self.shown.reasoning else None
+        if self.tools is None:
+            return Said(text, None, reason, reasoning)
+        content, calls = self.tools.parse(text)
+        return Said(
+            content, [c.as_dict() for c in calls] or None, self.tools.finish_reason(reason, bool(calls)), reasoning
+        )
+
+    def _streamed(self, update, stream, split: ReasoningSplit | None) -> Said:
+        """An update's reasoning, content, the tool calls that closed in it and, at the end, the finish reason."""
+        reason = update.finish_reason if update.finished else None
+        text, reasoning = update.text, None
+        if split is not None:
+            reasoning, text = split.feed(text)
+            if update.finished:
+                rest = split.finish()
+                reasoning, text = reasoning + rest[0], text + rest[1]
+            reasoning = reasoning if reasoning and self.shown.reasoning else None
+        if stream is None:
+            return Said(text, None, reason, reasoning)
+        before = stream.calls_made
+        content, calls = stream.feed(text)
+        if update.finished:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            reason = self.tools.finish_reason(reason, stream.called)
+        deltas = [call.as_dict(index=before + k) for k, call in enumerate(calls)]
+        return Said((content or None) if deltas else content, deltas or None, reason, reasoning)
+
+    def _logprobs(self, update):
+        if self.params.logprobs is None:
+            return None
+        return (update.prompt_logprobs or []) + update.logprobs
+
+    def choice(
+        self, index: int, said: Said, logprobs, delta: bool, text_offset: int = 0, echo: tuple | None = None
+    ) -> dict:
+        """echo: (text, ids) when this piece starts with echoed text: a completion's prompt (its logprobs, if asked
+        for, already at the front of logprobs), a chat's last message (ids None)."""
+        out = {"index": index, "finish_reason": said.finish_reason, "logprobs": None}
+        text = said.content
+        if echo is not None:
+            text = echo[0] + (text or "")
+        if logprobs is not None:
+            out["logprobs"] = (
+                chat_logprobs(self.token_text, logprobs)
+                if self.chat
+                else completion_logprobs(self.token_text, logprobs, text_offset, token_ids=echo[1] if echo else None)
+            )
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            if said.reasoning is not None:  # vLLM's name, and the one DeepSeek's API gave it
+                message["reasoning"] = message["reasoning_content"] = said.reasoning
+            if said.tool_calls:
+                message["tool_calls"] = said.tool_calls
+            out["delta" if delta else "message"] = message
+        else:
+            out["text"] = text
+        return out
+
+
+def best_outputs(logprobs: list[list], n: int) -> list[int]:
+    """The n outputs with the highest total logprob of their generated tokens, best first."""
+    totals = [sum(lp.logprob for lp in lps) for lps in logprobs]
+    return sorted(range(len(totals)), key=lambda i: -totals[i])[:n]
+
+
+async def collect(updates, n: int):
+    """Each output's whole text, final Update and logprobs, the prompt's logprobs (empty where not asked), and each
+    output's token ids."""
+    texts, finals, logprobs, prompt = [[] for _ in range(n)], {}, [[] for _ in range(n)], []
+    token_ids = [[] for _ in range(n)]
+    async for update in updates:
+        texts[update.index].append(update.text)
+        logprobs[update.index].extend(update.logprobs)
+        token_ids[update.index].extend(update.token_ids)
+        prompt = update.prompt_logprobs or prompt
+        if update.finished:
+            finals[update.index] = update
+    return ["".join(t) for t in texts], finals, logprobs, prompt, token_ids
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client closes the connection (its body has been read, so the next message can only
+    be the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
