@@ -95,6 +95,9 @@ class ByteTokenizer:
     def encode_fragment(self, text: str) -> list[int]:
         return self.encode(text)
 
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [chr(32 + i) for i in ids]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
 

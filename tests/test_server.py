@@ -364,3 +364,41 @@ def test_return_tokens_as_token_ids_names_logprob_entries_by_id(served):
     entries = chat["logprobs"]["content"]
     assert [e["token"] for e in entries] == [f"token_id:{t}" for t in chat["token_ids"]]
     assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])
+
+
+def test_tokenize_and_detokenize_give_the_ids_a_request_is_served_with(served, target):
+    """vLLM's /tokenize: a prompt as completions read it (its BOS optional), a chat as its template renders it; and
+    /detokenize back."""
+    tok = target.tokenizer
+
+    def post(path, body):
+        return httpx.post(served.url + path, json={"model": "tiny", **body}, timeout=30)
+
+    r = post("/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert r["token_strs"] == tok.token_strings(r["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    r = post("/tokenize", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(messages, enable_thinking=False))
+    assert r["token_strs"] is None
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    ends = post("/detokenize", {"tokens": [5, max(tok.eos_token_ids)]}).json()["prompt"]
+    assert ends == tok.decode([5, max(tok.eos_token_ids)], skip_special_tokens=False) != tok.decode([5])
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
+        ("/tokenize", {}, 400),
+        ("/tokenize", {"prompt": "x", "add_eos": True}, 400),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400),
+        ("/tokenize", {"messages": []}, 400),
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404),
+        ("/detokenize", {"tokens": [99999]}, 400),
+        ("/detokenize", {"tokens": "abc"}, 400),
+    ],
+)
+def test_tokenize_refuses_what_it_cannot_do_and_says_why(served, path, body, status):
+    r = httpx.post(served.url + path, json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == status and r.json()["error"]["message"]

@@ -143,3 +143,10 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both_tokenizers():
         r"target's byte-level BPE \(llama-bpe\), 128,\d+ tokens",
     ):
         check_same_vocabulary(target, "a-qwen", vocabulary("ggml-vocab-qwen2.gguf"))
+
+
+def test_token_strings_are_the_vocabularys_spellings_and_fragments_have_no_bos():
+    qwen, spm = vocabulary("ggml-vocab-qwen2.gguf"), vocabulary("ggml-vocab-llama-spm.gguf")
+    assert qwen.token_strings(qwen.encode("hello world")) == ["hello", "Ġworld"]
+    assert spm.encode("hello")[0] == spm.bos_id and spm.bos_id not in spm.encode_fragment("hello")
+    assert spm.token_strings(spm.encode_fragment("hello world")) == ["▁hello", "▁world"]

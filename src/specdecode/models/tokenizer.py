@@ -48,6 +48,10 @@ class Tokenizer:
         """A piece of text as it is tokenized on its own, without the BOS a prompt begins with."""
         return self.hf.encode(text, add_special_tokens=False)
 
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level BPE's "Ġ" for a space, SentencePiece's "▁")."""
+        return self.hf.convert_ids_to_tokens(ids)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 

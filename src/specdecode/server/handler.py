@@ -10,11 +10,11 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..engine.sequence import truncate_prompt
+from ..engine.sequence import check_token_ids, truncate_prompt
 from ..errors import SpecDecodeError
 from ..models.infill import infill_ids
 from ..sampling import SamplingParams
-from .protocol import ChatRequest, CommonRequest, CompletionRequest
+from .protocol import ChatRequest, CommonRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .reasoning import opens_thinking
 from .reply import Reply, Shown
 from .responses import error_response
@@ -59,7 +59,7 @@ class RequestHandler:
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = reasoning_parser
 
-    def other_model(self, req: CommonRequest) -> JSONResponse | None:
+    def other_model(self, req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> JSONResponse | None:
         """A 404 for a request that names a model this server does not serve (its output would be another
         model's); a request that names none gets this one."""
         if req.model is None or req.model == self.model_name:
@@ -105,12 +105,7 @@ class RequestHandler:
         if wrong := self.other_model(req):
             return wrong
         try:
-            if not req.messages:
-                raise SpecDecodeError("messages is empty; send at least one message")
-            tools = req.tool_use
-            rendered = tools.rendered if tools else None
-            messages = template_messages(req.messages)
-            text = self.tokenizer.apply_chat_template(messages, tools=rendered, **req.template_options())
+            text = self.chat_prompt(req)
             ids, params = self.sampling_params(
                 req, self.tokenizer.encode(text), req.max_completion_tokens or req.max_tokens, default=None
             )
@@ -128,13 +123,51 @@ class RequestHandler:
             params,
             chat=True,
             echo=echo,
-            tools=tools,
+            tools=req.tool_use,
             shown=Shown.asked_by(req),
             thinking=None if self.reasoning_parser is None else opens_thinking(text),
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
         )
+
+    def chat_prompt(self, req: ChatRequest) -> str:
+        """The conversation as the model's chat template renders it, with the request's tools and options."""
+        if not req.messages:
+            raise SpecDecodeError("messages is empty; send at least one message")
+        tools = req.tool_use
+        messages = template_messages(req.messages)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools.rendered if tools else None, **req.template_options()
+        )
+
+    def tokenize(self, req: TokenizeRequest) -> dict | JSONResponse:
+        """vLLM's /tokenize: the token ids a prompt or a chat is served with, with the context's length."""
+        if wrong := self.other_model(req):
+            return wrong
+        try:
+            if (req.prompt is None) == (req.messages is None):
+                raise SpecDecodeError("send a prompt or messages (one of the two)")
+            if req.messages is not None:
+                ids = self.tokenizer.encode(self.chat_prompt(req.chat()))
+            elif req.add_special_tokens is False:
+                ids = self.tokenizer.encode_fragment(req.prompt)
+            else:
+                ids = self.tokenizer.encode(req.prompt)
+        except SpecDecodeError as exc:
+            return error_response(400, str(exc))
+        strings = self.tokenizer.token_strings(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strings}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict | JSONResponse:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        if wrong := self.other_model(req):
+            return wrong
+        try:
+            check_token_ids(req.tokens, self.engine.vocab_size, "tokens")
+        except SpecDecodeError as exc:
+            return error_response(400, str(exc))
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     def prompt_ids(self, prompt: str | list[int], suffix: str | None, echo: bool) -> list[int]:
         """A completion's prompt; with a suffix, the gap between the two for the model to fill in."""

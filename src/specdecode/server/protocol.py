@@ -271,3 +271,39 @@ def refuse_unsupported_fields(req: BaseModel) -> None:
     for name, value in (req.model_extra or {}).items():
         if name in UNSUPPORTED_UNLESS_DEFAULT and value not in (UNSUPPORTED_UNLESS_DEFAULT[name], None, {}, []):
             raise SpecDecodeError(f"{name} is not supported by this server yet; leave it out (or at its default)")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt as /v1/completions reads it, or a chat's messages rendered as /v1/chat/completions
+    renders them (with its template options and tools)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt option would tokenize otherwise than asked
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # a prompt's BOS (default on); a chat's comes from its template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    return_token_strs: bool = False  # each token's string in the vocabulary beside its id
+
+    def chat(self) -> ChatRequest:
+        """The chat request whose prompt these messages make."""
+        if self.add_special_tokens:
+            raise SpecDecodeError("add_special_tokens: a chat's BOS comes from its template; leave it out")
+        return ChatRequest(
+            messages=self.messages,
+            tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text, special tokens included."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
