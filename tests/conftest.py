@@ -342,6 +342,31 @@ class LocalServer:
         self.thread.join(timeout=30)
 
 
+class ScriptedEngine:
+    """What the HTTP layer needs of an engine, every request answered with the same pieces of text."""
+
+    max_model_len, vocab_size = 256, 100
+
+    def __init__(self, pieces: list[str], opens_thinking: bool = False):
+        self.tokenizer, self.pieces, self.opens = ByteTokenizer(100), pieces, opens_thinking
+        if opens_thinking:  # a template that ends the prompt inside the thinking, as DeepSeek-R1's does
+            render = self.tokenizer.apply_chat_template
+            self.tokenizer.apply_chat_template = lambda *a, **kw: render(*a, **kw) + "<think>\n"
+
+    def submit(self, prompt_ids, params, session=None, streamed=False, tenant=""):
+        return params
+
+    async def updates(self, handle, timeout=None):
+        from specdecode.server.async_engine import Update
+
+        for k, piece in enumerate(self.pieces):
+            last = k == len(self.pieces) - 1
+            yield Update(piece, last, "stop" if last else None, num_tokens=k + 1)
+
+    async def metrics_text(self) -> bytes:
+        return b""
+
+
 def tiny_llm(seed: int = 0, draft_seed: int = 123, k: int = 3, max_num_seqs: int = 8, policy: str = "fixed"):
     """A whole engine on tiny models, built where it runs (e.g. inside a Ray Serve replica)."""
     from specdecode import LLM

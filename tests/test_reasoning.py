@@ -8,11 +8,10 @@ import random
 import httpx
 import openai
 import pytest
-from conftest import ByteTokenizer, LocalServer
+from conftest import LocalServer, ScriptedEngine
 
 from specdecode.server import reasoning
 from specdecode.server.api import build_app
-from specdecode.server.async_engine import Update
 from specdecode.server.reasoning import ReasoningSplit, split_reasoning
 
 # (reply, whether its prompt opened the thinking, reasoning, content)
@@ -59,29 +58,6 @@ def test_a_stream_that_sends_a_tags_first_characters_at_once_splits_otherwise(mo
     """The broken variant: '</th' at a piece's end goes out as reasoning before the next piece shows it closes it."""
     monkeypatch.setattr(reasoning, "_tag_start_at_end", lambda text, tag: 0)
     assert _streamed(["<think>a</th", "ink>b"], False) != ("a", "b")
-
-
-class ScriptedEngine:
-    """What the HTTP layer needs of an engine, every request answered with the same pieces of text."""
-
-    max_model_len, vocab_size = 256, 100
-
-    def __init__(self, pieces: list[str], opens_thinking: bool = False):
-        self.tokenizer, self.pieces, self.opens = ByteTokenizer(100), pieces, opens_thinking
-        if opens_thinking:  # a template that ends the prompt inside the thinking, as DeepSeek-R1's does
-            render = self.tokenizer.apply_chat_template
-            self.tokenizer.apply_chat_template = lambda *a, **kw: render(*a, **kw) + "<think>\n"
-
-    def submit(self, prompt_ids, params, session=None, streamed=False, tenant=""):
-        return params
-
-    async def updates(self, handle, timeout=None):
-        for k, piece in enumerate(self.pieces):
-            last = k == len(self.pieces) - 1
-            yield Update(piece, last, "stop" if last else None, num_tokens=k + 1)
-
-    async def metrics_text(self) -> bytes:
-        return b""
 
 
 def _served(pieces, parser="qwen3", opens_thinking=False):

@@ -14,6 +14,7 @@ from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.engine import overlap
 from specdecode.sampling import GrammarMatcher, StructuredOutput
+from specdecode.sampling import grammar as grammar_module
 from specdecode.verify import together, verifier
 
 SCHEMA = {
@@ -153,3 +154,19 @@ def test_bad_grammars_get_clear_errors(models, kwargs, message):
 def test_structured_output_refuses_ignore_eos():
     with pytest.raises(SpecDecodeError, match="cannot be combined with ignore_eos or min_tokens"):
         SamplingParams(ignore_eos=True, structured_output=StructuredOutput(regex="a"))
+
+
+COMPACT = {**SCHEMA, "required": ["a", "b", "c"], "x-guidance": {"whitespace_flexible": False}}
+
+
+def test_a_schema_that_turns_flexible_whitespace_off_gets_compact_json(models, monkeypatch):
+    """Our default whitespace pattern would otherwise win over the schema's switch (llguidance takes the pattern):
+    the random model, free to, writes the most whitespace allowed."""
+    target, _ = models
+    params = SamplingParams(temperature=0, max_tokens=80, structured_output=StructuredOutput(json=COMPACT))
+    texts = [o.outputs[0].text for o in _generate(target, k=0, params=params)]
+    assert all(jsonschema.validate(json.loads(t), COMPACT) is None for t in texts)
+    assert all(json.dumps(json.loads(t), separators=(",", ":")) == t for t in texts)
+    monkeypatch.setattr(grammar_module, "json_options", lambda schema: grammar_module.JSON_OPTIONS)
+    loose = [o.outputs[0].text for o in _generate(target, k=0, params=params)]
+    assert loose != texts and any(ch in t for t in loose for ch in " \n")

@@ -8,6 +8,7 @@ tokens advance it for good."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from itertools import accumulate
@@ -22,6 +23,18 @@ from ..transfers import tensor_to_device, to_device
 # characters at a time, so that a model cannot stall in a run of spaces until max_tokens. A schema may
 # ask otherwise through its "x-guidance" options (e.g. "whitespace_flexible": false for compact JSON).
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[ \\t\\n\\r]{0,20}"}
+
+
+def json_options(schema: dict | str) -> dict:
+    """JSON_OPTIONS for this schema: without our whitespace pattern where its "x-guidance" turns flexible whitespace
+    off and sets no pattern of its own (llguidance would take the pattern over the switch)."""
+    try:
+        asked = (json.loads(schema) if isinstance(schema, str) else schema).get("x-guidance") or {}
+    except (ValueError, AttributeError):
+        return JSON_OPTIONS  # not a schema object: llguidance says what is wrong
+    if asked.get("whitespace_flexible") is False and "whitespace_pattern" not in asked:
+        return {k: v for k, v in JSON_OPTIONS.items() if k != "whitespace_pattern"}
+    return JSON_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -53,7 +66,7 @@ class StructuredOutput:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.json is not None:
             try:
-                return LLMatcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
+                return LLMatcher.grammar_from_json_schema(self.json, defaults=json_options(self.json))
             except ValueError as exc:
                 raise SpecDecodeError(f"the JSON schema is not valid JSON: {exc}") from None
         if self.regex is not None:

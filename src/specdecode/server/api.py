@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP API: the routes (/v1/completions, /v1/chat/completions with server-sent-event
-streaming, /v1/models, /health, /metrics, vLLM's /tokenize and /detokenize) and the guards in front of them (API
-key, body size, validation errors as 400); server/handler.py turns requests into engine work, server/reply.py its
-updates into responses."""
+streaming, /v1/responses, /v1/models, /health, /metrics, vLLM's /tokenize and /detokenize) and the guards in front
+of them (API key, body size, validation errors as 400); server/handler.py turns requests into engine work,
+server/reply.py and server/responses_api.py the engine's updates into responses."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from .handler import RequestHandler, ServingEngine
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import error_response
+from .responses_api import ResponsesRequest, create_response
 
 MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
 
@@ -101,6 +102,10 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         return await handler.chat(req, request)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):
+        return await create_response(handler, req, request)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

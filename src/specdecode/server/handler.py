@@ -98,7 +98,7 @@ class RequestHandler:
             shown=Shown.asked_by(req),
         )
         return await reply.send(
-            request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
+            request, req.stream, self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)
         )
 
     async def chat(self, req: ChatRequest, request: Request):
@@ -128,7 +128,7 @@ class RequestHandler:
             thinking=None if self.reasoning_parser is None else opens_thinking(text),
         )
         return await reply.send(
-            request, req.stream, self.time_limit(req.timeout), _session(req, request), tenant_of(req, request)
+            request, req.stream, self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)
         )
 
     def chat_prompt(self, req: ChatRequest) -> str:
@@ -207,7 +207,7 @@ class RequestHandler:
         return prompt_ids, req.sampling_params(max_tokens, req.requested_logprobs())
 
 
-def _session(req: CommonRequest, request: Request) -> str | None:
+def session_of(req: CommonRequest, request: Request) -> str | None:
     """The conversation a scaled-out deployment keeps on one replica (one engine ignores it)."""
     return req.user or request.headers.get("x-session-id")
 

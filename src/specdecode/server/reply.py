@@ -94,33 +94,19 @@ class Reply:
         self.kind = "chat.completion" if chat else "text_completion"
 
     async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None, tenant: str = ""):
-        engine = self.handler.engine
-        if self.params.structured_output is not None:  # built once, in seconds: not on the engine's thread
-            await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
-        try:
-            handle = engine.submit(self.ids, self.params, session=session, streamed=stream, tenant=tenant)
-        except (QueueFull, ShuttingDown) as exc:
-            response = error_response(exc.http_status, str(exc))
-            response.headers["Retry-After"] = "1"
-            return response
-        updates = engine.updates(handle, timeout)
+        updates = await submitted(self.handler.engine, self.ids, self.params, stream, timeout, session, tenant)
+        if isinstance(updates, Response):
+            return updates
         if stream:
             return StreamingResponse(self.events(updates), media_type="text/event-stream")
         return await self.whole(request, updates)
 
     async def whole(self, request: Request, updates):
         """The JSON body, once every output is done; a client that leaves first aborts the request."""
-        collecting = asyncio.ensure_future(collect(updates, self.params.n))
-        gone = asyncio.ensure_future(client_gone(request))
-        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not collecting.done():  # cancelling the collection aborts the request (its slots, KV)
-            collecting.cancel()
-            return Response(status_code=499)
-        try:
-            texts, finals, logprobs, prompt, outputs = collecting.result()
-        except SpecDecodeError as exc:
-            return error_response(exc.http_status, str(exc))
+        collected = await collected_unless_gone(request, updates, self.params.n)
+        if isinstance(collected, Response):
+            return collected
+        texts, finals, logprobs, prompt, outputs = collected
         best = self.best
         order = range(self.params.n) if best is None else best_outputs(logprobs, best[0])
         show_logprobs = self.params.logprobs is not None and (best is None or best[1])
@@ -269,6 +255,43 @@ def best_outputs(logprobs: list[list], n: int) -> list[int]:
     """The n outputs with the highest total logprob of their generated tokens, best first."""
     totals = [sum(lp.logprob for lp in lps) for lps in logprobs]
     return sorted(range(len(totals)), key=lambda i: -totals[i])[:n]
+
+
+async def submitted(
+    engine,
+    ids: list[int],
+    params: SamplingParams,
+    stream: bool,
+    timeout: float | None,
+    session: str | None,
+    tenant: str,
+):
+    """The request's updates from the engine, or the response that turns it away (429 or 503, with Retry-After)."""
+    if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
+        await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
+    try:
+        handle = engine.submit(ids, params, session=session, streamed=stream, tenant=tenant)
+    except (QueueFull, ShuttingDown) as exc:
+        response = error_response(exc.http_status, str(exc))
+        response.headers["Retry-After"] = "1"
+        return response
+    return engine.updates(handle, timeout)
+
+
+async def collected_unless_gone(request: Request, updates, n: int):
+    """collect()'s result once every output is done, or the response to send instead: 499 where the client left
+    first (the request is aborted, its slots and KV freed), the error that ended the request."""
+    collecting = asyncio.ensure_future(collect(updates, n))
+    gone = asyncio.ensure_future(client_gone(request))
+    await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not collecting.done():  # cancelling the collection aborts the request
+        collecting.cancel()
+        return Response(status_code=499)
+    try:
+        return collecting.result()
+    except SpecDecodeError as exc:
+        return error_response(exc.http_status, str(exc))
 
 
 async def collect(updates, n: int):

@@ -1,0 +1,299 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it: a conversation in (a string, or message items,
+`instructions` as the system message) rendered by the chat template as /v1/chat/completions renders it, one assistant
+message out, after a reasoning item where the server reads reasoning (`--reasoning-parser`); whole, or streamed as
+the API's typed events. Nothing is stored: a request that names an earlier response or conversation gets a 400."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import SpecDecodeError
+from .handler import RequestHandler, session_of, tenant_of
+from .protocol import ChatRequest
+from .reasoning import ReasoningSplit, opens_thinking, split_reasoning
+from .reply import collected_unless_gone, submitted
+from .responses import error_response, usage
+
+# The API's fields that would change what is generated or answered, with the value that means "off"
+UNSUPPORTED_UNLESS_OFF = {
+    "previous_response_id": None,
+    "conversation": None,
+    "background": False,
+    "include": None,
+    "prompt": None,
+    "tools": None,
+    "truncation": "disabled",
+    "top_logprobs": 0,
+    "max_tool_calls": None,
+    "n": 1,
+}
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's sampling extras (top_k, seed, ...) go on to the chat request
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None  # the system message
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stream: bool = False
+    user: str | None = None
+    metadata: dict | None = None  # returned as sent
+    store: bool = True  # nothing is stored here, whatever it says: it does not change the answer
+    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    reasoning: dict | None = None  # {"effort": ...}: given to the chat template as reasoning_effort
+    tool_choice: str | None = None  # "auto" or "none" (no tools are taken)
+    parallel_tool_calls: bool = True
+
+    def chat_request(self) -> ChatRequest:
+        """The chat request this asks for."""
+        for name, off in UNSUPPORTED_UNLESS_OFF.items():
+            if (self.model_extra or {}).get(name, off) not in (off, None, [], {}):
+                raise SpecDecodeError(f"{name} is not supported by this server's /v1/responses; leave it out")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise SpecDecodeError("tool_choice: no tools are taken by /v1/responses here; leave it out or 'auto'")
+        system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        extras = {k: v for k, v in (self.model_extra or {}).items() if k not in UNSUPPORTED_UNLESS_OFF}
+        return ChatRequest(
+            **extras,
+            model=self.model,
+            messages=system + input_messages(self.input),
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stream=self.stream,
+            user=self.user,
+            response_format=chat_format((self.text or {}).get("format")),
+            reasoning_effort=(self.reasoning or {}).get("effort"),
+        )
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """The Responses API's input as chat messages: a string is the user's message; items are messages whose
+    content is a string or text parts (a developer's message is a system message to chat templates)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages = []
+    for item in items:
+        if item.get("type", "message") != "message":
+            raise SpecDecodeError(f"input items of type {item.get('type')!r} are not supported (messages only)")
+        content = item.get("content")
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content} - {"input_text", "output_text"}
+            if kinds:
+                raise SpecDecodeError(f"input content of type {', '.join(map(str, kinds))} is not supported (text)")
+            content = "".join(part.get("text") or "" for part in content)
+        role = item.get("role")
+        messages.append({"role": "system" if role == "developer" else role, "content": content})
+    return messages
+
+
+def chat_format(format_: dict | None) -> dict | None:
+    """text.format as chat's response_format (json_schema's schema one level down there)."""
+    if format_ is None or format_.get("type") != "json_schema":
+        return format_
+    return {"type": "json_schema", "json_schema": {"name": format_.get("name"), "schema": format_.get("schema")}}
+
+
+async def create_response(handler: RequestHandler, req: ResponsesRequest, request: Request):
+    if wrong := handler.other_model(req):
+        return wrong
+    try:
+        chat = req.chat_request()
+        prompt = handler.chat_prompt(chat)
+        ids, params = handler.sampling_params(chat, handler.tokenizer.encode(prompt), chat.max_tokens, default=None)
+    except SpecDecodeError as exc:
+        return error_response(400, str(exc))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return error_response(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
+    thinking = None if handler.reasoning_parser is None else opens_thinking(prompt)
+    reply = ResponseReply(handler, req, ids, thinking)
+    limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
+    updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
+    if isinstance(updates, Response):
+        return updates
+    if req.stream:
+        return StreamingResponse(reply.events(updates), media_type="text/event-stream")
+    collected = await collected_unless_gone(request, updates, 1)
+    if isinstance(collected, Response):
+        return collected
+    texts, finals, *_ = collected
+    reasoning, content = split_reasoning(texts[0], thinking) if thinking is not None else (None, texts[0])
+    output = ([reply.reasoning_item(reasoning)] if reasoning is not None else []) + [reply.message_item(content)]
+    return reply.body(output, finals)
+
+
+class ResponseReply:
+    """One response's body and events: its items (a reasoning item, then the message), ids made once."""
+
+    def __init__(self, handler: RequestHandler, req: ResponsesRequest, ids: list[int], thinking: bool | None):
+        self.handler, self.req, self.ids, self.thinking = handler, req, ids, thinking
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def body(self, output: list[dict], finals: dict | None = None) -> dict:
+        """The Response object; finals None: still in progress."""
+        final = (finals or {}).get(0)
+        incomplete = final is not None and final.finish_reason == "length"
+        status = "in_progress" if final is None else "incomplete" if incomplete else "completed"
+        req = self.req
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None,
+            "model": self.handler.model_name,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "metadata": req.metadata or {},
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [],
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "store": False,
+            "output": output,
+            "usage": None if final is None else self.usage(finals, output),
+        }
+
+    def usage(self, finals: dict, output: list[dict]) -> dict:
+        counted = usage(len(self.ids), finals)
+        reasoning = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+        return {
+            "input_tokens": counted["prompt_tokens"],
+            "input_tokens_details": counted["prompt_tokens_details"],
+            "output_tokens": counted["completion_tokens"],
+            # the reasoning's tokens as its text tokenizes again (the engine does not count them apart)
+            "output_tokens_details": {"reasoning_tokens": len(self.handler.tokenizer.encode_fragment(reasoning))},
+            "total_tokens": counted["total_tokens"],
+            "speculation": counted["speculation"],
+        }
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {
+            "id": self.item_ids["reasoning"],
+            "type": "reasoning",
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
+    def message_item(self, text: str, status: str = "completed") -> dict:
+        content = [self.part("message", text)] if status == "completed" else []
+        return {
+            "id": self.item_ids["message"],
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    @staticmethod
+    def part(kind: str, text: str) -> dict:
+        if kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def event(self, kind: str, **fields) -> str:
+        self.sequence += 1
+        data = {"type": kind, "sequence_number": self.sequence - 1, **fields}
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    async def events(self, updates):
+        """The API's events: the response created, each item opened, its text in deltas and closed, the response
+        completed (or incomplete, at max_output_tokens); an error event where the request fails."""
+        stream = _ItemStream(self)
+        yield self.event("response.created", response=self.body([]))
+        yield self.event("response.in_progress", response=self.body([]))
+        try:
+            async for update in updates:
+                for event in stream.feed(update):
+                    yield event
+                if update.finished:
+                    yield self.event(
+                        "response.incomplete" if update.finish_reason == "length" else "response.completed",
+                        response=self.body(stream.done, {0: update}),
+                    )
+        except SpecDecodeError as exc:
+            yield self.event("error", code=str(exc.http_status), message=str(exc), param=None)
+        finally:
+            await updates.aclose()  # a client that left mid-stream frees its sequence and KV now
+
+
+class _ItemStream:
+    """The items of a streamed response as its text comes: reasoning (where read) opened at its first text and closed
+    at the content's, then the message, always, closed at the end."""
+
+    def __init__(self, reply: ResponseReply):
+        self.reply, self.open, self.done = reply, None, []
+        self.texts = {"reasoning": "", "message": ""}
+        self.split = ReasoningSplit(reply.thinking) if reply.thinking is not None else None
+
+    def feed(self, update) -> list[str]:
+        reasoning, content = ("", update.text) if self.split is None else self.split.feed(update.text)
+        if update.finished and self.split is not None:
+            rest = self.split.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        events = self._text("reasoning", reasoning) if reasoning else []
+        if content or update.finished:
+            events += self._text("message", content)
+        if update.finished:
+            events += self._close()
+        return events
+
+    def _text(self, kind: str, delta: str) -> list[str]:
+        events = [] if self.open == kind else self._close() + self._open(kind)
+        if delta:
+            self.texts[kind] += delta
+            fields = {"logprobs": []} if kind == "message" else {}
+            name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+            events.append(self.reply.event(name, **self._where(kind), delta=delta, **fields))
+        return events
+
+    def _where(self, kind: str) -> dict:
+        return {"item_id": self.reply.item_ids[kind], "output_index": len(self.done), "content_index": 0}
+
+    def _item(self, kind: str, status: str) -> dict:
+        make = self.reply.reasoning_item if kind == "reasoning" else self.reply.message_item
+        return make(self.texts[kind], status)
+
+    def _open(self, kind: str) -> list[str]:
+        self.open = kind
+        where = self._where(kind)
+        return [
+            self.reply.event(
+                "response.output_item.added", output_index=where["output_index"], item=self._item(kind, "in_progress")
+            ),
+            self.reply.event("response.content_part.added", **where, part=self.reply.part(kind, "")),
+        ]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        kind, text = self.open, self.texts[self.open]
+        where = self._where(kind)
+        done = "response.output_text.done" if kind == "message" else "response.reasoning_text.done"
+        events = [
+            self.reply.event(done, **where, text=text, **({"logprobs": []} if kind == "message" else {})),
+            self.reply.event("response.content_part.done", **where, part=self.reply.part(kind, text)),
+            self.reply.event(
+                "response.output_item.done", output_index=where["output_index"], item=self._item(kind, "completed")
+            ),
+        ]
+        self.done.append(self._item(kind, "completed"))
+        self.open = None
+        return events

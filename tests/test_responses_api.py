@@ -1,0 +1,149 @@
+"""OpenAI's Responses API (/v1/responses) through the `openai` client: the answer the chat endpoint gives for the same
+conversation, whole and streamed as the API's events, structured output, a reasoning item where the server reads
+reasoning, and a 400 for what it does not do."""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import LocalServer, ScriptedEngine, tiny_model
+
+from specdecode import LLM
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import AsyncEngine
+
+GREEDY = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server():
+    target = tiny_model(seed=0, vocab=100)  # braces and quotes are tokens: JSON can be written
+    llm = LLM(
+        target=target,
+        draft=tiny_model(seed=5, vocab=100, layers=1),
+        num_speculative_tokens=3,
+        max_model_len=256,
+        speculation_policy="fixed",
+    )
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as served:
+        served.client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        yield served
+
+
+def _chat_text(server, messages, max_tokens) -> str:
+    reply = server.client.chat.completions.create(messages=messages, max_tokens=max_tokens, **GREEDY)
+    return reply.choices[0].message.content
+
+
+def test_a_response_answers_as_the_chat_endpoint_does(server):
+    r = server.client.responses.create(input="hello", max_output_tokens=12, **GREEDY)
+    assert r.output_text == _chat_text(server, [{"role": "user", "content": "hello"}], 12)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 12 and r.usage.total_tokens == r.usage.input_tokens + 12
+    assert r.usage.model_extra["speculation"]["num_draft_tokens"] > 0
+    assert [item.type for item in r.output] == ["message"]
+
+
+def test_instructions_and_message_items_are_the_conversation(server):
+    items = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+        {"type": "message", "role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+        {"role": "user", "content": "again"},
+    ]
+    r = server.client.responses.create(input=items[1:], instructions="be brief", max_output_tokens=8, **GREEDY)
+    expected = _chat_text(
+        server,
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"},
+        ],
+        8,
+    )
+    assert r.output_text == expected
+    assert server.client.responses.create(input=items, max_output_tokens=8, **GREEDY).output_text == expected
+
+
+def test_a_streamed_response_sends_the_apis_events_in_order_and_the_same_text(server):
+    whole = server.client.responses.create(input="abc", max_output_tokens=16, **GREEDY)
+    events = list(server.client.responses.create(input="abc", max_output_tokens=16, stream=True, **GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 16
+
+
+def test_text_format_json_schema_constrains_the_answer(server):
+    schema = {
+        "type": "object",
+        "properties": {"b": {"enum": ["x", "y"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["b", "n"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},  # a random model would write the most spaces allowed
+    }
+    r = server.client.responses.create(
+        input="weather?",
+        max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
+        model="tiny",
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.status == "completed"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"previous_response_id": "resp_1"},
+        {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+        {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+        {"background": True},
+        {"include": ["message.output_text.logprobs"]},
+        {"top_logprobs": 3},
+        {"n": 2},
+        {"tool_choice": "required"},
+        {"input": [{"role": "user"}]},
+        {"max_output_tokens": 10_000},
+        {"model": "other"},
+    ],
+)
+def test_what_the_server_does_not_do_gets_a_clear_4xx(server, fields):
+    r = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "hi", **fields}, timeout=30)
+    assert r.status_code in (400, 404) and r.json()["error"]["message"], r.text
+
+
+def test_a_reply_that_thinks_has_a_reasoning_item_before_its_message_whole_and_streamed():
+    pieces = ["<think>add", "ing</th", "ink>It is", " 4."]
+    with LocalServer(build_app(ScriptedEngine(pieces), "tiny", runs_engine=False, reasoning_parser="qwen3")) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = client.responses.create(model="tiny", input="2+2?")
+        events = list(client.responses.create(model="tiny", input="2+2?", stream=True))
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "adding" and r.output_text == "It is 4." and r.status == "completed"
+    assert r.usage.output_tokens_details.reasoning_tokens == len("adding")  # the test tokenizer: a token a character
+    kinds = [e.type for e in events]
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, text) == ("adding", "It is 4.")
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1] and events[-1].response.output[0].type == "reasoning"
