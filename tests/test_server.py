@@ -402,3 +402,20 @@ def test_tokenize_and_detokenize_give_the_ids_a_request_is_served_with(served, t
 def test_tokenize_refuses_what_it_cannot_do_and_says_why(served, path, body, status):
     r = httpx.post(served.url + path, json={"model": "tiny", **body}, timeout=30)
     assert r.status_code == status and r.json()["error"]["message"]
+
+
+def test_a_list_of_prompts_is_answered_prompt_by_prompt_in_one_body(served, target):
+    """OpenAI's list of prompts (texts or token ids): prompt i's n choices at indices i * n onwards, each what the
+    prompt alone gets; usage summed."""
+    prompts = ["hello world", "abcabc", "the fox"]
+    alone = [_solo(target, p, 8).outputs[0] for p in prompts]
+    kwargs = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    r = served.client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [o.text for o in alone]
+    assert r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == sum(len(target.tokenizer.encode(p)) for p in prompts)
+    ids = [target.tokenizer.encode(p) for p in prompts[:2]]
+    twice = served.client.completions.create(prompt=ids, n=2, **kwargs)
+    assert [c.index for c in twice.choices] == [0, 1, 2, 3]
+    assert [c.text for c in twice.choices] == [alone[0].text] * 2 + [alone[1].text] * 2

@@ -3,12 +3,13 @@ submission through a Reply (server/reply.py), which builds the response from the
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..engine.sequence import check_token_ids, truncate_prompt
 from ..errors import SpecDecodeError
@@ -71,15 +72,23 @@ class RequestHandler:
         )
 
     async def completion(self, req: CompletionRequest, request: Request):
+        """One prompt, or several (OpenAI's list of prompts: each answered as a request of its own, their choices
+        together in one body, prompt i's n choices at indices i * n to i * n + n - 1)."""
         if wrong := self.other_model(req):
             return wrong
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                return error_response(
-                    400, "send one prompt per request (batching happens on the server)", param="prompt"
-                )
-            prompt = prompt[0]
+        prompts = listed_prompts(req.prompt)
+        if len(prompts) > 1 and req.stream:
+            return error_response(400, "a list of prompts is answered whole: send stream=false", param="prompt")
+        replies = [self.completion_reply(req, prompt) for prompt in prompts]
+        if refused := next((r for r in replies if isinstance(r, JSONResponse)), None):
+            return refused
+        limit, session, tenant = self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)
+        if len(replies) == 1:
+            return await replies[0].send(request, req.stream, limit, session, tenant)
+        bodies = await asyncio.gather(*(reply.send(request, False, limit, session, tenant) for reply in replies))
+        return next((b for b in bodies if isinstance(b, Response)), None) or merged_choices(bodies, req.n)
+
+    def completion_reply(self, req: CompletionRequest, prompt: str | list[int]) -> Reply | JSONResponse:
         try:
             whole = self.prompt_ids(prompt, req.suffix, req.echo)
             ids, params = self.sampling_params(req, whole, req.max_tokens)
@@ -88,7 +97,7 @@ class RequestHandler:
         echo = None
         if req.echo:  # the prompt as read: the text sent, unless it was truncated or sent as ids
             echo = (prompt if isinstance(prompt, str) and ids is whole else self.tokenizer.decode(ids), ids)
-        reply = Reply(
+        return Reply(
             self,
             ids,
             params,
@@ -96,9 +105,6 @@ class RequestHandler:
             echo=echo,
             best=(req.n, req.logprobs is not None) if params.n > req.n else None,
             shown=Shown.asked_by(req),
-        )
-        return await reply.send(
-            request, req.stream, self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)
         )
 
     async def chat(self, req: ChatRequest, request: Request):
@@ -205,6 +211,27 @@ class RequestHandler:
                 f"tokens and the context holds {max_len}; ask for at most {room}"
             )
         return prompt_ids, req.sampling_params(max_tokens, req.requested_logprobs())
+
+
+def listed_prompts(prompt: str | list) -> list[str | list[int]]:
+    """A completion request's prompts: a text, token ids, or a list of either (an empty list: one empty prompt)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def merged_choices(bodies: list[dict], n: int) -> dict:
+    """One completion body for several prompts' (prompt i's choices at indices from i * n), their usage summed (the
+    speculation figures are the first prompt's, as a body's are its first output's)."""
+    body = dict(bodies[0])
+    body["choices"] = [
+        choice | {"index": i * n + choice["index"]} for i, b in enumerate(bodies) for choice in b["choices"]
+    ]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    body["usage"] = dict(bodies[0]["usage"]) | {key: sum(b["usage"][key] for b in bodies) for key in counts}
+    cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
+    body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 def session_of(req: CommonRequest, request: Request) -> str | None:

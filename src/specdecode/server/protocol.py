@@ -146,7 +146,7 @@ def response_format_grammar(response_format: dict | None) -> StructuredOutput | 
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (each answered apart)
     logprobs: int | None = None  # the chosen token's logprob and this many alternatives
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
     best_of: int | None = None  # generate this many and return the n with the highest total logprob
