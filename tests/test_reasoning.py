@@ -139,3 +139,18 @@ def test_an_earlier_replys_thinking_reaches_the_template_as_reasoning_content():
     ]
     rendered = template_messages(sent)
     assert [m.get("reasoning_content") for m in rendered] == [None, "adding", "summing"]
+
+
+def test_with_a_parser_a_chats_grammar_starts_after_the_thinking():
+    from specdecode.server.handler import RequestHandler
+    from specdecode.server.protocol import ChatRequest
+
+    chat = ChatRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"})
+    engine = ScriptedEngine([])
+    for parser, prompt, expected in [
+        (None, "<user>hi<assistant>", None),
+        ("qwen3", "<user>hi<assistant>", False),  # the reply may open its thinking
+        ("deepseek_r1", "<user>hi<assistant><think>\n", True),  # it starts inside it
+    ]:
+        _, params = RequestHandler(engine, "tiny", reasoning_parser=parser).chat_sampling(chat, prompt)
+        assert params.structured_output.after_thinking is expected

@@ -5,6 +5,7 @@ follows the masked target distribution; each fails on a deliberately broken vari
 import functools
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -170,3 +171,82 @@ def test_a_schema_that_turns_flexible_whitespace_off_gets_compact_json(models, m
     monkeypatch.setattr(grammar_module, "json_options", lambda schema: grammar_module.JSON_OPTIONS)
     loose = [o.outputs[0].text for o in _generate(target, k=0, params=params)]
     assert loose != texts and any(ch in t for t in loose for ch in " \n")
+
+
+# ---- a grammar after a reasoning model's thinking ------------------------------------------------------------------
+def _ids(text: str) -> list[int]:
+    return [ord(ch) - 32 for ch in text]
+
+
+@pytest.fixture
+def thinker():
+    """The vocabulary-100 model whose tokenizer reads '[' and ']' as <think> and </think>."""
+    model = tiny_model(seed=0, vocab=100)
+    model.tokenizer.think_ids = (_ids("[")[0], _ids("]")[0])
+    return model
+
+
+def _allowed(grammar, drafts: str, rows: int) -> list[str]:
+    masks = grammar.allowed_rows(_ids(drafts), rows, 100)
+    return ["all" if bool(m.all()) else "".join(chr(32 + i) for i in m.nonzero()[:, 0].tolist()) for m in masks]
+
+
+def test_a_grammar_after_thinking_lets_the_thinking_be_and_masks_from_the_token_after_its_end(thinker):
+    spec = StructuredOutput(regex="[a-c]{2}x", after_thinking=True)
+    inside = GrammarMatcher.compile(spec, thinker.tokenizer, 100)
+    assert _allowed(inside, "hi]ab", 6) == ["all", "all", "all", "abc", "abc", "x"]
+    inside.advance(_ids("h]"))
+    assert _allowed(inside, "a", 2) == ["abc", "abc"]
+    maybe = GrammarMatcher.compile(replace(spec, after_thinking=False), thinker.tokenizer, 100)
+    assert _allowed(maybe, "[z]a", 5) == ["[abc", "all", "all", "abc", "abc"]  # opened by its first token
+    assert _allowed(maybe, "ab", 3) == ["[abc", "abc", "x"]  # not opened: the grammar from the first token
+    drafted = maybe.copy()
+    for token in _ids("[q]"):
+        drafted.draft(token)
+    assert _allowed(drafted, "c", 2) == ["abc", "abc"]
+    drafted.undo_drafts()
+    assert _allowed(drafted, "", 1) == ["[abc"]
+
+
+@pytest.mark.parametrize("proposer", ["draft", "self", "ngram"])
+def test_greedy_with_a_grammar_after_thinking_is_valid_and_equals_plain(thinker, proposer):
+    """The thinking's end drafted, accepted or not, inside verify windows: the text plain decoding gives."""
+    draft = tiny_model(seed=5, vocab=100, layers=1)
+    draft.tokenizer.think_ids = thinker.tokenizer.think_ids
+    spec = StructuredOutput(regex="[a-c]{3}x", after_thinking=True)
+    params = SamplingParams(temperature=0, max_tokens=120, structured_output=spec, logit_bias={_ids("]")[0]: 6.0})
+    plain = [o.outputs[0] for o in _generate(thinker, k=0, params=params)]
+    assert all(o.finish_reason == "stop" and re.fullmatch(r"[^\]]*\][a-c]{3}x", o.text) for o in plain), plain
+    with_proposer = {"draft": dict(draft=draft), "self": dict(draft=thinker), "ngram": dict(speculative_model="ngram")}
+    outs = [o.outputs[0] for o in _generate(thinker, params=params, **with_proposer[proposer])]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_sampling_under_a_grammar_after_thinking_follows_the_masked_target(monkeypatch):
+    """'!' and '%' are <think> and </think>: a reply may open its thinking at once, then the grammar follows its end.
+    Broken: every verify row masked as the first (the state not moved along the drafts)."""
+    target = tiny_model(seed=7, vocab=SMALL_VOCAB, hidden=32)
+    draft = tiny_model(seed=8, vocab=SMALL_VOCAB, hidden=32, layers=1)
+    for model in (target, draft):
+        model.tokenizer.think_ids = (1, 5)
+    spec = StructuredOutput(regex='[#$]"', after_thinking=False)
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=4, structured_output=spec)
+    prompt = [1, 2, 3]
+    joint = exact_joint(target, prompt, params)
+    assert abs(sum(joint.values()) - 1) < 1e-5
+    assert any(t[0] == 1 for t in joint) and any(t[0] in (3, 4) for t in joint)  # both beginnings
+    counts, accepted = sampled_joint(target, draft, prompt, params, samples=6000)
+    assert 0.1 < accepted < 0.99  # past the thinking the grammar leaves few choices: most drafts are right
+    assert chi2_pvalue(counts, joint) > PASS_P
+    from specdecode.sampling.grammar import AfterThinking
+
+    real = AfterThinking.allowed_rows
+    monkeypatch.setattr(
+        AfterThinking, "allowed_rows", lambda self, drafts, rows, vocab: real(self, [], 1, vocab).expand(rows, vocab)
+    )
+    try:
+        counts, _ = sampled_joint(target, draft, prompt, params, samples=6000)
+    except SpecDecodeError as exc:  # a token the grammar refuses was accepted
+        assert "outside the grammar" in str(exc)
+    else:
+        assert chi2_pvalue(counts, joint) < 1e-6

@@ -28,6 +28,9 @@ class Tokenizer:
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         # None: the model cannot fill in the middle
         self.fim_ids = infill.fim_ids(lambda name: token_id(hf_tokenizer, name))
+        # (<think>, </think>) where a reasoning model's vocabulary holds each as one token, else None
+        thinks = (token_id(hf_tokenizer, "<think>"), token_id(hf_tokenizer, "</think>"))
+        self.think_ids = thinks if None not in thinks else None
 
     @property
     def special_ids(self) -> set[int]:

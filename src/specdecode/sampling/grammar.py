@@ -47,6 +47,10 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # A reasoning model's thinking left free, the grammar starting after its </think> (as vLLM's with a reasoning
+    # parser): None, the grammar from the first token; True, the reply starts inside the thinking (its prompt opened
+    # it); False, the reply may open it with <think> as its first token, else follows the grammar from there.
+    after_thinking: bool | None = None
 
     def __post_init__(self):
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -139,7 +143,11 @@ class GrammarMatcher:
         matcher = LLMatcher(GrammarTokenizers.get(tokenizer, vocab_size), spec.llguidance_grammar(), log_level=0)
         if matcher.is_error():
             raise SpecDecodeError(f"the structured output grammar is not valid: {matcher.get_error()}")
-        return cls(matcher, vocab_size, frozenset(tokenizer.eos_token_ids))
+        grammar = cls(matcher, vocab_size, frozenset(tokenizer.eos_token_ids))
+        tags = getattr(tokenizer, "think_ids", None)  # (<think>, </think>) where each is one token
+        if spec.after_thinking is None or tags is None:
+            return grammar
+        return AfterThinking(grammar, *tags, thinking=spec.after_thinking)
 
     def copy(self) -> "GrammarMatcher":
         return GrammarMatcher(self._matcher.deep_copy(), self._vocab, self._eos)
@@ -195,6 +203,70 @@ class GrammarMatcher:
         if self._drafted:
             self._matcher.rollback(len(self._drafted))
         self._drafted = []
+
+
+class AfterThinking:
+    """A grammar that starts after a reasoning model's thinking: every token is allowed inside it, the grammar's
+    mask applies from the token after </think>. A reply not inside it yet may open it with <think> as its first token
+    (the only token allowed there besides the grammar's). Drafts move the state as emitted tokens do, so a verify
+    row after a drafted </think> gets the grammar's mask; the grammar itself sees only the tokens after it."""
+
+    def __init__(self, grammar: GrammarMatcher, start: int, end: int, thinking: bool):
+        self.grammar, self.start, self.end = grammar, start, end
+        self.state = "thinking" if thinking else "start"  # then "grammar", for good
+        self._drafted_state = self.state
+
+    def copy(self) -> AfterThinking:
+        twin = AfterThinking(self.grammar.copy(), self.start, self.end, thinking=False)
+        twin.state = twin._drafted_state = self.state
+        return twin
+
+    def _after(self, state: str, token: int) -> tuple[str, bool]:
+        """The state after the token, and whether the grammar reads it."""
+        if state == "thinking":
+            return ("grammar" if token == self.end else "thinking"), False
+        if state == "start" and token == self.start:
+            return "thinking", False
+        return "grammar", True
+
+    def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        allowed = self.allowed_rows(drafts, *logits.shape)
+        return logits.masked_fill(~tensor_to_device(allowed, logits.device), float("-inf"))
+
+    def allowed_rows(self, drafts: list[int], rows: int, vocab: int) -> torch.Tensor:
+        """[rows, vocab] bool: row j's tokens after drafts[:j], the grammar's rows asked of it along the drafts it
+        reads."""
+        state, read, masks = self._drafted_state, [], []
+        for j in range(rows):
+            if state == "thinking":
+                masks.append(torch.ones(vocab, dtype=torch.bool))
+            else:
+                mask = self.grammar.allowed_rows(read, len(read) + 1, vocab)[-1]
+                if state == "start" and self.start < vocab:
+                    mask = mask.clone()
+                    mask[self.start] = True
+                masks.append(mask)
+            if j < len(drafts):
+                state, reads = self._after(state, drafts[j])
+                read += [drafts[j]] if reads else []
+        return torch.stack(masks)
+
+    def advance(self, tokens: list[int]) -> None:
+        read = []
+        for token in tokens:
+            self.state, reads = self._after(self.state, token)
+            read += [token] if reads else []
+        self._drafted_state = self.state
+        self.grammar.advance(read)
+
+    def draft(self, token: int) -> None:
+        self._drafted_state, reads = self._after(self._drafted_state, token)
+        if reads:
+            self.grammar.draft(token)
+
+    def undo_drafts(self) -> None:
+        self.grammar.undo_drafts()
+        self._drafted_state = self.state
 
 
 def mask_grammars(rows: torch.Tensor, grammars: list[GrammarMatcher | None], drafts: list[list[int]]) -> torch.Tensor:

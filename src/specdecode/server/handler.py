@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -112,14 +113,7 @@ class RequestHandler:
             return wrong
         try:
             text = self.chat_prompt(req)
-            ids, params = self.sampling_params(
-                req, self.tokenizer.encode(text), req.max_completion_tokens or req.max_tokens, default=None
-            )
-            if not req.include_reasoning and self.reasoning_parser is None:
-                raise SpecDecodeError(
-                    "include_reasoning=false needs the reasoning read out of the reply: start the server with "
-                    "--reasoning-parser"
-                )
+            ids, params = self.chat_sampling(req, text)
         except SpecDecodeError as exc:
             return error_response(400, str(exc))
         echo = None if (echoed := req.echoed()) is None else (echoed, None)
@@ -146,6 +140,20 @@ class RequestHandler:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools.rendered if tools else None, **req.template_options()
         )
+
+    def chat_sampling(self, req: ChatRequest, prompt: str) -> tuple[list[int], SamplingParams]:
+        """A chat's prompt ids and sampling parameters; with a reasoning parser, a grammar starts after the thinking."""
+        ids, params = self.sampling_params(
+            req, self.tokenizer.encode(prompt), req.max_completion_tokens or req.max_tokens, default=None
+        )
+        if self.reasoning_parser is not None and params.structured_output is not None:
+            params.structured_output = replace(params.structured_output, after_thinking=opens_thinking(prompt))
+        if not req.include_reasoning and self.reasoning_parser is None:
+            raise SpecDecodeError(
+                "include_reasoning=false needs the reasoning read out of the reply: start the server with "
+                "--reasoning-parser"
+            )
+        return ids, params
 
     def tokenize(self, req: TokenizeRequest) -> dict | JSONResponse:
         """vLLM's /tokenize: the token ids a prompt or a chat is served with, with the context's length."""

@@ -108,7 +108,7 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
     try:
         chat = req.chat_request()
         prompt = handler.chat_prompt(chat)
-        ids, params = handler.sampling_params(chat, handler.tokenizer.encode(prompt), chat.max_tokens, default=None)
+        ids, params = handler.chat_sampling(chat, prompt)
     except SpecDecodeError as exc:
         return error_response(400, str(exc))
     except ValidationError as exc:
