@@ -61,7 +61,8 @@ class SamplingParams:
 
     @property
     def has_processors(self) -> bool:
-        """Whether the logits are changed before temperature (bias, min_tokens, penalties)."""
+        """Whether the logits are changed before temperature (bias, min_tokens, penalties, allowed tokens, bad
+        words)."""
         return bool(
             self.logit_bias or self.min_tokens or self.has_penalties or self.allowed_token_ids or self.bad_words_ids
         )
