@@ -19,12 +19,12 @@ GREEDY = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    target = tiny_model(seed=0, vocab=100)  # braces and quotes are tokens: JSON can be written
+    target = tiny_model(seed=0, vocab=100, max_position=2048)  # braces and quotes are tokens: JSON can be written
     llm = LLM(
         target=target,
-        draft=tiny_model(seed=5, vocab=100, layers=1),
+        draft=tiny_model(seed=5, vocab=100, layers=1, max_position=2048),
         num_speculative_tokens=3,
-        max_model_len=256,
+        max_model_len=2048,
         speculation_policy="fixed",
     )
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as served:
@@ -113,8 +113,9 @@ def test_text_format_json_schema_constrains_the_answer(server):
     "fields",
     [
         {"previous_response_id": "resp_1"},
-        {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
-        {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+        {"tools": [{"type": "web_search"}]},
+        {"tool_choice": {"type": "function", "name": "absent"}, "tools": [{"type": "function", "name": "f"}]},
+        {"input": [{"type": "file_search_call", "id": "x"}]},
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
         {"background": True},
         {"include": ["message.output_text.logprobs"]},
@@ -147,3 +148,70 @@ def test_a_reply_that_thinks_has_a_reasoning_item_before_its_message_whole_and_s
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     added = [e.output_index for e in events if e.type == "response.output_item.added"]
     assert added == [0, 1] and events[-1].response.output[0].type == "reasoning"
+
+
+ADD = {
+    "type": "function",
+    "name": "add",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "add"}])
+def test_a_forced_function_call_comes_back_as_a_function_call_item_whole_and_streamed(server, choice):
+    kwargs = dict(model="tiny", input="add", tools=[ADD], tool_choice=choice, temperature=0, max_output_tokens=600)
+    r = server.client.responses.create(**kwargs)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert [item.type for item in r.output] == ["function_call"] and r.output_text == ""
+    jsonschema.validate(json.loads(calls[0].arguments), ADD["parameters"])
+    events = list(server.client.responses.create(stream=True, **kwargs))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.name, i.arguments) for i in done] == [("function_call", "add", calls[0].arguments)]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == calls[0].arguments
+
+
+def test_earlier_calls_and_their_outputs_are_the_conversation_the_chat_endpoint_reads(server):
+    arguments = json.dumps({"a": 1, "b": 2})
+    items = [
+        {"role": "user", "content": "add 1 and 2"},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": "3"},
+    ]
+    r = server.client.responses.create(input=items, tools=[ADD], max_output_tokens=10, **GREEDY)
+    chat = server.client.chat.completions.create(
+        messages=[
+            items[0],
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+        ],
+        tools=[{"type": "function", "function": {"name": "add", "parameters": ADD["parameters"]}}],
+        max_tokens=10,
+        **GREEDY,
+    )
+    assert r.output_text == chat.choices[0].message.content
+
+
+def test_a_call_the_model_writes_comes_back_as_an_item_after_the_text_before_it():
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    pieces = ["Let me add.", "\n<tool_", "call>" + call[len("<tool_call>") : 20], call[20:]]
+    with LocalServer(build_app(ScriptedEngine(pieces), "tiny", runs_engine=False)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = client.responses.create(model="tiny", input="add", tools=[ADD])
+        events = list(client.responses.create(model="tiny", input="add", tools=[ADD], stream=True))
+    assert [item.type for item in r.output] == ["message", "function_call"]
+    assert r.output_text == "Let me add." and json.loads(r.output[1].arguments) == {"a": 1, "b": 2}
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["message", "function_call"]
+    assert done[0].content[0].text == "Let me add." and done[1].call_id.startswith("call_")
+    assert json.loads(done[1].arguments) == {"a": 1, "b": 2}
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]

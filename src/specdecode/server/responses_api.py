@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it: a conversation in (a string, or message items,
-`instructions` as the system message) rendered by the chat template as /v1/chat/completions renders it, one assistant
-message out, after a reasoning item where the server reads reasoning (`--reasoning-parser`); whole, or streamed as
-the API's typed events. Nothing is stored: a request that names an earlier response or conversation gets a 400."""
+`instructions` as the system message, earlier function calls and their outputs) rendered by the chat template as
+/v1/chat/completions renders it; out, an assistant message and the function calls read from it, after a reasoning
+item where the server reads reasoning (`--reasoning-parser`); whole, or streamed as the API's typed events. Nothing
+is stored: a request that names an earlier response or conversation gets a 400."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .protocol import ChatRequest
 from .reasoning import ReasoningSplit, opens_thinking, split_reasoning
 from .reply import collected_unless_gone, submitted
 from .responses import error_response, usage
+from .tools import ToolCall, Tools
 
 # The API's fields that would change what is generated or answered, with the value that means "off"
 UNSUPPORTED_UNLESS_OFF = {
@@ -27,7 +29,6 @@ UNSUPPORTED_UNLESS_OFF = {
     "background": False,
     "include": None,
     "prompt": None,
-    "tools": None,
     "truncation": "disabled",
     "top_logprobs": 0,
     "max_tool_calls": None,
@@ -49,7 +50,8 @@ class ResponsesRequest(BaseModel):
     store: bool = True  # nothing is stored here, whatever it says: it does not change the answer
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     reasoning: dict | None = None  # {"effort": ...}: given to the chat template as reasoning_effort
-    tool_choice: str | None = None  # "auto" or "none" (no tools are taken)
+    tools: list[dict] | None = None  # function tools ({"type": "function", "name", "parameters", ...})
+    tool_choice: str | dict | None = None  # "auto", "none", "required" or {"type": "function", "name": ...}
     parallel_tool_calls: bool = True
 
     def chat_request(self) -> ChatRequest:
@@ -57,8 +59,6 @@ class ResponsesRequest(BaseModel):
         for name, off in UNSUPPORTED_UNLESS_OFF.items():
             if (self.model_extra or {}).get(name, off) not in (off, None, [], {}):
                 raise SpecDecodeError(f"{name} is not supported by this server's /v1/responses; leave it out")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise SpecDecodeError("tool_choice: no tools are taken by /v1/responses here; leave it out or 'auto'")
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         extras = {k: v for k, v in (self.model_extra or {}).items() if k not in UNSUPPORTED_UNLESS_OFF}
         return ChatRequest(
@@ -72,18 +72,48 @@ class ResponsesRequest(BaseModel):
             user=self.user,
             response_format=chat_format((self.text or {}).get("format")),
             reasoning_effort=(self.reasoning or {}).get("effort"),
+            tools=[chat_tool(tool) for tool in self.tools] if self.tools else None,
+            tool_choice=chat_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls,
         )
+
+
+def chat_tool(tool: dict) -> dict:
+    """A Responses function tool as chat's ({"type": "function", "function": {...}})."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise SpecDecodeError("tools: only function tools are taken here ({'type': 'function', 'name': ...})")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+
+
+def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
     """The Responses API's input as chat messages: a string is the user's message; items are messages whose
-    content is a string or text parts (a developer's message is a system message to chat templates)."""
+    content is a string or text parts (a developer's message is a system message to chat templates), function
+    calls (one assistant message of calls where they follow each other) and their outputs (tool messages)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages = []
     for item in items:
-        if item.get("type", "message") != "message":
-            raise SpecDecodeError(f"input items of type {item.get('type')!r} are not supported (messages only)")
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function", "function": _called(item)}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
+            continue
+        if kind != "message":
+            raise SpecDecodeError(
+                f"input items of type {kind!r} are not supported (messages, function calls and their outputs)"
+            )
         content = item.get("content")
         if isinstance(content, list):
             kinds = {part.get("type") for part in content} - {"input_text", "output_text"}
@@ -93,6 +123,10 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         role = item.get("role")
         messages.append({"role": "system" if role == "developer" else role, "content": content})
     return messages
+
+
+def _called(item: dict) -> dict:
+    return {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
 
 
 def chat_format(format_: dict | None) -> dict | None:
@@ -115,7 +149,7 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
         first = exc.errors()[0]
         return error_response(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
     thinking = None if handler.reasoning_parser is None else opens_thinking(prompt)
-    reply = ResponseReply(handler, req, ids, thinking)
+    reply = ResponseReply(handler, req, ids, thinking, chat.tool_use)
     limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
     updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
     if isinstance(updates, Response):
@@ -127,15 +161,19 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
         return collected
     texts, finals, *_ = collected
     reasoning, content = split_reasoning(texts[0], thinking) if thinking is not None else (None, texts[0])
-    output = ([reply.reasoning_item(reasoning)] if reasoning is not None else []) + [reply.message_item(content)]
-    return reply.body(output, finals)
+    content, calls = reply.tools.parse(content) if reply.tools is not None else (content, [])
+    output = [reply.reasoning_item(reasoning)] if reasoning is not None else []
+    output += [reply.message_item(content or "")] if content or not calls else []
+    return reply.body(output + [reply.call_item(call) for call in calls], finals)
 
 
 class ResponseReply:
     """One response's body and events: its items (a reasoning item, then the message), ids made once."""
 
-    def __init__(self, handler: RequestHandler, req: ResponsesRequest, ids: list[int], thinking: bool | None):
-        self.handler, self.req, self.ids, self.thinking = handler, req, ids, thinking
+    def __init__(
+        self, handler: RequestHandler, req: ResponsesRequest, ids: list[int], thinking: bool | None, tools: Tools | None
+    ):
+        self.handler, self.req, self.ids, self.thinking, self.tools = handler, req, ids, thinking, tools
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
         self.created = int(time.time())
@@ -162,7 +200,7 @@ class ResponseReply:
             "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
-            "tools": [],
+            "tools": req.tools or [],
             "parallel_tool_calls": req.parallel_tool_calls,
             "store": False,
             "output": output,
@@ -203,6 +241,17 @@ class ResponseReply:
         }
 
     @staticmethod
+    def call_item(call: ToolCall) -> dict:
+        return {
+            "id": f"fc_{call.id.removeprefix('call_')}",
+            "type": "function_call",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+
+    @staticmethod
     def part(kind: str, text: str) -> dict:
         if kind == "reasoning":
             return {"type": "reasoning_text", "text": text}
@@ -236,23 +285,52 @@ class ResponseReply:
 
 class _ItemStream:
     """The items of a streamed response as its text comes: reasoning (where read) opened at its first text and closed
-    at the content's, then the message, always, closed at the end."""
+    at the content's, the message opened at its first text, each function call as it closes; at the end a message
+    (empty) where nothing else was said."""
 
     def __init__(self, reply: ResponseReply):
         self.reply, self.open, self.done = reply, None, []
         self.texts = {"reasoning": "", "message": ""}
         self.split = ReasoningSplit(reply.thinking) if reply.thinking is not None else None
+        self.calls = reply.tools.stream() if reply.tools is not None else None
 
     def feed(self, update) -> list[str]:
         reasoning, content = ("", update.text) if self.split is None else self.split.feed(update.text)
         if update.finished and self.split is not None:
             rest = self.split.finish()
             reasoning, content = reasoning + rest[0], content + rest[1]
+        calls = []
+        if self.calls is not None:
+            content, calls = self.calls.feed(content)
+            if update.finished:
+                rest, more = self.calls.finish()
+                content, calls = content + rest, calls + more
         events = self._text("reasoning", reasoning) if reasoning else []
-        if content or update.finished:
+        if content:
             events += self._text("message", content)
+        for call in calls:
+            events += self._call(call)
         if update.finished:
-            events += self._close()
+            said = self.texts["message"] or any(item["type"] == "function_call" for item in self.done)
+            events += ([] if said else self._text("message", "")) + self._close()
+        return events
+
+    def _call(self, call: ToolCall) -> list[str]:
+        item, events = self.reply.call_item(call), self._close()
+        where = {"item_id": item["id"], "output_index": len(self.done)}
+        events += [
+            self.reply.event(
+                "response.output_item.added",
+                output_index=where["output_index"],
+                item=item | {"arguments": "", "status": "in_progress"},
+            ),
+            self.reply.event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            self.reply.event(
+                "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
+            ),
+            self.reply.event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
+        self.done.append(item)
         return events
 
     def _text(self, kind: str, delta: str) -> list[str]:
@@ -272,6 +350,10 @@ class _ItemStream:
         return make(self.texts[kind], status)
 
     def _open(self, kind: str) -> list[str]:
+        """An item of its own each time (a message after a function call is another message)."""
+        if self.texts[kind] or any(item["type"] == kind for item in self.done):
+            self.reply.item_ids[kind] = f"{self.reply.item_ids[kind].split('_')[0]}_{uuid.uuid4().hex}"
+            self.texts[kind] = ""
         self.open = kind
         where = self._where(kind)
         return [
