@@ -92,37 +92,39 @@ def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
-    """The Responses API's input as chat messages: a string is the user's message; items are messages whose
-    content is a string or text parts (a developer's message is a system message to chat templates), function
+    """The Responses API's input as chat messages: a string is the user's message; items are messages, function
     calls (one assistant message of calls where they follow each other) and their outputs (tool messages)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages = []
     for item in items:
         kind = item.get("type", "message")
-        if kind == "function_call":
+        if kind == "message":
+            messages.append(_message(item))
+        elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function", "function": _called(item)}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            continue
-        if kind == "function_call_output":
+        elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
-            continue
-        if kind != "message":
+        else:
             raise SpecDecodeError(
                 f"input items of type {kind!r} are not supported (messages, function calls and their outputs)"
             )
-        content = item.get("content")
-        if isinstance(content, list):
-            kinds = {part.get("type") for part in content} - {"input_text", "output_text"}
-            if kinds:
-                raise SpecDecodeError(f"input content of type {', '.join(map(str, kinds))} is not supported (text)")
-            content = "".join(part.get("text") or "" for part in content)
-        role = item.get("role")
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
     return messages
+
+
+def _message(item: dict) -> dict:
+    """A message item: its content a string or text parts; a developer's message is a system message to templates."""
+    content = item.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") in ("input_text", "output_text") for part in content):
+            raise SpecDecodeError("input content parts must be input_text or output_text parts (text only here)")
+        content = "".join(str(part.get("text") or "") for part in content)
+    role = item.get("role")
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _called(item: dict) -> dict:
