@@ -3,6 +3,7 @@ with tiny random models (the engine is the same one the real models use)."""
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 
 import httpx
@@ -419,3 +420,38 @@ def test_a_list_of_prompts_is_answered_prompt_by_prompt_in_one_body(served, targ
     twice = served.client.completions.create(prompt=ids, n=2, **kwargs)
     assert [c.index for c in twice.choices] == [0, 1, 2, 3]
     assert [c.text for c in twice.choices] == [alone[0].text] * 2 + [alone[1].text] * 2
+
+
+def _chunks(served, body: dict) -> list[dict]:
+    r = httpx.post(
+        served.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_stream_options_include_usage_sends_the_usage_in_a_last_chunk_of_its_own(served):
+    """OpenAI's include_usage: every other chunk's usage null, then one chunk without choices; vLLM's
+    continuous_usage_stats: the counts so far in every chunk. Without them, the usage rides on the last chunk."""
+    plain = _chunks(served, {"stream": True})
+    assert "usage" not in plain[0] and plain[-1]["usage"]["completion_tokens"] == 6 and plain[-1]["choices"]
+    asked = _chunks(served, {"stream": True, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in asked[:-1]) and asked[-1]["choices"] == []
+    assert asked[-1]["usage"]["completion_tokens"] == 6 and asked[-1]["usage"]["speculation"]["num_output_tokens"] == 6
+    each = _chunks(served, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    so_far = [c["usage"]["completion_tokens"] for c in each[:-1]]
+    assert so_far == sorted(so_far) and so_far[-1] == 6 and each[-1]["choices"] == []
+    text = "".join(c["choices"][0]["text"] for c in asked[:-1])
+    assert text == "".join(c["choices"][0]["text"] for c in plain)
+
+
+def test_stream_options_without_a_stream_get_a_400(served):
+    r = httpx.post(
+        served.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]

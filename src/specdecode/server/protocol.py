@@ -36,6 +36,12 @@ UNSUPPORTED_UNLESS_DEFAULT = {
 TEMPLATE_RESERVED = {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents", "tokenize"}
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # OpenAI's: the usage in a last chunk of its own (null in the others)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
+
+
 class CommonRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields we do not need (user, stream_options, ...)
     model: str | None = None
@@ -72,6 +78,7 @@ class CommonRequest(BaseModel):
     truncate_prompt_tokens: int | None = None  # only the prompt's last N tokens read (-1: what fits beside max_tokens)
     return_token_ids: bool = False  # the prompt's and each output's token ids in the response
     return_tokens_as_token_ids: bool = False  # logprob entries name their tokens "token_id:ID"
+    stream_options: StreamOptions | None = None
 
     @field_validator("timeout")
     @classmethod
@@ -80,8 +87,14 @@ class CommonRequest(BaseModel):
             raise ValueError("timeout must be a positive number of seconds")
         return value
 
+    def streamed_usage(self) -> StreamOptions:
+        if self.stream_options is not None and not self.stream:
+            raise SpecDecodeError("stream_options apply to a stream: send stream=true or leave them out")
+        return self.stream_options or StreamOptions()
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         refuse_unsupported_fields(self)
+        self.streamed_usage()  # checked with the rest of the request
         n = self.candidates() if isinstance(self, CompletionRequest) else self.n
         if n > self.n and logprobs is None:
             logprobs = 0  # ranking reads each token's logprob; they are not returned

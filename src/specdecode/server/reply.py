@@ -50,20 +50,26 @@ class Shown:
     """What a response shows besides the text: vLLM's `prompt_logprobs` (each choice's for completions, the reply's
     for a chat); with `return_token_ids`, the prompt's token ids (where prompt logprobs go) and each output's (in a
     stream, each chunk's, the prompt's in the first); with `return_tokens_as_token_ids`, logprob entries named
-    "token_id:ID"; a chat reply's reasoning, unless `include_reasoning` is false."""
+    "token_id:ID"; a chat reply's reasoning, unless `include_reasoning` is false; a stream's usage in a chunk of its own
+    (`stream_options.include_usage`), and the counts so far in every other chunk (`continuous_usage_stats`)."""
 
     prompt_logprobs: bool = False
     token_ids: bool = False
     tokens_as_ids: bool = False
     reasoning: bool = True
+    usage_chunk: bool = False
+    usage_each: bool = False
 
     @classmethod
     def asked_by(cls, req: CommonRequest) -> Shown:
+        streamed = req.streamed_usage()
         return cls(
             prompt_logprobs=req.prompt_logprobs is not None,
             token_ids=req.return_token_ids,
             tokens_as_ids=req.return_tokens_as_token_ids,
             reasoning=getattr(req, "include_reasoning", True),
+            usage_chunk=streamed.include_usage,
+            usage_each=streamed.continuous_usage_stats,
         )
 
 
@@ -144,9 +150,11 @@ class Reply:
         )
 
     async def events(self, updates):
-        """Server-sent events, one per update, the usage with the last."""
+        """Server-sent events, one per update; the usage in a chunk of its own at the end with OpenAI's
+        stream_options.include_usage (every other chunk's null, or the counts so far with vLLM's
+        continuous_usage_stats), else with the last chunk."""
         n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
-        started, offsets, finals = [False] * n, [0] * n, {}
+        started, offsets, finals, counts = [False] * n, [0] * n, {}, [0] * n
         streams = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
         splits = [ReasoningSplit(self.thinking) for _ in range(n)] if self.thinking is not None else None
         try:
@@ -167,23 +175,31 @@ class Reply:
                 first_chunk = not any(started)
                 started[i] = True
                 offsets[i] += len(update.text) + (len(echoed[0]) if echoed else 0)
+                counts[i] = update.num_tokens
                 if update.finished:
                     finals[i] = update
-                chunk = {
-                    "id": self.id,
-                    "object": kind,
-                    "created": self.created,
-                    "model": self.handler.model_name,
-                    "choices": [body],
-                } | self._token_ids(None, prompt_too=self.chat and first_chunk)
-                if len(finals) == n:
+                head = {"id": self.id, "object": kind, "created": self.created, "model": self.handler.model_name}
+                chunk = head | {"choices": [body]} | self._token_ids(None, prompt_too=self.chat and first_chunk)
+                if self.shown.usage_chunk:
+                    chunk["usage"] = self._counted(counts) if self.shown.usage_each else None
+                elif len(finals) == n:
                     chunk["usage"] = usage(len(self.ids), finals)
                 yield f"data: {json.dumps(chunk)}\n\n"
+                if self.shown.usage_chunk and len(finals) == n:
+                    yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(len(self.ids), finals)})}\n\n"
         except SpecDecodeError as exc:
             yield f"data: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"
         finally:
             await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
         yield "data: [DONE]\n\n"
+
+    def _counted(self, counts: list[int]) -> dict:
+        """The tokens so far (vLLM's continuous_usage_stats)."""
+        return {
+            "prompt_tokens": len(self.ids),
+            "completion_tokens": sum(counts),
+            "total_tokens": len(self.ids) + sum(counts),
+        }
 
     def _called(self, text: str, reason: str | None) -> Said:
         """A whole output's reasoning, content, tool calls (read out of the content) and finish reason."""

@@ -60,7 +60,12 @@ class ResponsesRequest(BaseModel):
             if (self.model_extra or {}).get(name, off) not in (off, None, [], {}):
                 raise SpecDecodeError(f"{name} is not supported by this server's /v1/responses; leave it out")
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        extras = {k: v for k, v in (self.model_extra or {}).items() if k not in UNSUPPORTED_UNLESS_OFF}
+        # the API's own stream_options (include_obfuscation) shape no text: the events carry the usage
+        extras = {
+            k: v
+            for k, v in (self.model_extra or {}).items()
+            if k not in UNSUPPORTED_UNLESS_OFF and k != "stream_options"
+        }
         return ChatRequest(
             **extras,
             model=self.model,
