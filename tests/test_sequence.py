@@ -189,3 +189,25 @@ def test_a_stop_string_counts_only_where_it_ends_after_min_tokens(min_tokens, ex
     params = SamplingParams(max_tokens=100, stop=[","], min_tokens=min_tokens, ignore_eos=True)
     seq, _ = _grow(ByteLevel(), ids, [1] * len(ids), params)
     assert seq.text == expected and seq.finish_reason == "stop"
+
+
+class SpacedSpecials:
+    """A Python tokenizer's way: special tokens (id 9, "<s>") with spaces around them unless asked otherwise."""
+
+    eos_token_ids = frozenset({99})
+
+    def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+        pad = " " if spaces_between_special_tokens else ""
+        return "".join(
+            pad + "<s>" + pad if i == 9 else "ab"[i % 2] for i in ids if not (i == 9 and skip_special_tokens)
+        )
+
+
+@pytest.mark.parametrize("spaced", [True, False])
+def test_spaces_between_special_tokens_reach_the_tokenizers_decoding(spaced):
+    ids, tok = [0, 1, 9, 0, 9, 1], SpacedSpecials()
+    params = SamplingParams(
+        max_tokens=100, ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=spaced
+    )
+    seq, _ = _grow(tok, ids, [1] * len(ids), params)
+    assert seq.text == tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaced)

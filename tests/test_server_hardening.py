@@ -181,7 +181,7 @@ HOSTILE = [
             {"truncate_prompt_tokens": -2},
             {"return_token_ids": "sometimes"},
             {"skip_special_tokens": "perhaps"},
-            {"spaces_between_special_tokens": False},
+            {"spaces_between_special_tokens": "sometimes"},
             {"structured_outputs": {"regex": "a+"}},
             {"chat_template": "{{ messages }}"},
             {"add_special_tokens": False},

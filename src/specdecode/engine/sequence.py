@@ -32,13 +32,14 @@ class Detokenizer:
     TGI). Tokens before `read` are text already; a window starts at `prefix`, one emission earlier, because a
     tokenizer may render a token differently at the start of a text (a dropped leading space). Text that ends
     inside a UTF-8 character waits for the next token; a finished sequence's (`flush`) ends in a replacement
-    character, as decoding the whole list would. Special tokens are left out of the text unless
-    skip_special_tokens is False (the option is passed only then, so a tokenizer without it decodes the default way)."""
+    character, as decoding the whole list would. Special tokens are left out of the text unless the options say
+    skip_special_tokens=False (options are passed only where set, so a tokenizer without them decodes the default
+    way)."""
 
-    def __init__(self, start: int, skip_special_tokens: bool = True):
+    def __init__(self, start: int, options: dict | None = None):
         self.prefix = self.read = self.fed = start  # fed: the tokens the incremental decoder has been given
         self.stream = None  # the tokenizer's incremental decoder; False where it has none
-        self.options = {} if skip_special_tokens else {"skip_special_tokens": False}
+        self.options = options or {}  # decoding options other than the defaults (skip_special_tokens=False)
 
     def new_text(self, tokenizer, ids: list[int], flush: bool = False) -> str:
         if self.stream is None:
@@ -90,7 +91,7 @@ class Sequence:
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)  # prompt + output: the one list that grows, in place
         self.num_prompt_tokens = len(self.prompt_ids)
-        self.detokenizer = Detokenizer(self.num_prompt_tokens, self.params.skip_special_tokens)  # the output's only
+        self.detokenizer = Detokenizer(self.num_prompt_tokens, decoding_options(self.params))  # the output's text
 
     @property
     def output_ids(self) -> list[int]:
@@ -192,6 +193,13 @@ class Sequence:
             at, length = min(hits)
             self.text = self.text[: at + (length if self.params.include_stop_str_in_output else 0)]
         return bool(hits)
+
+
+def decoding_options(params: SamplingParams) -> dict:
+    """The request's decoding options that differ from the tokenizer's defaults."""
+    options = {"skip_special_tokens": params.skip_special_tokens}
+    options["spaces_between_special_tokens"] = params.spaces_between_special_tokens
+    return {name: value for name, value in options.items() if value is not True}
 
 
 def prepare_request(

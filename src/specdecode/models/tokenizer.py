@@ -55,14 +55,18 @@ class Tokenizer:
         """Each token as the vocabulary spells it (byte-level BPE's "Ġ" for a space, SentencePiece's "▁")."""
         return self.hf.convert_ids_to_tokens(ids)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        return self.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
 
-    def decode_stream(self, skip_special_tokens: bool = True):
+    def decode_stream(self, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         """A function that takes the next token and returns the text it completes (None while a character waits
         for more bytes): the tokenizers library's incremental decoder, rendering what decode() would. None where
         decode() does more than the Rust tokenizer's own (a Python tokenizer, clean-up of spaces)."""
-        backend = getattr(self.hf, "backend_tokenizer", None)
+        backend = getattr(self.hf, "backend_tokenizer", None)  # a Rust tokenizer: spaces_between_special_tokens is moot
         if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
             return None
         from tokenizers.decoders import DecodeStream

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # end the text as EOS does (kept in the output), ignore_eos or not
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # special tokens (a chat's end of turn) left out of the text
+    spaces_between_special_tokens: bool = True  # a Python (slow) tokenizer's; the Rust ones' decoding has none
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated
     bad_words: list[str] | None = None  # words that may not be generated (update_from_tokenizer gives their ids)
     # keep only the prompt's last N tokens (-1: as many as fit beside max_tokens); see engine.sequence.truncate_prompt

@@ -22,7 +22,6 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "structured_outputs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "spaces_between_special_tokens": True,
     "logits_processors": None,
     "chat_template": None,
     "mm_processor_kwargs": None,
@@ -73,6 +72,7 @@ class CommonRequest(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob given the tokens before, and N others'
     # vLLM's too
     skip_special_tokens: bool = True  # special tokens (end of turn) left out of the text
+    spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None  # only these may be generated
     bad_words: list[str] | None = None  # words that may not be generated
     truncate_prompt_tokens: int | None = None  # only the prompt's last N tokens read (-1: what fits beside max_tokens)
@@ -121,6 +121,7 @@ class CommonRequest(BaseModel):
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
