@@ -123,6 +123,8 @@ def test_text_format_json_schema_constrains_the_answer(server):
         {"n": 2},
         {"tool_choice": "required"},
         {"input": [{"role": "user"}]},
+        {"messages": [{"role": "user", "content": "x"}]},
+        {"max_tokens": 5},
         {"input": [{"role": "user", "content": ["just a string"]}]},
         {"input": [{"role": 5, "content": "x"}]},
         {"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": "not json"}]},

@@ -66,8 +66,7 @@ class ResponsesRequest(BaseModel):
             for k, v in (self.model_extra or {}).items()
             if k not in UNSUPPORTED_UNLESS_OFF and k != "stream_options"
         }
-        return ChatRequest(
-            **extras,
+        own = dict(
             model=self.model,
             messages=system + input_messages(self.input),
             max_tokens=self.max_output_tokens,
@@ -81,6 +80,9 @@ class ResponsesRequest(BaseModel):
             tool_choice=chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls,
         )
+        if clash := sorted(set(extras) & (set(own) | {"max_completion_tokens", "response_format"})):
+            raise SpecDecodeError(f"{', '.join(clash)}: the chat endpoint's name; send the Responses API's field")
+        return ChatRequest(**extras, **own)
 
 
 def chat_tool(tool: dict) -> dict:
@@ -175,7 +177,7 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
 
 
 class ResponseReply:
-    """One response's body and events: its items (a reasoning item, then the message), ids made once."""
+    """One response's body and events: its items (a reasoning item, the message, the function calls), their ids."""
 
     def __init__(
         self, handler: RequestHandler, req: ResponsesRequest, ids: list[int], thinking: bool | None, tools: Tools | None
