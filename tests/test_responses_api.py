@@ -124,6 +124,8 @@ def test_text_format_json_schema_constrains_the_answer(server):
         {"tool_choice": "required"},
         {"input": [{"role": "user"}]},
         {"messages": [{"role": "user", "content": "x"}]},
+        {"text": {"format": 5}},
+        {"text": {"format": {"type": "xml"}}},
         {"max_tokens": 5},
         {"input": [{"role": "user", "content": ["just a string"]}]},
         {"input": [{"role": 5, "content": "x"}]},

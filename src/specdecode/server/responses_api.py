@@ -140,6 +140,8 @@ def _called(item: dict) -> dict:
 
 def chat_format(format_: dict | None) -> dict | None:
     """text.format as chat's response_format (json_schema's schema one level down there)."""
+    if format_ is not None and not isinstance(format_, dict):
+        raise SpecDecodeError('text.format must be an object: {"type": "text" | "json_object" | "json_schema", ...}')
     if format_ is None or format_.get("type") != "json_schema":
         return format_
     return {"type": "json_schema", "json_schema": {"name": format_.get("name"), "schema": format_.get("schema")}}
