@@ -12,7 +12,8 @@ from conftest import LocalServer, ScriptedEngine
 
 from specdecode.server import reasoning
 from specdecode.server.api import build_app
-from specdecode.server.reasoning import ReasoningSplit, split_reasoning
+from specdecode.server.reasoning import ReasoningSplit
+from specdecode.server.reply import OutputReader
 
 # (reply, whether its prompt opened the thinking, reasoning, content)
 SPLITS = [
@@ -31,7 +32,9 @@ SPLITS = [
 
 @pytest.mark.parametrize("reply, thinking, reasoning_text, content", SPLITS)
 def test_a_whole_reply_splits_into_reasoning_and_content(reply, thinking, reasoning_text, content):
-    assert split_reasoning(reply, thinking) == (reasoning_text, content)
+    reader = OutputReader(thinking, None)
+    reasoning, text, calls = reader.feed(reply, finished=True)
+    assert (reasoning if reader.reasoned else None, text, calls) == (reasoning_text, content, [])
 
 
 def _streamed(pieces: list[str], thinking: bool) -> tuple[str, str]:

@@ -125,7 +125,7 @@ class RequestHandler:
             echo=echo,
             tools=req.tool_use,
             shown=Shown.asked_by(req),
-            thinking=None if self.reasoning_parser is None else opens_thinking(text),
+            thinking=self.thinking(text),
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)
@@ -147,13 +147,18 @@ class RequestHandler:
             req, self.tokenizer.encode(prompt), req.max_completion_tokens or req.max_tokens, default=None
         )
         if self.reasoning_parser is not None and params.structured_output is not None:
-            params.structured_output = replace(params.structured_output, after_thinking=opens_thinking(prompt))
+            params.structured_output = replace(params.structured_output, after_thinking=self.thinking(prompt))
         if not req.include_reasoning and self.reasoning_parser is None:
             raise SpecDecodeError(
                 "include_reasoning=false needs the reasoning read out of the reply: start the server with "
                 "--reasoning-parser"
             )
         return ids, params
+
+    def thinking(self, prompt: str) -> bool | None:
+        """Where a chat reply starts: None, all content (no reasoning read); else whether its prompt left it inside
+        the thinking."""
+        return None if self.reasoning_parser is None else opens_thinking(prompt)
 
     def tokenize(self, req: TokenizeRequest) -> dict | JSONResponse:
         """vLLM's /tokenize: the token ids a prompt or a chat is served with, with the context's length."""

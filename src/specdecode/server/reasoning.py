@@ -57,14 +57,6 @@ class ReasoningSplit:
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    """A whole reply's (reasoning, content); reasoning None where the reply has none."""
-    split = ReasoningSplit(thinking)
-    reasoning, content = split.feed(text)
-    rest_reasoning, rest_content = split.finish()
-    return (reasoning + rest_reasoning if split.reasoned else None), content + rest_content
-
-
 def _tag_start_at_end(text: str, tag: str) -> int:
     """The length of the longest start of `tag` (not all of it) that `text` ends with."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)

@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
 from .protocol import CommonRequest
-from .reasoning import ReasoningSplit, split_reasoning
+from .reasoning import ReasoningSplit
 from .responses import (
     chat_logprobs,
     completion_logprobs,
@@ -28,10 +28,41 @@ from .responses import (
     usage,
     vllm_prompt_logprobs,
 )
-from .tools import Tools
+from .tools import ToolCall, Tools
 
 if TYPE_CHECKING:
     from .handler import RequestHandler
+
+
+class OutputReader:
+    """One output's text as it comes, read as a message reads it: the thinking apart where the server reads reasoning
+    (thinking: whether the prompt left the reply inside it; None: no reasoning read), then the tool calls out of the
+    rest where the request has tools. A whole text is one piece, fed finished."""
+
+    def __init__(self, thinking: bool | None, tools: Tools | None):
+        self.split = ReasoningSplit(thinking) if thinking is not None else None
+        self.calls = tools.stream() if tools is not None else None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning, content and calls this piece settles; with the last piece, all that was held back."""
+        reasoning = ""
+        if self.split is not None:
+            reasoning, text = self.split.feed(text)
+            if finished:
+                rest = self.split.finish()
+                reasoning, text = reasoning + rest[0], text + rest[1]
+        calls = []
+        if self.calls is not None:
+            text, calls = self.calls.feed(text)
+            if finished:
+                rest, more = self.calls.finish()
+                text, calls = text + rest, calls + more
+        return reasoning, text, calls
+
+    @property
+    def reasoned(self) -> bool:
+        """Whether the output has reasoning at all (a message without it has no reasoning field)."""
+        return self.split is not None and self.split.reasoned
 
 
 @dataclass
@@ -155,15 +186,14 @@ class Reply:
         continuous_usage_stats), else with the last chunk."""
         n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
         started, offsets, finals, counts = [False] * n, [0] * n, {}, [0] * n
-        streams = [self.tools.stream() for _ in range(n)] if self.tools is not None else None
-        splits = [ReasoningSplit(self.thinking) for _ in range(n)] if self.thinking is not None else None
+        readers = [OutputReader(self.thinking, self.tools) for _ in range(n)]
         try:
             async for update in updates:
                 i = update.index
                 echoed = self.echo if self.echo is not None and not started[i] else None
                 body = self.choice(
                     i,
-                    self._streamed(update, streams[i] if streams else None, splits[i] if splits else None),
+                    self._streamed(update, readers[i]),
                     self._logprobs(update),
                     delta=True,
                     text_offset=offsets[i],
@@ -203,35 +233,29 @@ class Reply:
 
     def _called(self, text: str, reason: str | None) -> Said:
         """A whole output's reasoning, content, tool calls (read out of the content) and finish reason."""
-        reasoning = None
-        if self.thinking is not None:
-            reasoning, text = split_reasoning(text, self.thinking)
-        reasoning = reasoning if self.shown.reasoning else None
+        reader = OutputReader(self.thinking, self.tools)
+        reasoning, content, calls = reader.feed(text, finished=True)
+        reasoning = reasoning if reader.reasoned and self.shown.reasoning else None
         if self.tools is None:
-            return Said(text, None, reason, reasoning)
-        content, calls = self.tools.parse(text)
+            return Said(content, None, reason, reasoning)
+        calls = [c.as_dict() for c in calls]
         return Said(
-            content, [c.as_dict() for c in calls] or None, self.tools.finish_reason(reason, bool(calls)), reasoning
+            (content or None) if calls else content,
+            calls or None,
+            self.tools.finish_reason(reason, bool(calls)),
+            reasoning,
         )
 
-    def _streamed(self, update, stream, split: ReasoningSplit | None) -> Said:
+    def _streamed(self, update, reader: OutputReader) -> Said:
         """An update's reasoning, content, the tool calls that closed in it and, at the end, the finish reason."""
         reason = update.finish_reason if update.finished else None
-        text, reasoning = update.text, None
-        if split is not None:
-            reasoning, text = split.feed(text)
-            if update.finished:
-                rest = split.finish()
-                reasoning, text = reasoning + rest[0], text + rest[1]
-            reasoning = reasoning if reasoning and self.shown.reasoning else None
-        if stream is None:
-            return Said(text, None, reason, reasoning)
-        before = stream.calls_made
-        content, calls = stream.feed(text)
+        reasoning, content, calls = reader.feed(update.text, update.finished)
+        reasoning = reasoning if reasoning and self.shown.reasoning else None
+        if self.tools is None:
+            return Said(content, None, reason, reasoning)
         if update.finished:
-            rest, more = stream.finish()
-            content, calls = content + rest, calls + more
-            reason = self.tools.finish_reason(reason, stream.called)
+            reason = self.tools.finish_reason(reason, reader.calls.called)
+        before = reader.calls.calls_made - len(calls)  # the calls of the earlier pieces
         deltas = [call.as_dict(index=before + k) for k, call in enumerate(calls)]
         return Said((content or None) if deltas else content, deltas or None, reason, reasoning)
 

@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..errors import SpecDecodeError
 from .handler import RequestHandler, session_of, tenant_of
 from .protocol import ChatRequest
-from .reasoning import ReasoningSplit, opens_thinking, split_reasoning
-from .reply import collected_unless_gone, submitted
+from .reply import OutputReader, collected_unless_gone, submitted
 from .responses import error_response, usage
 from .tools import ToolCall, Tools
 
@@ -159,7 +158,7 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
     except ValidationError as exc:
         first = exc.errors()[0]
         return error_response(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
-    thinking = None if handler.reasoning_parser is None else opens_thinking(prompt)
+    thinking = handler.thinking(prompt)
     reply = ResponseReply(handler, req, ids, thinking, chat.tool_use)
     limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
     updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
@@ -171,11 +170,18 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
     if isinstance(collected, Response):
         return collected
     texts, finals, *_ = collected
-    reasoning, content = split_reasoning(texts[0], thinking) if thinking is not None else (None, texts[0])
-    content, calls = reply.tools.parse(content) if reply.tools is not None else (content, [])
-    output = [reply.reasoning_item(reasoning)] if reasoning is not None else []
-    output += [reply.message_item(content or "")] if content or not calls else []
+    reader = OutputReader(thinking, reply.tools)
+    reasoning, content, calls = reader.feed(texts[0], finished=True)
+    output = [reply.reasoning_item(reasoning)] if reader.reasoned else []
+    output += [reply.message_item(content)] if content or not calls else []
     return reply.body(output + [reply.call_item(call) for call in calls], finals)
+
+
+ITEM_PREFIXES = {"reasoning": "rs", "message": "msg"}  # as OpenAI's item ids begin
+
+
+def new_item_id(kind: str) -> str:
+    return f"{ITEM_PREFIXES[kind]}_{uuid.uuid4().hex}"
 
 
 class ResponseReply:
@@ -186,7 +192,7 @@ class ResponseReply:
     ):
         self.handler, self.req, self.ids, self.thinking, self.tools = handler, req, ids, thinking, tools
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.item_ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
+        self.item_ids = {kind: new_item_id(kind) for kind in ITEM_PREFIXES}
         self.created = int(time.time())
         self.sequence = 0
 
@@ -302,20 +308,10 @@ class _ItemStream:
     def __init__(self, reply: ResponseReply):
         self.reply, self.open, self.done = reply, None, []
         self.texts = {"reasoning": "", "message": ""}
-        self.split = ReasoningSplit(reply.thinking) if reply.thinking is not None else None
-        self.calls = reply.tools.stream() if reply.tools is not None else None
+        self.reader = OutputReader(reply.thinking, reply.tools)
 
     def feed(self, update) -> list[str]:
-        reasoning, content = ("", update.text) if self.split is None else self.split.feed(update.text)
-        if update.finished and self.split is not None:
-            rest = self.split.finish()
-            reasoning, content = reasoning + rest[0], content + rest[1]
-        calls = []
-        if self.calls is not None:
-            content, calls = self.calls.feed(content)
-            if update.finished:
-                rest, more = self.calls.finish()
-                content, calls = content + rest, calls + more
+        reasoning, content, calls = self.reader.feed(update.text, update.finished)
         events = self._text("reasoning", reasoning) if reasoning else []
         if content:
             events += self._text("message", content)
@@ -363,7 +359,7 @@ class _ItemStream:
     def _open(self, kind: str) -> list[str]:
         """An item of its own each time (a message after a function call is another message)."""
         if self.texts[kind] or any(item["type"] == kind for item in self.done):
-            self.reply.item_ids[kind] = f"{self.reply.item_ids[kind].split('_')[0]}_{uuid.uuid4().hex}"
+            self.reply.item_ids[kind] = new_item_id(kind)
             self.texts[kind] = ""
         self.open = kind
         where = self._where(kind)
