@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import LocalServer, ScriptedEngine, tiny_model
+from test_tool_calls import TOOLS
 
 from specdecode import LLM
 from specdecode.server.api import build_app
@@ -157,16 +158,7 @@ def test_a_reply_that_thinks_has_a_reasoning_item_before_its_message_whole_and_s
     assert added == [0, 1] and events[-1].response.output[0].type == "reasoning"
 
 
-ADD = {
-    "type": "function",
-    "name": "add",
-    "parameters": {
-        "type": "object",
-        "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    },
-}
+ADD = {"type": "function", **TOOLS[1]["function"]}  # the chat tests' add(a, b), in the Responses API's form
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "add"}])
@@ -201,7 +193,7 @@ def test_earlier_calls_and_their_outputs_are_the_conversation_the_chat_endpoint_
             },
             {"role": "tool", "tool_call_id": "call_1", "content": "3"},
         ],
-        tools=[{"type": "function", "function": {"name": "add", "parameters": ADD["parameters"]}}],
+        tools=[TOOLS[1]],
         max_tokens=10,
         **GREEDY,
     )
