@@ -96,6 +96,7 @@ def test_stop_strings_spanning_token_boundaries_cut_the_text(stop, expected):
     for seed in range(5):
         seq, _ = _grow(ByteLevel(), ids, _chunks(len(ids), seed), SamplingParams(max_tokens=1000, stop=stop))
         assert seq.finish_reason == "stop" and seq.text == expected
+        assert seq.stop_reason == next(s for s in stop if s in TEXT)  # vLLM's: which stop string ended it
 
 
 def test_stop_search_that_misses_strings_across_chunks_fails(monkeypatch):
@@ -181,6 +182,7 @@ def test_the_stop_token_that_ends_the_text_is_left_out_of_it(kept):
     params = SamplingParams(max_tokens=100, stop_token_ids=[ord(",")], include_stop_str_in_output=kept)
     seq, _ = _grow(ByteLevel(), ids, [2, 3, 3], params)
     assert seq.output_ids == ids[:3] and seq.text == ("ab," if kept else "ab")
+    assert seq.stop_reason == ord(",")  # the stop token's id, as vLLM's stop_reason
 
 
 @pytest.mark.parametrize("min_tokens, expected", [(0, "ab"), (2, "ab"), (3, "ab,cd"), (6, "ab,cd,ef")])

@@ -32,10 +32,11 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs asks
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> "CompletionOutput":
-        return cls(seq.index, seq.text, list(seq.output_ids), seq.finish_reason, seq.logprobs)
+        return cls(seq.index, seq.text, list(seq.output_ids), seq.finish_reason, seq.logprobs, seq.stop_reason)
 
 
 @dataclass

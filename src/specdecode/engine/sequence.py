@@ -77,6 +77,7 @@ class Sequence:
     slot: int = -1  # target KV-cache slot
     feedback: TargetFeedback | None = None  # what the target emitted for it in the last step, for proposers
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    stop_reason: str | int | None = None  # as vLLM's: the stop string or stop token that ended it (None: EOS, length)
     text: str = ""
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asks for them
@@ -97,6 +98,15 @@ class Sequence:
     def output_ids(self) -> list[int]:
         """The generated tokens (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @cached_property
+    def thinking_from_prompt(self) -> bool:
+        """Whether the prompt leaves the reply inside a thinking its budget bounds (its last <think> after its last
+        </think>, read from the end)."""
+        if self.params.thinking_ids is None:
+            return False
+        opener, closer = self.params.thinking_ids
+        return next((token == opener for token in reversed(self.prompt_ids) if token in (opener, closer)), False)
 
     @cached_property
     def distinct_prompt_ids(self) -> np.ndarray:
@@ -160,8 +170,9 @@ class Sequence:
             m.num_output_tokens += 1
             if m.first_token_time is None:
                 m.first_token_time = time.perf_counter()
-            if (token in tokenizer.eos_token_ids and not self.params.ignore_eos) or token in self.params.stop_ids:
-                self.finish_reason = "stop"
+            eos = token in tokenizer.eos_token_ids and not self.params.ignore_eos
+            if eos or token in self.params.stop_ids:
+                self.finish_reason, self.stop_reason = "stop", None if eos else token
                 shown = None if self.params.include_stop_str_in_output else self.num_tokens - 1
             elif self.params.stop_strings and self._hit_stop_string(tokenizer):
                 self.finish_reason, cut = "stop", True
@@ -188,9 +199,9 @@ class Sequence:
         if self.num_output_tokens <= self.params.min_tokens:
             return False
         start = max(0, len(self.text) - added - max(map(len, self.params.stop_strings)) + 1)
-        hits = [(i, len(s)) for s in self.params.stop_strings if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, len(s), s) for s in self.params.stop_strings if (i := self.text.find(s, start)) >= 0]
         if hits:
-            at, length = min(hits)
+            at, length, self.stop_reason = min(hits)
             self.text = self.text[: at + (length if self.params.include_stop_str_in_output else 0)]
         return bool(hits)
 
@@ -214,6 +225,12 @@ def prepare_request(
     check_token_ids(params.allowed_token_ids or [], vocab_size, "allowed_token_ids")
     params.update_from_tokenizer(tokenizer)
     check_token_ids([t for word in params.bad_words_ids for t in word], vocab_size, "bad_words (as tokenized)")
+    grammar = params.structured_output
+    if params.thinking_token_budget is not None and grammar is not None and grammar.after_thinking is None:
+        raise SpecDecodeError(
+            "thinking_token_budget with structured output needs the grammar to start after the thinking: serve with "
+            "--reasoning-parser"
+        )
     if params.allowed_token_ids and not set(params.allowed_token_ids) - _tokens_it_may_ban(params, tokenizer):
         raise SpecDecodeError(
             "allowed_token_ids leaves no token to generate once bad_words (and, before min_tokens, the end tokens) "

@@ -37,6 +37,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words that may not be generated (update_from_tokenizer gives their ids)
     # keep only the prompt's last N tokens (-1: as many as fit beside max_tokens); see engine.sequence.truncate_prompt
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the most tokens a reasoning model's thinking may take; then </think> is its next token
+    thinking_token_budget: int | None = None
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scored by the prefill)
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
@@ -44,6 +46,8 @@ class SamplingParams:
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
     # each bad word's token ids, spelled alone and after a space, as vLLM's; set by update_from_tokenizer
     bad_words_ids: list[list[int]] = field(init=False, default_factory=list)
+    # (<think>, </think>) token ids where thinking_token_budget is set; set by update_from_tokenizer
+    thinking_ids: tuple[int, int] | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,9 +67,14 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         """Whether the logits are changed before temperature (bias, min_tokens, penalties, allowed tokens, bad
-        words)."""
+        words, a thinking budget)."""
         return bool(
-            self.logit_bias or self.min_tokens or self.has_penalties or self.allowed_token_ids or self.bad_words_ids
+            self.logit_bias
+            or self.min_tokens
+            or self.has_penalties
+            or self.allowed_token_ids
+            or self.bad_words_ids
+            or self.thinking_token_budget is not None
         )
 
     def update_from_tokenizer(self, tokenizer) -> None:
@@ -78,6 +87,13 @@ class SamplingParams:
             self.bad_words_ids.append(alone)
             if spaced[0] != alone[0] and len(spaced) == len(alone):
                 self.bad_words_ids.append(spaced)
+        if self.thinking_token_budget is not None:
+            self.thinking_ids = getattr(tokenizer, "think_ids", None)
+            if self.thinking_ids is None:
+                raise SpecDecodeError(
+                    "thinking_token_budget needs a reasoning model whose <think> and </think> are tokens of their own; "
+                    "leave it out for this model"
+                )
 
     def validate(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -129,6 +145,13 @@ class SamplingParams:
                 "structured output chooses the tokens allowed at each step; it cannot be combined with "
                 "allowed_token_ids or bad_words"
             )
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, 0)
+            if self.allowed_token_ids or self.bad_words:
+                raise SpecDecodeError(
+                    "thinking_token_budget ends the thinking with </think>, which allowed_token_ids or bad_words could "
+                    "ban; send one or the other"
+                )
 
 
 def _is_number(value) -> bool:

@@ -35,6 +35,7 @@ class History:
     output_ids: Sequence[int]
     drafts: Sequence[int]
     rows: int
+    thinking_from_prompt: bool = False  # the prompt left the reply inside its thinking (see thinking_token_budget)
 
 
 def process_logits(
@@ -44,11 +45,12 @@ def process_logits(
     output_ids: Sequence[int],
     drafts: Sequence[int] = (),
     eos_ids: Collection[int] = (),
+    thinking_from_prompt: bool = False,
 ) -> torch.Tensor:
     """logits [P, V], row j following output_ids + drafts[:j]; returned unchanged without processors."""
     if not params.has_processors:
         return logits
-    history = History(params, prompt_ids, output_ids, drafts, logits.shape[0])
+    history = History(params, prompt_ids, output_ids, drafts, logits.shape[0], thinking_from_prompt)
     return process_rows(logits.float().clone(), [history], eos_ids)
 
 
@@ -81,24 +83,49 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
 
 
 def _keep_allowed(logits: torch.Tensor, histories: list[History], starts: list[int]) -> None:
-    """-inf, in place, at every token outside the allowed ones of the rows whose requests name them (ids past the
-    rows' vocabulary, a draft's narrower one, dropped)."""
-    limited = [(h, start) for h, start in zip(histories, starts) if h.params.allowed_token_ids]
+    """-inf, in place, at every token outside the allowed ones of the rows that limit them (allowed_token_ids; </think>
+    where a thinking budget runs out), ids past the rows' vocabulary (a draft's narrower one) dropped."""
+    limited = [(start + j, tokens) for h, start in zip(histories, starts) for j, tokens in _limited_rows(h)]
     if not limited:
         return
     vocab, device = logits.shape[-1], logits.device
     rows, kept = [], []  # kept: (n, token) for the n-th of those rows
-    for h, start in limited:
-        allowed = [t for t in h.params.allowed_token_ids if t < vocab]
-        for j in range(h.rows):
-            kept += [(len(rows), t) for t in allowed]
-            rows.append(start + j)
+    for row, tokens in limited:
+        kept += [(len(rows), t) for t in tokens if t < vocab]
+        rows.append(row)
     keep = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
     if kept:
         at, ids = zip(*kept)
         keep[to_device(list(at), device), to_device(list(ids), device)] = True
     at = to_device(rows, device)
     logits[at] = logits[at].masked_fill(~keep, float("-inf"))
+
+
+def _limited_rows(history: History) -> list[tuple[int, Sequence[int]]]:
+    """(row, the only tokens it may take) for each of the request's rows that limits them."""
+    if history.params.allowed_token_ids:
+        return [(j, history.params.allowed_token_ids) for j in range(history.rows)]
+    return [(j, [history.params.thinking_ids[1]]) for j in _thinking_run_out(history)]
+
+
+def _thinking_run_out(history: History) -> list[int]:
+    """The row (one at most) where the thinking has taken thinking_token_budget tokens without </think>: a thinking
+    that the prompt opened or that the reply's first token (<think>) opened, counted from there (a reply that does
+    not begin inside its thinking has none to bound). Its place is known, so only that row's tokens are read."""
+    params = history.params
+    if params.thinking_token_budget is None:
+        return []
+    opener, closer = params.thinking_ids
+    output, drafts = history.output_ids, history.drafts
+    begin = 0 if history.thinking_from_prompt else 1
+    end = begin + params.thinking_token_budget  # the row that must close it, as an output position
+    j = end - len(output)
+    if not 0 <= j < history.rows:
+        return []
+    seen = [*output, *drafts[:j]]
+    if begin == 1 and seen[0] != opener:
+        return []
+    return [] if closer in seen[begin:end] else [j]
 
 
 def _bad_word_ends(history: History) -> list[tuple[int, int]]:

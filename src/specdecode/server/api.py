@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API: the routes (/v1/completions, /v1/chat/completions with server-sent-event
-streaming, /v1/responses, /v1/models, /health, /metrics, vLLM's /tokenize and /detokenize) and the guards in front
-of them (API key, body size, validation errors as 400); server/handler.py turns requests into engine work,
-server/reply.py and server/responses_api.py the engine's updates into responses."""
+streaming, /v1/responses, /v1/models, /health, /metrics, vLLM's /tokenize and /detokenize; Anthropic's /v1/messages)
+and the guards in front of them (API key, body size, validation errors as 400); server/handler.py turns requests into
+engine work, server/reply.py, server/responses_api.py and server/anthropic_api.py the engine's updates into
+responses."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from .handler import RequestHandler, ServingEngine
+from .anthropic_api import MessagesRequest, anthropic_error, count_tokens, create_message
+from .handler import RequestHandler, ServingEngine, api_key_sent
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import error_response
 from .responses_api import ResponsesRequest, create_response
@@ -49,23 +51,31 @@ def build_app(
 
 
 def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
-    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+    expected_key = api_key.encode() if api_key else None
+
+    def refused(request: Request, status: int, message: str, param: str | None = None) -> Response:
+        """An error in the shape of the API asked: Anthropic's for its routes, OpenAI's for the others."""
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error(status, message)
+        return error_response(status, message, param=param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+        return refused(request, 400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where or None)
 
     @app.middleware("http")
     async def check_key_and_size(request: Request, call_next):
-        if expected_auth and request.url.path.startswith("/v1"):
-            sent = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(sent, expected_auth):  # constant time: no guessing by timing
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        if expected_key and request.url.path.startswith("/v1"):
+            # constant time: no guessing by timing
+            if not hmac.compare_digest(api_key_sent(request).encode(), expected_key):
+                return refused(
+                    request, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+                )
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > max_request_bytes):
-            return error_response(413, f"the request body is over {max_request_bytes} bytes; send a shorter prompt")
+            return refused(request, 413, f"the request body is over {max_request_bytes} bytes; send a shorter prompt")
         return await call_next(request)
 
 
@@ -106,6 +116,14 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
         return await create_response(handler, req, request)
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request):
+        return await create_message(handler, req, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_tokens(req: MessagesRequest):
+        return count_tokens(handler, req)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

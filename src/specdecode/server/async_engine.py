@@ -53,6 +53,7 @@ class Update:
     finished: bool = False  # this output is complete
     finish_reason: str | None = None
     error: Exception | None = None  # the whole request failed
+    stop_reason: str | int | None = None  # once finished: the stop string or stop token id that ended it
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens generated since the last update
     num_tokens: int = 0  # output tokens so far
@@ -290,6 +291,7 @@ class AsyncEngine:
                     token_ids=seq.token_ids[seq.num_prompt_tokens + handle.sent_tokens[i] :],
                     spec=seq.metrics.as_dict() if seq.finished else None,
                     replica=self.replica,
+                    stop_reason=seq.stop_reason,
                 )
             )
             handle.sent_chars[i] += len(text)

@@ -252,8 +252,14 @@ def session_of(req: CommonRequest, request: Request) -> str | None:
     return req.user or request.headers.get("x-session-id")
 
 
+def api_key_sent(request: Request) -> str:
+    """The API key a request carries: OpenAI's clients send it as a bearer token, Anthropic's as x-api-key."""
+    bearer = request.headers.get("authorization", "")
+    return bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
+
+
 def tenant_of(req: CommonRequest, request: Request) -> str:
     """Who asks: the API key the request carries (hashed: the key itself is kept nowhere) and its `user`.
     Suffix speculation drafts from this tenant's earlier outputs only."""
-    key = hashlib.blake2b(request.headers.get("authorization", "").encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b(api_key_sent(request).encode(), digest_size=8).hexdigest()
     return f"{key}/{req.user or ''}"

@@ -76,6 +76,7 @@ class CommonRequest(BaseModel):
     allowed_token_ids: list[int] | None = None  # only these may be generated
     bad_words: list[str] | None = None  # words that may not be generated
     truncate_prompt_tokens: int | None = None  # only the prompt's last N tokens read (-1: what fits beside max_tokens)
+    thinking_token_budget: int | None = None  # the most tokens a reasoning model's thinking may take
     return_token_ids: bool = False  # the prompt's and each output's token ids in the response
     return_tokens_as_token_ids: bool = False  # logprob entries name their tokens "token_id:ID"
     stream_options: StreamOptions | None = None
@@ -125,6 +126,7 @@ class CommonRequest(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            thinking_token_budget=self.thinking_token_budget,
             logprobs=logprobs,
         )
 

@@ -74,6 +74,7 @@ class Said:
     tool_calls: list[dict] | None = None
     finish_reason: str | None = None
     reasoning: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Reply:
         choices = [
             self.choice(
                 rank,
-                self._called(texts[i], finals[i].finish_reason),
+                self._called(texts[i], finals[i]),
                 echoed + logprobs[i] if show_logprobs else None,
                 delta=False,
                 echo=self.echo,
@@ -231,19 +232,22 @@ class Reply:
             "total_tokens": len(self.ids) + sum(counts),
         }
 
-    def _called(self, text: str, reason: str | None) -> Said:
-        """A whole output's reasoning, content, tool calls (read out of the content) and finish reason."""
+    def _called(self, text: str, final) -> Said:
+        """A whole output's reasoning, content, tool calls (read out of the content) and why it ended (its final
+        Update's)."""
         reader = OutputReader(self.thinking, self.tools)
         reasoning, content, calls = reader.feed(text, finished=True)
         reasoning = reasoning if reader.reasoned and self.shown.reasoning else None
+        reason = final.finish_reason
         if self.tools is None:
-            return Said(content, None, reason, reasoning)
+            return Said(content, None, reason, reasoning, final.stop_reason)
         calls = [c.as_dict() for c in calls]
         return Said(
             (content or None) if calls else content,
             calls or None,
             self.tools.finish_reason(reason, bool(calls)),
             reasoning,
+            final.stop_reason,
         )
 
     def _streamed(self, update, reader: OutputReader) -> Said:
@@ -252,12 +256,12 @@ class Reply:
         reasoning, content, calls = reader.feed(update.text, update.finished)
         reasoning = reasoning if reasoning and self.shown.reasoning else None
         if self.tools is None:
-            return Said(content, None, reason, reasoning)
+            return Said(content, None, reason, reasoning, update.stop_reason)
         if update.finished:
             reason = self.tools.finish_reason(reason, reader.calls.called)
         before = reader.calls.calls_made - len(calls)  # the calls of the earlier pieces
         deltas = [call.as_dict(index=before + k) for k, call in enumerate(calls)]
-        return Said((content or None) if deltas else content, deltas or None, reason, reasoning)
+        return Said((content or None) if deltas else content, deltas or None, reason, reasoning, update.stop_reason)
 
     def _logprobs(self, update):
         if self.params.logprobs is None:
@@ -269,7 +273,7 @@ class Reply:
     ) -> dict:
         """echo: (text, ids) when this piece starts with echoed text: a completion's prompt (its logprobs, if asked
         for, already at the front of logprobs), a chat's last message (ids None)."""
-        out = {"index": index, "finish_reason": said.finish_reason, "logprobs": None}
+        out = {"index": index, "finish_reason": said.finish_reason, "stop_reason": said.stop_reason, "logprobs": None}
         text = said.content
         if echo is not None:
             text = echo[0] + (text or "")

@@ -147,7 +147,8 @@ def _processed_rows(
     processed = logits[to_device(rows, logits.device)].float()
     if any(seq.params.has_processors for seq in seqs):
         histories = [
-            History(s.params, s.distinct_prompt_ids, s.processed_output(), d, len(d) + 1) for s, d in zip(seqs, drafts)
+            History(s.params, s.distinct_prompt_ids, s.processed_output(), d, len(d) + 1, s.thinking_from_prompt)
+            for s, d in zip(seqs, drafts)
         ]
         processed = process_rows(processed, histories, eos_ids)
     return mask_grammars(processed, [seq.grammar for seq in seqs], drafts)
