@@ -367,6 +367,37 @@ class ScriptedEngine:
         return b""
 
 
+def fixed_k_llm(target, draft=None, k: int = 3, **kw):
+    """An engine that drafts k tokens every step (no adaptive policy, no confidence stop): for tests of the mechanics
+    of a given k."""
+    from specdecode import LLM
+
+    kw.setdefault("speculation_policy", "fixed")
+    kw.setdefault("draft_confidence", 0.0)
+    return LLM(
+        target=target,
+        draft=draft,
+        speculative_model=kw.pop("speculative_model", None),
+        num_speculative_tokens=k,
+        max_model_len=256,
+        **kw,
+    )
+
+
+def json_writing_llm():
+    """An engine on tiny models whose vocabulary (100) holds braces and quotes, so that JSON can be written: a draft
+    model proposes 3 tokens every step."""
+    from specdecode import LLM
+
+    return LLM(
+        target=tiny_model(seed=0, vocab=100, max_position=2048),
+        draft=tiny_model(seed=5, vocab=100, layers=1, max_position=2048),
+        num_speculative_tokens=3,
+        max_model_len=2048,
+        speculation_policy="fixed",
+    )
+
+
 def tiny_llm(seed: int = 0, draft_seed: int = 123, k: int = 3, max_num_seqs: int = 8, policy: str = "fixed"):
     """A whole engine on tiny models, built where it runs (e.g. inside a Ray Serve replica)."""
     from specdecode import LLM

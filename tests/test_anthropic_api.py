@@ -9,10 +9,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import LocalServer, ScriptedEngine, tiny_model
+from conftest import LocalServer, ScriptedEngine, json_writing_llm
 from test_tool_calls import TOOLS
 
-from specdecode import LLM
 from specdecode.errors import SpecDecodeError
 from specdecode.server.anthropic_api import MessagesRequest, chat_messages
 from specdecode.server.api import build_app
@@ -26,14 +25,7 @@ ADD = {"name": "add", "input_schema": TOOLS[1]["function"]["parameters"]}  # the
 
 @pytest.fixture(scope="module")
 def server():
-    target = tiny_model(seed=0, vocab=100, max_position=2048)  # braces and quotes are tokens: JSON can be written
-    llm = LLM(
-        target=target,
-        draft=tiny_model(seed=5, vocab=100, layers=1, max_position=2048),
-        num_speculative_tokens=3,
-        max_model_len=2048,
-        speculation_policy="fixed",
-    )
+    llm = json_writing_llm()
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny", api_key="sk-test")) as served:
         served.client = anthropic.Anthropic(base_url=served.url, api_key="sk-test", max_retries=0)
         served.chat = openai.OpenAI(base_url=served.url + "/v1", api_key="sk-test", max_retries=0)

@@ -3,7 +3,7 @@ token (self-draft: everything accepted; random draft: almost nothing accepted; n
 conditions inside an accepted chunk, batching, and the documented errors for bad input."""
 
 import pytest
-from conftest import make_head, priced_without_timing, run_as_one_batch, tiny_model
+from conftest import fixed_k_llm, make_head, priced_without_timing, run_as_one_batch, tiny_model
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.models.loader import LoadedModel
@@ -13,16 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def _llm(target, draft=None, k=4, **kw):
-    kw.setdefault("speculation_policy", "fixed")  # these tests are about the mechanics of a given k
-    kw.setdefault("draft_confidence", 0.0)
-    return LLM(
-        target=target,
-        draft=draft,
-        speculative_model=kw.pop("speculative_model", None),
-        num_speculative_tokens=k,
-        max_model_len=256,
-        **kw,
-    )
+    return fixed_k_llm(target, draft, k, **kw)  # these tests are about the mechanics of a given k
 
 
 def _plain_ids(target, prompts=PROMPTS, params=GREEDY):

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import fixed_k_llm, tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
-from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode import SamplingParams, SpecDecodeError
 from specdecode.sampling import logits_to_probs, penalties, process_logits, processors
 from specdecode.sampling.processors import History, process_rows
 from specdecode.verify import verifier
@@ -18,15 +18,7 @@ PENALISED = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty
 
 
 def _llm(target, draft=None, k=3, **kw):
-    kw.setdefault("speculation_policy", "fixed")
-    return LLM(
-        target=target,
-        draft=draft,
-        speculative_model=kw.pop("speculative_model", None),
-        num_speculative_tokens=k,
-        max_model_len=256,
-        **kw,
-    )
+    return fixed_k_llm(target, draft, k, **{"draft_confidence": None, **kw})  # the default confidence stop
 
 
 # ---- the formulas -----------------------------------------------------------------------------------

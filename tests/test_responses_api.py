@@ -8,10 +8,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import LocalServer, ScriptedEngine, tiny_model
+from conftest import LocalServer, ScriptedEngine, json_writing_llm
 from test_tool_calls import TOOLS
 
-from specdecode import LLM
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
@@ -20,14 +19,7 @@ GREEDY = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    target = tiny_model(seed=0, vocab=100, max_position=2048)  # braces and quotes are tokens: JSON can be written
-    llm = LLM(
-        target=target,
-        draft=tiny_model(seed=5, vocab=100, layers=1, max_position=2048),
-        num_speculative_tokens=3,
-        max_model_len=2048,
-        speculation_policy="fixed",
-    )
+    llm = json_writing_llm()
     with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as served:
         served.client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
         yield served

@@ -5,26 +5,15 @@ the drafts."""
 
 import pytest
 import torch
+from conftest import fixed_k_llm as _llm
 from conftest import tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
-from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode import SamplingParams, SpecDecodeError
 from specdecode.sampling import process_logits, processors
 from specdecode.sampling.processors import History
 
 OPENER, CLOSER = 60, 61  # <think> and </think> as the test tokenizer's tokens
-
-
-def _llm(target, draft=None, k=3, **kw):
-    return LLM(
-        target=target,
-        draft=draft,
-        speculative_model=kw.pop("speculative_model", None),
-        num_speculative_tokens=k,
-        max_model_len=256,
-        speculation_policy="fixed",
-        **kw,
-    )
 
 
 def _params(tokenizer, **kw) -> SamplingParams:

@@ -11,11 +11,11 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
 from .handler import RequestHandler, session_of, tenant_of
-from .protocol import ChatRequest
+from .protocol import ChatRequest, validated
 from .reply import OutputReader, collected_unless_gone, submitted
 from .tools import ToolCall, Tools
 
@@ -103,7 +103,7 @@ class MessagesRequest(BaseModel):
             own["reasoning_effort"] = effort
         if clash := sorted(set(extras) & (set(own) | {"stop", "max_completion_tokens", "response_format"})):
             raise SpecDecodeError(f"{', '.join(clash)}: the chat endpoint's name; send the Messages API's field")
-        return ChatRequest(**extras, **own)
+        return validated(ChatRequest, **extras, **own)
 
     def response_format(self) -> dict | None:
         """output_config.format (or the beta's output_format) as chat's response_format."""
@@ -245,9 +245,6 @@ async def create_message(handler: RequestHandler, req: MessagesRequest, request:
         ids, params = handler.chat_sampling(chat, prompt)
     except SpecDecodeError as exc:
         return anthropic_error(400, str(exc))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        return anthropic_error(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
     reply = MessageReply(handler, req, ids, handler.thinking(prompt), chat.tool_use)
     limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
     updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
@@ -275,9 +272,6 @@ def count_tokens(handler: RequestHandler, req: MessagesRequest) -> dict | JSONRe
         return {"input_tokens": len(handler.tokenizer.encode(handler.chat_prompt(chat)))}
     except SpecDecodeError as exc:
         return anthropic_error(400, str(exc))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        return anthropic_error(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
 
 
 def thinking_block(text: str) -> dict:

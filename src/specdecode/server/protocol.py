@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from functools import cached_property
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, StructuredOutput
@@ -277,6 +277,16 @@ class ChatRequest(CommonRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise SpecDecodeError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def validated(body: type[BaseModel], /, **fields) -> BaseModel:
+    """A request body made from another API's fields (the chat request a Responses or Messages request amounts to);
+    what the body's type refuses as a SpecDecodeError, a 400 that names the field."""
+    try:
+        return body(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise SpecDecodeError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
 def refuse_unsupported_fields(req: BaseModel) -> None:

@@ -12,11 +12,11 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
 from .handler import RequestHandler, session_of, tenant_of
-from .protocol import ChatRequest
+from .protocol import ChatRequest, validated
 from .reply import OutputReader, collected_unless_gone, submitted
 from .responses import error_response, usage
 from .tools import ToolCall, Tools
@@ -81,7 +81,7 @@ class ResponsesRequest(BaseModel):
         )
         if clash := sorted(set(extras) & (set(own) | {"max_completion_tokens", "response_format"})):
             raise SpecDecodeError(f"{', '.join(clash)}: the chat endpoint's name; send the Responses API's field")
-        return ChatRequest(**extras, **own)
+        return validated(ChatRequest, **extras, **own)
 
 
 def chat_tool(tool: dict) -> dict:
@@ -155,9 +155,6 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
         ids, params = handler.chat_sampling(chat, prompt)
     except SpecDecodeError as exc:
         return error_response(400, str(exc))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        return error_response(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
     thinking = handler.thinking(prompt)
     reply = ResponseReply(handler, req, ids, thinking, chat.tool_use)
     limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
