@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import LocalServer, wait_until
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 
@@ -269,6 +269,9 @@ def test_the_library_chat_takes_the_same_options(target):
     assert out == llm.generate("<user>hi<assistant>Hel", params)[0].outputs[0].text
     thinking = llm.chat(begun[:1], params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
     assert thinking == llm.generate("<enable_thinking=False><user>hi<assistant>", params)[0].outputs[0].text
+    for reserved in ({"tools": []}, {"add_generation_prompt": False}):  # arguments of their own, as on the server
+        with pytest.raises(SpecDecodeError, match="may not set"):
+            llm.chat(begun[:1], params, chat_template_kwargs=reserved)
 
 
 def test_stop_token_ids_end_the_text_through_the_server(served, target):

@@ -14,6 +14,7 @@ from ..executor.runner import ModelRunner, gpu_experts
 from ..metrics import RequestMetrics, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
 from ..models.runtime import Transformer
+from ..models.tokenizer import template_variables
 from ..proposers import Proposer, ProposerSetup, build_proposer, proposer_kind
 from ..proposers.registry import DRAFT_MODEL
 from ..sampling import SamplingParams, TokenLogprob
@@ -247,7 +248,7 @@ class LLM:
         variables in chat_template_kwargs (Qwen3's enable_thinking)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        options = dict(chat_template_kwargs or {}) | dict(
+        options = template_variables(chat_template_kwargs) | dict(
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
         )
         texts = [self.tokenizer.apply_chat_template(c, tools=tools, **options) for c in conversations]

@@ -15,6 +15,20 @@ IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
+# What a chat template is given as arguments of their own, which its other variables (chat_template_kwargs) may not set
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents", "tokenize"}
+)
+
+
+def template_variables(variables: dict | None) -> dict:
+    """A chat template's own variables (vLLM's chat_template_kwargs, such as Qwen3's enable_thinking), checked not to
+    stand for an argument of its own."""
+    if clash := sorted(TEMPLATE_RESERVED & set(variables or {})):
+        raise SpecDecodeError(f"chat_template_kwargs may not set {', '.join(clash)}: each is an argument of its own")
+    return dict(variables or {})
+
+
 class Tokenizer:
     """bos_id: the token a prompt must begin with, where the model was trained so (Gemma, Llama's
     SentencePiece models); encode() puts it there unless the text (a chat template's output) has it already."""

@@ -8,6 +8,7 @@ from functools import cached_property
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import SpecDecodeError
+from ..models.tokenizer import template_variables
 from ..sampling import SamplingParams, StructuredOutput
 from .tools import Tools
 
@@ -31,8 +32,6 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "min_repetition_pattern_size": 0,
     "repetition_min_count": 0,
 }
-# Keys a chat template is given by the server or by fields of their own, which chat_template_kwargs may not set
-TEMPLATE_RESERVED = {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents", "tokenize"}
 
 
 class StreamOptions(BaseModel):
@@ -240,9 +239,7 @@ class ChatRequest(CommonRequest):
             )
         if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
             raise SpecDecodeError("continue_final_message continues the assistant's message: make it the last one")
-        extra = dict(self.chat_template_kwargs or {})
-        if clash := sorted(TEMPLATE_RESERVED & set(extra)):
-            raise SpecDecodeError(f"chat_template_kwargs may not set {', '.join(clash)}: each is a field of its own")
+        extra = template_variables(self.chat_template_kwargs)
         options = dict(
             add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message
         )
