@@ -13,6 +13,7 @@ from test_tool_calls import TOOLS
 
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
+from specdecode.server.response_store import ResponseNotFound, ResponseStore
 
 GREEDY = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
 
@@ -206,3 +207,81 @@ def test_a_call_the_model_writes_comes_back_as_an_item_after_the_text_before_it(
     assert done[0].content[0].text == "Let me add." and done[1].call_id.startswith("call_")
     assert json.loads(done[1].arguments) == {"a": 1, "b": 2}
     assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+
+
+# ---- stored responses -----------------------------------------------------------------------------------
+def test_previous_response_id_goes_on_from_the_stored_conversation(server):
+    first = server.client.responses.create(input="hi", instructions="be brief", max_output_tokens=6, **GREEDY)
+    assert first.store is True
+    second = server.client.responses.create(
+        input="again", previous_response_id=first.id, instructions="be kind", max_output_tokens=8, **GREEDY
+    )
+    expected = _chat_text(
+        server,
+        [  # the earlier instructions are not carried over, as OpenAI's API has it
+            {"role": "system", "content": "be kind"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "again"},
+        ],
+        8,
+    )
+    assert second.output_text == expected and second.previous_response_id == first.id
+
+
+def test_a_stored_function_call_is_answered_by_its_output_in_the_next_response(server):
+    first = server.client.responses.create(
+        input="add", tools=[ADD], tool_choice="required", model="tiny", temperature=0, max_output_tokens=600
+    )
+    call = next(item for item in first.output if item.type == "function_call")
+    answer = [{"type": "function_call_output", "call_id": call.call_id, "output": "3"}]
+    r = server.client.responses.create(
+        input=answer, previous_response_id=first.id, tools=[ADD], max_output_tokens=10, **GREEDY
+    )
+    chat = server.client.chat.completions.create(
+        messages=[
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": _fn(call)}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "3"},
+        ],
+        tools=[TOOLS[1]],
+        max_tokens=10,
+        **GREEDY,
+    )
+    assert r.output_text == chat.choices[0].message.content
+
+
+def _fn(call) -> dict:
+    return {"name": call.name, "arguments": call.arguments}
+
+
+def test_a_stored_response_is_read_back_and_deleted_by_its_key_alone(server):
+    streamed = list(server.client.responses.create(input="abc", max_output_tokens=5, stream=True, **GREEDY))
+    done = streamed[-1].response
+    read = server.client.responses.retrieve(done.id)
+    assert read.output_text == done.output_text and read.usage.output_tokens == 5
+    other = openai.OpenAI(base_url=server.url + "/v1", api_key="someone else", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(done.id)
+    server.client.responses.delete(done.id)
+    with pytest.raises(openai.NotFoundError, match="store=false"):
+        server.client.responses.retrieve(done.id)
+
+
+def test_store_false_keeps_nothing(server):
+    r = server.client.responses.create(input="hi", store=False, max_output_tokens=3, **GREEDY)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.create(input="more", previous_response_id=r.id, max_output_tokens=3, **GREEDY)
+
+
+def test_the_store_lets_the_oldest_go_past_its_bounds():
+    store = ResponseStore(max_responses=2, max_bytes=10_000)
+    for n in range(3):
+        store.put("me", {"id": f"r{n}"}, [{"role": "user", "content": "x"}])
+    with pytest.raises(ResponseNotFound):
+        store.get("me", "r0")
+    assert store.get("me", "r2").body == {"id": "r2"}
+    store.put("me", {"id": "big"}, [{"role": "user", "content": "x" * 20_000}])  # alone past the bytes: none kept
+    with pytest.raises(ResponseNotFound):
+        store.get("me", "r1")

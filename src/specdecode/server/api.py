@@ -17,7 +17,7 @@ from .anthropic_api import MessagesRequest, anthropic_error, count_tokens, creat
 from .handler import RequestHandler, ServingEngine, api_key_sent
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import error_response
-from .responses_api import ResponsesRequest, create_response
+from .responses_api import ResponsesRequest, create_response, stored_response
 
 MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused before it is read
 
@@ -116,6 +116,14 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
         return await create_response(handler, req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored(response_id: str, request: Request):
+        return stored_response(handler, response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget(response_id: str, request: Request):
+        return stored_response(handler, response_id, request, delete=True)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):

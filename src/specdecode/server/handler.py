@@ -19,6 +19,7 @@ from ..sampling import SamplingParams
 from .protocol import ChatRequest, CommonRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .reasoning import opens_thinking
 from .reply import Reply, Shown
+from .response_store import ResponseStore
 from .responses import error_response
 from .tools import template_messages
 
@@ -60,6 +61,7 @@ class RequestHandler:
         self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = reasoning_parser
+        self.responses = ResponseStore()  # the Responses API's, for previous_response_id
 
     def other_model(self, req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> JSONResponse | None:
         """A 404 for a request that names a model this server does not serve (its output would be another
@@ -261,5 +263,9 @@ def api_key_sent(request: Request) -> str:
 def tenant_of(req: CommonRequest, request: Request) -> str:
     """Who asks: the API key the request carries (hashed: the key itself is kept nowhere) and its `user`.
     Suffix speculation drafts from this tenant's earlier outputs only."""
-    key = hashlib.blake2b(api_key_sent(request).encode(), digest_size=8).hexdigest()
-    return f"{key}/{req.user or ''}"
+    return f"{key_owner(request)}/{req.user or ''}"
+
+
+def key_owner(request: Request) -> str:
+    """Whose API key a request carries, hashed: the key itself is kept nowhere."""
+    return hashlib.blake2b(api_key_sent(request).encode(), digest_size=8).hexdigest()

@@ -1,29 +1,31 @@
 """OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it: a conversation in (a string, or message items,
-`instructions` as the system message, earlier function calls and their outputs) rendered by the chat template as
-/v1/chat/completions renders it; out, an assistant message and the function calls read from it, after a reasoning
-item where the server reads reasoning (`--reasoning-parser`); whole, or streamed as the API's typed events. Nothing
-is stored: a request that names an earlier response or conversation gets a 400."""
+`instructions` as the system message, earlier function calls and their outputs, after the stored conversation that
+`previous_response_id` names) rendered by the chat template as /v1/chat/completions renders it; out, an assistant
+message and the function calls read from it, after a reasoning item where the server reads reasoning
+(`--reasoning-parser`); whole, or streamed as the API's typed events. Responses are kept in memory unless
+store=false (server/response_store.py), read back by `GET /v1/responses/{id}`; conversations objects are not kept."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
-from .handler import RequestHandler, session_of, tenant_of
+from .handler import RequestHandler, key_owner, session_of, tenant_of
 from .protocol import ChatRequest, validated
 from .reply import OutputReader, collected_unless_gone, submitted
+from .response_store import ResponseStore
 from .responses import error_response, usage
 from .tools import ToolCall, Tools
 
 # The API's fields that would change what is generated or answered, with the value that means "off"
 UNSUPPORTED_UNLESS_OFF = {
-    "previous_response_id": None,
     "conversation": None,
     "background": False,
     "include": None,
@@ -46,15 +48,16 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     user: str | None = None
     metadata: dict | None = None  # returned as sent
-    store: bool = True  # nothing is stored here, whatever it says: it does not change the answer
+    store: bool = True  # kept in this server's memory, for previous_response_id and GET /v1/responses/{id}
+    previous_response_id: str | None = None  # the conversation goes on from that stored response's
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     reasoning: dict | None = None  # {"effort": ...}: given to the chat template as reasoning_effort
     tools: list[dict] | None = None  # function tools ({"type": "function", "name", "parameters", ...})
     tool_choice: str | dict | None = None  # "auto", "none", "required" or {"type": "function", "name": ...}
     parallel_tool_calls: bool = True
 
-    def chat_request(self) -> ChatRequest:
-        """The chat request this asks for."""
+    def chat_request(self, earlier: list[dict] = ()) -> ChatRequest:
+        """The chat request this asks for, going on from the earlier conversation (chat messages, no system's)."""
         for name, off in UNSUPPORTED_UNLESS_OFF.items():
             if (self.model_extra or {}).get(name, off) not in (off, None, [], {}):
                 raise SpecDecodeError(f"{name} is not supported by this server's /v1/responses; leave it out")
@@ -67,7 +70,7 @@ class ResponsesRequest(BaseModel):
         }
         own = dict(
             model=self.model,
-            messages=system + input_messages(self.input),
+            messages=system + list(earlier) + input_messages(self.input),
             max_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -149,14 +152,21 @@ def chat_format(format_: dict | None) -> dict | None:
 async def create_response(handler: RequestHandler, req: ResponsesRequest, request: Request):
     if wrong := handler.other_model(req):
         return wrong
+    owner = key_owner(request)
     try:
-        chat = req.chat_request()
+        earlier = (
+            handler.responses.get(owner, req.previous_response_id).conversation if req.previous_response_id else []
+        )
+        chat = req.chat_request(earlier)
         prompt = handler.chat_prompt(chat)
         ids, params = handler.chat_sampling(chat, prompt)
     except SpecDecodeError as exc:
-        return error_response(400, str(exc))
+        return error_response(
+            exc.http_status, str(exc), param="previous_response_id" if exc.http_status == 404 else None
+        )
     thinking = handler.thinking(prompt)
-    reply = ResponseReply(handler, req, ids, thinking, chat.tool_use)
+    kept = Kept(handler.responses, owner, earlier + input_messages(req.input)) if req.store else None
+    reply = ResponseReply(handler, req, ids, thinking, chat.tool_use, kept)
     limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
     updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
     if isinstance(updates, Response):
@@ -174,6 +184,42 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
     return reply.body(output + [reply.call_item(call) for call in calls], finals)
 
 
+@dataclass
+class Kept:
+    """Where a finished response is stored, and the conversation it ends (without its reply)."""
+
+    store: ResponseStore
+    owner: str
+    conversation: list[dict]
+
+    def put(self, body: dict) -> None:
+        self.store.put(self.owner, body, self.conversation + [reply_message(body["output"])])
+
+
+def reply_message(output: list[dict]) -> dict:
+    """A response's output items as the assistant's chat message that a later response's conversation holds."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    reasoning = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    message = {"role": "assistant", "content": text if text or not calls else None}
+    return message | ({"tool_calls": calls} if calls else {}) | ({"reasoning_content": reasoning} if reasoning else {})
+
+
+def stored_response(handler: RequestHandler, response_id: str, request: Request, delete: bool = False):
+    """GET /v1/responses/{id} (the stored body), DELETE (it is forgotten)."""
+    try:
+        if delete:
+            handler.responses.delete(key_owner(request), response_id)
+            return {"id": response_id, "object": "response.deleted", "deleted": True}
+        return handler.responses.get(key_owner(request), response_id).body
+    except SpecDecodeError as exc:
+        return error_response(exc.http_status, str(exc))
+
+
 ITEM_PREFIXES = {"reasoning": "rs", "message": "msg"}  # as OpenAI's item ids begin
 
 
@@ -185,21 +231,28 @@ class ResponseReply:
     """One response's body and events: its items (a reasoning item, the message, the function calls), their ids."""
 
     def __init__(
-        self, handler: RequestHandler, req: ResponsesRequest, ids: list[int], thinking: bool | None, tools: Tools | None
+        self,
+        handler: RequestHandler,
+        req: ResponsesRequest,
+        ids: list[int],
+        thinking: bool | None,
+        tools: Tools | None,
+        kept: Kept | None = None,
     ):
         self.handler, self.req, self.ids, self.thinking, self.tools = handler, req, ids, thinking, tools
+        self.kept = kept  # None: store=false
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_ids = {kind: new_item_id(kind) for kind in ITEM_PREFIXES}
         self.created = int(time.time())
         self.sequence = 0
 
     def body(self, output: list[dict], finals: dict | None = None) -> dict:
-        """The Response object; finals None: still in progress."""
+        """The Response object (finals None: still in progress); a finished one is stored unless store=false."""
         final = (finals or {}).get(0)
         incomplete = final is not None and final.finish_reason == "length"
         status = "in_progress" if final is None else "incomplete" if incomplete else "completed"
         req = self.req
-        return {
+        body = {
             "id": self.id,
             "object": "response",
             "created_at": self.created,
@@ -216,10 +269,14 @@ class ResponseReply:
             "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [],
             "parallel_tool_calls": req.parallel_tool_calls,
-            "store": False,
+            "store": req.store,
+            "previous_response_id": req.previous_response_id,
             "output": output,
             "usage": None if final is None else self.usage(finals, output),
         }
+        if final is not None and self.kept is not None:
+            self.kept.put(body)
+        return body
 
     def usage(self, finals: dict, output: list[dict]) -> dict:
         counted = usage(len(self.ids), finals)
