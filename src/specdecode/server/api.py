@@ -113,6 +113,21 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     async def chat(req: ChatRequest, request: Request):
         return await handler.chat(req, request)
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return handler.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return handler.detokenize(req)
+
+    add_responses_routes(app, handler)
+    add_messages_routes(app, handler)
+
+
+def add_responses_routes(app: FastAPI, handler: RequestHandler) -> None:
+    """OpenAI's Responses API: a response made, read back and forgotten."""
+
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
         return await create_response(handler, req, request)
@@ -125,6 +140,10 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     async def forget(response_id: str, request: Request):
         return stored_response(handler, response_id, request, delete=True)
 
+
+def add_messages_routes(app: FastAPI, handler: RequestHandler) -> None:
+    """Anthropic's Messages API: a message made, a prompt's tokens counted."""
+
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
         return await create_message(handler, req, request)
@@ -132,11 +151,3 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     @app.post("/v1/messages/count_tokens")
     async def messages_tokens(req: MessagesRequest):
         return count_tokens(handler, req)
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        return handler.tokenize(req)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        return handler.detokenize(req)
