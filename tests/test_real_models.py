@@ -245,6 +245,27 @@ def _cli(*args):  # noqa: E302
     return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True, timeout=900)
 
 
+SIMPLE_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
+
+def test_a_chat_template_given_renders_the_chat():
+    llm = LLM("smollm2-135m", "ngram", 3, chat_template=SIMPLE_TEMPLATE, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    chat = llm.chat([{"role": "user", "content": "What is 2+2?"}], params)[0].outputs[0].token_ids
+    assert chat == llm.generate("user: What is 2+2?\nassistant:", params)[0].outputs[0].token_ids
+
+
+def test_cli_chats_with_a_base_model_given_a_template(tmp_path):
+    """The bundled Gemma 3 270M is a base model: --chat needs a template, which --chat-template gives it."""
+    refused = _cli("generate", "--model", "gemma3-270m", "--ngram", "--chat", "--max-tokens", "4", "hi")
+    assert refused.returncode == 2 and "has no chat template" in refused.stderr and "--chat-template" in refused.stderr
+    path = tmp_path / "base.jinja"
+    path.write_text(SIMPLE_TEMPLATE)
+    args = ["--model", "gemma3-270m", "--ngram", "--chat", "--chat-template", str(path), "--max-tokens", "4", "hi"]
+    r = _cli("generate", *args)
+    assert r.returncode == 0, r.stderr
+
+
 def test_cli_compare_on_small_model():
     r = _cli(
         "generate",

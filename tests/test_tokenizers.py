@@ -8,7 +8,7 @@ import pytest
 from families import llama_cpp_source, vocabulary
 
 from specdecode.models import tokenizer as tokenizer_module
-from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.tokenizer import Tokenizer, template_variables
 
 VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm", "phi-3", "refact"]
 
@@ -150,3 +150,24 @@ def test_token_strings_are_the_vocabularys_spellings_and_fragments_have_no_bos()
     assert qwen.token_strings(qwen.encode("hello world")) == ["hello", "Ġworld"]
     assert spm.encode("hello")[0] == spm.bos_id and spm.bos_id not in spm.encode_fragment("hello")
     assert spm.token_strings(spm.encode_fragment("hello world")) == ["▁hello", "▁world"]
+
+
+def test_a_chat_template_given_replaces_the_models_own_and_leaves_the_model_as_it_was(tmp_path):
+    """vLLM's --chat-template: a file or the template's text; a model without one gets one; the model's tokenizer,
+    shared by whoever loaded it, keeps its own."""
+    from specdecode.errors import SpecDecodeError
+
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    hi = [{"role": "user", "content": "hi"}]
+    text = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(text)
+    for source in (text, str(path)):
+        assert tok.with_chat_template(source).apply_chat_template(hi) == "[user] hi>"
+    assert "<|im_start|>user\nhi<|im_end|>" in tok.apply_chat_template(hi)
+    with pytest.raises(SpecDecodeError, match="no file here"):
+        tok.with_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(SpecDecodeError, match="does not compile"):
+        tok.with_chat_template("{% for m in messages %}")
+    with pytest.raises(SpecDecodeError, match="may not set chat_template"):
+        tok.apply_chat_template(hi, **template_variables({"chat_template": text}))

@@ -108,6 +108,11 @@ class EngineConfig:
         '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768} (Qwen2.5\'s and Qwen3\'s '
         "recipe for 128k tokens); its context becomes factor x the original",
     )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template (a file, or the template's text) that chats are rendered with, in place of the "
+        "model's own or for a model that has none",
+    )
     max_num_seqs: int = option(8, "most sequences decoded at once")
     forced_accept: bool = option(
         False, "benchmarks only: accept every draft token (an upper bound; the output is NOT the target's)"

@@ -143,6 +143,8 @@ class LLM:
             rope_scaling=config.rope_scaling_fields(),
         )
         self.tokenizer = self.target.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.timer = StepTimer()
         self.target.model.fit_rope_to_context(self.max_model_len)  # before a draft head copies its tables
         # the threshold in force, as llm.config reports it (a proposer built apart resolves it the same way)

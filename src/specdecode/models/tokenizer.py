@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -15,9 +16,14 @@ IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-# What a chat template is given as arguments of their own, which its other variables (chat_template_kwargs) may not set
+# What a chat template is given as arguments of their own, and transformers' other arguments to render it (another
+# template among them), which its variables (chat_template_kwargs) may not set
 TEMPLATE_RESERVED = frozenset(
-    {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents", "tokenize"}
+    {
+        *("messages", "conversation", "tools", "add_generation_prompt", "continue_final_message", "documents"),
+        *("tokenize", "chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length"),
+        *("tokenizer_kwargs", "return_assistant_tokens_mask"),
+    }
 )
 
 
@@ -27,6 +33,28 @@ def template_variables(variables: dict | None) -> dict:
     if clash := sorted(TEMPLATE_RESERVED & set(variables or {})):
         raise SpecDecodeError(f"chat_template_kwargs may not set {', '.join(clash)}: each is an argument of its own")
     return dict(variables or {})
+
+
+def read_chat_template(source: str) -> str:
+    """A chat template given as a file or as its text (vLLM's --chat-template), checked to compile as transformers
+    compiles templates."""
+    if os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" not in source and "{%" not in source:
+        raise SpecDecodeError(
+            f"chat_template: {source!r} is no file here, and no Jinja template ({{{{ ... }}}} or {{% ... %}}); pass "
+            "a template file or the template's text"
+        )
+    from jinja2 import TemplateSyntaxError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(source)
+    except TemplateSyntaxError as exc:
+        raise SpecDecodeError(f"chat_template does not compile: {exc.message} (line {exc.lineno})") from None
+    return source
 
 
 class Tokenizer:
@@ -45,6 +73,19 @@ class Tokenizer:
         # (<think>, </think>) where a reasoning model's vocabulary holds each as one token, else None
         thinks = (token_id(hf_tokenizer, "<think>"), token_id(hf_tokenizer, "</think>"))
         self.think_ids = thinks if None not in thinks else None
+        self.own_template: str | None = None  # a chat template given in place of the model's (with_chat_template)
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer rendering chats with another template (a model's own replaced, or one given to a model that
+        has none); the model's tokenizer, which others may share, is left as it is."""
+        twin = copy.copy(self)
+        twin.own_template = read_chat_template(template)
+        return twin
+
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The template chats are rendered with (a dict: the model's several named ones, as transformers picks)."""
+        return self.own_template or self.hf.chat_template
 
     @property
     def special_ids(self) -> set[int]:
@@ -92,8 +133,11 @@ class Tokenizer:
         """tools: OpenAI function tools, rendered where the template asks for calls in a format read back
         (tool_call_format); options: what else the template reads (add_generation_prompt, default on;
         continue_final_message; the template's own variables, such as Qwen3's enable_thinking)."""
-        if not self.hf.chat_template:
-            raise SpecDecodeError("this model has no chat template; pass plain prompts instead of --chat/llm.chat")
+        if not self.chat_template:
+            raise SpecDecodeError(
+                "this model has no chat template; pass plain prompts instead of --chat/llm.chat, or give it one "
+                "(--chat-template, LLM(chat_template=...))"
+            )
         form = self.tool_call_format
         if tools and form is None:
             raise SpecDecodeError(
@@ -106,7 +150,11 @@ class Tokenizer:
 
         try:
             return self.hf.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, **({"add_generation_prompt": True} | options)
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                **({"chat_template": self.own_template} if self.own_template else {}),
+                **({"add_generation_prompt": True} | options),
             )
         except (TemplateError, ValueError) as exc:  # its own checks (roles that alternate), a final message not found
             raise SpecDecodeError(f"the model's chat template refused these messages: {exc}") from None
@@ -116,7 +164,7 @@ class Tokenizer:
         """How the chat template asks the model to call the tools it renders: "hermes" (<tool_call> blocks: Qwen2.5,
         Qwen3, Hermes), "json" (a bare {"name", "parameters"} object: Llama 3.1-3.3), "mistral" ([TOOL_CALLS] and a
         list of calls), else None."""
-        template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else ""
+        template = self.chat_template if isinstance(self.chat_template, str) else ""
         if "tools" not in template:
             return None
         if "<tool_call>" in template:
