@@ -246,6 +246,7 @@ def test_the_api_key_goes_in_x_api_key_or_as_a_bearer_token(server):
         {"tool_choice": {"type": "tool", "name": "absent"}, "tools": [ADD]},
         {"tool_choice": {"type": "sometimes"}, "tools": [ADD]},
         {"tool_choice": {"type": "any"}},
+        {"tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}, "tools": [ADD]},
         {"thinking": {"type": "sometimes"}},
         {"output_config": {"format": {"type": "xml"}}},
         {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]},

@@ -94,7 +94,7 @@ class MessagesRequest(BaseModel):
             user=(self.metadata or {}).get("user_id"),
             tools=[chat_tool(tool) for tool in self.tools] if self.tools else None,
             tool_choice=chat_tool_choice(choice) if self.tool_choice else None,
-            parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
+            parallel_tool_calls=not choice.get("disable_parallel_tool_use", False) if self.tool_choice else True,
             response_format=self.response_format(),
             **self.thinking_fields(reads_reasoning, extras.pop("chat_template_kwargs", None)),
         )
@@ -225,6 +225,8 @@ def chat_tool(tool: dict) -> dict:
 
 
 def chat_tool_choice(choice: dict) -> str | dict:
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise SpecDecodeError("tool_choice.disable_parallel_tool_use must be true or false")
     kind = choice.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
