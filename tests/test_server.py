@@ -82,6 +82,9 @@ def test_without_max_tokens_a_chat_runs_to_the_context_end_and_a_completion_give
 
 def test_models_health_metrics(served):
     assert [m.id for m in served.client.models.list()] == ["tiny"]
+    assert served.client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("other/model")
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
     text = httpx.get(served.url + "/metrics").text
     assert "specdecode_spec_decode_num_draft_tokens_total" in text and "specdecode_num_requests_running" in text

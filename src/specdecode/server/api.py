@@ -90,20 +90,23 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     async def metrics():
         return Response(await engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
+    card = {
+        "id": handler.model_name,
+        "object": "model",
+        "owned_by": "specdecode",
+        "created": 0,
+        "max_model_len": engine.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": handler.model_name,
-                    "object": "model",
-                    "owned_by": "specdecode",
-                    "created": 0,
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # a path: served names may hold a slash ("Qwen/Qwen3-8B")
+    async def model(model: str):
+        if model != handler.model_name:
+            return error_response(404, f"the model {model!r} is not served here; it serves {handler.model_name!r}")
+        return card
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
