@@ -428,6 +428,24 @@ def test_a_list_of_prompts_is_answered_prompt_by_prompt_in_one_body(served, targ
     assert [c.text for c in twice.choices] == [alone[0].text] * 2 + [alone[1].text] * 2
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streamed_list_of_prompts_sends_each_prompts_chunks_under_one_id(served, target, include_usage):
+    """Prompt i's n choices at indices from i * n, each what the prompt alone streams; the usage summed at the end, on
+    the last chunk or, with include_usage, in a chunk of its own."""
+    prompts = ["hello world", "abcabc"]
+    alone = [_solo(target, p, 8).outputs[0].text for p in prompts]
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    chunks = _chunks(served, {"prompt": prompts, "max_tokens": 8, "n": 2, "stream": True, **options})
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert [chunk for chunk in chunks if chunk.get("usage")] == [chunks[-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 32 and bool(chunks[-1]["choices"]) != include_usage
+
+
 def _chunks(served, body: dict) -> list[dict]:
     r = httpx.post(
         served.url + "/v1/completions",

@@ -18,7 +18,7 @@ from ..models.infill import infill_ids
 from ..sampling import SamplingParams
 from .protocol import ChatRequest, CommonRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .reasoning import opens_thinking
-from .reply import Reply, Shown
+from .reply import Reply, Shown, merged_stream, summed_usage
 from .response_store import ResponseStore
 from .responses import error_response
 from .tools import template_messages
@@ -76,18 +76,18 @@ class RequestHandler:
 
     async def completion(self, req: CompletionRequest, request: Request):
         """One prompt, or several (OpenAI's list of prompts: each answered as a request of its own, their choices
-        together in one body, prompt i's n choices at indices i * n to i * n + n - 1)."""
+        together in one body or stream, prompt i's n choices at indices i * n to i * n + n - 1)."""
         if wrong := self.other_model(req):
             return wrong
         prompts = listed_prompts(req.prompt)
-        if len(prompts) > 1 and req.stream:
-            return error_response(400, "a list of prompts is answered whole: send stream=false", param="prompt")
         replies = [self.completion_reply(req, prompt) for prompt in prompts]
         if refused := next((r for r in replies if isinstance(r, JSONResponse)), None):
             return refused
         limit, session, tenant = self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)
         if len(replies) == 1:
             return await replies[0].send(request, req.stream, limit, session, tenant)
+        if req.stream:
+            return await merged_stream(replies, req.n, limit, session, tenant)
         bodies = await asyncio.gather(*(reply.send(request, False, limit, session, tenant) for reply in replies))
         return next((b for b in bodies if isinstance(b, Response)), None) or merged_choices(bodies, req.n)
 
@@ -242,10 +242,7 @@ def merged_choices(bodies: list[dict], n: int) -> dict:
     body["choices"] = [
         choice | {"index": i * n + choice["index"]} for i, b in enumerate(bodies) for choice in b["choices"]
     ]
-    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
-    body["usage"] = dict(bodies[0]["usage"]) | {key: sum(b["usage"][key] for b in bodies) for key in counts}
-    cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
-    body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    body["usage"] = summed_usage([b["usage"] for b in bodies])
     return body
 
 

@@ -295,6 +295,84 @@ class Reply:
         return out
 
 
+async def merged_stream(replies: list[Reply], n: int, timeout: float | None, session: str | None, tenant: str):
+    """Several prompts' replies streamed as one (OpenAI's list of prompts): their chunks as they come, under the first
+    reply's id, prompt i's choices at indices from i * n; the usage summed at the end (where each reply's would go:
+    the last chunk's, or a chunk of its own with stream_options.include_usage)."""
+    streams = []
+    for reply in replies:
+        updates = await submitted(reply.handler.engine, reply.ids, reply.params, True, timeout, session, tenant)
+        if isinstance(updates, Response):  # turned away: the ones submitted before it are let go
+            for earlier in streams:
+                await earlier.aclose()
+            return updates
+        streams.append(updates)
+    return StreamingResponse(_merged(replies, streams, n), media_type="text/event-stream")
+
+
+async def _merged(replies: list[Reply], streams: list, n: int):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for event in replies[i].events(streams[i]):
+                await queue.put((i, event))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(replies))]
+    usages, held, running = {}, None, len(tasks)
+    try:
+        while running:
+            i, event = await queue.get()
+            if event is None or not event.startswith("data: {"):  # a reply's end, its [DONE]
+                running -= event is None
+                continue
+            chunk = json.loads(event[len("data: ") :])
+            if "error" in chunk:
+                yield event
+                continue
+            if chunk.get("usage"):
+                usages[i] = chunk["usage"]
+            if not chunk["choices"]:
+                continue
+            chunk.pop("usage", None)
+            if replies[0].shown.usage_chunk:
+                chunk["usage"] = None  # as include_usage has every chunk but the last
+            chunk["id"] = replies[0].id
+            for choice in chunk["choices"]:
+                choice["index"] += i * n
+            if held is not None:
+                yield f"data: {json.dumps(held)}\n\n"
+            held = chunk
+        yield from_held(held, usages, replies[0])
+    finally:
+        for task in tasks:
+            task.cancel()  # a client that left: each reply's stream closes, its sequences freed
+    yield "data: [DONE]\n\n"
+
+
+def from_held(held: dict | None, usages: dict, first: Reply) -> str:
+    """The last chunk with the summed usage on it, or, with include_usage, then a chunk of the usage alone."""
+    total = summed_usage([usages[i] for i in sorted(usages)])
+    if not first.shown.usage_chunk:
+        return "" if held is None else f"data: {json.dumps(held | {'usage': total})}\n\n"
+    head = {"id": first.id, "object": first.kind, "created": first.created, "model": first.handler.model_name}
+    last = "" if held is None else f"data: {json.dumps(held)}\n\n"
+    return last + f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
+
+
+def summed_usage(usages: list[dict]) -> dict:
+    """Several requests' usage as one: the counts summed, the speculation figures the first's."""
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    total = dict(usages[0]) if usages else {}
+    total |= {key: sum(u.get(key, 0) for u in usages) for key in counts}
+    if "prompt_tokens_details" in total:
+        cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages)
+        total["prompt_tokens_details"] = {"cached_tokens": cached}
+    return total
+
+
 def best_outputs(logprobs: list[list], n: int) -> list[int]:
     """The n outputs with the highest total logprob of their generated tokens, best first."""
     totals = [sum(lp.logprob for lp in lps) for lps in logprobs]
