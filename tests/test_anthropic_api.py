@@ -61,7 +61,7 @@ def test_the_system_prompt_and_content_blocks_are_the_conversation(server):
         server,
         [
             {"role": "system", "content": "rules\nmore"},
-            {"role": "user", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
             {"role": "assistant", "content": "ok"},
             {"role": "user", "content": "again"},
         ],

@@ -297,6 +297,6 @@ def test_text_content_parts_are_accepted(server, target):
         f"{server.url}/v1/chat/completions",
         headers=AUTH,
         timeout=30,
-        json={"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "temperature": 0},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hel\nlo"}], "max_tokens": 5, "temperature": 0},
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]

@@ -63,7 +63,7 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int | None = None
     metadata: dict | None = None  # user_id: whose conversation (a scaled-out deployment keeps it on one replica)
     tools: list[dict] | None = None
     tool_choice: dict | None = None  # {"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}
@@ -88,20 +88,20 @@ class MessagesRequest(BaseModel):
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k if self.top_k is not None else -1,
+            top_k=-1 if self.top_k is None else self.top_k,
             stop=self.stop_sequences,
             stream=self.stream,
             user=(self.metadata or {}).get("user_id"),
             tools=[chat_tool(tool) for tool in self.tools] if self.tools else None,
             tool_choice=chat_tool_choice(choice) if self.tool_choice else None,
-            parallel_tool_calls=not choice.get("disable_parallel_tool_use", False) if self.tool_choice else True,
+            parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
             response_format=self.response_format(),
             **self.thinking_fields(reads_reasoning, extras.pop("chat_template_kwargs", None)),
         )
         effort = (self.output_config or {}).get("effort")
         if effort is not None:
             own["reasoning_effort"] = effort
-        if clash := sorted(set(extras) & (set(own) | {"stop", "max_completion_tokens", "response_format"})):
+        if clash := sorted(set(extras) & (set(own) | {"max_completion_tokens"})):
             raise SpecDecodeError(f"{', '.join(clash)}: the chat endpoint's name; send the Messages API's field")
         return validated(ChatRequest, **extras, **own)
 
@@ -153,7 +153,8 @@ def _text_of(block: dict, where: str) -> str:
 
 def chat_messages(messages: list[dict]) -> list[dict]:
     """The API's messages as chat messages: a user's tool_result blocks become tool messages (before its text), an
-    assistant's tool_use blocks its tool calls and its thinking blocks its reasoning."""
+    assistant's tool_use blocks its tool calls and its thinking blocks its reasoning; text blocks joined by newlines,
+    as chat's content parts are."""
     out = []
     for message in messages:
         role, content = message.get("role"), message.get("content")
@@ -177,13 +178,13 @@ def _user_messages(blocks: list[dict]) -> list[dict]:
         for block in blocks
         if not (isinstance(block, dict) and block.get("type") == "tool_result")
     ]
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
 
 
 def _tool_message(block: dict) -> dict:
     content = block.get("content", "")
     if isinstance(content, list):
-        content = "".join(_text_of(part, "tool_result content") for part in content)
+        content = "\n".join(_text_of(part, "tool_result content") for part in content)
     return {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": str(content)}
 
 
@@ -204,7 +205,7 @@ def _assistant_message(blocks: list[dict]) -> dict:
             thinking.append(str(block.get("thinking") or ""))
         else:
             text.append(_text_of(block, "messages"))
-    message = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+    message = {"role": "assistant", "content": "\n".join(text) if text or not calls else None}
     if calls:
         message["tool_calls"] = calls
     if thinking:

@@ -198,7 +198,8 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
     def text(self) -> str:
-        """The message's text; content parts (the newer OpenAI form) must all be text."""
+        """The message's text; content parts (the newer OpenAI form) must all be text, joined by newlines as vLLM joins
+        them for templates that read a string."""
         if self.content is None:
             if not self.tool_calls:
                 raise SpecDecodeError(f"messages: each {self.role!r} message needs content (or tool_calls)")
@@ -210,7 +211,7 @@ class ChatMessage(BaseModel):
             raise SpecDecodeError(
                 f"messages: content parts of type {', '.join(sorted(kinds))} are not supported (text only)"
             )
-        return "".join(part.text or "" for part in self.content)
+        return "\n".join(part.text or "" for part in self.content)
 
 
 class ChatRequest(CommonRequest):

@@ -131,7 +131,7 @@ def _message(item: dict) -> dict:
     if isinstance(content, list):
         if not all(isinstance(part, dict) and part.get("type") in ("input_text", "output_text") for part in content):
             raise SpecDecodeError("input content parts must be input_text or output_text parts (text only here)")
-        content = "".join(str(part.get("text") or "") for part in content)
+        content = "\n".join(str(part.get("text") or "") for part in content)  # as chat's content parts
     role = item.get("role")
     return {"role": "system" if role == "developer" else role, "content": content}
 
