@@ -340,6 +340,7 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
     from specdecode.bench.server_process import ServerProcess
 
     args = ["--model", "smollm2-135m", "--speculative-model", "ngram", "--shutdown-grace", "3"]
+    args += ["--served-model-name", "smol", "smollm2-135m"]  # vLLM's: responses name the first
     with ServerProcess(args, startup_timeout_s=300) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         # the question test_smollm2_default_backend_tracks_float_then_knows_paris checks after the quality
@@ -351,7 +352,8 @@ def test_serve_cli_answers_openai_client_and_drains_on_sigterm():
             max_tokens=12,
             messages=[{"role": "user", "content": "What is the capital of France?"}],
         )
-        assert "Paris" in r.choices[0].message.content
+        assert "Paris" in r.choices[0].message.content and r.model == "smol"
+        assert [m.id for m in client.models.list()] == ["smol", "smollm2-135m"]
         assert "memory plan" in server.output()
         # a request far longer than the grace period is running when SIGTERM arrives
         started, events = threading.Event(), []

@@ -214,6 +214,13 @@ def _add_serve(sub) -> None:
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", default=None)
     http.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the name(s) requests give the model (responses give the first); default: --model as given",
+    )
+    http.add_argument(
         "--max-waiting-requests",
         type=int,
         default=64,

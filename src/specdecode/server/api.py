@@ -24,7 +24,7 @@ MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a context; refused
 
 def build_app(
     engine: ServingEngine,
-    model_name: str,
+    model_name: str | list[str],
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     runs_engine: bool = True,
@@ -90,23 +90,26 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     async def metrics():
         return Response(await engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    card = {
-        "id": handler.model_name,
-        "object": "model",
-        "owned_by": "specdecode",
-        "created": 0,
-        "max_model_len": engine.max_model_len,
+    cards = {
+        name: {
+            "id": name,
+            "object": "model",
+            "owned_by": "specdecode",
+            "created": 0,
+            "max_model_len": engine.max_model_len,
+        }
+        for name in handler.model_names
     }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model:path}")  # a path: served names may hold a slash ("Qwen/Qwen3-8B")
     async def model(model: str):
-        if model != handler.model_name:
+        if model not in cards:
             return error_response(404, f"the model {model!r} is not served here; it serves {handler.model_name!r}")
-        return card
+        return cards[model]
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -47,18 +47,21 @@ class ServingEngine(Protocol):
 
 
 class RequestHandler:
-    """request_timeout: the most seconds a request may run (a request may ask for less with its `timeout`
-    field); then it is cancelled (504). reasoning_parser: a chat reply's thinking goes to `reasoning` (one of
-    reasoning.PARSERS; None: the reply is all content)."""
+    """model_name: the served model's name, or its names (the first is the one responses give). request_timeout: the
+    most seconds a request may run (a request may ask for less with its `timeout` field); then it is cancelled
+    (504). reasoning_parser: a chat reply's thinking goes to `reasoning` (one of reasoning.PARSERS; None: the reply is
+    all content)."""
 
     def __init__(
         self,
         engine: ServingEngine,
-        model_name: str,
+        model_name: str | list[str],
         request_timeout: float | None = None,
         reasoning_parser: str | None = None,
     ):
-        self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
+        # the names a request may give the model (vLLM's --served-model-name); responses give the first
+        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.engine, self.model_name, self.request_timeout = engine, self.model_names[0], request_timeout
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = reasoning_parser
         self.responses = ResponseStore()  # the Responses API's, for previous_response_id
@@ -66,7 +69,7 @@ class RequestHandler:
     def other_model(self, req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> JSONResponse | None:
         """A 404 for a request that names a model this server does not serve (its output would be another
         model's); a request that names none gets this one."""
-        if req.model is None or req.model == self.model_name:
+        if req.model is None or req.model in self.model_names:
             return None
         return error_response(
             404,

@@ -29,12 +29,13 @@ def run_serve_ray(args, options: dict) -> int:
     except ImportError:
         raise SpecDecodeError("--ray needs Ray Serve: pip install 'specdecode[ray]'") from None
     from .ray_serve import RayDeployment, run_deployment
+    from .serve_cmd import served_names
 
     if args.replicas < 1:
         raise SpecDecodeError(f"--replicas must be at least 1, got {args.replicas}")
     deployment = RayDeployment(
         llm_factory=functools.partial(build_replica_llm, options, max(1, int(args.num_cpus_per_replica))),
-        model_name=args.model,
+        model_name=served_names(args),
         replicas=args.replicas,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,

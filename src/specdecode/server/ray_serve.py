@@ -211,7 +211,7 @@ class OpenAIIngress:
         self,
         engines,
         hub,
-        model_name: str,
+        model_name: str | list[str],
         api_key: str | None,
         max_request_bytes: int,
         request_timeout: float | None,
@@ -238,7 +238,7 @@ class RayDeployment:
     """What `serve --ray` (or a test) asks for. replicas: a fixed count, unless autoscaling bounds are set."""
 
     llm_factory: object  # a picklable callable returning an LLM, evaluated on each replica
-    model_name: str
+    model_name: str | list[str]  # the names requests give it (the first in responses)
     replicas: int = 2
     min_replicas: int | None = None
     max_replicas: int | None = None

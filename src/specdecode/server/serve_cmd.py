@@ -25,6 +25,11 @@ def llm_options(args) -> dict:
     return EngineConfig(**options).as_dict()
 
 
+def served_names(args) -> list[str]:
+    """The names requests give the model: --served-model-name's, else --model as given."""
+    return args.served_model_name or [args.model]
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -38,7 +43,7 @@ def run_serve(args) -> int:
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests)
     app = build_app(
         engine,
-        args.model,
+        served_names(args),
         args.api_key,
         args.max_request_bytes,
         runs_engine=False,
@@ -55,9 +60,9 @@ def run_serve(args) -> int:
             raise SpecDecodeError(f"the HTTP server did not start on {args.host}:{args.port} (is the port free?)")
         time.sleep(0.05)
     threading.Thread(target=lambda: (http.join(), engine.stop()), daemon=True).start()
-    draft = options["speculative_model"] or "none"
+    draft, names = options["speculative_model"] or "none", ", ".join(served_names(args))
     print(
-        f"serving {args.model} (draft: {draft}, policy: {args.speculation_policy}) on "
+        f"serving {args.model} as {names} (draft: {draft}, policy: {args.speculation_policy}) on "
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
