@@ -220,6 +220,55 @@ def test_qwen_calls_a_tool_through_the_openai_client(qwen_target, qwen_draft, ba
         load_tokenizer("smollm2-135m").apply_chat_template(ask["messages"], tools=[WEATHER_TOOL])
 
 
+def test_qwen_calls_a_tool_and_reads_its_result_through_the_anthropic_client(qwen_target, qwen_draft, backend):
+    """Anthropic's Messages API on the real pair: the call comes back as a tool_use block (stop_reason tool_use),
+    and the conversation sent back with it and its tool_result is answered as the chat endpoint answers it."""
+    import anthropic
+    import openai
+    from conftest import LocalServer
+
+    from specdecode.server.api import build_app
+    from specdecode.server.async_engine import AsyncEngine
+
+    _default_backend_only(backend, "the Messages API is the chat endpoint's path, the same on every backend")
+    llm = LLM(target=qwen_target, draft=qwen_draft, num_speculative_tokens=3)
+    tool = {k: v for k, v in WEATHER_TOOL["function"].items() if k != "parameters"}
+    tool["input_schema"] = WEATHER_TOOL["function"]["parameters"]
+    question = {"role": "user", "content": "What is the weather like in Paris today?"}
+    greedy = dict(model="qwen", max_tokens=64, extra_body={"temperature": 0})
+    with LocalServer(build_app(AsyncEngine(llm.engine), "qwen")) as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        asked = client.messages.create(messages=[question], tools=[tool], **greedy)
+        (use,) = [block for block in asked.content if block.type == "tool_use"]
+        assert asked.stop_reason == "tool_use" and (use.name, use.input) == ("get_weather", {"city": "Paris"})
+        result = {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 24 C"}
+        answer = client.messages.create(
+            messages=[question, {"role": "assistant", "content": asked.content}, {"role": "user", "content": [result]}],
+            tools=[tool],
+            **greedy,
+        )
+        chat = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="qwen",
+            messages=[
+                question,
+                {"role": "assistant", "tool_calls": [{"id": use.id, "type": "function", "function": _called(use)}]},
+                {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 24 C"},
+            ],
+            tools=[WEATHER_TOOL],
+            temperature=0,
+            max_tokens=64,
+        )
+    # what the 1.5B coder writes next is its own affair (it calls again, in doubled braces no parser reads as a call);
+    # that the Messages API's conversation renders as the chat endpoint's is ours
+    assert answer.content[0].text == chat.choices[0].message.content and answer.stop_reason == "end_turn"
+
+
+def _called(use) -> dict:
+    import json
+
+    return {"name": use.name, "arguments": json.dumps(use.input)}
+
+
 def test_smollm2_default_backend_tracks_float_then_knows_paris():
     """A Llama-architecture GGUF (q/k rows permuted by llama.cpp, Q4_1 weights, a tied Q8_0 embedding)
     loads correctly. A 135M model's answer is luck unless the backend computes what the float model does,
