@@ -43,6 +43,10 @@ TOOLS = [
 ]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 PARIS, ROME = ("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome", "days": 2})
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
 # A model's text, the content read from it (the text itself: no call) and its calls as (name, arguments).
 READ = [
     (CALL, None, [PARIS]),
@@ -76,6 +80,11 @@ READ = [
     ('{"key": 1} and more', "self", []),
     ("``not a fence", "self", []),
     ("[1] a footnote", "self", []),
+    # Qwen3-Coder's XML inside the blocks: each value read as its schema's type
+    ("Sure.\n" + XML_CALL, "Sure.", [PARIS]),
+    (XML_CALL.replace("\n2\n", "\ntwo\n"), None, [("get_weather", {"city": "Paris", "days": "two"})]),
+    (XML_CALL.replace("get_weather", "unknown"), "self", []),
+    ("<tool_call><function=add><parameter=a>1</parameter>", "self", []),  # cut short
 ]
 
 
@@ -251,3 +260,23 @@ def test_a_call_in_the_history_whose_arguments_are_not_a_json_object_gets_a_400(
     bad["function"]["arguments"] = "[1, 2]"
     with pytest.raises(openai.BadRequestError, match="arguments are not a JSON object"):
         server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "text, schema, value",
+    [
+        ("Paris", {"type": "string"}, "Paris"),
+        ("12", {"type": "string"}, "12"),
+        ("12", {"type": "integer"}, 12),
+        ("1.5", {"type": "number"}, 1.5),
+        ("1.5", {"type": "integer"}, "1.5"),
+        ("True", {"type": "boolean"}, True),
+        ("false", {"type": ["boolean", "null"]}, False),
+        ('{"a": [1, 2]}', {"type": "object"}, {"a": [1, 2]}),
+        ("[1, 2]", {}, [1, 2]),
+        ("not json", {}, "not json"),
+        ("null", {"type": "null"}, None),
+    ],
+)
+def test_qwen3_coder_parameters_are_read_as_their_schemas_types(text, schema, value):
+    assert tool_calls._typed(text, schema) == value

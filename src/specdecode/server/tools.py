@@ -1,6 +1,7 @@
 """OpenAI tool calling on chat requests. The tools reach the model through its chat template, and its calls come
 back out of its text in the formats templates ask for: Hermes' `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>` blocks (Qwen2.5, Qwen3, Hermes), and a whole answer that is a call's JSON or a list of them (Llama 3's
+</tool_call>` blocks (Qwen2.5, Qwen3, Hermes) or the same blocks around Qwen3-Coder's XML (`<function=NAME>
+<parameter=ARG>value</parameter></function>`), and a whole answer that is a call's JSON or a list of them (Llama 3's
 `{"name": ..., "parameters": {...}}`, Mistral's `[TOOL_CALLS] [...]`). tool_choice "required" or a named function
 constrains the output by grammar, as vLLM does: to a JSON list of calls, or to the named function's arguments
 (docs/decisions.md#tool-calls-read-out-of-the-text)."""
@@ -8,6 +9,7 @@ constrains the output by grammar, as vLLM does: to a JSON list of calls, or to t
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -186,7 +188,21 @@ class CallStream:
         try:
             return self._as_call(json.loads(block))
         except json.JSONDecodeError:
+            return self._xml_call(block)
+
+    def _xml_call(self, block: str) -> ToolCall | None:
+        """Qwen3-Coder's call: <function=NAME> and its <parameter=ARG> elements, each value read as its schema's
+        type says (text as written, numbers, booleans, JSON for objects and arrays), as vLLM's qwen3_coder parser
+        reads them."""
+        function = XML_FUNCTION.fullmatch(block)
+        name = function[1].strip() if function else None
+        if name not in self.tools.schemas:
             return None
+        properties = self.tools.schemas[name].get("properties") or {}
+        arguments = {}
+        for key, value in XML_PARAMETER.findall(function[2]):
+            arguments[key.strip()] = _typed(_one_newline_off(value), properties.get(key.strip()) or {})
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def _as_call(self, value) -> ToolCall | None:
         """A call of a declared function, or None."""
@@ -211,6 +227,38 @@ class CallStream:
 
 
 FENCE, MISTRAL = "```json", "[TOOL_CALLS]"
+XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def _one_newline_off(value: str) -> str:
+    """A parameter's value as written between its tags, which templates put on lines of their own."""
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def _typed(value: str, schema: dict):
+    """A parameter's text as the value its JSON schema's type names; text that does not parse stays text."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "string" in kinds or value.strip() == "":
+        return value
+    if "boolean" in kinds and value.strip().lower() in ("true", "false"):  # Python's True, as models write it too
+        return value.strip().lower() == "true"
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    if kinds == [None]:
+        return parsed
+    matches = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+        "null": lambda v: v is None,
+    }
+    return parsed if any(matches.get(kind, lambda v: False)(parsed) for kind in kinds) else value
 
 
 def _may_be_bare(head: str) -> bool | None:
