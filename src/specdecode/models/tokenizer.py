@@ -162,8 +162,8 @@ class Tokenizer:
     @property
     def tool_call_format(self) -> str | None:
         """How the chat template asks the model to call the tools it renders: "hermes" (<tool_call> blocks of JSON:
-        Qwen2.5, Qwen3, Hermes; or of XML: Qwen3-Coder), "json" (a bare {"name", "parameters"} object: Llama 3.1-3.3), "mistral" ([TOOL_CALLS] and a
-        list of calls), else None."""
+        Qwen2.5, Qwen3, Hermes; or of XML: Qwen3-Coder), "json" (a bare {"name", "parameters"} object: Llama
+        3.1-3.3), "mistral" ([TOOL_CALLS] and a list of calls), else None."""
         template = self.chat_template if isinstance(self.chat_template, str) else ""
         if "tools" not in template:
             return None
