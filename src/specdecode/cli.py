@@ -114,6 +114,11 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
+def served_names(args) -> list[str]:
+    """The names `serve`'s requests give the model: --served-model-name's, else --model as given."""
+    return args.served_model_name or [args.model]
+
+
 def engine_options(args, skip: tuple[str, ...] = ()) -> dict:
     """EngineConfig's fields from the flags _engine_flags made (a word that stands for None back to None)."""
     options = {}
@@ -209,7 +214,27 @@ def _add_serve(sub) -> None:
     """`specdecode serve` (and its Ray Serve scale-out)."""
     serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     _engine_flags(serve)
-    http = serve.add_argument_group("the server")
+    _http_flags(serve.add_argument_group("the server"))
+    ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
+    ray.add_argument("--ray", action="store_true", help="serve with engine replicas on Ray Serve behind one endpoint")
+    ray.add_argument("--replicas", type=int, default=2, help="engine replicas (without autoscaling bounds)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    ray.add_argument(
+        "--target-ongoing-requests", type=float, default=None, help="autoscaling: requests per replica it aims for"
+    )
+    ray.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves for each replica (its torch threads too)",
+    )
+    ray.add_argument("--num-gpus-per-replica", type=float, default=None, help="GPUs Ray reserves for each replica")
+    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
+
+
+def _http_flags(http) -> None:
+    """serve's own flags: where it listens, whom it serves and how it guards the engine."""
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", default=None)
@@ -253,22 +278,6 @@ def _add_serve(sub) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long running requests may finish (new ones get 503) before the rest are cancelled",
     )
-    ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
-    ray.add_argument("--ray", action="store_true", help="serve with engine replicas on Ray Serve behind one endpoint")
-    ray.add_argument("--replicas", type=int, default=2, help="engine replicas (without autoscaling bounds)")
-    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
-    ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
-    ray.add_argument(
-        "--target-ongoing-requests", type=float, default=None, help="autoscaling: requests per replica it aims for"
-    )
-    ray.add_argument(
-        "--num-cpus-per-replica",
-        type=float,
-        default=1.0,
-        help="CPUs Ray reserves for each replica (its torch threads too)",
-    )
-    ray.add_argument("--num-gpus-per-replica", type=float, default=None, help="GPUs Ray reserves for each replica")
-    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
 
 
 def _add_plan(sub) -> None:

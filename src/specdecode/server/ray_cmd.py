@@ -28,8 +28,8 @@ def run_serve_ray(args, options: dict) -> int:
         from ray import serve
     except ImportError:
         raise SpecDecodeError("--ray needs Ray Serve: pip install 'specdecode[ray]'") from None
+    from ..cli import served_names
     from .ray_serve import RayDeployment, run_deployment
-    from .serve_cmd import served_names
 
     if args.replicas < 1:
         raise SpecDecodeError(f"--replicas must be at least 1, got {args.replicas}")

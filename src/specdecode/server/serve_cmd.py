@@ -6,7 +6,7 @@ import signal
 import threading
 import time
 
-from ..cli import engine_options
+from ..cli import engine_options, served_names
 from ..config import LOSSY_NOTE, EngineConfig
 from ..engine.llm import LLM
 from ..errors import SpecDecodeError
@@ -23,11 +23,6 @@ def llm_options(args) -> dict:
         served_draft(args.model, args.speculative_model) if args.num_speculative_tokens else None
     )
     return EngineConfig(**options).as_dict()
-
-
-def served_names(args) -> list[str]:
-    """The names requests give the model: --served-model-name's, else --model as given."""
-    return args.served_model_name or [args.model]
 
 
 def run_serve(args) -> int:
