@@ -129,6 +129,20 @@ def test_a_call_the_model_chose_stops_with_tool_use():
     assert json.loads("".join(partial)) == {"a": 1, "b": 2}
 
 
+def test_a_call_whose_arguments_are_no_object_is_given_as_text_whole_and_streamed():
+    """A model's string of arguments that does not parse can be no tool_use block (its input is an object)."""
+    call = '<tool_call>{"name": "add", "arguments": "not json"}</tool_call>'
+    with LocalServer(build_app(ScriptedEngine([call]), "tiny", runs_engine=False)) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0)
+        kwargs = dict(model="tiny", messages=[{"role": "user", "content": "1+2"}], tools=[ADD], max_tokens=50)
+        m = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+    text = '{"name": "add", "arguments": "not json"}'
+    assert [(b.type, b.text) for b in m.content] == [("text", text)] and m.stop_reason == "end_turn"
+    assert [(b.type, b.text) for b in streamed.content] == [("text", text)] and streamed.stop_reason == "end_turn"
+
+
 def test_tool_use_and_tool_result_blocks_become_the_chats_calls_and_tool_messages():
     assert chat_messages(
         [

@@ -263,7 +263,7 @@ async def create_message(handler: RequestHandler, req: MessagesRequest, request:
     reasoning, content, calls = reader.feed(texts[0], finished=True)
     blocks = [thinking_block(reasoning if req.shows_thinking else "")] if reader.reasoned else []
     blocks += [text_block(content)] if content or not calls else []
-    return reply.body(blocks + [tool_use_block(call) for call in calls], finals[0])
+    return reply.body(blocks + [call_block(call) for call in calls], finals[0])
 
 
 def count_tokens(handler: RequestHandler, req: MessagesRequest) -> dict | JSONResponse:
@@ -285,13 +285,16 @@ def text_block(text: str) -> dict:
     return {"type": "text", "text": text}
 
 
-def tool_use_block(call: ToolCall) -> dict:
-    return {
-        "type": "tool_use",
-        "id": f"toolu_{call.id.removeprefix('call_')}",
-        "name": call.name,
-        "input": json.loads(call.arguments),
-    }
+def call_block(call: ToolCall) -> dict:
+    """A call as its tool_use block; one whose arguments are no JSON object (a string the model wrote that does not
+    parse) can be no tool_use, and is given as the call's text."""
+    try:
+        arguments = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        return text_block(json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False))
+    return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name, "input": arguments}
 
 
 class MessageReply:
@@ -381,8 +384,10 @@ class _BlockStream:
         events = self._delta("thinking", reasoning if self.shows_thinking else "") if reasoning else []
         if content:
             events += self._delta("text", content)
-        for call in calls:
-            block = tool_use_block(call)
+        for block in map(call_block, calls):
+            if block["type"] == "text":
+                events += self._delta("text", block["text"])
+                continue
             events += self._start(block | {"input": {}})
             events.append(self._event_delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
             events += self._close()
