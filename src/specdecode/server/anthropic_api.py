@@ -17,7 +17,7 @@ from ..errors import SpecDecodeError
 from .handler import RequestHandler, session_of, tenant_of
 from .protocol import ChatRequest, validated
 from .reply import OutputReader, collected_unless_gone, submitted
-from .tools import ToolCall, Tools
+from .tools import ToolCall, Tools, assistant_message
 
 # Anthropic's error types by HTTP status
 ERROR_TYPES = {
@@ -205,12 +205,7 @@ def _assistant_message(blocks: list[dict]) -> dict:
             thinking.append(str(block.get("thinking") or ""))
         else:
             text.append(_text_of(block, "messages"))
-    message = {"role": "assistant", "content": "\n".join(text) if text or not calls else None}
-    if calls:
-        message["tool_calls"] = calls
-    if thinking:
-        message["reasoning_content"] = "".join(thinking)
-    return message
+    return assistant_message("\n".join(text), calls, "".join(thinking))
 
 
 def chat_tool(tool: dict) -> dict:
@@ -237,14 +232,25 @@ def chat_tool_choice(choice: dict) -> str | dict:
     return named[kind]
 
 
-async def create_message(handler: RequestHandler, req: MessagesRequest, request: Request):
-    if handler.other_model(req):
-        return anthropic_error(404, f"model {req.model!r} is not served here; send model={handler.model_name!r}")
+def served_chat(handler: RequestHandler, req: MessagesRequest) -> tuple[ChatRequest, str] | JSONResponse:
+    """The chat request a message asks for and its prompt, or the error response: a 404 for another model's name."""
+    if wrong := handler.other_model(req):
+        return as_anthropic_error(wrong)
     try:
-        if req.max_tokens is None:
-            raise SpecDecodeError("max_tokens: Field required (the most tokens the reply may have)")
         chat = req.chat_request(handler.reasoning_parser is not None)
-        prompt = handler.chat_prompt(chat)
+        return chat, handler.chat_prompt(chat)
+    except SpecDecodeError as exc:
+        return anthropic_error(400, str(exc))
+
+
+async def create_message(handler: RequestHandler, req: MessagesRequest, request: Request):
+    served = served_chat(handler, req)
+    if isinstance(served, JSONResponse):
+        return served
+    if req.max_tokens is None:
+        return anthropic_error(400, "max_tokens: Field required (the most tokens the reply may have)")
+    chat, prompt = served
+    try:
         ids, params = handler.chat_sampling(chat, prompt)
     except SpecDecodeError as exc:
         return anthropic_error(400, str(exc))
@@ -268,13 +274,8 @@ async def create_message(handler: RequestHandler, req: MessagesRequest, request:
 
 def count_tokens(handler: RequestHandler, req: MessagesRequest) -> dict | JSONResponse:
     """The prompt's tokens as /v1/messages would serve it."""
-    if handler.other_model(req):
-        return anthropic_error(404, f"model {req.model!r} is not served here; send model={handler.model_name!r}")
-    try:
-        chat = req.chat_request(handler.reasoning_parser is not None)
-        return {"input_tokens": len(handler.tokenizer.encode(handler.chat_prompt(chat)))}
-    except SpecDecodeError as exc:
-        return anthropic_error(400, str(exc))
+    served = served_chat(handler, req)
+    return served if isinstance(served, JSONResponse) else {"input_tokens": len(handler.tokenizer.encode(served[1]))}
 
 
 def thinking_block(text: str) -> dict:
@@ -360,7 +361,7 @@ class MessageReply:
                     yield event("message_delta", delta=self.stopped(update, blocks.called), usage=usage)
                     yield event("message_stop")
         except SpecDecodeError as exc:
-            yield f"event: error\ndata: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"
+            yield event("error", error=error_body(exc.http_status, str(exc))["error"])
         finally:
             await updates.aclose()  # a client that left mid-stream frees its sequence and KV now
 

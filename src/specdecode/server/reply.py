@@ -182,9 +182,15 @@ class Reply:
         )
 
     async def events(self, updates):
-        """Server-sent events, one per update; the usage in a chunk of its own at the end with OpenAI's
+        """Server-sent events: the chunks, then [DONE]."""
+        async for chunk in self.chunks(updates):
+            yield sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, updates):
+        """The stream's chunks, one per update; the usage in a chunk of its own at the end with OpenAI's
         stream_options.include_usage (every other chunk's null, or the counts so far with vLLM's
-        continuous_usage_stats), else with the last chunk."""
+        continuous_usage_stats), else with the last chunk; an error's body where the request fails."""
         n, kind = self.params.n, self.kind + ".chunk" if self.chat else self.kind
         started, offsets, finals, counts = [False] * n, [0] * n, {}, [0] * n
         readers = [OutputReader(self.thinking, self.tools) for _ in range(n)]
@@ -215,14 +221,13 @@ class Reply:
                     chunk["usage"] = self._counted(counts) if self.shown.usage_each else None
                 elif len(finals) == n:
                     chunk["usage"] = usage(len(self.ids), finals)
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield chunk
                 if self.shown.usage_chunk and len(finals) == n:
-                    yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(len(self.ids), finals)})}\n\n"
+                    yield head | {"choices": [], "usage": usage(len(self.ids), finals)}
         except SpecDecodeError as exc:
-            yield f"data: {json.dumps(error_body(exc.http_status, str(exc)))}\n\n"
+            yield error_body(exc.http_status, str(exc))
         finally:
             await updates.aclose()  # a client that left mid-stream frees its sequences and KV now
-        yield "data: [DONE]\n\n"
 
     def _counted(self, counts: list[int]) -> dict:
         """The tokens so far (vLLM's continuous_usage_stats)."""
@@ -315,8 +320,8 @@ async def _merged(replies: list[Reply], streams: list, n: int):
 
     async def pump(i: int) -> None:
         try:
-            async for event in replies[i].events(streams[i]):
-                await queue.put((i, event))
+            async for chunk in replies[i].chunks(streams[i]):
+                await queue.put((i, chunk))
         finally:
             await queue.put((i, None))
 
@@ -324,13 +329,12 @@ async def _merged(replies: list[Reply], streams: list, n: int):
     usages, held, running = {}, None, len(tasks)
     try:
         while running:
-            i, event = await queue.get()
-            if event is None or not event.startswith("data: {"):  # a reply's end, its [DONE]
-                running -= event is None
+            i, chunk = await queue.get()
+            if chunk is None:  # a reply's end
+                running -= 1
                 continue
-            chunk = json.loads(event[len("data: ") :])
             if "error" in chunk:
-                yield event
+                yield sse(chunk)
                 continue
             if chunk.get("usage"):
                 usages[i] = chunk["usage"]
@@ -343,23 +347,28 @@ async def _merged(replies: list[Reply], streams: list, n: int):
             for choice in chunk["choices"]:
                 choice["index"] += i * n
             if held is not None:
-                yield f"data: {json.dumps(held)}\n\n"
+                yield sse(held)
             held = chunk
-        yield from_held(held, usages, replies[0])
+        for chunk in last_chunks(held, usages, replies[0]):
+            yield sse(chunk)
     finally:
         for task in tasks:
             task.cancel()  # a client that left: each reply's stream closes, its sequences freed
     yield "data: [DONE]\n\n"
 
 
-def from_held(held: dict | None, usages: dict, first: Reply) -> str:
+def last_chunks(held: dict | None, usages: dict, first: Reply) -> list[dict]:
     """The last chunk with the summed usage on it, or, with include_usage, then a chunk of the usage alone."""
     total = summed_usage([usages[i] for i in sorted(usages)])
     if not first.shown.usage_chunk:
-        return "" if held is None else f"data: {json.dumps(held | {'usage': total})}\n\n"
+        return [] if held is None else [held | {"usage": total}]
     head = {"id": first.id, "object": first.kind, "created": first.created, "model": first.handler.model_name}
-    last = "" if held is None else f"data: {json.dumps(held)}\n\n"
-    return last + f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
+    return ([] if held is None else [held]) + [head | {"choices": [], "usage": total}]
+
+
+def sse(chunk: dict) -> str:
+    """A chunk as a server-sent event."""
+    return f"data: {json.dumps(chunk)}\n\n"
 
 
 def summed_usage(usages: list[dict]) -> dict:

@@ -22,7 +22,7 @@ from .protocol import ChatRequest, validated
 from .reply import OutputReader, collected_unless_gone, submitted
 from .response_store import ResponseStore
 from .responses import error_response, usage
-from .tools import ToolCall, Tools
+from .tools import ToolCall, Tools, assistant_message
 
 # The API's fields that would change what is generated or answered, with the value that means "off"
 UNSUPPORTED_UNLESS_OFF = {
@@ -115,7 +115,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant_message("", [call]))
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
         else:
@@ -205,8 +205,7 @@ def reply_message(output: list[dict]) -> dict:
         for item in output
         if item["type"] == "function_call"
     ]
-    message = {"role": "assistant", "content": text if text or not calls else None}
-    return message | ({"tool_calls": calls} if calls else {}) | ({"reasoning_content": reasoning} if reasoning else {})
+    return assistant_message(text, calls, reasoning)
 
 
 def stored_response(handler: RequestHandler, response_id: str, request: Request, delete: bool = False):

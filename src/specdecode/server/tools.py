@@ -250,15 +250,18 @@ def _typed(value: str, schema: dict):
         return value
     if kinds == [None]:
         return parsed
-    matches = {
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "boolean": lambda v: isinstance(v, bool),
-        "object": lambda v: isinstance(v, dict),
-        "array": lambda v: isinstance(v, list),
-        "null": lambda v: v is None,
-    }
-    return parsed if any(matches.get(kind, lambda v: False)(parsed) for kind in kinds) else value
+    return parsed if any(kind in SCHEMA_TYPES and SCHEMA_TYPES[kind](parsed) for kind in kinds) else value
+
+
+# What a JSON schema's "type" admits, by name
+SCHEMA_TYPES = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "null": lambda v: v is None,
+}
 
 
 def _may_be_bare(head: str) -> bool | None:
@@ -307,6 +310,14 @@ def _named(tool_choice, schemas: dict[str, dict]) -> str | None:
     if name not in schemas:
         raise SpecDecodeError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(schemas)})")
     return name
+
+
+def assistant_message(content: str, calls: list[dict], reasoning: str = "") -> dict:
+    """An assistant's chat message as another API's reply or input gives it: its text (None where it only calls), its
+    calls (chat's {"id", "type": "function", "function": {...}}) and its thinking (Qwen3's and DeepSeek-R1's
+    templates read reasoning_content)."""
+    message = {"role": "assistant", "content": content if content or not calls else None}
+    return message | ({"tool_calls": calls} if calls else {}) | ({"reasoning_content": reasoning} if reasoning else {})
 
 
 def template_messages(messages) -> list[dict]:
