@@ -277,14 +277,17 @@ def _save_tokenizer(family: Family, folder: Path) -> int:
     return len(tokenizer)
 
 
-def save_spm_tokenizer(folder: Path) -> int:
-    """A SentencePiece model of SPM_VOCAB pieces trained on the sonnets, saved as a Llama tokenizer; returns its size
-    (llama.cpp's converter pads a larger vocab_size with unused pieces)."""
+def save_spm_tokenizer(folder: Path, control_symbols: tuple[str, ...] = (), extra_text: tuple[str, ...] = ()) -> int:
+    """A SentencePiece model of SPM_VOCAB pieces trained on the sonnets (and extra_text, every character of it a
+    piece), saved as a Llama tokenizer; returns its size (llama.cpp's converter pads a larger vocab_size with unused
+    pieces). control_symbols: special tokens, as Mistral's [TOOL_CALLS] is in its SentencePiece vocabularies."""
     import sentencepiece as spm
 
-    text = SONNETS.read_text().splitlines()
+    text = SONNETS.read_text().splitlines() + list(extra_text)
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(text),
+        control_symbols=list(control_symbols),
+        character_coverage=1.0 if extra_text else 0.9995,
         model_prefix=str(folder / "tokenizer"),
         vocab_size=SPM_VOCAB,
         model_type="bpe",

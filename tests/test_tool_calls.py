@@ -8,11 +8,11 @@ import random
 import jsonschema
 import openai
 import pytest
-from conftest import LocalServer, tiny_model
+from conftest import LocalServer, ScriptedEngine, tiny_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import StructuredOutput
-from specdecode.server import tools as tool_calls
+from specdecode.server import call_formats
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 from specdecode.server.tools import Tools
@@ -47,6 +47,7 @@ XML_CALL = (
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
     "</function>\n</tool_call>"
 )
+MISTRAL_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
 # A model's text, the content read from it (the text itself: no call) and its calls as (name, arguments).
 READ = [
     (CALL, None, [PARIS]),
@@ -80,6 +81,19 @@ READ = [
     ('{"key": 1} and more', "self", []),
     ("``not a fence", "self", []),
     ("[1] a footnote", "self", []),
+    # Mistral's from its tokenizer version 11 (the markers are special tokens the tokenizer keeps in the text)
+    (MISTRAL_CALL, None, [PARIS]),
+    ("Sure." + MISTRAL_CALL + MISTRAL_CALL.replace("Paris", "Rome"), "Sure.", [PARIS, ROME]),
+    ('[TOOL_CALLS]add[CALL_ID]a1B2c3D4e[ARGS]{"a": 1, "b": 2}', None, [("add", {"a": 1, "b": 2})]),
+    ('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 5, "b": 6}}]', "Sure.", [("add", {"a": 5, "b": 6})]),
+    ('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2} and text', " and text", [("add", {"a": 1, "b": 2})]),
+    ("[TOOL_CALLS]unknown[ARGS]{}", "self", []),
+    ("[TOOL_CALLS]add[ARGS]42 and more", "self", []),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "self", []),  # cut short
+    ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 5}}, {"name": "nope", "arguments": {}}]', "self", []),
+    ("[TOOL_CALLS] what now [TOOL_CALL", "self", []),
+    ("[TOOL_CALLS]add[ARGS][TOOL_CALLS]" + MISTRAL_CALL, "[TOOL_CALLS]add[ARGS][TOOL_CALLS]", [PARIS]),
+    ("[TOOL_CALLS][1, 2]" + MISTRAL_CALL, "[TOOL_CALLS][1, 2]", [PARIS]),
     # Qwen3-Coder's XML inside the blocks: each value read as its schema's type
     ("Sure.\n" + XML_CALL, "Sure.", [PARIS]),
     (XML_CALL.replace("\n2\n", "\ntwo\n"), None, [("get_weather", {"city": "Paris", "days": "two"})]),
@@ -118,7 +132,7 @@ def test_a_stream_that_does_not_hold_a_tag_s_first_characters_splits_otherwise(m
     """The broken variant: text that may begin <tool_call> leaves at once, so a tag cut between two pieces is
     sent as content and its call is lost."""
     tools, rng = Tools.from_request(TOOLS, None, True), random.Random(0)
-    monkeypatch.setattr(tool_calls, "_partial_tag", lambda text: 0)
+    monkeypatch.setattr(call_formats, "partial_tag", lambda text, tags=(): 0)
     whole = _streamed(tools, [CALL])
     assert any(_streamed(tools, pieces) != whole for pieces in _splits(CALL, rng))
 
@@ -279,4 +293,81 @@ def test_a_call_in_the_history_whose_arguments_are_not_a_json_object_gets_a_400(
     ],
 )
 def test_qwen3_coder_parameters_are_read_as_their_schemas_types(text, schema, value):
-    assert tool_calls._typed(text, schema) == value
+    assert call_formats.typed(text, schema) == value
+
+
+MARKED_REPLY = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizers(tmp_path_factory):
+    """A Mistral checkpoint's tokenizer whose [TOOL_CALLS] and [ARGS] are special tokens, as in Mistral's own
+    vocabularies: read from the checkpoint folder and from llama.cpp's conversion of it."""
+    from families import convert, make_checkpoint, save_spm_tokenizer
+
+    from specdecode.models.tokenizer import Tokenizer
+
+    folder = make_checkpoint("mistral", tmp_path_factory.mktemp("mistral-tools"))
+    save_spm_tokenizer(folder, ("[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), (MARKED_REPLY,) * 20)
+    gguf = convert(folder, folder / "model.gguf")
+    return {"hf": Tokenizer.from_pretrained(str(folder)), "gguf": Tokenizer.from_gguf(str(gguf), str(folder / "gguf"))}
+
+
+def _detokenized(tok, ids: list[int]) -> str:
+    """The text the engine gives a reply token by token, as the server reads calls from it."""
+    from specdecode.engine.sequence import Detokenizer
+
+    detokenizer, text = Detokenizer(0), []
+    for n in range(1, len(ids) + 1):
+        text.append(detokenizer.new_text(tok, ids[:n], flush=n == len(ids)))
+    return "".join(text)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mistral_s_call_markers_stay_in_a_reply_s_text_and_its_calls_are_read(mistral_tokenizers, source):
+    """The other special tokens are still left out (the end of turn), and kept where a request asks."""
+    tok = mistral_tokenizers[source]
+    reply = tok.encode_fragment(MARKED_REPLY) + [tok.hf.eos_token_id]
+    assert tok.token_strings(reply).count("[TOOL_CALLS]") == 1 and "[ARGS]" in tok.token_strings(reply)
+    text = tok.decode(reply)  # SentencePiece puts a space after a special token
+    assert text == _detokenized(tok, reply) and text.replace(" ", "") == MARKED_REPLY.replace(" ", "")
+    assert tok.decode(reply, skip_special_tokens=False).endswith("</s>")
+    content, (call,) = Tools.from_request(TOOLS, None, True).parse(text)
+    assert (content, call.name, json.loads(call.arguments)) == ("Sure.", *PARIS)
+
+
+def test_a_tokenizer_that_skips_the_markers_loses_the_call(mistral_tokenizers, monkeypatch):
+    """The broken variant: the markers left out as the other special tokens are, the call reads as content."""
+    tok = mistral_tokenizers["gguf"]
+    monkeypatch.setattr(tok, "hidden_ids", None)
+    reply = tok.encode_fragment(MARKED_REPLY)
+    content, calls = Tools.from_request(TOOLS, None, True).parse(_detokenized(tok, reply))
+    assert calls == [] and "get_weather" in content and "[TOOL_CALLS]" not in content
+
+
+def test_a_vocabulary_without_markers_decodes_as_transformers_does():
+    from families import vocabulary
+
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    ids = tok.encode("<|im_start|>assistant\nHi<|im_end|>")
+    assert tok.hidden_ids is None and tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True) == "assistant\nHi"
+
+
+def test_mistral_s_calls_reach_the_openai_client_whole_and_streamed():
+    pieces = ["Sure.", "[TOOL_CALLS]", "get", "_weather", "[ARGS]", '{"city": "Par', 'is", "days": 2}']
+    pieces += ["[TOOL_CALLS]", "add", "[CALL_ID]", "a1B2c3D4e", "[ARGS]", '{"a": 1, "b": 2}']
+    with LocalServer(build_app(ScriptedEngine(pieces), "tiny", runs_engine=False)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Paris?"}], tools=TOOLS, max_tokens=50)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    made = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert (whole.message.content, made, whole.finish_reason) == (
+        "Sure.",
+        [PARIS, ("add", {"a": 1, "b": 2})],
+        "tool_calls",
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert text == "Sure." and [(d.index, d.function.name) for d in streamed] == [(0, "get_weather"), (1, "add")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

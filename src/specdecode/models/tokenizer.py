@@ -12,6 +12,9 @@ from . import infill
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 # llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
+# Special tokens whose text the server reads calls out of (Mistral's tool-call markers): decoding keeps them where it
+# leaves the other special tokens out, as Qwen's <tool_call>, an ordinary added token, stays in the text
+KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -73,6 +76,8 @@ class Tokenizer:
         # (<think>, </think>) where a reasoning model's vocabulary holds each as one token, else None
         thinks = (token_id(hf_tokenizer, "<think>"), token_id(hf_tokenizer, "</think>"))
         self.think_ids = thinks if None not in thinks else None
+        # the special tokens decoding leaves out where it keeps markers; None: those skip_special_tokens skips
+        self.hidden_ids = hidden_ids(hf_tokenizer)
         self.own_template: str | None = None  # a chat template given in place of the model's (with_chat_template)
 
     def with_chat_template(self, template: str) -> Tokenizer:
@@ -113,6 +118,8 @@ class Tokenizer:
     def decode(
         self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
     ) -> str:
+        if skip_special_tokens and self.hidden_ids is not None:
+            ids, skip_special_tokens = [i for i in ids if i not in self.hidden_ids], False
         return self.hf.decode(
             ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
         )
@@ -126,7 +133,10 @@ class Tokenizer:
             return None
         from tokenizers.decoders import DecodeStream
 
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        hidden = self.hidden_ids if skip_special_tokens else None
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens and hidden is None)
+        if hidden is not None:
+            return lambda token: "" if token in hidden else stream.step(backend, token)
         return lambda token: stream.step(backend, token)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
@@ -221,6 +231,14 @@ class Tokenizer:
         with_specials = tok.encode("a", add_special_tokens=True)  # what the checkpoint's own tokenizer prepends
         bos = tok.bos_token_id if tok.bos_token_id is not None and with_specials[:1] == [tok.bos_token_id] else None
         return cls(tok, extra, bos, kind)
+
+
+def hidden_ids(hf_tokenizer) -> frozenset[int] | None:
+    """The special tokens other than the markers, where the vocabulary has markers as special tokens."""
+    special = set(hf_tokenizer.all_special_ids)
+    special.update(i for i, token in hf_tokenizer.added_tokens_decoder.items() if token.special)
+    markers = {token_id(hf_tokenizer, name) for name in KEPT_MARKERS} & special
+    return frozenset(special - markers) if markers else None
 
 
 def token_id(hf_tokenizer, name: str) -> int | None:

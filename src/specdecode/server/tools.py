@@ -1,22 +1,21 @@
 """OpenAI tool calling on chat requests. The tools reach the model through its chat template, and its calls come
-back out of its text in the formats templates ask for: Hermes' `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>` blocks (Qwen2.5, Qwen3, Hermes) or the same blocks around Qwen3-Coder's XML (`<function=NAME>
-<parameter=ARG>value</parameter></function>`), and a whole answer that is a call's JSON or a list of them (Llama 3's
-`{"name": ..., "parameters": {...}}`, Mistral's `[TOOL_CALLS] [...]`). tool_choice "required" or a named function
-constrains the output by grammar, as vLLM does: to a JSON list of calls, or to the named function's arguments
-(docs/decisions.md#tool-calls-read-out-of-the-text)."""
+back out of its text in the formats templates ask for (call_formats.py): Hermes' `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes) or the same blocks around Qwen3-Coder's XML
+(`<function=NAME><parameter=ARG>value</parameter></function>`); Mistral's `[TOOL_CALLS]` and a list of calls, or
+`[TOOL_CALLS]NAME[ARGS]{...}` from its tokenizer version 11 (Mistral Small 3.2, Devstral, Magistral); and a whole
+answer that is a call's JSON or a list of them (Llama 3's `{"name": ..., "parameters": {...}}`). tool_choice
+"required" or a named function constrains the output by grammar, as vLLM does: to a JSON list of calls, or to the
+named function's arguments (docs/decisions.md#tool-calls-read-out-of-the-text)."""
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
 from ..errors import SpecDecodeError
 from ..sampling import StructuredOutput
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from . import call_formats as formats
 
 
 @dataclass(frozen=True)
@@ -105,15 +104,16 @@ class Tools:
 class CallStream:
     """One output's text as it comes, split into content and calls, the same split however the text arrives.
 
-    In auto mode a call is a <tool_call> block naming a declared function: text that might begin one is held
-    until it does or cannot, and the call leaves when its block closes (a block that is no such call goes out as
-    content). An output that is nothing but a call's JSON (bare, or fenced as ```json, as small models answer
-    despite their templates) is a call too: an output that begins like one is held to its end. Whitespace at the
-    end of the content so far waits for text to follow it, and is dropped at the end where the model called.
-    Where a call was forced, the JSON is read at the end."""
+    In auto mode a call is a block naming a declared function: a <tool_call> block, which ends at its closing tag,
+    or what follows [TOOL_CALLS] (Mistral's), which ends with its JSON. Text that might begin a block is held until it
+    does or cannot, and a call leaves when its block ends (a block that is no such call goes out as content). An
+    output that is nothing but a call's JSON (bare, or fenced as ```json, as small models answer despite their
+    templates) is a call too: an output that begins like one is held to its end. Whitespace at the end of the
+    content so far waits for text to follow it, and is dropped at the end where the model called. Where a call was
+    forced, the JSON is read at the end."""
 
     def __init__(self, tools: Tools):
-        self.tools, self.pending, self.inside, self.blank = tools, "", False, ""
+        self.tools, self.pending, self.inside, self.blank = tools, "", "", ""  # inside: the open block's marker
         self.head, self.bare = "", None  # the output's start, and whether it may be a bare call (None: unknown)
         self.calls_made = 0
 
@@ -129,14 +129,14 @@ class CallStream:
             return "", []
         if self.bare is not False:
             self.head += text
-            self.bare = _may_be_bare(self.head)
+            self.bare = formats.may_be_bare(self.head)
             if self.bare is not False:
                 return "", []
             text, self.head = self.head, ""
         return self._blocks(text)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left at the end: an unclosed block as content; a forced or bare call's JSON read."""
+        """What is left at the end: an unended block as content; a forced or bare call's JSON read."""
         if self.tools.choice == "none":
             return "", []
         if self.tools.choice != "auto":
@@ -146,37 +146,73 @@ class CallStream:
         content, calls = "", []
         if self.head:  # held to the end: a bare call, or text after all
             head, self.head = self.head, ""
-            if calls := self._json_calls(_unfenced(head)):
+            if calls := self._json_calls(formats.unfenced(head)):
                 self.calls_made += len(calls)
                 return "", calls
             content, calls = self._blocks(head)
-        rest = self.blank + (OPEN if self.inside else "") + self.pending
+        rest = self.blank + self.inside + self.pending
         self.blank = self.pending = ""
         return content + ("" if self.called and not rest.strip() else rest), calls
 
     def _blocks(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Content and the <tool_call> blocks that close in text (after what came before)."""
+        """Content and the blocks that end in text (after what came before)."""
         self.pending += text
         content, calls = [], []
         while True:
             if self.inside:
-                end = self.pending.find(CLOSE)
-                if end < 0:
+                ended = self._block_end()
+                if ended is None:
                     break
-                block, self.pending, self.inside = self.pending[:end], self.pending[end + len(CLOSE) :], False
-                call = self._call(block)
-                content.append(OPEN + block + CLOSE if call is None else "")
-                calls += [call] if call is not None else []
+                end, made = ended
+                content.append("" if made else self.inside + self.pending[:end])
+                calls += made
+                self.pending, self.inside = self.pending[end:], ""
                 continue
-            start = self.pending.find(OPEN)
-            cut = start if start >= 0 else len(self.pending) - _partial_tag(self.pending)
+            start, opener = formats.first_opener(self.pending)
+            cut = start if opener else len(self.pending) - formats.partial_tag(self.pending)
             content.append(self.pending[:cut])
-            if start < 0:
+            if not opener:
                 self.pending = self.pending[cut:]
                 break
-            self.pending, self.inside = self.pending[start + len(OPEN) :], True
+            self.pending, self.inside = self.pending[start + len(opener) :], opener
         self.calls_made += len(calls)
         return self._hold_blank("".join(content)), calls
+
+    def _block_end(self) -> tuple[int, list[ToolCall]] | None:
+        """Where the open block ends in the pending text and its calls (none: the block is content); None while it
+        has not ended."""
+        if self.inside == formats.OPEN:
+            end = self.pending.find(formats.CLOSE)
+            call = self._call(self.pending[:end]) if end >= 0 else None
+            return None if end < 0 else (end + len(formats.CLOSE), [call] if call else [])
+        return self._mistral_end()
+
+    def _mistral_end(self) -> tuple[int, list[ToolCall]] | None:
+        """What follows [TOOL_CALLS]: a JSON list of calls (Mistral's tokenizers before version 11), or one call as
+        name[ARGS]{arguments} (from version 11; [CALL_ID]id may come before [ARGS]), ending where its JSON does.
+        Text that can be neither leaves the marker alone as content."""
+        body = self.pending.lstrip()
+        if body.startswith("["):
+            listed = body[1:].lstrip()
+            if listed.startswith("{"):
+                return self._ended_json(len(self.pending) - len(body), lambda value: value)
+            return None if not listed else (0, [])
+        head = formats.mistral_call(self.pending)
+        if head is True:
+            return None
+        if head is False or self.pending[head[1]] != "{":
+            return 0, []
+        return self._ended_json(head[1], lambda arguments: [{"name": head[0], "arguments": arguments}])
+
+    def _ended_json(self, start: int, as_calls) -> tuple[int, list[ToolCall]] | None:
+        """Where the JSON value at start ends and the calls as_calls makes of it (none unless each is a declared
+        function's); None while it has not ended."""
+        found = formats.json_value(self.pending, start)
+        if found is None:
+            return None
+        listed = as_calls(found[0])
+        calls = [self._as_call(value) for value in listed] if isinstance(listed, list) else []
+        return found[1], calls if calls and all(calls) else []
 
     def _hold_blank(self, content: str) -> str:
         text = self.blank + content
@@ -191,17 +227,12 @@ class CallStream:
             return self._xml_call(block)
 
     def _xml_call(self, block: str) -> ToolCall | None:
-        """Qwen3-Coder's call: <function=NAME> and its <parameter=ARG> elements, each value read as its schema's
-        type says (text as written, numbers, booleans, JSON for objects and arrays), as vLLM's qwen3_coder parser
-        reads them."""
-        function = XML_FUNCTION.fullmatch(block)
+        """Qwen3-Coder's call: <function=NAME> and its <parameter=ARG> elements."""
+        function = formats.XML_FUNCTION.fullmatch(block)
         name = function[1].strip() if function else None
         if name not in self.tools.schemas:
             return None
-        properties = self.tools.schemas[name].get("properties") or {}
-        arguments = {}
-        for key, value in XML_PARAMETER.findall(function[2]):
-            arguments[key.strip()] = _typed(_one_newline_off(value), properties.get(key.strip()) or {})
+        arguments = formats.xml_arguments(function[2], self.tools.schemas[name].get("properties") or {})
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def _as_call(self, value) -> ToolCall | None:
@@ -224,67 +255,6 @@ class CallStream:
             return [ToolCall(self.tools.named, text.strip())]
         calls = [self._as_call(v) for v in (value if isinstance(value, list) else [value])]
         return calls if calls and all(calls) else []
-
-
-FENCE, MISTRAL = "```json", "[TOOL_CALLS]"
-XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
-XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
-
-
-def _one_newline_off(value: str) -> str:
-    """A parameter's value as written between its tags, which templates put on lines of their own."""
-    return value.removeprefix("\n").removesuffix("\n")
-
-
-def _typed(value: str, schema: dict):
-    """A parameter's text as the value its JSON schema's type names; text that does not parse stays text."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if "string" in kinds or value.strip() == "":
-        return value
-    if "boolean" in kinds and value.strip().lower() in ("true", "false"):  # Python's True, as models write it too
-        return value.strip().lower() == "true"
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        return value
-    if kinds == [None]:
-        return parsed
-    return parsed if any(kind in SCHEMA_TYPES and SCHEMA_TYPES[kind](parsed) for kind in kinds) else value
-
-
-# What a JSON schema's "type" admits, by name
-SCHEMA_TYPES = {
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "null": lambda v: v is None,
-}
-
-
-def _may_be_bare(head: str) -> bool | None:
-    """Whether an output beginning so may be a call's JSON alone; None while its start cannot tell."""
-    start = head.lstrip()
-    if start.startswith(("{", "[", FENCE)):  # a list of calls: Mistral's after its [TOOL_CALLS]
-        return True
-    return None if FENCE.startswith(start) else False
-
-
-def _unfenced(text: str) -> str:
-    text = text.strip().removeprefix(MISTRAL).lstrip()  # its marker where decoding keeps special tokens
-    if text.startswith(FENCE) and text.endswith("```"):
-        return text[len(FENCE) : -3]
-    return text
-
-
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of text could begin <tool_call>."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _function(tool) -> tuple[str, dict]:
