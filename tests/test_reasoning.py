@@ -12,7 +12,7 @@ from conftest import LocalServer, ScriptedEngine
 
 from specdecode.server import reasoning
 from specdecode.server.api import build_app
-from specdecode.server.reasoning import ReasoningSplit
+from specdecode.server.reasoning import ReasoningSplit, Thinking
 from specdecode.server.reply import OutputReader
 
 # (reply, whether its prompt opened the thinking, reasoning, content)
@@ -29,15 +29,32 @@ SPLITS = [
     ("</think></think>x", True, "", "</think>x"),
 ]
 
+# Magistral's tags are [THINK] and [/THINK]: the same replies with its tags split the same
+MAGISTRAL_SPLITS = [
+    tuple(_.replace("<think>", "[THINK]").replace("</think>", "[/THINK]") if isinstance(_, str) else _ for _ in case)
+    for case in SPLITS
+]
+CASES = [("qwen3", *case) for case in SPLITS] + [("mistral", *case) for case in MAGISTRAL_SPLITS]
 
-@pytest.mark.parametrize("reply, thinking, reasoning_text, content", SPLITS)
-def test_a_whole_reply_splits_into_reasoning_and_content(reply, thinking, reasoning_text, content):
-    reader = OutputReader(thinking, None)
+
+def _thinking(parser: str, opened: bool) -> Thinking:
+    return Thinking(*reasoning.PARSERS[parser], opened)
+
+
+@pytest.mark.parametrize("parser, reply, thinking, reasoning_text, content", CASES)
+def test_a_whole_reply_splits_into_reasoning_and_content(parser, reply, thinking, reasoning_text, content):
+    reader = OutputReader(_thinking(parser, thinking), None)
     reasoning, text, calls = reader.feed(reply, finished=True)
     assert (reasoning if reader.reasoned else None, text, calls) == (reasoning_text, content, [])
 
 
-def _streamed(pieces: list[str], thinking: bool) -> tuple[str, str]:
+def test_a_prompt_ending_in_a_start_tag_opens_the_thinking():
+    assert Thinking.of("deepseek_r1", "<|Assistant|><think>\n").opened
+    assert not Thinking.of("mistral", "<|Assistant|><think>\n").opened
+    assert Thinking.of("mistral", "[INST]2+2?[/INST][THINK]") == Thinking("[THINK]", "[/THINK]", True)
+
+
+def _streamed(pieces: list[str], thinking: Thinking) -> tuple[str, str]:
     split, said = ReasoningSplit(thinking), []
     said += [split.feed(piece) for piece in pieces]
     said.append(split.finish())
@@ -52,15 +69,15 @@ def _cuts(text: str, rng: random.Random, trials: int = 200):
 
 def test_a_stream_splits_as_the_whole_reply_does_however_it_is_cut():
     rng = random.Random(0)
-    for reply, thinking, reasoning_text, content in SPLITS:
+    for parser, reply, thinking, reasoning_text, content in CASES:
         for pieces in _cuts(reply, rng):
-            assert _streamed(pieces, thinking) == (reasoning_text or "", content), pieces
+            assert _streamed(pieces, _thinking(parser, thinking)) == (reasoning_text or "", content), pieces
 
 
 def test_a_stream_that_sends_a_tags_first_characters_at_once_splits_otherwise(monkeypatch):
     """The broken variant: '</th' at a piece's end goes out as reasoning before the next piece shows it closes it."""
     monkeypatch.setattr(reasoning, "_tag_start_at_end", lambda text, tag: 0)
-    assert _streamed(["<think>a</th", "ink>b"], False) != ("a", "b")
+    assert _streamed(["<think>a</th", "ink>b"], _thinking("qwen3", False)) != ("a", "b")
 
 
 def _served(pieces, parser="qwen3", opens_thinking=False):
@@ -87,6 +104,26 @@ def test_the_server_returns_the_thinking_apart_streamed_or_not():
     assert message["reasoning"] == message["reasoning_content"] == "\nLet me add."
     assert message["content"] == "\n\nIt is 4."
     assert joined == {"reasoning": "\nLet me add.", "reasoning_content": "\nLet me add.", "content": "\n\nIt is 4."}
+
+
+def test_magistral_s_thinking_and_its_calls_after_it_are_read_apart():
+    pieces = ["[THINK]", "Let me", " call add.[/TH", "INK]", "[TOOL_CALLS]", "add", "[ARGS]", '{"a": 1, "b": 2}']
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    with _served(pieces, "mistral") as server:
+        message, joined = _both(server, tools=[add])
+        plain, _ = _both(server)
+    assert message["reasoning"] == joined["reasoning"] == "Let me call add." and "content" not in message
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("add", {"a": 1, "b": 2})
+    ]
+    assert plain["content"] == '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'  # no tools asked for: the text as written
+
+
+def test_an_unknown_reasoning_parser_is_refused_naming_the_known_ones():
+    from specdecode.errors import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="qwen3, deepseek_r1, mistral, not 'granite'"):
+        build_app(ScriptedEngine([]), "tiny", runs_engine=False, reasoning_parser="granite")
 
 
 def test_a_prompt_that_opens_the_thinking_makes_the_reply_reasoning_until_it_closes_it():

@@ -308,7 +308,8 @@ def mistral_tokenizers(tmp_path_factory):
     from specdecode.models.tokenizer import Tokenizer
 
     folder = make_checkpoint("mistral", tmp_path_factory.mktemp("mistral-tools"))
-    save_spm_tokenizer(folder, ("[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), (MARKED_REPLY,) * 20)
+    markers = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]")
+    save_spm_tokenizer(folder, markers, (MARKED_REPLY,) * 20)
     gguf = convert(folder, folder / "model.gguf")
     return {"hf": Tokenizer.from_pretrained(str(folder)), "gguf": Tokenizer.from_gguf(str(gguf), str(folder / "gguf"))}
 
@@ -325,7 +326,8 @@ def _detokenized(tok, ids: list[int]) -> str:
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_mistral_s_call_markers_stay_in_a_reply_s_text_and_its_calls_are_read(mistral_tokenizers, source):
-    """The other special tokens are still left out (the end of turn), and kept where a request asks."""
+    """The other special tokens are still left out (the end of turn), and kept where a request asks; Magistral's
+    thinking tags are kept too."""
     tok = mistral_tokenizers[source]
     reply = tok.encode_fragment(MARKED_REPLY) + [tok.hf.eos_token_id]
     assert tok.token_strings(reply).count("[TOOL_CALLS]") == 1 and "[ARGS]" in tok.token_strings(reply)
@@ -334,6 +336,8 @@ def test_mistral_s_call_markers_stay_in_a_reply_s_text_and_its_calls_are_read(mi
     assert tok.decode(reply, skip_special_tokens=False).endswith("</s>")
     content, (call,) = Tools.from_request(TOOLS, None, True).parse(text)
     assert (content, call.name, json.loads(call.arguments)) == ("Sure.", *PARIS)
+    thought = tok.encode_fragment("[THINK]Paris[/THINK]")  # Magistral's thinking, its tags the budget's ids
+    assert tok.think_ids == (thought[0], thought[-1]) and tok.decode(thought).replace(" ", "") == "[THINK]Paris[/THINK]"
 
 
 def test_a_tokenizer_that_skips_the_markers_loses_the_call(mistral_tokenizers, monkeypatch):

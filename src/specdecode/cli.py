@@ -267,8 +267,9 @@ def _http_flags(http) -> None:
     http.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=REASONING_PARSERS,
-        help="a chat reply's thinking (<think> ... </think>: Qwen3, QwQ, DeepSeek-R1) goes to the message's "
+        choices=list(REASONING_PARSERS),
+        help="a chat reply's thinking (<think> ... </think>: Qwen3, QwQ, DeepSeek-R1; [THINK] ... [/THINK]: Magistral) "
+        "goes to the message's "
         "'reasoning' field, the rest to 'content', as vLLM's parsers of these names split them",
     )
     http.add_argument(

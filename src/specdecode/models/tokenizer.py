@@ -12,9 +12,12 @@ from . import infill
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 # llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
-# Special tokens whose text the server reads calls out of (Mistral's tool-call markers): decoding keeps them where it
-# leaves the other special tokens out, as Qwen's <tool_call>, an ordinary added token, stays in the text
-KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+# Special tokens whose text the server reads calls and thinking out of (Mistral's and Magistral's markers): decoding
+# keeps them where it leaves the other special tokens out, as Qwen's <tool_call> and <think>, ordinary added tokens,
+# stay in the text
+KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]")
+# A reasoning model's thinking tags, where its vocabulary holds each as one token (Qwen3 and DeepSeek-R1's; Magistral's)
+THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -73,9 +76,9 @@ class Tokenizer:
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         # None: the model cannot fill in the middle
         self.fim_ids = infill.fim_ids(lambda name: token_id(hf_tokenizer, name))
-        # (<think>, </think>) where a reasoning model's vocabulary holds each as one token, else None
-        thinks = (token_id(hf_tokenizer, "<think>"), token_id(hf_tokenizer, "</think>"))
-        self.think_ids = thinks if None not in thinks else None
+        # the ids of the thinking's opening and closing tags (THINK_TAGS), else None
+        tags = ((token_id(hf_tokenizer, start), token_id(hf_tokenizer, end)) for start, end in THINK_TAGS)
+        self.think_ids = next((ids for ids in tags if None not in ids), None)
         # the special tokens decoding leaves out where it keeps markers; None: those skip_special_tokens skips
         self.hidden_ids = hidden_ids(hf_tokenizer)
         self.own_template: str | None = None  # a chat template given in place of the model's (with_chat_template)

@@ -144,7 +144,7 @@ class GrammarMatcher:
         if matcher.is_error():
             raise SpecDecodeError(f"the structured output grammar is not valid: {matcher.get_error()}")
         grammar = cls(matcher, vocab_size, frozenset(tokenizer.eos_token_ids))
-        tags = getattr(tokenizer, "think_ids", None)  # (<think>, </think>) where each is one token
+        tags = getattr(tokenizer, "think_ids", None)  # the thinking tags' ids where each is one token
         if spec.after_thinking is None or tags is None:
             return grammar
         return AfterThinking(grammar, *tags, thinking=spec.after_thinking)

@@ -46,7 +46,8 @@ class SamplingParams:
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
     # each bad word's token ids, spelled alone and after a space, as vLLM's; set by update_from_tokenizer
     bad_words_ids: list[list[int]] = field(init=False, default_factory=list)
-    # (<think>, </think>) token ids where thinking_token_budget is set; set by update_from_tokenizer
+    # the thinking tags' token ids (<think>, </think>; Magistral's [THINK], [/THINK]) where thinking_token_budget is
+    # set; set by update_from_tokenizer
     thinking_ids: tuple[int, int] | None = field(init=False, default=None)
 
     def __post_init__(self):
@@ -91,8 +92,8 @@ class SamplingParams:
             self.thinking_ids = getattr(tokenizer, "think_ids", None)
             if self.thinking_ids is None:
                 raise SpecDecodeError(
-                    "thinking_token_budget needs a reasoning model whose <think> and </think> are tokens of their own; "
-                    "leave it out for this model"
+                    "thinking_token_budget needs a reasoning model whose thinking tags (<think> and </think>, or "
+                    "[THINK] and [/THINK]) are tokens of their own; leave it out for this model"
                 )
 
     def validate(self) -> None:

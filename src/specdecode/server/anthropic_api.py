@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import SpecDecodeError
 from .handler import RequestHandler, session_of, tenant_of
 from .protocol import ChatRequest, validated
+from .reasoning import Thinking
 from .reply import OutputReader, collected_unless_gone, submitted
 from .tools import ToolCall, Tools, assistant_message
 
@@ -302,7 +303,12 @@ class MessageReply:
     """One message's body and events: its id, its content blocks, why it stopped and its usage."""
 
     def __init__(
-        self, handler: RequestHandler, req: MessagesRequest, ids: list[int], thinking: bool | None, tools: Tools | None
+        self,
+        handler: RequestHandler,
+        req: MessagesRequest,
+        ids: list[int],
+        thinking: Thinking | None,
+        tools: Tools | None,
     ):
         self.handler, self.ids, self.thinking, self.tools = handler, ids, thinking, tools
         self.stops, self.shows_thinking = req.stop_sequences or [], req.shows_thinking

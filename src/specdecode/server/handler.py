@@ -17,7 +17,7 @@ from ..errors import SpecDecodeError
 from ..models.infill import infill_ids
 from ..sampling import SamplingParams
 from .protocol import ChatRequest, CommonRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .reasoning import opens_thinking
+from .reasoning import PARSERS, Thinking
 from .reply import Reply, Shown, merged_stream, summed_usage
 from .response_store import ResponseStore
 from .responses import error_response
@@ -63,6 +63,8 @@ class RequestHandler:
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
         self.engine, self.model_name, self.request_timeout = engine, self.model_names[0], request_timeout
         self.tokenizer = engine.tokenizer
+        if reasoning_parser not in (None, *PARSERS):
+            raise SpecDecodeError(f"reasoning_parser is one of {', '.join(PARSERS)}, not {reasoning_parser!r}")
         self.reasoning_parser = reasoning_parser
         self.responses = ResponseStore()  # the Responses API's, for previous_response_id
 
@@ -152,7 +154,7 @@ class RequestHandler:
             req, self.tokenizer.encode(prompt), req.max_completion_tokens or req.max_tokens, default=None
         )
         if self.reasoning_parser is not None and params.structured_output is not None:
-            params.structured_output = replace(params.structured_output, after_thinking=self.thinking(prompt))
+            params.structured_output = replace(params.structured_output, after_thinking=self.thinking(prompt).opened)
         if not req.include_reasoning and self.reasoning_parser is None:
             raise SpecDecodeError(
                 "include_reasoning=false needs the reasoning read out of the reply: start the server with "
@@ -160,10 +162,9 @@ class RequestHandler:
             )
         return ids, params
 
-    def thinking(self, prompt: str) -> bool | None:
-        """Where a chat reply starts: None, all content (no reasoning read); else whether its prompt left it inside
-        the thinking."""
-        return None if self.reasoning_parser is None else opens_thinking(prompt)
+    def thinking(self, prompt: str) -> Thinking | None:
+        """How a chat reply's thinking is read: None, not at all (the reply is all content)."""
+        return None if self.reasoning_parser is None else Thinking.of(self.reasoning_parser, prompt)
 
     def tokenize(self, req: TokenizeRequest) -> dict | JSONResponse:
         """vLLM's /tokenize: the token ids a prompt or a chat is served with, with the context's length."""

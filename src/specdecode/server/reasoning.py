@@ -1,29 +1,44 @@
-"""A reasoning model's thinking, read out of its reply: what it writes between <think> and </think> (Qwen3, QwQ,
-DeepSeek-R1 and its distills) goes to the message's `reasoning`, the rest to `content`, as vLLM's reasoning parsers
-split them (`serve --reasoning-parser`)."""
+"""A reasoning model's thinking, read out of its reply: what it writes between its two tags (<think> and </think>:
+Qwen3, QwQ, DeepSeek-R1 and its distills; [THINK] and [/THINK]: Magistral) goes to the message's `reasoning`, the rest
+to `content`, as vLLM's reasoning parsers split them (`serve --reasoning-parser`)."""
 
 from __future__ import annotations
 
-START, END = "<think>", "</think>"
-# vLLM's names for the families' parsers: all of them read the same two tags
-PARSERS = ("qwen3", "deepseek_r1")
+from dataclasses import dataclass
+
+# vLLM's names for the families' parsers, and the tags each reads
+PARSERS = {
+    "qwen3": ("<think>", "</think>"),
+    "deepseek_r1": ("<think>", "</think>"),
+    "mistral": ("[THINK]", "[/THINK]"),  # special tokens, kept in the text (tokenizer.KEPT_MARKERS)
+}
 
 
-def opens_thinking(prompt: str) -> bool:
-    """Whether the chat template left the reply inside its thinking (DeepSeek-R1's and Qwen3-Thinking's end the prompt
-    with <think>), so the reply is reasoning until it closes it."""
-    return prompt.rstrip().endswith(START)
+@dataclass(frozen=True)
+class Thinking:
+    """How a chat reply's thinking is marked, and whether the prompt left the reply inside it (DeepSeek-R1's and
+    Qwen3-Thinking's templates end the prompt with <think>), so the reply is reasoning until it closes it."""
+
+    start: str
+    end: str
+    opened: bool
+
+    @classmethod
+    def of(cls, parser: str, prompt: str) -> Thinking:
+        start, end = PARSERS[parser]
+        return cls(start, end, prompt.rstrip().endswith(start))
 
 
 class ReasoningSplit:
     """Splits a reply given piece by piece into reasoning and content. A reply is reasoning from its start where the
-    prompt opened the thinking, or where it begins with <think>; reasoning ends at </think>; a reply that begins
-    otherwise is all content. Text that may be the start of a tag waits for the next piece (or the end)."""
+    prompt opened the thinking, or where it begins with the start tag; reasoning ends at the end tag; a reply that
+    begins otherwise is all content. Text that may be the start of a tag waits for the next piece (or the end)."""
 
-    def __init__(self, thinking: bool):
-        self.state = "reasoning" if thinking else "start"
+    def __init__(self, thinking: Thinking):
+        self.start, self.end = thinking.start, thinking.end
+        self.state = "reasoning" if thinking.opened else "start"
         self.held = ""
-        self.reasoned = thinking  # whether the reply has reasoning at all (None in the message where not)
+        self.reasoned = thinking.opened  # whether the reply has reasoning at all (None in the message where not)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and content settled by this piece."""
@@ -32,19 +47,19 @@ class ReasoningSplit:
         while self.held:
             if self.state == "start":
                 begun = self.held.lstrip()
-                if begun.startswith(START):
-                    self.held, self.state, self.reasoned = begun[len(START) :], "reasoning", True
-                elif START.startswith(begun):
+                if begun.startswith(self.start):
+                    self.held, self.state, self.reasoned = begun[len(self.start) :], "reasoning", True
+                elif self.start.startswith(begun):
                     break  # perhaps the tag, cut off
                 else:
                     self.state = "content"
             elif self.state == "reasoning":
-                at = self.held.find(END)
+                at = self.held.find(self.end)
                 if at >= 0:
                     reasoning += self.held[:at]
-                    self.held, self.state = self.held[at + len(END) :], "content"
+                    self.held, self.state = self.held[at + len(self.end) :], "content"
                     continue
-                settled = len(self.held) - _tag_start_at_end(self.held, END)
+                settled = len(self.held) - _tag_start_at_end(self.held, self.end)
                 reasoning, self.held = reasoning + self.held[:settled], self.held[settled:]
                 break
             else:

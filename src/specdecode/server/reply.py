@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
 from .protocol import CommonRequest
-from .reasoning import ReasoningSplit
+from .reasoning import ReasoningSplit, Thinking
 from .responses import (
     chat_logprobs,
     completion_logprobs,
@@ -36,10 +36,10 @@ if TYPE_CHECKING:
 
 class OutputReader:
     """One output's text as it comes, read as a message reads it: the thinking apart where the server reads reasoning
-    (thinking: whether the prompt left the reply inside it; None: no reasoning read), then the tool calls out of the
-    rest where the request has tools. A whole text is one piece, fed finished."""
+    (thinking: its tags, and whether the prompt left the reply inside it; None: no reasoning read), then the tool
+    calls out of the rest where the request has tools. A whole text is one piece, fed finished."""
 
-    def __init__(self, thinking: bool | None, tools: Tools | None):
+    def __init__(self, thinking: Thinking | None, tools: Tools | None):
         self.split = ReasoningSplit(thinking) if thinking is not None else None
         self.calls = tools.stream() if tools is not None else None
 
@@ -122,7 +122,7 @@ class Reply:
         best: tuple[int, bool] | None = None,
         tools: Tools | None = None,
         shown: Shown | None = None,
-        thinking: bool | None = None,
+        thinking: Thinking | None = None,
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
         self.tools, self.shown, self.thinking = tools, shown or Shown(), thinking

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import SpecDecodeError
 from .handler import RequestHandler, key_owner, session_of, tenant_of
 from .protocol import ChatRequest, validated
+from .reasoning import Thinking
 from .reply import OutputReader, collected_unless_gone, submitted
 from .response_store import ResponseStore
 from .responses import error_response, usage
@@ -234,7 +235,7 @@ class ResponseReply:
         handler: RequestHandler,
         req: ResponsesRequest,
         ids: list[int],
-        thinking: bool | None,
+        thinking: Thinking | None,
         tools: Tools | None,
         kept: Kept | None = None,
     ):
