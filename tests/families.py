@@ -182,6 +182,9 @@ FAMILIES = {
 }
 
 
+CONVERTERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
+
+
 def llama_cpp_source() -> Path:
     """llama.cpp's source tree as the llama-cpp-python sdist vendors it: the build tool's copy where it is
     there, else fetched from PyPI once into the specdecode cache (what the tests read of it)."""
@@ -191,7 +194,7 @@ def llama_cpp_source() -> Path:
         return built
     root = Path(cache_root()) / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
     source = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if not (source / "convert_hf_to_gguf.py").exists():
+    if not all((source / script).exists() for script in CONVERTERS):
         root.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [
@@ -209,7 +212,7 @@ def llama_cpp_source() -> Path:
             ],
             check=True,
         )
-        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
+        wanted = (*CONVERTERS, "conversion/", "gguf-py/", "models/ggml-vocab-")
         with tarfile.open(root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
             members = [m for m in tar.getmembers() if m.name.partition("/vendor/llama.cpp/")[2].startswith(wanted)]
             tar.extractall(root, members=members, filter="data")
@@ -246,6 +249,46 @@ def convert(folder: Path, out: Path) -> Path:
         capture_output=True,
         text=True,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def make_lora(
+    reference, folder: Path, targets: tuple[str, ...], rank: int = 4, alpha: float = 8.0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A random LoRA adapter of transformers' model saved as PEFT saves one (adapter_config.json and
+    adapter_model.safetensors), on every linear layer whose name ends in one of targets; returns each adapted
+    weight's update, (alpha / rank) B A, by the layer's name."""
+    from safetensors.torch import save_file
+
+    g, tensors, updates = torch.Generator().manual_seed(seed), {}, {}
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            a = 0.3 * torch.randn(rank, module.in_features, generator=g)
+            b = 0.3 * torch.randn(module.out_features, rank, generator=g)
+            tensors |= {f"base_model.model.{name}.lora_A.weight": a, f"base_model.model.{name}.lora_B.weight": b}
+            updates[name] = alpha / rank * b @ a
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    return updates
+
+
+def merged_reference(folder: Path, updates: dict[str, torch.Tensor], scale: float = 1.0):
+    """transformers' model of a checkpoint with an adapter's updates merged into its weights."""
+    model = reference_model(folder)
+    with torch.no_grad():
+        for name, update in updates.items():
+            model.get_submodule(name).weight += scale * update
+    return model
+
+
+def convert_lora(adapter: Path, base: Path, out: Path) -> Path:
+    """llama.cpp's conversion of a PEFT adapter of the base checkpoint (float32)."""
+    script = llama_cpp_source() / "convert_lora_to_gguf.py"
+    command = [sys.executable, str(script), str(adapter), "--base", str(base), "--outtype", "f32", "--outfile", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 

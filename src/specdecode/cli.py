@@ -89,6 +89,8 @@ def _flag_spec(f) -> dict:
         }
     if f.type == "bool":
         return spec | {"action": "store_false" if f.default else "store_true"}
+    if "repeatable" in meta:
+        return spec | {"action": "append", "default": [], "metavar": meta["repeatable"]}
     default = meta["none"] if f.default is None and "none" in meta else f.default
     kind = f.type.split(" |")[0]
     spec |= {"default": default, "type": {"int": int, "float": float}.get(kind, str)}

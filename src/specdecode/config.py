@@ -75,8 +75,9 @@ class AdaptiveOptions:
 def option(default, help: str, **cli):
     """An EngineConfig field: its one default and its help, which `LLM`'s check, the CLI's flags (cli.py) and the
     options table in docs/usage.md all read. cli: how the flag differs from the plain `--field-name VALUE`
-    (flags, choices, nargs, const, `none`: the word the command line uses for None). A default is shared by every
-    config, so it must be immutable (AdaptiveOptions is frozen)."""
+    (flags, choices, nargs, const, `none`: the word the command line uses for None; `repeatable`: the metavar of a
+    flag given once per item). A default is shared by every config, so it must be immutable (AdaptiveOptions is
+    frozen)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -107,6 +108,12 @@ class EngineConfig:
         "the target's RoPE scaling where its own config has none, in config.json's JSON, e.g. "
         '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768} (Qwen2.5\'s and Qwen3\'s '
         "recipe for 128k tokens); its context becomes factor x the original",
+    )
+    lora: tuple[str, ...] = option(
+        (),
+        "LoRA adapters the target's layers add, each a PEFT adapter's folder or llama.cpp's .gguf of one, as PATH or "
+        "PATH:SCALE (llama.cpp's --lora and --lora-scaled); repeatable; on the CPU",
+        repeatable="PATH[:SCALE]",
     )
     chat_template: str | None = option(
         None,
@@ -248,6 +255,9 @@ class EngineConfig:
                 "suffix_cache_bytes >= 0 and suffix_min_prob in [0, 1]"
             )
         problems += self._rope_scaling_problems()
+        self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora)
+        if not all(isinstance(spec, str) and spec for spec in self.lora):
+            problems.append(f"lora is a list of adapter paths (PATH or PATH:SCALE), got {self.lora!r}")
         if problems:
             raise SpecDecodeError("; ".join(problems))
         if self.draft_vocab_size == 0:

@@ -13,6 +13,7 @@ from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner, gpu_experts
 from ..metrics import RequestMetrics, peak_rss_bytes
 from ..models.loader import LoadedModel, load_model
+from ..models.lora import Adapter
 from ..models.runtime import Transformer
 from ..models.tokenizer import template_variables
 from ..proposers import Proposer, ProposerSetup, build_proposer, proposer_kind
@@ -141,6 +142,7 @@ class LLM:
             config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             rope_scaling=config.rope_scaling_fields(),
+            lora=[Adapter.parse(spec) for spec in config.lora],
         )
         self.tokenizer = self.target.tokenizer
         if config.chat_template is not None:

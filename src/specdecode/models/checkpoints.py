@@ -87,7 +87,7 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
         return
     m = re.fullmatch(r"(model\.layers\.\d+)\.self_attn\.qkv_proj\.weight", name)  # Phi-3's fused projections
     if m:
-        for part, rows in zip("qkv", _qkv_rows(cfg)):
+        for part, rows in zip("qkv", qkv_rows(cfg)):
             yield f"{m[1]}.self_attn.{part}_proj.weight", tensor[rows]
         return
     m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.gate_up_proj\.weight", name)
@@ -99,7 +99,7 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
     yield name, tensor
 
 
-def _qkv_rows(cfg: ModelConfig) -> list[slice]:
+def qkv_rows(cfg: ModelConfig) -> list[slice]:
     """The rows of a fused q/k/v projection that are the queries', the keys' and the values'."""
     q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
     return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
@@ -151,7 +151,7 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
     if kind in GGUF_EXPERTS:
         return _stacked([f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}" for p in GGUF_EXPERTS[kind]], rows)
     if kind == "attn_qkv":
-        return [(f"{prefix}.self_attn.{p}_proj.{suffix}", rows) for p, rows in zip("qkv", _qkv_rows(cfg))]
+        return [(f"{prefix}.self_attn.{p}_proj.{suffix}", rows) for p, rows in zip("qkv", qkv_rows(cfg))]
     if kind == "ffn_up" and cfg.arch == "phi3":  # gate and up in one tensor, gate first (llama.cpp's SwiGLU halves)
         return _stacked([f"{prefix}.mlp.{p}_proj.{suffix}" for p in ("gate", "up")], rows)
     layer = SANDWICH_LAYER if cfg.sandwich_norms else GGUF_LAYER

@@ -84,12 +84,18 @@ def iter_gguf_tensors(
 
 
 def _named_part(cfg: ModelConfig, name: str, w: np.ndarray, raw_tensor):
+    tensor = runtime_rows(cfg, name, w)
+    return name, RawTensor(raw_tensor.tensor_type, int(raw_tensor.shape[0]), tensor) if raw_tensor else tensor
+
+
+def runtime_rows(cfg: ModelConfig, name: str, w: np.ndarray) -> torch.Tensor:
+    """A GGUF matrix (or a LoRA adapter's B, whose rows are its layer's output rows) as the runtime computes with the
+    weight `name`: q/k rows back in the order llama.cpp's converter interleaved."""
     if cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("q_proj.weight", "q_proj.bias")):
         w = unpermute_rope(w, cfg.num_heads)  # a permutation of whole rows: blocks move with them
     elif cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("k_proj.weight", "k_proj.bias")):
         w = unpermute_rope(w, cfg.num_kv_heads)
-    tensor = as_computed(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
-    return name, RawTensor(raw_tensor.tensor_type, int(raw_tensor.shape[0]), tensor) if raw_tensor else tensor
+    return as_computed(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
 
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}

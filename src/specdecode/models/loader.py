@@ -6,13 +6,16 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..config import ModelConfig
+from ..errors import SpecDecodeError
 from .checkpoints import canonical_hf_weights
 from .families import from_hf_config, with_rope_scaling
+from .lora import Adapter, attach_adapters
 from .runtime import Transformer, build_model
 from .sources import ModelSource, cache_root, resolve
 from .tokenizer import Tokenizer
@@ -48,11 +51,13 @@ def load_model(
     draft: bool = False,
     kv_cache_dtype: str = "auto",
     rope_scaling: dict | None = None,
+    lora: Sequence[Adapter] = (),
 ) -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention.
-    rope_scaling: config.json's fields of a RoPE scaling for a model that has none (families.with_rope_scaling)."""
+    rope_scaling: config.json's fields of a RoPE scaling for a model that has none (families.with_rope_scaling).
+    lora: adapters whose updates the model's layers add (models/lora.py)."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
     from ..executor.decoder import attach_decoder_kernel
@@ -73,6 +78,8 @@ def load_model(
         cfg = with_rope_scaling(native, rope_scaling)
         model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
+    if lora:
+        _adapt(model, lora)
     model.native_cfg = native  # its identity (a draft head's fingerprint of it) whatever RoPE scaling it runs with
     attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
@@ -80,6 +87,15 @@ def load_model(
     move_to_huge_pages(model)
     tokenizer = load_tokenizer(name)
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
+
+
+def _adapt(model, adapters: Sequence[Adapter]) -> None:
+    """The adapters on the model's layers, before the kernels that would compute a layer without them attach (the
+    one-call decoder takes no adapted layer)."""
+    if model.device.type != "cpu":
+        raise SpecDecodeError("LoRA adapters run on the CPU for now; leave out --lora, or run with --device cpu")
+    layers = attach_adapters(model, adapters)
+    model.backend += f" + LoRA ({layers} layers)"
 
 
 def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -1,0 +1,198 @@
+"""LoRA adapters (models/lora.py) against transformers' model with the adapter's updates merged into its weights: a
+PEFT adapter on the checkpoint folder and on llama.cpp's GGUF conversion of it, and llama.cpp's conversion of the
+adapter (its q/k rows interleaved as the base's are: a reader that does not undo it fails); on low-bit weights kept as
+stored; adapters that add up and scale; greedy speculation with an adapter equal to plain decoding with it; and
+adapters that cannot be applied refused with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_head
+from families import convert, convert_lora, make_checkpoint, make_lora, merged_reference, reference_model
+from test_families import _expected, _logits, _prompt
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.models.lora import Adapter, LowRankAdded
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+# llama.cpp interleaves Llama's q/k rows; Phi-4-mini fuses q/k/v and gate/up and turns RoPE on part of a head;
+# Qwen2 has q/k/v biases
+FAMILIES = ["llama3", "phi4_mini", "qwen2_yarn"]
+TOLERANCE = dict(atol=1e-2, rtol=1e-4)  # logits the adapter moves by tens
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """family -> (checkpoint folder, its GGUF, the PEFT adapter, its GGUF, the adapter's updates), made once."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"lora-{family}")
+            folder = make_checkpoint(family, root / "checkpoint")
+            updates = make_lora(reference_model(folder), root / "adapter", TARGETS)
+            adapter_gguf = convert_lora(root / "adapter", folder, root / "adapter.gguf")
+            cache[family] = folder, convert(folder, root / "model.gguf"), root / "adapter", adapter_gguf, updates
+        return cache[family]
+
+    return get
+
+
+def _loaded(model, *adapters: Adapter, quantization: str = "none"):
+    options = dict(dtype="float32", kv_cache_dtype="float32") if quantization == "none" else {}
+    return load_model(str(model), quantization=quantization, progress=False, lora=adapters, **options)
+
+
+@pytest.mark.parametrize("route", ["peft on the folder", "peft on the gguf", "gguf on the gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_adapted_model_computes_what_transformers_computes_with_the_adapter_merged(made, family, route):
+    folder, gguf, adapter, adapter_gguf, updates = made(family)
+    model, path = {"peft on the folder": (folder, adapter), "peft on the gguf": (gguf, adapter)}.get(
+        route, (gguf, adapter_gguf)
+    )
+    loaded = _loaded(model, Adapter(str(path)))
+    assert loaded.model.backend.endswith("+ LoRA (8 layers)") and loaded.model.layers_kernel is None
+    ids = _prompt(loaded.config.vocab_size)
+    want = _expected(merged_reference(folder, updates), ids)
+    torch.testing.assert_close(_logits(loaded.model, ids), want, **TOLERANCE)
+    assert (want - _expected(reference_model(folder), ids)).abs().max() > 10  # the adapter matters
+
+
+def test_a_reader_that_leaves_llama_cpp_s_interleaved_rows_computes_otherwise(made, monkeypatch):
+    """The broken variant: the GGUF adapter's q/k rows of B taken as stored."""
+    folder, gguf, _, adapter_gguf, updates = made("llama3")
+    monkeypatch.setattr("specdecode.models.gguf_loader.runtime_rows", lambda cfg, name, w: torch.from_numpy(w.copy()))
+    loaded = _loaded(gguf, Adapter(str(adapter_gguf)))
+    ids = _prompt(loaded.config.vocab_size)
+    want = _expected(merged_reference(folder, updates), ids)
+    assert not torch.allclose(_logits(loaded.model, ids), want, **TOLERANCE)
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w8a16"])
+def test_low_bit_weights_stay_as_stored_and_the_adapter_is_added_beside_them(made, quantization):
+    """Against the merged float model the adapted low-bit model errs as the plain low-bit model errs against the
+    plain one (the adapter at a tenth: the logits move by tens, the error stays the quantization's)."""
+    folder, gguf, _, adapter_gguf, updates = made("llama3")
+    plain, adapted = (
+        _loaded(gguf, quantization=quantization),
+        _loaded(gguf, Adapter(str(adapter_gguf), 0.1), quantization=quantization),
+    )
+    layer = adapted.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, LowRankAdded)
+    assert type(layer.self_attn.qkv_proj.base) is type(plain.model.layers[0].self_attn.qkv_proj)
+    ids = _prompt(plain.config.vocab_size)
+    want, base = _expected(merged_reference(folder, updates, 0.1), ids), _expected(reference_model(folder), ids)
+    plain_error = (_logits(plain.model, ids) - base).abs().max()
+    assert (_logits(adapted.model, ids) - want).abs().max() < 2 * plain_error
+    assert (want - base).abs().max() > 10 * plain_error
+
+
+def test_adapters_add_up_each_at_its_scale(made, tmp_path):
+    folder, _, adapter, _, updates = made("qwen2_yarn")
+    second = make_lora(reference_model(folder), tmp_path / "second", ("o_proj", "down_proj"), rank=2, seed=1)
+    loaded = _loaded(folder, Adapter.parse(str(adapter)), Adapter.parse(f"{tmp_path / 'second'}:0.5"))
+    ids = _prompt(loaded.config.vocab_size)
+    both = {name: updates.get(name, 0) + 0.5 * second.get(name, 0) for name in {*updates, *second}}
+    torch.testing.assert_close(_logits(loaded.model, ids), _expected(merged_reference(folder, both), ids), **TOLERANCE)
+    unchanged = _loaded(folder, Adapter(str(adapter), 0.0))
+    torch.testing.assert_close(_logits(unchanged.model, ids), _expected(reference_model(folder), ids), **TOLERANCE)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "head"])
+def test_greedy_speculation_with_an_adapter_equals_plain_decoding_with_it(made, proposer, tmp_path):
+    _, gguf, _, adapter_gguf, _ = made("qwen2_yarn")
+    target = _loaded(gguf, Adapter(str(adapter_gguf), 0.1), quantization="w8a8")
+    drafter = make_head(target, tmp_path / "head", intermediate=64) if proposer == "head" else proposer
+    vocab = target.config.vocab_size
+    prompts = [_prompt(vocab, 24, seed=2) * 2, _prompt(vocab, 9, seed=3)]  # the first repeats itself: lookups hit
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate(prompts, params)
+    spec = LLM(
+        target=target,
+        speculative_model=drafter,
+        num_speculative_tokens=3,
+        max_model_len=256,
+        speculation_policy="fixed",
+    ).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.spec["num_draft_tokens"] for o in spec) > 0
+
+
+def _peft(folder, tmp_path, **settings):
+    """The family's adapter with its settings changed."""
+    out = tmp_path / "changed"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes((folder / "adapter_model.safetensors").read_bytes())
+    (out / "adapter_config.json").write_text(
+        json.dumps(json.loads((folder / "adapter_config.json").read_text()) | settings)
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"use_dora": True}, "uses DoRA, which is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias 'all'"),
+        ({"peft_type": "IA3"}, "is a IA3 adapter; only LoRA is read"),
+    ],
+)
+def test_peft_settings_that_change_what_the_adapter_computes_are_refused(made, tmp_path, settings, message):
+    folder, _, adapter, _, _ = made("qwen2_yarn")
+    with pytest.raises(SpecDecodeError, match=message):
+        _loaded(folder, Adapter(str(_peft(adapter, tmp_path, **settings))))
+
+
+def test_adapters_that_cannot_apply_are_refused_with_the_reason(made, tmp_path):
+    folder, gguf, adapter, _, _ = made("qwen2_yarn")
+    reference = reference_model(folder)
+    make_lora(reference, tmp_path / "head", ("lm_head",))
+    with pytest.raises(SpecDecodeError, match="adapts lm_head, which this runtime does not compute as a linear layer"):
+        _loaded(folder, Adapter(str(tmp_path / "head")))
+    other = make_checkpoint("qwen2_yarn", tmp_path / "wider", hidden_size=96)
+    make_lora(reference_model(other), tmp_path / "other", ("o_proj",))
+    with pytest.raises(SpecDecodeError, match="takes 64 inputs to 64 outputs: an adapter of another model"):
+        _loaded(folder, Adapter(str(tmp_path / "other")))
+    with pytest.raises(SpecDecodeError, match="is not a LoRA adapter"):
+        _loaded(folder, Adapter(str(gguf)))
+    with pytest.raises(SpecDecodeError, match="give a PEFT adapter's folder"):
+        _loaded(folder, Adapter(str(tmp_path / "missing")))
+    with pytest.raises(SpecDecodeError, match="lora is a list of adapter paths"):
+        LLM(target=_loaded(folder), lora=[""])
+
+
+def test_an_adapter_of_experts_is_refused(tmp_path):
+    """Mixtral's experts as transformers 4 named them (PEFT's keys for them)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_checkpoint("mixtral", tmp_path / "mixtral")
+    make_lora(reference_model(folder), tmp_path / "experts", ("q_proj",))
+    weights = tmp_path / "experts" / "adapter_model.safetensors"
+    expert = "base_model.model.model.layers.1.block_sparse_moe.experts.0.w1"
+    matrices = {f"{expert}.lora_A.weight": torch.zeros(4, 64), f"{expert}.lora_B.weight": torch.zeros(128, 4)}
+    save_file(load_file(str(weights)) | matrices, str(weights))
+    with pytest.raises(SpecDecodeError, match=r"adapts model\.layers\.1\.mlp\.experts\.0\.gate_proj"):
+        _loaded(folder, Adapter(str(tmp_path / "experts")))
+
+
+def test_adapter_specs_are_paths_with_an_optional_scale():
+    assert Adapter.parse("a/b") == Adapter("a/b") and Adapter.parse("a/b:0.5") == Adapter("a/b", 0.5)
+    assert Adapter.parse("C:/adapters/x") == Adapter("C:/adapters/x")
+
+
+def test_the_commands_take_adapters_one_flag_each():
+    from specdecode.cli import build_parser
+    from specdecode.server.serve_cmd import llm_options
+
+    assert llm_options(build_parser().parse_args(["serve", "--lora", "a", "--lora", "b.gguf:0.5"]))["lora"] == (
+        "a",
+        "b.gguf:0.5",
+    )
+    assert llm_options(build_parser().parse_args(["serve"]))["lora"] == ()
+    assert build_parser().parse_args(["generate", "--lora", "a", "hi"]).lora == ["a"]
