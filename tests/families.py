@@ -287,8 +287,8 @@ def merged_reference(folder: Path, updates: dict[str, torch.Tensor], scale: floa
 def convert_lora(adapter: Path, base: Path, out: Path) -> Path:
     """llama.cpp's conversion of a PEFT adapter of the base checkpoint (float32)."""
     script = llama_cpp_source() / "convert_lora_to_gguf.py"
-    command = [sys.executable, str(script), str(adapter), "--base", str(base), "--outtype", "f32", "--outfile", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    options = ["--base", str(base), "--outtype", "f32", "--outfile", str(out)]
+    done = subprocess.run([sys.executable, str(script), str(adapter), *options], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
