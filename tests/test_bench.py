@@ -19,6 +19,7 @@ from specdecode.bench.datasets import (
 )
 from specdecode.bench.load import LoadResult, RequestResult, run_load, summarize
 from specdecode.bench.server_process import serve_argv
+from specdecode.models.lora import Adapter
 
 
 def _count_words(text: str) -> int:
@@ -410,6 +411,8 @@ class _Loaded(Exception):
     "argv",
     [
         ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
+        ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"]
+        + ["--lora", "adapter", "--lora", "other.gguf:0.5"],
         ["plan", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
     ],
 )
@@ -438,6 +441,8 @@ def test_benchmarks_load_models_with_the_backend_flags_they_show(monkeypatch, ar
     (_, target), (_, draft) = asked
     assert target["quantization"] == "w8a8" and draft["quantization"] == "w8a16" and draft["draft"]
     assert target["kv_cache_dtype"] == draft["kv_cache_dtype"] == "float32"
+    if "--lora" in argv:
+        assert target["lora"] == [Adapter("adapter"), Adapter("other.gguf", 0.5)] and "lora" not in draft
 
 
 def test_bench_concurrency_starts_every_server_with_the_backend_flags():

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_head
+from conftest import kernel_builds, make_head
 from families import convert, convert_lora, make_checkpoint, make_lora, merged_reference, reference_model
 from test_families import _expected, _logits, _prompt
 
@@ -56,7 +56,7 @@ def test_an_adapted_model_computes_what_transformers_computes_with_the_adapter_m
         route, (gguf, adapter_gguf)
     )
     loaded = _loaded(model, Adapter(str(path)))
-    assert loaded.model.backend.endswith("+ LoRA (8 layers)") and loaded.model.layers_kernel is None
+    assert loaded.model.backend.endswith("+ LoRA (8 layers)")
     ids = _prompt(loaded.config.vocab_size)
     want = _expected(merged_reference(folder, updates), ids)
     torch.testing.assert_close(_logits(loaded.model, ids), want, **TOLERANCE)
@@ -196,3 +196,110 @@ def test_the_commands_take_adapters_one_flag_each():
     )
     assert llm_options(build_parser().parse_args(["serve"]))["lora"] == ()
     assert build_parser().parse_args(["generate", "--lora", "a", "hi"]).lora == ["a"]
+
+
+def _adapted_zeros(rows: int):
+    """A layer of zero weights whose adapter has the 1.5B's shapes for q (rank 16), and an input of `rows` rows."""
+    g = torch.Generator().manual_seed(0)
+    zeros = torch.nn.Linear(1536, 1792, bias=False)
+    torch.nn.init.zeros_(zeros.weight)
+    blocks = [(slice(0, 1792), slice(0, 16), torch.randn(1792, 16, generator=g))]
+    layer = LowRankAdded(zeros, torch.randn(16, 1536, generator=g), blocks)
+    return layer, torch.randn(1, rows, 1536, generator=g)
+
+
+@pytest.mark.parametrize("rows", [2, 4, 5, 9])
+def test_a_token_s_update_is_the_same_alone_and_among_others(rows):
+    """The logits of a token decoded alone and verified beside drafts are the same bit for bit: its adapted layers'
+    outputs are too."""
+    layer, x = _adapted_zeros(rows)
+    assert torch.equal(layer(x[:, :1]), layer(x)[:, :1])
+
+
+def test_a_gemm_of_the_update_rounds_a_row_otherwise_among_others(monkeypatch):
+    """The broken variant: the update by GEMMs of all rows at once (on CPUs whose GEMM rounds so; Zen 4 does)."""
+    import specdecode.models.lora as lora
+
+    monkeypatch.setattr(lora, "row_by_row_linear", torch.nn.functional.linear)
+    layer, x = _adapted_zeros(9)
+    if torch.equal(
+        torch.nn.functional.linear(x[:, :1], layer.lora_a), torch.nn.functional.linear(x, layer.lora_a)[:, :1]
+    ):
+        pytest.skip("this CPU's GEMM rounds a row the same among others")
+    assert not torch.equal(layer(x[:, :1]), layer(x)[:, :1])
+
+
+# ---- the LoRA kernel (kernels/lora.c) and the one-call decoder that calls it ----------------------------------
+
+
+def _qkv_like(g) -> LowRankAdded:
+    """The 1.5B's q/k/v shapes with q and v adapted (k not: its rows stay as the base computes them), ranks 16 and 8."""
+    zeros = torch.nn.Linear(1536, 2048, bias=False)
+    torch.nn.init.zeros_(zeros.weight)
+    blocks = [
+        (slice(0, 1536), slice(0, 16), torch.randn(1536, 16, generator=g)),
+        (slice(1792, 2048), slice(16, 24), torch.randn(256, 8, generator=g)),
+    ]
+    return LowRankAdded(zeros, torch.randn(24, 1536, generator=g) / 40, blocks)
+
+
+def _with_kernel(layer: LowRankAdded, isa: str = "native") -> LowRankAdded:
+    from specdecode.executor.kernels import load
+    from specdecode.executor.lora_kernel import LoRAKernel
+
+    layer.kernel = LoRAKernel(load("lora", isa))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
+def test_the_kernel_computes_the_update_pytorch_does_each_row_as_if_alone(rows):
+    g = torch.Generator().manual_seed(1)
+    layer, x = _qkv_like(g), torch.randn(1, rows, 1536, generator=g)
+    expected = layer(x)  # PyTorch's path: no kernel
+    got = _with_kernel(layer)(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[..., 1536:1792], torch.zeros(1, rows, 256))  # k: not adapted
+    assert all(torch.equal(layer(x[:, r : r + 1])[0, 0], got[0, r]) for r in range(rows))
+
+
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_every_build_of_the_kernel_gives_the_scalar_reference_bits(isa):
+    g = torch.Generator().manual_seed(2)
+    layer, x = _qkv_like(g), torch.randn(1, 11, 1536, generator=g)
+    assert torch.equal(_with_kernel(layer, isa)(x), _with_kernel(layer, "scalar")(x))
+
+
+def _decoder_and_module_logits(loaded) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = _prompt(loaded.config.vocab_size)
+    one_call = _logits(loaded.model, ids)
+    kernel, loaded.model.layers_kernel = loaded.model.layers_kernel, None
+    by_module = _logits(loaded.model, ids)
+    loaded.model.layers_kernel = kernel
+    return one_call, by_module
+
+
+def test_the_one_call_decoder_adds_the_updates_as_the_layers_do(made):
+    """Bit for bit, so greedy speculation on it stays exact."""
+    _, gguf, _, adapter_gguf, _ = made("qwen2_yarn")
+    loaded = _loaded(gguf, Adapter(str(adapter_gguf), 0.1), quantization="w8a8")
+    assert loaded.model.layers_kernel is not None
+    one_call, by_module = _decoder_and_module_logits(loaded)
+    assert torch.equal(one_call, by_module)
+
+
+def test_a_decoder_that_leaves_the_updates_out_computes_otherwise(made, monkeypatch):
+    """The broken variant: the projections' structs without their adapters."""
+    from specdecode.executor import decoder
+
+    _, gguf, _, adapter_gguf, _ = made("qwen2_yarn")
+    built = decoder._projection
+
+    def without_adapter(projection, kept):
+        struct = built(projection, kept)
+        struct.lora = None
+        return struct
+
+    monkeypatch.setattr(decoder, "_projection", without_adapter)
+    loaded = _loaded(gguf, Adapter(str(adapter_gguf), 0.1), quantization="w8a8")
+    one_call, by_module = _decoder_and_module_logits(loaded)
+    assert not torch.allclose(one_call, by_module, atol=1e-2)

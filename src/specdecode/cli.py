@@ -351,6 +351,13 @@ def _add_latency(bench_sub) -> None:
         help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
         "same GGUF files and prompts, and print our ratios to its plain decoding",
     )
+    lat.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="measure the target with these adapters (repeatable), beside a plain row of the target without them",
+    )
     lat.add_argument("--out", default="results/latency.json")
 
 

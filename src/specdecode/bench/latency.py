@@ -13,6 +13,7 @@ from ..engine.llm import LLM
 from ..engine.profile import time_forward
 from ..metrics import SpecCounters
 from ..models.loader import load_model
+from ..models.lora import Adapter
 from ..models.sources import default_draft, resolve
 from ..proposers.registry import DRAFT_MODEL, proposer_kind
 from ..sampling import SamplingParams
@@ -241,9 +242,7 @@ def run_backend(
 ) -> tuple[list[LatencyResult], list[str]]:
     """Plain, then each proposer at each k, on one loaded target in `quantization`; also the texts of the
     timed prompts as plain decoding saw them (for llama.cpp's rows)."""
-    target = load_model(
-        args.model, args.device, args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype
-    )
+    target = _target(args, quantization, args.lora)
     draft_name = draft_model_name(args)
     draft = (
         load_model(
@@ -392,6 +391,21 @@ def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyRe
     return results
 
 
+def _target(args, quantization: str, lora: list[str]):
+    adapters = [Adapter.parse(spec) for spec in lora]
+    options = dict(quantization=quantization, kv_cache_dtype=args.kv_cache_dtype, lora=adapters)
+    return load_model(args.model, args.device, args.dtype, **options)
+
+
+def unadapted_plain_row(args, quantization: str, requests: list, params: SamplingParams) -> LatencyResult:
+    """Plain decoding of the target without the adapters the other rows add: what they cost."""
+    target = _target(args, quantization, [])
+    llm = LLM(target=target, max_model_len=args.max_model_len, max_num_seqs=1, num_speculative_tokens=0)
+    plain, _ = run_config(llm, requests, params, 0, f"{target.model.backend}: plain", "none")
+    print(_row(plain), flush=True)
+    return plain
+
+
 def run_latency(args) -> list[LatencyResult]:
     """Our rows between two measurements of llama.cpp's plain decoding (when it is asked for): the machine's
     speed drifts, and ratios are taken to the mean of the two."""
@@ -405,7 +419,11 @@ def run_latency(args) -> list[LatencyResult]:
     before, _ = llama_cpp_plain(args, threads, "before") if args.vs_llama_cpp else (None, None)
     results, prompts = [], []
     for quantization in args.quantization:
+        unadapted = unadapted_plain_row(args, quantization, requests, params) if args.lora else None
         rows, prompts = run_backend(args, quantization, requests, params)
+        if unadapted is not None:
+            print(f"{'':<28}the adapters' cost: plain {ratio(rows[0].tokens_per_s / unadapted.tokens_per_s)}")
+            results.append(unadapted)
         results += rows
         gc.collect()  # one backend's weights at a time
     if before is None:
@@ -476,6 +494,7 @@ def run_latency_cli(args) -> int:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "draft_quantization": args.draft_quantization,
+        "lora": args.lora,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "dataset": args.dataset,

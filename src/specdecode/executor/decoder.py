@@ -22,7 +22,8 @@ from .elementwise import ActMulKernel, NormKernel
 from .experts import ERRORS as EXPERTS_ERRORS
 from .experts import ExpertsKernel
 from .kernels import load
-from .quant import ERRORS as LINEAR_ERRORS
+from .lora_kernel import ERRORS as LORA_ERRORS
+from .quant import ERRORS as QUANT_ERRORS
 from .quant import BlockLinear, ConcatLinear
 
 _I32, _F32, _P = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -35,8 +36,12 @@ class _Block(ctypes.Structure):
     ]
 
 
+class _LoRA(ctypes.Structure):
+    _fields_ = [("rank", _I32), ("blocks", _I32), ("A", _P), ("spans", _P), ("B", _P)]
+
+
 class _Projection(ctypes.Structure):
-    _fields_ = [("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P)]
+    _fields_ = [("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P), ("lora", _P)]
 
 
 _EXPERTS_INTS = "experts top normalize inter passes gate_up_format gate_up_S down_format down_S".split()
@@ -60,7 +65,7 @@ class _Layer(ctypes.Structure):
 
 class _Decoder(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("linear", "norm", "add_norm", "act_mul", "attention", "moe")]
+        [(name, _P) for name in ("linear", "norm", "add_norm", "act_mul", "attention", "moe", "lora")]
         + [(name, _I32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim")]
         + [("layer", _P)]
     )
@@ -74,7 +79,9 @@ class _Tokens(ctypes.Structure):
     )
 
 
-# kernels/decoder.c's steps, as its enum numbers them, and whose error codes each returns
+# kernels/decoder.c's steps, as its enum numbers them, and whose error codes each returns (a projection's: its
+# low-bit product's or its adapters')
+LINEAR_ERRORS = QUANT_ERRORS | LORA_ERRORS
 STEPS = [
     ("input norm", NORM_ERRORS),
     ("q/k/v projection", LINEAR_ERRORS),
@@ -96,7 +103,10 @@ def _address(fn) -> int:
 
 
 def _parts(projection) -> tuple[list[BlockLinear], torch.Tensor | None] | None:
-    """A projection's low-bit parts and the bias over them all, or None where the kernel cannot run it."""
+    """A projection's low-bit parts and the bias over them all, or None where the kernel cannot run it (an adapted
+    projection: where its update has the LoRA kernel)."""
+    if _adapted(projection):
+        return _parts(projection.base) if projection.kernel is not None else None
     if isinstance(projection, BlockLinear):
         return [projection], projection.bias
     if isinstance(projection, ConcatLinear) and len(projection.parts) <= MAX_PARTS:
@@ -106,10 +116,22 @@ def _parts(projection) -> tuple[list[BlockLinear], torch.Tensor | None] | None:
     return None
 
 
-def _projection(projection) -> _Projection:
+def _adapted(projection) -> bool:
+    """models/lora.py's LowRankAdded (told by its adapter, as models/ imports this package)."""
+    return hasattr(projection, "lora_a")
+
+
+def _projection(projection, kept: list) -> _Projection:
+    """The projection's struct; the structs it points to go into `kept`, which must outlive it."""
     parts, bias = _parts(projection)
     p = _Projection(parts=len(parts), out_features=sum(b.out_features for b in parts))
     p.bias = None if bias is None else bias.data_ptr()
+    if _adapted(projection):
+        spans, addresses = projection.kernel.layout(projection)
+        lora = _LoRA(projection.lora_a.shape[0], len(projection.spans), projection.lora_a.data_ptr())
+        lora.spans, lora.B = ctypes.addressof(spans), ctypes.addressof(addresses)
+        kept.append(lora)
+        p.lora = ctypes.addressof(lora)
     for i, b in enumerate(parts):
         p.part[i] = _Block(b.format.id, b.in_features, b.rows, b.out_features, b.S, b.passes, *b.buffer_addresses)
     return p
@@ -135,7 +157,7 @@ def _experts(moe) -> _Experts:
     )
 
 
-def _layer(layer) -> _Layer:
+def _layer(layer, kept: list) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     norms = attn.qk_norms
     out = _Layer(
@@ -146,8 +168,8 @@ def _layer(layer) -> _Layer:
         softcap=attn.softcap or 0.0,
         window=attn.window or 0,
         local_rope=int(attn.rope != "global"),  # its own table: Gemma's local RoPE, a NoPE layer's identity
-        qkv=_projection(attn.qkv_proj),
-        o=_projection(attn.o_proj),
+        qkv=_projection(attn.qkv_proj, kept),
+        o=_projection(attn.o_proj, kept),
     )
     if norms is not None:
         out.q_norm, out.k_norm, out.qk_eps = norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps
@@ -157,7 +179,7 @@ def _layer(layer) -> _Layer:
     if _sparse(mlp):
         out.moe = _experts(mlp)
     else:
-        out.gate_up, out.down = _projection(mlp.gate_up_proj), _projection(mlp.down_proj)
+        out.gate_up, out.down = _projection(mlp.gate_up_proj, kept), _projection(mlp.down_proj, kept)
     return out
 
 
@@ -202,6 +224,7 @@ class DecoderKernel:
         self.lib = lib
         self._decoder: _Decoder | None = None  # the weights' addresses, taken again after the layers move
         self._layers = None  # the array the decoder's struct points into
+        self._kept: list = []  # and the adapters' structs its layers point to
         self._moves: list[int] | None = None
         self._attention_lib = None
         self._cache: weakref.ref | None = None  # the cache whose layers' addresses `_kv` holds
@@ -239,7 +262,9 @@ class DecoderKernel:
 
     def _describe(self, model, moves: list[int]) -> _Decoder:
         cfg, first = model.cfg, model.layers[0]
-        layers = (_Layer * len(model.layers))(*(_layer(layer) for layer in model.layers))
+        kept: list = []  # the adapters' structs the layers point to
+        layers = (_Layer * len(model.layers))(*(_layer(layer, kept) for layer in model.layers))
+        lora = next((m.kernel.lib.lora_update for m in model.modules() if _adapted(m)), None)
         linear_lib = _parts(first.self_attn.o_proj)[0][0].lib
         norm_lib, attention_lib = first.input_layernorm.kernel.lib, first.self_attn.rowwise_kernel.lib
         dense = _dense_mlps(model)
@@ -250,6 +275,7 @@ class DecoderKernel:
             _address(dense[0].act_mul_kernel.fn) if dense else None,
             _address(attention_lib.rowwise_attention),
             _address(linear_lib.lowbit_moe) if len(dense) < len(model.layers) else None,
+            _address(lora) if lora is not None else None,
             len(model.layers),
             cfg.hidden_size,
             cfg.num_heads,
@@ -258,6 +284,7 @@ class DecoderKernel:
             ctypes.addressof(layers),
         )
         self._decoder, self._layers, self._moves, self._attention_lib = decoder, layers, moves, attention_lib
+        self._kept = kept
         self._cache = None
         return decoder
 

@@ -94,7 +94,10 @@ def _adapt(model, adapters: Sequence[Adapter]) -> None:
     one-call decoder takes no adapted layer)."""
     if model.device.type != "cpu":
         raise SpecDecodeError("LoRA adapters run on the CPU for now; leave out --lora, or run with --device cpu")
+    from ..executor.lora_kernel import attach_lora_kernel
+
     layers = attach_adapters(model, adapters)
+    attach_lora_kernel(model)
     model.backend += f" + LoRA ({layers} layers)"
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .checkpoints import canonical_hf_weights, gguf_parts, qkv_rows
+from .layers import row_by_row_linear
 from .runtime import hf_parts
 
 # The runtime's linear layers an adapter may adapt (names under the Transformer)
@@ -132,18 +133,31 @@ def _gguf_deltas(path: str, cfg: ModelConfig) -> Deltas:
 
 
 class LowRankAdded(nn.Module):
-    """A linear layer and its adapters' low-rank updates: base(x) + B(Ax), with every adapter of every part of a fused
-    layer in one A (their ranks stacked) and one B (each part's block on its own rows, zeros elsewhere)."""
+    """A linear layer and its adapters' low-rank updates: base(x) + B(Ax). Every adapter of every part of a fused
+    layer (q/k/v, gate/up) reads the same x, so their A's are one (ranks stacked); each part's B adds to its own
+    rows only."""
 
-    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor):
+    kernel = None  # executor/lora_kernel.py's, where it applies: (module, x, y) adds the update to y in place
+
+    def __init__(self, base: nn.Module, lora_a: torch.Tensor, blocks: list[tuple[slice, slice, torch.Tensor]]):
         super().__init__()
         self.base = base
         self.register_buffer("lora_a", lora_a)
-        self.register_buffer("lora_b", lora_b)
+        self.spans = [(rows, ranks) for rows, ranks, _ in blocks]  # each B's output rows and ranks of A
+        for i, (_, _, b) in enumerate(blocks):
+            self.register_buffer(f"lora_b{i}", b.t().contiguous())  # [ranks, rows]: the kernel sums along its rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = nn.functional.linear(nn.functional.linear(x, self.lora_a), self.lora_b)
-        return self.base(x) + update.to(x.dtype)
+        """Each row's update as it would be computed among any others, as the base layer's output is (a token's
+        logits the same decoded alone or verified beside drafts)."""
+        y = self.base(x)
+        if self.kernel is not None and x.dtype == y.dtype == torch.float32 and y.is_contiguous():
+            self.kernel(self, x, y)
+            return y
+        reduced = row_by_row_linear(x, self.lora_a)
+        for i, (rows, ranks) in enumerate(self.spans):
+            y[..., rows] += row_by_row_linear(reduced[..., ranks], getattr(self, f"lora_b{i}").t()).to(y.dtype)
+        return y
 
 
 def attach_adapters(model: nn.Module, adapters: Sequence[Adapter]) -> int:
@@ -157,9 +171,9 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter]) -> int:
     for name, module in list(model.named_modules()):
         parts = hf_parts(name) if ADAPTABLE.fullmatch(name) else []
         if any(part in deltas for part in parts):
-            a, b = _stacked(model, name, module, [deltas.pop(part, []) for part in parts])
+            lora_a, blocks = _stacked(model, name, module, [deltas.pop(part, []) for part in parts])
             parent, _, local = name.rpartition(".")
-            setattr(model.get_submodule(parent), local, LowRankAdded(module, a.to(model.dtype), b.to(model.dtype)))
+            setattr(model.get_submodule(parent), local, LowRankAdded(module, lora_a, blocks))
             adapted += 1
     if deltas:
         raise SpecDecodeError(
@@ -169,11 +183,12 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter]) -> int:
     return adapted
 
 
-def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One A and one B for a layer from each of its parts' (A, B) pairs, checked against the layer's shape."""
+def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple[torch.Tensor, list]:
+    """A layer's A (each part's adapters' A's stacked) and each adapted part's B (its adapters' side by side), with
+    the rows and ranks it spans, in the model's dtype; checked against the layer's shape."""
     rows = _part_rows(model.cfg, name, module.out_features, len(per_part))
     in_features = getattr(module, "in_features", None) or module.parts[0].in_features
-    a_blocks, b = [], torch.zeros(module.out_features, sum(a.shape[0] for pairs in per_part for a, _ in pairs))
+    a_blocks, blocks = [], []
     for part_rows, pairs in zip(rows, per_part):
         for part_a, part_b in pairs:
             if part_a.shape[1] != in_features or part_b.shape[0] != part_rows.stop - part_rows.start:
@@ -182,10 +197,12 @@ def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple
                     f"where the model's layer takes {in_features} inputs to {module.out_features} outputs: an adapter "
                     "of another model?"
                 )
+        if pairs:
             start = sum(a.shape[0] for a in a_blocks)
-            b[part_rows, start : start + part_a.shape[0]] = part_b
-            a_blocks.append(part_a)
-    return torch.cat(a_blocks), b
+            a_blocks += [a for a, _ in pairs]
+            ranks = slice(start, sum(a.shape[0] for a in a_blocks))
+            blocks.append((part_rows, ranks, torch.cat([b for _, b in pairs], dim=1).to(model.dtype).contiguous()))
+    return torch.cat(a_blocks).to(model.dtype).contiguous(), blocks
 
 
 def _part_rows(cfg: ModelConfig, name: str, out_features: int, parts: int) -> list[slice]:

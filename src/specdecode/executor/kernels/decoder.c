@@ -16,6 +16,8 @@ typedef int (*add_norm_fn)(float *, const float *, const float *, float *, int, 
 typedef int (*act_mul_fn)(const float *, float *, int, int, int);
 typedef int (*moe_fn)(int, int, int, int, const float *, int, int, int, int, const float *, int, int64_t *, float *,
                       int, const uint64_t *, const uint64_t *, float *, int, int);
+typedef int (*lora_fn)(const float *, int, int, const float *, int, int, const int32_t *, const float *const *,
+                       float *, int, int);
 typedef int (*attention_fn)(const float *, int, int, int, int, const int64_t *, const int64_t *, const float *,
                             const float *, const float *, const float *, float, float, int, float, void *, void *,
                             const int32_t *, int, int, int, int, float *, int);
@@ -27,10 +29,18 @@ typedef struct {  // one BlockLinear: executor/quant.py
     const void *lo, *hi, *sc, *mn, *d, *dmin;
 } block_t;
 
-typedef struct {  // the parts' outputs side by side, then the bias (ConcatLinear, or one BlockLinear)
+typedef struct {  // LoRA adapters' update of a projection's output: executor/lora_kernel.py
+    int32_t rank, blocks;
+    const float *A;
+    const int32_t *spans;
+    const float *const *B;
+} lora_t;
+
+typedef struct {  // the parts' outputs side by side, then the bias (ConcatLinear, or one BlockLinear), then LoRA's
     int32_t parts, out_features;
     block_t part[MAX_PARTS];
     const float *bias;  // NULL: none
+    const lora_t *lora;  // NULL: none (models/lora.py's LowRankAdded around the projection)
 } projection_t;
 
 typedef struct {  // a mixture of experts in place of gate_up and down: executor/experts.py
@@ -55,6 +65,7 @@ typedef struct {
     act_mul_fn act_mul;
     attention_fn attention;
     moe_fn moe;
+    lora_fn lora;  // NULL where no projection is adapted
     int32_t layers, hidden, heads, kv_heads, head_dim;
     const layer_t *layer;
 } decoder_t;
@@ -101,7 +112,9 @@ static int project(const decoder_t *m, const projection_t *p, const float *x, in
     if (p->bias)
         for (int r = 0; r < n; r++)
             for (int c = 0; c < p->out_features; c++) y[(int64_t)r * p->out_features + c] += p->bias[c];
-    return 0;
+    const lora_t *a = p->lora;
+    return a ? m->lora(x, n, b->in_features, a->A, a->rank, a->blocks, a->spans, a->B, y, p->out_features, threads)
+             : 0;
 }
 
 static int64_t tmp_width(const projection_t *p) {

@@ -1,0 +1,63 @@
+"""LoRA adapters' updates by this package's kernel (kernels/lora.c): one call a layer where PyTorch takes several
+small ones, each row computed alone (docs/decisions.md#lora-adapters-beside-the-weights)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..errors import SpecDecodeError
+from .kernels import load
+
+ERRORS = {-31: "an adapter's rows, widths, ranks or a block out of range", -32: "an adapter's buffer is missing"}
+
+
+class LoRAKernel:
+    """Replaces LowRankAdded's update: y += B(Ax) in place, for float32 rows on the CPU."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self._layouts: dict[int, tuple] = {}  # by layer: its spans and its B's addresses, taken again if they move
+
+    def __call__(self, layer, x: torch.Tensor, y: torch.Tensor) -> None:
+        x = x.contiguous()
+        rows = x.numel() // x.shape[-1]
+        spans, addresses = self.layout(layer)
+        code = self.lib.lora_update(
+            x.data_ptr(), rows, x.shape[-1], layer.lora_a.data_ptr(), layer.lora_a.shape[0], len(layer.spans),
+            ctypes.addressof(spans), ctypes.addressof(addresses), y.data_ptr(), y.shape[-1],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code:
+            raise SpecDecodeError(f"the LoRA kernel refused an update: {ERRORS.get(code, code)}")
+
+    def layout(self, layer) -> tuple:
+        """The layer's spans as C ints and its B's addresses as a C array (made again where its buffers moved)."""
+        pointers = [getattr(layer, f"lora_b{i}").data_ptr() for i in range(len(layer.spans))]
+        found = self._layouts.get(id(layer))
+        if found is None or found[2] != pointers:
+            ints = [n for rows, ranks in layer.spans for n in (rows.start, _width(rows), ranks.start, _width(ranks))]
+            found = (ctypes.c_int * len(ints))(*ints), (ctypes.c_void_p * len(pointers))(*pointers), pointers
+            self._layouts[id(layer)] = found
+        return found[0], found[1]
+
+
+def _width(span: slice) -> int:
+    return span.stop - span.start
+
+
+def attach_lora_kernel(model) -> bool:
+    """Give the model's adapted layers the kernel where it applies (float32 on the CPU); True if it did."""
+    from ..models.lora import LowRankAdded
+
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    lib = load("lora")
+    if lib is None:
+        return False
+    kernel = LoRAKernel(lib)
+    for module in model.modules():
+        if isinstance(module, LowRankAdded):
+            module.kernel = kernel
+    return True
