@@ -303,3 +303,22 @@ def test_a_decoder_that_leaves_the_updates_out_computes_otherwise(made, monkeypa
     loaded = _loaded(gguf, Adapter(str(adapter_gguf), 0.1), quantization="w8a8")
     one_call, by_module = _decoder_and_module_logits(loaded)
     assert not torch.allclose(one_call, by_module, atol=1e-2)
+
+
+def test_a_head_distilled_for_an_adapted_target_records_its_features_apart(made, tmp_path):
+    """The recordings of the target's features are kept per adapter (its files as they are now), as the features
+    differ while the backend and layers do not."""
+    from specdecode.cli import build_parser
+    from specdecode.distill.data import _cache_path
+
+    folder, _, adapter, _, _ = made("qwen2_yarn")
+    second = tmp_path / "second"
+    make_lora(reference_model(folder), second, ("o_proj",), seed=1)
+    paths = {
+        _cache_path(_loaded(folder, *adapters), ["sonnets"], 16)
+        for adapters in ([], [Adapter(str(adapter))], [Adapter(str(adapter), 0.5)], [Adapter(str(second))])
+    }
+    assert len(paths) == 4
+    (second / "adapter_config.json").write_text((second / "adapter_config.json").read_text() + " ")
+    assert _cache_path(_loaded(folder, Adapter(str(second))), ["sonnets"], 16) not in paths
+    assert build_parser().parse_args(["distill", "--out", "h", "--lora", str(adapter)]).lora == [str(adapter)]

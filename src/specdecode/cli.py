@@ -546,6 +546,13 @@ def _add_distill(sub) -> None:
         help="the target's backend while recording its features: the one it will serve with",
     )
     dist.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="LoRA adapters on the target (repeatable): the head drafts for the adapted target",
+    )
+    dist.add_argument(
         "--data",
         nargs="+",
         default=None,

@@ -79,8 +79,10 @@ def run_distill_cli(args) -> int:
     import json
 
     from ..models.loader import load_model
+    from ..models.lora import Adapter
 
-    target = load_model(args.model, args.device, "auto", True, args.quantization)
+    adapters = [Adapter.parse(spec) for spec in args.lora]
+    target = load_model(args.model, args.device, "auto", True, args.quantization, lora=adapters)
     recipe = recipe_for(
         target.model.device.type,
         sources=args.data,

@@ -122,7 +122,8 @@ def _cache_path(target: LoadedModel, *recipe) -> str:
     """Where what the target computed for this recipe is kept (per target, backend and recipe)."""
     from ..models.draft_head import target_fingerprint
 
-    key = json.dumps([target_fingerprint(target.model), target.model.backend, *recipe])
+    adapters = getattr(target.model, "adapters", [])  # LoRA's: the same backend and layers, other features
+    key = json.dumps([target_fingerprint(target.model), target.model.backend, *adapters, *recipe])
     folder = os.path.join(cache_root(), "distill")
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16] + ".pt")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecDecodeError
-from .kernels import load
+from .kernels import load_for
 
 ERRORS = {-1: "rows, width or epsilon out of range", -2: "a buffer is missing"}
 
@@ -71,9 +71,7 @@ def attach_elementwise_kernels(model) -> bool:
     did. A norm the model shares with another (a draft head reads its target's final norm) gets it too."""
     from ..models.layers import MLP, RMSNorm
 
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return False
-    lib = load("norm")
+    lib = load_for(model, "norm")
     if lib is None:
         return False
     norm = NormKernel(lib)

@@ -8,7 +8,7 @@ import ctypes
 import torch
 
 from ..errors import SpecDecodeError
-from .kernels import load
+from .kernels import load_for
 
 ERRORS = {-31: "an adapter's rows, widths, ranks or a block out of range", -32: "an adapter's buffer is missing"}
 
@@ -51,9 +51,7 @@ def attach_lora_kernel(model) -> bool:
     """Give the model's adapted layers the kernel where it applies (float32 on the CPU); True if it did."""
     from ..models.lora import LowRankAdded
 
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return False
-    lib = load("lora")
+    lib = load_for(model, "lora")
     if lib is None:
         return False
     kernel = LoRAKernel(lib)

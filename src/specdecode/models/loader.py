@@ -99,6 +99,7 @@ def _adapt(model, adapters: Sequence[Adapter]) -> None:
     layers = attach_adapters(model, adapters)
     attach_lora_kernel(model)
     model.backend += f" + LoRA ({layers} layers)"
+    model.adapters = [adapter.identity() for adapter in adapters]  # what a recording of its features is keyed by
 
 
 def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

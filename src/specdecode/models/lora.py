@@ -37,6 +37,12 @@ class Adapter:
     path: str
     scale: float = 1.0  # llama.cpp's --lora-scaled: the adapter's output times this
 
+    def identity(self) -> list:
+        """The adapter as its files are now: path, scale, and each file's size and time of change."""
+        files = [self.path] if os.path.isfile(self.path) else sorted(os.scandir(self.path), key=lambda e: e.name)
+        stats = [os.stat(f) for f in files]
+        return [os.path.abspath(self.path), self.scale, [(st.st_size, st.st_mtime_ns) for st in stats]]
+
     @classmethod
     def parse(cls, spec: str) -> Adapter:
         """PATH, or PATH:SCALE."""

@@ -96,6 +96,13 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     return _load(name, isa or default_isa())
 
 
+def load_for(model, name: str) -> ctypes.CDLL | None:
+    """The kernel `name` where `model` computes in float32 on the CPU (what the kernels take), else None."""
+    import torch
+
+    return load(name) if model.device.type == "cpu" and model.dtype == torch.float32 else None
+
+
 def build_problem(name: str, isa: str | None = None) -> str | None:
     """Why `load(name, isa)` returns None: no compiler, or the compiler's error output."""
     return _problems.get(f"{name}/{isa or default_isa()}")
