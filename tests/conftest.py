@@ -345,7 +345,7 @@ class LocalServer:
 class ScriptedEngine:
     """What the HTTP layer needs of an engine, every request answered with the same pieces of text."""
 
-    max_model_len, vocab_size = 2048, 100
+    max_model_len, vocab_size, adapters = 2048, 100, []
 
     def __init__(self, pieces: list[str], opens_thinking: bool = False):
         self.tokenizer, self.pieces, self.opens = ByteTokenizer(100), pieces, opens_thinking
@@ -353,7 +353,7 @@ class ScriptedEngine:
             render = self.tokenizer.apply_chat_template
             self.tokenizer.apply_chat_template = lambda *a, **kw: render(*a, **kw) + "<think>\n"
 
-    def submit(self, prompt_ids, params, session=None, streamed=False, tenant=""):
+    def submit(self, prompt_ids, params, session=None, streamed=False, tenant="", adapter=""):
         return params
 
     async def updates(self, handle, timeout=None):

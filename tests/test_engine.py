@@ -358,8 +358,8 @@ def _first_token_and_run(llm, prompt, read_ahead: bool):
 def test_an_unknown_option_is_refused_with_the_valid_ones_named(target):
     with pytest.raises(TypeError, match=r"'max_num_seq': did you mean 'max_num_seqs'.*options are: model, "):
         LLM(target=target, max_num_seq=4)
-    with pytest.raises(TypeError, match=r"unknown option\(s\) 'colour' for LLM; the options are: .*prefix_caching"):
-        LLM(target=target, colour="blue")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'shade' for LLM; the options are: .*prefix_caching"):
+        LLM(target=target, shade="blue")  # no option's name is close to it
 
 
 @pytest.mark.parametrize("drafting", [True, False])

@@ -17,7 +17,7 @@ from test_families import _expected, _logits, _prompt
 from specdecode import LLM, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
-from specdecode.models.lora import Adapter, LowRankAdded
+from specdecode.models.lora import Adapter, AdapterRoute, AdapterSet, LowRankAdded
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 # llama.cpp interleaves Llama's q/k rows; Phi-4-mini fuses q/k/v and gate/up and turns RoPE on part of a head;
@@ -198,13 +198,17 @@ def test_the_commands_take_adapters_one_flag_each():
     assert build_parser().parse_args(["generate", "--lora", "a", "hi"]).lora == ["a"]
 
 
+def _one_set(base, lora_a, blocks) -> LowRankAdded:
+    return LowRankAdded(base, [AdapterSet(lora_a, blocks)], AdapterRoute([]))
+
+
 def _adapted_zeros(rows: int):
     """A layer of zero weights whose adapter has the 1.5B's shapes for q (rank 16), and an input of `rows` rows."""
     g = torch.Generator().manual_seed(0)
     zeros = torch.nn.Linear(1536, 1792, bias=False)
     torch.nn.init.zeros_(zeros.weight)
     blocks = [(slice(0, 1792), slice(0, 16), torch.randn(1792, 16, generator=g))]
-    layer = LowRankAdded(zeros, torch.randn(16, 1536, generator=g), blocks)
+    layer = _one_set(zeros, torch.randn(16, 1536, generator=g), blocks)
     return layer, torch.randn(1, rows, 1536, generator=g)
 
 
@@ -222,9 +226,8 @@ def test_a_gemm_of_the_update_rounds_a_row_otherwise_among_others(monkeypatch):
 
     monkeypatch.setattr(lora, "row_by_row_linear", torch.nn.functional.linear)
     layer, x = _adapted_zeros(9)
-    if torch.equal(
-        torch.nn.functional.linear(x[:, :1], layer.lora_a), torch.nn.functional.linear(x, layer.lora_a)[:, :1]
-    ):
+    lora_a = layer.sets[0].lora_a
+    if torch.equal(torch.nn.functional.linear(x[:, :1], lora_a), torch.nn.functional.linear(x, lora_a)[:, :1]):
         pytest.skip("this CPU's GEMM rounds a row the same among others")
     assert not torch.equal(layer(x[:, :1]), layer(x)[:, :1])
 
@@ -240,7 +243,7 @@ def _qkv_like(g) -> LowRankAdded:
         (slice(0, 1536), slice(0, 16), torch.randn(1536, 16, generator=g)),
         (slice(1792, 2048), slice(16, 24), torch.randn(256, 8, generator=g)),
     ]
-    return LowRankAdded(zeros, torch.randn(24, 1536, generator=g) / 40, blocks)
+    return _one_set(zeros, torch.randn(24, 1536, generator=g) / 40, blocks)
 
 
 def _with_kernel(layer: LowRankAdded, isa: str = "native") -> LowRankAdded:

@@ -41,10 +41,11 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="a bundled name or a .gguf file")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--b-scale", type=float, default=0.002, help="B's entries' standard deviation")
+    parser.add_argument("--seed", type=int, default=0, help="another seed, another adapter of the same shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     cfg = from_gguf(MappedReader(resolve(args.model).path))
-    g, tensors = torch.Generator().manual_seed(0), {}
+    g, tensors = torch.Generator().manual_seed(args.seed), {}
     for layer in range(cfg.num_layers):
         for name, (inputs, outputs) in shapes(cfg).items():
             key = f"base_model.model.model.layers.{layer}.{name}"

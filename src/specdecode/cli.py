@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Flags of `generate` that are not the engine's to set: it runs one sequence
-GENERATE_FIXED = ("max_num_seqs",)
+# Flags of `generate` that are not the engine's to set: it runs one sequence, which names no served adapter (--lora
+# adapts it)
+GENERATE_FIXED = ("max_num_seqs", "lora_modules")
 
 
 def _add_generate(sub) -> None:

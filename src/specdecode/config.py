@@ -115,6 +115,13 @@ class EngineConfig:
         "PATH:SCALE (llama.cpp's --lora and --lora-scaled); repeatable; on the CPU",
         repeatable="PATH[:SCALE]",
     )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "LoRA adapters served by name (vLLM's --lora-modules): a request whose `model` is NAME gets the adapter's "
+        "updates (on top of --lora's), beside requests of other adapters in the same forwards; as NAME=PATH or "
+        "NAME=PATH:SCALE; repeatable; on the CPU",
+        repeatable="NAME=PATH[:SCALE]",
+    )
     chat_template: str | None = option(
         None,
         "a Jinja chat template (a file, or the template's text) that chats are rendered with, in place of the "
@@ -258,10 +265,21 @@ class EngineConfig:
         self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora)
         if not all(isinstance(spec, str) and spec for spec in self.lora):
             problems.append(f"lora is a list of adapter paths (PATH or PATH:SCALE), got {self.lora!r}")
+        problems += self._lora_module_problems()
         if problems:
             raise SpecDecodeError("; ".join(problems))
         if self.draft_vocab_size == 0:
             self.draft_vocab_size = None  # 0 on the command line: the whole vocabulary
+
+    def _lora_module_problems(self) -> list[str]:
+        modules = (self.lora_modules,) if isinstance(self.lora_modules, str) else tuple(self.lora_modules)
+        self.lora_modules = modules
+        names = [spec.partition("=")[0] for spec in modules if isinstance(spec, str)]
+        if not all(isinstance(spec, str) and spec.partition("=")[0] and spec.partition("=")[2] for spec in modules):
+            return [f"lora_modules are NAME=PATH or NAME=PATH:SCALE, got {modules!r}"]
+        if len(set(names)) < len(names):
+            return [f"lora_modules name an adapter twice: {names}"]
+        return []
 
     def _rope_scaling_problems(self) -> list[str]:
         if isinstance(self.rope_scaling, dict):

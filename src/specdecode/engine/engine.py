@@ -90,9 +90,9 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
             raise SpecDecodeError(f"add_request makes one sequence; use add_group for n={params.n}")
         return self.add_group(prompt_ids, params)[0]
 
-    def add_group(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "") -> list[Sequence]:
-        """Queue params.n sequences of one prompt: admitted together, prefilled once. tenant: who asks
-        (suffix speculation drafts only from the same tenant's earlier outputs)."""
+    def add_group(self, prompt_ids: list[int], params: SamplingParams, tenant="", adapter="") -> list[Sequence]:
+        """Queue params.n sequences of one prompt: admitted together, prefilled once. tenant: who asks (suffix
+        speculation drafts from its earlier outputs only); adapter: the served LoRA adapter computing them, or ""."""
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty; pass at least one token of text")
         if params.n > self.runner.num_slots:
@@ -100,11 +100,11 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
                 f"n={params.n} outputs need as many sequence slots, and this engine has "
                 f"{self.runner.num_slots}; ask for fewer or raise max_num_seqs"
             )
+        self.runner.check_adapter(adapter)
         prompt_ids = prepare_request(prompt_ids, params, self.tokenizer, self.runner.cfg.vocab_size, self.max_model_len)
         self.blocks.check(len(prompt_ids), params)
-        grammar = None
-        if params.structured_output is not None:
-            grammar = GrammarMatcher.compile(params.structured_output, self.tokenizer, self.runner.cfg.vocab_size)
+        vocab, wanted = self.runner.cfg.vocab_size, params.structured_output
+        grammar = None if wanted is None else GrammarMatcher.compile(wanted, self.tokenizer, vocab)
         group: list[Sequence] = []
         for index in range(params.n):
             seq = Sequence(
@@ -116,6 +116,7 @@ class Engine(Prefilling, ChunkedPrefilling, QueuingAhead):
                 logprobs=None if params.logprobs is None else [],
                 grammar=grammar.copy() if grammar is not None else None,
                 tenant=tenant,
+                adapter=adapter,
             )
             seq.metrics.num_prompt_tokens = len(prompt_ids)
             seq.metrics.forced_accept = bool(self.forced_accept) and self.k > 0

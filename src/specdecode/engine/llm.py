@@ -143,6 +143,7 @@ class LLM:
             kv_cache_dtype=config.kv_cache_dtype,
             rope_scaling=config.rope_scaling_fields(),
             lora=[Adapter.parse(spec) for spec in config.lora],
+            served_lora=Adapter.served(config.lora_modules),
         )
         self.tokenizer = self.target.tokenizer
         if config.chat_template is not None:
@@ -226,15 +227,18 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        adapter: str | list[str] = "",
     ) -> list[RequestOutput]:
         """Prompts are strings or token-id lists; sampling_params one for all of them, or one per prompt (as in
-        vLLM). Outputs come back in prompt order."""
+        vLLM); adapter: the served LoRA adapter (lora_modules) that computes them, or one per prompt ("": none).
+        Outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = per_prompt(sampling_params, len(prompts))
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(texts, ids, params)
+        adapters = [adapter] * len(prompts) if isinstance(adapter, str) else list(adapter)
+        return self._run(texts, ids, params, adapters)
 
     def chat(
         self,
@@ -245,6 +249,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        adapter: str = "",
     ) -> list[RequestOutput]:
         """Conversations are lists of {"role", "content"} messages; the model's chat template is applied, with
         `tools` (OpenAI function tools) where it renders them (the calls stay in the output's text), and vLLM's
@@ -256,15 +261,15 @@ class LLM:
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
         )
         texts = [self.tokenizer.apply_chat_template(c, tools=tools, **options) for c in conversations]
-        return self.generate(texts, sampling_params)
+        return self.generate(texts, sampling_params, adapter)
 
-    def _run(self, texts, ids, params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, texts, ids, params: list[SamplingParams], adapters: list[str]) -> list[RequestOutput]:
         """Every prompt to its end; a prompt refused, or anything raised on the way, aborts the call's others, which
         would otherwise run (and be paid for) in the next call."""
         groups = []
         try:
-            for prompt, sampling in zip(ids, params):
-                groups.append(self.engine.add_group(prompt, sampling))
+            for prompt, sampling, adapter in zip(ids, params, adapters, strict=True):
+                groups.append(self.engine.add_group(prompt, sampling, adapter=adapter))
             while self.engine.has_unfinished():
                 self.engine.step()
         except BaseException:

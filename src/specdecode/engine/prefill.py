@@ -115,11 +115,11 @@ class Prefilling:
         """Slots for the group, started from the blocks they find computed, if every KV pool then holds it beside
         the sequences admitted before: the prompt tokens its prefill skips (None: nothing taken, it waits)."""
         first, before = group[0], self._active()
-        found = self.runner.cached_prefix(self._reusable_prompt(first) or [], first.tenant)
+        found = self.runner.cached_prefix(self._reusable_prompt(first) or [], first.tenant, first.adapter)
         if self.runner.num_free < len(group) or not self.blocks.may_fit(before, group, found):
             return None
         for seq in group:
-            seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant)
+            seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant, seq.adapter)
         cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
         if self.blocks.fits(before + group):
             return cached

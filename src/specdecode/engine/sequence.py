@@ -87,6 +87,7 @@ class Sequence:
     # The request's n sequences (this one included): admitted together, they share one prefill.
     siblings: list["Sequence"] = field(default_factory=list)
     tenant: str = ""  # who asked (the server's API key and `user`): whose earlier outputs it may draft from
+    adapter: str = ""  # the served LoRA adapter the target computes it with ("": the target as loaded)
     arrival: int = field(default_factory=lambda: next(_arrivals))  # queue order: the newest is preempted first
 
     def __post_init__(self):

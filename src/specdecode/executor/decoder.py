@@ -41,7 +41,10 @@ class _LoRA(ctypes.Structure):
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P), ("lora", _P)]
+    _fields_ = [
+        ("parts", _I32), ("out_features", _I32), ("part", _Block * MAX_PARTS), ("bias", _P), ("lora", _P),
+        ("sets", _I32),
+    ]  # fmt: skip
 
 
 _EXPERTS_INTS = "experts top normalize inter passes gate_up_format gate_up_S down_format down_S".split()
@@ -76,6 +79,7 @@ class _Tokens(ctypes.Structure):
         [("rows", _I32), ("slots", _P), ("positions", _P), ("cos", _P * 2), ("sin", _P * 2)]
         + [(name, _P) for name in ("kcache", "vcache", "tables")]
         + [(name, _I32) for name in ("num_slots", "max_blocks", "block_size", "num_blocks")]
+        + [("runs", _P), ("num_runs", _I32)]
     )
 
 
@@ -95,7 +99,11 @@ STEPS = [
     ("post-feedforward norm", NORM_ERRORS),
     ("experts", EXPERTS_ERRORS),
 ]
-OWN_ERRORS = {-100: "a call with no rows or no layers", -101: "out of memory for its scratch"}
+OWN_ERRORS = {
+    -100: "a call with no rows or no layers",
+    -101: "out of memory for its scratch",
+    -102: "an adapter run outside the call's rows or the projection's adapter sets",
+}
 
 
 def _address(fn) -> int:
@@ -118,7 +126,7 @@ def _parts(projection) -> tuple[list[BlockLinear], torch.Tensor | None] | None:
 
 def _adapted(projection) -> bool:
     """models/lora.py's LowRankAdded (told by its adapter, as models/ imports this package)."""
-    return hasattr(projection, "lora_a")
+    return hasattr(projection, "route")
 
 
 def _projection(projection, kept: list) -> _Projection:
@@ -127,14 +135,23 @@ def _projection(projection, kept: list) -> _Projection:
     p = _Projection(parts=len(parts), out_features=sum(b.out_features for b in parts))
     p.bias = None if bias is None else bias.data_ptr()
     if _adapted(projection):
-        spans, addresses = projection.kernel.layout(projection)
-        lora = _LoRA(projection.lora_a.shape[0], len(projection.spans), projection.lora_a.data_ptr())
-        lora.spans, lora.B = ctypes.addressof(spans), ctypes.addressof(addresses)
-        kept.append(lora)
-        p.lora = ctypes.addressof(lora)
+        sets = (_LoRA * len(projection.sets))(*(_adapter_set(projection.kernel, s) for s in projection.sets))
+        kept.append(sets)
+        p.lora, p.sets = ctypes.addressof(sets), len(projection.sets)
     for i, b in enumerate(parts):
         p.part[i] = _Block(b.format.id, b.in_features, b.rows, b.out_features, b.S, b.passes, *b.buffer_addresses)
     return p
+
+
+def _adapter_set(kernel, adapter_set) -> _LoRA:
+    """One adapter set's struct (rank 0: none), pointing into the kernel's kept layout of it."""
+    if not adapter_set.rank:
+        return _LoRA(0, 0, None, None, None)
+    spans, addresses = kernel.layout(adapter_set)
+    return _LoRA(
+        adapter_set.rank, len(adapter_set.spans), adapter_set.lora_a.data_ptr(), ctypes.addressof(spans),
+        ctypes.addressof(addresses),
+    )  # fmt: skip
 
 
 def _experts(moe) -> _Experts:
@@ -248,6 +265,12 @@ class DecoderKernel:
         tokens.tables = cache.table.data_ptr()
         tokens.num_slots, tokens.max_blocks = cache.num_slots, cache.max_blocks
         tokens.block_size, tokens.num_blocks = cache.block_size, cache.num_blocks
+        runs = (
+            None
+            if batch.adapter_runs is None
+            else (_I32 * (3 * len(batch.adapter_runs)))(*(n for run in batch.adapter_runs for n in run))
+        )  # alive for the call
+        tokens.runs, tokens.num_runs = (None, 0) if runs is None else (ctypes.addressof(runs), len(batch.adapter_runs))
         code = self.lib.decoder_layers(
             ctypes.addressof(decoder),
             ctypes.addressof(tokens),

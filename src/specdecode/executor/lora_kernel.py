@@ -14,32 +14,34 @@ ERRORS = {-31: "an adapter's rows, widths, ranks or a block out of range", -32: 
 
 
 class LoRAKernel:
-    """Replaces LowRankAdded's update: y += B(Ax) in place, for float32 rows on the CPU."""
+    """Replaces an adapter set's update (models/lora.py's AdapterSet): y += B(Ax) in place, for float32 rows on the
+    CPU."""
 
     def __init__(self, lib):
         self.lib = lib
-        self._layouts: dict[int, tuple] = {}  # by layer: its spans and its B's addresses, taken again if they move
+        self._layouts: dict[int, tuple] = {}  # by set: its spans and its B's addresses, taken again if they move
 
-    def __call__(self, layer, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __call__(self, adapter_set, x: torch.Tensor, y: torch.Tensor) -> None:
         x = x.contiguous()
         rows = x.numel() // x.shape[-1]
-        spans, addresses = self.layout(layer)
+        spans, addresses = self.layout(adapter_set)
         code = self.lib.lora_update(
-            x.data_ptr(), rows, x.shape[-1], layer.lora_a.data_ptr(), layer.lora_a.shape[0], len(layer.spans),
-            ctypes.addressof(spans), ctypes.addressof(addresses), y.data_ptr(), y.shape[-1],
+            x.data_ptr(), rows, x.shape[-1], adapter_set.lora_a.data_ptr(), adapter_set.rank,
+            len(adapter_set.spans), ctypes.addressof(spans), ctypes.addressof(addresses), y.data_ptr(), y.shape[-1],
             torch.get_num_threads(),
         )  # fmt: skip
         if code:
             raise SpecDecodeError(f"the LoRA kernel refused an update: {ERRORS.get(code, code)}")
 
-    def layout(self, layer) -> tuple:
-        """The layer's spans as C ints and its B's addresses as a C array (made again where its buffers moved)."""
-        pointers = [getattr(layer, f"lora_b{i}").data_ptr() for i in range(len(layer.spans))]
-        found = self._layouts.get(id(layer))
+    def layout(self, adapter_set) -> tuple:
+        """The set's spans as C ints and its B's addresses as a C array (made again where its buffers moved)."""
+        spans = adapter_set.spans
+        pointers = [getattr(adapter_set, f"lora_b{i}").data_ptr() for i in range(len(spans))]
+        found = self._layouts.get(id(adapter_set))
         if found is None or found[2] != pointers:
-            ints = [n for rows, ranks in layer.spans for n in (rows.start, _width(rows), ranks.start, _width(ranks))]
+            ints = [n for rows, ranks in spans for n in (rows.start, _width(rows), ranks.start, _width(ranks))]
             found = (ctypes.c_int * len(ints))(*ints), (ctypes.c_void_p * len(pointers))(*pointers), pointers
-            self._layouts[id(layer)] = found
+            self._layouts[id(adapter_set)] = found
         return found[0], found[1]
 
 

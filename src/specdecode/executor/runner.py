@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from ..config import MAX_VERIFY_WIDTH as ROWWISE_ATTENTION_MAX_WIDTH
+from ..errors import SpecDecodeError
 from ..kv_cache import KVCache
 from ..models.layers import SparseMoE, linear_layers
 from ..models.runtime import Attention, ForwardBatch, Transformer
@@ -73,6 +74,9 @@ class ModelRunner:
         if model.device.type == "cuda":
             gpu_experts(model)  # before the choice of fixed shapes: with them, its forwards never wait on the host
         fixed_shapes = fixed_shapes_by_default(model) if fixed_shapes is None else fixed_shapes
+        self._route = getattr(model, "adapter_route", None)  # a Transformer's with LoRA adapters (a head has none)
+        if fixed_shapes and self._route is not None and len(self._route.sets) > 1:
+            raise SpecDecodeError("served LoRA adapters are computed in eager forwards: leave out fixed_shapes")
         capture = fixed_shapes and model.device.type == "cuda"
         if capture:  # timed before the KV cache takes the device's memory
             gpu_linear_layers(model)
@@ -93,6 +97,7 @@ class ModelRunner:
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # token ids of the written positions
         self._scope: list[Hashable | None] = [None] * num_slots  # None: the slot's blocks are never findable
         self._chain: list[list[int]] = [[] for _ in range(num_slots)]  # the prefix uid of each findable full block
+        self._sets = [0] * num_slots  # each slot's adapter set (models/lora.py's AdapterRoute): 0, the model's own
 
     # ---- what the model is ----------------------------------------------------------------------
     @property
@@ -164,13 +169,32 @@ class ModelRunner:
         """Blocks in the slot's table, its own and shared."""
         return len(self._cache.tables[slot])
 
-    def allocate(self, tokens: list[int] | None = None, scope: Hashable = "") -> int:
+    def allocate(self, tokens: list[int] | None = None, scope: Hashable = "", adapter: str = "") -> int:
         """A free slot. With reuse_prefixes and the tokens it will hold: starting from the computed blocks of
         `scope` that hold the longest prefix of them (`length` says how long; the last token is always left to
-        compute, for its logits)."""
+        compute, for its logits). adapter: the served LoRA adapter its forwards compute with ("": none); its
+        blocks are found by the slots of that adapter only."""
+        set_index = self._adapter_set(adapter)
         slot = self._cache.allocate()
-        self._start(slot, tokens, scope, len(tokens) - 1 if tokens else 0)
+        self._sets[slot] = set_index
+        self._start(slot, tokens, _scoped(scope, adapter), len(tokens) - 1 if tokens else 0)
         return slot
+
+    @property
+    def adapters(self) -> list[str]:
+        """The served LoRA adapters' names, which requests give to compute with one."""
+        return [] if self._route is None else [name for name in self._route.sets if name]
+
+    def check_adapter(self, adapter: str) -> None:
+        """Refuses an adapter no slot could compute with."""
+        self._adapter_set(adapter)
+
+    def _adapter_set(self, adapter: str) -> int:
+        if not adapter:
+            return 0
+        if self._route is None:
+            raise SpecDecodeError(f"the LoRA adapter {adapter!r} is not served: this model has no served adapters")
+        return self._route.set_of(adapter)
 
     def take(self, slot: int, tokens: list[int], scope: Hashable, limit: int) -> int:
         """This free slot, for a model whose slots follow another runner's, starting as allocate() does from at
@@ -190,18 +214,18 @@ class ModelRunner:
         self._cache.lengths[slot] = self._written[slot] = n
         return n
 
-    def cached_prefix(self, tokens: list[int], scope: Hashable = "") -> int:
-        """How many of `tokens` allocate(tokens, scope) would find computed already."""
+    def cached_prefix(self, tokens: list[int], scope: Hashable = "", adapter: str = "") -> int:
+        """How many of `tokens` allocate(tokens, scope, adapter) would find computed already."""
         if not self.reuse_prefixes or not tokens:
             return 0
-        return self._cache.index.match(scope, tokens, len(tokens) - 1).length(self.block_size)
+        return self._cache.index.match(_scoped(scope, adapter), tokens, len(tokens) - 1).length(self.block_size)
 
     def free(self, slot: int) -> None:
         """The slot's blocks go back, its last one findable too (a next turn continues from it)."""
         self._queued_end.pop(slot, None)
         self._publish(slot, self._cache.lengths[slot], last=True)
         self._cache.free(slot)
-        self._written[slot] = 0
+        self._written[slot] = self._sets[slot] = 0
         self._tokens[slot], self._chain[slot], self._scope[slot] = [], [], None
 
     def _publish(self, slot: int, length: int, last: bool = False) -> None:
@@ -270,7 +294,7 @@ class ModelRunner:
         self._cache.copy(source, dest)
         n = self._written[dest] = self._cache.lengths[dest]
         self._tokens[dest] = self._tokens[source][:n]
-        self._scope[dest] = self._scope[source]
+        self._scope[dest], self._sets[dest] = self._scope[source], self._sets[source]
         self._chain[dest] = self._chain[source][: n // self.block_size]
 
     def assume_cached(self, slot: int, length: int) -> None:
@@ -423,8 +447,9 @@ class ModelRunner:
         if self._fixed is not None and isinstance(logits, str) and (features is None or self._fixed.reads_features):
             out = self._fixed(slots, starts, inputs, logits, hidden, features, *picked or ())
         if out is None:
+            sets = None if self._route is None else [self._sets[s] for s in slots]
             batch = ForwardBatch.build(
-                slots, starts, lengths, self.max_len, self.device, logits=logits, rowwise_width=self._rowwise_width()
+                slots, starts, lengths, self.max_len, self.device, logits, self._rowwise_width(), sets
             )
             rows = self._on_device(inputs)
             if picked is not None:
@@ -510,6 +535,11 @@ class ModelRunner:
         if batch.packed:
             return torch.cat(rows)[None]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def _scoped(scope: Hashable, adapter: str) -> Hashable:
+    """The prefix index's scope of a slot: its KV entries differ by the adapter its forwards compute with."""
+    return (scope, "lora", adapter) if adapter else scope
 
 
 def forward_calls(

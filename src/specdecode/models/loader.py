@@ -52,12 +52,14 @@ def load_model(
     kv_cache_dtype: str = "auto",
     rope_scaling: dict | None = None,
     lora: Sequence[Adapter] = (),
+    served_lora: dict[str, Adapter] | None = None,
 ) -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention.
     rope_scaling: config.json's fields of a RoPE scaling for a model that has none (families.with_rope_scaling).
-    lora: adapters whose updates the model's layers add (models/lora.py)."""
+    lora: adapters whose updates the model's layers add (models/lora.py); served_lora: adapters by name, each added
+    for the requests that name it."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
     from ..executor.decoder import attach_decoder_kernel
@@ -78,8 +80,8 @@ def load_model(
         cfg = with_rope_scaling(native, rope_scaling)
         model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
-    if lora:
-        _adapt(model, lora)
+    if lora or served_lora:
+        _adapt(model, lora, served_lora or {})
     model.native_cfg = native  # its identity (a draft head's fingerprint of it) whatever RoPE scaling it runs with
     attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
@@ -89,16 +91,18 @@ def load_model(
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
 
 
-def _adapt(model, adapters: Sequence[Adapter]) -> None:
+def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter]) -> None:
     """The adapters on the model's layers, before the kernels that would compute a layer without them attach (the
     one-call decoder takes no adapted layer)."""
     if model.device.type != "cpu":
-        raise SpecDecodeError("LoRA adapters run on the CPU for now; leave out --lora, or run with --device cpu")
+        raise SpecDecodeError(
+            "LoRA adapters run on the CPU for now; leave out --lora and --lora-module, or run with --device cpu"
+        )
     from ..executor.lora_kernel import attach_lora_kernel
 
-    layers = attach_adapters(model, adapters)
+    layers = attach_adapters(model, adapters, served)
     attach_lora_kernel(model)
-    model.backend += f" + LoRA ({layers} layers)"
+    model.backend += f" + LoRA ({layers} layers" + (f", {len(served)} served by name)" if served else ")")
     model.adapters = [adapter.identity() for adapter in adapters]  # what a recording of its features is keyed by
 
 

@@ -2,7 +2,8 @@
 its output, computed beside its weights rather than merged into them, so weights in a GGUF block format stay as
 stored (merging would requantize them) and the layer computes what the adapter's training computed. Adapters come as
 a PEFT folder (adapter_config.json and adapter_model.safetensors) or llama.cpp's conversion of one
-(convert_lora_to_gguf.py); several add up. One set serves every request."""
+(convert_lora_to_gguf.py); several add up. The adapters given at load serve every request; served adapters (vLLM's
+--lora-modules) serve the requests that name them, beside requests of other adapters in the same forward."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class Adapter:
         files = [self.path] if os.path.isfile(self.path) else sorted(os.scandir(self.path), key=lambda e: e.name)
         stats = [os.stat(f) for f in files]
         return [os.path.abspath(self.path), self.scale, [(st.st_size, st.st_mtime_ns) for st in stats]]
+
+    @classmethod
+    def served(cls, specs: Sequence[str]) -> dict[str, Adapter]:
+        """Adapters by name from NAME=PATH or NAME=PATH:SCALE (config.py's lora_modules, checked there)."""
+        return {name: cls.parse(path) for name, _, path in (spec.partition("=") for spec in specs)}
 
     @classmethod
     def parse(cls, spec: str) -> Adapter:
@@ -138,60 +144,114 @@ def _gguf_deltas(path: str, cfg: ModelConfig) -> Deltas:
     return deltas
 
 
-class LowRankAdded(nn.Module):
-    """A linear layer and its adapters' low-rank updates: base(x) + B(Ax). Every adapter of every part of a fused
-    layer (q/k/v, gate/up) reads the same x, so their A's are one (ranks stacked); each part's B adds to its own
-    rows only."""
+class AdapterRoute:
+    """Which adapter set each row of the forward in flight computes with, shared by the model's adapted layers: runs
+    (first row, rows, set) over the flat rows, set 0 the model as loaded (its --lora adapters, or none) and set i its
+    i-th served adapter on top; None: every row set 0. The model sets it from each batch (Transformer.forward)."""
 
-    kernel = None  # executor/lora_kernel.py's, where it applies: (module, x, y) adds the update to y in place
+    def __init__(self, names: Sequence[str]):
+        self.sets = {"": 0} | {name: i + 1 for i, name in enumerate(names)}  # by the name requests give
+        self.runs: list[tuple[int, int, int]] | None = None
 
-    def __init__(self, base: nn.Module, lora_a: torch.Tensor, blocks: list[tuple[slice, slice, torch.Tensor]]):
+    def set_of(self, name: str) -> int:
+        if name not in self.sets:
+            served = ", ".join(repr(n) for n in self.sets if n) or "none"
+            raise SpecDecodeError(f"no LoRA adapter {name!r} is served (served: {served}); name one of them")
+        return self.sets[name]
+
+
+class AdapterSet(nn.Module):
+    """One set of adapters' update of a layer: every adapter of every part of a fused layer (q/k/v, gate/up) reads
+    the same x, so their A's are one (ranks stacked); each part's B adds to its own rows only. A set of rank 0
+    adapts nothing here."""
+
+    def __init__(self, lora_a: torch.Tensor, blocks: list[tuple[slice, slice, torch.Tensor]]):
         super().__init__()
-        self.base = base
         self.register_buffer("lora_a", lora_a)
         self.spans = [(rows, ranks) for rows, ranks, _ in blocks]  # each B's output rows and ranks of A
         for i, (_, _, b) in enumerate(blocks):
             self.register_buffer(f"lora_b{i}", b.t().contiguous())  # [ranks, rows]: the kernel sums along its rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's update as it would be computed among any others, as the base layer's output is (a token's
-        logits the same decoded alone or verified beside drafts)."""
-        y = self.base(x)
-        if self.kernel is not None and x.dtype == y.dtype == torch.float32 and y.is_contiguous():
-            self.kernel(self, x, y)
-            return y
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+    def add_update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += B(Ax) for rows [n, in] and [n, out], each row as it would be computed among any others."""
         reduced = row_by_row_linear(x, self.lora_a)
         for i, (rows, ranks) in enumerate(self.spans):
-            y[..., rows] += row_by_row_linear(reduced[..., ranks], getattr(self, f"lora_b{i}").t()).to(y.dtype)
+            y[:, rows] += row_by_row_linear(reduced[:, ranks], getattr(self, f"lora_b{i}").t()).to(y.dtype)
+
+
+class LowRankAdded(nn.Module):
+    """A linear layer and its adapter sets' low-rank updates: base(x) + B(Ax), each row by its set's B and A (the
+    route's runs), so that a token's output is the same decoded alone or verified beside drafts, and beside rows of
+    other adapters."""
+
+    kernel = None  # executor/lora_kernel.py's, where it applies: (set, x, y) adds the update to y in place
+
+    def __init__(self, base: nn.Module, sets: list[AdapterSet], route: AdapterRoute):
+        super().__init__()
+        self.base, self.sets, self.route = base, nn.ModuleList(sets), route
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        runs = self.route.runs or [(0, flat_x.shape[0], 0)]
+        if sum(n for _, n, _ in runs) != flat_x.shape[0]:
+            raise SpecDecodeError(f"the adapters' route covers {runs}, and the forward has {flat_x.shape[0]} rows")
+        fused = self.kernel is not None and x.dtype == y.dtype == torch.float32
+        for first, n, index in runs:
+            chosen = self.sets[index]
+            if chosen.rank and fused:
+                self.kernel(chosen, flat_x[first : first + n], flat_y[first : first + n])
+            elif chosen.rank:
+                chosen.add_update(flat_x[first : first + n], flat_y[first : first + n])
         return y
 
 
-def attach_adapters(model: nn.Module, adapters: Sequence[Adapter]) -> int:
-    """Wrap each linear layer the adapters adapt in a LowRankAdded; returns how many. An adapter of layers the
-    runtime does not compute as linear layers (experts, embeddings, the LM head) or of another model is refused."""
-    deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for adapter in adapters:
-        for name, pair in read_adapter(adapter, model.cfg).items():
-            deltas.setdefault(name, []).append(pair)
-    adapted = 0
+def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], served: dict[str, Adapter] | None = None) -> int:
+    """Wrap each linear layer the adapters adapt in a LowRankAdded; returns how many. Set 0 is `adapters` (every
+    request's), set i + 1 those and the i-th of `served` (the requests that name it); the model gets their route
+    (`adapter_route`). An adapter of layers the runtime does not compute as linear layers (experts, embeddings,
+    the LM head) or of another model is refused."""
+    served = served or {}
+    common = _deltas(model, adapters)
+    per_set = [common] + [_joined(common, _deltas(model, [adapter])) for adapter in served.values()]
+    route = model.adapter_route = AdapterRoute(list(served))
+    adapted, unused = 0, set().union(*per_set)
     for name, module in list(model.named_modules()):
         parts = hf_parts(name) if ADAPTABLE.fullmatch(name) else []
-        if any(part in deltas for part in parts):
-            lora_a, blocks = _stacked(model, name, module, [deltas.pop(part, []) for part in parts])
+        if any(part in deltas for deltas in per_set for part in parts):
+            sets = [AdapterSet(*_stacked(model, name, module, [d.get(p, []) for p in parts])) for d in per_set]
             parent, _, local = name.rpartition(".")
-            setattr(model.get_submodule(parent), local, LowRankAdded(module, lora_a, blocks))
+            setattr(model.get_submodule(parent), local, LowRankAdded(module, sets, route))
+            unused -= set(parts)
             adapted += 1
-    if deltas:
+    if unused:
         raise SpecDecodeError(
-            f"the LoRA adapter adapts {next(iter(deltas))}, which this runtime does not compute as a linear layer of "
-            "its own (experts, embeddings and the LM head cannot be adapted)"
+            f"the LoRA adapter adapts {min(unused)}, which this runtime does not compute as a linear layer of its "
+            "own (experts, embeddings and the LM head cannot be adapted)"
         )
     return adapted
 
 
+def _deltas(model, adapters: Sequence[Adapter]) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The adapters' matrices by the layer they adapt, several adapters' of one layer side by side."""
+    deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for adapter in adapters:
+        for name, pair in read_adapter(adapter, model.cfg).items():
+            deltas.setdefault(name, []).append(pair)
+    return deltas
+
+
+def _joined(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
+    return {name: first.get(name, []) + then.get(name, []) for name in first.keys() | then.keys()}
+
+
 def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple[torch.Tensor, list]:
-    """A layer's A (each part's adapters' A's stacked) and each adapted part's B (its adapters' side by side), with
-    the rows and ranks it spans, in the model's dtype; checked against the layer's shape."""
+    """A layer's A (each part's adapters' A's stacked; none: rank 0) and each adapted part's B (its adapters' side
+    by side), with the rows and ranks it spans, in the model's dtype; checked against the layer's shape."""
     rows = _part_rows(model.cfg, name, module.out_features, len(per_part))
     in_features = getattr(module, "in_features", None) or module.parts[0].in_features
     a_blocks, blocks = [], []
@@ -208,7 +268,8 @@ def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple
             a_blocks += [a for a, _ in pairs]
             ranks = slice(start, sum(a.shape[0] for a in a_blocks))
             blocks.append((part_rows, ranks, torch.cat([b for _, b in pairs], dim=1).to(model.dtype).contiguous()))
-    return torch.cat(a_blocks).to(model.dtype).contiguous(), blocks
+    lora_a = torch.cat(a_blocks) if a_blocks else torch.zeros(0, in_features)
+    return lora_a.to(model.dtype).contiguous(), blocks
 
 
 def _part_rows(cfg: ModelConfig, name: str, out_features: int, parts: int) -> list[slice]:

@@ -64,6 +64,8 @@ class ForwardBatch:
     # positions [1, N]. Only these rows are written: a padding row's position lies past its sequence's reserved blocks,
     # where another sequence's entries may be.
     real: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Each run of flat rows (first, rows, set) and the adapter set it computes with (models/lora.py); None: set 0
+    adapter_runs: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def build(
@@ -75,10 +77,19 @@ class ForwardBatch:
         device,
         logits: str | list[int] = "last",
         rowwise_width: float = ROWWISE_ATTENTION_MAX_WIDTH,
+        adapters: list[int] | None = None,
     ) -> "ForwardBatch":
         """`logits`: "last" (last new token of each sequence), "all" (every valid new token), or per sequence how
         many of its last new tokens (a verify's rows beside a prompt chunk's last). `rowwise_width`: the widest
-        call that is packed and attended row by row."""
+        call that is packed and attended row by row. `adapters`: each sequence's adapter set (None: set 0)."""
+        made = cls._build(slots, starts, num_new, max_len, device, logits, rowwise_width)
+        if adapters is not None and any(adapters):
+            width = max(num_new) if made.rowwise is None else None  # a padded call's rows: B x width
+            made.adapter_runs = adapter_runs(adapters, [width or n for n in num_new])
+        return made
+
+    @classmethod
+    def _build(cls, slots, starts, num_new, max_len, device, logits, rowwise_width) -> "ForwardBatch":
         batch, width = len(slots), max(num_new)
         wanted = logits if isinstance(logits, list) else [n if logits == "all" else 1 for n in num_new]
         kv_len = max(s + n for s, n in zip(starts, num_new))
@@ -369,6 +380,8 @@ class Transformer(nn.Module):
     capture_graphs = True
     # a backend may attach one call for all layers of packed forwards (executor/decoder.py), same results
     layers_kernel = None
+    # which adapter set each row computes with, where the model has LoRA adapters (models/lora.py)
+    adapter_route = None
 
     def weight_bytes(self) -> int:
         """Bytes of all weights: parameters and buffers, tied ones once."""
@@ -380,6 +393,8 @@ class Transformer(nn.Module):
         (row-major over B, T); with return_hidden also the last layer's output (before the final norm)
         for those rows, or with return_hidden="all" for every input row ([B * T, hidden])."""
         x = self.embed(tokens)
+        if self.adapter_route is not None:
+            self.adapter_route.runs = batch.adapter_runs
         rope = batch.rope or self.rope_tables(batch.positions, x.dtype)
         x, residual = run_layers(self, x, rope, batch, cache)
         real = None if batch.real is None else batch.real[0]
@@ -429,6 +444,19 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         for p in self.parameters():
             p.requires_grad_(False)
+
+
+def adapter_runs(sets: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, rows, set) for sequences side by side, neighbours of one set in one run."""
+    runs: list[tuple[int, int, int]] = []
+    first = 0
+    for index, n in zip(sets, rows):
+        if runs and runs[-1][2] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n, index)
+        else:
+            runs.append((first, n, index))
+        first += n
+    return runs
 
 
 def run_layers(model, x: torch.Tensor, rope, batch: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,7 +95,8 @@ class DraftHeadProposer(DraftModelProposer):
         of them (each row needs the target's features at its position, which the target computes only past
         what it keeps): the target's prefill starts where these end."""
         inputs = seq.token_ids[1:]  # row p pairs with token p + 1
-        rows = self.runner.take(seq.slot, inputs, (seq.tenant, seq.token_ids[0]), min(kept, len(inputs)))
+        scope = (seq.tenant, seq.adapter, seq.token_ids[0])  # its rows read the target's features, as adapted
+        rows = self.runner.take(seq.slot, inputs, scope, min(kept, len(inputs)))
         self._slots[seq.request_id] = seq.slot
         return rows
 

@@ -256,8 +256,8 @@ async def create_message(handler: RequestHandler, req: MessagesRequest, request:
     except SpecDecodeError as exc:
         return anthropic_error(400, str(exc))
     reply = MessageReply(handler, req, ids, handler.thinking(prompt), chat.tool_use)
-    limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
-    updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
+    limit, session, tenant = handler.time_limit(chat.timeout), session_of(chat, request), tenant_of(chat, request)
+    updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant, reply.adapter)
     if isinstance(updates, Response):
         return as_anthropic_error(updates)
     if req.stream:
@@ -313,6 +313,8 @@ class MessageReply:
         self.handler, self.ids, self.thinking, self.tools = handler, ids, thinking, tools
         self.stops, self.shows_thinking = req.stop_sequences or [], req.shows_thinking
         self.id = f"msg_{uuid.uuid4().hex}"
+        self.adapter = handler.adapter_of(req.model)  # the served LoRA adapter it names as its model, or ""
+        self.model = self.adapter or handler.model_name
 
     def body(self, content: list[dict], final) -> dict:
         return (
@@ -326,7 +328,7 @@ class MessageReply:
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": self.handler.model_name,
+            "model": self.model,
             "content": content,
         }
 

@@ -100,6 +100,8 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
         }
         for name in handler.model_names
     }
+    for name in engine.adapters:  # as vLLM lists its LoRA modules: each adapter a model, the target its parent
+        cards[name] = cards[handler.model_name] | {"id": name, "parent": handler.model_name}
 
     @app.get("/v1/models")
     async def models():

@@ -69,6 +69,7 @@ class RequestHandle:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     tenant: str = ""
+    adapter: str = ""
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     seqs: list[Sequence] = field(default_factory=list)  # its n outputs, once the engine has them
     sent_chars: list[int] = field(default_factory=list)
@@ -99,6 +100,7 @@ class AsyncEngine:
         # what the HTTP layer reads of the engine (server/handler.py's ServingEngine)
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self.vocab_size = engine.runner.cfg.vocab_size
+        self.adapters = engine.runner.adapters
         self.replica = replica
         self.max_waiting = max_waiting
         # requests accepted (event-loop thread) and ended (engine thread); their difference is in flight
@@ -161,11 +163,12 @@ class AsyncEngine:
         session: str | None = None,
         streamed: bool = True,
         tenant: str = "",
+        adapter: str = "",
     ) -> RequestHandle:
         """Queue a request (raises QueueFull when the waiting queue is at its bound, ShuttingDown while the
         server drains). session (which conversation it belongs to) and streamed (whether its client sees each
         update) matter to deployments of several engines, which route and retry by them; tenant (who asks)
-        scopes the outputs suffix speculation may draft from."""
+        scopes the outputs suffix speculation may draft from; adapter: the served LoRA adapter to compute with."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; send the request to another replica or retry later")
         if self.max_waiting is not None and self.in_flight >= self.engine.runner.num_slots + self.max_waiting:
@@ -174,7 +177,7 @@ class AsyncEngine:
                 f"the server is at capacity ({self.engine.runner.num_slots} running, "
                 f"{self.max_waiting} waiting); retry shortly"
             )
-        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), tenant=tenant)
+        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), tenant=tenant, adapter=adapter)
         self._submitted += 1
         self._inbox.put(("add", handle))
         self._wake.set()
@@ -242,7 +245,7 @@ class AsyncEngine:
                 handle.set_result(ids)
             elif kind == "add":
                 try:
-                    handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params, handle.tenant)
+                    handle.seqs = self.engine.add_group(handle.prompt_ids, handle.params, handle.tenant, handle.adapter)
                     handle.sent_chars, handle.sent_tokens = [0] * len(handle.seqs), [0] * len(handle.seqs)
                     self._outputs.update((id(seq), (handle, i)) for i, seq in enumerate(handle.seqs))
                 except Exception as exc:

@@ -31,6 +31,7 @@ class ServingEngine(Protocol):
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    adapters: list[str]  # the served LoRA adapters' names, which requests give as their model
 
     def submit(
         self,
@@ -39,6 +40,7 @@ class ServingEngine(Protocol):
         session: str | None = None,
         streamed: bool = False,
         tenant: str = "",
+        adapter: str = "",
     ) -> Any: ...
 
     def updates(self, handle: Any, timeout: float | None = None) -> AsyncIterator: ...
@@ -71,13 +73,17 @@ class RequestHandler:
     def other_model(self, req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> JSONResponse | None:
         """A 404 for a request that names a model this server does not serve (its output would be another
         model's); a request that names none gets this one."""
-        if req.model is None or req.model in self.model_names:
+        if req.model is None or req.model in self.model_names or req.model in self.engine.adapters:
             return None
         return error_response(
             404,
             f"the model {req.model!r} is not served here; send model={self.model_name!r} (listed at /v1/models)",
             param="model",
         )
+
+    def adapter_of(self, model: str | None) -> str:
+        """The served LoRA adapter a request names as its model ("": none, the model as loaded)."""
+        return model if model in self.engine.adapters else ""
 
     async def completion(self, req: CompletionRequest, request: Request):
         """One prompt, or several (OpenAI's list of prompts: each answered as a request of its own, their choices
@@ -113,6 +119,7 @@ class RequestHandler:
             echo=echo,
             best=(req.n, req.logprobs is not None) if params.n > req.n else None,
             shown=Shown.asked_by(req),
+            model=req.model,
         )
 
     async def chat(self, req: ChatRequest, request: Request):
@@ -133,6 +140,7 @@ class RequestHandler:
             tools=req.tool_use,
             shown=Shown.asked_by(req),
             thinking=self.thinking(text),
+            model=req.model,
         )
         return await reply.send(
             request, req.stream, self.time_limit(req.timeout), session_of(req, request), tenant_of(req, request)

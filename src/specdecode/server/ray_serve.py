@@ -116,6 +116,7 @@ class EngineReplica:
             "tokenizer": self.engine.tokenizer,
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
+            "adapters": self.engine.adapters,
         }
 
     async def generate(
@@ -125,10 +126,11 @@ class EngineReplica:
         timeout: float | None = None,
         session: str | None = None,
         tenant: str = "",
+        adapter: str = "",
     ):
         """Streams the request's Updates; a refusal or failure arrives as an Update carrying the error."""
         try:
-            handle = self.engine.submit(prompt_ids, params, tenant=tenant)
+            handle = self.engine.submit(prompt_ids, params, tenant=tenant, adapter=adapter)
             async for update in self.engine.updates(handle, timeout):
                 yield update
         except SpecDecodeError as exc:
@@ -147,6 +149,7 @@ class RemoteRequest:
     session: str | None
     streamed: bool
     tenant: str = ""
+    adapter: str = ""
 
 
 class RemoteEngines:
@@ -162,6 +165,7 @@ class RemoteEngines:
         self.tokenizer = described["tokenizer"]
         self.max_model_len = described["max_model_len"]
         self.vocab_size = described["vocab_size"]
+        self.adapters = described["adapters"]
         self.max_attempts = max_attempts
 
     def submit(
@@ -171,14 +175,20 @@ class RemoteEngines:
         session: str | None = None,
         streamed: bool = True,
         tenant: str = "",
+        adapter: str = "",
     ) -> RemoteRequest:
-        return RemoteRequest(prompt_ids, params, session, streamed, tenant)
+        return RemoteRequest(prompt_ids, params, session, streamed, tenant, adapter)
 
     async def updates(self, request: RemoteRequest, timeout: float | None = None):
         for attempt in range(1, self.max_attempts + 1):
             produced, held = False, []
             stream = self._handle.generate.remote(
-                request.prompt_ids, request.params, timeout, session=request.session, tenant=request.tenant
+                request.prompt_ids,
+                request.params,
+                timeout,
+                session=request.session,
+                tenant=request.tenant,
+                adapter=request.adapter,
             )
             try:
                 async for update in stream:

@@ -123,16 +123,20 @@ class Reply:
         tools: Tools | None = None,
         shown: Shown | None = None,
         thinking: Thinking | None = None,
+        model: str | None = None,
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
         self.tools, self.shown, self.thinking = tools, shown or Shown(), thinking
+        self.adapter = handler.adapter_of(model)  # the served LoRA adapter the request names as its model, or ""
+        self.model = self.adapter or handler.model_name  # the name its responses give
         self.token_text = token_texts(handler.tokenizer, self.shown.tokens_as_ids)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
 
     async def send(self, request: Request, stream: bool, timeout: float | None, session: str | None, tenant: str = ""):
-        updates = await submitted(self.handler.engine, self.ids, self.params, stream, timeout, session, tenant)
+        engine = self.handler.engine
+        updates = await submitted(engine, self.ids, self.params, stream, timeout, session, tenant, self.adapter)
         if isinstance(updates, Response):
             return updates
         if stream:
@@ -166,7 +170,7 @@ class Reply:
             "id": self.id,
             "object": self.kind,
             "created": self.created,
-            "model": self.handler.model_name,
+            "model": self.model,
             "choices": choices,
             "usage": usage(len(self.ids), finals),
         }
@@ -215,7 +219,7 @@ class Reply:
                 counts[i] = update.num_tokens
                 if update.finished:
                     finals[i] = update
-                head = {"id": self.id, "object": kind, "created": self.created, "model": self.handler.model_name}
+                head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
                 chunk = head | {"choices": [body]} | self._token_ids(None, prompt_too=self.chat and first_chunk)
                 if self.shown.usage_chunk:
                     chunk["usage"] = self._counted(counts) if self.shown.usage_each else None
@@ -306,7 +310,8 @@ async def merged_stream(replies: list[Reply], n: int, timeout: float | None, ses
     the last chunk's, or a chunk of its own with stream_options.include_usage)."""
     streams = []
     for reply in replies:
-        updates = await submitted(reply.handler.engine, reply.ids, reply.params, True, timeout, session, tenant)
+        engine = reply.handler.engine
+        updates = await submitted(engine, reply.ids, reply.params, True, timeout, session, tenant, reply.adapter)
         if isinstance(updates, Response):  # turned away: the ones submitted before it are let go
             for earlier in streams:
                 await earlier.aclose()
@@ -362,7 +367,7 @@ def last_chunks(held: dict | None, usages: dict, first: Reply) -> list[dict]:
     total = summed_usage([usages[i] for i in sorted(usages)])
     if not first.shown.usage_chunk:
         return [] if held is None else [held | {"usage": total}]
-    head = {"id": first.id, "object": first.kind, "created": first.created, "model": first.handler.model_name}
+    head = {"id": first.id, "object": first.kind, "created": first.created, "model": first.model}
     return ([] if held is None else [held]) + [head | {"choices": [], "usage": total}]
 
 
@@ -396,12 +401,13 @@ async def submitted(
     timeout: float | None,
     session: str | None,
     tenant: str,
+    adapter: str = "",
 ):
     """The request's updates from the engine, or the response that turns it away (429 or 503, with Retry-After)."""
     if params.structured_output is not None:  # built once, in seconds: not on the engine's thread
         await asyncio.to_thread(GrammarTokenizers.get, engine.tokenizer, engine.vocab_size)
     try:
-        handle = engine.submit(ids, params, session=session, streamed=stream, tenant=tenant)
+        handle = engine.submit(ids, params, session=session, streamed=stream, tenant=tenant, adapter=adapter)
     except (QueueFull, ShuttingDown) as exc:
         response = error_response(exc.http_status, str(exc))
         response.headers["Retry-After"] = "1"

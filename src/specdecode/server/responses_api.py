@@ -168,8 +168,8 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
     thinking = handler.thinking(prompt)
     kept = Kept(handler.responses, owner, earlier + input_messages(req.input)) if req.store else None
     reply = ResponseReply(handler, req, ids, thinking, chat.tool_use, kept)
-    limit, session = handler.time_limit(chat.timeout), session_of(chat, request)
-    updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant_of(chat, request))
+    limit, session, tenant = handler.time_limit(chat.timeout), session_of(chat, request), tenant_of(chat, request)
+    updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant, reply.adapter)
     if isinstance(updates, Response):
         return updates
     if req.stream:
@@ -242,6 +242,8 @@ class ResponseReply:
         self.handler, self.req, self.ids, self.thinking, self.tools = handler, req, ids, thinking, tools
         self.kept = kept  # None: store=false
         self.id = f"resp_{uuid.uuid4().hex}"
+        self.adapter = handler.adapter_of(req.model)  # the served LoRA adapter it names as its model, or ""
+        self.model = self.adapter or handler.model_name
         self.item_ids = {kind: new_item_id(kind) for kind in ITEM_PREFIXES}
         self.created = int(time.time())
         self.sequence = 0
@@ -259,7 +261,7 @@ class ResponseReply:
             "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "error": None,
-            "model": self.handler.model_name,
+            "model": self.model,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature,

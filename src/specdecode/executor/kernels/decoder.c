@@ -29,7 +29,7 @@ typedef struct {  // one BlockLinear: executor/quant.py
     const void *lo, *hi, *sc, *mn, *d, *dmin;
 } block_t;
 
-typedef struct {  // LoRA adapters' update of a projection's output: executor/lora_kernel.py
+typedef struct {  // one adapter set's update of a projection's output (rank 0: none): executor/lora_kernel.py
     int32_t rank, blocks;
     const float *A;
     const int32_t *spans;
@@ -40,7 +40,8 @@ typedef struct {  // the parts' outputs side by side, then the bias (ConcatLinea
     int32_t parts, out_features;
     block_t part[MAX_PARTS];
     const float *bias;  // NULL: none
-    const lora_t *lora;  // NULL: none (models/lora.py's LowRankAdded around the projection)
+    const lora_t *lora;  // NULL: none; else its `sets` adapter sets' (models/lora.py's LowRankAdded around it)
+    int32_t sets;
 } projection_t;
 
 typedef struct {  // a mixture of experts in place of gate_up and down: executor/experts.py
@@ -77,6 +78,8 @@ typedef struct {  // one call's tokens: where they are and what they read
     void *const *kcache, *const *vcache;  // each layer's
     const int32_t *tables;
     int32_t num_slots, max_blocks, block_size, num_blocks;
+    const int32_t *runs;  // adapter runs, (first row, rows, set) each; NULL: every row set 0
+    int32_t num_runs;
 } tokens_t;
 
 // Which step failed, for the caller's message: the kernel's own code is the return value.
@@ -84,6 +87,7 @@ enum { AT_INPUT_NORM = 1, AT_QKV, AT_ATTENTION, AT_O, AT_POST_NORM, AT_GATE_UP, 
        AT_POST_FF_NORM, AT_EXPERTS };
 #define DECODER_BAD_CALL -100
 #define DECODER_NO_MEMORY -101
+#define DECODER_BAD_RUN -102  // an adapter run outside the call's rows or the projection's sets
 
 // Whether a projection's output goes through a buffer of its own: several parts side by side, or a part whose
 // output rows are padded to whole groups beyond its out_features.
@@ -94,8 +98,25 @@ static int block_product(const decoder_t *m, const block_t *b, const float *x, i
                      b->passes, threads);
 }
 
-static int project(const decoder_t *m, const projection_t *p, const float *x, int n, float *y, float *tmp,
-                   int threads) {
+// Each run of rows' adapter set's update of y, where the projection is adapted.
+static int add_adapters(const decoder_t *m, const projection_t *p, const tokens_t *t, const float *x, int in,
+                        float *y, int threads) {
+    const int32_t whole[3] = {0, t->rows, 0};
+    const int32_t *runs = t->runs ? t->runs : whole;
+    for (int i = 0; i < (t->runs ? t->num_runs : 1); i++) {
+        const int32_t first = runs[3 * i], rows = runs[3 * i + 1], set = runs[3 * i + 2];
+        if (set < 0 || set >= p->sets || first < 0 || first + rows > t->rows) return DECODER_BAD_RUN;
+        const lora_t *a = p->lora + set;
+        if (!a->rank) continue;
+        int rc = m->lora(x + (int64_t)first * in, rows, in, a->A, a->rank, a->blocks, a->spans, a->B,
+                         y + (int64_t)first * p->out_features, p->out_features, threads);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static int project(const decoder_t *m, const projection_t *p, const tokens_t *t, const float *x, int n, float *y,
+                   float *tmp, int threads) {
     const block_t *b = p->part;
     if (!needs_tmp(p)) {
         int rc = block_product(m, b, x, n, y, threads);
@@ -112,9 +133,7 @@ static int project(const decoder_t *m, const projection_t *p, const float *x, in
     if (p->bias)
         for (int r = 0; r < n; r++)
             for (int c = 0; c < p->out_features; c++) y[(int64_t)r * p->out_features + c] += p->bias[c];
-    const lora_t *a = p->lora;
-    return a ? m->lora(x, n, b->in_features, a->A, a->rank, a->blocks, a->spans, a->B, y, p->out_features, threads)
-             : 0;
+    return p->lora ? add_adapters(m, p, t, x, b->in_features, y, threads) : 0;
 }
 
 static int64_t tmp_width(const projection_t *p) {
@@ -172,7 +191,7 @@ static int attention_block(const decoder_t *m, int l, const tokens_t *t, float *
         rc = m->add_norm(residual, x, L->input_norm, s->normed, n, hidden, L->eps, threads);
     }
     if (rc) return rc;
-    if ((*step = AT_QKV, rc = project(m, &L->qkv, s->normed, n, s->qkv, s->tmp, threads))) return rc;
+    if ((*step = AT_QKV, rc = project(m, &L->qkv, t, s->normed, n, s->qkv, s->tmp, threads))) return rc;
     *step = AT_ATTENTION;
     rc = m->attention(s->qkv, n, m->heads, m->kv_heads, m->head_dim, t->slots, t->positions, t->cos[L->local_rope],
                       t->sin[L->local_rope], L->q_norm, L->k_norm, L->qk_eps, L->scale, L->window, L->softcap,
@@ -181,7 +200,7 @@ static int attention_block(const decoder_t *m, int l, const tokens_t *t, float *
                       s->attended, threads);
     if (rc) return rc;
     *step = AT_O;
-    return project(m, &L->o, s->attended, n, x, s->tmp, threads);
+    return project(m, &L->o, t, s->attended, n, x, s->tmp, threads);
 }
 
 static int experts(const decoder_t *m, const experts_t *e, const float *in, int n, float *y, scratch_t *s,
@@ -192,29 +211,31 @@ static int experts(const decoder_t *m, const experts_t *e, const float *in, int 
 }
 
 // The MLP (or experts) of the normed input into y.
-static int mlp(const decoder_t *m, const layer_t *L, int n, float *y, scratch_t *s, int threads, int *step) {
+static int mlp(const decoder_t *m, const layer_t *L, const tokens_t *t, int n, float *y, scratch_t *s, int threads,
+               int *step) {
     int rc;
     if (L->moe.experts) return (*step = AT_EXPERTS, experts(m, &L->moe, s->normed, n, y, s, threads));
-    if ((*step = AT_GATE_UP, rc = project(m, &L->gate_up, s->normed, n, s->gate_up, s->tmp, threads))) return rc;
+    if ((*step = AT_GATE_UP, rc = project(m, &L->gate_up, t, s->normed, n, s->gate_up, s->tmp, threads))) return rc;
     if ((*step = AT_ACT_MUL, rc = m->act_mul(s->gate_up, s->act, n, L->gate_up.out_features / 2, threads))) return rc;
     *step = AT_DOWN;
-    return project(m, &L->down, s->act, n, y, s->tmp, threads);
+    return project(m, &L->down, t, s->act, n, y, s->tmp, threads);
 }
 
 // x: the attention output in, the MLP output out (normed first with sandwich norms).
-static int mlp_block(const decoder_t *m, const layer_t *L, int n, float *x, float *residual, scratch_t *s,
-                     int threads, int *step) {
+static int mlp_block(const decoder_t *m, const layer_t *L, const tokens_t *t, float *x, float *residual,
+                     scratch_t *s, int threads, int *step) {
+    const int n = t->rows;
     const int hidden = m->hidden;
     int rc;
     *step = AT_POST_NORM;
     if (!L->post_ff_norm) {
         if ((rc = m->add_norm(residual, x, L->post_norm, s->normed, n, hidden, L->eps, threads))) return rc;
-        return mlp(m, L, n, x, s, threads, step);
+        return mlp(m, L, t, n, x, s, threads, step);
     }
     if ((rc = m->norm(x, L->post_norm, s->branch, n, hidden, L->eps, threads))) return rc;
     *step = AT_PRE_FF_NORM;
     if ((rc = m->add_norm(residual, s->branch, L->pre_ff_norm, s->normed, n, hidden, L->eps, threads))) return rc;
-    if ((rc = mlp(m, L, n, s->mlp_out, s, threads, step))) return rc;
+    if ((rc = mlp(m, L, t, n, s->mlp_out, s, threads, step))) return rc;
     *step = AT_POST_FF_NORM;
     return m->norm(s->mlp_out, L->post_ff_norm, x, n, hidden, L->eps, threads);
 }
@@ -222,7 +243,7 @@ static int mlp_block(const decoder_t *m, const layer_t *L, int n, float *x, floa
 static int layer_forward(const decoder_t *m, int l, const tokens_t *t, float *x, float *residual, scratch_t *s,
                          int threads, int *step) {
     const int rc = attention_block(m, l, t, x, residual, s, threads, step);
-    return rc ? rc : mlp_block(m, m->layer + l, t->rows, x, residual, s, threads, step);
+    return rc ? rc : mlp_block(m, m->layer + l, t, x, residual, s, threads, step);
 }
 
 // x [rows, hidden]: the embeddings in, the last layer's MLP output out; residual [rows, hidden]: the residual

@@ -1,0 +1,206 @@
+"""Served LoRA adapters (vLLM's --lora-modules): each request computes with the adapter it names, beside requests of
+other adapters and of none in the same forwards, and gets what the target loaded with that adapter alone computes
+(greedy outputs token for token, in the one-call decoder and layer by layer, with speculation too); a route that
+gives every row the same adapter, or a decoder that ignores it, computes otherwise; a prompt never starts from KV
+blocks computed with another adapter; the server lists the adapters as models and answers in their name; names are
+checked."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from conftest import LocalServer, make_head
+from families import convert, make_checkpoint, make_lora, reference_model
+from test_families import _prompt
+
+from specdecode import LLM, SamplingParams
+from specdecode.cli import build_parser
+from specdecode.config import EngineConfig
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.models.lora import Adapter
+from specdecode.server.api import build_app
+from specdecode.server.async_engine import AsyncEngine
+from specdecode.server.serve_cmd import llm_options
+
+NAMES = ["first", "", "second", "first"]  # each prompt's adapter ("": none), two prompts of one adapter apart
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """The model's GGUF and two adapters (PEFT folders) of other layers and ranks, by name, at half strength."""
+    root = tmp_path_factory.mktemp("served-lora")
+    folder = make_checkpoint("qwen2_yarn", root / "checkpoint")
+    reference = reference_model(folder)
+    make_lora(reference, root / "first", ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    make_lora(reference, root / "second", ("k_proj", "o_proj", "down_proj"), rank=8, seed=1)
+    served = {name: Adapter(str(root / name), 0.5) for name in ("first", "second")}
+    return convert(folder, root / "model.gguf"), served
+
+
+def _target(gguf, quantization: str, lora=(), served=None):
+    options = dict(dtype="float32", kv_cache_dtype="float32") if quantization == "none" else {}
+    return load_model(str(gguf), quantization=quantization, progress=False, lora=lora, served_lora=served, **options)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    first = _prompt(vocab, 20, seed=2)
+    return [first * 2, _prompt(vocab, 9, seed=3), first * 2, _prompt(vocab, 33, seed=4)]  # repeats: lookups hit
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _each_alone(gguf, served, quantization: str) -> list[list[int]]:
+    """Each prompt's output from the target loaded with its adapter alone (as --lora), one LLM each."""
+    alone = {}
+    for name in dict.fromkeys(NAMES):
+        target = _target(gguf, quantization, lora=[served[name]] if name else [])
+        llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+        alone[name] = _tokens(llm.generate(_prompts(target.config.vocab_size), PARAMS))
+    return [alone[name][i] for i, name in enumerate(NAMES)]
+
+
+def _mixed(gguf, served, quantization: str, proposer: str | None = None, folder=None) -> list[list[int]]:
+    target = _target(gguf, quantization, served=served)
+    if proposer == "head":  # its features the target's, each row's as its adapter computes them
+        proposer = make_head(target, folder / "head", intermediate=64)
+    llm = LLM(
+        target=target,
+        speculative_model=proposer,
+        num_speculative_tokens=3 if proposer else 0,
+        max_model_len=256,
+        speculation_policy="fixed",
+    )
+    outputs = llm.generate(_prompts(target.config.vocab_size), PARAMS, adapter=NAMES)
+    assert proposer is None or sum(o.spec["num_draft_tokens"] for o in outputs) > 0
+    return _tokens(outputs)
+
+
+@pytest.fixture(scope="module")
+def expected(made):
+    """By weights: w8a8 (the one-call decoder) and float32 (layer by layer)."""
+    gguf, served = made
+    return {quantization: _each_alone(gguf, served, quantization) for quantization in ("w8a8", "none")}
+
+
+@pytest.mark.parametrize("proposer", [None, "ngram", "head"])
+@pytest.mark.parametrize("quantization", ["w8a8", "none"])
+def test_each_request_computes_with_the_adapter_it_names_beside_the_others(
+    made, expected, quantization, proposer, tmp_path
+):
+    gguf, served = made
+    want = expected[quantization]
+    assert len({tuple(tokens) for tokens in want[:3]}) == 3  # the adapters change the output: the test can fail
+    assert _mixed(gguf, served, quantization, proposer, tmp_path) == want
+
+
+def test_a_forward_s_rows_run_by_adapter_packed_or_padded():
+    from specdecode.models.runtime import ForwardBatch
+
+    def runs(sets, new, width):
+        return ForwardBatch.build([0, 1, 2], [0, 5, 9], new, 64, "cpu", "last", width, sets).adapter_runs
+
+    assert runs([1, 1, 0], [3, 2, 4], 16) == [(0, 5, 1), (5, 4, 0)]  # packed: each sequence's rows, neighbours joined
+    assert runs([2, 0, 2], [3, 2, 4], 0) == [(0, 4, 2), (4, 4, 0), (8, 4, 2)]  # padded: 4 rows a sequence
+    assert runs([0, 0, 0], [3, 2, 4], 16) is None  # the model's own set: no route
+
+
+def test_a_route_that_gives_every_row_one_adapter_computes_otherwise(made, expected, monkeypatch):
+    """The broken variant: every row of a forward computed with the set of its first sequence."""
+    import specdecode.models.runtime as runtime
+
+    monkeypatch.setattr(runtime, "adapter_runs", lambda sets, rows: [(0, sum(rows), sets[0])])
+    gguf, served = made
+    assert _mixed(gguf, served, "none") != expected["none"]
+
+
+def test_a_one_call_decoder_that_ignores_the_route_computes_otherwise(made, expected, monkeypatch):
+    """The broken variant: the decoder's call without the adapter runs (every row the model's own set)."""
+    from specdecode.executor.decoder import DecoderKernel
+
+    called = DecoderKernel.__call__
+
+    def blind(self, model, x, rope, batch, cache):
+        batch.adapter_runs = None
+        return called(self, model, x, rope, batch, cache)
+
+    monkeypatch.setattr(DecoderKernel, "__call__", blind)
+    gguf, served = made
+    assert _mixed(gguf, served, "w8a8") != expected["w8a8"]
+
+
+def _twice(made, monkeypatch=None) -> tuple[list, list, int]:
+    """A prompt with the first adapter, then without (prefix caching on): the second's output and the cached
+    prompt tokens it started from, and the output of the prompt without adapter on a fresh engine."""
+    gguf, served = made
+    target = _target(gguf, "w8a8", served=served)
+    prompt = _prompts(target.config.vocab_size)[3]
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256, prefix_caching=True)
+    llm.generate([prompt], PARAMS, adapter="first")
+    again = llm.generate([prompt], PARAMS, adapter="first")[0]
+    assert again.metrics.num_cached_prompt_tokens >= 16  # the same adapter finds its blocks
+    after = llm.generate([prompt], PARAMS)[0]
+    fresh = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate([prompt], PARAMS)[0]
+    return after.outputs[0].token_ids, fresh.outputs[0].token_ids, after.metrics.num_cached_prompt_tokens
+
+
+def test_a_prompt_never_starts_from_blocks_computed_with_another_adapter(made):
+    after, fresh, cached = _twice(made)
+    assert cached == 0 and after == fresh
+
+
+def test_a_prefix_index_blind_to_adapters_gives_another_answer(made, monkeypatch):
+    """The broken variant: blocks found by tenant and tokens alone."""
+    import specdecode.executor.runner as runner
+
+    monkeypatch.setattr(runner, "_scoped", lambda scope, adapter: scope)
+    after, fresh, cached = _twice(made)
+    assert cached > 0 and after != fresh
+
+
+def test_the_server_lists_the_adapters_and_answers_in_the_name_asked(made):
+    gguf, served = made
+    target = _target(gguf, "w8a8", served=served)
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    prompt = _prompts(target.config.vocab_size)[1]
+    want = {name: llm.generate([prompt], PARAMS, adapter=name)[0].outputs[0].token_ids for name in ("", "first")}
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        cards = {card.id: card for card in client.models.list().data}
+        got = {
+            name: client.completions.create(
+                model=name or "tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+            )
+            for name in ("", "first")
+        }
+        with pytest.raises(openai.NotFoundError, match="not served"):
+            client.completions.create(model="third", prompt=prompt, max_tokens=4)
+    assert set(cards) == {"tiny", "first", "second"} and cards["first"].model_extra["parent"] == "tiny"
+    assert got["first"].model == "first" and got[""].model == "tiny"
+    for name, completion in got.items():
+        assert completion.choices[0].text == target.tokenizer.decode(want[name])
+    assert want["first"] != want[""]
+
+
+def test_adapter_names_are_checked(made):
+    gguf, served = made
+    llm = LLM(target=_target(gguf, "w8a8", served=served), num_speculative_tokens=0, max_model_len=256)
+    with pytest.raises(SpecDecodeError, match="no LoRA adapter 'third' is served \\(served: 'first', 'second'\\)"):
+        llm.generate([[1, 2, 3]], PARAMS, adapter="third")
+    plain = LLM(target=_target(gguf, "w8a8"), num_speculative_tokens=0, max_model_len=256)
+    with pytest.raises(SpecDecodeError, match="this model has no served adapters"):
+        plain.generate([[1, 2, 3]], PARAMS, adapter="first")
+    assert not plain.engine.has_unfinished() and not llm.engine.has_unfinished()
+
+
+def test_lora_modules_are_parsed_and_checked():
+    args = build_parser().parse_args(["serve", "--lora-modules", "sql=/a", "--lora-modules", "chat=/b.gguf:0.5"])
+    assert llm_options(args)["lora_modules"] == ("sql=/a", "chat=/b.gguf:0.5")
+    config = EngineConfig(model="m", lora_modules=("sql=/a", "chat=/b.gguf:0.5"))
+    assert Adapter.served(config.lora_modules) == {"sql": Adapter("/a"), "chat": Adapter("/b.gguf", 0.5)}
+    for wrong, message in [(("/a",), "NAME=PATH"), (("=/a",), "NAME=PATH"), (("a=/x", "a=/y"), "twice")]:
+        with pytest.raises(SpecDecodeError, match=message):
+            EngineConfig(model="m", lora_modules=wrong)
