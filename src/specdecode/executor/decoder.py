@@ -154,6 +154,13 @@ def _adapter_set(kernel, adapter_set) -> _LoRA:
     )  # fmt: skip
 
 
+def _adapter_runs(batch):
+    """The batch's runs of rows by adapter set, (first, rows, set) each, as the C array the call reads; None: every
+    row the model's own set."""
+    runs = batch.adapter_runs
+    return None if runs is None else (_I32 * (3 * len(runs)))(*(n for run in runs for n in run))
+
+
 def _experts(moe) -> _Experts:
     kernel = moe.kernel
     gate_up, down = kernel.tables()
@@ -265,12 +272,8 @@ class DecoderKernel:
         tokens.tables = cache.table.data_ptr()
         tokens.num_slots, tokens.max_blocks = cache.num_slots, cache.max_blocks
         tokens.block_size, tokens.num_blocks = cache.block_size, cache.num_blocks
-        runs = (
-            None
-            if batch.adapter_runs is None
-            else (_I32 * (3 * len(batch.adapter_runs)))(*(n for run in batch.adapter_runs for n in run))
-        )  # alive for the call
-        tokens.runs, tokens.num_runs = (None, 0) if runs is None else (ctypes.addressof(runs), len(batch.adapter_runs))
+        runs = _adapter_runs(batch)  # alive for the call
+        tokens.runs, tokens.num_runs = (None, 0) if runs is None else (ctypes.addressof(runs), len(runs) // 3)
         code = self.lib.decoder_layers(
             ctypes.addressof(decoder),
             ctypes.addressof(tokens),
