@@ -7,6 +7,7 @@ checked."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from conftest import LocalServer, make_head
@@ -178,11 +179,14 @@ def test_the_server_lists_the_adapters_and_answers_in_the_name_asked(made):
         }
         with pytest.raises(openai.NotFoundError, match="not served"):
             client.completions.create(model="third", prompt=prompt, max_tokens=4)
+        metrics = httpx.get(server.url + "/metrics").text
     assert set(cards) == {"tiny", "first", "second"} and cards["first"].model_extra["parent"] == "tiny"
     assert got["first"].model == "first" and got[""].model == "tiny"
     for name, completion in got.items():
         assert completion.choices[0].text == target.tokenizer.decode(want[name])
     assert want["first"] != want[""]
+    assert 'specdecode_lora_requests_finished_total{adapter="first"} 1.0' in metrics
+    assert 'specdecode_lora_output_tokens_total{adapter="first"} 24.0' in metrics and 'adapter=""' not in metrics
 
 
 def test_adapter_names_are_checked(made):

@@ -82,6 +82,14 @@ class ServerMetrics:
             "specdecode_requests_rejected", "Requests refused with 429: the waiting queue was at its bound", registry=r
         )
         self.finished = Counter("specdecode_requests_finished", "Requests finished", ["reason"], registry=r)
+        self.adapter_requests = Counter(
+            "specdecode_lora_requests_finished", "Requests finished that named a served LoRA adapter", ["adapter"],
+            registry=r,
+        )  # fmt: skip
+        self.adapter_tokens = Counter(
+            "specdecode_lora_output_tokens", "Output tokens of finished requests, by LoRA adapter named", ["adapter"],
+            registry=r,
+        )  # fmt: skip
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("specdecode_time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS, registry=r)
 
@@ -121,6 +129,9 @@ class ServerMetrics:
             self.finished.labels(reason=seq.finish_reason or "unknown").inc()
             self.prompt_tokens.inc(seq.metrics.num_prompt_tokens)
             self.cached_prompt_tokens.inc(seq.metrics.num_cached_prompt_tokens)
+            if seq.adapter:
+                self.adapter_requests.labels(adapter=seq.adapter).inc()
+                self.adapter_tokens.labels(adapter=seq.adapter).inc(seq.metrics.num_output_tokens)
             if seq.metrics.ttft is not None:
                 self.ttft.observe(seq.metrics.ttft)
             if seq.metrics.tpot is not None:
