@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--adapters", nargs="+", required=True, help="one per request of the batch")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--head", help="also speculate with this drafter on the last row's engine (head:NAME)")
     args = parser.parse_args()
     print(describe_machine(machine_info()), flush=True)
     batch = len(args.adapters)
@@ -65,6 +66,14 @@ def main() -> None:
         print(f"  {label:28s} {rate:7.2f} tok/s  {rate / results['no adapter'][0]:.2f}x", flush=True)
     same = results["served, every request a0"][1] == results["--lora a0, every request"][1]
     print(f"batch {batch}, {args.max_tokens} tokens each; served a0's outputs are --lora a0's: {same}")
+    if args.head:
+        llm = LLM(target=target, speculative_model=args.head, num_speculative_tokens=3, max_num_seqs=batch)
+        rate, ids = timed(llm, prompts, params, list(served), args.repeats)
+        plain = results["served, each its own"]
+        print(
+            f"served, each its own, {args.head} k=3 (adaptive): {rate:.2f} tok/s, {rate / plain[0]:.2f}x their plain "
+            f"decoding; outputs identical: {ids == plain[1]}"
+        )
 
 
 if __name__ == "__main__":
