@@ -189,6 +189,31 @@ def test_the_server_lists_the_adapters_and_answers_in_the_name_asked(made):
     assert 'specdecode_lora_output_tokens_total{adapter="first"} 24.0' in metrics and 'adapter=""' not in metrics
 
 
+def test_every_chat_api_answers_with_the_adapter_named_and_in_its_name(made):
+    """Chat completions, the Responses API and the Messages API: the same adapted answer, each giving its name."""
+    gguf, served = made
+    llm = LLM(
+        target=_target(gguf, "w8a8", served=served),
+        num_speculative_tokens=0,
+        max_model_len=256,
+        chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    message, greedy = [{"role": "user", "content": "def add(a, b):"}], {"temperature": 0, "max_tokens": 12}
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        texts, names = {}, {}
+        for name in ("first", "tiny"):
+            chat = client.chat.completions.create(model=name, messages=message, **greedy)
+            response = client.responses.create(model=name, input=message, temperature=0, max_output_tokens=12)
+            anthropic = httpx.post(
+                server.url + "/v1/messages", json={"model": name, "messages": message, **greedy}
+            ).json()  # fmt: skip
+            texts[name] = [chat.choices[0].message.content, response.output_text, anthropic["content"][0]["text"]]
+            names[name] = [chat.model, response.model, anthropic["model"]]
+    assert names == {"first": ["first"] * 3, "tiny": ["tiny"] * 3}
+    assert len(set(texts["first"])) == 1 and len(set(texts["tiny"])) == 1 and texts["first"] != texts["tiny"]
+
+
 def test_adapter_names_are_checked(made):
     gguf, served = made
     llm = LLM(target=_target(gguf, "w8a8", served=served), num_speculative_tokens=0, max_model_len=256)
