@@ -225,6 +225,14 @@ def test_adapter_names_are_checked(made):
     assert not plain.engine.has_unfinished() and not llm.engine.has_unfinished()
 
 
+def test_adapters_for_a_target_loaded_apart_are_refused_not_left_out(made):
+    gguf, served = made
+    target = _target(gguf, "w8a8")
+    for options in ({"lora": [str(served["first"].path)]}, {"lora_modules": [f"first={served['first'].path}"]}):
+        with pytest.raises(SpecDecodeError, match="adapt a target the LLM loads"):
+            LLM(target=target, num_speculative_tokens=0, **options)
+
+
 def test_lora_modules_are_parsed_and_checked():
     args = build_parser().parse_args(["serve", "--lora-modules", "sql=/a", "--lora-modules", "chat=/b.gguf:0.5"])
     assert llm_options(args)["lora_modules"] == ("sql=/a", "chat=/b.gguf:0.5")
