@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import kernel_builds, make_head
+from conftest import fixed_k_llm, kernel_builds, make_head
 from families import convert, convert_lora, make_checkpoint, make_lora, merged_reference, reference_model
 from test_families import _expected, _logits, _prompt
 
@@ -43,9 +43,10 @@ def made(tmp_path_factory):
     return get
 
 
-def _loaded(model, *adapters: Adapter, quantization: str = "none"):
+def _loaded(model, *adapters: Adapter, quantization: str = "none", served: dict[str, Adapter] | None = None):
     options = dict(dtype="float32", kv_cache_dtype="float32") if quantization == "none" else {}
-    return load_model(str(model), quantization=quantization, progress=False, lora=adapters, **options)
+    options |= dict(quantization=quantization, lora=adapters, served_lora=served)
+    return load_model(str(model), progress=False, **options)
 
 
 @pytest.mark.parametrize("route", ["peft on the folder", "peft on the gguf", "gguf on the gguf"])
@@ -112,13 +113,7 @@ def test_greedy_speculation_with_an_adapter_equals_plain_decoding_with_it(made, 
     prompts = [_prompt(vocab, 24, seed=2) * 2, _prompt(vocab, 9, seed=3)]  # the first repeats itself: lookups hit
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM(target=target, num_speculative_tokens=0, max_model_len=256).generate(prompts, params)
-    spec = LLM(
-        target=target,
-        speculative_model=drafter,
-        num_speculative_tokens=3,
-        max_model_len=256,
-        speculation_policy="fixed",
-    ).generate(prompts, params)
+    spec = fixed_k_llm(target, speculative_model=drafter).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.spec["num_draft_tokens"] for o in spec) > 0
 

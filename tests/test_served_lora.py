@@ -10,15 +10,15 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import LocalServer, make_head
+from conftest import LocalServer, fixed_k_llm, make_head
 from families import convert, make_checkpoint, make_lora, reference_model
 from test_families import _prompt
+from test_lora import _loaded
 
 from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
 from specdecode.config import EngineConfig
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import load_model
 from specdecode.models.lora import Adapter
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
@@ -40,11 +40,6 @@ def made(tmp_path_factory):
     return convert(folder, root / "model.gguf"), served
 
 
-def _target(gguf, quantization: str, lora=(), served=None):
-    options = dict(dtype="float32", kv_cache_dtype="float32") if quantization == "none" else {}
-    return load_model(str(gguf), quantization=quantization, progress=False, lora=lora, served_lora=served, **options)
-
-
 def _prompts(vocab: int) -> list[list[int]]:
     first = _prompt(vocab, 20, seed=2)
     return [first * 2, _prompt(vocab, 9, seed=3), first * 2, _prompt(vocab, 33, seed=4)]  # repeats: lookups hit
@@ -58,23 +53,17 @@ def _each_alone(gguf, served, quantization: str) -> list[list[int]]:
     """Each prompt's output from the target loaded with its adapter alone (as --lora), one LLM each."""
     alone = {}
     for name in dict.fromkeys(NAMES):
-        target = _target(gguf, quantization, lora=[served[name]] if name else [])
+        target = _loaded(gguf, *([served[name]] if name else []), quantization=quantization)
         llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
         alone[name] = _tokens(llm.generate(_prompts(target.config.vocab_size), PARAMS))
     return [alone[name][i] for i, name in enumerate(NAMES)]
 
 
 def _mixed(gguf, served, quantization: str, proposer: str | None = None, folder=None) -> list[list[int]]:
-    target = _target(gguf, quantization, served=served)
+    target = _loaded(gguf, quantization=quantization, served=served)
     if proposer == "head":  # its features the target's, each row's as its adapter computes them
         proposer = make_head(target, folder / "head", intermediate=64)
-    llm = LLM(
-        target=target,
-        speculative_model=proposer,
-        num_speculative_tokens=3 if proposer else 0,
-        max_model_len=256,
-        speculation_policy="fixed",
-    )
+    llm = fixed_k_llm(target, speculative_model=proposer, k=3 if proposer else 0)
     outputs = llm.generate(_prompts(target.config.vocab_size), PARAMS, adapter=NAMES)
     assert proposer is None or sum(o.spec["num_draft_tokens"] for o in outputs) > 0
     return _tokens(outputs)
@@ -137,7 +126,7 @@ def _twice(made, monkeypatch=None) -> tuple[list, list, int]:
     """A prompt with the first adapter, then without (prefix caching on): the second's output and the cached
     prompt tokens it started from, and the output of the prompt without adapter on a fresh engine."""
     gguf, served = made
-    target = _target(gguf, "w8a8", served=served)
+    target = _loaded(gguf, quantization="w8a8", served=served)
     prompt = _prompts(target.config.vocab_size)[3]
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256, prefix_caching=True)
     llm.generate([prompt], PARAMS, adapter="first")
@@ -164,7 +153,7 @@ def test_a_prefix_index_blind_to_adapters_gives_another_answer(made, monkeypatch
 
 def test_the_server_lists_the_adapters_and_answers_in_the_name_asked(made):
     gguf, served = made
-    target = _target(gguf, "w8a8", served=served)
+    target = _loaded(gguf, quantization="w8a8", served=served)
     llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
     prompt = _prompts(target.config.vocab_size)[1]
     want = {name: llm.generate([prompt], PARAMS, adapter=name)[0].outputs[0].token_ids for name in ("", "first")}
@@ -193,7 +182,7 @@ def test_every_chat_api_answers_with_the_adapter_named_and_in_its_name(made):
     """Chat completions, the Responses API and the Messages API: the same adapted answer, each giving its name."""
     gguf, served = made
     llm = LLM(
-        target=_target(gguf, "w8a8", served=served),
+        target=_loaded(gguf, quantization="w8a8", served=served),
         num_speculative_tokens=0,
         max_model_len=256,
         chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
@@ -216,10 +205,10 @@ def test_every_chat_api_answers_with_the_adapter_named_and_in_its_name(made):
 
 def test_adapter_names_are_checked(made):
     gguf, served = made
-    llm = LLM(target=_target(gguf, "w8a8", served=served), num_speculative_tokens=0, max_model_len=256)
+    llm = LLM(target=_loaded(gguf, quantization="w8a8", served=served), num_speculative_tokens=0, max_model_len=256)
     with pytest.raises(SpecDecodeError, match="no LoRA adapter 'third' is served \\(served: 'first', 'second'\\)"):
         llm.generate([[1, 2, 3]], PARAMS, adapter="third")
-    plain = LLM(target=_target(gguf, "w8a8"), num_speculative_tokens=0, max_model_len=256)
+    plain = LLM(target=_loaded(gguf, quantization="w8a8"), num_speculative_tokens=0, max_model_len=256)
     with pytest.raises(SpecDecodeError, match="this model has no served adapters"):
         plain.generate([[1, 2, 3]], PARAMS, adapter="first")
     assert not plain.engine.has_unfinished() and not llm.engine.has_unfinished()
@@ -227,7 +216,7 @@ def test_adapter_names_are_checked(made):
 
 def test_adapters_for_a_target_loaded_apart_are_refused_not_left_out(made):
     gguf, served = made
-    target = _target(gguf, "w8a8")
+    target = _loaded(gguf, quantization="w8a8")
     for options in ({"lora": [str(served["first"].path)]}, {"lora_modules": [f"first={served['first'].path}"]}):
         with pytest.raises(SpecDecodeError, match="adapt a target the LLM loads"):
             LLM(target=target, num_speculative_tokens=0, **options)

@@ -68,6 +68,12 @@ def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
             p.add_argument(*_flag_names(f), **_flag_spec(f))
 
 
+def _lora_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """EngineConfig's --lora (PATH[:SCALE], repeatable) on a command that loads the target itself, with its help."""
+    lora = next(f for f in fields(C) if f.name == "lora")
+    p.add_argument(*_flag_names(lora), **_flag_spec(lora) | {"help": help})
+
+
 def _flag_names(f) -> tuple[str, ...]:
     dashed = f.name.replace("_", "-")
     if f.type == "bool" and f.default:
@@ -352,13 +358,7 @@ def _add_latency(bench_sub) -> None:
         help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
         "same GGUF files and prompts, and print our ratios to its plain decoding",
     )
-    lat.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="measure the target with these adapters (repeatable), beside a plain row of the target without them",
-    )
+    _lora_flag(lat, "measure the target with these adapters (repeatable), beside a plain row of it unadapted")
     lat.add_argument("--out", default="results/latency.json")
 
 
@@ -546,13 +546,7 @@ def _add_distill(sub) -> None:
         choices=QUANTIZATIONS,
         help="the target's backend while recording its features: the one it will serve with",
     )
-    dist.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="LoRA adapters on the target (repeatable): the head drafts for the adapted target",
-    )
+    _lora_flag(dist, "LoRA adapters on the target (repeatable): the head drafts for the adapted target")
     dist.add_argument(
         "--data",
         nargs="+",

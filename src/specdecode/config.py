@@ -261,25 +261,27 @@ class EngineConfig:
                 f"suffix speculation needs suffix_max_tokens in [1, {MAX_VERIFY_WIDTH - 1}], "
                 "suffix_cache_bytes >= 0 and suffix_min_prob in [0, 1]"
             )
-        problems += self._rope_scaling_problems()
-        self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora)
-        if not all(isinstance(spec, str) and spec for spec in self.lora):
-            problems.append(f"lora is a list of adapter paths (PATH or PATH:SCALE), got {self.lora!r}")
-        problems += self._lora_module_problems()
+        problems += self._rope_scaling_problems() + self._lora_problems()
         if problems:
             raise SpecDecodeError("; ".join(problems))
         if self.draft_vocab_size == 0:
             self.draft_vocab_size = None  # 0 on the command line: the whole vocabulary
 
-    def _lora_module_problems(self) -> list[str]:
-        modules = (self.lora_modules,) if isinstance(self.lora_modules, str) else tuple(self.lora_modules)
-        self.lora_modules = modules
-        names = [spec.partition("=")[0] for spec in modules if isinstance(spec, str)]
-        if not all(isinstance(spec, str) and spec.partition("=")[0] and spec.partition("=")[2] for spec in modules):
-            return [f"lora_modules are NAME=PATH or NAME=PATH:SCALE, got {modules!r}"]
-        if len(set(names)) < len(names):
-            return [f"lora_modules name an adapter twice: {names}"]
-        return []
+    def _lora_problems(self) -> list[str]:
+        """lora and lora_modules as tuples (one spec may come alone), each spec checked."""
+        self.lora, self.lora_modules = (
+            (specs,) if isinstance(specs, str) else tuple(specs) for specs in (self.lora, self.lora_modules)
+        )
+        problems = []
+        if not all(isinstance(spec, str) and spec for spec in self.lora):
+            problems.append(f"lora is a list of adapter paths (PATH or PATH:SCALE), got {self.lora!r}")
+        named = [spec.partition("=") if isinstance(spec, str) else ("", "", "") for spec in self.lora_modules]
+        names = [name for name, _, _ in named]
+        if not all(name and path for name, _, path in named):
+            problems.append(f"lora_modules are NAME=PATH or NAME=PATH:SCALE, got {self.lora_modules!r}")
+        elif len(set(names)) < len(names):
+            problems.append(f"lora_modules name an adapter twice: {names}")
+        return problems
 
     def _rope_scaling_problems(self) -> list[str]:
         if isinstance(self.rope_scaling, dict):

@@ -92,11 +92,11 @@ def load_model(
 
 
 def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter]) -> None:
-    """The adapters on the model's layers, before the kernels that would compute a layer without them attach (the
-    one-call decoder takes no adapted layer)."""
+    """The adapters on the model's layers, before the kernels attach (the one-call decoder reads each adapted
+    projection's adapter sets)."""
     if model.device.type != "cpu":
         raise SpecDecodeError(
-            "LoRA adapters run on the CPU for now; leave out --lora and --lora-module, or run with --device cpu"
+            "LoRA adapters run on the CPU for now; leave out --lora and --lora-modules, or run with --device cpu"
         )
     from ..executor.lora_kernel import attach_lora_kernel
 

@@ -11,13 +11,13 @@ from . import infill
 
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
-# llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
 # Special tokens whose text the server reads calls and thinking out of (Mistral's and Magistral's markers): decoding
 # keeps them where it leaves the other special tokens out, as Qwen's <tool_call> and <think>, ordinary added tokens,
 # stay in the text
 KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]")
 # A reasoning model's thinking tags, where its vocabulary holds each as one token (Qwen3 and DeepSeek-R1's; Magistral's)
 THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+# llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 

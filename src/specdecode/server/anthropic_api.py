@@ -313,8 +313,7 @@ class MessageReply:
         self.handler, self.ids, self.thinking, self.tools = handler, ids, thinking, tools
         self.stops, self.shows_thinking = req.stop_sequences or [], req.shows_thinking
         self.id = f"msg_{uuid.uuid4().hex}"
-        self.adapter = handler.adapter_of(req.model)  # the served LoRA adapter it names as its model, or ""
-        self.model = self.adapter or handler.model_name
+        self.adapter, self.model = handler.served_as(req.model)
 
     def body(self, content: list[dict], final) -> dict:
         return (

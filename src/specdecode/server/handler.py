@@ -81,9 +81,11 @@ class RequestHandler:
             param="model",
         )
 
-    def adapter_of(self, model: str | None) -> str:
-        """The served LoRA adapter a request names as its model ("": none, the model as loaded)."""
-        return model if model in self.engine.adapters else ""
+    def served_as(self, model: str | None) -> tuple[str, str]:
+        """For a request naming `model`: the served LoRA adapter it computes with ("": none, the model as loaded), and
+        the name its reply gives (the adapter's, else the served model's)."""
+        adapter = model if model in self.engine.adapters else ""
+        return adapter, adapter or self.model_name
 
     async def completion(self, req: CompletionRequest, request: Request):
         """One prompt, or several (OpenAI's list of prompts: each answered as a request of its own, their choices

@@ -127,8 +127,7 @@ class Reply:
     ):
         self.handler, self.ids, self.params, self.chat, self.echo, self.best = handler, ids, params, chat, echo, best
         self.tools, self.shown, self.thinking = tools, shown or Shown(), thinking
-        self.adapter = handler.adapter_of(model)  # the served LoRA adapter the request names as its model, or ""
-        self.model = self.adapter or handler.model_name  # the name its responses give
+        self.adapter, self.model = handler.served_as(model)
         self.token_text = token_texts(handler.tokenizer, self.shown.tokens_as_ids)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())

@@ -242,8 +242,7 @@ class ResponseReply:
         self.handler, self.req, self.ids, self.thinking, self.tools = handler, req, ids, thinking, tools
         self.kept = kept  # None: store=false
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.adapter = handler.adapter_of(req.model)  # the served LoRA adapter it names as its model, or ""
-        self.model = self.adapter or handler.model_name
+        self.adapter, self.model = handler.served_as(req.model)
         self.item_ids = {kind: new_item_id(kind) for kind in ITEM_PREFIXES}
         self.created = int(time.time())
         self.sequence = 0

@@ -181,11 +181,13 @@ class CallStream:
     def _block_end(self) -> tuple[int, list[ToolCall]] | None:
         """Where the open block ends in the pending text and its calls (none: the block is content); None while it
         has not ended."""
-        if self.inside == formats.OPEN:
-            end = self.pending.find(formats.CLOSE)
-            call = self._call(self.pending[:end]) if end >= 0 else None
-            return None if end < 0 else (end + len(formats.CLOSE), [call] if call else [])
-        return self._mistral_end()
+        if self.inside != formats.OPEN:
+            return self._mistral_end()
+        end = self.pending.find(formats.CLOSE)
+        if end < 0:
+            return None
+        call = self._call(self.pending[:end])
+        return end + len(formats.CLOSE), [call] if call else []
 
     def _mistral_end(self) -> tuple[int, list[ToolCall]] | None:
         """What follows [TOOL_CALLS]: a JSON list of calls (Mistral's tokenizers before version 11), or one call as
