@@ -284,10 +284,10 @@ def merged_reference(folder: Path, updates: dict[str, torch.Tensor], scale: floa
     return model
 
 
-def convert_lora(adapter: Path, base: Path, out: Path) -> Path:
-    """llama.cpp's conversion of a PEFT adapter of the base checkpoint (float32)."""
+def convert_lora(adapter: Path, base: Path, out: Path, outtype: str = "f32") -> Path:
+    """llama.cpp's conversion of a PEFT adapter of the base checkpoint (its matrices in outtype)."""
     script = llama_cpp_source() / "convert_lora_to_gguf.py"
-    options = ["--base", str(base), "--outtype", "f32", "--outfile", str(out)]
+    options = ["--base", str(base), "--outtype", outtype, "--outfile", str(out)]
     done = subprocess.run([sys.executable, str(script), str(adapter), *options], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

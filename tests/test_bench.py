@@ -412,7 +412,7 @@ class _Loaded(Exception):
     [
         ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
         ["bench", "latency", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"]
-        + ["--lora", "adapter", "--lora", "other.gguf:0.5"],
+        + ["--lora", "adapter", "--lora", "other.gguf:0.5", "--lora-dtype", "bfloat16"],
         ["plan", "--quantization", "w8a8", "--draft-quantization", "w8a16", "--kv-cache-dtype", "float32"],
     ],
 )
@@ -443,6 +443,7 @@ def test_benchmarks_load_models_with_the_backend_flags_they_show(monkeypatch, ar
     assert target["kv_cache_dtype"] == draft["kv_cache_dtype"] == "float32"
     if "--lora" in argv:
         assert target["lora"] == [Adapter("adapter"), Adapter("other.gguf", 0.5)] and "lora" not in draft
+        assert target["lora_dtype"] == "bfloat16"
 
 
 def test_bench_concurrency_starts_every_server_with_the_backend_flags():

@@ -15,6 +15,7 @@ from families import convert, convert_lora, make_checkpoint, make_lora, merged_r
 from test_families import _expected, _logits, _prompt
 
 from specdecode import LLM, SamplingParams
+from specdecode.config import EngineConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.models.lora import Adapter, AdapterRoute, AdapterSet, LowRankAdded
@@ -43,8 +44,8 @@ def made(tmp_path_factory):
     return get
 
 
-def _loaded(model, *adapters: Adapter, quantization: str = "none", served: dict[str, Adapter] | None = None):
-    options = dict(dtype="float32", kv_cache_dtype="float32") if quantization == "none" else {}
+def _loaded(model, *adapters: Adapter, quantization: str = "none", served: dict[str, Adapter] | None = None, **options):
+    options |= dict(dtype="float32", kv_cache_dtype="float32") if quantization == "none" else {}
     options |= dict(quantization=quantization, lora=adapters, served_lora=served)
     return load_model(str(model), progress=False, **options)
 
@@ -190,11 +191,14 @@ def test_the_commands_take_adapters_one_flag_each():
         "b.gguf:0.5",
     )
     assert llm_options(build_parser().parse_args(["serve"]))["lora"] == ()
+    assert llm_options(build_parser().parse_args(["serve", "--lora-dtype", "bfloat16"]))["lora_dtype"] == "bfloat16"
+    with pytest.raises(SpecDecodeError, match="unknown lora_dtype 'int8'"):
+        EngineConfig(lora_dtype="int8")
     assert build_parser().parse_args(["generate", "--lora", "a", "hi"]).lora == ["a"]
 
 
 def _one_set(base, lora_a, blocks) -> LowRankAdded:
-    return LowRankAdded(base, [AdapterSet(lora_a, blocks)], AdapterRoute([]))
+    return LowRankAdded(base, [AdapterSet(lora_a, blocks, torch.ones(lora_a.shape[0]))], AdapterRoute([]))
 
 
 def _adapted_zeros(rows: int):
@@ -230,15 +234,25 @@ def test_a_gemm_of_the_update_rounds_a_row_otherwise_among_others(monkeypatch):
 # ---- the LoRA kernel (kernels/lora.c) and the one-call decoder that calls it ----------------------------------
 
 
-def _qkv_like(g) -> LowRankAdded:
-    """The 1.5B's q/k/v shapes with q and v adapted (k not: its rows stay as the base computes them), ranks 16 and 8."""
+def _qkv_like(g, kept: torch.dtype = torch.float32) -> LowRankAdded:
+    """The 1.5B's q/k/v shapes with q and v adapted (k not: its rows stay as the base computes them), ranks 16 and 8
+    at scales 0.37 and 2, the matrices kept in `kept`."""
     zeros = torch.nn.Linear(1536, 2048, bias=False)
     torch.nn.init.zeros_(zeros.weight)
     blocks = [
-        (slice(0, 1536), slice(0, 16), torch.randn(1536, 16, generator=g)),
-        (slice(1792, 2048), slice(16, 24), torch.randn(256, 8, generator=g)),
+        (slice(0, 1536), slice(0, 16), torch.randn(1536, 16, generator=g).to(kept)),
+        (slice(1792, 2048), slice(16, 24), torch.randn(256, 8, generator=g).to(kept)),
     ]
-    return _one_set(zeros, torch.randn(24, 1536, generator=g) / 40, blocks)
+    scales = torch.tensor([0.37] * 16 + [2.0] * 8)
+    adapter_set = AdapterSet((torch.randn(24, 1536, generator=g) / 40).to(kept), blocks, scales)
+    return LowRankAdded(zeros, [adapter_set], AdapterRoute([]))
+
+
+def _widened(layer: LowRankAdded) -> LowRankAdded:
+    """The layer with its adapter's matrices as float32 copies of their values."""
+    kept = layer.sets[0]
+    blocks = [(rows, ranks, getattr(kept, f"lora_b{i}").t().float()) for i, (rows, ranks) in enumerate(kept.spans)]
+    return LowRankAdded(layer.base, [AdapterSet(kept.lora_a.float(), blocks, kept.scales)], AdapterRoute([]))
 
 
 def _with_kernel(layer: LowRankAdded, isa: str = "native") -> LowRankAdded:
@@ -267,6 +281,27 @@ def test_every_build_of_the_kernel_gives_the_scalar_reference_bits(isa):
     assert torch.equal(_with_kernel(layer, isa)(x), _with_kernel(layer, "scalar")(x))
 
 
+@pytest.mark.parametrize("isa", kernel_builds())
+@pytest.mark.parametrize("kept", [torch.float16, torch.bfloat16])
+def test_an_adapter_kept_in_16_bits_computes_the_bits_of_its_values_in_float32(kept, isa):
+    g = torch.Generator().manual_seed(3)
+    layer, x = _qkv_like(g, kept), torch.randn(1, 11, 1536, generator=g)
+    got = _with_kernel(layer, isa)(x)
+    assert torch.equal(got, _with_kernel(_widened(layer), isa)(x))
+    layer.kernel = None  # PyTorch's path widens them too
+    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_reads_one_16_bit_format_as_the_other_computes_otherwise(monkeypatch):
+    """The broken variant: float16 matrices read as bfloat16."""
+    from specdecode.executor import lora_kernel
+
+    monkeypatch.setitem(lora_kernel.FORMATS, torch.float16, lora_kernel.FORMATS[torch.bfloat16])
+    g = torch.Generator().manual_seed(3)
+    layer, x = _qkv_like(g, torch.float16), torch.randn(1, 11, 1536, generator=g)
+    assert not torch.allclose(_with_kernel(layer)(x), _with_kernel(_widened(layer))(x), atol=1e-2)
+
+
 def _decoder_and_module_logits(loaded) -> tuple[torch.Tensor, torch.Tensor]:
     ids = _prompt(loaded.config.vocab_size)
     one_call = _logits(loaded.model, ids)
@@ -283,6 +318,56 @@ def test_the_one_call_decoder_adds_the_updates_as_the_layers_do(made):
     assert loaded.model.layers_kernel is not None
     one_call, by_module = _decoder_and_module_logits(loaded)
     assert torch.equal(one_call, by_module)
+
+
+def _rounded(adapter, out, dtype: torch.dtype, saved: torch.dtype):
+    """The PEFT adapter with its matrices rounded to dtype, saved as `saved`."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k: t.to(dtype).to(saved) for k, t in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    return out
+
+
+def _kept_formats(loaded) -> set[torch.dtype]:
+    return {s.lora_a.dtype for m in loaded.model.modules() if isinstance(m, LowRankAdded) for s in m.sets}
+
+
+@pytest.mark.parametrize("stored", ["bfloat16 PEFT", "float16 GGUF"])
+def test_an_adapter_stored_in_16_bits_is_kept_so_and_computes_what_its_float32_copy_does(made, tmp_path, stored):
+    """Bit for bit, in the one-call decoder and layer by layer."""
+    folder, gguf, adapter, _, _ = made("qwen2_yarn")
+    dtype = torch.bfloat16 if stored.startswith("bfloat16") else torch.float16
+    as_float32 = _rounded(adapter, tmp_path / "float32", dtype, torch.float32)
+    if stored.endswith("PEFT"):
+        path = _rounded(adapter, tmp_path / "16-bit", dtype, dtype)
+    else:
+        path = convert_lora(as_float32, folder, tmp_path / "adapter-f16.gguf", outtype="f16")
+    kept = _loaded(gguf, Adapter(str(path), 0.1), quantization="w8a8")
+    widened = _loaded(gguf, Adapter(str(as_float32), 0.1), quantization="w8a8")
+    assert _kept_formats(kept) == {dtype} and _kept_formats(widened) == {torch.float32}
+    one_call, by_module = _decoder_and_module_logits(kept)
+    assert torch.equal(one_call, by_module)
+    assert torch.equal(one_call, _logits(widened.model, _prompt(kept.config.vocab_size)))
+
+
+def test_lora_dtype_rounds_a_float32_adapter_to_16_bits_once_at_load(made, tmp_path):
+    _, gguf, adapter, _, _ = made("qwen2_yarn")
+    rounded = _loaded(gguf, Adapter(str(adapter), 0.1), quantization="w8a8", lora_dtype="bfloat16")
+    as_float32 = _rounded(adapter, tmp_path / "float32", torch.bfloat16, torch.float32)
+    widened = _loaded(gguf, Adapter(str(as_float32), 0.1), quantization="w8a8")
+    assert _kept_formats(rounded) == {torch.bfloat16}
+    ids = _prompt(rounded.config.vocab_size)
+    assert torch.equal(_logits(rounded.model, ids), _logits(widened.model, ids))
+
+
+def test_adapters_of_different_formats_in_one_set_are_kept_in_float32(made, tmp_path):
+    folder, _, adapter, _, _ = made("qwen2_yarn")
+    half = _rounded(adapter, tmp_path / "16-bit", torch.bfloat16, torch.bfloat16)
+    served = {"both": Adapter(str(adapter))}
+    assert _kept_formats(_loaded(folder, Adapter(str(half)), served=served)) == {torch.bfloat16, torch.float32}
 
 
 def test_a_decoder_that_leaves_the_updates_out_computes_otherwise(made, monkeypatch):

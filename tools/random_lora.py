@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--b-scale", type=float, default=0.002, help="B's entries' standard deviation")
     parser.add_argument("--seed", type=int, default=0, help="another seed, another adapter of the same shapes")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="as saved")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     cfg = from_gguf(MappedReader(resolve(args.model).path))
@@ -52,7 +53,8 @@ def main() -> None:
             tensors[f"{key}.lora_A.weight"] = torch.randn(args.rank, inputs, generator=g) / inputs**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(outputs, args.rank, generator=g) * args.b_scale
     os.makedirs(args.out, exist_ok=True)
-    save_file(tensors, os.path.join(args.out, "adapter_model.safetensors"))
+    dtype = getattr(torch, args.dtype)
+    save_file({k: t.to(dtype) for k, t in tensors.items()}, os.path.join(args.out, "adapter_model.safetensors"))
     settings = {"peft_type": "LORA", "r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": list(TARGETS)}
     json.dump(settings | {"bias": "none"}, open(os.path.join(args.out, "adapter_config.json"), "w"))
     print(f"{sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters in {args.out}")

@@ -68,10 +68,14 @@ def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
             p.add_argument(*_flag_names(f), **_flag_spec(f))
 
 
-def _lora_flag(p: argparse.ArgumentParser, help: str) -> None:
-    """EngineConfig's --lora (PATH[:SCALE], repeatable) on a command that loads the target itself, with its help."""
+def _lora_flag(p: argparse.ArgumentParser, help: str, dtype: bool = False) -> None:
+    """EngineConfig's --lora (PATH[:SCALE], repeatable) on a command that loads the target itself, with its help;
+    and its --lora-dtype where `dtype`."""
     lora = next(f for f in fields(C) if f.name == "lora")
     p.add_argument(*_flag_names(lora), **_flag_spec(lora) | {"help": help})
+    if dtype:
+        lora_dtype = next(f for f in fields(C) if f.name == "lora_dtype")
+        p.add_argument(*_flag_names(lora_dtype), **_flag_spec(lora_dtype))
 
 
 def _flag_names(f) -> tuple[str, ...]:
@@ -358,7 +362,9 @@ def _add_latency(bench_sub) -> None:
         help="also run llama.cpp (llama-bench, llama-speculative-simple from this folder) on the "
         "same GGUF files and prompts, and print our ratios to its plain decoding",
     )
-    _lora_flag(lat, "measure the target with these adapters (repeatable), beside a plain row of it unadapted")
+    _lora_flag(
+        lat, "measure the target with these adapters (repeatable), beside a plain row of it unadapted", dtype=True
+    )
     lat.add_argument("--out", default="results/latency.json")
 
 

@@ -12,6 +12,7 @@ POLICIES = ("adaptive", "fixed", "disable_by_batch_size")  # speculation policie
 LOOKUPS = ("ngram", "suffix")  # proposers that draft at no forward cost, offered beside a drafter
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # auto: float16 where the CPU attention kernel reads it
 SUFFIX_SCOPES = ("tenant", "global", "none")  # who shares suffix speculation's cache of earlier outputs
+LORA_DTYPES = ("auto", "float16", "bfloat16")  # auto: as stored where that is 16 bits, else float32
 # Draft-model defaults, measured on HumanEval with the Qwen2.5-Coder pair: the draft's LM head keeps the 65,536
 # lowest token ids, and drafting stops after a token the draft gives less than this probability (both change only
 # what is proposed, never what is accepted; docs/decisions.md#draft-confidence-stop-and-a-64k-draft-vocabulary).
@@ -121,6 +122,12 @@ class EngineConfig:
         "updates (on top of --lora's), beside requests of other adapters in the same forwards; as NAME=PATH or "
         "NAME=PATH:SCALE; repeatable; on the CPU",
         repeatable="NAME=PATH[:SCALE]",
+    )
+    lora_dtype: str = option(
+        "auto",
+        "LoRA adapters' matrices in memory: auto (float16 or bfloat16 as stored, each value read exactly; else "
+        "float32), float16 or bfloat16 (half the bytes a step reads, values rounded; vLLM's --lora-dtype)",
+        choices=LORA_DTYPES,
     )
     chat_template: str | None = option(
         None,
@@ -242,6 +249,8 @@ class EngineConfig:
         for name in ("quantization", "draft_quantization"):
             if getattr(self, name) not in QUANTIZATIONS:
                 problems.append(f"unknown {name} {getattr(self, name)!r}; use one of {', '.join(QUANTIZATIONS)}")
+        if self.lora_dtype not in LORA_DTYPES:
+            problems.append(f"unknown lora_dtype {self.lora_dtype!r}; use one of {', '.join(LORA_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:

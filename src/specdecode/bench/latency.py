@@ -394,6 +394,7 @@ def run_llama_cpp_ngram(args, prompts: list[str], threads: int, plain: LatencyRe
 def _target(args, quantization: str, lora: list[str]):
     adapters = [Adapter.parse(spec) for spec in lora]
     options = dict(quantization=quantization, kv_cache_dtype=args.kv_cache_dtype, lora=adapters)
+    options |= dict(lora_dtype=args.lora_dtype) if adapters else {}
     return load_model(args.model, args.device, args.dtype, **options)
 
 
@@ -495,6 +496,7 @@ def run_latency_cli(args) -> int:
         "quantization": args.quantization,
         "draft_quantization": args.draft_quantization,
         "lora": args.lora,
+        "lora_dtype": args.lora_dtype,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "dataset": args.dataset,

@@ -149,6 +149,7 @@ class LLM:
             rope_scaling=config.rope_scaling_fields(),
             lora=[Adapter.parse(spec) for spec in config.lora],
             served_lora=Adapter.served(config.lora_modules),
+            lora_dtype=config.lora_dtype,
         )
         self.tokenizer = self.target.tokenizer
         if config.chat_template is not None:

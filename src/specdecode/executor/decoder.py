@@ -23,6 +23,7 @@ from .experts import ERRORS as EXPERTS_ERRORS
 from .experts import ExpertsKernel
 from .kernels import load
 from .lora_kernel import ERRORS as LORA_ERRORS
+from .lora_kernel import FORMATS as LORA_FORMATS
 from .quant import ERRORS as QUANT_ERRORS
 from .quant import BlockLinear, ConcatLinear
 
@@ -37,7 +38,7 @@ class _Block(ctypes.Structure):
 
 
 class _LoRA(ctypes.Structure):
-    _fields_ = [("rank", _I32), ("blocks", _I32), ("A", _P), ("spans", _P), ("B", _P)]
+    _fields_ = [("rank", _I32), ("blocks", _I32), ("format", _I32), ("A", _P), ("scales", _P), ("spans", _P), ("B", _P)]
 
 
 class _Projection(ctypes.Structure):
@@ -146,11 +147,11 @@ def _projection(projection, kept: list) -> _Projection:
 def _adapter_set(kernel, adapter_set) -> _LoRA:
     """One adapter set's struct (rank 0: none), pointing into the kernel's kept layout of it."""
     if not adapter_set.rank:
-        return _LoRA(0, 0, None, None, None)
+        return _LoRA(0, 0, 0, None, None, None, None)
     spans, addresses = kernel.layout(adapter_set)
     return _LoRA(
-        adapter_set.rank, len(adapter_set.spans), adapter_set.lora_a.data_ptr(), ctypes.addressof(spans),
-        ctypes.addressof(addresses),
+        adapter_set.rank, len(adapter_set.spans), LORA_FORMATS[adapter_set.lora_a.dtype], adapter_set.lora_a.data_ptr(),
+        adapter_set.scales.data_ptr(), ctypes.addressof(spans), ctypes.addressof(addresses),
     )  # fmt: skip
 
 

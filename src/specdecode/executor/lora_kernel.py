@@ -10,12 +10,17 @@ import torch
 from ..errors import SpecDecodeError
 from .kernels import load_for
 
-ERRORS = {-31: "an adapter's rows, widths, ranks or a block out of range", -32: "an adapter's buffer is missing"}
+ERRORS = {
+    -31: "an adapter's rows, widths, ranks, a block out of range or an unknown format",
+    -32: "an adapter's buffer is missing",
+}
+# The element formats the kernel reads an adapter's matrices in (FORMAT_* there)
+FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class LoRAKernel:
     """Replaces an adapter set's update (models/lora.py's AdapterSet): y += B(Ax) in place, for float32 rows on the
-    CPU."""
+    CPU, the set's matrices in float32 or as stored in 16 bits."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -26,9 +31,9 @@ class LoRAKernel:
         rows = x.numel() // x.shape[-1]
         spans, addresses = self.layout(adapter_set)
         code = self.lib.lora_update(
-            x.data_ptr(), rows, x.shape[-1], adapter_set.lora_a.data_ptr(), adapter_set.rank,
-            len(adapter_set.spans), ctypes.addressof(spans), ctypes.addressof(addresses), y.data_ptr(), y.shape[-1],
-            torch.get_num_threads(),
+            x.data_ptr(), rows, x.shape[-1], adapter_set.lora_a.data_ptr(), FORMATS[adapter_set.lora_a.dtype],
+            adapter_set.scales.data_ptr(), adapter_set.rank, len(adapter_set.spans), ctypes.addressof(spans),
+            ctypes.addressof(addresses), y.data_ptr(), y.shape[-1], torch.get_num_threads(),
         )  # fmt: skip
         if code:
             raise SpecDecodeError(f"the LoRA kernel refused an update: {ERRORS.get(code, code)}")

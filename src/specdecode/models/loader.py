@@ -53,13 +53,14 @@ def load_model(
     rope_scaling: dict | None = None,
     lora: Sequence[Adapter] = (),
     served_lora: dict[str, Adapter] | None = None,
+    lora_dtype: str = "auto",
 ) -> LoadedModel:
     """quantization: "auto" (the fastest measured for this machine; for a `draft`, which may be lossy,
     every weight in 4 bits), "none" (floating weights in `dtype`), or a low-bit format of
     executor.backends (w4a8, w4a16, w4a8-all, w8a8, w8a16). kv_cache_dtype: see executor.attention.
     rope_scaling: config.json's fields of a RoPE scaling for a model that has none (families.with_rope_scaling).
     lora: adapters whose updates the model's layers add (models/lora.py); served_lora: adapters by name, each added
-    for the requests that name it."""
+    for the requests that name it; lora_dtype: the format their matrices are kept in (config.py's LORA_DTYPES)."""
     from ..executor.attention import attach_attention_kernel
     from ..executor.backends import build_quantized_model, refine_for_model, resolve_dtype, resolve_quantization
     from ..executor.decoder import attach_decoder_kernel
@@ -81,7 +82,7 @@ def load_model(
         model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
     if lora or served_lora:
-        _adapt(model, lora, served_lora or {})
+        _adapt(model, lora, served_lora or {}, lora_dtype)
     model.native_cfg = native  # its identity (a draft head's fingerprint of it) whatever RoPE scaling it runs with
     attach_attention_kernel(model, kv_cache_dtype)
     attach_elementwise_kernels(model)
@@ -91,7 +92,7 @@ def load_model(
     return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
 
 
-def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter]) -> None:
+def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter], dtype: str) -> None:
     """The adapters on the model's layers, before the kernels attach (the one-call decoder reads each adapted
     projection's adapter sets)."""
     if model.device.type != "cpu":
@@ -100,7 +101,7 @@ def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter]) -> No
         )
     from ..executor.lora_kernel import attach_lora_kernel
 
-    layers = attach_adapters(model, adapters, served)
+    layers = attach_adapters(model, adapters, served, dtype)
     attach_lora_kernel(model)
     model.backend += f" + LoRA ({layers} layers" + (f", {len(served)} served by name)" if served else ")")
     model.adapters = [adapter.identity() for adapter in adapters]  # what a recording of its features is keyed by

@@ -60,8 +60,12 @@ class Adapter:
 
 
 # One adapter's matrices by the layer they adapt (its Hugging Face name, "model.layers.3.self_attn.q_proj"):
-# A [rank, in] and B [out, rank], B's rows in the order the runtime computes the layer's and its scale folded in
-Deltas = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# A [rank, in] and B [out, rank] in the format they are stored in (16-bit floats stay so; others float32), B's rows
+# in the order the runtime computes the layer's, and the scale of B(Ax) (kept apart: folded into B, it would round
+# 16-bit values)
+Deltas = dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+# Formats an adapter's matrices are kept in as stored: each value widens to float32 exactly where it is read
+HALF_FORMATS = (torch.float16, torch.bfloat16)
 
 
 def read_adapter(adapter: Adapter, cfg: ModelConfig) -> Deltas:
@@ -74,7 +78,7 @@ def read_adapter(adapter: Adapter, cfg: ModelConfig) -> Deltas:
             f"LoRA adapter {adapter.path!r}: give a PEFT adapter's folder (adapter_config.json and "
             "adapter_model.safetensors) or llama.cpp's .gguf conversion of one"
         )
-    return {name: (a, b * adapter.scale) for name, (a, b) in deltas.items()}
+    return {name: (a, b, scale * adapter.scale) for name, (a, b, scale) in deltas.items()}
 
 
 def _peft_deltas(folder: str, cfg: ModelConfig) -> Deltas:
@@ -89,15 +93,15 @@ def _peft_deltas(folder: str, cfg: ModelConfig) -> Deltas:
         m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])(?:\.\w+)?\.weight", name)
         if m is None:
             raise SpecDecodeError(f"LoRA adapter {folder}: {name} is not a LoRA matrix of a linear layer")
-        pairs.setdefault(m[1], {})[m[2]] = tensor.float()
+        pairs.setdefault(m[1], {})[m[2]] = tensor if tensor.dtype in HALF_FORMATS else tensor.float()
     deltas = {}
     for module, pair in pairs.items():
         a, b = pair["A"], pair["B"]
         rank = a.shape[0]
         alpha = _matching(settings.get("alpha_pattern") or {}, module, settings.get("lora_alpha", 8))
         scale = alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
-        for name, rows in canonical_hf_weights(cfg, {f"{module}.weight": b * scale}).items():
-            deltas[name.removesuffix(".weight")] = a, rows  # a fused layer's (Phi-3's) A serves each of its parts
+        for name, rows in canonical_hf_weights(cfg, {f"{module}.weight": b}).items():
+            deltas[name.removesuffix(".weight")] = a, rows, scale  # a fused layer's (Phi-3's) A serves each part
     return deltas
 
 
@@ -122,6 +126,8 @@ def _matching(patterns: dict, module: str, default):
 
 
 def _gguf_deltas(path: str, cfg: ModelConfig) -> Deltas:
+    from gguf import GGMLQuantizationType
+
     from .families import field
     from .gguf_loader import MappedReader, dequantize_tensor, runtime_rows
 
@@ -130,17 +136,23 @@ def _gguf_deltas(path: str, cfg: ModelConfig) -> Deltas:
         raise SpecDecodeError(f"{path} is not a LoRA adapter (general.type 'adapter', adapter.type 'lora')")
     alpha = float(field(reader, "adapter.lora.alpha", 0.0))
     pairs: dict[str, dict[str, object]] = {}
+    stored = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
     for t in reader.tensors:
         base, _, part = t.name.rpartition(".")
         if part not in ("lora_a", "lora_b"):
             raise SpecDecodeError(f"{path}: {t.name} is not a LoRA matrix (adapters that replace norms are refused)")
-        pairs.setdefault(base, {})[part] = dequantize_tensor(t)
+        # float32 from 16 bits is exact, and so is the way back once the rows are in place
+        pairs.setdefault(base, {})[part] = dequantize_tensor(t), stored.get(t.tensor_type, torch.float32)
     deltas = {}
     for base, pair in pairs.items():
-        a, b = pair["lora_a"], pair["lora_b"]
+        (a, a_format), (b, b_format) = pair["lora_a"], pair["lora_b"]
         scale = alpha / a.shape[0] if alpha else 1.0  # llama.cpp's: an alpha of 0 means none
         for name, rows in gguf_parts(cfg, base, b.shape[0]):
-            deltas[name.removesuffix(".weight")] = torch.from_numpy(a.copy()), runtime_rows(cfg, name, b[rows]) * scale
+            deltas[name.removesuffix(".weight")] = (
+                torch.from_numpy(a.copy()).to(a_format),
+                runtime_rows(cfg, name, b[rows]).to(b_format),
+                scale,
+            )
     return deltas
 
 
@@ -165,9 +177,10 @@ class AdapterSet(nn.Module):
     the same x, so their A's are one (ranks stacked); each part's B adds to its own rows only. A set of rank 0
     adapts nothing here."""
 
-    def __init__(self, lora_a: torch.Tensor, blocks: list[tuple[slice, slice, torch.Tensor]]):
+    def __init__(self, lora_a: torch.Tensor, blocks: list[tuple[slice, slice, torch.Tensor]], scales: torch.Tensor):
         super().__init__()
         self.register_buffer("lora_a", lora_a)
+        self.register_buffer("scales", scales.float())  # each rank's of Ax: its adapter's scale
         self.spans = [(rows, ranks) for rows, ranks, _ in blocks]  # each B's output rows and ranks of A
         for i, (_, _, b) in enumerate(blocks):
             self.register_buffer(f"lora_b{i}", b.t().contiguous())  # [ranks, rows]: the kernel sums along its rows
@@ -178,9 +191,10 @@ class AdapterSet(nn.Module):
 
     def add_update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += B(Ax) for rows [n, in] and [n, out], each row as it would be computed among any others."""
-        reduced = row_by_row_linear(x, self.lora_a)
+        reduced = row_by_row_linear(x, self.lora_a.to(x.dtype)) * self.scales.to(x.dtype)
         for i, (rows, ranks) in enumerate(self.spans):
-            y[:, rows] += row_by_row_linear(reduced[:, ranks], getattr(self, f"lora_b{i}").t()).to(y.dtype)
+            b = getattr(self, f"lora_b{i}").t().to(x.dtype)
+            y[:, rows] += row_by_row_linear(reduced[:, ranks], b).to(y.dtype)
 
 
 class LowRankAdded(nn.Module):
@@ -210,11 +224,13 @@ class LowRankAdded(nn.Module):
         return y
 
 
-def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], served: dict[str, Adapter] | None = None) -> int:
+def attach_adapters(
+    model: nn.Module, adapters: Sequence[Adapter], served: dict[str, Adapter] | None = None, dtype: str = "auto"
+) -> int:
     """Wrap each linear layer the adapters adapt in a LowRankAdded; returns how many. Set 0 is `adapters` (every
-    request's), set i + 1 those and the i-th of `served` (the requests that name it); the model gets their route
-    (`adapter_route`). An adapter of layers the runtime does not compute as linear layers (experts, embeddings,
-    the LM head) or of another model is refused."""
+    request's), set i + 1 those and the i-th of `served` (the requests that name it), their matrices in `dtype`
+    (auto: _kept_format's choice); the model gets their route (`adapter_route`). An adapter of layers the runtime
+    does not compute as linear layers (experts, embeddings, the LM head) or of another model is refused."""
     served = served or {}
     common = _deltas(model, adapters)
     per_set = [common] + [_joined(common, _deltas(model, [adapter])) for adapter in served.values()]
@@ -223,7 +239,7 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], served: dict[
     for name, module in list(model.named_modules()):
         parts = hf_parts(name) if ADAPTABLE.fullmatch(name) else []
         if any(part in deltas for deltas in per_set for part in parts):
-            sets = [AdapterSet(*_stacked(model, name, module, [d.get(p, []) for p in parts])) for d in per_set]
+            sets = [AdapterSet(*_stacked(model, name, module, [d.get(p, []) for p in parts], dtype)) for d in per_set]
             parent, _, local = name.rpartition(".")
             setattr(model.get_submodule(parent), local, LowRankAdded(module, sets, route))
             unused -= set(parts)
@@ -236,7 +252,7 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], served: dict[
     return adapted
 
 
-def _deltas(model, adapters: Sequence[Adapter]) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _deltas(model, adapters: Sequence[Adapter]) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]]:
     """The adapters' matrices by the layer they adapt, several adapters' of one layer side by side."""
     deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for adapter in adapters:
@@ -249,14 +265,19 @@ def _joined(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
     return {name: first.get(name, []) + then.get(name, []) for name in first.keys() | then.keys()}
 
 
-def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple[torch.Tensor, list]:
-    """A layer's A (each part's adapters' A's stacked; none: rank 0) and each adapted part's B (its adapters' side
-    by side), with the rows and ranks it spans, in the model's dtype; checked against the layer's shape."""
+def _stacked(
+    model, name: str, module: nn.Module, per_part: list[list], dtype: str
+) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """A layer's A (each part's adapters' A's stacked; none: rank 0), each adapted part's B (its adapters' side by
+    side) with the rows and ranks it spans, and each rank's scale; in `dtype` (auto: _kept_format's choice),
+    checked against the layer's shape."""
     rows = _part_rows(model.cfg, name, module.out_features, len(per_part))
     in_features = getattr(module, "in_features", None) or module.parts[0].in_features
-    a_blocks, blocks = [], []
+    matrices = [m for pairs in per_part for a, b, _ in pairs for m in (a, b)]
+    kept = _kept_format(model.dtype, matrices) if dtype == "auto" else getattr(torch, dtype)
+    a_blocks, blocks, scales = [], [], []
     for part_rows, pairs in zip(rows, per_part):
-        for part_a, part_b in pairs:
+        for part_a, part_b, _ in pairs:
             if part_a.shape[1] != in_features or part_b.shape[0] != part_rows.stop - part_rows.start:
                 raise SpecDecodeError(
                     f"the LoRA adapter's matrices for {name} are {tuple(part_a.shape)} and {tuple(part_b.shape)}, "
@@ -265,11 +286,21 @@ def _stacked(model, name: str, module: nn.Module, per_part: list[list]) -> tuple
                 )
         if pairs:
             start = sum(a.shape[0] for a in a_blocks)
-            a_blocks += [a for a, _ in pairs]
+            a_blocks += [a.to(kept) for a, _, _ in pairs]
+            scales += [torch.full((a.shape[0],), scale) for a, _, scale in pairs]
             ranks = slice(start, sum(a.shape[0] for a in a_blocks))
-            blocks.append((part_rows, ranks, torch.cat([b for _, b in pairs], dim=1).to(model.dtype).contiguous()))
-    lora_a = torch.cat(a_blocks) if a_blocks else torch.zeros(0, in_features)
-    return lora_a.to(model.dtype).contiguous(), blocks
+            blocks.append((part_rows, ranks, torch.cat([b.to(kept) for _, b, _ in pairs], dim=1).contiguous()))
+    lora_a = torch.cat(a_blocks) if a_blocks else torch.zeros(0, in_features, dtype=kept)
+    return lora_a.contiguous(), blocks, torch.cat(scales) if scales else torch.zeros(0)
+
+
+def _kept_format(model_dtype: torch.dtype, matrices: list[torch.Tensor]) -> torch.dtype:
+    """The matrices' one 16-bit format where the model computes in float32 (the kernel widens each value exactly as
+    it reads it, for half the bytes a step reads), else the model's dtype."""
+    formats = {m.dtype for m in matrices}
+    if model_dtype == torch.float32 and len(formats) == 1 and formats <= set(HALF_FORMATS):
+        return formats.pop()
+    return model_dtype
 
 
 def _part_rows(cfg: ModelConfig, name: str, out_features: int, parts: int) -> list[slice]:

@@ -46,7 +46,7 @@ SIGNATURES = {
     },
     "decoder": {"decoder_layers": ([_P, _P, _P, _P, _I, _P], _I)},
     # x, rows, in, A, rank, blocks, spans, B (an array of addresses), y, out, threads
-    "lora": {"lora_update": ([_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I], _I)},
+    "lora": {"lora_update": ([_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _I, _I], _I)},
     "attention": {
         "attention_dim_ok": ([_I], _I),
         "attention_group_ok": ([_I], _I),

@@ -16,8 +16,8 @@ typedef int (*add_norm_fn)(float *, const float *, const float *, float *, int, 
 typedef int (*act_mul_fn)(const float *, float *, int, int, int);
 typedef int (*moe_fn)(int, int, int, int, const float *, int, int, int, int, const float *, int, int64_t *, float *,
                       int, const uint64_t *, const uint64_t *, float *, int, int);
-typedef int (*lora_fn)(const float *, int, int, const float *, int, int, const int32_t *, const float *const *,
-                       float *, int, int);
+typedef int (*lora_fn)(const float *, int, int, const void *, int, const float *, int, int, const int32_t *,
+                       const void *const *, float *, int, int);
 typedef int (*attention_fn)(const float *, int, int, int, int, const int64_t *, const int64_t *, const float *,
                             const float *, const float *, const float *, float, float, int, float, void *, void *,
                             const int32_t *, int, int, int, int, float *, int);
@@ -30,10 +30,11 @@ typedef struct {  // one BlockLinear: executor/quant.py
 } block_t;
 
 typedef struct {  // one adapter set's update of a projection's output (rank 0: none): executor/lora_kernel.py
-    int32_t rank, blocks;
-    const float *A;
+    int32_t rank, blocks, format;
+    const void *A;
+    const float *scales;
     const int32_t *spans;
-    const float *const *B;
+    const void *const *B;
 } lora_t;
 
 typedef struct {  // the parts' outputs side by side, then the bias (ConcatLinear, or one BlockLinear), then LoRA's
@@ -108,8 +109,8 @@ static int add_adapters(const decoder_t *m, const projection_t *p, const tokens_
         if (set < 0 || set >= p->sets || first < 0 || first + rows > t->rows) return DECODER_BAD_RUN;
         const lora_t *a = p->lora + set;
         if (!a->rank) continue;
-        int rc = m->lora(x + (int64_t)first * in, rows, in, a->A, a->rank, a->blocks, a->spans, a->B,
-                         y + (int64_t)first * p->out_features, p->out_features, threads);
+        int rc = m->lora(x + (int64_t)first * in, rows, in, a->A, a->format, a->scales, a->rank, a->blocks, a->spans,
+                         a->B, y + (int64_t)first * p->out_features, p->out_features, threads);
         if (rc) return rc;
     }
     return 0;
