@@ -217,7 +217,8 @@ def test_adapter_names_are_checked(made):
 def test_adapters_for_a_target_loaded_apart_are_refused_not_left_out(made):
     gguf, served = made
     target = _loaded(gguf, quantization="w8a8")
-    for options in ({"lora": [str(served["first"].path)]}, {"lora_modules": [f"first={served['first'].path}"]}):
+    named = {"lora_modules": [f"first={served['first'].path}"]}
+    for options in ({"lora": [str(served["first"].path)]}, named, {"lora_dtype": "bfloat16"}):
         with pytest.raises(SpecDecodeError, match="adapt a target the LLM loads"):
             LLM(target=target, num_speculative_tokens=0, **options)
 

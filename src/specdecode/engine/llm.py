@@ -132,10 +132,10 @@ class LLM:
         self.config = config = EngineConfig(
             model=model, speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens, **options
         )
-        if target is not None and (config.lora or config.lora_modules):  # they would be silently left out
+        if target is not None and (config.lora or config.lora_modules or config.lora_dtype != "auto"):  # left out
             raise SpecDecodeError(
-                "lora and lora_modules adapt a target the LLM loads; give a target loaded apart its adapters "
-                "with load_model(..., lora=..., served_lora=...)"
+                "lora, lora_modules and lora_dtype adapt a target the LLM loads; give a target loaded apart its "
+                "adapters with load_model(..., lora=..., served_lora=..., lora_dtype=...)"
             )
         k, disable_above = config.num_speculative_tokens, config.speculative_disable_by_batch_size
         policy = make_policy(config.speculation_policy, k, disable_above, config.adaptive)
