@@ -84,6 +84,25 @@ def test_a_streamed_response_sends_the_apis_events_in_order_and_the_same_text(se
     assert events[-1].response.usage.output_tokens == 16
 
 
+def test_output_logprobs_are_the_chat_endpoint_s_whole_and_streamed(server):
+    asked = dict(input="abc", max_output_tokens=10, include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = server.client.responses.create(**asked, **GREEDY).output[0].content[0].logprobs
+    chat = server.client.chat.completions.create(
+        messages=[{"role": "user", "content": "abc"}], max_tokens=10, logprobs=True, top_logprobs=2, **GREEDY
+    ).choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in whole] == [(e.token, e.logprob) for e in chat] and len(whole) == 10
+    assert all([t.token for t in w.top_logprobs] == [t.token for t in c.top_logprobs] for w, c in zip(whole, chat))
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in whole)
+    events = list(server.client.responses.create(**asked, stream=True, **GREEDY))
+    deltas = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done").logprobs
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [(e.token, e.logprob) for e in whole] == [(e.token, e.logprob) for e in deltas]
+    assert [e.token for e in done] == [e.token for e in final] == [e.token for e in whole]
+    plain = server.client.responses.create(input="abc", max_output_tokens=10, **GREEDY)
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_text_format_json_schema_constrains_the_answer(server):
     schema = {
         "type": "object",
@@ -112,8 +131,10 @@ def test_text_format_json_schema_constrains_the_answer(server):
         {"input": [{"type": "file_search_call", "id": "x"}]},
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
         {"background": True},
-        {"include": ["message.output_text.logprobs"]},
+        {"include": ["reasoning.encrypted_content"]},
         {"top_logprobs": 3},
+        {"include": ["message.output_text.logprobs"], "top_logprobs": 21},
+        {"include": ["message.output_text.logprobs"], "logprobs": True},
         {"n": 2},
         {"tool_choice": "required"},
         {"input": [{"role": "user"}]},

@@ -22,20 +22,19 @@ from .protocol import ChatRequest, validated
 from .reasoning import Thinking
 from .reply import OutputReader, collected_unless_gone, submitted
 from .response_store import ResponseStore
-from .responses import error_response, usage
+from .responses import chat_logprobs, error_response, token_texts, usage
 from .tools import ToolCall, Tools, assistant_message
 
 # The API's fields that would change what is generated or answered, with the value that means "off"
 UNSUPPORTED_UNLESS_OFF = {
     "conversation": None,
     "background": False,
-    "include": None,
     "prompt": None,
     "truncation": "disabled",
-    "top_logprobs": 0,
     "max_tool_calls": None,
     "n": 1,
 }
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` taken here
 
 
 class ResponsesRequest(BaseModel):
@@ -56,6 +55,8 @@ class ResponsesRequest(BaseModel):
     tools: list[dict] | None = None  # function tools ({"type": "function", "name", "parameters", ...})
     tool_choice: str | dict | None = None  # "auto", "none", "required" or {"type": "function", "name": ...}
     parallel_tool_calls: bool = True
+    include: list[str] | None = None  # [OUTPUT_LOGPROBS]: the message's text with its tokens' logprobs
+    top_logprobs: int | None = None  # with them, this many likeliest tokens at each position
 
     def chat_request(self, earlier: list[dict] = ()) -> ChatRequest:
         """The chat request this asks for, going on from the earlier conversation (chat messages, no system's)."""
@@ -82,10 +83,21 @@ class ResponsesRequest(BaseModel):
             tools=[chat_tool(tool) for tool in self.tools] if self.tools else None,
             tool_choice=chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls,
+            logprobs=self.output_logprobs(),
+            top_logprobs=self.top_logprobs if self.output_logprobs() else None,
         )
         if clash := sorted(set(extras) & (set(own) | {"max_completion_tokens", "response_format"})):
             raise SpecDecodeError(f"{', '.join(clash)}: the chat endpoint's name; send the Responses API's field")
         return validated(ChatRequest, **extras, **own)
+
+    def output_logprobs(self) -> bool:
+        """Whether the message's text comes with its tokens' logprobs (`include`, the only one taken here)."""
+        if other := sorted(set(self.include or []) - {OUTPUT_LOGPROBS}):
+            raise SpecDecodeError(f"include: {', '.join(other)} is not supported here (only {OUTPUT_LOGPROBS!r})")
+        asked = OUTPUT_LOGPROBS in (self.include or [])
+        if self.top_logprobs and not asked:
+            raise SpecDecodeError(f"top_logprobs needs include: [{OUTPUT_LOGPROBS!r}]")
+        return asked
 
 
 def chat_tool(tool: dict) -> dict:
@@ -177,11 +189,11 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
     collected = await collected_unless_gone(request, updates, 1)
     if isinstance(collected, Response):
         return collected
-    texts, finals, *_ = collected
+    texts, finals, logprobs, *_ = collected
     reader = OutputReader(thinking, reply.tools)
     reasoning, content, calls = reader.feed(texts[0], finished=True)
     output = [reply.reasoning_item(reasoning)] if reader.reasoned else []
-    output += [reply.message_item(content)] if content or not calls else []
+    output += [reply.message_item(content, logprobs=reply.entries(logprobs[0]))] if content or not calls else []
     return reply.body(output + [reply.call_item(call) for call in calls], finals)
 
 
@@ -244,6 +256,8 @@ class ResponseReply:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.adapter, self.model = handler.served_as(req.model)
         self.item_ids = {kind: new_item_id(kind) for kind in ITEM_PREFIXES}
+        # the output's tokens' logprobs go with the message's text, as vLLM gives them (reasoning's and calls' too)
+        self.token_text = token_texts(handler.tokenizer, as_ids=False) if req.output_logprobs() else None
         self.created = int(time.time())
         self.sequence = 0
 
@@ -302,8 +316,8 @@ class ResponseReply:
             "status": status,
         }
 
-    def message_item(self, text: str, status: str = "completed") -> dict:
-        content = [self.part("message", text)] if status == "completed" else []
+    def message_item(self, text: str, status: str = "completed", logprobs: list[dict] = ()) -> dict:
+        content = [self.part("message", text, logprobs)] if status == "completed" else []
         return {
             "id": self.item_ids["message"],
             "type": "message",
@@ -324,10 +338,14 @@ class ResponseReply:
         }
 
     @staticmethod
-    def part(kind: str, text: str) -> dict:
+    def part(kind: str, text: str, logprobs: list[dict] = ()) -> dict:
         if kind == "reasoning":
             return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+
+    def entries(self, logprobs: list) -> list[dict]:
+        """Tokens' logprobs as the API lists them (token, logprob, bytes, top_logprobs), where asked for."""
+        return chat_logprobs(self.token_text, logprobs)["content"] if self.token_text else []
 
     def event(self, kind: str, **fields) -> str:
         self.sequence += 1
@@ -364,8 +382,10 @@ class _ItemStream:
         self.reply, self.open, self.done = reply, None, []
         self.texts = {"reasoning": "", "message": ""}
         self.reader = OutputReader(reply.thinking, reply.tools)
+        self.pending, self.logprobs = [], []  # tokens' since the last text delta; the open message's entries
 
     def feed(self, update) -> list[str]:
+        self.pending += update.logprobs
         reasoning, content, calls = self.reader.feed(update.text, update.finished)
         events = self._text("reasoning", reasoning) if reasoning else []
         if content:
@@ -399,7 +419,7 @@ class _ItemStream:
         events = [] if self.open == kind else self._close() + self._open(kind)
         if delta:
             self.texts[kind] += delta
-            fields = {"logprobs": []} if kind == "message" else {}
+            fields = {"logprobs": self._taken()} if kind == "message" else {}
             name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
             events.append(self.reply.event(name, **self._where(kind), delta=delta, **fields))
         return events
@@ -407,15 +427,23 @@ class _ItemStream:
     def _where(self, kind: str) -> dict:
         return {"item_id": self.reply.item_ids[kind], "output_index": len(self.done), "content_index": 0}
 
+    def _taken(self) -> list[dict]:
+        """The pending tokens' logprob entries, now the open message's."""
+        entries, self.pending = self.reply.entries(self.pending), []
+        self.logprobs += entries
+        return entries
+
     def _item(self, kind: str, status: str) -> dict:
-        make = self.reply.reasoning_item if kind == "reasoning" else self.reply.message_item
-        return make(self.texts[kind], status)
+        if kind == "reasoning":
+            return self.reply.reasoning_item(self.texts[kind], status)
+        return self.reply.message_item(self.texts[kind], status, self.logprobs)
 
     def _open(self, kind: str) -> list[str]:
         """An item of its own each time (a message after a function call is another message)."""
         if self.texts[kind] or any(item["type"] == kind for item in self.done):
             self.reply.item_ids[kind] = new_item_id(kind)
             self.texts[kind] = ""
+        self.logprobs = [] if kind == "message" else self.logprobs
         self.open = kind
         where = self._where(kind)
         return [
@@ -431,9 +459,12 @@ class _ItemStream:
         kind, text = self.open, self.texts[self.open]
         where = self._where(kind)
         done = "response.output_text.done" if kind == "message" else "response.reasoning_text.done"
+        if kind == "message":
+            self._taken()  # the tokens since its last delta are its too
+        logprobs = {"logprobs": self.logprobs} if kind == "message" else {}
         events = [
-            self.reply.event(done, **where, text=text, **({"logprobs": []} if kind == "message" else {})),
-            self.reply.event("response.content_part.done", **where, part=self.reply.part(kind, text)),
+            self.reply.event(done, **where, text=text, **logprobs),
+            self.reply.event("response.content_part.done", **where, part=self.reply.part(kind, text, self.logprobs)),
             self.reply.event(
                 "response.output_item.done", output_index=where["output_index"], item=self._item(kind, "completed")
             ),
