@@ -87,9 +87,13 @@ def test_a_streamed_response_sends_the_apis_events_in_order_and_the_same_text(se
 def test_output_logprobs_are_the_chat_endpoint_s_whole_and_streamed(server):
     asked = dict(input="abc", max_output_tokens=10, include=["message.output_text.logprobs"], top_logprobs=2)
     whole = server.client.responses.create(**asked, **GREEDY).output[0].content[0].logprobs
-    chat = server.client.chat.completions.create(
-        messages=[{"role": "user", "content": "abc"}], max_tokens=10, logprobs=True, top_logprobs=2, **GREEDY
-    ).choices[0].logprobs.content
+    chat = (
+        server.client.chat.completions.create(
+            messages=[{"role": "user", "content": "abc"}], max_tokens=10, logprobs=True, top_logprobs=2, **GREEDY
+        )
+        .choices[0]
+        .logprobs.content
+    )
     assert [(e.token, e.logprob) for e in whole] == [(e.token, e.logprob) for e in chat] and len(whole) == 10
     assert all([t.token for t in w.top_logprobs] == [t.token for t in c.top_logprobs] for w, c in zip(whole, chat))
     assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in whole)
