@@ -3,7 +3,9 @@ other adapters and of none in the same forwards, and gets what the target loaded
 (greedy outputs token for token, in the one-call decoder and layer by layer, with speculation too); a route that
 gives every row the same adapter, or a decoder that ignores it, computes otherwise; a prompt never starts from KV
 blocks computed with another adapter; the server lists the adapters as models and answers in their name; names are
-checked."""
+checked. Adapters loaded while serving compute as adapters loaded at start, and one loaded again under a name never
+finds the blocks of the one before (a prefix index keyed by name does); unloading waits for no request, and a bad
+adapter changes nothing."""
 
 from __future__ import annotations
 
@@ -231,3 +233,129 @@ def test_lora_modules_are_parsed_and_checked():
     for wrong, message in [(("/a",), "NAME=PATH"), (("=/a",), "NAME=PATH"), (("a=/x", "a=/y"), "twice")]:
         with pytest.raises(SpecDecodeError, match=message):
             EngineConfig(model="m", lora_modules=wrong)
+
+
+# ---- adapters loaded and unloaded while serving (engine/adapters.py; vLLM's /v1/load_lora_adapter) --------------
+
+
+def _spec(adapter: Adapter) -> str:
+    return f"{adapter.path}:{adapter.scale}"
+
+
+def test_adapters_loaded_while_serving_compute_as_adapters_loaded_at_start(made, expected):
+    """Into a target loaded without any (the one-call decoder described anew), served beside requests of none."""
+    from specdecode.engine.adapters import load_adapter
+
+    gguf, served = made
+    llm = fixed_k_llm(_loaded(gguf, quantization="w8a8"), k=0)
+    for name, adapter in served.items():
+        load_adapter(llm.engine, name, _spec(adapter))
+    assert llm.engine.runner.adapters == ["first", "second"] and llm.target.model.layers_kernel is not None
+    outputs = llm.generate(_prompts(llm.target.config.vocab_size), PARAMS, adapter=NAMES)
+    assert _tokens(outputs) == expected["w8a8"]
+
+
+def _reloaded(made, prompt_of: int = 3) -> tuple[list[int], list[int], int]:
+    """A prompt with "first", which is then unloaded and loaded again from the second adapter's files (prefix
+    caching on): the prompt's output under the new "first", the cached prompt tokens it started from, and its
+    output with "second"."""
+    from specdecode.engine.adapters import load_adapter, unload_adapter
+
+    gguf, served = made
+    target = _loaded(gguf, quantization="w8a8", served=served)
+    prompt = _prompts(target.config.vocab_size)[prompt_of]
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256, prefix_caching=True)
+    llm.generate([prompt], PARAMS, adapter="first")
+    unload_adapter(llm.engine, "first")
+    with pytest.raises(SpecDecodeError, match="no LoRA adapter 'first' is served"):
+        llm.generate([prompt], PARAMS, adapter="first")
+    load_adapter(llm.engine, "first", _spec(served["second"]))
+    again = llm.generate([prompt], PARAMS, adapter="first")[0]
+    second = llm.generate([prompt], PARAMS, adapter="second")[0]
+    return again.outputs[0].token_ids, second.outputs[0].token_ids, again.metrics.num_cached_prompt_tokens
+
+
+def test_an_adapter_loaded_again_under_its_name_never_finds_the_blocks_of_the_one_before(made):
+    again, second, cached = _reloaded(made)
+    assert cached == 0 and again == second
+
+
+def test_a_prefix_index_that_scopes_blocks_by_adapter_name_gives_the_old_adapter_s_answer(made, monkeypatch):
+    """The broken variant: blocks kept by the adapter's name, which a later adapter takes again."""
+    import specdecode.executor.runner as runner
+
+    def by_name(scope, adapter_set):
+        route = runner_of["runner"]._route
+        name = next(name for name, index in route.sets.items() if index == adapter_set) if adapter_set else ""
+        return (scope, "lora", name) if name else scope
+
+    runner_of = {}
+    built = runner.ModelRunner.__init__
+
+    def keeping(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        runner_of["runner"] = self
+
+    monkeypatch.setattr(runner.ModelRunner, "__init__", keeping)
+    monkeypatch.setattr(runner, "_scoped", by_name)
+    again, second, cached = _reloaded(made)
+    assert cached > 0 and again != second
+
+
+def test_unloading_waits_for_no_request_and_a_bad_adapter_changes_nothing(made, tmp_path):
+    from specdecode.engine.adapters import load_adapter, unload_adapter
+
+    gguf, served = made
+    llm = fixed_k_llm(_loaded(gguf, quantization="w8a8", served=served), k=0)
+    prompt = _prompts(llm.target.config.vocab_size)[1]
+    before = llm.generate([prompt], PARAMS, adapter="second")[0].outputs[0].token_ids
+    llm.engine.add_group(prompt, PARAMS, adapter="second")
+    with pytest.raises(SpecDecodeError, match="1 sequences are computing with the LoRA adapter 'second'"):
+        unload_adapter(llm.engine, "second")
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    (tmp_path / "empty").mkdir()
+    for name, path, message in [
+        ("first", _spec(served["second"]), "served already"),
+        ("third", str(tmp_path / "empty"), "no adapter_config.json"),
+        ("third", str(tmp_path / "absent"), "give a PEFT adapter's folder"),
+    ]:
+        with pytest.raises(SpecDecodeError, match=message):
+            load_adapter(llm.engine, name, path)
+    assert llm.engine.runner.adapters == ["first", "second"]
+    assert llm.generate([prompt], PARAMS, adapter="second")[0].outputs[0].token_ids == before
+    unload_adapter(llm.engine, "second")
+    assert llm.engine.runner.adapters == ["first"]
+
+
+def test_the_server_loads_and_unloads_adapters_where_it_allows_it(made, tmp_path):
+    gguf, served = made
+    target = _loaded(gguf, quantization="w8a8")
+    prompt = _prompts(target.config.vocab_size)[1]
+    alone = LLM(target=_loaded(gguf, served["first"], quantization="w8a8"), num_speculative_tokens=0, max_model_len=256)
+    want = alone.generate([prompt], PARAMS)[0].outputs[0].text
+    llm = LLM(target=target, num_speculative_tokens=0, max_model_len=256)
+    greedy = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny", runtime_lora=True)) as server:
+
+        def post(path: str, **body) -> httpx.Response:
+            return httpx.post(server.url + path, json=body, timeout=60)
+
+        loaded = post("/v1/load_lora_adapter", lora_name="first", lora_path=_spec(served["first"]))
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'first' added successfully."
+        models = {card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]}
+        answer = post("/v1/completions", model="first", **greedy).json()
+        refusals = [
+            post("/v1/load_lora_adapter", lora_name="first", lora_path=_spec(served["second"])),
+            post("/v1/load_lora_adapter", lora_name="third", lora_path=str(tmp_path / "absent")),
+            post("/v1/load_lora_adapter", lora_name="tiny", lora_path=_spec(served["second"])),
+        ]
+        unloaded = post("/v1/unload_lora_adapter", lora_name="first")
+        gone = [post("/v1/completions", model="first", **greedy), post("/v1/unload_lora_adapter", lora_name="first")]
+        still = post("/v1/completions", model="tiny", **greedy)
+    assert models == {"tiny", "first"} and answer["model"] == "first" and answer["choices"][0]["text"] == want
+    assert [r.status_code for r in refusals] == [400, 400, 400] and all(r.json()["error"]["message"] for r in refusals)
+    assert unloaded.status_code == 200 and [r.status_code for r in gone] == [404, 404] and still.status_code == 200
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny")) as server:
+        off = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    assert off.status_code == 400 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]

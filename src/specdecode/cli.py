@@ -286,6 +286,12 @@ def _http_flags(http) -> None:
         "'reasoning' field, the rest to 'content', as vLLM's parsers of these names split them",
     )
     http.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload adapters served by name while "
+        "serving (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: a request could have the server read any file",
+    )
+    http.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,

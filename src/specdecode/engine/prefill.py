@@ -120,6 +120,7 @@ class Prefilling:
             return None
         for seq in group:
             seq.slot = self.runner.allocate(self._reusable_prompt(seq), seq.tenant, seq.adapter)
+            seq.adapter_set = self.runner.adapter_set(seq.slot)
         cached = [self._kept_prefix(seq) for seq in group][0]  # the others keep nothing: they copy the first's
         if self.blocks.fits(before + group):
             return cached

@@ -88,6 +88,7 @@ class Sequence:
     siblings: list["Sequence"] = field(default_factory=list)
     tenant: str = ""  # who asked (the server's API key and `user`): whose earlier outputs it may draft from
     adapter: str = ""  # the served LoRA adapter the target computes it with ("": the target as loaded)
+    adapter_set: int = 0  # that adapter's set in its slot (models/lora.py's AdapterRoute): a name's set may change
     arrival: int = field(default_factory=lambda: next(_arrivals))  # queue order: the newest is preempted first
 
     def __post_init__(self):

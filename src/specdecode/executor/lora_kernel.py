@@ -24,7 +24,6 @@ class LoRAKernel:
 
     def __init__(self, lib):
         self.lib = lib
-        self._layouts: dict[int, tuple] = {}  # by set: its spans and its B's addresses, taken again if they move
 
     def __call__(self, adapter_set, x: torch.Tensor, y: torch.Tensor) -> None:
         x = x.contiguous()
@@ -39,14 +38,15 @@ class LoRAKernel:
             raise SpecDecodeError(f"the LoRA kernel refused an update: {ERRORS.get(code, code)}")
 
     def layout(self, adapter_set) -> tuple:
-        """The set's spans as C ints and its B's addresses as a C array (made again where its buffers moved)."""
+        """The set's spans as C ints and its B's addresses as a C array (kept on the set, made again where its
+        buffers moved)."""
         spans = adapter_set.spans
         pointers = [getattr(adapter_set, f"lora_b{i}").data_ptr() for i in range(len(spans))]
-        found = self._layouts.get(id(adapter_set))
+        found = getattr(adapter_set, "kernel_layout", None)
         if found is None or found[2] != pointers:
             ints = [n for rows, ranks in spans for n in (rows.start, _width(rows), ranks.start, _width(ranks))]
             found = (ctypes.c_int * len(ints))(*ints), (ctypes.c_void_p * len(pointers))(*pointers), pointers
-            self._layouts[id(adapter_set)] = found
+            adapter_set.kernel_layout = found
         return found[0], found[1]
 
 

@@ -177,7 +177,7 @@ class ModelRunner:
         set_index = self._adapter_set(adapter)
         slot = self._cache.allocate()
         self._sets[slot] = set_index
-        self._start(slot, tokens, _scoped(scope, adapter), len(tokens) - 1 if tokens else 0)
+        self._start(slot, tokens, _scoped(scope, set_index), len(tokens) - 1 if tokens else 0)
         return slot
 
     @property
@@ -188,6 +188,19 @@ class ModelRunner:
     def check_adapter(self, adapter: str) -> None:
         """Refuses an adapter no slot could compute with."""
         self._adapter_set(adapter)
+
+    def adapter_set(self, slot: int) -> int:
+        """The adapter set the slot's forwards compute with."""
+        return self._sets[slot]
+
+    def adapters_may_change(self) -> None:
+        """Refuses adapters served at run time where forwards run at fixed shapes (they take no adapters)."""
+        if self._fixed is not None:
+            raise SpecDecodeError("served LoRA adapters are computed in eager forwards: leave out fixed_shapes")
+
+    def adapters_changed(self) -> None:
+        """The model's served adapters were loaded or unloaded (engine/adapters.py): read its route again."""
+        self._route = getattr(self.model, "adapter_route", None)
 
     def _adapter_set(self, adapter: str) -> int:
         if not adapter:
@@ -218,7 +231,8 @@ class ModelRunner:
         """How many of `tokens` allocate(tokens, scope, adapter) would find computed already."""
         if not self.reuse_prefixes or not tokens:
             return 0
-        return self._cache.index.match(_scoped(scope, adapter), tokens, len(tokens) - 1).length(self.block_size)
+        scope = _scoped(scope, self._adapter_set(adapter))
+        return self._cache.index.match(scope, tokens, len(tokens) - 1).length(self.block_size)
 
     def free(self, slot: int) -> None:
         """The slot's blocks go back, its last one findable too (a next turn continues from it)."""
@@ -537,9 +551,10 @@ class ModelRunner:
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def _scoped(scope: Hashable, adapter: str) -> Hashable:
-    """The prefix index's scope of a slot: its KV entries differ by the adapter its forwards compute with."""
-    return (scope, "lora", adapter) if adapter else scope
+def _scoped(scope: Hashable, adapter_set: int) -> Hashable:
+    """The prefix index's scope of a slot: its KV entries differ by the adapter set its forwards compute with (a
+    set's number is never another adapter's, even after it is unloaded)."""
+    return (scope, "lora", adapter_set) if adapter_set else scope
 
 
 def forward_calls(

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .checkpoints import canonical_hf_weights
 from .families import from_hf_config, with_rope_scaling
-from .lora import Adapter, attach_adapters
+from .lora import Adapter, attach_adapters, serve_adapter, unserve_adapter
 from .runtime import Transformer, build_model
 from .sources import ModelSource, cache_root, resolve
 from .tokenizer import Tokenizer
@@ -95,16 +95,43 @@ def load_model(
 def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter], dtype: str) -> None:
     """The adapters on the model's layers, before the kernels attach (the one-call decoder reads each adapted
     projection's adapter sets)."""
-    if model.device.type != "cpu":
-        raise SpecDecodeError(
-            "LoRA adapters run on the CPU for now; leave out --lora and --lora-modules, or run with --device cpu"
-        )
+    _on_the_cpu(model)
     from ..executor.lora_kernel import attach_lora_kernel
 
     layers = attach_adapters(model, adapters, served, dtype)
     attach_lora_kernel(model)
     model.backend += f" + LoRA ({layers} layers" + (f", {len(served)} served by name)" if served else ")")
     model.adapters = [adapter.identity() for adapter in adapters]  # what a recording of its features is keyed by
+
+
+def _on_the_cpu(model) -> None:
+    if model.device.type != "cpu":
+        raise SpecDecodeError(
+            "LoRA adapters run on the CPU for now; leave out --lora and --lora-modules, or run with --device cpu"
+        )
+
+
+def load_served_adapter(model, name: str, adapter: Adapter) -> None:
+    """Serve one more adapter by name on a loaded model, while it serves (the runner reads its route again)."""
+    _on_the_cpu(model)
+    serve_adapter(model, name, adapter)
+    _kernels_again(model)
+
+
+def unload_served_adapter(model, name: str) -> None:
+    unserve_adapter(model, name)
+    _kernels_again(model)
+
+
+def _kernels_again(model) -> None:
+    """The LoRA kernel on the adapted layers, and the one-call decoder (where the model has it) describing them
+    anew."""
+    from ..executor.decoder import attach_decoder_kernel
+    from ..executor.lora_kernel import attach_lora_kernel
+
+    attach_lora_kernel(model)
+    if getattr(model, "layers_kernel", None) is not None:
+        attach_decoder_kernel(model)
 
 
 def load_weights(name: str, dtype: torch.dtype, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -159,10 +159,14 @@ def _gguf_deltas(path: str, cfg: ModelConfig) -> Deltas:
 class AdapterRoute:
     """Which adapter set each row of the forward in flight computes with, shared by the model's adapted layers: runs
     (first row, rows, set) over the flat rows, set 0 the model as loaded (its --lora adapters, or none) and set i its
-    i-th served adapter on top; None: every row set 0. The model sets it from each batch (Transformer.forward)."""
+    i-th served adapter on top; None: every row set 0. The model sets it from each batch (Transformer.forward).
+    Adapters served at run time take the next set; an unloaded one's set is left empty, never reused, so that KV
+    computed with it (kept by the set's number) is never found for a later adapter of its name."""
 
-    def __init__(self, names: Sequence[str]):
+    def __init__(self, names: Sequence[str], common: Sequence[Adapter] = (), dtype: str = "auto"):
         self.sets = {"": 0} | {name: i + 1 for i, name in enumerate(names)}  # by the name requests give
+        self.size = len(self.sets)  # sets each adapted layer holds
+        self.common, self.dtype = list(common), dtype  # set 0's adapters, under every other set's; their format
         self.runs: list[tuple[int, int, int]] | None = None
 
     def set_of(self, name: str) -> int:
@@ -170,6 +174,19 @@ class AdapterRoute:
             served = ", ".join(repr(n) for n in self.sets if n) or "none"
             raise SpecDecodeError(f"no LoRA adapter {name!r} is served (served: {served}); name one of them")
         return self.sets[name]
+
+    def add(self, name: str) -> int:
+        if not name or name in self.sets:
+            raise SpecDecodeError(f"a LoRA adapter named {name!r} is served already; unload it first or name another")
+        self.sets[name], self.size = self.size, self.size + 1
+        return self.sets[name]
+
+    def remove(self, name: str) -> int:
+        index = self.set_of(name)
+        if not index:
+            raise SpecDecodeError("name the served LoRA adapter to unload")
+        del self.sets[name]
+        return index
 
 
 class AdapterSet(nn.Module):
@@ -234,22 +251,74 @@ def attach_adapters(
     served = served or {}
     common = _deltas(model, adapters)
     per_set = [common] + [_joined(common, _deltas(model, [adapter])) for adapter in served.values()]
-    route = model.adapter_route = AdapterRoute(list(served))
-    adapted, unused = 0, set().union(*per_set)
+    model.adapter_route = AdapterRoute(list(served), adapters, dtype)
+    return _add_sets(model, per_set)
+
+
+def serve_adapter(model: nn.Module, name: str, adapter: Adapter) -> int:
+    """One more adapter served by name on a loaded model (vLLM's /v1/load_lora_adapter): the next set of every
+    adapted layer, on top of the model's own adapters; returns how many layers are adapted. An adapter that cannot
+    apply is refused with the model as it was."""
+    route = getattr(model, "adapter_route", None)
+    if route is None:
+        route = model.adapter_route = AdapterRoute([])
+    deltas = _joined(_deltas(model, route.common), _deltas(model, [adapter]))
+    route.add(name)
+    try:
+        return _add_sets(model, [deltas])
+    except SpecDecodeError:
+        del route.sets[name]
+        route.size -= 1  # nothing was computed with that number
+        raise
+
+
+def unserve_adapter(model: nn.Module, name: str) -> None:
+    """Stop serving the adapter `name`: its set, in every adapted layer, adapts nothing from now on."""
+    route = getattr(model, "adapter_route", None)
+    if route is None:
+        raise SpecDecodeError(f"no LoRA adapter {name!r} is served")
+    index = route.remove(name)
+    for module in model.modules():
+        if isinstance(module, LowRankAdded):
+            module.sets[index] = _empty(module.sets[index])
+
+
+def _add_sets(model: nn.Module, per_set: list[dict]) -> int:
+    """The route's last len(per_set) sets, one per deltas, at the end of every adapted layer's (a layer they are
+    the first to adapt wrapped in a LowRankAdded, its earlier sets empty); returns how many layers are adapted.
+    Deltas of a layer the runtime does not compute as a linear layer of its own (experts, embeddings, the LM head)
+    or of another model are refused before any layer changes."""
+    route, unused, planned = model.adapter_route, set().union(*per_set), []
     for name, module in list(model.named_modules()):
-        parts = hf_parts(name) if ADAPTABLE.fullmatch(name) else []
-        if any(part in deltas for deltas in per_set for part in parts):
-            sets = [AdapterSet(*_stacked(model, name, module, [d.get(p, []) for p in parts], dtype)) for d in per_set]
-            parent, _, local = name.rpartition(".")
-            setattr(model.get_submodule(parent), local, LowRankAdded(module, sets, route))
+        if not ADAPTABLE.fullmatch(name):
+            continue
+        parts, wrapped = hf_parts(name), isinstance(module, LowRankAdded)
+        if wrapped or any(part in deltas for deltas in per_set for part in parts):
+            base = module.base if wrapped else module
+            sets = [
+                AdapterSet(*_stacked(model, name, base, [d.get(p, []) for p in parts], route.dtype)) for d in per_set
+            ]
+            planned.append((name, module, sets))
             unused -= set(parts)
-            adapted += 1
     if unused:
         raise SpecDecodeError(
             f"the LoRA adapter adapts {min(unused)}, which this runtime does not compute as a linear layer of its "
             "own (experts, embeddings and the LM head cannot be adapted)"
         )
-    return adapted
+    for name, module, sets in planned:
+        if isinstance(module, LowRankAdded):
+            module.sets.extend(sets)
+        else:
+            empty = [_empty(sets[0])] * (route.size - len(sets))
+            parent, _, local = name.rpartition(".")
+            setattr(model.get_submodule(parent), local, LowRankAdded(module, empty + sets, route))
+    return len(planned)
+
+
+def _empty(adapter_set: AdapterSet) -> AdapterSet:
+    """A set of the same layer that adapts nothing (rank 0)."""
+    a = adapter_set.lora_a
+    return AdapterSet(a.new_zeros(0, a.shape[1]), [], torch.zeros(0))
 
 
 def _deltas(model, adapters: Sequence[Adapter]) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]]:

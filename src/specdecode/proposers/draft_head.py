@@ -95,7 +95,7 @@ class DraftHeadProposer(DraftModelProposer):
         of them (each row needs the target's features at its position, which the target computes only past
         what it keeps): the target's prefill starts where these end."""
         inputs = seq.token_ids[1:]  # row p pairs with token p + 1
-        scope = (seq.tenant, seq.adapter, seq.token_ids[0])  # its rows read the target's features, as adapted
+        scope = (seq.tenant, seq.adapter_set, seq.token_ids[0])  # its rows read the target's features, as adapted
         rows = self.runner.take(seq.slot, inputs, scope, min(kept, len(inputs)))
         self._slots[seq.request_id] = seq.slot
         return rows

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
+from .adapters_api import LoadLoRARequest, UnloadLoRARequest, change_adapters
 from .anthropic_api import MessagesRequest, anthropic_error, count_tokens, create_message
 from .handler import RequestHandler, ServingEngine, api_key_sent
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -30,11 +31,13 @@ def build_app(
     runs_engine: bool = True,
     request_timeout: float | None = None,
     reasoning_parser: str | None = None,
+    runtime_lora: bool = False,
 ) -> FastAPI:
     """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
     the engine loop itself, as `serve` does on its main thread). request_timeout: the most seconds a
     request may run (a request may ask for less with its `timeout` field); then it is cancelled (504).
-    reasoning_parser: chat replies' thinking goes to `reasoning` (see server/reasoning.py)."""
+    reasoning_parser: chat replies' thinking goes to `reasoning` (see server/reasoning.py). runtime_lora: served LoRA
+    adapters may be loaded and unloaded by POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -46,7 +49,9 @@ def build_app(
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     add_guards(app, api_key, max_request_bytes)
-    add_routes(app, RequestHandler(engine, model_name, request_timeout, reasoning_parser))
+    handler = RequestHandler(engine, model_name, request_timeout, reasoning_parser)
+    add_routes(app, handler)
+    add_lora_routes(app, handler, runtime_lora)
     return app
 
 
@@ -90,7 +95,7 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
     async def metrics():
         return Response(await engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    cards = {
+    served = {
         name: {
             "id": name,
             "object": "model",
@@ -100,18 +105,23 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
         }
         for name in handler.model_names
     }
-    for name in engine.adapters:  # as vLLM lists its LoRA modules: each adapter a model, the target its parent
-        cards[name] = cards[handler.model_name] | {"id": name, "parent": handler.model_name}
+
+    def cards() -> dict[str, dict]:
+        """As vLLM lists its LoRA modules: each adapter served now a model, the target its parent."""
+        adapters = {
+            name: served[handler.model_name] | {"id": name, "parent": handler.model_name} for name in engine.adapters
+        }
+        return served | adapters
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": list(cards.values())}
+        return {"object": "list", "data": list(cards().values())}
 
     @app.get("/v1/models/{model:path}")  # a path: served names may hold a slash ("Qwen/Qwen3-8B")
     async def model(model: str):
-        if model not in cards:
+        if model not in cards():
             return error_response(404, f"the model {model!r} is not served here; it serves {handler.model_name!r}")
-        return cards[model]
+        return cards()[model]
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -147,6 +157,18 @@ def add_responses_routes(app: FastAPI, handler: RequestHandler) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def forget(response_id: str, request: Request):
         return stored_response(handler, response_id, request, delete=True)
+
+
+def add_lora_routes(app: FastAPI, handler: RequestHandler, allowed: bool) -> None:
+    """vLLM's loading and unloading of served LoRA adapters while serving, where the server allows it."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(req: LoadLoRARequest):
+        return await change_adapters(handler, allowed, req.lora_name, req.lora_path)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(req: UnloadLoRARequest):
+        return await change_adapters(handler, allowed, req.lora_name)
 
 
 def add_messages_routes(app: FastAPI, handler: RequestHandler) -> None:

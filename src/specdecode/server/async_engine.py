@@ -100,7 +100,7 @@ class AsyncEngine:
         # what the HTTP layer reads of the engine (server/handler.py's ServingEngine)
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self.vocab_size = engine.runner.cfg.vocab_size
-        self.adapters = engine.runner.adapters
+        self.adapters = engine.runner.adapters  # a new list each time the engine thread changes them
         self.replica = replica
         self.max_waiting = max_waiting
         # requests accepted (event-loop thread) and ended (engine thread); their difference is in flight
@@ -151,6 +151,14 @@ class AsyncEngine:
         self._inbox.put(("cancel_all", cancelled))
         self._wake.set()
         return cancelled.result(timeout=30)
+
+    async def change_adapters(self, change) -> None:
+        """Run change(engine) on the engine's thread between steps: a served LoRA adapter loaded or unloaded
+        (engine/adapters.py); its error, if any, raised here."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("adapters", (change, done)))
+        self._wake.set()
+        await asyncio.wrap_future(done)
 
     @property
     def in_flight(self) -> int:
@@ -238,7 +246,9 @@ class AsyncEngine:
                 kind, handle = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "cancel_all":
+            if kind == "adapters":
+                self._change_adapters(*handle)
+            elif kind == "cancel_all":
                 ids = [h.seqs[0].request_id for h in self._active if h.seqs]
                 self._fail_all(ShuttingDown("the server shut down before this request finished; retry it"))
                 self.metrics.aborted.inc(len(ids))
@@ -261,6 +271,15 @@ class AsyncEngine:
                 self._ended += 1
                 self.metrics.aborted.inc()
         self.metrics.set_queue(self.engine.num_running, len(self.engine.waiting))
+
+    def _change_adapters(self, change, done: concurrent.futures.Future) -> None:
+        try:
+            change(self.engine)
+        except Exception as exc:  # a bad adapter is the caller's answer, not the server's end
+            done.set_exception(exc)
+            return
+        self.adapters = self.engine.runner.adapters
+        done.set_result(None)
 
     def _publish(self, out: StepOutput) -> None:
         """Stream what the step gave the sequences it names; a request whose outputs have all finished leaves."""

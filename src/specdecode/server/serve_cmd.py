@@ -31,6 +31,9 @@ def run_serve(args) -> int:
     if args.ray:
         from .ray_cmd import run_serve_ray
 
+        if args.allow_runtime_lora_updating:
+            raise SpecDecodeError("--allow-runtime-lora-updating loads adapters into one engine: leave out --ray")
+
         return run_serve_ray(args, llm_options(args))
     options = llm_options(args)
     llm = LLM(**options)
@@ -44,6 +47,7 @@ def run_serve(args) -> int:
         runs_engine=False,
         request_timeout=args.request_timeout,
         reasoning_parser=args.reasoning_parser,
+        runtime_lora=args.allow_runtime_lora_updating,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run
