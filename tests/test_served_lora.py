@@ -4,8 +4,8 @@ other adapters and of none in the same forwards, and gets what the target loaded
 gives every row the same adapter, or a decoder that ignores it, computes otherwise; a prompt never starts from KV
 blocks computed with another adapter; the server lists the adapters as models and answers in their name; names are
 checked. Adapters loaded while serving compute as adapters loaded at start, and one loaded again under a name never
-finds the blocks of the one before (a prefix index keyed by name does); unloading waits for no request, and a bad
-adapter changes nothing."""
+finds the blocks of the one before (a prefix index keyed by name does); unloading is refused while a request
+computes with the adapter, and a bad adapter changes nothing."""
 
 from __future__ import annotations
 
@@ -302,7 +302,7 @@ def test_a_prefix_index_that_scopes_blocks_by_adapter_name_gives_the_old_adapter
     assert cached > 0 and again != second
 
 
-def test_unloading_waits_for_no_request_and_a_bad_adapter_changes_nothing(made, tmp_path):
+def test_unloading_is_refused_while_requests_use_the_adapter_and_a_bad_adapter_changes_nothing(made, tmp_path):
     from specdecode.engine.adapters import load_adapter, unload_adapter
 
     gguf, served = made
