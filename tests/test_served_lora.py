@@ -12,6 +12,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 from conftest import LocalServer, fixed_k_llm, make_head
 from families import convert, make_checkpoint, make_lora, reference_model
 from test_families import _prompt
@@ -21,7 +22,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
 from specdecode.config import EngineConfig
 from specdecode.errors import SpecDecodeError
-from specdecode.models.lora import Adapter
+from specdecode.models.lora import Adapter, LowRankAdded
 from specdecode.server.api import build_app
 from specdecode.server.async_engine import AsyncEngine
 from specdecode.server.serve_cmd import llm_options
@@ -253,6 +254,11 @@ def test_adapters_loaded_while_serving_compute_as_adapters_loaded_at_start(made,
     assert llm.engine.runner.adapters == ["first", "second"] and llm.target.model.layers_kernel is not None
     outputs = llm.generate(_prompts(llm.target.config.vocab_size), PARAMS, adapter=NAMES)
     assert _tokens(outputs) == expected["w8a8"]
+    rounded = _loaded(gguf, quantization="w8a8", lora_dtype="bfloat16")
+    load_adapter(fixed_k_llm(rounded, k=0).engine, "first", _spec(served["first"]))
+    assert {s.lora_a.dtype for m in rounded.model.modules() if isinstance(m, LowRankAdded) for s in m.sets[1:]} == {
+        torch.bfloat16
+    }
 
 
 def _reloaded(made, prompt_of: int = 3) -> tuple[list[int], list[int], int]:

@@ -81,6 +81,7 @@ def load_model(
         cfg = with_rope_scaling(native, rope_scaling)
         model = build_quantized_model(cfg, tensors, refine_for_model(quantization, cfg, requested), device)
     del tensors
+    model.lora_dtype = lora_dtype  # adapters served later too (load_served_adapter)
     if lora or served_lora:
         _adapt(model, lora, served_lora or {}, lora_dtype)
     model.native_cfg = native  # its identity (a draft head's fingerprint of it) whatever RoPE scaling it runs with

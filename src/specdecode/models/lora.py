@@ -261,7 +261,7 @@ def serve_adapter(model: nn.Module, name: str, adapter: Adapter) -> int:
     apply is refused with the model as it was."""
     route = getattr(model, "adapter_route", None)
     if route is None:
-        route = model.adapter_route = AdapterRoute([])
+        route = model.adapter_route = AdapterRoute([], dtype=getattr(model, "lora_dtype", "auto"))
     deltas = _joined(_deltas(model, route.common), _deltas(model, [adapter]))
     route.add(name)
     try:
