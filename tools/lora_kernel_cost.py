@@ -9,14 +9,13 @@ python tools/lora_kernel_cost.py --builds native avx2 --rows 1 4 8
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import torch
 
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.executor.kernels import ISA_FLAGS, load
-from specdecode.executor.lora_kernel import FORMATS, LoRAKernel
+from specdecode.executor.lora_kernel import LoRAKernel
 from specdecode.models.lora import AdapterSet
 
 HIDDEN, INTER, KV, LAYERS, RANK = 1536, 8960, 256, 28, 16
@@ -45,7 +44,7 @@ def step_ms(kernel: LoRAKernel, copies: list, rows: int, repeats: int) -> float:
     one-call decoder makes it, from prepared arguments."""
     x = {inputs: torch.randn(rows, inputs) for inputs in (HIDDEN, INTER)}
     y = {out: torch.zeros(rows, out) for _, _, out in copies[0]}
-    calls = [[_arguments(kernel, s, x[inputs], y[out]) for s, inputs, out in sets] for sets in copies]
+    calls = [[kernel.arguments(s, x[inputs], y[out]) for s, inputs, out in sets] for sets in copies]
     best = float("inf")
     for _ in range(repeats):
         for arguments in calls:
@@ -54,15 +53,6 @@ def step_ms(kernel: LoRAKernel, copies: list, rows: int, repeats: int) -> float:
                 kernel.lib.lora_update(*args)
             best = min(best, time.perf_counter() - started)
     return best * 1e3
-
-
-def _arguments(kernel: LoRAKernel, adapter_set: AdapterSet, x: torch.Tensor, y: torch.Tensor) -> tuple:
-    spans, addresses = kernel.layout(adapter_set)
-    return (
-        x.data_ptr(), x.shape[0], x.shape[1], adapter_set.lora_a.data_ptr(), FORMATS[adapter_set.lora_a.dtype],
-        adapter_set.scales.data_ptr(), adapter_set.rank, len(adapter_set.spans), ctypes.addressof(spans),
-        ctypes.addressof(addresses), y.data_ptr(), y.shape[1], torch.get_num_threads(),
-    )  # fmt: skip
 
 
 def main() -> None:

@@ -26,16 +26,19 @@ class LoRAKernel:
         self.lib = lib
 
     def __call__(self, adapter_set, x: torch.Tensor, y: torch.Tensor) -> None:
-        x = x.contiguous()
-        rows = x.numel() // x.shape[-1]
-        spans, addresses = self.layout(adapter_set)
-        code = self.lib.lora_update(
-            x.data_ptr(), rows, x.shape[-1], adapter_set.lora_a.data_ptr(), FORMATS[adapter_set.lora_a.dtype],
-            adapter_set.scales.data_ptr(), adapter_set.rank, len(adapter_set.spans), ctypes.addressof(spans),
-            ctypes.addressof(addresses), y.data_ptr(), y.shape[-1], torch.get_num_threads(),
-        )  # fmt: skip
+        code = self.lib.lora_update(*self.arguments(adapter_set, x.contiguous(), y))
         if code:
             raise SpecDecodeError(f"the LoRA kernel refused an update: {ERRORS.get(code, code)}")
+
+    def arguments(self, adapter_set, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """lora_update's arguments for y += B(Ax), x contiguous (the structs they point to kept on the set)."""
+        spans, addresses = self.layout(adapter_set)
+        return (
+            x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], adapter_set.lora_a.data_ptr(),
+            FORMATS[adapter_set.lora_a.dtype], adapter_set.scales.data_ptr(), adapter_set.rank,
+            len(adapter_set.spans), ctypes.addressof(spans), ctypes.addressof(addresses), y.data_ptr(), y.shape[-1],
+            torch.get_num_threads(),
+        )  # fmt: skip
 
     def layout(self, adapter_set) -> tuple:
         """The set's spans as C ints and its B's addresses as a C array (kept on the set, made again where its

@@ -52,6 +52,7 @@ CHUNKS_EVERY_PROMPT = {"cuda"}  # devices that prefill a long prompt in chunks e
 # launches); elsewhere, without the attention kernel, only prompts of one length share a call
 PADS_PROMPTS_TOGETHER = {"cuda"}
 _UNSETTLED = -1  # a written position whose token id is still on the device
+NO_ADAPTERS_AT_FIXED_SHAPES = "served LoRA adapters are computed in eager forwards: leave out fixed_shapes"
 
 
 class ModelRunner:
@@ -76,7 +77,7 @@ class ModelRunner:
         fixed_shapes = fixed_shapes_by_default(model) if fixed_shapes is None else fixed_shapes
         self._route = getattr(model, "adapter_route", None)  # a Transformer's with LoRA adapters (a head has none)
         if fixed_shapes and self._route is not None and len(self._route.sets) > 1:
-            raise SpecDecodeError("served LoRA adapters are computed in eager forwards: leave out fixed_shapes")
+            raise SpecDecodeError(NO_ADAPTERS_AT_FIXED_SHAPES)
         capture = fixed_shapes and model.device.type == "cuda"
         if capture:  # timed before the KV cache takes the device's memory
             gpu_linear_layers(model)
@@ -196,7 +197,7 @@ class ModelRunner:
     def adapters_may_change(self) -> None:
         """Refuses adapters served at run time where forwards run at fixed shapes (they take no adapters)."""
         if self._fixed is not None:
-            raise SpecDecodeError("served LoRA adapters are computed in eager forwards: leave out fixed_shapes")
+            raise SpecDecodeError(NO_ADAPTERS_AT_FIXED_SHAPES)
 
     def adapters_changed(self) -> None:
         """The model's served adapters were loaded or unloaded (engine/adapters.py): read its route again."""
