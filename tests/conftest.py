@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import json
@@ -120,6 +121,20 @@ class ByteTokenizer:
         shown += "".join(f"<{name}={value}>" for name, value in sorted(variables.items()))
         text = shown + "".join(f"<{m['role']}>{m['content']}{calls(m)}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
+
+    def with_chat_template(self, template: str, files: bool = True) -> "ByteTokenizer":
+        """A twin rendering chats with the template (read and checked as the real tokenizer reads it) in Jinja's
+        sandbox, as transformers renders templates."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from specdecode.models.tokenizer import read_chat_template
+
+        compiled = ImmutableSandboxedEnvironment().from_string(read_chat_template(template, files))
+        twin = copy.copy(self)
+        twin.apply_chat_template = lambda messages, tools=None, **options: compiled.render(
+            messages=messages, tools=tools, **{"add_generation_prompt": True} | options
+        )
+        return twin
 
 
 def with_mistake(module, old: str, new: str, tmp_path, monkeypatch):

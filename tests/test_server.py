@@ -277,6 +277,43 @@ def test_the_library_chat_takes_the_same_options(target):
             llm.chat(begun[:1], params, chat_template_kwargs=reserved)
 
 
+OWN_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+)
+
+
+def test_a_requests_chat_template_renders_it_where_the_server_trusts_requests(served, target, tmp_path):
+    """vLLM's --trust-request-chat-template: a chat's chat_template (its text, never a file on the server) renders
+    that request alone, /tokenize's too; without the switch, a 400 naming it."""
+    hi = [{"role": "user", "content": "hi"}]
+    refused = httpx.post(
+        served.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": hi, "chat_template": OWN_TEMPLATE},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]
+    llm = LLM(target=target, num_speculative_tokens=3, max_model_len=256, speculative_model="ngram")
+    with LocalServer(build_app(AsyncEngine(llm.engine), "tiny", trust_request_chat_template=True)) as trusting:
+        trusting.client = openai.OpenAI(base_url=trusting.url + "/v1", api_key="unused", max_retries=0)
+        own = _chat_text(trusting, target, messages=hi, extra={"chat_template": OWN_TEMPLATE})
+        assert own == _solo(target, "[user]hi[bot]", 8).outputs[0].text
+        assert _chat_text(trusting, target, messages=hi) == _solo(target, "<user>hi<assistant>", 8).outputs[0].text
+        tokens = httpx.post(
+            trusting.url + "/tokenize", json={"messages": hi, "chat_template": OWN_TEMPLATE}, timeout=30
+        ).json()["tokens"]
+        assert tokens == target.tokenizer.encode("[user]hi[bot]")
+        on_disk = tmp_path / "template.jinja"
+        on_disk.write_text(OWN_TEMPLATE)
+        for template, message in [(str(on_disk), "is no Jinja template"), ("{% for %}", "does not compile")]:
+            r = httpx.post(
+                trusting.url + "/v1/chat/completions",
+                json={"model": "tiny", "messages": hi, "chat_template": template},
+                timeout=30,
+            )
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_stop_token_ids_end_the_text_through_the_server(served, target):
     ids = _solo(target, "hello world", 12).outputs[0].token_ids
     stop = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])

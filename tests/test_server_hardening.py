@@ -183,7 +183,17 @@ HOSTILE = [
             {"return_token_ids": "sometimes"},
             {"skip_special_tokens": "perhaps"},
             {"spaces_between_special_tokens": "sometimes"},
-            {"structured_outputs": {"regex": "a+"}},
+            # vLLM's structured_outputs: refused where it is misspelt, asks two things or what is not built
+            {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
+            {"structured_outputs": {"regx": "a+"}},
+            {"structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+            {"structured_outputs": {"whitespace_pattern": " "}},
+            {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+            {"structured_outputs": {"choice": "a"}},
+            {"structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]},
+            {"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}},
+            {"guided_whitespace_pattern": " "},
+            {"guided_whitespace_pattern": " ", "guided_regex": "a+"},
             {"chat_template": "{{ messages }}"},
             {"add_special_tokens": False},
         ]

@@ -233,6 +233,42 @@ def test_sampled_json_schema_with_n_and_guided_fields(json_server):
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
 
 
+def test_vllms_structured_outputs_equal_the_librarys_constraints(json_server):
+    """vLLM's structured_outputs (its API since 0.12) and guided_whitespace_pattern: each greedy answer under
+    speculation is plain decoding's under the same StructuredOutput."""
+    plain = LLM(target=json_server.target, num_speculative_tokens=0, max_model_len=256)
+    cases = [
+        (
+            {"choice": ["red", "green", "blue"], "disable_fallback": True},
+            StructuredOutput(choice=("red", "green", "blue")),
+        ),
+        ({"regex": "[A-Z]{2}-[0-9]{3}"}, StructuredOutput(regex="[A-Z]{2}-[0-9]{3}")),
+        (
+            {"json": json.dumps(SCHEMA), "disable_any_whitespace": True},
+            StructuredOutput(json=SCHEMA, disable_any_whitespace=True),
+        ),
+        ({"json": SCHEMA, "whitespace_pattern": "[ ]?"}, StructuredOutput(json=SCHEMA, whitespace_pattern="[ ]?")),
+    ]
+    texts = []
+    for fields, spec in cases:
+        r = json_server.client.completions.create(
+            model="tiny", prompt="pick", max_tokens=60, temperature=0, extra_body={"structured_outputs": fields}
+        )
+        expected = plain.generate(["pick"], SamplingParams(temperature=0, max_tokens=60, structured_output=spec))
+        assert r.choices[0].text == expected[0].outputs[0].text, fields
+        texts.append(r.choices[0].text)
+    assert texts[0] in ("red", "green", "blue") and re.fullmatch("[A-Z]{2}-[0-9]{3}", texts[1])
+    assert json.dumps(json.loads(texts[2]), separators=(",", ":")) == texts[2]
+    guided = json_server.client.completions.create(
+        model="tiny",
+        prompt="pick",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"},
+    )
+    assert guided.choices[0].text == r.choices[0].text
+
+
 def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(server, target):
     kw = dict(
         model="tiny",

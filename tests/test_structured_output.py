@@ -168,9 +168,79 @@ def test_a_schema_that_turns_flexible_whitespace_off_gets_compact_json(models, m
     texts = [o.outputs[0].text for o in _generate(target, k=0, params=params)]
     assert all(jsonschema.validate(json.loads(t), COMPACT) is None for t in texts)
     assert all(json.dumps(json.loads(t), separators=(",", ":")) == t for t in texts)
-    monkeypatch.setattr(grammar_module, "json_options", lambda schema: grammar_module.JSON_OPTIONS)
+    monkeypatch.setattr(grammar_module, "json_options", lambda schema, defaults: defaults)
     loose = [o.outputs[0].text for o in _generate(target, k=0, params=params)]
     assert loose != texts and any(ch in t for t in loose for ch in " \n")
+
+
+def _greedy_texts(target, spec: StructuredOutput) -> list[str]:
+    """The outputs the grammar ended (a random model may go on with a free string past any limit)."""
+    params = SamplingParams(temperature=0, max_tokens=150, structured_output=spec)
+    outs = [o.outputs[0] for o in _generate(target, k=0, params=params, prompts=("hello", "the json:", "{", "x"))]
+    return [o.text for o in outs if o.finish_reason == "stop"]
+
+
+def test_vllms_json_whitespace_options_shape_the_output(models, monkeypatch):
+    """disable_any_whitespace gives compact JSON, a whitespace_pattern the whitespace it allows, where the random model
+    left free writes newlines and runs of spaces. Broken: the options not passed to llguidance."""
+    target, _ = models
+    closed = {**SCHEMA, "required": ["a", "b", "c"]}
+    compact = _greedy_texts(target, StructuredOutput(json=closed, disable_any_whitespace=True))
+    assert all(json.dumps(json.loads(t), separators=(",", ":")) == t for t in compact)
+    spaced = _greedy_texts(target, StructuredOutput(json=SCHEMA, whitespace_pattern="[ ]?"))
+    assert compact and spaced and all(jsonschema.validate(json.loads(t), SCHEMA) is None for t in spaced)
+    assert all("\n" not in t and "  " not in t for t in spaced) and any(" " in t for t in spaced)
+    monkeypatch.setattr(StructuredOutput, "json_defaults", lambda self: grammar_module.JSON_OPTIONS)
+    loose = _greedy_texts(target, StructuredOutput(json=SCHEMA, whitespace_pattern="[ ]?"))
+    assert any("\n" in t or "  " in t for t in loose)
+    assert _greedy_texts(target, StructuredOutput(json=closed, disable_any_whitespace=True)) != compact
+
+
+def _first_key_allowed(target, spec: StructuredOutput, text: str) -> str:
+    """The characters the grammar allows after the text (the vocabulary-100 model's tokens are characters)."""
+    grammar = GrammarMatcher.compile(spec, target.tokenizer, 100)
+    grammar.advance(_ids(text))
+    mask = grammar.allowed_rows([], 1, 100)[0]
+    return "".join(chr(32 + i) for i in mask.nonzero()[:, 0].tolist() if i < 95)
+
+
+def test_disable_additional_properties_closes_objects_the_schema_leaves_open(models, monkeypatch):
+    """After a schema's only property, an open object allows another key (','), a closed one only its end; nested
+    objects and objects that say otherwise keep to what they say. Broken: the schema passed as it came."""
+    target, _ = models
+    schema = {
+        "type": "object",
+        "required": ["a", "n"],
+        "properties": {
+            "a": {"type": "integer", "maximum": 5},
+            "n": {"type": "object", "required": ["b"], "properties": {"b": {"type": "integer", "maximum": 5}}},
+            "o": {"type": "object", "additionalProperties": True},
+        },
+    }
+
+    def after(text: str, **options) -> str:
+        return _first_key_allowed(target, StructuredOutput(json=schema, disable_any_whitespace=True, **options), text)
+
+    assert "," in after('{"a":1,"n":{"b":2')  # open: more keys may follow
+    assert after('{"a":1,"n":{"b":2', disable_additional_properties=True) == "}"
+    assert "," in after('{"a":1,"n":{"b":2},"o":{"x":1', disable_additional_properties=True)  # it says open
+    assert schema["properties"]["n"].get("additionalProperties") is None  # the caller's schema is left as it is
+    monkeypatch.setattr(grammar_module, "closed_objects", lambda schema: schema)
+    assert "," in after('{"a":1,"n":{"b":2', disable_additional_properties=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(regex="a+", whitespace_pattern=" "), "needs json or json_object, not regex"),
+        (dict(choice=("a",), disable_any_whitespace=True), "needs json or json_object, not choice"),
+        (dict(json_object=True, disable_additional_properties=True), "needs json, not json_object"),
+        (dict(json=SCHEMA, whitespace_pattern=" ", disable_any_whitespace=True), "send one"),
+    ],
+)
+def test_json_options_elsewhere_are_refused(kwargs, message):
+    with pytest.raises(SpecDecodeError, match=message):
+        StructuredOutput(**kwargs)
 
 
 # ---- a grammar after a reasoning model's thinking ------------------------------------------------------------------

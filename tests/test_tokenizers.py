@@ -167,6 +167,8 @@ def test_a_chat_template_given_replaces_the_models_own_and_leaves_the_model_as_i
     assert "<|im_start|>user\nhi<|im_end|>" in tok.apply_chat_template(hi)
     with pytest.raises(SpecDecodeError, match="no file here"):
         tok.with_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(SpecDecodeError, match="is no Jinja template"):  # a request's: its text, never a file
+        tok.with_chat_template(str(path), files=False)
     with pytest.raises(SpecDecodeError, match="does not compile"):
         tok.with_chat_template("{% for m in messages %}")
     with pytest.raises(SpecDecodeError, match="may not set chat_template"):

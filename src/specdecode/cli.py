@@ -292,6 +292,12 @@ def _http_flags(http) -> None:
         "serving (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: a request could have the server read any file",
     )
     http.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="a chat request's chat_template (the template's text) renders it in place of the model's (vLLM's); off: "
+        "such a request gets a 400",
+    )
+    http.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,

@@ -41,16 +41,17 @@ def template_variables(variables: dict | None) -> dict:
     return dict(variables or {})
 
 
-def read_chat_template(source: str) -> str:
+def read_chat_template(source: str, files: bool = True) -> str:
     """A chat template given as a file or as its text (vLLM's --chat-template), checked to compile as transformers
-    compiles templates."""
-    if os.path.isfile(source):
+    compiles templates. files=False: text only (a request's template, which must not name files on the server)."""
+    if files and os.path.isfile(source):
         with open(source, encoding="utf-8") as f:
             source = f.read()
     elif "{{" not in source and "{%" not in source:
+        where = "is no file here, and no" if files else "is no"
         raise SpecDecodeError(
-            f"chat_template: {source!r} is no file here, and no Jinja template ({{{{ ... }}}} or {{% ... %}}); pass "
-            "a template file or the template's text"
+            f"chat_template: {source[:80]!r} {where} Jinja template ({{{{ ... }}}} or {{% ... %}}); pass "
+            + ("a template file or the template's text" if files else "the template's text")
         )
     from jinja2 import TemplateSyntaxError
     from jinja2.ext import loopcontrols
@@ -83,11 +84,11 @@ class Tokenizer:
         self.hidden_ids = hidden_ids(hf_tokenizer)
         self.own_template: str | None = None  # a chat template given in place of the model's (with_chat_template)
 
-    def with_chat_template(self, template: str) -> Tokenizer:
+    def with_chat_template(self, template: str, files: bool = True) -> Tokenizer:
         """This tokenizer rendering chats with another template (a model's own replaced, or one given to a model that
-        has none); the model's tokenizer, which others may share, is left as it is."""
+        has none); the model's tokenizer, which others may share, is left as it is. files: see read_chat_template."""
         twin = copy.copy(self)
-        twin.own_template = read_chat_template(template)
+        twin.own_template = read_chat_template(template, files)
         return twin
 
     @property

@@ -8,6 +8,7 @@ tokens advance it for good."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -25,16 +26,40 @@ from ..transfers import tensor_to_device, to_device
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[ \\t\\n\\r]{0,20}"}
 
 
-def json_options(schema: dict | str) -> dict:
-    """JSON_OPTIONS for this schema: without our whitespace pattern where its "x-guidance" turns flexible whitespace
-    off and sets no pattern of its own (llguidance would take the pattern over the switch)."""
+def json_options(schema: dict | str, defaults: dict = JSON_OPTIONS) -> dict:
+    """The JSON options a schema is compiled with: these defaults, less their whitespace pattern where the schema's
+    "x-guidance" turns flexible whitespace off and sets no pattern of its own (llguidance would take the pattern over
+    the switch)."""
     try:
         asked = (json.loads(schema) if isinstance(schema, str) else schema).get("x-guidance") or {}
     except (ValueError, AttributeError):
-        return JSON_OPTIONS  # not a schema object: llguidance says what is wrong
+        return defaults  # not a schema object: llguidance says what is wrong
     if asked.get("whitespace_flexible") is False and "whitespace_pattern" not in asked:
-        return {k: v for k, v in JSON_OPTIONS.items() if k != "whitespace_pattern"}
-    return JSON_OPTIONS
+        return {k: v for k, v in defaults.items() if k != "whitespace_pattern"}
+    return defaults
+
+
+def closed_objects(schema: dict | str) -> dict | str:
+    """The schema with every object that does not say otherwise closed to properties it does not list (vLLM's
+    disable_additional_properties; JSON Schema leaves them open). A string that is not JSON is left to llguidance."""
+    try:
+        node = json.loads(schema) if isinstance(schema, str) else copy.deepcopy(schema)
+    except ValueError:
+        return schema
+
+    def close(node) -> None:
+        if isinstance(node, dict) and "object" in _listed(node.get("type")):
+            node.setdefault("additionalProperties", False)
+        for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+            close(child)
+
+    close(node)
+    return node
+
+
+def _listed(kind) -> list:
+    """A schema's "type": one name, or a list of them."""
+    return kind if isinstance(kind, list) else [kind]
 
 
 @dataclass(frozen=True)
@@ -51,6 +76,11 @@ class StructuredOutput:
     # parser): None, the grammar from the first token; True, the reply starts inside the thinking (its prompt opened
     # it); False, the reply may open it with <think> as its first token, else follows the grammar from there.
     after_thinking: bool | None = None
+    # vLLM's options for JSON: the whitespace allowed between its tokens (default: JSON_OPTIONS'), or none (compact
+    # JSON); a schema's objects closed to properties they do not list, where they do not say otherwise
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self):
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -62,15 +92,34 @@ class StructuredOutput:
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise SpecDecodeError("choice must be a non-empty list of non-empty strings")
+        self._check_json_options(given[0])
+
+    def _check_json_options(self, kind: str) -> None:
+        spacing = [name for name in ("whitespace_pattern", "disable_any_whitespace") if getattr(self, name)]
+        if spacing and kind not in ("json", "json_object"):
+            raise SpecDecodeError(f"{spacing[0]} shapes JSON output: it needs json or json_object, not {kind}")
+        if len(spacing) == 2:
+            raise SpecDecodeError("whitespace_pattern allows whitespace that disable_any_whitespace forbids: send one")
+        if self.disable_additional_properties and kind != "json":
+            raise SpecDecodeError(f"disable_additional_properties closes a schema's objects: it needs json, not {kind}")
+
+    def json_defaults(self) -> dict:
+        """llguidance's JSON options as the request asks: compact, its whitespace pattern, or ours."""
+        if self.disable_any_whitespace:
+            return {"whitespace_flexible": False}
+        if self.whitespace_pattern is not None:
+            return {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
+        return JSON_OPTIONS
 
     def llguidance_grammar(self) -> str:
         from llguidance import LLMatcher
 
         if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=self.json_defaults())
         if self.json is not None:
+            schema = closed_objects(self.json) if self.disable_additional_properties else self.json
             try:
-                return LLMatcher.grammar_from_json_schema(self.json, defaults=json_options(self.json))
+                return LLMatcher.grammar_from_json_schema(schema, defaults=json_options(schema, self.json_defaults()))
             except ValueError as exc:
                 raise SpecDecodeError(f"the JSON schema is not valid JSON: {exc}") from None
         if self.regex is not None:

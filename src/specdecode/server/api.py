@@ -32,12 +32,14 @@ def build_app(
     request_timeout: float | None = None,
     reasoning_parser: str | None = None,
     runtime_lora: bool = False,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """runs_engine: the app starts the engine's thread and stops it at shutdown (False: the caller runs
     the engine loop itself, as `serve` does on its main thread). request_timeout: the most seconds a
     request may run (a request may ask for less with its `timeout` field); then it is cancelled (504).
     reasoning_parser: chat replies' thinking goes to `reasoning` (see server/reasoning.py). runtime_lora: served LoRA
-    adapters may be loaded and unloaded by POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    adapters may be loaded and unloaded by POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    trust_request_chat_template: a chat request's chat_template renders it (else: a 400)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -49,7 +51,7 @@ def build_app(
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     add_guards(app, api_key, max_request_bytes)
-    handler = RequestHandler(engine, model_name, request_timeout, reasoning_parser)
+    handler = RequestHandler(engine, model_name, request_timeout, reasoning_parser, trust_request_chat_template)
     add_routes(app, handler)
     add_lora_routes(app, handler, runtime_lora)
     return app

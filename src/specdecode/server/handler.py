@@ -60,6 +60,7 @@ class RequestHandler:
         model_name: str | list[str],
         request_timeout: float | None = None,
         reasoning_parser: str | None = None,
+        trusts_request_templates: bool = False,
     ):
         # the names a request may give the model (vLLM's --served-model-name); responses give the first
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -68,6 +69,7 @@ class RequestHandler:
         if reasoning_parser not in (None, *PARSERS):
             raise SpecDecodeError(f"reasoning_parser is one of {', '.join(PARSERS)}, not {reasoning_parser!r}")
         self.reasoning_parser = reasoning_parser
+        self.trusts_request_templates = trusts_request_templates  # vLLM's --trust-request-chat-template
         self.responses = ResponseStore()  # the Responses API's, for previous_response_id
 
     def other_model(self, req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> JSONResponse | None:
@@ -154,9 +156,21 @@ class RequestHandler:
             raise SpecDecodeError("messages is empty; send at least one message")
         tools = req.tool_use
         messages = template_messages(req.messages)
-        return self.tokenizer.apply_chat_template(
+        return self.chat_tokenizer(req).apply_chat_template(
             messages, tools=tools.rendered if tools else None, **req.template_options()
         )
+
+    def chat_tokenizer(self, req: ChatRequest):
+        """The tokenizer that renders this chat: with the request's own template where the server trusts them (a
+        template runs in Jinja's sandbox, but may loop long or render what the model was not trained on)."""
+        if req.chat_template is None:
+            return self.tokenizer
+        if not self.trusts_request_templates:
+            raise SpecDecodeError(
+                "chat_template: this server renders chats with the model's template; a request's own is used where "
+                "the server is started with --trust-request-chat-template"
+            )
+        return self.tokenizer.with_chat_template(req.chat_template, files=False)
 
     def chat_sampling(self, req: ChatRequest, prompt: str) -> tuple[list[int], SamplingParams]:
         """A chat's prompt ids and sampling parameters; with a reasoning parser, a grammar starts after the thinking."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from functools import cached_property
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import SpecDecodeError
 from ..models.tokenizer import template_variables
@@ -19,12 +19,10 @@ UNSUPPORTED_UNLESS_DEFAULT = {
     "functions": None,
     "function_call": None,
     "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "structured_outputs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "logits_processors": None,
-    "chat_template": None,
+    "chat_template": None,  # a chat's (ChatRequest.chat_template): a completion has no template to replace
     "mm_processor_kwargs": None,
     "prompt_embeds": None,
     "vllm_xargs": None,
@@ -38,6 +36,36 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # OpenAI's: the usage in a last chunk of its own (null in the others)
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs object (its StructuredOutputsParams): one constraint and the JSON options."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt option would shape the output otherwise than asked
+    schema_: dict | str | None = Field(None, alias="json")  # (BaseModel has a json attribute)
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # vLLM's fallback from one grammar backend to another: this server has one
+    structural_tag: str | dict | None = None  # refused rather than ignored
+
+    def spec(self) -> StructuredOutput:
+        if self.structural_tag is not None:
+            raise SpecDecodeError("structured_outputs.structural_tag is not supported here; use json, regex or grammar")
+        return StructuredOutput(
+            json=self.schema_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=tuple(self.choice) if self.choice is not None else None,
+            grammar=self.grammar,
+            whitespace_pattern=self.whitespace_pattern,
+            disable_any_whitespace=self.disable_any_whitespace,
+            disable_additional_properties=self.disable_additional_properties,
+        )
 
 
 class CommonRequest(BaseModel):
@@ -60,12 +88,14 @@ class CommonRequest(BaseModel):
     stream: bool = False
     n: int = 1
     ignore_eos: bool = False
-    # structured output: OpenAI's response_format, or one of vLLM's guided_* fields
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
     response_format: dict | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     timeout: float | None = None  # seconds; the request is cancelled (504) when it runs longer
     user: str | None = None  # OpenAI's end-user id: a scaled-out deployment keeps its requests on one replica
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob given the tokens before, and N others'
@@ -130,6 +160,20 @@ class CommonRequest(BaseModel):
         )
 
     def structured_output(self) -> StructuredOutput | None:
+        asked = {
+            "response_format": response_format_grammar(self.response_format),
+            "structured_outputs": self.structured_outputs and self.structured_outputs.spec(),
+            "guided_*": self.guided_fields(),
+        }
+        asked = {name: spec for name, spec in asked.items() if spec is not None}
+        if len(asked) > 1:
+            raise SpecDecodeError(
+                f"send one of response_format, structured_outputs or guided_* fields, not {' and '.join(asked)}"
+            )
+        return next(iter(asked.values()), None)
+
+    def guided_fields(self) -> StructuredOutput | None:
+        """vLLM's guided_* fields (before structured_outputs took their place in its 0.12)."""
         guided = {
             "json": self.guided_json,
             "regex": self.guided_regex,
@@ -137,12 +181,13 @@ class CommonRequest(BaseModel):
             "choice": tuple(self.guided_choice) if self.guided_choice is not None else None,
         }
         guided = {k: v for k, v in guided.items() if v is not None}
-        from_format = response_format_grammar(self.response_format)
-        if from_format and guided:
-            raise SpecDecodeError("send either response_format or a guided_* field, not both")
         if len(guided) > 1:
             raise SpecDecodeError(f"send one guided_* field at a time, got {', '.join('guided_' + k for k in guided)}")
-        return from_format or (StructuredOutput(**guided) if guided else None)
+        if self.guided_whitespace_pattern is not None:
+            if not guided:
+                raise SpecDecodeError("guided_whitespace_pattern shapes guided_json's output: send guided_json with it")
+            guided["whitespace_pattern"] = self.guided_whitespace_pattern
+        return StructuredOutput(**guided) if guided else None
 
 
 def response_format_grammar(response_format: dict | None) -> StructuredOutput | None:
@@ -227,6 +272,7 @@ class ChatRequest(CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open for the reply to go on with ("prefill")
     chat_template_kwargs: dict | None = None  # further variables for the template (Qwen3's enable_thinking)
+    chat_template: str | None = None  # the template's text in place of the model's, where the server trusts requests'
     documents: list[dict] | None = None
     reasoning_effort: str | None = None
     add_special_tokens: bool = False  # a BOS on top of the template's (on: not supported)
@@ -267,7 +313,7 @@ class ChatRequest(CommonRequest):
         if forced and own:
             raise SpecDecodeError(
                 "tool_choice required or a named function constrains the output already; leave out "
-                "response_format and guided_* fields"
+                "response_format, structured_outputs and guided_* fields"
             )
         return forced or own
 
@@ -309,6 +355,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
     tools: list | None = None
     return_token_strs: bool = False  # each token's string in the vocabulary beside its id
 
@@ -322,6 +369,7 @@ class TokenizeRequest(BaseModel):
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs,
+            chat_template=self.chat_template,
         )
 
 

@@ -48,6 +48,7 @@ def run_serve_ray(args, options: dict) -> int:
         max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout,
         reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     deployment.scaling()  # bad bounds fail here, before a cluster starts
     if args.ray_address is None:

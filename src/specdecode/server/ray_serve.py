@@ -226,6 +226,7 @@ class OpenAIIngress:
         max_request_bytes: int,
         request_timeout: float | None,
         reasoning_parser: str | None = None,
+        trust_request_chat_template: bool = False,
     ):
         described = await engines.describe.remote()
         self._app = build_app(
@@ -236,6 +237,7 @@ class OpenAIIngress:
             runs_engine=False,
             request_timeout=request_timeout,
             reasoning_parser=reasoning_parser,
+            trust_request_chat_template=trust_request_chat_template,
         )
 
     def __serve_build_asgi_app__(self):
@@ -261,6 +263,7 @@ class RayDeployment:
     max_request_bytes: int = MAX_REQUEST_BYTES
     request_timeout: float | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False
 
     def scaling(self) -> dict:
         if self.min_replicas is None and self.max_replicas is None:
@@ -315,6 +318,7 @@ class RayDeployment:
             self.max_request_bytes,
             self.request_timeout,
             self.reasoning_parser,
+            self.trust_request_chat_template,
         )
 
 

@@ -48,6 +48,7 @@ def run_serve(args) -> int:
         request_timeout=args.request_timeout,
         reasoning_parser=args.reasoning_parser,
         runtime_lora=args.allow_runtime_lora_updating,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # HTTP in a thread, the engine loop on this (main) thread: see AsyncEngine.run
