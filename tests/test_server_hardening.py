@@ -187,6 +187,8 @@ HOSTILE = [
             {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
             {"structured_outputs": {"regx": "a+"}},
             {"structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+            {"structured_outputs": {"structural_tag": {"structures": [], "triggers": ["<"]}}},
+            {"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
             {"structured_outputs": {"whitespace_pattern": " "}},
             {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
             {"structured_outputs": {"choice": "a"}},

@@ -269,6 +269,40 @@ def test_vllms_structured_outputs_equal_the_librarys_constraints(json_server):
     assert guided.choices[0].text == r.choices[0].text
 
 
+def test_structural_tags_as_response_format_and_structured_outputs(json_server):
+    """vLLM's structural tag, in response_format (its structures and triggers beside the type) and in
+    structured_outputs (a JSON string): the library's output under the same tag, with a structure opened."""
+    tag = {
+        "structures": [{"begin": "<a>", "schema": {"type": "array", "items": {"type": "integer"}}, "end": "!"}],
+        "triggers": ["<"],
+    }
+    bias = {str(ord("<") - 32): 8.0}
+    plain = LLM(target=json_server.target, num_speculative_tokens=0, max_model_len=256)
+    msgs = [{"role": "user", "content": "tag"}]
+    spec = StructuredOutput(structural_tag=tag)
+    params = SamplingParams(temperature=0, max_tokens=60, logit_bias={ord("<") - 32: 8.0}, structured_output=spec)
+    expected = plain.chat(msgs, params)
+    chat = json_server.client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=60,
+        temperature=0,
+        logit_bias=bias,
+        response_format={"type": "structural_tag", **tag},
+    )
+    assert chat.choices[0].message.content == expected[0].outputs[0].text and "<a>[" in expected[0].outputs[0].text
+    completion = json_server.client.completions.create(
+        model="tiny",
+        prompt="tag",
+        max_tokens=60,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}},
+    )
+    expected = plain.generate(["tag"], params)
+    assert completion.choices[0].text == expected[0].outputs[0].text
+
+
 def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(server, target):
     kw = dict(
         model="tiny",

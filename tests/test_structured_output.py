@@ -10,6 +10,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 from conftest import tiny_model
+from families import vocabulary
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
@@ -28,6 +29,12 @@ SCHEMA = {
         "c": {"type": "string", "maxLength": 4},
     },
 }
+# a structural tag's two structures, whose JSON holds no string (a '<' or '!' in the text is a trigger or an end)
+TAGGED = {
+    "a": {"type": "object", "additionalProperties": False, "required": ["n"], "properties": {"n": {"type": "integer"}}},
+    "b": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2},
+}
+TAG = {"structures": [{"begin": f"<{k}>", "schema": v, "end": "!"} for k, v in TAGGED.items()], "triggers": ["<"]}
 LARK = 'start: "(" item ("," item)+ ")"\nitem: /[a-c]/ | "x"'
 SPECS = {
     "regex": (StructuredOutput(regex="[a-c]{3}x"), lambda text: re.fullmatch("[a-c]{3}x", text)),
@@ -145,6 +152,14 @@ def test_sampling_under_a_grammar_follows_the_masked_target():
         (dict(json="{not json"), "not valid JSON"),
         (dict(choice=()), "non-empty list"),
         (dict(regex="a", choice=("a",)), "exactly one of"),
+        (dict(structural_tag={"structures": TAG["structures"]}), "structural_tag takes"),
+        (dict(structural_tag={**TAG, "triggers": ["["]}), "starts with none of the triggers"),
+        (dict(structural_tag={"type": "structural_tag", "format": {}}), "form with a 'format'"),
+        (dict(structural_tag="{not json"), "not valid JSON"),
+        (
+            dict(structural_tag={**TAG, "structures": [{"begin": "<a>", "schema": "[1]", "end": "!"}]}),
+            "not a JSON schema",
+        ),
     ],
 )
 def test_bad_grammars_get_clear_errors(models, kwargs, message):
@@ -241,6 +256,51 @@ def test_disable_additional_properties_closes_objects_the_schema_leaves_open(mod
 def test_json_options_elsewhere_are_refused(kwargs, message):
     with pytest.raises(SpecDecodeError, match=message):
         StructuredOutput(**kwargs)
+
+
+# ---- vLLM's structural tags: free text, each trigger opening a structure -------------------------------------------
+def _structures(text: str, cut: bool) -> list[str]:
+    """The structures a text opened, each checked against its schema (the last may be cut by max_tokens)."""
+    opened = text.split("<")[1:]
+    for piece in opened[:-1] if cut else opened:
+        kind, body = re.fullmatch(r"([ab])>([^!]*)!.*", piece, re.S).groups()
+        jsonschema.validate(json.loads(body), TAGGED[kind])
+    return opened
+
+
+def test_a_structural_tag_holds_each_structure_to_its_schema_and_equals_plain(models, monkeypatch):
+    """The random model, pushed to write '<' (the trigger), must then write one of the begins, its JSON and its end,
+    and is free between; speculative greedy output is plain's. Broken: the structures not compiled (free text)."""
+    target, draft = models
+    spec = StructuredOutput(structural_tag=json.dumps(TAG))
+    params = SamplingParams(temperature=0, max_tokens=120, structured_output=spec, logit_bias={_ids("<")[0]: 8.0})
+    plain = [o.outputs[0] for o in _generate(target, k=0, params=params, prompts=("hello", "the json:", "?"))]
+    opened = [_structures(o.text, cut=o.finish_reason == "length") for o in plain]
+    assert sum(map(len, opened)) >= 6 and {p[0] for ps in opened for p in ps} == {"a", "b"}
+    for proposer in (dict(draft=draft), dict(draft=target), dict(speculative_model="ngram")):
+        outs = _generate(target, params=params, prompts=("hello", "the json:", "?"), **proposer)
+        assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in plain]
+    from llguidance import LLMatcher
+
+    monkeypatch.setattr(
+        grammar_module, "structural_tag_grammar", lambda tag, special: LLMatcher.grammar_from_regex("(?s:.*)")
+    )
+    free = [o.outputs[0] for o in _generate(target, k=0, params=params, prompts=("hello", "the json:", "?"))]
+    with pytest.raises((AttributeError, ValueError, jsonschema.ValidationError)):
+        [_structures(o.text, cut=o.finish_reason == "length") for o in free]
+
+
+def test_a_bracketed_trigger_that_is_one_special_token_is_matched_as_that_token(monkeypatch):
+    """Qwen's <|im_start|> is one special token: the trigger is that token (as vLLM's guidance backend takes it), which
+    the model can emit; matched as text, it could not. Broken: every trigger taken as text."""
+    tok = vocabulary("ggml-vocab-qwen2.gguf")
+    start = tok.encode_fragment("<|im_start|>")
+    tag = {"structures": [{"begin": "<|im_start|>", "schema": {"type": "object"}, "end": "<|im_end|>"}]}
+    spec = StructuredOutput(structural_tag={**tag, "triggers": ["<|im_start|>"]})
+    vocab = len(tok.get_vocab())
+    assert len(start) == 1 and GrammarMatcher.compile(spec, tok, vocab).allowed_rows([], 1, vocab)[0, start[0]]
+    monkeypatch.setattr(grammar_module, "is_special_token", lambda tokenizer, text: False)
+    assert not GrammarMatcher.compile(spec, tok, vocab).allowed_rows([], 1, vocab)[0, start[0]]
 
 
 # ---- a grammar after a reasoning model's thinking ------------------------------------------------------------------

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,13 +65,15 @@ def _listed(kind) -> list:
 @dataclass(frozen=True)
 class StructuredOutput:
     """One of: json (a schema, as a dict or string), json_object (any JSON object), regex, choice (the
-    output is one of these strings) or grammar (Lark syntax, llguidance's dialect)."""
+    output is one of these strings), grammar (Lark syntax, llguidance's dialect) or structural_tag (free text in which
+    each trigger string opens a structure: see structural_tag_grammar)."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None
     # A reasoning model's thinking left free, the grammar starting after its </think> (as vLLM's with a reasoning
     # parser): None, the grammar from the first token; True, the reply starts inside the thinking (its prompt opened
     # it); False, the reply may open it with <think> as its first token, else follows the grammar from there.
@@ -83,12 +85,12 @@ class StructuredOutput:
     disable_additional_properties: bool = False
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [n for n in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise SpecDecodeError(
-                f"structured output takes exactly one of json, json_object, regex, choice or "
-                f"grammar; got {', '.join(given) or 'none'}"
+                f"structured output takes exactly one of json, json_object, regex, choice, grammar or "
+                f"structural_tag; got {', '.join(given) or 'none'}"
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise SpecDecodeError("choice must be a non-empty list of non-empty strings")
@@ -111,7 +113,9 @@ class StructuredOutput:
             return {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
         return JSON_OPTIONS
 
-    def llguidance_grammar(self) -> str:
+    def llguidance_grammar(self, is_special_token: Callable[[str], bool] = lambda text: False) -> str:
+        """The grammar as llguidance compiles it; is_special_token: whether a string is one special token of the
+        tokenizer (a structural tag's trigger such as <tool_call> is matched as that token, not as text)."""
         from llguidance import LLMatcher
 
         if self.json_object:
@@ -126,7 +130,76 @@ class StructuredOutput:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        if self.structural_tag is not None:
+            return structural_tag_grammar(self.structural_tag, is_special_token)
         return LLMatcher.grammar_from_lark(self.grammar)
+
+
+def structural_tag_grammar(tag: dict | str, is_special_token: Callable[[str], bool]) -> str:
+    """vLLM's structural tag, {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}: free text in which a
+    trigger opens the structure whose begin starts with it, its JSON following the schema, then its end; compiled as
+    vLLM's guidance backend compiles it (llguidance's StructTag). Triggers of the form <...> are matched as special
+    tokens where each is one."""
+    from llguidance import StructTag
+
+    tag = _structural_tag_fields(tag)
+    tags = []
+    for structure in tag["structures"]:
+        begin = structure["begin"]
+        trigger = next((t for t in tag["triggers"] if begin.startswith(t)), None)
+        if trigger is None:
+            raise SpecDecodeError(f"structural_tag: the begin {begin!r} starts with none of the triggers")
+        tags.append(
+            StructTag(trigger=trigger, begin=begin, grammar=_with_json_options(structure), end=structure["end"])
+        )
+    bracketed = [t for t in tag["triggers"] if t.startswith("<") and t.endswith(">")]
+    return StructTag.to_grammar(tags, assume_special=all(map(is_special_token, bracketed)))
+
+
+def _structural_tag_fields(tag: dict | str) -> dict:
+    """The tag as a dict, checked to have the fields vLLM's first form has (its later "format" form is not read)."""
+    usage = 'structural_tag takes {"structures": [{"begin": str, "schema": {...}, "end": str}, ...], "triggers": [str]}'
+    try:
+        tag = json.loads(tag) if isinstance(tag, str) else tag
+    except ValueError as exc:
+        raise SpecDecodeError(f"structural_tag is not valid JSON ({exc}); {usage}") from None
+    if not isinstance(tag, dict) or "format" in tag:
+        raise SpecDecodeError(f"{usage} (the form with a 'format' is not supported here)")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    fields_ok = (
+        isinstance(structures, list)
+        and structures
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("begin"), str)
+            and isinstance(s.get("end"), str)
+            and isinstance(s.get("schema"), (dict, str))
+            for s in structures
+        )
+    )
+    triggers_ok = isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)
+    if not (fields_ok and triggers_ok):
+        raise SpecDecodeError(usage)
+    return tag
+
+
+def _with_json_options(structure: dict) -> dict:
+    """A structure's schema with our JSON options where it states none (a %json in Lark takes no defaults)."""
+    schema = structure["schema"]
+    try:
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+    except ValueError as exc:
+        raise SpecDecodeError(
+            f"structural_tag: the schema of {structure['begin']!r} is not valid JSON: {exc}"
+        ) from None
+    if not isinstance(schema, dict):
+        raise SpecDecodeError(f"structural_tag: the schema of {structure['begin']!r} is not a JSON schema object")
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_OPTIONS}
+
+
+def is_special_token(tokenizer, text: str) -> bool:
+    ids = tokenizer.encode_fragment(text)
+    return len(ids) == 1 and ids[0] in tokenizer.special_ids
 
 
 class GrammarTokenizers:
@@ -189,7 +262,8 @@ class GrammarMatcher:
     def compile(cls, spec: StructuredOutput, tokenizer, vocab_size: int) -> "GrammarMatcher":
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(GrammarTokenizers.get(tokenizer, vocab_size), spec.llguidance_grammar(), log_level=0)
+        grammar = spec.llguidance_grammar(lambda text: is_special_token(tokenizer, text))
+        matcher = LLMatcher(GrammarTokenizers.get(tokenizer, vocab_size), grammar, log_level=0)
         if matcher.is_error():
             raise SpecDecodeError(f"the structured output grammar is not valid: {matcher.get_error()}")
         grammar = cls(matcher, vocab_size, frozenset(tokenizer.eos_token_ids))

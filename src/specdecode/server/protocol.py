@@ -51,17 +51,16 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     disable_fallback: bool = False  # vLLM's fallback from one grammar backend to another: this server has one
-    structural_tag: str | dict | None = None  # refused rather than ignored
+    structural_tag: str | dict | None = None  # {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
 
     def spec(self) -> StructuredOutput:
-        if self.structural_tag is not None:
-            raise SpecDecodeError("structured_outputs.structural_tag is not supported here; use json, regex or grammar")
         return StructuredOutput(
             json=self.schema_,
             json_object=bool(self.json_object),
             regex=self.regex,
             choice=tuple(self.choice) if self.choice is not None else None,
             grammar=self.grammar,
+            structural_tag=self.structural_tag,
             whitespace_pattern=self.whitespace_pattern,
             disable_any_whitespace=self.disable_any_whitespace,
             disable_additional_properties=self.disable_additional_properties,
@@ -191,7 +190,8 @@ class CommonRequest(BaseModel):
 
 
 def response_format_grammar(response_format: dict | None) -> StructuredOutput | None:
-    """OpenAI's response_format: text (no constraint), json_object, or json_schema with its schema."""
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema with its schema; or vLLM's
+    structural_tag, its structures and triggers beside the type."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return None
@@ -202,7 +202,9 @@ def response_format_grammar(response_format: dict | None) -> StructuredOutput | 
         if not isinstance(schema, dict):
             raise SpecDecodeError("response_format json_schema needs json_schema.schema, a JSON schema object")
         return StructuredOutput(json=schema)
-    raise SpecDecodeError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+    if kind == "structural_tag":
+        return StructuredOutput(structural_tag={k: v for k, v in response_format.items() if k != "type"})
+    raise SpecDecodeError(f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag")
 
 
 class CompletionRequest(CommonRequest):
