@@ -292,7 +292,8 @@ def test_a_structural_tag_holds_each_structure_to_its_schema_and_equals_plain(mo
 
 def test_a_bracketed_trigger_that_is_one_special_token_is_matched_as_that_token(monkeypatch):
     """Qwen's <|im_start|> is one special token: the trigger is that token (as vLLM's guidance backend takes it), which
-    the model can emit; matched as text, it could not. Broken: every trigger taken as text."""
+    the model can emit; matched as text, it could not. Broken: every trigger taken as text. A bracketed trigger that
+    is no token of the vocabulary is text."""
     tok = vocabulary("ggml-vocab-qwen2.gguf")
     start = tok.encode_fragment("<|im_start|>")
     tag = {"structures": [{"begin": "<|im_start|>", "schema": {"type": "object"}, "end": "<|im_end|>"}]}
@@ -301,6 +302,11 @@ def test_a_bracketed_trigger_that_is_one_special_token_is_matched_as_that_token(
     assert len(start) == 1 and GrammarMatcher.compile(spec, tok, vocab).allowed_rows([], 1, vocab)[0, start[0]]
     monkeypatch.setattr(grammar_module, "is_special_token", lambda tokenizer, text: False)
     assert not GrammarMatcher.compile(spec, tok, vocab).allowed_rows([], 1, vocab)[0, start[0]]
+    monkeypatch.undo()
+    as_text = {"structures": [{"begin": "<x>", "schema": {}, "end": "!"}], "triggers": ["<x>"]}  # no such token
+    small = tiny_model(seed=0, vocab=100).tokenizer
+    grammar = GrammarMatcher.compile(StructuredOutput(structural_tag=as_text), small, 100)
+    assert grammar.allowed_rows([], 1, 100)[0, _ids("<")[0]]
 
 
 # ---- a grammar after a reasoning model's thinking ------------------------------------------------------------------
