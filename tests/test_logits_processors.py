@@ -396,3 +396,95 @@ def test_bad_words_without_the_drafts_fail_the_distribution_test(small_pair, lim
     prompt, params, joint = limited_stats
     counts, _ = sampled_joint(*small_pair, prompt, params, samples=8000)
     assert chi2_pvalue(counts, joint) < 1e-6
+
+
+# ---- a request's own processors (SamplingParams.logits_processors) --------------------------------------------------
+def no_repeats(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """The last token may not come again at once, and the token the output's length names is favoured."""
+    if output_ids:
+        logits[output_ids[-1]] = float("-inf")
+    logits[len(output_ids) % 6 + 1] += 1.5
+    return logits
+
+
+def test_a_requests_own_processors_see_the_tokens_before_each_row():
+    """Row j is given the output and drafts[:j] (a three-argument processor the prompt first); processors run in order,
+    before the others (here a bias); a processor that returns something else than the row is refused by name."""
+    seen = []
+
+    def record(prompt_ids, output_ids, logits):
+        seen.append((list(prompt_ids), list(output_ids)))
+        return logits * 2
+
+    params = SamplingParams(logits_processors=[record, no_repeats], logit_bias={4: 1.0})
+    out = process_logits(torch.ones(3, 8), params, [9], [5, 6], drafts=[2, 3], prompt=[9, 9, 7])
+    assert seen == [([9, 9, 7], [5, 6]), ([9, 9, 7], [5, 6, 2]), ([9, 9, 7], [5, 6, 2, 3])]
+    expected = torch.full((3, 8), 2.0)
+    for j, (last, favoured) in enumerate([(6, 3), (2, 4), (3, 5)]):
+        expected[j, favoured] += 1.5
+        expected[j, last] = float("-inf")
+    expected[:, 4] += 1.0
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(SpecDecodeError, match="'<lambda>' returned list"):
+        process_logits(torch.ones(1, 8), SamplingParams(logits_processors=[lambda ids, x: x.tolist()]), [1], [2])
+    with pytest.raises(SpecDecodeError, match="takes 1 arguments"):
+        SamplingParams(logits_processors=[lambda x: x])
+
+
+@pytest.fixture(scope="module")
+def own_processed(target):
+    """Greedy params with no_repeats, and plain decoding's outputs under them (which the processor changes)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logits_processors=[no_repeats])
+    plain = _ids(_llm(target, k=0), params)
+    assert plain != _ids(_llm(target, k=0), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert all(a != b for ids in plain for a, b in zip(ids, ids[1:]))
+    return params, plain
+
+
+@pytest.mark.parametrize("proposer", ["self", "random", "ngram"])
+def test_greedy_with_a_requests_own_processors_equals_plain(target, random_draft, own_processed, proposer):
+    params, plain = own_processed
+    draft = {"self": target, "random": random_draft}.get(proposer)
+    llm = _llm(target, draft, k=3, speculative_model="ngram" if proposer == "ngram" else None)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
+    assert proposer != "self" or sum(o.spec["num_accepted_tokens"] for o in outs) > 0
+
+
+def _own_processors_without_the_drafts(monkeypatch):
+    """The broken variant: each verify row given the output alone, not the drafts before it."""
+    told = processors.custom_processed
+    monkeypatch.setattr(
+        processors,
+        "custom_processed",
+        lambda rows, h: told(rows, History(h.params, h.prompt_ids, h.output_ids, (), h.rows, prompt=h.prompt)),
+    )
+
+
+def test_own_processors_without_the_drafts_break_greedy_equality(target, own_processed, monkeypatch):
+    params, plain = own_processed
+    _own_processors_without_the_drafts(monkeypatch)
+    assert _ids(_llm(target, target, k=3), params) != plain
+
+
+@pytest.fixture(scope="module")
+def own_stats(small_pair):
+    target, _ = small_pair
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=3, logits_processors=[no_repeats])
+    return [1, 2, 3, 1], params, exact_joint(target, [1, 2, 3, 1], params)
+
+
+def test_sampling_with_own_processors_follows_the_processed_target(small_pair, own_stats):
+    prompt, params, joint = own_stats
+    assert all(a != b for t in joint for a, b in zip(t, t[1:]))
+    counts, accepted = sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert 0.1 < accepted < 0.95
+    assert chi2_pvalue(counts, joint) > PASS_P
+
+
+def test_own_processors_without_the_drafts_fail_the_distribution_test(small_pair, own_stats, monkeypatch):
+    _own_processors_without_the_drafts(monkeypatch)
+    prompt, params, joint = own_stats
+    counts, _ = sampled_joint(*small_pair, prompt, params, samples=8000)
+    assert chi2_pvalue(counts, joint) < 1e-6

@@ -303,7 +303,8 @@ class DraftModelProposer(Proposer):
         picked = logits[to_device(other, logits.device)]
         seen = [s.processed_output(drafted[rows[row]]) for s, row in zip(chosen, other)]  # output and drafts so far
         histories = [
-            History(s.params, s.distinct_prompt_ids, ids, (), 1, s.thinking_from_prompt) for s, ids in zip(chosen, seen)
+            History(s.params, s.distinct_prompt_ids, ids, (), 1, s.thinking_from_prompt, s.prompt_ids)
+            for s, ids in zip(chosen, seen)
         ]
         confidence = argmax_probability(picked)  # before processing, which may be in place
         processed = over_target_vocab(picked, self.runner.vocab_ids, self.runner.cfg.vocab_size)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import SpecDecodeError
@@ -42,6 +44,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its N most likely alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scored by the prefill)
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
+    # functions of the tokens so far that change a row's logits (vLLM's first API's, transformers' in spirit):
+    # fn(output_ids, logits) or fn(prompt_ids, output_ids, logits) -> logits; see processors.custom_processed
+    logits_processors: list[Callable] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
     # each bad word's token ids, spelled alone and after a space, as vLLM's; set by update_from_tokenizer
@@ -76,6 +81,7 @@ class SamplingParams:
             or self.allowed_token_ids
             or self.bad_words_ids
             or self.thinking_token_budget is not None
+            or self.logits_processors
         )
 
     def update_from_tokenizer(self, tokenizer) -> None:
@@ -130,6 +136,8 @@ class SamplingParams:
         for token in self.stop_token_ids or ():
             _check_int("stop_token_ids[]", token, 0)
         self._validate_vocabulary_limits()
+        for processor in self.logits_processors or ():
+            processor_arguments(processor)
 
     def _validate_vocabulary_limits(self) -> None:
         if self.allowed_token_ids is not None:
@@ -153,6 +161,23 @@ class SamplingParams:
                     "thinking_token_budget ends the thinking with </think>, which allowed_token_ids or bad_words could "
                     "ban; send one or the other"
                 )
+
+
+def processor_arguments(processor) -> int:
+    """How many arguments a logits processor takes: 2 (output ids, logits) or 3 (prompt ids first)."""
+    try:
+        parameters = inspect.signature(processor).parameters.values()
+    except (TypeError, ValueError):
+        raise SpecDecodeError(f"logits_processors: {processor!r} is not a function") from None
+    positional = [
+        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(positional) not in (2, 3):
+        raise SpecDecodeError(
+            f"logits_processors: {getattr(processor, '__name__', processor)!r} takes {len(positional)} arguments; a "
+            "processor takes (output_ids, logits) or (prompt_ids, output_ids, logits) and returns the logits"
+        )
+    return len(positional)
 
 
 def _is_number(value) -> bool:

@@ -20,8 +20,9 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from ..errors import SpecDecodeError
 from ..transfers import to_device
-from .params import SamplingParams
+from .params import SamplingParams, processor_arguments
 from .penalties import penalise
 
 
@@ -36,6 +37,7 @@ class History:
     drafts: Sequence[int]
     rows: int
     thinking_from_prompt: bool = False  # the prompt left the reply inside its thinking (see thinking_token_budget)
+    prompt: Sequence[int] = ()  # the whole prompt, for the request's own processors that read it
 
 
 def process_logits(
@@ -46,11 +48,13 @@ def process_logits(
     drafts: Sequence[int] = (),
     eos_ids: Collection[int] = (),
     thinking_from_prompt: bool = False,
+    prompt: Sequence[int] = (),
 ) -> torch.Tensor:
-    """logits [P, V], row j following output_ids + drafts[:j]; returned unchanged without processors."""
+    """logits [P, V], row j following output_ids + drafts[:j]; returned unchanged without processors. prompt: the
+    whole prompt, where the request's own processors read it (prompt_ids: its distinct tokens will do otherwise)."""
     if not params.has_processors:
         return logits
-    history = History(params, prompt_ids, output_ids, drafts, logits.shape[0], thinking_from_prompt)
+    history = History(params, prompt_ids, output_ids, drafts, logits.shape[0], thinking_from_prompt, prompt)
     return process_rows(logits.float().clone(), [history], eos_ids)
 
 
@@ -59,6 +63,9 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
     processors applied to its own rows: in place where the operation allows, the result returned."""
     starts = list(accumulate((h.rows for h in histories), initial=0))
     vocab, device = logits.shape[-1], logits.device
+    for history, start in zip(histories, starts):
+        if history.params.logits_processors:
+            logits[start : start + history.rows] = custom_processed(logits[start : start + history.rows], history)
     _keep_allowed(logits, histories, starts)
     bias = [(start + j, i, v) for h, start in zip(histories, starts) for i, v in _bias(h, vocab) for j in range(h.rows)]
     if bias:
@@ -80,6 +87,26 @@ def process_rows(logits: torch.Tensor, histories: list[History], eos_ids: Collec
     if penalised:
         penalise(logits, [histories[i] for i in penalised], [starts[i] for i in penalised])
     return logits
+
+
+def custom_processed(rows: torch.Tensor, history: History) -> torch.Tensor:
+    """A request's own processors (SamplingParams.logits_processors), in order, row by row: row j is given the tokens
+    before it, the output then drafts[:j], as plain decoding would give them at that position; so the processed rows
+    are plain decoding's wherever the function depends on those tokens alone, and speculation stays lossless."""
+    rows, prompt = rows.clone(), list(history.prompt)
+    for processor in history.params.logits_processors:
+        reads_prompt = processor_arguments(processor) == 3
+        for j in range(history.rows):
+            seen = [*history.output_ids, *history.drafts[:j]]
+            row = processor(prompt, seen, rows[j]) if reads_prompt else processor(seen, rows[j])
+            if not isinstance(row, torch.Tensor) or row.shape != rows[j].shape:
+                raise SpecDecodeError(
+                    f"logits_processors: {getattr(processor, '__name__', processor)!r} returned "
+                    f"{type(row).__name__} {tuple(getattr(row, 'shape', ()))}; return the row of logits it was given "
+                    f"({rows.shape[-1]} values), changed"
+                )
+            rows[j] = row
+    return rows
 
 
 def _keep_allowed(logits: torch.Tensor, histories: list[History], starts: list[int]) -> None:

@@ -147,7 +147,15 @@ def _processed_rows(
     processed = logits[to_device(rows, logits.device)].float()
     if any(seq.params.has_processors for seq in seqs):
         histories = [
-            History(s.params, s.distinct_prompt_ids, s.processed_output(), d, len(d) + 1, s.thinking_from_prompt)
+            History(
+                s.params,
+                s.distinct_prompt_ids,
+                s.processed_output(),
+                d,
+                len(d) + 1,
+                s.thinking_from_prompt,
+                s.prompt_ids,
+            )
             for s, d in zip(seqs, drafts)
         ]
         processed = process_rows(processed, histories, eos_ids)

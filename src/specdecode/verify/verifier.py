@@ -31,7 +31,14 @@ def forced_kept(forced_accept: ForcedAcceptance, drafts: int) -> int:
 def processed_logits(seq: Sequence, logits: torch.Tensor, drafts: list[int], eos_ids: Collection[int]) -> torch.Tensor:
     """The request's logits processors and grammar on rows [P, V], row j after seq's output and drafts[:j]."""
     logits = process_logits(
-        logits, seq.params, seq.distinct_prompt_ids, seq.processed_output(), drafts, eos_ids, seq.thinking_from_prompt
+        logits,
+        seq.params,
+        seq.distinct_prompt_ids,
+        seq.processed_output(),
+        drafts,
+        eos_ids,
+        seq.thinking_from_prompt,
+        seq.prompt_ids,
     )
     return logits if seq.grammar is None else seq.grammar.mask_rows(logits, drafts)
 
