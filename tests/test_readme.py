@@ -362,7 +362,7 @@ BATCH_1_RUNS = {  # the README's batch-1 columns and the runs they come from
     "Zen 2": "latency-humaneval-gpuhead-zen2.json",
     "Ice Lake": "latency-humaneval-avx512.json",
     "Zen 4": "latency-humaneval-zen4-one-call.json",
-    "Xeon AMX": "latency-humaneval-xeon-amx-head270k.json",
+    "Xeon AMX": "latency-humaneval-head-xeon-amx.json",
 }
 BATCH_1_CONFIGS = {
     "llama.cpp, plain": ("llama.cpp: plain (mean)",),

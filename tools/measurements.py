@@ -18,7 +18,7 @@ BATCH_1 = [
     ("Zen 2, AVX2 only (AMD EPYC family 23 model 49)", "2026-11-27", "latency-humaneval-gpuhead-zen2.json"),
     ("Ice Lake (Intel Xeon, family 6 model 106)", "2026-11-24", "latency-humaneval-avx512.json"),
     ("Zen 4", "2026-12-03", "latency-humaneval-zen4-one-call.json"),
-    ("Xeon AMX (Intel Xeon, family 6 model 167)", "2026-11-26", "latency-humaneval-xeon-amx-head270k.json"),
+    ("Xeon AMX (Intel Xeon, family 6 model 167)", "2026-12-07", "latency-humaneval-head-xeon-amx.json"),
     ("Zen 3, AVX2 only (AMD EPYC family 25 model 1)", "2026-11-28", "latency-humaneval-zen3.json"),
     (
         "Zen 3 again, plain and n-gram, the model file already on disk (the run above read it just assembled)",
