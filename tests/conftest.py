@@ -360,7 +360,7 @@ class LocalServer:
 class ScriptedEngine:
     """What the HTTP layer needs of an engine, every request answered with the same pieces of text."""
 
-    max_model_len, vocab_size, adapters = 2048, 100, []
+    max_model_len, vocab_size, adapters, sampling_defaults = 2048, 100, [], {}
 
     def __init__(self, pieces: list[str], opens_thinking: bool = False):
         self.tokenizer, self.pieces, self.opens = ByteTokenizer(100), pieces, opens_thinking

@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Flags of `generate` that are not the engine's to set: it runs one sequence, which names no served adapter (--lora
-# adapts it)
-GENERATE_FIXED = ("max_num_seqs", "lora_modules")
+# adapts it), with the sampling its own flags give
+GENERATE_FIXED = ("max_num_seqs", "lora_modules", "generation_config")
 
 
 def _add_generate(sub) -> None:
@@ -190,7 +190,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--ngram", action="store_true", help="propose by n-gram prompt lookup (no draft model)")
     sampling = gen.add_argument_group(
         "sampling (default: greedy, so that the output is the target's own choice "
-        "and speculation's speedup shows against it; the API's temperature is 1)"
+        "and speculation's speedup shows against it; the API's defaults are the model's generation config's, else "
+        "temperature 1)"
     )
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)

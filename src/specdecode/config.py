@@ -134,6 +134,12 @@ class EngineConfig:
         "a Jinja chat template (a file, or the template's text) that chats are rendered with, in place of the "
         "model's own or for a model that has none",
     )
+    generation_config: str = option(
+        "auto",
+        "the sampling defaults of requests that leave temperature, top_p, top_k, min_p, repetition_penalty or "
+        "max_tokens unset: auto, the model's recommendation (generation_config.json, a GGUF's general.sampling.*); "
+        "vllm, none (temperature 1, no truncation); or a folder holding a generation_config.json",
+    )
     max_num_seqs: int = option(8, "most sequences decoded at once")
     forced_accept: bool = option(
         False, "benchmarks only: accept every draft token (an upper bound; the output is NOT the target's)"

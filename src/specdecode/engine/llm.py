@@ -12,6 +12,7 @@ from ..config import EngineConfig as C  # every default, written once there
 from ..errors import SpecDecodeError
 from ..executor.runner import ModelRunner, gpu_experts
 from ..metrics import RequestMetrics, peak_rss_bytes
+from ..models.generation_config import sampling_defaults
 from ..models.loader import LoadedModel, load_model
 from ..models.lora import Adapter
 from ..models.runtime import Transformer
@@ -68,10 +69,12 @@ class RequestOutput:
         )
 
 
-def per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None, prompts: int) -> list[SamplingParams]:
-    """One SamplingParams for each of `prompts` prompts, from one for all or a list of one each."""
+def per_prompt(
+    sampling_params: SamplingParams | list[SamplingParams] | None, prompts: int, defaults: dict
+) -> list[SamplingParams]:
+    """One SamplingParams for each of `prompts` prompts, from one for all or a list of one each; none: `defaults`."""
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * prompts
+        return [sampling_params or SamplingParams(**defaults)] * prompts
     params = list(sampling_params)
     if len(params) != prompts or not all(isinstance(p, SamplingParams) for p in params):
         raise SpecDecodeError(
@@ -151,6 +154,8 @@ class LLM:
             served_lora=Adapter.served(config.lora_modules),
             lora_dtype=config.lora_dtype,
         )
+        # what generate() without sampling params, and requests leaving a field unset, take (vLLM's)
+        self.sampling_defaults = sampling_defaults(config.generation_config, self.target.recommended_sampling)
         self.tokenizer = self.target.tokenizer
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
@@ -229,6 +234,10 @@ class LLM:
         captured = self.engine.runner.captured_kernels()
         return "; ".join(parts + [f"peak RSS {format_bytes(peak_rss_bytes())}"] + ([captured] if captured else []))
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's recommended sampling settings (--generation-config), as vLLM's method of this name."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
@@ -240,7 +249,7 @@ class LLM:
         Outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = per_prompt(sampling_params, len(prompts))
+        params = per_prompt(sampling_params, len(prompts), self.sampling_defaults)
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         adapters = [adapter] * len(prompts) if isinstance(adapter, str) else list(adapter)

@@ -7,7 +7,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .checkpoints import canonical_hf_weights
 from .families import from_hf_config, with_rope_scaling
+from .generation_config import recommended_sampling
 from .lora import Adapter, attach_adapters, serve_adapter, unserve_adapter
 from .runtime import Transformer, build_model
 from .sources import ModelSource, cache_root, resolve
@@ -28,6 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     load_seconds: float = 0.0
+    recommended_sampling: dict = field(default_factory=dict)  # its files' (generation_config.recommended_sampling)
 
 
 def default_device() -> str:
@@ -90,7 +92,8 @@ def load_model(
     attach_decoder_kernel(model)
     move_to_huge_pages(model)
     tokenizer = load_tokenizer(name)
-    return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started)
+    recommended = _recommended_sampling(resolve(name))
+    return LoadedModel(name, model, tokenizer, cfg, time.perf_counter() - started, recommended)
 
 
 def _adapt(model, adapters: Sequence[Adapter], served: dict[str, Adapter], dtype: str) -> None:
@@ -178,6 +181,20 @@ def load_low_bit_weights(
     tensors = quantize_weights(named, quantization)
     _save_cache(tensors, path, cfg, config_path)
     return cfg, tensors
+
+
+def _recommended_sampling(source: ModelSource) -> dict:
+    """The sampling the model's files recommend; a GGUF's read once (reading its metadata takes seconds) and kept."""
+    if source.format != "gguf":
+        return recommended_sampling(source)
+    saved = os.path.join(_cache_dir_for(source, "sampling"), "recommended.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            return json.load(f)
+    found = recommended_sampling(source)
+    with open(saved, "w") as f:
+        json.dump(found, f)
+    return found
 
 
 def _cache_dir_for(source: ModelSource, kind: str) -> str:

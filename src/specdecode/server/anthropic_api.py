@@ -62,8 +62,8 @@ class MessagesRequest(BaseModel):
     system: str | list[dict] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the model's default (its generation config), else 1
+    top_p: float | None = None
     top_k: int | None = None
     metadata: dict | None = None  # user_id: whose conversation (a scaled-out deployment keeps it on one replica)
     tools: list[dict] | None = None
@@ -87,9 +87,11 @@ class MessagesRequest(BaseModel):
             messages=([{"role": "system", "content": system}] if system is not None else [])
             + chat_messages(self.messages),
             max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
+            **{
+                k: v
+                for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k))
+                if v is not None
+            },
             stop=self.stop_sequences,
             stream=self.stream,
             user=(self.metadata or {}).get("user_id"),

@@ -87,7 +87,8 @@ class RequestHandle:
 
 class AsyncEngine:
     """max_waiting: requests that may wait for a sequence slot beyond those running (None: unbounded);
-    past it, submit() refuses at once instead of letting the queue and every client's wait grow."""
+    past it, submit() refuses at once instead of letting the queue and every client's wait grow. sampling_defaults:
+    what a request's unset sampling fields take (the LLM's, from the model's generation config)."""
 
     def __init__(
         self,
@@ -95,8 +96,10 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         replica: str | None = None,
+        sampling_defaults: dict | None = None,
     ):
         self.engine = engine
+        self.sampling_defaults = dict(sampling_defaults or {})
         # what the HTTP layer reads of the engine (server/handler.py's ServingEngine)
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self.vocab_size = engine.runner.cfg.vocab_size

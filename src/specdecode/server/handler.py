@@ -32,6 +32,7 @@ class ServingEngine(Protocol):
     max_model_len: int
     vocab_size: int
     adapters: list[str]  # the served LoRA adapters' names, which requests give as their model
+    sampling_defaults: dict  # what a request's unset sampling fields take (LLM.sampling_defaults)
 
     def submit(
         self,
@@ -234,9 +235,9 @@ class RequestHandler:
     def sampling_params(
         self, req: CommonRequest, prompt_ids: list[int], max_tokens: int | None, default: int | None = 16
     ) -> tuple[list[int], SamplingParams]:
-        """The prompt as served (truncated where the request asks) and its sampling parameters. default: max_tokens
-        where the request sets none, as OpenAI's API has it: 16 for completions, for chat the rest of the context
-        (None)."""
+        """The prompt as served (truncated where the request asks) and its sampling parameters, the model's defaults in
+        the fields it leaves unset. default: max_tokens where neither the request nor the model's defaults set it, as
+        OpenAI's API has it: 16 for completions, for chat the rest of the context (None)."""
         max_len = self.engine.max_model_len
         prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, max_len, max_tokens or default)
         if not prompt_ids:
@@ -246,14 +247,16 @@ class RequestHandler:
             raise SpecDecodeError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {max_len}; shorten the prompt"
             )
+        defaults = self.engine.sampling_defaults
         if max_tokens is None:
+            default = defaults.get("max_tokens", default)
             max_tokens = room if default is None else min(default, room)
         if isinstance(max_tokens, int) and max_tokens > room:
             raise SpecDecodeError(
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
                 f"tokens and the context holds {max_len}; ask for at most {room}"
             )
-        return prompt_ids, req.sampling_params(max_tokens, req.requested_logprobs())
+        return prompt_ids, req.sampling_params(max_tokens, req.requested_logprobs(), defaults)
 
 
 def listed_prompts(prompt: str | list) -> list[str | list[int]]:

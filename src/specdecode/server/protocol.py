@@ -32,6 +32,10 @@ UNSUPPORTED_UNLESS_DEFAULT = {
 }
 
 
+# the sampling fields whose default a model's generation config may give (vLLM's list; max_tokens apart)
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # OpenAI's: the usage in a last chunk of its own (null in the others)
@@ -121,7 +125,8 @@ class CommonRequest(BaseModel):
             raise SpecDecodeError("stream_options apply to a stream: send stream=true or leave them out")
         return self.stream_options or StreamOptions()
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+        """defaults: what the fields of MODEL_DEFAULTED left unset take (the model's generation config)."""
         refuse_unsupported_fields(self)
         self.streamed_usage()  # checked with the rest of the request
         n = self.candidates() if isinstance(self, CompletionRequest) else self.n
@@ -134,13 +139,9 @@ class CommonRequest(BaseModel):
             prompt_logprobs=echoed if self.prompt_logprobs is None else self.prompt_logprobs,
             structured_output=self.structured_output(),
             n=n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            **self.defaulted(defaults or {}),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
             seed=self.seed,
@@ -157,6 +158,13 @@ class CommonRequest(BaseModel):
             thinking_token_budget=self.thinking_token_budget,
             logprobs=logprobs,
         )
+
+    def defaulted(self, defaults: dict) -> dict:
+        """The fields a model's generation config may set, each as the request sets it, else the model's value."""
+        return {
+            name: getattr(self, name) if name in self.model_fields_set else defaults.get(name, getattr(self, name))
+            for name in MODEL_DEFAULTED
+        }
 
     def structured_output(self) -> StructuredOutput | None:
         asked = {

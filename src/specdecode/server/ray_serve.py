@@ -92,7 +92,9 @@ class EngineReplica:
         def load_and_run():
             try:
                 llm = llm_factory()
-                self.engine = AsyncEngine(llm.engine, max_waiting=max_waiting, replica=self.replica)
+                self.engine = AsyncEngine(
+                    llm.engine, max_waiting=max_waiting, replica=self.replica, sampling_defaults=llm.sampling_defaults
+                )
             except BaseException as exc:  # noqa: BLE001 - reported to Ray as the constructor's failure
                 failure.append(exc)
                 return
@@ -117,6 +119,7 @@ class EngineReplica:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "adapters": self.engine.adapters,
+            "sampling_defaults": self.engine.sampling_defaults,
         }
 
     async def generate(
@@ -166,6 +169,7 @@ class RemoteEngines:
         self.max_model_len = described["max_model_len"]
         self.vocab_size = described["vocab_size"]
         self.adapters = described["adapters"]
+        self.sampling_defaults = described["sampling_defaults"]
         self.max_attempts = max_attempts
 
     def submit(

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
+from ..sampling import SamplingParams
 from .handler import RequestHandler, key_owner, session_of, tenant_of
 from .protocol import ChatRequest, validated
 from .reasoning import Thinking
@@ -43,8 +44,8 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict]
     instructions: str | None = None  # the system message
     max_output_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the model's default (its generation config), else 1
+    top_p: float | None = None
     stream: bool = False
     user: str | None = None
     metadata: dict | None = None  # returned as sent
@@ -74,8 +75,7 @@ class ResponsesRequest(BaseModel):
             model=self.model,
             messages=system + list(earlier) + input_messages(self.input),
             max_tokens=self.max_output_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
+            **{k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None},
             stream=self.stream,
             user=self.user,
             response_format=chat_format((self.text or {}).get("format")),
@@ -179,7 +179,7 @@ async def create_response(handler: RequestHandler, req: ResponsesRequest, reques
         )
     thinking = handler.thinking(prompt)
     kept = Kept(handler.responses, owner, earlier + input_messages(req.input)) if req.store else None
-    reply = ResponseReply(handler, req, ids, thinking, chat.tool_use, kept)
+    reply = ResponseReply(handler, req, ids, params, thinking, chat.tool_use, kept)
     limit, session, tenant = handler.time_limit(chat.timeout), session_of(chat, request), tenant_of(chat, request)
     updates = await submitted(handler.engine, ids, params, req.stream, limit, session, tenant, reply.adapter)
     if isinstance(updates, Response):
@@ -247,11 +247,13 @@ class ResponseReply:
         handler: RequestHandler,
         req: ResponsesRequest,
         ids: list[int],
+        params: SamplingParams,
         thinking: Thinking | None,
         tools: Tools | None,
         kept: Kept | None = None,
     ):
         self.handler, self.req, self.ids, self.thinking, self.tools = handler, req, ids, thinking, tools
+        self.params = params  # as served: the body gives its temperature and top_p
         self.kept = kept  # None: store=false
         self.id = f"resp_{uuid.uuid4().hex}"
         self.adapter, self.model = handler.served_as(req.model)
@@ -277,8 +279,8 @@ class ResponseReply:
             "model": self.model,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
             "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",

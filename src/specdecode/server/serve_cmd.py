@@ -38,7 +38,7 @@ def run_serve(args) -> int:
     options = llm_options(args)
     llm = LLM(**options)
     _print_startup(llm, args)
-    engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests)
+    engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests, sampling_defaults=llm.sampling_defaults)
     app = build_app(
         engine,
         served_names(args),
@@ -78,6 +78,13 @@ def _print_startup(llm: LLM, args) -> None:
         print(
             f"timed the draft's forward for 1-{slots} sequences in {llm.profile_seconds:.1f} s (the adaptive "
             "policy's cost model)",
+            flush=True,
+        )
+    if llm.sampling_defaults:
+        given = ", ".join(f"{k}={v:g}" for k, v in llm.sampling_defaults.items())
+        print(
+            f"requests that leave them unset sample with the model's recommended {given} (its generation config; "
+            "--generation-config vllm for none)",
             flush=True,
         )
     if args.forced_accept:
