@@ -167,6 +167,21 @@ FAMILIES = {
         ),
     ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Granite 3's mixtures of experts (the 1B-A400M's, 3B-A800M's): the multipliers, and experts stored stacked with
+    # gate and up in one tensor
+    "granitemoe": Family(
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.05,
+            logits_scaling=8.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -305,7 +320,7 @@ def _randomise(model, norm_center: float, seed: int) -> None:
                 p.copy_(norm_center + 0.2 * noise)
             elif "embed_tokens" in name or name.endswith("lm_head.weight"):
                 p.copy_(noise)
-            elif name.endswith("mlp.gate.weight") or "block_sparse_moe.gate" in name:
+            elif name.endswith("mlp.gate.weight") or "block_sparse_moe.gate" in name or "moe.router" in name:
                 p.copy_(noise)  # routers: experts far apart, no near-ties in the top-k
             else:
                 p.copy_(0.15 * noise)

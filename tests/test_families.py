@@ -176,6 +176,9 @@ def _longrope_swapped(cfg) -> tuple:
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
         ("smollm3", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE in every layer
         ("granite", lambda cfg: dataclasses.replace(cfg, embedding_scale=12.0)),  # the residual multiplier left out
+        ("granitemoe", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),
+        ("granitemoe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+        ("granitemoe", lambda cfg: dataclasses.replace(cfg, embedding_scale=12.0)),
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
@@ -198,6 +201,9 @@ def _longrope_swapped(cfg) -> tuple:
         "qwen3-moe-norm-topk",
         "smollm3-nope-ignored",
         "granite-residual-multiplier",
+        "granitemoe-top-k",
+        "granitemoe-weights-not-renormalised",
+        "granitemoe-residual-multiplier",
         "yarn-frequencies",
         "yarn-attention-factor",
         "yarn-ramp-not-rounded",

@@ -69,6 +69,12 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    m = re.fullmatch(
+        r"(model\.layers\.\d+)\.block_sparse_moe\.(input_linear|output_linear|router\.layer)\.weight", name
+    )
+    if m:  # Granite's experts, stacked [experts, rows, columns], gate and up in one
+        yield from _granite_experts(f"{m[1]}.mlp", m[2], tensor)
+        return
     m = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.(.+)", name)  # Mixtral's names
     if m:
         expert = re.fullmatch(r"experts\.(\d+)\.(w[123])\.weight", m[2])
@@ -97,6 +103,19 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
         yield f"{m[1]}.mlp.up_proj.weight", up
         return
     yield name, tensor
+
+
+def _granite_experts(prefix: str, kind: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    if kind == "router.layer":
+        yield f"{prefix}.gate.weight", tensor
+        return
+    for e, weight in enumerate(tensor):
+        if kind == "output_linear":
+            yield f"{prefix}.experts.{e}.down_proj.weight", weight
+        else:
+            gate, up = weight.chunk(2, dim=0)
+            yield f"{prefix}.experts.{e}.gate_proj.weight", gate
+            yield f"{prefix}.experts.{e}.up_proj.weight", up
 
 
 def qkv_rows(cfg: ModelConfig) -> list[slice]:

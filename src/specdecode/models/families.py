@@ -27,8 +27,10 @@ HF_FAMILIES = (
     "smollm3",
     "phi3",
     "granite",
+    "granitemoe",
 )
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "smollm3", "phi3", "granite")
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "smollm3", "phi3", "granite", "granitemoe")
+GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # Gemma's layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other (Gemma 2)
 GEMMA_WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2}
@@ -99,7 +101,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         **_hf_softcaps(cfg, family),
     )
     described = with_rope_attention_factor(described)
-    if family != "granite":
+    if family not in GRANITE_FAMILIES:
         return described
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return with_granite_multipliers(described, *(float(cfg.get(name, 1.0)) for name in names))
@@ -330,10 +332,12 @@ def _hf_softcaps(cfg: dict, family: str) -> dict:
 
 
 def _hf_experts(cfg: dict, family: str) -> dict:
-    if family not in ("mixtral", "qwen3_moe"):
+    """Mixtral's and Granite's routers: a softmax over the top-k logits, which is the softmax over all renormalised
+    over the top k (normalize_expert_weights, the default); Qwen3-MoE's renormalises where norm_topk_prob says."""
+    if family not in ("mixtral", "granitemoe", "qwen3_moe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if family == "mixtral":
+    if family in ("mixtral", "granitemoe"):
         return dict(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2))
     layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
     dense = {i for i in range(layers) if i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step}
@@ -408,7 +412,7 @@ def from_gguf(reader) -> ModelConfig:
         **_gguf_softcaps(key, arch),
     )
     described = with_rope_attention_factor(described)
-    if arch != "granite":
+    if arch not in GRANITE_FAMILIES:
         return described
     default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none
     names = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", default), ("logit_scale", 1.0))
@@ -419,7 +423,7 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     if key("attention.value_length", head_dim) != head_dim:
         raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
     softcaps = () if arch == "gemma2" else ("final_logit_softcapping", "attn_logit_softcapping")
-    for name in (*softcaps, "expert_shared_count"):
+    for name in (*softcaps, "expert_shared_count", "expert_shared_feed_forward_length"):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:

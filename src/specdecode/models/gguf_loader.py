@@ -21,7 +21,7 @@ from .checkpoints import as_computed, gguf_parts
 from .families import from_gguf
 
 # GGUF architectures whose converter interleaves q/k rows (its LlamaModel's)
-PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite")
+PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite", "granitemoe")
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
