@@ -58,6 +58,11 @@ class Family:
     norm_center: float = 1.0  # what random norm weights scatter around (Gemma stores weight - 1)
 
 
+# Granite 3's four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
+GRANITE_MULTIPLIERS = dict(
+    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05, logits_scaling=8.0
+)
+
 FAMILIES = {
     "llama3": Family(
         "LlamaConfig",
@@ -154,33 +159,14 @@ FAMILIES = {
             tie_word_embeddings=True,
         ),
     ),
-    # Granite 3: its four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
-    "granite": Family(
-        "GraniteConfig",
-        "GraniteForCausalLM",
-        dict(
-            embedding_multiplier=12.0,
-            residual_multiplier=0.22,
-            attention_multiplier=0.05,
-            logits_scaling=8.0,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "granite": Family("GraniteConfig", "GraniteForCausalLM", dict(GRANITE_MULTIPLIERS, tie_word_embeddings=True)),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     # Granite 3's mixtures of experts (the 1B-A400M's, 3B-A800M's): the multipliers, and experts stored stacked with
     # gate and up in one tensor
     "granitemoe": Family(
         "GraniteMoeConfig",
         "GraniteMoeForCausalLM",
-        dict(
-            embedding_multiplier=12.0,
-            residual_multiplier=0.22,
-            attention_multiplier=0.05,
-            logits_scaling=8.0,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            tie_word_embeddings=True,
-        ),
+        dict(GRANITE_MULTIPLIERS, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True),
     ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
