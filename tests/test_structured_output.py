@@ -36,12 +36,14 @@ TAGGED = {
 }
 TAG = {"structures": [{"begin": f"<{k}>", "schema": v, "end": "!"} for k, v in TAGGED.items()], "triggers": ["<"]}
 LARK = 'start: "(" item ("," item)+ ")"\nitem: /[a-c]/ | "x"'
+GBNF = 'root ::= "(" item ("," item)+ ")"\nitem ::= [a-c] | "x"'  # the same in GBNF (llama.cpp's, vLLM docs')
 SPECS = {
     "regex": (StructuredOutput(regex="[a-c]{3}x"), lambda text: re.fullmatch("[a-c]{3}x", text)),
     "choice": (StructuredOutput(choice=("yes", "no", "maybe")), lambda text: text in ("yes", "no", "maybe")),
     "json_schema": (StructuredOutput(json=SCHEMA), lambda text: jsonschema.validate(json.loads(text), SCHEMA) or True),
     "json_object": (StructuredOutput(json_object=True), lambda text: isinstance(json.loads(text), dict)),
     "lark": (StructuredOutput(grammar=LARK), lambda text: re.fullmatch(r"\(([a-c]|x)(,([a-c]|x))+\)", text)),
+    "gbnf": (StructuredOutput(grammar=GBNF), lambda text: re.fullmatch(r"\(([a-c]|x)(,([a-c]|x))+\)", text)),
 }
 
 
@@ -149,6 +151,7 @@ def test_sampling_under_a_grammar_follows_the_masked_target():
     [
         (dict(regex="(unclosed"), "grammar is not valid"),
         (dict(grammar="start: ???"), "grammar is not valid"),
+        (dict(grammar="root ::= ( "), "neither Lark nor GBNF"),
         (dict(json="{not json"), "not valid JSON"),
         (dict(choice=()), "non-empty list"),
         (dict(regex="a", choice=("a",)), "exactly one of"),

@@ -64,9 +64,9 @@ def _listed(kind) -> list:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """One of: json (a schema, as a dict or string), json_object (any JSON object), regex, choice (the
-    output is one of these strings), grammar (Lark syntax, llguidance's dialect) or structural_tag (free text in which
-    each trigger string opens a structure: see structural_tag_grammar)."""
+    """One of: json (a schema, as a dict or string), json_object (any JSON object), regex, choice (the output is one
+    of these strings), grammar (Lark syntax, llguidance's dialect, or GBNF) or structural_tag (free text in which each
+    trigger string opens a structure: see structural_tag_grammar)."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -132,7 +132,18 @@ class StructuredOutput:
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
         if self.structural_tag is not None:
             return structural_tag_grammar(self.structural_tag, is_special_token)
-        return LLMatcher.grammar_from_lark(self.grammar)
+        return lark_or_gbnf(self.grammar)
+
+
+def lark_or_gbnf(grammar: str) -> str:
+    """A grammar in llguidance's Lark, or in GBNF (llama.cpp's, the EBNF of vLLM's examples: `root ::= ...`), which
+    llguidance converts to Lark, as vLLM's guidance backend takes its grammar field."""
+    from llguidance import grammar_from
+
+    try:
+        return grammar_from("grammar", grammar)
+    except ValueError as exc:
+        raise SpecDecodeError(f"the grammar is neither Lark nor GBNF that converts: {exc}") from None
 
 
 def structural_tag_grammar(tag: dict | str, is_special_token: Callable[[str], bool]) -> str:
