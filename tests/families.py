@@ -56,6 +56,9 @@ class Family:
     options: dict = field(default_factory=dict)
     tokenizer: str = "spm"  # "spm", or a vocabulary file of llama.cpp's models/ folder
     norm_center: float = 1.0  # what random norm weights scatter around (Gemma stores weight - 1)
+    # config.json's per-layer lists, one value every layer, written as the hub's checkpoints write them (transformers 5
+    # writes its own names in their place)
+    every_layer: dict = field(default_factory=dict)
 
 
 # Granite 3's four multipliers at values far from 1 (the 8B's residual 0.22, an embedding of 12)
@@ -160,6 +163,22 @@ FAMILIES = {
         ),
     ),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", dict(GRANITE_MULTIPLIERS, tie_word_embeddings=True)),
+    # Granite 4.0's dense models (granite-4.0-micro): the hybrid family with attention on every layer and no experts,
+    # its MLP named shared, as wide as intermediate_size (as the checkpoints have it; llama.cpp's converter writes a
+    # dense Granite whose MLP is intermediate_size wide)
+    "granite4_dense": Family(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            GRANITE_MULTIPLIERS,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            shared_intermediate_size=SMALL["intermediate_size"],
+            position_embedding_type="rope",
+            tie_word_embeddings=True,
+        ),
+        every_layer=dict(layer_types="attention"),  # transformers 5 writes "full_attention"
+    ),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     # Granite 3's mixtures of experts (the 1B-A400M's, 3B-A800M's): the multipliers, and experts stored stacked with
     # gate and up in one tensor
@@ -227,11 +246,16 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0, **overrides) -> Path
     family = FAMILIES[name]
     folder.mkdir(parents=True, exist_ok=True)
     vocab = _save_tokenizer(family, folder)
-    config = getattr(transformers, family.config)(**{**SMALL, "vocab_size": vocab, **family.options, **overrides})
+    options = {**SMALL, "vocab_size": vocab, **family.options, **overrides}
+    per_layer = {name: [value] * options["num_hidden_layers"] for name, value in family.every_layer.items()}
+    config = getattr(transformers, family.config)(**options, **per_layer)
     torch.manual_seed(seed)
     model = getattr(transformers, family.model)(config).float()
     _randomise(model, family.norm_center, seed)
     model.save_pretrained(folder)
+    if per_layer:
+        written = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**written, **per_layer}))
     return folder
 
 

@@ -179,6 +179,7 @@ def _longrope_swapped(cfg) -> tuple:
         ("granitemoe", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),
         ("granitemoe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
         ("granitemoe", lambda cfg: dataclasses.replace(cfg, embedding_scale=12.0)),
+        ("granite4_dense", lambda cfg: dataclasses.replace(cfg, embedding_scale=12.0)),
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=())),  # YaRN's frequencies off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # its attention factor off
         ("qwen2_yarn", lambda cfg: dataclasses.replace(cfg, rope_scaling=(*cfg.rope_scaling[:-1], ("truncate", 0.0)))),
@@ -204,6 +205,7 @@ def _longrope_swapped(cfg) -> tuple:
         "granitemoe-top-k",
         "granitemoe-weights-not-renormalised",
         "granitemoe-residual-multiplier",
+        "granite4-dense-residual-multiplier",
         "yarn-frequencies",
         "yarn-attention-factor",
         "yarn-ramp-not-rounded",
@@ -421,6 +423,15 @@ LLAMA = dict(
 )
 
 
+GRANITE_DENSE = dict(
+    model_type="granitemoehybrid",
+    layer_types=["attention", "attention"],
+    num_local_experts=0,
+    shared_intermediate_size=128,
+    position_embedding_type="rope",
+)
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
@@ -444,6 +455,10 @@ LLAMA = dict(
         ),
         (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
         (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+        # Granite 4.0's hybrid family: only its dense checkpoints (attention on every layer, no experts, RoPE)
+        (dict(GRANITE_DENSE, layer_types=["mamba", "attention"]), "layer_types"),
+        (dict(GRANITE_DENSE, num_local_experts=4), "num_local_experts"),
+        (dict(GRANITE_DENSE, position_embedding_type="nope"), "position_embedding_type"),
     ],
 )
 def test_an_unsupported_config_field_is_refused_by_name(change, field):
@@ -609,3 +624,15 @@ def test_verifying_with_other_experts_than_decoding_fails_the_distribution_test(
     # the wrong routing moves little mass: at 8,000 samples p ranged 1e-10 to 2e-2 across seeds, at 16,000 below 1e-8
     counts, _ = sampled_joint(*moe_pair, [1, 2, 3, 1], MOE_PARAMS, samples=16000, k=2)
     assert chi2_pvalue(counts, joint) < 1e-6
+
+
+def test_a_gguf_value_listed_per_layer_is_read_where_every_layer_has_the_same():
+    """llama.cpp's hybrid converters list head counts per layer (Granite 4.0's dense models: every layer alike); a file
+    whose layers differ is refused."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.families import one_for_every_layer
+
+    assert one_for_every_layer("granite.attention.head_count_kv", [2, 2, 2]) == 2
+    assert one_for_every_layer("granite.attention.head_count_kv", 2) == 2
+    with pytest.raises(SpecDecodeError, match="granite.attention.head_count_kv is 'a value per layer'"):
+        one_for_every_layer("granite.attention.head_count_kv", [2, 0, 2])

@@ -91,6 +91,10 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
                 yield f"{m[1]}.{e}.gate_proj.weight", gate
                 yield f"{m[1]}.{e}.up_proj.weight", up
         return
+    m = re.fullmatch(r"(model\.layers\.\d+)\.shared_mlp\.(input_linear|output_linear)\.weight", name)
+    if m:  # Granite 4.0's dense MLP, under its hybrid family's name: gate and up in one
+        yield from _granite_mlp(f"{m[1]}.mlp", m[2], tensor)
+        return
     m = re.fullmatch(r"(model\.layers\.\d+)\.self_attn\.qkv_proj\.weight", name)  # Phi-3's fused projections
     if m:
         for part, rows in zip("qkv", qkv_rows(cfg)):
@@ -110,12 +114,17 @@ def _granite_experts(prefix: str, kind: str, tensor: torch.Tensor) -> Iterator[t
         yield f"{prefix}.gate.weight", tensor
         return
     for e, weight in enumerate(tensor):
-        if kind == "output_linear":
-            yield f"{prefix}.experts.{e}.down_proj.weight", weight
-        else:
-            gate, up = weight.chunk(2, dim=0)
-            yield f"{prefix}.experts.{e}.gate_proj.weight", gate
-            yield f"{prefix}.experts.{e}.up_proj.weight", up
+        yield from _granite_mlp(f"{prefix}.experts.{e}", kind, weight)
+
+
+def _granite_mlp(prefix: str, kind: str, weight: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Granite's MLP weights: input_linear holds gate and up (gate first), output_linear is down."""
+    if kind == "output_linear":
+        yield f"{prefix}.down_proj.weight", weight
+        return
+    gate, up = weight.chunk(2, dim=0)
+    yield f"{prefix}.gate_proj.weight", gate
+    yield f"{prefix}.up_proj.weight", up
 
 
 def qkv_rows(cfg: ModelConfig) -> list[slice]:

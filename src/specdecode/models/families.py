@@ -28,6 +28,7 @@ HF_FAMILIES = (
     "phi3",
     "granite",
     "granitemoe",
+    "granitemoehybrid",
 )
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "smollm3", "phi3", "granite", "granitemoe")
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
@@ -67,6 +68,9 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         )
     if family not in HF_FAMILIES:
         raise refuse("model_type", family, ", ".join(HF_FAMILIES))
+    if family == "granitemoehybrid":
+        cfg = granite_hybrid_as_dense(cfg)
+        family = "granite"
     _check_common_fields(cfg, family)
     gemma = family in GEMMA_FAMILIES
     heads = cfg["num_attention_heads"]
@@ -105,6 +109,23 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         return described
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return with_granite_multipliers(described, *(float(cfg.get(name, 1.0)) for name in names))
+
+
+def granite_hybrid_as_dense(cfg: dict) -> dict:
+    """Granite 4.0's hybrid family where a checkpoint of it is a dense Granite (granite-4.0-micro: attention on every
+    layer, no experts, RoPE), as llama.cpp's converter writes it: its MLP is the one it calls shared, that wide. The H
+    models' Mamba layers, experts beside a shared one, and attention without RoPE are refused."""
+    kinds = [kind for kind in cfg.get("layer_types") or ["mamba"] if kind not in ("attention", "full_attention")]
+    if kinds:
+        raise refuse(
+            "layer_types", kinds[0], "attention on every layer (granite-4.0-micro; Mamba layers are not built)"
+        )
+    if cfg.get("num_local_experts"):
+        raise refuse("num_local_experts", cfg["num_local_experts"], "0 (experts beside a shared one are not built)")
+    if cfg.get("position_embedding_type") != "rope":
+        raise refuse("position_embedding_type", cfg.get("position_embedding_type"), "rope")
+    dense = {k: v for k, v in cfg.items() if k != "layer_types"}
+    return {**dense, "model_type": "granite", "intermediate_size": cfg["shared_intermediate_size"]}
 
 
 def llama_config_fields(cfg: ModelConfig) -> dict:
@@ -363,6 +384,16 @@ def field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def one_for_every_layer(name: str, value):
+    """A value GGUF may list per layer (head counts, MLP widths: llama.cpp's hybrid converters list them) where every
+    layer has the same; layers that differ are refused."""
+    if not isinstance(value, list):
+        return value
+    if len(set(value)) != 1:
+        raise refuse(name, "a value per layer", "one value for every layer")
+    return value[0]
+
+
 def from_gguf(reader) -> ModelConfig:
     """The description of a GGUF file, from its metadata (and which tensors it holds), as llama.cpp reads it."""
     arch = field(reader, "general.architecture")
@@ -370,14 +401,11 @@ def from_gguf(reader) -> ModelConfig:
         raise refuse("GGUF architecture", arch, ", ".join(GGUF_FAMILIES))
 
     def key(name, default=None):
-        return field(reader, f"{arch}.{name}", default)
+        return one_for_every_layer(f"{arch}.{name}", field(reader, f"{arch}.{name}", default))
 
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     hidden, heads, layers = key("embedding_length"), key("attention.head_count"), key("block_count")
-    for name in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
-        if isinstance(key(name), list):
-            raise refuse(f"{arch}.{name}", "a value per layer", "one value for every layer")
     head_dim = key("attention.key_length")
     dims = head_dim or hidden // heads
     _check_gguf_fields(key, arch, dims)
@@ -423,7 +451,9 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     if key("attention.value_length", head_dim) != head_dim:
         raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
     softcaps = () if arch == "gemma2" else ("final_logit_softcapping", "attn_logit_softcapping")
-    for name in (*softcaps, "expert_shared_count", "expert_shared_feed_forward_length"):
+    # a shared expert beside routed ones (llama.cpp writes its width for Granite 4.0's dense models too, unused there)
+    shared = ("expert_shared_count", "expert_shared_feed_forward_length") if key("expert_count") else ()
+    for name in (*softcaps, *shared):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:
