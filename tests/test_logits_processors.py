@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import fixed_k_llm, tiny_model
+from conftest import fixed_k_llm, make_head, tiny_model
 from stats import PASS_P, chi2_pvalue, exact_joint, sampled_joint
 
 from specdecode import SamplingParams, SpecDecodeError
@@ -441,11 +441,12 @@ def own_processed(target):
     return params, plain
 
 
-@pytest.mark.parametrize("proposer", ["self", "random", "ngram"])
-def test_greedy_with_a_requests_own_processors_equals_plain(target, random_draft, own_processed, proposer):
+@pytest.mark.parametrize("proposer", ["self", "random", "ngram", "head"])
+def test_greedy_with_a_requests_own_processors_equals_plain(target, random_draft, own_processed, proposer, tmp_path):
     params, plain = own_processed
     draft = {"self": target, "random": random_draft}.get(proposer)
-    llm = _llm(target, draft, k=3, speculative_model="ngram" if proposer == "ngram" else None)
+    named = make_head(target, tmp_path / "head") if proposer == "head" else "ngram" if proposer == "ngram" else None
+    llm = _llm(target, draft, k=3, speculative_model=named)
     outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.spec["num_draft_tokens"] for o in outs) > 0
