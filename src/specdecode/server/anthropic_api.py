@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpecDecodeError
 from .handler import RequestHandler, session_of, tenant_of
-from .protocol import ChatRequest, validated
+from .protocol import ChatRequest, given, validated
 from .reasoning import Thinking
 from .reply import OutputReader, collected_unless_gone, submitted
 from .tools import ToolCall, Tools, assistant_message
@@ -87,11 +87,7 @@ class MessagesRequest(BaseModel):
             messages=([{"role": "system", "content": system}] if system is not None else [])
             + chat_messages(self.messages),
             max_tokens=self.max_tokens,
-            **{
-                k: v
-                for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k))
-                if v is not None
-            },
+            **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
             stop=self.stop_sequences,
             stream=self.stream,
             user=(self.metadata or {}).get("user_id"),

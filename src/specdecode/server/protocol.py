@@ -333,6 +333,11 @@ class ChatRequest(CommonRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def given(**fields) -> dict:
+    """The fields a request sets (not None): those it leaves out take the chat request's defaults, the model's."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def validated(body: type[BaseModel], /, **fields) -> BaseModel:
     """A request body made from another API's fields (the chat request a Responses or Messages request amounts to);
     what the body's type refuses as a SpecDecodeError, a 400 that names the field."""

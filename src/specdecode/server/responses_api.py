@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from .handler import RequestHandler, key_owner, session_of, tenant_of
-from .protocol import ChatRequest, validated
+from .protocol import ChatRequest, given, validated
 from .reasoning import Thinking
 from .reply import OutputReader, collected_unless_gone, submitted
 from .response_store import ResponseStore
@@ -75,7 +75,7 @@ class ResponsesRequest(BaseModel):
             model=self.model,
             messages=system + list(earlier) + input_messages(self.input),
             max_tokens=self.max_output_tokens,
-            **{k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None},
+            **given(temperature=self.temperature, top_p=self.top_p),
             stream=self.stream,
             user=self.user,
             response_format=chat_format((self.text or {}).get("format")),
