@@ -179,6 +179,8 @@ FAMILIES = {
         ),
         every_layer=dict(layer_types="attention"),  # transformers 5 writes "full_attention"
     ),
+    # ERNIE 4.5 (the 0.3B): RoPE over adjacent dimensions, as GPT-J's, in the checkpoint and in llama.cpp's conversion
+    "ernie4_5": Family("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(tie_word_embeddings=True)),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     # Granite 3's mixtures of experts (the 1B-A400M's, 3B-A800M's): the multipliers, and experts stored stacked with
     # gate and up in one tensor

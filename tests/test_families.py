@@ -373,6 +373,21 @@ def test_granites_logits_divided_otherwise_fail_the_comparison(made, source, mon
     torch.testing.assert_close(got / 8.0, expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_ernies_rope_pairs_left_adjacent_fail_the_comparison(made, source, monkeypatch):
+    """ERNIE 4.5 turns adjacent dimensions together: its q/k rows, from the folder or the GGUF (llama.cpp stores them
+    as they are), are reordered to the runtime's pairs at load; without it the logits are not transformers'."""
+    from specdecode.models import checkpoints, gguf_loader
+
+    monkeypatch.setattr(checkpoints, "INTERLEAVED_ROPE_FAMILIES", ())
+    monkeypatch.setattr(gguf_loader, "PERMUTED_ROPE_FAMILIES", ("llama",))
+    folder, gguf, reference = made("ernie4_5")
+    cfg, tensors = _from(source, folder, gguf)
+    ids = _prompt(cfg.vocab_size)
+    got, expected = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
+    assert not torch.allclose(got, expected, **TOLERANCE)
+
+
 def _with_metadata(
     source,
     out,

@@ -17,6 +17,9 @@ from .families import LONGROPE_TENSORS
 # ---- Hugging Face checkpoints --------------------------------------------------------------------------
 
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# families whose RoPE turns adjacent dimensions together (GPT-J's, llama.cpp's "norm" RoPE): their checkpoints' q/k
+# rows are reordered to the runtime's pairs (d, d + D/2), as a Llama GGUF's are (gguf_loader)
+INTERLEAVED_ROPE_FAMILIES = ("ernie4_5",)
 # families whose RMSNorm multiplies by (1 + weight): llama.cpp's converter adds the 1 to the stored weights
 NORM_OFFSET_FAMILIES = ("gemma3_text", "gemma2")
 
@@ -29,7 +32,25 @@ def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> 
             out[canonical] = part
     if cfg.arch in NORM_OFFSET_FAMILIES:
         out = {n: t + 1.0 if n.endswith("norm.weight") else t for n, t in out.items()}
+    if cfg.arch in INTERLEAVED_ROPE_FAMILIES:
+        out = {n: halves_paired(cfg, n, t) for n, t in out.items()}
     return {n: as_computed(cfg, n, t) for n, t in out.items()}
+
+
+def unpermute_rope(w, n_heads: int):
+    """q/k rows whose RoPE pairs adjacent dimensions (llama.cpp's converter interleaves Llama's so) reordered to the
+    runtime's pairs (NeoX layout); numpy or torch rows, whole rows moving (GGUF blocks with them)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def halves_paired(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's query or key rows (weights, biases) in the runtime's RoPE pairs, where its family pairs adjacent
+    dimensions; any other tensor as it is."""
+    m = re.fullmatch(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj)\.(weight|bias)", name)
+    if not m:
+        return tensor
+    return unpermute_rope(tensor, cfg.num_heads if m[1] == "q_proj" else cfg.num_kv_heads)
 
 
 def as_computed(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,21 @@ HF_FAMILIES = (
     "granite",
     "granitemoe",
     "granitemoehybrid",
+    "ernie4_5",
 )
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "smollm3", "phi3", "granite", "granitemoe")
+GGUF_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "gemma3",
+    "gemma2",
+    "smollm3",
+    "phi3",
+    "granite",
+    "granitemoe",
+    "ernie4_5",
+)
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # Gemma's layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other (Gemma 2)
@@ -153,7 +166,7 @@ def _check_common_fields(cfg: dict, family: str) -> None:
     if family != "qwen2" and cfg.get("attention_bias"):
         raise refuse("attention_bias", True, "false (biased q/k/v are Qwen2's only)")
     softcaps = () if family == "gemma2" else ("attn_logit_softcapping", "final_logit_softcapping")
-    for name in ("mlp_bias", "use_bidirectional_attention", *softcaps, "quantization_config"):
+    for name in ("mlp_bias", "use_bias", "use_bidirectional_attention", *softcaps, "quantization_config"):
         if cfg.get(name):
             raise refuse(name, cfg[name], "unset or false")
     bad = [t for t in cfg.get("layer_types") or () if t not in LAYER_TYPES]

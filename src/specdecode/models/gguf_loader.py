@@ -17,17 +17,12 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .checkpoints import as_computed, gguf_parts
+from .checkpoints import INTERLEAVED_ROPE_FAMILIES, as_computed, gguf_parts, unpermute_rope
 from .families import from_gguf
 
-# GGUF architectures whose converter interleaves q/k rows (its LlamaModel's)
-PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite", "granitemoe")
-
-
-def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter interleaves the rotary halves of Llama q/k rows; undo it (NeoX layout)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+# GGUF architectures whose files hold q/k rows interleaved: llama.cpp's converter permutes its LlamaModel's so, and
+# stores as they are the checkpoints of families that turn adjacent dimensions
+PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite", "granitemoe", *INTERLEAVED_ROPE_FAMILIES)
 
 
 class MappedReader(GGUFReader):
