@@ -181,6 +181,12 @@ class AdapterRoute:
         self.sets[name], self.size = self.size, self.size + 1
         return self.sets[name]
 
+    def cancel(self, name: str) -> None:
+        """Undo the last add (of `name`), which nothing computed with: its number is taken again by the next."""
+        assert self.sets[name] == self.size - 1
+        del self.sets[name]
+        self.size -= 1
+
     def remove(self, name: str) -> int:
         index = self.set_of(name)
         if not index:
@@ -267,8 +273,7 @@ def serve_adapter(model: nn.Module, name: str, adapter: Adapter) -> int:
     try:
         return _add_sets(model, [deltas])
     except SpecDecodeError:
-        del route.sets[name]
-        route.size -= 1  # nothing was computed with that number
+        route.cancel(name)
         raise
 
 

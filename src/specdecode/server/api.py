@@ -121,9 +121,10 @@ def add_routes(app: FastAPI, handler: RequestHandler) -> None:
 
     @app.get("/v1/models/{model:path}")  # a path: served names may hold a slash ("Qwen/Qwen3-8B")
     async def model(model: str):
-        if model not in cards():
+        card = cards().get(model)
+        if card is None:
             return error_response(404, f"the model {model!r} is not served here; it serves {handler.model_name!r}")
-        return cards()[model]
+        return card
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
