@@ -474,6 +474,7 @@ GRANITE_DENSE = dict(
         (dict(GRANITE_DENSE, layer_types=["mamba", "attention"]), "layer_types"),
         (dict(GRANITE_DENSE, num_local_experts=4), "num_local_experts"),
         (dict(GRANITE_DENSE, position_embedding_type="nope"), "position_embedding_type"),
+        (dict(model_type="ernie4_5", use_bias=True), "use_bias"),  # ERNIE 4.5's biases, on every projection
     ],
 )
 def test_an_unsupported_config_field_is_refused_by_name(change, field):
