@@ -214,6 +214,10 @@ def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[
         if cfg.qk_norm:
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = 1 + rand(d), 1 + rand(d)
         w[p + "self_attn.o_proj.weight"] = rand(hidden, cfg.num_heads * d)
+        if cfg.o_bias:
+            w[p + "self_attn.o_proj.bias"] = rand(hidden)
+        if cfg.attention_sinks:  # as large as the scores: a sink left out changes every output
+            w[p + "self_attn.sinks"] = rand(cfg.num_heads) * 10
         if cfg.is_sparse(i):
             w[p + "mlp.gate.weight"] = rand(cfg.num_experts, hidden) * 8
             for e in range(cfg.num_experts):

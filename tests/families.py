@@ -189,6 +189,31 @@ FAMILIES = {
         "GraniteMoeForCausalLM",
         dict(GRANITE_MULTIPLIERS, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True),
     ),
+    # gpt-oss: attention sinks, biases on q/k/v/o, the router and the experts, the clamped SwiGLU (gate and up stored
+    # interleaved, the experts' gate weights wide enough to pass its limit), every other layer sliding from the
+    # first, and YaRN over 64 original positions with its ramp's ends rounded (llama.cpp's reading, which a GGUF
+    # gets: the ramp as config.json states it, truncate false in gpt-oss's own, is compared apart)
+    "gpt_oss": Family(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=12,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=True,
+            ),
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -325,6 +350,7 @@ def _randomise(model, norm_center: float, seed: int) -> None:
     near-uniform outputs, whose greedy choices are ties): matrices at 0.15, embeddings and routers wider, norms
     scattered around their centre."""
     g = torch.Generator().manual_seed(seed)
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
@@ -334,6 +360,10 @@ def _randomise(model, norm_center: float, seed: int) -> None:
                 p.copy_(noise)
             elif name.endswith("mlp.gate.weight") or "block_sparse_moe.gate" in name or "moe.router" in name:
                 p.copy_(noise)  # routers: experts far apart, no near-ties in the top-k
+            elif name.endswith(("mlp.router.weight", "self_attn.sinks")):
+                p.copy_(noise)  # gpt-oss's router, and its sinks as large as scores
+            elif gpt_oss and name.endswith("experts.gate_up_proj"):
+                p.copy_(0.3 * noise)  # gpt-oss's gates, past its SwiGLU's limit now and then
             else:
                 p.copy_(0.15 * noise)
 

@@ -159,9 +159,11 @@ def _call(
     eps=1e-6,
     tables=None,
     softcap=0.0,
+    sinks=None,
 ) -> int:
     """One call of the kernel over the cache k, v [blocks, Hkv, B, D] read through tables [S, MB] (default: one
-    block a slot, slot s's block s); norms: (q weights, k weights) or None; softcap: of the scores (0: none). The keys
+    block a slot, slot s's block s); norms: (q weights, k weights) or None; softcap: of the scores (0: none); sinks:
+    [H] logits in each head's softmax (gpt-oss's) or None. The keys
     go to the kernel in tiles as the cache stores them, and the ones it writes come back into k."""
     attend = lib.rowwise_attention_f16 if k.dtype == torch.float16 else lib.rowwise_attention
     q_norm, k_norm = (0, 0) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
@@ -184,6 +186,7 @@ def _call(
         D**-0.5 if scale is None else scale,
         window,
         softcap,
+        0 if sinks is None else sinks.data_ptr(),
         tiles.data_ptr(),
         v.data_ptr(),
         tables.data_ptr(),
@@ -211,8 +214,14 @@ def _attend_long_context(isa, dtype: torch.dtype, shape=SHAPES[0], n: int = 300,
     slots, positions = torch.zeros(3, dtype=torch.int64), torch.arange(n - 1, n + 2, dtype=torch.int64)
     out = torch.empty(3, H * D)
     lib = load("attention", isa) if isinstance(isa, str) else isa
-    assert _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, **options) == 0
+    sinks = _sinks(H) if options.pop("sinks", False) else None
+    assert _call(lib, qkv, H, Hkv, D, slots, positions, cos, sin, k, v, out, sinks=sinks, **options) == 0
     return out, qkv, k, v, cos, sin, positions
+
+
+def _sinks(heads: int) -> torch.Tensor:
+    """gpt-oss's sinks: each head's own, from well below these scores to well above them."""
+    return torch.linspace(-4.0, 6.0, heads)
 
 
 def _rope(x, cos, sin):
@@ -227,8 +236,14 @@ def _rms_norm(x, weight, eps=1e-6):
 # a sliding window that ends inside a block of keys, and one inside a block of values, with a query scale and
 # q/k norms (Gemma 3's layers), and none of them (Llama's); scores soft-capped (Gemma 2's layers: a cap these
 # scores, about 3 at most, bend far from their own)
-WINDOWED = [dict(), dict(window=37, scale=0.11), dict(window=130, norms=True), dict(window=37, softcap=1.5)]
-WINDOWED_IDS = ["full", "window-37", "window-130-qk-norm", "window-37-softcap"]
+WINDOWED = [
+    dict(),
+    dict(window=37, scale=0.11),
+    dict(window=130, norms=True),
+    dict(window=37, softcap=1.5),
+    dict(window=37, sinks=True),
+]
+WINDOWED_IDS = ["full", "window-37", "window-130-qk-norm", "window-37-softcap", "window-37-sinks"]
 BITS_CASES = dict(argnames="options", argvalues=WINDOWED[:2] + WINDOWED[3:], ids=WINDOWED_IDS[:2] + WINDOWED_IDS[3:])
 
 
@@ -254,7 +269,10 @@ def test_long_context_attention_matches_float64(dtype, shape, options):
         keys = k[0, :, seen].double().repeat_interleave(H // Hkv, 0)
         values = v[0, :, seen].double().repeat_interleave(H // Hkv, 0)
         scores = q[:, None, :] @ keys.transpose(1, 2) * options.get("scale", D**-0.5)
-        weights = torch.softmax(_softcapped(scores, options.get("softcap")), -1)
+        scores = _softcapped(scores, options.get("softcap"))
+        if options.get("sinks"):
+            scores = torch.cat([scores, _sinks(H).double().view(H, 1, 1)], -1)
+        weights = torch.softmax(scores, -1)[..., : seen.stop - seen.start]
         torch.testing.assert_close(out[t].double(), (weights @ values).reshape(H * D), rtol=1e-4, atol=1e-5)
     if norms is not None:  # the drafts' keys went into the cache normalised, then rotated
         raw = qkv[2, H * D : (H + Hkv) * D].view(Hkv, D).double()
@@ -315,6 +333,11 @@ def test_a_window_the_kernel_ignored_would_fail_the_reference():
     """The float64 check above sees a window: the whole context's attention is far from the windowed one."""
     windowed = _attend_long_context("scalar", torch.float32, window=37)[0]
     assert not torch.allclose(windowed, _attend_long_context("scalar", torch.float32)[0], rtol=1e-3, atol=1e-3)
+
+
+def test_sinks_the_kernel_ignored_would_fail_the_reference():
+    sunk = _attend_long_context("scalar", torch.float32, window=37, sinks=True)[0]
+    assert not torch.allclose(sunk, _attend_long_context("scalar", torch.float32, window=37)[0], rtol=1e-3, atol=1e-3)
 
 
 def test_a_soft_cap_the_kernel_ignored_would_fail_the_reference():

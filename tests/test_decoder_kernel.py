@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(
     reason="the decoder kernel and the kernels it calls need a C compiler",
 )
 
+GPT_OSS_ATTENTION = "attention sinks and an output bias (gpt-oss's attention)"
+
 # Each variant exercises one thing a layer of the kernel may hold
 VARIANTS = {
     "qkv bias, Q8_0": dict(arch="qwen2"),
@@ -46,6 +48,7 @@ VARIANTS = {
     ),
     "mixture of experts": dict(arch="qwen3moe", num_experts=4, experts_per_token=2, qk_norm=True, dense_layers=(1,)),
     "a layer without RoPE (SmolLM3's NoPE)": dict(arch="smollm3", nope_layers=(1,)),
+    GPT_OSS_ATTENTION: dict(arch="qwen2", attention_sinks=True, o_bias=True, sliding_window=5, sliding_layers=(0, 2)),
     "soft-capped scores (Gemma 2)": dict(
         arch="gemma2",
         sandwich_norms=True,
@@ -153,6 +156,7 @@ MISTAKES = {
     "one RoPE table for all": ("t->cos[L->local_rope]", "t->cos[0]", "sliding layers with their own RoPE base"),
     "a NoPE layer rotated": ("t->sin[L->local_rope]", "t->sin[0]", "a layer without RoPE (SmolLM3's NoPE)"),
     "scores not soft-capped": ("L->window, L->softcap,", "L->window, 0.f,", "soft-capped scores (Gemma 2)"),
+    "sinks left out": ("L->sinks, t->kcache[l]", "NULL, t->kcache[l]", GPT_OSS_ATTENTION),
     "pre-feedforward norm with the post-attention weights": (
         "L->pre_ff_norm, s->normed",
         "L->post_norm, s->normed",

@@ -67,6 +67,21 @@ def test_the_tokens_that_end_a_turn_end_generation(name, ends):
     assert ends <= set(tok.hf.convert_ids_to_tokens(sorted(tok.eos_token_ids)))
 
 
+@pytest.mark.parametrize("harmony", [True, False], ids=["gpt-oss", "phi-3-like"])
+def test_gpt_oss_ends_its_answer_or_a_call_but_not_a_message(harmony):
+    """gpt-oss's vocabulary (o200k_harmony: <|return|> and <|call|>) ends the reasoning's message with <|end|> and goes
+    on to its answer: there <|end|> ends nothing, as in llama.cpp; in a vocabulary without those two (Phi-3's) it ends
+    the turn."""
+    import copy
+
+    hf = copy.deepcopy(vocabulary("ggml-vocab-qwen2.gguf").hf)
+    added = ["<|return|>", "<|call|>", "<|end|>"] if harmony else ["<|end|>"]
+    hf.add_special_tokens({"additional_special_tokens": added})
+    ends = set(hf.convert_ids_to_tokens(sorted(Tokenizer(hf).eos_token_ids)))
+    assert ("<|end|>" in ends) != harmony
+    assert {"<|return|>", "<|call|>"} <= ends or not harmony
+
+
 def test_a_chat_template_in_the_file_is_applied():
     tok = vocabulary("ggml-vocab-qwen2.gguf")
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])

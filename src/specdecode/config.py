@@ -357,7 +357,8 @@ class ModelConfig:
     # head dimensions RoPE turns, the first ones (NeoX halves of them paired; Phi-4-mini's partial rotary); None: all
     rotary_dim: int | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
-    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss's clamped SwiGLU, layers.gated)
+    activation: str = "silu"
     sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma)
     embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
     attention_scale: float | None = None  # of the query-key scores; None: head_dim ** -0.5
@@ -374,6 +375,10 @@ class ModelConfig:
     # Gemma 2's soft caps, cap * tanh(x / cap): of each attention score after the query-key scale, and of the logits
     attention_softcap: float | None = None
     final_softcap: float | None = None
+    # gpt-oss: a learned logit per query head in each softmax's denominator, its weight given to no value ("sinks")
+    attention_sinks: bool = False
+    o_bias: bool = False  # the attention output projection biased (gpt-oss; q/k/v too, by qkv_bias)
+    expert_bias: bool = False  # the router and every expert's projections biased (gpt-oss)
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists

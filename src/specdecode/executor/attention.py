@@ -53,6 +53,7 @@ class RowwiseAttentionKernel:
             attn.scale,
             attn.window or 0,
             attn.softcap or 0.0,
+            0 if attn.sinks is None else attn.sinks.data_ptr(),
             keys.data_ptr(),
             values.data_ptr(),
             cache.table.data_ptr(),

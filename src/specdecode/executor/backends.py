@@ -34,7 +34,7 @@ from ..models.gguf_loader import RawTensor
 from ..models.runtime import Linear, Transformer, check_all_used, hf_parts
 from .cpu import cpu_has_native_bf16
 from .experts import attach_experts_kernels
-from .formats import FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
+from .formats import EXACTLY_AS_Q8_0, FORMATS, BlockArrays, quantize_4bit, quantize_q8_0, split
 from .quant import (
     BlockEmbedding,
     BlockLinear,
@@ -167,6 +167,8 @@ def block_arrays(name: str, tensor: torch.Tensor | RawTensor, quantization: str)
         or tensor.qtype.name == {"w8a8": "Q8_0", "w4a8-all": "Q4_K"}[layout]
     ):
         return split(tensor.qtype, tensor.blocks)
+    if isinstance(tensor, RawTensor) and tensor.qtype.name in EXACTLY_AS_Q8_0 and layout != "w4a8-all":
+        return EXACTLY_AS_Q8_0[tensor.qtype.name](tensor.blocks)
     weight = _as_float(tensor)
     if weight.shape[1] % 32:
         raise SpecDecodeError(
@@ -210,7 +212,7 @@ def build_quantized_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], qu
         else nn.Embedding.from_pretrained(tensors[embed].to(device=device, dtype=dtype), freeze=True)
     )
     floats = {name: tensors[f"model.{name}"] for name, p in model.named_parameters() if p.is_meta}
-    used.update(f"model.{name.rpartition('.')[0]}" for name in floats)
+    used.update(_module_of(f"model.{name}") for name in floats)  # norms, routers (and gpt-oss's sinks, no .weight)
     params = {k: nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False) for k, v in floats.items()}
     model.load_state_dict(params, assign=True, strict=False)
     check_all_used({_module_of(n) for n in tensors}, used)

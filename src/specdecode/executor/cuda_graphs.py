@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..config import MAX_VERIFY_WIDTH
 from ..kv_cache import KVCache
 from ..models.draft_head import DraftHead
-from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attention, rope_tables
+from ..models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attention, head_sinks, rope_tables
 from ..models.runtime import Attention
 from ..transfers import copy_into, to_device
 
@@ -207,8 +207,9 @@ class StaticBatch:
             self._per_forward[name] = make()
         return self._per_forward[name]
 
-    def attend(self, q, keys, values, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
-        """q [B, H, R, D] over keys and values [B, Hkv, K, D], each row seeing the keys up to its position. The
+    def attend(self, q, keys, values, window: int | None, scale: float, softcap=None, sinks=None) -> torch.Tensor:
+        """q [B, H, R, D] over keys and values [B, Hkv, K, D] (sinks: [H] or None), each row seeing the keys up to its
+        position. The
         query heads that share a KV head are folded into the query length ([B, Hkv, G x R, D]): one
         memory-efficient attention call, where `enable_gqa` with a mask falls back to the unfused one."""
         batch, heads, rows, dim = q.shape
@@ -222,7 +223,8 @@ class StaticBatch:
                 .reshape(batch, 1, group * rows, -1)
             ),
         )
-        out = attention(q.reshape(batch, kv_heads, group * rows, dim), keys, values, scale, mask, softcap)
+        folded = q.reshape(batch, kv_heads, group * rows, dim)
+        out = attention(folded, keys, values, scale, mask, softcap, head_sinks(sinks, kv_heads, rows))
         return out.reshape(batch, heads, rows, dim)  # CUDA's kernels may return another layout
 
     def mask_for(self, window: int | None) -> torch.Tensor:

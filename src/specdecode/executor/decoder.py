@@ -59,7 +59,7 @@ class _Experts(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "pre_ff_norm", "post_ff_norm")]
+        [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "pre_ff_norm", "post_ff_norm", "sinks")]
         + [(name, _F32) for name in ("eps", "qk_eps", "scale", "softcap")]
         + [("window", _I32), ("local_rope", _I32)]
         + [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
@@ -191,6 +191,7 @@ def _layer(layer, kept: list) -> _Layer:
         eps=layer.input_layernorm.eps,
         scale=attn.scale,
         softcap=attn.softcap or 0.0,
+        sinks=None if attn.sinks is None else attn.sinks.data_ptr(),
         window=attn.window or 0,
         local_rope=int(attn.rope != "global"),  # its own table: Gemma's local RoPE, a NoPE layer's identity
         qkv=_projection(attn.qkv_proj, kept),

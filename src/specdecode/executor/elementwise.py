@@ -80,5 +80,5 @@ def attach_elementwise_kernels(model) -> bool:
         if isinstance(module, RMSNorm):
             module.kernel = norm
         elif isinstance(module, MLP):
-            module.act_mul_kernel = act_mul[module.activation]
+            module.act_mul_kernel = act_mul.get(module.activation)  # gpt-oss's clamped SwiGLU: PyTorch's
     return True

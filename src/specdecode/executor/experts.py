@@ -38,16 +38,22 @@ class ExpertsKernel:
         return self._tables
 
     @staticmethod
-    def applies(experts) -> bool:
-        """Every expert's layers as single block layers of one format per kind, without padding rows."""
+    def applies(moe) -> bool:
+        """Every expert's layers as single block layers of one format per kind, without padding rows or biases, under
+        an unbiased router, with the activation the kernel computes (SiLU)."""
+        experts = moe.experts
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
-        return all(
-            isinstance(x, BlockLinear)
-            and x.bias is None
-            and x.rows == x.out_features
-            and (x.format, x.S) == (kind[0].format, kind[0].S)
-            for kind in layers
-            for x in kind
+        return (
+            moe.gate.bias is None
+            and experts[0].activation == "silu"
+            and all(
+                isinstance(x, BlockLinear)
+                and x.bias is None
+                and x.rows == x.out_features
+                and (x.format, x.S) == (kind[0].format, kind[0].S)
+                for kind in layers
+                for x in kind
+            )
         )
 
     def __call__(self, moe, flat: torch.Tensor) -> torch.Tensor:
@@ -89,7 +95,7 @@ def attach_experts_kernels(model, passes: int) -> int:
 
     lib, attached = lowbit_kernel(), 0
     for module in model.modules():
-        if isinstance(module, SparseMoE) and lib is not None and ExpertsKernel.applies(module.experts):
+        if isinstance(module, SparseMoE) and lib is not None and ExpertsKernel.applies(module):
             module.kernel = ExpertsKernel(lib, module.experts, passes)
             attached += 1
     return attached

@@ -219,6 +219,26 @@ def unpack(fmt: Format, S: int, packed: dict[str, torch.Tensor]) -> BlockArrays:
 
 
 # ---- float weights -> BlockArrays ----------------------------------------------------------------------------
+# MXFP4's 4-bit codes as integers: E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) times 2, with the
+# block's scale 2^(e - 127) halved to match (ggml's kvalues_mxfp4)
+MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+def mxfp4_as_q8_0(blocks: torch.Tensor) -> BlockArrays:
+    """MXFP4 blocks [rows, 17 bytes per 32 weights: the shared exponent e, then 32 codes, the first 16 in the low
+    nibbles] -> Q8_0 arrays holding the same values exactly: each code's integer, under the power of two 2^(e - 128)
+    as the block's float32 scale. gpt-oss's experts come so (twice MXFP4's bytes, none of a requantization's error)."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 17)
+    codes = _nibbles(b[..., 1:]).long()
+    scales = torch.ldexp(torch.ones(b.shape[:-1]), b[..., 0].to(torch.int32) - 128)
+    return BlockArrays(FORMATS["Q8_0"], MXFP4_VALUES[codes].reshape(rows, -1), scales)
+
+
+# GGUF block types that no kernel computes as stored but Q8_0 holds exactly: each type's conversion of its blocks
+EXACTLY_AS_Q8_0 = {"MXFP4": mxfp4_as_q8_0}
+
+
 def quantize_q8_0(w: torch.Tensor) -> BlockArrays:
     """Float weights [rows, K] -> int8 per weight with a float scale per 32 (llama.cpp's Q8_0, with a
     float32 d): near-lossless, for float checkpoints and the w8a8 backend."""

@@ -652,10 +652,13 @@ ATTENTION_CHOICE = "SPECDECODE_GPU_ATTENTION"  # "triton" (the default) or "sdpa
 def gpu_attention(model):
     """The attention of the model's captured forwards: the paged Triton kernels (executor/paged_attention.py), unless
     SPECDECODE_GPU_ATTENTION=sdpa, Triton is missing, or the kernels fail their check on this device: then None
-    (PyTorch's gather and SDPA). Where they are taken, they attend its packed eager calls too (paged_rows.py)."""
+    (PyTorch's gather and SDPA), as for a model with attention sinks. Where they are taken, they attend its packed
+    eager calls too (paged_rows.py)."""
     choice = os.environ.get(ATTENTION_CHOICE, "triton")
     if choice not in ("triton", "sdpa"):
         raise ValueError(f"{ATTENTION_CHOICE} is 'triton' or 'sdpa', not {choice!r}")
+    if model.cfg.attention_sinks:  # the kernels' softmax has no term outside the keys (gpt-oss's sinks)
+        return None
     attention = _checked_kernels(str(model.device), model.dtype, model.cfg.dim_per_head) if choice == "triton" else None
     if attention is not None:
         from .paged_attention import attach_epilogues

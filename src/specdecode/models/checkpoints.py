@@ -90,6 +90,10 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(router\.weight|router\.bias|experts\.\w+)", name)
+    if m and cfg.arch == "gpt_oss":
+        yield from _gpt_oss_mlp(m[1], m[2], tensor)
+        return
     m = re.fullmatch(
         r"(model\.layers\.\d+)\.block_sparse_moe\.(input_linear|output_linear|router\.layer)\.weight", name
     )
@@ -128,6 +132,27 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
         yield f"{m[1]}.mlp.up_proj.weight", up
         return
     yield name, tensor
+
+
+def _gpt_oss_mlp(prefix: str, local: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's router and experts: each expert's weights stored stacked and transposed ([experts, columns, rows]),
+    gate and up in one tensor with their rows interleaved (gate, up, gate, ...; llama.cpp's converter splits them
+    so), biases beside them."""
+    if local.startswith("router."):
+        yield f"{prefix}.gate.{local.partition('.')[2]}", tensor
+        return
+    kind, biases, _ = local.removeprefix("experts.").partition("_bias")
+    if kind not in ("gate_up_proj", "down_proj"):
+        yield f"{prefix}.{local}", tensor  # refused by name where the weights are matched
+        return
+    part = "bias" if biases else "weight"
+    for e, stored in enumerate(tensor):
+        rows = stored if biases else stored.t()
+        if kind == "down_proj":
+            yield f"{prefix}.experts.{e}.down_proj.{part}", rows.contiguous()
+        else:
+            yield f"{prefix}.experts.{e}.gate_proj.{part}", rows[0::2].contiguous()
+            yield f"{prefix}.experts.{e}.up_proj.{part}", rows[1::2].contiguous()
 
 
 def _granite_experts(prefix: str, kind: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -174,6 +199,8 @@ GGUF_LAYER = {
 }
 # where the attention output has a norm of its own (Gemma), ffn_norm is the one before the MLP
 SANDWICH_LAYER = {**GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm"}
+# gpt-oss's: its norm before the experts under another name, and its sinks (a tensor without the ".weight" of a layer)
+GPT_OSS_LAYER = {**GGUF_LAYER, "attn_post_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 GGUF_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),
     "ffn_up_exps": ("up_proj",),
@@ -203,9 +230,11 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
         return [(f"{prefix}.self_attn.{p}_proj.{suffix}", rows) for p, rows in zip("qkv", qkv_rows(cfg))]
     if kind == "ffn_up" and cfg.arch == "phi3":  # gate and up in one tensor, gate first (llama.cpp's SwiGLU halves)
         return _stacked([f"{prefix}.mlp.{p}_proj.{suffix}" for p in ("gate", "up")], rows)
-    layer = SANDWICH_LAYER if cfg.sandwich_norms else GGUF_LAYER
+    layer = SANDWICH_LAYER if cfg.sandwich_norms else GPT_OSS_LAYER if cfg.attention_sinks else GGUF_LAYER
     if kind not in layer:
         raise _unknown_tensor(name)
+    if kind == "attn_sinks":
+        return [(f"{prefix}.{layer[kind]}", slice(None))]
     return [(f"{prefix}.{layer[kind]}.{suffix}", slice(None))]
 
 

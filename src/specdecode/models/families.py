@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
+from .layers import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
 HF_FAMILIES = (
     "llama",
@@ -30,6 +31,7 @@ HF_FAMILIES = (
     "granitemoe",
     "granitemoehybrid",
     "ernie4_5",
+    "gpt_oss",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -43,11 +45,14 @@ GGUF_FAMILIES = (
     "granite",
     "granitemoe",
     "ernie4_5",
+    "gpt-oss",
 )
+GPT_OSS_FAMILIES = ("gpt_oss", "gpt-oss")  # config.json's and GGUF's names: attention sinks, biases, clamped SwiGLU
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
-# Gemma's layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other (Gemma 2)
-GEMMA_WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2}
+# layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
+# (Gemma 2, gpt-oss)
+WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2}
 # Gemma 2's soft caps of attention scores and logits: ModelConfig's field, and the config.json and GGUF key that sets
 # it, with llama.cpp's and transformers' default where the file states none
 GEMMA2_SOFTCAPS = {
@@ -100,13 +105,13 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=int(cfg.get("max_position_embeddings", 4096)),
-        qkv_bias=family == "qwen2",
+        qkv_bias=family == "qwen2" or bool(family == "gpt_oss" and cfg.get("attention_bias", True)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
-        activation=HF_ACTIVATIONS[cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")],
+        activation=_hf_activation(cfg, family),
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
@@ -116,6 +121,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         **_hf_experts(cfg, family),
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
         **_hf_softcaps(cfg, family),
+        **_hf_gpt_oss(cfg, family),
     )
     described = with_rope_attention_factor(described)
     if family not in GRANITE_FAMILIES:
@@ -157,15 +163,32 @@ def llama_config_fields(cfg: ModelConfig) -> dict:
     )
 
 
+def _hf_activation(cfg: dict, family: str) -> str:
+    """The gated MLP's activation (gpt-oss's config.json names SiLU, which its clamped SwiGLU is built on)."""
+    if family == "gpt_oss":
+        return "swiglu_oai"
+    return HF_ACTIVATIONS[cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")]
+
+
 def _check_common_fields(cfg: dict, family: str) -> None:
     """Fields some configs of these families set to something the runtime does not compute."""
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
     allowed = ("gelu_pytorch_tanh",) if family in GEMMA_FAMILIES else ("silu",)
     if activation not in allowed:
         raise refuse("hidden_act", activation, ", ".join(allowed))
-    if family != "qwen2" and cfg.get("attention_bias"):
-        raise refuse("attention_bias", True, "false (biased q/k/v are Qwen2's only)")
+    if family not in ("qwen2", "gpt_oss") and cfg.get("attention_bias"):
+        raise refuse("attention_bias", True, "false (biased attention projections are Qwen2's and gpt-oss's only)")
+    for name, value in (("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)):
+        if family == "gpt_oss" and cfg.get(name, value) != value:
+            raise refuse(name, cfg[name], f"{value} (gpt-oss's, which llama.cpp's graph fixes)")
     softcaps = () if family == "gemma2" else ("attn_logit_softcapping", "final_logit_softcapping")
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        raise refuse(
+            "quantization_config",
+            "MXFP4",
+            "unset; convert the folder with llama.cpp's convert_hf_to_gguf.py, which "
+            "keeps its MXFP4 experts, and load the GGUF",
+        )
     for name in ("mlp_bias", "use_bias", "use_bidirectional_attention", *softcaps, "quantization_config"):
         if cfg.get(name):
             raise refuse(name, cfg[name], "unset or false")
@@ -344,9 +367,9 @@ def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | No
     if not window:
         return None, None
     layer_types = cfg.get("layer_types")
-    if layer_types is None and family in GEMMA_FAMILIES:
+    if layer_types is None and family in WINDOW_PATTERN:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-        pattern = pattern or GEMMA_WINDOW_PATTERN[family]
+        pattern = pattern or WINDOW_PATTERN[family]
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     elif layer_types is None and family in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", layers)
@@ -366,13 +389,15 @@ def _hf_softcaps(cfg: dict, family: str) -> dict:
 
 
 def _hf_experts(cfg: dict, family: str) -> dict:
-    """Mixtral's and Granite's routers: a softmax over the top-k logits, which is the softmax over all renormalised
-    over the top k (normalize_expert_weights, the default); Qwen3-MoE's renormalises where norm_topk_prob says."""
-    if family not in ("mixtral", "granitemoe", "qwen3_moe"):
+    """Mixtral's, Granite's and gpt-oss's routers: a softmax over the top-k logits, which is the softmax over all
+    renormalised over the top k (normalize_expert_weights, the default); Qwen3-MoE's renormalises where
+    norm_topk_prob says."""
+    if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if family in ("mixtral", "granitemoe"):
-        return dict(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2))
+    if family in ("mixtral", "granitemoe", "gpt_oss"):
+        top = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or (4 if family == "gpt_oss" else 2)
+        return dict(num_experts=experts, experts_per_token=top)
     layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
     dense = {i for i in range(layers) if i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step}
     return dict(
@@ -382,6 +407,13 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=tuple(sorted(dense)),
     )
+
+
+def _hf_gpt_oss(cfg: dict, family: str) -> dict:
+    """gpt-oss's attention sinks, and biases on the attention output, the router and every expert."""
+    if family != "gpt_oss":
+        return {}
+    return dict(attention_sinks=True, o_bias=bool(cfg.get("attention_bias", True)), expert_bias=True)
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------
@@ -441,16 +473,17 @@ def from_gguf(reader) -> ModelConfig:
         rotary_dim=rotary_dim(key("rope.dimension_count", dims), dims, f"{arch}.rope.dimension_count"),
         rope_scaling=_gguf_rope_scaling(key, arch, {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}),
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        activation="gelu_tanh" if gemma else "silu",
+        activation="gelu_tanh" if gemma else "swiglu_oai" if arch == "gpt-oss" else "silu",
         sandwich_norms=gemma,
         embedding_scale=math.sqrt(hidden) if gemma else None,
         attention_scale=_gemma_attention_scale(arch, hidden, heads, head_dim, layers) if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" and window else None,
-        **_gguf_experts(key, names, layers),
+        **_gguf_experts(key, names, layers, arch),
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
         **_gguf_softcaps(key, arch),
+        **_gguf_gpt_oss(arch),
     )
     described = with_rope_attention_factor(described)
     if arch not in GRANITE_FAMILIES:
@@ -552,13 +585,13 @@ def _gguf_softcaps(key, arch: str) -> dict:
 def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
     """llama.cpp's reading: a window applies where the file states one (Gemma 2's is 4096 where it does not), but
     Phi-3's (llama.cpp turns it off); Gemma's layers slide but every sixth (Gemma 3) or every other (Gemma 2), or as
-    its sliding_window_pattern says; any other family's all slide."""
+    its sliding_window_pattern says (gpt-oss's every other, as Gemma 2's); any other family's all slide."""
     window = key("attention.sliding_window", 4096 if arch == "gemma2" else None)
     if not window or arch == "phi3":
         return None, None
-    if arch not in GEMMA_FAMILIES:
+    if arch not in WINDOW_PATTERN:
         return int(window), None
-    pattern = key("attention.sliding_window_pattern", GEMMA_WINDOW_PATTERN[arch])
+    pattern = key("attention.sliding_window_pattern", WINDOW_PATTERN[arch])
     if isinstance(pattern, list):
         sliding = tuple(i for i, slides in enumerate(pattern) if slides)
     else:
@@ -577,7 +610,9 @@ def _gemma_attention_scale(arch: str, hidden: int, heads: int, head_dim: int | N
     return 1.0 / math.sqrt(hidden / heads if big else head_dim or hidden // heads)
 
 
-def _gguf_experts(key, names: set[str], layers: int) -> dict:
+def _gguf_experts(key, names: set[str], layers: int, arch: str) -> dict:
+    """The experts as llama.cpp routes them; gpt-oss's graph takes the softmax of the chosen experts' logits (which
+    is renormalising) whatever the file says."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
@@ -586,6 +621,13 @@ def _gguf_experts(key, names: set[str], layers: int) -> dict:
         num_experts=experts,
         experts_per_token=key("expert_used_count"),
         expert_intermediate_size=key("expert_feed_forward_length"),
-        normalize_expert_weights=bool(key("expert_weights_norm", True)),
+        normalize_expert_weights=arch in GPT_OSS_FAMILIES or bool(key("expert_weights_norm", True)),
         dense_layers=dense,
     )
+
+
+def _gguf_gpt_oss(arch: str) -> dict:
+    """gpt-oss's attention sinks and biases, as llama.cpp's graph loads them (each required there)."""
+    if arch != "gpt-oss":
+        return {}
+    return dict(attention_sinks=True, o_bias=True, expert_bias=True)

@@ -71,7 +71,8 @@ def iter_gguf_tensors(
         ):
             raw = t.tensor_type in raw_types and t.name.endswith(".weight") and len(t.shape) in (2, 3)
             w = np.asarray(t.data) if raw else dequantize_tensor(t)
-            for expert, matrix in enumerate(w) if len(t.shape) == 3 else [(None, w)]:
+            stacked = len(t.shape) == 3 or t.name.endswith("_exps.bias")  # experts' weights, or their biases
+            for expert, matrix in enumerate(w) if stacked else [(None, w)]:
                 for name, rows in gguf_parts(cfg, t.name, matrix.shape[0]):
                     yield _named_part(cfg, name.format(expert=expert), matrix[rows], raw and t)
 

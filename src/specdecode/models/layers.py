@@ -233,30 +233,65 @@ def repeated_kv_heads(q, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
 
 
-def attention(q, keys, values, scale: float, mask=None, softcap: float | None = None) -> torch.Tensor:
+def attention(
+    q, keys, values, scale: float, mask=None, softcap: float | None = None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention of q [B, H, T, D] over keys and values [B, Hkv, K, D] (mask: the keys each query sees). PyTorch's
-    fused kernels take no soft cap: a capped model's scores are computed as transformers' eager attention does."""
-    if softcap is None:
+    fused kernels take no soft cap and no sinks (gpt-oss's logit per query head, in each softmax's denominator and
+    weighing no value; shaped to broadcast over the scores [B, H, T, 1], head_sinks): such a model's scores are
+    computed as transformers' eager attention does."""
+    if softcap is None and sinks is None:
         gqa = keys.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     keys, values = repeated_kv_heads(q, keys, values)
     scores = softcapped(q @ keys.transpose(-1, -2) * scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return weights.to(q.dtype) @ values
+
+
+def head_sinks(sinks: torch.Tensor | None, kv_heads: int, rows: int = 1) -> torch.Tensor | None:
+    """Sinks [H] as attention() takes them where the query heads that share a KV head are folded into the query
+    length, `rows` queries of each ([Hkv, G x rows, 1]); kv_heads = H: unfolded ([H, 1, 1])."""
+    if sinks is None:
+        return None
+    return sinks.view(kv_heads, -1, 1, 1).expand(-1, -1, rows, 1).reshape(kv_heads, -1, 1)
+
+
+# gpt-oss's SwiGLU: the gate capped above and up clamped at LIMIT, then (up + 1) * gate * sigmoid(ALPHA * gate); its
+# constants fixed by transformers' defaults and by llama.cpp's graph alike
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU or GeGLU."""
+def gated(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up from the gate_up projection's output [..., 2 * inter] (gate first), or gpt-oss's form."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        return swiglu_oai(gate, up)
+    return ACTIVATIONS[activation](gate) * up
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU or GeGLU (gpt-oss's experts: clamped, and every projection biased)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias)
         self.activation = cfg.activation
         self.act_mul_kernel = None  # a backend may attach one: gate_up -> act(gate) * up in one call
 
@@ -271,22 +306,24 @@ class MLP(nn.Module):
             return y
         if self.act_mul_kernel is not None:
             return self.down_proj(self.act_mul_kernel(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
+        return self.down_proj(gated(self.activation, gate_up))
 
 
 class Router(nn.Module):
-    """A mixture of experts' router: softmax over every expert's logit (in float32), the top k kept, their
-    weights rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob)."""
+    """A mixture of experts' router: softmax over every expert's logit (in float32; gpt-oss's biased), the top k
+    kept, their weights rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob;
+    gpt-oss's softmax over the top k's logits is that)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_bias else None
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
-        probs = torch.softmax(row_invariant_linear(x, self.weight).float(), dim=-1)
+        logits = row_invariant_linear(x, self.weight)
+        probs = torch.softmax((logits if self.bias is None else logits + self.bias).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -301,7 +338,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_size) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_size, cfg.expert_bias) for _ in range(cfg.num_experts))
         self.kernel = None  # a backend may attach one for the experts (executor/experts.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

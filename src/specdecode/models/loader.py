@@ -157,7 +157,7 @@ def load_low_bit_weights(
     from gguf import GGMLQuantizationType
 
     from ..executor.backends import LOW_BIT, quantize_weights, weight_layout
-    from ..executor.formats import FORMATS
+    from ..executor.formats import EXACTLY_AS_Q8_0, FORMATS
 
     quantization = weight_layout(quantization)
     source = resolve(name)
@@ -175,8 +175,9 @@ def load_low_bit_weights(
         return ModelConfig(**json.load(open(config_path))), load_file(path)
     from .gguf_loader import iter_gguf_tensors
 
-    # GGUF blocks the kernel takes as stored; everything else arrives as float
-    raw = frozenset(GGMLQuantizationType[f] for f in FORMATS) if quantization in LOW_BIT else frozenset()
+    # GGUF blocks the kernel takes as stored or holds exactly in another format; everything else arrives as float
+    raw = {GGMLQuantizationType[f] for f in (*FORMATS, *EXACTLY_AS_Q8_0)}
+    raw = frozenset(raw) if quantization in LOW_BIT else frozenset()
     cfg, named = iter_gguf_tensors(source.path, progress, raw)
     tensors = quantize_weights(named, quantization)
     _save_cache(tensors, path, cfg, config_path)

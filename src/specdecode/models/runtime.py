@@ -28,6 +28,7 @@ from .layers import (
     SparseMoE,
     apply_rope,
     attention,
+    head_sinks,
     longrope_factors,
     normed_linear,
     repeated_kv_heads,
@@ -134,13 +135,14 @@ class ForwardBatch:
         """The batched path's keys and values [B, Hkv, kv_len, D]."""
         return cache.read(layer, self.slot_index, self.kv_len)
 
-    def attend(self, q, keys, values, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
-        """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D]. On CUDA a mask beside
-        `enable_gqa` leaves PyTorch only its unfused kernel, whose float32 scores [B, H, T, kv_len] are 45 GiB at 27k
-        tokens (ComfyUI#15135, transformers' use_gqa_in_sdpa): there the KV heads are repeated instead."""
+    def attend(self, q, keys, values, window: int | None, scale: float, softcap=None, sinks=None) -> torch.Tensor:
+        """The batched path's attention: q [B, H, T, D] over keys and values [B, Hkv, kv_len, D] (sinks: [H] or None).
+        On CUDA a mask beside `enable_gqa` leaves PyTorch only its unfused kernel, whose float32 scores [B, H, T,
+        kv_len] are 45 GiB at 27k tokens (ComfyUI#15135, transformers' use_gqa_in_sdpa): there the KV heads are
+        repeated instead."""
         if q.device.type in REPEATS_KV_HEADS:
             keys, values = repeated_kv_heads(q, keys, values)
-        return attention(q, keys, values, scale, self.mask_for(window), softcap)
+        return attention(q, keys, values, scale, self.mask_for(window), softcap, head_sinks(sinks, q.shape[1]))
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The batched path's mask for layers with this sliding window (None: the causal mask): a token sees
@@ -162,7 +164,8 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -211,7 +214,8 @@ class Attention(nn.Module):
             out = self._rowwise_attention(q, batch, cache)
         else:
             keys, values = batch.load(cache, self.layer)
-            out = batch.attend(q, keys.to(q.dtype), values.to(q.dtype), self.window, self.scale, self.softcap)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            out = batch.attend(q, keys, values, self.window, self.scale, self.softcap, self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _heads(self, qkv, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,14 +249,14 @@ class Attention(nn.Module):
         far faster than [1, H, 1, D] with `enable_gqa`
         (docs/decisions.md#query-heads-folded-into-the-query-length)."""
         kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        rows, token = [], 0
+        rows, token, sinks = [], 0, head_sinks(self.sinks, kv_heads)
         for slot, kv_lens in batch.rowwise:
             keys, values = cache.read(self.layer, slice(slot, slot + 1), max(kv_lens))
             for n in kv_lens:
                 query = q[0, :, token].reshape(1, kv_heads, group, self.head_dim)
                 seen = self.visible_keys(n)
                 seen_keys, seen_values = keys[:, :, seen].to(q.dtype), values[:, :, seen].to(q.dtype)
-                rows.append(attention(query, seen_keys, seen_values, self.scale, softcap=self.softcap))
+                rows.append(attention(query, seen_keys, seen_values, self.scale, None, self.softcap, sinks))
                 token += 1
         # one [1, Hkv, G, D] per packed token -> [1, H, N, D]
         return torch.stack(rows).view(1, token, self.num_heads, self.head_dim).transpose(1, 2)

@@ -10,7 +10,13 @@ from ..errors import SpecDecodeError
 from . import infill
 
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+END_OF_TURN = (
+    *("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>"),
+    *("<|return|>", "<|call|>"),  # gpt-oss's (o200k_harmony): its answer's end, and a tool call's
+)
+# gpt-oss's vocabulary (told by its <|return|> and <|call|>) ends a message with <|end|> inside its turn, the
+# reasoning's channel before the answer's: not an end of generation there, as llama.cpp decides
+HARMONY_ENDS, HARMONY_MESSAGE_END = ("<|return|>", "<|call|>"), "<|end|>"
 # Special tokens whose text the server reads calls and thinking out of (Mistral's and Magistral's markers): decoding
 # keeps them where it leaves the other special tokens out, as Qwen's <tool_call> and <think>, ordinary added tokens,
 # stay in the text
@@ -74,6 +80,8 @@ class Tokenizer:
         self.kind = kind or type(hf_tokenizer).__name__  # what it is, for messages: "SentencePiece (gemma3)"
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
         eos.update(token_id(hf_tokenizer, name) for name in (*END_OF_TURN, *infill.ENDS))
+        if all(token_id(hf_tokenizer, name) is not None for name in HARMONY_ENDS):
+            eos.discard(token_id(hf_tokenizer, HARMONY_MESSAGE_END))
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         # None: the model cannot fill in the middle
         self.fim_ids = infill.fim_ids(lambda name: token_id(hf_tokenizer, name))

@@ -52,10 +52,10 @@ SIGNATURES = {
         "attention_group_ok": ([_I], _I),
         "attention_half_ok": ([], _I),
         "attention_softmax_unnormalised": ([_P, _I, _F], _F),
-        # qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, softcap, kcache, vcache,
-        # tables, S, MB, B, num_blocks, out, threads
+        # qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, softcap, sinks, kcache,
+        # vcache, tables, S, MB, B, num_blocks, out, threads
         **{
-            name: ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _F, _F, _I, _F, _P, _P, _P, _I, _I, _I, _I, _P, _I], _I)
+            name: ([_P, _I, _I, _I, _I, *[_P] * 6, _F, _F, _I, _F, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], _I)
             for name in ("rowwise_attention", "rowwise_attention_f16")
         },
     },

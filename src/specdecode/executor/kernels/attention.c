@@ -17,6 +17,8 @@
 //   q_norm, k_norm [D]      RMSNorm weights of each query and key head, or NULL (no norm)
 //   scale                   of the query-key scores; window: keys a token sees, itself included (0: all)
 //   softcap                 each scaled score becomes softcap * tanh(score / softcap) (Gemma 2; 0: none)
+//   sinks [H]               a logit per query head in its softmax's denominator, weighing no value (gpt-oss), or
+//                           NULL (none)
 //
 // Over a long context this streams the cache, so it is read once per kv head, a chunk of keys at a time (scored,
 // folded into each head's running softmax, weighed): a tile of keys is already laid out with lanes over keys (no
@@ -635,8 +637,8 @@ static void score_chunk(const float *q, int tokens, int G, int D, const int *ns,
 // see are computed and left unread. p: scratch for a chunk's scores [tokens * G][CHUNK], o for the outputs
 // [tokens * G][D], soft for the softmaxes; out: token i's G heads at out + i * out_stride.
 static void attend(const float *q, int tokens, int G, int D, const int *los, const int *ns, float scale, float cap,
-                   const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p, float *o,
-                   running_t *soft, float *out, size_t out_stride) {
+                   const float *sinks, const void *kcache, const void *vcache, int is_half, const rows_t *r, float *p,
+                   float *o, running_t *soft, float *out, size_t out_stride) {
     const int first = los[0] / VALUES * VALUES, n = ns[tokens - 1], heads = tokens * G;
     const size_t bytes = is_half ? sizeof(half) : sizeof(float);
     memset(o, 0, (size_t)heads * D * sizeof(float));
@@ -660,6 +662,7 @@ static void attend(const float *q, int tokens, int G, int D, const int *los, con
     for (int h = 0; h < heads; h++) {
         float total = 0.f;
         for (int l = 0; l < LANES; l++) total += soft[h].sum[l];
+        if (sinks) total += expf(sinks[h % G] - soft[h].top);  // libm's: every build the same bits
         const float inv = 1.f / total;
         float *dst = out + (h / G) * out_stride + (size_t)(h % G) * D;
         for (int d = 0; d < D; d++) dst[d] = o[(size_t)h * D + d] * inv;
@@ -690,7 +693,7 @@ static int find_runs(int N, const int64_t *slots, const int64_t *positions, int 
 
 static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
                      const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
-                     float scale, int window, float cap, void *kcache, void *vcache, int is_half,
+                     float scale, int window, float cap, const float *sinks, void *kcache, void *vcache, int is_half,
                      const int32_t *tables, int S, int MB, int B, int num_blocks, float *out, int threads) {
     if (N < 0 || Hkv < 1 || H % Hkv || !attention_group_ok(H / Hkv) || !attention_dim_ok(D) || window < 0 || S < 1
         || !(cap >= 0.f)
@@ -742,27 +745,27 @@ static int attention(const float *qkv, int N, int H, int Hkv, int D, const int64
             }
         }
         float *o = q + heads * D, *p = o + heads * D;  // the outputs, a chunk's scores, the softmaxes
-        attend(q, tokens, G, D, los, ns, scale, cap, kcache, vcache, is_half, &r, p, o, (running_t *)(p + heads * CHUNK),
-               out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
+        attend(q, tokens, G, D, los, ns, scale, cap, sinks ? sinks + h * G : NULL, kcache, vcache, is_half, &r, p, o,
+               (running_t *)(p + heads * CHUNK), out + (size_t)t0 * H * D + (size_t)h * G * D, (size_t)H * D);
     }
     return failed ? ATTENTION_NO_MEMORY : ATTENTION_OK;
 }
 
 int rowwise_attention(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots, const int64_t *positions,
                       const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
-                      float scale, int window, float cap, float *kcache, float *vcache, const int32_t *tables, int S,
-                      int MB, int B, int num_blocks, float *out, int threads) {
-    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, cap, kcache,
-                     vcache, 0, tables, S, MB, B, num_blocks, out, threads);
+                      float scale, int window, float cap, const float *sinks, float *kcache, float *vcache,
+                      const int32_t *tables, int S, int MB, int B, int num_blocks, float *out, int threads) {
+    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, cap, sinks,
+                     kcache, vcache, 0, tables, S, MB, B, num_blocks, out, threads);
 }
 
 // The same over a float16 cache (half the bytes to stream; entries rounded to nearest on write).
 int rowwise_attention_f16(const float *qkv, int N, int H, int Hkv, int D, const int64_t *slots,
                           const int64_t *positions, const float *cos, const float *sin, const float *q_norm,
-                          const float *k_norm, float eps, float scale, int window, float cap, half *kcache,
-                          half *vcache, const int32_t *tables, int S, int MB, int B, int num_blocks, float *out,
-                          int threads) {
+                          const float *k_norm, float eps, float scale, int window, float cap, const float *sinks,
+                          half *kcache, half *vcache, const int32_t *tables, int S, int MB, int B, int num_blocks,
+                          float *out, int threads) {
     if (!HAVE_HALF) return ATTENTION_BAD_SHAPE;
-    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, cap, kcache,
-                     vcache, 1, tables, S, MB, B, num_blocks, out, threads);
+    return attention(qkv, N, H, Hkv, D, slots, positions, cos, sin, q_norm, k_norm, eps, scale, window, cap, sinks,
+                     kcache, vcache, 1, tables, S, MB, B, num_blocks, out, threads);
 }

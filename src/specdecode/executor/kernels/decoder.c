@@ -19,8 +19,8 @@ typedef int (*moe_fn)(int, int, int, int, const float *, int, int, int, int, con
 typedef int (*lora_fn)(const float *, int, int, const void *, int, const float *, int, int, const int32_t *,
                        const void *const *, float *, int, int);
 typedef int (*attention_fn)(const float *, int, int, int, int, const int64_t *, const int64_t *, const float *,
-                            const float *, const float *, const float *, float, float, int, float, void *, void *,
-                            const int32_t *, int, int, int, int, float *, int);
+                            const float *, const float *, const float *, float, float, int, float, const float *,
+                            void *, void *, const int32_t *, int, int, int, int, float *, int);
 
 #define MAX_PARTS 3  // a projection's parts in different formats (a Q6_K v beside Q4_K q and k)
 
@@ -54,6 +54,7 @@ typedef struct {  // a mixture of experts in place of gate_up and down: executor
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  // q_norm, k_norm NULL: the family has none
     const float *pre_ff_norm, *post_ff_norm;               // NULL but with sandwich norms
+    const float *sinks;                                    // [heads] (gpt-oss), or NULL
     float eps, qk_eps, scale, softcap;  // softcap: of the attention scores (0: none)
     int32_t window, local_rope;  // local_rope: the layer reads the second rotary table
     projection_t qkv, o, gate_up, down;
@@ -196,7 +197,7 @@ static int attention_block(const decoder_t *m, int l, const tokens_t *t, float *
     *step = AT_ATTENTION;
     rc = m->attention(s->qkv, n, m->heads, m->kv_heads, m->head_dim, t->slots, t->positions, t->cos[L->local_rope],
                       t->sin[L->local_rope], L->q_norm, L->k_norm, L->qk_eps, L->scale, L->window, L->softcap,
-                      t->kcache[l],
+                      L->sinks, t->kcache[l],
                       t->vcache[l], t->tables, t->num_slots, t->max_blocks, t->block_size, t->num_blocks,
                       s->attended, threads);
     if (rc) return rc;
