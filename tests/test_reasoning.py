@@ -122,7 +122,7 @@ def test_magistral_s_thinking_and_its_calls_after_it_are_read_apart():
 def test_an_unknown_reasoning_parser_is_refused_naming_the_known_ones():
     from specdecode.errors import SpecDecodeError
 
-    with pytest.raises(SpecDecodeError, match="qwen3, deepseek_r1, mistral, not 'granite'"):
+    with pytest.raises(SpecDecodeError, match="qwen3, deepseek_r1, mistral, openai_gptoss, not 'granite'"):
         build_app(ScriptedEngine([]), "tiny", runs_engine=False, reasoning_parser="granite")
 
 
@@ -194,3 +194,74 @@ def test_with_a_parser_a_chats_grammar_starts_after_the_thinking():
     ]:
         _, params = RequestHandler(engine, "tiny", reasoning_parser=parser).chat_sampling(chat, prompt)
         assert params.structured_output.after_thinking is expected
+
+
+# ---- gpt-oss's harmony channels ----------------------------------------------------------------------------
+
+ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"
+# (reply, reasoning, content): analysis then the answer; the answer alone; a call after analysis (its recipient in the
+# channel's part, or in the role's), which becomes a Hermes block; a preamble on commentary then a call; no header
+HARMONY_SPLITS = [
+    (f"{ANALYSIS}User asks 2+2.<|end|>{FINAL}It is 4.", "User asks 2+2.", "It is 4."),
+    ("<|channel|>final<|message|>It is 4.", None, "It is 4."),
+    (
+        f"{ANALYSIS}Call add.<|end|><|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json"
+        '<|message|>{"a": 1, "b": 2}',
+        "Call add.",
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    ),
+    (
+        "<|channel|>commentary<|message|>Adding now.<|end|>"
+        '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}',
+        None,
+        'Adding now.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+    ),
+    ("It is 4.", None, "It is 4."),
+    (f"{ANALYSIS}cut off mid-thought <|en", "cut off mid-thought <|en", ""),
+]
+
+
+@pytest.mark.parametrize("reply, reasoning_text, content", HARMONY_SPLITS)
+def test_gpt_oss_channels_split_into_reasoning_and_content_however_the_stream_is_cut(reply, reasoning_text, content):
+    thinking = Thinking.of(reasoning.HARMONY, "<|start|>user<|message|>2+2?<|end|><|start|>assistant")
+    reader = OutputReader(thinking, None)
+    got, text, _ = reader.feed(reply, finished=True)
+    assert (got if reader.reasoned else None, text) == (reasoning_text, content)
+    for pieces in _cuts(reply, random.Random(1), trials=100):
+        split, said = reasoning.splitter(thinking), []
+        said += [split.feed(piece) for piece in pieces] + [split.finish()]
+        assert ("".join(r for r, _ in said), "".join(c for _, c in said)) == (reasoning_text or "", content), pieces
+
+
+def test_a_gpt_oss_splitter_that_took_every_channel_for_content_fails():
+    """The broken variant: the analysis channel's message read as the answer's."""
+    split = reasoning.HarmonySplit()
+    split._said = lambda body, reasoning_text, content: (reasoning_text, content + body)
+    assert split.feed(HARMONY_SPLITS[0][0]) != ("User asks 2+2.", "It is 4.")
+
+
+def test_gpt_oss_calls_are_read_as_tool_calls_by_the_server():
+    """gpt-oss's reply through the server, whose parser for it needs no flag: its analysis as the reasoning, its call
+    to a function as a tool call."""
+    add = {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}},
+    }
+    pieces = [
+        ANALYSIS[:9],
+        ANALYSIS[9:],
+        "Call ",
+        "add.<|e",
+        "nd|><|start|>assistant<|channel|>commentary to=fun",
+        "ctions.add <|constrain|>json<|message|>",
+        '{"a": 1,',
+        ' "b": 2}',
+    ]
+    engine = ScriptedEngine(pieces)
+    engine.tokenizer.harmony = True  # as models.tokenizer tells gpt-oss's vocabulary
+    with LocalServer(build_app(engine, "tiny", runs_engine=False)) as server:
+        message, _ = _both(server, tools=[add])
+    assert message["reasoning"] == "Call add." and "content" not in message
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("add", {"a": 1, "b": 2})
+    ]

@@ -70,14 +70,18 @@ def test_the_tokens_that_end_a_turn_end_generation(name, ends):
 @pytest.mark.parametrize("harmony", [True, False], ids=["gpt-oss", "phi-3-like"])
 def test_gpt_oss_ends_its_answer_or_a_call_but_not_a_message(harmony):
     """gpt-oss's vocabulary (o200k_harmony: <|return|> and <|call|>) ends the reasoning's message with <|end|> and goes
-    on to its answer: there <|end|> ends nothing, as in llama.cpp; in a vocabulary without those two (Phi-3's) it ends
-    the turn."""
+    on to its answer: there <|end|> ends nothing, as in llama.cpp, and its messages' markers stay in the decoded text
+    (the server reads its channels out of them); in a vocabulary without those two (Phi-3's) <|end|> ends the turn and
+    special tokens are left out."""
     import copy
 
     hf = copy.deepcopy(vocabulary("ggml-vocab-qwen2.gguf").hf)
     added = ["<|return|>", "<|call|>", "<|end|>"] if harmony else ["<|end|>"]
-    hf.add_special_tokens({"additional_special_tokens": added})
-    ends = set(hf.convert_ids_to_tokens(sorted(Tokenizer(hf).eos_token_ids)))
+    hf.add_special_tokens({"additional_special_tokens": [*added, "<|channel|>", "<|message|>"]})
+    tok = Tokenizer(hf)
+    ends = set(hf.convert_ids_to_tokens(sorted(tok.eos_token_ids)))
+    reply = "<|channel|>analysis<|message|>Sum.<|end|>"
+    assert tok.decode(hf.encode(reply, add_special_tokens=False)) == (reply if harmony else "analysisSum.")
     assert ("<|end|>" in ends) != harmony
     assert {"<|return|>", "<|call|>"} <= ends or not harmony
 

@@ -17,6 +17,8 @@ END_OF_TURN = (
 # gpt-oss's vocabulary (told by its <|return|> and <|call|>) ends a message with <|end|> inside its turn, the
 # reasoning's channel before the answer's: not an end of generation there, as llama.cpp decides
 HARMONY_ENDS, HARMONY_MESSAGE_END = ("<|return|>", "<|call|>"), "<|end|>"
+# and its messages' markers, which decoding keeps in such a vocabulary: the server reads its channels out of them
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", HARMONY_MESSAGE_END)
 # Special tokens whose text the server reads calls and thinking out of (Mistral's and Magistral's markers): decoding
 # keeps them where it leaves the other special tokens out, as Qwen's <tool_call> and <think>, ordinary added tokens,
 # stay in the text
@@ -80,7 +82,9 @@ class Tokenizer:
         self.kind = kind or type(hf_tokenizer).__name__  # what it is, for messages: "SentencePiece (gemma3)"
         eos = {hf_tokenizer.eos_token_id, *extra_eos}
         eos.update(token_id(hf_tokenizer, name) for name in (*END_OF_TURN, *infill.ENDS))
-        if all(token_id(hf_tokenizer, name) is not None for name in HARMONY_ENDS):
+        # gpt-oss's harmony format: its messages' ends and markers are read, not taken for ends of generation
+        self.harmony = all(token_id(hf_tokenizer, name) is not None for name in HARMONY_ENDS)
+        if self.harmony:
             eos.discard(token_id(hf_tokenizer, HARMONY_MESSAGE_END))
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         # None: the model cannot fill in the middle
@@ -89,7 +93,7 @@ class Tokenizer:
         tags = ((token_id(hf_tokenizer, start), token_id(hf_tokenizer, end)) for start, end in THINK_TAGS)
         self.think_ids = next((ids for ids in tags if None not in ids), None)
         # the special tokens decoding leaves out where it keeps markers; None: those skip_special_tokens skips
-        self.hidden_ids = hidden_ids(hf_tokenizer)
+        self.hidden_ids = hidden_ids(hf_tokenizer, self.harmony)
         self.own_template: str | None = None  # a chat template given in place of the model's (with_chat_template)
 
     def with_chat_template(self, template: str, files: bool = True) -> Tokenizer:
@@ -245,11 +249,13 @@ class Tokenizer:
         return cls(tok, extra, bos, kind)
 
 
-def hidden_ids(hf_tokenizer) -> frozenset[int] | None:
-    """The special tokens other than the markers, where the vocabulary has markers as special tokens."""
+def hidden_ids(hf_tokenizer, harmony: bool = False) -> frozenset[int] | None:
+    """The special tokens other than the markers (and harmony's, in its vocabulary), where the vocabulary has markers as
+    special tokens."""
     special = set(hf_tokenizer.all_special_ids)
     special.update(i for i, token in hf_tokenizer.added_tokens_decoder.items() if token.special)
-    markers = {token_id(hf_tokenizer, name) for name in KEPT_MARKERS} & special
+    kept = (*KEPT_MARKERS, *HARMONY_MARKERS) if harmony else KEPT_MARKERS
+    markers = {token_id(hf_tokenizer, name) for name in kept} & special
     return frozenset(special - markers) if markers else None
 
 

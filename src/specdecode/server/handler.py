@@ -17,7 +17,7 @@ from ..errors import SpecDecodeError
 from ..models.infill import infill_ids
 from ..sampling import SamplingParams
 from .protocol import ChatRequest, CommonRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .reasoning import PARSERS, Thinking
+from .reasoning import HARMONY, PARSERS, Thinking
 from .reply import Reply, Shown, merged_stream, summed_usage
 from .response_store import ResponseStore
 from .responses import error_response
@@ -69,7 +69,9 @@ class RequestHandler:
         self.tokenizer = engine.tokenizer
         if reasoning_parser not in (None, *PARSERS):
             raise SpecDecodeError(f"reasoning_parser is one of {', '.join(PARSERS)}, not {reasoning_parser!r}")
-        self.reasoning_parser = reasoning_parser
+        # gpt-oss's channels are always read, as vLLM reads them: its raw reply is markers and channel names
+        harmony = getattr(self.tokenizer, "harmony", False)
+        self.reasoning_parser = reasoning_parser or (HARMONY if harmony else None)
         self.trusts_request_templates = trusts_request_templates  # vLLM's --trust-request-chat-template
         self.responses = ResponseStore()  # the Responses API's, for previous_response_id
 

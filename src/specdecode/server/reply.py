@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from ..sampling.grammar import GrammarTokenizers
 from .async_engine import QueueFull, ShuttingDown
 from .protocol import CommonRequest
-from .reasoning import ReasoningSplit, Thinking
+from .reasoning import Thinking, splitter
 from .responses import (
     chat_logprobs,
     completion_logprobs,
@@ -40,7 +40,7 @@ class OutputReader:
     calls out of the rest where the request has tools. A whole text is one piece, fed finished."""
 
     def __init__(self, thinking: Thinking | None, tools: Tools | None):
-        self.split = ReasoningSplit(thinking) if thinking is not None else None
+        self.split = splitter(thinking) if thinking is not None else None
         self.calls = tools.stream() if tools is not None else None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
