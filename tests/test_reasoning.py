@@ -168,7 +168,8 @@ def test_tool_calls_are_read_from_the_content_after_the_thinking():
 
 
 def test_an_earlier_replys_thinking_reaches_the_template_as_reasoning_content():
-    """Qwen3's and DeepSeek-R1's templates read an assistant message's `reasoning_content`; either name is taken."""
+    """Qwen3's and DeepSeek-R1's templates read an assistant message's `reasoning_content`, gpt-oss's its `thinking`;
+    either name is taken."""
     from specdecode.server.protocol import ChatMessage
     from specdecode.server.tools import template_messages
 
@@ -179,6 +180,7 @@ def test_an_earlier_replys_thinking_reaches_the_template_as_reasoning_content():
     ]
     rendered = template_messages(sent)
     assert [m.get("reasoning_content") for m in rendered] == [None, "adding", "summing"]
+    assert [m.get("thinking") for m in rendered] == [None, "adding", "summing"]
 
 
 def test_with_a_parser_a_chats_grammar_starts_after_the_thinking():

@@ -305,8 +305,8 @@ def _template_message(i: int, message) -> dict:
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
     thinking = message.reasoning_content if message.reasoning_content is not None else message.reasoning
-    if thinking is not None:  # the name Qwen3's and DeepSeek-R1's templates read
-        out["reasoning_content"] = thinking
+    if thinking is not None:  # the names Qwen3's and DeepSeek-R1's templates read, and gpt-oss's
+        out["reasoning_content"] = out["thinking"] = thinking
     return out
 
 
