@@ -214,6 +214,21 @@ FAMILIES = {
         ),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a shared expert beside the routed ones, weighed by a sigmoid gate;
+    # top-k weights not renormalised (norm_topk_prob false, its checkpoints' and llama.cpp's graph's)
+    "qwen2_moe": Family(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -196,6 +196,7 @@ def _longrope_swapped(cfg) -> tuple:
         ("gemma2", lambda cfg: dataclasses.replace(cfg, sliding_layers=(1, 3))),  # the other layers slide
         ("gpt_oss", lambda cfg: dataclasses.replace(cfg, activation="silu")),  # SwiGLU unclamped, up without its 1
         ("gpt_oss", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
+        ("qwen2_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=True)),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -224,6 +225,7 @@ def _longrope_swapped(cfg) -> tuple:
         "gemma2-window-on-odd-layers",
         "gpt-oss-plain-swiglu",
         "gpt-oss-window",
+        "qwen2-moe-weights-renormalised",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -394,6 +396,14 @@ def test_ernies_rope_pairs_left_adjacent_fail_the_comparison(made, source, monke
     cfg, tensors = _from(source, folder, gguf)
     ids = _prompt(cfg.vocab_size)
     got, expected = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
+    assert not torch.allclose(got, expected, **TOLERANCE)
+
+
+def test_qwen2_moes_shared_expert_unweighed_by_its_gate_fails_the_comparison(made, monkeypatch):
+    from specdecode.models.layers import SharedExpertGate
+
+    monkeypatch.setattr(SharedExpertGate, "forward", lambda self, x: torch.ones(*x.shape[:-1], 1))
+    got, expected = _broken_logits(made, "qwen2_moe", lambda cfg: cfg)
     assert not torch.allclose(got, expected, **TOLERANCE)
 
 

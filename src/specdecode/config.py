@@ -379,6 +379,8 @@ class ModelConfig:
     attention_sinks: bool = False
     o_bias: bool = False  # the attention output projection biased (gpt-oss; q/k/v too, by qkv_bias)
     expert_bias: bool = False  # the router and every expert's projections biased (gpt-oss)
+    # an MLP beside the routed experts that every token takes, weighed by sigmoid(a gate's logit) (Qwen2-MoE); 0: none
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists
@@ -429,7 +431,8 @@ class ModelConfig:
         mixture of experts, the experts_per_token it is routed to)."""
         attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads + self.num_heads) * self.dim_per_head
         dense = 3 * self.hidden_size * self.intermediate_size
-        sparse = self.experts_per_token * 3 * self.hidden_size * self.expert_size + self.num_experts * self.hidden_size
+        routed = self.experts_per_token * self.expert_size + self.shared_expert_size
+        sparse = 3 * self.hidden_size * routed + self.num_experts * self.hidden_size
         return sum(attention + (sparse if self.is_sparse(i) else dense) for i in range(self.num_layers))
 
 

@@ -32,6 +32,7 @@ HF_FAMILIES = (
     "granitemoehybrid",
     "ernie4_5",
     "gpt_oss",
+    "qwen2_moe",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -46,6 +47,7 @@ GGUF_FAMILIES = (
     "granitemoe",
     "ernie4_5",
     "gpt-oss",
+    "qwen2moe",
 )
 GPT_OSS_FAMILIES = ("gpt_oss", "gpt-oss")  # config.json's and GGUF's names: attention sinks, biases, clamped SwiGLU
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
@@ -105,7 +107,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=int(cfg.get("max_position_embeddings", 4096)),
-        qkv_bias=family == "qwen2" or bool(family == "gpt_oss" and cfg.get("attention_bias", True)),
+        qkv_bias=_hf_qkv_bias(cfg, family),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
@@ -161,6 +163,13 @@ def llama_config_fields(cfg: ModelConfig) -> dict:
         rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position,
     )
+
+
+def _hf_qkv_bias(cfg: dict, family: str) -> bool:
+    """Biased q/k/v: Qwen2's always, Qwen2-MoE's by its qkv_bias, gpt-oss's by its attention_bias."""
+    if family == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    return family == "qwen2" or bool(family == "gpt_oss" and cfg.get("attention_bias", True))
 
 
 def _hf_activation(cfg: dict, family: str) -> str:
@@ -362,7 +371,7 @@ def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | No
     """(sliding window, the layers that slide; None: all of them)."""
     window = cfg.get("sliding_window")
     layers = cfg["num_hidden_layers"]
-    if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "smollm3") and not cfg.get("use_sliding_window"):
         return None, None
     if not window:
         return None, None
@@ -392,7 +401,7 @@ def _hf_experts(cfg: dict, family: str) -> dict:
     """Mixtral's, Granite's and gpt-oss's routers: a softmax over the top-k logits, which is the softmax over all
     renormalised over the top k (normalize_expert_weights, the default); Qwen3-MoE's renormalises where
     norm_topk_prob says."""
-    if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss"):
+    if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if family in ("mixtral", "granitemoe", "gpt_oss"):
@@ -406,6 +415,7 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         expert_intermediate_size=cfg.get("moe_intermediate_size"),
         normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=tuple(sorted(dense)),
+        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
     )
 
 
@@ -497,8 +507,10 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     if key("attention.value_length", head_dim) != head_dim:
         raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
     softcaps = () if arch == "gemma2" else ("final_logit_softcapping", "attn_logit_softcapping")
-    # a shared expert beside routed ones (llama.cpp writes its width for Granite 4.0's dense models too, unused there)
+    # a shared expert beside routed ones (llama.cpp writes its width for Granite 4.0's dense models too, unused there),
+    # but Qwen2-MoE's
     shared = ("expert_shared_count", "expert_shared_feed_forward_length") if key("expert_count") else ()
+    shared = () if arch == "qwen2moe" else shared
     for name in (*softcaps, *shared):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
@@ -621,9 +633,23 @@ def _gguf_experts(key, names: set[str], layers: int, arch: str) -> dict:
         num_experts=experts,
         experts_per_token=key("expert_used_count"),
         expert_intermediate_size=key("expert_feed_forward_length"),
-        normalize_expert_weights=arch in GPT_OSS_FAMILIES or bool(key("expert_weights_norm", True)),
+        normalize_expert_weights=_gguf_normalizes_experts(key, arch),
         dense_layers=dense,
+        shared_expert_size=_gguf_shared_expert_size(key, names, arch),
     )
+
+
+def _gguf_normalizes_experts(key, arch: str) -> bool:
+    """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, Qwen2-MoE's never does (whatever
+    its checkpoint's norm_topk_prob), the others as the file says."""
+    return arch in GPT_OSS_FAMILIES or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
+
+
+def _gguf_shared_expert_size(key, names: set[str], arch: str) -> int:
+    """Qwen2-MoE's shared expert: its width as the file states it, else the dense MLP's (llama.cpp's default)."""
+    if arch != "qwen2moe" or "blk.0.ffn_gate_inp_shexp.weight" not in names:
+        return 0
+    return int(key("expert_shared_feed_forward_length") or key("feed_forward_length"))
 
 
 def _gguf_gpt_oss(arch: str) -> dict:

@@ -330,21 +330,41 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts
 
 
+class SharedExpertGate(nn.Module):
+    """The shared expert's weight per row, sigmoid(w . x): a router of one output, kept in float as routers are."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(row_invariant_linear(x, self.weight.to(x.dtype)))
+
+
 class SparseMoE(nn.Module):
     """Experts in place of the MLP. The rows of a call are grouped by expert, so each chosen expert's weights
     are read once per call for all the rows routed to it (a verify of k + 1 rows reads the union of their
-    experts). Each row sums its experts' outputs in expert order, as transformers does, whatever the call."""
+    experts). Each row sums its experts' outputs in expert order, as transformers does, whatever the call; then,
+    where the family has one (Qwen2-MoE), a shared expert's output weighed by sigmoid(its gate's logit)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = nn.ModuleList(MLP(cfg, cfg.expert_size, cfg.expert_bias) for _ in range(cfg.num_experts))
-        self.kernel = None  # a backend may attach one for the experts (executor/experts.py)
+        if cfg.shared_expert_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_size)
+            self.shared_expert_gate = SharedExpertGate(cfg.hidden_size)
+        self.kernel = None  # a backend may attach one for the routed experts (executor/experts.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.kernel is not None:
-            return self.kernel(self, flat).view_as(x)
+        routed = self.kernel(self, flat) if self.kernel is not None else self.routed(flat)
+        if hasattr(self, "shared_expert"):
+            routed = routed + self.shared_expert_gate(flat) * self.shared_expert(flat)
+        return routed.view_as(x)
+
+    def routed(self, flat: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum for rows [N, hidden]."""
         weights, chosen = self.gate(flat)
         out = torch.zeros_like(flat)
         # (experts called by .forward: a decoded token runs k of them in each layer, and nn.Module's call
@@ -352,12 +372,12 @@ class SparseMoE(nn.Module):
         if flat.shape[0] == 1:  # a decoded token: the same sums as below, without grouping rows
             for rank in chosen[0].argsort().tolist():
                 out.add_(self.experts[int(chosen[0, rank])].forward(flat) * weights[0, rank])
-            return out.view_as(x)
+            return out
         for expert in chosen.unique().tolist():  # ascending
             rows, rank = (chosen == expert).nonzero(as_tuple=True)
             y = self.experts[expert].forward(flat.index_select(0, rows))
             out.index_add_(0, rows, y * weights[rows, rank, None])
-        return out.view_as(x)
+        return out
 
     def experts_read(self, x: torch.Tensor) -> int:
         """How many distinct experts a call over these rows reads."""
