@@ -447,34 +447,6 @@ def test_gpt_oss_yarn_ramp_is_its_config_jsons_unrounded_one(tmp_path):
     assert not torch.allclose(_logits(build_model(rounded, tensors, torch.float32, "cpu"), ids), expected, **TOLERANCE)
 
 
-def _with_experts_in_mxfp4(source, out):
-    """A copy of a GGUF file with its experts' weights in MXFP4, as llama.cpp's converter writes gpt-oss's released
-    checkpoints."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-    from gguf.quants import quantize
-
-    from specdecode.models.gguf_loader import MappedReader, dequantize_tensor
-
-    reader = MappedReader(str(source))
-    writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            sub_type = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub_type)
-    for t in reader.tensors:
-        if t.name.endswith("_exps.weight"):
-            mxfp4 = GGMLQuantizationType.MXFP4
-            writer.add_tensor(t.name, quantize(dequantize_tensor(t), mxfp4), raw_dtype=mxfp4)
-        else:
-            shape = list(reversed([int(d) for d in t.shape]))
-            writer.add_tensor(t.name, t.data, raw_shape=shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
 def test_a_gpt_oss_gguf_with_mxfp4_experts_holds_their_values_exactly_and_speculates_as_it_decodes(made, tmp_path):
     """MXFP4 experts (what gpt-oss's GGUFs hold) loaded by the low-bit backend as Q8_0 blocks of exactly the file's
     values; greedy speculation by a head equals plain decoding."""
@@ -482,7 +454,7 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_holds_their_values_exactly_and_specul
     from specdecode.models.gguf_loader import MappedReader, dequantize_tensor
 
     _, gguf, _ = made("gpt_oss")
-    mxfp4 = _with_experts_in_mxfp4(gguf, tmp_path / "mxfp4.gguf")
+    mxfp4 = _with_metadata(gguf, tmp_path / "mxfp4.gguf", {}, mxfp4="_exps.weight")
     stored = next(t for t in MappedReader(str(mxfp4)).tensors if t.name == "blk.0.ffn_up_exps.weight")
     values = torch.from_numpy(dequantize_tensor(stored)[1])  # expert 1
     held = mxfp4_as_q8_0(torch.from_numpy(stored.data[1].copy()))
@@ -506,12 +478,15 @@ def _with_metadata(
     strings: dict[str, str] | None = None,
     extra_tensor: str | None = None,
     dropped: tuple[str, ...] = (),
+    mxfp4: str | None = None,
 ):
     """A copy of a GGUF file with more integer or float (and string) metadata, or one more tensor, or without the
-    `dropped` keys."""
-    from gguf import GGUFValueType, GGUFWriter
+    `dropped` keys, or with the tensors whose names end in `mxfp4` stored as MXFP4 (as llama.cpp's converter writes
+    gpt-oss's experts)."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
 
-    from specdecode.models.gguf_loader import MappedReader
+    from specdecode.models.gguf_loader import MappedReader, dequantize_tensor
 
     reader = MappedReader(str(source))
     writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
@@ -528,7 +503,12 @@ def _with_metadata(
     if extra_tensor:
         writer.add_tensor(extra_tensor, torch.zeros(4).numpy())
     for t in reader.tensors:
-        writer.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+        if mxfp4 and t.name.endswith(mxfp4):
+            in_mxfp4 = GGMLQuantizationType.MXFP4
+            writer.add_tensor(t.name, quantize(dequantize_tensor(t), in_mxfp4), raw_dtype=in_mxfp4)
+        else:
+            shape = list(reversed([int(d) for d in t.shape]))
+            writer.add_tensor(t.name, t.data, raw_shape=shape, raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -49,7 +49,6 @@ GGUF_FAMILIES = (
     "gpt-oss",
     "qwen2moe",
 )
-GPT_OSS_FAMILIES = ("gpt_oss", "gpt-oss")  # config.json's and GGUF's names: attention sinks, biases, clamped SwiGLU
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
@@ -642,7 +641,7 @@ def _gguf_experts(key, names: set[str], layers: int, arch: str) -> dict:
 def _gguf_normalizes_experts(key, arch: str) -> bool:
     """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, Qwen2-MoE's never does (whatever
     its checkpoint's norm_topk_prob), the others as the file says."""
-    return arch in GPT_OSS_FAMILIES or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
+    return arch == "gpt-oss" or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
 
 
 def _gguf_shared_expert_size(key, names: set[str], arch: str) -> int:
