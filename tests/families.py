@@ -431,3 +431,48 @@ def vocabulary(vocab_file: str):
 
 def _bpe_tokenizer(vocab_file: str):
     return vocabulary(vocab_file).hf
+
+
+def with_metadata(
+    source,
+    out,
+    extra: dict[str, int | float],
+    strings: dict[str, str] | None = None,
+    extra_tensor: str | None = None,
+    dropped: tuple[str, ...] = (),
+    mxfp4: str | None = None,
+):
+    """A copy of a GGUF file with more integer or float (and string) metadata, or one more tensor, or without the
+    `dropped` keys, or with the tensors whose names end in `mxfp4` stored as MXFP4 (as llama.cpp's converter writes
+    gpt-oss's experts)."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    from specdecode.models.gguf_loader import MappedReader, dequantize_tensor
+
+    reader = MappedReader(str(source))
+    writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in (strings or {}) or key in dropped:
+            continue
+        value_type = f.types[0]
+        sub_type = f.types[-1] if value_type == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), value_type, sub_type=sub_type)
+    for key, value in extra.items():
+        writer.add_float32(key, value) if isinstance(value, float) else writer.add_uint32(key, value)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
+    if extra_tensor:
+        writer.add_tensor(extra_tensor, torch.zeros(4).numpy())
+    for t in reader.tensors:
+        if mxfp4 and t.name.endswith(mxfp4):
+            in_mxfp4 = GGMLQuantizationType.MXFP4
+            writer.add_tensor(t.name, quantize(dequantize_tensor(t), in_mxfp4), raw_dtype=in_mxfp4)
+        else:
+            shape = list(reversed([int(d) for d in t.shape]))
+            writer.add_tensor(t.name, t.data, raw_shape=shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

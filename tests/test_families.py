@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from conftest import make_head
-from families import FAMILIES, SPM_VOCAB, convert, make_checkpoint, reference_model
+from families import FAMILIES, SPM_VOCAB, convert, make_checkpoint, reference_model, with_metadata
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.runner import ModelRunner
@@ -270,7 +270,7 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
     full = reference_model(make_checkpoint("mistral", tmp_path / "full", sliding_window=None))
     torch.testing.assert_close(got, _expected(full, ids), **TOLERANCE)
     torch.testing.assert_close(got[:12], _expected(windowed, ids)[:12], **TOLERANCE)
-    stated = _with_metadata(gguf, tmp_path / "stated.gguf", {"llama.attention.sliding_window": 12})
+    stated = with_metadata(gguf, tmp_path / "stated.gguf", {"llama.attention.sliding_window": 12})
     cfg, tensors = load_gguf(str(stated), progress=False)
     assert cfg.sliding_window == 12
     torch.testing.assert_close(
@@ -324,7 +324,7 @@ def test_a_gemma2_gguf_that_states_no_caps_or_window_gets_llama_cpps_defaults(ma
     the caps the file states otherwise (the converter writes config.json's)."""
     _, gguf, _ = made("gemma2")
     names = ("attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window")
-    bare = _with_metadata(gguf, tmp_path / "bare.gguf", {}, dropped=tuple(f"gemma2.{n}" for n in names))
+    bare = with_metadata(gguf, tmp_path / "bare.gguf", {}, dropped=tuple(f"gemma2.{n}" for n in names))
     cfg, _ = load_gguf(str(bare), progress=False)
     assert (cfg.attention_softcap, cfg.final_softcap, cfg.sliding_window) == (50.0, 30.0, 4096)
     assert cfg.sliding_layers == (0, 2)
@@ -454,7 +454,7 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_holds_their_values_exactly_and_specul
     from specdecode.models.gguf_loader import MappedReader, dequantize_tensor
 
     _, gguf, _ = made("gpt_oss")
-    mxfp4 = _with_metadata(gguf, tmp_path / "mxfp4.gguf", {}, mxfp4="_exps.weight")
+    mxfp4 = with_metadata(gguf, tmp_path / "mxfp4.gguf", {}, mxfp4="_exps.weight")
     stored = next(t for t in MappedReader(str(mxfp4)).tensors if t.name == "blk.0.ffn_up_exps.weight")
     values = torch.from_numpy(dequantize_tensor(stored)[1])  # expert 1
     held = mxfp4_as_q8_0(torch.from_numpy(stored.data[1].copy()))
@@ -469,51 +469,6 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_holds_their_values_exactly_and_specul
     )
     assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert spec[0].spec["num_draft_tokens"] > 0
-
-
-def _with_metadata(
-    source,
-    out,
-    extra: dict[str, int | float],
-    strings: dict[str, str] | None = None,
-    extra_tensor: str | None = None,
-    dropped: tuple[str, ...] = (),
-    mxfp4: str | None = None,
-):
-    """A copy of a GGUF file with more integer or float (and string) metadata, or one more tensor, or without the
-    `dropped` keys, or with the tensors whose names end in `mxfp4` stored as MXFP4 (as llama.cpp's converter writes
-    gpt-oss's experts)."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-    from gguf.quants import quantize
-
-    from specdecode.models.gguf_loader import MappedReader, dequantize_tensor
-
-    reader = MappedReader(str(source))
-    writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in (strings or {}) or key in dropped:
-            continue
-        value_type = f.types[0]
-        sub_type = f.types[-1] if value_type == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, f.contents(), value_type, sub_type=sub_type)
-    for key, value in extra.items():
-        writer.add_float32(key, value) if isinstance(value, float) else writer.add_uint32(key, value)
-    for key, value in (strings or {}).items():
-        writer.add_string(key, value)
-    if extra_tensor:
-        writer.add_tensor(extra_tensor, torch.zeros(4).numpy())
-    for t in reader.tensors:
-        if mxfp4 and t.name.endswith(mxfp4):
-            in_mxfp4 = GGMLQuantizationType.MXFP4
-            writer.add_tensor(t.name, quantize(dequantize_tensor(t), in_mxfp4), raw_dtype=in_mxfp4)
-        else:
-            shape = list(reversed([int(d) for d in t.shape]))
-            writer.add_tensor(t.name, t.data, raw_shape=shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 # ---- what the runtime does not implement is refused by name ----------------------------------------------
@@ -673,18 +628,18 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     from specdecode.errors import SpecDecodeError
 
     _, gguf, _ = made("qwen3")
-    longrope = _with_metadata(gguf, tmp_path / "longrope.gguf", {}, {"qwen3.rope.scaling.type": "longrope"})
+    longrope = with_metadata(gguf, tmp_path / "longrope.gguf", {}, {"qwen3.rope.scaling.type": "longrope"})
     with pytest.raises(SpecDecodeError, match="qwen3.rope.scaling.type is 'longrope'"):
         load_gguf(str(longrope), progress=False)
     _, gguf, _ = made("qwen2_yarn")  # an attention factor transformers would apply and llama.cpp would override
-    factor = _with_metadata(gguf, tmp_path / "factor.gguf", {"qwen2.rope.scaling.yarn_attn_factor": 1.5})
+    factor = with_metadata(gguf, tmp_path / "factor.gguf", {"qwen2.rope.scaling.yarn_attn_factor": 1.5})
     with pytest.raises(SpecDecodeError, match="qwen2.rope.scaling.yarn_attn_factor is 1.5"):
         load_gguf(str(factor), progress=False)
     # llama.cpp scales cos and sin by a file's attn_factor whatever its scaling: only YaRN's and LongRoPE's are read
-    scaled = _with_metadata(made("qwen3")[1], tmp_path / "scaled.gguf", {"qwen3.rope.scaling.attn_factor": 1.2})
+    scaled = with_metadata(made("qwen3")[1], tmp_path / "scaled.gguf", {"qwen3.rope.scaling.attn_factor": 1.2})
     with pytest.raises(SpecDecodeError, match="qwen3.rope.scaling.attn_factor is 1.2"):
         load_gguf(str(scaled), progress=False)
-    extra = _with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
+    extra = with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
     with pytest.raises(SpecDecodeError, match="blk.0.attn_sinks.weight"):
         load_gguf(str(extra), progress=False)
 

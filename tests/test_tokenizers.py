@@ -5,12 +5,21 @@ those tests expect, and the tokens that end a turn in each family's chat format.
 from __future__ import annotations
 
 import pytest
-from families import llama_cpp_source, vocabulary
+from families import llama_cpp_source, vocabulary, with_metadata
 
+from specdecode.errors import SpecDecodeError
+from specdecode.models import pretokenizers
 from specdecode.models import tokenizer as tokenizer_module
 from specdecode.models.tokenizer import Tokenizer, template_variables
 
-VOCABULARIES = ["llama-bpe", "qwen2", "llama-spm", "phi-3", "refact"]
+# every generative vocabulary llama.cpp's tests ship with their expected ids (but MPT's, refused: see
+# test_a_pre_tokenizer_that_is_not_split_as_llama_cpp_splits_it_is_refused)
+VOCABULARIES = [
+    *("llama-bpe", "qwen2", "qwen35", "llama-spm", "phi-3", "refact", "starcoder", "command-r", "gpt-2", "falcon"),
+    *("deepseek-coder", "deepseek-llm", "gemma-4"),
+]
+# those whose words transformers' own reading of the file splits otherwise than llama.cpp
+SPLIT_OTHERWISE = ["refact", "starcoder", "command-r", "falcon", "deepseek-coder", "deepseek-llm"]
 
 
 def _cases(name: str) -> list[tuple[str, list[int]]]:
@@ -44,13 +53,40 @@ def test_a_prompt_begins_with_bos_where_the_vocabulary_says_so(name, bos):
         assert tok.encode(bos + "Hello world").count(ids[0]) == 1
 
 
-@pytest.mark.parametrize("name", ["llama-bpe", "llama-spm", "refact"])
+@pytest.mark.parametrize("name", ["llama-bpe", "llama-spm", *SPLIT_OTHERWISE])
 def test_transformers_own_reading_of_the_file_encodes_otherwise(name, tmp_path, monkeypatch):
     """What the check above catches: without the corrections of encode_as_llama_cpp (whole-word lookups for
-    Llama 3, SentencePiece's dummy prefix, refact's numerals one by one) some cases encode to other ids."""
+    Llama 3, SentencePiece's dummy prefix, llama.cpp's splits into words) some cases encode to other ids."""
     monkeypatch.setattr(tokenizer_module, "encode_as_llama_cpp", lambda tok, meta: None)
     tok = Tokenizer.from_gguf(str(llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf"), str(tmp_path))
     assert any(_pieces(tok, text) != ids for text, ids in _cases(name))
+
+
+@pytest.mark.parametrize("split", ["glm4", "gpt-2"])
+def test_glms_vocabulary_splits_as_llama_3s_and_begins_with_no_bos(split, tmp_path, monkeypatch):
+    """GLM-4's pre-tokenizer (glm4: no llama.cpp test vocabulary) splits words as Llama 3's and looks words up
+    whole before the merges, and llama.cpp begins its prompts with no BOS whatever the file says: Llama 3's
+    vocabulary so renamed encodes every case to Llama 3's ids, none with a BOS. Broken: split by GPT-2's words."""
+    if split == "gpt-2":
+        monkeypatch.setitem(pretokenizers.SPLITS, "glm4", (pretokenizers.GPT2_WORDS,))
+    llama3 = llama_cpp_source() / "models" / "ggml-vocab-llama-bpe.gguf"
+    glm = with_metadata(llama3, tmp_path / "glm.gguf", {}, {"tokenizer.ggml.pre": "glm4"})
+    tok = Tokenizer.from_gguf(str(glm), str(tmp_path / "cache"))
+    assert tok.bos_id is None
+    matched = [tok.encode(text) == ids for text, ids in _cases("llama-bpe")]
+    assert all(matched) if split == "glm4" else not all(matched)
+
+
+def test_a_pre_tokenizer_that_is_not_split_as_llama_cpp_splits_it_is_refused(tmp_path):
+    """MPT's vocabulary (GPT-NeoX's) holds runs of spaces as tokens of their own, which llama.cpp matches before
+    its split and transformers' reading does not: refused by its pre-tokenizer's name, as is a name llama.cpp
+    does not know."""
+    with pytest.raises(SpecDecodeError, match="'mpt' pre-tokenizer"):
+        Tokenizer.from_gguf(str(llama_cpp_source() / "models" / "ggml-vocab-mpt.gguf"), str(tmp_path / "mpt"))
+    qwen = llama_cpp_source() / "models" / "ggml-vocab-qwen2.gguf"
+    unknown = with_metadata(qwen, tmp_path / "unknown.gguf", {}, {"tokenizer.ggml.pre": "made-up"})
+    with pytest.raises(SpecDecodeError, match="'made-up' pre-tokenizer.*refused"):
+        Tokenizer.from_gguf(str(unknown), str(tmp_path / "unknown"))
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import warnings
 
 from ..errors import SpecDecodeError
 from . import infill
+from .pretokenizers import BOS_BY_DEFAULT, IGNORE_MERGES, NEVER_BOS, split_as_llama_cpp
 
 # Tokens that end a turn in the families' chat templates (llama.cpp's end-of-generation list, in part)
 END_OF_TURN = (
@@ -25,8 +26,6 @@ HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", H
 KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]")
 # A reasoning model's thinking tags, where its vocabulary holds each as one token (Qwen3 and DeepSeek-R1's; Magistral's)
 THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
-# llama.cpp's BPE pre-tokenizers whose words found whole in the vocabulary skip the merges (Llama 3's)
-IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
@@ -207,7 +206,7 @@ class Tokenizer:
 
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        saved = os.path.join(cache_dir, "gguf_tokenizer.json")
+        saved = os.path.join(cache_dir, "gguf_tokenizer-v2.json")  # v2: llama.cpp's splits (pretokenizers.py)
         if os.path.exists(saved) and os.path.exists(os.path.join(cache_dir, "tokenizer_config.json")):
             found = json.load(open(saved))
             return cls(
@@ -291,32 +290,29 @@ def gguf_tokenizer_kind(meta: dict) -> str:
     return f"{GGUF_TOKENIZER_MODELS.get(model, model)}{f' ({pre})' if pre and pre != 'default' else ''}"
 
 
-# byte-level BPE pre-tokenizers whose prompts begin with BOS where the file does not say (llama.cpp's defaults)
-BOS_BY_DEFAULT = (*IGNORE_MERGES, "tekken", "chameleon")
-
-
 def gguf_bos_id(meta: dict) -> int | None:
     """The BOS a prompt begins with, as llama.cpp decides: the file's add_bos_token, else its default for the
     vocabulary (SentencePiece's and Llama 3's add one)."""
     add = meta.get("tokenizer.ggml.add_bos_token")
-    if add is None:
+    if meta.get("tokenizer.ggml.pre") in NEVER_BOS:
+        add = False
+    elif add is None:
         add = meta.get("tokenizer.ggml.model") == "llama" or meta.get("tokenizer.ggml.pre") in BOS_BY_DEFAULT
     return meta.get("tokenizer.ggml.bos_token_id") if add else None
 
 
 def encode_as_llama_cpp(tok, meta: dict) -> None:
     """Where transformers' reading of GGUF metadata encodes otherwise than llama.cpp (and the model's own
-    tokenizer) does: Llama 3's whole-word vocabulary lookups before the merges, SentencePiece's dummy
-    prefix, a space before the text whether or not it begins with one (unless the file turns it off, as
-    Gemma's do), and the refact pre-tokenizer's numerals split off one by one before GPT-2's words."""
-    from tokenizers import Regex, normalizers, pre_tokenizers
+    tokenizer) does: the words a byte-level BPE vocabulary's pre-tokenizer splits (pretokenizers.py), Llama 3's
+    whole-word vocabulary lookups before the merges, SentencePiece's dummy prefix, a space before the text whether
+    or not it begins with one (unless the file turns it off, as Gemma's do)."""
+    from tokenizers import normalizers, pre_tokenizers
 
     backend = tok.backend_tokenizer
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        split_as_llama_cpp(backend, meta.get("tokenizer.ggml.pre"))
     if meta.get("tokenizer.ggml.pre") in IGNORE_MERGES:
         backend.model.ignore_merges = True
-    if meta.get("tokenizer.ggml.pre") == "refact" and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
-        numerals = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
-        backend.pre_tokenizer = pre_tokenizers.Sequence([numerals, backend.pre_tokenizer])
     if meta.get("tokenizer.ggml.model") == "llama" and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
         spaces = normalizers.Replace(" ", "▁")
         prefix = meta.get("tokenizer.ggml.add_space_prefix")
