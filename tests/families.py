@@ -55,6 +55,7 @@ class Family:
     model: str
     options: dict = field(default_factory=dict)
     tokenizer: str = "spm"  # "spm", or a vocabulary file of llama.cpp's models/ folder
+    added_tokens: tuple[str, ...] = ()  # special tokens its converter looks up by name
     norm_center: float = 1.0  # what random norm weights scatter around (Gemma stores weight - 1)
     # config.json's per-layer lists, one value every layer, written as the hub's checkpoints write them (transformers 5
     # writes its own names in their place)
@@ -229,6 +230,26 @@ FAMILIES = {
         ),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # GLM-4-0414: RoPE over the first half of each head, adjacent dimensions paired (GPT-J's), in the checkpoint and in
+    # llama.cpp's conversion; sandwich norms (one named as Llama's norm before the MLP); biased q/k/v; gate and up in
+    # one tensor
+    "glm4": Family(
+        "Glm4Config",
+        "Glm4ForCausalLM",
+        dict(tie_word_embeddings=False),
+        tokenizer="ggml-vocab-qwen2.gguf",
+        added_tokens=("<|user|>",),
+    ),
+    # GLM-4-9B-chat's transformers port: GLM-4-0414's attention and MLP without the sandwich norms; llama.cpp converts
+    # it to its chatglm architecture, writing an epsilon of 1e-5 and the context from seq_length whatever config.json
+    # says (so both set here as the converter reads them)
+    "glm": Family(
+        "GlmConfig",
+        "GlmForCausalLM",
+        dict(rms_norm_eps=1e-5, seq_length=1024, tie_word_embeddings=False),
+        tokenizer="ggml-vocab-qwen2.gguf",
+        added_tokens=("<|user|>",),
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -388,6 +409,7 @@ def _save_tokenizer(family: Family, folder: Path) -> int:
     if family.tokenizer == "spm":
         return save_spm_tokenizer(folder)
     tokenizer = _bpe_tokenizer(family.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(family.added_tokens)})
     tokenizer.save_pretrained(folder)
     return len(tokenizer)
 

@@ -94,8 +94,10 @@ def test_the_cpu_kernels_match_transformers(made, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_decoding_equals_transformers(made, family):
+    """With a float32 KV cache: a bfloat16 one rounds enough to flip a near-tie of 151k random logits (GLM-4's 24th
+    token: 1.1e-3 apart at 34.5)."""
     folder, _, reference = made(family)
-    loaded = load_model(str(folder), quantization="none", dtype="float32", progress=False)
+    loaded = load_model(str(folder), quantization="none", dtype="float32", kv_cache_dtype="float32", progress=False)
     prompt = _prompt(loaded.config.vocab_size, 20, seed=1)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = LLM(target=loaded, num_speculative_tokens=0, max_model_len=256).generate([prompt], params)
@@ -399,6 +401,36 @@ def test_ernies_rope_pairs_left_adjacent_fail_the_comparison(made, source, monke
     assert not torch.allclose(got, expected, **TOLERANCE)
 
 
+def _mismatch(made, family: str, source: str) -> bool:
+    folder, gguf, reference = made(family)
+    cfg, tensors = _from(source, folder, gguf)
+    ids = _prompt(cfg.vocab_size)
+    got, expected = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
+    return not torch.allclose(got, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("family, source", [("glm4", "hf"), ("glm4", "gguf"), ("glm", "gguf")])
+def test_glms_half_head_paired_over_the_whole_head_fails_the_comparison(made, family, source, monkeypatch):
+    """GLM turns the adjacent pairs of each head's first half only: its q/k rows reordered as though the whole head
+    turned (ERNIE's) give other logits, from the folder and from llama.cpp's conversions (glm4, chatglm)."""
+    from specdecode.models import checkpoints, gguf_loader
+
+    whole = checkpoints.unpermute_rope
+    monkeypatch.setattr(checkpoints, "unpermute_rope", lambda w, heads, turned=None: whole(w, heads))
+    monkeypatch.setattr(gguf_loader, "unpermute_rope", lambda w, heads, turned=None: whole(w, heads))
+    assert _mismatch(made, family, source)
+
+
+def test_glm4s_norms_read_as_gemmas_names_fail_the_comparison(made, monkeypatch):
+    """GLM-4's post_attention_layernorm is the norm before its MLP, as Llama's; read as Gemma's (the norm of the
+    attention output), with its own post_self_attn_layernorm before the MLP, the logits are not transformers'."""
+    from specdecode.models import checkpoints
+
+    gemmas = dict(post_self_attn_layernorm="pre_feedforward_layernorm", post_mlp_layernorm="post_feedforward_layernorm")
+    monkeypatch.setattr(checkpoints, "GLM4_NORMS", gemmas)  # post_attention_layernorm left as it is named
+    assert _mismatch(made, "glm4", "hf")
+
+
 def test_qwen2_moes_shared_expert_unweighed_by_its_gate_fails_the_comparison(made, monkeypatch):
     from specdecode.models.layers import SharedExpertGate
 
@@ -642,6 +674,25 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     extra = with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
     with pytest.raises(SpecDecodeError, match="blk.0.attn_sinks.weight"):
         load_gguf(str(extra), progress=False)
+    # GLM's next-token prediction layers, counted among its blocks: llama.cpp's graph leaves them out
+    nextn = with_metadata(made("glm4")[1], tmp_path / "nextn.gguf", {"glm4.nextn_predict_layers": 1})
+    with pytest.raises(SpecDecodeError, match="glm4.nextn_predict_layers is 1"):
+        load_gguf(str(nextn), progress=False)
+
+
+def test_a_glm_config_json_without_its_rotary_fields_reads_as_transformers_does():
+    """transformers' GLM configs assume RoPE over half of each head, 128 wide, and biased q/k/v where config.json
+    leaves them out (the hub's older GLM-4 configs do), where other families turn whole heads of hidden / heads."""
+    from transformers import Glm4Config
+
+    from specdecode.models.families import from_hf_config
+
+    fields = dict(LLAMA, num_attention_heads=2, num_key_value_heads=1)
+    cfg = from_hf_config(dict(fields, model_type="glm4"))
+    reference = Glm4Config(**{k: v for k, v in fields.items() if k != "model_type"})
+    assert (cfg.dim_per_head, cfg.rotary_dim, cfg.qkv_bias) == (reference.head_dim, 64, reference.attention_bias)
+    assert reference.rope_parameters["partial_rotary_factor"] == 0.5
+    assert from_hf_config(dict(fields, model_type="llama")).rotary_dim is None
 
 
 # ---- sampled speculation on a mixture of experts follows the target exactly ---------------------------------

@@ -359,7 +359,7 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss's clamped SwiGLU, layers.gated)
     activation: str = "silu"
-    sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma)
+    sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma, GLM-4)
     embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
     attention_scale: float | None = None  # of the query-key scores; None: head_dim ** -0.5
     sliding_window: int | None = None  # keys a sliding layer's token sees, itself included

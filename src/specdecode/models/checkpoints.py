@@ -19,7 +19,14 @@ from .families import LONGROPE_TENSORS
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # families whose RoPE turns adjacent dimensions together (GPT-J's, llama.cpp's "norm" RoPE): their checkpoints' q/k
 # rows are reordered to the runtime's pairs (d, d + D/2), as a Llama GGUF's are (gguf_loader)
-INTERLEAVED_ROPE_FAMILIES = ("ernie4_5",)
+INTERLEAVED_ROPE_FAMILIES = ("ernie4_5", "glm", "glm4", "chatglm")  # config.json's and GGUF's names
+# GLM-4's sandwich norms under Llama's names, one of them for another norm: its post_attention_layernorm is the one
+# before the MLP, as in Llama
+GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
 # families whose RMSNorm multiplies by (1 + weight): llama.cpp's converter adds the 1 to the stored weights
 NORM_OFFSET_FAMILIES = ("gemma3_text", "gemma2")
 
@@ -37,11 +44,14 @@ def canonical_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> 
     return {n: as_computed(cfg, n, t) for n, t in out.items()}
 
 
-def unpermute_rope(w, n_heads: int):
+def unpermute_rope(w, n_heads: int, turned: int | None = None):
     """q/k rows whose RoPE pairs adjacent dimensions (llama.cpp's converter interleaves Llama's so) reordered to the
-    runtime's pairs (NeoX layout); numpy or torch rows, whole rows moving (GGUF blocks with them)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    runtime's pairs (NeoX layout); numpy or torch rows, whole rows moving (GGUF blocks with them). turned: where RoPE
+    turns only a head's first dimensions (GLM's half), those reordered among themselves and the rest left."""
+    size = w.shape[0] // n_heads
+    turned = turned or size
+    order = [*range(0, turned, 2), *range(1, turned, 2), *range(turned, size)]
+    return w.reshape(n_heads, size, *w.shape[1:])[:, order].reshape(w.shape)
 
 
 def halves_paired(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -50,7 +60,7 @@ def halves_paired(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Te
     m = re.fullmatch(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj)\.(weight|bias)", name)
     if not m:
         return tensor
-    return unpermute_rope(tensor, cfg.num_heads if m[1] == "q_proj" else cfg.num_kv_heads)
+    return unpermute_rope(tensor, cfg.num_heads if m[1] == "q_proj" else cfg.num_kv_heads, cfg.rotary_dim)
 
 
 def as_computed(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -90,6 +100,10 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    m = re.fullmatch(r"(model\.layers\.\d+)\.(\w+_layernorm)\.weight", name)
+    if m and cfg.arch == "glm4" and m[2] in GLM4_NORMS:
+        yield f"{m[1]}.{GLM4_NORMS[m[2]]}.weight", tensor
+        return
     m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(router\.weight|router\.bias|experts\.\w+)", name)
     if m and cfg.arch == "gpt_oss":
         yield from _gpt_oss_mlp(m[1], m[2], tensor)
@@ -211,6 +225,7 @@ GGUF_EXPERTS = {
     "ffn_down_exps": ("down_proj",),
     "ffn_gate_up_exps": ("gate_proj", "up_proj"),
 }
+FUSED_UP_FAMILIES = ("phi3", "glm4", "chatglm")  # GGUF architectures whose ffn_up holds gate and up
 GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -232,7 +247,7 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
         return _stacked([f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}" for p in GGUF_EXPERTS[kind]], rows)
     if kind == "attn_qkv":
         return [(f"{prefix}.self_attn.{p}_proj.{suffix}", rows) for p, rows in zip("qkv", qkv_rows(cfg))]
-    if kind == "ffn_up" and cfg.arch == "phi3":  # gate and up in one tensor, gate first (llama.cpp's SwiGLU halves)
+    if kind == "ffn_up" and cfg.arch in FUSED_UP_FAMILIES:  # gate and up in one, gate first (llama.cpp's SwiGLU halves)
         return _stacked([f"{prefix}.mlp.{p}_proj.{suffix}" for p in ("gate", "up")], rows)
     layer = SANDWICH_LAYER if cfg.sandwich_norms else GPT_OSS_LAYER if cfg.attention_sinks else GGUF_LAYER
     if kind not in layer:

@@ -33,6 +33,8 @@ HF_FAMILIES = (
     "ernie4_5",
     "gpt_oss",
     "qwen2_moe",
+    "glm",
+    "glm4",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -48,9 +50,15 @@ GGUF_FAMILIES = (
     "ernie4_5",
     "gpt-oss",
     "qwen2moe",
+    "glm4",
+    "chatglm",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
+SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4")  # attention and MLP outputs normalised before the residual add
+# what transformers' config classes assume where a config.json leaves a field out, and the runtime reads otherwise
+# (GLM's: RoPE over half of each head, 128 wide, biased q/k/v)
+HF_DEFAULTS = dict.fromkeys(("glm", "glm4"), {"partial_rotary_factor": 0.5, "head_dim": 128, "attention_bias": True})
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
 WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2}
@@ -63,6 +71,7 @@ GEMMA2_SOFTCAPS = {
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
+BIASED_ATTENTION = ("gpt_oss", "glm", "glm4")  # config.json's attention_bias: q/k/v biased (gpt-oss's o_proj too)
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -90,6 +99,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     if family == "granitemoehybrid":
         cfg = granite_hybrid_as_dense(cfg)
         family = "granite"
+    cfg = {**HF_DEFAULTS.get(family, {}), **cfg}
     _check_common_fields(cfg, family)
     gemma = family in GEMMA_FAMILIES
     heads = cfg["num_attention_heads"]
@@ -113,7 +123,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         activation=_hf_activation(cfg, family),
-        sandwich_norms=gemma,
+        sandwich_norms=family in SANDWICH_FAMILIES,
         embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         sliding_window=window,
@@ -165,10 +175,10 @@ def llama_config_fields(cfg: ModelConfig) -> dict:
 
 
 def _hf_qkv_bias(cfg: dict, family: str) -> bool:
-    """Biased q/k/v: Qwen2's always, Qwen2-MoE's by its qkv_bias, gpt-oss's by its attention_bias."""
+    """Biased q/k/v: Qwen2's always, Qwen2-MoE's by its qkv_bias, gpt-oss's and GLM's by their attention_bias."""
     if family == "qwen2_moe":
         return bool(cfg.get("qkv_bias", True))
-    return family == "qwen2" or bool(family == "gpt_oss" and cfg.get("attention_bias", True))
+    return family == "qwen2" or bool(family in BIASED_ATTENTION and cfg.get("attention_bias", True))
 
 
 def _hf_activation(cfg: dict, family: str) -> str:
@@ -184,8 +194,8 @@ def _check_common_fields(cfg: dict, family: str) -> None:
     allowed = ("gelu_pytorch_tanh",) if family in GEMMA_FAMILIES else ("silu",)
     if activation not in allowed:
         raise refuse("hidden_act", activation, ", ".join(allowed))
-    if family not in ("qwen2", "gpt_oss") and cfg.get("attention_bias"):
-        raise refuse("attention_bias", True, "false (biased attention projections are Qwen2's and gpt-oss's only)")
+    if family not in ("qwen2", *BIASED_ATTENTION) and cfg.get("attention_bias"):
+        raise refuse("attention_bias", True, "false (biased attention projections are Qwen2's, gpt-oss's, GLM's)")
     for name, value in (("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)):
         if family == "gpt_oss" and cfg.get(name, value) != value:
             raise refuse(name, cfg[name], f"{value} (gpt-oss's, which llama.cpp's graph fixes)")
@@ -476,14 +486,14 @@ def from_gguf(reader) -> ModelConfig:
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position=int(key("context_length", 4096)),
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & names),
         tie_word_embeddings="output.weight" not in names,
         head_dim=head_dim,
         rotary_dim=rotary_dim(key("rope.dimension_count", dims), dims, f"{arch}.rope.dimension_count"),
         rope_scaling=_gguf_rope_scaling(key, arch, {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         activation="gelu_tanh" if gemma else "swiglu_oai" if arch == "gpt-oss" else "silu",
-        sandwich_norms=gemma,
+        sandwich_norms=arch in SANDWICH_FAMILIES,
         embedding_scale=math.sqrt(hidden) if gemma else None,
         attention_scale=_gemma_attention_scale(arch, hidden, heads, head_dim, layers) if gemma else None,
         sliding_window=window,
@@ -510,7 +520,8 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     # but Qwen2-MoE's
     shared = ("expert_shared_count", "expert_shared_feed_forward_length") if key("expert_count") else ()
     shared = () if arch == "qwen2moe" else shared
-    for name in (*softcaps, *shared):
+    # next-token prediction layers after the model's own (GLM's), which llama.cpp's graph leaves out
+    for name in (*softcaps, *shared, "nextn_predict_layers"):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:

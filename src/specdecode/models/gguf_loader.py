@@ -88,9 +88,9 @@ def runtime_rows(cfg: ModelConfig, name: str, w: np.ndarray) -> torch.Tensor:
     """A GGUF matrix (or a LoRA adapter's B, whose rows are its layer's output rows) as the runtime computes with the
     weight `name`: q/k rows back in the order llama.cpp's converter interleaved."""
     if cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("q_proj.weight", "q_proj.bias")):
-        w = unpermute_rope(w, cfg.num_heads)  # a permutation of whole rows: blocks move with them
+        w = unpermute_rope(w, cfg.num_heads, cfg.rotary_dim)  # a permutation of whole rows: blocks move with them
     elif cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("k_proj.weight", "k_proj.bias")):
-        w = unpermute_rope(w, cfg.num_kv_heads)
+        w = unpermute_rope(w, cfg.num_kv_heads, cfg.rotary_dim)
     return as_computed(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
 
 

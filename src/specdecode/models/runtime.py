@@ -282,7 +282,7 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None); returns
         this layer's MLP output and the residual stream before it (the next norm adds them).
 
-        With sandwich norms (Gemma) the attention and MLP outputs are normalised before they join the
+        With sandwich norms (Gemma, GLM-4) the attention and MLP outputs are normalised before they join the
         residual stream: post_attention_layernorm normalises the attention output, and the add + norm before
         the MLP is pre_feedforward_layernorm's."""
         attention = self.self_attn
