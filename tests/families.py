@@ -250,6 +250,14 @@ FAMILIES = {
         tokenizer="ggml-vocab-qwen2.gguf",
         added_tokens=("<|user|>",),
     ),
+    # Seed-OSS: Llama's layer with biased q/k/v and a head size of its own; its attention output's bias (off in its
+    # checkpoints, and without a place in llama.cpp's graph) on here
+    "seed_oss": Family(
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        dict(attention_out_bias=True, tie_word_embeddings=False),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -431,6 +431,17 @@ def test_glm4s_norms_read_as_gemmas_names_fail_the_comparison(made, monkeypatch)
     assert _mismatch(made, "glm4", "hf")
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_seed_osss_output_bias_left_out_fails_the_comparison(made, source):
+    folder, gguf, reference = made("seed_oss")
+    cfg, tensors = _from(source, folder, gguf)
+    assert cfg.o_bias
+    unbiased = {n: torch.zeros_like(t) if n.endswith("o_proj.bias") else t for n, t in tensors.items()}
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(cfg, unbiased, torch.float32, "cpu"), ids)
+    assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
+
+
 def test_qwen2_moes_shared_expert_unweighed_by_its_gate_fails_the_comparison(made, monkeypatch):
     from specdecode.models.layers import SharedExpertGate
 
@@ -555,6 +566,8 @@ GRANITE_DENSE = dict(
         (dict(GRANITE_DENSE, num_local_experts=4), "num_local_experts"),
         (dict(GRANITE_DENSE, position_embedding_type="nope"), "position_embedding_type"),
         (dict(model_type="ernie4_5", use_bias=True), "use_bias"),  # ERNIE 4.5's biases, on every projection
+        (dict(attention_out_bias=True), "attention_out_bias"),  # Seed-OSS's field, in another family
+        (dict(model_type="seed_oss", mlp_bias=True), "mlp_bias"),
     ],
 )
 def test_an_unsupported_config_field_is_refused_by_name(change, field):

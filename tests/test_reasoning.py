@@ -29,12 +29,21 @@ SPLITS = [
     ("</think></think>x", True, "", "</think>x"),
 ]
 
-# Magistral's tags are [THINK] and [/THINK]: the same replies with its tags split the same
-MAGISTRAL_SPLITS = [
-    tuple(_.replace("<think>", "[THINK]").replace("</think>", "[/THINK]") if isinstance(_, str) else _ for _ in case)
-    for case in SPLITS
+
+def _tagged(start: str, end: str) -> list[tuple]:
+    """The same replies with another model's tags, which split the same."""
+    return [
+        tuple(_.replace("<think>", start).replace("</think>", end) if isinstance(_, str) else _ for _ in case)
+        for case in SPLITS
+    ]
+
+
+MAGISTRAL_SPLITS, SEED_SPLITS = _tagged("[THINK]", "[/THINK]"), _tagged("<seed:think>", "</seed:think>")
+CASES = [
+    *(("qwen3", *case) for case in SPLITS),
+    *(("mistral", *case) for case in MAGISTRAL_SPLITS),
+    *(("seed_oss", *case) for case in SEED_SPLITS),
 ]
-CASES = [("qwen3", *case) for case in SPLITS] + [("mistral", *case) for case in MAGISTRAL_SPLITS]
 
 
 def _thinking(parser: str, opened: bool) -> Thinking:
@@ -122,7 +131,8 @@ def test_magistral_s_thinking_and_its_calls_after_it_are_read_apart():
 def test_an_unknown_reasoning_parser_is_refused_naming_the_known_ones():
     from specdecode.errors import SpecDecodeError
 
-    with pytest.raises(SpecDecodeError, match="qwen3, deepseek_r1, mistral, openai_gptoss, not 'granite'"):
+    parsers = "qwen3, deepseek_r1, mistral, seed_oss, glm45, openai_gptoss"
+    with pytest.raises(SpecDecodeError, match=f"{parsers}, not 'granite'"):
         build_app(ScriptedEngine([]), "tiny", runs_engine=False, reasoning_parser="granite")
 
 

@@ -35,6 +35,7 @@ HF_FAMILIES = (
     "qwen2_moe",
     "glm",
     "glm4",
+    "seed_oss",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -52,13 +53,17 @@ GGUF_FAMILIES = (
     "qwen2moe",
     "glm4",
     "chatglm",
+    "seed_oss",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4")  # attention and MLP outputs normalised before the residual add
 # what transformers' config classes assume where a config.json leaves a field out, and the runtime reads otherwise
 # (GLM's: RoPE over half of each head, 128 wide, biased q/k/v)
-HF_DEFAULTS = dict.fromkeys(("glm", "glm4"), {"partial_rotary_factor": 0.5, "head_dim": 128, "attention_bias": True})
+HF_DEFAULTS = {
+    **dict.fromkeys(("glm", "glm4"), {"partial_rotary_factor": 0.5, "head_dim": 128, "attention_bias": True}),
+    "seed_oss": {"head_dim": 128, "attention_bias": True},
+}
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
 WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2}
@@ -71,7 +76,8 @@ GEMMA2_SOFTCAPS = {
 NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default interval; llama.cpp's fixed step)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
-BIASED_ATTENTION = ("gpt_oss", "glm", "glm4")  # config.json's attention_bias: q/k/v biased (gpt-oss's o_proj too)
+# config.json's attention_bias: q/k/v biased (gpt-oss's o_proj too; Seed-OSS's by its attention_out_bias)
+BIASED_ATTENTION = ("gpt_oss", "glm", "glm4", "seed_oss")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -133,6 +139,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
         **_hf_softcaps(cfg, family),
         **_hf_gpt_oss(cfg, family),
+        **_hf_output_bias(cfg, family),
     )
     described = with_rope_attention_factor(described)
     if family not in GRANITE_FAMILIES:
@@ -435,6 +442,13 @@ def _hf_gpt_oss(cfg: dict, family: str) -> dict:
     return dict(attention_sinks=True, o_bias=bool(cfg.get("attention_bias", True)), expert_bias=True)
 
 
+def _hf_output_bias(cfg: dict, family: str) -> dict:
+    """Seed-OSS's attention output bias, by its own field (off in its checkpoints); any other family's refused."""
+    if family != "seed_oss" and cfg.get("attention_out_bias"):
+        raise refuse("attention_out_bias", True, "false (an output bias is Seed-OSS's and gpt-oss's only)")
+    return dict(o_bias=True) if cfg.get("attention_out_bias") else {}
+
+
 # ---- GGUF ----------------------------------------------------------------------------------------------
 
 
@@ -502,7 +516,7 @@ def from_gguf(reader) -> ModelConfig:
         **_gguf_experts(key, names, layers, arch),
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
         **_gguf_softcaps(key, arch),
-        **_gguf_gpt_oss(arch),
+        **_gguf_biases(arch, names),
     )
     described = with_rope_attention_factor(described)
     if arch not in GRANITE_FAMILIES:
@@ -662,8 +676,9 @@ def _gguf_shared_expert_size(key, names: set[str], arch: str) -> int:
     return int(key("expert_shared_feed_forward_length") or key("feed_forward_length"))
 
 
-def _gguf_gpt_oss(arch: str) -> dict:
-    """gpt-oss's attention sinks and biases, as llama.cpp's graph loads them (each required there)."""
-    if arch != "gpt-oss":
-        return {}
-    return dict(attention_sinks=True, o_bias=True, expert_bias=True)
+def _gguf_biases(arch: str, names: set[str]) -> dict:
+    """gpt-oss's attention sinks and biases, as llama.cpp's graph loads them (each required there), and Seed-OSS's
+    attention output bias where its file holds one."""
+    if arch == "gpt-oss":
+        return dict(attention_sinks=True, o_bias=True, expert_bias=True)
+    return dict(o_bias=True) if arch == "seed_oss" and "blk.0.attn_output.bias" in names else {}

@@ -23,9 +23,9 @@ HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", H
 # Special tokens whose text the server reads calls and thinking out of (Mistral's and Magistral's markers): decoding
 # keeps them where it leaves the other special tokens out, as Qwen's <tool_call> and <think>, ordinary added tokens,
 # stay in the text
-KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]")
+KEPT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]", "<seed:think>", "</seed:think>")
 # A reasoning model's thinking tags, where its vocabulary holds each as one token (Qwen3 and DeepSeek-R1's; Magistral's)
-THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"))
 GGUF_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 

@@ -1,8 +1,8 @@
 """A reasoning model's thinking, read out of its reply: what it writes between its two tags (<think> and </think>:
-Qwen3, QwQ, DeepSeek-R1 and its distills; [THINK] and [/THINK]: Magistral) goes to the message's `reasoning`, the rest
-to `content`, as vLLM's reasoning parsers split them (`serve --reasoning-parser`). gpt-oss writes messages on channels
-instead (OpenAI's harmony format): its analysis channel is the reasoning, the others the content, its calls to
-functions rewritten as Hermes' blocks for the tool-call reader."""
+Qwen3, QwQ, DeepSeek-R1 and its distills, GLM-Z1; [THINK] and [/THINK]: Magistral; <seed:think> and </seed:think>:
+Seed-OSS) goes to the message's `reasoning`, the rest to `content`, as vLLM's reasoning parsers split them (`serve
+--reasoning-parser`). gpt-oss writes messages on channels instead (OpenAI's harmony format): its analysis channel is
+the reasoning, the others the content, its calls to functions rewritten as Hermes' blocks for the tool-call reader."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ PARSERS = {
     "qwen3": ("<think>", "</think>"),
     "deepseek_r1": ("<think>", "</think>"),
     "mistral": ("[THINK]", "[/THINK]"),  # special tokens, kept in the text (tokenizer.KEPT_MARKERS)
+    "seed_oss": ("<seed:think>", "</seed:think>"),
+    "glm45": ("<think>", "</think>"),  # GLM-4.5's and GLM-Z1's
     HARMONY: ("<|channel|>analysis<|message|>", "<|end|>"),  # its markers kept in the text (tokenizer.HARMONY_MARKERS)
 }
 
