@@ -258,6 +258,29 @@ FAMILIES = {
         dict(attention_out_bias=True, tie_word_embeddings=False),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # OLMo 2: norms after attention and the MLP only, q/k norms over each projection's whole width
+    "olmo2": Family(
+        "Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False), tokenizer="ggml-vocab-qwen2.gguf"
+    ),
+    # OLMo 3: OLMo 2's layers, three of four sliding over 12 keys, YaRN on the full ones only (the sliding ones turn
+    # unscaled, without its attention factor)
+    "olmo3": Family(
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=12,
+            rope_parameters=dict(
+                full_attention=dict(
+                    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64
+                ),
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            ),
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -442,6 +442,55 @@ def test_seed_osss_output_bias_left_out_fails_the_comparison(made, source):
     assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
 
 
+def _per_head(norm, x: torch.Tensor, heads: int) -> torch.Tensor:
+    """An RMSNorm of the projection's width computed over each head apart (Qwen3's reading of its q/k norms)."""
+    split = x.unflatten(-1, (heads, -1))
+    return (split * torch.rsqrt(split.pow(2).mean(-1, keepdim=True) + norm.eps)).flatten(-2) * norm.weight
+
+
+def test_olmos_qk_norms_over_each_head_fail_the_comparison(made, monkeypatch):
+    """OLMo 2 normalises each query and key projection over its whole width: normalised head by head (with the same
+    weights), the logits are not transformers'."""
+
+    def by_heads(self, qkv):
+        q, k, v = qkv.split(self.split, dim=-1)
+        q, k = _per_head(self.q_norm, q, self.num_heads), _per_head(self.k_norm, k, self.num_kv_heads)
+        bsz, width, _ = qkv.shape
+        return tuple(t.reshape(bsz, width, -1, self.head_dim) for t in (q, k, v))
+
+    monkeypatch.setattr(Attention, "split_heads", by_heads)
+    assert _mismatch(made, "olmo2", "hf")
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_olmos_stream_normalised_before_attention_and_the_mlp_fails_the_comparison(made, source):
+    """OLMo 2's attention and MLP read the residual stream as it is: normalised first (Llama's and Gemma's pre-norms,
+    with unit weights), the logits are not transformers'."""
+    folder, gguf, reference = made("olmo2")
+    cfg, tensors = _from(source, folder, gguf)
+    assert not cfg.pre_norms
+    ones = torch.ones(cfg.hidden_size)
+    norms = {f"model.layers.{i}.{n}.weight": ones for i in range(cfg.num_layers) for n in PRE_NORMS}
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(dataclasses.replace(cfg, pre_norms=True), tensors | norms, torch.float32, "cpu"), ids)
+    assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
+
+
+PRE_NORMS = ("input_layernorm", "pre_feedforward_layernorm")
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_olmo3s_sliding_layers_scaled_as_its_full_ones_fail_the_comparison(made, source):
+    """OLMo 3's YaRN turns its full layers only: its sliding layers take no attention factor (transformers' and
+    llama.cpp's alike); with the full layers' query-key scale there, the logits are not transformers'."""
+    folder, gguf, reference = made("olmo3")
+    cfg, tensors = _from(source, folder, gguf)
+    assert cfg.local_attention_scale is not None
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(dataclasses.replace(cfg, local_attention_scale=None), tensors, torch.float32, "cpu"), ids)
+    assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
+
+
 def test_qwen2_moes_shared_expert_unweighed_by_its_gate_fails_the_comparison(made, monkeypatch):
     from specdecode.models.layers import SharedExpertGate
 
@@ -549,7 +598,7 @@ GRANITE_DENSE = dict(
             "rope_scaling.mscale",
         ),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
-        (dict(model_type="olmo2"), "model_type"),
+        (dict(model_type="cohere2"), "model_type"),
         (dict(model_type="gpt_oss", swiglu_limit=5.0), "swiglu_limit"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),

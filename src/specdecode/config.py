@@ -357,14 +357,18 @@ class ModelConfig:
     # head dimensions RoPE turns, the first ones (NeoX halves of them paired; Phi-4-mini's partial rotary); None: all
     rotary_dim: int | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # the q/k norms over each projection's whole width, not per head (OLMo 2)
     # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss's clamped SwiGLU, layers.gated)
     activation: str = "silu"
     sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma, GLM-4)
+    pre_norms: bool = True  # attention and MLP inputs normalised; OLMo 2's read the residual stream as it is
     embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
     attention_scale: float | None = None  # of the query-key scores; None: head_dim ** -0.5
     sliding_window: int | None = None  # keys a sliding layer's token sees, itself included
     sliding_layers: tuple[int, ...] | None = None  # layers that slide; None: all, when sliding_window is set
     local_rope_theta: float | None = None  # RoPE base of sliding layers (unscaled); None: rope_theta
+    # their query-key scale where it differs: the global RoPE's attention factor left out (OLMo 3's YaRN)
+    local_attention_scale: float | None = None
     num_experts: int = 0  # mixture of experts: experts per sparse layer (0: dense)
     experts_per_token: int = 0
     expert_intermediate_size: int | None = None  # None: intermediate_size

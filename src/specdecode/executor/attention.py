@@ -29,6 +29,8 @@ class RowwiseAttentionKernel:
 
     def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, cache, attn) -> torch.Tensor:
         n = qkv.shape[-2] * qkv.shape[0]
+        if attn.whole_qk_norms:  # the kernel normalises each head; these norms span the projection
+            qkv = attn.with_whole_qk_norms(qkv)
         qkv = qkv.reshape(n, -1).contiguous()
         slots, positions, cos, sin = self.flat_inputs(batch, rope, n)
         out = torch.empty(n, self.num_heads * self.head_dim)

@@ -345,7 +345,7 @@ def attach_epilogues(model) -> int:
     taken = 0
     for attention in (m for m in model.modules() if isinstance(m, Attention)):
         kernel = attention.qkv_proj.kernel
-        if not isinstance(kernel, Gemv) or attention.qk_norms is not None:
+        if not isinstance(kernel, Gemv) or attention.normalises_qk:
             continue
         weight = attention.qkv_proj.weight
         shape = (*weight.shape, attention.qkv_proj.bias is not None, attention.num_heads, attention.num_kv_heads)

@@ -64,7 +64,8 @@ def target_fingerprint(model: Transformer) -> str:
     the same file agree, and so do the same weights run with a RoPE scaling of the user's (LLM's rope_scaling)."""
     h = hashlib.sha256(repr(getattr(model, "native_cfg", model.cfg)).encode())
     for norm in (model.norm, model.layers[-1].input_layernorm, model.layers[0].post_attention_layernorm):
-        h.update(norm.weight.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
+        if hasattr(norm, "weight"):  # OLMo 2's layers have no input norm (layers.Unnormed)
+            h.update(norm.weight.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -36,6 +36,8 @@ HF_FAMILIES = (
     "glm",
     "glm4",
     "seed_oss",
+    "olmo2",
+    "olmo3",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -54,10 +56,16 @@ GGUF_FAMILIES = (
     "glm4",
     "chatglm",
     "seed_oss",
+    "olmo2",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
-SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4")  # attention and MLP outputs normalised before the residual add
+# OLMo 2 and 3 (config.json's names; GGUF's olmo2 holds both): norms after attention and the MLP, none before them,
+# and q/k norms over each projection's whole width
+OLMO_FAMILIES = ("olmo2", "olmo3")
+SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4", *OLMO_FAMILIES)  # attention and MLP outputs normalised before the add
+# families whose sliding layers turn by RoPE of their own: unscaled, and Gemma 3's of another base
+LOCAL_ROPE_FAMILIES = ("gemma3_text", "gemma3", "olmo3", "olmo2")
 # what transformers' config classes assume where a config.json leaves a field out, and the runtime reads otherwise
 # (GLM's: RoPE over half of each head, 128 wide, biased q/k/v)
 HF_DEFAULTS = {
@@ -66,7 +74,7 @@ HF_DEFAULTS = {
 }
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
-WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2}
+WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2, "olmo3": 4, "olmo2": 4}
 # Gemma 2's soft caps of attention scores and logits: ModelConfig's field, and the config.json and GGUF key that sets
 # it, with llama.cpp's and transformers' default where the file states none
 GEMMA2_SOFTCAPS = {
@@ -127,14 +135,16 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", *OLMO_FAMILIES),
+        qk_norm_whole=family in OLMO_FAMILIES,
+        pre_norms=family not in OLMO_FAMILIES,
         activation=_hf_activation(cfg, family),
         sandwich_norms=family in SANDWICH_FAMILIES,
         embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
-        local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if family == "gemma3_text" and window else None,
+        local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if family in LOCAL_ROPE_FAMILIES and window else None,
         **_hf_experts(cfg, family),
         nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
         **_hf_softcaps(cfg, family),
@@ -328,7 +338,9 @@ def with_rope_attention_factor(cfg: ModelConfig) -> ModelConfig:
     factor = dict(cfg.rope_scaling).get("attention_factor")
     if factor is None or factor == 1.0 or cfg.rotary_dim is not None:
         return cfg
-    return replace(cfg, attention_scale=(cfg.attention_scale or cfg.dim_per_head**-0.5) * factor**2)
+    scale = cfg.attention_scale or cfg.dim_per_head**-0.5
+    local = scale if cfg.local_rope_theta is not None else None  # sliding layers with unscaled RoPE of their own
+    return replace(cfg, attention_scale=scale * factor**2, local_attention_scale=local)
 
 
 def with_rope_scaling(cfg: ModelConfig, scaling: dict | None) -> ModelConfig:
@@ -478,8 +490,9 @@ def from_gguf(reader) -> ModelConfig:
     if arch not in GGUF_FAMILIES:
         raise refuse("GGUF architecture", arch, ", ".join(GGUF_FAMILIES))
 
-    def key(name, default=None):
-        return one_for_every_layer(f"{arch}.{name}", field(reader, f"{arch}.{name}", default))
+    def key(name, default=None, per_layer=False):
+        value = field(reader, f"{arch}.{name}", default)
+        return value if per_layer else one_for_every_layer(f"{arch}.{name}", value)
 
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
@@ -506,13 +519,15 @@ def from_gguf(reader) -> ModelConfig:
         rotary_dim=rotary_dim(key("rope.dimension_count", dims), dims, f"{arch}.rope.dimension_count"),
         rope_scaling=_gguf_rope_scaling(key, arch, {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}),
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm_whole=_rows(reader, "blk.0.attn_q_norm.weight") > dims,
+        pre_norms="blk.0.attn_norm.weight" in names,
         activation="gelu_tanh" if gemma else "swiglu_oai" if arch == "gpt-oss" else "silu",
         sandwich_norms=arch in SANDWICH_FAMILIES,
         embedding_scale=math.sqrt(hidden) if gemma else None,
         attention_scale=_gemma_attention_scale(arch, hidden, heads, head_dim, layers) if gemma else None,
         sliding_window=window,
         sliding_layers=sliding,
-        local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" and window else None,
+        local_rope_theta=_gguf_local_rope_theta(key, arch) if arch in LOCAL_ROPE_FAMILIES and window else None,
         **_gguf_experts(key, names, layers, arch),
         nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
         **_gguf_softcaps(key, arch),
@@ -524,6 +539,17 @@ def from_gguf(reader) -> ModelConfig:
     default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none
     names = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", default), ("logit_scale", 1.0))
     return with_granite_multipliers(described, *(float(key(name, value)) for name, value in names))
+
+
+def _rows(reader, name: str) -> int:
+    """The length of a GGUF vector (a norm's weights), 0 where the file has none."""
+    return next((int(t.shape[0]) for t in reader.tensors if t.name == name), 0)
+
+
+def _gguf_local_rope_theta(key, arch: str) -> float:
+    """The RoPE base of sliding layers, as llama.cpp reads it: the file's freq_base_swa, else Gemma 3's 10,000 or
+    OLMo 3's global base (its sliding layers turn unscaled)."""
+    return float(key("rope.freq_base_swa", 10000.0 if arch == "gemma3" else key("rope.freq_base", 10000.0)))
 
 
 def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
@@ -627,7 +653,7 @@ def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ..
         return None, None
     if arch not in WINDOW_PATTERN:
         return int(window), None
-    pattern = key("attention.sliding_window_pattern", WINDOW_PATTERN[arch])
+    pattern = key("attention.sliding_window_pattern", WINDOW_PATTERN[arch], per_layer=True)
     if isinstance(pattern, list):
         sliding = tuple(i for i, slides in enumerate(pattern) if slides)
     else:

@@ -83,11 +83,29 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Unnormed(nn.Module):
+    """RMSNorm's place where a family normalises nothing before attention or the MLP (OLMo 2, whose norms follow
+    them): x, or given the residual stream (x + residual, x + residual)."""
+
+    kernel = None  # no backend's kernel computes it
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return x
+        x = x + residual
+        return x, x
+
+
+def pre_norm(cfg) -> nn.Module:
+    """The norm before a layer's attention or MLP, where the family has one."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else Unnormed()
+
+
 def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, **out):
     """(linear(norm(x + residual)), x + residual), or where residual is None (the first layer) (linear(norm(x)), x): in
     one call where the linear's kernel takes the norm in. out: out_dtype, the type that call may hold its output in
     (rounded to x's first; elsewhere the caller casts)."""
-    fused = fused_form(linear, "normed")
+    fused = fused_form(linear, "normed") if isinstance(norm, RMSNorm) else None
     if fused is not None and (result := fused(linear, norm, x, residual, **out)) is not None:
         return result
     normed, summed = normed_and_summed(norm, x, residual)

@@ -31,6 +31,7 @@ from .layers import (
     head_sinks,
     longrope_factors,
     normed_linear,
+    pre_norm,
     repeated_kv_heads,
     softcapped,
 )
@@ -166,16 +167,17 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
+        self.whole_qk_norms = cfg.qk_norm and cfg.qk_norm_whole  # over each projection's width, not each head's
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            widths = (q_size, kv_size) if self.whole_qk_norms else (self.head_dim, self.head_dim)
+            self.q_norm, self.k_norm = (RMSNorm(width, cfg.rms_norm_eps) for width in widths)
         self.window = cfg.window(layer)
-        self.scale = cfg.attention_scale or self.head_dim**-0.5
         self.softcap = cfg.attention_softcap
         # which of the model's RoPE tables this layer reads: Gemma 3's sliding layers have their own base, and a NoPE
         # layer's table turns nothing (cos 1, sin 0: every kernel that rotates leaves its queries and keys as they are)
         local = self.window is not None and cfg.local_rope_theta is not None
         self.rope = "none" if layer in cfg.nope_layers else "local" if local else "global"
+        self.scale = (local and cfg.local_attention_scale) or cfg.attention_scale or self.head_dim**-0.5
         # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
@@ -183,7 +185,17 @@ class Attention(nn.Module):
 
     @property
     def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
-        return (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
+        """The norms of each query and key head (what the attention kernel takes in), None where there are none."""
+        return (self.q_norm, self.k_norm) if self.normalises_qk and not self.whole_qk_norms else None
+
+    @property
+    def normalises_qk(self) -> bool:
+        return hasattr(self, "q_norm")
+
+    def with_whole_qk_norms(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The QKV projection [..., q + 2 kv] with its queries and keys normalised over their whole width."""
+        q, k, v = qkv.split(self.split, dim=-1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
 
     def normed(self, norm: RMSNorm, x, residual, rope, batch: ForwardBatch, cache: KVCache):
         """(the attention of norm(x + residual)'s new tokens, x + residual), residual None: of norm(x), and x. A
@@ -229,6 +241,8 @@ class Attention(nn.Module):
         """q, k, v as [B, T, heads, head_dim] (views of the projection), q and k normalised where the family does."""
         bsz, width, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
+        if self.whole_qk_norms:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(bsz, width, self.num_heads, self.head_dim)
         k = k.view(bsz, width, self.num_kv_heads, self.head_dim)
         if self.qk_norms is not None:
@@ -265,11 +279,11 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = pre_norm(cfg)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.pre_feedforward_layernorm = pre_norm(cfg)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.moves = 0  # of its tensors (Module._apply): a kernel holding their addresses takes them again
@@ -284,7 +298,8 @@ class DecoderLayer(nn.Module):
 
         With sandwich norms (Gemma, GLM-4) the attention and MLP outputs are normalised before they join the
         residual stream: post_attention_layernorm normalises the attention output, and the add + norm before
-        the MLP is pre_feedforward_layernorm's."""
+        the MLP is pre_feedforward_layernorm's. Without pre-norms (OLMo 2) the add before attention or the MLP is
+        all there is (layers.Unnormed)."""
         attention = self.self_attn
         attended, residual = attention.normed(self.input_layernorm, x, residual, rope[attention.rope], batch, cache)
         if hasattr(self, "post_feedforward_layernorm"):
