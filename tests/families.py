@@ -67,21 +67,20 @@ GRANITE_MULTIPLIERS = dict(
     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05, logits_scaling=8.0
 )
 
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
+
 FAMILIES = {
     "llama3": Family(
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=32,
-            ),
-            tie_word_embeddings=True,
-        ),
+        dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
         tokenizer="ggml-vocab-llama-bpe.gguf",
     ),
     "mistral": Family("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, tie_word_embeddings=False)),
@@ -279,6 +278,23 @@ FAMILIES = {
             max_position_embeddings=256,
             tie_word_embeddings=False,
         ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
+    # EXAONE 4.0 (the 1.2B): OLMo 2's norms after attention and the MLP only, Qwen3's q/k norms per head, Llama 3's
+    # RoPE scaling; no window
+    "exaone4": Family(
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(sliding_window=None, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
+        tokenizer="ggml-vocab-qwen2.gguf",
+        every_layer=dict(layer_types="full_attention"),
+    ),
+    # EXAONE 4.0 32B's layers: three of four sliding over 12 keys, the fourth attending to all without RoPE (its GGUF
+    # is compared apart: llama.cpp slides the layers of a 64-layer file only)
+    "exaone4_hybrid": Family(
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(num_hidden_layers=4, sliding_window=12, sliding_window_pattern=4, tie_word_embeddings=False),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
     "qwen3_moe": Family(

@@ -66,8 +66,11 @@ def _from(source: str, folder, gguf):
     return cfg, tensors
 
 
-# Mistral's GGUF is compared apart: llama.cpp's converter writes no window (test_a_mistral_gguf_...)
-CASES = [(f, s) for f in FAMILIES for s in ("hf", "gguf") if (f, s) != ("mistral", "gguf")]
+# Mistral's and EXAONE 4's windowed GGUFs are compared apart: llama.cpp's converter writes no window for Mistral
+# (test_a_mistral_gguf_...), llama.cpp's graph slides EXAONE 4's layers only in its 32B (test_exaone4s_...)
+CASES = [
+    (f, s) for f in FAMILIES for s in ("hf", "gguf") if (f, s) not in (("mistral", "gguf"), ("exaone4_hybrid", "gguf"))
+]
 
 
 @pytest.mark.parametrize("family, source", CASES)
@@ -182,6 +185,8 @@ def _longrope_swapped(cfg) -> tuple:
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, experts_per_token=3)),
         ("qwen3_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
         ("smollm3", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE in every layer
+        ("exaone4_hybrid", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE on its global layers
+        ("exaone4_hybrid", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
         ("granite", lambda cfg: dataclasses.replace(cfg, embedding_scale=12.0)),  # the residual multiplier left out
         ("granitemoe", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),
         ("granitemoe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
@@ -211,6 +216,8 @@ def _longrope_swapped(cfg) -> tuple:
         "qwen3-moe-top-k",
         "qwen3-moe-norm-topk",
         "smollm3-nope-ignored",
+        "exaone4-rope-on-global-layers",
+        "exaone4-window",
         "granite-residual-multiplier",
         "granitemoe-top-k",
         "granitemoe-weights-not-renormalised",
@@ -278,6 +285,26 @@ def test_a_mistral_gguf_computes_what_the_file_says(made, tmp_path):
     torch.testing.assert_close(
         _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(windowed, ids), **TOLERANCE
     )
+
+
+def test_exaone4s_windows_are_transformers_from_its_folder_and_llama_cpps_from_its_gguf(made, tmp_path):
+    """EXAONE 4's sliding layers and its global layers without RoPE, from config.json; llama.cpp's graph slides them
+    only in a file of 64 layers (its 32B's), a smaller one attending fully with RoPE on every layer: transformers'
+    model of the same weights without the window. At 64 layers the file's pattern and window hold."""
+    from specdecode.models.families import _gguf_window
+
+    folder, gguf, _ = made("exaone4_hybrid")
+    cfg, _ = _load_hf_checkpoint(str(folder))
+    assert (cfg.sliding_window, cfg.sliding_layers, cfg.nope_layers) == (12, (0, 1, 2), (3,))
+    cfg, tensors = load_gguf(str(gguf), progress=False)
+    assert (cfg.sliding_window, cfg.nope_layers) == (None, ())
+    full = make_checkpoint("exaone4_hybrid", tmp_path / "full", sliding_window=None, layer_types=["full_attention"] * 4)
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+    torch.testing.assert_close(got, _expected(reference_model(full), ids), **TOLERANCE)
+    stated = {"attention.sliding_window": 4096, "attention.sliding_window_pattern": [True, True, True, False] * 16}
+    window, sliding = _gguf_window(lambda name, default=None, per_layer=False: stated.get(name, default), "exaone4", 64)
+    assert (window, sliding[:4], len(sliding)) == (4096, (0, 1, 2, 4), 48)
 
 
 def test_phi3s_window_is_transformers_from_its_folder_and_llama_cpps_from_its_gguf(made, tmp_path):

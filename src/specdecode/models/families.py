@@ -38,6 +38,7 @@ HF_FAMILIES = (
     "seed_oss",
     "olmo2",
     "olmo3",
+    "exaone4",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -57,13 +58,19 @@ GGUF_FAMILIES = (
     "chatglm",
     "seed_oss",
     "olmo2",
+    "exaone4",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # OLMo 2 and 3 (config.json's names; GGUF's olmo2 holds both): norms after attention and the MLP, none before them,
 # and q/k norms over each projection's whole width
 OLMO_FAMILIES = ("olmo2", "olmo3")
-SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4", *OLMO_FAMILIES)  # attention and MLP outputs normalised before the add
+POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
+SANDWICH_FAMILIES = (
+    *GEMMA_FAMILIES,
+    "glm4",
+    *POST_NORM_FAMILIES,
+)  # attention and MLP outputs normalised before the add
 # families whose sliding layers turn by RoPE of their own: unscaled, and Gemma 3's of another base
 LOCAL_ROPE_FAMILIES = ("gemma3_text", "gemma3", "olmo3", "olmo2")
 # what transformers' config classes assume where a config.json leaves a field out, and the runtime reads otherwise
@@ -74,7 +81,11 @@ HF_DEFAULTS = {
 }
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
-WINDOW_PATTERN = {"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2, "olmo3": 4, "olmo2": 4}
+WINDOW_PATTERN = {
+    **{"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2},
+    **{"olmo3": 4, "olmo2": 4, "exaone4": 4},
+}
+EXAONE4_WINDOWED_LAYERS = 64  # llama.cpp slides EXAONE 4's layers only in a file of this many (its 32B)
 # Gemma 2's soft caps of attention scores and logits: ModelConfig's field, and the config.json and GGUF key that sets
 # it, with llama.cpp's and transformers' default where the file states none
 GEMMA2_SOFTCAPS = {
@@ -135,9 +146,9 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", *OLMO_FAMILIES),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES),
         qk_norm_whole=family in OLMO_FAMILIES,
-        pre_norms=family not in OLMO_FAMILIES,
+        pre_norms=family not in POST_NORM_FAMILIES,
         activation=_hf_activation(cfg, family),
         sandwich_norms=family in SANDWICH_FAMILIES,
         embedding_scale=math.sqrt(cfg["hidden_size"]) if gemma else None,
@@ -146,7 +157,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         sliding_layers=sliding,
         local_rope_theta=hf_rope(cfg, "sliding_attention")[0] if family in LOCAL_ROPE_FAMILIES and window else None,
         **_hf_experts(cfg, family),
-        nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else (),
+        nope_layers=_hf_nope_layers(cfg) if family == "smollm3" else _global_nope(family, window, sliding, cfg),
         **_hf_softcaps(cfg, family),
         **_hf_gpt_oss(cfg, family),
         **_hf_output_bias(cfg, family),
@@ -395,6 +406,13 @@ def _hf_nope_layers(cfg: dict) -> tuple[int, ...]:
     return tuple(i for i, rotates in enumerate(uses_rope[:layers]) if not rotates)
 
 
+def _global_nope(family: str, window: int | None, sliding: tuple[int, ...] | None, cfg: dict) -> tuple[int, ...]:
+    """EXAONE 4's full-attention layers, which turn no position into queries and keys where others slide."""
+    if family != "exaone4" or window is None or sliding is None:
+        return ()
+    return tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding)
+
+
 def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | None]:
     """(sliding window, the layers that slide; None: all of them)."""
     window = cfg.get("sliding_window")
@@ -407,7 +425,11 @@ def _hf_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...] | No
     if layer_types is None and family in WINDOW_PATTERN:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
         pattern = pattern or WINDOW_PATTERN[family]
-        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        if isinstance(pattern, str):  # EXAONE 4's "LLLG": local or global, repeated
+            full = [pattern[i % len(pattern)] == "G" for i in range(layers)]
+        else:
+            full = [(i + 1) % pattern == 0 for i in range(layers)]
+        layer_types = ["full_attention" if f else "sliding_attention" for f in full]
     elif layer_types is None and family in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", layers)
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -529,7 +551,7 @@ def from_gguf(reader) -> ModelConfig:
         sliding_layers=sliding,
         local_rope_theta=_gguf_local_rope_theta(key, arch) if arch in LOCAL_ROPE_FAMILIES and window else None,
         **_gguf_experts(key, names, layers, arch),
-        nope_layers=tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0) if arch == "smollm3" else (),
+        nope_layers=_gguf_nope_layers(arch, layers, window, sliding),
         **_gguf_softcaps(key, arch),
         **_gguf_biases(arch, names),
     )
@@ -539,6 +561,13 @@ def from_gguf(reader) -> ModelConfig:
     default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none
     names = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", default), ("logit_scale", 1.0))
     return with_granite_multipliers(described, *(float(key(name, value)) for name, value in names))
+
+
+def _gguf_nope_layers(arch: str, layers: int, window: int | None, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
+    """llama.cpp's layers without RoPE: SmolLM3's every fourth, and EXAONE 4's full ones where others slide."""
+    if arch == "smollm3":
+        return tuple(i for i in range(layers) if (i + 1) % NOPE_EVERY == 0)
+    return _global_nope(arch, window, sliding, {"num_hidden_layers": layers})
 
 
 def _rows(reader, name: str) -> int:
@@ -648,8 +677,8 @@ def _gguf_window(key, arch: str, layers: int) -> tuple[int | None, tuple[int, ..
     """llama.cpp's reading: a window applies where the file states one (Gemma 2's is 4096 where it does not), but
     Phi-3's (llama.cpp turns it off); Gemma's layers slide but every sixth (Gemma 3) or every other (Gemma 2), or as
     its sliding_window_pattern says (gpt-oss's every other, as Gemma 2's); any other family's all slide."""
-    window = key("attention.sliding_window", 4096 if arch == "gemma2" else None)
-    if not window or arch == "phi3":
+    window = key("attention.sliding_window", 4096 if arch in ("gemma2", "exaone4") else None)
+    if not window or arch == "phi3" or (arch == "exaone4" and layers != EXAONE4_WINDOWED_LAYERS):
         return None, None
     if arch not in WINDOW_PATTERN:
         return int(window), None
