@@ -297,6 +297,21 @@ FAMILIES = {
         dict(num_hidden_layers=4, sliding_window=12, sliding_window_pattern=4, tie_word_embeddings=False),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # ERNIE 4.5's mixtures of experts (21B-A3B, 300B-A47B): its first layer dense, then experts chosen by probability
+    # plus a bias of each (its "statics"), weighed by their renormalised probabilities, beside an ungated shared one;
+    # RoPE over adjacent dimensions, as the dense ERNIE's
+    "ernie4_5_moe": Family(
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=64,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+        ),
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -443,6 +458,8 @@ def _randomise(model, norm_center: float, seed: int) -> None:
                 p.copy_(noise)
             elif name.endswith("mlp.gate.weight") or "block_sparse_moe.gate" in name or "moe.router" in name:
                 p.copy_(noise)  # routers: experts far apart, no near-ties in the top-k
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.3 * noise)  # ERNIE 4.5's: large enough beside the probabilities to change some choices
             elif name.endswith(("mlp.router.weight", "self_attn.sinks")):
                 p.copy_(noise)  # gpt-oss's router, and its sinks as large as scores
             elif gpt_oss and name.endswith("experts.gate_up_proj"):

@@ -518,6 +518,34 @@ def test_olmo3s_sliding_layers_scaled_as_its_full_ones_fail_the_comparison(made,
     assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_ernie_moes_selection_bias_left_out_fails_the_comparison(made, source):
+    """ERNIE 4.5 chooses its experts by probability plus a bias of each: chosen by probability alone (the bias zero),
+    other experts answer some tokens and the logits are not transformers'."""
+    folder, gguf, reference = made("ernie4_5_moe")
+    cfg, tensors = _from(source, folder, gguf)
+    assert cfg.expert_selection_bias and not cfg.shared_expert_gated and cfg.dense_layers == (0,)
+    unbiased = {n: torch.zeros_like(t) if n.endswith("selection_bias") else t for n, t in tensors.items()}
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(cfg, unbiased, torch.float32, "cpu"), ids)
+    assert not torch.allclose(got, _expected(reference, ids), **TOLERANCE)
+
+
+def test_ernie_moes_experts_weighed_by_their_biased_scores_fail_the_comparison(made, monkeypatch):
+    """The bias chooses; the probabilities alone weigh (DeepSeek-V3's reading, weighing by the biased scores, is not
+    ERNIE's)."""
+    from specdecode.models.layers import Router, row_invariant_linear
+
+    def biased_weights(self, x):
+        probs = torch.softmax(row_invariant_linear(x, self.weight).float(), dim=-1)
+        scores = probs + self.selection_bias.float()
+        weights, experts = torch.topk(scores, self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), experts
+
+    monkeypatch.setattr(Router, "forward", biased_weights)
+    assert _mismatch(made, "ernie4_5_moe", "hf")
+
+
 def test_qwen2_moes_shared_expert_unweighed_by_its_gate_fails_the_comparison(made, monkeypatch):
     from specdecode.models.layers import SharedExpertGate
 
@@ -644,6 +672,7 @@ GRANITE_DENSE = dict(
         (dict(model_type="ernie4_5", use_bias=True), "use_bias"),  # ERNIE 4.5's biases, on every projection
         (dict(attention_out_bias=True), "attention_out_bias"),  # Seed-OSS's field, in another family
         (dict(model_type="seed_oss", mlp_bias=True), "mlp_bias"),
+        (dict(model_type="ernie4_5_moe", use_bias=True), "use_bias"),
     ],
 )
 def test_an_unsupported_config_field_is_refused_by_name(change, field):
@@ -763,6 +792,11 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     extra = with_metadata(gguf, tmp_path / "extra.gguf", {}, extra_tensor="blk.0.attn_sinks.weight")
     with pytest.raises(SpecDecodeError, match="blk.0.attn_sinks.weight"):
         load_gguf(str(extra), progress=False)
+    # a scale of the routed experts' weights (DeepSeek's routed_scaling_factor), which llama.cpp's graphs apply
+    moe = made("qwen3_moe")[1]
+    scaled = with_metadata(moe, tmp_path / "scaled-experts.gguf", {"qwen3moe.expert_weights_scale": 2.5})
+    with pytest.raises(SpecDecodeError, match="qwen3moe.expert_weights_scale is 2.5"):
+        load_gguf(str(scaled), progress=False)
     # GLM's next-token prediction layers, counted among its blocks: llama.cpp's graph leaves them out
     nextn = with_metadata(made("glm4")[1], tmp_path / "nextn.gguf", {"glm4.nextn_predict_layers": 1})
     with pytest.raises(SpecDecodeError, match="glm4.nextn_predict_layers is 1"):

@@ -383,8 +383,12 @@ class ModelConfig:
     attention_sinks: bool = False
     o_bias: bool = False  # the attention output projection biased (gpt-oss; q/k/v too, by qkv_bias)
     expert_bias: bool = False  # the router and every expert's projections biased (gpt-oss)
-    # an MLP beside the routed experts that every token takes, weighed by sigmoid(a gate's logit) (Qwen2-MoE); 0: none
+    # an MLP beside the routed experts that every token takes, weighed by sigmoid(a gate's logit) (Qwen2-MoE) or
+    # not (shared_expert_gated False: ERNIE 4.5's); 0: none
     shared_expert_size: int = 0
+    shared_expert_gated: bool = True
+    # a per-expert bias added to the router's probabilities to choose the top k, not to weigh them (ERNIE 4.5's)
+    expert_selection_bias: bool = False
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists

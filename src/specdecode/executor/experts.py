@@ -40,11 +40,12 @@ class ExpertsKernel:
     @staticmethod
     def applies(moe) -> bool:
         """Every expert's layers as single block layers of one format per kind, without padding rows or biases, under
-        an unbiased router, with the activation the kernel computes (SiLU)."""
+        an unbiased router choosing by probability, with the activation the kernel computes (SiLU)."""
         experts = moe.experts
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
         return (
             moe.gate.bias is None
+            and moe.gate.selection_bias is None
             and experts[0].activation == "silu"
             and all(
                 isinstance(x, BlockLinear)

@@ -19,7 +19,7 @@ from .families import LONGROPE_TENSORS
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # families whose RoPE turns adjacent dimensions together (GPT-J's, llama.cpp's "norm" RoPE): their checkpoints' q/k
 # rows are reordered to the runtime's pairs (d, d + D/2), as a Llama GGUF's are (gguf_loader)
-INTERLEAVED_ROPE_FAMILIES = ("ernie4_5", "glm", "glm4", "chatglm")  # config.json's and GGUF's names
+INTERLEAVED_ROPE_FAMILIES = ("ernie4_5", "ernie4_5_moe", "ernie4_5-moe", "glm", "glm4", "chatglm")  # both sources'
 # GLM-4's sandwich norms under Llama's names, one of them for another norm: its post_attention_layernorm is the one
 # before the MLP, as in Llama
 GLM4_NORMS = {
@@ -64,7 +64,10 @@ def halves_paired(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Te
 
 
 def as_computed(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's tensor (under the runtime's name) as the runtime computes with it, from any source."""
+    """A checkpoint's tensor (under the runtime's name) as the runtime computes with it, from any source (ERNIE 4.5's
+    selection bias stored [1, experts], as one group of them)."""
+    if name.endswith("gate.selection_bias"):
+        return tensor.reshape(-1)
     return rotary_reordered(cfg, name, folded_logit_scale(cfg, name, tensor))
 
 
@@ -100,6 +103,10 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    if cfg.arch == "ernie4_5_moe":
+        if name.startswith("model.mtp_"):  # next-token prediction layers, which transformers leaves out too
+            return
+        name, tensor = _ernie_moe(name, tensor)
     m = re.fullmatch(r"(model\.layers\.\d+)\.(\w+_layernorm)\.weight", name)
     if m and cfg.arch == "glm4" and m[2] in GLM4_NORMS:
         yield f"{m[1]}.{GLM4_NORMS[m[2]]}.weight", tensor
@@ -146,6 +153,15 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
         yield f"{m[1]}.mlp.up_proj.weight", up
         return
     yield name, tensor
+
+
+def _ernie_moe(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """ERNIE 4.5's names: its experts' selection bias ([1, experts], under either name transformers reads), its shared
+    experts as one."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(?:gate\.)?moe_statics\.e_score_correction_bias", name)
+    if m:
+        return f"{m[1]}.gate.selection_bias", tensor
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
 
 
 def _gpt_oss_mlp(prefix: str, local: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -217,8 +233,10 @@ GGUF_LAYER = {
 }
 # where the attention output has a norm of its own (Gemma), ffn_norm is the one before the MLP
 SANDWICH_LAYER = {**GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm"}
-# gpt-oss's: its norm before the experts under another name, and its sinks (a tensor without the ".weight" of a layer)
-GPT_OSS_LAYER = {**GGUF_LAYER, "attn_post_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+# gpt-oss's: its norm before the experts under another name
+GPT_OSS_LAYER = {**GGUF_LAYER, "attn_post_norm": "post_attention_layernorm"}
+# tensors without the ".weight" of a layer (sinks; ERNIE 4.5's experts' selection bias, stored as exp_probs_b.bias)
+WHOLE_NAMED = {"attn_sinks": "self_attn.sinks", "exp_probs_b": "mlp.gate.selection_bias"}
 GGUF_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),
     "ffn_up_exps": ("up_proj",),
@@ -250,10 +268,10 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
     if kind == "ffn_up" and cfg.arch in FUSED_UP_FAMILIES:  # gate and up in one, gate first (llama.cpp's SwiGLU halves)
         return _stacked([f"{prefix}.mlp.{p}_proj.{suffix}" for p in ("gate", "up")], rows)
     layer = SANDWICH_LAYER if cfg.sandwich_norms else GPT_OSS_LAYER if cfg.attention_sinks else GGUF_LAYER
+    if kind == "exp_probs_b" and cfg.expert_selection_bias or kind == "attn_sinks" and cfg.attention_sinks:
+        return [(f"{prefix}.{WHOLE_NAMED[kind]}", slice(None))]
     if kind not in layer:
         raise _unknown_tensor(name)
-    if kind == "attn_sinks":
-        return [(f"{prefix}.{layer[kind]}", slice(None))]
     return [(f"{prefix}.{layer[kind]}.{suffix}", slice(None))]
 
 

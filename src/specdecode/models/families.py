@@ -39,6 +39,7 @@ HF_FAMILIES = (
     "olmo2",
     "olmo3",
     "exaone4",
+    "ernie4_5_moe",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -59,6 +60,7 @@ GGUF_FAMILIES = (
     "seed_oss",
     "olmo2",
     "exaone4",
+    "ernie4_5-moe",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
@@ -451,6 +453,8 @@ def _hf_experts(cfg: dict, family: str) -> dict:
     """Mixtral's, Granite's and gpt-oss's routers: a softmax over the top-k logits, which is the softmax over all
     renormalised over the top k (normalize_expert_weights, the default); Qwen3-MoE's renormalises where
     norm_topk_prob says."""
+    if family == "ernie4_5_moe":
+        return _hf_ernie_experts(cfg)
     if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
@@ -466,6 +470,24 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=tuple(sorted(dense)),
         shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
+    )
+
+
+def _hf_ernie_experts(cfg: dict) -> dict:
+    """ERNIE 4.5's experts: every moe_layer_interval-th layer from moe_layer_start_index to moe_layer_end_index (-1:
+    the last) sparse; the top k chosen by probability plus a bias of each expert's, weighed by their probabilities
+    renormalised; shared experts beside them, ungated, as one MLP moe_num_shared_experts times an expert's width."""
+    layers, width = cfg["num_hidden_layers"], cfg.get("moe_intermediate_size", 1536)
+    start, every = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_interval", 1)
+    end = cfg.get("moe_layer_end_index", -1) % layers
+    return dict(
+        num_experts=cfg.get("moe_num_experts") or cfg.get("num_experts", 64),
+        experts_per_token=cfg.get("moe_k") or cfg.get("num_experts_per_tok", 6),
+        expert_intermediate_size=width,
+        dense_layers=tuple(i for i in range(layers) if not (start <= i <= end and (i + 1) % every == 0)),
+        shared_expert_size=width * cfg.get("moe_num_shared_experts", 2),
+        shared_expert_gated=False,
+        expert_selection_bias=True,
     )
 
 
@@ -550,7 +572,7 @@ def from_gguf(reader) -> ModelConfig:
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=_gguf_local_rope_theta(key, arch) if arch in LOCAL_ROPE_FAMILIES and window else None,
-        **_gguf_experts(key, names, layers, arch),
+        **_gguf_experts(key, reader, layers, arch),
         nope_layers=_gguf_nope_layers(arch, layers, window, sliding),
         **_gguf_softcaps(key, arch),
         **_gguf_biases(arch, names),
@@ -588,11 +610,13 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     # a shared expert beside routed ones (llama.cpp writes its width for Granite 4.0's dense models too, unused there),
     # but Qwen2-MoE's
     shared = ("expert_shared_count", "expert_shared_feed_forward_length") if key("expert_count") else ()
-    shared = () if arch == "qwen2moe" else shared
+    shared = () if arch in ("qwen2moe", "ernie4_5-moe") else shared
     # next-token prediction layers after the model's own (GLM's), which llama.cpp's graph leaves out
     for name in (*softcaps, *shared, "nextn_predict_layers"):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
+    if key("expert_weights_scale", 0.0) not in (0.0, 1.0):  # llama.cpp scales the routed experts' weights by it
+        raise refuse(f"{arch}.expert_weights_scale", key("expert_weights_scale"), "unset, 0 or 1")
     if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:
         raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), f"{GATING_SOFTMAX} (softmax)")
 
@@ -701,32 +725,40 @@ def _gemma_attention_scale(arch: str, hidden: int, heads: int, head_dim: int | N
     return 1.0 / math.sqrt(hidden / heads if big else head_dim or hidden // heads)
 
 
-def _gguf_experts(key, names: set[str], layers: int, arch: str) -> dict:
+def _gguf_experts(key, reader, layers: int, arch: str) -> dict:
     """The experts as llama.cpp routes them; gpt-oss's graph takes the softmax of the chosen experts' logits (which
     is renormalising) whatever the file says."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
+    names = {t.name for t in reader.tensors}
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    sparse = next((i for i in range(layers) if i not in dense), 0)
     return dict(
         num_experts=experts,
         experts_per_token=key("expert_used_count"),
         expert_intermediate_size=key("expert_feed_forward_length"),
         normalize_expert_weights=_gguf_normalizes_experts(key, arch),
         dense_layers=dense,
-        shared_expert_size=_gguf_shared_expert_size(key, names, arch),
+        shared_expert_size=_gguf_shared_expert_size(key, reader, arch, sparse),
+        shared_expert_gated=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in names,
+        expert_selection_bias=f"blk.{sparse}.exp_probs_b.bias" in names,
     )
 
 
 def _gguf_normalizes_experts(key, arch: str) -> bool:
-    """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, Qwen2-MoE's never does (whatever
-    its checkpoint's norm_topk_prob), the others as the file says."""
-    return arch == "gpt-oss" or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
+    """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, as ERNIE 4.5's graph does, Qwen2-MoE's
+    never does (whatever its checkpoint's norm_topk_prob), the others as the file says."""
+    return arch in ("gpt-oss", "ernie4_5-moe") or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
 
 
-def _gguf_shared_expert_size(key, names: set[str], arch: str) -> int:
-    """Qwen2-MoE's shared expert: its width as the file states it, else the dense MLP's (llama.cpp's default)."""
-    if arch != "qwen2moe" or "blk.0.ffn_gate_inp_shexp.weight" not in names:
+def _gguf_shared_expert_size(key, reader, arch: str, layer: int) -> int:
+    """The shared expert's width: Qwen2-MoE's as the file states it, else the dense MLP's (llama.cpp's default);
+    ERNIE 4.5's as its tensors hold it (its converter states a width of its own reckoning, which llama.cpp's loader
+    checks against them)."""
+    if arch == "ernie4_5-moe":
+        return next((int(t.shape[1]) for t in reader.tensors if t.name == f"blk.{layer}.ffn_up_shexp.weight"), 0)
+    if arch != "qwen2moe" or not any(t.name == "blk.0.ffn_gate_inp_shexp.weight" for t in reader.tensors):
         return 0
     return int(key("expert_shared_feed_forward_length") or key("feed_forward_length"))
 

@@ -329,20 +329,26 @@ class MLP(nn.Module):
 
 class Router(nn.Module):
     """A mixture of experts' router: softmax over every expert's logit (in float32; gpt-oss's biased), the top k
-    kept, their weights rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob;
-    gpt-oss's softmax over the top k's logits is that)."""
+    kept (chosen by probability, or by probability plus a bias of each expert's: ERNIE 4.5's), their weights
+    rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob; gpt-oss's softmax over
+    the top k's logits is that)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_bias else None
+        self.selection_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_selection_bias else None
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
         logits = row_invariant_linear(x, self.weight)
         probs = torch.softmax((logits if self.bias is None else logits + self.bias).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.selection_bias is None:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            experts = torch.topk(probs + self.selection_bias.float(), self.top_k, dim=-1).indices
+            weights = probs.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
@@ -363,7 +369,8 @@ class SparseMoE(nn.Module):
     """Experts in place of the MLP. The rows of a call are grouped by expert, so each chosen expert's weights
     are read once per call for all the rows routed to it (a verify of k + 1 rows reads the union of their
     experts). Each row sums its experts' outputs in expert order, as transformers does, whatever the call; then,
-    where the family has one (Qwen2-MoE), a shared expert's output weighed by sigmoid(its gate's logit)."""
+    where the family has one, a shared expert's output, weighed by sigmoid(its gate's logit) (Qwen2-MoE) or not
+    (ERNIE 4.5)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -371,14 +378,17 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg, cfg.expert_size, cfg.expert_bias) for _ in range(cfg.num_experts))
         if cfg.shared_expert_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_size)
+        if cfg.shared_expert_size and cfg.shared_expert_gated:
             self.shared_expert_gate = SharedExpertGate(cfg.hidden_size)
         self.kernel = None  # a backend may attach one for the routed experts (executor/experts.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         routed = self.kernel(self, flat) if self.kernel is not None else self.routed(flat)
-        if hasattr(self, "shared_expert"):
+        if hasattr(self, "shared_expert_gate"):
             routed = routed + self.shared_expert_gate(flat) * self.shared_expert(flat)
+        elif hasattr(self, "shared_expert"):
+            routed = routed + self.shared_expert(flat)
         return routed.view_as(x)
 
     def routed(self, flat: torch.Tensor) -> torch.Tensor:
