@@ -68,11 +68,8 @@ GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's
 # and q/k norms over each projection's whole width
 OLMO_FAMILIES = ("olmo2", "olmo3")
 POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
-SANDWICH_FAMILIES = (
-    *GEMMA_FAMILIES,
-    "glm4",
-    *POST_NORM_FAMILIES,
-)  # attention and MLP outputs normalised before the add
+# attention and MLP outputs normalised before the residual add
+SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4", *POST_NORM_FAMILIES)
 # families whose sliding layers turn by RoPE of their own: unscaled, and Gemma 3's of another base
 LOCAL_ROPE_FAMILIES = ("gemma3_text", "gemma3", "olmo3", "olmo2")
 # what transformers' config classes assume where a config.json leaves a field out, and the runtime reads otherwise
