@@ -440,11 +440,10 @@ def _mismatch(made, family: str, source: str) -> bool:
 def test_glms_half_head_paired_over_the_whole_head_fails_the_comparison(made, family, source, monkeypatch):
     """GLM turns the adjacent pairs of each head's first half only: its q/k rows reordered as though the whole head
     turned (ERNIE's) give other logits, from the folder and from llama.cpp's conversions (glm4, chatglm)."""
-    from specdecode.models import checkpoints, gguf_loader
+    from specdecode.models import checkpoints
 
-    whole = checkpoints.unpermute_rope
+    whole = checkpoints.unpermute_rope  # the reordering of either source's rows (checkpoints.halves_paired)
     monkeypatch.setattr(checkpoints, "unpermute_rope", lambda w, heads, turned=None: whole(w, heads))
-    monkeypatch.setattr(gguf_loader, "unpermute_rope", lambda w, heads, turned=None: whole(w, heads))
     assert _mismatch(made, family, source)
 
 

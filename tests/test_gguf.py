@@ -11,7 +11,8 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from test_runtime import _reference
 
-from specdecode.models.gguf_loader import dequantize_tensor, load_gguf, unpermute_rope
+from specdecode.models.checkpoints import unpermute_rope
+from specdecode.models.gguf_loader import dequantize_tensor, load_gguf
 from specdecode.models.runtime import build_model
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0]

@@ -209,8 +209,7 @@ class StaticBatch:
 
     def attend(self, q, keys, values, window: int | None, scale: float, softcap=None, sinks=None) -> torch.Tensor:
         """q [B, H, R, D] over keys and values [B, Hkv, K, D] (sinks: [H] or None), each row seeing the keys up to its
-        position. The
-        query heads that share a KV head are folded into the query length ([B, Hkv, G x R, D]): one
+        position. The query heads that share a KV head are folded into the query length ([B, Hkv, G x R, D]): one
         memory-efficient attention call, where `enable_gqa` with a mask falls back to the unfused one."""
         batch, heads, rows, dim = q.shape
         kv_heads = keys.shape[1]

@@ -44,8 +44,7 @@ class ExpertsKernel:
         experts = moe.experts
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
         return (
-            moe.gate.bias is None
-            and moe.gate.selection_bias is None
+            moe.gate.plain
             and experts[0].activation == "silu"
             and all(
                 isinstance(x, BlockLinear)

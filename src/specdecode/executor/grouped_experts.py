@@ -246,16 +246,11 @@ def _stacked(layers) -> torch.Tensor:
     return stacked
 
 
-def _routes_plainly(moe) -> bool:
-    """A router the kernels compute (unbiased, choosing by probability) over experts of an activation they take."""
-    return moe.experts[0].activation in ACTIVATION_IDS and moe.gate.bias is None and moe.gate.selection_bias is None
-
-
 def attach_grouped_experts(model) -> int:
     """Give the model's mixture-of-experts layers the kernels, where they agree with PyTorch's path on the first
     layer's experts on this device (else every layer keeps PyTorch's path, the reason logged); how many it did."""
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    if not layers or not all(_routes_plainly(m) for m in layers):
+    if not layers or not all(m.gate.plain and m.experts[0].activation in ACTIVATION_IDS for m in layers):
         return 0
     for moe in layers:
         moe.kernel = GroupedExperts(moe)

@@ -54,9 +54,9 @@ def unpermute_rope(w, n_heads: int, turned: int | None = None):
     return w.reshape(n_heads, size, *w.shape[1:])[:, order].reshape(w.shape)
 
 
-def halves_paired(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's query or key rows (weights, biases) in the runtime's RoPE pairs, where its family pairs adjacent
-    dimensions; any other tensor as it is."""
+def halves_paired(cfg: ModelConfig, name: str, tensor):
+    """A checkpoint's query or key rows (weights, biases; torch or a GGUF's numpy rows) in the runtime's RoPE pairs,
+    where they pair adjacent dimensions; any other tensor as it is."""
     m = re.fullmatch(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj)\.(weight|bias)", name)
     if not m:
         return tensor

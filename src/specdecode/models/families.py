@@ -569,7 +569,7 @@ def from_gguf(reader) -> ModelConfig:
         sliding_window=window,
         sliding_layers=sliding,
         local_rope_theta=_gguf_local_rope_theta(key, arch) if arch in LOCAL_ROPE_FAMILIES and window else None,
-        **_gguf_experts(key, reader, layers, arch),
+        **_gguf_experts(key, reader, names, layers, arch),
         nope_layers=_gguf_nope_layers(arch, layers, window, sliding),
         **_gguf_softcaps(key, arch),
         **_gguf_biases(arch, names),
@@ -722,13 +722,12 @@ def _gemma_attention_scale(arch: str, hidden: int, heads: int, head_dim: int | N
     return 1.0 / math.sqrt(hidden / heads if big else head_dim or hidden // heads)
 
 
-def _gguf_experts(key, reader, layers: int, arch: str) -> dict:
+def _gguf_experts(key, reader, names: set[str], layers: int, arch: str) -> dict:
     """The experts as llama.cpp routes them; gpt-oss's graph takes the softmax of the chosen experts' logits (which
     is renormalising) whatever the file says."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
-    names = {t.name for t in reader.tensors}
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
     sparse = next((i for i in range(layers) if i not in dense), 0)
     return dict(
@@ -737,7 +736,7 @@ def _gguf_experts(key, reader, layers: int, arch: str) -> dict:
         expert_intermediate_size=key("expert_feed_forward_length"),
         normalize_expert_weights=_gguf_normalizes_experts(key, arch),
         dense_layers=dense,
-        shared_expert_size=_gguf_shared_expert_size(key, reader, arch, sparse),
+        shared_expert_size=_gguf_shared_expert_size(key, reader, names, arch, sparse),
         shared_expert_gated=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in names,
         expert_selection_bias=f"blk.{sparse}.exp_probs_b.bias" in names,
     )
@@ -749,13 +748,13 @@ def _gguf_normalizes_experts(key, arch: str) -> bool:
     return arch in ("gpt-oss", "ernie4_5-moe") or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
 
 
-def _gguf_shared_expert_size(key, reader, arch: str, layer: int) -> int:
+def _gguf_shared_expert_size(key, reader, names: set[str], arch: str, layer: int) -> int:
     """The shared expert's width: Qwen2-MoE's as the file states it, else the dense MLP's (llama.cpp's default);
     ERNIE 4.5's as its tensors hold it (its converter states a width of its own reckoning, which llama.cpp's loader
     checks against them)."""
     if arch == "ernie4_5-moe":
         return next((int(t.shape[1]) for t in reader.tensors if t.name == f"blk.{layer}.ffn_up_shexp.weight"), 0)
-    if arch != "qwen2moe" or not any(t.name == "blk.0.ffn_gate_inp_shexp.weight" for t in reader.tensors):
+    if arch != "qwen2moe" or "blk.0.ffn_gate_inp_shexp.weight" not in names:
         return 0
     return int(key("expert_shared_feed_forward_length") or key("feed_forward_length"))
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .checkpoints import INTERLEAVED_ROPE_FAMILIES, as_computed, gguf_parts, unpermute_rope
+from .checkpoints import INTERLEAVED_ROPE_FAMILIES, as_computed, gguf_parts, halves_paired
 from .families import from_gguf
 
 # GGUF architectures whose files hold q/k rows interleaved: llama.cpp's converter permutes its LlamaModel's so, and
@@ -87,10 +87,8 @@ def _named_part(cfg: ModelConfig, name: str, w: np.ndarray, raw_tensor):
 def runtime_rows(cfg: ModelConfig, name: str, w: np.ndarray) -> torch.Tensor:
     """A GGUF matrix (or a LoRA adapter's B, whose rows are its layer's output rows) as the runtime computes with the
     weight `name`: q/k rows back in the order llama.cpp's converter interleaved."""
-    if cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("q_proj.weight", "q_proj.bias")):
-        w = unpermute_rope(w, cfg.num_heads, cfg.rotary_dim)  # a permutation of whole rows: blocks move with them
-    elif cfg.arch in PERMUTED_ROPE_FAMILIES and name.endswith(("k_proj.weight", "k_proj.bias")):
-        w = unpermute_rope(w, cfg.num_kv_heads, cfg.rotary_dim)
+    if cfg.arch in PERMUTED_ROPE_FAMILIES:
+        w = halves_paired(cfg, name, w)  # a permutation of whole rows: blocks move with them
     return as_computed(cfg, name, torch.from_numpy(np.ascontiguousarray(w) if w.flags.writeable else w.copy()))
 
 

@@ -340,6 +340,11 @@ class Router(nn.Module):
         self.selection_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_selection_bias else None
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
 
+    @property
+    def plain(self) -> bool:
+        """Unbiased, choosing by probability: the router the experts kernels compute inside their call."""
+        return self.bias is None and self.selection_bias is None
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
         logits = row_invariant_linear(x, self.weight)
