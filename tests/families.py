@@ -312,6 +312,17 @@ FAMILIES = {
             moe_layer_start_index=1,
         ),
     ),
+    # Command-R and Aya: LayerNorms, attention and the MLP side by side on one norm, RoPE over adjacent dimensions, the
+    # logits multiplied by logit_scale (its own 0.0625)
+    "cohere": Family("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.0625), tokenizer="ggml-vocab-qwen2.gguf"),
+    # Command R7B and Command A: Cohere's layers, three of four sliding over 12 keys, the fourth attending to all
+    # without RoPE; llama.cpp's converter reads rotary_pct (1 in Command R7B's config.json)
+    "cohere2": Family(
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(num_hidden_layers=4, sliding_window=12, logit_scale=0.25, rotary_pct=1.0),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -17,8 +17,9 @@ from families import FAMILIES, SPM_VOCAB, convert, make_checkpoint, reference_mo
 from specdecode import LLM, SamplingParams
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.gguf_loader import load_gguf
+from specdecode.models.layers import normed_and_summed
 from specdecode.models.loader import _load_hf_checkpoint, load_model
-from specdecode.models.runtime import Attention, build_model
+from specdecode.models.runtime import Attention, DecoderLayer, build_model
 
 POSITIONS = 64
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
@@ -204,6 +205,9 @@ def _longrope_swapped(cfg) -> tuple:
         ("gpt_oss", lambda cfg: dataclasses.replace(cfg, activation="silu")),  # SwiGLU unclamped, up without its 1
         ("gpt_oss", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
         ("qwen2_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=True)),
+        ("cohere", lambda cfg: dataclasses.replace(cfg, layer_norms=False)),  # RMSNorms in the LayerNorms' place
+        ("cohere2", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE on its global layers
+        ("cohere2", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -235,6 +239,9 @@ def _longrope_swapped(cfg) -> tuple:
         "gpt-oss-plain-swiglu",
         "gpt-oss-window",
         "qwen2-moe-weights-renormalised",
+        "cohere-rms-norms",
+        "cohere2-rope-on-global-layers",
+        "cohere2-window",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -399,29 +406,33 @@ def test_a_longrope_without_its_factors_is_refused():
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_granites_logits_divided_otherwise_fail_the_comparison(made, source, monkeypatch):
-    """Granite's logits_scaling is folded into the final norm's weights at load: without the fold, from the folder or
-    the GGUF, the logits are transformers' times the divisor."""
+@pytest.mark.parametrize("family, divisor", [("granite", 8.0), ("cohere", 16.0)])
+def test_logits_scaled_otherwise_fail_the_comparison(made, family, divisor, source, monkeypatch):
+    """Granite's logits_scaling (a divisor) and Cohere's logit_scale (a multiplier: 0.0625) are folded into the final
+    norm's weights at load: without the fold, from the folder or the GGUF, the logits are transformers' times the
+    divisor."""
     from specdecode.models import checkpoints
 
     monkeypatch.setattr(checkpoints, "folded_logit_scale", lambda cfg, name, tensor: tensor)  # either source's
-    folder, gguf, reference = made("granite")
+    folder, gguf, reference = made(family)
     cfg, tensors = _from(source, folder, gguf)
     ids = _prompt(cfg.vocab_size)
     got, expected = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
-    assert cfg.logit_scale == 8.0 and not torch.allclose(got, expected, **TOLERANCE)
-    torch.testing.assert_close(got / 8.0, expected, **TOLERANCE)
+    assert cfg.logit_scale == divisor and not torch.allclose(got, expected, **TOLERANCE)
+    torch.testing.assert_close(got / divisor, expected, **TOLERANCE)
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_ernies_rope_pairs_left_adjacent_fail_the_comparison(made, source, monkeypatch):
-    """ERNIE 4.5 turns adjacent dimensions together: its q/k rows, from the folder or the GGUF (llama.cpp stores them
-    as they are), are reordered to the runtime's pairs at load; without it the logits are not transformers'."""
+@pytest.mark.parametrize("family", ["ernie4_5", "cohere"])
+def test_rope_over_adjacent_dimensions_left_in_their_order_fails_the_comparison(made, family, source, monkeypatch):
+    """ERNIE 4.5 and Cohere turn adjacent dimensions together: their q/k rows, from the folder or the GGUF (llama.cpp
+    stores them as they are), are reordered to the runtime's pairs at load; without it the logits are not
+    transformers'."""
     from specdecode.models import checkpoints, gguf_loader
 
     monkeypatch.setattr(checkpoints, "INTERLEAVED_ROPE_FAMILIES", ())
     monkeypatch.setattr(gguf_loader, "PERMUTED_ROPE_FAMILIES", ("llama",))
-    folder, gguf, reference = made("ernie4_5")
+    folder, gguf, reference = made(family)
     cfg, tensors = _from(source, folder, gguf)
     ids = _prompt(cfg.vocab_size)
     got, expected = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), _expected(reference, ids)
@@ -545,6 +556,21 @@ def test_ernie_moes_experts_weighed_by_their_biased_scores_fail_the_comparison(m
     assert _mismatch(made, "ernie4_5_moe", "hf")
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_cohere_blocks_in_sequence_fail_the_comparison(made, source, monkeypatch):
+    """Cohere's attention and MLP read the same norm of the stream: with the MLP reading the stream after attention's
+    output has joined it (the one norm again, as a sequential block's), the logits are not transformers'."""
+
+    def in_sequence(self, x, residual, rope, batch, cache):
+        normed, residual = normed_and_summed(self.input_layernorm, x, residual)
+        attended = self.self_attn(self.self_attn.qkv_proj(normed), rope[self.self_attn.rope], batch, cache)
+        residual = residual + attended
+        return self.mlp(self.input_layernorm(residual)), residual
+
+    monkeypatch.setattr(DecoderLayer, "_parallel", in_sequence)
+    assert _mismatch(made, "cohere", source)
+
+
 def test_qwen2_moes_shared_expert_unweighed_by_its_gate_fails_the_comparison(made, monkeypatch):
     from specdecode.models.layers import SharedExpertGate
 
@@ -653,7 +679,9 @@ GRANITE_DENSE = dict(
             "rope_scaling.mscale",
         ),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
-        (dict(model_type="cohere2"), "model_type"),
+        (dict(model_type="deepseek_v3"), "model_type"),
+        (dict(model_type="cohere", use_qk_norm=True), "use_qk_norm"),  # Command R+'s per-head LayerNorms
+        (dict(model_type="cohere2", rotary_pct=0.5), "rotary_pct"),  # transformers turns all, llama.cpp half
         (dict(model_type="gpt_oss", swiglu_limit=5.0), "swiglu_limit"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),
@@ -797,6 +825,10 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     scaled = with_metadata(moe, tmp_path / "scaled-experts.gguf", {"qwen3moe.expert_weights_scale": 2.5})
     with pytest.raises(SpecDecodeError, match="qwen3moe.expert_weights_scale is 2.5"):
         load_gguf(str(scaled), progress=False)
+    # Command R+'s per-head LayerNorms of queries and keys
+    normed = with_metadata(made("cohere")[1], tmp_path / "qk-norms.gguf", {}, extra_tensor="blk.0.attn_q_norm.weight")
+    with pytest.raises(SpecDecodeError, match="command-r attn_q_norm is"):
+        load_gguf(str(normed), progress=False)
     # GLM's next-token prediction layers, counted among its blocks: llama.cpp's graph leaves them out
     nextn = with_metadata(made("glm4")[1], tmp_path / "nextn.gguf", {"glm4.nextn_predict_layers": 1})
     with pytest.raises(SpecDecodeError, match="glm4.nextn_predict_layers is 1"):
@@ -816,6 +848,23 @@ def test_a_glm_config_json_without_its_rotary_fields_reads_as_transformers_does(
     assert (cfg.dim_per_head, cfg.rotary_dim, cfg.qkv_bias) == (reference.head_dim, 64, reference.attention_bias)
     assert reference.rope_parameters["partial_rotary_factor"] == 0.5
     assert from_hf_config(dict(fields, model_type="llama")).rotary_dim is None
+
+
+def test_a_cohere_config_json_without_its_tying_and_logit_scale_reads_as_transformers_does():
+    """transformers' Cohere configs tie the embeddings and scale the logits by 0.0625 where config.json leaves them out;
+    Cohere 2's head is hidden / heads wide whatever config.json says."""
+    from transformers import Cohere2Config, CohereConfig
+
+    from specdecode.models.families import from_hf_config
+
+    fields = {k: v for k, v in LLAMA.items() if k not in ("model_type", "tie_word_embeddings")}
+    for family, reference in (("cohere", CohereConfig(**fields)), ("cohere2", Cohere2Config(**fields))):
+        cfg = from_hf_config(dict(fields, model_type=family, head_dim=7))
+        assert cfg.tie_word_embeddings == reference.tie_word_embeddings is True
+        assert cfg.logit_scale == 1 / reference.logit_scale == 16
+    assert (
+        from_hf_config(dict(fields, model_type="cohere2", head_dim=7)).dim_per_head == Cohere2Config(**fields).head_dim
+    )
 
 
 # ---- sampled speculation on a mixture of experts follows the target exactly ---------------------------------

@@ -150,6 +150,26 @@ SHAPES = {
             eos_token_id=2,
         ),
     ),
+    # Command R7B's layers (LayerNorms, attention and MLP side by side, three of four sliding, the fourth without
+    # RoPE, logits scaled) at Llama-3.2-1B's size, with Qwen's vocabulary (its converter takes byte-level BPE ones
+    # only; Command R7B's has 256k tokens), tied
+    "cohere2-1b": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            sliding_window=4096,
+            logit_scale=0.25,
+            rotary_pct=1.0,
+            max_position_embeddings=131072,
+            rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+        ),
+    ),
 }
 
 

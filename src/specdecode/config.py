@@ -389,6 +389,9 @@ class ModelConfig:
     shared_expert_gated: bool = True
     # a per-expert bias added to the router's probabilities to choose the top k, not to weigh them (ERNIE 4.5's)
     expert_selection_bias: bool = False
+    layer_norms: bool = False  # norms subtract each row's mean first (LayerNorm without a bias: Cohere's); else RMSNorm
+    # attention and the MLP both read one norm of the stream, and their outputs join it together (Cohere)
+    parallel_blocks: bool = False
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..executor.backends import resolve_dtype
 from ..models.draft_head import DraftHead
-from ..models.layers import Linear, RMSNorm, softcapped
+from ..models.layers import Linear, softcapped
 from .data import FeatureSet
 from .recipe import Recipe
 
@@ -27,7 +27,7 @@ from .recipe import Recipe
 def trainable(head: DraftHead) -> DraftHead:
     """The head with float, differentiable copies of the target's frozen parts (its norm and LM head rows
     may run on kernels that have no backward)."""
-    norm = RMSNorm(head.norm.weight.shape[0], head.norm.eps)
+    norm = type(head.norm)(head.norm.weight.shape[0], head.norm.eps)  # the target's kind: RMSNorm or LayerNorm
     norm.weight = nn.Parameter(head.norm.weight.detach().float().clone(), requires_grad=False)
     lm_head = Linear(head.cfg.hidden_size, len(head.vocab_ids), bias=False)
     weight = head.lm_head.dequantize() if hasattr(head.lm_head, "dequantize") else head.lm_head.weight

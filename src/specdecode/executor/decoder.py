@@ -235,6 +235,7 @@ def runs_in_one_call(layer) -> bool:
     return (
         isinstance(attn.rowwise_kernel, RowwiseAttentionKernel)
         and not attn.whole_qk_norms
+        and not layer.parallel
         and all(isinstance(n.kernel, NormKernel) and n.eps == norms[0].eps for n in norms)
         and _mlp_runs_in_one_call(layer.mlp)
         and all(_parts(p) is not None for p in (attn.qkv_proj, attn.o_proj))

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import KEY_TILE
-from ..models.layers import fused_form
+from ..models.layers import RMSNorm, fused_form
 from .gemv import NORMED, PLAIN, TILE_ROWS, GemvConfig, product, split_sums
 from .kv_layout import key_offset, value_offset
 
@@ -191,5 +191,6 @@ def rotated_projection(attention, norm, x: torch.Tensor, residual: torch.Tensor 
     values in the cache: by the projection's kernel (and the merge of K's splits), where it takes this call and passed
     the start-up check; else None."""
     linear = attention.qkv_proj
-    normed = fused_form(linear, "normed") if getattr(linear.kernel, "rope_epilogue", False) else None
+    takes = getattr(linear.kernel, "rope_epilogue", False) and isinstance(norm, RMSNorm)  # its prologue's norm
+    normed = fused_form(linear, "normed") if takes else None
     return None if normed is None else normed(linear, norm, x, residual, partial(projected, store=store))

@@ -12,14 +12,14 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .families import LONGROPE_TENSORS
+from .families import COHERE_FAMILIES, LONGROPE_TENSORS
 
 # ---- Hugging Face checkpoints --------------------------------------------------------------------------
 
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # families whose RoPE turns adjacent dimensions together (GPT-J's, llama.cpp's "norm" RoPE): their checkpoints' q/k
-# rows are reordered to the runtime's pairs (d, d + D/2), as a Llama GGUF's are (gguf_loader)
-INTERLEAVED_ROPE_FAMILIES = ("ernie4_5", "ernie4_5_moe", "ernie4_5-moe", "glm", "glm4", "chatglm")  # both sources'
+# rows are reordered to the runtime's pairs (d, d + D/2), as a Llama GGUF's are (gguf_loader); both sources' names
+INTERLEAVED_ROPE_FAMILIES = ("ernie4_5", "ernie4_5_moe", "ernie4_5-moe", "glm", "glm4", "chatglm", *COHERE_FAMILIES)
 # GLM-4's sandwich norms under Llama's names, one of them for another norm: its post_attention_layernorm is the one
 # before the MLP, as in Llama
 GLM4_NORMS = {

@@ -63,8 +63,9 @@ def target_fingerprint(model: Transformer) -> str:
     target holds them in: a float32 and a bfloat16 target (`--dtype auto` on a CPU with native bf16) of
     the same file agree, and so do the same weights run with a RoPE scaling of the user's (LLM's rope_scaling)."""
     h = hashlib.sha256(repr(getattr(model, "native_cfg", model.cfg)).encode())
-    for norm in (model.norm, model.layers[-1].input_layernorm, model.layers[0].post_attention_layernorm):
-        if hasattr(norm, "weight"):  # OLMo 2's layers have no input norm (layers.Unnormed)
+    first, last = model.layers[0], model.layers[-1]
+    for norm in (model.norm, last.input_layernorm, getattr(first, "post_attention_layernorm", None)):
+        if hasattr(norm, "weight"):  # OLMo 2's layers have no input norm (layers.Unnormed), Cohere's no second
             h.update(norm.weight.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 

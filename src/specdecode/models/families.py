@@ -40,6 +40,8 @@ HF_FAMILIES = (
     "olmo3",
     "exaone4",
     "ernie4_5_moe",
+    "cohere",
+    "cohere2",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -61,6 +63,8 @@ GGUF_FAMILIES = (
     "olmo2",
     "exaone4",
     "ernie4_5-moe",
+    "command-r",
+    "cohere2",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
@@ -68,6 +72,10 @@ GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's
 # and q/k norms over each projection's whole width
 OLMO_FAMILIES = ("olmo2", "olmo3")
 POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
+# Cohere's (config.json's cohere and cohere2, GGUF's command-r and cohere2): LayerNorms, attention and the MLP side by
+# side, the logits multiplied by logit_scale
+COHERE_FAMILIES = ("cohere", "cohere2", "command-r")
+NORM_EPS_KEY = dict.fromkeys(COHERE_FAMILIES, "attention.layer_norm_epsilon")  # a GGUF's LayerNorms' (else RMSNorms')
 # attention and MLP outputs normalised before the residual add
 SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4", *POST_NORM_FAMILIES)
 # families whose sliding layers turn by RoPE of their own: unscaled, and Gemma 3's of another base
@@ -77,12 +85,13 @@ LOCAL_ROPE_FAMILIES = ("gemma3_text", "gemma3", "olmo3", "olmo2")
 HF_DEFAULTS = {
     **dict.fromkeys(("glm", "glm4"), {"partial_rotary_factor": 0.5, "head_dim": 128, "attention_bias": True}),
     "seed_oss": {"head_dim": 128, "attention_bias": True},
+    **dict.fromkeys(("cohere", "cohere2"), {"tie_word_embeddings": True, "logit_scale": 0.0625}),
 }
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
 WINDOW_PATTERN = {
     **{"gemma3_text": 6, "gemma3": 6, "gemma2": 2, "gpt_oss": 2, "gpt-oss": 2},
-    **{"olmo3": 4, "olmo2": 4, "exaone4": 4},
+    **{"olmo3": 4, "olmo2": 4, "exaone4": 4, "cohere2": 4},
 }
 EXAONE4_WINDOWED_LAYERS = 64  # llama.cpp slides EXAONE 4's layers only in a file of this many (its 32B)
 # Gemma 2's soft caps of attention scores and logits: ModelConfig's field, and the config.json and GGUF key that sets
@@ -120,10 +129,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         )
     if family not in HF_FAMILIES:
         raise refuse("model_type", family, ", ".join(HF_FAMILIES))
-    if family == "granitemoehybrid":
-        cfg = granite_hybrid_as_dense(cfg)
-        family = "granite"
-    cfg = {**HF_DEFAULTS.get(family, {}), **cfg}
+    cfg, family = _as_transformers_reads(cfg, family)
     _check_common_fields(cfg, family)
     gemma = family in GEMMA_FAMILIES
     heads = cfg["num_attention_heads"]
@@ -160,12 +166,27 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         **_hf_softcaps(cfg, family),
         **_hf_gpt_oss(cfg, family),
         **_hf_output_bias(cfg, family),
+        **_hf_cohere(cfg, family),
     )
     described = with_rope_attention_factor(described)
     if family not in GRANITE_FAMILIES:
         return described
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return with_granite_multipliers(described, *(float(cfg.get(name, 1.0)) for name in names))
+
+
+def _as_transformers_reads(cfg: dict, family: str) -> tuple[dict, str]:
+    """(config.json's fields, family) with transformers' defaults where it leaves them out, under the names the
+    runtime reads: Granite 4.0's dense hybrid as a Granite, Cohere's layer_norm_eps as rms_norm_eps, Cohere 2's head
+    size dropped (transformers sets it to hidden / heads, whatever config.json says)."""
+    if family == "granitemoehybrid":
+        cfg, family = granite_hybrid_as_dense(cfg), "granite"
+    cfg = {**HF_DEFAULTS.get(family, {}), **cfg}
+    if family == "cohere2":
+        cfg.pop("head_dim", None)
+    if family in COHERE_FAMILIES:
+        cfg["rms_norm_eps"] = cfg.get("layer_norm_eps", 1e-5)
+    return cfg, family
 
 
 def granite_hybrid_as_dense(cfg: dict) -> dict:
@@ -406,8 +427,9 @@ def _hf_nope_layers(cfg: dict) -> tuple[int, ...]:
 
 
 def _global_nope(family: str, window: int | None, sliding: tuple[int, ...] | None, cfg: dict) -> tuple[int, ...]:
-    """EXAONE 4's full-attention layers, which turn no position into queries and keys where others slide."""
-    if family != "exaone4" or window is None or sliding is None:
+    """EXAONE 4's and Cohere 2's full-attention layers, which turn no position into queries and keys where others
+    slide."""
+    if family not in ("exaone4", "cohere2") or window is None or sliding is None:
         return ()
     return tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding)
 
@@ -502,6 +524,22 @@ def _hf_output_bias(cfg: dict, family: str) -> dict:
     return dict(o_bias=True) if cfg.get("attention_out_bias") else {}
 
 
+def _hf_cohere(cfg: dict, family: str) -> dict:
+    """Cohere's LayerNorms, attention and MLP side by side, and its logits multiplied by logit_scale (the runtime's
+    logit_scale divides). Command R+'s q/k norms (a LayerNorm of each head with weights of its own) are refused, as is
+    a rotary_pct short of 1, which transformers ignores and llama.cpp's converter writes as partial rotary."""
+    if family not in COHERE_FAMILIES:
+        return {}
+    if cfg.get("use_qk_norm"):
+        raise refuse("use_qk_norm", True, "false (Command R+'s per-head LayerNorms of queries and keys are not built)")
+    if cfg.get("rotary_pct", 1.0) != 1.0:
+        raise refuse(
+            "rotary_pct", cfg["rotary_pct"], "1 (transformers turns every dimension, llama.cpp's converter not)"
+        )
+    scale = float(cfg["logit_scale"])
+    return dict(layer_norms=True, parallel_blocks=True, logit_scale=1.0 / scale if scale != 1.0 else None)
+
+
 # ---- GGUF ----------------------------------------------------------------------------------------------
 
 
@@ -552,7 +590,7 @@ def from_gguf(reader) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=float(key(NORM_EPS_KEY.get(arch, "attention.layer_norm_rms_epsilon"), 1e-6)),
         max_position=int(key("context_length", 4096)),
         qkv_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & names),
         tie_word_embeddings="output.weight" not in names,
@@ -573,6 +611,7 @@ def from_gguf(reader) -> ModelConfig:
         nope_layers=_gguf_nope_layers(arch, layers, window, sliding),
         **_gguf_softcaps(key, arch),
         **_gguf_biases(arch, names),
+        **_gguf_cohere(key, arch, names),
     )
     described = with_rope_attention_factor(described)
     if arch not in GRANITE_FAMILIES:
@@ -580,6 +619,17 @@ def from_gguf(reader) -> ModelConfig:
     default = 1.0 / math.sqrt(described.dim_per_head)  # llama.cpp's query scale where the file states none
     names = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", default), ("logit_scale", 1.0))
     return with_granite_multipliers(described, *(float(key(name, value)) for name, value in names))
+
+
+def _gguf_cohere(key, arch: str, names: set[str]) -> dict:
+    """Cohere's LayerNorms, attention and MLP side by side, and its logits multiplied by the file's logit_scale (by
+    none where it states none, as llama.cpp's graph); Command R+'s per-head q/k LayerNorms refused."""
+    if arch not in COHERE_FAMILIES:
+        return {}
+    if "blk.0.attn_q_norm.weight" in names:
+        raise refuse(f"{arch} attn_q_norm", "a LayerNorm of each query and key head", "none (Command R+'s, not built)")
+    scale = float(key("logit_scale", 1.0))
+    return dict(layer_norms=True, parallel_blocks=True, logit_scale=1.0 / scale if scale != 1.0 else None)
 
 
 def _gguf_nope_layers(arch: str, layers: int, window: int | None, sliding: tuple[int, ...] | None) -> tuple[int, ...]:

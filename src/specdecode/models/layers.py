@@ -56,7 +56,7 @@ class Linear(nn.Linear):
         return out
 
 
-class RMSNorm(nn.Module):
+class Norm(nn.Module):
     """norm(x); or, given the residual stream, adds x into it first and returns (norm(sum), sum): the
     residual add and the next norm are one step, which a backend's kernel does in one call.
 
@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = None  # a backend may attach one (see executor/elementwise.py), same signature as forward
+        self.kernel = None  # a backend may attach one to an RMSNorm (executor/elementwise.py), forward's signature
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.kernel is not None:
@@ -77,10 +77,24 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
+
+class RMSNorm(Norm):
+    """Each row divided by its root mean square, then weighted: what every backend's norm kernels compute."""
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm(Norm):
+    """A LayerNorm without a bias, computed in float32 as transformers computes Cohere's: each row's mean subtracted
+    first. No backend's kernel computes it."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        centred = x.float() - x.float().mean(-1, keepdim=True)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 class Unnormed(nn.Module):
@@ -96,9 +110,14 @@ class Unnormed(nn.Module):
         return x, x
 
 
+def stream_norm(cfg) -> Norm:
+    """A norm of the residual stream: the family's LayerNorm or RMSNorm."""
+    return (LayerNorm if cfg.layer_norms else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 def pre_norm(cfg) -> nn.Module:
     """The norm before a layer's attention or MLP, where the family has one."""
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else Unnormed()
+    return stream_norm(cfg) if cfg.pre_norms else Unnormed()
 
 
 def normed_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, **out):

@@ -30,10 +30,12 @@ from .layers import (
     attention,
     head_sinks,
     longrope_factors,
+    normed_and_summed,
     normed_linear,
     pre_norm,
     repeated_kv_heads,
     softcapped,
+    stream_norm,
 )
 
 REPEATS_KV_HEADS = {"cuda"}  # devices where masked attention repeats the KV heads for PyTorch's fused kernels
@@ -281,7 +283,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = pre_norm(cfg)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.parallel = cfg.parallel_blocks
+        if not self.parallel:
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = pre_norm(cfg)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -300,6 +304,8 @@ class DecoderLayer(nn.Module):
         residual stream: post_attention_layernorm normalises the attention output, and the add + norm before
         the MLP is pre_feedforward_layernorm's. Without pre-norms (OLMo 2) the add before attention or the MLP is
         all there is (layers.Unnormed)."""
+        if self.parallel:
+            return self._parallel(x, residual, rope, batch, cache)
         attention = self.self_attn
         attended, residual = attention.normed(self.input_layernorm, x, residual, rope[attention.rope], batch, cache)
         if hasattr(self, "post_feedforward_layernorm"):
@@ -311,6 +317,14 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(x), residual
 
+    def _parallel(self, x, residual, rope, batch, cache):
+        """Cohere's block: attention and the MLP read one norm of the stream, and both outputs join it, the attention
+        output first (the sum's order transformers adds in)."""
+        normed, residual = normed_and_summed(self.input_layernorm, x, residual)
+        attention = self.self_attn
+        attended = attention(attention.qkv_proj(normed), rope[attention.rope], batch, cache)
+        return self.mlp(normed), residual + attended
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -318,7 +332,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = stream_norm(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # RoPE scaled by factors stored with the weights gets its tables from the builder (set_rotary)
         self.rotary = None if dict(cfg.rope_scaling).get("rope_type") == "freq_factors" else self.set_rotary()
