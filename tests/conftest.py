@@ -220,6 +220,8 @@ def random_hf_weights(cfg: ModelConfig, seed: int, scale: float = 0.15) -> dict[
             w[p + "self_attn.sinks"] = rand(cfg.num_heads) * 10
         if cfg.is_sparse(i):
             w[p + "mlp.gate.weight"] = rand(cfg.num_experts, hidden) * 8
+            if cfg.expert_selection_bias:
+                w[p + "mlp.gate.selection_bias"] = rand(cfg.num_experts) * 2
             for e in range(cfg.num_experts):
                 w.update(_mlp_weights(rand, f"{p}mlp.experts.{e}.", hidden, cfg.expert_size))
         else:

@@ -323,6 +323,29 @@ FAMILIES = {
         dict(num_hidden_layers=4, sliding_window=12, logit_scale=0.25, rotary_pct=1.0),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # GLM-4.5 and 4.6 (and -Air): its first layer dense, then experts chosen by sigmoid score plus a bias of each,
+    # weighed by their renormalised scores times routed_scaling_factor, beside an ungated shared one; biased q/k/v, q/k
+    # norms per head (GLM-4.5's, not -Air's), half of each head turned as NeoX turns it; a next-token prediction layer
+    # after its own (written by with_prediction_layers), which transformers and llama.cpp's graph leave out
+    "glm4_moe": Family(
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            num_nextn_predict_layers=1,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+        added_tokens=("[gMASK]", "<|user|>", "<|observation|>"),
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -389,10 +412,32 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0, **overrides) -> Path
     model = getattr(transformers, family.model)(config).float()
     _randomise(model, family.norm_center, seed)
     model.save_pretrained(folder)
+    if options.get("num_nextn_predict_layers"):
+        with_prediction_layers(folder, options["num_hidden_layers"], options["num_nextn_predict_layers"])
     if per_layer:
         written = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**written, **per_layer}))
     return folder
+
+
+def with_prediction_layers(folder: Path, layers: int, count: int) -> None:
+    """The checkpoint with `count` next-token prediction layers after its `layers` own, named as GLM-4.5's hub
+    checkpoints name theirs (transformers' model has none to save): a copy of its last layer, and the projection and
+    norms that feed such a layer."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    last = f"model.layers.{layers - 1}."
+    hidden = tensors["model.norm.weight"].shape[0]
+    g = torch.Generator().manual_seed(layers)
+    for extra in range(layers, layers + count):
+        prefix = f"model.layers.{extra}."
+        tensors |= {prefix + name[len(last) :]: t.clone() for name, t in tensors.items() if name.startswith(last)}
+        tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(hidden)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def reference_model(folder: Path):
@@ -461,7 +506,9 @@ def _randomise(model, norm_center: float, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        # (GLM-4.5 holds its experts' selection bias as a buffer, saved as weights are)
+        biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, p in [*model.named_parameters(), *biases]:
             noise = torch.randn(p.shape, generator=g)
             if name.endswith("norm.weight"):
                 p.copy_(norm_center + 0.2 * noise)
@@ -470,7 +517,7 @@ def _randomise(model, norm_center: float, seed: int) -> None:
             elif name.endswith("mlp.gate.weight") or "block_sparse_moe.gate" in name or "moe.router" in name:
                 p.copy_(noise)  # routers: experts far apart, no near-ties in the top-k
             elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.3 * noise)  # ERNIE 4.5's: large enough beside the probabilities to change some choices
+                p.copy_(0.3 * noise)  # ERNIE 4.5's, GLM-4.5's: large enough beside the scores to change some choices
             elif name.endswith(("mlp.router.weight", "self_attn.sinks")):
                 p.copy_(noise)  # gpt-oss's router, and its sinks as large as scores
             elif gpt_oss and name.endswith("experts.gate_up_proj"):

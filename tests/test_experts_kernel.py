@@ -14,7 +14,7 @@ from specdecode.executor.quant import lowbit_kernel
 pytestmark = pytest.mark.skipif(lowbit_kernel() is None, reason="the low-bit kernel needs a C compiler")
 
 
-def _moe(quantization: str = "w8a8", experts: int = 8, top: int = 2, normalize: bool = True):
+def _moe(quantization: str = "w8a8", experts: int = 8, top: int = 2, normalize: bool = True, **router):
     cfg = tiny_config(
         arch="mixtral",
         hidden=64,
@@ -22,6 +22,7 @@ def _moe(quantization: str = "w8a8", experts: int = 8, top: int = 2, normalize: 
         num_experts=experts,
         experts_per_token=top,
         normalize_expert_weights=normalize,
+        **router,
     )
     model = build_quantized_model(
         cfg, quantize_weights(random_hf_weights(cfg, 0).items(), quantization), quantization, "cpu"
@@ -41,6 +42,31 @@ def test_the_kernel_computes_the_pytorch_paths_experts(quantization, normalize):
     got = moe(ROWS)
     moe.kernel = None
     torch.testing.assert_close(got, moe(ROWS), rtol=1e-5, atol=1e-5)
+
+
+# GLM-4.5's router (sigmoid scores, a selection bias, a scale) and ERNIE 4.5's (softmax, a selection bias): PyTorch's,
+# its choices handed to the kernel
+OTHER_ROUTERS = {
+    "sigmoid-biased-scaled": dict(expert_scoring="sigmoid", expert_selection_bias=True, expert_weights_scale=2.5),
+    "softmax-biased": dict(expert_selection_bias=True),
+}
+
+
+@pytest.mark.parametrize("router", OTHER_ROUTERS.values(), ids=OTHER_ROUTERS.keys())
+def test_the_kernel_computes_the_experts_another_router_chose(router):
+    moe = _moe(**router)
+    assert not moe.gate.plain
+    got = moe(ROWS)
+    moe.kernel = None
+    torch.testing.assert_close(got, moe(ROWS), rtol=1e-5, atol=1e-5)
+
+
+def test_routing_inside_the_kernel_under_another_router_fails_the_comparison(monkeypatch):
+    """The comparison above can fail: the kernel's own routing (a plain softmax router's) is not GLM-4.5's."""
+    moe = _moe(**OTHER_ROUTERS["sigmoid-biased-scaled"])
+    reference = moe(ROWS)
+    monkeypatch.setattr(type(moe.gate), "plain", property(lambda self: True))
+    assert not torch.allclose(moe(ROWS), reference, rtol=1e-3, atol=1e-3)
 
 
 def test_each_row_is_computed_as_if_alone():

@@ -208,6 +208,9 @@ def _longrope_swapped(cfg) -> tuple:
         ("cohere", lambda cfg: dataclasses.replace(cfg, layer_norms=False)),  # RMSNorms in the LayerNorms' place
         ("cohere2", lambda cfg: dataclasses.replace(cfg, nope_layers=())),  # RoPE on its global layers
         ("cohere2", lambda cfg: dataclasses.replace(cfg, sliding_window=None)),
+        ("glm4_moe", lambda cfg: dataclasses.replace(cfg, expert_scoring="softmax")),  # scored as Mixtral's
+        ("glm4_moe", lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0)),  # routed_scaling_factor left out
+        ("glm4_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -242,6 +245,9 @@ def _longrope_swapped(cfg) -> tuple:
         "cohere-rms-norms",
         "cohere2-rope-on-global-layers",
         "cohere2-window",
+        "glm4-moe-softmax-scores",
+        "glm4-moe-weights-unscaled",
+        "glm4-moe-weights-not-renormalised",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -529,10 +535,11 @@ def test_olmo3s_sliding_layers_scaled_as_its_full_ones_fail_the_comparison(made,
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_ernie_moes_selection_bias_left_out_fails_the_comparison(made, source):
-    """ERNIE 4.5 chooses its experts by probability plus a bias of each: chosen by probability alone (the bias zero),
+@pytest.mark.parametrize("family", ["ernie4_5_moe", "glm4_moe"])
+def test_experts_selection_bias_left_out_fails_the_comparison(made, family, source):
+    """ERNIE 4.5 and GLM-4.5 choose their experts by score plus a bias of each: chosen by score alone (the bias zero),
     other experts answer some tokens and the logits are not transformers'."""
-    folder, gguf, reference = made("ernie4_5_moe")
+    folder, gguf, reference = made(family)
     cfg, tensors = _from(source, folder, gguf)
     assert cfg.expert_selection_bias and not cfg.shared_expert_gated and cfg.dense_layers == (0,)
     unbiased = {n: torch.zeros_like(t) if n.endswith("selection_bias") else t for n, t in tensors.items()}
@@ -701,6 +708,7 @@ GRANITE_DENSE = dict(
         (dict(attention_out_bias=True), "attention_out_bias"),  # Seed-OSS's field, in another family
         (dict(model_type="seed_oss", mlp_bias=True), "mlp_bias"),
         (dict(model_type="ernie4_5_moe", use_bias=True), "use_bias"),
+        (dict(model_type="glm4_moe", n_group=2, topk_group=1), "n_group"),  # DeepSeek-V3's groups of experts
     ],
 )
 def test_an_unsupported_config_field_is_refused_by_name(change, field):
@@ -825,6 +833,12 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     scaled = with_metadata(moe, tmp_path / "scaled-experts.gguf", {"qwen3moe.expert_weights_scale": 2.5})
     with pytest.raises(SpecDecodeError, match="qwen3moe.expert_weights_scale is 2.5"):
         load_gguf(str(scaled), progress=False)
+    # experts chosen among groups first (DeepSeek-V3's), or weighed by a softmax over the chosen ones' logits alone
+    glm = made("glm4_moe")[1]
+    for name, value in (("expert_group_count", 2), ("expert_gating_func", 3)):
+        changed = with_metadata(glm, tmp_path / f"{name}.gguf", {f"glm4moe.{name}": value})
+        with pytest.raises(SpecDecodeError, match=f"glm4moe.{name} is {value}"):
+            load_gguf(str(changed), progress=False)
     # Command R+'s per-head LayerNorms of queries and keys
     normed = with_metadata(made("cohere")[1], tmp_path / "qk-norms.gguf", {}, extra_tensor="blk.0.attn_q_norm.weight")
     with pytest.raises(SpecDecodeError, match="command-r attn_q_norm is"):
@@ -848,6 +862,21 @@ def test_a_glm_config_json_without_its_rotary_fields_reads_as_transformers_does(
     assert (cfg.dim_per_head, cfg.rotary_dim, cfg.qkv_bias) == (reference.head_dim, 64, reference.attention_bias)
     assert reference.rope_parameters["partial_rotary_factor"] == 0.5
     assert from_hf_config(dict(fields, model_type="llama")).rotary_dim is None
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_glm4_moes_prediction_layer_is_left_out(made, source):
+    """GLM-4.5's checkpoints hold a next-token prediction layer after their own, which its GGUF counts among its blocks:
+    the model is the layers before it, as transformers and llama.cpp's graph compute it (the logits test compares)."""
+    folder, gguf, _ = made("glm4_moe")
+    cfg, tensors = _from(source, folder, gguf)
+    assert cfg.num_layers == 3 and not any(".layers.3." in name for name in tensors)
+    if source == "gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf))
+        assert reader.fields["glm4moe.block_count"].contents() == 4
+        assert any(t.name.startswith("blk.3.nextn.") for t in reader.tensors)
 
 
 def test_a_cohere_config_json_without_its_tying_and_logit_scale_reads_as_transformers_does():

@@ -170,7 +170,38 @@ SHAPES = {
             rope_parameters=dict(rope_type="default", rope_theta=50000.0),
         ),
     ),
+    # GLM-4.5-Air's layers (the first dense, then 8 of 64 experts by sigmoid score plus a bias, times 2.5, beside a
+    # shared one; half of each head turned; biased q/k/v) at about 0.45B active of 2.4B parameters, with Qwen's
+    # vocabulary (GLM's is as large)
+    "glm4.5-moe-a0.45b": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=1536,
+            intermediate_size=4096,
+            moe_intermediate_size=512,
+            n_routed_experts=64,
+            num_experts_per_tok=8,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_hidden_layers=16,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=128,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            max_position_embeddings=131072,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
+        ),
+    ),
 }
+
+
+# special tokens a family's converter looks up by name (GLM's sets its BOS and end-of-turn tokens from them)
+ADDED_TOKENS = {"glm4.5-moe-a0.45b": ("[gMASK]", "<|user|>", "<|observation|>")}
 
 
 def make(shape: str, bin_dir: str, out: Path, quant: str) -> Path:
@@ -186,6 +217,7 @@ def make(shape: str, bin_dir: str, out: Path, quant: str) -> Path:
         save_spm_tokenizer(folder)
     else:
         tokenizer = vocabulary(vocab).hf
+        tokenizer.add_special_tokens({"additional_special_tokens": list(ADDED_TOKENS.get(shape, ()))})
         tokenizer.save_pretrained(folder)
         options = dict(vocab_size=len(tokenizer), **options)
     config = getattr(transformers, config_class)(**options)

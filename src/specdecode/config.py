@@ -389,6 +389,10 @@ class ModelConfig:
     shared_expert_gated: bool = True
     # a per-expert bias added to the router's probabilities to choose the top k, not to weigh them (ERNIE 4.5's)
     expert_selection_bias: bool = False
+    # how the router scores each expert: "softmax" over all, or "sigmoid" of each logit alone (GLM-4.5's); the chosen
+    # experts' weights (renormalised or not) then multiplied by expert_weights_scale (its routed_scaling_factor)
+    expert_scoring: str = "softmax"
+    expert_weights_scale: float = 1.0
     layer_norms: bool = False  # norms subtract each row's mean first (LayerNorm without a bias: Cohere's); else RMSNorm
     # attention and the MLP both read one norm of the stream, and their outputs join it together (Cohere)
     parallel_blocks: bool = False

@@ -220,9 +220,10 @@ def _sparse(mlp) -> bool:
 
 
 def _mlp_runs_in_one_call(mlp) -> bool:
-    if _sparse(mlp):  # the kernel's router reads its weights as float32 rows; it has no shared expert (Qwen2-MoE's)
+    if _sparse(mlp):  # the kernel routes as a plain router, reading its weights as float32 rows; it has no shared
+        # expert (Qwen2-MoE's)
         router = mlp.gate.weight
-        routed = isinstance(mlp.kernel, ExpertsKernel) and not hasattr(mlp, "shared_expert")
+        routed = isinstance(mlp.kernel, ExpertsKernel) and mlp.gate.plain and not hasattr(mlp, "shared_expert")
         return routed and router.dtype == torch.float32 and router.is_contiguous()
     return isinstance(mlp.act_mul_kernel, ActMulKernel) and all(
         _parts(p) is not None for p in (mlp.gate_up_proj, mlp.down_proj)

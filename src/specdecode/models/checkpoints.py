@@ -103,10 +103,10 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    if cfg.arch == "ernie4_5_moe":
-        if name.startswith("model.mtp_"):  # next-token prediction layers, which transformers leaves out too
+    if cfg.arch in ("ernie4_5_moe", "glm4_moe"):
+        if _next_token_prediction(cfg, name):  # which transformers leaves out too
             return
-        name, tensor = _ernie_moe(name, tensor)
+        name = _biased_moe(name)
     m = re.fullmatch(r"(model\.layers\.\d+)\.(\w+_layernorm)\.weight", name)
     if m and cfg.arch == "glm4" and m[2] in GLM4_NORMS:
         yield f"{m[1]}.{GLM4_NORMS[m[2]]}.weight", tensor
@@ -155,13 +155,20 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
     yield name, tensor
 
 
-def _ernie_moe(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """ERNIE 4.5's names: its experts' selection bias ([1, experts], under either name transformers reads), its shared
-    experts as one."""
-    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(?:gate\.)?moe_statics\.e_score_correction_bias", name)
+def _next_token_prediction(cfg: ModelConfig, name: str) -> bool:
+    """A weight of the next-token prediction layers after the model's own: ERNIE 4.5's `mtp_` ones, GLM-4.5's counted
+    among its layers."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return name.startswith("model.mtp_") or (layer is not None and int(layer[1]) >= cfg.num_layers)
+
+
+def _biased_moe(name: str) -> str:
+    """ERNIE 4.5's and GLM-4.5's names: their experts' selection bias (ERNIE's [1, experts], under either name
+    transformers reads), their shared experts as one."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(?:gate\.)?(?:moe_statics\.)?e_score_correction_bias", name)
     if m:
-        return f"{m[1]}.gate.selection_bias", tensor
-    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
+        return f"{m[1]}.gate.selection_bias"
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
 def _gpt_oss_mlp(prefix: str, local: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -254,13 +261,15 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
         return [("model.rope_freqs", slice(None))]
     if name in LONGROPE_TENSORS:
         return []  # LongRoPE's factors: in the model's description (families.py), not among its weights
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)  # (a prediction layer's: nextn.eh_proj)
     if m is None:
         base, _, suffix = name.rpartition(".")
         if base not in GGUF_GLOBAL:
             raise _unknown_tensor(name)
         return [(f"{GGUF_GLOBAL[base]}.{suffix}", slice(None))]
     prefix, kind, suffix = f"model.layers.{m[1]}", m[2], m[3]
+    if int(m[1]) >= cfg.num_layers:
+        return []  # a next-token prediction layer after the model's own (GLM-4.5's), which llama.cpp's graph leaves out
     if kind in GGUF_EXPERTS:
         return _stacked([f"{prefix}.mlp.experts.{{expert}}.{p}.{suffix}" for p in GGUF_EXPERTS[kind]], rows)
     if kind == "attn_qkv":

@@ -42,6 +42,7 @@ HF_FAMILIES = (
     "ernie4_5_moe",
     "cohere",
     "cohere2",
+    "glm4_moe",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -65,6 +66,7 @@ GGUF_FAMILIES = (
     "ernie4_5-moe",
     "command-r",
     "cohere2",
+    "glm4moe",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
@@ -86,6 +88,7 @@ HF_DEFAULTS = {
     **dict.fromkeys(("glm", "glm4"), {"partial_rotary_factor": 0.5, "head_dim": 128, "attention_bias": True}),
     "seed_oss": {"head_dim": 128, "attention_bias": True},
     **dict.fromkeys(("cohere", "cohere2"), {"tie_word_embeddings": True, "logit_scale": 0.0625}),
+    "glm4_moe": {"partial_rotary_factor": 0.5, "attention_bias": False},
 }
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
@@ -104,7 +107,7 @@ NOPE_EVERY = 4  # SmolLM3: every fourth layer has no RoPE (transformers' default
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
 # config.json's attention_bias: q/k/v biased (gpt-oss's o_proj too; Seed-OSS's by its attention_out_bias)
-BIASED_ATTENTION = ("gpt_oss", "glm", "glm4", "seed_oss")
+BIASED_ATTENTION = ("gpt_oss", "glm", "glm4", "seed_oss", "glm4_moe")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -151,7 +154,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES)
+        or bool(cfg.get("use_qk_norm")),
         qk_norm_whole=family in OLMO_FAMILIES,
         pre_norms=family not in POST_NORM_FAMILIES,
         activation=_hf_activation(cfg, family),
@@ -474,6 +478,8 @@ def _hf_experts(cfg: dict, family: str) -> dict:
     norm_topk_prob says."""
     if family == "ernie4_5_moe":
         return _hf_ernie_experts(cfg)
+    if family == "glm4_moe":
+        return _hf_glm4_moe_experts(cfg)
     if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
@@ -510,6 +516,28 @@ def _hf_ernie_experts(cfg: dict) -> dict:
     )
 
 
+def _hf_glm4_moe_experts(cfg: dict) -> dict:
+    """GLM-4.5's experts: after first_k_dense_replace dense layers, the top k chosen by sigmoid score plus a bias of
+    each expert's, weighed by their scores (renormalised where norm_topk_prob says) times routed_scaling_factor; an
+    ungated shared MLP n_shared_experts experts wide beside them. Choosing among groups of experts first (n_group
+    above 1, DeepSeek-V3's) is refused: GLM-4.5's configs have one group."""
+    if cfg.get("n_group", 1) != 1:
+        raise refuse("n_group", cfg["n_group"], "1 (experts chosen among groups are not built)")
+    width, layers = cfg.get("moe_intermediate_size", 1408), cfg["num_hidden_layers"]
+    return dict(
+        num_experts=cfg.get("n_routed_experts", 128),
+        experts_per_token=cfg.get("num_experts_per_tok", 8),
+        expert_intermediate_size=width,
+        normalize_expert_weights=bool(cfg.get("norm_topk_prob", True)),
+        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), layers))),
+        shared_expert_size=width * cfg.get("n_shared_experts", 1),
+        shared_expert_gated=False,
+        expert_selection_bias=True,
+        expert_scoring="sigmoid",
+        expert_weights_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
+
+
 def _hf_gpt_oss(cfg: dict, family: str) -> dict:
     """gpt-oss's attention sinks, and biases on the attention output, the router and every expert."""
     if family != "gpt_oss":
@@ -543,8 +571,12 @@ def _hf_cohere(cfg: dict, family: str) -> dict:
 # ---- GGUF ----------------------------------------------------------------------------------------------
 
 
-# GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE): only softmax is implemented
-GATING_SOFTMAX = 1
+# GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE) the runtime computes
+GATING = {1: "softmax", 2: "sigmoid"}
+# GGUF architectures whose llama.cpp graph leaves out the next-token prediction layers a file holds after its own
+NEXTN_FAMILIES = ("glm4moe",)
+# ... and those whose graph scales the routed experts' weights by expert_weights_scale (GLM-4.5's routed_scaling_factor)
+SCALED_EXPERTS_FAMILIES = ("glm4moe",)
 
 
 def field(reader, key: str, default=None):
@@ -575,7 +607,8 @@ def from_gguf(reader) -> ModelConfig:
 
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    hidden, heads, layers = key("embedding_length"), key("attention.head_count"), key("block_count")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    layers = key("block_count") - key("nextn_predict_layers", 0)  # GLM-4.5's prediction layers counted among them
     head_dim = key("attention.key_length")
     dims = head_dim or hidden // heads
     _check_gguf_fields(key, arch, dims)
@@ -657,15 +690,19 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
     # a shared expert beside routed ones (llama.cpp writes its width for Granite 4.0's dense models too, unused there),
     # but Qwen2-MoE's
     shared = ("expert_shared_count", "expert_shared_feed_forward_length") if key("expert_count") else ()
-    shared = () if arch in ("qwen2moe", "ernie4_5-moe") else shared
-    # next-token prediction layers after the model's own (GLM's), which llama.cpp's graph leaves out
-    for name in (*softcaps, *shared, "nextn_predict_layers"):
+    shared = () if arch in ("qwen2moe", "ernie4_5-moe", "glm4moe") else shared
+    # next-token prediction layers after the model's own, which llama.cpp's graph leaves out (GLM-4.5's; GLM-4's
+    # counted among its blocks as if they were its own)
+    nextn = () if arch in NEXTN_FAMILIES else ("nextn_predict_layers",)
+    for name in (*softcaps, *shared, *nextn):
         if key(name):
             raise refuse(f"{arch}.{name}", key(name), "unset")
-    if key("expert_weights_scale", 0.0) not in (0.0, 1.0):  # llama.cpp scales the routed experts' weights by it
+    if arch not in SCALED_EXPERTS_FAMILIES and key("expert_weights_scale", 0.0) not in (0.0, 1.0):
         raise refuse(f"{arch}.expert_weights_scale", key("expert_weights_scale"), "unset, 0 or 1")
-    if key("expert_gating_func", GATING_SOFTMAX) != GATING_SOFTMAX:
-        raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), f"{GATING_SOFTMAX} (softmax)")
+    if key("expert_gating_func", 1) not in GATING:
+        raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), "1 (softmax), 2 (sigmoid)")
+    if key("expert_group_count", 1) > 1:  # experts chosen among groups first (DeepSeek-V3's)
+        raise refuse(f"{arch}.expert_group_count", key("expert_group_count"), "unset or 1")
 
 
 # a GGUF's RoPE factors: per dimension (Llama 3's scaling), or LongRoPE's short and long ones (the rows of runtime's
@@ -789,20 +826,25 @@ def _gguf_experts(key, reader, names: set[str], layers: int, arch: str) -> dict:
         shared_expert_size=_gguf_shared_expert_size(key, reader, names, arch, sparse),
         shared_expert_gated=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in names,
         expert_selection_bias=f"blk.{sparse}.exp_probs_b.bias" in names,
+        expert_scoring=GATING[key("expert_gating_func", 1)],
+        expert_weights_scale=float(key("expert_weights_scale") or 1.0) if arch in SCALED_EXPERTS_FAMILIES else 1.0,
     )
 
 
 def _gguf_normalizes_experts(key, arch: str) -> bool:
     """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, as ERNIE 4.5's graph does, Qwen2-MoE's
-    never does (whatever its checkpoint's norm_topk_prob), the others as the file says."""
+    never does (whatever its checkpoint's norm_topk_prob), GLM-4.5's where the file says (not where it is silent), the
+    others as the file says."""
+    if arch == "glm4moe":
+        return bool(key("expert_weights_norm", False))
     return arch in ("gpt-oss", "ernie4_5-moe") or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
 
 
 def _gguf_shared_expert_size(key, reader, names: set[str], arch: str, layer: int) -> int:
     """The shared expert's width: Qwen2-MoE's as the file states it, else the dense MLP's (llama.cpp's default);
-    ERNIE 4.5's as its tensors hold it (its converter states a width of its own reckoning, which llama.cpp's loader
-    checks against them)."""
-    if arch == "ernie4_5-moe":
+    ERNIE 4.5's and GLM-4.5's as their tensors hold it (ERNIE's converter states a width of its own reckoning, which
+    llama.cpp's loader checks against them; GLM's states a count of experts)."""
+    if arch in ("ernie4_5-moe", "glm4moe"):
         return next((int(t.shape[1]) for t in reader.tensors if t.name == f"blk.{layer}.ffn_up_shexp.weight"), 0)
     if arch != "qwen2moe" or "blk.0.ffn_gate_inp_shexp.weight" not in names:
         return 0

@@ -347,10 +347,11 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """A mixture of experts' router: softmax over every expert's logit (in float32; gpt-oss's biased), the top k
-    kept (chosen by probability, or by probability plus a bias of each expert's: ERNIE 4.5's), their weights
-    rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob; gpt-oss's softmax over
-    the top k's logits is that)."""
+    """A mixture of experts' router: softmax over every expert's logit (in float32; gpt-oss's biased), or each logit's
+    sigmoid alone (GLM-4.5's); the top k kept (chosen by score, or by score plus a bias of each expert's: ERNIE 4.5's,
+    GLM-4.5's), their weights rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob;
+    gpt-oss's softmax over the top k's logits is that), then multiplied by a scale where it has one (GLM-4.5's
+    routed_scaling_factor)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -358,16 +359,21 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_bias else None
         self.selection_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_selection_bias else None
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
+        self.sigmoid, self.scale = cfg.expert_scoring == "sigmoid", cfg.expert_weights_scale
 
     @property
     def plain(self) -> bool:
-        """Unbiased, choosing by probability: the router the experts kernels compute inside their call."""
-        return self.bias is None and self.selection_bias is None
+        """Unbiased, choosing by softmax probability, unscaled: the router the experts kernels compute inside their
+        call."""
+        return self.bias is None and self.selection_bias is None and not self.sigmoid and self.scale == 1.0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
         logits = row_invariant_linear(x, self.weight)
-        probs = torch.softmax((logits if self.bias is None else logits + self.bias).float(), dim=-1)
+        if self.sigmoid:
+            probs = torch.sigmoid(logits.float())
+        else:
+            probs = torch.softmax((logits if self.bias is None else logits + self.bias).float(), dim=-1)
         if self.selection_bias is None:
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         else:
@@ -375,7 +381,7 @@ class Router(nn.Module):
             weights = probs.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return (weights * self.scale).to(x.dtype), experts
 
 
 class SharedExpertGate(nn.Module):
