@@ -16,9 +16,9 @@ ERRORS = {**LINEAR_ERRORS, -6: "an expert id outside the experts"}
 
 class ExpertsKernel:
     """Replaces SparseMoE's router and expert loop: (the SparseMoE, its flat input rows [N, hidden]) ->
-    [N, hidden]. Under a plain router each row is routed in the kernel, by the same definitions as Router (in another
-    order of float operations: a row's experts are the router's up to a near-tie of probabilities); any other router
-    (biased, sigmoid-scored, scaled: ERNIE 4.5's, GLM-4.5's) routes by PyTorch and hands the kernel its choices."""
+    [N, hidden]. Each row is routed in the kernel, by the same definitions as Router (softmax or sigmoid scores, a
+    selection bias, a scale; in another order of float operations: a row's experts are the router's up to a near-tie
+    of scores)."""
 
     def __init__(self, lib, experts, passes: int):
         self.gate_ups, self.downs = [e.gate_up_proj for e in experts], [e.down_proj for e in experts]
@@ -41,29 +41,30 @@ class ExpertsKernel:
     @staticmethod
     def applies(moe) -> bool:
         """Every expert's layers as single block layers of one format per kind, without padding rows or biases, with
-        the activation the kernel computes (SiLU)."""
+        the activation the kernel computes (SiLU), under a router whose logits are unbiased (gpt-oss's are not)."""
         experts = moe.experts
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
-        return experts[0].activation == "silu" and all(
-            isinstance(x, BlockLinear)
-            and x.bias is None
-            and x.rows == x.out_features
-            and (x.format, x.S) == (kind[0].format, kind[0].S)
-            for kind in layers
-            for x in kind
+        return (
+            experts[0].activation == "silu"
+            and moe.gate.bias is None
+            and all(
+                isinstance(x, BlockLinear)
+                and x.bias is None
+                and x.rows == x.out_features
+                and (x.format, x.S) == (kind[0].format, kind[0].S)
+                for kind in layers
+                for x in kind
+            )
         )
 
     def __call__(self, moe, flat: torch.Tensor) -> torch.Tensor:
-        rows, hidden = flat.shape
-        y, top = torch.empty(rows, hidden), moe.gate.top_k
-        if moe.gate.plain:
-            router = moe.gate.weight.float().contiguous()
-            chosen, weights = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, top)
-        else:
-            router = None  # the kernel takes the router's choices
-            weights, chosen = moe.gate(flat)
-            weights, chosen = weights.float().contiguous(), chosen.contiguous()
         flat = flat.float().contiguous()
+        gate = moe.gate
+        router = gate.weight.float().contiguous()
+        bias = None if gate.selection_bias is None else gate.selection_bias.float().contiguous()
+        rows, hidden = flat.shape
+        y, top = torch.empty(rows, hidden), gate.top_k
+        chosen, weights = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, top)
         gate_up, down = self.tables()
         _check(
             self.lib.lowbit_moe(
@@ -73,8 +74,11 @@ class ExpertsKernel:
                 hidden,
                 self.inter,
                 len(gate_up),
-                None if router is None else router.data_ptr(),
-                int(moe.gate.normalize),
+                router.data_ptr(),
+                int(gate.normalize),
+                int(gate.sigmoid),
+                None if bias is None else bias.data_ptr(),
+                gate.scale,
                 chosen.data_ptr(),
                 weights.data_ptr(),
                 top,

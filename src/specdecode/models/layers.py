@@ -363,8 +363,8 @@ class Router(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """Unbiased, choosing by softmax probability, unscaled: the router the experts kernels compute inside their
-        call."""
+        """Unbiased, choosing by softmax probability, unscaled: the router the GPU's grouped experts kernels and the
+        one-call decoder compute inside their calls (the CPU's experts kernel computes any but gpt-oss's)."""
         return self.bias is None and self.selection_bias is None and not self.sigmoid and self.scale == 1.0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -954,10 +954,14 @@ static void sum_passes(float *out, int R, int N) {
 
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
 
-// Row x's router: softmax over the E experts' logits (router [E, K] . x), the `top` most probable kept (ties to
-// the lower id), their probabilities rescaled to sum to 1 where `normalize`.
-static void route(const float *router, const float *x, int K, int E, int top, int normalize, int64_t *chosen,
-                  float *weight, float *p) {
+// How a router scores each expert's logit: a softmax over all of them, or each one's own sigmoid (GLM-4.5's).
+enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1 };
+
+// Row x's router: the E experts' logits (router [E, K] . x) scored by `scoring`; the `top` best by score, plus a
+// bias of each expert's where `bias` is given (ERNIE 4.5's, GLM-4.5's), kept (ties to the lower id), weighed by
+// their scores, rescaled to sum to 1 where `normalize`, then multiplied by `scale`. p, choice: scratch of E.
+static void route(const float *router, const float *x, int K, int E, int top, int normalize, int scoring,
+                  const float *bias, float scale, int64_t *chosen, float *weight, float *p, float *choice) {
     float peak = -INFINITY, total = 0.f;
     for (int e = 0; e < E; e++) {
         float lanes[16] = {0}, logit = 0.f;  // 16 independent sums (K is a multiple of 32): vectorised, same bits
@@ -967,39 +971,47 @@ static void route(const float *router, const float *x, int K, int E, int top, in
         p[e] = logit;
         peak = logit > peak ? logit : peak;
     }
-    for (int e = 0; e < E; e++) total += (p[e] = expf(p[e] - peak));
+    if (scoring == SCORE_SIGMOID)
+        for (int e = 0; e < E; e++) p[e] = 1.f / (1.f + expf(-p[e]));
+    else {
+        for (int e = 0; e < E; e++) total += (p[e] = expf(p[e] - peak));
+        for (int e = 0; e < E; e++) p[e] /= total;
+    }
+    for (int e = 0; e < E; e++) choice[e] = bias ? p[e] + bias[e] : p[e];
     float kept = 0.f;
     for (int j = 0; j < top; j++) {
         int best = -1;
         for (int e = 0; e < E; e++)
-            if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            if (choice[e] > -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
         chosen[j] = best;
-        weight[j] = p[best] / total;
+        weight[j] = p[best];
         kept += weight[j];
-        p[best] = -1.f;  // taken
+        choice[best] = -INFINITY;  // taken
     }
-    if (normalize)
-        for (int j = 0; j < top; j++) weight[j] /= kept;
+    for (int j = 0; j < top; j++) weight[j] = (normalize ? weight[j] / kept : weight[j]) * scale;
 }
 
 // A mixture of experts' MLP over M rows of x [M, K]: y[m] = the sum over row m's `top` chosen experts
-// (chosen [M, top], weight [M, top]; or, given the router's weights [E, K], routed here, into chosen and weight)
+// (chosen [M, top], weight [M, top]; or, given the router's weights [E, K], routed here, into chosen and weight, as
+// route() says with scoring, selection_bias (NULL: none) and scale)
 // of weight * down_e(silu(gate_e(x_m)) * up_e(x_m)), added in ascending expert order. gate_up_table[e] and down_table[e] hold expert e's 6 buffer addresses: its gate and up layers
 // stacked ([gate; up], 2 * I output rows over K inputs, format fmt_gu) and its down layer (K rows over I,
 // format fmt_down). The rows routed to each expert are computed together, so each expert's weights are read
 // once per call, and every row's result is the same whatever other rows are in the call. Returns 0 or a
 // negative code (check(); -5 out of memory; -6 an expert id outside 0..E-1; -7 passes).
 int lowbit_moe(int fmt_gu, int S_gu, int fmt_down, int S_down, const float *x, int M, int K, int I, int E,
-               const float *router, int normalize, int64_t *chosen, float *weight, int top,
-               const uint64_t *gate_up_table, const uint64_t *down_table, float *y, int passes, int threads) {
+               const float *router, int normalize, int scoring, const float *selection_bias, float scale,
+               int64_t *chosen, float *weight, int top, const uint64_t *gate_up_table, const uint64_t *down_table,
+               float *y, int passes, int threads) {
     if (passes < 1 || passes > 2) return -7;
     if (M <= 0 || top <= 0 || top > E || E <= 0 || I % 32) return M == 0 ? 0 : -2;
     const int R = M * top;
     if (router) {
-        float *p = malloc((size_t)E * sizeof(float));
+        float *p = malloc((size_t)2 * E * sizeof(float));
         if (!p) return -5;
         for (int m = 0; m < M; m++)
-            route(router, x + (size_t)m * K, K, E, top, normalize, chosen + (size_t)m * top, weight + (size_t)m * top, p);
+            route(router, x + (size_t)m * K, K, E, top, normalize, scoring, selection_bias, scale,
+                  chosen + (size_t)m * top, weight + (size_t)m * top, p, p + E);
         free(p);
     }
     int *first = calloc((size_t)E + 1, sizeof(int)), *row_of = malloc((size_t)R * sizeof(int));
