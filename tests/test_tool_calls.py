@@ -47,6 +47,10 @@ XML_CALL = (
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
     "</function>\n</tool_call>"
 )
+GLM_CALL = (
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+    "<arg_value>2</arg_value>\n</tool_call>"
+)
 MISTRAL_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
 # A model's text, the content read from it (the text itself: no call) and its calls as (name, arguments).
 READ = [
@@ -99,6 +103,17 @@ READ = [
     (XML_CALL.replace("\n2\n", "\ntwo\n"), None, [("get_weather", {"city": "Paris", "days": "two"})]),
     (XML_CALL.replace("get_weather", "unknown"), "self", []),
     ("<tool_call><function=add><parameter=a>1</parameter>", "self", []),  # cut short
+    # GLM-4.5's: the name, then key and value pairs, each value read as its schema's type
+    ("Sure.\n" + GLM_CALL, "Sure.", [PARIS]),
+    (GLM_CALL + "\n" + GLM_CALL.replace("Paris", "Rome"), None, [PARIS, ROME]),
+    (
+        "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key><arg_value>2</arg_value></tool_call>",
+        None,
+        [("add", {"a": 1, "b": 2})],
+    ),  # fmt: skip
+    (GLM_CALL.replace("get_weather", "unknown"), "self", []),
+    (GLM_CALL.replace("<arg_key>days", "stray text <arg_key>days"), "self", []),
+    ("<tool_call>add\n<arg_key>a</arg_key><arg_value>1", "self", []),  # cut short
 ]
 
 

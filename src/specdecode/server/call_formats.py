@@ -1,6 +1,7 @@
 """How models write tool calls in their text, read piece by piece: the markers that open a call, Qwen3-Coder's XML
-parameters, and Mistral's `[TOOL_CALLS]` forms. `tools.CallStream` decides with these what is a call and what is
-content; each function answers the same however much of the text has arrived, or says it must wait for more."""
+parameters, GLM-4.5's argument pairs, and Mistral's `[TOOL_CALLS]` forms. `tools.CallStream` decides with these
+what is a call and what is content; each function answers the same however much of the text has arrived, or says it
+must wait for more."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ FENCE = "```json"
 
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+# GLM-4.5's call: the function's name on the block's first line, then <arg_key>/<arg_value> pairs
+GLM_CALL = re.compile(r"\s*([\w.-]+)\s*((?:<arg_key>.*)?)", re.S)
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.S)
 # Mistral's call from tokenizer version 11: name[ARGS]{...}, or name[CALL_ID]id[ARGS]{...}
 MISTRAL_HEAD = re.compile(r"\s*([\w.-]+)(?:\[CALL_ID\]\w*)?\[ARGS\]\s*")
 MISTRAL_HEAD_SO_FAR = re.compile(r"\s*[\w.-]*(?:\[CALL_ID\]\w*)?")
@@ -79,6 +83,14 @@ def xml_arguments(body: str, properties: dict) -> dict:
         key.strip(): typed(_one_newline_off(value), properties.get(key.strip()) or {})
         for key, value in XML_PARAMETER.findall(body)
     }
+
+
+def glm_arguments(pairs: str, properties: dict) -> dict | None:
+    """GLM-4.5's <arg_key>/<arg_value> pairs, each value read as its schema's type says (as vLLM's glm45 parser reads
+    them); None where the text between the pairs is not theirs."""
+    if GLM_ARGUMENT.sub("", pairs).strip():
+        return None
+    return {key.strip(): typed(value, properties.get(key.strip()) or {}) for key, value in GLM_ARGUMENT.findall(pairs)}
 
 
 def _one_newline_off(value: str) -> str:

@@ -1,7 +1,8 @@
 """OpenAI tool calling on chat requests. The tools reach the model through its chat template, and its calls come
 back out of its text in the formats templates ask for (call_formats.py): Hermes' `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes) or the same blocks around Qwen3-Coder's XML
-(`<function=NAME><parameter=ARG>value</parameter></function>`); Mistral's `[TOOL_CALLS]` and a list of calls, or
+(`<function=NAME><parameter=ARG>value</parameter></function>`) or GLM-4.5's pairs (`NAME <arg_key>ARG</arg_key>
+<arg_value>value</arg_value>`); Mistral's `[TOOL_CALLS]` and a list of calls, or
 `[TOOL_CALLS]NAME[ARGS]{...}` from its tokenizer version 11 (Mistral Small 3.2, Devstral, Magistral); and a whole
 answer that is a call's JSON or a list of them (Llama 3's `{"name": ..., "parameters": {...}}`). tool_choice
 "required" or a named function constrains the output by grammar, as vLLM does: to a JSON list of calls, or to the
@@ -226,7 +227,7 @@ class CallStream:
         try:
             return self._as_call(json.loads(block))
         except json.JSONDecodeError:
-            return self._xml_call(block)
+            return self._xml_call(block) or self._glm_call(block)
 
     def _xml_call(self, block: str) -> ToolCall | None:
         """Qwen3-Coder's call: <function=NAME> and its <parameter=ARG> elements."""
@@ -236,6 +237,15 @@ class CallStream:
             return None
         arguments = formats.xml_arguments(function[2], self.tools.schemas[name].get("properties") or {})
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+    def _glm_call(self, block: str) -> ToolCall | None:
+        """GLM-4.5's call: the function's name, then its <arg_key>/<arg_value> pairs."""
+        function = formats.GLM_CALL.fullmatch(block)
+        name = function[1] if function else None
+        if name not in self.tools.schemas:
+            return None
+        arguments = formats.glm_arguments(function[2], self.tools.schemas[name].get("properties") or {})
+        return None if arguments is None else ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def _as_call(self, value) -> ToolCall | None:
         """A call of a declared function, or None."""
