@@ -220,8 +220,9 @@ def _sparse(mlp) -> bool:
 
 
 def _mlp_runs_in_one_call(mlp) -> bool:
-    if _sparse(mlp):  # the kernel routes as a plain router, reading its weights as float32 rows; it has no shared
-        # expert (Qwen2-MoE's)
+    # a mixture of experts: the kernel routes by a plain router, reading its weights as float32 rows, and has no
+    # shared expert (Qwen2-MoE's)
+    if _sparse(mlp):
         router = mlp.gate.weight
         routed = isinstance(mlp.kernel, ExpertsKernel) and mlp.gate.plain and not hasattr(mlp, "shared_expert")
         return routed and router.dtype == torch.float32 and router.is_contiguous()

@@ -208,8 +208,8 @@ static int attention_block(const decoder_t *m, int l, const tokens_t *t, float *
 static int experts(const decoder_t *m, const experts_t *e, const float *in, int n, float *y, scratch_t *s,
                    int threads) {
     return m->moe(e->gate_up_format, e->gate_up_S, e->down_format, e->down_S, in, n, m->hidden, e->inter,
-                  e->experts, e->router, e->normalize, 0, NULL, 1.f, s->chosen, s->expert_weights, e->top, e->gate_up_table,
-                  e->down_table, y, e->passes, threads);
+                  e->experts, e->router, e->normalize, 0, NULL, 1.f,  // a plain router: softmax, unbiased, unscaled
+                  s->chosen, s->expert_weights, e->top, e->gate_up_table, e->down_table, y, e->passes, threads);
 }
 
 // The MLP (or experts) of the normed input into y.
