@@ -864,6 +864,17 @@ def test_a_glm_config_json_without_its_rotary_fields_reads_as_transformers_does(
     assert from_hf_config(dict(fields, model_type="llama")).rotary_dim is None
 
 
+def test_a_glm4_moe_gguf_that_states_no_gating_scores_by_sigmoid_as_llama_cpp_does(made, tmp_path):
+    """llama.cpp's GLM-4.5 graph takes sigmoid scores where the file states no gating function (older conversions)."""
+    _, gguf, reference = made("glm4_moe")
+    silent = with_metadata(gguf, tmp_path / "silent.gguf", {}, dropped=("glm4moe.expert_gating_func",))
+    cfg, tensors = load_gguf(str(silent), progress=False)
+    assert cfg.expert_scoring == "sigmoid"
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+    torch.testing.assert_close(got, _expected(reference, ids), **TOLERANCE)
+
+
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_glm4_moes_prediction_layer_is_left_out(made, source):
     """GLM-4.5's checkpoints hold a next-token prediction layer after their own, which its GGUF counts among its blocks:

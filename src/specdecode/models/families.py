@@ -571,8 +571,10 @@ def _hf_cohere(cfg: dict, family: str) -> dict:
 # ---- GGUF ----------------------------------------------------------------------------------------------
 
 
-# GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE) the runtime computes
+# GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE) the runtime computes, and llama.cpp's
+# where a file states none (or 0): GLM-4.5's sigmoid, else softmax
 GATING = {1: "softmax", 2: "sigmoid"}
+GATING_DEFAULT = {"glm4moe": 2}
 # GGUF architectures whose llama.cpp graph leaves out the next-token prediction layers a file holds after its own
 NEXTN_FAMILIES = ("glm4moe",)
 # ... and those whose graph scales the routed experts' weights by expert_weights_scale (GLM-4.5's routed_scaling_factor)
@@ -699,7 +701,7 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if arch not in SCALED_EXPERTS_FAMILIES and key("expert_weights_scale", 0.0) not in (0.0, 1.0):
         raise refuse(f"{arch}.expert_weights_scale", key("expert_weights_scale"), "unset, 0 or 1")
-    if key("expert_gating_func", 1) not in GATING:
+    if _gguf_gating(key, arch) not in GATING:
         raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), "1 (softmax), 2 (sigmoid)")
     if key("expert_group_count", 1) > 1:  # experts chosen among groups first (DeepSeek-V3's)
         raise refuse(f"{arch}.expert_group_count", key("expert_group_count"), "unset or 1")
@@ -826,9 +828,14 @@ def _gguf_experts(key, reader, names: set[str], layers: int, arch: str) -> dict:
         shared_expert_size=_gguf_shared_expert_size(key, reader, names, arch, sparse),
         shared_expert_gated=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in names,
         expert_selection_bias=f"blk.{sparse}.exp_probs_b.bias" in names,
-        expert_scoring=GATING[key("expert_gating_func", 1)],
+        expert_scoring=GATING[_gguf_gating(key, arch)],
         expert_weights_scale=float(key("expert_weights_scale") or 1.0) if arch in SCALED_EXPERTS_FAMILIES else 1.0,
     )
+
+
+def _gguf_gating(key, arch: str) -> int:
+    """The file's expert gating function, or llama.cpp's for the architecture where it states none."""
+    return key("expert_gating_func") or GATING_DEFAULT.get(arch, 1)
 
 
 def _gguf_normalizes_experts(key, arch: str) -> bool:
