@@ -564,8 +564,14 @@ def _hf_cohere(cfg: dict, family: str) -> dict:
         raise refuse(
             "rotary_pct", cfg["rotary_pct"], "1 (transformers turns every dimension, llama.cpp's converter not)"
         )
-    scale = float(cfg["logit_scale"])
-    return dict(layer_norms=True, parallel_blocks=True, logit_scale=1.0 / scale if scale != 1.0 else None)
+    return cohere_layers(float(cfg["logit_scale"]))
+
+
+def cohere_layers(logit_multiplier: float) -> dict:
+    """Cohere's description, from config.json or a GGUF: LayerNorms, attention and the MLP side by side, and the logits
+    multiplied by logit_multiplier (the runtime's logit_scale divides)."""
+    inverted = 1.0 / logit_multiplier if logit_multiplier != 1.0 else None
+    return dict(layer_norms=True, parallel_blocks=True, logit_scale=inverted)
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------
@@ -663,8 +669,7 @@ def _gguf_cohere(key, arch: str, names: set[str]) -> dict:
         return {}
     if "blk.0.attn_q_norm.weight" in names:
         raise refuse(f"{arch} attn_q_norm", "a LayerNorm of each query and key head", "none (Command R+'s, not built)")
-    scale = float(key("logit_scale", 1.0))
-    return dict(layer_norms=True, parallel_blocks=True, logit_scale=1.0 / scale if scale != 1.0 else None)
+    return cohere_layers(float(key("logit_scale", 1.0)))
 
 
 def _gguf_nope_layers(arch: str, layers: int, window: int | None, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
