@@ -346,6 +346,82 @@ FAMILIES = {
         tokenizer="ggml-vocab-qwen2.gguf",
         added_tokens=("[gMASK]", "<|user|>", "<|observation|>"),
     ),
+    # DeepSeek-V2-Lite: latent attention with queries projected directly, YaRN with the mscale pair equal (as every
+    # DeepSeek's); its first layer dense, then experts chosen by softmax probability, weighed by them times
+    # routed_scaling_factor, never renormalised, beside an ungated shared MLP two experts wide (V2's groups of experts:
+    # test_deepseek_v2s_groups_of_experts_match_transformers)
+    "deepseek_v2": Family(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=24,  # heads 32 wide, as the attention kernel takes them
+            qk_rope_head_dim=8,
+            head_dim=8,
+            v_head_dim=16,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=256,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+            ),
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=64,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
+    # DeepSeek-V3 (and R1, Kimi K2, Moonlight): latent attention (queries through a compression, keys and values
+    # expanded from one, its turned key part shared by all heads, values narrower than keys), YaRN with the mscale pair
+    # (every score scaled; the pair unequal: test_an_unequal_mscale_pair_matches_transformers); its first layer dense,
+    # then experts chosen
+    # among the best 2 of 4 groups by sigmoid score plus a bias of each, weighed by their renormalised scores times
+    # routed_scaling_factor, beside an ungated shared one; a next-token prediction layer after its own
+    "deepseek_v3": Family(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=24,  # heads 32 wide, as the attention kernel takes them
+            qk_rope_head_dim=8,
+            head_dim=8,  # transformers' own: the turned part's
+            v_head_dim=12,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=256,
+                mscale=0.8,
+                mscale_all_dim=0.8,
+            ),
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            # as its config.json says (transformers' V3 assumes it; llama.cpp's converter reads it)
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=1,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -211,6 +211,13 @@ def _longrope_swapped(cfg) -> tuple:
         ("glm4_moe", lambda cfg: dataclasses.replace(cfg, expert_scoring="softmax")),  # scored as Mixtral's
         ("glm4_moe", lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0)),  # routed_scaling_factor left out
         ("glm4_moe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+        ("deepseek_v3", lambda cfg: dataclasses.replace(cfg, expert_groups=1)),  # chosen among all experts
+        ("deepseek_v3", lambda cfg: dataclasses.replace(cfg, attention_scale=None)),  # mscale_all_dim's scale left out
+        ("deepseek_v3", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+        (
+            "deepseek_v2",
+            lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0),
+        ),  # routed_scaling_factor left out
     ],
     ids=[
         "llama3-rope-scaling",
@@ -248,6 +255,10 @@ def _longrope_swapped(cfg) -> tuple:
         "glm4-moe-softmax-scores",
         "glm4-moe-weights-unscaled",
         "glm4-moe-weights-not-renormalised",
+        "deepseek-v3-groups-ignored",
+        "deepseek-v3-mscale-all-dim-left-out",
+        "deepseek-v3-weights-not-renormalised",
+        "deepseek-v2-weights-unscaled",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -663,6 +674,20 @@ LLAMA = dict(
     num_key_value_heads=2,
 )
 
+# DeepSeek-V2-Lite's fields, at a small size
+DEEPSEEK = dict(
+    LLAMA,
+    model_type="deepseek_v3",
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
 
 GRANITE_DENSE = dict(
     model_type="granitemoehybrid",
@@ -686,7 +711,7 @@ GRANITE_DENSE = dict(
             "rope_scaling.mscale",
         ),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
-        (dict(model_type="deepseek_v3"), "model_type"),
+        (dict(model_type="deepseek_v32"), "model_type"),  # DeepSeek-V3.2's sparse attention
         (dict(model_type="cohere", use_qk_norm=True), "use_qk_norm"),  # Command R+'s per-head LayerNorms
         (dict(model_type="cohere2", rotary_pct=0.5), "rotary_pct"),  # transformers turns all, llama.cpp half
         (dict(model_type="gpt_oss", swiglu_limit=5.0), "swiglu_limit"),
@@ -709,6 +734,12 @@ GRANITE_DENSE = dict(
         (dict(model_type="seed_oss", mlp_bias=True), "mlp_bias"),
         (dict(model_type="ernie4_5_moe", use_bias=True), "use_bias"),
         (dict(model_type="glm4_moe", n_group=2, topk_group=1), "n_group"),  # DeepSeek-V3's groups of experts
+        (dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
+        (dict(DEEPSEEK, v_head_dim=64), "v_head_dim"),  # values wider than keys
+        (dict(DEEPSEEK, model_type="deepseek_v2", topk_method="noaux_tc"), "topk_method"),
+        (dict(DEEPSEEK, model_type="deepseek_v2", norm_topk_prob=True), "norm_topk_prob"),  # the references part here
+        (dict(DEEPSEEK, attention_bias=True), "attention_bias"),
+        (dict(DEEPSEEK, moe_layer_freq=2), "moe_layer_freq"),
     ],
 )
 def test_an_unsupported_config_field_is_refused_by_name(change, field):
@@ -963,3 +994,74 @@ def test_a_gguf_value_listed_per_layer_is_read_where_every_layer_has_the_same():
     assert one_for_every_layer("granite.attention.head_count_kv", 2) == 2
     with pytest.raises(SpecDecodeError, match="granite.attention.head_count_kv is 'a value per layer'"):
         one_for_every_layer("granite.attention.head_count_kv", [2, 0, 2])
+
+
+# ---- DeepSeek ------------------------------------------------------------------------------------------
+
+
+def test_deepseek_v2s_groups_of_experts_match_transformers(tmp_path):
+    """DeepSeek-V2's experts chosen among the best 2 of 4 groups, each scored by its best expert (topk_method
+    group_limited_greedy; V2-Lite's one group is greedy), from config.json: transformers' logits; chosen among all
+    experts, or among groups scored by their best two (V3's, llama.cpp's for any), other logits."""
+    groups = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    folder = make_checkpoint("deepseek_v2", tmp_path / "v2", **groups)
+    cfg, tensors = _load_hf_checkpoint(str(folder))
+    assert (cfg.expert_groups, cfg.expert_groups_kept, cfg.expert_group_scoring) == (4, 2, "max")
+    ids, reference = _prompt(cfg.vocab_size), reference_model(folder)
+    expected = _expected(reference, ids)
+    torch.testing.assert_close(_logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), expected, **TOLERANCE)
+    for broken in (dict(expert_groups=1), dict(expert_group_scoring="top2")):
+        got = _logits(build_model(dataclasses.replace(cfg, **broken), tensors, torch.float32, "cpu"), ids)
+        assert not torch.allclose(got, expected, **TOLERANCE)
+
+
+def test_an_unequal_mscale_pair_matches_transformers(tmp_path):
+    """YaRN's mscale pair unequal (no DeepSeek's is; transformers defines it): cos and sin of the turned part scaled by
+    mscale(mscale) / mscale(mscale_all_dim), every score by mscale(mscale_all_dim)^2. Matched from config.json, and
+    missed with the turned part's factor left out."""
+    rope = dict(FAMILIES["deepseek_v3"].options["rope_parameters"], mscale=1.0, mscale_all_dim=0.6)
+    folder = make_checkpoint("deepseek_v3", tmp_path / "v3", rope_parameters=rope)
+    cfg, tensors = _load_hf_checkpoint(str(folder))
+    ids, reference = _prompt(cfg.vocab_size), reference_model(folder)
+    expected = _expected(reference, ids)
+    torch.testing.assert_close(_logits(build_model(cfg, tensors, torch.float32, "cpu"), ids), expected, **TOLERANCE)
+    unscaled = tuple((k, 1.0 if k == "attention_factor" else v) for k, v in cfg.rope_scaling)
+    got = _logits(build_model(dataclasses.replace(cfg, rope_scaling=unscaled), tensors, torch.float32, "cpu"), ids)
+    assert not torch.allclose(got, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_deepseeks_queries_left_in_its_own_order_fail_the_comparison(made, source, monkeypatch):
+    """DeepSeek's query heads [not turned | turned, pairs adjacent] are reordered at load to the runtime's RoPE pairs,
+    as its keys are assembled (models/latent.py); left in their order, from the folder or from llama.cpp's file, the
+    logits are not transformers'."""
+    from specdecode.models import checkpoints
+
+    monkeypatch.setattr(checkpoints, "head_layout", lambda width, turned: torch.arange(width))
+    assert _mismatch(made, "deepseek_v3", source)
+
+
+def test_a_deepseek2_gguf_without_its_mscale_is_refused(made, tmp_path):
+    """A deepseek2 file with YaRN and no yarn_log_multiplier: llama.cpp then scales cos and sin and every score alike,
+    transformers cos and sin alone; refused by name rather than computed as either."""
+    from specdecode.errors import SpecDecodeError
+
+    _, gguf, _ = made("deepseek_v3")
+    bare = with_metadata(gguf, tmp_path / "bare.gguf", {}, dropped=("deepseek2.rope.scaling.yarn_log_multiplier",))
+    with pytest.raises(SpecDecodeError, match="yarn_log_multiplier"):
+        load_gguf(str(bare), progress=False)
+
+
+def test_deepseeks_cache_holds_every_heads_keys_and_padded_values(made):
+    """The runtime's cache for latent attention: as many key and value heads as query heads, each as wide as a query
+    head (values padded with zeros past v_head_dim: their attention output there is zero, and so is the output
+    projection's every column for it)."""
+    folder, _, _ = made("deepseek_v3")
+    cfg, tensors = _load_hf_checkpoint(str(folder))
+    model = build_model(cfg, tensors, torch.float32, "cpu")
+    assert (cfg.num_kv_heads, cfg.dim_per_head, cfg.value_dim) == (cfg.num_heads, 32, 12)
+    o = model.layers[0].self_attn.o_proj.weight.view(cfg.hidden_size, cfg.num_heads, cfg.dim_per_head)
+    assert torch.count_nonzero(o[..., cfg.value_dim :]) == 0 and torch.count_nonzero(o[..., : cfg.value_dim]) > 0
+    qkv = model.layers[0].self_attn.qkv_proj(torch.randn(1, 3, cfg.hidden_size))
+    values = qkv[..., -cfg.num_heads * cfg.dim_per_head :].view(1, 3, cfg.num_heads, cfg.dim_per_head)
+    assert torch.count_nonzero(values[..., cfg.value_dim :]) == 0

@@ -177,6 +177,15 @@ def test_an_adapter_of_experts_is_refused(tmp_path):
         _loaded(folder, Adapter(str(tmp_path / "experts")))
 
 
+def test_an_adapter_of_deepseeks_latent_attention_is_refused(tmp_path):
+    """DeepSeek-V2-Lite's directly projected queries (q_proj, under the name the runtime's projections share): refused
+    with the reason, not added to the expanded projection the runtime computes in their place."""
+    folder = make_checkpoint("deepseek_v2", tmp_path / "deepseek")
+    make_lora(reference_model(folder), tmp_path / "queries", ("q_proj",))
+    with pytest.raises(SpecDecodeError, match="latent attention are not built"):
+        _loaded(folder, Adapter(str(tmp_path / "queries")))
+
+
 def test_adapter_specs_are_paths_with_an_optional_scale():
     assert Adapter.parse("a/b") == Adapter("a/b") and Adapter.parse("a/b:0.5") == Adapter("a/b", 0.5)
     assert Adapter.parse("C:/adapters/x") == Adapter("C:/adapters/x")

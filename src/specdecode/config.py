@@ -396,6 +396,18 @@ class ModelConfig:
     layer_norms: bool = False  # norms subtract each row's mean first (LayerNorm without a bias: Cohere's); else RMSNorm
     # attention and the MLP both read one norm of the stream, and their outputs join it together (Cohere)
     parallel_blocks: bool = False
+    # DeepSeek's multi-head latent attention: each token's keys and values expanded from a compressed vector of
+    # kv_lora_rank (RMS-normalised), its keys' turned part (rotary_dim wide) one for all heads; its queries from one of
+    # q_lora_rank (0: projected directly). Each head's values value_dim wide, padded to head_dim with zeros
+    # (models/latent.py). 0: attention as Llama's.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    value_dim: int | None = None
+    # experts chosen among groups first (DeepSeek's): the top expert_groups_kept of expert_groups, each scored by its
+    # best expert ("max", DeepSeek-V2's) or its best two summed ("top2", V3's); 1: no groups
+    expert_groups: int = 1
+    expert_groups_kept: int = 1
+    expert_group_scoring: str = "max"
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists
@@ -430,6 +442,19 @@ class ModelConfig:
     def expert_size(self) -> int:
         return self.expert_intermediate_size or self.intermediate_size
 
+    @property
+    def latent_attention_parameters(self) -> int:
+        """A latent attention layer's weights: queries (through their compression, where they have one), the keys' and
+        values' compression and expansion, the output."""
+        heads, width, rank = self.num_heads, self.dim_per_head, self.kv_lora_rank
+        queries = (
+            self.q_lora_rank * (self.hidden_size + heads * width)
+            if self.q_lora_rank
+            else self.hidden_size * heads * width
+        )
+        kv = self.hidden_size * (rank + self.rotary_dim) + rank * heads * (width - self.rotary_dim + self.value_dim)
+        return queries + kv + heads * self.value_dim * self.hidden_size
+
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: it attends to the whole context)."""
         if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
@@ -445,6 +470,8 @@ class ModelConfig:
         """Weights of the decoder layers' linear maps that each decoded token streams and multiplies (of a
         mixture of experts, the experts_per_token it is routed to)."""
         attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads + self.num_heads) * self.dim_per_head
+        if self.kv_lora_rank:
+            attention = self.latent_attention_parameters
         dense = 3 * self.hidden_size * self.intermediate_size
         routed = self.experts_per_token * self.expert_size + self.shared_expert_size
         sparse = 3 * self.hidden_size * routed + self.num_experts * self.hidden_size

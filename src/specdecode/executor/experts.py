@@ -41,12 +41,14 @@ class ExpertsKernel:
     @staticmethod
     def applies(moe) -> bool:
         """Every expert's layers as single block layers of one format per kind, without padding rows or biases, with
-        the activation the kernel computes (SiLU), under a router whose logits are unbiased (gpt-oss's are not)."""
+        the activation the kernel computes (SiLU), under a router whose logits are unbiased (gpt-oss's are not) and
+        that chooses among all experts (not among groups first, as DeepSeek's)."""
         experts = moe.experts
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
         return (
             experts[0].activation == "silu"
             and moe.gate.bias is None
+            and moe.gate.groups == 1
             and all(
                 isinstance(x, BlockLinear)
                 and x.bias is None

@@ -344,7 +344,7 @@ def attach_epilogues(model) -> int:
     them apart. Returns how many layers take them in."""
     taken = 0
     for attention in (m for m in model.modules() if isinstance(m, Attention)):
-        kernel = attention.qkv_proj.kernel
+        kernel = getattr(attention.qkv_proj, "kernel", None)  # none of its own: DeepSeek's latent projection
         if not isinstance(kernel, Gemv) or attention.normalises_qk:
             continue
         weight = attention.qkv_proj.weight

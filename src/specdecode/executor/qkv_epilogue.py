@@ -190,7 +190,7 @@ def rotated_projection(attention, norm, x: torch.Tensor, residual: torch.Tensor 
     """(the layer's QKV projection of norm(x + residual) [..., N], its queries rotated, x + residual), its keys and
     values in the cache: by the projection's kernel (and the merge of K's splits), where it takes this call and passed
     the start-up check; else None."""
-    linear = attention.qkv_proj
-    takes = getattr(linear.kernel, "rope_epilogue", False) and isinstance(norm, RMSNorm)  # its prologue's norm
+    linear = attention.qkv_proj  # (DeepSeek's latent projection has no kernel of its own)
+    takes = getattr(getattr(linear, "kernel", None), "rope_epilogue", False) and isinstance(norm, RMSNorm)
     normed = fused_form(linear, "normed") if takes else None
     return None if normed is None else normed(linear, norm, x, residual, partial(projected, store=store))

@@ -13,6 +13,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
 from .families import COHERE_FAMILIES, LONGROPE_TENSORS
+from .latent import head_layout, turned_pairs_split
 
 # ---- Hugging Face checkpoints --------------------------------------------------------------------------
 
@@ -68,7 +69,36 @@ def as_computed(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tens
     selection bias stored [1, experts], as one group of them)."""
     if name.endswith("gate.selection_bias"):
         return tensor.reshape(-1)
+    if cfg.kv_lora_rank:
+        return latent_reordered(cfg, name, tensor)
     return rotary_reordered(cfg, name, folded_logit_scale(cfg, name, tensor))
+
+
+# DeepSeek's latent attention's layers, which the runtime holds in its QKV projection (models/latent.py)
+LATENT_LAYERS = re.compile(
+    r"(model\.layers\.\d+\.self_attn)\.(q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)\."
+)
+LATENT_QUERIES = re.compile(r"model\.layers\.\d+\.self_attn\.qkv_proj\.(q_proj|q_b_proj)\.weight")
+
+
+def latent_reordered(cfg: ModelConfig, name: str, tensor):
+    """DeepSeek's latent attention's weights (torch, or a GGUF's rows) as models/latent.py computes with them: each
+    query head's rows in head_layout, the turned key's rows split into its pairs' halves, and the output projection's
+    columns of each head's value padded to the head's width with zeros (its padding's, which are zero)."""
+    if LATENT_QUERIES.fullmatch(name):
+        heads = tensor.reshape(cfg.num_heads, cfg.dim_per_head, *tensor.shape[1:])
+        return heads[:, head_layout(cfg.dim_per_head, cfg.rotary_dim)].reshape(tensor.shape)
+    if name.endswith("self_attn.qkv_proj.k_b_proj.weight") and tensor.dim() == 3:  # llama.cpp's [heads, latent, rows]
+        return tensor.transpose(1, 2).reshape(-1, tensor.shape[1])
+    if name.endswith("self_attn.qkv_proj.v_b_proj.weight") and tensor.dim() == 3:
+        return tensor.reshape(-1, tensor.shape[2])
+    if name.endswith("self_attn.qkv_proj.kv_a_proj.weight"):
+        return tensor[turned_pairs_split(tensor.shape[0], cfg.rotary_dim)]
+    if re.fullmatch(r"model\.layers\.\d+\.self_attn\.o_proj\.weight", name):
+        values = tensor.reshape(tensor.shape[0], cfg.num_heads, cfg.value_dim)
+        padded = torch.nn.functional.pad(values, (0, cfg.dim_per_head - cfg.value_dim))
+        return padded.reshape(tensor.shape[0], -1)
+    return tensor
 
 
 def folded_logit_scale(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -103,10 +133,13 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    if cfg.arch in ("ernie4_5_moe", "glm4_moe"):
+    if cfg.arch in ("ernie4_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"):
         if _next_token_prediction(cfg, name):  # which transformers leaves out too
             return
-        name = _biased_moe(name)
+        name = LATENT_LAYERS.sub(r"\1.qkv_proj.\2.", _biased_moe(name)).replace("_proj_with_mqa.", "_proj.")
+    if name.endswith("self_attn.qkv_proj.kv_b_proj.weight"):
+        yield from _latent_expansions(cfg, name.removesuffix("kv_b_proj.weight"), tensor)
+        return
     m = re.fullmatch(r"(model\.layers\.\d+)\.(\w+_layernorm)\.weight", name)
     if m and cfg.arch == "glm4" and m[2] in GLM4_NORMS:
         yield f"{m[1]}.{GLM4_NORMS[m[2]]}.weight", tensor
@@ -155,6 +188,15 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
     yield name, tensor
 
 
+def _latent_expansions(cfg: ModelConfig, prefix: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek's kv_b_proj, each head's key rows that do not turn then its value rows, as models/latent.py's two
+    expansions."""
+    heads = tensor.reshape(cfg.num_heads, -1, tensor.shape[-1])
+    still = cfg.dim_per_head - cfg.rotary_dim
+    yield f"{prefix}k_b_proj.weight", heads[:, :still].reshape(-1, tensor.shape[-1])
+    yield f"{prefix}v_b_proj.weight", heads[:, still:].reshape(-1, tensor.shape[-1])
+
+
 def _next_token_prediction(cfg: ModelConfig, name: str) -> bool:
     """A weight of the next-token prediction layers after the model's own: ERNIE 4.5's `mtp_` ones, GLM-4.5's counted
     among its layers."""
@@ -163,8 +205,8 @@ def _next_token_prediction(cfg: ModelConfig, name: str) -> bool:
 
 
 def _biased_moe(name: str) -> str:
-    """ERNIE 4.5's and GLM-4.5's names: their experts' selection bias (ERNIE's [1, experts], under either name
-    transformers reads), their shared experts as one."""
+    """ERNIE 4.5's, GLM-4.5's and DeepSeek's names: their experts' selection bias (ERNIE's [1, experts], under either
+    name transformers reads), their shared experts as one."""
     m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(?:gate\.)?(?:moe_statics\.)?e_score_correction_bias", name)
     if m:
         return f"{m[1]}.gate.selection_bias"
@@ -238,6 +280,17 @@ GGUF_LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# DeepSeek's latent attention (llama.cpp's deepseek2): its layers in the runtime's QKV projection (models/latent.py)
+LATENT_LAYER = {
+    **GGUF_LAYER,
+    **{kind: f"self_attn.qkv_proj.{local}" for kind, local in [("attn_q", "q_proj"), ("attn_q_a", "q_a_proj")]},
+    **{"attn_q_a_norm": "self_attn.qkv_proj.q_a_layernorm", "attn_q_b": "self_attn.qkv_proj.q_b_proj"},
+    **{"attn_kv_a_mqa": "self_attn.qkv_proj.kv_a_proj", "attn_kv_a_norm": "self_attn.qkv_proj.kv_a_layernorm"},
+    **{"attn_k_b": "self_attn.qkv_proj.k_b_proj", "attn_v_b": "self_attn.qkv_proj.v_b_proj"},
+}
+# llama.cpp's expansions of DeepSeek's compressed keys and values, stored per head ([heads, rows, columns]; the keys'
+# transposed), and the attention output, whose columns the runtime pads: computed from floats, never as stored blocks
+LATENT_FLOAT_TENSORS = ("attn_k_b", "attn_v_b", "attn_output")
 # where the attention output has a norm of its own (Gemma), ffn_norm is the one before the MLP
 SANDWICH_LAYER = {**GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm"}
 # gpt-oss's: its norm before the experts under another name
@@ -277,6 +330,7 @@ def gguf_parts(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, slice]
     if kind == "ffn_up" and cfg.arch in FUSED_UP_FAMILIES:  # gate and up in one, gate first (llama.cpp's SwiGLU halves)
         return _stacked([f"{prefix}.mlp.{p}_proj.{suffix}" for p in ("gate", "up")], rows)
     layer = SANDWICH_LAYER if cfg.sandwich_norms else GPT_OSS_LAYER if cfg.attention_sinks else GGUF_LAYER
+    layer = LATENT_LAYER if cfg.kv_lora_rank else layer
     if kind == "exp_probs_b" and cfg.expert_selection_bias or kind == "attn_sinks" and cfg.attention_sinks:
         return [(f"{prefix}.{WHOLE_NAMED[kind]}", slice(None))]
     if kind not in layer:

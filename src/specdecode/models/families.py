@@ -43,6 +43,8 @@ HF_FAMILIES = (
     "cohere",
     "cohere2",
     "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -67,6 +69,7 @@ GGUF_FAMILIES = (
     "command-r",
     "cohere2",
     "glm4moe",
+    "deepseek2",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
@@ -89,7 +92,32 @@ HF_DEFAULTS = {
     "seed_oss": {"head_dim": 128, "attention_bias": True},
     **dict.fromkeys(("cohere", "cohere2"), {"tie_word_embeddings": True, "logit_scale": 0.0625}),
     "glm4_moe": {"partial_rotary_factor": 0.5, "attention_bias": False},
+    "deepseek_v2": {
+        **{
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+        },
+        **{"n_routed_experts": 64, "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0},
+        **{"routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False},
+    },
+    "deepseek_v3": {
+        **{
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+        },
+        **{"n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},
+        **{"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8},
+        **{"norm_topk_prob": True, "rope_interleave": True},
+    },
 }
+# DeepSeek's multi-head latent attention (config.json's names; GGUF's deepseek2 holds both)
+LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
 WINDOW_PATTERN = {
@@ -171,6 +199,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         **_hf_gpt_oss(cfg, family),
         **_hf_output_bias(cfg, family),
         **_hf_cohere(cfg, family),
+        **_hf_latent(cfg, family),
     )
     described = with_rope_attention_factor(described)
     if family not in GRANITE_FAMILIES:
@@ -190,7 +219,20 @@ def _as_transformers_reads(cfg: dict, family: str) -> tuple[dict, str]:
         cfg.pop("head_dim", None)
     if family in COHERE_FAMILIES:
         cfg["rms_norm_eps"] = cfg.get("layer_norm_eps", 1e-5)
+    if family in LATENT_FAMILIES:
+        cfg = latent_as_heads(cfg)
     return cfg, family
+
+
+def latent_as_heads(cfg: dict) -> dict:
+    """DeepSeek's latent attention as the runtime's heads: as many keys' and values' heads as queries', each head as
+    wide as a query's (its part that RoPE turns and the part it does not)."""
+    if not cfg.get("rope_interleave", True):
+        raise refuse("rope_interleave", False, "true (DeepSeek's RoPE over adjacent dimensions)")
+    width = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    if cfg["v_head_dim"] > width:
+        raise refuse("v_head_dim", cfg["v_head_dim"], f"at most the query's head size, {width}")
+    return {**cfg, "head_dim": width, "num_key_value_heads": cfg["num_attention_heads"]}
 
 
 def granite_hybrid_as_dense(cfg: dict) -> dict:
@@ -270,6 +312,8 @@ def _check_common_fields(cfg: dict, family: str) -> None:
 def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
     """The head dimensions RoPE turns where only the first ones turn (partial_rotary_factor, at the top of config.json
     or in its rope_parameters, as transformers reads either); None: all of them."""
+    if cfg.get("kv_lora_rank"):  # DeepSeek's latent attention: the part of each query and key head that turns
+        return rotary_dim(cfg["qk_rope_head_dim"], head_dim, "qk_rope_head_dim")
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     factor = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
     return rotary_dim(int(head_dim * factor), head_dim, "partial_rotary_factor", factor)
@@ -316,18 +360,29 @@ def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
         raise SpecDecodeError(f"this model's {field} is of type {rope_type!r} but has no {missing[0]}")
     items = [("rope_type", rope_type), *((k, float(params[k])) for k in keys)]
     if rope_type == "yarn":
-        items += _hf_yarn_items(params, field)
+        items += _hf_yarn_items(params, field, bool(cfg.get("kv_lora_rank")))
     return theta, tuple(sorted(items))
 
 
-def _hf_yarn_items(params: dict, field: str) -> list[tuple[str, float]]:
-    """YaRN's optional fields as transformers reads them; DeepSeek's mscale pair (another attention factor) refused."""
-    for name in ("mscale", "mscale_all_dim"):
-        if params.get(name):
-            raise refuse(f"{field}.{name}", params[name], "unset (YaRN's attention factor from its factor)")
+def _hf_yarn_items(params: dict, field: str, latent: bool) -> list[tuple[str, float]]:
+    """YaRN's optional fields as transformers reads them. DeepSeek's mscale pair, which only its latent attention
+    applies whole (refused elsewhere): cos and sin scaled by mscale(mscale) / mscale(mscale_all_dim), every score by
+    mscale(mscale_all_dim)^2 (with_rope_attention_factor)."""
+    pair = {name: params.get(name) for name in ("mscale", "mscale_all_dim") if params.get(name)}
+    for name, value in pair.items():
+        if not latent:
+            raise refuse(f"{field}.{name}", value, "unset (YaRN's attention factor from its factor)")
     items = [(k, float(params.get(k) or default)) for k, default in YARN_BETAS.items()]
-    factor = params.get("attention_factor") or yarn_attention_factor(float(params["factor"]))
-    return [*items, ("truncate", float(params.get("truncate", True))), ("attention_factor", float(factor))]
+    factor = float(params["factor"])
+    if len(pair) == 2:
+        default = yarn_attention_factor(factor, pair["mscale"]) / yarn_attention_factor(factor, pair["mscale_all_dim"])
+    else:
+        default = yarn_attention_factor(factor)
+    items += [
+        ("truncate", float(params.get("truncate", True))),
+        ("attention_factor", float(params.get("attention_factor") or default)),
+    ]
+    return items + [("mscale_all_dim", float(pair["mscale_all_dim"]))] if "mscale_all_dim" in pair else items
 
 
 def _hf_longrope(cfg: dict, params: dict, field: str) -> tuple:
@@ -361,16 +416,22 @@ def longrope_items(short, long, original: float, attention: float) -> tuple:
     return tuple(sorted(items.items()))
 
 
-def yarn_attention_factor(factor: float) -> float:
-    """YaRN's default scale of cos and sin (0.1 ln s + 1), transformers' and llama.cpp's alike."""
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's default scale of cos and sin (0.1 ln s + 1), transformers' and llama.cpp's alike; DeepSeek's mscale
+    multiplies its logarithm."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def with_rope_attention_factor(cfg: ModelConfig) -> ModelConfig:
     """cfg with its YaRN or LongRoPE attention factor m in the query-key scale: transformers and llama.cpp multiply cos
     and sin by m, so queries and keys each by m and their scores by m^2. Where RoPE turns only part of each head, m
-    scales only that part: the tables carry it (layers.RotaryEmbedding)."""
-    factor = dict(cfg.rope_scaling).get("attention_factor")
+    scales only that part: the tables carry it (layers.RotaryEmbedding). DeepSeek's mscale_all_dim scales every score
+    by mscale(mscale_all_dim)^2 besides."""
+    scaling = dict(cfg.rope_scaling)
+    if "mscale_all_dim" in scaling:
+        whole = yarn_attention_factor(scaling["factor"], scaling["mscale_all_dim"])
+        cfg = replace(cfg, attention_scale=(cfg.attention_scale or cfg.dim_per_head**-0.5) * whole**2)
+    factor = scaling.get("attention_factor")
     if factor is None or factor == 1.0 or cfg.rotary_dim is not None:
         return cfg
     scale = cfg.attention_scale or cfg.dim_per_head**-0.5
@@ -480,6 +541,8 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         return _hf_ernie_experts(cfg)
     if family == "glm4_moe":
         return _hf_glm4_moe_experts(cfg)
+    if family in LATENT_FAMILIES:
+        return _hf_deepseek_experts(cfg, family)
     if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
@@ -538,6 +601,54 @@ def _hf_glm4_moe_experts(cfg: dict) -> dict:
     )
 
 
+def _hf_deepseek_experts(cfg: dict, family: str) -> dict:
+    """DeepSeek's experts, as transformers computes them: after first_k_dense_replace dense layers, the top k chosen
+    among the best topk_group of n_group groups, weighed by their scores times routed_scaling_factor, with an ungated
+    shared MLP n_shared_experts experts wide beside them. V2's scores are a softmax over all, its groups scored by
+    their best (topk_method group_limited_greedy; greedy: no groups), never renormalised (transformers leaves
+    norm_topk_prob out; DeepSeek's own code applied it, so it is refused); V3's are sigmoids, chosen with a bias of each
+    expert's, groups scored by their best two, renormalised where norm_topk_prob says."""
+    v3, layers, width = family == "deepseek_v3", cfg["num_hidden_layers"], cfg["moe_intermediate_size"]
+    method = cfg.get("topk_method") or "greedy"
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise refuse("topk_method", method, "greedy, group_limited_greedy")
+    if not v3 and cfg.get("norm_topk_prob"):
+        raise refuse(
+            "norm_topk_prob", True, "false (transformers' DeepSeek-V2 leaves it out, DeepSeek's code does not)"
+        )
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise refuse("moe_layer_freq", cfg["moe_layer_freq"], "1")
+    groups = (cfg.get("n_group") or 1) if v3 or method == "group_limited_greedy" else 1
+    kept = cfg.get("topk_group") or groups
+    return dict(
+        num_experts=cfg["n_routed_experts"],
+        experts_per_token=cfg["num_experts_per_tok"],
+        expert_intermediate_size=width,
+        normalize_expert_weights=v3 and bool(cfg.get("norm_topk_prob")),
+        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace") or 0, layers))),
+        shared_expert_size=width * (cfg.get("n_shared_experts") or 0),
+        shared_expert_gated=False,
+        expert_selection_bias=v3,
+        expert_scoring="sigmoid" if v3 else "softmax",
+        expert_weights_scale=float(cfg.get("routed_scaling_factor") or 1.0),
+        **expert_groups(groups, kept, "top2" if v3 else "max"),
+    )
+
+
+def expert_groups(groups: int, kept: int, scoring: str) -> dict:
+    """The fields of experts chosen among `kept` of `groups` groups (none where all are kept)."""
+    if kept >= groups:
+        return {}
+    return dict(expert_groups=groups, expert_groups_kept=kept, expert_group_scoring=scoring)
+
+
+def _hf_latent(cfg: dict, family: str) -> dict:
+    """DeepSeek's latent attention's widths (latent_as_heads made its heads)."""
+    if family not in LATENT_FAMILIES:
+        return {}
+    return dict(kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank") or 0, value_dim=cfg["v_head_dim"])
+
+
 def _hf_gpt_oss(cfg: dict, family: str) -> dict:
     """gpt-oss's attention sinks, and biases on the attention output, the router and every expert."""
     if family != "gpt_oss":
@@ -580,11 +691,11 @@ def cohere_layers(logit_multiplier: float) -> dict:
 # GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE) the runtime computes, and llama.cpp's
 # where a file states none (or 0): GLM-4.5's sigmoid, else softmax
 GATING = {1: "softmax", 2: "sigmoid"}
-GATING_DEFAULT = {"glm4moe": 2}
+GATING_DEFAULT = {"glm4moe": 2}  # (deepseek2's, where silent, llama.cpp's softmax: DeepSeek-V2's)
 # GGUF architectures whose llama.cpp graph leaves out the next-token prediction layers a file holds after its own
 NEXTN_FAMILIES = ("glm4moe",)
 # ... and those whose graph scales the routed experts' weights by expert_weights_scale (GLM-4.5's routed_scaling_factor)
-SCALED_EXPERTS_FAMILIES = ("glm4moe",)
+SCALED_EXPERTS_FAMILIES = ("glm4moe", "deepseek2")
 
 
 def field(reader, key: str, default=None):
@@ -617,7 +728,8 @@ def from_gguf(reader) -> ModelConfig:
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     hidden, heads = key("embedding_length"), key("attention.head_count")
     layers = key("block_count") - key("nextn_predict_layers", 0)  # GLM-4.5's prediction layers counted among them
-    head_dim = key("attention.key_length")
+    latent = arch == "deepseek2"  # its key_length and value_length are the compressed vector's; the heads' are these
+    head_dim = key("attention.key_length_mla" if latent else "attention.key_length")
     dims = head_dim or hidden // heads
     _check_gguf_fields(key, arch, dims)
     gemma = arch in GEMMA_FAMILIES
@@ -629,7 +741,7 @@ def from_gguf(reader) -> ModelConfig:
         intermediate_size=key("feed_forward_length"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=key("attention.head_count_kv", heads),
+        num_kv_heads=heads if latent else key("attention.head_count_kv", heads),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_norm_eps=float(key(NORM_EPS_KEY.get(arch, "attention.layer_norm_rms_epsilon"), 1e-6)),
         max_position=int(key("context_length", 4096)),
@@ -653,6 +765,7 @@ def from_gguf(reader) -> ModelConfig:
         **_gguf_softcaps(key, arch),
         **_gguf_biases(arch, names),
         **_gguf_cohere(key, arch, names),
+        **_gguf_latent(key, arch, names),
     )
     described = with_rope_attention_factor(described)
     if arch not in GRANITE_FAMILIES:
@@ -670,6 +783,17 @@ def _gguf_cohere(key, arch: str, names: set[str]) -> dict:
     if "blk.0.attn_q_norm.weight" in names:
         raise refuse(f"{arch} attn_q_norm", "a LayerNorm of each query and key head", "none (Command R+'s, not built)")
     return cohere_layers(float(key("logit_scale", 1.0)))
+
+
+def _gguf_latent(key, arch: str, names: set[str]) -> dict:
+    """DeepSeek's latent attention's widths, as llama.cpp's deepseek2 reads them (queries projected directly where the
+    file holds attn_q: DeepSeek-V2-Lite's)."""
+    if arch != "deepseek2":
+        return {}
+    queries = 0 if "blk.0.attn_q.weight" in names else key("attention.q_lora_rank")
+    return dict(
+        kv_lora_rank=key("attention.kv_lora_rank"), q_lora_rank=queries, value_dim=key("attention.value_length_mla")
+    )
 
 
 def _gguf_nope_layers(arch: str, layers: int, window: int | None, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -691,13 +815,13 @@ def _gguf_local_rope_theta(key, arch: str) -> float:
 
 
 def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
-    if key("attention.value_length", head_dim) != head_dim:
+    if arch != "deepseek2" and key("attention.value_length", head_dim) != head_dim:
         raise refuse(f"{arch}.attention.value_length", key("attention.value_length"), f"the key length, {head_dim}")
     softcaps = () if arch == "gemma2" else ("final_logit_softcapping", "attn_logit_softcapping")
     # a shared expert beside routed ones (llama.cpp writes its width for Granite 4.0's dense models too, unused there),
     # but Qwen2-MoE's
     shared = ("expert_shared_count", "expert_shared_feed_forward_length") if key("expert_count") else ()
-    shared = () if arch in ("qwen2moe", "ernie4_5-moe", "glm4moe") else shared
+    shared = () if arch in ("qwen2moe", "ernie4_5-moe", "glm4moe", "deepseek2") else shared
     # next-token prediction layers after the model's own, which llama.cpp's graph leaves out (GLM-4.5's; GLM-4's
     # counted among its blocks as if they were its own)
     nextn = () if arch in NEXTN_FAMILIES else ("nextn_predict_layers",)
@@ -708,7 +832,7 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
         raise refuse(f"{arch}.expert_weights_scale", key("expert_weights_scale"), "unset, 0 or 1")
     if _gguf_gating(key, arch) not in GATING:
         raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), "1 (softmax), 2 (sigmoid)")
-    if key("expert_group_count", 1) > 1:  # experts chosen among groups first (DeepSeek-V3's)
+    if arch != "deepseek2" and key("expert_group_count", 1) > 1:  # experts chosen among groups first (DeepSeek's)
         raise refuse(f"{arch}.expert_group_count", key("expert_group_count"), "unset or 1")
 
 
@@ -760,6 +884,8 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     """YaRN as llama.cpp computes it: its ramp between the dimensions kept and those divided by the factor, and cos and
     sin scaled by 0.1 ln(factor) + 1 whatever the file's yarn_attn_factor says (llama.cpp overrides it), which is
     therefore refused where it says otherwise, as are the factors llama.cpp applies beside YaRN's own."""
+    if arch == "deepseek2":
+        return _gguf_deepseek_yarn(key, factor)
     default = yarn_attention_factor(factor)
     allowed = {
         "rope.scaling.yarn_ext_factor": 1.0,
@@ -777,6 +903,29 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
         **{name: float(key(f"rope.scaling.yarn_{name}", default)) for name, default in YARN_BETAS.items()},
         "truncate": 1.0,
         "attention_factor": default,
+    }
+    return tuple(sorted(items.items()))
+
+
+def _gguf_deepseek_yarn(key, factor: float) -> tuple:
+    """DeepSeek's YaRN as llama.cpp computes it: its mscale pair taken as equal (cos and sin unscaled), every score
+    scaled by mscale(mscale_all_dim)^2, mscale_all_dim written as yarn_log_multiplier / 0.1 (transformers' reading
+    where the pair is equal, as in every DeepSeek's config.json). A file without it, where llama.cpp scales cos and
+    sin and the scores both, is refused, as are the factors llama.cpp applies beside YaRN's own."""
+    multiplier = key("rope.scaling.yarn_log_multiplier")
+    if multiplier is None:
+        raise refuse("deepseek2.rope.scaling.yarn_log_multiplier", None, "DeepSeek's 0.1 mscale_all_dim")
+    for name in ("rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor"):
+        if key(name) is not None and not math.isclose(key(name), 1.0):
+            raise refuse(f"deepseek2.{name}", key(name), "unset or 1")
+    items = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": _gguf_original_context(key),
+        **{name: float(key(f"rope.scaling.yarn_{name}", default)) for name, default in YARN_BETAS.items()},
+        "truncate": 1.0,
+        "attention_factor": 1.0,
+        "mscale_all_dim": float(multiplier) / 0.1,
     }
     return tuple(sorted(items.items()))
 
@@ -835,6 +984,8 @@ def _gguf_experts(key, reader, names: set[str], layers: int, arch: str) -> dict:
         expert_selection_bias=f"blk.{sparse}.exp_probs_b.bias" in names,
         expert_scoring=GATING[_gguf_gating(key, arch)],
         expert_weights_scale=float(key("expert_weights_scale") or 1.0) if arch in SCALED_EXPERTS_FAMILIES else 1.0,
+        # llama.cpp's graph scores any family's groups by their best two experts (V3's), DeepSeek-V2's too
+        **expert_groups(key("expert_group_count", 1), key("expert_group_used_count", 1), "top2"),
     )
 
 
@@ -847,7 +998,7 @@ def _gguf_normalizes_experts(key, arch: str) -> bool:
     """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, as ERNIE 4.5's graph does, Qwen2-MoE's
     never does (whatever its checkpoint's norm_topk_prob), GLM-4.5's where the file says (not where it is silent), the
     others as the file says."""
-    if arch == "glm4moe":
+    if arch in ("glm4moe", "deepseek2"):
         return bool(key("expert_weights_norm", False))
     return arch in ("gpt-oss", "ernie4_5-moe") or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
 
@@ -856,7 +1007,7 @@ def _gguf_shared_expert_size(key, reader, names: set[str], arch: str, layer: int
     """The shared expert's width: Qwen2-MoE's as the file states it, else the dense MLP's (llama.cpp's default);
     ERNIE 4.5's and GLM-4.5's as their tensors hold it (ERNIE's converter states a width of its own reckoning, which
     llama.cpp's loader checks against them; GLM's states a count of experts)."""
-    if arch in ("ernie4_5-moe", "glm4moe"):
+    if arch in ("ernie4_5-moe", "glm4moe", "deepseek2"):
         return next((int(t.shape[1]) for t in reader.tensors if t.name == f"blk.{layer}.ffn_up_shexp.weight"), 0)
     if arch != "qwen2moe" or "blk.0.ffn_gate_inp_shexp.weight" not in names:
         return 0

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .checkpoints import INTERLEAVED_ROPE_FAMILIES, as_computed, gguf_parts, halves_paired
+from .checkpoints import INTERLEAVED_ROPE_FAMILIES, LATENT_FLOAT_TENSORS, as_computed, gguf_parts, halves_paired
 from .families import from_gguf
 
 # GGUF architectures whose files hold q/k rows interleaved: llama.cpp's converter permutes its LlamaModel's so, and
@@ -69,9 +69,11 @@ def iter_gguf_tensors(
         for t in tqdm(
             reader.tensors, desc=f"loading {path.rsplit('/', 1)[-1]}", unit="tensor", disable=not progress, leave=False
         ):
-            raw = t.tensor_type in raw_types and t.name.endswith(".weight") and len(t.shape) in (2, 3)
+            latent = bool(cfg.kv_lora_rank) and t.name.split(".")[-2] in LATENT_FLOAT_TENSORS
+            raw = t.tensor_type in raw_types and t.name.endswith(".weight") and len(t.shape) in (2, 3) and not latent
             w = np.asarray(t.data) if raw else dequantize_tensor(t)
-            stacked = len(t.shape) == 3 or t.name.endswith("_exps.bias")  # experts' weights, or their biases
+            # experts' weights, or their biases: one matrix an expert (DeepSeek's expansions, one a head, go whole)
+            stacked = (len(t.shape) == 3 or t.name.endswith("_exps.bias")) and not latent
             for expert, matrix in enumerate(w) if stacked else [(None, w)]:
                 for name, rows in gguf_parts(cfg, t.name, matrix.shape[0]):
                     yield _named_part(cfg, name.format(expert=expert), matrix[rows], raw and t)

@@ -351,7 +351,7 @@ class Router(nn.Module):
     sigmoid alone (GLM-4.5's); the top k kept (chosen by score, or by score plus a bias of each expert's: ERNIE 4.5's,
     GLM-4.5's), their weights rescaled to sum to one where the family does (Mixtral; Qwen3-MoE by norm_topk_prob;
     gpt-oss's softmax over the top k's logits is that), then multiplied by a scale where it has one (GLM-4.5's
-    routed_scaling_factor)."""
+    routed_scaling_factor). DeepSeek's choose among the experts of their best groups only (within_kept_groups)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -360,12 +360,18 @@ class Router(nn.Module):
         self.selection_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_selection_bias else None
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
         self.sigmoid, self.scale = cfg.expert_scoring == "sigmoid", cfg.expert_weights_scale
+        self.groups, self.groups_kept, self.group_scoring = (
+            cfg.expert_groups,
+            cfg.expert_groups_kept,
+            cfg.expert_group_scoring,
+        )
 
     @property
     def plain(self) -> bool:
         """Unbiased, choosing by softmax probability, unscaled: the router the GPU's grouped experts kernels and the
         one-call decoder compute inside their calls (the CPU's experts kernel computes any but gpt-oss's)."""
-        return self.bias is None and self.selection_bias is None and not self.sigmoid and self.scale == 1.0
+        unbiased = self.bias is None and self.selection_bias is None
+        return unbiased and not self.sigmoid and self.scale == 1.0 and self.groups == 1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
@@ -374,14 +380,25 @@ class Router(nn.Module):
             probs = torch.sigmoid(logits.float())
         else:
             probs = torch.softmax((logits if self.bias is None else logits + self.bias).float(), dim=-1)
-        if self.selection_bias is None:
+        choice = probs if self.selection_bias is None else probs + self.selection_bias.float()
+        if self.groups > 1:
+            choice = self.within_kept_groups(choice)
+        if choice is probs:
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         else:
-            experts = torch.topk(probs + self.selection_bias.float(), self.top_k, dim=-1).indices
+            experts = torch.topk(choice, self.top_k, dim=-1).indices
             weights = probs.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.scale).to(x.dtype), experts
+
+    def within_kept_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The scores experts are chosen by [N, experts], those outside each row's best groups_kept groups at -inf: a
+        group scored by its best expert ("max") or its best two summed ("top2")."""
+        grouped = choice.unflatten(-1, (self.groups, -1))
+        best = grouped.topk(2, dim=-1).values.sum(-1) if self.group_scoring == "top2" else grouped.amax(-1)
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, best.topk(self.groups_kept, dim=-1).indices, True)
+        return grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
 
 
 class SharedExpertGate(nn.Module):

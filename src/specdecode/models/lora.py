@@ -292,6 +292,11 @@ def _add_sets(model: nn.Module, per_set: list[dict]) -> int:
     the first to adapt wrapped in a LowRankAdded, its earlier sets empty); returns how many layers are adapted.
     Deltas of a layer the runtime does not compute as a linear layer of its own (experts, embeddings, the LM head)
     or of another model are refused before any layer changes."""
+    if model.cfg.kv_lora_rank:
+        raise SpecDecodeError(
+            "LoRA adapters of a model with DeepSeek's latent attention are not built (its attention's layers are "
+            "computed as one expanded projection); serve the adapter merged into the weights instead"
+        )
     route, unused, planned = model.adapter_route, set().union(*per_set), []
     for name, module in list(model.named_modules()):
         if not ADAPTABLE.fullmatch(name):

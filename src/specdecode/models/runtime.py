@@ -20,6 +20,7 @@ from ..errors import SpecDecodeError
 from ..executor.hugepages import move_to_huge_pages
 from ..kv_cache import KVCache
 from ..transfers import to_device
+from .latent import LatentProjection
 from .layers import (
     MLP,
     Linear,
@@ -166,7 +167,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        # DeepSeek's latent attention: q, k and v of equal heads all the same (models/latent.py)
+        latent = LatentProjection(cfg) if cfg.kv_lora_rank else None
+        self.qkv_proj = latent or Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.whole_qk_norms = cfg.qk_norm and cfg.qk_norm_whole  # over each projection's width, not each head's
