@@ -44,11 +44,17 @@ def test_the_kernel_computes_the_pytorch_paths_experts(quantization, normalize):
     torch.testing.assert_close(got, moe(ROWS), rtol=1e-5, atol=1e-5)
 
 
-# GLM-4.5's router (sigmoid scores, a selection bias, a scale) and ERNIE 4.5's (softmax, a selection bias), which the
-# kernel computes too
+# GLM-4.5's router (sigmoid scores, a selection bias, a scale), ERNIE 4.5's (softmax, a selection bias) and
+# DeepSeek's (V3's: GLM-4.5's among the best 2 of 4 groups by their best two; V2's: softmax, groups by their best),
+# which the kernel computes too
+DEEPSEEK_V3_GROUPS = dict(expert_groups=4, expert_groups_kept=2, expert_group_scoring="top2")
 OTHER_ROUTERS = {
     "sigmoid-biased-scaled": dict(expert_scoring="sigmoid", expert_selection_bias=True, expert_weights_scale=2.5),
     "softmax-biased": dict(expert_selection_bias=True),
+    "deepseek-v3": dict(
+        expert_scoring="sigmoid", expert_selection_bias=True, expert_weights_scale=2.5, **DEEPSEEK_V3_GROUPS
+    ),
+    "deepseek-v2-groups": dict(expert_groups=4, expert_groups_kept=2, expert_group_scoring="max"),
 }
 
 
@@ -66,6 +72,18 @@ def test_the_kernel_routing_without_one_of_glm_4_5s_features_fails_the_compariso
     """The comparison above can fail: the kernel routing by softmax, without the bias or without the scale computes
     another MLP than GLM-4.5's router chooses and weighs."""
     moe = _moe(**OTHER_ROUTERS["sigmoid-biased-scaled"])
+    kernel, moe.kernel = moe.kernel, None
+    reference = moe(ROWS)
+    for name, value in left_out.items():
+        setattr(moe.gate, name, value)
+    assert not torch.allclose(kernel(moe, ROWS.reshape(-1, 64)).view_as(ROWS), reference, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("left_out", [dict(groups=1), dict(group_scoring="max"), dict(groups_kept=4)])
+def test_the_kernel_routing_without_deepseeks_groups_fails_the_comparison(left_out):
+    """The kernel choosing among all experts, or among groups scored by their best one or kept all, computes another
+    MLP than DeepSeek-V3's router chooses."""
+    moe = _moe(experts=16, **OTHER_ROUTERS["deepseek-v3"])
     kernel, moe.kernel = moe.kernel, None
     reference = moe(ROWS)
     for name, value in left_out.items():

@@ -197,6 +197,44 @@ SHAPES = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
         ),
     ),
+    # DeepSeek-V2-Lite (latent attention with queries projected directly; 6 of 64 experts 1408 wide and two shared;
+    # its first layer dense) with 8 of its experts: its 2.4B active per token, of 3.1B (its 27 layers: llama.cpp reads
+    # a file without a query compression only at that count)
+    "deepseek-v2-lite-8e": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        "ggml-vocab-deepseek-llm.gguf",
+        dict(
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            n_routed_experts=8,
+            num_experts_per_tok=6,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            head_dim=64,
+            v_head_dim=128,
+            tie_word_embeddings=False,
+            max_position_embeddings=163840,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=40.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+            ),
+        ),
+    ),
 }
 
 

@@ -37,6 +37,7 @@ def routed_by_pytorch(kernel, moe, flat: torch.Tensor) -> torch.Tensor:
         0,
         None,
         1.0,
+        torch.tensor([1, 1, 0], dtype=torch.int32).data_ptr(),  # no groups
         chosen.data_ptr(),
         weights.data_ptr(),
         moe.gate.top_k,

@@ -41,14 +41,12 @@ class ExpertsKernel:
     @staticmethod
     def applies(moe) -> bool:
         """Every expert's layers as single block layers of one format per kind, without padding rows or biases, with
-        the activation the kernel computes (SiLU), under a router whose logits are unbiased (gpt-oss's are not) and
-        that chooses among all experts (not among groups first, as DeepSeek's)."""
+        the activation the kernel computes (SiLU), under a router whose logits are unbiased (gpt-oss's are not)."""
         experts = moe.experts
         layers = [[e.gate_up_proj for e in experts], [e.down_proj for e in experts]]
         return (
             experts[0].activation == "silu"
             and moe.gate.bias is None
-            and moe.gate.groups == 1
             and all(
                 isinstance(x, BlockLinear)
                 and x.bias is None
@@ -68,6 +66,7 @@ class ExpertsKernel:
         y, top = torch.empty(rows, hidden), gate.top_k
         chosen, weights = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, top)
         gate_up, down = self.tables()
+        grouping = torch.tensor([gate.groups, gate.groups_kept, int(gate.group_scoring == "top2")], dtype=torch.int32)
         _check(
             self.lib.lowbit_moe(
                 *self.formats,
@@ -81,6 +80,7 @@ class ExpertsKernel:
                 int(gate.sigmoid),
                 None if bias is None else bias.data_ptr(),
                 gate.scale,
+                grouping.data_ptr(),
                 chosen.data_ptr(),
                 weights.data_ptr(),
                 top,

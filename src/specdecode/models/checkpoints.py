@@ -136,9 +136,9 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
     if cfg.arch in ("ernie4_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"):
         if _next_token_prediction(cfg, name):  # which transformers leaves out too
             return
-        name = LATENT_LAYERS.sub(r"\1.qkv_proj.\2.", _biased_moe(name)).replace("_proj_with_mqa.", "_proj.")
-    if name.endswith("self_attn.qkv_proj.kv_b_proj.weight"):
-        yield from _latent_expansions(cfg, name.removesuffix("kv_b_proj.weight"), tensor)
+        name = _biased_moe(name)
+    if cfg.kv_lora_rank and LATENT_LAYERS.match(name):
+        yield from _latent_layer(cfg, name, tensor)
         return
     m = re.fullmatch(r"(model\.layers\.\d+)\.(\w+_layernorm)\.weight", name)
     if m and cfg.arch == "glm4" and m[2] in GLM4_NORMS:
@@ -188,9 +188,14 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
     yield name, tensor
 
 
-def _latent_expansions(cfg: ModelConfig, prefix: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """DeepSeek's kv_b_proj, each head's key rows that do not turn then its value rows, as models/latent.py's two
-    expansions."""
+def _latent_layer(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek's attention's layers under the runtime's names, in its QKV projection; its kv_b_proj (each head's key
+    rows that do not turn, then its value rows) as models/latent.py's two expansions."""
+    name = LATENT_LAYERS.sub(r"\1.qkv_proj.\2.", name).replace("_proj_with_mqa.", "_proj.")
+    if not name.endswith("self_attn.qkv_proj.kv_b_proj.weight"):
+        yield name, tensor
+        return
+    prefix = name.removesuffix("kv_b_proj.weight")
     heads = tensor.reshape(cfg.num_heads, -1, tensor.shape[-1])
     still = cfg.dim_per_head - cfg.rotary_dim
     yield f"{prefix}k_b_proj.weight", heads[:, :still].reshape(-1, tensor.shape[-1])

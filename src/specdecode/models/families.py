@@ -85,6 +85,8 @@ NORM_EPS_KEY = dict.fromkeys(COHERE_FAMILIES, "attention.layer_norm_epsilon")  #
 SANDWICH_FAMILIES = (*GEMMA_FAMILIES, "glm4", *POST_NORM_FAMILIES)
 # families whose sliding layers turn by RoPE of their own: unscaled, and Gemma 3's of another base
 LOCAL_ROPE_FAMILIES = ("gemma3_text", "gemma3", "olmo3", "olmo2")
+# transformers' DeepSeek latent attention's widths where config.json leaves them out (V2's and V3's alike)
+DEEPSEEK_ATTENTION = dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 # what transformers' config classes assume where a config.json leaves a field out, and the runtime reads otherwise
 # (GLM's: RoPE over half of each head, 128 wide, biased q/k/v)
 HF_DEFAULTS = {
@@ -93,24 +95,12 @@ HF_DEFAULTS = {
     **dict.fromkeys(("cohere", "cohere2"), {"tie_word_embeddings": True, "logit_scale": 0.0625}),
     "glm4_moe": {"partial_rotary_factor": 0.5, "attention_bias": False},
     "deepseek_v2": {
-        **{
-            "kv_lora_rank": 512,
-            "q_lora_rank": 1536,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-        },
+        **DEEPSEEK_ATTENTION,
         **{"n_routed_experts": 64, "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0},
         **{"routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False},
     },
     "deepseek_v3": {
-        **{
-            "kv_lora_rank": 512,
-            "q_lora_rank": 1536,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-        },
+        **DEEPSEEK_ATTENTION,
         **{"n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},
         **{"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8},
         **{"norm_topk_prob": True, "rope_interleave": True},

@@ -36,7 +36,10 @@ SIGNATURES = {
         "lowbit_isa": ([], _I),
         "lowbit_linear": ([_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I], _I),
         "lowbit_dequantize_rows": ([_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
-        "lowbit_moe": ([_I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _I, _P, _P, _P, _I, _I], _I),
+        "lowbit_moe": (
+            [_I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _P, _I, _P, _P, _P, _I, _I],
+            _I,
+        ),
     },
     "norm": {
         "rms_norm": ([_P, _P, _P, _I, _I, _F, _I], _I),

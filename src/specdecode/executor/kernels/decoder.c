@@ -15,7 +15,8 @@ typedef int (*norm_fn)(const float *, const float *, float *, int, int, float, i
 typedef int (*add_norm_fn)(float *, const float *, const float *, float *, int, int, float, int);
 typedef int (*act_mul_fn)(const float *, float *, int, int, int);
 typedef int (*moe_fn)(int, int, int, int, const float *, int, int, int, int, const float *, int, int, const float *,
-                      float, int64_t *, float *, int, const uint64_t *, const uint64_t *, float *, int, int);
+                      float, const int *, int64_t *, float *, int, const uint64_t *, const uint64_t *, float *, int,
+                      int);
 typedef int (*lora_fn)(const float *, int, int, const void *, int, const float *, int, int, const int32_t *,
                        const void *const *, float *, int, int);
 typedef int (*attention_fn)(const float *, int, int, int, int, const int64_t *, const int64_t *, const float *,
@@ -207,9 +208,10 @@ static int attention_block(const decoder_t *m, int l, const tokens_t *t, float *
 
 static int experts(const decoder_t *m, const experts_t *e, const float *in, int n, float *y, scratch_t *s,
                    int threads) {
+    static const int ungrouped[3] = {1, 1, 0};
     return m->moe(e->gate_up_format, e->gate_up_S, e->down_format, e->down_S, in, n, m->hidden, e->inter,
-                  e->experts, e->router, e->normalize, 0, NULL, 1.f,  // a plain router: softmax, unbiased, unscaled
-                  s->chosen, s->expert_weights, e->top, e->gate_up_table, e->down_table, y, e->passes, threads);
+                  e->experts, e->router, e->normalize, 0, NULL, 1.f,  // a plain router: softmax, unbiased, unscaled,
+                  ungrouped, s->chosen, s->expert_weights, e->top, e->gate_up_table, e->down_table, y, e->passes, threads);
 }
 
 // The MLP (or experts) of the normed input into y.

@@ -960,8 +960,34 @@ enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1 };
 // Row x's router: the E experts' logits (router [E, K] . x) scored by `scoring`; the `top` best by score, plus a
 // bias of each expert's where `bias` is given (ERNIE 4.5's, GLM-4.5's), kept (ties to the lower id), weighed by
 // their scores, rescaled to sum to 1 where `normalize`, then multiplied by `scale`. p, choice: scratch of E.
+// Of `groups` equal groups of experts, only the best `kept` stay choosable (the others' choice at -inf): a group
+// scored by its best choice, or by its best two summed (top2; DeepSeek-V2's and V3's, models/layers.py's
+// Router.within_kept_groups). A group taken first on ties, as a lower expert is.
+static void keep_best_groups(float *choice, int E, int groups, int kept, int top2) {
+    const int size = E / groups;
+    float score[groups];
+    for (int g = 0; g < groups; g++) {
+        float best = -INFINITY, second = -INFINITY;
+        for (int e = g * size; e < (g + 1) * size; e++) {
+            if (choice[e] > best) second = best, best = choice[e];
+            else if (choice[e] > second) second = choice[e];
+        }
+        score[g] = top2 ? best + second : best;
+    }
+    for (int j = 0; j < kept; j++) {  // the kept groups' scores marked +inf, then the others' experts masked
+        int best = -1;
+        for (int g = 0; g < groups; g++)
+            if (score[g] < INFINITY && (best < 0 || score[g] > score[best])) best = g;
+        score[best] = INFINITY;
+    }
+    for (int g = 0; g < groups; g++)
+        if (score[g] < INFINITY)
+            for (int e = g * size; e < (g + 1) * size; e++) choice[e] = -INFINITY;
+}
+
 static void route(const float *router, const float *x, int K, int E, int top, int normalize, int scoring,
-                  const float *bias, float scale, int64_t *chosen, float *weight, float *p, float *choice) {
+                  const float *bias, float scale, const int *grouping, int64_t *chosen, float *weight, float *p,
+                  float *choice) {
     float peak = -INFINITY, total = 0.f;
     for (int e = 0; e < E; e++) {
         float lanes[16] = {0}, logit = 0.f;  // 16 independent sums (K is a multiple of 32): vectorised, same bits
@@ -978,6 +1004,7 @@ static void route(const float *router, const float *x, int K, int E, int top, in
         for (int e = 0; e < E; e++) p[e] /= total;
     }
     for (int e = 0; e < E; e++) choice[e] = bias ? p[e] + bias[e] : p[e];
+    if (grouping[0] > 1) keep_best_groups(choice, E, grouping[0], grouping[1], grouping[2]);
     float kept = 0.f;
     for (int j = 0; j < top; j++) {
         int best = -1;
@@ -993,7 +1020,8 @@ static void route(const float *router, const float *x, int K, int E, int top, in
 
 // A mixture of experts' MLP over M rows of x [M, K]: y[m] = the sum over row m's `top` chosen experts
 // (chosen [M, top], weight [M, top]; or, given the router's weights [E, K], routed here, into chosen and weight, as
-// route() says with scoring, selection_bias (NULL: none) and scale)
+// route() says with scoring, selection_bias (NULL: none), scale and grouping: groups, groups kept, scored by their
+// best two (1) or best one (0); groups 1: none)
 // of weight * down_e(silu(gate_e(x_m)) * up_e(x_m)), added in ascending expert order. gate_up_table[e] and down_table[e] hold expert e's 6 buffer addresses: its gate and up layers
 // stacked ([gate; up], 2 * I output rows over K inputs, format fmt_gu) and its down layer (K rows over I,
 // format fmt_down). The rows routed to each expert are computed together, so each expert's weights are read
@@ -1001,16 +1029,19 @@ static void route(const float *router, const float *x, int K, int E, int top, in
 // negative code (check(); -5 out of memory; -6 an expert id outside 0..E-1; -7 passes).
 int lowbit_moe(int fmt_gu, int S_gu, int fmt_down, int S_down, const float *x, int M, int K, int I, int E,
                const float *router, int normalize, int scoring, const float *selection_bias, float scale,
-               int64_t *chosen, float *weight, int top, const uint64_t *gate_up_table, const uint64_t *down_table,
-               float *y, int passes, int threads) {
+               const int *grouping, int64_t *chosen, float *weight, int top, const uint64_t *gate_up_table,
+               const uint64_t *down_table, float *y, int passes, int threads) {
     if (passes < 1 || passes > 2) return -7;
     if (M <= 0 || top <= 0 || top > E || E <= 0 || I % 32) return M == 0 ? 0 : -2;
+    const int groups = grouping[0], kept = grouping[1];
+    if (groups < 1 || E % groups || (groups > 1 && (kept < 1 || kept > groups || top > kept * (E / groups))))
+        return -2;
     const int R = M * top;
     if (router) {
         float *p = malloc((size_t)2 * E * sizeof(float));
         if (!p) return -5;
         for (int m = 0; m < M; m++)
-            route(router, x + (size_t)m * K, K, E, top, normalize, scoring, selection_bias, scale,
+            route(router, x + (size_t)m * K, K, E, top, normalize, scoring, selection_bias, scale, grouping,
                   chosen + (size_t)m * top, weight + (size_t)m * top, p, p + E);
         free(p);
     }
