@@ -604,6 +604,19 @@ esac
     )
     spec = run_llama_speculative(str(tmp_path), "m.gguf", "d.gguf", ["a", "b"], 3, 96, 2)
     assert (spec.output_tokens, spec.drafted, spec.accepted, spec.repacked) == (192, 120, 90, False)
+    _tool(
+        tmp_path,
+        "llama-bench",
+        f"""case "$*" in
+  *"-fa off"*"--repack 0"*) echo '[{pp}]' ;;
+  *"-fa off -p 0 "*) echo '[{tg}]' ;;
+  *) kill -ABRT $$ ;;
+esac
+""",
+    )  # its flash attention crashing over repacked weights even decoding (DeepSeek's latent attention), its batches too
+    bench = run_llama_bench(str(tmp_path), "m.gguf", 2, 96, forward_sizes=(1, 3))
+    assert (bench.decode_tokens_per_s, bench.batches_repacked, bench.flash_attention) == (14.0, False, False)
+    assert bench.prefill_tokens_per_s(3) == 45.0
     _tool(tmp_path, "llama-bench", "kill -SEGV $$\n")  # crashing either way: the error says so
     with pytest.raises(SpecDecodeError, match="died of signal 11"):
         run_llama_bench(str(tmp_path), "m.gguf", 2, 96)

@@ -80,6 +80,31 @@ def test_a_budget_that_never_fits_a_sequence_is_refused(target, random_draft):
         LLM(target=target, draft=random_draft, max_model_len=256, memory_budget=1000)
 
 
+def test_a_context_whose_cache_would_not_fit_is_served_as_far_as_it_fits(target, monkeypatch):
+    """Without max_model_len, a model whose one sequence at its full context would not fit the memory (DeepSeek's
+    expanded cache: 54 GiB at V2-Lite's 163,840 tokens) is served up to what does, in whole blocks, with a warning
+    that says so, the sequence then fitting; with max_model_len given, it is what is served, as it was."""
+    from specdecode.engine import memory
+    from specdecode.kv_cache import BLOCK_TOKENS
+
+    per_token = kv_bytes_per_token(target.config, target.model.kv_dtype)
+    reserve = memory.activation_reserve(target.config, target.model.dtype, target.config.max_position, 1, 0)
+    options = dict(num_speculative_tokens=0, max_num_seqs=1)
+    room = (2 * BLOCK_TOKENS + BLOCK_TOKENS // 2) * per_token  # two blocks and a half, AVAILABLE_SHARE of it available
+    monkeypatch.setattr(memory, "available_memory", lambda device: int(room / memory.AVAILABLE_SHARE) + reserve + 1)
+    served = 2 * BLOCK_TOKENS
+    assert served < target.config.max_position
+    with pytest.warns(UserWarning, match=rf"sequences are served up to {served} tokens; set max_model_len to choose"):
+        llm = LLM(target=target, **options)
+    assert llm.max_model_len == served
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=served, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == served - 3  # the prompt and its output within what is served
+    budget = target.model.weight_bytes() + reserve + (BLOCK_TOKENS + 1) * per_token
+    with pytest.warns(UserWarning, match=rf"served up to {BLOCK_TOKENS} tokens"):
+        assert LLM(target=target, memory_budget=budget, **options).max_model_len == BLOCK_TOKENS
+    assert LLM(target=target, max_model_len=100, **options).max_model_len == 100
+
+
 def test_requests_beyond_the_kv_blocks_wait_and_all_complete(target, random_draft):
     """Two blocks of KV cache for sequences of up to 64 tokens (one block each): eight slots, two running at a
     time; a request that could never fit is refused with what to change."""

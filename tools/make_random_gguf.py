@@ -203,7 +203,7 @@ SHAPES = {
     "deepseek-v2-lite-8e": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
-        "ggml-vocab-deepseek-llm.gguf",
+        LLAMA_VOCAB,  # (128k: its own 102k's file, as this tool saves it, is not one llama.cpp's converter knows)
         dict(
             hidden_size=2048,
             intermediate_size=10944,

@@ -102,7 +102,9 @@ class EngineConfig:
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu)")
     dtype: str = option("auto", "activations: auto (bf16 on CUDA and bf16-capable CPUs), float32, bfloat16")
     max_model_len: int | None = option(
-        None, "tokens a sequence holds, prompt and output (default: the model's context)"
+        None,
+        "tokens a sequence holds, prompt and output (default: the model's context, as far as one sequence's KV cache "
+        "fits the memory)",
     )
     rope_scaling: str | None = option(
         None,

@@ -22,6 +22,7 @@ from .edits import CHAT_DATASETS, agent_loop_scripts, code_edit_prompts, describ
 from .formatting import fmt, ratio, yes_no
 from .llama_cpp import (
     LLAMA_NGRAM_MODES,
+    NO_FLASH_ATTENTION_NOTE,
     NO_REPACK_NOTE,
     LlamaBench,
     llama_cpp_draft,
@@ -308,6 +309,8 @@ def llama_cpp_plain(args, threads: int, when: str) -> tuple[LatencyResult, Llama
     bench = run_llama_bench(args.vs_llama_cpp, resolve(args.model).path, threads, args.max_tokens)
     if not bench.batches_repacked:
         print(f"note: {NO_REPACK_NOTE} (llama-bench pp)", flush=True)
+    if not bench.flash_attention:
+        print(f"note: {NO_FLASH_ATTENTION_NOTE}", flush=True)
     row = _llama_plain_row(when, args.max_tokens, bench.decode_tokens_per_s, bench.prefill_tokens_per_s(PREFILL_TOKENS))
     print(_row(row), flush=True)
     return row, bench

@@ -41,11 +41,20 @@ NO_REPACK_NOTE = (
 )
 
 
+# Where its flash attention crashes over repacked weights (DeepSeek's latent attention: GGML_ASSERT(*cur_backend_id !=
+# -1) in its scheduler, even decoding), the whole run goes with flash attention off, which is faster there than
+# repacking off.
+NO_FLASH_ATTENTION_NOTE = (
+    "llama.cpp's flash attention crashed on this file: every llama.cpp row ran with it off (-fa off)"
+)
+
+
 @dataclass
 class LlamaBench:
     decode_tokens_per_s: float  # tg: plain decoding
     forward_ms: dict[int, float]  # tokens in one forward -> ms (from pp)
     batches_repacked: bool = True
+    flash_attention: bool = True
 
     def verify_cost_ratio(self, k: int) -> float | None:
         """T(k+1)/T(1): a verify over k drafts against one decoded token."""
@@ -110,14 +119,23 @@ def run_llama_bench(
     cmd += [] if warmup else ["--no-warmup"]
     sizes = ",".join(map(str, forward_sizes))
     try:
-        rows, repacked = json.loads(_run(cmd + ["-p", sizes, "-n", str(max_tokens)])), True
-    except LlamaCrashed:
-        rows = json.loads(_run(cmd + ["-p", "0", "-n", str(max_tokens)]))
-        rows += json.loads(_run(cmd + ["-p", sizes, "-n", "0", "--repack", "0"]))
-        repacked = False
+        rows, repacked = _bench_rows(cmd, sizes, max_tokens)
+        flash = True
+    except LlamaCrashed:  # decoding crashed too
+        (rows, repacked), flash = _bench_rows(cmd + ["-fa", "off"], sizes, max_tokens), False
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     forward_ms = {r["n_prompt"]: 1000 * r["n_prompt"] / r["avg_ts"] for r in rows if r["n_prompt"] > 0}
-    return LlamaBench(tg, forward_ms, repacked)
+    return LlamaBench(tg, forward_ms, repacked, flash)
+
+
+def _bench_rows(cmd: list[str], sizes: str, max_tokens: int) -> tuple[list[dict], bool]:
+    """llama-bench's rows and whether its forwards over several tokens ran repacked: where they crash, decoding as it
+    was and those forwards with repacking off (NO_REPACK_NOTE). Raises LlamaCrashed where decoding crashes too."""
+    try:
+        return json.loads(_run(cmd + ["-p", sizes, "-n", str(max_tokens)])), True
+    except LlamaCrashed:
+        rows = json.loads(_run(cmd + ["-p", "0", "-n", str(max_tokens)]))
+    return rows + json.loads(_run(cmd + ["-p", sizes, "-n", "0", "--repack", "0"])), False
 
 
 def run_llama_decode_at_depths(

@@ -22,7 +22,7 @@ from ..proposers.registry import DRAFT_MODEL
 from ..sampling import SamplingParams, TokenLogprob
 from ..timing import StepTimer
 from .engine import Engine
-from .memory import format_bytes, plan_memory, resolve_budget
+from .memory import context_that_fits, format_bytes, plan_memory, resolve_budget
 from .policy import make_policy
 from .profile import profile_attention_cost, profile_draft_costs, profile_verify_costs
 from .sequence import Sequence
@@ -181,11 +181,16 @@ class LLM:
             else 0.0
         )
 
-    @property
+    @functools.cached_property
     def max_model_len(self) -> int:
-        """The longest sequence served: the option, within the target's context."""
+        """The longest sequence served: the option, within the target's context; without it, the target's context as
+        far as one sequence's KV cache fits the memory (memory.context_that_fits)."""
         context = self.target.config.max_position
-        return min(self.config.max_model_len or context, context)
+        if self.config.max_model_len:
+            return min(self.config.max_model_len, context)
+        config, model = self.config, self.target.model
+        budget = resolve_budget(model.device, config.memory_budget, config.gpu_memory_utilization)
+        return context_that_fits(model, context, budget, config.max_num_seqs, config.num_speculative_tokens)
 
     def _engine(self, proposers: list[Proposer], policy) -> Engine:
         """The memory plan, the KV caches it allows (the target's and each proposer's), and the engine over them."""

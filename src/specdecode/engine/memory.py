@@ -12,6 +12,7 @@ so a request waits rather than running out of memory."""
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +177,33 @@ def captured_outputs_reserve(models: list, max_model_len: int, max_num_seqs: int
 
     keys = blocks_for(max_model_len) * BLOCK_TOKENS
     return sum(kept_output_bytes(m, max_num_seqs, keys) for m in models if fixed_shapes_by_default(m))
+
+
+def context_that_fits(
+    model: torch.nn.Module, context: int, budget_bytes: int | None, max_num_seqs: int = 1, k_max: int = 0
+) -> int:
+    """`context`, or where one sequence of it would not fit its model's KV cache in the memory it may take (what the
+    budget leaves beside the weights and activations, else AVAILABLE_SHARE of what is available now beside the
+    activations, as plan_memory reckons), the most whole blocks that do,
+    said in a warning (DeepSeek's cache, expanded per head, would take 54 GiB at V2-Lite's 163,840 tokens). Drafts and
+    activations take their share later (plan_memory), which may then refuse."""
+    per_token = kv_bytes_per_token(model.cfg, model.kv_dtype)
+    reserve = activation_reserve(model.cfg, model.dtype, context, max_num_seqs, k_max)
+    if budget_bytes is not None:
+        room = budget_bytes - model.weight_bytes() - reserve
+    else:
+        available = available_memory(model.device)
+        room = None if available is None else int((available - reserve) * AVAILABLE_SHARE)
+    if room is None or context * per_token <= room:
+        return context
+    fits = max(BLOCK_TOKENS, room // per_token // BLOCK_TOKENS * BLOCK_TOKENS)
+    warnings.warn(
+        f"the model's context of {context:,} tokens would take {format_bytes(context * per_token)} of KV cache, more "
+        f"than the memory there is for it ({format_bytes(max(room, 0))}): sequences are served up to {fits:,} tokens; "
+        "set max_model_len to choose",
+        stacklevel=4,
+    )
+    return fits
 
 
 def _bytes_per_token(target, draft, features: bool, host_bytes_per_token: int) -> int:
