@@ -83,8 +83,8 @@ LATENT_QUERIES = re.compile(r"model\.layers\.\d+\.self_attn\.qkv_proj\.(q_proj|q
 
 def latent_reordered(cfg: ModelConfig, name: str, tensor):
     """DeepSeek's latent attention's weights (torch, or a GGUF's rows) as models/latent.py computes with them: each
-    query head's rows in head_layout, the turned key's rows split into its pairs' halves, and the output projection's
-    columns of each head's value padded to the head's width with zeros (its padding's, which are zero)."""
+    query head's rows in head_layout, the turned key's rows split into its pairs' halves, llama.cpp's expansions (per
+    head) as two layers."""
     if LATENT_QUERIES.fullmatch(name):
         heads = tensor.reshape(cfg.num_heads, cfg.dim_per_head, *tensor.shape[1:])
         return heads[:, head_layout(cfg.dim_per_head, cfg.rotary_dim)].reshape(tensor.shape)
@@ -94,10 +94,6 @@ def latent_reordered(cfg: ModelConfig, name: str, tensor):
         return tensor.reshape(-1, tensor.shape[2])
     if name.endswith("self_attn.qkv_proj.kv_a_proj.weight"):
         return tensor[turned_pairs_split(tensor.shape[0], cfg.rotary_dim)]
-    if re.fullmatch(r"model\.layers\.\d+\.self_attn\.o_proj\.weight", name):
-        values = tensor.reshape(tensor.shape[0], cfg.num_heads, cfg.value_dim)
-        padded = torch.nn.functional.pad(values, (0, cfg.dim_per_head - cfg.value_dim))
-        return padded.reshape(tensor.shape[0], -1)
     return tensor
 
 
@@ -294,8 +290,8 @@ LATENT_LAYER = {
     **{"attn_k_b": "self_attn.qkv_proj.k_b_proj", "attn_v_b": "self_attn.qkv_proj.v_b_proj"},
 }
 # llama.cpp's expansions of DeepSeek's compressed keys and values, stored per head ([heads, rows, columns]; the keys'
-# transposed), and the attention output, whose columns the runtime pads: computed from floats, never as stored blocks
-LATENT_FLOAT_TENSORS = ("attn_k_b", "attn_v_b", "attn_output")
+# transposed across the file's blocks): computed from floats, never as stored blocks
+LATENT_FLOAT_TENSORS = ("attn_k_b", "attn_v_b")
 # where the attention output has a norm of its own (Gemma), ffn_norm is the one before the MLP
 SANDWICH_LAYER = {**GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm"}
 # gpt-oss's: its norm before the experts under another name

@@ -5,9 +5,10 @@ keys and values from one compressed vector per token (kv_lora_rank, RMS-normalis
 part that RoPE turns, shared by all heads. The runtime's attention (models/runtime.py) takes one projection of equal
 heads [..., q | k | v]: here the expansion happens before the cache, as transformers' eager attention computes it,
 each head's key in the runtime's RoPE layout (head_layout) and each value padded to the head's width with zeros (the
-output projection's columns for the padding are zero: checkpoints.py). So every attention kernel computes MLA
-unchanged. The cache then holds heads x head width per token for keys and values alike, where llama.cpp and vLLM
-cache the compressed vector (kv_lora_rank + the turned part): more memory per token, the same results.
+attention output's padding dropped before the output projection: runtime.Attention.output). So every attention
+kernel computes MLA unchanged. The cache then holds heads x head width per token for keys and values alike, where
+llama.cpp and vLLM cache the compressed vector (kv_lora_rank + the turned part): more memory per token, the same
+results.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def turned_pairs_split(rows: int, turned: int) -> list[int]:
 
 class LatentProjection(nn.Module):
     """x [..., hidden] -> [..., q | k | v], each heads x head width: queries in head_layout (their rows reordered at
-    load), keys assembled in it, values padded."""
+    load), keys assembled in it, values padded with zeros."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

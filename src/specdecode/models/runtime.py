@@ -170,7 +170,9 @@ class Attention(nn.Module):
         # DeepSeek's latent attention: q, k and v of equal heads all the same (models/latent.py)
         latent = LatentProjection(cfg) if cfg.kv_lora_rank else None
         self.qkv_proj = latent or Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # DeepSeek's values narrower than its heads, padded there (models/latent.py): the padding dropped before o_proj
+        self.value_dim = cfg.value_dim if latent is not None else None
+        self.o_proj = Linear(self.num_heads * (self.value_dim or self.head_dim), cfg.hidden_size, bias=cfg.o_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.whole_qk_norms = cfg.qk_norm and cfg.qk_norm_whole  # over each projection's width, not each head's
         if cfg.qk_norm:
@@ -210,7 +212,7 @@ class Attention(nn.Module):
         if projected is not None:
             queries, residual = projected
             out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale, self.softcap)
-            return self.o_proj(out), residual
+            return self.output(out), residual
         qkv, residual = normed_linear(norm, self.qkv_proj, x, residual)
         return self(qkv, rope, batch, cache), residual
 
@@ -220,11 +222,11 @@ class Attention(nn.Module):
         bsz, width, _ = qkv.shape
         if batch.rowwise is not None and self.rowwise_kernel is not None:
             out = self.rowwise_kernel(qkv, rope, batch, cache, self)
-            return self.o_proj(out.view(bsz, width, -1))
+            return self.output(out.view(bsz, width, -1))
         if batch.paged_attention is not None:
             q, k, v = self.split_heads(qkv)
             paged = batch.paged_attention
-            return self.o_proj(paged(batch, cache, self.layer, q, k, v, rope, self.window, self.scale, self.softcap))
+            return self.output(paged(batch, cache, self.layer, q, k, v, rope, self.window, self.scale, self.softcap))
         q, k, v = self._heads(qkv, rope)
         batch.store(cache, self.layer, k, v)
         if batch.rowwise is not None:
@@ -233,7 +235,14 @@ class Attention(nn.Module):
             keys, values = batch.load(cache, self.layer)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
             out = batch.attend(q, keys, values, self.window, self.scale, self.softcap, self.sinks)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
+        return self.output(out.transpose(1, 2).reshape(bsz, width, -1))
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' attention outputs [..., heads x head_dim] (of each value's first
+        value_dim, where the values are padded)."""
+        if self.value_dim is not None:
+            attended = attended.unflatten(-1, (self.num_heads, self.head_dim))[..., : self.value_dim].flatten(-2)
+        return self.o_proj(attended)
 
     def _heads(self, qkv, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, heads, T, head_dim], q and k normalised (where the family does) and rotated."""
