@@ -184,9 +184,9 @@ def context_that_fits(
 ) -> int:
     """`context`, or where one sequence of it would not fit its model's KV cache in the memory it may take (what the
     budget leaves beside the weights and activations, else AVAILABLE_SHARE of what is available now beside the
-    activations, as plan_memory reckons), the most whole blocks that do,
-    said in a warning (DeepSeek's cache, expanded per head, would take 54 GiB at V2-Lite's 163,840 tokens). Drafts and
-    activations take their share later (plan_memory), which may then refuse."""
+    activations, as plan_memory reckons), the most whole blocks that do, said in a warning (DeepSeek's cache, expanded
+    per head, would take 51 GiB at V2-Lite's 163,840 tokens). A draft's cache takes its share later (plan_memory),
+    which may then refuse."""
     per_token = kv_bytes_per_token(model.cfg, model.kv_dtype)
     reserve = activation_reserve(model.cfg, model.dtype, context, max_num_seqs, k_max)
     if budget_bytes is not None:

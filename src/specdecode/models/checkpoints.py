@@ -284,10 +284,14 @@ GGUF_LAYER = {
 # DeepSeek's latent attention (llama.cpp's deepseek2): its layers in the runtime's QKV projection (models/latent.py)
 LATENT_LAYER = {
     **GGUF_LAYER,
-    **{kind: f"self_attn.qkv_proj.{local}" for kind, local in [("attn_q", "q_proj"), ("attn_q_a", "q_a_proj")]},
-    **{"attn_q_a_norm": "self_attn.qkv_proj.q_a_layernorm", "attn_q_b": "self_attn.qkv_proj.q_b_proj"},
-    **{"attn_kv_a_mqa": "self_attn.qkv_proj.kv_a_proj", "attn_kv_a_norm": "self_attn.qkv_proj.kv_a_layernorm"},
-    **{"attn_k_b": "self_attn.qkv_proj.k_b_proj", "attn_v_b": "self_attn.qkv_proj.v_b_proj"},
+    "attn_q": "self_attn.qkv_proj.q_proj",
+    "attn_q_a": "self_attn.qkv_proj.q_a_proj",
+    "attn_q_a_norm": "self_attn.qkv_proj.q_a_layernorm",
+    "attn_q_b": "self_attn.qkv_proj.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.qkv_proj.kv_a_proj",
+    "attn_kv_a_norm": "self_attn.qkv_proj.kv_a_layernorm",
+    "attn_k_b": "self_attn.qkv_proj.k_b_proj",
+    "attn_v_b": "self_attn.qkv_proj.v_b_proj",
 }
 # llama.cpp's expansions of DeepSeek's compressed keys and values, stored per head ([heads, rows, columns]; the keys'
 # transposed across the file's blocks): computed from floats, never as stored blocks

@@ -360,11 +360,8 @@ class Router(nn.Module):
         self.selection_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.expert_selection_bias else None
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
         self.sigmoid, self.scale = cfg.expert_scoring == "sigmoid", cfg.expert_weights_scale
-        self.groups, self.groups_kept, self.group_scoring = (
-            cfg.expert_groups,
-            cfg.expert_groups_kept,
-            cfg.expert_group_scoring,
-        )
+        self.groups, self.groups_kept = cfg.expert_groups, cfg.expert_groups_kept
+        self.group_scoring = cfg.expert_group_scoring
 
     @property
     def plain(self) -> bool:
