@@ -76,6 +76,30 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=32,
 )
 
+# DeepSeek's latent attention at a small size (both versions'): heads 32 wide, as the attention kernel takes them
+DEEPSEEK_ATTENTION = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    head_dim=8,  # transformers' own: the turned part's
+    v_head_dim=16,
+)
+
+
+def deepseek_yarn(mscale: float) -> dict:
+    """YaRN by 4 over 256 positions with DeepSeek's mscale pair, equal as in its checkpoints."""
+    return dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=256,
+        mscale=mscale,
+        mscale_all_dim=mscale,
+    )
+
+
 FAMILIES = {
     "llama3": Family(
         "LlamaConfig",
@@ -354,22 +378,9 @@ FAMILIES = {
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
         dict(
-            num_hidden_layers=3,
-            num_key_value_heads=4,
+            **DEEPSEEK_ATTENTION,
             q_lora_rank=None,
-            kv_lora_rank=32,
-            qk_nope_head_dim=24,  # heads 32 wide, as the attention kernel takes them
-            qk_rope_head_dim=8,
-            head_dim=8,
-            v_head_dim=16,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=256,
-                mscale=0.707,
-                mscale_all_dim=0.707,
-            ),
+            rope_parameters=deepseek_yarn(0.707),
             n_routed_experts=8,
             num_experts_per_tok=3,
             moe_intermediate_size=64,
@@ -380,32 +391,18 @@ FAMILIES = {
         ),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
-    # DeepSeek-V3 (and R1, Kimi K2, Moonlight): latent attention (queries through a compression, keys and values
-    # expanded from one, its turned key part shared by all heads, values narrower than keys), YaRN with the mscale pair
-    # (every score scaled; the pair unequal: test_an_unequal_mscale_pair_matches_transformers); its first layer dense,
-    # then experts chosen
-    # among the best 2 of 4 groups by sigmoid score plus a bias of each, weighed by their renormalised scores times
-    # routed_scaling_factor, beside an ungated shared one; a next-token prediction layer after its own
+    # DeepSeek-V3 (and R1, Moonlight): latent attention (queries through a compression, keys and values expanded from
+    # one, its turned key part shared by all heads, values narrower than keys), YaRN with the mscale pair (every score
+    # scaled; the pair unequal: test_an_unequal_mscale_pair_matches_transformers); its first layer dense, then experts
+    # chosen among the best 2 of 4 groups by sigmoid score plus a bias of each, weighed by their renormalised scores
+    # times routed_scaling_factor, beside an ungated shared one; a next-token prediction layer after its own
     "deepseek_v3": Family(
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         dict(
-            num_hidden_layers=3,
-            num_key_value_heads=4,
+            **DEEPSEEK_ATTENTION,
             q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_nope_head_dim=24,  # heads 32 wide, as the attention kernel takes them
-            qk_rope_head_dim=8,
-            head_dim=8,  # transformers' own: the turned part's
-            v_head_dim=16,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=256,
-                mscale=0.8,
-                mscale_all_dim=0.8,
-            ),
+            rope_parameters=deepseek_yarn(0.8),
             n_routed_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=64,

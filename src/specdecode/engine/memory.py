@@ -148,6 +148,11 @@ def resolve_budget(
 AVAILABLE_SHARE = 0.8
 
 
+def kv_share(available: int, reserve: int) -> int:
+    """What the KV pools may come to hold of `available` bytes beside the activations' reserve, with no budget set."""
+    return int((available - reserve) * AVAILABLE_SHARE)
+
+
 def available_memory(device: torch.device) -> int | None:
     """Bytes this process could take now: what a GPU has free, or what the OS could give (Linux's MemAvailable); None
     where it does not say."""
@@ -193,7 +198,7 @@ def context_that_fits(
         room = budget_bytes - model.weight_bytes() - reserve
     else:
         available = available_memory(model.device)
-        room = None if available is None else int((available - reserve) * AVAILABLE_SHARE)
+        room = None if available is None else kv_share(available, reserve)
     if room is None or context * per_token <= room:
         return context
     fits = max(BLOCK_TOKENS, room // per_token // BLOCK_TOKENS * BLOCK_TOKENS)
@@ -224,7 +229,7 @@ def _blocks_available(device: torch.device, plan: MemoryPlan, per_block: int) ->
     if available is None:
         return plan.num_blocks
     one_sequence = blocks_for(plan.max_model_len)
-    share = int((available - plan.reserve_bytes) * AVAILABLE_SHARE)
+    share = kv_share(available, plan.reserve_bytes)
     if device.type == "cuda" and share < one_sequence * per_block:
         raise SpecDecodeError(
             f"the GPU has {format_bytes(available)} free beside the weights, short of the activations "

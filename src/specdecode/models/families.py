@@ -873,15 +873,21 @@ def _gguf_original_context(key) -> float:
 def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     """YaRN as llama.cpp computes it: its ramp between the dimensions kept and those divided by the factor, and cos and
     sin scaled by 0.1 ln(factor) + 1 whatever the file's yarn_attn_factor says (llama.cpp overrides it), which is
-    therefore refused where it says otherwise, as are the factors llama.cpp applies beside YaRN's own."""
-    if arch == "deepseek2":
-        return _gguf_deepseek_yarn(key, factor)
-    default = yarn_attention_factor(factor)
+    therefore refused where it says otherwise, as are the factors llama.cpp applies beside YaRN's own. DeepSeek's
+    (deepseek2): its mscale pair taken as equal, so cos and sin unscaled and every score scaled by
+    mscale(mscale_all_dim)^2, mscale_all_dim written as yarn_log_multiplier / 0.1 (transformers' reading where the
+    pair is equal, as in every DeepSeek's config.json); a file without it, where llama.cpp scales cos and sin and the
+    scores both, is refused."""
+    multiplier = key("rope.scaling.yarn_log_multiplier")
+    deepseek = arch == "deepseek2"
+    if deepseek and multiplier is None:
+        raise refuse("deepseek2.rope.scaling.yarn_log_multiplier", None, "DeepSeek's 0.1 mscale_all_dim")
+    attention = 1.0 if deepseek else yarn_attention_factor(factor)
     allowed = {
         "rope.scaling.yarn_ext_factor": 1.0,
-        "rope.scaling.yarn_attn_factor": default,
+        "rope.scaling.yarn_attn_factor": attention,
         "rope.scaling.attn_factor": 1.0,
-        "rope.scaling.yarn_log_multiplier": 0.0,
+        **({} if deepseek else {"rope.scaling.yarn_log_multiplier": 0.0}),
     }
     for name, value in allowed.items():
         if key(name) is not None and not math.isclose(key(name), value):
@@ -892,30 +898,8 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
         "original_max_position_embeddings": _gguf_original_context(key),
         **{name: float(key(f"rope.scaling.yarn_{name}", default)) for name, default in YARN_BETAS.items()},
         "truncate": 1.0,
-        "attention_factor": default,
-    }
-    return tuple(sorted(items.items()))
-
-
-def _gguf_deepseek_yarn(key, factor: float) -> tuple:
-    """DeepSeek's YaRN as llama.cpp computes it: its mscale pair taken as equal (cos and sin unscaled), every score
-    scaled by mscale(mscale_all_dim)^2, mscale_all_dim written as yarn_log_multiplier / 0.1 (transformers' reading
-    where the pair is equal, as in every DeepSeek's config.json). A file without it, where llama.cpp scales cos and
-    sin and the scores both, is refused, as are the factors llama.cpp applies beside YaRN's own."""
-    multiplier = key("rope.scaling.yarn_log_multiplier")
-    if multiplier is None:
-        raise refuse("deepseek2.rope.scaling.yarn_log_multiplier", None, "DeepSeek's 0.1 mscale_all_dim")
-    for name in ("rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor"):
-        if key(name) is not None and not math.isclose(key(name), 1.0):
-            raise refuse(f"deepseek2.{name}", key(name), "unset or 1")
-    items = {
-        "rope_type": "yarn",
-        "factor": factor,
-        "original_max_position_embeddings": _gguf_original_context(key),
-        **{name: float(key(f"rope.scaling.yarn_{name}", default)) for name, default in YARN_BETAS.items()},
-        "truncate": 1.0,
-        "attention_factor": 1.0,
-        "mscale_all_dim": float(multiplier) / 0.1,
+        "attention_factor": attention,
+        **({"mscale_all_dim": float(multiplier) / 0.1} if deepseek else {}),
     }
     return tuple(sorted(items.items()))
 
