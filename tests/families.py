@@ -419,6 +419,30 @@ FAMILIES = {
         ),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention (values as wide as keys, no YaRN) beside GLM-4.5's experts (its
+    # first layer dense, as transformers' mlp_layer_types has it); a next-token prediction layer after its own, which
+    # llama.cpp's converter keeps in the file (groups of experts: test_glm_experts_chosen_among_groups_...)
+    "glm4_moe_lite": Family(
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(
+            **{**DEEPSEEK_ATTENTION, "v_head_dim": 32},
+            q_lora_rank=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            # as GLM-4.7-Flash's config.json says (llama.cpp's converter reads it), and a gating function stated
+            # (its converter writes none, and llama.cpp's graph then gates by sigmoid only at the real model's shape)
+            first_k_dense_replace=1,
+            scoring_func="sigmoid",
+            routed_scaling_factor=1.8,
+            num_nextn_predict_layers=1,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+        added_tokens=("[gMASK]", "<|user|>", "<|observation|>"),
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -218,6 +218,8 @@ def _longrope_swapped(cfg) -> tuple:
             "deepseek_v2",
             lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0),
         ),  # routed_scaling_factor left out
+        ("glm4_moe_lite", lambda cfg: dataclasses.replace(cfg, expert_selection_bias=False)),
+        ("glm4_moe_lite", lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0)),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -259,6 +261,8 @@ def _longrope_swapped(cfg) -> tuple:
         "deepseek-v3-mscale-all-dim-left-out",
         "deepseek-v3-weights-not-renormalised",
         "deepseek-v2-weights-unscaled",
+        "glm4-moe-lite-selection-bias-left-out",
+        "glm4-moe-lite-weights-unscaled",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -733,7 +737,7 @@ GRANITE_DENSE = dict(
         (dict(attention_out_bias=True), "attention_out_bias"),  # Seed-OSS's field, in another family
         (dict(model_type="seed_oss", mlp_bias=True), "mlp_bias"),
         (dict(model_type="ernie4_5_moe", use_bias=True), "use_bias"),
-        (dict(model_type="glm4_moe", n_group=2, topk_group=1), "n_group"),  # DeepSeek-V3's groups of experts
+        (dict(DEEPSEEK, model_type="glm4_moe_lite", mlp_layer_types=["dense", "moe"]), "mlp_layer_types"),
         (dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
         (dict(DEEPSEEK, v_head_dim=64), "v_head_dim"),  # values wider than keys
         (dict(DEEPSEEK, model_type="deepseek_v2", topk_method="noaux_tc"), "topk_method"),
@@ -864,12 +868,10 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     scaled = with_metadata(moe, tmp_path / "scaled-experts.gguf", {"qwen3moe.expert_weights_scale": 2.5})
     with pytest.raises(SpecDecodeError, match="qwen3moe.expert_weights_scale is 2.5"):
         load_gguf(str(scaled), progress=False)
-    # experts chosen among groups first (DeepSeek-V3's), or weighed by a softmax over the chosen ones' logits alone
-    glm = made("glm4_moe")[1]
-    for name, value in (("expert_group_count", 2), ("expert_gating_func", 3)):
-        changed = with_metadata(glm, tmp_path / f"{name}.gguf", {f"glm4moe.{name}": value})
-        with pytest.raises(SpecDecodeError, match=f"glm4moe.{name} is {value}"):
-            load_gguf(str(changed), progress=False)
+    # experts weighed by a softmax over the chosen ones' logits alone
+    changed = with_metadata(made("glm4_moe")[1], tmp_path / "gating.gguf", {"glm4moe.expert_gating_func": 3})
+    with pytest.raises(SpecDecodeError, match="glm4moe.expert_gating_func is 3"):
+        load_gguf(str(changed), progress=False)
     # Command R+'s per-head LayerNorms of queries and keys
     normed = with_metadata(made("cohere")[1], tmp_path / "qk-norms.gguf", {}, extra_tensor="blk.0.attn_q_norm.weight")
     with pytest.raises(SpecDecodeError, match="command-r attn_q_norm is"):
@@ -907,18 +909,69 @@ def test_a_glm4_moe_gguf_that_states_no_gating_scores_by_sigmoid_as_llama_cpp_do
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_glm4_moes_prediction_layer_is_left_out(made, source):
-    """GLM-4.5's checkpoints hold a next-token prediction layer after their own, which its GGUF counts among its blocks:
-    the model is the layers before it, as transformers and llama.cpp's graph compute it (the logits test compares)."""
-    folder, gguf, _ = made("glm4_moe")
+@pytest.mark.parametrize("family, arch", [("glm4_moe", "glm4moe"), ("glm4_moe_lite", "deepseek2")])
+def test_glms_prediction_layer_is_left_out(made, family, arch, source):
+    """GLM-4.5's and GLM-4.7-Flash's checkpoints hold a next-token prediction layer after their own, which their GGUF
+    counts among its blocks: the model is the layers before it, as transformers and llama.cpp's graph compute it (the
+    logits test compares)."""
+    folder, gguf, _ = made(family)
     cfg, tensors = _from(source, folder, gguf)
     assert cfg.num_layers == 3 and not any(".layers.3." in name for name in tensors)
     if source == "gguf":
         from gguf import GGUFReader
 
         reader = GGUFReader(str(gguf))
-        assert reader.fields["glm4moe.block_count"].contents() == 4
+        assert reader.fields[f"{arch}.block_count"].contents() == 4
         assert any(t.name.startswith("blk.3.nextn.") for t in reader.tensors)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "glm4_moe_lite"])
+def test_glm_experts_chosen_among_groups_match_transformers_from_the_folder_and_the_gguf(family, tmp_path):
+    """GLM's routers choose among the best topk_group of n_group groups, each scored by its best two experts, where a
+    config.json has more than one (none of the released ones has; transformers computes them, and llama.cpp's graph
+    for any family's file that states them): matched from the folder and its GGUF, missed choosing among all."""
+    folder = make_checkpoint(family, tmp_path / family, n_group=4, topk_group=2)
+    ids, expected = None, None
+    for source in ("hf", "gguf"):
+        gguf = convert(folder, tmp_path / f"{family}.gguf") if source == "gguf" else None
+        cfg, tensors = _from(source, folder, gguf)
+        assert (cfg.expert_groups, cfg.expert_groups_kept, cfg.expert_group_scoring) == (4, 2, "top2")
+        if expected is None:
+            ids = _prompt(cfg.vocab_size)
+            expected = _expected(reference_model(folder), ids)
+        got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+        torch.testing.assert_close(got, expected, **TOLERANCE)
+    ungrouped = _logits(build_model(dataclasses.replace(cfg, expert_groups=1), tensors, torch.float32, "cpu"), ids)
+    assert not torch.allclose(ungrouped, expected, **TOLERANCE)
+
+
+def test_glm4_moe_lites_dense_layers_are_its_mlp_layer_types(tmp_path):
+    """transformers reads GLM-4.7-Flash's dense layers from mlp_layer_types (its first, where config.json lists none),
+    whatever first_k_dense_replace says: a checkpoint whose last layer is dense too is transformers' model."""
+    kinds = ["dense", "sparse", "dense"]
+    folder = make_checkpoint("glm4_moe_lite", tmp_path / "lite", mlp_layer_types=kinds)
+    cfg, tensors = _load_hf_checkpoint(str(folder))
+    assert cfg.dense_layers == (0, 2)
+    ids = _prompt(cfg.vocab_size)
+    got = _logits(build_model(cfg, tensors, torch.float32, "cpu"), ids)
+    torch.testing.assert_close(got, _expected(reference_model(folder), ids), **TOLERANCE)
+
+
+def test_a_deepseek2_gguf_that_states_no_gating_is_gated_as_llama_cpp_does(made, tmp_path):
+    """llama.cpp gates a deepseek2 file that states no function (GLM-4.7-Flash's converter writes none) by sigmoid
+    where it has GLM-4.7-Flash's layer count and vocabulary, else by softmax (DeepSeek-V2's older files)."""
+    from gguf import GGUFReader
+
+    from specdecode.models.families import from_gguf
+
+    _, gguf, _ = made("glm4_moe_lite")
+    dropped = ("deepseek2.expert_gating_func",)
+    silent = with_metadata(gguf, tmp_path / "silent.gguf", {}, dropped=dropped)
+    assert from_gguf(GGUFReader(str(silent))).expert_scoring == "softmax"
+    shaped = {"deepseek2.block_count": 48, "deepseek2.vocab_size": 154880}
+    glm = with_metadata(gguf, tmp_path / "glm.gguf", shaped, dropped=(*dropped, *shaped))
+    described = from_gguf(GGUFReader(str(glm)))
+    assert (described.num_layers, described.expert_scoring) == (47, "sigmoid")
 
 
 def test_a_cohere_config_json_without_its_tying_and_logit_scale_reads_as_transformers_does():

@@ -129,7 +129,7 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    if cfg.arch in ("ernie4_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"):
+    if cfg.arch in ("ernie4_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
         if _next_token_prediction(cfg, name):  # which transformers leaves out too
             return
         name = _biased_moe(name)

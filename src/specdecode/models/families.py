@@ -45,6 +45,7 @@ HF_FAMILIES = (
     "glm4_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "glm4_moe_lite",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -105,9 +106,15 @@ HF_DEFAULTS = {
         **{"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8},
         **{"norm_topk_prob": True, "rope_interleave": True},
     },
+    "glm4_moe_lite": {
+        **{"kv_lora_rank": 512, "q_lora_rank": 768, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256},
+        **{"n_routed_experts": 64, "n_shared_experts": 1, "moe_intermediate_size": 1536, "num_experts_per_tok": 4},
+        **{"routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True, "attention_bias": False},
+    },
 }
-# DeepSeek's multi-head latent attention (config.json's names; GGUF's deepseek2 holds both)
-LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# DeepSeek's multi-head latent attention (config.json's names; GGUF's deepseek2 holds them all): DeepSeek-V2's and
+# V3's, and GLM-4.7-Flash's (glm4_moe_lite: V3's attention beside GLM-4.5's experts)
+LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 # layers that slide, where the file does not list them: all but every sixth (Gemma 3), every other from the first
 # (Gemma 2, gpt-oss)
 WINDOW_PATTERN = {
@@ -529,8 +536,8 @@ def _hf_experts(cfg: dict, family: str) -> dict:
     norm_topk_prob says."""
     if family == "ernie4_5_moe":
         return _hf_ernie_experts(cfg)
-    if family == "glm4_moe":
-        return _hf_glm4_moe_experts(cfg)
+    if family in ("glm4_moe", "glm4_moe_lite"):
+        return _hf_glm4_moe_experts(cfg, family)
     if family in LATENT_FAMILIES:
         return _hf_deepseek_experts(cfg, family)
     if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
@@ -569,25 +576,33 @@ def _hf_ernie_experts(cfg: dict) -> dict:
     )
 
 
-def _hf_glm4_moe_experts(cfg: dict) -> dict:
-    """GLM-4.5's experts: after first_k_dense_replace dense layers, the top k chosen by sigmoid score plus a bias of
-    each expert's, weighed by their scores (renormalised where norm_topk_prob says) times routed_scaling_factor; an
-    ungated shared MLP n_shared_experts experts wide beside them. Choosing among groups of experts first (n_group
-    above 1, DeepSeek-V3's) is refused: GLM-4.5's configs have one group."""
-    if cfg.get("n_group", 1) != 1:
-        raise refuse("n_group", cfg["n_group"], "1 (experts chosen among groups are not built)")
+def _hf_glm4_moe_experts(cfg: dict, family: str) -> dict:
+    """GLM-4.5's experts (and GLM-4.7-Flash's): the top k chosen by sigmoid score plus a bias of each expert's, among
+    the best topk_group of n_group groups scored by their best two (V3's), weighed by their scores (renormalised where
+    norm_topk_prob says) times routed_scaling_factor; an ungated shared MLP n_shared_experts experts wide beside them.
+    GLM-4.5's first first_k_dense_replace layers are dense; GLM-4.7-Flash's as its mlp_layer_types says, else its first
+    (transformers' reading, which leaves first_k_dense_replace out)."""
     width, layers = cfg.get("moe_intermediate_size", 1408), cfg["num_hidden_layers"]
+    if family == "glm4_moe_lite":
+        kinds = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+        if set(kinds) - {"dense", "sparse"} or len(kinds) != layers:
+            raise refuse("mlp_layer_types", kinds, f"{layers} of 'dense' or 'sparse', one for each layer")
+        dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    else:
+        dense = tuple(range(min(cfg.get("first_k_dense_replace", 1), layers)))
+    groups = cfg.get("n_group") or 1
     return dict(
         num_experts=cfg.get("n_routed_experts", 128),
         experts_per_token=cfg.get("num_experts_per_tok", 8),
         expert_intermediate_size=width,
         normalize_expert_weights=bool(cfg.get("norm_topk_prob", True)),
-        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), layers))),
+        dense_layers=dense,
         shared_expert_size=width * cfg.get("n_shared_experts", 1),
         shared_expert_gated=False,
         expert_selection_bias=True,
         expert_scoring="sigmoid",
         expert_weights_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+        **expert_groups(groups, cfg.get("topk_group") or groups, "top2"),
     )
 
 
@@ -681,9 +696,13 @@ def cohere_layers(logit_multiplier: float) -> dict:
 # GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE) the runtime computes, and llama.cpp's
 # where a file states none (or 0): GLM-4.5's sigmoid, else softmax
 GATING = {1: "softmax", 2: "sigmoid"}
-GATING_DEFAULT = {"glm4moe": 2}  # (deepseek2's, where silent, llama.cpp's softmax: DeepSeek-V2's)
+GATING_DEFAULT = {"glm4moe": 2}  # (deepseek2's, where silent, llama.cpp's softmax: DeepSeek-V2's, but GLM_LITE_SHAPE)
+# the layer counts and vocabulary by which llama.cpp knows a deepseek2 file that states no gating for GLM-4.7-Flash's,
+# whose converter writes none, and gates it by sigmoid
+GLM_LITE_SHAPE = {"layers": (47, 48), "vocab": 154880}
 # GGUF architectures whose llama.cpp graph leaves out the next-token prediction layers a file holds after its own
-NEXTN_FAMILIES = ("glm4moe",)
+# (GLM-4.5's, GLM-4.7-Flash's)
+NEXTN_FAMILIES = ("glm4moe", "deepseek2")
 # ... and those whose graph scales the routed experts' weights by expert_weights_scale (GLM-4.5's routed_scaling_factor)
 SCALED_EXPERTS_FAMILIES = ("glm4moe", "deepseek2")
 
@@ -820,10 +839,8 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if arch not in SCALED_EXPERTS_FAMILIES and key("expert_weights_scale", 0.0) not in (0.0, 1.0):
         raise refuse(f"{arch}.expert_weights_scale", key("expert_weights_scale"), "unset, 0 or 1")
-    if _gguf_gating(key, arch) not in GATING:
+    if (key("expert_gating_func") or 1) not in GATING:
         raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), "1 (softmax), 2 (sigmoid)")
-    if arch != "deepseek2" and key("expert_group_count", 1) > 1:  # experts chosen among groups first (DeepSeek's)
-        raise refuse(f"{arch}.expert_group_count", key("expert_group_count"), "unset or 1")
 
 
 # a GGUF's RoPE factors: per dimension (Llama 3's scaling), or LongRoPE's short and long ones (the rows of runtime's
@@ -956,16 +973,23 @@ def _gguf_experts(key, reader, names: set[str], layers: int, arch: str) -> dict:
         shared_expert_size=_gguf_shared_expert_size(key, reader, names, arch, sparse),
         shared_expert_gated=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in names,
         expert_selection_bias=f"blk.{sparse}.exp_probs_b.bias" in names,
-        expert_scoring=GATING[_gguf_gating(key, arch)],
+        expert_scoring=GATING[_gguf_gating(key, arch, layers, reader)],
         expert_weights_scale=float(key("expert_weights_scale") or 1.0) if arch in SCALED_EXPERTS_FAMILIES else 1.0,
         # llama.cpp's graph scores any family's groups by their best two experts (V3's), DeepSeek-V2's too
         **expert_groups(key("expert_group_count", 1), key("expert_group_used_count", 1), "top2"),
     )
 
 
-def _gguf_gating(key, arch: str) -> int:
-    """The file's expert gating function, or llama.cpp's for the architecture where it states none."""
-    return key("expert_gating_func") or GATING_DEFAULT.get(arch, 1)
+def _gguf_gating(key, arch: str, layers: int, reader) -> int:
+    """The file's expert gating function, or llama.cpp's for the architecture where it states none (for deepseek2,
+    sigmoid in a file of GLM-4.7-Flash's shape)."""
+    if key("expert_gating_func"):
+        return key("expert_gating_func")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = key("vocab_size") or (len(tokens.data) if tokens else 0)
+    if arch == "deepseek2" and layers in GLM_LITE_SHAPE["layers"] and vocab == GLM_LITE_SHAPE["vocab"]:
+        return 2
+    return GATING_DEFAULT.get(arch, 1)
 
 
 def _gguf_normalizes_experts(key, arch: str) -> bool:
