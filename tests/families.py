@@ -443,6 +443,23 @@ FAMILIES = {
         tokenizer="ggml-vocab-qwen2.gguf",
         added_tokens=("[gMASK]", "<|user|>", "<|observation|>"),
     ),
+    # MiniMax-M2: Mixtral's experts chosen by sigmoid score plus a bias of each, weighed by their renormalised scores;
+    # q/k norms over each projection's whole width (OLMo's) on pre-norm layers; half of each head turned (rotary_dim),
+    # NeoX's pairs; the gating function stated, as its config.json does (llama.cpp's converter reads it)
+    "minimax_m2": Family(
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rotary_dim=8,
+            scoring_func="sigmoid",
+            bos_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=False,
+        ),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

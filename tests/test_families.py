@@ -218,8 +218,9 @@ def _longrope_swapped(cfg) -> tuple:
             "deepseek_v2",
             lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0),
         ),  # routed_scaling_factor left out
-        ("glm4_moe_lite", lambda cfg: dataclasses.replace(cfg, expert_selection_bias=False)),
         ("glm4_moe_lite", lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0)),
+        ("minimax_m2", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
+        ("minimax_m2", lambda cfg: dataclasses.replace(cfg, rotary_dim=None)),  # RoPE over the whole head
     ],
     ids=[
         "llama3-rope-scaling",
@@ -261,8 +262,9 @@ def _longrope_swapped(cfg) -> tuple:
         "deepseek-v3-mscale-all-dim-left-out",
         "deepseek-v3-weights-not-renormalised",
         "deepseek-v2-weights-unscaled",
-        "glm4-moe-lite-selection-bias-left-out",
         "glm4-moe-lite-weights-unscaled",
+        "minimax-m2-weights-not-renormalised",
+        "minimax-m2-rope-on-the-whole-head",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -550,13 +552,13 @@ def test_olmo3s_sliding_layers_scaled_as_its_full_ones_fail_the_comparison(made,
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("family", ["ernie4_5_moe", "glm4_moe"])
-def test_experts_selection_bias_left_out_fails_the_comparison(made, family, source):
-    """ERNIE 4.5 and GLM-4.5 choose their experts by score plus a bias of each: chosen by score alone (the bias zero),
-    other experts answer some tokens and the logits are not transformers'."""
+@pytest.mark.parametrize("family, dense", [("ernie4_5_moe", (0,)), ("glm4_moe", (0,)), ("minimax_m2", ())])
+def test_experts_selection_bias_left_out_fails_the_comparison(made, family, dense, source):
+    """ERNIE 4.5, GLM-4.5 and MiniMax-M2 choose their experts by score plus a bias of each: chosen by score alone (the
+    bias zero), other experts answer some tokens and the logits are not transformers'."""
     folder, gguf, reference = made(family)
     cfg, tensors = _from(source, folder, gguf)
-    assert cfg.expert_selection_bias and not cfg.shared_expert_gated and cfg.dense_layers == (0,)
+    assert cfg.expert_selection_bias and not cfg.shared_expert_gated and cfg.dense_layers == dense
     unbiased = {n: torch.zeros_like(t) if n.endswith("selection_bias") else t for n, t in tensors.items()}
     ids = _prompt(cfg.vocab_size)
     got = _logits(build_model(cfg, unbiased, torch.float32, "cpu"), ids)
@@ -957,9 +959,10 @@ def test_glm4_moe_lites_dense_layers_are_its_mlp_layer_types(tmp_path):
     torch.testing.assert_close(got, _expected(reference_model(folder), ids), **TOLERANCE)
 
 
-def test_a_deepseek2_gguf_that_states_no_gating_is_gated_as_llama_cpp_does(made, tmp_path):
+def test_a_gguf_that_states_no_gating_is_gated_as_llama_cpp_does(made, tmp_path):
     """llama.cpp gates a deepseek2 file that states no function (GLM-4.7-Flash's converter writes none) by sigmoid
-    where it has GLM-4.7-Flash's layer count and vocabulary, else by softmax (DeepSeek-V2's older files)."""
+    where it has GLM-4.7-Flash's layer count and vocabulary, else by softmax (DeepSeek-V2's older files); a MiniMax-M2
+    file by its only router's sigmoid (llama.cpp's graph stops at one that states none)."""
     from gguf import GGUFReader
 
     from specdecode.models.families import from_gguf
@@ -972,6 +975,28 @@ def test_a_deepseek2_gguf_that_states_no_gating_is_gated_as_llama_cpp_does(made,
     glm = with_metadata(gguf, tmp_path / "glm.gguf", shaped, dropped=(*dropped, *shaped))
     described = from_gguf(GGUFReader(str(glm)))
     assert (described.num_layers, described.expert_scoring) == (47, "sigmoid")
+    dropped = ("minimax-m2.expert_gating_func",)
+    minimax = with_metadata(made("minimax_m2")[1], tmp_path / "minimax.gguf", {}, dropped=dropped)
+    assert from_gguf(GGUFReader(str(minimax))).expert_scoring == "sigmoid"
+
+
+def test_a_minimax_m2_config_json_reads_its_rotary_dim_as_transformers_does():
+    """MiniMax-M2's config.json gives the dimensions RoPE turns as rotary_dim (beside rope_theta, without
+    rope_parameters), which transformers' config class reads as partial_rotary_factor; its defaults where config.json
+    leaves fields out are transformers'."""
+    from transformers import MiniMaxM2Config
+
+    from specdecode.models.families import from_hf_config
+
+    fields = dict(LLAMA, head_dim=32, rotary_dim=16, rope_theta=1e6, num_local_experts=4, num_experts_per_tok=2)
+    cfg = from_hf_config(dict(fields, model_type="minimax_m2"))
+    reference = MiniMaxM2Config(**{k: v for k, v in fields.items() if k != "model_type"})
+    assert cfg.rotary_dim == reference.head_dim * reference.rope_parameters["partial_rotary_factor"] == 16
+    assert cfg.rope_theta == reference.rope_parameters["rope_theta"] == 1e6
+    bare = {k: v for k, v in fields.items() if k not in ("head_dim", "rotary_dim", "rope_theta")}
+    cfg, reference = from_hf_config(dict(bare, model_type="minimax_m2")), MiniMaxM2Config(**bare)
+    assert (cfg.dim_per_head, cfg.rotary_dim, cfg.rope_theta) == (reference.head_dim, None, 5e6)
+    assert reference.rope_parameters["rope_theta"] == 5e6
 
 
 def test_a_cohere_config_json_without_its_tying_and_logit_scale_reads_as_transformers_does():

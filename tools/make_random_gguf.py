@@ -235,11 +235,41 @@ SHAPES = {
             ),
         ),
     ),
+    # GLM-4.7-Flash (DeepSeek-V3's latent attention, 20 heads, values as wide as keys; GLM-4.5's experts, 4 of 64
+    # 1536 wide and a shared one; its first layer dense) with 16 of its experts and 12 of its 47 layers: its attention
+    # and active experts per layer, 1.1B active of 2.8B. Gating by sigmoid stated, as llama.cpp gates the real model
+    "glm4.7-flash-16e": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=2048,
+            intermediate_size=10240,
+            moe_intermediate_size=1536,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.8,
+            scoring_func="sigmoid",
+            num_hidden_layers=12,
+            num_attention_heads=20,
+            num_key_value_heads=20,
+            q_lora_rank=768,
+            kv_lora_rank=512,
+            qk_nope_head_dim=192,
+            qk_rope_head_dim=64,
+            v_head_dim=256,
+            tie_word_embeddings=False,
+            max_position_embeddings=202752,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
 }
 
 
 # special tokens a family's converter looks up by name (GLM's sets its BOS and end-of-turn tokens from them)
-ADDED_TOKENS = {"glm4.5-moe-a0.45b": ("[gMASK]", "<|user|>", "<|observation|>")}
+ADDED_TOKENS = dict.fromkeys(("glm4.5-moe-a0.45b", "glm4.7-flash-16e"), ("[gMASK]", "<|user|>", "<|observation|>"))
 
 
 def make(shape: str, bin_dir: str, out: Path, quant: str) -> Path:

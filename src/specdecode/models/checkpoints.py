@@ -154,7 +154,7 @@ def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator
     if m:
         expert = re.fullmatch(r"experts\.(\d+)\.(w[123])\.weight", m[2])
         local = f"experts.{expert[1]}.{MIXTRAL_EXPERT[expert[2]]}.weight" if expert else m[2]
-        yield f"{m[1]}.mlp.{local}", tensor
+        yield _biased_moe(f"{m[1]}.mlp.{local}"), tensor  # (MiniMax-M2's selection bias)
         return
     m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", name)  # stacked experts
     if m:
@@ -206,8 +206,8 @@ def _next_token_prediction(cfg: ModelConfig, name: str) -> bool:
 
 
 def _biased_moe(name: str) -> str:
-    """ERNIE 4.5's, GLM-4.5's and DeepSeek's names: their experts' selection bias (ERNIE's [1, experts], under either
-    name transformers reads), their shared experts as one."""
+    """ERNIE 4.5's, GLM-4.5's, DeepSeek's and MiniMax-M2's names: their experts' selection bias (ERNIE's [1, experts],
+    under either name transformers reads), their shared experts as one."""
     m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.(?:gate\.)?(?:moe_statics\.)?e_score_correction_bias", name)
     if m:
         return f"{m[1]}.gate.selection_bias"

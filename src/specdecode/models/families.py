@@ -46,6 +46,7 @@ HF_FAMILIES = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe_lite",
+    "minimax_m2",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -71,12 +72,15 @@ GGUF_FAMILIES = (
     "cohere2",
     "glm4moe",
     "deepseek2",
+    "minimax-m2",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # OLMo 2 and 3 (config.json's names; GGUF's olmo2 holds both): norms after attention and the MLP, none before them,
 # and q/k norms over each projection's whole width
 OLMO_FAMILIES = ("olmo2", "olmo3")
+# q/k norms over each projection's whole width (all heads together): OLMo's, and MiniMax-M2's on pre-norm layers
+WHOLE_QK_NORM_FAMILIES = (*OLMO_FAMILIES, "minimax_m2")
 POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
 # Cohere's (config.json's cohere and cohere2, GGUF's command-r and cohere2): LayerNorms, attention and the MLP side by
 # side, the logits multiplied by logit_scale
@@ -111,6 +115,7 @@ HF_DEFAULTS = {
         **{"n_routed_experts": 64, "n_shared_experts": 1, "moe_intermediate_size": 1536, "num_experts_per_tok": 4},
         **{"routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True, "attention_bias": False},
     },
+    "minimax_m2": {"head_dim": 128, "rope_theta": 5000000.0, "num_local_experts": 256, "num_experts_per_tok": 8},
 }
 # DeepSeek's multi-head latent attention (config.json's names; GGUF's deepseek2 holds them all): DeepSeek-V2's and
 # V3's, and GLM-4.7-Flash's (glm4_moe_lite: V3's attention beside GLM-4.5's experts)
@@ -179,9 +184,9 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES)
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *WHOLE_QK_NORM_FAMILIES)
         or bool(cfg.get("use_qk_norm")),
-        qk_norm_whole=family in OLMO_FAMILIES,
+        qk_norm_whole=family in WHOLE_QK_NORM_FAMILIES,
         pre_norms=family not in POST_NORM_FAMILIES,
         activation=_hf_activation(cfg, family),
         sandwich_norms=family in SANDWICH_FAMILIES,
@@ -218,6 +223,8 @@ def _as_transformers_reads(cfg: dict, family: str) -> tuple[dict, str]:
         cfg["rms_norm_eps"] = cfg.get("layer_norm_eps", 1e-5)
     if family in LATENT_FAMILIES:
         cfg = latent_as_heads(cfg)
+    if family == "minimax_m2" and cfg.get("rotary_dim") and not cfg.get("partial_rotary_factor"):
+        cfg["partial_rotary_factor"] = cfg["rotary_dim"] / cfg["head_dim"]  # as its config class converts it
     return cfg, family
 
 
@@ -540,6 +547,8 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         return _hf_glm4_moe_experts(cfg, family)
     if family in LATENT_FAMILIES:
         return _hf_deepseek_experts(cfg, family)
+    if family == "minimax_m2":
+        return _hf_minimax_experts(cfg)
     if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
@@ -555,6 +564,20 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         normalize_expert_weights=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=tuple(sorted(dense)),
         shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
+    )
+
+
+def _hf_minimax_experts(cfg: dict) -> dict:
+    """MiniMax-M2's experts, as transformers computes them whatever its config.json's router fields say: the top k
+    chosen by sigmoid score plus a bias of each expert's (e_score_correction_bias), weighed by their scores
+    renormalised; no shared expert, no dense layer."""
+    return dict(
+        num_experts=cfg["num_local_experts"],
+        experts_per_token=cfg["num_experts_per_tok"],
+        normalize_expert_weights=True,
+        shared_expert_gated=False,
+        expert_selection_bias=True,
+        expert_scoring="sigmoid",
     )
 
 
@@ -696,7 +719,9 @@ def cohere_layers(logit_multiplier: float) -> dict:
 # GGUF's expert gating functions (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE) the runtime computes, and llama.cpp's
 # where a file states none (or 0): GLM-4.5's sigmoid, else softmax
 GATING = {1: "softmax", 2: "sigmoid"}
-GATING_DEFAULT = {"glm4moe": 2}  # (deepseek2's, where silent, llama.cpp's softmax: DeepSeek-V2's, but GLM_LITE_SHAPE)
+# (deepseek2's, where silent, llama.cpp's softmax: DeepSeek-V2's, but GLM_LITE_SHAPE); MiniMax-M2's sigmoid, its only
+# router (llama.cpp's graph stops at a file of it that states none)
+GATING_DEFAULT = {"glm4moe": 2, "minimax-m2": 2}
 # the layer counts and vocabulary by which llama.cpp knows a deepseek2 file that states no gating for GLM-4.7-Flash's,
 # whose converter writes none, and gates it by sigmoid
 GLM_LITE_SHAPE = {"layers": (47, 48), "vocab": 154880}
@@ -993,12 +1018,13 @@ def _gguf_gating(key, arch: str, layers: int, reader) -> int:
 
 
 def _gguf_normalizes_experts(key, arch: str) -> bool:
-    """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, as ERNIE 4.5's graph does, Qwen2-MoE's
-    never does (whatever its checkpoint's norm_topk_prob), GLM-4.5's where the file says (not where it is silent), the
-    others as the file says."""
+    """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, as ERNIE 4.5's and MiniMax-M2's
+    graphs do, Qwen2-MoE's never does (whatever its checkpoint's norm_topk_prob), GLM-4.5's where the file says (not
+    where it is silent), the others as the file says."""
     if arch in ("glm4moe", "deepseek2"):
         return bool(key("expert_weights_norm", False))
-    return arch in ("gpt-oss", "ernie4_5-moe") or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
+    always = ("gpt-oss", "ernie4_5-moe", "minimax-m2")
+    return arch in always or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
 
 
 def _gguf_shared_expert_size(key, reader, names: set[str], arch: str, layer: int) -> int:
