@@ -460,6 +460,14 @@ FAMILIES = {
         ),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # OLMoE: q/k norms over each projection's whole width on pre-norm layers, experts chosen by softmax probability,
+    # never renormalised (as its checkpoints say, and llama.cpp's graph computes whatever they say)
+    "olmoe": Family(
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

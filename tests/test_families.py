@@ -221,6 +221,8 @@ def _longrope_swapped(cfg) -> tuple:
         ("glm4_moe_lite", lambda cfg: dataclasses.replace(cfg, expert_weights_scale=1.0)),
         ("minimax_m2", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=False)),
         ("minimax_m2", lambda cfg: dataclasses.replace(cfg, rotary_dim=None)),  # RoPE over the whole head
+        ("olmoe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=True)),
+        ("olmoe", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -265,6 +267,8 @@ def _longrope_swapped(cfg) -> tuple:
         "glm4-moe-lite-weights-unscaled",
         "minimax-m2-weights-not-renormalised",
         "minimax-m2-rope-on-the-whole-head",
+        "olmoe-weights-renormalised",
+        "olmoe-top-k",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -508,9 +512,10 @@ def _per_head(norm, x: torch.Tensor, heads: int) -> torch.Tensor:
     return (split * torch.rsqrt(split.pow(2).mean(-1, keepdim=True) + norm.eps)).flatten(-2) * norm.weight
 
 
-def test_olmos_qk_norms_over_each_head_fail_the_comparison(made, monkeypatch):
-    """OLMo 2 normalises each query and key projection over its whole width: normalised head by head (with the same
-    weights), the logits are not transformers'."""
+@pytest.mark.parametrize("family", ["olmo2", "olmoe", "minimax_m2"])
+def test_olmos_qk_norms_over_each_head_fail_the_comparison(made, family, monkeypatch):
+    """OLMo 2, OLMoE and MiniMax-M2 normalise each query and key projection over its whole width: normalised head by
+    head (with the same weights), the logits are not transformers'."""
 
     def by_heads(self, qkv):
         q, k, v = qkv.split(self.split, dim=-1)
@@ -519,7 +524,7 @@ def test_olmos_qk_norms_over_each_head_fail_the_comparison(made, monkeypatch):
         return tuple(t.reshape(bsz, width, -1, self.head_dim) for t in (q, k, v))
 
     monkeypatch.setattr(Attention, "split_heads", by_heads)
-    assert _mismatch(made, "olmo2", "hf")
+    assert _mismatch(made, family, "hf")
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -738,6 +743,7 @@ GRANITE_DENSE = dict(
         (dict(model_type="ernie4_5", use_bias=True), "use_bias"),  # ERNIE 4.5's biases, on every projection
         (dict(attention_out_bias=True), "attention_out_bias"),  # Seed-OSS's field, in another family
         (dict(model_type="seed_oss", mlp_bias=True), "mlp_bias"),
+        (dict(model_type="olmoe", clip_qkv=8.0), "clip_qkv"),  # transformers clamps q, k, v; llama.cpp's graph not
         (dict(model_type="ernie4_5_moe", use_bias=True), "use_bias"),
         (dict(DEEPSEEK, model_type="glm4_moe_lite", mlp_layer_types=["dense", "moe"]), "mlp_layer_types"),
         (dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),

@@ -265,6 +265,31 @@ SHAPES = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # MiniMax-M2 (48 heads 128 wide over 8 of keys and values, q/k norms over each projection, half of each head
+    # turned; 8 of 256 experts 1536 wide chosen by sigmoid and a bias) with 16 of its experts and 8 of its 62 layers:
+    # its attention and active experts per layer, 1.7B active of 3.1B (Qwen's vocabulary for its 200k)
+    "minimax-m2-16e": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        QWEN_VOCAB,
+        dict(
+            hidden_size=3072,
+            intermediate_size=1536,
+            num_local_experts=16,
+            num_experts_per_tok=8,
+            scoring_func="sigmoid",
+            num_hidden_layers=8,
+            num_attention_heads=48,
+            num_key_value_heads=8,
+            head_dim=128,
+            rotary_dim=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=False,
+            max_position_embeddings=196608,
+            rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
+        ),
+    ),
 }
 
 

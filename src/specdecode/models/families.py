@@ -47,6 +47,7 @@ HF_FAMILIES = (
     "deepseek_v3",
     "glm4_moe_lite",
     "minimax_m2",
+    "olmoe",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -73,14 +74,16 @@ GGUF_FAMILIES = (
     "glm4moe",
     "deepseek2",
     "minimax-m2",
+    "olmoe",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
 # OLMo 2 and 3 (config.json's names; GGUF's olmo2 holds both): norms after attention and the MLP, none before them,
 # and q/k norms over each projection's whole width
 OLMO_FAMILIES = ("olmo2", "olmo3")
-# q/k norms over each projection's whole width (all heads together): OLMo's, and MiniMax-M2's on pre-norm layers
-WHOLE_QK_NORM_FAMILIES = (*OLMO_FAMILIES, "minimax_m2")
+# q/k norms over each projection's whole width (all heads together): OLMo's, and OLMoE's and MiniMax-M2's on pre-norm
+# layers
+WHOLE_QK_NORM_FAMILIES = (*OLMO_FAMILIES, "olmoe", "minimax_m2")
 POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
 # Cohere's (config.json's cohere and cohere2, GGUF's command-r and cohere2): LayerNorms, attention and the MLP side by
 # side, the logits multiplied by logit_scale
@@ -305,7 +308,8 @@ def _check_common_fields(cfg: dict, family: str) -> None:
             "unset; convert the folder with llama.cpp's convert_hf_to_gguf.py, which "
             "keeps its MXFP4 experts, and load the GGUF",
         )
-    for name in ("mlp_bias", "use_bias", "use_bidirectional_attention", *softcaps, "quantization_config"):
+    # (clip_qkv: OLMoE's and DBRX's clamp of q, k and v, which llama.cpp's OLMoE graph leaves out)
+    for name in ("mlp_bias", "use_bias", "use_bidirectional_attention", *softcaps, "quantization_config", "clip_qkv"):
         if cfg.get(name):
             raise refuse(name, cfg[name], "unset or false")
     bad = [t for t in cfg.get("layer_types") or () if t not in LAYER_TYPES]
@@ -549,7 +553,7 @@ def _hf_experts(cfg: dict, family: str) -> dict:
         return _hf_deepseek_experts(cfg, family)
     if family == "minimax_m2":
         return _hf_minimax_experts(cfg)
-    if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe"):
+    if family not in ("mixtral", "granitemoe", "qwen3_moe", "gpt_oss", "qwen2_moe", "olmoe"):
         return {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if family in ("mixtral", "granitemoe", "gpt_oss"):
@@ -1019,12 +1023,12 @@ def _gguf_gating(key, arch: str, layers: int, reader) -> int:
 
 def _gguf_normalizes_experts(key, arch: str) -> bool:
     """llama.cpp's graphs: gpt-oss's softmax over the chosen logits renormalises, as ERNIE 4.5's and MiniMax-M2's
-    graphs do, Qwen2-MoE's never does (whatever its checkpoint's norm_topk_prob), GLM-4.5's where the file says (not
-    where it is silent), the others as the file says."""
+    graphs do, Qwen2-MoE's and OLMoE's never do (whatever a checkpoint's norm_topk_prob), GLM-4.5's where the file says
+    (not where it is silent), the others as the file says."""
     if arch in ("glm4moe", "deepseek2"):
         return bool(key("expert_weights_norm", False))
     always = ("gpt-oss", "ernie4_5-moe", "minimax-m2")
-    return arch in always or (arch != "qwen2moe" and bool(key("expert_weights_norm", True)))
+    return arch in always or (arch not in ("qwen2moe", "olmoe") and bool(key("expert_weights_norm", True)))
 
 
 def _gguf_shared_expert_size(key, reader, names: set[str], arch: str, layer: int) -> int:
