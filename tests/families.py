@@ -339,6 +339,13 @@ FAMILIES = {
     # Command-R and Aya: LayerNorms, attention and the MLP side by side on one norm, RoPE over adjacent dimensions, the
     # logits multiplied by logit_scale (its own 0.0625)
     "cohere": Family("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.0625), tokenizer="ggml-vocab-qwen2.gguf"),
+    # Command R+: Cohere's layers with a LayerNorm of each query and key head, each with weights of its own
+    "command_r_plus": Family(
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(logit_scale=0.0625, use_qk_norm=True),
+        tokenizer="ggml-vocab-qwen2.gguf",
+    ),
     # Command R7B and Command A: Cohere's layers, three of four sliding over 12 keys, the fourth attending to all
     # without RoPE; llama.cpp's converter reads rotary_pct (1 in Command R7B's config.json)
     "cohere2": Family(

@@ -528,6 +528,28 @@ def test_olmos_qk_norms_over_each_head_fail_the_comparison(made, family, monkeyp
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("broken", ["statistics-over-the-projection", "weights-left-in-their-order"])
+def test_command_r_pluss_qk_norms_otherwise_fail_the_comparison(made, source, broken, monkeypatch):
+    """Command R+ normalises each query and key head by its own mean and variance, then weighs each value by a weight
+    of its own, which moves with its head's RoPE pairs: normalised over the whole projection, or with the weights left
+    in the checkpoint's order, the logits are not transformers', from the folder or from llama.cpp's file."""
+    from specdecode.models import checkpoints, gguf_loader
+    from specdecode.models.layers import HeadwiseLayerNorm, LayerNorm
+
+    if broken == "statistics-over-the-projection":
+        monkeypatch.setattr(HeadwiseLayerNorm, "_norm", LayerNorm._norm)
+    else:
+        paired = checkpoints.halves_paired
+
+        def norms_unmoved(cfg, name, tensor):
+            return tensor.reshape(-1) if name.endswith("_norm.weight") else paired(cfg, name, tensor)
+
+        monkeypatch.setattr(checkpoints, "halves_paired", norms_unmoved)
+        monkeypatch.setattr(gguf_loader, "halves_paired", norms_unmoved)
+    assert _mismatch(made, "command_r_plus", source)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_olmos_stream_normalised_before_attention_and_the_mlp_fails_the_comparison(made, source):
     """OLMo 2's attention and MLP read the residual stream as it is: normalised first (Llama's and Gemma's pre-norms,
     with unit weights), the logits are not transformers'."""
@@ -723,7 +745,6 @@ GRANITE_DENSE = dict(
         ),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
         (dict(model_type="deepseek_v32"), "model_type"),  # DeepSeek-V3.2's sparse attention
-        (dict(model_type="cohere", use_qk_norm=True), "use_qk_norm"),  # Command R+'s per-head LayerNorms
         (dict(model_type="cohere2", rotary_pct=0.5), "rotary_pct"),  # transformers turns all, llama.cpp half
         (dict(model_type="gpt_oss", swiglu_limit=5.0), "swiglu_limit"),
         (dict(attention_bias=True), "attention_bias"),
@@ -880,10 +901,6 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     changed = with_metadata(made("glm4_moe")[1], tmp_path / "gating.gguf", {"glm4moe.expert_gating_func": 3})
     with pytest.raises(SpecDecodeError, match="glm4moe.expert_gating_func is 3"):
         load_gguf(str(changed), progress=False)
-    # Command R+'s per-head LayerNorms of queries and keys
-    normed = with_metadata(made("cohere")[1], tmp_path / "qk-norms.gguf", {}, extra_tensor="blk.0.attn_q_norm.weight")
-    with pytest.raises(SpecDecodeError, match="command-r attn_q_norm is"):
-        load_gguf(str(normed), progress=False)
     # GLM's next-token prediction layers, counted among its blocks: llama.cpp's graph leaves them out
     nextn = with_metadata(made("glm4")[1], tmp_path / "nextn.gguf", {"glm4.nextn_predict_layers": 1})
     with pytest.raises(SpecDecodeError, match="glm4.nextn_predict_layers is 1"):

@@ -359,7 +359,9 @@ class ModelConfig:
     # head dimensions RoPE turns, the first ones (NeoX halves of them paired; Phi-4-mini's partial rotary); None: all
     rotary_dim: int | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
-    qk_norm_whole: bool = False  # the q/k norms over each projection's whole width, not per head (OLMo 2)
+    # the q/k norms' weights over each projection's whole width, not one head's (OLMo 2's RMSNorms over it, Command R+'s
+    # LayerNorms of each head where layer_norms)
+    qk_norm_whole: bool = False
     # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss's clamped SwiGLU, layers.gated)
     activation: str = "silu"
     sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add (Gemma, GLM-4)

@@ -56,12 +56,15 @@ def unpermute_rope(w, n_heads: int, turned: int | None = None):
 
 
 def halves_paired(cfg: ModelConfig, name: str, tensor):
-    """A checkpoint's query or key rows (weights, biases; torch or a GGUF's numpy rows) in the runtime's RoPE pairs,
-    where they pair adjacent dimensions; any other tensor as it is."""
-    m = re.fullmatch(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj)\.(weight|bias)", name)
+    """A checkpoint's query or key rows (weights, biases, norms' weights of each head's values; torch or a GGUF's numpy
+    rows) in the runtime's RoPE pairs, where they pair adjacent dimensions; any other tensor as it is."""
+    m = re.fullmatch(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)", name)
     if not m:
         return tensor
-    return unpermute_rope(tensor, cfg.num_heads if m[1] == "q_proj" else cfg.num_kv_heads, cfg.rotary_dim)
+    heads = cfg.num_heads if m[1][0] == "q" else cfg.num_kv_heads
+    if m[1].endswith("norm"):  # a head's weights, or each head's (Command R+'s [heads, head size]), reordered alike
+        return unpermute_rope(tensor.reshape(-1), heads if cfg.qk_norm_whole else 1, cfg.rotary_dim)
+    return unpermute_rope(tensor, heads, cfg.rotary_dim)
 
 
 def as_computed(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -81,9 +81,9 @@ GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's
 # OLMo 2 and 3 (config.json's names; GGUF's olmo2 holds both): norms after attention and the MLP, none before them,
 # and q/k norms over each projection's whole width
 OLMO_FAMILIES = ("olmo2", "olmo3")
-# q/k norms over each projection's whole width (all heads together): OLMo's, and OLMoE's and MiniMax-M2's on pre-norm
-# layers
-WHOLE_QK_NORM_FAMILIES = (*OLMO_FAMILIES, "olmoe", "minimax_m2")
+# q/k norms with weights over each projection's whole width: OLMo's RMSNorms over it, OLMoE's and MiniMax-M2's on
+# pre-norm layers, and Command R+'s LayerNorms of each head (its use_qk_norm; Cohere's layers are LayerNorms)
+WHOLE_QK_NORM_FAMILIES = (*OLMO_FAMILIES, "olmoe", "minimax_m2", "cohere")
 POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
 # Cohere's (config.json's cohere and cohere2, GGUF's command-r and cohere2): LayerNorms, attention and the MLP side by
 # side, the logits multiplied by logit_scale
@@ -187,8 +187,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *WHOLE_QK_NORM_FAMILIES)
-        or bool(cfg.get("use_qk_norm")),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES, "olmoe", "minimax_m2")
+        or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm"))),  # (read by these only)
         qk_norm_whole=family in WHOLE_QK_NORM_FAMILIES,
         pre_norms=family not in POST_NORM_FAMILIES,
         activation=_hf_activation(cfg, family),
@@ -697,12 +697,10 @@ def _hf_output_bias(cfg: dict, family: str) -> dict:
 
 def _hf_cohere(cfg: dict, family: str) -> dict:
     """Cohere's LayerNorms, attention and MLP side by side, and its logits multiplied by logit_scale (the runtime's
-    logit_scale divides). Command R+'s q/k norms (a LayerNorm of each head with weights of its own) are refused, as is
-    a rotary_pct short of 1, which transformers ignores and llama.cpp's converter writes as partial rotary."""
+    logit_scale divides), and Command R+'s q/k norms (use_qk_norm: a LayerNorm of each head with weights of its own). A
+    rotary_pct short of 1, which transformers ignores and llama.cpp's converter writes as partial rotary, is refused."""
     if family not in COHERE_FAMILIES:
         return {}
-    if cfg.get("use_qk_norm"):
-        raise refuse("use_qk_norm", True, "false (Command R+'s per-head LayerNorms of queries and keys are not built)")
     if cfg.get("rotary_pct", 1.0) != 1.0:
         raise refuse(
             "rotary_pct", cfg["rotary_pct"], "1 (transformers turns every dimension, llama.cpp's converter not)"
@@ -789,7 +787,7 @@ def from_gguf(reader) -> ModelConfig:
         rotary_dim=rotary_dim(key("rope.dimension_count", dims), dims, f"{arch}.rope.dimension_count"),
         rope_scaling=_gguf_rope_scaling(key, arch, {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}),
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        qk_norm_whole=_rows(reader, "blk.0.attn_q_norm.weight") > dims,
+        qk_norm_whole=_values(reader, "blk.0.attn_q_norm.weight") > dims,
         pre_norms="blk.0.attn_norm.weight" in names,
         activation="gelu_tanh" if gemma else "swiglu_oai" if arch == "gpt-oss" else "silu",
         sandwich_norms=arch in SANDWICH_FAMILIES,
@@ -815,11 +813,10 @@ def from_gguf(reader) -> ModelConfig:
 
 def _gguf_cohere(key, arch: str, names: set[str]) -> dict:
     """Cohere's LayerNorms, attention and MLP side by side, and its logits multiplied by the file's logit_scale (by
-    none where it states none, as llama.cpp's graph); Command R+'s per-head q/k LayerNorms refused."""
+    none where it states none, as llama.cpp's graph). (Command R+'s q/k norms: where the file holds them, as any
+    family's, their weights over the projections' whole width.)"""
     if arch not in COHERE_FAMILIES:
         return {}
-    if "blk.0.attn_q_norm.weight" in names:
-        raise refuse(f"{arch} attn_q_norm", "a LayerNorm of each query and key head", "none (Command R+'s, not built)")
     return cohere_layers(float(key("logit_scale", 1.0)))
 
 
@@ -841,9 +838,10 @@ def _gguf_nope_layers(arch: str, layers: int, window: int | None, sliding: tuple
     return _global_nope(arch, window, sliding, {"num_hidden_layers": layers})
 
 
-def _rows(reader, name: str) -> int:
-    """The length of a GGUF vector (a norm's weights), 0 where the file has none."""
-    return next((int(t.shape[0]) for t in reader.tensors if t.name == name), 0)
+def _values(reader, name: str) -> int:
+    """How many values a GGUF tensor holds (a norm's weights: Command R+'s are [heads, head size]), 0 where the file
+    has none."""
+    return next((int(t.n_elements) for t in reader.tensors if t.name == name), 0)
 
 
 def _gguf_local_rope_theta(key, arch: str) -> float:

@@ -97,6 +97,21 @@ class LayerNorm(Norm):
         return (self.weight.float() * normed).to(x.dtype)
 
 
+class HeadwiseLayerNorm(LayerNorm):
+    """Command R+'s q/k norms: a LayerNorm of each head (its mean and variance over the head's values), weighted by a
+    weight of each value of the projection's whole width (transformers' [heads, head size], flattened)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float):
+        super().__init__(heads * head_dim, eps)
+        self.head_dim = head_dim
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.float().unflatten(-1, (-1, self.head_dim))
+        centred = heads - heads.mean(-1, keepdim=True)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed.flatten(-2)).to(x.dtype)
+
+
 class Unnormed(nn.Module):
     """RMSNorm's place where a family normalises nothing before attention or the MLP (OLMo 2, whose norms follow
     them): x, or given the residual stream (x + residual, x + residual)."""

@@ -23,6 +23,7 @@ from ..transfers import to_device
 from .latent import LatentProjection
 from .layers import (
     MLP,
+    HeadwiseLayerNorm,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -174,10 +175,9 @@ class Attention(nn.Module):
         self.value_dim = cfg.value_dim if latent is not None else None
         self.o_proj = Linear(self.num_heads * (self.value_dim or self.head_dim), cfg.hidden_size, bias=cfg.o_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
-        self.whole_qk_norms = cfg.qk_norm and cfg.qk_norm_whole  # over each projection's width, not each head's
+        self.whole_qk_norms = cfg.qk_norm and cfg.qk_norm_whole  # weights over each projection's width
         if cfg.qk_norm:
-            widths = (q_size, kv_size) if self.whole_qk_norms else (self.head_dim, self.head_dim)
-            self.q_norm, self.k_norm = (RMSNorm(width, cfg.rms_norm_eps) for width in widths)
+            self.q_norm, self.k_norm = self._qk_norm(cfg, self.num_heads), self._qk_norm(cfg, self.num_kv_heads)
         self.window = cfg.window(layer)
         self.softcap = cfg.attention_softcap
         # which of the model's RoPE tables this layer reads: Gemma 3's sliding layers have their own base, and a NoPE
@@ -189,6 +189,15 @@ class Attention(nn.Module):
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
         self.rope_kernel = apply_rope  # a backend may attach a fused one, same signature
+
+    def _qk_norm(self, cfg: ModelConfig, heads: int) -> RMSNorm | HeadwiseLayerNorm:
+        """A query or key norm: each head's RMSNorm with one weight for all heads (Qwen3's), an RMSNorm over the
+        projection's whole width (OLMo 2's), or a LayerNorm of each head with weights of its own (Command R+'s)."""
+        if not self.whole_qk_norms:
+            return RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if cfg.layer_norms:
+            return HeadwiseLayerNorm(heads, self.head_dim, cfg.rms_norm_eps)
+        return RMSNorm(heads * self.head_dim, cfg.rms_norm_eps)
 
     @property
     def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
