@@ -61,7 +61,7 @@ def halves_paired(cfg: ModelConfig, name: str, tensor):
     m = re.fullmatch(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)", name)
     if not m:
         return tensor
-    heads = cfg.num_heads if m[1][0] == "q" else cfg.num_kv_heads
+    heads = cfg.num_heads if m[1].startswith("q") else cfg.num_kv_heads
     if m[1].endswith("norm"):  # a head's weights, or each head's (Command R+'s [heads, head size]), reordered alike
         return unpermute_rope(tensor.reshape(-1), heads if cfg.qk_norm_whole else 1, cfg.rotary_dim)
     return unpermute_rope(tensor, heads, cfg.rotary_dim)

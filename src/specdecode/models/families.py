@@ -84,6 +84,9 @@ OLMO_FAMILIES = ("olmo2", "olmo3")
 # q/k norms with weights over each projection's whole width: OLMo's RMSNorms over it, OLMoE's and MiniMax-M2's on
 # pre-norm layers, and Command R+'s LayerNorms of each head (its use_qk_norm; Cohere's layers are LayerNorms)
 WHOLE_QK_NORM_FAMILIES = (*OLMO_FAMILIES, "olmoe", "minimax_m2", "cohere")
+# q/k norms always (config.json's names), and where use_qk_norm says (GLM-4.5's, Command R+'s; other families ignore it)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES, "olmoe", "minimax_m2")
+USE_QK_NORM_FAMILIES = ("cohere", "glm4_moe")
 POST_NORM_FAMILIES = (*OLMO_FAMILIES, "exaone4")  # norms after attention and the MLP only (EXAONE 4's are OLMo 2's)
 # Cohere's (config.json's cohere and cohere2, GGUF's command-r and cohere2): LayerNorms, attention and the MLP side by
 # side, the logits multiplied by logit_scale
@@ -187,8 +190,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim"),
         rope_scaling=scaling,
         rotary_dim=_hf_rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OLMO_FAMILIES, "olmoe", "minimax_m2")
-        or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm"))),  # (read by these only)
+        qk_norm=family in QK_NORM_FAMILIES or (family in USE_QK_NORM_FAMILIES and bool(cfg.get("use_qk_norm"))),
         qk_norm_whole=family in WHOLE_QK_NORM_FAMILIES,
         pre_norms=family not in POST_NORM_FAMILIES,
         activation=_hf_activation(cfg, family),
@@ -697,8 +699,8 @@ def _hf_output_bias(cfg: dict, family: str) -> dict:
 
 def _hf_cohere(cfg: dict, family: str) -> dict:
     """Cohere's LayerNorms, attention and MLP side by side, and its logits multiplied by logit_scale (the runtime's
-    logit_scale divides), and Command R+'s q/k norms (use_qk_norm: a LayerNorm of each head with weights of its own). A
-    rotary_pct short of 1, which transformers ignores and llama.cpp's converter writes as partial rotary, is refused."""
+    logit_scale divides); a rotary_pct short of 1, which transformers ignores and llama.cpp's converter writes as
+    partial rotary, is refused. (Command R+'s q/k norms, use_qk_norm: WHOLE_QK_NORM_FAMILIES.)"""
     if family not in COHERE_FAMILIES:
         return {}
     if cfg.get("rotary_pct", 1.0) != 1.0:
