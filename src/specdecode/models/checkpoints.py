@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SpecDecodeError
-from .families import COHERE_FAMILIES, LONGROPE_TENSORS
+from .families import COHERE_FAMILIES, LATENT_FAMILIES, LONGROPE_TENSORS
 from .latent import head_layout, turned_pairs_split
 
 # ---- Hugging Face checkpoints --------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def rotary_reordered(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch
 
 
 def _canonical_hf(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    if cfg.arch in ("ernie4_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
+    if cfg.arch in ("ernie4_5_moe", "glm4_moe", *LATENT_FAMILIES):
         if _next_token_prediction(cfg, name):  # which transformers leaves out too
             return
         name = _biased_moe(name)

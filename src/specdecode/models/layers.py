@@ -92,9 +92,12 @@ class LayerNorm(Norm):
     first. No backend's kernel computes it."""
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        centred = x.float() - x.float().mean(-1, keepdim=True)
-        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
+        return (self.weight.float() * self._standardised(x.float())).to(x.dtype)
+
+    def _standardised(self, x32: torch.Tensor) -> torch.Tensor:
+        """Each row less its mean, divided by its standard deviation (eps added to the variance)."""
+        centred = x32 - x32.mean(-1, keepdim=True)
+        return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class HeadwiseLayerNorm(LayerNorm):
@@ -106,10 +109,8 @@ class HeadwiseLayerNorm(LayerNorm):
         self.head_dim = head_dim
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        heads = x.float().unflatten(-1, (-1, self.head_dim))
-        centred = heads - heads.mean(-1, keepdim=True)
-        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed.flatten(-2)).to(x.dtype)
+        normed = self._standardised(x.float().unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 class Unnormed(nn.Module):
