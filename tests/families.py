@@ -475,6 +475,28 @@ FAMILIES = {
         dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
         tokenizer="ggml-vocab-qwen2.gguf",
     ),
+    # Ministral 3: YaRN with DeepSeek's mscale pair at 1 (cos and sin unscaled) and Llama 4's attention temperature,
+    # past 48 positions here: a prompt of 40 and the decoded tokens before the 48th stay within it (the one-call
+    # decoder's), those after it are scaled
+    "ministral3": Family(
+        "Ministral3Config",
+        "Ministral3ForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=48,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                llama_4_scaling_beta=0.5,
+            ),
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     "qwen3_moe": Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -16,6 +16,7 @@ from families import FAMILIES, SPM_VOCAB, convert, make_checkpoint, reference_mo
 
 from specdecode import LLM, SamplingParams
 from specdecode.executor.runner import ModelRunner
+from specdecode.models.families import yarn_attention_factor
 from specdecode.models.gguf_loader import load_gguf
 from specdecode.models.layers import normed_and_summed
 from specdecode.models.loader import _load_hf_checkpoint, load_model
@@ -173,6 +174,12 @@ def _longrope_swapped(cfg) -> tuple:
     return tuple(sorted(items.items()))
 
 
+def _yarns_own_attention_factor(cfg):
+    """YaRN's 0.1 ln(factor) + 1 on cos and sin, as if the mscale pair were not there."""
+    factor = yarn_attention_factor(dict(cfg.rope_scaling)["factor"])
+    return dataclasses.replace(cfg, attention_scale=cfg.dim_per_head**-0.5 * factor**2)
+
+
 @pytest.mark.parametrize(
     "family, change",
     [
@@ -223,6 +230,8 @@ def _longrope_swapped(cfg) -> tuple:
         ("minimax_m2", lambda cfg: dataclasses.replace(cfg, rotary_dim=None)),  # RoPE over the whole head
         ("olmoe", lambda cfg: dataclasses.replace(cfg, normalize_expert_weights=True)),
         ("olmoe", lambda cfg: dataclasses.replace(cfg, experts_per_token=1)),
+        ("ministral3", lambda cfg: dataclasses.replace(cfg, query_temperature=0.0)),  # queries at their own scale
+        ("ministral3", _yarns_own_attention_factor),
     ],
     ids=[
         "llama3-rope-scaling",
@@ -269,6 +278,8 @@ def _longrope_swapped(cfg) -> tuple:
         "minimax-m2-rope-on-the-whole-head",
         "olmoe-weights-renormalised",
         "olmoe-top-k",
+        "ministral3-attention-temperature-left-out",
+        "ministral3-yarn-attention-factor-its-own",
     ],
 )
 def test_a_runtime_that_gets_the_feature_wrong_fails_the_comparison(made, family, change):
@@ -695,6 +706,26 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_holds_their_values_exactly_and_specul
     assert spec[0].spec["num_draft_tokens"] > 0
 
 
+def test_ministral3s_temperature_is_missed_where_the_one_call_decoder_runs_past_its_floor(made, monkeypatch):
+    """On the low-bit backend the one-call decoder runs the calls within the temperature's floor (a prompt of 40
+    tokens of 48, decoded tokens up to it) and the modules those past it: every logit the modules' alone. With the
+    decoder running past the floor too, which has no place for the temperature, the logits there are not theirs."""
+    from specdecode.config import ModelConfig
+
+    loaded = load_model(str(made("ministral3")[0]), progress=False)
+    assert loaded.model.layers_kernel is not None and loaded.config.query_temperature_floor == 48
+    ids = _prompt(loaded.config.vocab_size)
+    with_decoder = _logits(loaded.model, ids)
+    with monkeypatch.context() as patched:
+        patched.setattr(loaded.model, "layers_kernel", None)
+        modules = _logits(loaded.model, ids)
+    torch.testing.assert_close(with_decoder, modules, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(ModelConfig, "scales_queries", lambda self, keys: False)
+    broken = _logits(loaded.model, ids)
+    torch.testing.assert_close(broken[:48], modules[:48], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(broken[48:], modules[48:], atol=1e-2, rtol=1e-2)
+
+
 # ---- what the runtime does not implement is refused by name ----------------------------------------------
 
 LLAMA = dict(
@@ -735,12 +766,9 @@ GRANITE_DENSE = dict(
     "change, field",
     [
         (dict(rope_parameters=dict(rope_type="proportional", rope_theta=1e4, factor=4.0)), "rope_parameters.rope_type"),
+        # one of DeepSeek's mscale pair alone (transformers ignores it; a pair is read)
         (
-            dict(
-                rope_scaling=dict(
-                    type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
-                )
-            ),
+            dict(rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=0.7)),
             "rope_scaling.mscale",
         ),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling.rope_type"),
@@ -789,6 +817,8 @@ def test_an_unsupported_config_field_is_refused_by_name(change, field):
         dict(factor=4.0, original_max_position_embeddings=4096),
         dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=16, beta_slow=2, truncate=False),
         dict(factor=8.0, original_max_position_embeddings=2048, attention_factor=0.85),
+        dict(factor=16.0, original_max_position_embeddings=16384, mscale=1.0, mscale_all_dim=1.0),  # Ministral 3's
+        dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=1.0),
     ],
 )
 def test_yarn_s_frequencies_and_attention_factor_are_transformers(yarn):
@@ -805,7 +835,7 @@ def test_yarn_s_frequencies_and_attention_factor_are_transformers(yarn):
     expected, factor = ROPE_INIT_FUNCTIONS["yarn"](LlamaConfig(**fields), "cpu")
     got = RotaryEmbedding(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling).inv_freq
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
-    assert cfg.attention_scale == pytest.approx(cfg.dim_per_head**-0.5 * factor**2)
+    assert (cfg.attention_scale or cfg.dim_per_head**-0.5) == pytest.approx(cfg.dim_per_head**-0.5 * factor**2)
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -905,6 +935,38 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
     nextn = with_metadata(made("glm4")[1], tmp_path / "nextn.gguf", {"glm4.nextn_predict_layers": 1})
     with pytest.raises(SpecDecodeError, match="glm4.nextn_predict_layers is 1"):
         load_gguf(str(nextn), progress=False)
+
+
+def test_ministral3s_fields_elsewhere_or_otherwise_are_refused(made, tmp_path):
+    """Llama 4's attention temperature in another family's GGUF, experts in a mistral3 one (llama.cpp's graph has a
+    branch for them, no file is known to hold them), and the multimodal checkpoint Ministral 3 ships as, sent to its
+    GGUF."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.families import from_hf_config
+
+    tempered = with_metadata(made("qwen3")[1], tmp_path / "tempered.gguf", {"qwen3.attention.temperature_scale": 0.1})
+    with pytest.raises(SpecDecodeError, match="qwen3.attention.temperature_scale is 0.1"):
+        load_gguf(str(tempered), progress=False)
+    experts = with_metadata(made("ministral3")[1], tmp_path / "experts.gguf", {"mistral3.expert_count": 4})
+    with pytest.raises(SpecDecodeError, match="mistral3.expert_count is 4"):
+        load_gguf(str(experts), progress=False)
+    multimodal = dict(model_type="mistral3", text_config=dict(LLAMA, model_type="ministral3"))
+    with pytest.raises(SpecDecodeError, match="convert the folder with llama.cpp's convert_hf_to_gguf.py"):
+        from_hf_config(multimodal)
+
+
+def test_a_yarn_gguf_with_a_log_multiplier_scales_cos_and_sin_as_llama_cpp_does(made, tmp_path):
+    """llama.cpp's reading of a yarn_log_multiplier m outside DeepSeek: cos and sin by mscale(1) / mscale(m) (1 at
+    Ministral 3's m = 1), where a file without one gets YaRN's 0.1 ln(factor) + 1."""
+    gguf = made("qwen2_yarn")[1]
+    plain = load_gguf(str(gguf), progress=False)[0]
+    assert plain.attention_scale == pytest.approx(plain.dim_per_head**-0.5 * yarn_attention_factor(4.0) ** 2)
+    for multiplier in (1.0, 0.5):
+        stated = {"qwen2.rope.scaling.yarn_log_multiplier": multiplier}
+        cfg = load_gguf(str(with_metadata(gguf, tmp_path / f"m{multiplier}.gguf", stated)), progress=False)[0]
+        factor = yarn_attention_factor(4.0) / yarn_attention_factor(4.0, multiplier)
+        assert dict(cfg.rope_scaling)["attention_factor"] == pytest.approx(factor)
+        assert (cfg.attention_scale or cfg.dim_per_head**-0.5) == pytest.approx(cfg.dim_per_head**-0.5 * factor**2)
 
 
 def test_a_glm_config_json_without_its_rotary_fields_reads_as_transformers_does():

@@ -12,56 +12,21 @@ float32, as this engine does (docs/families.md).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
-import subprocess
-import time
-import urllib.request
 
 from specdecode import LLM, SamplingParams
-from specdecode.bench.llama_cpp import binary
+from specdecode.bench.llama_cpp import llama_server
 from specdecode.bench.results import describe_machine, machine_info
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.sources import resolve
 
 
-def llama_cpp_greedy(
-    bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, server_args: list[str], port: int = 8097
-) -> list[list[int]]:
-    server = subprocess.Popen(
-        [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "-c", "2048", "--log-disable"]
-        + server_args,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        outs = []
-        for ids in prompts:  # the prompt as our tokenizer gave it, BOS included: both models read the same ids
-            body = json.dumps(
-                {
-                    "prompt": ids,
-                    "n_predict": tokens,
-                    "temperature": 0,
-                    "top_k": 1,
-                    "cache_prompt": False,
-                    "return_tokens": True,
-                    "ignore_eos": True,
-                }
-            ).encode()
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"}
-            )
-            outs.append(json.load(urllib.request.urlopen(request))["tokens"])
-        return outs
-    finally:
-        server.terminate()
-        server.wait()
+def llama_cpp_greedy(bin_dir: str, gguf: str, prompts: list[list[int]], tokens: int, server_args: list[str]):
+    """llama-server's greedy continuations of each prompt, as our tokenizer gave it (BOS included: both models read
+    the same ids)."""
+    fields = dict(n_predict=tokens, temperature=0, top_k=1, cache_prompt=False, return_tokens=True, ignore_eos=True)
+    with llama_server(bin_dir, gguf, ["-c", "2048", *server_args]) as complete:
+        return [complete(dict(fields, prompt=ids))["tokens"] for ids in prompts]
 
 
 def top_two_gap(llm: LLM, ids: list[int]) -> float:

@@ -412,6 +412,10 @@ class ModelConfig:
     expert_groups: int = 1
     expert_groups_kept: int = 1
     expert_group_scoring: str = "max"
+    # Llama 4's attention temperature (Ministral 3's llama_4_scaling_beta): the queries at position p multiplied by
+    # 1 + query_temperature * ln(1 + floor(p / query_temperature_floor)), which is 1 short of the floor; 0: none
+    query_temperature: float = 0.0
+    query_temperature_floor: int = 0
 
     def __post_init__(self):
         # read back from JSON, tuples arrive as lists
@@ -458,6 +462,11 @@ class ModelConfig:
         )
         kv = self.hidden_size * (rank + self.rotary_dim) + rank * heads * (width - self.rotary_dim + self.value_dim)
         return queries + kv + heads * self.value_dim * self.hidden_size
+
+    def scales_queries(self, keys: int) -> bool:
+        """Whether the attention temperature scales any query of a call attending over `keys` keys (positions below
+        it): only past its floor."""
+        return self.query_temperature != 0.0 and keys > self.query_temperature_floor
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: it attends to the whole context)."""

@@ -48,6 +48,7 @@ HF_FAMILIES = (
     "glm4_moe_lite",
     "minimax_m2",
     "olmoe",
+    "ministral3",
 )
 GGUF_FAMILIES = (
     "llama",
@@ -75,6 +76,7 @@ GGUF_FAMILIES = (
     "deepseek2",
     "minimax-m2",
     "olmoe",
+    "mistral3",
 )
 GRANITE_FAMILIES = ("granite", "granitemoe")  # config.json's and GGUF's names alike: the four multipliers
 GEMMA_FAMILIES = ("gemma3_text", "gemma3", "gemma2")  # config.json's and GGUF's names: sandwich norms, GeGLU, ...
@@ -144,6 +146,14 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the ramp's ends by default, transformers' and llama.cpp's alike
 # config.json's attention_bias: q/k/v biased (gpt-oss's o_proj too; Seed-OSS's by its attention_out_bias)
 BIASED_ATTENTION = ("gpt_oss", "glm", "glm4", "seed_oss", "glm4_moe")
+# multimodal checkpoints of families whose text model runs here: where it is to be had
+MULTIMODAL_ADVICE = {
+    "gemma3": "use a Gemma 3 text checkpoint (model_type 'gemma3_text') or its GGUF",
+    "mistral3": (
+        "Ministral 3's and Mistral Small 3.x's: convert the folder with llama.cpp's convert_hf_to_gguf.py, which "
+        "keeps the text model, and load the GGUF, or use a text checkpoint (model_type 'ministral3')"
+    ),
+}
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -161,11 +171,9 @@ def refuse(field: str, value: Any, supported: str) -> SpecDecodeError:
 def from_hf_config(cfg: dict) -> ModelConfig:
     """The description of a Hugging Face checkpoint, from its config.json."""
     family = cfg.get("model_type", "llama")
-    if family == "gemma3" and "text_config" in cfg:
-        raise SpecDecodeError(
-            "this is a multimodal Gemma 3 checkpoint (model_type 'gemma3'); specdecode runs text "
-            "models: use a Gemma 3 text checkpoint (model_type 'gemma3_text') or its GGUF"
-        )
+    if "text_config" in cfg and family in MULTIMODAL_ADVICE:
+        advice = MULTIMODAL_ADVICE[family]
+        raise SpecDecodeError(f"this is a multimodal {family} checkpoint; specdecode runs text models: {advice}")
     if family not in HF_FAMILIES:
         raise refuse("model_type", family, ", ".join(HF_FAMILIES))
     cfg, family = _as_transformers_reads(cfg, family)
@@ -207,6 +215,7 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         **_hf_output_bias(cfg, family),
         **_hf_cohere(cfg, family),
         **_hf_latent(cfg, family),
+        **_hf_query_temperature(cfg, family),
     )
     described = with_rope_attention_factor(described)
     if family not in GRANITE_FAMILIES:
@@ -375,13 +384,14 @@ def hf_rope(cfg: dict, layer_type: str) -> tuple[float, tuple]:
 
 
 def _hf_yarn_items(params: dict, field: str, latent: bool) -> list[tuple[str, float]]:
-    """YaRN's optional fields as transformers reads them. DeepSeek's mscale pair, which only its latent attention
-    applies whole (refused elsewhere): cos and sin scaled by mscale(mscale) / mscale(mscale_all_dim), every score by
-    mscale(mscale_all_dim)^2 (with_rope_attention_factor)."""
+    """YaRN's optional fields as transformers reads them. DeepSeek's mscale pair: cos and sin scaled by
+    mscale(mscale) / mscale(mscale_all_dim) (Ministral 3's, both 1: unscaled), and in DeepSeek's latent attention
+    every score by mscale(mscale_all_dim)^2 besides (with_rope_attention_factor). One of the pair alone, which
+    transformers ignores, is refused."""
     pair = {name: params.get(name) for name in ("mscale", "mscale_all_dim") if params.get(name)}
-    for name, value in pair.items():
-        if not latent:
-            raise refuse(f"{field}.{name}", value, "unset (YaRN's attention factor from its factor)")
+    if len(pair) == 1 and not latent:
+        name, value = next(iter(pair.items()))
+        raise refuse(f"{field}.{name}", value, "unset, or set beside mscale and mscale_all_dim both")
     items = [(k, float(params.get(k) or default)) for k, default in YARN_BETAS.items()]
     factor = float(params["factor"])
     if len(pair) == 2:
@@ -392,7 +402,7 @@ def _hf_yarn_items(params: dict, field: str, latent: bool) -> list[tuple[str, fl
         ("truncate", float(params.get("truncate", True))),
         ("attention_factor", float(params.get("attention_factor") or default)),
     ]
-    return items + [("mscale_all_dim", float(pair["mscale_all_dim"]))] if "mscale_all_dim" in pair else items
+    return items + [("mscale_all_dim", float(pair["mscale_all_dim"]))] if latent and "mscale_all_dim" in pair else items
 
 
 def _hf_longrope(cfg: dict, params: dict, field: str) -> tuple:
@@ -697,6 +707,21 @@ def _hf_output_bias(cfg: dict, family: str) -> dict:
     return dict(o_bias=True) if cfg.get("attention_out_bias") else {}
 
 
+def _hf_query_temperature(cfg: dict, family: str) -> dict:
+    """Ministral 3's attention temperature, as transformers computes it: its rope_parameters' llama_4_scaling_beta,
+    with their original_max_position_embeddings as the floor (other families' config classes ignore the field)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    if family != "ministral3" or not params.get("llama_4_scaling_beta"):
+        return {}
+    floor = params.get("original_max_position_embeddings")
+    if not floor:
+        raise SpecDecodeError(
+            "this model's rope_parameters have a llama_4_scaling_beta but no original_max_position_embeddings, "
+            "the positions its attention temperature steps by"
+        )
+    return dict(query_temperature=float(params["llama_4_scaling_beta"]), query_temperature_floor=int(floor))
+
+
 def _hf_cohere(cfg: dict, family: str) -> dict:
     """Cohere's LayerNorms, attention and MLP side by side, and its logits multiplied by logit_scale (the runtime's
     logit_scale divides); a rotary_pct short of 1, which transformers ignores and llama.cpp's converter writes as
@@ -804,6 +829,7 @@ def from_gguf(reader) -> ModelConfig:
         **_gguf_biases(arch, names),
         **_gguf_cohere(key, arch, names),
         **_gguf_latent(key, arch, names),
+        **_gguf_query_temperature(key, arch),
     )
     described = with_rope_attention_factor(described)
     if arch not in GRANITE_FAMILIES:
@@ -868,6 +894,8 @@ def _check_gguf_fields(key, arch: str, head_dim: int) -> None:
             raise refuse(f"{arch}.{name}", key(name), "unset")
     if arch not in SCALED_EXPERTS_FAMILIES and key("expert_weights_scale", 0.0) not in (0.0, 1.0):
         raise refuse(f"{arch}.expert_weights_scale", key("expert_weights_scale"), "unset, 0 or 1")
+    if arch == "mistral3" and key("expert_count"):  # llama.cpp's graph has a branch for them; no such file is known
+        raise refuse("mistral3.expert_count", key("expert_count"), "unset (Ministral 3 and Mistral Small 3 are dense)")
     if (key("expert_gating_func") or 1) not in GATING:
         raise refuse(f"{arch}.expert_gating_func", key("expert_gating_func"), "1 (softmax), 2 (sigmoid)")
 
@@ -928,12 +956,11 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     deepseek = arch == "deepseek2"
     if deepseek and multiplier is None:
         raise refuse("deepseek2.rope.scaling.yarn_log_multiplier", None, "DeepSeek's 0.1 mscale_all_dim")
-    attention = 1.0 if deepseek else yarn_attention_factor(factor)
+    attention = 1.0 if deepseek else _gguf_yarn_attention_factor(factor, multiplier)
     allowed = {
         "rope.scaling.yarn_ext_factor": 1.0,
         "rope.scaling.yarn_attn_factor": attention,
         "rope.scaling.attn_factor": 1.0,
-        **({} if deepseek else {"rope.scaling.yarn_log_multiplier": 0.0}),
     }
     for name, value in allowed.items():
         if key(name) is not None and not math.isclose(key(name), value):
@@ -948,6 +975,26 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
         **({"mscale_all_dim": float(multiplier) / 0.1} if deepseek else {}),
     }
     return tuple(sorted(items.items()))
+
+
+def _gguf_yarn_attention_factor(factor: float, multiplier: float | None) -> float:
+    """YaRN's scale of cos and sin in llama.cpp outside DeepSeek: mscale(1) / mscale(yarn_log_multiplier) where the
+    file states a multiplier (Ministral 3's converter writes its mscale_all_dim there: transformers' reading of an
+    mscale of 1 beside it), else YaRN's own 0.1 ln(factor) + 1."""
+    if not multiplier:
+        return yarn_attention_factor(factor)
+    return yarn_attention_factor(factor) / yarn_attention_factor(factor, multiplier)
+
+
+def _gguf_query_temperature(key, arch: str) -> dict:
+    """Ministral 3's attention temperature as llama.cpp's mistral3 graph computes it: the file's temperature_scale,
+    stepping every original context (the one YaRN was trained at)."""
+    beta = key("attention.temperature_scale")
+    if not beta:
+        return {}
+    if arch != "mistral3":
+        raise refuse(f"{arch}.attention.temperature_scale", beta, "unset (Ministral 3's alone)")
+    return dict(query_temperature=float(beta), query_temperature_floor=int(_gguf_original_context(key)))
 
 
 def _gguf_softcaps(key, arch: str) -> dict:

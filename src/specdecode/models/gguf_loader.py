@@ -22,7 +22,7 @@ from .families import from_gguf
 
 # GGUF architectures whose files hold q/k rows interleaved: llama.cpp's converter permutes its LlamaModel's so, and
 # stores as they are the checkpoints of families that turn adjacent dimensions
-PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite", "granitemoe", *INTERLEAVED_ROPE_FAMILIES)
+PERMUTED_ROPE_FAMILIES = ("llama", "smollm3", "granite", "granitemoe", "mistral3", *INTERLEAVED_ROPE_FAMILIES)
 
 
 class MappedReader(GGUFReader):

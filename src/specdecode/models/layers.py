@@ -274,6 +274,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def query_temperature_scales(positions: torch.Tensor, beta: float, floor: int) -> torch.Tensor:
+    """Llama 4's attention temperature of each position's queries, 1 + beta ln(1 + floor(p / floor)), in float32 as
+    transformers computes it (llama.cpp's graph alike)."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / floor))
+
+
 def softcapped(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(x / cap), Gemma 2's soft cap of attention scores and logits (None: x as it is)."""
     return x if cap is None else torch.tanh(x / cap) * cap

@@ -35,6 +35,7 @@ from .layers import (
     normed_and_summed,
     normed_linear,
     pre_norm,
+    query_temperature_scales,
     repeated_kv_heads,
     softcapped,
     stream_norm,
@@ -185,6 +186,8 @@ class Attention(nn.Module):
         local = self.window is not None and cfg.local_rope_theta is not None
         self.rope = "none" if layer in cfg.nope_layers else "local" if local else "global"
         self.scale = (local and cfg.local_attention_scale) or cfg.attention_scale or self.head_dim**-0.5
+        temperature = (cfg.query_temperature, cfg.query_temperature_floor)
+        self.query_temperature = temperature if cfg.query_temperature else None
         # A backend may attach one kernel for q/k norms + rope + KV write + attention of packed batches (see
         # executor/attention.py); it must compute each token as alone, like _rowwise_attention.
         self.rowwise_kernel = None
@@ -217,7 +220,9 @@ class Attention(nn.Module):
         """(the attention of norm(x + residual)'s new tokens, x + residual), residual None: of norm(x), and x. A
         fixed-shape batch's attention may take the QKV projection's kernel with RoPE and the cache write in."""
         paged = batch.paged_attention
-        projected = None if paged is None else paged.project(self, norm, x, residual, rope, batch, cache)
+        # the projection's kernel rotates and stores as it projects: no place for the queries' temperature
+        fused = paged is not None and self.query_temperature is None
+        projected = paged.project(self, norm, x, residual, rope, batch, cache) if fused else None
         if projected is not None:
             queries, residual = projected
             out = paged.attend(batch, cache, self.layer, queries, self.num_heads, self.window, self.scale, self.softcap)
@@ -229,6 +234,8 @@ class Attention(nn.Module):
         """The new tokens after each slot's cached ones, from their QKV projection (the caller's: it may fuse the norm
         before it in)."""
         bsz, width, _ = qkv.shape
+        if self.query_temperature is not None:
+            qkv = self.with_query_temperature(qkv, batch.positions)
         if batch.rowwise is not None and self.rowwise_kernel is not None:
             out = self.rowwise_kernel(qkv, rope, batch, cache, self)
             return self.output(out.view(bsz, width, -1))
@@ -245,6 +252,13 @@ class Attention(nn.Module):
             keys, values = keys.to(q.dtype), values.to(q.dtype)
             out = batch.attend(q, keys, values, self.window, self.scale, self.softcap, self.sinks)
         return self.output(out.transpose(1, 2).reshape(bsz, width, -1))
+
+    def with_query_temperature(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The QKV projection with each row's queries multiplied by its position's attention temperature (scaled
+        before RoPE rather than after, as transformers does: rotation is linear)."""
+        q, kv = qkv.split((self.split[0], qkv.shape[-1] - self.split[0]), dim=-1)
+        scales = query_temperature_scales(positions, *self.query_temperature)
+        return torch.cat([q * scales.unsqueeze(-1).to(q.dtype), kv], dim=-1)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """The output projection of the heads' attention outputs [..., heads x head_dim] (of each value's first
@@ -516,7 +530,8 @@ def adapter_runs(sets: list[int], rows: list[int]) -> list[tuple[int, int, int]]
 def run_layers(model, x: torch.Tensor, rope, batch: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     """A Transformer's or a draft head's layers from the embeddings: (last MLP output, residual stream before it). In
     one call where the model has a layers kernel and the batch is packed (decode, verify, prompt chunks)."""
-    if model.layers_kernel is not None and batch.rowwise is not None:
+    # the one-call decoder has no place for an attention temperature: called only where it is 1 for every query
+    if model.layers_kernel is not None and batch.rowwise is not None and not model.cfg.scales_queries(batch.kv_len):
         return model.layers_kernel(model, x, rope, batch, cache)
     residual = None
     for layer in model.layers:
