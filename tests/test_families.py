@@ -969,6 +969,24 @@ def test_a_yarn_gguf_with_a_log_multiplier_scales_cos_and_sin_as_llama_cpp_does(
         assert (cfg.attention_scale or cfg.dim_per_head**-0.5) == pytest.approx(cfg.dim_per_head**-0.5 * factor**2)
 
 
+def test_a_ministral3_config_json_without_its_rope_fields_reads_as_transformers_does():
+    """transformers' Ministral 3 config assumes YaRN by 16 over 16,384 positions with the attention temperature,
+    heads 128 wide and an epsilon of 1e-5 where config.json leaves them out."""
+    from transformers import Ministral3Config
+
+    from specdecode.models.families import from_hf_config
+
+    cfg = from_hf_config(dict(LLAMA, model_type="ministral3"))
+    reference = Ministral3Config(**{k: v for k, v in LLAMA.items() if k != "model_type"})
+    rope = reference.rope_parameters
+    assert (cfg.dim_per_head, cfg.rms_norm_eps, cfg.rope_theta) == (reference.head_dim, 1e-5, rope["rope_theta"])
+    assert dict(cfg.rope_scaling)["factor"] == rope["factor"] and cfg.attention_scale is None
+    assert (cfg.query_temperature, cfg.query_temperature_floor) == (
+        rope["llama_4_scaling_beta"],
+        rope["original_max_position_embeddings"],
+    )
+
+
 def test_a_glm_config_json_without_its_rotary_fields_reads_as_transformers_does():
     """transformers' GLM configs assume RoPE over half of each head, 128 wide, and biased q/k/v where config.json
     leaves them out (the hub's older GLM-4 configs do), where other families turn whole heads of hidden / heads."""

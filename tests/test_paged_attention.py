@@ -175,8 +175,14 @@ def _forwards(model, attention):
 
 @pytest.mark.parametrize(
     "features",
-    [{}, {"sliding_window": 5, "qk_norm": True}, {"attention_scale": 0.2}, {"attention_softcap": SOFTCAP}],
-    ids=["qwen2", "window+qk-norm", "scale", "softcap"],
+    [
+        {},
+        {"sliding_window": 5, "qk_norm": True},
+        {"attention_scale": 0.2},
+        {"attention_softcap": SOFTCAP},
+        {"query_temperature": 0.5, "query_temperature_floor": 16},  # Ministral 3's: its prompt crosses the floor
+    ],
+    ids=["qwen2", "window+qk-norm", "scale", "softcap", "query-temperature"],
 )
 def test_whole_forwards_with_the_kernels_compute_pytorchs(features):
     model = tiny_model(seed=3, **features).model

@@ -124,6 +124,13 @@ HF_DEFAULTS = {
         **{"routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True, "attention_bias": False},
     },
     "minimax_m2": {"head_dim": 128, "rope_theta": 5000000.0, "num_local_experts": 256, "num_experts_per_tok": 8},
+    "ministral3": {
+        **{"head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144},
+        "rope_parameters": {
+            **{"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384},
+            **{"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+        },
+    },
 }
 # DeepSeek's multi-head latent attention (config.json's names; GGUF's deepseek2 holds them all): DeepSeek-V2's and
 # V3's, and GLM-4.7-Flash's (glm4_moe_lite: V3's attention beside GLM-4.5's experts)
