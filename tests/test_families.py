@@ -938,15 +938,22 @@ def test_a_gguf_with_an_unsupported_rope_scaling_or_an_unknown_tensor_is_refused
 
 
 def test_ministral3s_fields_elsewhere_or_otherwise_are_refused(made, tmp_path):
-    """Llama 4's attention temperature in another family's GGUF, experts in a mistral3 one (llama.cpp's graph has a
-    branch for them, no file is known to hold them), and the multimodal checkpoint Ministral 3 ships as, sent to its
-    GGUF."""
+    """Llama 4's attention temperature in another family's GGUF or a deepseek2 one that does not say how many positions
+    it steps by, experts in a mistral3 one (llama.cpp's graph has a branch for them, no file is known to hold them),
+    and the multimodal checkpoint Ministral 3 ships as, sent to its GGUF."""
     from specdecode.errors import SpecDecodeError
     from specdecode.models.families import from_hf_config
 
     tempered = with_metadata(made("qwen3")[1], tmp_path / "tempered.gguf", {"qwen3.attention.temperature_scale": 0.1})
     with pytest.raises(SpecDecodeError, match="qwen3.attention.temperature_scale is 0.1"):
         load_gguf(str(tempered), progress=False)
+    # Mistral Large 3's, in a deepseek2 file: read where it says how many positions it steps by
+    deepseek = made("deepseek_v3")[1]
+    scale, length = {"deepseek2.attention.temperature_scale": 0.1}, {"deepseek2.attention.temperature_length": 32}
+    with pytest.raises(SpecDecodeError, match="deepseek2.attention.temperature_length is None"):
+        load_gguf(str(with_metadata(deepseek, tmp_path / "scale.gguf", scale)), progress=False)
+    cfg = load_gguf(str(with_metadata(deepseek, tmp_path / "large.gguf", {**scale, **length})), progress=False)[0]
+    assert (cfg.query_temperature, cfg.query_temperature_floor) == (pytest.approx(0.1), 32)
     experts = with_metadata(made("ministral3")[1], tmp_path / "experts.gguf", {"mistral3.expert_count": 4})
     with pytest.raises(SpecDecodeError, match="mistral3.expert_count is 4"):
         load_gguf(str(experts), progress=False)

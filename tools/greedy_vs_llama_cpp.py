@@ -12,11 +12,14 @@ float32, as this engine does (docs/families.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 
+import httpx
+
 from specdecode import LLM, SamplingParams
-from specdecode.bench.llama_cpp import llama_server
 from specdecode.bench.results import describe_machine, machine_info
+from specdecode.bench.server_process import llama_server
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.sources import resolve
 
@@ -25,8 +28,9 @@ def llama_cpp_greedy(bin_dir: str, gguf: str, prompts: list[list[int]], tokens: 
     """llama-server's greedy continuations of each prompt, as our tokenizer gave it (BOS included: both models read
     the same ids)."""
     fields = dict(n_predict=tokens, temperature=0, top_k=1, cache_prompt=False, return_tokens=True, ignore_eos=True)
-    with llama_server(bin_dir, gguf, ["-c", "2048", *server_args]) as complete:
-        return [complete(dict(fields, prompt=ids))["tokens"] for ids in prompts]
+    with llama_server(bin_dir, gguf, slots=1, context=2048, threads=2, extra=tuple(server_args)) as server:
+        post = functools.partial(httpx.post, f"{server.base_url}/completion", timeout=600)
+        return [post(json=dict(fields, prompt=ids)).json()["tokens"] for ids in prompts]
 
 
 def top_two_gap(llm: LLM, ids: list[int]) -> float:

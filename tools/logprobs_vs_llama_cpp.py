@@ -14,22 +14,24 @@ from __future__ import annotations
 
 import argparse
 
+import httpx
 import torch
 
-from specdecode.bench.llama_cpp import llama_server
 from specdecode.bench.results import describe_machine, machine_info
+from specdecode.bench.server_process import llama_server
 from specdecode.executor.runner import ModelRunner
 from specdecode.models.gguf_loader import load_gguf
 from specdecode.models.runtime import build_model
 
-FLOAT32_SERVER = ["-c", "1024", "-fa", "off", "-ctk", "f32", "-ctv", "f32"]
+FLOAT32_SERVER = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
 
 
 def llama_cpp_top_logprobs(bin_dir: str, gguf: str, prompt: list[int], tokens: int, top: int):
     """llama.cpp's greedy continuation and, at each of its tokens, its top log-probabilities {id: logprob}."""
     fields = dict(prompt=prompt, n_predict=tokens, temperature=0, top_k=1, n_probs=top, ignore_eos=True)
-    with llama_server(bin_dir, gguf, FLOAT32_SERVER) as complete:
-        out = complete(dict(fields, cache_prompt=False, return_tokens=True, post_sampling_probs=False))
+    with llama_server(bin_dir, gguf, slots=1, context=1024, threads=2, extra=FLOAT32_SERVER) as server:
+        fields.update(cache_prompt=False, return_tokens=True, post_sampling_probs=False)
+        out = httpx.post(f"{server.base_url}/completion", json=fields, timeout=600).json()
     tops = [{t["id"]: t["logprob"] for t in step["top_logprobs"]} for step in out["completion_probabilities"]]
     return out["tokens"], tops
 

@@ -8,13 +8,10 @@ dependency."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import subprocess
-import time
-import urllib.request
 from dataclasses import dataclass
 
 from ..errors import SpecDecodeError
@@ -105,35 +102,6 @@ def binary(bin_dir: str, name: str) -> str:
             "printed (it holds llama-bench and llama-speculative-simple)"
         )
     return path
-
-
-@contextlib.contextmanager
-def llama_server(bin_dir: str, gguf: str, args: list[str], port: int = 8097):
-    """llama-server on the file, on 127.0.0.1, for the block's length: yields a function that posts a /completion
-    request's fields and returns its answer."""
-    command = [binary(bin_dir, "llama-server"), "-m", gguf, "--port", str(port), "-t", "2", "--log-disable", *args]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def complete(fields: dict) -> dict:
-        request = urllib.request.Request(
-            f"{url}/completion", json.dumps(fields).encode(), {"Content-Type": "application/json"}
-        )
-        return json.load(urllib.request.urlopen(request))
-
-    try:
-        for _ in range(600):
-            if server.poll() is not None:
-                raise SpecDecodeError(f"llama-server stopped at start-up on {gguf} (exit {server.returncode})")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield complete
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def run_llama_bench(

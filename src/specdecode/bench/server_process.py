@@ -155,10 +155,17 @@ class LlamaServerProcess(ServerProcess):
 
 
 def llama_server(
-    bin_dir: str, target: str, slots: int, context: int, threads: int, draft: str | None = None, k: int = 4
+    bin_dir: str,
+    target: str,
+    slots: int,
+    context: int,
+    threads: int,
+    draft: str | None = None,
+    k: int = 4,
+    extra: tuple[str, ...] = (),
 ) -> LlamaServerProcess:
     """llama.cpp's OpenAI-compatible server on a GGUF file: `slots` sequences of `context` tokens, batched
-    continuously; with `draft`, its own draft-model speculation of up to k tokens."""
+    continuously; with `draft`, its own draft-model speculation of up to k tokens; `extra`: more of its options."""
     command = [
         binary(bin_dir, "llama-server"),
         "--host",
@@ -175,4 +182,4 @@ def llama_server(
     ]
     if draft:
         command += ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k)]
-    return LlamaServerProcess([], command=command)
+    return LlamaServerProcess([], command=[*command, *extra])

@@ -994,14 +994,18 @@ def _gguf_yarn_attention_factor(factor: float, multiplier: float | None) -> floa
 
 
 def _gguf_query_temperature(key, arch: str) -> dict:
-    """Ministral 3's attention temperature as llama.cpp's mistral3 graph computes it: the file's temperature_scale,
-    stepping every original context (the one YaRN was trained at)."""
+    """Llama 4's attention temperature as llama.cpp's graphs compute it from the file's temperature_scale: Ministral
+    3's (mistral3) stepping every original context (the one YaRN was trained at), Mistral Large 3's (deepseek2, as
+    llama.cpp's converter of Mistral's own format writes it) every temperature_length positions."""
     beta = key("attention.temperature_scale")
     if not beta:
         return {}
-    if arch != "mistral3":
-        raise refuse(f"{arch}.attention.temperature_scale", beta, "unset (Ministral 3's alone)")
-    return dict(query_temperature=float(beta), query_temperature_floor=int(_gguf_original_context(key)))
+    if arch not in ("mistral3", "deepseek2"):
+        raise refuse(f"{arch}.attention.temperature_scale", beta, "unset (Ministral 3's and Mistral Large 3's alone)")
+    floor = _gguf_original_context(key) if arch == "mistral3" else key("attention.temperature_length")
+    if not floor:
+        raise refuse(f"{arch}.attention.temperature_length", floor, "the positions its temperature steps by")
+    return dict(query_temperature=float(beta), query_temperature_floor=int(floor))
 
 
 def _gguf_softcaps(key, arch: str) -> dict:
