@@ -36,10 +36,9 @@ def llama_cpp_top_logprobs(bin_dir: str, gguf: str, prompt: list[int], tokens: i
     return out["tokens"], tops
 
 
-def our_logprobs(gguf: str, ids: list[int]) -> torch.Tensor:
-    """float64 log-softmax of this engine's float32 logits at every position of ids."""
-    cfg, tensors = load_gguf(gguf, progress=False)
-    runner = ModelRunner(build_model(cfg, tensors, torch.float32, "cpu"), 1, len(ids) + 1)
+def our_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """float64 log-softmax of the model's logits at every position of ids."""
+    runner = ModelRunner(model, 1, len(ids) + 1)
     return torch.log_softmax(runner.forward([runner.allocate()], [ids], "all").double(), -1)
 
 
@@ -52,11 +51,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--bos", type=int, default=1)
     args = parser.parse_args()
-    vocab = load_gguf(args.gguf, progress=False)[0].vocab_size
-    ids = torch.randint(args.bos + 2, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    cfg, tensors = load_gguf(args.gguf, progress=False)
+    ids = torch.randint(args.bos + 2, cfg.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
     prompt = [args.bos, *ids.tolist()]
     tokens, tops = llama_cpp_top_logprobs(args.bin, args.gguf, prompt, args.tokens, args.top)
-    ours = our_logprobs(args.gguf, prompt + tokens[:-1])[len(prompt) - 1 :]
+    model = build_model(cfg, tensors, torch.float32, "cpu")  # float32, as llama-server computes
+    ours = our_logprobs(model, prompt + tokens[:-1])[len(prompt) - 1 :]
     print(f"{args.gguf}: {len(prompt)} prompt tokens, {len(tokens)} by llama.cpp; {describe_machine(machine_info())}")
     worst = 0.0
     for i, top in enumerate(tops):

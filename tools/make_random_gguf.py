@@ -291,8 +291,8 @@ SHAPES = {
         ),
     ),
     # Ministral 3 3B's text model (26 layers, 3,072 wide, 32 heads of 128 over 8 of keys and values, 9,216-wide MLPs,
-    # tied embeddings; YaRN by 16 over 16,384 with its mscale pair and attention temperature), Llama 3's vocabulary
-    # for its 131k one
+    # tied embeddings), Llama 3's vocabulary for its 131k one; its context and RoPE (YaRN by 16 over 16,384 with its
+    # mscale pair and attention temperature) are transformers' defaults for the family
     "ministral3-3b": (
         "Ministral3Config",
         "Ministral3ForCausalLM",
@@ -305,18 +305,6 @@ SHAPES = {
             num_key_value_heads=8,
             head_dim=128,
             tie_word_embeddings=True,
-            max_position_embeddings=262144,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=1000000.0,
-                factor=16.0,
-                original_max_position_embeddings=16384,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-                llama_4_scaling_beta=0.1,
-            ),
         ),
     ),
 }

@@ -335,12 +335,17 @@ def _check_common_fields(cfg: dict, family: str) -> None:
         raise refuse("layer_types", bad[0], ", ".join(LAYER_TYPES))
 
 
+def _rope_parameters(cfg: dict) -> dict:
+    """config.json's rope_parameters (transformers 5's), {} where it has none."""
+    return cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+
+
 def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
     """The head dimensions RoPE turns where only the first ones turn (partial_rotary_factor, at the top of config.json
     or in its rope_parameters, as transformers reads either); None: all of them."""
     if cfg.get("kv_lora_rank"):  # DeepSeek's latent attention: the part of each query and key head that turns
         return rotary_dim(cfg["qk_rope_head_dim"], head_dim, "qk_rope_head_dim")
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    params = _rope_parameters(cfg)
     factor = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
     return rotary_dim(int(head_dim * factor), head_dim, "partial_rotary_factor", factor)
 
@@ -402,7 +407,7 @@ def _hf_yarn_items(params: dict, field: str, latent: bool) -> list[tuple[str, fl
     items = [(k, float(params.get(k) or default)) for k, default in YARN_BETAS.items()]
     factor = float(params["factor"])
     if len(pair) == 2:
-        default = yarn_attention_factor(factor, pair["mscale"]) / yarn_attention_factor(factor, pair["mscale_all_dim"])
+        default = yarn_mscale_ratio(factor, pair["mscale"], pair["mscale_all_dim"])
     else:
         default = yarn_attention_factor(factor)
     items += [
@@ -447,6 +452,11 @@ def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
     """YaRN's default scale of cos and sin (0.1 ln s + 1), transformers' and llama.cpp's alike; DeepSeek's mscale
     multiplies its logarithm."""
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_mscale_ratio(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's scale of cos and sin where DeepSeek's mscale pair is given, as transformers reads it."""
+    return yarn_attention_factor(factor, mscale) / yarn_attention_factor(factor, mscale_all_dim)
 
 
 def with_rope_attention_factor(cfg: ModelConfig) -> ModelConfig:
@@ -717,7 +727,7 @@ def _hf_output_bias(cfg: dict, family: str) -> dict:
 def _hf_query_temperature(cfg: dict, family: str) -> dict:
     """Ministral 3's attention temperature, as transformers computes it: its rope_parameters' llama_4_scaling_beta,
     with their original_max_position_embeddings as the floor (other families' config classes ignore the field)."""
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    params = _rope_parameters(cfg)
     if family != "ministral3" or not params.get("llama_4_scaling_beta"):
         return {}
     floor = params.get("original_max_position_embeddings")
@@ -953,8 +963,10 @@ def _gguf_original_context(key) -> float:
 
 def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     """YaRN as llama.cpp computes it: its ramp between the dimensions kept and those divided by the factor, and cos and
-    sin scaled by 0.1 ln(factor) + 1 whatever the file's yarn_attn_factor says (llama.cpp overrides it), which is
-    therefore refused where it says otherwise, as are the factors llama.cpp applies beside YaRN's own. DeepSeek's
+    sin scaled by 0.1 ln(factor) + 1, or where the file states a yarn_log_multiplier m by mscale(1) / mscale(m)
+    (Ministral 3's converter writes its mscale_all_dim there), whatever the file's yarn_attn_factor says (llama.cpp
+    overrides it), which is therefore refused where it says otherwise, as are the factors llama.cpp applies beside
+    YaRN's own. DeepSeek's
     (deepseek2): its mscale pair taken as equal, so cos and sin unscaled and every score scaled by
     mscale(mscale_all_dim)^2, mscale_all_dim written as yarn_log_multiplier / 0.1 (transformers' reading where the
     pair is equal, as in every DeepSeek's config.json); a file without it, where llama.cpp scales cos and sin and the
@@ -963,7 +975,12 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
     deepseek = arch == "deepseek2"
     if deepseek and multiplier is None:
         raise refuse("deepseek2.rope.scaling.yarn_log_multiplier", None, "DeepSeek's 0.1 mscale_all_dim")
-    attention = 1.0 if deepseek else _gguf_yarn_attention_factor(factor, multiplier)
+    if deepseek:
+        attention = 1.0
+    elif multiplier:  # llama.cpp's reading outside DeepSeek: transformers' of an mscale of 1 beside mscale_all_dim m
+        attention = yarn_mscale_ratio(factor, 1.0, multiplier)
+    else:
+        attention = yarn_attention_factor(factor)
     allowed = {
         "rope.scaling.yarn_ext_factor": 1.0,
         "rope.scaling.yarn_attn_factor": attention,
@@ -982,15 +999,6 @@ def _gguf_yarn(key, arch: str, factor: float) -> tuple:
         **({"mscale_all_dim": float(multiplier) / 0.1} if deepseek else {}),
     }
     return tuple(sorted(items.items()))
-
-
-def _gguf_yarn_attention_factor(factor: float, multiplier: float | None) -> float:
-    """YaRN's scale of cos and sin in llama.cpp outside DeepSeek: mscale(1) / mscale(yarn_log_multiplier) where the
-    file states a multiplier (Ministral 3's converter writes its mscale_all_dim there: transformers' reading of an
-    mscale of 1 beside it), else YaRN's own 0.1 ln(factor) + 1."""
-    if not multiplier:
-        return yarn_attention_factor(factor)
-    return yarn_attention_factor(factor) / yarn_attention_factor(factor, multiplier)
 
 
 def _gguf_query_temperature(key, arch: str) -> dict:
